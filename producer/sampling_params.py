@@ -1,0 +1,105 @@
+"""Sampling parameters: part of the wire protocol, so they live in `producer`.
+
+Field names and meanings follow vLLM's `SamplingParams`; every check raises `ValueError`
+naming the field and its allowed range, so a bad job fails with a message its sender can act on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-k alternatives per generated token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, low=1)
+        _check_number("temperature", self.temperature, "must be >= 0", lambda v: v >= 0)
+        _check_number("top_p", self.top_p, "must be in (0, 1]", lambda v: 0 < v <= 1)
+        _check_int("top_k", self.top_k, low=-1, note="-1 or 0 disables it")
+        _check_number("min_p", self.min_p, "must be in [0, 1]", lambda v: 0 <= v <= 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), "must be in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_number("repetition_penalty", self.repetition_penalty, "must be > 0", lambda v: v > 0)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, low=0, high=MAX_LOGPROBS)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, low=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from a decoded payload; unknown fields are an error, not silently dropped."""
+        if not isinstance(data, dict):
+            raise ValueError(f"sampling_params must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**data)
+
+
+def _check_int(
+    name: str, value: Any, low: int | None = None, high: int | None = None, note: str = ""
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}{' (' + note + ')' if note else ''}, got {value}")
+
+
+def _check_number(name: str, value: Any, rule: str, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not ok(value):
+        raise ValueError(f"{name} {rule}, got {value}")

@@ -1,0 +1,34 @@
+"""genq worker: the engine (scheduler, block manager, model runner, sampler, output processor),
+the offline `LLM` class, and the Redis consumer hosted by arq.
+
+Imports are lazy so that `import worker` (arq resolves `worker.WorkerSettings`) stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from producer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+    from worker.llm import LLM
+    from worker.outputs import CompletionOutput, RequestOutput
+
+__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+_LAZY = {
+    "LLM": "worker.llm",
+    "Engine": "worker.engine",
+    "RequestOutput": "worker.outputs",
+    "CompletionOutput": "worker.outputs",
+    "WorkerSettings": "worker.consumer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'worker' has no attribute {name!r}")

@@ -1,0 +1,221 @@
+"""The engine: requests in, `RequestOutput` deltas out, one `step()` at a time.
+
+Not thread-safe: one thread owns the engine and calls `step()`; other threads hand it work
+through that thread (the worker's intake queue does this).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from producer.sampling_params import SamplingParams
+from worker.block_manager import BlockManager
+from worker.config import EngineConfig, SchedulerConfig
+from worker.model_loader import resolve_model_path
+from worker.model_runner import ModelRunner
+from worker.output_processor import OutputProcessor
+from worker.outputs import RequestOutput
+from worker.request import Request, RequestStatus
+from worker.sampler import Sampler, SamplingBatch
+from worker.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = resolve_model_path(config.model, config.cache_dir)
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.max_model_len = _max_model_len(config, hf_config)
+        self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
+        self.model_config = self.runner.model_config
+        self.eos_token_ids = self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        sched_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            eos_token_ids=frozenset(self.eos_token_ids),
+        )
+        self.scheduler = Scheduler(sched_config, self.block_manager)
+        self.sampler = Sampler(seed=config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.generators: dict[str, torch.Generator] = {}
+        self._aborted: list[Request] = []  # finished by abort, reported at the next step
+        self.num_generated_tokens = 0
+
+    # -- intake --------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        resume_output_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError for a bad prompt or parameters, leaving the
+        engine as it was. `resume_output_token_ids` continues a job from tokens it had
+        already emitted: they count towards max_tokens and are not reported again."""
+        params = params or SamplingParams()
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        text, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        children = [
+            self._make_child(request_id, i, prompt_ids, params, priority, arrival_time, resume_output_token_ids)
+            for i in range(params.n)
+        ]
+        self.output_processor.add_request(request_id, text, children)
+        self.scheduler.add_request(children[0], forks=children[1:])
+
+    def _make_child(self, request_id, index, prompt_ids, params, priority, arrival_time, resume):
+        child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        child_params = params
+        if params.seed is not None:
+            child_params = replace(params, seed=params.seed + index)
+            self.generators[child_id] = torch.Generator().manual_seed(child_params.seed)
+        request = Request(
+            request_id=child_id,
+            prompt_token_ids=list(prompt_ids),
+            sampling_params=child_params,
+            priority=priority,
+            arrival_time=arrival_time,
+            output_token_ids=list(resume or []),
+        )
+        room = self.max_model_len - len(prompt_ids)
+        request.max_tokens = min(params.max_tokens or room, room)
+        return request
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} "
+                "and at least one token must be left to generate"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its final output (finish_reason 'abort')
+        comes from the next step."""
+        child_ids = self.output_processor.child_ids(request_id) or [request_id]
+        self._aborted.extend(self.scheduler.abort_requests(child_ids))
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        updated: list[Request] = self._take_aborted()
+        if not sched.is_empty:
+            model_out = self.runner.execute(sched)
+            sampled = self._sample(model_out.request_ids, model_out.logits)
+            self.scheduler.update_from_output(sched, sampled)
+            updated += [self.scheduler_request(rid) for rid in sampled]
+        outputs, stopped = self.output_processor.process(updated)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
+        return outputs
+
+    def scheduler_request(self, request_id: str) -> Request:
+        return self.scheduler.requests.get(request_id) or self.scheduler.finished[request_id]
+
+    def _sample(self, request_ids: list[str], logits: torch.Tensor) -> dict[str, int]:
+        if not request_ids:
+            return {}
+        requests = [self.scheduler.requests[rid] for rid in request_ids]
+        batch = SamplingBatch.build(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            generators=[self.generators.get(r.request_id) for r in requests],
+            eos_token_ids=sorted(self.eos_token_ids),
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+        )
+        out = self.sampler(logits, batch)
+        self.num_generated_tokens += len(out.token_ids)
+        return dict(zip(request_ids, out.token_ids, strict=True))
+
+    def _take_aborted(self) -> list[Request]:
+        aborted, self._aborted = self._aborted, []
+        return aborted
+
+    def _forget(self, finished: list[Request]) -> None:
+        for request in finished:
+            self.generators.pop(request.request_id, None)
+            self.scheduler.finished.pop(request.request_id, None)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> dict[str, Any]:
+        """The prompt for a conversation, as text and token ids. The template already holds
+        any special tokens the model wants, so none are added when encoding it."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    # -- capacity ------------------------------------------------------------------------------
+
+    def num_free_slots(self) -> int:
+        """How many more requests the engine can take now, judged by max_num_seqs and free KV
+        blocks (a request needs at least its prompt's blocks)."""
+        waiting = len(self.scheduler.waiting)
+        seats = self.config.max_num_seqs - len(self.scheduler.running) - waiting
+        return max(0, seats)
+
+
+def _max_model_len(config: EngineConfig, hf_config) -> int:
+    limit = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, window)  # sliding-window attention is not implemented
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit}")
+    return config.max_model_len
+
+
+def _tokenizer_eos(tokenizer) -> set[int]:
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -1,0 +1,113 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from producer.sampling_params import SamplingParams
+from worker.config import EngineConfig
+from worker.engine import Engine, PromptInput
+from worker.outputs import CompletionOutput, RequestOutput
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args: Any):
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | list[PromptInput],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Every prompt is checked before any is queued, so a bad one raises ValueError (naming
+        its index and what was wrong) and leaves the engine untouched."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        for i, prompt in enumerate(prompt_list):
+            try:
+                self.engine._validate_prompt(self.engine._tokenize(prompt)[1])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
+            request_id = str(next(self._counter))
+            self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_tokens = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                num_tokens += sum(len(c.token_ids) for c in delta.outputs)
+                _accumulate(results, delta)
+                if delta.finished:
+                    bar.update(1)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix_str(f"output {num_tokens / max(elapsed, 1e-9):.1f} toks/s", refresh=False)
+        bar.close()
+        return [results[rid] for rid in request_ids]
+
+
+def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None:
+    current = results.get(delta.request_id)
+    if current is None:
+        current = results[delta.request_id] = RequestOutput(
+            delta.request_id, delta.prompt, delta.prompt_token_ids, [], num_cached_tokens=delta.num_cached_tokens
+        )
+    by_index = {c.index: c for c in current.outputs}
+    for c in delta.outputs:
+        acc = by_index.get(c.index)
+        if acc is None:
+            acc = by_index[c.index] = CompletionOutput(c.index, "", [], logprobs=[] if c.logprobs is not None else None)
+        acc.text += c.text
+        acc.token_ids += c.token_ids
+        acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
+        if c.logprobs is not None and acc.logprobs is not None:
+            acc.logprobs += c.logprobs
+    current.outputs = [by_index[i] for i in sorted(by_index)]
+    current.finished = delta.finished
+
+
+def _as_prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return list(prompts)
+
+
+def _as_params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return list(params)

@@ -1,0 +1,193 @@
+"""The model runner: the only part of the engine that builds tensors.
+
+Each step turns the scheduler's plain-data batch into one flat batch (no padding): input ids,
+positions, slot_mapping and attention metadata; writes KV into the paged cache; and returns
+the logits of the rows that sample a token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.attention import AttentionMetadata, PrefillChunk
+from worker.config import EngineConfig
+from worker.model_loader import iter_safetensors
+from worker.models.config import ModelConfig
+from worker.models.llama import LlamaForCausalLM, RotaryEmbedding
+from worker.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda" or cpu_supports_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@dataclass
+class ModelOutput:
+    request_ids: list[str]  # one per logits row
+    logits: torch.Tensor  # [num_rows, vocab] float32
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.model_config = ModelConfig.from_hf(hf_config)
+        self.model = self._load_model(model_path)
+        self.num_blocks = self._num_kv_blocks(max_model_len)
+        self.kv_caches = self._allocate_kv_cache()
+
+    def _load_model(self, model_path: Path) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.model_config)
+        model = model.to_empty(device=self.device)
+        # Buffers made on the meta device hold nothing: rebuild the rotary tables for real.
+        inv_freq, scaling = self.model_config.rope_inv_freq()
+        max_positions = self.model_config.max_position_embeddings
+        model.rotary = RotaryEmbedding(inv_freq, scaling, max_positions).to(self.device)
+        if self.model_config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_weights(iter_safetensors(model_path))
+        return model.to(self.dtype).eval()
+
+    def _kv_block_bytes(self) -> int:
+        cfg = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            num_blocks = self.config.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.config.gpu_memory_utilization)
+            num_blocks = int(budget * 0.9) // self._kv_block_bytes()
+        else:
+            num_blocks = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()
+        needed = -(-max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache has {num_blocks} blocks of {self.block_size} tokens, fewer than one "
+                f"sequence of max_model_len={max_model_len} needs ({needed}); "
+                "lower max_model_len or give the cache more memory"
+            )
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        batch = _order_decodes_first(out.scheduled)
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[sample_rows])
+        request_ids = [s.request_id for s in batch if s.sample]
+        return ModelOutput(request_ids=request_ids, logits=logits)
+
+    def _prepare(self, batch: list[ScheduledRequest]):
+        ids: list[int] = []
+        pos: list[int] = []
+        sample_rows: list[int] = []
+        for s in batch:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)  # [T]
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)  # [T]
+        slot_mapping = self._slots(batch, positions)
+        meta = self._attention_metadata(batch, slot_mapping)
+        return input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.long, device=dev)
+
+    def _slots(self, batch: list[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        tables = [s.block_table for s in batch]
+        table = _pad_tables(tables, self.device)  # [B, max_blocks]
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(len(batch), device=self.device),
+            torch.tensor([len(s.token_ids) for s in batch], device=self.device),
+        )
+        blocks = table[seq_of_token, positions // bs]
+        return blocks * bs + positions % bs  # [T]
+
+    def _attention_metadata(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        decodes = [s for s in batch if len(s.token_ids) == 1]
+        nd = len(decodes)
+        decode_slots = decode_mask = None
+        if nd:
+            ctx = torch.tensor([s.start_pos + 1 for s in decodes], device=self.device)  # [nd]
+            max_ctx = int(ctx.max())
+            decode_slots = self._context_slots(decodes, max_ctx)  # [nd, max_ctx]
+            span = torch.arange(max_ctx, device=self.device)
+            decode_mask = (span[None, :] < ctx[:, None]).view(nd, 1, 1, max_ctx)
+            decode_slots = decode_slots.masked_fill(~decode_mask.view(nd, max_ctx), 0)
+        prefills = []
+        row = sum(len(s.token_ids) for s in decodes)
+        for s in batch[nd:]:
+            prefills.append(self._prefill_chunk(s, row))
+            row += len(s.token_ids)
+        return AttentionMetadata(slot_mapping, nd, decode_slots, decode_mask, prefills)
+
+    def _context_slots(self, batch: list[ScheduledRequest], max_ctx: int) -> torch.Tensor:
+        bs = self.block_size
+        num_blocks = -(-max_ctx // bs)
+        table = _pad_tables([s.block_table[:num_blocks] for s in batch], self.device, num_blocks)
+        offsets = torch.arange(bs, device=self.device)
+        slots = (table[:, :, None] * bs + offsets).view(len(batch), -1)
+        return slots[:, :max_ctx]  # [B, max_ctx]
+
+    def _prefill_chunk(self, s: ScheduledRequest, row: int) -> PrefillChunk:
+        q_len = len(s.token_ids)
+        ctx_len = s.start_pos + q_len
+        context_slots = None
+        if s.start_pos > 0:
+            context_slots = self._context_slots([s], ctx_len)[0]
+        q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
+        k_pos = torch.arange(ctx_len, device=self.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
+        return PrefillChunk(row, row + q_len, context_slots, mask)
+
+
+def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    return [s for s in scheduled if len(s.token_ids) == 1] + [s for s in scheduled if len(s.token_ids) > 1]
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device, width: int | None = None) -> torch.Tensor:
+    width = width or max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.long, device=device)  # [B, width]

@@ -1,0 +1,103 @@
+"""What the engine needs to know about a model, read from its Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+# RoPE variants whose frequencies depend only on the config, not on the sequence length.
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hf_config: Any  # transformers.PretrainedConfig
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v biases (Qwen2)
+    o_proj_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
+        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {supported}")
+        heads = hf_config.num_attention_heads
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or arch == "Qwen2ForCausalLM"
+        window = getattr(hf_config, "sliding_window", None)
+        if arch == "Qwen2ForCausalLM" and not getattr(hf_config, "use_sliding_window", False):
+            window = None
+        _rope_type(hf_config)  # fail early on unsupported scaling
+        return cls(
+            hf_config=hf_config,
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            sliding_window=window,
+            eos_token_ids=_eos_ids(hf_config),
+        )
+
+    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies [head_dim / 2] and the attention scaling of the RoPE variant."""
+        rope_type = _rope_type(self.hf_config)
+        theta = _rope_params(self.hf_config).get("rope_theta") or getattr(self.hf_config, "rope_theta", 10000.0)
+        if rope_type == "default":
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            return 1.0 / (theta**exponents), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu")
+
+
+def _rope_params(hf_config: Any) -> dict:
+    # transformers >= 5 keeps RoPE settings in `rope_parameters`; older ones in `rope_scaling`.
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    return dict(params or {})
+
+
+def _rope_type(hf_config: Any) -> str:
+    params = _rope_params(hf_config)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope scaling {rope_type!r}; supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))}"
+        )
+    return rope_type
+
+
+def _eos_ids(hf_config: Any) -> frozenset[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])

@@ -1,0 +1,210 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat batch and a paged KV cache.
+
+Weights are read from a Hugging Face checkpoint; q/k/v and gate/up projections are fused at
+load time so each layer makes two matmuls for attention input and MLP input instead of five.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from worker.attention import AttentionMetadata, paged_attention, write_kv
+from worker.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as transformers: normalise in float32, cast, then scale.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.float())  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, num_heads, D], k: [T, num_kv_heads, D], positions: [T]
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):  # x: [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        with torch.device("cpu"):  # real tables even when the model is built on "meta"
+            inv_freq, scaling = cfg.rope_inv_freq()
+            self.rotary = RotaryEmbedding(inv_freq, scaling, cfg.max_position_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [num_rows, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a Hugging Face checkpoint's tensors in, fusing q/k/v and gate/up."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _map_hf_name(hf_name)
+            if target is None:
+                continue
+            name, shard = target
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            _copy_shard(params[name], tensor, shard, self.config)
+            loaded.add(f"{name}:{shard}")
+        self._check_complete(loaded)
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        tied = self.config.tie_word_embeddings
+        expected = [
+            f"{name}:{shard}"
+            for name, _ in self.named_parameters()
+            if not (tied and name == "lm_head.weight")
+            for shard in _SHARDS.get(name.split(".")[-2] if "." in name else "", [None])
+        ]
+        missing = [key.removesuffix(":None") for key in expected if key not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+
+_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+_SHARDS = {"qkv_proj": ["q", "k", "v"], "gate_up_proj": ["gate", "up"]}
+
+
+def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
+    if "rotary_emb" in hf_name:
+        return None  # recomputed, not loaded
+    name = hf_name.removeprefix("model.")
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, shard = _FUSED[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
+    return name, None
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cfg: ModelConfig) -> None:
+    with torch.no_grad():
+        if shard is None:
+            dst = param
+        else:
+            start, size = _shard_range(shard, cfg)
+            dst = param.narrow(0, start, size)
+        if dst.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for {shard or 'tensor'}: model {tuple(dst.shape)}, checkpoint {tuple(tensor.shape)}")
+        dst.copy_(tensor)
+
+
+def _shard_range(shard: str, cfg: ModelConfig) -> tuple[int, int]:
+    q_size = cfg.num_attention_heads * cfg.head_dim
+    kv_size = cfg.num_key_value_heads * cfg.head_dim
+    return {
+        "q": (0, q_size),
+        "k": (q_size, kv_size),
+        "v": (q_size + kv_size, kv_size),
+        "gate": (0, cfg.intermediate_size),
+        "up": (cfg.intermediate_size, cfg.intermediate_size),
+    }[shard]

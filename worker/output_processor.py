@@ -1,0 +1,91 @@
+"""Turns sampled tokens into `RequestOutput`s: incremental detokenization, stop strings, and
+the grouping of `n > 1` completions under their parent request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.detokenizer import IncrementalDetokenizer
+from worker.outputs import CompletionOutput, RequestOutput
+from worker.request import Request
+
+
+@dataclass
+class CompletionState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    num_sent_tokens: int  # output tokens already reported
+    finished: bool = False
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: dict[str, CompletionState] = field(default_factory=dict)  # child id -> state
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.parent_of: dict[str, str] = {}  # child request id -> parent request id
+
+    def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
+        first = children[0]
+        state = ParentState(parent_id, prompt, first.prompt_token_ids)
+        for index, child in enumerate(children):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, child.prompt_token_ids, child.sampling_params, child.output_token_ids
+            )
+            state.completions[child.request_id] = CompletionState(index, detok, child.num_output_tokens)
+            self.parent_of[child.request_id] = parent_id
+        self.parents[parent_id] = state
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        state = self.parents.get(parent_id)
+        return list(state.completions) if state else []
+
+    def process(self, updated: list[Request]) -> tuple[list[RequestOutput], list[str]]:
+        """Deltas for requests that got tokens or finished this step, and the ids of requests
+        that a stop string finished (the engine tells the scheduler)."""
+        by_parent: dict[str, list[CompletionOutput]] = {}
+        stopped: list[str] = []
+        for request in updated:
+            parent_id = self.parent_of.get(request.request_id)
+            if parent_id is None:
+                continue
+            delta = self._completion_delta(request, self.parents[parent_id])
+            if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
+                stopped.append(request.request_id)
+            by_parent.setdefault(parent_id, []).append(delta)
+        return [self._request_output(pid, deltas) for pid, deltas in by_parent.items()], stopped
+
+    def _completion_delta(self, request: Request, parent: ParentState) -> CompletionOutput:
+        state = parent.completions[request.request_id]
+        new_ids = request.output_token_ids[state.num_sent_tokens :]
+        state.num_sent_tokens = request.num_output_tokens
+        detok = state.detokenizer
+        text = detok.update(new_ids) if new_ids else ""
+        finish_reason = request.status.finish_reason
+        stop_reason = request.stop_reason
+        if detok.stop_reason is not None:
+            finish_reason, stop_reason = "stop", detok.stop_reason
+        elif finish_reason is not None:
+            text += detok.flush()
+        state.finished = finish_reason is not None
+        return CompletionOutput(state.index, text, new_ids, finish_reason, stop_reason)
+
+    def _request_output(self, parent_id: str, deltas: list[CompletionOutput]) -> RequestOutput:
+        parent = self.parents[parent_id]
+        finished = parent.finished
+        if finished:
+            del self.parents[parent_id]
+            for child_id in parent.completions:
+                self.parent_of.pop(child_id, None)
+        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, deltas, finished)

@@ -1,0 +1,32 @@
+"""What the engine returns: vLLM's RequestOutput / CompletionOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: int | str | None = None  # the stop string or token id that stopped it
+    logprobs: list[Any] | None = None  # per generated token: TokenLogprobs
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    prompt_logprobs: list[Any] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

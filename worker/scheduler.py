@@ -1,0 +1,232 @@
+"""Continuous-batching scheduler. Plain Python: no torch, no Redis, no asyncio.
+
+There is no separate prefill phase: every request has `num_computed_tokens` that catches up
+with `num_tokens` under a per-step token budget shared by decodes and prefill chunks. Running
+requests are served first; waiting requests are admitted while budget, `max_num_seqs` and KV
+blocks allow. When blocks run out, the lowest-priority running request is preempted by
+recompute: its blocks are freed and it returns to the waiting queue with its output so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from worker.block_manager import BlockManager
+from worker.config import SchedulerConfig
+from worker.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of token_ids[0]; the cache holds positions [0, start_pos)
+    block_table: list[int]
+    sample: bool  # the step reaches the end of the known tokens, so a token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Requests finished by the last update, kept until the engine has reported them.
+        self.finished: dict[str, Request] = {}
+        # Sibling completions (n > 1) that wait for their first sibling's prompt, then share it.
+        self.forks: dict[str, list[Request]] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+
+    def add_request(self, request: Request, forks: Iterable[Request] = ()) -> None:
+        """Queue a request. `forks` (the other completions of an n > 1 request) are held back
+        until `request` has computed the prompt, then take its prompt blocks by reference."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        forks = list(forks)
+        if forks:
+            self.forks[request.request_id] = forks
+            for fork in forks:
+                self.requests[fork.request_id] = fork
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish requests at once and free their blocks; unknown ids are ignored."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self._release_forks(request)  # they compute the prompt themselves now
+            request.status = status
+            self.block_manager.free_request(request_id)
+            self.finished[request_id] = request
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: dict[str, int] = {}  # request id -> tokens scheduled, for refunds
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id)
+                    out.scheduled = [s for s in out.scheduled if s.request_id != victim.request_id]
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue  # it preempted itself; the list shifted under i
+            self._emit(out, request, num_new)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+            i = self.running.index(request) + 1
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self._sort_waiting()
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            # A forked request already holds its shared prompt blocks; others look up the cache.
+            forked = request.num_computed_tokens > 0
+            computed = [] if forked else self.block_manager.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + len(computed) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.block_manager.allocate_slots(request, num_new, computed):
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            self.running.append(request)
+            self._emit(out, request, num_new)
+            budget -= num_new
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        out.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.token_slice(start, start + num_new),
+                start_pos=start,
+                block_table=list(self.block_manager.block_table(request.request_id)),
+                sample=start + num_new == request.num_tokens,
+            )
+        )
+
+    def _sort_waiting(self) -> None:
+        policy = self.config.policy
+        self.waiting.sort(key=lambda r: r.sort_key(policy))
+
+    def _pick_victim(self) -> Request:
+        """The running request that yields first: the latest arrival, or for `priority` the
+        largest priority value (ties: the latest arrival)."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.block_manager.free_request(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, request)
+        out.preempted.append(request.request_id)
+
+    # -- after the model ran -----------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, and finish requests that hit EOS,
+        a stop token id, max_tokens or max_model_len. Returns the requests finished here."""
+        finished: list[Request] = []
+        for sched in out.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(sched.token_ids)
+            self.block_manager.cache_computed_blocks(request)
+            token_id = sampled.get(sched.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            if request.request_id in self.forks:
+                self._fork(request)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_requests([request.request_id], status)
+                finished.append(request)
+        return finished
+
+    def _fork(self, parent: Request) -> None:
+        """The parent has computed the prompt: its siblings share the prompt's full blocks and
+        compute only the rest (at least one token, for their own first logits)."""
+        num_shared = (parent.num_prompt_tokens - 1) // self.block_manager.block_size
+        for fork in self.forks.pop(parent.request_id):
+            self.block_manager.fork(parent.request_id, fork.request_id, num_shared)
+            fork.num_computed_tokens = num_shared * self.block_manager.block_size
+            self.waiting.insert(0, fork)
+
+    def _release_forks(self, request: Request) -> None:
+        for fork in self.forks.pop(request.request_id, []):
+            self.waiting.append(fork)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if num_output < params.min_tokens:
+            return None
+        if not params.ignore_eos and token_id in self.config.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        return None
