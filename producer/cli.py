@@ -1,0 +1,227 @@
+"""The `genq` command line.
+
+Subcommands live in `SUBCOMMANDS`: a name, a one-line help and the dotted path of a builder
+`build(parser) -> run`, where `run(args) -> exit status`. Only the chosen subcommand's module
+is imported, so `genq submit` never pays for `import torch`; another package adds its own
+command with one entry here, e.g. `"worker": Subcommand("...", "worker.cli:build")`.
+
+The environment is read here and nowhere else: `GENQ_REDIS_URL` is the default of every
+subcommand's `--redis-url`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from producer.client import DEFAULT_REDIS_URL
+
+Runner = Callable[[argparse.Namespace], int]
+Builder = Callable[[argparse.ArgumentParser], Runner]
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str
+    builder: str  # "module:function", imported only when this subcommand runs
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "redis": Subcommand("run a local Redis server in the foreground", "producer.cli:build_redis"),
+    "submit": Subcommand("submit a generation job and print its text", "producer.cli:build_submit"),
+    "inspect": Subcommand("print a job's record, payload and events", "producer.cli:build_inspect"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `genq` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        top.parse_args(argv)  # prints help or "invalid choice", exits
+        return 2
+    name, rest = argv[0], argv[1:]
+    parser = argparse.ArgumentParser(prog=f"genq {name}", description=SUBCOMMANDS[name].help)
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("GENQ_REDIS_URL", DEFAULT_REDIS_URL),
+        help="Redis to use (default: $GENQ_REDIS_URL or %(default)s)",
+    )
+    run = _load_builder(SUBCOMMANDS[name].builder)(parser)
+    return run(parser.parse_args(rest))
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="genq", description="LLM generation jobs over Redis.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, spec in SUBCOMMANDS.items():
+        sub.add_parser(name, help=spec.help, add_help=False)
+    return parser
+
+
+def _load_builder(path: str) -> Builder:
+    module_name, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+# ---------------------------------------------------------------------------------------------
+# genq redis
+
+
+def build_redis(parser: argparse.ArgumentParser) -> Runner:
+    parser.add_argument("--port", type=int, help="port (default: the one in --redis-url)")
+    parser.add_argument("--dir", help="working directory (default: a temporary one)")
+    return run_redis
+
+
+def run_redis(args: argparse.Namespace) -> int:
+    from producer.redis_server import RedisServer
+
+    port = args.port if args.port is not None else (urlparse(args.redis_url).port or 6379)
+    server = RedisServer(port=port, dir=args.dir)
+    try:  # Ctrl-C can come at any point, even before the server answers: always stop it
+        process = server.start().process
+        assert process is not None
+        print(f"redis listening on {server.url} (pid {server.pid}); Ctrl-C stops it", flush=True)
+        status = process.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+    print(f"genq: redis-server exited with status {status}", file=sys.stderr)
+    return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# genq submit
+
+
+def build_submit(parser: argparse.ArgumentParser) -> Runner:
+    parser.add_argument("prompt")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    parser.add_argument("--stream", action="store_true", help="print text as it is generated")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--model")
+    parser.add_argument("--job-id")
+    parser.add_argument("--priority", type=int, default=0, help="lower runs first")
+    parser.add_argument("--timeout", type=float, help="seconds to wait for the result")
+    return run_submit
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    """Submit, then print the text (streamed or final). Ctrl-C cancels the job."""
+    from producer.client import Client, JobFailed
+    from producer.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            seed=args.seed,
+        )
+        prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+        with Client(args.redis_url) as client:
+            handle = client.submit(
+                prompt, params, priority=args.priority, job_id=args.job_id, model=args.model
+            )
+            print(f"job {handle.id}", file=sys.stderr, flush=True)
+            return _print_job(handle, args.stream, args.timeout)
+    except (ValueError, TimeoutError, JobFailed) as exc:
+        print(f"genq: {exc}", file=sys.stderr)
+        return 1
+    except _redis_errors() as exc:
+        print(f"genq: cannot reach Redis at {args.redis_url}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _print_job(handle: Any, stream: bool, timeout_s: float | None) -> int:
+    try:
+        if stream:
+            for delta in handle.stream(timeout_s):
+                print(delta.text, end="", flush=True)
+            print()
+        else:
+            print(handle.result(timeout_s).text)
+        return 0
+    except KeyboardInterrupt:
+        handle.cancel()  # the caller gave up: free the worker's slot
+        print(f"\ngenq: cancelled job {handle.id}", file=sys.stderr)
+        return 130
+
+
+def _redis_errors() -> tuple[type[Exception], ...]:
+    import redis
+
+    return (redis.ConnectionError, redis.TimeoutError)
+
+
+# ---------------------------------------------------------------------------------------------
+# genq inspect
+
+
+def build_inspect(parser: argparse.ArgumentParser) -> Runner:
+    parser.add_argument("job_id")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    return run_inspect
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from producer.client import Client
+
+    try:
+        with Client(args.redis_url) as client:
+            view = client.inspect(args.job_id)
+    except _redis_errors() as exc:
+        print(f"genq: cannot reach Redis at {args.redis_url}: {exc}", file=sys.stderr)
+        return 1
+    if view["record"] is None and not view["events"]:
+        print(f"genq: no job {args.job_id}", file=sys.stderr)
+        return 1
+    print(json.dumps(view, indent=2) if args.json else format_inspect(view))
+    return 0
+
+
+def format_inspect(view: dict[str, Any]) -> str:
+    """Human-readable job view: record, payload, then one line per event."""
+    lines = [f"job {view['id']}" + ("  (cancel requested)" if view["cancel_requested"] else "")]
+    lines += _section("record", view["record"])
+    lines += _section("payload", view["job"])
+    lines.append(f"events ({len(view['events'])}):")
+    for event in view["events"]:
+        lines.append("  " + _event_line(event))
+    return "\n".join(lines)
+
+
+def _section(title: str, data: dict[str, Any] | None) -> list[str]:
+    if data is None:
+        return [f"{title}: (none)"]
+    shown = {k: v for k, v in data.items() if v not in (None, {}, [])}
+    return [f"{title}:"] + [f"  {k}: {_short(v)}" for k, v in shown.items()]
+
+
+def _event_line(event: dict[str, Any]) -> str:
+    if "protocol_error" in event:
+        return f"undecodable: {event['protocol_error']}"
+    line = f"#{event['seq']} [{event['index']}] {event['text']!r} {event['token_ids']}"
+    for key in ("finish_reason", "stop_reason", "usage", "error"):
+        if event.get(key) is not None:
+            line += f" {key}={event[key]}"
+    return line
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+if __name__ == "__main__":
+    sys.exit(main())

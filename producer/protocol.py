@@ -1,0 +1,483 @@
+"""The genq wire protocol: every Redis key name, the job, event and job-record schemas, and
+their encodings. Producer, worker and API all import this one module; no other module spells a
+key name or packs a payload. Every decoding problem raises `ProtocolError`.
+
+Contract for whoever writes events (the worker):
+- An event is appended with `APPEND_EVENTS_LUA`: XADD to the stream `events(id)` and PUBLISH
+  on the channel of the same name, in one Lua call, so a reader that subscribes first and then
+  replays with XRANGE loses nothing.
+- `seq` strictly increases per completion `index`, across redeliveries too (a worker that
+  resumes a job continues the numbering), because readers drop any event at or below the last
+  `seq` they saw for that index.
+- Every job that ends gets a terminal event: `finished=True` for each completion index
+  (`finish_reason="abort"` for cancelled or expired ones), or one event with `error` set.
+  Readers wait for it and never poll the job hash.
+- The terminal status goes into the job hash in the same Lua call as the terminal event (or
+  after it), never before: a reader that finds a terminal status takes the events it can
+  replay as all there will be.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+import msgpack
+
+from producer.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFIX = "genq:"
+
+JOB_TTL_S = 24 * 3600  # job hash lifetime after the job ends (set by whoever ends it)
+EVENTS_TTL_S = 24 * 3600  # events replay log lifetime, refreshed on every append
+CANCEL_FLAG_TTL_S = 24 * 3600  # outlives any queue wait, so a late intake still sees it
+DEFAULT_DELIVERY_LIMIT = 3  # deliveries of one entry before it goes to the dead stream
+DEFAULT_CLAIM_IDLE_S = 30.0  # pending this long without progress: another worker reclaims it
+WORKER_HEARTBEAT_TTL_S = 30  # a worker hash disappears this long after its last beat
+
+EVENT_FIELD = "event"  # the one field of an events-stream entry: the msgpack event
+FINISH_ABORT = "abort"  # finish_reason of a completion ended by cancel or deadline
+MAX_JOB_ID_LEN = 200
+
+# KEYS[1]: events(id), both the stream and the channel name.
+# ARGV[1]: EVENTS_TTL_S; ARGV[2..]: encoded events, in seq order.
+# One Lua call per step: nothing can run between the XADD and the PUBLISH, so a reader that
+# subscribed before its XRANGE sees each event in the replay, on the channel, or both.
+APPEND_EVENTS_LUA = f"""
+for i = 2, #ARGV do
+  redis.call('XADD', KEYS[1], '*', '{EVENT_FIELD}', ARGV[i])
+  redis.call('PUBLISH', KEYS[1], ARGV[i])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return #ARGV - 1
+"""
+
+
+class ProtocolError(Exception):
+    """Anything read from Redis that does not follow this protocol.
+
+    `job_id` is set when the id could be read, so a worker can fail that job instead of only
+    dead-lettering the entry.
+    """
+
+    def __init__(self, message: str, job_id: str | None = None) -> None:
+        super().__init__(message if job_id is None else f"job {job_id}: {message}")
+        self.job_id = job_id
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis name genq uses, under one prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}requests"  # stream: one entry per job
+
+    @property
+    def group(self) -> str:
+        return f"{self.prefix}workers"  # consumer group on `requests`
+
+    @property
+    def cancel_channel(self) -> str:
+        return f"{self.prefix}cancel"  # pub/sub: job ids to abort now
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}dead"  # stream: entries no worker could run
+
+    @property
+    def worker_pattern(self) -> str:
+        return f"{self.prefix}workers:*"  # SCAN pattern for heartbeat hashes
+
+    def job(self, job_id: str) -> str:
+        return f"{self.prefix}job:{job_id}"  # hash: the job record
+
+    def events(self, job_id: str) -> str:
+        return f"{self.prefix}events:{job_id}"  # stream (replay log) and channel
+
+    def cancel_flag(self, job_id: str) -> str:
+        return f"{self.prefix}cancel:{job_id}"  # string with TTL: durable cancel request
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat
+
+
+class JobStatus(str, Enum):
+    """Job lifecycle: queued -> running -> finished | failed | cancelled."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+# ---------------------------------------------------------------------------------------------
+# msgpack helpers
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: Any, what: str, job_id: str | None = None) -> Any:
+    """Unpack msgpack bytes, turning every failure into a ProtocolError naming `what`."""
+    if not isinstance(data, bytes):
+        raise ProtocolError(f"{what} must be msgpack bytes, got {type(data).__name__}", job_id)
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)  # logprobs: {token_id: ...}
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # msgpack raises several
+        raise ProtocolError(f"{what} is not valid msgpack: {exc}", job_id) from exc
+
+
+def _text(value: Any, job_id: str | None = None) -> str:
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode()
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"{value[:40]!r} is not UTF-8", job_id) from exc
+
+
+def _str_keys(mapping: dict[Any, Any], job_id: str | None = None) -> dict[str, Any]:
+    """Redis replies have bytes keys unless the connection decodes; accept both."""
+    return {_text(k, job_id): v for k, v in mapping.items()}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs: entries of the `requests` stream
+
+
+@dataclass
+class Job:
+    """One generation job. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
+
+    id: str
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # chat: [{"role": ..., "content": ...}]
+    model: str | None = None  # None: whatever the worker serves
+    priority: int = 0  # as in vLLM: lower values are scheduled first
+    deadline: float | None = None  # absolute unix time; past it the job is aborted
+    submit_time: float = 0.0  # unix time
+    version: int = PROTOCOL_VERSION
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that breaks the schema."""
+        validate_job_id(self.id)
+        _validate_prompt(self)
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model must be a string, got {self.model!r}")
+        if not _is_int(self.priority):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if self.deadline is not None and not _is_number(self.deadline):
+            raise ValueError(f"deadline must be a unix time, got {self.deadline!r}")
+        if not _is_number(self.submit_time):
+            raise ValueError(f"submit_time must be a unix time, got {self.submit_time!r}")
+
+
+def validate_job_id(job_id: Any) -> None:
+    """Ids become part of key names and CLI arguments: printable, no spaces, bounded."""
+    if not isinstance(job_id, str) or not job_id:
+        raise ValueError(f"job id must be a non-empty string, got {job_id!r}")
+    if len(job_id) > MAX_JOB_ID_LEN or not job_id.isprintable() or any(c.isspace() for c in job_id):
+        raise ValueError(
+            f"job id must be at most {MAX_JOB_ID_LEN} printable characters without spaces, "
+            f"got {job_id!r}"
+        )
+
+
+def _validate_prompt(job: Job) -> None:
+    given = [n for n in ("prompt", "prompt_token_ids", "messages") if getattr(job, n) is not None]
+    if len(given) != 1:
+        raise ValueError(
+            "exactly one of prompt, prompt_token_ids, messages must be set, "
+            f"got {', '.join(given) or 'none'}"
+        )
+    if job.prompt is not None and (not isinstance(job.prompt, str) or not job.prompt):
+        raise ValueError(f"prompt must be a non-empty string, got {job.prompt!r}")
+    if job.prompt_token_ids is not None:
+        ids = job.prompt_token_ids
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids >= 0")
+    if job.messages is not None:
+        _validate_messages(job.messages)
+
+
+def _validate_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} mappings")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a mapping, got {type(message).__name__}")
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+
+
+def encode_job(job: Job) -> dict[str, bytes]:
+    """Stream entry fields for XADD. `id` and `priority` are repeated outside the payload so
+    `redis-cli XRANGE` shows them and a worker can name the job even if the payload is bad."""
+    job.validate()
+    payload = asdict(job)
+    payload["sampling_params"] = job.sampling_params.to_dict()
+    return {
+        "id": job.id.encode(),
+        "priority": str(job.priority).encode(),
+        "payload": pack(payload),
+    }
+
+
+_JOB_REQUIRED = ("version", "id", "sampling_params", "submit_time")
+_JOB_FIELDS = {f.name for f in fields(Job)}
+
+
+def decode_job(entry: dict[Any, Any]) -> Job:
+    """Decode the fields of one `requests` stream entry; raises ProtocolError."""
+    entry = _str_keys(entry)
+    if "id" not in entry:
+        raise ProtocolError(f"entry has no 'id' field (fields: {sorted(entry)})")
+    job_id = _text(entry["id"])
+    if "payload" not in entry:
+        raise ProtocolError("entry has no 'payload' field", job_id)
+    payload = unpack(entry["payload"], "payload", job_id)
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"payload must be a map, got {type(payload).__name__}", job_id)
+    _check_version(payload.get("version"), job_id)
+    missing = [k for k in _JOB_REQUIRED if k not in payload]
+    unknown = sorted(set(payload) - _JOB_FIELDS)
+    if missing or unknown:
+        raise ProtocolError(f"payload missing {missing}, unknown {unknown}", job_id)
+    if payload["id"] != job_id:
+        raise ProtocolError(f"payload id {payload['id']!r} differs from entry id", job_id)
+    try:
+        payload["sampling_params"] = SamplingParams.from_dict(payload["sampling_params"])
+        job = Job(**payload)
+        job.validate()
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"invalid job: {exc}", job_id) from exc
+    return job
+
+
+def _check_version(version: Any, job_id: str | None) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"unsupported protocol version {version!r} (this side speaks {PROTOCOL_VERSION})",
+            job_id,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Events: entries of `events(id)` and messages on the channel of the same name
+
+
+@dataclass
+class Event:
+    """What one engine step produced for one completion of a job."""
+
+    seq: int  # strictly increasing per index; readers drop repeats
+    token_ids: list[int] = field(default_factory=list)  # new tokens in this step
+    text: str = ""  # new detokenized text in this step
+    finished: bool = False  # this completion is done
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # stop token id or stop string that matched
+    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+    error: str | None = None  # set: the whole job failed; no more events follow
+    index: int = 0  # completion index, 0 <= index < n
+    logprobs: list[Any] | None = None  # per new token: {token_id: logprob}
+
+
+_EVENT_TYPES: dict[str, tuple[type, ...]] = {
+    "seq": (int,),
+    "token_ids": (list,),
+    "text": (str,),
+    "finished": (bool,),
+    "finish_reason": (str, type(None)),
+    "stop_reason": (int, str, type(None)),
+    "usage": (dict, type(None)),
+    "error": (str, type(None)),
+    "index": (int,),
+    "logprobs": (list, type(None)),
+}
+
+
+def encode_event(event: Event) -> bytes:
+    """msgpack map; fields that are None are left out to keep per-token events small."""
+    data = {k: v for k, v in asdict(event).items() if v is not None}
+    data["v"] = PROTOCOL_VERSION
+    return pack(data)
+
+
+def decode_event(data: bytes) -> Event:
+    """Decode one event (stream entry value or pub/sub message); raises ProtocolError."""
+    obj = unpack(data, "event")
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"event must be a map, got {type(obj).__name__}")
+    _check_version(obj.pop("v", None), None)
+    if "seq" not in obj:
+        raise ProtocolError("event has no 'seq'")
+    for key, value in obj.items():
+        allowed = _EVENT_TYPES.get(key)
+        if allowed is None:
+            raise ProtocolError(f"event has unknown field {key!r}")
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise ProtocolError(f"event field {key!r} has type {type(value).__name__}")
+    if not all(_is_int(t) for t in obj.get("token_ids", [])):
+        raise ProtocolError("event token_ids must be integers")
+    if obj["seq"] < 0 or obj.get("index", 0) < 0:
+        raise ProtocolError("event seq and index must be >= 0")
+    return Event(**obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# The job record: hash `job(id)`, plain strings so `redis-cli HGETALL` is readable
+
+
+@dataclass
+class CompletionOutput:
+    """One finished completion of a job (n > 1 gives several)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class JobRecord:
+    """Fields of the job hash. Everything is optional: each writer sets what it knows."""
+
+    status: JobStatus | None = None
+    n: int | None = None  # completions to expect; readers wait for this many finishes
+    entry_id: str | None = None  # the job's entry in `requests`
+    worker: str | None = None
+    submitted_at: float | None = None  # unix times
+    started_at: float | None = None
+    finished_at: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None  # of completion 0
+    text: str | None = None  # of completion 0
+    error: str | None = None
+    outputs: list[CompletionOutput] | None = None  # msgpack: every completion with token ids
+    extra: dict[str, str] = field(default_factory=dict)  # fields this module does not know
+
+    @property
+    def usage(self) -> dict[str, int] | None:
+        if self.prompt_tokens is None or self.completion_tokens is None:
+            return None
+        total = self.prompt_tokens + self.completion_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": total,
+        }
+
+
+_RECORD_INTS = ("n", "prompt_tokens", "completion_tokens")
+_RECORD_FLOATS = ("submitted_at", "started_at", "finished_at")
+_RECORD_STRS = ("entry_id", "worker", "finish_reason", "text", "error")
+
+
+def encode_record(record: JobRecord) -> dict[str, str | bytes]:
+    """HSET mapping of the fields that are set (None fields are left untouched)."""
+    out: dict[str, str | bytes] = {}
+    if record.status is not None:
+        out["status"] = JobStatus(record.status).value
+    for name in (*_RECORD_INTS, *_RECORD_STRS):
+        value = getattr(record, name)
+        if value is not None:
+            out[name] = str(value)
+    for name in _RECORD_FLOATS:
+        value = getattr(record, name)
+        if value is not None:
+            out[name] = repr(float(value))
+    if record.outputs is not None:
+        out["outputs"] = pack([asdict(o) for o in record.outputs])
+    out.update(record.extra)
+    return out
+
+
+def decode_record(mapping: dict[Any, Any], job_id: str | None = None) -> JobRecord:
+    """Decode an HGETALL reply; raises ProtocolError on a field that does not parse."""
+    raw = _str_keys(mapping, job_id)
+    record = JobRecord()
+    try:
+        if "status" in raw:
+            record.status = JobStatus(_text(raw.pop("status")))
+        for name, convert in (
+            *((n, int) for n in _RECORD_INTS),
+            *((n, float) for n in _RECORD_FLOATS),
+            *((n, str) for n in _RECORD_STRS),
+        ):
+            if name in raw:
+                setattr(record, name, convert(_text(raw.pop(name), job_id)))
+    except ValueError as exc:
+        raise ProtocolError(f"job record: {exc}", job_id) from exc
+    if "outputs" in raw:
+        record.outputs = _decode_outputs(raw.pop("outputs"), job_id)
+    record.extra = {
+        k: v.decode(errors="replace") if isinstance(v, bytes) else str(v) for k, v in raw.items()
+    }
+    return record
+
+
+def _decode_outputs(data: Any, job_id: str | None) -> list[CompletionOutput]:
+    items = unpack(data, "job record outputs", job_id)
+    try:
+        return [CompletionOutput(**item) for item in items]
+    except TypeError as exc:
+        raise ProtocolError(f"job record outputs: {exc}", job_id) from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Dead letters: entries of the `dead` stream
+
+
+def encode_dead_letter(
+    entry_id: str, entry: dict[Any, Any], reason: str, job_id: str | None = None
+) -> dict[str, bytes]:
+    """XADD fields for an entry no worker can run; the original fields are kept as msgpack."""
+    original = {_text(k): v if isinstance(v, bytes) else _text(v).encode() for k, v in entry.items()}
+    return {
+        "entry_id": entry_id.encode(),
+        "id": (job_id or "").encode(),
+        "reason": reason.encode(),
+        "entry": pack(original),
+    }
+
+
+def decode_dead_letter(fields_: dict[Any, Any]) -> dict[str, Any]:
+    """The dead letter as a plain dict: entry_id, id (None if unknown), reason, entry."""
+    raw = _str_keys(fields_)
+    missing = [k for k in ("entry_id", "id", "reason", "entry") if k not in raw]
+    if missing:
+        raise ProtocolError(f"dead letter missing {missing}")
+    return {
+        "entry_id": _text(raw["entry_id"]),
+        "id": _text(raw["id"]) or None,
+        "reason": _text(raw["reason"]),
+        "entry": unpack(raw["entry"], "dead letter entry"),
+    }

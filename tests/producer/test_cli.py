@@ -1,0 +1,143 @@
+"""The `genq` command line, run as a subprocess against the test Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pytest
+import redis
+
+from producer.protocol import Keys
+from producer.redis_server import free_port
+
+if TYPE_CHECKING:
+    from conftest import FakeWorker
+
+KEYS = Keys()
+RunInThread = Callable[[Callable[[], None]], object]
+GENQ = [sys.executable, "-m", "producer.cli"]
+TIMEOUT_S = 30
+
+
+def genq(*args: str, env_url: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "GENQ_REDIS_URL"}
+    if env_url is not None:
+        env["GENQ_REDIS_URL"] = env_url
+    return subprocess.run(
+        [*GENQ, *args], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
+    )
+
+
+def test_help_lists_subcommands_without_heavy_imports() -> None:
+    out = genq("--help")
+    assert out.returncode == 0
+    for name in ("redis", "submit", "inspect"):
+        assert name in out.stdout
+    probe = "import sys, producer.cli; print(sorted({'torch', 'worker'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=TIMEOUT_S).stdout.strip() == "[]"
+    assert genq("frobnicate").returncode == 2
+
+
+def test_submit_prints_final_text(redis_url: str, worker: FakeWorker, in_thread: RunInThread) -> None:
+    jobs = []
+
+    def serve() -> None:
+        jobs.append(worker.take(timeout_s=TIMEOUT_S))
+        worker.serve(jobs[0], ["Hel", "lo"])
+
+    in_thread(serve)
+    out = genq("submit", "Say hi", "--redis-url", redis_url, "--max-tokens", "2",
+               "--temperature", "0", "--top-p", "0.5", "--seed", "7", "--job-id", "cli-1",
+               "--priority", "3")
+    assert (out.returncode, out.stdout) == (0, "Hello\n")
+    assert "job cli-1" in out.stderr
+    job = jobs[0]
+    assert (job.id, job.prompt, job.priority) == ("cli-1", "Say hi", 3)
+    params = job.sampling_params
+    assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (2, 0.0, 0.5, 7)
+
+
+def test_submit_streams_chat_using_env_url(
+    redis_url: str, worker: FakeWorker, in_thread: RunInThread
+) -> None:
+    jobs = []
+
+    def serve() -> None:
+        jobs.append(worker.take(timeout_s=TIMEOUT_S))
+        worker.wait_subscribed(jobs[0].id)
+        worker.serve(jobs[0], ["a", "b", "c"])
+
+    in_thread(serve)
+    out = genq("submit", "hi there", "--chat", "--stream", env_url=redis_url)
+    assert (out.returncode, out.stdout) == (0, "abc\n")
+    assert jobs[0].messages == [{"role": "user", "content": "hi there"}]
+
+
+def test_submit_reports_failures(redis_url: str, worker: FakeWorker, in_thread: RunInThread) -> None:
+    in_thread(lambda: worker.fail(worker.take(timeout_s=TIMEOUT_S).id, "model not loaded"))
+    out = genq("submit", "x", "--redis-url", redis_url)
+    assert out.returncode == 1 and "model not loaded" in out.stderr
+    out = genq("submit", "x", "--max-tokens", "0", "--redis-url", redis_url)
+    assert out.returncode == 1 and "max_tokens must be >= 1" in out.stderr
+    out = genq("submit", "x", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    assert out.returncode == 1 and "cannot reach Redis" in out.stderr
+
+
+def test_inspect(redis_url: str, worker: FakeWorker) -> None:
+    from producer.client import Client
+
+    with Client(redis_url) as client:
+        client.submit("look at me", job_id="seen")
+    worker.serve(worker.take(), ["o", "k"])
+    out = genq("inspect", "seen", "--redis-url", redis_url)
+    assert out.returncode == 0, out.stderr
+    for text in ("job seen", "status: finished", "prompt: look at me", "events (2):", "#1 [0] 'k'"):
+        assert text in out.stdout
+    out = genq("inspect", "seen", "--json", "--redis-url", redis_url)
+    view = json.loads(out.stdout)
+    assert view["record"]["text"] == "ok" and view["job"]["prompt"] == "look at me"
+    missing = genq("inspect", "nope", "--redis-url", redis_url)
+    assert missing.returncode == 1 and "no job nope" in missing.stderr
+
+
+def start_genq_redis() -> tuple[subprocess.Popen[str], int]:
+    """`genq redis --port P` on a free port; another try if that port was taken meanwhile."""
+    for _ in range(3):
+        port = free_port()
+        proc = subprocess.Popen([*GENQ, "redis", "--port", str(port)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout is not None
+        if f"redis://127.0.0.1:{port}/0" in proc.stdout.readline():  # printed once PING answers
+            return proc, port
+        proc.wait(TIMEOUT_S)
+    raise AssertionError("genq redis did not start")
+
+
+def test_redis_runs_until_interrupted() -> None:
+    proc, port = start_genq_redis()
+    try:
+        conn = redis.Redis(port=port)
+        assert conn.ping()
+        conn.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(TIMEOUT_S) == 0
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis(port=port).ping()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(shutil.which("genq") is None, reason="package not installed (pip install -e .)")
+def test_console_script_is_installed() -> None:
+    out = subprocess.run(["genq", "--help"], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert out.returncode == 0 and "submit" in out.stdout
