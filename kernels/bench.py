@@ -1,0 +1,261 @@
+"""GPU check of the kernels at real sizes: correctness against the references, then speed.
+
+`check_kernels()` is the kernel part of `benchmarks/gpu_check.py`. Each row times one
+kernel with `triton.testing.do_bench` (median) and reports the bandwidth it achieved next to
+a device-to-device `copy_` moving the same number of bytes (read + write) in the same run,
+the practical ceiling for a memory-bound kernel on that GPU.
+"""
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels._common import HAS_TRITON, cdiv
+from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
+from kernels.paged_attention import paged_attention, paged_attention_ref
+from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
+from kernels.rotary import apply_rotary_emb, apply_rotary_emb_ref, build_cos_sin_cache
+from kernels.sampling import top_k_top_p_sample, top_k_top_p_sample_ref
+
+__all__ = ["HEAD_CONFIGS", "check_kernels", "format_rows"]
+
+# name: (num_heads, num_kv_heads, head_dim, hidden_size, vocab_size)
+HEAD_CONFIGS = {
+    "smollm2-135m": (9, 3, 64, 576, 49152),
+    "llama-8b": (32, 8, 128, 4096, 128256),
+}
+_DTYPE = torch.bfloat16
+_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3}  # atol = rtol, as in the tests
+_BLOCK_SIZE = 16
+
+
+@dataclass
+class _Case:
+    kernel: str
+    config: str
+    shape: str
+    run: Callable[[], object]  # the kernel launch that is timed
+    compare: Callable[[], "_Error"]  # runs kernel and reference once
+    bytes_moved: int  # minimum DRAM traffic of one launch, read + write
+    flops: int = 0  # matmul flops of one launch (attention), 0 elsewhere
+
+
+@dataclass(frozen=True)
+class _Error:
+    max_abs: float
+    ok: bool  # within atol = rtol = _TOLERANCE everywhere
+
+
+def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
+    """Check and time every kernel on the current CUDA device; one row dict per case.
+
+    Row keys: kernel, config, shape, dtype, max_abs_err, ok, ms, gb_per_s, copy_gb_per_s,
+    pct_of_copy, tflop_per_s (attention's matmuls; 0 for the others). Raises RuntimeError
+    without a CUDA GPU (or under TRITON_INTERPRET=1).
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("check_kernels needs a CUDA GPU; none is visible to torch")
+    if not HAS_TRITON:
+        raise RuntimeError("check_kernels needs Triton, which is not installed")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET: check_kernels times the compiled kernels")
+    device = torch.device("cuda")
+    rows = []
+    for config in configs or list(HEAD_CONFIGS):
+        for case in _cases(config, device):
+            rows.append(_measure(case))
+    return rows
+
+
+def _measure(case: _Case) -> dict[str, object]:
+    from triton.testing import do_bench
+
+    error = case.compare()
+    ms = do_bench(case.run, return_mode="median")
+    copy_ms = _copy_ms(case.bytes_moved // 2)
+    gb_per_s = case.bytes_moved / ms / 1e6
+    copy_gb_per_s = 2 * (case.bytes_moved // 2) / copy_ms / 1e6
+    return {
+        "kernel": case.kernel,
+        "config": case.config,
+        "shape": case.shape,
+        "dtype": str(_DTYPE).removeprefix("torch."),
+        "max_abs_err": error.max_abs,
+        "ok": error.ok,
+        "ms": ms,
+        "gb_per_s": gb_per_s,
+        "copy_gb_per_s": copy_gb_per_s,
+        "pct_of_copy": 100 * gb_per_s / copy_gb_per_s,
+        "tflop_per_s": case.flops / ms / 1e9,
+    }
+
+
+def _copy_ms(num_bytes: int) -> float:
+    from triton.testing import do_bench
+
+    src = torch.empty(max(num_bytes, 1), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return do_bench(lambda: dst.copy_(src), return_mode="median")
+
+
+def _cases(config: str, device: torch.device) -> list[_Case]:
+    num_heads, num_kv_heads, head_dim, hidden, vocab_size = HEAD_CONFIGS[config]
+    heads = (num_heads, num_kv_heads, head_dim)
+    return [
+        _attention_case(config, heads, [1] * 64, [2048] * 64, None, device),
+        _attention_case(config, heads, [1] * 4, [8192] * 4, 1, device),
+        _attention_case(config, heads, [1] * 4, [8192] * 4, None, device),
+        _attention_case(config, heads, [512] * 4, [2048] * 4, None, device),
+        _kv_cache_case(config, 4096, num_kv_heads, head_dim, device),
+        _rms_norm_case(config, 4096, hidden, device),
+        _rotary_case(config, 4096, heads, device),
+        _sampling_case(config, 64, vocab_size, device),
+    ]
+
+
+def _compare(*pairs: tuple[torch.Tensor, torch.Tensor]) -> _Error:
+    """(kernel output, reference) pairs."""
+    tol = _TOLERANCE[_DTYPE]
+    max_abs = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+    ok = all(torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
+    return _Error(max_abs, ok)
+
+
+def _attention_case(
+    config: str,
+    heads: tuple[int, int, int],
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_splits: int | None,
+    device: torch.device,
+) -> _Case:
+    num_heads, num_kv_heads, head_dim = heads
+    blocks_per_seq = [cdiv(s, _BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq)
+    cache_shape = (num_blocks, _BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, device=device, dtype=_DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device=device, dtype=torch.int32)
+    block_tables = block_tables.view(len(seq_lens), -1)  # equal lengths: [B, blocks_per_seq]
+    starts = torch.tensor([0, *query_lens], device=device).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, device=device, dtype=_DTYPE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (q, k_cache, v_cache, starts, lens, block_tables)
+    run = functools.partial(
+        paged_attention, *args,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_splits=num_splits,
+    )  # fmt: skip
+
+    def compare() -> _Error:
+        return _compare((run(), paged_attention_ref(*args)))
+
+    kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * k_cache.element_size()
+    split = "auto" if num_splits is None else str(num_splits)
+    shape = f"B={len(seq_lens)} q={max(query_lens)} ctx={max(seq_lens)} splits={split}"
+    # Each new token i of a sequence sees context_len + i + 1 keys: QK^T and PV, 2 flops a MAC.
+    visible = sum(
+        q_len * (s - q_len) + q_len * (q_len + 1) // 2
+        for q_len, s in zip(query_lens, seq_lens, strict=True)
+    )
+    flops = 4 * visible * num_heads * head_dim
+    return _Case("paged_attention", config, shape, run,
+                 compare, kv_bytes + 2 * q.numel() * q.element_size(), flops)  # fmt: skip
+
+
+def _kv_cache_case(
+    config: str, num_tokens: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> _Case:
+    num_blocks = cdiv(num_tokens, _BLOCK_SIZE) * 2
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=_DTYPE)
+    value = torch.randn_like(key)
+    k_cache = torch.randn(num_blocks, _BLOCK_SIZE, num_kv_heads, head_dim, device=device,
+                          dtype=_DTYPE)  # fmt: skip
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(num_blocks * _BLOCK_SIZE, device=device)[:num_tokens]
+
+    def compare() -> _Error:
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        reshape_and_cache(key, value, k_cache, v_cache, slots)
+        reshape_and_cache_ref(key, value, ref_k, ref_v, slots)
+        return _compare((k_cache, ref_k), (v_cache, ref_v))
+
+    def run() -> None:
+        reshape_and_cache(key, value, k_cache, v_cache, slots)
+
+    num_bytes = 4 * key.numel() * key.element_size() + slots.numel() * 8
+    return _Case("reshape_and_cache", config, f"T={num_tokens}", run, compare, num_bytes)
+
+
+def _rms_norm_case(config: str, num_tokens: int, hidden: int, device: torch.device) -> _Case:
+    x = torch.randn(num_tokens, hidden, device=device, dtype=_DTYPE)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, device=device, dtype=_DTYPE)
+
+    def compare() -> _Error:
+        out, res = fused_add_rms_norm(x, residual, weight)
+        return _compare(*zip((out, res), fused_add_rms_norm_ref(x, residual, weight), strict=True))
+
+    num_bytes = 4 * x.numel() * x.element_size()
+    return _Case("fused_add_rms_norm", config, f"T={num_tokens} hidden={hidden}",
+                 lambda: fused_add_rms_norm(x, residual, weight), compare, num_bytes)  # fmt: skip
+
+
+def _rotary_case(
+    config: str, num_tokens: int, heads: tuple[int, int, int], device: torch.device
+) -> _Case:
+    num_heads, num_kv_heads, head_dim = heads
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device) / head_dim))
+    cos_sin = build_cos_sin_cache(inv_freq, 8192)
+    positions = torch.randint(0, 8192, (num_tokens,), device=device)
+    q = torch.randn(num_tokens, num_heads, head_dim, device=device, dtype=_DTYPE)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=_DTYPE)
+
+    def compare() -> _Error:
+        ref_q, ref_k = apply_rotary_emb_ref(positions, q, k, cos_sin)
+        apply_rotary_emb(positions, q, k, cos_sin)
+        return _compare((q, ref_q), (k, ref_k))
+
+    num_bytes = 2 * (q.numel() + k.numel()) * q.element_size() + num_tokens * head_dim * 4
+    return _Case("apply_rotary_emb", config, f"T={num_tokens}",
+                 lambda: apply_rotary_emb(positions, q, k, cos_sin), compare, num_bytes)  # fmt: skip
+
+
+def _sampling_case(config: str, num_rows: int, vocab_size: int, device: torch.device) -> _Case:
+    logits = (3 * torch.randn(num_rows, vocab_size, device=device)).to(_DTYPE)
+    noise = torch.empty(num_rows, vocab_size, device=device).exponential_()
+    top_k = torch.full((num_rows,), 50, dtype=torch.int32, device=device)
+    top_k[::2] = 0  # half the rows: top-p only
+    top_p = torch.full((num_rows,), 0.9, device=device)
+    args = (logits, top_k, top_p, noise)
+
+    def compare() -> _Error:
+        same = torch.equal(top_k_top_p_sample(*args), top_k_top_p_sample_ref(*args))
+        return _Error(0.0 if same else 1.0, same)
+
+    # One pass over logits and noise; the bisection's repeated passes mostly hit L2.
+    num_bytes = logits.numel() * logits.element_size() + noise.numel() * 4
+    return _Case("top_k_top_p_sample", config, f"B={num_rows} V={vocab_size} k=50|0 p=0.9",
+                 lambda: top_k_top_p_sample(*args), compare, num_bytes)  # fmt: skip
+
+
+def format_rows(rows: list[dict[str, object]]) -> str:
+    """The rows as an aligned text table."""
+    lines = [
+        f"{'kernel':<20} {'config':<13} {'shape':<34} {'err':>8} {'ms':>8} {'GB/s':>7} "
+        f"{'copy':>7} {'%copy':>6} {'TFLOP/s':>8}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['kernel']:<20} {r['config']:<13} {r['shape']:<34} {r['max_abs_err']:>8.1e} "
+            f"{r['ms']:>8.4f} {r['gb_per_s']:>7.0f} {r['copy_gb_per_s']:>7.0f} "
+            f"{r['pct_of_copy']:>5.0f}% {r['tflop_per_s']:>8.1f}"
+            + ("" if r["ok"] else "  MISMATCH")
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(format_rows(check_kernels()))

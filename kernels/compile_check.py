@@ -1,0 +1,167 @@
+"""Compile every kernel for a CUDA architecture without a GPU: `python -m kernels.compile_check`.
+
+Triton's interpreter runs kernel bodies as numpy and accepts code the real compiler
+rejects (loop-carried type changes, tl.dot shape or dtype rules, shared-memory overflow).
+This lowers each kernel, in the variants the launchers use, all the way to a cubin with the
+ptxas that ships with Triton, so a CPU-only machine still checks the GPU path compiles.
+It must run in a process where TRITON_INTERPRET is unset.
+"""
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from kernels._common import HAS_TRITON, is_interpreted, tl
+from kernels.kv_cache import _reshape_and_cache_kernel
+from kernels.paged_attention import (
+    _BLOCK_N,
+    _choose_tiling,
+    _merge_splits_kernel,
+    _paged_attention_kernel,
+)
+from kernels.rmsnorm import _rms_norm_kernel
+from kernels.rotary import _rotary_kernel
+from kernels.sampling import _top_k_top_p_sample_kernel
+
+__all__ = ["CompileResult", "compile_all", "main"]
+
+_FLOAT_ARGS = {"scale_log2", "eps"}
+# Integer arguments that are multiples of 16 in real launches (head_dim >= 16 is a power of two,
+# token strides are multiples of it); the JIT specialises on that, so the check should too.
+_DIVISIBLE_INTS = {
+    "stride_logits", "stride_noise",
+    "stride_q_tok", "stride_q_head", "stride_o_split", "stride_o_tok", "stride_o_head",
+    "stride_cache_slot", "stride_k_tok", "stride_k_head", "stride_v_tok", "stride_v_head",
+    "stride_p_split", "stride_p_tok", "stride_p_head",
+    "stride_x", "stride_residual", "stride_out", "stride_residual_out",
+}  # fmt: skip
+_INT32_PTRS = {"query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32"}
+
+
+@dataclass(frozen=True)
+class _Variant:
+    name: str
+    kernel: Any  # a triton JITFunction
+    ptr_dtype: str  # pointer type of the activations, e.g. "*bf16"
+    constexprs: dict[str, Any]
+    ptr_overrides: dict[str, str]
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    name: str
+    shared_bytes: int
+    num_warps: int
+
+
+def _signature(variant: _Variant) -> dict[str, str]:
+    sig = {}
+    for name in variant.kernel.arg_names:
+        if name in variant.constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = variant.ptr_overrides.get(name, variant.ptr_dtype)
+        else:
+            sig[name] = "fp32" if name in _FLOAT_ARGS else "i32"
+    return sig
+
+
+def _divisibility(variant: _Variant) -> dict[tuple[int, ...], list[list[Any]]]:
+    """Alignment hints as the JIT derives them at launch: 16-byte aligned pointers, 16 | ints."""
+    names = variant.kernel.arg_names
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(names)
+        if name.endswith("_ptr") or name in _DIVISIBLE_INTS
+    }
+
+
+def _attention_variant(
+    name: str, dtype: str, head_dim: int, group: int, max_query_len: int, split: bool
+) -> _Variant:
+    tiling = _choose_tiling(group, max_query_len, head_dim)
+    dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
+    overrides = dict(_INT32_PTRS, lse_ptr="*fp32")
+    if split:
+        overrides["out_ptr"] = "*fp32"
+    constexprs = dict(
+        GROUP=group, GROUP_P=tiling.group_p, BLOCK_Q=tiling.block_q, BLOCK_M=tiling.block_m,
+        BLOCK_N=_BLOCK_N, BLOCK_SIZE=16, HEAD_DIM=head_dim, DOT_DTYPE=dot,
+        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SPLIT=split,
+    )  # fmt: skip
+    kernel = _paged_attention_kernel
+    return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps)
+
+
+def _variants() -> list[_Variant]:
+    return [
+        _attention_variant("attention fp16 d128 gqa4 decode split", "*fp16", 128, 4, 1, True),
+        _attention_variant("attention bf16 d64 gqa3 prefill", "*bf16", 64, 3, 512, False),
+        _attention_variant("attention bf16 d128 gqa4 prefill", "*bf16", 128, 4, 512, False),
+        _attention_variant("attention fp32 d64 mha prefill", "*fp32", 64, 1, 512, False),
+        _Variant(
+            "merge splits bf16 d128", _merge_splits_kernel, "*fp32",
+            dict(SPLITS_P=8, BLOCK_H=32, HEAD_DIM=128),
+            dict(out_ptr="*bf16", query_start_loc_ptr="*i32"),
+        ),
+        _Variant(
+            "reshape_and_cache bf16 8x128", _reshape_and_cache_kernel, "*bf16",
+            dict(NUM_KV_HEADS=8, HEADS_P=8, HEAD_DIM=128), dict(slot_mapping_ptr="*i64"),
+        ),
+        _Variant(
+            "fused_add_rms_norm bf16 576", _rms_norm_kernel, "*bf16",
+            dict(HIDDEN=576, BLOCK=1024, HAS_RESIDUAL=True), {},
+        ),
+        _Variant(
+            "rotary bf16 32/8 heads d128", _rotary_kernel, "*bf16",
+            dict(HEADS_P=32, KV_HEADS_P=8, HALF=64),
+            dict(positions_ptr="*i64", cos_sin_ptr="*fp32"),
+        ),
+        _Variant(
+            "top_k_top_p_sample bf16", _top_k_top_p_sample_kernel, "*bf16",
+            dict(BLOCK_V=2048),
+            dict(noise_ptr="*fp32", top_k_ptr="*i32", top_p_ptr="*fp32", out_ptr="*i64"),
+            num_warps=8,
+        ),
+    ]  # fmt: skip
+
+
+def compile_all(arch: int = 90) -> list[CompileResult]:
+    """Compile each kernel variant to a cubin for sm_`arch`; raises on the first failure."""
+    if not HAS_TRITON:
+        raise RuntimeError("compile_check needs Triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    results = []
+    for variant in _variants():
+        if is_interpreted(variant.kernel):
+            raise RuntimeError("compile_check must run with TRITON_INTERPRET unset")
+        src = ASTSource(
+            variant.kernel, _signature(variant), variant.constexprs, _divisibility(variant)
+        )
+        compiled = triton.compile(
+            src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps}
+        )
+        results.append(CompileResult(variant.name, compiled.metadata.shared, variant.num_warps))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET to compile for CUDA", file=sys.stderr)
+        return 2
+    for result in compile_all(args.arch):
+        print(f"ok  {result.name:<40} shared {result.shared_bytes:>6} B")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

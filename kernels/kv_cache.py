@@ -1,0 +1,118 @@
+"""Write the batch's new keys and values into the paged KV cache.
+
+A token's slot is `block_id * block_size + offset_in_block`; slot -1 marks a padding token
+(e.g. the tail of a CUDA-graph batch) whose K/V must not be written.
+"""
+
+import torch
+
+from kernels._common import (
+    check_contiguous,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_shape,
+    next_power_of_2,
+    tl,
+    triton,
+)
+
+__all__ = ["reshape_and_cache", "reshape_and_cache_ref"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,  # [T, NUM_KV_HEADS, HEAD_DIM]
+    value_ptr,  # [T, NUM_KV_HEADS, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM]
+    v_cache_ptr,
+    slot_mapping_ptr,  # [T] int64, -1 for padding
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_P: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_P)[:, None]  # [HEADS_P, 1]
+    dims = tl.arange(0, HEAD_DIM)[None, :]  # [1, HEAD_DIM]
+    mask = heads < NUM_KV_HEADS
+    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims  # [HEADS_P, HEAD_DIM]
+    k = tl.load(key_ptr + tok * stride_k_tok + heads * stride_k_head + dims, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    v = tl.load(value_ptr + tok * stride_v_tok + heads * stride_v_head + dims, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def _check_inputs(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    check_dtype("key", key, _DTYPES)
+    check_shape("key", key, (None, None, None))
+    num_tokens, num_kv_heads, head_dim = key.shape
+    check_shape("value", value, tuple(key.shape))
+    check_shape("k_cache", k_cache, (None, None, num_kv_heads, head_dim))
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    check_dtype("slot_mapping", slot_mapping, (torch.int64,))
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dtype(name, t, (key.dtype,))
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        check_last_dim_contiguous(name, t)
+    check_contiguous("k_cache", k_cache)
+    check_contiguous("v_cache", v_cache)
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [T] int64; -1: padding token, not written
+) -> None:
+    """Store each token's key and value at its slot; slots must be < num_blocks * block_size.
+
+    `key` and `value` may be views with any token and head strides (e.g. slices of a fused
+    QKV projection) as long as head_dim is contiguous.
+    """
+    _check_inputs(key, value, k_cache, v_cache, slot_mapping)
+    check_device(
+        _reshape_and_cache_kernel,
+        key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+    )  # fmt: skip
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEADS_P=next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+    )  # fmt: skip
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; -1: not written
+) -> None:
+    """Plain-torch `reshape_and_cache`."""
+    keep = slot_mapping >= 0  # [T]
+    slots = slot_mapping[keep]  # [num_written]
+    k_cache.view(-1, *key.shape[1:])[slots] = key[keep]
+    v_cache.view(-1, *value.shape[1:])[slots] = value[keep]

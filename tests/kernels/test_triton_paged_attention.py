@@ -1,0 +1,186 @@
+"""Paged attention kernel against its torch reference, and the reference against SDPA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import ON_CUDA, PagedBatch, assert_close, make_paged_batch
+
+from kernels import choose_num_splits, paged_attention, paged_attention_ref, reshape_and_cache
+
+# name: (query_lens, seq_lens, block_size)
+CASES = {
+    # a decode over a long context, a chunk after a cached prefix, a prefill without prefix
+    "mixed": ([1, 5, 1, 20], [37, 70, 130, 20], 16),
+    # contexts of one token, exactly one block, exactly one KV tile
+    "decodes": ([1, 1, 1], [1, 16, 64], 16),
+    # a chunk whose prefix and tokens cross several small blocks and two KV tiles
+    "chunk_crossing_blocks": ([33], [97], 8),
+}
+GQA = {"mha": (4, 4), "gqa3": (6, 2), "gqa4": (8, 2)}  # (num_heads, num_kv_heads)
+
+
+def _run(batch: PagedBatch, **kwargs: object) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))  # [T, num_heads, head_dim]
+    result = paged_attention(*batch.attention_args(), out=out, **kwargs)
+    assert result is out
+    return out
+
+
+def _check(batch: PagedBatch, out: torch.Tensor, scale: float | None = None) -> None:
+    expected = paged_attention_ref(*batch.attention_args(), scale=scale)
+    n = batch.num_real_tokens
+    assert_close(out[:n], expected[:n])
+
+
+@pytest.mark.parametrize("gqa", GQA.values(), ids=GQA.keys())
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference(device: torch.device, case: tuple, gqa: tuple[int, int]) -> None:
+    query_lens, seq_lens, block_size = case
+    batch = make_paged_batch(query_lens, seq_lens, *gqa, 64, block_size, torch.float16, device)
+    _check(batch, _run(batch, num_splits=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dtypes(device: torch.device, dtype: torch.dtype) -> None:
+    query_lens, seq_lens, block_size = CASES["mixed"]
+    batch = make_paged_batch(query_lens, seq_lens, 6, 2, 64, block_size, dtype, device)
+    _check(batch, _run(batch))
+
+
+def test_head_dim_128_block_size_32(device: torch.device) -> None:
+    batch = make_paged_batch([1, 7], [45, 50], 8, 2, 128, 32, torch.bfloat16, device)
+    _check(batch, _run(batch))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_split_kv(device: torch.device, num_splits: int) -> None:
+    # 8 splits of a 3-tile context leave empty splits, whose partials must not count.
+    batch = make_paged_batch([1, 4, 1], [150, 90, 3], 8, 2, 64, 16, torch.float16, device)
+    _check(batch, _run(batch, num_splits=num_splits))
+
+
+def test_padding_rows_left_untouched(device: torch.device) -> None:
+    batch = make_paged_batch([2, 1], [40, 9], 6, 2, 64, 16, torch.float16, device, 3)
+    for num_splits in (1, 2):
+        out = _run(batch, num_splits=num_splits)
+        _check(batch, out)
+        assert out[batch.num_real_tokens :].isnan().all()
+
+
+def test_strided_q_and_custom_scale(device: torch.device) -> None:
+    batch = make_paged_batch([3, 1], [19, 33], 8, 2, 64, 16, torch.float16, device)
+    qkv = torch.randn(batch.q.shape[0], 12, 64, device=device).to(torch.float16)
+    qkv[:, :8] = batch.q
+    batch.q = qkv[:, :8]  # a view of a fused projection: token stride 12 * 64
+    out = _run(batch, scale=0.3, max_query_len=3, max_seq_len=33)
+    _check(batch, out, scale=0.3)
+
+
+def test_empty_batch(device: torch.device) -> None:
+    batch = make_paged_batch([1], [5], 4, 4, 64, 16, torch.float16, device)
+    q = batch.q[:0]
+    out = paged_attention(q, *batch.attention_args()[1:3], batch.query_start_loc[:1],
+                          batch.seq_lens[:0], batch.block_tables[:0])  # fmt: skip
+    assert out.shape == (0, 4, 64)
+
+
+def test_after_reshape_and_cache(device: torch.device) -> None:
+    """The engine's order: write the new tokens' K/V into the cache, then attend."""
+    batch = make_paged_batch([1, 6], [24, 6], 6, 2, 64, 8, torch.float16, device, 2)
+    new_k = torch.cat([k[-q:] for k, q in zip(batch.dense_k, [1, 6], strict=True)])  # [7, kvh, D]
+    new_v = torch.cat([v[-q:] for v, q in zip(batch.dense_v, [1, 6], strict=True)])
+    real_slots = batch.slot_mapping[: batch.num_real_tokens]
+    batch.k_cache.view(-1, 2, 64)[real_slots] = float("nan")
+    batch.v_cache.view(-1, 2, 64)[real_slots] = float("nan")
+    pad = torch.randn(2, 2, 64, device=device).to(torch.float16)
+    reshape_and_cache(torch.cat([new_k, pad]), torch.cat([new_v, pad]),
+                      batch.k_cache, batch.v_cache, batch.slot_mapping)  # fmt: skip
+    _check(batch, _run(batch))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="full sizes only on CUDA")
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)], ids=["smollm2", "llama8b"])
+def test_full_size_on_cuda(device: torch.device, heads: tuple[int, int, int]) -> None:
+    num_seqs = 64
+    query_lens = [1] * 56 + [64] * 4 + [512] * 4
+    seq_lens = [2048 - 7 * i for i in range(num_seqs)]
+    batch = make_paged_batch(query_lens, seq_lens, *heads, 16, torch.bfloat16, device)
+    _check(batch, _run(batch))
+    decode = make_paged_batch([1] * 4, [2048, 1500, 999, 17], *heads, 16, torch.float16, device)
+    _check(decode, _run(decode))  # few sequences: the automatic split kicks in
+
+
+# --- the oracle itself ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gqa", GQA.values(), ids=GQA.keys())
+def test_reference_matches_sdpa(gqa: tuple[int, int]) -> None:
+    """paged_attention_ref against SDPA on the dense, unpaged K/V of each sequence."""
+    query_lens, seq_lens, block_size = CASES["mixed"]
+    cpu = torch.device("cpu")
+    batch = make_paged_batch(query_lens, seq_lens, *gqa, 64, block_size, torch.float32, cpu)
+    actual = paged_attention_ref(*batch.attention_args())
+    starts = batch.query_start_loc.tolist()
+    for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        q = batch.q[starts[b] : starts[b + 1]].transpose(0, 1)  # [num_heads, query_len, D]
+        k = batch.dense_k[b].transpose(0, 1)  # [num_kv_heads, seq_len, D]
+        v = batch.dense_v[b].transpose(0, 1)
+        # bottom-right aligned causal mask: query i sits at position seq_len - query_len + i
+        mask = torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(actual[starts[b] : starts[b + 1]], expected.transpose(0, 1))
+
+
+# --- launcher checks -------------------------------------------------------------------------
+
+
+def _bad_inputs(batch: PagedBatch) -> dict[str, tuple[tuple, dict, str]]:
+    q, kc, vc, qsl, sl, bt = batch.attention_args()
+    strided_kc = kc.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, not contiguous
+    narrow = (kc[..., :48].contiguous(), vc[..., :48].contiguous())
+    half = (kc[..., ::2].contiguous(), vc[..., ::2].contiguous())
+    return {
+        "int q": ((q.to(torch.int32), kc, vc, qsl, sl, bt), {}, "q must have dtype"),
+        "cache dtype": ((q, kc.float(), vc, qsl, sl, bt), {}, "k_cache must have dtype"),
+        "cache strides": ((q, strided_kc, vc, qsl, sl, bt), {}, "k_cache must be contiguous"),
+        "v shape": ((q, kc, vc[:-1], qsl, sl, bt), {}, "v_cache must have shape"),
+        "heads": ((q[:, :3], kc, vc, qsl, sl, bt), {}, "not a multiple of num_kv_heads"),
+        "head_dim": ((q[..., :48], *narrow, qsl, sl, bt), {}, "power of two"),
+        "q stride": ((q[..., ::2], *half, qsl, sl, bt), {}, "contiguous last dimension"),
+        "seq_lens int64": ((q, kc, vc, qsl, sl.long(), bt), {}, "seq_lens must have dtype"),
+        "query_start_loc": ((q, kc, vc, qsl[:-1], sl, bt), {}, "query_start_loc must have shape"),
+        "block_tables": ((q, kc, vc, qsl, sl, bt[:1]), {}, "block_tables must have shape"),
+        "out shape": ((q, kc, vc, qsl, sl, bt), {"out": q[:1]}, "out must have shape"),
+        "out dtype": ((q, kc, vc, qsl, sl, bt), {"out": q.float()}, "out must have dtype"),
+        "num_splits": ((q, kc, vc, qsl, sl, bt), {"num_splits": 0}, "num_splits"),
+    }
+
+
+BAD_INPUTS = [
+    "int q", "cache dtype", "cache strides", "v shape", "heads", "head_dim", "q stride",
+    "seq_lens int64", "query_start_loc", "block_tables", "out shape", "out dtype", "num_splits",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_launcher_rejects_bad_inputs(device: torch.device, name: str) -> None:
+    batch = make_paged_batch([2, 1], [20, 9], 4, 2, 64, 16, torch.float16, device)
+    args, kwargs, message = _bad_inputs(batch)[name]
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*args, **kwargs)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs a second device")
+def test_launcher_rejects_mixed_devices(device: torch.device) -> None:
+    batch = make_paged_batch([2, 1], [20, 9], 4, 2, 64, 16, torch.float16, device)
+    q, *rest = batch.attention_args()
+    with pytest.raises(ValueError, match="one device"):
+        paged_attention(q.cpu(), *rest)
+
+
+def test_choose_num_splits() -> None:
+    assert choose_num_splits(num_programs=64 * 8, max_seq_len=4096, num_sms=132) == 1
+    assert choose_num_splits(num_programs=8, max_seq_len=64, num_sms=132) == 1  # short context
+    splits = choose_num_splits(num_programs=8, max_seq_len=4096, num_sms=132)
+    assert 1 < splits <= 4096 // 64 // 4  # each split keeps at least four 64-key tiles
+    assert choose_num_splits(num_programs=1, max_seq_len=10**6, num_sms=132) <= 32
