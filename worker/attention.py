@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, in torch (the CPU path).
 
-The runner orders each step's flat batch as decodes first (one new token each), then prefill
-chunks. Decodes are batched into one SDPA call over their gathered, padded contexts; each
+The runner orders each step's flat batch as decodes first (one new token each, sorted by
+context length), then prefill chunks. Decodes are attended in buckets of similar context
+length, each one SDPA call over its gathered, padded contexts, so padding stays small; each
 prefill chunk attends to its cached prefix plus its own tokens causally.
 
 Grouped-query attention is handled without repeating K/V: the query heads that share a KV
@@ -17,19 +18,25 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DecodeBucket:
+    row_start: int  # rows [row_start, row_end) of the flat batch
+    row_end: int
+    slots: torch.Tensor  # [n * max_ctx] int64: each row's context slots, padded with slot 0
+    mask: torch.Tensor  # [n, 1, 1, max_ctx] additive: 0 where a row may attend, -inf on padding
+
+
+@dataclass
 class PrefillChunk:
-    token_start: int  # first row of this chunk in the flat batch
-    token_end: int
-    context_slots: torch.Tensor | None  # [ctx_len] slots of the cached prefix + chunk; None: no prefix
-    mask: torch.Tensor  # [q_len, ctx_len] bool, True where a query may attend
+    row_start: int
+    row_end: int
+    context_slots: torch.Tensor | None  # [ctx_len] slots of cached prefix + chunk; None: no prefix
+    mask: torch.Tensor  # [q_len, ctx_len] additive causal mask
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    num_decodes: int  # decode rows come first in the flat batch
-    decode_slots: torch.Tensor | None  # [num_decodes, max_ctx] int64, padded with slot 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] bool
+    decodes: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -52,21 +59,34 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group = q.shape[1] // num_kv_heads
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, D]
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        # [nd, num_kv_heads, group, D] against [nd, num_kv_heads, max_ctx, D]
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        kd = flat_k[meta.decode_slots].transpose(1, 2)
-        vd = flat_v[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.reshape(nd, -1, head_dim)
+    for bucket in meta.decodes:
+        rows = slice(bucket.row_start, bucket.row_end)
+        out[rows] = _decode_attention(q[rows], flat_k, flat_v, bucket, scale)
     for chunk in meta.prefills:
-        rows = slice(chunk.token_start, chunk.token_end)
+        rows = slice(chunk.row_start, chunk.row_end)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], flat_k, flat_v, chunk, group, scale)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [n, num_heads, D]
+    flat_k: torch.Tensor,  # [num_slots, num_kv_heads, D]
+    flat_v: torch.Tensor,
+    bucket: DecodeBucket,
+    scale: float,
+) -> torch.Tensor:  # [n, num_heads, D]
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = flat_k.shape[1]
+    max_ctx = bucket.mask.shape[-1]
+    qd = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, kv_heads, group, D]
+    # index_select on the flat pool is several times faster than advanced indexing here.
+    kd = flat_k.index_select(0, bucket.slots).view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+    vd = flat_v.index_select(0, bucket.slots).view(n, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=bucket.mask, scale=scale)
+    return od.reshape(n, num_heads, head_dim)
 
 
 def _prefill_attention(
@@ -82,11 +102,14 @@ def _prefill_attention(
     q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if chunk.context_slots is not None:
-        k, v = flat_k[chunk.context_slots], flat_v[chunk.context_slots]
+        k = flat_k.index_select(0, chunk.context_slots)
+        v = flat_v.index_select(0, chunk.context_slots)
     # Query rows ordered (kv head, group member, position): [1, num_kv_heads, group * q_len, D]
-    qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
+    qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(1, num_kv_heads, group * q_len, head_dim)
     kg = k.transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, ctx_len, D]
     vg = v.transpose(0, 1).unsqueeze(0)
     mask = chunk.mask.repeat(group, 1)  # [group * q_len, ctx_len]
     o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
-    return o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+    o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+    return o.reshape(q_len, num_heads, head_dim)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from worker.attention import AttentionMetadata, PrefillChunk
+from worker.attention import AttentionMetadata, DecodeBucket, PrefillChunk
 from worker.config import EngineConfig
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
@@ -21,6 +21,10 @@ from worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Decodes attended together: small enough that sorted buckets pad little, large enough that
+# per-call overhead stays small.
+DECODE_BUCKET_SIZE = 32
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,22 +150,28 @@ class ModelRunner:
         return blocks * bs + positions % bs  # [T]
 
     def _attention_metadata(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        meta = AttentionMetadata(slot_mapping)
         decodes = [s for s in batch if len(s.token_ids) == 1]
-        nd = len(decodes)
-        decode_slots = decode_mask = None
-        if nd:
-            ctx = torch.tensor([s.start_pos + 1 for s in decodes], device=self.device)  # [nd]
-            max_ctx = int(ctx.max())
-            decode_slots = self._context_slots(decodes, max_ctx)  # [nd, max_ctx]
-            span = torch.arange(max_ctx, device=self.device)
-            decode_mask = (span[None, :] < ctx[:, None]).view(nd, 1, 1, max_ctx)
-            decode_slots = decode_slots.masked_fill(~decode_mask.view(nd, max_ctx), 0)
-        prefills = []
-        row = sum(len(s.token_ids) for s in decodes)
-        for s in batch[nd:]:
-            prefills.append(self._prefill_chunk(s, row))
+        for start in range(0, len(decodes), DECODE_BUCKET_SIZE):
+            bucket = decodes[start : start + DECODE_BUCKET_SIZE]
+            meta.decodes.append(self._decode_bucket(bucket, start))
+        row = len(decodes)
+        for s in batch[len(decodes) :]:
+            meta.prefills.append(self._prefill_chunk(s, row))
             row += len(s.token_ids)
-        return AttentionMetadata(slot_mapping, nd, decode_slots, decode_mask, prefills)
+        return meta
+
+    def _decode_bucket(self, bucket: list[ScheduledRequest], row: int) -> DecodeBucket:
+        ctx = torch.tensor([s.start_pos + 1 for s in bucket], device=self.device)  # [n]
+        max_ctx = int(ctx.max())
+        span = torch.arange(max_ctx, device=self.device)
+        valid = span[None, :] < ctx[:, None]  # [n, max_ctx]
+        slots = self._context_slots(bucket, max_ctx).masked_fill(~valid, 0)
+        return DecodeBucket(row, row + len(bucket), slots.view(-1), self._additive(valid).view(len(bucket), 1, 1, max_ctx))
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
 
     def _context_slots(self, batch: list[ScheduledRequest], max_ctx: int) -> torch.Tensor:
         bs = self.block_size
@@ -179,12 +189,14 @@ class ModelRunner:
             context_slots = self._context_slots([s], ctx_len)[0]
         q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
         k_pos = torch.arange(ctx_len, device=self.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
-        return PrefillChunk(row, row + q_len, context_slots, mask)
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
+        return PrefillChunk(row, row + q_len, context_slots, self._additive(allowed))
 
 
 def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    return [s for s in scheduled if len(s.token_ids) == 1] + [s for s in scheduled if len(s.token_ids) > 1]
+    """Decodes first, shortest context first, so each decode bucket pads little; then prefills."""
+    decodes = sorted((s for s in scheduled if len(s.token_ids) == 1), key=lambda s: s.start_pos)
+    return decodes + [s for s in scheduled if len(s.token_ids) > 1]
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device, width: int | None = None) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""The engine against transformers on the same weights: greedy tokens must be identical in
+float32, whatever the batching, chunking, preemption or prefix caching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from producer.sampling_params import SamplingParams
+from worker import LLM
+from worker.scheduler import ScheduledRequest, SchedulerOutput
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "a",
+    "In a distant galaxy, far beyond the reach of any telescope, there lived " * 3,
+    "def fibonacci(n):\n    ",
+    "Les sciences naturelles étudient le monde 🌍 et ses lois; 数学 aussi.",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+]
+NEW_TOKENS = 32
+
+
+def hf_greedy(model_dir, prompt_ids: list[list[int]], max_new: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers' greedy tokens, never stopping at EOS and never masking it (like ignore_eos;
+    min_new_tokens would mask EOS instead)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def greedy(n=NEW_TOKENS):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def run_and_compare(llm: LLM, model_dir, prompts=PROMPTS):
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in prompts]
+    expected = hf_greedy(model_dir, ids)
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    for prompt, out, ref in zip(prompts, outputs, expected, strict=True):
+        assert out.outputs[0].token_ids == ref, f"mismatch for {prompt[:30]!r}"
+        assert out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
+    return outputs
+
+
+def test_greedy_matches_transformers_tiny_families(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=256)
+    run_and_compare(llm, tiny_model_dir)
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_default_model(default_model_dir):
+    llm = LLM(None, dtype="float32", max_model_len=2048, num_gpu_blocks_override=512)
+    run_and_compare(llm, default_model_dir, PROMPTS[:8])
+
+
+def test_prefill_logits_match_transformers(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    runner = llm.engine.runner
+    torch.manual_seed(0)
+    a, b = torch.randint(3, 49152, (45,)).tolist(), torch.randint(3, 49152, (17,)).tolist()
+    # a chunked across two steps (its second chunk attends to its cached first), b whole
+    runner.execute(SchedulerOutput([ScheduledRequest("a", a[:20], 0, [0, 1, 2], False),
+                                    ScheduledRequest("b", b, 0, [3, 4], True)]))
+    out = runner.execute(SchedulerOutput([ScheduledRequest("a", a[20:], 20, [0, 1, 2], True),
+                                          ScheduledRequest("b", [7], 17, [3, 4], True)]))
+    with torch.inference_mode():
+        ref_a = hf(torch.tensor([a])).logits[0, -1]
+        ref_b = hf(torch.tensor([b + [7]])).logits[0, -1]
+    got = dict(zip(out.request_ids, out.logits, strict=True))
+    assert torch.allclose(got["a"], ref_a, atol=1e-4, rtol=0)
+    assert torch.allclose(got["b"], ref_b, atol=1e-4, rtol=0)
+
+
+def test_preemption_gives_the_same_output(tiny_llama_dir):
+    # 12 blocks of 16 tokens cannot hold 9 sequences of up to ~90 tokens: preemption must happen.
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=12, max_model_len=192)
+    run_and_compare(llm, tiny_llama_dir)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefix_caching_reuses_blocks_and_keeps_outputs(tiny_llama_dir, prefix_caching):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=prefix_caching,
+              num_gpu_blocks_override=256)
+    system = "You are a careful assistant. Answer briefly and truthfully. " * 4
+    prompts = [system + q for q in ("What is 2+2?", "Name a colour.", "Where is Paris?")]
+    run_and_compare(llm, tiny_llama_dir, prompts[:1])  # fills the cache
+    run_and_compare(llm, tiny_llama_dir, prompts[1:])
+    hits = llm.engine.block_manager.stats.hits
+    assert (hits > 0) if prefix_caching else (hits == 0)
+
+
+def test_chunked_prefill_with_small_token_budget(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=24, num_gpu_blocks_override=256)
+    run_and_compare(llm, tiny_llama_dir)
+
+
+def test_bad_prompts_raise_and_engine_keeps_working(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, num_gpu_blocks_override=64)
+    engine = llm.engine
+    engine.add_request("good", "Hello there", greedy(8))
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        engine.add_request("long", {"prompt_token_ids": [5] * 64}, greedy())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", {"prompt_token_ids": []}, greedy())
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 49152\)"):
+        engine.add_request("oov", {"prompt_token_ids": [5, 49152]}, greedy())
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate(["fine", {"prompt_token_ids": [-1]}], greedy(), use_tqdm=False)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert list(finished) == ["good"]
+    assert llm.generate("Hello there", greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_abort_frees_blocks_and_reports(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    engine = llm.engine
+    engine.add_request("x", "Tell me a story", greedy(100))
+    engine.step()
+    engine.abort_request("x")
+    assert engine.block_manager.num_free_blocks == 64
+    outs = engine.step()
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+
+
+def test_chat_applies_template(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    out = llm.chat([{"role": "user", "content": "hi"}], greedy(4), use_tqdm=False)[0]
+    assert out.prompt.startswith("<|im_start|>") and out.prompt.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+    assert len(out.outputs[0].token_ids) == 4

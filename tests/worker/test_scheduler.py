@@ -1,0 +1,197 @@
+"""Scheduler and block manager, without torch: these modules must stay plain Python."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from producer.sampling_params import SamplingParams
+from worker.block_manager import BlockManager
+from worker.config import SchedulerConfig
+from worker.request import Request, RequestStatus
+from worker.scheduler import Scheduler
+
+BS = 4
+
+
+def make_scheduler(num_blocks=16, max_num_seqs=8, budget=64, policy="fcfs", prefix=True, max_model_len=256):
+    bm = BlockManager(num_blocks, BS, prefix)
+    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, policy, frozenset({2}))
+    return Scheduler(cfg, bm)
+
+
+def make_request(rid, prompt, max_tokens=8, priority=0, arrival=0.0, **params):
+    r = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, **params), priority=priority, arrival_time=arrival)
+    r.max_tokens = max_tokens
+    return r
+
+
+def step(sched, token=7):
+    """One schedule + update with a fixed sampled token for every sampling request."""
+    out = sched.schedule()
+    sampled = {s.request_id: token for s in out.scheduled if s.sample}
+    finished = sched.update_from_output(out, sampled)
+    return out, finished
+
+
+def test_plain_python_no_torch():
+    code = "import sys, worker.scheduler, worker.block_manager; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prefill_then_decode_and_length_finish():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", range(10, 20), max_tokens=3))
+    out, _ = step(sched)
+    assert [(s.request_id, len(s.token_ids), s.start_pos, s.sample) for s in out.scheduled] == [("a", 10, 0, True)]
+    out, _ = step(sched)
+    assert [(len(s.token_ids), s.start_pos) for s in out.scheduled] == [(1, 10)]
+    out, finished = step(sched)
+    assert [r.request_id for r in finished] == ["a"]
+    assert finished[0].status == RequestStatus.FINISHED_LENGTH
+    assert finished[0].output_token_ids == [7, 7, 7]
+    assert sched.block_manager.num_free_blocks == 16
+    assert not sched.has_unfinished_requests()
+
+
+def test_chunked_prefill_shares_budget_with_decodes():
+    sched = make_scheduler(budget=6)
+    sched.add_request(make_request("a", range(10, 13)))
+    sched.add_request(make_request("b", range(20, 34), arrival=1.0))
+    out, _ = step(sched)
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [("a", 3, True), ("b", 3, False)]
+    out, _ = step(sched)
+    # the decode goes first, then b's next chunk takes the rest of the budget
+    assert [(s.request_id, len(s.token_ids), s.start_pos) for s in out.scheduled] == [("a", 1, 3), ("b", 5, 3)]
+    assert out.num_batched_tokens == 6
+
+
+def test_eos_and_stop_token_and_min_tokens():
+    sched = make_scheduler()
+    sched.add_request(make_request("eos", [5, 6]))
+    sched.add_request(make_request("ignore", [5, 6], ignore_eos=True))
+    sched.add_request(make_request("stopid", [5, 6], stop_token_ids=[9]))
+    sched.add_request(make_request("min", [5, 6], min_tokens=2))
+    out = sched.schedule()
+    finished = sched.update_from_output(out, {"eos": 2, "ignore": 2, "stopid": 9, "min": 2})
+    assert sorted(r.request_id for r in finished) == ["eos", "stopid"]
+    assert sched.finished["stopid"].stop_reason == 9
+    out = sched.schedule()
+    finished = sched.update_from_output(out, {"ignore": 2, "min": 2})
+    assert [r.request_id for r in finished] == ["min"]
+
+
+def test_max_num_seqs_limits_admission():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", [1, 2, 3], arrival=i))
+    out, _ = step(sched)
+    assert [s.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert [r.request_id for r in sched.waiting] == ["r2"]
+
+
+def test_priority_policy_orders_and_preempts_lowest():
+    sched = make_scheduler(num_blocks=4, policy="priority", budget=100)
+    sched.add_request(make_request("low", range(8), priority=5, arrival=0, max_tokens=20))
+    sched.add_request(make_request("high", range(8), priority=0, arrival=1, max_tokens=20))
+    out, _ = step(sched)
+    assert [s.request_id for s in out.scheduled] == ["high", "low"]  # lower value first
+    # Both hold 2 full blocks; the next token needs a third block each and the pool is empty.
+    out, _ = step(sched)
+    assert out.preempted == ["low"]
+    assert [s.request_id for s in out.scheduled] == ["high"]
+    assert sched.waiting[0].request_id == "low" and sched.waiting[0].num_computed_tokens == 0
+
+
+def test_fcfs_preempts_latest_and_recomputes_output():
+    sched = make_scheduler(num_blocks=5, budget=100, prefix=False)
+    sched.add_request(make_request("a", range(8), arrival=0, max_tokens=6))
+    sched.add_request(make_request("b", range(100, 108), arrival=1, max_tokens=6))
+    step(sched)  # both prefill: 2 blocks each, 1 free
+    step(sched)  # a takes the free block for token 9; b needs one more: b is preempted
+    assert sched.num_preemptions == 1
+    b = sched.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.output_token_ids == [7]
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+    # b resumed by recomputing its prompt plus the token it had produced
+    assert sched.finished["b"].output_token_ids == [7] * 6
+    assert sched.block_manager.num_free_blocks == 5
+
+
+def test_abort_frees_blocks_at_once():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", range(12)))
+    sched.add_request(make_request("w", range(12)))
+    step(sched)
+    assert sched.block_manager.num_free_blocks == 16 - 2 * 3  # 12 prompt tokens: 3 blocks each
+    sched.abort_requests(["a", "w", "unknown"])
+    assert sched.block_manager.num_free_blocks == 16
+    assert sched.finished["a"].status == RequestStatus.FINISHED_ABORTED
+    assert not sched.has_unfinished_requests()
+
+
+def test_prefix_cache_reuses_full_blocks():
+    sched = make_scheduler()
+    shared = list(range(50, 62))  # 3 full blocks
+    sched.add_request(make_request("a", shared + [1, 2]))
+    step(sched)
+    sched.add_request(make_request("b", shared + [3]))
+    out, _ = step(sched)
+    b = next(s for s in out.scheduled if s.request_id == "b")
+    assert b.start_pos == 12 and b.token_ids == [3]
+    assert sched.requests["b"].num_cached_tokens == 12
+    a_blocks = sched.block_manager.block_table("a")
+    assert sched.block_manager.block_table("b")[:3] == a_blocks[:3]
+
+
+def test_prefix_cache_leaves_one_token_and_survives_free():
+    sched = make_scheduler()
+    prompt = list(range(50, 58))  # exactly 2 blocks
+    sched.add_request(make_request("a", prompt, max_tokens=1))
+    step(sched)
+    assert not sched.has_unfinished_requests()
+    sched.add_request(make_request("b", prompt, max_tokens=1))
+    out, _ = step(sched)
+    # block 1 is cached, but the last block is recomputed so the step still has a token to sample
+    assert out.scheduled[0].start_pos == 4 and out.scheduled[0].token_ids == prompt[4:]
+
+
+def test_lru_eviction_of_cached_blocks():
+    bm = BlockManager(4, BS, True)
+    a = make_request("a", range(8))
+    assert bm.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    bm.cache_computed_blocks(a)
+    bm.free_request("a")
+    assert bm.num_free_blocks == 4 and len(bm.cached) == 2
+    # Two uncached blocks are handed out before the cached ones; then the cached tail goes first.
+    b = make_request("b", range(100, 112))
+    assert bm.allocate_slots(b, 12)
+    assert len(bm.cached) == 1  # the tail block of a was evicted, its head survives
+    c = make_request("c", list(range(4)) + [99, 98])
+    assert len(bm.get_computed_blocks(c)) == 1
+
+
+def test_allocation_failure_changes_nothing():
+    bm = BlockManager(2, BS, True)
+    r = make_request("r", range(20))
+    assert not bm.allocate_slots(r, 20)
+    assert bm.num_free_blocks == 2
+
+
+def test_fork_shares_prompt_blocks_by_reference():
+    sched = make_scheduler()
+    parent = make_request("p#0", range(10), max_tokens=4)
+    forks = [make_request(f"p#{i}", range(10), max_tokens=4) for i in (1, 2)]
+    sched.add_request(parent, forks=forks)
+    out, _ = step(sched)
+    assert [s.request_id for s in out.scheduled] == ["p#0"]
+    out, _ = step(sched)
+    forked = {s.request_id: s for s in out.scheduled if s.request_id != "p#0"}
+    assert sorted(forked) == ["p#1", "p#2"]
+    assert all(s.start_pos == 8 and s.token_ids == [8, 9] for s in forked.values())
+    bm = sched.block_manager
+    shared = bm.block_table("p#0")[:2]
+    assert bm.block_table("p#1")[:2] == shared and bm.block_table("p#2")[:2] == shared
+    assert all(bm.ref_cnt[b] == 3 for b in shared)
