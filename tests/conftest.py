@@ -1,4 +1,6 @@
-"""Fixtures shared by every test package: one real Redis server on loopback per session.
+"""Fixtures shared by every test package: one real Redis server on loopback per session, and
+tiny random models of each supported family (saved as Hugging Face directories) beside the
+default model, converted once into a cache shared across runs.
 
 `redis_url` hands each test an empty database; tests never touch a server they did not start.
 """
@@ -6,7 +8,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -41,3 +45,70 @@ def redis_conn(redis_url: str) -> Iterator[redis.Redis]:
     conn = redis.Redis.from_url(redis_url)
     yield conn
     conn.close()
+
+
+# -- models ---------------------------------------------------------------------------------
+
+CACHE_DIR = Path(os.environ.get("GENQ_TEST_CACHE", Path.home() / ".cache" / "genq"))
+
+TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.3,  # peaky logits, so greedy choices are not near-ties
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+def tiny_hf_config(family: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    vocab = 49152  # the default tokenizer's vocabulary, so prompts can be text
+    if family == "llama":
+        return LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, rope_theta=10000.0, **TINY_COMMON)
+    if family == "llama3_rope":
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 500000.0}
+        return LlamaConfig(vocab_size=vocab, rope_scaling=scaling, tie_word_embeddings=True,
+                           **{**TINY_COMMON, "num_key_value_heads": 1})
+    if family == "mistral":
+        return MistralConfig(vocab_size=vocab, sliding_window=None, tie_word_embeddings=False,
+                             **{**TINY_COMMON, "num_key_value_heads": 4})
+    if family == "qwen2":
+        return Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=False, **TINY_COMMON)
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from worker.model_loader import ensure_default_model
+
+    return ensure_default_model(CACHE_DIR)
+
+
+def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(family), dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2"])
+def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
+    return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
+    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), default_model_dir)
