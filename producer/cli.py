@@ -37,6 +37,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "redis": Subcommand("run a local Redis server in the foreground", "producer.cli:build_redis"),
     "submit": Subcommand("submit a generation job and print its text", "producer.cli:build_submit"),
     "inspect": Subcommand("print a job's record, payload and events", "producer.cli:build_inspect"),
+    "worker": Subcommand("run a GPU worker: pull jobs into the engine (as arq worker)", "worker.cli:build"),
+    "api": Subcommand("serve the OpenAI-compatible HTTP API", "api.cli:build"),
+    "up": Subcommand("run the whole stack: Redis, one worker and the API", "producer.stack:build"),
+    "bench": Subcommand("benchmarks: throughput (offline) and serve (HTTP load)", "worker.bench:build"),
 }
 
 
