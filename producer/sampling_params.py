@@ -6,10 +6,14 @@ naming the field and its allowed range, so a bad job fails with a message its se
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
+# Below this, temperature is greedy: dividing logits by a tinier number overflows to inf.
+MIN_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass
@@ -44,16 +48,16 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def _validate(self) -> None:
         _check_int("n", self.n, low=1)
-        _check_number("temperature", self.temperature, "must be >= 0", lambda v: v >= 0)
+        _check_number("temperature", self.temperature, "must be finite and >= 0", lambda v: 0 <= v < math.inf)
         _check_number("top_p", self.top_p, "must be in (0, 1]", lambda v: 0 < v <= 1)
         _check_int("top_k", self.top_k, low=-1, note="-1 or 0 disables it")
         _check_number("min_p", self.min_p, "must be in [0, 1]", lambda v: 0 <= v <= 1)
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            _check_int("seed", self.seed, low=SEED_RANGE[0], high=SEED_RANGE[1])
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
@@ -63,7 +67,9 @@ class SamplingParams:
             )
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name), "must be in [-2, 2]", lambda v: -2 <= v <= 2)
-        _check_number("repetition_penalty", self.repetition_penalty, "must be > 0", lambda v: v > 0)
+        _check_number(
+            "repetition_penalty", self.repetition_penalty, "must be finite and > 0", lambda v: 0 < v < math.inf
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -101,5 +107,5 @@ def _check_int(
 def _check_number(name: str, value: Any, rule: str, ok) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not ok(value):
+    if math.isnan(value) or not ok(value):
         raise ValueError(f"{name} {rule}, got {value}")

@@ -55,8 +55,8 @@ class BlockManager:
 
         At least one token is always left to compute, so the step still produces logits.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         self._hash_full_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -22,7 +22,7 @@ from worker.model_runner import ModelRunner
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
-from worker.sampler import Sampler, SamplingBatch
+from worker.sampler import Sampler, SamplingBatch, TokenLogprobs
 from worker.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Engine:
         child_params = params
         if params.seed is not None:
             child_params = replace(params, seed=params.seed + index)
-            self.generators[child_id] = torch.Generator().manual_seed(child_params.seed)
+            self.generators[child_id] = self._seeded_generator(child_params, len(resume or []))
         request = Request(
             request_id=child_id,
             prompt_token_ids=list(prompt_ids),
@@ -103,6 +103,14 @@ class Engine:
         room = self.max_model_len - len(prompt_ids)
         request.max_tokens = min(params.max_tokens or room, room)
         return request
+
+    def _seeded_generator(self, params: SamplingParams, num_drawn: int) -> torch.Generator:
+        """A request's own generator. A resumed request skips the draws its first run made
+        (one vocabulary-sized draw per random token), so it continues with the same tokens."""
+        generator = torch.Generator().manual_seed(params.seed)
+        if num_drawn and not params.greedy:
+            torch.empty(num_drawn, self.model_config.vocab_size).exponential_(generator=generator)
+        return generator
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -144,12 +152,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         updated: list[Request] = self._take_aborted()
+        logprobs: dict[str, TokenLogprobs] = {}
         if not sched.is_empty:
             model_out = self.runner.execute(sched)
-            sampled = self._sample(model_out.request_ids, model_out.logits)
+            sampled, logprobs = self._sample(model_out.request_ids, model_out.logits)
+            self._record_prompt_logprobs(sched, model_out.chunk_logits)
             self.scheduler.update_from_output(sched, sampled)
             updated += [self.scheduler_request(rid) for rid in sampled]
-        outputs, stopped = self.output_processor.process(updated)
+        outputs, stopped = self.output_processor.process(updated, logprobs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
         return outputs
@@ -157,9 +167,11 @@ class Engine:
     def scheduler_request(self, request_id: str) -> Request:
         return self.scheduler.requests.get(request_id) or self.scheduler.finished[request_id]
 
-    def _sample(self, request_ids: list[str], logits: torch.Tensor) -> dict[str, int]:
+    def _sample(
+        self, request_ids: list[str], logits: torch.Tensor
+    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         if not request_ids:
-            return {}
+            return {}, {}
         requests = [self.scheduler.requests[rid] for rid in request_ids]
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],
@@ -172,7 +184,31 @@ class Engine:
         )
         out = self.sampler(logits, batch)
         self.num_generated_tokens += len(out.token_ids)
-        return dict(zip(request_ids, out.token_ids, strict=True))
+        logprobs = {rid: lp for rid, lp in zip(request_ids, out.logprobs or [], strict=False) if lp is not None}
+        return dict(zip(request_ids, out.token_ids, strict=True)), logprobs
+
+    def _record_prompt_logprobs(self, sched, chunk_logits: dict[str, torch.Tensor]) -> None:
+        """Logprob of each prompt token given the tokens before it (raw model distribution),
+        with the top alternatives; position 0 has none."""
+        for s in sched.scheduled:
+            logits = chunk_logits.get(s.request_id)
+            if logits is None:
+                continue
+            request = self.scheduler.requests[s.request_id]
+            num_prompt = request.num_prompt_tokens
+            targets = request.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + len(s.token_ids)]
+            logprobs = logits[: len(targets)].log_softmax(dim=-1)  # [num_targets, vocab]
+            entries = self.output_processor.prompt_logprobs_of(s.request_id, num_prompt)
+            k = request.sampling_params.prompt_logprobs or 0
+            target_ids = torch.tensor(targets, dtype=torch.long)
+            chosen = logprobs.gather(1, target_ids[:, None])  # [num_targets, 1]
+            ranks = (logprobs > chosen).sum(-1) + 1
+            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], target_ids[:, None][:, :0])
+            for i, token_id in enumerate(targets):
+                entries[s.start_pos + 1 + i] = TokenLogprobs(
+                    token_id, float(chosen[i]), int(ranks[i]),
+                    dict(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True)),
+                )
 
     def _take_aborted(self) -> list[Request]:
         aborted, self._aborted = self._aborted, []

@@ -8,7 +8,7 @@ the logits of the rows that sample a token.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -55,6 +55,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class ModelOutput:
     request_ids: list[str]  # one per logits row
     logits: torch.Tensor  # [num_rows, vocab] float32
+    # request id -> [chunk_len, vocab] logits at each computed position, for prompt logprobs
+    chunk_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -116,27 +118,28 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         batch = _order_decodes_first(out.scheduled)
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[sample_rows])
-        request_ids = [s.request_id for s in batch if s.sample]
-        return ModelOutput(request_ids=request_ids, logits=logits)
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        ends = torch.tensor(_row_ends(batch), dtype=torch.long, device=self.device)
+        samplers = [i for i, s in enumerate(batch) if s.sample]
+        logits = self.model.compute_logits(hidden[ends[samplers] - 1])  # [num_samplers, vocab]
+        chunk_logits = {
+            s.request_id: self.model.compute_logits(hidden[int(ends[i]) - len(s.token_ids) : int(ends[i])])
+            for i, s in enumerate(batch)
+            if s.prompt_logprobs
+        }
+        return ModelOutput([batch[i].request_id for i in samplers], logits, chunk_logits)
 
-    def _prepare(self, batch: list[ScheduledRequest]):
+    def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         pos: list[int] = []
-        sample_rows: list[int] = []
         for s in batch:
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
-        dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)  # [T]
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)  # [T]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
         slot_mapping = self._slots(batch, positions)
-        meta = self._attention_metadata(batch, slot_mapping)
-        return input_ids, positions, meta, torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return input_ids, positions, self._attention_metadata(batch, slot_mapping)
 
     def _slots(self, batch: list[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
@@ -197,6 +200,15 @@ def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledReq
     """Decodes first, shortest context first, so each decode bucket pads little; then prefills."""
     decodes = sorted((s for s in scheduled if len(s.token_ids) == 1), key=lambda s: s.start_pos)
     return decodes + [s for s in scheduled if len(s.token_ids) > 1]
+
+
+def _row_ends(batch: list[ScheduledRequest]) -> list[int]:
+    """End row (exclusive) of each request in the flat batch."""
+    ends, row = [], 0
+    for s in batch:
+        row += len(s.token_ids)
+        ends.append(row)
+    return ends
 
 
 def _pad_tables(tables: list[list[int]], device: torch.device, width: int | None = None) -> torch.Tensor:

@@ -4,10 +4,11 @@ the grouping of `n > 1` completions under their parent request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from worker.detokenizer import IncrementalDetokenizer
 from worker.outputs import CompletionOutput, RequestOutput
-from worker.request import Request
+from worker.request import Request, RequestStatus
 
 
 @dataclass
@@ -24,6 +25,8 @@ class ParentState:
     prompt: str | None
     prompt_token_ids: list[int]
     completions: dict[str, CompletionState] = field(default_factory=dict)  # child id -> state
+    prompt_logprobs: list[Any] | None = None  # per prompt position, filled as chunks compute
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -51,7 +54,15 @@ class OutputProcessor:
         state = self.parents.get(parent_id)
         return list(state.completions) if state else []
 
-    def process(self, updated: list[Request]) -> tuple[list[RequestOutput], list[str]]:
+    def prompt_logprobs_of(self, request_id: str, num_prompt_tokens: int) -> list[Any]:
+        parent = self.parents[self.parent_of[request_id]]
+        if parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [None] * num_prompt_tokens
+        return parent.prompt_logprobs
+
+    def process(
+        self, updated: list[Request], logprobs: dict[str, Any] | None = None
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Deltas for requests that got tokens or finished this step, and the ids of requests
         that a stop string finished (the engine tells the scheduler)."""
         by_parent: dict[str, list[CompletionOutput]] = {}
@@ -60,18 +71,18 @@ class OutputProcessor:
             parent_id = self.parent_of.get(request.request_id)
             if parent_id is None:
                 continue
-            delta = self._completion_delta(request, self.parents[parent_id])
+            delta = self._completion_delta(request, self.parents[parent_id], (logprobs or {}).get(request.request_id))
             if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
                 stopped.append(request.request_id)
             by_parent.setdefault(parent_id, []).append(delta)
         return [self._request_output(pid, deltas) for pid, deltas in by_parent.items()], stopped
 
-    def _completion_delta(self, request: Request, parent: ParentState) -> CompletionOutput:
+    def _completion_delta(self, request: Request, parent: ParentState, logprobs: Any) -> CompletionOutput:
         state = parent.completions[request.request_id]
         new_ids = request.output_token_ids[state.num_sent_tokens :]
         state.num_sent_tokens = request.num_output_tokens
         detok = state.detokenizer
-        text = detok.update(new_ids) if new_ids else ""
+        text = detok.update(_text_ids(request, new_ids)) if new_ids else ""
         finish_reason = request.status.finish_reason
         stop_reason = request.stop_reason
         if detok.stop_reason is not None:
@@ -79,7 +90,9 @@ class OutputProcessor:
         elif finish_reason is not None:
             text += detok.flush()
         state.finished = finish_reason is not None
-        return CompletionOutput(state.index, text, new_ids, finish_reason, stop_reason)
+        return CompletionOutput(
+            state.index, text, new_ids, finish_reason, stop_reason, [logprobs] if logprobs else None
+        )
 
     def _request_output(self, parent_id: str, deltas: list[CompletionOutput]) -> RequestOutput:
         parent = self.parents[parent_id]
@@ -88,4 +101,16 @@ class OutputProcessor:
             del self.parents[parent_id]
             for child_id in parent.completions:
                 self.parent_of.pop(child_id, None)
-        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, deltas, finished)
+        out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, deltas, finished)
+        if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
+            out.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
+        return out
+
+
+def _text_ids(request: Request, new_ids: list[int]) -> list[int]:
+    """The token that stopped a request (EOS or a stop token id) is not part of its text
+    unless include_stop_str_in_output asks for it, as in vLLM."""
+    stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED and request.output_token_ids
+    if stopped_by_token and not request.sampling_params.include_stop_str_in_output:
+        return new_ids[:-1]
+    return new_ids

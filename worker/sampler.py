@@ -25,11 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from producer.sampling_params import SamplingParams
-
-# Temperatures below this are treated as greedy: dividing logits by ~1e-30 overflows float32
-# to inf and the softmax to NaN. The same cut-off as vLLM's.
-MIN_TEMPERATURE = 1e-5
+from producer.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 # Smallest positive float32: exponential noise clamped to it never divides by zero.
 _TINY = torch.finfo(torch.float32).tiny

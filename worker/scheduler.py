@@ -24,6 +24,7 @@ class ScheduledRequest:
     start_pos: int  # position of token_ids[0]; the cache holds positions [0, start_pos)
     block_table: list[int]
     sample: bool  # the step reaches the end of the known tokens, so a token is sampled
+    prompt_logprobs: bool = False  # the request wants logprobs for the prompt tokens computed here
 
 
 @dataclass
@@ -154,6 +155,8 @@ class Scheduler:
                 start_pos=start,
                 block_table=list(self.block_manager.block_table(request.request_id)),
                 sample=start + num_new == request.num_tokens,
+                prompt_logprobs=request.sampling_params.prompt_logprobs is not None
+                and start < request.num_prompt_tokens,
             )
         )
 

@@ -121,7 +121,7 @@ def test_undecodable_payload_names_the_job(
     ("changes", "message"),
     [
         ({"version": PROTOCOL_VERSION + 1}, "unsupported protocol version 2"),
-        ({"sampling_params": {"temperature": -1.0}}, "temperature must be >= 0"),
+        ({"sampling_params": {"temperature": -1.0}}, "temperature must be finite and >= 0"),
         ({"sampling_params": {"beam_width": 4}}, "unknown sampling parameter.*beam_width"),
         ({"sampling_params": "greedy"}, "sampling_params must be a mapping"),
         ({"prompt_token_ids": [1]}, "exactly one of prompt, prompt_token_ids, messages"),

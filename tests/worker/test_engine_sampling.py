@@ -1,0 +1,151 @@
+"""Sampling features end to end through the engine: n > 1, logprobs, prompt logprobs, seeds,
+stop strings and tokens, resumed requests; and SamplingParams validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from producer.sampling_params import SamplingParams
+from worker import LLM
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=256)
+
+
+def run_to_end(engine):
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done.setdefault(out.request_id, []).append(out)
+    return done
+
+
+def test_n_completions_share_prompt_blocks(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    out = llm.generate("The weather today is" * 5, params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different draws
+    again = llm.generate("The weather today is" * 5, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_n_completions_fork_blocks_by_reference(llm):
+    engine = llm.engine
+    engine.add_request("fork", "one two three four five six seven eight nine ten eleven twelve " * 3,
+                       SamplingParams(n=3, temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine.step()  # prompt computed by the first completion; siblings fork its blocks
+    engine.step()
+    tables = [engine.block_manager.block_table(f"fork#{i}") for i in range(3)]
+    shared = tables[0][0]
+    assert all(t and t[0] == shared for t in tables)
+    assert engine.block_manager.ref_cnt[shared] == 3
+    outs = run_to_end(engine)["fork"]
+    assert outs[-1].finished
+
+
+def test_logprobs_match_log_softmax_of_the_model(llm, tiny_llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True)
+    out = llm.generate("Hello world", params, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 4
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = out.prompt_token_ids + comp.token_ids
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for step, entry in enumerate(comp.logprobs):
+        row = ref[len(out.prompt_token_ids) - 1 + step]
+        assert entry.token_id == comp.token_ids[step] and entry.rank == 1
+        assert math.isclose(entry.logprob, float(row[entry.token_id]), abs_tol=1e-4)
+        top = row.topk(5)
+        assert list(entry.top_logprobs) == top.indices.tolist()
+        assert all(math.isclose(v, float(r), abs_tol=1e-4) for v, r in zip(entry.top_logprobs.values(), top.values, strict=True))
+
+
+def test_prompt_logprobs_match_the_model_with_chunking(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=16)
+    prompt = "A long prompt that needs several chunks of sixteen tokens to compute. " * 3
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    assert len(ids) > 32 and len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert entry.token_id == ids[pos]
+        assert math.isclose(entry.logprob, float(ref[pos - 1, ids[pos]]), abs_tol=1e-4)
+        assert len(entry.top_logprobs) == 3
+
+
+def test_seeded_requests_ignore_their_neighbours(llm):
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate("Seeded prompt", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batched = llm.generate(["noise one", "Seeded prompt", "more noise here"], [other, seeded, other],
+                           use_tqdm=False)[1].outputs[0].token_ids
+    reordered = llm.generate(["Seeded prompt", "x y z"], [seeded, other], use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == batched == reordered
+
+
+def test_stop_string_across_tokens_and_stop_token_ids(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    full = llm.generate("Count with me:", greedy, use_tqdm=False)[0].outputs[0]
+    stop = full.text[5:12]  # a span that (almost surely) crosses token boundaries
+    cut = llm.generate("Count with me:", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+    kept = llm.generate("Count with me:", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                         include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+    stop_id = full.token_ids[3]
+    by_id = llm.generate("Count with me:", SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id]),
+                         use_tqdm=False)[0].outputs[0]
+    first = full.token_ids.index(stop_id)
+    assert by_id.token_ids == full.token_ids[: first + 1] and by_id.stop_reason == stop_id
+    tok = llm.get_tokenizer()
+    assert by_id.text == tok.decode(full.token_ids[:first], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=99, max_tokens=20, ignore_eos=True),
+])
+def test_resumed_request_continues_the_same_output(llm, params):
+    whole = llm.generate("Resume me please", params, use_tqdm=False)[0].outputs[0]
+    engine = llm.engine
+    engine.add_request("resumed", "Resume me please", params, resume_output_token_ids=whole.token_ids[:7])
+    outs = run_to_end(engine)["resumed"]
+    tokens = [t for o in outs for t in o.outputs[0].token_ids]
+    text = "".join(o.outputs[0].text for o in outs)
+    assert whole.token_ids[:7] + tokens == whole.token_ids
+    tok = llm.get_tokenizer()
+    assert tok.decode(whole.token_ids[:7], skip_special_tokens=True) + text == whole.text
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"n": 0}, "n"), ({"temperature": -0.1}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"seed": 2**64}, "seed"),
+    ({"stop": [""]}, "stop"), ({"stop_token_ids": [-3]}, "stop_token_ids"), ({"temperature": float("nan")}, "temperature"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_dict(kwargs)
+
+
+def test_unknown_sampling_field_is_an_error():
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        SamplingParams.from_dict({"temprature": 1.0})
