@@ -107,13 +107,21 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, K and V pools of [num_blocks, block_size, num_kv_heads, head_dim].
+
+        Left uninitialised (the OS maps pages on first write, so start-up does not pay for the
+        whole pool) except block 0: padded decode rows read slot 0 under a -inf mask, and a
+        NaN there would still poison the weighted sum."""
         cfg = self.model_config
         shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        caches = []
+        for _ in range(cfg.num_hidden_layers):
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k[0].zero_()
+            v[0].zero_()
+            caches.append((k, v))
+        return caches
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
