@@ -8,9 +8,11 @@ the logits of the rows that sample a token.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from worker.attention import AttentionMetadata, DecodeBucket, PrefillChunk
@@ -107,21 +109,21 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V pools of [num_blocks, block_size, num_kv_heads, head_dim].
-
-        Left uninitialised (the OS maps pages on first write, so start-up does not pay for the
-        whole pool) except block 0: padded decode rows read slot 0 under a -inf mask, and a
-        NaN there would still poison the weighted sum."""
+        """Per layer, K and V pools of [num_blocks, num_kv_heads, block_size, head_dim], zeroed:
+        attention reads whole blocks, and a NaN left in an unwritten slot would poison the
+        weighted sum even under a -inf mask."""
         cfg = self.model_config
-        shape = (self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        caches = []
-        for _ in range(cfg.num_hidden_layers):
-            k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            v = torch.empty(shape, dtype=self.dtype, device=self.device)
-            k[0].zero_()
-            v[0].zero_()
-            caches.append((k, v))
-        return caches
+        shape = (self.num_blocks, cfg.num_key_value_heads, self.block_size, cfg.head_dim)
+        return [(self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # calloc'd memory: the OS hands out zero pages on first touch, so start-up does not
+        # pay for writing the whole pool.
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        raw = np.zeros(math.prod(shape) * itemsize, dtype=np.uint8)
+        return torch.from_numpy(raw).view(self.dtype).view(shape)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
@@ -161,7 +163,7 @@ class ModelRunner:
         return blocks * bs + positions % bs  # [T]
 
     def _attention_metadata(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping)
+        meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
         decodes = [s for s in batch if len(s.token_ids) == 1]
         for start in range(0, len(decodes), DECODE_BUCKET_SIZE):
             bucket = decodes[start : start + DECODE_BUCKET_SIZE]
@@ -172,36 +174,45 @@ class ModelRunner:
             row += len(s.token_ids)
         return meta
 
+    def _write_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rows of the head-major cache viewed as [-1, head_dim] for each (token, kv head)."""
+        bs, heads = self.block_size, self.model_config.num_key_value_heads
+        block, offset = slot_mapping // bs, slot_mapping % bs  # [T]
+        head = torch.arange(heads, device=self.device)
+        return ((block[:, None] * heads + head[None, :]) * bs + offset[:, None]).view(-1)  # [T * heads]
+
+    def _block_rows(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """[B, kv_heads, num_blocks] rows of the cache viewed as [num_blocks * kv_heads, -1]."""
+        heads = self.model_config.num_key_value_heads
+        table = _pad_tables(tables, self.device, num_blocks)  # [B, num_blocks]
+        head = torch.arange(heads, device=self.device)
+        return table[:, None, :] * heads + head[None, :, None]
+
     def _decode_bucket(self, bucket: list[ScheduledRequest], row: int) -> DecodeBucket:
-        ctx = torch.tensor([s.start_pos + 1 for s in bucket], device=self.device)  # [n]
-        max_ctx = int(ctx.max())
-        span = torch.arange(max_ctx, device=self.device)
-        valid = span[None, :] < ctx[:, None]  # [n, max_ctx]
-        slots = self._context_slots(bucket, max_ctx).masked_fill(~valid, 0)
-        return DecodeBucket(row, row + len(bucket), slots.view(-1), self._additive(valid).view(len(bucket), 1, 1, max_ctx))
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, float("-inf"))
-
-    def _context_slots(self, batch: list[ScheduledRequest], max_ctx: int) -> torch.Tensor:
         bs = self.block_size
-        num_blocks = -(-max_ctx // bs)
-        table = _pad_tables([s.block_table[:num_blocks] for s in batch], self.device, num_blocks)
-        offsets = torch.arange(bs, device=self.device)
-        slots = (table[:, :, None] * bs + offsets).view(len(batch), -1)
-        return slots[:, :max_ctx]  # [B, max_ctx]
+        ctx = torch.tensor([s.start_pos + 1 for s in bucket], device=self.device)  # [n]
+        num_blocks = -(-int(ctx.max()) // bs)
+        rows = self._block_rows([s.block_table[:num_blocks] for s in bucket], num_blocks)
+        span = torch.arange(num_blocks * bs, device=self.device)
+        allowed = span[None, :] < ctx[:, None]  # [n, num_blocks * block_size]
+        mask = self._additive(allowed).view(len(bucket), 1, 1, -1)
+        return DecodeBucket(row, row + len(bucket), rows.view(-1), mask)
 
     def _prefill_chunk(self, s: ScheduledRequest, row: int) -> PrefillChunk:
         q_len = len(s.token_ids)
         ctx_len = s.start_pos + q_len
-        context_slots = None
+        context_rows = None
         if s.start_pos > 0:
-            context_slots = self._context_slots([s], ctx_len)[0]
+            num_blocks = -(-ctx_len // self.block_size)
+            context_rows = self._block_rows([s.block_table[:num_blocks]], num_blocks).view(-1)
         q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
         k_pos = torch.arange(ctx_len, device=self.device)
         allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
-        return PrefillChunk(row, row + q_len, context_slots, self._additive(allowed))
+        return PrefillChunk(row, row + q_len, context_rows, self._additive(allowed))
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
 
 
 def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:

@@ -313,7 +313,8 @@ class Sampler:
             raise ValueError(f"logits must be [{num_seqs}, vocab], got {tuple(logits.shape)}")
         logits = apply_min_tokens(logits.float(), batch)  # [num_seqs, vocab] float32
         logits = apply_penalties(logits, batch)
-        scaled = logits / batch.temperature.unsqueeze(1)  # greedy rows divide by 1
+        # Greedy rows divide by 1; an all-greedy batch skips the full-vocabulary division.
+        scaled = logits if batch.all_greedy else logits / batch.temperature.unsqueeze(1)
         token_ids = self._sample(logits, scaled, batch)  # [num_seqs] int64
         return SamplerOutput(
             token_ids=token_ids.tolist(), logprobs=compute_logprobs(scaled, token_ids, batch)
