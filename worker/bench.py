@@ -1,0 +1,171 @@
+"""`genq bench throughput` (offline: engine, queue, transformers) and `genq bench serve` (load on
+a running API). Every figure is reported next to a baseline measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from worker.bench_workload import RandomWorkload, Workload, load_dataset
+
+MODES = ("engine", "queue", "hf")
+
+
+def build(parser: argparse.ArgumentParser):
+    sub = parser.add_subparsers(dest="bench", required=True)
+    tp = sub.add_parser("throughput", help="offline throughput: engine, queue and transformers")
+    _throughput_args(tp)
+    sp = sub.add_parser("serve", help="latency and throughput under load on a running API")
+    from worker.bench_serve import add_serve_args
+
+    add_serve_args(sp)
+    return _run
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        from worker.bench_serve import run_serve
+
+        return run_serve(args)
+    return run_throughput(args)
+
+
+def _throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: engine,queue,hf")
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=None, help="mean input length (with --range-ratio)")
+    p.add_argument("--output-len", type=int, default=None, help="mean output length (with --range-ratio)")
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", default=None, help="JSONL of prompts: {'prompt': str, 'max_tokens': int}")
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    if args.dataset:
+        return load_dataset(Path(args.dataset), args.num_prompts)
+    if args.input_len is None and args.output_len is None:
+        return RandomWorkload(num_prompts=args.num_prompts, seed=args.seed)  # W1
+    return RandomWorkload.from_lengths(
+        args.num_prompts, args.input_len or 144, args.output_len or 136, args.range_ratio, args.seed
+    )
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    workload = make_workload(args)
+    engine_args = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+    }
+    results: dict[str, dict[str, Any]] = {}
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        results[mode] = _run_mode(mode, args, workload, engine_args)
+        print(f"{mode}: {results[mode]}", flush=True)
+    report = {"workload": workload.describe(), "results": results}
+    _add_ratios(results)
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _run_mode(mode: str, args, workload: Workload, engine_args: dict) -> dict[str, Any]:
+    if mode == "engine":
+        return run_engine(args.model, args.dtype, workload, engine_args)
+    if mode == "hf":
+        return run_hf(args.model, args.dtype, workload, args.hf_batch_size)
+    from worker.bench_queue import run_queue
+
+    return run_queue(args, workload, engine_args)
+
+
+def run_engine(model: str | None, dtype: str, workload: Workload, engine_args: dict) -> dict[str, Any]:
+    from worker.llm import LLM
+
+    llm = LLM(model=model, dtype=dtype, **engine_args)
+    prompts, params = workload.prompts(), workload.sampling_params()
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_in = sum(len(o.prompt_token_ids) for o in outputs)
+    return summarize(elapsed, len(outputs), num_in, num_out)
+
+
+def run_hf(model: str | None, dtype: str, workload: Workload, batch_size: int) -> dict[str, Any]:
+    """transformers' generate with static batches, left-padded, each batch running to its longest
+    output; only the tokens each request asked for count."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.model_loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    requests = workload.token_requests(AutoTokenizer.from_pretrained(path))
+    _hf_batch(hf, requests[:2])  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        _hf_batch(hf, requests[i : i + batch_size])
+    elapsed = time.perf_counter() - start
+    return summarize(elapsed, len(requests), sum(len(ids) for ids, _ in requests), sum(n for _, n in requests))
+
+
+def _hf_batch(model, batch: list[tuple[list[int], int]], pad_id: int = 0) -> None:
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+    max_new = max(n for _, n in batch)
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new,
+                       min_new_tokens=max_new, do_sample=False, pad_token_id=pad_id)
+
+
+def summarize(elapsed: float, num_requests: int, num_in: int, num_out: int) -> dict[str, Any]:
+    return {
+        "elapsed_s": round(elapsed, 2),
+        "requests_per_s": round(num_requests / elapsed, 3),
+        "output_tokens_per_s": round(num_out / elapsed, 1),
+        "total_tokens_per_s": round((num_in + num_out) / elapsed, 1),
+        "num_requests": num_requests,
+        "input_tokens": num_in,
+        "output_tokens": num_out,
+    }
+
+
+def _add_ratios(results: dict[str, dict[str, Any]]) -> None:
+    for base, key in (("hf", "ratio_to_hf"), ("engine", "ratio_to_engine")):
+        if base in results:
+            for r in results.values():
+                r[key] = round(r["output_tokens_per_s"] / results[base]["output_tokens_per_s"], 2)
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    head = f"{'mode':<8} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'vs hf':>7} {'vs engine':>10}"
+    lines = [head, "-" * len(head)]
+    for mode, r in results.items():
+        lines.append(
+            f"{mode:<8} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
+            f"{r['total_tokens_per_s']:>12.1f} {_ratio(r, 'ratio_to_hf'):>7} {_ratio(r, 'ratio_to_engine'):>10}"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(r: dict[str, Any], key: str) -> str:
+    return f"{r[key]:.2f}x" if key in r else "-"
