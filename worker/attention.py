@@ -14,9 +14,47 @@ that share a KV head are laid out as extra query rows of that KV head.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from worker.scheduler import ScheduledRequest
+
+# Decodes attended together: small enough that length-sorted buckets pad little, large enough
+# that per-call overhead stays small.
+DECODE_BUCKET_SIZE = 32
+
+
+class AttentionBackend(Protocol):
+    """How one device keeps and reads the paged KV cache: its cache layout, the per-step
+    metadata built from the scheduler's batch, and the forward pass over it."""
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]: ...
+
+    def build(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> Any: ...
+
+
+def make_attention_backend(name: str, model_config, block_size: int, dtype: torch.dtype, device: torch.device):
+    """`torch` (CPU default) or `triton` (CUDA default; on CPU only under TRITON_INTERPRET)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    args = (block_size, model_config.num_key_value_heads, model_config.head_dim, dtype, device)
+    if name == "torch":
+        return TorchAttention(*args)
+    if name == "triton":
+        from worker.attention_triton import TritonAttention
+
+        return TritonAttention(*args)
+    raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
+
+
+def pad_tables(
+    tables: list[list[int]], device: torch.device, width: int | None = None, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    width = width or max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=dtype, device=device)  # [B, width]
 
 
 @dataclass
@@ -43,6 +81,87 @@ class AttentionMetadata:
     write_rows: torch.Tensor  # [num_tokens * num_kv_heads] rows of the cache viewed as [-1, head_dim]
     decodes: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write this step's K/V into the cache, then attend over it."""
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, self)
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale)
+
+
+class TorchAttention:
+    """The CPU backend: head-major blocks, decode buckets, torch ops."""
+
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def build(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """Metadata for a batch ordered decodes first (shortest context first), then prefills."""
+        meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
+        decodes = [s for s in batch if len(s.token_ids) == 1]
+        for start in range(0, len(decodes), DECODE_BUCKET_SIZE):
+            bucket = decodes[start : start + DECODE_BUCKET_SIZE]
+            meta.decodes.append(self._decode_bucket(bucket, start))
+        row = len(decodes)
+        for s in batch[len(decodes) :]:
+            meta.prefills.append(self._prefill_chunk(s, row))
+            row += len(s.token_ids)
+        return meta
+
+    def _write_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rows of the head-major cache viewed as [-1, head_dim] for each (token, kv head)."""
+        bs, heads = self.block_size, self.num_kv_heads
+        block, offset = slot_mapping // bs, slot_mapping % bs  # [T]
+        head = torch.arange(heads, device=self.device)
+        return ((block[:, None] * heads + head[None, :]) * bs + offset[:, None]).view(-1)  # [T * heads]
+
+    def _block_rows(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """[B, kv_heads, num_blocks] rows of the cache viewed as [num_blocks * kv_heads, -1]."""
+        heads = self.num_kv_heads
+        table = pad_tables(tables, self.device, num_blocks)  # [B, num_blocks]
+        head = torch.arange(heads, device=self.device)
+        return table[:, None, :] * heads + head[None, :, None]
+
+    def _decode_bucket(self, bucket: list[ScheduledRequest], row: int) -> DecodeBucket:
+        bs = self.block_size
+        ctx = torch.tensor([s.start_pos + 1 for s in bucket], device=self.device)  # [n]
+        num_blocks = -(-int(ctx.max()) // bs)
+        rows = self._block_rows([s.block_table[:num_blocks] for s in bucket], num_blocks)
+        span = torch.arange(num_blocks * bs, device=self.device)
+        allowed = span[None, :] < ctx[:, None]  # [n, num_blocks * block_size]
+        mask = self._additive(allowed).view(len(bucket), 1, 1, -1)
+        return DecodeBucket(row, row + len(bucket), rows.view(-1), mask)
+
+    def _prefill_chunk(self, s: ScheduledRequest, row: int) -> PrefillChunk:
+        q_len = len(s.token_ids)
+        ctx_len = s.start_pos + q_len
+        context_rows = None
+        if s.start_pos > 0:
+            num_blocks = -(-ctx_len // self.block_size)
+            context_rows = self._block_rows([s.block_table[:num_blocks]], num_blocks).view(-1)
+        q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
+        k_pos = torch.arange(ctx_len, device=self.device)
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
+        return PrefillChunk(row, row + q_len, context_rows, self._additive(allowed))
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
+
 
 
 def write_kv(

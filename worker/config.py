@@ -24,6 +24,7 @@ class EngineConfig:
     seed: int = 0
     cache_dir: str | None = None  # where the default model is converted to safetensors
     num_threads: int | None = None  # torch intra-op threads on CPU
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -11,11 +11,12 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from worker.attention import AttentionMetadata, DecodeBucket, PrefillChunk
+from worker.attention import make_attention_backend, pad_tables
 from worker.config import EngineConfig
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
@@ -23,10 +24,6 @@ from worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# Decodes attended together: small enough that sorted buckets pad little, large enough that
-# per-call overhead stays small.
-DECODE_BUCKET_SIZE = 32
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,6 +66,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model_config = ModelConfig.from_hf(hf_config)
         self.model = self._load_model(model_path)
+        self.attention = make_attention_backend(config.attention_backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
 
@@ -109,12 +107,11 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V pools of [num_blocks, num_kv_heads, block_size, head_dim], zeroed:
-        attention reads whole blocks, and a NaN left in an unwritten slot would poison the
-        weighted sum even under a -inf mask."""
-        cfg = self.model_config
-        shape = (self.num_blocks, cfg.num_key_value_heads, self.block_size, cfg.head_dim)
-        return [(self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+        """Per layer, K and V pools in the attention backend's layout, zeroed: attention reads
+        whole blocks, and a NaN left in an unwritten slot would poison the weighted sum even
+        under a -inf mask."""
+        shape = self.attention.cache_shape(self.num_blocks)
+        return [(self._zeros(shape), self._zeros(shape)) for _ in range(self.model_config.num_hidden_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -140,7 +137,7 @@ class ModelRunner:
         }
         return ModelOutput([batch[i].request_id for i in samplers], logits, chunk_logits)
 
-    def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, Any]:
         ids: list[int] = []
         pos: list[int] = []
         for s in batch:
@@ -149,70 +146,18 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
         slot_mapping = self._slots(batch, positions)
-        return input_ids, positions, self._attention_metadata(batch, slot_mapping)
+        return input_ids, positions, self.attention.build(batch, slot_mapping)
 
     def _slots(self, batch: list[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
         tables = [s.block_table for s in batch]
-        table = _pad_tables(tables, self.device)  # [B, max_blocks]
+        table = pad_tables(tables, self.device)  # [B, max_blocks]
         seq_of_token = torch.repeat_interleave(
             torch.arange(len(batch), device=self.device),
             torch.tensor([len(s.token_ids) for s in batch], device=self.device),
         )
         blocks = table[seq_of_token, positions // bs]
         return blocks * bs + positions % bs  # [T]
-
-    def _attention_metadata(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
-        decodes = [s for s in batch if len(s.token_ids) == 1]
-        for start in range(0, len(decodes), DECODE_BUCKET_SIZE):
-            bucket = decodes[start : start + DECODE_BUCKET_SIZE]
-            meta.decodes.append(self._decode_bucket(bucket, start))
-        row = len(decodes)
-        for s in batch[len(decodes) :]:
-            meta.prefills.append(self._prefill_chunk(s, row))
-            row += len(s.token_ids)
-        return meta
-
-    def _write_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Rows of the head-major cache viewed as [-1, head_dim] for each (token, kv head)."""
-        bs, heads = self.block_size, self.model_config.num_key_value_heads
-        block, offset = slot_mapping // bs, slot_mapping % bs  # [T]
-        head = torch.arange(heads, device=self.device)
-        return ((block[:, None] * heads + head[None, :]) * bs + offset[:, None]).view(-1)  # [T * heads]
-
-    def _block_rows(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
-        """[B, kv_heads, num_blocks] rows of the cache viewed as [num_blocks * kv_heads, -1]."""
-        heads = self.model_config.num_key_value_heads
-        table = _pad_tables(tables, self.device, num_blocks)  # [B, num_blocks]
-        head = torch.arange(heads, device=self.device)
-        return table[:, None, :] * heads + head[None, :, None]
-
-    def _decode_bucket(self, bucket: list[ScheduledRequest], row: int) -> DecodeBucket:
-        bs = self.block_size
-        ctx = torch.tensor([s.start_pos + 1 for s in bucket], device=self.device)  # [n]
-        num_blocks = -(-int(ctx.max()) // bs)
-        rows = self._block_rows([s.block_table[:num_blocks] for s in bucket], num_blocks)
-        span = torch.arange(num_blocks * bs, device=self.device)
-        allowed = span[None, :] < ctx[:, None]  # [n, num_blocks * block_size]
-        mask = self._additive(allowed).view(len(bucket), 1, 1, -1)
-        return DecodeBucket(row, row + len(bucket), rows.view(-1), mask)
-
-    def _prefill_chunk(self, s: ScheduledRequest, row: int) -> PrefillChunk:
-        q_len = len(s.token_ids)
-        ctx_len = s.start_pos + q_len
-        context_rows = None
-        if s.start_pos > 0:
-            num_blocks = -(-ctx_len // self.block_size)
-            context_rows = self._block_rows([s.block_table[:num_blocks]], num_blocks).view(-1)
-        q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
-        k_pos = torch.arange(ctx_len, device=self.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
-        return PrefillChunk(row, row + q_len, context_rows, self._additive(allowed))
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, float("-inf"))
 
 
 def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
@@ -228,9 +173,3 @@ def _row_ends(batch: list[ScheduledRequest]) -> list[int]:
         row += len(s.token_ids)
         ends.append(row)
     return ends
-
-
-def _pad_tables(tables: list[list[int]], device: torch.device, width: int | None = None) -> torch.Tensor:
-    width = width or max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.long, device=device)  # [B, width]

@@ -7,12 +7,12 @@ load time so each layer makes two matmuls for attention input and MLP input inst
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from worker.attention import AttentionMetadata, paged_attention, write_kv
 from worker.models.config import ModelConfig
 
 
@@ -70,7 +70,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, head_dim]
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        meta: Any,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -78,9 +78,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qk.view(num_tokens, -1, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = meta.forward(q, k, v, kv_cache, self.scale)
         return self.o_proj(o.view(num_tokens, self.q_size))
 
 
@@ -128,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: Any,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)

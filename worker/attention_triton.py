@@ -1,0 +1,65 @@
+"""The GPU backend: token-major blocks [num_blocks, block_size, num_kv_heads, head_dim] written
+and read by the Triton kernels in `kernels/` (on CPU only under TRITON_INTERPRET, for tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from worker.attention import pad_tables
+from worker.scheduler import ScheduledRequest
+
+
+@dataclass
+class TritonMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, context including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int  # host-side bounds, so the launcher never waits on the device
+    max_seq_len: int
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        k_cache, v_cache = kv_cache
+        kernels.reshape_and_cache(k, v, k_cache, v_cache, self.slot_mapping)
+        return kernels.paged_attention(
+            q, k_cache, v_cache, self.query_start_loc, self.seq_lens, self.block_tables,
+            scale=scale, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+        )
+
+
+class TritonAttention:
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = device
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def build(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> TritonMetadata:
+        query_lens = [len(s.token_ids) for s in batch]
+        seq_lens = [s.start_pos + n for s, n in zip(batch, query_lens, strict=True)]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        max_blocks = -(-max(seq_lens) // self.block_size)
+        tables = pad_tables([s.block_table[:max_blocks] for s in batch], self.device, max_blocks, torch.int32)
+        return TritonMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            block_tables=tables,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
