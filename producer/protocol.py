@@ -37,6 +37,8 @@ CANCEL_FLAG_TTL_S = 24 * 3600  # outlives any queue wait, so a late intake still
 DEFAULT_DELIVERY_LIMIT = 3  # deliveries of one entry before it goes to the dead stream
 DEFAULT_CLAIM_IDLE_S = 30.0  # pending this long without progress: another worker reclaims it
 WORKER_HEARTBEAT_TTL_S = 30  # a worker hash disappears this long after its last beat
+DEFAULT_HEARTBEAT_S = 5.0  # how often a worker beats and re-owns its in-flight entries
+DEFAULT_SHUTDOWN_GRACE_S = 20.0  # SIGTERM: time in-flight jobs get before they are released
 
 EVENT_FIELD = "event"  # the one field of an events-stream entry: the msgpack event
 FINISH_ABORT = "abort"  # finish_reason of a completion ended by cancel or deadline
@@ -106,6 +108,11 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat
 
+    def arq_queue(self, name: str) -> str:
+        # arq's own (unused) job queue for worker `name`; arq adds ':health-check' for the key
+        # that `arq --check` reads. Not under `workers:` so worker_pattern matches beats only.
+        return f"{self.prefix}arq:{name}"
+
 
 class JobStatus(str, Enum):
     """Job lifecycle: queued -> running -> finished | failed | cancelled."""
@@ -127,6 +134,13 @@ class JobStatus(str, Enum):
 
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def pack_script_arg(obj: Any) -> bytes:
+    """msgpack for a Lua script argument, read there with `cmsgpack.unpack`: Redis's cmsgpack
+    (6.2) predates msgpack's bin and str8 types, so bytes and str both go as raw strings.
+    For script arguments only, never for stored payloads."""
+    return msgpack.packb(obj, use_bin_type=False)
 
 
 def unpack(data: Any, what: str, job_id: str | None = None) -> Any:
@@ -322,9 +336,14 @@ _EVENT_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+_EVENT_FIELD_NAMES = tuple(f.name for f in fields(Event))
+
+
 def encode_event(event: Event) -> bytes:
-    """msgpack map; fields that are None are left out to keep per-token events small."""
-    data = {k: v for k, v in asdict(event).items() if v is not None}
+    """msgpack map; fields that are None are left out to keep per-token events small.
+    (getattr, not asdict: the worker encodes one event per request per step, and asdict's
+    deep copy was most of the cost.)"""
+    data = {k: v for k in _EVENT_FIELD_NAMES if (v := getattr(event, k)) is not None}
     data["v"] = PROTOCOL_VERSION
     return pack(data)
 
@@ -481,3 +500,48 @@ def decode_dead_letter(fields_: dict[Any, Any]) -> dict[str, Any]:
         "reason": _text(raw["reason"]),
         "entry": unpack(raw["entry"], "dead letter entry"),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker heartbeats: hash `worker(name)`, plain strings so `redis-cli HGETALL` is readable
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker reports every heartbeat; the hash expires WORKER_HEARTBEAT_TTL_S after the
+    last beat, so `SCAN MATCH genq:workers:*` lists the live workers."""
+
+    model: str  # the served model name jobs may ask for
+    max_num_seqs: int
+    state: str = "serving"  # serving | draining (SIGTERM received)
+    running: int = 0  # requests in the engine's running queue
+    waiting: int = 0  # requests in the engine's waiting queue
+    free_slots: int = 0  # more requests it would take now
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    tokens_per_s: float = 0.0  # generated tokens per second since the last beat
+    generation_tokens_total: int = 0
+    prompt_tokens_total: int = 0
+    requests_finished_total: int = 0
+    started_at: float = 0.0  # unix times
+    heartbeat_at: float = 0.0
+    pid: int = 0
+    host: str = ""
+
+
+_WORKER_FIELDS = {f.name: f.type for f in fields(WorkerInfo)}
+
+
+def encode_worker_info(info: WorkerInfo) -> dict[str, str]:
+    """HSET mapping of a heartbeat."""
+    return {k: repr(v) if isinstance(v, float) else str(v) for k, v in asdict(info).items()}
+
+
+def decode_worker_info(mapping: dict[Any, Any], name: str | None = None) -> WorkerInfo:
+    """Decode an HGETALL of a heartbeat hash; unknown fields are ignored (newer workers)."""
+    raw = {k: _text(v) for k, v in _str_keys(mapping).items() if k in _WORKER_FIELDS}
+    convert = {"int": int, "float": float, "str": str}
+    try:
+        values = {k: convert[str(_WORKER_FIELDS[k])](v) for k, v in raw.items()}
+        return WorkerInfo(**values)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"worker {name or '?'} heartbeat: {exc}") from exc

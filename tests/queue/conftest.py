@@ -1,0 +1,73 @@
+"""Fixtures for the queue tests: a Redis connection under a module prefix, the offline
+engine as the oracle, and worker subprocesses (see queue_support)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from queue_support import WorkerProcess, worker_env
+
+from producer.redis_server import RedisServer
+from producer.sampling_params import SamplingParams
+
+Oracle = Callable[[object, SamplingParams], list]
+
+
+@pytest.fixture(scope="module")
+def conn(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_server.url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_llama_dir: Path) -> Oracle:
+    """`offline(prompt, params)`: the completions the in-process LLM produces for a prompt in
+    any form the client takes (greedy params give the tokens any worker must produce)."""
+    import torch
+
+    from worker import LLM
+
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=512,
+              max_num_seqs=16)
+
+    def generate(prompt: object, params: SamplingParams) -> list:
+        # One thread: the tiny model is far faster so beside worker processes on few cores.
+        # Restored after, so other test packages keep their setting.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            if isinstance(prompt, list):
+                return llm.chat(prompt, params, use_tqdm=False)[0].outputs
+            return llm.generate(prompt, params, use_tqdm=False)[0].outputs
+        finally:
+            torch.set_num_threads(threads)
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def spawn(
+    redis_server: RedisServer, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """`spawn(name, via="arq", args=(), **env)` starts a worker under this module's prefix;
+    every worker spawned is stopped at the end of the module."""
+    prefix = f"t-{request.module.__name__.rsplit('.', 1)[-1]}:"
+    logs = tmp_path_factory.mktemp("worker-logs")
+    workers: list[WorkerProcess] = []
+
+    def start(name: str, via: str = "arq", args: tuple[str, ...] = (), **env: str) -> WorkerProcess:
+        worker = WorkerProcess(
+            worker_env(redis_server.url, tiny_llama_dir, name, prefix, **env),
+            logs / f"{name}.log", via, args,
+        )
+        workers.append(worker.start())
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.stop()

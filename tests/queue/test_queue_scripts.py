@@ -1,0 +1,206 @@
+"""The worker's delivery rules without a model: the Lua scripts against the real Redis (each
+test under its own prefix), and the plain-Python bookkeeping and capacity rule."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+import redis.asyncio
+
+from producer.client import build_job
+from producer.protocol import (
+    EVENT_FIELD,
+    FINISH_ABORT,
+    Event,
+    JobStatus,
+    Keys,
+    decode_event,
+    decode_record,
+    encode_event,
+    encode_job,
+)
+from producer.redis_server import RedisServer
+from producer.sampling_params import SamplingParams
+from worker.queue_engine import EngineStats, intake_capacity
+from worker.queue_jobs import (
+    HeldJob,
+    abort_events,
+    completion_event,
+    final_record,
+    new_completions,
+    progress_from_events,
+)
+from worker.queue_scripts import RELEASED_IDLE_MS, JobWrite, Scripts
+
+
+@pytest.fixture
+async def scripts(redis_server: RedisServer) -> AsyncIterator[Scripts]:
+    conn = redis.asyncio.Redis.from_url(redis_server.url)
+    s = Scripts(conn, Keys(f"unit-{uuid.uuid4().hex[:8]}:"), "me")
+    await s.ensure_group()
+    yield s
+    await conn.aclose()
+
+
+async def deliver(s: Scripts, job_id: str, consumer: str = "me") -> str:
+    """Enqueue a job and deliver it to `consumer`; returns the entry id."""
+    job = build_job("hi", SamplingParams(max_tokens=4), job_id=job_id)
+    await s.conn.xadd(s.keys.requests, encode_job(job))
+    reply = await s.conn.xreadgroup(s.keys.group, consumer, {s.keys.requests: ">"}, count=1)
+    return reply[0][1][0][0].decode()
+
+
+async def pending(s: Scripts, entry_id: str) -> dict:
+    [row] = await s.conn.xpending_range(s.keys.requests, s.keys.group, entry_id, entry_id, 1)
+    return row
+
+
+async def test_publish_writes_only_entries_it_still_owns(scripts: Scripts) -> None:
+    mine, stolen = await deliver(scripts, "a"), await deliver(scripts, "b")
+    await scripts.conn.xclaim(scripts.keys.requests, scripts.keys.group, "other", 0, [stolen])
+    event = encode_event(Event(seq=0, token_ids=[7], text="x"))
+    held = held_job("a")
+    abort_events(held)
+    record = final_record(held, "me", time.time())
+    lost = await scripts.publish([
+        JobWrite("a", mine, [event], record), JobWrite("b", stolen, [event], record),
+    ])
+    assert lost == {stolen}
+    assert await scripts.conn.xlen(scripts.keys.events("a")) == 1
+    assert not await scripts.conn.exists(scripts.keys.events("b"), scripts.keys.job("b"))
+    rec = decode_record(await scripts.conn.hgetall(scripts.keys.job("a")))
+    assert rec.status == JobStatus.CANCELLED  # every completion aborted
+    assert 0 < await scripts.conn.ttl(scripts.keys.job("a"))
+    info = await scripts.conn.xpending(scripts.keys.requests, scripts.keys.group)
+    assert info["pending"] == 1  # a acked, b still the other worker's
+
+
+async def test_start_codes(scripts: Scripts) -> None:
+    entries = [await deliver(scripts, j) for j in ("run", "cancelled", "ended", "dup", "lost")]
+    conn, keys = scripts.conn, scripts.keys
+    await conn.set(keys.cancel_flag("cancelled"), 1)
+    await conn.hset(keys.job("ended"), "status", "finished")
+    await conn.hset(keys.job("dup"), "entry_id", "1-1")
+    await conn.xclaim(keys.requests, keys.group, "other", 0, [entries[-1]])
+    jobs = [build_job("hi", None, job_id=j) for j in ("run", "cancelled", "ended", "dup", "lost")]
+    codes = await scripts.start(jobs, entries, now=123.0)
+    assert codes == ["run", "cancelled", "ended", "duplicate", "lost"]
+    run = decode_record(await conn.hgetall(keys.job("run")))
+    assert (run.status, run.worker, run.entry_id, run.started_at, run.n) == (
+        JobStatus.RUNNING, "me", entries[0], 123.0, 1)
+    assert await conn.hget(keys.job("cancelled"), "status") is None  # only `run` writes
+
+
+async def test_heartbeat_keeps_entries_owned_without_counting_deliveries(scripts: Scripts) -> None:
+    mine, stolen = await deliver(scripts, "a"), await deliver(scripts, "b")
+    await scripts.conn.xclaim(scripts.keys.requests, scripts.keys.group, "other", 0, [stolen])
+    await scripts.conn.set(scripts.keys.cancel_flag("a"), 1)
+    await scripts.conn.xclaim(scripts.keys.requests, scripts.keys.group, "me", 0, [mine],
+                              idle=60_000, justid=True)
+    lost, cancelled = await scripts.heartbeat(
+        scripts.keys.worker("me"), {"model": "m"}, [("a", mine), ("b", stolen)], ttl_s=5
+    )
+    assert (lost, cancelled) == ({stolen}, {mine})
+    row = await pending(scripts, mine)
+    assert row["time_since_delivered"] < 60_000 and row["times_delivered"] == 1
+    assert (await pending(scripts, stolen))["consumer"] == b"other"  # not taken back
+    assert 0 < await scripts.conn.ttl(scripts.keys.worker("me")) <= 30
+
+
+async def test_reclaim_and_release(scripts: Scripts) -> None:
+    idle, busy, gone = [await deliver(scripts, j, "dead") for j in ("idle", "busy", "gone")]
+    conn, keys = scripts.conn, scripts.keys
+    await conn.xdel(keys.requests, gone)
+    await conn.xclaim(keys.requests, keys.group, "dead", 0, [idle, gone], idle=10_000, justid=True)
+    claimed = await scripts.reclaim(min_idle_ms=5_000, count=10)
+    assert [(c.entry_id, c.delivery_count, c.fields is None) for c in claimed] == [
+        (idle, 2, False), (gone, 2, True)]  # busy is not idle enough
+    assert claimed[0].fields is not None and claimed[0].fields[b"id"] == b"idle"
+    assert (await pending(scripts, busy))["consumer"] == b"dead"
+    assert await scripts.release([idle, busy]) == 1  # busy is not ours
+    row = await pending(scripts, idle)
+    assert row["time_since_delivered"] >= RELEASED_IDLE_MS // 2 and row["times_delivered"] == 1
+    assert await scripts.own_pending() == [idle, gone]
+
+
+def held_job(job_id: str, n: int = 1) -> HeldJob:
+    job = build_job("hi", SamplingParams(n=n), job_id=job_id)
+    return HeldJob(job, "1-0", new_completions(n))
+
+
+def test_progress_from_events_continues_numbering() -> None:
+    events = [
+        Event(seq=0, token_ids=[1], text="a"),
+        Event(seq=0, token_ids=[1], text="a"),  # a repeat: dropped, as readers drop it
+        Event(seq=0, token_ids=[5], text="x", index=1),
+        Event(seq=1, token_ids=[2], text="b"),
+        Event(seq=1, token_ids=[6], text="y", index=1, finished=True, finish_reason="stop"),
+    ]
+    entries = [(b"0-0", {EVENT_FIELD.encode(): encode_event(e)}) for e in events]
+    first, second = progress_from_events(2, entries)
+    assert (first.next_seq, first.token_ids, "".join(first.text), first.finished) == (2, [1, 2], "ab", False)
+    assert (second.next_seq, second.token_ids, second.finish_reason) == (2, [5, 6], "stop")
+
+
+def test_events_record_and_abort() -> None:
+    held = held_job("j", n=2)
+    held.prompt_tokens = 3
+    first = completion_event(held, 0, "hi", [4], None)
+    assert first is not None and (first.seq, first.usage) == (0, None)
+    assert completion_event(held, 0, "", [], None) is None  # nothing new: no event
+    last = completion_event(held, 0, "!", [5], "length")
+    assert last is not None and last.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    [abort] = abort_events(held)  # completion 1 never ran
+    assert (abort.index, abort.seq, abort.finish_reason) == (1, 0, FINISH_ABORT)
+    rec = decode_record(final_record(held, "w", 1.0))
+    assert (rec.status, rec.text, rec.finish_reason, rec.n) == (JobStatus.FINISHED, "hi!", "length", 2)
+    assert [o.token_ids for o in rec.outputs or []] == [[4, 5], []]
+    assert decode_event(encode_event(last)).finished
+
+
+@pytest.mark.parametrize(
+    ("stats", "in_flight", "expected"),
+    [
+        (EngineStats(num_free_blocks=1000, num_blocks=1000), 0, 8),  # seats bound
+        (EngineStats(num_running=6, num_waiting=1, num_free_blocks=1000, num_blocks=1000), 0, 1),
+        (EngineStats(num_free_blocks=1000, num_blocks=1000), 8, 0),  # on their way in
+        # blocks bound: 100 free, 1 watermark, 30 for the waiting prompt -> 69 // 10
+        (EngineStats(num_waiting=1, num_free_blocks=100, num_blocks=100, num_waiting_blocks=30,
+                     blocks_per_request=10), 0, 6),
+        (EngineStats(num_running=2, num_free_blocks=5, num_blocks=100, blocks_per_request=10), 0, 0),
+        # an idle engine takes one job whatever its size estimate
+        (EngineStats(num_free_blocks=5, num_blocks=100, blocks_per_request=10), 0, 1),
+    ],
+)
+def test_intake_capacity(stats: EngineStats, in_flight: int, expected: int) -> None:
+    assert intake_capacity(stats, max_num_seqs=8, num_in_flight=in_flight) == expected
+
+
+def test_worker_config_from_env() -> None:
+    from worker.queue_config import config_from_env
+
+    config = config_from_env({
+        "GENQ_MODEL": "/models/Foo-1B", "GENQ_MAX_NUM_SEQS": "4", "GENQ_CLAIM_IDLE_S": "2",
+        "GENQ_HEARTBEAT_S": "0.5", "GENQ_WORKER_NAME": "w9",
+    })
+    assert (config.name, config.engine.max_num_seqs, config.claim_idle_s) == ("w9", 4, 2.0)
+    assert config.model_name == "Foo-1B" and config.serves("Foo-1B") and config.serves(None)
+    assert config.serves("/models/Foo-1B") and not config.serves("Bar")
+    with pytest.raises(ValueError, match="GENQ_MAX_NUM_SEQS must be an integer"):
+        config_from_env({"GENQ_MAX_NUM_SEQS": "many"})
+    with pytest.raises(ValueError, match="two heartbeats"):
+        config_from_env({"GENQ_CLAIM_IDLE_S": "1", "GENQ_HEARTBEAT_S": "1"})
+
+
+def test_consumer_module_is_cheap_to_import() -> None:
+    import subprocess
+    import sys
+
+    probe = "import sys, worker; worker.WorkerSettings; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+

@@ -1,0 +1,372 @@
+"""One worker (`genq worker`, a subprocess on the tiny model) serving jobs through Redis:
+results and streams match the offline engine, and bad input fails only its own job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import msgpack
+import pytest
+import redis
+from queue_support import WorkerProcess, wait_for
+
+from producer.client import Client, JobFailed, build_job
+from producer.protocol import (
+    FINISH_ABORT,
+    JobStatus,
+    Keys,
+    decode_dead_letter,
+    decode_record,
+    decode_worker_info,
+    encode_job,
+)
+from producer.redis_server import RedisServer, free_port
+from producer.sampling_params import SamplingParams
+
+NAME = "qw1"
+SERVED = "tiny-served"
+TIMEOUT_S = 30.0
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def worker(spawn: Callable[..., WorkerProcess], conn: redis.Redis, metrics_port: int) -> WorkerProcess:
+    args = ("--served-model-name", SERVED, "--max-num-seqs", "8",
+            "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1")
+    proc = spawn(NAME, via="genq", args=args)
+    proc.wait_ready(conn)
+    return proc
+
+
+@pytest.fixture
+def client(redis_server: RedisServer, worker: WorkerProcess) -> Iterator[Client]:
+    with Client(redis_server.url, prefix=worker.keys.prefix) as c:
+        yield c
+
+
+def record(conn: redis.Redis, keys: Keys, job_id: str):
+    return decode_record(conn.hgetall(keys.job(job_id)), job_id)
+
+
+def ended(conn: redis.Redis, keys: Keys, job_id: str) -> bool:
+    status = conn.hget(keys.job(job_id), "status")
+    return status is not None and JobStatus(status.decode()).terminal
+
+
+def dead_letters(conn: redis.Redis, keys: Keys) -> dict[str, dict]:
+    """Dead letters by the entry id they replace."""
+    letters = (decode_dead_letter(fields) for _, fields in conn.xrange(keys.dead))
+    return {letter["entry_id"]: letter for letter in letters}
+
+
+def test_results_and_streams_match_the_offline_engine(client: Client, offline) -> None:
+    chat = [{"role": "user", "content": "What is two plus two?"}]
+    cases = [
+        ("The capital of France is", GREEDY),
+        ({"prompt_token_ids": [1, 450, 7483, 310, 3444]}, GREEDY),
+        (chat, GREEDY),
+        ("Once upon a time", SamplingParams(temperature=0.0, max_tokens=8, n=2)),
+        ("Roses are red", SamplingParams(temperature=0.8, seed=123, max_tokens=12)),
+    ]
+    handles = [client.submit(prompt, params) for prompt, params in cases]
+    for handle, (prompt, params) in zip(handles, cases, strict=True):
+        result = handle.result(TIMEOUT_S)
+        expected = offline(prompt, params)
+        assert result.status == JobStatus.FINISHED
+        assert [(o.text, o.token_ids, o.finish_reason) for o in result.outputs] == [
+            (o.text, o.token_ids, o.finish_reason) for o in expected
+        ]
+        deltas = list(handle.stream(TIMEOUT_S))
+        for output in result.outputs:
+            mine = [d for d in deltas if d.index == output.index]
+            assert "".join(d.text for d in mine) == output.text
+            assert [t for d in mine for t in d.token_ids] == output.token_ids
+            assert [d.seq for d in mine] == list(range(len(mine)))
+        assert result.usage is not None
+        assert result.usage["completion_tokens"] == sum(len(o.token_ids) for o in result.outputs)
+
+
+def test_late_subscriber_receives_every_token(
+    client: Client, conn: redis.Redis, offline
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    handle = client.submit("A late reader", params)
+    wait_for(lambda: conn.xlen(client.keys.events(handle.id)) >= 5, TIMEOUT_S, "first tokens")
+    late = list(handle.stream(TIMEOUT_S))  # subscribes mid-job (or after it)
+    result = handle.result(TIMEOUT_S)
+    after = list(handle.stream(TIMEOUT_S))  # subscribes after the end: replay only
+    expected = offline("A late reader", params)[0]
+    for deltas in (late, after):
+        assert [t for d in deltas for t in d.token_ids] == result.token_ids == expected.token_ids
+        assert "".join(d.text for d in deltas) == result.text == expected.text
+        assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+
+
+def test_cancel_mid_stream_aborts_the_job(client: Client, conn: redis.Redis) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    handle = client.submit("Cancel me", params)
+    deltas = []
+    for delta in handle.stream(TIMEOUT_S):
+        if not deltas:
+            handle.cancel()
+        deltas.append(delta)
+    assert deltas[-1].finished and deltas[-1].finish_reason == FINISH_ABORT
+    result = handle.result(TIMEOUT_S)
+    assert result.status == JobStatus.CANCELLED
+    assert 0 < len(result.token_ids) < 1000
+    assert result.token_ids == [t for d in deltas for t in d.token_ids]
+    assert record(conn, client.keys, handle.id).extra["abort_reason"] == "cancelled"
+
+
+def test_cancel_before_intake_never_runs(client: Client, conn: redis.Redis) -> None:
+    client.cancel("cancelled-early")  # the durable flag, set before the job even exists
+    handle = client.submit("never runs", GREEDY, job_id="cancelled-early")
+    result = handle.result(TIMEOUT_S)
+    assert (result.status, result.token_ids, result.finish_reason) == (JobStatus.CANCELLED, [], FINISH_ABORT)
+    assert conn.xpending(client.keys.requests, client.keys.group)["pending"] == 0
+
+
+def test_expired_deadline_aborts_without_running(client: Client, conn: redis.Redis) -> None:
+    job = build_job("too late", GREEDY, job_id="expired-1")
+    job.deadline = time.time() - 1.0  # as a producer whose job waited too long would find
+    conn.xadd(client.keys.requests, encode_job(job))  # a non-Python producer: no record yet
+    wait_for(lambda: ended(conn, client.keys, "expired-1"), TIMEOUT_S, "job ended")
+    result = client.result("expired-1", TIMEOUT_S)
+    assert (result.status, result.token_ids, result.finish_reason) == (JobStatus.CANCELLED, [], FINISH_ABORT)
+    rec = record(conn, client.keys, "expired-1")
+    assert rec.extra["abort_reason"] == "deadline" and rec.worker == NAME
+
+
+def test_deadline_passing_mid_run_aborts_the_job(client: Client, conn: redis.Redis) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    handle = client.submit("Run out of time", params, deadline_s=0.2)
+    deltas = list(handle.stream(TIMEOUT_S))
+    result = handle.result(TIMEOUT_S)
+    assert (result.status, result.finish_reason) == (JobStatus.CANCELLED, FINISH_ABORT)
+    assert len(result.token_ids) < 1000
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids
+    assert record(conn, client.keys, handle.id).extra["abort_reason"] == "deadline"
+
+
+def test_garbage_entries_go_to_dead_while_good_jobs_finish(
+    client: Client, conn: redis.Redis
+) -> None:
+    keys = client.keys
+    garbage = conn.xadd(keys.requests, {"foo": "bar"}).decode()  # redis-cli XADD ... foo bar
+    bad_payload = conn.xadd(keys.requests, {"id": "bad-payload", "payload": b"\xc1"}).decode()
+    good = [client.submit(f"good job {i}", GREEDY) for i in range(3)]
+    for handle in good:
+        assert handle.result(TIMEOUT_S).status == JobStatus.FINISHED
+    letters = wait_for(
+        lambda: (d := dead_letters(conn, keys)) and garbage in d and bad_payload in d and d,
+        TIMEOUT_S, "dead letters",
+    )
+    assert "no 'id' field" in letters[garbage]["reason"]
+    assert letters[garbage]["entry"] == {"foo": b"bar"}
+    assert "msgpack" in letters[bad_payload]["reason"]
+    with pytest.raises(JobFailed, match="msgpack"):
+        client.result("bad-payload", TIMEOUT_S)
+    assert conn.xpending(keys.requests, keys.group)["pending"] == 0
+
+
+def test_invalid_sampling_params_from_another_producer_fail_the_job(
+    client: Client, conn: redis.Redis
+) -> None:
+    entry = encode_job(build_job("hi", GREEDY, job_id="bad-params"))
+    payload = msgpack.unpackb(entry["payload"])
+    payload["sampling_params"]["temperature"] = -1.0
+    entry["payload"] = msgpack.packb(payload)
+    entry_id = conn.xadd(client.keys.requests, entry).decode()
+    wait_for(lambda: ended(conn, client.keys, "bad-params"), TIMEOUT_S, "job failed")
+    with pytest.raises(JobFailed, match="temperature must be"):
+        client.result("bad-params", TIMEOUT_S)
+    assert "temperature" in dead_letters(conn, client.keys)[entry_id]["reason"]
+
+
+def test_prompt_over_max_model_len_fails_its_job(client: Client, conn: redis.Redis) -> None:
+    handle = client.submit({"prompt_token_ids": [5] * 1100}, GREEDY)
+    neighbour = client.submit("still served", GREEDY)
+    with pytest.raises(JobFailed, match="max_model_len is 1024") as failure:
+        handle.result(TIMEOUT_S)
+    with pytest.raises(JobFailed, match="max_model_len"):
+        list(handle.stream(TIMEOUT_S))  # the stream ends with the error event
+    assert neighbour.result(TIMEOUT_S).status == JobStatus.FINISHED
+    entry_id = record(conn, client.keys, handle.id).entry_id
+    assert dead_letters(conn, client.keys)[entry_id]["reason"] == failure.value.error
+
+
+def test_model_names(client: Client, conn: redis.Redis) -> None:
+    served = client.submit("by name", GREEDY, model=SERVED)
+    assert served.result(TIMEOUT_S).status == JobStatus.FINISHED
+    unknown = client.submit("by a wrong name", GREEDY, model="gpt-17")
+    with pytest.raises(JobFailed, match="model 'gpt-17' is not served"):
+        unknown.result(TIMEOUT_S)
+    entry_id = record(conn, client.keys, unknown.id).entry_id
+    assert "gpt-17" in dead_letters(conn, client.keys)[entry_id]["reason"]
+
+
+def test_duplicate_job_id_runs_once(client: Client, conn: redis.Redis) -> None:
+    first = client.submit("once", GREEDY, job_id="dup-1")
+    again = client.submit("once", GREEDY, job_id="dup-1")
+    assert (first.enqueued, again.enqueued) == (True, False)
+    result = first.result(TIMEOUT_S)
+    entry_id = record(conn, client.keys, "dup-1").entry_id
+    [(_, fields)] = conn.xrange(client.keys.requests, entry_id, entry_id)
+    copy = conn.xadd(client.keys.requests, fields).decode()  # a producer that XADDs twice
+    letter = wait_for(lambda: dead_letters(conn, client.keys).get(copy), TIMEOUT_S, "dead copy")
+    assert "duplicate" in letter["reason"] and letter["id"] == "dup-1"
+    events = conn.xrange(client.keys.events("dup-1"))
+    assert len(events) == len(result.token_ids) == GREEDY.max_tokens  # one event per step, once
+    assert client.result("dup-1").token_ids == result.token_ids
+
+
+def test_two_entries_of_one_job_in_one_read_run_once(client: Client, conn: redis.Redis) -> None:
+    fields = encode_job(build_job("twice", GREEDY, job_id="dup-2"))
+    pipe = conn.pipeline(transaction=True)  # both land before the worker's next read
+    pipe.xadd(client.keys.requests, fields)
+    pipe.xadd(client.keys.requests, fields)
+    first, second = (e.decode() for e in pipe.execute())
+    wait_for(lambda: ended(conn, client.keys, "dup-2"), TIMEOUT_S, "job ended")
+    result = client.result("dup-2", TIMEOUT_S)
+    assert result.status == JobStatus.FINISHED and len(result.token_ids) == GREEDY.max_tokens
+    ran = record(conn, client.keys, "dup-2").entry_id
+    other = second if ran == first else first
+    letter = wait_for(lambda: dead_letters(conn, client.keys).get(other), TIMEOUT_S, "dead copy")
+    assert "duplicate" in letter["reason"]
+    assert len(conn.xrange(client.keys.events("dup-2"))) == GREEDY.max_tokens
+
+
+def test_heartbeat_reports_model_capacity_and_load(
+    client: Client, conn: redis.Redis, worker: WorkerProcess
+) -> None:
+    client.submit("count me", GREEDY).result(TIMEOUT_S)
+
+    def idle_beat():
+        info = decode_worker_info(conn.hgetall(client.keys.worker(NAME)), NAME)
+        idle = (info.running, info.waiting, info.free_slots) == (0, 0, 8)
+        return info if idle and info.requests_finished_total > 0 else None
+
+    info = wait_for(idle_beat, TIMEOUT_S, "a heartbeat after the work")
+    assert (info.model, info.max_num_seqs, info.pid, info.state) == (SERVED, 8, worker.pid, "serving")
+    assert info.generation_tokens_total > 0 and info.prompt_tokens_total > 0
+    ttl = conn.ttl(client.keys.worker(NAME))
+    assert 0 < ttl <= 30
+
+
+def test_metrics_endpoint(client: Client, metrics_port: int) -> None:
+    client.submit("measure me", GREEDY).result(TIMEOUT_S)
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+        text = response.read().decode()
+    for name in (
+        "genq:num_requests_running", "genq:num_requests_waiting", "genq:kv_cache_usage_perc",
+        "genq:generation_tokens_total", "genq:prompt_tokens_total",
+        "genq:time_to_first_token_seconds_bucket", "genq:inter_token_latency_seconds_bucket",
+        "genq:e2e_request_latency_seconds_count",
+    ):
+        assert name in text, name
+    assert f'model_name="{SERVED}"' in text
+
+
+def test_arq_health_check(worker: WorkerProcess) -> None:
+    def check(name: str) -> int:
+        env = {**worker.env, "GENQ_WORKER_NAME": name}
+        argv = [sys.executable, "-m", "arq", "--check", "worker.WorkerSettings"]
+        return subprocess.run(argv, env=env, capture_output=True, timeout=TIMEOUT_S).returncode
+
+    assert check(NAME) == 0
+    assert check("no-such-worker") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Reclaiming: entries left pending by a worker that is gone ("ghost"), staged by hand
+
+
+def ghost_takes(conn: redis.Redis, keys: Keys, fields: dict) -> str:
+    """XADD an entry and deliver it to a consumer that will never run it, in one MULTI so the
+    live worker (blocked in XREADGROUP) cannot get it first; then age it past any claim
+    timeout, as if its worker had died long ago. Returns the entry id."""
+    pipe = conn.pipeline(transaction=True)
+    pipe.xadd(keys.requests, fields)
+    pipe.xreadgroup(keys.group, "ghost", {keys.requests: ">"}, count=1)
+    entry_id, reply = pipe.execute()
+    assert reply[0][1][0][0] == entry_id
+    return entry_id.decode()
+
+
+def age(conn: redis.Redis, keys: Keys, entry_id: str, deliveries: int | None = None) -> None:
+    conn.xclaim(keys.requests, keys.group, "ghost", 0, [entry_id], idle=10**9,
+                retrycount=deliveries, justid=True)
+
+
+def streamed_pieces(tokenizer, params: SamplingParams, token_ids: list[int]) -> list[str]:
+    """The text a worker streams for each of these tokens (the engine's detokenizer)."""
+    from worker.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, [], params)
+    return [detok.update([t]) for t in token_ids]
+
+
+def test_reclaimed_job_resumes_from_its_events(
+    client: Client, conn: redis.Redis, offline, tiny_llama_dir
+) -> None:
+    from transformers import AutoTokenizer
+
+    from producer.protocol import APPEND_EVENTS_LUA, EVENTS_TTL_S, Event, encode_event
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, n=2)
+    expected = offline("Resume me", params)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    keys = client.keys
+    entry_id = ghost_takes(conn, keys, encode_job(build_job("Resume me", params, job_id="resume-1")))
+    append = conn.register_script(APPEND_EVENTS_LUA)
+    sent = {0: 5, 1: 3}  # the ghost had streamed 5 tokens of completion 0 and 3 of completion 1
+    for index, count in sent.items():
+        ids = expected[index].token_ids[:count]
+        events = [
+            encode_event(Event(seq=i, token_ids=[t], text=piece, index=index))
+            for i, (t, piece) in enumerate(zip(ids, streamed_pieces(tokenizer, params, ids), strict=True))
+        ]
+        append(keys=[keys.events("resume-1")], args=[EVENTS_TTL_S, *events])
+    age(conn, keys, entry_id)
+    wait_for(lambda: ended(conn, keys, "resume-1"), TIMEOUT_S, "resumed job ended")
+    result = client.result("resume-1", TIMEOUT_S)
+    assert [(o.text, o.token_ids) for o in result.outputs] == [(o.text, o.token_ids) for o in expected]
+    deltas = list(client.stream("resume-1", TIMEOUT_S))
+    for output in result.outputs:
+        mine = [d for d in deltas if d.index == output.index]
+        assert [d.seq for d in mine] == list(range(len(mine)))  # numbering continued
+        assert [t for d in mine for t in d.token_ids] == output.token_ids
+        assert "".join(d.text for d in mine) == output.text
+    rec = record(conn, keys, "resume-1")
+    assert (rec.worker, rec.status, rec.entry_id) == (NAME, JobStatus.FINISHED, entry_id)
+
+
+def test_entry_over_the_delivery_limit_goes_to_dead(client: Client, conn: redis.Redis) -> None:
+    keys = client.keys
+    entry_id = ghost_takes(conn, keys, encode_job(build_job("poison", GREEDY, job_id="poison-1")))
+    age(conn, keys, entry_id, deliveries=5)  # five workers died running it
+    letter = wait_for(lambda: dead_letters(conn, keys).get(entry_id), TIMEOUT_S, "dead letter")
+    assert "delivered 6 times" in letter["reason"] and letter["id"] == "poison-1"
+    with pytest.raises(JobFailed, match="delivery limit"):
+        client.result("poison-1", TIMEOUT_S)
+    assert conn.xpending(keys.requests, keys.group)["pending"] == 0
+
+
+def test_entry_deleted_while_pending_goes_to_dead(client: Client, conn: redis.Redis) -> None:
+    keys = client.keys
+    entry_id = ghost_takes(conn, keys, encode_job(build_job("gone", GREEDY, job_id="gone-1")))
+    conn.xdel(keys.requests, entry_id)  # Redis 6.2 keeps it pending, with no fields
+    age(conn, keys, entry_id)
+    letter = wait_for(lambda: dead_letters(conn, keys).get(entry_id), TIMEOUT_S, "dead letter")
+    assert "deleted" in letter["reason"]
+    assert conn.xpending(keys.requests, keys.group)["pending"] == 0

@@ -1,0 +1,79 @@
+"""`genq worker`: run a worker, the same as `arq worker worker.WorkerSettings`.
+
+Flags override the GENQ_* environment (read here, at this entry point, and nowhere else);
+the resulting configuration goes to arq's `run_worker` with the settings of
+`worker.consumer.WorkerSettings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+# Flags that set engine arguments, with their types.
+_ENGINE_FLAGS: dict[str, type] = {
+    "model": str,
+    "dtype": str,
+    "device": str,
+    "max_num_seqs": int,
+    "max_model_len": int,
+    "max_num_batched_tokens": int,
+    "num_gpu_blocks_override": int,
+    "num_threads": int,
+    "seed": int,
+}
+# Flags that set worker arguments.
+_WORKER_FLAGS: dict[str, type] = {
+    "name": str,
+    "served_model_name": str,
+    "prefix": str,
+    "claim_idle_s": float,
+    "heartbeat_s": float,
+    "delivery_limit": int,
+    "shutdown_grace_s": float,
+    "metrics_port": int,
+    "metrics_host": str,
+}
+
+
+def build(parser: argparse.ArgumentParser) -> Any:
+    for name, kind in {**_ENGINE_FLAGS, **_WORKER_FLAGS}.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, help=_HELP.get(name))
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="disable the engine's prefix cache"
+    )
+    return run
+
+
+_HELP = {
+    "model": "local model directory (default: $GENQ_MODEL or SmolLM2-135M-Instruct)",
+    "name": "consumer name in the group (default: $GENQ_WORKER_NAME or the host name)",
+    "served_model_name": "the model name jobs ask for (default: the model directory's name)",
+    "num_gpu_blocks_override": "size of the KV pool in blocks",
+    "claim_idle_s": "reclaim entries of other workers idle this long",
+    "delivery_limit": "deliveries before an entry goes to the dead stream",
+    "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",
+    "metrics_port": "serve Prometheus metrics on this port (default: off)",
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    from arq.worker import run_worker
+
+    from worker.consumer import WorkerSettings, arq_settings
+    from worker.queue_config import config_from_env
+
+    env = dict(os.environ)
+    env["GENQ_REDIS_URL"] = args.redis_url  # --redis-url defaults to $GENQ_REDIS_URL already
+    config = config_from_env(env)
+    engine_args = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.no_prefix_caching:
+        engine_args["enable_prefix_caching"] = False
+    worker_args = {k: getattr(args, k) for k in _WORKER_FLAGS if getattr(args, k) is not None}
+    config = dataclasses.replace(
+        config, engine=dataclasses.replace(config.engine, **engine_args), **worker_args
+    )
+    run_worker(WorkerSettings, **arq_settings(config))  # type: ignore[arg-type]
+    return 0

@@ -1,0 +1,313 @@
+"""The Redis consumer, hosted by arq: `arq worker worker.WorkerSettings` (or `genq worker`).
+
+arq provides the process: its event loop, signal handling and health check
+(`arq --check worker.WorkerSettings`). `on_startup` loads the engine and starts the
+consumer; the consumer's own asyncio tasks do the work:
+
+- intake: XREADGROUP as many new jobs as the engine has room for;
+- publisher: engine step results -> one STEP_LUA call per batch of steps;
+- heartbeat: the worker hash, re-owning in-flight entries, cancel flags, deadlines;
+- reclaimer: entries of dead workers, resumed from the tokens they had sent;
+- cancel listener: the `cancel` channel.
+
+The engine steps in its own thread (`queue_engine.EngineThread`). On SIGTERM arq cancels
+its main task and calls `on_shutdown`, which drains: intake stops, jobs that have produced
+nothing yet are released at once, the others get `shutdown_grace_s` to finish, what is left
+is released (claimable by another worker at once), and the worker hash is deleted.
+
+arq's own job queue is not used; `ping` is there because arq needs one function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import redis
+import redis.asyncio
+from arq.connections import RedisSettings
+
+from producer.protocol import Keys, decode_worker_info
+from worker.queue_config import WorkerConfig, config_from_env
+from worker.queue_engine import EngineThread, intake_capacity
+from worker.queue_heartbeat import Heartbeat, listen_cancels
+from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer, wait_for_event
+from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
+from worker.queue_metrics import WorkerMetrics
+from worker.queue_publisher import Publisher
+from worker.queue_scripts import Scripts
+
+logger = logging.getLogger(__name__)
+
+ARQ_POLL_DELAY_S = 1.0  # arq's loop: polls its (empty) queue and writes the health-check key
+# The engine thread releases the GIL in every torch op; while the event loop is busy publishing,
+# each re-acquire waits up to the switch interval (5 ms by default), many times per step. At
+# 0.5 ms the engine keeps its pace: on an H200, W1 at 512 prompts went from 80% of the
+# in-process engine's throughput to 100%.
+GIL_SWITCH_INTERVAL_S = 0.0005
+NAME_WAIT_S = 5.0  # extra wait, past the heartbeat TTL, for a namesake worker to expire
+FLUSH_TIMEOUT_S = 10.0  # shutdown: longest wait for the last results to be published
+
+
+class Consumer:
+    """Ties the engine thread to Redis. `start()` then `shutdown()`, on one event loop."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.keys = Keys(config.prefix)
+        self.table = JobTable()
+        self.stop_intake = asyncio.Event()
+        self.stop_control = asyncio.Event()
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self.released: set[str] = set()  # entry ids handed back during the drain
+
+    # -- start ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process hosts one worker
+        self.engine = EngineThread(self.config.engine, asyncio.get_running_loop())
+        engine = await self.engine.start()  # loads the model; steps wait for the first command
+        self.conn = redis.asyncio.Redis.from_url(self.config.redis_url)
+        self.scripts = Scripts(self.conn, self.keys, self.config.name)
+        self.metrics = WorkerMetrics(self.config.model_name)
+        self.publisher = Publisher(
+            self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject
+        )
+        self.admission = Admission(self.config, self.scripts, self.table, self.engine)
+        self.heartbeat = Heartbeat(
+            self.config, self.scripts, self.table, self.publisher, self.metrics,
+            self.capacity, self.abort,
+        )
+        await self.scripts.ensure_group()
+        await self._claim_name()
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+        self._start_tasks()
+        logger.info(
+            "worker %s serving %s (max_num_seqs=%d, %d KV blocks) on %s",
+            self.config.name, self.config.model_name, self.config.engine.max_num_seqs,
+            engine.block_manager.num_blocks, self.keys.requests,
+        )
+
+    def _start_tasks(self) -> None:
+        reclaimer = Reclaimer(self.admission, self.capacity, self.table, self.config)
+        intake = Intake(self.admission, self.capacity, self.publisher.changed)
+        self._spawn("publisher", self.publisher.run())
+        self._spawn("heartbeat", self.heartbeat.run(self.stop_control))
+        self._spawn("cancels", listen_cancels(
+            self.conn, self.keys.cancel_channel, self.cancel, self.stop_control
+        ))
+        self._spawn("intake", _retrying(lambda: intake.run(self.stop_intake), self.stop_intake))
+        self._spawn("reclaimer", _retrying(lambda: reclaimer.run(self.stop_intake), self.stop_intake))
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro, name=f"genq-{name}")
+        task.add_done_callback(self._task_done)
+        self.tasks[name] = task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        """A task that dies on its own is fatal: stop the worker the way SIGTERM does, so its
+        entries are released and picked up by other workers."""
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.critical("%s failed; stopping the worker", task.get_name(), exc_info=task.exception())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    async def _claim_name(self) -> None:
+        """Refuse to share a consumer name with a live worker.
+
+        Race prevented: two workers under one name both pass every ownership check for each
+        other's entries, so both would run them. A namesake that is gone (the same worker
+        restarting) disappears within the heartbeat TTL."""
+        key = self.keys.worker(self.config.name)
+        deadline = time.monotonic() + self.heartbeat.ttl_s + NAME_WAIT_S
+        me = (self.heartbeat.host, os.getpid())
+        while raw := await self.conn.hgetall(key):
+            other = decode_worker_info(raw, self.config.name)
+            if (other.host, other.pid) == me:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"a worker named {self.config.name!r} is alive (host {other.host}, pid "
+                    f"{other.pid}); give this one another name (GENQ_WORKER_NAME / --name)"
+                )
+            logger.warning("worker name %s is in use by pid %d; waiting for it to expire",
+                           self.config.name, other.pid)
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    # -- what the tasks share --------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """Jobs to take now: see `intake_capacity`; 0 while draining."""
+        if self.stop_intake.is_set():
+            return 0
+        stats = self.publisher.stats
+        in_flight = self.admission.num_admitting + max(
+            0, self.admission.num_adds_sent - stats.num_adds_taken
+        )
+        return intake_capacity(stats, self.config.engine.max_num_seqs, in_flight)
+
+    def abort(self, held: HeldJob, reason: str) -> None:
+        """Ask the engine to end a job now (cancel, deadline); it ends with `abort` events."""
+        if held.abort_reason is None:
+            held.abort_reason = reason
+        if held.state == JobState.RUNNING:
+            self.engine.abort(sorted(held.engine_ids))
+
+    def cancel(self, job_id: str) -> None:
+        held = self.table.get(job_id)
+        if held is not None and held.state.writes:
+            logger.info("job %s: cancel requested", job_id)
+            self.abort(held, ABORT_CANCELLED)
+
+    async def _reject(self, held: HeldJob, error: str) -> None:
+        """The engine refused the job (prompt over max_model_len, ...): fail it and
+        dead-letter its entry."""
+        await self.admission.fail_held(held, error)
+        if not held.engine_ids:
+            self.table.remove(held)
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Drain (see the module docstring); safe to call once, after `start`."""
+        logger.info("worker %s draining (grace %.1f s)", self.config.name, self.config.shutdown_grace_s)
+        self.heartbeat.state = "draining"
+        self.stop_intake.set()
+        await self._wait_tasks("intake", "reclaimer", timeout_s=INTAKE_BLOCK_S + 5)
+        await self._release([h for h in self.table if h.state.writes and h.last_token_at is None])
+        await self._wait_for_jobs(self.config.shutdown_grace_s)
+        await self._release([h for h in self.table if h.state.writes])
+        await asyncio.to_thread(self.engine.stop, 10.0)
+        await self._flush_publisher()
+        await self._release_entries([e for e in await self.scripts.own_pending() if e not in self.released])
+        self.stop_control.set()
+        await self._wait_tasks("heartbeat", "cancels", timeout_s=5.0)
+        await self.conn.delete(self.keys.worker(self.config.name))
+        await self.conn.aclose()
+        logger.info("worker %s stopped", self.config.name)
+
+    async def _release(self, jobs: list[HeldJob]) -> None:
+        for held in jobs:
+            self.publisher.drop(held, JobState.RELEASED)
+        await self._release_entries([h.entry_id for h in jobs])
+
+    async def _release_entries(self, entry_ids: list[str]) -> None:
+        if entry_ids:
+            released = await self.scripts.release(entry_ids)
+            self.released.update(entry_ids)
+            logger.info("released %d entries for other workers", released)
+
+    async def _wait_for_jobs(self, timeout_s: float) -> None:
+        """Until no job is left running or `timeout_s` passed (or the engine died)."""
+        deadline = time.monotonic() + timeout_s
+        while self.engine.alive and any(h.state.writes for h in self.table):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.publisher.changed.clear()
+            if any(h.state.writes for h in self.table):
+                await wait_for_event(self.publisher.changed, min(left, 1.0))
+
+    async def _flush_publisher(self) -> None:
+        """Publish what the stopped engine thread posted, then stop the publisher (given up
+        after FLUSH_TIMEOUT_S, should Redis be gone: the entries are reclaimed anyway)."""
+        task = self.tasks["publisher"]
+        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+        await asyncio.sleep(0)  # run the thread's pending call_soon_threadsafe callbacks
+        while not task.done() and not (self.engine.results.empty() and self.publisher.idle.is_set()):
+            if time.monotonic() > deadline:
+                break
+            await wait_for_event(self.publisher.changed, 0.1)
+            self.publisher.changed.clear()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def _wait_tasks(self, *names: str, timeout_s: float) -> None:
+        tasks = [self.tasks[n] for n in names if n in self.tasks]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _retrying(run: Callable[[], Coroutine[Any, Any, None]], stopping: asyncio.Event) -> None:
+    """Run a loop again after Redis connection errors (Redis restarted, network blip)."""
+    while not stopping.is_set():
+        try:
+            await run()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logger.warning("Redis unavailable (%s); retrying", exc)
+            await wait_for_event(stopping, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# arq hooks and settings
+
+
+async def ping(ctx: dict[str, Any]) -> str:
+    """arq needs at least one function; genq's work does not go through arq's queue."""
+    return "pong"
+
+
+async def startup(ctx: dict[str, Any]) -> None:
+    """arq `on_startup`: load the engine, start the consumer."""
+    _configure_logging()
+    consumer = Consumer(ctx["config"])
+    await consumer.start()
+    ctx["consumer"] = consumer
+
+
+def _configure_logging() -> None:
+    """Show genq's INFO logs unless the host process configured logging itself; arq's CLI
+    gives its own logger a handler, so it stops propagating to avoid printing lines twice."""
+    if logging.getLogger().handlers:
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    arq_logger = logging.getLogger("arq")
+    if arq_logger.handlers:
+        arq_logger.propagate = False
+
+
+async def shutdown(ctx: dict[str, Any]) -> None:
+    """arq `on_shutdown` (after SIGTERM/SIGINT): drain and stop the consumer."""
+    consumer = ctx.pop("consumer", None)
+    if consumer is not None:
+        await consumer.shutdown()
+
+
+def arq_settings(config: WorkerConfig) -> dict[str, Any]:
+    """The per-configuration arq arguments (the rest are WorkerSettings' constants)."""
+    return {
+        "ctx": {"config": config},
+        "redis_settings": RedisSettings.from_dsn(config.redis_url),
+        "queue_name": Keys(config.prefix).arq_queue(config.name),
+        "health_check_interval": config.heartbeat_s,
+    }
+
+
+class WorkerSettings:
+    """`arq worker worker.WorkerSettings`: configured by GENQ_* variables (docs/queue.md).
+
+    The environment is read here, in the class body, when arq imports the class; nothing
+    below reads it again. arq's health-check key is `<prefix>arq:<name>:health-check`, so
+    `arq --check worker.WorkerSettings` with the same GENQ_WORKER_NAME checks that worker."""
+
+    config = config_from_env(os.environ)
+    functions = [ping]
+    on_startup = startup
+    on_shutdown = shutdown
+    poll_delay = ARQ_POLL_DELAY_S
+    max_jobs = 1
+    ctx = {"config": config}
+    redis_settings = RedisSettings.from_dsn(config.redis_url)
+    queue_name = Keys(config.prefix).arq_queue(config.name)
+    health_check_interval = config.heartbeat_s

@@ -1,0 +1,143 @@
+"""Worker configuration: one frozen dataclass, built at the two entry points (the arq
+`WorkerSettings` class body and `genq worker`) and passed down by constructor.
+
+`config_from_env` is the only reader of the environment, and only those entry points call
+it. Importing this module stays cheap (no torch), so `arq --check` is quick.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from producer.client import DEFAULT_REDIS_URL
+from producer.protocol import (
+    DEFAULT_CLAIM_IDLE_S,
+    DEFAULT_DELIVERY_LIMIT,
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_PREFIX,
+    DEFAULT_SHUTDOWN_GRACE_S,
+    validate_job_id,
+)
+from worker.config import EngineConfig
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # worker.model_loader's default (it imports torch)
+
+# Every variable the worker reads, with what it sets (docs/queue.md lists them too).
+ENV_VARS = {
+    "GENQ_REDIS_URL": "Redis URL",
+    "GENQ_PREFIX": "key prefix",
+    "GENQ_WORKER_NAME": "consumer name (default: the host name)",
+    "GENQ_MODEL": "local model directory (default: SmolLM2-135M-Instruct)",
+    "GENQ_SERVED_MODEL_NAME": "the name jobs use in `model` (default: the model directory's name)",
+    "GENQ_DTYPE": "auto | float32 | bfloat16 | float16",
+    "GENQ_DEVICE": "auto | cpu | cuda",
+    "GENQ_MAX_NUM_SEQS": "engine max_num_seqs",
+    "GENQ_MAX_MODEL_LEN": "engine max_model_len",
+    "GENQ_MAX_NUM_BATCHED_TOKENS": "engine max_num_batched_tokens",
+    "GENQ_NUM_GPU_BLOCKS": "engine num_gpu_blocks_override",
+    "GENQ_NUM_THREADS": "torch threads on CPU",
+    "GENQ_CLAIM_IDLE_S": "idle time after which another worker reclaims an entry",
+    "GENQ_HEARTBEAT_S": "heartbeat period",
+    "GENQ_DELIVERY_LIMIT": "deliveries before an entry goes to the dead stream",
+    "GENQ_SHUTDOWN_GRACE_S": "SIGTERM: time in-flight jobs get before they are released",
+    "GENQ_METRICS_PORT": "serve Prometheus metrics on this port (default: off)",
+    "GENQ_METRICS_HOST": "address the metrics server binds (default 0.0.0.0)",
+}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    redis_url: str = DEFAULT_REDIS_URL
+    prefix: str = DEFAULT_PREFIX
+    name: str = field(default_factory=socket.gethostname)  # consumer name in the group
+    served_model_name: str | None = None  # None: the model directory's name
+    claim_idle_s: float = DEFAULT_CLAIM_IDLE_S
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    delivery_limit: int = DEFAULT_DELIVERY_LIMIT
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
+
+    def __post_init__(self) -> None:
+        validate_job_id(self.name)  # same rules: it becomes part of key names
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        # An entry is re-owned every beat; reclaiming sooner than two beats would steal live work.
+        if self.claim_idle_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"claim_idle_s ({self.claim_idle_s}) must be at least two heartbeats "
+                f"(heartbeat_s={self.heartbeat_s})"
+            )
+        if self.delivery_limit < 1:
+            raise ValueError(f"delivery_limit must be >= 1, got {self.delivery_limit}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+    @property
+    def model_name(self) -> str:
+        """The name this worker serves: jobs whose `model` is set must use it."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.engine.model is None:
+            return DEFAULT_MODEL_NAME
+        return Path(self.engine.model).expanduser().name or self.engine.model
+
+    def serves(self, model: str | None) -> bool:
+        """A job for `model` may run here: no model asked, the served name, or the --model path."""
+        return model is None or model in (self.model_name, self.engine.model)
+
+
+def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
+    """The worker configuration from GENQ_* variables (the entry points pass os.environ)."""
+    engine_args = _drop_none(
+        model=env.get("GENQ_MODEL") or None,
+        dtype=env.get("GENQ_DTYPE") or None,
+        device=env.get("GENQ_DEVICE") or None,
+        max_num_seqs=_int(env, "GENQ_MAX_NUM_SEQS"),
+        max_model_len=_int(env, "GENQ_MAX_MODEL_LEN"),
+        max_num_batched_tokens=_int(env, "GENQ_MAX_NUM_BATCHED_TOKENS"),
+        num_gpu_blocks_override=_int(env, "GENQ_NUM_GPU_BLOCKS"),
+        num_threads=_int(env, "GENQ_NUM_THREADS"),
+    )
+    worker_args = _drop_none(
+        redis_url=env.get("GENQ_REDIS_URL") or None,
+        prefix=env.get("GENQ_PREFIX") or None,
+        name=env.get("GENQ_WORKER_NAME") or None,
+        served_model_name=env.get("GENQ_SERVED_MODEL_NAME") or None,
+        claim_idle_s=_float(env, "GENQ_CLAIM_IDLE_S"),
+        heartbeat_s=_float(env, "GENQ_HEARTBEAT_S"),
+        delivery_limit=_int(env, "GENQ_DELIVERY_LIMIT"),
+        shutdown_grace_s=_float(env, "GENQ_SHUTDOWN_GRACE_S"),
+        metrics_port=_int(env, "GENQ_METRICS_PORT"),
+        metrics_host=env.get("GENQ_METRICS_HOST") or None,
+    )
+    return WorkerConfig(engine=EngineConfig.from_kwargs(**engine_args), **worker_args)
+
+
+def _drop_none(**kwargs: Any) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _float(env: Mapping[str, str], name: str) -> float | None:
+    value = env.get(name)
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None

@@ -1,0 +1,254 @@
+"""The engine thread: the one thread that owns the engine.
+
+The event loop hands it commands (add a job, abort requests, stop) through a thread-safe
+queue, drained between steps. After each step it posts a `StepResult` (the step's outputs
+plus a snapshot of the engine's load) back to the event loop, and goes straight on to the
+next step: Redis is never waited on here, so publishing overlaps the next step's compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from producer.protocol import Job
+from worker.config import EngineConfig
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+    from worker.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+KV_WATERMARK = 0.01  # fraction of KV blocks intake leaves free, as vLLM's scheduler does
+PROMPT_EMA_WEIGHT = 0.1  # weight of the newest request in the mean request size
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    engine_id: str
+    job: Job
+    index: int | None = None  # set: run only this completion (n = 1), a resumed n > 1 job
+    resume_token_ids: list[int] | None = None  # tokens already sent for it
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    engine_ids: list[str]
+
+
+class _Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load after a step (or after taking commands)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 1
+    num_waiting_blocks: int = 0  # blocks the waiting requests still need to start
+    num_adds_taken: int = 0  # AddRequest commands taken so far (for in-flight accounting)
+    generation_tokens_total: int = 0
+    blocks_per_request: int = 1  # blocks a recent request needed to start (moving average)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (engine id, error)
+    stats: EngineStats = field(default_factory=EngineStats)
+    time: float = 0.0  # unix time the step ended
+    error: BaseException | None = None  # the engine failed; the thread has stopped
+
+
+def intake_capacity(stats: EngineStats, max_num_seqs: int, num_in_flight: int) -> int:
+    """How many more jobs to take from the stream now.
+
+    Seats: max_num_seqs minus running, waiting and jobs on their way into the engine. KV
+    blocks: the free blocks, less what waiting requests need to start and a small watermark,
+    divided by the blocks a recent request took to start. An idle engine always takes one,
+    whatever the estimate says, so a long prompt cannot starve."""
+    blocks_per_request = max(stats.blocks_per_request, 1)
+    seats = max_num_seqs - stats.num_running - stats.num_waiting - num_in_flight
+    free_blocks = (
+        stats.num_free_blocks
+        - stats.num_waiting_blocks
+        - int(KV_WATERMARK * stats.num_blocks)
+        - num_in_flight * blocks_per_request
+    )
+    by_blocks = free_blocks // blocks_per_request
+    if stats.num_running + stats.num_waiting + num_in_flight == 0:
+        by_blocks = max(by_blocks, 1)
+    return max(0, min(seats, by_blocks))
+
+
+class EngineThread:
+    """Builds the engine and runs `engine.step()` in one daemon thread; `add`, `abort` and
+    `stop` are thread-safe.
+
+    The engine is built in the thread that steps it, not handed in: torch's OpenMP pool
+    belongs to the thread that first runs parallel work, and CPU ops run several times
+    slower in a second thread once another thread has a pool."""
+
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.engine: Engine  # set by the thread, before `start` returns
+        self.results: asyncio.Queue[StepResult] = asyncio.Queue()
+        self._loop = loop
+        self._ready: asyncio.Future[None] = loop.create_future()
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._num_adds_taken = 0
+        self._mean_request_tokens: float | None = None
+        self._thread = threading.Thread(target=self._main, name="genq-engine", daemon=True)
+
+    async def start(self) -> Engine:
+        """Start the thread and wait until the engine is built (re-raises its error)."""
+        self._thread.start()
+        await self._ready
+        return self.engine
+
+    def add(self, request: AddRequest) -> None:
+        self._commands.put(request)
+
+    def abort(self, engine_ids: list[str]) -> None:
+        if engine_ids:
+            self._commands.put(AbortRequests(list(engine_ids)))
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop after the current step; waits for the thread."""
+        self._commands.put(_Stop())
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        """Load snapshot. Only the engine thread calls this once the thread runs."""
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        waiting_blocks = sum(
+            max(0, blocks.blocks_needed(r.num_tokens) - len(blocks.block_table(r.request_id)))
+            for r in scheduler.waiting
+        )
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_blocks=blocks.num_free_blocks,
+            num_blocks=blocks.num_blocks,
+            num_waiting_blocks=waiting_blocks,
+            num_adds_taken=self._num_adds_taken,
+            generation_tokens_total=self.engine.num_generated_tokens,
+            blocks_per_request=blocks.blocks_needed(int(self._mean_request_tokens or 0) + 1),
+        )
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        from worker.engine import Engine  # torch: imported once a worker really starts
+
+        try:
+            self.engine = Engine(self.config)
+        except BaseException as exc:
+            self._loop.call_soon_threadsafe(_fail, self._ready, exc)
+            return
+        self._post(StepResult(stats=self.stats(), time=time.time()))
+        self._loop.call_soon_threadsafe(_succeed, self._ready)
+        self._run()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                taken = self._take_commands(block=not busy)
+                if taken is None:
+                    return
+                rejected, changed = taken
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                if outputs or changed:
+                    self._post(StepResult(outputs, rejected, self.stats(), time.time()))
+        except BaseException as exc:  # reported to the event loop, which stops the worker
+            logger.exception("engine thread failed")
+            self._post(StepResult(error=exc, time=time.time()))
+
+    def _take_commands(self, block: bool) -> tuple[list[tuple[str, str]], bool] | None:
+        """Apply queued commands; wait for one first when the engine is idle. Returns
+        (rejected adds, whether anything was taken), or None on stop."""
+        rejected: list[tuple[str, str]] = []
+        changed = False
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return rejected, changed
+            block, changed = False, True
+            if isinstance(command, _Stop):
+                return None
+            if isinstance(command, AbortRequests):
+                for engine_id in command.engine_ids:
+                    self.engine.abort_request(engine_id)
+            else:
+                error = self._add(command)
+                if error is not None:
+                    rejected.append((command.engine_id, error))
+
+    def _add(self, request: AddRequest) -> str | None:
+        """Queue one request; the error message if the engine refuses it."""
+        self._num_adds_taken += 1
+        job = request.job
+        params = job.sampling_params
+        if request.index is not None:  # one completion of n, seeded as the engine seeds it
+            seed = None if params.seed is None else params.seed + request.index
+            params = replace(params, n=1, seed=seed)
+        try:
+            self.engine.add_request(
+                request.engine_id, self._prompt(job), params, priority=job.priority,
+                resume_output_token_ids=request.resume_token_ids or None,
+            )
+        except Exception as exc:  # a bad prompt fails its job; the engine is left as it was
+            return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
+        self._note_size(request)
+        return None
+
+    def _note_size(self, request: AddRequest) -> None:
+        """Keep a moving average of request sizes (prompt + resumed tokens) for intake."""
+        parent = self.engine.output_processor.parents.get(request.engine_id)
+        if parent is None:
+            return
+        size = len(parent.prompt_token_ids) + len(request.resume_token_ids or ())
+        mean = self._mean_request_tokens
+        self._mean_request_tokens = size if mean is None else mean + PROMPT_EMA_WEIGHT * (size - mean)
+
+    def _prompt(self, job: Job) -> Any:
+        if job.messages is not None:
+            return self.engine.apply_chat_template(job.messages)
+        if job.prompt_token_ids is not None:
+            return {"prompt_token_ids": job.prompt_token_ids}
+        return job.prompt
+
+    def _post(self, result: StepResult) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.results.put_nowait, result)
+        except RuntimeError:  # the loop closed during shutdown; nobody is listening
+            pass
+
+
+def _succeed(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _fail(future: asyncio.Future[None], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,125 @@
+"""The worker's periodic and pushed control: the heartbeat (worker hash, re-owning in-flight
+entries, cancel flags, deadlines) and the cancel channel listener."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import redis
+
+from producer.protocol import WORKER_HEARTBEAT_TTL_S, WorkerInfo, encode_worker_info
+from worker.queue_config import WorkerConfig
+from worker.queue_jobs import ABORT_CANCELLED, ABORT_DEADLINE, HeldJob, JobState, JobTable
+from worker.queue_metrics import WorkerMetrics
+from worker.queue_publisher import Publisher
+from worker.queue_scripts import Scripts
+
+logger = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 1.0  # pub/sub read timeout: bounds how long a stop waits for the listener
+REDIS_RETRY_S = 1.0
+
+AbortJob = Callable[[HeldJob, str], None]
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        scripts: Scripts,
+        table: JobTable,
+        publisher: Publisher,
+        metrics: WorkerMetrics,
+        capacity: Callable[[], int],
+        abort: AbortJob,
+    ) -> None:
+        self.config = config
+        self.scripts = scripts
+        self.table = table
+        self.publisher = publisher
+        self.metrics = metrics
+        self.capacity = capacity
+        self.abort = abort
+        self.state = "serving"
+        self.started_at = time.time()
+        self.host = socket.gethostname()
+        self.ttl_s = max(WORKER_HEARTBEAT_TTL_S, int(3 * config.heartbeat_s) + 1)
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            try:
+                await self.beat()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                logger.warning("heartbeat failed: %s", exc)
+            try:
+                await asyncio.wait_for(stopping.wait(), self.config.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def beat(self) -> None:
+        """One beat: abort jobs past their deadline, write the worker hash, keep in-flight
+        entries owned, and act on lost entries and cancel flags."""
+        self._abort_expired(time.time())
+        held = [h for h in self.table if h.state.writes]
+        lost, cancelled = await self.scripts.heartbeat(
+            self.scripts.keys.worker(self.config.name),
+            encode_worker_info(self.info()),
+            [(h.id, h.entry_id) for h in held],
+            self.ttl_s,
+        )
+        for h in held:
+            if h.entry_id in lost:
+                self.publisher.drop(h, JobState.LOST)
+            elif h.entry_id in cancelled:
+                self.abort(h, ABORT_CANCELLED)
+
+    def _abort_expired(self, now: float) -> None:
+        for h in self.table:
+            if h.state.writes and h.abort_reason is None and h.past_deadline(now):
+                self.abort(h, ABORT_DEADLINE)
+
+    def info(self) -> WorkerInfo:
+        stats, m = self.publisher.stats, self.metrics
+        return WorkerInfo(
+            model=self.config.model_name,
+            max_num_seqs=self.config.engine.max_num_seqs,
+            state=self.state,
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            free_slots=self.capacity(),
+            kv_cache_usage=round(stats.kv_cache_usage, 4),
+            tokens_per_s=round(m.tokens_per_s(), 2),
+            generation_tokens_total=m.generation_tokens_total,
+            prompt_tokens_total=m.prompt_tokens_total,
+            requests_finished_total=m.requests_finished_total,
+            started_at=self.started_at,
+            heartbeat_at=time.time(),
+            pid=os.getpid(),
+            host=self.host,
+        )
+
+
+async def listen_cancels(
+    conn: redis.asyncio.Redis, channel: str, on_cancel: Callable[[str], None], stopping: asyncio.Event
+) -> None:
+    """Call `on_cancel(job id)` for each id published on the cancel channel. Messages missed
+    while reconnecting are not lost for good: the heartbeat also reads the durable flags."""
+    while not stopping.is_set():
+        pubsub = conn.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(channel)
+            while not stopping.is_set():
+                message = await pubsub.get_message(timeout=CANCEL_POLL_S)
+                if message is not None and message["type"] == "message":
+                    data = message["data"]
+                    on_cancel(data.decode(errors="replace") if isinstance(data, bytes) else str(data))
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            logger.warning("cancel listener lost Redis (%s); resubscribing", exc)
+            await asyncio.sleep(REDIS_RETRY_S)
+        finally:
+            await pubsub.aclose()

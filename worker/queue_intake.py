@@ -1,0 +1,372 @@
+"""Taking jobs: the intake (XREADGROUP, new entries) and the reclaimer (entries of workers
+that died), both feeding one admission path.
+
+Admission decodes and checks each entry, dead-letters what cannot run, marks the rest
+running (START_LUA), ends at once the ones that were cancelled or are past their deadline,
+and hands the others to the engine thread. A reclaimed job resumes from its events stream:
+the engine prefills prompt + tokens already sent, and numbering continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from producer.protocol import (
+    Job,
+    ProtocolError,
+    decode_job,
+    encode_dead_letter,
+    encode_event,
+)
+from worker.queue_config import WorkerConfig
+from worker.queue_engine import AddRequest, EngineThread
+from worker.queue_jobs import (
+    ABORT_CANCELLED,
+    ABORT_DEADLINE,
+    HeldJob,
+    JobState,
+    JobTable,
+    abort_events,
+    error_event,
+    failed_record,
+    final_record,
+    new_completions,
+    progress_from_events,
+)
+from worker.queue_scripts import DeadLetter, JobWrite, Scripts
+
+logger = logging.getLogger(__name__)
+
+INTAKE_BLOCK_S = 1.0  # longest XREADGROUP BLOCK: bounds how long a stop waits for intake
+REDIS_RETRY_S = 1.0  # pause after a Redis connection error before trying again
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One stream entry handed to this worker."""
+
+    entry_id: str
+    fields: dict[bytes, bytes] | None  # None: deleted from the stream before it ran
+    delivery_count: int = 1  # including this one
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str
+    job_id: str | None = None
+    fail_job: bool = True  # False: the job is alive elsewhere (duplicate entry); leave it
+
+
+class Admission:
+    def __init__(
+        self, config: WorkerConfig, scripts: Scripts, table: JobTable, engine: EngineThread
+    ) -> None:
+        self.config = config
+        self.scripts = scripts
+        self.table = table
+        self.engine = engine
+        self.num_admitting = 0  # entries read and not yet handed on (counted against capacity)
+        self.num_adds_sent = 0  # AddRequests sent to the engine thread, ever
+
+    async def admit(self, deliveries: list[Delivery], reclaimed: bool) -> None:
+        self.num_admitting += len(deliveries)
+        try:
+            await self._admit(deliveries, reclaimed)
+        finally:
+            self.num_admitting -= len(deliveries)
+            self._forget_unstarted(deliveries)
+
+    def _forget_unstarted(self, deliveries: list[Delivery]) -> None:
+        # Race prevented: a Redis error mid-admission leaving jobs held but never started; the
+        # heartbeat would keep re-owning their entries, and no worker would ever run them.
+        # Forgotten here, they go idle and are reclaimed.
+        for delivery in deliveries:
+            held = self.table.by_entry(delivery.entry_id)
+            if held is not None and held.state == JobState.ADMITTING:
+                self.table.remove(held)
+
+    async def _admit(self, deliveries: list[Delivery], reclaimed: bool) -> None:
+        checked = [(d, self.check(d)) for d in deliveries]
+        progress = await self._read_progress(checked) if reclaimed else {}
+        letters, held = [], []
+        for delivery, verdict in checked:
+            if isinstance(verdict, Job):  # again: two entries of one job can share a batch
+                verdict = self._check_not_held(delivery, verdict) or verdict
+            if isinstance(verdict, Rejection):
+                letters.append(self._dead_letter(delivery, verdict, progress))
+            else:
+                held.append(self._hold(delivery, verdict, progress))
+        await self.scripts.dead_letter(letters)
+        for letter in letters:
+            logger.warning("entry %s -> dead: %s", letter.entry_id, letter.fields["reason"].decode())
+        codes = await self.scripts.start(
+            [h.job for h in held], [h.entry_id for h in held], time.time()
+        )
+        await self._dispatch(list(zip(held, codes, strict=True)))
+
+    # -- checks, each a delivery rule ------------------------------------------------------
+
+    def check(self, delivery: Delivery) -> Job | Rejection:
+        """The job to run, or why the entry cannot run."""
+        if delivery.fields is None:
+            return Rejection("the entry was deleted from the stream before it ran")
+        try:
+            job = decode_job(delivery.fields)
+        except ProtocolError as exc:
+            return Rejection(f"cannot decode the entry: {exc}", exc.job_id)
+        return (
+            self._check_delivery_limit(delivery, job)
+            or self._check_model(job)
+            or self._check_not_held(delivery, job)
+            or job
+        )
+
+    def _check_delivery_limit(self, delivery: Delivery, job: Job) -> Rejection | None:
+        # Race prevented: a job that kills every worker that runs it (a poison prompt) being
+        # reclaimed and crashing worker after worker forever.
+        if delivery.delivery_count <= self.config.delivery_limit:
+            return None
+        return Rejection(
+            f"delivered {delivery.delivery_count} times, over the delivery limit of "
+            f"{self.config.delivery_limit}: every worker that took it stopped before finishing",
+            job.id,
+        )
+
+    def _check_model(self, job: Job) -> Rejection | None:
+        if self.config.serves(job.model):
+            return None
+        return Rejection(
+            f"model {job.model!r} is not served by this worker pool "
+            f"(worker {self.config.name} serves {self.config.model_name!r})",
+            job.id,
+        )
+
+    def _check_not_held(self, delivery: Delivery, job: Job) -> Rejection | None:
+        # Race prevented: a second entry for a job this worker is running (a producer that
+        # XADDed twice) replacing the running job's bookkeeping.
+        held = self.table.get(job.id)
+        if held is None or held.entry_id == delivery.entry_id:
+            return None
+        return Rejection(
+            f"duplicate entry for job {job.id} (this worker runs it from entry {held.entry_id})",
+            job.id, fail_job=False,
+        )
+
+    # -- building ----------------------------------------------------------------------------
+
+    async def _read_progress(
+        self, checked: list[tuple[Delivery, Job | Rejection]]
+    ) -> dict[str, Any]:
+        """Events streams of reclaimed jobs (XRANGE replies), by job id, in one round trip."""
+        named = (v.id if isinstance(v, Job) else v.job_id for _, v in checked)
+        job_ids = sorted({job_id for job_id in named if job_id is not None})
+        pipe = self.scripts.conn.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.xrange(self.scripts.keys.events(job_id))
+        return dict(zip(job_ids, await pipe.execute(), strict=True))
+
+    def _hold(self, delivery: Delivery, job: Job, progress: dict[str, Any]) -> HeldJob:
+        n = job.sampling_params.n
+        entries = progress.get(job.id)
+        completions = progress_from_events(n, entries) if entries else new_completions(n)
+        held = HeldJob(
+            job, delivery.entry_id, completions, delivery.delivery_count,
+            resumed=any(c.next_seq > 0 for c in completions),
+        )
+        self.table.add(held)
+        return held
+
+    def _dead_letter(
+        self, delivery: Delivery, rejection: Rejection, progress: dict[str, Any]
+    ) -> DeadLetter:
+        job_id = rejection.job_id
+        fields = encode_dead_letter(
+            delivery.entry_id, delivery.fields or {}, rejection.reason, job_id
+        )
+        if job_id is None or not rejection.fail_job:
+            return DeadLetter(delivery.entry_id, fields)
+        entries = progress.get(job_id)
+        try:
+            completions = progress_from_events(1, entries) if entries else None
+        except ProtocolError:
+            completions = None  # unreadable events: seq 0 is the best guess
+        event = encode_event(error_event(completions, rejection.reason))
+        record = failed_record(rejection.reason, self.config.name, time.time())
+        return DeadLetter(delivery.entry_id, fields, job_id, event, record)
+
+    async def fail_held(self, held: HeldJob, error: str) -> None:
+        """Fail a job already taken (the engine refused it): error event, failed record,
+        entry to the dead stream."""
+        keys = self.scripts.keys
+        pipe = self.scripts.conn.pipeline(transaction=False)
+        pipe.xrange(keys.requests, held.entry_id, held.entry_id)
+        pipe.xrange(keys.events(held.id))
+        entry, events = await pipe.execute()
+        delivery = Delivery(held.entry_id, entry[0][1] if entry else {}, held.delivery_count)
+        letter = self._dead_letter(delivery, Rejection(error, held.id), {held.id: events})
+        await self.scripts.dead_letter([letter])
+        logger.warning("job %s failed: %s", held.id, error)
+
+    # -- after START ---------------------------------------------------------------------------
+
+    async def _dispatch(self, started: list[tuple[HeldJob, str]]) -> None:
+        now = time.time()
+        end_now: list[HeldJob] = []
+        letters: list[DeadLetter] = []
+        for held, code in started:
+            if held.state != JobState.ADMITTING:
+                continue  # the heartbeat found the entry taken by another worker meanwhile
+            if code == "run":
+                if held.abort_reason is None and held.past_deadline(now):
+                    held.abort_reason = ABORT_DEADLINE
+                if held.abort_reason is not None or held.finished:
+                    end_now.append(held)
+                else:
+                    self._to_engine(held)
+                continue
+            if code == "cancelled":
+                held.abort_reason = ABORT_CANCELLED
+                end_now.append(held)
+                continue
+            self.table.remove(held)
+            if code in ("duplicate", "ended"):
+                reason = (
+                    f"job {held.id} already ended" if code == "ended"
+                    else f"duplicate entry for job {held.id}: its record names another entry"
+                )
+                fields = encode_dead_letter(held.entry_id, {}, reason, held.id)
+                letters.append(DeadLetter(held.entry_id, fields))
+        await self.scripts.dead_letter(letters)
+        await self.end_unstarted(end_now)
+
+    def _to_engine(self, held: HeldJob) -> None:
+        """Queue the job in the engine; a resumed n > 1 job runs one request per unfinished
+        completion, each primed with its own tokens."""
+        held.state = JobState.RUNNING
+        if held.resumed and held.job.sampling_params.n > 1:
+            requests = [
+                AddRequest(self.table.new_engine_id(held, c.index), held.job, c.index, list(c.token_ids))
+                for c in held.completions if not c.finished
+            ]
+        else:
+            resume = list(held.completions[0].token_ids) if held.resumed else None
+            requests = [AddRequest(self.table.new_engine_id(held), held.job, None, resume)]
+        for request in requests:
+            self.engine.add(request)
+        self.num_adds_sent += len(requests)
+
+    async def end_unstarted(self, jobs: list[HeldJob]) -> None:
+        """End jobs that never reach the engine (cancelled, past their deadline): final
+        `abort` events, record and XACK in one STEP_LUA call."""
+        if not jobs:
+            return
+        now = time.time()
+        writes = []
+        for held in jobs:
+            events = [encode_event(e) for e in abort_events(held)]
+            writes.append(JobWrite(held.id, held.entry_id, events, final_record(held, self.config.name, now)))
+        await self.scripts.publish(writes)
+        for held in jobs:
+            logger.info("job %s ended before running (%s)", held.id, held.abort_reason or "done")
+            self.table.remove(held)
+
+
+class Intake:
+    """XREADGROUP as many new entries as the engine has room for; block while idle."""
+
+    def __init__(
+        self,
+        admission: Admission,
+        capacity: Callable[[], int],
+        changed: asyncio.Event,
+    ) -> None:
+        self.admission = admission
+        self.scripts = admission.scripts
+        self.capacity = capacity
+        self.changed = changed  # set when the engine's load changed
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            self.changed.clear()  # before reading capacity, so no change is missed
+            count = self.capacity()
+            if count <= 0:
+                await wait_for_event(self.changed, INTAKE_BLOCK_S)
+                continue
+            deliveries = await self._read(count)
+            if deliveries:
+                await self.admission.admit(deliveries, reclaimed=False)
+
+    async def _read(self, count: int) -> list[Delivery]:
+        keys = self.scripts.keys
+        try:
+            reply = await self.scripts.conn.xreadgroup(
+                keys.group, self.scripts.consumer, {keys.requests: ">"},
+                count=count, block=int(INTAKE_BLOCK_S * 1000),
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.scripts.ensure_group()  # the stream or group was deleted (FLUSHALL)
+            return []
+        if not reply:
+            return []
+        return [Delivery(_str(entry_id), fields) for entry_id, fields in reply[0][1]]
+
+
+class Reclaimer:
+    """Every heartbeat, claim entries idle past the claim timeout and resume them."""
+
+    def __init__(
+        self, admission: Admission, capacity: Callable[[], int], table: JobTable,
+        config: WorkerConfig,
+    ) -> None:
+        self.admission = admission
+        self.capacity = capacity
+        self.table = table
+        self.config = config
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not await wait_for_event(stopping, self.config.heartbeat_s):
+            await self.reclaim_once()
+
+    async def reclaim_once(self) -> int:
+        count = self.capacity()
+        if count <= 0:
+            return 0
+        min_idle_ms = int(self.config.claim_idle_s * 1000)
+        try:
+            claimed = await self.admission.scripts.reclaim(min_idle_ms, count)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.admission.scripts.ensure_group()
+            return 0
+        # An entry already held here went idle because a heartbeat came late; the claim just
+        # re-owned it. It is running: do not admit it twice.
+        fresh = [c for c in claimed if self.table.by_entry(c.entry_id) is None]
+        deliveries = [Delivery(c.entry_id, c.fields, c.delivery_count) for c in fresh]
+        if deliveries:
+            logger.info("reclaimed %d idle entries: %s", len(deliveries), [d.entry_id for d in deliveries])
+            await self.admission.admit(deliveries, reclaimed=True)
+        return len(deliveries)
+
+
+async def wait_for_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait for `event` at most `timeout_s`; returns whether it is set."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+    return event.is_set()
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

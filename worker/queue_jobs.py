@@ -1,0 +1,263 @@
+"""The worker's bookkeeping for the jobs it holds: plain Python, no Redis, no torch.
+
+A job's progress is per completion index: the next `seq`, the tokens and text sent so far and
+the finish reason. A fresh job starts empty; a reclaimed one starts from its events stream, so
+numbering and text continue where the previous worker stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from producer.protocol import (
+    EVENT_FIELD,
+    FINISH_ABORT,
+    CompletionOutput,
+    Event,
+    Job,
+    JobRecord,
+    JobStatus,
+    ProtocolError,
+    decode_event,
+    encode_record,
+)
+
+ABORT_CANCELLED = "cancelled"  # JobRecord.extra["abort_reason"]: the client cancelled
+ABORT_DEADLINE = "deadline"  # the job's deadline passed
+
+
+class JobState(enum.Enum):
+    """A held job: admitting -> running -> (removed when finished); or dropped as
+    released / lost, when outputs are no longer written for it."""
+
+    ADMITTING = "admitting"  # read from the stream, not yet started
+    RUNNING = "running"  # in the engine
+    RELEASED = "released"  # handed back at shutdown; its outputs are dropped
+    LOST = "lost"  # another worker owns the entry now; its outputs are dropped
+
+    @property
+    def writes(self) -> bool:
+        return self in (JobState.ADMITTING, JobState.RUNNING)
+
+
+@dataclass
+class Completion:
+    """Progress of one completion index."""
+
+    index: int
+    next_seq: int = 0
+    text: list[str] = field(default_factory=list)  # pieces sent
+    token_ids: list[int] = field(default_factory=list)  # tokens sent
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            self.index, "".join(self.text), list(self.token_ids), self.finish_reason, self.stop_reason
+        )
+
+
+@dataclass
+class HeldJob:
+    """A job this worker holds, from intake until its final write."""
+
+    job: Job
+    entry_id: str
+    completions: list[Completion]
+    delivery_count: int = 1
+    resumed: bool = False  # reclaimed with output already sent by another worker
+    state: JobState = JobState.ADMITTING
+    abort_reason: str | None = None  # ABORT_CANCELLED | ABORT_DEADLINE once asked to stop
+    engine_ids: set[str] = field(default_factory=set)  # engine requests not finished yet
+    prompt_tokens: int | None = None
+    received_at: float = field(default_factory=time.time)  # unix time it came off the stream
+    last_token_at: float | None = None  # unix time of the last step that sent a token
+
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+    def usage(self) -> dict[str, int] | None:
+        if self.prompt_tokens is None:
+            return None
+        completion = self.num_output_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+    def past_deadline(self, now: float) -> bool:
+        return self.job.deadline is not None and now >= self.job.deadline
+
+
+def new_completions(n: int) -> list[Completion]:
+    return [Completion(index=i) for i in range(n)]
+
+
+def progress_from_events(n: int, entries: Iterable[tuple[Any, dict[bytes, bytes]]]) -> list[Completion]:
+    """Rebuild per-index progress from an events stream (XRANGE reply); raises ProtocolError.
+    Events at or below an index's last seq are skipped, as readers skip them."""
+    completions = new_completions(n)
+    for _, entry_fields in entries:
+        data = entry_fields.get(EVENT_FIELD.encode())
+        if data is None:
+            raise ProtocolError(f"events entry has no {EVENT_FIELD!r} field")
+        event = decode_event(data)
+        if event.error is not None or not 0 <= event.index < n:
+            continue
+        c = completions[event.index]
+        if event.seq < c.next_seq:
+            continue
+        c.next_seq = event.seq + 1
+        c.text.append(event.text)
+        c.token_ids.extend(event.token_ids)
+        if event.finished:
+            c.finish_reason, c.stop_reason = event.finish_reason, event.stop_reason
+    return completions
+
+
+def completion_event(
+    held: HeldJob,
+    index: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    stop_reason: int | str | None = None,
+    logprobs: list[Any] | None = None,
+) -> Event | None:
+    """Record one engine delta for completion `index` and return its event (None when the
+    delta carries nothing, or the completion had already finished)."""
+    c = held.completions[index]
+    if c.finished or not (token_ids or text or finish_reason):
+        return None
+    c.text.append(text)
+    c.token_ids.extend(token_ids)
+    c.finish_reason, c.stop_reason = finish_reason, stop_reason
+    event = Event(
+        seq=c.next_seq, token_ids=list(token_ids), text=text, finished=finish_reason is not None,
+        finish_reason=finish_reason, stop_reason=stop_reason, index=index, logprobs=logprobs,
+    )
+    c.next_seq += 1
+    if event.finished:
+        event.usage = held.usage()
+    return event
+
+
+def abort_events(held: HeldJob) -> list[Event]:
+    """Final `abort` events for every completion not finished yet (cancel, deadline)."""
+    events = []
+    for c in held.completions:
+        event = completion_event(held, c.index, "", [], FINISH_ABORT)
+        if event is not None:
+            events.append(event)
+    return events
+
+
+def final_record(held: HeldJob, worker: str, now: float) -> dict[str, str | bytes]:
+    """The job hash fields written with the last events (HSET mapping)."""
+    outputs = [c.output() for c in held.completions]
+    reasons = {c.finish_reason for c in held.completions}
+    status = JobStatus.CANCELLED if reasons == {FINISH_ABORT} else JobStatus.FINISHED
+    record = JobRecord(
+        status=status,
+        n=len(held.completions),
+        worker=worker,
+        finished_at=now,
+        prompt_tokens=held.prompt_tokens,
+        completion_tokens=held.num_output_tokens,
+        finish_reason=outputs[0].finish_reason,
+        text=outputs[0].text,
+        outputs=outputs,
+    )
+    if status == JobStatus.CANCELLED and held.abort_reason is not None:
+        record.extra["abort_reason"] = held.abort_reason
+    return encode_record(record)
+
+
+def failed_record(error: str, worker: str, now: float) -> dict[str, str | bytes]:
+    return encode_record(
+        JobRecord(status=JobStatus.FAILED, worker=worker, error=error, finished_at=now)
+    )
+
+
+def error_event(completions: list[Completion] | None, error: str) -> Event:
+    """The one terminal event of a failed job. Readers drop an event at or below the last seq
+    of its index, so it takes the next seq of index 0."""
+    seq = completions[0].next_seq if completions else 0
+    return Event(seq=seq, error=error, index=0)
+
+
+class JobTable:
+    """The jobs this worker holds, by job id, with lookups by entry id and engine request id.
+    Touched only from the event loop."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, HeldJob] = {}
+        self._by_entry: dict[str, str] = {}
+        self._by_engine_id: dict[str, tuple[str, int | None]] = {}  # -> (job id, fixed index)
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __iter__(self) -> Iterator[HeldJob]:
+        return iter(list(self._jobs.values()))
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._jobs
+
+    def add(self, held: HeldJob) -> None:
+        self._jobs[held.id] = held
+        self._by_entry[held.entry_id] = held.id
+
+    def get(self, job_id: str) -> HeldJob | None:
+        return self._jobs.get(job_id)
+
+    def by_entry(self, entry_id: str) -> HeldJob | None:
+        job_id = self._by_entry.get(entry_id)
+        return None if job_id is None else self._jobs.get(job_id)
+
+    def new_engine_id(self, held: HeldJob, index: int | None = None) -> str:
+        """A fresh engine request id for the job; `index` set: the request runs that one
+        completion (a resumed n > 1 job). Ids are never reused, so a job that comes back
+        (released, then reclaimed by this worker) cannot collide with its aborted self."""
+        engine_id = f"{held.id}~{next(self._counter)}"
+        held.engine_ids.add(engine_id)
+        self._by_engine_id[engine_id] = (held.id, index)
+        return engine_id
+
+    def by_engine_id(self, engine_id: str) -> tuple[HeldJob, int | None] | None:
+        found = self._by_engine_id.get(engine_id)
+        if found is None or found[0] not in self._jobs:
+            return None
+        return self._jobs[found[0]], found[1]
+
+    def engine_done(self, held: HeldJob, engine_id: str) -> None:
+        held.engine_ids.discard(engine_id)
+        self._by_engine_id.pop(engine_id, None)
+
+    def remove(self, held: HeldJob) -> None:
+        if self._jobs.get(held.id) is held:
+            del self._jobs[held.id]
+        if self._by_entry.get(held.entry_id) == held.id:
+            del self._by_entry[held.entry_id]
+        for engine_id in held.engine_ids:
+            self._by_engine_id.pop(engine_id, None)

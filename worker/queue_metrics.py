@@ -1,0 +1,90 @@
+"""The worker's Prometheus metrics: vLLM's metric names under the `genq:` prefix.
+
+Counters and histograms live in a registry of their own (several workers can share a test
+process); `serve` exposes it over HTTP when a metrics port is configured. The totals are
+also what the heartbeat reports.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from worker.queue_engine import EngineStats
+    from worker.queue_jobs import HeldJob
+
+# Buckets as in vLLM (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0)
+
+
+class WorkerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+
+        def child(kind: Any, name: str, doc: str, **kwargs: Any) -> Any:
+            # Bound to the label once: labels() per call was a visible cost per token.
+            metric = kind(name, doc, ["model_name"], registry=self.registry, **kwargs)
+            return metric.labels(model_name)
+
+        self._running = child(Gauge, "genq:num_requests_running", "Requests in the running queue")
+        self._waiting = child(Gauge, "genq:num_requests_waiting", "Requests in the waiting queue")
+        self._kv = child(Gauge, "genq:kv_cache_usage_perc", "KV-cache usage, 1 = full")
+        self._gen = child(Counter, "genq:generation_tokens", "Generated tokens")
+        self._prompt = child(Counter, "genq:prompt_tokens", "Prefilled prompt tokens")
+        self._done = child(Counter, "genq:request_success", "Jobs finished by this worker")
+        self._ttft = child(Histogram, "genq:time_to_first_token_seconds", "Submit to first token",
+                           buckets=TTFT_BUCKETS)
+        self._itl = child(Histogram, "genq:inter_token_latency_seconds", "Time between tokens",
+                          buckets=ITL_BUCKETS)
+        self._e2e = child(Histogram, "genq:e2e_request_latency_seconds", "Submit to last token",
+                          buckets=E2E_BUCKETS)
+        self.generation_tokens_total = 0
+        self.prompt_tokens_total = 0
+        self.requests_finished_total = 0
+        self._rate_mark = (time.monotonic(), 0)  # (when, generation tokens then)
+
+    def serve(self, port: int, host: str) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def engine_stats(self, stats: EngineStats) -> None:
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        self._kv.set(stats.kv_cache_usage)
+
+    def prompt_tokens(self, num_tokens: int) -> None:
+        self.prompt_tokens_total += num_tokens
+        self._prompt.inc(num_tokens)
+
+    def tokens(self, held: HeldJob, num_tokens: int, now: float) -> None:
+        """`num_tokens` new tokens of `held` in the step that ended at unix time `now`."""
+        if num_tokens == 0:
+            return
+        self.generation_tokens_total += num_tokens
+        self._gen.inc(num_tokens)
+        if held.last_token_at is None:
+            if not held.resumed:
+                self._ttft.observe(max(0.0, now - held.job.submit_time))
+        else:
+            gap = (now - held.last_token_at) / num_tokens
+            for _ in range(num_tokens):
+                self._itl.observe(gap)
+        held.last_token_at = now
+
+    def finished(self, held: HeldJob, now: float) -> None:
+        self.requests_finished_total += 1
+        self._done.inc()
+        self._e2e.observe(max(0.0, now - held.job.submit_time))
+
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second since the previous call (the heartbeat's rate)."""
+        then, count = self._rate_mark
+        now = time.monotonic()
+        self._rate_mark = (now, self.generation_tokens_total)
+        return (self.generation_tokens_total - count) / max(now - then, 1e-9)

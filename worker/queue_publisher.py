@@ -1,0 +1,185 @@
+"""Publishing: engine step results -> one Redis round trip.
+
+The publisher takes every step result waiting in the engine thread's queue (one when Redis
+keeps up, several when it lags), turns them into per-job writes (new events; for finished
+jobs also the record and the XACK) and sends them in one STEP_LUA call. While that call is
+in flight the engine computes the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from producer.protocol import Event, encode_event
+from worker.queue_engine import EngineStats, EngineThread, StepResult
+from worker.queue_jobs import (
+    ABORT_DEADLINE,
+    HeldJob,
+    JobState,
+    JobTable,
+    completion_event,
+    final_record,
+)
+from worker.queue_metrics import WorkerMetrics
+from worker.queue_scripts import JobWrite, Scripts
+
+if TYPE_CHECKING:
+    from worker.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+RETRY_DELAY_S = 0.5  # Redis unreachable: retry the same writes (readers drop repeated seqs)
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread raised; the worker must stop (its entries will be reclaimed)."""
+
+
+class Publisher:
+    def __init__(
+        self,
+        scripts: Scripts,
+        table: JobTable,
+        engine: EngineThread,
+        metrics: WorkerMetrics,
+        worker_name: str,
+        on_rejected: Callable[[HeldJob, str], Any],
+    ) -> None:
+        self.scripts = scripts
+        self.table = table
+        self.engine = engine
+        self.metrics = metrics
+        self.worker_name = worker_name
+        self.on_rejected = on_rejected  # async: fail the job, dead-letter its entry
+        self.stats = EngineStats()
+        self.changed = asyncio.Event()  # set after each batch: capacity may have grown
+        self.idle = asyncio.Event()  # set while no result waits to be published
+
+    async def run(self) -> None:
+        """Publish until cancelled; raises EngineFailed if the engine thread died."""
+        results = self.engine.results
+        while True:
+            self.idle.set()
+            batch = [await results.get()]
+            self.idle.clear()
+            while not results.empty():
+                batch.append(results.get_nowait())
+            await self.publish(batch)
+
+    async def publish(self, batch: list[StepResult]) -> None:
+        writes: dict[str, JobWrite] = {}
+        rejected: list[tuple[HeldJob, str]] = []
+        for result in batch:
+            if result.error is not None:
+                raise EngineFailed(f"engine thread failed: {result.error!r}") from result.error
+            for output in result.outputs:
+                self._apply(output, result.time, writes)
+            rejected += self._rejected(result.rejected)
+            self.stats = result.stats
+        await self._write(list(writes.values()))
+        for held, error in rejected:
+            await self.on_rejected(held, error)
+        self.metrics.engine_stats(self.stats)
+        self.changed.set()
+
+    def _apply(self, output: RequestOutput, now: float, writes: dict[str, JobWrite]) -> None:
+        """Fold one engine output into the job's pending write."""
+        found = self.table.by_engine_id(output.request_id)
+        if found is None:
+            return  # dropped earlier (lost or released), or already failed
+        held, fixed_index = found
+        if output.finished:
+            self.table.engine_done(held, output.request_id)
+        if not held.state.writes:
+            if not held.engine_ids:
+                self.table.remove(held)
+            return
+        if held.prompt_tokens is None:
+            held.prompt_tokens = len(output.prompt_token_ids)
+            self.metrics.prompt_tokens(held.prompt_tokens)
+        write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
+        num_new = 0
+        for delta in output.outputs:
+            index = delta.index if fixed_index is None else fixed_index
+            event = _event(held, index, delta)
+            if event is not None:
+                write.events.append(encode_event(event))
+                num_new += len(delta.token_ids)
+        self.metrics.tokens(held, num_new, now)
+        if held.finished:
+            write.record = final_record(held, self.worker_name, now)
+        elif held.abort_reason is None and held.past_deadline(now):
+            self._abort_expired(held)
+
+    def _abort_expired(self, held: HeldJob) -> None:
+        """Deadline passed mid-run: abort at the next step (the heartbeat catches jobs that
+        produce nothing, such as ones still waiting)."""
+        held.abort_reason = ABORT_DEADLINE
+        self.engine.abort(sorted(held.engine_ids))
+
+    def _rejected(self, rejected: list[tuple[str, str]]) -> list[tuple[HeldJob, str]]:
+        """Jobs the engine refused (prompt too long, bad token ids, no chat template)."""
+        out: list[tuple[HeldJob, str]] = []
+        for engine_id, error in rejected:
+            found = self.table.by_engine_id(engine_id)
+            if found is None:
+                continue
+            held = found[0]
+            self.table.engine_done(held, engine_id)
+            if held.state.writes:
+                held.state = JobState.LOST  # no more writes: the failure is written instead
+                self.engine.abort(sorted(held.engine_ids))  # its other completions, if any
+                out.append((held, error))
+        return out
+
+    async def _write(self, writes: list[JobWrite]) -> None:
+        """One STEP_LUA call; retried as a whole while Redis is unreachable (a repeat is
+        harmless: the events carry the same seqs, and the record and XACK are idempotent)."""
+        while True:
+            try:
+                lost = await self.scripts.publish(writes)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                logger.warning("publishing failed (%s); retrying", exc)
+                await asyncio.sleep(RETRY_DELAY_S)
+        now = time.time()
+        for write in writes:
+            held = self.table.get(write.job_id)
+            if held is None:
+                continue
+            if write.entry_id in lost:
+                self.drop(held, JobState.LOST)
+            elif write.record is not None:
+                self.metrics.finished(held, now)
+                self.table.remove(held)
+
+    def drop(self, held: HeldJob, state: JobState) -> None:
+        """Stop writing for a job (lost to another worker, or released) and abort it here."""
+        if state == JobState.LOST and held.state.writes:
+            logger.warning("job %s: entry %s now belongs to another worker", held.id, held.entry_id)
+        held.state = state
+        if held.engine_ids:
+            self.engine.abort(sorted(held.engine_ids))
+        else:
+            self.table.remove(held)
+
+
+def _event(held: HeldJob, index: int, delta: CompletionOutput) -> Event | None:
+    return completion_event(
+        held, index, delta.text, list(delta.token_ids), delta.finish_reason,
+        delta.stop_reason, _wire_logprobs(delta.logprobs),
+    )
+
+
+def _wire_logprobs(logprobs: list[Any] | None) -> list[dict[int, float]] | None:
+    """Engine TokenLogprobs -> the wire form: per token {token_id: logprob}, the sampled token
+    included."""
+    if logprobs is None:
+        return None
+    return [{} if lp is None else {**lp.top_logprobs, lp.token_id: lp.logprob} for lp in logprobs]

@@ -1,0 +1,359 @@
+"""The worker's writes to Redis: Lua scripts, one round trip each, and their typed callers.
+
+Every write a worker makes on behalf of a job first checks that the job's stream entry is
+still pending under this worker's name (`owned` below). That one check is what keeps
+at-least-once delivery from turning into two writers: a worker that stalled past the claim
+timeout (GC pause, network partition) and lost its entry to a reclaiming worker writes
+nothing more for that job, and learns it from the script's reply.
+
+Redis 6.2 is the floor (the embedded server): no XAUTOCLAIM deleted-entries report, so the
+reclaim script finds idle entries with XPENDING IDLE and claims them one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio
+
+from producer.protocol import (
+    EVENT_FIELD,
+    EVENTS_TTL_S,
+    JOB_TTL_S,
+    WORKER_HEARTBEAT_TTL_S,
+    Job,
+    JobStatus,
+    Keys,
+    pack_script_arg,
+)
+
+_TERMINAL = ", ".join(f"['{s.value}'] = true" for s in JobStatus if s.terminal)
+
+# True when entry ARGV id is pending in the group under `consumer`. A missing group (the
+# database was flushed) counts as not owned.
+_OWNED = """
+local function owned(stream, group, consumer, id)
+  local p = redis.pcall('XPENDING', stream, group, id, id, 1)
+  if type(p) ~= 'table' or p.err or #p ~= 1 then return false end
+  return p[1][2] == consumer
+end
+"""
+
+# Publish a batch of engine steps. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] events
+# TTL, [4] job TTL, [5] the jobs, one cmsgpack-packed list of {entry id, events key, job key,
+# {encoded events}, {record field, value, ...}}: an empty record means not finishing. A
+# finishing job gets its last events, its record and its XACK together. (One packed argument
+# instead of a few per job: building a command of thousands of arguments cost the worker's
+# event loop more than all the rest of a publish.)
+# Returns the entry ids this worker no longer owns (nothing was written for them).
+STEP_LUA = _OWNED + f"""
+local lost = {{}}
+for _, job in ipairs(cmsgpack.unpack(ARGV[5])) do
+  local entry_id, events_key, job_key, events, record = job[1], job[2], job[3], job[4], job[5]
+  if owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then
+    for _, event in ipairs(events) do
+      redis.call('XADD', events_key, '*', '{EVENT_FIELD}', event)
+      redis.call('PUBLISH', events_key, event)
+    end
+    if #events > 0 then redis.call('EXPIRE', events_key, ARGV[3]) end
+    if #record > 0 then
+      redis.call('HSET', job_key, unpack(record))
+      redis.call('EXPIRE', job_key, ARGV[4])
+      redis.call('XACK', KEYS[1], ARGV[1], entry_id)
+    end
+  else
+    lost[#lost + 1] = entry_id
+  end
+end
+return lost
+"""
+
+# Start jobs. KEYS[1]: requests; per job: job(id), cancel_flag(id).
+# ARGV[1] group, [2] consumer, [3] now (unix s); then per job: entry id, n, submit time.
+# Returns one code per job: run | cancelled | duplicate | ended | lost. Only `run` writes:
+# status running, this worker, the entry id, and the fields a job XADDed by a non-Python
+# producer has no record for yet (n, submitted_at: readers need n to know when it ends);
+# started_at is kept from a first run when resumed.
+START_LUA = _OWNED + f"""
+local terminal = {{{_TERMINAL}}}
+local codes = {{}}
+for j = 0, (#KEYS - 1) / 2 - 1 do
+  local job_key, flag_key = KEYS[2 + 2 * j], KEYS[3 + 2 * j]
+  local entry_id = ARGV[4 + 3 * j]
+  local known = redis.call('HGET', job_key, 'entry_id')
+  local code = 'run'
+  if not owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then code = 'lost'
+  elseif known and known ~= entry_id then code = 'duplicate'
+  elseif terminal[redis.call('HGET', job_key, 'status') or ''] then code = 'ended'
+  elseif redis.call('EXISTS', flag_key) == 1 then code = 'cancelled'
+  else
+    redis.call('HSET', job_key, 'status', 'running', 'worker', ARGV[2], 'entry_id', entry_id)
+    redis.call('HSETNX', job_key, 'started_at', ARGV[3])
+    redis.call('HSETNX', job_key, 'n', ARGV[5 + 3 * j])
+    redis.call('HSETNX', job_key, 'submitted_at', ARGV[6 + 3 * j])
+  end
+  codes[#codes + 1] = code
+end
+return codes
+"""
+
+# Dead-letter entries. KEYS[1]: requests, KEYS[2]: dead; then per entry that fails a job:
+# events(id), job(id). ARGV[1] group, [2] consumer, [3] events TTL, [4] job TTL; then per
+# entry: entry id, number of dead-letter arguments, number of fail arguments (0: no job to
+# fail; else 1 error event + record field/value pairs), dead-letter pairs, error event, record.
+# The job is failed only when this entry is the job's own (its record names no other entry)
+# and it has not ended: a garbage or duplicate entry carrying a live job's id must not end it.
+DEAD_LUA = _OWNED + f"""
+local terminal = {{{_TERMINAL}}}
+local a, k, n = 5, 3, 0
+while a <= #ARGV do
+  local entry_id = ARGV[a]
+  local num_dead, num_fail = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local first = a + 3
+  a = first + num_dead + num_fail
+  local events_key, job_key = KEYS[k], KEYS[k + 1]
+  if num_fail > 0 then k = k + 2 end
+  if owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then
+    redis.call('XADD', KEYS[2], '*', unpack(ARGV, first, first + num_dead - 1))
+    redis.call('XACK', KEYS[1], ARGV[1], entry_id)
+    n = n + 1
+    if num_fail > 0 then
+      local known = redis.call('HGET', job_key, 'entry_id')
+      local status = redis.call('HGET', job_key, 'status') or ''
+      if (not known or known == entry_id) and not terminal[status] then
+        local event = ARGV[first + num_dead]
+        redis.call('XADD', events_key, '*', '{EVENT_FIELD}', event)
+        redis.call('PUBLISH', events_key, event)
+        redis.call('EXPIRE', events_key, ARGV[3])
+        redis.call('HSET', job_key, 'entry_id', entry_id, unpack(ARGV, first + num_dead + 1, a - 1))
+        redis.call('EXPIRE', job_key, ARGV[4])
+      end
+    end
+  end
+end
+return n
+"""
+
+# Heartbeat. KEYS[1]: requests, KEYS[2]: worker(name); then cancel_flag(id) per in-flight job.
+# ARGV[1] group, [2] consumer, [3] heartbeat TTL, [4] number of heartbeat arguments, the
+# heartbeat field/value pairs, then one entry id per in-flight job.
+# XCLAIM ... JUSTID to itself resets an entry's idle time without counting a delivery, so
+# reclaimers leave it alone; entries another worker took are reported lost, never taken back
+# (a plain XCLAIM with min-idle 0 would steal them back from a live worker).
+# Returns {lost entry ids, entry ids whose job has a cancel flag}.
+HEARTBEAT_LUA = _OWNED + """
+local num_fields = tonumber(ARGV[4])
+redis.call('HSET', KEYS[2], unpack(ARGV, 5, 4 + num_fields))
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+local lost, cancelled = {}, {}
+for i = 5 + num_fields, #ARGV do
+  local entry_id = ARGV[i]
+  if owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, entry_id, 'JUSTID')
+    if redis.call('EXISTS', KEYS[i - num_fields - 2]) == 1 then
+      cancelled[#cancelled + 1] = entry_id
+    end
+  else
+    lost[#lost + 1] = entry_id
+  end
+end
+return {lost, cancelled}
+"""
+
+# Reclaim. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] min idle ms, [4] count.
+# Entries idle for min idle ms (their worker died, or released them at shutdown) are claimed
+# for this worker, one XCLAIM each inside the script, so no other reclaimer can take one
+# between the XPENDING and the claim. Returns {entry id, deliveries including this one,
+# fields or false (the entry was deleted from the stream; Redis 6.2 keeps it pending)}.
+RECLAIM_LUA = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], '-', '+', ARGV[4])
+local out = {}
+for _, p in ipairs(pending) do
+  local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], p[1])
+  if #claimed == 1 then
+    out[#out + 1] = {p[1], p[4] + 1, claimed[1] and claimed[1][2] or false}
+  end
+end
+return out
+"""
+
+# Release at shutdown. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] idle ms; then
+# entry ids. Sets each owned entry's idle time past any claim timeout, so the next reclaimer
+# takes it at once instead of waiting, and gives back the delivery the release will cost
+# (RETRYCOUNT): a graceful hand-over is not a failed attempt. Returns how many were released.
+RELEASE_LUA = _OWNED + """
+local n = 0
+for i = 4, #ARGV do
+  local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if owned(KEYS[1], ARGV[1], ARGV[2], ARGV[i]) then
+    local retries = math.max(tonumber(p[1][4]) - 1, 0)
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i],
+               'IDLE', ARGV[3], 'RETRYCOUNT', retries, 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+"""
+
+RELEASED_IDLE_MS = 10**12  # about 30 years: older than any claim timeout
+
+
+@dataclass
+class JobWrite:
+    """What one publish writes for one job: events, and on finish the record (plus XACK)."""
+
+    job_id: str
+    entry_id: str
+    events: list[bytes] = field(default_factory=list)
+    record: dict[str, str | bytes] | None = None  # set: the job ends with this write
+
+
+@dataclass
+class DeadLetter:
+    """An entry going to the dead stream; `fail` set: also fail its job with this event."""
+
+    entry_id: str
+    fields: dict[str, bytes]  # protocol.encode_dead_letter
+    job_id: str | None = None
+    error_event: bytes | None = None
+    record: dict[str, str | bytes] | None = None
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    entry_id: str
+    delivery_count: int  # including this delivery
+    fields: dict[bytes, bytes] | None  # None: deleted from the stream
+
+
+class Scripts:
+    """The worker's Redis writes, one named delivery rule per method."""
+
+    def __init__(self, conn: redis.asyncio.Redis, keys: Keys, consumer: str) -> None:
+        self.conn = conn
+        self.keys = keys
+        self.consumer = consumer
+        self._step = conn.register_script(STEP_LUA)
+        self._start = conn.register_script(START_LUA)
+        self._dead = conn.register_script(DEAD_LUA)
+        self._heartbeat = conn.register_script(HEARTBEAT_LUA)
+        self._reclaim = conn.register_script(RECLAIM_LUA)
+        self._release = conn.register_script(RELEASE_LUA)
+
+    async def ensure_group(self) -> None:
+        """Create the group at id 0 if missing: entries enqueued before any worker existed
+        are delivered too (a group created at `$` would skip them)."""
+        try:
+            await self.conn.xgroup_create(self.keys.requests, self.keys.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def publish(self, writes: Sequence[JobWrite]) -> set[str]:
+        """Append events and finish jobs in one round trip; returns entry ids no longer ours.
+
+        Race prevented: events and final records from a worker that lost its entry to a
+        reclaimer would interleave with the new owner's stream (same seq, other tokens)."""
+        if not writes:
+            return set()
+        jobs = [
+            [w.entry_id, self.keys.events(w.job_id), self.keys.job(w.job_id), w.events,
+             _pairs(w.record or {})]
+            for w in writes
+        ]
+        args: list[Any] = [self.keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs)]
+        return {_str(e) for e in await self._step(keys=[self.keys.requests], args=args)}
+
+    async def start(self, jobs: Sequence[Job], entry_ids: Sequence[str], now: float) -> list[str]:
+        """Mark jobs (taken from these entries) running; one code per job (see START_LUA).
+
+        Races prevented: a cancel that landed while the entry sat in the stream (its flag is
+        read here, atomically with the status write); a second entry for one job id running
+        the job twice; a redelivered entry re-running a job that already ended."""
+        if not jobs:
+            return []
+        keys = [self.keys.requests]
+        args: list[Any] = [self.keys.group, self.consumer, repr(now)]
+        for job, entry_id in zip(jobs, entry_ids, strict=True):
+            keys += [self.keys.job(job.id), self.keys.cancel_flag(job.id)]
+            args += [entry_id, job.sampling_params.n, repr(float(job.submit_time))]
+        return [_str(c) for c in await self._start(keys=keys, args=args)]
+
+    async def dead_letter(self, letters: Sequence[DeadLetter]) -> int:
+        """Move entries to the dead stream, XACK them, fail their jobs; returns how many.
+
+        Race prevented: XADD to dead and XACK in one script, so an entry is never both gone
+        from the pending list and missing from the dead stream (or dead-lettered twice by
+        two reclaimers)."""
+        if not letters:
+            return 0
+        keys = [self.keys.requests, self.keys.dead]
+        args: list[Any] = [self.keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S]
+        for letter in letters:
+            dead = _pairs(letter.fields)
+            fail: list[Any] = []
+            if letter.job_id is not None and letter.error_event is not None:
+                keys += [self.keys.events(letter.job_id), self.keys.job(letter.job_id)]
+                fail = [letter.error_event, *_pairs(letter.record or {})]
+            args += [letter.entry_id, len(dead), len(fail), *dead, *fail]
+        return int(await self._dead(keys=keys, args=args))
+
+    async def heartbeat(
+        self, name_key: str, info: dict[str, str], in_flight: Sequence[tuple[str, str]], ttl_s: int
+    ) -> tuple[set[str], set[str]]:
+        """Write the heartbeat and keep in-flight (job id, entry id) entries owned; returns
+        (entry ids lost to another worker, entry ids whose job has a cancel flag).
+
+        Race prevented: without re-owning, a long job would look idle and be reclaimed while
+        this worker still runs it."""
+        keys = [self.keys.requests, name_key, *(self.keys.cancel_flag(j) for j, _ in in_flight)]
+        fields = _pairs(info)
+        args: list[Any] = [self.keys.group, self.consumer, max(ttl_s, WORKER_HEARTBEAT_TTL_S)]
+        args += [len(fields), *fields, *(entry_id for _, entry_id in in_flight)]
+        lost, cancelled = await self._heartbeat(keys=keys, args=args)
+        return {_str(e) for e in lost}, {_str(e) for e in cancelled}
+
+    async def reclaim(self, min_idle_ms: int, count: int) -> list[Reclaimed]:
+        """Claim up to `count` entries idle for `min_idle_ms` (their worker is gone).
+
+        Race prevented: a job stranded forever in a dead worker's pending list."""
+        reply = await self._reclaim(
+            keys=[self.keys.requests], args=[self.keys.group, self.consumer, min_idle_ms, count]
+        )
+        return [Reclaimed(_str(e), int(n), _fields(f)) for e, n, f in reply]
+
+    async def release(self, entry_ids: Sequence[str]) -> int:
+        """Hand owned entries back at shutdown, claimable by another worker at once.
+
+        Race prevented: released work waiting a whole claim timeout while other workers idle."""
+        if not entry_ids:
+            return 0
+        args: list[Any] = [self.keys.group, self.consumer, RELEASED_IDLE_MS, *entry_ids]
+        return int(await self._release(keys=[self.keys.requests], args=args))
+
+    async def own_pending(self, limit: int = 10_000) -> list[str]:
+        """Entry ids pending under this worker's name (to release what is left at shutdown)."""
+        try:
+            rows = await self.conn.xpending_range(
+                self.keys.requests, self.keys.group, "-", "+", limit, consumername=self.consumer
+            )
+        except redis.ResponseError:  # no group: nothing is pending
+            return []
+        return [_str(r["message_id"]) for r in rows]
+
+
+def _pairs(mapping: dict[str, Any]) -> list[Any]:
+    return [x for kv in mapping.items() for x in kv]
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _fields(flat: Any) -> dict[bytes, bytes] | None:
+    """Lua returns stream fields as a flat [k1, v1, k2, v2, ...] list, or false."""
+    if not flat:
+        return None
+    return dict(zip(flat[0::2], flat[1::2], strict=True))
