@@ -1,0 +1,122 @@
+"""What Redis says about the cluster: queue depth and the workers' heartbeats.
+
+Works on Redis 6.2 (the embedded server): `XINFO GROUPS ... lag` is 7.0-only, so the entries
+not yet delivered are counted from the group's last-delivered id, up to a cap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio
+
+from producer.protocol import Keys, ProtocolError, WorkerInfo, decode_worker_info
+
+log = logging.getLogger(__name__)
+
+# KEYS[1]: requests stream. ARGV[1]: consumer group, ARGV[2]: cap on the undelivered count.
+# Returns {undelivered, pending}. One script so both numbers come from one moment.
+QUEUE_DEPTH_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0} end
+local last, pending = nil, 0
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local info = {}
+  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+  if info['name'] == ARGV[1] then last, pending = info['last-delivered-id'], info['pending'] end
+end
+if last == nil then return {redis.call('XLEN', KEYS[1]), 0} end
+local cap, undelivered, start = tonumber(ARGV[2]), 0, '(' .. last
+while undelivered < cap do
+  local batch = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', 256)
+  if #batch == 0 then break end
+  undelivered = undelivered + #batch
+  start = '(' .. batch[#batch][1]
+end
+return {undelivered, pending}
+"""
+
+METRICS_DEPTH_CAP = 100_000  # /metrics counts undelivered entries up to this many
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    undelivered: int  # in the stream, not yet read by any worker (capped)
+    pending: int  # delivered to a worker, not yet acknowledged (waiting or running there)
+
+    @property
+    def total(self) -> int:
+        return self.undelivered + self.pending
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """A worker whose heartbeat hash is still there."""
+
+    name: str
+    info: WorkerInfo
+
+    @property
+    def serving(self) -> bool:
+        return self.info.state == "serving"  # not draining after a SIGTERM
+
+
+class Cluster:
+    """Reads the queue and the heartbeats; one instance per app."""
+
+    def __init__(self, conn: redis.asyncio.Redis, keys: Keys) -> None:
+        self._redis = conn
+        self._keys = keys
+        self._depth = conn.register_script(QUEUE_DEPTH_LUA)
+        self._workers: tuple[float, list[LiveWorker]] | None = None  # (monotonic time, beats)
+
+    async def queue_depth(self, cap: int = METRICS_DEPTH_CAP) -> QueueDepth:
+        undelivered, pending = await self._depth(
+            keys=[self._keys.requests], args=[self._keys.group, cap]
+        )
+        return QueueDepth(int(undelivered), int(pending))
+
+    async def workers(self, max_age_s: float = 0.0) -> list[LiveWorker]:
+        """Live workers: heartbeat hashes still there (they expire when beats stop). A SCAN
+        walks the whole keyspace, so callers on the request path accept a recent answer."""
+        now = time.monotonic()
+        if self._workers is not None and now - self._workers[0] <= max_age_s:
+            return self._workers[1]
+        beats = await self._scan_workers()
+        self._workers = (now, beats)
+        return beats
+
+    async def _scan_workers(self) -> list[LiveWorker]:
+        names = [k async for k in self._redis.scan_iter(match=self._keys.worker_pattern, count=100)]
+        if not names:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(name)
+        beats = await pipe.execute()
+        prefix_len = len(self._keys.worker(""))
+        parsed = [
+            parse_beat(name.decode()[prefix_len:], raw)
+            for name, raw in zip(names, beats, strict=True)
+            if raw  # expired between SCAN and HGETALL
+        ]
+        return [worker for worker in parsed if worker is not None]
+
+    async def served_models(self, max_age_s: float = 0.0) -> list[str]:
+        """Model names the serving workers report (draining ones excluded)."""
+        workers = await self.workers(max_age_s)
+        return sorted({w.info.model for w in workers if w.serving and w.info.model})
+
+    async def ping(self) -> bool:
+        return bool(await self._redis.ping())
+
+
+def parse_beat(name: str, raw: dict[bytes, bytes]) -> LiveWorker | None:
+    """None (and a warning) for a heartbeat that does not decode, so one odd worker cannot
+    break /metrics or /health."""
+    try:
+        return LiveWorker(name, decode_worker_info(raw, name))
+    except ProtocolError as exc:
+        log.warning("ignoring worker %s: %s", name, exc)
+        return None

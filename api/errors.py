@@ -1,0 +1,134 @@
+"""Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`.
+
+Routes raise `APIError`; the handlers below also turn FastAPI's validation errors (422) into
+400s naming the field, and Starlette's HTTP errors (404, 405) into the same shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+class APIError(Exception):
+    """An error response: HTTP status, OpenAI error fields, extra headers (Retry-After)."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def not_found(what: str, code: str) -> APIError:
+    return APIError(404, what, param=None, code=code)
+
+
+def invalid_param(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def param_from_value_error(exc: ValueError, aliases: dict[str, str]) -> str | None:
+    """The field a `SamplingParams` / `Job` ValueError names: its message starts with it.
+    `aliases` maps an internal name to the request's (chat's `top_logprobs` is `logprobs`)."""
+    first = str(exc).split(" ", 1)[0].split("[", 1)[0]
+    if not first.isidentifier():
+        return None
+    return aliases.get(first, first)
+
+
+def validation_param(loc: Sequence[int | str]) -> str | None:
+    """`("body", "messages", 0, "content")` -> `messages[0].content`. Tags of unions that
+    pydantic puts in the path (`chat`, `completion`, `str`, `list[int]`) are dropped."""
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "header", "path") else loc)
+    param = ""
+    for part in parts:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif not _is_union_tag(part):
+            param += f".{part}" if param else part
+    return param or None
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in ("chat", "completion") or "[" in part or part in ("str", "int", "float", "bool")
+
+
+def _validation_message(error: dict[str, Any], param: str | None) -> str:
+    if error.get("type") == "missing":
+        return f"Missing required parameter: '{param}'."
+    if error.get("type") == "json_invalid":
+        return f"The request body is not valid JSON: {error.get('msg')}"
+    where = f"'{param}'" if param else "the request body"
+    return f"Invalid value for {where}: {error.get('msg')}"
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    first = errors[0] if errors else {}
+    param = validation_param(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        param = None
+    body = error_body(_validation_message(first, param), param=param, code="invalid_value")
+    return JSONResponse(body, status_code=400)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    kind = "server_error" if exc.status_code >= 500 else INVALID_REQUEST
+    body = error_body(str(exc.detail), kind)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _redis_error(request: Request, exc: Exception) -> JSONResponse:
+    body = error_body(f"Redis unreachable: {exc}", "server_error", code="redis_unavailable")
+    return JSONResponse(body, status_code=503)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """Anything unexpected: still OpenAI's shape (Starlette logs the traceback)."""
+    body = error_body(f"{type(exc).__name__}: {exc}", "server_error", code="internal_error")
+    return JSONResponse(body, status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(redis.ConnectionError, _redis_error)
+    app.add_exception_handler(redis.TimeoutError, _redis_error)
+    app.add_exception_handler(Exception, _internal_error)

@@ -1,0 +1,212 @@
+"""Relaying one OpenAI request: check it, submit its jobs, follow their events, then either
+collect them into one response or stream them as SSE chunks.
+
+Jobs that the request stops following before they end (the client went away, the request
+timed out, one of its jobs failed) are cancelled, so no worker keeps generating for nobody.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+import anyio
+import redis
+
+from api.deps import AppState
+from api.errors import APIError, error_body, param_from_value_error
+from api.render import Choice, RelayedRequest, Renderer, usage_chunk
+from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, Usage
+from api.sse import DONE, format_sse
+from producer.client import build_job
+from producer.protocol import Event, ProtocolError
+from producer.sampling_params import SamplingParams
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+
+
+async def start(
+    state: AppState,
+    body: GenerationRequest,
+    prompts: list[PromptInput],
+    renderer: Renderer,
+    job_id: str | None = None,
+    deadline_s: float | None = None,
+) -> RelayedRequest:
+    """Validate, apply backpressure, submit one job per prompt; raises APIError."""
+    params = sampling_params(body)
+    model = await resolve_model(state, body.model)
+    await check_backpressure(state)
+    base = job_id or uuid.uuid4().hex
+    job_ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+    check_jobs(body, prompts, job_ids, params, deadline_s)
+    enqueued = False
+    for prompt, one_id in zip(prompts, job_ids, strict=True):
+        handle = await state.client.submit(
+            prompt, params, priority=body.priority, job_id=one_id, deadline_s=deadline_s,
+            model=body.model,
+        )
+        enqueued = handle.enqueued or enqueued
+    return RelayedRequest(
+        id=renderer.id_prefix + base, job_ids=job_ids, n=params.n, model=model,
+        created=int(time.time()), include_usage=body.include_usage,
+        num_logprobs=params.logprobs, enqueued=enqueued,
+    )
+
+
+def check_jobs(
+    body: GenerationRequest,
+    prompts: list[PromptInput],
+    job_ids: list[str],
+    params: SamplingParams,
+    deadline_s: float | None,
+) -> None:
+    """Build every job before enqueueing any, so one bad prompt of a list enqueues nothing."""
+    try:
+        for prompt, one_id in zip(prompts, job_ids, strict=True):
+            build_job(prompt, params, body.priority, one_id, deadline_s, body.model)
+    except ValueError as exc:
+        raise _bad_value(exc, body) from exc
+
+
+def sampling_params(body: GenerationRequest) -> SamplingParams:
+    try:
+        return body.sampling_params()
+    except ValueError as exc:
+        raise _bad_value(exc, body) from exc
+
+
+def _bad_value(exc: ValueError, body: GenerationRequest) -> APIError:
+    aliases = {"prompt_token_ids": "prompt", "job": "job_id"}
+    if isinstance(body, ChatCompletionRequest):
+        aliases["logprobs"] = "top_logprobs"
+        if body.max_completion_tokens is not None:
+            aliases["max_tokens"] = "max_completion_tokens"
+    param = param_from_value_error(exc, aliases)
+    return APIError(400, str(exc), param=param, code="invalid_value")
+
+
+async def resolve_model(state: AppState, requested: str | None) -> str:
+    """The model a response names. 404 for one no live worker serves (when any is live)."""
+    served = await state.cluster.served_models(max_age_s=1.0)
+    if requested is None:
+        return served[0] if served else state.settings.served_model_name
+    if served and requested not in served:
+        raise APIError(
+            404, f"The model `{requested}` does not exist (served: {', '.join(served)}).",
+            param="model", code="model_not_found",
+        )
+    return requested
+
+
+async def check_backpressure(state: AppState) -> None:
+    """429 with Retry-After while the queue is at its limit. A soft limit: concurrent
+    submissions that all pass the check can overshoot it by their number."""
+    limit = state.settings.max_queued_jobs
+    if limit is None:
+        return
+    depth = await state.cluster.queue_depth(cap=limit + 1)
+    if depth.total >= limit:
+        raise APIError(
+            429, f"The queue is full ({depth.total} jobs queued, limit {limit}); retry later.",
+            type="rate_limit_error", code="queue_full",
+            headers={"Retry-After": str(state.settings.retry_after_s)},
+        )
+
+
+async def cancel_jobs(state: AppState, job_ids: list[str]) -> None:
+    """Cancel, shielded: this runs while the request's own task is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        for job_id in job_ids:
+            await state.client.cancel(job_id)
+
+
+async def relay_events(
+    state: AppState, req: RelayedRequest
+) -> AsyncGenerator[tuple[str, Event], None]:
+    """The request's events with latency metrics; cancels its jobs unless all ended."""
+    timer = state.metrics.timer()
+    ended = False
+    try:
+        follow = state.relay.follow(req.job_ids, timeout_s=state.settings.request_timeout_s)
+        async with aclosing(follow) as events:
+            async for job_id, event in events:
+                timer.on_event(job_id, event)
+                yield job_id, event
+        ended = True
+        timer.on_end()
+    finally:
+        if not ended:
+            await cancel_jobs(state, req.job_ids)
+
+
+class Collector:
+    """The choices and usage of one request, as its events arrive."""
+
+    def __init__(self, req: RelayedRequest) -> None:
+        self.req = req
+        self.choices = [Choice(i) for i in range(req.num_choices)]
+        self.prompt_tokens: dict[str, int] = {}  # per job, from the worker's usage
+        self.error: str | None = None
+
+    def add(self, job_id: str, event: Event) -> Choice:
+        choice = self.choices[self.req.choice_index(job_id, event)]
+        choice.add(event)
+        if event.usage is not None:
+            self.prompt_tokens[job_id] = int(event.usage.get("prompt_tokens", 0))
+        if event.error is not None:
+            self.error = f"job {job_id} failed: {event.error}"
+        return choice
+
+    def usage(self) -> Usage:
+        """Prompt tokens as the worker counted them (once per prompt, as OpenAI); completion
+        tokens as relayed."""
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+
+async def collect(state: AppState, req: RelayedRequest, renderer: Renderer) -> Any:
+    """The whole response once every job ended; APIError for a failed job (500) or a timeout
+    (504)."""
+    collector = Collector(req)
+    try:
+        async with aclosing(relay_events(state, req)) as events:
+            async for job_id, event in events:
+                collector.add(job_id, event)
+                if collector.error is not None:
+                    raise APIError(500, collector.error, type="server_error", code="job_failed")
+    except TimeoutError as exc:
+        raise APIError(504, str(exc), type="timeout_error", code="timeout") from exc
+    return renderer.response(req, collector.choices, collector.usage())
+
+
+async def stream(
+    state: AppState, req: RelayedRequest, renderer: Renderer
+) -> AsyncGenerator[str, None]:
+    """SSE lines in OpenAI's format; an error arrives as `data: {"error": ...}` before [DONE]."""
+    collector = Collector(req)
+    for first in renderer.preamble(req):
+        yield format_sse(first)
+    try:
+        async with aclosing(relay_events(state, req)) as events:
+            async for job_id, event in events:
+                choice = collector.add(job_id, event)
+                if collector.error is not None:
+                    yield format_sse(error_body(collector.error, "server_error", code="job_failed"))
+                    break
+                if (chunk := renderer.chunk(req, choice, event)) is not None:
+                    yield format_sse(chunk)
+    except TimeoutError as exc:
+        yield format_sse(error_body(str(exc), "timeout_error", code="timeout"))
+    except (redis.RedisError, ProtocolError) as exc:  # the response has started: say it inline
+        yield format_sse(error_body(f"relay failed: {exc}", "server_error", code="relay_error"))
+        collector.error = str(exc)
+    if req.include_usage and collector.error is None:
+        yield format_sse(usage_chunk(req, renderer.object_name, collector.usage()))
+    yield DONE

@@ -1,0 +1,272 @@
+"""OpenAI's response shapes, built from genq events: non-streaming responses, stream chunks,
+logprobs. Plain functions of plain data; no I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from api.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
+from producer.protocol import Event
+
+MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry (as vLLM does)
+
+
+@dataclass(frozen=True)
+class RelayedRequest:
+    """One HTTP request relayed as jobs: choice `i * n + j` is completion `j` of job `i`."""
+
+    id: str  # the response id, e.g. "chatcmpl-<job id>"
+    job_ids: list[str]
+    n: int
+    model: str
+    created: int  # unix seconds
+    include_usage: bool = False
+    num_logprobs: int | None = None  # alternatives per token; None: no logprobs
+    enqueued: bool = True  # False: every job id existed already (idempotent submit)
+
+    @property
+    def logprobs(self) -> bool:
+        return self.num_logprobs is not None
+
+    def choice_index(self, job_id: str, event: Event) -> int:
+        return self.job_ids.index(job_id) * self.n + event.index
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.job_ids) * self.n
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]  # most likely first
+
+
+@dataclass
+class Choice:
+    """One completion as it accumulates."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # completions' `text_offset`
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, event: Event) -> None:
+        offset = len(self.text)
+        self.text += event.text
+        self.token_ids += event.token_ids
+        new = event_logprobs(event)
+        self.logprobs += new
+        self.text_offsets += [offset] * len(new)
+        if event.finished:
+            self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs: the worker sends, per new token, either {token_id: logprob} for the top tokens or
+# a mapping with "logprob", "top_logprobs" ({token_id: logprob}) and optionally "token" and
+# "decoded" ({token_id: text}). Tokens without text are shown as "token_id:<id>", as vLLM does.
+
+
+def event_logprobs(event: Event) -> list[TokenLogprob]:
+    if not event.logprobs:
+        return []
+    return [token_logprob(t, e) for t, e in zip(event.token_ids, event.logprobs, strict=False)]
+
+
+def token_logprob(token_id: int, entry: Any) -> TokenLogprob:
+    if isinstance(entry, dict) and "logprob" in entry:
+        decoded = entry.get("decoded") or {}
+        top = _top_pairs(entry.get("top_logprobs"))
+        text = entry.get("token") or decoded.get(token_id) or _token_text(token_id)
+        return TokenLogprob(text, _finite(entry["logprob"]), _named(top, decoded))
+    top = _top_pairs(entry)
+    logprob = dict(top).get(token_id, MIN_LOGPROB) if not _is_number(entry) else entry
+    return TokenLogprob(_token_text(token_id), _finite(logprob), _named(top, {}))
+
+
+def _top_pairs(top: Any) -> list[tuple[int, float]]:
+    if isinstance(top, dict):
+        pairs = [(int(k), v) for k, v in top.items()]
+    elif isinstance(top, list):
+        pairs = [(int(t["token_id"]), t["logprob"]) for t in top if isinstance(t, dict)]
+    else:
+        pairs = []
+    return sorted(pairs, key=lambda p: -p[1])
+
+
+def _named(pairs: list[tuple[int, float]], decoded: dict[Any, str]) -> list[tuple[str, float]]:
+    return [(decoded.get(t) or _token_text(t), _finite(lp)) for t, lp in pairs]
+
+
+def _token_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> float:
+    value = float(value)
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def completion_logprobs(
+    logprobs: list[TokenLogprob], offsets: list[int], k: int | None
+) -> dict[str, Any]:
+    """OpenAI's legacy form; `top_logprobs` holds the k most likely and the sampled token."""
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{**dict(lp.top[:k]), lp.token: lp.logprob} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], k: int | None) -> dict[str, Any]:
+    """OpenAI's chat form; `top_logprobs` holds exactly the k most likely."""
+
+    def item(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**item(lp.token, lp.logprob), "top_logprobs": [item(t, v) for t, v in lp.top[:k]]}
+            for lp in logprobs
+        ]
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Renderers: one per endpoint
+
+
+class Renderer(Protocol):
+    object_name: str  # of stream chunks
+    id_prefix: str  # of response ids
+
+    def preamble(self, req: RelayedRequest) -> list[dict[str, Any]]: ...
+
+    def chunk(self, req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any] | None: ...
+
+    def response(self, req: RelayedRequest, choices: list[Choice], usage: Usage) -> Any: ...
+
+
+def _chunk_envelope(req: RelayedRequest, object_name: str, choices: list[Any]) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": req.id, "object": object_name, "created": req.created, "model": req.model,
+        "choices": choices,
+    }
+    if req.include_usage:
+        chunk["usage"] = None  # OpenAI: null on every chunk but the last
+    return chunk
+
+
+def usage_chunk(req: RelayedRequest, object_name: str, usage: Usage) -> dict[str, Any]:
+    return {**_chunk_envelope(req, object_name, []), "usage": usage.model_dump()}
+
+
+def _has_news(event: Event) -> bool:
+    return bool(event.text) or event.finished or bool(event.logprobs)
+
+
+class CompletionRenderer:
+    """`text_completion` responses and chunks."""
+
+    object_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    def preamble(self, req: RelayedRequest) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any] | None:
+        if not _has_news(event):
+            return None
+        new = event_logprobs(event)
+        offsets = [len(choice.text) - len(event.text)] * len(new)
+        body = {
+            "index": choice.index, "text": event.text,
+            "logprobs": (
+                completion_logprobs(new, offsets, req.num_logprobs) if req.logprobs else None
+            ),
+            "finish_reason": event.finish_reason if event.finished else None,
+            "stop_reason": event.stop_reason if event.finished else None,
+        }
+        return _chunk_envelope(req, self.object_name, [body])
+
+    def response(
+        self, req: RelayedRequest, choices: list[Choice], usage: Usage
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=req.id, created=req.created, model=req.model, usage=usage,
+            choices=[
+                CompletionChoice(
+                    index=c.index, text=c.text, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    logprobs=(
+                        completion_logprobs(c.logprobs, c.text_offsets, req.num_logprobs)
+                        if req.logprobs else None
+                    ),
+                )
+                for c in choices
+            ],
+        )
+
+
+class ChatRenderer:
+    """`chat.completion` responses and `chat.completion.chunk` chunks."""
+
+    object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def preamble(self, req: RelayedRequest) -> list[dict[str, Any]]:
+        """First chunk of each choice: the role, as OpenAI sends it."""
+        return [
+            _chunk_envelope(req, self.object_name, [{
+                "index": i, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None,
+            }])
+            for i in range(req.num_choices)
+        ]
+
+    def chunk(self, req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any] | None:
+        if not _has_news(event):
+            return None
+        body = {
+            "index": choice.index,
+            "delta": {"content": event.text} if event.text else {},
+            "logprobs": (
+                chat_logprobs(event_logprobs(event), req.num_logprobs) if req.logprobs else None
+            ),
+            "finish_reason": event.finish_reason if event.finished else None,
+        }
+        return _chunk_envelope(req, self.object_name, [body])
+
+    def response(
+        self, req: RelayedRequest, choices: list[Choice], usage: Usage
+    ) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=req.id, created=req.created, model=req.model, usage=usage,
+            choices=[
+                ChatChoice(
+                    index=c.index, message=AssistantMessage(content=c.text),
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    logprobs=chat_logprobs(c.logprobs, req.num_logprobs) if req.logprobs else None,
+                )
+                for c in choices
+            ],
+        )

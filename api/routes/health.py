@@ -1,0 +1,33 @@
+"""`GET /health` and `GET /metrics` (no API key: probes and scrapers)."""
+
+from __future__ import annotations
+
+import redis
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from api.deps import StateDep
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/health")
+async def health(state: StateDep) -> JSONResponse:
+    """200 when Redis answers and at least one worker is live; 503 with the reason else."""
+    try:
+        await state.cluster.ping()
+        workers = [w for w in await state.cluster.workers() if w.serving]
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        return JSONResponse({"status": "unavailable", "reason": f"Redis unreachable: {exc}"}, 503)
+    if not workers:
+        return JSONResponse({"status": "unavailable", "reason": "no live worker"}, 503)
+    models = sorted({w.info.model for w in workers})
+    return JSONResponse({"status": "ok", "workers": len(workers), "models": models})
+
+
+@router.get("/metrics")
+async def metrics(state: StateDep) -> Response:
+    """Prometheus text format; the cluster part is read from Redis now."""
+    state.metrics.cluster.update(await state.cluster.queue_depth(), await state.cluster.workers())
+    return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

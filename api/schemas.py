@@ -1,0 +1,253 @@
+"""Request and response bodies, in OpenAI's shapes (plus vLLM's sampling extras).
+
+Requests only check types here; value ranges are checked once, by `SamplingParams`, whose
+ValueError names the field (the routes turn it into a 400 with that `param`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag
+
+from producer.sampling_params import SamplingParams
+
+PromptInput = str | dict[str, Any] | list[dict[str, Any]]  # as `AsyncClient.submit` takes it
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat: OpenAI's sampling fields and vLLM's extras."""
+
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None  # None: 1.0, as OpenAI
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # not supported: refused when non-empty
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower runs first, as in vLLM
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _common_params(self) -> dict[str, Any]:
+        optional = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+        }
+        return {
+            "n": self.n, "seed": self.seed, "stop": self.stop or [],
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids or [],
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            **{k: v for k, v in optional.items() if v is not None},
+        }
+
+
+class CompletionRequest(_GenerationRequest):
+    """`POST /v1/completions`. A list of prompts gives one job per prompt; choice `i * n + j`
+    is completion `j` of prompt `i`, as in OpenAI."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None  # top alternatives per token, 0..20
+    echo: bool = False  # not supported: refused when true
+    suffix: str | None = None  # not supported: refused when set
+    best_of: int | None = None  # only best_of == n is supported
+
+    def sampling_params(self) -> SamplingParams:
+        """Raises ValueError naming the field (SamplingParams' own checks)."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, logprobs=self.logprobs, **self._common_params()
+        )
+
+    def prompts(self) -> list[PromptInput]:
+        """One prompt per job: a string or `{"prompt_token_ids": [...]}`."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        out: list[PromptInput] = []
+        for item in prompt:
+            if isinstance(item, int):  # one prompt of token ids
+                return [{"prompt_token_ids": list(prompt)}]
+            out.append(item if isinstance(item, str) else {"prompt_token_ids": list(item)})
+        return out
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """`POST /v1/chat/completions`; the worker applies the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: up to the model's context (OpenAI's default)
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None  # alternatives per token, with logprobs=true
+    tools: list[Any] | None = None  # not supported: refused when non-empty
+    response_format: dict[str, Any] | None = None  # only {"type": "text"} is supported
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._common_params())
+
+
+# ---------------------------------------------------------------------------------------------
+# Job endpoints
+
+
+class ChatJobRequest(ChatCompletionRequest):
+    kind: Literal["chat"] = "chat"
+    job_id: str | None = None  # idempotent submit: a known id returns that job
+    deadline_s: float | None = None  # past it, the worker aborts the job
+
+
+class CompletionJobRequest(CompletionRequest):
+    kind: Literal["completion"] = "completion"
+    job_id: str | None = None
+    deadline_s: float | None = None
+
+
+def _job_kind(body: Any) -> str:
+    """`kind` when given, else chat when the body has `messages`."""
+    if isinstance(body, dict):
+        return body.get("kind") or ("chat" if "messages" in body else "completion")
+    return getattr(body, "kind", "completion")
+
+
+JobRequest = Annotated[
+    Annotated[ChatJobRequest, Tag("chat")] | Annotated[CompletionJobRequest, Tag("completion")],
+    Discriminator(_job_kind),
+]
+
+
+class JobCreated(BaseModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: str
+    created: int
+    enqueued: bool  # False: a job with this id existed already (idempotent submit)
+
+
+class JobOutput(BaseModel):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class JobView(BaseModel):
+    """`GET /v1/jobs/{id}`: the record; `outputs` and `usage` once the job has ended."""
+
+    id: str
+    object: Literal["job"] = "job"
+    status: str
+    n: int = 1
+    worker: str | None = None
+    submitted_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    outputs: list[JobOutput] | None = None
+    cancel_requested: bool | None = None  # set by DELETE
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses (non-streaming). Stream chunks are built as dicts in `api.render`.
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that matched
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "genq"
+    workers: int = 0  # live workers serving it
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,49 @@
+"""API configuration, read from the environment (prefix `GENQ_`) at the entry point only.
+
+`create_app(settings)` receives a built `Settings`; nothing below reads the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from producer.client import DEFAULT_REDIS_URL
+from producer.protocol import DEFAULT_PREFIX
+
+
+class Settings(BaseSettings):
+    """`GENQ_REDIS_URL`, `GENQ_API_KEYS=key1,key2`, `GENQ_MAX_QUEUED_JOBS=1000`, ..."""
+
+    model_config = SettingsConfigDict(env_prefix="GENQ_", frozen=True, extra="ignore")
+
+    redis_url: str = DEFAULT_REDIS_URL
+    prefix: str = DEFAULT_PREFIX  # Redis key prefix, as the workers use it
+    # Empty: no authentication. Else every /v1 route needs `Authorization: Bearer <key>`.
+    api_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    # Backpressure: submissions are refused with 429 while the queue depth (entries not yet
+    # delivered + delivered but not acknowledged) is at or above this. None: no limit.
+    max_queued_jobs: int | None = 1000
+    retry_after_s: int = 1  # the Retry-After header of a 429
+    # Listed by /v1/models when no live worker reports a model; the `model` of responses to
+    # requests that name none.
+    served_model_name: str = "genq"
+    request_timeout_s: float = 600.0  # a relayed request longer than this is cancelled (504)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        """Comma-separated in the environment; blanks are ignored."""
+        if isinstance(value, str):
+            return tuple(k.strip() for k in value.split(",") if k.strip())
+        return value
+
+    @field_validator("max_queued_jobs", mode="before")
+    @classmethod
+    def _no_limit(cls, value: object) -> object:
+        """`GENQ_MAX_QUEUED_JOBS=` (empty) or `none` turns the limit off."""
+        if isinstance(value, str) and value.strip().lower() in ("", "none"):
+            return None
+        return value

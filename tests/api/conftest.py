@@ -1,0 +1,139 @@
+"""A live stack for the API tests: a Redis server and a real worker subprocess on the tiny
+Llama, shared by the module, and uvicorn serving an app on a free port in a thread.
+
+The Redis server is the module's own (not the session's `redis_url`, which is flushed before
+every test and would wipe the worker's consumer group and heartbeat under it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+
+from api.main import create_app
+from api.settings import Settings
+from producer.protocol import Keys
+from producer.redis_server import RedisServer, free_port
+
+WORKER_NAME = "api-test"
+SERVED_MODEL = "tiny-llama"
+WORKER_READY_TIMEOUT_S = 120.0  # model load (torch import) on a slow CI machine
+POLL_TIMEOUT_S = 20.0
+
+
+def wait_for(
+    condition: Callable[[], Any], timeout_s: float = POLL_TIMEOUT_S, what: str = ""
+) -> Any:
+    """Poll `condition` until it returns something truthy; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"{what or 'condition'} not met within {timeout_s} s")
+
+
+@contextmanager
+def serve(settings: Settings) -> Iterator[str]:
+    """Run `create_app(settings)` with uvicorn in a thread; yields its base URL."""
+    config = uvicorn.Config(
+        create_app(settings), host="127.0.0.1", port=free_port(), log_level="warning",
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started or not thread.is_alive(), what="uvicorn start")
+        assert server.started, "uvicorn did not start"
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def serve_api() -> Callable[[Settings], Any]:
+    """`with serve_api(settings) as url:` runs an app on a free port (see `serve`)."""
+    return serve
+
+
+@pytest.fixture(scope="session")
+def poll() -> Callable[..., Any]:
+    """`poll(condition, timeout_s, what)`: see `wait_for`."""
+    return wait_for
+
+
+@pytest.fixture(scope="module")
+def stack_redis() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+def start_worker(redis_url: str, model_dir: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """`genq worker` on the tiny model, small enough for a CPU."""
+    args = [
+        sys.executable, "-m", "producer.cli", "worker", "--redis-url", redis_url,
+        "--model", str(model_dir), "--dtype", "float32", "--name", WORKER_NAME,
+        "--served-model-name", SERVED_MODEL, "--max-num-seqs", "8", "--max-model-len", "1024",
+        "--num-gpu-blocks-override", "512", "--heartbeat-s", "0.5", "--num-threads", "1",
+    ]
+    env = dict(os.environ)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.fixture(scope="module")
+def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factory) -> Iterator[str]:
+    """A real worker serving SERVED_MODEL; yields the Redis URL. Waits for its heartbeat."""
+    log_path = tmp_path_factory.mktemp("worker") / "worker.log"
+    process = start_worker(stack_redis.url, tiny_llama_dir, log_path)
+    conn = redis.Redis.from_url(stack_redis.url)
+    beat = Keys().worker(WORKER_NAME)
+    try:
+        wait_for(
+            lambda: conn.exists(beat) or process.poll() is not None,
+            WORKER_READY_TIMEOUT_S, "worker heartbeat",
+        )
+        assert process.poll() is None, f"worker exited:\n{log_path.read_text()[-3000:]}"
+        yield stack_redis.url
+    finally:
+        conn.close()
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def served_model() -> str:
+    """The model name the live worker serves (its --served-model-name)."""
+    return SERVED_MODEL
+
+
+@pytest.fixture(scope="module")
+def api_url(live_worker: str) -> Iterator[str]:
+    """The API in front of the live worker, no API keys, default limits."""
+    with serve(Settings(redis_url=live_worker, request_timeout_s=60.0)) as url:
+        yield url
+
+
+@pytest.fixture
+def http(api_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=api_url, timeout=60.0) as client:
+        yield client

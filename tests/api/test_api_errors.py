@@ -1,0 +1,163 @@
+"""Error paths of a live API (uvicorn + real Redis) with no worker: 400 in OpenAI's format
+naming the field, 401 without a valid key, 429 under backpressure, 404, 503 health; and the
+API's import boundary."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from api.settings import Settings
+from producer.redis_server import RedisServer, free_port
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def bare_url(redis_server: RedisServer, serve_api) -> Iterator[str]:
+    with serve_api(Settings(redis_url=redis_server.url, max_queued_jobs=None)) as url:
+        yield url
+
+
+@pytest.fixture
+def bare(bare_url: str, redis_url: str) -> Iterator[httpx.Client]:
+    """A client of the worker-less API; `redis_url` flushes the database first."""
+    with httpx.Client(base_url=bare_url, timeout=10.0) as client:
+        yield client
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": "m", "prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "n": "many"}, "n"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stop_token_ids": [-1]},
+         "stop_token_ids"),
+        ("/v1/completions", {"model": "m"}, "prompt"),
+        ("/v1/completions", {"model": "m", "prompt": ""}, "prompt"),
+        ("/v1/completions", {"model": "m", "prompt": [[1, -2]]}, "prompt"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ("/v1/chat/completions", {"model": "m"}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
+        ("/v1/chat/completions", {**CHAT, "presence_penalty": 3}, "presence_penalty"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/jobs", {"kind": "chat", "prompt": "x"}, "messages"),
+        ("/v1/jobs", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/jobs", {"prompt": "a", "job_id": "has space"}, "job_id"),
+        ("/v1/jobs", {"prompt": "a", "deadline_s": -1}, "deadline_s"),
+    ],
+)
+def test_validation_errors_are_400_naming_the_field(
+    bare: httpx.Client, path: str, body: dict, param: str
+) -> None:
+    error = assert_openai_error(bare.post(path, json=body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_bad_prompt_in_a_list_enqueues_nothing(bare: httpx.Client, redis_conn) -> None:
+    response = bare.post("/v1/completions", json={"model": "m", "prompt": [[1, 2], [3, -4]]})
+    assert_openai_error(response, 400, "prompt")
+    assert redis_conn.xlen("genq:requests") == 0
+
+
+def test_malformed_json_is_400(bare: httpx.Client) -> None:
+    response = bare.post(
+        "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    assert_openai_error(response, 400, None)
+
+
+def test_unknown_jobs_are_404(bare: httpx.Client) -> None:
+    for response in (bare.get("/v1/jobs/nope"), bare.get("/v1/jobs/nope/events"),
+                     bare.delete("/v1/jobs/nope")):
+        assert assert_openai_error(response, 404, None)["code"] == "job_not_found"
+
+
+def test_bad_last_event_id_is_400(bare: httpx.Client) -> None:
+    job_id = bare.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
+    response = bare.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "x:y"})
+    assert_openai_error(response, 400, "Last-Event-ID")
+
+
+def test_api_keys_guard_every_v1_route(
+    redis_server: RedisServer, redis_url: str, serve_api
+) -> None:
+    with serve_api(Settings(redis_url=redis_server.url, api_keys=("k1", "k2"))) as url:
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            wrong.models.list()
+        assert info.value.status_code == 401
+        with httpx.Client(base_url=url) as http:
+            for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                 ("POST", "/v1/chat/completions"), ("POST", "/v1/jobs"),
+                                 ("GET", "/v1/jobs/x"), ("DELETE", "/v1/jobs/x")]:
+                response = http.request(method, path, json={})
+                assert assert_openai_error(response, 401, None)["code"] == "invalid_api_key"
+            assert http.get("/metrics").status_code == 200  # scrapers and probes need no key
+            assert http.get("/health").status_code == 503  # (no worker), but not 401
+        right = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0)
+        assert [m.id for m in right.models.list()] == ["genq"]
+
+
+def test_backpressure_is_429_with_retry_after(
+    redis_server: RedisServer, redis_url: str, serve_api
+) -> None:
+    settings = Settings(redis_url=redis_server.url, max_queued_jobs=2, retry_after_s=7)
+    with serve_api(settings) as url, httpx.Client(base_url=url) as http:
+        for i in range(2):  # nobody consumes: the queue only grows
+            assert http.post("/v1/jobs", json={"prompt": f"p{i}"}).status_code == 202
+        response = http.post("/v1/jobs", json={"prompt": "one too many"})
+        assert assert_openai_error(response, 429, None)["code"] == "queue_full"
+        assert response.headers["Retry-After"] == "7"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_health_is_503_without_worker_or_redis(bare: httpx.Client, serve_api) -> None:
+    response = bare.get("/health")
+    assert response.status_code == 503 and response.json()["reason"] == "no live worker"
+    nothing_there = f"redis://127.0.0.1:{free_port()}/0"
+    with serve_api(Settings(redis_url=nothing_there)) as url, httpx.Client(base_url=url) as http:
+        response = http.get("/health")
+        assert response.status_code == 503
+        assert "Redis unreachable" in response.json()["reason"]
+
+
+def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GENQ_API_KEYS", " a, b ,,")
+    monkeypatch.setenv("GENQ_MAX_QUEUED_JOBS", "")
+    monkeypatch.setenv("GENQ_PREFIX", "x:")
+    settings = Settings()
+    assert settings.api_keys == ("a", "b")
+    assert settings.max_queued_jobs is None
+    assert settings.prefix == "x:"
+
+
+def test_the_api_never_imports_torch_or_worker() -> None:
+    code = (
+        "import sys, api.main, api.cli, producer.stack; api.main.create_app(); "
+        "bad = [m for m in ('torch', 'worker', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

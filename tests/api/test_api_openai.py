@@ -1,0 +1,115 @@
+"""The OpenAI-compatible endpoints against a live stack (Redis, a real worker on the tiny
+Llama, uvicorn), driven by the official `openai` client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def oai(api_url: str) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield client
+    client.close()
+
+
+def test_models_lists_the_workers_model(served_model: str, oai: openai.OpenAI) -> None:
+    assert [m.id for m in oai.models.list()] == [served_model]
+
+
+def test_unknown_model_is_404(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.completions.create(model="gpt-nope", prompt="x", max_tokens=1)
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_chat_non_streaming_carries_usage(served_model: str, oai: openai.OpenAI) -> None:
+    response = oai.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY)
+    assert response.object == "chat.completion" and response.model == served_model
+    (choice,) = response.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    usage = response.usage
+    assert usage.completion_tokens == 12 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_chat_streaming_matches_non_streaming(served_model: str, oai: openai.OpenAI) -> None:
+    expected = oai.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY)
+    chunks = list(oai.chat.completions.create(
+        model=served_model, messages=MESSAGES, stream=True,
+        stream_options={"include_usage": True}, **GREEDY,
+    ))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == expected.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_prompt_forms_and_choice_indices(served_model: str, oai: openai.OpenAI) -> None:
+    one = oai.completions.create(model=served_model, prompt="Once upon", **GREEDY)
+    assert one.object == "text_completion" and one.choices[0].text
+    ids = oai.completions.create(model=served_model, prompt=[1, 2, 3, 4], **GREEDY)
+    assert ids.choices[0].text
+    batch = oai.completions.create(
+        model=served_model, prompt=["Once upon", "The sky"], n=2, **GREEDY
+    )
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text == one.choices[0].text  # greedy
+    other = oai.completions.create(model=served_model, prompt="The sky", **GREEDY)
+    assert batch.choices[2].text == batch.choices[3].text == other.choices[0].text
+    assert batch.usage.completion_tokens == 4 * 12
+    assert batch.usage.prompt_tokens == one.usage.prompt_tokens + other.usage.prompt_tokens
+
+
+def test_completion_streaming_with_usage(served_model: str, oai: openai.OpenAI) -> None:
+    expected = oai.completions.create(model=served_model, prompt="Once upon", **GREEDY)
+    chunks = list(oai.completions.create(
+        model=served_model, prompt="Once upon", stream=True,
+        stream_options={"include_usage": True}, **GREEDY,
+    ))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+
+
+def test_logprobs(served_model: str, oai: openai.OpenAI) -> None:
+    completion = oai.completions.create(
+        model=served_model, prompt="Once upon", logprobs=2, **GREEDY
+    )
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 12
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    chat = oai.chat.completions.create(
+        model=served_model, messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
+    response = oai.chat.completions.create(
+        model=served_model, messages=MESSAGES, temperature=0.0, max_completion_tokens=5,
+        seed=1, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 2,
+                    "ignore_eos": True, "priority": -1},
+    )
+    assert response.usage.completion_tokens == 5
+
+
+def test_a_failed_job_is_a_500_or_an_error_chunk(served_model: str, oai: openai.OpenAI) -> None:
+    too_long = [5] * 1100  # the worker's max_model_len is 1024: it fails the job
+    with pytest.raises(openai.InternalServerError) as info:
+        oai.completions.create(model=served_model, prompt=too_long, max_tokens=4)
+    assert info.value.body["code"] == "job_failed" and "max_model_len" in info.value.body["message"]
+    with pytest.raises(openai.APIError, match="max_model_len"):
+        list(oai.completions.create(model=served_model, prompt=too_long, max_tokens=4, stream=True))
