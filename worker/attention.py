@@ -39,7 +39,8 @@ def make_attention_backend(name: str, model_config, block_size: int, dtype: torc
     """`torch` (CPU default) or `triton` (CUDA default; on CPU only under TRITON_INTERPRET)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    args = (block_size, model_config.num_key_value_heads, model_config.head_dim, dtype, device)
+    args = (block_size, model_config.num_attention_heads, model_config.num_key_value_heads,
+            model_config.head_dim, dtype, device)
     if name == "torch":
         return TorchAttention(*args)
     if name == "triton":
@@ -72,7 +73,7 @@ class PrefillChunk:
     row_start: int
     row_end: int
     context_rows: torch.Tensor | None  # [num_kv_heads * num_blocks], ordered (kv head, block); None: no prefix
-    mask: torch.Tensor  # [q_len, ctx_len] additive causal mask
+    mask: torch.Tensor  # [group * q_len, ctx_len] additive causal mask, one copy per query head of a group
 
 
 @dataclass
@@ -99,8 +100,10 @@ class AttentionMetadata:
 class TorchAttention:
     """The CPU backend: head-major blocks, decode buckets, torch ops."""
 
-    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
+        self.group = num_heads // num_kv_heads  # query heads per KV head
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -156,7 +159,8 @@ class TorchAttention:
         q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
         k_pos = torch.arange(ctx_len, device=self.device)
         allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
-        return PrefillChunk(row, row + q_len, context_rows, self._additive(allowed))
+        # built once per step for all layers: [group * q_len, ctx_len]
+        return PrefillChunk(row, row + q_len, context_rows, self._additive(allowed).repeat(self.group, 1))
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
@@ -242,7 +246,6 @@ def _prefill_attention(
     # Query rows ordered (kv head, group member, position): [1, kv_heads, group * q_len, D]
     qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(1, num_kv_heads, group * q_len, head_dim)
-    mask = chunk.mask.repeat(group, 1)  # [group * q_len, ctx]
-    o = F.scaled_dot_product_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), attn_mask=mask, scale=scale)
+    o = F.scaled_dot_product_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), attn_mask=chunk.mask, scale=scale)
     o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
     return o.reshape(q_len, num_heads, head_dim)

@@ -38,7 +38,8 @@ class TritonMetadata:
 
 
 class TritonAttention:
-    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
