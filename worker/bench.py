@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ MODES = ("engine", "queue", "hf")
 
 
 def build(parser: argparse.ArgumentParser):
+    # The queue mode starts its own Redis unless one is named (flag or GENQ_REDIS_URL).
+    parser.set_defaults(redis_url=os.environ.get("GENQ_REDIS_URL"))
     sub = parser.add_subparsers(dest="bench", required=True)
     tp = sub.add_parser("throughput", help="offline throughput: engine, queue and transformers")
     _throughput_args(tp)
@@ -48,6 +51,8 @@ def _throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--redis-url", default=argparse.SUPPRESS,
+                   help="queue mode: use this Redis instead of starting one (also $GENQ_REDIS_URL)")
 
 
 def make_workload(args: argparse.Namespace) -> Workload:

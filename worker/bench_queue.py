@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -48,13 +47,9 @@ def run_queue(args: argparse.Namespace, workload: Workload, engine_args: dict[st
     return summarize(elapsed, len(results), num_in, num_out)
 
 
-def _redis_given(args: argparse.Namespace) -> bool:
-    return "--redis-url" in sys.argv or bool(os.environ.get("GENQ_REDIS_URL"))
-
-
 @contextlib.contextmanager
 def _redis(args: argparse.Namespace) -> Iterator[str]:
-    if _redis_given(args):
+    if args.redis_url:
         yield args.redis_url
         return
     with RedisServer() as server:

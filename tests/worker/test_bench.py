@@ -45,3 +45,15 @@ def test_dataset_workload(tmp_path, tiny_llama_dir):
     assert main(["bench", "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32", "--modes", "engine",
                  "--dataset", str(data), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["results"]["engine"]["output_tokens"] == 10
+
+
+def test_throughput_queue_mode_matches_engine_counts(tiny_llama_dir, tmp_path, redis_url):
+    out = tmp_path / "queue.json"
+    rc = main(["bench", "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32",
+               "--modes", "engine,queue", "--num-prompts", "4", "--input-len", "16", "--output-len", "6",
+               "--range-ratio", "0.5", "--redis-url", redis_url, "--json", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["queue"]["output_tokens"] == results["engine"]["output_tokens"]
+    assert results["queue"]["input_tokens"] == results["engine"]["input_tokens"]
+    assert "ratio_to_engine" in results["queue"]

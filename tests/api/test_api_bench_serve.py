@@ -1,0 +1,29 @@
+"""`genq bench serve` against a live stack (real worker on the tiny model): the report's shape
+and that its counts add up. Not a timed test."""
+
+from __future__ import annotations
+
+import json
+
+from producer.cli import main
+
+
+def test_bench_serve_reports_latencies(api_url, tmp_path):
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--base-url", api_url, "--num-prompts", "6", "--input-words", "8",
+               "--output-len", "5", "--request-rate", "inf", "--max-concurrency", "3", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["failed"] == 0 and report["completed"] == 6
+    assert report["output_tokens"] == 6 * 5
+    for key in ("ttft_s", "itl_s", "e2e_s"):
+        p = report[key]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"]
+    assert report["ttft_s"]["p50"] <= report["e2e_s"]["p50"]
+
+
+def test_bench_serve_counts_failures(tmp_path):
+    out = tmp_path / "fail.json"
+    rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--num-prompts", "2",
+               "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 1 and report["failed"] == 2 and report["errors"]
