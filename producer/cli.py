@@ -15,6 +15,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.parse_args(argv)  # prints help or "invalid choice", exits
         return 2
     name, rest = argv[0], argv[1:]
+    # Ctrl-C stops the foreground commands (redis, up, submit) even when our parent started us
+    # with SIGINT ignored, as a non-interactive shell does for a background job.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser(prog=f"genq {name}", description=SUBCOMMANDS[name].help)
     parser.add_argument(
         "--redis-url",

@@ -144,7 +144,7 @@ def _hf_batch(model, batch: list[tuple[list[int], int]], pad_id: int = 0) -> Non
 
 def summarize(elapsed: float, num_requests: int, num_in: int, num_out: int) -> dict[str, Any]:
     return {
-        "elapsed_s": round(elapsed, 2),
+        "elapsed_s": round(elapsed, 4),
         "requests_per_s": round(num_requests / elapsed, 3),
         "output_tokens_per_s": round(num_out / elapsed, 1),
         "total_tokens_per_s": round((num_in + num_out) / elapsed, 1),
