@@ -76,8 +76,7 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        text, prompt_ids = self._tokenize(prompt)
-        self._validate_prompt(prompt_ids)
+        text, prompt_ids = self.check_prompt(prompt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         children = [
             self._make_child(request_id, i, prompt_ids, params, priority, arrival_time, resume_output_token_ids)
@@ -111,6 +110,12 @@ class Engine:
         if num_drawn and not params.greedy:
             torch.empty(num_drawn, self.model_config.vocab_size).exponential_(generator=generator)
         return generator
+
+    def check_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """The prompt's text (if any) and token ids; ValueError naming what is wrong with it."""
+        text, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids)
+        return text, prompt_ids
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -230,15 +235,6 @@ class Engine:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
-
-    # -- capacity ------------------------------------------------------------------------------
-
-    def num_free_slots(self) -> int:
-        """How many more requests the engine can take now, judged by max_num_seqs and free KV
-        blocks (a request needs at least its prompt's blocks)."""
-        waiting = len(self.scheduler.waiting)
-        seats = self.config.max_num_seqs - len(self.scheduler.running) - waiting
-        return max(0, seats)
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

@@ -35,13 +35,15 @@ class LLM:
         its index and what was wrong) and leaves the engine untouched."""
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        checked = []
         for i, prompt in enumerate(prompt_list):
             try:
-                self.engine._validate_prompt(self.engine._tokenize(prompt)[1])
+                text, token_ids = self.engine.check_prompt(prompt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+            checked.append({"prompt": text, "prompt_token_ids": token_ids})  # tokenized once
         ids = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
+        for i, (prompt, p) in enumerate(zip(checked, params, strict=True)):
             request_id = str(next(self._counter))
             self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
             ids.append(request_id)
