@@ -208,7 +208,7 @@ class Engine:
             target_ids = torch.tensor(targets, dtype=torch.long)
             chosen = logprobs.gather(1, target_ids[:, None])  # [num_targets, 1]
             ranks = (logprobs > chosen).sum(-1) + 1
-            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], target_ids[:, None][:, :0])
+            top_values, top_ids = logprobs.topk(k, dim=-1)  # k may be 0: empty columns
             for i, token_id in enumerate(targets):
                 entries[s.start_pos + 1 + i] = TokenLogprobs(
                     token_id, float(chosen[i]), int(ranks[i]),

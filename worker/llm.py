@@ -83,6 +83,7 @@ def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None
         current = results[delta.request_id] = RequestOutput(
             delta.request_id, delta.prompt, delta.prompt_token_ids, [], num_cached_tokens=delta.num_cached_tokens
         )
+    current.num_cached_tokens = max(current.num_cached_tokens, delta.num_cached_tokens)
     if delta.prompt_logprobs is not None:
         current.prompt_logprobs = delta.prompt_logprobs
     by_index = {c.index: c for c in current.outputs}

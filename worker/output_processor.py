@@ -27,6 +27,7 @@ class ParentState:
     completions: dict[str, CompletionState] = field(default_factory=dict)  # child id -> state
     prompt_logprobs: list[Any] | None = None  # per prompt position, filled as chunks compute
     prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served, for usage reports
 
     @property
     def finished(self) -> bool:
@@ -71,6 +72,8 @@ class OutputProcessor:
             parent_id = self.parent_of.get(request.request_id)
             if parent_id is None:
                 continue
+            parent = self.parents[parent_id]
+            parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
             delta = self._completion_delta(request, self.parents[parent_id], (logprobs or {}).get(request.request_id))
             if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
                 stopped.append(request.request_id)
@@ -101,7 +104,8 @@ class OutputProcessor:
             del self.parents[parent_id]
             for child_id in parent.completions:
                 self.parent_of.pop(child_id, None)
-        out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, deltas, finished)
+        out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, deltas, finished,
+                            num_cached_tokens=parent.num_cached_tokens)
         if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
             out.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
         return out

@@ -101,6 +101,8 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs(tiny_llama_dir, prefix_c
     run_and_compare(llm, tiny_llama_dir, prompts[1:])
     hits = llm.engine.block_manager.stats.hits
     assert (hits > 0) if prefix_caching else (hits == 0)
+    outs = llm.generate(prompts[1:], greedy(4), use_tqdm=False)
+    assert all((o.num_cached_tokens > 0) == prefix_caching for o in outs)
 
 
 def test_chunked_prefill_with_small_token_budget(tiny_llama_dir):
