@@ -24,6 +24,9 @@ from worker.scheduler import ScheduledRequest
 # Decodes attended together: small enough that length-sorted buckets pad little, large enough
 # that per-call overhead stays small.
 DECODE_BUCKET_SIZE = 32
+# Prefill chunks attending to at most this many positions use two matmuls, which on CPU run about
+# twice as fast as SDPA's flash kernel there; past it, SDPA's tiling wins.
+MATMUL_PREFILL_MAX_CONTEXT = 256
 
 
 class AttentionBackend(Protocol):
@@ -66,6 +69,9 @@ class DecodeBucket:
     # block_size * head_dim], ordered (sequence, kv head, block); padded with block 0
     block_rows: torch.Tensor
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] additive: 0 where a row may attend
+    # where the gathered K and V land, reused by every layer of the step: [len(block_rows), bs * D]
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
 
 
 @dataclass
@@ -147,7 +153,8 @@ class TorchAttention:
         span = torch.arange(num_blocks * bs, device=self.device)
         allowed = span[None, :] < ctx[:, None]  # [n, num_blocks * block_size]
         mask = self._additive(allowed).view(len(bucket), 1, 1, -1)
-        return DecodeBucket(row, row + len(bucket), rows.view(-1), mask)
+        buffers = torch.empty(2, rows.numel(), bs * self.head_dim, dtype=self.dtype, device=self.device)
+        return DecodeBucket(row, row + len(bucket), rows.view(-1), mask, buffers[0], buffers[1])
 
     def _prefill_chunk(self, s: ScheduledRequest, row: int) -> PrefillChunk:
         q_len = len(s.token_ids)
@@ -199,10 +206,22 @@ def paged_attention(
     return out
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Block rows of one KV head each: [len(rows), block_size * head_dim]."""
     num_blocks, num_kv_heads = cache.shape[:2]
-    return cache.view(num_blocks * num_kv_heads, -1).index_select(0, rows)
+    return torch.index_select(cache.view(num_blocks * num_kv_heads, -1), 0, rows, out=out)
+
+
+def _matmul_attention(
+    q: torch.Tensor,  # [B, kv_heads, rows, D]: a KV head's query rows
+    k: torch.Tensor,  # [B, kv_heads, ctx, D]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # additive, broadcast to [B, kv_heads, rows, ctx]
+    scale: float,
+) -> torch.Tensor:  # [B, kv_heads, rows, D]
+    """Softmax in float32 between two matmuls in the model's dtype."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).add_(mask)
+    return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
 
 
 def _decode_attention(
@@ -216,13 +235,10 @@ def _decode_attention(
     num_kv_heads = k_cache.shape[1]
     ctx = bucket.mask.shape[-1]
     qd = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, kv_heads, group, D]
-    kd = _gather(k_cache, bucket.block_rows).view(n, num_kv_heads, ctx, head_dim)
-    vd = _gather(v_cache, bucket.block_rows).view(n, num_kv_heads, ctx, head_dim)
+    kd = _gather(k_cache, bucket.block_rows, bucket.k_buffer).view(n, num_kv_heads, ctx, head_dim)
+    vd = _gather(v_cache, bucket.block_rows, bucket.v_buffer).view(n, num_kv_heads, ctx, head_dim)
     # Plain matmuls beat SDPA's CPU kernel at these shapes (a few query rows per KV head).
-    scores = torch.matmul(qd, kd.transpose(-1, -2))  # [n, kv_heads, group, ctx]
-    scores = scores.float().mul_(scale).add_(bucket.mask)
-    probs = scores.softmax(dim=-1).to(q.dtype)
-    return torch.matmul(probs, vd).reshape(n, num_heads, head_dim)
+    return _matmul_attention(qd, kd, vd, bucket.mask, scale).reshape(n, num_heads, head_dim)
 
 
 def _prefill_attention(
@@ -246,6 +262,9 @@ def _prefill_attention(
     # Query rows ordered (kv head, group member, position): [1, kv_heads, group * q_len, D]
     qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(1, num_kv_heads, group * q_len, head_dim)
-    o = F.scaled_dot_product_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), attn_mask=chunk.mask, scale=scale)
+    if ctx <= MATMUL_PREFILL_MAX_CONTEXT:
+        o = _matmul_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), chunk.mask, scale)
+    else:
+        o = F.scaled_dot_product_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), attn_mask=chunk.mask, scale=scale)
     o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
     return o.reshape(q_len, num_heads, head_dim)
