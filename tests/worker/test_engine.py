@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
+from worker.attention import MATMUL_PREFILL_MAX_CONTEXT
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 PROMPTS = [
@@ -71,17 +72,24 @@ def test_prefill_logits_match_transformers(tiny_model_dir):
     runner = llm.engine.runner
     torch.manual_seed(0)
     a, b = torch.randint(3, 49152, (45,)).tolist(), torch.randint(3, 49152, (17,)).tolist()
-    # a chunked across two steps (its second chunk attends to its cached first), b whole
+    # c is long enough that both its chunks attend to more than MATMUL_PREFILL_MAX_CONTEXT
+    # positions (SDPA); a and b stay under it (matmuls)
+    c = torch.randint(3, 49152, (300,)).tolist()
+    c_blocks = list(range(5, 24))
+    assert len(c[:270]) > MATMUL_PREFILL_MAX_CONTEXT
+    # a and c chunked across two steps (their second chunks attend to their cached first), b whole
     runner.execute(SchedulerOutput([ScheduledRequest("a", a[:20], 0, [0, 1, 2], False),
-                                    ScheduledRequest("b", b, 0, [3, 4], True)]))
+                                    ScheduledRequest("b", b, 0, [3, 4], True),
+                                    ScheduledRequest("c", c[:270], 0, c_blocks, False)]))
     out = runner.execute(SchedulerOutput([ScheduledRequest("a", a[20:], 20, [0, 1, 2], True),
-                                          ScheduledRequest("b", [7], 17, [3, 4], True)]))
+                                          ScheduledRequest("b", [7], 17, [3, 4], True),
+                                          ScheduledRequest("c", c[270:], 270, c_blocks, True)]))
     with torch.inference_mode():
-        ref_a = hf(torch.tensor([a])).logits[0, -1]
-        ref_b = hf(torch.tensor([b + [7]])).logits[0, -1]
+        ref = {"a": hf(torch.tensor([a])).logits[0, -1], "b": hf(torch.tensor([b + [7]])).logits[0, -1],
+               "c": hf(torch.tensor([c])).logits[0, -1]}
     got = dict(zip(out.request_ids, out.logits, strict=True))
-    assert torch.allclose(got["a"], ref_a, atol=1e-4, rtol=0)
-    assert torch.allclose(got["b"], ref_b, atol=1e-4, rtol=0)
+    for name, expected in ref.items():
+        assert torch.allclose(got[name], expected, atol=1e-4, rtol=0), name
 
 
 def test_preemption_gives_the_same_output(tiny_llama_dir):
