@@ -88,8 +88,8 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 
 def _run_mode_isolated(mode: str, args, workload: Workload, engine_args: dict) -> dict[str, Any]:
-    """Each mode in a fresh process, so none runs on the heap and page state another left
-    behind (in one process the engine measured 627 out tok/s before transformers and 513 after)."""
+    """Each mode in a fresh process, so none runs on the heap, page and library state (oneDNN's
+    primitive cache, say) another mode left behind."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_run_mode_child, args=(sender, mode, args, workload, engine_args))
