@@ -165,10 +165,10 @@ def _cpu_pool(numel: int, dtype: torch.dtype) -> torch.Tensor:
     takes about 0.1 s. Huge pages also spare the TLB on attention's scattered block reads."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
     buf = mmap.mmap(-1, numel * itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE)):
+    advices = (getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE))
+    for advice in filter(None, advices):
         try:
-            if advice is not None:
-                buf.madvise(advice)
+            buf.madvise(advice)
         except OSError:  # an older kernel: pages then come on first touch
             pass
     return torch.frombuffer(buf, dtype=dtype)  # the tensor keeps the mapping alive
