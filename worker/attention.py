@@ -38,10 +38,17 @@ class AttentionBackend(Protocol):
     def build(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> Any: ...
 
 
-def make_attention_backend(name: str, model_config, block_size: int, dtype: torch.dtype, device: torch.device):
+def resolve_attention_backend(name: str, device: torch.device) -> str:
     """`torch` (CPU default) or `triton` (CUDA default; on CPU only under TRITON_INTERPRET)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in ("torch", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
+    return name
+
+
+def make_attention_backend(name: str, model_config, block_size: int, dtype: torch.dtype, device: torch.device):
+    name = resolve_attention_backend(name, device)
     args = (block_size, model_config.num_attention_heads, model_config.num_key_value_heads,
             model_config.head_dim, dtype, device)
     if name == "torch":
@@ -50,7 +57,6 @@ def make_attention_backend(name: str, model_config, block_size: int, dtype: torc
         from worker.attention_triton import TritonAttention
 
         return TritonAttention(*args)
-    raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
 
 
 def pad_tables(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from worker.attention import make_attention_backend, pad_tables
+from worker.attention import make_attention_backend, pad_tables, resolve_attention_backend
 from worker.config import EngineConfig
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
@@ -67,23 +67,27 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model_config = ModelConfig.from_hf(hf_config)
-        self.model = self._load_model(model_path)
-        self.attention = make_attention_backend(config.attention_backend, self.model_config, self.block_size, self.dtype, self.device)
+        backend = resolve_attention_backend(config.attention_backend, self.device)
+        # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
+        self.model = self._load_model(model_path, use_kernels=backend == "triton")
+        self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
 
-    def _load_model(self, model_path: Path) -> LlamaForCausalLM:
+    def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.model_config)
+            model = LlamaForCausalLM(self.model_config, use_kernels)
         model = model.to_empty(device=self.device)
-        # Buffers made on the meta device hold nothing: rebuild the rotary tables for real.
-        inv_freq, scaling = self.model_config.rope_inv_freq()
-        max_positions = self.model_config.max_position_embeddings
-        model.rotary = RotaryEmbedding(inv_freq, scaling, max_positions).to(self.device)
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(iter_safetensors(model_path))
-        return model.to(self.dtype).eval()
+        model = model.to(self.dtype).eval()
+        # Buffers made on the meta device hold nothing: rebuild the rotary tables for real,
+        # after the cast, so they stay float32 (each step rounds its rows to the model dtype).
+        inv_freq, scaling = self.model_config.rope_inv_freq()
+        max_positions = self.model_config.max_position_embeddings
+        model.rotary = RotaryEmbedding(inv_freq, scaling, max_positions, use_kernels).to(self.device)
+        return model
 
     def _kv_block_bytes(self) -> int:
         cfg = self.model_config

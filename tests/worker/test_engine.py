@@ -66,8 +66,12 @@ def test_greedy_matches_transformers_default_model(default_model_dir):
     run_and_compare(llm, default_model_dir, PROMPTS[:8])
 
 
-def test_prefill_logits_match_transformers(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64)
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # triton: attention, KV writes, norms, rotary
+def test_prefill_logits_match_transformers(tiny_model_dir, backend):
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, device=device,
+              attention_backend=backend)
+    assert llm.engine.runner.model.use_kernels == (backend == "triton")
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     runner = llm.engine.runner
     torch.manual_seed(0)
@@ -87,7 +91,7 @@ def test_prefill_logits_match_transformers(tiny_model_dir):
     with torch.inference_mode():
         ref = {"a": hf(torch.tensor([a])).logits[0, -1], "b": hf(torch.tensor([b + [7]])).logits[0, -1],
                "c": hf(torch.tensor([c])).logits[0, -1]}
-    got = dict(zip(out.request_ids, out.logits, strict=True))
+    got = dict(zip(out.request_ids, out.logits.cpu(), strict=True))
     for name, expected in ref.items():
         assert torch.allclose(got[name], expected, atol=1e-4, rtol=0), name
 

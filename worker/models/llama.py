@@ -7,7 +7,8 @@ load time so each layer makes two matmuls for attention input and MLP input inst
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -17,40 +18,98 @@ from worker.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """RMSNorm, optionally preceded by the residual add: `norm(x)` returns the normalised x;
+    `norm(x, residual)` returns (normalised x + residual, x + residual), the sum being the
+    next residual. With `use_kernel` one Triton kernel does both (the CUDA path)."""
+
+    def __init__(self, hidden_size: int, eps: float, use_kernel: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_kernel = use_kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None  # [T, hidden] each
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_kernel:
+            return self._forward_kernel(x, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual  # rounded to the activation dtype before the norm, as in transformers
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Same arithmetic as transformers (normalise in float32, cast, then scale), with
         # torch's fused kernel for the normalisation: bitwise equal, fewer passes.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
+    def _forward_kernel(self, x, residual):
+        import kernels  # triton is loaded only where the kernel path runs
+
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        # over x and residual: both are this step's own activations, dead after the call
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, inplace=True)
+
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
+    """Rotate-half rotary tables for every position, built once; `for_step` gives the
+    rotation of one step's q and k heads. With `use_kernel` a Triton kernel rotates them in
+    place from one float32 cos|sin table (the CUDA path)."""
+
+    cos: torch.Tensor  # [max_positions, head_dim] float32, torch path
+    sin: torch.Tensor
+    cos_sin: torch.Tensor  # [max_positions, head_dim] float32: cos | sin, kernel path
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
+                 use_kernel: bool = False):
         super().__init__()
+        self.use_kernel = use_kernel
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())  # [max_positions, head_dim / 2]
+        if use_kernel:
+            cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling
+            self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, head_dim]
+            return
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for a step's positions [T], once for all layers: [T, 1, head_dim] each."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:  # positions: [T]
+        if self.use_kernel:
+            return KernelRope(positions, self.cos_sin)
+        # cos and sin gathered once for all layers: [T, 1, head_dim] each
+        return TableRope(self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, num_heads, D] (q and k heads together), rotate-half style as in transformers."""
-    return x * cos + _rotate_half(x) * sin
+class Rope(Protocol):
+    def __call__(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """qk: [T, num_heads + num_kv_heads, head_dim], q heads first; returns it rotated."""
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass
+class TableRope:
+    cos: torch.Tensor  # [T, 1, head_dim] in the activation dtype
+    sin: torch.Tensor
+
+    def __call__(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+        # q and k heads in one pass, rounding each product as transformers does
+        half = qk.shape[-1] // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        return qk * self.cos + rotated * self.sin
+
+
+@dataclass
+class KernelRope:
+    positions: torch.Tensor  # [T]
+    cos_sin: torch.Tensor  # [max_positions, head_dim] float32: cos | sin
+
+    def __call__(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+        import kernels
+
+        kernels.apply_rotary_emb(self.positions, qk[:, :num_heads], qk[:, num_heads:], self.cos_sin)
+        return qk  # rotated in place
 
 
 class Attention(nn.Module):
@@ -68,14 +127,14 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, head_dim]
+        rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: Any,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotated in one pass: [T, num_heads + num_kv_heads, D]
-        qk = apply_rotary(qk.view(num_tokens, -1, self.head_dim), *rope)
+        qk = rope(qk.view(num_tokens, -1, self.head_dim), self.num_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         o = meta.forward(q, k, v, kv_cache, self.scale)
@@ -96,31 +155,41 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, use_kernels: bool):
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
 
-    def forward(self, x, rope, kv_cache, meta):  # x: [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):  # x, residual: [T, hidden]
+        """The residual stream is carried beside x and added in by the next norm, so a
+        kernel can fuse each add with the norm after it; residual is None at the first layer."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`use_kernels`: norms and rotary in Triton kernels (the CUDA path), else torch ops."""
+
+    def __init__(self, cfg: ModelConfig, use_kernels: bool = False):
         super().__init__()
         self.config = cfg
+        self.use_kernels = use_kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, use_kernels) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         with torch.device("cpu"):  # real tables even when the model is built on "meta"
             inv_freq, scaling = cfg.rope_inv_freq()
-            self.rotary = RotaryEmbedding(inv_freq, scaling, cfg.max_position_embeddings)
+            self.rotary = RotaryEmbedding(inv_freq, scaling, cfg.max_position_embeddings, use_kernels)
 
     def forward(
         self,
@@ -130,10 +199,11 @@ class LlamaForCausalLM(nn.Module):
         meta: Any,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, x.dtype)
+        rope = self.rotary.for_step(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [num_rows, vocab]
