@@ -137,7 +137,7 @@ def run_engine(model: str | None, dtype: str, workload: Workload, engine_args: d
     return summarize(elapsed, len(outputs), num_in, num_out)
 
 
-def run_hf(model: str | None, dtype: str, workload: Workload, batch_size: int) -> dict[str, Any]:
+def run_hf(model: str | None, dtype: str, workload: Workload, batch_size: int, device: str = "cpu") -> dict[str, Any]:
     """transformers' generate with static batches, left-padded, each batch running to its longest
     output; only the tokens each request asked for count."""
     import torch
@@ -147,7 +147,7 @@ def run_hf(model: str | None, dtype: str, workload: Workload, batch_size: int) -
 
     path = resolve_model_path(model)
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
     requests = workload.token_requests(AutoTokenizer.from_pretrained(path))
     _hf_batch(hf, requests[:2])  # warm-up
     start = time.perf_counter()
@@ -161,8 +161,8 @@ def _hf_batch(model, batch: list[tuple[list[int], int]], pad_id: int = 0) -> Non
     import torch
 
     width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch])
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids, _ in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=model.device)
     max_new = max(n for _, n in batch)
     with torch.inference_mode():
         model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new,
