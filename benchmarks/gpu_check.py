@@ -2,13 +2,14 @@
 
 1. every Triton kernel against its torch reference at real sizes, timed with
    `triton.testing.do_bench` (median), bandwidth beside a device-to-device copy of the same bytes;
-2. greedy outputs of the engine on CUDA against the CPU path (float32: equal; bfloat16: close);
-3. W1 through the engine (default model, bfloat16) and through transformers' `generate` on the
-   same GPU, both throughputs and the ratio.
+2. greedy outputs of the engine on CUDA against the CPU path (float32: equal; bfloat16: close),
+   and with CUDA graphs against without (`enforce_eager`);
+3. W1 through the engine (default model, bfloat16; with and without CUDA graphs) and through
+   transformers' `generate` on the same GPU, the throughputs and the ratios.
 
     python benchmarks/gpu_check.py [--num-prompts 128] [--skip-kernels]
 
-Prints a short table last.
+Each part reports its own failure and the rest still run. Prints a short table last.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -25,14 +28,24 @@ def check_engine_vs_cpu(num_tokens: int = 32) -> list[str]:
 
     prompts = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "1, 2, 3,"]
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+
+    def greedy(**kwargs) -> list[list[int]]:
+        llm = LLM(max_model_len=2048, **kwargs)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
     lines = []
     for dtype in ("float32", "bfloat16"):
-        cpu = LLM(dtype=dtype, device="cpu", max_model_len=2048).generate(prompts, params, use_tqdm=False)
-        gpu = LLM(dtype=dtype, device="cuda", max_model_len=2048).generate(prompts, params, use_tqdm=False)
-        same = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(cpu, gpu, strict=True)]
-        prefix = [_common_prefix(a.outputs[0].token_ids, b.outputs[0].token_ids) for a, b in zip(cpu, gpu, strict=True)]
-        lines.append(f"greedy cuda vs cpu {dtype:<9} identical {sum(same)}/{len(same)}  common prefix {prefix}")
+        cpu = greedy(dtype=dtype, device="cpu")
+        gpu = greedy(dtype=dtype, device="cuda")
+        lines.append(f"greedy cuda vs cpu {dtype:<9} {_compare(cpu, gpu)}")
+    eager = greedy(dtype="bfloat16", device="cuda", enforce_eager=True)
+    lines.append(f"greedy cuda graphs vs eager bfloat16 {_compare(eager, gpu)}")
     return lines
+
+
+def _compare(a: list[list[int]], b: list[list[int]]) -> str:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    return f"identical {same}/{len(a)}  common prefix {[_common_prefix(x, y) for x, y in zip(a, b, strict=True)]}"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -47,15 +60,39 @@ def check_w1(num_prompts: int) -> list[str]:
     from worker.bench_workload import RandomWorkload
 
     workload = RandomWorkload(num_prompts=num_prompts)
-    engine = run_engine(None, "bfloat16", workload, {"device": "cuda", "max_model_len": 2048, "max_num_seqs": 256})
+    args = {"device": "cuda", "max_model_len": 2048, "max_num_seqs": 256}
+    graphs = run_engine(None, "bfloat16", workload, args)["output_tokens_per_s"]
     torch.cuda.empty_cache()
-    hf = run_hf(None, "bfloat16", workload, batch_size=32)
-    ratio = engine["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    eager = run_engine(None, "bfloat16", workload, {**args, "enforce_eager": True})["output_tokens_per_s"]
+    torch.cuda.empty_cache()
+    hf = run_hf(None, "bfloat16", workload, batch_size=32, device="cuda")["output_tokens_per_s"]
     return [
-        f"W1 engine (cuda, bf16)      {engine['output_tokens_per_s']:>10.1f} out tok/s",
-        f"W1 transformers (cuda, bf16){hf['output_tokens_per_s']:>10.1f} out tok/s",
-        f"W1 ratio engine / hf        {ratio:>10.2f}x",
+        f"W1 engine (cuda, bf16, graphs) {graphs:>10.1f} out tok/s",
+        f"W1 engine (cuda, bf16, eager)  {eager:>10.1f} out tok/s",
+        f"W1 transformers (cuda, bf16)   {hf:>10.1f} out tok/s",
+        f"W1 ratio engine / hf           {graphs / hf:>10.2f}x",
+        f"W1 ratio graphs / eager        {graphs / eager:>10.2f}x",
     ]
+
+
+def _section(name: str, check: Callable[[], list[str]]) -> list[str]:
+    """One part of the check; a failure becomes a line of the table, not the end of the run."""
+    try:
+        lines = check()
+    except Exception as exc:  # noqa: BLE001 (any failure is a result to report)
+        traceback.print_exc()
+        lines = [f"{name}: FAILED: {type(exc).__name__}: {exc}"]
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def _kernel_rows() -> list[str]:
+    from kernels.bench import check_kernels, format_rows
+
+    rows = check_kernels()
+    print(format_rows(rows), flush=True)
+    bad = [r for r in rows if not r.get("ok", True)]
+    return [f"kernels: {len(rows) - len(bad)}/{len(rows)} match their references"]
 
 
 def main() -> int:
@@ -69,14 +106,9 @@ def main() -> int:
     start = time.time()
     summary = [f"device: {torch.cuda.get_device_name()}"]
     if not args.skip_kernels:
-        from kernels.bench import check_kernels, format_rows
-
-        rows = check_kernels()
-        print(format_rows(rows), flush=True)
-        bad = [r for r in rows if not r.get("ok", True)]
-        summary.append(f"kernels: {len(rows) - len(bad)}/{len(rows)} match their references")
-    summary += check_engine_vs_cpu()
-    summary += check_w1(args.num_prompts)
+        summary += _section("kernels", _kernel_rows)
+    summary += _section("greedy", check_engine_vs_cpu)
+    summary += _section("W1", lambda: check_w1(args.num_prompts))
     summary.append(f"elapsed {time.time() - start:.0f} s")
     print("\n".join(["", "== GPU check ==", *summary]))
     return 0

@@ -44,6 +44,9 @@ def build(parser: argparse.ArgumentParser) -> Any:
     parser.add_argument(
         "--no-prefix-caching", action="store_true", help="disable the engine's prefix cache"
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
+    )
     return run
 
 
@@ -71,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
     if args.no_prefix_caching:
         engine_args["enable_prefix_caching"] = False
+    if args.enforce_eager:
+        engine_args["enforce_eager"] = True
     worker_args = {k: getattr(args, k) for k in _WORKER_FLAGS if getattr(args, k) is not None}
     config = dataclasses.replace(
         config, engine=dataclasses.replace(config.engine, **engine_args), **worker_args

@@ -12,7 +12,7 @@ import math
 import mmap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 from worker.scheduler import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,17 @@ class ModelRunner:
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
+        self.graphs = self._decode_graphs(backend, max_model_len)
+
+    def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
+        """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
+        same padded buffers on CPU, where the triton backend runs only for tests)."""
+        if backend != "triton" or self.config.enforce_eager:
+            return None
+        from worker.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
+                            self.block_size, self.device)
 
     def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
         with torch.device("meta"):
@@ -127,8 +141,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         batch = _order_decodes_first(out.scheduled)
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)  # [B, hidden]
+        else:
+            input_ids, positions, meta = self._prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         ends = torch.tensor(_row_ends(batch), dtype=torch.long, device=self.device)
         samplers = [i for i, s in enumerate(batch) if s.sample]
         logits = self.model.compute_logits(hidden[ends[samplers] - 1])  # [num_samplers, vocab]

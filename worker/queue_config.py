@@ -40,6 +40,7 @@ ENV_VARS = {
     "GENQ_MAX_NUM_BATCHED_TOKENS": "engine max_num_batched_tokens",
     "GENQ_NUM_GPU_BLOCKS": "engine num_gpu_blocks_override",
     "GENQ_NUM_THREADS": "torch threads on CPU",
+    "GENQ_ENFORCE_EAGER": "1: no CUDA graphs for decode (default 0)",
     "GENQ_CLAIM_IDLE_S": "idle time after which another worker reclaims an entry",
     "GENQ_HEARTBEAT_S": "heartbeat period",
     "GENQ_DELIVERY_LIMIT": "deliveries before an entry goes to the dead stream",
@@ -103,6 +104,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         max_num_batched_tokens=_int(env, "GENQ_MAX_NUM_BATCHED_TOKENS"),
         num_gpu_blocks_override=_int(env, "GENQ_NUM_GPU_BLOCKS"),
         num_threads=_int(env, "GENQ_NUM_THREADS"),
+        enforce_eager=_bool(env, "GENQ_ENFORCE_EAGER"),
     )
     worker_args = _drop_none(
         redis_url=env.get("GENQ_REDIS_URL") or None,
@@ -141,3 +143,14 @@ def _float(env: Mapping[str, str], name: str) -> float | None:
         return float(value)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def _bool(env: Mapping[str, str], name: str) -> bool | None:
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true or false), got {env[name]!r}")

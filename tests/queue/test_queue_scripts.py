@@ -192,6 +192,10 @@ def test_worker_config_from_env() -> None:
     assert config.serves("/models/Foo-1B") and not config.serves("Bar")
     with pytest.raises(ValueError, match="GENQ_MAX_NUM_SEQS must be an integer"):
         config_from_env({"GENQ_MAX_NUM_SEQS": "many"})
+    assert config_from_env({"GENQ_ENFORCE_EAGER": "true"}).engine.enforce_eager
+    assert not config_from_env({"GENQ_ENFORCE_EAGER": "0"}).engine.enforce_eager
+    with pytest.raises(ValueError, match="GENQ_ENFORCE_EAGER must be 1 or 0"):
+        config_from_env({"GENQ_ENFORCE_EAGER": "maybe"})
     with pytest.raises(ValueError, match="two heartbeats"):
         config_from_env({"GENQ_CLAIM_IDLE_S": "1", "GENQ_HEARTBEAT_S": "1"})
 

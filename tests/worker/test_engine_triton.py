@@ -4,26 +4,60 @@ tests/conftest.py, with a tiny model and few tokens."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_engine import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
+from worker.cuda_graphs import capture_sizes
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 PROMPTS = ["Hello, my name is", "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2, "x"]
 
 
-def test_triton_backend_matches_transformers(tiny_llama_dir):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(str(tiny_llama_dir), dtype="float32", device=device, attention_backend="triton",
-              num_gpu_blocks_override=64, max_num_batched_tokens=24)  # chunked prefill with a prefix
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_triton_backend_matches_transformers(tiny_llama_dir, enforce_eager):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device=DEVICE, attention_backend="triton",
+              num_gpu_blocks_override=64, max_num_batched_tokens=24,  # chunked prefill with a prefix
+              enforce_eager=enforce_eager)
+    assert (llm.engine.runner.graphs is None) == enforce_eager
     assert llm.engine.runner.kv_caches[0][0].shape[1:] == (16, 2, 16)  # token-major blocks
     tok = llm.get_tokenizer()
     expected = hf_greedy(tiny_llama_dir, [tok.encode(p) for p in PROMPTS], max_new=8)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_decode_graphs_pad_shrinking_batches(tiny_llama_dir):
+    """Sequences finish one after another, so decode batches of 6, 5, ... 1 run padded to the
+    captured sizes 8, 4, 2 and 1; contexts cross block boundaries on the way. Greedy tokens
+    must still be transformers'."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device=DEVICE, attention_backend="triton",
+              num_gpu_blocks_override=64, max_num_seqs=6)
+    graphs = llm.engine.runner.graphs
+    assert graphs.sizes == [1, 2, 4, 8]
+    tok = llm.get_tokenizer()
+    prompts = ["x", "Hello, my name is", "one two three four five six seven eight nine ten eleven",
+               "a b c", "The quick brown fox", "1, 2, 3,"]
+    max_tokens = [3, 20, 7, 12, 5, 16]
+    expected = hf_greedy(tiny_llama_dir, [tok.encode(p) for p in prompts], max_new=max(max_tokens))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [e[:n] for e, n in zip(expected, max_tokens, strict=True)]
+    assert all(graphs.num_steps[n] > 0 for n in (1, 2, 4, 8)), graphs.num_steps
+
+
+def test_capture_sizes_cover_max_num_seqs():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 4]
+    assert capture_sizes(9) == [1, 2, 4, 8, 16]
+    assert capture_sizes(128) == [1, 2, 4, *range(8, 129, 8)]
+    assert capture_sizes(100_000)[-1] == 512  # larger decode batches run eagerly
 
 
 def _bf16_last_logits(model_dir, backend: str, prompts: list[list[int]]) -> torch.Tensor:

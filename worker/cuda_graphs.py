@@ -1,0 +1,131 @@
+"""Decode steps replayed from CUDA graphs, one captured per padded batch size.
+
+A decode step launches about ten kernels per layer, each with a few microseconds of work at
+small batches, so launching them costs more CPU time than the GPU spends running them. A
+graph replays the whole forward with one launch. It replays fixed addresses and a fixed grid:
+
+- every input lives in a static buffer sized for the largest captured batch;
+- a batch is padded up to the nearest captured size, and its padding rows change nothing:
+  slot -1 (the KV write skips it) and context length 0 (attention reads no key);
+- attention is launched with `max_model_len` as its bound on context length, so its grid
+  (and KV split count) holds for any batch of that size.
+
+Only the model's forward is captured; logits and sampling run after it, on real rows only.
+On CPU, where the triton backend runs only under TRITON_INTERPRET for tests, nothing is
+captured: `run` makes the same padded call eagerly, so tests check all but the capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from worker.attention_triton import TritonMetadata
+from worker.models.llama import LlamaForCausalLM
+from worker.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512  # past this many sequences a decode step is long enough to launch eagerly
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, then multiples of 8, up to the first that holds max_num_seqs (at most 512)."""
+    candidates = [1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8)]
+    smaller = [n for n in candidates if n < max_num_seqs]
+    return smaller + [n for n in candidates if n >= max_num_seqs][:1]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.device = device
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        max_blocks = -(-max_model_len // block_size)
+        # Padding state: as filled before capture and as left in rows past a batch.
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [N]
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)  # [N]
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)  # [N]
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [N + 1], fixed
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [N]
+        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)  # [N, max_blocks]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # size -> [size, hidden], written by replay
+        self.num_steps: dict[int, int] = dict.fromkeys(self.sizes, 0)  # steps run at each size
+        if device.type == "cuda":
+            self._capture_all()
+
+    def can_run(self, batch: list[ScheduledRequest]) -> bool:
+        """Decodes only (no prompt logprobs to compute), and no more than the largest size."""
+        return len(batch) <= self.sizes[-1] and all(
+            len(s.token_ids) == 1 and not s.prompt_logprobs for s in batch
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledRequest]) -> torch.Tensor:  # [B, hidden]
+        size = next(n for n in self.sizes if n >= len(batch))
+        self.num_steps[size] += 1
+        self._fill(batch, size)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.outputs[size][: len(batch)]
+        return self._forward(size)[: len(batch)]
+
+    def _fill(self, batch: list[ScheduledRequest], size: int) -> None:
+        """Copy the batch into the static buffers, rows past it set to padding."""
+        bs = self.block_size
+        pad = size - len(batch)
+        positions = [s.start_pos for s in batch]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(batch, positions, strict=True)]
+        rows = torch.tensor([[s.token_ids[0] for s in batch] + [0] * pad, positions + [0] * pad,
+                             slots + [-1] * pad, [p + 1 for p in positions] + [0] * pad])  # [4, size]
+        rows = rows.to(self.device, non_blocking=True)
+        self.input_ids[:size].copy_(rows[0])
+        self.positions[:size].copy_(rows[1])
+        self.slot_mapping[:size].copy_(rows[2])
+        self.seq_lens[:size].copy_(rows[3])
+        # Blocks past a row's context are never read: only the used prefix of each table.
+        width = -(-(max(positions) + 1) // bs)
+        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in batch]
+        self.block_tables[: len(batch), :width].copy_(torch.tensor(tables, dtype=torch.int32))
+
+    def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
+        meta = TritonMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Largest first, into one memory pool: smaller graphs reuse the largest's blocks."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: compiles this size's kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
