@@ -53,7 +53,7 @@ class Engine:
             eos_token_ids=frozenset(self.eos_token_ids),
         )
         self.scheduler = Scheduler(sched_config, self.block_manager)
-        self.sampler = Sampler(seed=config.seed)
+        self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.generators: dict[str, torch.Generator] = {}
         self._aborted: list[Request] = []  # finished by abort, reported at the next step

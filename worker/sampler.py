@@ -300,10 +300,16 @@ def apply_min_p(logits: Tensor, min_p: Tensor | None) -> Tensor:
 
 
 class Sampler:
-    """Samples one token per row; unseeded rows draw from a generator seeded with `seed`."""
+    """Samples one token per row; unseeded rows draw from a generator seeded with `seed`.
 
-    def __init__(self, seed: int = 0) -> None:
+    With `use_kernel` (the CUDA path) top-k / top-p run in one Triton kernel that bisects on
+    the logit value instead of sorting the vocabulary; it draws with the same noise, so the
+    tokens are those of the torch path. Batches with min_p keep the torch path.
+    """
+
+    def __init__(self, seed: int = 0, use_kernel: bool = False) -> None:
         self.seed = seed
+        self.use_kernel = use_kernel
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -325,13 +331,25 @@ class Sampler:
         if batch.all_greedy:
             assert greedy_ids is not None
             return greedy_ids
-        filtered = apply_min_p(apply_top_k_top_p(scaled, batch.top_k, batch.top_p), batch.min_p)
-        probs = filtered.softmax(dim=-1)  # [num_seqs, vocab]
-        noise = self._exponential_noise(probs, batch)  # [num_seqs, vocab]
-        sampled = (probs / noise).argmax(dim=-1)
+        if self.use_kernel and batch.min_p is None:
+            sampled = self._sample_kernel(scaled, batch)
+        else:
+            filtered = apply_min_p(apply_top_k_top_p(scaled, batch.top_k, batch.top_p), batch.min_p)
+            probs = filtered.softmax(dim=-1)  # [num_seqs, vocab]
+            noise = self._exponential_noise(probs, batch)  # [num_seqs, vocab]
+            sampled = (probs / noise).argmax(dim=-1)
         if greedy_ids is None:
             return sampled
         return torch.where(batch.greedy, greedy_ids, sampled)
+
+    def _sample_kernel(self, scaled: Tensor, batch: SamplingBatch) -> Tensor:  # [num_seqs] int64
+        import kernels  # triton is loaded only where the kernel path runs
+
+        num_seqs, vocab_size = scaled.shape
+        top_k = batch.top_k if batch.top_k is not None else torch.zeros(num_seqs, device=scaled.device)
+        top_p = batch.top_p if batch.top_p is not None else torch.ones(num_seqs, device=scaled.device)
+        noise = self._exponential_noise(scaled, batch)  # [num_seqs, vocab], the torch path's draws
+        return kernels.top_k_top_p_sample(scaled, top_k.int(), top_p, noise)
 
     def _exponential_noise(self, probs: Tensor, batch: SamplingBatch) -> Tensor:
         """Exponential(1) noise shaped like probs; seeded random rows draw theirs from their own

@@ -86,3 +86,20 @@ def test_triton_backend_bf16_error_matches_torch_backend(tiny_llama_dir):
     triton_err = rms(_bf16_last_logits(tiny_llama_dir, "triton", prompts) - ref)
     assert torch_err < 0.05 * rms(ref)
     assert triton_err < 1.5 * torch_err, (triton_err, torch_err)
+
+
+def test_triton_backend_samples_the_torch_backends_tokens(tiny_llama_dir):
+    """Seeded top-k / top-p sampling: the kernel path (attention, norms, rotary and the sampling
+    kernel) draws the same tokens as the torch path from the same seeds."""
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.7, seed=12, max_tokens=4, ignore_eos=True)]
+    prompts = PROMPTS[:2]
+
+    def tokens(backend: str) -> list[list[int]]:
+        device = DEVICE if backend == "triton" else "cpu"
+        llm = LLM(str(tiny_llama_dir), dtype="float32", device=device, attention_backend=backend,
+                  num_gpu_blocks_override=64)
+        assert llm.engine.sampler.use_kernel == (backend == "triton")
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    assert tokens("triton") == tokens("torch")

@@ -359,3 +359,21 @@ def test_shape_and_row_count_mismatches_raise() -> None:
         Sampler()(torch.randn(3, 10), batch)
     with pytest.raises(ValueError, match="generators"):
         SamplingBatch.build([SamplingParams()] * 2, [[], []], [[], []], [None], [EOS], 10, CPU)
+
+
+def test_kernel_path_draws_the_torch_paths_tokens() -> None:
+    """The CUDA sampler's top-k / top-p kernel (here under TRITON_INTERPRET) takes the same
+    noise as the torch path, so with distinct logits every row draws the same token; min_p
+    rows keep the torch path."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(8, 300, generator=gen) * 3  # distinct values: no ties at a cut-off
+    params = [SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=1.2, top_p=0.6),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=40, top_p=0.8),
+              SamplingParams(temperature=0.7), SamplingParams(temperature=1.5, top_p=0.95),
+              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=2.0, top_k=250)]
+    for batch_params in (params, [replace(p, min_p=0.05) for p in params[:4]]):
+        rows = logits[: len(batch_params)]
+        for seed in range(3):
+            torch_path = Sampler(seed=seed)(rows, build(batch_params, 300)).token_ids
+            kernel_path = Sampler(seed=seed, use_kernel=True)(rows, build(batch_params, 300)).token_ids
+            assert kernel_path == torch_path, (seed, kernel_path, torch_path)
