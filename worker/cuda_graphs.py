@@ -71,7 +71,7 @@ class DecodeGraphs:
 
     def can_run(self, batch: list[ScheduledRequest]) -> bool:
         """Decodes only (no prompt logprobs to compute), and no more than the largest size."""
-        return len(batch) <= self.sizes[-1] and all(
+        return 0 < len(batch) <= self.sizes[-1] and all(
             len(s.token_ids) == 1 and not s.prompt_logprobs for s in batch
         )
 
