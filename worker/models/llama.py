@@ -18,8 +18,8 @@ from worker.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm, optionally preceded by the residual add: `norm(x)` returns the normalised x;
-    `norm(x, residual)` returns (normalised x + residual, x + residual), the sum being the
+    """RMSNorm, optionally preceded by the residual add: `norm(x)` returns rms_norm(x);
+    `norm(x, residual)` returns (rms_norm(x + residual), x + residual), the sum being the
     next residual. With `use_kernel` one Triton kernel does both (the CUDA path)."""
 
     def __init__(self, hidden_size: int, eps: float, use_kernel: bool = False):
