@@ -8,10 +8,10 @@ it. Importing this module stays cheap (no torch), so `arq --check` is quick.
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from producer.client import DEFAULT_REDIS_URL
 from producer.protocol import (
@@ -23,6 +23,8 @@ from producer.protocol import (
     validate_job_id,
 )
 from worker.config import EngineConfig
+
+T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # worker.model_loader's default (it imports torch)
 
@@ -126,31 +128,30 @@ def _drop_none(**kwargs: Any) -> dict[str, Any]:
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
-    value = env.get(name)
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    return _parse(env, name, int, "an integer")
 
 
 def _float(env: Mapping[str, str], name: str) -> float | None:
+    return _parse(env, name, float, "a number")
+
+
+def _bool(env: Mapping[str, str], name: str) -> bool | None:
+    return _parse(env, name, _to_bool, "1 or 0 (true or false)")
+
+
+def _parse(env: Mapping[str, str], name: str, convert: Callable[[str], T], what: str) -> T | None:
+    """The variable converted, None when unset or empty; a bad value names the variable."""
     value = env.get(name)
     if not value:
         return None
     try:
-        return float(value)
+        return convert(value)
     except ValueError:
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
 
 
-def _bool(env: Mapping[str, str], name: str) -> bool | None:
-    value = env.get(name, "").strip().lower()
-    if not value:
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} must be 1 or 0 (true or false), got {env[name]!r}")
+def _to_bool(value: str) -> bool:
+    words = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+    if value.strip().lower() not in words:
+        raise ValueError(value)
+    return words[value.strip().lower()]
