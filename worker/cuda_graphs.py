@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from worker.attention import pad_tables
 from worker.attention_triton import TritonMetadata
 from worker.models.llama import LlamaForCausalLM
 from worker.scheduler import ScheduledRequest
@@ -100,8 +101,8 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(rows[3])
         # Blocks past a row's context are never read: only the used prefix of each table.
         width = -(-(max(positions) + 1) // bs)
-        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in batch]
-        self.block_tables[: len(batch), :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        tables = pad_tables([s.block_table[:width] for s in batch], torch.device("cpu"), width, torch.int32)
+        self.block_tables[: len(batch), :width].copy_(tables)
 
     def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
         meta = TritonMetadata(
