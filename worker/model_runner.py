@@ -21,6 +21,7 @@ from worker.config import EngineConfig
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM, RotaryEmbedding
+from worker.models.packed_linear import can_pack, pack_linears
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ class ModelRunner:
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
         self.model = self._load_model(model_path, use_kernels=backend == "triton")
+        if backend == "torch" and can_pack(self.device, self.dtype):
+            # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
+            pack_linears(self.model, batch_hint=config.max_num_seqs)
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
