@@ -33,6 +33,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "heartbeat_s": float,
     "delivery_limit": int,
     "shutdown_grace_s": float,
+    "requests_retention_s": float,
     "metrics_port": int,
     "metrics_host": str,
 }
@@ -58,6 +59,7 @@ _HELP = {
     "claim_idle_s": "reclaim entries of other workers idle this long",
     "delivery_limit": "deliveries before an entry goes to the dead stream",
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",
+    "requests_retention_s": "acked entries older than this leave the requests stream (default: 86400)",
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
 }
 

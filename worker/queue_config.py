@@ -20,6 +20,7 @@ from producer.protocol import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_PREFIX,
     DEFAULT_SHUTDOWN_GRACE_S,
+    JOB_TTL_S,
     validate_job_id,
 )
 from worker.config import EngineConfig
@@ -47,6 +48,7 @@ ENV_VARS = {
     "GENQ_HEARTBEAT_S": "heartbeat period",
     "GENQ_DELIVERY_LIMIT": "deliveries before an entry goes to the dead stream",
     "GENQ_SHUTDOWN_GRACE_S": "SIGTERM: time in-flight jobs get before they are released",
+    "GENQ_REQUESTS_RETENTION_S": "age past which done entries leave the requests stream (default: the job TTL, 24 h)",
     "GENQ_METRICS_PORT": "serve Prometheus metrics on this port (default: off)",
     "GENQ_METRICS_HOST": "address the metrics server binds (default 0.0.0.0)",
 }
@@ -63,6 +65,9 @@ class WorkerConfig:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     delivery_limit: int = DEFAULT_DELIVERY_LIMIT
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    # acked entries older than this leave genq:requests (each heartbeat trims); the default keeps
+    # a job's payload, which `genq inspect` shows, as long as its record usually lives
+    requests_retention_s: float = JOB_TTL_S
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
 
@@ -80,6 +85,8 @@ class WorkerConfig:
             raise ValueError(f"delivery_limit must be >= 1, got {self.delivery_limit}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.requests_retention_s < 0:
+            raise ValueError(f"requests_retention_s must be >= 0, got {self.requests_retention_s}")
 
     @property
     def model_name(self) -> str:
@@ -117,6 +124,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         heartbeat_s=_float(env, "GENQ_HEARTBEAT_S"),
         delivery_limit=_int(env, "GENQ_DELIVERY_LIMIT"),
         shutdown_grace_s=_float(env, "GENQ_SHUTDOWN_GRACE_S"),
+        requests_retention_s=_float(env, "GENQ_REQUESTS_RETENTION_S"),
         metrics_port=_int(env, "GENQ_METRICS_PORT"),
         metrics_host=env.get("GENQ_METRICS_HOST") or None,
     )

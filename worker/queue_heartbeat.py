@@ -54,6 +54,7 @@ class Heartbeat:
         while not stopping.is_set():
             try:
                 await self.beat()
+                await self.trim()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 logger.warning("heartbeat failed: %s", exc)
             try:
@@ -77,6 +78,17 @@ class Heartbeat:
                 self.publisher.drop(h, JobState.LOST)
             elif h.entry_id in cancelled:
                 self.abort(h, ABORT_CANCELLED)
+
+    async def trim(self) -> None:
+        """Drop done entries past the retention from the requests stream, which would
+        otherwise grow by one entry per job forever. Any worker may do it: it is idempotent."""
+        try:
+            removed = await self.scripts.trim_requests(self.config.requests_retention_s)
+        except redis.ResponseError as exc:  # a server without XTRIM MINID (< 6.2), say
+            logger.warning("trimming %s failed: %s", self.scripts.keys.requests, exc)
+            return
+        if removed:
+            logger.debug("trimmed %d entries from %s", removed, self.scripts.keys.requests)
 
     def _abort_expired(self, now: float) -> None:
         for h in self.table:

@@ -197,6 +197,39 @@ end
 return n
 """
 
+# Trim the requests stream. KEYS[1]: requests. ARGV[1]: retention in ms.
+# Entries older than the retention (by Redis's clock, which made their ids) are removed, except
+# what any consumer group still needs: its oldest pending entry and all after it (a worker may
+# reclaim one and must read its fields), and every entry it has not been delivered yet (a
+# backlog older than the retention is still work). XTRIM MINID cuts below one id, so an acked
+# entry behind a long-pending one waits for it. Returns how many entries were removed.
+TRIM_LUA = """
+local function split(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function before(a, b)
+  local am, as = split(a)
+  local bm, bs = split(b)
+  return am < bm or (am == bm and as < bs)
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local now = redis.call('TIME')
+local cutoff_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[1])
+if cutoff_ms <= 0 then return 0 end
+local min_id = string.format('%d-0', cutoff_ms)
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local info = {}
+  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+  local ms, seq = split(info['last-delivered-id'])
+  local first_undelivered = string.format('%d-%d', ms, seq + 1)
+  if before(first_undelivered, min_id) then min_id = first_undelivered end
+  local pending = redis.call('XPENDING', KEYS[1], info['name'])
+  if pending[1] > 0 and before(pending[2], min_id) then min_id = pending[2] end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', min_id)
+"""
+
 RELEASED_IDLE_MS = 10**12  # about 30 years: older than any claim timeout
 
 
@@ -241,6 +274,7 @@ class Scripts:
         self._heartbeat = conn.register_script(HEARTBEAT_LUA)
         self._reclaim = conn.register_script(RECLAIM_LUA)
         self._release = conn.register_script(RELEASE_LUA)
+        self._trim = conn.register_script(TRIM_LUA)
 
     async def ensure_group(self) -> None:
         """Create the group at id 0 if missing: entries enqueued before any worker existed
@@ -332,6 +366,16 @@ class Scripts:
             return 0
         args: list[Any] = [self.keys.group, self.consumer, RELEASED_IDLE_MS, *entry_ids]
         return int(await self._release(keys=[self.keys.requests], args=args))
+
+    async def trim_requests(self, retention_s: float) -> int:
+        """Remove stream entries older than `retention_s` that no group still needs; returns
+        how many. Acked entries are dead weight once their job's record has expired (`genq
+        inspect` reads a job's payload from its entry until then).
+
+        Race prevented: trimming by age alone would delete a pending entry a reclaimer is about
+        to read, or a backlog no worker has taken yet; the script reads the groups' positions
+        and trims in one step."""
+        return int(await self._trim(keys=[self.keys.requests], args=[int(retention_s * 1000)]))
 
     async def own_pending(self, limit: int = 10_000) -> list[str]:
         """Entry ids pending under this worker's name (to release what is left at shutdown)."""

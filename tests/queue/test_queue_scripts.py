@@ -127,6 +127,33 @@ async def test_reclaim_and_release(scripts: Scripts) -> None:
     assert await scripts.own_pending() == [idle, gone]
 
 
+async def test_trim_keeps_what_a_group_still_needs(scripts: Scripts) -> None:
+    """With no retention every entry is old enough: only the groups' positions hold entries."""
+    conn, keys = scripts.conn, scripts.keys
+
+    async def left() -> list[bytes]:
+        return [entry_id for entry_id, _ in await conn.xrange(keys.requests)]
+
+    ids = [await conn.xadd(keys.requests, {"i": i}) for i in range(6)]
+    await conn.xreadgroup(keys.group, "me", {keys.requests: ">"}, count=4)  # 0-3 delivered
+    await conn.xack(keys.requests, keys.group, ids[0], ids[1], ids[3])  # 2 still pending
+    assert await scripts.trim_requests(retention_s=3600) == 0  # all younger than an hour
+    assert await scripts.trim_requests(retention_s=0) == 2
+    assert await left() == ids[2:]  # from the oldest pending on
+    await conn.xack(keys.requests, keys.group, ids[2])
+    assert await scripts.trim_requests(retention_s=0) == 2
+    assert await left() == ids[4:]  # 4 and 5 were never delivered
+    await conn.xgroup_create(keys.requests, "other", id="0")  # a group that has read nothing
+    await conn.xreadgroup(keys.group, "me", {keys.requests: ">"})
+    await conn.xack(keys.requests, keys.group, *ids[4:])
+    assert await scripts.trim_requests(retention_s=0) == 0
+    await conn.xgroup_destroy(keys.requests, "other")
+    assert await scripts.trim_requests(retention_s=0) == 2
+    assert await conn.xlen(keys.requests) == 0
+    await conn.delete(keys.requests)
+    assert await scripts.trim_requests(retention_s=0) == 0  # no stream: nothing to do
+
+
 def held_job(job_id: str, n: int = 1) -> HeldJob:
     job = build_job("hi", SamplingParams(n=n), job_id=job_id)
     return HeldJob(job, "1-0", new_completions(n))
@@ -198,6 +225,10 @@ def test_worker_config_from_env() -> None:
         config_from_env({"GENQ_ENFORCE_EAGER": "maybe"})
     with pytest.raises(ValueError, match="two heartbeats"):
         config_from_env({"GENQ_CLAIM_IDLE_S": "1", "GENQ_HEARTBEAT_S": "1"})
+    assert config.requests_retention_s == 24 * 3600
+    assert config_from_env({"GENQ_REQUESTS_RETENTION_S": "0"}).requests_retention_s == 0
+    with pytest.raises(ValueError, match="requests_retention_s must be >= 0"):
+        config_from_env({"GENQ_REQUESTS_RETENTION_S": "-1"})
 
 
 def test_consumer_module_is_cheap_to_import() -> None:
