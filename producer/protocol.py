@@ -319,7 +319,10 @@ class Event:
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
     error: str | None = None  # set: the whole job failed; no more events follow
     index: int = 0  # completion index, 0 <= index < n
-    logprobs: list[Any] | None = None  # per new token: {token_id: logprob}
+    # per new token, genq workers send {"logprob", "rank", "top_logprobs": {token_id: logprob},
+    # "token": its text, "decoded": {token_id: text}}; readers also take a bare
+    # {token_id: logprob} (the sampled token among them) from other producers
+    logprobs: list[Any] | None = None
 
 
 _EVENT_TYPES: dict[str, tuple[type, ...]] = {

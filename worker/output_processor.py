@@ -4,11 +4,14 @@ the grouping of `n > 1` completions under their parent request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.detokenizer import IncrementalDetokenizer
 from worker.outputs import CompletionOutput, RequestOutput
 from worker.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from worker.sampler import TokenLogprobs
 
 
 @dataclass
@@ -93,6 +96,8 @@ class OutputProcessor:
         elif finish_reason is not None:
             text += detok.flush()
         state.finished = finish_reason is not None
+        if logprobs:
+            self._spell(logprobs)
         return CompletionOutput(
             state.index, text, new_ids, finish_reason, stop_reason, [logprobs] if logprobs else None
         )
@@ -108,7 +113,16 @@ class OutputProcessor:
                             num_cached_tokens=parent.num_cached_tokens)
         if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
             out.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
+            for entry in out.prompt_logprobs:
+                if entry is not None:
+                    self._spell(entry)
         return out
+
+    def _spell(self, logprobs: TokenLogprobs) -> None:
+        """Each token of a logprobs entry as its own text: what an API shows for it."""
+        ids = list(dict.fromkeys([logprobs.token_id, *logprobs.top_logprobs]))
+        texts = self.tokenizer.batch_decode([[i] for i in ids])
+        logprobs.decoded = dict(zip(ids, texts, strict=True))
 
 
 def _text_ids(request: Request, new_ids: list[int]) -> list[int]:

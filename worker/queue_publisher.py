@@ -177,9 +177,11 @@ def _event(held: HeldJob, index: int, delta: CompletionOutput) -> Event | None:
     )
 
 
-def _wire_logprobs(logprobs: list[Any] | None) -> list[dict[int, float]] | None:
-    """Engine TokenLogprobs -> the wire form: per token {token_id: logprob}, the sampled token
-    included."""
+def _wire_logprobs(logprobs: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Engine TokenLogprobs -> the wire form (protocol.Event.logprobs), tokens spelled out."""
     if logprobs is None:
         return None
-    return [{} if lp is None else {**lp.top_logprobs, lp.token_id: lp.logprob} for lp in logprobs]
+    return [{} if lp is None else {
+        "logprob": lp.logprob, "rank": lp.rank, "top_logprobs": lp.top_logprobs,
+        "token": lp.decoded.get(lp.token_id), "decoded": lp.decoded,
+    } for lp in logprobs]

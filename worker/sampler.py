@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -39,6 +39,9 @@ class TokenLogprobs:
     logprob: float  # its logprob
     rank: int  # 1 + number of tokens strictly more likely than it
     top_logprobs: dict[int, float]  # the `logprobs` most likely tokens (may hold the sampled one)
+    # token id -> its text decoded alone, for the sampled and the top tokens (the output
+    # processor fills it; vLLM's Logprob.decoded_token)
+    decoded: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -4,9 +4,13 @@ Llama, uvicorn), driven by the official `openai` client."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
+
+from producer.sampling_params import SamplingParams
+from worker import LLM
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
@@ -81,7 +85,7 @@ def test_completion_streaming_with_usage(served_model: str, oai: openai.OpenAI) 
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
 
 
-def test_logprobs(served_model: str, oai: openai.OpenAI) -> None:
+def test_logprobs(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -> None:
     completion = oai.completions.create(
         model=served_model, prompt="Once upon", logprobs=2, **GREEDY
     )
@@ -89,11 +93,22 @@ def test_logprobs(served_model: str, oai: openai.OpenAI) -> None:
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 12
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
     assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    # the tokens spelled as the tokenizer decodes each alone; the worker runs the tiny model
+    # greedy in float32, so the offline engine names the same token ids
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids = offline.generate("Once upon", params, use_tqdm=False)[0].outputs[0].token_ids
+    tokenizer = offline.get_tokenizer()
+    assert logprobs.tokens == [tokenizer.decode([i]) for i in ids]
+    assert all(token in top for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True))
     chat = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == 12 and all(len(t.top_logprobs) == 2 for t in content)
+    chat_ids = offline.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert [t.token for t in content] == [tokenizer.decode([i]) for i in chat_ids]
+    assert all(t.bytes == list(t.token.encode()) and t.top_logprobs[0].token == t.token for t in content)
 
 
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:

@@ -66,6 +66,8 @@ def test_logprobs_match_log_softmax_of_the_model(llm, tiny_llama_dir):
         top = row.topk(5)
         assert list(entry.top_logprobs) == top.indices.tolist()
         assert all(math.isclose(v, float(r), abs_tol=1e-4) for v, r in zip(entry.top_logprobs.values(), top.values, strict=True))
+        tok = llm.get_tokenizer()
+        assert entry.decoded == {i: tok.decode([i]) for i in [entry.token_id, *entry.top_logprobs]}
 
 
 def test_prompt_logprobs_match_the_model_with_chunking(tiny_llama_dir):
@@ -82,6 +84,8 @@ def test_prompt_logprobs_match_the_model_with_chunking(tiny_llama_dir):
         assert entry.token_id == ids[pos]
         assert math.isclose(entry.logprob, float(ref[pos - 1, ids[pos]]), abs_tol=1e-4)
         assert len(entry.top_logprobs) == 3
+        assert entry.decoded[ids[pos]] == llm.get_tokenizer().decode([ids[pos]])
+        assert set(entry.decoded) == {ids[pos], *entry.top_logprobs}
 
 
 def test_seeded_requests_ignore_their_neighbours(llm):
