@@ -33,7 +33,7 @@ import redis
 import redis.asyncio
 from arq.connections import RedisSettings
 
-from producer.protocol import Keys, decode_worker_info
+from producer.protocol import Keys, encode_worker_info
 from worker.queue_config import WorkerConfig, config_from_env
 from worker.queue_engine import EngineThread, intake_capacity
 from worker.queue_heartbeat import Heartbeat, listen_cancels
@@ -127,18 +127,17 @@ class Consumer:
         restarting) disappears within the heartbeat TTL."""
         key = self.keys.worker(self.config.name)
         deadline = time.monotonic() + self.heartbeat.ttl_s + NAME_WAIT_S
-        me = (self.heartbeat.host, os.getpid())
-        while raw := await self.conn.hgetall(key):
-            other = decode_worker_info(raw, self.config.name)
-            if (other.host, other.pid) == me:
-                return
+        while owner := await self.scripts.claim_name(
+            key, encode_worker_info(self.heartbeat.info()), self.heartbeat.ttl_s
+        ):
+            host, pid = owner
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"a worker named {self.config.name!r} is alive (host {other.host}, pid "
-                    f"{other.pid}); give this one another name (GENQ_WORKER_NAME / --name)"
+                    f"a worker named {self.config.name!r} is alive (host {host}, pid {pid}); "
+                    "give this one another name (GENQ_WORKER_NAME / --name)"
                 )
             logger.warning("worker name %s is in use by pid %d; waiting for it to expire",
-                           self.config.name, other.pid)
+                           self.config.name, pid)
             await asyncio.sleep(self.config.heartbeat_s)
 
     # -- what the tasks share --------------------------------------------------------------

@@ -162,6 +162,17 @@ end
 return {lost, cancelled}
 """
 
+# Claim a worker name. KEYS[1]: worker(name). ARGV[1] host, [2] pid, [3] heartbeat TTL, then
+# the heartbeat field/value pairs. Writes the heartbeat hash unless it names another process,
+# whose {host, pid} it returns instead (false: the name is ours).
+CLAIM_NAME_LUA = """
+local owner = redis.call('HMGET', KEYS[1], 'host', 'pid')
+if owner[1] and (owner[1] ~= ARGV[1] or owner[2] ~= ARGV[2]) then return owner end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return false
+"""
+
 # Reclaim. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] min idle ms, [4] count.
 # Entries idle for min idle ms (their worker died, or released them at shutdown) are claimed
 # for this worker, one XCLAIM each inside the script, so no other reclaimer can take one
@@ -275,6 +286,7 @@ class Scripts:
         self._reclaim = conn.register_script(RECLAIM_LUA)
         self._release = conn.register_script(RELEASE_LUA)
         self._trim = conn.register_script(TRIM_LUA)
+        self._claim_name = conn.register_script(CLAIM_NAME_LUA)
 
     async def ensure_group(self) -> None:
         """Create the group at id 0 if missing: entries enqueued before any worker existed
@@ -366,6 +378,16 @@ class Scripts:
             return 0
         args: list[Any] = [self.keys.group, self.consumer, RELEASED_IDLE_MS, *entry_ids]
         return int(await self._release(keys=[self.keys.requests], args=args))
+
+    async def claim_name(self, name_key: str, info: dict[str, str], ttl_s: int) -> tuple[str, int] | None:
+        """Write this worker's first heartbeat unless a live namesake owns it; returns that
+        worker's (host, pid), or None when the name is ours.
+
+        Race prevented: two workers starting under one name at once would both find no
+        heartbeat in a read-then-write check, then both pass every ownership check."""
+        args: list[Any] = [info["host"], info["pid"], ttl_s, *_pairs(info)]
+        owner = await self._claim_name(keys=[name_key], args=args)
+        return (_str(owner[0]), int(owner[1])) if owner else None
 
     async def trim_requests(self, retention_s: float) -> int:
         """Remove stream entries older than `retention_s` that no group still needs; returns

@@ -127,6 +127,19 @@ async def test_reclaim_and_release(scripts: Scripts) -> None:
     assert await scripts.own_pending() == [idle, gone]
 
 
+async def test_claim_name_is_taken_by_the_first_process_only(scripts: Scripts) -> None:
+    key = scripts.keys.worker("twin")
+    first = {"host": "h1", "pid": "10", "model": "m"}
+    assert await scripts.claim_name(key, first, ttl_s=30) is None
+    assert await scripts.claim_name(key, {"host": "h1", "pid": "11", "model": "m"}, ttl_s=30) == ("h1", 10)
+    assert await scripts.claim_name(key, {"host": "h2", "pid": "10", "model": "m"}, ttl_s=30) == ("h1", 10)
+    assert await scripts.claim_name(key, {**first, "model": "n"}, ttl_s=30) is None  # itself again
+    assert await scripts.conn.hget(key, "model") == b"n"
+    assert 0 < await scripts.conn.ttl(key) <= 30
+    await scripts.conn.delete(key)  # expired: the next process may take the name
+    assert await scripts.claim_name(key, {"host": "h2", "pid": "12", "model": "m"}, ttl_s=30) is None
+
+
 async def test_trim_keeps_what_a_group_still_needs(scripts: Scripts) -> None:
     """With no retention every entry is old enough: only the groups' positions hold entries."""
     conn, keys = scripts.conn, scripts.keys
