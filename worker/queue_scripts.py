@@ -209,7 +209,7 @@ return n
 """
 
 # Trim the requests stream. KEYS[1]: requests. ARGV[1]: retention in ms.
-# Entries older than the retention (by Redis's clock, which made their ids) are removed, except
+# Entries at least the retention old (by Redis's clock, which made their ids) are removed, except
 # what any consumer group still needs: its oldest pending entry and all after it (a worker may
 # reclaim one and must read its fields), and every entry it has not been delivered yet (a
 # backlog older than the retention is still work). XTRIM MINID cuts below one id, so an acked
@@ -227,8 +227,8 @@ end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local now = redis.call('TIME')
 local cutoff_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[1])
-if cutoff_ms <= 0 then return 0 end
-local min_id = string.format('%d-0', cutoff_ms)
+if cutoff_ms < 0 then return 0 end
+local min_id = string.format('%d-0', cutoff_ms + 1)  -- entries of the cutoff's millisecond are old enough
 for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
   local info = {}
   for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
