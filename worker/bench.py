@@ -153,6 +153,8 @@ def run_hf(model: str | None, dtype: str, workload: Workload, batch_size: int, d
     start = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         _hf_batch(hf, requests[i : i + batch_size])
+    if hf.device.type == "cuda":
+        torch.cuda.synchronize(hf.device)  # the last batch's kernels count too
     elapsed = time.perf_counter() - start
     return summarize(elapsed, len(requests), sum(len(ids) for ids, _ in requests), sum(n for _, n in requests))
 
