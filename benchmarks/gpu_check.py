@@ -4,12 +4,30 @@
    `triton.testing.do_bench` (median), bandwidth beside a device-to-device copy of the same bytes;
 2. greedy outputs of the engine on CUDA against the CPU path (float32: equal; bfloat16: close),
    and with CUDA graphs against without (`enforce_eager`);
-3. W1 through the engine (default model, bfloat16; with and without CUDA graphs) and through
-   transformers' `generate` on the same GPU, the throughputs and the ratios.
+3. W1 through the engine (bfloat16; with and without CUDA graphs) and through transformers'
+   `generate` on the same GPU, the throughputs and the ratios.
 
-    python benchmarks/gpu_check.py [--num-prompts 128] [--skip-kernels]
+    python benchmarks/gpu_check.py [--model DIR] [--load-format dummy] [--num-prompts 128] [--skip-kernels]
 
 Each part reports its own failure and the rest still run. Prints a short table last.
+
+On the lent device machine nothing can be downloaded, and the default model's GGUF (98 MB)
+is over what travels (64 MiB): there the check runs SmolLM2-135M's shape with seeded random
+weights (`--load-format dummy`; speed does not depend on the values, and both paths of each
+comparison get the same weights). Its python3 has torch, triton, transformers and msgpack but
+not redis, which `producer` imports. Prepare here, in the repository root:
+
+    echo /.whl/ >> .git/info/exclude; echo /.gpu_model/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux2014_x86_64 -d .whl redis==5.3.1 PyJWT==2.15.1
+    mkdir -p .gpu_model && cp ~/.cache/genq/models/SmolLM2-135M-Instruct/{config.json,\
+tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu_model/
+
+and run there (carry `.whl` and `.gpu_model`):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py \
+        --model .gpu_model --load-format dummy
 """
 
 from __future__ import annotations
@@ -23,14 +41,14 @@ from collections.abc import Callable
 import torch
 
 
-def check_engine_vs_cpu(num_tokens: int = 32) -> list[str]:
+def check_engine_vs_cpu(model: str | None, load_format: str, num_tokens: int = 32) -> list[str]:
     from worker import LLM, SamplingParams
 
     prompts = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "1, 2, 3,"]
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
 
     def greedy(**kwargs) -> list[list[int]]:
-        llm = LLM(max_model_len=2048, **kwargs)
+        llm = LLM(model, max_model_len=2048, load_format=load_format, **kwargs)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     lines = []
@@ -55,17 +73,18 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def check_w1(num_prompts: int) -> list[str]:
+def check_w1(model: str | None, load_format: str, num_prompts: int) -> list[str]:
     from worker.bench import run_engine, run_hf
     from worker.bench_workload import RandomWorkload
 
     workload = RandomWorkload(num_prompts=num_prompts)
-    args = {"device": "cuda", "max_model_len": 2048, "max_num_seqs": 256}
-    graphs = run_engine(None, "bfloat16", workload, args)["output_tokens_per_s"]
+    args = {"device": "cuda", "max_model_len": 2048, "max_num_seqs": 256, "load_format": load_format}
+    graphs = run_engine(model, "bfloat16", workload, args)["output_tokens_per_s"]
     torch.cuda.empty_cache()
-    eager = run_engine(None, "bfloat16", workload, {**args, "enforce_eager": True})["output_tokens_per_s"]
+    eager = run_engine(model, "bfloat16", workload, {**args, "enforce_eager": True})["output_tokens_per_s"]
     torch.cuda.empty_cache()
-    hf = run_hf(None, "bfloat16", workload, batch_size=32, device="cuda")["output_tokens_per_s"]
+    hf = run_hf(model, "bfloat16", workload, batch_size=32, device="cuda", load_format=load_format)
+    hf = hf["output_tokens_per_s"]
     return [
         f"W1 engine (cuda, bf16, graphs) {graphs:>10.1f} out tok/s",
         f"W1 engine (cuda, bf16, eager)  {eager:>10.1f} out tok/s",
@@ -99,16 +118,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--model", default=None, help="local model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: seeded random weights of the model's shape (no checkpoint needed)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU check needs one", file=sys.stderr)
         return 2
     start = time.time()
-    summary = [f"device: {torch.cuda.get_device_name()}"]
+    summary = [f"device: {torch.cuda.get_device_name()}", f"model: {args.model or 'default'} ({args.load_format} weights)"]
     if not args.skip_kernels:
         summary += _section("kernels", _kernel_rows)
-    summary += _section("greedy", check_engine_vs_cpu)
-    summary += _section("W1", lambda: check_w1(args.num_prompts))
+    summary += _section("greedy", lambda: check_engine_vs_cpu(args.model, args.load_format))
+    summary += _section("W1", lambda: check_w1(args.model, args.load_format, args.num_prompts))
     summary.append(f"elapsed {time.time() - start:.0f} s")
     print("\n".join(["", "== GPU check ==", *summary]))
     return 0

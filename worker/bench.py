@@ -51,6 +51,9 @@ def _throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: seeded random weights of the model's shape, no checkpoint needed "
+                        "(every mode then runs those; for speed, not output)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--redis-url", default=argparse.SUPPRESS,
                    help="queue mode: use this Redis instead of starting one (also $GENQ_REDIS_URL)")
@@ -72,6 +75,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
+        "load_format": args.load_format,
     }
     results: dict[str, dict[str, Any]] = {}
     for mode in args.modes.split(","):
@@ -117,7 +121,7 @@ def _run_mode(mode: str, args, workload: Workload, engine_args: dict) -> dict[st
     if mode == "engine":
         return run_engine(args.model, args.dtype, workload, engine_args)
     if mode == "hf":
-        return run_hf(args.model, args.dtype, workload, args.hf_batch_size)
+        return run_hf(args.model, args.dtype, workload, args.hf_batch_size, load_format=args.load_format)
     from worker.bench_queue import run_queue
 
     return run_queue(args, workload, engine_args)
@@ -137,17 +141,26 @@ def run_engine(model: str | None, dtype: str, workload: Workload, engine_args: d
     return summarize(elapsed, len(outputs), num_in, num_out)
 
 
-def run_hf(model: str | None, dtype: str, workload: Workload, batch_size: int, device: str = "cpu") -> dict[str, Any]:
+def run_hf(
+    model: str | None, dtype: str, workload: Workload, batch_size: int, device: str = "cpu",
+    load_format: str = "auto",
+) -> dict[str, Any]:
     """transformers' generate with static batches, left-padded, each batch running to its longest
-    output; only the tokens each request asked for count."""
+    output; only the tokens each request asked for count. `load_format="dummy"`: transformers'
+    own random initialisation of the model's config, seeded."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from worker.model_loader import resolve_model_path
 
     path = resolve_model_path(model)
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    if load_format == "dummy":
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch_dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    hf = hf.to(device).eval()
     requests = workload.token_requests(AutoTokenizer.from_pretrained(path))
     _hf_batch(hf, requests[:2])  # warm-up
     start = time.perf_counter()

@@ -23,6 +23,7 @@ _ENGINE_FLAGS: dict[str, type] = {
     "num_gpu_blocks_override": int,
     "num_threads": int,
     "seed": int,
+    "load_format": str,
 }
 # Flags that set worker arguments.
 _WORKER_FLAGS: dict[str, type] = {
@@ -56,6 +57,7 @@ _HELP = {
     "name": "consumer name in the group (default: $GENQ_WORKER_NAME or the host name)",
     "served_model_name": "the model name jobs ask for (default: the model directory's name)",
     "num_gpu_blocks_override": "size of the KV pool in blocks",
+    "load_format": "auto (the checkpoint) or dummy (seeded random weights, for benchmarks)",
     "claim_idle_s": "reclaim entries of other workers idle this long",
     "delivery_limit": "deliveries before an entry goes to the dead stream",
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",

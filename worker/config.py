@@ -25,10 +25,15 @@ class EngineConfig:
     cache_dir: str | None = None  # where the default model is converted to safetensors
     num_threads: int | None = None  # torch intra-op threads on CPU
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    # auto: the checkpoint's safetensors | dummy: seeded random weights of the config's shape,
+    # for benchmarks where the weights cannot travel (vLLM's load_format="dummy")
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"

@@ -98,7 +98,10 @@ class ModelRunner:
         model = model.to_empty(device=self.device)
         if self.model_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.load_weights(iter_safetensors(model_path))
+        if self.config.load_format == "dummy":
+            model.init_dummy_weights(getattr(self.model_config.hf_config, "initializer_range", 0.02))
+        else:
+            model.load_weights(iter_safetensors(model_path))
         model = model.to(self.dtype).eval()
         # Buffers made on the meta device hold nothing: rebuild the rotary tables for real,
         # after the cast, so they stay float32 (each step rounds its rows to the model dtype).

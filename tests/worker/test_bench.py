@@ -36,6 +36,16 @@ def test_throughput_engine_and_hf_report(tiny_llama_dir, tmp_path):
     assert report["results"]["hf"]["ratio_to_hf"] == 1.0
 
 
+def test_throughput_with_dummy_weights_needs_no_checkpoint(shape_only, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "throughput", "--model", str(shape_only), "--dtype", "float32",
+               "--load-format", "dummy", "--modes", "engine,hf", "--num-prompts", "3",
+               "--input-len", "12", "--output-len", "4", "--json", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["engine"]["output_tokens"] == results["hf"]["output_tokens"] == 12
+
+
 def test_dataset_workload(tmp_path, tiny_llama_dir):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "Hello there", "max_tokens": 4}\n\n{"prompt": "Count: 1, 2,", "max_tokens": 6}\n')

@@ -208,6 +208,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [num_rows, vocab]
 
+    def init_dummy_weights(self, std: float, seed: int = 0) -> None:
+        """Seeded random weights instead of a checkpoint: normal(0, std) for embeddings and
+        linear layers, ones for norms, zeros for biases. Drawn on the CPU in float32, so every
+        device and dtype starts from the same values."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():  # a tied lm_head is the embedding, once
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator).mul_(std))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a Hugging Face checkpoint's tensors in, fusing q/k/v and gate/up."""
         params = dict(self.named_parameters())
