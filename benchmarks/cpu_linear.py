@@ -1,0 +1,57 @@
+"""bfloat16 linear layers on CPU: `F.linear` against the oneDNN-prepacked weights the engine uses
+(`worker/models/packed_linear.py`), at the row counts of decode and prefill steps, over as many
+distinct weights as SmolLM2-135M has layers (so the weights come from memory, as in a step).
+
+    python benchmarks/cpu_linear.py [--rows 1,8,32,128,512,2048] [--shape 3072x576]
+
+Prints microseconds per layer for each and the speed-up; checks that the outputs are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from worker.models.packed_linear import PackedLinear, can_pack
+
+NUM_LAYERS = 30
+
+
+def per_layer_us(fn, repeats: int) -> float:
+    for _ in range(2):
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats / NUM_LAYERS * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8,32,128,512,2048")
+    ap.add_argument("--shape", default="3072x576", help="out x in features (gate_up of SmolLM2-135M)")
+    args = ap.parse_args()
+    if not can_pack(torch.device("cpu"), torch.bfloat16):
+        print("this CPU or torch build has no oneDNN bfloat16")
+        return 2
+    out_features, in_features = (int(x) for x in args.shape.split("x"))
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16) for _ in range(NUM_LAYERS)]
+    packed = [PackedLinear(layer, batch_hint=128) for layer in layers]
+    print(f"{'rows':>6} {'F.linear us':>12} {'packed us':>10} {'speed-up':>9}  equal")
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            repeats = max(3, 2048 // rows)
+            plain_us = per_layer_us(lambda x=x: [F.linear(x, layer.weight) for layer in layers], repeats)
+            packed_us = per_layer_us(lambda x=x: [p(x) for p in packed], repeats)
+            equal = all(torch.equal(p(x), F.linear(x, layer.weight)) for p, layer in zip(packed, layers, strict=True))
+            print(f"{rows:>6} {plain_us:>12.1f} {packed_us:>10.1f} {plain_us / packed_us:>8.2f}x  {equal}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
