@@ -41,7 +41,7 @@ from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer, wa
 from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics
 from worker.queue_publisher import Publisher
-from worker.queue_scripts import Scripts
+from worker.queue_scripts import NameTaken, Scripts
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class Consumer:
         self.stop_control = asyncio.Event()
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self.released: set[str] = set()  # entry ids handed back during the drain
+        # a namesake holds the name now: entries pending under it and its heartbeat hash are
+        # that worker's too, so the drain touches only this worker's own jobs
+        self.name_lost = False
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -116,6 +119,8 @@ class Consumer:
         entries are released and picked up by other workers."""
         if task.cancelled() or task.exception() is None:
             return
+        if isinstance(task.exception(), NameTaken):
+            self.name_lost = True
         logger.critical("%s failed; stopping the worker", task.get_name(), exc_info=task.exception())
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -181,14 +186,17 @@ class Consumer:
         self.stop_intake.set()
         await self._wait_tasks("intake", "reclaimer", timeout_s=INTAKE_BLOCK_S + 5)
         await self._release([h for h in self.table if h.state.writes and h.last_token_at is None])
-        await self._wait_for_jobs(self.config.shutdown_grace_s)
+        # with the name lost, the namesake may reclaim these jobs any time: hand them over now
+        await self._wait_for_jobs(0.0 if self.name_lost else self.config.shutdown_grace_s)
         await self._release([h for h in self.table if h.state.writes])
         await asyncio.to_thread(self.engine.stop, 10.0)
         await self._flush_publisher()
-        await self._release_entries([e for e in await self.scripts.own_pending() if e not in self.released])
+        if not self.name_lost:
+            await self._release_entries([e for e in await self.scripts.own_pending() if e not in self.released])
         self.stop_control.set()
         await self._wait_tasks("heartbeat", "cancels", timeout_s=5.0)
-        await self.conn.delete(self.keys.worker(self.config.name))
+        if not self.name_lost:
+            await self.conn.delete(self.keys.worker(self.config.name))
         await self.conn.aclose()
         logger.info("worker %s stopped", self.config.name)
 

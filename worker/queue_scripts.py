@@ -29,6 +29,16 @@ from producer.protocol import (
     pack_script_arg,
 )
 
+# The {host, pid} of another process that heartbeat hash `key` names; false when the hash is
+# missing or names (host, pid).
+_OTHER_OWNER = """
+local function other_owner(key, host, pid)
+  local owner = redis.call('HMGET', key, 'host', 'pid')
+  if owner[1] and (owner[1] ~= host or owner[2] ~= pid) then return owner end
+  return false
+end
+"""
+
 _TERMINAL = ", ".join(f"['{s.value}'] = true" for s in JobStatus if s.terminal)
 
 # True when entry ARGV id is pending in the group under `consumer`. A missing group (the
@@ -142,9 +152,15 @@ return n
 # XCLAIM ... JUSTID to itself resets an entry's idle time without counting a delivery, so
 # reclaimers leave it alone; entries another worker took are reported lost, never taken back
 # (a plain XCLAIM with min-idle 0 would steal them back from a live worker).
-# Returns {lost entry ids, entry ids whose job has a cancel flag}.
-HEARTBEAT_LUA = _OWNED + """
+# Returns {lost entry ids, entry ids whose job has a cancel flag, false}; when the hash names
+# another process (this worker stalled past the TTL and a namesake took the name), it writes
+# nothing and returns {{}, {}, {host, pid}} of that process.
+HEARTBEAT_LUA = _OWNED + _OTHER_OWNER + """
 local num_fields = tonumber(ARGV[4])
+local me = {}
+for i = 5, 3 + num_fields, 2 do me[ARGV[i]] = ARGV[i + 1] end
+local owner = other_owner(KEYS[2], me['host'], me['pid'])
+if owner then return {{}, {}, owner} end
 redis.call('HSET', KEYS[2], unpack(ARGV, 5, 4 + num_fields))
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 local lost, cancelled = {}, {}
@@ -159,15 +175,15 @@ for i = 5 + num_fields, #ARGV do
     lost[#lost + 1] = entry_id
   end
 end
-return {lost, cancelled}
+return {lost, cancelled, false}
 """
 
 # Claim a worker name. KEYS[1]: worker(name). ARGV[1] host, [2] pid, [3] heartbeat TTL, then
 # the heartbeat field/value pairs. Writes the heartbeat hash unless it names another process,
 # whose {host, pid} it returns instead (false: the name is ours).
-CLAIM_NAME_LUA = """
-local owner = redis.call('HMGET', KEYS[1], 'host', 'pid')
-if owner[1] and (owner[1] ~= ARGV[1] or owner[2] ~= ARGV[2]) then return owner end
+CLAIM_NAME_LUA = _OTHER_OWNER + """
+local owner = other_owner(KEYS[1], ARGV[1], ARGV[2])
+if owner then return owner end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return false
@@ -240,6 +256,10 @@ for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
 end
 return redis.call('XTRIM', KEYS[1], 'MINID', min_id)
 """
+
+class NameTaken(RuntimeError):
+    """Another live worker holds this worker's name: this one must stop."""
+
 
 RELEASED_IDLE_MS = 10**12  # about 30 years: older than any claim timeout
 
@@ -358,7 +378,10 @@ class Scripts:
         fields = _pairs(info)
         args: list[Any] = [self.keys.group, self.consumer, max(ttl_s, WORKER_HEARTBEAT_TTL_S)]
         args += [len(fields), *fields, *(entry_id for _, entry_id in in_flight)]
-        lost, cancelled = await self._heartbeat(keys=keys, args=args)
+        lost, cancelled, owner = await self._heartbeat(keys=keys, args=args)
+        if owner:
+            raise NameTaken(f"worker name {self.consumer!r} was taken by host {_str(owner[0])}, pid "
+                            f"{_str(owner[1])}, while this worker was not beating; stopping")
         return {_str(e) for e in lost}, {_str(e) for e in cancelled}
 
     async def reclaim(self, min_idle_ms: int, count: int) -> list[Reclaimed]:

@@ -34,7 +34,7 @@ from worker.queue_jobs import (
     new_completions,
     progress_from_events,
 )
-from worker.queue_scripts import RELEASED_IDLE_MS, JobWrite, Scripts
+from worker.queue_scripts import RELEASED_IDLE_MS, JobWrite, NameTaken, Scripts
 
 
 @pytest.fixture
@@ -138,6 +138,18 @@ async def test_claim_name_is_taken_by_the_first_process_only(scripts: Scripts) -
     assert 0 < await scripts.conn.ttl(key) <= 30
     await scripts.conn.delete(key)  # expired: the next process may take the name
     assert await scripts.claim_name(key, {"host": "h2", "pid": "12", "model": "m"}, ttl_s=30) is None
+
+
+async def test_heartbeat_stops_at_a_namesakes_hash(scripts: Scripts) -> None:
+    """A worker that stalled past its heartbeat TTL while a namesake took the name must not
+    overwrite the namesake's hash: the beat writes nothing and raises."""
+    key = scripts.keys.worker("me")
+    assert await scripts.claim_name(key, {"host": "h2", "pid": "20", "model": "m"}, ttl_s=30) is None
+    with pytest.raises(NameTaken, match="host h2, pid 20"):
+        await scripts.heartbeat(key, {"host": "h1", "pid": "10", "model": "stale"}, [], ttl_s=5)
+    assert await scripts.conn.hget(key, "model") == b"m"
+    lost, cancelled = await scripts.heartbeat(key, {"host": "h2", "pid": "20", "model": "n"}, [], ttl_s=5)
+    assert (lost, cancelled) == (set(), set()) and await scripts.conn.hget(key, "model") == b"n"
 
 
 async def test_trim_keeps_what_a_group_still_needs(scripts: Scripts) -> None:
