@@ -257,6 +257,7 @@ end
 return redis.call('XTRIM', KEYS[1], 'MINID', min_id)
 """
 
+
 class NameTaken(RuntimeError):
     """Another live worker holds this worker's name: this one must stop."""
 
