@@ -16,12 +16,14 @@ from torch import nn
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch build and CPU can run prepacked bfloat16 linears."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:  # private ops: a build may lack them, and then F.linear serves
+        ops = torch.ops.mkldnn
+        _ = (ops._reorder_linear_weight, ops._linear_pointwise)
+        return bool(ops._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class PackedLinear(nn.Module):
