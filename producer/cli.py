@@ -202,7 +202,10 @@ def format_inspect(view: dict[str, Any]) -> str:
     """Human-readable job view: record, payload, then one line per event."""
     lines = [f"job {view['id']}" + ("  (cancel requested)" if view["cancel_requested"] else "")]
     lines += _section("record", view["record"])
-    lines += _section("payload", view["job"])
+    if view["job"] is None and (view["record"] or {}).get("entry_id"):
+        lines.append("payload: (gone: workers trim ended jobs' entries from the requests stream)")
+    else:
+        lines += _section("payload", view["job"])
     lines.append(f"events ({len(view['events'])}):")
     for event in view["events"]:
         lines.append("  " + _event_line(event))

@@ -106,6 +106,10 @@ def test_inspect(redis_url: str, worker: FakeWorker) -> None:
     assert view["record"]["text"] == "ok" and view["job"]["prompt"] == "look at me"
     missing = genq("inspect", "nope", "--redis-url", redis_url)
     assert missing.returncode == 1 and "no job nope" in missing.stderr
+    with Client(redis_url) as client:  # the entry trimmed, as workers do after the retention
+        client.redis.xdel(client.keys.requests, view["record"]["entry_id"])
+    out = genq("inspect", "seen", "--redis-url", redis_url)
+    assert out.returncode == 0 and "payload: (gone: workers trim" in out.stdout and "status: finished" in out.stdout
 
 
 def start_genq_redis() -> tuple[subprocess.Popen[str], int]:
