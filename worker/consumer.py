@@ -33,7 +33,7 @@ import redis
 import redis.asyncio
 from arq.connections import RedisSettings
 
-from producer.protocol import Keys, encode_worker_info
+from producer.protocol import Keys
 from worker.queue_config import WorkerConfig, config_from_env
 from worker.queue_engine import EngineThread, intake_capacity
 from worker.queue_heartbeat import Heartbeat, listen_cancels
@@ -130,19 +130,19 @@ class Consumer:
         Race prevented: two workers under one name both pass every ownership check for each
         other's entries, so both would run them. A namesake that is gone (the same worker
         restarting) disappears within the heartbeat TTL."""
-        key = self.keys.worker(self.config.name)
         deadline = time.monotonic() + self.heartbeat.ttl_s + NAME_WAIT_S
-        while owner := await self.scripts.claim_name(
-            key, encode_worker_info(self.heartbeat.info()), self.heartbeat.ttl_s
-        ):
-            host, pid = owner
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"a worker named {self.config.name!r} is alive (host {host}, pid {pid}); "
-                    "give this one another name (GENQ_WORKER_NAME / --name)"
-                )
-            logger.warning("worker name %s is in use by pid %d; waiting for it to expire",
-                           self.config.name, pid)
+        while True:
+            try:
+                await self.heartbeat.beat()  # the first beat claims the name, or names its holder
+                return
+            except NameTaken as taken:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"a worker named {self.config.name!r} is alive (host {taken.host}, pid "
+                        f"{taken.pid}); give this one another name (GENQ_WORKER_NAME / --name)"
+                    ) from None
+                logger.warning("worker name %s is in use by pid %d; waiting for it to expire",
+                               self.config.name, taken.pid)
             await asyncio.sleep(self.config.heartbeat_s)
 
     # -- what the tasks share --------------------------------------------------------------

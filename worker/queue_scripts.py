@@ -30,7 +30,7 @@ from producer.protocol import (
 )
 
 # The {host, pid} of another process that heartbeat hash `key` names; false when the hash is
-# missing or names (host, pid).
+# missing or names (host, pid). A worker's first heartbeat is how it claims its name.
 _OTHER_OWNER = """
 local function other_owner(key, host, pid)
   local owner = redis.call('HMGET', key, 'host', 'pid')
@@ -178,17 +178,6 @@ end
 return {lost, cancelled, false}
 """
 
-# Claim a worker name. KEYS[1]: worker(name). ARGV[1] host, [2] pid, [3] heartbeat TTL, then
-# the heartbeat field/value pairs. Writes the heartbeat hash unless it names another process,
-# whose {host, pid} it returns instead (false: the name is ours).
-CLAIM_NAME_LUA = _OTHER_OWNER + """
-local owner = other_owner(KEYS[1], ARGV[1], ARGV[2])
-if owner then return owner end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return false
-"""
-
 # Reclaim. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] min idle ms, [4] count.
 # Entries idle for min idle ms (their worker died, or released them at shutdown) are claimed
 # for this worker, one XCLAIM each inside the script, so no other reclaimer can take one
@@ -259,7 +248,13 @@ return redis.call('XTRIM', KEYS[1], 'MINID', min_id)
 
 
 class NameTaken(RuntimeError):
-    """Another live worker holds this worker's name: this one must stop."""
+    """Another live worker holds this worker's name: a starting worker waits for it to expire,
+    a running one must stop."""
+
+    def __init__(self, consumer: str, host: str, pid: int) -> None:
+        super().__init__(f"worker name {consumer!r} was taken by host {host}, pid {pid}")
+        self.host = host
+        self.pid = pid
 
 
 RELEASED_IDLE_MS = 10**12  # about 30 years: older than any claim timeout
@@ -307,7 +302,6 @@ class Scripts:
         self._reclaim = conn.register_script(RECLAIM_LUA)
         self._release = conn.register_script(RELEASE_LUA)
         self._trim = conn.register_script(TRIM_LUA)
-        self._claim_name = conn.register_script(CLAIM_NAME_LUA)
 
     async def ensure_group(self) -> None:
         """Create the group at id 0 if missing: entries enqueued before any worker existed
@@ -371,7 +365,8 @@ class Scripts:
         self, name_key: str, info: dict[str, str], in_flight: Sequence[tuple[str, str]], ttl_s: int
     ) -> tuple[set[str], set[str]]:
         """Write the heartbeat and keep in-flight (job id, entry id) entries owned; returns
-        (entry ids lost to another worker, entry ids whose job has a cancel flag).
+        (entry ids lost to another worker, entry ids whose job has a cancel flag). Raises
+        NameTaken, writing nothing, when the hash names another live process.
 
         Race prevented: without re-owning, a long job would look idle and be reclaimed while
         this worker still runs it."""
@@ -381,8 +376,7 @@ class Scripts:
         args += [len(fields), *fields, *(entry_id for _, entry_id in in_flight)]
         lost, cancelled, owner = await self._heartbeat(keys=keys, args=args)
         if owner:
-            raise NameTaken(f"worker name {self.consumer!r} was taken by host {_str(owner[0])}, pid "
-                            f"{_str(owner[1])}, while this worker was not beating; stopping")
+            raise NameTaken(self.consumer, _str(owner[0]), int(owner[1]))
         return {_str(e) for e in lost}, {_str(e) for e in cancelled}
 
     async def reclaim(self, min_idle_ms: int, count: int) -> list[Reclaimed]:
@@ -402,16 +396,6 @@ class Scripts:
             return 0
         args: list[Any] = [self.keys.group, self.consumer, RELEASED_IDLE_MS, *entry_ids]
         return int(await self._release(keys=[self.keys.requests], args=args))
-
-    async def claim_name(self, name_key: str, info: dict[str, str], ttl_s: int) -> tuple[str, int] | None:
-        """Write this worker's first heartbeat unless a live namesake owns it; returns that
-        worker's (host, pid), or None when the name is ours.
-
-        Race prevented: two workers starting under one name at once would both find no
-        heartbeat in a read-then-write check, then both pass every ownership check."""
-        args: list[Any] = [info["host"], info["pid"], ttl_s, *_pairs(info)]
-        owner = await self._claim_name(keys=[name_key], args=args)
-        return (_str(owner[0]), int(owner[1])) if owner else None
 
     async def trim_requests(self, retention_s: float) -> int:
         """Remove stream entries older than `retention_s` that no group still needs; returns

@@ -127,24 +127,33 @@ async def test_reclaim_and_release(scripts: Scripts) -> None:
     assert await scripts.own_pending() == [idle, gone]
 
 
-async def test_claim_name_is_taken_by_the_first_process_only(scripts: Scripts) -> None:
+async def test_heartbeat_claims_the_name_for_the_first_process_only(scripts: Scripts) -> None:
+    """A worker's first heartbeat claims its name: a hash naming another process is left as it
+    is, and the beat raises naming that process."""
     key = scripts.keys.worker("twin")
-    first = {"host": "h1", "pid": "10", "model": "m"}
-    assert await scripts.claim_name(key, first, ttl_s=30) is None
-    assert await scripts.claim_name(key, {"host": "h1", "pid": "11", "model": "m"}, ttl_s=30) == ("h1", 10)
-    assert await scripts.claim_name(key, {"host": "h2", "pid": "10", "model": "m"}, ttl_s=30) == ("h1", 10)
-    assert await scripts.claim_name(key, {**first, "model": "n"}, ttl_s=30) is None  # itself again
+
+    async def beat(host: str, pid: str, model: str = "m") -> tuple[str, int] | None:
+        try:
+            await scripts.heartbeat(key, {"host": host, "pid": pid, "model": model}, [], ttl_s=30)
+        except NameTaken as taken:
+            return taken.host, taken.pid
+        return None
+
+    assert await beat("h1", "10") is None
+    assert await beat("h1", "11") == ("h1", 10)
+    assert await beat("h2", "10") == ("h1", 10)
+    assert await beat("h1", "10", model="n") is None  # itself again
     assert await scripts.conn.hget(key, "model") == b"n"
     assert 0 < await scripts.conn.ttl(key) <= 30
     await scripts.conn.delete(key)  # expired: the next process may take the name
-    assert await scripts.claim_name(key, {"host": "h2", "pid": "12", "model": "m"}, ttl_s=30) is None
+    assert await beat("h2", "12") is None
 
 
 async def test_heartbeat_stops_at_a_namesakes_hash(scripts: Scripts) -> None:
     """A worker that stalled past its heartbeat TTL while a namesake took the name must not
     overwrite the namesake's hash: the beat writes nothing and raises."""
     key = scripts.keys.worker("me")
-    assert await scripts.claim_name(key, {"host": "h2", "pid": "20", "model": "m"}, ttl_s=30) is None
+    await scripts.heartbeat(key, {"host": "h2", "pid": "20", "model": "m"}, [], ttl_s=30)
     with pytest.raises(NameTaken, match="host h2, pid 20"):
         await scripts.heartbeat(key, {"host": "h1", "pid": "10", "model": "stale"}, [], ttl_s=5)
     assert await scripts.conn.hget(key, "model") == b"m"
