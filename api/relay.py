@@ -22,6 +22,7 @@ import anyio
 import redis
 import redis.asyncio
 
+from producer.aio import wait_within
 from producer.client import JobNotFound
 from producer.protocol import EVENT_FIELD, Event, JobRecord, Keys, decode_event, decode_record
 
@@ -293,8 +294,8 @@ class _Deadline:
         """Await it; TimeoutError once the deadline has passed."""
         if self._end is None:
             return await awaitable
-        remaining = max(0.0, self._end - asyncio.get_running_loop().time())
+        remaining = self._end - asyncio.get_running_loop().time()
         try:
-            return await asyncio.wait_for(awaitable, remaining)
+            return await wait_within(awaitable, remaining)
         except TimeoutError:
             raise TimeoutError(f"no end of the job within {self._timeout_s} s") from None

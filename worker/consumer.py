@@ -33,11 +33,12 @@ import redis
 import redis.asyncio
 from arq.connections import RedisSettings
 
+from producer.aio import wait_for_event
 from producer.protocol import Keys
 from worker.queue_config import WorkerConfig, config_from_env
 from worker.queue_engine import EngineThread, intake_capacity
 from worker.queue_heartbeat import Heartbeat, listen_cancels
-from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer, wait_for_event
+from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer
 from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics
 from worker.queue_publisher import Publisher

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import redis
 
+from producer.aio import wait_for_event
 from producer.protocol import WORKER_HEARTBEAT_TTL_S, WorkerInfo, encode_worker_info
 from worker.queue_config import WorkerConfig
 from worker.queue_jobs import ABORT_CANCELLED, ABORT_DEADLINE, HeldJob, JobState, JobTable
@@ -57,10 +58,7 @@ class Heartbeat:
                 await self.trim()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 logger.warning("heartbeat failed: %s", exc)
-            try:
-                await asyncio.wait_for(stopping.wait(), self.config.heartbeat_s)
-            except asyncio.TimeoutError:
-                pass
+            await wait_for_event(stopping, self.config.heartbeat_s)
 
     async def beat(self) -> None:
         """One beat: abort jobs past their deadline, write the worker hash, keep in-flight

@@ -19,6 +19,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
+from producer.aio import wait_for_event
 from producer.protocol import (
     Job,
     ProtocolError,
@@ -358,14 +359,6 @@ class Reclaimer:
             await self.admission.admit(deliveries, reclaimed=True)
         return len(deliveries)
 
-
-async def wait_for_event(event: asyncio.Event, timeout_s: float) -> bool:
-    """Wait for `event` at most `timeout_s`; returns whether it is set."""
-    try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except asyncio.TimeoutError:
-        pass
-    return event.is_set()
 
 
 def _str(value: Any) -> str:
