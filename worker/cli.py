@@ -35,6 +35,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "delivery_limit": int,
     "shutdown_grace_s": float,
     "requests_retention_s": float,
+    "dead_retention_s": float,
     "metrics_port": int,
     "metrics_host": str,
 }
@@ -62,6 +63,7 @@ _HELP = {
     "delivery_limit": "deliveries before an entry goes to the dead stream",
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",
     "requests_retention_s": "acked entries older than this leave the requests stream (default: 86400)",
+    "dead_retention_s": "dead letters older than this leave the dead stream (default: 604800)",
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
 }
 

@@ -28,6 +28,7 @@ from worker.config import EngineConfig
 T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # worker.model_loader's default (it imports torch)
+DEFAULT_DEAD_RETENTION_S = 7 * 24 * 3600  # dead letters wait a week for someone to look
 
 # Every variable the worker reads, with what it sets (docs/queue.md lists them too).
 ENV_VARS = {
@@ -49,6 +50,7 @@ ENV_VARS = {
     "GENQ_DELIVERY_LIMIT": "deliveries before an entry goes to the dead stream",
     "GENQ_SHUTDOWN_GRACE_S": "SIGTERM: time in-flight jobs get before they are released",
     "GENQ_REQUESTS_RETENTION_S": "age past which done entries leave the requests stream (default: the job TTL, 24 h)",
+    "GENQ_DEAD_RETENTION_S": "age past which dead letters leave the dead stream (default: a week)",
     "GENQ_METRICS_PORT": "serve Prometheus metrics on this port (default: off)",
     "GENQ_METRICS_HOST": "address the metrics server binds (default 0.0.0.0)",
 }
@@ -68,6 +70,7 @@ class WorkerConfig:
     # acked entries older than this leave genq:requests (each heartbeat trims); the default keeps
     # a job's payload, which `genq inspect` shows, as long as its record usually lives
     requests_retention_s: float = JOB_TTL_S
+    dead_retention_s: float = DEFAULT_DEAD_RETENTION_S  # older dead letters are trimmed
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
 
@@ -85,8 +88,9 @@ class WorkerConfig:
             raise ValueError(f"delivery_limit must be >= 1, got {self.delivery_limit}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        if self.requests_retention_s < 0:
-            raise ValueError(f"requests_retention_s must be >= 0, got {self.requests_retention_s}")
+        for name in ("requests_retention_s", "dead_retention_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def model_name(self) -> str:
@@ -125,6 +129,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         delivery_limit=_int(env, "GENQ_DELIVERY_LIMIT"),
         shutdown_grace_s=_float(env, "GENQ_SHUTDOWN_GRACE_S"),
         requests_retention_s=_float(env, "GENQ_REQUESTS_RETENTION_S"),
+        dead_retention_s=_float(env, "GENQ_DEAD_RETENTION_S"),
         metrics_port=_int(env, "GENQ_METRICS_PORT"),
         metrics_host=env.get("GENQ_METRICS_HOST") or None,
     )

@@ -78,15 +78,20 @@ class Heartbeat:
                 self.abort(h, ABORT_CANCELLED)
 
     async def trim(self) -> None:
-        """Drop done entries past the retention from the requests stream, which would
-        otherwise grow by one entry per job forever. Any worker may do it: it is idempotent."""
-        try:
-            removed = await self.scripts.trim_requests(self.config.requests_retention_s)
-        except redis.ResponseError as exc:  # a server without XTRIM MINID (< 6.2), say
-            logger.warning("trimming %s failed: %s", self.scripts.keys.requests, exc)
-            return
-        if removed:
-            logger.debug("trimmed %d entries from %s", removed, self.scripts.keys.requests)
+        """Drop done entries past their retention from the requests and dead streams, which
+        would otherwise grow forever. Any worker may do it: it is idempotent."""
+        keys = self.scripts.keys
+        for stream, trim, retention_s in (
+            (keys.requests, self.scripts.trim_requests, self.config.requests_retention_s),
+            (keys.dead, self.scripts.trim_dead, self.config.dead_retention_s),
+        ):
+            try:
+                removed = await trim(retention_s)
+            except redis.ResponseError as exc:  # a server without XTRIM MINID (< 6.2), say
+                logger.warning("trimming %s failed: %s", stream, exc)
+                return
+            if removed:
+                logger.debug("trimmed %d entries from %s", removed, stream)
 
     def _abort_expired(self, now: float) -> None:
         for h in self.table:

@@ -213,9 +213,9 @@ end
 return n
 """
 
-# Trim the requests stream. KEYS[1]: requests. ARGV[1]: retention in ms.
+# Trim a stream by age. KEYS[1]: the stream (requests, dead). ARGV[1]: retention in ms.
 # Entries at least the retention old (by Redis's clock, which made their ids) are removed, except
-# what any consumer group still needs: its oldest pending entry and all after it (a worker may
+# what any consumer group still needs (the dead stream has none): its oldest pending entry and all after it (a worker may
 # reclaim one and must read its fields), and every entry it has not been delivered yet (a
 # backlog older than the retention is still work). XTRIM MINID cuts below one id, so an acked
 # entry behind a long-pending one waits for it. Returns how many entries were removed.
@@ -406,6 +406,10 @@ class Scripts:
         to read, or a backlog no worker has taken yet; the script reads the groups' positions
         and trims in one step."""
         return int(await self._trim(keys=[self.keys.requests], args=[int(retention_s * 1000)]))
+
+    async def trim_dead(self, retention_s: float) -> int:
+        """Remove dead letters older than `retention_s`; returns how many."""
+        return int(await self._trim(keys=[self.keys.dead], args=[int(retention_s * 1000)]))
 
     async def own_pending(self, limit: int = 10_000) -> list[str]:
         """Entry ids pending under this worker's name (to release what is left at shutdown)."""

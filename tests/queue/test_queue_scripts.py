@@ -188,6 +188,16 @@ async def test_trim_keeps_what_a_group_still_needs(scripts: Scripts) -> None:
     assert await scripts.trim_requests(retention_s=0) == 0  # no stream: nothing to do
 
 
+async def test_trim_dead_goes_by_age_alone(scripts: Scripts) -> None:
+    conn, keys = scripts.conn, scripts.keys
+    assert await scripts.trim_dead(retention_s=0) == 0  # no dead letters yet
+    for i in range(3):
+        await conn.xadd(keys.dead, {"reason": f"bad {i}"})
+    assert await scripts.trim_dead(retention_s=3600) == 0  # all younger than an hour
+    assert await scripts.trim_dead(retention_s=0) == 3
+    assert await conn.xlen(keys.dead) == 0
+
+
 def held_job(job_id: str, n: int = 1) -> HeldJob:
     job = build_job("hi", SamplingParams(n=n), job_id=job_id)
     return HeldJob(job, "1-0", new_completions(n))
@@ -263,6 +273,10 @@ def test_worker_config_from_env() -> None:
     assert config_from_env({"GENQ_REQUESTS_RETENTION_S": "0"}).requests_retention_s == 0
     with pytest.raises(ValueError, match="requests_retention_s must be >= 0"):
         config_from_env({"GENQ_REQUESTS_RETENTION_S": "-1"})
+    assert config.dead_retention_s == 7 * 24 * 3600
+    assert config_from_env({"GENQ_DEAD_RETENTION_S": "60"}).dead_retention_s == 60
+    with pytest.raises(ValueError, match="dead_retention_s must be >= 0"):
+        config_from_env({"GENQ_DEAD_RETENTION_S": "-1"})
 
 
 def test_consumer_module_is_cheap_to_import() -> None:

@@ -1,4 +1,4 @@
-"""A worker trims `genq:requests` on its heartbeat: entries of ended jobs leave the stream, and
+"""A worker trims `genq:requests` and `genq:dead` on its heartbeat: entries of ended jobs leave the stream, and
 an entry that some consumer group still holds pending stays, whoever acked it."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def wait_two_beats(conn: redis.Redis, keys: Keys, name: str) -> None:
 def test_worker_trims_ended_jobs_entries_but_not_pending_ones(
     spawn: Callable[..., WorkerProcess], conn: redis.Redis, redis_server: RedisServer
 ) -> None:
-    worker = spawn("trimmer", GENQ_REQUESTS_RETENTION_S="0")  # an ended job's entry may go at once
+    # an ended job's entry and a dead letter may go at once
+    worker = spawn("trimmer", GENQ_REQUESTS_RETENTION_S="0", GENQ_DEAD_RETENTION_S="0")
     worker.wait_ready(conn)
     keys = worker.keys
 
@@ -51,3 +52,9 @@ def test_worker_trims_ended_jobs_entries_but_not_pending_ones(
         assert entries() == [held_entry]
         conn.xack(keys.requests, "audit", held_entry)
         wait_for(lambda: conn.xlen(keys.requests) == 0, TIMEOUT_S, "the released entry trimmed")
+        # an entry no worker can read goes to the dead stream, and from there on the next beat
+        conn.xadd(keys.requests, {"id": "bad-payload", "payload": b"\xc1"})
+        wait_for(lambda: conn.hget(keys.job("bad-payload"), "status") == b"failed", TIMEOUT_S,
+                 "the job failed")
+        assert conn.xinfo_stream(keys.dead)["last-generated-id"] != b"0-0"  # a letter was written
+        wait_for(lambda: conn.xlen(keys.dead) == 0, TIMEOUT_S, "the dead letter trimmed")
