@@ -50,6 +50,7 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[str, float]]  # most likely first
+    spelled: str = ""  # the token decoded alone, when the worker sent it ("" otherwise)
 
 
 @dataclass
@@ -61,18 +62,29 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)  # completions' `text_offset`
+    _spelled: int = 0  # characters of the tokens so far, each decoded alone
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
     def add(self, event: Event) -> None:
-        offset = len(self.text)
+        start = len(self.text)
         self.text += event.text
         self.token_ids += event.token_ids
         new = event_logprobs(event)
         self.logprobs += new
-        self.text_offsets += [offset] * len(new)
+        self._add_offsets(start, new)
         if event.finished:
             self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
+
+    def _add_offsets(self, start: int, new: list[TokenLogprob]) -> None:
+        """OpenAI's `text_offset`: where each token begins in the text, by the lengths of the
+        tokens before it as decoded alone (as vLLM counts), never before the text the earlier
+        events added (tokens without a spelling) nor past the text so far (the detokenizer
+        holds back the bytes of a character it has not seen whole)."""
+        self._spelled = max(self._spelled, start)
+        for lp in new:
+            self.text_offsets.append(min(self._spelled, len(self.text)))
+            self._spelled += len(lp.spelled)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,8 +103,11 @@ def token_logprob(token_id: int, entry: Any) -> TokenLogprob:
     if isinstance(entry, dict) and "logprob" in entry:
         decoded = entry.get("decoded") or {}
         top = _top_pairs(entry.get("top_logprobs"))
-        text = entry.get("token") or decoded.get(token_id) or _token_text(token_id)
-        return TokenLogprob(text, _finite(entry["logprob"]), _named(top, decoded))
+        spelled = entry.get("token") or decoded.get(token_id) or ""
+        return TokenLogprob(
+            spelled or _token_text(token_id), _finite(entry["logprob"]), _named(top, decoded),
+            spelled,
+        )
     top = _top_pairs(entry)
     logprob = dict(top).get(token_id, MIN_LOGPROB) if not _is_number(entry) else entry
     return TokenLogprob(_token_text(token_id), _finite(logprob), _named(top, {}))
@@ -197,7 +212,7 @@ class CompletionRenderer:
         if not _has_news(event):
             return None
         new = event_logprobs(event)
-        offsets = [len(choice.text) - len(event.text)] * len(new)
+        offsets = choice.text_offsets[len(choice.text_offsets) - len(new):]
         body = {
             "index": choice.index, "text": event.text,
             "logprobs": (

@@ -101,6 +101,14 @@ def test_logprobs(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -
     tokenizer = offline.get_tokenizer()
     assert logprobs.tokens == [tokenizer.decode([i]) for i in ids]
     assert all(token in top for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True))
+    # text_offset: where each token begins in the text, streamed or not
+    text = completion.choices[0].text
+    starts = [len("".join(logprobs.tokens[:i])) for i in range(12)]
+    assert "".join(logprobs.tokens) == text and logprobs.text_offset == starts
+    chunks = oai.completions.create(
+        model=served_model, prompt="Once upon", logprobs=2, stream=True, **GREEDY
+    )
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == starts
     chat = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY
     )
