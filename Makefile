@@ -25,6 +25,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy producer worker api kernels
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -102,7 +102,8 @@ def _run_mode_isolated(mode: str, args, workload: Workload, engine_args: dict) -
     try:
         ok, result = receiver.recv()
     except EOFError:
-        ok, result = False, f"the {mode} process exited with code {child.join() or child.exitcode}"
+        child.join()
+        ok, result = False, f"the {mode} process exited with code {child.exitcode}"
     child.join()
     if not ok:
         raise SystemExit(f"bench mode {mode} failed: {result}")

@@ -106,6 +106,7 @@ class Engine:
     def _seeded_generator(self, params: SamplingParams, num_drawn: int) -> torch.Generator:
         """A request's own generator. A resumed request skips the draws its first run made
         (one vocabulary-sized draw per random token), so it continues with the same tokens."""
+        assert params.seed is not None, "only seeded requests get their own generator"
         generator = torch.Generator().manual_seed(params.seed)
         if num_drawn and not params.greedy:
             torch.empty(num_drawn, self.model_config.vocab_size).exponential_(generator=generator)

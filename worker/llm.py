@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -57,8 +57,13 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        conversations = cast(
+            "list[list[dict[str, str]]]",
+            [messages] if messages and isinstance(messages[0], dict) else messages,
+        )
+        prompts: list[PromptInput] = [
+            self.engine.apply_chat_template(c, add_generation_prompt) for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -104,8 +109,8 @@ def _as_prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInpu
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt of token ids
-    return list(prompts)
+        return [cast("list[int]", prompts)]  # one prompt of token ids
+    return list(cast("list[PromptInput]", prompts))
 
 
 def _as_params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -71,7 +71,11 @@ class ModelConfig:
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
         """Inverse frequencies [head_dim / 2] and the attention scaling of the RoPE variant."""
         rope_type = _rope_type(self.hf_config)
-        theta = _rope_params(self.hf_config).get("rope_theta") or getattr(self.hf_config, "rope_theta", 10000.0)
+        theta = float(
+            _rope_params(self.hf_config).get("rope_theta")
+            or getattr(self.hf_config, "rope_theta", None)
+            or 10000.0
+        )
         if rope_type == "default":
             exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
             return 1.0 / (theta**exponents), 1.0
