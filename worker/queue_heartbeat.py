@@ -81,12 +81,12 @@ class Heartbeat:
         """Drop done entries past their retention from the requests and dead streams, which
         would otherwise grow forever. Any worker may do it: it is idempotent."""
         keys = self.scripts.keys
-        for stream, trim, retention_s in (
-            (keys.requests, self.scripts.trim_requests, self.config.requests_retention_s),
-            (keys.dead, self.scripts.trim_dead, self.config.dead_retention_s),
+        for stream, retention_s in (
+            (keys.requests, self.config.requests_retention_s),
+            (keys.dead, self.config.dead_retention_s),
         ):
             try:
-                removed = await trim(retention_s)
+                removed = await self.scripts.trim(stream, retention_s)
             except redis.ResponseError as exc:  # a server without XTRIM MINID (< 6.2), say
                 logger.warning("trimming %s failed: %s", stream, exc)
                 return

@@ -215,9 +215,9 @@ return n
 
 # Trim a stream by age. KEYS[1]: the stream (requests, dead). ARGV[1]: retention in ms.
 # Entries at least the retention old (by Redis's clock, which made their ids) are removed, except
-# what any consumer group still needs (the dead stream has none): its oldest pending entry and all after it (a worker may
-# reclaim one and must read its fields), and every entry it has not been delivered yet (a
-# backlog older than the retention is still work). XTRIM MINID cuts below one id, so an acked
+# what any consumer group still needs (the dead stream has none): its oldest pending entry and
+# all after it (a worker may reclaim one and must read its fields), and every entry it has not
+# been delivered yet (a backlog older than the retention is still work). XTRIM MINID cuts below one id, so an acked
 # entry behind a long-pending one waits for it. Returns how many entries were removed.
 TRIM_LUA = """
 local function split(id)
@@ -397,19 +397,15 @@ class Scripts:
         args: list[Any] = [self.keys.group, self.consumer, RELEASED_IDLE_MS, *entry_ids]
         return int(await self._release(keys=[self.keys.requests], args=args))
 
-    async def trim_requests(self, retention_s: float) -> int:
-        """Remove stream entries older than `retention_s` that no group still needs; returns
-        how many. Acked entries are dead weight once their job's record has expired (`genq
-        inspect` reads a job's payload from its entry until then).
+    async def trim(self, stream: str, retention_s: float) -> int:
+        """Remove entries of `stream` (requests, dead) older than `retention_s` that no group
+        still needs; returns how many. Acked requests are dead weight once their job's record
+        has expired (`genq inspect` reads a job's payload from its entry until then).
 
         Race prevented: trimming by age alone would delete a pending entry a reclaimer is about
         to read, or a backlog no worker has taken yet; the script reads the groups' positions
         and trims in one step."""
-        return int(await self._trim(keys=[self.keys.requests], args=[int(retention_s * 1000)]))
-
-    async def trim_dead(self, retention_s: float) -> int:
-        """Remove dead letters older than `retention_s`; returns how many."""
-        return int(await self._trim(keys=[self.keys.dead], args=[int(retention_s * 1000)]))
+        return int(await self._trim(keys=[stream], args=[int(retention_s * 1000)]))
 
     async def own_pending(self, limit: int = 10_000) -> list[str]:
         """Entry ids pending under this worker's name (to release what is left at shutdown)."""

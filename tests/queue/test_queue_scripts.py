@@ -171,30 +171,30 @@ async def test_trim_keeps_what_a_group_still_needs(scripts: Scripts) -> None:
     ids = [await conn.xadd(keys.requests, {"i": i}) for i in range(6)]
     await conn.xreadgroup(keys.group, "me", {keys.requests: ">"}, count=4)  # 0-3 delivered
     await conn.xack(keys.requests, keys.group, ids[0], ids[1], ids[3])  # 2 still pending
-    assert await scripts.trim_requests(retention_s=3600) == 0  # all younger than an hour
-    assert await scripts.trim_requests(retention_s=0) == 2
+    assert await scripts.trim(keys.requests, retention_s=3600) == 0  # all younger than an hour
+    assert await scripts.trim(keys.requests, retention_s=0) == 2
     assert await left() == ids[2:]  # from the oldest pending on
     await conn.xack(keys.requests, keys.group, ids[2])
-    assert await scripts.trim_requests(retention_s=0) == 2
+    assert await scripts.trim(keys.requests, retention_s=0) == 2
     assert await left() == ids[4:]  # 4 and 5 were never delivered
     await conn.xgroup_create(keys.requests, "other", id="0")  # a group that has read nothing
     await conn.xreadgroup(keys.group, "me", {keys.requests: ">"})
     await conn.xack(keys.requests, keys.group, *ids[4:])
-    assert await scripts.trim_requests(retention_s=0) == 0
+    assert await scripts.trim(keys.requests, retention_s=0) == 0
     await conn.xgroup_destroy(keys.requests, "other")
-    assert await scripts.trim_requests(retention_s=0) == 2
+    assert await scripts.trim(keys.requests, retention_s=0) == 2
     assert await conn.xlen(keys.requests) == 0
     await conn.delete(keys.requests)
-    assert await scripts.trim_requests(retention_s=0) == 0  # no stream: nothing to do
+    assert await scripts.trim(keys.requests, retention_s=0) == 0  # no stream: nothing to do
 
 
 async def test_trim_dead_goes_by_age_alone(scripts: Scripts) -> None:
     conn, keys = scripts.conn, scripts.keys
-    assert await scripts.trim_dead(retention_s=0) == 0  # no dead letters yet
+    assert await scripts.trim(keys.dead, retention_s=0) == 0  # no dead letters yet
     for i in range(3):
         await conn.xadd(keys.dead, {"reason": f"bad {i}"})
-    assert await scripts.trim_dead(retention_s=3600) == 0  # all younger than an hour
-    assert await scripts.trim_dead(retention_s=0) == 3
+    assert await scripts.trim(keys.dead, retention_s=3600) == 0  # all younger than an hour
+    assert await scripts.trim(keys.dead, retention_s=0) == 3
     assert await conn.xlen(keys.dead) == 0
 
 
