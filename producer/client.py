@@ -104,13 +104,16 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     usage: dict[str, int] | None = None
-    logprobs: list[Any] | None = None
+    logprobs: list[Any] | None = None  # per new token, as protocol.Event carries them
+    prompt_logprobs: list[Any] | None = None  # once, on completion 0's first delta
+    prompt: str | None = None  # with prompt_logprobs: the prompt as the worker decoded it
 
     @classmethod
     def from_event(cls, event: Event) -> Delta:
         return cls(
             event.index, event.seq, event.text, list(event.token_ids), event.finished,
             event.finish_reason, event.stop_reason, event.usage, event.logprobs,
+            event.prompt_logprobs, event.prompt,
         )
 
 

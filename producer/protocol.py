@@ -323,6 +323,11 @@ class Event:
     # "token": its text, "decoded": {token_id: text}}; readers also take a bare
     # {token_id: logprob} (the sampled token among them) from other producers
     logprobs: list[Any] | None = None
+    # asked for by sampling_params.prompt_logprobs; sent once, on completion 0's seq 0: one
+    # entry per prompt token in the form above (the first is None: nothing precedes it), and
+    # the prompt as the worker's tokenizer decodes it
+    prompt_logprobs: list[Any] | None = None
+    prompt: str | None = None
 
 
 _EVENT_TYPES: dict[str, tuple[type, ...]] = {
@@ -336,6 +341,8 @@ _EVENT_TYPES: dict[str, tuple[type, ...]] = {
     "error": (str, type(None)),
     "index": (int,),
     "logprobs": (list, type(None)),
+    "prompt_logprobs": (list, type(None)),
+    "prompt": (str, type(None)),
 }
 
 

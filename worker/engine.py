@@ -203,15 +203,22 @@ class Engine:
             request = self.scheduler.requests[s.request_id]
             num_prompt = request.num_prompt_tokens
             targets = request.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + len(s.token_ids)]
-            logprobs = logits[: len(targets)].log_softmax(dim=-1)  # [num_targets, vocab]
             entries = self.output_processor.prompt_logprobs_of(s.request_id, num_prompt)
+            first = s.start_pos + 1
+            # The first computation of a position is the one reported: an n > 1 sibling
+            # recomputing the prompt's tail, or a request recomputed after preemption, leaves it.
+            if all(entries[first + i] is not None for i in range(len(targets))):
+                continue
+            logprobs = logits[: len(targets)].log_softmax(dim=-1)  # [num_targets, vocab]
             k = request.sampling_params.prompt_logprobs or 0
             target_ids = torch.tensor(targets, dtype=torch.long)
             chosen = logprobs.gather(1, target_ids[:, None])  # [num_targets, 1]
             ranks = (logprobs > chosen).sum(-1) + 1
             top_values, top_ids = logprobs.topk(k, dim=-1)  # k may be 0: empty columns
             for i, token_id in enumerate(targets):
-                entries[s.start_pos + 1 + i] = TokenLogprobs(
+                if entries[first + i] is not None:
+                    continue
+                entries[first + i] = TokenLogprobs(
                     token_id, float(chosen[i]), int(ranks[i]),
                     dict(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True)),
                 )

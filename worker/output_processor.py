@@ -116,6 +116,8 @@ class OutputProcessor:
             for entry in out.prompt_logprobs:
                 if entry is not None:
                     self._spell(entry)
+            if out.prompt is None:  # token ids in: the text that goes with their logprobs
+                out.prompt = self.tokenizer.decode(parent.prompt_token_ids)
         return out
 
     def _spell(self, logprobs: TokenLogprobs) -> None:

@@ -81,6 +81,10 @@ class HeldJob:
     prompt_tokens: int | None = None
     received_at: float = field(default_factory=time.time)  # unix time it came off the stream
     last_token_at: float | None = None  # unix time of the last step that sent a token
+    # prompt logprobs (wire form) and the decoded prompt, waiting for completion 0's first
+    # event; a job resumed after that event never sets them
+    prompt_logprobs: list[Any] | None = None
+    prompt_text: str | None = None
 
     @property
     def id(self) -> str:
@@ -155,6 +159,9 @@ def completion_event(
         seq=c.next_seq, token_ids=list(token_ids), text=text, finished=finish_reason is not None,
         finish_reason=finish_reason, stop_reason=stop_reason, index=index, logprobs=logprobs,
     )
+    if index == 0 and c.next_seq == 0 and held.prompt_logprobs is not None:
+        event.prompt_logprobs, event.prompt = held.prompt_logprobs, held.prompt_text
+        held.prompt_logprobs = held.prompt_text = None
     c.next_seq += 1
     if event.finished:
         event.usage = held.usage()

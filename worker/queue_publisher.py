@@ -31,6 +31,7 @@ from worker.queue_scripts import JobWrite, Scripts
 
 if TYPE_CHECKING:
     from worker.outputs import CompletionOutput, RequestOutput
+    from worker.sampler import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class Publisher:
         if held.prompt_tokens is None:
             held.prompt_tokens = len(output.prompt_token_ids)
             self.metrics.prompt_tokens(held.prompt_tokens)
+        if output.prompt_logprobs is not None and held.completions[0].next_seq == 0:
+            held.prompt_logprobs = [_wire_entry(lp) for lp in output.prompt_logprobs]
+            held.prompt_text = output.prompt
         write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
         num_new = 0
         for delta in output.outputs:
@@ -181,7 +185,13 @@ def _wire_logprobs(logprobs: list[Any] | None) -> list[dict[str, Any]] | None:
     """Engine TokenLogprobs -> the wire form (protocol.Event.logprobs), tokens spelled out."""
     if logprobs is None:
         return None
-    return [{} if lp is None else {
+    return [_wire_entry(lp) or {} for lp in logprobs]
+
+
+def _wire_entry(lp: TokenLogprobs | None) -> dict[str, Any] | None:
+    if lp is None:
+        return None
+    return {
         "logprob": lp.logprob, "rank": lp.rank, "top_logprobs": lp.top_logprobs,
         "token": lp.decoded.get(lp.token_id), "decoded": lp.decoded,
-    } for lp in logprobs]
+    }

@@ -167,7 +167,8 @@ def test_event_round_trip() -> None:
     event = Event(
         seq=3, token_ids=[5, 6], text="ab", finished=True, finish_reason="stop", stop_reason="\n",
         usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}, index=1,
-        logprobs=[{5: -0.1}, {6: -0.2}],
+        logprobs=[{5: -0.1}, {6: -0.2}], prompt_logprobs=[None, {"logprob": -1.5, "rank": 2}],
+        prompt="hi there",
     )
     assert decode_event(encode_event(event)) == event
     minimal = Event(seq=0)
@@ -188,6 +189,7 @@ def test_event_round_trip() -> None:
         (pack({"v": PROTOCOL_VERSION, "seq": 1, "finished": 1}), "'finished' has type int"),
         (pack({"v": PROTOCOL_VERSION, "seq": 1, "token_ids": ["a"]}), "token_ids must be integers"),
         (pack({"v": PROTOCOL_VERSION, "seq": 1, "colour": "red"}), "unknown field 'colour'"),
+        (pack({"v": PROTOCOL_VERSION, "seq": 1, "prompt": 7}), "'prompt' has type int"),
         (pack({"v": PROTOCOL_VERSION, "seq": -1}), "seq and index must be >= 0"),
         ("text", "msgpack bytes, got str"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -13,7 +14,7 @@ from queue_support import WorkerProcess, worker_env
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
-Oracle = Callable[[object, SamplingParams], list]
+Oracle = Callable[..., Any]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,8 @@ def conn(redis_server: RedisServer) -> Iterator[redis.Redis]:
 @pytest.fixture(scope="session")
 def offline(tiny_llama_dir: Path) -> Oracle:
     """`offline(prompt, params)`: the completions the in-process LLM produces for a prompt in
-    any form the client takes (greedy params give the tokens any worker must produce)."""
+    any form the client takes (greedy params give the tokens any worker must produce);
+    `offline(..., whole=True)`: its whole RequestOutput."""
     import torch
 
     from worker import LLM
@@ -34,17 +36,19 @@ def offline(tiny_llama_dir: Path) -> Oracle:
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=512,
               max_num_seqs=16)
 
-    def generate(prompt: object, params: SamplingParams) -> list:
+    def generate(prompt: object, params: SamplingParams, whole: bool = False) -> Any:
         # One thread: the tiny model is far faster so beside worker processes on few cores.
         # Restored after, so other test packages keep their setting.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             if isinstance(prompt, list):
-                return llm.chat(prompt, params, use_tqdm=False)[0].outputs
-            return llm.generate(prompt, params, use_tqdm=False)[0].outputs
+                out = llm.chat(prompt, params, use_tqdm=False)[0]
+            else:
+                out = llm.generate(prompt, params, use_tqdm=False)[0]
         finally:
             torch.set_num_threads(threads)
+        return out if whole else out.outputs
 
     return generate
 

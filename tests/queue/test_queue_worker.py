@@ -95,6 +95,23 @@ def test_results_and_streams_match_the_offline_engine(client: Client, offline) -
         assert result.usage["completion_tokens"] == sum(len(o.token_ids) for o in result.outputs)
 
 
+def test_prompt_logprobs_come_once_on_the_first_delta(client: Client, offline) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4, n=2, prompt_logprobs=3)
+    for prompt in ("The capital of France is", {"prompt_token_ids": [1, 450, 7483, 310, 3444]}):
+        expected = offline(prompt, params, whole=True)
+        deltas = list(client.stream(client.submit(prompt, params).id, TIMEOUT_S))
+        carrying = [d for d in deltas if d.prompt_logprobs is not None]
+        assert [(d.index, d.seq) for d in carrying] == [(0, 0)]
+        wire = carrying[0].prompt_logprobs
+        assert len(wire) == len(expected.prompt_token_ids) and wire[0] is None
+        for got, want in zip(wire[1:], expected.prompt_logprobs[1:], strict=True):
+            assert got["logprob"] == pytest.approx(want.logprob, abs=1e-5)
+            assert got["rank"] == want.rank and got["token"] == want.decoded[want.token_id]
+            assert got["top_logprobs"] == pytest.approx(want.top_logprobs, abs=1e-5)
+        assert carrying[0].prompt == expected.prompt
+        assert expected.prompt.startswith("The capital" if isinstance(prompt, str) else "<|im_start|>")
+
+
 def test_late_subscriber_receives_every_token(
     client: Client, conn: redis.Redis, offline
 ) -> None:
@@ -323,7 +340,7 @@ def test_reclaimed_job_resumes_from_its_events(
 
     from producer.protocol import APPEND_EVENTS_LUA, EVENTS_TTL_S, Event, encode_event
 
-    params = SamplingParams(temperature=0.0, max_tokens=12, n=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, n=2, prompt_logprobs=1)
     expected = offline("Resume me", params)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     keys = client.keys
@@ -347,6 +364,7 @@ def test_reclaimed_job_resumes_from_its_events(
         assert [d.seq for d in mine] == list(range(len(mine)))  # numbering continued
         assert [t for d in mine for t in d.token_ids] == output.token_ids
         assert "".join(d.text for d in mine) == output.text
+    assert all(d.prompt_logprobs is None for d in deltas)  # the ghost's first event had them
     rec = record(conn, keys, "resume-1")
     assert (rec.worker, rec.status, rec.entry_id) == (NAME, JobStatus.FINISHED, entry_id)
 
