@@ -31,7 +31,6 @@ from worker.queue_scripts import JobWrite, Scripts
 
 if TYPE_CHECKING:
     from worker.outputs import CompletionOutput, RequestOutput
-    from worker.sampler import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +104,9 @@ class Publisher:
             held.prompt_tokens = len(output.prompt_token_ids)
             self.metrics.prompt_tokens(held.prompt_tokens)
         if output.prompt_logprobs is not None and held.completions[0].next_seq == 0:
-            held.prompt_logprobs = [_wire_entry(lp) for lp in output.prompt_logprobs]
+            held.prompt_logprobs = self._wire_prompt_logprobs(
+                output.prompt_token_ids, output.prompt_logprobs
+            )
             held.prompt_text = output.prompt
         write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
         num_new = 0
@@ -120,6 +121,14 @@ class Publisher:
             write.record = final_record(held, self.worker_name, now)
         elif held.abort_reason is None and held.past_deadline(now):
             self._abort_expired(held)
+
+    def _wire_prompt_logprobs(
+        self, prompt_token_ids: list[int], prompt_logprobs: list[Any]
+    ) -> list[dict[str, Any]]:
+        """The engine's prompt logprobs on the wire. The first token has none (nothing comes
+        before it), but readers that show the prompt token by token need its text."""
+        first = self.engine.engine.tokenizer.decode(prompt_token_ids[:1])
+        return [{"token": first}, *(_wire_logprobs(prompt_logprobs[1:]) or [])]
 
     def _abort_expired(self, held: HeldJob) -> None:
         """Deadline passed mid-run: abort at the next step (the heartbeat catches jobs that
@@ -185,13 +194,7 @@ def _wire_logprobs(logprobs: list[Any] | None) -> list[dict[str, Any]] | None:
     """Engine TokenLogprobs -> the wire form (protocol.Event.logprobs), tokens spelled out."""
     if logprobs is None:
         return None
-    return [_wire_entry(lp) or {} for lp in logprobs]
-
-
-def _wire_entry(lp: TokenLogprobs | None) -> dict[str, Any] | None:
-    if lp is None:
-        return None
-    return {
+    return [{} if lp is None else {
         "logprob": lp.logprob, "rank": lp.rank, "top_logprobs": lp.top_logprobs,
         "token": lp.decoded.get(lp.token_id), "decoded": lp.decoded,
-    }
+    } for lp in logprobs]

@@ -167,7 +167,7 @@ def test_event_round_trip() -> None:
     event = Event(
         seq=3, token_ids=[5, 6], text="ab", finished=True, finish_reason="stop", stop_reason="\n",
         usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}, index=1,
-        logprobs=[{5: -0.1}, {6: -0.2}], prompt_logprobs=[None, {"logprob": -1.5, "rank": 2}],
+        logprobs=[{5: -0.1}, {6: -0.2}], prompt_logprobs=[{"token": "hi"}, {"logprob": -1.5, "rank": 2}],
         prompt="hi there",
     )
     assert decode_event(encode_event(event)) == event

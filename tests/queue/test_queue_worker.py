@@ -95,7 +95,10 @@ def test_results_and_streams_match_the_offline_engine(client: Client, offline) -
         assert result.usage["completion_tokens"] == sum(len(o.token_ids) for o in result.outputs)
 
 
-def test_prompt_logprobs_come_once_on_the_first_delta(client: Client, offline) -> None:
+def test_prompt_logprobs_come_once_on_the_first_delta(client: Client, offline, tiny_llama_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     params = SamplingParams(temperature=0.0, max_tokens=4, n=2, prompt_logprobs=3)
     for prompt in ("The capital of France is", {"prompt_token_ids": [1, 450, 7483, 310, 3444]}):
         expected = offline(prompt, params, whole=True)
@@ -103,7 +106,8 @@ def test_prompt_logprobs_come_once_on_the_first_delta(client: Client, offline) -
         carrying = [d for d in deltas if d.prompt_logprobs is not None]
         assert [(d.index, d.seq) for d in carrying] == [(0, 0)]
         wire = carrying[0].prompt_logprobs
-        assert len(wire) == len(expected.prompt_token_ids) and wire[0] is None
+        assert len(wire) == len(expected.prompt_token_ids)
+        assert wire[0] == {"token": tokenizer.decode(expected.prompt_token_ids[:1])}
         for got, want in zip(wire[1:], expected.prompt_logprobs[1:], strict=True):
             assert got["logprob"] == pytest.approx(want.logprob, abs=1e-5)
             assert got["rank"] == want.rank and got["token"] == want.decoded[want.token_id]
