@@ -18,7 +18,7 @@ import redis
 
 from api.deps import AppState
 from api.errors import APIError, error_body, param_from_value_error
-from api.render import Choice, RelayedRequest, Renderer, usage_chunk
+from api.render import Choice, RelayedRequest, Renderer, TokenLogprob, prompt_logprobs, usage_chunk
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, Usage
 from api.sse import DONE, format_sse
 from producer.client import build_job
@@ -50,10 +50,12 @@ async def start(
             model=body.model,
         )
         enqueued = handle.enqueued or enqueued
+    echo = isinstance(body, CompletionRequest) and body.echo
     return RelayedRequest(
         id=renderer.id_prefix + base, job_ids=job_ids, n=params.n, model=model,
         created=int(time.time()), include_usage=body.include_usage,
         num_logprobs=params.logprobs, enqueued=enqueued,
+        echo=tuple(p if isinstance(p, str) else None for p in prompts) if echo else (),
     )
 
 
@@ -151,15 +153,27 @@ class Collector:
         self.choices = [Choice(i) for i in range(req.num_choices)]
         self.prompt_tokens: dict[str, int] = {}  # per job, from the worker's usage
         self.error: str | None = None
+        self.echoes: dict[str, tuple[str, list[TokenLogprob]]] = {}  # per job, once known
 
     def add(self, job_id: str, event: Event) -> Choice:
         choice = self.choices[self.req.choice_index(job_id, event)]
+        if self.req.echo and choice.num_events == 0:
+            choice.echo(*self._echo(job_id, event))
         choice.add(event)
         if event.usage is not None:
             self.prompt_tokens[job_id] = int(event.usage.get("prompt_tokens", 0))
         if event.error is not None:
             self.error = f"job {job_id} failed: {event.error}"
         return choice
+
+    def _echo(self, job_id: str, event: Event) -> tuple[str, list[TokenLogprob]]:
+        """The prompt's text and logprobs. The worker sends its part (the decoded prompt, the
+        logprobs) on completion 0's first event, which comes before the other completions'."""
+        if job_id not in self.echoes or event.prompt_logprobs is not None:
+            text = self.req.echo[self.req.job_ids.index(job_id)]
+            logprobs = prompt_logprobs(event.prompt_logprobs) if self.req.logprobs else []
+            self.echoes[job_id] = ((event.prompt or "") if text is None else text, logprobs)
+        return self.echoes[job_id]
 
     def usage(self) -> Usage:
         """Prompt tokens as the worker counted them (once per prompt, as OpenAI); completion

@@ -32,6 +32,9 @@ class RelayedRequest:
     include_usage: bool = False
     num_logprobs: int | None = None  # alternatives per token; None: no logprobs
     enqueued: bool = True  # False: every job id existed already (idempotent submit)
+    # completions' `echo`, per job: the prompt text to put before each of its completions
+    # (None: the prompt as the worker decoded it, for token ids); empty: no echo
+    echo: tuple[str | None, ...] = ()
 
     @property
     def logprobs(self) -> bool:
@@ -48,26 +51,41 @@ class RelayedRequest:
 @dataclass(frozen=True)
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: float | None  # None only for an echoed prompt's first token: nothing precedes it
     top: list[tuple[str, float]]  # most likely first
     spelled: str = ""  # the token decoded alone, when the worker sent it ("" otherwise)
 
 
 @dataclass
 class Choice:
-    """One completion as it accumulates."""
+    """One completion as it accumulates; with echo, its text and logprobs begin with the
+    prompt's."""
 
     index: int
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # generated tokens only
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)  # completions' `text_offset`
     _spelled: int = 0  # characters of the tokens so far, each decoded alone
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_events: int = 0
+    # where the text and logprobs the last event brought begin (the echo counts with the
+    # first event): what its stream chunk carries
+    last_text_start: int = 0
+    last_logprobs_start: int = 0
+
+    def echo(self, text: str, logprobs: list[TokenLogprob]) -> None:
+        """Put the prompt first; before the first event."""
+        assert self.num_events == 0, "the echo goes before the completion"
+        self.text, self.logprobs = text, list(logprobs)
+        self._add_offsets(0, logprobs)
 
     def add(self, event: Event) -> None:
         start = len(self.text)
+        self.last_text_start = start if self.num_events else 0
+        self.last_logprobs_start = len(self.logprobs) if self.num_events else 0
+        self.num_events += 1
         self.text += event.text
         self.token_ids += event.token_ids
         new = event_logprobs(event)
@@ -101,16 +119,28 @@ def event_logprobs(event: Event) -> list[TokenLogprob]:
 
 def token_logprob(token_id: int, entry: Any) -> TokenLogprob:
     if isinstance(entry, dict) and "logprob" in entry:
-        decoded = entry.get("decoded") or {}
-        top = _top_pairs(entry.get("top_logprobs"))
-        spelled = entry.get("token") or decoded.get(token_id) or ""
-        return TokenLogprob(
-            spelled or _token_text(token_id), _finite(entry["logprob"]), _named(top, decoded),
-            spelled,
-        )
+        spelled = entry.get("token") or (entry.get("decoded") or {}).get(token_id) or ""
+        return _mapped(entry, spelled or _token_text(token_id), spelled)
     top = _top_pairs(entry)
     logprob = dict(top).get(token_id, MIN_LOGPROB) if not _is_number(entry) else entry
     return TokenLogprob(_token_text(token_id), _finite(logprob), _named(top, {}))
+
+
+def prompt_logprobs(entries: list[Any] | None) -> list[TokenLogprob]:
+    """An event's `prompt_logprobs`: each prompt token as the worker spelled it (the first
+    one without a logprob)."""
+    out = []
+    for entry in entries or []:
+        mapping = entry if isinstance(entry, dict) else {}
+        spelled = mapping.get("token") or ""
+        out.append(_mapped(mapping, spelled, spelled))
+    return out
+
+
+def _mapped(entry: dict[str, Any], token: str, spelled: str) -> TokenLogprob:
+    logprob = entry.get("logprob")
+    top = _named(_top_pairs(entry.get("top_logprobs")), entry.get("decoded") or {})
+    return TokenLogprob(token, None if logprob is None else _finite(logprob), top, spelled)
 
 
 def _top_pairs(top: Any) -> list[tuple[int, float]]:
@@ -147,7 +177,10 @@ def completion_logprobs(
     return {
         "tokens": [lp.token for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{**dict(lp.top[:k]), lp.token: lp.logprob} for lp in logprobs],
+        "top_logprobs": [
+            None if lp.logprob is None else {**dict(lp.top[:k]), lp.token: lp.logprob}
+            for lp in logprobs
+        ],
         "text_offset": offsets,
     }
 
@@ -155,7 +188,7 @@ def completion_logprobs(
 def chat_logprobs(logprobs: list[TokenLogprob], k: int | None) -> dict[str, Any]:
     """OpenAI's chat form; `top_logprobs` holds exactly the k most likely."""
 
-    def item(token: str, logprob: float) -> dict[str, Any]:
+    def item(token: str, logprob: float | None) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     return {
@@ -209,12 +242,12 @@ class CompletionRenderer:
         return []
 
     def chunk(self, req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any] | None:
-        if not _has_news(event):
+        if not _has_news(event) and choice.last_text_start == len(choice.text):
             return None
-        new = event_logprobs(event)
-        offsets = choice.text_offsets[len(choice.text_offsets) - len(new):]
+        start = choice.last_logprobs_start
+        new, offsets = choice.logprobs[start:], choice.text_offsets[start:]
         body = {
-            "index": choice.index, "text": event.text,
+            "index": choice.index, "text": choice.text[choice.last_text_start:],
             "logprobs": (
                 completion_logprobs(new, offsets, req.num_logprobs) if req.logprobs else None
             ),

@@ -74,15 +74,26 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None  # top alternatives per token, 0..20
-    echo: bool = False  # not supported: refused when true
+    echo: bool = False  # each completion begins with its prompt (and the prompt's logprobs)
     suffix: str | None = None  # not supported: refused when set
     best_of: int | None = None  # only best_of == n is supported
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams' own checks)."""
         return SamplingParams(
-            max_tokens=self.max_tokens, logprobs=self.logprobs, **self._common_params()
+            max_tokens=self.max_tokens, logprobs=self.logprobs,
+            prompt_logprobs=self._prompt_logprobs(), **self._common_params()
         )
+
+    def _prompt_logprobs(self) -> int | None:
+        """What echo needs from the worker: the prompt's logprobs when logprobs are asked
+        for, and its decoded text when the prompt is token ids (this layer has no tokenizer).
+        Either costs the prefix cache for this prompt: every position must be computed."""
+        if not self.echo:
+            return None
+        if self.logprobs is not None:
+            return self.logprobs
+        return None if all(isinstance(p, str) for p in self.prompts()) else 0
 
     def prompts(self) -> list[PromptInput]:
         """One prompt per job: a string or `{"prompt_token_ids": [...]}`."""

@@ -29,8 +29,6 @@ def reject_unsupported(body: CompletionRequest) -> None:
     """400 for what genq does not do, rather than silently ignoring it."""
     if not body.prompts() or any(p in ("", {"prompt_token_ids": []}) for p in body.prompts()):
         raise invalid_param("prompt", "prompt must be a non-empty string or token list")
-    if body.echo:
-        raise invalid_param("echo", "echo is not supported")
     if body.suffix:
         raise invalid_param("suffix", "suffix is not supported")
     if body.best_of is not None and body.best_of != body.n:

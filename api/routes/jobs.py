@@ -31,6 +31,8 @@ async def create_job(
         prompts, renderer = [chat_messages(body)], ChatRenderer()
     else:
         reject_unsupported(body)
+        if body.echo:
+            raise invalid_param("echo", "a job's outputs hold only what was generated; echo is for /v1/completions")
         prompts, renderer = body.prompts(), CompletionRenderer()
         if len(prompts) != 1:
             raise invalid_param("prompt", "a job has one prompt: submit one job per prompt")

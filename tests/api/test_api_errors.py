@@ -53,7 +53,6 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("/v1/completions", {"model": "m"}, "prompt"),
         ("/v1/completions", {"model": "m", "prompt": ""}, "prompt"),
         ("/v1/completions", {"model": "m", "prompt": [[1, -2]]}, "prompt"),
-        ("/v1/completions", {"model": "m", "prompt": "x", "echo": True}, "echo"),
         ("/v1/chat/completions", {"model": "m"}, "messages"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"content": "x"}]}, "messages[0].role"),
@@ -65,6 +64,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("/v1/jobs", {"prompt": ["a", "b"]}, "prompt"),
         ("/v1/jobs", {"prompt": "a", "job_id": "has space"}, "job_id"),
         ("/v1/jobs", {"prompt": "a", "deadline_s": -1}, "deadline_s"),
+        ("/v1/jobs", {"prompt": "a", "echo": True}, "echo"),
     ],
 )
 def test_validation_errors_are_400_naming_the_field(

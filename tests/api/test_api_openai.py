@@ -119,6 +119,47 @@ def test_logprobs(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -
     assert all(t.bytes == list(t.token.encode()) and t.top_logprobs[0].token == t.token for t in content)
 
 
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(
+    served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path
+) -> None:
+    # lm-evaluation-harness' loglikelihood request: echo, logprobs, one new token, greedy
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    tokenizer = offline.get_tokenizer()
+    prompt = "The quick brown fox"
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2, prompt_logprobs=2)
+    expected = offline.generate(prompt, params, use_tqdm=False)[0]
+    ids, num_prompt = expected.prompt_token_ids, len(expected.prompt_token_ids)
+    generated = expected.outputs[0]
+    for form, text in ((prompt, prompt), (ids, tokenizer.decode(ids))):
+        request = {"model": served_model, "prompt": form, "echo": True, "logprobs": 2,
+                   "max_tokens": 1, "temperature": 0.0, "n": 2}
+        choice, second = oai.completions.create(**request).choices
+        assert choice.text == second.text == text + generated.text
+        assert second.logprobs == choice.logprobs  # greedy: the prompt echoed on each choice
+        lp = choice.logprobs
+        assert lp.tokens == [tokenizer.decode([i]) for i in [*ids, *generated.token_ids]]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing before it
+        want = [e.logprob for e in expected.prompt_logprobs[1:]] + [generated.logprobs[0].logprob]
+        assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        assert all(len(top) in (2, 3) and token in top
+                   for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))
+        assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(num_prompt + 1)]
+        streamed = [c.choices[0] for c in oai.completions.create(**request, stream=True)]
+        for index in (0, 1):
+            mine = [c for c in streamed if c.index == index]
+            assert "".join(c.text for c in mine) == choice.text
+            assert [t for c in mine for t in c.logprobs.tokens] == lp.tokens
+            assert [o for c in mine for o in c.logprobs.text_offset] == lp.text_offset
+    # without logprobs: every completion of every prompt begins with its prompt
+    prompts = [prompt, "Once upon"]
+    batch = oai.completions.create(model=served_model, prompt=prompts, n=2, echo=True, **GREEDY)
+    assert [c.text[: len(prompts[c.index // 2])] for c in batch.choices] == [prompt, prompt, *prompts[1:] * 2]
+    assert all(c.logprobs is None for c in batch.choices)
+    assert batch.usage.completion_tokens == 4 * 12
+    by_ids = oai.completions.create(model=served_model, prompt=ids, echo=True, **GREEDY)
+    assert by_ids.choices[0].text.startswith(tokenizer.decode(ids))
+
+
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
     response = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, temperature=0.0, max_completion_tokens=5,
