@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 # Below this, temperature is greedy: dividing logits by a tinier number overflows to inf.
 MIN_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -36,12 +37,16 @@ class SamplingParams:
     logprobs: int | None = None  # top-k alternatives per generated token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = _token_keys(self.logit_bias)
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
@@ -78,6 +83,22 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
+        self._validate_token_lists()
+
+    def _validate_token_lists(self) -> None:
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", token_id, low=0, note="keys are token ids")
+            _check_number(
+                "logit_bias", bias, f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
+            )
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError(
+                    f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}"
+                )
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id, low=0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +113,21 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**data)
+
+
+def _token_keys(mapping: Any) -> dict[int, float]:
+    """logit_bias with int keys: JSON has only string keys, so "50256" is taken as 50256."""
+    if not isinstance(mapping, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {mapping!r}")
+    out = {}
+    for key, value in mapping.items():
+        if isinstance(key, str):
+            try:
+                key = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        out[key] = value
+    return out
 
 
 def _check_int(

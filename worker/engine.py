@@ -77,6 +77,7 @@ class Engine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, prompt_ids = self.check_prompt(prompt)
+        self.check_params(params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         children = [
             self._make_child(request_id, i, prompt_ids, params, priority, arrival_time, resume_output_token_ids)
@@ -143,6 +144,15 @@ class Engine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: logit_bias and allowed_token_ids may only
+        name tokens this model has."""
+        vocab = self.model_config.vocab_size
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its final output (finish_reason 'abort')

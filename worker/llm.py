@@ -36,9 +36,10 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         checked = []
-        for i, prompt in enumerate(prompt_list):
+        for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
             try:
                 text, token_ids = self.engine.check_prompt(prompt)
+                self.engine.check_params(p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             checked.append({"prompt": text, "prompt_token_ids": token_ids})  # tokenized once

@@ -2,10 +2,11 @@
 
 A single vectorised pass over the batch, in vLLM's order:
 
-    min_tokens -> penalties -> temperature -> [logprobs] -> top-k -> top-p -> min-p -> sample
+    allowed_token_ids -> min_tokens -> logit_bias -> penalties -> temperature -> [logprobs]
+    -> top-k -> top-p -> min-p -> sample
 
 Logprobs are reported "processed" (as the issue asks, and as vLLM's processed-logprobs mode
-does): the log-softmax of the logits after min_tokens, penalties and temperature, before the
+does): the log-softmax of the logits after every step up to temperature, before the
 top-k/top-p/min-p filters, so a reported distribution is the one the filters started from.
 Greedy rows (temperature 0) take the argmax of the penalised logits and report the
 log-softmax of those logits (no temperature to divide by).
@@ -73,6 +74,10 @@ class SamplingBatch:
     output_counts: Tensor | None  # [num_seqs, vocab] float32: occurrences in the output
     blocked_rows: Tensor | None  # [num_blocked] int64 } (row, token) pairs masked to -inf
     blocked_token_ids: Tensor | None  # [num_blocked] int64 } while output < min_tokens
+    disallowed: Tensor | None  # [num_seqs, vocab] bool: outside a row's allowed_token_ids
+    bias_rows: Tensor | None  # [num_biased] int64 } logit_bias: value added at (row, token)
+    bias_token_ids: Tensor | None  # [num_biased] int64 }
+    bias_values: Tensor | None  # [num_biased] float32 }
     # (row, its generator) for seeded random rows; other random rows use the sampler's own
     row_generators: list[tuple[int, torch.Generator]]
     num_logprobs: list[int | None]  # per row: how many alternatives to report
@@ -108,6 +113,7 @@ class SamplingBatch:
             **_filter_tensors(params, greedy, vocab_size, device),
             **_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
             **_min_tokens_blocks(params, output_token_ids, eos_token_ids, vocab_size, device),
+            **_token_list_tensors(params, vocab_size, device),
             row_generators=[
                 (row, g)
                 for row, (g, is_greedy) in enumerate(zip(generators, greedy, strict=True))
@@ -239,6 +245,44 @@ def _min_tokens_blocks(
     }
 
 
+def _token_list_tensors(
+    params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> dict[str, Tensor | None]:
+    """allowed_token_ids as a mask and logit_bias as (row, token, value) triples; the engine
+    has checked that every id is in the vocabulary."""
+    out: dict[str, Tensor | None] = dict.fromkeys(
+        ("disallowed", "bias_rows", "bias_token_ids", "bias_values")
+    )
+    allowed = [(row, p.allowed_token_ids) for row, p in enumerate(params) if p.allowed_token_ids]
+    if allowed:
+        disallowed = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+        for row, allowed_ids in allowed:
+            disallowed[row] = True
+            disallowed[row, allowed_ids] = False
+        out["disallowed"] = disallowed.to(device)
+    biased = [(row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+    if biased:
+        rows, biased_ids, values = zip(*biased, strict=True)
+        out["bias_rows"] = _row_tensor(rows, torch.int64, device)
+        out["bias_token_ids"] = _row_tensor(biased_ids, torch.int64, device)
+        out["bias_values"] = _row_tensor(values, torch.float32, device)
+    return out
+
+
+def apply_allowed_token_ids(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """logits [num_seqs, vocab] with tokens outside a row's allowed_token_ids at -inf."""
+    if batch.disallowed is None:
+        return logits
+    return logits.masked_fill(batch.disallowed, float("-inf"))
+
+
+def apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """logits [num_seqs, vocab] plus each row's logit_bias (a new tensor)."""
+    if batch.bias_rows is None or batch.bias_token_ids is None or batch.bias_values is None:
+        return logits
+    return logits.index_put((batch.bias_rows, batch.bias_token_ids), batch.bias_values, accumulate=True)
+
+
 def apply_min_tokens(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """logits [num_seqs, vocab] with stop ids of rows short of min_tokens at -inf (a new tensor)."""
     if batch.blocked_rows is None or batch.blocked_token_ids is None:
@@ -320,7 +364,9 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
             num_seqs = batch.temperature.shape[0]
             raise ValueError(f"logits must be [{num_seqs}, vocab], got {tuple(logits.shape)}")
-        logits = apply_min_tokens(logits.float(), batch)  # [num_seqs, vocab] float32
+        logits = apply_allowed_token_ids(logits.float(), batch)  # [num_seqs, vocab] float32
+        logits = apply_min_tokens(logits, batch)
+        logits = apply_logit_bias(logits, batch)
         logits = apply_penalties(logits, batch)
         # Greedy rows divide by 1; an all-greedy batch skips the full-vocabulary division.
         scaled = logits if batch.all_greedy else logits / batch.temperature.unsqueeze(1)

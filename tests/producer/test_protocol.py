@@ -86,6 +86,14 @@ def test_job_round_trip_through_redis(redis_conn: redis.Redis, prompt_fields: di
     assert decode_job(read) == job
 
 
+def test_token_keyed_sampling_params_round_trip(redis_conn: redis.Redis) -> None:
+    params = SamplingParams(logit_bias={"50": -3.5, 7: 100}, allowed_token_ids=[7, 50])
+    job = make_job(sampling_params=params)
+    decoded = decode_job(xadd_and_read(redis_conn, encode_job(job)))
+    assert decoded.sampling_params.logit_bias == {50: -3.5, 7: 100}
+    assert decoded == job
+
+
 def test_decode_job_accepts_str_keys() -> None:
     job = make_job()
     entry = {k: v for k, v in encode_job(job).items()}

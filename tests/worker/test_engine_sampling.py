@@ -143,12 +143,29 @@ def test_resumed_request_continues_the_same_output(llm, params):
     ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"logprobs": 21}, "logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"seed": 2**64}, "seed"),
     ({"stop": [""]}, "stop"), ({"stop_token_ids": [-3]}, "stop_token_ids"), ({"temperature": float("nan")}, "temperature"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_dict(kwargs)
+
+
+def test_logit_bias_and_allowed_token_ids_steer_generation(llm):
+    vocab = llm.engine.model_config.vocab_size
+    forced = llm.generate("Bias me", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                    logit_bias={"123": 100.0}), use_tqdm=False)
+    assert forced[0].outputs[0].token_ids == [123] * 6  # JSON's string keys are token ids too
+    allowed = SamplingParams(temperature=1.0, seed=4, max_tokens=24, ignore_eos=True, allowed_token_ids=[7, 99, 512])
+    assert set(llm.generate("Pick", allowed, use_tqdm=False)[0].outputs[0].token_ids) <= {7, 99, 512}
+    for bad in ({"logit_bias": {vocab: 1.0}}, {"allowed_token_ids": [5, vocab]}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"prompt 1: {name} names token id {vocab}.* outside the vocabulary"):
+            llm.generate(["fine", "bad"], [SamplingParams(), SamplingParams(**bad)], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # the good prompt was not queued either
 
 
 def test_unknown_sampling_field_is_an_error():

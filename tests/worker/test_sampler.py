@@ -13,7 +13,9 @@ import torch
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -23,6 +25,8 @@ from producer.sampling_params import SamplingParams
 from worker.sampler import (
     Sampler,
     SamplingBatch,
+    apply_allowed_token_ids,
+    apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p,
@@ -241,6 +245,42 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
         input_ids = torch.tensor([[9] * 4 + outputs[row]])
         processor = MinNewTokensLengthLogitsProcessor(4, 3, [EOS, 7, 8])
         torch.testing.assert_close(masked[row], processor(input_ids, logits[row : row + 1])[0])
+
+
+def test_logit_bias_and_allowed_token_ids_equal_transformers() -> None:
+    vocab_size = 12
+    logits = torch.randn(4, vocab_size, generator=torch.Generator().manual_seed(7))
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={3: 5.0, 9: -100.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=[1, 4, 10]),
+        SamplingParams(temperature=0.8, allowed_token_ids=[2, 5], logit_bias={5: 2.5, 6: 1.0}),
+        SamplingParams(temperature=0.0),  # neither: untouched
+    ]
+    batch = build(params, vocab_size)
+    got = apply_logit_bias(apply_allowed_token_ids(logits, batch), batch)
+    for row, p in enumerate(params):
+        expected = logits[row : row + 1].clone()
+        no_ids = torch.zeros(1, 1, dtype=torch.long)
+        if p.allowed_token_ids:
+            allowed = PrefixConstrainedLogitsProcessor(lambda _b, _ids, a=p.allowed_token_ids: a, 1)
+            expected = allowed(no_ids, expected)
+        if p.logit_bias:
+            bias = SequenceBiasLogitsProcessor([[[t], v] for t, v in p.logit_bias.items()])
+            expected = bias(no_ids, expected)
+        torch.testing.assert_close(got[row], expected[0])
+    out = Sampler(seed=3)(logits, batch)
+    assert [out.token_ids[0], out.token_ids[1]] == got[:2].argmax(-1).tolist()  # greedy rows
+    assert out.token_ids[1] in (1, 4, 10) and out.token_ids[2] in (2, 5)
+
+
+def test_allowed_token_ids_hold_over_many_random_draws() -> None:
+    logits = torch.zeros(2000, 8)
+    params = SamplingParams(temperature=1.0, allowed_token_ids=[3, 6], logit_bias={6: 1.0})
+    out = Sampler(seed=9)(logits, build([params] * 2000, 8))
+    counts = Counter(out.token_ids)
+    assert set(counts) == {3, 6}
+    # P(6) = e / (1 + e) = 0.731; 2000 draws put it within 0.05 with overwhelming odds
+    assert abs(counts[6] / 2000 - math.e / (1 + math.e)) < 0.05
 
 
 def test_min_tokens_holds_over_many_random_draws() -> None:
