@@ -32,7 +32,7 @@ class _GenerationRequest(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None  # not supported: refused when non-empty
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -46,6 +46,7 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first, as in vLLM
+    allowed_token_ids: list[int] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -63,6 +64,7 @@ class _GenerationRequest(BaseModel):
             "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids or [],
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": self.logit_bias or None, "allowed_token_ids": self.allowed_token_ids,
             **{k: v for k, v in optional.items() if v is not None},
         }
 

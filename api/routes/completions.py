@@ -33,5 +33,3 @@ def reject_unsupported(body: CompletionRequest) -> None:
         raise invalid_param("suffix", "suffix is not supported")
     if body.best_of is not None and body.best_of != body.n:
         raise invalid_param("best_of", "best_of must equal n (no server-side ranking)")
-    if body.logit_bias:
-        raise invalid_param("logit_bias", "logit_bias is not supported")

@@ -160,6 +160,21 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(
     assert by_ids.choices[0].text.startswith(tokenizer.decode(ids))
 
 
+def test_logit_bias_and_allowed_token_ids(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    forced = oai.completions.create(model=served_model, prompt="Once upon", logit_bias={"123": 100}, **GREEDY)
+    assert forced.choices[0].text == tokenizer.decode([123] * 12)
+    chat = oai.chat.completions.create(
+        model=served_model, messages=MESSAGES, temperature=1.0, seed=3, max_tokens=12, logprobs=True,
+        extra_body={"ignore_eos": True, "allowed_token_ids": [7, 99, 512]},
+    )
+    assert {t.token for t in chat.choices[0].logprobs.content} <= {tokenizer.decode([i]) for i in (7, 99, 512)}
+    with pytest.raises(openai.InternalServerError, match="outside the vocabulary"):  # the worker knows the vocabulary
+        oai.completions.create(model=served_model, prompt="x", logit_bias={"10000000": 1}, max_tokens=2)
+
+
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
     response = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, temperature=0.0, max_completion_tokens=5,
