@@ -324,8 +324,8 @@ class Event:
     # {token_id: logprob} (the sampled token among them) from other producers
     logprobs: list[Any] | None = None
     # asked for by sampling_params.prompt_logprobs; sent once, on completion 0's seq 0: one
-    # entry per prompt token in the form above (the first has only "token": nothing precedes
-    # it), and the prompt as the worker's tokenizer decodes it
+    # entry per prompt token in the form above plus its "token_id" (the first has only
+    # "token_id" and "token": nothing precedes it), and the prompt as the worker decodes it
     prompt_logprobs: list[Any] | None = None
     prompt: str | None = None
 

@@ -125,10 +125,15 @@ class Publisher:
     def _wire_prompt_logprobs(
         self, prompt_token_ids: list[int], prompt_logprobs: list[Any]
     ) -> list[dict[str, Any]]:
-        """The engine's prompt logprobs on the wire. The first token has none (nothing comes
-        before it), but readers that show the prompt token by token need its text."""
-        first = self.engine.engine.tokenizer.decode(prompt_token_ids[:1])
-        return [{"token": first}, *(_wire_logprobs(prompt_logprobs[1:]) or [])]
+        """The engine's prompt logprobs on the wire, each with its token id (a text prompt's
+        ids are known only here). The first token has no logprob (nothing comes before it),
+        but readers that show the prompt token by token need its text."""
+        first = {"token_id": prompt_token_ids[0],
+                 "token": self.engine.engine.tokenizer.decode(prompt_token_ids[:1])}
+        rest = _wire_logprobs(prompt_logprobs[1:]) or []
+        for token_id, entry in zip(prompt_token_ids[1:], rest, strict=True):
+            entry["token_id"] = token_id
+        return [first, *rest]
 
     def _abort_expired(self, held: HeldJob) -> None:
         """Deadline passed mid-run: abort at the next step (the heartbeat catches jobs that

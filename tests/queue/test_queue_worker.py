@@ -106,8 +106,10 @@ def test_prompt_logprobs_come_once_on_the_first_delta(client: Client, offline, t
         carrying = [d for d in deltas if d.prompt_logprobs is not None]
         assert [(d.index, d.seq) for d in carrying] == [(0, 0)]
         wire = carrying[0].prompt_logprobs
-        assert len(wire) == len(expected.prompt_token_ids)
-        assert wire[0] == {"token": tokenizer.decode(expected.prompt_token_ids[:1])}
+        ids = expected.prompt_token_ids
+        assert len(wire) == len(ids)
+        assert wire[0] == {"token_id": ids[0], "token": tokenizer.decode(ids[:1])}
+        assert [e["token_id"] for e in wire] == ids
         for got, want in zip(wire[1:], expected.prompt_logprobs[1:], strict=True):
             assert got["logprob"] == pytest.approx(want.logprob, abs=1e-5)
             assert got["rank"] == want.rank and got["token"] == want.decoded[want.token_id]
