@@ -56,6 +56,7 @@ async def start(
         created=int(time.time()), include_usage=body.include_usage,
         num_logprobs=params.logprobs, enqueued=enqueued,
         echo=tuple(p if isinstance(p, str) else None for p in prompts) if echo else (),
+        prompt_logprobs=body.prompt_logprobs is not None,
     )
 
 
@@ -159,6 +160,10 @@ class Collector:
         choice = self.choices[self.req.choice_index(job_id, event)]
         if self.req.echo and choice.num_events == 0:
             choice.echo(*self._echo(job_id, event))
+        if event.prompt_logprobs is not None:  # the job's: every choice of it shows them
+            first = self.req.job_ids.index(job_id) * self.req.n
+            for sibling in self.choices[first : first + self.req.n]:
+                sibling.prompt_logprobs = event.prompt_logprobs
         choice.add(event)
         if event.usage is not None:
             self.prompt_tokens[job_id] = int(event.usage.get("prompt_tokens", 0))

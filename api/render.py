@@ -35,6 +35,7 @@ class RelayedRequest:
     # completions' `echo`, per job: the prompt text to put before each of its completions
     # (None: the prompt as the worker decoded it, for token ids); empty: no echo
     echo: tuple[str | None, ...] = ()
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for (non-streaming responses)
 
     @property
     def logprobs(self) -> bool:
@@ -69,6 +70,7 @@ class Choice:
     _spelled: int = 0  # characters of the tokens so far, each decoded alone
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[Any] | None = None  # the job's, as the worker sent them
     num_events: int = 0
     # where the text and logprobs the last event brought begin (the echo counts with the
     # first event): what its stream chunk carries
@@ -170,6 +172,24 @@ def _finite(value: Any) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
+def vllm_prompt_logprobs(entries: list[Any] | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """An event's `prompt_logprobs` in vLLM's response form."""
+    if entries is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in entries[1:]:
+        decoded = entry.get("decoded") or {}
+        position = {
+            str(token_id): {"logprob": _finite(logprob), "rank": rank, "decoded_token": decoded.get(token_id)}
+            for rank, (token_id, logprob) in enumerate(_top_pairs(entry.get("top_logprobs")), 1)
+        }
+        position[str(entry.get("token_id"))] = {
+            "logprob": _finite(entry["logprob"]), "rank": entry.get("rank"), "decoded_token": entry.get("token"),
+        }
+        out.append(position)
+    return out
+
+
 def completion_logprobs(
     logprobs: list[TokenLogprob], offsets: list[int], k: int | None
 ) -> dict[str, Any]:
@@ -269,6 +289,9 @@ class CompletionRenderer:
                         completion_logprobs(c.logprobs, c.text_offsets, req.num_logprobs)
                         if req.logprobs else None
                     ),
+                    prompt_logprobs=(
+                        vllm_prompt_logprobs(c.prompt_logprobs) if req.prompt_logprobs else None
+                    ),
                 )
                 for c in choices
             ],
@@ -317,4 +340,7 @@ class ChatRenderer:
                 )
                 for c in choices
             ],
+            prompt_logprobs=(
+                vllm_prompt_logprobs(choices[0].prompt_logprobs) if req.prompt_logprobs else None
+            ),
         )

@@ -47,6 +47,7 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first, as in vLLM
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob, with this many alternatives
 
     @property
     def include_usage(self) -> bool:
@@ -88,14 +89,16 @@ class CompletionRequest(_GenerationRequest):
         )
 
     def _prompt_logprobs(self) -> int | None:
-        """What echo needs from the worker: the prompt's logprobs when logprobs are asked
-        for, and its decoded text when the prompt is token ids (this layer has no tokenizer).
-        Either costs the prefix cache for this prompt: every position must be computed."""
-        if not self.echo:
-            return None
-        if self.logprobs is not None:
-            return self.logprobs
-        return None if all(isinstance(p, str) for p in self.prompts()) else 0
+        """The request's own prompt_logprobs, or more for echo: the prompt's logprobs when
+        logprobs are asked for, its decoded text when the prompt is token ids (this layer has
+        no tokenizer). Either costs the prefix cache for this prompt: every position must be
+        computed."""
+        wanted = [self.prompt_logprobs] if self.prompt_logprobs is not None else []
+        if self.echo and self.logprobs is not None:
+            wanted.append(self.logprobs)
+        elif self.echo and not all(isinstance(p, str) for p in self.prompts()):
+            wanted.append(0)
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[PromptInput]:
         """One prompt per job: a string or `{"prompt_token_ids": [...]}`."""
@@ -139,7 +142,10 @@ class ChatCompletionRequest(_GenerationRequest):
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._common_params())
+        return SamplingParams(
+            max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            **self._common_params(),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,12 +220,18 @@ class JobView(BaseModel):
 # Responses (non-streaming). Stream chunks are built as dicts in `api.render`.
 
 
+# vLLM's `prompt_logprobs`: per prompt token (None for the first), the token and its top
+# alternatives as {token id: {"logprob", "rank", "decoded_token"}}
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that matched
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -251,6 +263,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(BaseModel):

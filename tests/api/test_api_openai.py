@@ -119,7 +119,7 @@ def test_logprobs(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -
     assert all(t.bytes == list(t.token.encode()) and t.top_logprobs[0].token == t.token for t in content)
 
 
-def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(
+def test_echo_and_prompt_logprobs_score_the_prompt(
     served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path
 ) -> None:
     # lm-evaluation-harness' loglikelihood request: echo, logprobs, one new token, greedy
@@ -150,6 +150,20 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(
             assert "".join(c.text for c in mine) == choice.text
             assert [t for c in mine for t in c.logprobs.tokens] == lp.tokens
             assert [o for c in mine for o in c.logprobs.text_offset] == lp.text_offset
+    # vLLM's prompt_logprobs: the same numbers keyed by token id, on each choice
+    scored = oai.completions.create(model=served_model, prompt=prompt, max_tokens=1,
+                                    extra_body={"prompt_logprobs": 2})
+    positions = scored.choices[0].prompt_logprobs
+    assert len(positions) == num_prompt and positions[0] is None
+    for position, token_id, entry in zip(positions[1:], ids[1:], expected.prompt_logprobs[1:], strict=True):
+        assert position[str(token_id)]["logprob"] == pytest.approx(entry.logprob, abs=1e-4)
+        assert position[str(token_id)]["rank"] == entry.rank
+        assert position[str(token_id)]["decoded_token"] == tokenizer.decode([token_id])
+        assert {str(t) for t in entry.top_logprobs} <= set(position)
+    chat = oai.chat.completions.create(model=served_model, messages=MESSAGES, max_tokens=1,
+                                       extra_body={"prompt_logprobs": 0})
+    chat_prompt = offline.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+    assert [list(p) for p in chat.prompt_logprobs[1:]] == [[str(t)] for t in chat_prompt[1:]]
     # without logprobs: every completion of every prompt begins with its prompt
     prompts = [prompt, "Once upon"]
     batch = oai.completions.create(model=served_model, prompt=prompts, n=2, echo=True, **GREEDY)
