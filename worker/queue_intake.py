@@ -238,6 +238,8 @@ class Admission:
                 end_now.append(held)
                 continue
             self.table.remove(held)
+            if code == "lost":  # another worker claimed it between our read and the start
+                logger.warning("job %s: entry %s was claimed elsewhere before it started", held.id, held.entry_id)
             if code in ("duplicate", "ended"):
                 reason = (
                     f"job {held.id} already ended" if code == "ended"

@@ -16,6 +16,20 @@ from producer.sampling_params import SamplingParams
 
 Oracle = Callable[..., Any]
 
+# Workers of the module running now: a failing test's report shows their logs, since what a
+# worker process did is otherwise invisible (a flake in CI is diagnosed from this alone).
+LIVE_WORKERS: list[WorkerProcess] = []
+LOG_TAIL_CHARS = 6000
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when == "call" and report.failed:
+        for worker in LIVE_WORKERS:
+            report.sections.append((f"worker {worker.name} log (tail)", worker.log()[-LOG_TAIL_CHARS:]))
+
 
 @pytest.fixture(scope="module")
 def conn(redis_server: RedisServer) -> Iterator[redis.Redis]:
@@ -70,8 +84,10 @@ def spawn(
             logs / f"{name}.log", via, args,
         )
         workers.append(worker.start())
+        LIVE_WORKERS.append(worker)
         return worker
 
     yield start
     for worker in workers:
         worker.stop()
+        LIVE_WORKERS.remove(worker)
