@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 from producer.client import DEFAULT_REDIS_URL
 
 Runner = Callable[[argparse.Namespace], int]
+SUBMIT_MAX_TOKENS = 64  # genq submit's default: a short answer, not SamplingParams' 16
 Builder = Callable[[argparse.ArgumentParser], Runner]
 
 
@@ -115,10 +116,15 @@ def build_submit(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("prompt")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, help=f"default {SUBMIT_MAX_TOKENS}")
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int)
+    parser.add_argument(
+        "--params", type=_json_object, default={}, metavar="JSON",
+        help='any other SamplingParams fields, e.g. \'{"top_k": 40, "stop": ["\\n"]}\'; '
+        "the flags above win",
+    )
     parser.add_argument("--model")
     parser.add_argument("--job-id")
     parser.add_argument("--priority", type=int, default=0, help="lower runs first")
@@ -132,10 +138,7 @@ def run_submit(args: argparse.Namespace) -> int:
     from producer.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            seed=args.seed,
-        )
+        params = SamplingParams.from_dict(_submit_params(args))
         prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         with Client(args.redis_url) as client:
             handle = client.submit(
@@ -149,6 +152,23 @@ def run_submit(args: argparse.Namespace) -> int:
     except _redis_errors() as exc:
         print(f"genq: cannot reach Redis at {args.redis_url}: {exc}", file=sys.stderr)
         return 1
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _submit_params(args: argparse.Namespace) -> dict[str, Any]:
+    """--params, overridden by the flags that were given."""
+    flags = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+             "seed": args.seed}
+    return {"max_tokens": SUBMIT_MAX_TOKENS, **args.params, **{k: v for k, v in flags.items() if v is not None}}
 
 
 def _print_job(handle: Any, stream: bool, timeout_s: float | None) -> int:

@@ -65,6 +65,23 @@ def test_submit_prints_final_text(redis_url: str, worker: FakeWorker, in_thread:
     assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (2, 0.0, 0.5, 7)
 
 
+def test_submit_takes_any_sampling_params_as_json(
+    redis_url: str, worker: FakeWorker, in_thread: RunInThread
+) -> None:
+    jobs = []
+
+    def serve() -> None:
+        jobs.append(worker.take(timeout_s=TIMEOUT_S))
+        worker.serve(jobs[0], ["ok"])
+
+    in_thread(serve)
+    params = '{"top_k": 40, "stop": ["\\n"], "logit_bias": {"5": -2}, "max_tokens": 9, "seed": 1}'
+    out = genq("submit", "x", "--redis-url", redis_url, "--params", params, "--seed", "2")
+    assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr
+    got = jobs[0].sampling_params
+    assert (got.top_k, got.stop, got.logit_bias, got.max_tokens, got.seed) == (40, ["\n"], {5: -2}, 9, 2)
+
+
 def test_submit_streams_chat_using_env_url(
     redis_url: str, worker: FakeWorker, in_thread: RunInThread
 ) -> None:
@@ -89,6 +106,10 @@ def test_submit_reports_failures(redis_url: str, worker: FakeWorker, in_thread: 
     assert out.returncode == 1 and "max_tokens must be >= 1" in out.stderr
     out = genq("submit", "x", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     assert out.returncode == 1 and "cannot reach Redis" in out.stderr
+    out = genq("submit", "x", "--params", '{"top_z": 1}', "--redis-url", redis_url)
+    assert out.returncode == 1 and "unknown sampling parameter(s): top_z" in out.stderr
+    out = genq("submit", "x", "--params", "[1]", "--redis-url", redis_url)
+    assert out.returncode == 2 and "must be a JSON object" in out.stderr
 
 
 def test_inspect(redis_url: str, worker: FakeWorker) -> None:
