@@ -272,6 +272,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "genq"
     workers: int = 0  # live workers serving it
+    max_model_len: int | None = None  # as vLLM reports it: the smallest its workers allow
 
 
 class ModelList(BaseModel):

@@ -523,6 +523,7 @@ class WorkerInfo:
 
     model: str  # the served model name jobs may ask for
     max_num_seqs: int
+    max_model_len: int = 0  # prompt plus output tokens a job may reach (0: not reported)
     state: str = "serving"  # serving | draining (SIGTERM received)
     running: int = 0  # requests in the engine's running queue
     waiting: int = 0  # requests in the engine's waiting queue

@@ -86,7 +86,7 @@ class Consumer:
         self.admission = Admission(self.config, self.scripts, self.table, self.engine)
         self.heartbeat = Heartbeat(
             self.config, self.scripts, self.table, self.publisher, self.metrics,
-            self.capacity, self.abort,
+            self.capacity, self.abort, engine.max_model_len,
         )
         await self.scripts.ensure_group()
         await self._claim_name()

@@ -38,8 +38,10 @@ class Heartbeat:
         metrics: WorkerMetrics,
         capacity: Callable[[], int],
         abort: AbortJob,
+        max_model_len: int,
     ) -> None:
         self.config = config
+        self.max_model_len = max_model_len  # as the engine resolved it from config and model
         self.scripts = scripts
         self.table = table
         self.publisher = publisher
@@ -103,6 +105,7 @@ class Heartbeat:
         return WorkerInfo(
             model=self.config.model_name,
             max_num_seqs=self.config.engine.max_num_seqs,
+            max_model_len=self.max_model_len,
             state=self.state,
             running=stats.num_running,
             waiting=stats.num_waiting,

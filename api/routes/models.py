@@ -1,4 +1,5 @@
-"""`GET /v1/models`: the models live workers serve (from their heartbeats)."""
+"""`GET /v1/models` and `GET /v1/models/{model}`: the models live workers serve (from their
+heartbeats)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from fastapi import APIRouter
 
 from api.deps import StateDep
+from api.errors import APIError
 from api.schemas import ModelCard, ModelList
 
 router = APIRouter(tags=["openai"])
@@ -15,6 +17,19 @@ router = APIRouter(tags=["openai"])
 @router.get("/models", response_model=ModelList)
 async def list_models(state: StateDep) -> ModelList:
     """One card per served model name; the configured fallback when no worker is live."""
+    return ModelList(data=list((await _cards(state)).values()))
+
+
+@router.get("/models/{model}", response_model=ModelCard)
+async def retrieve_model(model: str, state: StateDep) -> ModelCard:
+    """One card; 404 `model_not_found` for a name no live worker serves."""
+    card = (await _cards(state)).get(model)
+    if card is None:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return card
+
+
+async def _cards(state: StateDep) -> dict[str, ModelCard]:
     cards: dict[str, ModelCard] = {}
     for worker in await state.cluster.workers():
         info = worker.info
@@ -23,7 +38,9 @@ async def list_models(state: StateDep) -> ModelList:
         card = cards.setdefault(info.model, ModelCard(id=info.model, created=int(info.started_at)))
         card.workers += 1
         card.created = min(card.created, int(info.started_at))
+        if info.max_model_len:  # a job may land on any of them: the smallest bounds it
+            card.max_model_len = min(card.max_model_len or info.max_model_len, info.max_model_len)
     if not cards:
         name = state.settings.served_model_name
         cards[name] = ModelCard(id=name, created=int(time.time()))
-    return ModelList(data=list(cards.values()))
+    return cards

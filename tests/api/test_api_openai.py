@@ -25,6 +25,10 @@ def oai(api_url: str) -> Iterator[openai.OpenAI]:
 
 def test_models_lists_the_workers_model(served_model: str, oai: openai.OpenAI) -> None:
     assert [m.id for m in oai.models.list()] == [served_model]
+    card = oai.models.retrieve(served_model)
+    assert (card.id, card.object, card.max_model_len) == (served_model, "model", 1024)
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-nope")
 
 
 def test_unknown_model_is_404(oai: openai.OpenAI) -> None:

@@ -280,6 +280,7 @@ def test_heartbeat_reports_model_capacity_and_load(
 
     info = wait_for(idle_beat, TIMEOUT_S, "a heartbeat after the work")
     assert (info.model, info.max_num_seqs, info.pid, info.state) == (SERVED, 8, worker.pid, "serving")
+    assert info.max_model_len == 1024  # the tiny model's max_position_embeddings
     assert info.generation_tokens_total > 0 and info.prompt_tokens_total > 0
     ttl = conn.ttl(client.keys.worker(NAME))
     assert 0 < ttl <= 30
