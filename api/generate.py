@@ -83,7 +83,7 @@ def sampling_params(body: GenerationRequest) -> SamplingParams:
 
 
 def _bad_value(exc: ValueError, body: GenerationRequest) -> APIError:
-    aliases = {"prompt_token_ids": "prompt", "job": "job_id"}
+    aliases = {"prompt_token_ids": "prompt", "job": "job_id", "guided_decoding": "guided_choice"}
     if isinstance(body, ChatCompletionRequest):
         aliases["logprobs"] = "top_logprobs"
         if body.max_completion_tokens is not None:

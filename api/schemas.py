@@ -48,6 +48,9 @@ class _GenerationRequest(BaseModel):
     priority: int = 0  # lower runs first, as in vLLM
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many alternatives
+    guided_choice: list[str] | None = None  # the output is exactly one of these
+    # {"type": "json_object"}: the output is one JSON object; "text" (the default) or absent: free
+    response_format: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -66,8 +69,20 @@ class _GenerationRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": self.logit_bias or None, "allowed_token_ids": self.allowed_token_ids,
+            "guided_decoding": self._guided_decoding(),
             **{k: v for k, v in optional.items() if v is not None},
         }
+
+
+    def _guided_decoding(self) -> dict[str, Any] | None:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind not in ("text", "json_object"):
+            raise ValueError(f"response_format type must be text or json_object, got {kind!r}")
+        if kind == "json_object" and self.guided_choice is not None:
+            raise ValueError("guided_choice cannot be combined with response_format json_object")
+        if kind == "json_object":
+            return {"json_object": True}
+        return None if self.guided_choice is None else {"choice": self.guided_choice}
 
 
 class CompletionRequest(_GenerationRequest):
@@ -137,7 +152,6 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token, with logprobs=true
     tools: list[Any] | None = None  # not supported: refused when non-empty
-    response_format: dict[str, Any] | None = None  # only {"type": "text"} is supported
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens

@@ -39,6 +39,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # vLLM's guided decoding: {"json_object": True} (the output is one JSON object) or
+    # {"choice": [strings]} (the output is one of them)
+    guided_decoding: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +87,8 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
         self._validate_token_lists()
+        if self.guided_decoding is not None:
+            _check_guided(self.guided_decoding)
 
     def _validate_token_lists(self) -> None:
         for token_id, bias in (self.logit_bias or {}).items():
@@ -113,6 +118,18 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**data)
+
+
+def _check_guided(guided: Any) -> None:
+    if not isinstance(guided, dict) or len(guided) != 1 or not set(guided) <= {"json_object", "choice"}:
+        raise ValueError(
+            f'guided_decoding must be {{"json_object": true}} or {{"choice": [strings]}}, got {guided!r}'
+        )
+    if "json_object" in guided and guided["json_object"] is not True:
+        raise ValueError(f"guided_decoding json_object must be true, got {guided['json_object']!r}")
+    choices = guided.get("choice", ["x"])
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"guided_decoding choice must be a non-empty list of non-empty strings, got {choices!r}")
 
 
 def _token_keys(mapping: Any) -> dict[int, float]:

@@ -24,6 +24,7 @@ from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
 from worker.sampler import Sampler, SamplingBatch, TokenLogprobs
 from worker.scheduler import Scheduler
+from worker.structured_output import GuidedDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Engine:
         self.scheduler = Scheduler(sched_config, self.block_manager)
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
         self._aborted: list[Request] = []  # finished by abort, reported at the next step
         self.num_generated_tokens = 0
@@ -100,6 +102,8 @@ class Engine:
             arrival_time=arrival_time,
             output_token_ids=list(resume or []),
         )
+        if params.guided_decoding is not None:
+            self.guided.add(child_id, params.guided_decoding)
         room = self.max_model_len - len(prompt_ids)
         request.max_tokens = min(params.max_tokens or room, room)
         return request
@@ -197,6 +201,7 @@ class Engine:
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=logits.shape[-1],
             device=logits.device,
+            token_masks=self.guided.masks([(r.request_id, r.output_token_ids) for r in requests]),
         )
         out = self.sampler(logits, batch)
         self.num_generated_tokens += len(out.token_ids)
@@ -240,6 +245,7 @@ class Engine:
     def _forget(self, finished: list[Request]) -> None:
         for request in finished:
             self.generators.pop(request.request_id, None)
+            self.guided.remove(request.request_id)
             self.scheduler.finished.pop(request.request_id, None)
 
     def apply_chat_template(

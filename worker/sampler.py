@@ -92,13 +92,15 @@ class SamplingBatch:
         eos_token_ids: list[int],
         vocab_size: int,
         device: torch.device,
+        token_masks: list[bytes | None] | None = None,
     ) -> SamplingBatch:
         """Gather the sampling state of `params[i]` (request i = row i) into tensors.
 
         `eos_token_ids` is the model's set of EOS ids; it applies to every row (a per-row
         list of identical ids works too). `generators[i]` is request i's own generator when it
         has a seed, kept by the engine across steps. Cost is O(num_seqs) plus, only when some
-        row uses penalties, O(prompt + output tokens) to count tokens.
+        row uses penalties, O(prompt + output tokens) to count tokens. `token_masks[i]`, when
+        not None, allows request i only the tokens whose byte is 1 (guided decoding).
         """
         _check_rows(len(params), prompt_token_ids, output_token_ids, generators)
         greedy = [p.temperature < MIN_TEMPERATURE for p in params]
@@ -113,7 +115,7 @@ class SamplingBatch:
             **_filter_tensors(params, greedy, vocab_size, device),
             **_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
             **_min_tokens_blocks(params, output_token_ids, eos_token_ids, vocab_size, device),
-            **_token_list_tensors(params, vocab_size, device),
+            **_token_list_tensors(params, token_masks, vocab_size, device),
             row_generators=[
                 (row, g)
                 for row, (g, is_greedy) in enumerate(zip(generators, greedy, strict=True))
@@ -246,19 +248,26 @@ def _min_tokens_blocks(
 
 
 def _token_list_tensors(
-    params: list[SamplingParams], vocab_size: int, device: torch.device
+    params: list[SamplingParams], token_masks: list[bytes | None] | None, vocab_size: int,
+    device: torch.device,
 ) -> dict[str, Tensor | None]:
-    """allowed_token_ids as a mask and logit_bias as (row, token, value) triples; the engine
-    has checked that every id is in the vocabulary."""
+    """allowed_token_ids and guided-decoding masks as one mask, logit_bias as (row, token,
+    value) triples; the engine has checked that every id is in the vocabulary."""
     out: dict[str, Tensor | None] = dict.fromkeys(
         ("disallowed", "bias_rows", "bias_token_ids", "bias_values")
     )
     allowed = [(row, p.allowed_token_ids) for row, p in enumerate(params) if p.allowed_token_ids]
-    if allowed:
+    guided = [(row, m) for row, m in enumerate(token_masks or []) if m is not None]
+    if allowed or guided:
         disallowed = torch.zeros(len(params), vocab_size, dtype=torch.bool)
         for row, allowed_ids in allowed:
             disallowed[row] = True
             disallowed[row, allowed_ids] = False
+        for row, mask in guided:  # ids past the tokenizer's (padded logits) are never allowed
+            permitted = torch.zeros(vocab_size, dtype=torch.bool)
+            n = min(len(mask), vocab_size)
+            permitted[:n] = torch.frombuffer(bytearray(mask[:n]), dtype=torch.uint8).bool()
+            disallowed[row] |= ~permitted
         out["disallowed"] = disallowed.to(device)
     biased = [(row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
     if biased:

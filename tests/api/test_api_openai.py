@@ -193,6 +193,21 @@ def test_logit_bias_and_allowed_token_ids(served_model: str, oai: openai.OpenAI,
         oai.completions.create(model=served_model, prompt="x", logit_bias={"10000000": 1}, max_tokens=2)
 
 
+def test_guided_choice_and_json_mode(served_model: str, oai: openai.OpenAI) -> None:
+    choices = ["red", "green", "blue sky"]
+    picked = oai.completions.create(
+        model=served_model, prompt="Colour:", n=4, temperature=1.0, seed=2, max_tokens=16,
+        extra_body={"guided_choice": choices},
+    )
+    assert [(c.text in choices, c.finish_reason) for c in picked.choices] == [(True, "stop")] * 4
+    # the tiny random model never closes its object in a few tokens, but it must open one
+    json_mode = oai.chat.completions.create(
+        model=served_model, messages=MESSAGES, temperature=0.0, max_tokens=6,
+        response_format={"type": "json_object"},
+    )
+    assert json_mode.choices[0].message.content.lstrip().startswith("{")
+
+
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
     response = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, temperature=0.0, max_completion_tokens=5,

@@ -3,6 +3,7 @@ stop strings and tokens, resumed requests; and SamplingParams validation."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -146,6 +147,9 @@ def test_resumed_request_continues_the_same_output(llm, params):
     ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
+    ({"guided_decoding": {"json_object": False}}, "guided_decoding"), ({"guided_decoding": {"choice": []}}, "guided_decoding"),
+    ({"guided_decoding": {"regex": "a+"}}, "guided_decoding"), ({"guided_decoding": "json"}, "guided_decoding"),
+    ({"guided_decoding": {"choice": ["a", ""]}}, "guided_decoding"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -166,6 +170,26 @@ def test_logit_bias_and_allowed_token_ids_steer_generation(llm):
         with pytest.raises(ValueError, match=f"prompt 1: {name} names token id {vocab}.* outside the vocabulary"):
             llm.generate(["fine", "bad"], [SamplingParams(), SamplingParams(**bad)], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()  # the good prompt was not queued either
+
+
+def test_guided_choice_outputs_one_of_the_choices(llm):
+    choices = ["yes", "no", "not sure", "maybe later"]
+    params = SamplingParams(temperature=1.0, seed=11, n=6, max_tokens=16, guided_decoding={"choice": choices})
+    out = llm.generate("Answer:", params, use_tqdm=False)[0]
+    assert [(o.text in choices, o.finish_reason) for o in out.outputs] == [(True, "stop")] * 6
+    assert not llm.engine.guided.states  # forgotten with their requests
+
+
+@pytest.mark.slow
+def test_guided_json_object_on_the_default_model():
+    llm = LLM(None, dtype="float32", max_model_len=1024, num_gpu_blocks_override=128)
+    messages = [{"role": "user", "content": "Describe a cat as a JSON object with the keys name and age."}]
+    free = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=80), use_tqdm=False)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=80, guided_decoding={"json_object": True})
+    guided = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    assert guided.finish_reason == "stop", guided.text
+    assert isinstance(json.loads(guided.text), dict)
+    assert not free.outputs[0].text.lstrip().startswith("{")  # unguided, it writes prose first
 
 
 def test_unknown_sampling_field_is_an_error():
