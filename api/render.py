@@ -178,14 +178,19 @@ def vllm_prompt_logprobs(entries: list[Any] | None) -> list[dict[str, dict[str, 
         return None
     out: list[dict[str, dict[str, Any]] | None] = [None]
     for entry in entries[1:]:
+        if not isinstance(entry, dict) or entry.get("logprob") is None:
+            out.append(None)  # not in genq's form: nothing to show rather than a failed response
+            continue
         decoded = entry.get("decoded") or {}
         position = {
             str(token_id): {"logprob": _finite(logprob), "rank": rank, "decoded_token": decoded.get(token_id)}
             for rank, (token_id, logprob) in enumerate(_top_pairs(entry.get("top_logprobs")), 1)
         }
-        position[str(entry.get("token_id"))] = {
-            "logprob": _finite(entry["logprob"]), "rank": entry.get("rank"), "decoded_token": entry.get("token"),
-        }
+        if "token_id" in entry:
+            position[str(entry["token_id"])] = {
+                "logprob": _finite(entry["logprob"]), "rank": entry.get("rank"),
+                "decoded_token": entry.get("token"),
+            }
         out.append(position)
     return out
 
