@@ -149,9 +149,9 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     ordered = sorted(values)
 
     def pick(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 6)
 
-    return {"mean": round(sum(ordered) / len(ordered), 4), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    return {"mean": round(sum(ordered) / len(ordered), 6), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
 def format_report(r: dict[str, Any]) -> str:

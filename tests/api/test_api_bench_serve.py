@@ -17,7 +17,8 @@ def test_bench_serve_reports_latencies(api_url, tmp_path):
     assert report["output_tokens"] == 6 * 5
     for key in ("ttft_s", "itl_s", "e2e_s"):
         p = report[key]
-        assert 0 < p["p50"] <= p["p90"] <= p["p99"]
+        # chunks that arrive in one read are microseconds apart: an inter-token latency may be ~0
+        assert (0 <= p["p50"] if key == "itl_s" else 0 < p["p50"]) and p["p50"] <= p["p90"] <= p["p99"]
     assert report["ttft_s"]["p50"] <= report["e2e_s"]["p50"]
 
 
