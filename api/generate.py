@@ -19,7 +19,13 @@ import redis
 from api.deps import AppState
 from api.errors import APIError, error_body, param_from_value_error
 from api.render import Choice, RelayedRequest, Renderer, TokenLogprob, prompt_logprobs, usage_chunk
-from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, Usage
+from api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptInput,
+    PromptTokensDetails,
+    Usage,
+)
 from api.sse import DONE, format_sse
 from producer.client import build_job
 from producer.protocol import Event, ProtocolError
@@ -153,6 +159,7 @@ class Collector:
         self.req = req
         self.choices = [Choice(i) for i in range(req.num_choices)]
         self.prompt_tokens: dict[str, int] = {}  # per job, from the worker's usage
+        self.cached_tokens: dict[str, int] = {}  # per job, when the worker reports it
         self.error: str | None = None
         self.echoes: dict[str, tuple[str, list[TokenLogprob]]] = {}  # per job, once known
 
@@ -167,6 +174,8 @@ class Collector:
         choice.add(event)
         if event.usage is not None:
             self.prompt_tokens[job_id] = int(event.usage.get("prompt_tokens", 0))
+            if "cached_tokens" in event.usage:
+                self.cached_tokens[job_id] = int(event.usage["cached_tokens"])
         if event.error is not None:
             self.error = f"job {job_id} failed: {event.error}"
         return choice
@@ -185,8 +194,13 @@ class Collector:
         tokens as relayed."""
         prompt = sum(self.prompt_tokens.values())
         completion = sum(len(c.token_ids) for c in self.choices)
+        details = (
+            PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()))
+            if self.cached_tokens else None
+        )
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens_details=details,
         )
 
 

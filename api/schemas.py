@@ -207,10 +207,15 @@ class JobOutput(BaseModel):
     stop_reason: int | str | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # served by the workers' prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # when the workers report it
 
 
 class JobView(BaseModel):

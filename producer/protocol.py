@@ -316,7 +316,9 @@ class Event:
     finished: bool = False  # this completion is done
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # stop token id or stop string that matched
-    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+    # prompt_tokens, completion_tokens, total_tokens; genq workers add cached_tokens (prompt
+    # tokens the prefix cache served)
+    usage: dict[str, int] | None = None
     error: str | None = None  # set: the whole job failed; no more events follow
     index: int = 0  # completion index, 0 <= index < n
     # per new token, genq workers send {"logprob", "rank", "top_logprobs": {token_id: logprob},

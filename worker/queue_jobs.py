@@ -79,6 +79,7 @@ class HeldJob:
     abort_reason: str | None = None  # ABORT_CANCELLED | ABORT_DEADLINE once asked to stop
     engine_ids: set[str] = field(default_factory=set)  # engine requests not finished yet
     prompt_tokens: int | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
     received_at: float = field(default_factory=time.time)  # unix time it came off the stream
     last_token_at: float | None = None  # unix time of the last step that sent a token
     # prompt logprobs (wire form) and the decoded prompt, waiting for completion 0's first
@@ -106,6 +107,7 @@ class HeldJob:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "cached_tokens": self.cached_tokens,
         }
 
     def past_deadline(self, now: float) -> bool:

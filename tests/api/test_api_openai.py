@@ -48,6 +48,15 @@ def test_chat_non_streaming_carries_usage(served_model: str, oai: openai.OpenAI)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_usage_counts_prompt_tokens_the_prefix_cache_served(served_model: str, oai: openai.OpenAI) -> None:
+    prompt = "A prompt long enough to fill two blocks of sixteen tokens in the worker's cache. " * 2
+    first = oai.completions.create(model=served_model, prompt=prompt, max_tokens=2)
+    again = oai.completions.create(model=served_model, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens  # whole blocks
+
+
 def test_chat_streaming_matches_non_streaming(served_model: str, oai: openai.OpenAI) -> None:
     expected = oai.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY)
     chunks = list(oai.chat.completions.create(

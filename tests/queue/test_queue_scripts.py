@@ -224,7 +224,8 @@ def test_events_record_and_abort() -> None:
     assert first is not None and (first.seq, first.usage) == (0, None)
     assert completion_event(held, 0, "", [], None) is None  # nothing new: no event
     last = completion_event(held, 0, "!", [5], "length")
-    assert last is not None and last.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert last is not None
+    assert last.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "cached_tokens": 0}
     [abort] = abort_events(held)  # completion 1 never ran
     assert (abort.index, abort.seq, abort.finish_reason) == (1, 0, FINISH_ABORT)
     rec = decode_record(final_record(held, "w", 1.0))
