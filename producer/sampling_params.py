@@ -10,8 +10,11 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from producer.json_schema import compile_schema
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+GUIDED_KINDS = {"json_object", "json_schema", "choice"}
 # Below this, temperature is greedy: dividing logits by a tinier number overflows to inf.
 MIN_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -39,8 +42,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
-    # vLLM's guided decoding: {"json_object": True} (the output is one JSON object) or
-    # {"choice": [strings]} (the output is one of them)
+    # vLLM's guided decoding, one of: {"json_object": True} (the output is one JSON object),
+    # {"json_schema": schema} (a value of that schema, in the subset producer.json_schema
+    # supports), {"choice": [strings]} (the output is one of them)
     guided_decoding: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -121,10 +125,17 @@ class SamplingParams:
 
 
 def _check_guided(guided: Any) -> None:
-    if not isinstance(guided, dict) or len(guided) != 1 or not set(guided) <= {"json_object", "choice"}:
+    if not isinstance(guided, dict) or len(guided) != 1 or not set(guided) <= GUIDED_KINDS:
         raise ValueError(
-            f'guided_decoding must be {{"json_object": true}} or {{"choice": [strings]}}, got {guided!r}'
+            'guided_decoding must be {"json_object": true}, {"json_schema": {...}} or '
+            f'{{"choice": [strings]}}, got {guided!r}'
         )
+    if "json_schema" in guided:
+        try:
+            compile_schema(guided["json_schema"])
+        except ValueError as exc:
+            raise ValueError(f"guided_decoding {exc}") from None
+        return
     if "json_object" in guided and guided["json_object"] is not True:
         raise ValueError(f"guided_decoding json_object must be true, got {guided['json_object']!r}")
     choices = guided.get("choice", ["x"])

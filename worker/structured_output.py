@@ -15,16 +15,13 @@ Plain Python (no torch): the engine turns the token ids into a mask tensor.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-MAX_WHITESPACE_RUN = 16  # consecutive whitespace characters: a model cannot pad forever
+from worker.json_grammar import JSON_OBJECT, JsonSchemaGrammar
+
 MASK_CACHE_SIZE = 1024  # grammar states whose masks are kept (a mask is one byte per token)
-_WHITESPACE = " \t\n\r"
-_ESCAPES = '"\\/bfnrtu'
-_HEX = "0123456789abcdefABCDEF"
-_DIGITS = "0123456789"
 
 
 class Grammar(Protocol):
@@ -41,6 +38,8 @@ def make_grammar(guided_decoding: dict[str, Any]) -> Grammar:
     """`{"json_object": True}` or `{"choice": [...]}` (SamplingParams checked the shape)."""
     if guided_decoding.get("json_object"):
         return JSON_OBJECT
+    if "json_schema" in guided_decoding:
+        return JsonSchemaGrammar(guided_decoding["json_schema"])
     return ChoiceGrammar(guided_decoding["choice"])
 
 
@@ -60,165 +59,6 @@ class ChoiceGrammar:
 
     def is_complete(self, state: Hashable) -> bool:
         return state in self.choices
-
-
-# ---------------------------------------------------------------------------------------------
-# JSON: one object at the top level (OpenAI's response_format json_object)
-
-# A JSON state is (stack, mode, aux, whitespace run): stack holds "{" / "[" for each open
-# container, mode says what may come next, aux carries the mode's detail (a string's role,
-# the rest of a literal, the hex digits an escape still needs).
-JsonState = tuple[tuple[str, ...], str, Any, int]
-
-
-class JsonObjectGrammar:
-    key: Hashable = ("json_object",)
-
-    def initial(self) -> Hashable:
-        return ((), "start", None, 0)
-
-    def is_complete(self, state: Hashable) -> bool:
-        return state[1] == "done"  # type: ignore[index]
-
-    def advance(self, state: Hashable, text: str) -> Hashable | None:
-        current: JsonState | None = state  # type: ignore[assignment]
-        for char in text:
-            current = _json_step(current, char)  # type: ignore[arg-type]
-            if current is None:
-                return None
-        return current
-
-
-def _json_step(state: JsonState, char: str) -> JsonState | None:
-    stack, mode, aux, ws = state
-    if mode in _STRUCTURAL and char in _WHITESPACE:
-        return (stack, mode, aux, ws + 1) if ws < MAX_WHITESPACE_RUN else None
-    state = (stack, mode, aux, 0)
-    return _JSON_STEPS[mode](state, char)
-
-
-def _start(state: JsonState, char: str) -> JsonState | None:
-    return (("{",), "key_or_end", None, 0) if char == "{" else None
-
-
-def _value(state: JsonState, char: str) -> JsonState | None:
-    """The first character of a value."""
-    stack = state[0]
-    if char == "{":
-        return ((*stack, "{"), "key_or_end", None, 0)
-    if char == "[":
-        return ((*stack, "["), "value_or_end", None, 0)
-    if char == '"':
-        return (stack, "string", "value", 0)
-    if char == "-":
-        return (stack, "number", "sign", 0)
-    if char == "0":
-        return (stack, "number", "zero", 0)
-    if char in _DIGITS:
-        return (stack, "number", "int", 0)
-    for literal in ("true", "false", "null"):
-        if char == literal[0]:
-            return (stack, "literal", literal[1:], 0)
-    return None
-
-
-def _value_or_end(state: JsonState, char: str) -> JsonState | None:
-    return _close(state, char) if char == "]" else _value(state, char)
-
-
-def _key_or_end(state: JsonState, char: str) -> JsonState | None:
-    return _close(state, char) if char == "}" else _key(state, char)
-
-
-def _key(state: JsonState, char: str) -> JsonState | None:
-    return (state[0], "string", "key", 0) if char == '"' else None
-
-
-def _colon(state: JsonState, char: str) -> JsonState | None:
-    return (state[0], "value", None, 0) if char == ":" else None
-
-
-def _after_value(state: JsonState, char: str) -> JsonState | None:
-    stack = state[0]
-    if char == ",":
-        return (stack, "key" if stack[-1] == "{" else "value", None, 0)
-    return _close(state, char)
-
-
-def _close(state: JsonState, char: str) -> JsonState | None:
-    stack = state[0]
-    if not stack or char != {"{": "}", "[": "]"}[stack[-1]]:
-        return None
-    rest = stack[:-1]
-    return (rest, "after_value" if rest else "done", None, 0)
-
-
-def _string(state: JsonState, char: str) -> JsonState | None:
-    stack, _, role, _ = state
-    if char == '"':
-        return (stack, "colon" if role == "key" else "after_value", None, 0)
-    if char == "\\":
-        return (stack, "escape", (role, 0), 0)
-    return None if ord(char) < 0x20 else state
-
-
-def _escape(state: JsonState, char: str) -> JsonState | None:
-    stack, _, (role, hex_left), _ = state
-    if hex_left:
-        if char not in _HEX:
-            return None
-        return (stack, "escape", (role, hex_left - 1), 0) if hex_left > 1 else (stack, "string", role, 0)
-    if char not in _ESCAPES:
-        return None
-    return (stack, "escape", (role, 4), 0) if char == "u" else (stack, "string", role, 0)
-
-
-def _literal(state: JsonState, char: str) -> JsonState | None:
-    stack, _, rest, _ = state
-    if char != rest[0]:
-        return None
-    return (stack, "literal", rest[1:], 0) if len(rest) > 1 else (stack, "after_value", None, 0)
-
-
-# What may follow each part of a number: the next part, or (the number ended) whatever may
-# follow a value.
-_NUMBER_NEXT: dict[str, list[tuple[str, str]]] = {
-    "sign": [(_DIGITS[1:], "int"), ("0", "zero")],
-    "zero": [(".", "frac_start"), ("eE", "exp_start")],
-    "int": [(_DIGITS, "int"), (".", "frac_start"), ("eE", "exp_start")],
-    "frac_start": [(_DIGITS, "frac")],
-    "frac": [(_DIGITS, "frac"), ("eE", "exp_start")],
-    "exp_start": [("+-", "exp_sign"), (_DIGITS, "exp")],
-    "exp_sign": [(_DIGITS, "exp")],
-    "exp": [(_DIGITS, "exp")],
-}
-_NUMBER_ENDS = {"zero", "int", "frac", "exp"}
-
-
-def _number(state: JsonState, char: str) -> JsonState | None:
-    stack, _, part, _ = state
-    for chars, nxt in _NUMBER_NEXT[part]:
-        if char in chars:
-            return (stack, "number", nxt, 0)
-    if part not in _NUMBER_ENDS:
-        return None
-    after = (stack, "after_value", None, 0)
-    return _json_step(after, char)
-
-
-def _done(state: JsonState, char: str) -> JsonState | None:
-    return None
-
-
-JSON_OBJECT = JsonObjectGrammar()  # stateless: one for every request
-
-_JSON_STEPS: dict[str, Callable[[JsonState, str], JsonState | None]] = {
-    "start": _start, "value": _value, "value_or_end": _value_or_end, "key_or_end": _key_or_end,
-    "key": _key, "colon": _colon, "after_value": _after_value, "string": _string,
-    "escape": _escape, "literal": _literal, "number": _number, "done": _done,
-}
-# where whitespace may stand between tokens (not inside strings, numbers or literals)
-_STRUCTURAL = {"start", "value", "value_or_end", "key_or_end", "key", "colon", "after_value"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -190,6 +191,13 @@ def test_guided_json_object_on_the_default_model():
     assert guided.finish_reason == "stop", guided.text
     assert isinstance(json.loads(guided.text), dict)
     assert not free.outputs[0].text.lstrip().startswith("{")  # unguided, it writes prose first
+    schema = {"type": "object", "required": ["name", "age", "colours"], "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"},
+        "colours": {"type": "array", "items": {"enum": ["black", "white", "orange"]}, "maxItems": 3}}}
+    params = SamplingParams(temperature=0.0, max_tokens=80, guided_decoding={"json_schema": schema})
+    shaped = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    assert shaped.finish_reason == "stop", shaped.text
+    jsonschema.validate(json.loads(shaped.text), schema)
 
 
 def test_unknown_sampling_field_is_an_error():

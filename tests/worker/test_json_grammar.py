@@ -1,0 +1,240 @@
+"""The JSON grammars of guided decoding against Python's `json` and `jsonschema` as oracles."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from producer.sampling_params import SamplingParams
+from worker.json_grammar import JSON_OBJECT, MAX_WHITESPACE_RUN, JsonSchemaGrammar
+
+VALID = [
+    "{}",
+    '{"a": 1}',
+    '{"a":-0.5e+10,"b":[true,false,null],"c":{"d":[]}}',
+    '{ "key" : "va\\"l\\\\ue\\n\\u00e9\\/" , "n": [0, -1, 12.75, 3E-2, 1e5] }',
+    '{"unicode": "h\u00e9llo \u4e16\u754c", "empty": "", "nested": [[[{}]]]}',
+    '{\n  "pretty": [\n    1,\n    2\n  ]\n}',
+]
+INVALID = [
+    "[]", '"a"', "1", "{", '{"a"}', '{"a":}', '{"a":1,}', "{,}", '{"a":01}', '{"a":1.}', '{"a":-}',
+    '{"a":tru}', '{"a":truth}', '{"a":"\\x"}', '{"a":"\\u12g4"}', '{"a":"tab\there"}', "{'a':1}",
+    '{"a":1}}', '{"a":[1}', '{"a":1} ', '{"a":NaN}', '{"a":1e}', '{"a":.5}', '{"a":+1}',
+]
+
+
+def feed(text: str, grammar=JSON_OBJECT):
+    """The state after `text`, one character at a time; None once rejected."""
+    state = grammar.initial()
+    for char in text:
+        state = grammar.advance(state, char)
+        if state is None:
+            return None
+    return state
+
+
+@pytest.mark.parametrize("text", VALID)
+def test_valid_objects_are_accepted_at_every_prefix_and_complete_only_at_the_end(text: str) -> None:
+    assert isinstance(json.loads(text), dict)
+    state = JSON_OBJECT.initial()
+    for i, char in enumerate(text):
+        assert not JSON_OBJECT.is_complete(state), text[:i]
+        state = JSON_OBJECT.advance(state, char)
+        assert state is not None, f"rejected at {i}: {text[: i + 1]!r}"
+    assert JSON_OBJECT.is_complete(state)
+    # any split into pieces (tokens) reaches the same state
+    rng = random.Random(text)
+    cuts = sorted(rng.sample(range(1, len(text)), min(3, len(text) - 1)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    chunked = JSON_OBJECT.initial()
+    for piece in pieces:
+        chunked = JSON_OBJECT.advance(chunked, piece)
+    assert chunked == state
+
+
+@pytest.mark.parametrize("text", INVALID)
+def test_invalid_text_is_rejected_or_never_completes(text: str) -> None:
+    state = feed(text)
+    assert state is None or not JSON_OBJECT.is_complete(state)
+
+
+def random_value(rng: random.Random, depth: int = 0):
+    kinds = ["int", "float", "str", "bool", "null"] + (["list", "dict"] if depth < 4 else [])
+    kind = rng.choice(kinds)
+    if kind == "int":
+        return rng.randint(-10**6, 10**6)
+    if kind == "float":
+        return rng.uniform(-1e3, 1e3) * 10 ** rng.randint(-8, 8)
+    if kind == "str":
+        return "".join(rng.choice('ab "\\\n\t\u00e9\u4e16/') for _ in range(rng.randint(0, 6)))
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return random_object(rng, depth + 1)
+
+
+def random_object(rng: random.Random, depth: int = 0) -> dict:
+    return {f"k{i}{rng.choice(['', ' ', 'é'])}": random_value(rng, depth) for i in range(rng.randint(0, 4))}
+
+
+def test_json_dumps_of_random_objects_is_accepted_and_mutations_are_sound() -> None:
+    rng = random.Random(0)
+    alphabet = '{}[]:,"\\ -.0123456789eEtrufalsn\n'
+    for _ in range(300):
+        text = json.dumps(random_object(rng), ensure_ascii=rng.random() < 0.5,
+                          indent=rng.choice([None, 1, 2]))
+        state = feed(text)
+        assert state is not None and JSON_OBJECT.is_complete(state), text
+        # a mutated text the grammar takes whole is an object to json too (never the reverse
+        # direction: the grammar is stricter, e.g. about whitespace after the object)
+        for _ in range(5):
+            i = rng.randrange(len(text))
+            mutated = text[:i] + rng.choice(["", rng.choice(alphabet)]) + text[i + rng.randint(0, 1):]
+            state = feed(mutated)
+            if state is not None and JSON_OBJECT.is_complete(state):
+                assert isinstance(json.loads(mutated), dict), mutated
+
+
+def test_whitespace_runs_are_bounded() -> None:
+    assert feed("{" + " " * MAX_WHITESPACE_RUN + "}") is not None
+    assert feed("{" + " " * (MAX_WHITESPACE_RUN + 1)) is None
+    assert feed('{"a": "' + " " * 100 + '"}') is not None  # inside a string, spaces are text
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON schema
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "email": {"type": ["string", "null"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", 3]}, "minItems": 1, "maxItems": 2},
+        "role": {"const": "admin"},
+        "scores": {"type": "array", "items": {"type": "number"}},
+        "extra": {"type": "object"},
+    },
+    "required": ["name", "age", "tags"],
+}
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "Ann", "age": 31, "tags": ["a"]}',
+    '{"name":"","age":-0,"email":null,"tags":[3,"b"],"role":"admin","scores":[1.5e-3,-2,0],"extra":{"k":[1,{}]}}',
+    '{\n  "name": "B\\u00e9",\n  "age": 7,\n  "tags": [\n    "b"\n  ],\n  "extra": {}\n}',
+    '{"name": "x", "age": 1, "email": "e@x", "tags": [3]}',
+])
+def test_schema_instances_are_accepted_and_valid(text: str) -> None:
+    jsonschema.validate(json.loads(text), PERSON)
+    grammar = JsonSchemaGrammar(PERSON)
+    state = feed(text, grammar)
+    assert state is not None and grammar.is_complete(state)
+
+
+@pytest.mark.parametrize("text", [
+    '{"age": 31, "name": "Ann", "tags": ["a"]}',  # out of schema order
+    '{"name": "Ann", "tags": ["a"]}',  # age is required
+    '{"name": "Ann", "age": 3.5, "tags": ["a"]}',  # not an integer
+    '{"name": "Ann", "age": 3, "tags": []}',  # minItems 1
+    '{"name": "Ann", "age": 3, "tags": ["a", "b", 3]}',  # maxItems 2
+    '{"name": "Ann", "age": 3, "tags": ["c"]}',  # not in the enum
+    '{"name": "Ann", "age": 3, "tags": [33]}',
+    '{"name": "Ann", "age": 3, "tags": ["a"], "role": "user"}',
+    '{"name": "Ann", "age": 3, "tags": ["a"], "nickname": "A"}',  # no other properties
+    '{"name": 5, "age": 3, "tags": ["a"]}',
+    '{"name": "Ann", "age": 3, "tags": ["a"], "extra": []}',
+    '{"name": "Ann", "age": 3, "tags": ["a"]} ',
+])
+def test_schema_violations_are_rejected_or_never_complete(text: str) -> None:
+    grammar = JsonSchemaGrammar(PERSON)
+    state = feed(text, grammar)
+    assert state is None or not grammar.is_complete(state)
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    leaves = [{"type": "string"}, {"type": "number"}, {"type": "integer"}, {"type": "boolean"},
+              {"type": "null"}, {"enum": ["x", "yz", 1, 12, True, None]}, {"const": "c"}, {},
+              {"anyOf": [{"type": "string"}, {"type": "integer"}]}, {"type": ["object", "null"]}]
+    if depth >= 3 or rng.random() < 0.4:
+        return rng.choice(leaves)
+    if rng.random() < 0.5:
+        low = rng.randint(0, 2)
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": low,
+                **({"maxItems": low + rng.randint(0, 2)} if rng.random() < 0.5 else {})}
+    names = [f"p{i}" for i in range(rng.randint(0, 4))]
+    return {"type": "object", "properties": {n: random_schema(rng, depth + 1) for n in names},
+            "required": [n for n in names if rng.random() < 0.5], "additionalProperties": False}
+
+
+def random_walk(grammar, rng: random.Random, max_chars: int = 400) -> str | None:
+    """Write a value character by character, each drawn among those the grammar allows
+    (closers favoured, so most walks end): what guided sampling does with tokens."""
+    alphabet = '{}[],:"ax1-.e0 \\ntrufalsn' + "p0123yzc"
+    state, text = grammar.initial(), ""
+    for _ in range(max_chars):
+        if grammar.is_complete(state):
+            return text
+        options = [(c, s) for c in alphabet if (s := grammar.advance(state, c)) is not None]
+        if not options:
+            return None
+        closers = [o for o in options if o[0] in '}]"']
+        char, state = rng.choice(closers if closers and rng.random() < 0.3 else options)
+        text += char
+    return None
+
+
+def test_random_walks_through_random_schemas_write_valid_instances() -> None:
+    rng = random.Random(5)
+    written = 0
+    for _ in range(150):
+        schema = {"type": "object", "properties": {"x": random_schema(rng)}, "required": ["x"]}
+        grammar = JsonSchemaGrammar(schema)
+        for _ in range(4):
+            text = random_walk(grammar, rng)
+            if text is None:
+                continue
+            jsonschema.validate(json.loads(text), schema)  # raises if the grammar let it through wrongly
+            written += 1
+    assert written > 300  # most walks end; each that did was valid
+
+
+def test_recursive_refs() -> None:
+    tree = {
+        "$defs": {"node": {"type": "object", "properties": {
+            "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            "required": ["v"]}},
+        "$ref": "#/$defs/node",
+    }
+    grammar = JsonSchemaGrammar(tree)
+    text = '{"v": 1, "kids": [{"v": 2}, {"v": 3, "kids": [{"v": 4, "kids": []}]}]}'
+    jsonschema.validate(json.loads(text), tree)
+    assert grammar.is_complete(feed(text, grammar))
+    assert feed('{"v": 1, "kids": [{"kids": []}]}', grammar) is None  # v is required
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a"}}}, "#/properties/s: pattern"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum"),
+    ({"type": "array", "prefixItems": [{}]}, "prefixItems"),
+    ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties with a schema"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "additionalProperties beside"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "only local $ref"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}},
+     "alternatives that can begin with the same character"),
+    ({"type": "string"}, "the root must be an object or an array"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required names unknown properties"),
+])
+def test_unsupported_schemas_are_refused_naming_the_keyword(schema: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"guided_decoding json_schema: .*{re.escape(message)}"):
+        SamplingParams(guided_decoding={"json_schema": schema})

@@ -1,0 +1,350 @@
+"""JSON grammars for guided decoding: any JSON object (OpenAI's `json_object`), or a value of a
+JSON schema (`json_schema`, the subset `producer.json_schema` compiles). Character-level
+automata over hashable states, as `worker.structured_output.Grammar` describes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from producer.json_schema import Node, compile_schema
+
+MAX_WHITESPACE_RUN = 16  # consecutive whitespace characters: a model cannot pad forever
+_WHITESPACE = " \t\n\r"
+_ESCAPES = '"\\/bfnrtu'
+_HEX = "0123456789abcdefABCDEF"
+_DIGITS = "0123456789"
+_STRING_STOPS = re.compile(r'["\\\x00-\x1f]')  # what ends or escapes a string, or may not stand in one
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON: one object at the top level (OpenAI's response_format json_object)
+
+# A JSON state is (stack, mode, aux, whitespace run): stack holds "{" / "[" for each open
+# container, mode says what may come next, aux carries the mode's detail (a string's role,
+# the rest of a literal, the hex digits an escape still needs).
+JsonState = tuple[tuple[str, ...], str, Any, int]
+
+
+class JsonObjectGrammar:
+    key: Hashable = ("json_object",)
+
+    def initial(self) -> Hashable:
+        return ((), "start", None, 0)
+
+    def is_complete(self, state: Hashable) -> bool:
+        return state[1] == "done"  # type: ignore[index]
+
+    def advance(self, state: Hashable, text: str) -> Hashable | None:
+        if state[1] == "string" and not _STRING_STOPS.search(text):  # type: ignore[index]
+            return state  # plain text inside a string: most tokens there, checked at once
+        current: JsonState | None = state  # type: ignore[assignment]
+        for char in text:
+            current = _json_step(current, char)  # type: ignore[arg-type]
+            if current is None:
+                return None
+        return current
+
+
+def _json_step(state: JsonState, char: str) -> JsonState | None:
+    stack, mode, aux, ws = state
+    if mode in _STRUCTURAL and char in _WHITESPACE:
+        return (stack, mode, aux, ws + 1) if ws < MAX_WHITESPACE_RUN else None
+    state = (stack, mode, aux, 0)
+    return _JSON_STEPS[mode](state, char)
+
+
+def _start(state: JsonState, char: str) -> JsonState | None:
+    return (("{",), "key_or_end", None, 0) if char == "{" else None
+
+
+def _value(state: JsonState, char: str) -> JsonState | None:
+    """The first character of a value."""
+    stack = state[0]
+    if char == "{":
+        return ((*stack, "{"), "key_or_end", None, 0)
+    if char == "[":
+        return ((*stack, "["), "value_or_end", None, 0)
+    if char == '"':
+        return (stack, "string", "value", 0)
+    if char == "-":
+        return (stack, "number", "sign", 0)
+    if char == "0":
+        return (stack, "number", "zero", 0)
+    if char in _DIGITS:
+        return (stack, "number", "int", 0)
+    for literal in ("true", "false", "null"):
+        if char == literal[0]:
+            return (stack, "literal", literal[1:], 0)
+    return None
+
+
+def _value_or_end(state: JsonState, char: str) -> JsonState | None:
+    return _close(state, char) if char == "]" else _value(state, char)
+
+
+def _key_or_end(state: JsonState, char: str) -> JsonState | None:
+    return _close(state, char) if char == "}" else _key(state, char)
+
+
+def _key(state: JsonState, char: str) -> JsonState | None:
+    return (state[0], "string", "key", 0) if char == '"' else None
+
+
+def _colon(state: JsonState, char: str) -> JsonState | None:
+    return (state[0], "value", None, 0) if char == ":" else None
+
+
+def _after_value(state: JsonState, char: str) -> JsonState | None:
+    stack = state[0]
+    if char == ",":
+        return (stack, "key" if stack[-1] == "{" else "value", None, 0)
+    return _close(state, char)
+
+
+def _close(state: JsonState, char: str) -> JsonState | None:
+    stack = state[0]
+    if not stack or char != {"{": "}", "[": "]"}[stack[-1]]:
+        return None
+    rest = stack[:-1]
+    return (rest, "after_value" if rest else "done", None, 0)
+
+
+def _string(state: JsonState, char: str) -> JsonState | None:
+    stack, _, role, _ = state
+    if char == '"':
+        return (stack, "colon" if role == "key" else "after_value", None, 0)
+    if char == "\\":
+        return (stack, "escape", (role, 0), 0)
+    return None if ord(char) < 0x20 else state
+
+
+def _escape(state: JsonState, char: str) -> JsonState | None:
+    stack, _, (role, hex_left), _ = state
+    if hex_left:
+        if char not in _HEX:
+            return None
+        return (stack, "escape", (role, hex_left - 1), 0) if hex_left > 1 else (stack, "string", role, 0)
+    if char not in _ESCAPES:
+        return None
+    return (stack, "escape", (role, 4), 0) if char == "u" else (stack, "string", role, 0)
+
+
+def _literal(state: JsonState, char: str) -> JsonState | None:
+    stack, _, rest, _ = state
+    if char != rest[0]:
+        return None
+    return (stack, "literal", rest[1:], 0) if len(rest) > 1 else (stack, "after_value", None, 0)
+
+
+# What may follow each part of a number: the next part, or (the number ended) whatever may
+# follow a value.
+_NUMBER_NEXT: dict[str, list[tuple[str, str]]] = {
+    "sign": [(_DIGITS[1:], "int"), ("0", "zero")],
+    "zero": [(".", "frac_start"), ("eE", "exp_start")],
+    "int": [(_DIGITS, "int"), (".", "frac_start"), ("eE", "exp_start")],
+    "frac_start": [(_DIGITS, "frac")],
+    "frac": [(_DIGITS, "frac"), ("eE", "exp_start")],
+    "exp_start": [("+-", "exp_sign"), (_DIGITS, "exp")],
+    "exp_sign": [(_DIGITS, "exp")],
+    "exp": [(_DIGITS, "exp")],
+}
+_NUMBER_ENDS = {"zero", "int", "frac", "exp"}
+
+
+def number_next(part: str, char: str, integer: bool = False) -> str | None:
+    """The part of a number `char` continues it with; None when it does not."""
+    for chars, nxt in _NUMBER_NEXT[part]:
+        if char in chars and not (integer and nxt in ("frac_start", "exp_start")):
+            return nxt
+    return None
+
+
+def _number(state: JsonState, char: str) -> JsonState | None:
+    stack, _, part, _ = state
+    nxt = number_next(part, char)
+    if nxt is not None:
+        return (stack, "number", nxt, 0)
+    if part not in _NUMBER_ENDS:
+        return None
+    after = (stack, "after_value", None, 0)
+    return _json_step(after, char)
+
+
+def _done(state: JsonState, char: str) -> JsonState | None:
+    return None
+
+
+JSON_OBJECT = JsonObjectGrammar()  # stateless: one for every request
+
+_JSON_STEPS: dict[str, Callable[[JsonState, str], JsonState | None]] = {
+    "start": _start, "value": _value, "value_or_end": _value_or_end, "key_or_end": _key_or_end,
+    "key": _key, "colon": _colon, "after_value": _after_value, "string": _string,
+    "escape": _escape, "literal": _literal, "number": _number, "done": _done,
+}
+# where whitespace may stand between tokens (not inside strings, numbers or literals)
+_STRUCTURAL = {"start", "value", "value_or_end", "key_or_end", "key", "colon", "after_value"}
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON schema: a stack of frames, one per value being written, each (node id, phase, aux)
+
+Frame = tuple[int, str, Any]
+SchemaState = tuple[tuple[Frame, ...], int]  # (frames, whitespace run); no frames: done
+_WHITESPACE_PHASES = {"start", "open", "colon", "after", "comma", "next"}
+_GENERIC_VALUE: JsonState = ((), "value", None, 0)  # where an embedded any-value starts
+
+
+class JsonSchemaGrammar:
+    """Values of a compiled schema. Structured parts (objects with properties, arrays,
+    numbers, literals, unions) step here; strings and free-form values run the generic JSON
+    automaton inside their frame."""
+
+    def __init__(self, schema: dict[str, Any]) -> None:
+        self.graph = compile_schema(schema)
+        self.nodes = self.graph.nodes
+        self.key: Hashable = ("json_schema", json.dumps(schema, sort_keys=True))
+        self._keys_at: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
+        self._first_chars = [self.graph.first_chars(i) for i in range(len(self.nodes))]
+
+    def initial(self) -> Hashable:
+        return (((self.graph.root, "start", None),), 0)
+
+    def is_complete(self, state: Hashable) -> bool:
+        return state[0] == ()  # type: ignore[index]
+
+    def advance(self, state: Hashable, text: str) -> Hashable | None:
+        frames = state[0]  # type: ignore[index]
+        if frames and frames[-1][1] == "any" and frames[-1][2][1] == "string" and not _STRING_STOPS.search(text):
+            return state  # plain text inside a string (see JsonObjectGrammar.advance)
+        current: SchemaState | None = state  # type: ignore[assignment]
+        for char in text:
+            current = self._step(current, char)  # type: ignore[arg-type]
+            if current is None:
+                return None
+        return current
+
+    def _step(self, state: SchemaState, char: str) -> SchemaState | None:
+        frames, ws = state
+        if not frames:
+            return None  # the value is complete: nothing may follow
+        node_id, phase, aux = frames[-1]
+        if phase in _WHITESPACE_PHASES and char in _WHITESPACE:
+            return (frames, ws + 1) if ws < MAX_WHITESPACE_RUN else None
+        rest = frames[:-1]
+        if phase == "start":
+            return self._begin(rest, node_id, char)
+        node = self.nodes[node_id]
+        if node.kind == "object":
+            return self._object(rest, node_id, node, phase, aux, char)
+        if node.kind == "array":
+            return self._array(rest, node_id, node, phase, aux, char)
+        if node.kind == "literals":
+            return self._literal(rest, node_id, node, aux, char)
+        if node.kind in ("number", "integer"):
+            nxt = number_next(aux, char, node.kind == "integer")
+            if nxt is not None:
+                return ((*rest, (node_id, phase, nxt)), 0)
+            return self._step((rest, 0), char) if aux in _NUMBER_ENDS else None
+        return self._generic(rest, node_id, aux, char)  # string, any, any_object
+
+    def _begin(self, rest: tuple[Frame, ...], node_id: int, char: str) -> SchemaState | None:
+        """A value of node `node_id` starting with `char`."""
+        node = self.nodes[node_id]
+        kind = node.kind
+        if kind == "union":
+            for alternative in node.alternatives:
+                if char in self._first_chars[alternative]:
+                    return self._begin(rest, alternative, char)
+            return None
+        if kind in ("object", "array"):
+            opened = char == ("{" if kind == "object" else "[")
+            return ((*rest, (node_id, "open", 0)), 0) if opened else None
+        if kind == "literals":
+            return self._literal(rest, node_id, node, "", char)
+        if kind in ("number", "integer"):
+            part = "sign" if char == "-" else "zero" if char == "0" else "int" if char in _DIGITS else None
+            return None if part is None else ((*rest, (node_id, "num", part)), 0)
+        if (kind == "string" and char != '"') or (kind == "any_object" and char != "{"):
+            return None
+        return self._generic(rest, node_id, _GENERIC_VALUE, char)
+
+    def _generic(self, rest: tuple[Frame, ...], node_id: int, inner: JsonState, char: str) -> SchemaState | None:
+        """A string or free-form value: the generic automaton, from an empty stack. It ends
+        when that stack closes again (a number: at the first character it cannot take)."""
+        stack, mode, part, _ = inner
+        if not stack and mode == "number":
+            nxt = number_next(part, char)
+            if nxt is not None:
+                return ((*rest, (node_id, "any", (stack, mode, nxt, 0))), 0)
+            return self._step((rest, 0), char) if part in _NUMBER_ENDS else None
+        new = _json_step(inner, char)
+        if new is None:
+            return None
+        if not new[0] and new[1] in ("after_value", "done"):
+            return (rest, 0)  # the value closed with this character
+        return ((*rest, (node_id, "any", new)), 0)
+
+    def _literal(self, rest: tuple[Frame, ...], node_id: int, node: Node, text: str, char: str) -> SchemaState | None:
+        longer = text + char
+        if any(lit.startswith(longer) for lit in node.literals):
+            if longer in node.literals and not any(len(lit) > len(longer) and lit.startswith(longer) for lit in node.literals):
+                return (rest, 0)  # nothing can extend it: complete now
+            return ((*rest, (node_id, "lit", longer)), 0)
+        # a complete literal that another could have extended (1 of [1, 12]) ends here
+        return self._step((rest, 0), char) if text in node.literals else None
+
+    def _object(self, rest: tuple[Frame, ...], node_id: int, node: Node, phase: str, aux: Any, char: str) -> SchemaState | None:
+        if phase in ("open", "after"):  # aux: index of the next property that may come
+            if char == "}" and not any(k in node.required for k, _ in node.properties[aux:]):
+                return (rest, 0)
+            if phase == "open" and char == '"' and self.keys_at(node_id, aux):
+                return ((*rest, (node_id, "key", (aux, ""))), 0)
+            if phase == "after" and char == "," and self.keys_at(node_id, aux):
+                return ((*rest, (node_id, "comma", aux)), 0)
+            return None
+        if phase == "comma":
+            return ((*rest, (node_id, "key", (aux, ""))), 0) if char == '"' else None
+        if phase == "key":
+            position, text = aux
+            keys = self.keys_at(node_id, position)
+            if char == '"':
+                index = next((j for key, j in keys if key == text), None)
+                return None if index is None else ((*rest, (node_id, "colon", index)), 0)
+            if any(key.startswith(text + char) for key, _ in keys):
+                return ((*rest, (node_id, "key", (position, text + char))), 0)
+            return None
+        # phase "colon", aux: index of the property whose value follows
+        if char != ":":
+            return None
+        child = node.properties[aux][1]
+        return ((*rest, (node_id, "after", aux + 1), (child, "start", None)), 0)
+
+    def keys_at(self, node_id: int, position: int) -> tuple[tuple[str, int], ...]:
+        """(key, index) of the properties that may come next: in schema order, skipping only
+        properties that are not required."""
+        cached = self._keys_at.get((node_id, position))
+        if cached is None:
+            node, keys = self.nodes[node_id], []
+            for j in range(position, len(node.properties)):
+                keys.append((node.properties[j][0], j))
+                if node.properties[j][0] in node.required:
+                    break
+            cached = self._keys_at[(node_id, position)] = tuple(keys)
+        return cached
+
+    def _array(self, rest: tuple[Frame, ...], node_id: int, node: Node, phase: str, count: int, char: str) -> SchemaState | None:
+        """count: items so far, capped where the limits stop telling counts apart."""
+        if char == "]" and phase in ("open", "after") and count >= node.min_items:
+            return (rest, 0)
+        if phase == "after":
+            more = node.max_items is None or count < node.max_items
+            return ((*rest, (node_id, "next", count)), 0) if char == "," and more else None
+        if phase == "open" and node.max_items == 0:
+            return None
+        cap = node.max_items if node.max_items is not None else node.min_items
+        assert node.item is not None
+        return self._begin((*rest, (node_id, "after", min(count + 1, cap))), node.item, char)
