@@ -89,7 +89,11 @@ def sampling_params(body: GenerationRequest) -> SamplingParams:
 
 
 def _bad_value(exc: ValueError, body: GenerationRequest) -> APIError:
-    aliases = {"prompt_token_ids": "prompt", "job": "job_id", "guided_decoding": "guided_choice"}
+    aliases = {"prompt_token_ids": "prompt", "job": "job_id"}
+    try:
+        aliases["guided_decoding"] = body.guided_source or "guided_decoding"
+    except ValueError:
+        pass  # two guided fields: the error being reported is that one
     if isinstance(body, ChatCompletionRequest):
         aliases["logprobs"] = "top_logprobs"
         if body.max_completion_tokens is not None:

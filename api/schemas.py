@@ -6,6 +6,7 @@ ValueError names the field (the routes turn it into a 400 with that `param`).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag
@@ -49,7 +50,9 @@ class _GenerationRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many alternatives
     guided_choice: list[str] | None = None  # the output is exactly one of these
-    # {"type": "json_object"}: the output is one JSON object; "text" (the default) or absent: free
+    guided_json: dict[str, Any] | str | None = None  # vLLM's: a JSON schema the output follows
+    # {"type": "json_object"}: one JSON object; {"type": "json_schema", "json_schema": {"name",
+    # "schema"}}: a value of that schema; {"type": "text"} or absent: free text
     response_format: dict[str, Any] | None = None
 
     @property
@@ -74,15 +77,47 @@ class _GenerationRequest(BaseModel):
         }
 
 
+    @property
+    def guided_source(self) -> str | None:
+        """The field that asks for guided decoding (its errors name it)."""
+        given = [name for name, value in (
+            ("response_format", (self.response_format or {}).get("type", "text") != "text"),
+            ("guided_json", self.guided_json is not None),
+            ("guided_choice", self.guided_choice is not None),
+        ) if value]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]} cannot be combined with {given[0]}: choose one")
+        return given[0] if given else None
+
     def _guided_decoding(self) -> dict[str, Any] | None:
-        kind = (self.response_format or {}).get("type", "text")
-        if kind not in ("text", "json_object"):
-            raise ValueError(f"response_format type must be text or json_object, got {kind!r}")
-        if kind == "json_object" and self.guided_choice is not None:
-            raise ValueError("guided_choice cannot be combined with response_format json_object")
+        source = self.guided_source
+        if source == "guided_choice":
+            return {"choice": self.guided_choice}
+        if source == "guided_json":
+            return {"json_schema": _json_schema(self.guided_json, "guided_json")}
+        if source is None:
+            return None
+        response_format = self.response_format or {}
+        kind = response_format.get("type")
         if kind == "json_object":
             return {"json_object": True}
-        return None if self.guided_choice is None else {"choice": self.guided_choice}
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            return {"json_schema": _json_schema(schema, "response_format")}
+        raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _json_schema(schema: Any, field: str) -> dict[str, Any]:
+    """A schema as the request gave it: a mapping, or (vLLM's guided_json) its JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{field} is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{field} needs a JSON schema object, got {schema!r}")
+    return schema
 
 
 class CompletionRequest(_GenerationRequest):

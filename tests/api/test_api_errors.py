@@ -64,6 +64,13 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}},
          "response_format"),
         ("/v1/completions", {"model": "m", "prompt": "x", "guided_choice": []}, "guided_choice"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"pattern": "^x"}}}}}},
+         "response_format"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, "response_format"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "guided_json": "{not json"}, "guided_json"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "guided_json": {"type": "integer"}},
+         "guided_json"),
         ("/v1/chat/completions",
          {**CHAT, "guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),

@@ -3,9 +3,11 @@ Llama, uvicorn), driven by the official `openai` client."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 
@@ -215,6 +217,30 @@ def test_guided_choice_and_json_mode(served_model: str, oai: openai.OpenAI) -> N
         response_format={"type": "json_object"},
     )
     assert json_mode.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_json_schema_outputs_validate(served_model: str, oai: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"},
+            "sizes": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 3},
+            "note": {"type": "null"},
+        },
+        "required": ["colour", "ok", "sizes"],
+    }
+    chat = oai.chat.completions.create(
+        model=served_model, messages=MESSAGES, temperature=1.0, seed=4, max_tokens=400, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+    )
+    completion = oai.completions.create(
+        model=served_model, prompt="JSON:", temperature=1.0, seed=5, max_tokens=400,
+        extra_body={"guided_json": json.dumps(schema)},
+    )
+    texts = [c.message.content for c in chat.choices] + [completion.choices[0].text]
+    for text, reason in zip(texts, [c.finish_reason for c in [*chat.choices, *completion.choices]], strict=True):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
