@@ -115,7 +115,7 @@ class SamplingBatch:
             **_filter_tensors(params, greedy, vocab_size, device),
             **_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
             **_min_tokens_blocks(params, output_token_ids, eos_token_ids, vocab_size, device),
-            **_token_list_tensors(params, token_masks, vocab_size, device),
+            **_token_list_tensors(params, token_masks, eos_token_ids, vocab_size, device),
             row_generators=[
                 (row, g)
                 for row, (g, is_greedy) in enumerate(zip(generators, greedy, strict=True))
@@ -248,8 +248,8 @@ def _min_tokens_blocks(
 
 
 def _token_list_tensors(
-    params: list[SamplingParams], token_masks: list[bytes | None] | None, vocab_size: int,
-    device: torch.device,
+    params: list[SamplingParams], token_masks: list[bytes | None] | None, eos_token_ids: list[int],
+    vocab_size: int, device: torch.device,
 ) -> dict[str, Tensor | None]:
     """allowed_token_ids and guided-decoding masks as one mask, logit_bias as (row, token,
     value) triples; the engine has checked that every id is in the vocabulary."""
@@ -268,6 +268,11 @@ def _token_list_tensors(
             n = min(len(mask), vocab_size)
             permitted[:n] = torch.frombuffer(bytearray(mask[:n]), dtype=torch.uint8).bool()
             disallowed[row] |= ~permitted
+        # allowed_token_ids and a grammar with nothing in common: the row ends (EOS) rather
+        # than sampling from nothing
+        stuck = disallowed.all(dim=1).nonzero().flatten().tolist()
+        for row in stuck:
+            disallowed[row, [t for t in eos_token_ids if t < vocab_size]] = False
         out["disallowed"] = disallowed.to(device)
     biased = [(row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
     if biased:

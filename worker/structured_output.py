@@ -111,7 +111,9 @@ class TokenMasks:
     def _compute(self, grammar: Grammar, state: Hashable) -> bytes:
         ids = [i for i, text in self.candidates if grammar.advance(state, text) is not None]
         mask = bytearray(_mask(len(self.token_texts), ids))
-        if grammar.is_complete(state):
+        # Complete, or stuck: no token spells what must come next (a character the tokenizer
+        # only has in pieces). Ending beats sampling from a distribution with nothing in it.
+        if grammar.is_complete(state) or not ids:
             for i, stop in enumerate(self.stop_mask):
                 mask[i] |= stop
         return bytes(mask)

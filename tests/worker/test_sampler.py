@@ -273,6 +273,17 @@ def test_logit_bias_and_allowed_token_ids_equal_transformers() -> None:
     assert out.token_ids[1] in (1, 4, 10) and out.token_ids[2] in (2, 5)
 
 
+def test_a_row_with_nothing_left_to_sample_ends() -> None:
+    # allowed_token_ids and a guided-decoding mask with nothing in common
+    params = [SamplingParams(temperature=1.0, allowed_token_ids=[5]), SamplingParams(temperature=1.0)]
+    masks = [bytes([1, 1, 0, 1, 0, 0, 0, 0]), None]
+    batch = SamplingBatch.build(params, [[], []], [[], []], [None, None], [EOS], 8, CPU, token_masks=masks)
+    logits = torch.zeros(2, 8)
+    logits[0, 5] = 5.0
+    out = Sampler(seed=1)(logits, batch)
+    assert out.token_ids[0] == EOS
+
+
 def test_allowed_token_ids_hold_over_many_random_draws() -> None:
     logits = torch.zeros(2000, 8)
     params = SamplingParams(temperature=1.0, allowed_token_ids=[3, 6], logit_bias={6: 1.0})

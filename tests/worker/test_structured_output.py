@@ -56,3 +56,10 @@ def test_a_complete_choice_that_another_extends_may_stop_or_go_on() -> None:
     assert [vocab[i] for i, ok in enumerate(masks.allowed(guided)) if ok] == ["t", "<eos>"]
     masks.advance(guided, [0, 1])
     assert [vocab[i] for i, ok in enumerate(masks.allowed(guided)) if ok] == [" sure"]
+
+
+def test_a_state_no_token_can_continue_allows_only_the_stop_tokens() -> None:
+    vocab = ["a", "\ufffd", "<eos>"]  # "é" exists only in byte pieces
+    masks = TokenMasks(vocab, special_ids={2}, stop_ids={2})
+    grammar = ChoiceGrammar(["é"])
+    assert list(masks.allowed(GuidedState(grammar, grammar.initial()))) == [0, 0, 1]
