@@ -28,7 +28,7 @@ from api.schemas import (
 )
 from api.sse import DONE, format_sse
 from producer.client import build_job
-from producer.protocol import Event, ProtocolError
+from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
 from producer.sampling_params import SamplingParams
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
@@ -165,6 +165,7 @@ class Collector:
         self.prompt_tokens: dict[str, int] = {}  # per job, from the worker's usage
         self.cached_tokens: dict[str, int] = {}  # per job, when the worker reports it
         self.error: str | None = None
+        self.invalid_request = False  # the failed job was at fault, not the worker
         self.echoes: dict[str, tuple[str, list[TokenLogprob]]] = {}  # per job, once known
 
     def add(self, job_id: str, event: Event) -> Choice:
@@ -182,7 +183,15 @@ class Collector:
                 self.cached_tokens[job_id] = int(event.usage["cached_tokens"])
         if event.error is not None:
             self.error = f"job {job_id} failed: {event.error}"
+            self.invalid_request = event.error_type == ERROR_INVALID_REQUEST
         return choice
+
+    def error_kind(self) -> tuple[int, str, str]:
+        """(status, type, code) of the failure: the request's fault (400: sending it again
+        cannot help) or the server's (500)."""
+        if self.invalid_request:
+            return 400, "invalid_request_error", "invalid_request"
+        return 500, "server_error", "job_failed"
 
     def _echo(self, job_id: str, event: Event) -> tuple[str, list[TokenLogprob]]:
         """The prompt's text and logprobs. The worker sends its part (the decoded prompt, the
@@ -217,7 +226,8 @@ async def collect(state: AppState, req: RelayedRequest, renderer: Renderer) -> A
             async for job_id, event in events:
                 collector.add(job_id, event)
                 if collector.error is not None:
-                    raise APIError(500, collector.error, type="server_error", code="job_failed")
+                    status, kind, code = collector.error_kind()
+                    raise APIError(status, collector.error, type=kind, code=code)
     except TimeoutError as exc:
         raise APIError(504, str(exc), type="timeout_error", code="timeout") from exc
     return renderer.response(req, collector.choices, collector.usage())
@@ -235,7 +245,8 @@ async def stream(
             async for job_id, event in events:
                 choice = collector.add(job_id, event)
                 if collector.error is not None:
-                    yield format_sse(error_body(collector.error, "server_error", code="job_failed"))
+                    _, kind, code = collector.error_kind()
+                    yield format_sse(error_body(collector.error, kind, code=code))
                     break
                 if (chunk := renderer.chunk(req, choice, event)) is not None:
                     yield format_sse(chunk)

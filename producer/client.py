@@ -75,13 +75,18 @@ return entry_id
 
 
 class JobFailed(Exception):
-    """The job ended with an error; `.error` is the worker's message."""
+    """The job ended with an error; `.error` is the worker's message, `.error_type`
+    ERROR_INVALID_REQUEST when the job itself was at fault (submitting it again cannot help)."""
 
-    def __init__(self, job_id: str, error: str | None, result: JobResult | None = None) -> None:
+    def __init__(
+        self, job_id: str, error: str | None, result: JobResult | None = None,
+        error_type: str | None = None,
+    ) -> None:
         super().__init__(f"job {job_id} failed: {error}")
         self.job_id = job_id
         self.error = error
         self.result = result
+        self.error_type = error_type or (result.error_type if result else None)
 
 
 class JobNotFound(LookupError):
@@ -126,6 +131,7 @@ class JobResult:
     outputs: list[CompletionOutput] = field(default_factory=list)
     usage: dict[str, int] | None = None
     error: str | None = None
+    error_type: str | None = None  # with error: ERROR_INVALID_REQUEST, or None
 
     @property
     def text(self) -> str:
@@ -221,6 +227,7 @@ class _EventLog:
         self.n: int | None = None  # read from the job record once subscribed
         self.closed = False  # the record said terminal, yet some events are gone (expired)
         self.error: str | None = None
+        self.error_type: str | None = None
         self.usage: dict[str, int] | None = None
         self._last_seq: dict[int, int] = {}
         self._final: dict[int, Event] = {}
@@ -245,7 +252,7 @@ class _EventLog:
         if event.usage is not None:
             self.usage = event.usage
         if event.error is not None:
-            self.error = event.error
+            self.error, self.error_type = event.error, event.error_type
         elif event.finished:
             self._final[event.index] = event
         return True
@@ -362,6 +369,7 @@ def _make_result(job_id: str, raw_record: dict[Any, Any], log: _EventLog | None)
         outputs=_outputs(record, log),
         usage=record.usage or (log.usage if log else None),
         error=record.error or (log.error if log else None),
+        error_type=record.error_type or (log.error_type if log else None),
     )
 
 
@@ -507,7 +515,7 @@ class Client:
         event and TimeoutError when `timeout_s` passes before the job ends."""
         for _, event in self._follow({job_id: _EventLog(job_id)}, timeout_s):
             if event.error is not None:
-                raise JobFailed(job_id, event.error)
+                raise JobFailed(job_id, event.error, error_type=event.error_type)
             yield Delta.from_event(event)
 
     def result(self, job_id: str, timeout_s: float | None = None) -> JobResult:
@@ -699,7 +707,7 @@ class AsyncClient:
     async def stream(self, job_id: str, timeout_s: float | None = None) -> AsyncIterator[Delta]:
         async for _, event in self._follow({job_id: _EventLog(job_id)}, timeout_s):
             if event.error is not None:
-                raise JobFailed(job_id, event.error)
+                raise JobFailed(job_id, event.error, error_type=event.error_type)
             yield Delta.from_event(event)
 
     async def result(self, job_id: str, timeout_s: float | None = None) -> JobResult:

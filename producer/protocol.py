@@ -42,6 +42,10 @@ DEFAULT_SHUTDOWN_GRACE_S = 20.0  # SIGTERM: time in-flight jobs get before they 
 
 EVENT_FIELD = "event"  # the one field of an events-stream entry: the msgpack event
 FINISH_ABORT = "abort"  # finish_reason of a completion ended by cancel or deadline
+# error_type of a failed job: the job itself was at fault (a prompt too long for the model, a
+# token id outside its vocabulary, an undecodable entry): running it again cannot succeed.
+# Any other failure has no error_type.
+ERROR_INVALID_REQUEST = "invalid_request"
 MAX_JOB_ID_LEN = 200
 
 # KEYS[1]: events(id), both the stream and the channel name.
@@ -320,6 +324,7 @@ class Event:
     # tokens the prefix cache served)
     usage: dict[str, int] | None = None
     error: str | None = None  # set: the whole job failed; no more events follow
+    error_type: str | None = None  # with error: ERROR_INVALID_REQUEST, or None
     index: int = 0  # completion index, 0 <= index < n
     # per new token, genq workers send {"logprob", "rank", "top_logprobs": {token_id: logprob},
     # "token": its text, "decoded": {token_id: text}}; readers also take a bare
@@ -341,6 +346,7 @@ _EVENT_TYPES: dict[str, tuple[type, ...]] = {
     "stop_reason": (int, str, type(None)),
     "usage": (dict, type(None)),
     "error": (str, type(None)),
+    "error_type": (str, type(None)),
     "index": (int,),
     "logprobs": (list, type(None)),
     "prompt_logprobs": (list, type(None)),
@@ -412,6 +418,7 @@ class JobRecord:
     finish_reason: str | None = None  # of completion 0
     text: str | None = None  # of completion 0
     error: str | None = None
+    error_type: str | None = None  # ERROR_INVALID_REQUEST: the job was at fault
     outputs: list[CompletionOutput] | None = None  # msgpack: every completion with token ids
     extra: dict[str, str] = field(default_factory=dict)  # fields this module does not know
 
@@ -429,7 +436,7 @@ class JobRecord:
 
 _RECORD_INTS = ("n", "prompt_tokens", "completion_tokens")
 _RECORD_FLOATS = ("submitted_at", "started_at", "finished_at")
-_RECORD_STRS = ("entry_id", "worker", "finish_reason", "text", "error")
+_RECORD_STRS = ("entry_id", "worker", "finish_reason", "text", "error", "error_type")
 
 
 def encode_record(record: JobRecord) -> dict[str, str | bytes]:

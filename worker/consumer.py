@@ -36,7 +36,7 @@ from arq.connections import RedisSettings
 from producer.aio import wait_for_event
 from producer.protocol import Keys
 from worker.queue_config import WorkerConfig, config_from_env
-from worker.queue_engine import EngineThread, intake_capacity
+from worker.queue_engine import EngineThread, Rejected, intake_capacity
 from worker.queue_heartbeat import Heartbeat, listen_cancels
 from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer
 from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
@@ -171,10 +171,10 @@ class Consumer:
             logger.info("job %s: cancel requested", job_id)
             self.abort(held, ABORT_CANCELLED)
 
-    async def _reject(self, held: HeldJob, error: str) -> None:
+    async def _reject(self, held: HeldJob, refused: Rejected) -> None:
         """The engine refused the job (prompt over max_model_len, ...): fail it and
         dead-letter its entry."""
-        await self.admission.fail_held(held, error)
+        await self.admission.fail_held(held, refused.error, refused.error_type)
         if not held.engine_ids:
             self.table.remove(held)
 

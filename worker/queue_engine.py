@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from producer.protocol import Job
+from jinja2 import TemplateError
+
+from producer.protocol import ERROR_INVALID_REQUEST, Job
 from worker.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -35,6 +37,15 @@ class AddRequest:
     job: Job
     index: int | None = None  # set: run only this completion (n = 1), a resumed n > 1 job
     resume_token_ids: list[int] | None = None  # tokens already sent for it
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A job the engine refused to add."""
+
+    engine_id: str
+    error: str
+    error_type: str | None  # ERROR_INVALID_REQUEST when the job itself was at fault
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class EngineStats:
 @dataclass
 class StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
-    rejected: list[tuple[str, str]] = field(default_factory=list)  # (engine id, error)
+    rejected: list[Rejected] = field(default_factory=list)
     stats: EngineStats = field(default_factory=EngineStats)
     time: float = 0.0  # unix time the step ended
     error: BaseException | None = None  # the engine failed; the thread has stopped
@@ -182,10 +193,10 @@ class EngineThread:
             logger.exception("engine thread failed")
             self._post(StepResult(error=exc, time=time.time()))
 
-    def _take_commands(self, block: bool) -> tuple[list[tuple[str, str]], bool] | None:
+    def _take_commands(self, block: bool) -> tuple[list[Rejected], bool] | None:
         """Apply queued commands; wait for one first when the engine is idle. Returns
         (rejected adds, whether anything was taken), or None on stop."""
-        rejected: list[tuple[str, str]] = []
+        rejected: list[Rejected] = []
         changed = False
         while True:
             try:
@@ -199,12 +210,12 @@ class EngineThread:
                 for engine_id in command.engine_ids:
                     self.engine.abort_request(engine_id)
             else:
-                error = self._add(command)
-                if error is not None:
-                    rejected.append((command.engine_id, error))
+                refused = self._add(command)
+                if refused is not None:
+                    rejected.append(refused)
 
-    def _add(self, request: AddRequest) -> str | None:
-        """Queue one request; the error message if the engine refuses it."""
+    def _add(self, request: AddRequest) -> Rejected | None:
+        """Queue one request; why, if the engine refuses it."""
         self._num_adds_taken += 1
         job = request.job
         params = job.sampling_params
@@ -216,8 +227,10 @@ class EngineThread:
                 request.engine_id, self._prompt(job), params, priority=job.priority,
                 resume_output_token_ids=request.resume_token_ids or None,
             )
+        except (ValueError, TemplateError) as exc:  # the job's fault: prompt, params, messages
+            return Rejected(request.engine_id, str(exc), ERROR_INVALID_REQUEST)
         except Exception as exc:  # a bad prompt fails its job; the engine is left as it was
-            return f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
+            return Rejected(request.engine_id, f"{type(exc).__name__}: {exc}", None)
         self._note_size(request)
         return None
 

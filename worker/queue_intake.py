@@ -21,6 +21,7 @@ import redis.asyncio
 
 from producer.aio import wait_for_event
 from producer.protocol import (
+    ERROR_INVALID_REQUEST,
     Job,
     ProtocolError,
     decode_job,
@@ -64,6 +65,7 @@ class Rejection:
     reason: str
     job_id: str | None = None
     fail_job: bool = True  # False: the job is alive elsewhere (duplicate entry); leave it
+    error_type: str | None = ERROR_INVALID_REQUEST  # None: not the job's fault
 
 
 class Admission:
@@ -118,7 +120,7 @@ class Admission:
     def check(self, delivery: Delivery) -> Job | Rejection:
         """The job to run, or why the entry cannot run."""
         if delivery.fields is None:
-            return Rejection("the entry was deleted from the stream before it ran")
+            return Rejection("the entry was deleted from the stream before it ran", error_type=None)
         try:
             job = decode_job(delivery.fields)
         except ProtocolError as exc:
@@ -138,7 +140,7 @@ class Admission:
         return Rejection(
             f"delivered {delivery.delivery_count} times, over the delivery limit of "
             f"{self.config.delivery_limit}: every worker that took it stopped before finishing",
-            job.id,
+            job.id, error_type=None,
         )
 
     def _check_model(self, job: Job) -> Rejection | None:
@@ -199,11 +201,11 @@ class Admission:
             completions = progress_from_events(1, entries) if entries else None
         except ProtocolError:
             completions = None  # unreadable events: seq 0 is the best guess
-        event = encode_event(error_event(completions, rejection.reason))
-        record = failed_record(rejection.reason, self.config.name, time.time())
+        event = encode_event(error_event(completions, rejection.reason, rejection.error_type))
+        record = failed_record(rejection.reason, self.config.name, time.time(), rejection.error_type)
         return DeadLetter(delivery.entry_id, fields, job_id, event, record)
 
-    async def fail_held(self, held: HeldJob, error: str) -> None:
+    async def fail_held(self, held: HeldJob, error: str, error_type: str | None) -> None:
         """Fail a job already taken (the engine refused it): error event, failed record,
         entry to the dead stream."""
         keys = self.scripts.keys
@@ -212,7 +214,8 @@ class Admission:
         pipe.xrange(keys.events(held.id))
         entry, events = await pipe.execute()
         delivery = Delivery(held.entry_id, entry[0][1] if entry else {}, held.delivery_count)
-        letter = self._dead_letter(delivery, Rejection(error, held.id), {held.id: events})
+        rejection = Rejection(error, held.id, error_type=error_type)
+        letter = self._dead_letter(delivery, rejection, {held.id: events})
         await self.scripts.dead_letter([letter])
         logger.warning("job %s failed: %s", held.id, error)
 

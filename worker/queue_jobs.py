@@ -201,17 +201,19 @@ def final_record(held: HeldJob, worker: str, now: float) -> dict[str, str | byte
     return encode_record(record)
 
 
-def failed_record(error: str, worker: str, now: float) -> dict[str, str | bytes]:
-    return encode_record(
-        JobRecord(status=JobStatus.FAILED, worker=worker, error=error, finished_at=now)
-    )
+def failed_record(
+    error: str, worker: str, now: float, error_type: str | None = None
+) -> dict[str, str | bytes]:
+    return encode_record(JobRecord(
+        status=JobStatus.FAILED, worker=worker, error=error, error_type=error_type, finished_at=now,
+    ))
 
 
-def error_event(completions: list[Completion] | None, error: str) -> Event:
+def error_event(completions: list[Completion] | None, error: str, error_type: str | None = None) -> Event:
     """The one terminal event of a failed job. Readers drop an event at or below the last seq
     of its index, so it takes the next seq of index 0."""
     seq = completions[0].next_seq if completions else 0
-    return Event(seq=seq, error=error, index=0)
+    return Event(seq=seq, error=error, error_type=error_type, index=0)
 
 
 class JobTable:

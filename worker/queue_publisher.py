@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from producer.protocol import Event, encode_event
-from worker.queue_engine import EngineStats, EngineThread, StepResult
+from worker.queue_engine import EngineStats, EngineThread, Rejected, StepResult
 from worker.queue_jobs import (
     ABORT_DEADLINE,
     HeldJob,
@@ -49,7 +49,7 @@ class Publisher:
         engine: EngineThread,
         metrics: WorkerMetrics,
         worker_name: str,
-        on_rejected: Callable[[HeldJob, str], Any],
+        on_rejected: Callable[[HeldJob, Rejected], Any],
     ) -> None:
         self.scripts = scripts
         self.table = table
@@ -74,7 +74,7 @@ class Publisher:
 
     async def publish(self, batch: list[StepResult]) -> None:
         writes: dict[str, JobWrite] = {}
-        rejected: list[tuple[HeldJob, str]] = []
+        rejected: list[tuple[HeldJob, Rejected]] = []
         for result in batch:
             if result.error is not None:
                 raise EngineFailed(f"engine thread failed: {result.error!r}") from result.error
@@ -83,8 +83,8 @@ class Publisher:
             rejected += self._rejected(result.rejected)
             self.stats = result.stats
         await self._write(list(writes.values()))
-        for held, error in rejected:
-            await self.on_rejected(held, error)
+        for held, refused in rejected:
+            await self.on_rejected(held, refused)
         self.metrics.engine_stats(self.stats)
         self.changed.set()
 
@@ -142,19 +142,19 @@ class Publisher:
         held.abort_reason = ABORT_DEADLINE
         self.engine.abort(sorted(held.engine_ids))
 
-    def _rejected(self, rejected: list[tuple[str, str]]) -> list[tuple[HeldJob, str]]:
+    def _rejected(self, rejected: list[Rejected]) -> list[tuple[HeldJob, Rejected]]:
         """Jobs the engine refused (prompt too long, bad token ids, no chat template)."""
-        out: list[tuple[HeldJob, str]] = []
-        for engine_id, error in rejected:
-            found = self.table.by_engine_id(engine_id)
+        out: list[tuple[HeldJob, Rejected]] = []
+        for refused in rejected:
+            found = self.table.by_engine_id(refused.engine_id)
             if found is None:
                 continue
             held = found[0]
-            self.table.engine_done(held, engine_id)
+            self.table.engine_done(held, refused.engine_id)
             if held.state.writes:
                 held.state = JobState.LOST  # no more writes: the failure is written instead
                 self.engine.abort(sorted(held.engine_ids))  # its other completions, if any
-                out.append((held, error))
+                out.append((held, refused))
         return out
 
     async def _write(self, writes: list[JobWrite]) -> None:

@@ -200,7 +200,7 @@ def test_logit_bias_and_allowed_token_ids(served_model: str, oai: openai.OpenAI,
         extra_body={"ignore_eos": True, "allowed_token_ids": [7, 99, 512]},
     )
     assert {t.token for t in chat.choices[0].logprobs.content} <= {tokenizer.decode([i]) for i in (7, 99, 512)}
-    with pytest.raises(openai.InternalServerError, match="outside the vocabulary"):  # the worker knows the vocabulary
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):  # the worker knows the vocabulary
         oai.completions.create(model=served_model, prompt="x", logit_bias={"10000000": 1}, max_tokens=2)
 
 
@@ -253,10 +253,10 @@ def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -
     assert response.usage.completion_tokens == 5
 
 
-def test_a_failed_job_is_a_500_or_an_error_chunk(served_model: str, oai: openai.OpenAI) -> None:
+def test_a_job_the_worker_refuses_is_a_400_or_an_error_chunk(served_model: str, oai: openai.OpenAI) -> None:
     too_long = [5] * 1100  # the worker's max_model_len is 1024: it fails the job
-    with pytest.raises(openai.InternalServerError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=served_model, prompt=too_long, max_tokens=4)
-    assert info.value.body["code"] == "job_failed" and "max_model_len" in info.value.body["message"]
+    assert info.value.body["code"] == "invalid_request" and "max_model_len" in info.value.body["message"]
     with pytest.raises(openai.APIError, match="max_model_len"):
         list(oai.completions.create(model=served_model, prompt=too_long, max_tokens=4, stream=True))

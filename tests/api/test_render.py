@@ -1,8 +1,11 @@
-"""Response shapes built from events, for inputs the live tests cannot easily produce."""
+"""Responses built from events (shapes, failure statuses), for inputs the live tests cannot
+easily produce."""
 
 from __future__ import annotations
 
-from api.render import completion_logprobs, prompt_logprobs, vllm_prompt_logprobs
+from api.generate import Collector
+from api.render import RelayedRequest, completion_logprobs, prompt_logprobs, vllm_prompt_logprobs
+from producer.protocol import ERROR_INVALID_REQUEST, Event
 
 GENQ_PROMPT = [
     {"token_id": 1, "token": "<s>"},
@@ -31,3 +34,14 @@ def test_the_echoed_first_token_has_null_logprob_and_alternatives() -> None:
         "tokens": ["<s>", "Hi"], "token_logprobs": [None, -2.0],
         "top_logprobs": [None, {"Yo": -0.5, "Hi": -2.0}], "text_offset": [0, 3],
     }
+
+
+def test_a_failed_job_is_the_requests_fault_only_when_the_worker_says_so() -> None:
+    req = RelayedRequest(id="cmpl-x", job_ids=["j"], n=1, model="m", created=0)
+    for error_type, expected in (
+        (ERROR_INVALID_REQUEST, (400, "invalid_request_error", "invalid_request")),
+        (None, (500, "server_error", "job_failed")),  # a worker crash loop, a lost entry, ...
+    ):
+        collector = Collector(req)
+        collector.add("j", Event(seq=0, error="boom", error_type=error_type))
+        assert collector.error == "job j failed: boom" and collector.error_kind() == expected

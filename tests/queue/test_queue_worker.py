@@ -16,6 +16,7 @@ from queue_support import WorkerProcess, wait_for
 
 from producer.client import Client, JobFailed, build_job
 from producer.protocol import (
+    ERROR_INVALID_REQUEST,
     FINISH_ABORT,
     JobStatus,
     Keys,
@@ -210,8 +211,9 @@ def test_invalid_sampling_params_from_another_producer_fail_the_job(
     entry["payload"] = msgpack.packb(payload)
     entry_id = conn.xadd(client.keys.requests, entry).decode()
     wait_for(lambda: ended(conn, client.keys, "bad-params"), TIMEOUT_S, "job failed")
-    with pytest.raises(JobFailed, match="temperature must be"):
+    with pytest.raises(JobFailed, match="temperature must be") as failure:
         client.result("bad-params", TIMEOUT_S)
+    assert failure.value.error_type == ERROR_INVALID_REQUEST  # the job's fault: do not retry
     assert "temperature" in dead_letters(conn, client.keys)[entry_id]["reason"]
 
 
@@ -220,8 +222,9 @@ def test_prompt_over_max_model_len_fails_its_job(client: Client, conn: redis.Red
     neighbour = client.submit("still served", GREEDY)
     with pytest.raises(JobFailed, match="max_model_len is 1024") as failure:
         handle.result(TIMEOUT_S)
-    with pytest.raises(JobFailed, match="max_model_len"):
+    with pytest.raises(JobFailed, match="max_model_len") as streamed:
         list(handle.stream(TIMEOUT_S))  # the stream ends with the error event
+    assert failure.value.error_type == streamed.value.error_type == ERROR_INVALID_REQUEST
     assert neighbour.result(TIMEOUT_S).status == JobStatus.FINISHED
     entry_id = record(conn, client.keys, handle.id).entry_id
     assert dead_letters(conn, client.keys)[entry_id]["reason"] == failure.value.error
@@ -382,8 +385,9 @@ def test_entry_over_the_delivery_limit_goes_to_dead(client: Client, conn: redis.
     age(conn, keys, entry_id, deliveries=5)  # five workers died running it
     letter = wait_for(lambda: dead_letters(conn, keys).get(entry_id), TIMEOUT_S, "dead letter")
     assert "delivered 6 times" in letter["reason"] and letter["id"] == "poison-1"
-    with pytest.raises(JobFailed, match="delivery limit"):
+    with pytest.raises(JobFailed, match="delivery limit") as failure:
         client.result("poison-1", TIMEOUT_S)
+    assert failure.value.error_type is None  # not the job's fault as far as anyone knows
     assert conn.xpending(keys.requests, keys.group)["pending"] == 0
 
 
