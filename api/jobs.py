@@ -66,7 +66,7 @@ def record_view(job_id: str, record: JobRecord) -> JobView:
     return JobView(
         id=job_id, status=record.status.value if record.status else "queued", n=record.n or 1,
         worker=record.worker, submitted_at=record.submitted_at, started_at=record.started_at,
-        finished_at=record.finished_at, error=record.error,
+        finished_at=record.finished_at, error=record.error, error_type=record.error_type,
     )
 
 

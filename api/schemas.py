@@ -265,6 +265,7 @@ class JobView(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     error: str | None = None
+    error_type: str | None = None  # "invalid_request": the job itself was at fault
     usage: Usage | None = None
     outputs: list[JobOutput] | None = None
     cancel_requested: bool | None = None  # set by DELETE

@@ -44,6 +44,14 @@ def test_submit_then_poll_until_finished(http: httpx.Client, poll) -> None:
     assert view["usage"]["completion_tokens"] == 10 and view["worker"]
 
 
+def test_a_refused_job_says_it_was_the_requests_fault(http: httpx.Client, poll) -> None:
+    job_id = http.post("/v1/jobs", json={"prompt": [5] * 1100, "max_tokens": 2}).json()["id"]
+    view = poll(lambda: (v := http.get(f"/v1/jobs/{job_id}").json())["status"] == "failed" and v)
+    assert view["error_type"] == "invalid_request" and "max_model_len" in view["error"]
+    (event,) = [e["data"] for e in sse_events(http, job_id)]
+    assert event["error_type"] == "invalid_request"
+
+
 def test_events_resume_after_last_event_id(http: httpx.Client) -> None:
     job_id = http.post("/v1/jobs", json={"prompt": "Once", "max_tokens": 8, "ignore_eos": True,
                                          "temperature": 0.0}).json()["id"]
