@@ -57,12 +57,14 @@ async def start(
         )
         enqueued = handle.enqueued or enqueued
     echo = isinstance(body, CompletionRequest) and body.echo
+    forced = body.forced_tool() if isinstance(body, ChatCompletionRequest) else None
     return RelayedRequest(
         id=renderer.id_prefix + base, job_ids=job_ids, n=params.n, model=model,
         created=int(time.time()), include_usage=body.include_usage,
         num_logprobs=params.logprobs, enqueued=enqueued,
         echo=tuple(p if isinstance(p, str) else None for p in prompts) if echo else (),
         prompt_logprobs=body.prompt_logprobs is not None,
+        tool_call=forced.name if forced else None,
     )
 
 

@@ -36,6 +36,10 @@ class RelayedRequest:
     # (None: the prompt as the worker decoded it, for token ids); empty: no echo
     echo: tuple[str | None, ...] = ()
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for (non-streaming responses)
+    tool_call: str | None = None  # chat's forced tool call: each choice's text is its arguments
+
+    def tool_call_id(self, choice: Choice) -> str:
+        return f"call_{self.id.rsplit('-', 1)[-1][:24]}_{choice.index}"
 
     @property
     def logprobs(self) -> bool:
@@ -324,7 +328,7 @@ class ChatRenderer:
             return None
         body = {
             "index": choice.index,
-            "delta": {"content": event.text} if event.text else {},
+            "delta": _delta(req, choice, event.text),
             "logprobs": (
                 chat_logprobs(event_logprobs(event), req.num_logprobs) if req.logprobs else None
             ),
@@ -339,7 +343,7 @@ class ChatRenderer:
             id=req.id, created=req.created, model=req.model, usage=usage,
             choices=[
                 ChatChoice(
-                    index=c.index, message=AssistantMessage(content=c.text),
+                    index=c.index, message=_message(req, c),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                     logprobs=chat_logprobs(c.logprobs, req.num_logprobs) if req.logprobs else None,
                 )
@@ -349,3 +353,25 @@ class ChatRenderer:
                 vllm_prompt_logprobs(choices[0].prompt_logprobs) if req.prompt_logprobs else None
             ),
         )
+
+
+def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
+    if req.tool_call is None:
+        return AssistantMessage(content=choice.text)
+    call = {"id": req.tool_call_id(choice), "type": "function",
+            "function": {"name": req.tool_call, "arguments": choice.text}}
+    return AssistantMessage(content=None, tool_calls=[call])
+
+
+def _delta(req: RelayedRequest, choice: Choice, text: str) -> dict[str, Any]:
+    """A chunk's delta: content, or with a forced tool call its arguments (the first piece
+    also names the call, as OpenAI streams it)."""
+    if not text:
+        return {}
+    if req.tool_call is None:
+        return {"content": text}
+    call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+    if len(choice.text) == len(text):  # the first text of this choice
+        call = {"index": 0, "id": req.tool_call_id(choice), "type": "function",
+                "function": {"name": req.tool_call, "arguments": text}}
+    return {"tool_calls": [call]}

@@ -77,14 +77,17 @@ class _GenerationRequest(BaseModel):
         }
 
 
-    @property
-    def guided_source(self) -> str | None:
-        """The field that asks for guided decoding (its errors name it)."""
-        given = [name for name, value in (
+    def _guided_fields(self) -> list[tuple[str, bool]]:
+        return [
             ("response_format", (self.response_format or {}).get("type", "text") != "text"),
             ("guided_json", self.guided_json is not None),
             ("guided_choice", self.guided_choice is not None),
-        ) if value]
+        ]
+
+    @property
+    def guided_source(self) -> str | None:
+        """The field that asks for guided decoding (its errors name it)."""
+        given = [name for name, value in self._guided_fields() if value]
         if len(given) > 1:
             raise ValueError(f"{given[1]} cannot be combined with {given[0]}: choose one")
         return given[0] if given else None
@@ -163,6 +166,19 @@ class CompletionRequest(_GenerationRequest):
         return out
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -176,6 +192,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -186,7 +204,41 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token, with logprobs=true
-    tools: list[Any] | None = None  # not supported: refused when non-empty
+    tools: list[Tool] | None = None  # shown to the chat template
+    # {"type": "function", "function": {"name": ...}} or "required" (with one tool): the reply
+    # is a call of that function, its arguments guided by its parameters' schema; "none" or
+    # absent without tools: plain text. "auto" (the model decides) is not supported.
+    tool_choice: str | dict[str, Any] | None = None
+
+    def forced_tool(self) -> FunctionDefinition | None:
+        """The function the reply must call; ValueError naming tool_choice when unsupported."""
+        choice = self.tool_choice
+        if choice == "none" or (choice is None and not self.tools):
+            return None
+        tools = [t.function for t in self.tools or []]
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            found = [f for f in tools if f.name == name]
+            if not found:
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+            return found[0]
+        if choice == "required" and len(tools) == 1:
+            return tools[0]
+        raise ValueError(
+            f"tool_choice {choice or 'auto'!r} is not supported: name the function "
+            '({"type": "function", "function": {"name": ...}}), or give one tool with "required"'
+        )
+
+    def _guided_fields(self) -> list[tuple[str, bool]]:
+        return [*super()._guided_fields(), ("tool_choice", self.forced_tool() is not None)]
+
+    def _guided_decoding(self) -> dict[str, Any] | None:
+        """A forced tool call: its arguments follow the function's parameters schema."""
+        if self.guided_source == "tool_choice":
+            function = self.forced_tool()
+            assert function is not None
+            return {"json_schema": function.parameters or {"type": "object"}}
+        return super()._guided_decoding()
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
@@ -300,7 +352,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # with tool_choice: the call, content None
 
 
 class ChatChoice(BaseModel):

@@ -188,9 +188,11 @@ def _prompt_fields(prompt: PromptInput) -> dict[str, Any]:
         return {"messages": prompt}
     if isinstance(prompt, dict) and len(prompt) == 1 and set(prompt) <= {"prompt", "prompt_token_ids"}:
         return dict(prompt)
+    if isinstance(prompt, dict) and "messages" in prompt and set(prompt) <= {"messages", "tools"}:
+        return dict(prompt)
     raise ValueError(
-        "a prompt is a string, {'prompt': str}, {'prompt_token_ids': [...]}, "
-        f"or a list of chat messages; got {prompt!r:.80}"
+        "a prompt is a string, {'prompt': str}, {'prompt_token_ids': [...]}, a list of chat "
+        f"messages, or {{'messages': [...], 'tools': [...]}}; got {prompt!r:.80}"
     )
 
 

@@ -192,6 +192,9 @@ class Job:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: [{"role": ..., "content": ...}]
+    # chat: OpenAI-style tool definitions ({"type": "function", "function": {"name", ...}}),
+    # handed to the model's chat template with the messages
+    tools: list[dict[str, Any]] | None = None
     model: str | None = None  # None: whatever the worker serves
     priority: int = 0  # as in vLLM: lower values are scheduled first
     deadline: float | None = None  # absolute unix time; past it the job is aborted
@@ -240,6 +243,8 @@ def _validate_prompt(job: Job) -> None:
             raise ValueError("prompt_token_ids must be a non-empty list of token ids >= 0")
     if job.messages is not None:
         _validate_messages(job.messages)
+    if job.tools is not None:
+        _validate_tools(job)
 
 
 def _validate_messages(messages: Any) -> None:
@@ -252,6 +257,17 @@ def _validate_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}].role must be a non-empty string")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"messages[{i}].content must be a string")
+
+
+def _validate_tools(job: Job) -> None:
+    if job.messages is None:
+        raise ValueError("tools go with chat messages, not with a prompt")
+    if not isinstance(job.tools, list):
+        raise ValueError(f"tools must be a list of tool definitions, got {job.tools!r:.80}")
+    for i, tool in enumerate(job.tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}')
 
 
 def encode_job(job: Job) -> dict[str, bytes]:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -249,14 +250,17 @@ class Engine:
             self.scheduler.finished.pop(request.request_id, None)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The prompt for a conversation, as text and token ids. The template already holds
-        any special tokens the model wants, so none are added when encoding it."""
+        any special tokens the model wants, so none are added when encoding it. `tools` go to
+        the template, which shows them to the model if it knows how."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            tools=cast("list[dict[Any, Any] | Callable[..., Any]] | None", tools),
         )
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 

@@ -56,14 +56,16 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them (with the
+        tool definitions, if any), then generate."""
         conversations = cast(
             "list[list[dict[str, str]]]",
             [messages] if messages and isinstance(messages[0], dict) else messages,
         )
         prompts: list[PromptInput] = [
-            self.engine.apply_chat_template(c, add_generation_prompt) for c in conversations
+            self.engine.apply_chat_template(c, add_generation_prompt, tools) for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 

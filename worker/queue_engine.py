@@ -245,7 +245,7 @@ class EngineThread:
 
     def _prompt(self, job: Job) -> Any:
         if job.messages is not None:
-            return self.engine.apply_chat_template(job.messages)
+            return self.engine.apply_chat_template(job.messages, tools=job.tools)
         if job.prompt_token_ids is not None:
             return {"prompt_token_ids": job.prompt_token_ids}
         return job.prompt

@@ -10,7 +10,7 @@ from api import generate
 from api.deps import StateDep
 from api.errors import invalid_param
 from api.render import ChatRenderer
-from api.schemas import ChatCompletionRequest, ChatCompletionResponse, ChatMessage
+from api.schemas import ChatCompletionRequest, ChatCompletionResponse, ChatMessage, PromptInput
 from api.sse import EventStreamResponse, unless_disconnected
 
 router = APIRouter(tags=["openai"])
@@ -19,22 +19,22 @@ router = APIRouter(tags=["openai"])
 @router.post("/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: StateDep):
     """Messages in, one assistant message per choice out; `stream: true` answers with SSE."""
-    messages = chat_messages(body)
     renderer = ChatRenderer()
-    req = await generate.start(state, body, [messages], renderer)
+    req = await generate.start(state, body, [chat_prompt(body)], renderer)
     if body.stream:
         return EventStreamResponse(generate.stream(state, req, renderer))
     return await unless_disconnected(request, generate.collect(state, req, renderer))
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The messages as the protocol carries them ({role, content: str}); 400 for what genq
-    does not support."""
+def chat_prompt(body: ChatCompletionRequest) -> PromptInput:
+    """The messages as the protocol carries them ({role, content: str}), with the tools
+    unless tool_choice is "none"; 400 for what genq does not support."""
     if not body.messages:
         raise invalid_param("messages", "messages must be a non-empty list")
-    if body.tools:
-        raise invalid_param("tools", "tools are not supported")
-    return [_message(m, i) for i, m in enumerate(body.messages)]
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    if not body.tools or body.tool_choice == "none":
+        return messages
+    return {"messages": messages, "tools": [t.model_dump(exclude_none=True) for t in body.tools]}
 
 
 def _message(message: ChatMessage, i: int) -> dict[str, Any]:
@@ -43,4 +43,6 @@ def _message(message: ChatMessage, i: int) -> dict[str, Any]:
         if any(part.type != "text" or part.text is None for part in content):
             raise invalid_param(f"messages[{i}].content", "only text content parts are supported")
         content = "".join(part.text or "" for part in content)
-    return {"role": message.role, "content": content or ""}
+    extra = {k: v for k, v in (("tool_calls", message.tool_calls), ("tool_call_id", message.tool_call_id),
+                               ("name", message.name)) if v is not None}
+    return {"role": message.role, "content": content or "", **extra}

@@ -10,7 +10,7 @@ from api import generate, jobs
 from api.deps import ClientDep, RelayDep, StateDep
 from api.errors import invalid_param
 from api.render import ChatRenderer, CompletionRenderer, Renderer
-from api.routes.chat import chat_messages
+from api.routes.chat import chat_prompt
 from api.routes.completions import reject_unsupported
 from api.schemas import ChatJobRequest, JobCreated, JobRequest, JobView, PromptInput
 from api.sse import EventStreamResponse
@@ -28,7 +28,7 @@ async def create_job(
     prompts: list[PromptInput]
     renderer: Renderer
     if isinstance(body, ChatJobRequest):
-        prompts, renderer = [chat_messages(body)], ChatRenderer()
+        prompts, renderer = [chat_prompt(body)], ChatRenderer()
     else:
         reject_unsupported(body)
         if body.echo:

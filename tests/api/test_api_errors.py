@@ -59,7 +59,12 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
         ("/v1/chat/completions", {**CHAT, "presence_penalty": 3}, "presence_penalty"),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tool_choice"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"format": "date"}}}}}], "tool_choice": "required"},
+         "tool_choice"),
         ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 250}}, "logit_bias"),
         ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}},
          "response_format"),

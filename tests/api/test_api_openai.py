@@ -243,6 +243,44 @@ def test_json_schema_outputs_validate(served_model: str, oai: openai.OpenAI) -> 
         jsonschema.validate(json.loads(text), schema)
 
 
+SET_COLOUR = {"type": "function", "function": {
+    "name": "set_colour", "description": "Pick a colour",
+    "parameters": {"type": "object", "required": ["colour", "bright"], "properties": {
+        "colour": {"enum": ["red", "blue"]}, "bright": {"type": "boolean"}}},
+}}
+
+
+def test_a_forced_tool_call_has_arguments_that_fit_its_schema(served_model: str, oai: openai.OpenAI) -> None:
+    request = {"model": served_model, "messages": MESSAGES, "tools": [SET_COLOUR], "temperature": 1.0,
+               "seed": 3, "max_tokens": 400, "tool_choice": {"type": "function", "function": {"name": "set_colour"}}}
+    message = oai.chat.completions.create(**request).choices[0].message
+    (call,) = message.tool_calls
+    assert message.content is None and (call.type, call.function.name) == ("function", "set_colour")
+    jsonschema.validate(json.loads(call.function.arguments), SET_COLOUR["function"]["parameters"])
+    # streamed (same seed, same tokens): the first piece names the call, the rest add arguments
+    chunks = oai.chat.completions.create(**request, stream=True)
+    pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "set_colour"
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])  # one call, continued
+    assert "".join(p.function.arguments for p in pieces) == call.function.arguments
+    required = oai.chat.completions.create(**{**request, "tool_choice": "required"}).choices[0].message
+    assert required.tool_calls[0].function.arguments == call.function.arguments
+    # the conversation goes on with the call and its result in the history
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+    follow_up = oai.chat.completions.create(model=served_model, messages=history, max_tokens=4)
+    assert follow_up.choices[0].message.content is not None
+
+
+def test_tool_choice_auto_is_refused(served_model: str, oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=served_model, messages=MESSAGES, tools=[SET_COLOUR], max_tokens=4)
+    assert info.value.body["param"] == "tool_choice" and "not supported" in info.value.body["message"]
+    plain = oai.chat.completions.create(model=served_model, messages=MESSAGES, tools=[SET_COLOUR],
+                                        tool_choice="none", max_tokens=4)
+    assert plain.choices[0].message.tool_calls is None
+
+
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
     response = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, temperature=0.0, max_completion_tokens=5,

@@ -94,6 +94,16 @@ def test_token_keyed_sampling_params_round_trip(redis_conn: redis.Redis) -> None
     assert decoded == job
 
 
+def test_chat_jobs_carry_tools(redis_conn: redis.Redis) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    job = make_job(prompt=None, messages=[{"role": "user", "content": "hi"}], tools=tools)
+    assert decode_job(xadd_and_read(redis_conn, encode_job(job))).tools == tools
+    with pytest.raises(ValueError, match="tools go with chat messages"):
+        encode_job(make_job(tools=tools))
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+        encode_job(make_job(prompt=None, messages=[{"role": "user", "content": "hi"}], tools=[{"name": "f"}]))
+
+
 def test_decode_job_accepts_str_keys() -> None:
     job = make_job()
     entry = {k: v for k, v in encode_job(job).items()}

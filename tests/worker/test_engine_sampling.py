@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import jsonschema
 import pytest
@@ -198,6 +199,22 @@ def test_guided_json_object_on_the_default_model():
     shaped = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
     assert shaped.finish_reason == "stop", shaped.text
     jsonschema.validate(json.loads(shaped.text), schema)
+
+
+def test_tools_reach_the_chat_template(tiny_llama_dir, tmp_path):
+    model_dir = tmp_path / "with-tools"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(  # a template that shows tools, as Qwen's do
+        "{% for t in tools or [] %}tool: {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    )
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
+    tool = {"type": "function", "function": {"name": "set_colour", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "hi"}]
+    assert llm.engine.apply_chat_template(messages, tools=[tool])["prompt"] == "tool: set_colour\nuser: hi\nassistant:"
+    assert llm.engine.apply_chat_template(messages)["prompt"] == "user: hi\nassistant:"
+    out = llm.chat(messages, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False, tools=[tool])[0]
+    assert out.prompt == "tool: set_colour\nuser: hi\nassistant:"
 
 
 def test_unknown_sampling_field_is_an_error():
