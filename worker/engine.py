@@ -23,7 +23,8 @@ from worker.model_runner import ModelRunner
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
-from worker.sampler import Sampler, SamplingBatch, TokenLogprobs
+from worker.sampler import Sampler, TokenLogprobs
+from worker.sampling_batch import SamplingBatch
 from worker.scheduler import Scheduler
 from worker.structured_output import GuidedDecoding
 

@@ -1,0 +1,246 @@
+"""The per-row sampling state of one engine step, as tensors the sampler applies: temperatures
+and filters, penalty counts, the (row, token) pairs that min_tokens blocks, allowed-token and
+guided-decoding masks, logit_bias. Built once per step from the requests' SamplingParams.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from producer.sampling_params import MIN_TEMPERATURE, SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state of one engine step, as tensors on the logits' device.
+
+    Optional tensors are None when no row in the batch uses the feature, so the sampler skips
+    its work entirely.
+    """
+
+    temperature: Tensor  # [num_seqs] float32; 1.0 on greedy rows so dividing is always safe
+    greedy: Tensor  # [num_seqs] bool
+    all_greedy: bool
+    any_greedy: bool
+    top_k: Tensor | None  # [num_seqs] int64 in [1, vocab]; vocab where off
+    top_p: Tensor | None  # [num_seqs] float32 in (0, 1]; 1.0 where off
+    min_p: Tensor | None  # [num_seqs] float32 in [0, 1]; 0.0 where off
+    repetition_penalty: Tensor | None  # [num_seqs] float32; 1.0 where off
+    seen_mask: Tensor | None  # [num_seqs, vocab] bool: token occurs in prompt or output
+    frequency_penalty: Tensor | None  # [num_seqs] float32
+    presence_penalty: Tensor | None  # [num_seqs] float32
+    output_counts: Tensor | None  # [num_seqs, vocab] float32: occurrences in the output
+    blocked_rows: Tensor | None  # [num_blocked] int64 } (row, token) pairs masked to -inf
+    blocked_token_ids: Tensor | None  # [num_blocked] int64 } while output < min_tokens
+    disallowed: Tensor | None  # [num_seqs, vocab] bool: outside a row's allowed_token_ids
+    bias_rows: Tensor | None  # [num_biased] int64 } logit_bias: value added at (row, token)
+    bias_token_ids: Tensor | None  # [num_biased] int64 }
+    bias_values: Tensor | None  # [num_biased] float32 }
+    # (row, its generator) for seeded random rows; other random rows use the sampler's own
+    row_generators: list[tuple[int, torch.Generator]]
+    num_logprobs: list[int | None]  # per row: how many alternatives to report
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: list[int],
+        vocab_size: int,
+        device: torch.device,
+        token_masks: list[bytes | None] | None = None,
+    ) -> SamplingBatch:
+        """Gather the sampling state of `params[i]` (request i = row i) into tensors.
+
+        `eos_token_ids` is the model's set of EOS ids; it applies to every row (a per-row
+        list of identical ids works too). `generators[i]` is request i's own generator when it
+        has a seed, kept by the engine across steps. Cost is O(num_seqs) plus, only when some
+        row uses penalties, O(prompt + output tokens) to count tokens. `token_masks[i]`, when
+        not None, allows request i only the tokens whose byte is 1 (guided decoding).
+        """
+        _check_rows(len(params), prompt_token_ids, output_token_ids, generators)
+        greedy = [p.temperature < MIN_TEMPERATURE for p in params]
+        temperature = [
+            1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)
+        ]
+        return cls(
+            temperature=_row_tensor(temperature, torch.float32, device),
+            greedy=_row_tensor(greedy, torch.bool, device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            **_filter_tensors(params, greedy, vocab_size, device),
+            **_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            **_min_tokens_blocks(params, output_token_ids, eos_token_ids, vocab_size, device),
+            **_token_list_tensors(params, token_masks, eos_token_ids, vocab_size, device),
+            row_generators=[
+                (row, g)
+                for row, (g, is_greedy) in enumerate(zip(generators, greedy, strict=True))
+                if g is not None and not is_greedy
+            ],
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+def _check_rows(
+    num_seqs: int,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    generators: list[torch.Generator | None],
+) -> None:
+    for name, rows in (
+        ("prompt_token_ids", prompt_token_ids),
+        ("output_token_ids", output_token_ids),
+        ("generators", generators),
+    ):
+        if len(rows) != num_seqs:
+            raise ValueError(f"{name} has {len(rows)} rows, expected {num_seqs}")
+
+
+def _row_tensor(
+    values: Sequence[float | int | bool], dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    return torch.tensor(values, dtype=dtype).to(device)
+
+
+def _filter_tensors(
+    params: list[SamplingParams], greedy: list[bool], vocab_size: int, device: torch.device
+) -> dict[str, Tensor | None]:
+    # Filters only matter on random rows; an all-greedy batch or one where no random row
+    # filters skips the sort.
+    random_rows = [p for p, g in zip(params, greedy, strict=True) if not g]
+    top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+    use_top_k = any(0 < p.top_k < vocab_size for p in random_rows)
+    use_top_p = any(p.top_p < 1.0 for p in random_rows)
+    use_min_p = any(p.min_p > 0.0 for p in random_rows)
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    return {
+        "top_k": _row_tensor(top_k, torch.int64, device) if use_top_k else None,
+        "top_p": _row_tensor(top_p, torch.float32, device) if use_top_p else None,
+        "min_p": _row_tensor(min_p, torch.float32, device) if use_min_p else None,
+    }
+
+
+def _penalty_tensors(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> dict[str, Tensor | None]:
+    out: dict[str, Tensor | None] = dict.fromkeys(
+        (
+            "repetition_penalty",
+            "seen_mask",
+            "frequency_penalty",
+            "presence_penalty",
+            "output_counts",
+        )
+    )
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [
+            list(prompt) + list(output)
+            for prompt, output in zip(prompt_token_ids, output_token_ids, strict=True)
+        ]
+        out["repetition_penalty"] = _row_tensor(
+            [p.repetition_penalty for p in params], torch.float32, device
+        )
+        out["seen_mask"] = _token_counts(seen, vocab_size, device) > 0
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        out["frequency_penalty"] = _row_tensor(
+            [p.frequency_penalty for p in params], torch.float32, device
+        )
+        out["presence_penalty"] = _row_tensor(
+            [p.presence_penalty for p in params], torch.float32, device
+        )
+        out["output_counts"] = _token_counts(output_token_ids, vocab_size, device)
+    return out
+
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[num_seqs, vocab_size] float32: how often each token occurs in each row.
+
+    Ids at or above vocab_size (an embedding table larger than the logits) can never be sampled,
+    so they are not counted, as transformers' repetition penalty does.
+    """
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)  # [num_tokens]
+    cols = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
+    in_vocab = cols < vocab_size
+    rows, cols = rows[in_vocab].to(device), cols[in_vocab].to(device)
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
+    ones = torch.ones_like(cols, dtype=torch.float32)
+    return counts.index_put_((rows, cols), ones, accumulate=True)
+
+
+def _min_tokens_blocks(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_ids: list[int],
+    vocab_size: int,
+    device: torch.device,
+) -> dict[str, Tensor | None]:
+    """(row, token) pairs that may not be sampled yet: the stop ids of rows short of min_tokens.
+
+    As in vLLM, the stop ids are `stop_token_ids` plus EOS unless `ignore_eos` (then EOS does
+    not end the request, so there is nothing to hold off). Ids outside the logits' vocabulary
+    can never be sampled and are dropped.
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
+        if len(output) >= p.min_tokens:
+            continue
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        for token_id in sorted(t for t in stop_ids if t < vocab_size):
+            rows.append(row)
+            cols.append(token_id)
+    if not rows:
+        return {"blocked_rows": None, "blocked_token_ids": None}
+    return {
+        "blocked_rows": _row_tensor(rows, torch.int64, device),
+        "blocked_token_ids": _row_tensor(cols, torch.int64, device),
+    }
+
+
+def _token_list_tensors(
+    params: list[SamplingParams], token_masks: list[bytes | None] | None, eos_token_ids: list[int],
+    vocab_size: int, device: torch.device,
+) -> dict[str, Tensor | None]:
+    """allowed_token_ids and guided-decoding masks as one mask, logit_bias as (row, token,
+    value) triples; the engine has checked that every id is in the vocabulary."""
+    out: dict[str, Tensor | None] = dict.fromkeys(
+        ("disallowed", "bias_rows", "bias_token_ids", "bias_values")
+    )
+    allowed = [(row, p.allowed_token_ids) for row, p in enumerate(params) if p.allowed_token_ids]
+    guided = [(row, m) for row, m in enumerate(token_masks or []) if m is not None]
+    if allowed or guided:
+        disallowed = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+        for row, allowed_ids in allowed:
+            disallowed[row] = True
+            disallowed[row, allowed_ids] = False
+        for row, mask in guided:  # ids past the tokenizer's (padded logits) are never allowed
+            permitted = torch.zeros(vocab_size, dtype=torch.bool)
+            n = min(len(mask), vocab_size)
+            permitted[:n] = torch.frombuffer(bytearray(mask[:n]), dtype=torch.uint8).bool()
+            disallowed[row] |= ~permitted
+        # allowed_token_ids and a grammar with nothing in common: the row ends (EOS) rather
+        # than sampling from nothing
+        stuck = disallowed.all(dim=1).nonzero().flatten().tolist()
+        for row in stuck:
+            disallowed[row, [t for t in eos_token_ids if t < vocab_size]] = False
+        out["disallowed"] = disallowed.to(device)
+    biased = [(row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+    if biased:
+        rows, biased_ids, values = zip(*biased, strict=True)
+        out["bias_rows"] = _row_tensor(rows, torch.int64, device)
+        out["bias_token_ids"] = _row_tensor(biased_ids, torch.int64, device)
+        out["bias_values"] = _row_tensor(values, torch.float32, device)
+    return out
