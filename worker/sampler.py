@@ -72,6 +72,17 @@ def apply_min_tokens(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits.index_put((batch.blocked_rows, batch.blocked_token_ids), blocked)
 
 
+def yield_min_tokens(blocked: Tensor, allowed: Tensor, batch: SamplingBatch) -> Tensor:
+    """Rows where min_tokens would block the only tokens left (allowed_token_ids or a grammar
+    that can only end) keep them: ending early beats sampling from nothing."""
+    if batch.blocked_rows is None or batch.disallowed is None:
+        return blocked
+    nothing_left = torch.isneginf(blocked).all(dim=-1)  # [num_seqs]
+    if not nothing_left.any():
+        return blocked
+    return torch.where(nothing_left.unsqueeze(1), allowed, blocked)
+
+
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Repetition (HF/vLLM), then frequency and presence (OpenAI/vLLM) penalties.
 
@@ -145,8 +156,8 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
             num_seqs = batch.temperature.shape[0]
             raise ValueError(f"logits must be [{num_seqs}, vocab], got {tuple(logits.shape)}")
-        logits = apply_allowed_token_ids(logits.float(), batch)  # [num_seqs, vocab] float32
-        logits = apply_min_tokens(logits, batch)
+        allowed = apply_allowed_token_ids(logits.float(), batch)  # [num_seqs, vocab] float32
+        logits = yield_min_tokens(apply_min_tokens(allowed, batch), allowed, batch)
         logits = apply_logit_bias(logits, batch)
         logits = apply_penalties(logits, batch)
         # Greedy rows divide by 1; an all-greedy batch skips the full-vocabulary division.

@@ -282,6 +282,11 @@ def test_a_row_with_nothing_left_to_sample_ends() -> None:
     logits[0, 5] = 5.0
     out = Sampler(seed=1)(logits, batch)
     assert out.token_ids[0] == EOS
+    # min_tokens would block the only token a row has left: it yields
+    ends_only = SamplingParams(temperature=1.0, min_tokens=3, allowed_token_ids=[EOS])
+    blocked = SamplingParams(temperature=1.0, min_tokens=3, allowed_token_ids=[EOS, 6])
+    out = Sampler(seed=1)(torch.zeros(2, 8), build([ends_only, blocked], 8))
+    assert out.token_ids == [EOS, 6]
 
 
 def test_allowed_token_ids_hold_over_many_random_draws() -> None:
