@@ -76,7 +76,6 @@ class _GenerationRequest(BaseModel):
             **{k: v for k, v in optional.items() if v is not None},
         }
 
-
     def _guided_fields(self) -> list[tuple[str, bool]]:
         return [
             ("response_format", (self.response_format or {}).get("type", "text") != "text"),

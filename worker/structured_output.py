@@ -1,13 +1,14 @@
 """Structured output: grammars that say which text may come next, and the per-request token
-masks built from them (vLLM's `guided_decoding`: `json_object`, `choice`).
+masks built from them (vLLM's `guided_decoding`: `json_object`, `json_schema`, `choice`; the
+JSON grammars are in `worker.json_grammar`).
 
 A grammar is a character-level automaton over immutable, hashable states:
 `advance(state, text)` returns the state after `text`, or None when no completion of the
 output could begin with it; `is_complete(state)` says the output may end there. The mask of a
 state is the set of vocabulary tokens whose text (each token decoded alone) keeps the output
 valid; it is computed once per state and cached, so a request whose state repeats (inside a
-string, after a comma at the same depth) costs nothing after the first time. When the grammar
-is complete only the stop tokens remain.
+string, after a comma at the same depth) costs nothing after the first time. Where the output
+may end, the stop tokens are allowed too (they alone once nothing can extend it).
 
 Plain Python (no torch): the engine turns the token ids into a mask tensor.
 """
@@ -35,7 +36,8 @@ class Grammar(Protocol):
 
 
 def make_grammar(guided_decoding: dict[str, Any]) -> Grammar:
-    """`{"json_object": True}` or `{"choice": [...]}` (SamplingParams checked the shape)."""
+    """`{"json_object": True}`, `{"json_schema": {...}}` or `{"choice": [...]}`
+    (SamplingParams checked the shape, and that the schema compiles)."""
     if guided_decoding.get("json_object"):
         return JSON_OBJECT
     if "json_schema" in guided_decoding:
