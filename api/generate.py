@@ -19,13 +19,7 @@ import redis
 from api.deps import AppState
 from api.errors import APIError, error_body, param_from_value_error
 from api.render import Choice, RelayedRequest, Renderer, TokenLogprob, prompt_logprobs, usage_chunk
-from api.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    PromptInput,
-    PromptTokensDetails,
-    Usage,
-)
+from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, Usage
 from api.sse import DONE, format_sse
 from producer.client import build_job
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
@@ -209,14 +203,10 @@ class Collector:
         tokens as relayed."""
         prompt = sum(self.prompt_tokens.values())
         completion = sum(len(c.token_ids) for c in self.choices)
-        details = (
-            PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values()))
-            if self.cached_tokens else None
-        )
-        return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-            prompt_tokens_details=details,
-        )
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.cached_tokens:
+            usage["cached_tokens"] = sum(self.cached_tokens.values())
+        return Usage.from_protocol(usage)
 
 
 async def collect(state: AppState, req: RelayedRequest, renderer: Renderer) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 from api.errors import invalid_param, not_found
 from api.relay import Relay
 from api.render import Choice
-from api.schemas import JobOutput, JobView, PromptTokensDetails, Usage
+from api.schemas import JobOutput, JobView, Usage
 from api.sse import DONE, format_sse
 from producer.client import AsyncClient, JobNotFound
 from producer.protocol import Event, JobRecord, decode_record
@@ -47,19 +47,8 @@ async def job_view(client: AsyncClient, relay: Relay, job_id: str) -> JobView:
             raise job_not_found(job_id) from None
         view.outputs = _outputs(events, record.n or 1)
         usage = usage or next((e.usage for e in reversed(events) if e.usage), None)
-    view.usage = usage_view(usage) if usage else None
+    view.usage = Usage.from_protocol(usage) if usage else None
     return view
-
-
-def usage_view(usage: dict[str, int]) -> Usage:
-    """A protocol usage dict (cached_tokens when the worker reports it) in OpenAI's shape."""
-    cached = usage.get("cached_tokens")
-    return Usage(
-        prompt_tokens=usage.get("prompt_tokens", 0),
-        completion_tokens=usage.get("completion_tokens", 0),
-        total_tokens=usage.get("total_tokens", 0),
-        prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached),
-    )
 
 
 def record_view(job_id: str, record: JobRecord) -> JobView:

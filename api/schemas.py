@@ -303,6 +303,17 @@ class Usage(BaseModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None  # when the workers report it
 
+    @classmethod
+    def from_protocol(cls, usage: dict[str, int]) -> Usage:
+        """A protocol usage dict (with cached_tokens when the worker reports it)."""
+        cached = usage.get("cached_tokens")
+        return cls(
+            prompt_tokens=usage.get("prompt_tokens", 0),
+            completion_tokens=usage.get("completion_tokens", 0),
+            total_tokens=usage.get("total_tokens", 0),
+            prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached),
+        )
+
 
 class JobView(BaseModel):
     """`GET /v1/jobs/{id}`: the record; `outputs` and `usage` once the job has ended."""
