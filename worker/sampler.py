@@ -72,15 +72,18 @@ def apply_min_tokens(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits.index_put((batch.blocked_rows, batch.blocked_token_ids), blocked)
 
 
-def yield_min_tokens(blocked: Tensor, allowed: Tensor, batch: SamplingBatch) -> Tensor:
-    """Rows where min_tokens would block the only tokens left (allowed_token_ids or a grammar
-    that can only end) keep them: ending early beats sampling from nothing."""
-    if batch.blocked_rows is None or batch.disallowed is None:
-        return blocked
-    nothing_left = torch.isneginf(blocked).all(dim=-1)  # [num_seqs]
+def end_rows_with_nothing_left(masked: Tensor, raw: Tensor, batch: SamplingBatch) -> Tensor:
+    """A row whose masks leave it nothing (allowed_token_ids and a grammar with nothing in
+    common; min_tokens blocking the only tokens they allow) may only end: its EOS tokens get
+    their logits back. Sampling from nothing would give NaN and an arbitrary token."""
+    if batch.disallowed is None or batch.eos_token_ids is None:
+        return masked
+    nothing_left = torch.isneginf(masked).all(dim=-1)  # [num_seqs]
     if not nothing_left.any():
-        return blocked
-    return torch.where(nothing_left.unsqueeze(1), allowed, blocked)
+        return masked
+    ends = torch.full_like(masked, float("-inf"))
+    ends[:, batch.eos_token_ids] = raw[:, batch.eos_token_ids]
+    return torch.where(nothing_left.unsqueeze(1), ends, masked)
 
 
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -156,8 +159,9 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
             num_seqs = batch.temperature.shape[0]
             raise ValueError(f"logits must be [{num_seqs}, vocab], got {tuple(logits.shape)}")
-        allowed = apply_allowed_token_ids(logits.float(), batch)  # [num_seqs, vocab] float32
-        logits = yield_min_tokens(apply_min_tokens(allowed, batch), allowed, batch)
+        raw = logits.float()  # [num_seqs, vocab]
+        masked = apply_min_tokens(apply_allowed_token_ids(raw, batch), batch)
+        logits = end_rows_with_nothing_left(masked, raw, batch)
         logits = apply_logit_bias(logits, batch)
         logits = apply_penalties(logits, batch)
         # Greedy rows divide by 1; an all-greedy batch skips the full-vocabulary division.

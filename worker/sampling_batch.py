@@ -38,6 +38,7 @@ class SamplingBatch:
     blocked_rows: Tensor | None  # [num_blocked] int64 } (row, token) pairs masked to -inf
     blocked_token_ids: Tensor | None  # [num_blocked] int64 } while output < min_tokens
     disallowed: Tensor | None  # [num_seqs, vocab] bool: outside a row's allowed_token_ids
+    eos_token_ids: Tensor | None  # [num_eos] int64, with disallowed: how a row left nothing ends
     bias_rows: Tensor | None  # [num_biased] int64 } logit_bias: value added at (row, token)
     bias_token_ids: Tensor | None  # [num_biased] int64 }
     bias_values: Tensor | None  # [num_biased] float32 }
@@ -217,7 +218,7 @@ def _token_list_tensors(
     """allowed_token_ids and guided-decoding masks as one mask, logit_bias as (row, token,
     value) triples; the engine has checked that every id is in the vocabulary."""
     out: dict[str, Tensor | None] = dict.fromkeys(
-        ("disallowed", "bias_rows", "bias_token_ids", "bias_values")
+        ("disallowed", "eos_token_ids", "bias_rows", "bias_token_ids", "bias_values")
     )
     allowed = [(row, p.allowed_token_ids) for row, p in enumerate(params) if p.allowed_token_ids]
     guided = [(row, m) for row, m in enumerate(token_masks or []) if m is not None]
@@ -231,12 +232,8 @@ def _token_list_tensors(
             n = min(len(mask), vocab_size)
             permitted[:n] = torch.frombuffer(bytearray(mask[:n]), dtype=torch.uint8).bool()
             disallowed[row] |= ~permitted
-        # allowed_token_ids and a grammar with nothing in common: the row ends (EOS) rather
-        # than sampling from nothing
-        stuck = disallowed.all(dim=1).nonzero().flatten().tolist()
-        for row in stuck:
-            disallowed[row, [t for t in eos_token_ids if t < vocab_size]] = False
         out["disallowed"] = disallowed.to(device)
+        out["eos_token_ids"] = _row_tensor([t for t in eos_token_ids if t < vocab_size], torch.int64, device)
     biased = [(row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
     if biased:
         rows, biased_ids, values = zip(*biased, strict=True)
