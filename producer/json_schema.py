@@ -28,6 +28,7 @@ KEYWORDS = {
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
     "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
 }
+MAX_DEPTH = 64  # schemas nest at most this deep (the compiler recurses once per level)
 _NUMBER_STARTS = frozenset("-0123456789")
 _VALUE_STARTS = frozenset('{["tfn') | _NUMBER_STARTS
 
@@ -83,6 +84,8 @@ class _Compiler:
         self.refs: dict[str, int] = {}  # $ref -> node id, so recursive schemas terminate
 
     def node(self, schema: Any, where: str) -> int:
+        if where.count("/") > MAX_DEPTH:
+            raise ValueError(f"json_schema: {where[:80]}...: nested deeper than {MAX_DEPTH} levels")
         if schema is True or schema == {}:
             return self._add(Node("any"))
         if not isinstance(schema, dict):

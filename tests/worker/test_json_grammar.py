@@ -238,3 +238,11 @@ def test_recursive_refs() -> None:
 def test_unsupported_schemas_are_refused_naming_the_keyword(schema: dict, message: str) -> None:
     with pytest.raises(ValueError, match=f"guided_decoding json_schema: .*{re.escape(message)}"):
         SamplingParams(guided_decoding={"json_schema": schema})
+
+
+def test_a_schema_nested_too_deep_is_refused_not_a_crash() -> None:
+    schema: dict = {"type": "object"}
+    for _ in range(2000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(ValueError, match="nested deeper than"):
+        SamplingParams(guided_decoding={"json_schema": schema})
