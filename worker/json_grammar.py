@@ -12,7 +12,7 @@ from typing import Any
 
 from producer.json_schema import Node, compile_schema
 
-MAX_WHITESPACE_RUN = 16  # consecutive whitespace characters: a model cannot pad forever
+MAX_WHITESPACE_RUN = 64  # consecutive whitespace: room to indent 15 levels by 4, yet no padding forever
 _WHITESPACE = " \t\n\r"
 _ESCAPES = '"\\/bfnrtu'
 _HEX = "0123456789abcdefABCDEF"

@@ -246,3 +246,41 @@ def test_a_schema_nested_too_deep_is_refused_not_a_crash() -> None:
         schema = {"type": "array", "items": schema}
     with pytest.raises(ValueError, match="nested deeper than"):
         SamplingParams(guided_decoding={"json_schema": schema})
+
+
+def random_instance(schema: dict, rng: random.Random):
+    """A value of one of random_schema's schemas (objects keep the schema's key order)."""
+    if "enum" in schema or "const" in schema:
+        return rng.choice(schema["enum"]) if "enum" in schema else schema["const"]
+    if "anyOf" in schema:
+        return random_instance(rng.choice(schema["anyOf"]), rng)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return random_instance({**schema, "type": rng.choice(kind)}, rng)
+    if kind == "object":
+        props = schema.get("properties")
+        if props is None:
+            return random_object(rng)
+        required = set(schema.get("required", ()))
+        return {k: random_instance(s, rng) for k, s in props.items() if k in required or rng.random() < 0.5}
+    if kind == "array":
+        low, high = schema.get("minItems", 0), schema.get("maxItems", schema.get("minItems", 0) + 2)
+        return [random_instance(schema["items"], rng) for _ in range(rng.randint(low, high))]
+    if kind in ("string", "number", "integer", "boolean", "null"):
+        makers = {"string": lambda: 'q"\\\u00e9\n', "number": lambda: rng.uniform(-5, 5),
+                  "integer": lambda: rng.randint(-9, 99), "boolean": lambda: rng.random() < 0.5,
+                  "null": lambda: None}
+        return makers[kind]()
+    return random_value(rng)  # {}: any value
+
+
+def test_random_instances_of_random_schemas_are_accepted() -> None:
+    rng = random.Random(8)
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"x": random_schema(rng)}, "required": ["x"]}
+        instance = random_instance(schema, rng)
+        jsonschema.validate(instance, schema)
+        text = json.dumps(instance, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 2]))
+        grammar = JsonSchemaGrammar(schema)
+        state = feed(text, grammar)
+        assert state is not None and grammar.is_complete(state), (schema, text)
