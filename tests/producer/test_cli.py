@@ -46,14 +46,23 @@ def test_help_lists_subcommands_without_heavy_imports() -> None:
     assert genq("frobnicate").returncode == 2
 
 
-def test_submit_prints_final_text(redis_url: str, worker: FakeWorker, in_thread: RunInThread) -> None:
+def serve_one(worker: FakeWorker, in_thread: RunInThread, pieces: list[str], streamed: bool = False) -> list:
+    """In a thread: take the next job and answer it with these text pieces (after the client
+    subscribed, when it streams). Returns the list the job lands in."""
     jobs = []
 
     def serve() -> None:
         jobs.append(worker.take(timeout_s=TIMEOUT_S))
-        worker.serve(jobs[0], ["Hel", "lo"])
+        if streamed:
+            worker.wait_subscribed(jobs[0].id)
+        worker.serve(jobs[0], pieces)
 
     in_thread(serve)
+    return jobs
+
+
+def test_submit_prints_final_text(redis_url: str, worker: FakeWorker, in_thread: RunInThread) -> None:
+    jobs = serve_one(worker, in_thread, ["Hel", "lo"])
     out = genq("submit", "Say hi", "--redis-url", redis_url, "--max-tokens", "2",
                "--temperature", "0", "--top-p", "0.5", "--seed", "7", "--job-id", "cli-1",
                "--priority", "3")
@@ -68,13 +77,7 @@ def test_submit_prints_final_text(redis_url: str, worker: FakeWorker, in_thread:
 def test_submit_takes_any_sampling_params_as_json(
     redis_url: str, worker: FakeWorker, in_thread: RunInThread
 ) -> None:
-    jobs = []
-
-    def serve() -> None:
-        jobs.append(worker.take(timeout_s=TIMEOUT_S))
-        worker.serve(jobs[0], ["ok"])
-
-    in_thread(serve)
+    jobs = serve_one(worker, in_thread, ["ok"])
     params = '{"top_k": 40, "stop": ["\\n"], "logit_bias": {"5": -2}, "max_tokens": 9, "seed": 1}'
     out = genq("submit", "x", "--redis-url", redis_url, "--params", params, "--seed", "2")
     assert (out.returncode, out.stdout) == (0, "ok\n"), out.stderr
@@ -85,14 +88,7 @@ def test_submit_takes_any_sampling_params_as_json(
 def test_submit_streams_chat_using_env_url(
     redis_url: str, worker: FakeWorker, in_thread: RunInThread
 ) -> None:
-    jobs = []
-
-    def serve() -> None:
-        jobs.append(worker.take(timeout_s=TIMEOUT_S))
-        worker.wait_subscribed(jobs[0].id)
-        worker.serve(jobs[0], ["a", "b", "c"])
-
-    in_thread(serve)
+    jobs = serve_one(worker, in_thread, ["a", "b", "c"], streamed=True)
     out = genq("submit", "hi there", "--chat", "--stream", env_url=redis_url)
     assert (out.returncode, out.stdout) == (0, "abc\n")
     assert jobs[0].messages == [{"role": "user", "content": "hi there"}]
