@@ -383,17 +383,19 @@ def encode_event(event: Event) -> bytes:
 
 
 def decode_event(data: bytes) -> Event:
-    """Decode one event (stream entry value or pub/sub message); raises ProtocolError."""
+    """Decode one event (stream entry value or pub/sub message); raises ProtocolError.
+
+    A field this side does not know is skipped: during a rolling upgrade a newer worker may
+    send more than an older API reads, and what it adds is detail, never the tokens."""
     obj = unpack(data, "event")
     if not isinstance(obj, dict):
         raise ProtocolError(f"event must be a map, got {type(obj).__name__}")
     _check_version(obj.pop("v", None), None)
     if "seq" not in obj:
         raise ProtocolError("event has no 'seq'")
+    obj = {k: v for k, v in obj.items() if k in _EVENT_TYPES}
     for key, value in obj.items():
-        allowed = _EVENT_TYPES.get(key)
-        if allowed is None:
-            raise ProtocolError(f"event has unknown field {key!r}")
+        allowed = _EVENT_TYPES[key]
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
             raise ProtocolError(f"event field {key!r} has type {type(value).__name__}")
     if not all(_is_int(t) for t in obj.get("token_ids", [])):
@@ -498,10 +500,18 @@ def decode_record(mapping: dict[Any, Any], job_id: str | None = None) -> JobReco
     return record
 
 
+_OUTPUT_FIELDS = {f.name for f in fields(CompletionOutput)}
+
+
 def _decode_outputs(data: Any, job_id: str | None) -> list[CompletionOutput]:
     items = unpack(data, "job record outputs", job_id)
-    try:
-        return [CompletionOutput(**item) for item in items]
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ProtocolError("job record outputs must be a list of maps", job_id)
+    try:  # keys a newer worker added are skipped, as in events
+        return [
+            CompletionOutput(**{k: v for k, v in item.items() if k in _OUTPUT_FIELDS})
+            for item in items
+        ]
     except TypeError as exc:
         raise ProtocolError(f"job record outputs: {exc}", job_id) from exc
 
