@@ -51,7 +51,8 @@ async def start(
         )
         enqueued = handle.enqueued or enqueued
     echo = isinstance(body, CompletionRequest) and body.echo
-    forced = body.forced_tool() if isinstance(body, ChatCompletionRequest) else None
+    chat = body if isinstance(body, ChatCompletionRequest) else None
+    forced = chat.forced_tool() if chat else None
     return RelayedRequest(
         id=renderer.id_prefix + base, job_ids=job_ids, n=params.n, model=model,
         created=int(time.time()), include_usage=body.include_usage,
@@ -59,6 +60,8 @@ async def start(
         echo=tuple(p if isinstance(p, str) else None for p in prompts) if echo else (),
         prompt_logprobs=body.prompt_logprobs is not None,
         tool_call=forced.name if forced else None,
+        read_tool_calls=chat is not None and chat.auto_tools(),
+        parallel_tool_calls=chat is None or chat.parallel_tool_calls,
     )
 
 

@@ -15,6 +15,7 @@ from api.schemas import (
     CompletionResponse,
     Usage,
 )
+from api.tool_calls import ToolCall, ToolCallReader, read_all
 from producer.protocol import Event
 
 MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry (as vLLM does)
@@ -37,9 +38,13 @@ class RelayedRequest:
     echo: tuple[str | None, ...] = ()
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for (non-streaming responses)
     tool_call: str | None = None  # chat's forced tool call: each choice's text is its arguments
+    read_tool_calls: bool = False  # tool_choice "auto": each choice's text is read for calls
+    parallel_tool_calls: bool = True  # False: a choice keeps only its first call
 
-    def tool_call_id(self, choice: Choice) -> str:
-        return f"call_{self.id.rsplit('-', 1)[-1][:24]}_{choice.index}"
+    def tool_call_id(self, choice: Choice, k: int = 0) -> str:
+        """The id of call `k` of a choice."""
+        suffix = f"_{k}" if k else ""
+        return f"call_{self.id.rsplit('-', 1)[-1][:24]}_{choice.index}{suffix}"
 
     @property
     def logprobs(self) -> bool:
@@ -80,6 +85,7 @@ class Choice:
     # first event): what its stream chunk carries
     last_text_start: int = 0
     last_logprobs_start: int = 0
+    tool_calls: ToolCallReader = field(default_factory=ToolCallReader)  # read with "auto"
 
     def echo(self, text: str, logprobs: list[TokenLogprob]) -> None:
         """Put the prompt first; before the first event."""
@@ -326,13 +332,20 @@ class ChatRenderer:
     def chunk(self, req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any] | None:
         if not _has_news(event):
             return None
+        if req.read_tool_calls:
+            delta = _read_delta(req, choice, event)
+            if not delta and not event.finished and not event.logprobs:
+                return None  # held back: it may be part of a call
+        else:
+            delta = _delta(req, choice, event.text)
+        finish_reason = event.finish_reason if event.finished else None
         body = {
             "index": choice.index,
-            "delta": _delta(req, choice, event.text),
+            "delta": delta,
             "logprobs": (
                 chat_logprobs(event_logprobs(event), req.num_logprobs) if req.logprobs else None
             ),
-            "finish_reason": event.finish_reason if event.finished else None,
+            "finish_reason": _called(choice, finish_reason),
         }
         return _chunk_envelope(req, self.object_name, [body])
 
@@ -344,7 +357,7 @@ class ChatRenderer:
             choices=[
                 ChatChoice(
                     index=c.index, message=_message(req, c),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    finish_reason=_called(c, c.finish_reason), stop_reason=c.stop_reason,
                     logprobs=chat_logprobs(c.logprobs, req.num_logprobs) if req.logprobs else None,
                 )
                 for c in choices
@@ -356,6 +369,12 @@ class ChatRenderer:
 
 
 def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
+    if req.read_tool_calls:
+        content, calls = read_all(choice.text)
+        calls = _kept(req, calls, 0)
+        choice.tool_calls.num_calls = len(calls)
+        listed = [_call(req, choice, k, call) for k, call in enumerate(calls)]
+        return AssistantMessage(content=content, tool_calls=listed or None)
     if req.tool_call is None:
         return AssistantMessage(content=choice.text)
     call = {"id": req.tool_call_id(choice), "type": "function",
@@ -375,3 +394,38 @@ def _delta(req: RelayedRequest, choice: Choice, text: str) -> dict[str, Any]:
         call = {"index": 0, "id": req.tool_call_id(choice), "type": "function",
                 "function": {"name": req.tool_call, "arguments": text}}
     return {"tool_calls": [call]}
+
+
+def _read_delta(req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any]:
+    """With tool_choice "auto": the content the text brought, and the calls it completed."""
+    reader = choice.tool_calls
+    first = reader.num_calls
+    content, calls = reader.feed(event.text)
+    if event.finished:
+        rest, more = reader.finish()
+        content, calls = content + rest, calls + more
+    calls = _kept(req, calls, first)
+    delta: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [
+            {"index": k, **_call(req, choice, k, call)} for k, call in enumerate(calls, first)
+        ]
+    return delta
+
+
+def _kept(req: RelayedRequest, calls: list[ToolCall], first: int) -> list[ToolCall]:
+    """Without parallel_tool_calls a choice keeps only its first call."""
+    return calls if req.parallel_tool_calls else calls[: max(0, 1 - first)]
+
+
+def _call(req: RelayedRequest, choice: Choice, k: int, call: ToolCall) -> dict[str, Any]:
+    return {"id": req.tool_call_id(choice, k), "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _called(choice: Choice, finish_reason: str | None) -> str | None:
+    """A reply that ended by itself after calling tools finishes with "tool_calls", as
+    OpenAI's do under "auto"."""
+    if finish_reason == "stop" and choice.tool_calls.num_calls:
+        return "tool_calls"
+    return finish_reason

@@ -204,16 +204,16 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token, with logprobs=true
     tools: list[Tool] | None = None  # shown to the chat template
-    # {"type": "function", "function": {"name": ...}} or "required" (with one tool): the reply
-    # is a call of that function, its arguments guided by its parameters' schema; "none" or
-    # absent without tools: plain text. "auto" (the model decides) is not supported.
+    # "auto" (the default with tools): the model decides, and its text is read for calls
+    # (api.tool_calls); {"type": "function", "function": {"name": ...}}, or "required" with one
+    # tool: the reply is a call of that function, its arguments guided by its parameters'
+    # schema; "none": plain text
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # false: with "auto", only the first call is kept
 
     def forced_tool(self) -> FunctionDefinition | None:
         """The function the reply must call; ValueError naming tool_choice when unsupported."""
         choice = self.tool_choice
-        if choice == "none" or (choice is None and not self.tools):
-            return None
         tools = [t.function for t in self.tools or []]
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name")
@@ -221,12 +221,24 @@ class ChatCompletionRequest(_GenerationRequest):
             if not found:
                 raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
             return found[0]
-        if choice == "required" and len(tools) == 1:
+        if choice not in (None, "none", "auto", "required"):
+            raise ValueError(
+                f"tool_choice must be none, auto, required or a named function, got {choice!r}"
+            )
+        if choice in ("auto", "required") and not tools:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        if choice != "required":
+            return None
+        if len(tools) == 1:
             return tools[0]
         raise ValueError(
-            f"tool_choice {choice or 'auto'!r} is not supported: name the function "
-            '({"type": "function", "function": {"name": ...}}), or give one tool with "required"'
+            'tool_choice "required" with several tools is not supported: name the function '
+            '({"type": "function", "function": {"name": ...}}), or use "auto"'
         )
+
+    def auto_tools(self) -> bool:
+        """The model decides whether to call one of the tools."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def _guided_fields(self) -> list[tuple[str, bool]]:
         return [*super()._guided_fields(), ("tool_choice", self.forced_tool() is not None)]
@@ -363,7 +375,7 @@ class CompletionResponse(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[dict[str, Any]] | None = None  # with tool_choice: the call, content None
+    tool_calls: list[dict[str, Any]] | None = None  # the calls; a forced call has content None
 
 
 class ChatChoice(BaseModel):

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     # requests that name none.
     served_model_name: str = "genq"
     request_timeout_s: float = 600.0  # a relayed request longer than this is cancelled (504)
+    # How chat replies are read for tool calls under tool_choice "auto": "hermes"
+    # (<tool_call>{...}</tool_call>), or "none" to refuse "auto" with a 400.
+    tool_call_parser: Literal["hermes", "none"] = "hermes"
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 
+from api.settings import Settings
 from producer.sampling_params import SamplingParams
 from worker import LLM
 
@@ -272,13 +273,72 @@ def test_a_forced_tool_call_has_arguments_that_fit_its_schema(served_model: str,
     assert follow_up.choices[0].message.content is not None
 
 
-def test_tool_choice_auto_is_refused(served_model: str, oai: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=served_model, messages=MESSAGES, tools=[SET_COLOUR], max_tokens=4)
-    assert info.value.body["param"] == "tool_choice" and "not supported" in info.value.body["message"]
+def _reply(oai: openai.OpenAI, served_model: str, text: str, **request) -> tuple[openai.types.chat.ChatCompletion, list]:
+    """A chat reply under tool_choice "auto" whose text is forced (guided_choice) to `text`,
+    whole and streamed."""
+    request = {"model": served_model, "messages": MESSAGES, "tools": [SET_COLOUR], "max_tokens": 200,
+               "extra_body": {"guided_choice": [text]}, **request}
+    return oai.chat.completions.create(**request), list(oai.chat.completions.create(**request, stream=True))
+
+
+def _streamed(chunks: list) -> tuple[str, dict[int, dict], list[str | None]]:
+    """The content, the calls by index (name, id, arguments joined) and finish reasons."""
+    content, calls = "", {}
+    for c in chunks:
+        for t in c.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(t.index, {"name": None, "id": None, "arguments": ""})
+            call["name"] = call["name"] or t.function.name
+            call["id"] = call["id"] or t.id
+            call["arguments"] += t.function.arguments or ""
+        content += c.choices[0].delta.content or ""
+    return content, calls, [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+
+
+def test_tool_choice_auto_reads_the_calls_the_model_writes(served_model: str, oai: openai.OpenAI) -> None:
+    call = '{"name": "set_colour", "arguments": {"colour": "red", "bright": true}}'
+    whole, chunks = _reply(oai, served_model, f"Setting it.\n<tool_call>\n{call}\n</tool_call>")
+    (choice,) = whole.choices
+    (tool_call,) = choice.message.tool_calls
+    assert (choice.message.content, choice.finish_reason) == ("Setting it.", "tool_calls")
+    assert tool_call.function.name == "set_colour" and tool_call.id.startswith("call_")
+    assert json.loads(tool_call.function.arguments) == {"colour": "red", "bright": True}
+    content, calls, reasons = _streamed(chunks)
+    assert (content, reasons) == ("Setting it.", ["tool_calls"])
+    assert calls == {0: {"name": "set_colour", "id": calls[0]["id"], "arguments": tool_call.function.arguments}}
+    assert calls[0]["id"].startswith("call_")
+    # two calls in one reply; without parallel_tool_calls only the first is kept
+    second = '{"name": "set_colour", "arguments": {"colour": "blue", "bright": false}}'
+    text = f"<tool_call>{call}</tool_call><tool_call>{second}</tool_call>"
+    both, chunks = _reply(oai, served_model, text)
+    assert [json.loads(t.function.arguments)["colour"] for t in both.choices[0].message.tool_calls] == ["red", "blue"]
+    assert both.choices[0].message.content is None and len({t.id for t in both.choices[0].message.tool_calls}) == 2
+    assert [c["arguments"] for c in _streamed(chunks)[1].values()] == [t.function.arguments for t in both.choices[0].message.tool_calls]
+    first, chunks = _reply(oai, served_model, text, parallel_tool_calls=False)
+    assert len(first.choices[0].message.tool_calls) == 1 and len(_streamed(chunks)[1]) == 1
+    # a reply without a call is plain content, and a block that is no call stays in it
+    for text in ("No call needed.", "Bad <tool_call>{oops}</tool_call>"):
+        plain, chunks = _reply(oai, served_model, text, tool_choice="auto")
+        assert (plain.choices[0].message.content, plain.choices[0].message.tool_calls) == (text, None)
+        assert plain.choices[0].finish_reason == "stop" and _streamed(chunks) == (text, {}, ["stop"])
+
+
+def test_tool_choice_none_is_plain_text_and_auto_can_be_turned_off(
+    served_model: str, oai: openai.OpenAI, live_worker: str, serve_api
+) -> None:
     plain = oai.chat.completions.create(model=served_model, messages=MESSAGES, tools=[SET_COLOUR],
                                         tool_choice="none", max_tokens=4)
     assert plain.choices[0].message.tool_calls is None
+    for choice, message in (("required", "several tools"), ("sometimes", "must be none, auto")):
+        with pytest.raises(openai.BadRequestError, match=message) as info:
+            oai.chat.completions.create(model=served_model, messages=MESSAGES, tools=[SET_COLOUR, SET_COLOUR],
+                                        tool_choice=choice, max_tokens=4)
+        assert info.value.body["param"] == "tool_choice"
+    with serve_api(Settings(redis_url=live_worker, tool_call_parser="none")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="GENQ_TOOL_CALL_PARSER=none") as info:
+            client.chat.completions.create(model=served_model, messages=MESSAGES, tools=[SET_COLOUR], max_tokens=4)
+        assert info.value.body["param"] == "tool_choice"
+        client.close()
 
 
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
