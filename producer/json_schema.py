@@ -6,8 +6,10 @@ again to decode (`worker.structured_output`). Plain Python, no dependencies.
 
 Supported: `type` (one or a list), `properties` with `required` (keys in the order the schema
 declares them; a property not required may be left out; no others: as OpenAI's strict mode),
-`items`, `minItems`, `maxItems`, `enum`, `const`, `anyOf` / `oneOf` whose alternatives begin
-with different characters (an object and a string, say), local `$ref` into `$defs` /
+`items`, `minItems`, `maxItems`, `enum`, `const`, `anyOf` (alternatives that begin alike,
+such as objects told apart by a `const` property, are followed together until the text rules
+all but one out; at most 16 at once), `oneOf` whose alternatives begin with different
+characters (an object and a string, say), local `$ref` into `$defs` /
 `definitions` (recursion included), and an object without `properties` or an absent schema
 as any JSON value. Annotations (`title`, `description`, `default`, ...) are ignored. Anything
 else that constrains a value (`pattern`, `format`, `minimum`, `minLength`, `prefixItems`, ...)
@@ -102,7 +104,7 @@ class _Compiler:
             return self.node(parts[0], f"{where}/allOf/0")
         for key in ("anyOf", "oneOf"):
             if key in schema:
-                return self._union(schema[key], f"{where}/{key}")
+                return self._union(schema[key], f"{where}/{key}", distinct=key == "oneOf")
         if "const" in schema or "enum" in schema:
             values = [schema["const"]] if "const" in schema else schema["enum"]
             if not isinstance(values, list) or not values:
@@ -111,7 +113,7 @@ class _Compiler:
         kinds = schema.get("type")
         if isinstance(kinds, list):
             alternatives = [{**schema, "type": kind} for kind in kinds]
-            return self._union(alternatives, f"{where}/type")
+            return self._union(alternatives, f"{where}/type", distinct=True)
         return self._typed(schema, kinds, where)
 
     def _typed(self, schema: dict[str, Any], kind: Any, where: str) -> int:
@@ -161,14 +163,17 @@ class _Compiler:
         self.graph.nodes[node_id] = Node("array", item=item, min_items=min_items, max_items=max_items)
         return node_id
 
-    def _union(self, alternatives: Any, where: str) -> int:
+    def _union(self, alternatives: Any, where: str, distinct: bool) -> int:
+        """`distinct`: the alternatives must begin with different characters (oneOf, where a
+        value that fits two would fit none; a list of types, which never overlap but for
+        integer and number)."""
         if not isinstance(alternatives, list) or not alternatives:
             raise ValueError(f"json_schema: {where} must be a non-empty list")
         ids = [self.node(sub, f"{where}/{i}") for i, sub in enumerate(alternatives)]
         if len(ids) == 1:
             return ids[0]
         seen: set[str] = set()
-        for i in ids:
+        for i in ids if distinct else ():
             starts = self.graph.first_chars(i)
             if seen & starts:
                 raise ValueError(

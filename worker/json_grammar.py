@@ -194,6 +194,10 @@ _STRUCTURAL = {"start", "value", "value_or_end", "key_or_end", "key", "colon", "
 
 Frame = tuple[int, str, Any]
 SchemaState = tuple[tuple[Frame, ...], int]  # (frames, whitespace run); no frames: done
+# While alternatives of an `anyOf` that begin alike are all still possible, the grammar's state
+# is the frozenset of their SchemaStates, stepped together; a step returns a list of them.
+Step = SchemaState | list[SchemaState] | None
+MAX_ALTERNATIVES = 16  # live at once; past it the text is refused (no schema-driven blow-up)
 _WHITESPACE_PHASES = {"start", "open", "colon", "after", "comma", "next"}
 _GENERIC_VALUE: JsonState = ((), "value", None, 0)  # where an embedded any-value starts
 
@@ -214,20 +218,43 @@ class JsonSchemaGrammar:
         return (((self.graph.root, "start", None),), 0)
 
     def is_complete(self, state: Hashable) -> bool:
+        if isinstance(state, frozenset):
+            return any(s[0] == () for s in state)
         return state[0] == ()  # type: ignore[index]
 
     def advance(self, state: Hashable, text: str) -> Hashable | None:
+        if state.__class__ is frozenset:
+            return self._advance_all(list(state), text)  # type: ignore[arg-type]
         frames = state[0]  # type: ignore[index]
         if frames and frames[-1][1] == "any" and frames[-1][2][1] == "string" and not _STRING_STOPS.search(text):
             return state  # plain text inside a string (see JsonObjectGrammar.advance)
-        current: SchemaState | None = state  # type: ignore[assignment]
+        current: Step = state  # type: ignore[assignment]
         for char in text:
             current = self._step(current, char)  # type: ignore[arg-type]
-            if current is None:
-                return None
-        return current
+            if current.__class__ is not tuple:
+                break
+        if current.__class__ is list:  # alternatives that began alike: the slow way, again
+            return self._advance_all([state], text)  # type: ignore[list-item]
+        return current  # type: ignore[return-value]
 
-    def _step(self, state: SchemaState, char: str) -> SchemaState | None:
+    def _advance_all(self, states: list[SchemaState], text: str) -> Hashable | None:
+        """Step every live alternative; the ones that cannot take a character drop out."""
+        for char in text:
+            stepped: list[SchemaState] = []
+            for state in states:
+                step = self._step(state, char)
+                if isinstance(step, list):
+                    stepped += step
+                elif step is not None:
+                    stepped.append(step)
+            states = list(dict.fromkeys(stepped))
+            if not states or len(states) > MAX_ALTERNATIVES:
+                return None
+        if not states or len(states) > MAX_ALTERNATIVES:
+            return None
+        return states[0] if len(states) == 1 else frozenset(states)
+
+    def _step(self, state: SchemaState, char: str) -> Step:
         frames, ws = state
         if not frames:
             return None  # the value is complete: nothing may follow
@@ -251,15 +278,20 @@ class JsonSchemaGrammar:
             return self._step((rest, 0), char) if aux in _NUMBER_ENDS else None
         return self._generic(rest, node_id, aux, char)  # string, any, any_object
 
-    def _begin(self, rest: tuple[Frame, ...], node_id: int, char: str) -> SchemaState | None:
+    def _begin(self, rest: tuple[Frame, ...], node_id: int, char: str) -> Step:
         """A value of node `node_id` starting with `char`."""
         node = self.nodes[node_id]
         kind = node.kind
         if kind == "union":
+            begun: list[SchemaState] = []
             for alternative in node.alternatives:
                 if char in self._first_chars[alternative]:
-                    return self._begin(rest, alternative, char)
-            return None
+                    step = self._begin(rest, alternative, char)
+                    if isinstance(step, list):
+                        begun += step
+                    elif step is not None:
+                        begun.append(step)
+            return None if not begun else begun[0] if len(begun) == 1 else begun
         if kind in ("object", "array"):
             opened = char == ("{" if kind == "object" else "[")
             return ((*rest, (node_id, "open", 0)), 0) if opened else None
@@ -272,7 +304,7 @@ class JsonSchemaGrammar:
             return None
         return self._generic(rest, node_id, _GENERIC_VALUE, char)
 
-    def _generic(self, rest: tuple[Frame, ...], node_id: int, inner: JsonState, char: str) -> SchemaState | None:
+    def _generic(self, rest: tuple[Frame, ...], node_id: int, inner: JsonState, char: str) -> Step:
         """A string or free-form value: the generic automaton, from an empty stack. It ends
         when that stack closes again (a number: at the first character it cannot take)."""
         stack, mode, part, _ = inner
@@ -288,7 +320,7 @@ class JsonSchemaGrammar:
             return (rest, 0)  # the value closed with this character
         return ((*rest, (node_id, "any", new)), 0)
 
-    def _literal(self, rest: tuple[Frame, ...], node_id: int, node: Node, text: str, char: str) -> SchemaState | None:
+    def _literal(self, rest: tuple[Frame, ...], node_id: int, node: Node, text: str, char: str) -> Step:
         longer = text + char
         if any(lit.startswith(longer) for lit in node.literals):
             if longer in node.literals and not any(len(lit) > len(longer) and lit.startswith(longer) for lit in node.literals):
@@ -297,7 +329,7 @@ class JsonSchemaGrammar:
         # a complete literal that another could have extended (1 of [1, 12]) ends here
         return self._step((rest, 0), char) if text in node.literals else None
 
-    def _object(self, rest: tuple[Frame, ...], node_id: int, node: Node, phase: str, aux: Any, char: str) -> SchemaState | None:
+    def _object(self, rest: tuple[Frame, ...], node_id: int, node: Node, phase: str, aux: Any, char: str) -> Step:
         if phase in ("open", "after"):  # aux: index of the next property that may come
             if char == "}" and not any(k in node.required for k, _ in node.properties[aux:]):
                 return (rest, 0)
@@ -336,7 +368,7 @@ class JsonSchemaGrammar:
             cached = self._keys_at[(node_id, position)] = tuple(keys)
         return cached
 
-    def _array(self, rest: tuple[Frame, ...], node_id: int, node: Node, phase: str, count: int, char: str) -> SchemaState | None:
+    def _array(self, rest: tuple[Frame, ...], node_id: int, node: Node, phase: str, count: int, char: str) -> Step:
         """count: items so far, capped where the limits stop telling counts apart."""
         if char == "]" and phase in ("open", "after") and count >= node.min_items:
             return (rest, 0)

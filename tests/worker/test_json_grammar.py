@@ -162,10 +162,21 @@ def test_schema_violations_are_rejected_or_never_complete(text: str) -> None:
     assert state is None or not grammar.is_complete(state)
 
 
+TAGGED_A = {"type": "object", "properties": {"kind": {"const": "a"}, "n": {"type": "integer"}},
+            "required": ["kind", "n"], "additionalProperties": False}
+TAGGED_B = {"type": "object", "properties": {"kind": {"const": "b"}, "s": {"type": "string"}},
+            "required": ["kind"], "additionalProperties": False}
+
+
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
     leaves = [{"type": "string"}, {"type": "number"}, {"type": "integer"}, {"type": "boolean"},
               {"type": "null"}, {"enum": ["x", "yz", 1, 12, True, None]}, {"const": "c"}, {},
-              {"anyOf": [{"type": "string"}, {"type": "integer"}]}, {"type": ["object", "null"]}]
+              {"anyOf": [{"type": "string"}, {"type": "integer"}]}, {"type": ["object", "null"]},
+              # alternatives that begin alike, followed together
+              {"anyOf": [{"type": "string"}, {"enum": ["x", 1]}, {"type": "number"}]},
+              {"anyOf": [{"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+                         {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
+              {"anyOf": [TAGGED_A, TAGGED_B]}]
     if depth >= 3 or rng.random() < 0.4:
         return rng.choice(leaves)
     if rng.random() < 0.5:
@@ -209,6 +220,36 @@ def test_random_walks_through_random_schemas_write_valid_instances() -> None:
     assert written > 300  # most walks end; each that did was valid
 
 
+@pytest.mark.parametrize(("text", "valid"), [
+    ('{"x": {"kind": "a", "n": 3}}', True),
+    ('{"x": {"kind": "b"}}', True),
+    ('{"x": {"kind": "b", "s": "q"}}', True),
+    ('{"x": {"kind": "a"}}', False),  # n is required with kind a
+    ('{"x": {"kind": "a", "s": "q"}}', False),  # s belongs to kind b
+    ('{"x": {"kind": "b", "n": 3}}', False),
+    ('{"x": {"kind": "c"}}', False),
+])
+def test_objects_told_apart_by_a_tag_are_followed_together(text: str, valid: bool) -> None:
+    schema = {"type": "object", "properties": {"x": {"anyOf": [TAGGED_A, TAGGED_B]}}, "required": ["x"]}
+    grammar = JsonSchemaGrammar(schema)
+    state = feed(text, grammar)
+    assert (state is not None and grammar.is_complete(state)) == valid
+    assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == valid
+    assert isinstance(feed('{"x": {"ki', grammar), frozenset)  # both still possible
+    assert not isinstance(feed('{"x": {"kind": "a"', grammar), frozenset)  # the tag decided
+
+
+def test_alternatives_that_stay_alike_are_capped() -> None:
+    """anyOf of two arrays of the same: each "[" doubles what must be followed; past the cap
+    the text is refused rather than the worker slowing down without bound."""
+    schema = {"$defs": {"t": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/t"}},
+                                         {"type": "array", "items": {"$ref": "#/$defs/t"}}]}},
+              "$ref": "#/$defs/t"}
+    grammar = JsonSchemaGrammar(schema)
+    assert grammar.is_complete(feed("[[[]]]", grammar))
+    assert feed("[" * 5, grammar) is None  # 32 alternatives
+
+
 def test_recursive_refs() -> None:
     tree = {
         "$defs": {"node": {"type": "object", "properties": {
@@ -230,7 +271,7 @@ def test_recursive_refs() -> None:
     ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties with a schema"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "additionalProperties beside"),
     ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "only local $ref"),
-    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}},
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}, {"enum": ["x"]}]}}},
      "alternatives that can begin with the same character"),
     ({"type": "string"}, "the root must be an object or an array"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required names unknown properties"),
