@@ -60,7 +60,7 @@ async def start(
         echo=tuple(p if isinstance(p, str) else None for p in prompts) if echo else (),
         prompt_logprobs=body.prompt_logprobs is not None,
         tool_call=forced.name if forced else None,
-        read_tool_calls=chat is not None and chat.auto_tools(),
+        read_tool_calls=chat.tool_calls_form() if chat else None,
         parallel_tool_calls=chat is None or chat.parallel_tool_calls,
     )
 

@@ -15,7 +15,7 @@ from api.schemas import (
     CompletionResponse,
     Usage,
 )
-from api.tool_calls import ToolCall, ToolCallReader, read_all
+from api.tool_calls import READERS, Reader, ToolCall, read_all
 from producer.protocol import Event
 
 MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry (as vLLM does)
@@ -38,7 +38,7 @@ class RelayedRequest:
     echo: tuple[str | None, ...] = ()
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for (non-streaming responses)
     tool_call: str | None = None  # chat's forced tool call: each choice's text is its arguments
-    read_tool_calls: bool = False  # tool_choice "auto": each choice's text is read for calls
+    read_tool_calls: str | None = None  # the form each choice's text holds calls in (READERS)
     parallel_tool_calls: bool = True  # False: a choice keeps only its first call
 
     def tool_call_id(self, choice: Choice, k: int = 0) -> str:
@@ -85,7 +85,7 @@ class Choice:
     # first event): what its stream chunk carries
     last_text_start: int = 0
     last_logprobs_start: int = 0
-    tool_calls: ToolCallReader = field(default_factory=ToolCallReader)  # read with "auto"
+    tool_calls: Reader | None = None  # what read the streamed text for calls
 
     def echo(self, text: str, logprobs: list[TokenLogprob]) -> None:
         """Put the prompt first; before the first event."""
@@ -345,7 +345,7 @@ class ChatRenderer:
             "logprobs": (
                 chat_logprobs(event_logprobs(event), req.num_logprobs) if req.logprobs else None
             ),
-            "finish_reason": _called(choice, finish_reason),
+            "finish_reason": _called(choice.tool_calls.num_calls if choice.tool_calls else 0, finish_reason),
         }
         return _chunk_envelope(req, self.object_name, [body])
 
@@ -356,11 +356,15 @@ class ChatRenderer:
             id=req.id, created=req.created, model=req.model, usage=usage,
             choices=[
                 ChatChoice(
-                    index=c.index, message=_message(req, c),
-                    finish_reason=_called(c, c.finish_reason), stop_reason=c.stop_reason,
+                    index=c.index, message=message,
+                    finish_reason=_called(
+                        len(message.tool_calls or []) if req.read_tool_calls else 0, c.finish_reason
+                    ),
+                    stop_reason=c.stop_reason,
                     logprobs=chat_logprobs(c.logprobs, req.num_logprobs) if req.logprobs else None,
                 )
                 for c in choices
+                for message in [_message(req, c)]
             ],
             prompt_logprobs=(
                 vllm_prompt_logprobs(choices[0].prompt_logprobs) if req.prompt_logprobs else None
@@ -370,9 +374,8 @@ class ChatRenderer:
 
 def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
     if req.read_tool_calls:
-        content, calls = read_all(choice.text)
+        content, calls = read_all(choice.text, req.read_tool_calls)
         calls = _kept(req, calls, 0)
-        choice.tool_calls.num_calls = len(calls)
         listed = [_call(req, choice, k, call) for k, call in enumerate(calls)]
         return AssistantMessage(content=content, tool_calls=listed or None)
     if req.tool_call is None:
@@ -397,8 +400,9 @@ def _delta(req: RelayedRequest, choice: Choice, text: str) -> dict[str, Any]:
 
 
 def _read_delta(req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any]:
-    """With tool_choice "auto": the content the text brought, and the calls it completed."""
-    reader = choice.tool_calls
+    """The content the text brought, and the calls it completed."""
+    assert req.read_tool_calls is not None
+    reader = choice.tool_calls = choice.tool_calls or READERS[req.read_tool_calls]()
     first = reader.num_calls
     content, calls = reader.feed(event.text)
     if event.finished:
@@ -423,9 +427,9 @@ def _call(req: RelayedRequest, choice: Choice, k: int, call: ToolCall) -> dict[s
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _called(choice: Choice, finish_reason: str | None) -> str | None:
-    """A reply that ended by itself after calling tools finishes with "tool_calls", as
-    OpenAI's do under "auto"."""
-    if finish_reason == "stop" and choice.tool_calls.num_calls:
+def _called(num_calls: int, finish_reason: str | None) -> str | None:
+    """A reply read for calls that ended by itself after calling tools finishes with
+    "tool_calls", as OpenAI's do (a forced call keeps "stop", as OpenAI's does)."""
+    if finish_reason == "stop" and num_calls:
         return "tool_calls"
     return finish_reason

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
+from api.tool_calls import calls_schema
 from producer.sampling_params import SamplingParams
 
 PromptInput = str | dict[str, Any] | list[dict[str, Any]]  # as `AsyncClient.submit` takes it
@@ -207,7 +208,7 @@ class ChatCompletionRequest(_GenerationRequest):
     # "auto" (the default with tools): the model decides, and its text is read for calls
     # (api.tool_calls); {"type": "function", "function": {"name": ...}}, or "required" with one
     # tool: the reply is a call of that function, its arguments guided by its parameters'
-    # schema; "none": plain text
+    # schema; "required" with several: a guided array of calls; "none": plain text
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # false: with "auto", only the first call is kept
 
@@ -227,28 +228,31 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         if choice in ("auto", "required") and not tools:
             raise ValueError(f"tool_choice {choice!r} needs tools")
-        if choice != "required":
-            return None
-        if len(tools) == 1:
-            return tools[0]
-        raise ValueError(
-            'tool_choice "required" with several tools is not supported: name the function '
-            '({"type": "function", "function": {"name": ...}}), or use "auto"'
-        )
+        return tools[0] if choice == "required" and len(tools) == 1 else None
 
-    def auto_tools(self) -> bool:
-        """The model decides whether to call one of the tools."""
-        return bool(self.tools) and self.tool_choice in (None, "auto")
+    def tool_calls_form(self) -> str | None:
+        """How the reply is read for calls (api.tool_calls.READERS): "hermes" when the model
+        decides ("auto"), "json" when it must call one or more of several tools ("required":
+        guided into a JSON array of calls); None when it is not read for calls."""
+        if not self.tools or self.tool_choice not in (None, "auto", "required"):
+            return None
+        if self.tool_choice == "required":
+            return "json" if len(self.tools) > 1 else None
+        return "hermes"
 
     def _guided_fields(self) -> list[tuple[str, bool]]:
-        return [*super()._guided_fields(), ("tool_choice", self.forced_tool() is not None)]
+        guided = self.forced_tool() is not None or self.tool_calls_form() == "json"
+        return [*super()._guided_fields(), ("tool_choice", guided)]
 
     def _guided_decoding(self) -> dict[str, Any] | None:
-        """A forced tool call: its arguments follow the function's parameters schema."""
+        """A forced tool call: its arguments follow the function's parameters schema; a
+        required call of several tools: an array of calls, each named and fit to its tool."""
         if self.guided_source == "tool_choice":
             function = self.forced_tool()
-            assert function is not None
-            return {"json_schema": function.parameters or {"type": "object"}}
+            if function is not None:
+                return {"json_schema": function.parameters or {"type": "object"}}
+            tools = [(t.function.name, t.function.parameters) for t in self.tools or []]
+            return {"json_schema": calls_schema(tools, self.parallel_tool_calls)}
         return super()._guided_decoding()
 
     def sampling_params(self) -> SamplingParams:

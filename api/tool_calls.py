@@ -5,8 +5,9 @@ is read for calls in the hermes format, which Qwen, Hermes and SmolLM2 write:
 
 A block may also hold a list of such objects, and `parameters` may stand for `arguments`.
 Text outside the blocks is the message's content. A block whose JSON is not a call stays in
-the content as written, so nothing the model said is lost. Plain functions and one small
-stateful reader for streams; no I/O.
+the content as written, so nothing the model said is lost. Under `tool_choice: "required"`
+with several tools the reply is instead guided into a JSON array of calls. Plain functions
+and small stateful readers for streams; no I/O.
 """
 
 from __future__ import annotations
@@ -130,10 +131,69 @@ class ToolCallReader:
         return text
 
 
-def read_all(text: str) -> tuple[str | None, list[ToolCall]]:
+class CallArrayReader:
+    """Reads the JSON array of calls that genq guides tool_choice "required" into (with
+    several tools: `calls_schema`), giving out each call as soon as its object closes."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._scanned = 0
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self._item_start = 0
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._text += text
+        calls: list[ToolCall] = []
+        for at in range(self._scanned, len(self._text)):
+            char = self._text[at]
+            if self._escaped:
+                self._escaped = False
+            elif self._in_string:
+                self._escaped = char == "\\"
+                self._in_string = char != '"'
+            elif char == '"':
+                self._in_string = True
+            elif char in "[{":
+                self._depth += 1
+                if self._depth == 2:
+                    self._item_start = at
+            elif char in "]}":
+                self._depth -= 1
+                if self._depth == 1:
+                    found = parse_block(self._text[self._item_start : at + 1])
+                    calls += found or []
+        self._scanned = len(self._text)
+        self.num_calls += len(calls)
+        return "", calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return "", []  # an array cut short (max_tokens) keeps the calls it completed
+
+
+def calls_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> dict[str, Any]:
+    """The JSON schema of a reply that calls one or more of `tools` ((name, parameters)):
+    `[{"name": ..., "arguments": {...}}, ...]`, the name deciding which arguments follow."""
+    return {
+        "type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+        "items": {"anyOf": [
+            {"type": "object", "required": ["name", "arguments"], "properties": {
+                "name": {"const": name}, "arguments": parameters or {"type": "object"}}}
+            for name, parameters in tools
+        ]},
+    }
+
+
+Reader = ToolCallReader | CallArrayReader
+READERS: dict[str, type[Reader]] = {"hermes": ToolCallReader, "json": CallArrayReader}
+
+
+def read_all(text: str, form: str = "hermes") -> tuple[str | None, list[ToolCall]]:
     """A whole completion's content (None when it only called tools) and calls, as a stream
     would give them out."""
-    reader = ToolCallReader()
+    reader = READERS[form]()
     content, calls = reader.feed(text)
     rest, more = reader.finish()
     content += rest

@@ -20,7 +20,7 @@ router = APIRouter(tags=["openai"])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: StateDep):
     """Messages in, one assistant message per choice out; `stream: true` answers with SSE."""
     renderer = ChatRenderer()
-    if body.auto_tools() and state.settings.tool_call_parser == "none":
+    if body.tool_calls_form() == "hermes" and state.settings.tool_call_parser == "none":
         raise invalid_param(
             "tool_choice", 'tool_choice "auto" (the default with tools) is off on this server '
             "(GENQ_TOOL_CALL_PARSER=none): name the function, or use \"none\"",

@@ -322,16 +322,37 @@ def test_tool_choice_auto_reads_the_calls_the_model_writes(served_model: str, oa
         assert plain.choices[0].finish_reason == "stop" and _streamed(chunks) == (text, {}, ["stop"])
 
 
+GET_TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "required": ["zone"], "properties": {
+        "zone": {"enum": ["utc", "local"]}}},
+}}
+
+
+def test_required_with_several_tools_calls_them_with_fitting_arguments(served_model: str, oai: openai.OpenAI) -> None:
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in (SET_COLOUR, GET_TIME)}
+    request = {"model": served_model, "messages": MESSAGES, "tools": [SET_COLOUR, GET_TIME], "tool_choice": "required",
+               "temperature": 1.0, "seed": 11, "max_tokens": 300}
+    choice = oai.chat.completions.create(**request).choices[0]
+    calls = choice.message.tool_calls
+    assert choice.message.content is None and calls and len({c.id for c in calls}) == len(calls)
+    for call in calls:  # each names a tool, and its arguments fit that tool's schema
+        jsonschema.validate(json.loads(call.function.arguments), tools[call.function.name])
+    assert choice.finish_reason == "tool_calls"  # the array closed: guided replies end by themselves
+    streamed = _streamed(list(oai.chat.completions.create(**request, stream=True)))[1]  # same seed, same tokens
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [(c.function.name, c.function.arguments) for c in calls]
+    single = oai.chat.completions.create(**request, parallel_tool_calls=False).choices[0]
+    assert len(single.message.tool_calls) == 1 and single.finish_reason == "tool_calls"
+
+
 def test_tool_choice_none_is_plain_text_and_auto_can_be_turned_off(
     served_model: str, oai: openai.OpenAI, live_worker: str, serve_api
 ) -> None:
     plain = oai.chat.completions.create(model=served_model, messages=MESSAGES, tools=[SET_COLOUR],
                                         tool_choice="none", max_tokens=4)
     assert plain.choices[0].message.tool_calls is None
-    for choice, message in (("required", "several tools"), ("sometimes", "must be none, auto")):
+    for tools, choice, message in (([SET_COLOUR], "sometimes", "must be none, auto"), (None, "required", "needs tools")):
         with pytest.raises(openai.BadRequestError, match=message) as info:
-            oai.chat.completions.create(model=served_model, messages=MESSAGES, tools=[SET_COLOUR, SET_COLOUR],
-                                        tool_choice=choice, max_tokens=4)
+            oai.chat.completions.create(model=served_model, messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=4)
         assert info.value.body["param"] == "tool_choice"
     with serve_api(Settings(redis_url=live_worker, tool_call_parser="none")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from api.tool_calls import ToolCall, ToolCallReader, read_all
+from api.tool_calls import CallArrayReader, ToolCall, ToolCallReader, read_all
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
 TWO = '[{"name": "a", "arguments": {}}, {"name": "b", "parameters": "{\\"x\\": [1, \\"é\\"]}"}]'
@@ -71,3 +71,18 @@ def test_nothing_of_a_call_is_sent_as_content_before_it_is_whole() -> None:
     assert reader.feed("_call>{\"name\": \"a\",") == ("", [])
     content, calls = reader.feed(' "arguments": {}}</tool_call>')
     assert (content, _calls(calls)) == ("", [("a", {})])
+
+
+ARRAY = '[{"name": "a", "arguments": {"s": "}]\\\\\\"{["}}, {"name": "b", "arguments": {"l": [1, {}]}}]'
+
+
+def test_a_guided_array_of_calls_gives_each_call_as_its_object_closes() -> None:
+    assert json.loads(ARRAY)  # brackets and escaped quotes inside strings do not count
+    expected = [("a", {"s": '}]\\"{['}), ("b", {"l": [1, {}]})]
+    assert read_all(ARRAY, "json") == (None, [ToolCall(n, json.dumps(a)) for n, a in expected])
+    reader = CallArrayReader()
+    given = [_calls(reader.feed(char)[1]) for char in ARRAY]
+    assert [at for at, calls in enumerate(given) if calls] == [ARRAY.index("}}") + 1, len(ARRAY) - 2]
+    assert sum(given, []) == expected
+    cut = CallArrayReader()  # max_tokens cut the array: the calls it completed stay
+    assert _calls(cut.feed(ARRAY[:-20])[1] + cut.finish()[1]) == expected[:1]
