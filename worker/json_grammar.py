@@ -1,6 +1,8 @@
 """JSON grammars for guided decoding: any JSON object (OpenAI's `json_object`), or a value of a
-JSON schema (`json_schema`, the subset `producer.json_schema` compiles). Character-level
-automata over hashable states, as `worker.structured_output.Grammar` describes.
+JSON schema (`json_schema`, the subset `producer.json_schema` compiles). Automata over
+hashable states that read UTF-8 one byte per character, as `worker.structured_output.Grammar`
+describes: JSON's structure is ASCII, and inside strings the bytes of other characters are
+checked to add up to whole, well-formed UTF-8.
 """
 
 from __future__ import annotations
@@ -8,16 +10,20 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from typing import Any
 
 from producer.json_schema import Node, compile_schema
+from worker.token_bytes import byte_text
 
 MAX_WHITESPACE_RUN = 64  # consecutive whitespace: room to indent 15 levels by 4, yet no padding forever
 _WHITESPACE = " \t\n\r"
 _ESCAPES = '"\\/bfnrtu'
 _HEX = "0123456789abcdefABCDEF"
 _DIGITS = "0123456789"
-_STRING_STOPS = re.compile(r'["\\\x00-\x1f]')  # what ends or escapes a string, or may not stand in one
+# what ends or escapes a string, may not stand in one, or (bytes of other characters) must be
+# checked one by one
+_STRING_STOPS = re.compile(r'["\\\x00-\x1f\x80-\xff]')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +125,22 @@ def _string(state: JsonState, char: str) -> JsonState | None:
         return (stack, "colon" if role == "key" else "after_value", None, 0)
     if char == "\\":
         return (stack, "escape", (role, 0), 0)
-    return None if ord(char) < 0x20 else state
+    code = ord(char)
+    if code < 0x80:
+        return None if code < 0x20 else state
+    more = _UTF8_CONTINUATIONS.get(code >> 4) if code >= 0xC2 and code <= 0xF4 else None
+    return None if more is None else (stack, "utf8", (role, more), 0)
+
+
+_UTF8_CONTINUATIONS = {0xC: 1, 0xD: 1, 0xE: 2, 0xF: 3}  # by a lead byte's high four bits
+
+
+def _utf8(state: JsonState, char: str) -> JsonState | None:
+    """The continuation bytes of a character begun in a string."""
+    stack, _, (role, left), _ = state
+    if not 0x80 <= ord(char) <= 0xBF:
+        return None
+    return (stack, "utf8", (role, left - 1), 0) if left > 1 else (stack, "string", role, 0)
 
 
 def _escape(state: JsonState, char: str) -> JsonState | None:
@@ -183,7 +204,7 @@ JSON_OBJECT = JsonObjectGrammar()  # stateless: one for every request
 _JSON_STEPS: dict[str, Callable[[JsonState, str], JsonState | None]] = {
     "start": _start, "value": _value, "value_or_end": _value_or_end, "key_or_end": _key_or_end,
     "key": _key, "colon": _colon, "after_value": _after_value, "string": _string,
-    "escape": _escape, "literal": _literal, "number": _number, "done": _done,
+    "escape": _escape, "literal": _literal, "number": _number, "done": _done, "utf8": _utf8,
 }
 # where whitespace may stand between tokens (not inside strings, numbers or literals)
 _STRUCTURAL = {"start", "value", "value_or_end", "key_or_end", "key", "colon", "after_value"}
@@ -209,6 +230,7 @@ class JsonSchemaGrammar:
 
     def __init__(self, schema: dict[str, Any]) -> None:
         self.graph = compile_schema(schema)
+        self.graph.nodes = [_in_bytes(node) for node in self.graph.nodes]
         self.nodes = self.graph.nodes
         self.key: Hashable = ("json_schema", json.dumps(schema, sort_keys=True))
         self._keys_at: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
@@ -380,3 +402,19 @@ class JsonSchemaGrammar:
         cap = node.max_items if node.max_items is not None else node.min_items
         assert node.item is not None
         return self._begin((*rest, (node_id, "after", min(count + 1, cap))), node.item, char)
+
+
+def _in_bytes(node: Node) -> Node:
+    """A node's literals and property names as the grammar reads them: UTF-8, a byte per
+    character."""
+    if not node.literals and not node.properties:
+        return node
+
+    def as_read(text: str) -> str:
+        return byte_text(text.encode())
+
+    return replace(
+        node, literals=tuple(as_read(lit) for lit in node.literals),
+        properties=tuple((as_read(key), j) for key, j in node.properties),
+        required=frozenset(as_read(key) for key in node.required),
+    )

@@ -2,11 +2,12 @@
 masks built from them (vLLM's `guided_decoding`: `json_object`, `json_schema`, `choice`; the
 JSON grammars are in `worker.json_grammar`).
 
-A grammar is a character-level automaton over immutable, hashable states:
-`advance(state, text)` returns the state after `text`, or None when no completion of the
-output could begin with it; `is_complete(state)` says the output may end there. The mask of a
-state is the set of vocabulary tokens whose text (each token decoded alone) keeps the output
-valid; it is computed once per state and cached, so a request whose state repeats (inside a
+A grammar is an automaton over immutable, hashable states that reads the output's UTF-8
+bytes, one character per byte (`worker.token_bytes.byte_text`), so a token holding part of a
+character has an exact meaning: `advance(state, text)` returns the state after `text`, or
+None when no completion of the output could begin with it; `is_complete(state)` says the
+output may end there. The mask of a state is the set of vocabulary tokens whose bytes
+(`worker.token_bytes`) keep the output valid; it is computed once per state and cached, so a request whose state repeats (inside a
 string, after a comma at the same depth) costs nothing after the first time. Where the output
 may end, the stop tokens are allowed too (they alone once nothing can extend it).
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from worker.json_grammar import JSON_OBJECT, JsonSchemaGrammar
+from worker.token_bytes import byte_text, token_bytes
 
 MASK_CACHE_SIZE = 1024  # grammar states whose masks are kept (a mask is one byte per token)
 
@@ -46,10 +48,10 @@ def make_grammar(guided_decoding: dict[str, Any]) -> Grammar:
 
 
 class ChoiceGrammar:
-    """The output is exactly one of the given strings. A state is the text so far."""
+    """The output is exactly one of the given strings. A state is the bytes so far."""
 
     def __init__(self, choices: Sequence[str]) -> None:
-        self.choices = tuple(choices)
+        self.choices = tuple(byte_text(c.encode()) for c in choices)
         self.key: Hashable = ("choice", self.choices)
 
     def initial(self) -> Hashable:
@@ -80,19 +82,16 @@ class TokenMasks:
     """The allowed next tokens of grammar states over one vocabulary, as masks: bytes of the
     vocabulary's length, 1 where the token may come next.
 
-    `token_texts[i]` is token i decoded alone; special tokens and tokens that are part of a
-    multi-byte character (they decode to U+FFFD alone) are never allowed inside the output.
+    `vocabulary[i]` is the bytes token i stands for; None (special tokens) is never allowed
+    inside the output.
     """
 
     def __init__(
-        self, token_texts: Sequence[str], special_ids: set[int], stop_ids: set[int],
+        self, vocabulary: Sequence[bytes | None], stop_ids: set[int],
         cache_size: int = MASK_CACHE_SIZE,
     ) -> None:
-        self.token_texts = list(token_texts)
-        self.candidates = [
-            (i, text) for i, text in enumerate(self.token_texts)
-            if i not in special_ids and text and "\ufffd" not in text
-        ]
+        self.token_texts = [byte_text(b or b"") for b in vocabulary]
+        self.candidates = [(i, self.token_texts[i]) for i, b in enumerate(vocabulary) if b]
         self.stop_mask = _mask(len(self.token_texts), (i for i in stop_ids if i < len(self.token_texts)))
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[Hashable, Hashable], bytes] = OrderedDict()
@@ -168,8 +167,6 @@ class GuidedDecoding:
         return out
 
     def _token_masks(self) -> TokenMasks:
-        if self._masks is None:  # every token decoded alone, once (a fraction of a second)
-            size = len(self.tokenizer)
-            texts = self.tokenizer.batch_decode([[i] for i in range(size)])
-            self._masks = TokenMasks(texts, set(self.tokenizer.all_special_ids), self.stop_ids)
+        if self._masks is None:  # every token's bytes, once (a fraction of a second)
+            self._masks = TokenMasks(token_bytes(self.tokenizer), self.stop_ids)
         return self._masks

@@ -175,10 +175,12 @@ def test_logit_bias_and_allowed_token_ids_steer_generation(llm):
 
 
 def test_guided_choice_outputs_one_of_the_choices(llm):
-    choices = ["yes", "no", "not sure", "maybe later"]
-    params = SamplingParams(temperature=1.0, seed=11, n=6, max_tokens=16, guided_decoding={"choice": choices})
+    # 日 and 🙂 exist in the vocabulary only as byte pieces that decode to U+FFFD alone
+    choices = ["yes", "no", "not sure", "maybe later", "日本", "🙂 café"]
+    params = SamplingParams(temperature=1.0, seed=11, n=12, max_tokens=16, guided_decoding={"choice": choices})
     out = llm.generate("Answer:", params, use_tqdm=False)[0]
-    assert [(o.text in choices, o.finish_reason) for o in out.outputs] == [(True, "stop")] * 6
+    assert [(o.text in choices, o.finish_reason) for o in out.outputs] == [(True, "stop")] * 12
+    assert {o.text for o in out.outputs} & {"日本", "🙂 café"}
     assert not llm.engine.guided.states  # forgotten with their requests
 
 

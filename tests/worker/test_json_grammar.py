@@ -11,6 +11,7 @@ import pytest
 
 from producer.sampling_params import SamplingParams
 from worker.json_grammar import JSON_OBJECT, MAX_WHITESPACE_RUN, JsonSchemaGrammar
+from worker.token_bytes import byte_text
 
 VALID = [
     "{}",
@@ -27,10 +28,15 @@ INVALID = [
 ]
 
 
+def as_read(text: str) -> str:
+    """Text as the grammars read it: its UTF-8 bytes, one character each."""
+    return byte_text(text.encode())
+
+
 def feed(text: str, grammar=JSON_OBJECT):
-    """The state after `text`, one character at a time; None once rejected."""
+    """The state after `text`, one byte at a time; None once rejected."""
     state = grammar.initial()
-    for char in text:
+    for char in as_read(text):
         state = grammar.advance(state, char)
         if state is None:
             return None
@@ -40,6 +46,7 @@ def feed(text: str, grammar=JSON_OBJECT):
 @pytest.mark.parametrize("text", VALID)
 def test_valid_objects_are_accepted_at_every_prefix_and_complete_only_at_the_end(text: str) -> None:
     assert isinstance(json.loads(text), dict)
+    text = as_read(text)
     state = JSON_OBJECT.initial()
     for i, char in enumerate(text):
         assert not JSON_OBJECT.is_complete(state), text[:i]
@@ -100,6 +107,39 @@ def test_json_dumps_of_random_objects_is_accepted_and_mutations_are_sound() -> N
             state = feed(mutated)
             if state is not None and JSON_OBJECT.is_complete(state):
                 assert isinstance(json.loads(mutated), dict), mutated
+
+
+@pytest.mark.parametrize("data", [
+    b'{"a": "\x80"}',  # a continuation byte with nothing to continue
+    b'{"a": "\xe6\x97"}',  # a character cut short by the closing quote
+    b'{"a": "\xc0\x80"}',  # a lead byte no well-formed character has
+    b'{"a": "\xf5\x80\x80\x80"}',
+    b'{"\xff": 1}',
+])
+def test_bytes_that_are_not_utf8_are_rejected(data: bytes) -> None:
+    with pytest.raises(UnicodeDecodeError):
+        data.decode()
+    state = JSON_OBJECT.initial()
+    for char in byte_text(data):
+        state = state and JSON_OBJECT.advance(state, char)
+    assert state is None or not JSON_OBJECT.is_complete(state)
+
+
+def test_a_character_in_pieces_is_taken_piece_by_piece() -> None:
+    """Byte-level tokens often hold part of a character: each piece alone is a valid prefix."""
+    whole = as_read('{"ké": "日本 🙂"}')
+    for size in (1, 2, 3):
+        state = JSON_OBJECT.initial()
+        for at in range(0, len(whole), size):
+            state = JSON_OBJECT.advance(state, whole[at : at + size])
+            assert state is not None, whole[: at + size]
+        assert JSON_OBJECT.is_complete(state)
+    schema = {"type": "object", "properties": {"café": {"enum": ["crème", "brûlée"]}},
+              "required": ["café"]}
+    grammar = JsonSchemaGrammar(schema)
+    assert grammar.is_complete(feed('{"café": "crème"}', grammar))
+    assert feed('{"café": "créme"}', grammar) is None
+    assert feed('{"cafe": "crème"}', grammar) is None
 
 
 def test_whitespace_runs_are_bounded() -> None:

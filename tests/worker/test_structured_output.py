@@ -6,6 +6,10 @@ from worker.json_grammar import JSON_OBJECT
 from worker.structured_output import ChoiceGrammar, GuidedState, TokenMasks
 
 
+def vocabulary(texts: list[str], special: set[int]) -> list[bytes | None]:
+    return [None if i in special else text.encode() for i, text in enumerate(texts)]
+
+
 def test_choice_grammar() -> None:
     grammar = ChoiceGrammar(["yes", "no", "not sure"])
     start = grammar.initial()
@@ -15,8 +19,8 @@ def test_choice_grammar() -> None:
 
 
 def test_token_masks_follow_the_grammar_and_end_with_the_stop_tokens() -> None:
-    vocab = ["{", "}", '"', "a", '"a"', ":", "1", " ", "<eos>", "\ufffd", "},", '{"']
-    masks = TokenMasks(vocab, special_ids={8}, stop_ids={8})
+    vocab = ["{", "}", '"', "a", '"a"', ":", "1", " ", "<eos>", "", "},", '{"']
+    masks = TokenMasks(vocabulary(vocab, {8}), stop_ids={8})
 
     def allowed(guided: GuidedState) -> set[str]:
         return {vocab[i] for i, ok in enumerate(masks.allowed(guided)) if ok}
@@ -39,7 +43,7 @@ def test_token_masks_follow_the_grammar_and_end_with_the_stop_tokens() -> None:
 
 
 def test_mask_cache_is_bounded() -> None:
-    masks = TokenMasks(["a", "b", "c"], special_ids=set(), stop_ids=set(), cache_size=2)
+    masks = TokenMasks(vocabulary(["a", "b", "c"], set()), stop_ids=set(), cache_size=2)
     grammars = [ChoiceGrammar([word]) for word in ("a", "b", "c")]
     for grammar in grammars:
         masks.allowed(GuidedState(grammar, grammar.initial()))
@@ -48,7 +52,7 @@ def test_mask_cache_is_bounded() -> None:
 
 def test_a_complete_choice_that_another_extends_may_stop_or_go_on() -> None:
     vocab = ["no", "t", " sure", "<eos>", "yes"]
-    masks = TokenMasks(vocab, special_ids={3}, stop_ids={3})
+    masks = TokenMasks(vocabulary(vocab, {3}), stop_ids={3})
     grammar = ChoiceGrammar(["no", "not sure", "yes"])
     guided = GuidedState(grammar, grammar.initial())
     assert [vocab[i] for i, ok in enumerate(masks.allowed(guided)) if ok] == ["no", "yes"]
@@ -59,7 +63,20 @@ def test_a_complete_choice_that_another_extends_may_stop_or_go_on() -> None:
 
 
 def test_a_state_no_token_can_continue_allows_only_the_stop_tokens() -> None:
-    vocab = ["a", "\ufffd", "<eos>"]  # "é" exists only in byte pieces
-    masks = TokenMasks(vocab, special_ids={2}, stop_ids={2})
-    grammar = ChoiceGrammar(["é"])
+    masks = TokenMasks([b"a", b"b", None], stop_ids={2})
+    grammar = ChoiceGrammar(["c"])
     assert list(masks.allowed(GuidedState(grammar, grammar.initial()))) == [0, 0, 1]
+
+
+def test_a_character_the_vocabulary_has_only_in_byte_pieces_can_be_written() -> None:
+    """"日" is three bytes; here no token holds it whole (as in byte-level vocabularies that
+    rarely saw it), yet guided output may spell it from its pieces."""
+    pieces = ["日".encode()[:1], "日".encode()[1:], "本".encode(), b"x", None]
+    masks = TokenMasks(pieces, stop_ids={4})
+    grammar = ChoiceGrammar(["日本"])
+    guided = GuidedState(grammar, grammar.initial())
+    assert list(masks.allowed(guided)) == [1, 0, 0, 0, 0]
+    masks.advance(guided, [0])
+    assert list(masks.allowed(guided)) == [0, 1, 0, 0, 0]
+    masks.advance(guided, [0, 1, 2])
+    assert grammar.is_complete(guided.state) and list(masks.allowed(guided)) == [0, 0, 0, 0, 1]
