@@ -211,6 +211,20 @@ class ChatCompletionRequest(_GenerationRequest):
     # schema; "required" with several: a guided array of calls; "none": plain text
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # false: with "auto", only the first call is kept
+    # vLLM's: variables for the chat template (e.g. {"enable_thinking": false} for Qwen3);
+    # continue_final_message: the reply continues the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the worker's chat template gets besides the messages and tools."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if not self.add_generation_prompt or self.continue_final_message:
+            kwargs["add_generation_prompt"] = self.add_generation_prompt and not self.continue_final_message
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return kwargs
 
     def forced_tool(self) -> FunctionDefinition | None:
         """The function the reply must call; ValueError naming tool_choice when unsupported."""

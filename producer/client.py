@@ -188,12 +188,16 @@ def _prompt_fields(prompt: PromptInput) -> dict[str, Any]:
         return {"messages": prompt}
     if isinstance(prompt, dict) and len(prompt) == 1 and set(prompt) <= {"prompt", "prompt_token_ids"}:
         return dict(prompt)
-    if isinstance(prompt, dict) and "messages" in prompt and set(prompt) <= {"messages", "tools"}:
+    if isinstance(prompt, dict) and "messages" in prompt and set(prompt) <= CHAT_FIELDS:
         return dict(prompt)
     raise ValueError(
         "a prompt is a string, {'prompt': str}, {'prompt_token_ids': [...]}, a list of chat "
-        f"messages, or {{'messages': [...], 'tools': [...]}}; got {prompt!r:.80}"
+        "messages, or {'messages': [...], 'tools': [...], 'chat_template_kwargs': {...}}; "
+        f"got {prompt!r:.80}"
     )
+
+
+CHAT_FIELDS = {"messages", "tools", "chat_template_kwargs"}  # a chat prompt as a mapping
 
 
 def _batch_jobs(

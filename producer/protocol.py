@@ -195,6 +195,9 @@ class Job:
     # chat: OpenAI-style tool definitions ({"type": "function", "function": {"name", ...}}),
     # handed to the model's chat template with the messages
     tools: list[dict[str, Any]] | None = None
+    # chat: more for the template (vLLM's chat_template_kwargs): its own variables, such as
+    # Qwen3's enable_thinking, and add_generation_prompt / continue_final_message
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None  # None: whatever the worker serves
     priority: int = 0  # as in vLLM: lower values are scheduled first
     deadline: float | None = None  # absolute unix time; past it the job is aborted
@@ -245,6 +248,8 @@ def _validate_prompt(job: Job) -> None:
         _validate_messages(job.messages)
     if job.tools is not None:
         _validate_tools(job)
+    if job.chat_template_kwargs is not None:
+        _validate_template_kwargs(job)
 
 
 def _validate_messages(messages: Any) -> None:
@@ -268,6 +273,33 @@ def _validate_tools(job: Job) -> None:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}')
+
+
+# what the worker itself sets when it renders a template (transformers' apply_chat_template)
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens",
+})
+
+
+def _validate_template_kwargs(job: Job) -> None:
+    kwargs = job.chat_template_kwargs
+    if job.messages is None:
+        raise ValueError("chat_template_kwargs go with chat messages, not with a prompt")
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must map names to values, got {kwargs!r:.80}")
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_ARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    for flag in ("add_generation_prompt", "continue_final_message"):
+        if not isinstance(kwargs.get(flag, False), bool):
+            raise ValueError(f"chat_template_kwargs {flag} must be true or false")
+    if kwargs.get("add_generation_prompt") and kwargs.get("continue_final_message"):
+        raise ValueError(
+            "chat_template_kwargs add_generation_prompt and continue_final_message exclude each "
+            "other: a reply is either begun or continued"
+        )
 
 
 def encode_job(job: Job) -> dict[str, bytes]:

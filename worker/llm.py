@@ -57,15 +57,23 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them (with the
-        tool definitions, if any), then generate."""
+        tool definitions and template variables, if any), then generate. As in vLLM,
+        `continue_final_message` continues the last (assistant) message instead of beginning
+        a new one."""
         conversations = cast(
             "list[list[dict[str, str]]]",
             [messages] if messages and isinstance(messages[0], dict) else messages,
         )
+        add = add_generation_prompt and not continue_final_message
         prompts: list[PromptInput] = [
-            self.engine.apply_chat_template(c, add_generation_prompt, tools) for c in conversations
+            self.engine.apply_chat_template(
+                c, add, tools, continue_final_message, **(chat_template_kwargs or {})
+            )
+            for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 

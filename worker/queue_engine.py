@@ -245,7 +245,9 @@ class EngineThread:
 
     def _prompt(self, job: Job) -> Any:
         if job.messages is not None:
-            return self.engine.apply_chat_template(job.messages, tools=job.tools)
+            return self.engine.apply_chat_template(
+                job.messages, tools=job.tools, **(job.chat_template_kwargs or {})
+            )
         if job.prompt_token_ids is not None:
             return {"prompt_token_ids": job.prompt_token_ids}
         return job.prompt

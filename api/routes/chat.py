@@ -33,13 +33,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
 def chat_prompt(body: ChatCompletionRequest) -> PromptInput:
     """The messages as the protocol carries them ({role, content: str}), with the tools
-    unless tool_choice is "none"; 400 for what genq does not support."""
+    unless tool_choice is "none" and what else the template gets; 400 for what genq does not
+    support."""
     if not body.messages:
         raise invalid_param("messages", "messages must be a non-empty list")
     messages = [_message(m, i) for i, m in enumerate(body.messages)]
-    if not body.tools or body.tool_choice == "none":
-        return messages
-    return {"messages": messages, "tools": [t.model_dump(exclude_none=True) for t in body.tools]}
+    prompt: dict[str, Any] = {"messages": messages}
+    if body.tools and body.tool_choice != "none":
+        prompt["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+    if kwargs := body.template_kwargs():
+        prompt["chat_template_kwargs"] = kwargs
+    return prompt if len(prompt) > 1 else messages
 
 
 def _message(message: ChatMessage, i: int) -> dict[str, Any]:

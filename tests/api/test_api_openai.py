@@ -362,6 +362,23 @@ def test_tool_choice_none_is_plain_text_and_auto_can_be_turned_off(
         client.close()
 
 
+def test_continuing_the_last_message_and_template_kwargs(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    started = [*MESSAGES, {"role": "assistant", "content": "Once upon a"}]
+    chat = oai.chat.completions.create(model=served_model, messages=started, **{
+        **GREEDY, "extra_body": {"ignore_eos": True, "continue_final_message": True,
+                                 "chat_template_kwargs": {"enable_thinking": False}}})
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = offline.chat(started, params, use_tqdm=False, continue_final_message=True)[0]
+    assert expected.prompt.endswith("Once upon a")  # the reply goes on from inside the message
+    assert chat.choices[0].message.content == expected.outputs[0].text
+    assert chat.usage.prompt_tokens == len(expected.prompt_token_ids)
+    with pytest.raises(openai.BadRequestError, match="may not set tokenize") as info:
+        oai.chat.completions.create(model=served_model, messages=MESSAGES, max_tokens=2,
+                                    extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert info.value.body["param"] == "chat_template_kwargs"
+
+
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
     response = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, temperature=0.0, max_completion_tokens=5,

@@ -104,6 +104,23 @@ def test_chat_jobs_carry_tools(redis_conn: redis.Redis) -> None:
         encode_job(make_job(prompt=None, messages=[{"role": "user", "content": "hi"}], tools=[{"name": "f"}]))
 
 
+def test_chat_jobs_carry_template_kwargs(redis_conn: redis.Redis) -> None:
+    chat = {"prompt": None, "messages": [{"role": "user", "content": "hi"}]}
+    kwargs = {"enable_thinking": False, "continue_final_message": True, "add_generation_prompt": False}
+    job = make_job(**chat, chat_template_kwargs=kwargs)
+    assert decode_job(xadd_and_read(redis_conn, encode_job(job))).chat_template_kwargs == kwargs
+    for bad, message in [
+        ({"tokenize": True, "chat_template": "{{ x }}"}, "may not set chat_template, tokenize"),
+        ({"continue_final_message": "yes"}, "continue_final_message must be true or false"),
+        ({"add_generation_prompt": True, "continue_final_message": True}, "add_generation_prompt and continue_final_message exclude"),
+        ({"not a name": 1}, "must map names to values"),
+    ]:
+        with pytest.raises(ValueError, match=f"chat_template_kwargs {message}"):
+            encode_job(make_job(**chat, chat_template_kwargs=bad))
+    with pytest.raises(ValueError, match="chat_template_kwargs go with chat messages"):
+        encode_job(make_job(chat_template_kwargs={}))
+
+
 def test_decode_job_accepts_str_keys() -> None:
     job = make_job()
     entry = {k: v for k, v in encode_job(job).items()}

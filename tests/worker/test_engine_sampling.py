@@ -219,6 +219,29 @@ def test_tools_reach_the_chat_template(tiny_llama_dir, tmp_path):
     assert out.prompt == "tool: set_colour\nuser: hi\nassistant:"
 
 
+def test_template_variables_and_continuing_the_last_message(tiny_llama_dir, tmp_path):
+    model_dir = tmp_path / "thinking"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(  # a variable, as Qwen3's enable_thinking
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% if think %} <think>{% endif %}{% endif %}"
+    )
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
+    messages = [{"role": "user", "content": "hi"}]
+    assert llm.engine.apply_chat_template(messages, think=True)["prompt"] == "user: hi\nassistant: <think>"
+    out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_kwargs={"think": True})[0]
+    assert out.prompt == "user: hi\nassistant: <think>"
+    # continue_final_message: the prompt ends inside the last message, as transformers renders it
+    tokenizer = llm.get_tokenizer()
+    started = [*messages, {"role": "assistant", "content": "Once upon a"}]
+    expected = tokenizer.apply_chat_template(started, tokenize=False, continue_final_message=True)
+    assert expected.endswith("assistant: Once upon a")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = llm.chat(started, params, use_tqdm=False, continue_final_message=True)[0]
+    direct = llm.generate(expected, params, use_tqdm=False)[0]
+    assert out.prompt == expected and out.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
 def test_unknown_sampling_field_is_an_error():
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"temprature": 1.0})
