@@ -62,7 +62,17 @@ async def start(
         tool_call=forced.name if forced else None,
         read_tool_calls=chat.tool_calls_form() if chat else None,
         parallel_tool_calls=chat is None or chat.parallel_tool_calls,
+        reasoning_parser=_reasoning_parser(state, chat),
     )
+
+
+def _reasoning_parser(state: AppState, chat: ChatCompletionRequest | None) -> str | None:
+    """The deployment's, for chat replies that are free to think: a guided reply is held to
+    its grammar from its first token."""
+    parser = state.settings.reasoning_parser
+    if chat is None or parser == "none" or chat.guided_source is not None:
+        return None
+    return parser
 
 
 def check_jobs(

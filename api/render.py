@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from api.reasoning import ReasoningReader, split
 from api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -40,6 +41,7 @@ class RelayedRequest:
     tool_call: str | None = None  # chat's forced tool call: each choice's text is its arguments
     read_tool_calls: str | None = None  # the form each choice's text holds calls in (READERS)
     parallel_tool_calls: bool = True  # False: a choice keeps only its first call
+    reasoning_parser: str | None = None  # chat: split the thinking off (api.reasoning)
 
     def tool_call_id(self, choice: Choice, k: int = 0) -> str:
         """The id of call `k` of a choice."""
@@ -86,6 +88,7 @@ class Choice:
     last_text_start: int = 0
     last_logprobs_start: int = 0
     tool_calls: Reader | None = None  # what read the streamed text for calls
+    reasoning: ReasoningReader | None = None  # what split the streamed text's thinking off
 
     def echo(self, text: str, logprobs: list[TokenLogprob]) -> None:
         """Put the prompt first; before the first event."""
@@ -332,12 +335,15 @@ class ChatRenderer:
     def chunk(self, req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any] | None:
         if not _has_news(event):
             return None
+        reasoning, text = _split_reasoning(req, choice, event)
         if req.read_tool_calls:
-            delta = _read_delta(req, choice, event)
-            if not delta and not event.finished and not event.logprobs:
-                return None  # held back: it may be part of a call
+            delta = _read_delta(req, choice, text, event.finished)
         else:
-            delta = _delta(req, choice, event.text)
+            delta = _delta(req, choice, text)
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
+        if not delta and not event.finished and not event.logprobs:
+            return None  # held back: it may be part of a tag or a call
         finish_reason = event.finish_reason if event.finished else None
         body = {
             "index": choice.index,
@@ -373,13 +379,16 @@ class ChatRenderer:
 
 
 def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
+    reasoning, text = (
+        split(choice.text, req.reasoning_parser) if req.reasoning_parser else (None, choice.text)
+    )
     if req.read_tool_calls:
-        content, calls = read_all(choice.text, req.read_tool_calls)
+        content, calls = read_all(text, req.read_tool_calls)
         calls = _kept(req, calls, 0)
         listed = [_call(req, choice, k, call) for k, call in enumerate(calls)]
-        return AssistantMessage(content=content, tool_calls=listed or None)
+        return AssistantMessage(content=content, tool_calls=listed or None, reasoning_content=reasoning)
     if req.tool_call is None:
-        return AssistantMessage(content=choice.text)
+        return AssistantMessage(content=text, reasoning_content=reasoning)
     call = {"id": req.tool_call_id(choice), "type": "function",
             "function": {"name": req.tool_call, "arguments": choice.text}}
     return AssistantMessage(content=None, tool_calls=[call])
@@ -399,13 +408,26 @@ def _delta(req: RelayedRequest, choice: Choice, text: str) -> dict[str, Any]:
     return {"tool_calls": [call]}
 
 
-def _read_delta(req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any]:
+def _split_reasoning(req: RelayedRequest, choice: Choice, event: Event) -> tuple[str, str]:
+    """The reasoning and the rest that an event's text brought (no reasoning without a
+    reasoning parser)."""
+    if req.reasoning_parser is None:
+        return "", event.text
+    reader = choice.reasoning = choice.reasoning or ReasoningReader(req.reasoning_parser)
+    reasoning, text = reader.feed(event.text)
+    if event.finished:
+        more_reasoning, more_text = reader.finish()
+        reasoning, text = reasoning + more_reasoning, text + more_text
+    return reasoning, text
+
+
+def _read_delta(req: RelayedRequest, choice: Choice, text: str, finished: bool) -> dict[str, Any]:
     """The content the text brought, and the calls it completed."""
     assert req.read_tool_calls is not None
     reader = choice.tool_calls = choice.tool_calls or READERS[req.read_tool_calls]()
     first = reader.num_calls
-    content, calls = reader.feed(event.text)
-    if event.finished:
+    content, calls = reader.feed(text)
+    if finished:
         rest, more = reader.finish()
         content, calls = content + rest, calls + more
     calls = _kept(req, calls, first)

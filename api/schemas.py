@@ -394,6 +394,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[dict[str, Any]] | None = None  # the calls; a forced call has content None
+    reasoning_content: str | None = None  # a reasoning model's thinking (GENQ_REASONING_PARSER)
 
 
 class ChatChoice(BaseModel):

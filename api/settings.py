@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     # How chat replies are read for tool calls under tool_choice "auto": "hermes"
     # (<tool_call>{...}</tool_call>), or "none" to refuse "auto" with a 400.
     tool_call_parser: Literal["hermes", "none"] = "hermes"
+    # How chat replies of reasoning models are split into reasoning_content and content
+    # (api.reasoning): "deepseek_r1", "qwen3", or "none" (not a reasoning model).
+    reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = "none"
 
     @field_validator("api_keys", mode="before")
     @classmethod

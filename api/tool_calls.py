@@ -53,10 +53,10 @@ def _call(item: Any) -> ToolCall | None:
     return ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _partial_start(text: str) -> int:
-    """How many characters at the end of `text` could begin a START tag still to come."""
-    for length in range(min(len(text), len(START) - 1), 0, -1):
-        if START.startswith(text[-length:]):
+def partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag`, still to come whole."""
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-length:]):
             return length
     return 0
 
@@ -89,7 +89,7 @@ class ToolCallReader:
                 continue
             start = self._held.find(START)
             if start < 0:
-                stem = self._held[: len(self._held) - _partial_start(self._held)]
+                stem = self._held[: len(self._held) - partial_tag(self._held, START)]
                 stem = stem.rstrip()
                 content.append(stem)
                 self._held = self._held[len(stem):]

@@ -379,6 +379,29 @@ def test_continuing_the_last_message_and_template_kwargs(served_model: str, oai:
     assert info.value.body["param"] == "chat_template_kwargs"
 
 
+def test_a_reasoning_parser_splits_the_thinking_off(
+    served_model: str, oai: openai.OpenAI, live_worker: str, serve_api, tiny_llama_dir: Path
+) -> None:
+    """The tiny model never writes </think>: under deepseek_r1 (the reply starts thinking) it
+    is all reasoning, under qwen3 (no <think> first) all content; guided replies are not split."""
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    text = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    for parser, reasoning, content in (("deepseek_r1", text, ""), ("qwen3", None, text)):
+        with serve_api(Settings(redis_url=live_worker, reasoning_parser=parser)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            message = client.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY).choices[0].message
+            assert (message.reasoning_content, message.content) == (reasoning, content)
+            chunks = list(client.chat.completions.create(model=served_model, messages=MESSAGES, stream=True, **GREEDY))
+            deltas = [c.choices[0].delta for c in chunks]
+            assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == (reasoning or "")
+            assert "".join(d.content or "" for d in deltas) == content
+            guided = client.chat.completions.create(model=served_model, messages=MESSAGES, temperature=0.0, max_tokens=6,
+                                                    response_format={"type": "json_object"}).choices[0].message
+            assert guided.reasoning_content is None and guided.content.lstrip().startswith("{")
+            client.close()
+
+
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
     response = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, temperature=0.0, max_completion_tokens=5,

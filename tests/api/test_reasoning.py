@@ -1,0 +1,57 @@
+"""Splitting a reasoning model's thinking from its answer, whole and streamed in pieces of any
+size, and as the chat renderer sends it (the live tests' tiny model never writes </think>)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from api.generate import Collector
+from api.reasoning import ReasoningReader, split
+from api.render import ChatRenderer, RelayedRequest
+from api.schemas import Usage
+from producer.protocol import Event
+
+CASES = [
+    # (parser, reply, reasoning, content)
+    ("deepseek_r1", "Let me see.\n</think>\n\nIt is 4.", "Let me see.\n", "It is 4."),
+    ("deepseek_r1", "<think>hmm</think>4", "hmm", "4"),
+    ("deepseek_r1", "cut off while thinking </thi", "cut off while thinking </thi", ""),
+    ("deepseek_r1", "", None, ""),
+    ("qwen3", "<think>\nok</think>\n\nAnswer", "\nok", "Answer"),
+    ("qwen3", "  <think>ok</think>Answer", "ok", "Answer"),
+    ("qwen3", "Answer straight away", None, "Answer straight away"),
+    ("qwen3", "<thin", None, "<thin"),
+    ("qwen3", "<think>cut", "cut", ""),
+    ("qwen3", "a </think> b", None, "a </think> b"),  # no opening: not thinking
+]
+
+
+@pytest.mark.parametrize(("parser", "reply", "reasoning", "content"), CASES)
+def test_whole_and_streamed_replies_split_alike(parser: str, reply: str, reasoning: str | None, content: str) -> None:
+    assert split(reply, parser) == (reasoning, content)
+    rng = random.Random(reply)
+    for _ in range(20):
+        reader, got_reasoning, got_content, at = ReasoningReader(parser), "", "", 0
+        while at < len(reply):
+            size = rng.choice([1, 2, 3, 9])
+            piece_reasoning, piece_content = reader.feed(reply[at : at + size])
+            got_reasoning, got_content, at = got_reasoning + piece_reasoning, got_content + piece_content, at + size
+        more_reasoning, more_content = reader.finish()
+        assert ((got_reasoning + more_reasoning) or None, got_content + more_content) == (reasoning, content)
+
+
+def test_the_chat_renderer_sends_reasoning_then_content() -> None:
+    req = RelayedRequest(id="chatcmpl-x", job_ids=["j"], n=1, model="m", created=0, reasoning_parser="deepseek_r1")
+    pieces = ["First, ", "add.</th", "ink>\n\n", "It is", " 4."]
+    events = [Event(seq=i, text=t, token_ids=[i]) for i, t in enumerate(pieces)]
+    events[-1].finished, events[-1].finish_reason = True, "stop"
+    collector, renderer, deltas = Collector(req), ChatRenderer(), []
+    for event in events:
+        chunk = renderer.chunk(req, collector.add("j", event), event)
+        deltas.append(chunk and chunk["choices"][0]["delta"])
+    assert deltas == [{"reasoning_content": "First, "}, {"reasoning_content": "add."}, None,
+                      {"content": "It is"}, {"content": " 4."}]
+    message = renderer.response(req, collector.choices, Usage()).choices[0].message
+    assert (message.reasoning_content, message.content) == ("First, add.", "It is 4.")
