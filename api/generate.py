@@ -18,7 +18,8 @@ import redis
 
 from api.deps import AppState
 from api.errors import APIError, error_body, param_from_value_error
-from api.render import Choice, RelayedRequest, Renderer, TokenLogprob, prompt_logprobs, usage_chunk
+from api.logprobs import TokenLogprob, prompt_logprobs
+from api.render import Choice, RelayedRequest, Renderer, usage_chunk
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, Usage
 from api.sse import DONE, format_sse
 from producer.client import build_job

@@ -4,7 +4,8 @@ easily produce."""
 from __future__ import annotations
 
 from api.generate import Collector
-from api.render import RelayedRequest, completion_logprobs, prompt_logprobs, vllm_prompt_logprobs
+from api.logprobs import completion_logprobs, prompt_logprobs, vllm_prompt_logprobs
+from api.render import RelayedRequest
 from producer.protocol import ERROR_INVALID_REQUEST, Event
 
 GENQ_PROMPT = [
