@@ -53,11 +53,16 @@ class RedisServer:
     """`with RedisServer() as server: Client(server.url)`.
 
     Binds 127.0.0.1 on `port` (a free one if None); keeps nothing on disk (no RDB, no AOF);
-    `dir` is its working directory (a temporary one, removed on exit, if None).
+    `dir` is its working directory (a temporary one, removed on exit, if None). With
+    `own_session` the server is out of the caller's process group, so a terminal's Ctrl-C does
+    not stop it before the processes that still need it.
     """
 
-    def __init__(self, port: int | None = None, dir: str | Path | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, dir: str | Path | None = None, own_session: bool = False
+    ) -> None:
         self.port = port
+        self.own_session = own_session
         self._dir_given = dir is not None
         self.dir = Path(dir) if dir is not None else None
         self.process: subprocess.Popen[bytes] | None = None
@@ -101,7 +106,7 @@ class RedisServer:
             "--dir", str(self.dir), "--logfile", str(log_path), "--loglevel", "warning",
         ]
         self.port = port
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=self.own_session)
         self._wait_ready(port, log_path)
 
     def _wait_ready(self, port: int, log_path: Path) -> None:

@@ -85,7 +85,8 @@ class Stack:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.redis = RedisServer(port=args.redis_port)
+        # out of the terminal's process group, as the others: stopped last, by us
+        self.redis = RedisServer(port=args.redis_port, own_session=True)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}  # name -> process, start order
         self.model = ""
 

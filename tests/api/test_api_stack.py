@@ -1,5 +1,5 @@
 """`genq up` starts Redis, a worker and the API, serves a request, and stops everything on
-Ctrl-C."""
+Ctrl-C, Redis last."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def test_genq_up_serves_and_stops_on_ctrl_c(tiny_llama_dir: Path) -> None:
     args = [sys.executable, "-m", "producer.cli", "up", "--port", str(api_port),
             "--redis-port", str(redis_port), "--model", str(tiny_llama_dir),
             "--dtype", "float32", "--served-model-name", "tiny"]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # its own process group, to which Ctrl-C in a terminal goes: every process in it gets SIGINT
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
     try:
@@ -57,8 +58,10 @@ def test_genq_up_serves_and_stops_on_ctrl_c(tiny_llama_dir: Path) -> None:
         conn = redis.Redis(port=redis_port)
         worker_pid = int(conn.hget(f"genq:workers:{WORKER_NAME}", "pid"))
         conn.close()
-        process.send_signal(signal.SIGINT)
+        os.killpg(process.pid, signal.SIGINT)
         assert process.wait(60) == 0
+        output = "".join(iter(lines.get, None))
+        assert "Traceback" not in output, output  # Redis outlived the worker's clean shutdown
     finally:
         if process.poll() is None:
             process.kill()
