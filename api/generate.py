@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -19,6 +20,7 @@ import redis
 from api.deps import AppState
 from api.errors import APIError, error_body, param_from_value_error
 from api.logprobs import TokenLogprob, prompt_logprobs
+from api.reasoning import END as THINK_END
 from api.render import Choice, RelayedRequest, Renderer, usage_chunk
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, Usage
 from api.sse import DONE, format_sse
@@ -38,7 +40,12 @@ async def start(
     deadline_s: float | None = None,
 ) -> RelayedRequest:
     """Validate, apply backpressure, submit one job per prompt; raises APIError."""
+    chat = body if isinstance(body, ChatCompletionRequest) else None
+    reasoning = _reasoning_parser(state, chat)
     params = sampling_params(body)
+    if reasoning == "deepseek_r1" and params.guided_decoding is not None:
+        # the reply starts thinking: the grammar holds for the answer, after </think>
+        params = replace(params, guided_decoding={**params.guided_decoding, "after": THINK_END})
     model = await resolve_model(state, body.model)
     await check_backpressure(state)
     base = job_id or uuid.uuid4().hex
@@ -52,7 +59,6 @@ async def start(
         )
         enqueued = handle.enqueued or enqueued
     echo = isinstance(body, CompletionRequest) and body.echo
-    chat = body if isinstance(body, ChatCompletionRequest) else None
     forced = chat.forced_tool() if chat else None
     return RelayedRequest(
         id=renderer.id_prefix + base, job_ids=job_ids, n=params.n, model=model,
@@ -63,15 +69,18 @@ async def start(
         tool_call=forced.name if forced else None,
         read_tool_calls=chat.tool_calls_form() if chat else None,
         parallel_tool_calls=chat is None or chat.parallel_tool_calls,
-        reasoning_parser=_reasoning_parser(state, chat),
+        reasoning_parser=reasoning,
     )
 
 
 def _reasoning_parser(state: AppState, chat: ChatCompletionRequest | None) -> str | None:
-    """The deployment's, for chat replies that are free to think: a guided reply is held to
-    its grammar from its first token."""
+    """The deployment's, for chat replies that may think: a guided reply is held to its
+    grammar from its first token, unless the reply starts thinking (deepseek_r1), where the
+    grammar starts after the thinking."""
     parser = state.settings.reasoning_parser
-    if chat is None or parser == "none" or chat.guided_source is not None:
+    if chat is None or parser == "none":
+        return None
+    if chat.guided_source is not None and parser != "deepseek_r1":
         return None
     return parser
 

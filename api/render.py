@@ -85,6 +85,7 @@ class Choice:
     last_logprobs_start: int = 0
     tool_calls: Reader | None = None  # what read the streamed text for calls
     reasoning: ReasoningReader | None = None  # what split the streamed text's thinking off
+    content_sent: bool = False  # a stream chunk has carried some of its content
 
     def echo(self, text: str, logprobs: list[TokenLogprob]) -> None:
         """Put the prompt first; before the first event."""
@@ -269,8 +270,8 @@ def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
     if req.tool_call is None:
         return AssistantMessage(content=text, reasoning_content=reasoning)
     call = {"id": req.tool_call_id(choice), "type": "function",
-            "function": {"name": req.tool_call, "arguments": choice.text}}
-    return AssistantMessage(content=None, tool_calls=[call])
+            "function": {"name": req.tool_call, "arguments": text}}
+    return AssistantMessage(content=None, tool_calls=[call], reasoning_content=reasoning)
 
 
 def _delta(req: RelayedRequest, choice: Choice, text: str) -> dict[str, Any]:
@@ -278,10 +279,11 @@ def _delta(req: RelayedRequest, choice: Choice, text: str) -> dict[str, Any]:
     also names the call, as OpenAI streams it)."""
     if not text:
         return {}
+    first, choice.content_sent = not choice.content_sent, True
     if req.tool_call is None:
         return {"content": text}
     call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-    if len(choice.text) == len(text):  # the first text of this choice
+    if first:
         call = {"index": 0, "id": req.tool_call_id(choice), "type": "function",
                 "function": {"name": req.tool_call, "arguments": text}}
     return {"tool_calls": [call]}

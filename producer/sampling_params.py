@@ -44,7 +44,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     # vLLM's guided decoding, one of: {"json_object": True} (the output is one JSON object),
     # {"json_schema": schema} (a value of that schema, in the subset producer.json_schema
-    # supports), {"choice": [strings]} (the output is one of them)
+    # supports), {"choice": [strings]} (the output is one of them); with "after": text, the
+    # output is free until that text (a reasoning model's "</think>") and guided after it
     guided_decoding: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -125,11 +126,15 @@ class SamplingParams:
 
 
 def _check_guided(guided: Any) -> None:
-    if not isinstance(guided, dict) or len(guided) != 1 or not set(guided) <= GUIDED_KINDS:
+    kinds = set(guided) - {"after"} if isinstance(guided, dict) else set()
+    if len(kinds) != 1 or not kinds <= GUIDED_KINDS:
         raise ValueError(
             'guided_decoding must be {"json_object": true}, {"json_schema": {...}} or '
-            f'{{"choice": [strings]}}, got {guided!r}'
+            f'{{"choice": [strings]}} (and optionally "after": text), got {guided!r}'
         )
+    after = guided.get("after")
+    if after is not None and (not isinstance(after, str) or not after):
+        raise ValueError(f"guided_decoding after must be a non-empty string, got {after!r}")
     if "json_schema" in guided:
         try:
             compile_schema(guided["json_schema"])

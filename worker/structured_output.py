@@ -74,8 +74,10 @@ class GuidedState:
     """One request's progress through its grammar."""
 
     grammar: Grammar
-    state: Hashable
+    state: Hashable | None  # None: the output can no longer fit the grammar (it may only stop)
     num_tokens: int = 0  # output tokens consumed so far
+    after: str | None = None  # the grammar starts after this text; until then the output is free
+    seen: str = ""  # while waiting for `after`: the output's tail that may begin it
 
 
 class TokenMasks:
@@ -99,6 +101,8 @@ class TokenMasks:
     def allowed(self, guided: GuidedState) -> bytes:
         """The tokens that may come next: those that keep the output valid, and the stop
         tokens where the output may end."""
+        if guided.state is None:
+            return self.stop_mask
         key = (guided.grammar.key, guided.state)
         mask = self._cache.get(key)
         if mask is None:
@@ -123,10 +127,33 @@ class TokenMasks:
         """Consume the output tokens not seen yet (one per step; all of them for a resumed
         request). A token the grammar cannot take (a stop token at the end) leaves the state."""
         for token_id in output_token_ids[guided.num_tokens :]:
-            nxt = guided.grammar.advance(guided.state, self.token_texts[token_id])
+            text = self.token_texts[token_id]
+            if guided.after is not None:
+                text = _past(guided, text)
+                if not text:
+                    continue
+                if guided.state is not None:  # the grammar's first text: it must fit
+                    guided.state = guided.grammar.advance(guided.state, text)
+                continue
+            nxt = None if guided.state is None else guided.grammar.advance(guided.state, text)
             if nxt is not None:
                 guided.state = nxt
         guided.num_tokens = len(output_token_ids)
+
+
+def _past(guided: GuidedState, text: str) -> str:
+    """While waiting for `guided.after`: the text past it once it has come (the grammar
+    starts there), else "" and the tail that may begin it is kept."""
+    assert guided.after is not None
+    seen = guided.seen + text
+    at = seen.find(guided.after)
+    if at < 0:
+        keep = len(guided.after) - 1
+        guided.seen = seen[-keep:] if keep else ""
+        return ""
+    rest = seen[at + len(guided.after):]
+    guided.after, guided.seen = None, ""
+    return rest
 
 
 def _mask(size: int, ids: Iterable[int]) -> bytes:
@@ -147,7 +174,10 @@ class GuidedDecoding:
 
     def add(self, request_id: str, guided_decoding: dict[str, Any]) -> None:
         grammar = make_grammar(guided_decoding)
-        self.states[request_id] = GuidedState(grammar, grammar.initial())
+        after = guided_decoding.get("after")
+        self.states[request_id] = GuidedState(
+            grammar, grammar.initial(), after=None if after is None else byte_text(after.encode())
+        )
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -163,7 +193,10 @@ class GuidedDecoding:
             guided = self.states.get(request_id)
             if guided is not None:
                 masks.advance(guided, output_token_ids)
-            out.append(None if guided is None else masks.allowed(guided))
+            if guided is None or guided.after is not None:  # unguided, or not guided yet
+                out.append(None)
+            else:
+                out.append(masks.allowed(guided))
         return out
 
     def _token_masks(self) -> TokenMasks:

@@ -55,3 +55,17 @@ def test_the_chat_renderer_sends_reasoning_then_content() -> None:
                       {"content": "It is"}, {"content": " 4."}]
     message = renderer.response(req, collector.choices, Usage()).choices[0].message
     assert (message.reasoning_content, message.content) == ("First, add.", "It is 4.")
+
+
+def test_a_forced_call_after_thinking_is_named_in_its_first_piece() -> None:
+    req = RelayedRequest(id="chatcmpl-x", job_ids=["j"], n=1, model="m", created=0,
+                         reasoning_parser="deepseek_r1", tool_call="f")
+    events = [Event(seq=i, text=t, token_ids=[i]) for i, t in enumerate(["hmm</think>", '{"a":', " 1}"])]
+    collector, renderer = Collector(req), ChatRenderer()
+    deltas = [renderer.chunk(req, collector.add("j", e), e)["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"reasoning_content": "hmm"}
+    first, second = deltas[1]["tool_calls"][0], deltas[2]["tool_calls"][0]
+    assert (first["function"], first["id"]) == ({"name": "f", "arguments": '{"a":'}, "call_x_0")
+    assert second == {"index": 0, "function": {"arguments": " 1}"}}
+    message = renderer.response(req, collector.choices, Usage()).choices[0].message
+    assert message.reasoning_content == "hmm" and message.tool_calls[0]["function"]["arguments"] == '{"a": 1}'

@@ -152,6 +152,8 @@ def test_resumed_request_continues_the_same_output(llm, params):
     ({"guided_decoding": {"json_object": False}}, "guided_decoding"), ({"guided_decoding": {"choice": []}}, "guided_decoding"),
     ({"guided_decoding": {"regex": "a+"}}, "guided_decoding"), ({"guided_decoding": "json"}, "guided_decoding"),
     ({"guided_decoding": {"choice": ["a", ""]}}, "guided_decoding"),
+    ({"guided_decoding": {"after": "</think>"}}, "guided_decoding must be"),
+    ({"guided_decoding": {"json_object": True, "after": ""}}, "guided_decoding after must be a non-empty string"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -182,6 +184,18 @@ def test_guided_choice_outputs_one_of_the_choices(llm):
     assert [(o.text in choices, o.finish_reason) for o in out.outputs] == [(True, "stop")] * 12
     assert {o.text for o in out.outputs} & {"日本", "🙂 café"}
     assert not llm.engine.guided.states  # forgotten with their requests
+
+
+def test_guided_decoding_can_start_after_a_marker(llm):
+    """As a reasoning model's answer is guided only after "</think>": the output is free (the
+    same tokens as unguided) until the marker, then one of the choices."""
+    free = llm.generate("Answer:", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    marker = free.outputs[0].text  # three tokens of free text, ending on a token boundary
+    choices = ["yes", "no"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, guided_decoding={"choice": choices, "after": marker})
+    out = llm.generate("Answer:", params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:3] == free.outputs[0].token_ids
+    assert out.text.startswith(marker) and out.text[len(marker):] in choices and out.finish_reason == "stop"
 
 
 @pytest.mark.slow

@@ -80,3 +80,28 @@ def test_a_character_the_vocabulary_has_only_in_byte_pieces_can_be_written() -> 
     assert list(masks.allowed(guided)) == [0, 1, 0, 0, 0]
     masks.advance(guided, [0, 1, 2])
     assert grammar.is_complete(guided.state) and list(masks.allowed(guided)) == [0, 0, 0, 0, 1]
+
+
+def test_a_grammar_that_starts_after_a_marker() -> None:
+    """A reasoning model thinks freely until "</think>"; the grammar holds from there on,
+    whether the marker comes in pieces or shares a token with what follows it."""
+    vocab = ["</", "think", ">", "</think>", "yes", "no", "hm", "<eos>", "x", "</think>yes"]
+    masks = TokenMasks(vocabulary(vocab, {7}), stop_ids={7})
+    guided = GuidedState(ChoiceGrammar(["yes", "no"]), "", after="</think>")
+
+    def allowed() -> set[str]:
+        return {vocab[i] for i, ok in enumerate(masks.allowed(guided)) if ok}
+
+    output = [vocab.index(t) for t in ("hm", "</", "think")]
+    masks.advance(guided, output)
+    assert guided.after == "</think>" and guided.seen == "</think"  # still thinking
+    masks.advance(guided, [*output, vocab.index(">")])
+    assert guided.after is None and allowed() == {"yes", "no"}
+    masks.advance(guided, [*output, vocab.index(">"), vocab.index("no")])
+    assert allowed() == {"<eos>"}
+    joined = GuidedState(ChoiceGrammar(["yes", "no"]), "", after="</think>")
+    masks.advance(joined, [vocab.index("</think>yes")])  # the grammar's first text came with it
+    assert joined.state == "yes"
+    broken = GuidedState(ChoiceGrammar(["yes", "no"]), "", after="</th")  # "ink" follows it
+    masks.advance(broken, [vocab.index("</"), vocab.index("think")])
+    assert broken.state is None and list(masks.allowed(broken)) == [0] * 7 + [1, 0, 0]  # it may only stop
