@@ -22,7 +22,8 @@ from api.errors import APIError, error_body, param_from_value_error
 from api.logprobs import TokenLogprob, prompt_logprobs
 from api.reasoning import END as THINK_END
 from api.render import Choice, RelayedRequest, Renderer, usage_chunk
-from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, Usage
+from api.responses import Usage
+from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput
 from api.sse import DONE, format_sse
 from producer.client import build_job
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError

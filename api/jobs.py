@@ -11,7 +11,7 @@ from typing import Any
 from api.errors import invalid_param, not_found
 from api.relay import Relay
 from api.render import Choice
-from api.schemas import JobOutput, JobView, Usage
+from api.responses import JobOutput, JobView, Usage
 from api.sse import DONE, format_sse
 from producer.client import AsyncClient, JobNotFound
 from producer.protocol import Event, JobRecord, decode_record

@@ -14,7 +14,7 @@ from api.logprobs import (
     vllm_prompt_logprobs,
 )
 from api.reasoning import ReasoningReader, split
-from api.schemas import (
+from api.responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionResponse,

@@ -10,7 +10,8 @@ from api import generate
 from api.deps import StateDep
 from api.errors import invalid_param
 from api.render import ChatRenderer
-from api.schemas import ChatCompletionRequest, ChatCompletionResponse, ChatMessage, PromptInput
+from api.responses import ChatCompletionResponse
+from api.schemas import ChatCompletionRequest, ChatMessage, PromptInput
 from api.sse import EventStreamResponse, unless_disconnected
 
 router = APIRouter(tags=["openai"])

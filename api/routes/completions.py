@@ -8,7 +8,8 @@ from api import generate
 from api.deps import StateDep
 from api.errors import invalid_param
 from api.render import CompletionRenderer
-from api.schemas import CompletionRequest, CompletionResponse
+from api.responses import CompletionResponse
+from api.schemas import CompletionRequest
 from api.sse import EventStreamResponse, unless_disconnected
 
 router = APIRouter(tags=["openai"])

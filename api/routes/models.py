@@ -9,7 +9,7 @@ from fastapi import APIRouter
 
 from api.deps import StateDep
 from api.errors import APIError
-from api.schemas import ModelCard, ModelList
+from api.responses import ModelCard, ModelList
 
 router = APIRouter(tags=["openai"])
 

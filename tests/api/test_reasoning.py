@@ -10,7 +10,7 @@ import pytest
 from api.generate import Collector
 from api.reasoning import ReasoningReader, split
 from api.render import ChatRenderer, RelayedRequest
-from api.schemas import Usage
+from api.responses import Usage
 from producer.protocol import Event
 
 CASES = [
