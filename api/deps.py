@@ -14,7 +14,7 @@ from api.errors import APIError
 from api.metrics import Metrics
 from api.relay import Relay
 from api.settings import Settings
-from producer.client import AsyncClient
+from producer.async_client import AsyncClient
 
 
 @dataclass(frozen=True)

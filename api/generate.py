@@ -25,7 +25,7 @@ from api.render import Choice, RelayedRequest, Renderer, usage_chunk
 from api.responses import Usage
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput
 from api.sse import DONE, format_sse
-from producer.client import build_job
+from producer.jobs import build_job
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
 from producer.sampling_params import SamplingParams
 

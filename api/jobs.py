@@ -13,7 +13,8 @@ from api.relay import Relay
 from api.render import Choice
 from api.responses import JobOutput, JobView, Usage
 from api.sse import DONE, format_sse
-from producer.client import AsyncClient, JobNotFound
+from producer.async_client import AsyncClient
+from producer.jobs import JobNotFound
 from producer.protocol import Event, JobRecord, decode_record
 
 

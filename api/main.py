@@ -19,7 +19,7 @@ from api.relay import Relay
 from api.routes import chat, completions, health, jobs, models
 from api.settings import Settings
 from api.sse import ClientDisconnected
-from producer.client import AsyncClient
+from producer.async_client import AsyncClient
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away: nobody reads it
 

@@ -23,7 +23,7 @@ import redis
 import redis.asyncio
 
 from producer.aio import wait_within
-from producer.client import JobNotFound
+from producer.jobs import JobNotFound
 from producer.protocol import EVENT_FIELD, Event, JobRecord, Keys, decode_event, decode_record
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from producer.client import DEFAULT_REDIS_URL
+from producer.jobs import DEFAULT_REDIS_URL
 from producer.protocol import DEFAULT_PREFIX
 
 

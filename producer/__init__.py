@@ -1,15 +1,8 @@
 """genq producer: the wire protocol, the client and the `genq` command line."""
 
-from producer.client import (
-    AsyncClient,
-    AsyncJobHandle,
-    Client,
-    Delta,
-    JobFailed,
-    JobHandle,
-    JobNotFound,
-    JobResult,
-)
+from producer.async_client import AsyncClient, AsyncJobHandle
+from producer.client import Client, JobHandle
+from producer.jobs import Delta, JobFailed, JobNotFound, JobResult
 from producer.protocol import JobStatus, Keys, ProtocolError
 from producer.sampling_params import SamplingParams
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from producer.client import DEFAULT_REDIS_URL
+from producer.jobs import DEFAULT_REDIS_URL
 
 Runner = Callable[[argparse.Namespace], int]
 SUBMIT_MAX_TOKENS = 64  # genq submit's default: a short answer, not SamplingParams' 16
@@ -134,7 +134,8 @@ def build_submit(parser: argparse.ArgumentParser) -> Runner:
 
 def run_submit(args: argparse.Namespace) -> int:
     """Submit, then print the text (streamed or final). Ctrl-C cancels the job."""
-    from producer.client import Client, JobFailed
+    from producer.client import Client
+    from producer.jobs import JobFailed
     from producer.sampling_params import SamplingParams
 
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from producer.client import DEFAULT_REDIS_URL
+from producer.jobs import DEFAULT_REDIS_URL
 from producer.protocol import (
     DEFAULT_CLAIM_IDLE_S,
     DEFAULT_DELIVERY_LIMIT,

@@ -11,7 +11,8 @@ import pytest
 import redis.asyncio
 
 from api.relay import Relay
-from producer.client import AsyncClient, JobNotFound
+from producer.async_client import AsyncClient
+from producer.jobs import JobNotFound
 from producer.protocol import (
     APPEND_EVENTS_LUA,
     EVENTS_TTL_S,

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import pytest
 import redis
 
-from producer.client import AsyncClient, JobFailed, JobNotFound
+from producer.async_client import AsyncClient
+from producer.jobs import JobFailed, JobNotFound
 from producer.protocol import CANCEL_FLAG_TTL_S, JobStatus, Keys
 from producer.sampling_params import SamplingParams
 

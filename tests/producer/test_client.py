@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import pytest
 import redis
 
-from producer.client import Client, JobFailed, JobNotFound
+from producer.client import Client
+from producer.jobs import JobFailed, JobNotFound
 from producer.protocol import (
     CANCEL_FLAG_TTL_S,
     Event,

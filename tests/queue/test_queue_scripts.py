@@ -11,7 +11,7 @@ import pytest
 import redis
 import redis.asyncio
 
-from producer.client import build_job
+from producer.jobs import build_job
 from producer.protocol import (
     EVENT_FIELD,
     FINISH_ABORT,

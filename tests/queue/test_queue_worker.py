@@ -14,7 +14,8 @@ import pytest
 import redis
 from queue_support import WorkerProcess, wait_for
 
-from producer.client import Client, JobFailed, build_job
+from producer.client import Client
+from producer.jobs import JobFailed, build_job
 from producer.protocol import (
     ERROR_INVALID_REQUEST,
     FINISH_ABORT,

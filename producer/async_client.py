@@ -1,0 +1,225 @@
+"""The asyncio genq client (redis.asyncio): `producer.client.Client`'s API, awaited."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import redis
+import redis.asyncio
+from tqdm import tqdm
+
+from producer.jobs import (
+    DEFAULT_REDIS_URL,
+    SUBMIT_LUA,
+    SUBSCRIBE_CHUNK,
+    Deadline,
+    Delta,
+    EventLog,
+    Follower,
+    JobFailed,
+    JobNotFound,
+    JobResult,
+    ParamsInput,
+    PromptInput,
+    batch_jobs,
+    build_job,
+    count_failure,
+    inspect_view,
+    is_final,
+    make_result,
+    raise_if_failed,
+    submit_call,
+)
+from producer.protocol import (
+    CANCEL_FLAG_TTL_S,
+    DEFAULT_PREFIX,
+    Event,
+    JobStatus,
+    Keys,
+    decode_record,
+)
+
+
+class AsyncJobHandle:
+    """A submitted job of an AsyncClient."""
+
+    def __init__(self, client: AsyncClient, job_id: str, enqueued: bool = False) -> None:
+        self.client = client
+        self.id = job_id
+        self.enqueued = enqueued
+
+    def stream(self, timeout_s: float | None = None) -> AsyncIterator[Delta]:
+        return self.client.stream(self.id, timeout_s)
+
+    async def result(self, timeout_s: float | None = None) -> JobResult:
+        return await self.client.result(self.id, timeout_s)
+
+    async def cancel(self) -> None:
+        await self.client.cancel(self.id)
+
+    async def status(self) -> JobStatus:
+        return await self.client.status(self.id)
+
+    def __repr__(self) -> str:
+        return f"AsyncJobHandle({self.id!r})"
+
+
+class AsyncClient:
+    """asyncio genq client (redis.asyncio); see `Client` for the meaning of each method."""
+
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX) -> None:
+        self.keys = Keys(prefix)
+        self.redis = redis.asyncio.Redis.from_url(redis_url)
+        self._submit_script = self.redis.register_script(SUBMIT_LUA)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def submit(
+        self,
+        prompt: PromptInput,
+        sampling_params: ParamsInput = None,
+        priority: int = 0,
+        job_id: str | None = None,
+        deadline_s: float | None = None,
+        model: str | None = None,
+    ) -> AsyncJobHandle:
+        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model)
+        keys, args = submit_call(self.keys, job)
+        entry_id = await self._submit_script(keys=keys, args=args)
+        return AsyncJobHandle(self, job.id, enqueued=entry_id is not None)
+
+    def job(self, job_id: str) -> AsyncJobHandle:
+        return AsyncJobHandle(self, job_id)
+
+    async def status(self, job_id: str) -> JobStatus:
+        value = await self.redis.hget(self.keys.job(job_id), "status")
+        if value is None:
+            raise JobNotFound(job_id)
+        return decode_record({b"status": value}, job_id).status or JobStatus.QUEUED
+
+    async def cancel(self, job_id: str) -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
+        pipe.publish(self.keys.cancel_channel, job_id)
+        await pipe.execute()
+
+    async def stream(self, job_id: str, timeout_s: float | None = None) -> AsyncIterator[Delta]:
+        async for _, event in self._follow({job_id: EventLog(job_id)}, timeout_s):
+            if event.error is not None:
+                raise JobFailed(job_id, event.error, error_type=event.error_type)
+            yield Delta.from_event(event)
+
+    async def result(self, job_id: str, timeout_s: float | None = None) -> JobResult:
+        raw = await self.redis.hgetall(self.keys.job(job_id))
+        if is_final(raw, job_id):
+            return raise_if_failed(make_result(job_id, raw, None))
+        log = EventLog(job_id)
+        async for _ in self._follow({job_id: log}, timeout_s):
+            pass
+        raw = await self.redis.hgetall(self.keys.job(job_id))
+        return raise_if_failed(make_result(job_id, raw, log))
+
+    async def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: ParamsInput | Sequence[ParamsInput] = None,
+        use_tqdm: bool = True,
+        timeout_s: float | None = None,
+    ) -> list[JobResult]:
+        jobs = batch_jobs(prompts, sampling_params)
+        pipe = self.redis.pipeline(transaction=False)
+        for job in jobs:
+            keys, args = submit_call(self.keys, job)
+            await self._submit_script(keys=keys, args=args, client=pipe)
+        await pipe.execute()
+        logs = {job.id: EventLog(job.id) for job in jobs}
+        with tqdm(total=len(jobs), disable=not use_tqdm, unit="job", desc="genq") as bar:
+            async for job_id, _ in self._follow(logs, timeout_s):
+                bar.update(int(logs[job_id].done))
+            bar.update(len(jobs) - bar.n)
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in logs:
+            pipe.hgetall(self.keys.job(job_id))
+        return [make_result(j, raw, logs[j]) for j, raw in zip(logs, await pipe.execute(), strict=True)]
+
+    async def inspect(self, job_id: str) -> dict[str, Any]:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hgetall(self.keys.job(job_id))
+        pipe.xrange(self.keys.events(job_id))
+        pipe.exists(self.keys.cancel_flag(job_id))
+        raw, events, cancel = await pipe.execute()
+        entry_id = raw.get(b"entry_id")
+        entry = await self.redis.xrange(self.keys.requests, entry_id, entry_id) if entry_id else []
+        return inspect_view(job_id, raw, entry, events, bool(cancel))
+
+    async def _follow(
+        self, logs: dict[str, EventLog], timeout_s: float | None
+    ) -> AsyncIterator[tuple[str, Event]]:
+        deadline = Deadline(timeout_s, f"job {next(iter(logs))}" if len(logs) == 1 else "batch")
+        follower = Follower(self.keys, logs)
+        pubsub = self.redis.pubsub()
+        try:
+            held = await self._subscribe(pubsub, list(follower.by_channel), deadline)
+            await self._on_subscribed(list(logs))
+            async for item in self._replay(follower, list(logs)):
+                yield item
+            failures = 0
+            while not follower.done:
+                try:
+                    message = (
+                        held.pop(0) if held
+                        else await pubsub.get_message(timeout=deadline.remaining())
+                    )
+                except redis.ConnectionError as exc:
+                    failures = count_failure(failures, exc)
+                    continue  # the next read reconnects and re-subscribes; see `resubscribed`
+                failures = 0
+                if message is None:
+                    deadline.check()
+                elif (job_id := follower.resubscribed(message)) is not None:
+                    async for item in self._replay(follower, [job_id]):
+                        yield item
+                else:
+                    for item in follower.message(message):
+                        yield item
+        finally:
+            await pubsub.aclose()
+
+    async def _subscribe(
+        self, pubsub: Any, channels: list[bytes], deadline: Deadline
+    ) -> list[dict[str, Any]]:
+        for start in range(0, len(channels), SUBSCRIBE_CHUNK):
+            await pubsub.subscribe(*channels[start : start + SUBSCRIBE_CHUNK])
+        held, confirmed = [], 0
+        while confirmed < len(channels):
+            message = await pubsub.get_message(timeout=deadline.remaining())
+            if message is None:
+                deadline.check()
+            elif message["type"] == "subscribe":
+                confirmed += 1
+            else:
+                held.append(message)
+        return held
+
+    async def _on_subscribed(self, job_ids: list[str]) -> None:
+        """Runs between SUBSCRIBE and XRANGE; a test overrides it to write events there."""
+
+    async def _replay(
+        self, follower: Follower, job_ids: list[str]
+    ) -> AsyncIterator[tuple[str, Event]]:
+        pipe = self.redis.pipeline(transaction=True)
+        for job_id in job_ids:
+            pipe.hgetall(self.keys.job(job_id))
+            pipe.xrange(self.keys.events(job_id))
+        replies = await pipe.execute()
+        for i, job_id in enumerate(job_ids):
+            for event in follower.replay(job_id, replies[2 * i], replies[2 * i + 1]):
+                yield job_id, event
