@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -41,30 +41,50 @@ async def start(
     deadline_s: float | None = None,
 ) -> RelayedRequest:
     """Validate, apply backpressure, submit one job per prompt; raises APIError."""
+    model = await resolve_model(state, body.model)
+    await check_backpressure(state)
+    planned = plan(state, body, prompts, renderer, job_id or uuid.uuid4().hex, model, deadline_s)
+    return await submit(state, planned)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The jobs of one request, checked and ready to submit, and how to relay them."""
+
+    req: RelayedRequest
+    prompts: list[PromptInput]
+    params: SamplingParams
+    priority: int
+    model: str | None  # as the request names it (None: whatever the workers serve)
+    deadline_s: float | None
+
+
+def plan(
+    state: AppState,
+    body: GenerationRequest,
+    prompts: list[PromptInput],
+    renderer: Renderer,
+    base: str,
+    model: str,
+    deadline_s: float | None = None,
+    priority_offset: int = 0,
+) -> Plan:
+    """Check a request and build its jobs (one per prompt, ids from `base`) without submitting
+    any; raises APIError naming what is wrong."""
     chat = body if isinstance(body, ChatCompletionRequest) else None
     reasoning = _reasoning_parser(state, chat)
     params = sampling_params(body)
     if reasoning == "deepseek_r1" and params.guided_decoding is not None:
         # the reply starts thinking: the grammar holds for the answer, after </think>
         params = replace(params, guided_decoding={**params.guided_decoding, "after": THINK_END})
-    model = await resolve_model(state, body.model)
-    await check_backpressure(state)
-    base = job_id or uuid.uuid4().hex
     job_ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
     check_jobs(body, prompts, job_ids, params, deadline_s)
-    enqueued = False
-    for prompt, one_id in zip(prompts, job_ids, strict=True):
-        handle = await state.client.submit(
-            prompt, params, priority=body.priority, job_id=one_id, deadline_s=deadline_s,
-            model=body.model,
-        )
-        enqueued = handle.enqueued or enqueued
     echo = isinstance(body, CompletionRequest) and body.echo
     forced = chat.forced_tool() if chat else None
-    return RelayedRequest(
+    req = RelayedRequest(
         id=renderer.id_prefix + base, job_ids=job_ids, n=params.n, model=model,
         created=int(time.time()), include_usage=body.include_usage,
-        num_logprobs=params.logprobs, enqueued=enqueued,
+        num_logprobs=params.logprobs,
         echo=tuple(p if isinstance(p, str) else None for p in prompts) if echo else (),
         prompt_logprobs=body.prompt_logprobs is not None,
         tool_call=forced.name if forced else None,
@@ -72,6 +92,19 @@ async def start(
         parallel_tool_calls=chat is None or chat.parallel_tool_calls,
         reasoning_parser=reasoning,
     )
+    return Plan(req, prompts, params, body.priority + priority_offset, body.model, deadline_s)
+
+
+async def submit(state: AppState, planned: Plan) -> RelayedRequest:
+    """Enqueue a plan's jobs (each once: a known id is not enqueued again)."""
+    enqueued = False
+    for prompt, job_id in zip(planned.prompts, planned.req.job_ids, strict=True):
+        handle = await state.client.submit(
+            prompt, planned.params, priority=planned.priority, job_id=job_id,
+            deadline_s=planned.deadline_s, model=planned.model,
+        )
+        enqueued = handle.enqueued or enqueued
+    return replace(planned.req, enqueued=enqueued)
 
 
 def _reasoning_parser(state: AppState, chat: ChatCompletionRequest | None) -> str | None:
