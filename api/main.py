@@ -1,22 +1,24 @@
 """The FastAPI app: `create_app(settings)`; `uvicorn 'api.main:create_app' --factory` works too.
 
 One app owns one genq `AsyncClient`, one relay (a single pub/sub connection shared by every
-stream) and one metrics registry, created in its lifespan.
+stream), one metrics registry and one batch runner (api.batches), created in its lifespan.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request, Response
 
+from api.batches import BatchRunner
 from api.cluster import Cluster
 from api.deps import AppState, require_api_key
 from api.errors import install_error_handlers
 from api.metrics import Metrics
 from api.relay import Relay
-from api.routes import chat, completions, health, jobs, models
+from api.routes import batches, chat, completions, files, health, jobs, models
 from api.settings import Settings
 from api.sse import ClientDisconnected
 from producer.async_client import AsyncClient
@@ -33,12 +35,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         client = AsyncClient(settings.redis_url, settings.prefix)
         relay = Relay(client.redis, client.keys)
         await relay.start()
-        app.state.genq = AppState(
-            settings, client, relay, Cluster(client.redis, client.keys), Metrics()
-        )
+        state = AppState(settings, client, relay, Cluster(client.redis, client.keys), Metrics())
+        app.state.genq = state
+        runner = asyncio.create_task(BatchRunner(state).run())
         try:
             yield
         finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
             await relay.aclose()
             await client.aclose()
 
@@ -46,7 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
     guarded = [Depends(require_api_key)]
-    for module in (completions, chat, models, jobs):
+    for module in (completions, chat, models, jobs, files, batches):
         app.include_router(module.router, prefix="/v1", dependencies=guarded)
     app.include_router(health.router)
     return app

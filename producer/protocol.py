@@ -112,6 +112,38 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat
 
+    # The API's files and batches (OpenAI's /v1/files and /v1/batches); workers never read them.
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}files"  # sorted set: file ids by creation time
+
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}file:{file_id}"  # hash: metadata and `content`
+
+    @property
+    def active_batches(self) -> str:
+        return f"{self.prefix}batches:active"  # set: ids of batches still running
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}batches"  # sorted set: batch ids by creation time
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}batch:{batch_id}"  # hash: the batch object and its counters
+
+    def batch_lines(self, batch_id: str) -> str:
+        return f"{self.prefix}batch:{batch_id}:lines"  # list: the requests, as JSON lines
+
+    def batch_in_flight(self, batch_id: str) -> str:
+        return f"{self.prefix}batch:{batch_id}:in_flight"  # set: line numbers submitted, not done
+
+    def batch_results(self, batch_id: str) -> str:
+        return f"{self.prefix}batch:{batch_id}:results"  # hash: line number -> output line
+
+    def batch_lease(self, batch_id: str) -> str:
+        return f"{self.prefix}batch:{batch_id}:lease"  # string with TTL: the API driving it
+
     def arq_queue(self, name: str) -> str:
         # arq's own (unused) job queue for worker `name`; arq adds ':health-check' for the key
         # that `arq --check` reads. Not under `workers:` so worker_pattern matches beats only.

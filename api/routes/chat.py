@@ -12,6 +12,7 @@ from api.errors import invalid_param
 from api.render import ChatRenderer
 from api.responses import ChatCompletionResponse
 from api.schemas import ChatCompletionRequest, ChatMessage, PromptInput
+from api.settings import Settings
 from api.sse import EventStreamResponse, unless_disconnected
 
 router = APIRouter(tags=["openai"])
@@ -21,15 +22,20 @@ router = APIRouter(tags=["openai"])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: StateDep):
     """Messages in, one assistant message per choice out; `stream: true` answers with SSE."""
     renderer = ChatRenderer()
-    if body.tool_calls_form() == "hermes" and state.settings.tool_call_parser == "none":
-        raise invalid_param(
-            "tool_choice", 'tool_choice "auto" (the default with tools) is off on this server '
-            "(GENQ_TOOL_CALL_PARSER=none): name the function, or use \"none\"",
-        )
+    check_tool_parser(body, state.settings)
     req = await generate.start(state, body, [chat_prompt(body)], renderer)
     if body.stream:
         return EventStreamResponse(generate.stream(state, req, renderer))
     return await unless_disconnected(request, generate.collect(state, req, renderer))
+
+
+def check_tool_parser(body: ChatCompletionRequest, settings: Settings) -> None:
+    """400 for tool_choice "auto" where the deployment turned it off."""
+    if body.tool_calls_form() == "hermes" and settings.tool_call_parser == "none":
+        raise invalid_param(
+            "tool_choice", 'tool_choice "auto" (the default with tools) is off on this server '
+            "(GENQ_TOOL_CALL_PARSER=none): name the function, or use \"none\"",
+        )
 
 
 def chat_prompt(body: ChatCompletionRequest) -> PromptInput:

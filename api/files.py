@@ -1,0 +1,108 @@
+"""Files of the batch API (OpenAI's /v1/files), kept in Redis: one hash per file, holding its
+metadata and its content, and a sorted set of the ids by creation time. Uploads are batch
+inputs; a finished batch writes its output and error files here. Files expire after
+`GENQ_FILE_TTL_S`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from api.errors import APIError, not_found
+from producer.async_client import AsyncClient
+
+PURPOSES = ("batch", "batch_output")
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    expires_at: int | None = None
+    filename: str
+    purpose: str
+    status: str = "processed"
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    has_more: bool = False  # OpenAI's cursor pages: ask again with `after` = the last id
+
+
+async def store(
+    client: AsyncClient, content: bytes, filename: str, purpose: str, ttl_s: int
+) -> FileObject:
+    now = int(time.time())
+    meta = FileObject(
+        id=f"file-{uuid.uuid4().hex}", bytes=len(content), created_at=now,
+        expires_at=now + ttl_s, filename=filename, purpose=purpose,
+    )
+    fields: dict[str, Any] = {k: str(v) for k, v in meta.model_dump().items() if v is not None}
+    pipe = client.redis.pipeline(transaction=True)
+    pipe.hset(client.keys.file(meta.id), mapping={**fields, "content": content})
+    pipe.expire(client.keys.file(meta.id), ttl_s)
+    pipe.zadd(client.keys.files, {meta.id: now})
+    await pipe.execute()
+    return meta
+
+
+async def read(client: AsyncClient, file_id: str) -> FileObject:
+    """The file's metadata; 404 when there is none."""
+    names = [f for f in FileObject.model_fields if f != "object"]
+    values = await client.redis.hmget(client.keys.file(file_id), names)
+    if values[0] is None:
+        raise file_not_found(file_id)
+    return FileObject(**{n: v.decode() for n, v in zip(names, values, strict=True) if v is not None})
+
+
+async def content(client: AsyncClient, file_id: str) -> bytes:
+    data = await client.redis.hget(client.keys.file(file_id), "content")
+    if data is None:
+        raise file_not_found(file_id)
+    return bytes(data)
+
+
+async def delete(client: AsyncClient, file_id: str) -> FileDeleted:
+    pipe = client.redis.pipeline(transaction=True)
+    pipe.delete(client.keys.file(file_id))
+    pipe.zrem(client.keys.files, file_id)
+    deleted, _ = await pipe.execute()
+    if not deleted:
+        raise file_not_found(file_id)
+    return FileDeleted(id=file_id, deleted=True)
+
+
+async def listing(client: AsyncClient, purpose: str | None, limit: int, after: str | None) -> FileList:
+    """The newest files first, from just past `after`; ids whose file expired are dropped
+    from the index."""
+    ids = [i.decode() for i in await client.redis.zrevrange(client.keys.files, 0, -1)]
+    if after in ids:
+        ids = ids[ids.index(after) + 1:]
+    found: list[FileObject] = []
+    for file_id in ids:
+        try:
+            meta = await read(client, file_id)
+        except APIError:  # expired: forget it
+            await client.redis.zrem(client.keys.files, file_id)
+            continue
+        if purpose is None or meta.purpose == purpose:
+            found.append(meta)
+            if len(found) > limit:
+                break
+    return FileList(data=found[:limit], has_more=len(found) > limit)
+
+
+def file_not_found(file_id: str) -> Exception:
+    return not_found(f"No file {file_id!r} (never uploaded, deleted, or expired).", "file_not_found")

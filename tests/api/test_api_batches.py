@@ -1,0 +1,87 @@
+"""The batch API against a live stack (Redis, a real worker on the tiny Llama, uvicorn), driven
+by the official `openai` client: upload a file of requests, run it, read the output and error
+files; a file that does not check out. (Runners with their own settings: test_api_batch_runner.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import openai
+import pytest
+from batch_support import chat_line, read_file, run_batch, wait_done
+from openai.types.chat import ChatCompletion
+
+
+@pytest.fixture(scope="module")
+def oai(api_url: str) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield client
+    client.close()
+
+
+def test_a_batch_runs_its_requests_and_answers_each_as_the_endpoint_would(
+    served_model: str, oai: openai.OpenAI, poll: Callable[..., Any]
+) -> None:
+    lines = [
+        chat_line("plain", served_model),
+        chat_line("two", served_model, n=2, temperature=1.0, seed=5),
+        chat_line("logprobs", served_model, logprobs=True, top_logprobs=2),
+        chat_line("bad-token", served_model, logit_bias={"10000000": 1}),  # the worker refuses it
+    ]
+    batch = run_batch(oai, lines)
+    assert (batch.status, batch.request_counts.total, batch.endpoint) == ("in_progress", 4, "/v1/chat/completions")
+    done = wait_done(oai, batch.id, poll)
+    assert done.status == "completed" and done.completed_at is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)
+    outputs, errors = read_file(oai, done.output_file_id), read_file(oai, done.error_file_id)
+    assert set(outputs) == {"plain", "two", "logprobs"} and set(errors) == {"bad-token"}
+    for line in lines[:3]:  # the same request sent directly: the same tokens (greedy or seeded)
+        direct = oai.post("/chat/completions", body=line["body"], cast_to=ChatCompletion)
+        response = outputs[line["custom_id"]]["response"]
+        body = response["body"]
+        assert response["status_code"] == 200 and body["object"] == "chat.completion"
+        assert [c["message"]["content"] for c in body["choices"]] == [c.message.content for c in direct.choices]
+        assert body["usage"]["completion_tokens"] == direct.usage.completion_tokens
+    assert len(outputs["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]) == 6
+    error = errors["bad-token"]["response"]
+    assert error["status_code"] == 400 and "outside the vocabulary" in error["body"]["error"]["message"]
+    assert done.id in [b.id for b in oai.batches.list()]
+
+
+def test_completions_batches_and_the_files_api(served_model: str, oai: openai.OpenAI, poll: Callable[..., Any]) -> None:
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": served_model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}}
+             for i, prompt in enumerate(["Once upon", ["a", "b"]])]
+    done = wait_done(oai, run_batch(oai, lines, "/v1/completions").id, poll)
+    outputs = read_file(oai, done.output_file_id)
+    assert done.status == "completed" and done.error_file_id is None
+    assert [len(outputs[f"c{i}"]["response"]["body"]["choices"]) for i in range(2)] == [1, 2]  # one per prompt
+    direct = oai.completions.create(**lines[0]["body"])
+    assert outputs["c0"]["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
+    # the files: listed, read, deleted
+    output_file = oai.files.retrieve(done.output_file_id)
+    assert output_file.purpose == "batch_output" and output_file.bytes == len(oai.files.content(output_file.id).content)
+    assert output_file.id in [f.id for f in oai.files.list(purpose="batch_output")]
+    paged = [f.id for f in oai.files.list(purpose="batch", limit=1)]  # the client follows `after`
+    assert len(paged) == len(set(paged)) >= 2 and done.input_file_id in paged
+    assert oai.files.delete(output_file.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        oai.files.retrieve(output_file.id)
+    with pytest.raises(openai.BadRequestError, match="purpose must be 'batch'"):
+        oai.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+
+
+def test_a_file_that_does_not_check_out_fails_the_batch_naming_its_lines(served_model: str, oai: openai.OpenAI) -> None:
+    good = chat_line("a", served_model)
+    lines = [good, {**good, "url": "/v1/completions"}, good, chat_line("b", served_model, temperature=-1)]
+    batch = run_batch(oai, lines)
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert [(e.line, e.code) for e in batch.errors.data] == [
+        (2, "mismatched_url"), (3, "duplicate_custom_id"), (4, "invalid_value")]
+    assert batch.errors.data[2].param == "temperature"
+    uploaded = oai.files.create(file=("bad.jsonl", b"not json\n"), purpose="batch")
+    broken = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert [(e.line, e.code) for e in broken.errors.data] == [(1, "invalid_json")]
+    with pytest.raises(openai.NotFoundError):
+        oai.batches.create(input_file_id="file-none", endpoint="/v1/chat/completions", completion_window="24h")
