@@ -36,6 +36,7 @@ from api.render import ChatRenderer, CompletionRenderer, Renderer
 from api.routes.chat import chat_prompt, check_tool_parser
 from api.routes.completions import reject_unsupported
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput
+from producer.protocol import JobStatus
 
 log = logging.getLogger("api.batches")
 
@@ -360,7 +361,7 @@ class BatchRunner:
         statuses = iter(await pipe.execute())
         for member in members:
             found = [next(statuses) for _ in job_ids[member]]
-            if all(s in (b"finished", b"failed", b"cancelled") for s in found):
+            if all(s is not None and JobStatus(s.decode()).terminal for s in found):
                 await self._record(batch, member)
                 in_flight.discard(member)
             elif None in found:  # marked in flight by a process that died before submitting
@@ -396,7 +397,7 @@ class BatchRunner:
         cancelled = False
         for job_id in req.job_ids:
             record, events = await self.state.relay.snapshot(job_id)
-            cancelled = cancelled or (record.status is not None and record.status.value == "cancelled")
+            cancelled = cancelled or record.status == JobStatus.CANCELLED
             for event in events:
                 collector.add(job_id, event)
         entry: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id}
