@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from api import files
 from api.deps import AppState
 from api.errors import APIError, not_found
-from api.generate import Collector, GenerationRequest, Plan, plan, submit
+from api.generate import Collector, GenerationRequest, Plan, job_ids, plan, submit
 from api.render import ChatRenderer, CompletionRenderer, Renderer
 from api.routes.chat import chat_prompt, check_tool_parser
 from api.routes.completions import reject_unsupported
@@ -323,23 +323,23 @@ class BatchRunner:
             await redis_.srem(keys.active_batches, batch_id)
             return
         in_flight = {m.decode() for m in await redis_.smembers(keys.batch_in_flight(batch_id))}
+        next_line = int(await redis_.hget(keys.batch(batch_id), "next") or 0)
         await self._collect(batch, in_flight)
         stopping = batch.status == "cancelling" or time.time() > (batch.expires_at or 0)
         if stopping:
             await self._cancel_jobs(batch_id, in_flight)
         else:
-            await self._submit_more(batch, in_flight)
-        next_line = int(await redis_.hget(keys.batch(batch_id), "next") or 0)
+            next_line = await self._submit_more(batch, in_flight, next_line)
         if not in_flight and (stopping or next_line >= batch.request_counts.total):
             await self._finish(batch, next_line)
 
-    async def _submit_more(self, batch: BatchObject, in_flight: set[str]) -> None:
-        """Lines in order, until `batch_max_in_flight` are in the queue. Each is marked in
-        flight before it is submitted, so a process that dies in between leaves a line that
-        `_collect` submits again (submitting is idempotent), never one that is lost."""
+    async def _submit_more(self, batch: BatchObject, in_flight: set[str], next_line: int) -> int:
+        """Lines in order from `next_line`, until `batch_max_in_flight` are in the queue;
+        returns the next line then. Each is marked in flight before it is submitted, so a
+        process that dies in between leaves a line that `_collect` submits again (submitting
+        is idempotent), never one that is lost."""
         keys, redis_ = self.state.client.keys, self.state.client.redis
         room = self.state.settings.batch_max_in_flight - len(in_flight)
-        next_line = int(await redis_.hget(keys.batch(batch.id), "next") or 0)
         texts = await redis_.lrange(keys.batch_lines(batch.id), next_line, next_line + room - 1) if room > 0 else []
         for number, text in enumerate(texts, next_line):
             planned = plan_line(self.state, parse_line(text.decode(), batch.endpoint), batch.id, number)
@@ -348,6 +348,7 @@ class BatchRunner:
             await submit(self.state, planned)
             await redis_.hset(keys.batch(batch.id), "next", number + 1)
             in_flight.add(member)
+        return next_line + len(texts)
 
     async def _collect(self, batch: BatchObject, in_flight: set[str]) -> None:
         """Every line whose jobs have all ended: its output line, once."""
@@ -445,7 +446,6 @@ class BatchRunner:
 
 
 def _job_ids(batch_id: str, member: str) -> list[str]:
-    """The job ids of an in-flight line, `number:jobs` (as `plan` names them)."""
+    """The job ids of an in-flight line, `number:jobs`, as `plan` names them."""
     number, count = (int(x) for x in member.split(":"))
-    base = f"{batch_id}-{number}"
-    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+    return job_ids(f"{batch_id}-{number}", count)

@@ -77,12 +77,12 @@ def plan(
     if reasoning == "deepseek_r1" and params.guided_decoding is not None:
         # the reply starts thinking: the grammar holds for the answer, after </think>
         params = replace(params, guided_decoding={**params.guided_decoding, "after": THINK_END})
-    job_ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-    check_jobs(body, prompts, job_ids, params, deadline_s)
+    ids = job_ids(base, len(prompts))
+    check_jobs(body, prompts, ids, params, deadline_s)
     echo = isinstance(body, CompletionRequest) and body.echo
     forced = chat.forced_tool() if chat else None
     req = RelayedRequest(
-        id=renderer.id_prefix + base, job_ids=job_ids, n=params.n, model=model,
+        id=renderer.id_prefix + base, job_ids=ids, n=params.n, model=model,
         created=int(time.time()), include_usage=body.include_usage,
         num_logprobs=params.logprobs,
         echo=tuple(p if isinstance(p, str) else None for p in prompts) if echo else (),
@@ -93,6 +93,11 @@ def plan(
         reasoning_parser=reasoning,
     )
     return Plan(req, prompts, params, body.priority + priority_offset, body.model, deadline_s)
+
+
+def job_ids(base: str, count: int) -> list[str]:
+    """The ids of a request's jobs, one per prompt: `base`, or `base-0`, `base-1`, ..."""
+    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
 
 
 async def submit(state: AppState, planned: Plan) -> RelayedRequest:
