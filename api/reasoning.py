@@ -11,7 +11,7 @@ Two deployments differ only where no `</think>` has come (yet):
 
 from __future__ import annotations
 
-from api.tool_calls import partial_tag
+from api.text_readers import partial_tag, read_piece
 
 START = "<think>"
 END = "</think>"
@@ -62,7 +62,5 @@ class ReasoningReader:
 
 def split(text: str, parser: str) -> tuple[str | None, str]:
     """A whole reply's reasoning (None when it has none) and content."""
-    reader = ReasoningReader(parser)
-    reasoning, content = reader.feed(text)
-    more_reasoning, more_content = reader.finish()
-    return (reasoning + more_reasoning) or None, content + more_content
+    reasoning, content = read_piece(ReasoningReader(parser), text, last=True)
+    return reasoning or None, content

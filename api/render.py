@@ -22,6 +22,7 @@ from api.responses import (
     CompletionResponse,
     Usage,
 )
+from api.text_readers import read_piece
 from api.tool_calls import READERS, Reader, ToolCall, read_all
 from producer.protocol import Event
 
@@ -295,11 +296,7 @@ def _split_reasoning(req: RelayedRequest, choice: Choice, event: Event) -> tuple
     if req.reasoning_parser is None:
         return "", event.text
     reader = choice.reasoning = choice.reasoning or ReasoningReader(req.reasoning_parser)
-    reasoning, text = reader.feed(event.text)
-    if event.finished:
-        more_reasoning, more_text = reader.finish()
-        reasoning, text = reasoning + more_reasoning, text + more_text
-    return reasoning, text
+    return read_piece(reader, event.text, event.finished)
 
 
 def _read_delta(req: RelayedRequest, choice: Choice, text: str, finished: bool) -> dict[str, Any]:
@@ -307,10 +304,7 @@ def _read_delta(req: RelayedRequest, choice: Choice, text: str, finished: bool) 
     assert req.read_tool_calls is not None
     reader = choice.tool_calls = choice.tool_calls or READERS[req.read_tool_calls]()
     first = reader.num_calls
-    content, calls = reader.feed(text)
-    if finished:
-        rest, more = reader.finish()
-        content, calls = content + rest, calls + more
+    content, calls = read_piece(reader, text, finished)
     calls = _kept(req, calls, first)
     delta: dict[str, Any] = {"content": content} if content else {}
     if calls:

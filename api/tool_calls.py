@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from api.text_readers import partial_tag, read_piece
+
 START = "<tool_call>"
 END = "</tool_call>"
 
@@ -51,14 +53,6 @@ def _call(item: Any) -> ToolCall | None:
     if not isinstance(arguments, dict):
         return None
     return ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def partial_tag(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could begin `tag`, still to come whole."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 class ToolCallReader:
@@ -193,9 +187,5 @@ READERS: dict[str, type[Reader]] = {"hermes": ToolCallReader, "json": CallArrayR
 def read_all(text: str, form: str = "hermes") -> tuple[str | None, list[ToolCall]]:
     """A whole completion's content (None when it only called tools) and calls, as a stream
     would give them out."""
-    reader = READERS[form]()
-    content, calls = reader.feed(text)
-    rest, more = reader.finish()
-    content += rest
-    calls += more
+    content, calls = read_piece(READERS[form](), text, last=True)
     return (content or None) if calls else content, calls
