@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import redis.asyncio
 
-from producer.protocol import Keys, ProtocolError, WorkerInfo, decode_worker_info
+from producer.protocol import Keys, ProtocolError
+from producer.records import WorkerInfo, decode_worker_info
 
 log = logging.getLogger(__name__)
 

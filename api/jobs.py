@@ -15,7 +15,8 @@ from api.responses import JobOutput, JobView, Usage
 from api.sse import DONE, format_sse
 from producer.async_client import AsyncClient
 from producer.jobs import JobNotFound
-from producer.protocol import Event, JobRecord, decode_record
+from producer.protocol import Event
+from producer.records import JobRecord, decode_record
 
 
 async def read_record(client: AsyncClient, job_id: str) -> JobRecord:

@@ -24,7 +24,8 @@ import redis.asyncio
 
 from producer.aio import wait_within
 from producer.jobs import JobNotFound
-from producer.protocol import EVENT_FIELD, Event, JobRecord, Keys, decode_event, decode_record
+from producer.protocol import EVENT_FIELD, Event, Keys, decode_event
+from producer.records import JobRecord, decode_record
 
 log = logging.getLogger(__name__)
 

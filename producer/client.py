@@ -33,14 +33,8 @@ from producer.jobs import (
     raise_if_failed,
     submit_call,
 )
-from producer.protocol import (
-    CANCEL_FLAG_TTL_S,
-    DEFAULT_PREFIX,
-    Event,
-    JobStatus,
-    Keys,
-    decode_record,
-)
+from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
+from producer.records import decode_record
 
 
 class JobHandle:

@@ -22,19 +22,16 @@ import redis
 from producer.protocol import (
     EVENT_FIELD,
     FINISH_ABORT,
-    CompletionOutput,
     Event,
     Job,
-    JobRecord,
     JobStatus,
     Keys,
     ProtocolError,
     decode_event,
     decode_job,
-    decode_record,
     encode_job,
-    encode_record,
 )
+from producer.records import CompletionOutput, JobRecord, decode_record, encode_record
 from producer.sampling_params import SamplingParams
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -13,7 +13,8 @@ from collections.abc import Callable
 import redis
 
 from producer.aio import wait_for_event
-from producer.protocol import WORKER_HEARTBEAT_TTL_S, WorkerInfo, encode_worker_info
+from producer.protocol import WORKER_HEARTBEAT_TTL_S
+from producer.records import WorkerInfo, encode_worker_info
 from worker.queue_config import WorkerConfig
 from worker.queue_jobs import ABORT_CANCELLED, ABORT_DEADLINE, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics

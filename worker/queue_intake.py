@@ -20,14 +20,8 @@ import redis
 import redis.asyncio
 
 from producer.aio import wait_for_event
-from producer.protocol import (
-    ERROR_INVALID_REQUEST,
-    Job,
-    ProtocolError,
-    decode_job,
-    encode_dead_letter,
-    encode_event,
-)
+from producer.protocol import ERROR_INVALID_REQUEST, Job, ProtocolError, decode_job, encode_event
+from producer.records import encode_dead_letter
 from worker.queue_config import WorkerConfig
 from worker.queue_engine import AddRequest, EngineThread
 from worker.queue_jobs import (

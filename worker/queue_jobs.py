@@ -17,15 +17,13 @@ from typing import Any
 from producer.protocol import (
     EVENT_FIELD,
     FINISH_ABORT,
-    CompletionOutput,
     Event,
     Job,
-    JobRecord,
     JobStatus,
     ProtocolError,
     decode_event,
-    encode_record,
 )
+from producer.records import CompletionOutput, JobRecord, encode_record
 
 ABORT_CANCELLED = "cancelled"  # JobRecord.extra["abort_reason"]: the client cancelled
 ABORT_DEADLINE = "deadline"  # the job's deadline passed

@@ -275,7 +275,7 @@ class DeadLetter:
     """An entry going to the dead stream; `fail` set: also fail its job with this event."""
 
     entry_id: str
-    fields: dict[str, bytes]  # protocol.encode_dead_letter
+    fields: dict[str, bytes]  # records.encode_dead_letter
     job_id: str | None = None
     error_event: bytes | None = None
     record: dict[str, str | bytes] | None = None

@@ -13,15 +13,8 @@ import redis.asyncio
 from api.relay import Relay
 from producer.async_client import AsyncClient
 from producer.jobs import JobNotFound
-from producer.protocol import (
-    APPEND_EVENTS_LUA,
-    EVENTS_TTL_S,
-    Event,
-    JobRecord,
-    JobStatus,
-    encode_event,
-    encode_record,
-)
+from producer.protocol import APPEND_EVENTS_LUA, EVENTS_TTL_S, Event, JobStatus, encode_event
+from producer.records import JobRecord, encode_record
 
 TIMEOUT_S = 10.0
 

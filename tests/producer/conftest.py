@@ -16,16 +16,14 @@ from producer.protocol import (
     APPEND_EVENTS_LUA,
     EVENTS_TTL_S,
     JOB_TTL_S,
-    CompletionOutput,
     Event,
     Job,
-    JobRecord,
     JobStatus,
     Keys,
     decode_job,
     encode_event,
-    encode_record,
 )
+from producer.records import CompletionOutput, JobRecord, encode_record
 
 POLL_TIMEOUT_S = 5.0
 

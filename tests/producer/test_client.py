@@ -12,15 +12,8 @@ import redis
 
 from producer.client import Client
 from producer.jobs import JobFailed, JobNotFound
-from producer.protocol import (
-    CANCEL_FLAG_TTL_S,
-    Event,
-    JobRecord,
-    JobStatus,
-    Keys,
-    decode_record,
-    encode_record,
-)
+from producer.protocol import CANCEL_FLAG_TTL_S, Event, JobStatus, Keys
+from producer.records import JobRecord, decode_record, encode_record
 from producer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

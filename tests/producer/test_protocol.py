@@ -13,22 +13,24 @@ from producer.protocol import (
     EVENT_FIELD,
     EVENTS_TTL_S,
     PROTOCOL_VERSION,
-    CompletionOutput,
     Event,
     Job,
-    JobRecord,
     JobStatus,
     Keys,
     ProtocolError,
-    decode_dead_letter,
     decode_event,
     decode_job,
-    decode_record,
-    encode_dead_letter,
     encode_event,
     encode_job,
-    encode_record,
     pack,
+)
+from producer.records import (
+    CompletionOutput,
+    JobRecord,
+    decode_dead_letter,
+    decode_record,
+    encode_dead_letter,
+    encode_record,
 )
 from producer.sampling_params import SamplingParams
 

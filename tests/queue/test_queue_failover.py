@@ -16,7 +16,8 @@ from queue_support import WorkerProcess, wait_for
 
 from producer.client import Client
 from producer.jobs import Delta
-from producer.protocol import JobStatus, Keys, decode_record, decode_worker_info
+from producer.protocol import JobStatus, Keys
+from producer.records import decode_record, decode_worker_info
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import redis
 from queue_support import READY_TIMEOUT_S, WorkerProcess, wait_for
 
-from producer.protocol import decode_worker_info
+from producer.records import decode_worker_info
 
 
 def test_namesakes_starting_together_serve_one_at_a_time(

@@ -19,10 +19,10 @@ from producer.protocol import (
     JobStatus,
     Keys,
     decode_event,
-    decode_record,
     encode_event,
     encode_job,
 )
+from producer.records import decode_record
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 from worker.queue_engine import EngineStats, intake_capacity

@@ -9,7 +9,8 @@ import redis
 from queue_support import WorkerProcess, wait_for
 
 from producer.client import Client
-from producer.protocol import JobStatus, Keys, decode_worker_info
+from producer.protocol import JobStatus, Keys
+from producer.records import decode_worker_info
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 

@@ -16,16 +16,8 @@ from queue_support import WorkerProcess, wait_for
 
 from producer.client import Client
 from producer.jobs import JobFailed, build_job
-from producer.protocol import (
-    ERROR_INVALID_REQUEST,
-    FINISH_ABORT,
-    JobStatus,
-    Keys,
-    decode_dead_letter,
-    decode_record,
-    decode_worker_info,
-    encode_job,
-)
+from producer.protocol import ERROR_INVALID_REQUEST, FINISH_ABORT, JobStatus, Keys, encode_job
+from producer.records import decode_dead_letter, decode_record, decode_worker_info
 from producer.redis_server import RedisServer, free_port
 from producer.sampling_params import SamplingParams
 

@@ -1,0 +1,206 @@
+"""Redis records of the wire protocol, all plain strings so `redis-cli HGETALL` is readable
+(except the msgpack parts named): the job record (hash `job(id)`), dead letters (the `dead`
+stream) and worker heartbeats (hash `worker(name)`). Keys, jobs and events:
+`producer.protocol`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from producer.protocol import (
+    JobStatus,
+    ProtocolError,
+    as_text,
+    pack,
+    str_keys,
+    unpack,
+)
+
+# ---------------------------------------------------------------------------------------------
+# The job record: hash `job(id)`
+
+
+@dataclass
+class CompletionOutput:
+    """One finished completion of a job (n > 1 gives several)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class JobRecord:
+    """Fields of the job hash. Everything is optional: each writer sets what it knows."""
+
+    status: JobStatus | None = None
+    n: int | None = None  # completions to expect; readers wait for this many finishes
+    entry_id: str | None = None  # the job's entry in `requests`
+    worker: str | None = None
+    submitted_at: float | None = None  # unix times
+    started_at: float | None = None
+    finished_at: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None  # of completion 0
+    text: str | None = None  # of completion 0
+    error: str | None = None
+    error_type: str | None = None  # ERROR_INVALID_REQUEST: the job was at fault
+    outputs: list[CompletionOutput] | None = None  # msgpack: every completion with token ids
+    extra: dict[str, str] = field(default_factory=dict)  # fields this module does not know
+
+    @property
+    def usage(self) -> dict[str, int] | None:
+        if self.prompt_tokens is None or self.completion_tokens is None:
+            return None
+        total = self.prompt_tokens + self.completion_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": total,
+        }
+
+
+_RECORD_INTS = ("n", "prompt_tokens", "completion_tokens")
+_RECORD_FLOATS = ("submitted_at", "started_at", "finished_at")
+_RECORD_STRS = ("entry_id", "worker", "finish_reason", "text", "error", "error_type")
+
+
+def encode_record(record: JobRecord) -> dict[str, str | bytes]:
+    """HSET mapping of the fields that are set (None fields are left untouched)."""
+    out: dict[str, str | bytes] = {}
+    if record.status is not None:
+        out["status"] = JobStatus(record.status).value
+    for name in (*_RECORD_INTS, *_RECORD_STRS):
+        value = getattr(record, name)
+        if value is not None:
+            out[name] = str(value)
+    for name in _RECORD_FLOATS:
+        value = getattr(record, name)
+        if value is not None:
+            out[name] = repr(float(value))
+    if record.outputs is not None:
+        out["outputs"] = pack([asdict(o) for o in record.outputs])
+    out.update(record.extra)
+    return out
+
+
+def decode_record(mapping: dict[Any, Any], job_id: str | None = None) -> JobRecord:
+    """Decode an HGETALL reply; raises ProtocolError on a field that does not parse."""
+    raw = str_keys(mapping, job_id)
+    record = JobRecord()
+    try:
+        if "status" in raw:
+            record.status = JobStatus(as_text(raw.pop("status")))
+        for name, convert in (
+            *((n, int) for n in _RECORD_INTS),
+            *((n, float) for n in _RECORD_FLOATS),
+            *((n, str) for n in _RECORD_STRS),
+        ):
+            if name in raw:
+                setattr(record, name, convert(as_text(raw.pop(name), job_id)))
+    except ValueError as exc:
+        raise ProtocolError(f"job record: {exc}", job_id) from exc
+    if "outputs" in raw:
+        record.outputs = _decode_outputs(raw.pop("outputs"), job_id)
+    record.extra = {
+        k: v.decode(errors="replace") if isinstance(v, bytes) else str(v) for k, v in raw.items()
+    }
+    return record
+
+
+_OUTPUT_FIELDS = {f.name for f in fields(CompletionOutput)}
+
+
+def _decode_outputs(data: Any, job_id: str | None) -> list[CompletionOutput]:
+    items = unpack(data, "job record outputs", job_id)
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ProtocolError("job record outputs must be a list of maps", job_id)
+    try:  # keys a newer worker added are skipped, as in events
+        return [
+            CompletionOutput(**{k: v for k, v in item.items() if k in _OUTPUT_FIELDS})
+            for item in items
+        ]
+    except TypeError as exc:
+        raise ProtocolError(f"job record outputs: {exc}", job_id) from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Dead letters: entries of the `dead` stream
+
+
+def encode_dead_letter(
+    entry_id: str, entry: dict[Any, Any], reason: str, job_id: str | None = None
+) -> dict[str, bytes]:
+    """XADD fields for an entry no worker can run; the original fields are kept as msgpack."""
+    original = {as_text(k): v if isinstance(v, bytes) else as_text(v).encode() for k, v in entry.items()}
+    return {
+        "entry_id": entry_id.encode(),
+        "id": (job_id or "").encode(),
+        "reason": reason.encode(),
+        "entry": pack(original),
+    }
+
+
+def decode_dead_letter(fields_: dict[Any, Any]) -> dict[str, Any]:
+    """The dead letter as a plain dict: entry_id, id (None if unknown), reason, entry."""
+    raw = str_keys(fields_)
+    missing = [k for k in ("entry_id", "id", "reason", "entry") if k not in raw]
+    if missing:
+        raise ProtocolError(f"dead letter missing {missing}")
+    return {
+        "entry_id": as_text(raw["entry_id"]),
+        "id": as_text(raw["id"]) or None,
+        "reason": as_text(raw["reason"]),
+        "entry": unpack(raw["entry"], "dead letter entry"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker heartbeats: hash `worker(name)`, plain strings so `redis-cli HGETALL` is readable
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker reports every heartbeat; the hash expires WORKER_HEARTBEAT_TTL_S after the
+    last beat, so `SCAN MATCH genq:workers:*` lists the live workers."""
+
+    model: str  # the served model name jobs may ask for
+    max_num_seqs: int
+    max_model_len: int = 0  # prompt plus output tokens a job may reach (0: not reported)
+    state: str = "serving"  # serving | draining (SIGTERM received)
+    running: int = 0  # requests in the engine's running queue
+    waiting: int = 0  # requests in the engine's waiting queue
+    free_slots: int = 0  # more requests it would take now
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    tokens_per_s: float = 0.0  # generated tokens per second since the last beat
+    generation_tokens_total: int = 0
+    prompt_tokens_total: int = 0
+    requests_finished_total: int = 0
+    started_at: float = 0.0  # unix times
+    heartbeat_at: float = 0.0
+    pid: int = 0
+    host: str = ""
+
+
+_WORKER_FIELDS = {f.name: f.type for f in fields(WorkerInfo)}
+
+
+def encode_worker_info(info: WorkerInfo) -> dict[str, str]:
+    """HSET mapping of a heartbeat."""
+    return {k: repr(v) if isinstance(v, float) else str(v) for k, v in asdict(info).items()}
+
+
+def decode_worker_info(mapping: dict[Any, Any], name: str | None = None) -> WorkerInfo:
+    """Decode an HGETALL of a heartbeat hash; unknown fields are ignored (newer workers)."""
+    raw = {k: as_text(v) for k, v in str_keys(mapping).items() if k in _WORKER_FIELDS}
+    convert = {"int": int, "float": float, "str": str}
+    try:
+        values = {k: convert[str(_WORKER_FIELDS[k])](v) for k, v in raw.items()}
+        return WorkerInfo(**values)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"worker {name or '?'} heartbeat: {exc}") from exc
