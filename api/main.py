@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request, Response
 
-from api.batches import BatchRunner
+from api.batch_runner import BatchRunner
 from api.cluster import Cluster
 from api.deps import AppState, require_api_key
 from api.errors import install_error_handlers
