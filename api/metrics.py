@@ -31,9 +31,10 @@ class ClusterCollector(Collector):
     def __init__(self) -> None:
         self._depth = QueueDepth(0, 0)
         self._workers: list[LiveWorker] = []
+        self._batches = 0
 
-    def update(self, depth: QueueDepth, workers: list[LiveWorker]) -> None:
-        self._depth, self._workers = depth, workers
+    def update(self, depth: QueueDepth, workers: list[LiveWorker], batches: int = 0) -> None:
+        self._depth, self._workers, self._batches = depth, workers, batches
 
     def collect(self) -> Iterator[Metric]:
         workers, depth = [w.info for w in self._workers], self._depth
@@ -58,6 +59,7 @@ class ClusterCollector(Collector):
             "genq:kv_cache_usage_perc", "Mean fraction of KV-cache blocks in use (1 = full).",
             sum(w.kv_cache_usage for w in workers) / len(workers) if workers else 0.0,
         )
+        yield _gauge("genq:batches_active", "Batches (/v1/batches) not yet ended.", self._batches)
         yield _counter("genq:generation_tokens", "Generated tokens (live workers).",
                        sum(w.generation_tokens_total for w in workers))
         yield _counter("genq:prompt_tokens", "Prefilled prompt tokens (live workers).",

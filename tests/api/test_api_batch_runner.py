@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import openai
 import redis
 from batch_support import chat_line, read_file, run_batch, wait_done
@@ -71,6 +72,8 @@ def test_a_line_marked_in_flight_but_never_submitted_is_submitted_again(
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         batch = run_batch(client, [chat_line("only", served_model)])
         client.close()
+        metrics = httpx.get(f"{url}/metrics").text  # created, and nobody drives it yet
+        assert "genq:batches_active 1.0" in metrics.splitlines()
     conn.hset(keys.batch(batch.id), "next", 1)  # marked in flight, then the process died
     conn.sadd(keys.batch_in_flight(batch.id), "0:1")
     assert not conn.exists(keys.job(f"{batch.id}-0"))
