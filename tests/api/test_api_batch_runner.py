@@ -4,6 +4,8 @@ batches' leases."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -81,5 +83,26 @@ def test_a_line_marked_in_flight_but_never_submitted_is_submitted_again(
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         done = wait_done(client, batch.id, poll)
         assert done.status == "completed" and set(read_file(client, done.output_file_id)) == {"only"}
+        client.close()
+    conn.close()
+
+
+def test_a_batch_past_its_window_expires_with_what_finished(
+    served_model: str, live_worker: str, serve_api, poll: Callable[..., Any]
+) -> None:
+    """The 24 h window, passed by rewriting expires_at: the request running then is cancelled
+    and reported as expired; the batch ends `expired`."""
+    conn = redis.Redis.from_url(live_worker)
+    keys = Keys()
+    with serve_api(Settings(redis_url=live_worker, batch_max_in_flight=1, batch_poll_s=0.05)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        batch = run_batch(client, [chat_line(f"long-{i}", served_model, max_tokens=900) for i in range(3)])
+        poll(lambda: _running_jobs(client, batch.id), 30, "first request running")
+        stored = json.loads(conn.hget(keys.batch(batch.id), "object"))
+        conn.hset(keys.batch(batch.id), "object", json.dumps({**stored, "expires_at": int(time.time()) - 1}))
+        done = wait_done(client, batch.id, poll)
+        assert done.status == "expired" and done.expired_at is not None
+        errors = read_file(client, done.error_file_id)
+        assert set(errors) == {"long-0"} and errors["long-0"]["error"]["code"] == "batch_expired"
         client.close()
     conn.close()

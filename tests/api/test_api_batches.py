@@ -12,6 +12,9 @@ import pytest
 from batch_support import chat_line, read_file, run_batch, wait_done
 from openai.types.chat import ChatCompletion
 
+from api.batches import BATCH_PRIORITY
+from producer.client import Client
+
 
 @pytest.fixture(scope="module")
 def oai(api_url: str) -> Iterator[openai.OpenAI]:
@@ -21,7 +24,7 @@ def oai(api_url: str) -> Iterator[openai.OpenAI]:
 
 
 def test_a_batch_runs_its_requests_and_answers_each_as_the_endpoint_would(
-    served_model: str, oai: openai.OpenAI, poll: Callable[..., Any]
+    served_model: str, oai: openai.OpenAI, live_worker: str, poll: Callable[..., Any]
 ) -> None:
     lines = [
         chat_line("plain", served_model),
@@ -47,6 +50,9 @@ def test_a_batch_runs_its_requests_and_answers_each_as_the_endpoint_would(
     error = errors["bad-token"]["response"]
     assert error["status_code"] == 400 and "outside the vocabulary" in error["body"]["error"]["message"]
     assert done.id in [b.id for b in oai.batches.list()]
+    with Client(live_worker) as client:  # batch requests queue behind the API's own
+        job = client.inspect(f"{done.id}-0")["job"]
+    assert (job["priority"], job["id"]) == (BATCH_PRIORITY, f"{done.id}-0")
 
 
 def test_completions_batches_and_the_files_api(served_model: str, oai: openai.OpenAI, poll: Callable[..., Any]) -> None:
