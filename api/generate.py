@@ -287,6 +287,36 @@ async def collect(state: AppState, req: RelayedRequest, renderer: Renderer) -> A
     return renderer.response(req, collector.choices, collector.usage())
 
 
+@dataclass(frozen=True)
+class StreamError:
+    """What ended a stream early: the failed job's error, a timeout, a lost relay."""
+
+    message: str
+    type: str
+    code: str
+
+
+async def relayed_chunks(
+    state: AppState, req: RelayedRequest, renderer: Renderer, collector: Collector
+) -> AsyncGenerator[dict[str, Any] | StreamError | None, None]:
+    """Each event's chunk (None when it brings nothing to send), the collector kept up to
+    date; a StreamError last if the stream ended early."""
+    try:
+        async with aclosing(relay_events(state, req)) as events:
+            async for job_id, event in events:
+                choice = collector.add(job_id, event)
+                if collector.error is not None:
+                    _, kind, code = collector.error_kind()
+                    yield StreamError(collector.error, kind, code)
+                    return
+                yield renderer.chunk(req, choice, event)
+    except TimeoutError as exc:
+        yield StreamError(str(exc), "timeout_error", "timeout")
+    except (redis.RedisError, ProtocolError) as exc:  # the response has started: say it inline
+        collector.error = str(exc)
+        yield StreamError(f"relay failed: {exc}", "server_error", "relay_error")
+
+
 async def stream(
     state: AppState, req: RelayedRequest, renderer: Renderer
 ) -> AsyncGenerator[str, None]:
@@ -294,21 +324,12 @@ async def stream(
     collector = Collector(req)
     for first in renderer.preamble(req):
         yield format_sse(first)
-    try:
-        async with aclosing(relay_events(state, req)) as events:
-            async for job_id, event in events:
-                choice = collector.add(job_id, event)
-                if collector.error is not None:
-                    _, kind, code = collector.error_kind()
-                    yield format_sse(error_body(collector.error, kind, code=code))
-                    break
-                if (chunk := renderer.chunk(req, choice, event)) is not None:
-                    yield format_sse(chunk)
-    except TimeoutError as exc:
-        yield format_sse(error_body(str(exc), "timeout_error", code="timeout"))
-    except (redis.RedisError, ProtocolError) as exc:  # the response has started: say it inline
-        yield format_sse(error_body(f"relay failed: {exc}", "server_error", code="relay_error"))
-        collector.error = str(exc)
+    async with aclosing(relayed_chunks(state, req, renderer, collector)) as chunks:
+        async for chunk in chunks:
+            if isinstance(chunk, StreamError):
+                yield format_sse(error_body(chunk.message, chunk.type, code=chunk.code))
+            elif chunk is not None:
+                yield format_sse(chunk)
     if req.include_usage and collector.error is None:
         yield format_sse(usage_chunk(req, renderer.object_name, collector.usage()))
     yield DONE

@@ -1,0 +1,337 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on top of chat: a request is translated into a
+chat completion request, run as one job like any other, and its reply rendered as a response
+object (output items: reasoning, a message, function calls) or as the Responses stream events.
+
+What is supported: `input` as text or items (messages with text parts, `function_call` and
+`function_call_output` items, so an agent loop can send tool results back), `instructions`,
+`max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool_choice` and
+`parallel_tool_calls`, `text.format` (text, json_object, json_schema), `stream`. Responses are
+not stored: `previous_response_id` and non-function tools are a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from api.deps import AppState
+from api.errors import APIError, invalid_param
+from api.generate import Collector, StreamError, relayed_chunks
+from api.render import ChatRenderer, RelayedRequest
+from api.responses import ChatCompletionResponse
+from api.schemas import ChatCompletionRequest
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+
+
+class ResponseRenderer(ChatRenderer):
+    """Chat's renderer with the Responses API's id prefix."""
+
+    id_prefix = "resp_"
+
+
+# ---------------------------------------------------------------------------------------------
+# Request: Responses -> chat
+
+
+def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that does what `request` asks; APIError naming the field otherwise."""
+    if request.previous_response_id is not None:
+        raise invalid_param("previous_response_id", "responses are not stored: send the whole conversation in input")
+    messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    items = [{"role": "user", "content": request.input}] if isinstance(request.input, str) else request.input
+    for i, item in enumerate(items):
+        _add_item(messages, item, f"input[{i}]")
+    if not items:
+        raise invalid_param("input", "input must be text or a non-empty list of items")
+    body: dict[str, Any] = {
+        "model": request.model, "messages": messages, "max_tokens": request.max_output_tokens,
+        "parallel_tool_calls": request.parallel_tool_calls,
+        **{k: v for k, v in (("temperature", request.temperature), ("top_p", request.top_p)) if v is not None},
+    }
+    if request.tools:
+        body["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools)]
+    if request.tool_choice is not None:
+        choice = request.tool_choice
+        body["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.get("name")}} if isinstance(choice, dict) else choice
+        )
+    fmt = (request.text or {}).get("format") or {"type": "text"}
+    if fmt.get("type") == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt.get("type") == "json_schema":
+        spec = {k: fmt.get(k) for k in ("name", "schema", "strict") if k in fmt}
+        body["response_format"] = {"type": "json_schema", "json_schema": spec}
+    elif fmt.get("type") != "text":
+        raise invalid_param("text.format", f"text.format type must be text, json_object or json_schema, got {fmt.get('type')!r}")
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise invalid_param(".".join(str(p) for p in first["loc"]), first["msg"]) from None
+
+
+# chat fields a 400 may name, as a Responses request names them
+PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
+def renamed(exc: APIError) -> APIError:
+    """A 400 from the chat machinery, naming the Responses field."""
+    if exc.param is not None:
+        head, _, rest = exc.param.partition(".")
+        exc.param = PARAMS.get(head, head) + (f".{rest}" if rest else "")
+    return exc
+
+
+def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
+    if not isinstance(item, dict):
+        raise invalid_param(where, "an input item must be an object")
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        role = "system" if role == "developer" else role  # OpenAI's newer name for it
+        messages.append({"role": role, "content": _text(item.get("content"), where)})
+    elif kind == "function_call":
+        call = {"id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+            last["tool_calls"].append(call)  # parallel calls: one assistant turn
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": output if isinstance(output, str) else json.dumps(output)})
+    else:
+        raise invalid_param(f"{where}.type", f"input items of type {kind!r} are not supported (message, function_call, function_call_output)")
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text") for p in content
+    ):
+        return "".join(p.get("text") or "" for p in content)
+    raise invalid_param(f"{where}.content", "only text content (input_text, output_text) is supported")
+
+
+def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise invalid_param(f"{where}.type", "only function tools are supported")
+    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+# ---------------------------------------------------------------------------------------------
+# Response: chat -> Responses
+
+
+def response_object(
+    request: ResponsesRequest, chat: ChatCompletionResponse, status: str | None = None
+) -> dict[str, Any]:
+    """The response for a finished chat completion (its one choice)."""
+    choice = chat.choices[0]
+    base = chat.id.removeprefix(ResponseRenderer.id_prefix)
+    message = choice.message
+    incomplete = choice.finish_reason == "length"
+    output: list[dict[str, Any]] = []
+    if message.reasoning_content:
+        output.append(reasoning_item(base, message.reasoning_content))
+    if message.content:
+        output.append(message_item(base, message.content, "incomplete" if incomplete else "completed"))
+    for k, call in enumerate(message.tool_calls or []):
+        function = call["function"]
+        output.append(function_call_item(base, k, call["id"], function["name"], function["arguments"]))
+    usage = chat.usage
+    return {
+        **_envelope(request, chat.id, chat.created, chat.model),
+        "status": status or ("incomplete" if incomplete else "completed"),
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "output": output,
+        "usage": {
+            "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "input_tokens_details": {
+                "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+            },
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
+
+
+def _envelope(request: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
+    return {
+        "id": response_id, "object": "response", "created_at": created, "model": model,
+        "error": None, "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+        "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
+        "previous_response_id": None, "store": False, "temperature": request.temperature,
+        "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice or "auto",
+        "tools": request.tools or [], "top_p": request.top_p,
+    }
+
+
+def message_item(base: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{base}", "status": status, "role": "assistant",
+            "content": [_text_part(text)]}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_item(base: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": f"rs_{base}", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def function_call_item(base: str, k: int, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{base}_{k}", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming: the chat renderer's deltas as Responses events
+
+
+class ResponseEvents:
+    """Turns one choice's chat deltas into Responses stream events, opening and closing output
+    items (reasoning, message, function calls) as the kind of delta changes."""
+
+    def __init__(self, request: ResponsesRequest, req: RelayedRequest) -> None:
+        self.request, self.req = request, req
+        self.base = req.id.removeprefix(ResponseRenderer.id_prefix)
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []  # output items so far; the last may be open
+        self.open: str | None = None  # kind of the open item
+        self.text = ""  # of the open item
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def start(self) -> list[str]:
+        shell = {**_envelope(self.request, self.req.id, self.req.created, self.req.model),
+                 "status": "in_progress", "output": [], "incomplete_details": None, "usage": None}
+        return [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
+
+    def delta(self, delta: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if delta.get("reasoning_content"):
+            out += self._text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            out += self._text("message", delta["content"])
+        for call in delta.get("tool_calls") or []:
+            out += self._call(call)
+        return out
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        out = self._switch(kind)
+        index, item_id = len(self.items) - 1, self.items[-1]["id"]
+        self.text += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        return [*out, self.event(name, item_id=item_id, output_index=index, content_index=0, delta=text)]
+
+    def _call(self, call: dict[str, Any]) -> list[str]:
+        """A whole call (tool_choice auto) or a forced call's first piece opens an item; later
+        pieces (no id) add to its arguments."""
+        out: list[str] = []
+        function = call.get("function") or {}
+        if call.get("id"):
+            out += self._close()
+            k = sum(item["type"] == "function_call" for item in self.items)
+            item = function_call_item(self.base, k, call["id"], function.get("name", ""), "", "in_progress")
+            self.items.append(item)
+            self.open, self.text = "function_call", ""
+            out.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=item))
+        pieces = function.get("arguments") or ""
+        if pieces:
+            self.text += pieces
+            out.append(self.event("response.function_call_arguments.delta", item_id=self.items[-1]["id"],
+                                  output_index=len(self.items) - 1, delta=pieces))
+        return out
+
+    def _switch(self, kind: str) -> list[str]:
+        if self.open == kind:
+            return []
+        out = self._close()
+        item = reasoning_item(self.base, "") if kind == "reasoning" else message_item(self.base, "", "in_progress")
+        item["content"] = []
+        self.items.append(item)
+        self.open, self.text = kind, ""
+        index = len(self.items) - 1
+        out.append(self.event("response.output_item.added", output_index=index, item=item))
+        if kind == "message":
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part=_text_part("")))
+        return out
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        item, index, text = self.items[-1], len(self.items) - 1, self.text
+        out = []
+        if self.open == "message":
+            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=_text_part(text)))
+            item.update(message_item(self.base, text, "completed"))
+        elif self.open == "reasoning":
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
+            item.update(reasoning_item(self.base, text))
+        else:
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=text))
+            item.update(arguments=text, status="completed")
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
+        self.open = None
+        return out
+
+    def end(self, final: dict[str, Any]) -> list[str]:
+        name = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        return [*self._close(), self.event(name, response=final)]
+
+    def failed(self, message: str, code: str) -> list[str]:
+        shell = {**_envelope(self.request, self.req.id, self.req.created, self.req.model), "status": "failed",
+                 "output": self.items, "incomplete_details": None, "usage": None,
+                 "error": {"code": code, "message": message}}
+        return [self.event("error", code=code, message=message, param=None), self.event("response.failed", response=shell)]
+
+
+async def stream(state: AppState, request: ResponsesRequest, req: RelayedRequest) -> AsyncGenerator[str, None]:
+    """The Responses stream: created, the output items as they come, completed (or failed)."""
+    renderer, collector, events = ResponseRenderer(), Collector(req), ResponseEvents(request, req)
+    for line in events.start():
+        yield line
+    async with aclosing(relayed_chunks(state, req, renderer, collector)) as chunks:
+        async for chunk in chunks:
+            if isinstance(chunk, StreamError):
+                for line in events.failed(chunk.message, chunk.code):
+                    yield line
+                return
+            for line in events.delta(chunk["choices"][0]["delta"] if chunk else {}):
+                yield line
+    chat = renderer.response(req, collector.choices, collector.usage())
+    for line in events.end(response_object(request, chat)):
+        yield line

@@ -1,0 +1,103 @@
+"""`POST /v1/responses` against a live stack (Redis, a real worker on the tiny Llama, uvicorn),
+driven by the official `openai` client, with the offline engine and the chat endpoint as the
+oracles for what the model says."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from producer.sampling_params import SamplingParams
+from worker import LLM
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+SET_COLOUR = {"type": "function", "name": "set_colour", "description": "Pick a colour", "parameters": {
+    "type": "object", "required": ["colour", "bright"],
+    "properties": {"colour": {"enum": ["red", "blue"]}, "bright": {"type": "boolean"}}}}
+
+
+@pytest.fixture(scope="module")
+def oai(api_url: str) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield client
+    client.close()
+
+
+def test_text_in_text_out_whole_and_streamed(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    expected = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    request = {"model": served_model, "input": "Say something.", "max_output_tokens": 12, "temperature": 0.0}
+    response = oai.responses.create(**request)
+    assert response.object == "response" and response.id.startswith("resp_") and response.model == served_model
+    assert response.output_text == expected.outputs[0].text
+    length = expected.outputs[0].finish_reason == "length"
+    assert response.status == ("incomplete" if length else "completed")
+    assert (response.incomplete_details.reason if length else response.incomplete_details) == ("max_output_tokens" if length else None)
+    assert response.usage.input_tokens == len(expected.prompt_token_ids)
+    assert response.usage.output_tokens == len(expected.outputs[0].token_ids)
+    (message,) = response.output
+    assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
+    events = list(oai.responses.create(**request, stream=True))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if length else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    assert events[-1].response.output_text == response.output_text
+
+
+def test_a_function_call_and_its_result_sent_back(served_model: str, oai: openai.OpenAI) -> None:
+    request = {"model": served_model, "input": MESSAGES, "tools": [SET_COLOUR], "temperature": 1.0,
+               "tool_choice": {"type": "function", "name": "set_colour"}, "max_output_tokens": 200}
+    response = oai.responses.create(**request)
+    (call,) = response.output
+    assert (call.type, call.name, call.status) == ("function_call", "set_colour", "completed")
+    jsonschema.validate(json.loads(call.arguments), SET_COLOUR["parameters"])
+    events = list(oai.responses.create(**request, stream=True))
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == pieces == events[-1].response.output[0].arguments
+    jsonschema.validate(json.loads(pieces), SET_COLOUR["parameters"])
+    # the agent loop: the call and its output go back as input items; the chat endpoint given
+    # the same conversation says the same (greedy)
+    follow = [*MESSAGES, call.model_dump(exclude_none=True), {"type": "function_call_output", "call_id": call.call_id, "output": "done"}]
+    answer = oai.responses.create(model=served_model, input=follow, tools=[SET_COLOUR], tool_choice="none",
+                                  max_output_tokens=8, temperature=0.0)
+    chat = oai.chat.completions.create(
+        model=served_model, max_tokens=8, temperature=0.0, tools=[{"type": "function", "function": {
+            k: v for k, v in SET_COLOUR.items() if k != "type"}}], tool_choice="none",
+        messages=[*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "done"}],
+    )
+    assert answer.output_text == chat.choices[0].message.content
+
+
+def test_a_json_schema_format(served_model: str, oai: openai.OpenAI) -> None:
+    schema = SET_COLOUR["parameters"]
+    response = oai.responses.create(
+        model=served_model, input="Pick one.", temperature=0.0, max_output_tokens=100,
+        text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}},
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"previous_response_id": "resp_x"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+    ({"input": []}, "input"),
+    ({"max_output_tokens": -1}, "max_output_tokens"),
+])
+def test_what_is_not_supported_is_a_400_naming_the_field(served_model: str, oai: openai.OpenAI, extra: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.responses.create(**{"model": served_model, "input": "Hi", **extra})
+    assert info.value.body["param"] == param
