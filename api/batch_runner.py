@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from api import files
-from api.batches import ACTIVE, ENDPOINTS, BatchObject, Line, parse_line, plan_line, read, save
+from api.batches import ACTIVE, BatchObject, Line, parse_line, plan_line, read, save
 from api.deps import AppState
 from api.generate import Collector, Plan, job_ids, submit
 from producer.protocol import JobStatus
@@ -173,8 +173,8 @@ class BatchRunner:
         if cancelled:
             code = "batch_cancelled" if batch.status == "cancelling" else "batch_expired"
             return False, {**entry, "response": None, "error": {"code": code, "message": f"the batch was {code[6:]} before this request ended"}}
-        renderer = ENDPOINTS[batch.endpoint].renderer()
-        body = renderer.response(req, collector.choices, collector.usage()).model_dump(mode="json")
+        rendered = line.endpoint.renderer().response(req, collector.choices, collector.usage())
+        body = line.endpoint.respond(line.request, rendered)
         return True, {**entry, "response": {"status_code": 200, "request_id": req.id, "body": body}, "error": None}
 
     async def _cancel_jobs(self, batch_id: str, in_flight: set[str]) -> None:

@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from api.deps import AppState
 from api.errors import APIError, not_found
 from api.generate import GenerationRequest, Plan, plan
 from api.render import ChatRenderer, CompletionRenderer, Renderer
+from api.responses_api import ResponseRenderer, ResponsesRequest, response_object, to_chat
 from api.routes.chat import chat_prompt, check_tool_parser
 from api.routes.completions import reject_unsupported
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput
@@ -79,15 +81,28 @@ class CreateBatch(BaseModel):
     metadata: dict[str, str] | None = None
 
 
+def _as_is(request: Any) -> Any:
+    return request
+
+
+def _dumped(request: Any, response: BaseModel) -> dict[str, Any]:
+    return response.model_dump(mode="json")
+
+
 @dataclass(frozen=True)
 class Endpoint:
-    body: type[GenerationRequest]
+    """What a batch line's body is, what runs it, and how its response is written."""
+
+    request: type[BaseModel]  # the body as the line gives it
     renderer: type[Renderer]
+    to_run: Callable[[Any], GenerationRequest] = _as_is  # the chat or completions request
+    respond: Callable[[Any, Any], dict[str, Any]] = _dumped  # (request, rendered) -> body
 
 
 ENDPOINTS = {
     "/v1/chat/completions": Endpoint(ChatCompletionRequest, ChatRenderer),
     "/v1/completions": Endpoint(CompletionRequest, CompletionRenderer),
+    "/v1/responses": Endpoint(ResponsesRequest, ResponseRenderer, to_chat, response_object),
 }
 
 
@@ -98,7 +113,9 @@ ENDPOINTS = {
 @dataclass(frozen=True)
 class Line:
     custom_id: str
-    body: GenerationRequest
+    request: Any  # as the endpoint takes it
+    body: GenerationRequest  # what runs it
+    endpoint: Endpoint
 
 
 def parse_line(text: str, endpoint: str) -> Line:
@@ -117,28 +134,29 @@ def parse_line(text: str, endpoint: str) -> Line:
     if item.get("url") != endpoint:
         raise APIError(400, f"url must be the batch's endpoint {endpoint}, got {item.get('url')!r}",
                        param="url", code="mismatched_url")
+    kind = ENDPOINTS[endpoint]
     try:
-        body = ENDPOINTS[endpoint].body.model_validate(item.get("body"))
+        request = kind.request.model_validate(item.get("body"))
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or "body"
         raise APIError(400, f"body.{param}: {first['msg']}", param=f"body.{param}", code="invalid_body") from None
-    if body.stream:
+    if getattr(request, "stream", False):
         raise APIError(400, "a batch request does not stream", param="body.stream", code="invalid_body")
-    return Line(custom_id, body)
+    return Line(custom_id, request, kind.to_run(request), kind)
 
 
 def plan_line(state: AppState, line: Line, batch_id: str, number: int) -> Plan:
     """The jobs of one line: its ids from the batch's, a lower priority than API requests."""
     body = line.body
     prompts: list[PromptInput]
-    renderer: Renderer
     if isinstance(body, ChatCompletionRequest):
         check_tool_parser(body, state.settings)
-        prompts, renderer = [chat_prompt(body)], ChatRenderer()
+        prompts = [chat_prompt(body)]
     else:
         reject_unsupported(body)
-        prompts, renderer = body.prompts(), CompletionRenderer()
+        prompts = body.prompts()
+    renderer = line.endpoint.renderer()
     model = body.model or state.settings.served_model_name
     return plan(state, body, prompts, renderer, f"{batch_id}-{number}", model, priority_offset=BATCH_PRIORITY)
 

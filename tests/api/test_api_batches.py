@@ -78,6 +78,19 @@ def test_completions_batches_and_the_files_api(served_model: str, oai: openai.Op
         oai.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
 
 
+def test_a_responses_batch(served_model: str, oai: openai.OpenAI, poll: Callable[..., Any]) -> None:
+    body = {"model": served_model, "input": "Say something.", "max_output_tokens": 5, "temperature": 0.0}
+    lines = [{"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": body},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/responses", "body": {**body, "previous_response_id": "x"}}]
+    failed = run_batch(oai, lines, "/v1/responses")  # checked as the endpoint checks it
+    assert [(e.line, e.param) for e in failed.errors.data] == [(2, "previous_response_id")]
+    done = wait_done(oai, run_batch(oai, lines[:1], "/v1/responses").id, poll)
+    response = read_file(oai, done.output_file_id)["r"]["response"]["body"]
+    direct = oai.responses.create(**body)
+    assert response["object"] == "response" and response["id"].startswith("resp_")
+    assert response["output"][0]["content"][0]["text"] == direct.output_text
+
+
 def test_a_file_that_does_not_check_out_fails_the_batch_naming_its_lines(served_model: str, oai: openai.OpenAI) -> None:
     good = chat_line("a", served_model)
     lines = [good, {**good, "url": "/v1/completions"}, good, chat_line("b", served_model, temperature=-1)]
