@@ -5,8 +5,9 @@ object (output items: reasoning, a message, function calls) or as the Responses 
 What is supported: `input` as text or items (messages with text parts, `function_call` and
 `function_call_output` items, so an agent loop can send tool results back), `instructions`,
 `max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool_choice` and
-`parallel_tool_calls`, `text.format` (text, json_object, json_schema), `stream`. Responses are
-not stored: `previous_response_id` and non-function tools are a 400 naming the field.
+`parallel_tool_calls`, `text.format` (text, json_object, json_schema), `stream`, and chat's
+sampling extras (`seed`, `top_k`, `stop`, `ignore_eos`, ...). Responses are not stored:
+`previous_response_id` and non-function tools are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from api.schemas import ChatCompletionRequest
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # other fields are kept: chat's sampling extras (seed, top_k, stop, ignore_eos, ...) pass on
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -64,7 +66,9 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
         _add_item(messages, item, f"input[{i}]")
     if not items:
         raise invalid_param("input", "input must be text or a non-empty list of items")
+    passed_on = set(ChatCompletionRequest.model_fields) - CHAT_ONLY
     body: dict[str, Any] = {
+        **{k: v for k, v in (request.model_extra or {}).items() if k in passed_on},
         "model": request.model, "messages": messages, "max_tokens": request.max_output_tokens,
         "parallel_tool_calls": request.parallel_tool_calls,
         **{k: v for k, v in (("temperature", request.temperature), ("top_p", request.top_p)) if v is not None},
@@ -91,6 +95,11 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
         raise invalid_param(".".join(str(p) for p in first["loc"]), first["msg"]) from None
 
 
+# chat fields a Responses request sets through its own, or that have no meaning here
+CHAT_ONLY = {
+    "messages", "max_tokens", "max_completion_tokens", "tools", "tool_choice", "response_format",
+    "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "prompt_logprobs",
+}
 # chat fields a 400 may name, as a Responses request names them
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 

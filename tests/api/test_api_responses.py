@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from api.settings import Settings
 from producer.sampling_params import SamplingParams
 from worker import LLM
 
@@ -50,6 +51,12 @@ def test_text_in_text_out_whole_and_streamed(served_model: str, oai: openai.Open
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
     assert events[-1].response.output_text == response.output_text
+    # chat's sampling extras pass on: the same seed gives what chat gives
+    seeded = {"temperature": 1.0, "max_output_tokens": 8, "extra_body": {"seed": 3, "ignore_eos": True}}
+    sampled = oai.responses.create(model=served_model, input="Say something.", **seeded)
+    chat = oai.chat.completions.create(model=served_model, messages=MESSAGES, temperature=1.0, max_tokens=8,
+                                       seed=3, extra_body={"ignore_eos": True})
+    assert sampled.output_text == chat.choices[0].message.content and sampled.usage.output_tokens == 8
 
 
 def test_a_function_call_and_its_result_sent_back(served_model: str, oai: openai.OpenAI) -> None:
@@ -77,6 +84,26 @@ def test_a_function_call_and_its_result_sent_back(served_model: str, oai: openai
             {"role": "tool", "tool_call_id": call.call_id, "content": "done"}],
     )
     assert answer.output_text == chat.choices[0].message.content
+
+
+def test_a_reasoning_model_s_thinking_is_a_reasoning_item(
+    served_model: str, live_worker: str, serve_api, tiny_llama_dir: Path
+) -> None:
+    """Under deepseek_r1 the tiny model, which never writes </think>, only thinks."""
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    text = offline.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text
+    request = {"model": served_model, "input": MESSAGES, "max_output_tokens": 10, "temperature": 0.0,
+               "extra_body": {"ignore_eos": True}}
+    with serve_api(Settings(redis_url=live_worker, reasoning_parser="deepseek_r1")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        response = client.responses.create(**request)
+        (item,) = response.output
+        assert item.type == "reasoning" and item.content[0].text == text and response.output_text == ""
+        events = list(client.responses.create(**request, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text
+        assert [e.type for e in events][-2:] == ["response.output_item.done", "response.incomplete"]
+        client.close()
 
 
 def test_a_json_schema_format(served_model: str, oai: openai.OpenAI) -> None:
