@@ -3,11 +3,12 @@ chat completion request, run as one job like any other, and its reply rendered a
 object (output items: reasoning, a message, function calls) or as the Responses stream events.
 
 What is supported: `input` as text or items (messages with text parts, `function_call` and
-`function_call_output` items, so an agent loop can send tool results back), `instructions`,
+`function_call_output` items, so an agent loop can send tool results back), a stored
+response to continue (`previous_response_id`; api.stored_responses), `instructions`,
 `max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool_choice` and
 `parallel_tool_calls`, `text.format` (text, json_object, json_schema), `stream`, and chat's
-sampling extras (`seed`, `top_k`, `stop`, `ignore_eos`, ...). Responses are not stored:
-`previous_response_id` and non-function tools are a 400 naming the field.
+sampling extras (`seed`, `top_k`, `stop`, `ignore_eos`, ...). Non-function tools are a 400
+naming the field.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from api import stored_responses
 from api.deps import AppState
 from api.errors import APIError, invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
@@ -42,7 +44,8 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    previous_response_id: str | None = None
+    previous_response_id: str | None = None  # a stored response this one continues
+    store: bool = True  # keep it (GENQ_FILE_TTL_S) for retrieval and previous_response_id
     metadata: dict[str, str] | None = None
 
 
@@ -56,11 +59,13 @@ class ResponseRenderer(ChatRenderer):
 # Request: Responses -> chat
 
 
-def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that does what `request` asks; APIError naming the field otherwise."""
-    if request.previous_response_id is not None:
-        raise invalid_param("previous_response_id", "responses are not stored: send the whole conversation in input")
+def to_chat(request: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat request that does what `request` asks, after `history` (the conversation of
+    its previous response, as chat messages); APIError naming the field otherwise."""
+    if request.previous_response_id is not None and history is None:
+        raise invalid_param("previous_response_id", "previous_response_id is not supported here: send the whole conversation in input")
     messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    messages += history or []
     items = [{"role": "user", "content": request.input}] if isinstance(request.input, str) else request.input
     for i, item in enumerate(items):
         _add_item(messages, item, f"input[{i}]")
@@ -195,7 +200,8 @@ def _envelope(request: ResponsesRequest, response_id: str, created: int, model: 
         "id": response_id, "object": "response", "created_at": created, "model": model,
         "error": None, "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
         "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
-        "previous_response_id": None, "store": False, "temperature": request.temperature,
+        "previous_response_id": request.previous_response_id, "store": request.store,
+        "temperature": request.temperature,
         "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice or "auto",
         "tools": request.tools or [], "top_p": request.top_p,
     }
@@ -328,8 +334,11 @@ class ResponseEvents:
         return [self.event("error", code=code, message=message, param=None), self.event("response.failed", response=shell)]
 
 
-async def stream(state: AppState, request: ResponsesRequest, req: RelayedRequest) -> AsyncGenerator[str, None]:
-    """The Responses stream: created, the output items as they come, completed (or failed)."""
+async def stream(
+    state: AppState, request: ResponsesRequest, req: RelayedRequest, chat_request: ChatCompletionRequest
+) -> AsyncGenerator[str, None]:
+    """The Responses stream: created, the output items as they come, completed (or failed);
+    the finished response is stored as `finish` stores it."""
     renderer, collector, events = ResponseRenderer(), Collector(req), ResponseEvents(request, req)
     for line in events.start():
         yield line
@@ -341,6 +350,16 @@ async def stream(state: AppState, request: ResponsesRequest, req: RelayedRequest
                 return
             for line in events.delta(chunk["choices"][0]["delta"] if chunk else {}):
                 yield line
-    chat = renderer.response(req, collector.choices, collector.usage())
-    for line in events.end(response_object(request, chat)):
+    final = await finish(state, request, chat_request, renderer.response(req, collector.choices, collector.usage()))
+    for line in events.end(final):
         yield line
+
+
+async def finish(
+    state: AppState, request: ResponsesRequest, chat_request: ChatCompletionRequest, chat: ChatCompletionResponse
+) -> dict[str, Any]:
+    """The response object of a finished chat completion, stored unless `store` is false."""
+    final = response_object(request, chat)
+    if request.store:
+        await stored_responses.save(state, final, chat_request, instructions=bool(request.instructions))
+    return final

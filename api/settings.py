@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     # How chat replies of reasoning models are split into reasoning_content and content
     # (api.reasoning): "deepseek_r1", "qwen3", or "none" (not a reasoning model).
     reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = "none"
-    # The batch API: uploads up to this size, kept this long; each batch keeps at most
+    # The batch API: uploads up to this size, kept this long (stored responses too); each batch keeps at most
     # batch_max_in_flight of its requests in the queue at once (the rest wait in Redis, so
     # interactive requests are not stuck behind a whole batch), checked every batch_poll_s.
     max_file_bytes: int = 100 << 20

@@ -113,7 +113,8 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat
 
-    # The API's files and batches (OpenAI's /v1/files and /v1/batches); workers never read them.
+    # The API's files, batches and stored responses (/v1/files, /v1/batches, /v1/responses);
+    # workers never read them.
 
     @property
     def files(self) -> str:
@@ -141,6 +142,9 @@ class Keys:
 
     def batch_results(self, batch_id: str) -> str:
         return f"{self.prefix}batch:{batch_id}:results"  # hash: line number -> output line
+
+    def stored_response(self, response_id: str) -> str:
+        return f"{self.prefix}response:{response_id}"  # string with TTL: JSON, /v1/responses
 
     def batch_lease(self, batch_id: str) -> str:
         return f"{self.prefix}batch:{batch_id}:lease"  # string with TTL: the API driving it

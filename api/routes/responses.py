@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api import generate, responses_api
+from api import generate, responses_api, stored_responses
 from api.deps import StateDep
 from api.errors import APIError
 from api.responses_api import ResponseRenderer, ResponsesRequest
@@ -19,13 +19,26 @@ router = APIRouter(tags=["openai"])
 async def create_response(body: ResponsesRequest, request: Request, state: StateDep):
     """Input items in, output items out; `stream: true` answers with the Responses events."""
     renderer = ResponseRenderer()
+    previous = body.previous_response_id
+    history = await stored_responses.history(state, previous) if previous is not None else None
     try:
-        chat = responses_api.to_chat(body)
+        chat = responses_api.to_chat(body, history)
         check_tool_parser(chat, state.settings)
         req = await generate.start(state, chat, [chat_prompt(chat)], renderer)
     except APIError as exc:
         raise responses_api.renamed(exc) from None
     if body.stream:
-        return EventStreamResponse(responses_api.stream(state, body, req))
+        return EventStreamResponse(responses_api.stream(state, body, req, chat))
     finished = await unless_disconnected(request, generate.collect(state, req, renderer))
-    return JSONResponse(responses_api.response_object(body, finished))
+    return JSONResponse(await responses_api.finish(state, body, chat, finished))
+
+
+@router.get("/responses/{response_id}")
+async def retrieve_response(response_id: str, state: StateDep) -> JSONResponse:
+    """A stored response (`store` was not false), as it was returned."""
+    return JSONResponse((await stored_responses.load(state, response_id))["response"])
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(response_id: str, state: StateDep) -> JSONResponse:
+    return JSONResponse(await stored_responses.delete(state, response_id))

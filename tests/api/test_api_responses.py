@@ -106,6 +106,31 @@ def test_a_reasoning_model_s_thinking_is_a_reasoning_item(
         client.close()
 
 
+def test_a_stored_response_is_retrieved_and_continued(served_model: str, oai: openai.OpenAI) -> None:
+    """previous_response_id continues the stored conversation: the chat endpoint given the
+    whole conversation says the same (greedy)."""
+    greedy = {"model": served_model, "max_output_tokens": 6, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    first = oai.responses.create(input="Say something.", instructions="Be brief.", **greedy)
+    assert oai.responses.retrieve(first.id).output_text == first.output_text and first.store
+    second = oai.responses.create(input="And then?", previous_response_id=first.id, **greedy)
+    assert second.previous_response_id == first.id
+    chat = oai.chat.completions.create(  # instructions are not carried over, as OpenAI's are not
+        model=served_model, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True}, messages=[
+            *MESSAGES, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And then?"}])
+    assert second.output_text == chat.choices[0].message.content
+    streamed = list(oai.responses.create(input="And then?", previous_response_id=first.id, stream=True, **greedy))
+    assert streamed[-1].response.output_text == second.output_text
+    assert oai.responses.retrieve(streamed[-1].response.id).output_text == second.output_text  # stored too
+    oai.responses.delete(first.id)
+    for call in (lambda: oai.responses.retrieve(first.id),
+                 lambda: oai.responses.create(input="More?", previous_response_id=first.id, **greedy)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    unstored = oai.responses.create(input="Hi", store=False, **greedy)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(unstored.id)
+
+
 def test_a_json_schema_format(served_model: str, oai: openai.OpenAI) -> None:
     schema = SET_COLOUR["parameters"]
     response = oai.responses.create(
@@ -117,7 +142,6 @@ def test_a_json_schema_format(served_model: str, oai: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"previous_response_id": "resp_x"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
     ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
