@@ -20,6 +20,7 @@ import redis
 from api import files
 from api.batches import ACTIVE, BatchObject, Line, parse_line, plan_line, read, save
 from api.deps import AppState
+from api.errors import APIError
 from api.generate import Collector, Plan, job_ids, submit
 from producer.protocol import JobStatus
 
@@ -63,8 +64,14 @@ class BatchRunner:
         keys = self.state.client.keys
         for raw in await self.state.client.redis.smembers(keys.active_batches):
             batch_id = raw.decode()
-            if await self._lease(batch_id):
+            if not await self._lease(batch_id):
+                continue
+            try:
                 await self.advance(batch_id)
+            except redis.RedisError:
+                raise
+            except Exception:  # noqa: BLE001 - one batch's bug must not stall the others
+                log.exception("batch %s: advancing it failed; retrying next tick", batch_id)
 
     async def _lease(self, batch_id: str) -> bool:
         """Take the batch's lease, or renew it if it is ours."""
@@ -106,7 +113,13 @@ class BatchRunner:
         room = self.state.settings.batch_max_in_flight - len(in_flight)
         texts = await redis_.lrange(keys.batch_lines(batch.id), next_line, next_line + room - 1) if room > 0 else []
         for number, text in enumerate(texts, next_line):
-            planned = plan_line(self.state, parse_line(text.decode(), batch.endpoint), batch.id, number)
+            line = parse_line(text.decode(), batch.endpoint)
+            try:
+                planned = plan_line(self.state, line, batch.id, number)
+            except APIError as exc:  # the deployment changed since the batch was checked
+                await self._store(batch, number, False, _refused(line, exc))
+                await redis_.hset(keys.batch(batch.id), "next", number + 1)
+                continue
             member = f"{number}:{len(planned.req.job_ids)}"
             await redis_.sadd(keys.batch_in_flight(batch.id), member)
             await submit(self.state, planned)
@@ -144,14 +157,21 @@ class BatchRunner:
         return line, plan_line(self.state, line, batch.id, number)
 
     async def _record(self, batch: BatchObject, member: str) -> None:
-        client, number = self.state.client, int(member.split(":")[0])
         line, planned = await self._line(batch, member)
         ok, output = await self._output(line, planned, batch)
+        await self._store(batch, int(member.split(":")[0]), ok, output, member)
+
+    async def _store(
+        self, batch: BatchObject, number: int, ok: bool, output: dict[str, Any], member: str | None = None
+    ) -> None:
+        """A line's output, once (HSETNX), counted once; the line leaves the in-flight set."""
+        client = self.state.client
         pipe = client.redis.pipeline(transaction=True)
         pipe.hsetnx(client.keys.batch_results(batch.id), str(number), json.dumps({"ok": ok, "line": output}))
-        pipe.srem(client.keys.batch_in_flight(batch.id), member)
         pipe.expire(client.keys.batch_results(batch.id), self.state.settings.file_ttl_s)
-        first, _, _ = await pipe.execute()
+        if member is not None:
+            pipe.srem(client.keys.batch_in_flight(batch.id), member)
+        first = (await pipe.execute())[0]
         if first:
             await client.redis.hincrby(client.keys.batch(batch.id), "completed" if ok else "failed", 1)
 
@@ -207,6 +227,12 @@ class BatchRunner:
         pipe.srem(client.keys.active_batches, batch.id)
         pipe.delete(client.keys.batch_results(batch.id), client.keys.batch_lines(batch.id), client.keys.batch_lease(batch.id))
         await pipe.execute()
+
+
+def _refused(line: Line, exc: APIError) -> dict[str, Any]:
+    """The output of a line the endpoint refuses now, as its response would be."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
+            "response": {"status_code": exc.status_code, "request_id": None, "body": exc.body()}, "error": None}
 
 
 def _job_ids(batch_id: str, member: str) -> list[str]:

@@ -106,3 +106,25 @@ def test_a_batch_past_its_window_expires_with_what_finished(
         assert set(errors) == {"long-0"} and errors["long-0"]["error"]["code"] == "batch_expired"
         client.close()
     conn.close()
+
+
+def test_a_line_the_deployment_refuses_by_the_time_it_runs_goes_to_the_error_file(
+    served_model: str, live_worker: str, serve_api, poll: Callable[..., Any]
+) -> None:
+    """Checked under GENQ_TOOL_CALL_PARSER=hermes, run where it is `none`: the line with
+    tool_choice "auto" is refused as that endpoint would refuse it; the others run."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    lines = [chat_line("tools", served_model, tools=[tool]), chat_line("plain", served_model)]
+    with serve_api(Settings(redis_url=live_worker, batch_poll_s=3600)) as url:  # checks, does not run
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        batch = run_batch(client, lines)
+        client.close()
+    assert batch.status == "in_progress"
+    with serve_api(Settings(redis_url=live_worker, batch_poll_s=0.05, tool_call_parser="none")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        done = wait_done(client, batch.id, poll)
+        assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+        refused = read_file(client, done.error_file_id)["tools"]["response"]
+        assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "tool_choice"
+        assert set(read_file(client, done.output_file_id)) == {"plain"}
+        client.close()
