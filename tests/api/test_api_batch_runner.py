@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import redis
 from batch_support import chat_line, read_file, run_batch, wait_done
 
@@ -127,4 +128,14 @@ def test_a_line_the_deployment_refuses_by_the_time_it_runs_goes_to_the_error_fil
         refused = read_file(client, done.error_file_id)["tools"]["response"]
         assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "tool_choice"
         assert set(read_file(client, done.output_file_id)) == {"plain"}
+        client.close()
+
+
+def test_an_upload_over_the_limit_is_refused(live_worker: str, serve_api) -> None:
+    with serve_api(Settings(redis_url=live_worker, max_file_bytes=1000)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.files.create(file=("big.jsonl", b"x" * 1001), purpose="batch")
+        assert info.value.status_code == 413 and info.value.body["code"] == "file_too_large"
+        assert client.files.create(file=("ok.jsonl", b"x" * 1000), purpose="batch").bytes == 1000
         client.close()
