@@ -6,9 +6,11 @@ again to decode (`worker.structured_output`). Plain Python, no dependencies.
 
 Supported: `type` (one or a list), `properties` with `required` (keys in the order the schema
 declares them; a property not required may be left out; no others: as OpenAI's strict mode),
-`items`, `minItems`, `maxItems`, `enum`, `const`, `anyOf` (alternatives that begin alike,
-such as objects told apart by a `const` property, are followed together until the text rules
-all but one out; at most 16 at once), `oneOf` whose alternatives begin with different
+`items`, `minItems`, `maxItems`, `enum`, `const`, `anyOf` (objects whose first property is a
+different string `const` in each, as tool calls and tagged unions are, are followed as one
+object until the tag is written; other alternatives that begin alike are followed together
+until the text rules all but one out, at most 16 at once), `oneOf` whose alternatives begin
+with different
 characters (an object and a string, say), local `$ref` into `$defs` /
 `definitions` (recursion included), and an object without `properties` or an absent schema
 as any JSON value. Annotations (`title`, `description`, `default`, ...) are ignored. Anything

@@ -234,7 +234,40 @@ class JsonSchemaGrammar:
         self.nodes = self.graph.nodes
         self.key: Hashable = ("json_schema", json.dumps(schema, sort_keys=True))
         self._keys_at: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
+        # tagged unions: union node -> the object every alternative begins as (its tag
+        # property only), and the tag object's node -> {tag literal: alternative}
+        self._tagged: dict[int, int] = {}
+        self._tags: dict[int, dict[str, int]] = {}
+        for node_id in range(len(self.nodes)):
+            self._add_tagged(node_id)
         self._first_chars = [self.graph.first_chars(i) for i in range(len(self.nodes))]
+
+    def _add_tagged(self, node_id: int) -> None:
+        """A union whose alternatives are objects that all begin with the same required
+        property, each a different constant (`{"name": "f", ...}`, as tool calls and
+        discriminated unions are) is followed as one object until the tag is written, then as
+        the alternative it names: one state where following each would take one per
+        alternative."""
+        node = self.nodes[node_id]
+        alternatives = [self.nodes[a] for a in node.alternatives]
+        if node.kind != "union" or len(alternatives) < 2 or not all(
+            a.kind == "object" and a.properties and a.properties[0][0] in a.required for a in alternatives
+        ):
+            return
+        key = alternatives[0].properties[0][0]
+        tags = [self.nodes[a.properties[0][1]] for a in alternatives]
+        if any(a.properties[0][0] != key for a in alternatives) or not all(
+            t.kind == "literals" and len(t.literals) == 1 for t in tags
+        ):
+            return
+        literals = [t.literals[0] for t in tags]
+        if len(set(literals)) != len(literals) or not all(lit.startswith('"') for lit in literals):
+            return  # strings only: a complete tag is never the start of another
+        self.nodes.append(Node("literals", literals=tuple(literals)))
+        tag_object = Node("object", properties=((key, len(self.nodes) - 1),), required=frozenset({key}))
+        self.nodes.append(tag_object)
+        self._tagged[node_id] = len(self.nodes) - 1
+        self._tags[len(self.nodes) - 1] = dict(zip(literals, node.alternatives, strict=True))
 
     def initial(self) -> Hashable:
         return (((self.graph.root, "start", None),), 0)
@@ -304,6 +337,8 @@ class JsonSchemaGrammar:
         """A value of node `node_id` starting with `char`."""
         node = self.nodes[node_id]
         kind = node.kind
+        if node_id in self._tagged:
+            return ((*rest, (self._tagged[node_id], "open", 0)), 0) if char == "{" else None
         if kind == "union":
             begun: list[SchemaState] = []
             for alternative in node.alternatives:
@@ -346,10 +381,18 @@ class JsonSchemaGrammar:
         longer = text + char
         if any(lit.startswith(longer) for lit in node.literals):
             if longer in node.literals and not any(len(lit) > len(longer) and lit.startswith(longer) for lit in node.literals):
-                return (rest, 0)  # nothing can extend it: complete now
+                return self._done_literal(rest, longer)  # nothing can extend it: complete now
             return ((*rest, (node_id, "lit", longer)), 0)
         # a complete literal that another could have extended (1 of [1, 12]) ends here
         return self._step((rest, 0), char) if text in node.literals else None
+
+    def _done_literal(self, rest: tuple[Frame, ...], literal: str) -> SchemaState:
+        """A literal is complete. If it was a tagged union's tag, the object goes on as the
+        alternative the tag names, after its first property."""
+        if rest and rest[-1][0] in self._tags:
+            alternative = self._tags[rest[-1][0]][literal]
+            return ((*rest[:-1], (alternative, "after", 1)), 0)
+        return (rest, 0)
 
     def _object(self, rest: tuple[Frame, ...], node_id: int, node: Node, phase: str, aux: Any, char: str) -> Step:
         if phase in ("open", "after"):  # aux: index of the next property that may come

@@ -344,6 +344,18 @@ def test_required_with_several_tools_calls_them_with_fitting_arguments(served_mo
     assert len(single.message.tool_calls) == 1 and single.finish_reason == "tool_calls"
 
 
+def test_required_with_many_tools(served_model: str, oai: openai.OpenAI) -> None:
+    """Twenty tools, more than the grammar follows side by side: the calls' tags keep it one
+    state until the name is written."""
+    tools = [{"type": "function", "function": {**SET_COLOUR["function"], "name": f"set_colour_{i}"}} for i in range(20)]
+    choice = oai.chat.completions.create(model=served_model, messages=MESSAGES, tools=tools, tool_choice="required",
+                                         parallel_tool_calls=False, temperature=1.0, seed=2, max_tokens=300).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    for call in choice.message.tool_calls:
+        assert call.function.name in {t["function"]["name"] for t in tools}
+        jsonschema.validate(json.loads(call.function.arguments), SET_COLOUR["function"]["parameters"])
+
+
 def test_tool_choice_none_is_plain_text_and_auto_can_be_turned_off(
     served_model: str, oai: openai.OpenAI, live_worker: str, serve_api
 ) -> None:

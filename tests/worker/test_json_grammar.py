@@ -275,8 +275,25 @@ def test_objects_told_apart_by_a_tag_are_followed_together(text: str, valid: boo
     state = feed(text, grammar)
     assert (state is not None and grammar.is_complete(state)) == valid
     assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == valid
-    assert isinstance(feed('{"x": {"ki', grammar), frozenset)  # both still possible
-    assert not isinstance(feed('{"x": {"kind": "a"', grammar), frozenset)  # the tag decided
+    # one state while the tag is written, however many alternatives: it decides which follows
+    assert not isinstance(feed('{"x": {"ki', grammar), frozenset)
+    assert not isinstance(feed('{"x": {"kind": "a"', grammar), frozenset)
+
+
+def test_a_union_of_many_tagged_objects_is_followed_as_one_object() -> None:
+    """As tool calls are (`{"name": <const>, "arguments": ...}`): past the cap on alternatives
+    followed together, yet exact."""
+    variants = [{"type": "object", "required": ["name", "v"], "properties": {
+        "name": {"const": f"tool_{i}"}, "v": {"type": "integer"} if i % 2 else {"type": "string"}}}
+        for i in range(40)]
+    schema = {"type": "array", "items": {"anyOf": variants}, "minItems": 1}
+    grammar = JsonSchemaGrammar(schema)
+    for text, valid in [('[{"name": "tool_7", "v": 3}, {"name": "tool_12", "v": "x"}]', True),
+                        ('[{"name": "tool_7", "v": "x"}]', False), ('[{"name": "tool_40", "v": 1}]', False),
+                        ('[{"name": "tool_1"}]', False)]:
+        state = feed(text, grammar)
+        assert (state is not None and grammar.is_complete(state)) == valid, text
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == valid
 
 
 def test_alternatives_that_stay_alike_are_capped() -> None:
