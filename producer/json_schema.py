@@ -8,7 +8,8 @@ Supported: `type` (one or a list), `properties` with `required` (keys in the ord
 declares them; a property not required may be left out; no others: as OpenAI's strict mode),
 `items`, `minItems`, `maxItems`, `enum`, `const`, `anyOf` (objects whose first property is a
 different string `const` in each, as tool calls and tagged unions are, are followed as one
-object until the tag is written; other alternatives that begin alike are followed together
+object until the tag is written, beside alternatives such as null that begin otherwise; other
+alternatives that begin alike are followed together
 until the text rules all but one out, at most 16 at once), `oneOf` whose alternatives begin
 with different
 characters (an object and a string, say), local `$ref` into `$defs` /

@@ -243,16 +243,20 @@ class JsonSchemaGrammar:
         self._first_chars = [self.graph.first_chars(i) for i in range(len(self.nodes))]
 
     def _add_tagged(self, node_id: int) -> None:
-        """A union whose alternatives are objects that all begin with the same required
-        property, each a different constant (`{"name": "f", ...}`, as tool calls and
-        discriminated unions are) is followed as one object until the tag is written, then as
-        the alternative it names: one state where following each would take one per
-        alternative."""
+        """A union whose objects all begin with the same required property, each a different
+        string constant (`{"name": "f", ...}`, as tool calls and discriminated unions are;
+        its other alternatives, such as null, begin otherwise) is followed as one object until
+        the tag is written, then as the alternative it names: one state where following each
+        would take one per alternative."""
         node = self.nodes[node_id]
-        alternatives = [self.nodes[a] for a in node.alternatives]
-        if node.kind != "union" or len(alternatives) < 2 or not all(
-            a.kind == "object" and a.properties and a.properties[0][0] in a.required for a in alternatives
-        ):
+        if node.kind != "union":
+            return
+        objects = [a for a in node.alternatives if self.nodes[a].kind == "object"]
+        others = [a for a in node.alternatives if a not in objects]  # null, say: not beginning with {
+        if len(objects) < 2 or any("{" in self.graph.first_chars(a) for a in others):
+            return
+        alternatives = [self.nodes[a] for a in objects]
+        if not all(a.properties and a.properties[0][0] in a.required for a in alternatives):
             return
         key = alternatives[0].properties[0][0]
         tags = [self.nodes[a.properties[0][1]] for a in alternatives]
@@ -267,7 +271,7 @@ class JsonSchemaGrammar:
         tag_object = Node("object", properties=((key, len(self.nodes) - 1),), required=frozenset({key}))
         self.nodes.append(tag_object)
         self._tagged[node_id] = len(self.nodes) - 1
-        self._tags[len(self.nodes) - 1] = dict(zip(literals, node.alternatives, strict=True))
+        self._tags[len(self.nodes) - 1] = dict(zip(literals, objects, strict=True))
 
     def initial(self) -> Hashable:
         return (((self.graph.root, "start", None),), 0)
@@ -337,8 +341,8 @@ class JsonSchemaGrammar:
         """A value of node `node_id` starting with `char`."""
         node = self.nodes[node_id]
         kind = node.kind
-        if node_id in self._tagged:
-            return ((*rest, (self._tagged[node_id], "open", 0)), 0) if char == "{" else None
+        if char == "{" and node_id in self._tagged:
+            return ((*rest, (self._tagged[node_id], "open", 0)), 0)
         if kind == "union":
             begun: list[SchemaState] = []
             for alternative in node.alternatives:
