@@ -225,32 +225,43 @@ def _validate(state: AppState, lines: list[str], endpoint: str, batch_id: str) -
     return errors
 
 
+_FIELDS = ["object", "completed", "failed"]  # what a batch's hash holds for its object
+
+
 async def read(state: AppState, batch_id: str) -> BatchObject:
     """The batch with its live request counts; 404 when there is none."""
-    raw, completed, failed = await state.client.redis.hmget(
-        state.client.keys.batch(batch_id), ["object", "completed", "failed"]
-    )
-    if raw is None:
+    batch = _batch(await state.client.redis.hmget(state.client.keys.batch(batch_id), _FIELDS))
+    if batch is None:
         raise not_found(f"No batch {batch_id!r} (never created, or expired).", "batch_not_found")
+    return batch
+
+
+def _batch(values: list[bytes | None]) -> BatchObject | None:
+    """An HMGET of _FIELDS; None for a batch that is gone."""
+    raw, completed, failed = values
+    if raw is None:
+        return None
     batch = BatchObject.model_validate_json(raw)
     batch.request_counts.completed, batch.request_counts.failed = int(completed or 0), int(failed or 0)
     return batch
 
 
 async def listing(state: AppState, limit: int, after: str | None) -> BatchList:
-    """The newest batches first, from just past `after`."""
-    ids = [i.decode() for i in await state.client.redis.zrevrange(state.client.keys.batches, 0, -1)]
+    """The newest batches first, from just past `after`, in one round trip."""
+    client = state.client
+    ids = [i.decode() for i in await client.redis.zrevrange(client.keys.batches, 0, -1)]
     if after in ids:
         ids = ids[ids.index(after) + 1:]
-    found: list[BatchObject] = []
+    ids = ids[: limit + 1]
+    pipe = client.redis.pipeline(transaction=False)
     for batch_id in ids:
-        try:
-            found.append(await read(state, batch_id))
-        except APIError:  # expired
-            await state.client.redis.zrem(state.client.keys.batches, batch_id)
-        if len(found) > limit:
-            break
-    return BatchList(data=found[:limit], has_more=len(found) > limit)
+        pipe.hmget(client.keys.batch(batch_id), _FIELDS)
+    batches = [_batch(values) for values in await pipe.execute()]
+    gone = [batch_id for batch_id, batch in zip(ids, batches, strict=True) if batch is None]
+    if gone:  # expired: forget them (the page may come out short; `after` still pages on)
+        await client.redis.zrem(client.keys.batches, *gone)
+    found = [b for b in batches if b is not None]
+    return BatchList(data=found[:limit], has_more=len(ids) > limit)
 
 
 async def cancel(state: AppState, batch_id: str) -> BatchObject:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from api.errors import APIError, not_found
+from api.errors import not_found
 from producer.async_client import AsyncClient
 
 PURPOSES = ("batch", "batch_output")
@@ -58,13 +58,24 @@ async def store(
     return meta
 
 
+_META = [f for f in FileObject.model_fields if f != "object"]  # the hash fields besides content
+PAGE = 100  # files read per round trip when listing
+
+
 async def read(client: AsyncClient, file_id: str) -> FileObject:
     """The file's metadata; 404 when there is none."""
-    names = [f for f in FileObject.model_fields if f != "object"]
-    values = await client.redis.hmget(client.keys.file(file_id), names)
-    if values[0] is None:
+    meta = _meta(await client.redis.hmget(client.keys.file(file_id), _META))
+    if meta is None:
         raise file_not_found(file_id)
-    return FileObject(**{n: v.decode() for n, v in zip(names, values, strict=True) if v is not None})
+    return meta
+
+
+def _meta(values: list[bytes | None]) -> FileObject | None:
+    """An HMGET of _META; None for a file that is gone."""
+    if values[0] is None:
+        return None
+    fields: dict[str, Any] = {n: v.decode() for n, v in zip(_META, values, strict=True) if v is not None}
+    return FileObject(**fields)
 
 
 async def content(client: AsyncClient, file_id: str) -> bytes:
@@ -85,22 +96,28 @@ async def delete(client: AsyncClient, file_id: str) -> FileDeleted:
 
 
 async def listing(client: AsyncClient, purpose: str | None, limit: int, after: str | None) -> FileList:
-    """The newest files first, from just past `after`; ids whose file expired are dropped
-    from the index."""
+    """The newest files first, from just past `after`, read PAGE at a time; ids whose file
+    expired are dropped from the index."""
     ids = [i.decode() for i in await client.redis.zrevrange(client.keys.files, 0, -1)]
     if after in ids:
         ids = ids[ids.index(after) + 1:]
     found: list[FileObject] = []
-    for file_id in ids:
-        try:
-            meta = await read(client, file_id)
-        except APIError:  # expired: forget it
-            await client.redis.zrem(client.keys.files, file_id)
-            continue
-        if purpose is None or meta.purpose == purpose:
-            found.append(meta)
-            if len(found) > limit:
-                break
+    gone: list[str] = []
+    for start in range(0, len(ids), PAGE):
+        page = ids[start : start + PAGE]
+        pipe = client.redis.pipeline(transaction=False)
+        for file_id in page:
+            pipe.hmget(client.keys.file(file_id), _META)
+        for file_id, values in zip(page, await pipe.execute(), strict=True):
+            meta = _meta(values)
+            if meta is None:
+                gone.append(file_id)
+            elif purpose is None or meta.purpose == purpose:
+                found.append(meta)
+        if len(found) > limit:
+            break
+    if gone:
+        await client.redis.zrem(client.keys.files, *gone)
     return FileList(data=found[:limit], has_more=len(found) > limit)
 
 
