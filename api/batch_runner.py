@@ -198,6 +198,10 @@ class BatchRunner:
         return True, {**entry, "response": {"status_code": 200, "request_id": req.id, "body": body}, "error": None}
 
     async def _cancel_jobs(self, batch_id: str, in_flight: set[str]) -> None:
+        """Once per batch: a cancel flag lasts, and a line submitted again later has the same
+        job ids, so its intake finds the flag too."""
+        if not await self.state.client.redis.hsetnx(self.state.client.keys.batch(batch_id), "cancel_sent", 1):
+            return
         for member in in_flight:
             for job_id in _job_ids(batch_id, member):
                 await self.state.client.cancel(job_id)
