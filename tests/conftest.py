@@ -112,3 +112,29 @@ def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), default_model_dir)
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_lora_adapter(model_dir: Path, out_dir: Path, seed: int, **lora_config) -> Path:
+    """A PEFT LoRA adapter for `model_dir` with random (not zero) B matrices, as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_config)).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
+    """Two adapters of the tiny llama: `all` on every projection (rank 8), `qv` on q and v
+    only (rank 4, rsLoRA scaling, a per-module alpha)."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "all": build_lora_adapter(tiny_llama_dir, root / "all", 1, r=8, lora_alpha=16, target_modules=ALL_TARGETS),
+        "qv": build_lora_adapter(tiny_llama_dir, root / "qv", 2, r=4, lora_alpha=8, use_rslora=True,
+                                 target_modules=["q_proj", "v_proj"], alpha_pattern={"v_proj": 2}),
+    }

@@ -151,5 +151,6 @@ class BlockManager:
     def _hash_full_blocks(self, request: Request) -> None:
         bs = self.block_size
         for i in range(len(request.block_hashes), request.num_tokens // bs):
-            parent = request.block_hashes[i - 1] if i else None
+            # the first block's parent names the adapter: its KV differs from the base model's
+            parent = request.block_hashes[i - 1] if i else ("lora", request.lora_id) if request.lora_id else None
             request.block_hashes.append(hash((parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))))

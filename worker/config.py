@@ -28,6 +28,9 @@ class EngineConfig:
     # auto: the checkpoint's safetensors | dummy: seeded random weights of the config's shape,
     # for benchmarks where the weights cannot travel (vLLM's load_format="dummy")
     load_format: str = "auto"
+    enable_lora: bool = False  # serve LoRA adapters (requests name one with a LoRARequest)
+    max_loras: int = 1  # distinct adapters in one batch: the slots beside the weights
+    max_lora_rank: int = 16  # the largest adapter rank the slots hold
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -38,7 +41,7 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
@@ -60,3 +63,4 @@ class SchedulerConfig:
     max_model_len: int
     policy: str = "fcfs"
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    max_loras: int = 0  # distinct adapters running at once (0: LoRA is off)

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 from producer.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig, SchedulerConfig
+from worker.lora import LoRARequest
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.output_processor import OutputProcessor
@@ -54,6 +55,7 @@ class Engine:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
             eos_token_ids=frozenset(self.eos_token_ids),
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager)
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels)
@@ -73,20 +75,25 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         resume_output_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError for a bad prompt or parameters, leaving the
-        engine as it was. `resume_output_token_ids` continues a job from tokens it had
-        already emitted: they count towards max_tokens and are not reported again."""
+        """Queue a request. Raises ValueError for a bad prompt, parameters or adapter, leaving
+        the engine as it was. `resume_output_token_ids` continues a job from tokens it had
+        already emitted: they count towards max_tokens and are not reported again.
+        `lora_request` runs it with that adapter, read on first use."""
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, prompt_ids = self.check_prompt(prompt)
         self.check_params(params)
+        lora_id = self.add_lora(lora_request) if lora_request is not None else 0
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         children = [
             self._make_child(request_id, i, prompt_ids, params, priority, arrival_time, resume_output_token_ids)
             for i in range(params.n)
         ]
+        for child in children:
+            child.lora_id = lora_id
         self.output_processor.add_request(request_id, text, children)
         self.scheduler.add_request(children[0], forks=children[1:])
 
@@ -118,6 +125,15 @@ class Engine:
         if num_drawn and not params.greedy:
             torch.empty(num_drawn, self.model_config.vocab_size).exponential_(generator=generator)
         return generator
+
+    def add_lora(self, lora_request: LoRARequest) -> int:
+        """Read an adapter (once per id) so requests can run with it; returns its id.
+        ValueError when LoRA is off or the adapter does not fit this model."""
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is not enabled "
+                             "(start the engine with enable_lora=True)")
+        self.runner.lora.add(lora_request)
+        return lora_request.lora_int_id
 
     def check_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """The prompt's text (if any) and token ids; ValueError naming what is wrong with it."""

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from tqdm.auto import tqdm
 
 from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine, PromptInput
+from worker.lora import LoRARequest
 from worker.outputs import CompletionOutput, RequestOutput
+
+T = TypeVar("T")
 
 
 class LLM:
@@ -28,25 +31,31 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order.
+        """Generate for every prompt; outputs come back in input order. `lora_request` runs
+        them with an adapter (one for all, or one per prompt; None: the base model).
 
         Every prompt is checked before any is queued, so a bad one raises ValueError (naming
         its index and what was wrong) and leaves the engine untouched."""
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        loras = _as_per_prompt(lora_request, len(prompt_list), "lora requests")
         checked = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
+        for i, (prompt, p, lora) in enumerate(zip(prompt_list, params, loras, strict=True)):
             try:
                 text, token_ids = self.engine.check_prompt(prompt)
                 self.engine.check_params(p)
+                if lora is not None:
+                    self.engine.add_lora(lora)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             checked.append({"prompt": text, "prompt_token_ids": token_ids})  # tokenized once
         ids = []
-        for i, (prompt, p) in enumerate(zip(checked, params, strict=True)):
+        for i, (prompt, p, lora) in enumerate(zip(checked, params, loras, strict=True)):
             request_id = str(next(self._counter))
-            self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+            self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0,
+                                    lora_request=lora)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 
@@ -59,6 +68,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them (with the
         tool definitions and template variables, if any), then generate. As in vLLM,
@@ -75,7 +85,7 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -127,8 +137,13 @@ def _as_prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInpu
 def _as_params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(n)]
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
-    return list(params)
+    return _as_per_prompt(params, n, "sampling params")
+
+
+def _as_per_prompt(value: T | list[T], n: int, what: str) -> list[T]:
+    """One value for every prompt, or a list of one per prompt."""
+    if not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"got {len(value)} {what} for {n} prompts")
+    return list(value)

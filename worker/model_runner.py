@@ -18,6 +18,7 @@ import torch
 
 from worker.attention import make_attention_backend, pad_tables, resolve_attention_backend
 from worker.config import EngineConfig
+from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM, RotaryEmbedding
@@ -74,6 +75,10 @@ class ModelRunner:
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
         self.model = self._load_model(model_path, use_kernels=backend == "triton")
+        self.lora = (
+            LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+            if config.enable_lora else None
+        )
         if backend == "torch" and can_pack(self.device, self.dtype):
             # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
             pack_linears(self.model, batch_hint=config.max_num_seqs)
@@ -148,11 +153,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         batch = _order_decodes_first(out.scheduled)
-        if self.graphs is not None and self.graphs.can_run(batch):
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.mapping([s.lora_id for s in batch], [len(s.token_ids) for s in batch])
+        if self.graphs is not None and lora is None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)  # [B, hidden]
-        else:
+        else:  # eager: prefills, and steps with adapters (the graphs hold the base model only)
             input_ids, positions, meta = self._prepare(batch)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)  # [T, hidden]
         ends = torch.tensor(_row_ends(batch), dtype=torch.long, device=self.device)
         samplers = [i for i, s in enumerate(batch) if s.sample]
         logits = self.model.compute_logits(hidden[ends[samplers] - 1])  # [num_samplers, vocab]

@@ -55,6 +55,7 @@ class Request:
     # Chained hashes of this request's full blocks, extended as tokens are added.
     block_hashes: list[int] = field(default_factory=list)
     max_tokens: int = 0  # resolved limit on len(output_token_ids)
+    lora_id: int = 0  # the adapter it runs with (LoRARequest.lora_int_id); 0: the base model
 
     @property
     def all_token_ids(self) -> list[int]:

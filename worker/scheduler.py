@@ -25,6 +25,7 @@ class ScheduledRequest:
     block_table: list[int]
     sample: bool  # the step reaches the end of the known tokens, so a token is sampled
     prompt_logprobs: bool = False  # the request wants logprobs for the prompt tokens computed here
+    lora_id: int = 0  # the adapter its rows run with; 0: none
 
 
 @dataclass
@@ -127,8 +128,13 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self._sort_waiting()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        adapters = {r.lora_id for r in self.running if r.lora_id}
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            if self._lacks_adapter_slot(request, adapters):
+                i += 1  # later requests may run with an adapter that is running already
+                continue
             # A forked request already holds its shared prompt blocks; others look up the cache.
             forked = request.num_computed_tokens > 0
             computed = [] if forked else self.block_manager.get_computed_blocks(request)
@@ -136,7 +142,9 @@ class Scheduler:
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if request.lora_id:
+                adapters.add(request.lora_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_preemptions == 0:
@@ -145,6 +153,10 @@ class Scheduler:
             self._emit(out, request, num_new)
             budget -= num_new
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+
+    def _lacks_adapter_slot(self, request: Request, adapters: set[int]) -> bool:
+        """Its adapter is not running and every slot is: it waits, without holding others up."""
+        return bool(request.lora_id) and request.lora_id not in adapters and len(adapters) >= self.config.max_loras
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
@@ -157,6 +169,7 @@ class Scheduler:
                 sample=start + num_new == request.num_tokens,
                 prompt_logprobs=request.sampling_params.prompt_logprobs is not None
                 and start < request.num_prompt_tokens,
+                lora_id=request.lora_id,
             )
         )
 

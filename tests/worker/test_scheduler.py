@@ -195,3 +195,42 @@ def test_fork_shares_prompt_blocks_by_reference():
     shared = bm.block_table("p#0")[:2]
     assert bm.block_table("p#1")[:2] == shared and bm.block_table("p#2")[:2] == shared
     assert all(bm.ref_cnt[b] == 3 for b in shared)
+
+
+def make_lora_request(rid, prompt, lora_id, arrival=0.0, max_tokens=8):
+    r = make_request(rid, prompt, max_tokens=max_tokens, arrival=arrival)
+    r.lora_id = lora_id
+    return r
+
+
+def test_adapters_running_at_once_are_capped_by_max_loras():
+    bm = BlockManager(32, BS, True)
+    sched = Scheduler(SchedulerConfig(8, 64, 256, "fcfs", frozenset({2}), max_loras=1), bm)
+    for i, lora_id in enumerate([1, 2, 1, 0, 2]):
+        sched.add_request(make_lora_request(f"r{i}", range(10, 14), lora_id, arrival=float(i), max_tokens=2))
+    out, _ = step(sched)
+    # adapter 2 waits for the only slot; requests behind it with adapter 1 or none go ahead
+    assert [(s.request_id, s.lora_id) for s in out.scheduled] == [("r0", 1), ("r2", 1), ("r3", 0)]
+    seen = [out]
+    while sched.has_unfinished_requests():
+        seen.append(step(sched)[0])
+        running = {r.lora_id for r in sched.running if r.lora_id}
+        assert len(running) <= 1
+    assert {s.request_id for out in seen for s in out.scheduled} == {f"r{i}" for i in range(5)}
+    assert [s.request_id for s in seen[2].scheduled] == ["r1", "r4"]  # once adapter 1 finished
+
+
+def test_prefix_cache_keeps_adapters_apart():
+    sched = Scheduler(SchedulerConfig(8, 64, 256, "fcfs", frozenset({2}), max_loras=2), BlockManager(32, BS, True))
+    shared = list(range(50, 62))  # 3 full blocks
+    sched.add_request(make_lora_request("base", shared + [1], 0))
+    step(sched)
+    # the same tokens under an adapter have other KV: no hit, until the adapter computed them
+    sched.add_request(make_lora_request("a1", shared + [2], 1))
+    out, _ = step(sched)
+    assert [(s.request_id, s.start_pos) for s in out.scheduled if s.request_id == "a1"] == [("a1", 0)]
+    sched.add_request(make_lora_request("a1-again", shared + [3], 1))
+    sched.add_request(make_lora_request("a2", shared + [4], 2))
+    step(sched)
+    assert sched.requests["a1-again"].num_cached_tokens == 12
+    assert sched.requests["a2"].num_cached_tokens == 0

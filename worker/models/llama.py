@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from worker.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from worker.lora import LoRAMapping, LoRASlots
 
 
 class RMSNorm(nn.Module):
@@ -123,6 +126,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.head_dim**-0.5
+        self.qkv_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
+        self.o_lora: LoRASlots | None = None
 
     def forward(
         self,
@@ -130,15 +135,21 @@ class Attention(nn.Module):
         rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: Any,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.add(qkv, x, self.qkv_lora)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotated in one pass: [T, num_heads + num_kv_heads, D]
         qk = rope(qk.view(num_tokens, -1, self.head_dim), self.num_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        o = meta.forward(q, k, v, kv_cache, self.scale)
-        return self.o_proj(o.view(num_tokens, self.q_size))
+        o = meta.forward(q, k, v, kv_cache, self.scale).view(num_tokens, self.q_size)
+        if lora is None:
+            return self.o_proj(o)
+        return lora.add(self.o_proj(o), o, self.o_lora)
 
 
 class MLP(nn.Module):
@@ -147,11 +158,19 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
+        self.down_lora: LoRASlots | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:  # [T, hidden]
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add(gate_up, x, self.gate_up_lora)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # in place on the projection's own output: no extra [T, intermediate] buffers
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        h = F.silu(gate, inplace=True).mul_(up)
+        if lora is None:
+            return self.down_proj(h)
+        return lora.add(self.down_proj(h), h, self.down_lora)
 
 
 class DecoderLayer(nn.Module):
@@ -162,16 +181,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
 
-    def forward(self, x, residual, rope, kv_cache, meta):  # x, residual: [T, hidden]
+    def forward(self, x, residual, rope, kv_cache, meta, lora=None):  # x, residual: [T, hidden]
         """The residual stream is carried beside x and added in by the next norm, so a
         kernel can fuse each add with the norm after it; residual is None at the first layer."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, meta)
+        x = self.self_attn(x, rope, kv_cache, meta, lora)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -197,12 +216,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: Any,
+        lora: LoRAMapping | None = None,  # the rows' adapters, if any request has one
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         rope = self.rotary.for_step(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+            x, residual = layer(x, residual, rope, kv_cache, meta, lora)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

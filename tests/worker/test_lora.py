@@ -1,0 +1,155 @@
+"""LoRA adapters against PEFT on the same weights: greedy tokens must be identical in float32,
+whichever adapters (or none) share a batch, and whatever the slots and the prefix cache do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from producer.sampling_params import SamplingParams
+from worker import LLM
+from worker.lora import LoRARequest
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "In a distant galaxy, far beyond the reach of any telescope, there lived " * 3,
+    "def fibonacci(n):\n    ",
+]
+NEW_TOKENS = 12
+
+
+def peft_greedy(model_dir, adapter_dir, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """PEFT's greedy tokens with the adapter (or the base model's, for None), ignoring EOS."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model = model.eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            gen = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def greedy():
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir, tiny_llama_adapters, default_model_dir):
+    """PEFT's tokens per adapter name (None: the base model), per prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    ids = [tok.encode(p) for p in PROMPTS]
+    refs = {name: peft_greedy(tiny_llama_dir, path, ids) for name, path in tiny_llama_adapters.items()}
+    refs[None] = peft_greedy(tiny_llama_dir, None, ids)
+    assert refs["all"] != refs[None] and refs["qv"] != refs[None] and refs["all"] != refs["qv"]
+    return refs
+
+
+def lora_requests(adapters):
+    return {None: None, "all": LoRARequest("all", 1, str(adapters["all"])),
+            "qv": LoRARequest("qv", 2, str(adapters["qv"]))}
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_mixed_batch_matches_peft(tiny_llama_dir, tiny_llama_adapters, expected, max_loras):
+    """Every prompt under the base model and both adapters, all queued at once: with two
+    slots they share steps; with one, the adapters take turns (each step runs at most one)."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=256, enable_lora=True,
+              max_loras=max_loras, max_lora_rank=8)
+    requests = lora_requests(tiny_llama_adapters)
+    names = [name for name in ("all", None, "qv") for _ in PROMPTS]
+    engine = llm.engine
+    for i, name in enumerate(names):
+        engine.add_request(str(i), PROMPTS[i % len(PROMPTS)], greedy(), lora_request=requests[name])
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(names))}
+    adapters_per_step = []
+    while engine.has_unfinished_requests():
+        adapters_per_step.append({r.lora_id for r in engine.scheduler.running if r.lora_id})
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+        adapters_per_step[-1] |= {r.lora_id for r in engine.scheduler.running if r.lora_id}
+    for i, name in enumerate(names):
+        assert tokens[str(i)] == expected[name][i % len(PROMPTS)], (name, PROMPTS[i % len(PROMPTS)][:20])
+    assert max(len(step) for step in adapters_per_step) == max_loras
+
+
+def test_prefix_cache_is_per_adapter(tiny_llama_dir, tiny_llama_adapters, expected):
+    """The same prompt under the base model, then each adapter, then an adapter again: only a
+    run of the same adapter reuses blocks, and every output stays the oracle's."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=256, enable_lora=True, max_loras=2)
+    requests = lora_requests(tiny_llama_adapters)
+    prompt = PROMPTS[2]  # several full blocks
+    for name, cached in ((None, False), ("all", False), ("qv", False), ("all", True), (None, True)):
+        out = llm.generate(prompt, greedy(), use_tqdm=False, lora_request=requests[name])[0]
+        assert out.outputs[0].token_ids == expected[name][2], name
+        assert (out.num_cached_tokens > 0) == cached, name
+
+
+def test_slots_are_reused_when_more_adapters_than_slots(tiny_llama_dir, tiny_llama_adapters, expected):
+    """Three adapter ids over one slot: each is loaded back in when its turn comes."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=256, enable_lora=True, max_loras=1)
+    all_again = LoRARequest("all-again", 3, str(tiny_llama_adapters["all"]))
+    requests = lora_requests(tiny_llama_adapters)
+    for lora, name in ((requests["all"], "all"), (requests["qv"], "qv"), (all_again, "all"), (requests["qv"], "qv")):
+        out = llm.generate(PROMPTS[0], greedy(), use_tqdm=False, lora_request=lora)[0]
+        assert out.outputs[0].token_ids == expected[name][0], lora.lora_name
+
+
+def test_triton_path_runs_adapters_eagerly(tiny_llama_dir, tiny_llama_adapters, expected):
+    """The kernel path replays decodes from graphs of the base model: steps with an adapter
+    run eagerly, steps without one still use the graphs."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True,
+              attention_backend="triton", max_num_seqs=4)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    requests = lora_requests(tiny_llama_adapters)
+    out = llm.generate(PROMPTS[0], greedy(), use_tqdm=False, lora_request=requests["all"])[0]
+    assert out.outputs[0].token_ids == expected["all"][0]
+    assert sum(graphs.num_steps.values()) == 0
+    out = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[None][0]
+    assert sum(graphs.num_steps.values()) == NEW_TOKENS - 1
+
+
+def test_bad_adapters_are_refused_by_name(tiny_llama_dir, tiny_llama_adapters, tmp_path):
+    adapter = tiny_llama_adapters["all"]
+    plain = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    with pytest.raises(ValueError, match="prompt 0: .*LoRA is not enabled"):
+        plain.generate("hi", greedy(), use_tqdm=False, lora_request=LoRARequest("all", 1, str(adapter)))
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=4)
+    with pytest.raises(ValueError, match="rank 8 .* over max_lora_rank=4"):
+        llm.generate("hi", greedy(), use_tqdm=False, lora_request=LoRARequest("all", 1, str(adapter)))
+    with pytest.raises(ValueError, match="not a PEFT adapter directory"):
+        llm.generate("hi", greedy(), use_tqdm=False, lora_request=LoRARequest("none", 1, str(tmp_path)))
+    dora = shutil.copytree(tiny_llama_adapters["qv"], tmp_path / "dora")
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA adapters are not supported"):
+        llm.generate("hi", greedy(), use_tqdm=False, lora_request=LoRARequest("dora", 1, str(dora)))
+    llm.generate("hi", greedy(), use_tqdm=False, lora_request=LoRARequest("qv", 2, str(tiny_llama_adapters["qv"])))
+    with pytest.raises(ValueError, match="lora_int_id 2 is already adapter 'qv'"):
+        llm.generate("hi", greedy(), use_tqdm=False, lora_request=LoRARequest("all", 2, str(adapter)))
+    with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
+        LoRARequest("zero", 0, str(adapter))
+    assert not llm.engine.has_unfinished_requests()  # nothing refused was queued
+
+
+def test_adapter_of_another_shape_is_refused(tiny_llama_adapters, tmp_path, default_model_dir):
+    """An adapter trained for another model says which shapes it has and which it needs."""
+    from tests.conftest import build_tiny_model
+
+    other = build_tiny_model("mistral", tmp_path / "mistral", default_model_dir)  # 4 kv heads, not 2
+    llm = LLM(str(other), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"k_proj pair has shapes .* B \[64, rank\]"):
+        llm.generate("hi", greedy(), use_tqdm=False, lora_request=LoRARequest("all", 1, str(tiny_llama_adapters["all"])))

@@ -1,0 +1,268 @@
+"""LoRA adapters served beside the base model: many adapters, one batch.
+
+An adapter is a PEFT directory (`adapter_config.json` and `adapter_model.safetensors`) whose
+low-rank pairs add `(x @ A.T @ B.T) * scale` to the output of a projection. Adapters are read
+once into CPU memory (`LoRAManager.add`); `max_loras` of them at a time sit in slots beside
+the model's weights, and a step's rows are grouped by slot so every request gets its own
+adapter (or none) within one forward pass. The scheduler admits no more distinct adapters
+than there are slots.
+
+Per fused projection (q/k/v, o, gate/up, down) a slot holds A as `[in, num_shards * R]` and
+B as `[num_shards * R, out]`, R being `max_lora_rank`: each shard's pair sits in its own
+rank-R band (zero-padded past the adapter's rank) and B's band covers only that shard's
+output columns, so one pair of matmuls serves q, k and v (or gate and up) together. A
+projection the adapter does not target stays zero and adds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker.models.config import ModelConfig
+from worker.models.llama import LlamaForCausalLM
+
+# PEFT's module name -> (our fused projection, the shard's index in it)
+TARGETS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# adapter_config.json settings that change what an adapter computes beyond plain LoRA
+_REFUSED = {
+    "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out", "modules_to_save": "modules_to_save",
+    "layer_replication": "layer_replication", "trainable_token_indices": "trainable_token_indices",
+    "use_qalora": "QA-LoRA", "alora_invocation_tokens": "aLoRA", "lora_bias": "lora_bias",
+}
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """Which adapter a request runs with, as vLLM names it: `lora_int_id` (>= 1) is the
+    adapter's identity in the engine; the same id must always mean the same path."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+
+
+@dataclass
+class LoRAAdapter:
+    request: LoRARequest
+    rank: int  # the largest rank of its pairs
+    # (layer index, fused projection) -> per shard, (A [rank, in], B [out, rank] * scale) or None
+    pairs: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=dict)
+
+
+def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read a PEFT LoRA directory for this model; ValueError naming what does not fit."""
+    path = Path(request.lora_path).expanduser()
+    where = f"LoRA adapter {request.lora_name!r} ({path})"
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise ValueError(f"{where}: not a PEFT adapter directory (adapter_config.json and "
+                         "adapter_model.safetensors are needed)")
+    config = json.loads(config_file.read_text())
+    _check_config(config, where)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(weights_file))
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.fullmatch(key)
+        if match is None or match.group(2) not in TARGETS:
+            raise ValueError(f"{where}: tensor {key!r} is not a LoRA pair of a projection genq applies "
+                             f"adapters to ({', '.join(TARGETS)})")
+        layer = int(match.group(1))
+        if layer >= cfg.num_hidden_layers:
+            raise ValueError(f"{where}: tensor {key!r} names layer {layer}, but the model has "
+                             f"{cfg.num_hidden_layers}")
+        halves.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
+    adapter = LoRAAdapter(request, rank=0)
+    for (layer, module), pair in sorted(halves.items()):
+        a, b = _check_pair(pair, layer, module, cfg, max_rank, where)
+        scale = _scale(config, f"model.layers.{layer}.{module}", a.shape[0])
+        fused, shard = TARGETS[module]
+        shards = adapter.pairs.setdefault((layer, fused), [None] * len(_shard_sizes(fused, cfg)))
+        shards[shard] = (a.float(), b.float() * scale)
+        adapter.rank = max(adapter.rank, a.shape[0])
+    if not adapter.pairs:
+        raise ValueError(f"{where}: the adapter holds no LoRA weights")
+    return adapter
+
+
+def _check_config(config: dict, where: str) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type is {config.get('peft_type')!r}; only LORA adapters are served")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{where}: bias={config['bias']!r} is not supported (trained biases); only 'none'")
+    for key, what in _REFUSED.items():
+        if config.get(key):
+            raise ValueError(f"{where}: {what} adapters are not supported ({key}={config[key]!r})")
+
+
+def _check_pair(pair: dict[str, torch.Tensor], layer: int, module: str, cfg: ModelConfig,
+                max_rank: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    name = f"layer {layer} {module}"
+    if set(pair) != {"A", "B"}:
+        raise ValueError(f"{where}: {name} has lora_{''.join(pair)} without its other half")
+    a, b = pair["A"], pair["B"]  # [rank, in], [out, rank]
+    fused, shard = TARGETS[module]
+    in_features = _in_features(fused, cfg)
+    out_features = _shard_sizes(fused, cfg)[shard]
+    rank = a.shape[0]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or tuple(b.shape) != (out_features, rank):
+        raise ValueError(f"{where}: {name} pair has shapes A {tuple(a.shape)} and B {tuple(b.shape)}; this "
+                         f"model needs A [rank, {in_features}] and B [{out_features}, rank]")
+    if rank > max_rank:
+        raise ValueError(f"{where}: rank {rank} ({name}) is over max_lora_rank={max_rank}; "
+                         "start the engine with a larger max_lora_rank")
+    return a, b
+
+
+def _scale(config: dict, module_name: str, rank: int) -> float:
+    """PEFT's scaling: lora_alpha (or the alpha_pattern entry matching the module) over the
+    rank, or over its square root for rsLoRA."""
+    alpha = config.get("lora_alpha", 8)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?(?:{pattern})", module_name):
+            alpha = value
+            break
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def _in_features(fused: str, cfg: ModelConfig) -> int:
+    return {"o_proj": cfg.num_attention_heads * cfg.head_dim,
+            "down_proj": cfg.intermediate_size}.get(fused, cfg.hidden_size)
+
+
+def _shard_sizes(fused: str, cfg: ModelConfig) -> list[int]:
+    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {"qkv_proj": [q_size, kv_size, kv_size], "o_proj": [cfg.hidden_size],
+            "gate_up_proj": [cfg.intermediate_size] * 2, "down_proj": [cfg.hidden_size]}[fused]
+
+
+class LoRASlots(nn.Module):
+    """One fused projection's adapter weights, `max_loras` slots of them."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.shard_sizes = shard_sizes
+        self.max_rank = max_rank
+        width = len(shard_sizes) * max_rank
+        self.a = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)  # [slots, in, k*R]
+        self.b = torch.zeros(max_loras, width, sum(shard_sizes), dtype=dtype, device=device)  # [slots, k*R, out]
+
+    def load(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None] | None) -> None:
+        """Put an adapter's pairs for this projection in `slot`; None (untargeted) zeroes it."""
+        a, b = torch.zeros_like(self.a[slot], device="cpu"), torch.zeros_like(self.b[slot], device="cpu")
+        offset = 0
+        for i, size in enumerate(self.shard_sizes):
+            pair = shards[i] if shards else None
+            if pair is not None:
+                rank, band = pair[0].shape[0], i * self.max_rank
+                a[:, band : band + rank] = pair[0].T
+                b[band : band + rank, offset : offset + size] = pair[1].T
+            offset += size
+        self.a[slot].copy_(a)
+        self.b[slot].copy_(b)
+
+
+@dataclass
+class LoRAMapping:
+    """Which rows of one step run which slot: `(slot, rows)` with rows None for all of them.
+    Rows without an adapter appear in no group."""
+
+    groups: list[tuple[int, torch.Tensor | None]]
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots | None) -> torch.Tensor:
+        """y += each row's adapter delta, in place; y: [T, out], x: [T, in]."""
+        assert slots is not None, "a model runs a LoRA mapping only once its slots are attached"
+        for slot, rows in self.groups:
+            if rows is None:
+                y.addmm_(x @ slots.a[slot], slots.b[slot])
+            else:
+                y.index_add_(0, rows, (x[rows] @ slots.a[slot]) @ slots.b[slot])
+        return y
+
+
+class LoRAManager:
+    """Adapters read into CPU memory by id, and the `max_loras` slots they take turns in."""
+
+    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.cfg = cfg
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.device = device
+        self.adapters: dict[int, LoRAAdapter] = {}
+        self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recent first
+        self.slots: dict[tuple[int, str], LoRASlots] = {}
+        for i, layer in enumerate(model.layers):
+            for owner, fused in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+                slots = LoRASlots(_in_features(fused, cfg), _shard_sizes(fused, cfg), max_loras, max_rank, dtype, device)
+                setattr(owner, fused.removesuffix("_proj") + "_lora", slots)
+                self.slots[(i, fused)] = slots
+
+    def add(self, request: LoRARequest) -> None:
+        """Read the adapter if its id is new; ValueError if it cannot serve this model, or if
+        the id already stands for another adapter."""
+        known = self.adapters.get(request.lora_int_id)
+        if known is not None:
+            if known.request.lora_path != request.lora_path:
+                raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter "
+                                 f"{known.request.lora_name!r} from {known.request.lora_path}")
+            return
+        self.adapters[request.lora_int_id] = load_adapter(request, self.cfg, self.max_rank)
+
+    def mapping(self, lora_ids: list[int], num_rows: list[int]) -> LoRAMapping | None:
+        """The step's mapping for requests running `lora_ids` (0: none) over `num_rows` rows
+        each, loading adapters into slots as needed; None when no request has one."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for lora_id, n in zip(lora_ids, num_rows, strict=True):
+            if lora_id:
+                rows.setdefault(lora_id, []).extend(range(start, start + n))
+            start += n
+        if not rows:
+            return None
+        slots = self._make_resident(list(rows))
+        return LoRAMapping([
+            (slots[lora_id], None if len(ids) == start else torch.tensor(ids, device=self.device))
+            for lora_id, ids in rows.items()
+        ])
+
+    def _make_resident(self, lora_ids: list[int]) -> dict[int, int]:
+        if len(lora_ids) > self.max_loras:
+            raise RuntimeError(f"a step needs {len(lora_ids)} adapters but there are {self.max_loras} slots")
+        for lora_id in lora_ids:
+            if lora_id in self.resident:
+                self.resident.move_to_end(lora_id)
+                continue
+            taken = set(self.resident.values())
+            free = [s for s in range(self.max_loras) if s not in taken]
+            if free:
+                slot = free[0]
+            else:  # the least recently used adapter this step does not need gives up its slot
+                evicted = next(i for i in self.resident if i not in lora_ids)
+                slot = self.resident.pop(evicted)
+            adapter = self.adapters[lora_id]
+            for key, slots in self.slots.items():
+                slots.load(slot, adapter.pairs.get(key))
+            self.resident[lora_id] = slot
+        return {lora_id: self.resident[lora_id] for lora_id in lora_ids}
