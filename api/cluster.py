@@ -105,9 +105,11 @@ class Cluster:
         return [worker for worker in parsed if worker is not None]
 
     async def served_models(self, max_age_s: float = 0.0) -> list[str]:
-        """Model names the serving workers report (draining ones excluded)."""
-        workers = await self.workers(max_age_s)
-        return sorted({w.info.model for w in workers if w.serving and w.info.model})
+        """Model names the serving workers report (draining ones excluded): base models
+        first, then their LoRA adapters."""
+        serving = [w.info for w in await self.workers(max_age_s) if w.serving and w.info.model]
+        models = sorted({info.model for info in serving})
+        return models + sorted({name for info in serving for name in info.adapters} - set(models))
 
     async def ping(self) -> bool:
         return bool(await self._redis.ping())

@@ -119,6 +119,7 @@ class ModelCard(BaseModel):
     owned_by: str = "genq"
     workers: int = 0  # live workers serving it
     max_model_len: int | None = None  # as vLLM reports it: the smallest its workers allow
+    parent: str | None = None  # a LoRA adapter's base model, as vLLM reports it
 
 
 class ModelList(BaseModel):

@@ -171,6 +171,7 @@ class WorkerInfo:
 
     model: str  # the served model name jobs may ask for
     max_num_seqs: int
+    lora_modules: str = ""  # comma-separated names of the LoRA adapters jobs may ask for too
     max_model_len: int = 0  # prompt plus output tokens a job may reach (0: not reported)
     state: str = "serving"  # serving | draining (SIGTERM received)
     running: int = 0  # requests in the engine's running queue
@@ -185,6 +186,11 @@ class WorkerInfo:
     heartbeat_at: float = 0.0
     pid: int = 0
     host: str = ""
+
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters' names (`lora_modules` split)."""
+        return [name for name in self.lora_modules.split(",") if name]
 
 
 _WORKER_FIELDS = {f.name: f.type for f in fields(WorkerInfo)}

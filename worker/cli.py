@@ -24,6 +24,8 @@ _ENGINE_FLAGS: dict[str, type] = {
     "num_threads": int,
     "seed": int,
     "load_format": str,
+    "max_loras": int,
+    "max_lora_rank": int,
 }
 # Flags that set worker arguments.
 _WORKER_FLAGS: dict[str, type] = {
@@ -50,6 +52,11 @@ def build(parser: argparse.ArgumentParser) -> Any:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
     )
+    parser.add_argument(
+        "--lora-modules", nargs="+", metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served beside the model; jobs name them in `model` "
+        "(default: $GENQ_LORA_MODULES)",
+    )
     return run
 
 
@@ -65,6 +72,8 @@ _HELP = {
     "requests_retention_s": "acked entries older than this leave the requests stream (default: 86400)",
     "dead_retention_s": "dead letters older than this leave the dead stream (default: 604800)",
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
+    "max_loras": "distinct LoRA adapters in one batch (default 1)",
+    "max_lora_rank": "the largest LoRA rank served (default 16)",
 }
 
 
@@ -72,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from arq.worker import run_worker
 
     from worker.consumer import WorkerSettings, arq_settings
-    from worker.queue_config import config_from_env
+    from worker.queue_config import config_from_env, parse_lora_modules
 
     env = dict(os.environ)
     env["GENQ_REDIS_URL"] = args.redis_url  # --redis-url defaults to $GENQ_REDIS_URL already
@@ -83,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if args.enforce_eager:
         engine_args["enforce_eager"] = True
     worker_args = {k: getattr(args, k) for k in _WORKER_FLAGS if getattr(args, k) is not None}
+    if args.lora_modules:
+        worker_args["lora_modules"] = parse_lora_modules(args.lora_modules, "--lora-modules")
+        engine_args["enable_lora"] = True
     config = dataclasses.replace(
         config, engine=dataclasses.replace(config.engine, **engine_args), **worker_args
     )

@@ -75,7 +75,7 @@ class Consumer:
 
     async def start(self) -> None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process hosts one worker
-        self.engine = EngineThread(self.config.engine, asyncio.get_running_loop())
+        self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests)
         engine = await self.engine.start()  # loads the model; steps wait for the first command
         self.conn = redis.asyncio.Redis.from_url(self.config.redis_url)
         self.scripts = Scripts(self.conn, self.keys, self.config.name)

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 from producer.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig, SchedulerConfig
-from worker.lora import LoRARequest
+from worker.lora_request import LoRARequest
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.output_processor import OutputProcessor

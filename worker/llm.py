@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine, PromptInput
-from worker.lora import LoRARequest
+from worker.lora_request import LoRARequest
 from worker.outputs import CompletionOutput, RequestOutput
 
 T = TypeVar("T")

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from worker.lora_request import LoRARequest
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
 
@@ -43,20 +44,6 @@ _REFUSED = {
     "layer_replication": "layer_replication", "trainable_token_indices": "trainable_token_indices",
     "use_qalora": "QA-LoRA", "alora_invocation_tokens": "aLoRA", "lora_bias": "lora_bias",
 }
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """Which adapter a request runs with, as vLLM names it: `lora_int_id` (>= 1) is the
-    adapter's identity in the engine; the same id must always mean the same path."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-    def __post_init__(self) -> None:
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
 
 
 @dataclass

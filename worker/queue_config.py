@@ -24,6 +24,7 @@ from producer.protocol import (
     validate_job_id,
 )
 from worker.config import EngineConfig
+from worker.lora_request import LoRARequest
 
 T = TypeVar("T")
 
@@ -45,6 +46,9 @@ ENV_VARS = {
     "GENQ_NUM_GPU_BLOCKS": "engine num_gpu_blocks_override",
     "GENQ_NUM_THREADS": "torch threads on CPU",
     "GENQ_ENFORCE_EAGER": "1: no CUDA graphs for decode (default 0)",
+    "GENQ_LORA_MODULES": "LoRA adapters served beside the model: name=path,name=path (jobs name them in `model`)",
+    "GENQ_MAX_LORAS": "engine max_loras: distinct adapters in one batch (default 1)",
+    "GENQ_MAX_LORA_RANK": "engine max_lora_rank (default 16)",
     "GENQ_CLAIM_IDLE_S": "idle time after which another worker reclaims an entry",
     "GENQ_HEARTBEAT_S": "heartbeat period",
     "GENQ_DELIVERY_LIMIT": "deliveries before an entry goes to the dead stream",
@@ -73,9 +77,13 @@ class WorkerConfig:
     dead_retention_s: float = DEFAULT_DEAD_RETENTION_S  # older dead letters are trimmed
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
+    # LoRA adapters served beside the model, (name, PEFT directory): a job whose `model` is
+    # the name runs with the adapter. The engine needs enable_lora.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         validate_job_id(self.name)  # same rules: it becomes part of key names
+        self._check_lora_modules()
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         # An entry is re-owned every beat; reclaiming sooner than two beats would steal live work.
@@ -92,6 +100,23 @@ class WorkerConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
+    def _check_lora_modules(self) -> None:
+        names = [name for name, _ in self.lora_modules]
+        for name in names:
+            if not name or "," in name or "=" in name or name.strip() != name:
+                raise ValueError(f"LoRA module name {name!r} must be non-empty, without commas, '=' or edge spaces")
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA module names must differ, got {', '.join(names)}")
+        if self.model_name in names:
+            raise ValueError(f"LoRA module name {self.model_name!r} is the served model's own name")
+        if names and not self.engine.enable_lora:
+            raise ValueError("LoRA modules are given but the engine's enable_lora is off")
+
+    @property
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """The adapters by the name jobs use, with engine ids 1, 2, ... in the given order."""
+        return {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(self.lora_modules, 1)}
+
     @property
     def model_name(self) -> str:
         """The name this worker serves: jobs whose `model` is set must use it."""
@@ -102,8 +127,9 @@ class WorkerConfig:
         return Path(self.engine.model).expanduser().name or self.engine.model
 
     def serves(self, model: str | None) -> bool:
-        """A job for `model` may run here: no model asked, the served name, or the --model path."""
-        return model is None or model in (self.model_name, self.engine.model)
+        """A job for `model` may run here: no model asked, the served name, the --model path,
+        or one of the LoRA modules' names."""
+        return model is None or model in (self.model_name, self.engine.model) or model in dict(self.lora_modules)
 
 
 def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
@@ -118,7 +144,12 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         num_gpu_blocks_override=_int(env, "GENQ_NUM_GPU_BLOCKS"),
         num_threads=_int(env, "GENQ_NUM_THREADS"),
         enforce_eager=_bool(env, "GENQ_ENFORCE_EAGER"),
+        max_loras=_int(env, "GENQ_MAX_LORAS"),
+        max_lora_rank=_int(env, "GENQ_MAX_LORA_RANK"),
     )
+    lora_modules = parse_lora_modules(env.get("GENQ_LORA_MODULES", ""), "GENQ_LORA_MODULES")
+    if lora_modules:
+        engine_args["enable_lora"] = True
     worker_args = _drop_none(
         redis_url=env.get("GENQ_REDIS_URL") or None,
         prefix=env.get("GENQ_PREFIX") or None,
@@ -132,8 +163,22 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         dead_retention_s=_float(env, "GENQ_DEAD_RETENTION_S"),
         metrics_port=_int(env, "GENQ_METRICS_PORT"),
         metrics_host=env.get("GENQ_METRICS_HOST") or None,
+        lora_modules=lora_modules or None,
     )
     return WorkerConfig(engine=EngineConfig.from_kwargs(**engine_args), **worker_args)
+
+
+def parse_lora_modules(specs: str | list[str], source: str) -> tuple[tuple[str, str], ...]:
+    """`name=path` items (a comma-separated string, or a list of them) as (name, path) pairs;
+    a malformed item names `source` (the variable or flag) and the item."""
+    items = specs.split(",") if isinstance(specs, str) else specs
+    pairs = []
+    for item in filter(None, (i.strip() for i in items)):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"{source} items must be name=path, got {item!r}")
+        pairs.append((name.strip(), path.strip()))
+    return tuple(pairs)
 
 
 def _drop_none(**kwargs: Any) -> dict[str, Any]:

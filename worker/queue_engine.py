@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from jinja2 import TemplateError
 
 from producer.protocol import ERROR_INVALID_REQUEST, Job
 from worker.config import EngineConfig
+from worker.lora_request import LoRARequest
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -113,8 +115,10 @@ class EngineThread:
     belongs to the thread that first runs parallel work, and CPU ops run several times
     slower in a second thread once another thread has a pool."""
 
-    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
+                 lora_requests: Mapping[str, LoRARequest] | None = None) -> None:
         self.config = config
+        self.lora_requests = dict(lora_requests or {})  # by the `model` name jobs use
         self.engine: Engine  # set by the thread, before `start` returns
         self.results: asyncio.Queue[StepResult] = asyncio.Queue()
         self._loop = loop
@@ -171,6 +175,8 @@ class EngineThread:
 
         try:
             self.engine = Engine(self.config)
+            for lora_request in self.lora_requests.values():  # a bad adapter fails the start
+                self.engine.add_lora(lora_request)
         except BaseException as exc:
             self._loop.call_soon_threadsafe(_fail, self._ready, exc)
             return
@@ -226,6 +232,7 @@ class EngineThread:
             self.engine.add_request(
                 request.engine_id, self._prompt(job), params, priority=job.priority,
                 resume_output_token_ids=request.resume_token_ids or None,
+                lora_request=self.lora_requests.get(job.model) if job.model else None,
             )
         except (ValueError, TemplateError) as exc:  # the job's fault: prompt, params, messages
             return Rejected(request.engine_id, str(exc), ERROR_INVALID_REQUEST)

@@ -106,6 +106,7 @@ class Heartbeat:
         return WorkerInfo(
             model=self.config.model_name,
             max_num_seqs=self.config.engine.max_num_seqs,
+            lora_modules=",".join(name for name, _ in self.config.lora_modules),
             max_model_len=self.max_model_len,
             state=self.state,
             running=stats.num_running,

@@ -30,16 +30,18 @@ async def retrieve_model(model: str, state: StateDep) -> ModelCard:
 
 
 async def _cards(state: StateDep) -> dict[str, ModelCard]:
+    """Base models and their LoRA adapters (whose `parent` is the base model)."""
     cards: dict[str, ModelCard] = {}
     for worker in await state.cluster.workers():
         info = worker.info
         if not worker.serving or not info.model:
             continue
-        card = cards.setdefault(info.model, ModelCard(id=info.model, created=int(info.started_at)))
-        card.workers += 1
-        card.created = min(card.created, int(info.started_at))
-        if info.max_model_len:  # a job may land on any of them: the smallest bounds it
-            card.max_model_len = min(card.max_model_len or info.max_model_len, info.max_model_len)
+        for name, parent in [(info.model, None)] + [(a, info.model) for a in info.adapters]:
+            card = cards.setdefault(name, ModelCard(id=name, created=int(info.started_at), parent=parent))
+            card.workers += 1
+            card.created = min(card.created, int(info.started_at))
+            if info.max_model_len:  # a job may land on any of them: the smallest bounds it
+                card.max_model_len = min(card.max_model_len or info.max_model_len, info.max_model_len)
     if not cards:
         name = state.settings.served_model_name
         cards[name] = ModelCard(id=name, created=int(time.time()))

@@ -11,6 +11,7 @@ import pytest
 import redis
 from queue_support import WorkerProcess, worker_env
 
+from producer.client import Client
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
@@ -36,6 +37,13 @@ def conn(redis_server: RedisServer) -> Iterator[redis.Redis]:
     c = redis.Redis.from_url(redis_server.url)
     yield c
     c.close()
+
+
+@pytest.fixture
+def client(redis_server: RedisServer, worker: WorkerProcess) -> Iterator[Client]:
+    """A client under the prefix of the module's `worker` fixture."""
+    with Client(redis_server.url, prefix=worker.keys.prefix) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

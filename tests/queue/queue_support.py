@@ -18,7 +18,9 @@ from typing import Any
 
 import redis
 
-from producer.protocol import Keys
+from producer.protocol import JobStatus, Keys
+from producer.records import decode_record
+from producer.sampling_params import SamplingParams
 
 READY_TIMEOUT_S = 90.0  # a worker imports torch and loads the model (about 5 s alone)
 POLL_S = 0.01
@@ -122,3 +124,37 @@ class WorkerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(30)
+
+
+def record(conn: redis.Redis, keys: Keys, job_id: str):
+    return decode_record(conn.hgetall(keys.job(job_id)), job_id)
+
+
+def ended(conn: redis.Redis, keys: Keys, job_id: str) -> bool:
+    status = conn.hget(keys.job(job_id), "status")
+    return status is not None and JobStatus(status.decode()).terminal
+
+
+def ghost_takes(conn: redis.Redis, keys: Keys, fields: dict) -> str:
+    """XADD an entry and deliver it to a consumer that will never run it, in one MULTI so the
+    live worker (blocked in XREADGROUP) cannot get it first; then age it past any claim
+    timeout, as if its worker had died long ago. Returns the entry id."""
+    pipe = conn.pipeline(transaction=True)
+    pipe.xadd(keys.requests, fields)
+    pipe.xreadgroup(keys.group, "ghost", {keys.requests: ">"}, count=1)
+    entry_id, reply = pipe.execute()
+    assert reply[0][1][0][0] == entry_id
+    return entry_id.decode()
+
+
+def age(conn: redis.Redis, keys: Keys, entry_id: str, deliveries: int | None = None) -> None:
+    conn.xclaim(keys.requests, keys.group, "ghost", 0, [entry_id], idle=10**9,
+                retrycount=deliveries, justid=True)
+
+
+def streamed_pieces(tokenizer, params: SamplingParams, token_ids: list[int]) -> list[str]:
+    """The text a worker streams for each of these tokens (the engine's detokenizer)."""
+    from worker.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, [], params)
+    return [detok.update([t]) for t in token_ids]

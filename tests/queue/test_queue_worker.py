@@ -7,18 +7,18 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgpack
 import pytest
 import redis
-from queue_support import WorkerProcess, wait_for
+from queue_support import WorkerProcess, age, ended, ghost_takes, record, streamed_pieces, wait_for
 
 from producer.client import Client
 from producer.jobs import JobFailed, build_job
 from producer.protocol import ERROR_INVALID_REQUEST, FINISH_ABORT, JobStatus, Keys, encode_job
-from producer.records import decode_dead_letter, decode_record, decode_worker_info
-from producer.redis_server import RedisServer, free_port
+from producer.records import decode_dead_letter, decode_worker_info
+from producer.redis_server import free_port
 from producer.sampling_params import SamplingParams
 
 NAME = "qw1"
@@ -39,21 +39,6 @@ def worker(spawn: Callable[..., WorkerProcess], conn: redis.Redis, metrics_port:
     proc = spawn(NAME, via="genq", args=args)
     proc.wait_ready(conn)
     return proc
-
-
-@pytest.fixture
-def client(redis_server: RedisServer, worker: WorkerProcess) -> Iterator[Client]:
-    with Client(redis_server.url, prefix=worker.keys.prefix) as c:
-        yield c
-
-
-def record(conn: redis.Redis, keys: Keys, job_id: str):
-    return decode_record(conn.hgetall(keys.job(job_id)), job_id)
-
-
-def ended(conn: redis.Redis, keys: Keys, job_id: str) -> bool:
-    status = conn.hget(keys.job(job_id), "status")
-    return status is not None and JobStatus(status.decode()).terminal
 
 
 def dead_letters(conn: redis.Redis, keys: Keys) -> dict[str, dict]:
@@ -309,31 +294,6 @@ def test_arq_health_check(worker: WorkerProcess) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Reclaiming: entries left pending by a worker that is gone ("ghost"), staged by hand
-
-
-def ghost_takes(conn: redis.Redis, keys: Keys, fields: dict) -> str:
-    """XADD an entry and deliver it to a consumer that will never run it, in one MULTI so the
-    live worker (blocked in XREADGROUP) cannot get it first; then age it past any claim
-    timeout, as if its worker had died long ago. Returns the entry id."""
-    pipe = conn.pipeline(transaction=True)
-    pipe.xadd(keys.requests, fields)
-    pipe.xreadgroup(keys.group, "ghost", {keys.requests: ">"}, count=1)
-    entry_id, reply = pipe.execute()
-    assert reply[0][1][0][0] == entry_id
-    return entry_id.decode()
-
-
-def age(conn: redis.Redis, keys: Keys, entry_id: str, deliveries: int | None = None) -> None:
-    conn.xclaim(keys.requests, keys.group, "ghost", 0, [entry_id], idle=10**9,
-                retrycount=deliveries, justid=True)
-
-
-def streamed_pieces(tokenizer, params: SamplingParams, token_ids: list[int]) -> list[str]:
-    """The text a worker streams for each of these tokens (the engine's detokenizer)."""
-    from worker.detokenizer import IncrementalDetokenizer
-
-    detok = IncrementalDetokenizer(tokenizer, [], params)
-    return [detok.update([t]) for t in token_ids]
 
 
 def test_reclaimed_job_resumes_from_its_events(

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
-from worker.lora import LoRARequest
+from worker.lora_request import LoRARequest
 
 PROMPTS = [
     "Hello, my name is",
