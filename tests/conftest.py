@@ -114,6 +114,12 @@ def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), default_model_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A second model, whose k/v projections are wider than the tiny Llama's."""
+    return build_tiny_model("mistral", tmp_path_factory.mktemp("mistral"), default_model_dir)
+
+
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

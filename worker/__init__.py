@@ -13,13 +13,15 @@ from producer.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from worker.engine import Engine
     from worker.llm import LLM
+    from worker.lora_request import LoRARequest
     from worker.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "Engine", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput"]
 
 _LAZY = {
     "LLM": "worker.llm",
     "Engine": "worker.engine",
+    "LoRARequest": "worker.lora_request",
     "RequestOutput": "worker.outputs",
     "CompletionOutput": "worker.outputs",
     "WorkerSettings": "worker.consumer",

@@ -83,25 +83,26 @@ def stack_redis() -> Iterator[RedisServer]:
         yield server
 
 
-def start_worker(redis_url: str, model_dir: Path, log_path: Path) -> subprocess.Popen[bytes]:
+def start_worker(redis_url: str, model_dir: Path, log_path: Path, extra_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     """`genq worker` on the tiny model, small enough for a CPU."""
     args = [
         sys.executable, "-m", "producer.cli", "worker", "--redis-url", redis_url,
         "--model", str(model_dir), "--dtype", "float32", "--name", WORKER_NAME,
         "--served-model-name", SERVED_MODEL, "--max-num-seqs", "8", "--max-model-len", "1024",
-        "--num-gpu-blocks-override", "512", "--heartbeat-s", "0.5", "--num-threads", "1",
+        "--num-gpu-blocks-override", "512", "--heartbeat-s", "0.5", "--num-threads", "1", *extra_args,
     ]
     env = dict(os.environ)
     with open(log_path, "wb") as log:
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-@pytest.fixture(scope="module")
-def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factory) -> Iterator[str]:
-    """A real worker serving SERVED_MODEL; yields the Redis URL. Waits for its heartbeat."""
-    log_path = tmp_path_factory.mktemp("worker") / "worker.log"
-    process = start_worker(stack_redis.url, tiny_llama_dir, log_path)
-    conn = redis.Redis.from_url(stack_redis.url)
+@contextmanager
+def running_worker(redis_url: str, model_dir: Path, log_dir: Path, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
+    """A real worker serving SERVED_MODEL (with `extra_args` on its command line) until the
+    block ends; yields the Redis URL once its heartbeat is there."""
+    log_path = log_dir / "worker.log"
+    process = start_worker(redis_url, model_dir, log_path, extra_args)
+    conn = redis.Redis.from_url(redis_url)
     beat = Keys().worker(WORKER_NAME)
     try:
         wait_for(
@@ -109,7 +110,7 @@ def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factory
             WORKER_READY_TIMEOUT_S, "worker heartbeat",
         )
         assert process.poll() is None, f"worker exited:\n{log_path.read_text()[-3000:]}"
-        yield stack_redis.url
+        yield redis_url
     finally:
         conn.close()
         process.terminate()
@@ -118,6 +119,20 @@ def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factory
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def run_worker() -> Callable[..., Any]:
+    """`with run_worker(redis_url, model_dir, log_dir, extra_args) as url:` a worker with more
+    flags (see `running_worker`), for modules that override `live_worker`."""
+    return running_worker
+
+
+@pytest.fixture(scope="module")
+def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factory) -> Iterator[str]:
+    """A real worker serving SERVED_MODEL; yields the Redis URL. Waits for its heartbeat."""
+    with running_worker(stack_redis.url, tiny_llama_dir, tmp_path_factory.mktemp("worker")) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams
-from worker import LLM
-from worker.lora_request import LoRARequest
+from worker import LLM, LoRARequest
 
 PROMPTS = [
     "Hello, my name is",
@@ -145,11 +144,8 @@ def test_bad_adapters_are_refused_by_name(tiny_llama_dir, tiny_llama_adapters, t
     assert not llm.engine.has_unfinished_requests()  # nothing refused was queued
 
 
-def test_adapter_of_another_shape_is_refused(tiny_llama_adapters, tmp_path, default_model_dir):
+def test_adapter_of_another_shape_is_refused(tiny_llama_adapters, tiny_mistral_dir):
     """An adapter trained for another model says which shapes it has and which it needs."""
-    from tests.conftest import build_tiny_model
-
-    other = build_tiny_model("mistral", tmp_path / "mistral", default_model_dir)  # 4 kv heads, not 2
-    llm = LLM(str(other), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
+    llm = LLM(str(tiny_mistral_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
     with pytest.raises(ValueError, match=r"k_proj pair has shapes .* B \[64, rank\]"):
         llm.generate("hi", greedy(), use_tqdm=False, lora_request=LoRARequest("all", 1, str(tiny_llama_adapters["all"])))
