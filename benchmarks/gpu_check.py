@@ -3,7 +3,8 @@
 1. every Triton kernel against its torch reference at real sizes, timed with
    `triton.testing.do_bench` (median), bandwidth beside a device-to-device copy of the same bytes;
 2. greedy outputs of the engine on CUDA against the CPU path (float32: equal; bfloat16: close),
-   and with CUDA graphs against without (`enforce_eager`);
+   and with CUDA graphs against without (`enforce_eager`); the same with LoRA adapters mixed in
+   one batch (random rank-16 adapters, written by `benchmarks/lora.py`);
 3. W1 through the engine (bfloat16; with and without CUDA graphs) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -59,6 +60,32 @@ def check_engine_vs_cpu(model: str | None, load_format: str, num_tokens: int = 3
     eager = greedy(dtype="bfloat16", device="cuda", enforce_eager=True)
     lines.append(f"greedy cuda graphs vs eager bfloat16 {_compare(eager, gpu)}")
     return lines
+
+
+def check_lora_vs_cpu(model: str | None, load_format: str, num_tokens: int = 32) -> list[str]:
+    """Two adapters and the base model in one batch, on CUDA (graphs for base-only steps)
+    against the CPU path, float32."""
+    import tempfile
+    from pathlib import Path
+
+    from lora import write_adapter  # benchmarks/lora.py, beside this script
+
+    from worker import LLM, LoRARequest, SamplingParams
+    from worker.model_loader import resolve_model_path
+
+    prompts = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "1, 2, 3,"]
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b = (LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", resolve_model_path(model), 16, i)))
+                for i in range(2))
+        loras = [a, None, b, a]
+        runs = {}
+        for device in ("cpu", "cuda"):
+            llm = LLM(model, dtype="float32", device=device, max_model_len=2048, load_format=load_format,
+                      enable_lora=True, max_loras=2)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+            runs[device] = [o.outputs[0].token_ids for o in outs]
+    return [f"greedy lora cuda vs cpu float32 {_compare(runs['cpu'], runs['cuda'])}"]
 
 
 def _compare(a: list[list[int]], b: list[list[int]]) -> str:
@@ -130,6 +157,7 @@ def main() -> int:
     if not args.skip_kernels:
         summary += _section("kernels", _kernel_rows)
     summary += _section("greedy", lambda: check_engine_vs_cpu(args.model, args.load_format))
+    summary += _section("lora", lambda: check_lora_vs_cpu(args.model, args.load_format))
     summary += _section("W1", lambda: check_w1(args.model, args.load_format, args.num_prompts))
     summary.append(f"elapsed {time.time() - start:.0f} s")
     print("\n".join(["", "== GPU check ==", *summary]))

@@ -150,13 +150,21 @@ class LoRASlots(nn.Module):
         super().__init__()
         self.shard_sizes = shard_sizes
         self.max_rank = max_rank
-        width = len(shard_sizes) * max_rank
-        self.a = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)  # [slots, in, k*R]
-        self.b = torch.zeros(max_loras, width, sum(shard_sizes), dtype=dtype, device=device)  # [slots, k*R, out]
+        self.width = len(shard_sizes) * max_rank  # k*R
+        # every slot side by side: one matmul pair serves a step whatever its adapters
+        self.a = torch.zeros(in_features, max_loras * self.width, dtype=dtype, device=device)  # [in, slots*k*R]
+        self.b = torch.zeros(max_loras * self.width, sum(shard_sizes), dtype=dtype, device=device)  # [slots*k*R, out]
+
+    def slot_a(self, slot: int) -> torch.Tensor:  # [in, k*R]
+        return self.a[:, slot * self.width : (slot + 1) * self.width]
+
+    def slot_b(self, slot: int) -> torch.Tensor:  # [k*R, out]
+        return self.b[slot * self.width : (slot + 1) * self.width]
 
     def load(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None] | None) -> None:
         """Put an adapter's pairs for this projection in `slot`; None (untargeted) zeroes it."""
-        a, b = torch.zeros_like(self.a[slot], device="cpu"), torch.zeros_like(self.b[slot], device="cpu")
+        a = torch.zeros(self.a.shape[0], self.width, dtype=self.a.dtype)
+        b = torch.zeros(self.width, self.b.shape[1], dtype=self.b.dtype)
         offset = 0
         for i, size in enumerate(self.shard_sizes):
             pair = shards[i] if shards else None
@@ -165,26 +173,29 @@ class LoRASlots(nn.Module):
                 a[:, band : band + rank] = pair[0].T
                 b[band : band + rank, offset : offset + size] = pair[1].T
             offset += size
-        self.a[slot].copy_(a)
-        self.b[slot].copy_(b)
+        self.slot_a(slot).copy_(a)
+        self.slot_b(slot).copy_(b)
 
 
 @dataclass
 class LoRAMapping:
-    """Which rows of one step run which slot: `(slot, rows)` with rows None for all of them.
-    Rows without an adapter appear in no group."""
+    """Which rows of one step run which slot. With one adapter in the step, `runs` lists its
+    `(slot, start, end)` row ranges; with several, `row_slots` is each row's one-hot slot
+    ([T, slots, 1], zero rows for no adapter), and every slot is computed for every row and
+    masked: a fixed two matmuls per projection instead of two per adapter."""
 
-    groups: list[tuple[int, torch.Tensor | None]]
+    runs: list[tuple[int, int, int]]
+    row_slots: torch.Tensor | None = None  # [T, slots, 1] in the model dtype
 
     def add(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots | None) -> torch.Tensor:
         """y += each row's adapter delta, in place; y: [T, out], x: [T, in]."""
         assert slots is not None, "a model runs a LoRA mapping only once its slots are attached"
-        for slot, rows in self.groups:
-            if rows is None:
-                y.addmm_(x @ slots.a[slot], slots.b[slot])
-            else:
-                y.index_add_(0, rows, (x[rows] @ slots.a[slot]) @ slots.b[slot])
-        return y
+        if self.row_slots is None:
+            for slot, start, end in self.runs:  # slices: views, no gather or scatter
+                y[start:end].addmm_(x[start:end] @ slots.slot_a(slot), slots.slot_b(slot))
+            return y
+        h = (x @ slots.a).view(x.shape[0], -1, slots.width).mul_(self.row_slots)  # [T, slots, k*R]
+        return y.addmm_(h.view(x.shape[0], -1), slots.b)
 
 
 class LoRAManager:
@@ -196,6 +207,7 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
+        self.dtype = dtype
         self.adapters: dict[int, LoRAAdapter] = {}
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recent first
         self.slots: dict[tuple[int, str], LoRASlots] = {}
@@ -219,20 +231,30 @@ class LoRAManager:
 
     def mapping(self, lora_ids: list[int], num_rows: list[int]) -> LoRAMapping | None:
         """The step's mapping for requests running `lora_ids` (0: none) over `num_rows` rows
-        each, loading adapters into slots as needed; None when no request has one."""
-        rows: dict[int, list[int]] = {}
+        each, in row order, loading adapters into slots as needed; None when no request has
+        one. Neighbours with the same adapter share a run (the runner groups decodes so)."""
+        if not any(lora_ids):
+            return None
+        adapters = list(dict.fromkeys(i for i in lora_ids if i))
+        slots = self._make_resident(adapters)
+        if len(adapters) > 1:
+            return LoRAMapping([], self._row_slots([slots.get(i) for i in lora_ids], num_rows))
+        runs: list[tuple[int, int, int]] = []
         start = 0
         for lora_id, n in zip(lora_ids, num_rows, strict=True):
-            if lora_id:
-                rows.setdefault(lora_id, []).extend(range(start, start + n))
+            if lora_id and runs and runs[-1][0] == slots[lora_id] and runs[-1][2] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1], start + n)
+            elif lora_id:
+                runs.append((slots[lora_id], start, start + n))
             start += n
-        if not rows:
-            return None
-        slots = self._make_resident(list(rows))
-        return LoRAMapping([
-            (slots[lora_id], None if len(ids) == start else torch.tensor(ids, device=self.device))
-            for lora_id, ids in rows.items()
-        ])
+        return LoRAMapping(runs)
+
+    def _row_slots(self, slot_of_request: list[int | None], num_rows: list[int]) -> torch.Tensor:
+        """[T, slots, 1]: 1 at each row's slot, none for rows without an adapter."""
+        rows = [slot for slot, n in zip(slot_of_request, num_rows, strict=True) for _ in range(n)]
+        one_hot = torch.zeros(len(rows), self.max_loras + 1)
+        one_hot[torch.arange(len(rows)), torch.tensor([self.max_loras if s is None else s for s in rows])] = 1
+        return one_hot[:, : self.max_loras, None].to(self.device, self.dtype)
 
     def _make_resident(self, lora_ids: list[int]) -> dict[int, int]:
         if len(lora_ids) > self.max_loras:

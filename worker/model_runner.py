@@ -211,8 +211,9 @@ def _cpu_pool(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """Decodes first, shortest context first, so each decode bucket pads little; then prefills."""
-    decodes = sorted((s for s in scheduled if len(s.token_ids) == 1), key=lambda s: s.start_pos)
+    """Decodes first, shortest context first, so each decode bucket pads little; then prefills.
+    Decodes are grouped by adapter first, so each adapter's rows are one slice."""
+    decodes = sorted((s for s in scheduled if len(s.token_ids) == 1), key=lambda s: (s.lora_id, s.start_pos))
     return decodes + [s for s in scheduled if len(s.token_ids) > 1]
 
 
