@@ -113,6 +113,10 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat
 
+    @property
+    def lora_adapters(self) -> str:
+        return f"{self.prefix}lora_adapters"  # hash: LoRA adapter name -> path, loaded at run time
+
     # The API's files, batches and stored responses (/v1/files, /v1/batches, /v1/responses);
     # workers never read them.
 

@@ -6,6 +6,7 @@ stream) and worker heartbeats (hash `worker(name)`). Keys, jobs and events:
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -172,6 +173,7 @@ class WorkerInfo:
     model: str  # the served model name jobs may ask for
     max_num_seqs: int
     lora_modules: str = ""  # comma-separated names of the LoRA adapters jobs may ask for too
+    lora_errors: str = ""  # JSON {name: why}: runtime adapters this worker could not load
     max_model_len: int = 0  # prompt plus output tokens a job may reach (0: not reported)
     state: str = "serving"  # serving | draining (SIGTERM received)
     running: int = 0  # requests in the engine's running queue
@@ -191,6 +193,15 @@ class WorkerInfo:
     def adapters(self) -> list[str]:
         """The LoRA adapters' names (`lora_modules` split)."""
         return [name for name in self.lora_modules.split(",") if name]
+
+    @property
+    def adapter_errors(self) -> dict[str, str]:
+        """`lora_errors` decoded; an unreadable value counts as none."""
+        try:
+            errors = json.loads(self.lora_errors) if self.lora_errors else {}
+        except json.JSONDecodeError:
+            return {}
+        return {str(k): str(v) for k, v in errors.items()} if isinstance(errors, dict) else {}
 
 
 _WORKER_FIELDS = {f.name: f.type for f in fields(WorkerInfo)}

@@ -37,7 +37,7 @@ from producer.aio import wait_for_event
 from producer.protocol import Keys
 from worker.queue_config import WorkerConfig, config_from_env
 from worker.queue_engine import EngineThread, Rejected, intake_capacity
-from worker.queue_heartbeat import Heartbeat, listen_cancels
+from worker.queue_heartbeat import Heartbeat, listen_cancels, read_adapter_registry
 from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer
 from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics
@@ -75,10 +75,13 @@ class Consumer:
 
     async def start(self) -> None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process hosts one worker
-        self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests)
-        engine = await self.engine.start()  # loads the model; steps wait for the first command
         self.conn = redis.asyncio.Redis.from_url(self.config.redis_url)
         self.scripts = Scripts(self.conn, self.keys, self.config.name)
+        self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests,
+                                   self.config.base_names)
+        # the runtime adapters are read with the model, before any job can name one
+        registry = await read_adapter_registry(self.scripts) if self.config.engine.enable_lora else {}
+        engine = await self.engine.start(registry)  # loads the model; steps wait for the first command
         self.metrics = WorkerMetrics(self.config.model_name)
         self.publisher = Publisher(
             self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject
@@ -86,7 +89,7 @@ class Consumer:
         self.admission = Admission(self.config, self.scripts, self.table, self.engine)
         self.heartbeat = Heartbeat(
             self.config, self.scripts, self.table, self.publisher, self.metrics,
-            self.capacity, self.abort, engine.max_model_len,
+            self.capacity, self.abort, self.engine,
         )
         await self.scripts.ensure_group()
         await self._claim_name()

@@ -135,6 +135,11 @@ class Engine:
         self.runner.lora.add(lora_request)
         return lora_request.lora_int_id
 
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget an adapter no request runs with any more (its id may not be reused)."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(lora_id)
+
     def check_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """The prompt's text (if any) and token ids; ValueError naming what is wrong with it."""
         text, prompt_ids = self._tokenize(prompt)

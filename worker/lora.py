@@ -229,6 +229,11 @@ class LoRAManager:
             return
         self.adapters[request.lora_int_id] = load_adapter(request, self.cfg, self.max_rank)
 
+    def remove(self, lora_id: int) -> None:
+        """Forget an adapter (no request may still run with it); its slot becomes free."""
+        self.adapters.pop(lora_id, None)
+        self.resident.pop(lora_id, None)
+
     def mapping(self, lora_ids: list[int], num_rows: list[int]) -> LoRAMapping | None:
         """The step's mapping for requests running `lora_ids` (0: none) over `num_rows` rows
         each, in row order, loading adapters into slots as needed; None when no request has

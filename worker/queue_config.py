@@ -126,10 +126,15 @@ class WorkerConfig:
             return DEFAULT_MODEL_NAME
         return Path(self.engine.model).expanduser().name or self.engine.model
 
+    @property
+    def base_names(self) -> frozenset[str]:
+        """The `model` names that mean the base model: the served name and the --model path."""
+        return frozenset(n for n in (self.model_name, self.engine.model) if n)
+
     def serves(self, model: str | None) -> bool:
-        """A job for `model` may run here: no model asked, the served name, the --model path,
-        or one of the LoRA modules' names."""
-        return model is None or model in (self.model_name, self.engine.model) or model in dict(self.lora_modules)
+        """A job for `model` may run here: no model asked, a base name, or one of the LoRA
+        modules' names. (Runtime adapters are the engine thread's to know.)"""
+        return model is None or model in self.base_names or model in dict(self.lora_modules)
 
 
 def config_from_env(env: Mapping[str, str]) -> WorkerConfig:

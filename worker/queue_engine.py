@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 from producer.protocol import ERROR_INVALID_REQUEST, Job
 from worker.config import EngineConfig
 from worker.lora_request import LoRARequest
+from worker.queue_adapters import ServedAdapters
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -53,6 +54,11 @@ class Rejected:
 @dataclass(frozen=True)
 class AbortRequests:
     engine_ids: list[str]
+
+
+@dataclass
+class FollowAdapters:
+    registry: dict[str, str]  # the runtime LoRA registry: name -> path
 
 
 class _Stop:
@@ -116,26 +122,35 @@ class EngineThread:
     slower in a second thread once another thread has a pool."""
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
-                 lora_requests: Mapping[str, LoRARequest] | None = None) -> None:
+                 lora_requests: Mapping[str, LoRARequest] | None = None,
+                 base_names: frozenset[str] = frozenset()) -> None:
         self.config = config
-        self.lora_requests = dict(lora_requests or {})  # by the `model` name jobs use
+        self.adapters = ServedAdapters(dict(lora_requests or {}))
+        self.base_names = base_names  # `model` names that mean the base model
         self.engine: Engine  # set by the thread, before `start` returns
         self.results: asyncio.Queue[StepResult] = asyncio.Queue()
         self._loop = loop
         self._ready: asyncio.Future[None] = loop.create_future()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._num_adds_taken = 0
+        self._initial_registry: dict[str, str] = {}
         self._mean_request_tokens: float | None = None
         self._thread = threading.Thread(target=self._main, name="genq-engine", daemon=True)
 
-    async def start(self) -> Engine:
-        """Start the thread and wait until the engine is built (re-raises its error)."""
+    async def start(self, adapter_registry: dict[str, str] | None = None) -> Engine:
+        """Start the thread and wait until the engine is built, with the configured LoRA
+        adapters and the runtime registry's (re-raises its error)."""
+        self._initial_registry = dict(adapter_registry or {})
         self._thread.start()
         await self._ready
         return self.engine
 
     def add(self, request: AddRequest) -> None:
         self._commands.put(request)
+
+    def follow_adapters(self, registry: dict[str, str]) -> None:
+        """Serve the runtime LoRA registry's adapters (read in the engine thread)."""
+        self._commands.put(FollowAdapters(dict(registry)))
 
     def abort(self, engine_ids: list[str]) -> None:
         if engine_ids:
@@ -175,8 +190,8 @@ class EngineThread:
 
         try:
             self.engine = Engine(self.config)
-            for lora_request in self.lora_requests.values():  # a bad adapter fails the start
-                self.engine.add_lora(lora_request)
+            self.adapters.load_configured(self.engine)  # a bad adapter fails the start
+            self.adapters.follow(self.engine, self._initial_registry)  # a bad one is noted
         except BaseException as exc:
             self._loop.call_soon_threadsafe(_fail, self._ready, exc)
             return
@@ -193,6 +208,7 @@ class EngineThread:
                     return
                 rejected, changed = taken
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                self.adapters.retire_unused(self.engine)
                 if outputs or changed:
                     self._post(StepResult(outputs, rejected, self.stats(), time.time()))
         except BaseException as exc:  # reported to the event loop, which stops the worker
@@ -215,6 +231,8 @@ class EngineThread:
             if isinstance(command, AbortRequests):
                 for engine_id in command.engine_ids:
                     self.engine.abort_request(engine_id)
+            elif isinstance(command, FollowAdapters):
+                self.adapters.follow(self.engine, command.registry)
             else:
                 refused = self._add(command)
                 if refused is not None:
@@ -228,11 +246,16 @@ class EngineThread:
         if request.index is not None:  # one completion of n, seeded as the engine seeds it
             seed = None if params.seed is None else params.seed + request.index
             params = replace(params, n=1, seed=seed)
+        lora = self.adapters.served.get(job.model) if job.model else None
+        if job.model and lora is None and job.model not in self.base_names:
+            # Race prevented: an adapter unloaded between intake's check and this add; the
+            # job must not quietly run on the base model.
+            return Rejected(request.engine_id, f"model {job.model!r} is not served by this worker "
+                            "(the LoRA adapter was unloaded)", ERROR_INVALID_REQUEST)
         try:
             self.engine.add_request(
                 request.engine_id, self._prompt(job), params, priority=job.priority,
-                resume_output_token_ids=request.resume_token_ids or None,
-                lora_request=self.lora_requests.get(job.model) if job.model else None,
+                resume_output_token_ids=request.resume_token_ids or None, lora_request=lora,
             )
         except (ValueError, TemplateError) as exc:  # the job's fault: prompt, params, messages
             return Rejected(request.engine_id, str(exc), ERROR_INVALID_REQUEST)

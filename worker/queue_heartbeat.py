@@ -4,6 +4,7 @@ entries, cancel flags, deadlines) and the cancel channel listener."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -13,9 +14,10 @@ from collections.abc import Callable
 import redis
 
 from producer.aio import wait_for_event
-from producer.protocol import WORKER_HEARTBEAT_TTL_S
+from producer.protocol import WORKER_HEARTBEAT_TTL_S, as_text
 from producer.records import WorkerInfo, encode_worker_info
 from worker.queue_config import WorkerConfig
+from worker.queue_engine import EngineThread
 from worker.queue_jobs import ABORT_CANCELLED, ABORT_DEADLINE, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics
 from worker.queue_publisher import Publisher
@@ -29,6 +31,12 @@ REDIS_RETRY_S = 1.0
 AbortJob = Callable[[HeldJob, str], None]
 
 
+async def read_adapter_registry(scripts: Scripts) -> dict[str, str]:
+    """The runtime LoRA registry: adapter name -> path."""
+    registry = await scripts.conn.hgetall(scripts.keys.lora_adapters)  # type: ignore[misc]
+    return {as_text(name): as_text(path) for name, path in registry.items()}
+
+
 class Heartbeat:
     def __init__(
         self,
@@ -39,10 +47,10 @@ class Heartbeat:
         metrics: WorkerMetrics,
         capacity: Callable[[], int],
         abort: AbortJob,
-        max_model_len: int,
+        engine: EngineThread,
     ) -> None:
         self.config = config
-        self.max_model_len = max_model_len  # as the engine resolved it from config and model
+        self.engine = engine
         self.scripts = scripts
         self.table = table
         self.publisher = publisher
@@ -67,6 +75,8 @@ class Heartbeat:
         """One beat: abort jobs past their deadline, write the worker hash, keep in-flight
         entries owned, and act on lost entries and cancel flags."""
         self._abort_expired(time.time())
+        if self.config.engine.enable_lora:  # adapters follow the registry, beat by beat
+            self.engine.follow_adapters(await read_adapter_registry(self.scripts))
         held = [h for h in self.table if h.state.writes]
         lost, cancelled = await self.scripts.heartbeat(
             self.scripts.keys.worker(self.config.name),
@@ -102,12 +112,13 @@ class Heartbeat:
                 self.abort(h, ABORT_DEADLINE)
 
     def info(self) -> WorkerInfo:
-        stats, m = self.publisher.stats, self.metrics
+        stats, m, adapters = self.publisher.stats, self.metrics, self.engine.adapters
         return WorkerInfo(
             model=self.config.model_name,
             max_num_seqs=self.config.engine.max_num_seqs,
-            lora_modules=",".join(name for name, _ in self.config.lora_modules),
-            max_model_len=self.max_model_len,
+            lora_modules=",".join(adapters.served),
+            lora_errors=json.dumps(adapters.errors) if adapters.errors else "",
+            max_model_len=self.engine.engine.max_model_len,  # as the engine resolved it
             state=self.state,
             running=stats.num_running,
             waiting=stats.num_waiting,

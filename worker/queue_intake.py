@@ -138,11 +138,13 @@ class Admission:
         )
 
     def _check_model(self, job: Job) -> Rejection | None:
-        if self.config.serves(job.model):
+        if self.config.serves(job.model) or job.model in self.engine.adapters.served:
             return None
+        adapters = ", ".join(self.engine.adapters.served)
         return Rejection(
             f"model {job.model!r} is not served by this worker pool "
-            f"(worker {self.config.name} serves {self.config.model_name!r})",
+            f"(worker {self.config.name} serves {self.config.model_name!r}"
+            + (f" and LoRA adapters {adapters})" if adapters else ")"),
             job.id,
         )
 

@@ -136,3 +136,53 @@ def test_lora_settings_are_checked_where_they_are_read() -> None:
         config_from_env({"GENQ_LORA_MODULES": "SmolLM2-135M-Instruct=/x"})
     with pytest.raises(ValueError, match="enable_lora is off"):
         WorkerConfig(engine=EngineConfig(), lora_modules=(("a", "/x"),))
+
+
+def adapters_become(conn: redis.Redis, keys, names: list[str]) -> dict[str, str]:
+    """Wait until the worker's heartbeat lists these adapters; its load errors then."""
+    def listed():
+        info = decode_worker_info(conn.hgetall(keys.worker(NAME)), NAME)
+        return info if info.adapters == names else None
+
+    return wait_for(listed, TIMEOUT_S, f"the heartbeat listing adapters {names}").adapter_errors
+
+
+def test_runtime_registry_adds_and_removes_adapters(client: Client, conn: redis.Redis, lora_oracle,
+                                                    tiny_llama_adapters: dict[str, Path], tmp_path: Path) -> None:
+    """Adapters named in genq:lora_adapters are served from the next heartbeat on, and stop
+    being served when their entry goes; one that cannot load is reported, and harms nothing."""
+    keys = client.keys
+    conn.hset(keys.lora_adapters, mapping={"rt": str(tiny_llama_adapters["qv"]), "broken": str(tmp_path),
+                                           "all": str(tiny_llama_adapters["qv"])})  # "all" is configured
+    errors = adapters_become(conn, keys, ["all", "qv", "rt"])
+    assert list(errors) == ["broken"] and "not a PEFT adapter directory" in errors["broken"]
+    for model, oracle_adapter in (("rt", "qv"), ("all", "all")):  # the configured "all" stays itself
+        result = client.submit("The capital of France is", GREEDY, model=model).result(TIMEOUT_S)
+        assert result.outputs[0].token_ids == lora_oracle("The capital of France is", GREEDY, oracle_adapter)[0].token_ids
+    conn.hdel(keys.lora_adapters, "rt", "broken")
+    assert adapters_become(conn, keys, ["all", "qv"]) == {}
+    with pytest.raises(JobFailed, match="model 'rt' is not served .* LoRA adapters all, qv"):
+        client.submit("hello", GREEDY, model="rt").result(TIMEOUT_S)
+    conn.delete(keys.lora_adapters)
+
+
+def test_retired_adapters_leave_the_engine_once_unused(tiny_llama_dir: Path, tiny_llama_adapters: dict[str, Path]) -> None:
+    from worker.engine import Engine
+    from worker.queue_adapters import ServedAdapters
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64,
+                                 enable_lora=True, max_lora_rank=8))
+    adapters = ServedAdapters({})
+    adapters.follow(engine, {"rt": str(tiny_llama_adapters["all"])})
+    rt = adapters.served["rt"]
+    engine.add_request("r", "hello", SamplingParams(max_tokens=2), lora_request=rt)
+    engine.step()
+    adapters.follow(engine, {})
+    adapters.retire_unused(engine)
+    assert "rt" not in adapters.served and rt.lora_int_id in engine.runner.lora.adapters  # still running
+    while engine.has_unfinished_requests():
+        engine.step()
+    adapters.retire_unused(engine)
+    assert rt.lora_int_id not in engine.runner.lora.adapters
+    adapters.follow(engine, {"rt": str(tiny_llama_adapters["all"])})  # back: a new id
+    assert adapters.served["rt"].lora_int_id > rt.lora_int_id

@@ -149,3 +149,17 @@ def test_adapter_of_another_shape_is_refused(tiny_llama_adapters, tiny_mistral_d
     llm = LLM(str(tiny_mistral_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
     with pytest.raises(ValueError, match=r"k_proj pair has shapes .* B \[64, rank\]"):
         llm.generate("hi", greedy(), use_tqdm=False, lora_request=LoRARequest("all", 1, str(tiny_llama_adapters["all"])))
+
+
+def test_adapters_survive_preemption_and_share_prompts_across_n(tiny_llama_dir, tiny_llama_adapters, expected):
+    """A KV pool too small for the batch preempts requests, which recompute with their own
+    adapter; n=2 siblings share the prompt's blocks and the adapter."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=12, max_model_len=192,
+              enable_lora=True, max_loras=2)
+    requests = lora_requests(tiny_llama_adapters)
+    names = [name for name in ("all", "qv", None) for _ in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+    outs = llm.generate(PROMPTS * 3, params, use_tqdm=False, lora_request=[requests[n] for n in names])
+    for i, (name, out) in enumerate(zip(names, outs, strict=True)):
+        assert [c.token_ids for c in out.outputs] == [expected[name][i % len(PROMPTS)]] * 2, name
+    assert llm.engine.scheduler.num_preemptions > 0
