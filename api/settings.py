@@ -37,6 +37,9 @@ class Settings(BaseSettings):
     # How chat replies of reasoning models are split into reasoning_content and content
     # (api.reasoning): "deepseek_r1", "qwen3", or "none" (not a reasoning model).
     reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = "none"
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only when this is on (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING): they make workers read paths on their disks.
+    allow_runtime_lora_updating: bool = False
     # The batch API: uploads up to this size, kept this long (stored responses too); each batch keeps at most
     # batch_max_in_flight of its requests in the queue at once (the rest wait in Redis, so
     # interactive requests are not stuck behind a whole batch), checked every batch_poll_s.

@@ -174,6 +174,7 @@ class WorkerInfo:
     max_num_seqs: int
     lora_modules: str = ""  # comma-separated names of the LoRA adapters jobs may ask for too
     lora_errors: str = ""  # JSON {name: why}: runtime adapters this worker could not load
+    max_loras: int = 0  # adapters in one batch; 0: LoRA is off (it follows no registry)
     max_model_len: int = 0  # prompt plus output tokens a job may reach (0: not reported)
     state: str = "serving"  # serving | draining (SIGTERM received)
     running: int = 0  # requests in the engine's running queue

@@ -53,6 +53,10 @@ def build(parser: argparse.ArgumentParser) -> Any:
         "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
     )
     parser.add_argument(
+        "--enable-lora", action="store_true",
+        help="serve LoRA adapters: those of --lora-modules and of the runtime registry (genq:lora_adapters)",
+    )
+    parser.add_argument(
         "--lora-modules", nargs="+", metavar="NAME=PATH",
         help="LoRA adapters (PEFT directories) served beside the model; jobs name them in `model` "
         "(default: $GENQ_LORA_MODULES)",
@@ -91,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         engine_args["enable_prefix_caching"] = False
     if args.enforce_eager:
         engine_args["enforce_eager"] = True
+    if args.enable_lora:
+        engine_args["enable_lora"] = True
     worker_args = {k: getattr(args, k) for k in _WORKER_FLAGS if getattr(args, k) is not None}
     if args.lora_modules:
         worker_args["lora_modules"] = parse_lora_modules(args.lora_modules, "--lora-modules")

@@ -47,6 +47,7 @@ ENV_VARS = {
     "GENQ_NUM_THREADS": "torch threads on CPU",
     "GENQ_ENFORCE_EAGER": "1: no CUDA graphs for decode (default 0)",
     "GENQ_LORA_MODULES": "LoRA adapters served beside the model: name=path,name=path (jobs name them in `model`)",
+    "GENQ_ENABLE_LORA": "1: serve LoRA adapters (implied by GENQ_LORA_MODULES), following the runtime registry",
     "GENQ_MAX_LORAS": "engine max_loras: distinct adapters in one batch (default 1)",
     "GENQ_MAX_LORA_RANK": "engine max_lora_rank (default 16)",
     "GENQ_CLAIM_IDLE_S": "idle time after which another worker reclaims an entry",
@@ -149,6 +150,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         num_gpu_blocks_override=_int(env, "GENQ_NUM_GPU_BLOCKS"),
         num_threads=_int(env, "GENQ_NUM_THREADS"),
         enforce_eager=_bool(env, "GENQ_ENFORCE_EAGER"),
+        enable_lora=_bool(env, "GENQ_ENABLE_LORA"),
         max_loras=_int(env, "GENQ_MAX_LORAS"),
         max_lora_rank=_int(env, "GENQ_MAX_LORA_RANK"),
     )

@@ -118,6 +118,7 @@ class Heartbeat:
             max_num_seqs=self.config.engine.max_num_seqs,
             lora_modules=",".join(adapters.served),
             lora_errors=json.dumps(adapters.errors) if adapters.errors else "",
+            max_loras=self.config.engine.max_loras if self.config.engine.enable_lora else 0,
             max_model_len=self.engine.engine.max_model_len,  # as the engine resolved it
             state=self.state,
             running=stats.num_running,

@@ -155,6 +155,32 @@ def test_backpressure_is_429_with_retry_after(
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
 
 
+def test_runtime_lora_loading_needs_every_worker_to_serve_adapters(
+    redis_server: RedisServer, redis_url: str, redis_conn, serve_api
+) -> None:
+    """With no worker live an adapter is registered for workers to load as they start; with a
+    worker whose heartbeat says LoRA is off, loading is refused, since its jobs could land there."""
+    import time
+
+    from producer.protocol import Keys
+    from producer.records import WorkerInfo, encode_worker_info
+
+    keys = Keys()
+    settings = Settings(redis_url=redis_server.url, allow_runtime_lora_updating=True)
+    with serve_api(settings) as url, httpx.Client(base_url=url) as http:
+        early = http.post("/v1/load_lora_adapter", json={"lora_name": "early", "lora_path": "/adapters/early"})
+        assert early.status_code == 200 and "no worker is live" in early.text
+        assert redis_conn.hgetall(keys.lora_adapters) == {b"early": b"/adapters/early"}
+        beat = WorkerInfo(model="m", max_num_seqs=8, max_loras=0, heartbeat_at=time.time())
+        redis_conn.hset(keys.worker("w-no-lora"), mapping=encode_worker_info(beat))
+        refused = http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "/adapters/late"})
+        message = assert_openai_error(refused, 400, "lora_name")["message"]
+        assert "w-no-lora do not serve LoRA adapters" in message
+        assert redis_conn.hkeys(keys.lora_adapters) == [b"early"]
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "early"}).status_code == 200
+        assert redis_conn.hgetall(keys.lora_adapters) == {}
+
+
 def test_health_is_503_without_worker_or_redis(bare: httpx.Client, serve_api) -> None:
     response = bare.get("/health")
     assert response.status_code == 503 and response.json()["reason"] == "no live worker"

@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from api.settings import Settings
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
@@ -81,3 +83,52 @@ def test_an_adapter_no_worker_serves_is_404(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         oai.completions.create(model="sql-lora", prompt="x", max_tokens=1)
     assert info.value.body["code"] == "model_not_found" and "all, qv" in info.value.body["message"]
+
+
+def test_runtime_loading_is_off_by_default(http) -> None:
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": "/x"})
+    assert response.status_code == 404
+
+
+@pytest.fixture(scope="module")
+def runtime_api(live_worker: str, serve_api) -> Iterator[httpx.Client]:
+    """An API in front of the same worker, with GENQ_ALLOW_RUNTIME_LORA_UPDATING on."""
+    settings = Settings(redis_url=live_worker, request_timeout_s=60.0, allow_runtime_lora_updating=True)
+    with serve_api(settings) as url, httpx.Client(base_url=url, timeout=90.0) as client:
+        yield client
+
+
+def test_adapters_load_and_unload_at_run_time(runtime_api: httpx.Client, served_model: str, offline,
+                                              tiny_llama_adapters: dict[str, Path], tmp_path: Path) -> None:
+    def model_ids() -> list[str]:
+        return [m["id"] for m in runtime_api.get("/v1/models").json()["data"]]
+
+    def complete(model: str) -> httpx.Response:
+        return runtime_api.post("/v1/completions", json={"model": model, "prompt": "The capital of France is",
+                                                          "temperature": 0, "max_tokens": 12, "ignore_eos": True})
+
+    load = runtime_api.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": str(tiny_llama_adapters["qv"])})
+    assert (load.status_code, load.text) == (200, "Success: LoRA adapter 'rt' added successfully.")
+    assert model_ids() == [served_model, "all", "qv", "rt"]
+    assert runtime_api.get("/v1/models/rt").json()["parent"] == served_model
+    assert complete("rt").json()["choices"][0]["text"] == offline("qv", "The capital of France is")
+    for name in ("rt", "all", served_model):
+        again = runtime_api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(tmp_path)})
+        assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
+
+    bad = runtime_api.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
+    assert bad.status_code == 400
+    assert "cannot load LoRA adapter 'bad'" in bad.json()["error"]["message"]
+    assert "not a PEFT adapter directory" in bad.json()["error"]["message"]
+    assert "bad" not in model_ids()
+
+    unload = runtime_api.post("/v1/unload_lora_adapter", json={"lora_name": "rt"})
+    assert (unload.status_code, unload.text) == (200, "Success: LoRA adapter 'rt' removed successfully.")
+    assert model_ids() == [served_model, "all", "qv"]
+    assert complete("rt").status_code == 404
+    configured = runtime_api.post("/v1/unload_lora_adapter", json={"lora_name": "all"})
+    assert configured.status_code == 400 and "given to the workers at start" in configured.json()["error"]["message"]
+    unknown = runtime_api.post("/v1/unload_lora_adapter", json={"lora_name": "nope"})
+    assert unknown.status_code == 400 and "cannot be found" in unknown.json()["error"]["message"]
+    bad_name = runtime_api.post("/v1/load_lora_adapter", json={"lora_name": "a,b", "lora_path": "/x"})
+    assert bad_name.status_code == 400 and bad_name.json()["error"]["param"] == "lora_name"
