@@ -69,15 +69,21 @@ def pad_tables(
 
 @dataclass
 class DecodeBucket:
+    """Sequences with `q_len` new tokens each, attended together: decodes (1), or decodes
+    with guessed tokens to check (speculative decoding)."""
+
     row_start: int  # rows [row_start, row_end) of the flat batch
     row_end: int
     # [n * num_kv_heads * max_blocks]: rows of the cache viewed as [num_blocks * num_kv_heads,
     # block_size * head_dim], ordered (sequence, kv head, block); padded with block 0
     block_rows: torch.Tensor
-    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] additive: 0 where a row may attend
+    # [n, 1, group * q_len, max_blocks * block_size] additive: 0 where a row may attend (one
+    # row for q_len 1: every query head of a sequence sees the same positions)
+    mask: torch.Tensor
     # where the gathered K and V land, reused by every layer of the step: [len(block_rows), bs * D]
     k_buffer: torch.Tensor
     v_buffer: torch.Tensor
+    q_len: int = 1
 
 
 @dataclass
@@ -125,14 +131,20 @@ class TorchAttention:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     def build(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """Metadata for a batch ordered decodes first (shortest context first), then prefills."""
+        """Metadata for a batch ordered decodes first (shortest context first), then decodes
+        with guesses (grouped by length), then prefills."""
         meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
-        decodes = [s for s in batch if len(s.token_ids) == 1]
-        for start in range(0, len(decodes), DECODE_BUCKET_SIZE):
-            bucket = decodes[start : start + DECODE_BUCKET_SIZE]
-            meta.decodes.append(self._decode_bucket(bucket, start))
-        row = len(decodes)
-        for s in batch[len(decodes) :]:
+        row, i = 0, 0
+        while i < len(batch) and (len(batch[i].token_ids) == 1 or batch[i].num_drafts):
+            q_len = len(batch[i].token_ids)
+            bucket = [batch[i]]
+            while (i + len(bucket) < len(batch) and len(bucket) < DECODE_BUCKET_SIZE
+                   and len(batch[i + len(bucket)].token_ids) == q_len
+                   and (q_len == 1 or batch[i + len(bucket)].num_drafts)):
+                bucket.append(batch[i + len(bucket)])
+            meta.decodes.append(self._decode_bucket(bucket, row, q_len))
+            row, i = row + q_len * len(bucket), i + len(bucket)
+        for s in batch[i:]:
             meta.prefills.append(self._prefill_chunk(s, row))
             row += len(s.token_ids)
         return meta
@@ -151,16 +163,20 @@ class TorchAttention:
         head = torch.arange(heads, device=self.device)
         return table[:, None, :] * heads + head[None, :, None]
 
-    def _decode_bucket(self, bucket: list[ScheduledRequest], row: int) -> DecodeBucket:
-        bs = self.block_size
-        ctx = torch.tensor([s.start_pos + 1 for s in bucket], device=self.device)  # [n]
-        num_blocks = -(-int(ctx.max()) // bs)
+    def _decode_bucket(self, bucket: list[ScheduledRequest], row: int, q_len: int) -> DecodeBucket:
+        bs, n = self.block_size, len(bucket)
+        start = torch.tensor([s.start_pos for s in bucket], device=self.device)  # [n]
+        num_blocks = -(-(int(start.max()) + q_len) // bs)
         rows = self._block_rows([s.block_table[:num_blocks] for s in bucket], num_blocks)
         span = torch.arange(num_blocks * bs, device=self.device)
-        allowed = span[None, :] < ctx[:, None]  # [n, num_blocks * block_size]
-        mask = self._additive(allowed).view(len(bucket), 1, 1, -1)
+        # query j of sequence i sits at start_i + j and sees positions up to it: [n, q_len, span]
+        last = start[:, None] + torch.arange(q_len, device=self.device)[None, :]
+        allowed = span[None, None, :] <= last[:, :, None]
+        if q_len > 1:  # rows ordered (group member, query) within a KV head
+            allowed = allowed.unsqueeze(1).expand(n, self.group, q_len, -1).reshape(n, self.group * q_len, -1)
+        mask = self._additive(allowed).view(n, 1, allowed.shape[1], -1)
         buffers = torch.empty(2, rows.numel(), bs * self.head_dim, dtype=self.dtype, device=self.device)
-        return DecodeBucket(row, row + len(bucket), rows.view(-1), mask, buffers[0], buffers[1])
+        return DecodeBucket(row, row + q_len * n, rows.view(-1), mask, buffers[0], buffers[1], q_len)
 
     def _prefill_chunk(self, s: ScheduledRequest, row: int) -> PrefillChunk:
         q_len = len(s.token_ids)
@@ -231,20 +247,25 @@ def _matmul_attention(
 
 
 def _decode_attention(
-    q: torch.Tensor,  # [n, num_heads, D]
+    q: torch.Tensor,  # [n * q_len, num_heads, D]
     k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, D]
     v_cache: torch.Tensor,
     bucket: DecodeBucket,
     scale: float,
-) -> torch.Tensor:  # [n, num_heads, D]
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+) -> torch.Tensor:  # [n * q_len, num_heads, D]
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads, q_len = k_cache.shape[1], bucket.q_len
+    n, group = num_rows // q_len, num_heads // num_kv_heads
     ctx = bucket.mask.shape[-1]
-    qd = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [n, kv_heads, group, D]
+    # a KV head's query rows, ordered (group member, query): [n, kv_heads, group * q_len, D]
+    qd = q.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qd = qd.reshape(n, num_kv_heads, group * q_len, head_dim)
     kd = _gather(k_cache, bucket.block_rows, bucket.k_buffer).view(n, num_kv_heads, ctx, head_dim)
     vd = _gather(v_cache, bucket.block_rows, bucket.v_buffer).view(n, num_kv_heads, ctx, head_dim)
     # Plain matmuls beat SDPA's CPU kernel at these shapes (a few query rows per KV head).
-    return _matmul_attention(qd, kd, vd, bucket.mask, scale).reshape(n, num_heads, head_dim)
+    o = _matmul_attention(qd, kd, vd, bucket.mask, scale)  # [n, kv_heads, group * q_len, D]
+    o = o.view(n, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    return o.reshape(num_rows, num_heads, head_dim)
 
 
 def _prefill_attention(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from worker.spec_decode import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -31,6 +33,9 @@ class EngineConfig:
     enable_lora: bool = False  # serve LoRA adapters (requests name one with a LoRARequest)
     max_loras: int = 1  # distinct adapters in one batch: the slots beside the weights
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    # "prompt_lookup_min": 1} guesses tokens from the request's own earlier text; None: off
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -44,6 +49,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, by name
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 

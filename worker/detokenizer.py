@@ -77,6 +77,11 @@ class IncrementalDetokenizer:
         return self._text[: self._num_sent]
 
     @property
+    def num_tokens_at_stop(self) -> int:
+        """After a stop string matched: the output tokens read up to the one completing it."""
+        return len(self.token_ids)
+
+    @property
     def finished(self) -> bool:
         """True after a stop string matched or flush(); later updates return ""."""
         return self._finished

@@ -26,7 +26,8 @@ from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
 from worker.sampler import Sampler, TokenLogprobs
 from worker.sampling_batch import SamplingBatch
-from worker.scheduler import Scheduler
+from worker.scheduler import Scheduler, SchedulerOutput
+from worker.spec_decode import NgramProposer, SpecDecodeStats, SpeculativeConfig, can_speculate
 from worker.structured_output import GuidedDecoding
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
+        spec = config.speculative_config
+        self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
+        self.spec_stats = SpecDecodeStats()
         self._aborted: list[Request] = []  # finished by abort, reported at the next step
         self.num_generated_tokens = 0
 
@@ -195,41 +199,83 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         updated: list[Request] = self._take_aborted()
-        logprobs: dict[str, TokenLogprobs] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         if not sched.is_empty:
             model_out = self.runner.execute(sched)
-            sampled, logprobs = self._sample(model_out.request_ids, model_out.logits)
+            sampled, logprobs = self._sample(sched, model_out.request_ids, model_out.logits)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
+            before = sum(self.scheduler.requests[rid].num_output_tokens for rid in sampled)
             self.scheduler.update_from_output(sched, sampled)
             updated += [self.scheduler_request(rid) for rid in sampled]
+            self.num_generated_tokens += sum(self.scheduler_request(rid).num_output_tokens for rid in sampled) - before
         outputs, stopped = self.output_processor.process(updated, logprobs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
+        self._propose()
         return outputs
 
     def scheduler_request(self, request_id: str) -> Request:
         return self.scheduler.requests.get(request_id) or self.scheduler.finished[request_id]
 
     def _sample(
-        self, request_ids: list[str], logits: torch.Tensor
-    ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        if not request_ids:
+        self, sched: SchedulerOutput, row_ids: list[str], logits: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        """The tokens each sampling request keeps this step (and their logprobs). A request
+        with guesses has a row per guess and one more; row j is sampled as if the guesses
+        before it were output already, and guesses are kept while each equals the token
+        sampled in the row before it."""
+        if not row_ids:
             return {}, {}
-        requests = [self.scheduler.requests[rid] for rid in request_ids]
+        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled}
+        requests = [self.scheduler.requests[rid] for rid in row_ids]
+        row_outputs, j = [], 0  # each row's output tokens so far, guesses included
+        for i, (rid, request) in enumerate(zip(row_ids, requests, strict=True)):
+            j = j + 1 if i and row_ids[i - 1] == rid else 0
+            row_outputs.append(request.output_token_ids + drafts[rid][:j] if j else request.output_token_ids)
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
+            output_token_ids=row_outputs,
             generators=[self.generators.get(r.request_id) for r in requests],
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=logits.shape[-1],
             device=logits.device,
-            token_masks=self.guided.masks([(r.request_id, r.output_token_ids) for r in requests]),
+            token_masks=self.guided.masks(list(zip(row_ids, row_outputs, strict=True))),
         )
         out = self.sampler(logits, batch)
-        self.num_generated_tokens += len(out.token_ids)
-        logprobs = {rid: lp for rid, lp in zip(request_ids, out.logprobs or [], strict=False) if lp is not None}
-        return dict(zip(request_ids, out.token_ids, strict=True)), logprobs
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        for i, (rid, token_id) in enumerate(zip(row_ids, out.token_ids, strict=True)):
+            kept = sampled.setdefault(rid, [])
+            guesses = drafts[rid]
+            if kept and (len(kept) > len(guesses) or kept[-1] != guesses[len(kept) - 1]):
+                continue  # a guess before this row was wrong: its row saw a wrong past
+            kept.append(token_id)
+            entry = out.logprobs[i] if out.logprobs else None
+            if entry is not None:
+                logprobs.setdefault(rid, []).append(entry)
+        self.spec_stats.add(drafts, sampled)
+        if self.proposer is not None:
+            for rid, guesses in drafts.items():
+                if guesses and rid in sampled:
+                    self.proposer.record(rid, len(guesses), len(sampled[rid]) - 1)
+        return sampled, logprobs
+
+    def _propose(self) -> None:
+        """Guesses for the next step of every decoding request that may speculate."""
+        if self.proposer is None:
+            return
+        limit = self.proposer.config.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) >= limit:
+            return
+        for request in self.scheduler.running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling
+            if not can_speculate(request.sampling_params, request.request_id in self.generators):
+                continue
+            # no guess past max_tokens or max_model_len: the step's last token needs room
+            room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, room)
 
     def _record_prompt_logprobs(self, sched, chunk_logits: dict[str, torch.Tensor]) -> None:
         """Logprob of each prompt token given the tokens before it (raw model distribution),
@@ -268,6 +314,8 @@ class Engine:
     def _forget(self, finished: list[Request]) -> None:
         for request in finished:
             self.generators.pop(request.request_id, None)
+            if self.proposer is not None:
+                self.proposer.remove(request.request_id)
             self.guided.remove(request.request_id)
             self.scheduler.finished.pop(request.request_id, None)
 

@@ -59,7 +59,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class ModelOutput:
-    request_ids: list[str]  # one per logits row
+    request_ids: list[str]  # one per logits row (consecutive rows for a request with guesses)
     logits: torch.Tensor  # [num_rows, vocab] float32
     # request id -> [chunk_len, vocab] logits at each computed position, for prompt logprobs
     chunk_logits: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -161,15 +161,18 @@ class ModelRunner:
         else:  # eager: prefills, and steps with adapters (the graphs hold the base model only)
             input_ids, positions, meta = self._prepare(batch)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)  # [T, hidden]
-        ends = torch.tensor(_row_ends(batch), dtype=torch.long, device=self.device)
-        samplers = [i for i, s in enumerate(batch) if s.sample]
-        logits = self.model.compute_logits(hidden[ends[samplers] - 1])  # [num_samplers, vocab]
+        ends = _row_ends(batch)
+        # a sampling request's last row, and one more per guessed token before it
+        rows = [(s.request_id, end - 1 - s.num_drafts + j)
+                for s, end in zip(batch, ends, strict=True) if s.sample for j in range(1 + s.num_drafts)]
+        index = torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[index])  # [num_rows, vocab]
         chunk_logits = {
-            s.request_id: self.model.compute_logits(hidden[int(ends[i]) - len(s.token_ids) : int(ends[i])])
-            for i, s in enumerate(batch)
+            s.request_id: self.model.compute_logits(hidden[end - len(s.token_ids) : end])
+            for s, end in zip(batch, ends, strict=True)
             if s.prompt_logprobs
         }
-        return ModelOutput([batch[i].request_id for i in samplers], logits, chunk_logits)
+        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits)
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, Any]:
         ids: list[int] = []
@@ -211,10 +214,13 @@ def _cpu_pool(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """Decodes first, shortest context first, so each decode bucket pads little; then prefills.
-    Decodes are grouped by adapter first, so each adapter's rows are one slice."""
+    """Decodes first, shortest context first, so each decode bucket pads little; then decodes
+    with guesses to check, by length (each length attends as a bucket); then prefills. Within
+    those, requests are grouped by adapter, so each adapter's rows are one slice."""
     decodes = sorted((s for s in scheduled if len(s.token_ids) == 1), key=lambda s: (s.lora_id, s.start_pos))
-    return decodes + [s for s in scheduled if len(s.token_ids) > 1]
+    guessed = sorted((s for s in scheduled if len(s.token_ids) > 1 and s.num_drafts),
+                     key=lambda s: (len(s.token_ids), s.lora_id, s.start_pos))
+    return decodes + guessed + [s for s in scheduled if len(s.token_ids) > 1 and not s.num_drafts]
 
 
 def _row_ends(batch: list[ScheduledRequest]) -> list[int]:

@@ -65,7 +65,7 @@ class OutputProcessor:
         return parent.prompt_logprobs
 
     def process(
-        self, updated: list[Request], logprobs: dict[str, Any] | None = None
+        self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]] | None = None
     ) -> tuple[list[RequestOutput], list[str]]:
         """Deltas for requests that got tokens or finished this step, and the ids of requests
         that a stop string finished (the engine tells the scheduler)."""
@@ -83,24 +83,28 @@ class OutputProcessor:
             by_parent.setdefault(parent_id, []).append(delta)
         return [self._request_output(pid, deltas) for pid, deltas in by_parent.items()], stopped
 
-    def _completion_delta(self, request: Request, parent: ParentState, logprobs: Any) -> CompletionOutput:
+    def _completion_delta(self, request: Request, parent: ParentState,
+                          logprobs: list[TokenLogprobs] | None) -> CompletionOutput:
         state = parent.completions[request.request_id]
         new_ids = request.output_token_ids[state.num_sent_tokens :]
-        state.num_sent_tokens = request.num_output_tokens
         detok = state.detokenizer
         text = detok.update(_text_ids(request, new_ids)) if new_ids else ""
         finish_reason = request.status.finish_reason
         stop_reason = request.stop_reason
         if detok.stop_reason is not None:
             finish_reason, stop_reason = "stop", detok.stop_reason
+            # several tokens in one step (speculative decoding): those after the one that
+            # completed the stop string are not output
+            del request.output_token_ids[detok.num_tokens_at_stop :]
+            new_ids = request.output_token_ids[state.num_sent_tokens :]
         elif finish_reason is not None:
             text += detok.flush()
+        state.num_sent_tokens = request.num_output_tokens
         state.finished = finish_reason is not None
-        if logprobs:
-            self._spell(logprobs)
-        return CompletionOutput(
-            state.index, text, new_ids, finish_reason, stop_reason, [logprobs] if logprobs else None
-        )
+        logprobs = logprobs[: len(new_ids)] if logprobs else None  # tokens a stop left out
+        for entry in logprobs or ():
+            self._spell(entry)
+        return CompletionOutput(state.index, text, new_ids, finish_reason, stop_reason, logprobs or None)
 
     def _request_output(self, parent_id: str, deltas: list[CompletionOutput]) -> RequestOutput:
         parent = self.parents[parent_id]

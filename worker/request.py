@@ -56,6 +56,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     max_tokens: int = 0  # resolved limit on len(output_token_ids)
     lora_id: int = 0  # the adapter it runs with (LoRARequest.lora_int_id); 0: the base model
+    # Guessed next tokens (speculative decoding), computed with its next decode step; the
+    # step's sampling decides how many were right.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -26,6 +26,7 @@ class ScheduledRequest:
     sample: bool  # the step reaches the end of the known tokens, so a token is sampled
     prompt_logprobs: bool = False  # the request wants logprobs for the prompt tokens computed here
     lora_id: int = 0  # the adapter its rows run with; 0: none
+    num_drafts: int = 0  # token_ids ends with this many guessed tokens (speculative decoding)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 self._preempt(victim, out)
@@ -160,16 +161,19 @@ class Scheduler:
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
+        num_known = min(num_new, request.num_tokens - start)
+        drafts = request.spec_token_ids[: num_new - num_known]  # what the budget left room for
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.token_slice(start, start + num_new),
+                token_ids=request.token_slice(start, start + num_known) + drafts,
                 start_pos=start,
                 block_table=list(self.block_manager.block_table(request.request_id)),
-                sample=start + num_new == request.num_tokens,
+                sample=start + num_known == request.num_tokens,
                 prompt_logprobs=request.sampling_params.prompt_logprobs is not None
                 and start < request.num_prompt_tokens,
                 lora_id=request.lora_id,
+                num_drafts=len(drafts),
             )
         )
 
@@ -189,6 +193,7 @@ class Scheduler:
         self.block_manager.free_request(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.insert(0, request)
@@ -197,28 +202,39 @@ class Scheduler:
     # -- after the model ran -----------------------------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
     ) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, and finish requests that hit EOS,
-        a stop token id, max_tokens or max_model_len. Returns the requests finished here."""
+        """Advance computed tokens, append sampled tokens (several when guesses were right:
+        the guesses kept, then one more), and finish requests that hit EOS, a stop token id,
+        max_tokens or max_model_len. Returns the requests finished here."""
         finished: list[Request] = []
         for sched in out.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(sched.token_ids)
+            token_ids = sampled.get(sched.request_id, [])
+            num_rejected = sched.num_drafts - max(len(token_ids) - 1, 0)
+            # the KV of rejected guesses stays past num_computed_tokens, to be overwritten
+            request.num_computed_tokens += len(sched.token_ids) - num_rejected
+            request.spec_token_ids = []
+            status = self._append(request, token_ids)
+            # after the append: kept guesses are computed tokens only once they are tokens
             self.block_manager.cache_computed_blocks(request)
-            token_id = sampled.get(sched.request_id)
-            if token_id is None:
-                continue
+            if status is not None:
+                self.finish_requests([request.request_id], status)
+                finished.append(request)
+        return finished
+
+    def _append(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
+        """Append tokens up to the first that ends the request; how it ended, if it did."""
+        for token_id in token_ids:
             request.output_token_ids.append(token_id)
             if request.request_id in self.forks:
                 self._fork(request)
             status = self._check_stop(request, token_id)
             if status is not None:
-                self.finish_requests([request.request_id], status)
-                finished.append(request)
-        return finished
+                return status
+        return None
 
     def _fork(self, parent: Request) -> None:
         """The parent has computed the prompt: its siblings share the prompt's full blocks and

@@ -29,7 +29,7 @@ def make_request(rid, prompt, max_tokens=8, priority=0, arrival=0.0, **params):
 def step(sched, token=7):
     """One schedule + update with a fixed sampled token for every sampling request."""
     out = sched.schedule()
-    sampled = {s.request_id: token for s in out.scheduled if s.sample}
+    sampled = {s.request_id: [token] for s in out.scheduled if s.sample}
     finished = sched.update_from_output(out, sampled)
     return out, finished
 
@@ -73,11 +73,11 @@ def test_eos_and_stop_token_and_min_tokens():
     sched.add_request(make_request("stopid", [5, 6], stop_token_ids=[9]))
     sched.add_request(make_request("min", [5, 6], min_tokens=2))
     out = sched.schedule()
-    finished = sched.update_from_output(out, {"eos": 2, "ignore": 2, "stopid": 9, "min": 2})
+    finished = sched.update_from_output(out, {"eos": [2], "ignore": [2], "stopid": [9], "min": [2]})
     assert sorted(r.request_id for r in finished) == ["eos", "stopid"]
     assert sched.finished["stopid"].stop_reason == 9
     out = sched.schedule()
-    finished = sched.update_from_output(out, {"ignore": 2, "min": 2})
+    finished = sched.update_from_output(out, {"ignore": [2], "min": [2]})
     assert [r.request_id for r in finished] == ["min"]
 
 

@@ -1,0 +1,146 @@
+"""Speculative decoding with n-gram guesses: lossless. Greedy tokens equal transformers'
+exactly; with stop tokens, stop strings, max_tokens, penalties, logprobs, n > 1 and
+preemption, every output equals the same engine's without speculation.
+
+The default model runs these: it continues repetitive text by copying it, so many guesses
+are right and the steps that keep several tokens are exercised (a tiny random model almost
+never repeats itself)."""
+
+from __future__ import annotations
+
+import pytest
+from test_engine import hf_greedy
+
+from producer.sampling_params import SamplingParams
+from worker import LLM
+from worker.spec_decode import NgramProposer, SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+PROMPTS = [
+    "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,",
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "Hello, my name is",
+]
+
+
+def engine(spec: bool, **kwargs) -> LLM:
+    args = {"num_gpu_blocks_override": 256, "max_model_len": 1024, **kwargs}
+    return LLM(None, dtype="float32", speculative_config=NGRAM if spec else None, **args)
+
+
+@pytest.fixture(scope="module")
+def plain_llm(default_model_dir) -> LLM:
+    return engine(spec=False)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(default_model_dir) -> LLM:
+    return engine(spec=True)
+
+
+def test_greedy_matches_transformers_and_guesses_are_kept(default_model_dir):
+    llm = engine(spec=True)
+    tok = llm.get_tokenizer()
+    expected = hf_greedy(default_model_dir, [tok.encode(p) for p in PROMPTS], max_new=40)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens > 40 and 0 < stats.acceptance_rate <= 1
+    assert llm.engine.num_generated_tokens == 40 * len(PROMPTS)
+
+
+CASES = {
+    "stop token ids": SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[11]),
+    "stop strings": SamplingParams(temperature=0.0, max_tokens=40, stop=["the mat", "3, 4"]),
+    "stop string kept": SamplingParams(temperature=0.0, max_tokens=40, stop=["3,"], include_stop_str_in_output=True),
+    "max tokens": SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+    "penalties and logprobs": SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3,
+                                             frequency_penalty=0.2, logprobs=3, ignore_eos=True),
+    "min tokens": SamplingParams(temperature=0.0, max_tokens=30, min_tokens=12),
+    "n=2 seeded random": SamplingParams(temperature=0.8, max_tokens=20, n=2, seed=7),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_outputs_equal_plain_decoding(plain_llm, spec_llm, case):
+    params = CASES[case]
+    plain = plain_llm.generate(PROMPTS, params, use_tqdm=False)
+    drafts_before = spec_llm.engine.spec_stats.num_drafts
+    spec = spec_llm.generate(PROMPTS, params, use_tqdm=False)
+    for p, s in zip(plain, spec, strict=True):
+        for a, b in zip(p.outputs, s.outputs, strict=True):
+            assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+            if a.logprobs is not None:
+                assert [e.token_id for e in b.logprobs] == [e.token_id for e in a.logprobs]
+                assert [e.logprob for e in b.logprobs] == pytest.approx([e.logprob for e in a.logprobs], abs=1e-4)
+                assert [sorted(e.top_logprobs) for e in b.logprobs] == [sorted(e.top_logprobs) for e in a.logprobs]
+    num_drafts = spec_llm.engine.spec_stats.num_drafts - drafts_before
+    # seeded random rows draw one noise vector per token: they are never guessed for
+    assert (num_drafts == 0) == (case == "n=2 seeded random")
+
+
+def test_preemption_and_chunked_prefill_keep_outputs(plain_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    small = {"num_gpu_blocks_override": 12, "max_model_len": 192, "max_num_batched_tokens": 24}
+    plain = plain_llm.generate(PROMPTS * 2, params, use_tqdm=False)
+    spec_llm = engine(spec=True, **small)
+    spec = spec_llm.generate(PROMPTS * 2, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert spec_llm.engine.scheduler.num_preemptions > 0 and spec_llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_no_guesses_at_or_above_disable_by_batch_size():
+    config = {**NGRAM, "disable_by_batch_size": 2}
+    llm = LLM(None, dtype="float32", num_gpu_blocks_override=256, max_model_len=1024, speculative_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)  # two run together to the end
+    assert llm.engine.spec_stats.num_drafts == 0
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_guesses_are_paced_by_how_they_fare():
+    """All kept: one more next time (up to num_speculative_tokens); none kept: half, then
+    none for a while, doubling while they keep failing; then one again."""
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4))
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1]  # "1" was followed by 2 3 4 5
+    assert proposer.propose("a", tokens, 10) == [2, 3, 4, 5]
+    proposer.record("a", 4, 0)
+    assert proposer.propose("a", tokens, 10) == [2, 3]
+    proposer.record("a", 2, 0)
+    assert proposer.propose("a", tokens, 10) == [2]
+    proposer.record("a", 1, 0)  # limit 0: one step without, then one guess
+    assert [proposer.propose("a", tokens, 10) for _ in range(2)] == [[], [2]]
+    proposer.record("a", 1, 0)  # failed again: two steps without
+    assert [proposer.propose("a", tokens, 10) for _ in range(3)] == [[], [], [2]]
+    proposer.record("a", 1, 1)
+    assert proposer.propose("a", tokens, 10) == [2, 3]
+    proposer.record("a", 2, 1)  # some kept: the same
+    assert proposer.propose("a", tokens, 10) == [2, 3]
+
+
+def test_ngram_proposals():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3))
+    tokens = [5, 1, 2, 3, 9, 8, 1, 2, 3]
+    assert proposer.propose("a", tokens, 10) == [9, 8, 1]  # after the earlier "1 2 3"
+    assert proposer.propose("a", tokens + [7], 10) == []  # "3 7", "7": never seen before
+    assert proposer.propose("a", tokens + [7, 1, 2], 2) == [3, 7]  # the latest "1 2" wins; capped
+    assert proposer.propose("b", [4], 10) == []
+    proposer.remove("a")
+    assert proposer.propose("a", [1, 2, 1], 10) == [2, 1]  # indexes from scratch
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be 'ngram'"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an int >= 1"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown key"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be an int >= 1"),
+])
+def test_bad_speculative_config_is_refused_by_name(config, message):
+    from worker.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=config)

@@ -1,0 +1,175 @@
+"""Speculative decoding with n-gram drafts (vLLM's `speculative_config={"method": "ngram"}`,
+prompt lookup decoding). Plain Python: the scheduler reads the drafts it proposes.
+
+When a request's last few tokens occurred earlier in its prompt or output, the tokens that
+followed them then are a cheap guess at what comes next. The scheduler runs a request's
+last token and up to `num_speculative_tokens` guessed ones in one step; the model's logits
+at every one of those positions are sampled as if they had been computed one step at a time
+(each row sees the guesses before it as output), and guesses are kept while each equals the
+token sampled before it. Every step so yields at least one token, and the tokens are those
+plain decoding would sample: for greedy rows exactly, for random rows in distribution
+(sampling a token and comparing it with a one-token guess accepts the guess with its model
+probability, and otherwise samples from the rest: rejection sampling's own rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from producer.sampling_params import MIN_TEMPERATURE, SamplingParams
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int  # guesses per step, at most
+    prompt_lookup_max: int = 4  # longest suffix looked up
+    prompt_lookup_min: int = 1  # shortest suffix looked up
+    method: str = "ngram"
+    # no guesses while this many requests run or more: at large batches a step is bound by
+    # compute, and every guess adds a row to it (None: guess at any batch size)
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's speculative_config dict; ValueError naming a bad or unknown key."""
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        if config.get("method", "ngram") != "ngram":
+            raise ValueError(f"speculative_config method must be 'ngram' (draft models are not "
+                             f"supported), got {config.get('method')!r}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        spec = cls(**config)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(spec, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config {name} must be an int >= 1, got {value!r}")
+        limit = spec.disable_by_batch_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be an int >= 1, got {limit!r}")
+        if spec.prompt_lookup_min > spec.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({spec.prompt_lookup_min}) is over "
+                             f"prompt_lookup_max ({spec.prompt_lookup_max})")
+        return spec
+
+
+def can_speculate(params: SamplingParams, seeded: bool) -> bool:
+    """Guided rows advance a grammar one sampled token at a time, and a seeded random row
+    must draw exactly one noise vector per token (a resumed job skips that many): both are
+    decoded plainly."""
+    random = params.temperature >= MIN_TEMPERATURE
+    return params.guided_decoding is None and not (seeded and random)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counts since the engine started (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0  # steps of a request that carried guesses
+    num_draft_tokens: int = 0  # guesses computed
+    num_accepted_tokens: int = 0  # guesses kept
+
+    def add(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
+        for request_id, guesses in drafts.items():
+            if guesses and request_id in sampled:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(guesses)
+                self.num_accepted_tokens += len(sampled[request_id]) - 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+MAX_CANDIDATES = 32  # earlier occurrences of a suffix's first token checked, latest first
+MAX_BACKOFF_STEPS = 16  # a request whose guesses keep failing tries again at least this often
+
+
+@dataclass
+class _Pace:
+    """How many guesses a request gets: one more after all were kept, the same after some
+    were, half after none was; at none, none for a while (doubling while that repeats),
+    then one. A guess costs a row of compute: text that does not repeat itself should not
+    keep paying for it."""
+
+    limit: int
+    wait_steps: int = 0
+    backoff_steps: int = 1
+
+    def allowed(self) -> int:
+        if self.limit == 0:
+            if self.wait_steps > 0:
+                self.wait_steps -= 1
+                return 0
+            self.limit = 1  # try again
+        return self.limit
+
+    def record(self, num_drafts: int, num_kept: int, most: int) -> None:
+        if num_kept == num_drafts:
+            self.limit, self.backoff_steps = min(most, self.limit + 1), 1
+        elif num_kept == 0:
+            self.limit //= 2
+            if self.limit == 0:
+                self.wait_steps = self.backoff_steps
+                self.backoff_steps = min(2 * self.backoff_steps, MAX_BACKOFF_STEPS)
+
+
+class NgramProposer:
+    """Drafts for each request from its own tokens, with an index of where each token id
+    occurs (kept per request and extended as tokens come), so a lookup checks only the
+    places a match could start."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._positions: dict[str, dict[int, list[int]]] = {}  # request -> token id -> positions
+        self._num_indexed: dict[str, int] = {}
+        self._pace: dict[str, _Pace] = {}
+
+    def propose(self, request_id: str, token_ids: list[int], max_drafts: int) -> list[int]:
+        """Up to `max_drafts` tokens that followed the latest earlier occurrence of the
+        longest suffix of `token_ids` (prompt_lookup_max down to prompt_lookup_min tokens),
+        fewer as the request's recent guesses failed."""
+        pace = self._pace.setdefault(request_id, _Pace(self.config.num_speculative_tokens))
+        max_drafts = min(max_drafts, pace.allowed())
+        num_tokens = len(token_ids)
+        if max_drafts < 1 or num_tokens < 2:
+            return []
+        positions = self._index(request_id, token_ids)
+        longest = min(self.config.prompt_lookup_max, num_tokens - 1)
+        for n in range(longest, self.config.prompt_lookup_min - 1, -1):
+            suffix_start = num_tokens - n
+            suffix = token_ids[suffix_start:]
+            checked = 0
+            for start in reversed(positions.get(suffix[0], ())):
+                if start >= suffix_start:
+                    continue  # the suffix itself, or a match with nothing after it
+                if token_ids[start : start + n] == suffix:
+                    return token_ids[start + n : start + n + max_drafts]
+                checked += 1
+                if checked == MAX_CANDIDATES:
+                    break
+        return []
+
+    def record(self, request_id: str, num_drafts: int, num_kept: int) -> None:
+        """How a step went for the request's guesses: paces its next ones."""
+        pace = self._pace.get(request_id)
+        if pace is not None and num_drafts:
+            pace.record(num_drafts, num_kept, self.config.num_speculative_tokens)
+
+    def remove(self, request_id: str) -> None:
+        self._positions.pop(request_id, None)
+        self._num_indexed.pop(request_id, None)
+        self._pace.pop(request_id, None)
+
+    def _index(self, request_id: str, token_ids: list[int]) -> dict[int, list[int]]:
+        positions = self._positions.setdefault(request_id, {})
+        start = self._num_indexed.get(request_id, 0)
+        for i in range(start, len(token_ids)):
+            positions.setdefault(token_ids[i], []).append(i)
+        self._num_indexed[request_id] = len(token_ids)
+        return positions
