@@ -4,7 +4,8 @@
    `triton.testing.do_bench` (median), bandwidth beside a device-to-device copy of the same bytes;
 2. greedy outputs of the engine on CUDA against the CPU path (float32: equal; bfloat16: close),
    and with CUDA graphs against without (`enforce_eager`); the same with LoRA adapters mixed in
-   one batch (random rank-16 adapters, written by `benchmarks/lora.py`);
+   one batch (random rank-16 adapters, written by `benchmarks/lora.py`); n-gram speculative
+   decoding against plain decoding (float32: equal);
 3. W1 through the engine (bfloat16; with and without CUDA graphs) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -57,6 +58,10 @@ def check_engine_vs_cpu(model: str | None, load_format: str, num_tokens: int = 3
         cpu = greedy(dtype=dtype, device="cpu")
         gpu = greedy(dtype=dtype, device="cuda")
         lines.append(f"greedy cuda vs cpu {dtype:<9} {_compare(cpu, gpu)}")
+        if dtype == "float32":
+            ngram = {"method": "ngram", "num_speculative_tokens": 4}
+            spec = greedy(dtype=dtype, device="cuda", speculative_config=ngram)
+            lines.append(f"greedy cuda ngram vs plain float32 {_compare(gpu, spec)}")
     eager = greedy(dtype="bfloat16", device="cuda", enforce_eager=True)
     lines.append(f"greedy cuda graphs vs eager bfloat16 {_compare(eager, gpu)}")
     return lines

@@ -53,6 +53,11 @@ def build(parser: argparse.ArgumentParser) -> Any:
         "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
     )
     parser.add_argument(
+        "--speculative-config", metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(default: $GENQ_SPECULATIVE_CONFIG or off)",
+    )
+    parser.add_argument(
         "--enable-lora", action="store_true",
         help="serve LoRA adapters: those of --lora-modules and of the runtime registry (genq:lora_adapters)",
     )
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from arq.worker import run_worker
 
     from worker.consumer import WorkerSettings, arq_settings
-    from worker.queue_config import config_from_env, parse_lora_modules
+    from worker.queue_config import config_from_env, parse_json_object, parse_lora_modules
 
     env = dict(os.environ)
     env["GENQ_REDIS_URL"] = args.redis_url  # --redis-url defaults to $GENQ_REDIS_URL already
@@ -97,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
         engine_args["enforce_eager"] = True
     if args.enable_lora:
         engine_args["enable_lora"] = True
+    if args.speculative_config:
+        try:
+            engine_args["speculative_config"] = parse_json_object(args.speculative_config)
+        except ValueError:
+            raise SystemExit(f"--speculative-config must be a JSON object, got {args.speculative_config!r}") from None
     worker_args = {k: getattr(args, k) for k in _WORKER_FLAGS if getattr(args, k) is not None}
     if args.lora_modules:
         worker_args["lora_modules"] = parse_lora_modules(args.lora_modules, "--lora-modules")

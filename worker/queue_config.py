@@ -7,6 +7,7 @@ it. Importing this module stays cheap (no torch), so `arq --check` is quick.
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ ENV_VARS = {
     "GENQ_ENABLE_LORA": "1: serve LoRA adapters (implied by GENQ_LORA_MODULES), following the runtime registry",
     "GENQ_MAX_LORAS": "engine max_loras: distinct adapters in one batch (default 1)",
     "GENQ_MAX_LORA_RANK": "engine max_lora_rank (default 16)",
+    "GENQ_SPECULATIVE_CONFIG": 'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4} (default: off)',
     "GENQ_CLAIM_IDLE_S": "idle time after which another worker reclaims an entry",
     "GENQ_HEARTBEAT_S": "heartbeat period",
     "GENQ_DELIVERY_LIMIT": "deliveries before an entry goes to the dead stream",
@@ -153,6 +155,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         enable_lora=_bool(env, "GENQ_ENABLE_LORA"),
         max_loras=_int(env, "GENQ_MAX_LORAS"),
         max_lora_rank=_int(env, "GENQ_MAX_LORA_RANK"),
+        speculative_config=_parse(env, "GENQ_SPECULATIVE_CONFIG", parse_json_object, "a JSON object"),
     )
     lora_modules = parse_lora_modules(env.get("GENQ_LORA_MODULES", ""), "GENQ_LORA_MODULES")
     if lora_modules:
@@ -186,6 +189,14 @@ def parse_lora_modules(specs: str | list[str], source: str) -> tuple[tuple[str, 
             raise ValueError(f"{source} items must be name=path, got {item!r}")
         pairs.append((name.strip(), path.strip()))
     return tuple(pairs)
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON object (ValueError otherwise), for settings given as JSON."""
+    value = json.loads(text)  # json.JSONDecodeError is a ValueError
+    if not isinstance(value, dict):
+        raise ValueError(text)
+    return value
 
 
 def _drop_none(**kwargs: Any) -> dict[str, Any]:

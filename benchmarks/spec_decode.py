@@ -1,0 +1,63 @@
+"""Speculative decoding with n-gram guesses against plain decoding, on the default model, in
+one process.
+
+    python benchmarks/spec_decode.py [--max-tokens 128] [--k 4] [--dtype bfloat16]
+
+Workloads (greedy): "copy" asks the model to repeat and edit text it was given (where
+prompt lookup helps: code edits, quoting, extraction); "free" asks for new text (where
+guesses are rarely right and only cost). Each at batch 1 (latency) and 16 (throughput).
+Prints output tokens per second for each, the speed-up, and the share of guesses kept;
+outputs are checked identical to plain decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from worker import LLM, SamplingParams
+
+CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+        "    return 2 * (width + height)\n\n\ndef diagonal(width, height):\n"
+        "    return (width ** 2 + height ** 2) ** 0.5\n")
+COPY = [
+    [{"role": "user", "content": f"Rename `width` to `w` and `height` to `h` in this code ({i}):\n\n{CODE}"}]
+    for i in range(16)
+]
+FREE = [[{"role": "user", "content": f"Write a short story about a lighthouse keeper, part {i}."}] for i in range(16)]
+
+
+def timed(llm: LLM, messages: list, params: SamplingParams) -> tuple[float, list[list[int]]]:
+    llm.chat(messages[:1], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.chat(messages, params, use_tqdm=False)
+    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    plain = LLM(None, dtype=args.dtype, max_model_len=2048)
+    spec = LLM(None, dtype=args.dtype, max_model_len=2048,
+               speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4})
+    print(f"greedy, max_tokens {args.max_tokens}, k={args.k}, {args.dtype}")
+    print(f"{'workload':<10} {'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'speed-up':>9} {'kept':>6} {'same':>5}")
+    for name, messages in (("copy", COPY), ("free", FREE)):
+        for batch in (1, 16):
+            plain_s, plain_out = timed(plain, messages[:batch], params)
+            stats = spec.engine.spec_stats
+            drafted, kept = stats.num_draft_tokens, stats.num_accepted_tokens
+            spec_s, spec_out = timed(spec, messages[:batch], params)
+            tokens = sum(len(t) for t in plain_out)
+            rate = (stats.num_accepted_tokens - kept) / max(stats.num_draft_tokens - drafted, 1)
+            print(f"{name:<10} {batch:>5} {tokens / plain_s:12.1f} {tokens / spec_s:12.1f} "
+                  f"{plain_s / spec_s:8.2f}x {rate:6.0%} {str(plain_out == spec_out):>5}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

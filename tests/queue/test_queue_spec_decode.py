@@ -1,0 +1,45 @@
+"""A worker with speculative decoding (GENQ_SPECULATIVE_CONFIG) on the default model, which
+copies repetitive text so guesses are kept: an event may carry several tokens, and the job's
+result and stream equal the offline engine's plain decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import redis
+from queue_support import WorkerProcess
+
+from producer.client import Client
+from producer.protocol import JobStatus
+from producer.sampling_params import SamplingParams
+
+NAME = "qs1"
+TIMEOUT_S = 60.0
+PROMPT = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,"
+
+
+@pytest.fixture(scope="module")
+def worker(spawn: Callable[..., WorkerProcess], conn: redis.Redis, default_model_dir) -> WorkerProcess:
+    proc = spawn(NAME, GENQ_MODEL="", GENQ_SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}')
+    proc.wait_ready(conn)
+    return proc
+
+
+def test_jobs_stream_several_tokens_per_event_and_match_plain_decoding(client: Client) -> None:
+    from worker import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, stop=[", 9"])
+    expected = LLM(None, dtype="float32", num_gpu_blocks_override=256, max_model_len=1024).generate(
+        PROMPT, params, use_tqdm=False)[0].outputs[0]
+    handle = client.submit(PROMPT, params)
+    result = handle.result(TIMEOUT_S)
+    assert result.status == JobStatus.FINISHED
+    (output,) = result.outputs
+    assert (output.text, output.token_ids, output.finish_reason) == (expected.text, expected.token_ids, expected.finish_reason)
+    deltas = list(handle.stream(TIMEOUT_S))
+    assert "".join(d.text for d in deltas) == output.text
+    assert [t for d in deltas for t in d.token_ids] == output.token_ids
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    assert max(len(d.token_ids) for d in deltas) > 1  # kept guesses arrive together
+    assert result.usage is not None and result.usage["completion_tokens"] == len(output.token_ids)
