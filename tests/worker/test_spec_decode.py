@@ -144,3 +144,26 @@ def test_bad_speculative_config_is_refused_by_name(config, message):
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=config)
+
+
+def test_random_sampling_keeps_its_distribution(plain_llm, spec_llm):
+    """Unseeded random rows are guessed for too: the token after a guess follows the same
+    distribution as plain decoding's (total variation over the five likeliest tokens and
+    the rest, 400 samples each, at a temperature that makes the guessed token uncertain)."""
+    from collections import Counter
+
+    params = SamplingParams(temperature=1.5, max_tokens=3, ignore_eos=True)  # one guess, for token 2
+    prompts = [PROMPTS[0]] * 400
+    drafts_before = spec_llm.engine.spec_stats.num_drafts
+    second = {name: Counter(o.outputs[0].token_ids[2] for o in llm.generate(prompts, params, use_tqdm=False))
+              for name, llm in (("plain", plain_llm), ("spec", spec_llm))}
+    assert spec_llm.engine.spec_stats.num_drafts - drafts_before > 100
+    top = [t for t, _ in second["plain"].most_common(5)]
+
+    def shares(counts: Counter) -> list[float]:
+        kept = [counts[t] for t in top]
+        return [c / len(prompts) for c in [*kept, len(prompts) - sum(kept)]]
+
+    distance = sum(abs(a - b) for a, b in zip(shares(second["plain"]), shares(second["spec"]), strict=True)) / 2
+    assert max(second["plain"].values()) < 0.8 * len(prompts)  # the guess is far from certain
+    assert distance < 0.1, (distance, second["plain"].most_common(5), second["spec"].most_common(5))
