@@ -24,7 +24,7 @@ from worker.model_runner import ModelRunner
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
-from worker.sampler import Sampler, TokenLogprobs
+from worker.sampler import Sampler, SamplerOutput, TokenLogprobs
 from worker.sampling_batch import SamplingBatch
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.spec_decode import NgramProposer, SpecDecodeStats, SpeculativeConfig, can_speculate
@@ -204,10 +204,7 @@ class Engine:
             model_out = self.runner.execute(sched)
             sampled, logprobs = self._sample(sched, model_out.request_ids, model_out.logits)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
-            before = sum(self.scheduler.requests[rid].num_output_tokens for rid in sampled)
-            self.scheduler.update_from_output(sched, sampled)
-            updated += [self.scheduler_request(rid) for rid in sampled]
-            self.num_generated_tokens += sum(self.scheduler_request(rid).num_output_tokens for rid in sampled) - before
+            updated += self._update(sched, sampled)
         outputs, stopped = self.output_processor.process(updated, logprobs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
@@ -216,6 +213,14 @@ class Engine:
 
     def scheduler_request(self, request_id: str) -> Request:
         return self.scheduler.requests.get(request_id) or self.scheduler.finished[request_id]
+
+    def _update(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """The scheduler takes the sampled tokens; the requests that got some."""
+        before = sum(self.scheduler.requests[rid].num_output_tokens for rid in sampled)
+        self.scheduler.update_from_output(sched, sampled)
+        updated = [self.scheduler_request(rid) for rid in sampled]
+        self.num_generated_tokens += sum(r.num_output_tokens for r in updated) - before  # as kept
+        return updated
 
     def _sample(
         self, sched: SchedulerOutput, row_ids: list[str], logits: torch.Tensor
@@ -228,10 +233,7 @@ class Engine:
             return {}, {}
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled}
         requests = [self.scheduler.requests[rid] for rid in row_ids]
-        row_outputs, j = [], 0  # each row's output tokens so far, guesses included
-        for i, (rid, request) in enumerate(zip(row_ids, requests, strict=True)):
-            j = j + 1 if i and row_ids[i - 1] == rid else 0
-            row_outputs.append(request.output_token_ids + drafts[rid][:j] if j else request.output_token_ids)
+        row_outputs = _row_outputs(row_ids, requests, drafts)
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -242,18 +244,7 @@ class Engine:
             device=logits.device,
             token_masks=self.guided.masks(list(zip(row_ids, row_outputs, strict=True))),
         )
-        out = self.sampler(logits, batch)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        for i, (rid, token_id) in enumerate(zip(row_ids, out.token_ids, strict=True)):
-            kept = sampled.setdefault(rid, [])
-            guesses = drafts[rid]
-            if kept and (len(kept) > len(guesses) or kept[-1] != guesses[len(kept) - 1]):
-                continue  # a guess before this row was wrong: its row saw a wrong past
-            kept.append(token_id)
-            entry = out.logprobs[i] if out.logprobs else None
-            if entry is not None:
-                logprobs.setdefault(rid, []).append(entry)
+        sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch), drafts)
         self.spec_stats.add(drafts, sampled)
         if self.proposer is not None:
             for rid, guesses in drafts.items():
@@ -340,6 +331,34 @@ class Engine:
             **template_kwargs,
         )
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def _row_outputs(row_ids: list[str], requests: list[Request], drafts: dict[str, list[int]]) -> list[list[int]]:
+    """Each logits row's output so far: a request's own, then one guess more per row."""
+    outputs, j = [], 0
+    for i, (rid, request) in enumerate(zip(row_ids, requests, strict=True)):
+        j = j + 1 if i and row_ids[i - 1] == rid else 0
+        outputs.append(request.output_token_ids + drafts[rid][:j] if j else request.output_token_ids)
+    return outputs
+
+
+def _keep_matching(
+    row_ids: list[str], out: SamplerOutput, drafts: dict[str, list[int]]
+) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+    """Per request, its first row's token, then each next row's while the token before it
+    equals the guess that row assumed (and the logprobs of the tokens kept)."""
+    sampled: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    for i, (rid, token_id) in enumerate(zip(row_ids, out.token_ids, strict=True)):
+        kept = sampled.setdefault(rid, [])
+        guesses = drafts[rid]
+        if kept and (len(kept) > len(guesses) or kept[-1] != guesses[len(kept) - 1]):
+            continue  # a guess before this row was wrong: the row saw a wrong past
+        kept.append(token_id)
+        entry = out.logprobs[i] if out.logprobs else None
+        if entry is not None:
+            logprobs.setdefault(rid, []).append(entry)
+    return sampled, logprobs
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

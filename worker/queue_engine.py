@@ -77,6 +77,8 @@ class EngineStats:
     num_adds_taken: int = 0  # AddRequest commands taken so far (for in-flight accounting)
     generation_tokens_total: int = 0
     blocks_per_request: int = 1  # blocks a recent request needed to start (moving average)
+    spec_decode_num_draft_tokens: int = 0  # guesses computed (speculative decoding), in total
+    spec_decode_num_accepted_tokens: int = 0  # guesses kept, in total
 
     @property
     def kv_cache_usage(self) -> float:
@@ -181,6 +183,8 @@ class EngineThread:
             num_adds_taken=self._num_adds_taken,
             generation_tokens_total=self.engine.num_generated_tokens,
             blocks_per_request=blocks.blocks_needed(int(self._mean_request_tokens or 0) + 1),
+            spec_decode_num_draft_tokens=self.engine.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.engine.spec_stats.num_accepted_tokens,
         )
 
     # -- the thread ----------------------------------------------------------------------------
