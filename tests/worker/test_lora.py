@@ -163,3 +163,15 @@ def test_adapters_survive_preemption_and_share_prompts_across_n(tiny_llama_dir, 
     for i, (name, out) in enumerate(zip(names, outs, strict=True)):
         assert [c.token_ids for c in out.outputs] == [expected[name][i % len(PROMPTS)]] * 2, name
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_adapters_with_speculative_decoding(tiny_llama_dir, tiny_llama_adapters, expected):
+    """Guessed tokens are checked under the request's own adapter: outputs stay PEFT's."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=256, enable_lora=True, max_loras=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    requests = lora_requests(tiny_llama_adapters)
+    names = [name for name in ("all", "qv", None) for _ in PROMPTS]
+    outs = llm.generate(PROMPTS * 3, greedy(), use_tqdm=False, lora_request=[requests[n] for n in names])
+    for i, (name, out) in enumerate(zip(names, outs, strict=True)):
+        assert out.outputs[0].token_ids == expected[name][i % len(PROMPTS)], name
+    assert llm.engine.spec_stats.num_drafts > 0
