@@ -52,6 +52,7 @@ class _GenerationRequest(BaseModel):
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many alternatives
     guided_choice: list[str] | None = None  # the output is exactly one of these
     guided_json: dict[str, Any] | str | None = None  # vLLM's: a JSON schema the output follows
+    guided_regex: str | None = None  # vLLM's: a regular expression the whole output matches
     # {"type": "json_object"}: one JSON object; {"type": "json_schema", "json_schema": {"name",
     # "schema"}}: a value of that schema; {"type": "text"} or absent: free text
     response_format: dict[str, Any] | None = None
@@ -82,6 +83,7 @@ class _GenerationRequest(BaseModel):
             ("response_format", (self.response_format or {}).get("type", "text") != "text"),
             ("guided_json", self.guided_json is not None),
             ("guided_choice", self.guided_choice is not None),
+            ("guided_regex", self.guided_regex is not None),
         ]
 
     @property
@@ -98,6 +100,8 @@ class _GenerationRequest(BaseModel):
             return {"choice": self.guided_choice}
         if source == "guided_json":
             return {"json_schema": _json_schema(self.guided_json, "guided_json")}
+        if source == "guided_regex":
+            return {"regex": self.guided_regex}
         if source is None:
             return None
         response_format = self.response_format or {}

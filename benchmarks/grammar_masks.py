@@ -7,7 +7,8 @@ per state (the engine caches the result).
 Prints milliseconds per mask (the best of the repeats) for a schema whose states cover keys,
 strings, integers, an enum array and a union with null; then for tool_choice "required" over
 `--tools` tools (an array of calls, each `{"name": <const>, "arguments": ...}`), through the
-tool's name.
+tool's name; then for a regular expression (guided_regex), cold (its DFA states are built as
+the vocabulary walks them, once per pattern and process) and warm.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers import AutoTokenizer
 from api.tool_calls import calls_schema
 from worker.json_grammar import JsonSchemaGrammar
 from worker.model_loader import resolve_model_path
+from worker.structured_output import Grammar, RegexGrammar
 from worker.token_bytes import byte_text, token_bytes
 
 SCHEMA = {
@@ -32,6 +34,8 @@ SCHEMA = {
 }
 TOOL_PIECES = ['[', '{', '"', 'name', '"', ':', ' "', 'tool', '_', '1', '7']
 PIECES = ['{', '"', 'name', '"', ':', ' "', 'Ann', '"', ', "age": ', '3', ', "tags": [', '"a"', ']']
+REGEX = r"[\w.+-]{1,32}@[a-z0-9-]{1,20}\.(com|org|net)|\(\d{3}\) \d{3}-\d{4}"
+REGEX_PIECES = ['john', '.', 'doe', '@', 'mail', '.', 'co']
 
 
 def main() -> int:
@@ -46,10 +50,15 @@ def main() -> int:
     for name, schema, pieces in (("schema", SCHEMA, PIECES), (f"{args.tools} tools", tools, TOOL_PIECES)):
         per_mask = time_masks(JsonSchemaGrammar(schema), pieces, vocabulary, args.repeats)
         print(f"{name}: {len(pieces) + 1} masks over {len(vocabulary)} tokens: {per_mask * 1000:.1f} ms per mask")
+    regex = RegexGrammar(REGEX)
+    cold = time_masks(regex, REGEX_PIECES, vocabulary, 1)
+    warm = time_masks(regex, REGEX_PIECES, vocabulary, args.repeats)
+    print(f"regex: {len(REGEX_PIECES) + 1} masks over {len(vocabulary)} tokens: {cold * 1000:.1f} ms per mask cold, "
+          f"{warm * 1000:.1f} ms warm")
     return 0
 
 
-def time_masks(grammar: JsonSchemaGrammar, pieces: list[str], vocabulary: list[str], repeats: int) -> float:
+def time_masks(grammar: Grammar, pieces: list[str], vocabulary: list[str], repeats: int) -> float:
     """Seconds per mask, best of `repeats`, over the states `pieces` lead through."""
     states = [grammar.initial()]
     for piece in pieces:

@@ -11,10 +11,11 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from producer.json_schema import compile_schema
+from producer.regex import compile_regex
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
-GUIDED_KINDS = {"json_object", "json_schema", "choice"}
+GUIDED_KINDS = {"json_object", "json_schema", "choice", "regex"}
 # Below this, temperature is greedy: dividing logits by a tinier number overflows to inf.
 MIN_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -44,7 +45,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     # vLLM's guided decoding, one of: {"json_object": True} (the output is one JSON object),
     # {"json_schema": schema} (a value of that schema, in the subset producer.json_schema
-    # supports), {"choice": [strings]} (the output is one of them); with "after": text, the
+    # supports), {"choice": [strings]} (the output is one of them), {"regex": pattern} (the
+    # output matches it whole, producer.regex's syntax); with "after": text, the
     # output is free until that text (a reasoning model's "</think>") and guided after it
     guided_decoding: dict[str, Any] | None = None
 
@@ -129,18 +131,19 @@ def _check_guided(guided: Any) -> None:
     kinds = set(guided) - {"after"} if isinstance(guided, dict) else set()
     if len(kinds) != 1 or not kinds <= GUIDED_KINDS:
         raise ValueError(
-            'guided_decoding must be {"json_object": true}, {"json_schema": {...}} or '
-            f'{{"choice": [strings]}} (and optionally "after": text), got {guided!r}'
+            'guided_decoding must be {"json_object": true}, {"json_schema": {...}}, '
+            f'{{"choice": [strings]}} or {{"regex": pattern}} (and optionally "after": text), got {guided!r}'
         )
     after = guided.get("after")
     if after is not None and (not isinstance(after, str) or not after):
         raise ValueError(f"guided_decoding after must be a non-empty string, got {after!r}")
-    if "json_schema" in guided:
-        try:
-            compile_schema(guided["json_schema"])
-        except ValueError as exc:
-            raise ValueError(f"guided_decoding {exc}") from None
-        return
+    for kind, compile_spec in (("json_schema", compile_schema), ("regex", compile_regex)):
+        if kind in guided:
+            try:
+                compile_spec(guided[kind])
+            except ValueError as exc:  # what the compiler names, as the field's error
+                raise ValueError(f"guided_decoding {exc}") from None
+            return
     if "json_object" in guided and guided["json_object"] is not True:
         raise ValueError(f"guided_decoding json_object must be true, got {guided['json_object']!r}")
     choices = guided.get("choice", ["x"])

@@ -1,6 +1,7 @@
 """Structured output: grammars that say which text may come next, and the per-request token
-masks built from them (vLLM's `guided_decoding`: `json_object`, `json_schema`, `choice`; the
-JSON grammars are in `worker.json_grammar`).
+masks built from them (vLLM's `guided_decoding`: `json_object`, `json_schema`, `choice`,
+`regex`; the JSON grammars are in `worker.json_grammar`, regular expressions in
+`producer.regex`).
 
 A grammar is an automaton over immutable, hashable states that reads the output's UTF-8
 bytes, one character per byte (`worker.token_bytes.byte_text`), so a token holding part of a
@@ -21,6 +22,7 @@ from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from producer.regex import compile_regex
 from worker.json_grammar import JSON_OBJECT, JsonSchemaGrammar
 from worker.token_bytes import byte_text, token_bytes
 
@@ -38,13 +40,39 @@ class Grammar(Protocol):
 
 
 def make_grammar(guided_decoding: dict[str, Any]) -> Grammar:
-    """`{"json_object": True}`, `{"json_schema": {...}}` or `{"choice": [...]}`
-    (SamplingParams checked the shape, and that the schema compiles)."""
+    """`{"json_object": True}`, `{"json_schema": {...}}`, `{"choice": [...]}` or
+    `{"regex": pattern}` (SamplingParams checked the shape, and that the schema or pattern
+    compiles)."""
     if guided_decoding.get("json_object"):
         return JSON_OBJECT
     if "json_schema" in guided_decoding:
         return JsonSchemaGrammar(guided_decoding["json_schema"])
+    if "regex" in guided_decoding:
+        return RegexGrammar(guided_decoding["regex"])
     return ChoiceGrammar(guided_decoding["choice"])
+
+
+class RegexGrammar:
+    """The output matches the pattern whole. A state is the pattern's DFA state (a frozen
+    set of NFA states, the same for every request with this pattern)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.regex = compile_regex(pattern)
+        self.key: Hashable = ("regex", pattern)
+
+    def initial(self) -> Hashable:
+        return self.regex.initial
+
+    def advance(self, state: Hashable, text: str) -> Hashable | None:
+        current: frozenset[int] | None = state  # type: ignore[assignment]
+        for ch in text:  # one byte per character (byte_text)
+            current = self.regex.step(current, ord(ch))  # type: ignore[arg-type]
+            if current is None:
+                return None
+        return current
+
+    def is_complete(self, state: Hashable) -> bool:
+        return self.regex.accepts(state)  # type: ignore[arg-type]
 
 
 class ChoiceGrammar:

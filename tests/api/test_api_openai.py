@@ -4,6 +4,7 @@ Llama, uvicorn), driven by the official `openai` client."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -218,6 +219,18 @@ def test_guided_choice_and_json_mode(served_model: str, oai: openai.OpenAI) -> N
         response_format={"type": "json_object"},
     )
     assert json_mode.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_guided_regex_outputs_match(served_model: str, oai: openai.OpenAI) -> None:
+    pattern = r"\d{3}-\d{4}|(yes|no)!"
+    chat = oai.chat.completions.create(
+        model=served_model, messages=MESSAGES, n=4, temperature=1.0, seed=5, max_tokens=16,
+        extra_body={"guided_regex": pattern},
+    )
+    assert all(re.fullmatch(pattern, c.message.content) and c.finish_reason == "stop" for c in chat.choices)
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=served_model, prompt="x", max_tokens=2, extra_body={"guided_regex": "(?<=a)b"})
+    assert info.value.body["param"] == "guided_regex" and "not supported" in info.value.body["message"]
 
 
 def test_json_schema_outputs_validate(served_model: str, oai: openai.OpenAI) -> None:

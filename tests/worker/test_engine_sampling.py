@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import jsonschema
@@ -150,7 +151,8 @@ def test_resumed_request_continues_the_same_output(llm, params):
     ({"logit_bias": {5: 101}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
     ({"guided_decoding": {"json_object": False}}, "guided_decoding"), ({"guided_decoding": {"choice": []}}, "guided_decoding"),
-    ({"guided_decoding": {"regex": "a+"}}, "guided_decoding"), ({"guided_decoding": "json"}, "guided_decoding"),
+    ({"guided_decoding": {"regex": "(a"}}, "guided_decoding regex '\\(a'"), ({"guided_decoding": "json"}, "guided_decoding"),
+    ({"guided_decoding": {"regex": "a(?=b)"}}, "guided_decoding regex .* not supported"),
     ({"guided_decoding": {"choice": ["a", ""]}}, "guided_decoding"),
     ({"guided_decoding": {"after": "</think>"}}, "guided_decoding must be"),
     ({"guided_decoding": {"json_object": True, "after": ""}}, "guided_decoding after must be a non-empty string"),
@@ -184,6 +186,23 @@ def test_guided_choice_outputs_one_of_the_choices(llm):
     assert [(o.text in choices, o.finish_reason) for o in out.outputs] == [(True, "stop")] * 12
     assert {o.text for o in out.outputs} & {"日本", "🙂 café"}
     assert not llm.engine.guided.states  # forgotten with their requests
+
+
+@pytest.mark.parametrize("pattern", [
+    r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[A-Z][a-z]{2,6}( [A-Z][a-z]{2,6})?", r"(日本|🙂)+ ?[^\n]{0,3}",
+    r"[\w.]{1,8}@[a-z]{1,6}\.(com|org)", r"-?(0|[1-9]\d{0,4})(\.\d{1,2})?",
+])
+def test_guided_regex_outputs_match_the_pattern(llm, pattern):
+    """A random model, sampled hot: only the grammar makes its output match (Python's re,
+    ASCII classes, is the oracle)."""
+    params = SamplingParams(temperature=1.0, seed=3, n=8, max_tokens=24, guided_decoding={"regex": pattern})
+    out = llm.generate("Say:", params, use_tqdm=False)[0]
+    for o in out.outputs:
+        if o.finish_reason == "stop":
+            assert re.fullmatch(pattern, o.text, re.ASCII), o.text
+        else:  # max_tokens came first: what there is must still begin a match
+            assert o.finish_reason == "length" and len(o.token_ids) == 24
+    assert sum(o.finish_reason == "stop" for o in out.outputs) >= 6
 
 
 def test_guided_decoding_can_start_after_a_marker(llm):
