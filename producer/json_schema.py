@@ -14,9 +14,12 @@ until the text rules all but one out, at most 16 at once), `oneOf` whose alterna
 with different
 characters (an object and a string, say), local `$ref` into `$defs` /
 `definitions` (recursion included), and an object without `properties` or an absent schema
-as any JSON value. Annotations (`title`, `description`, `default`, ...) are ignored. Anything
-else that constrains a value (`pattern`, `format`, `minimum`, `minLength`, `prefixItems`, ...)
-is refused: the output would not be guaranteed to satisfy it.
+as any JSON value. Strings take one of `pattern` (producer.regex's syntax, found anywhere in
+the string unless anchored), `format` (date, time, date-time, email, uuid, ipv4) or
+`minLength`/`maxLength`; such a string is written without escapes. Annotations (`title`,
+`description`, `default`, ...) are ignored. Anything else that constrains a value
+(`minimum`, `multipleOf`, `prefixItems`, ...) is refused: the output would not be
+guaranteed to satisfy it.
 """
 
 from __future__ import annotations
@@ -25,13 +28,30 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from producer.regex import RegexError, compile_regex
+
 ANNOTATIONS = {
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "strict",
 }
+STRING_KEYWORDS = {"pattern", "format", "minLength", "maxLength"}
 KEYWORDS = {
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
     "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+} | STRING_KEYWORDS
+# A character of a string the grammar writes: anything JSON needs no escape for. Strings
+# under a pattern are written without escapes, so their text is their value.
+PLAIN_CHAR = r'[^"\\\x00-\x1f]'
+_OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+_DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,9})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
+FORMATS = {  # JSON Schema formats, as regular expressions over the string's text
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}T{_TIME}",
+    "email": r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})*\.[A-Za-z]{2,24}",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "ipv4": rf"({_OCTET}\.){{3}}{_OCTET}",
 }
 MAX_DEPTH = 64  # schemas nest at most this deep (the compiler recurses once per level)
 _NUMBER_STARTS = frozenset("-0123456789")
@@ -50,6 +70,7 @@ class Node:
     min_items: int = 0
     max_items: int | None = None
     literals: tuple[str, ...] = ()  # literals: each allowed value as JSON text
+    pattern: str | None = None  # string: a regex its whole text matches (written without escapes)
     alternatives: tuple[int, ...] = ()  # union: node ids, told apart by their first character
 
 
@@ -70,6 +91,56 @@ class SchemaGraph:
             "number": _NUMBER_STARTS, "integer": _NUMBER_STARTS, "any": _VALUE_STARTS,
             "literals": frozenset(t[0] for t in node.literals),
         }[node.kind]
+
+
+def string_pattern(schema: dict[str, Any], where: str) -> str | None:
+    """The regex a string's whole text must match, from `pattern` (matched anywhere in the
+    string unless anchored, as JSON Schema means it), `format`, or `minLength`/`maxLength`
+    (in characters); None when the string is free."""
+    given = sorted(STRING_KEYWORDS & set(schema))
+    if not given:
+        return None
+    if len(set(given) & {"pattern", "format"}) > 1 or (
+            set(given) & {"pattern", "format"} and set(given) & {"minLength", "maxLength"}):
+        raise ValueError(f"json_schema: {where}: {' beside '.join(given)} not supported: one of pattern, format, "
+                         "or minLength/maxLength")
+    if "pattern" in schema:
+        content = _search(schema["pattern"], where)
+    elif "format" in schema:
+        if schema["format"] not in FORMATS:
+            raise ValueError(f"json_schema: {where}: format {schema['format']!r} not supported "
+                             f"(supported: {', '.join(FORMATS)})")
+        content = FORMATS[schema["format"]]
+    else:
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if not isinstance(low, int) or low < 0 or (high is not None and (not isinstance(high, int) or high < low)):
+            raise ValueError(f"json_schema: {where}: minLength/maxLength must be integers, 0 <= min <= max")
+        content = f"{PLAIN_CHAR}{{{low},{'' if high is None else high}}}"
+    try:
+        compile_regex(content)
+    except RegexError as exc:
+        raise ValueError(f"json_schema: {where}: {str(exc).removeprefix('regex ')}") from None
+    return content
+
+
+def _search(pattern: Any, where: str) -> str:
+    """A JSON Schema pattern (found anywhere in the string) as a whole-text regex."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"json_schema: {where}: pattern must be a non-empty string, got {pattern!r}")
+    anchored_start = pattern.startswith("^")
+    core = pattern[1:] if anchored_start else pattern
+    escapes = len(core[:-1]) - len(core[:-1].rstrip("\\"))  # backslashes before a final $
+    anchored_end = core.endswith("$") and escapes % 2 == 0
+    if anchored_end:
+        core = core[:-1]
+    if core:
+        try:
+            compile_regex(core)  # its own errors, before it is wrapped
+        except RegexError as exc:
+            reason = str(exc).split(": ", 1)[-1]
+            raise ValueError(f"json_schema: {where}: pattern {pattern!r}: {reason}") from None
+    any_text = f"{PLAIN_CHAR}*"
+    return f"{'' if anchored_start else any_text}(?:{core}){'' if anchored_end else any_text}"
 
 
 def compile_schema(schema: Any) -> SchemaGraph:
@@ -121,12 +192,17 @@ class _Compiler:
 
     def _typed(self, schema: dict[str, Any], kind: Any, where: str) -> int:
         if kind is None:
+            if STRING_KEYWORDS & set(schema):
+                raise ValueError(f"json_schema: {where}: {', '.join(sorted(STRING_KEYWORDS & set(schema)))} "
+                                 'not supported without "type": "string"')
             return self._add(Node("any"))
         if kind == "object":
             return self._object(schema, where)
         if kind == "array":
             return self._array(schema, where)
-        if kind in ("string", "number", "integer"):
+        if kind == "string":
+            return self._add(Node(kind, pattern=string_pattern(schema, where)))
+        if kind in ("number", "integer"):
             return self._add(Node(kind))
         if kind == "boolean":
             return self._add(Node("literals", literals=("true", "false")))

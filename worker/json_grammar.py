@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from producer.json_schema import Node, compile_schema
+from producer.regex import compile_regex
 from worker.token_bytes import byte_text
 
 MAX_WHITESPACE_RUN = 64  # consecutive whitespace: room to indent 15 levels by 4, yet no padding forever
@@ -241,6 +242,8 @@ class JsonSchemaGrammar:
         for node_id in range(len(self.nodes)):
             self._add_tagged(node_id)
         self._first_chars = [self.graph.first_chars(i) for i in range(len(self.nodes))]
+        # strings under a pattern, format or length: their text's automaton, by node
+        self._patterns = {i: compile_regex(n.pattern) for i, n in enumerate(self.nodes) if n.pattern is not None}
 
     def _add_tagged(self, node_id: int) -> None:
         """A union whose objects all begin with the same required property, each a different
@@ -330,6 +333,8 @@ class JsonSchemaGrammar:
             return self._array(rest, node_id, node, phase, aux, char)
         if node.kind == "literals":
             return self._literal(rest, node_id, node, aux, char)
+        if phase == "pattern":
+            return self._pattern_char(rest, node_id, aux, char)
         if node.kind in ("number", "integer"):
             nxt = number_next(aux, char, node.kind == "integer")
             if nxt is not None:
@@ -363,6 +368,8 @@ class JsonSchemaGrammar:
             return None if part is None else ((*rest, (node_id, "num", part)), 0)
         if (kind == "string" and char != '"') or (kind == "any_object" and char != "{"):
             return None
+        if node_id in self._patterns:
+            return ((*rest, (node_id, "pattern", self._patterns[node_id].initial)), 0)
         return self._generic(rest, node_id, _GENERIC_VALUE, char)
 
     def _generic(self, rest: tuple[Frame, ...], node_id: int, inner: JsonState, char: str) -> Step:
@@ -380,6 +387,18 @@ class JsonSchemaGrammar:
         if not new[0] and new[1] in ("after_value", "done"):
             return (rest, 0)  # the value closed with this character
         return ((*rest, (node_id, "any", new)), 0)
+
+    def _pattern_char(self, rest: tuple[Frame, ...], node_id: int, state: frozenset[int], char: str) -> Step:
+        """Inside a string whose text must match a pattern: the closing quote where the
+        pattern is matched, else a character it can take; never an escape or a control
+        character (the text is written as it is)."""
+        regex = self._patterns[node_id]
+        if char == '"':
+            return (rest, 0) if regex.accepts(state) else None
+        if char == "\\" or ord(char) < 0x20:
+            return None
+        nxt = regex.step(state, ord(char))
+        return None if nxt is None else ((*rest, (node_id, "pattern", nxt)), 0)
 
     def _literal(self, rest: tuple[Frame, ...], node_id: int, node: Node, text: str, char: str) -> Step:
         longer = text + char

@@ -205,6 +205,22 @@ def test_guided_regex_outputs_match_the_pattern(llm, pattern):
     assert sum(o.finish_reason == "stop" for o in out.outputs) >= 6
 
 
+def test_json_schema_strings_keep_their_patterns_and_formats(llm):
+    """What pydantic writes for constr(pattern=...), date and UUID fields."""
+    import jsonschema
+
+    schema = {"type": "object", "required": ["sku", "day", "id"], "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{2}\\d{3}$"}, "day": {"type": "string", "format": "date"},
+        "id": {"type": "string", "format": "uuid"}}}
+    params = SamplingParams(temperature=1.0, seed=9, n=3, max_tokens=120, guided_decoding={"json_schema": schema})
+    outs = llm.generate("Record:", params, use_tqdm=False)[0].outputs
+    checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert len(finished) >= 2
+    for o in finished:
+        checker.validate(json.loads(o.text))
+
+
 def test_guided_decoding_can_start_after_a_marker(llm):
     """As a reasoning model's answer is guided only after "</think>": the output is free (the
     same tokens as unguided) until the marker, then one of the choices."""

@@ -307,6 +307,58 @@ def test_alternatives_that_stay_alike_are_capped() -> None:
     assert feed("[" * 5, grammar) is None  # 32 alternatives
 
 
+STRINGS = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"},
+        "note": {"type": "string", "pattern": "ok"},  # found anywhere
+        "day": {"type": "string", "format": "date"},
+        "at": {"type": "string", "format": "date-time"},
+        "mail": {"type": "string", "format": "email"},
+        "id": {"type": "string", "format": "uuid"},
+        "ip": {"type": "string", "format": "ipv4"},
+        "name": {"type": "string", "minLength": 2, "maxLength": 4},
+        "opt": {"type": ["string", "null"], "pattern": "^x+$"},
+    },
+    "required": ["code", "note", "day", "at", "mail", "id", "ip", "name", "opt"],
+}
+CHECKER = jsonschema.Draft202012Validator(STRINGS, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+@pytest.mark.parametrize(("fields", "valid"), [
+    ({}, True),
+    ({"note": "so ok then", "name": "日本", "opt": None}, True),
+    ({"code": "AB-12"}, False), ({"code": "ABC-123"}, False), ({"note": "nope"}, False),
+    ({"day": "2024-13-01"}, False), ({"at": "2024-01-01 10:00:00Z"}, False), ({"mail": "a b@c.org"}, False),
+    ({"id": "123"}, False), ({"ip": "256.1.1.1"}, False), ({"name": "a"}, False), ({"name": "abcde"}, False),
+    ({"opt": "xy"}, False), ({"note": 'ok "quoted"'}, False),  # valid, but a string under a pattern has no escapes
+])
+def test_string_patterns_formats_and_lengths(fields: dict, valid: bool) -> None:
+    """What the grammar accepts, jsonschema (with its format checker: date, email, uuid,
+    ipv4; not date-time) accepts too."""
+    instance = {"code": "ABC-12", "note": "ok", "day": "2024-02-29", "at": "2024-02-29T23:59:59.5+01:00",
+                "mail": "ann.lee@mail.example.org", "id": "123e4567-e89b-12d3-a456-426614174000",
+                "ip": "192.168.0.255", "name": "Ann", "opt": "xx", **fields}
+    grammar = JsonSchemaGrammar(STRINGS)
+    state = feed(json.dumps(instance, ensure_ascii=False), grammar)
+    accepted = state is not None and grammar.is_complete(state)
+    assert accepted == valid
+    if accepted:
+        assert CHECKER.is_valid(instance)
+
+
+def test_random_walks_write_strings_that_fit_their_patterns() -> None:
+    rng = random.Random(7)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[ac]{1,3}x?$"},
+                                               "z": {"type": "string", "minLength": 1, "maxLength": 2}},
+              "required": ["a", "z"]}
+    grammar = JsonSchemaGrammar(schema)
+    walks = [random_walk(grammar, rng) for _ in range(200)]
+    assert sum(w is not None for w in walks) > 100
+    for text in filter(None, walks):
+        jsonschema.validate(json.loads(text), schema)
+
+
 def test_recursive_refs() -> None:
     tree = {
         "$defs": {"node": {"type": "object", "properties": {
@@ -322,7 +374,11 @@ def test_recursive_refs() -> None:
 
 
 @pytest.mark.parametrize(("schema", "message"), [
-    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a"}}}, "#/properties/s: pattern"),
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^(?=a)"}}},
+     "#/properties/s: pattern '^(?=a)': group extensions"),
+    ({"type": "object", "properties": {"s": {"type": "string", "format": "uri"}}}, "format 'uri' not supported"),
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "a", "maxLength": 3}}}, "one of pattern"),
+    ({"type": "object", "properties": {"s": {"pattern": "a"}}}, 'pattern not supported without "type": "string"'),
     ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum"),
     ({"type": "array", "prefixItems": [{}]}, "prefixItems"),
     ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties with a schema"),
