@@ -3,8 +3,9 @@ the relay, and the API-key check that guards every /v1 route."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
@@ -26,6 +27,7 @@ class AppState:
     relay: Relay
     cluster: Cluster
     metrics: Metrics
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # background work, cancelled at shutdown
 
 
 def get_state(request: Request) -> AppState:

@@ -196,9 +196,10 @@ async def cancel_jobs(state: AppState, job_ids: list[str]) -> None:
 
 
 async def relay_events(
-    state: AppState, req: RelayedRequest
+    state: AppState, req: RelayedRequest, keep_jobs: bool = False
 ) -> AsyncGenerator[tuple[str, Event], None]:
-    """The request's events with latency metrics; cancels its jobs unless all ended."""
+    """The request's events with latency metrics; cancels its jobs unless all ended (or
+    `keep_jobs`: a background response's jobs outlive whoever waits for them)."""
     timer = state.metrics.timer()
     ended = False
     try:
@@ -210,7 +211,7 @@ async def relay_events(
         ended = True
         timer.on_end()
     finally:
-        if not ended:
+        if not ended and not keep_jobs:
             await cancel_jobs(state, req.job_ids)
 
 
@@ -271,12 +272,12 @@ class Collector:
         return Usage.from_protocol(usage)
 
 
-async def collect(state: AppState, req: RelayedRequest, renderer: Renderer) -> Any:
+async def collect(state: AppState, req: RelayedRequest, renderer: Renderer, keep_jobs: bool = False) -> Any:
     """The whole response once every job ended; APIError for a failed job (500) or a timeout
     (504)."""
     collector = Collector(req)
     try:
-        async with aclosing(relay_events(state, req)) as events:
+        async with aclosing(relay_events(state, req, keep_jobs)) as events:
             async for job_id, event in events:
                 collector.add(job_id, event)
                 if collector.error is not None:

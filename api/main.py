@@ -42,7 +42,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
+            for task in state.tasks:  # background responses: their jobs run on; a GET finishes them
+                task.cancel()
+            await asyncio.gather(runner, *state.tasks, return_exceptions=True)
             await relay.aclose()
             await client.aclose()
 

@@ -7,8 +7,8 @@ What is supported: `input` as text or items (messages with text parts, `function
 response to continue (`previous_response_id`; api.stored_responses), `instructions`,
 `max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool_choice` and
 `parallel_tool_calls`, `text.format` (text, json_object, json_schema), `stream`, and chat's
-sampling extras (`seed`, `top_k`, `stop`, `ignore_eos`, ...). Non-function tools are a 400
-naming the field.
+sampling extras (`seed`, `top_k`, `stop`, `ignore_eos`, ...), and `background` (polled;
+api.background_responses). Non-function tools are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None  # a stored response this one continues
     store: bool = True  # keep it (GENQ_FILE_TTL_S) for retrieval and previous_response_id
+    background: bool = False  # answer at once (queued); poll GET /v1/responses/{id} (api.background_responses)
     metadata: dict[str, str] | None = None
 
 
@@ -102,7 +103,7 @@ def to_chat(request: ResponsesRequest, history: list[dict[str, Any]] | None = No
 
 # chat fields a Responses request sets through its own, or that have no meaning here
 CHAT_ONLY = {
-    "messages", "max_tokens", "max_completion_tokens", "tools", "tool_choice", "response_format",
+    "background", "messages", "max_tokens", "max_completion_tokens", "tools", "tool_choice", "response_format",
     "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "prompt_logprobs",
 }
 # chat fields a 400 may name, as a Responses request names them
@@ -180,7 +181,7 @@ def response_object(
         output.append(function_call_item(base, k, call["id"], function["name"], function["arguments"]))
     usage = chat.usage
     return {
-        **_envelope(request, chat.id, chat.created, chat.model),
+        **envelope(request, chat.id, chat.created, chat.model),
         "status": status or ("incomplete" if incomplete else "completed"),
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "output": output,
@@ -195,12 +196,13 @@ def response_object(
     }
 
 
-def _envelope(request: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
+def envelope(request: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
     return {
         "id": response_id, "object": "response", "created_at": created, "model": model,
         "error": None, "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
         "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
         "previous_response_id": request.previous_response_id, "store": request.store,
+        "background": request.background,
         "temperature": request.temperature,
         "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice or "auto",
         "tools": request.tools or [], "top_p": request.top_p,
@@ -248,7 +250,7 @@ class ResponseEvents:
         return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def start(self) -> list[str]:
-        shell = {**_envelope(self.request, self.req.id, self.req.created, self.req.model),
+        shell = {**envelope(self.request, self.req.id, self.req.created, self.req.model),
                  "status": "in_progress", "output": [], "incomplete_details": None, "usage": None}
         return [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
 
@@ -328,7 +330,7 @@ class ResponseEvents:
         return [*self._close(), self.event(name, response=final)]
 
     def failed(self, message: str, code: str) -> list[str]:
-        shell = {**_envelope(self.request, self.req.id, self.req.created, self.req.model), "status": "failed",
+        shell = {**envelope(self.request, self.req.id, self.req.created, self.req.model), "status": "failed",
                  "output": self.items, "incomplete_details": None, "usage": None,
                  "error": {"code": code, "message": message}}
         return [self.event("error", code=code, message=message, param=None), self.event("response.failed", response=shell)]

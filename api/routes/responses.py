@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api import generate, responses_api, stored_responses
+from api import background_responses, generate, responses_api, stored_responses
 from api.deps import StateDep
-from api.errors import APIError
+from api.errors import APIError, invalid_param
 from api.responses_api import ResponseRenderer, ResponsesRequest
 from api.routes.chat import chat_prompt, check_tool_parser
 from api.sse import EventStreamResponse, unless_disconnected
@@ -21,12 +21,17 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     renderer = ResponseRenderer()
     previous = body.previous_response_id
     history = await stored_responses.history(state, previous) if previous is not None else None
+    if body.background and (body.stream or not body.store):
+        field = "stream" if body.stream else "store"
+        raise invalid_param(field, f"background responses are polled, and need store true and stream false ({field})")
     try:
         chat = responses_api.to_chat(body, history)
         check_tool_parser(chat, state.settings)
         req = await generate.start(state, chat, [chat_prompt(chat)], renderer)
     except APIError as exc:
         raise responses_api.renamed(exc) from None
+    if body.background:
+        return JSONResponse(await background_responses.start(state, body, chat, req))
     if body.stream:
         return EventStreamResponse(responses_api.stream(state, body, req, chat))
     finished = await unless_disconnected(request, generate.collect(state, req, renderer))
@@ -35,8 +40,15 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
 
 @router.get("/responses/{response_id}")
 async def retrieve_response(response_id: str, state: StateDep) -> JSONResponse:
-    """A stored response (`store` was not false), as it was returned."""
-    return JSONResponse((await stored_responses.load(state, response_id))["response"])
+    """A stored response (`store` was not false), as it was returned; a background one as it
+    stands now."""
+    return JSONResponse(await background_responses.current(state, await stored_responses.load(state, response_id)))
+
+
+@router.post("/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, state: StateDep) -> JSONResponse:
+    """Cancel a background response: its job stops, and it is `cancelled` (or as it ended)."""
+    return JSONResponse(await background_responses.cancel(state, await stored_responses.load(state, response_id)))
 
 
 @router.delete("/responses/{response_id}")

@@ -152,3 +152,58 @@ def test_what_is_not_supported_is_a_400_naming_the_field(served_model: str, oai:
     with pytest.raises(openai.BadRequestError) as info:
         oai.responses.create(**{"model": served_model, "input": "Hi", **extra})
     assert info.value.body["param"] == param
+
+
+def wait_until_ended(oai: openai.OpenAI, response_id: str, poll) -> object:
+    def ended():
+        response = oai.responses.retrieve(response_id)
+        return response if response.status not in ("queued", "in_progress") else None
+
+    return poll(ended, 60.0, "the background response ended")
+
+
+def test_background_responses_are_polled_to_the_same_result(served_model: str, oai: openai.OpenAI, poll) -> None:
+    request = {"model": served_model, "input": "Say something.", "max_output_tokens": 12, "temperature": 0.0}
+    expected = oai.responses.create(**request)
+    queued = oai.responses.create(**request, background=True)
+    assert queued.background is True and queued.status in ("queued", "in_progress") and queued.output == []
+    done = wait_until_ended(oai, queued.id, poll)
+    assert (done.status, done.output_text, done.usage.output_tokens) == (expected.status, expected.output_text,
+                                                                         expected.usage.output_tokens)
+    assert done.background is True
+    follow_up = oai.responses.create(model=served_model, input="And again.", previous_response_id=done.id,
+                                     max_output_tokens=4)
+    assert follow_up.status in ("completed", "incomplete")
+
+
+def test_a_background_response_outlives_the_api_process_that_took_it(
+    served_model: str, oai: openai.OpenAI, live_worker: str, serve_api, poll
+) -> None:
+    """The API that took it stops at once; its job runs on, and another API finishes it."""
+    with serve_api(Settings(redis_url=live_worker)) as url:
+        other = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        queued = other.responses.create(model=served_model, input="Say something.", max_output_tokens=24,
+                                        temperature=0.0, background=True, extra_body={"ignore_eos": True})
+        other.close()
+    done = wait_until_ended(oai, queued.id, poll)
+    assert done.status == "incomplete" and done.usage.output_tokens == 24
+
+
+def test_cancelling_a_background_response(served_model: str, oai: openai.OpenAI, http, poll) -> None:
+    queued = oai.responses.create(model=served_model, input="Say something.", max_output_tokens=1000,
+                                  background=True, extra_body={"ignore_eos": True})
+    cancelled = oai.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and cancelled.output == []
+    assert oai.responses.retrieve(queued.id).status == "cancelled"
+    job_id = queued.id.removeprefix("resp_")
+    assert poll(lambda: http.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled", 30.0, "the job cancelled")
+    assert oai.responses.retrieve(queued.id).status == "cancelled"  # the job's end did not undo it
+    finished = oai.responses.create(model=served_model, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="Only a background response"):
+        oai.responses.cancel(finished.id)
+
+
+@pytest.mark.parametrize("extra, field", [({"stream": True}, "stream"), ({"store": False}, "store")])
+def test_background_needs_store_and_no_stream(served_model: str, oai: openai.OpenAI, http, extra, field) -> None:
+    response = http.post("/v1/responses", json={"model": served_model, "input": "x", "background": True, **extra})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
