@@ -175,3 +175,37 @@ def test_adapters_with_speculative_decoding(tiny_llama_dir, tiny_llama_adapters,
     for i, (name, out) in enumerate(zip(names, outs, strict=True)):
         assert out.outputs[0].token_ids == expected[name][i % len(PROMPTS)], name
     assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_everything_at_once_equals_plain_decoding(tiny_llama_dir, tiny_llama_adapters):
+    """Adapters, guided JSON and regex, logprobs, penalties, seeded sampling, n=2 and
+    preemption in one batch, with speculation on: each request's output is what the same
+    engine gives it without speculation. (The tiny model seldom repeats itself, so guesses
+    are rare here; test_spec_decode checks them where they are kept.)"""
+    requests = lora_requests(tiny_llama_adapters)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "d": {"type": "string", "format": "date"}},
+              "required": ["a", "d"]}
+    cases = [
+        ("all", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)),
+        ("qv", SamplingParams(temperature=0.0, max_tokens=40, guided_decoding={"json_schema": schema})),
+        (None, SamplingParams(temperature=0.0, max_tokens=12, guided_decoding={"regex": r"\d{2}:\d{2}( [AP]M)?"})),
+        ("all", SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.2, n=2, ignore_eos=True)),
+        ("qv", SamplingParams(temperature=0.9, seed=5, max_tokens=16, n=2, ignore_eos=True)),
+        (None, SamplingParams(temperature=0.0, max_tokens=24, stop=["a"], ignore_eos=True)),
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(cases))] * 2
+    loras = [requests[name] for name, _ in cases] * 2
+    params = [p for _, p in cases] * 2
+
+    def run(spec):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=20, max_model_len=192,
+                  enable_lora=True, max_loras=2, speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+                  if spec else None)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        return llm, [[(c.token_ids, c.finish_reason, [e.token_id for e in c.logprobs or []]) for c in o.outputs]
+                     for o in outs]
+
+    spec_llm, spec = run(True)
+    _, plain = run(False)
+    assert spec == plain
+    assert spec_llm.engine.scheduler.num_preemptions > 0
