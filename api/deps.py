@@ -15,6 +15,7 @@ from api.errors import APIError
 from api.metrics import Metrics
 from api.relay import Relay
 from api.settings import Settings
+from api.tokenizers import Tokenizers
 from producer.async_client import AsyncClient
 
 
@@ -28,6 +29,7 @@ class AppState:
     cluster: Cluster
     metrics: Metrics
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # background work, cancelled at shutdown
+    tokenizers: Tokenizers = field(default_factory=Tokenizers)  # for /tokenize, as workers published them
 
 
 def get_state(request: Request) -> AppState:

@@ -18,7 +18,18 @@ from api.deps import AppState, require_api_key
 from api.errors import install_error_handlers
 from api.metrics import Metrics
 from api.relay import Relay
-from api.routes import batches, chat, completions, files, health, jobs, lora, models, responses
+from api.routes import (
+    batches,
+    chat,
+    completions,
+    files,
+    health,
+    jobs,
+    lora,
+    models,
+    responses,
+    tokenize,
+)
 from api.settings import Settings
 from api.sse import ClientDisconnected
 from producer.async_client import AsyncClient
@@ -54,6 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     guarded = [Depends(require_api_key)]
     for module in (completions, chat, responses, models, jobs, files, batches):
         app.include_router(module.router, prefix="/v1", dependencies=guarded)
+    app.include_router(tokenize.router, dependencies=guarded)  # vLLM serves these at the root
     if settings.allow_runtime_lora_updating:
         app.include_router(lora.router, prefix="/v1", dependencies=guarded)
     app.include_router(health.router)

@@ -150,6 +150,9 @@ class Keys:
     def stored_response(self, response_id: str) -> str:
         return f"{self.prefix}response:{response_id}"  # string with TTL: JSON, /v1/responses
 
+    def tokenizer(self, model: str) -> str:
+        return f"{self.prefix}tokenizer:{model}"  # hash: the served model's tokenizer files, and `digest`
+
     def batch_lease(self, batch_id: str) -> str:
         return f"{self.prefix}batch:{batch_id}:lease"  # string with TTL: the API driving it
 

@@ -43,6 +43,7 @@ from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics
 from worker.queue_publisher import Publisher
 from worker.queue_scripts import NameTaken, Scripts
+from worker.queue_tokenizer import publish_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Consumer:
         )
         await self.scripts.ensure_group()
         await self._claim_name()
+        await publish_tokenizer(self.conn, self.keys, self.config.model_name, engine.tokenizer)
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._start_tasks()

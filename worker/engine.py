@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from producer.chat_template import render_chat
 from producer.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig, SchedulerConfig
@@ -315,22 +315,9 @@ class Engine:
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> dict[str, Any]:
-        """The prompt for a conversation, as text and token ids. The template already holds
-        any special tokens the model wants, so none are added when encoding it. `tools` and
-        `template_kwargs` (the template's own variables) go to the template, which shows the
-        tools to the model if it knows how. By default the prompt begins the assistant's reply;
-        with `continue_final_message` it ends inside the last (assistant) message instead."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        if add_generation_prompt is None:
-            add_generation_prompt = not continue_final_message
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tools=cast("list[dict[Any, Any] | Callable[..., Any]] | None", tools),
-            **template_kwargs,
-        )
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        """The prompt for a conversation (producer.chat_template.render_chat)."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
+                           **template_kwargs)
 
 
 def _row_outputs(row_ids: list[str], requests: list[Request], drafts: dict[str, list[int]]) -> list[list[int]]:

@@ -181,6 +181,11 @@ def test_runtime_lora_loading_needs_every_worker_to_serve_adapters(
         assert redis_conn.hgetall(keys.lora_adapters) == {}
 
 
+def test_tokenize_is_503_until_a_worker_published_its_tokenizer(bare: httpx.Client) -> None:
+    response = bare.post("/tokenize", json={"prompt": "hello"})
+    assert assert_openai_error(response, 503, None)["code"] == "tokenizer_unavailable"
+
+
 def test_health_is_503_without_worker_or_redis(bare: httpx.Client, serve_api) -> None:
     response = bare.get("/health")
     assert response.status_code == 503 and response.json()["reason"] == "no live worker"

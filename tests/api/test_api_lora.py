@@ -73,6 +73,12 @@ def test_completions_and_chat_run_with_the_named_adapter(model: str, oai: openai
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline(model)
 
 
+def test_an_adapter_tokenizes_as_its_base_model(http, served_model: str) -> None:
+    body = {"prompt": "The capital of France is"}
+    base = http.post("/tokenize", json={**body, "model": served_model}).json()
+    assert http.post("/tokenize", json={**body, "model": "qv"}).json() == base
+
+
 def test_outputs_differ_by_adapter(oai: openai.OpenAI) -> None:
     texts = {m: oai.completions.create(model=m, prompt="Once upon a time", **GREEDY).choices[0].text
              for m in ("tiny-llama", "all", "qv")}

@@ -1,0 +1,53 @@
+"""The served models' tokenizers, as the workers published them (worker.queue_tokenizer), for
+/tokenize and /detokenize: loaded on first use and again when a worker publishes another.
+transformers' fast tokenizers need no torch; the chat template is rendered as the workers
+render it (producer.chat_template)."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from api.cluster import Cluster
+from api.errors import APIError
+from producer.async_client import AsyncClient
+
+
+class Tokenizers:
+    def __init__(self) -> None:
+        self._loaded: dict[str, tuple[bytes, Any]] = {}  # model -> (digest, tokenizer)
+
+    async def get(self, client: AsyncClient, model: str) -> Any:
+        """The tokenizer workers serving `model` published; 503 if none has yet."""
+        key = client.keys.tokenizer(model)
+        digest = await client.redis.hget(key, "digest")
+        if digest is None:
+            raise APIError(503, f"No worker has published the tokenizer of `{model}` yet.",
+                           type="service_unavailable", code="tokenizer_unavailable")
+        loaded = self._loaded.get(model)
+        if loaded is not None and loaded[0] == digest:
+            return loaded[1]
+        files = await client.redis.hgetall(key)
+        tokenizer = await asyncio.to_thread(_load, {k.decode(): v for k, v in files.items() if k != b"digest"})
+        self._loaded[model] = (digest, tokenizer)
+        return tokenizer
+
+
+async def base_model(cluster: Cluster, model: str) -> tuple[str, int | None]:
+    """The base model behind a served name (a LoRA adapter's is its parent), and the smallest
+    max_model_len of the workers serving it (None if they do not say)."""
+    serving = [w.info for w in await cluster.workers() if w.serving]
+    base = next((info.model for info in serving if model == info.model or model in info.adapters), model)
+    limits = [info.max_model_len for info in serving if info.model == base and info.max_model_len]
+    return base, min(limits) if limits else None
+
+
+def _load(files: dict[str, bytes]) -> Any:
+    from transformers import PreTrainedTokenizerFast  # no torch: the API stays torch-free
+
+    with tempfile.TemporaryDirectory(prefix="genq-tokenizer-") as tmp:
+        for name, data in files.items():
+            (Path(tmp) / Path(name).name).write_bytes(data)
+        return PreTrainedTokenizerFast.from_pretrained(tmp)
