@@ -16,15 +16,17 @@ characters (an object and a string, say), local `$ref` into `$defs` /
 `definitions` (recursion included), and an object without `properties` or an absent schema
 as any JSON value. Strings take one of `pattern` (producer.regex's syntax, found anywhere in
 the string unless anchored), `format` (date, time, date-time, email, uuid, ipv4) or
-`minLength`/`maxLength`; such a string is written without escapes. Annotations (`title`,
-`description`, `default`, ...) are ignored. Anything else that constrains a value
-(`minimum`, `multipleOf`, `prefixItems`, ...) is refused: the output would not be
+`minLength`/`maxLength`; such a string is written without escapes. Integers take `minimum`,
+`maximum` and their exclusive forms (a regex of the canonical decimals in range). Annotations
+(`title`, `description`, `default`, ...) are ignored. Anything else that constrains a value
+(bounds on numbers, `multipleOf`, `prefixItems`, ...) is refused: the output would not be
 guaranteed to satisfy it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +37,11 @@ ANNOTATIONS = {
     "readOnly", "writeOnly", "$defs", "definitions", "strict",
 }
 STRING_KEYWORDS = {"pattern", "format", "minLength", "maxLength"}
+BOUND_KEYWORDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
 KEYWORDS = {
     "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
     "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
-} | STRING_KEYWORDS
+} | STRING_KEYWORDS | BOUND_KEYWORDS
 # A character of a string the grammar writes: anything JSON needs no escape for. Strings
 # under a pattern are written without escapes, so their text is their value.
 PLAIN_CHAR = r'[^"\\\x00-\x1f]'
@@ -123,6 +126,80 @@ def string_pattern(schema: dict[str, Any], where: str) -> str | None:
     return content
 
 
+def integer_pattern(schema: dict[str, Any], where: str) -> str | None:
+    """The regex of an integer's decimal text within its bounds (minimum, maximum and their
+    exclusive forms); None when it has none."""
+    if not BOUND_KEYWORDS & set(schema):
+        return None
+    lows: list[int] = []
+    highs: list[int] = []
+    for key, sign, shift in (("minimum", lows, 0), ("exclusiveMinimum", lows, 1),
+                             ("maximum", highs, 0), ("exclusiveMaximum", highs, -1)):
+        if key in schema:
+            bound = schema[key]
+            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound != bound:
+                raise ValueError(f"json_schema: {where}: {key} must be a number, got {bound!r}")
+            # the integers within a bound: ceil of a lower one, floor of an upper one
+            whole = -math.floor(-bound) if sign is lows else math.floor(bound)
+            if whole == bound:
+                whole += shift
+            sign.append(int(whole))
+    low, high = max(lows) if lows else None, min(highs) if highs else None
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"json_schema: {where}: no integer lies within the bounds")
+    return integer_range_regex(low, high)
+
+
+def integer_range_regex(low: int | None, high: int | None) -> str:
+    """A regex matching exactly the canonical decimal texts (no leading zeros, no -0) of the
+    integers in [low, high]; None: unbounded on that side."""
+    parts = []
+    if low is None or low < 0:  # the negatives, as - and their magnitudes
+        magnitude_low = 1 if high is None or high >= 0 else -high
+        magnitude_high = None if low is None else -low
+        parts.append("-(?:" + "|".join(_naturals(magnitude_low, magnitude_high)) + ")")
+    if high is None or high >= 0:
+        parts += _naturals(0 if low is None or low < 0 else low, high)
+    return "|".join(parts)
+
+
+def _naturals(low: int, high: int | None) -> list[str]:
+    """Alternatives for the integers in [low, high] (>= 0; high None: no end), by digit count."""
+    out: list[str] = []
+    n = len(str(low))
+    while True:
+        first = low if n == len(str(low)) else 10 ** (n - 1)
+        if high is not None and first > high:
+            return out
+        if high is None and first == 10 ** (n - 1) and n > 1:
+            return [*out, rf"[1-9]\d{{{n - 1},}}"]  # every number of n digits or more
+        out += _same_length(first, 10 ** n - 1 if high is None else min(high, 10 ** n - 1))
+        n += 1
+    return out
+
+
+def _same_length(low: int, high: int) -> list[str]:
+    """Alternatives for [low, high], both of the same digit count: runs of aligned blocks
+    (fixed leading digits, then free ones), neighbours merged into a digit range."""
+    if high < 10:
+        return [str(low) if low == high else f"[{low}-{high}]"]
+    blocks: list[tuple[str, int, int, int]] = []  # (fixed digits, first digit, last digit, free digits)
+    start = low
+    while start <= high:
+        free = 0
+        while start % 10 ** (free + 1) == 0 and start + 10 ** (free + 1) - 1 <= high:
+            free += 1
+        digits = str(start)
+        fixed, digit = digits[: len(digits) - free - 1], int(digits[len(digits) - free - 1])
+        if blocks and blocks[-1][0] == fixed and blocks[-1][3] == free and blocks[-1][2] == digit - 1:
+            blocks[-1] = (fixed, blocks[-1][1], digit, free)
+        else:
+            blocks.append((fixed, digit, digit, free))
+        start += 10 ** free
+    return [fixed + (str(a) if a == b else f"[{a}-{b}]") + (rf"\d{{{free}}}" if free else "")
+            for fixed, a, b, free in blocks]
+
+
 def _search(pattern: Any, where: str) -> str:
     """A JSON Schema pattern (found anywhere in the string) as a whole-text regex."""
     if not isinstance(pattern, str) or not pattern:
@@ -195,6 +272,9 @@ class _Compiler:
             if STRING_KEYWORDS & set(schema):
                 raise ValueError(f"json_schema: {where}: {', '.join(sorted(STRING_KEYWORDS & set(schema)))} "
                                  'not supported without "type": "string"')
+            if BOUND_KEYWORDS & set(schema):
+                raise ValueError(f"json_schema: {where}: {', '.join(sorted(BOUND_KEYWORDS & set(schema)))} "
+                                 'not supported without "type": "integer"')
             return self._add(Node("any"))
         if kind == "object":
             return self._object(schema, where)
@@ -202,7 +282,12 @@ class _Compiler:
             return self._array(schema, where)
         if kind == "string":
             return self._add(Node(kind, pattern=string_pattern(schema, where)))
-        if kind in ("number", "integer"):
+        if kind == "integer":
+            return self._add(Node(kind, pattern=integer_pattern(schema, where)))
+        if kind == "number":
+            if BOUND_KEYWORDS & set(schema):
+                raise ValueError(f"json_schema: {where}: {', '.join(sorted(BOUND_KEYWORDS & set(schema)))} "
+                                 'not supported on "type": "number" (only on integers)')
             return self._add(Node(kind))
         if kind == "boolean":
             return self._add(Node("literals", literals=("true", "false")))

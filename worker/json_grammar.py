@@ -335,6 +335,8 @@ class JsonSchemaGrammar:
             return self._literal(rest, node_id, node, aux, char)
         if phase == "pattern":
             return self._pattern_char(rest, node_id, aux, char)
+        if phase == "bounded":
+            return self._bounded_char(rest, node_id, aux, char)
         if node.kind in ("number", "integer"):
             nxt = number_next(aux, char, node.kind == "integer")
             if nxt is not None:
@@ -363,6 +365,8 @@ class JsonSchemaGrammar:
             return ((*rest, (node_id, "open", 0)), 0) if opened else None
         if kind == "literals":
             return self._literal(rest, node_id, node, "", char)
+        if node_id in self._patterns and kind == "integer":  # within bounds: its digits' automaton
+            return self._bounded_char(rest, node_id, self._patterns[node_id].initial, char)
         if kind in ("number", "integer"):
             part = "sign" if char == "-" else "zero" if char == "0" else "int" if char in _DIGITS else None
             return None if part is None else ((*rest, (node_id, "num", part)), 0)
@@ -399,6 +403,17 @@ class JsonSchemaGrammar:
             return None
         nxt = regex.step(state, ord(char))
         return None if nxt is None else ((*rest, (node_id, "pattern", nxt)), 0)
+
+    def _bounded_char(self, rest: tuple[Frame, ...], node_id: int, state: frozenset[int], char: str) -> Step:
+        """An integer within bounds: a character its text can take; else, once the text is a
+        whole number in bounds, the character belongs to what follows it."""
+        regex = self._patterns[node_id]
+        nxt = regex.step(state, ord(char))
+        if nxt is not None:
+            return ((*rest, (node_id, "bounded", nxt)), 0)
+        if state is not regex.initial and regex.accepts(state):
+            return self._step((rest, 0), char)
+        return None
 
     def _literal(self, rest: tuple[Frame, ...], node_id: int, node: Node, text: str, char: str) -> Step:
         longer = text + char

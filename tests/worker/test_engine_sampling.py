@@ -206,12 +206,12 @@ def test_guided_regex_outputs_match_the_pattern(llm, pattern):
 
 
 def test_json_schema_strings_keep_their_patterns_and_formats(llm):
-    """What pydantic writes for constr(pattern=...), date and UUID fields."""
+    """What pydantic writes for constr(pattern=...), date, UUID and conint(ge=, le=) fields."""
     import jsonschema
 
-    schema = {"type": "object", "required": ["sku", "day", "id"], "properties": {
+    schema = {"type": "object", "required": ["sku", "day", "id", "qty"], "properties": {
         "sku": {"type": "string", "pattern": "^[A-Z]{2}\\d{3}$"}, "day": {"type": "string", "format": "date"},
-        "id": {"type": "string", "format": "uuid"}}}
+        "id": {"type": "string", "format": "uuid"}, "qty": {"type": "integer", "minimum": 1, "maximum": 12}}}
     params = SamplingParams(temperature=1.0, seed=9, n=3, max_tokens=120, guided_decoding={"json_schema": schema})
     outs = llm.generate("Record:", params, use_tqdm=False)[0].outputs
     checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)

@@ -9,6 +9,7 @@ import re
 import jsonschema
 import pytest
 
+from producer.json_schema import integer_range_regex
 from producer.sampling_params import SamplingParams
 from worker.json_grammar import JSON_OBJECT, MAX_WHITESPACE_RUN, JsonSchemaGrammar
 from worker.token_bytes import byte_text
@@ -359,6 +360,49 @@ def test_random_walks_write_strings_that_fit_their_patterns() -> None:
         jsonschema.validate(json.loads(text), schema)
 
 
+BOUNDED = {"type": "object", "required": ["n", "a", "c"], "properties": {  # keys random_walk can spell
+    "n": {"type": "integer", "minimum": 1, "maximum": 100},
+    "a": {"type": "integer", "exclusiveMinimum": -3, "exclusiveMaximum": 7.5},
+    "c": {"type": "integer", "maximum": -20},
+}}
+
+
+def test_bounded_integers_are_exactly_those_within_bounds() -> None:
+    """Every integer from -130 to 130 in each field: the grammar completes the object exactly
+    when jsonschema finds it valid."""
+    grammar = JsonSchemaGrammar(BOUNDED)
+    validator = jsonschema.Draft202012Validator(BOUNDED)
+    base = {"n": 50, "a": 0, "c": -21}
+    for field in base:
+        for i in range(-130, 131):
+            instance = {**base, field: i}
+            state = feed(json.dumps(instance), grammar)
+            assert (state is not None and grammar.is_complete(state)) == validator.is_valid(instance), instance
+    for text in ('{"n": 007, "a": 0, "c": -21}', '{"n": 5, "a": -0, "c": -21}', '{"n": 5.0, "a": 0, "c": -21}'):
+        state = feed(text, grammar)
+        assert state is None or not grammar.is_complete(state), text
+
+
+@pytest.mark.parametrize(("low", "high"), [
+    (None, None), (0, None), (None, 0), (1, 100), (-100, -1), (-5, 5), (7, 7), (0, 0), (123, 4567),
+    (-999, None), (None, -10), (95, 105), (-1, -1), (99, 100), (-2048, 1999),
+])
+def test_integer_ranges_as_regexes(low, high) -> None:
+    regex = re.compile(integer_range_regex(low, high))
+    for i in range(-2500, 2500):
+        assert bool(regex.fullmatch(str(i))) == ((low is None or i >= low) and (high is None or i <= high)), i
+    assert not any(regex.fullmatch(t) for t in ("007", "-0", "+5", "00", "1.0", ""))
+
+
+def test_random_walks_write_integers_within_bounds() -> None:
+    rng = random.Random(3)
+    grammar = JsonSchemaGrammar(BOUNDED)
+    walks = [w for w in (random_walk(grammar, rng) for _ in range(300)) if w is not None]
+    assert len(walks) > 50
+    for text in walks:
+        jsonschema.validate(json.loads(text), BOUNDED)
+
+
 def test_recursive_refs() -> None:
     tree = {
         "$defs": {"node": {"type": "object", "properties": {
@@ -379,7 +423,9 @@ def test_recursive_refs() -> None:
     ({"type": "object", "properties": {"s": {"type": "string", "format": "uri"}}}, "format 'uri' not supported"),
     ({"type": "object", "properties": {"s": {"type": "string", "pattern": "a", "maxLength": 3}}}, "one of pattern"),
     ({"type": "object", "properties": {"s": {"pattern": "a"}}}, 'pattern not supported without "type": "string"'),
-    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}, "minimum"),
+    ({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}, 'minimum not supported on "type": "number"'),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}}, "no integer lies within"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}, "multipleOf"),
     ({"type": "array", "prefixItems": [{}]}, "prefixItems"),
     ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties with a schema"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "additionalProperties beside"),
