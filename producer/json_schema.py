@@ -17,10 +17,11 @@ characters (an object and a string, say), local `$ref` into `$defs` /
 as any JSON value. Strings take one of `pattern` (producer.regex's syntax, found anywhere in
 the string unless anchored), `format` (date, time, date-time, email, uuid, ipv4) or
 `minLength`/`maxLength`; such a string is written without escapes. Integers take `minimum`,
-`maximum` and their exclusive forms (a regex of the canonical decimals in range). Annotations
-(`title`, `description`, `default`, ...) are ignored. Anything else that constrains a value
-(bounds on numbers, `multipleOf`, `prefixItems`, ...) is refused: the output would not be
-guaranteed to satisfy it.
+`maximum` and their exclusive forms (a regex of the canonical decimals in range), and so do
+numbers when the bounds are whole numbers (written then as plain decimals, no exponent).
+Annotations (`title`, `description`, `default`, ...) are ignored. Anything else that
+constrains a value (a fractional bound on a number, `multipleOf`, `prefixItems`, ...) is
+refused: the output would not be guaranteed to satisfy it.
 """
 
 from __future__ import annotations
@@ -126,28 +127,85 @@ def string_pattern(schema: dict[str, Any], where: str) -> str | None:
     return content
 
 
+def _bounds(schema: dict[str, Any], where: str) -> list[tuple[str, float]]:
+    """(keyword, bound) for each of minimum, maximum and their exclusive forms present."""
+    out: list[tuple[str, float]] = []
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        if key in schema:
+            bound = schema[key]
+            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound):
+                raise ValueError(f"json_schema: {where}: {key} must be a number, got {bound!r}")
+            out.append((key, bound))
+    return out
+
+
 def integer_pattern(schema: dict[str, Any], where: str) -> str | None:
     """The regex of an integer's decimal text within its bounds (minimum, maximum and their
     exclusive forms); None when it has none."""
-    if not BOUND_KEYWORDS & set(schema):
+    bounds = _bounds(schema, where)
+    if not bounds:
         return None
     lows: list[int] = []
     highs: list[int] = []
-    for key, sign, shift in (("minimum", lows, 0), ("exclusiveMinimum", lows, 1),
-                             ("maximum", highs, 0), ("exclusiveMaximum", highs, -1)):
-        if key in schema:
-            bound = schema[key]
-            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound != bound:
-                raise ValueError(f"json_schema: {where}: {key} must be a number, got {bound!r}")
-            # the integers within a bound: ceil of a lower one, floor of an upper one
-            whole = -math.floor(-bound) if sign is lows else math.floor(bound)
-            if whole == bound:
-                whole += shift
-            sign.append(int(whole))
+    for key, bound in bounds:
+        # the integers within a bound: ceil of a lower one, floor of an upper one
+        lower = key.endswith("inimum")
+        whole = -math.floor(-bound) if lower else math.floor(bound)
+        if whole == bound and key.startswith("exclusive"):
+            whole += 1 if lower else -1
+        (lows if lower else highs).append(int(whole))
     low, high = max(lows) if lows else None, min(highs) if highs else None
     if low is not None and high is not None and low > high:
         raise ValueError(f"json_schema: {where}: no integer lies within the bounds")
     return integer_range_regex(low, high)
+
+
+def number_pattern(schema: dict[str, Any], where: str) -> str | None:
+    """The regex of a number's text (plain decimals, no exponent) within whole-number bounds;
+    None without bounds."""
+    bounds = _bounds(schema, where)
+    if not bounds:
+        return None
+    low: tuple[int, bool] | None = None  # (bound, exclusive); the tighter wins
+    high: tuple[int, bool] | None = None
+    for key, bound in bounds:
+        if bound != int(bound):
+            raise ValueError(f"json_schema: {where}: {key} {bound!r} not supported on a number: "
+                             "only whole-number bounds")
+        edge = (int(bound), key.startswith("exclusive"))
+        if key.endswith("inimum"):
+            low = edge if low is None or (edge[0], edge[1]) > low else low
+        else:
+            high = edge if high is None or (edge[0], not edge[1]) < (high[0], not high[1]) else high
+    if low is not None and high is not None and (low[0] > high[0] or (low[0] == high[0] and (low[1] or high[1]))):
+        raise ValueError(f"json_schema: {where}: no number lies within the bounds")
+    parts = []
+    if low is None or low[0] < 0:  # v < 0 is -x: x in (max(-high, 0), -low), ends swapped
+        x_low = (-high[0], high[1]) if high is not None and high[0] < 0 else (0, True)
+        x_high = None if low is None else (-low[0], low[1])
+        parts += [f"-(?:{m})" for m in _magnitudes(x_low, x_high)]
+    if high is None or high[0] > 0 or (high[0] == 0 and not high[1]):
+        parts += _magnitudes(low if low is not None and low[0] >= 0 else (0, False), high)
+    return "|".join(parts)
+
+
+_FRACTION, _NONZERO_FRACTION, _ZERO_FRACTION = r"(\.\d+)?", r"\.\d*[1-9]\d*", r"(\.0+)?"
+
+
+def _magnitudes(low: tuple[int, bool], high: tuple[int, bool] | None) -> list[str]:
+    """Alternatives for the decimals x >= 0 within (low, high), each end (bound, exclusive):
+    whole parts strictly inside take any fraction; the ends take what keeps x within."""
+    (a, a_open), b = low, high
+    out = []
+    inner_high = None if b is None else b[0] - 1
+    if inner_high is None or a + 1 <= inner_high:
+        out.append(f"(?:{integer_range_regex(a + 1, inner_high)}){_FRACTION}")
+    if b is not None and b[0] == a:
+        return out + ([] if a_open or b[1] else [f"{a}{_ZERO_FRACTION}"])
+    out.append(f"{a}{_NONZERO_FRACTION if a_open else _FRACTION}")
+    if b is not None and not b[1]:
+        out.append(f"{b[0]}{_ZERO_FRACTION}")
+    return out
 
 
 def integer_range_regex(low: int | None, high: int | None) -> str:
@@ -285,10 +343,7 @@ class _Compiler:
         if kind == "integer":
             return self._add(Node(kind, pattern=integer_pattern(schema, where)))
         if kind == "number":
-            if BOUND_KEYWORDS & set(schema):
-                raise ValueError(f"json_schema: {where}: {', '.join(sorted(BOUND_KEYWORDS & set(schema)))} "
-                                 'not supported on "type": "number" (only on integers)')
-            return self._add(Node(kind))
+            return self._add(Node(kind, pattern=number_pattern(schema, where)))
         if kind == "boolean":
             return self._add(Node("literals", literals=("true", "false")))
         if kind == "null":

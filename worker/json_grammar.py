@@ -365,7 +365,7 @@ class JsonSchemaGrammar:
             return ((*rest, (node_id, "open", 0)), 0) if opened else None
         if kind == "literals":
             return self._literal(rest, node_id, node, "", char)
-        if node_id in self._patterns and kind == "integer":  # within bounds: its digits' automaton
+        if node_id in self._patterns and kind in ("integer", "number"):  # within bounds: its text's automaton
             return self._bounded_char(rest, node_id, self._patterns[node_id].initial, char)
         if kind in ("number", "integer"):
             part = "sign" if char == "-" else "zero" if char == "0" else "int" if char in _DIGITS else None
@@ -405,7 +405,7 @@ class JsonSchemaGrammar:
         return None if nxt is None else ((*rest, (node_id, "pattern", nxt)), 0)
 
     def _bounded_char(self, rest: tuple[Frame, ...], node_id: int, state: frozenset[int], char: str) -> Step:
-        """An integer within bounds: a character its text can take; else, once the text is a
+        """A number within bounds: a character its text can take; else, once the text is a
         whole number in bounds, the character belongs to what follows it."""
         regex = self._patterns[node_id]
         nxt = regex.step(state, ord(char))

@@ -360,25 +360,37 @@ def test_random_walks_write_strings_that_fit_their_patterns() -> None:
         jsonschema.validate(json.loads(text), schema)
 
 
-BOUNDED = {"type": "object", "required": ["n", "a", "c"], "properties": {  # keys random_walk can spell
+BOUNDED = {"type": "object", "required": ["n", "a", "c", "x", "z"], "properties": {  # keys random_walk can spell
     "n": {"type": "integer", "minimum": 1, "maximum": 100},
     "a": {"type": "integer", "exclusiveMinimum": -3, "exclusiveMaximum": 7.5},
     "c": {"type": "integer", "maximum": -20},
+    "x": {"type": "number", "minimum": 0, "maximum": 1.0},  # pydantic's confloat(ge=0, le=1)
+    "z": {"type": "number", "exclusiveMinimum": -2, "exclusiveMaximum": 3},
 }}
 
 
-def test_bounded_integers_are_exactly_those_within_bounds() -> None:
-    """Every integer from -130 to 130 in each field: the grammar completes the object exactly
-    when jsonschema finds it valid."""
+def test_bounded_numbers_are_exactly_those_within_bounds() -> None:
+    """Every integer from -130 to 130 in each integer field, and decimals around the number
+    fields' bounds: the grammar completes the object exactly when jsonschema finds it valid
+    (numbers under bounds are plain decimals: no exponent)."""
     grammar = JsonSchemaGrammar(BOUNDED)
     validator = jsonschema.Draft202012Validator(BOUNDED)
-    base = {"n": 50, "a": 0, "c": -21}
-    for field in base:
+    base = {"n": 50, "a": 0, "c": -21, "x": 0.5, "z": 0}
+    head = '{"n": 50, "a": 0, "c": -21, '
+    for field in ("n", "a", "c"):
         for i in range(-130, 131):
             instance = {**base, field: i}
             state = feed(json.dumps(instance), grammar)
             assert (state is not None and grammar.is_complete(state)) == validator.is_valid(instance), instance
-    for text in ('{"n": 007, "a": 0, "c": -21}', '{"n": 5, "a": -0, "c": -21}', '{"n": 5.0, "a": 0, "c": -21}'):
+    decimals = [f"{i}{f}" for i in range(-4, 5) for f in ("", ".0", ".00", ".5", ".05", ".999")] + ["-0.5", "-0.01"]
+    for field, other in (("x", '"z": 0'), ("z", '"x": 0.5')):
+        for value in decimals:
+            text = head + (f'"x": {value}, {other}}}' if field == "x" else f'{other}, "z": {value}}}')
+            state = feed(text, grammar)
+            valid = validator.is_valid(json.loads(text))
+            assert (state is not None and grammar.is_complete(state)) == valid, text
+    for text in ('{"n": 007, "a": 0, "c": -21, "x": 0, "z": 0}', '{"n": 5, "a": -0, "c": -21, "x": 0, "z": 0}',
+                 '{"n": 5.0, "a": 0, "c": -21, "x": 0, "z": 0}', head + '"x": 1.5, "z": 0}', head + '"x": 1e-1, "z": 0}'):
         state = feed(text, grammar)
         assert state is None or not grammar.is_complete(state), text
 
@@ -423,7 +435,7 @@ def test_recursive_refs() -> None:
     ({"type": "object", "properties": {"s": {"type": "string", "format": "uri"}}}, "format 'uri' not supported"),
     ({"type": "object", "properties": {"s": {"type": "string", "pattern": "a", "maxLength": 3}}}, "one of pattern"),
     ({"type": "object", "properties": {"s": {"pattern": "a"}}}, 'pattern not supported without "type": "string"'),
-    ({"type": "object", "properties": {"n": {"type": "number", "minimum": 0}}}, 'minimum not supported on "type": "number"'),
+    ({"type": "object", "properties": {"n": {"type": "number", "minimum": 0.5}}}, "minimum 0.5 not supported on a number"),
     ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 4}}}, "no integer lies within"),
     ({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}, "multipleOf"),
     ({"type": "array", "prefixItems": [{}]}, "prefixItems"),
