@@ -19,7 +19,7 @@ import time
 from transformers import AutoTokenizer
 
 from api.tool_calls import calls_schema
-from worker.json_grammar import JsonSchemaGrammar
+from worker.json_schema_grammar import JsonSchemaGrammar
 from worker.model_loader import resolve_model_path
 from worker.structured_output import Grammar, RegexGrammar
 from worker.token_bytes import byte_text, token_bytes

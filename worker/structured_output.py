@@ -1,7 +1,7 @@
 """Structured output: grammars that say which text may come next, and the per-request token
 masks built from them (vLLM's `guided_decoding`: `json_object`, `json_schema`, `choice`,
-`regex`; the JSON grammars are in `worker.json_grammar`, regular expressions in
-`producer.regex`).
+`regex`; the JSON grammars are in `worker.json_grammar` and `worker.json_schema_grammar`,
+regular expressions in `producer.regex`).
 
 A grammar is an automaton over immutable, hashable states that reads the output's UTF-8
 bytes, one character per byte (`worker.token_bytes.byte_text`), so a token holding part of a
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from producer.regex import compile_regex
-from worker.json_grammar import JSON_OBJECT, JsonSchemaGrammar
+from worker.json_grammar import JSON_OBJECT
+from worker.json_schema_grammar import JsonSchemaGrammar
 from worker.token_bytes import byte_text, token_bytes
 
 MASK_CACHE_SIZE = 1024  # grammar states whose masks are kept (a mask is one byte per token)

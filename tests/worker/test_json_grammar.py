@@ -9,9 +9,10 @@ import re
 import jsonschema
 import pytest
 
-from producer.json_schema import integer_range_regex
+from producer.json_values import integer_range_regex
 from producer.sampling_params import SamplingParams
-from worker.json_grammar import JSON_OBJECT, MAX_WHITESPACE_RUN, JsonSchemaGrammar
+from worker.json_grammar import JSON_OBJECT, MAX_WHITESPACE_RUN
+from worker.json_schema_grammar import JsonSchemaGrammar
 from worker.token_bytes import byte_text
 
 VALID = [
