@@ -23,6 +23,7 @@ from api.errors import APIError
 from api.render import RelayedRequest
 from api.responses_api import ResponseRenderer, ResponsesRequest, envelope, finish
 from api.schemas import ChatCompletionRequest
+from producer.jobs import JobNotFound
 from producer.protocol import FINISH_ABORT, JobStatus
 
 log = logging.getLogger(__name__)
@@ -132,9 +133,10 @@ def _relayed(record: dict[str, Any]) -> RelayedRequest:
 
 
 async def _status(state: AppState, job_id: str) -> JobStatus | None:
+    """None when the job's record is gone (expired)."""
     try:
         return await state.client.status(job_id)
-    except Exception:  # noqa: BLE001 (a job record gone: expired)
+    except JobNotFound:
         return None
 
 
