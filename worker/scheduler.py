@@ -111,6 +111,10 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
             while not self.block_manager.allocate_slots(request, num_new):
+                if request.spec_token_ids:  # guesses are not worth preempting anyone for
+                    num_new -= min(len(request.spec_token_ids), max(num_new - 1, 0))
+                    request.spec_token_ids = []
+                    continue
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim.request_id in scheduled:

@@ -234,3 +234,15 @@ def test_prefix_cache_keeps_adapters_apart():
     step(sched)
     assert sched.requests["a1-again"].num_cached_tokens == 12
     assert sched.requests["a2"].num_cached_tokens == 0
+
+
+def test_guesses_are_dropped_before_anyone_is_preempted():
+    sched = make_scheduler(num_blocks=4, budget=64)  # 16 token slots
+    sched.add_request(make_request("a", range(10, 17), max_tokens=8))  # 7 tokens: 2 blocks
+    sched.add_request(make_request("b", range(20, 27), max_tokens=8, arrival=1.0))  # 2 blocks
+    step(sched)
+    a = sched.requests["a"]
+    a.spec_token_ids = [1, 2, 3, 4, 5, 6, 7, 8]  # would need a third block for a, taking b's
+    out, _ = step(sched)
+    assert sched.num_preemptions == 0 and {s.request_id for s in out.scheduled} == {"a", "b"}
+    assert [s.num_drafts for s in out.scheduled if s.request_id == "a"] == [0]
