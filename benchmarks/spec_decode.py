@@ -1,7 +1,7 @@
 """Speculative decoding with n-gram guesses against plain decoding, on the default model, in
 one process.
 
-    python benchmarks/spec_decode.py [--max-tokens 128] [--k 4] [--dtype bfloat16]
+    python benchmarks/spec_decode.py [--max-tokens 128] [--k 4] [--dtype bfloat16] [--disable-by-batch-size N]
 
 Workloads (greedy): "copy" asks the model to repeat and edit text it was given (where
 prompt lookup helps: code edits, quoting, extraction); "free" asks for new text (where
@@ -39,12 +39,15 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None, help="no guesses at this many requests")
     args = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     plain = LLM(None, dtype=args.dtype, max_model_len=2048)
     spec = LLM(None, dtype=args.dtype, max_model_len=2048,
-               speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4})
-    print(f"greedy, max_tokens {args.max_tokens}, k={args.k}, {args.dtype}")
+               speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+                                   "disable_by_batch_size": args.disable_by_batch_size})
+    print(f"greedy, max_tokens {args.max_tokens}, k={args.k}, {args.dtype}, "
+          f"disable_by_batch_size {args.disable_by_batch_size}")
     print(f"{'workload':<10} {'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'speed-up':>9} {'kept':>6} {'same':>5}")
     for name, messages in (("copy", COPY), ("free", FREE)):
         for batch in (1, 16):
