@@ -43,6 +43,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "api": Subcommand("serve the OpenAI-compatible HTTP API", "api.cli:build"),
     "up": Subcommand("run the whole stack: Redis, one worker and the API", "producer.stack:build"),
     "bench": Subcommand("benchmarks: throughput (offline) and serve (HTTP load)", "worker.bench:build"),
+    "lora": Subcommand("add, remove or list LoRA adapters the workers load at run time", "api.lora_cli:build"),
 }
 
 

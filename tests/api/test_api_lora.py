@@ -4,6 +4,8 @@ A live stack whose worker serves two adapters; outputs match the offline engine'
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,3 +140,22 @@ def test_adapters_load_and_unload_at_run_time(runtime_api: httpx.Client, served_
     assert unknown.status_code == 400 and "cannot be found" in unknown.json()["error"]["message"]
     bad_name = runtime_api.post("/v1/load_lora_adapter", json={"lora_name": "a,b", "lora_path": "/x"})
     assert bad_name.status_code == 400 and bad_name.json()["error"]["param"] == "lora_name"
+
+
+def genq_lora(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "producer.cli", "lora", "--redis-url", redis_url, *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_genq_lora_manages_the_registry_from_a_shell(live_worker: str, tiny_llama_adapters: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    added = genq_lora(live_worker, "add", "cli", str(tiny_llama_adapters["qv"]))
+    assert (added.returncode, added.stdout.strip()) == (0, "Success: LoRA adapter 'cli' added successfully."), added.stderr
+    listing = genq_lora(live_worker, "ls").stdout.splitlines()
+    assert f"cli\t{tiny_llama_adapters['qv']}\tserved by: api-test" in listing
+    assert "all\tgiven at worker start (--lora-modules)\tserved by: api-test" in listing
+    refused = genq_lora(live_worker, "add", "broken", str(tmp_path))
+    assert refused.returncode == 1 and "not a PEFT adapter directory" in refused.stderr
+    removed = genq_lora(live_worker, "rm", "cli")
+    assert removed.returncode == 0 and "removed" in removed.stdout
+    assert not any(line.startswith("cli\t") for line in genq_lora(live_worker, "ls").stdout.splitlines())
