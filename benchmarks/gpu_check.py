@@ -67,7 +67,8 @@ def check_engine_vs_cpu(model: str | None, load_format: str, num_tokens: int = 3
     return lines
 
 
-def check_lora_vs_cpu(model: str | None, load_format: str, num_tokens: int = 32) -> list[str]:
+def check_lora_vs_cpu(model: str | None, load_format: str, num_tokens: int = 32,
+                      devices: tuple[str, str] = ("cpu", "cuda")) -> list[str]:
     """Two adapters and the base model in one batch, on CUDA (graphs for base-only steps)
     against the CPU path, float32."""
     import tempfile
@@ -85,12 +86,13 @@ def check_lora_vs_cpu(model: str | None, load_format: str, num_tokens: int = 32)
                 for i in range(2))
         loras = [a, None, b, a]
         runs = {}
-        for device in ("cpu", "cuda"):
+        for device in devices:
             llm = LLM(model, dtype="float32", device=device, max_model_len=2048, load_format=load_format,
                       enable_lora=True, max_loras=2)
             outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
             runs[device] = [o.outputs[0].token_ids for o in outs]
-    return [f"greedy lora cuda vs cpu float32 {_compare(runs['cpu'], runs['cuda'])}"]
+    first, second = devices
+    return [f"greedy lora {second} vs {first} float32 {_compare(runs[first], runs[second])}"]
 
 
 def _compare(a: list[list[int]], b: list[list[int]]) -> str:
