@@ -7,8 +7,9 @@ What is supported: `input` as text or items (messages with text parts, `function
 response to continue (`previous_response_id`; api.stored_responses), `instructions`,
 `max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool_choice` and
 `parallel_tool_calls`, `text.format` (text, json_object, json_schema), `stream`, and chat's
-sampling extras (`seed`, `top_k`, `stop`, `ignore_eos`, ...), and `background` (polled;
-api.background_responses). Non-function tools are a 400 naming the field.
+sampling extras (`seed`, `top_k`, `stop`, `ignore_eos`, ...), output-text logprobs (`include`,
+`top_logprobs`), and `background` (polled; api.background_responses). Non-function tools are
+a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None  # a stored response this one continues
     store: bool = True  # keep it (GENQ_FILE_TTL_S) for retrieval and previous_response_id
     background: bool = False  # answer at once (queued); poll GET /v1/responses/{id} (api.background_responses)
+    include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
+    top_logprobs: int | None = None  # with those logprobs, this many alternatives per token
     metadata: dict[str, str] | None = None
 
 
@@ -79,6 +82,8 @@ def to_chat(request: ResponsesRequest, history: list[dict[str, Any]] | None = No
         "parallel_tool_calls": request.parallel_tool_calls,
         **{k: v for k, v in (("temperature", request.temperature), ("top_p", request.top_p)) if v is not None},
     }
+    if _wants_logprobs(request):
+        body["logprobs"], body["top_logprobs"] = True, request.top_logprobs or 0
     if request.tools:
         body["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools)]
     if request.tool_choice is not None:
@@ -99,6 +104,16 @@ def to_chat(request: ResponsesRequest, history: list[dict[str, Any]] | None = No
     except ValidationError as exc:
         first = exc.errors()[0]
         raise invalid_param(".".join(str(p) for p in first["loc"]), first["msg"]) from None
+
+
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value genq has something for
+
+
+def _wants_logprobs(request: ResponsesRequest) -> bool:
+    unknown = [value for value in request.include or [] if value != LOGPROBS]
+    if unknown:
+        raise invalid_param("include", f"include {unknown[0]!r} is not supported (only {LOGPROBS!r})")
+    return LOGPROBS in (request.include or [])
 
 
 # chat fields a Responses request sets through its own, or that have no meaning here
@@ -175,7 +190,8 @@ def response_object(
     if message.reasoning_content:
         output.append(reasoning_item(base, message.reasoning_content))
     if message.content:
-        output.append(message_item(base, message.content, "incomplete" if incomplete else "completed"))
+        logprobs = (choice.logprobs or {}).get("content")
+        output.append(message_item(base, message.content, "incomplete" if incomplete else "completed", logprobs))
     for k, call in enumerate(message.tool_calls or []):
         function = call["function"]
         output.append(function_call_item(base, k, call["id"], function["name"], function["arguments"]))
@@ -202,20 +218,21 @@ def envelope(request: ResponsesRequest, response_id: str, created: int, model: s
         "error": None, "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
         "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
         "previous_response_id": request.previous_response_id, "store": request.store,
-        "background": request.background,
+        "background": request.background, "top_logprobs": request.top_logprobs,
         "temperature": request.temperature,
         "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice or "auto",
         "tools": request.tools or [], "top_p": request.top_p,
     }
 
 
-def message_item(base: str, text: str, status: str) -> dict[str, Any]:
+def message_item(base: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{base}", "status": status, "role": "assistant",
-            "content": [_text_part(text)]}
+            "content": [_text_part(text, logprobs)]}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An output_text part; `logprobs` in chat's per-token form, which is the Responses one."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def reasoning_item(base: str, text: str) -> dict[str, Any]:
@@ -243,6 +260,7 @@ class ResponseEvents:
         self.items: list[dict[str, Any]] = []  # output items so far; the last may be open
         self.open: str | None = None  # kind of the open item
         self.text = ""  # of the open item
+        self.logprobs: list[dict[str, Any]] = []  # of the open message item's text
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -254,22 +272,27 @@ class ResponseEvents:
                  "status": "in_progress", "output": [], "incomplete_details": None, "usage": None}
         return [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
 
-    def delta(self, delta: dict[str, Any]) -> list[str]:
+    def delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> list[str]:
+        """Events for one chat delta; `logprobs` (chat's per-token form) go with its text."""
         out: list[str] = []
         if delta.get("reasoning_content"):
             out += self._text("reasoning", delta["reasoning_content"])
         if delta.get("content"):
-            out += self._text("message", delta["content"])
+            out += self._text("message", delta["content"], logprobs)
         for call in delta.get("tool_calls") or []:
             out += self._call(call)
         return out
 
-    def _text(self, kind: str, text: str) -> list[str]:
+    def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
         out = self._switch(kind)
         index, item_id = len(self.items) - 1, self.items[-1]["id"]
         self.text += text
-        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        return [*out, self.event(name, item_id=item_id, output_index=index, content_index=0, delta=text)]
+        if kind == "message":
+            self.logprobs += logprobs or []
+            return [*out, self.event("response.output_text.delta", item_id=item_id, output_index=index,
+                                     content_index=0, delta=text, logprobs=logprobs or [])]
+        return [*out, self.event("response.reasoning_text.delta", item_id=item_id, output_index=index,
+                                 content_index=0, delta=text)]
 
     def _call(self, call: dict[str, Any]) -> list[str]:
         """A whole call (tool_choice auto) or a forced call's first piece opens an item; later
@@ -297,7 +320,7 @@ class ResponseEvents:
         item = reasoning_item(self.base, "") if kind == "reasoning" else message_item(self.base, "", "in_progress")
         item["content"] = []
         self.items.append(item)
-        self.open, self.text = kind, ""
+        self.open, self.text, self.logprobs = kind, "", []
         index = len(self.items) - 1
         out.append(self.event("response.output_item.added", output_index=index, item=item))
         if kind == "message":
@@ -311,10 +334,11 @@ class ResponseEvents:
         item, index, text = self.items[-1], len(self.items) - 1, self.text
         out = []
         if self.open == "message":
-            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
+            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                  text=text, logprobs=self.logprobs))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
-                                  content_index=0, part=_text_part(text)))
-            item.update(message_item(self.base, text, "completed"))
+                                  content_index=0, part=_text_part(text, self.logprobs)))
+            item.update(message_item(self.base, text, "completed", self.logprobs))
         elif self.open == "reasoning":
             out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
             item.update(reasoning_item(self.base, text))
@@ -350,7 +374,8 @@ async def stream(
                 for line in events.failed(chunk.message, chunk.code):
                     yield line
                 return
-            for line in events.delta(chunk["choices"][0]["delta"] if chunk else {}):
+            choice = chunk["choices"][0] if chunk else {}
+            for line in events.delta(choice.get("delta", {}), (choice.get("logprobs") or {}).get("content")):
                 yield line
     final = await finish(state, request, chat_request, renderer.response(req, collector.choices, collector.usage()))
     for line in events.end(final):

@@ -207,3 +207,29 @@ def test_cancelling_a_background_response(served_model: str, oai: openai.OpenAI,
 def test_background_needs_store_and_no_stream(served_model: str, oai: openai.OpenAI, http, extra, field) -> None:
     response = http.post("/v1/responses", json={"model": served_model, "input": "x", "background": True, **extra})
     assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_output_text_logprobs_whole_and_streamed(served_model: str, oai: openai.OpenAI) -> None:
+    """include=["message.output_text.logprobs"] gives each output token's logprob and its
+    alternatives: the chat endpoint's for the same request."""
+    request = {"model": served_model, "input": "Say something.", "max_output_tokens": 8, "temperature": 0.0,
+               "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = oai.responses.create(**request)
+    part = response.output[0].content[0]
+    chat = oai.chat.completions.create(model=served_model, messages=MESSAGES, max_tokens=8, temperature=0.0,
+                                       logprobs=True, top_logprobs=2)
+    expected = chat.choices[0].logprobs.content
+    # the same tokens; logprobs equal up to float rounding (the prefix cache computes the second differently)
+    assert [lp.token for lp in part.logprobs] == [lp.token for lp in expected]
+    assert [lp.logprob for lp in part.logprobs] == pytest.approx([lp.logprob for lp in expected], abs=1e-4)
+    assert [[t.token for t in lp.top_logprobs] for lp in part.logprobs] == [[t.token for t in lp.top_logprobs]
+                                                                           for lp in expected]
+    assert "".join(lp.token for lp in part.logprobs) == part.text and response.top_logprobs == 2
+    events = list(oai.responses.create(**request, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in part.logprobs], abs=1e-4)
+    assert oai.responses.create(**{**request, "include": None}).output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.responses.create(**{**request, "include": ["reasoning.encrypted_content"]})
+    assert info.value.body["param"] == "include"
