@@ -49,9 +49,10 @@ class ServedAdapters:
             self._next_id += 1
             try:
                 engine.add_lora(request)
-            except ValueError as exc:
-                logger.warning("cannot serve LoRA adapter %r: %s", name, exc)
-                self._failed_paths[name], errors[name] = path, str(exc)
+            except Exception as exc:  # noqa: BLE001 (a bad file of any kind must not stop the worker)
+                reason = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                logger.warning("cannot serve LoRA adapter %r: %s", name, reason)
+                self._failed_paths[name], errors[name] = path, reason
                 continue
             logger.info("serving LoRA adapter %r from %s", name, path)
             served[name] = request

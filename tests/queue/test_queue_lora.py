@@ -186,3 +186,20 @@ def test_retired_adapters_leave_the_engine_once_unused(tiny_llama_dir: Path, tin
     assert rt.lora_int_id not in engine.runner.lora.adapters
     adapters.follow(engine, {"rt": str(tiny_llama_adapters["all"])})  # back: a new id
     assert adapters.served["rt"].lora_int_id > rt.lora_int_id
+
+
+def test_a_corrupt_registry_adapter_is_reported_not_fatal(tiny_llama_dir: Path, tiny_llama_adapters: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    import shutil
+
+    from worker.engine import Engine
+    from worker.queue_adapters import ServedAdapters
+
+    corrupt = shutil.copytree(tiny_llama_adapters["qv"], tmp_path / "corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64,
+                                 enable_lora=True, max_lora_rank=8))
+    adapters = ServedAdapters({})
+    adapters.follow(engine, {"corrupt": str(corrupt), "fine": str(tiny_llama_adapters["qv"])})
+    assert list(adapters.served) == ["fine"] and list(adapters.errors) == ["corrupt"]
+    assert adapters.errors["corrupt"]  # the reader's own words
