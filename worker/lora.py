@@ -62,11 +62,14 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
     if not config_file.is_file() or not weights_file.is_file():
         raise ValueError(f"{where}: not a PEFT adapter directory (adapter_config.json and "
                          "adapter_model.safetensors are needed)")
-    config = json.loads(config_file.read_text())
-    _check_config(config, where)
     from safetensors.torch import load_file
 
-    tensors = load_file(str(weights_file))
+    try:
+        config = json.loads(config_file.read_text())
+        tensors = load_file(str(weights_file))
+    except Exception as exc:  # noqa: BLE001 (unreadable JSON or safetensors: the adapter's fault)
+        raise ValueError(f"{where}: cannot read its files: {type(exc).__name__}: {exc}") from None
+    _check_config(config, where)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.fullmatch(key)
