@@ -152,18 +152,18 @@ def test_random_sampling_keeps_its_distribution(plain_llm, spec_llm):
     the rest, 400 samples each, at a temperature that makes the guessed token uncertain)."""
     from collections import Counter
 
-    params = SamplingParams(temperature=1.5, max_tokens=3, ignore_eos=True)  # one guess, for token 2
-    prompts = [PROMPTS[0]] * 400
+    samples = 400  # completions of one prompt (n), which share its prefill
+    params = SamplingParams(temperature=1.5, max_tokens=3, ignore_eos=True, n=samples)  # one guess, for token 2
     drafts_before = spec_llm.engine.spec_stats.num_drafts
-    second = {name: Counter(o.outputs[0].token_ids[2] for o in llm.generate(prompts, params, use_tqdm=False))
+    second = {name: Counter(c.token_ids[2] for c in llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs)
               for name, llm in (("plain", plain_llm), ("spec", spec_llm))}
     assert spec_llm.engine.spec_stats.num_drafts - drafts_before > 100
     top = [t for t, _ in second["plain"].most_common(5)]
 
     def shares(counts: Counter) -> list[float]:
         kept = [counts[t] for t in top]
-        return [c / len(prompts) for c in [*kept, len(prompts) - sum(kept)]]
+        return [c / samples for c in [*kept, samples - sum(kept)]]
 
     distance = sum(abs(a - b) for a, b in zip(shares(second["plain"]), shares(second["spec"]), strict=True)) / 2
-    assert max(second["plain"].values()) < 0.8 * len(prompts)  # the guess is far from certain
+    assert max(second["plain"].values()) < 0.8 * samples  # the guess is far from certain
     assert distance < 0.1, (distance, second["plain"].most_common(5), second["spec"].most_common(5))
