@@ -15,9 +15,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+from collections.abc import AsyncGenerator
 from typing import Any
 
-from api import generate, stored_responses
+from api import generate, responses_api, stored_responses
 from api.deps import AppState
 from api.errors import APIError
 from api.render import RelayedRequest
@@ -36,7 +37,7 @@ async def start(
     state: AppState, body: ResponsesRequest, chat: ChatCompletionRequest, req: RelayedRequest
 ) -> dict[str, Any]:
     """Store the queued response with what finishing needs, start finishing it here, and
-    return it."""
+    return its record (`response`: as it stands; `background`: what finishing needs)."""
     shell = _shell(body, req, "queued")
     record = {"response": shell, "background": {
         "request": body.model_dump(), "chat": chat.model_dump(exclude_none=True), "relayed": dataclasses.asdict(req),
@@ -45,13 +46,22 @@ async def start(
     task = asyncio.create_task(_finish_when_done(state, record), name=f"genq-background-{shell['id']}")
     state.tasks.add(task)
     task.add_done_callback(state.tasks.discard)
-    return shell
+    return record
+
+
+def replay(state: AppState, stored: dict[str, Any], starting_after: int = -1) -> AsyncGenerator[str, None]:
+    """A background response's event stream, from the job's events in Redis: the whole of
+    it, or what follows event `starting_after` (a client that lost its connection)."""
+    if "background" not in stored:
+        raise APIError(400, "Only a background response can be streamed again.", param="stream")
+    body, chat = _requests(stored)
+    return responses_api.stream(state, body, _relayed(stored), chat, starting_after, stored["background"])
 
 
 async def current(state: AppState, stored: dict[str, Any]) -> dict[str, Any]:
     """A stored response as it stands: a background one is finished here if its job ended,
     else shown queued or in progress."""
-    if "background" not in stored:
+    if "background" not in stored or stored.get("done"):
         response: dict[str, Any] = stored["response"]
         return response
     req = _relayed(stored)
@@ -66,9 +76,9 @@ async def cancel(state: AppState, stored: dict[str, Any]) -> dict[str, Any]:
     """Cancel a background response's job: it is `cancelled` from now on (a job that ended
     first keeps its result). 400 for a response that was not in the background."""
     if "background" not in stored:
-        if stored["response"].get("background"):
-            return dict(stored["response"])  # it ended already: as it ended
         raise APIError(400, "Only a background response can be cancelled.", param="response_id")
+    if stored.get("done"):
+        return dict(stored["response"])  # it ended already: as it ended
     req = _relayed(stored)
     statuses = [await _status(state, job_id) for job_id in req.job_ids]
     if all(s is not None and s.terminal for s in statuses):
@@ -103,7 +113,7 @@ async def _finish(state: AppState, record: dict[str, Any]) -> dict[str, Any]:
     if response.choices[0].finish_reason == FINISH_ABORT:
         return await _save_ended(state, record, "cancelled")
     body, chat = _requests(record)
-    return await finish(state, body, chat, response)
+    return await finish(state, body, chat, response, record["background"])
 
 
 async def _save_ended(
@@ -112,7 +122,8 @@ async def _save_ended(
     """Store a response that ended without output (cancelled, failed) as its final form."""
     body, chat = _requests(record)
     final = {**_shell(body, _relayed(record), status), "error": error}
-    await stored_responses.save(state, final, chat, instructions=bool(body.instructions))
+    await stored_responses.save(state, final, chat, instructions=bool(body.instructions),
+                                background=record["background"])
     return final
 
 

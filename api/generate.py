@@ -298,12 +298,12 @@ class StreamError:
 
 
 async def relayed_chunks(
-    state: AppState, req: RelayedRequest, renderer: Renderer, collector: Collector
+    state: AppState, req: RelayedRequest, renderer: Renderer, collector: Collector, keep_jobs: bool = False
 ) -> AsyncGenerator[dict[str, Any] | StreamError | None, None]:
     """Each event's chunk (None when it brings nothing to send), the collector kept up to
-    date; a StreamError last if the stream ended early."""
+    date; a StreamError last if the stream ended early. `keep_jobs`: see relay_events."""
     try:
-        async with aclosing(relay_events(state, req)) as events:
+        async with aclosing(relay_events(state, req, keep_jobs)) as events:
             async for job_id, event in events:
                 choice = collector.add(job_id, event)
                 if collector.error is not None:

@@ -253,18 +253,22 @@ class ResponseEvents:
     """Turns one choice's chat deltas into Responses stream events, opening and closing output
     items (reasoning, message, function calls) as the kind of delta changes."""
 
-    def __init__(self, request: ResponsesRequest, req: RelayedRequest) -> None:
+    def __init__(self, request: ResponsesRequest, req: RelayedRequest, starting_after: int = -1) -> None:
         self.request, self.req = request, req
         self.base = req.id.removeprefix(ResponseRenderer.id_prefix)
         self.sequence = 0
+        self.starting_after = starting_after  # events up to this sequence number were sent before
         self.items: list[dict[str, Any]] = []  # output items so far; the last may be open
         self.open: str | None = None  # kind of the open item
         self.text = ""  # of the open item
         self.logprobs: list[dict[str, Any]] = []  # of the open message item's text
 
     def event(self, kind: str, **fields: Any) -> str:
+        """The SSE lines of one event; "" for one the client had (a resumed stream)."""
         body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
+        if body["sequence_number"] <= self.starting_after:
+            return ""
         return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def start(self) -> list[str]:
@@ -361,32 +365,40 @@ class ResponseEvents:
 
 
 async def stream(
-    state: AppState, request: ResponsesRequest, req: RelayedRequest, chat_request: ChatCompletionRequest
+    state: AppState, request: ResponsesRequest, req: RelayedRequest, chat_request: ChatCompletionRequest,
+    starting_after: int = -1, stored: dict[str, Any] | None = None,
 ) -> AsyncGenerator[str, None]:
     """The Responses stream: created, the output items as they come, completed (or failed);
-    the finished response is stored as `finish` stores it."""
-    renderer, collector, events = ResponseRenderer(), Collector(req), ResponseEvents(request, req)
-    for line in events.start():
+    the finished response is stored as `finish` stores it. A background response's stream
+    (`stored`: what its record keeps) leaves the job running when the client goes, and may
+    resume after the event numbered `starting_after` (the events are replayed from Redis)."""
+    renderer, collector = ResponseRenderer(), Collector(req)
+    events = ResponseEvents(request, req, starting_after)
+    for line in filter(None, events.start()):
         yield line
-    async with aclosing(relayed_chunks(state, req, renderer, collector)) as chunks:
+    async with aclosing(relayed_chunks(state, req, renderer, collector, keep_jobs=stored is not None)) as chunks:
         async for chunk in chunks:
             if isinstance(chunk, StreamError):
-                for line in events.failed(chunk.message, chunk.code):
+                for line in filter(None, events.failed(chunk.message, chunk.code)):
                     yield line
                 return
             choice = chunk["choices"][0] if chunk else {}
-            for line in events.delta(choice.get("delta", {}), (choice.get("logprobs") or {}).get("content")):
+            for line in filter(None, events.delta(choice.get("delta", {}), (choice.get("logprobs") or {}).get("content"))):
                 yield line
-    final = await finish(state, request, chat_request, renderer.response(req, collector.choices, collector.usage()))
-    for line in events.end(final):
+    response = renderer.response(req, collector.choices, collector.usage())
+    final = await finish(state, request, chat_request, response, stored)
+    for line in filter(None, events.end(final)):
         yield line
 
 
 async def finish(
-    state: AppState, request: ResponsesRequest, chat_request: ChatCompletionRequest, chat: ChatCompletionResponse
+    state: AppState, request: ResponsesRequest, chat_request: ChatCompletionRequest, chat: ChatCompletionResponse,
+    background: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The response object of a finished chat completion, stored unless `store` is false."""
+    """The response object of a finished chat completion, stored unless `store` is false (a
+    background one with what replaying its stream needs)."""
     final = response_object(request, chat)
     if request.store:
-        await stored_responses.save(state, final, chat_request, instructions=bool(request.instructions))
+        await stored_responses.save(state, final, chat_request, instructions=bool(request.instructions),
+                                    background=background)
     return final

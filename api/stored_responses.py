@@ -16,12 +16,16 @@ from api.schemas import ChatCompletionRequest
 
 
 async def save(
-    state: AppState, response: dict[str, Any], chat: ChatCompletionRequest, instructions: bool
+    state: AppState, response: dict[str, Any], chat: ChatCompletionRequest, instructions: bool,
+    background: dict[str, Any] | None = None,
 ) -> None:
     """`response` with its conversation: `chat`'s messages (without the instructions, when
-    the request had them) and the response as the assistant's turn."""
+    the request had them) and the response as the assistant's turn; for a background
+    response, what replaying its stream needs, marked done."""
     messages = [m.model_dump(exclude_none=True) for m in chat.messages][1 if instructions else 0:]
-    stored = {"response": response, "conversation": messages + as_turn(response)}
+    stored: dict[str, Any] = {"response": response, "conversation": messages + as_turn(response)}
+    if background is not None:
+        stored |= {"background": background, "done": True}
     key = state.client.keys.stored_response(response["id"])
     await state.client.redis.set(key, json.dumps(stored), ex=state.settings.file_ttl_s)
 

@@ -21,9 +21,8 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     renderer = ResponseRenderer()
     previous = body.previous_response_id
     history = await stored_responses.history(state, previous) if previous is not None else None
-    if body.background and (body.stream or not body.store):
-        field = "stream" if body.stream else "store"
-        raise invalid_param(field, f"background responses are polled, and need store true and stream false ({field})")
+    if body.background and not body.store:
+        raise invalid_param("store", "background responses are stored: store must be true")
     try:
         chat = responses_api.to_chat(body, history)
         check_tool_parser(chat, state.settings)
@@ -31,7 +30,10 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     except APIError as exc:
         raise responses_api.renamed(exc) from None
     if body.background:
-        return JSONResponse(await background_responses.start(state, body, chat, req))
+        record = await background_responses.start(state, body, chat, req)
+        if body.stream:  # the job runs on if the client goes; GET ...?stream=true resumes
+            return EventStreamResponse(background_responses.replay(state, record))
+        return JSONResponse(record["response"])
     if body.stream:
         return EventStreamResponse(responses_api.stream(state, body, req, chat))
     finished = await unless_disconnected(request, generate.collect(state, req, renderer))
@@ -39,10 +41,15 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
 
 
 @router.get("/responses/{response_id}")
-async def retrieve_response(response_id: str, state: StateDep) -> JSONResponse:
+async def retrieve_response(
+    response_id: str, state: StateDep, stream: bool = False, starting_after: int = -1
+):
     """A stored response (`store` was not false), as it was returned; a background one as it
-    stands now."""
-    return JSONResponse(await background_responses.current(state, await stored_responses.load(state, response_id)))
+    stands now, or (`stream=true`) its events again, after `starting_after` if given."""
+    stored = await stored_responses.load(state, response_id)
+    if stream:
+        return EventStreamResponse(background_responses.replay(state, stored, starting_after))
+    return JSONResponse(await background_responses.current(state, stored))
 
 
 @router.post("/responses/{response_id}/cancel")

@@ -203,10 +203,30 @@ def test_cancelling_a_background_response(served_model: str, oai: openai.OpenAI,
         oai.responses.cancel(finished.id)
 
 
-@pytest.mark.parametrize("extra, field", [({"stream": True}, "stream"), ({"store": False}, "store")])
-def test_background_needs_store_and_no_stream(served_model: str, oai: openai.OpenAI, http, extra, field) -> None:
-    response = http.post("/v1/responses", json={"model": served_model, "input": "x", "background": True, **extra})
-    assert response.status_code == 400 and response.json()["error"]["param"] == field
+def test_background_needs_store(served_model: str, http) -> None:
+    response = http.post("/v1/responses", json={"model": served_model, "input": "x", "background": True, "store": False})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "store"
+
+
+def test_a_background_stream_can_be_resumed(served_model: str, oai: openai.OpenAI, poll) -> None:
+    """background + stream: the events as they come; the stream again from Redis (GET with
+    stream=true), whole or after the event a client saw last, the same events."""
+    request = {"model": served_model, "input": "Say something.", "max_output_tokens": 12, "temperature": 0.0}
+    expected = oai.responses.create(**request)
+    events = list(oai.responses.create(**request, background=True, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].response.output_text == expected.output_text
+    response_id = events[0].response.id
+    done = wait_until_ended(oai, response_id, poll)
+    assert done.output_text == expected.output_text
+    again = list(oai.responses.retrieve(response_id, stream=True))
+    assert [(e.type, e.sequence_number) for e in again] == [(e.type, e.sequence_number) for e in events]
+    resumed = list(oai.responses.retrieve(response_id, stream=True, starting_after=4))
+    assert [(e.type, e.sequence_number) for e in resumed] == [(e.type, e.sequence_number) for e in events[5:]]
+    assert "".join(e.delta for e in resumed if e.type == "response.output_text.delta") == "".join(
+        e.delta for e in events[5:] if e.type == "response.output_text.delta")
+    with pytest.raises(openai.BadRequestError):
+        list(oai.responses.retrieve(expected.id, stream=True))  # not a background response
 
 
 def test_output_text_logprobs_whole_and_streamed(served_model: str, oai: openai.OpenAI) -> None:
