@@ -379,6 +379,11 @@ async def stream(
     async with aclosing(relayed_chunks(state, req, renderer, collector, keep_jobs=stored is not None)) as chunks:
         async for chunk in chunks:
             if isinstance(chunk, StreamError):
+                if stored is not None and chunk.code == "timeout":  # the job runs on: say where to resume
+                    message = (f"{chunk.message}; the response is still running: GET /v1/responses/{req.id}"
+                               f"?stream=true&starting_after={events.sequence - 1} resumes it")
+                    yield events.event("error", code=chunk.code, message=message, param=None)
+                    return
                 for line in filter(None, events.failed(chunk.message, chunk.code)):
                     yield line
                 return

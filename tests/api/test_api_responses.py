@@ -253,3 +253,20 @@ def test_output_text_logprobs_whole_and_streamed(served_model: str, oai: openai.
     with pytest.raises(openai.BadRequestError) as info:
         oai.responses.create(**{**request, "include": ["reasoning.encrypted_content"]})
     assert info.value.body["param"] == "include"
+
+
+def test_a_background_stream_that_times_out_says_where_to_resume(
+    served_model: str, oai: openai.OpenAI, live_worker: str, serve_api, http, poll
+) -> None:
+    """Past the API's request timeout the stream ends with an error naming the resume point,
+    not response.failed: the job is still running."""
+    with serve_api(Settings(redis_url=live_worker, request_timeout_s=0.5)) as url:
+        impatient = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        events = list(impatient.responses.create(model=served_model, input="Say something.", max_output_tokens=1000,
+                                                 background=True, stream=True, extra_body={"ignore_eos": True}))
+        impatient.close()
+    assert events[-1].type == "error" and "starting_after=" in events[-1].message
+    assert not any(e.type == "response.failed" for e in events)
+    response_id = events[0].response.id
+    assert oai.responses.retrieve(response_id).status in ("queued", "in_progress")
+    assert oai.responses.cancel(response_id).status == "cancelled"
