@@ -168,20 +168,31 @@ class Publisher:
                 logger.warning("publishing failed (%s); retrying", exc)
                 await asyncio.sleep(RETRY_DELAY_S)
         now = time.time()
+        holders = await self._holders(lost)
         for write in writes:
             held = self.table.get(write.job_id)
             if held is None:
                 continue
             if write.entry_id in lost:
-                self.drop(held, JobState.LOST)
+                self.drop(held, JobState.LOST, holders.get(write.entry_id))
             elif write.record is not None:
                 self.metrics.finished(held, now)
                 self.table.remove(held)
 
-    def drop(self, held: HeldJob, state: JobState) -> None:
+    async def _holders(self, lost: set[str]) -> dict[str, str]:
+        """Who holds the lost entries now (for the log; best effort)."""
+        if not lost:
+            return {}
+        try:
+            return await self.scripts.holders(sorted(lost))
+        except (redis.ConnectionError, redis.TimeoutError):
+            return {}
+
+    def drop(self, held: HeldJob, state: JobState, holder: str | None = None) -> None:
         """Stop writing for a job (lost to another worker, or released) and abort it here."""
         if state == JobState.LOST and held.state.writes:
-            logger.warning("job %s: entry %s now belongs to another worker", held.id, held.entry_id)
+            logger.warning("job %s: entry %s is no longer this worker's; held by %s", held.id, held.entry_id,
+                           holder or "another worker")
         held.state = state
         if held.engine_ids:
             self.engine.abort(sorted(held.engine_ids))

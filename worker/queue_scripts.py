@@ -327,6 +327,24 @@ class Scripts:
         args: list[Any] = [self.keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs)]
         return {_str(e) for e in await self._step(keys=[self.keys.requests], args=args)}
 
+    async def holders(self, entry_ids: Sequence[str]) -> dict[str, str]:
+        """Who holds each entry now, in words, for the log of an entry found lost: the consumer
+        and its delivery count, or that the group no longer has it pending (acknowledged, or
+        the group was created again). One round trip; only lost entries come here."""
+        pipe = self.conn.pipeline(transaction=False)
+        for entry_id in entry_ids:
+            pipe.xpending_range(self.keys.requests, self.keys.group, entry_id, entry_id, 1)
+        replies = await pipe.execute(raise_on_error=False)
+        out = {}
+        for entry_id, reply in zip(entry_ids, replies, strict=True):
+            if isinstance(reply, Exception):
+                out[entry_id] = f"unknown ({reply})"
+            elif not reply:
+                out[entry_id] = "nobody: it is no longer pending (acknowledged, or the group was created again)"
+            else:
+                out[entry_id] = f"worker {_str(reply[0]['consumer'])} (delivered {reply[0]['times_delivered']} times)"
+        return out
+
     async def start(self, jobs: Sequence[Job], entry_ids: Sequence[str], now: float) -> list[str]:
         """Mark jobs (taken from these entries) running; one code per job (see START_LUA).
 

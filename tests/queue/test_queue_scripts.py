@@ -77,6 +77,10 @@ async def test_publish_writes_only_entries_it_still_owns(scripts: Scripts) -> No
     assert 0 < await scripts.conn.ttl(scripts.keys.job("a"))
     info = await scripts.conn.xpending(scripts.keys.requests, scripts.keys.group)
     assert info["pending"] == 1  # a acked, b still the other worker's
+    # what the log of a lost entry says about its holder
+    holders = await scripts.holders([stolen, mine])
+    assert holders[stolen] == "worker other (delivered 2 times)"
+    assert holders[mine].startswith("nobody: it is no longer pending")
 
 
 async def test_start_codes(scripts: Scripts) -> None:
