@@ -245,11 +245,10 @@ class Engine:
             token_masks=self.guided.masks(list(zip(row_ids, row_outputs, strict=True))),
         )
         sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch), drafts)
-        self.spec_stats.add(drafts, sampled)
-        if self.proposer is not None:
-            for rid, guesses in drafts.items():
-                if guesses and rid in sampled:
-                    self.proposer.record(rid, len(guesses), len(sampled[rid]) - 1)
+        for rid, guesses in drafts.items():  # how the guesses fared: counted, and pacing the next
+            if guesses and rid in sampled and self.proposer is not None:
+                self.spec_stats.add(len(guesses), len(sampled[rid]) - 1)
+                self.proposer.record(rid, len(guesses), len(sampled[rid]) - 1)
         return sampled, logprobs
 
     def _propose(self) -> None:

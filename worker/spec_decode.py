@@ -74,12 +74,11 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0  # guesses computed
     num_accepted_tokens: int = 0  # guesses kept
 
-    def add(self, drafts: dict[str, list[int]], sampled: dict[str, list[int]]) -> None:
-        for request_id, guesses in drafts.items():
-            if guesses and request_id in sampled:
-                self.num_drafts += 1
-                self.num_draft_tokens += len(guesses)
-                self.num_accepted_tokens += len(sampled[request_id]) - 1
+    def add(self, num_drafts: int, num_kept: int) -> None:
+        """One request's step that carried `num_drafts` guesses, `num_kept` of them kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_kept
 
     @property
     def acceptance_rate(self) -> float:
