@@ -51,6 +51,7 @@ class Heartbeat:
     ) -> None:
         self.config = config
         self.engine = engine
+        self.registry: dict[str, str] | None = None  # the LoRA registry as last handed to the engine
         self.scripts = scripts
         self.table = table
         self.publisher = publisher
@@ -76,7 +77,10 @@ class Heartbeat:
         entries owned, and act on lost entries and cancel flags."""
         self._abort_expired(time.time())
         if self.config.engine.enable_lora:  # adapters follow the registry, beat by beat
-            self.engine.follow_adapters(await read_adapter_registry(self.scripts))
+            registry = await read_adapter_registry(self.scripts)
+            if registry != self.registry:  # the engine thread hears only of changes
+                self.engine.follow_adapters(registry)
+                self.registry = registry
         held = [h for h in self.table if h.state.writes]
         lost, cancelled = await self.scripts.heartbeat(
             self.scripts.keys.worker(self.config.name),
