@@ -10,13 +10,13 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from api.deps import StateDep
-from api.errors import APIError, invalid_param
+from api.errors import APIError, invalid_param, param_from_value_error
 from api.generate import resolve_model
 from api.routes.chat import chat_prompt
 from api.schemas import ChatCompletionRequest, ChatMessage
 from api.tokenizers import base_model
 from producer.chat_template import render_chat
-from producer.protocol import RESERVED_TEMPLATE_ARGS
+from producer.jobs import build_job
 
 router = APIRouter(tags=["vllm"])
 
@@ -74,23 +74,21 @@ async def detokenize(body: DetokenizeRequest, state: StateDep) -> dict[str, Any]
 
 def _chat_ids(tokenizer: Any, body: TokenizeRequest) -> list[int]:
     """The ids a chat job with these messages would run on: the chat endpoint's own prompt
-    (messages, tools, template variables), rendered as the worker renders it."""
-    reserved = sorted(RESERVED_TEMPLATE_ARGS & set(body.chat_template_kwargs or {}))
-    if reserved:  # as a chat job refuses them
-        raise invalid_param("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}")
+    (messages, tools, template variables) made into a job, which checks it as any job is
+    checked, and rendered as the worker renders it."""
     fields = {"messages": body.messages, "tools": body.tools, "chat_template_kwargs": body.chat_template_kwargs,
               "add_generation_prompt": body.add_generation_prompt,
               "continue_final_message": body.continue_final_message}
     try:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-        prompt = chat_prompt(chat)
+        job = build_job(chat_prompt(chat))
     except ValidationError as exc:
         first = exc.errors()[0]
         raise invalid_param(".".join(str(p) for p in first["loc"]), first["msg"]) from None
-    parts: dict[str, Any] = {"messages": prompt} if isinstance(prompt, list) else dict(prompt)  # type: ignore[arg-type]
+    except ValueError as exc:  # what a chat job refuses (reserved template variables, ...)
+        raise APIError(400, str(exc), param=param_from_value_error(exc, {}), code="invalid_value") from None
     try:
-        rendered = render_chat(tokenizer, parts["messages"], tools=parts.get("tools"),
-                               **parts.get("chat_template_kwargs", {}))
+        rendered = render_chat(tokenizer, job.messages or [], tools=job.tools, **(job.chat_template_kwargs or {}))
     except Exception as exc:  # the template's own refusal (jinja2's TemplateError, ValueError)
         raise APIError(400, f"The chat template refused the messages: {exc}", param="messages") from None
     ids: list[int] = rendered["prompt_token_ids"]
