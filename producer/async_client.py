@@ -22,6 +22,7 @@ from producer.jobs import (
     JobResult,
     ParamsInput,
     PromptInput,
+    Routes,
     batch_jobs,
     build_job,
     count_failure,
@@ -66,6 +67,7 @@ class AsyncClient:
         self.keys = Keys(prefix)
         self.redis = redis.asyncio.Redis.from_url(redis_url)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
+        self.routes = Routes(self.keys)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -86,9 +88,19 @@ class AsyncClient:
         model: str | None = None,
     ) -> AsyncJobHandle:
         job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model)
-        keys, args = submit_call(self.keys, job)
+        keys, args = submit_call(await self._keys_for(job.model), job)
         entry_id = await self._submit_script(keys=keys, args=args)
         return AsyncJobHandle(self, job.id, enqueued=entry_id is not None)
+
+    async def _keys_for(self, model: str | None) -> Keys:
+        """The keys to submit a job for `model` under: the stream of the queue whose workers
+        serve it (see Routes); no model named: the shared stream."""
+        if model is None:
+            return self.keys
+        known = self.routes.cached(model)
+        if known is not None:
+            return known
+        return self.routes.learn(model, await self.redis.get(self.keys.route(model)))
 
     def job(self, job_id: str) -> AsyncJobHandle:
         return AsyncJobHandle(self, job_id)
@@ -127,11 +139,13 @@ class AsyncClient:
         sampling_params: ParamsInput | Sequence[ParamsInput] = None,
         use_tqdm: bool = True,
         timeout_s: float | None = None,
+        model: str | None = None,
     ) -> list[JobResult]:
-        jobs = batch_jobs(prompts, sampling_params)
+        jobs = batch_jobs(prompts, sampling_params, model)
+        submit_keys = await self._keys_for(model)
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
-            keys, args = submit_call(self.keys, job)
+            keys, args = submit_call(submit_keys, job)
             await self._submit_script(keys=keys, args=args, client=pipe)
         await pipe.execute()
         logs = {job.id: EventLog(job.id) for job in jobs}
@@ -150,8 +164,9 @@ class AsyncClient:
         pipe.xrange(self.keys.events(job_id))
         pipe.exists(self.keys.cancel_flag(job_id))
         raw, events, cancel = await pipe.execute()
-        entry_id = raw.get(b"entry_id")
-        entry = await self.redis.xrange(self.keys.requests, entry_id, entry_id) if entry_id else []
+        entry_id, queue = raw.get(b"entry_id"), raw.get(b"queue", b"").decode()
+        stream = self.keys.on_queue(queue).requests
+        entry = await self.redis.xrange(stream, entry_id, entry_id) if entry_id else []
         return inspect_view(job_id, raw, entry, events, bool(cancel))
 
     async def _follow(

@@ -24,6 +24,7 @@ from producer.jobs import (
     JobResult,
     ParamsInput,
     PromptInput,
+    Routes,
     batch_jobs,
     build_job,
     count_failure,
@@ -68,6 +69,7 @@ class Client:
         self.keys = Keys(prefix)
         self.redis = redis.Redis.from_url(redis_url)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
+        self.routes = Routes(self.keys)
 
     def close(self) -> None:
         self.redis.close()
@@ -89,9 +91,19 @@ class Client:
     ) -> JobHandle:
         """Enqueue one job (once per job id); raises ValueError on invalid input."""
         job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model)
-        keys, args = submit_call(self.keys, job)
+        keys, args = submit_call(self._keys_for(job.model), job)
         entry_id = self._submit_script(keys=keys, args=args)
         return JobHandle(self, job.id, enqueued=entry_id is not None)
+
+    def _keys_for(self, model: str | None) -> Keys:
+        """The keys to submit a job for `model` under: the stream of the queue whose workers
+        serve it (see Routes); no model named: the shared stream."""
+        if model is None:
+            return self.keys
+        known = self.routes.cached(model)
+        if known is not None:
+            return known
+        return self.routes.learn(model, cast(bytes | None, self.redis.get(self.keys.route(model))))
 
     def job(self, job_id: str) -> JobHandle:
         """A handle on an existing job."""
@@ -141,12 +153,14 @@ class Client:
         sampling_params: ParamsInput | Sequence[ParamsInput] = None,
         use_tqdm: bool = True,
         timeout_s: float | None = None,
+        model: str | None = None,
     ) -> list[JobResult]:
         """Submit a batch in one pipeline, wait for all, return results in input order."""
-        jobs = batch_jobs(prompts, sampling_params)
+        jobs = batch_jobs(prompts, sampling_params, model)
+        submit_keys = self._keys_for(model)
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
-            keys, args = submit_call(self.keys, job)
+            keys, args = submit_call(submit_keys, job)
             self._submit_script(keys=keys, args=args, client=pipe)
         pipe.execute()
         logs = {job.id: EventLog(job.id) for job in jobs}
@@ -163,8 +177,9 @@ class Client:
         pipe.xrange(self.keys.events(job_id))
         pipe.exists(self.keys.cancel_flag(job_id))
         raw, events, cancel = pipe.execute()
-        entry_id = raw.get(b"entry_id")
-        entry = self.redis.xrange(self.keys.requests, entry_id, entry_id) if entry_id else []
+        entry_id, queue = raw.get(b"entry_id"), raw.get(b"queue", b"").decode()
+        stream = self.keys.on_queue(queue).requests
+        entry = self.redis.xrange(stream, entry_id, entry_id) if entry_id else []
         return inspect_view(job_id, raw, cast(list[Any], entry), events, bool(cancel))
 
     def _results(self, logs: dict[str, EventLog]) -> list[JobResult]:

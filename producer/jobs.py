@@ -37,6 +37,7 @@ from producer.sampling_params import SamplingParams
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SUBSCRIBE_CHUNK = 500  # channels per SUBSCRIBE command when following a batch
 RECONNECT_ATTEMPTS = 3  # pub/sub reconnects in a row before a stream gives up
+ROUTE_CACHE_S = 1.0  # how long a client trusts a model's route before reading it again
 
 PromptInput = str | dict[str, Any] | list[dict[str, Any]]
 ParamsInput = SamplingParams | dict[str, Any] | None
@@ -189,28 +190,54 @@ CHAT_FIELDS = {"messages", "tools", "chat_template_kwargs"}  # a chat prompt as 
 
 
 def batch_jobs(
-    prompts: PromptInput | Sequence[PromptInput], params: ParamsInput | Sequence[ParamsInput]
+    prompts: PromptInput | Sequence[PromptInput], params: ParamsInput | Sequence[ParamsInput],
+    model: str | None = None,
 ) -> list[Job]:
     """One job per prompt; `params` is one for all or one per prompt (as in LLM.generate)."""
     prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
     if isinstance(params, Sequence):
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(params)} sampling params for {len(prompt_list)} prompts")
-        return [build_job(p, sp) for p, sp in zip(prompt_list, params, strict=True)]
-    return [build_job(p, params) for p in prompt_list]
+        return [build_job(p, sp, model=model) for p, sp in zip(prompt_list, params, strict=True)]
+    return [build_job(p, params, model=model) for p in prompt_list]
 
 
 def submit_call(keys: Keys, job: Job) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of SUBMIT_LUA for one job."""
+    """KEYS and ARGV of SUBMIT_LUA for one job, onto the requests stream of `keys.queue`."""
     entry = encode_job(job)
-    record = encode_record(
-        JobRecord(status=JobStatus.QUEUED, n=job.sampling_params.n, submitted_at=job.submit_time)
-    )
+    record = encode_record(JobRecord(
+        status=JobStatus.QUEUED, n=job.sampling_params.n, submitted_at=job.submit_time,
+        queue=keys.queue or None,
+    ))
     args: list[Any] = [keys.group, 2 * len(entry)]
     for mapping in (entry, record):
         for name, value in mapping.items():
             args += [name, value]
     return [keys.job(job.id), keys.requests], args
+
+
+class Routes:
+    """Which queue serves each model, as its workers advertise it (`route(model)`, refreshed
+    every heartbeat), remembered for ROUTE_CACHE_S so a burst of submits reads it once. A
+    model no worker advertises goes to the shared stream, whose workers run it or say why
+    they cannot."""
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+        self._known: dict[str, tuple[float, str]] = {}  # model -> (monotonic time, queue)
+
+    def cached(self, model: str) -> Keys | None:
+        """The keys to submit a job for `model` under, when known without asking Redis."""
+        hit = self._known.get(model)
+        if hit is None or time.monotonic() - hit[0] > ROUTE_CACHE_S:
+            return None
+        return self.keys.on_queue(hit[1])
+
+    def learn(self, model: str, queue: bytes | None) -> Keys:
+        """Remember the reply of GET route(model)."""
+        name = queue.decode() if queue else ""
+        self._known[model] = (time.monotonic(), name)
+        return self.keys.on_queue(name)
 
 
 class EventLog:

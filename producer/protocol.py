@@ -21,7 +21,8 @@ Contract for whoever writes events (the worker):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -48,6 +49,7 @@ FINISH_ABORT = "abort"  # finish_reason of a completion ended by cancel or deadl
 # Any other failure has no error_type.
 ERROR_INVALID_REQUEST = "invalid_request"
 MAX_JOB_ID_LEN = 200
+MAX_QUEUE_NAME_LEN = 64
 
 # KEYS[1]: events(id), both the stream and the channel name.
 # ARGV[1]: EVENTS_TTL_S; ARGV[2..]: encoded events, in seq order.
@@ -77,13 +79,24 @@ class ProtocolError(Exception):
 
 @dataclass(frozen=True)
 class Keys:
-    """Every Redis name genq uses, under one prefix."""
+    """Every Redis name genq uses, under one prefix. `queue` names the requests stream of
+    one pool of workers: "" is the shared stream, `genq:requests`; a pool serving another
+    model reads `genq:requests:<queue>`."""
 
     prefix: str = DEFAULT_PREFIX
+    queue: str = ""
 
     @property
     def requests(self) -> str:
-        return f"{self.prefix}requests"  # stream: one entry per job
+        # stream: one entry per job
+        return f"{self.prefix}requests:{self.queue}" if self.queue else f"{self.prefix}requests"
+
+    def on_queue(self, queue: str) -> Keys:
+        """The same names, with the requests stream of `queue`."""
+        return replace(self, queue=queue)
+
+    def route(self, model: str) -> str:
+        return f"{self.prefix}route:{model}"  # string with TTL: the queue whose workers serve `model`
 
     @property
     def group(self) -> str:
@@ -262,6 +275,15 @@ class Job:
             raise ValueError(f"deadline must be a unix time, got {self.deadline!r}")
         if not _is_number(self.submit_time):
             raise ValueError(f"submit_time must be a unix time, got {self.submit_time!r}")
+
+
+def validate_queue_name(queue: str) -> None:
+    """A queue name becomes part of a stream's name: letters, digits, '.', '_' and '-'."""
+    if len(queue) > MAX_QUEUE_NAME_LEN or not re.fullmatch(r"[A-Za-z0-9._-]*", queue):
+        raise ValueError(
+            f"queue name must be at most {MAX_QUEUE_NAME_LEN} letters, digits, '.', '_' or '-', "
+            f"got {queue!r}"
+        )
 
 
 def validate_job_id(job_id: Any) -> None:

@@ -40,7 +40,8 @@ class JobRecord:
 
     status: JobStatus | None = None
     n: int | None = None  # completions to expect; readers wait for this many finishes
-    entry_id: str | None = None  # the job's entry in `requests`
+    entry_id: str | None = None  # the job's entry in `requests` (of `queue`)
+    queue: str | None = None  # the queue whose stream holds the entry; unset: the shared one
     worker: str | None = None
     submitted_at: float | None = None  # unix times
     started_at: float | None = None
@@ -68,7 +69,7 @@ class JobRecord:
 
 _RECORD_INTS = ("n", "prompt_tokens", "completion_tokens")
 _RECORD_FLOATS = ("submitted_at", "started_at", "finished_at")
-_RECORD_STRS = ("entry_id", "worker", "finish_reason", "text", "error", "error_type")
+_RECORD_STRS = ("entry_id", "queue", "worker", "finish_reason", "text", "error", "error_type")
 
 
 def encode_record(record: JobRecord) -> dict[str, str | bytes]:
@@ -172,6 +173,7 @@ class WorkerInfo:
 
     model: str  # the served model name jobs may ask for
     max_num_seqs: int
+    queue: str = ""  # the requests stream it reads: "" the shared one, else requests:<queue>
     lora_modules: str = ""  # comma-separated names of the LoRA adapters jobs may ask for too
     lora_errors: str = ""  # JSON {name: why}: runtime adapters this worker could not load
     max_loras: int = 0  # adapters in one batch; 0: LoRA is off (it follows no registry)

@@ -32,6 +32,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "name": str,
     "served_model_name": str,
     "prefix": str,
+    "queue": str,
     "claim_idle_s": float,
     "heartbeat_s": float,
     "delivery_limit": int,
@@ -73,6 +74,8 @@ _HELP = {
     "model": "local model directory (default: $GENQ_MODEL or SmolLM2-135M-Instruct)",
     "name": "consumer name in the group (default: $GENQ_WORKER_NAME or the host name)",
     "served_model_name": "the model name jobs ask for (default: the model directory's name)",
+    "queue": "read jobs from genq:requests:QUEUE instead of the shared genq:requests: a pool "
+    "serving another model than the shared stream's workers needs its own (default: $GENQ_QUEUE)",
     "num_gpu_blocks_override": "size of the KV pool in blocks",
     "load_format": "auto (the checkpoint) or dummy (seeded random weights, for benchmarks)",
     "claim_idle_s": "reclaim entries of other workers idle this long",

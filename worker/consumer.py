@@ -57,12 +57,16 @@ NAME_WAIT_S = 5.0  # extra wait, past the heartbeat TTL, for a namesake worker t
 FLUSH_TIMEOUT_S = 10.0  # shutdown: longest wait for the last results to be published
 
 
+class QueueTaken(RuntimeError):
+    """Live workers of another model read the stream this worker was told to read."""
+
+
 class Consumer:
     """Ties the engine thread to Redis. `start()` then `shutdown()`, on one event loop."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.keys = Keys(config.prefix)
+        self.keys = config.keys
         self.table = JobTable()
         self.stop_intake = asyncio.Event()
         self.stop_control = asyncio.Event()
@@ -78,6 +82,7 @@ class Consumer:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process hosts one worker
         self.conn = redis.asyncio.Redis.from_url(self.config.redis_url)
         self.scripts = Scripts(self.conn, self.keys, self.config.name)
+        await self._check_queue()  # before the model loads: a refusal comes at once
         self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests,
                                    self.config.base_names)
         # the runtime adapters are read with the model, before any job can name one
@@ -129,6 +134,20 @@ class Consumer:
             self.name_lost = True
         logger.critical("%s failed; stopping the worker", task.get_name(), exc_info=task.exception())
         os.kill(os.getpid(), signal.SIGTERM)
+
+    async def _check_queue(self) -> None:
+        """Refuse to read a stream whose live workers serve another model.
+
+        Race prevented: two models' workers on one stream, each taking the other's jobs and
+        forwarding them back to that same stream, round and round."""
+        beside = await self.scripts.models_beside(self.config.model_name)
+        if beside:
+            name, model = sorted(beside.items())[0]
+            raise QueueTaken(
+                f"{self.keys.requests} is read by worker {name}, serving {model!r}; workers on "
+                f"one queue serve one model: start this worker ({self.config.model_name!r}) "
+                "with its own --queue NAME (GENQ_QUEUE)"
+            )
 
     async def _claim_name(self) -> None:
         """Refuse to share a consumer name with a live worker.

@@ -22,7 +22,9 @@ from producer.protocol import (
     DEFAULT_PREFIX,
     DEFAULT_SHUTDOWN_GRACE_S,
     JOB_TTL_S,
+    Keys,
     validate_job_id,
+    validate_queue_name,
 )
 from worker.config import EngineConfig
 from worker.lora_request import LoRARequest
@@ -39,6 +41,7 @@ ENV_VARS = {
     "GENQ_WORKER_NAME": "consumer name (default: the host name)",
     "GENQ_MODEL": "local model directory (default: SmolLM2-135M-Instruct)",
     "GENQ_SERVED_MODEL_NAME": "the name jobs use in `model` (default: the model directory's name)",
+    "GENQ_QUEUE": "read genq:requests:<queue> instead of the shared genq:requests (each model's pool needs its own)",
     "GENQ_DTYPE": "auto | float32 | bfloat16 | float16",
     "GENQ_DEVICE": "auto | cpu | cuda",
     "GENQ_MAX_NUM_SEQS": "engine max_num_seqs",
@@ -68,6 +71,9 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     redis_url: str = DEFAULT_REDIS_URL
     prefix: str = DEFAULT_PREFIX
+    # the pool's requests stream: "" reads the shared genq:requests, a name genq:requests:<name>.
+    # Workers on one stream serve one model; clients route each job by its model (Keys.route).
+    queue: str = ""
     name: str = field(default_factory=socket.gethostname)  # consumer name in the group
     served_model_name: str | None = None  # None: the model directory's name
     claim_idle_s: float = DEFAULT_CLAIM_IDLE_S
@@ -86,6 +92,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         validate_job_id(self.name)  # same rules: it becomes part of key names
+        validate_queue_name(self.queue)
         self._check_lora_modules()
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
@@ -134,6 +141,11 @@ class WorkerConfig:
         """The `model` names that mean the base model: the served name and the --model path."""
         return frozenset(n for n in (self.model_name, self.engine.model) if n)
 
+    @property
+    def keys(self) -> Keys:
+        """The Redis names this worker uses: its queue's requests stream, the shared rest."""
+        return Keys(self.prefix, self.queue)
+
     def serves(self, model: str | None) -> bool:
         """A job for `model` may run here: no model asked, a base name, or one of the LoRA
         modules' names. (Runtime adapters are the engine thread's to know.)"""
@@ -163,6 +175,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
     worker_args = _drop_none(
         redis_url=env.get("GENQ_REDIS_URL") or None,
         prefix=env.get("GENQ_PREFIX") or None,
+        queue=env.get("GENQ_QUEUE") or None,
         name=env.get("GENQ_WORKER_NAME") or None,
         served_model_name=env.get("GENQ_SERVED_MODEL_NAME") or None,
         claim_idle_s=_float(env, "GENQ_CLAIM_IDLE_S"),

@@ -88,6 +88,7 @@ class Heartbeat:
             [(h.id, h.entry_id) for h in held],
             self.ttl_s,
         )
+        await self.scripts.advertise(sorted(self.config.base_names | self.engine.adapters.served.keys()), self.ttl_s)
         for h in held:
             if h.entry_id in lost:
                 self.publisher.drop(h, JobState.LOST)
@@ -120,6 +121,7 @@ class Heartbeat:
         return WorkerInfo(
             model=self.config.model_name,
             max_num_seqs=self.config.engine.max_num_seqs,
+            queue=self.config.queue,
             lora_modules=",".join(adapters.served),
             lora_errors=json.dumps(adapters.errors) if adapters.errors else "",
             max_loras=self.config.engine.max_loras if self.config.engine.enable_lora else 0,

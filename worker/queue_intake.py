@@ -37,7 +37,7 @@ from worker.queue_jobs import (
     new_completions,
     progress_from_events,
 )
-from worker.queue_scripts import DeadLetter, JobWrite, Scripts
+from worker.queue_scripts import DeadLetter, Forward, JobWrite, Scripts
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Admission:
                 self.table.remove(held)
 
     async def _admit(self, deliveries: list[Delivery], reclaimed: bool) -> None:
-        checked = [(d, self.check(d)) for d in deliveries]
+        checked = await self._route([(d, self.check(d)) for d in deliveries])
         progress = await self._read_progress(checked) if reclaimed else {}
         letters, held = [], []
         for delivery, verdict in checked:
@@ -119,12 +119,7 @@ class Admission:
             job = decode_job(delivery.fields)
         except ProtocolError as exc:
             return Rejection(f"cannot decode the entry: {exc}", exc.job_id)
-        return (
-            self._check_delivery_limit(delivery, job)
-            or self._check_model(job)
-            or self._check_not_held(delivery, job)
-            or job
-        )
+        return self._check_delivery_limit(delivery, job) or self._check_not_held(delivery, job) or job
 
     def _check_delivery_limit(self, delivery: Delivery, job: Job) -> Rejection | None:
         # Race prevented: a job that kills every worker that runs it (a poison prompt) being
@@ -137,14 +132,52 @@ class Admission:
             job.id, error_type=None,
         )
 
-    def _check_model(self, job: Job) -> Rejection | None:
-        if self.config.serves(job.model) or job.model in self.engine.adapters.served:
-            return None
+    def _serves(self, job: Job) -> bool:
+        return self.config.serves(job.model) or job.model in self.engine.adapters.served
+
+    async def _route(
+        self, checked: list[tuple[Delivery, Job | Rejection]]
+    ) -> list[tuple[Delivery, Job | Rejection]]:
+        """Jobs for a model this worker does not serve: forwarded to the queue whose workers
+        advertise it (and dropped from `checked`), or rejected when no live worker does.
+
+        Race prevented: a job for one model, XADDed to the shared stream by a producer that
+        does not route (redis-cli), dead-lettered by a worker of another model although a
+        pool serving it is up."""
+        unserved = {d.entry_id: v for d, v in checked if isinstance(v, Job) and not self._serves(v)}
+        if not unserved:
+            return checked
+        routes = await self.scripts.routes(sorted({job.model for job in unserved.values() if job.model}))
+        moves = [
+            Forward(d.entry_id, v.id, routes[v.model], d.fields or {})
+            for d, v in checked
+            if d.entry_id in unserved and isinstance(v, Job) and v.model
+            and routes.get(v.model, self.config.queue) != self.config.queue
+        ]
+        codes = dict(zip([m.entry_id for m in moves], await self.scripts.forward(moves), strict=True))
+        out: list[tuple[Delivery, Job | Rejection]] = []
+        for delivery, verdict in checked:
+            job = unserved.get(delivery.entry_id)
+            code = codes.get(delivery.entry_id)
+            if job is None:
+                out.append((delivery, verdict))
+            elif code == "moved":
+                logger.info("job %s for model %r forwarded to queue %r", job.id, job.model, routes[job.model or ""])
+            elif code == "duplicate":
+                reason = f"duplicate entry for job {job.id}: its record names another entry"
+                out.append((delivery, Rejection(reason, job.id, fail_job=False)))
+            elif code is None:
+                out.append((delivery, self._unserved(job)))
+            # lost: another worker took the entry meanwhile; it is theirs to run or move
+        return out
+
+    def _unserved(self, job: Job) -> Rejection:
         adapters = ", ".join(self.engine.adapters.served)
         return Rejection(
             f"model {job.model!r} is not served by this worker pool "
             f"(worker {self.config.name} serves {self.config.model_name!r}"
-            + (f" and LoRA adapters {adapters})" if adapters else ")"),
+            + (f" and LoRA adapters {adapters}" if adapters else "")
+            + "), and no live worker of another queue advertises it",
             job.id,
         )
 

@@ -12,7 +12,7 @@ reclaim script finds idle entries with XPENDING IDLE and claims them one by one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,9 +81,10 @@ return lost
 """
 
 # Start jobs. KEYS[1]: requests; per job: job(id), cancel_flag(id).
-# ARGV[1] group, [2] consumer, [3] now (unix s); then per job: entry id, n, submit time.
+# ARGV[1] group, [2] consumer, [3] now (unix s), [4] this worker's queue; then per job: entry
+# id, n, submit time.
 # Returns one code per job: run | cancelled | duplicate | ended | lost. Only `run` writes:
-# status running, this worker, the entry id, and the fields a job XADDed by a non-Python
+# status running, this worker, the entry id (and its queue), and the fields a job XADDed by a non-Python
 # producer has no record for yet (n, submitted_at: readers need n to know when it ends);
 # started_at is kept from a first run when resumed.
 START_LUA = _OWNED + f"""
@@ -91,7 +92,7 @@ local terminal = {{{_TERMINAL}}}
 local codes = {{}}
 for j = 0, (#KEYS - 1) / 2 - 1 do
   local job_key, flag_key = KEYS[2 + 2 * j], KEYS[3 + 2 * j]
-  local entry_id = ARGV[4 + 3 * j]
+  local entry_id = ARGV[5 + 3 * j]
   local known = redis.call('HGET', job_key, 'entry_id')
   local code = 'run'
   if not owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then code = 'lost'
@@ -100,9 +101,10 @@ for j = 0, (#KEYS - 1) / 2 - 1 do
   elseif redis.call('EXISTS', flag_key) == 1 then code = 'cancelled'
   else
     redis.call('HSET', job_key, 'status', 'running', 'worker', ARGV[2], 'entry_id', entry_id)
+    if ARGV[4] ~= '' then redis.call('HSET', job_key, 'queue', ARGV[4]) end
     redis.call('HSETNX', job_key, 'started_at', ARGV[3])
-    redis.call('HSETNX', job_key, 'n', ARGV[5 + 3 * j])
-    redis.call('HSETNX', job_key, 'submitted_at', ARGV[6 + 3 * j])
+    redis.call('HSETNX', job_key, 'n', ARGV[6 + 3 * j])
+    redis.call('HSETNX', job_key, 'submitted_at', ARGV[7 + 3 * j])
   end
   codes[#codes + 1] = code
 end
@@ -213,6 +215,36 @@ end
 return n
 """
 
+# Forward entries to the queue whose workers serve their model. KEYS[1]: requests (this
+# worker's); per entry: the target queue's requests stream, job(id). ARGV[1] group, [2]
+# consumer, [3] job TTL; per entry: entry id, target queue name, number of field/value
+# arguments, the entry's fields. The entry is copied to the target (its group created at id 0
+# when missing, as SUBMIT does), the job's record is pointed at the copy, and the original is
+# acknowledged, in one step. Returns one code per entry: moved | lost | duplicate (the job's
+# record names another entry: left for the caller to dead-letter).
+FORWARD_LUA = _OWNED + """
+local codes, a = {}, 4
+for j = 0, (#KEYS - 1) / 2 - 1 do
+  local target, job_key = KEYS[2 + 2 * j], KEYS[3 + 2 * j]
+  local entry_id, queue, n = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
+  local first = a + 3
+  a = first + n
+  local known = redis.call('HGET', job_key, 'entry_id')
+  local code = 'moved'
+  if not owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then code = 'lost'
+  elseif known and known ~= entry_id then code = 'duplicate'
+  else
+    redis.pcall('XGROUP', 'CREATE', target, ARGV[1], '0', 'MKSTREAM')
+    local copy = redis.call('XADD', target, '*', unpack(ARGV, first, a - 1))
+    redis.call('HSET', job_key, 'entry_id', copy, 'queue', queue)
+    redis.call('EXPIRE', job_key, ARGV[3])
+    redis.call('XACK', KEYS[1], ARGV[1], entry_id)
+  end
+  codes[#codes + 1] = code
+end
+return codes
+"""
+
 # Trim a stream by age. KEYS[1]: the stream (requests, dead). ARGV[1]: retention in ms.
 # Entries at least the retention old (by Redis's clock, which made their ids) are removed, except
 # what any consumer group still needs (the dead stream has none): its oldest pending entry and
@@ -282,6 +314,16 @@ class DeadLetter:
 
 
 @dataclass(frozen=True)
+class Forward:
+    """An entry going to the stream of `queue`, whose workers serve its job's model."""
+
+    entry_id: str
+    job_id: str
+    queue: str
+    fields: dict[bytes, bytes]
+
+
+@dataclass(frozen=True)
 class Reclaimed:
     entry_id: str
     delivery_count: int  # including this delivery
@@ -302,6 +344,7 @@ class Scripts:
         self._reclaim = conn.register_script(RECLAIM_LUA)
         self._release = conn.register_script(RELEASE_LUA)
         self._trim = conn.register_script(TRIM_LUA)
+        self._forward = conn.register_script(FORWARD_LUA)
 
     async def ensure_group(self) -> None:
         """Create the group at id 0 if missing: entries enqueued before any worker existed
@@ -354,7 +397,7 @@ class Scripts:
         if not jobs:
             return []
         keys = [self.keys.requests]
-        args: list[Any] = [self.keys.group, self.consumer, repr(now)]
+        args: list[Any] = [self.keys.group, self.consumer, repr(now), self.keys.queue]
         for job, entry_id in zip(jobs, entry_ids, strict=True):
             keys += [self.keys.job(job.id), self.keys.cancel_flag(job.id)]
             args += [entry_id, job.sampling_params.n, repr(float(job.submit_time))]
@@ -425,6 +468,54 @@ class Scripts:
         and trims in one step."""
         return int(await self._trim(keys=[stream], args=[int(retention_s * 1000)]))
 
+    async def forward(self, moves: Sequence[Forward]) -> list[str]:
+        """Hand entries to the queues serving their jobs' models; one code per move (see
+        FORWARD_LUA).
+
+        Race prevented: an entry both acknowledged here and missing there (a crash between
+        the XADD and the XACK), or copied twice by two reclaimers of one entry."""
+        if not moves:
+            return []
+        keys = [self.keys.requests]
+        args: list[Any] = [self.keys.group, self.consumer, JOB_TTL_S]
+        for move in moves:
+            fields = _pairs(move.fields)
+            keys += [self.keys.on_queue(move.queue).requests, self.keys.job(move.job_id)]
+            args += [move.entry_id, move.queue, len(fields), *fields]
+        return [_str(c) for c in await self._forward(keys=keys, args=args)]
+
+    async def routes(self, models: Sequence[str]) -> dict[str, str]:
+        """The queues that live workers advertise for these models (absent: none does)."""
+        if not models:
+            return {}
+        replies = await self.conn.mget([self.keys.route(m) for m in models])
+        return {m: _str(q) for m, q in zip(models, replies, strict=True) if q is not None}
+
+    async def advertise(self, models: Sequence[str], ttl_s: int) -> None:
+        """Say for `ttl_s` that this worker's queue serves these models (clients route by it)."""
+        pipe = self.conn.pipeline(transaction=False)
+        for model in models:
+            pipe.set(self.keys.route(model), self.keys.queue, ex=ttl_s)
+        await pipe.execute()
+
+    async def models_beside(self, model: str) -> dict[str, str]:
+        """Live workers reading this worker's stream that serve another model than `model`,
+        by name: {worker: its model}. Consumers of the group whose heartbeat is gone, or that
+        now read another queue, are not counted."""
+        try:
+            consumers = await self.conn.xinfo_consumers(self.keys.requests, self.keys.group)
+        except redis.ResponseError:  # no group yet: nobody reads it
+            return {}
+        names = [n for n in (_str(c["name"]) for c in consumers) if n != self.consumer]
+        pipe = self.conn.pipeline(transaction=False)
+        for name in names:
+            pipe.hmget(self.keys.worker(name), ["model", "queue"])
+        beside = {}
+        for name, (other, queue) in zip(names, await pipe.execute(), strict=True):
+            if other is not None and _str(queue or b"") == self.keys.queue and _str(other) != model:
+                beside[name] = _str(other)
+        return beside
+
     async def own_pending(self, limit: int = 10_000) -> list[str]:
         """Entry ids pending under this worker's name (to release what is left at shutdown)."""
         try:
@@ -436,7 +527,7 @@ class Scripts:
         return [_str(r["message_id"]) for r in rows]
 
 
-def _pairs(mapping: dict[str, Any]) -> list[Any]:
+def _pairs(mapping: Mapping[Any, Any]) -> list[Any]:
     return [x for kv in mapping.items() for x in kv]
 
 

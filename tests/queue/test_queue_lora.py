@@ -116,7 +116,7 @@ def test_reclaimed_job_keeps_its_adapter(client: Client, conn: redis.Redis, lora
 
 
 def test_a_bad_adapter_stops_the_worker_at_start(spawn: Callable[..., WorkerProcess], tmp_path: Path) -> None:
-    proc = spawn("ql-bad", GENQ_LORA_MODULES=f"broken={tmp_path}")
+    proc = spawn("ql-bad", GENQ_LORA_MODULES=f"broken={tmp_path}", GENQ_SERVED_MODEL_NAME="tiny-llama")
     assert proc.wait(60) != 0
     assert "LoRA adapter 'broken'" in proc.log() and "not a PEFT adapter directory" in proc.log()
 

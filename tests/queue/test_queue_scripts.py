@@ -34,7 +34,7 @@ from worker.queue_jobs import (
     new_completions,
     progress_from_events,
 )
-from worker.queue_scripts import RELEASED_IDLE_MS, JobWrite, NameTaken, Scripts
+from worker.queue_scripts import RELEASED_IDLE_MS, Forward, JobWrite, NameTaken, Scripts
 
 
 @pytest.fixture
@@ -97,6 +97,33 @@ async def test_start_codes(scripts: Scripts) -> None:
     assert (run.status, run.worker, run.entry_id, run.started_at, run.n) == (
         JobStatus.RUNNING, "me", entries[0], 123.0, 1)
     assert await conn.hget(keys.job("cancelled"), "status") is None  # only `run` writes
+
+
+async def test_forward_moves_entries_to_their_models_queue(scripts: Scripts) -> None:
+    entries = [await deliver(scripts, j) for j in ("fresh", "known", "dup", "lost")]
+    conn, keys = scripts.conn, scripts.keys
+    await conn.hset(keys.job("known"), mapping={"entry_id": entries[1], "status": "queued"})
+    await conn.hset(keys.job("dup"), "entry_id", "1-1")
+    await conn.xclaim(keys.requests, keys.group, "other", 0, [entries[-1]])
+    fields = [(await conn.xrange(keys.requests, e, e))[0][1] for e in entries]
+    moves = [Forward(e, j, "b", f) for e, j, f in zip(entries, ("fresh", "known", "dup", "lost"), fields, strict=True)]
+    assert await scripts.forward(moves) == ["moved", "moved", "duplicate", "lost"]
+    target = keys.on_queue("b").requests
+    copies = await conn.xrange(target)
+    assert [f for _, f in copies] == fields[:2]  # the entries whole, in order
+    for (copy_id, _), job_id in zip(copies, ("fresh", "known"), strict=True):
+        record = decode_record(await conn.hgetall(keys.job(job_id)))
+        assert (record.entry_id, record.queue) == (copy_id.decode(), "b")
+    assert (await conn.hget(keys.job("known"), "status")) == b"queued"  # the rest is kept
+    # workers of b read the copies (the group was made at 0); here only dup is left pending
+    reply = await conn.xreadgroup(keys.group, "b-worker", {target: ">"}, count=10)
+    assert [e for e, _ in reply[0][1]] == [c for c, _ in copies]
+    assert [r["message_id"].decode() for r in await conn.xpending_range(keys.requests, keys.group, "-", "+", 10,
+                                                                          consumername="me")] == [entries[2]]
+    # routes: what workers advertise, for as long as they beat
+    await scripts.advertise(["m1", "/models/m1"], ttl_s=5)
+    assert await scripts.routes(["m1", "/models/m1", "nobody"]) == {"m1": "", "/models/m1": ""}
+    assert 0 < await conn.ttl(keys.route("m1")) <= 5
 
 
 async def test_heartbeat_keeps_entries_owned_without_counting_deliveries(scripts: Scripts) -> None:
@@ -274,6 +301,11 @@ def test_worker_config_from_env() -> None:
         config_from_env({"GENQ_ENFORCE_EAGER": "maybe"})
     with pytest.raises(ValueError, match="two heartbeats"):
         config_from_env({"GENQ_CLAIM_IDLE_S": "1", "GENQ_HEARTBEAT_S": "1"})
+    assert config.keys.requests == "genq:requests"  # no queue: the shared stream
+    queued = config_from_env({"GENQ_QUEUE": "big-1", "GENQ_PREFIX": "p:"})
+    assert (queued.queue, queued.keys.requests, queued.keys.dead) == ("big-1", "p:requests:big-1", "p:dead")
+    with pytest.raises(ValueError, match="queue name must be at most 64 letters, digits"):
+        config_from_env({"GENQ_QUEUE": "two words"})
     assert config.requests_retention_s == 24 * 3600
     assert config_from_env({"GENQ_REQUESTS_RETENTION_S": "0"}).requests_retention_s == 0
     with pytest.raises(ValueError, match="requests_retention_s must be >= 0"):
