@@ -39,6 +39,7 @@ return {undelivered, pending}
 """
 
 METRICS_DEPTH_CAP = 100_000  # /metrics counts undelivered entries up to this many
+QUEUES_MAX_AGE_S = 1.0  # the queues counted in a depth may be this old (workers come and go slowly)
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,15 @@ class Cluster:
         self._workers: tuple[float, list[LiveWorker]] | None = None  # (monotonic time, beats)
 
     async def queue_depth(self, cap: int = METRICS_DEPTH_CAP) -> QueueDepth:
-        undelivered, pending = await self._depth(
-            keys=[self._keys.requests], args=[self._keys.group, cap]
-        )
-        return QueueDepth(int(undelivered), int(pending))
+        """Jobs queued or running, over the shared stream and the queue of every live worker
+        (each stream counted up to `cap`)."""
+        queues = {""} | {w.info.queue for w in await self.workers(max_age_s=QUEUES_MAX_AGE_S)}
+        undelivered = pending = 0
+        for queue in sorted(queues):
+            stream = self._keys.on_queue(queue).requests
+            counts = await self._depth(keys=[stream], args=[self._keys.group, cap])
+            undelivered, pending = undelivered + int(counts[0]), pending + int(counts[1])
+        return QueueDepth(undelivered, pending)
 
     async def workers(self, max_age_s: float = 0.0) -> list[LiveWorker]:
         """Live workers: heartbeat hashes still there (they expire when beats stop). A SCAN
@@ -106,9 +112,11 @@ class Cluster:
 
     async def served_models(self, max_age_s: float = 0.0) -> list[str]:
         """Model names the serving workers report (draining ones excluded): base models
-        first, then their LoRA adapters."""
+        first (the shared stream's first: a job naming no model runs there), then their LoRA
+        adapters."""
         serving = [w.info for w in await self.workers(max_age_s) if w.serving and w.info.model]
-        models = sorted({info.model for info in serving})
+        shared = sorted({info.model for info in serving if not info.queue})
+        models = shared + sorted({info.model for info in serving} - set(shared))
         return models + sorted({name for info in serving for name in info.adapters} - set(models))
 
     async def ping(self) -> bool:

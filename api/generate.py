@@ -44,6 +44,8 @@ async def start(
     model = await resolve_model(state, body.model)
     await check_backpressure(state)
     planned = plan(state, body, prompts, renderer, job_id or uuid.uuid4().hex, model, deadline_s)
+    if body.model is None and await state.cluster.served_models(max_age_s=1.0):
+        planned = replace(planned, model=model)  # the model the reply names: its queue runs it
     return await submit(state, planned)
 
 

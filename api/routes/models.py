@@ -30,9 +30,11 @@ async def retrieve_model(model: str, state: StateDep) -> ModelCard:
 
 
 async def _cards(state: StateDep) -> dict[str, ModelCard]:
-    """Base models and their LoRA adapters (whose `parent` is the base model)."""
+    """Base models and their LoRA adapters (whose `parent` is the base model); the shared
+    stream's model first (a request naming none runs there), then by name."""
     cards: dict[str, ModelCard] = {}
-    for worker in await state.cluster.workers():
+    workers = sorted(await state.cluster.workers(), key=lambda w: (w.info.queue != "", w.info.model, w.name))
+    for worker in workers:
         info = worker.info
         if not worker.serving or not info.model:
             continue

@@ -83,11 +83,12 @@ def stack_redis() -> Iterator[RedisServer]:
         yield server
 
 
-def start_worker(redis_url: str, model_dir: Path, log_path: Path, extra_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+def start_worker(redis_url: str, model_dir: Path, log_path: Path, extra_args: tuple[str, ...] = (),
+                 name: str = WORKER_NAME) -> subprocess.Popen[bytes]:
     """`genq worker` on the tiny model, small enough for a CPU."""
     args = [
         sys.executable, "-m", "producer.cli", "worker", "--redis-url", redis_url,
-        "--model", str(model_dir), "--dtype", "float32", "--name", WORKER_NAME,
+        "--model", str(model_dir), "--dtype", "float32", "--name", name,
         "--served-model-name", SERVED_MODEL, "--max-num-seqs", "8", "--max-model-len", "1024",
         "--num-gpu-blocks-override", "512", "--heartbeat-s", "0.5", "--num-threads", "1", *extra_args,
     ]
@@ -97,13 +98,14 @@ def start_worker(redis_url: str, model_dir: Path, log_path: Path, extra_args: tu
 
 
 @contextmanager
-def running_worker(redis_url: str, model_dir: Path, log_dir: Path, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
-    """A real worker serving SERVED_MODEL (with `extra_args` on its command line) until the
-    block ends; yields the Redis URL once its heartbeat is there."""
-    log_path = log_dir / "worker.log"
-    process = start_worker(redis_url, model_dir, log_path, extra_args)
+def running_worker(redis_url: str, model_dir: Path, log_dir: Path, extra_args: tuple[str, ...] = (),
+                   name: str = WORKER_NAME) -> Iterator[str]:
+    """A real worker named `name` serving SERVED_MODEL (with `extra_args` on its command
+    line) until the block ends; yields the Redis URL once its heartbeat is there."""
+    log_path = log_dir / f"{name}.log"
+    process = start_worker(redis_url, model_dir, log_path, extra_args, name)
     conn = redis.Redis.from_url(redis_url)
-    beat = Keys().worker(WORKER_NAME)
+    beat = Keys().worker(name)
     try:
         wait_for(
             lambda: conn.exists(beat) or process.poll() is not None,
