@@ -88,11 +88,11 @@ class AsyncClient:
         model: str | None = None,
     ) -> AsyncJobHandle:
         job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model)
-        keys, args = submit_call(await self._keys_for(job.model), job)
+        keys, args = submit_call(await self.keys_for(job.model), job)
         entry_id = await self._submit_script(keys=keys, args=args)
         return AsyncJobHandle(self, job.id, enqueued=entry_id is not None)
 
-    async def _keys_for(self, model: str | None) -> Keys:
+    async def keys_for(self, model: str | None) -> Keys:
         """The keys to submit a job for `model` under: the stream of the queue whose workers
         serve it (see Routes); no model named: the shared stream."""
         if model is None:
@@ -142,7 +142,7 @@ class AsyncClient:
         model: str | None = None,
     ) -> list[JobResult]:
         jobs = batch_jobs(prompts, sampling_params, model)
-        submit_keys = await self._keys_for(model)
+        submit_keys = await self.keys_for(model)
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
             keys, args = submit_call(submit_keys, job)

@@ -91,11 +91,11 @@ class Client:
     ) -> JobHandle:
         """Enqueue one job (once per job id); raises ValueError on invalid input."""
         job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model)
-        keys, args = submit_call(self._keys_for(job.model), job)
+        keys, args = submit_call(self.keys_for(job.model), job)
         entry_id = self._submit_script(keys=keys, args=args)
         return JobHandle(self, job.id, enqueued=entry_id is not None)
 
-    def _keys_for(self, model: str | None) -> Keys:
+    def keys_for(self, model: str | None) -> Keys:
         """The keys to submit a job for `model` under: the stream of the queue whose workers
         serve it (see Routes); no model named: the shared stream."""
         if model is None:
@@ -157,7 +157,7 @@ class Client:
     ) -> list[JobResult]:
         """Submit a batch in one pipeline, wait for all, return results in input order."""
         jobs = batch_jobs(prompts, sampling_params, model)
-        submit_keys = self._keys_for(model)
+        submit_keys = self.keys_for(model)
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
             keys, args = submit_call(submit_keys, job)

@@ -129,6 +129,36 @@ def test_inspect(redis_url: str, worker: FakeWorker) -> None:
     assert out.returncode == 0 and "payload: (gone: workers trim" in out.stdout and "status: finished" in out.stdout
 
 
+def test_dead_lists_and_retries(redis_url: str, worker: FakeWorker) -> None:
+    """`genq dead ls` prints each dead letter; `retry` sends a failed job's entry back to the
+    queue (a worker takes it again) and leaves what cannot run."""
+    from producer.client import Client
+    from producer.jobs import build_job
+    from producer.protocol import encode_job
+    from producer.records import encode_dead_letter
+
+    with Client(redis_url) as client:
+        job = build_job("try again", {"max_tokens": 3}, job_id="dead-1")
+        client.redis.hset(client.keys.job("dead-1"), mapping={"status": "failed", "error": "crash loop"})
+        failed = client.redis.xadd(client.keys.dead, encode_dead_letter("1-1", encode_job(job), "delivered 4 times", "dead-1"))
+        junk = client.redis.xadd(client.keys.dead, encode_dead_letter("1-2", {"foo": "bar"}, "cannot decode the entry"))
+    listing = genq("dead", "ls", env_url=redis_url)
+    assert listing.returncode == 0, listing.stderr
+    lines = listing.stdout.splitlines()
+    assert lines[0].startswith(f"{failed.decode()}\tdead-1\t") and lines[0].endswith("Z\tdelivered 4 times")
+    assert lines[1].startswith(f"{junk.decode()}\t-\t")
+    out = genq("dead", "--redis-url", redis_url, "retry", "--all")
+    assert out.returncode == 0, out.stderr
+    assert f"{failed.decode()}\tqueued as " in out.stdout and f"{junk.decode()}\tleft: the entry does not decode" in out.stdout
+    taken = worker.take()
+    assert (taken.id, taken.prompt, taken.sampling_params.max_tokens) == ("dead-1", "try again", 3)
+    with Client(redis_url) as client:
+        assert client.status("dead-1").value == "queued" and client.redis.xlen(client.keys.dead) == 1
+    again = genq("dead", "retry", failed.decode(), env_url=redis_url)
+    assert again.returncode == 1 and "no such dead letter" in again.stdout
+    assert genq("dead", "retry", env_url=redis_url).returncode == 2
+
+
 def start_genq_redis() -> tuple[subprocess.Popen[str], int]:
     """`genq redis --port P` on a free port; another try if that port was taken meanwhile."""
     for _ in range(3):

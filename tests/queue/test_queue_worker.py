@@ -15,9 +15,18 @@ import redis
 from queue_support import WorkerProcess, age, ended, ghost_takes, record, streamed_pieces, wait_for
 
 from producer.client import Client
+from producer.dead_letters import list_dead, retry_dead
 from producer.jobs import JobFailed, build_job
-from producer.protocol import ERROR_INVALID_REQUEST, FINISH_ABORT, JobStatus, Keys, encode_job
-from producer.records import decode_dead_letter, decode_worker_info
+from producer.protocol import (
+    ERROR_INVALID_REQUEST,
+    EVENT_FIELD,
+    FINISH_ABORT,
+    JobStatus,
+    Keys,
+    decode_event,
+    encode_job,
+)
+from producer.records import decode_dead_letter, decode_worker_info, encode_dead_letter
 from producer.redis_server import free_port
 from producer.sampling_params import SamplingParams
 
@@ -342,6 +351,30 @@ def test_entry_over_the_delivery_limit_goes_to_dead(client: Client, conn: redis.
         client.result("poison-1", TIMEOUT_S)
     assert failure.value.error_type is None  # not the job's fault as far as anyone knows
     assert conn.xpending(keys.requests, keys.group)["pending"] == 0
+
+
+def test_a_retried_dead_letter_runs_again(client: Client, conn: redis.Redis, offline) -> None:
+    """After a crash loop is fixed, `genq dead retry` sends the job back: it runs from the
+    start under its own id; a second retry, or one of a live job's duplicate entry, leaves it."""
+    keys = client.keys
+    entry_id = ghost_takes(conn, keys, encode_job(build_job("second chance", GREEDY, job_id="poison-2")))
+    age(conn, keys, entry_id, deliveries=5)
+    wait_for(lambda: dead_letters(conn, keys).get(entry_id), TIMEOUT_S, "dead letter")
+    wait_for(lambda: ended(conn, keys, "poison-2"), TIMEOUT_S, "job failed")
+    [letter] = [d for d in list_dead(client) if d.entry_id == entry_id]
+    assert letter.job_id == "poison-2" and "delivery limit" in letter.reason
+    assert retry_dead(client, letter).startswith(f"queued as {conn.hget(keys.job('poison-2'), 'entry_id').decode()}")
+    result = client.result("poison-2", TIMEOUT_S)
+    expected = offline("second chance", GREEDY)[0]
+    assert (result.status, result.text, result.token_ids) == (JobStatus.FINISHED, expected.text, expected.token_ids)
+    events = [decode_event(f[EVENT_FIELD.encode()]) for _, f in conn.xrange(keys.events("poison-2"))]
+    assert [e.seq for e in events] == list(range(len(events))) and all(e.error is None for e in events)  # old error gone
+    assert entry_id not in dead_letters(conn, keys)
+    assert retry_dead(client, letter).startswith("left: it is no longer in the dead stream")
+    twin = conn.xadd(keys.dead, encode_dead_letter(entry_id, encode_job(build_job("x", GREEDY, job_id="poison-2")),
+                                                   "duplicate entry", "poison-2")).decode()
+    [dup] = [d for d in list_dead(client) if d.dead_id == twin]
+    assert retry_dead(client, dup) == "left: job poison-2 is finished (this was a duplicate entry of it)"
 
 
 def test_entry_deleted_while_pending_goes_to_dead(client: Client, conn: redis.Redis) -> None:
