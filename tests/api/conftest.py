@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 import uvicorn
@@ -148,6 +149,14 @@ def api_url(live_worker: str) -> Iterator[str]:
     """The API in front of the live worker, no API keys, default limits."""
     with serve(Settings(redis_url=live_worker, request_timeout_s=60.0)) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def oai(api_url: str) -> Iterator[openai.OpenAI]:
+    """The official OpenAI client on the module's API."""
+    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    yield client
+    client.close()
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ files; a file that does not check out. (Runners with their own settings: test_ap
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -14,13 +14,6 @@ from openai.types.chat import ChatCompletion
 
 from api.batches import BATCH_PRIORITY
 from producer.client import Client
-
-
-@pytest.fixture(scope="module")
-def oai(api_url: str) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield client
-    client.close()
 
 
 def test_a_batch_runs_its_requests_and_answers_each_as_the_endpoint_would(

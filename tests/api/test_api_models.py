@@ -35,13 +35,6 @@ def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, tiny_mistral_dir
 
 
 @pytest.fixture(scope="module")
-def oai(api_url: str) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_llama_dir: Path, tiny_mistral_dir: Path, served_model: str):
     """`offline(model, prompt=None)`: the offline engine's greedy text (chat when no prompt)."""
     from worker import LLM

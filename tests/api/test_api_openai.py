@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -18,13 +17,6 @@ from worker import LLM
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def oai(api_url: str) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield client
-    client.close()
 
 
 def test_models_lists_the_workers_model(served_model: str, oai: openai.OpenAI) -> None:

@@ -5,7 +5,6 @@ oracles for what the model says."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -20,13 +19,6 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 SET_COLOUR = {"type": "function", "name": "set_colour", "description": "Pick a colour", "parameters": {
     "type": "object", "required": ["colour", "bright"],
     "properties": {"colour": {"enum": ["red", "blue"]}, "bright": {"type": "boolean"}}}}
-
-
-@pytest.fixture(scope="module")
-def oai(api_url: str) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield client
-    client.close()
 
 
 def test_text_in_text_out_whole_and_streamed(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -> None:
