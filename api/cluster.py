@@ -76,13 +76,19 @@ class Cluster:
     async def queue_depth(self, cap: int = METRICS_DEPTH_CAP) -> QueueDepth:
         """Jobs queued or running, over the shared stream and the queue of every live worker
         (each stream counted up to `cap`)."""
+        depths = (await self.queue_depths(cap)).values()
+        return QueueDepth(sum(d.undelivered for d in depths), sum(d.pending for d in depths))
+
+    async def queue_depths(self, cap: int = METRICS_DEPTH_CAP) -> dict[str, QueueDepth]:
+        """Each queue's depth, by name ("": the shared stream): that one and every live
+        worker's."""
         queues = {""} | {w.info.queue for w in await self.workers(max_age_s=QUEUES_MAX_AGE_S)}
-        undelivered = pending = 0
+        depths = {}
         for queue in sorted(queues):
             stream = self._keys.on_queue(queue).requests
-            counts = await self._depth(keys=[stream], args=[self._keys.group, cap])
-            undelivered, pending = undelivered + int(counts[0]), pending + int(counts[1])
-        return QueueDepth(undelivered, pending)
+            undelivered, pending = await self._depth(keys=[stream], args=[self._keys.group, cap])
+            depths[queue] = QueueDepth(int(undelivered), int(pending))
+        return depths
 
     async def workers(self, max_age_s: float = 0.0) -> list[LiveWorker]:
         """Live workers: heartbeat hashes still there (they expire when beats stop). A SCAN

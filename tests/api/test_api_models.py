@@ -5,6 +5,9 @@ shared stream's model."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -71,6 +74,20 @@ def test_a_request_naming_no_model_runs_on_the_shared_stream(
     body = {"messages": MESSAGES, "temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
     reply = http.post("/v1/chat/completions", json=body).json()
     assert (reply["model"], reply["choices"][0]["message"]["content"]) == (served_model, offline(served_model))
+
+
+def test_genq_status_shows_each_queue_and_worker(stack_redis: RedisServer, live_worker: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "producer.cli", "status", "--redis-url", stack_redis.url],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert ["(shared)", "genq:requests", "0", "0"] in rows and ["b", "genq:requests:b", "0", "0"] in rows
+    workers = {row[0]: row[1:4] for row in rows if len(row) == 9 and row[0] != "worker"}
+    assert workers == {"api-test": ["tiny-llama", "(shared)", "serving"], "mistral-worker": [MISTRAL, "b", "serving"]}
+    assert rows[-1][:3] == ["dead", "letters:", "0"]
+    status = json.loads(subprocess.run([sys.executable, "-m", "producer.cli", "status", "--json", "--redis-url",
+                                        stack_redis.url], capture_output=True, text=True, timeout=30).stdout)
+    assert sorted(w["queue"] for w in status["workers"]) == ["", "b"]
 
 
 def test_backpressure_counts_every_queue(stack_redis: RedisServer, live_worker: str, serve_api) -> None:

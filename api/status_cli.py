@@ -1,0 +1,83 @@
+"""`genq status`: what the cluster is doing, from a shell: each queue's depth, each live
+worker's load, the dead letters. Read from Redis alone (the heartbeats, the streams), as the
+API's /metrics reads it.
+
+    queue      stream                 queued  running
+    (shared)   genq:requests               3        5
+    qwen       genq:requests:qwen          0        2
+
+    worker  model        queue     state    running  waiting  free  kv%   tok/s
+    w1      llama-8b     (shared)  serving        5        0     3  41.0  812.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from api.cluster import Cluster
+from producer.async_client import AsyncClient
+from producer.protocol import DEFAULT_PREFIX
+
+SHARED = "(shared)"  # how the shared stream's queue is shown
+
+
+def build(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="Redis key prefix (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    status = asyncio.run(_status(args.redis_url, args.prefix))
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+async def _status(redis_url: str, prefix: str) -> dict[str, Any]:
+    client = AsyncClient(redis_url, prefix)
+    try:
+        cluster = Cluster(client.redis, client.keys)
+        workers = sorted(await cluster.workers(), key=lambda w: (w.info.queue, w.name))
+        depths = await cluster.queue_depths()
+        return {
+            "queues": [{"queue": q, "stream": client.keys.on_queue(q).requests, **asdict(d)} for q, d in depths.items()],
+            "workers": [{"name": w.name, **asdict(w.info)} for w in workers],
+            "dead_letters": await client.redis.xlen(client.keys.dead),
+        }
+    finally:
+        await client.aclose()
+
+
+def format_status(status: dict[str, Any]) -> str:
+    queues = [("queue", "stream", "queued", "running")] + [
+        (q["queue"] or SHARED, q["stream"], str(q["undelivered"]), str(q["pending"])) for q in status["queues"]
+    ]
+    workers = [("worker", "model", "queue", "state", "running", "waiting", "free", "kv%", "tok/s")] + [
+        (w["name"], w["model"], w["queue"] or SHARED, w["state"], str(w["running"]), str(w["waiting"]),
+         str(w["free_slots"]), f"{100 * w['kv_cache_usage']:.1f}", f"{w['tokens_per_s']:.1f}")
+        for w in status["workers"]
+    ]
+    lines = _table(queues) + [""]
+    lines += _table(workers) if status["workers"] else ["no live worker"]
+    return "\n".join([*lines, "", f"dead letters: {status['dead_letters']} (genq dead ls)"])
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned text columns, right-aligned numbers, two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    numeric = [all(_is_number(row[i]) for row in rows[1:]) for i in range(len(widths))]
+    return ["  ".join(cell.rjust(w) if num else cell.ljust(w) for cell, w, num in zip(row, widths, numeric, strict=True)).rstrip()
+            for row in rows]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
