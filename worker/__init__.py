@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from worker.engine import Engine
     from worker.llm import LLM
     from worker.lora_request import LoRARequest
-    from worker.outputs import CompletionOutput, RequestOutput
+    from worker.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 
-__all__ = ["LLM", "Engine", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "Engine", "SamplingParams", "PoolingParams", "LoRARequest", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput"]
 
 _LAZY = {
     "LLM": "worker.llm",
@@ -24,6 +26,7 @@ _LAZY = {
     "LoRARequest": "worker.lora_request",
     "RequestOutput": "worker.outputs",
     "CompletionOutput": "worker.outputs",
+    "EmbeddingRequestOutput": "worker.outputs",
     "WorkerSettings": "worker.consumer",
 }
 

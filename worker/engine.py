@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from producer.chat_template import render_chat
+from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig, SchedulerConfig
@@ -80,12 +81,16 @@ class Engine:
         arrival_time: float | None = None,
         resume_output_token_ids: list[int] | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """Queue a request. Raises ValueError for a bad prompt, parameters or adapter, leaving
         the engine as it was. `resume_output_token_ids` continues a job from tokens it had
         already emitted: they count towards max_tokens and are not reported again.
-        `lora_request` runs it with that adapter, read on first use."""
+        `lora_request` runs it with that adapter, read on first use. With `pooling_params`
+        it is an embedding request: its one output carries `embedding`, and no tokens."""
         params = params or SamplingParams()
+        if pooling_params is not None and params.n != 1:
+            raise ValueError(f"an embedding request has one output, got n={params.n}")
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, prompt_ids = self.check_prompt(prompt)
@@ -98,6 +103,7 @@ class Engine:
         ]
         for child in children:
             child.lora_id = lora_id
+            child.pooling_params = pooling_params
         self.output_processor.add_request(request_id, text, children)
         self.scheduler.add_request(children[0], forks=children[1:])
 
@@ -200,16 +206,33 @@ class Engine:
         sched = self.scheduler.schedule()
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}
+        embeddings: dict[str, list[float]] = {}
         if not sched.is_empty:
             model_out = self.runner.execute(sched)
             sampled, logprobs = self._sample(sched, model_out.request_ids, model_out.logits)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._update(sched, sampled)
+            embeddings = self._pool(model_out.pooled)
+            updated += [self.scheduler_request(rid) for rid in embeddings]
         outputs, stopped = self.output_processor.process(updated, logprobs)
+        for output in outputs:
+            output.embedding = embeddings.get(output.request_id)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
         self._propose()
         return outputs
+
+    def _pool(self, pooled: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+        """Embedding requests whose prompt is computed: their vectors, and they end here."""
+        embeddings = {}
+        for request_id, hidden in pooled.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None or request.pooling_params is None:
+                continue  # aborted while the step ran
+            vector = torch.nn.functional.normalize(hidden, dim=-1) if request.pooling_params.normalize else hidden
+            embeddings[request_id] = vector.tolist()
+        self.scheduler.finish_requests(embeddings, RequestStatus.FINISHED_STOPPED)
+        return embeddings
 
     def scheduler_request(self, request_id: str) -> Request:
         return self.scheduler.requests.get(request_id) or self.scheduler.finished[request_id]

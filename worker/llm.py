@@ -8,11 +8,12 @@ from typing import Any, TypeVar, cast
 
 from tqdm.auto import tqdm
 
+from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine, PromptInput
 from worker.lora_request import LoRARequest
-from worker.outputs import CompletionOutput, RequestOutput
+from worker.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 
 T = TypeVar("T")
 
@@ -41,16 +42,8 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         loras = _as_per_prompt(lora_request, len(prompt_list), "lora requests")
-        checked = []
-        for i, (prompt, p, lora) in enumerate(zip(prompt_list, params, loras, strict=True)):
-            try:
-                text, token_ids = self.engine.check_prompt(prompt)
-                self.engine.check_params(p)
-                if lora is not None:
-                    self.engine.add_lora(lora)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            checked.append({"prompt": text, "prompt_token_ids": token_ids})  # tokenized once
+        checked = [self._checked(i, prompt, p, lora) for i, (prompt, p, lora) in
+                   enumerate(zip(prompt_list, params, loras, strict=True))]
         ids = []
         for i, (prompt, p, lora) in enumerate(zip(checked, params, loras, strict=True)):
             request_id = str(next(self._counter))
@@ -58,6 +51,37 @@ class LLM:
                                     lora_request=lora)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | list[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (see PoolingParams), in input order, as vLLM's `LLM.embed`.
+        Every prompt is checked before any is queued, as in `generate`."""
+        prompt_list = _as_prompt_list(prompts)
+        loras = _as_per_prompt(lora_request, len(prompt_list), "lora requests")
+        checked = [self._checked(i, prompt, SamplingParams(), lora) for i, (prompt, lora) in
+                   enumerate(zip(prompt_list, loras, strict=True))]
+        ids = []
+        for prompt, lora in zip(checked, loras, strict=True):
+            ids.append(str(next(self._counter)))
+            self.engine.add_request(ids[-1], prompt, lora_request=lora, pooling_params=pooling_params or PoolingParams())
+        return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding or []))
+                for out in self._run(ids, use_tqdm)]
+
+    def _checked(self, i: int, prompt: PromptInput, params: SamplingParams, lora: LoRARequest | None) -> dict[str, Any]:
+        """The prompt tokenized once, its params and adapter checked; ValueError naming prompt i."""
+        try:
+            text, token_ids = self.engine.check_prompt(prompt)
+            self.engine.check_params(params)
+            if lora is not None:
+                self.engine.add_lora(lora)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+        return {"prompt": text, "prompt_token_ids": token_ids}
 
     def chat(
         self,
@@ -112,6 +136,8 @@ def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None
     current.num_cached_tokens = max(current.num_cached_tokens, delta.num_cached_tokens)
     if delta.prompt_logprobs is not None:
         current.prompt_logprobs = delta.prompt_logprobs
+    if delta.embedding is not None:
+        current.embedding = delta.embedding
     by_index = {c.index: c for c in current.outputs}
     for c in delta.outputs:
         acc = by_index.get(c.index)

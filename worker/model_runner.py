@@ -63,6 +63,8 @@ class ModelOutput:
     logits: torch.Tensor  # [num_rows, vocab] float32
     # request id -> [chunk_len, vocab] logits at each computed position, for prompt logprobs
     chunk_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request id -> [hidden] float32: the last row of an embedding request's prompt
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -164,7 +166,8 @@ class ModelRunner:
         ends = _row_ends(batch)
         # a sampling request's last row, and one more per guessed token before it
         rows = [(s.request_id, end - 1 - s.num_drafts + j)
-                for s, end in zip(batch, ends, strict=True) if s.sample for j in range(1 + s.num_drafts)]
+                for s, end in zip(batch, ends, strict=True) if s.sample and not s.pool
+                for j in range(1 + s.num_drafts)]
         index = torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[index])  # [num_rows, vocab]
         chunk_logits = {
@@ -172,7 +175,8 @@ class ModelRunner:
             for s, end in zip(batch, ends, strict=True)
             if s.prompt_logprobs
         }
-        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits)
+        pooled = {s.request_id: hidden[end - 1].float() for s, end in zip(batch, ends, strict=True) if s.pool}
+        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled)
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, Any]:
         ids: list[int] = []

@@ -30,3 +30,19 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     prompt_logprobs: list[Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    embedding: list[float] | None = None  # an embedding request's vector (its final output)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 
 
@@ -59,6 +60,9 @@ class Request:
     # Guessed next tokens (speculative decoding), computed with its next decode step; the
     # step's sampling decides how many were right.
     spec_token_ids: list[int] = field(default_factory=list)
+    # An embedding request: its prompt is computed, its last position pooled, and it ends
+    # there, sampling nothing.
+    pooling_params: PoolingParams | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -27,6 +27,7 @@ class ScheduledRequest:
     prompt_logprobs: bool = False  # the request wants logprobs for the prompt tokens computed here
     lora_id: int = 0  # the adapter its rows run with; 0: none
     num_drafts: int = 0  # token_ids ends with this many guessed tokens (speculative decoding)
+    pool: bool = False  # an embedding request's last chunk: its last row is pooled, not sampled
 
 
 @dataclass
@@ -178,6 +179,7 @@ class Scheduler:
                 and start < request.num_prompt_tokens,
                 lora_id=request.lora_id,
                 num_drafts=len(drafts),
+                pool=request.pooling_params is not None and start + num_known == request.num_tokens,
             )
         )
 

@@ -1,0 +1,33 @@
+"""PoolingParams: vLLM's parameters of an embedding request (`LLM.embed`, the `embed` jobs
+behind `/v1/embeddings`). Plain Python, shared by the producer, the worker and the API."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """How a prompt becomes one vector: the final hidden state (after the model's last norm)
+    of its last token, as vLLM pools decoder models, scaled to unit length unless
+    `normalize` is False."""
+
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PoolingParams:
+        """Build from a decoded payload; unknown fields are an error, not silently dropped."""
+        if not isinstance(data, dict):
+            raise ValueError(f"pooling_params must be a mapping, got {type(data).__name__}")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown pooling parameter(s): {', '.join(unknown)}")
+        return cls(**data)

@@ -1,0 +1,95 @@
+"""Embeddings (`LLM.embed`, vLLM's pooling of decoder models): the final hidden state of the
+prompt's last token, after the model's last norm, L2-normalized. The oracle is transformers'
+`last_hidden_state` for the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from producer.pooling_params import PoolingParams
+from producer.sampling_params import SamplingParams
+
+PROMPTS = ["Hello", "The capital of France is Paris, and the capital of Italy is",
+           "A much longer prompt, long enough to be computed over several chunks of prefill " * 3]
+
+
+@pytest.fixture(scope="module")
+def hf_hidden(tiny_llama_dir: Path):
+    """`hf_hidden(token_ids)`: transformers' last hidden state of the last token (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def hidden(token_ids: list[int]) -> torch.Tensor:
+        return model.model(torch.tensor([token_ids])).last_hidden_state[0, -1]
+
+    return hidden
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: Path):
+    from worker import LLM
+
+    # a small token budget: the long prompt's prefill takes several steps
+    return LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=32,
+               max_num_seqs=8)
+
+
+def test_embeddings_are_the_normalized_last_hidden_state(llm, hf_hidden) -> None:
+    outs = llm.embed(PROMPTS, use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = llm.get_tokenizer().encode(prompt)
+        assert out.prompt_token_ids == ids
+        vector = torch.tensor(out.outputs.embedding)
+        expected = torch.nn.functional.normalize(hf_hidden(ids), dim=-1)
+        torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-4)
+        assert vector.norm().item() == pytest.approx(1.0, abs=1e-5)
+    raw = llm.embed({"prompt_token_ids": [1, 450, 7483]}, PoolingParams(normalize=False), use_tqdm=False)[0]
+    torch.testing.assert_close(torch.tensor(raw.outputs.embedding), hf_hidden([1, 450, 7483]), atol=1e-5, rtol=1e-4)
+
+
+def test_embeddings_share_steps_with_generation_and_the_prefix_cache(llm, hf_hidden) -> None:
+    """Embedding requests ride in the same batches as generating ones, leave no blocks held,
+    and a prompt served from the prefix cache pools the same vector."""
+    engine = llm.engine
+    free = engine.block_manager.num_free_blocks
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    expected_text = llm.generate(PROMPTS[1], greedy, use_tqdm=False)[0].outputs[0].text
+    engine.add_request("gen", PROMPTS[1], greedy)
+    engine.add_request("emb", PROMPTS[1], pooling_params=PoolingParams())
+    engine.add_request("emb-long", PROMPTS[2], pooling_params=PoolingParams())
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["gen"].embedding is None and finals["emb"].outputs[0].token_ids == []
+    assert finals["emb"].outputs[0].finish_reason == "stop"
+    for rid, prompt in (("emb", PROMPTS[1]), ("emb-long", PROMPTS[2])):
+        ids = llm.get_tokenizer().encode(prompt)
+        expected = torch.nn.functional.normalize(hf_hidden(ids), dim=-1)
+        torch.testing.assert_close(torch.tensor(finals[rid].embedding), expected, atol=1e-5, rtol=1e-4)
+    engine.add_request("emb-again", PROMPTS[2], pooling_params=PoolingParams())  # its full blocks are cached now
+    again = [o for _ in range(50) if engine.has_unfinished_requests() for o in engine.step() if o.finished][0]
+    assert again.num_cached_tokens > 0
+    torch.testing.assert_close(torch.tensor(again.embedding), torch.tensor(finals["emb-long"].embedding),
+                               atol=1e-5, rtol=1e-4)
+    generated = llm.generate(PROMPTS[1], greedy, use_tqdm=False)[0].outputs[0].text
+    assert generated == expected_text
+    assert engine.block_manager.num_free_blocks == free
+
+
+def test_bad_embedding_requests_are_refused(llm) -> None:
+    with pytest.raises(ValueError, match="one output, got n=2"):
+        llm.engine.add_request("x", "hi", SamplingParams(n=2), pooling_params=PoolingParams())
+    with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
+        llm.embed(["fine", ""], use_tqdm=False)
+    with pytest.raises(ValueError, match="normalize must be true or false"):
+        PoolingParams(normalize="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown pooling parameter"):
+        PoolingParams.from_dict({"dimensions": 8})
