@@ -32,6 +32,7 @@ from producer.jobs import (
     raise_if_failed,
     submit_call,
 )
+from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
 
@@ -86,8 +87,9 @@ class AsyncClient:
         job_id: str | None = None,
         deadline_s: float | None = None,
         model: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncJobHandle:
-        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model)
+        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params)
         keys, args = submit_call(await self.keys_for(job.model), job)
         entry_id = await self._submit_script(keys=keys, args=args)
         return AsyncJobHandle(self, job.id, enqueued=entry_id is not None)

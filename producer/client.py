@@ -34,6 +34,7 @@ from producer.jobs import (
     raise_if_failed,
     submit_call,
 )
+from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
 
@@ -88,9 +89,10 @@ class Client:
         job_id: str | None = None,
         deadline_s: float | None = None,
         model: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> JobHandle:
         """Enqueue one job (once per job id); raises ValueError on invalid input."""
-        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model)
+        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params)
         keys, args = submit_call(self.keys_for(job.model), job)
         entry_id = self._submit_script(keys=keys, args=args)
         return JobHandle(self, job.id, enqueued=entry_id is not None)

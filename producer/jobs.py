@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from producer.pooling_params import PoolingParams
 from producer.protocol import (
     EVENT_FIELD,
     FINISH_ABORT,
@@ -30,6 +31,7 @@ from producer.protocol import (
     decode_event,
     decode_job,
     encode_job,
+    unpack_embedding,
 )
 from producer.records import CompletionOutput, JobRecord, decode_record, encode_record
 from producer.sampling_params import SamplingParams
@@ -125,6 +127,7 @@ class JobResult:
     usage: dict[str, int] | None = None
     error: str | None = None
     error_type: str | None = None  # with error: ERROR_INVALID_REQUEST, or None
+    embedding: list[float] | None = None  # an embedding job's vector
 
     @property
     def text(self) -> str:
@@ -150,8 +153,10 @@ def build_job(
     job_id: str | None = None,
     deadline_s: float | None = None,
     model: str | None = None,
+    pooling_params: PoolingParams | None = None,
 ) -> Job:
-    """Validate the inputs of a submit and build its Job; raises ValueError."""
+    """Validate the inputs of a submit and build its Job; raises ValueError. With
+    `pooling_params` it is an embedding job (the result's `embedding`, no text)."""
     if deadline_s is not None and (isinstance(deadline_s, bool) or not deadline_s > 0):
         raise ValueError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
     if isinstance(sampling_params, dict):
@@ -161,6 +166,7 @@ def build_job(
         id=uuid.uuid4().hex if job_id is None else job_id,
         sampling_params=sampling_params or SamplingParams(),
         model=model,
+        pooling_params=pooling_params,
         priority=priority,
         deadline=None if deadline_s is None else now + deadline_s,
         submit_time=now,
@@ -250,6 +256,7 @@ class EventLog:
         self.error: str | None = None
         self.error_type: str | None = None
         self.usage: dict[str, int] | None = None
+        self.embedding: list[float] | None = None
         self._last_seq: dict[int, int] = {}
         self._final: dict[int, Event] = {}
         self._text: dict[int, list[str]] = {}
@@ -272,6 +279,8 @@ class EventLog:
         self._tokens.setdefault(event.index, []).extend(event.token_ids)
         if event.usage is not None:
             self.usage = event.usage
+        if event.embedding is not None:
+            self.embedding = unpack_embedding(event.embedding)
         if event.error is not None:
             self.error, self.error_type = event.error, event.error_type
         elif event.finished:
@@ -391,6 +400,7 @@ def make_result(job_id: str, raw_record: dict[Any, Any], log: EventLog | None) -
         usage=record.usage or (log.usage if log else None),
         error=record.error or (log.error if log else None),
         error_type=record.error_type or (log.error_type if log else None),
+        embedding=record.embedding if record.embedding is not None else (log.embedding if log else None),
     )
 
 

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import math
 import re
+import sys
+from array import array
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
 import msgpack
 
+from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -256,6 +259,9 @@ class Job:
     # Qwen3's enable_thinking, and add_generation_prompt / continue_final_message
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None  # None: whatever the worker serves
+    # set: an embedding job. Its prompt (text or token ids) is pooled into one vector, sent
+    # on its one event as `embedding`; nothing is generated.
+    pooling_params: PoolingParams | None = None
     priority: int = 0  # as in vLLM: lower values are scheduled first
     deadline: float | None = None  # absolute unix time; past it the job is aborted
     submit_time: float = 0.0  # unix time
@@ -267,6 +273,8 @@ class Job:
         _validate_prompt(self)
         if not isinstance(self.sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        if self.pooling_params is not None:
+            _validate_embedding(self)
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model must be a string, got {self.model!r}")
         if not _is_int(self.priority):
@@ -316,6 +324,15 @@ def _validate_prompt(job: Job) -> None:
         _validate_tools(job)
     if job.chat_template_kwargs is not None:
         _validate_template_kwargs(job)
+
+
+def _validate_embedding(job: Job) -> None:
+    if not isinstance(job.pooling_params, PoolingParams):
+        raise ValueError("pooling_params must be a PoolingParams")
+    if job.messages is not None:
+        raise ValueError("an embedding job takes a prompt or prompt_token_ids, not chat messages")
+    if job.sampling_params.n != 1:
+        raise ValueError(f"an embedding job has one output, got n={job.sampling_params.n}")
 
 
 def _validate_messages(messages: Any) -> None:
@@ -374,6 +391,8 @@ def encode_job(job: Job) -> dict[str, bytes]:
     job.validate()
     payload = asdict(job)
     payload["sampling_params"] = job.sampling_params.to_dict()
+    if job.pooling_params is None:
+        del payload["pooling_params"]  # a generation job reads as it did before embeddings
     return {
         "id": job.id.encode(),
         "priority": str(job.priority).encode(),
@@ -405,6 +424,8 @@ def decode_job(entry: dict[Any, Any]) -> Job:
         raise ProtocolError(f"payload id {payload['id']!r} differs from entry id", job_id)
     try:
         payload["sampling_params"] = SamplingParams.from_dict(payload["sampling_params"])
+        if payload.get("pooling_params") is not None:
+            payload["pooling_params"] = PoolingParams.from_dict(payload["pooling_params"])
         job = Job(**payload)
         job.validate()
     except (ValueError, TypeError) as exc:
@@ -449,6 +470,9 @@ class Event:
     # "token_id" and "token": nothing precedes it), and the prompt as the worker decodes it
     prompt_logprobs: list[Any] | None = None
     prompt: str | None = None
+    # an embedding job's vector, on its one (final) event: float32, little-endian
+    # (pack_embedding / unpack_embedding)
+    embedding: bytes | None = None
 
 
 _EVENT_TYPES: dict[str, tuple[type, ...]] = {
@@ -465,7 +489,26 @@ _EVENT_TYPES: dict[str, tuple[type, ...]] = {
     "logprobs": (list, type(None)),
     "prompt_logprobs": (list, type(None)),
     "prompt": (str, type(None)),
+    "embedding": (bytes, type(None)),
 }
+
+
+def pack_embedding(vector: list[float]) -> bytes:
+    """A vector on the wire: float32, little-endian (what OpenAI's base64 encoding holds)."""
+    values = array("f", vector)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tobytes()
+
+
+def unpack_embedding(data: bytes) -> list[float]:
+    if len(data) % 4:
+        raise ProtocolError(f"an embedding is float32s, got {len(data)} bytes")
+    values = array("f")
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
 
 
 _EVENT_FIELD_NAMES = tuple(f.name for f in fields(Event))

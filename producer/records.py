@@ -15,8 +15,10 @@ from producer.protocol import (
     ProtocolError,
     as_text,
     pack,
+    pack_embedding,
     str_keys,
     unpack,
+    unpack_embedding,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -53,6 +55,7 @@ class JobRecord:
     error: str | None = None
     error_type: str | None = None  # ERROR_INVALID_REQUEST: the job was at fault
     outputs: list[CompletionOutput] | None = None  # msgpack: every completion with token ids
+    embedding: list[float] | None = None  # an embedding job's vector (float32 bytes in the hash)
     extra: dict[str, str] = field(default_factory=dict)  # fields this module does not know
 
     @property
@@ -87,6 +90,8 @@ def encode_record(record: JobRecord) -> dict[str, str | bytes]:
             out[name] = repr(float(value))
     if record.outputs is not None:
         out["outputs"] = pack([asdict(o) for o in record.outputs])
+    if record.embedding is not None:
+        out["embedding"] = pack_embedding(record.embedding)
     out.update(record.extra)
     return out
 
@@ -109,6 +114,11 @@ def decode_record(mapping: dict[Any, Any], job_id: str | None = None) -> JobReco
         raise ProtocolError(f"job record: {exc}", job_id) from exc
     if "outputs" in raw:
         record.outputs = _decode_outputs(raw.pop("outputs"), job_id)
+    if "embedding" in raw:
+        data = raw.pop("embedding")
+        if not isinstance(data, bytes):
+            raise ProtocolError("job record embedding must be read as bytes", job_id)
+        record.embedding = unpack_embedding(data)
     record.extra = {
         k: v.decode(errors="replace") if isinstance(v, bytes) else str(v) for k, v in raw.items()
     }

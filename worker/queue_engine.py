@@ -260,6 +260,7 @@ class EngineThread:
             self.engine.add_request(
                 request.engine_id, self._prompt(job), params, priority=job.priority,
                 resume_output_token_ids=request.resume_token_ids or None, lora_request=lora,
+                pooling_params=job.pooling_params,
             )
         except (ValueError, TemplateError) as exc:  # the job's fault: prompt, params, messages
             return Rejected(request.engine_id, str(exc), ERROR_INVALID_REQUEST)

@@ -22,6 +22,7 @@ from producer.protocol import (
     JobStatus,
     ProtocolError,
     decode_event,
+    pack_embedding,
 )
 from producer.records import CompletionOutput, JobRecord, encode_record
 
@@ -78,6 +79,7 @@ class HeldJob:
     engine_ids: set[str] = field(default_factory=set)  # engine requests not finished yet
     prompt_tokens: int | None = None
     cached_tokens: int = 0  # prompt tokens the prefix cache served
+    embedding: list[float] | None = None  # an embedding job's vector, once pooled
     received_at: float = field(default_factory=time.time)  # unix time it came off the stream
     last_token_at: float | None = None  # unix time of the last step that sent a token
     # prompt logprobs (wire form) and the decoded prompt, waiting for completion 0's first
@@ -165,6 +167,8 @@ def completion_event(
     c.next_seq += 1
     if event.finished:
         event.usage = held.usage()
+        if held.embedding is not None:
+            event.embedding = pack_embedding(held.embedding)
     return event
 
 
@@ -193,6 +197,7 @@ def final_record(held: HeldJob, worker: str, now: float) -> dict[str, str | byte
         finish_reason=outputs[0].finish_reason,
         text=outputs[0].text,
         outputs=outputs,
+        embedding=held.embedding,
     )
     if status == JobStatus.CANCELLED and held.abort_reason is not None:
         record.extra["abort_reason"] = held.abort_reason

@@ -104,6 +104,8 @@ class Publisher:
             held.prompt_tokens = len(output.prompt_token_ids)
             self.metrics.prompt_tokens(held.prompt_tokens)
         held.cached_tokens = max(held.cached_tokens, output.num_cached_tokens)
+        if output.embedding is not None:
+            held.embedding = output.embedding  # sent with the final event, and kept in the record
         if output.prompt_logprobs is not None and held.completions[0].next_seq == 0:
             held.prompt_logprobs = self._wire_prompt_logprobs(
                 output.prompt_token_ids, output.prompt_logprobs

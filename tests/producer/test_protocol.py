@@ -8,6 +8,7 @@ import msgpack
 import pytest
 import redis
 
+from producer.pooling_params import PoolingParams
 from producer.protocol import (
     APPEND_EVENTS_LUA,
     EVENT_FIELD,
@@ -23,6 +24,8 @@ from producer.protocol import (
     encode_event,
     encode_job,
     pack,
+    pack_embedding,
+    unpack_embedding,
 )
 from producer.records import (
     CompletionOutput,
@@ -94,6 +97,26 @@ def test_token_keyed_sampling_params_round_trip(redis_conn: redis.Redis) -> None
     decoded = decode_job(xadd_and_read(redis_conn, encode_job(job)))
     assert decoded.sampling_params.logit_bias == {50: -3.5, 7: 100}
     assert decoded == job
+
+
+def test_embedding_jobs_round_trip_and_carry_their_vector(redis_conn: redis.Redis) -> None:
+    job = make_job(pooling_params=PoolingParams(normalize=False))
+    entry = encode_job(job)
+    assert decode_job(xadd_and_read(redis_conn, entry)) == job
+    assert "pooling_params" not in msgpack.unpackb(encode_job(make_job())["payload"])  # generation: as before
+    with pytest.raises(ValueError, match="not chat messages"):
+        encode_job(make_job(prompt=None, messages=[{"role": "user", "content": "x"}], pooling_params=PoolingParams()))
+    with pytest.raises(ValueError, match="one output, got n=2"):
+        encode_job(make_job(sampling_params=SamplingParams(n=2), pooling_params=PoolingParams()))
+    vector = [0.5, -1.25, 3.0e-8, 1.0]
+    assert unpack_embedding(pack_embedding(vector)) == pytest.approx(vector, rel=1e-7)
+    assert pack_embedding([1.0]) == b"\x00\x00\x80\x3f"  # float32, little-endian
+    event = decode_event(encode_event(Event(seq=0, finished=True, embedding=pack_embedding(vector))))
+    assert unpack_embedding(event.embedding) == pytest.approx(vector, rel=1e-7)
+    redis_conn.hset("rec", mapping=encode_record(JobRecord(embedding=vector)))
+    assert decode_record(redis_conn.hgetall("rec")).embedding == pytest.approx(vector, rel=1e-7)
+    with pytest.raises(ProtocolError, match="float32s, got 3 bytes"):
+        unpack_embedding(b"abc")
 
 
 def test_chat_jobs_carry_tools(redis_conn: redis.Redis) -> None:

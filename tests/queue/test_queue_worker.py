@@ -17,6 +17,7 @@ from queue_support import WorkerProcess, age, ended, ghost_takes, record, stream
 from producer.client import Client
 from producer.dead_letters import list_dead, retry_dead
 from producer.jobs import JobFailed, build_job
+from producer.pooling_params import PoolingParams
 from producer.protocol import (
     ERROR_INVALID_REQUEST,
     EVENT_FIELD,
@@ -351,6 +352,33 @@ def test_entry_over_the_delivery_limit_goes_to_dead(client: Client, conn: redis.
         client.result("poison-1", TIMEOUT_S)
     assert failure.value.error_type is None  # not the job's fault as far as anyone knows
     assert conn.xpending(keys.requests, keys.group)["pending"] == 0
+
+
+def test_embedding_jobs_return_the_pooled_vector(client: Client, conn: redis.Redis, tiny_llama_dir, offline) -> None:
+    """Embedding jobs (pooling_params set) beside generating ones: the vector on the final
+    event and in the record is transformers' normalized last hidden state of the prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompts = ["An embedding of this", {"prompt_token_ids": [1, 450, 7483, 310]}]
+    generating = client.submit("Generate meanwhile", GREEDY)
+    handles = [client.submit(p, pooling_params=PoolingParams()) for p in prompts]
+    raw = client.submit("raw vector", pooling_params=PoolingParams(normalize=False))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = [AutoTokenizer.from_pretrained(tiny_llama_dir).encode(prompts[0]), [1, 450, 7483, 310]]
+    for handle, token_ids in zip(handles, ids, strict=True):
+        result = handle.result(TIMEOUT_S)
+        with torch.inference_mode():
+            hidden = hf.model(torch.tensor([token_ids])).last_hidden_state[0, -1]
+        expected = torch.nn.functional.normalize(hidden, dim=-1)
+        torch.testing.assert_close(torch.tensor(result.embedding), expected, atol=1e-5, rtol=1e-4)
+        assert (result.status, result.token_ids, result.finish_reason) == (JobStatus.FINISHED, [], "stop")
+        assert result.usage["prompt_tokens"] == len(token_ids) and result.usage["completion_tokens"] == 0
+        assert record(conn, client.keys, handle.id).embedding == result.embedding  # kept past the events
+    assert abs(torch.tensor(raw.result(TIMEOUT_S).embedding).norm().item() - 1.0) > 1e-3
+    assert generating.result(TIMEOUT_S).token_ids == offline("Generate meanwhile", GREEDY)[0].token_ids
+    with pytest.raises(ValueError, match="not chat messages"):
+        client.submit([{"role": "user", "content": "hi"}], pooling_params=PoolingParams())
 
 
 def test_a_retried_dead_letter_runs_again(client: Client, conn: redis.Redis, offline) -> None:
