@@ -44,9 +44,16 @@ async def start(
     model = await resolve_model(state, body.model)
     await check_backpressure(state)
     planned = plan(state, body, prompts, renderer, job_id or uuid.uuid4().hex, model, deadline_s)
-    if body.model is None and await state.cluster.served_models(max_age_s=1.0):
-        planned = replace(planned, model=model)  # the model the reply names: its queue runs it
+    planned = replace(planned, model=await job_model(state, body.model, model))
     return await submit(state, planned)
+
+
+async def job_model(state: AppState, requested: str | None, resolved: str) -> str | None:
+    """The model a request's jobs name: the request's; when it names none and workers are
+    live, the one its reply names, so the jobs reach that model's queue wherever it is."""
+    if requested is None and await state.cluster.served_models(max_age_s=1.0):
+        return resolved
+    return requested
 
 
 @dataclass(frozen=True)

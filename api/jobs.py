@@ -15,7 +15,7 @@ from api.responses import JobOutput, JobView, Usage
 from api.sse import DONE, format_sse
 from producer.async_client import AsyncClient
 from producer.jobs import JobNotFound
-from producer.protocol import Event
+from producer.protocol import Event, unpack_embedding
 from producer.records import JobRecord, decode_record
 
 
@@ -40,6 +40,7 @@ async def job_view(client: AsyncClient, relay: Relay, job_id: str) -> JobView:
     if record.status is None or not record.status.terminal:
         return view
     usage = record.usage
+    view.embedding = record.embedding
     if record.outputs is not None:
         view.outputs = [JobOutput(**asdict(o)) for o in record.outputs]
     else:  # the worker stored no outputs: assemble them from the events
@@ -92,7 +93,10 @@ def event_id(event: Event, n: int) -> str:
 
 
 def event_data(event: Event) -> dict[str, Any]:
-    return {k: v for k, v in asdict(event).items() if v is not None}
+    data = {k: v for k, v in asdict(event).items() if v is not None}
+    if event.embedding is not None:  # an embedding job's vector, as JSON numbers
+        data["embedding"] = unpack_embedding(event.embedding)
+    return data
 
 
 async def event_stream(

@@ -22,6 +22,7 @@ from api.routes import (
     batches,
     chat,
     completions,
+    embeddings,
     files,
     health,
     jobs,
@@ -63,7 +64,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
     guarded = [Depends(require_api_key)]
-    for module in (completions, chat, responses, models, jobs, files, batches):
+    for module in (completions, chat, embeddings, responses, models, jobs, files, batches):
         app.include_router(module.router, prefix="/v1", dependencies=guarded)
     app.include_router(tokenize.router, dependencies=guarded)  # vLLM serves these at the root
     if settings.allow_runtime_lora_updating:

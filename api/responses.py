@@ -61,6 +61,7 @@ class JobView(BaseModel):
     error_type: str | None = None  # "invalid_request": the job itself was at fault
     usage: Usage | None = None
     outputs: list[JobOutput] | None = None
+    embedding: list[float] | None = None  # an embedding job's vector (POST /v1/embeddings)
     cancel_requested: bool | None = None  # set by DELETE
 
 

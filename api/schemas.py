@@ -7,7 +7,7 @@ ValueError names the field (the routes turn it into a 400 with that `param`).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 
@@ -309,3 +309,27 @@ JobRequest = Annotated[
     Annotated[ChatJobRequest, Tag("chat")] | Annotated[CompletionJobRequest, Tag("completion")],
     Discriminator(_job_kind),
 ]
+
+
+class EmbeddingRequest(BaseModel):
+    """`POST /v1/embeddings`: one embedding job per input, as OpenAI's (plus vLLM's
+    `normalize` and `priority`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # not supported: refused when set
+    user: str | None = None
+    normalize: bool = True  # False: the raw pooled hidden state
+    priority: int = 0
+
+    def inputs(self) -> list[PromptInput]:
+        """One prompt per job: a string or `{"prompt_token_ids": [...]}`."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and all(isinstance(t, int) for t in self.input):
+            return [{"prompt_token_ids": list(self.input)}]
+        return [item if isinstance(item, str) else {"prompt_token_ids": list(cast(list[int], item))}
+                for item in self.input]

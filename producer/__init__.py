@@ -3,6 +3,7 @@
 from producer.async_client import AsyncClient, AsyncJobHandle
 from producer.client import Client, JobHandle
 from producer.jobs import Delta, JobFailed, JobNotFound, JobResult
+from producer.pooling_params import PoolingParams
 from producer.protocol import JobStatus, Keys, ProtocolError
 from producer.sampling_params import SamplingParams
 
@@ -17,6 +18,7 @@ __all__ = [
     "JobResult",
     "JobStatus",
     "Keys",
+    "PoolingParams",
     "ProtocolError",
     "SamplingParams",
 ]

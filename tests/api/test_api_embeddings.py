@@ -1,0 +1,98 @@
+"""`POST /v1/embeddings` through a live stack, with the official OpenAI client: one embedding
+job per input, answered with the normalized last hidden state of each prompt. The oracle is
+transformers' `last_hidden_state` for the same tokens."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama_dir: Path):
+    """`hf(text_or_ids)`: (token ids, transformers' last hidden state of the last token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+    @torch.inference_mode()
+    def hidden(prompt: str | list[int]) -> tuple[list[int], torch.Tensor]:
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return ids, model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+
+    return hidden
+
+
+def normalized(vector: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(vector, dim=-1)
+
+
+def test_embeddings_match_transformers(served_model: str, oai: openai.OpenAI, hf) -> None:
+    inputs = ["The quick brown fox", "jumps over the lazy dog, again and again"]
+    reply = oai.embeddings.create(model=served_model, input=inputs)  # the client asks for base64
+    assert reply.model == served_model and [d.index for d in reply.data] == [0, 1]
+    total = 0
+    for text, item in zip(inputs, reply.data, strict=True):
+        ids, hidden = hf(text)
+        total += len(ids)
+        torch.testing.assert_close(torch.tensor(item.embedding), normalized(hidden), atol=1e-5, rtol=1e-4)
+    assert (reply.usage.prompt_tokens, reply.usage.total_tokens) == (total, total)
+    one = oai.embeddings.create(model=served_model, input=[1, 450, 7483])  # one prompt of token ids
+    torch.testing.assert_close(torch.tensor(one.data[0].embedding), normalized(hf([1, 450, 7483])[1]),
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_float_and_base64_agree(served_model: str, http: httpx.Client, hf) -> None:
+    body = {"model": served_model, "input": ["Hi", "Hello there"]}
+    floats = http.post("/v1/embeddings", json={**body, "encoding_format": "float"}).json()
+    packed = http.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
+    for f, b in zip(floats["data"], packed["data"], strict=True):
+        raw = base64.b64decode(b["embedding"])
+        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == f["embedding"]  # float32, little-endian
+    raw = http.post("/v1/embeddings", json={"input": "Hello there", "normalize": False}).json()
+    vector = torch.tensor(raw["data"][0]["embedding"])
+    assert raw["model"] == served_model and abs(vector.norm().item() - 1.0) > 1e-3
+    torch.testing.assert_close(vector, hf("Hello there")[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": ""}, 400, "input"),
+        ({"input": []}, 400, "input"),
+        ({"input": ["fine", [1, -2]]}, 400, "input"),
+        ({"input": "x", "dimensions": 8}, 400, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"input": "x", "model": "no-such-model"}, 404, "model"),
+        ({"input": [99999]}, 400, None),  # outside the vocabulary: the worker says so
+    ],
+)
+def test_bad_embedding_requests(http: httpx.Client, body: dict, status: int, param: str | None) -> None:
+    response = http.post("/v1/embeddings", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
+
+
+def test_job_endpoints_show_an_embedding_job(live_worker: str, http: httpx.Client, hf) -> None:
+    """An embedding job submitted with the Python client: polled and followed over HTTP."""
+    import json
+
+    from producer.client import Client
+    from producer.pooling_params import PoolingParams
+
+    with Client(live_worker) as client:
+        result = client.submit("Poll me", pooling_params=PoolingParams()).result(60)
+    torch.testing.assert_close(torch.tensor(result.embedding), normalized(hf("Poll me")[1]), atol=1e-5, rtol=1e-4)
+    view = http.get(f"/v1/jobs/{result.id}").json()
+    assert view["status"] == "finished" and view["embedding"] == result.embedding
+    lines = http.get(f"/v1/jobs/{result.id}/events").text.splitlines()
+    [event] = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+    assert event["embedding"] == result.embedding and event["finished"]
