@@ -91,6 +91,9 @@ class Engine:
         params = params or SamplingParams()
         if pooling_params is not None and params.n != 1:
             raise ValueError(f"an embedding request has one output, got n={params.n}")
+        if pooling_params is None and not self.model_config.has_lm_head:
+            raise ValueError(f"this model ({self.model_config.architecture}) has no LM head: it serves "
+                             "embedding requests only")
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, prompt_ids = self.check_prompt(prompt)

@@ -93,3 +93,41 @@ def test_bad_embedding_requests_are_refused(llm) -> None:
         PoolingParams(normalize="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown pooling parameter"):
         PoolingParams.from_dict({"dimensions": 8})
+
+
+@pytest.fixture(scope="module")
+def embedding_model_dir(tiny_llama_dir: Path, tmp_path_factory) -> Path:
+    """The tiny Llama saved as a base model (`LlamaModel`: no LM head, no `model.` prefix),
+    the layout of Llama-family embedding checkpoints."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("embedding-model")
+    AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_llama_dir / name).exists():
+            shutil.copy(tiny_llama_dir / name, out / name)
+    return out
+
+
+def test_an_embedding_model_without_lm_head_serves_embeddings_only(embedding_model_dir: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModel
+
+    from worker import LLM
+
+    assert json.loads((embedding_model_dir / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    with safe_open(str(embedding_model_dir / "model.safetensors"), "pt") as f:
+        assert "norm.weight" in f.keys() and not any(k.startswith(("model.", "lm_head")) for k in f.keys())
+    llm = LLM(str(embedding_model_dir), dtype="float32", num_gpu_blocks_override=64)
+    ids = llm.get_tokenizer().encode("An embedding model")
+    vector = torch.tensor(llm.embed("An embedding model", use_tqdm=False)[0].outputs.embedding)
+    hf = AutoModel.from_pretrained(embedding_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+    torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"\(LlamaModel\) has no LM head: it serves embedding requests only"):
+        llm.generate("Generate?", SamplingParams(max_tokens=2), use_tqdm=False)

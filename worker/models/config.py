@@ -11,6 +11,11 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    # the same decoders without an LM head (embedding models such as e5-mistral and
+    # gte-Qwen2): they serve embedding requests only
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
 }
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
@@ -35,6 +40,7 @@ class ModelConfig:
     mlp_bias: bool
     sliding_window: int | None
     eos_token_ids: frozenset[int]
+    has_lm_head: bool = True  # False: an embedding model; generation is refused
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -43,9 +49,11 @@ class ModelConfig:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise ValueError(f"unsupported architecture {arch!r}; supported: {supported}")
         heads = hf_config.num_attention_heads
-        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or arch == "Qwen2ForCausalLM"
+        qwen2 = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+        has_lm_head = arch.endswith("ForCausalLM")
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or qwen2
         window = getattr(hf_config, "sliding_window", None)
-        if arch == "Qwen2ForCausalLM" and not getattr(hf_config, "use_sliding_window", False):
+        if qwen2 and not getattr(hf_config, "use_sliding_window", False):
             window = None
         _rope_type(hf_config)  # fail early on unsupported scaling
         return cls(
@@ -60,12 +68,14 @@ class ModelConfig:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # no head of its own: the embedding stands in (logits are never asked of it)
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) or not has_lm_head,
             attention_bias=qkv_bias,
-            o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and arch != "Qwen2ForCausalLM",
+            o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and not qwen2,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             sliding_window=window,
             eos_token_ids=_eos_ids(hf_config),
+            has_lm_head=has_lm_head,
         )
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
