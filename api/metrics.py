@@ -29,15 +29,18 @@ class ClusterCollector(Collector):
     scrape). Counters are sums over live workers: one that dies takes its counts with it."""
 
     def __init__(self) -> None:
-        self._depth = QueueDepth(0, 0)
+        self._depths: dict[str, QueueDepth] = {}
         self._workers: list[LiveWorker] = []
         self._batches = 0
 
-    def update(self, depth: QueueDepth, workers: list[LiveWorker], batches: int = 0) -> None:
-        self._depth, self._workers, self._batches = depth, workers, batches
+    def update(self, depths: dict[str, QueueDepth], workers: list[LiveWorker], batches: int = 0) -> None:
+        """`depths`: by queue ("": the shared stream), as Cluster.queue_depths reads them."""
+        self._depths, self._workers, self._batches = depths, workers, batches
 
     def collect(self) -> Iterator[Metric]:
-        workers, depth = [w.info for w in self._workers], self._depth
+        workers = [w.info for w in self._workers]
+        depth = QueueDepth(sum(d.undelivered for d in self._depths.values()),
+                           sum(d.pending for d in self._depths.values()))
         running = sum(w.running for w in workers)
         yield _gauge("genq:num_workers", "Live workers (heartbeat present).", len(workers))
         yield _gauge("genq:num_requests_running", "Jobs in the workers' running batches.", running)
@@ -51,6 +54,11 @@ class ClusterCollector(Collector):
             "Stream entries not yet delivered plus delivered but not acknowledged.",
             depth.total,
         )
+        by_queue = GaugeMetricFamily("genq:queue_depth_by_queue", "genq:queue_depth of each queue's stream "
+                                     '(queue="" is the shared genq:requests).', labels=["queue"])
+        for queue, queue_depth in sorted(self._depths.items()):
+            by_queue.add_metric([queue], queue_depth.total)
+        yield by_queue
         yield _gauge(
             "genq:generation_tokens_per_second", "Sum of the workers' recent generation rates.",
             sum(w.tokens_per_s for w in workers),

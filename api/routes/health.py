@@ -30,5 +30,5 @@ async def health(state: StateDep) -> JSONResponse:
 async def metrics(state: StateDep) -> Response:
     """Prometheus text format; the cluster part is read from Redis now."""
     batches = await state.client.redis.scard(state.client.keys.active_batches)
-    state.metrics.cluster.update(await state.cluster.queue_depth(), await state.cluster.workers(), batches)
+    state.metrics.cluster.update(await state.cluster.queue_depths(), await state.cluster.workers(), batches)
     return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

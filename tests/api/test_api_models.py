@@ -109,6 +109,9 @@ def test_backpressure_counts_every_queue(stack_redis: RedisServer, live_worker: 
             assert conn.xlen(keys.on_queue("big").requests) == 2
             full = http.post("/v1/jobs", json={"prompt": "one too many", "model": "big-model"})
             assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+            scrape = http.get("/metrics").text
+            assert 'genq:queue_depth_by_queue{queue="big"} 2.0' in scrape
+            assert 'genq:queue_depth_by_queue{queue=""} 0.0' in scrape and "genq:queue_depth 2.0" in scrape
     finally:
         conn.delete(keys.worker("loading"), keys.route("big-model"), keys.on_queue("big").requests)
         conn.close()
