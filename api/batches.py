@@ -25,13 +25,14 @@ from pydantic import BaseModel, ValidationError
 
 from api import files
 from api.deps import AppState
+from api.embeddings import EmbeddingRenderer, encoded, plan_embeddings
 from api.errors import APIError, not_found
 from api.generate import GenerationRequest, Plan, plan
 from api.render import ChatRenderer, CompletionRenderer, Renderer
 from api.responses_api import ResponseRenderer, ResponsesRequest, response_object, to_chat
 from api.routes.chat import chat_prompt, check_tool_parser
 from api.routes.completions import reject_unsupported
-from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput
+from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 BATCH_PRIORITY = 100  # added to each request's own: queued requests of the API go first
@@ -89,13 +90,17 @@ def _dumped(request: Any, response: BaseModel) -> dict[str, Any]:
     return response.model_dump(mode="json")
 
 
+def _embeddings(request: EmbeddingRequest, response: dict[str, Any]) -> dict[str, Any]:
+    return encoded(response, request.encoding_format)
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """What a batch line's body is, what runs it, and how its response is written."""
 
     request: type[BaseModel]  # the body as the line gives it
     renderer: type[Renderer]
-    to_run: Callable[[Any], GenerationRequest] = _as_is  # the chat or completions request
+    to_run: Callable[[Any], GenerationRequest | EmbeddingRequest] = _as_is  # what runs it
     respond: Callable[[Any, Any], dict[str, Any]] = _dumped  # (request, rendered) -> body
 
 
@@ -103,6 +108,7 @@ ENDPOINTS = {
     "/v1/chat/completions": Endpoint(ChatCompletionRequest, ChatRenderer),
     "/v1/completions": Endpoint(CompletionRequest, CompletionRenderer),
     "/v1/responses": Endpoint(ResponsesRequest, ResponseRenderer, to_chat, response_object),
+    "/v1/embeddings": Endpoint(EmbeddingRequest, EmbeddingRenderer, respond=_embeddings),
 }
 
 
@@ -114,7 +120,7 @@ ENDPOINTS = {
 class Line:
     custom_id: str
     request: Any  # as the endpoint takes it
-    body: GenerationRequest  # what runs it
+    body: GenerationRequest | EmbeddingRequest  # what runs it
     endpoint: Endpoint
 
 
@@ -149,6 +155,10 @@ def parse_line(text: str, endpoint: str) -> Line:
 def plan_line(state: AppState, line: Line, batch_id: str, number: int) -> Plan:
     """The jobs of one line: its ids from the batch's, a lower priority than API requests."""
     body = line.body
+    base = f"{batch_id}-{number}"
+    if isinstance(body, EmbeddingRequest):
+        model = body.model or state.settings.served_model_name
+        return plan_embeddings(body, base, model, body.model, priority_offset=BATCH_PRIORITY)
     prompts: list[PromptInput]
     if isinstance(body, ChatCompletionRequest):
         check_tool_parser(body, state.settings)
@@ -158,7 +168,7 @@ def plan_line(state: AppState, line: Line, batch_id: str, number: int) -> Plan:
         prompts = body.prompts()
     renderer = line.endpoint.renderer()
     model = body.model or state.settings.served_model_name
-    return plan(state, body, prompts, renderer, f"{batch_id}-{number}", model, priority_offset=BATCH_PRIORITY)
+    return plan(state, body, prompts, renderer, base, model, priority_offset=BATCH_PRIORITY)
 
 
 # ---------------------------------------------------------------------------------------------

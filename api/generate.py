@@ -26,6 +26,7 @@ from api.responses import Usage
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput
 from api.sse import DONE, format_sse
 from producer.jobs import build_job
+from producer.pooling_params import PoolingParams
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
 from producer.sampling_params import SamplingParams
 
@@ -66,6 +67,7 @@ class Plan:
     priority: int
     model: str | None  # as the request names it (None: whatever the workers serve)
     deadline_s: float | None
+    pooling_params: PoolingParams | None = None  # set: embedding jobs (api.embeddings)
 
 
 def plan(
@@ -115,7 +117,7 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
     for prompt, job_id in zip(planned.prompts, planned.req.job_ids, strict=True):
         handle = await state.client.submit(
             prompt, planned.params, priority=planned.priority, job_id=job_id,
-            deadline_s=planned.deadline_s, model=planned.model,
+            deadline_s=planned.deadline_s, model=planned.model, pooling_params=planned.pooling_params,
         )
         enqueued = handle.enqueued or enqueued
     return replace(planned.req, enqueued=enqueued)

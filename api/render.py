@@ -87,6 +87,7 @@ class Choice:
     tool_calls: Reader | None = None  # what read the streamed text for calls
     reasoning: ReasoningReader | None = None  # what split the streamed text's thinking off
     content_sent: bool = False  # a stream chunk has carried some of its content
+    embedding: bytes | None = None  # an embedding job's vector (float32, little-endian)
 
     def echo(self, text: str, logprobs: list[TokenLogprob]) -> None:
         """Put the prompt first; before the first event."""
@@ -106,6 +107,8 @@ class Choice:
         self._add_offsets(start, new)
         if event.finished:
             self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
+        if event.embedding is not None:
+            self.embedding = event.embedding
 
     def _add_offsets(self, start: int, new: list[TokenLogprob]) -> None:
         """OpenAI's `text_offset`: where each token begins in the text, by the lengths of the

@@ -84,6 +84,36 @@ def test_a_responses_batch(served_model: str, oai: openai.OpenAI, poll: Callable
     assert response["output"][0]["content"][0]["text"] == direct.output_text
 
 
+def test_an_embeddings_batch(served_model: str, oai: openai.OpenAI, api_url: str, poll: Callable[..., Any]) -> None:
+    """Embedding lines run as embedding jobs; each output is what /v1/embeddings answers."""
+    import base64
+    import struct
+
+    import httpx
+
+    bodies = {"one": {"model": served_model, "input": "A corpus line"},
+              "two": {"model": served_model, "input": ["first", "second"], "encoding_format": "base64"},
+              "bad": {"model": served_model, "input": [[1, 10_000_000]]}}
+    lines = [{"custom_id": k, "method": "POST", "url": "/v1/embeddings", "body": b} for k, b in bodies.items()]
+    assert [(e.line, e.param) for e in run_batch(oai, [*lines, {**lines[0], "custom_id": "empty", "body": {"input": ""}}],
+                                                 "/v1/embeddings").errors.data] == [(4, "input")]
+    done = wait_done(oai, run_batch(oai, lines, "/v1/embeddings").id, poll)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 2, 1)
+    outputs, errors = read_file(oai, done.output_file_id), read_file(oai, done.error_file_id)
+    for custom_id in ("one", "two"):
+        body = outputs[custom_id]["response"]["body"]
+        direct = httpx.post(f"{api_url}/v1/embeddings", json={**bodies[custom_id], "encoding_format": "float"},
+                            timeout=60).json()
+        assert body["object"] == "list" and body["usage"] == direct["usage"]
+        for got, want in zip(body["data"], direct["data"], strict=True):
+            vector = got["embedding"]
+            if isinstance(vector, str):  # base64, as the line asked
+                raw = base64.b64decode(vector)
+                vector = list(struct.unpack(f"<{len(raw) // 4}f", raw))
+            assert vector == pytest.approx(want["embedding"], abs=1e-5)
+    assert errors["bad"]["response"]["status_code"] == 400
+
+
 def test_a_file_that_does_not_check_out_fails_the_batch_naming_its_lines(served_model: str, oai: openai.OpenAI) -> None:
     good = chat_line("a", served_model)
     lines = [good, {**good, "url": "/v1/completions"}, good, chat_line("b", served_model, temperature=-1)]
