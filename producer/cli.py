@@ -118,6 +118,8 @@ def run_redis(args: argparse.Namespace) -> int:
 def build_submit(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("prompt")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    parser.add_argument("--embed", action="store_true",
+                        help="an embedding job: print the prompt's vector as a JSON list")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--max-tokens", type=int, help=f"default {SUBMIT_MAX_TOKENS}")
     parser.add_argument("--temperature", type=float)
@@ -139,16 +141,21 @@ def run_submit(args: argparse.Namespace) -> int:
     """Submit, then print the text (streamed or final). Ctrl-C cancels the job."""
     from producer.client import Client
     from producer.jobs import JobFailed
+    from producer.pooling_params import PoolingParams
     from producer.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams.from_dict(_submit_params(args))
+        params = SamplingParams.from_dict(_submit_params(args)) if not args.embed else SamplingParams()
         prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         with Client(args.redis_url) as client:
             handle = client.submit(
-                prompt, params, priority=args.priority, job_id=args.job_id, model=args.model
+                prompt, params, priority=args.priority, job_id=args.job_id, model=args.model,
+                pooling_params=PoolingParams() if args.embed else None,
             )
             print(f"job {handle.id}", file=sys.stderr, flush=True)
+            if args.embed:
+                print(json.dumps(handle.result(args.timeout).embedding))
+                return 0
             return _print_job(handle, args.stream, args.timeout)
     except (ValueError, TimeoutError, JobFailed) as exc:
         print(f"genq: {exc}", file=sys.stderr)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import redis
 
-from producer.protocol import Keys
+from producer.protocol import JobStatus, Keys
 from producer.redis_server import free_port
 
 if TYPE_CHECKING:
@@ -92,6 +92,24 @@ def test_submit_streams_chat_using_env_url(
     out = genq("submit", "hi there", "--chat", "--stream", env_url=redis_url)
     assert (out.returncode, out.stdout) == (0, "abc\n")
     assert jobs[0].messages == [{"role": "user", "content": "hi there"}]
+
+
+def test_submit_embed_prints_the_vector(redis_url: str, worker: FakeWorker, in_thread: RunInThread) -> None:
+    from producer.protocol import Event, pack_embedding
+    from producer.records import JobRecord
+
+    jobs = []
+
+    def serve() -> None:
+        jobs.append(worker.take(timeout_s=TIMEOUT_S))
+        vector = pack_embedding([0.5, -0.25])
+        record = JobRecord(status=JobStatus.FINISHED, finished_at=1.0, embedding=[0.5, -0.25])
+        worker.finish(jobs[0].id, [Event(seq=0, finished=True, finish_reason="stop", embedding=vector)], record)
+
+    in_thread(serve)
+    out = genq("submit", "a sentence", "--embed", "--max-tokens", "5", env_url=redis_url)
+    assert (out.returncode, json.loads(out.stdout)) == (0, [0.5, -0.25]), out.stderr
+    assert jobs[0].pooling_params is not None and jobs[0].prompt == "a sentence"
 
 
 def test_submit_reports_failures(redis_url: str, worker: FakeWorker, in_thread: RunInThread) -> None:
