@@ -54,7 +54,10 @@ def plan_embeddings(
     if body.dimensions is not None:
         raise invalid_param("dimensions", "dimensions is not supported: this model's vectors have one size")
     ids = job_ids(base, len(prompts))
-    pooling = PoolingParams(normalize=body.normalize)
+    try:
+        pooling = PoolingParams(normalize=body.normalize, truncate_prompt_tokens=body.truncate_prompt_tokens)
+    except ValueError as exc:
+        raise invalid_param("truncate_prompt_tokens", str(exc)) from exc
     priority = body.priority + priority_offset
     try:  # every job checked before any is queued
         for prompt, job_id in zip(prompts, ids, strict=True):

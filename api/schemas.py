@@ -323,6 +323,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None  # not supported: refused when set
     user: str | None = None
     normalize: bool = True  # False: the raw pooled hidden state
+    truncate_prompt_tokens: int | None = None  # vLLM's: pool only the last k tokens (-1: max_model_len)
     priority: int = 0
 
     def inputs(self) -> list[PromptInput]:

@@ -14,10 +14,16 @@ class PoolingParams:
     `normalize` is False."""
 
     normalize: bool = True
+    # vLLM's: pool only the last k tokens of a longer prompt (-1: as many as max_model_len
+    # allows); None: a prompt longer than max_model_len is refused
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be a positive number of tokens or -1, got {k!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

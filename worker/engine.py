@@ -89,14 +89,14 @@ class Engine:
         `lora_request` runs it with that adapter, read on first use. With `pooling_params`
         it is an embedding request: its one output carries `embedding`, and no tokens."""
         params = params or SamplingParams()
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        text, prompt_ids = self.check_prompt(prompt, pooling_params)
         if pooling_params is not None and params.n != 1:
             raise ValueError(f"an embedding request has one output, got n={params.n}")
         if pooling_params is None and not self.model_config.has_lm_head:
             raise ValueError(f"this model ({self.model_config.architecture}) has no LM head: it serves "
                              "embedding requests only")
-        if request_id in self.output_processor.parents:
-            raise ValueError(f"request id {request_id!r} is already in the engine")
-        text, prompt_ids = self.check_prompt(prompt)
         self.check_params(params)
         lora_id = self.add_lora(lora_request) if lora_request is not None else 0
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -153,10 +153,20 @@ class Engine:
         if self.runner.lora is not None:
             self.runner.lora.remove(lora_id)
 
-    def check_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """The prompt's text (if any) and token ids; ValueError naming what is wrong with it."""
+    def check_prompt(
+        self, prompt: PromptInput, pooling_params: PoolingParams | None = None
+    ) -> tuple[str | None, list[int]]:
+        """The prompt's text (if any) and token ids; ValueError naming what is wrong with it.
+        An embedding request's prompt may fill max_model_len (nothing follows it), and with
+        `truncate_prompt_tokens` keeps only its last tokens."""
         text, prompt_ids = self._tokenize(prompt)
-        self._validate_prompt(prompt_ids)
+        limit = self.max_model_len - 1  # a token must be left to generate
+        if pooling_params is not None:
+            limit = self.max_model_len
+            k = pooling_params.truncate_prompt_tokens
+            if k is not None:
+                prompt_ids = prompt_ids[-min(self.max_model_len if k == -1 else k, self.max_model_len):]
+        self._validate_prompt(prompt_ids, limit)
         return text, prompt_ids
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -172,13 +182,14 @@ class Engine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+    def _validate_prompt(self, prompt_ids: list[int], limit: int) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if len(prompt_ids) >= self.max_model_len:
+        if len(prompt_ids) > limit:
+            room = ("and at least one token must be left to generate" if limit < self.max_model_len
+                    else "(truncate_prompt_tokens keeps only the last tokens)")
             raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} "
-                "and at least one token must be left to generate"
+                f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} {room}"
             )
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]

@@ -63,19 +63,22 @@ class LLM:
         Every prompt is checked before any is queued, as in `generate`."""
         prompt_list = _as_prompt_list(prompts)
         loras = _as_per_prompt(lora_request, len(prompt_list), "lora requests")
-        checked = [self._checked(i, prompt, SamplingParams(), lora) for i, (prompt, lora) in
+        pooling_params = pooling_params or PoolingParams()
+        checked = [self._checked(i, prompt, SamplingParams(), lora, pooling_params) for i, (prompt, lora) in
                    enumerate(zip(prompt_list, loras, strict=True))]
         ids = []
         for prompt, lora in zip(checked, loras, strict=True):
             ids.append(str(next(self._counter)))
-            self.engine.add_request(ids[-1], prompt, lora_request=lora, pooling_params=pooling_params or PoolingParams())
+            self.engine.add_request(ids[-1], prompt, lora_request=lora, pooling_params=pooling_params)
         return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding or []))
                 for out in self._run(ids, use_tqdm)]
 
-    def _checked(self, i: int, prompt: PromptInput, params: SamplingParams, lora: LoRARequest | None) -> dict[str, Any]:
-        """The prompt tokenized once, its params and adapter checked; ValueError naming prompt i."""
+    def _checked(self, i: int, prompt: PromptInput, params: SamplingParams, lora: LoRARequest | None,
+                 pooling_params: PoolingParams | None = None) -> dict[str, Any]:
+        """The prompt tokenized once (and truncated, for an embedding that asks), its params
+        and adapter checked; ValueError naming prompt i."""
         try:
-            text, token_ids = self.engine.check_prompt(prompt)
+            text, token_ids = self.engine.check_prompt(prompt, pooling_params)
             self.engine.check_params(params)
             if lora is not None:
                 self.engine.add_lora(lora)

@@ -47,6 +47,9 @@ def test_embeddings_match_transformers(served_model: str, oai: openai.OpenAI, hf
     one = oai.embeddings.create(model=served_model, input=[1, 450, 7483])  # one prompt of token ids
     torch.testing.assert_close(torch.tensor(one.data[0].embedding), normalized(hf([1, 450, 7483])[1]),
                                atol=1e-5, rtol=1e-4)
+    cut = oai.embeddings.create(model=served_model, input=[1, 450, 7483], extra_body={"truncate_prompt_tokens": 2})
+    assert cut.usage.prompt_tokens == 2
+    torch.testing.assert_close(torch.tensor(cut.data[0].embedding), normalized(hf([450, 7483])[1]), atol=1e-5, rtol=1e-4)
 
 
 def test_float_and_base64_agree(served_model: str, http: httpx.Client, hf) -> None:
@@ -70,6 +73,7 @@ def test_float_and_base64_agree(served_model: str, http: httpx.Client, hf) -> No
         ({"input": []}, 400, "input"),
         ({"input": ["fine", [1, -2]]}, 400, "input"),
         ({"input": "x", "dimensions": 8}, 400, "dimensions"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
         ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
         ({"input": "x", "model": "no-such-model"}, 404, "model"),
         ({"input": [99999]}, 400, None),  # outside the vocabulary: the worker says so

@@ -84,6 +84,29 @@ def test_embeddings_share_steps_with_generation_and_the_prefix_cache(llm, hf_hid
     assert engine.block_manager.num_free_blocks == free
 
 
+def test_long_prompts_fill_the_context_or_are_truncated_when_asked(tiny_llama_dir: Path, hf_hidden) -> None:
+    """An embedding's prompt may be max_model_len long (nothing is generated after it);
+    truncate_prompt_tokens keeps the last k tokens of a longer one, as vLLM's does."""
+    from worker import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=64)
+    ids = list(range(5, 5 + 80))
+    full = llm.embed({"prompt_token_ids": ids[:64]}, use_tqdm=False)[0]
+    torch.testing.assert_close(torch.tensor(full.outputs.embedding),
+                               torch.nn.functional.normalize(hf_hidden(ids[:64]), dim=-1), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="the prompt has 80 tokens, but max_model_len is 64 .truncate_prompt_tokens"):
+        llm.embed({"prompt_token_ids": ids}, use_tqdm=False)
+    for k, kept in ((10, ids[-10:]), (-1, ids[-64:])):
+        out = llm.embed({"prompt_token_ids": ids}, PoolingParams(truncate_prompt_tokens=k), use_tqdm=False)[0]
+        assert out.prompt_token_ids == kept
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding),
+                                   torch.nn.functional.normalize(hf_hidden(kept), dim=-1), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="at least one token must be left to generate"):
+        llm.generate({"prompt_token_ids": ids[:64]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be a positive number of tokens or -1"):
+        PoolingParams(truncate_prompt_tokens=0)
+
+
 def test_bad_embedding_requests_are_refused(llm) -> None:
     with pytest.raises(ValueError, match="one output, got n=2"):
         llm.engine.add_request("x", "hi", SamplingParams(n=2), pooling_params=PoolingParams())
