@@ -29,6 +29,7 @@ from api.routes import (
     lora,
     models,
     responses,
+    scores,
     tokenize,
 )
 from api.settings import Settings
@@ -67,6 +68,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (completions, chat, embeddings, responses, models, jobs, files, batches):
         app.include_router(module.router, prefix="/v1", dependencies=guarded)
     app.include_router(tokenize.router, dependencies=guarded)  # vLLM serves these at the root
+    app.include_router(scores.router, dependencies=guarded)  # at the root and under /v1, /v2
     if settings.allow_runtime_lora_updating:
         app.include_router(lora.router, prefix="/v1", dependencies=guarded)
     app.include_router(health.router)

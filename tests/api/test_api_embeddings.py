@@ -101,3 +101,37 @@ def test_job_endpoints_show_an_embedding_job(live_worker: str, http: httpx.Clien
     lines = http.get(f"/v1/jobs/{result.id}/events").text.splitlines()
     [event] = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
     assert event["embedding"] == result.embedding and event["finished"]
+
+
+def cosine(a: str, b: str, hf) -> float:
+    return torch.nn.functional.cosine_similarity(hf(a)[1], hf(b)[1], dim=0).item()
+
+
+def test_score_and_rerank_are_cosine_similarities_of_embeddings(served_model: str, http: httpx.Client, hf) -> None:
+    """vLLM's /score and /rerank for an embedding model: each text embedded once, a pair
+    scored by the cosine of its vectors (the oracle: transformers' hidden states)."""
+    query, docs = "Where is Paris?", ["Paris is in France.", "Bananas are yellow.", "France has many cities."]
+    one_to_many = http.post("/score", json={"model": served_model, "text_1": query, "text_2": docs}).json()
+    assert one_to_many["object"] == "list" and [d["index"] for d in one_to_many["data"]] == [0, 1, 2]
+    for doc, item in zip(docs, one_to_many["data"], strict=True):
+        assert item["score"] == pytest.approx(cosine(query, doc, hf), abs=1e-5)
+    assert one_to_many["usage"]["prompt_tokens"] == sum(len(hf(t)[0]) for t in [query, *docs])
+    pairs = http.post("/v1/score", json={"text_1": docs[:2], "text_2": [query, docs[2]]}).json()
+    assert [d["score"] for d in pairs["data"]] == pytest.approx(
+        [cosine(docs[0], query, hf), cosine(docs[1], docs[2], hf)], abs=1e-5)
+
+    ranked = http.post("/v1/rerank", json={"model": served_model, "query": query, "documents": docs, "top_n": 2}).json()
+    expected = sorted(range(3), key=lambda i: -cosine(query, docs[i], hf))[:2]
+    assert [r["index"] for r in ranked["results"]] == expected
+    assert [r["document"]["text"] for r in ranked["results"]] == [docs[i] for i in expected]
+    assert ranked["results"][0]["relevance_score"] == pytest.approx(cosine(query, docs[expected[0]], hf), abs=1e-5)
+    bare = http.post("/v2/rerank", json={"query": query, "documents": docs, "return_documents": False}).json()
+    assert len(bare["results"]) == 3 and "document" not in bare["results"][0]
+    for path, body, param in (
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+        ("/score", {"text_1": "a", "text_2": ["c", ""]}, "text_2"),
+        ("/rerank", {"query": "q", "documents": []}, "documents"),
+        ("/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n"),
+    ):
+        response = http.post(path, json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
