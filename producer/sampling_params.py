@@ -49,6 +49,9 @@ class SamplingParams:
     # output matches it whole, producer.regex's syntax); with "after": text, the
     # output is free until that text (a reasoning model's "</think>") and guided after it
     guided_decoding: dict[str, Any] | None = None
+    # vLLM's: keep only the last k tokens of a longer prompt (-1: as many as max_model_len
+    # leaves room for, with one token to generate); None: a prompt too long is refused
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +97,9 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
         self._validate_token_lists()
+        k = self.truncate_prompt_tokens
+        if k is not None and k != -1:
+            _check_int("truncate_prompt_tokens", k, low=1, note="-1 keeps as many as max_model_len allows")
         if self.guided_decoding is not None:
             _check_guided(self.guided_decoding)
 

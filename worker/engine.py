@@ -91,7 +91,7 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        text, prompt_ids = self.check_prompt(prompt, pooling_params)
+        text, prompt_ids = self.check_prompt(prompt, params, pooling_params)
         if pooling_params is not None and params.n != 1:
             raise ValueError(f"an embedding request has one output, got n={params.n}")
         if pooling_params is None and not self.model_config.has_lm_head:
@@ -154,18 +154,20 @@ class Engine:
             self.runner.lora.remove(lora_id)
 
     def check_prompt(
-        self, prompt: PromptInput, pooling_params: PoolingParams | None = None
+        self, prompt: PromptInput, params: SamplingParams | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> tuple[str | None, list[int]]:
         """The prompt's text (if any) and token ids; ValueError naming what is wrong with it.
-        An embedding request's prompt may fill max_model_len (nothing follows it), and with
-        `truncate_prompt_tokens` keeps only its last tokens."""
+        An embedding request's prompt may fill max_model_len (nothing follows it); with
+        `truncate_prompt_tokens` (of the pooling params, else of the sampling params) a prompt
+        keeps only its last tokens."""
         text, prompt_ids = self._tokenize(prompt)
-        limit = self.max_model_len - 1  # a token must be left to generate
-        if pooling_params is not None:
-            limit = self.max_model_len
-            k = pooling_params.truncate_prompt_tokens
-            if k is not None:
-                prompt_ids = prompt_ids[-min(self.max_model_len if k == -1 else k, self.max_model_len):]
+        # a generation must leave room for a token
+        limit = self.max_model_len if pooling_params is not None else self.max_model_len - 1
+        source = pooling_params if pooling_params is not None else params
+        k = source.truncate_prompt_tokens if source is not None else None
+        if k is not None:
+            prompt_ids = prompt_ids[-min(limit if k == -1 else k, limit):]
         self._validate_prompt(prompt_ids, limit)
         return text, prompt_ids
 

@@ -78,7 +78,7 @@ class LLM:
         """The prompt tokenized once (and truncated, for an embedding that asks), its params
         and adapter checked; ValueError naming prompt i."""
         try:
-            text, token_ids = self.engine.check_prompt(prompt, pooling_params)
+            text, token_ids = self.engine.check_prompt(prompt, params, pooling_params)
             self.engine.check_params(params)
             if lora is not None:
                 self.engine.add_lora(lora)

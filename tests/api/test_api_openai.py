@@ -84,6 +84,17 @@ def test_completion_prompt_forms_and_choice_indices(served_model: str, oai: open
     assert batch.usage.prompt_tokens == one.usage.prompt_tokens + other.usage.prompt_tokens
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(served_model: str, oai: openai.OpenAI) -> None:
+    ids = [(7 * i) % 4000 + 5 for i in range(40)]
+    body = {"model": served_model, "temperature": 0.0, "max_tokens": 6}
+    cut = oai.completions.create(prompt=ids, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 10}, **body)
+    tail = oai.completions.create(prompt=ids[-10:], extra_body={"ignore_eos": True}, **body)
+    assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == tail.choices[0].text
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 0}, **body)
+    assert bad.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_completion_streaming_with_usage(served_model: str, oai: openai.OpenAI) -> None:
     expected = oai.completions.create(model=served_model, prompt="Once upon", **GREEDY)
     chunks = list(oai.completions.create(

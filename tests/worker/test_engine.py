@@ -143,6 +143,21 @@ def test_bad_prompts_raise_and_engine_keeps_working(tiny_llama_dir):
     assert llm.generate("Hello there", greedy(8), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(tiny_llama_dir):
+    """vLLM's truncate_prompt_tokens: a long prompt generates as its last k tokens would
+    (transformers on those tokens is the oracle); -1 keeps as many as leave room for output."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, num_gpu_blocks_override=64)
+    ids = [(7 * i) % 4000 + 5 for i in range(100)]
+    for k, kept in ((12, ids[-12:]), (-1, ids[-63:])):
+        params = SamplingParams(temperature=0.0, max_tokens=1 if k == -1 else 8, ignore_eos=True,
+                                truncate_prompt_tokens=k)
+        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == kept
+        assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, [kept], params.max_tokens)[0]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be >= 1 \(-1 keeps"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_abort_frees_blocks_and_reports(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
     engine = llm.engine
