@@ -50,6 +50,7 @@ class _GenerationRequest(BaseModel):
     priority: int = 0  # lower runs first, as in vLLM
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
+    bad_words: list[str] | None = None  # words the output may not contain
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many alternatives
     guided_choice: list[str] | None = None  # the output is exactly one of these
     guided_json: dict[str, Any] | str | None = None  # vLLM's: a JSON schema the output follows
@@ -76,7 +77,7 @@ class _GenerationRequest(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": self.logit_bias or None, "allowed_token_ids": self.allowed_token_ids,
             "guided_decoding": self._guided_decoding(),
-            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens, "bad_words": self.bad_words,
             **{k: v for k, v in optional.items() if v is not None},
         }
 

@@ -52,6 +52,9 @@ class SamplingParams:
     # vLLM's: keep only the last k tokens of a longer prompt (-1: as many as max_model_len
     # leaves room for, with one token to generate); None: a prompt too long is refused
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words the output may not contain. Each is tokenized as written and after a
+    # space; the last token of a tokenization is banned whenever the output ends with the rest
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +97,10 @@ class SamplingParams:
                 _check_int(name, value, low=0, high=MAX_LOGPROBS)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.bad_words is not None and not (
+            isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
         self._validate_token_lists()

@@ -104,9 +104,11 @@ class Engine:
             self._make_child(request_id, i, prompt_ids, params, priority, arrival_time, resume_output_token_ids)
             for i in range(params.n)
         ]
+        bad_words = self._bad_words_token_ids(params.bad_words or [])
         for child in children:
             child.lora_id = lora_id
             child.pooling_params = pooling_params
+            child.bad_words_token_ids = bad_words
         self.output_processor.add_request(request_id, text, children)
         self.scheduler.add_request(children[0], forks=children[1:])
 
@@ -129,6 +131,17 @@ class Engine:
         room = self.max_model_len - len(prompt_ids)
         request.max_tokens = min(params.max_tokens or room, room)
         return request
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokenizations as written and after a space (as it reads mid-sentence),
+        without repeats, as vLLM bans bad words."""
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    sequences[ids] = None
+        return [list(ids) for ids in sequences]
 
     def _seeded_generator(self, params: SamplingParams, num_drawn: int) -> torch.Generator:
         """A request's own generator. A resumed request skips the draws its first run made
@@ -282,6 +295,7 @@ class Engine:
             vocab_size=logits.shape[-1],
             device=logits.device,
             token_masks=self.guided.masks(list(zip(row_ids, row_outputs, strict=True))),
+            banned_token_ids=_bad_word_bans(requests, row_outputs),
         )
         sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch), drafts)
         for rid, guesses in drafts.items():  # how the guesses fared: counted, and pacing the next
@@ -356,6 +370,18 @@ class Engine:
         """The prompt for a conversation (producer.chat_template.render_chat)."""
         return render_chat(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
                            **template_kwargs)
+
+
+def _bad_word_bans(requests: list[Request], row_outputs: list[list[int]]) -> list[list[int]] | None:
+    """Per row, the tokens that would complete one of its request's bad words: a sequence's
+    last token, when the row's output ends with the rest of it (always, for one token)."""
+    if not any(r.bad_words_token_ids for r in requests):
+        return None
+    return [
+        [seq[-1] for seq in request.bad_words_token_ids
+         if len(seq) == 1 or (len(output) >= len(seq) - 1 and output[len(output) - len(seq) + 1:] == seq[:-1])]
+        for request, output in zip(requests, row_outputs, strict=True)
+    ]
 
 
 def _row_outputs(row_ids: list[str], requests: list[Request], drafts: dict[str, list[int]]) -> list[list[int]]:

@@ -63,6 +63,8 @@ class Request:
     # An embedding request: its prompt is computed, its last position pooled, and it ends
     # there, sampling nothing.
     pooling_params: PoolingParams | None = None
+    # sampling_params.bad_words as token sequences (each word as written and after a space)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -57,6 +57,7 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
         token_masks: list[bytes | None] | None = None,
+        banned_token_ids: list[list[int]] | None = None,
     ) -> SamplingBatch:
         """Gather the sampling state of `params[i]` (request i = row i) into tensors.
 
@@ -64,7 +65,8 @@ class SamplingBatch:
         list of identical ids works too). `generators[i]` is request i's own generator when it
         has a seed, kept by the engine across steps. Cost is O(num_seqs) plus, only when some
         row uses penalties, O(prompt + output tokens) to count tokens. `token_masks[i]`, when
-        not None, allows request i only the tokens whose byte is 1 (guided decoding).
+        not None, allows request i only the tokens whose byte is 1 (guided decoding);
+        `banned_token_ids[i]` are tokens request i may not sample this step (bad words).
         """
         _check_rows(len(params), prompt_token_ids, output_token_ids, generators)
         greedy = [p.temperature < MIN_TEMPERATURE for p in params]
@@ -78,7 +80,7 @@ class SamplingBatch:
             any_greedy=any(greedy),
             **_filter_tensors(params, greedy, vocab_size, device),
             **_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            **_min_tokens_blocks(params, output_token_ids, eos_token_ids, vocab_size, device),
+            **_blocks(params, output_token_ids, eos_token_ids, vocab_size, device, banned_token_ids),
             **_token_list_tensors(params, token_masks, eos_token_ids, vocab_size, device),
             row_generators=[
                 (row, g)
@@ -181,14 +183,16 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     return counts.index_put_((rows, cols), ones, accumulate=True)
 
 
-def _min_tokens_blocks(
+def _blocks(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
     eos_token_ids: list[int],
     vocab_size: int,
     device: torch.device,
+    banned_token_ids: list[list[int]] | None = None,
 ) -> dict[str, Tensor | None]:
-    """(row, token) pairs that may not be sampled yet: the stop ids of rows short of min_tokens.
+    """(row, token) pairs that may not be sampled this step: the stop ids of rows short of
+    min_tokens, and each row's banned ids (bad words).
 
     As in vLLM, the stop ids are `stop_token_ids` plus EOS unless `ignore_eos` (then EOS does
     not end the request, so there is nothing to hold off). Ids outside the logits' vocabulary
@@ -197,10 +201,10 @@ def _min_tokens_blocks(
     rows: list[int] = []
     cols: list[int] = []
     for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
-        if len(output) >= p.min_tokens:
-            continue
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        for token_id in sorted(t for t in stop_ids if t < vocab_size):
+        blocked = set(banned_token_ids[row]) if banned_token_ids else set()
+        if len(output) < p.min_tokens:
+            blocked |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        for token_id in sorted(t for t in blocked if t < vocab_size):
             rows.append(row)
             cols.append(token_id)
     if not rows:

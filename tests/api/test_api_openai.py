@@ -95,6 +95,14 @@ def test_truncate_prompt_tokens_keeps_the_prompts_tail(served_model: str, oai: o
     assert bad.value.body["param"] == "truncate_prompt_tokens"
 
 
+def test_bad_words_keep_a_word_out(served_model: str, oai: openai.OpenAI) -> None:
+    body = {"model": served_model, "prompt": "Once upon a time", "temperature": 0.0, "max_tokens": 16}
+    free = oai.completions.create(extra_body={"ignore_eos": True}, **body).choices[0].text
+    word = free.split()[2]
+    banned = oai.completions.create(extra_body={"ignore_eos": True, "bad_words": [word]}, **body).choices[0].text
+    assert word in free.split() and word not in banned.split() and banned != free
+
+
 def test_completion_streaming_with_usage(served_model: str, oai: openai.OpenAI) -> None:
     expected = oai.completions.create(model=served_model, prompt="Once upon", **GREEDY)
     chunks = list(oai.completions.create(

@@ -178,6 +178,34 @@ def test_logit_bias_and_allowed_token_ids_steer_generation(llm):
     assert not llm.engine.has_unfinished_requests()  # the good prompt was not queued either
 
 
+def test_bad_words_are_never_completed(llm, tiny_llama_dir):
+    """vLLM's bad_words against transformers' bad_words_ids on the same token sequences
+    (greedy): a word the free output contains is banned, its single-token and multi-token
+    tokenizations alike, and the output goes the way transformers' does."""
+    prompt = "Once upon a time, in a land far away,"
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    free_ids = llm.generate(prompt, free, use_tqdm=False)[0].outputs[0].token_ids
+    tokenizer = llm.get_tokenizer()
+    words = [tokenizer.decode(free_ids[4:6]).strip(), tokenizer.decode(free_ids[10:11]).strip()]
+    words = [w for w in words if w]
+    banned = llm.engine._bad_words_token_ids(words)
+    prompt_ids = tokenizer.encode(prompt)
+    assert not any(prompt_ids[len(prompt_ids) - len(s) + 1:] == s[:-1] for s in banned if len(s) > 1)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=words),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert out != free_ids
+    for seq in banned:
+        assert not any(out[i : i + len(seq)] == seq for i in range(len(out)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                             bad_words_ids=banned)[0, len(prompt_ids):].tolist()
+    assert out == ref
+    with pytest.raises(ValueError, match="bad_words must be a list of non-empty strings"):
+        SamplingParams(bad_words=["ok", " "])
+
+
 def test_guided_choice_outputs_one_of_the_choices(llm):
     # 日 and 🙂 exist in the vocabulary only as byte pieces that decode to U+FFFD alone
     choices = ["yes", "no", "not sure", "maybe later", "日本", "🙂 café"]
