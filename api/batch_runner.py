@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -112,10 +113,11 @@ class BatchRunner:
         keys, redis_ = self.state.client.keys, self.state.client.redis
         room = self.state.settings.batch_max_in_flight - len(in_flight)
         texts = await redis_.lrange(keys.batch_lines(batch.id), next_line, next_line + room - 1) if room > 0 else []
+        tenant = await self._tenant(batch.id) if texts else None
         for number, text in enumerate(texts, next_line):
             line = parse_line(text.decode(), batch.endpoint)
             try:
-                planned = plan_line(self.state, line, batch.id, number)
+                planned = replace(plan_line(self.state, line, batch.id, number), tenant=tenant)
             except APIError as exc:  # the deployment changed since the batch was checked
                 await self._store(batch, number, False, _refused(line, exc))
                 await redis_.hset(keys.batch(batch.id), "next", number + 1)
@@ -147,7 +149,12 @@ class BatchRunner:
 
     async def _resubmit(self, batch: BatchObject, member: str) -> None:
         _, planned = await self._line(batch, member)
-        await submit(self.state, planned)
+        await submit(self.state, replace(planned, tenant=await self._tenant(batch.id)))
+
+    async def _tenant(self, batch_id: str) -> str | None:
+        """The key that created the batch (its lines are metered to it), if keys are on."""
+        tenant = await self.state.client.redis.hget(self.state.client.keys.batch(batch_id), "tenant")
+        return tenant.decode() if tenant else None
 
     async def _line(self, batch: BatchObject, member: str) -> tuple[Line, Plan]:
         """An in-flight line, `number:jobs`, and its plan."""

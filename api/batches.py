@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from api import files
-from api.deps import AppState
+from api.deps import TENANT, AppState
 from api.embeddings import EmbeddingRenderer, encoded, plan_embeddings
 from api.errors import APIError, not_found
 from api.generate import GenerationRequest, Plan, plan
@@ -203,7 +203,9 @@ async def create(state: AppState, request: CreateBatch) -> BatchObject:
     )
     keys, ttl = client.keys, state.settings.file_ttl_s
     pipe = client.redis.pipeline(transaction=True)
-    pipe.hset(keys.batch(batch_id), mapping={"object": batch.model_dump_json(), "next": 0})
+    tenant = TENANT.get()  # its lines are metered to the key that created it
+    pipe.hset(keys.batch(batch_id), mapping={"object": batch.model_dump_json(), "next": 0,
+                                             **({"tenant": tenant} if tenant else {})})
     pipe.expire(keys.batch(batch_id), ttl)
     pipe.zadd(keys.batches, {batch_id: now})
     if not errors:

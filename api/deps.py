@@ -4,7 +4,9 @@ the relay, and the API-key check that guards every /v1 route."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -56,18 +58,28 @@ ClientDep = Annotated[AsyncClient, Depends(get_client)]
 RelayDep = Annotated[Relay, Depends(get_relay)]
 
 
-def require_api_key(
+# The id of the API key the request came with (None: keys are off): the tenant its jobs are
+# metered to. Set by `require_api_key`; tasks a request starts inherit it.
+TENANT: ContextVar[str | None] = ContextVar("genq_tenant", default=None)
+
+
+def key_id(key: str) -> str:
+    """The name a key's usage is kept under: a digest, so Redis holds no secret."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+async def require_api_key(
     settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
 ) -> None:
-    """401 unless `Authorization: Bearer <key>` names a configured key (none configured: open)."""
+    """401 unless `Authorization: Bearer <key>` names a configured key (none configured: open).
+    Async so the tenant it sets is the endpoint's (a sync dependency runs in a thread)."""
     if not settings.api_keys:
         return
     scheme, _, key = (authorization or "").partition(" ")
-    valid = scheme.lower() == "bearer" and any(
-        secrets.compare_digest(key.strip().encode(), k.encode()) for k in settings.api_keys
-    )
-    if not valid:
+    matched = [k for k in settings.api_keys if secrets.compare_digest(key.strip().encode(), k.encode())]
+    if scheme.lower() != "bearer" or not matched:
         raise APIError(
             401, "Incorrect API key provided: send `Authorization: Bearer <key>`.",
             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
         )
+    TENANT.set(key_id(matched[0]))

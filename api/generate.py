@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import redis
 
-from api.deps import AppState
+from api.deps import TENANT, AppState
 from api.errors import APIError, error_body, param_from_value_error
 from api.logprobs import TokenLogprob, prompt_logprobs
 from api.reasoning import END as THINK_END
@@ -68,6 +68,7 @@ class Plan:
     model: str | None  # as the request names it (None: whatever the workers serve)
     deadline_s: float | None
     pooling_params: PoolingParams | None = None  # set: embedding jobs (api.embeddings)
+    tenant: str | None = None  # who the jobs are metered to; None: the caller's key (deps.TENANT)
 
 
 def plan(
@@ -118,6 +119,7 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
         handle = await state.client.submit(
             prompt, planned.params, priority=planned.priority, job_id=job_id,
             deadline_s=planned.deadline_s, model=planned.model, pooling_params=planned.pooling_params,
+            tenant=planned.tenant or TENANT.get(),
         )
         enqueued = handle.enqueued or enqueued
     return replace(planned.req, enqueued=enqueued)

@@ -31,6 +31,7 @@ from api.routes import (
     responses,
     scores,
     tokenize,
+    usage,
 )
 from api.settings import Settings
 from api.sse import ClientDisconnected
@@ -65,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
     guarded = [Depends(require_api_key)]
-    for module in (completions, chat, embeddings, responses, models, jobs, files, batches):
+    for module in (completions, chat, embeddings, responses, models, jobs, files, batches, usage):
         app.include_router(module.router, prefix="/v1", dependencies=guarded)
     app.include_router(tokenize.router, dependencies=guarded)  # vLLM serves these at the root
     app.include_router(scores.router, dependencies=guarded)  # at the root and under /v1, /v2

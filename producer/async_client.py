@@ -88,8 +88,9 @@ class AsyncClient:
         deadline_s: float | None = None,
         model: str | None = None,
         pooling_params: PoolingParams | None = None,
+        tenant: str | None = None,
     ) -> AsyncJobHandle:
-        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params)
+        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params, tenant)
         keys, args = submit_call(await self.keys_for(job.model), job)
         entry_id = await self._submit_script(keys=keys, args=args)
         return AsyncJobHandle(self, job.id, enqueued=entry_id is not None)

@@ -40,6 +40,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "submit": Subcommand("submit a generation job and print its text", "producer.cli:build_submit"),
     "inspect": Subcommand("print a job's record, payload and events", "producer.cli:build_inspect"),
     "status": Subcommand("each queue's depth, each live worker's load, the dead letters", "api.status_cli:build"),
+    "usage": Subcommand("tokens metered by day, API key and model", "api.usage:build"),
     "dead": Subcommand("list dead letters, or send their jobs back to the queue", "producer.dead_letters:build"),
     "worker": Subcommand("run a GPU worker: pull jobs into the engine (as arq worker)", "worker.cli:build"),
     "api": Subcommand("serve the OpenAI-compatible HTTP API", "api.cli:build"),

@@ -90,9 +90,12 @@ class Client:
         deadline_s: float | None = None,
         model: str | None = None,
         pooling_params: PoolingParams | None = None,
+        tenant: str | None = None,
     ) -> JobHandle:
-        """Enqueue one job (once per job id); raises ValueError on invalid input."""
-        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params)
+        """Enqueue one job (once per job id); raises ValueError on invalid input. With
+        `pooling_params` it is an embedding job (`result().embedding`); `tenant` names who
+        its tokens are metered to (`usage`)."""
+        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params, tenant)
         keys, args = submit_call(self.keys_for(job.model), job)
         entry_id = self._submit_script(keys=keys, args=args)
         return JobHandle(self, job.id, enqueued=entry_id is not None)

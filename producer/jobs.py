@@ -154,6 +154,7 @@ def build_job(
     deadline_s: float | None = None,
     model: str | None = None,
     pooling_params: PoolingParams | None = None,
+    tenant: str | None = None,
 ) -> Job:
     """Validate the inputs of a submit and build its Job; raises ValueError. With
     `pooling_params` it is an embedding job (the result's `embedding`, no text)."""
@@ -167,6 +168,7 @@ def build_job(
         sampling_params=sampling_params or SamplingParams(),
         model=model,
         pooling_params=pooling_params,
+        tenant=tenant,
         priority=priority,
         deadline=None if deadline_s is None else now + deadline_s,
         submit_time=now,

@@ -53,6 +53,8 @@ FINISH_ABORT = "abort"  # finish_reason of a completion ended by cancel or deadl
 ERROR_INVALID_REQUEST = "invalid_request"
 MAX_JOB_ID_LEN = 200
 MAX_QUEUE_NAME_LEN = 64
+_TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
+USAGE_TTL_S = 400 * 24 * 3600  # a day's usage hash outlives a year of invoices
 
 # KEYS[1]: events(id), both the stream and the channel name.
 # ARGV[1]: EVENTS_TTL_S; ARGV[2..]: encoded events, in seq order.
@@ -97,6 +99,10 @@ class Keys:
     def on_queue(self, queue: str) -> Keys:
         """The same names, with the requests stream of `queue`."""
         return replace(self, queue=queue)
+
+    def usage(self, day: str) -> str:
+        # hash: tokens metered on `day` (UTC, YYYY-MM-DD), fields "tenant<TAB>model<TAB>metric"
+        return f"{self.prefix}usage:{day}"
 
     def route(self, model: str) -> str:
         return f"{self.prefix}route:{model}"  # string with TTL: the queue whose workers serve `model`
@@ -262,6 +268,9 @@ class Job:
     # set: an embedding job. Its prompt (text or token ids) is pooled into one vector, sent
     # on its one event as `embedding`; nothing is generated.
     pooling_params: PoolingParams | None = None
+    # who the job is metered to (the API sets the id of the caller's API key): the worker
+    # that finishes it adds its tokens to `usage(day)` under this name, once
+    tenant: str | None = None
     priority: int = 0  # as in vLLM: lower values are scheduled first
     deadline: float | None = None  # absolute unix time; past it the job is aborted
     submit_time: float = 0.0  # unix time
@@ -275,6 +284,8 @@ class Job:
             raise ValueError("sampling_params must be a SamplingParams")
         if self.pooling_params is not None:
             _validate_embedding(self)
+        if self.tenant is not None and not (isinstance(self.tenant, str) and _TENANT.fullmatch(self.tenant)):
+            raise ValueError(f"tenant must be 1 to 64 letters, digits, '.', '_' or '-', got {self.tenant!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model must be a string, got {self.model!r}")
         if not _is_int(self.priority):
@@ -391,8 +402,9 @@ def encode_job(job: Job) -> dict[str, bytes]:
     job.validate()
     payload = asdict(job)
     payload["sampling_params"] = job.sampling_params.to_dict()
-    if job.pooling_params is None:
-        del payload["pooling_params"]  # a generation job reads as it did before embeddings
+    for optional in ("pooling_params", "tenant"):  # unset, the payload reads as it did before them
+        if payload[optional] is None:
+            del payload[optional]
     return {
         "id": job.id.encode(),
         "priority": str(job.priority).encode(),

@@ -90,7 +90,8 @@ class Consumer:
         engine = await self.engine.start(registry)  # loads the model; steps wait for the first command
         self.metrics = WorkerMetrics(self.config.model_name)
         self.publisher = Publisher(
-            self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject
+            self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject,
+            self.config.model_name,
         )
         self.admission = Admission(self.config, self.scripts, self.table, self.engine)
         self.heartbeat = Heartbeat(

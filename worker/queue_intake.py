@@ -34,6 +34,7 @@ from worker.queue_jobs import (
     error_event,
     failed_record,
     final_record,
+    job_meter,
     new_completions,
     progress_from_events,
 )
@@ -307,7 +308,8 @@ class Admission:
         writes = []
         for held in jobs:
             events = [encode_event(e) for e in abort_events(held)]
-            writes.append(JobWrite(held.id, held.entry_id, events, final_record(held, self.config.name, now)))
+            writes.append(JobWrite(held.id, held.entry_id, events, final_record(held, self.config.name, now),
+                                   job_meter(held, self.config.model_name, now)))
         await self.scripts.publish(writes)
         for held in jobs:
             logger.info("job %s ended before running (%s)", held.id, held.abort_reason or "done")

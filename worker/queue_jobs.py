@@ -204,6 +204,28 @@ def final_record(held: HeldJob, worker: str, now: float) -> dict[str, str | byte
     return encode_record(record)
 
 
+@dataclass(frozen=True)
+class Meter:
+    """What a finishing job adds to its day's usage (`Keys.usage`)."""
+
+    day: str  # UTC, YYYY-MM-DD
+    tenant: str  # "" when the job names none
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def job_meter(held: HeldJob, served_model: str, now: float) -> Meter:
+    """What the job adds to its day's usage as it ends: under its tenant and the model it named
+    (the served model when it named none), its prompt and generated tokens."""
+    usage = held.usage() or {}
+    return Meter(
+        day=time.strftime("%Y-%m-%d", time.gmtime(now)), tenant=held.job.tenant or "",
+        model=held.job.model or served_model, prompt_tokens=usage.get("prompt_tokens", 0),
+        completion_tokens=usage.get("completion_tokens", 0),
+    )
+
+
 def failed_record(
     error: str, worker: str, now: float, error_type: str | None = None
 ) -> dict[str, str | bytes]:

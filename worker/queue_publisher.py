@@ -25,6 +25,7 @@ from worker.queue_jobs import (
     JobTable,
     completion_event,
     final_record,
+    job_meter,
 )
 from worker.queue_metrics import WorkerMetrics
 from worker.queue_scripts import JobWrite, Scripts
@@ -50,12 +51,14 @@ class Publisher:
         metrics: WorkerMetrics,
         worker_name: str,
         on_rejected: Callable[[HeldJob, Rejected], Any],
+        model_name: str = "",
     ) -> None:
         self.scripts = scripts
         self.table = table
         self.engine = engine
         self.metrics = metrics
         self.worker_name = worker_name
+        self.model_name = model_name  # what usage is metered under when a job names no model
         self.on_rejected = on_rejected  # async: fail the job, dead-letter its entry
         self.stats = EngineStats()
         self.changed = asyncio.Event()  # set after each batch: capacity may have grown
@@ -122,6 +125,7 @@ class Publisher:
         self.metrics.tokens(held, num_new, now)
         if held.finished:
             write.record = final_record(held, self.worker_name, now)
+            write.meter = job_meter(held, self.model_name, now)
         elif held.abort_reason is None and held.past_deadline(now):
             self._abort_expired(held)
 

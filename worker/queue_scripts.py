@@ -22,12 +22,14 @@ from producer.protocol import (
     EVENT_FIELD,
     EVENTS_TTL_S,
     JOB_TTL_S,
+    USAGE_TTL_S,
     WORKER_HEARTBEAT_TTL_S,
     Job,
     JobStatus,
     Keys,
     pack_script_arg,
 )
+from worker.queue_jobs import Meter
 
 # The {host, pid} of another process that heartbeat hash `key` names; false when the hash is
 # missing or names (host, pid). A worker's first heartbeat is how it claims its name.
@@ -53,8 +55,10 @@ end
 
 # Publish a batch of engine steps. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] events
 # TTL, [4] job TTL, [5] the jobs, one cmsgpack-packed list of {entry id, events key, job key,
-# {encoded events}, {record field, value, ...}}: an empty record means not finishing. A
-# finishing job gets its last events, its record and its XACK together. (One packed argument
+# {encoded events}, {record field, value, ...}, {usage key, field prefix, prompt tokens,
+# completion tokens} or {}}: an empty record means not finishing, [6] usage TTL. A
+# finishing job gets its last events, its record, its usage and its XACK together, so its
+# tokens are counted exactly once however often it was delivered. (One packed argument
 # instead of a few per job: building a command of thousands of arguments cost the worker's
 # event loop more than all the rest of a publish.)
 # Returns the entry ids this worker no longer owns (nothing was written for them).
@@ -72,6 +76,13 @@ for _, job in ipairs(cmsgpack.unpack(ARGV[5])) do
       redis.call('HSET', job_key, unpack(record))
       redis.call('EXPIRE', job_key, ARGV[4])
       redis.call('XACK', KEYS[1], ARGV[1], entry_id)
+      local meter = job[6]
+      if meter and #meter > 0 then
+        redis.call('HINCRBY', meter[1], meter[2] .. 'requests', 1)
+        redis.call('HINCRBY', meter[1], meter[2] .. 'prompt_tokens', meter[3])
+        redis.call('HINCRBY', meter[1], meter[2] .. 'completion_tokens', meter[4])
+        redis.call('EXPIRE', meter[1], ARGV[6])
+      end
     end
   else
     lost[#lost + 1] = entry_id
@@ -294,12 +305,14 @@ RELEASED_IDLE_MS = 10**12  # about 30 years: older than any claim timeout
 
 @dataclass
 class JobWrite:
-    """What one publish writes for one job: events, and on finish the record (plus XACK)."""
+    """What one publish writes for one job: events, and on finish the record (plus XACK) and
+    its usage."""
 
     job_id: str
     entry_id: str
     events: list[bytes] = field(default_factory=list)
     record: dict[str, str | bytes] | None = None  # set: the job ends with this write
+    meter: Meter | None = None  # with the record: counted once, with the XACK
 
 
 @dataclass
@@ -364,11 +377,19 @@ class Scripts:
             return set()
         jobs = [
             [w.entry_id, self.keys.events(w.job_id), self.keys.job(w.job_id), w.events,
-             _pairs(w.record or {})]
+             _pairs(w.record or {}), self._meter(w.meter) if w.record else []]
             for w in writes
         ]
-        args: list[Any] = [self.keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs)]
+        args: list[Any] = [self.keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs),
+                           USAGE_TTL_S]
         return {_str(e) for e in await self._step(keys=[self.keys.requests], args=args)}
+
+    def _meter(self, meter: Meter | None) -> list[Any]:
+        """STEP_LUA's usage item: the day's hash, the field prefix, prompt and completion tokens."""
+        if meter is None:
+            return []
+        return [self.keys.usage(meter.day), f"{meter.tenant}\t{meter.model}\t", meter.prompt_tokens,
+                meter.completion_tokens]
 
     async def holders(self, entry_ids: Sequence[str]) -> dict[str, str]:
         """Who holds each entry now, in words, for the log of an entry found lost: the consumer

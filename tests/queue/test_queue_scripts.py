@@ -28,6 +28,7 @@ from producer.sampling_params import SamplingParams
 from worker.queue_engine import EngineStats, intake_capacity
 from worker.queue_jobs import (
     HeldJob,
+    Meter,
     abort_events,
     completion_event,
     final_record,
@@ -81,6 +82,24 @@ async def test_publish_writes_only_entries_it_still_owns(scripts: Scripts) -> No
     holders = await scripts.holders([stolen, mine])
     assert holders[stolen] == "worker other (delivered 2 times)"
     assert holders[mine].startswith("nobody: it is no longer pending")
+
+
+async def test_a_finishing_write_meters_its_tokens_once(scripts: Scripts) -> None:
+    mine, stolen, running = await deliver(scripts, "a"), await deliver(scripts, "b"), await deliver(scripts, "c")
+    await scripts.conn.xclaim(scripts.keys.requests, scripts.keys.group, "other", 0, [stolen])
+    meter = Meter("2026-11-30", "key1", "smol", 7, 3)
+    record = {"status": "finished"}
+    lost = await scripts.publish([
+        JobWrite("a", mine, [], record, meter), JobWrite("b", stolen, [], record, meter),
+        JobWrite("c", running, [encode_event(Event(seq=0, token_ids=[1]))], None, meter),  # not ending
+    ])
+    assert lost == {stolen}
+    usage = scripts.keys.usage("2026-11-30")
+    assert await scripts.conn.hgetall(usage) == {
+        b"key1\tsmol\trequests": b"1", b"key1\tsmol\tprompt_tokens": b"7", b"key1\tsmol\tcompletion_tokens": b"3"}
+    assert await scripts.conn.ttl(usage) > 300 * 24 * 3600
+    await scripts.publish([JobWrite("a", mine, [], record, meter)])  # acked already: not ours
+    assert await scripts.conn.hget(usage, "key1\tsmol\trequests") == b"1"
 
 
 async def test_start_codes(scripts: Scripts) -> None:

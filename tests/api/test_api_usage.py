@@ -1,0 +1,77 @@
+"""Usage metering: with API keys on, every job carries the id of the key it came with, and the
+worker that finishes it adds its tokens to the day's usage, once, under that id and the
+model. `GET /v1/usage` shows a key its own; `genq usage` shows the operator everyone's. The
+oracle is the usage each response reported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from batch_support import chat_line, read_file, run_batch, wait_done
+
+from api.deps import key_id
+from api.settings import Settings
+
+KEYS = ("sk-one", "sk-two")
+GREEDY = {"temperature": 0.0, "max_tokens": 5, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def keyed_url(live_worker: str, serve_api) -> Iterator[str]:
+    with serve_api(Settings(redis_url=live_worker, api_keys=KEYS, request_timeout_s=60.0)) as url:
+        yield url
+
+
+def client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def totals(rows: list[dict[str, Any]]) -> tuple[int, int, int]:
+    return (sum(r["requests"] for r in rows), sum(r["prompt_tokens"] for r in rows),
+            sum(r["completion_tokens"] for r in rows))
+
+
+def test_each_key_is_metered_its_own_tokens(
+    keyed_url: str, live_worker: str, served_model: str, poll: Callable[..., Any]
+) -> None:
+    one, two = client(keyed_url, KEYS[0]), client(keyed_url, KEYS[1])
+    chat = one.chat.completions.create(model=served_model, messages=[{"role": "user", "content": "Hi"}], **GREEDY)
+    pair = one.completions.create(model=served_model, prompt="Once upon", n=2, **GREEDY)  # one job, two outputs
+    vector = one.embeddings.create(model=served_model, input="metered too")
+    solo = two.completions.create(model=served_model, prompt="Twice upon", **GREEDY)
+    done = wait_done(two, run_batch(two, [chat_line("b1", served_model)]).id, poll)  # the batch's creator pays
+    assert done.status == "completed"
+    batched = read_file(two, done.output_file_id)["b1"]["response"]["body"]["usage"]
+
+    with httpx.Client(base_url=keyed_url, timeout=30) as http:
+        mine = http.get("/v1/usage", headers={"Authorization": f"Bearer {KEYS[0]}"}).json()
+        theirs = http.get("/v1/usage", params={"days": 1}, headers={"Authorization": f"Bearer {KEYS[1]}"}).json()
+        bad = http.get("/v1/usage", params={"days": 0}, headers={"Authorization": f"Bearer {KEYS[0]}"})
+        anonymous = http.get("/v1/usage")
+    assert mine["tenant"] == key_id(KEYS[0]) and {r["tenant"] for r in mine["data"]} == {key_id(KEYS[0])}
+    assert {r["model"] for r in mine["data"]} == {served_model}
+    prompt = chat.usage.prompt_tokens + pair.usage.prompt_tokens + vector.usage.prompt_tokens
+    assert totals(mine["data"]) == (3, prompt, chat.usage.completion_tokens + pair.usage.completion_tokens)
+    assert {r["tenant"] for r in theirs["data"]} == {key_id(KEYS[1])}
+    assert totals(theirs["data"]) == (2, solo.usage.prompt_tokens + batched["prompt_tokens"],
+                                      solo.usage.completion_tokens + batched["completion_tokens"])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "days"
+    assert anonymous.status_code == 401
+
+    out = subprocess.run([sys.executable, "-m", "producer.cli", "usage", "--redis-url", live_worker, "--json"],
+                         capture_output=True, text=True, timeout=30)
+    rows = json.loads(out.stdout)
+    assert {r["tenant"] for r in rows} >= {key_id(KEYS[0]), key_id(KEYS[1])}
+    assert sum(r["requests"] for r in rows if r["tenant"] == key_id(KEYS[0])) == 3
+    table = subprocess.run([sys.executable, "-m", "producer.cli", "usage", "--redis-url", live_worker],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert table.splitlines()[0].split() == ["day", "tenant", "model", "requests", "prompt_tokens",
+                                             "completion_tokens", "total_tokens"]
+    assert key_id(KEYS[1]) in table
