@@ -124,10 +124,22 @@ def test_workers_share_a_batch(client: Client, conn: redis.Redis, keys: Keys) ->
     wait_for(finished_by_each, TIMEOUT_S, "heartbeats counting the shared work")
 
 
+def metered(conn: redis.Redis, keys: Keys) -> tuple[int, int]:
+    """(requests, completion tokens) metered so far, over every day's usage hash."""
+    counts = {"requests": 0, "completion_tokens": 0}
+    for key in conn.scan_iter(match=f"{keys.prefix}usage:*"):
+        for field, value in conn.hgetall(key).items():
+            metric = field.decode().rsplit("\t", 1)[-1]
+            if metric in counts:
+                counts[metric] += int(value)
+    return counts["requests"], counts["completion_tokens"]
+
+
 def test_kill_9_mid_generation_loses_nothing(
     client: Client, conn: redis.Redis, keys: Keys, workers: dict[str, WorkerProcess],
     redis_server: RedisServer, offline,
 ) -> None:
+    before = metered(conn, keys)
     params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     prompts = [f"failover job {i}" for i in range(8)]
     job_ids = [client.submit(p, params).id for p in prompts]
@@ -140,6 +152,8 @@ def test_kill_9_mid_generation_loses_nothing(
         assert job_worker(conn, keys, job_id) in ("fb", "fc")
     assert conn.xpending(keys.requests, keys.group)["pending"] == 0
     assert 0 < conn.ttl(keys.worker("fa")) <= 30  # a dead worker's heartbeat expires
+    after = metered(conn, keys)  # each job metered once, by the worker that finished it
+    assert (after[0] - before[0], after[1] - before[1]) == (len(prompts), len(prompts) * 300)
 
 
 def test_sigterm_drains_and_releases(
