@@ -7,6 +7,7 @@ timed out, one of its jobs failed) are cancelled, so no worker keeps generating 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -187,8 +188,10 @@ async def resolve_model(state: AppState, requested: str | None) -> str:
 
 
 async def check_backpressure(state: AppState) -> None:
-    """429 with Retry-After while the queue is at its limit. A soft limit: concurrent
-    submissions that all pass the check can overshoot it by their number."""
+    """429 with Retry-After while the caller's key is past its requests per minute, or the
+    queue is at its limit. The queue's is a soft limit: concurrent submissions that all pass
+    the check can overshoot it by their number."""
+    await check_rate_limit(state)
     limit = state.settings.max_queued_jobs
     if limit is None:
         return
@@ -198,6 +201,26 @@ async def check_backpressure(state: AppState) -> None:
             429, f"The queue is full ({depth.total} jobs queued, limit {limit}); retry later.",
             type="rate_limit_error", code="queue_full",
             headers={"Retry-After": str(state.settings.retry_after_s)},
+        )
+
+
+async def check_rate_limit(state: AppState) -> None:
+    """Count this request against its key's minute (a fixed window in Redis, shared by every
+    API process); 429 past GENQ_RATE_LIMIT_RPM."""
+    limit, tenant = state.settings.rate_limit_rpm, TENANT.get()
+    if limit is None or tenant is None:
+        return
+    now = time.time()
+    key = state.client.keys.rate(tenant, int(now // 60))
+    pipe = state.client.redis.pipeline(transaction=True)
+    pipe.incr(key)
+    pipe.expire(key, 120)
+    count, _ = await pipe.execute()
+    if count > limit:
+        retry = max(1, math.ceil(60 - now % 60))
+        raise APIError(
+            429, f"Rate limit reached: {limit} requests per minute for this API key; retry in {retry} s.",
+            type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(retry)},
         )
 
 

@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     # delivered + delivered but not acknowledged) is at or above this. None: no limit.
     max_queued_jobs: int | None = 1000
     retry_after_s: int = 1  # the Retry-After header of a 429
+    # Requests per minute each API key may make to the endpoints that queue work (429 past
+    # it, with Retry-After to the next minute). None: no limit. Needs api_keys.
+    rate_limit_rpm: int | None = None
     # Listed by /v1/models when no live worker reports a model; the `model` of responses to
     # requests that name none.
     served_model_name: str = "genq"
@@ -56,10 +59,11 @@ class Settings(BaseSettings):
             return tuple(k.strip() for k in value.split(",") if k.strip())
         return value
 
-    @field_validator("max_queued_jobs", mode="before")
+    @field_validator("max_queued_jobs", "rate_limit_rpm", mode="before")
     @classmethod
     def _no_limit(cls, value: object) -> object:
-        """`GENQ_MAX_QUEUED_JOBS=` (empty) or `none` turns the limit off."""
+        """`GENQ_MAX_QUEUED_JOBS=` (empty) or `none` turns the limit off (and the same for
+        GENQ_RATE_LIMIT_RPM)."""
         if isinstance(value, str) and value.strip().lower() in ("", "none"):
             return None
         return value

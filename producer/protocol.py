@@ -100,6 +100,9 @@ class Keys:
         """The same names, with the requests stream of `queue`."""
         return replace(self, queue=queue)
 
+    def rate(self, tenant: str, minute: int) -> str:
+        return f"{self.prefix}rate:{tenant}:{minute}"  # counter with TTL: a key's requests that minute
+
     def usage(self, day: str) -> str:
         # hash: tokens metered on `day` (UTC, YYYY-MM-DD), fields "tenant<TAB>model<TAB>metric"
         return f"{self.prefix}usage:{day}"

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 
 from api import batches
 from api.deps import StateDep
+from api.generate import check_rate_limit
 
 router = APIRouter(prefix="/batches", tags=["batch"])
 
@@ -13,7 +14,9 @@ router = APIRouter(prefix="/batches", tags=["batch"])
 @router.post("", response_model=batches.BatchObject)
 async def create(body: batches.CreateBatch, state: StateDep) -> batches.BatchObject:
     """Check every line of `input_file_id`, then run them; a file that does not check out
-    gives a batch with status `failed` and its `errors`, as OpenAI's does."""
+    gives a batch with status `failed` and its `errors`, as OpenAI's does. Creating one
+    counts against the key's requests per minute; its lines do not (they queue a few at a time)."""
+    await check_rate_limit(state)
     return await batches.create(state, body)
 
 

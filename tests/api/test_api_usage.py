@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -75,3 +76,24 @@ def test_each_key_is_metered_its_own_tokens(
     assert table.splitlines()[0].split() == ["day", "tenant", "model", "requests", "prompt_tokens",
                                              "completion_tokens", "total_tokens"]
     assert key_id(KEYS[1]) in table
+
+
+def test_each_key_has_its_own_requests_per_minute(live_worker: str, serve_api, served_model: str) -> None:
+    keys = ("rate-a", "rate-b", "rate-c", "rate-other")
+    settings = Settings(redis_url=live_worker, api_keys=keys, rate_limit_rpm=2, request_timeout_s=60.0)
+    body = {"model": served_model, "prompt": "Rate me", "max_tokens": 2}
+    with serve_api(settings) as url, httpx.Client(base_url=url, timeout=60) as http:
+        def post(key: str) -> httpx.Response:
+            return http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+
+        for key in keys[:3]:  # the window is the clock's minute: a fresh key if one ended mid-way
+            minute = int(time.time() // 60)
+            first = [post(key).status_code for _ in range(2)]
+            limited = post(key)
+            if int(time.time() // 60) == minute:
+                break
+        other = post(keys[3])
+        models = http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+    assert first == [200, 200] and other.status_code == 200 and models.status_code == 200
+    assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(limited.headers["Retry-After"]) <= 60
