@@ -284,9 +284,7 @@ class Collector:
     def error_kind(self) -> tuple[int, str, str]:
         """(status, type, code) of the failure: the request's fault (400: sending it again
         cannot help) or the server's (500)."""
-        if self.invalid_request:
-            return 400, "invalid_request_error", "invalid_request"
-        return 500, "server_error", "job_failed"
+        return error_kind(self.invalid_request)
 
     def _echo(self, job_id: str, event: Event) -> tuple[str, list[TokenLogprob]]:
         """The prompt's text and logprobs. The worker sends its part (the decoded prompt, the
@@ -306,6 +304,13 @@ class Collector:
         if self.cached_tokens:
             usage["cached_tokens"] = sum(self.cached_tokens.values())
         return Usage.from_protocol(usage)
+
+
+def error_kind(invalid_request: bool) -> tuple[int, str, str]:
+    """(status, type, code) of a failed job: its own fault (400) or the server's (500)."""
+    if invalid_request:
+        return 400, "invalid_request_error", "invalid_request"
+    return 500, "server_error", "job_failed"
 
 
 async def collect(state: AppState, req: RelayedRequest, renderer: Renderer, keep_jobs: bool = False) -> Any:

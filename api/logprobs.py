@@ -34,7 +34,7 @@ def token_logprob(token_id: int, entry: Any) -> TokenLogprob:
     if isinstance(entry, dict) and "logprob" in entry:
         spelled = entry.get("token") or (entry.get("decoded") or {}).get(token_id) or ""
         return _mapped(entry, spelled or _token_text(token_id), spelled)
-    top = _top_pairs(entry)
+    top = top_token_pairs(entry)
     logprob = dict(top).get(token_id, MIN_LOGPROB) if not _is_number(entry) else entry
     return TokenLogprob(_token_text(token_id), _finite(logprob), _named(top, {}))
 
@@ -52,11 +52,12 @@ def prompt_logprobs(entries: list[Any] | None) -> list[TokenLogprob]:
 
 def _mapped(entry: dict[str, Any], token: str, spelled: str) -> TokenLogprob:
     logprob = entry.get("logprob")
-    top = _named(_top_pairs(entry.get("top_logprobs")), entry.get("decoded") or {})
+    top = _named(top_token_pairs(entry.get("top_logprobs")), entry.get("decoded") or {})
     return TokenLogprob(token, None if logprob is None else _finite(logprob), top, spelled)
 
 
-def _top_pairs(top: Any) -> list[tuple[int, float]]:
+def top_token_pairs(top: Any) -> list[tuple[int, float]]:
+    """A `top_logprobs` as the wire carries it, as (token id, logprob) pairs, most likely first."""
     if isinstance(top, dict):
         pairs = [(int(k), v) for k, v in top.items()]
     elif isinstance(top, list):
@@ -95,7 +96,7 @@ def vllm_prompt_logprobs(entries: list[Any] | None) -> list[dict[str, dict[str, 
         decoded = entry.get("decoded") or {}
         position = {
             str(token_id): {"logprob": _finite(logprob), "rank": rank, "decoded_token": decoded.get(token_id)}
-            for rank, (token_id, logprob) in enumerate(_top_pairs(entry.get("top_logprobs")), 1)
+            for rank, (token_id, logprob) in enumerate(top_token_pairs(entry.get("top_logprobs")), 1)
         }
         if "token_id" in entry:
             position[str(entry["token_id"])] = {

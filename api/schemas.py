@@ -51,6 +51,8 @@ class _GenerationRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     bad_words: list[str] | None = None  # words the output may not contain
+    use_beam_search: bool = False  # vLLM's: the n best of an n-wide beam search (api.beam_search)
+    length_penalty: float = 1.0  # beam search ranks by logprob / length ** length_penalty
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many alternatives
     guided_choice: list[str] | None = None  # the output is exactly one of these
     guided_json: dict[str, Any] | str | None = None  # vLLM's: a JSON schema the output follows

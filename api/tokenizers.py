@@ -13,6 +13,8 @@ from typing import Any
 from api.cluster import Cluster
 from api.errors import APIError
 from producer.async_client import AsyncClient
+from producer.chat_template import render_chat
+from producer.protocol import Job
 
 
 class Tokenizers:
@@ -42,6 +44,21 @@ async def base_model(cluster: Cluster, model: str) -> tuple[str, int | None]:
     base = next((info.model for info in serving if model == info.model or model in info.adapters), model)
     limits = [info.max_model_len for info in serving if info.model == base and info.max_model_len]
     return base, min(limits) if limits else None
+
+
+def job_prompt_ids(tokenizer: Any, job: Job) -> list[int]:
+    """The token ids a worker runs `job` on: its text with the tokenizer's special tokens,
+    its token ids as given, or its messages rendered by the chat template as workers render
+    them. ValueError when the template refuses the messages."""
+    if job.prompt_token_ids is not None:
+        return list(job.prompt_token_ids)
+    if job.prompt is not None:
+        return list(tokenizer.encode(job.prompt, add_special_tokens=True))
+    try:
+        rendered = render_chat(tokenizer, job.messages or [], tools=job.tools, **(job.chat_template_kwargs or {}))
+    except Exception as exc:  # the template's own refusal (jinja2's TemplateError, ValueError)
+        raise ValueError(f"The chat template refused the messages: {exc}") from None
+    return list(rendered["prompt_token_ids"])
 
 
 def _load(files: dict[str, bytes]) -> Any:

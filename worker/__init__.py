@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from producer.beam_search import BeamSearchParams
 from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from worker.lora_request import LoRARequest
     from worker.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 
-__all__ = ["LLM", "Engine", "SamplingParams", "PoolingParams", "LoRARequest", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "Engine", "SamplingParams", "PoolingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput",
            "EmbeddingRequestOutput"]
 
 _LAZY = {

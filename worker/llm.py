@@ -8,12 +8,20 @@ from typing import Any, TypeVar, cast
 
 from tqdm.auto import tqdm
 
+from producer.beam_search import Beam, BeamSearchParams, best, step
 from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine, PromptInput
 from worker.lora_request import LoRARequest
-from worker.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from worker.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 
 T = TypeVar("T")
 
@@ -85,6 +93,41 @@ class LLM:
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
         return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def beam_search(
+        self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: for each prompt its `beam_width` best beams, best first.
+        Each step runs every live beam of every prompt as a one-token greedy request with
+        its top 2 x width logprobs (the prefix cache keeps the prompts computed), and
+        producer.beam_search keeps the best."""
+        prompt_ids = [self.engine.check_prompt(p)[1] for p in _as_prompt_list(prompts)]
+        width = params.beam_width
+        step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
+        eos = set() if params.ignore_eos else set(self.engine.eos_token_ids)
+        searches = [([Beam()], list[Beam]()) for _ in prompt_ids]
+        for n in range(params.max_tokens):
+            # prompts with live beams that still fit max_model_len (one cut there stops)
+            active = [i for i, (live, _) in enumerate(searches)
+                      if live and len(prompt_ids[i]) + n < self.engine.max_model_len]
+            if not active:
+                break
+            requests: list[PromptInput] = [{"prompt_token_ids": prompt_ids[i] + beam.tokens}
+                                           for i in active for beam in searches[i][0]]
+            outs = self.generate(requests, step_params, use_tqdm=False)
+            tops = iter([sorted((o.outputs[0].logprobs or [])[0].top_logprobs.items(), key=lambda t: -t[1])
+                         for o in outs])
+            for i in active:
+                live, done = searches[i]
+                nxt, finished = step(live, [next(tops) for _ in live], width, eos)
+                searches[i] = (nxt, done + finished)
+        tokenizer = self.engine.tokenizer
+        return [
+            BeamSearchOutput([BeamSearchSequence(b.tokens, str(tokenizer.decode(b.tokens, skip_special_tokens=True)),
+                                                 b.logprob, b.finish_reason)
+                              for b in best(done, live, width, params.length_penalty)])
+            for live, done in searches
+        ]
 
     def chat(
         self,

@@ -46,3 +46,18 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search`: its generated tokens and their text."""
+
+    token_ids: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str | None  # "stop" (an end of sequence) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # the best first

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from api import generate
+from api import beam_search, generate
 from api.deps import StateDep
 from api.errors import invalid_param
 from api.render import ChatRenderer
@@ -23,6 +23,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     """Messages in, one assistant message per choice out; `stream: true` answers with SSE."""
     renderer = ChatRenderer()
     check_tool_parser(body, state.settings)
+    if body.use_beam_search:
+        return await unless_disconnected(request, beam_search.respond(state, body, [chat_prompt(body)], renderer))
     req = await generate.start(state, body, [chat_prompt(body)], renderer)
     if body.stream:
         return EventStreamResponse(generate.stream(state, req, renderer))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from api import generate
+from api import beam_search, generate
 from api.deps import StateDep
 from api.errors import invalid_param
 from api.render import CompletionRenderer
@@ -20,6 +20,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     """Prompt(s) as text or token ids; `stream: true` answers with SSE chunks."""
     reject_unsupported(body)
     renderer = CompletionRenderer()
+    if body.use_beam_search:
+        return await unless_disconnected(request, beam_search.respond(state, body, body.prompts(), renderer))
     req = await generate.start(state, body, body.prompts(), renderer)
     if body.stream:
         return EventStreamResponse(generate.stream(state, req, renderer))

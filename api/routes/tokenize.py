@@ -14,8 +14,7 @@ from api.errors import APIError, invalid_param, param_from_value_error
 from api.generate import resolve_model
 from api.routes.chat import chat_prompt
 from api.schemas import ChatCompletionRequest, ChatMessage
-from api.tokenizers import base_model
-from producer.chat_template import render_chat
+from api.tokenizers import base_model, job_prompt_ids
 from producer.jobs import build_job
 
 router = APIRouter(tags=["vllm"])
@@ -88,10 +87,9 @@ def _chat_ids(tokenizer: Any, body: TokenizeRequest) -> list[int]:
     except ValueError as exc:  # what a chat job refuses (reserved template variables, ...)
         raise APIError(400, str(exc), param=param_from_value_error(exc, {}), code="invalid_value") from None
     try:
-        rendered = render_chat(tokenizer, job.messages or [], tools=job.tools, **(job.chat_template_kwargs or {}))
-    except Exception as exc:  # the template's own refusal (jinja2's TemplateError, ValueError)
-        raise APIError(400, f"The chat template refused the messages: {exc}", param="messages") from None
-    ids: list[int] = rendered["prompt_token_ids"]
+        ids = job_prompt_ids(tokenizer, job)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
     if body.add_special_tokens:
         ids = tokenizer.build_inputs_with_special_tokens(ids)
     return ids

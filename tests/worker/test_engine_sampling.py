@@ -206,6 +206,28 @@ def test_bad_words_are_never_completed(llm, tiny_llama_dir):
         SamplingParams(bad_words=["ok", " "])
 
 
+def test_beam_search_matches_transformers(llm, tiny_llama_dir):
+    """LLM.beam_search against transformers' beam search on the same tokens, several prompts
+    at once, with the end of sequence off on both sides: the same beams in the same order."""
+    from producer.beam_search import BeamSearchParams
+
+    prompts = ["The old lighthouse keeper", "In the morning we"]
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tokenizer = llm.get_tokenizer()
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tokenizer.encode(prompt)
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([ids]), num_beams=3, num_return_sequences=3, do_sample=False,
+                                 max_new_tokens=6, pad_token_id=0)
+        assert [s.token_ids for s in out.sequences] == [row[len(ids):].tolist() for row in ref]
+        assert [s.cum_logprob for s in out.sequences] == sorted((s.cum_logprob for s in out.sequences), reverse=True)
+        assert all(s.finish_reason == "length" and s.text == tokenizer.decode(s.token_ids) for s in out.sequences)
+    with pytest.raises(ValueError, match="beam_width must be an integer in"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+
+
 def test_guided_choice_outputs_one_of_the_choices(llm):
     # 日 and 🙂 exist in the vocabulary only as byte pieces that decode to U+FFFD alone
     choices = ["yes", "no", "not sure", "maybe later", "日本", "🙂 café"]
