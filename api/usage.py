@@ -14,7 +14,7 @@ from typing import Any
 from producer.async_client import AsyncClient
 from producer.protocol import DEFAULT_PREFIX
 
-METRICS = ("requests", "prompt_tokens", "completion_tokens")
+METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
 MAX_DAYS = 400  # as long as a day's hash is kept (USAGE_TTL_S)
 
 

@@ -213,6 +213,7 @@ class Meter:
     model: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those the prefix cache served
 
 
 def job_meter(held: HeldJob, served_model: str, now: float) -> Meter:
@@ -222,7 +223,7 @@ def job_meter(held: HeldJob, served_model: str, now: float) -> Meter:
     return Meter(
         day=time.strftime("%Y-%m-%d", time.gmtime(now)), tenant=held.job.tenant or "",
         model=held.job.model or served_model, prompt_tokens=usage.get("prompt_tokens", 0),
-        completion_tokens=usage.get("completion_tokens", 0),
+        completion_tokens=usage.get("completion_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
     )
 
 

@@ -56,7 +56,7 @@ end
 # Publish a batch of engine steps. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] events
 # TTL, [4] job TTL, [5] the jobs, one cmsgpack-packed list of {entry id, events key, job key,
 # {encoded events}, {record field, value, ...}, {usage key, field prefix, prompt tokens,
-# completion tokens} or {}}: an empty record means not finishing, [6] usage TTL. A
+# completion tokens, cached prompt tokens} or {}}: an empty record means not finishing, [6] usage TTL. A
 # finishing job gets its last events, its record, its usage and its XACK together, so its
 # tokens are counted exactly once however often it was delivered. (One packed argument
 # instead of a few per job: building a command of thousands of arguments cost the worker's
@@ -81,6 +81,7 @@ for _, job in ipairs(cmsgpack.unpack(ARGV[5])) do
         redis.call('HINCRBY', meter[1], meter[2] .. 'requests', 1)
         redis.call('HINCRBY', meter[1], meter[2] .. 'prompt_tokens', meter[3])
         redis.call('HINCRBY', meter[1], meter[2] .. 'completion_tokens', meter[4])
+        redis.call('HINCRBY', meter[1], meter[2] .. 'cached_tokens', meter[5])
         redis.call('EXPIRE', meter[1], ARGV[6])
       end
     end
@@ -389,7 +390,7 @@ class Scripts:
         if meter is None:
             return []
         return [self.keys.usage(meter.day), f"{meter.tenant}\t{meter.model}\t", meter.prompt_tokens,
-                meter.completion_tokens]
+                meter.completion_tokens, meter.cached_tokens]
 
     async def holders(self, entry_ids: Sequence[str]) -> dict[str, str]:
         """Who holds each entry now, in words, for the log of an entry found lost: the consumer

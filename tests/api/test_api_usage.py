@@ -46,6 +46,8 @@ def test_each_key_is_metered_its_own_tokens(
     chat = one.chat.completions.create(model=served_model, messages=[{"role": "user", "content": "Hi"}], **GREEDY)
     pair = one.completions.create(model=served_model, prompt="Once upon", n=2, **GREEDY)  # one job, two outputs
     vector = one.embeddings.create(model=served_model, input="metered too")
+    long_prompt = "A prompt long enough to fill whole blocks of the prefix cache. " * 4
+    cold, warm = (one.completions.create(model=served_model, prompt=long_prompt, **GREEDY) for _ in range(2))
     solo = two.completions.create(model=served_model, prompt="Twice upon", **GREEDY)
     done = wait_done(two, run_batch(two, [chat_line("b1", served_model)]).id, poll)  # the batch's creator pays
     assert done.status == "completed"
@@ -58,8 +60,11 @@ def test_each_key_is_metered_its_own_tokens(
         anonymous = http.get("/v1/usage")
     assert mine["tenant"] == key_id(KEYS[0]) and {r["tenant"] for r in mine["data"]} == {key_id(KEYS[0])}
     assert {r["model"] for r in mine["data"]} == {served_model}
-    prompt = chat.usage.prompt_tokens + pair.usage.prompt_tokens + vector.usage.prompt_tokens
-    assert totals(mine["data"]) == (3, prompt, chat.usage.completion_tokens + pair.usage.completion_tokens)
+    texts = (chat, pair, cold, warm)
+    prompt = sum(r.usage.prompt_tokens for r in texts) + vector.usage.prompt_tokens
+    assert totals(mine["data"]) == (5, prompt, sum(r.usage.completion_tokens for r in texts))
+    cached = sum(r["cached_tokens"] for r in mine["data"])  # the warm request's prompt, from the prefix cache
+    assert cached == warm.usage.prompt_tokens_details.cached_tokens > 0
     assert {r["tenant"] for r in theirs["data"]} == {key_id(KEYS[1])}
     assert totals(theirs["data"]) == (2, solo.usage.prompt_tokens + batched["prompt_tokens"],
                                       solo.usage.completion_tokens + batched["completion_tokens"])
@@ -70,11 +75,11 @@ def test_each_key_is_metered_its_own_tokens(
                          capture_output=True, text=True, timeout=30)
     rows = json.loads(out.stdout)
     assert {r["tenant"] for r in rows} >= {key_id(KEYS[0]), key_id(KEYS[1])}
-    assert sum(r["requests"] for r in rows if r["tenant"] == key_id(KEYS[0])) == 3
+    assert sum(r["requests"] for r in rows if r["tenant"] == key_id(KEYS[0])) == 5
     table = subprocess.run([sys.executable, "-m", "producer.cli", "usage", "--redis-url", live_worker],
                            capture_output=True, text=True, timeout=30).stdout
     assert table.splitlines()[0].split() == ["day", "tenant", "model", "requests", "prompt_tokens",
-                                             "completion_tokens", "total_tokens"]
+                                             "cached_tokens", "completion_tokens", "total_tokens"]
     assert key_id(KEYS[1]) in table
 
 
