@@ -22,7 +22,7 @@ from api.logprobs import top_token_pairs
 from api.render import Choice, RelayedRequest, Renderer
 from api.responses import Usage
 from api.schemas import ChatCompletionRequest, PromptInput
-from api.tokenizers import base_model, job_prompt_ids
+from api.tokenizers import base_model, eos_token_ids, job_prompt_ids
 from producer.beam_search import Beam, best, step
 from producer.jobs import build_job
 from producer.protocol import ERROR_INVALID_REQUEST
@@ -49,8 +49,9 @@ async def respond(
     model = await generate.resolve_model(state, body.model)
     await generate.check_backpressure(state)
     job_model = await generate.job_model(state, body.model, model)
-    tokenizer = await state.tokenizers.get(state.client, (await base_model(state.cluster, model))[0])
-    eos = set() if body.ignore_eos else {tokenizer.eos_token_id} - {None}
+    base_name = (await base_model(state.cluster, model))[0]
+    tokenizer = await state.tokenizers.get(state.client, base_name)
+    eos = set() if body.ignore_eos else await eos_token_ids(state.client, base_name, tokenizer)
     max_tokens = body.sampling_params().max_tokens or 16
     base = uuid.uuid4().hex
     choices: list[Choice] = []

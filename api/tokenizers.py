@@ -14,7 +14,7 @@ from api.cluster import Cluster
 from api.errors import APIError
 from producer.async_client import AsyncClient
 from producer.chat_template import render_chat
-from producer.protocol import Job
+from producer.protocol import TOKENIZER_EOS_FIELD, Job
 
 
 class Tokenizers:
@@ -32,9 +32,20 @@ class Tokenizers:
         if loaded is not None and loaded[0] == digest:
             return loaded[1]
         files = await client.redis.hgetall(key)
-        tokenizer = await asyncio.to_thread(_load, {k.decode(): v for k, v in files.items() if k != b"digest"})
+        tokenizer = await asyncio.to_thread(
+            _load, {k.decode(): v for k, v in files.items() if k not in (b"digest", TOKENIZER_EOS_FIELD.encode())}
+        )
         self._loaded[model] = (digest, tokenizer)
         return tokenizer
+
+
+async def eos_token_ids(client: AsyncClient, model: str, tokenizer: Any) -> set[int]:
+    """The ids that end a sequence of `model`, as its workers published them (a worker that
+    predates that: the tokenizer's own)."""
+    published = await client.redis.hget(client.keys.tokenizer(model), TOKENIZER_EOS_FIELD)
+    if published:
+        return {int(t) for t in published.decode().split(",") if t}
+    return {tokenizer.eos_token_id} - {None}
 
 
 async def base_model(cluster: Cluster, model: str) -> tuple[str, int | None]:

@@ -7,20 +7,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio
 
-from producer.protocol import Keys
+from producer.protocol import TOKENIZER_EOS_FIELD, Keys
 
 MAX_FILE_BYTES = 32 << 20  # a tokenizer file past this stays home (no tokenizer is near it)
 
 
-async def publish_tokenizer(conn: redis.asyncio.Redis, keys: Keys, model_name: str, tokenizer: Any) -> None:
+async def publish_tokenizer(
+    conn: redis.asyncio.Redis, keys: Keys, model_name: str, tokenizer: Any, eos_token_ids: Iterable[int] = (),
+) -> None:
     """Write the tokenizer's files unless the same ones are there (every worker of a pool
-    starts with the same model)."""
+    starts with the same model), with the ids that end a sequence for the model (its
+    generation config's and the tokenizer's), for the API's beam search."""
     files = await asyncio.to_thread(tokenizer_files, tokenizer)
+    files[TOKENIZER_EOS_FIELD] = ",".join(str(t) for t in sorted(eos_token_ids)).encode()
     digest = hashlib.sha256(b"".join(name.encode() + b"\0" + data for name, data in sorted(files.items()))).hexdigest()
     key = keys.tokenizer(model_name)
     if (await conn.hget(key, "digest")) == digest.encode():  # type: ignore[misc]

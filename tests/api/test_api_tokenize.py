@@ -32,6 +32,23 @@ def test_a_prompt_counts_as_the_worker_counts_it(http: httpx.Client, served_mode
     assert back["prompt"] == tokenizer.decode(out["tokens"])
 
 
+def test_workers_publish_the_models_end_of_sequence_ids(live_worker: str, served_model: str, tokenizer,
+                                                        tiny_llama_dir: Path) -> None:
+    """Beside the tokenizer's files: the ids that end a sequence for the model (its config's
+    and the tokenizer's), which the API's beam search stops at."""
+    import redis
+    from transformers import AutoConfig
+
+    from producer.protocol import TOKENIZER_EOS_FIELD, Keys
+
+    configured = AutoConfig.from_pretrained(tiny_llama_dir).eos_token_id
+    expected = ({configured} if isinstance(configured, int) else set(configured or [])) | {tokenizer.eos_token_id}
+    conn = redis.Redis.from_url(live_worker)
+    published = conn.hget(Keys().tokenizer(served_model), TOKENIZER_EOS_FIELD)
+    conn.close()
+    assert {int(t) for t in published.decode().split(",")} == expected
+
+
 def test_messages_count_as_a_chat_job_would(http: httpx.Client, served_model: str, tokenizer) -> None:
     out = http.post("/tokenize", json={"model": served_model, "messages": MESSAGES}).json()
     assert out["tokens"] == render_chat(tokenizer, MESSAGES)["prompt_token_ids"]
