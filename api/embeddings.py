@@ -48,6 +48,8 @@ def plan_embeddings(
 ) -> Plan:
     """Check a request and build its embedding jobs (ids from `base`) without submitting any;
     APIError naming what is wrong."""
+    if body.messages is not None and body.input is not None:
+        raise invalid_param("messages", "give input or messages, not both")
     prompts = body.inputs()
     if not prompts or any(p in ("", {"prompt_token_ids": []}) for p in prompts):
         raise invalid_param("input", "input must be a non-empty string or token list, or a list of them")
@@ -63,7 +65,7 @@ def plan_embeddings(
         for prompt, job_id in zip(prompts, ids, strict=True):
             build_job(prompt, priority=priority, job_id=job_id, model=job_model, pooling_params=pooling)
     except ValueError as exc:
-        raise invalid_param("input", str(exc)) from exc
+        raise invalid_param("messages" if body.messages is not None else "input", str(exc)) from exc
     req = RelayedRequest(id=EmbeddingRenderer.id_prefix + base, job_ids=ids, n=1, model=model, created=int(time.time()))
     return Plan(req, prompts, SamplingParams(), priority, job_model, None, pooling_params=pooling)
 

@@ -318,12 +318,17 @@ JobRequest = Annotated[
 
 class EmbeddingRequest(BaseModel):
     """`POST /v1/embeddings`: one embedding job per input, as OpenAI's (plus vLLM's
-    `normalize` and `priority`)."""
+    `normalize`, `truncate_prompt_tokens` and `priority`), or one of a conversation
+    (vLLM's chat form: `messages`, rendered by the model's chat template, by default without
+    the generation prompt)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False  # chat form: end with the assistant's header
+    chat_template_kwargs: dict[str, Any] | None = None  # chat form: more for the template
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # not supported: refused when set
     user: str | None = None
@@ -332,10 +337,23 @@ class EmbeddingRequest(BaseModel):
     priority: int = 0
 
     def inputs(self) -> list[PromptInput]:
-        """One prompt per job: a string or `{"prompt_token_ids": [...]}`."""
+        """One prompt per job: a string, `{"prompt_token_ids": [...]}`, or a conversation."""
+        if self.messages is not None:
+            messages = [{"role": m.role, "content": _text(m.content)} for m in self.messages]
+            kwargs = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
+            return [{"messages": messages, "chat_template_kwargs": kwargs}]
+        if self.input is None:
+            return []
         if isinstance(self.input, str):
             return [self.input]
         if self.input and all(isinstance(t, int) for t in self.input):
-            return [{"prompt_token_ids": list(self.input)}]
+            return [{"prompt_token_ids": list(cast(list[int], self.input))}]
         return [item if isinstance(item, str) else {"prompt_token_ids": list(cast(list[int], item))}
                 for item in self.input]
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (text parts joined)."""
+    if isinstance(content, list):
+        return "".join(getattr(part, "text", None) or "" for part in content)
+    return content or ""

@@ -345,8 +345,6 @@ def _validate_prompt(job: Job) -> None:
 def _validate_embedding(job: Job) -> None:
     if not isinstance(job.pooling_params, PoolingParams):
         raise ValueError("pooling_params must be a PoolingParams")
-    if job.messages is not None:
-        raise ValueError("an embedding job takes a prompt or prompt_token_ids, not chat messages")
     if job.sampling_params.n != 1:
         raise ValueError(f"an embedding job has one output, got n={job.sampling_params.n}")
 

@@ -52,6 +52,26 @@ def test_embeddings_match_transformers(served_model: str, oai: openai.OpenAI, hf
     torch.testing.assert_close(torch.tensor(cut.data[0].embedding), normalized(hf([450, 7483])[1]), atol=1e-5, rtol=1e-4)
 
 
+def test_a_conversation_is_embedded_as_its_chat_template_renders_it(
+    served_model: str, http: httpx.Client, hf, tiny_llama_dir: Path
+) -> None:
+    """vLLM's chat form: `messages` instead of `input`, rendered without the generation
+    prompt unless asked."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Embed this chat."}]
+    template = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for add in (False, True):
+        reply = http.post("/v1/embeddings", json={"model": served_model, "messages": messages,
+                                                   "add_generation_prompt": add}).json()
+        ids = template.apply_chat_template(messages, add_generation_prompt=add, tokenize=True, return_dict=False)
+        assert reply["usage"]["prompt_tokens"] == len(ids)
+        torch.testing.assert_close(torch.tensor(reply["data"][0]["embedding"]), normalized(hf(list(ids))[1]),
+                                   atol=1e-5, rtol=1e-4)
+    both = http.post("/v1/embeddings", json={"input": "x", "messages": messages})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "messages"
+
+
 def test_float_and_base64_agree(served_model: str, http: httpx.Client, hf) -> None:
     body = {"model": served_model, "input": ["Hi", "Hello there"]}
     floats = http.post("/v1/embeddings", json={**body, "encoding_format": "float"}).json()

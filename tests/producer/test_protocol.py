@@ -104,8 +104,8 @@ def test_embedding_jobs_round_trip_and_carry_their_vector(redis_conn: redis.Redi
     entry = encode_job(job)
     assert decode_job(xadd_and_read(redis_conn, entry)) == job
     assert "pooling_params" not in msgpack.unpackb(encode_job(make_job())["payload"])  # generation: as before
-    with pytest.raises(ValueError, match="not chat messages"):
-        encode_job(make_job(prompt=None, messages=[{"role": "user", "content": "x"}], pooling_params=PoolingParams()))
+    chat = make_job(prompt=None, messages=[{"role": "user", "content": "x"}], pooling_params=PoolingParams())
+    assert decode_job(xadd_and_read(redis_conn, encode_job(chat))) == chat  # a conversation's embedding
     with pytest.raises(ValueError, match="one output, got n=2"):
         encode_job(make_job(sampling_params=SamplingParams(n=2), pooling_params=PoolingParams()))
     vector = [0.5, -1.25, 3.0e-8, 1.0]

@@ -377,8 +377,15 @@ def test_embedding_jobs_return_the_pooled_vector(client: Client, conn: redis.Red
         assert record(conn, client.keys, handle.id).embedding == result.embedding  # kept past the events
     assert abs(torch.tensor(raw.result(TIMEOUT_S).embedding).norm().item() - 1.0) > 1e-3
     assert generating.result(TIMEOUT_S).token_ids == offline("Generate meanwhile", GREEDY)[0].token_ids
-    with pytest.raises(ValueError, match="not chat messages"):
-        client.submit([{"role": "user", "content": "hi"}], pooling_params=PoolingParams())
+    messages = [{"role": "user", "content": "hi"}]  # a conversation, as the template renders it without a reply
+    chat = client.submit({"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False}},
+                         pooling_params=PoolingParams()).result(TIMEOUT_S)
+    chat_ids = AutoTokenizer.from_pretrained(tiny_llama_dir).apply_chat_template(
+        messages, add_generation_prompt=False, tokenize=True, return_dict=False)
+    with torch.inference_mode():
+        hidden = hf.model(torch.tensor([chat_ids])).last_hidden_state[0, -1]
+    torch.testing.assert_close(torch.tensor(chat.embedding), torch.nn.functional.normalize(hidden, dim=-1),
+                               atol=1e-5, rtol=1e-4)
 
 
 def test_a_retried_dead_letter_runs_again(client: Client, conn: redis.Redis, offline) -> None:
