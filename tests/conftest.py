@@ -67,7 +67,7 @@ TINY_COMMON = dict(
 
 
 def tiny_hf_config(family: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     vocab = 49152  # the default tokenizer's vocabulary, so prompts can be text
     if family == "llama":
@@ -82,6 +82,9 @@ def tiny_hf_config(family: str):
                              **{**TINY_COMMON, "num_key_value_heads": 4})
     if family == "qwen2":
         return Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=False, **TINY_COMMON)
+    if family == "qwen3":  # head_dim set apart from hidden_size / heads, as Qwen3's configs do
+        return Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=False, head_dim=32,
+                           **TINY_COMMON)
     raise ValueError(family)
 
 
@@ -97,6 +100,10 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_hf_config(family), dtype=torch.float32)
+    with torch.no_grad():  # Qwen3's per-head norms start at ones: make each one's weights its own
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir)
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
@@ -104,7 +111,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2"])
+@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

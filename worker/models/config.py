@@ -11,11 +11,13 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # Qwen2 without the q/k/v biases, with an RMSNorm on each q and k head
     # the same decoders without an LM head (embedding models such as e5-mistral and
     # gte-Qwen2): they serve embedding requests only
     "LlamaModel": "llama",
     "MistralModel": "mistral",
     "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
@@ -41,6 +43,7 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: frozenset[int]
     has_lm_head: bool = True  # False: an embedding model; generation is refused
+    qk_norm: bool = False  # an RMSNorm over each q and k head before the rotary (Qwen3)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -49,11 +52,12 @@ class ModelConfig:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise ValueError(f"unsupported architecture {arch!r}; supported: {supported}")
         heads = hf_config.num_attention_heads
-        qwen2 = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+        family = SUPPORTED_ARCHITECTURES[arch]
+        qwen2 = family == "qwen2"
         has_lm_head = arch.endswith("ForCausalLM")
         qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or qwen2
         window = getattr(hf_config, "sliding_window", None)
-        if qwen2 and not getattr(hf_config, "use_sliding_window", False):
+        if family in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
             window = None
         _rope_type(hf_config)  # fail early on unsupported scaling
         return cls(
@@ -76,6 +80,7 @@ class ModelConfig:
             sliding_window=window,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
+            qk_norm=family == "qwen3",
         )
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:

@@ -126,6 +126,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.head_dim**-0.5
+        if cfg.qk_norm:  # torch ops on every device: a [T, heads, head_dim] norm is small
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.qkv_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
         self.o_lora: LoRASlots | None = None
 
@@ -142,8 +146,12 @@ class Attention(nn.Module):
         if lora is not None:
             lora.add(qkv, x, self.qkv_lora)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k heads rotated in one pass: [T, num_heads + num_kv_heads, D]
-        qk = rope(qk.view(num_tokens, -1, self.head_dim), self.num_heads)
+        qk = rope(qk, self.num_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         o = meta.forward(q, k, v, kv_cache, self.scale).view(num_tokens, self.q_size)
