@@ -5,7 +5,8 @@
 2. greedy outputs of the engine on CUDA against the CPU path (float32: equal; bfloat16: close),
    and with CUDA graphs against without (`enforce_eager`); the same with LoRA adapters mixed in
    one batch (random rank-16 adapters, written by `benchmarks/lora.py`); n-gram speculative
-   decoding against plain decoding (float32: equal);
+   decoding against plain decoding (float32: equal); embeddings (float32: equal up to summation
+   order); a Qwen3 of the model's shape (its per-head q/k norms), greedy, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -95,6 +96,48 @@ def check_lora_vs_cpu(model: str | None, load_format: str, num_tokens: int = 32,
     return [f"greedy lora {second} vs {first} float32 {_compare(runs[first], runs[second])}"]
 
 
+def check_embed_vs_cpu(model: str | None, load_format: str, devices: tuple[str, str] = ("cpu", "cuda")) -> list[str]:
+    """LLM.embed's vectors on CUDA against the CPU path (float32: equal up to summation order)."""
+    from worker import LLM
+
+    prompts = ["Hello, my name is", "The capital of France is " * 8, "def fibonacci(n):"]
+    vectors = []
+    for device in devices:
+        llm = LLM(model, dtype="float32", device=device, max_model_len=2048, load_format=load_format)
+        vectors.append(torch.tensor([o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]))
+    return [f"embed {devices[1]} vs {devices[0]} float32 max abs diff {(vectors[0] - vectors[1]).abs().max().item():.2e}"]
+
+
+def check_qwen3_vs_cpu(model: str | None, load_format: str, devices: tuple[str, str] = ("cpu", "cuda"),
+                       num_tokens: int = 16) -> list[str]:
+    """Qwen3's per-head q/k norms on CUDA: the model's shape remade as a Qwen3 (seeded random
+    weights), greedy on CUDA against the CPU path in float32."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from worker import LLM, SamplingParams
+    from worker.model_loader import resolve_model_path
+
+    source = resolve_model_path(model)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (source / name).exists():
+                shutil.copy(source / name, Path(tmp) / name)
+        config = json.loads((source / "config.json").read_text())
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
+                      head_dim=config["hidden_size"] // config["num_attention_heads"], use_sliding_window=False)
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        runs = []
+        for device in devices:
+            llm = LLM(tmp, dtype="float32", device=device, max_model_len=2048, load_format="dummy")
+            runs.append([o.outputs[0].token_ids for o in llm.generate(["Hello, my name is", "1, 2, 3,"], params,
+                                                                      use_tqdm=False)])
+    return [f"greedy qwen3 {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}"]
+
+
 def _compare(a: list[list[int]], b: list[list[int]]) -> str:
     same = sum(x == y for x, y in zip(a, b, strict=True))
     return f"identical {same}/{len(a)}  common prefix {[_common_prefix(x, y) for x, y in zip(a, b, strict=True)]}"
@@ -165,6 +208,8 @@ def main() -> int:
         summary += _section("kernels", _kernel_rows)
     summary += _section("greedy", lambda: check_engine_vs_cpu(args.model, args.load_format))
     summary += _section("lora", lambda: check_lora_vs_cpu(args.model, args.load_format))
+    summary += _section("embed", lambda: check_embed_vs_cpu(args.model, args.load_format))
+    summary += _section("qwen3", lambda: check_qwen3_vs_cpu(args.model, args.load_format))
     summary += _section("W1", lambda: check_w1(args.model, args.load_format, args.num_prompts))
     summary.append(f"elapsed {time.time() - start:.0f} s")
     print("\n".join(["", "== GPU check ==", *summary]))
