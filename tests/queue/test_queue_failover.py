@@ -24,12 +24,19 @@ from producer.sampling_params import SamplingParams
 TIMEOUT_S = 60.0
 NAMES = ("fa", "fb", "fc")
 GRACE_S = 0.5  # fb's drain: its short jobs finish, its long ones are released to fc
+# Three workers and the test share 2 cores here: with the suite's 2 s claim timeout a worker
+# starved for 1.5 s between beats can lose fresh entries to a reclaimer, the likeliest cause of
+# the rare flake of test_workers_share_a_batch (entries found lost at a worker's first
+# publish). 5 s gives a margin like production's (claim timeout 30 s, beats every 5 s), at the
+# cost of 3 s more before fa's jobs are resumed.
+CLAIM_IDLE_S = 5.0
 
 
 @pytest.fixture(scope="module")
 def workers(spawn: Callable[..., WorkerProcess], conn: redis.Redis) -> dict[str, WorkerProcess]:
     procs = {
-        name: spawn(name, GENQ_MAX_NUM_SEQS="4", GENQ_SHUTDOWN_GRACE_S=str(GRACE_S))
+        name: spawn(name, GENQ_MAX_NUM_SEQS="4", GENQ_SHUTDOWN_GRACE_S=str(GRACE_S),
+                    GENQ_CLAIM_IDLE_S=str(CLAIM_IDLE_S))
         for name in NAMES
     }
     for proc in procs.values():
