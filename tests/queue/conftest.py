@@ -12,6 +12,7 @@ import redis
 from queue_support import WorkerProcess, worker_env
 
 from producer.client import Client
+from producer.protocol import Keys
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
@@ -40,9 +41,16 @@ def conn(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def client(redis_server: RedisServer, worker: WorkerProcess) -> Iterator[Client]:
-    """A client under the prefix of the module's `worker` fixture."""
-    with Client(redis_server.url, prefix=worker.keys.prefix) as c:
+def keys(worker: WorkerProcess) -> Keys:
+    """The Redis names of the module's `worker` fixture (modules with several workers
+    override this with one of theirs: they all share the module's prefix)."""
+    return worker.keys
+
+
+@pytest.fixture
+def client(redis_server: RedisServer, keys: Keys) -> Iterator[Client]:
+    """A client under the module's prefix."""
+    with Client(redis_server.url, prefix=keys.prefix) as c:
         yield c
 
 

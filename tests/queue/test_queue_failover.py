@@ -8,7 +8,7 @@ killed, then fb is terminated; fc is left to finish what the others dropped.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -47,12 +47,6 @@ def workers(spawn: Callable[..., WorkerProcess], conn: redis.Redis) -> dict[str,
 @pytest.fixture
 def keys(workers: dict[str, WorkerProcess]) -> Keys:
     return workers["fa"].keys
-
-
-@pytest.fixture
-def client(redis_server: RedisServer, keys: Keys) -> Iterator[Client]:
-    with Client(redis_server.url, prefix=keys.prefix) as c:
-        yield c
 
 
 class Streams:

@@ -8,7 +8,7 @@ to rb's stream. Outputs match the offline engine of each model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,6 @@ from producer.client import Client
 from producer.jobs import build_job
 from producer.protocol import JobStatus, Keys, encode_job
 from producer.records import decode_record, decode_worker_info
-from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
 TIMEOUT_S = 60.0
@@ -43,12 +42,6 @@ def workers(spawn: Callable[..., WorkerProcess], conn: redis.Redis,
 @pytest.fixture
 def keys(workers: dict[str, WorkerProcess]) -> Keys:
     return workers["ra"].keys
-
-
-@pytest.fixture
-def client(redis_server: RedisServer, keys: Keys) -> Iterator[Client]:
-    with Client(redis_server.url, prefix=keys.prefix) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
