@@ -6,6 +6,7 @@ TRITON_INTERPRET=1 before importing this package to run the kernels on CPU tenso
 """
 
 from kernels._common import HAS_TRITON
+from kernels.fused_moe import fused_moe, fused_moe_ref, moe_align
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_ref
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
@@ -20,6 +21,9 @@ __all__ = [
     "choose_num_splits",
     "fused_add_rms_norm",
     "fused_add_rms_norm_ref",
+    "fused_moe",
+    "fused_moe_ref",
+    "moe_align",
     "paged_attention",
     "paged_attention_ref",
     "reshape_and_cache",

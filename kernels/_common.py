@@ -51,6 +51,7 @@ __all__ = [
     "check_shape",
     "check_contiguous",
     "check_last_dim_contiguous",
+    "dot_dtype",
     "is_interpreted",
     "next_power_of_2",
     "require_triton",
@@ -126,3 +127,16 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+
+
+def dot_dtype(dtype: torch.dtype, interpreted: bool) -> Any:
+    """The operand dtype for `tl.dot` over tensors of `dtype`.
+
+    Triton's interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those bit
+    patterns, so there the bf16 operands are widened to fp32 (loads, stores and conversions
+    of bf16 are still exercised; the bf16 tensor-core dot itself only runs on CUDA)."""
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16 and not interpreted:
+        return tl.bfloat16
+    return tl.float32

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels._common import HAS_TRITON, is_interpreted, tl
+from kernels.fused_moe import _BLOCK_K, _BLOCK_M, _moe_matmul_kernel
+from kernels.fused_moe import _BLOCK_N as _MOE_BLOCK_N
 from kernels.kv_cache import _reshape_and_cache_kernel
 from kernels.paged_attention import (
     _BLOCK_N,
@@ -36,7 +38,9 @@ _DIVISIBLE_INTS = {
     "stride_cache_slot", "stride_k_tok", "stride_k_head", "stride_v_tok", "stride_v_head",
     "stride_p_split", "stride_p_tok", "stride_p_head",
     "stride_x", "stride_residual", "stride_out", "stride_residual_out",
+    "stride_am", "stride_we", "stride_wn", "stride_om",
 }  # fmt: skip
+_MOE_PTRS = {"sorted_ids_ptr": "*i64", "block_experts_ptr": "*i64"}
 _INT32_PTRS = {"query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32"}
 
 
@@ -96,6 +100,21 @@ def _attention_variant(
     return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps)
 
 
+def _moe_variant(name: str, dtype: str, first: bool, weights: str) -> _Variant:
+    """One of fused_moe's two launches: gate/up over tokens, or down over pairs scaled by
+    routing weights of dtype `weights` (fp32 for Mixtral, whose weighted rows stay fp32)."""
+    dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
+    constexprs = dict(
+        NUM_EXPERTS=64, TOP_K=8, A_PER_TOKEN=first, MUL_WEIGHT=not first, DOT_DTYPE=dot,
+        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32",
+        BLOCK_M=_BLOCK_M, BLOCK_N=_MOE_BLOCK_N, BLOCK_K=_BLOCK_K,
+    )  # fmt: skip
+    overrides = dict(_MOE_PTRS, topk_weights_ptr=weights)
+    if not first:
+        overrides["out_ptr"] = weights
+    return _Variant(name, _moe_matmul_kernel, dtype, constexprs, overrides)
+
+
 def _variants() -> list[_Variant]:
     return [
         _attention_variant("attention fp16 d128 gqa4 decode split", "*fp16", 128, 4, 1, True),
@@ -126,6 +145,9 @@ def _variants() -> list[_Variant]:
             dict(noise_ptr="*fp32", top_k_ptr="*i32", top_p_ptr="*fp32", out_ptr="*i64"),
             num_warps=8,
         ),
+        _moe_variant("fused_moe gate_up bf16 64x8", "*bf16", first=True, weights="*bf16"),
+        _moe_variant("fused_moe down bf16 64x8", "*bf16", first=False, weights="*bf16"),
+        _moe_variant("fused_moe down bf16, fp32 weights", "*bf16", first=False, weights="*fp32"),
     ]  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from kernels._common import (
     check_dtype,
     check_last_dim_contiguous,
     check_shape,
+    dot_dtype,
     is_interpreted,
     next_power_of_2,
     tl,
@@ -285,17 +286,6 @@ def _check_inputs(
         check_last_dim_contiguous("out", out)
 
 
-def _dot_dtype(q: torch.Tensor, interpreted: bool) -> "tl.dtype":
-    # Triton's interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those bit
-    # patterns, so there the bf16 operands are widened to fp32 (loads, stores and conversions
-    # of bf16 are still exercised; the bf16 tensor-core dot itself only runs on CUDA).
-    if q.dtype == torch.float16:
-        return tl.float16
-    if q.dtype == torch.bfloat16 and not interpreted:
-        return tl.bfloat16
-    return tl.float32
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -393,7 +383,7 @@ class _Launch:
             cdiv(cdiv(max_seq_len, _BLOCK_N), num_splits),
             GROUP=t.group, GROUP_P=t.group_p, BLOCK_Q=t.block_q, BLOCK_M=t.block_m,
             BLOCK_N=_BLOCK_N, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim,
-            DOT_DTYPE=_dot_dtype(self.q, is_interpreted(_paged_attention_kernel)),
+            DOT_DTYPE=dot_dtype(self.q.dtype, is_interpreted(_paged_attention_kernel)),
             DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32",
             SPLIT=split,
             num_warps=t.num_warps,

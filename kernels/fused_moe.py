@@ -1,0 +1,188 @@
+"""A mixture-of-experts MLP: every token through its top-k experts, all experts in one launch.
+
+Each (token, choice) pair is a row of work. `moe_align` sorts the rows by expert and pads
+each expert's run to a multiple of BLOCK_M, so each program's tile of BLOCK_M rows belongs to
+one expert and multiplies by that expert's weights alone (a grouped GEMM, the layout of
+vLLM's fused_moe). Two launches of one kernel make the MLP: x @ w13[e].T gives each row's
+gate and up halves, SiLU(gate) * up runs in torch between them, and @ w2[e].T, scaled by the
+row's routing weight, gives the row's output; a token's k rows are summed at the end.
+
+Every size is fixed by the number of tokens (the padded row count has an upper bound:
+rows + num_experts * (BLOCK_M - 1)), and the alignment is torch ops without host syncs, so
+a decode step's MoE layers can be captured in a CUDA graph.
+
+Rounding follows transformers: each projection is accumulated in fp32 and rounded to the
+activation dtype; the routing weight multiplies that in the weights' dtype (fp32 for
+Mixtral, the activation dtype for Qwen, whose product is rounded); a token's k products are
+summed in fp32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from kernels._common import (
+    cdiv,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_shape,
+    dot_dtype,
+    is_interpreted,
+    tl,
+    triton,
+)
+
+__all__ = ["fused_moe", "fused_moe_ref", "moe_align"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BLOCK_M = 16  # rows per tile: the tl.dot minimum, as a decode step routes few rows per expert
+_BLOCK_N = 64
+_BLOCK_K = 32
+
+
+@triton.jit
+def _moe_matmul_kernel(
+    a_ptr,  # [num_tokens, K] when A_PER_TOKEN, else [num_pairs, K]
+    w_ptr,  # [num_experts, N, K]
+    out_ptr,  # [num_pairs, N]
+    topk_weights_ptr,  # [num_pairs]; read only when MUL_WEIGHT
+    sorted_ids_ptr,  # [max_rows] int64: pair index per row, num_pairs for padding
+    block_experts_ptr,  # [max_rows / BLOCK_M] int64: the expert of each tile, NUM_EXPERTS past the end
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,  # a's rows are tokens (pair // TOP_K), else pairs
+    MUL_WEIGHT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, else the default "tf32"
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + tile)
+    if expert < NUM_EXPERTS:  # tiles past the last expert's run hold only padding
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_ids_ptr + rows)  # [BLOCK_M]
+        valid = pairs < num_pairs
+        if A_PER_TOKEN:
+            a_rows = pairs // TOP_K
+        else:
+            a_rows = pairs
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        ks = tl.arange(0, BLOCK_K)
+        a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_valid = (k0 + ks) < K
+            a = tl.load(a_base + (k0 + ks)[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
+            w = tl.load(w_base + (k0 + ks)[:, None], mask=k_valid[:, None] & (cols < N)[None, :], other=0.0)
+            acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        out = acc.to(a_ptr.dtype.element_ty)  # the projection, rounded to the activation dtype
+        if MUL_WEIGHT:  # in fp32, then rounded to out's dtype: fp32 for fp32 routing weights
+            weight = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+            out = out.to(tl.float32) * weight[:, None]
+        out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < N)[None, :])
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows sorted by expert, each expert's run padded to a multiple of `block_m`.
+
+    Returns sorted_ids [max_rows] (the flat (token, choice) pair of each row; num_pairs marks
+    padding) and block_experts [max_rows / block_m] (each tile's expert; num_experts for
+    tiles past the last run), max_rows = num_pairs + num_experts * (block_m - 1) rounded up
+    to block_m. Torch ops of fixed sizes, no host sync."""
+    flat = topk_ids.flatten()
+    num_pairs = flat.numel()
+    max_rows = cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_ends = padded.cumsum(0)  # where each expert's padded run ends
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in pair order within one
+    experts = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[experts]
+    sorted_ids = torch.full((max_rows,), num_pairs, dtype=torch.int64, device=flat.device)
+    sorted_ids[run_ends[experts] - padded[experts] + rank] = order
+    tile_starts = torch.arange(0, max_rows, block_m, device=flat.device)
+    block_experts = torch.searchsorted(run_ends, tile_starts, right=True)
+    return sorted_ids, block_experts
+
+
+def _check_inputs(x, w13, w2, topk_weights, topk_ids) -> None:
+    check_dtype("x", x, _DTYPES)
+    check_shape("x", x, (None, None))
+    num_tokens, hidden = x.shape
+    check_shape("w13", w13, (None, None, hidden))
+    num_experts, two_inter, _ = w13.shape
+    if two_inter % 2:
+        raise ValueError(f"w13 must stack gate and up halves of equal size, got {two_inter} rows")
+    check_shape("w2", w2, (num_experts, hidden, two_inter // 2))
+    for name, w in (("w13", w13), ("w2", w2)):
+        check_dtype(name, w, (x.dtype,))
+        check_last_dim_contiguous(name, w)
+    check_shape("topk_ids", topk_ids, (num_tokens, None))
+    check_dtype("topk_ids", topk_ids, (torch.int64,))
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    check_dtype("topk_weights", topk_weights, (torch.float32, x.dtype))
+    check_last_dim_contiguous("x", x)
+
+
+def _launch(a, w, out, topk_weights, sorted_ids, block_experts, top_k, a_per_token, mul_weight) -> None:
+    num_experts, n, k = w.shape
+    grid = (block_experts.shape[0], cdiv(n, _BLOCK_N))
+    _moe_matmul_kernel[grid](
+        a, w, out, topk_weights, sorted_ids, block_experts, out.shape[0], n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        NUM_EXPERTS=num_experts, TOP_K=top_k, A_PER_TOKEN=a_per_token, MUL_WEIGHT=mul_weight,
+        DOT_DTYPE=dot_dtype(a.dtype, is_interpreted(_moe_matmul_kernel)),
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    topk_weights: torch.Tensor,  # [T, top_k]: float32 or x's dtype
+    topk_ids: torch.Tensor,  # [T, top_k] int64
+) -> torch.Tensor:  # [T, hidden]
+    """Sum over each token's top-k experts of weight * down(SiLU(gate(x)) * up(x))."""
+    _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    check_device(_moe_matmul_kernel, x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    sorted_ids, block_experts = moe_align(topk_ids, w13.shape[0], _BLOCK_M)
+    weights = topk_weights.flatten().contiguous()
+    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
+    _launch(x, w13, gate_up, weights, sorted_ids, block_experts, top_k, a_per_token=True, mul_weight=False)
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = F.silu(gate).mul_(up)  # [num_pairs, intermediate]
+    # weighted rows in the weights' dtype; their sum accumulates in fp32 and is rounded once
+    out = torch.empty(num_pairs, hidden, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+    _launch(h, w2, out, weights, sorted_ids, block_experts, top_k, a_per_token=False, mul_weight=True)
+    return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """The same sum, each row's experts' weights gathered and multiplied densely (an
+    independent oracle: no sorting, no tiles), with the kernel's rounding points."""
+    gate_up = torch.einsum("th,tknh->tkn", x.float(), w13[topk_ids].float()).to(x.dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = F.silu(gate) * up  # [T, top_k, intermediate]
+    out = torch.einsum("tki,tkhi->tkh", h.float(), w2[topk_ids].float()).to(x.dtype)
+    return (out * topk_weights[..., None]).sum(dim=1).to(x.dtype)

@@ -1,0 +1,82 @@
+"""The fused mixture-of-experts kernel against its dense torch reference, and the alignment
+that groups rows by expert against a plain Python grouping."""
+
+import pytest
+import torch
+from kernel_cases import ON_CUDA, assert_close
+
+from kernels import fused_moe, fused_moe_ref, moe_align
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+# (tokens, experts, top_k, hidden, intermediate): a decode token, sizes off the tile grid,
+# more experts than tokens use (empty runs)
+CASES = [(1, 4, 2, 64, 96), (37, 8, 3, 96, 48), (5, 16, 2, 64, 64)]
+if ON_CUDA:
+    CASES += [(512, 8, 2, 1024, 1408), (2048, 64, 8, 512, 256)]
+
+
+def _routing(num_tokens: int, num_experts: int, top_k: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(torch.randn(num_tokens, num_experts, device=device), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return weights.to(dtype), ids
+
+
+def _inputs(case, dtype, device):
+    num_tokens, num_experts, top_k, hidden, inter = case
+    x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=device) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, device=device) * inter**-0.5).to(dtype)
+    return x, w13, w2
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_align_groups_every_pair_under_its_expert(device: torch.device, block_m: int) -> None:
+    num_experts, top_k = 8, 3
+    _, ids = _routing(29, num_experts, top_k, device, torch.float32)
+    ids[:, 0] = 5  # one expert with a run longer than a tile
+    sorted_ids, block_experts = moe_align(ids, num_experts, block_m)
+    flat = ids.flatten().tolist()
+    num_pairs = len(flat)
+    assert sorted_ids.shape[0] % block_m == 0 and sorted_ids.shape[0] == block_m * block_experts.shape[0]
+    rows = sorted_ids.tolist()
+    assert sorted(r for r in rows if r != num_pairs) == list(range(num_pairs))  # each pair once
+    expected_tiles = []
+    for expert in range(num_experts):  # runs in expert order, pairs in order within a run
+        run = [p for p, e in enumerate(flat) if e == expert]
+        for start in range(0, len(run), block_m):
+            tile = run[start : start + block_m]
+            expected_tiles.append((expert, tile + [num_pairs] * (block_m - len(tile))))
+    tiles = [(block_experts[t].item(), rows[t * block_m : (t + 1) * block_m])
+             for t in range(block_experts.shape[0])]
+    assert tiles[: len(expected_tiles)] == expected_tiles
+    assert all(e == num_experts and r == [num_pairs] * block_m for e, r in tiles[len(expected_tiles) :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+@pytest.mark.parametrize("weights_dtype", ["fp32", "act"])  # Mixtral's float32 weights, Qwen's rounded ones
+def test_fused_moe_matches_reference(device: torch.device, case, dtype: torch.dtype, weights_dtype: str) -> None:
+    x, w13, w2 = _inputs(case, dtype, device)
+    weights, ids = _routing(case[0], case[1], case[2], device, torch.float32 if weights_dtype == "fp32" else dtype)
+    assert_close(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids))
+
+
+def test_fused_moe_reads_strided_rows(device: torch.device) -> None:
+    """x as a slice of a wider buffer, as the residual stream hands it over."""
+    x, w13, w2 = _inputs((6, 4, 2, 64, 32), torch.float32, device)
+    wide = torch.randn(6, 160, device=device)
+    wide[:, 16:80] = x
+    weights, ids = _routing(6, 4, 2, device, torch.float32)
+    assert_close(fused_moe(wide[:, 16:80], w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids))
+
+
+def test_fused_moe_rejects_what_it_cannot_run(device: torch.device) -> None:
+    x, w13, w2 = _inputs((3, 4, 2, 64, 32), torch.float32, device)
+    weights, ids = _routing(3, 4, 2, device, torch.float32)
+    with pytest.raises(ValueError, match="topk_ids must have dtype in \\(int64\\)"):
+        fused_moe(x, w13, w2, weights, ids.int())
+    with pytest.raises(ValueError, match=r"w2 must have shape \[4, 64, 32\]"):
+        fused_moe(x, w13, w2[:, :, :16], weights, ids)
+    with pytest.raises(ValueError, match="w13 must have dtype in \\(float32\\)"):
+        fused_moe(x, w13.half(), w2, weights, ids)
