@@ -85,6 +85,26 @@ def tiny_hf_config(family: str):
     if family == "qwen3":  # head_dim set apart from hidden_size / heads, as Qwen3's configs do
         return Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=False, head_dim=32,
                            **TINY_COMMON)
+    return tiny_moe_config(family, vocab)
+
+
+def tiny_moe_config(family: str, vocab: int):
+    """Mixtures of experts, each routing its own way: Mixtral (top 2 of 4, renormalized, in
+    float32), Qwen2-MoE (top 3 of 8, not renormalized, a shared expert), Qwen3-MoE (top 2 of
+    6, renormalized, its second layer a dense MLP)."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if family == "mixtral":
+        return MixtralConfig(vocab_size=vocab, sliding_window=None, tie_word_embeddings=False,
+                             num_local_experts=4, num_experts_per_tok=2, **TINY_COMMON)
+    if family == "qwen2_moe":
+        return Qwen2MoeConfig(vocab_size=vocab, tie_word_embeddings=False, use_sliding_window=False,
+                              num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                              shared_expert_intermediate_size=96, norm_topk_prob=False, **TINY_COMMON)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=False, head_dim=32,
+                              num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
+                              norm_topk_prob=True, mlp_only_layers=[1], **TINY_COMMON)
     raise ValueError(family)
 
 
@@ -114,6 +134,17 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
 @pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
+
+
+@pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe"])
+def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
+    return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A mixture of experts whose second layer keeps a dense MLP."""
+    return build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), default_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,9 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         if layer >= cfg.num_hidden_layers:
             raise ValueError(f"{where}: tensor {key!r} names layer {layer}, but the model has "
                              f"{cfg.num_hidden_layers}")
+        if TARGETS[match.group(2)][0] in _MLP and _has_experts(cfg, layer):
+            raise ValueError(f"{where}: tensor {key!r} adapts the MLP of layer {layer}, a mixture-of-experts "
+                             "layer; genq applies adapters to attention and dense MLPs only")
         halves.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
     adapter = LoRAAdapter(request, rank=0)
     for (layer, module), pair in sorted(halves.items()):
@@ -92,6 +95,13 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
     if not adapter.pairs:
         raise ValueError(f"{where}: the adapter holds no LoRA weights")
     return adapter
+
+
+_MLP = ("gate_up_proj", "down_proj")
+
+
+def _has_experts(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.moe is not None and layer in cfg.moe.layers
 
 
 def _check_config(config: dict, where: str) -> None:
@@ -215,8 +225,10 @@ class LoRAManager:
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recent first
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         for i, layer in enumerate(model.layers):
-            for owner, fused in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            targets = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+            if not _has_experts(cfg, i):
+                targets += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+            for owner, fused in targets:
                 slots = LoRASlots(_in_features(fused, cfg), _shard_sizes(fused, cfg), max_loras, max_rank, dtype, device)
                 setattr(owner, fused.removesuffix("_proj") + "_lora", slots)
                 self.slots[(i, fused)] = slots

@@ -66,8 +66,23 @@ def test_greedy_matches_transformers_default_model(default_model_dir):
     run_and_compare(llm, default_model_dir, PROMPTS[:8])
 
 
+def test_greedy_matches_transformers_mixtures_of_experts(tiny_moe_dir):
+    llm = LLM(str(tiny_moe_dir), dtype="float32", num_gpu_blocks_override=256)
+    run_and_compare(llm, tiny_moe_dir)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])  # triton: attention, KV writes, norms, rotary
 def test_prefill_logits_match_transformers(tiny_model_dir, backend):
+    check_prefill_logits(tiny_model_dir, backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # triton: the fused MoE kernel too
+def test_prefill_logits_match_transformers_mixtures_of_experts(tiny_moe_dir, backend):
+    check_prefill_logits(tiny_moe_dir, backend)
+
+
+def check_prefill_logits(tiny_model_dir, backend):
+    """Three requests in two steps (two of them chunked) against transformers' last logits."""
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, device=device,
               attention_backend=backend)

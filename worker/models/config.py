@@ -12,6 +12,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2 without the q/k/v biases, with an RMSNorm on each q and k head
+    # mixtures of experts: each token's MLP is the weighted sum of its top-k routed experts
+    "MixtralForCausalLM": "mixtral",  # Mistral with 8 experts, top-2
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 with routed experts
     # the same decoders without an LM head (embedding models such as e5-mistral and
     # gte-Qwen2): they serve embedding requests only
     "LlamaModel": "llama",
@@ -19,8 +23,43 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
 }
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """How a mixture-of-experts model routes: each token's router picks `top_k` of
+    `num_experts` experts (SwiGLU MLPs of width `intermediate_size`) by softmax probability,
+    and the layer's output is their weighted sum."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    layers: frozenset[int]  # the layers with experts; the others keep a dense MLP
+    renormalize: bool  # scale the top-k probabilities to sum to one (Mixtral; Qwen's norm_topk_prob)
+    # Mixtral weighs each expert's output in float32, Qwen in the activation dtype: kept so
+    # that outputs equal transformers' on the same weights
+    float32_weights: bool
+    shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert, scaled by sigmoid(gate(x))
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, family: str) -> MoEConfig:
+        if family == "mixtral":
+            return cls(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
+                       intermediate_size=hf_config.intermediate_size,
+                       layers=frozenset(range(hf_config.num_hidden_layers)), renormalize=True,
+                       float32_weights=True)
+        # Qwen: every `decoder_sparse_step`-th layer has experts, unless listed in mlp_only_layers
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        layers = frozenset(i for i in range(hf_config.num_hidden_layers)
+                           if i not in dense and (i + 1) % step == 0)
+        return cls(num_experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok,
+                   intermediate_size=hf_config.moe_intermediate_size, layers=layers,
+                   renormalize=bool(getattr(hf_config, "norm_topk_prob", False)), float32_weights=False,
+                   shared_expert_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
 
 
 @dataclass(frozen=True)
@@ -44,6 +83,7 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     has_lm_head: bool = True  # False: an embedding model; generation is refused
     qk_norm: bool = False  # an RMSNorm over each q and k head before the rotary (Qwen3)
+    moe: MoEConfig | None = None  # a mixture of experts' routing, None for a dense model
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -53,11 +93,11 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {supported}")
         heads = hf_config.num_attention_heads
         family = SUPPORTED_ARCHITECTURES[arch]
-        qwen2 = family == "qwen2"
+        qwen2 = family in ("qwen2", "qwen2_moe")
         has_lm_head = arch.endswith("ForCausalLM")
         qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or qwen2
         window = getattr(hf_config, "sliding_window", None)
-        if family in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+        if family.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False):
             window = None
         _rope_type(hf_config)  # fail early on unsupported scaling
         return cls(
@@ -80,7 +120,8 @@ class ModelConfig:
             sliding_window=window,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
         )
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat batch and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, and the mixtures of experts
+Mixtral, Qwen2-MoE and Qwen3-MoE) over a flat batch and a paged KV cache.
 
 Weights are read from a Hugging Face checkpoint; q/k/v and gate/up projections are fused at
 load time so each layer makes two matmuls for attention input and MLP input instead of five.
@@ -15,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.models.config import ModelConfig
+from worker.models.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
     from worker.lora import LoRAMapping, LoRASlots
@@ -161,11 +163,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_up_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
         self.down_lora: LoRASlots | None = None
 
@@ -182,10 +184,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, use_kernels: bool):
+    def __init__(self, cfg: ModelConfig, use_kernels: bool, index: int):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock
+        if cfg.moe is not None and index in cfg.moe.layers:
+            self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, use_kernels, MLP)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
 
@@ -209,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.use_kernels = use_kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, use_kernels) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, use_kernels, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -251,7 +257,8 @@ class LlamaForCausalLM(nn.Module):
                     param.copy_(torch.randn(param.shape, generator=generator).mul_(std))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a Hugging Face checkpoint's tensors in, fusing q/k/v and gate/up."""
+        """Copy a Hugging Face checkpoint's tensors in, fusing q/k/v and gate/up and stacking
+        experts."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -263,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            _copy_shard(params[name], tensor, shard, self.config)
+            _copy_shard(params[name], tensor, shard, self.config, hf_name)
             loaded.add(f"{name}:{shard}")
         self._check_complete(loaded)
 
@@ -272,24 +279,44 @@ class LlamaForCausalLM(nn.Module):
         expected = [
             f"{name}:{shard}"
             for name, _ in self.named_parameters()
-            if not (tied and name == "lm_head.weight")
-            for shard in _SHARDS.get(name.split(".")[-2] if "." in name else "", [None])
+            if not (tied and name == "lm_head.weight") and f"{name}:None" not in loaded
+            for shard in self._shards(name)
         ]
         missing = [key.removesuffix(":None") for key in expected if key not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
 
 
+    def _shards(self, name: str) -> list[str | None]:
+        """The pieces a parameter is loaded in: q/k/v, gate/up, or one per expert."""
+        parts = name.split(".")
+        if len(parts) > 1 and parts[-2] == "experts" and self.config.moe is not None:
+            kinds = ("gate", "up") if parts[-1] == "w13" else ("down",)
+            return [f"{kind}.{e}" for e in range(self.config.moe.num_experts) for kind in kinds]
+        return list(_SHARDS.get(parts[-2] if len(parts) > 1 else "", [None]))
+
+
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 _SHARDS = {"qkv_proj": ["q", "k", "v"], "gate_up_proj": ["gate", "up"]}
+# one expert's projection in a checkpoint (Mixtral's w1/w3/w2, Qwen's names) -> its piece
+_EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+# experts already stacked (transformers >= 5 holds them so): [E, 2 * I, H] and [E, H, I]
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
 def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
     if "rotary_emb" in hf_name:
         return None  # recomputed, not loaded
-    name = hf_name.removeprefix("model.")
+    name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
     parts = name.split(".")
+    if "experts" in parts[:-1]:
+        i = parts.index("experts")
+        if parts[i + 1].isdigit() and len(parts) > i + 2 and parts[i + 2] in _EXPERT_PROJ:
+            kind = _EXPERT_PROJ[parts[i + 2]]  # experts.<e>.<proj>.weight
+            return ".".join(parts[: i + 1] + ["w2" if kind == "down" else "w13"]), f"{kind}.{parts[i + 1]}"
+        if parts[i + 1] in _STACKED:
+            return ".".join(parts[: i + 1] + [_STACKED[parts[i + 1]]]), None
     for i, part in enumerate(parts):
         if part in _FUSED:
             fused, shard = _FUSED[part]
@@ -297,25 +324,30 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
     return name, None
 
 
-def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cfg: ModelConfig) -> None:
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cfg: ModelConfig,
+                hf_name: str) -> None:
     with torch.no_grad():
-        if shard is None:
-            dst = param
-        else:
-            start, size = _shard_range(shard, cfg)
-            dst = param.narrow(0, start, size)
+        dst = param
+        if shard is not None:
+            kind, _, expert = shard.partition(".")
+            if expert:  # one expert's piece of the stacked weights
+                dst = dst[int(expert)]
+            if kind != "down":
+                start, size = _shard_range(kind, cfg, dst.shape[0])
+                dst = dst.narrow(0, start, size)
         if dst.shape != tensor.shape:
-            raise ValueError(f"shape mismatch for {shard or 'tensor'}: model {tuple(dst.shape)}, checkpoint {tuple(tensor.shape)}")
+            raise ValueError(f"shape mismatch for {hf_name!r}: model {tuple(dst.shape)}, checkpoint {tuple(tensor.shape)}")
         dst.copy_(tensor)
 
 
-def _shard_range(shard: str, cfg: ModelConfig) -> tuple[int, int]:
+def _shard_range(shard: str, cfg: ModelConfig, rows: int) -> tuple[int, int]:
+    """Where a piece lies in the fused weight of `rows` rows."""
     q_size = cfg.num_attention_heads * cfg.head_dim
     kv_size = cfg.num_key_value_heads * cfg.head_dim
     return {
         "q": (0, q_size),
         "k": (q_size, kv_size),
         "v": (q_size + kv_size, kv_size),
-        "gate": (0, cfg.intermediate_size),
-        "up": (cfg.intermediate_size, cfg.intermediate_size),
+        "gate": (0, rows // 2),
+        "up": (rows // 2, rows // 2),
     }[shard]

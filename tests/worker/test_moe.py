@@ -1,0 +1,130 @@
+"""Mixtures of experts beyond greedy parity (tests/worker/test_engine.py has that): the expert
+layers' bfloat16 arithmetic, both checkpoint layouts, and LoRA beside experts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from producer.sampling_params import SamplingParams
+from worker import LLM, LoRARequest
+from worker.model_loader import iter_safetensors
+from worker.models.config import ModelConfig
+from worker.models.llama import LlamaForCausalLM
+from worker.models.moe import SparseMoeBlock
+from worker.models.packed_linear import can_pack, pack_linears
+
+
+def _load(model_dir: Path, dtype: torch.dtype) -> LlamaForCausalLM:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = LlamaForCausalLM(ModelConfig.from_hf(hf.config))
+    model.load_weights(iter_safetensors(model_dir))
+    return model.to(dtype).eval()
+
+
+def test_expert_layers_equal_transformers_bitwise_in_bfloat16(tiny_moe_dir):
+    """Routing, each expert's rounding, Mixtral's float32 weights against Qwen's rounded
+    ones, the shared expert: the MoE block's output equals transformers', bit for bit, over
+    a batch of tokens that routes to every expert (and so with packed CPU linears)."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.bfloat16).eval()
+    ours = _load(tiny_moe_dir, torch.bfloat16)
+    torch.manual_seed(0)
+    x = torch.randn(57, hf.config.hidden_size).to(torch.bfloat16)
+    moe_layers = [i for i, layer in enumerate(ours.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+    assert moe_layers
+    with torch.inference_mode():
+        expected = {i: hf.model.layers[i].mlp(x[None])[0] for i in moe_layers}
+        ids = {i: ours.layers[i].mlp.gate(x).topk(ours.config.moe.top_k).indices for i in moe_layers}
+        assert all(len(ids[i].unique()) == ours.config.moe.num_experts for i in moe_layers)
+        for i in moe_layers:
+            assert torch.equal(ours.layers[i].mlp(x), expected[i]), i
+        if can_pack(torch.device("cpu"), torch.bfloat16):
+            pack_linears(ours, batch_hint=8)
+            for i in moe_layers:
+                assert torch.equal(ours.layers[i].mlp(x), expected[i]), i
+
+
+def test_stacked_experts_load_like_one_tensor_per_expert(tiny_moe_dir, tmp_path):
+    """transformers >= 5 holds each layer's experts as two stacked tensors; a checkpoint saved
+    from that state dict loads to the same weights as the hub's one-tensor-per-expert files."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()
+             if not (hf.config.tie_word_embeddings and k == "lm_head.weight")}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    for path in tiny_moe_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, tmp_path / path.name)
+    save_file(state, tmp_path / "model.safetensors")
+    per_expert, stacked = _load(tiny_moe_dir, torch.float32), _load(tmp_path, torch.float32)
+    for (name, a), (_, b) in zip(per_expert.named_parameters(), stacked.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_missing_expert_is_named(tiny_qwen3_moe_dir, tmp_path):
+    for path in tiny_qwen3_moe_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, tmp_path / path.name)
+    tensors = load_file(tiny_qwen3_moe_dir / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"checkpoint is missing weights: layers\.0\.mlp\.experts\.w13:up\.3"):
+        LLM(str(tmp_path), dtype="float32", num_gpu_blocks_override=16)
+
+
+def test_lora_adapts_attention_and_dense_layers_beside_experts(tiny_qwen3_moe_dir, default_model_dir, tmp_path):
+    """An adapter on attention projections and on the MLP of layer 1 (the dense one) gives the
+    tokens of transformers on the weights with the adapter merged in; one that adapts layer
+    0's MLP, where the experts are, is refused by name."""
+    cfg = json.loads((tiny_qwen3_moe_dir / "config.json").read_text())
+    hidden, dense, q_out = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"] * cfg["head_dim"]
+    shapes = {"0.self_attn.q_proj": (hidden, q_out), "1.self_attn.v_proj": (hidden, cfg["num_key_value_heads"] * cfg["head_dim"]),
+              "1.mlp.gate_proj": (hidden, dense), "1.mlp.down_proj": (dense, hidden)}
+    rank, alpha = 4, 8
+    torch.manual_seed(5)
+    pairs = {name: (torch.randn(rank, fan_in) * 0.3, torch.randn(fan_out, rank) * 0.3)
+             for name, (fan_in, fan_out) in shapes.items()}
+    adapter = _write_adapter(tmp_path / "adapter", pairs, rank, alpha)
+    merged = tmp_path / "merged"
+    shutil.copytree(tiny_qwen3_moe_dir, merged)
+    weights = load_file(merged / "model.safetensors")
+    for name, (a, b) in pairs.items():
+        weights[f"model.layers.{name}.weight"] += (alpha / rank) * b @ a
+    save_file(weights, merged / "model.safetensors")
+
+    prompts = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. " * 3]
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = [hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(ids):].tolist() for ids in map(tok.encode, prompts)]
+    llm = LLM(str(tiny_qwen3_moe_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=LoRARequest("moe", 1, str(adapter)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    base = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in base] != expected  # the adapter changed something
+
+    bad = _write_adapter(tmp_path / "bad", {"0.mlp.gate_proj": (torch.zeros(rank, hidden), torch.zeros(dense, rank))},
+                         rank, alpha)
+    with pytest.raises(ValueError, match=r"adapts the MLP of layer 0, a mixture-of-experts layer"):
+        llm.generate(prompts[:1], params, lora_request=LoRARequest("bad", 2, str(bad)), use_tqdm=False)
+
+
+def _write_adapter(out: Path, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, alpha: int) -> Path:
+    """A PEFT LoRA directory as PEFT writes one: `<layer>.<module>` -> (A [r, in], B [out, r])."""
+    out.mkdir()
+    targets = sorted({name.rsplit(".", 1)[1] for name in pairs})
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets, "bias": "none"}))
+    tensors = {}
+    for name, (a, b) in pairs.items():
+        tensors[f"base_model.model.model.layers.{name}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.model.layers.{name}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, out / "adapter_model.safetensors")
+    return out

@@ -1,0 +1,101 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat batch of tokens.
+
+Each expert is a SwiGLU MLP. Their weights are stacked at load time, vLLM's layout:
+`w13` [num_experts, 2 * intermediate, hidden] holds each expert's gate and up projections,
+`w2` [num_experts, hidden, intermediate] its down projection. A router (one linear layer)
+scores the experts for each token; the token's output is the weighted sum of its top-k
+experts' outputs.
+
+On the torch path the experts run one after another over the tokens routed to them, with
+transformers' rounding, so outputs equal transformers' on the same weights (bitwise in
+bfloat16 on the CPU). On the kernel
+path (CUDA) one Triton kernel runs all experts' matmuls over tokens grouped by expert
+(`kernels.fused_moe`), with fixed-size launches that CUDA graphs can capture.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from worker.models.config import MoEConfig
+
+
+class Experts(nn.Module):
+    def __init__(self, moe: MoEConfig, hidden_size: int, use_kernel: bool):
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.intermediate_size = moe.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
+        self.use_kernel = use_kernel
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        topk_weights: torch.Tensor,  # [T, top_k]: float32, or the activation dtype
+        topk_ids: torch.Tensor,  # [T, top_k] int64
+    ) -> torch.Tensor:  # [T, hidden]
+        if self.use_kernel:
+            import kernels
+
+            return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+        return self._forward_torch(x, topk_weights, topk_ids)
+
+    def _forward_torch(self, x, topk_weights, topk_ids):
+        num_tokens, top_k = topk_ids.shape
+        out = x.new_empty(num_tokens * top_k, x.shape[1])  # one row per (token, choice) pair
+        # the pairs each expert serves, grouped; one host sync per layer
+        flat = topk_ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            gate, up = F.linear(x[pairs // top_k], self.w13[expert]).chunk(2, dim=-1)
+            out[pairs] = F.linear(F.silu(gate) * up, self.w2[expert])
+        return combine(out, topk_weights)
+
+
+def combine(out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Each token's pairs' outputs [T * k, hidden], weighted and summed: [T, hidden]. As in
+    transformers: the product takes the weights' dtype (float32 for Mixtral), the sum over k
+    accumulates in float32 and is rounded once to the activation dtype."""
+    num_tokens, top_k = topk_weights.shape
+    weighted = out * topk_weights.reshape(-1, 1)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1).to(out.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """The router, the routed experts and, for Qwen2-MoE, the shared expert."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int, use_kernel: bool, mlp_cls: type[nn.Module]):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = Experts(moe, hidden_size, use_kernel)
+        if moe.shared_expert_size:
+            self.shared_expert = mlp_cls(hidden_size, moe.shared_expert_size, False)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, hidden]; LoRA skips experts
+        topk_weights, topk_ids = route(self.gate(x), self.moe)
+        if not self.moe.float32_weights:
+            topk_weights = topk_weights.to(x.dtype)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.moe.shared_expert_size:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def route(router_logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts per token by softmax probability (float32): weights [T, k], ids [T, k]."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    topk_weights, topk_ids = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
