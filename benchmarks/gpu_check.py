@@ -6,7 +6,9 @@
    and with CUDA graphs against without (`enforce_eager`); the same with LoRA adapters mixed in
    one batch (random rank-16 adapters, written by `benchmarks/lora.py`); n-gram speculative
    decoding against plain decoding (float32: equal); embeddings (float32: equal up to summation
-   order); a Qwen3 of the model's shape (its per-head q/k norms), greedy, CUDA against CPU;
+   order); the model's shape remade as a Qwen3 (its per-head q/k norms), a Qwen3-MoE and a
+   Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), greedy, CUDA
+   against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -108,10 +110,23 @@ def check_embed_vs_cpu(model: str | None, load_format: str, devices: tuple[str, 
     return [f"embed {devices[1]} vs {devices[0]} float32 max abs diff {(vectors[0] - vectors[1]).abs().max().item():.2e}"]
 
 
-def check_qwen3_vs_cpu(model: str | None, load_format: str, devices: tuple[str, str] = ("cpu", "cuda"),
-                       num_tokens: int = 16) -> list[str]:
-    """Qwen3's per-head q/k norms on CUDA: the model's shape remade as a Qwen3 (seeded random
-    weights), greedy on CUDA against the CPU path in float32."""
+# the model's shape remade as other architectures: what each one adds to the CUDA path
+REMADE = {
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},  # per-head q/k norms
+    # routed experts (the fused MoE kernel, inside the decode CUDA graphs): top 2 of 8,
+    # renormalized, the second layer dense; and Mixtral's float32 routing weights
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
+                  "mlp_only_layers": [1]},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 8,
+                "num_experts_per_tok": 2, "sliding_window": None},
+}
+
+
+def check_remade_vs_cpu(model: str | None, arch: str, devices: tuple[str, str] = ("cpu", "cuda"),
+                        num_tokens: int = 16) -> list[str]:
+    """The model's shape remade as `arch` (REMADE; seeded random weights), greedy on CUDA
+    against the CPU path in float32."""
     import json
     import shutil
     import tempfile
@@ -127,15 +142,15 @@ def check_qwen3_vs_cpu(model: str | None, load_format: str, devices: tuple[str, 
             if (source / name).exists():
                 shutil.copy(source / name, Path(tmp) / name)
         config = json.loads((source / "config.json").read_text())
-        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
-                      head_dim=config["hidden_size"] // config["num_attention_heads"], use_sliding_window=False)
+        config.update(attention_bias=False, head_dim=config["hidden_size"] // config["num_attention_heads"],
+                      use_sliding_window=False, **REMADE[arch])
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         runs = []
         for device in devices:
             llm = LLM(tmp, dtype="float32", device=device, max_model_len=2048, load_format="dummy")
             runs.append([o.outputs[0].token_ids for o in llm.generate(["Hello, my name is", "1, 2, 3,"], params,
                                                                       use_tqdm=False)])
-    return [f"greedy qwen3 {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}"]
+    return [f"greedy {arch} {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}"]
 
 
 def _compare(a: list[list[int]], b: list[list[int]]) -> str:
@@ -209,7 +224,8 @@ def main() -> int:
     summary += _section("greedy", lambda: check_engine_vs_cpu(args.model, args.load_format))
     summary += _section("lora", lambda: check_lora_vs_cpu(args.model, args.load_format))
     summary += _section("embed", lambda: check_embed_vs_cpu(args.model, args.load_format))
-    summary += _section("qwen3", lambda: check_qwen3_vs_cpu(args.model, args.load_format))
+    for arch in REMADE:
+        summary += _section(arch, lambda arch=arch: check_remade_vs_cpu(args.model, arch))
     summary += _section("W1", lambda: check_w1(args.model, args.load_format, args.num_prompts))
     summary.append(f"elapsed {time.time() - start:.0f} s")
     print("\n".join(["", "== GPU check ==", *summary]))
