@@ -123,31 +123,40 @@ REMADE = {
 }
 
 
-def check_remade_vs_cpu(model: str | None, arch: str, devices: tuple[str, str] = ("cpu", "cuda"),
-                        num_tokens: int = 16) -> list[str]:
-    """The model's shape remade as `arch` (REMADE; seeded random weights), greedy on CUDA
-    against the CPU path in float32."""
+def remake(model: str | None, arch: str, out_dir, **overrides) -> str:
+    """Write the model's config and tokenizer to `out_dir`, the config remade as `arch`
+    (REMADE, then `overrides`); load it with load_format="dummy"."""
     import json
     import shutil
-    import tempfile
     from pathlib import Path
 
-    from worker import LLM, SamplingParams
     from worker.model_loader import resolve_model_path
 
-    source = resolve_model_path(model)
+    source, out = resolve_model_path(model), Path(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    config = json.loads((source / "config.json").read_text())
+    config.update(attention_bias=False, head_dim=config["hidden_size"] // config["num_attention_heads"],
+                  use_sliding_window=False, **{**REMADE[arch], **overrides})
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def check_remade_vs_cpu(model: str | None, arch: str, devices: tuple[str, str] = ("cpu", "cuda"),
+                        num_tokens: int = 16) -> list[str]:
+    """The model's shape remade as `arch` (seeded random weights), greedy on CUDA against the
+    CPU path in float32."""
+    import tempfile
+
+    from worker import LLM, SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if (source / name).exists():
-                shutil.copy(source / name, Path(tmp) / name)
-        config = json.loads((source / "config.json").read_text())
-        config.update(attention_bias=False, head_dim=config["hidden_size"] // config["num_attention_heads"],
-                      use_sliding_window=False, **REMADE[arch])
-        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        remade = remake(model, arch, tmp)
         runs = []
         for device in devices:
-            llm = LLM(tmp, dtype="float32", device=device, max_model_len=2048, load_format="dummy")
+            llm = LLM(remade, dtype="float32", device=device, max_model_len=2048, load_format="dummy")
             runs.append([o.outputs[0].token_ids for o in llm.generate(["Hello, my name is", "1, 2, 3,"], params,
                                                                       use_tqdm=False)])
     return [f"greedy {arch} {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}"]

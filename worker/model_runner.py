@@ -22,6 +22,7 @@ from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM, RotaryEmbedding
+from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -84,6 +85,7 @@ class ModelRunner:
         if backend == "torch" and can_pack(self.device, self.dtype):
             # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
             pack_linears(self.model, batch_hint=config.max_num_seqs)
+            pack_experts(self.model, batch_hint=config.max_num_seqs)
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()

@@ -17,7 +17,7 @@ from worker import LLM, LoRARequest
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
-from worker.models.moe import SparseMoeBlock
+from worker.models.moe import SparseMoeBlock, pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
 
 
@@ -46,6 +46,7 @@ def test_expert_layers_equal_transformers_bitwise_in_bfloat16(tiny_moe_dir):
             assert torch.equal(ours.layers[i].mlp(x), expected[i]), i
         if can_pack(torch.device("cpu"), torch.bfloat16):
             pack_linears(ours, batch_hint=8)
+            assert pack_experts(ours, batch_hint=8) == len(moe_layers)
             for i in moe_layers:
                 assert torch.equal(ours.layers[i].mlp(x), expected[i]), i
 

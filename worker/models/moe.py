@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.models.config import MoEConfig
+from worker.models.packed_linear import pack_weight, packed_linear
 
 
 class Experts(nn.Module):
@@ -30,6 +31,14 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.use_kernel = use_kernel
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, see pack()
+
+    def pack(self, batch_hint: int) -> None:
+        """Lay each expert's weights out for oneDNN once (bfloat16 on the CPU, as
+        `pack_linears` does for linear layers); the stacked weights are freed."""
+        self.packed = [(pack_weight(self.w13[e], batch_hint), pack_weight(self.w2[e], batch_hint))
+                       for e in range(self.num_experts)]
+        del self.w13, self.w2
 
     def forward(
         self,
@@ -56,9 +65,23 @@ class Experts(nn.Module):
                 continue
             pairs = order[start : start + count]
             start += count
-            gate, up = F.linear(x[pairs // top_k], self.w13[expert]).chunk(2, dim=-1)
-            out[pairs] = F.linear(F.silu(gate) * up, self.w2[expert])
+            gate, up = self._linear(x[pairs // top_k], expert, 0).chunk(2, dim=-1)
+            out[pairs] = self._linear(F.silu(gate) * up, expert, 1)
         return combine(out, topk_weights)
+
+
+    def _linear(self, x: torch.Tensor, expert: int, which: int) -> torch.Tensor:  # which: 0 w13, 1 w2
+        if self.packed is not None:
+            return packed_linear(x, self.packed[expert][which])
+        return F.linear(x, (self.w13, self.w2)[which][expert])
+
+
+def pack_experts(model: nn.Module, batch_hint: int) -> int:
+    """`Experts.pack` every mixture-of-experts layer of `model`; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Experts)]
+    for experts in layers:
+        experts.pack(batch_hint)
+    return len(layers)
 
 
 def combine(out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -34,15 +34,25 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        with torch.no_grad():
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.packed_weight = pack_weight(linear.weight, batch_hint)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in_features] -> [T, out_features]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return packed_linear(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """A linear layer's weight [out, in] in oneDNN's blocked layout, for `packed_linear`."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) over the weight `pack_weight` laid out; bitwise the same."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
