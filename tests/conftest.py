@@ -85,6 +85,10 @@ def tiny_hf_config(family: str):
     if family == "qwen3":  # head_dim set apart from hidden_size / heads, as Qwen3's configs do
         return Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=False, head_dim=32,
                            **TINY_COMMON)
+    if family == "phi3":
+        from transformers import Phi3Config
+
+        return Phi3Config(vocab_size=vocab, tie_word_embeddings=False, sliding_window=None, **TINY_COMMON)
     return tiny_moe_config(family, vocab)
 
 
@@ -131,7 +135,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

@@ -191,3 +191,26 @@ def test_chat_applies_template(tiny_llama_dir):
     assert out.prompt.startswith("<|im_start|>") and out.prompt.endswith("<|im_start|>assistant\n")
     assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
     assert len(out.outputs[0].token_ids) == 4
+
+
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"architectures": ["GPT2LMHeadModel"]}, r"unsupported architecture 'GPT2LMHeadModel'; supported: .*Phi3ForCausalLM"),
+    ({"rope_parameters": {**ROPE, "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
+     r"unsupported rope scaling 'longrope'"),
+    ({"rope_parameters": {**ROPE, "partial_rotary_factor": 0.75}}, r"partial_rotary_factor=0.75\) are not supported"),
+])
+def test_what_the_engine_cannot_run_is_refused_by_name(change, error):
+    """Phi-3.5's longrope and Phi-4-mini's partial rotary compute something else: refused
+    before any weight is read, not served wrongly."""
+    from transformers import Phi3Config
+
+    from worker.models.config import ModelConfig
+
+    config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=error):
+        ModelConfig.from_hf(config)

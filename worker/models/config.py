@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2 without the q/k/v biases, with an RMSNorm on each q and k head
+    "Phi3ForCausalLM": "phi3",  # Llama whose checkpoints hold q/k/v and gate/up already fused (Phi-3, Phi-4)
     # mixtures of experts: each token's MLP is the weighted sum of its top-k routed experts
     "MixtralForCausalLM": "mixtral",  # Mistral with 8 experts, top-2
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
@@ -100,6 +101,10 @@ class ModelConfig:
         if family.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False):
             window = None
         _rope_type(hf_config)  # fail early on unsupported scaling
+        partial = _rope_params(hf_config).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported; "
+                             "the rotary must cover the whole head")
         return cls(
             hf_config=hf_config,
             architecture=arch,
