@@ -79,6 +79,7 @@ def _paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,  # operand dtype of tl.dot
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (tests), else the default "tf32"
     SPLIT: tl.constexpr,  # write fp32 partials and their log-sum-exp
+    WINDOW: tl.constexpr,  # a query sees only the last WINDOW positions (itself included); 0: all
 ):
     q_tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -107,6 +108,8 @@ def _paged_attention_kernel(
     visible_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(visible_end, BLOCK_N))
+    if WINDOW > 0:  # tiles wholly before the window of this tile's first query are skipped
+        tile_lo = tl.maximum(tile_lo, tl.maximum(context_len + q_tile * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
@@ -128,6 +131,8 @@ def _paged_attention_kernel(
 
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         visible = (kv_pos[None, :] <= pos[:, None]) & kv_valid[None, :]
+        if WINDOW > 0:
+            visible = visible & (kv_pos[None, :] > pos[:, None] - WINDOW)
         s = tl.where(visible, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead of -inf.
@@ -299,6 +304,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of the batch's new tokens over their paged contexts.
 
@@ -336,7 +342,10 @@ def paged_attention(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     scale = q.shape[2] ** -0.5 if scale is None else scale
-    launch = _Launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, tiling)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    launch = _Launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, tiling,
+                     sliding_window or 0)
     if num_splits == 1:
         launch.run(out, None, 1, max_seq_len)
     else:
@@ -356,6 +365,7 @@ class _Launch:
     block_tables: torch.Tensor  # [B, max_num_blocks_per_seq]
     scale: float
     tiling: _Tiling
+    window: int  # 0: none
 
     def run(
         self,
@@ -385,7 +395,7 @@ class _Launch:
             BLOCK_N=_BLOCK_N, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim,
             DOT_DTYPE=dot_dtype(self.q.dtype, is_interpreted(_paged_attention_kernel)),
             DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32",
-            SPLIT=split,
+            SPLIT=split, WINDOW=self.window,
             num_warps=t.num_warps,
         )  # fmt: skip
 
@@ -418,6 +428,7 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32
     block_tables: torch.Tensor,  # [B, max_num_blocks_per_seq] int32
     scale: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]; padding rows are zero
     """Plain-torch paged attention, one sequence at a time, computed in float32."""
     head_dim = q.shape[2]
@@ -430,7 +441,7 @@ def paged_attention_ref(
         blocks = block_tables[b, : cdiv(seq_len, block_size)].long()  # [num_seq_blocks]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, kvh, D]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        out[start:end] = _dense_causal_attention(q[start:end], k, v, scale).to(q.dtype)
+        out[start:end] = _dense_causal_attention(q[start:end], k, v, scale, sliding_window).to(q.dtype)
     return out
 
 
@@ -439,6 +450,7 @@ def _dense_causal_attention(
     k: torch.Tensor,  # [seq_len, num_kv_heads, D]
     v: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, D] float32
     query_len, seq_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -446,7 +458,10 @@ def _dense_causal_attention(
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [num_heads, query_len, seq_len]
     pos = torch.arange(seq_len - query_len, seq_len, device=q.device)  # [query_len]
-    visible = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
+    kv_pos = torch.arange(seq_len, device=q.device)[None, :]
+    visible = kv_pos <= pos[:, None]
+    if window is not None:
+        visible &= kv_pos > pos[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 

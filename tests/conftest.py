@@ -85,6 +85,11 @@ def tiny_hf_config(family: str):
     if family == "qwen3":  # head_dim set apart from hidden_size / heads, as Qwen3's configs do
         return Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=False, head_dim=32,
                            **TINY_COMMON)
+    if family == "mistral_window":  # every layer sees its last 24 positions
+        return MistralConfig(vocab_size=vocab, sliding_window=24, tie_word_embeddings=False, **TINY_COMMON)
+    if family == "qwen2_window":  # layer 0 sees everything, layer 1 its last 24 positions
+        return Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=True, sliding_window=24,
+                           max_window_layers=1, **TINY_COMMON)
     if family == "phi3":
         from transformers import Phi3Config
 
@@ -142,6 +147,12 @@ def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
 
 @pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
+    return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
+
+
+@pytest.fixture(scope="session", params=["mistral_window", "qwen2_window"])
+def tiny_window_dir(request, tmp_path_factory, default_model_dir) -> Path:
+    """Sliding-window attention: on every layer, and on some layers only."""
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 
 

@@ -7,7 +7,8 @@ out as [.., num_kv_heads, ctx, head_dim], ready for matmul without another copy.
 The runner orders each step's flat batch as decodes first (one new token each, sorted by
 context length), then prefill chunks. Decodes are attended in buckets of similar context
 length (padding stays small); each prefill chunk attends to its cached prefix plus its own
-tokens causally. Grouped-query attention is handled without repeating K/V: the query heads
+tokens causally; a layer with a sliding window sees only the last `window` positions, by
+its own mask. Grouped-query attention is handled without repeating K/V: the query heads
 that share a KV head are laid out as extra query rows of that KV head.
 """
 
@@ -52,7 +53,7 @@ def make_attention_backend(name: str, model_config, block_size: int, dtype: torc
     args = (block_size, model_config.num_attention_heads, model_config.num_key_value_heads,
             model_config.head_dim, dtype, device)
     if name == "torch":
-        return TorchAttention(*args)
+        return TorchAttention(*args, windows=frozenset(model_config.layer_windows) - {None})
     if name == "triton":
         from worker.attention_triton import TritonAttention
 
@@ -78,8 +79,9 @@ class DecodeBucket:
     # block_size * head_dim], ordered (sequence, kv head, block); padded with block 0
     block_rows: torch.Tensor
     # [n, 1, group * q_len, max_blocks * block_size] additive: 0 where a row may attend (one
-    # row for q_len 1: every query head of a sequence sees the same positions)
-    mask: torch.Tensor
+    # row for q_len 1: every query head of a sequence sees the same positions); per window
+    # (None: causal only)
+    masks: dict[int | None, torch.Tensor]
     # where the gathered K and V land, reused by every layer of the step: [len(block_rows), bs * D]
     k_buffer: torch.Tensor
     v_buffer: torch.Tensor
@@ -91,7 +93,8 @@ class PrefillChunk:
     row_start: int
     row_end: int
     context_rows: torch.Tensor | None  # [num_kv_heads * num_blocks], ordered (kv head, block); None: no prefix
-    mask: torch.Tensor  # [group * q_len, ctx_len] additive causal mask, one copy per query head of a group
+    # [group * q_len, ctx_len] additive causal mask, one copy per query head of a group; per window
+    masks: dict[int | None, torch.Tensor]
 
 
 @dataclass
@@ -108,19 +111,21 @@ class AttentionMetadata:
         v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         scale: float,
+        window: int | None = None,  # the layer's sliding window
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's K/V into the cache, then attend over it."""
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, self)
-        return paged_attention(q, k, v, k_cache, v_cache, self, scale)
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, window)
 
 
 class TorchAttention:
     """The CPU backend: head-major blocks, decode buckets, torch ops."""
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, windows: frozenset[int] = frozenset()):
         self.block_size = block_size
+        self.windows = windows  # the layers' sliding windows: a mask is built for each
         self.group = num_heads // num_kv_heads  # query heads per KV head
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -171,12 +176,15 @@ class TorchAttention:
         span = torch.arange(num_blocks * bs, device=self.device)
         # query j of sequence i sits at start_i + j and sees positions up to it: [n, q_len, span]
         last = start[:, None] + torch.arange(q_len, device=self.device)[None, :]
-        allowed = span[None, None, :] <= last[:, :, None]
-        if q_len > 1:  # rows ordered (group member, query) within a KV head
-            allowed = allowed.unsqueeze(1).expand(n, self.group, q_len, -1).reshape(n, self.group * q_len, -1)
-        mask = self._additive(allowed).view(n, 1, allowed.shape[1], -1)
+
+        def mask(window: int | None) -> torch.Tensor:
+            allowed = self._allowed(span[None, None, :], last[:, :, None], window)
+            if q_len > 1:  # rows ordered (group member, query) within a KV head
+                allowed = allowed.unsqueeze(1).expand(n, self.group, q_len, -1).reshape(n, self.group * q_len, -1)
+            return self._additive(allowed).view(n, 1, allowed.shape[1], -1)
+
         buffers = torch.empty(2, rows.numel(), bs * self.head_dim, dtype=self.dtype, device=self.device)
-        return DecodeBucket(row, row + q_len * n, rows.view(-1), mask, buffers[0], buffers[1], q_len)
+        return DecodeBucket(row, row + q_len * n, rows.view(-1), self._masks(mask), buffers[0], buffers[1], q_len)
 
     def _prefill_chunk(self, s: ScheduledRequest, row: int) -> PrefillChunk:
         q_len = len(s.token_ids)
@@ -187,9 +195,23 @@ class TorchAttention:
             context_rows = self._block_rows([s.block_table[:num_blocks]], num_blocks).view(-1)
         q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
         k_pos = torch.arange(ctx_len, device=self.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
-        # built once per step for all layers: [group * q_len, ctx_len]
-        return PrefillChunk(row, row + q_len, context_rows, self._additive(allowed).repeat(self.group, 1))
+
+        def mask(window: int | None) -> torch.Tensor:  # built once per step for all layers
+            allowed = self._allowed(k_pos[None, :], q_pos[:, None], window)  # [q_len, ctx_len]
+            return self._additive(allowed).repeat(self.group, 1)  # [group * q_len, ctx_len]
+
+        return PrefillChunk(row, row + q_len, context_rows, self._masks(mask))
+
+    def _masks(self, mask) -> dict[int | None, torch.Tensor]:
+        return {window: mask(window) for window in (None, *self.windows)}
+
+    @staticmethod
+    def _allowed(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Which keys each query sees: those up to its position, and within its window."""
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        return allowed
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
@@ -217,14 +239,15 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
     for bucket in meta.decodes:
         rows = slice(bucket.row_start, bucket.row_end)
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale, bucket.masks[window])
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, chunk.masks[window])
     return out
 
 
@@ -252,18 +275,19 @@ def _decode_attention(
     v_cache: torch.Tensor,
     bucket: DecodeBucket,
     scale: float,
+    mask: torch.Tensor,  # one of bucket.masks
 ) -> torch.Tensor:  # [n * q_len, num_heads, D]
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads, q_len = k_cache.shape[1], bucket.q_len
     n, group = num_rows // q_len, num_heads // num_kv_heads
-    ctx = bucket.mask.shape[-1]
+    ctx = mask.shape[-1]
     # a KV head's query rows, ordered (group member, query): [n, kv_heads, group * q_len, D]
     qd = q.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qd = qd.reshape(n, num_kv_heads, group * q_len, head_dim)
     kd = _gather(k_cache, bucket.block_rows, bucket.k_buffer).view(n, num_kv_heads, ctx, head_dim)
     vd = _gather(v_cache, bucket.block_rows, bucket.v_buffer).view(n, num_kv_heads, ctx, head_dim)
     # Plain matmuls beat SDPA's CPU kernel at these shapes (a few query rows per KV head).
-    o = _matmul_attention(qd, kd, vd, bucket.mask, scale)  # [n, kv_heads, group * q_len, D]
+    o = _matmul_attention(qd, kd, vd, mask, scale)  # [n, kv_heads, group * q_len, D]
     o = o.view(n, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(num_rows, num_heads, head_dim)
 
@@ -276,11 +300,12 @@ def _prefill_attention(
     v_cache: torch.Tensor,
     chunk: PrefillChunk,
     scale: float,
+    mask: torch.Tensor,  # one of chunk.masks
 ) -> torch.Tensor:  # [q_len, num_heads, D]
     q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    ctx = chunk.mask.shape[-1]
+    ctx = mask.shape[-1]
     if chunk.context_rows is None:
         kg, vg = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, q_len, D]
     else:
@@ -290,8 +315,8 @@ def _prefill_attention(
     qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(1, num_kv_heads, group * q_len, head_dim)
     if ctx <= MATMUL_PREFILL_MAX_CONTEXT:
-        o = _matmul_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), chunk.mask, scale)
+        o = _matmul_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), mask, scale)
     else:
-        o = F.scaled_dot_product_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), attn_mask=chunk.mask, scale=scale)
+        o = F.scaled_dot_product_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), attn_mask=mask, scale=scale)
     o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
     return o.reshape(q_len, num_heads, head_dim)

@@ -414,9 +414,6 @@ def _keep_matching(
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:
     limit = hf_config.max_position_embeddings
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, window)  # sliding-window attention is not implemented
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:

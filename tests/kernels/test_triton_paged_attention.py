@@ -59,6 +59,20 @@ def test_split_kv(device: torch.device, num_splits: int) -> None:
     _check(batch, _run(batch, num_splits=num_splits))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [1, 16, 50, 200])  # itself only; under a tile; across tiles; past every context
+def test_sliding_window(device: torch.device, window: int, num_splits: int) -> None:
+    """Queries see only their last `window` positions: tiles wholly before a window are
+    skipped, and the splits that then hold nothing must not count."""
+    batch = make_paged_batch([1, 5, 1, 33], [150, 90, 3, 97], 8, 2, 64, 16, torch.float32, device)
+    out = _run(batch, num_splits=num_splits, sliding_window=window)
+    expected = paged_attention_ref(*batch.attention_args(), sliding_window=window)
+    assert_close(out[: batch.num_real_tokens], expected[: batch.num_real_tokens])
+    if window < 90:  # the window changed something: it is not plain causal attention
+        causal = paged_attention_ref(*batch.attention_args())
+        assert not torch.allclose(expected, causal)
+
+
 def test_padding_rows_left_untouched(device: torch.device) -> None:
     batch = make_paged_batch([2, 1], [40, 9], 6, 2, 64, 16, torch.float16, device, 3)
     for num_splits in (1, 2):
@@ -120,6 +134,7 @@ def test_reference_matches_sdpa(gqa: tuple[int, int]) -> None:
     cpu = torch.device("cpu")
     batch = make_paged_batch(query_lens, seq_lens, *gqa, 64, block_size, torch.float32, cpu)
     actual = paged_attention_ref(*batch.attention_args())
+    windowed = paged_attention_ref(*batch.attention_args(), sliding_window=24)
     starts = batch.query_start_loc.tolist()
     for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         q = batch.q[starts[b] : starts[b + 1]].transpose(0, 1)  # [num_heads, query_len, D]
@@ -129,6 +144,10 @@ def test_reference_matches_sdpa(gqa: tuple[int, int]) -> None:
         mask = torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len)
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         torch.testing.assert_close(actual[starts[b] : starts[b + 1]], expected.transpose(0, 1))
+        # and a 24-position window: the band of the mask's last 24 diagonals
+        band = mask & ~torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len - 24)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True)
+        torch.testing.assert_close(windowed[starts[b] : starts[b + 1]], expected.transpose(0, 1))
 
 
 # --- launcher checks -------------------------------------------------------------------------

@@ -76,6 +76,18 @@ def test_prefill_logits_match_transformers(tiny_model_dir, backend):
     check_prefill_logits(tiny_model_dir, backend)
 
 
+def test_greedy_matches_transformers_sliding_windows(tiny_window_dir):
+    """Prompts and outputs far past the 24-position window, in the windowed layers' masks."""
+    llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=256)
+    assert llm.engine.max_model_len == 1024  # the window no longer caps the context
+    run_and_compare(llm, tiny_window_dir)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # triton: the kernel's window
+def test_prefill_logits_match_transformers_sliding_windows(tiny_window_dir, backend):
+    check_prefill_logits(tiny_window_dir, backend)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])  # triton: the fused MoE kernel too
 def test_prefill_logits_match_transformers_mixtures_of_experts(tiny_moe_dir, backend):
     check_prefill_logits(tiny_moe_dir, backend)

@@ -80,11 +80,13 @@ class ModelConfig:
     attention_bias: bool  # q/k/v biases (Qwen2)
     o_proj_bias: bool
     mlp_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the model's window, where any layer has one
     eos_token_ids: frozenset[int]
     has_lm_head: bool = True  # False: an embedding model; generation is refused
     qk_norm: bool = False  # an RMSNorm over each q and k head before the rotary (Qwen3)
     moe: MoEConfig | None = None  # a mixture of experts' routing, None for a dense model
+    # per layer, how many positions back (itself included) a query sees; None: all of them
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -100,6 +102,10 @@ class ModelConfig:
         window = getattr(hf_config, "sliding_window", None)
         if family.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False):
             window = None
+        # transformers >= 5 names each layer's kind (Qwen2's max_window_layers, Gemma's
+        # alternation); without that list, a window applies to every layer (Mistral, Phi-3)
+        layer_types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * hf_config.num_hidden_layers
+        layer_windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
         _rope_type(hf_config)  # fail early on unsupported scaling
         partial = _rope_params(hf_config).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):
@@ -122,7 +128,8 @@ class ModelConfig:
             attention_bias=qkv_bias,
             o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and not qwen2,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            sliding_window=window,
+            sliding_window=window if any(layer_windows) else None,
+            layer_windows=layer_windows,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
             qk_norm=family in ("qwen3", "qwen3_moe"),

@@ -118,8 +118,9 @@ class KernelRope:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
+        self.sliding_window = cfg.layer_windows[index] if cfg.layer_windows else None
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -156,7 +157,7 @@ class Attention(nn.Module):
         qk = rope(qk, self.num_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        o = meta.forward(q, k, v, kv_cache, self.scale).view(num_tokens, self.q_size)
+        o = meta.forward(q, k, v, kv_cache, self.scale, self.sliding_window).view(num_tokens, self.q_size)
         if lora is None:
             return self.o_proj(o)
         return lora.add(self.o_proj(o), o, self.o_lora)
@@ -186,7 +187,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, use_kernels: bool, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
         self.mlp: MLP | SparseMoeBlock
         if cfg.moe is not None and index in cfg.moe.layers:
             self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, use_kernels, MLP)
