@@ -84,7 +84,8 @@ def _divisibility(variant: _Variant) -> dict[tuple[int, ...], list[list[Any]]]:
 
 
 def _attention_variant(
-    name: str, dtype: str, head_dim: int, group: int, max_query_len: int, split: bool, window: int = 0
+    name: str, dtype: str, head_dim: int, group: int, max_query_len: int, split: bool, window: int = 0,
+    softcap: float = 0.0,
 ) -> _Variant:
     tiling = _choose_tiling(group, max_query_len, head_dim)
     dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
@@ -94,7 +95,7 @@ def _attention_variant(
     constexprs = dict(
         GROUP=group, GROUP_P=tiling.group_p, BLOCK_Q=tiling.block_q, BLOCK_M=tiling.block_m,
         BLOCK_N=_BLOCK_N, BLOCK_SIZE=16, HEAD_DIM=head_dim, DOT_DTYPE=dot,
-        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SPLIT=split, WINDOW=window,
+        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SPLIT=split, WINDOW=window, SOFTCAP=softcap,
     )  # fmt: skip
     kernel = _paged_attention_kernel
     return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps)
@@ -122,6 +123,8 @@ def _variants() -> list[_Variant]:
         _attention_variant("attention bf16 d128 gqa4 prefill", "*bf16", 128, 4, 512, False),
         _attention_variant("attention fp32 d64 mha prefill", "*fp32", 64, 1, 512, False),
         _attention_variant("attention bf16 d128 gqa4 window decode", "*bf16", 128, 4, 1, True, window=4096),
+        _attention_variant("attention bf16 d256 gqa2 softcap prefill", "*bf16", 256, 2, 512, False, window=4096,
+                           softcap=50.0),
         _Variant(
             "merge splits bf16 d128", _merge_splits_kernel, "*fp32",
             dict(SPLITS_P=8, BLOCK_H=32, HEAD_DIM=128),

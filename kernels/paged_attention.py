@@ -80,6 +80,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (tests), else the default "tf32"
     SPLIT: tl.constexpr,  # write fp32 partials and their log-sum-exp
     WINDOW: tl.constexpr,  # a query sees only the last WINDOW positions (itself included); 0: all
+    SOFTCAP: tl.constexpr,  # scores become SOFTCAP * tanh(score / SOFTCAP); 0: uncapped
 ):
     q_tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -133,7 +134,13 @@ def _paged_attention_kernel(
         visible = (kv_pos[None, :] <= pos[:, None]) & kv_valid[None, :]
         if WINDOW > 0:
             visible = visible & (kv_pos[None, :] > pos[:, None] - WINDOW)
-        s = tl.where(visible, s * scale_log2, float("-inf"))
+        if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), in natural units, then back to log2
+            log2e = 1.4426950408889634  # _LOG2E: a kernel reads no module globals
+            x = s * (scale_log2 / (log2e * SOFTCAP))
+            s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (SOFTCAP * log2e)
+        else:
+            s = s * scale_log2
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row that has seen no visible key yet keeps m = -inf; subtract 0 instead of -inf.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -305,6 +312,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of the batch's new tokens over their paged contexts.
 
@@ -344,8 +352,10 @@ def paged_attention(
     scale = q.shape[2] ** -0.5 if scale is None else scale
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     launch = _Launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, tiling,
-                     sliding_window or 0)
+                     sliding_window or 0, softcap or 0.0)
     if num_splits == 1:
         launch.run(out, None, 1, max_seq_len)
     else:
@@ -366,6 +376,7 @@ class _Launch:
     scale: float
     tiling: _Tiling
     window: int  # 0: none
+    softcap: float  # 0: none
 
     def run(
         self,
@@ -395,7 +406,7 @@ class _Launch:
             BLOCK_N=_BLOCK_N, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim,
             DOT_DTYPE=dot_dtype(self.q.dtype, is_interpreted(_paged_attention_kernel)),
             DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32",
-            SPLIT=split, WINDOW=self.window,
+            SPLIT=split, WINDOW=self.window, SOFTCAP=self.softcap,
             num_warps=t.num_warps,
         )  # fmt: skip
 
@@ -429,6 +440,7 @@ def paged_attention_ref(
     block_tables: torch.Tensor,  # [B, max_num_blocks_per_seq] int32
     scale: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]; padding rows are zero
     """Plain-torch paged attention, one sequence at a time, computed in float32."""
     head_dim = q.shape[2]
@@ -441,7 +453,7 @@ def paged_attention_ref(
         blocks = block_tables[b, : cdiv(seq_len, block_size)].long()  # [num_seq_blocks]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, kvh, D]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        out[start:end] = _dense_causal_attention(q[start:end], k, v, scale, sliding_window).to(q.dtype)
+        out[start:end] = _dense_causal_attention(q[start:end], k, v, scale, sliding_window, softcap).to(q.dtype)
     return out
 
 
@@ -451,12 +463,15 @@ def _dense_causal_attention(
     v: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [query_len, num_heads, D] float32
     query_len, seq_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, D]
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [num_heads, query_len, seq_len]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(seq_len - query_len, seq_len, device=q.device)  # [query_len]
     kv_pos = torch.arange(seq_len, device=q.device)[None, :]
     visible = kv_pos <= pos[:, None]

@@ -73,6 +73,18 @@ def test_sliding_window(device: torch.device, window: int, num_splits: int) -> N
         assert not torch.allclose(expected, causal)
 
 
+@pytest.mark.parametrize("window", [None, 40])
+def test_softcap(device: torch.device, window: int | None) -> None:
+    """Gemma2's capped scores (cap * tanh(score / cap)), with and without a window; the
+    scale is large so that the cap bites."""
+    batch = make_paged_batch([1, 5, 33], [150, 90, 97], 8, 2, 64, 16, torch.float32, device)
+    out = _run(batch, num_splits=2, scale=0.5, sliding_window=window, softcap=5.0)
+    expected = paged_attention_ref(*batch.attention_args(), scale=0.5, sliding_window=window, softcap=5.0)
+    assert_close(out[: batch.num_real_tokens], expected[: batch.num_real_tokens])
+    uncapped = paged_attention_ref(*batch.attention_args(), scale=0.5, sliding_window=window)
+    assert not torch.allclose(expected, uncapped)
+
+
 def test_padding_rows_left_untouched(device: torch.device) -> None:
     batch = make_paged_batch([2, 1], [40, 9], 6, 2, 64, 16, torch.float16, device, 3)
     for num_splits in (1, 2):
