@@ -90,6 +90,16 @@ def tiny_hf_config(family: str):
     if family == "qwen2_window":  # layer 0 sees everything, layer 1 its last 24 positions
         return Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=True, sliding_window=24,
                            max_window_layers=1, **TINY_COMMON)
+    if family == "gemma":  # head_dim set apart, as Gemma's 256 is
+        from transformers import GemmaConfig
+
+        return GemmaConfig(vocab_size=vocab, head_dim=32, hidden_act="gelu_pytorch_tanh", **TINY_COMMON)
+    if family == "gemma2":  # every other layer windowed; a softmax scale of its own; caps that bite
+        from transformers import Gemma2Config
+
+        return Gemma2Config(vocab_size=vocab, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+                            attn_logit_softcapping=10.0, final_logit_softcapping=30.0,
+                            hidden_activation="gelu_pytorch_tanh", **TINY_COMMON)
     if family == "phi3":
         from transformers import Phi3Config
 
@@ -129,10 +139,12 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_hf_config(family), dtype=torch.float32)
-    with torch.no_grad():  # Qwen3's per-head norms start at ones: make each one's weights its own
+    with torch.no_grad():  # norms start at ones (Gemma's at zeros): make each one's weights its own
         for name, param in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
+            elif family.startswith("gemma") and name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
     model.save_pretrained(out_dir)
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
@@ -140,7 +152,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

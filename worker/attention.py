@@ -112,11 +112,12 @@ class AttentionMetadata:
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         scale: float,
         window: int | None = None,  # the layer's sliding window
+        softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's K/V into the cache, then attend over it."""
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, self)
-        return paged_attention(q, k, v, k_cache, v_cache, self, scale, window)
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, window, softcap)
 
 
 class TorchAttention:
@@ -240,14 +241,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
     for bucket in meta.decodes:
         rows = slice(bucket.row_start, bucket.row_end)
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale, bucket.masks[window])
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale, bucket.masks[window], softcap)
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_end)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale, chunk.masks[window])
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale,
+                                       chunk.masks[window], softcap)
     return out
 
 
@@ -263,9 +266,13 @@ def _matmul_attention(
     v: torch.Tensor,
     mask: torch.Tensor,  # additive, broadcast to [B, kv_heads, rows, ctx]
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, kv_heads, rows, D]
     """Softmax in float32 between two matmuls in the model's dtype."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).add_(mask)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    scores.add_(mask)
     return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
 
 
@@ -276,6 +283,7 @@ def _decode_attention(
     bucket: DecodeBucket,
     scale: float,
     mask: torch.Tensor,  # one of bucket.masks
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [n * q_len, num_heads, D]
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads, q_len = k_cache.shape[1], bucket.q_len
@@ -287,7 +295,7 @@ def _decode_attention(
     kd = _gather(k_cache, bucket.block_rows, bucket.k_buffer).view(n, num_kv_heads, ctx, head_dim)
     vd = _gather(v_cache, bucket.block_rows, bucket.v_buffer).view(n, num_kv_heads, ctx, head_dim)
     # Plain matmuls beat SDPA's CPU kernel at these shapes (a few query rows per KV head).
-    o = _matmul_attention(qd, kd, vd, mask, scale)  # [n, kv_heads, group * q_len, D]
+    o = _matmul_attention(qd, kd, vd, mask, scale, softcap)  # [n, kv_heads, group * q_len, D]
     o = o.view(n, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(num_rows, num_heads, head_dim)
 
@@ -301,6 +309,7 @@ def _prefill_attention(
     chunk: PrefillChunk,
     scale: float,
     mask: torch.Tensor,  # one of chunk.masks
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, D]
     q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -314,8 +323,8 @@ def _prefill_attention(
     # Query rows ordered (kv head, group member, position): [1, kv_heads, group * q_len, D]
     qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(1, num_kv_heads, group * q_len, head_dim)
-    if ctx <= MATMUL_PREFILL_MAX_CONTEXT:
-        o = _matmul_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), mask, scale)
+    if ctx <= MATMUL_PREFILL_MAX_CONTEXT or softcap is not None:  # SDPA cannot cap scores
+        o = _matmul_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), mask, scale, softcap)
     else:
         o = F.scaled_dot_product_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), attn_mask=mask, scale=scale)
     o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)

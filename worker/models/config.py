@@ -13,6 +13,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2 without the q/k/v biases, with an RMSNorm on each q and k head
     "Phi3ForCausalLM": "phi3",  # Llama whose checkpoints hold q/k/v and gate/up already fused (Phi-3, Phi-4)
+    # (1 + w) norms in float32, a scaled embedding, GeGLU MLPs
+    "GemmaForCausalLM": "gemma",
+    # Gemma with norms after attention and MLP too, tanh-capped attention and final logits,
+    # and a sliding window on every other layer
+    "Gemma2ForCausalLM": "gemma2",
     # mixtures of experts: each token's MLP is the weighted sum of its top-k routed experts
     "MixtralForCausalLM": "mixtral",  # Mistral with 8 experts, top-2
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
@@ -87,6 +92,13 @@ class ModelConfig:
     moe: MoEConfig | None = None  # a mixture of experts' routing, None for a dense model
     # per layer, how many positions back (itself included) a query sees; None: all of them
     layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma)
+    gemma_norms: bool = False  # RMSNorms scale by (1 + weight) in float32 before rounding
+    embed_scale: float | None = None  # the embedding is multiplied by this (Gemma: sqrt(hidden))
+    sandwich_norms: bool = False  # a norm after attention and one after the MLP as well (Gemma2)
+    attn_scale: float | None = None  # softmax scale when not head_dim ** -0.5 (Gemma2's query_pre_attn_scalar)
+    attn_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
+    final_softcap: float | None = None  # and so do the final logits
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -134,6 +146,7 @@ class ModelConfig:
             has_lm_head=has_lm_head,
             qk_norm=family in ("qwen3", "qwen3_moe"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
+            **_gemma_fields(hf_config, family),
         )
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
@@ -150,6 +163,26 @@ class ModelConfig:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu")
+
+
+_GELUS = ("gelu_pytorch_tanh", "gelu")
+
+
+def _gemma_fields(hf_config: Any, family: str) -> dict[str, Any]:
+    if family not in ("gemma", "gemma2"):
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
+        return {}
+    # the activation transformers applies: Gemma2's hidden_activation, Gemma's hidden_act
+    act = getattr(hf_config, "hidden_activation" if family == "gemma2" else "hidden_act", None)
+    if act not in _GELUS:
+        raise ValueError(f"unsupported MLP activation {act!r}; supported: {', '.join(_GELUS)}")
+    fields: dict[str, Any] = dict(hidden_act=act, gemma_norms=True, embed_scale=hf_config.hidden_size**0.5)
+    if family == "gemma2":
+        fields.update(sandwich_norms=True, attn_scale=hf_config.query_pre_attn_scalar**-0.5,
+                      attn_softcap=hf_config.attn_logit_softcapping, final_softcap=hf_config.final_logit_softcapping)
+    return fields
 
 
 def _rope_params(hf_config: Any) -> dict:

@@ -58,6 +58,29 @@ class RMSNorm(nn.Module):
         return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, inplace=True)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is an offset from one, and scales the float32 normalised
+    value before it is rounded (Llama rounds first). Torch ops on every device."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__(hidden_size, eps, use_kernel=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, hidden_size: int, use_kernel: bool = False) -> RMSNorm:
+    if cfg.gemma_norms:
+        return GemmaRMSNorm(hidden_size, cfg.rms_norm_eps)
+    return RMSNorm(hidden_size, cfg.rms_norm_eps, use_kernel)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), in place: scores and logits kept within (-cap, cap) (Gemma2)."""
+    return x.div_(cap).tanh_().mul_(cap)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary tables for every position, built once; `for_step` gives the
     rotation of one step's q and k heads. With `use_kernel` a Triton kernel rotates them in
@@ -128,10 +151,11 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.attn_scale or self.head_dim**-0.5
+        self.softcap = cfg.attn_softcap
         if cfg.qk_norm:  # torch ops on every device: a [T, heads, head_dim] norm is small
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = make_norm(cfg, self.head_dim)
+            self.k_norm = make_norm(cfg, self.head_dim)
         self.qk_norm = cfg.qk_norm
         self.qkv_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
         self.o_lora: LoRASlots | None = None
@@ -157,16 +181,17 @@ class Attention(nn.Module):
         qk = rope(qk, self.num_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        o = meta.forward(q, k, v, kv_cache, self.scale, self.sliding_window).view(num_tokens, self.q_size)
+        o = meta.forward(q, k, v, kv_cache, self.scale, self.sliding_window, self.softcap).view(num_tokens, self.q_size)
         if lora is None:
             return self.o_proj(o)
         return lora.add(self.o_proj(o), o, self.o_lora)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str = "silu"):
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.act = act  # silu, gelu, or gelu_pytorch_tanh
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_up_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
@@ -178,7 +203,10 @@ class MLP(nn.Module):
             lora.add(gate_up, x, self.gate_up_lora)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # in place on the projection's own output: no extra [T, intermediate] buffers
-        h = F.silu(gate, inplace=True).mul_(up)
+        if self.act == "silu":
+            h = F.silu(gate, inplace=True).mul_(up)
+        else:
+            h = F.gelu(gate, approximate="tanh" if self.act == "gelu_pytorch_tanh" else "none").mul_(up)
         if lora is None:
             return self.down_proj(h)
         return lora.add(self.down_proj(h), h, self.down_lora)
@@ -192,9 +220,13 @@ class DecoderLayer(nn.Module):
         if cfg.moe is not None and index in cfg.moe.layers:
             self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, use_kernels, MLP)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.sandwich_norms:  # Gemma2: post_attention_layernorm normalises attention's output alone
+            self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
 
     def forward(self, x, residual, rope, kv_cache, meta, lora=None):  # x, residual: [T, hidden]
         """The residual stream is carried beside x and added in by the next norm, so a
@@ -204,8 +236,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, meta, lora)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, lora), residual
+        if not self.sandwich:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x, lora), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x, lora)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -217,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
         self.use_kernels = use_kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, use_kernels, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_kernels)
+        self.norm = make_norm(cfg, cfg.hidden_size, use_kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -234,6 +269,8 @@ class LlamaForCausalLM(nn.Module):
         lora: LoRAMapping | None = None,  # the rows' adapters, if any request has one
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:  # the scale rounded to the model's dtype, as transformers does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rotary.for_step(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -241,7 +278,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [num_rows, vocab]
+        logits = self.lm_head(hidden).float()  # [num_rows, vocab]
+        return logits if self.config.final_softcap is None else softcap(logits, self.config.final_softcap)
 
     def init_dummy_weights(self, std: float, seed: int = 0) -> None:
         """Seeded random weights instead of a checkpoint: normal(0, std) for embeddings and
@@ -251,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             for name, param in self.named_parameters():  # a tied lm_head is the embedding, once
                 if name.endswith("norm.weight"):
-                    param.fill_(1.0)
+                    param.fill_(0.0 if self.config.gemma_norms else 1.0)  # a scale of one either way
                 elif name.endswith(".bias"):
                     param.zero_()
                 else:
