@@ -7,8 +7,9 @@
    one batch (random rank-16 adapters, written by `benchmarks/lora.py`); n-gram speculative
    decoding against plain decoding (float32: equal); embeddings (float32: equal up to summation
    order); the model's shape remade as a Qwen3 (its per-head q/k norms), a Qwen3-MoE and a
-   Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), greedy, CUDA
-   against CPU;
+   Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), a Gemma 2
+   (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
+   kind), greedy, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -120,6 +121,15 @@ REMADE = {
                   "mlp_only_layers": [1]},
     "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 8,
                 "num_experts_per_tok": 2, "sliding_window": None},
+    # the kernel's score cap and a window short enough to bite, on every other layer
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "sliding_window": 8,
+               "query_pre_attn_scalar": 64, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "hidden_activation": "gelu_pytorch_tanh", "layer_types": None},
+    # a RoPE table per layer kind, in the decode CUDA graphs
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window": 8,
+               "query_pre_attn_scalar": 64, "hidden_activation": "gelu_pytorch_tanh", "layer_types": None,
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
 }
 
 

@@ -100,6 +100,14 @@ def tiny_hf_config(family: str):
         return Gemma2Config(vocab_size=vocab, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
                             attn_logit_softcapping=10.0, final_logit_softcapping=30.0,
                             hidden_activation="gelu_pytorch_tanh", **TINY_COMMON)
+    if family == "gemma3":  # windowed layers with a RoPE base of their own, the full one scaled (as 4B+)
+        from transformers import Gemma3TextConfig
+
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+        return Gemma3TextConfig(vocab_size=vocab, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+                                layer_types=["sliding_attention", "full_attention"], rope_parameters=rope,
+                                architectures=["Gemma3ForCausalLM"], **TINY_COMMON)
     if family == "phi3":
         from transformers import Phi3Config
 
@@ -152,7 +160,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2"])
+@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

@@ -21,7 +21,7 @@ from worker.config import EngineConfig
 from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM, RotaryEmbedding
+from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
 from worker.scheduler import ScheduledRequest, SchedulerOutput
@@ -112,11 +112,7 @@ class ModelRunner:
         else:
             model.load_weights(iter_safetensors(model_path))
         model = model.to(self.dtype).eval()
-        # Buffers made on the meta device hold nothing: rebuild the rotary tables for real,
-        # after the cast, so they stay float32 (each step rounds its rows to the model dtype).
-        inv_freq, scaling = self.model_config.rope_inv_freq()
-        max_positions = self.model_config.max_position_embeddings
-        model.rotary = RotaryEmbedding(inv_freq, scaling, max_positions, use_kernels).to(self.device)
+        model.build_rotary(self.device)  # buffers made on the meta device hold nothing
         return model
 
     def _kv_block_bytes(self) -> int:

@@ -18,6 +18,9 @@ SUPPORTED_ARCHITECTURES = {
     # Gemma with norms after attention and MLP too, tanh-capped attention and final logits,
     # and a sliding window on every other layer
     "Gemma2ForCausalLM": "gemma2",
+    # Gemma 2 without the caps, with q/k norms, and its own RoPE base on the windowed layers
+    # (Gemma 3 270M and 1B; the larger ones are multimodal)
+    "Gemma3ForCausalLM": "gemma3",
     # mixtures of experts: each token's MLP is the weighted sum of its top-k routed experts
     "MixtralForCausalLM": "mixtral",  # Mistral with 8 experts, top-2
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
@@ -99,6 +102,7 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale when not head_dim ** -0.5 (Gemma2's query_pre_attn_scalar)
     attn_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
     final_softcap: float | None = None  # and so do the final logits
+    local_rope: bool = False  # windowed layers rotate by RoPE settings of their own (Gemma 3)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -118,7 +122,8 @@ class ModelConfig:
         # alternation); without that list, a window applies to every layer (Mistral, Phi-3)
         layer_types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * hf_config.num_hidden_layers
         layer_windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-        _rope_type(hf_config)  # fail early on unsupported scaling
+        for kind in _ROPE_KINDS:
+            _rope_type(hf_config, kind)  # fail early on unsupported scaling
         partial = _rope_params(hf_config).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):
             raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported; "
@@ -144,16 +149,17 @@ class ModelConfig:
             layer_windows=layer_windows,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
             **_gemma_fields(hf_config, family),
         )
 
-    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
-        """Inverse frequencies [head_dim / 2] and the attention scaling of the RoPE variant."""
-        rope_type = _rope_type(self.hf_config)
+    def rope_inv_freq(self, kind: str = "full_attention") -> tuple[torch.Tensor, float]:
+        """Inverse frequencies [head_dim / 2] and the attention scaling of the RoPE variant of
+        the layers of `kind` (full_attention, or sliding_attention where local_rope)."""
+        rope_type = _rope_type(self.hf_config, kind)
         theta = float(
-            _rope_params(self.hf_config).get("rope_theta")
+            _rope_params(self.hf_config, kind).get("rope_theta")
             or getattr(self.hf_config, "rope_theta", None)
             or 10000.0
         )
@@ -162,37 +168,53 @@ class ModelConfig:
             return 1.0 / (theta**exponents), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu")
+        extra = {"layer_type": kind} if _per_kind(self.hf_config) else {}
+        return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu", **extra)
 
 
 _GELUS = ("gelu_pytorch_tanh", "gelu")
 
 
 def _gemma_fields(hf_config: Any, family: str) -> dict[str, Any]:
-    if family not in ("gemma", "gemma2"):
+    if not family.startswith("gemma"):
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
         return {}
     # the activation transformers applies: Gemma2's hidden_activation, Gemma's hidden_act
-    act = getattr(hf_config, "hidden_activation" if family == "gemma2" else "hidden_act", None)
+    act = getattr(hf_config, "hidden_act" if family == "gemma" else "hidden_activation", None)
     if act not in _GELUS:
         raise ValueError(f"unsupported MLP activation {act!r}; supported: {', '.join(_GELUS)}")
     fields: dict[str, Any] = dict(hidden_act=act, gemma_norms=True, embed_scale=hf_config.hidden_size**0.5)
-    if family == "gemma2":
+    if family in ("gemma2", "gemma3"):
         fields.update(sandwich_norms=True, attn_scale=hf_config.query_pre_attn_scalar**-0.5,
-                      attn_softcap=hf_config.attn_logit_softcapping, final_softcap=hf_config.final_logit_softcapping)
+                      attn_softcap=getattr(hf_config, "attn_logit_softcapping", None),
+                      final_softcap=getattr(hf_config, "final_logit_softcapping", None),
+                      local_rope=_per_kind(hf_config))
     return fields
 
 
-def _rope_params(hf_config: Any) -> dict:
-    # transformers >= 5 keeps RoPE settings in `rope_parameters`; older ones in `rope_scaling`.
+# the layer kinds of transformers' layer_types, which may each have RoPE settings of their own
+_ROPE_KINDS = ("full_attention", "sliding_attention")
+
+
+def _per_kind(hf_config: Any) -> bool:
+    """Whether the RoPE settings are given per layer kind (Gemma 3)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return isinstance(params.get("full_attention"), dict)
+
+
+def _rope_params(hf_config: Any, kind: str = "full_attention") -> dict:
+    # transformers >= 5 keeps RoPE settings in `rope_parameters` (per layer kind, for Gemma
+    # 3); older ones in `rope_scaling`.
+    if _per_kind(hf_config):
+        return dict(hf_config.rope_parameters.get(kind) or hf_config.rope_parameters["full_attention"])
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     return dict(params or {})
 
 
-def _rope_type(hf_config: Any) -> str:
-    params = _rope_params(hf_config)
+def _rope_type(hf_config: Any, kind: str = "full_attention") -> str:
+    params = _rope_params(hf_config, kind)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(

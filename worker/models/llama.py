@@ -256,9 +256,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        with torch.device("cpu"):  # real tables even when the model is built on "meta"
-            inv_freq, scaling = cfg.rope_inv_freq()
-            self.rotary = RotaryEmbedding(inv_freq, scaling, cfg.max_position_embeddings, use_kernels)
+        self.rotary: RotaryEmbedding
+        self.rotary_local: RotaryEmbedding | None = None  # the windowed layers', where they have their own
+        self.build_rotary(torch.device("cpu"))
+
+    def build_rotary(self, device: torch.device) -> None:
+        """The rotary tables, computed (again) on `device`: after a model built on "meta" or cast
+        to another dtype, as they stay float32 (each step rounds its rows to the model dtype)."""
+        cfg = self.config
+        with torch.device("cpu"):
+            tables = [RotaryEmbedding(*cfg.rope_inv_freq(kind), cfg.max_position_embeddings, self.use_kernels)
+                      for kind in (("full_attention", "sliding_attention") if cfg.local_rope else ("full_attention",))]
+        self.rotary = tables[0].to(device)
+        self.rotary_local = tables[1].to(device) if cfg.local_rope else None
 
     def forward(
         self,
@@ -272,9 +282,11 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embed_scale is not None:  # the scale rounded to the model's dtype, as transformers does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rotary.for_step(positions, x.dtype)
+        local = rope if self.rotary_local is None else self.rotary_local.for_step(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, meta, lora)
+        windows = self.config.layer_windows or (None,) * len(self.layers)
+        for layer, kv_cache, window in zip(self.layers, kv_caches, windows, strict=True):
+            x, residual = layer(x, residual, rope if window is None else local, kv_cache, meta, lora)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
