@@ -208,6 +208,15 @@ def build_lora_adapter(model_dir: Path, out_dir: Path, seed: int, **lora_config)
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_adapter(tmp_path_factory, default_model_dir) -> tuple[Path, Path]:
+    """A tiny Phi-3 and an adapter on its own fused projections (qkv_proj, gate_up_proj)."""
+    model = build_tiny_model("phi3", tmp_path_factory.mktemp("phi3"), default_model_dir)
+    adapter = build_lora_adapter(model, tmp_path_factory.mktemp("phi3-adapter"), 4, r=8, lora_alpha=16,
+                                 target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    return model, adapter
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     """Two adapters of the tiny llama: `all` on every projection (rank 8), `qv` on q and v
     only (rank 4, rsLoRA scaling, a per-module alpha)."""

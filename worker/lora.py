@@ -30,12 +30,14 @@ from worker.lora_request import LoRARequest
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
 
-# PEFT's module name -> (our fused projection, the shard's index in it)
-TARGETS = {
+# PEFT's module name -> (our fused projection, the shard's index in it; None: the whole of it,
+# for models whose own projections are fused, Phi-3's)
+TARGETS: dict[str, tuple[str, int | None]] = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "o_proj": ("o_proj", 0),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
+    "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None),
 }
 _KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 # adapter_config.json settings that change what an adapter computes beyond plain LoRA
@@ -89,8 +91,13 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         a, b = _check_pair(pair, layer, module, cfg, max_rank, where)
         scale = _scale(config, f"model.layers.{layer}.{module}", a.shape[0])
         fused, shard = TARGETS[module]
-        shards = adapter.pairs.setdefault((layer, fused), [None] * len(_shard_sizes(fused, cfg)))
-        shards[shard] = (a.float(), b.float() * scale)
+        sizes = _shard_sizes(fused, cfg)
+        shards = adapter.pairs.setdefault((layer, fused), [None] * len(sizes))
+        if shard is not None:
+            shards[shard] = (a.float(), b.float() * scale)
+        else:  # one pair over the whole projection: A shared, B's rows split among the shards
+            for i, b_rows in enumerate(b.float().split(sizes)):
+                shards[i] = (a.float(), b_rows * scale)
         adapter.rank = max(adapter.rank, a.shape[0])
     if not adapter.pairs:
         raise ValueError(f"{where}: the adapter holds no LoRA weights")
@@ -122,7 +129,8 @@ def _check_pair(pair: dict[str, torch.Tensor], layer: int, module: str, cfg: Mod
     a, b = pair["A"], pair["B"]  # [rank, in], [out, rank]
     fused, shard = TARGETS[module]
     in_features = _in_features(fused, cfg)
-    out_features = _shard_sizes(fused, cfg)[shard]
+    sizes = _shard_sizes(fused, cfg)
+    out_features = sum(sizes) if shard is None else sizes[shard]
     rank = a.shape[0]
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or tuple(b.shape) != (out_features, rank):
         raise ValueError(f"{where}: {name} pair has shapes A {tuple(a.shape)} and B {tuple(b.shape)}; this "

@@ -209,3 +209,17 @@ def test_everything_at_once_equals_plain_decoding(tiny_llama_dir, tiny_llama_ada
     _, plain = run(False)
     assert spec == plain
     assert spec_llm.engine.scheduler.num_preemptions > 0
+
+
+def test_adapter_on_fused_projections_matches_peft(tiny_phi3_adapter, default_model_dir):
+    """Phi-3's checkpoints fuse q/k/v and gate/up, so its adapters do too: one pair over
+    the whole projection, served as a shared A and B's rows split among the shards."""
+    from transformers import AutoTokenizer
+
+    model_dir, adapter_dir = tiny_phi3_adapter
+    ids = [AutoTokenizer.from_pretrained(default_model_dir).encode(p) for p in PROMPTS]
+    expected = peft_greedy(model_dir, adapter_dir, ids)
+    assert expected != peft_greedy(model_dir, None, ids)
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
+    outs = llm.generate(PROMPTS, greedy(), lora_request=LoRARequest("phi", 1, str(adapter_dir)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
