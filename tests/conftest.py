@@ -108,6 +108,11 @@ def tiny_hf_config(family: str):
         return Gemma3TextConfig(vocab_size=vocab, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
                                 layer_types=["sliding_attention", "full_attention"], rope_parameters=rope,
                                 architectures=["Gemma3ForCausalLM"], **TINY_COMMON)
+    if family == "granite":  # multipliers far from one, so each one shows
+        from transformers import GraniteConfig
+
+        return GraniteConfig(vocab_size=vocab, tie_word_embeddings=True, embedding_multiplier=3.0,
+                             residual_multiplier=0.5, attention_multiplier=0.05, logits_scaling=4.0, **TINY_COMMON)
     if family == "phi3":
         from transformers import Phi3Config
 
@@ -160,7 +165,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
+@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "granite"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = {
     # Gemma 2 without the caps, with q/k norms, and its own RoPE base on the windowed layers
     # (Gemma 3 270M and 1B; the larger ones are multimodal)
     "Gemma3ForCausalLM": "gemma3",
+    # Llama with multipliers on the embedding, the residual branches, the softmax and the logits
+    "GraniteForCausalLM": "granite",
     # mixtures of experts: each token's MLP is the weighted sum of its top-k routed experts
     "MixtralForCausalLM": "mixtral",  # Mistral with 8 experts, top-2
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
@@ -98,6 +100,8 @@ class ModelConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma)
     gemma_norms: bool = False  # RMSNorms scale by (1 + weight) in float32 before rounding
     embed_scale: float | None = None  # the embedding is multiplied by this (Gemma: sqrt(hidden))
+    residual_scale: float | None = None  # attention's and the MLP's outputs are, before the residual add
+    logits_divisor: float | None = None  # the final logits are divided by this (Granite's logits_scaling)
     sandwich_norms: bool = False  # a norm after attention and one after the MLP as well (Gemma2)
     attn_scale: float | None = None  # softmax scale when not head_dim ** -0.5 (Gemma2's query_pre_attn_scalar)
     attn_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
@@ -151,7 +155,7 @@ class ModelConfig:
             has_lm_head=has_lm_head,
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
-            **_gemma_fields(hf_config, family),
+            **_variant_fields(hf_config, family),
         )
 
     def rope_inv_freq(self, kind: str = "full_attention") -> tuple[torch.Tensor, float]:
@@ -175,12 +179,16 @@ class ModelConfig:
 _GELUS = ("gelu_pytorch_tanh", "gelu")
 
 
-def _gemma_fields(hf_config: Any, family: str) -> dict[str, Any]:
+def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
+    """What Gemma's and Granite's layers do beyond Llama's."""
     if not family.startswith("gemma"):
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
-        return {}
+        if family != "granite":
+            return {}
+        return dict(embed_scale=hf_config.embedding_multiplier, residual_scale=hf_config.residual_multiplier,
+                    attn_scale=hf_config.attention_multiplier, logits_divisor=hf_config.logits_scaling)
     # the activation transformers applies: Gemma2's hidden_activation, Gemma's hidden_act
     act = getattr(hf_config, "hidden_act" if family == "gemma" else "hidden_activation", None)
     if act not in _GELUS:

@@ -224,6 +224,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
         self.sandwich = cfg.sandwich_norms
+        self.residual_scale = cfg.residual_scale
         if cfg.sandwich_norms:  # Gemma2: post_attention_layernorm normalises attention's output alone
             self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
             self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
@@ -236,6 +237,10 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, kv_cache, meta, lora)
+        if self.residual_scale is not None:  # Granite scales each branch before its residual add
+            x = x * self.residual_scale
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x, lora) * self.residual_scale, residual
         if not self.sandwich:
             x, residual = self.post_attention_layernorm(x, residual)
             return self.mlp(x, lora), residual
@@ -279,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
         lora: LoRAMapping | None = None,  # the rows' adapters, if any request has one
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
-        if self.config.embed_scale is not None:  # the scale rounded to the model's dtype, as transformers does
+        if self.config.embed_scale is not None:  # the scale rounded to the model's dtype, as transformers does for Gemma
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rotary.for_step(positions, x.dtype)
         local = rope if self.rotary_local is None else self.rotary_local.for_step(positions, x.dtype)
@@ -291,6 +296,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()  # [num_rows, vocab]
+        if self.config.logits_divisor is not None:
+            logits.div_(self.config.logits_divisor)
         return logits if self.config.final_softcap is None else softcap(logits, self.config.final_softcap)
 
     def init_dummy_weights(self, std: float, seed: int = 0) -> None:
