@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import redis
@@ -206,22 +206,33 @@ async def check_backpressure(state: AppState) -> None:
 
 async def check_rate_limit(state: AppState) -> None:
     """Count this request against its key's minute (a fixed window in Redis, shared by every
-    API process); 429 past GENQ_RATE_LIMIT_RPM."""
-    limit, tenant = state.settings.rate_limit_rpm, TENANT.get()
-    if limit is None or tenant is None:
+    API process); 429 past GENQ_RATE_LIMIT_RPM, or once the minute's ended jobs used
+    GENQ_RATE_LIMIT_TPM tokens (the workers count them)."""
+    rpm, tpm, tenant = state.settings.rate_limit_rpm, state.settings.rate_limit_tpm, TENANT.get()
+    if tenant is None or (rpm is None and tpm is None):
         return
     now = time.time()
-    key = state.client.keys.rate(tenant, int(now // 60))
-    pipe = state.client.redis.pipeline(transaction=True)
-    pipe.incr(key)
-    pipe.expire(key, 120)
-    count, _ = await pipe.execute()
-    if count > limit:
-        retry = max(1, math.ceil(60 - now % 60))
-        raise APIError(
-            429, f"Rate limit reached: {limit} requests per minute for this API key; retry in {retry} s.",
-            type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(retry)},
-        )
+    minute = int(now // 60)
+    if tpm is not None:
+        used = int(await state.client.redis.get(state.client.keys.tokens(tenant, minute)) or 0)
+        if used >= tpm:
+            _rate_limited(f"{tpm} tokens per minute", now)
+    if rpm is not None:
+        key = state.client.keys.rate(tenant, minute)
+        pipe = state.client.redis.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.expire(key, 120)
+        count, _ = await pipe.execute()
+        if count > rpm:
+            _rate_limited(f"{rpm} requests per minute", now)
+
+
+def _rate_limited(what: str, now: float) -> NoReturn:
+    retry = max(1, math.ceil(60 - now % 60))
+    raise APIError(
+        429, f"Rate limit reached: {what} for this API key; retry in {retry} s.",
+        type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(retry)},
+    )
 
 
 async def cancel_jobs(state: AppState, job_ids: list[str]) -> None:

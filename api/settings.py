@@ -30,6 +30,10 @@ class Settings(BaseSettings):
     # Requests per minute each API key may make to the endpoints that queue work (429 past
     # it, with Retry-After to the next minute). None: no limit. Needs api_keys.
     rate_limit_rpm: int | None = None
+    # Tokens (prompt and completion) per minute each API key may use: counted as its jobs end,
+    # so new work is refused (429 until the next minute) once the minute's jobs reached it.
+    # None: no limit. Needs api_keys.
+    rate_limit_tpm: int | None = None
     # Listed by /v1/models when no live worker reports a model; the `model` of responses to
     # requests that name none.
     served_model_name: str = "genq"
@@ -59,11 +63,11 @@ class Settings(BaseSettings):
             return tuple(k.strip() for k in value.split(",") if k.strip())
         return value
 
-    @field_validator("max_queued_jobs", "rate_limit_rpm", mode="before")
+    @field_validator("max_queued_jobs", "rate_limit_rpm", "rate_limit_tpm", mode="before")
     @classmethod
     def _no_limit(cls, value: object) -> object:
         """`GENQ_MAX_QUEUED_JOBS=` (empty) or `none` turns the limit off (and the same for
-        GENQ_RATE_LIMIT_RPM)."""
+        GENQ_RATE_LIMIT_RPM and GENQ_RATE_LIMIT_TPM)."""
         if isinstance(value, str) and value.strip().lower() in ("", "none"):
             return None
         return value

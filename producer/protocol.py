@@ -105,6 +105,10 @@ class Keys:
     def rate(self, tenant: str, minute: int) -> str:
         return f"{self.prefix}rate:{tenant}:{minute}"  # counter with TTL: a key's requests that minute
 
+    def tokens(self, tenant: str, minute: int) -> str:
+        # counter with TTL: the prompt and completion tokens of a key's jobs that ended that minute
+        return f"{self.prefix}tokens:{tenant}:{minute}"
+
     def usage(self, day: str) -> str:
         # hash: tokens metered on `day` (UTC, YYYY-MM-DD), fields "tenant<TAB>model<TAB>metric"
         return f"{self.prefix}usage:{day}"

@@ -206,7 +206,8 @@ def final_record(held: HeldJob, worker: str, now: float) -> dict[str, str | byte
 
 @dataclass(frozen=True)
 class Meter:
-    """What a finishing job adds to its day's usage (`Keys.usage`)."""
+    """What a finishing job adds to its day's usage (`Keys.usage`) and, with a tenant, to its
+    tenant's minute (`Keys.tokens`, for GENQ_RATE_LIMIT_TPM)."""
 
     day: str  # UTC, YYYY-MM-DD
     tenant: str  # "" when the job names none
@@ -214,6 +215,7 @@ class Meter:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # of the prompt tokens, those the prefix cache served
+    minute: int = 0  # unix time // 60 as the job ends
 
 
 def job_meter(held: HeldJob, served_model: str, now: float) -> Meter:
@@ -224,6 +226,7 @@ def job_meter(held: HeldJob, served_model: str, now: float) -> Meter:
         day=time.strftime("%Y-%m-%d", time.gmtime(now)), tenant=held.job.tenant or "",
         model=held.job.model or served_model, prompt_tokens=usage.get("prompt_tokens", 0),
         completion_tokens=usage.get("completion_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
+        minute=int(now // 60),
     )
 
 

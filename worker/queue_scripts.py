@@ -56,7 +56,8 @@ end
 # Publish a batch of engine steps. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] events
 # TTL, [4] job TTL, [5] the jobs, one cmsgpack-packed list of {entry id, events key, job key,
 # {encoded events}, {record field, value, ...}, {usage key, field prefix, prompt tokens,
-# completion tokens, cached prompt tokens} or {}}: an empty record means not finishing, [6] usage TTL. A
+# completion tokens, cached prompt tokens, the tenant's minute counter or ""} or {}}: an
+# empty record means not finishing, [6] usage TTL. A
 # finishing job gets its last events, its record, its usage and its XACK together, so its
 # tokens are counted exactly once however often it was delivered. (One packed argument
 # instead of a few per job: building a command of thousands of arguments cost the worker's
@@ -83,6 +84,10 @@ for _, job in ipairs(cmsgpack.unpack(ARGV[5])) do
         redis.call('HINCRBY', meter[1], meter[2] .. 'completion_tokens', meter[4])
         redis.call('HINCRBY', meter[1], meter[2] .. 'cached_tokens', meter[5])
         redis.call('EXPIRE', meter[1], ARGV[6])
+        if meter[6] ~= '' then
+          redis.call('INCRBY', meter[6], meter[3] + meter[4])
+          redis.call('EXPIRE', meter[6], 120)
+        end
       end
     end
   else
@@ -386,11 +391,13 @@ class Scripts:
         return {_str(e) for e in await self._step(keys=[self.keys.requests], args=args)}
 
     def _meter(self, meter: Meter | None) -> list[Any]:
-        """STEP_LUA's usage item: the day's hash, the field prefix, prompt and completion tokens."""
+        """STEP_LUA's usage item: the day's hash, the field prefix, prompt, completion and cached
+        tokens, and the tenant's minute counter (none without a tenant)."""
         if meter is None:
             return []
+        minute = self.keys.tokens(meter.tenant, meter.minute) if meter.tenant else ""
         return [self.keys.usage(meter.day), f"{meter.tenant}\t{meter.model}\t", meter.prompt_tokens,
-                meter.completion_tokens, meter.cached_tokens]
+                meter.completion_tokens, meter.cached_tokens, minute]
 
     async def holders(self, entry_ids: Sequence[str]) -> dict[str, str]:
         """Who holds each entry now, in words, for the log of an entry found lost: the consumer

@@ -102,3 +102,29 @@ def test_each_key_has_its_own_requests_per_minute(live_worker: str, serve_api, s
     assert first == [200, 200] and other.status_code == 200 and models.status_code == 200
     assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
     assert 1 <= int(limited.headers["Retry-After"]) <= 60
+
+
+def test_each_key_has_its_own_tokens_per_minute(live_worker: str, serve_api, served_model: str) -> None:
+    """Once a key's jobs that ended this minute used its tokens, it gets a 429 until the next
+    minute; another key does not."""
+    keys = ("tpm-a", "tpm-b", "tpm-c", "tpm-other")
+    settings = Settings(redis_url=live_worker, api_keys=keys, rate_limit_tpm=20, request_timeout_s=60.0)
+    body = {"model": served_model, "prompt": "Count my tokens", "max_tokens": 8, "ignore_eos": True}
+    with serve_api(settings) as url, httpx.Client(base_url=url, timeout=60) as http:
+        def post(key: str) -> httpx.Response:
+            return http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+
+        for key in keys[:3]:  # the window is the clock's minute: a fresh key if one ended mid-way
+            minute = int(time.time() // 60)
+            first = post(key)
+            used = first.json()["usage"]["total_tokens"]
+            second = post(key) if used < 20 else first  # under the limit still: admitted
+            limited = post(key)
+            if int(time.time() // 60) == minute:
+                break
+        other = post(keys[3])
+    assert first.status_code == 200 and second.status_code == 200 and other.status_code == 200
+    assert used + (second.json()["usage"]["total_tokens"] if second is not first else 0) >= 20
+    assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "20 tokens per minute" in limited.json()["error"]["message"]
+    assert 1 <= int(limited.headers["Retry-After"]) <= 60

@@ -87,7 +87,7 @@ async def test_publish_writes_only_entries_it_still_owns(scripts: Scripts) -> No
 async def test_a_finishing_write_meters_its_tokens_once(scripts: Scripts) -> None:
     mine, stolen, running = await deliver(scripts, "a"), await deliver(scripts, "b"), await deliver(scripts, "c")
     await scripts.conn.xclaim(scripts.keys.requests, scripts.keys.group, "other", 0, [stolen])
-    meter = Meter("2026-11-30", "key1", "smol", 7, 3, cached_tokens=4)
+    meter = Meter("2026-11-30", "key1", "smol", 7, 3, cached_tokens=4, minute=29_000_000)
     record = {"status": "finished"}
     lost = await scripts.publish([
         JobWrite("a", mine, [], record, meter), JobWrite("b", stolen, [], record, meter),
@@ -99,8 +99,11 @@ async def test_a_finishing_write_meters_its_tokens_once(scripts: Scripts) -> Non
         b"key1\tsmol\trequests": b"1", b"key1\tsmol\tprompt_tokens": b"7", b"key1\tsmol\tcompletion_tokens": b"3",
         b"key1\tsmol\tcached_tokens": b"4"}
     assert await scripts.conn.ttl(usage) > 300 * 24 * 3600
+    minute = scripts.keys.tokens("key1", 29_000_000)  # for GENQ_RATE_LIMIT_TPM: prompt + completion
+    assert await scripts.conn.get(minute) == b"10" and 0 < await scripts.conn.ttl(minute) <= 120
     await scripts.publish([JobWrite("a", mine, [], record, meter)])  # acked already: not ours
     assert await scripts.conn.hget(usage, "key1\tsmol\trequests") == b"1"
+    assert await scripts.conn.get(minute) == b"10"
 
 
 async def test_start_codes(scripts: Scripts) -> None:
