@@ -123,7 +123,8 @@ def tiny_hf_config(family: str):
 def tiny_moe_config(family: str, vocab: int):
     """Mixtures of experts, each routing its own way: Mixtral (top 2 of 4, renormalized, in
     float32), Qwen2-MoE (top 3 of 8, not renormalized, a shared expert), Qwen3-MoE (top 2 of
-    6, renormalized, its second layer a dense MLP)."""
+    6, renormalized, its second layer a dense MLP), GraniteMoE (a softmax over the top 2 of 4
+    logits, Granite's multipliers)."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family == "mixtral":
@@ -137,6 +138,12 @@ def tiny_moe_config(family: str, vocab: int):
         return Qwen3MoeConfig(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=False, head_dim=32,
                               num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
                               norm_topk_prob=True, mlp_only_layers=[1], **TINY_COMMON)
+    if family == "granitemoe":
+        from transformers import GraniteMoeConfig
+
+        return GraniteMoeConfig(vocab_size=vocab, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                                embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.05,
+                                logits_scaling=4.0, **TINY_COMMON)
     raise ValueError(family)
 
 
@@ -170,7 +177,7 @@ def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 
 
-@pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"])
 def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

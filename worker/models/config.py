@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",  # Mistral with 8 experts, top-2
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 with routed experts
+    "GraniteMoeForCausalLM": "granitemoe",  # Granite with routed experts, weighed by a softmax over the top k
     # the same decoders without an LM head (embedding models such as e5-mistral and
     # gte-Qwen2): they serve embedding requests only
     "LlamaModel": "llama",
@@ -34,7 +35,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
 }
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
@@ -54,14 +55,15 @@ class MoEConfig:
     # that outputs equal transformers' on the same weights
     float32_weights: bool
     shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert, scaled by sigmoid(gate(x))
+    softmax_after_topk: bool = False  # GraniteMoE: the top k logits' softmax (the same weights, rounded otherwise)
 
     @classmethod
     def from_hf(cls, hf_config: Any, family: str) -> MoEConfig:
-        if family == "mixtral":
+        if family in ("mixtral", "granitemoe"):
             return cls(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
                        intermediate_size=hf_config.intermediate_size,
                        layers=frozenset(range(hf_config.num_hidden_layers)), renormalize=True,
-                       float32_weights=True)
+                       float32_weights=family == "mixtral", softmax_after_topk=family == "granitemoe")
         # Qwen: every `decoder_sparse_step`-th layer has experts, unless listed in mlp_only_layers
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
@@ -185,7 +187,7 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
-        if family != "granite":
+        if not family.startswith("granite"):
             return {}
         return dict(embed_scale=hf_config.embedding_multiplier, residual_scale=hf_config.residual_multiplier,
                     attn_scale=hf_config.attention_multiplier, logits_divisor=hf_config.logits_scaling)

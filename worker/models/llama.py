@@ -359,6 +359,9 @@ _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("
 _SHARDS = {"qkv_proj": ["q", "k", "v"], "gate_up_proj": ["gate", "up"]}
 # one expert's projection in a checkpoint (Mixtral's w1/w3/w2, Qwen's names) -> its piece
 _EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+# GraniteMoE's checkpoint names: stacked experts and the router
+_GRANITE_MOE = {".mlp.input_linear.weight": ".mlp.experts.gate_up_proj", ".mlp.output_linear.weight": ".mlp.experts.down_proj",
+                ".mlp.router.layer.weight": ".mlp.gate.weight", ".mlp.router.weight": ".mlp.gate.weight"}
 # experts already stacked (transformers >= 5 holds them so): [E, 2 * I, H] and [E, H, I]
 _STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
 
@@ -367,6 +370,8 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
     if "rotary_emb" in hf_name:
         return None  # recomputed, not loaded
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
+    for old, new in _GRANITE_MOE.items():
+        name = name.replace(old, new)
     parts = name.split(".")
     if "experts" in parts[:-1]:
         i = parts.index("experts")

@@ -117,6 +117,9 @@ class SparseMoeBlock(nn.Module):
 
 def route(router_logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts per token by softmax probability (float32): weights [T, k], ids [T, k]."""
+    if moe.softmax_after_topk:
+        top_logits, topk_ids = torch.topk(router_logits.float(), moe.top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1), topk_ids
     probs = torch.softmax(router_logits.float(), dim=-1)
     topk_weights, topk_ids = torch.topk(probs, moe.top_k, dim=-1)
     if moe.renormalize:
