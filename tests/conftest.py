@@ -113,6 +113,10 @@ def tiny_hf_config(family: str):
 
         return GraniteConfig(vocab_size=vocab, tie_word_embeddings=True, embedding_multiplier=3.0,
                              residual_multiplier=0.5, attention_multiplier=0.05, logits_scaling=4.0, **TINY_COMMON)
+    if family == "olmo2":
+        from transformers import Olmo2Config
+
+        return Olmo2Config(vocab_size=vocab, tie_word_embeddings=False, **TINY_COMMON)
     if family == "phi3":
         from transformers import Phi3Config
 
@@ -165,6 +169,8 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(0.5, 1.5)
             elif family.startswith("gemma") and name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)
+            elif family == "olmo2" and name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir)
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
@@ -172,7 +178,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "granite"])
+@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

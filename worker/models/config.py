@@ -23,6 +23,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     # Llama with multipliers on the embedding, the residual branches, the softmax and the logits
     "GraniteForCausalLM": "granite",
+    # norms after attention and MLP instead of before, and q/k norms over whole projections
+    "Olmo2ForCausalLM": "olmo2",
     # mixtures of experts: each token's MLP is the weighted sum of its top-k routed experts
     "MixtralForCausalLM": "mixtral",  # Mistral with 8 experts, top-2
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
@@ -100,7 +102,11 @@ class ModelConfig:
     # per layer, how many positions back (itself included) a query sees; None: all of them
     layer_windows: tuple[int | None, ...] = ()
     hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma)
-    gemma_norms: bool = False  # RMSNorms scale by (1 + weight) in float32 before rounding
+    # RMSNorms scale by (offset + weight) in float32 before rounding (Gemma: 1, OLMo 2: 0);
+    # None: Llama's, which round first
+    norm_weight_offset: float | None = None
+    post_norms_only: bool = False  # OLMo 2: no norm before attention or MLP, one after each
+    qk_norm_whole: bool = False  # OLMo 2: the q/k norms span all heads of the projection, not one head
     embed_scale: float | None = None  # the embedding is multiplied by this (Gemma: sqrt(hidden))
     residual_scale: float | None = None  # attention's and the MLP's outputs are, before the residual add
     logits_divisor: float | None = None  # the final logits are divided by this (Granite's logits_scaling)
@@ -155,7 +161,7 @@ class ModelConfig:
             layer_windows=layer_windows,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
             **_variant_fields(hf_config, family),
         )
@@ -187,6 +193,8 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
+        if family == "olmo2":
+            return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True)
         if not family.startswith("granite"):
             return {}
         return dict(embed_scale=hf_config.embedding_multiplier, residual_scale=hf_config.residual_multiplier,
@@ -195,7 +203,7 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
     act = getattr(hf_config, "hidden_act" if family == "gemma" else "hidden_activation", None)
     if act not in _GELUS:
         raise ValueError(f"unsupported MLP activation {act!r}; supported: {', '.join(_GELUS)}")
-    fields: dict[str, Any] = dict(hidden_act=act, gemma_norms=True, embed_scale=hf_config.hidden_size**0.5)
+    fields: dict[str, Any] = dict(hidden_act=act, norm_weight_offset=1.0, embed_scale=hf_config.hidden_size**0.5)
     if family in ("gemma2", "gemma3"):
         fields.update(sandwich_norms=True, attn_scale=hf_config.query_pre_attn_scalar**-0.5,
                       attn_softcap=getattr(hf_config, "attn_logit_softcapping", None),

@@ -58,21 +58,23 @@ class RMSNorm(nn.Module):
         return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, inplace=True)
 
 
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: the weight is an offset from one, and scales the float32 normalised
-    value before it is rounded (Llama rounds first). Torch ops on every device."""
+class Float32ScaleRMSNorm(RMSNorm):
+    """The RMSNorm of Gemma (weight offset 1) and OLMo 2 (offset 0): `offset + weight` scales
+    the float32 normalised value before it is rounded (Llama rounds first). Torch ops on
+    every device."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, offset: float):
         super().__init__(hidden_size, eps, use_kernel=False)
+        self.offset = offset
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (normed * (self.offset + self.weight.float())).to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig, hidden_size: int, use_kernel: bool = False) -> RMSNorm:
-    if cfg.gemma_norms:
-        return GemmaRMSNorm(hidden_size, cfg.rms_norm_eps)
+    if cfg.norm_weight_offset is not None:
+        return Float32ScaleRMSNorm(hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
     return RMSNorm(hidden_size, cfg.rms_norm_eps, use_kernel)
 
 
@@ -154,9 +156,11 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale or self.head_dim**-0.5
         self.softcap = cfg.attn_softcap
         if cfg.qk_norm:  # torch ops on every device: a [T, heads, head_dim] norm is small
-            self.q_norm = make_norm(cfg, self.head_dim)
-            self.k_norm = make_norm(cfg, self.head_dim)
+            whole = cfg.qk_norm_whole  # OLMo 2: over all heads of q (of k) at once
+            self.q_norm = make_norm(cfg, self.q_size if whole else self.head_dim)
+            self.k_norm = make_norm(cfg, self.kv_size if whole else self.head_dim)
         self.qk_norm = cfg.qk_norm
+        self.qk_norm_whole = cfg.qk_norm_whole
         self.qkv_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
         self.o_lora: LoRASlots | None = None
 
@@ -173,8 +177,11 @@ class Attention(nn.Module):
         if lora is not None:
             lora.add(qkv, x, self.qkv_lora)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-1)
         qk = qk.view(num_tokens, -1, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_whole:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k heads rotated in one pass: [T, num_heads + num_kv_heads, D]
@@ -224,6 +231,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
         self.sandwich = cfg.sandwich_norms
+        self.post_norms_only = cfg.post_norms_only
+        if cfg.post_norms_only:  # OLMo 2: attention and the MLP read the residual stream itself
+            del self.input_layernorm
+            self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
         self.residual_scale = cfg.residual_scale
         if cfg.sandwich_norms:  # Gemma2: post_attention_layernorm normalises attention's output alone
             self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
@@ -232,6 +243,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, rope, kv_cache, meta, lora=None):  # x, residual: [T, hidden]
         """The residual stream is carried beside x and added in by the next norm, so a
         kernel can fuse each add with the norm after it; residual is None at the first layer."""
+        if self.post_norms_only:
+            h = x if residual is None else x + residual
+            h = h + self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta, lora))
+            return self.post_feedforward_layernorm(self.mlp(h, lora)), h
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -308,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             for name, param in self.named_parameters():  # a tied lm_head is the embedding, once
                 if name.endswith("norm.weight"):
-                    param.fill_(0.0 if self.config.gemma_norms else 1.0)  # a scale of one either way
+                    param.fill_(1.0 - (self.config.norm_weight_offset or 0.0))  # a scale of one
                 elif name.endswith(".bias"):
                     param.zero_()
                 else:
