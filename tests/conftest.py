@@ -66,10 +66,13 @@ TINY_COMMON = dict(
 )
 
 
+VOCAB = 49152  # the default tokenizer's vocabulary, so prompts can be text
+
+
 def tiny_hf_config(family: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    vocab = 49152  # the default tokenizer's vocabulary, so prompts can be text
+    vocab = VOCAB
     if family == "llama":
         return LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, rope_theta=10000.0, **TINY_COMMON)
     if family == "llama3_rope":
@@ -90,38 +93,39 @@ def tiny_hf_config(family: str):
     if family == "qwen2_window":  # layer 0 sees everything, layer 1 its last 24 positions
         return Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=True, sliding_window=24,
                            max_window_layers=1, **TINY_COMMON)
+    if family in ("gemma", "gemma2", "gemma3"):
+        return tiny_gemma_config(family)
+    return tiny_other_config(family)
+
+
+def tiny_gemma_config(family: str):
+    from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
+
     if family == "gemma":  # head_dim set apart, as Gemma's 256 is
-        from transformers import GemmaConfig
-
-        return GemmaConfig(vocab_size=vocab, head_dim=32, hidden_act="gelu_pytorch_tanh", **TINY_COMMON)
+        return GemmaConfig(vocab_size=VOCAB, head_dim=32, hidden_act="gelu_pytorch_tanh", **TINY_COMMON)
     if family == "gemma2":  # every other layer windowed; a softmax scale of its own; caps that bite
-        from transformers import Gemma2Config
-
-        return Gemma2Config(vocab_size=vocab, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+        return Gemma2Config(vocab_size=VOCAB, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
                             attn_logit_softcapping=10.0, final_logit_softcapping=30.0,
                             hidden_activation="gelu_pytorch_tanh", **TINY_COMMON)
-    if family == "gemma3":  # windowed layers with a RoPE base of their own, the full one scaled (as 4B+)
-        from transformers import Gemma3TextConfig
+    # Gemma 3: windowed layers with a RoPE base of their own, the full one scaled (as 4B+)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+    return Gemma3TextConfig(vocab_size=VOCAB, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+                            layer_types=["sliding_attention", "full_attention"], rope_parameters=rope,
+                            architectures=["Gemma3ForCausalLM"], **TINY_COMMON)
 
-        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
-        return Gemma3TextConfig(vocab_size=vocab, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
-                                layer_types=["sliding_attention", "full_attention"], rope_parameters=rope,
-                                architectures=["Gemma3ForCausalLM"], **TINY_COMMON)
+
+def tiny_other_config(family: str):
+    from transformers import GraniteConfig, Olmo2Config, Phi3Config
+
     if family == "granite":  # multipliers far from one, so each one shows
-        from transformers import GraniteConfig
-
-        return GraniteConfig(vocab_size=vocab, tie_word_embeddings=True, embedding_multiplier=3.0,
+        return GraniteConfig(vocab_size=VOCAB, tie_word_embeddings=True, embedding_multiplier=3.0,
                              residual_multiplier=0.5, attention_multiplier=0.05, logits_scaling=4.0, **TINY_COMMON)
     if family == "olmo2":
-        from transformers import Olmo2Config
-
-        return Olmo2Config(vocab_size=vocab, tie_word_embeddings=False, **TINY_COMMON)
+        return Olmo2Config(vocab_size=VOCAB, tie_word_embeddings=False, **TINY_COMMON)
     if family == "phi3":
-        from transformers import Phi3Config
-
-        return Phi3Config(vocab_size=vocab, tie_word_embeddings=False, sliding_window=None, **TINY_COMMON)
-    return tiny_moe_config(family, vocab)
+        return Phi3Config(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=None, **TINY_COMMON)
+    return tiny_moe_config(family, VOCAB)
 
 
 def tiny_moe_config(family: str, vocab: int):
