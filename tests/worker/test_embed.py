@@ -119,21 +119,23 @@ def test_bad_embedding_requests_are_refused(llm) -> None:
 
 
 @pytest.fixture(scope="module")
-def embedding_model_dir(tiny_llama_dir: Path, tmp_path_factory) -> Path:
-    """The tiny Llama saved as a base model (`LlamaModel`: no LM head, no `model.` prefix),
-    the layout of Llama-family embedding checkpoints."""
+def embedding_model_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """A tiny model saved as a base model (`LlamaModel`, `Gemma2Model`: no LM head, no
+    `model.` prefix), the layout of decoder embedding checkpoints."""
     import shutil
 
     from transformers import AutoModelForCausalLM
 
     out = tmp_path_factory.mktemp("embedding-model")
-    AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).model.save_pretrained(out)
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (tiny_llama_dir / name).exists():
-            shutil.copy(tiny_llama_dir / name, out / name)
+        if (tiny_model_dir / name).exists():
+            shutil.copy(tiny_model_dir / name, out / name)
     return out
 
 
+# e5-mistral and gte-Qwen2 are Llama-family base models; bge-multilingual-gemma2 a Gemma 2 one
+@pytest.mark.parametrize("tiny_model_dir", ["llama", "gemma2"], indirect=True)
 def test_an_embedding_model_without_lm_head_serves_embeddings_only(embedding_model_dir: Path) -> None:
     import json
 
@@ -142,7 +144,8 @@ def test_an_embedding_model_without_lm_head_serves_embeddings_only(embedding_mod
 
     from worker import LLM
 
-    assert json.loads((embedding_model_dir / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    arch = json.loads((embedding_model_dir / "config.json").read_text())["architectures"][0]
+    assert arch in ("LlamaModel", "Gemma2Model")
     with safe_open(str(embedding_model_dir / "model.safetensors"), "pt") as f:
         assert "norm.weight" in f.keys() and not any(k.startswith(("model.", "lm_head")) for k in f.keys())
     llm = LLM(str(embedding_model_dir), dtype="float32", num_gpu_blocks_override=64)
@@ -152,5 +155,5 @@ def test_an_embedding_model_without_lm_head_serves_embeddings_only(embedding_mod
     with torch.inference_mode():
         expected = torch.nn.functional.normalize(hf(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
     torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match=r"\(LlamaModel\) has no LM head: it serves embedding requests only"):
+    with pytest.raises(ValueError, match=rf"\({arch}\) has no LM head: it serves embedding requests only"):
         llm.generate("Generate?", SamplingParams(max_tokens=2), use_tqdm=False)

@@ -36,6 +36,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralModel": "mistral",
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
+    "GemmaModel": "gemma",
+    "Gemma2Model": "gemma2",  # bge-multilingual-gemma2
 }
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
