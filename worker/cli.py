@@ -55,7 +55,8 @@ def build(parser: argparse.ArgumentParser) -> Any:
     )
     parser.add_argument(
         "--speculative-config", metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or, '
+        'with a draft model, \'{"model": "DIR", "num_speculative_tokens": 4}\' '
         "(default: $GENQ_SPECULATIVE_CONFIG or off)",
     )
     parser.add_argument(

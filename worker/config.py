@@ -34,7 +34,8 @@ class EngineConfig:
     max_loras: int = 1  # distinct adapters in one batch: the slots beside the weights
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
     # vLLM's: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-    # "prompt_lookup_min": 1} guesses tokens from the request's own earlier text; None: off
+    # "prompt_lookup_min": 1} guesses tokens from the request's own earlier text;
+    # {"model": DIR, "num_speculative_tokens": 4}, a draft model's greedy tokens; None: off
     speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

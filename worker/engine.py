@@ -19,6 +19,7 @@ from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig, SchedulerConfig
+from worker.draft_model import DraftModelProposer
 from worker.lora_request import LoRARequest
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
@@ -64,8 +65,7 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
-        spec = config.speculative_config
-        self.proposer = NgramProposer(SpeculativeConfig.from_dict(spec)) if spec else None
+        self.proposer = self._make_proposer(config)
         self.spec_stats = SpecDecodeStats()
         self._aborted: list[Request] = []  # finished by abort, reported at the next step
         self.num_generated_tokens = 0
@@ -304,6 +304,15 @@ class Engine:
                 self.proposer.record(rid, len(guesses), len(sampled[rid]) - 1)
         return sampled, logprobs
 
+    def _make_proposer(self, config: EngineConfig) -> NgramProposer | DraftModelProposer | None:
+        if not config.speculative_config:
+            return None
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        return DraftModelProposer(spec, config, self.max_model_len, self.runner.num_blocks,
+                                  self.model_config.vocab_size)
+
     def _propose(self) -> None:
         """Guesses for the next step of every decoding request that may speculate."""
         if self.proposer is None:
@@ -311,6 +320,7 @@ class Engine:
         limit = self.proposer.config.disable_by_batch_size
         if limit is not None and len(self.scheduler.running) >= limit:
             return
+        candidates = []
         for request in self.scheduler.running:
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling
@@ -318,7 +328,10 @@ class Engine:
                 continue
             # no guess past max_tokens or max_model_len: the step's last token needs room
             room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-            request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, room)
+            candidates.append((request, room))
+        guesses = self.proposer.propose_all([(r.request_id, r.all_token_ids, room) for r, room in candidates])
+        for request, _ in candidates:
+            request.spec_token_ids = guesses.get(request.request_id, [])
 
     def _record_prompt_logprobs(self, sched, chunk_logits: dict[str, torch.Tensor]) -> None:
         """Logprob of each prompt token given the tokens before it (raw model distribution),

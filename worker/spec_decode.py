@@ -1,5 +1,6 @@
 """Speculative decoding with n-gram drafts (vLLM's `speculative_config={"method": "ngram"}`,
-prompt lookup decoding). Plain Python: the scheduler reads the drafts it proposes.
+prompt lookup decoding), or with a draft model's (`{"model": DIR}`, worker/draft_model.py).
+Plain Python here: the scheduler reads the drafts proposed.
 
 When a request's last few tokens occurred earlier in its prompt or output, the tokens that
 followed them then are a cheap guess at what comes next. The scheduler runs a request's
@@ -25,7 +26,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # guesses per step, at most
     prompt_lookup_max: int = 4  # longest suffix looked up
     prompt_lookup_min: int = 1  # shortest suffix looked up
-    method: str = "ngram"
+    method: str = "ngram"  # or "draft_model"
+    model: str | None = None  # the draft model's local directory (method draft_model)
     # no guesses while this many requests run or more: at large batches a step is bound by
     # compute, and every guess adds a row to it (None: guess at any batch size)
     disable_by_batch_size: int | None = None
@@ -33,15 +35,18 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
         """vLLM's speculative_config dict; ValueError naming a bad or unknown key."""
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                  "disable_by_batch_size"}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(known))})")
-        if config.get("method", "ngram") != "ngram":
-            raise ValueError(f"speculative_config method must be 'ngram' (draft models are not "
-                             f"supported), got {config.get('method')!r}")
+        config = {"method": "draft_model" if config.get("model") else "ngram", **config}
+        if config["method"] not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {config['method']!r}")
+        if (config["method"] == "draft_model") != bool(config.get("model")):
+            raise ValueError("speculative_config needs a draft `model` directory exactly when method is "
+                             f"'draft_model' (method {config['method']!r}, model {config.get('model')!r})")
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config needs num_speculative_tokens")
         spec = cls(**config)
@@ -90,7 +95,7 @@ MAX_BACKOFF_STEPS = 16  # a request whose guesses keep failing tries again at le
 
 
 @dataclass
-class _Pace:
+class Pace:
     """How many guesses a request gets: one more after all were kept, the same after some
     were, half after none was; at none, none for a while (doubling while that repeats),
     then one. A guess costs a row of compute: text that does not repeat itself should not
@@ -127,13 +132,13 @@ class NgramProposer:
         self.config = config
         self._positions: dict[str, dict[int, list[int]]] = {}  # request -> token id -> positions
         self._num_indexed: dict[str, int] = {}
-        self._pace: dict[str, _Pace] = {}
+        self._pace: dict[str, Pace] = {}
 
     def propose(self, request_id: str, token_ids: list[int], max_drafts: int) -> list[int]:
         """Up to `max_drafts` tokens that followed the latest earlier occurrence of the
         longest suffix of `token_ids` (prompt_lookup_max down to prompt_lookup_min tokens),
         fewer as the request's recent guesses failed."""
-        pace = self._pace.setdefault(request_id, _Pace(self.config.num_speculative_tokens))
+        pace = self._pace.setdefault(request_id, Pace(self.config.num_speculative_tokens))
         max_drafts = min(max_drafts, pace.allowed())
         num_tokens = len(token_ids)
         if max_drafts < 1 or num_tokens < 2:
@@ -153,6 +158,10 @@ class NgramProposer:
                 if checked == MAX_CANDIDATES:
                     break
         return []
+
+    def propose_all(self, requests: list[tuple[str, list[int], int]]) -> dict[str, list[int]]:
+        """`propose` for each (request id, token ids, most guesses) of a step."""
+        return {rid: self.propose(rid, token_ids, room) for rid, token_ids, room in requests}
 
     def record(self, request_id: str, num_drafts: int, num_kept: int) -> None:
         """How a step went for the request's guesses: paces its next ones."""

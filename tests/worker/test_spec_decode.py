@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram guesses: lossless. Greedy tokens equal transformers'
+"""Speculative decoding with n-gram guesses, and with a draft model's: lossless. Greedy tokens equal transformers'
 exactly; with stop tokens, stop strings, max_tokens, penalties, logprobs, n > 1 and
 preemption, every output equals the same engine's without speculation.
 
@@ -167,3 +167,49 @@ def test_random_sampling_keeps_its_distribution(plain_llm, spec_llm):
     distance = sum(abs(a - b) for a, b in zip(shares(second["plain"]), shares(second["spec"]), strict=True)) / 2
     assert max(second["plain"].values()) < 0.8 * samples  # the guess is far from certain
     assert distance < 0.1, (distance, second["plain"].most_common(5), second["spec"].most_common(5))
+
+
+# -- a draft model's guesses ---------------------------------------------------------------
+
+
+def draft_engine(target, draft, **kwargs) -> LLM:
+    spec = {"model": str(draft), "num_speculative_tokens": 3}
+    return LLM(str(target), dtype="float32", num_gpu_blocks_override=128, speculative_config=spec, **kwargs)
+
+
+@pytest.mark.parametrize("draft", ["itself", "another model"])
+def test_draft_model_guesses_keep_plain_outputs(tiny_llama_dir, tiny_mistral_dir, draft):
+    """A draft that is the target itself guesses right (nearly) every time; another model of the
+    same vocabulary seldom does; either way every output is plain decoding's, with stop
+    strings, penalties and logprobs."""
+    prompts = PROMPTS
+    plain = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=128)
+    spec = draft_engine(tiny_llama_dir, tiny_llama_dir if draft == "itself" else tiny_mistral_dir)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = [llm.generate(prompts, greedy, use_tqdm=False) for llm in (plain, spec)]
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
+    stats = spec.engine.spec_stats
+    assert stats.num_draft_tokens > 24
+    if draft == "itself":
+        assert stats.acceptance_rate > 0.95
+    else:
+        assert stats.acceptance_rate < 0.5
+    for params in (CASES["stop strings"], CASES["penalties and logprobs"], CASES["max tokens"]):
+        a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (plain, spec))
+        for p, s in zip(a, b, strict=True):
+            assert (s.outputs[0].token_ids, s.outputs[0].finish_reason) == (p.outputs[0].token_ids, p.outputs[0].finish_reason)
+    # its blocks come back as requests end
+    proposer = spec.engine.proposer
+    assert not proposer._tables and len(proposer._free) == proposer.runner.num_blocks
+
+
+def test_a_draft_model_that_cannot_serve_is_refused(tiny_llama_dir, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, max_position_embeddings=1024)
+    LlamaForCausalLM(small).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"vocabulary \(512 tokens\) is not the target model's \(49152\)"):
+        draft_engine(tiny_llama_dir, tmp_path)
+    with pytest.raises(ValueError, match="needs a draft `model` directory exactly when method is 'draft_model'"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
