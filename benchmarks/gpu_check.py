@@ -1,7 +1,8 @@
 """The GPU check (run on a CUDA machine; under 5 minutes):
 
-1. every Triton kernel against its torch reference at real sizes, timed with
-   `triton.testing.do_bench` (median), bandwidth beside a device-to-device copy of the same bytes;
+1. every Triton kernel against its torch reference at real sizes (the fused MoE at a
+   Qwen3-30B-A3B layer's), timed with `triton.testing.do_bench` (median), bandwidth beside a
+   device-to-device copy of the same bytes;
 2. greedy outputs of the engine on CUDA against the CPU path (float32: equal; bfloat16: close),
    and with CUDA graphs against without (`enforce_eager`); the same with LoRA adapters mixed in
    one batch (random rank-16 adapters, written by `benchmarks/lora.py`); n-gram speculative

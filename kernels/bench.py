@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._common import HAS_TRITON, cdiv
+from kernels.fused_moe import fused_moe, fused_moe_ref
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
@@ -22,6 +23,8 @@ from kernels.sampling import top_k_top_p_sample, top_k_top_p_sample_ref
 
 __all__ = ["HEAD_CONFIGS", "check_kernels", "format_rows"]
 
+# a mixture-of-experts layer of Qwen3-30B-A3B's shape: (experts, top_k, hidden_size, intermediate)
+MOE_SHAPE = (128, 8, 2048, 768)
 # name: (num_heads, num_kv_heads, head_dim, hidden_size, vocab_size)
 HEAD_CONFIGS = {
     "smollm2-135m": (9, 3, 64, 576, 49152),
@@ -53,8 +56,8 @@ def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
     """Check and time every kernel on the current CUDA device; one row dict per case.
 
     Row keys: kernel, config, shape, dtype, max_abs_err, ok, ms, gb_per_s, copy_gb_per_s,
-    pct_of_copy, tflop_per_s (attention's matmuls; 0 for the others). Raises RuntimeError
-    without a CUDA GPU (or under TRITON_INTERPRET=1).
+    pct_of_copy, tflop_per_s (attention's and fused MoE's matmuls; 0 for the others).
+    Raises RuntimeError without a CUDA GPU (or under TRITON_INTERPRET=1).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("check_kernels needs a CUDA GPU; none is visible to torch")
@@ -67,6 +70,8 @@ def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
     for config in configs or list(HEAD_CONFIGS):
         for case in _cases(config, device):
             rows.append(_measure(case))
+    for num_tokens in (16, 2048):  # a decode step's tokens, a prefill's
+        rows.append(_measure(_fused_moe_case(num_tokens, device)))
     return rows
 
 
@@ -239,6 +244,29 @@ def _sampling_case(config: str, num_rows: int, vocab_size: int, device: torch.de
     num_bytes = logits.numel() * logits.element_size() + noise.numel() * 4
     return _Case("top_k_top_p_sample", config, f"B={num_rows} V={vocab_size} k=50|0 p=0.9",
                  lambda: top_k_top_p_sample(*args), compare, num_bytes)  # fmt: skip
+
+
+def _fused_moe_case(num_tokens: int, device: torch.device) -> _Case:
+    """One MoE layer (MOE_SHAPE); checked on its first 16 tokens (the dense reference gathers
+    every token's experts' weights), timed on all."""
+    num_experts, top_k, hidden, inter = MOE_SHAPE
+    x = torch.randn(num_tokens, hidden, device=device, dtype=_DTYPE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=device) * hidden**-0.5).to(_DTYPE)
+    w2 = (torch.randn(num_experts, hidden, inter, device=device) * inter**-0.5).to(_DTYPE)
+    probs = torch.softmax(torch.randn(num_tokens, num_experts, device=device), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(_DTYPE)
+
+    def compare() -> _Error:
+        n = min(num_tokens, 16)
+        return _compare((fused_moe(x[:n], w13, w2, weights[:n], ids[:n]),
+                         fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n])))
+
+    experts_hit = ids.unique().numel()
+    num_bytes = experts_hit * 3 * hidden * inter * w13.element_size() + 2 * x.numel() * x.element_size()
+    flops = 2 * num_tokens * top_k * 3 * hidden * inter
+    return _Case("fused_moe", "qwen3-30b-a3b", f"T={num_tokens} E={num_experts} k={top_k}",
+                 lambda: fused_moe(x, w13, w2, weights, ids), compare, num_bytes, flops)  # fmt: skip
 
 
 def format_rows(rows: list[dict[str, object]]) -> str:
