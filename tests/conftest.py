@@ -199,6 +199,24 @@ def tiny_window_dir(request, tmp_path_factory, default_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_classifier_dir(tmp_path_factory, default_model_dir) -> Path:
+    """The tiny Llama's shape with a three-label classification head (a reward model or a
+    classifier's layout: `model.` layers and `score.weight`)."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    config = tiny_hf_config("llama")
+    config.update({"num_labels": 3, "id2label": {0: "negative", 1: "neutral", 2: "positive"},
+                   "label2id": {"negative": 0, "neutral": 1, "positive": 2}, "pad_token_id": 0})
+    out = tmp_path_factory.mktemp("classifier")
+    AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for name in os.listdir(default_model_dir):
+        if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
+            shutil.copy(default_model_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_moe_dir(tmp_path_factory, default_model_dir) -> Path:
     """A mixture of experts whose second layer keeps a dense MLP."""
     return build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), default_model_dir)

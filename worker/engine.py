@@ -258,7 +258,9 @@ class Engine:
             request = self.scheduler.requests.get(request_id)
             if request is None or request.pooling_params is None:
                 continue  # aborted while the step ran
-            vector = torch.nn.functional.normalize(hidden, dim=-1) if request.pooling_params.normalize else hidden
+            # a classifier's logits are never normalized: LLM.classify and /classify take their softmax
+            normalize = request.pooling_params.normalize and not self.model_config.labels
+            vector = torch.nn.functional.normalize(hidden, dim=-1) if normalize else hidden
             embeddings[request_id] = vector.tolist()
         self.scheduler.finish_requests(embeddings, RequestStatus.FINISHED_STOPPED)
         return embeddings

@@ -6,6 +6,7 @@ import itertools
 import time
 from typing import Any, TypeVar, cast
 
+import torch
 from tqdm.auto import tqdm
 
 from producer.beam_search import Beam, BeamSearchParams, best, step
@@ -17,6 +18,8 @@ from worker.lora_request import LoRARequest
 from worker.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -80,6 +83,24 @@ class LLM:
             self.engine.add_request(ids[-1], prompt, lora_request=lora, pooling_params=pooling_params)
         return [EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding or []))
                 for out in self._run(ids, use_tqdm)]
+
+    def classify(
+        self, prompts: PromptInput | list[PromptInput], use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities, as vLLM's `LLM.classify`: the softmax of a
+        classification model's score head over the prompt's last token (labels in
+        `label_names`)."""
+        if not self.engine.model_config.labels:
+            raise ValueError(f"this model ({self.engine.model_config.architecture}) has no classification head")
+        outputs = self.embed(prompts, PoolingParams(normalize=False), use_tqdm, lora_request)
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(
+            torch.tensor(o.outputs.embedding).softmax(dim=-1).tolist())) for o in outputs]
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        """A classification model's labels, in the order of its probabilities."""
+        return self.engine.model_config.labels
 
     def _checked(self, i: int, prompt: PromptInput, params: SamplingParams, lora: LoRARequest | None,
                  pooling_params: PoolingParams | None = None) -> dict[str, Any]:

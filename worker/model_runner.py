@@ -173,7 +173,8 @@ class ModelRunner:
             for s, end in zip(batch, ends, strict=True)
             if s.prompt_logprobs
         }
-        pooled = {s.request_id: hidden[end - 1].float() for s, end in zip(batch, ends, strict=True) if s.pool}
+        pooled = {s.request_id: self.model.pool(hidden[end - 1 : end])[0] for s, end in zip(batch, ends, strict=True)
+                  if s.pool}
         return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled)
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, Any]:

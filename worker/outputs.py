@@ -39,6 +39,21 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # softmax of the score head's logits, one per label
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns per prompt, as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """What `LLM.embed` returns per prompt, as vLLM's."""
 

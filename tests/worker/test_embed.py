@@ -157,3 +157,25 @@ def test_an_embedding_model_without_lm_head_serves_embeddings_only(embedding_mod
     torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match=rf"\({arch}\) has no LM head: it serves embedding requests only"):
         llm.generate("Generate?", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_a_classification_model_gives_label_probabilities(tiny_classifier_dir: Path) -> None:
+    """A decoder with a score head (LlamaForSequenceClassification): `LLM.classify` gives the
+    softmax of transformers' logits for each prompt's last token, labels from its config."""
+    from transformers import AutoModelForSequenceClassification
+
+    from worker import LLM
+
+    llm = LLM(str(tiny_classifier_dir), dtype="float32", num_gpu_blocks_override=64)
+    assert llm.label_names == ("negative", "neutral", "positive")
+    prompts = ["I loved it", "The weather report, read twice over: rain, then sun, then rain again."]
+    outs = llm.classify(prompts, use_tqdm=False)
+    hf = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir, dtype=torch.float32).eval()
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            expected = hf(torch.tensor([tok.encode(prompt)])).logits[0].softmax(-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), expected, atol=1e-5, rtol=1e-4)
+    assert len({tuple(round(p, 3) for p in o.outputs.probs) for o in outs}) == 2  # the prompts differ
+    with pytest.raises(ValueError, match="has no LM head"):
+        llm.generate("Generate?", SamplingParams(max_tokens=2), use_tqdm=False)

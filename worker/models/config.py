@@ -38,6 +38,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3Model": "qwen3",
     "GemmaModel": "gemma",
     "Gemma2Model": "gemma2",  # bge-multilingual-gemma2
+    # the decoders with a classification head on the last token (reward models, classifiers):
+    # their "embedding" is the head's logits, one per label
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
 }
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
@@ -99,6 +105,7 @@ class ModelConfig:
     sliding_window: int | None  # the model's window, where any layer has one
     eos_token_ids: frozenset[int]
     has_lm_head: bool = True  # False: an embedding model; generation is refused
+    labels: tuple[str, ...] = ()  # a classification model's labels, one per logit of its score head
     qk_norm: bool = False  # an RMSNorm over each q and k head before the rotary (Qwen3)
     moe: MoEConfig | None = None  # a mixture of experts' routing, None for a dense model
     # per layer, how many positions back (itself included) a query sees; None: all of them
@@ -163,6 +170,7 @@ class ModelConfig:
             layer_windows=layer_windows,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
+            labels=_labels(hf_config) if arch.endswith("ForSequenceClassification") else (),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
             **_variant_fields(hf_config, family),
@@ -184,6 +192,11 @@ class ModelConfig:
 
         extra = {"layer_type": kind} if _per_kind(self.hf_config) else {}
         return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu", **extra)
+
+
+def _labels(hf_config: Any) -> tuple[str, ...]:
+    id2label = getattr(hf_config, "id2label", None) or {}
+    return tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(hf_config.num_labels))
 
 
 _GELUS = ("gelu_pytorch_tanh", "gelu")

@@ -274,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, use_kernels, i) for i in range(cfg.num_hidden_layers))
         self.norm = make_norm(cfg, cfg.hidden_size, use_kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.labels:  # a classifier: the score head reads the last token's hidden state
+            self.score = nn.Linear(cfg.hidden_size, len(cfg.labels), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary: RotaryEmbedding
@@ -308,6 +310,11 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache, window in zip(self.layers, kv_caches, windows, strict=True):
             x, residual = layer(x, residual, rope if window is None else local, kv_cache, meta, lora)
         return self.norm(x, residual)[0]
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, hidden or labels]
+        """What an embedding request's last row gives: its hidden state, or a classifier's
+        label logits."""
+        return self.score(hidden).float() if self.config.labels else hidden.float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()  # [num_rows, vocab]
