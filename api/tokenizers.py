@@ -6,6 +6,7 @@ render it (producer.chat_template)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from api.cluster import Cluster
 from api.errors import APIError
 from producer.async_client import AsyncClient
 from producer.chat_template import render_chat
-from producer.protocol import TOKENIZER_EOS_FIELD, Job
+from producer.protocol import TOKENIZER_EOS_FIELD, TOKENIZER_LABELS_FIELD, Job
 
 
 class Tokenizers:
@@ -33,7 +34,7 @@ class Tokenizers:
             return loaded[1]
         files = await client.redis.hgetall(key)
         tokenizer = await asyncio.to_thread(
-            _load, {k.decode(): v for k, v in files.items() if k not in (b"digest", TOKENIZER_EOS_FIELD.encode())}
+            _load, {k.decode(): v for k, v in files.items() if k.decode() not in ("digest", TOKENIZER_EOS_FIELD, TOKENIZER_LABELS_FIELD)}
         )
         self._loaded[model] = (digest, tokenizer)
         return tokenizer
@@ -46,6 +47,12 @@ async def eos_token_ids(client: AsyncClient, model: str, tokenizer: Any) -> set[
     if published:
         return {int(t) for t in published.decode().split(",") if t}
     return {tokenizer.eos_token_id} - {None}
+
+
+async def labels(client: AsyncClient, model: str) -> list[str] | None:
+    """A classification model's labels, as its workers published them; None for another model."""
+    published = await client.redis.hget(client.keys.tokenizer(model), TOKENIZER_LABELS_FIELD)
+    return json.loads(published) if published else None
 
 
 async def base_model(cluster: Cluster, model: str) -> tuple[str, int | None]:

@@ -55,6 +55,7 @@ MAX_JOB_ID_LEN = 200
 MAX_QUEUE_NAME_LEN = 64
 # field of `Keys.tokenizer(model)` beside the files: the model's end-of-sequence ids, comma-separated
 TOKENIZER_EOS_FIELD = "eos_token_ids"
+TOKENIZER_LABELS_FIELD = "labels"  # a classification model's labels, JSON list; absent otherwise
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 USAGE_TTL_S = 400 * 24 * 3600  # a day's usage hash outlives a year of invoices
 

@@ -100,7 +100,8 @@ class Consumer:
         )
         await self.scripts.ensure_group()
         await self._claim_name()
-        await publish_tokenizer(self.conn, self.keys, self.config.model_name, engine.tokenizer, engine.eos_token_ids)
+        await publish_tokenizer(self.conn, self.keys, self.config.model_name, engine.tokenizer, engine.eos_token_ids,
+                                engine.model_config.labels)
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._start_tasks()

@@ -1,7 +1,9 @@
 """vLLM's `/score` and `/rerank` (also under `/v1`, and `/v2/rerank`, the Cohere and Jina
 shapes) for embedding models: each text is embedded once (api.embeddings: ordinary embedding
 jobs), and a pair's score is the cosine similarity of its two vectors, as vLLM scores pairs
-with an embedding model."""
+with an embedding model. And vLLM's `/classify` for classification models (reward models,
+classifiers): one embedding job per input, whose vector is the score head's logits; the
+response gives their softmax and the likeliest label."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from api import generate
+from api import generate, tokenizers
 from api.deps import StateDep
 from api.embeddings import EmbeddingRenderer, plan_embeddings
 from api.errors import invalid_param
@@ -45,6 +47,48 @@ class RerankRequest(BaseModel):
     return_documents: bool = True
     truncate_prompt_tokens: int | None = None
     priority: int = 0
+
+
+class ClassificationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+@router.post("/classify")
+@router.post("/v1/classify")
+async def classify(body: ClassificationRequest, request: Request, state: StateDep) -> dict[str, Any]:
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if not texts:
+        raise invalid_param("input", "input must be a text or a non-empty list of texts")
+    _check_texts("input", texts)
+    model = await generate.resolve_model(state, body.model)
+    labels = await tokenizers.labels(state.client, model)
+    if labels is None:
+        raise invalid_param("model", f"model {model!r} has no classification head (its workers publish no labels)")
+    await generate.check_backpressure(state)
+    embed = EmbeddingRequest(model=body.model, input=texts, truncate_prompt_tokens=body.truncate_prompt_tokens,
+                             priority=body.priority)
+    planned = plan_embeddings(embed, uuid.uuid4().hex, model, await generate.job_model(state, body.model, model))
+    req = await generate.submit(state, planned)
+    response = await unless_disconnected(request, generate.collect(state, req, EmbeddingRenderer()))
+    data = []
+    for i, item in enumerate(response["data"]):
+        probs = _softmax(item["embedding"])
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)})
+    tokens = response["usage"]["prompt_tokens"]
+    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+
+
+def _softmax(logits: list[float]) -> list[float]:
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
+    total = math.fsum(exps)
+    return [e / total for e in exps]
 
 
 @router.post("/score")

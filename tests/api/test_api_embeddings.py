@@ -155,3 +155,11 @@ def test_score_and_rerank_are_cosine_similarities_of_embeddings(served_model: st
     ):
         response = http.post(path, json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_classify_needs_a_classification_model(http: httpx.Client) -> None:
+    """The tiny Llama has an LM head, not a score head: its workers publish no labels."""
+    response = http.post("/classify", json={"input": "Is this positive?"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "model"
+    assert "has no classification head" in response.json()["error"]["message"]
