@@ -220,6 +220,12 @@ class TorchAttention:
 
 
 
+def apply_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), in place: attention scores and logits kept within (-cap, cap)
+    (Gemma 2)."""
+    return x.div_(cap).tanh_().mul_(cap)
+
+
 def write_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,
@@ -266,12 +272,12 @@ def _matmul_attention(
     v: torch.Tensor,
     mask: torch.Tensor,  # additive, broadcast to [B, kv_heads, rows, ctx]
     scale: float,
-    softcap: float | None = None,
+    cap: float | None = None,
 ) -> torch.Tensor:  # [B, kv_heads, rows, D]
     """Softmax in float32 between two matmuls in the model's dtype."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    if softcap is not None:
-        scores.div_(softcap).tanh_().mul_(softcap)
+    if cap is not None:
+        apply_softcap(scores, cap)
     scores.add_(mask)
     return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
 

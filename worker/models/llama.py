@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, and the mixtures of experts
-Mixtral, Qwen2-MoE and Qwen3-MoE) over a flat batch and a paged KV cache.
+"""The Llama-lineage decoder over a flat batch and a paged KV cache: Llama, Mistral, Qwen,
+Phi-3, Gemma, Granite, OLMo 2 and their mixtures of experts, each a set of ModelConfig fields
+this one layer reads (worker/models/config.py lists the architectures).
 
 Weights are read from a Hugging Face checkpoint; q/k/v and gate/up projections are fused at
 load time so each layer makes two matmuls for attention input and MLP input instead of five.
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from worker.attention import apply_softcap
 from worker.models.config import ModelConfig
 from worker.models.moe import SparseMoeBlock
 
@@ -76,11 +78,6 @@ def make_norm(cfg: ModelConfig, hidden_size: int, use_kernel: bool = False) -> R
     if cfg.norm_weight_offset is not None:
         return Float32ScaleRMSNorm(hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
     return RMSNorm(hidden_size, cfg.rms_norm_eps, use_kernel)
-
-
-def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(x / cap), in place: scores and logits kept within (-cap, cap) (Gemma2)."""
-    return x.div_(cap).tanh_().mul_(cap)
 
 
 class RotaryEmbedding(nn.Module):
@@ -320,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden).float()  # [num_rows, vocab]
         if self.config.logits_divisor is not None:
             logits.div_(self.config.logits_divisor)
-        return logits if self.config.final_softcap is None else softcap(logits, self.config.final_softcap)
+        return logits if self.config.final_softcap is None else apply_softcap(logits, self.config.final_softcap)
 
     def init_dummy_weights(self, std: float, seed: int = 0) -> None:
         """Seeded random weights instead of a checkpoint: normal(0, std) for embeddings and
