@@ -69,7 +69,6 @@ class Experts(nn.Module):
             out[pairs] = self._linear(F.silu(gate) * up, expert, 1)
         return combine(out, topk_weights)
 
-
     def _linear(self, x: torch.Tensor, expert: int, which: int) -> torch.Tensor:  # which: 0 w13, 1 w2
         if self.packed is not None:
             return packed_linear(x, self.packed[expert][which])
