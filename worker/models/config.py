@@ -102,7 +102,6 @@ class ModelConfig:
     attention_bias: bool  # q/k/v biases (Qwen2)
     o_proj_bias: bool
     mlp_bias: bool
-    sliding_window: int | None  # the model's window, where any layer has one
     eos_token_ids: frozenset[int]
     has_lm_head: bool = True  # False: an embedding model; generation is refused
     labels: tuple[str, ...] = ()  # a classification model's labels, one per logit of its score head
@@ -166,7 +165,6 @@ class ModelConfig:
             attention_bias=qkv_bias,
             o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and not qwen2,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            sliding_window=window if any(layer_windows) else None,
             layer_windows=layer_windows,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
@@ -203,17 +201,21 @@ _GELUS = ("gelu_pytorch_tanh", "gelu")
 
 
 def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
-    """What Gemma's and Granite's layers do beyond Llama's."""
-    if not family.startswith("gemma"):
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
-        if family == "olmo2":
-            return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True)
-        if not family.startswith("granite"):
-            return {}
+    """What Gemma's, Granite's and OLMo 2's layers do beyond Llama's."""
+    if family.startswith("gemma"):
+        return _gemma_fields(hf_config, family)
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
+    if family == "olmo2":
+        return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True)
+    if family.startswith("granite"):
         return dict(embed_scale=hf_config.embedding_multiplier, residual_scale=hf_config.residual_multiplier,
                     attn_scale=hf_config.attention_multiplier, logits_divisor=hf_config.logits_scaling)
+    return {}
+
+
+def _gemma_fields(hf_config: Any, family: str) -> dict[str, Any]:
     # the activation transformers applies: Gemma2's hidden_activation, Gemma's hidden_act
     act = getattr(hf_config, "hidden_act" if family == "gemma" else "hidden_activation", None)
     if act not in _GELUS:
