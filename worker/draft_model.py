@@ -21,7 +21,7 @@ from worker.config import EngineConfig
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.scheduler import ScheduledRequest, SchedulerOutput
-from worker.spec_decode import Pace, SpeculativeConfig
+from worker.spec_decode import Pacing, SpeculativeConfig
 
 
 class DraftModelProposer:
@@ -47,29 +47,27 @@ class DraftModelProposer:
         self._free = list(range(self.runner.num_blocks))
         self._tables: dict[str, list[int]] = {}
         self._seen: dict[str, int] = {}  # tokens of the request whose KV the draft holds
-        self._pace: dict[str, Pace] = {}
+        self.pacing = Pacing(spec.num_speculative_tokens)
 
     def propose_all(self, requests: list[tuple[str, list[int], int]]) -> dict[str, list[int]]:
         """Up to num_speculative_tokens greedy guesses for each (request id, token ids, most
         guesses), fewer as a request's recent guesses failed or its blocks ran out."""
         wanted: dict[str, int] = {}
         catch_up: list[ScheduledRequest] = []
-        lengths: dict[str, int] = {}
         for rid, token_ids, room in requests:
-            pace = self._pace.setdefault(rid, Pace(self.config.num_speculative_tokens))
-            num = min(room, pace.allowed())
+            num = min(room, self.pacing.allowed(rid))
             # the last guess is sampled, never fed back: its position needs no slot
             if num < 1 or not self._reserve(rid, len(token_ids) + num - 1):
                 continue
             seen = min(self._seen.get(rid, 0), len(token_ids) - 1)  # at least one token to compute
             catch_up.append(ScheduledRequest(rid, token_ids[seen:], seen, self._tables[rid], True))
-            wanted[rid], lengths[rid] = num, len(token_ids)
+            wanted[rid] = num
             self._seen[rid] = len(token_ids)
         if not catch_up:
             return {}
         guesses = self._sample(catch_up)
         for step in range(1, max(wanted.values())):
-            batch = [ScheduledRequest(rid, [guesses[rid][-1]], lengths[rid] + step - 1, self._tables[rid], True)
+            batch = [ScheduledRequest(rid, [guesses[rid][-1]], self._seen[rid] + step - 1, self._tables[rid], True)
                      for rid in wanted if len(guesses[rid]) < wanted[rid]]
             for rid, more in self._sample(batch).items():
                 guesses[rid] += more
@@ -90,11 +88,9 @@ class DraftModelProposer:
         return True
 
     def record(self, request_id: str, num_drafts: int, num_kept: int) -> None:
-        pace = self._pace.get(request_id)
-        if pace is not None and num_drafts:
-            pace.record(num_drafts, num_kept, self.config.num_speculative_tokens)
+        self.pacing.record(request_id, num_drafts, num_kept)
 
     def remove(self, request_id: str) -> None:
         self._free.extend(self._tables.pop(request_id, []))
         self._seen.pop(request_id, None)
-        self._pace.pop(request_id, None)
+        self.pacing.forget(request_id)

@@ -123,6 +123,27 @@ class Pace:
                 self.backoff_steps = min(2 * self.backoff_steps, MAX_BACKOFF_STEPS)
 
 
+class Pacing:
+    """Each request's Pace, for a proposer: how many guesses it gets next, and how its
+    last ones fared."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._pace: dict[str, Pace] = {}
+
+    def allowed(self, request_id: str) -> int:
+        return self._pace.setdefault(request_id, Pace(self.most)).allowed()
+
+    def record(self, request_id: str, num_drafts: int, num_kept: int) -> None:
+        """How a step went for the request's guesses: paces its next ones."""
+        pace = self._pace.get(request_id)
+        if pace is not None and num_drafts:
+            pace.record(num_drafts, num_kept, self.most)
+
+    def forget(self, request_id: str) -> None:
+        self._pace.pop(request_id, None)
+
+
 class NgramProposer:
     """Drafts for each request from its own tokens, with an index of where each token id
     occurs (kept per request and extended as tokens come), so a lookup checks only the
@@ -132,14 +153,13 @@ class NgramProposer:
         self.config = config
         self._positions: dict[str, dict[int, list[int]]] = {}  # request -> token id -> positions
         self._num_indexed: dict[str, int] = {}
-        self._pace: dict[str, Pace] = {}
+        self.pacing = Pacing(config.num_speculative_tokens)
 
     def propose(self, request_id: str, token_ids: list[int], max_drafts: int) -> list[int]:
         """Up to `max_drafts` tokens that followed the latest earlier occurrence of the
         longest suffix of `token_ids` (prompt_lookup_max down to prompt_lookup_min tokens),
         fewer as the request's recent guesses failed."""
-        pace = self._pace.setdefault(request_id, Pace(self.config.num_speculative_tokens))
-        max_drafts = min(max_drafts, pace.allowed())
+        max_drafts = min(max_drafts, self.pacing.allowed(request_id))
         num_tokens = len(token_ids)
         if max_drafts < 1 or num_tokens < 2:
             return []
@@ -164,15 +184,12 @@ class NgramProposer:
         return {rid: self.propose(rid, token_ids, room) for rid, token_ids, room in requests}
 
     def record(self, request_id: str, num_drafts: int, num_kept: int) -> None:
-        """How a step went for the request's guesses: paces its next ones."""
-        pace = self._pace.get(request_id)
-        if pace is not None and num_drafts:
-            pace.record(num_drafts, num_kept, self.config.num_speculative_tokens)
+        self.pacing.record(request_id, num_drafts, num_kept)
 
     def remove(self, request_id: str) -> None:
         self._positions.pop(request_id, None)
         self._num_indexed.pop(request_id, None)
-        self._pace.pop(request_id, None)
+        self.pacing.forget(request_id)
 
     def _index(self, request_id: str, token_ids: list[int]) -> dict[int, list[int]]:
         positions = self._positions.setdefault(request_id, {})
