@@ -6,6 +6,7 @@ TRITON_INTERPRET=1 before importing this package to run the kernels on CPU tenso
 """
 
 from kernels._common import HAS_TRITON
+from kernels.fp8_linear import fp8_linear, fp8_linear_ref
 from kernels.fused_moe import fused_moe, fused_moe_ref, moe_align
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_ref
@@ -19,6 +20,8 @@ __all__ = [
     "apply_rotary_emb_ref",
     "build_cos_sin_cache",
     "choose_num_splits",
+    "fp8_linear",
+    "fp8_linear_ref",
     "fused_add_rms_norm",
     "fused_add_rms_norm_ref",
     "fused_moe",

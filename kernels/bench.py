@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._common import HAS_TRITON, cdiv
+from kernels.fp8_linear import dequantize_ref, fp8_linear, fp8_linear_ref
 from kernels.fused_moe import fused_moe, fused_moe_ref
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref
@@ -25,6 +26,8 @@ __all__ = ["HEAD_CONFIGS", "check_kernels", "format_rows"]
 
 # a mixture-of-experts layer of Qwen3-30B-A3B's shape: (experts, top_k, hidden_size, intermediate)
 MOE_SHAPE = (128, 8, 2048, 768)
+# Llama-3-8B's gate/up projection (out, in), fp8 with 128 x 128 scale blocks
+FP8_SHAPE = (28672, 4096)
 # name: (num_heads, num_kv_heads, head_dim, hidden_size, vocab_size)
 HEAD_CONFIGS = {
     "smollm2-135m": (9, 3, 64, 576, 49152),
@@ -72,6 +75,8 @@ def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
             rows.append(_measure(case))
     for num_tokens in (16, 2048):  # a decode step's tokens, a prefill's
         rows.append(_measure(_fused_moe_case(num_tokens, device)))
+        rows.append(_measure(_fused_moe_case(num_tokens, device, fp8=True)))
+        rows.extend(_measure(case) for case in _fp8_linear_cases(num_tokens, device))
     return rows
 
 
@@ -246,27 +251,67 @@ def _sampling_case(config: str, num_rows: int, vocab_size: int, device: torch.de
                  lambda: top_k_top_p_sample(*args), compare, num_bytes)  # fmt: skip
 
 
-def _fused_moe_case(num_tokens: int, device: torch.device) -> _Case:
-    """One MoE layer (MOE_SHAPE); checked on its first 16 tokens (the dense reference gathers
-    every token's experts' weights), timed on all."""
+def _fused_moe_case(num_tokens: int, device: torch.device, fp8: bool = False) -> _Case:
+    """One MoE layer (MOE_SHAPE), its experts in bf16 or in fp8 with 128 x 128 scale blocks;
+    checked on its first 16 tokens (the dense reference gathers every token's experts'
+    weights), timed on all."""
     num_experts, top_k, hidden, inter = MOE_SHAPE
     x = torch.randn(num_tokens, hidden, device=device, dtype=_DTYPE)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=device) * hidden**-0.5).to(_DTYPE)
-    w2 = (torch.randn(num_experts, hidden, inter, device=device) * inter**-0.5).to(_DTYPE)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=device) * inter**-0.5
+    scales: tuple = ()
+    if fp8:
+        (w13, s13), (w2, s2) = _fp8_blocks(w13), _fp8_blocks(w2)
+        scales = (s13, s2, (128, 128))
+    else:
+        w13, w2 = w13.to(_DTYPE), w2.to(_DTYPE)
     probs = torch.softmax(torch.randn(num_tokens, num_experts, device=device), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     weights = (weights / weights.sum(-1, keepdim=True)).to(_DTYPE)
 
     def compare() -> _Error:
         n = min(num_tokens, 16)
-        return _compare((fused_moe(x[:n], w13, w2, weights[:n], ids[:n]),
-                         fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n])))
+        return _compare((fused_moe(x[:n], w13, w2, weights[:n], ids[:n], *scales),
+                         fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n], *scales)))
 
     experts_hit = ids.unique().numel()
     num_bytes = experts_hit * 3 * hidden * inter * w13.element_size() + 2 * x.numel() * x.element_size()
     flops = 2 * num_tokens * top_k * 3 * hidden * inter
-    return _Case("fused_moe", "qwen3-30b-a3b", f"T={num_tokens} E={num_experts} k={top_k}",
-                 lambda: fused_moe(x, w13, w2, weights, ids), compare, num_bytes, flops)  # fmt: skip
+    return _Case("fused_moe fp8" if fp8 else "fused_moe", "qwen3-30b-a3b", f"T={num_tokens} E={num_experts} k={top_k}",
+                 lambda: fused_moe(x, w13, w2, weights, ids, *scales), compare, num_bytes, flops)  # fmt: skip
+
+
+def _fp8_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] (multiples of 128) as fp8 values and a scale per 128 x 128 block."""
+    *lead, n, k = dense.shape
+    tiles = dense.view(*lead, n // 128, 128, k // 128, 128)
+    scale = tiles.abs().amax(dim=(-3, -1)) / 448.0
+    return (tiles / scale[..., :, None, :, None]).view_as(dense).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_linear_cases(num_tokens: int, device: torch.device) -> list[_Case]:
+    """The fp8 kernel at FP8_SHAPE, and cuBLAS's bf16 product over the same weight
+    dequantized: the baseline its decode speed-up (half the weight bytes) is read against."""
+    n, k = FP8_SHAPE
+    x = torch.randn(num_tokens, k, device=device, dtype=_DTYPE)
+    weight, scale = _fp8_blocks(torch.randn(n, k, device=device) * k**-0.5)
+    bf16 = dequantize_ref(weight, scale, (128, 128), _DTYPE)
+    shape = f"T={num_tokens} N={n} K={k}"
+    flops = 2 * num_tokens * n * k
+    out_bytes = 2 * num_tokens * (n + k)
+
+    def compare_fp8() -> _Error:
+        return _compare((fp8_linear(x, weight, scale, (128, 128)), fp8_linear_ref(x, weight, scale, (128, 128))))
+
+    def compare_bf16() -> _Error:
+        return _compare((torch.nn.functional.linear(x, bf16), fp8_linear_ref(x, weight, scale, (128, 128))))
+
+    return [
+        _Case("fp8_linear", "llama-8b", shape, lambda: fp8_linear(x, weight, scale, (128, 128)), compare_fp8,
+              n * k + out_bytes, flops),
+        _Case("bf16 F.linear", "llama-8b", shape, lambda: torch.nn.functional.linear(x, bf16), compare_bf16,
+              2 * n * k + out_bytes, flops),
+    ]  # fmt: skip
 
 
 def format_rows(rows: list[dict[str, object]]) -> str:

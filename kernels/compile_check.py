@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels._common import HAS_TRITON, is_interpreted, tl
+from kernels.fp8_linear import _fp8_linear_kernel, block_k, tiles
 from kernels.fused_moe import _BLOCK_K, _BLOCK_M, _moe_matmul_kernel
 from kernels.fused_moe import _BLOCK_N as _MOE_BLOCK_N
 from kernels.kv_cache import _reshape_and_cache_kernel
@@ -38,7 +39,7 @@ _DIVISIBLE_INTS = {
     "stride_cache_slot", "stride_k_tok", "stride_k_head", "stride_v_tok", "stride_v_head",
     "stride_p_split", "stride_p_tok", "stride_p_head",
     "stride_x", "stride_residual", "stride_out", "stride_residual_out",
-    "stride_am", "stride_we", "stride_wn", "stride_om",
+    "stride_am", "stride_we", "stride_wn", "stride_om", "stride_xm",
 }  # fmt: skip
 _MOE_PTRS = {"sorted_ids_ptr": "*i64", "block_experts_ptr": "*i64"}
 _INT32_PTRS = {"query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32"}
@@ -101,19 +102,34 @@ def _attention_variant(
     return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps)
 
 
-def _moe_variant(name: str, dtype: str, first: bool, weights: str) -> _Variant:
+def _moe_variant(name: str, dtype: str, first: bool, weights: str, fp8_block: tuple[int, int] | None = None) -> _Variant:
     """One of fused_moe's two launches: gate/up over tokens, or down over pairs scaled by
-    routing weights of dtype `weights` (fp32 for Mixtral, whose weighted rows stay fp32)."""
+    routing weights of dtype `weights` (fp32 for Mixtral, whose weighted rows stay fp32);
+    with `fp8_block`, over fp8 experts with scales per block."""
     dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
     constexprs = dict(
         NUM_EXPERTS=64, TOP_K=8, A_PER_TOKEN=first, MUL_WEIGHT=not first, DOT_DTYPE=dot,
-        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32",
-        BLOCK_M=_BLOCK_M, BLOCK_N=_MOE_BLOCK_N, BLOCK_K=_BLOCK_K,
+        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", W_FP8=fp8_block is not None,
+        SCALE_ROWS=fp8_block[0] if fp8_block else 1, SCALE_COLS=fp8_block[1] if fp8_block else 1,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_MOE_BLOCK_N, BLOCK_K=block_k(fp8_block[1], 2048) if fp8_block else _BLOCK_K,
     )  # fmt: skip
     overrides = dict(_MOE_PTRS, topk_weights_ptr=weights)
+    overrides["w_ptr"] = "*fp8e4nv" if fp8_block else dtype
+    overrides["scale_ptr"] = "*fp32" if fp8_block else overrides["w_ptr"]
     if not first:
         overrides["out_ptr"] = weights
     return _Variant(name, _moe_matmul_kernel, dtype, constexprs, overrides)
+
+
+def _fp8_variant(name: str, rows: int, block: tuple[int, int], k: int = 4096) -> _Variant:
+    """fp8_linear as the launcher tiles `rows` rows of bf16 activations."""
+    block_m, block_n = tiles(rows)
+    constexprs = dict(
+        SCALE_ROWS=block[0], SCALE_COLS=block[1], HAS_BIAS=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(block[1], k),
+    )  # fmt: skip
+    overrides = dict(w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*fp8e4nv")
+    return _Variant(name, _fp8_linear_kernel, "*bf16", constexprs, overrides)
 
 
 def _variants() -> list[_Variant]:
@@ -152,6 +168,11 @@ def _variants() -> list[_Variant]:
         _moe_variant("fused_moe gate_up bf16 64x8", "*bf16", first=True, weights="*bf16"),
         _moe_variant("fused_moe down bf16 64x8", "*bf16", first=False, weights="*bf16"),
         _moe_variant("fused_moe down bf16, fp32 weights", "*bf16", first=False, weights="*fp32"),
+        _moe_variant("fused_moe gate_up bf16, fp8 experts", "*bf16", first=True, weights="*bf16", fp8_block=(128, 128)),
+        _moe_variant("fused_moe down bf16, fp8 experts", "*bf16", first=False, weights="*bf16", fp8_block=(128, 128)),
+        _fp8_variant("fp8_linear bf16 decode, 128x128 blocks", 8, (128, 128)),
+        _fp8_variant("fp8_linear bf16 prefill, 128x128 blocks", 2048, (128, 128)),
+        _fp8_variant("fp8_linear bf16 decode, per channel", 8, (1, 4096)),
     ]  # fmt: skip
 
 

@@ -33,6 +33,8 @@ from kernels._common import (
     tl,
     triton,
 )
+from kernels.fp8_linear import block_k as fp8_block_k
+from kernels.fp8_linear import dequantize_ref
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align"]
 
@@ -46,6 +48,7 @@ _BLOCK_K = 32
 def _moe_matmul_kernel(
     a_ptr,  # [num_tokens, K] when A_PER_TOKEN, else [num_pairs, K]
     w_ptr,  # [num_experts, N, K]
+    scale_ptr,  # [num_experts, cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32; read only when W_FP8
     out_ptr,  # [num_pairs, N]
     topk_weights_ptr,  # [num_pairs]; read only when MUL_WEIGHT
     sorted_ids_ptr,  # [max_rows] int64: pair index per row, num_pairs for padding
@@ -56,11 +59,16 @@ def _moe_matmul_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_om,
     NUM_EXPERTS: tl.constexpr,
     TOP_K: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,  # a's rows are tokens (pair // TOP_K), else pairs
     MUL_WEIGHT: tl.constexpr,
+    W_FP8: tl.constexpr,  # w is fp8: each tile's partial product is scaled by its block's scale
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,  # a multiple of BLOCK_K, or >= K
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, else the default "tf32"
     BLOCK_M: tl.constexpr,
@@ -81,12 +89,16 @@ def _moe_matmul_kernel(
         ks = tl.arange(0, BLOCK_K)
         a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
         w_base = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+        scale_base = scale_ptr + expert.to(tl.int64) * stride_se + (cols // SCALE_ROWS).to(tl.int64) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_valid = (k0 + ks) < K
             a = tl.load(a_base + (k0 + ks)[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
             w = tl.load(w_base + (k0 + ks)[:, None], mask=k_valid[:, None] & (cols < N)[None, :], other=0.0)
-            acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            part = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+            if W_FP8:
+                part *= tl.load(scale_base + k0 // SCALE_COLS, mask=cols < N, other=0.0)[None, :]
+            acc += part
         out = acc.to(a_ptr.dtype.element_ty)  # the projection, rounded to the activation dtype
         if MUL_WEIGHT:  # in fp32, then rounded to out's dtype: fp32 for fp32 routing weights
             weight = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
@@ -119,7 +131,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_ids, block_experts
 
 
-def _check_inputs(x, w13, w2, topk_weights, topk_ids) -> None:
+def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block) -> None:
     check_dtype("x", x, _DTYPES)
     check_shape("x", x, (None, None))
     num_tokens, hidden = x.shape
@@ -128,9 +140,21 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids) -> None:
     if two_inter % 2:
         raise ValueError(f"w13 must stack gate and up halves of equal size, got {two_inter} rows")
     check_shape("w2", w2, (num_experts, hidden, two_inter // 2))
-    for name, w in (("w13", w13), ("w2", w2)):
-        check_dtype(name, w, (x.dtype,))
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        check_dtype(name, w, (torch.float8_e4m3fn,) if fp8 else (x.dtype,))
         check_last_dim_contiguous(name, w)
+        if fp8:
+            if scale is None or block is None:
+                raise ValueError(f"{name} is fp8: its scales and their block are needed")
+            if block[1] < w.shape[2] and block[1] % 16:
+                raise ValueError(f"a scale block of {block[1]} columns is narrower than {name}'s "
+                                 f"{w.shape[2]} and not a multiple of 16")
+            check_dtype(f"{name}_scale", scale, (torch.float32,))
+            check_shape(f"{name}_scale", scale, (num_experts, cdiv(w.shape[1], block[0]), cdiv(w.shape[2], block[1])))
+            check_last_dim_contiguous(f"{name}_scale", scale)
+        elif scale is not None:
+            raise ValueError(f"{name}_scale goes with fp8 weights; {name} is {w.dtype}")
     check_shape("topk_ids", topk_ids, (num_tokens, None))
     check_dtype("topk_ids", topk_ids, (torch.int64,))
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
@@ -138,16 +162,19 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids) -> None:
     check_last_dim_contiguous("x", x)
 
 
-def _launch(a, w, out, topk_weights, sorted_ids, block_experts, top_k, a_per_token, mul_weight) -> None:
+def _launch(a, w, scale, block, out, topk_weights, sorted_ids, block_experts, top_k, a_per_token, mul_weight) -> None:
     num_experts, n, k = w.shape
     grid = (block_experts.shape[0], cdiv(n, _BLOCK_N))
+    fp8 = scale is not None
     _moe_matmul_kernel[grid](
-        a, w, out, topk_weights, sorted_ids, block_experts, out.shape[0], n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a, w, scale if fp8 else w, out, topk_weights, sorted_ids, block_experts, out.shape[0], n, k,
+        a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
+        out.stride(0),
         NUM_EXPERTS=num_experts, TOP_K=top_k, A_PER_TOKEN=a_per_token, MUL_WEIGHT=mul_weight,
+        W_FP8=fp8, SCALE_ROWS=block[0] if fp8 else 1, SCALE_COLS=block[1] if fp8 else 1,
         DOT_DTYPE=dot_dtype(a.dtype, is_interpreted(_moe_matmul_kernel)),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=fp8_block_k(block[1], k) if fp8 else _BLOCK_K,
     )  # fmt: skip
 
 
@@ -157,9 +184,13 @@ def fused_moe(
     w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [T, top_k]: float32 or x's dtype
     topk_ids: torch.Tensor,  # [T, top_k] int64
+    w13_scale: torch.Tensor | None = None,  # fp8 weights: [num_experts, cdiv(rows, block[0]), cdiv(cols, block[1])]
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,  # fp8 weights: weight rows, columns per scale
 ) -> torch.Tensor:  # [T, hidden]
-    """Sum over each token's top-k experts of weight * down(SiLU(gate(x)) * up(x))."""
-    _check_inputs(x, w13, w2, topk_weights, topk_ids)
+    """Sum over each token's top-k experts of weight * down(SiLU(gate(x)) * up(x)). Weights
+    in x's dtype, or fp8 (e4m3) with float32 scales per block, widened tile by tile."""
+    _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
     check_device(_moe_matmul_kernel, x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -169,20 +200,25 @@ def fused_moe(
     sorted_ids, block_experts = moe_align(topk_ids, w13.shape[0], _BLOCK_M)
     weights = topk_weights.flatten().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _launch(x, w13, gate_up, weights, sorted_ids, block_experts, top_k, a_per_token=True, mul_weight=False)
+    _launch(x, w13, w13_scale, block, gate_up, weights, sorted_ids, block_experts, top_k,
+            a_per_token=True, mul_weight=False)
     gate, up = gate_up.chunk(2, dim=-1)
     h = F.silu(gate).mul_(up)  # [num_pairs, intermediate]
     # weighted rows in the weights' dtype; their sum accumulates in fp32 and is rounded once
     out = torch.empty(num_pairs, hidden, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
-    _launch(h, w2, out, weights, sorted_ids, block_experts, top_k, a_per_token=False, mul_weight=True)
+    _launch(h, w2, w2_scale, block, out, weights, sorted_ids, block_experts, top_k, a_per_token=False, mul_weight=True)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
-def fused_moe_ref(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None) -> torch.Tensor:
     """The same sum, each row's experts' weights gathered and multiplied densely (an
-    independent oracle: no sorting, no tiles), with the kernel's rounding points."""
+    independent oracle: no sorting, no tiles), with the kernel's rounding points; fp8
+    weights are dequantized to x's dtype first."""
+    if w13_scale is not None:
+        w13, w2 = (dequantize_ref(w, scale, block, x.dtype) for w, scale in ((w13, w13_scale), (w2, w2_scale)))
     gate_up = torch.einsum("th,tknh->tkn", x.float(), w13[topk_ids].float()).to(x.dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     h = F.silu(gate) * up  # [T, top_k, intermediate]
     out = torch.einsum("tki,tkhi->tkh", h.float(), w2[topk_ids].float()).to(x.dtype)
     return (out * topk_weights[..., None]).sum(dim=1).to(x.dtype)
+

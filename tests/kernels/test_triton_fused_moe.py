@@ -4,6 +4,7 @@ that groups rows by expert against a plain Python grouping."""
 import pytest
 import torch
 from kernel_cases import ON_CUDA, assert_close
+from test_triton_fp8_linear import quantize
 
 from kernels import fused_moe, fused_moe_ref, moe_align
 
@@ -80,3 +81,38 @@ def test_fused_moe_rejects_what_it_cannot_run(device: torch.device) -> None:
         fused_moe(x, w13, w2[:, :, :16], weights, ids)
     with pytest.raises(ValueError, match="w13 must have dtype in \\(float32\\)"):
         fused_moe(x, w13.half(), w2, weights, ids)
+
+
+def _fp8_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [quantize(w[e], block) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+# (case, scale block): 16 x 32 blocks off square; one scale per expert row (per channel)
+FP8_CASES = [((37, 8, 3, 96, 48), (16, 32)), ((1, 4, 2, 64, 96), (1, 128))]
+if ON_CUDA:
+    FP8_CASES += [((512, 64, 8, 2048, 768), (128, 128))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case, block", FP8_CASES, ids=[str(c) for c in FP8_CASES])
+def test_fused_moe_over_fp8_experts_matches_the_dequantized_reference(device, case, block, dtype) -> None:
+    x, w13, w2 = _inputs(case, dtype, device)
+    (w13, s13), (w2, s2) = _fp8_experts(w13, block), _fp8_experts(w2, block)
+    weights, ids = _routing(case[0], case[1], case[2], device, dtype)
+    out = fused_moe(x, w13, w2, weights, ids, s13, s2, block)
+    assert_close(out, fused_moe_ref(x, w13, w2, weights, ids, s13, s2, block))
+    # the scales do bite: each expert's own blocks
+    assert not torch.allclose(out.float(), fused_moe_ref(x, w13, w2, weights, ids, s13.flip(0), s2, block).float())
+
+
+def test_fused_moe_over_fp8_experts_needs_their_scales(device: torch.device) -> None:
+    x, w13, w2 = _inputs((3, 4, 2, 64, 32), torch.float32, device)
+    (w13, s13), (w2, s2) = _fp8_experts(w13, (16, 32)), _fp8_experts(w2, (16, 32))
+    weights, ids = _routing(3, 4, 2, device, torch.float32)
+    with pytest.raises(ValueError, match="w13 is fp8: its scales and their block are needed"):
+        fused_moe(x, w13, w2, weights, ids)
+    with pytest.raises(ValueError, match=r"w2_scale must have shape \[4, 4, 1\]"):
+        fused_moe(x, w13, w2, weights, ids, s13, s13, (16, 32))
+    with pytest.raises(ValueError, match="w13_scale goes with fp8 weights"):
+        fused_moe(x, w13.float(), w2.float(), weights, ids, s13, s2, (16, 32))

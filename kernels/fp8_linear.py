@@ -1,0 +1,161 @@
+"""A linear layer over FP8 (e4m3) weights with block scales: the weight stays one byte per
+element in memory, and each tile is widened to the activation dtype on its way to the dot.
+
+The weight [N, K] comes with a float32 scale grid [cdiv(N, BM), cdiv(K, BN)]: every BM x BN
+block of the weight is its fp8 values times one scale (the layout of FP8 checkpoints such as
+Qwen3-*-FP8 and DeepSeek-V3, block 128 x 128; BM = 1, BN = K is one scale per output
+channel, and a per-tensor scale is that grid filled with one value). A tile of BLOCK_K
+columns lies in one scale column, so each tile's partial dot is scaled once per output column
+as it is added to the fp32 accumulator: the weight itself is never rounded, unlike a weight
+dequantized to the activation dtype first (the reference below rounds as that does).
+
+Activations stay in their dtype (W8A16): the decode steps, bound by reading the weights,
+read half the bytes of a bf16 weight, and the outputs differ from the dequantized model's by
+accumulation order alone. Every size depends on the row count only, so a decode step's
+layers can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from kernels._common import (
+    cdiv,
+    check_device,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_shape,
+    dot_dtype,
+    is_interpreted,
+    tl,
+    triton,
+)
+
+__all__ = ["fp8_linear", "fp8_linear_ref"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr,  # [M, K] activations
+    w_ptr,  # [N, K] float8_e4m3fn
+    scale_ptr,  # [cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32
+    bias_ptr,  # [N], read only when HAS_BIAS
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    SCALE_ROWS: tl.constexpr,  # weight rows per scale row
+    SCALE_COLS: tl.constexpr,  # weight columns per scale column: a multiple of BLOCK_K, or >= K
+    HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, else the default "tf32"
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_base = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
+    scale_base = scale_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        x = tl.load(x_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        scale = tl.load(scale_base + k0 // SCALE_COLS, mask=col_ok, other=0.0)  # [BLOCK_N]
+        part = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # fp8 is exact in bf16
+        acc += part * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def tiles(m: int) -> tuple[int, int]:
+    """BLOCK_M and BLOCK_N for `m` rows: narrow tiles for decode steps, so a layer's columns
+    spread over many programs."""
+    return (16, 64) if m <= 16 else (32, 64) if m <= 32 else (64, 128)
+
+
+def block_k(scale_cols: int, k: int) -> int:
+    """The widest K tile that never straddles two scale columns."""
+    if scale_cols >= k:
+        return 128 if k >= 128 else 64 if k >= 64 else 32 if k >= 32 else 16
+    return next(b for b in (128, 64, 32, 16) if scale_cols % b == 0)
+
+
+def _check_inputs(x, weight, scale, block, bias) -> None:
+    check_dtype("x", x, _DTYPES)
+    check_shape("x", x, (None, None))
+    check_last_dim_contiguous("x", x)
+    k = x.shape[1]
+    check_dtype("weight", weight, (_FP8,))
+    check_shape("weight", weight, (None, k))
+    check_last_dim_contiguous("weight", weight)
+    n = weight.shape[0]
+    rows, cols = block
+    if rows < 1 or cols < 1:
+        raise ValueError(f"block must be two positive sizes, got {tuple(block)}")
+    if cols < k and cols % 16:
+        raise ValueError(f"a scale block of {cols} columns is narrower than K={k} and not a multiple of 16")
+    check_dtype("scale", scale, (torch.float32,))
+    check_shape("scale", scale, (cdiv(n, rows), cdiv(k, cols)))
+    if bias is not None:
+        check_dtype("bias", bias, (x.dtype,))
+        check_shape("bias", bias, (n,))
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K] float16, bfloat16 or float32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [cdiv(N, block[0]), cdiv(K, block[1])] float32
+    block: tuple[int, int],  # weight rows, columns per scale
+    bias: torch.Tensor | None = None,  # [N] in x's dtype
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x @ (weight * scale).T + bias, the scale spread over its blocks."""
+    _check_inputs(x, weight, scale, block, bias)
+    tensors = dict(x=x, weight=weight, scale=scale) | ({} if bias is None else dict(bias=bias))
+    check_device(_fp8_linear_kernel, **tensors)
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m, block_n = tiles(m)
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
+    _fp8_linear_kernel[grid](
+        x, weight, scale, weight if bias is None else bias, out, m, n, k,
+        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        SCALE_ROWS=block[0], SCALE_COLS=block[1], HAS_BIAS=bias is not None,
+        DOT_DTYPE=dot_dtype(x.dtype, is_interpreted(_fp8_linear_kernel)),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(block[1], k),
+    )  # fmt: skip
+    return out
+
+
+def fp8_linear_ref(x, weight, scale, block, bias=None) -> torch.Tensor:
+    """The same product over the weight dequantized to x's dtype first, as a checkpoint
+    loader that dequantizes serves it."""
+    dense = dequantize_ref(weight, scale, block, x.dtype)
+    return F.linear(x.float(), dense.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """fp8 weights [..., N, K] times their scales [..., cdiv(N, block[0]), cdiv(K, block[1])]
+    spread over the blocks, in fp32, then rounded to `dtype`."""
+    n, k = weight.shape[-2:]
+    full = scale.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
+    return (weight.float() * full).to(dtype)

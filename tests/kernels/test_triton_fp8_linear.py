@@ -1,0 +1,69 @@
+"""The FP8-weight linear kernel against a dense product over the dequantized weight."""
+
+import pytest
+import torch
+from kernel_cases import ON_CUDA, assert_close, cdiv
+
+from kernels import fp8_linear, fp8_linear_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+# (rows, N, K, scale block): a decode row with blocks off square; sizes off the tile grid with
+# 128 x 128 blocks (a partial block each way); one scale per output channel; one per tensor
+CASES = [(1, 96, 64, (16, 32)), (37, 200, 136, (128, 128)), (5, 64, 96, (1, 96)), (70, 48, 80, (48, 80))]
+if ON_CUDA:
+    CASES += [(1, 4096, 4096, (128, 128)), (512, 6144, 4096, (128, 128)), (16, 1024, 2048, (1, 2048))]
+
+
+def quantize(dense: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's values over its largest magnitude, mapped onto e4m3's +-448."""
+    n, k = dense.shape
+    rows, cols = cdiv(n, block[0]), cdiv(k, block[1])
+    padded = torch.zeros(rows * block[0], cols * block[1], device=dense.device)
+    padded[:n, :k] = dense.float()
+    tiles = padded.view(rows, block[0], cols, block[1])
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # [rows, cols]
+    q = (tiles / scale[:, None, :, None]).view_as(padded)[:n, :k].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _inputs(case, dtype, device, bias=False):
+    m, n, k, block = case
+    x = torch.randn(m, k, device=device).to(dtype)
+    weight, scale = quantize(torch.randn(n, k, device=device) * k**-0.5, block)
+    return x, weight, scale, torch.randn(n, device=device).to(dtype) if bias else None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_fp8_linear_matches_the_dequantized_product(device: torch.device, case, dtype: torch.dtype) -> None:
+    x, weight, scale, _ = _inputs(case, dtype, device)
+    assert_close(fp8_linear(x, weight, scale, case[3]), fp8_linear_ref(x, weight, scale, case[3]))
+
+
+def test_fp8_linear_adds_the_bias_and_reads_strided_rows(device: torch.device) -> None:
+    case = (6, 80, 64, (16, 32))
+    x, weight, scale, bias = _inputs(case, torch.float32, device, bias=True)
+    wide = torch.randn(6, 100, device=device)
+    wide[:, 20:84] = x
+    out = fp8_linear(wide[:, 20:84], weight, scale, case[3], bias)
+    assert_close(out, fp8_linear_ref(x, weight, scale, case[3], bias))
+    # the scales do bite: each block's own, not one for all
+    assert not torch.allclose(out, fp8_linear_ref(x, weight, scale.mean().expand_as(scale), case[3], bias))
+
+
+def test_fp8_linear_of_no_rows(device: torch.device) -> None:
+    x, weight, scale, _ = _inputs((0, 32, 64, (16, 32)), torch.bfloat16, device)
+    assert fp8_linear(x, weight, scale, (16, 32)).shape == (0, 32)
+
+
+def test_fp8_linear_rejects_what_it_cannot_run(device: torch.device) -> None:
+    x, weight, scale, _ = _inputs((3, 64, 64, (16, 32)), torch.float32, device)
+    with pytest.raises(ValueError, match=r"weight must have dtype in \(float8_e4m3fn\)"):
+        fp8_linear(x, weight.float(), scale, (16, 32))
+    with pytest.raises(ValueError, match=r"scale must have shape \[4, 2\]"):
+        fp8_linear(x, weight, scale[:, :1], (16, 32))
+    with pytest.raises(ValueError, match="scale block of 24 columns"):
+        fp8_linear(x, weight, torch.ones(4, 3, device=device), (16, 24))
+    with pytest.raises(ValueError, match=r"weight must have shape \[\*, 32\]"):
+        fp8_linear(x[:, :32], weight, scale, (16, 32))
