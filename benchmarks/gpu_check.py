@@ -6,12 +6,13 @@
 2. greedy outputs of the engine on CUDA against the CPU path (float32: equal; bfloat16: close),
    and with CUDA graphs against without (`enforce_eager`); the same with LoRA adapters mixed in
    one batch (random rank-16 adapters, written by `benchmarks/lora.py`); n-gram speculative
-   decoding against plain decoding (float32: equal); embeddings (float32: equal up to summation
+   decoding against plain decoding (float32: equal); fp8 weights (`quantization="fp8"`: the
+   fp8 kernel against the CPU's dequantized weights, float32: equal); embeddings (float32: equal up to summation
    order); the model's shape remade as a Qwen3 (its per-head q/k norms), a Qwen3-MoE and a
    Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), a Gemma 2
    (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
    kind), greedy, CUDA against CPU;
-3. W1 through the engine (bfloat16; with and without CUDA graphs) and through transformers'
+3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
     python benchmarks/gpu_check.py [--model DIR] [--load-format dummy] [--num-prompts 128] [--skip-kernels]
@@ -69,6 +70,9 @@ def check_engine_vs_cpu(model: str | None, load_format: str, num_tokens: int = 3
             lines.append(f"greedy cuda ngram vs plain float32 {_compare(gpu, spec)}")
     eager = greedy(dtype="bfloat16", device="cuda", enforce_eager=True)
     lines.append(f"greedy cuda graphs vs eager bfloat16 {_compare(eager, gpu)}")
+    # fp8 weights: the fp8 kernel (in the decode graphs) against the CPU's dequantized weights
+    fp8 = [greedy(dtype="float32", device=device, quantization="fp8") for device in ("cpu", "cuda")]
+    lines.append(f"greedy cuda vs cpu fp8 weights float32 {_compare(*fp8)}")
     return lines
 
 
@@ -195,14 +199,18 @@ def check_w1(model: str | None, load_format: str, num_prompts: int) -> list[str]
     torch.cuda.empty_cache()
     eager = run_engine(model, "bfloat16", workload, {**args, "enforce_eager": True})["output_tokens_per_s"]
     torch.cuda.empty_cache()
+    fp8 = run_engine(model, "bfloat16", workload, {**args, "quantization": "fp8"})["output_tokens_per_s"]
+    torch.cuda.empty_cache()
     hf = run_hf(model, "bfloat16", workload, batch_size=32, device="cuda", load_format=load_format)
     hf = hf["output_tokens_per_s"]
     return [
         f"W1 engine (cuda, bf16, graphs) {graphs:>10.1f} out tok/s",
         f"W1 engine (cuda, bf16, eager)  {eager:>10.1f} out tok/s",
+        f"W1 engine (cuda, fp8 weights)  {fp8:>10.1f} out tok/s",
         f"W1 transformers (cuda, bf16)   {hf:>10.1f} out tok/s",
         f"W1 ratio engine / hf           {graphs / hf:>10.2f}x",
         f"W1 ratio graphs / eager        {graphs / eager:>10.2f}x",
+        f"W1 ratio fp8 / bf16 weights    {fp8 / graphs:>10.2f}x",
     ]
 
 

@@ -24,6 +24,7 @@ _ENGINE_FLAGS: dict[str, type] = {
     "num_threads": int,
     "seed": int,
     "load_format": str,
+    "quantization": str,
     "max_loras": int,
     "max_lora_rank": int,
 }
@@ -79,6 +80,8 @@ _HELP = {
     "serving another model than the shared stream's workers needs its own (default: $GENQ_QUEUE)",
     "num_gpu_blocks_override": "size of the KV pool in blocks",
     "load_format": "auto (the checkpoint) or dummy (seeded random weights, for benchmarks)",
+    "quantization": "fp8: the decoder layers' weights in fp8, quantized as they load (an fp8 checkpoint "
+    "is served as fp8 without it; default: $GENQ_QUANTIZATION or none)",
     "claim_idle_s": "reclaim entries of other workers idle this long",
     "delivery_limit": "deliveries before an entry goes to the dead stream",
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",

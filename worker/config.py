@@ -37,12 +37,18 @@ class EngineConfig:
     # "prompt_lookup_min": 1} guesses tokens from the request's own earlier text;
     # {"model": DIR, "num_speculative_tokens": 4}, a draft model's greedy tokens; None: off
     speculative_config: dict[str, Any] | None = None
+    # fp8: the decoder layers' weights quantized to fp8 as they load (per output channel),
+    # served by the fp8 kernel on CUDA; None: as the checkpoint stores them (an fp8
+    # checkpoint is served as fp8 either way)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or None, got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"

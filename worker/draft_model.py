@@ -36,6 +36,7 @@ class DraftModelProposer:
         self.block_size = config.block_size
         blocks = target_blocks + config.max_num_seqs * (-(-spec.num_speculative_tokens // config.block_size) + 1)
         draft = dataclasses.replace(config, model=str(path), enable_lora=False, speculative_config=None,
+                                    quantization=None,  # the draft as its checkpoint is stored
                                     num_gpu_blocks_override=blocks)
         self.runner = ModelRunner(draft, path, AutoConfig.from_pretrained(path), max_model_len)
         vocab_size = self.runner.model_config.vocab_size

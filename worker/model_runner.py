@@ -20,6 +20,7 @@ from worker.attention import make_attention_backend, pad_tables, resolve_attenti
 from worker.config import EngineConfig
 from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
+from worker.models import fp8
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
@@ -74,7 +75,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model_config = ModelConfig.from_hf(hf_config)
+        self.model_config = ModelConfig.from_hf(hf_config, config.quantization)
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
         self.model = self._load_model(model_path, use_kernels=backend == "triton")
@@ -102,16 +103,22 @@ class ModelRunner:
                             self.block_size, self.device)
 
     def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.model_config, use_kernels)
+        cfg = self.model_config
+        with torch.device("meta"):  # built in the model's dtype, so loading writes each weight once
+            model = LlamaForCausalLM(cfg, use_kernels).to(self.dtype)
+            if cfg.fp8 is not None:
+                kv_rows = cfg.num_key_value_heads * cfg.head_dim
+                fp8.use_fp8(model, cfg.fp8, (cfg.num_attention_heads * cfg.head_dim, kv_rows, kv_rows))
         model = model.to_empty(device=self.device)
-        if self.model_config.tie_word_embeddings:
+        if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         if self.config.load_format == "dummy":
-            model.init_dummy_weights(getattr(self.model_config.hf_config, "initializer_range", 0.02))
+            model.init_dummy_weights(getattr(cfg.hf_config, "initializer_range", 0.02))
         else:
             model.load_weights(iter_safetensors(model_path))
-        model = model.to(self.dtype).eval()
+        if cfg.fp8 is not None and not use_kernels:  # fp8 matmuls are the kernel path's
+            fp8.dequantize_all(model, self.dtype)
+        model.eval()
         model.build_rotary(self.device)  # buffers made on the meta device hold nothing
         return model
 

@@ -324,6 +324,9 @@ def test_worker_config_from_env() -> None:
         config_from_env({"GENQ_ENFORCE_EAGER": "maybe"})
     with pytest.raises(ValueError, match="two heartbeats"):
         config_from_env({"GENQ_CLAIM_IDLE_S": "1", "GENQ_HEARTBEAT_S": "1"})
+    assert config_from_env({"GENQ_QUANTIZATION": "fp8"}).engine.quantization == "fp8"
+    with pytest.raises(ValueError, match="quantization must be fp8 or None, got 'awq'"):
+        config_from_env({"GENQ_QUANTIZATION": "awq"})
     assert config.keys.requests == "genq:requests"  # no queue: the shared stream
     queued = config_from_env({"GENQ_QUEUE": "big-1", "GENQ_PREFIX": "p:"})
     assert (queued.queue, queued.keys.requests, queued.keys.dead) == ("big-1", "p:requests:big-1", "p:dead")

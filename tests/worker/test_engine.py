@@ -110,12 +110,17 @@ def test_prefill_logits_match_transformers_kernel_path_experts(tiny_moe_dir):
 
 
 def check_prefill_logits(tiny_model_dir, backend):
-    """Three requests in two steps (two of them chunked) against transformers' last logits."""
+    check_prefill_logits_against(tiny_model_dir, tiny_model_dir, backend)
+
+
+def check_prefill_logits_against(tiny_model_dir, reference_dir, backend):
+    """Three requests in two steps (two of them chunked) against transformers' last logits
+    (of the model in `reference_dir`)."""
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, device=device,
               attention_backend=backend)
     assert llm.engine.runner.model.use_kernels == (backend == "triton")
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
     runner = llm.engine.runner
     torch.manual_seed(0)
     a, b = torch.randint(3, 49152, (45,)).tolist(), torch.randint(3, 49152, (17,)).tolist()

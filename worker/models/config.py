@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from worker.models.fp8 import Fp8Config
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -123,9 +125,11 @@ class ModelConfig:
     attn_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
     final_softcap: float | None = None  # and so do the final logits
     local_rope: bool = False  # windowed layers rotate by RoPE settings of their own (Gemma 3)
+    fp8: Fp8Config | None = None  # fp8 weights: the checkpoint's, or quantized as they load
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> ModelConfig:
+    def from_hf(cls, hf_config: Any, quantization: str | None = None) -> ModelConfig:
+        """`quantization`: the engine's argument (fp8, or None: as the checkpoint is stored)."""
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
@@ -171,6 +175,7 @@ class ModelConfig:
             labels=_labels(hf_config) if arch.endswith("ForSequenceClassification") else (),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
+            fp8=Fp8Config.from_hf(hf_config, quantization),
             **_variant_fields(hf_config, family),
         )
 

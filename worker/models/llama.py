@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.attention import apply_softcap
+from worker.models import fp8
 from worker.models.config import ModelConfig
 from worker.models.moe import SparseMoeBlock
 
@@ -326,7 +327,13 @@ class LlamaForCausalLM(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, param in self.named_parameters():  # a tied lm_head is the embedding, once
-                if name.endswith("norm.weight"):
+                module, _, local = name.rpartition(".")
+                if local.endswith("_scale"):
+                    continue  # set with its fp8 weight
+                if param.dtype == fp8.FP8:  # the float weight the other layers would draw, quantized
+                    fp8.quantize_into(self.get_submodule(module), local,
+                                      torch.randn(param.shape, generator=generator).mul_(std))
+                elif name.endswith("norm.weight"):
                     param.fill_(1.0 - (self.config.norm_weight_offset or 0.0))  # a scale of one
                 elif name.endswith(".bias"):
                     param.zero_()
@@ -338,6 +345,8 @@ class LlamaForCausalLM(nn.Module):
         experts."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        if self.config.fp8 is not None:
+            weights = fp8.fp8_weights(weights, self.config.fp8, self._fp8_owner)
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name)
             if target is None:
@@ -347,9 +356,29 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            _copy_shard(params[name], tensor, shard, self.config, hf_name)
+            _copy_shard(params[name], tensor, shard, self.config, hf_name, self._rows_per_row(name))
             loaded.add(f"{name}:{shard}")
         self._check_complete(loaded)
+
+    def _rows_per_row(self, name: str) -> int:
+        """Weight rows per row of a parameter: an fp8 weight's scales are loaded by shard as
+        the weight is, a row per block of rows."""
+        if not name.endswith("_scale"):
+            return 1
+        block: tuple[int, int] = getattr(self.get_submodule(name.rpartition(".")[0]), "block")  # noqa: B009
+        return block[0]
+
+    def _fp8_owner(self, hf_name: str) -> nn.Module | None:
+        """The module whose fp8 weight a checkpoint weight loads into, if it is one."""
+        target = _map_hf_name(hf_name)
+        if target is None:
+            return None
+        module_name, _, local = target[0].rpartition(".")
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:  # no place in the model: load_weights says so
+            return None
+        return module if fp8.is_fp8(module, local) else None
 
     def _check_complete(self, loaded: set[str]) -> None:
         tied = self.config.tie_word_embeddings
@@ -368,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
         """The pieces a parameter is loaded in: q/k/v, gate/up, or one per expert."""
         parts = name.split(".")
         if len(parts) > 1 and parts[-2] == "experts" and self.config.moe is not None:
-            kinds = ("gate", "up") if parts[-1] == "w13" else ("down",)
+            kinds = ("gate", "up") if parts[-1].removesuffix("_scale") == "w13" else ("down",)
             return [f"{kind}.{e}" for e in range(self.config.moe.num_experts) for kind in kinds]
         return list(_SHARDS.get(parts[-2] if len(parts) > 1 else "", [None]))
 
@@ -394,11 +423,12 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
     parts = name.split(".")
     if "experts" in parts[:-1]:
         i = parts.index("experts")
+        scale = "_scale" if parts[-1].endswith("_scale") else ""  # an fp8 weight's scales
         if parts[i + 1].isdigit() and len(parts) > i + 2 and parts[i + 2] in _EXPERT_PROJ:
             kind = _EXPERT_PROJ[parts[i + 2]]  # experts.<e>.<proj>.weight
-            return ".".join(parts[: i + 1] + ["w2" if kind == "down" else "w13"]), f"{kind}.{parts[i + 1]}"
-        if parts[i + 1] in _STACKED:
-            return ".".join(parts[: i + 1] + [_STACKED[parts[i + 1]]]), None
+            return ".".join(parts[: i + 1] + [("w2" if kind == "down" else "w13") + scale]), f"{kind}.{parts[i + 1]}"
+        if parts[i + 1].removesuffix(scale) in _STACKED:
+            return ".".join(parts[: i + 1] + [_STACKED[parts[i + 1].removesuffix(scale)] + scale]), None
     for i, part in enumerate(parts):
         if part in _FUSED:
             fused, shard = _FUSED[part]
@@ -407,7 +437,8 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
 
 
 def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cfg: ModelConfig,
-                hf_name: str) -> None:
+                hf_name: str, row_block: int = 1) -> None:
+    """`row_block`: weight rows per row of `param` (an fp8 layer's scales)."""
     with torch.no_grad():
         dst = param
         if shard is not None:
@@ -415,8 +446,10 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cf
             if expert:  # one expert's piece of the stacked weights
                 dst = dst[int(expert)]
             if kind != "down":
-                start, size = _shard_range(kind, cfg, dst.shape[0])
-                dst = dst.narrow(0, start, size)
+                start, size = _shard_range(kind, cfg, dst.shape[0] * row_block)
+                dst = dst.narrow(0, start // row_block, size // row_block)
+        if hf_name.endswith("_scale") and tensor.numel() == 1:
+            tensor = tensor.reshape(()).expand(dst.shape)  # one scale for the whole tensor
         if dst.shape != tensor.shape:
             raise ValueError(f"shape mismatch for {hf_name!r}: model {tuple(dst.shape)}, checkpoint {tuple(tensor.shape)}")
         dst.copy_(tensor)

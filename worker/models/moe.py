@@ -19,11 +19,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from worker.models import fp8
 from worker.models.config import MoEConfig
 from worker.models.packed_linear import pack_weight, packed_linear
 
 
 class Experts(nn.Module):
+    w13_scale: torch.Tensor  # fp8 weights' scales, once use_fp8 made them
+    w2_scale: torch.Tensor
+
     def __init__(self, moe: MoEConfig, hidden_size: int, use_kernel: bool):
         super().__init__()
         self.num_experts = moe.num_experts
@@ -32,6 +36,14 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.use_kernel = use_kernel
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, see pack()
+        self.block: tuple[int, int] | None = None  # fp8 weights: rows, columns per scale (see use_fp8)
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Hold w13 and w2 in fp8 with float32 scales `w13_scale`, `w2_scale` per `block`
+        (on the meta device, before the weights load)."""
+        self.block = block
+        for name in ("w13", "w2"):
+            fp8.make_fp8(self, name, block)
 
     def pack(self, batch_hint: int) -> None:
         """Lay each expert's weights out for oneDNN once (bfloat16 on the CPU, as
@@ -49,6 +61,9 @@ class Experts(nn.Module):
         if self.use_kernel:
             import kernels
 
+            if self.block is not None:
+                return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
+                                         self.w13_scale, self.w2_scale, self.block)
             return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
         return self._forward_torch(x, topk_weights, topk_ids)
 

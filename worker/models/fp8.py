@@ -1,0 +1,260 @@
+"""FP8 weights: checkpoints whose linear layers are stored in float8 (e4m3) with scales
+(`quant_method: fp8` in config.json: Qwen3-*-FP8, DeepSeek-V3's layout), and quantization
+of a checkpoint's float weights as they load (vLLM's `quantization="fp8"`).
+
+A stored weight is its fp8 values times a scale per block of `weight_block_size` (rows,
+columns; 128 x 128 in the checkpoints above), or one scale for the whole tensor. Quantized
+at load, each output channel gets its own scale. The scales come as `*.weight_scale_inv`
+(the name, not the arithmetic: they multiply) or `*.weight_scale`.
+
+On the kernel path (CUDA) the decoder layers' projections and experts stay fp8 in memory:
+`Fp8Linear`s over the Triton kernel `kernels.fp8_linear`, and the fused MoE kernel over fp8
+experts, both widening each weight tile to the activation dtype (W8A16: half a bf16
+model's weight bytes, activations in their dtype). On the torch path every weight is
+dequantized once, at load, to the model's dtype, each block's values times its scale in
+float32 then rounded, as transformers dequantizes them. The embeddings, the LM head, the
+routers and any layer the checkpoint leaves in float (`modules_to_not_convert`) stay float.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# static activation scales: genq's activations keep the model dtype, so they are not read
+_IGNORED = (".activation_scale", ".input_scale")
+# a decoder layer's projections that may be fp8, and the checkpoint's names for their shards
+_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+            "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    block: tuple[int, int] | None  # weight rows, columns per scale; None: per tensor as stored, per channel online
+    skip: tuple[str, ...] = ()  # checkpoint module names kept in float (modules_to_not_convert)
+    online: bool = False  # the checkpoint is float; its weights are quantized as they load
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, quantization: str | None) -> Fp8Config | None:
+        """The checkpoint's own quantization (config.json's `quantization_config`), else the
+        engine's `quantization` argument; ValueError for a scheme genq cannot serve."""
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or None, got {quantization!r}")
+        qc = getattr(hf_config, "quantization_config", None)
+        if qc is None:
+            return cls(block=None, online=True) if quantization == "fp8" else None
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        method = qc.get("quant_method")
+        if method != "fp8":
+            raise ValueError(f"the checkpoint is quantized with {method!r}, which genq does not serve; "
+                             "supported: fp8 (quant_method 'fp8' checkpoints, or quantization='fp8' over a float one)")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"fp8 format {qc['fmt']!r} is not supported; supported: e4m3")
+        if qc.get("scale_fmt") not in (None, "float32"):
+            raise ValueError(f"fp8 scale format {qc['scale_fmt']!r} is not supported; supported: float32 scales")
+        block = qc.get("weight_block_size")
+        if block is not None and (len(block) != 2 or min(block) < 1):
+            raise ValueError(f"weight_block_size must be two positive sizes, got {block!r}")
+        return cls(block=(int(block[0]), int(block[1])) if block else None,
+                   skip=tuple(qc.get("modules_to_not_convert") or ()))
+
+    def layout(self, out_features: int, in_features: int) -> tuple[int, int]:
+        """The scale block of a layer kept in fp8: the checkpoint's, else one scale per
+        output channel (a per-tensor scale fills that grid with one value)."""
+        return self.block or (1, in_features)
+
+    def skips(self, names: Iterable[str]) -> bool:
+        """Whether a `modules_to_not_convert` entry names one of these modules, or a module
+        holding it."""
+        return any(f".{pattern}." in f".{name}." for pattern in self.skip for name in names)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer over an fp8 weight [out, in] and its float32 scale grid, on the
+    Triton kernel."""
+
+    def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None, block: tuple[int, int]):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.block = block
+        grid = (-(-out_features // block[0]), -(-in_features // block[1]))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        import kernels
+
+        return kernels.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+def quantize(dense: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [..., out, in] as fp8 values and a float32 scale per `block`
+    [..., rows, cols]: each block's largest magnitude maps to e4m3's 448."""
+    *lead, n, k = dense.shape
+    rows, cols = -(-n // block[0]), -(-k // block[1])
+    padded = dense.new_zeros(*lead, rows * block[0], cols * block[1], dtype=torch.float32)
+    padded[..., :n, :k] = dense
+    tiles = padded.view(*lead, rows, block[0], cols, block[1])
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [..., rows, cols]
+    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[..., :n, :k]
+    return q.to(FP8), scale
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """An fp8 weight [..., out, in] times its scales, in float32: one scale, or a grid
+    [..., rows, cols] over blocks of `block` (None: blocks that divide the weight exactly)."""
+    values = weight.float()
+    scale = scale.float()
+    if scale.numel() == 1:
+        return values * scale.reshape(())
+    (n, k), (rows, cols) = values.shape[-2:], scale.shape[-2:]
+    block_rows, block_cols = block or (n // rows, k // cols)
+    if -(-n // block_rows) != rows or -(-k // block_cols) != cols:
+        raise ValueError(f"a scale grid of {rows} x {cols} does not cover a weight of {n} x {k} "
+                         f"in blocks of {block_rows} x {block_cols}")
+    full = scale.repeat_interleave(block_rows, dim=-2)[..., :n, :].repeat_interleave(block_cols, dim=-1)[..., :k]
+    return values * full
+
+
+def make_fp8(module: nn.Module, name: str, block: tuple[int, int]) -> None:
+    """Turn `module`'s float parameter `name` [..., out, in] into an fp8 one and its float32
+    scales `<name>_scale` [..., rows, cols] (on the meta device, before the weights load)."""
+    *lead, n, k = getattr(module, name).shape
+    grid = (*lead, -(-n // block[0]), -(-k // block[1]))
+    setattr(module, name, nn.Parameter(torch.empty(*lead, n, k, dtype=FP8), requires_grad=False))
+    setattr(module, name + "_scale", nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False))
+
+
+def quantize_into(module: nn.Module, name: str, dense: torch.Tensor) -> None:
+    """Quantize a float weight into `module`'s fp8 parameter `name` and its scales, in blocks
+    of `module.block`."""
+    q, scale = quantize(dense, getattr(module, "block"))  # noqa: B009 (any module with a block)
+    with torch.no_grad():
+        getattr(module, name).copy_(q)
+        getattr(module, name + "_scale").copy_(scale)
+
+
+def is_fp8(module: nn.Module, name: str) -> bool:
+    value = getattr(module, name, None)
+    return isinstance(value, torch.Tensor) and value.dtype == FP8
+
+
+def use_fp8(model: nn.Module, cfg: Fp8Config, qkv_rows: tuple[int, int, int]) -> int:
+    """Give the decoder layers' projections and experts fp8 weights (on the meta device,
+    before the weights load): projections become `Fp8Linear`s, experts take `Experts.use_fp8`.
+    Left in float: what the checkpoint keeps in float, and fused weights whose shards (q/k/v
+    of `qkv_rows` rows; gate and up halves) do not fill whole scale blocks or whose columns
+    no kernel tile fits. Returns how many modules became fp8."""
+    from worker.models.moe import Experts
+
+    def fits(block: tuple[int, int], shards: Iterable[int], in_features: Iterable[int]) -> bool:
+        return (all(rows % block[0] == 0 for rows in shards)
+                and all(block[1] >= k or block[1] % 16 == 0 for k in in_features))
+
+    replaced = 0
+    for parent_name, parent in list(model.named_modules()):
+        if isinstance(parent, Experts):
+            inter, hidden = parent.w2.shape[2], parent.w2.shape[1]
+            block = cfg.block or (1, max(inter, hidden))  # one scale per expert row
+            names = [f"model.{parent_name}.{e}" for e in range(parent.num_experts)]
+            if not cfg.skips(names) and fits(block, (inter,), (inter, hidden)):
+                parent.use_fp8(block)
+                replaced += 1
+            continue
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or name not in _TARGETS or not parent_name.startswith("layers."):
+                continue
+            block = cfg.layout(child.out_features, child.in_features)
+            shards = qkv_rows if name == "qkv_proj" else (child.out_features // 2,) if name == "gate_up_proj" else ()
+            if cfg.skips(f"model.{parent_name}.{shard}" for shard in _TARGETS[name]):
+                continue
+            if fits(block, shards, (child.in_features,)):
+                setattr(parent, name, Fp8Linear(child.in_features, child.out_features, child.bias, block))
+                replaced += 1
+    return replaced
+
+
+def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every fp8 weight back in `dtype` (the torch path): `Fp8Linear`s become `nn.Linear`s,
+    fp8 experts float ones."""
+    from worker.models.moe import Experts
+
+    for parent in list(model.modules()):
+        if isinstance(parent, Experts) and parent.block is not None:
+            for name in ("w13", "w2"):
+                dense = dequantize(getattr(parent, name), getattr(parent, name + "_scale"), parent.block).to(dtype)
+                setattr(parent, name, nn.Parameter(dense, requires_grad=False))
+                delattr(parent, name + "_scale")
+            parent.block = None
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Fp8Linear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                dense = dequantize(child.weight, child.weight_scale, child.block).to(dtype)
+                linear.weight = nn.Parameter(dense, requires_grad=False)
+                linear.register_parameter("bias", child.bias)
+                setattr(parent, name, linear)
+
+
+def fp8_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    cfg: Fp8Config,
+    kept: Callable[[str], Any],  # the module (with its `block`) whose fp8 weight a checkpoint weight is, or None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors as the model takes them. A weight the model keeps in fp8 passes
+    with its scale (renamed `<weight>_scale`); any other fp8 weight is dequantized once both
+    it and its scale are read (they may come in either order, in different files); a float
+    weight of a layer kept in fp8 is quantized (online), or refused (an fp8 checkpoint)."""
+    waiting_weights: dict[str, torch.Tensor] = {}
+    waiting_scales: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name.endswith(_IGNORED):
+            continue
+        owner = _scaled_weight(name)
+        if owner is not None:  # a scale
+            if kept(owner) is not None:
+                yield owner + "_scale", tensor.float()
+            elif owner in waiting_weights:
+                yield owner, dequantize(waiting_weights.pop(owner), tensor, cfg.block)
+            else:
+                waiting_scales[owner] = tensor
+        elif tensor.dtype == FP8:
+            if kept(name) is not None:
+                yield name, tensor
+            elif name in waiting_scales:
+                yield name, dequantize(tensor, waiting_scales.pop(name), cfg.block)
+            else:
+                waiting_weights[name] = tensor
+        elif (layer := kept(name)) is not None:
+            if not cfg.online:
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but the checkpoint's "
+                                 "quantization_config stores it in fp8 (list it in modules_to_not_convert)")
+            q, scale = quantize(tensor, layer.block)
+            yield name, q
+            yield name + "_scale", scale
+        else:
+            yield name, tensor
+    if waiting_weights:
+        raise ValueError(f"checkpoint has fp8 weights without scales: {', '.join(sorted(waiting_weights)[:8])}")
+    if waiting_scales:
+        raise ValueError(f"checkpoint has scales of no fp8 weight: {', '.join(sorted(waiting_scales)[:8])}")
+
+
+def _scaled_weight(name: str) -> str | None:
+    """The weight a scale tensor belongs to (`x.weight` for `x.weight_scale_inv` or
+    `x.weight_scale`; stacked experts' `x.gate_up_proj` for `x.gate_up_proj_scale_inv`)."""
+    for suffix in ("_scale_inv", "_scale"):
+        if name.endswith(suffix) and (name.endswith(".weight" + suffix) or suffix == "_scale_inv"):
+            return name.removesuffix(suffix)
+    return None
