@@ -93,8 +93,11 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 def _run_mode_isolated(mode: str, args, workload: Workload, engine_args: dict) -> dict[str, Any]:
     """Each mode in a fresh process, so none runs on the heap, page and library state (oneDNN's
-    primitive cache, say) another mode left behind."""
-    ctx = multiprocessing.get_context("spawn")
+    primitive cache, say) another mode left behind. The processes fork from a server that has
+    imported torch and transformers once and run nothing: a mode starts in a second, not the
+    several an interpreter of its own takes to import them."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "worker.llm", "worker.bench"])
     receiver, sender = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_run_mode_child, args=(sender, mode, args, workload, engine_args))
     child.start()
