@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from worker import LLM
 from worker.models.fp8 import FP8, Fp8Linear, quantize
+from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 BLOCK = (16, 32)  # rows x columns per scale, off square so a transposed grid shows
 
@@ -67,10 +68,13 @@ def test_fp8_checkpoints_greedy_match_transformers(fp8_dirs):
 
 
 def test_fp8_checkpoints_prefill_logits_match_transformers(fp8_dirs):
-    """Both paths: dequantized at load (torch), fp8 weights through the fp8 kernel (triton)."""
+    """Both paths: dequantized at load (torch), fp8 weights through the fp8 kernels (triton;
+    a per-tensor scale reaches them as the per-channel grid quantizing at load makes, tested
+    below, so that case runs the torch path only)."""
     _, fp8_dir = fp8_dirs
     check_prefill_logits(fp8_dir, "torch")
-    check_prefill_logits(fp8_dir, "triton")
+    if json.loads((fp8_dir / "config.json").read_text())["quantization_config"]["weight_block_size"]:
+        check_prefill_logits(fp8_dir, "triton")
 
 
 def test_the_kernel_path_keeps_the_weights_in_fp8_where_the_checkpoint_has_them(fp8_dirs):
@@ -99,10 +103,10 @@ def test_quantization_is_visible_in_the_logits(fp8_dirs):
     assert (_hf_last_logits(src, ids) - _hf_last_logits(fp8_dir, ids)).abs().max() > 1e-3
 
 
-@pytest.fixture(scope="module")
-def llama_dirs(tmp_path_factory, tiny_llama_dir) -> tuple[Path, Path]:
-    """(a float Llama, the same with a scale per output channel, as quantization='fp8' makes it)."""
-    src = tiny_llama_dir
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen3_moe_dir"])
+def per_channel_dirs(request, tmp_path_factory) -> tuple[Path, Path]:
+    """(a float model, the same with a scale per output channel, as quantization='fp8' makes it)."""
+    src = request.getfixturevalue(request.param)
     out = tmp_path_factory.mktemp("per_channel") / "fp8"
     shutil.copytree(src, out)
     tensors = {}
@@ -118,31 +122,17 @@ def llama_dirs(tmp_path_factory, tiny_llama_dir) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_quantizing_at_load_serves_the_per_channel_fp8_model(llama_dirs, backend):
+def test_quantizing_at_load_serves_the_per_channel_fp8_model(per_channel_dirs, backend):
     """quantization='fp8' over the float checkpoint gives what transformers gives for that
-    checkpoint stored with a scale per output channel, on both paths."""
-    src, per_channel = llama_dirs
+    checkpoint stored with a scale per output channel, on both paths (experts included)."""
+    src, per_channel = per_channel_dirs
     llm = LLM(str(src), dtype="float32", num_gpu_blocks_override=64, quantization="fp8",
               attention_backend=backend, enforce_eager=True)
-    assert any(isinstance(m, Fp8Linear) for m in llm.engine.runner.model.modules()) == (backend == "triton")
+    model = llm.engine.runner.model
+    assert any(isinstance(m, Fp8Linear) for m in model.modules()) == (backend == "triton")
     ids = list(range(5, 60))
-    out = llm.generate({"prompt_token_ids": ids}, greedy_one(), use_tqdm=False)[0]
-    hf = AutoModelForCausalLM.from_pretrained(per_channel, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        expected = hf(torch.tensor([ids])).logits[0, -1].argmax().item()
-    assert out.outputs[0].token_ids == [expected]
-    runner = llm.engine.runner
-    from worker.scheduler import ScheduledRequest, SchedulerOutput
-
-    logits = runner.execute(SchedulerOutput([ScheduledRequest("a", ids, 0, [0, 1, 2, 3], True)])).logits[0].cpu()
-    with torch.inference_mode():
-        assert torch.allclose(logits, hf(torch.tensor([ids])).logits[0, -1], atol=1e-4, rtol=0)
-
-
-def greedy_one():
-    from producer.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    logits = llm.engine.runner.execute(SchedulerOutput([ScheduledRequest("a", ids, 0, [0, 1, 2, 3], True)])).logits
+    assert torch.allclose(logits[0].cpu(), _hf_last_logits(per_channel, ids), atol=1e-4, rtol=0)
 
 
 def test_dummy_fp8_weights_are_the_float_ones_quantized(tiny_llama_dir):
@@ -151,12 +141,52 @@ def test_dummy_fp8_weights_are_the_float_ones_quantized(tiny_llama_dir):
     def logits(backend):
         llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, quantization="fp8",
                   load_format="dummy", attention_backend=backend, enforce_eager=True)
-        from worker.scheduler import ScheduledRequest, SchedulerOutput
-
-        out = llm.engine.runner.execute(SchedulerOutput([ScheduledRequest("a", list(range(5, 40)), 0, [0, 1, 2], True)]))
-        return out.logits[0].cpu()
+        step = SchedulerOutput([ScheduledRequest("a", list(range(5, 40)), 0, [0, 1, 2], True)])
+        return llm.engine.runner.execute(step).logits[0].cpu()
 
     torch.testing.assert_close(logits("triton"), logits("torch"), atol=1e-4, rtol=0)
+
+
+def write_compressed_tensors_checkpoint(src: Path, out: Path, strategy: str) -> Path:
+    """`src` as llm-compressor stores an FP8 model in compressed-tensors' format: each
+    projection's fp8 weight and `weight_scale` (per tensor, per output channel, or per 16 x 32
+    block), activations quantized dynamically per token (a setting genq does not read); the
+    second layer's MLP left float by an `re:` ignore pattern."""
+    shutil.copytree(src, out)
+    tensors = {}
+    for name, value in load_file(src / "model.safetensors").items():
+        if name.endswith("proj.weight") and ".layers.1.mlp." not in name:
+            block = {"tensor": tuple(value.shape), "channel": (1, value.shape[1]), "block": BLOCK}[strategy]
+            value, scale = quantize(value, block)
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale.reshape(1) if strategy == "tensor" else scale
+        tensors[name] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
+               "block_structure": list(BLOCK) if strategy == "block" else None}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head", "re:.*layers[.]1[.]mlp[.].*"], "kv_cache_scheme": None,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_compressed_tensors_fp8_checkpoints_match_transformers(tiny_llama_dir, tmp_path, strategy):
+    """The oracle: transformers with the compressed-tensors package, dequantizing the weights
+    (as genq serves them: activations are not quantized)."""
+    from transformers import CompressedTensorsConfig
+
+    ct_dir = write_compressed_tensors_checkpoint(tiny_llama_dir, tmp_path / strategy, strategy)
+    # the kernels see the same scale grids as for transformers' fp8 format: one strategy suffices there
+    for backend in ("torch", "triton") if strategy == "block" else ("torch",):
+        check_prefill_logits_against(ct_dir, ct_dir, backend, quantization_config=CompressedTensorsConfig(dequantize=True))
+    model = LLM(str(ct_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
+                enforce_eager=True).engine.runner.model
+    assert isinstance(model.layers[0].mlp.down_proj, Fp8Linear) and isinstance(model.layers[1].self_attn.o_proj, Fp8Linear)
+    assert not isinstance(model.layers[1].mlp.down_proj, Fp8Linear)  # ignored: stored float
 
 
 def _rewrite_config(src: Path, out: Path, change) -> Path:
@@ -173,8 +203,28 @@ def _rewrite_config(src: Path, out: Path, change) -> Path:
     (lambda c: c["quantization_config"].update(scale_fmt="ue8m0"), "scale format 'ue8m0'"),
     (lambda c: c["quantization_config"].update(weight_block_size=[128]), "weight_block_size must be two"),
 ])
-def test_quantization_genq_cannot_serve_is_refused_by_name(llama_dirs, tmp_path, change, error):
-    bad = _rewrite_config(llama_dirs[1], tmp_path / "bad", change)
+def test_quantization_genq_cannot_serve_is_refused_by_name(tiny_llama_dir, tmp_path, change, error):
+    bad = _rewrite_config(write_fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", BLOCK), tmp_path / "bad", change)
+    with pytest.raises(ValueError, match=error):
+        LLM(str(bad), dtype="float32", num_gpu_blocks_override=64)
+
+
+def _weights(**change):
+    return lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
+
+
+@pytest.mark.parametrize("change, error", [
+    (_weights(type="int"), "weights of type 'int', 8 bits are not supported"),  # W8A8-INT8
+    (_weights(num_bits=4), "weights of type 'float', 4 bits"),
+    (_weights(symmetric=False), "8 bits, asymmetric are not supported"),
+    (_weights(strategy="group", group_size=128), "weight strategy 'group' is not supported"),
+    (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+    (lambda c: c["quantization_config"]["config_groups"].update(group_1={"targets": ["re:.*down_proj"]}),
+     "checkpoints with 2 schemes"),
+])
+def test_compressed_tensors_schemes_genq_cannot_serve_are_refused_by_name(tiny_llama_dir, tmp_path, change, error):
+    ct_dir = write_compressed_tensors_checkpoint(tiny_llama_dir, tmp_path / "ct", "channel")
+    bad = _rewrite_config(ct_dir, tmp_path / "bad", change)
     with pytest.raises(ValueError, match=error):
         LLM(str(bad), dtype="float32", num_gpu_blocks_override=64)
 
@@ -233,9 +283,8 @@ def test_blocks_that_do_not_divide_the_weights(tiny_llama_dir, tmp_path):
     check_prefill_logits_against(fp8_dir, dense_dir, "triton")
 
 
-def test_a_float_weight_where_the_checkpoint_promises_fp8_is_refused(llama_dirs, tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(llama_dirs[1], bad)
+def test_a_float_weight_where_the_checkpoint_promises_fp8_is_refused(tiny_llama_dir, tmp_path):
+    bad = write_fp8_checkpoint(tiny_llama_dir, tmp_path / "bad", BLOCK)
     tensors = load_file(bad / "model.safetensors")
     name = "model.layers.0.self_attn.o_proj.weight"
     tensors[name] = torch.randn(tensors[name].shape)

@@ -1,6 +1,7 @@
 """FP8 weights: checkpoints whose linear layers are stored in float8 (e4m3) with scales
-(`quant_method: fp8` in config.json: Qwen3-*-FP8, DeepSeek-V3's layout), and quantization
-of a checkpoint's float weights as they load (vLLM's `quantization="fp8"`).
+(`quant_method: fp8` in config.json: Qwen3-*-FP8, DeepSeek-V3's layout; `compressed-tensors`
+with 8-bit float weights: llm-compressor's *-FP8-dynamic), and quantization of a
+checkpoint's float weights as they load (vLLM's `quantization="fp8"`).
 
 A stored weight is its fp8 values times a scale per block of `weight_block_size` (rows,
 columns; 128 x 128 in the checkpoints above), or one scale for the whole tensor. Quantized
@@ -18,6 +19,7 @@ routers and any layer the checkpoint leaves in float (`modules_to_not_convert`) 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +39,7 @@ _TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 @dataclass(frozen=True)
 class Fp8Config:
     block: tuple[int, int] | None  # weight rows, columns per scale; None: per tensor as stored, per channel online
-    skip: tuple[str, ...] = ()  # checkpoint module names kept in float (modules_to_not_convert)
+    skip: tuple[str, ...] = ()  # checkpoint module names kept in float (modules_to_not_convert, ignore)
     online: bool = False  # the checkpoint is float; its weights are quantized as they load
 
     @classmethod
@@ -51,18 +53,47 @@ class Fp8Config:
             return cls(block=None, online=True) if quantization == "fp8" else None
         qc = qc if isinstance(qc, dict) else qc.to_dict()
         method = qc.get("quant_method")
-        if method != "fp8":
-            raise ValueError(f"the checkpoint is quantized with {method!r}, which genq does not serve; "
-                             "supported: fp8 (quant_method 'fp8' checkpoints, or quantization='fp8' over a float one)")
+        if method == "fp8":
+            return cls._from_fp8(qc)
+        if method == "compressed-tensors":
+            return cls._from_compressed_tensors(qc)
+        raise ValueError(f"the checkpoint is quantized with {method!r}, which genq does not serve; supported: "
+                         "fp8 weights (quant_method 'fp8', or 'compressed-tensors' with 8-bit float weights), "
+                         "or quantization='fp8' over a float checkpoint")
+
+    @classmethod
+    def _from_fp8(cls, qc: dict) -> Fp8Config:
+        """transformers' FP8 format (Qwen3-*-FP8, DeepSeek-V3)."""
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"fp8 format {qc['fmt']!r} is not supported; supported: e4m3")
         if qc.get("scale_fmt") not in (None, "float32"):
             raise ValueError(f"fp8 scale format {qc['scale_fmt']!r} is not supported; supported: float32 scales")
-        block = qc.get("weight_block_size")
-        if block is not None and (len(block) != 2 or min(block) < 1):
-            raise ValueError(f"weight_block_size must be two positive sizes, got {block!r}")
-        return cls(block=(int(block[0]), int(block[1])) if block else None,
+        return cls(block=_block(qc.get("weight_block_size"), "weight_block_size"),
                    skip=tuple(qc.get("modules_to_not_convert") or ()))
+
+    @classmethod
+    def _from_compressed_tensors(cls, qc: dict) -> Fp8Config:
+        """compressed-tensors' (llm-compressor's FP8 checkpoints: *-FP8-dynamic, *-FP8):
+        one scheme over the Linear layers whose weights are 8-bit floats, symmetric, with a
+        scale per tensor, per output channel or per block; activation settings are not read
+        (activations keep the model dtype)."""
+        groups = list((qc.get("config_groups") or {}).values())
+        if len(groups) != 1 or "Linear" not in groups[0].get("targets", ()):
+            raise ValueError(f"compressed-tensors checkpoints with {len(groups)} schemes, or one not over "
+                             "the Linear layers, are not supported; supported: one scheme targeting Linear")
+        weights = groups[0].get("weights") or {}
+        scheme = (weights.get("type"), weights.get("num_bits"), weights.get("symmetric", True))
+        if scheme != ("float", 8, True):
+            raise ValueError(f"compressed-tensors weights of type {scheme[0]!r}, {scheme[1]} bits"
+                             f"{'' if scheme[2] else ', asymmetric'} are not supported; supported: 8-bit float, symmetric")
+        strategy = weights.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported; "
+                             "supported: tensor, channel, block")
+        if qc.get("kv_cache_scheme"):
+            raise ValueError("compressed-tensors kv_cache_scheme (a quantized KV cache) is not supported")
+        block = _block(weights.get("block_structure"), "block_structure") if strategy == "block" else None
+        return cls(block=block, skip=tuple(qc.get("ignore") or ()))
 
     def layout(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The scale block of a layer kept in fp8: the checkpoint's, else one scale per
@@ -70,9 +101,19 @@ class Fp8Config:
         return self.block or (1, in_features)
 
     def skips(self, names: Iterable[str]) -> bool:
-        """Whether a `modules_to_not_convert` entry names one of these modules, or a module
-        holding it."""
-        return any(f".{pattern}." in f".{name}." for pattern in self.skip for name in names)
+        """Whether a skip entry names one of these modules or a module holding it, or is a
+        `re:` pattern that matches one (compressed-tensors' `ignore`)."""
+        names = list(names)
+        return any(re.match(pattern[3:], name) if pattern.startswith("re:") else f".{pattern}." in f".{name}."
+                   for pattern in self.skip for name in names)
+
+
+def _block(value: Any, field: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if len(value) != 2 or min(value) < 1:
+        raise ValueError(f"{field} must be two positive sizes, got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 class Fp8Linear(nn.Module):
@@ -168,7 +209,8 @@ def use_fp8(model: nn.Module, cfg: Fp8Config, qkv_rows: tuple[int, int, int]) ->
         if isinstance(parent, Experts):
             inter, hidden = parent.w2.shape[2], parent.w2.shape[1]
             block = cfg.block or (1, max(inter, hidden))  # one scale per expert row
-            names = [f"model.{parent_name}.{e}" for e in range(parent.num_experts)]
+            names = [f"model.{parent_name}.{e}.{proj}" for e in range(parent.num_experts)
+                     for proj in ("gate_proj", "up_proj", "down_proj")]
             if not cfg.skips(names) and fits(block, (inter,), (inter, hidden)):
                 parent.use_fp8(block)
                 replaced += 1
