@@ -6,10 +6,10 @@ TRITON_INTERPRET=1 before importing this package to run the kernels on CPU tenso
 """
 
 from kernels._common import HAS_TRITON
-from kernels.fp8_linear import fp8_linear, fp8_linear_ref
 from kernels.fused_moe import fused_moe, fused_moe_ref, moe_align
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_ref
+from kernels.quant_linear import quant_linear, quant_linear_ref
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary_emb, apply_rotary_emb_ref, build_cos_sin_cache
 from kernels.sampling import top_k_top_p_sample, top_k_top_p_sample_ref
@@ -20,8 +20,8 @@ __all__ = [
     "apply_rotary_emb_ref",
     "build_cos_sin_cache",
     "choose_num_splits",
-    "fp8_linear",
-    "fp8_linear_ref",
+    "quant_linear",
+    "quant_linear_ref",
     "fused_add_rms_norm",
     "fused_add_rms_norm_ref",
     "fused_moe",

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from kernels._common import HAS_TRITON, cdiv
-from kernels.fp8_linear import dequantize_ref, fp8_linear, fp8_linear_ref
 from kernels.fused_moe import fused_moe, fused_moe_ref
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref
+from kernels.quant_linear import dequantize_ref, quant_linear, quant_linear_ref
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
 from kernels.rotary import apply_rotary_emb, apply_rotary_emb_ref, build_cos_sin_cache
 from kernels.sampling import top_k_top_p_sample, top_k_top_p_sample_ref
@@ -301,13 +301,13 @@ def _fp8_linear_cases(num_tokens: int, device: torch.device) -> list[_Case]:
     out_bytes = 2 * num_tokens * (n + k)
 
     def compare_fp8() -> _Error:
-        return _compare((fp8_linear(x, weight, scale, (128, 128)), fp8_linear_ref(x, weight, scale, (128, 128))))
+        return _compare((quant_linear(x, weight, scale, (128, 128)), quant_linear_ref(x, weight, scale, (128, 128))))
 
     def compare_bf16() -> _Error:
-        return _compare((torch.nn.functional.linear(x, bf16), fp8_linear_ref(x, weight, scale, (128, 128))))
+        return _compare((torch.nn.functional.linear(x, bf16), quant_linear_ref(x, weight, scale, (128, 128))))
 
     return [
-        _Case("fp8_linear", "llama-8b", shape, lambda: fp8_linear(x, weight, scale, (128, 128)), compare_fp8,
+        _Case("quant_linear", "llama-8b", shape, lambda: quant_linear(x, weight, scale, (128, 128)), compare_fp8,
               n * k + out_bytes, flops),
         _Case("bf16 F.linear", "llama-8b", shape, lambda: torch.nn.functional.linear(x, bf16), compare_bf16,
               2 * n * k + out_bytes, flops),

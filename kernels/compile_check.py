@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernels._common import HAS_TRITON, is_interpreted, tl
-from kernels.fp8_linear import _fp8_linear_kernel, block_k, tiles
 from kernels.fused_moe import _BLOCK_K, _BLOCK_M, _moe_matmul_kernel
 from kernels.fused_moe import _BLOCK_N as _MOE_BLOCK_N
 from kernels.kv_cache import _reshape_and_cache_kernel
@@ -24,6 +23,7 @@ from kernels.paged_attention import (
     _merge_splits_kernel,
     _paged_attention_kernel,
 )
+from kernels.quant_linear import _quant_linear_kernel, block_k, tiles
 from kernels.rmsnorm import _rms_norm_kernel
 from kernels.rotary import _rotary_kernel
 from kernels.sampling import _top_k_top_p_sample_kernel
@@ -122,14 +122,14 @@ def _moe_variant(name: str, dtype: str, first: bool, weights: str, fp8_block: tu
 
 
 def _fp8_variant(name: str, rows: int, block: tuple[int, int], k: int = 4096) -> _Variant:
-    """fp8_linear as the launcher tiles `rows` rows of bf16 activations."""
+    """quant_linear as the launcher tiles `rows` rows of bf16 activations."""
     block_m, block_n = tiles(rows)
     constexprs = dict(
         SCALE_ROWS=block[0], SCALE_COLS=block[1], HAS_BIAS=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(block[1], k),
     )  # fmt: skip
     overrides = dict(w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*fp8e4nv")
-    return _Variant(name, _fp8_linear_kernel, "*bf16", constexprs, overrides)
+    return _Variant(name, _quant_linear_kernel, "*bf16", constexprs, overrides)
 
 
 def _variants() -> list[_Variant]:
@@ -170,9 +170,9 @@ def _variants() -> list[_Variant]:
         _moe_variant("fused_moe down bf16, fp32 weights", "*bf16", first=False, weights="*fp32"),
         _moe_variant("fused_moe gate_up bf16, fp8 experts", "*bf16", first=True, weights="*bf16", fp8_block=(128, 128)),
         _moe_variant("fused_moe down bf16, fp8 experts", "*bf16", first=False, weights="*bf16", fp8_block=(128, 128)),
-        _fp8_variant("fp8_linear bf16 decode, 128x128 blocks", 8, (128, 128)),
-        _fp8_variant("fp8_linear bf16 prefill, 128x128 blocks", 2048, (128, 128)),
-        _fp8_variant("fp8_linear bf16 decode, per channel", 8, (1, 4096)),
+        _fp8_variant("quant_linear bf16 decode, 128x128 blocks", 8, (128, 128)),
+        _fp8_variant("quant_linear bf16 prefill, 128x128 blocks", 2048, (128, 128)),
+        _fp8_variant("quant_linear bf16 decode, per channel", 8, (1, 4096)),
     ]  # fmt: skip
 
 

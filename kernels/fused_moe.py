@@ -33,8 +33,8 @@ from kernels._common import (
     tl,
     triton,
 )
-from kernels.fp8_linear import block_k as fp8_block_k
-from kernels.fp8_linear import dequantize_ref
+from kernels.quant_linear import block_k as fp8_block_k
+from kernels.quant_linear import dequantize_ref
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align"]
 

@@ -20,7 +20,7 @@ from worker.attention import make_attention_backend, pad_tables, resolve_attenti
 from worker.config import EngineConfig
 from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
-from worker.models import fp8
+from worker.models import quant
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
@@ -106,9 +106,9 @@ class ModelRunner:
         cfg = self.model_config
         with torch.device("meta"):  # built in the model's dtype, so loading writes each weight once
             model = LlamaForCausalLM(cfg, use_kernels).to(self.dtype)
-            if cfg.fp8 is not None:
+            if cfg.quant is not None:
                 kv_rows = cfg.num_key_value_heads * cfg.head_dim
-                fp8.use_fp8(model, cfg.fp8, (cfg.num_attention_heads * cfg.head_dim, kv_rows, kv_rows))
+                quant.use_quantized(model, cfg.quant, (cfg.num_attention_heads * cfg.head_dim, kv_rows, kv_rows))
         model = model.to_empty(device=self.device)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -116,8 +116,8 @@ class ModelRunner:
             model.init_dummy_weights(getattr(cfg.hf_config, "initializer_range", 0.02))
         else:
             model.load_weights(iter_safetensors(model_path))
-        if cfg.fp8 is not None and not use_kernels:  # fp8 matmuls are the kernel path's
-            fp8.dequantize_all(model, self.dtype)
+        if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's
+            quant.dequantize_all(model, self.dtype)
         model.eval()
         model.build_rotary(self.device)  # buffers made on the meta device hold nothing
         return model

@@ -4,7 +4,7 @@ that groups rows by expert against a plain Python grouping."""
 import pytest
 import torch
 from kernel_cases import ON_CUDA, assert_close
-from test_triton_fp8_linear import quantize
+from test_triton_quant_linear import quantize
 
 from kernels import fused_moe, fused_moe_ref, moe_align
 

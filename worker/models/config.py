@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from worker.models.fp8 import Fp8Config
+from worker.models.quant import QuantConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -125,7 +125,7 @@ class ModelConfig:
     attn_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
     final_softcap: float | None = None  # and so do the final logits
     local_rope: bool = False  # windowed layers rotate by RoPE settings of their own (Gemma 3)
-    fp8: Fp8Config | None = None  # fp8 weights: the checkpoint's, or quantized as they load
+    quant: QuantConfig | None = None  # quantized weights: the checkpoint's, or fp8 quantized as they load
 
     @classmethod
     def from_hf(cls, hf_config: Any, quantization: str | None = None) -> ModelConfig:
@@ -175,7 +175,7 @@ class ModelConfig:
             labels=_labels(hf_config) if arch.endswith("ForSequenceClassification") else (),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
-            fp8=Fp8Config.from_hf(hf_config, quantization),
+            quant=QuantConfig.from_hf(hf_config, quantization),
             **_variant_fields(hf_config, family),
         )
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.attention import apply_softcap
-from worker.models import fp8
+from worker.models import quant
 from worker.models.config import ModelConfig
 from worker.models.moe import SparseMoeBlock
 
@@ -330,8 +330,8 @@ class LlamaForCausalLM(nn.Module):
                 module, _, local = name.rpartition(".")
                 if local.endswith("_scale"):
                     continue  # set with its fp8 weight
-                if param.dtype == fp8.FP8:  # the float weight the other layers would draw, quantized
-                    fp8.quantize_into(self.get_submodule(module), local,
+                if param.dtype == quant.FP8:  # the float weight the other layers would draw, quantized
+                    quant.quantize_into(self.get_submodule(module), local,
                                       torch.randn(param.shape, generator=generator).mul_(std))
                 elif name.endswith("norm.weight"):
                     param.fill_(1.0 - (self.config.norm_weight_offset or 0.0))  # a scale of one
@@ -345,8 +345,8 @@ class LlamaForCausalLM(nn.Module):
         experts."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        if self.config.fp8 is not None:
-            weights = fp8.fp8_weights(weights, self.config.fp8, self._fp8_owner)
+        if self.config.quant is not None:
+            weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name)
             if target is None:
@@ -368,7 +368,7 @@ class LlamaForCausalLM(nn.Module):
         block: tuple[int, int] = getattr(self.get_submodule(name.rpartition(".")[0]), "block")  # noqa: B009
         return block[0]
 
-    def _fp8_owner(self, hf_name: str) -> nn.Module | None:
+    def _quantized_owner(self, hf_name: str) -> nn.Module | None:
         """The module whose fp8 weight a checkpoint weight loads into, if it is one."""
         target = _map_hf_name(hf_name)
         if target is None:
@@ -378,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(module_name)
         except AttributeError:  # no place in the model: load_weights says so
             return None
-        return module if fp8.is_fp8(module, local) else None
+        return module if quant.is_quantized(module, local) else None
 
     def _check_complete(self, loaded: set[str]) -> None:
         tied = self.config.tie_word_embeddings

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from worker.models import fp8
+from worker.models import quant
 from worker.models.config import MoEConfig
 from worker.models.packed_linear import pack_weight, packed_linear
 
@@ -43,7 +43,7 @@ class Experts(nn.Module):
         (on the meta device, before the weights load)."""
         self.block = block
         for name in ("w13", "w2"):
-            fp8.make_fp8(self, name, block)
+            quant.make_quantized(self, name, block)
 
     def pack(self, batch_hint: int) -> None:
         """Lay each expert's weights out for oneDNN once (bfloat16 on the CPU, as

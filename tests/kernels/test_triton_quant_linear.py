@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_cases import ON_CUDA, assert_close, cdiv
 
-from kernels import fp8_linear, fp8_linear_ref
+from kernels import quant_linear, quant_linear_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
@@ -38,7 +38,7 @@ def _inputs(case, dtype, device, bias=False):
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_fp8_linear_matches_the_dequantized_product(device: torch.device, case, dtype: torch.dtype) -> None:
     x, weight, scale, _ = _inputs(case, dtype, device)
-    assert_close(fp8_linear(x, weight, scale, case[3]), fp8_linear_ref(x, weight, scale, case[3]))
+    assert_close(quant_linear(x, weight, scale, case[3]), quant_linear_ref(x, weight, scale, case[3]))
 
 
 def test_fp8_linear_adds_the_bias_and_reads_strided_rows(device: torch.device) -> None:
@@ -46,24 +46,24 @@ def test_fp8_linear_adds_the_bias_and_reads_strided_rows(device: torch.device) -
     x, weight, scale, bias = _inputs(case, torch.float32, device, bias=True)
     wide = torch.randn(6, 100, device=device)
     wide[:, 20:84] = x
-    out = fp8_linear(wide[:, 20:84], weight, scale, case[3], bias)
-    assert_close(out, fp8_linear_ref(x, weight, scale, case[3], bias))
+    out = quant_linear(wide[:, 20:84], weight, scale, case[3], bias)
+    assert_close(out, quant_linear_ref(x, weight, scale, case[3], bias))
     # the scales do bite: each block's own, not one for all
-    assert not torch.allclose(out, fp8_linear_ref(x, weight, scale.mean().expand_as(scale), case[3], bias))
+    assert not torch.allclose(out, quant_linear_ref(x, weight, scale.mean().expand_as(scale), case[3], bias))
 
 
 def test_fp8_linear_of_no_rows(device: torch.device) -> None:
     x, weight, scale, _ = _inputs((0, 32, 64, (16, 32)), torch.bfloat16, device)
-    assert fp8_linear(x, weight, scale, (16, 32)).shape == (0, 32)
+    assert quant_linear(x, weight, scale, (16, 32)).shape == (0, 32)
 
 
 def test_fp8_linear_rejects_what_it_cannot_run(device: torch.device) -> None:
     x, weight, scale, _ = _inputs((3, 64, 64, (16, 32)), torch.float32, device)
     with pytest.raises(ValueError, match=r"weight must have dtype in \(float8_e4m3fn\)"):
-        fp8_linear(x, weight.float(), scale, (16, 32))
+        quant_linear(x, weight.float(), scale, (16, 32))
     with pytest.raises(ValueError, match=r"scale must have shape \[4, 2\]"):
-        fp8_linear(x, weight, scale[:, :1], (16, 32))
+        quant_linear(x, weight, scale[:, :1], (16, 32))
     with pytest.raises(ValueError, match="scale block of 24 columns"):
-        fp8_linear(x, weight, torch.ones(4, 3, device=device), (16, 24))
+        quant_linear(x, weight, torch.ones(4, 3, device=device), (16, 24))
     with pytest.raises(ValueError, match=r"weight must have shape \[\*, 32\]"):
-        fp8_linear(x[:, :32], weight, scale, (16, 32))
+        quant_linear(x[:, :32], weight, scale, (16, 32))

@@ -15,7 +15,7 @@ from test_engine import check_prefill_logits, check_prefill_logits_against, run_
 from transformers import AutoModelForCausalLM
 
 from worker import LLM
-from worker.models.fp8 import FP8, Fp8Linear, quantize
+from worker.models.quant import FP8, QuantLinear, quantize
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 BLOCK = (16, 32)  # rows x columns per scale, off square so a transposed grid shows
@@ -83,16 +83,16 @@ def test_the_kernel_path_keeps_the_weights_in_fp8_where_the_checkpoint_has_them(
                 enforce_eager=True).engine.runner.model
     keep = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
     for i, layer in enumerate(model.layers):
-        assert isinstance(layer.self_attn.qkv_proj, Fp8Linear) and layer.self_attn.qkv_proj.weight.dtype == FP8
-        assert isinstance(layer.self_attn.o_proj, Fp8Linear)
+        assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.weight.dtype == FP8
+        assert isinstance(layer.self_attn.o_proj, QuantLinear)
         dense = getattr(layer.mlp, "gate_up_proj", None)
         if dense is not None:  # a dense MLP: fp8 unless the checkpoint keeps it float
-            assert isinstance(dense, Fp8Linear) == (f"model.layers.{i}.mlp" not in keep)
+            assert isinstance(dense, QuantLinear) == (f"model.layers.{i}.mlp" not in keep)
         else:  # experts: fp8, with a scale grid per expert
             experts = layer.mlp.experts
             assert experts.w13.dtype == experts.w2.dtype == FP8 and experts.w13_scale.shape[0] == experts.num_experts
     torch_model = LLM(str(fp8_dir), dtype="float32", num_gpu_blocks_override=64).engine.runner.model
-    assert not any(isinstance(m, Fp8Linear) for m in torch_model.modules())
+    assert not any(isinstance(m, QuantLinear) for m in torch_model.modules())
 
 
 def test_quantization_is_visible_in_the_logits(fp8_dirs):
@@ -129,7 +129,7 @@ def test_quantizing_at_load_serves_the_per_channel_fp8_model(per_channel_dirs, b
     llm = LLM(str(src), dtype="float32", num_gpu_blocks_override=64, quantization="fp8",
               attention_backend=backend, enforce_eager=True)
     model = llm.engine.runner.model
-    assert any(isinstance(m, Fp8Linear) for m in model.modules()) == (backend == "triton")
+    assert any(isinstance(m, QuantLinear) for m in model.modules()) == (backend == "triton")
     ids = list(range(5, 60))
     logits = llm.engine.runner.execute(SchedulerOutput([ScheduledRequest("a", ids, 0, [0, 1, 2, 3], True)])).logits
     assert torch.allclose(logits[0].cpu(), _hf_last_logits(per_channel, ids), atol=1e-4, rtol=0)
@@ -185,8 +185,8 @@ def test_compressed_tensors_fp8_checkpoints_match_transformers(tiny_llama_dir, t
         check_prefill_logits_against(ct_dir, ct_dir, backend, quantization_config=CompressedTensorsConfig(dequantize=True))
     model = LLM(str(ct_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
                 enforce_eager=True).engine.runner.model
-    assert isinstance(model.layers[0].mlp.down_proj, Fp8Linear) and isinstance(model.layers[1].self_attn.o_proj, Fp8Linear)
-    assert not isinstance(model.layers[1].mlp.down_proj, Fp8Linear)  # ignored: stored float
+    assert isinstance(model.layers[0].mlp.down_proj, QuantLinear) and isinstance(model.layers[1].self_attn.o_proj, QuantLinear)
+    assert not isinstance(model.layers[1].mlp.down_proj, QuantLinear)  # ignored: stored float
 
 
 def _rewrite_config(src: Path, out: Path, change) -> Path:
@@ -277,8 +277,8 @@ def test_blocks_that_do_not_divide_the_weights(tiny_llama_dir, tmp_path):
     kernel = LLM(str(fp8_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
                  enforce_eager=True)
     layer = kernel.engine.runner.model.layers[0]
-    assert isinstance(layer.self_attn.o_proj, Fp8Linear) and isinstance(layer.mlp.down_proj, Fp8Linear)
-    assert not isinstance(layer.self_attn.qkv_proj, Fp8Linear) and not isinstance(layer.mlp.gate_up_proj, Fp8Linear)
+    assert isinstance(layer.self_attn.o_proj, QuantLinear) and isinstance(layer.mlp.down_proj, QuantLinear)
+    assert not isinstance(layer.self_attn.qkv_proj, QuantLinear) and not isinstance(layer.mlp.gate_up_proj, QuantLinear)
     check_prefill_logits_against(fp8_dir, dense_dir, "torch")
     check_prefill_logits_against(fp8_dir, dense_dir, "triton")
 

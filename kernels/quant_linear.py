@@ -32,14 +32,14 @@ from kernels._common import (
     triton,
 )
 
-__all__ = ["fp8_linear", "fp8_linear_ref"]
+__all__ = ["quant_linear", "quant_linear_ref"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
-def _fp8_linear_kernel(
+def _quant_linear_kernel(
     x_ptr,  # [M, K] activations
     w_ptr,  # [N, K] float8_e4m3fn
     scale_ptr,  # [cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32
@@ -117,7 +117,7 @@ def _check_inputs(x, weight, scale, block, bias) -> None:
         check_shape("bias", bias, (n,))
 
 
-def fp8_linear(
+def quant_linear(
     x: torch.Tensor,  # [M, K] float16, bfloat16 or float32
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     scale: torch.Tensor,  # [cdiv(N, block[0]), cdiv(K, block[1])] float32
@@ -127,7 +127,7 @@ def fp8_linear(
     """x @ (weight * scale).T + bias, the scale spread over its blocks."""
     _check_inputs(x, weight, scale, block, bias)
     tensors = dict(x=x, weight=weight, scale=scale) | ({} if bias is None else dict(bias=bias))
-    check_device(_fp8_linear_kernel, **tensors)
+    check_device(_quant_linear_kernel, **tensors)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -135,18 +135,18 @@ def fp8_linear(
         return out
     block_m, block_n = tiles(m)
     grid = (cdiv(m, block_m), cdiv(n, block_n))
-    _fp8_linear_kernel[grid](
+    _quant_linear_kernel[grid](
         x, weight, scale, weight if bias is None else bias, out, m, n, k,
         x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         SCALE_ROWS=block[0], SCALE_COLS=block[1], HAS_BIAS=bias is not None,
-        DOT_DTYPE=dot_dtype(x.dtype, is_interpreted(_fp8_linear_kernel)),
+        DOT_DTYPE=dot_dtype(x.dtype, is_interpreted(_quant_linear_kernel)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(block[1], k),
     )  # fmt: skip
     return out
 
 
-def fp8_linear_ref(x, weight, scale, block, bias=None) -> torch.Tensor:
+def quant_linear_ref(x, weight, scale, block, bias=None) -> torch.Tensor:
     """The same product over the weight dequantized to x's dtype first, as a checkpoint
     loader that dequantizes serves it."""
     dense = dequantize_ref(weight, scale, block, x.dtype)

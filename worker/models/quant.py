@@ -9,7 +9,7 @@ at load, each output channel gets its own scale. The scales come as `*.weight_sc
 (the name, not the arithmetic: they multiply) or `*.weight_scale`.
 
 On the kernel path (CUDA) the decoder layers' projections and experts stay fp8 in memory:
-`Fp8Linear`s over the Triton kernel `kernels.fp8_linear`, and the fused MoE kernel over fp8
+`QuantLinear`s over the Triton kernel `kernels.quant_linear`, and the fused MoE kernel over fp8
 experts, both widening each weight tile to the activation dtype (W8A16: half a bf16
 model's weight bytes, activations in their dtype). On the torch path every weight is
 dequantized once, at load, to the model's dtype, each block's values times its scale in
@@ -37,13 +37,13 @@ _TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 
 
 @dataclass(frozen=True)
-class Fp8Config:
+class QuantConfig:
     block: tuple[int, int] | None  # weight rows, columns per scale; None: per tensor as stored, per channel online
     skip: tuple[str, ...] = ()  # checkpoint module names kept in float (modules_to_not_convert, ignore)
     online: bool = False  # the checkpoint is float; its weights are quantized as they load
 
     @classmethod
-    def from_hf(cls, hf_config: Any, quantization: str | None) -> Fp8Config | None:
+    def from_hf(cls, hf_config: Any, quantization: str | None) -> QuantConfig | None:
         """The checkpoint's own quantization (config.json's `quantization_config`), else the
         engine's `quantization` argument; ValueError for a scheme genq cannot serve."""
         if quantization not in (None, "fp8"):
@@ -62,7 +62,7 @@ class Fp8Config:
                          "or quantization='fp8' over a float checkpoint")
 
     @classmethod
-    def _from_fp8(cls, qc: dict) -> Fp8Config:
+    def _from_fp8(cls, qc: dict) -> QuantConfig:
         """transformers' FP8 format (Qwen3-*-FP8, DeepSeek-V3)."""
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"fp8 format {qc['fmt']!r} is not supported; supported: e4m3")
@@ -72,7 +72,7 @@ class Fp8Config:
                    skip=tuple(qc.get("modules_to_not_convert") or ()))
 
     @classmethod
-    def _from_compressed_tensors(cls, qc: dict) -> Fp8Config:
+    def _from_compressed_tensors(cls, qc: dict) -> QuantConfig:
         """compressed-tensors' (llm-compressor's FP8 checkpoints: *-FP8-dynamic, *-FP8):
         one scheme over the Linear layers whose weights are 8-bit floats, symmetric, with a
         scale per tensor, per output channel or per block; activation settings are not read
@@ -116,7 +116,7 @@ def _block(value: Any, field: str) -> tuple[int, int] | None:
     return int(value[0]), int(value[1])
 
 
-class Fp8Linear(nn.Module):
+class QuantLinear(nn.Module):
     """A linear layer over an fp8 weight [out, in] and its float32 scale grid, on the
     Triton kernel."""
 
@@ -133,7 +133,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         import kernels
 
-        return kernels.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+        return kernels.quant_linear(x, self.weight, self.weight_scale, self.block, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
@@ -169,7 +169,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return values * full
 
 
-def make_fp8(module: nn.Module, name: str, block: tuple[int, int]) -> None:
+def make_quantized(module: nn.Module, name: str, block: tuple[int, int]) -> None:
     """Turn `module`'s float parameter `name` [..., out, in] into an fp8 one and its float32
     scales `<name>_scale` [..., rows, cols] (on the meta device, before the weights load)."""
     *lead, n, k = getattr(module, name).shape
@@ -187,14 +187,14 @@ def quantize_into(module: nn.Module, name: str, dense: torch.Tensor) -> None:
         getattr(module, name + "_scale").copy_(scale)
 
 
-def is_fp8(module: nn.Module, name: str) -> bool:
+def is_quantized(module: nn.Module, name: str) -> bool:
     value = getattr(module, name, None)
     return isinstance(value, torch.Tensor) and value.dtype == FP8
 
 
-def use_fp8(model: nn.Module, cfg: Fp8Config, qkv_rows: tuple[int, int, int]) -> int:
+def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, int]) -> int:
     """Give the decoder layers' projections and experts fp8 weights (on the meta device,
-    before the weights load): projections become `Fp8Linear`s, experts take `Experts.use_fp8`.
+    before the weights load): projections become `QuantLinear`s, experts take `Experts.use_fp8`.
     Left in float: what the checkpoint keeps in float, and fused weights whose shards (q/k/v
     of `qkv_rows` rows; gate and up halves) do not fill whole scale blocks or whose columns
     no kernel tile fits. Returns how many modules became fp8."""
@@ -223,13 +223,13 @@ def use_fp8(model: nn.Module, cfg: Fp8Config, qkv_rows: tuple[int, int, int]) ->
             if cfg.skips(f"model.{parent_name}.{shard}" for shard in _TARGETS[name]):
                 continue
             if fits(block, shards, (child.in_features,)):
-                setattr(parent, name, Fp8Linear(child.in_features, child.out_features, child.bias, block))
+                setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias, block))
                 replaced += 1
     return replaced
 
 
 def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every fp8 weight back in `dtype` (the torch path): `Fp8Linear`s become `nn.Linear`s,
+    """Every fp8 weight back in `dtype` (the torch path): `QuantLinear`s become `nn.Linear`s,
     fp8 experts float ones."""
     from worker.models.moe import Experts
 
@@ -241,7 +241,7 @@ def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
                 delattr(parent, name + "_scale")
             parent.block = None
         for name, child in list(parent.named_children()):
-            if isinstance(child, Fp8Linear):
+            if isinstance(child, QuantLinear):
                 linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
                 dense = dequantize(child.weight, child.weight_scale, child.block).to(dtype)
                 linear.weight = nn.Parameter(dense, requires_grad=False)
@@ -249,9 +249,9 @@ def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
                 setattr(parent, name, linear)
 
 
-def fp8_weights(
+def quantized_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
-    cfg: Fp8Config,
+    cfg: QuantConfig,
     kept: Callable[[str], Any],  # the module (with its `block`) whose fp8 weight a checkpoint weight is, or None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's tensors as the model takes them. A weight the model keeps in fp8 passes
