@@ -26,8 +26,8 @@ __all__ = ["HEAD_CONFIGS", "check_kernels", "format_rows"]
 
 # a mixture-of-experts layer of Qwen3-30B-A3B's shape: (experts, top_k, hidden_size, intermediate)
 MOE_SHAPE = (128, 8, 2048, 768)
-# Llama-3-8B's gate/up projection (out, in), fp8 with 128 x 128 scale blocks
-FP8_SHAPE = (28672, 4096)
+# Llama-3-8B's gate/up projection (out, in), for the quantized-weight kernel
+QUANT_SHAPE = (28672, 4096)
 # name: (num_heads, num_kv_heads, head_dim, hidden_size, vocab_size)
 HEAD_CONFIGS = {
     "smollm2-135m": (9, 3, 64, 576, 49152),
@@ -76,7 +76,7 @@ def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
     for num_tokens in (16, 2048):  # a decode step's tokens, a prefill's
         rows.append(_measure(_fused_moe_case(num_tokens, device)))
         rows.append(_measure(_fused_moe_case(num_tokens, device, fp8=True)))
-        rows.extend(_measure(case) for case in _fp8_linear_cases(num_tokens, device))
+        rows.extend(_measure(case) for case in _quant_linear_cases(num_tokens, device))
     return rows
 
 
@@ -289,29 +289,48 @@ def _fp8_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (tiles / scale[..., :, None, :, None]).view_as(dense).to(torch.float8_e4m3fn), scale
 
 
-def _fp8_linear_cases(num_tokens: int, device: torch.device) -> list[_Case]:
-    """The fp8 kernel at FP8_SHAPE, and cuBLAS's bf16 product over the same weight
-    dequantized: the baseline its decode speed-up (half the weight bytes) is read against."""
-    n, k = FP8_SHAPE
+def _quant_linear_cases(num_tokens: int, device: torch.device) -> list[_Case]:
+    """The quantized-weight kernel at QUANT_SHAPE over fp8 weights (128 x 128 scale blocks)
+    and packed int4 weights (a scale per 128 columns, W4A16's), and cuBLAS's bf16 product over
+    the fp8 weight dequantized: the baseline their decode speed-ups (a half, a quarter of the
+    weight bytes) are read against."""
+    n, k = QUANT_SHAPE
     x = torch.randn(num_tokens, k, device=device, dtype=_DTYPE)
-    weight, scale = _fp8_blocks(torch.randn(n, k, device=device) * k**-0.5)
-    bf16 = dequantize_ref(weight, scale, (128, 128), _DTYPE)
+    dense = torch.randn(n, k, device=device) * k**-0.5
+    fp8, fp8_scale = _fp8_blocks(dense)
+    int4, int4_scale = _int4_groups(dense)
+    bf16 = dequantize_ref(fp8, fp8_scale, (128, 128), _DTYPE)
     shape = f"T={num_tokens} N={n} K={k}"
     flops = 2 * num_tokens * n * k
     out_bytes = 2 * num_tokens * (n + k)
 
-    def compare_fp8() -> _Error:
-        return _compare((quant_linear(x, weight, scale, (128, 128)), quant_linear_ref(x, weight, scale, (128, 128))))
+    def case(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], weight_bytes: int) -> _Case:
+        def compare() -> _Error:
+            return _compare((quant_linear(x, weight, scale, block), quant_linear_ref(x, weight, scale, block)))
+
+        return _Case(name, "llama-8b", shape, lambda: quant_linear(x, weight, scale, block), compare,
+                     weight_bytes + out_bytes, flops)
 
     def compare_bf16() -> _Error:
-        return _compare((torch.nn.functional.linear(x, bf16), quant_linear_ref(x, weight, scale, (128, 128))))
+        return _compare((torch.nn.functional.linear(x, bf16), quant_linear_ref(x, fp8, fp8_scale, (128, 128))))
 
     return [
-        _Case("quant_linear", "llama-8b", shape, lambda: quant_linear(x, weight, scale, (128, 128)), compare_fp8,
-              n * k + out_bytes, flops),
+        case("quant_linear fp8", fp8, fp8_scale, (128, 128), n * k),
+        case("quant_linear int4", int4, int4_scale, (1, 128), n * k // 2),
         _Case("bf16 F.linear", "llama-8b", shape, lambda: torch.nn.functional.linear(x, bf16), compare_bf16,
               2 * n * k + out_bytes, flops),
     ]  # fmt: skip
+
+
+def _int4_groups(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] as int4 values in groups of 128 columns, packed eight to an int32 word (value
+    j of a word in bits 4j, stored plus 8), and their scales [N, K / 128]."""
+    n, k = dense.shape
+    groups = dense.view(n, k // 128, 128)
+    scale = groups.abs().amax(dim=-1) / 7
+    q = (groups / scale[..., None]).round().clamp(-8, 7).view(n, k // 8, 8).long() + 8
+    words = (q << torch.arange(0, 32, 4, device=dense.device)).sum(-1)  # below 2^32
+    return (words - (words >= 2**31).long() * 2**32).to(torch.int32), scale
 
 
 def format_rows(rows: list[dict[str, object]]) -> str:

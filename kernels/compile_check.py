@@ -121,14 +121,15 @@ def _moe_variant(name: str, dtype: str, first: bool, weights: str, fp8_block: tu
     return _Variant(name, _moe_matmul_kernel, dtype, constexprs, overrides)
 
 
-def _fp8_variant(name: str, rows: int, block: tuple[int, int], k: int = 4096) -> _Variant:
-    """quant_linear as the launcher tiles `rows` rows of bf16 activations."""
+def _quant_variant(name: str, rows: int, block: tuple[int, int], weight: str = "*fp8e4nv", k: int = 4096) -> _Variant:
+    """quant_linear as the launcher tiles `rows` rows of bf16 activations, over weights of
+    pointer type `weight` (*i32: packed int4)."""
     block_m, block_n = tiles(rows)
     constexprs = dict(
-        SCALE_ROWS=block[0], SCALE_COLS=block[1], HAS_BIAS=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(block[1], k),
+        SCALE_ROWS=block[0], SCALE_COLS=block[1], INT4=weight == "*i32", HAS_BIAS=False, DOT_DTYPE=tl.bfloat16,
+        DOT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(block[1], k),
     )  # fmt: skip
-    overrides = dict(w_ptr="*fp8e4nv", scale_ptr="*fp32", bias_ptr="*fp8e4nv")
+    overrides = dict(w_ptr=weight, scale_ptr="*fp32", bias_ptr=weight)
     return _Variant(name, _quant_linear_kernel, "*bf16", constexprs, overrides)
 
 
@@ -170,9 +171,12 @@ def _variants() -> list[_Variant]:
         _moe_variant("fused_moe down bf16, fp32 weights", "*bf16", first=False, weights="*fp32"),
         _moe_variant("fused_moe gate_up bf16, fp8 experts", "*bf16", first=True, weights="*bf16", fp8_block=(128, 128)),
         _moe_variant("fused_moe down bf16, fp8 experts", "*bf16", first=False, weights="*bf16", fp8_block=(128, 128)),
-        _fp8_variant("quant_linear bf16 decode, 128x128 blocks", 8, (128, 128)),
-        _fp8_variant("quant_linear bf16 prefill, 128x128 blocks", 2048, (128, 128)),
-        _fp8_variant("quant_linear bf16 decode, per channel", 8, (1, 4096)),
+        _quant_variant("quant_linear fp8 decode, 128x128 blocks", 8, (128, 128)),
+        _quant_variant("quant_linear fp8 prefill, 128x128 blocks", 2048, (128, 128)),
+        _quant_variant("quant_linear fp8 decode, per channel", 8, (1, 4096)),
+        _quant_variant("quant_linear int8 decode, per channel", 8, (1, 4096), "*i8"),
+        _quant_variant("quant_linear int4 decode, groups of 128", 8, (1, 128), "*i32"),
+        _quant_variant("quant_linear int4 prefill, groups of 128", 2048, (1, 128), "*i32"),
     ]  # fmt: skip
 
 

@@ -1,18 +1,23 @@
-"""A linear layer over FP8 (e4m3) weights with block scales: the weight stays one byte per
-element in memory, and each tile is widened to the activation dtype on its way to the dot.
+"""A linear layer over quantized weights with block scales: fp8 (e4m3) or int8 values, one
+byte each, or int4 values packed eight to an int32. The weight stays that narrow in memory;
+each tile is widened to the activation dtype on its way to the dot.
 
 The weight [N, K] comes with a float32 scale grid [cdiv(N, BM), cdiv(K, BN)]: every BM x BN
-block of the weight is its fp8 values times one scale (the layout of FP8 checkpoints such as
-Qwen3-*-FP8 and DeepSeek-V3, block 128 x 128; BM = 1, BN = K is one scale per output
-channel, and a per-tensor scale is that grid filled with one value). A tile of BLOCK_K
-columns lies in one scale column, so each tile's partial dot is scaled once per output column
-as it is added to the fp32 accumulator: the weight itself is never rounded, unlike a weight
-dequantized to the activation dtype first (the reference below rounds as that does).
+block of the weight is its values times one scale. That covers FP8 checkpoints' 128 x 128
+blocks (Qwen3-*-FP8, DeepSeek-V3), one scale per output channel (BM = 1, BN = K), one per
+tensor (that grid filled with one value), and int4 groups along K (BM = 1, BN = 128 in
+W4A16 checkpoints). A tile of BLOCK_K columns lies in one scale column, so each tile's
+partial dot is scaled once per output column as it is added to the fp32 accumulator: the
+weight itself is never rounded, unlike a weight dequantized to the activation dtype first
+(the reference below rounds as that does).
 
-Activations stay in their dtype (W8A16): the decode steps, bound by reading the weights,
-read half the bytes of a bf16 weight, and the outputs differ from the dequantized model's by
-accumulation order alone. Every size depends on the row count only, so a decode step's
-layers can be captured in CUDA graphs.
+int4 weights are packed as compressed-tensors packs them: value k of a row in bits
+4 * (k % 8) of int32 k // 8, stored plus 8 (an unsigned nibble for -8..7).
+
+Activations stay in their dtype (W8A16, W4A16): the decode steps, bound by reading the
+weights, read a half (a quarter) of a bf16 weight's bytes, and the outputs differ from the
+dequantized model's by accumulation order alone. Every size depends on the row count only,
+so a decode step's layers can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -35,25 +40,28 @@ from kernels._common import (
 __all__ = ["quant_linear", "quant_linear_ref"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FP8 = torch.float8_e4m3fn
+# weight storage: fp8 and int8 values, or int4 values packed in int32s
+_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.int32)
 
 
 @triton.jit
 def _quant_linear_kernel(
     x_ptr,  # [M, K] activations
-    w_ptr,  # [N, K] float8_e4m3fn
+    w_ptr,  # [N, K] float8_e4m3fn or int8; INT4: [N, cdiv(K, 8)] int32
     scale_ptr,  # [cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32
     bias_ptr,  # [N], read only when HAS_BIAS
     out_ptr,  # [M, N]
     M,
     N,
     K,
+    K_WORDS,  # int32 words a packed int4 row holds: cdiv(K, 8)
     stride_xm,
     stride_wn,
     stride_sn,
     stride_om,
     SCALE_ROWS: tl.constexpr,  # weight rows per scale row
     SCALE_COLS: tl.constexpr,  # weight columns per scale column: a multiple of BLOCK_K, or >= K
+    INT4: tl.constexpr,  # w packs eight int4 values per int32
     HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, else the default "tf32"
@@ -73,9 +81,16 @@ def _quant_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
         x = tl.load(x_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if INT4:  # BLOCK_K / 8 words a column, each spread into its eight nibbles, minus 8
+            words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(w_base + words[:, None], mask=(words < K_WORDS)[:, None] & col_ok[None, :], other=0)
+            nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
+            w = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8  # row 8 * word + nibble: value k0 + that
+        else:
+            w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         scale = tl.load(scale_base + k0 // SCALE_COLS, mask=col_ok, other=0.0)  # [BLOCK_N]
-        part = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # fp8 is exact in bf16
+        # the values are exact in bf16 (fp8's 4-bit significands, integers below 256)
+        part = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         acc += part * scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -101,8 +116,8 @@ def _check_inputs(x, weight, scale, block, bias) -> None:
     check_shape("x", x, (None, None))
     check_last_dim_contiguous("x", x)
     k = x.shape[1]
-    check_dtype("weight", weight, (_FP8,))
-    check_shape("weight", weight, (None, k))
+    check_dtype("weight", weight, _WEIGHT_DTYPES)
+    check_shape("weight", weight, (None, cdiv(k, 8) if weight.dtype == torch.int32 else k))
     check_last_dim_contiguous("weight", weight)
     n = weight.shape[0]
     rows, cols = block
@@ -119,7 +134,7 @@ def _check_inputs(x, weight, scale, block, bias) -> None:
 
 def quant_linear(
     x: torch.Tensor,  # [M, K] float16, bfloat16 or float32
-    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn or int8, or [N, cdiv(K, 8)] int32: packed int4
     scale: torch.Tensor,  # [cdiv(N, block[0]), cdiv(K, block[1])] float32
     block: tuple[int, int],  # weight rows, columns per scale
     bias: torch.Tensor | None = None,  # [N] in x's dtype
@@ -136,9 +151,9 @@ def quant_linear(
     block_m, block_n = tiles(m)
     grid = (cdiv(m, block_m), cdiv(n, block_n))
     _quant_linear_kernel[grid](
-        x, weight, scale, weight if bias is None else bias, out, m, n, k,
+        x, weight, scale, weight if bias is None else bias, out, m, n, k, cdiv(k, 8),
         x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=block[0], SCALE_COLS=block[1], HAS_BIAS=bias is not None,
+        SCALE_ROWS=block[0], SCALE_COLS=block[1], INT4=weight.dtype == torch.int32, HAS_BIAS=bias is not None,
         DOT_DTYPE=dot_dtype(x.dtype, is_interpreted(_quant_linear_kernel)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(block[1], k),
@@ -149,13 +164,18 @@ def quant_linear(
 def quant_linear_ref(x, weight, scale, block, bias=None) -> torch.Tensor:
     """The same product over the weight dequantized to x's dtype first, as a checkpoint
     loader that dequantizes serves it."""
-    dense = dequantize_ref(weight, scale, block, x.dtype)
+    dense = dequantize_ref(weight, scale, block, x.dtype, x.shape[-1])
     return F.linear(x.float(), dense.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """fp8 weights [..., N, K] times their scales [..., cdiv(N, block[0]), cdiv(K, block[1])]
-    spread over the blocks, in fp32, then rounded to `dtype`."""
+def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
+                   k: int | None = None) -> torch.Tensor:
+    """Weights [..., N, K] (packed int4: [..., N, cdiv(K, 8)], K given) times their scales
+    [..., cdiv(N, block[0]), cdiv(K, block[1])] spread over the blocks, in fp32, then rounded
+    to `dtype`."""
+    if weight.dtype == torch.int32:
+        nibbles = (weight[..., None] >> torch.arange(0, 32, 4, device=weight.device)) & 0xF
+        weight = (nibbles.flatten(-2)[..., :k] - 8).to(torch.int8)
     n, k = weight.shape[-2:]
     full = scale.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
     return (weight.float() * full).to(dtype)

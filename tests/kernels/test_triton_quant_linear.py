@@ -36,12 +36,12 @@ def _inputs(case, dtype, device, bias=False):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
-def test_fp8_linear_matches_the_dequantized_product(device: torch.device, case, dtype: torch.dtype) -> None:
+def test_quant_linear_matches_the_dequantized_product(device: torch.device, case, dtype: torch.dtype) -> None:
     x, weight, scale, _ = _inputs(case, dtype, device)
     assert_close(quant_linear(x, weight, scale, case[3]), quant_linear_ref(x, weight, scale, case[3]))
 
 
-def test_fp8_linear_adds_the_bias_and_reads_strided_rows(device: torch.device) -> None:
+def test_quant_linear_adds_the_bias_and_reads_strided_rows(device: torch.device) -> None:
     case = (6, 80, 64, (16, 32))
     x, weight, scale, bias = _inputs(case, torch.float32, device, bias=True)
     wide = torch.randn(6, 100, device=device)
@@ -52,14 +52,14 @@ def test_fp8_linear_adds_the_bias_and_reads_strided_rows(device: torch.device) -
     assert not torch.allclose(out, quant_linear_ref(x, weight, scale.mean().expand_as(scale), case[3], bias))
 
 
-def test_fp8_linear_of_no_rows(device: torch.device) -> None:
+def test_quant_linear_of_no_rows(device: torch.device) -> None:
     x, weight, scale, _ = _inputs((0, 32, 64, (16, 32)), torch.bfloat16, device)
     assert quant_linear(x, weight, scale, (16, 32)).shape == (0, 32)
 
 
-def test_fp8_linear_rejects_what_it_cannot_run(device: torch.device) -> None:
+def test_quant_linear_rejects_what_it_cannot_run(device: torch.device) -> None:
     x, weight, scale, _ = _inputs((3, 64, 64, (16, 32)), torch.float32, device)
-    with pytest.raises(ValueError, match=r"weight must have dtype in \(float8_e4m3fn\)"):
+    with pytest.raises(ValueError, match=r"weight must have dtype in \(float8_e4m3fn, int8, int32\)"):
         quant_linear(x, weight.float(), scale, (16, 32))
     with pytest.raises(ValueError, match=r"scale must have shape \[4, 2\]"):
         quant_linear(x, weight, scale[:, :1], (16, 32))
@@ -67,3 +67,36 @@ def test_fp8_linear_rejects_what_it_cannot_run(device: torch.device) -> None:
         quant_linear(x, weight, torch.ones(4, 3, device=device), (16, 24))
     with pytest.raises(ValueError, match=r"weight must have shape \[\*, 32\]"):
         quant_linear(x[:, :32], weight, scale, (16, 32))
+
+
+def quantize_int(dense: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric integers of `bits` bits (int8 storage) with a scale per output row and group
+    of `group` columns: each group's largest magnitude maps to 2^(bits-1) - 1."""
+    n, k = dense.shape
+    groups = dense.float().view(n, k // group, group)
+    scale = groups.abs().amax(dim=-1).clamp(min=1e-12) / (2 ** (bits - 1) - 1)  # [n, k / group]
+    q = (groups / scale[..., None]).round().clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    return q.view(n, k).to(torch.int8), scale
+
+
+# (rows, N, K, group): int8 per channel; int4 in groups of 32 and 128 (W4A16's), and per channel
+INT_CASES = [(8, 1, 96, 64, 64), (4, 37, 80, 256, 32), (4, 1, 64, 256, 128), (4, 5, 48, 96, 96)]
+if ON_CUDA:
+    INT_CASES += [(4, 1, 4096, 4096, 128), (4, 512, 4096, 4096, 128), (8, 16, 4096, 4096, 4096)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", INT_CASES, ids=[f"int{c[0]} {c[1:]}" for c in INT_CASES])
+def test_quant_linear_over_integer_weights(device: torch.device, case, dtype: torch.dtype) -> None:
+    """int8 values, and int4 values packed as compressed-tensors packs them (its own packer
+    writes them); the reference multiplies the unpacked integers."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    bits, m, n, k, group = case
+    x = torch.randn(m, k, device=device).to(dtype)
+    q, scale = quantize_int(torch.randn(n, k) * k**-0.5, bits, group)
+    weight = pack_to_int32(q, 4) if bits == 4 else q
+    assert weight.dtype == (torch.int32 if bits == 4 else torch.int8)
+    weight, q, scale = weight.to(device), q.to(device), scale.to(device)
+    out = quant_linear(x, weight, scale, (1, group))
+    assert_close(out, quant_linear_ref(x, q, scale, (1, group)))
