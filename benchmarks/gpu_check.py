@@ -11,7 +11,8 @@
    order); the model's shape remade as a Qwen3 (its per-head q/k norms), a Qwen3-MoE and a
    Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), a Gemma 2
    (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
-   kind), greedy, CUDA against CPU;
+   kind), a W4A16 Llama (packed int4 weights) and a Qwen3-MoE with fp8 experts, greedy,
+   CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -135,6 +136,15 @@ REMADE = {
                "query_pre_attn_scalar": 64, "hidden_activation": "gelu_pytorch_tanh", "layer_types": None,
                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
+    # quantized checkpoints' layouts: W4A16 (int4 in groups of 128, packed: hidden 576 ends
+    # mid-group), and fp8 experts with 128 x 128 blocks (inside the decode CUDA graphs)
+    "llama_w4a16": {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}},
+    "qwen3_moe_fp8": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
+                      "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
+                      "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
 }
 
 

@@ -15,7 +15,7 @@ from test_engine import check_prefill_logits, check_prefill_logits_against, run_
 from transformers import AutoModelForCausalLM
 
 from worker import LLM
-from worker.models.quant import FP8, QuantLinear, quantize
+from worker.models.quant import FP8, QuantLinear, pack_int4, quantize, unpack
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 BLOCK = (16, 32)  # rows x columns per scale, off square so a transposed grid shows
@@ -135,16 +135,32 @@ def test_quantizing_at_load_serves_the_per_channel_fp8_model(per_channel_dirs, b
     assert torch.allclose(logits[0].cpu(), _hf_last_logits(per_channel, ids), atol=1e-4, rtol=0)
 
 
-def test_dummy_fp8_weights_are_the_float_ones_quantized(tiny_llama_dir):
-    """load_format='dummy' (the GPU check's): the kernel path's fp8 layers hold the dummy
-    float weights quantized, so both paths serve the same model."""
-    def logits(backend):
-        llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, quantization="fp8",
-                  load_format="dummy", attention_backend=backend, enforce_eager=True)
-        step = SchedulerOutput([ScheduledRequest("a", list(range(5, 40)), 0, [0, 1, 2], True)])
-        return llm.engine.runner.execute(step).logits[0].cpu()
+W4A16_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
 
-    torch.testing.assert_close(logits("triton"), logits("torch"), atol=1e-4, rtol=0)
+
+@pytest.mark.parametrize("quantized", ["fp8 at load", "W4A16 checkpoint"])
+def test_dummy_quantized_weights_are_the_float_ones_quantized(tiny_llama_dir, tmp_path, quantized):
+    """load_format='dummy' (the GPU check's): the kernel path's quantized layers hold the
+    dummy float weights quantized (their spread the initializer's), so both paths serve the
+    same model."""
+    model_dir, extra = tiny_llama_dir, {"quantization": "fp8"}
+    if quantized == "W4A16 checkpoint":
+        model_dir, extra = _rewrite_config(tiny_llama_dir, tmp_path / "w4a16",
+                                           lambda c: c.update(quantization_config=W4A16_CONFIG)), {}
+
+    def run(backend):
+        llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, load_format="dummy",
+                  attention_backend=backend, enforce_eager=True, **extra)
+        step = SchedulerOutput([ScheduledRequest("a", list(range(5, 40)), 0, [0, 1, 2], True)])
+        return llm.engine.runner.model, llm.engine.runner.execute(step).logits[0].cpu()
+
+    (kernel_model, kernel), (torch_model, plain) = run("triton"), run("torch")
+    assert isinstance(kernel_model.layers[0].mlp.down_proj, QuantLinear)
+    std = torch_model.layers[0].mlp.down_proj.weight.std().item()  # dequantized at load
+    assert 0.25 < std < 0.35, std  # initializer_range 0.3
+    torch.testing.assert_close(kernel, plain, atol=1e-4, rtol=0)
 
 
 def write_compressed_tensors_checkpoint(src: Path, out: Path, strategy: str) -> Path:
@@ -189,6 +205,79 @@ def test_compressed_tensors_fp8_checkpoints_match_transformers(tiny_llama_dir, t
     assert not isinstance(model.layers[1].mlp.down_proj, QuantLinear)  # ignored: stored float
 
 
+def write_int_checkpoint(src: Path, out: Path, bits: int, strategy: str, fmt: str) -> Path:
+    """`src` with its projections stored as compressed-tensors stores integer weights (its own
+    compressor writes them, from scales computed here): int8 values (`int-quantized`), or
+    values packed in int32 words (`pack-quantized`: W4A16, W8A16), a scale per output channel
+    or per group of 32 columns; the second layer's MLP left float."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    group = 32 if strategy == "group" else None
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    shutil.copytree(src, out)
+    tensors = {}
+    for name, value in load_file(src / "model.safetensors").items():
+        if name.endswith("proj.weight") and ".layers.1.mlp." not in name:
+            _, scale = quantize(value, (1, group or value.shape[1]), f"int{bits}")
+            stored = compressor.compress({"weight": value, "weight_scale": scale}, scheme)
+            tensors.update({name.removesuffix("weight") + key: t for key, t in stored.items()})
+        else:
+            tensors[name] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "ignore": ["lm_head", "re:.*layers[.]1[.]mlp[.].*"], "kv_cache_scheme": None,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump()}}}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+INT_CASES = {"W4A16 groups": (4, "group", "pack-quantized"), "W4A16 channels": (4, "channel", "pack-quantized"),
+             "W8A16 packed": (8, "channel", "pack-quantized"), "W8A8 int8": (8, "channel", "int-quantized"),
+             "W4A16 experts": (4, "group", "pack-quantized")}
+
+
+@pytest.mark.parametrize("case", list(INT_CASES))
+def test_compressed_tensors_integer_checkpoints_match_transformers(request, tmp_path, case):
+    """int4 and int8 weights against transformers with compressed-tensors dequantizing the
+    same files; on the kernel path the projections keep their integers (int4 packed), and
+    integer experts are dequantized at load."""
+    from transformers import CompressedTensorsConfig
+
+    bits, strategy, fmt = INT_CASES[case]
+    src = request.getfixturevalue("tiny_qwen3_moe_dir" if "experts" in case else "tiny_llama_dir")
+    int_dir = write_int_checkpoint(src, tmp_path / "int", bits, strategy, fmt)
+    stored = load_file(int_dir / "model.safetensors")
+    assert stored["model.layers.0.self_attn.o_proj." + ("weight" if fmt == "int-quantized" else "weight_packed")].dtype == (
+        torch.int8 if fmt == "int-quantized" else torch.int32)
+    oracle = {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+    check_prefill_logits_against(int_dir, int_dir, "torch", **oracle)
+    if case in ("W4A16 groups", "W8A8 int8"):  # the kernel's two ways of reading integers
+        check_prefill_logits_against(int_dir, int_dir, "triton", **oracle)
+    model = LLM(str(int_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
+                enforce_eager=True).engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.weight.dtype == (torch.int32 if bits == 4 else torch.int8)
+    assert not isinstance(model.layers[1].mlp.down_proj, QuantLinear)
+
+
+def test_int4_packing_is_compressed_tensors_packing():
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        pack_to_int32,
+        unpack_from_int32,
+    )
+
+    values = torch.randint(-8, 8, (5, 44), dtype=torch.int8)  # a row that ends mid-word
+    assert torch.equal(pack_int4(values), pack_to_int32(values, 4))
+    assert torch.equal(unpack(pack_int4(values), 4, 44), values)
+    eights = torch.randint(-128, 128, (3, 12), dtype=torch.int8)
+    assert torch.equal(unpack(pack_to_int32(eights, 8), 8), unpack_from_int32(pack_to_int32(eights, 8), 8, eights.shape))
+
+
 def _rewrite_config(src: Path, out: Path, change) -> Path:
     shutil.copytree(src, out)
     config = json.loads((out / "config.json").read_text())
@@ -214,10 +303,12 @@ def _weights(**change):
 
 
 @pytest.mark.parametrize("change, error", [
-    (_weights(type="int"), "weights of type 'int', 8 bits are not supported"),  # W8A8-INT8
+    (_weights(type="int", num_bits=2), "weights of type 'int', 2 bits are not supported"),
     (_weights(num_bits=4), "weights of type 'float', 4 bits"),
     (_weights(symmetric=False), "8 bits, asymmetric are not supported"),
-    (_weights(strategy="group", group_size=128), "weight strategy 'group' is not supported"),
+    (_weights(strategy="group", group_size=128), "weight strategy 'group' is not supported for fp8"),
+    (_weights(type="int", num_bits=4, strategy="block"), "weight strategy 'block' is not supported for int4"),
+    (_weights(type="int", num_bits=4, strategy="group", group_size=32, actorder="group"), "actorder 'group'"),
     (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
     (lambda c: c["quantization_config"]["config_groups"].update(group_1={"targets": ["re:.*down_proj"]}),
      "checkpoints with 2 schemes"),
@@ -238,8 +329,8 @@ def test_a_bad_quantization_argument_is_refused(tiny_llama_dir):
     # 48-row blocks do not divide q/k/v's or gate/up's shards: those layers are dequantized at
     # load, their weights waiting for their scales
     ("tiny_llama_dir", (48, 32), "model.layers.0.self_attn.k_proj.weight_scale_inv",
-     "fp8 weights without scales: model.layers.0.self_attn.k_proj.weight"),
-    ("tiny_llama_dir", (48, 32), "model.layers.1.mlp.up_proj.weight", "scales of no fp8 weight: model.layers.1.mlp.up_proj"),
+     "quantized weights without scales: model.layers.0.self_attn.k_proj.weight"),
+    ("tiny_llama_dir", (48, 32), "model.layers.1.mlp.up_proj.weight", "scales of no quantized weight: model.layers.1.mlp.up_proj"),
     # layers kept in fp8 take weight and scales apart
     ("tiny_llama_dir", (48, 32), "model.layers.0.self_attn.o_proj.weight_scale_inv",
      "missing weights: layers.0.self_attn.o_proj.weight_scale"),

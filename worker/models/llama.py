@@ -327,12 +327,13 @@ class LlamaForCausalLM(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, param in self.named_parameters():  # a tied lm_head is the embedding, once
-                module, _, local = name.rpartition(".")
+                owner, _, local = name.rpartition(".")
+                module = self.get_submodule(owner)
                 if local.endswith("_scale"):
-                    continue  # set with its fp8 weight
-                if param.dtype == quant.FP8:  # the float weight the other layers would draw, quantized
-                    quant.quantize_into(self.get_submodule(module), local,
-                                      torch.randn(param.shape, generator=generator).mul_(std))
+                    continue  # set with its quantized weight
+                if quant.is_quantized(module, local):  # the float weight the other layers draw, quantized
+                    dense = torch.randn(quant.dense_shape(module, local), generator=generator).mul_(std)
+                    quant.quantize_into(module, local, dense)
                 elif name.endswith("norm.weight"):
                     param.fill_(1.0 - (self.config.norm_weight_offset or 0.0))  # a scale of one
                 elif name.endswith(".bias"):

@@ -1,20 +1,21 @@
-"""FP8 weights: checkpoints whose linear layers are stored in float8 (e4m3) with scales
-(`quant_method: fp8` in config.json: Qwen3-*-FP8, DeepSeek-V3's layout; `compressed-tensors`
-with 8-bit float weights: llm-compressor's *-FP8-dynamic), and quantization of a
-checkpoint's float weights as they load (vLLM's `quantization="fp8"`).
+"""Quantized weights: checkpoints whose linear layers are stored as narrow values times
+scales, and fp8 quantization of a float checkpoint as it loads (vLLM's `quantization="fp8"`).
 
-A stored weight is its fp8 values times a scale per block of `weight_block_size` (rows,
-columns; 128 x 128 in the checkpoints above), or one scale for the whole tensor. Quantized
-at load, each output channel gets its own scale. The scales come as `*.weight_scale_inv`
-(the name, not the arithmetic: they multiply) or `*.weight_scale`.
+Stored: `quant_method: fp8` in config.json (Qwen3-*-FP8, DeepSeek-V3's layout: fp8 e4m3
+values, a scale per block of `weight_block_size` or per tensor, `*.weight_scale_inv` — the
+name, not the arithmetic: they multiply), and `compressed-tensors` (llm-compressor's): fp8,
+int8 or int4 values with `*.weight_scale` per tensor, output channel, block (fp8) or group
+of columns (int), int values possibly packed in int32 words (`*.weight_packed`). Quantized
+at load: fp8, a scale per output channel.
 
-On the kernel path (CUDA) the decoder layers' projections and experts stay fp8 in memory:
-`QuantLinear`s over the Triton kernel `kernels.quant_linear`, and the fused MoE kernel over fp8
-experts, both widening each weight tile to the activation dtype (W8A16: half a bf16
-model's weight bytes, activations in their dtype). On the torch path every weight is
-dequantized once, at load, to the model's dtype, each block's values times its scale in
-float32 then rounded, as transformers dequantizes them. The embeddings, the LM head, the
-routers and any layer the checkpoint leaves in float (`modules_to_not_convert`) stay float.
+On the kernel path (CUDA) the decoder layers' projections keep their narrow values in
+memory, `QuantLinear`s over the Triton kernel `kernels.quant_linear` (int4 stays packed),
+and fp8 experts run on the fused MoE kernel; both widen each weight tile to the activation
+dtype (activations are not quantized). On the torch path every weight is dequantized once,
+at load, to the model's dtype, each block's values times its scale in float32 then rounded,
+as transformers dequantizes them; so are integer experts on either path. The embeddings, the
+LM head, the routers and any layer the checkpoint leaves float (`modules_to_not_convert`,
+`ignore`) stay float.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-# static activation scales: genq's activations keep the model dtype, so they are not read
-_IGNORED = (".activation_scale", ".input_scale")
-# a decoder layer's projections that may be fp8, and the checkpoint's names for their shards
+# how each kind of weight is held: fp8 and int8 values, int4 values packed eight to an int32
+STORAGE = {"fp8": FP8, "int8": torch.int8, "int4": torch.int32}
+# static activation scales: genq's activations keep the model dtype, so they are not read;
+# a packed weight's shape: the model knows it
+_IGNORED = (".activation_scale", ".input_scale", ".weight_shape")
+# a decoder layer's projections that may be quantized, and the checkpoint's names for their shards
 _TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
             "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
@@ -39,6 +43,7 @@ _TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 @dataclass(frozen=True)
 class QuantConfig:
     block: tuple[int, int] | None  # weight rows, columns per scale; None: per tensor as stored, per channel online
+    kind: str = "fp8"  # the values: fp8 (e4m3), int8, or int4 (packed eight to an int32)
     skip: tuple[str, ...] = ()  # checkpoint module names kept in float (modules_to_not_convert, ignore)
     online: bool = False  # the checkpoint is float; its weights are quantized as they load
 
@@ -58,7 +63,7 @@ class QuantConfig:
         if method == "compressed-tensors":
             return cls._from_compressed_tensors(qc)
         raise ValueError(f"the checkpoint is quantized with {method!r}, which genq does not serve; supported: "
-                         "fp8 weights (quant_method 'fp8', or 'compressed-tensors' with 8-bit float weights), "
+                         "quant_method 'fp8', 'compressed-tensors' with fp8, int8 or int4 weights, "
                          "or quantization='fp8' over a float checkpoint")
 
     @classmethod
@@ -73,27 +78,38 @@ class QuantConfig:
 
     @classmethod
     def _from_compressed_tensors(cls, qc: dict) -> QuantConfig:
-        """compressed-tensors' (llm-compressor's FP8 checkpoints: *-FP8-dynamic, *-FP8):
-        one scheme over the Linear layers whose weights are 8-bit floats, symmetric, with a
-        scale per tensor, per output channel or per block; activation settings are not read
-        (activations keep the model dtype)."""
+        """compressed-tensors' (llm-compressor's checkpoints: *-FP8-dynamic, *-FP8, W8A8 and
+        W8A16 int8, W4A16 int4): one scheme over the Linear layers whose weights are symmetric
+        8-bit floats (a scale per tensor, output channel or block), or 8- or 4-bit integers (a
+        scale per tensor, output channel or group of columns). Activation settings are not
+        read: activations keep the model dtype."""
         groups = list((qc.get("config_groups") or {}).values())
         if len(groups) != 1 or "Linear" not in groups[0].get("targets", ()):
             raise ValueError(f"compressed-tensors checkpoints with {len(groups)} schemes, or one not over "
                              "the Linear layers, are not supported; supported: one scheme targeting Linear")
         weights = groups[0].get("weights") or {}
         scheme = (weights.get("type"), weights.get("num_bits"), weights.get("symmetric", True))
-        if scheme != ("float", 8, True):
+        kinds = {("float", 8, True): "fp8", ("int", 8, True): "int8", ("int", 4, True): "int4"}
+        if scheme not in kinds:
             raise ValueError(f"compressed-tensors weights of type {scheme[0]!r}, {scheme[1]} bits"
-                             f"{'' if scheme[2] else ', asymmetric'} are not supported; supported: 8-bit float, symmetric")
+                             f"{'' if scheme[2] else ', asymmetric'} are not supported; "
+                             "supported: symmetric 8-bit float, 8-bit int or 4-bit int")
+        kind = kinds[scheme]
         strategy = weights.get("strategy")
-        if strategy not in ("tensor", "channel", "block"):
-            raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported; "
-                             "supported: tensor, channel, block")
+        strategies = ("tensor", "channel", "block") if kind == "fp8" else ("tensor", "channel", "group")
+        if strategy not in strategies:
+            raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported for {kind} weights; "
+                             f"supported: {', '.join(strategies)}")
+        if weights.get("actorder") == "group":
+            raise ValueError("compressed-tensors weights with actorder 'group' (a g_idx permutation) are not supported")
         if qc.get("kv_cache_scheme"):
             raise ValueError("compressed-tensors kv_cache_scheme (a quantized KV cache) is not supported")
-        block = _block(weights.get("block_structure"), "block_structure") if strategy == "block" else None
-        return cls(block=block, skip=tuple(qc.get("ignore") or ()))
+        block = None
+        if strategy == "block":
+            block = _block(weights.get("block_structure"), "block_structure")
+        elif strategy == "group":
+            block = _block([1, weights.get("group_size") or 0], "group_size")
+        return cls(block=block, kind=kind, skip=tuple(qc.get("ignore") or ()))
 
     def layout(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The scale block of a layer kept in fp8: the checkpoint's, else one scale per
@@ -117,16 +133,19 @@ def _block(value: Any, field: str) -> tuple[int, int] | None:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer over an fp8 weight [out, in] and its float32 scale grid, on the
-    Triton kernel."""
+    """A linear layer over a quantized weight and its float32 scale grid, on the Triton
+    kernel: fp8 or int8 values [out, in], or int4 values packed [out, cdiv(in, 8)]."""
 
-    def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None, block: tuple[int, int]):
+    def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None, block: tuple[int, int],
+                 kind: str = "fp8"):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.block = block
+        self.kind = kind
         grid = (-(-out_features // block[0]), -(-in_features // block[1]))
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        columns = -(-in_features // 8) if kind == "int4" else in_features
+        self.weight = nn.Parameter(torch.empty(out_features, columns, dtype=STORAGE[kind]), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False)
         self.bias = bias
 
@@ -136,27 +155,53 @@ class QuantLinear(nn.Module):
         return kernels.quant_linear(x, self.weight, self.weight_scale, self.block, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, block={self.block}"
 
 
-def quantize(dense: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float weight [..., out, in] as fp8 values and a float32 scale per `block`
-    [..., rows, cols]: each block's largest magnitude maps to e4m3's 448."""
+def quantize(dense: torch.Tensor, block: tuple[int, int], kind: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [..., out, in] as `kind` values and a float32 scale per `block`
+    [..., rows, cols]: each block's largest magnitude maps to e4m3's 448, or to the largest
+    integer (127, 7; symmetric, rounded to nearest). int4 values come packed (`pack_int4`)."""
     *lead, n, k = dense.shape
     rows, cols = -(-n // block[0]), -(-k // block[1])
     padded = dense.new_zeros(*lead, rows * block[0], cols * block[1], dtype=torch.float32)
     padded[..., :n, :k] = dense
     tiles = padded.view(*lead, rows, block[0], cols, block[1])
     amax = tiles.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [..., rows, cols]
-    q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[..., :n, :k]
-    return q.to(FP8), scale
+    top = {"fp8": FP8_MAX, "int8": 127.0, "int4": 7.0}[kind]
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))  # [..., rows, cols]
+    q = (tiles / scale[..., :, None, :, None]).view_as(padded)[..., :n, :k]
+    if kind == "fp8":
+        return q.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    q = q.round().clamp(-top - 1, top).to(torch.int8)
+    return (pack_int4(q) if kind == "int4" else q), scale
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """An fp8 weight [..., out, in] times its scales, in float32: one scale, or a grid
-    [..., rows, cols] over blocks of `block` (None: blocks that divide the weight exactly)."""
-    values = weight.float()
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int4 values [..., K] (in int8) packed as compressed-tensors packs them: value k in bits
+    4 * (k % 8) of int32 k // 8, plus 8. [..., cdiv(K, 8)] int32."""
+    *lead, k = values.shape
+    nibbles = values.new_zeros((*lead, -(-k // 8) * 8), dtype=torch.int64)  # past k: zero bits
+    nibbles[..., :k] = values + 8
+    words = (nibbles.view(*lead, -1, 8) << torch.arange(0, 32, 4, device=values.device)).sum(-1)
+    return (words - (words >= 2**31) * 2**32).to(torch.int32)  # the same 32 bits, as int32
+
+
+def unpack(words: torch.Tensor, bits: int, k: int | None = None) -> torch.Tensor:
+    """`bits`-bit values (4 or 8) packed in int32 words [..., W] as compressed-tensors packs
+    them (value i in bits `bits * i` of the row's bit string, plus 2^(bits-1)): int8 [..., k]."""
+    per_word = 32 // bits
+    fields = (words[..., None] >> torch.arange(0, 32, bits, device=words.device)) & ((1 << bits) - 1)
+    values = fields.flatten(-2)[..., : k or words.shape[-1] * per_word] - (1 << (bits - 1))
+    return values.to(torch.int8)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               in_features: int | None = None) -> torch.Tensor:
+    """A quantized weight [..., out, in] (fp8 or int8; packed int4 [..., out, cdiv(in, 8)])
+    times its scales, in float32: one scale, or a grid [..., rows, cols] over blocks of
+    `block` (None: blocks that divide the weight exactly)."""
+    values = (unpack(weight, 4, in_features) if weight.dtype == torch.int32 else weight).float()
     scale = scale.float()
     if scale.numel() == 1:
         return values * scale.reshape(())
@@ -179,25 +224,33 @@ def make_quantized(module: nn.Module, name: str, block: tuple[int, int]) -> None
 
 
 def quantize_into(module: nn.Module, name: str, dense: torch.Tensor) -> None:
-    """Quantize a float weight into `module`'s fp8 parameter `name` and its scales, in blocks
-    of `module.block`."""
-    q, scale = quantize(dense, getattr(module, "block"))  # noqa: B009 (any module with a block)
+    """Quantize a float weight into `module`'s quantized parameter `name` and its scales, in
+    blocks of `module.block` (fp8 experts; a `QuantLinear` of its kind)."""
+    q, scale = quantize(dense, getattr(module, "block"), getattr(module, "kind", "fp8"))  # noqa: B009
     with torch.no_grad():
         getattr(module, name).copy_(q)
         getattr(module, name + "_scale").copy_(scale)
 
 
+def dense_shape(module: nn.Module, name: str) -> tuple[int, ...]:
+    """The float shape of `module`'s quantized parameter `name` (a packed one is narrower)."""
+    if isinstance(module, QuantLinear):
+        return module.out_features, module.in_features
+    return tuple(getattr(module, name).shape)
+
+
 def is_quantized(module: nn.Module, name: str) -> bool:
     value = getattr(module, name, None)
-    return isinstance(value, torch.Tensor) and value.dtype == FP8
+    return isinstance(value, torch.Tensor) and value.dtype in STORAGE.values()
 
 
 def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, int]) -> int:
-    """Give the decoder layers' projections and experts fp8 weights (on the meta device,
-    before the weights load): projections become `QuantLinear`s, experts take `Experts.use_fp8`.
-    Left in float: what the checkpoint keeps in float, and fused weights whose shards (q/k/v
-    of `qkv_rows` rows; gate and up halves) do not fill whole scale blocks or whose columns
-    no kernel tile fits. Returns how many modules became fp8."""
+    """Give the decoder layers' projections (and experts, when fp8) quantized weights of
+    `cfg.kind` (on the meta device, before the weights load): projections become
+    `QuantLinear`s, experts take `Experts.use_fp8`. Left in float: what the checkpoint keeps
+    in float, integer experts, and fused weights whose shards (q/k/v of `qkv_rows` rows; gate
+    and up halves) do not fill whole scale blocks or whose columns no kernel tile fits.
+    Returns how many modules were given quantized weights."""
     from worker.models.moe import Experts
 
     def fits(block: tuple[int, int], shards: Iterable[int], in_features: Iterable[int]) -> bool:
@@ -207,6 +260,8 @@ def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, 
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         if isinstance(parent, Experts):
+            if cfg.kind != "fp8":
+                continue  # fused_moe reads fp8 experts only: these are dequantized at load
             inter, hidden = parent.w2.shape[2], parent.w2.shape[1]
             block = cfg.block or (1, max(inter, hidden))  # one scale per expert row
             names = [f"model.{parent_name}.{e}.{proj}" for e in range(parent.num_experts)
@@ -223,14 +278,14 @@ def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, 
             if cfg.skips(f"model.{parent_name}.{shard}" for shard in _TARGETS[name]):
                 continue
             if fits(block, shards, (child.in_features,)):
-                setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias, block))
+                setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias, block, cfg.kind))
                 replaced += 1
     return replaced
 
 
 def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every fp8 weight back in `dtype` (the torch path): `QuantLinear`s become `nn.Linear`s,
-    fp8 experts float ones."""
+    """Every quantized weight back in `dtype` (the torch path): `QuantLinear`s become
+    `nn.Linear`s, fp8 experts float ones."""
     from worker.models.moe import Experts
 
     for parent in list(model.modules()):
@@ -243,7 +298,7 @@ def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, QuantLinear):
                 linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-                dense = dequantize(child.weight, child.weight_scale, child.block).to(dtype)
+                dense = dequantize(child.weight, child.weight_scale, child.block, child.in_features).to(dtype)
                 linear.weight = nn.Parameter(dense, requires_grad=False)
                 linear.register_parameter("bias", child.bias)
                 setattr(parent, name, linear)
@@ -252,17 +307,17 @@ def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
 def quantized_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     cfg: QuantConfig,
-    kept: Callable[[str], Any],  # the module (with its `block`) whose fp8 weight a checkpoint weight is, or None
+    kept: Callable[[str], Any],  # the module (with its `block`) whose quantized weight a checkpoint weight is, or None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's tensors as the model takes them. A weight the model keeps in fp8 passes
-    with its scale (renamed `<weight>_scale`); any other fp8 weight is dequantized once both
-    it and its scale are read (they may come in either order, in different files); a float
-    weight of a layer kept in fp8 is quantized (online), or refused (an fp8 checkpoint)."""
+    """A checkpoint's tensors as the model takes them. A weight the model keeps quantized
+    passes with its scale (renamed `<weight>_scale`); any other quantized weight is
+    dequantized once both it and its scale are read (they may come in either order, in
+    different files); a float weight of a layer kept quantized is quantized (online), or
+    refused (a quantized checkpoint). Packed weights (`<x>.weight_packed`) are read as
+    `<x>.weight`: int4 stays packed, int8 is unpacked."""
     waiting_weights: dict[str, torch.Tensor] = {}
     waiting_scales: dict[str, torch.Tensor] = {}
-    for name, tensor in weights:
-        if name.endswith(_IGNORED):
-            continue
+    for name, tensor in _unpacked(weights, cfg):
         owner = _scaled_weight(name)
         if owner is not None:  # a scale
             if kept(owner) is not None:
@@ -271,7 +326,7 @@ def quantized_weights(
                 yield owner, dequantize(waiting_weights.pop(owner), tensor, cfg.block)
             else:
                 waiting_scales[owner] = tensor
-        elif tensor.dtype == FP8:
+        elif tensor.dtype in STORAGE.values():
             if kept(name) is not None:
                 yield name, tensor
             elif name in waiting_scales:
@@ -280,17 +335,28 @@ def quantized_weights(
                 waiting_weights[name] = tensor
         elif (layer := kept(name)) is not None:
             if not cfg.online:
-                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but the checkpoint's "
-                                 "quantization_config stores it in fp8 (list it in modules_to_not_convert)")
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but the checkpoint's quantization_config "
+                                 f"stores it in {cfg.kind} (list it in modules_to_not_convert or ignore)")
             q, scale = quantize(tensor, layer.block)
             yield name, q
             yield name + "_scale", scale
         else:
             yield name, tensor
     if waiting_weights:
-        raise ValueError(f"checkpoint has fp8 weights without scales: {', '.join(sorted(waiting_weights)[:8])}")
+        raise ValueError(f"checkpoint has quantized weights without scales: {', '.join(sorted(waiting_weights)[:8])}")
     if waiting_scales:
-        raise ValueError(f"checkpoint has scales of no fp8 weight: {', '.join(sorted(waiting_scales)[:8])}")
+        raise ValueError(f"checkpoint has scales of no quantized weight: {', '.join(sorted(waiting_scales)[:8])}")
+
+
+def _unpacked(weights: Iterable[tuple[str, torch.Tensor]], cfg: QuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors less those genq does not read, packed weights renamed."""
+    for name, tensor in weights:
+        if name.endswith(_IGNORED):
+            continue
+        if name.endswith(".weight_packed"):
+            yield name.removesuffix("_packed"), unpack(tensor, 8) if cfg.kind == "int8" else tensor
+        else:
+            yield name, tensor
 
 
 def _scaled_weight(name: str) -> str | None:
