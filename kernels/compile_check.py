@@ -86,11 +86,14 @@ def _divisibility(variant: _Variant) -> dict[tuple[int, ...], list[list[Any]]]:
 
 def _attention_variant(
     name: str, dtype: str, head_dim: int, group: int, max_query_len: int, split: bool, window: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, cache: str | None = None,
 ) -> _Variant:
+    """`cache`: the KV cache's pointer type when it is not the activations' (*fp8e4nv)."""
     tiling = _choose_tiling(group, max_query_len, head_dim)
     dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
     overrides = dict(_INT32_PTRS, lse_ptr="*fp32")
+    if cache:
+        overrides.update(k_cache_ptr=cache, v_cache_ptr=cache)
     if split:
         overrides["out_ptr"] = "*fp32"
     constexprs = dict(
@@ -142,6 +145,10 @@ def _variants() -> list[_Variant]:
         _attention_variant("attention bf16 d128 gqa4 window decode", "*bf16", 128, 4, 1, True, window=4096),
         _attention_variant("attention bf16 d256 gqa2 softcap prefill", "*bf16", 256, 2, 512, False, window=4096,
                            softcap=50.0),
+        _attention_variant("attention bf16 d128 gqa4 fp8 cache decode split", "*bf16", 128, 4, 1, True,
+                           cache="*fp8e4nv"),
+        _attention_variant("attention bf16 d128 gqa4 fp8 cache prefill", "*bf16", 128, 4, 512, False,
+                           cache="*fp8e4nv"),
         _Variant(
             "merge splits bf16 d128", _merge_splits_kernel, "*fp32",
             dict(SPLITS_P=8, BLOCK_H=32, HEAD_DIM=128),
@@ -149,7 +156,12 @@ def _variants() -> list[_Variant]:
         ),
         _Variant(
             "reshape_and_cache bf16 8x128", _reshape_and_cache_kernel, "*bf16",
-            dict(NUM_KV_HEADS=8, HEADS_P=8, HEAD_DIM=128), dict(slot_mapping_ptr="*i64"),
+            dict(NUM_KV_HEADS=8, HEADS_P=8, HEAD_DIM=128, FP8=False), dict(slot_mapping_ptr="*i64"),
+        ),
+        _Variant(
+            "reshape_and_cache bf16 into fp8", _reshape_and_cache_kernel, "*bf16",
+            dict(NUM_KV_HEADS=8, HEADS_P=8, HEAD_DIM=128, FP8=True),
+            dict(slot_mapping_ptr="*i64", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv"),
         ),
         _Variant(
             "fused_add_rms_norm bf16 576", _rms_norm_kernel, "*bf16",

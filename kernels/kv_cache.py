@@ -12,6 +12,7 @@ from kernels._common import (
     check_dtype,
     check_last_dim_contiguous,
     check_shape,
+    is_interpreted,
     next_power_of_2,
     tl,
     triton,
@@ -36,6 +37,7 @@ def _reshape_and_cache_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEADS_P: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
     HEAD_DIM: tl.constexpr,
+    FP8: tl.constexpr,  # the cache holds fp8 (e4m3): values are clamped to +-448, then rounded
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
@@ -46,9 +48,12 @@ def _reshape_and_cache_kernel(
     mask = heads < NUM_KV_HEADS
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims  # [HEADS_P, HEAD_DIM]
     k = tl.load(key_ptr + tok * stride_k_tok + heads * stride_k_head + dims, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + heads * stride_v_head + dims, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if FP8:
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -448.0), 448.0)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_inputs(
@@ -66,8 +71,9 @@ def _check_inputs(
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
     check_dtype("slot_mapping", slot_mapping, (torch.int64,))
-    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, t, (key.dtype,))
+    check_dtype("value", value, (key.dtype,))
+    check_dtype("k_cache", k_cache, (key.dtype, torch.float8_e4m3fn))
+    check_dtype("v_cache", v_cache, (k_cache.dtype,))
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
         check_last_dim_contiguous(name, t)
     check_contiguous("k_cache", k_cache)
@@ -96,10 +102,17 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and is_interpreted(_reshape_and_cache_kernel):
+        # The interpreter's fp32 -> fp8 conversion drops the carry when rounding up across a
+        # power of two (1.95 becomes 1.0), so there torch rounds first and the kernel copies.
+        key, value = (x.float().clamp(-448.0, 448.0).to(k_cache.dtype) for x in (key, value))
+        fp8 = False
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEADS_P=next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        FP8=fp8,
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )  # fmt: skip
 
@@ -111,8 +124,9 @@ def reshape_and_cache_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64; -1: not written
 ) -> None:
-    """Plain-torch `reshape_and_cache`."""
+    """Plain-torch `reshape_and_cache`; an fp8 cache takes the values clamped to +-448."""
     keep = slot_mapping >= 0  # [T]
     slots = slot_mapping[keep]  # [num_written]
-    k_cache.view(-1, *key.shape[1:])[slots] = key[keep]
-    v_cache.view(-1, *value.shape[1:])[slots] = value[keep]
+    for x, cache in ((key, k_cache), (value, v_cache)):
+        x = x[keep].float().clamp(-448.0, 448.0) if cache.dtype == torch.float8_e4m3fn else x[keep]
+        cache.view(-1, *x.shape[1:])[slots] = x.to(cache.dtype)

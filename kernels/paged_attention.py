@@ -275,7 +275,7 @@ def _check_inputs(
     check_shape("k_cache", k_cache, (None, None, None, head_dim))
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_dtype(name, cache, (q.dtype,))
+        check_dtype(name, cache, (q.dtype, torch.float8_e4m3fn))  # fp8: widened as it is read
         check_contiguous(name, cache)
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -442,7 +442,10 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]; padding rows are zero
-    """Plain-torch paged attention, one sequence at a time, computed in float32."""
+    """Plain-torch paged attention, one sequence at a time, computed in float32 (an fp8
+    cache's values widened as they are)."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k_cache, v_cache = k_cache.float(), v_cache.float()
     head_dim = q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     scale = head_dim**-0.5 if scale is None else scale

@@ -100,3 +100,23 @@ def test_launcher_rejects_bad_inputs(device: torch.device, change: str, message:
         key = torch.randn(key.shape[0], key.shape[1], 128, device=device).half()[..., ::2]
     with pytest.raises(ValueError, match=message):
         reshape_and_cache(key, value, k_cache, v_cache, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_fp8_cache_holds_the_values_clamped_and_rounded(device: torch.device, dtype: torch.dtype) -> None:
+    """kv_cache_dtype="fp8": each value rounded to e4m3, those past its range clamped to
+    +-448 (not turned into NaN); padding slots untouched."""
+    key, value, _, _, slots = _inputs(SHAPES[0], dtype, device)
+    key[1, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, 0.1])  # token 0 is padding
+    k_cache = torch.zeros(4, 4, 3, 64, device=device).to(torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    reshape_and_cache(key, value, k_cache, v_cache, slots)
+    written = slots >= 0
+    for x, cache in ((key, k_cache), (value, v_cache)):
+        stored = cache.view(-1, 3, 64)[slots[written]].float()
+        expected = x[written].float().clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        assert torch.equal(stored, expected)
+    assert k_cache.view(-1, 3, 64)[slots[1], 0, :4].float().tolist() == [448.0, -448.0, 448.0, 0.1015625]
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    reshape_and_cache_ref(key, value, ref_k, ref_v, slots)
+    assert torch.equal(ref_k.float(), k_cache.float()) and torch.equal(ref_v.float(), v_cache.float())

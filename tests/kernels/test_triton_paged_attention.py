@@ -215,3 +215,17 @@ def test_choose_num_splits() -> None:
     splits = choose_num_splits(num_programs=8, max_seq_len=4096, num_sms=132)
     assert 1 < splits <= 4096 // 64 // 4  # each split keeps at least four 64-key tiles
     assert choose_num_splits(num_programs=1, max_seq_len=10**6, num_sms=132) <= 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_cache(device: torch.device, dtype: torch.dtype, num_splits: int) -> None:
+    """kv_cache_dtype="fp8": K and V read from an e4m3 cache, widened to the query's dtype."""
+    query_lens, seq_lens, block_size = CASES["mixed"]
+    batch = make_paged_batch(query_lens, seq_lens, 6, 2, 64, block_size, dtype, device)
+    batch.k_cache = batch.k_cache.nan_to_num(0.0).to(torch.float8_e4m3fn)  # poison is for the wide caches
+    batch.v_cache = batch.v_cache.nan_to_num(0.0).to(torch.float8_e4m3fn)
+    out = _run(batch, num_splits=num_splits)
+    _check(batch, out)
+    wide = paged_attention_ref(batch.q, batch.k_cache.to(dtype), batch.v_cache.to(dtype), *batch.attention_args()[3:])
+    assert_close(out[: batch.num_real_tokens], wide[: batch.num_real_tokens])
