@@ -7,7 +7,8 @@
    and with CUDA graphs against without (`enforce_eager`); the same with LoRA adapters mixed in
    one batch (random rank-16 adapters, written by `benchmarks/lora.py`); n-gram speculative
    decoding against plain decoding (float32: equal); fp8 weights (`quantization="fp8"`: the
-   fp8 kernel against the CPU's dequantized weights, float32: equal); embeddings (float32: equal up to summation
+   fp8 kernel against the CPU's dequantized weights, float32: equal); an fp8 KV cache
+   (`kv_cache_dtype="fp8"`, float32: equal); embeddings (float32: equal up to summation
    order); the model's shape remade as a Qwen3 (its per-head q/k norms), a Qwen3-MoE and a
    Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), a Gemma 2
    (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
@@ -74,6 +75,9 @@ def check_engine_vs_cpu(model: str | None, load_format: str, num_tokens: int = 3
     # fp8 weights: the fp8 kernel (in the decode graphs) against the CPU's dequantized weights
     fp8 = [greedy(dtype="float32", device=device, quantization="fp8") for device in ("cpu", "cuda")]
     lines.append(f"greedy cuda vs cpu fp8 weights float32 {_compare(*fp8)}")
+    # an fp8 KV cache: the cache kernel's rounding against torch's
+    fp8_kv = [greedy(dtype="float32", device=device, kv_cache_dtype="fp8") for device in ("cpu", "cuda")]
+    lines.append(f"greedy cuda vs cpu fp8 KV cache float32 {_compare(*fp8_kv)}")
     return lines
 
 

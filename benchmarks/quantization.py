@@ -1,25 +1,37 @@
-"""FP8 weights (`quantization="fp8"`) on the default model: what they save and what they cost.
+"""Quantized weights and an fp8 KV cache on the default model: what they save, what they cost.
 
-    python benchmarks/fp8.py [--num-tokens 1024] [--num-prompts 64]
+    python benchmarks/quantization.py [--num-tokens 1024] [--num-prompts 64]
 
-1. Weight bytes of the model as the kernel path holds it (fp8 projections, bf16 embeddings
-   and norms) against the bf16 model.
+Variants, each against the bf16 model in the same run: fp8 weights (`quantization="fp8"`, a
+scale per output channel), W4A16 weights (int4 in groups of 64 columns, symmetric, written
+here as a compressed-tensors checkpoint from the default model's weights; 64, as the model's
+576 columns are not a multiple of 128), and an fp8 KV cache (`kv_cache_dtype="fp8"`).
+
+1. Memory: weight bytes as the kernel path holds them (quantized projections, bf16
+   embeddings and norms), and KV cache blocks in the same memory.
 2. Accuracy on real weights (SmolLM2-135M-Instruct): next-token distributions over a text,
-   teacher-forced, of the fp8 model against the bf16 model: top-1 agreement and mean
-   KL(bf16 || fp8). Beside it, in the same run, the same measures of the bf16 model against
-   float32: the rounding bf16 itself costs, the floor to read the fp8 figures against. Run on
-   the CPU path, whose dequantized weights are the kernel's up to summation order.
-3. On a CUDA machine only: W1 decode throughput, fp8 against bf16 weights.
+   teacher-forced, against the bf16 model's: top-1 agreement and mean KL(bf16 || variant).
+   Beside them, the bf16 model against float32: the rounding bf16 itself costs, the floor
+   to read the others against. On the CPU path, whose dequantized weights are the kernels'
+   up to summation order.
+3. On a CUDA machine only: W1 throughput of each variant against bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 from worker import LLM
+from worker.model_loader import resolve_model_path
+from worker.models.quant import quantize
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 TEXT = (
@@ -30,16 +42,40 @@ TEXT = (
     "Les langues romanes descendent du latin vulgaire; el español, o português e l'italiano "
     "partagent une grande partie de leur vocabulaire. 1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89. "
 )
+GROUP = 64
 
 
-def weight_bytes(**kwargs) -> int:
-    model = LLM(None, attention_backend="triton", device="cpu", enforce_eager=True, max_model_len=256,
-                num_gpu_blocks_override=16, **kwargs).engine.runner.model
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def write_w4a16(out: Path) -> Path:
+    """The default model with its projections as int4 in groups of GROUP columns, packed, in
+    compressed-tensors' layout."""
+    source = resolve_model_path(None)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = {}
+    for file in source.glob("*.safetensors"):
+        for name, value in load_file(file).items():
+            if name.endswith("proj.weight"):
+                packed, tensors[name.removesuffix("weight") + "weight_scale"] = quantize(value, (1, GROUP), "int4")
+                name, value = name + "_packed", packed
+            tensors[name] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}}}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def memory(model: str | None, **kwargs) -> tuple[int, int]:
+    """(weight bytes on the kernel path, KV blocks in 1 GiB)."""
+    runner = LLM(model, attention_backend="triton", device="cpu", enforce_eager=True, max_model_len=256,
+                 kv_cache_memory_gb=1.0, dtype="bfloat16", **kwargs).engine.runner
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters()), runner.num_blocks
 
 
 def position_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] float32: the logits at every position, one chunked prefill step."""
+    """[len(ids), vocab] float32: the logits at every position, one prefill step."""
     runner = llm.engine.runner
     blocks = list(range(-(-len(ids) // runner.block_size)))
     out = runner.execute(SchedulerOutput([ScheduledRequest("r", ids, 0, blocks, True, prompt_logprobs=True)]))
@@ -58,29 +94,37 @@ def main() -> None:
     ap.add_argument("--num-tokens", type=int, default=1024)
     ap.add_argument("--num-prompts", type=int, default=64)
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        w4a16 = str(write_w4a16(Path(tmp) / "w4a16"))
+        variants = {"bf16": (None, {}), "fp8 weights": (None, {"quantization": "fp8"}),
+                    "W4A16 weights": (w4a16, {}), "fp8 KV cache": (None, {"kv_cache_dtype": "fp8"})}
+        base_bytes, base_blocks = memory(None)
+        for name, (model, extra) in variants.items():
+            weight_bytes, blocks = memory(model, **extra)
+            print(f"{name:<14} weights {weight_bytes / 2**20:7.1f} MiB ({weight_bytes / base_bytes:.2f}x)   "
+                  f"KV blocks in 1 GiB {blocks} ({blocks / base_blocks:.2f}x)")
 
-    bf16, fp8 = weight_bytes(dtype="bfloat16"), weight_bytes(dtype="bfloat16", quantization="fp8")
-    print(f"weights bf16 {bf16 / 2**20:8.1f} MiB   fp8 {fp8 / 2**20:8.1f} MiB   fp8 / bf16 {fp8 / bf16:.2f}x")
+        common = dict(max_model_len=2048, num_gpu_blocks_override=160, device="cpu")
+        ids = LLM(None, **common).get_tokenizer().encode(TEXT * 20)[: args.num_tokens]
+        reference = position_logits(LLM(None, dtype="bfloat16", **common), ids)
+        floor = compare(position_logits(LLM(None, dtype="float32", **common), ids), reference)
+        print(f"{'float32 vs bf16':<22} top-1 agreement {100 * floor[0]:6.2f}%   mean KL {floor[1]:.5f}")
+        for name, (model, extra) in variants.items():
+            if name != "bf16":
+                agree, kl = compare(reference, position_logits(LLM(model, dtype="bfloat16", **common, **extra), ids))
+                print(f"{name + ' vs bf16':<22} top-1 agreement {100 * agree:6.2f}%   mean KL {kl:.5f}   "
+                      f"({len(ids)} positions)")
 
-    common = dict(max_model_len=2048, num_gpu_blocks_override=160, device="cpu")
-    ids = LLM(None, **common).get_tokenizer().encode(TEXT * 20)[: args.num_tokens]
-    logits = {name: position_logits(LLM(None, dtype=dtype, **common, **extra), ids)
-              for name, dtype, extra in (("float32", "float32", {}), ("bf16", "bfloat16", {}),
-                                         ("fp8", "bfloat16", {"quantization": "fp8"}))}
-    for name, (ref, other) in {"bf16 vs float32": ("float32", "bf16"), "fp8 vs bf16": ("bf16", "fp8"),
-                               "fp8 vs float32": ("float32", "fp8")}.items():
-        agree, kl = compare(logits[ref], logits[other])
-        print(f"{name:<16} top-1 agreement {100 * agree:6.2f}%   mean KL {kl:.5f}   ({len(ids)} positions)")
+        if torch.cuda.is_available():
+            from worker.bench import run_engine
+            from worker.bench_workload import RandomWorkload
 
-    if torch.cuda.is_available():
-        from worker.bench import run_engine
-        from worker.bench_workload import RandomWorkload
-
-        workload = RandomWorkload(num_prompts=args.num_prompts)
-        engine_args = {"device": "cuda", "max_model_len": 2048, "max_num_seqs": 256}
-        tok = {q: run_engine(None, "bfloat16", workload, {**engine_args, "quantization": q})["output_tokens_per_s"]
-               for q in (None, "fp8")}
-        print(f"W1 cuda bf16 {tok[None]:.1f}  fp8 {tok['fp8']:.1f} out tok/s   fp8 / bf16 {tok['fp8'] / tok[None]:.2f}x")
+            workload = RandomWorkload(num_prompts=args.num_prompts)
+            engine_args = {"device": "cuda", "max_model_len": 2048, "max_num_seqs": 256}
+            tok = {name: run_engine(model, "bfloat16", workload, {**engine_args, **extra})["output_tokens_per_s"]
+                   for name, (model, extra) in variants.items()}
+            for name, value in tok.items():
+                print(f"W1 cuda {name:<14} {value:8.1f} out tok/s   {value / tok['bf16']:.2f}x of bf16")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ class AttentionBackend(Protocol):
     def build(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> Any: ...
 
 
+FP8 = torch.float8_e4m3fn  # kv_cache_dtype="fp8": the cache's values
+FP8_MAX = 448.0
+
+
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     """`torch` (CPU default) or `triton` (CUDA default; on CPU only under TRITON_INTERPRET)."""
     if name == "auto":
@@ -234,8 +238,15 @@ def write_kv(
     meta: AttentionMetadata,
 ) -> None:
     head_dim = k.shape[-1]
-    k_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, k.reshape(-1, head_dim))
-    v_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, v.reshape(-1, head_dim))
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        if cache.dtype == FP8:  # moved as bytes: torch has no index_copy_ for fp8
+            x, cache = to_fp8(x).view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, head_dim).index_copy_(0, meta.write_rows, x.reshape(-1, head_dim))
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x as an fp8 (e4m3) KV cache holds it: clamped to +-448, rounded to nearest."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def paged_attention(
@@ -260,10 +271,13 @@ def paged_attention(
     return out
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Block rows of one KV head each: [len(rows), block_size * head_dim]."""
+def _gather(cache: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Block rows of one KV head each, in `dtype`: [len(rows), block_size * head_dim]."""
     num_blocks, num_kv_heads = cache.shape[:2]
-    return torch.index_select(cache.view(num_blocks * num_kv_heads, -1), 0, rows, out=out)
+    if cache.dtype != FP8:
+        return torch.index_select(cache.view(num_blocks * num_kv_heads, -1), 0, rows, out=out)
+    rows_fp8 = torch.index_select(cache.view(torch.uint8).view(num_blocks * num_kv_heads, -1), 0, rows).view(FP8)
+    return rows_fp8.to(dtype) if out is None else out.copy_(rows_fp8)
 
 
 def _matmul_attention(
@@ -298,8 +312,8 @@ def _decode_attention(
     # a KV head's query rows, ordered (group member, query): [n, kv_heads, group * q_len, D]
     qd = q.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qd = qd.reshape(n, num_kv_heads, group * q_len, head_dim)
-    kd = _gather(k_cache, bucket.block_rows, bucket.k_buffer).view(n, num_kv_heads, ctx, head_dim)
-    vd = _gather(v_cache, bucket.block_rows, bucket.v_buffer).view(n, num_kv_heads, ctx, head_dim)
+    kd = _gather(k_cache, bucket.block_rows, q.dtype, bucket.k_buffer).view(n, num_kv_heads, ctx, head_dim)
+    vd = _gather(v_cache, bucket.block_rows, q.dtype, bucket.v_buffer).view(n, num_kv_heads, ctx, head_dim)
     # Plain matmuls beat SDPA's CPU kernel at these shapes (a few query rows per KV head).
     o = _matmul_attention(qd, kd, vd, mask, scale, softcap)  # [n, kv_heads, group * q_len, D]
     o = o.view(n, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
@@ -321,11 +335,13 @@ def _prefill_attention(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     ctx = mask.shape[-1]
-    if chunk.context_rows is None:
+    if chunk.context_rows is None:  # this step's K/V, as the cache holds them
+        if k_cache.dtype == FP8:
+            k, v = to_fp8(k).to(q.dtype), to_fp8(v).to(q.dtype)
         kg, vg = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, q_len, D]
     else:
-        kg = _gather(k_cache, chunk.context_rows).view(num_kv_heads, -1, head_dim)[:, :ctx]
-        vg = _gather(v_cache, chunk.context_rows).view(num_kv_heads, -1, head_dim)[:, :ctx]
+        kg = _gather(k_cache, chunk.context_rows, q.dtype).view(num_kv_heads, -1, head_dim)[:, :ctx]
+        vg = _gather(v_cache, chunk.context_rows, q.dtype).view(num_kv_heads, -1, head_dim)[:, :ctx]
     # Query rows ordered (kv head, group member, position): [1, kv_heads, group * q_len, D]
     qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(1, num_kv_heads, group * q_len, head_dim)

@@ -25,6 +25,7 @@ _ENGINE_FLAGS: dict[str, type] = {
     "seed": int,
     "load_format": str,
     "quantization": str,
+    "kv_cache_dtype": str,
     "max_loras": int,
     "max_lora_rank": int,
 }
@@ -82,6 +83,8 @@ _HELP = {
     "load_format": "auto (the checkpoint) or dummy (seeded random weights, for benchmarks)",
     "quantization": "fp8: the decoder layers' weights in fp8, quantized as they load (an fp8 checkpoint "
     "is served as fp8 without it; default: $GENQ_QUANTIZATION or none)",
+    "kv_cache_dtype": "auto (the model dtype) or fp8: the KV cache in e4m3, twice the tokens in the same memory "
+    "(default: $GENQ_KV_CACHE_DTYPE or auto)",
     "claim_idle_s": "reclaim entries of other workers idle this long",
     "delivery_limit": "deliveries before an entry goes to the dead stream",
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",

@@ -41,12 +41,17 @@ class EngineConfig:
     # served by the fp8 kernel on CUDA; None: as the checkpoint stores them (an fp8
     # checkpoint is served as fp8 either way)
     quantization: str | None = None
+    # the KV cache's values: auto (the model dtype) or fp8 (e4m3, vLLM's "fp8"/"fp8_e4m3":
+    # twice the tokens in the same memory; values past +-448 are clamped)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or None, got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -74,6 +74,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.block_size = config.block_size
         self.model_config = ModelConfig.from_hf(hf_config, config.quantization)
         backend = resolve_attention_backend(config.attention_backend, self.device)
@@ -124,7 +125,7 @@ class ModelRunner:
 
     def _kv_block_bytes(self) -> int:
         cfg = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
@@ -152,9 +153,9 @@ class ModelRunner:
         shape = self.attention.cache_shape(self.num_blocks)
         num_layers = self.model_config.num_hidden_layers
         if self.device.type != "cpu":
-            return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                     torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(num_layers)]
-        pool = _cpu_pool(2 * num_layers * math.prod(shape), self.dtype).view(num_layers, 2, *shape)
+            return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                     torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(num_layers)]
+        pool = _cpu_pool(2 * num_layers * math.prod(shape), self.kv_dtype).view(num_layers, 2, *shape)
         return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
 
     @torch.inference_mode()

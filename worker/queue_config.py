@@ -169,6 +169,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         max_lora_rank=_int(env, "GENQ_MAX_LORA_RANK"),
         speculative_config=_parse(env, "GENQ_SPECULATIVE_CONFIG", parse_json_object, "a JSON object"),
         quantization=env.get("GENQ_QUANTIZATION") or None,
+        kv_cache_dtype=env.get("GENQ_KV_CACHE_DTYPE") or None,
     )
     lora_modules = parse_lora_modules(env.get("GENQ_LORA_MODULES", ""), "GENQ_LORA_MODULES")
     if lora_modules:

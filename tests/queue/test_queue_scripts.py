@@ -325,6 +325,7 @@ def test_worker_config_from_env() -> None:
     with pytest.raises(ValueError, match="two heartbeats"):
         config_from_env({"GENQ_CLAIM_IDLE_S": "1", "GENQ_HEARTBEAT_S": "1"})
     assert config_from_env({"GENQ_QUANTIZATION": "fp8"}).engine.quantization == "fp8"
+    assert config_from_env({"GENQ_KV_CACHE_DTYPE": "fp8"}).engine.kv_cache_dtype == "fp8"
     with pytest.raises(ValueError, match="quantization must be fp8 or None, got 'awq'"):
         config_from_env({"GENQ_QUANTIZATION": "awq"})
     assert config.keys.requests == "genq:requests"  # no queue: the shared stream

@@ -113,12 +113,12 @@ def check_prefill_logits(tiny_model_dir, backend):
     check_prefill_logits_against(tiny_model_dir, tiny_model_dir, backend)
 
 
-def check_prefill_logits_against(tiny_model_dir, reference_dir, backend, **hf_kwargs):
+def check_prefill_logits_against(tiny_model_dir, reference_dir, backend, engine_args=None, **hf_kwargs):
     """Three requests in two steps (two of them chunked) against transformers' last logits
     (of the model in `reference_dir`, loaded with `hf_kwargs`)."""
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, device=device,
-              attention_backend=backend)
+              attention_backend=backend, **(engine_args or {}))
     assert llm.engine.runner.model.use_kernels == (backend == "triton")
     hf = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32, **hf_kwargs).eval()
     runner = llm.engine.runner
