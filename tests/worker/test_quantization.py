@@ -383,3 +383,24 @@ def test_a_float_weight_where_the_checkpoint_promises_fp8_is_refused(tiny_llama_
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="'model.layers.0.self_attn.o_proj.weight' is torch.float32, but"):
         LLM(str(bad), dtype="float32", num_gpu_blocks_override=64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lora_adapters_over_fp8_weights_match_peft(tiny_llama_dir, tiny_llama_adapters, tmp_path, backend):
+    """Adapters add to the quantized projections' outputs: PEFT over transformers' dequantized
+    model is the oracle."""
+    from test_lora import PROMPTS as LORA_PROMPTS
+    from test_lora import greedy, peft_greedy
+
+    from worker import LoRARequest
+
+    fp8_dir = write_fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", BLOCK)
+    llm = LLM(str(fp8_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_num_seqs=4,
+              attention_backend=backend)
+    prompts = LORA_PROMPTS[:2]
+    ids = [llm.get_tokenizer().encode(p) for p in prompts]
+    expected = peft_greedy(fp8_dir, tiny_llama_adapters["all"], ids)
+    assert expected != peft_greedy(fp8_dir, None, ids)
+    adapter = LoRARequest("all", 1, str(tiny_llama_adapters["all"]))
+    outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=adapter)
+    assert [o.outputs[0].token_ids for o in outs] == expected
