@@ -5,6 +5,11 @@ A block holds `block_size` consecutive tokens of one sequence. A full block whos
 computed is registered under the hash of (hash of the previous block, its token ids), so any
 later request whose tokens start the same way reuses it instead of recomputing. Freed blocks
 keep their hash and stay reusable until they are evicted, least recently used first.
+
+A model whose every layer attends to a sliding window never reads a block again once it lies
+wholly before every future query's window: `release_before` gives such blocks back while the
+request runs, leaving RELEASED in its table (the runner reads any block there: attention
+masks those positions).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from worker.request import Request
+
+RELEASED = -1  # a block table entry whose block was given back (`release_before`)
 
 
 @dataclass
@@ -34,6 +41,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.req_blocks: dict[str, list[int]] = {}
+        self.num_released: dict[str, int] = {}  # request id -> leading table entries released
         self.stats = PrefixCacheStats()
 
     @property
@@ -107,7 +115,7 @@ class BlockManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         for i in range(num_full):
             block_id = blocks[i]
-            if self.block_hash[block_id] is not None:
+            if block_id == RELEASED or self.block_hash[block_id] is not None:
                 continue
             block_hash = request.block_hashes[i]
             if block_hash in self.cached:
@@ -119,19 +127,42 @@ class BlockManager:
         """Release a request's blocks. Tail blocks are queued for eviction before head blocks,
         since heads (system prompts, shared prefixes) are the likeliest to be reused."""
         blocks = self.req_blocks.pop(request_id, [])
+        self.num_released.pop(request_id, None)
         for block_id in reversed(blocks):
-            self.ref_cnt[block_id] -= 1
-            if self.ref_cnt[block_id] == 0:
-                self.free[block_id] = None
-                if self.block_hash[block_id] is None:
-                    self.free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+            self._unref(block_id)
+
+    def release_before(self, request_id: str, position: int) -> int:
+        """Give back the request's blocks that hold only positions before `position` (no
+        future query of a sliding-window model reads them); returns how many were released."""
+        blocks = self.req_blocks.get(request_id, [])
+        start = self.num_released.get(request_id, 0)
+        end = min(max(position, 0) // self.block_size, len(blocks))
+        for i in range(start, end):
+            self._unref(blocks[i])
+            blocks[i] = RELEASED
+        if end > start:
+            self.num_released[request_id] = end
+        return max(end - start, 0)
 
     def fork(self, parent_id: str, child_id: str, num_blocks: int) -> None:
         """Share the parent's first `num_blocks` blocks with a child (n > 1 completions)."""
         shared = self.req_blocks[parent_id][:num_blocks]
         for block_id in shared:
-            self.ref_cnt[block_id] += 1
+            if block_id != RELEASED:
+                self.ref_cnt[block_id] += 1
         self.req_blocks[child_id] = list(shared)
+        released = min(self.num_released.get(parent_id, 0), num_blocks)
+        if released:
+            self.num_released[child_id] = released
+
+    def _unref(self, block_id: int) -> None:
+        if block_id == RELEASED:
+            return
+        self.ref_cnt[block_id] -= 1
+        if self.ref_cnt[block_id] == 0:
+            self.free[block_id] = None
+            if self.block_hash[block_id] is None:
+                self.free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
 
     def reset_prefix_cache(self) -> None:
         for block_hash, block_id in list(self.cached.items()):

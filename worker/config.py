@@ -83,3 +83,14 @@ class SchedulerConfig:
     policy: str = "fcfs"
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     max_loras: int = 0  # distinct adapters running at once (0: LoRA is off)
+    # every layer attends to at most this many positions back: a running request's blocks
+    # wholly before its next query's window are given back (None: keep them all)
+    window: int | None = None
+
+
+def release_window(attention_span: int | None, config: EngineConfig) -> int | None:
+    """The window past which KV blocks may be given back while a request runs: the model's
+    attention span (every layer windowed), unless a draft model speculates, whose own cache
+    shares the target's block ids and may need the whole history."""
+    draft = bool(config.speculative_config) and "model" in (config.speculative_config or {})
+    return None if draft else attention_span

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker.attention import make_attention_backend, pad_tables, resolve_attention_backend
-from worker.config import EngineConfig
+from worker.config import EngineConfig, release_window
 from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
 from worker.models import quant
@@ -138,6 +138,9 @@ class ModelRunner:
         else:
             num_blocks = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()
         needed = -(-max_model_len // self.block_size)
+        window = release_window(self.model_config.attention_span, self.config)
+        if window is not None:  # a sequence holds its window and one step's chunk at most
+            needed = min(needed, -(-(window + self.config.max_num_batched_tokens) // self.block_size) + 1)
         if num_blocks < needed:
             raise ValueError(
                 f"the KV cache has {num_blocks} blocks of {self.block_size} tokens, fewer than one "

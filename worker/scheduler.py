@@ -173,7 +173,8 @@ class Scheduler:
                 request_id=request.request_id,
                 token_ids=request.token_slice(start, start + num_known) + drafts,
                 start_pos=start,
-                block_table=list(self.block_manager.block_table(request.request_id)),
+                # a released entry reads block 0: attention masks its positions
+                block_table=[max(b, 0) for b in self.block_manager.block_table(request.request_id)],
                 sample=start + num_known == request.num_tokens,
                 prompt_logprobs=request.sampling_params.prompt_logprobs is not None
                 and start < request.num_prompt_tokens,
@@ -226,6 +227,8 @@ class Scheduler:
             status = self._append(request, token_ids)
             # after the append: kept guesses are computed tokens only once they are tokens
             self.block_manager.cache_computed_blocks(request)
+            if self.config.window is not None:  # the next query, at num_computed, looks back this far
+                self.block_manager.release_before(request.request_id, request.num_computed_tokens - self.config.window)
             if status is not None:
                 self.finish_requests([request.request_id], status)
                 finished.append(request)

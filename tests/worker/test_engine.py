@@ -250,3 +250,29 @@ def test_what_the_engine_cannot_run_is_refused_by_name(change, error):
         setattr(config, key, value)
     with pytest.raises(ValueError, match=error):
         ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("tiny_window_dir", ["mistral_window"], indirect=True)
+def test_a_window_model_runs_sequences_longer_than_its_cache(tiny_window_dir, backend):
+    """Every layer sees its last 24 positions, so blocks before that are given back as the
+    requests run: two sequences of 200+ tokens each fit in a cache of 8 blocks (128 tokens),
+    and still equal transformers, which keeps everything."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    new = 160 if backend == "torch" else 24  # the interpreter is slow
+    llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=8, max_num_batched_tokens=32,
+              device=device, attention_backend=backend)
+    assert llm.engine.scheduler.config.window == 24
+    tok = llm.get_tokenizer()
+    prompts = [PROMPTS[5], PROMPTS[8]]  # 40 and 60 tokens
+    expected = hf_greedy(tiny_window_dir, [tok.encode(p) for p in prompts], max_new=new)
+    outputs = llm.generate(prompts, greedy(new), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert sum(len(tok.encode(p)) for p in prompts) + 2 * new > 8 * 16
+    assert llm.engine.block_manager.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("tiny_window_dir", ["qwen2_window"], indirect=True)
+def test_a_model_with_a_full_attention_layer_keeps_its_blocks(tiny_window_dir):
+    llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=256)
+    assert llm.engine.model_config.attention_span is None and llm.engine.scheduler.config.window is None

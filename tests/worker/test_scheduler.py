@@ -246,3 +246,54 @@ def test_guesses_are_dropped_before_anyone_is_preempted():
     out, _ = step(sched)
     assert sched.num_preemptions == 0 and {s.request_id for s in out.scheduled} == {"a", "b"}
     assert [s.num_drafts for s in out.scheduled if s.request_id == "a"] == [0]
+
+
+def make_window_scheduler(window, num_blocks=16, budget=64):
+    bm = BlockManager(num_blocks, BS, True)
+    return Scheduler(SchedulerConfig(8, budget, 256, "fcfs", frozenset({2}), window=window), bm)
+
+
+def test_a_window_model_gives_back_blocks_no_query_will_read():
+    """Every layer sees its last 6 positions: once a request has computed n tokens, its next
+    query (at n) reads positions n - 5 .. n, and blocks wholly before n - 6 are given back,
+    their table entries marked released (read as block 0, which attention masks)."""
+    sched = make_window_scheduler(window=6, budget=8)
+    sched.add_request(make_request("a", range(10, 30), max_tokens=12))  # 20 prompt tokens
+    out, _ = step(sched)  # the first 8 prompt tokens
+    bm = sched.block_manager
+    assert out.scheduled[0].token_ids == list(range(10, 18)) and bm.num_released.get("a", 0) == 0  # 8 - 6 < 4
+    out, _ = step(sched)  # tokens 8..15: 16 computed; blocks before 16 - 6 = 10: blocks 0 and 1
+    assert bm.block_table("a")[:2] == [-1, -1] and bm.num_free_blocks == 16 - 2
+    out, _ = step(sched)  # the last 4 prompt tokens, attending back to position 10
+    assert out.scheduled[0].start_pos == 16 and out.scheduled[0].block_table[:2] == [0, 0]
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        held = [b for b in bm.block_table("a") if b != -1]
+        assert len(held) <= 3  # the window (6) and the next token span at most 3 blocks of 4
+    assert bm.num_free_blocks == 16 and all(c == 0 for c in bm.ref_cnt)
+
+
+def test_released_blocks_stay_in_the_prefix_cache_and_forks_skip_them():
+    sched = make_window_scheduler(window=4, budget=64)
+    prompt = list(range(10, 30))
+    parent = make_request("p#0", prompt, max_tokens=3)
+    sched.add_request(parent, forks=[make_request("p#1", prompt, max_tokens=3)])
+    step(sched)  # the whole prompt: 20 computed, blocks before 16 released
+    bm = sched.block_manager
+    assert bm.block_table("p#0")[:4] == [-1] * 4
+    step(sched)  # the fork joins, sharing the prompt's full blocks: released ones stay released
+    assert bm.block_table("p#1")[:4] == [-1] * 4
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert all(c == 0 for c in bm.ref_cnt)
+    # the released prompt blocks were cached when computed: a new request finds them
+    again = make_request("b", prompt, max_tokens=1)
+    assert len(bm.get_computed_blocks(again)) == 4
+
+
+def test_without_a_window_nothing_is_given_back():
+    sched = make_window_scheduler(window=None)
+    sched.add_request(make_request("a", range(10, 30), max_tokens=4))
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        assert -1 not in sched.block_manager.block_table("a")
