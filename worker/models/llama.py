@@ -362,15 +362,15 @@ class LlamaForCausalLM(nn.Module):
         self._check_complete(loaded)
 
     def _rows_per_row(self, name: str) -> int:
-        """Weight rows per row of a parameter: an fp8 weight's scales are loaded by shard as
-        the weight is, a row per block of rows."""
+        """Weight rows per row of a parameter: a quantized weight's scales are loaded by shard
+        as the weight is, a row per block of rows."""
         if not name.endswith("_scale"):
             return 1
         block: tuple[int, int] = getattr(self.get_submodule(name.rpartition(".")[0]), "block")  # noqa: B009
         return block[0]
 
     def _quantized_owner(self, hf_name: str) -> nn.Module | None:
-        """The module whose fp8 weight a checkpoint weight loads into, if it is one."""
+        """The module whose quantized weight a checkpoint weight loads into, if it is one."""
         target = _map_hf_name(hf_name)
         if target is None:
             return None
@@ -424,7 +424,7 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
     parts = name.split(".")
     if "experts" in parts[:-1]:
         i = parts.index("experts")
-        scale = "_scale" if parts[-1].endswith("_scale") else ""  # an fp8 weight's scales
+        scale = "_scale" if parts[-1].endswith("_scale") else ""  # a quantized weight's scales
         if parts[i + 1].isdigit() and len(parts) > i + 2 and parts[i + 2] in _EXPERT_PROJ:
             kind = _EXPERT_PROJ[parts[i + 2]]  # experts.<e>.<proj>.weight
             return ".".join(parts[: i + 1] + [("w2" if kind == "down" else "w13") + scale]), f"{kind}.{parts[i + 1]}"
@@ -439,7 +439,7 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
 
 def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cfg: ModelConfig,
                 hf_name: str, row_block: int = 1) -> None:
-    """`row_block`: weight rows per row of `param` (an fp8 layer's scales)."""
+    """`row_block`: weight rows per row of `param` (a quantized layer's scales)."""
     with torch.no_grad():
         dst = param
         if shard is not None:
