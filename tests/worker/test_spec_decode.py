@@ -51,13 +51,13 @@ def test_greedy_matches_transformers_and_guesses_are_kept(default_model_dir):
 
 
 CASES = {
-    "stop token ids": SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[11]),
-    "stop strings": SamplingParams(temperature=0.0, max_tokens=40, stop=["the mat", "3, 4"]),
-    "stop string kept": SamplingParams(temperature=0.0, max_tokens=40, stop=["3,"], include_stop_str_in_output=True),
+    "stop token ids": SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[30, 1171]),  # "." and " mat"
+    "stop strings": SamplingParams(temperature=0.0, max_tokens=24, stop=["the mat", "3, 4"]),
+    "stop string kept": SamplingParams(temperature=0.0, max_tokens=24, stop=["3,"], include_stop_str_in_output=True),
     "max tokens": SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-    "penalties and logprobs": SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3,
+    "penalties and logprobs": SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3,
                                              frequency_penalty=0.2, logprobs=3, ignore_eos=True),
-    "min tokens": SamplingParams(temperature=0.0, max_tokens=30, min_tokens=12),
+    "min tokens": SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12),
     "n=2 seeded random": SamplingParams(temperature=0.8, max_tokens=20, n=2, seed=7),
 }
 
@@ -81,7 +81,7 @@ def test_outputs_equal_plain_decoding(plain_llm, spec_llm, case):
 
 
 def test_preemption_and_chunked_prefill_keep_outputs(plain_llm):
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)
     small = {"num_gpu_blocks_override": 12, "max_model_len": 192, "max_num_batched_tokens": 24}
     plain = plain_llm.generate(PROMPTS * 2, params, use_tqdm=False)
     spec_llm = engine(spec=True, **small)
