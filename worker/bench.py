@@ -54,6 +54,10 @@ def _throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: seeded random weights of the model's shape, no checkpoint needed "
                         "(every mode then runs those; for speed, not output)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="engine and queue modes: the model's projections in fp8, quantized as they load")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="engine and queue modes: fp8 holds twice the tokens in the same KV memory")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--redis-url", default=argparse.SUPPRESS,
                    help="queue mode: use this Redis instead of starting one (also $GENQ_REDIS_URL)")
@@ -76,6 +80,8 @@ def run_throughput(args: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "load_format": args.load_format,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     results: dict[str, dict[str, Any]] = {}
     for mode in args.modes.split(","):

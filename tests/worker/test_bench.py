@@ -37,10 +37,12 @@ def test_throughput_engine_and_hf_report(tiny_llama_dir, tmp_path):
 
 
 def test_throughput_with_dummy_weights_needs_no_checkpoint(shape_only, tmp_path):
+    """(The engine mode also quantizes its weights and cache to fp8 here, as the flags ask.)"""
     out = tmp_path / "bench.json"
     rc = main(["bench", "throughput", "--model", str(shape_only), "--dtype", "float32",
                "--load-format", "dummy", "--modes", "engine,hf", "--num-prompts", "3",
-               "--input-len", "12", "--output-len", "4", "--json", str(out)])
+               "--input-len", "12", "--output-len", "4", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+               "--json", str(out)])
     assert rc == 0
     results = json.loads(out.read_text())["results"]
     assert results["engine"]["output_tokens"] == results["hf"]["output_tokens"] == 12
