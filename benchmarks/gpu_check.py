@@ -1,4 +1,5 @@
-"""The GPU check (run on a CUDA machine; under 5 minutes):
+"""The GPU check (run on a CUDA machine; each part prints as it ends, so a run cut short still
+reports the parts it finished):
 
 1. every Triton kernel against its torch reference at real sizes (the fused MoE at a
    Qwen3-30B-A3B layer's), timed with `triton.testing.do_bench` (median), bandwidth beside a
