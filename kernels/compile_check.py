@@ -105,20 +105,23 @@ def _attention_variant(
     return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps)
 
 
-def _moe_variant(name: str, dtype: str, first: bool, weights: str, fp8_block: tuple[int, int] | None = None) -> _Variant:
+def _moe_variant(name: str, dtype: str, first: bool, weights: str, quantized: tuple[str, tuple[int, int]] | None = None
+                 ) -> _Variant:
     """One of fused_moe's two launches: gate/up over tokens, or down over pairs scaled by
     routing weights of dtype `weights` (fp32 for Mixtral, whose weighted rows stay fp32);
-    with `fp8_block`, over fp8 experts with scales per block."""
+    with `quantized` (the experts' pointer type, *i32 for packed int4, and the scale block),
+    over quantized experts."""
     dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
+    block = quantized[1] if quantized else (1, 1)
     constexprs = dict(
         NUM_EXPERTS=64, TOP_K=8, A_PER_TOKEN=first, MUL_WEIGHT=not first, DOT_DTYPE=dot,
-        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", W_FP8=fp8_block is not None,
-        SCALE_ROWS=fp8_block[0] if fp8_block else 1, SCALE_COLS=fp8_block[1] if fp8_block else 1,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_MOE_BLOCK_N, BLOCK_K=block_k(fp8_block[1], 2048) if fp8_block else _BLOCK_K,
+        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SCALED=quantized is not None,
+        INT4=quantized is not None and quantized[0] == "*i32", SCALE_ROWS=block[0], SCALE_COLS=block[1],
+        BLOCK_M=_BLOCK_M, BLOCK_N=_MOE_BLOCK_N, BLOCK_K=block_k(block[1], 2048) if quantized else _BLOCK_K,
     )  # fmt: skip
     overrides = dict(_MOE_PTRS, topk_weights_ptr=weights)
-    overrides["w_ptr"] = "*fp8e4nv" if fp8_block else dtype
-    overrides["scale_ptr"] = "*fp32" if fp8_block else overrides["w_ptr"]
+    overrides["w_ptr"] = quantized[0] if quantized else dtype
+    overrides["scale_ptr"] = "*fp32" if quantized else overrides["w_ptr"]
     if not first:
         overrides["out_ptr"] = weights
     return _Variant(name, _moe_matmul_kernel, dtype, constexprs, overrides)
@@ -181,8 +184,14 @@ def _variants() -> list[_Variant]:
         _moe_variant("fused_moe gate_up bf16 64x8", "*bf16", first=True, weights="*bf16"),
         _moe_variant("fused_moe down bf16 64x8", "*bf16", first=False, weights="*bf16"),
         _moe_variant("fused_moe down bf16, fp32 weights", "*bf16", first=False, weights="*fp32"),
-        _moe_variant("fused_moe gate_up bf16, fp8 experts", "*bf16", first=True, weights="*bf16", fp8_block=(128, 128)),
-        _moe_variant("fused_moe down bf16, fp8 experts", "*bf16", first=False, weights="*bf16", fp8_block=(128, 128)),
+        _moe_variant("fused_moe gate_up bf16, fp8 experts", "*bf16", first=True, weights="*bf16",
+                     quantized=("*fp8e4nv", (128, 128))),
+        _moe_variant("fused_moe down bf16, fp8 experts", "*bf16", first=False, weights="*bf16",
+                     quantized=("*fp8e4nv", (128, 128))),
+        _moe_variant("fused_moe gate_up bf16, int4 experts", "*bf16", first=True, weights="*bf16",
+                     quantized=("*i32", (1, 128))),
+        _moe_variant("fused_moe down bf16, int8 experts", "*bf16", first=False, weights="*bf16",
+                     quantized=("*i8", (1, 2048))),
         _quant_variant("quant_linear fp8 decode, 128x128 blocks", 8, (128, 128)),
         _quant_variant("quant_linear fp8 prefill, 128x128 blocks", 2048, (128, 128)),
         _quant_variant("quant_linear fp8 decode, per channel", 8, (1, 4096)),

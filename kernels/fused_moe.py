@@ -33,7 +33,7 @@ from kernels._common import (
     tl,
     triton,
 )
-from kernels.quant_linear import block_k as fp8_block_k
+from kernels.quant_linear import block_k as quant_block_k
 from kernels.quant_linear import dequantize_ref
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align"]
@@ -47,8 +47,8 @@ _BLOCK_K = 32
 @triton.jit
 def _moe_matmul_kernel(
     a_ptr,  # [num_tokens, K] when A_PER_TOKEN, else [num_pairs, K]
-    w_ptr,  # [num_experts, N, K]
-    scale_ptr,  # [num_experts, cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32; read only when W_FP8
+    w_ptr,  # [num_experts, N, K]; INT4: [num_experts, N, cdiv(K, 8)] int32
+    scale_ptr,  # [num_experts, cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32; read only when SCALED
     out_ptr,  # [num_pairs, N]
     topk_weights_ptr,  # [num_pairs]; read only when MUL_WEIGHT
     sorted_ids_ptr,  # [max_rows] int64: pair index per row, num_pairs for padding
@@ -56,6 +56,7 @@ def _moe_matmul_kernel(
     num_pairs,
     N,
     K,
+    K_WORDS,  # int32 words a packed int4 row holds: cdiv(K, 8)
     stride_am,
     stride_we,
     stride_wn,
@@ -66,7 +67,8 @@ def _moe_matmul_kernel(
     TOP_K: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,  # a's rows are tokens (pair // TOP_K), else pairs
     MUL_WEIGHT: tl.constexpr,
-    W_FP8: tl.constexpr,  # w is fp8: each tile's partial product is scaled by its block's scale
+    SCALED: tl.constexpr,  # w is quantized (fp8, int8, int4): each tile's partial product is scaled
+    INT4: tl.constexpr,  # w packs eight int4 values per int32 (see kernels.quant_linear)
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,  # a multiple of BLOCK_K, or >= K
     DOT_DTYPE: tl.constexpr,
@@ -94,9 +96,15 @@ def _moe_matmul_kernel(
         for k0 in range(0, K, BLOCK_K):
             k_valid = (k0 + ks) < K
             a = tl.load(a_base + (k0 + ks)[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-            w = tl.load(w_base + (k0 + ks)[:, None], mask=k_valid[:, None] & (cols < N)[None, :], other=0.0)
+            if INT4:
+                words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                packed = tl.load(w_base + words[:, None], mask=(words < K_WORDS)[:, None] & (cols < N)[None, :], other=0)
+                nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+                w = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8
+            else:
+                w = tl.load(w_base + (k0 + ks)[:, None], mask=k_valid[:, None] & (cols < N)[None, :], other=0.0)
             part = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-            if W_FP8:
+            if SCALED:
                 part *= tl.load(scale_base + k0 // SCALE_COLS, mask=cols < N, other=0.0)[None, :]
             acc += part
         out = acc.to(a_ptr.dtype.element_ty)  # the projection, rounded to the activation dtype
@@ -131,30 +139,36 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_ids, block_experts
 
 
+_QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.int32)  # int32: packed int4
+
+
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block) -> None:
     check_dtype("x", x, _DTYPES)
     check_shape("x", x, (None, None))
     num_tokens, hidden = x.shape
-    check_shape("w13", w13, (None, None, hidden))
+    check_dtype("w13", w13, (x.dtype, *_QUANTIZED))
+    int4 = w13.dtype == torch.int32
+    check_shape("w13", w13, (None, None, cdiv(hidden, 8) if int4 else hidden))
     num_experts, two_inter, _ = w13.shape
     if two_inter % 2:
         raise ValueError(f"w13 must stack gate and up halves of equal size, got {two_inter} rows")
-    check_shape("w2", w2, (num_experts, hidden, two_inter // 2))
-    fp8 = w13.dtype == torch.float8_e4m3fn
-    for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
-        check_dtype(name, w, (torch.float8_e4m3fn,) if fp8 else (x.dtype,))
+    inter = two_inter // 2
+    check_shape("w2", w2, (num_experts, hidden, cdiv(inter, 8) if int4 else inter))
+    quantized = w13.dtype in _QUANTIZED
+    for name, w, scale, k in (("w13", w13, w13_scale, hidden), ("w2", w2, w2_scale, inter)):
+        check_dtype(name, w, (w13.dtype,))
         check_last_dim_contiguous(name, w)
-        if fp8:
+        if quantized:
             if scale is None or block is None:
-                raise ValueError(f"{name} is fp8: its scales and their block are needed")
-            if block[1] < w.shape[2] and block[1] % 16:
+                raise ValueError(f"{name} is quantized ({w.dtype}): its scales and their block are needed")
+            if block[1] < k and block[1] % 16:
                 raise ValueError(f"a scale block of {block[1]} columns is narrower than {name}'s "
-                                 f"{w.shape[2]} and not a multiple of 16")
+                                 f"{k} and not a multiple of 16")
             check_dtype(f"{name}_scale", scale, (torch.float32,))
-            check_shape(f"{name}_scale", scale, (num_experts, cdiv(w.shape[1], block[0]), cdiv(w.shape[2], block[1])))
+            check_shape(f"{name}_scale", scale, (num_experts, cdiv(w.shape[1], block[0]), cdiv(k, block[1])))
             check_last_dim_contiguous(f"{name}_scale", scale)
         elif scale is not None:
-            raise ValueError(f"{name}_scale goes with fp8 weights; {name} is {w.dtype}")
+            raise ValueError(f"{name}_scale goes with quantized weights; {name} is {w.dtype}")
     check_shape("topk_ids", topk_ids, (num_tokens, None))
     check_dtype("topk_ids", topk_ids, (torch.int64,))
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
@@ -163,18 +177,20 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block
 
 
 def _launch(a, w, scale, block, out, topk_weights, sorted_ids, block_experts, top_k, a_per_token, mul_weight) -> None:
-    num_experts, n, k = w.shape
+    num_experts, n = w.shape[:2]
+    k = a.shape[1]
     grid = (block_experts.shape[0], cdiv(n, _BLOCK_N))
-    fp8 = scale is not None
+    scaled = scale is not None
     _moe_matmul_kernel[grid](
-        a, w, scale if fp8 else w, out, topk_weights, sorted_ids, block_experts, out.shape[0], n, k,
-        a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
+        a, w, scale if scaled else w, out, topk_weights, sorted_ids, block_experts, out.shape[0], n, k, cdiv(k, 8),
+        a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if scaled else 0, scale.stride(1) if scaled else 0,
         out.stride(0),
         NUM_EXPERTS=num_experts, TOP_K=top_k, A_PER_TOKEN=a_per_token, MUL_WEIGHT=mul_weight,
-        W_FP8=fp8, SCALE_ROWS=block[0] if fp8 else 1, SCALE_COLS=block[1] if fp8 else 1,
+        SCALED=scaled, INT4=w.dtype == torch.int32,
+        SCALE_ROWS=block[0] if scaled else 1, SCALE_COLS=block[1] if scaled else 1,
         DOT_DTYPE=dot_dtype(a.dtype, is_interpreted(_moe_matmul_kernel)),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=fp8_block_k(block[1], k) if fp8 else _BLOCK_K,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=quant_block_k(block[1], k) if scaled else _BLOCK_K,
     )  # fmt: skip
 
 
@@ -184,12 +200,13 @@ def fused_moe(
     w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [T, top_k]: float32 or x's dtype
     topk_ids: torch.Tensor,  # [T, top_k] int64
-    w13_scale: torch.Tensor | None = None,  # fp8 weights: [num_experts, cdiv(rows, block[0]), cdiv(cols, block[1])]
+    w13_scale: torch.Tensor | None = None,  # quantized weights: [num_experts, cdiv(rows, block[0]), cdiv(cols, block[1])]
     w2_scale: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,  # fp8 weights: weight rows, columns per scale
+    block: tuple[int, int] | None = None,  # quantized weights: weight rows, columns per scale
 ) -> torch.Tensor:  # [T, hidden]
     """Sum over each token's top-k experts of weight * down(SiLU(gate(x)) * up(x)). Weights
-    in x's dtype, or fp8 (e4m3) with float32 scales per block, widened tile by tile."""
+    in x's dtype, or quantized with float32 scales per block, widened tile by tile: fp8 or
+    int8 values, or int4 packed eight to an int32 (as `kernels.quant_linear` reads them)."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
     check_device(_moe_matmul_kernel, x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     num_tokens, hidden = x.shape
@@ -212,10 +229,12 @@ def fused_moe(
 
 def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None) -> torch.Tensor:
     """The same sum, each row's experts' weights gathered and multiplied densely (an
-    independent oracle: no sorting, no tiles), with the kernel's rounding points; fp8
+    independent oracle: no sorting, no tiles), with the kernel's rounding points; quantized
     weights are dequantized to x's dtype first."""
     if w13_scale is not None:
-        w13, w2 = (dequantize_ref(w, scale, block, x.dtype) for w, scale in ((w13, w13_scale), (w2, w2_scale)))
+        hidden, inter = x.shape[1], w13.shape[1] // 2
+        w13 = dequantize_ref(w13, w13_scale, block, x.dtype, hidden)
+        w2 = dequantize_ref(w2, w2_scale, block, x.dtype, inter)
     gate_up = torch.einsum("th,tknh->tkn", x.float(), w13[topk_ids].float()).to(x.dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     h = F.silu(gate) * up  # [T, top_k, intermediate]

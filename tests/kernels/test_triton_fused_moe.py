@@ -4,7 +4,7 @@ that groups rows by expert against a plain Python grouping."""
 import pytest
 import torch
 from kernel_cases import ON_CUDA, assert_close
-from test_triton_quant_linear import quantize
+from test_triton_quant_linear import quantize, quantize_int
 
 from kernels import fused_moe, fused_moe_ref, moe_align
 
@@ -79,7 +79,7 @@ def test_fused_moe_rejects_what_it_cannot_run(device: torch.device) -> None:
         fused_moe(x, w13, w2, weights, ids.int())
     with pytest.raises(ValueError, match=r"w2 must have shape \[4, 64, 32\]"):
         fused_moe(x, w13, w2[:, :, :16], weights, ids)
-    with pytest.raises(ValueError, match="w13 must have dtype in \\(float32\\)"):
+    with pytest.raises(ValueError, match=r"w13 must have dtype in \(float32, float8_e4m3fn, int8, int32\)"):
         fused_moe(x, w13.half(), w2, weights, ids)
 
 
@@ -106,13 +106,34 @@ def test_fused_moe_over_fp8_experts_matches_the_dequantized_reference(device, ca
     assert not torch.allclose(out.float(), fused_moe_ref(x, w13, w2, weights, ids, s13.flip(0), s2, block).float())
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_fused_moe_over_integer_experts_matches_the_dequantized_reference(device, bits, dtype) -> None:
+    """int8 experts, and int4 experts packed by compressed-tensors' packer, a scale per group
+    of 32 columns; the reference multiplies the unpacked integers."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    case, group = (37, 8, 3, 96, 64), 32
+    x, w13, w2 = _inputs(case, dtype, device)
+    weights, ids = _routing(case[0], case[1], case[2], device, dtype)
+    stored, values, scales = [], [], []
+    for w in (w13, w2):
+        pairs = [quantize_int(w[e].float().cpu(), bits, group) for e in range(w.shape[0])]
+        q = torch.stack([p[0] for p in pairs])
+        values.append(q.to(device))
+        scales.append(torch.stack([p[1] for p in pairs]).to(device))
+        stored.append((pack_to_int32(q, 4) if bits == 4 else q).to(device))
+    out = fused_moe(x, stored[0], stored[1], weights, ids, scales[0], scales[1], (1, group))
+    assert_close(out, fused_moe_ref(x, values[0], values[1], weights, ids, scales[0], scales[1], (1, group)))
+
+
 def test_fused_moe_over_fp8_experts_needs_their_scales(device: torch.device) -> None:
     x, w13, w2 = _inputs((3, 4, 2, 64, 32), torch.float32, device)
     (w13, s13), (w2, s2) = _fp8_experts(w13, (16, 32)), _fp8_experts(w2, (16, 32))
     weights, ids = _routing(3, 4, 2, device, torch.float32)
-    with pytest.raises(ValueError, match="w13 is fp8: its scales and their block are needed"):
+    with pytest.raises(ValueError, match=r"w13 is quantized \(torch.float8_e4m3fn\): its scales and their block are needed"):
         fused_moe(x, w13, w2, weights, ids)
     with pytest.raises(ValueError, match=r"w2_scale must have shape \[4, 4, 1\]"):
         fused_moe(x, w13, w2, weights, ids, s13, s13, (16, 32))
-    with pytest.raises(ValueError, match="w13_scale goes with fp8 weights"):
+    with pytest.raises(ValueError, match="w13_scale goes with quantized weights"):
         fused_moe(x, w13.float(), w2.float(), weights, ids, s13, s2, (16, 32))

@@ -244,8 +244,8 @@ INT_CASES = {"W4A16 groups": (4, "group", "pack-quantized"), "W4A16 channels": (
 @pytest.mark.parametrize("case", list(INT_CASES))
 def test_compressed_tensors_integer_checkpoints_match_transformers(request, tmp_path, case):
     """int4 and int8 weights against transformers with compressed-tensors dequantizing the
-    same files; on the kernel path the projections keep their integers (int4 packed), and
-    integer experts are dequantized at load."""
+    same files; on the kernel path the projections and experts keep their integers (int4
+    packed)."""
     from transformers import CompressedTensorsConfig
 
     bits, strategy, fmt = INT_CASES[case]
@@ -256,13 +256,16 @@ def test_compressed_tensors_integer_checkpoints_match_transformers(request, tmp_
         torch.int8 if fmt == "int-quantized" else torch.int32)
     oracle = {"quantization_config": CompressedTensorsConfig(dequantize=True)}
     check_prefill_logits_against(int_dir, int_dir, "torch", **oracle)
-    if case in ("W4A16 groups", "W8A8 int8"):  # the kernel's two ways of reading integers
+    if case in ("W4A16 groups", "W8A8 int8", "W4A16 experts"):  # the kernels' ways of reading integers
         check_prefill_logits_against(int_dir, int_dir, "triton", **oracle)
     model = LLM(str(int_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
                 enforce_eager=True).engine.runner.model
+    storage = torch.int32 if bits == 4 else torch.int8
     qkv = model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, QuantLinear) and qkv.weight.dtype == (torch.int32 if bits == 4 else torch.int8)
+    assert isinstance(qkv, QuantLinear) and qkv.weight.dtype == storage
     assert not isinstance(model.layers[1].mlp.down_proj, QuantLinear)
+    if "experts" in case:  # they keep their integers too, for the fused MoE kernel
+        assert model.layers[0].mlp.experts.w13.dtype == model.layers[0].mlp.experts.w2.dtype == storage
 
 
 def test_int4_packing_is_compressed_tensors_packing():

@@ -25,7 +25,7 @@ from worker.models.packed_linear import pack_weight, packed_linear
 
 
 class Experts(nn.Module):
-    w13_scale: torch.Tensor  # fp8 weights' scales, once use_fp8 made them
+    w13_scale: torch.Tensor  # quantized weights' scales, once use_quantized made them
     w2_scale: torch.Tensor
 
     def __init__(self, moe: MoEConfig, hidden_size: int, use_kernel: bool):
@@ -36,14 +36,16 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.use_kernel = use_kernel
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, see pack()
-        self.block: tuple[int, int] | None = None  # fp8 weights: rows, columns per scale (see use_fp8)
+        self.hidden_size = hidden_size
+        self.block: tuple[int, int] | None = None  # quantized weights: rows, columns per scale
+        self.kind = "fp8"  # quantized weights: their values (see use_quantized)
 
-    def use_fp8(self, block: tuple[int, int]) -> None:
-        """Hold w13 and w2 in fp8 with float32 scales `w13_scale`, `w2_scale` per `block`
-        (on the meta device, before the weights load)."""
-        self.block = block
+    def use_quantized(self, block: tuple[int, int], kind: str) -> None:
+        """Hold w13 and w2 as `kind` values (fp8, int8, int4 packed) with float32 scales
+        `w13_scale`, `w2_scale` per `block` (on the meta device, before the weights load)."""
+        self.block, self.kind = block, kind
         for name in ("w13", "w2"):
-            quant.make_quantized(self, name, block)
+            quant.make_quantized(self, name, block, kind)
 
     def pack(self, batch_hint: int) -> None:
         """Lay each expert's weights out for oneDNN once (bfloat16 on the CPU, as

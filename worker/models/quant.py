@@ -10,10 +10,10 @@ at load: fp8, a scale per output channel.
 
 On the kernel path (CUDA) the decoder layers' projections keep their narrow values in
 memory, `QuantLinear`s over the Triton kernel `kernels.quant_linear` (int4 stays packed),
-and fp8 experts run on the fused MoE kernel; both widen each weight tile to the activation
+and so do experts, on the fused MoE kernel; both widen each weight tile to the activation
 dtype (activations are not quantized). On the torch path every weight is dequantized once,
 at load, to the model's dtype, each block's values times its scale in float32 then rounded,
-as transformers dequantizes them; so are integer experts on either path. The embeddings, the
+as transformers dequantizes them. The embeddings, the
 LM head, the routers and any layer the checkpoint leaves float (`modules_to_not_convert`,
 `ignore`) stay float.
 """
@@ -214,19 +214,21 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return values * full
 
 
-def make_quantized(module: nn.Module, name: str, block: tuple[int, int]) -> None:
-    """Turn `module`'s float parameter `name` [..., out, in] into an fp8 one and its float32
-    scales `<name>_scale` [..., rows, cols] (on the meta device, before the weights load)."""
+def make_quantized(module: nn.Module, name: str, block: tuple[int, int], kind: str = "fp8") -> None:
+    """Turn `module`'s float parameter `name` [..., out, in] into a quantized one of `kind`
+    (int4: [..., out, cdiv(in, 8)] words) and its float32 scales `<name>_scale` [..., rows,
+    cols] (on the meta device, before the weights load)."""
     *lead, n, k = getattr(module, name).shape
     grid = (*lead, -(-n // block[0]), -(-k // block[1]))
-    setattr(module, name, nn.Parameter(torch.empty(*lead, n, k, dtype=FP8), requires_grad=False))
+    columns = -(-k // 8) if kind == "int4" else k
+    setattr(module, name, nn.Parameter(torch.empty(*lead, n, columns, dtype=STORAGE[kind]), requires_grad=False))
     setattr(module, name + "_scale", nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False))
 
 
 def quantize_into(module: nn.Module, name: str, dense: torch.Tensor) -> None:
     """Quantize a float weight into `module`'s quantized parameter `name` and its scales, in
-    blocks of `module.block` (fp8 experts; a `QuantLinear` of its kind)."""
-    q, scale = quantize(dense, getattr(module, "block"), getattr(module, "kind", "fp8"))  # noqa: B009
+    blocks of `module.block`, values of `module.kind` (a `QuantLinear`, or `Experts`)."""
+    q, scale = quantize(dense, getattr(module, "block"), getattr(module, "kind"))  # noqa: B009
     with torch.no_grad():
         getattr(module, name).copy_(q)
         getattr(module, name + "_scale").copy_(scale)
@@ -236,7 +238,16 @@ def dense_shape(module: nn.Module, name: str) -> tuple[int, ...]:
     """The float shape of `module`'s quantized parameter `name` (a packed one is narrower)."""
     if isinstance(module, QuantLinear):
         return module.out_features, module.in_features
-    return tuple(getattr(module, name).shape)
+    *lead, n, _ = getattr(module, name).shape
+    return (*lead, n, in_features(module, name))
+
+
+def in_features(module: nn.Module, name: str) -> int:
+    """The float width of a quantized weight's rows: a `QuantLinear`'s, or an expert's (w13
+    reads the hidden state, w2 the intermediate one)."""
+    if isinstance(module, QuantLinear):
+        return module.in_features
+    return getattr(module, "hidden_size") if name == "w13" else getattr(module, "intermediate_size")  # noqa: B009
 
 
 def is_quantized(module: nn.Module, name: str) -> bool:
@@ -245,10 +256,10 @@ def is_quantized(module: nn.Module, name: str) -> bool:
 
 
 def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, int]) -> int:
-    """Give the decoder layers' projections (and experts, when fp8) quantized weights of
+    """Give the decoder layers' projections and experts quantized weights of
     `cfg.kind` (on the meta device, before the weights load): projections become
-    `QuantLinear`s, experts take `Experts.use_fp8`. Left in float: what the checkpoint keeps
-    in float, integer experts, and fused weights whose shards (q/k/v of `qkv_rows` rows; gate
+    `QuantLinear`s, experts take `Experts.use_quantized`. Left in float: what the checkpoint
+    keeps in float, and fused weights whose shards (q/k/v of `qkv_rows` rows; gate
     and up halves) do not fill whole scale blocks or whose columns no kernel tile fits.
     Returns how many modules were given quantized weights."""
     from worker.models.moe import Experts
@@ -260,14 +271,12 @@ def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, 
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         if isinstance(parent, Experts):
-            if cfg.kind != "fp8":
-                continue  # fused_moe reads fp8 experts only: these are dequantized at load
             inter, hidden = parent.w2.shape[2], parent.w2.shape[1]
             block = cfg.block or (1, max(inter, hidden))  # one scale per expert row
             names = [f"model.{parent_name}.{e}.{proj}" for e in range(parent.num_experts)
                      for proj in ("gate_proj", "up_proj", "down_proj")]
             if not cfg.skips(names) and fits(block, (inter,), (inter, hidden)):
-                parent.use_fp8(block)
+                parent.use_quantized(block, cfg.kind)
                 replaced += 1
             continue
         for name, child in list(parent.named_children()):
@@ -291,7 +300,8 @@ def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
     for parent in list(model.modules()):
         if isinstance(parent, Experts) and parent.block is not None:
             for name in ("w13", "w2"):
-                dense = dequantize(getattr(parent, name), getattr(parent, name + "_scale"), parent.block).to(dtype)
+                weight, scale = getattr(parent, name), getattr(parent, name + "_scale")
+                dense = dequantize(weight, scale, parent.block, in_features(parent, name)).to(dtype)
                 setattr(parent, name, nn.Parameter(dense, requires_grad=False))
                 delattr(parent, name + "_scale")
             parent.block = None
