@@ -34,7 +34,7 @@ from kernels._common import (
     triton,
 )
 from kernels.quant_linear import block_k as quant_block_k
-from kernels.quant_linear import dequantize_ref
+from kernels.quant_linear import dequantize_ref, weight_tile
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align"]
 
@@ -90,19 +90,13 @@ def _moe_matmul_kernel(
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ks = tl.arange(0, BLOCK_K)
         a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
-        w_base = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64) * stride_wn  # [BLOCK_N]
         scale_base = scale_ptr + expert.to(tl.int64) * stride_se + (cols // SCALE_ROWS).to(tl.int64) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_valid = (k0 + ks) < K
             a = tl.load(a_base + (k0 + ks)[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-            if INT4:
-                words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                packed = tl.load(w_base + words[:, None], mask=(words < K_WORDS)[:, None] & (cols < N)[None, :], other=0)
-                nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-                w = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8
-            else:
-                w = tl.load(w_base + (k0 + ks)[:, None], mask=k_valid[:, None] & (cols < N)[None, :], other=0.0)
+            w = weight_tile(w_base, k0, K, K_WORDS, cols < N, INT4, BLOCK_K, BLOCK_N)  # [BLOCK_K, BLOCK_N]
             part = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
             if SCALED:
                 part *= tl.load(scale_base + k0 // SCALE_COLS, mask=cols < N, other=0.0)[None, :]

@@ -45,6 +45,29 @@ _WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.int32)
 
 
 @triton.jit
+def weight_tile(
+    w_base,  # [BLOCK_N] pointers: the start of each column's row of stored weights
+    k0,
+    K,
+    K_WORDS,  # int32 words a packed int4 row holds: cdiv(K, 8)
+    col_ok,  # [BLOCK_N]
+    INT4: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Values k0 .. k0 + BLOCK_K of BLOCK_N weight rows, as stored ([BLOCK_K, BLOCK_N]; zero
+    past K): fp8 or int8 values as they are, int4 words spread into their nibbles minus 8 (row
+    8 * word + nibble is value k0 + that), each word read once. Shared with `fused_moe`."""
+    if INT4:
+        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(w_base[None, :] + words[:, None], mask=(words < K_WORDS)[:, None] & col_ok[None, :], other=0)
+        nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
+        return tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_base[None, :] + ks[:, None], mask=(ks < K)[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _quant_linear_kernel(
     x_ptr,  # [M, K] activations
     w_ptr,  # [N, K] float8_e4m3fn or int8; INT4: [N, cdiv(K, 8)] int32
@@ -75,19 +98,13 @@ def _quant_linear_kernel(
     row_ok = rows < M
     col_ok = cols < N
     x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    w_base = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
+    w_base = w_ptr + cols.to(tl.int64) * stride_wn  # [BLOCK_N]
     scale_base = scale_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
         x = tl.load(x_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if INT4:  # BLOCK_K / 8 words a column, each spread into its eight nibbles, minus 8
-            words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            packed = tl.load(w_base + words[:, None], mask=(words < K_WORDS)[:, None] & col_ok[None, :], other=0)
-            nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
-            w = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8  # row 8 * word + nibble: value k0 + that
-        else:
-            w = tl.load(w_base + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        w = weight_tile(w_base, k0, K, K_WORDS, col_ok, INT4, BLOCK_K, BLOCK_N)  # [BLOCK_K, BLOCK_N]
         scale = tl.load(scale_base + k0 // SCALE_COLS, mask=col_ok, other=0.0)  # [BLOCK_N]
         # the values are exact in bf16 (fp8's 4-bit significands, integers below 256)
         part = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
