@@ -18,7 +18,7 @@ from producer.chat_template import render_chat
 from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
-from worker.config import EngineConfig, SchedulerConfig, release_window
+from worker.config import EngineConfig, SchedulerConfig
 from worker.draft_model import DraftModelProposer
 from worker.lora_request import LoRARequest
 from worker.model_loader import resolve_model_path
@@ -59,7 +59,7 @@ class Engine:
             policy=config.scheduling_policy,
             eos_token_ids=frozenset(self.eos_token_ids),
             max_loras=config.max_loras if config.enable_lora else 0,
-            window=release_window(self.model_config.attention_span, config),
+            window=self.runner.release_window,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager)
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels)

@@ -77,6 +77,9 @@ class ModelRunner:
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.block_size = config.block_size
         self.model_config = ModelConfig.from_hf(hf_config, config.quantization)
+        # how far back a running request's KV blocks are kept (None: all of them); the
+        # engine's scheduler gives back the rest, and the cache is sized for it
+        self.release_window = release_window(self.model_config.attention_span, config)
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
         self.model = self._load_model(model_path, use_kernels=backend == "triton")
@@ -138,9 +141,9 @@ class ModelRunner:
         else:
             num_blocks = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()
         needed = -(-max_model_len // self.block_size)
-        window = release_window(self.model_config.attention_span, self.config)
-        if window is not None:  # a sequence holds its window and one step's chunk at most
-            needed = min(needed, -(-(window + self.config.max_num_batched_tokens) // self.block_size) + 1)
+        if self.release_window is not None:  # a sequence holds its window and one step's chunk at most
+            window_tokens = self.release_window + self.config.max_num_batched_tokens
+            needed = min(needed, -(-window_tokens // self.block_size) + 1)
         if num_blocks < needed:
             raise ValueError(
                 f"the KV cache has {num_blocks} blocks of {self.block_size} tokens, fewer than one "
