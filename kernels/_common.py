@@ -54,6 +54,7 @@ __all__ = [
     "dot_dtype",
     "is_interpreted",
     "next_power_of_2",
+    "padded_head_dim",
     "require_triton",
     "tl",
     "triton",
@@ -84,6 +85,12 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The tile width over a head: head_dim rounded up to a power of two, and to the 16
+    columns `tl.dot` needs. Kernels mask the padded columns (Phi-3's 96 runs as 128)."""
+    return max(16, next_power_of_2(head_dim))
 
 
 def check_device(kernel: Any, **tensors: torch.Tensor) -> torch.device:

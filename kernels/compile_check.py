@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kernels._common import HAS_TRITON, is_interpreted, tl
+from kernels._common import HAS_TRITON, is_interpreted, padded_head_dim, tl
 from kernels.fused_moe import _BLOCK_K, _BLOCK_M, _moe_matmul_kernel
 from kernels.fused_moe import _BLOCK_N as _MOE_BLOCK_N
 from kernels.kv_cache import _reshape_and_cache_kernel
@@ -31,8 +31,8 @@ from kernels.sampling import _top_k_top_p_sample_kernel
 __all__ = ["CompileResult", "compile_all", "main"]
 
 _FLOAT_ARGS = {"scale_log2", "eps"}
-# Integer arguments that are multiples of 16 in real launches (head_dim >= 16 is a power of two,
-# token strides are multiples of it); the JIT specialises on that, so the check should too.
+# Integer arguments that are multiples of 16 in real launches (models' head sizes are: 64, 96,
+# 128, 256; token strides are multiples of them); the JIT specialises on that, so the check should too.
 _DIVISIBLE_INTS = {
     "stride_logits", "stride_noise",
     "stride_q_tok", "stride_q_head", "stride_o_split", "stride_o_tok", "stride_o_head",
@@ -89,7 +89,7 @@ def _attention_variant(
     softcap: float = 0.0, cache: str | None = None,
 ) -> _Variant:
     """`cache`: the KV cache's pointer type when it is not the activations' (*fp8e4nv)."""
-    tiling = _choose_tiling(group, max_query_len, head_dim)
+    tiling = _choose_tiling(group, max_query_len, padded_head_dim(head_dim))
     dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
     overrides = dict(_INT32_PTRS, lse_ptr="*fp32")
     if cache:
@@ -98,7 +98,7 @@ def _attention_variant(
         overrides["out_ptr"] = "*fp32"
     constexprs = dict(
         GROUP=group, GROUP_P=tiling.group_p, BLOCK_Q=tiling.block_q, BLOCK_M=tiling.block_m,
-        BLOCK_N=_BLOCK_N, BLOCK_SIZE=16, HEAD_DIM=head_dim, DOT_DTYPE=dot,
+        BLOCK_N=_BLOCK_N, BLOCK_SIZE=16, HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim), DOT_DTYPE=dot,
         DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SPLIT=split, WINDOW=window, SOFTCAP=softcap,
     )  # fmt: skip
     kernel = _paged_attention_kernel
@@ -152,18 +152,30 @@ def _variants() -> list[_Variant]:
                            cache="*fp8e4nv"),
         _attention_variant("attention bf16 d128 gqa4 fp8 cache prefill", "*bf16", 128, 4, 512, False,
                            cache="*fp8e4nv"),
+        # Phi-3's 96-wide heads, in 128-wide tiles
+        _attention_variant("attention bf16 d96 mha prefill", "*bf16", 96, 1, 512, False),
+        _attention_variant("attention bf16 d96 mha decode split", "*bf16", 96, 1, 1, True, window=2047),
         _Variant(
             "merge splits bf16 d128", _merge_splits_kernel, "*fp32",
-            dict(SPLITS_P=8, BLOCK_H=32, HEAD_DIM=128),
+            dict(SPLITS_P=8, BLOCK_H=32, HEAD_DIM=128, HEAD_P=128),
+            dict(out_ptr="*bf16", query_start_loc_ptr="*i32"),
+        ),
+        _Variant(
+            "merge splits bf16 d96", _merge_splits_kernel, "*fp32",
+            dict(SPLITS_P=8, BLOCK_H=32, HEAD_DIM=96, HEAD_P=128),
             dict(out_ptr="*bf16", query_start_loc_ptr="*i32"),
         ),
         _Variant(
             "reshape_and_cache bf16 8x128", _reshape_and_cache_kernel, "*bf16",
-            dict(NUM_KV_HEADS=8, HEADS_P=8, HEAD_DIM=128, FP8=False), dict(slot_mapping_ptr="*i64"),
+            dict(NUM_KV_HEADS=8, HEADS_P=8, HEAD_DIM=128, HEAD_P=128, FP8=False), dict(slot_mapping_ptr="*i64"),
+        ),
+        _Variant(
+            "reshape_and_cache bf16 32x96", _reshape_and_cache_kernel, "*bf16",
+            dict(NUM_KV_HEADS=32, HEADS_P=32, HEAD_DIM=96, HEAD_P=128, FP8=False), dict(slot_mapping_ptr="*i64"),
         ),
         _Variant(
             "reshape_and_cache bf16 into fp8", _reshape_and_cache_kernel, "*bf16",
-            dict(NUM_KV_HEADS=8, HEADS_P=8, HEAD_DIM=128, FP8=True),
+            dict(NUM_KV_HEADS=8, HEADS_P=8, HEAD_DIM=128, HEAD_P=128, FP8=True),
             dict(slot_mapping_ptr="*i64", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv"),
         ),
         _Variant(
@@ -172,7 +184,12 @@ def _variants() -> list[_Variant]:
         ),
         _Variant(
             "rotary bf16 32/8 heads d128", _rotary_kernel, "*bf16",
-            dict(HEADS_P=32, KV_HEADS_P=8, HALF=64),
+            dict(HEADS_P=32, KV_HEADS_P=8, HALF=64, HALF_P=64),
+            dict(positions_ptr="*i64", cos_sin_ptr="*fp32"),
+        ),
+        _Variant(  # Phi-3's 96-wide heads; and Phi-4-mini's first 96 columns of 128
+            "rotary bf16 24/8 heads, 96 rotated", _rotary_kernel, "*bf16",
+            dict(HEADS_P=32, KV_HEADS_P=8, HALF=48, HALF_P=64),
             dict(positions_ptr="*i64", cos_sin_ptr="*fp32"),
         ),
         _Variant(

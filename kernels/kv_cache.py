@@ -37,6 +37,7 @@ def _reshape_and_cache_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEADS_P: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
     HEAD_DIM: tl.constexpr,
+    HEAD_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     FP8: tl.constexpr,  # the cache holds fp8 (e4m3): values are clamped to +-448, then rounded
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -44,9 +45,9 @@ def _reshape_and_cache_kernel(
     if slot < 0:
         return
     heads = tl.arange(0, HEADS_P)[:, None]  # [HEADS_P, 1]
-    dims = tl.arange(0, HEAD_DIM)[None, :]  # [1, HEAD_DIM]
-    mask = heads < NUM_KV_HEADS
-    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims  # [HEADS_P, HEAD_DIM]
+    dims = tl.arange(0, HEAD_P)[None, :]  # [1, HEAD_P]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims  # [HEADS_P, HEAD_P]
     k = tl.load(key_ptr + tok * stride_k_tok + heads * stride_k_head + dims, mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + heads * stride_v_head + dims, mask=mask)
     if FP8:
@@ -78,8 +79,6 @@ def _check_inputs(
         check_last_dim_contiguous(name, t)
     check_contiguous("k_cache", k_cache)
     check_contiguous("v_cache", v_cache)
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
 
 
 def reshape_and_cache(
@@ -112,7 +111,7 @@ def reshape_and_cache(
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEADS_P=next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        FP8=fp8,
+        HEAD_P=next_power_of_2(head_dim), FP8=fp8,
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )  # fmt: skip
 

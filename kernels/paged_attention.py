@@ -35,6 +35,7 @@ from kernels._common import (
     dot_dtype,
     is_interpreted,
     next_power_of_2,
+    padded_head_dim,
     tl,
     triton,
 )
@@ -76,6 +77,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HEAD_DIM: tl.constexpr,
+    HEAD_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two (at least 16): the tile width
     DOT_DTYPE: tl.constexpr,  # operand dtype of tl.dot
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (tests), else the default "tf32"
     SPLIT: tl.constexpr,  # write fp32 partials and their log-sum-exp
@@ -99,11 +101,13 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP_P  # [BLOCK_M] query head
     row_valid = (tok < query_len) & (rows % GROUP_P < GROUP)  # [BLOCK_M]
     pos = context_len + tok  # [BLOCK_M] absolute position: keys at <= pos are visible
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_P)
+    dim_ok = dims < HEAD_DIM  # padded columns load as zeros and add nothing to the dots
 
     q_off = (q_start + tok).to(tl.int64) * stride_q_tok + head * stride_q_head  # [BLOCK_M]
-    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
-    q = q.to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+    q_mask = row_valid[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=q_mask, other=0.0)
+    q = q.to(DOT_DTYPE)  # [BLOCK_M, HEAD_P]
 
     # Keys this tile of queries can see end at its last token; this split owns a range of tiles.
     visible_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len)
@@ -114,7 +118,7 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt_seq
     kv_head_off = kv_head * HEAD_DIM
     for tile in range(tile_lo, tile_hi):
@@ -124,11 +128,15 @@ def _paged_attention_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + kv_pos % BLOCK_SIZE
         kv_off = slot * stride_cache_slot + kv_head_off  # [BLOCK_N]
         k = tl.load(
-            k_cache_ptr + kv_off[None, :] + dims[:, None], mask=kv_valid[None, :], other=0.0
-        )
+            k_cache_ptr + kv_off[None, :] + dims[:, None],
+            mask=kv_valid[None, :] & dim_ok[:, None],
+            other=0.0,
+        )  # [HEAD_P, BLOCK_N]
         v = tl.load(
-            v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_valid[:, None], other=0.0
-        )
+            v_cache_ptr + kv_off[:, None] + dims[None, :],
+            mask=kv_valid[:, None] & dim_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_N, HEAD_P]
 
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         visible = (kv_pos[None, :] <= pos[:, None]) & kv_valid[None, :]
@@ -151,12 +159,12 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # [BLOCK_M, HEAD_DIM]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # [BLOCK_M, HEAD_P]
     tok_global = (q_start + tok).to(tl.int64)
     split64 = split.to(tl.int64)
     o_off = split64 * stride_o_split + tok_global * stride_o_tok + head * stride_o_head
     o_ptrs = out_ptr + o_off[:, None] + dims[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     if SPLIT:
         empty = l_i == 0.0  # no visible key in this split's range
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -183,6 +191,7 @@ def _merge_splits_kernel(
     SPLITS_P: tl.constexpr,  # num_splits rounded up to a power of two
     BLOCK_H: tl.constexpr,  # query heads per program
     HEAD_DIM: tl.constexpr,
+    HEAD_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two
 ):
     tok = tl.program_id(0).to(tl.int64)
     if tok >= tl.load(query_start_loc_ptr + num_seqs):
@@ -190,7 +199,8 @@ def _merge_splits_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     head_valid = heads < num_heads
     splits = tl.arange(0, SPLITS_P)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_P)
+    mask = head_valid[:, None] & (dims < HEAD_DIM)[None, :]  # [BLOCK_H, HEAD_P]
     lse_off = splits[:, None] * stride_lse_split + tok * stride_lse_tok + heads[None, :]
     lse_mask = (splits[:, None] < num_splits) & head_valid[None, :]
     lse = tl.load(lse_ptr + lse_off, mask=lse_mask, other=float("-inf"))  # [SPLITS_P, BLOCK_H]
@@ -199,8 +209,8 @@ def _merge_splits_kernel(
     total = tl.sum(tl.exp2(lse - m[None, :]), 0)  # [BLOCK_H]
     total = tl.where(total == 0.0, 1.0, total)
 
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    p_off = tok * stride_p_tok + heads[:, None] * stride_p_head + dims[None, :]  # [BLOCK_H, D]
+    acc = tl.zeros([BLOCK_H, HEAD_P], tl.float32)
+    p_off = tok * stride_p_tok + heads[:, None] * stride_p_head + dims[None, :]  # [BLOCK_H, HEAD_P]
     for split in range(num_splits):
         split64 = tl.cast(split, tl.int64)
         split_lse = tl.load(
@@ -209,12 +219,10 @@ def _merge_splits_kernel(
             other=float("-inf"),
         )  # [BLOCK_H]
         weight = tl.exp2(split_lse - m) / total  # [BLOCK_H]
-        part = tl.load(
-            part_ptr + split64 * stride_p_split + p_off, mask=head_valid[:, None], other=0.0
-        )  # [BLOCK_H, HEAD_DIM]
+        part = tl.load(part_ptr + split64 * stride_p_split + p_off, mask=mask, other=0.0)
         acc += part * weight[:, None]
     o_ptrs = out_ptr + tok * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -227,7 +235,7 @@ class _Tiling:
     num_warps: int
 
 
-def _choose_tiling(group: int, max_query_len: int, head_dim: int) -> _Tiling:
+def _choose_tiling(group: int, max_query_len: int, head_p: int) -> _Tiling:
     group_p = next_power_of_2(group)
     # Decode-heavy batches need only 16 rows (the tl.dot minimum); prefills get taller tiles.
     block_m = 16 if max_query_len * group_p <= 16 else 64
@@ -235,7 +243,7 @@ def _choose_tiling(group: int, max_query_len: int, head_dim: int) -> _Tiling:
     block_q = block_m // group_p
     num_q_tiles = cdiv(max(max_query_len, 1), block_q)
     # Past 64 x 128 accumulator rows x dims, 4 warps run short of registers (ptxas: ~200/thread).
-    num_warps = 8 if block_m * head_dim >= 64 * 128 else 4
+    num_warps = 8 if block_m * head_p >= 64 * 128 else 4
     return _Tiling(group, group_p, block_q, block_m, num_q_tiles, num_warps)
 
 
@@ -280,8 +288,6 @@ def _check_inputs(
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     check_last_dim_contiguous("q", q)
     num_seqs = seq_lens.shape[0]
     for name, t, shape in (
@@ -343,7 +349,7 @@ def paged_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    tiling = _choose_tiling(q.shape[1] // k_cache.shape[2], max_query_len, q.shape[2])
+    tiling = _choose_tiling(q.shape[1] // k_cache.shape[2], max_query_len, padded_head_dim(q.shape[2]))
     if num_splits is None:
         programs = num_seqs * k_cache.shape[2] * tiling.num_q_tiles
         num_splits = choose_num_splits(programs, max_seq_len, _num_sms(device))
@@ -403,7 +409,7 @@ class _Launch:
             num_splits,
             cdiv(cdiv(max_seq_len, _BLOCK_N), num_splits),
             GROUP=t.group, GROUP_P=t.group_p, BLOCK_Q=t.block_q, BLOCK_M=t.block_m,
-            BLOCK_N=_BLOCK_N, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim,
+            BLOCK_N=_BLOCK_N, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim),
             DOT_DTYPE=dot_dtype(self.q.dtype, is_interpreted(_paged_attention_kernel)),
             DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32",
             SPLIT=split, WINDOW=self.window, SOFTCAP=self.softcap,
@@ -419,14 +425,14 @@ def _run_split(launch: _Launch, out: torch.Tensor, num_splits: int, max_seq_len:
     )  # [num_splits, T, num_heads, head_dim]
     lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=device)
     launch.run(parts, lse, num_splits, max_seq_len)
-    block_h = min(next_power_of_2(num_heads), max(1, _MERGE_TILE // head_dim))
+    block_h = min(next_power_of_2(num_heads), max(1, _MERGE_TILE // padded_head_dim(head_dim)))
     _merge_splits_kernel[(num_tokens, cdiv(num_heads, block_h))](
         parts, lse, out, launch.query_start_loc,
         launch.seq_lens.shape[0], num_heads, num_splits,
         parts.stride(0), parts.stride(1), parts.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        SPLITS_P=next_power_of_2(num_splits), BLOCK_H=block_h, HEAD_DIM=head_dim,
+        SPLITS_P=next_power_of_2(num_splits), BLOCK_H=block_h, HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim),
         num_warps=4,
     )  # fmt: skip
 

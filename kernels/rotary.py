@@ -10,6 +10,9 @@ which already folds in rope scaling. For pair i < head_dim / 2 of a head `x`:
     out[i + half]     = x[i + half] * cos[i] + x[i] * sin[i]
 
 computed in float32 and rounded once to x's dtype (Hugging Face rounds each product).
+Where a model rotates only part of each head (Phi-4-mini: 96 of 128 columns), q and k are
+passed as views of those leading columns, and `head_dim` above is the rotated width; any even
+width works (tiles are padded to a power of two and masked).
 """
 
 import torch
@@ -34,14 +37,16 @@ def _rotate_heads(
     x_ptr,  # this token's [num_heads, 2 * HALF] row
     stride_head,
     num_heads,
-    cos,  # [1, HALF] fp32
-    sin,  # [1, HALF] fp32
+    cos,  # [1, HALF_P] fp32
+    sin,  # [1, HALF_P] fp32
     HEADS_P: tl.constexpr,
     HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
 ):
     heads = tl.arange(0, HEADS_P)[:, None]  # [HEADS_P, 1]
-    mask = heads < num_heads
-    lo_ptrs = x_ptr + heads * stride_head + tl.arange(0, HALF)[None, :]  # [HEADS_P, HALF]
+    cols = tl.arange(0, HALF_P)[None, :]  # [1, HALF_P]
+    mask = (heads < num_heads) & (cols < HALF)
+    lo_ptrs = x_ptr + heads * stride_head + cols  # [HEADS_P, HALF_P]
     x1 = tl.load(lo_ptrs, mask=mask, other=0.0)
     x2 = tl.load(lo_ptrs + HALF, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
@@ -65,15 +70,17 @@ def _rotary_kernel(
     HEADS_P: tl.constexpr,  # num_heads rounded up to a power of two
     KV_HEADS_P: tl.constexpr,
     HALF: tl.constexpr,  # head_dim / 2
+    HALF_P: tl.constexpr,  # HALF rounded up to a power of two
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok).to(tl.int64)
-    cols = tl.arange(0, HALF)[None, :]  # [1, HALF]
-    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + cols)  # [1, HALF]
-    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + cols)
-    _rotate_heads(q_ptr + tok * stride_q_tok, stride_q_head, num_heads, cos, sin, HEADS_P, HALF)
+    cols = tl.arange(0, HALF_P)[None, :]  # [1, HALF_P]
+    col_ok = cols < HALF
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + cols, mask=col_ok, other=0.0)  # [1, HALF_P]
+    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + cols, mask=col_ok, other=0.0)
+    _rotate_heads(q_ptr + tok * stride_q_tok, stride_q_head, num_heads, cos, sin, HEADS_P, HALF, HALF_P)
     _rotate_heads(
-        k_ptr + tok * stride_k_tok, stride_k_head, num_kv_heads, cos, sin, KV_HEADS_P, HALF
+        k_ptr + tok * stride_k_tok, stride_k_head, num_kv_heads, cos, sin, KV_HEADS_P, HALF, HALF_P
     )
 
 
@@ -104,8 +111,8 @@ def _check_inputs(
         check_last_dim_contiguous(name, t)
     if not cos_sin_cache.is_contiguous():
         raise ValueError("cos_sin_cache must be contiguous")
-    if head_dim < 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
 
 
 def apply_rotary_emb(
@@ -126,7 +133,7 @@ def apply_rotary_emb(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         num_heads, num_kv_heads,
         HEADS_P=next_power_of_2(num_heads), KV_HEADS_P=next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2,
+        HALF=head_dim // 2, HALF_P=next_power_of_2(head_dim // 2),
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
     )  # fmt: skip
 

@@ -8,7 +8,7 @@ from kernels import reshape_and_cache, reshape_and_cache_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (num_tokens, num_blocks, block_size, num_kv_heads, head_dim)
-SHAPES = [(7, 4, 4, 3, 64), (5, 3, 16, 1, 128), (12, 6, 8, 8, 16)]
+SHAPES = [(7, 4, 4, 3, 64), (5, 3, 16, 1, 128), (12, 6, 8, 8, 16), (6, 3, 4, 3, 96)]  # 96: Phi-3
 if ON_CUDA:
     SHAPES.append((4096, 2048, 16, 8, 128))
 

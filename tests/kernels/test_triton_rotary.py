@@ -9,7 +9,7 @@ from kernels import apply_rotary_emb, apply_rotary_emb_ref, build_cos_sin_cache
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
 # (num_tokens, num_heads, num_kv_heads, head_dim)
-SHAPES = [(6, 9, 3, 64), (3, 4, 4, 128), (5, 8, 2, 16)]
+SHAPES = [(6, 9, 3, 64), (3, 4, 4, 128), (5, 8, 2, 16), (4, 6, 2, 96)]  # 96: Phi-3's heads
 if ON_CUDA:
     SHAPES += [(4096, 32, 8, 128), (4096, 9, 3, 64)]
 MAX_POSITION = 4096
@@ -50,6 +50,18 @@ def test_int32_positions_and_strided_views(device: torch.device) -> None:
     assert_close(qkv[:, :6], expected_q)
     assert_close(qkv[:, 6:8], expected_k)
     assert torch.equal(qkv[:, 8:], before[:, 8:])
+
+
+def test_partial_rotary_rotates_the_leading_columns_only(device: torch.device) -> None:
+    """Phi-4-mini: 96 of each 128-wide head rotated, from a 96-wide table; the rest untouched."""
+    positions, _, _, cos_sin = _inputs((5, 6, 2, 96), torch.bfloat16, device)
+    qk = torch.randn(5, 8, 128, device=device).to(torch.bfloat16)
+    before = qk.clone()
+    expected_q, expected_k = apply_rotary_emb_ref(positions, qk[:, :6, :96], qk[:, 6:, :96], cos_sin)
+    apply_rotary_emb(positions, qk[:, :6, :96], qk[:, 6:, :96], cos_sin)
+    assert_close(qk[:, :6, :96], expected_q)
+    assert_close(qk[:, 6:, :96], expected_k)
+    assert torch.equal(qk[..., 96:], before[..., 96:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
