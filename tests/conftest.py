@@ -123,8 +123,16 @@ def tiny_other_config(family: str):
                              residual_multiplier=0.5, attention_multiplier=0.05, logits_scaling=4.0, **TINY_COMMON)
     if family == "olmo2":
         return Olmo2Config(vocab_size=VOCAB, tie_word_embeddings=False, **TINY_COMMON)
-    if family == "phi3":
-        return Phi3Config(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=None, **TINY_COMMON)
+    if family == "phi3":  # Phi-4-mini's shape: RoPE over 3/4 of each head, heads not a power of two wide (24)
+        return Phi3Config(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=None,
+                          **{**TINY_COMMON, "hidden_size": 96}, partial_rotary_factor=0.75)
+    if family == "phi3_longrope":  # and Phi-3.5's LongRoPE: other factors past 64 positions
+        factors = torch.linspace(1.0, 8.0, 9)  # one per rotated pair (18 columns)
+        return Phi3Config(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=None,
+                          **{**TINY_COMMON, "hidden_size": 96, "max_position_embeddings": 256},
+                          partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0] * 9,
+                                        "long_factor": factors.tolist()})
     return tiny_moe_config(family, VOCAB)
 
 
@@ -220,6 +228,11 @@ def tiny_classifier_dir(tmp_path_factory, default_model_dir) -> Path:
 def tiny_qwen3_moe_dir(tmp_path_factory, default_model_dir) -> Path:
     """A mixture of experts whose second layer keeps a dense MLP."""
     return build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_longrope_dir(tmp_path_factory, default_model_dir) -> Path:
+    return build_tiny_model("phi3_longrope", tmp_path_factory.mktemp("phi3_longrope"), default_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -76,7 +76,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.block_size = config.block_size
-        self.model_config = ModelConfig.from_hf(hf_config, config.quantization)
+        self.model_config = ModelConfig.from_hf(hf_config, config.quantization, max_model_len)
         # how far back a running request's KV blocks are kept (None: all of them); the
         # engine's scheduler gives back the rest, and the cache is sized for it
         self.release_window = release_window(self.model_config.attention_span, config)

@@ -94,8 +94,9 @@ def test_prefill_logits_match_transformers_mixtures_of_experts(tiny_moe_dir):
 # The kernel path (attention, KV writes, norms, rotary, fused MoE) under the interpreter costs
 # seconds a model, so it runs for the models whose kernel launches differ: GQA and MHA, a
 # window on some layers, capped scores with a window (Gemma 2), a RoPE table per layer kind
-# (Gemma 3), routed experts with a shared one. The other families differ in torch code only.
-@pytest.mark.parametrize("tiny_model_dir", ["llama", "mistral", "gemma2", "gemma3"], indirect=True)
+# (Gemma 3), routed experts with a shared one, RoPE over part of heads 24 wide (Phi-3's tiny
+# model: tiles padded to 32 columns). The other families differ in torch code only.
+@pytest.mark.parametrize("tiny_model_dir", ["llama", "mistral", "phi3", "gemma2", "gemma3"], indirect=True)
 def test_prefill_logits_match_transformers_kernel_path(tiny_model_dir):
     check_prefill_logits(tiny_model_dir, "triton")
 
@@ -145,6 +146,18 @@ def check_prefill_logits_against(tiny_model_dir, reference_dir, backend, engine_
     got = dict(zip(out.request_ids, out.logits.cpu(), strict=True))
     for name, expected in ref.items():
         assert torch.allclose(got[name], expected, atol=1e-4, rtol=0), name
+
+
+def test_longrope_matches_transformers_short_and_long(tiny_longrope_dir):
+    """LongRoPE (Phi-3.5): transformers rotates by the short factors while a sequence is within
+    the original 64 positions and by the long ones past it. The engine picks one set for every
+    sequence, by the longest it serves: each engine is checked on sequences of its own kind."""
+    short = LLM(str(tiny_longrope_dir), dtype="float32", max_model_len=64, num_gpu_blocks_override=64)
+    assert not short.engine.runner.model_config.long_rope
+    run_and_compare(short, tiny_longrope_dir, PROMPTS[:3])  # prompts and their 32 tokens stay within 64
+    long = LLM(str(tiny_longrope_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    assert long.engine.runner.model_config.long_rope
+    run_and_compare(long, tiny_longrope_dir, [PROMPTS[8] * 2, PROMPTS[5] * 2])  # prompts past 64
 
 
 def test_preemption_gives_the_same_output(tiny_llama_dir):
@@ -234,13 +247,13 @@ ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 
 @pytest.mark.parametrize(("change", "error"), [
     ({"architectures": ["GPT2LMHeadModel"]}, r"unsupported architecture 'GPT2LMHeadModel'; supported: .*Phi3ForCausalLM"),
-    ({"rope_parameters": {**ROPE, "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
-     r"unsupported rope scaling 'longrope'"),
-    ({"rope_parameters": {**ROPE, "partial_rotary_factor": 0.75}}, r"partial_rotary_factor=0.75\) are not supported"),
+    ({"rope_parameters": {**ROPE, "rope_type": "dynamic", "factor": 2.0}}, r"unsupported rope scaling 'dynamic'"),
+    ({"rope_parameters": {**ROPE, "partial_rotary_factor": 0.7}}, r"rotates 11 of 16 columns per head; .* even"),
 ])
 def test_what_the_engine_cannot_run_is_refused_by_name(change, error):
-    """Phi-3.5's longrope and Phi-4-mini's partial rotary compute something else: refused
-    before any weight is read, not served wrongly."""
+    """Dynamic NTK scaling (its frequencies change with the length) and a rotary over an odd
+    number of columns compute something else: refused before any weight is read, not served
+    wrongly."""
     from transformers import Phi3Config
 
     from worker.models.config import ModelConfig

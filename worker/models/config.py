@@ -49,7 +49,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
 @dataclass(frozen=True)
@@ -125,11 +125,15 @@ class ModelConfig:
     attn_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
     final_softcap: float | None = None  # and so do the final logits
     local_rope: bool = False  # windowed layers rotate by RoPE settings of their own (Gemma 3)
+    rotary_dim: int | None = None  # RoPE rotates each head's first rotary_dim columns (Phi-4-mini: 3/4); None: all
+    long_rope: bool = False  # LongRoPE (Phi-3.5, Phi-4-mini): its long factors, not its short ones
     quant: QuantConfig | None = None  # quantized weights: the checkpoint's, or fp8 quantized as they load
 
     @classmethod
-    def from_hf(cls, hf_config: Any, quantization: str | None = None) -> ModelConfig:
-        """`quantization`: the engine's argument (fp8, or None: as the checkpoint is stored)."""
+    def from_hf(cls, hf_config: Any, quantization: str | None = None, max_model_len: int | None = None
+                ) -> ModelConfig:
+        """`quantization`: the engine's argument (fp8, or None: as the checkpoint is stored);
+        `max_model_len`: the longest sequence the engine serves (None: the model's limit)."""
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
@@ -148,10 +152,7 @@ class ModelConfig:
         layer_windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
         for kind in _ROPE_KINDS:
             _rope_type(hf_config, kind)  # fail early on unsupported scaling
-        partial = _rope_params(hf_config).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
-            raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported; "
-                             "the rotary must cover the whole head")
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         return cls(
             hf_config=hf_config,
             architecture=arch,
@@ -161,7 +162,7 @@ class ModelConfig:
             num_hidden_layers=hf_config.num_hidden_layers,
             num_attention_heads=heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            head_dim=head_dim,
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=hf_config.max_position_embeddings,
             # no head of its own: the embedding stands in (logits are never asked of it)
@@ -176,6 +177,8 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
             quant=QuantConfig.from_hf(hf_config, quantization),
+            rotary_dim=_rotary_dim(hf_config, head_dim),
+            long_rope=_long_rope(hf_config, max_model_len),
             **_variant_fields(hf_config, family),
         )
 
@@ -196,11 +199,14 @@ class ModelConfig:
             or 10000.0
         )
         if rope_type == "default":
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            dim = self.rotary_dim or self.head_dim
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
             return 1.0 / (theta**exponents), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        extra = {"layer_type": kind} if _per_kind(self.hf_config) else {}
+        extra: dict[str, Any] = {"layer_type": kind} if _per_kind(self.hf_config) else {}
+        if rope_type == "longrope" and self.long_rope:  # a length past the original picks the long factors
+            extra["seq_len"] = _original_max_positions(self.hf_config) + 1
         return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu", **extra)
 
 
@@ -258,6 +264,34 @@ def _rope_params(hf_config: Any, kind: str = "full_attention") -> dict:
         return dict(hf_config.rope_parameters.get(kind) or hf_config.rope_parameters["full_attention"])
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     return dict(params or {})
+
+
+def _rotary_dim(hf_config: Any, head_dim: int) -> int | None:
+    partial = _rope_params(hf_config).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial in (None, 1, 1.0):
+        return None
+    dim = int(head_dim * partial)  # as transformers rounds it
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor={partial} rotates {dim} of {head_dim} columns per head; "
+                         "it must be an even number of them, at least 2")
+    return dim
+
+
+def _original_max_positions(hf_config: Any) -> int:
+    return int(_rope_params(hf_config).get("original_max_position_embeddings")
+               or getattr(hf_config, "original_max_position_embeddings", None)
+               or hf_config.max_position_embeddings)
+
+
+def _long_rope(hf_config: Any, max_model_len: int | None) -> bool:
+    """Whether a LongRoPE model rotates by its long factors. transformers switches per forward
+    pass by the sequence's length, so a sequence that grows past the original length would hold
+    keys rotated both ways; the engine picks one set for every sequence instead, as vLLM does:
+    the long factors when it serves sequences longer than the original length (Phi-3.5-mini's
+    4096; `max_model_len` at or under it keeps the short ones)."""
+    if _rope_type(hf_config) != "longrope":
+        return False
+    return (max_model_len or hf_config.max_position_embeddings) > _original_max_positions(hf_config)
 
 
 def _rope_type(hf_config: Any, kind: str = "full_attention") -> str:

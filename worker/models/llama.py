@@ -86,28 +86,28 @@ class RotaryEmbedding(nn.Module):
     rotation of one step's q and k heads. With `use_kernel` a Triton kernel rotates them in
     place from one float32 cos|sin table (the CUDA path)."""
 
-    cos: torch.Tensor  # [max_positions, head_dim] float32, torch path
+    cos: torch.Tensor  # [max_positions, rotary_dim] float32, torch path
     sin: torch.Tensor
-    cos_sin: torch.Tensor  # [max_positions, head_dim] float32: cos | sin, kernel path
+    cos_sin: torch.Tensor  # [max_positions, rotary_dim] float32: cos | sin, kernel path
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
                  use_kernel: bool = False):
         super().__init__()
         self.use_kernel = use_kernel
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.float())  # [max_positions, head_dim / 2]
+        freqs = torch.outer(positions, inv_freq.float())  # [max_positions, rotary_dim / 2]
         if use_kernel:
             cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_scaling
-            self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, head_dim]
+            self.register_buffer("cos_sin", cos_sin, persistent=False)  # [max_positions, rotary_dim]
             return
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:  # positions: [T]
         if self.use_kernel:
             return KernelRope(positions, self.cos_sin)
-        # cos and sin gathered once for all layers: [T, 1, head_dim] each
+        # cos and sin gathered once for all layers: [T, 1, rotary_dim] each
         return TableRope(self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1))
 
 
@@ -118,25 +118,33 @@ class Rope(Protocol):
 
 @dataclass
 class TableRope:
-    cos: torch.Tensor  # [T, 1, head_dim] in the activation dtype
+    cos: torch.Tensor  # [T, 1, rotary_dim] in the activation dtype
     sin: torch.Tensor
 
     def __call__(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+        rotary_dim = self.cos.shape[-1]
+        if rotary_dim < qk.shape[-1]:  # partial rotary: the rest of each head passes through
+            return torch.cat((self._rotate(qk[..., :rotary_dim]), qk[..., rotary_dim:]), dim=-1)
+        return self._rotate(qk)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         # q and k heads in one pass, rounding each product as transformers does
-        half = qk.shape[-1] // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        return qk * self.cos + rotated * self.sin
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * self.cos + rotated * self.sin
 
 
 @dataclass
 class KernelRope:
     positions: torch.Tensor  # [T]
-    cos_sin: torch.Tensor  # [max_positions, head_dim] float32: cos | sin
+    cos_sin: torch.Tensor  # [max_positions, rotary_dim] float32: cos | sin
 
     def __call__(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
         import kernels
 
-        kernels.apply_rotary_emb(self.positions, qk[:, :num_heads], qk[:, num_heads:], self.cos_sin)
+        rotary_dim = self.cos_sin.shape[-1]  # partial rotary: each head's leading columns only
+        kernels.apply_rotary_emb(self.positions, qk[:, :num_heads, :rotary_dim], qk[:, num_heads:, :rotary_dim],
+                                 self.cos_sin)
         return qk  # rotated in place
 
 
