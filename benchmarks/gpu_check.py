@@ -13,8 +13,8 @@ reports the parts it finished):
    order); the model's shape remade as a Qwen3 (its per-head q/k norms), a Qwen3-MoE and a
    Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), a Gemma 2
    (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
-   kind), a W4A16 Llama (packed int4 weights) and a Qwen3-MoE with fp8 experts, greedy,
-   CUDA against CPU;
+   kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a W4A16 Llama (packed int4
+   weights) and a Qwen3-MoE with fp8 experts, greedy, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -141,6 +141,13 @@ REMADE = {
                "query_pre_attn_scalar": 64, "hidden_activation": "gelu_pytorch_tanh", "layer_types": None,
                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
+    # Phi-3.5 / Phi-4-mini: 96-wide heads (kernel tiles padded to 128), 3/4 of each rotated
+    # (72 columns), LongRoPE's long factors (max_model_len 2048 is past the original 256)
+    "phi3_longrope": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "num_attention_heads": 6,
+                      "num_key_value_heads": 3, "head_dim": 96, "partial_rotary_factor": 0.75,
+                      "sliding_window": None, "original_max_position_embeddings": 256,
+                      "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 36,
+                                          "long_factor": [1.0 + i / 5 for i in range(36)]}},
     # quantized checkpoints' layouts: W4A16 (int4 in groups of 128, packed: hidden 576 ends
     # mid-group), and fp8 experts with 128 x 128 blocks (inside the decode CUDA graphs)
     "llama_w4a16": {"quantization_config": {
@@ -167,8 +174,8 @@ def remake(model: str | None, arch: str, out_dir, **overrides) -> str:
         if (source / name).exists():
             shutil.copy(source / name, out / name)
     config = json.loads((source / "config.json").read_text())
-    config.update(attention_bias=False, head_dim=config["hidden_size"] // config["num_attention_heads"],
-                  use_sliding_window=False, **{**REMADE[arch], **overrides})
+    config.update({"attention_bias": False, "head_dim": config["hidden_size"] // config["num_attention_heads"],
+                   "use_sliding_window": False, **REMADE[arch], **overrides})
     (out / "config.json").write_text(json.dumps(config))
     return str(out)
 
