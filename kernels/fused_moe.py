@@ -19,6 +19,8 @@ summed in fp32 and rounded once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn import functional as F
 
@@ -197,11 +199,21 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,  # quantized weights: [num_experts, cdiv(rows, block[0]), cdiv(cols, block[1])]
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,  # quantized weights: weight rows, columns per scale
+    *,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,  # (gate, up) -> h
+    w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate], x's dtype
+    w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
 ) -> torch.Tensor:  # [T, hidden]
     """Sum over each token's top-k experts of weight * down(SiLU(gate(x)) * up(x)). Weights
     in x's dtype, or quantized with float32 scales per block, widened tile by tile: fp8 or
-    int8 values, or int4 packed eight to an int32 (as `kernels.quant_linear` reads them)."""
+    int8 values, or int4 packed eight to an int32 (as `kernels.quant_linear` reads them).
+    `activation` replaces SiLU(gate) * up (it runs in torch between the two launches); biases
+    are added to each projection's rounded output (gpt-oss), before the routing weight."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+    for name, bias, rows in (("w13_bias", w13_bias, w13.shape[1]), ("w2_bias", w2_bias, w2.shape[1])):
+        if bias is not None:
+            check_dtype(name, bias, (x.dtype,))
+            check_shape(name, bias, (w13.shape[0], rows))
     check_device(_moe_matmul_kernel, x=x, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -213,15 +225,26 @@ def fused_moe(
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
     _launch(x, w13, w13_scale, block, gate_up, weights, sorted_ids, block_experts, top_k,
             a_per_token=True, mul_weight=False)
+    experts = topk_ids.flatten()  # [num_pairs]
+    if w13_bias is not None:
+        gate_up += w13_bias[experts]
     gate, up = gate_up.chunk(2, dim=-1)
-    h = F.silu(gate).mul_(up)  # [num_pairs, intermediate]
+    h = F.silu(gate).mul_(up) if activation is None else activation(gate, up)  # [num_pairs, intermediate]
     # weighted rows in the weights' dtype; their sum accumulates in fp32 and is rounded once
-    out = torch.empty(num_pairs, hidden, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
-    _launch(h, w2, w2_scale, block, out, weights, sorted_ids, block_experts, top_k, a_per_token=False, mul_weight=True)
+    if w2_bias is None:  # the kernel weighs each row as it writes it
+        out = torch.empty(num_pairs, hidden, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+        _launch(h, w2, w2_scale, block, out, weights, sorted_ids, block_experts, top_k, a_per_token=False,
+                mul_weight=True)
+    else:  # the bias goes in before the weight
+        down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+        _launch(h, w2, w2_scale, block, down, weights, sorted_ids, block_experts, top_k, a_per_token=False,
+                mul_weight=False)
+        out = (down + w2_bias[experts]) * weights[:, None]
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
-def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None) -> torch.Tensor:
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None, *,
+                  activation=None, w13_bias=None, w2_bias=None) -> torch.Tensor:
     """The same sum, each row's experts' weights gathered and multiplied densely (an
     independent oracle: no sorting, no tiles), with the kernel's rounding points; quantized
     weights are dequantized to x's dtype first."""
@@ -230,8 +253,12 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=N
         w13 = dequantize_ref(w13, w13_scale, block, x.dtype, hidden)
         w2 = dequantize_ref(w2, w2_scale, block, x.dtype, inter)
     gate_up = torch.einsum("th,tknh->tkn", x.float(), w13[topk_ids].float()).to(x.dtype)
+    if w13_bias is not None:
+        gate_up = gate_up + w13_bias[topk_ids]
     gate, up = gate_up.chunk(2, dim=-1)
-    h = F.silu(gate) * up  # [T, top_k, intermediate]
+    h = F.silu(gate) * up if activation is None else activation(gate, up)  # [T, top_k, intermediate]
     out = torch.einsum("tki,tkhi->tkh", h.float(), w2[topk_ids].float()).to(x.dtype)
+    if w2_bias is not None:
+        out = out + w2_bias[topk_ids]
     return (out * topk_weights[..., None]).sum(dim=1).to(x.dtype)
 

@@ -55,6 +55,7 @@ def _paged_attention_kernel(
     v_cache_ptr,
     out_ptr,  # [T, num_heads, HEAD_DIM], or [num_splits, T, num_heads, HEAD_DIM] fp32 partials
     lse_ptr,  # [num_splits, T, num_heads] fp32, log2 units; only read when SPLIT
+    sinks_ptr,  # [num_heads] fp32: each head's sink logit; only read when SINKS
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_num_blocks_per_seq] int32
@@ -83,6 +84,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,  # write fp32 partials and their log-sum-exp
     WINDOW: tl.constexpr,  # a query sees only the last WINDOW positions (itself included); 0: all
     SOFTCAP: tl.constexpr,  # scores become SOFTCAP * tanh(score / SOFTCAP); 0: uncapped
+    SINKS: tl.constexpr,  # a learned logit per head joins each row's softmax, with a zero value
 ):
     q_tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -118,6 +120,12 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    if SINKS:  # the sink starts the softmax as one more score (in the first split only)
+        log2e_ = 1.4426950408889634
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * log2e_
+        sink = tl.where(split == 0, sink, float("-inf"))
+        m_i = sink
+        l_i = tl.where(sink == float("-inf"), 0.0, 1.0)
     acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt_seq
     kv_head_off = kv_head * HEAD_DIM
@@ -319,6 +327,7 @@ def paged_attention(
     num_splits: int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of the batch's new tokens over their paged contexts.
 
@@ -327,9 +336,14 @@ def paged_attention(
     the batch's; when None they are read from the tensors, which synchronises with the GPU
     (pass them, e.g. max_model_len, under CUDA graphs). `num_splits` None chooses a KV split
     count from the batch shape and the GPU; 1 disables splitting. Rows of `out` from
-    `query_start_loc[B]` on (padding) are left untouched.
+    `query_start_loc[B]` on (padding) are left untouched. `sinks` (GPT-OSS): a logit per
+    query head that takes its share of every row's softmax and contributes no value.
     """
     _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
+    if sinks is not None:
+        check_dtype("sinks", sinks, (torch.float32,))
+        check_shape("sinks", sinks, (q.shape[1],))
+        check_contiguous("sinks", sinks)
     device = check_device(
         _paged_attention_kernel,
         q=q,
@@ -361,7 +375,7 @@ def paged_attention(
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     launch = _Launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, tiling,
-                     sliding_window or 0, softcap or 0.0)
+                     sliding_window or 0, softcap or 0.0, sinks)
     if num_splits == 1:
         launch.run(out, None, 1, max_seq_len)
     else:
@@ -383,6 +397,7 @@ class _Launch:
     tiling: _Tiling
     window: int  # 0: none
     softcap: float  # 0: none
+    sinks: torch.Tensor | None  # [num_heads] float32
 
     def run(
         self,
@@ -399,6 +414,7 @@ class _Launch:
         grid = (t.num_q_tiles * num_splits, num_kv_heads, self.seq_lens.shape[0])
         _paged_attention_kernel[grid](
             self.q, self.k_cache, self.v_cache, out, out if lse is None else lse,
+            self.q if self.sinks is None else self.sinks,
             self.query_start_loc, self.seq_lens, self.block_tables,
             self.scale * _LOG2E,
             self.q.stride(0), self.q.stride(1),
@@ -412,7 +428,7 @@ class _Launch:
             BLOCK_N=_BLOCK_N, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim),
             DOT_DTYPE=dot_dtype(self.q.dtype, is_interpreted(_paged_attention_kernel)),
             DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32",
-            SPLIT=split, WINDOW=self.window, SOFTCAP=self.softcap,
+            SPLIT=split, WINDOW=self.window, SOFTCAP=self.softcap, SINKS=self.sinks is not None,
             num_warps=t.num_warps,
         )  # fmt: skip
 
@@ -447,6 +463,7 @@ def paged_attention_ref(
     scale: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [T, num_heads, head_dim]; padding rows are zero
     """Plain-torch paged attention, one sequence at a time, computed in float32 (an fp8
     cache's values widened as they are)."""
@@ -462,7 +479,7 @@ def paged_attention_ref(
         blocks = block_tables[b, : cdiv(seq_len, block_size)].long()  # [num_seq_blocks]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, kvh, D]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        out[start:end] = _dense_causal_attention(q[start:end], k, v, scale, sliding_window, softcap).to(q.dtype)
+        out[start:end] = _dense_causal_attention(q[start:end], k, v, scale, sliding_window, softcap, sinks).to(q.dtype)
     return out
 
 
@@ -473,6 +490,7 @@ def _dense_causal_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]: one more logit per row, whose value is zero
 ) -> torch.Tensor:  # [query_len, num_heads, D] float32
     query_len, seq_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -487,6 +505,10 @@ def _dense_causal_attention(
     if window is not None:
         visible &= kv_pos > pos[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.float()[:, None, None].expand(-1, query_len, 1)  # [num_heads, query_len, 1]
+        probs = torch.cat((scores, sink_column), dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("hqk,khd->qhd", probs, v)
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 

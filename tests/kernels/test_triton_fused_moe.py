@@ -63,6 +63,25 @@ def test_fused_moe_matches_reference(device: torch.device, case, dtype: torch.dt
     assert_close(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_moe_with_biases_and_another_activation(device: torch.device, dtype: torch.dtype) -> None:
+    """gpt-oss's experts: a bias on each projection (the down one before the routing weight)
+    and a gated unit of its own, run in torch between the launches."""
+    case = (37, 8, 3, 96, 48)
+    x, w13, w2 = _inputs(case, dtype, device)
+    weights, ids = _routing(*case[:3], device, dtype)
+    b13 = torch.randn(8, 96, device=device).to(dtype)
+    b2 = torch.randn(8, 96, device=device).to(dtype)
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return (up.clamp(-1.0, 1.0) + 1) * gate.clamp(max=1.0)
+
+    kwargs = dict(activation=act, w13_bias=b13, w2_bias=b2)
+    expected = fused_moe_ref(x, w13, w2, weights, ids, **kwargs)
+    assert_close(fused_moe(x, w13, w2, weights, ids, **kwargs), expected)
+    assert not torch.allclose(expected, fused_moe_ref(x, w13, w2, weights, ids), atol=1e-2)
+
+
 def test_fused_moe_reads_strided_rows(device: torch.device) -> None:
     """x as a slice of a wider buffer, as the residual stream hands it over."""
     x, w13, w2 = _inputs((6, 4, 2, 64, 32), torch.float32, device)

@@ -94,6 +94,31 @@ def test_softcap(device: torch.device, window: int | None) -> None:
     assert not torch.allclose(expected, uncapped)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 16])
+def test_sinks(device: torch.device, window: int | None, num_splits: int) -> None:
+    """GPT-OSS: a logit per query head joins each row's softmax and adds no value; split
+    contexts count it once (in the first split, even where the window leaves that split no key)."""
+    batch = make_paged_batch([1, 5, 33], [150, 90, 97], 8, 2, 64, 16, torch.float32, device)
+    sinks = torch.linspace(-2.0, 3.0, 8, device=device)
+    out = _run(batch, num_splits=num_splits, sliding_window=window, sinks=sinks)
+    expected = paged_attention_ref(*batch.attention_args(), sliding_window=window, sinks=sinks)
+    n = batch.num_real_tokens
+    assert_close(out[:n], expected[:n])
+    plain = paged_attention_ref(*batch.attention_args(), sliding_window=window)
+    assert not torch.allclose(expected[:n], plain[:n])
+
+
+def test_sink_reference_on_one_key() -> None:
+    """One query, one key: softmax over (score, sink) weighs the value by sigmoid(score - sink)."""
+    q, k, v = torch.randn(1, 2, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    sinks = torch.tensor([0.5, -1.0])
+    bt, qsl, sl = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    out = paged_attention_ref(q, k[None], v[None], qsl, sl, bt, scale=0.25, sinks=sinks)
+    score = (q * k).sum(-1) * 0.25  # [1, 2]
+    torch.testing.assert_close(out, v * torch.sigmoid(score - sinks)[..., None])
+
+
 def test_padding_rows_left_untouched(device: torch.device) -> None:
     batch = make_paged_batch([2, 1], [40, 9], 6, 2, 64, 16, torch.float16, device, 3)
     for num_splits in (1, 2):
