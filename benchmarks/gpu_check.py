@@ -13,8 +13,9 @@ reports the parts it finished):
    order); the model's shape remade as a Qwen3 (its per-head q/k norms), a Qwen3-MoE and a
    Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), a Gemma 2
    (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
-   kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a W4A16 Llama (packed int4
-   weights) and a Qwen3-MoE with fp8 experts, greedy, CUDA against CPU;
+   kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
+   biased experts), a W4A16 Llama (packed int4 weights) and a Qwen3-MoE with fp8 experts,
+   greedy, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -148,6 +149,10 @@ REMADE = {
                       "sliding_window": None, "original_max_position_embeddings": 256,
                       "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 36,
                                           "long_factor": [1.0 + i / 5 for i in range(36)]}},
+    # gpt-oss: attention sinks (in the decode CUDA graphs' split-KV attention), biased experts
+    # with the clamped SwiGLU, a window on every other layer
+    "gpt_oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8, "layer_types": None},
     # quantized checkpoints' layouts: W4A16 (int4 in groups of 128, packed: hidden 576 ends
     # mid-group), and fp8 experts with 128 x 128 blocks (inside the decode CUDA graphs)
     "llama_w4a16": {"quantization_config": {

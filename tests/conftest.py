@@ -154,6 +154,14 @@ def tiny_moe_config(family: str, vocab: int):
         return Qwen3MoeConfig(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=False, head_dim=32,
                               num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
                               norm_topk_prob=True, mlp_only_layers=[1], **TINY_COMMON)
+    if family == "gpt_oss":  # sinks, biases everywhere, windows on every other layer, YaRN; a clamp that bites
+        from transformers import GptOssConfig
+
+        rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 256, "rope_theta": 150000.0}
+        return GptOssConfig(vocab_size=vocab, tie_word_embeddings=False, head_dim=16, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=24, swiglu_limit=2.0, rope_parameters=rope,
+                            **{**TINY_COMMON, "intermediate_size": 64})  # MXFP4 groups of 32 fit
     if family == "granitemoe":
         from transformers import GraniteMoeConfig
 
@@ -183,6 +191,8 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(-0.5, 0.5)
             elif family == "olmo2" and name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+            elif family == "gpt_oss" and name.endswith(("_bias", "sinks")):  # transformers starts biases at zero
+                param.uniform_(-1.0, 1.0)
     model.save_pretrained(out_dir)
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
@@ -195,7 +205,7 @@ def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 
 
-@pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"])
+@pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss"])
 def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

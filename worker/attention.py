@@ -117,11 +117,12 @@ class AttentionMetadata:
         scale: float,
         window: int | None = None,  # the layer's sliding window
         softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
+        sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head in each softmax (gpt-oss)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's K/V into the cache, then attend over it."""
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, self)
-        return paged_attention(q, k, v, k_cache, v_cache, self, scale, window, softcap)
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, window, softcap, sinks)
 
 
 class TorchAttention:
@@ -259,15 +260,16 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
     for bucket in meta.decodes:
         rows = slice(bucket.row_start, bucket.row_end)
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale, bucket.masks[window], softcap)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale, bucket.masks[window], softcap, sinks)
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_end)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale,
-                                       chunk.masks[window], softcap)
+                                       chunk.masks[window], softcap, sinks)
     return out
 
 
@@ -287,13 +289,21 @@ def _matmul_attention(
     mask: torch.Tensor,  # additive, broadcast to [B, kv_heads, rows, ctx]
     scale: float,
     cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads], ordered (kv head, group member)
 ) -> torch.Tensor:  # [B, kv_heads, rows, D]
-    """Softmax in float32 between two matmuls in the model's dtype."""
+    """Softmax in float32 between two matmuls in the model's dtype. Rows are ordered (group
+    member, query) within a KV head, so the sinks of a head's rows are its members'."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
     if cap is not None:
         apply_softcap(scores, cap)
     scores.add_(mask)
-    return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
+    batch, num_kv_heads, rows = scores.shape[:3]
+    group = sinks.shape[0] // num_kv_heads
+    column = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(batch, -1, -1, rows // group, 1)
+    scores = torch.cat((scores, column.reshape(batch, num_kv_heads, rows, 1)), dim=-1)  # the sink, last
+    return torch.matmul(scores.softmax(dim=-1)[..., :-1].to(q.dtype), v)
 
 
 def _decode_attention(
@@ -304,6 +314,7 @@ def _decode_attention(
     scale: float,
     mask: torch.Tensor,  # one of bucket.masks
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [n * q_len, num_heads, D]
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads, q_len = k_cache.shape[1], bucket.q_len
@@ -315,7 +326,7 @@ def _decode_attention(
     kd = _gather(k_cache, bucket.block_rows, q.dtype, bucket.k_buffer).view(n, num_kv_heads, ctx, head_dim)
     vd = _gather(v_cache, bucket.block_rows, q.dtype, bucket.v_buffer).view(n, num_kv_heads, ctx, head_dim)
     # Plain matmuls beat SDPA's CPU kernel at these shapes (a few query rows per KV head).
-    o = _matmul_attention(qd, kd, vd, mask, scale, softcap)  # [n, kv_heads, group * q_len, D]
+    o = _matmul_attention(qd, kd, vd, mask, scale, softcap, sinks)  # [n, kv_heads, group * q_len, D]
     o = o.view(n, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(num_rows, num_heads, head_dim)
 
@@ -330,6 +341,7 @@ def _prefill_attention(
     scale: float,
     mask: torch.Tensor,  # one of chunk.masks
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, D]
     q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -345,8 +357,8 @@ def _prefill_attention(
     # Query rows ordered (kv head, group member, position): [1, kv_heads, group * q_len, D]
     qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(1, num_kv_heads, group * q_len, head_dim)
-    if ctx <= MATMUL_PREFILL_MAX_CONTEXT or softcap is not None:  # SDPA cannot cap scores
-        o = _matmul_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), mask, scale, softcap)
+    if ctx <= MATMUL_PREFILL_MAX_CONTEXT or softcap is not None or sinks is not None:  # SDPA has neither
+        o = _matmul_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), mask, scale, softcap, sinks)
     else:
         o = F.scaled_dot_product_attention(qg, kg.unsqueeze(0), vg.unsqueeze(0), attn_mask=mask, scale=scale)
     o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)

@@ -30,13 +30,14 @@ class TritonMetadata:
         scale: float,
         window: int | None = None,  # the layer's sliding window
         softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
+        sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head in each softmax (gpt-oss)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         k_cache, v_cache = kv_cache
         kernels.reshape_and_cache(k, v, k_cache, v_cache, self.slot_mapping)
         return kernels.paged_attention(
             q, k_cache, v_cache, self.query_start_loc, self.seq_lens, self.block_tables,
             scale=scale, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-            sliding_window=window, softcap=softcap,
+            sliding_window=window, softcap=softcap, sinks=None if sinks is None else sinks.float(),
         )
 
 

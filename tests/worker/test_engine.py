@@ -106,7 +106,7 @@ def test_prefill_logits_match_transformers_kernel_path_window(tiny_window_dir):
     check_prefill_logits(tiny_window_dir, "triton")
 
 
-@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe"], indirect=True)
+@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe", "gpt_oss"], indirect=True)  # gpt-oss: sinks, biased experts
 def test_prefill_logits_match_transformers_kernel_path_experts(tiny_moe_dir):
     check_prefill_logits(tiny_moe_dir, "triton")
 

@@ -33,6 +33,19 @@ def test_triton_backend_matches_transformers(tiny_llama_dir, enforce_eager):
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
+@pytest.mark.parametrize("tiny_moe_dir", ["gpt_oss"], indirect=True)
+def test_triton_backend_gpt_oss_decodes_like_transformers(tiny_moe_dir):
+    """gpt-oss in the decode graphs: attention sinks, biased experts with their clamped unit,
+    and decodes past the 24-position window of every other layer."""
+    llm = LLM(str(tiny_moe_dir), dtype="float32", device=DEVICE, attention_backend="triton",
+              num_gpu_blocks_override=64)
+    assert llm.engine.runner.graphs is not None
+    tok = llm.get_tokenizer()
+    expected = hf_greedy(tiny_moe_dir, [tok.encode(p) for p in PROMPTS], max_new=8)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 def test_decode_graphs_pad_shrinking_batches(tiny_llama_dir):
     """Sequences finish one after another, so decode batches of 6, 5, ... 1 run padded to the
     captured sizes 8, 4, 2 and 1; contexts cross block boundaries on the way. Greedy tokens

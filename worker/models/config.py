@@ -32,6 +32,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 with routed experts
     "GraniteMoeForCausalLM": "granitemoe",  # Granite with routed experts, weighed by a softmax over the top k
+    # OpenAI's gpt-oss: a learned sink logit per attention head, biased router and experts
+    # with a clamped SwiGLU, windows of 128 on every other layer
+    "GptOssForCausalLM": "gpt_oss",
     # the same decoders without an LM head (embedding models such as e5-mistral and
     # gte-Qwen2): they serve embedding requests only
     "LlamaModel": "llama",
@@ -47,7 +50,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
 }
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -68,14 +71,21 @@ class MoEConfig:
     float32_weights: bool
     shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert, scaled by sigmoid(gate(x))
     softmax_after_topk: bool = False  # GraniteMoE: the top k logits' softmax (the same weights, rounded otherwise)
+    bias: bool = False  # the router and each expert's projections have biases (gpt-oss)
+    # gpt-oss's SwiGLU, (alpha, limit): gate clamped under limit, up within +-limit,
+    # (up + 1) * gate * sigmoid(alpha * gate); None: SiLU(gate) * up
+    clamped_swiglu: tuple[float, float] | None = None
 
     @classmethod
     def from_hf(cls, hf_config: Any, family: str) -> MoEConfig:
-        if family in ("mixtral", "granitemoe"):
+        if family in ("mixtral", "granitemoe", "gpt_oss"):
+            gpt_oss = family == "gpt_oss"
             return cls(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
                        intermediate_size=hf_config.intermediate_size,
                        layers=frozenset(range(hf_config.num_hidden_layers)), renormalize=True,
-                       float32_weights=family == "mixtral", softmax_after_topk=family == "granitemoe")
+                       float32_weights=family == "mixtral", softmax_after_topk=family != "mixtral",
+                       bias=gpt_oss,
+                       clamped_swiglu=(hf_config.swiglu_alpha, hf_config.swiglu_limit) if gpt_oss else None)
         # Qwen: every `decoder_sparse_step`-th layer has experts, unless listed in mlp_only_layers
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
@@ -127,6 +137,7 @@ class ModelConfig:
     local_rope: bool = False  # windowed layers rotate by RoPE settings of their own (Gemma 3)
     rotary_dim: int | None = None  # RoPE rotates each head's first rotary_dim columns (Phi-4-mini: 3/4); None: all
     long_rope: bool = False  # LongRoPE (Phi-3.5, Phi-4-mini): its long factors, not its short ones
+    attn_sinks: bool = False  # a learned logit per head joins its softmax, with no value (gpt-oss)
     quant: QuantConfig | None = None  # quantized weights: the checkpoint's, or fp8 quantized as they load
 
     @classmethod
@@ -227,6 +238,8 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
         raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
     if family == "olmo2":
         return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True)
+    if family == "gpt_oss":  # norms scale in float32 (their weights are kept so), then round
+        return dict(norm_weight_offset=0.0, attn_sinks=True)
     if family.startswith("granite"):
         return dict(embed_scale=hf_config.embedding_multiplier, residual_scale=hf_config.residual_multiplier,
                     attn_scale=hf_config.attention_multiplier, logits_divisor=hf_config.logits_scaling)

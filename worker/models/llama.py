@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.attention import apply_softcap
-from worker.models import quant
+from worker.models import gpt_oss, quant
 from worker.models.config import ModelConfig
 from worker.models.moe import SparseMoeBlock
 
@@ -169,6 +169,8 @@ class Attention(nn.Module):
         self.qk_norm_whole = cfg.qk_norm_whole
         self.qkv_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
         self.o_lora: LoRASlots | None = None
+        # gpt-oss: a logit per query head that joins its softmax (and adds no value)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None
 
     def forward(
         self,
@@ -194,7 +196,8 @@ class Attention(nn.Module):
         qk = rope(qk, self.num_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        o = meta.forward(q, k, v, kv_cache, self.scale, self.sliding_window, self.softcap).view(num_tokens, self.q_size)
+        o = meta.forward(q, k, v, kv_cache, self.scale, self.sliding_window, self.softcap, self.sinks)
+        o = o.view(num_tokens, self.q_size)
         if lora is None:
             return self.o_proj(o)
         return lora.add(self.o_proj(o), o, self.o_lora)
@@ -354,6 +357,8 @@ class LlamaForCausalLM(nn.Module):
         experts."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        if self.config.architecture == "GptOssForCausalLM":
+            weights = gpt_oss.checkpoint_weights(weights)
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
         for hf_name, tensor in weights:
@@ -420,7 +425,7 @@ _EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", 
 _GRANITE_MOE = {".mlp.input_linear.weight": ".mlp.experts.gate_up_proj", ".mlp.output_linear.weight": ".mlp.experts.down_proj",
                 ".mlp.router.layer.weight": ".mlp.gate.weight", ".mlp.router.weight": ".mlp.gate.weight"}
 # experts already stacked (transformers >= 5 holds them so): [E, 2 * I, H] and [E, H, I]
-_STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
 
 
 def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:

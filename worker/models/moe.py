@@ -1,10 +1,11 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat batch of tokens.
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE, gpt-oss) over a flat
+batch of tokens.
 
 Each expert is a SwiGLU MLP. Their weights are stacked at load time, vLLM's layout:
 `w13` [num_experts, 2 * intermediate, hidden] holds each expert's gate and up projections,
-`w2` [num_experts, hidden, intermediate] its down projection. A router (one linear layer)
-scores the experts for each token; the token's output is the weighted sum of its top-k
-experts' outputs.
+`w2` [num_experts, hidden, intermediate] its down projection (gpt-oss: with biases `w13_bias`,
+`w2_bias`, and a clamped SwiGLU). A router (one linear layer) scores the experts for each
+token; the token's output is the weighted sum of its top-k experts' outputs.
 
 On the torch path the experts run one after another over the tokens routed to them, with
 transformers' rounding, so outputs equal transformers' on the same weights (bitwise in
@@ -14,6 +15,9 @@ path (CUDA) one Triton kernel runs all experts' matmuls over tokens grouped by e
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -39,6 +43,12 @@ class Experts(nn.Module):
         self.hidden_size = hidden_size
         self.block: tuple[int, int] | None = None  # quantized weights: rows, columns per scale
         self.kind = "fp8"  # quantized weights: their values (see use_quantized)
+        self.bias = moe.bias
+        if moe.bias:
+            self.w13_bias = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            silu_and_mul if moe.clamped_swiglu is None else partial(clamped_swiglu, *moe.clamped_swiglu))
 
     def use_quantized(self, block: tuple[int, int], kind: str) -> None:
         """Hold w13 and w2 as `kind` values (fp8, int8, int4 packed) with float32 scales
@@ -63,10 +73,12 @@ class Experts(nn.Module):
         if self.use_kernel:
             import kernels
 
-            if self.block is not None:
-                return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
-                                         self.w13_scale, self.w2_scale, self.block)
-            return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+            quantized = self.block is not None
+            return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
+                                     self.w13_scale if quantized else None, self.w2_scale if quantized else None,
+                                     self.block, activation=self.activation,
+                                     w13_bias=self.w13_bias if self.bias else None,
+                                     w2_bias=self.w2_bias if self.bias else None)
         return self._forward_torch(x, topk_weights, topk_ids)
 
     def _forward_torch(self, x, topk_weights, topk_ids):
@@ -82,14 +94,27 @@ class Experts(nn.Module):
                 continue
             pairs = order[start : start + count]
             start += count
-            gate, up = self._linear(x[pairs // top_k], expert, 0).chunk(2, dim=-1)
-            out[pairs] = self._linear(F.silu(gate) * up, expert, 1)
+            gate_up = self._linear(x[pairs // top_k], expert, 0)
+            if self.bias:  # added after the product is rounded, as transformers does
+                gate_up = gate_up + self.w13_bias[expert]
+            down = self._linear(self.activation(*gate_up.chunk(2, dim=-1)), expert, 1)
+            out[pairs] = down + self.w2_bias[expert] if self.bias else down
         return combine(out, topk_weights)
 
     def _linear(self, x: torch.Tensor, expert: int, which: int) -> torch.Tensor:  # which: 0 w13, 1 w2
         if self.packed is not None:
             return packed_linear(x, self.packed[expert][which])
         return F.linear(x, (self.w13, self.w2)[which][expert])
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(alpha: float, limit: float, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gated unit: the gate clamped from above, up clamped both ways and shifted by one."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def pack_experts(model: nn.Module, batch_hint: int) -> int:
@@ -115,7 +140,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, moe: MoEConfig, hidden_size: int, use_kernel: bool, mlp_cls: type[nn.Module]):
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.bias)  # the router
         self.experts = Experts(moe, hidden_size, use_kernel)
         if moe.shared_expert_size:
             self.shared_expert = mlp_cls(hidden_size, moe.shared_expert_size, False)

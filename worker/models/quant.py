@@ -62,8 +62,12 @@ class QuantConfig:
             return cls._from_fp8(qc)
         if method == "compressed-tensors":
             return cls._from_compressed_tensors(qc)
+        if method == "mxfp4" and (getattr(hf_config, "architectures", None) or [""])[0] == "GptOssForCausalLM":
+            # gpt-oss's experts, widened to the model's dtype as they load (worker/models/gpt_oss.py)
+            return cls(block=None, online=True) if quantization == "fp8" else None
         raise ValueError(f"the checkpoint is quantized with {method!r}, which genq does not serve; supported: "
                          "quant_method 'fp8', 'compressed-tensors' with fp8, int8 or int4 weights, "
+                         "'mxfp4' (gpt-oss), "
                          "or quantization='fp8' over a float checkpoint")
 
     @classmethod
