@@ -90,6 +90,8 @@ def plan(
     if reasoning == "deepseek_r1" and params.guided_decoding is not None:
         # the reply starts thinking: the grammar holds for the answer, after </think>
         params = replace(params, guided_decoding={**params.guided_decoding, "after": THINK_END})
+    if reasoning == "gpt_oss":  # the harmony tags are special tokens: the reader needs them in the text
+        params = replace(params, skip_special_tokens=False)
     ids = job_ids(base, len(prompts))
     check_jobs(body, prompts, ids, params, deadline_s)
     echo = isinstance(body, CompletionRequest) and body.echo

@@ -7,11 +7,14 @@ Two deployments differ only where no `</think>` has come (yet):
   inside it, and a reply cut off before `</think>` is all reasoning;
 - "qwen3": the reply thinks only if it begins with `<think>` (Qwen3 with enable_thinking
   off answers straight away), else it is all content.
+
+gpt-oss ("gpt_oss") writes channels instead of tags: api.harmony reads those.
 """
 
 from __future__ import annotations
 
-from api.text_readers import partial_tag, read_piece
+from api.harmony import HarmonyReader
+from api.text_readers import PairReader, partial_tag, read_piece
 
 START = "<think>"
 END = "</think>"
@@ -60,7 +63,12 @@ class ReasoningReader:
         return "", held
 
 
+def reader(parser: str) -> PairReader:
+    """A reader that splits a streamed reply's (reasoning, content) for `parser`."""
+    return HarmonyReader() if parser == "gpt_oss" else ReasoningReader(parser)
+
+
 def split(text: str, parser: str) -> tuple[str | None, str]:
     """A whole reply's reasoning (None when it has none) and content."""
-    reasoning, content = read_piece(ReasoningReader(parser), text, last=True)
+    reasoning, content = read_piece(reader(parser), text, last=True)
     return reasoning or None, content

@@ -13,7 +13,8 @@ from api.logprobs import (
     event_logprobs,
     vllm_prompt_logprobs,
 )
-from api.reasoning import ReasoningReader, split
+from api.reasoning import reader as reasoning_reader
+from api.reasoning import split
 from api.responses import (
     AssistantMessage,
     ChatChoice,
@@ -22,7 +23,7 @@ from api.responses import (
     CompletionResponse,
     Usage,
 )
-from api.text_readers import read_piece
+from api.text_readers import PairReader, read_piece
 from api.tool_calls import READERS, Reader, ToolCall, read_all
 from producer.protocol import Event
 
@@ -85,7 +86,7 @@ class Choice:
     last_text_start: int = 0
     last_logprobs_start: int = 0
     tool_calls: Reader | None = None  # what read the streamed text for calls
-    reasoning: ReasoningReader | None = None  # what split the streamed text's thinking off
+    reasoning: PairReader | None = None  # what split the streamed text's thinking off
     content_sent: bool = False  # a stream chunk has carried some of its content
     embedding: bytes | None = None  # an embedding job's vector (float32, little-endian)
 
@@ -298,7 +299,7 @@ def _split_reasoning(req: RelayedRequest, choice: Choice, event: Event) -> tuple
     reasoning parser)."""
     if req.reasoning_parser is None:
         return "", event.text
-    reader = choice.reasoning = choice.reasoning or ReasoningReader(req.reasoning_parser)
+    reader = choice.reasoning = choice.reasoning or reasoning_reader(req.reasoning_parser)
     return read_piece(reader, event.text, event.finished)
 
 

@@ -51,6 +51,7 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
     top_logprobs: int | None = None  # with those logprobs, this many alternatives per token
     metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": "low" | "medium" | "high"}: chat's reasoning_effort
 
 
 class ResponseRenderer(ChatRenderer):
@@ -84,6 +85,9 @@ def to_chat(request: ResponsesRequest, history: list[dict[str, Any]] | None = No
     }
     if _wants_logprobs(request):
         body["logprobs"], body["top_logprobs"] = True, request.top_logprobs or 0
+    effort = (request.reasoning or {}).get("effort")
+    if effort is not None:
+        body["reasoning_effort"] = effort
     if request.tools:
         body["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools)]
     if request.tool_choice is not None:

@@ -225,10 +225,15 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's: how hard a reasoning model thinks; the chat template's `reasoning_effort`
+    # (gpt-oss's sets "Reasoning: low" and so on in its system message)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the worker's chat template gets besides the messages and tools."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         if not self.add_generation_prompt or self.continue_final_message:
             kwargs["add_generation_prompt"] = self.add_generation_prompt and not self.continue_final_message
         if self.continue_final_message:

@@ -42,8 +42,9 @@ class Settings(BaseSettings):
     # (<tool_call>{...}</tool_call>), or "none" to refuse "auto" with a 400.
     tool_call_parser: Literal["hermes", "none"] = "hermes"
     # How chat replies of reasoning models are split into reasoning_content and content
-    # (api.reasoning): "deepseek_r1", "qwen3", or "none" (not a reasoning model).
-    reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = "none"
+    # (api.reasoning): "deepseek_r1", "qwen3", "gpt_oss" (harmony channels, api.harmony), or
+    # "none" (not a reasoning model).
+    reasoning_parser: Literal["none", "deepseek_r1", "qwen3", "gpt_oss"] = "none"
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only when this is on (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING): they make workers read paths on their disks.
     allow_runtime_lora_updating: bool = False

@@ -420,11 +420,12 @@ def test_a_reasoning_parser_splits_the_thinking_off(
 ) -> None:
     """The tiny model never writes </think>: under deepseek_r1 (the reply starts thinking) it
     is all reasoning, and a guided reply's grammar never starts (it holds after </think>);
-    under qwen3 (no <think> first) it is all content, and guided replies are not split."""
+    under qwen3 (no <think> first) it is all content, and guided replies are not split; and
+    so under gpt_oss, whose reader finds no harmony tag in the words (tests/api/test_harmony.py)."""
     offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
     text = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].text
-    for parser, reasoning, content in (("deepseek_r1", text, ""), ("qwen3", None, text)):
+    for parser, reasoning, content in (("deepseek_r1", text, ""), ("qwen3", None, text), ("gpt_oss", None, text)):
         with serve_api(Settings(redis_url=live_worker, reasoning_parser=parser)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             message = client.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY).choices[0].message
