@@ -74,8 +74,8 @@ def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
         for case in _cases(config, device):
             rows.append(_measure(case))
     for num_tokens in (16, 2048):  # a decode step's tokens, a prefill's
-        rows.append(_measure(_fused_moe_case(num_tokens, device)))
-        rows.append(_measure(_fused_moe_case(num_tokens, device, fp8=True)))
+        for experts in ("bf16", "fp8", "mxfp4"):
+            rows.append(_measure(_fused_moe_case(num_tokens, device, experts)))
         rows.extend(_measure(case) for case in _quant_linear_cases(num_tokens, device))
     return rows
 
@@ -251,18 +251,23 @@ def _sampling_case(config: str, num_rows: int, vocab_size: int, device: torch.de
                  lambda: top_k_top_p_sample(*args), compare, num_bytes)  # fmt: skip
 
 
-def _fused_moe_case(num_tokens: int, device: torch.device, fp8: bool = False) -> _Case:
-    """One MoE layer (MOE_SHAPE), its experts in bf16 or in fp8 with 128 x 128 scale blocks;
-    checked on its first 16 tokens (the dense reference gathers every token's experts'
-    weights), timed on all."""
+def _fused_moe_case(num_tokens: int, device: torch.device, experts: str = "bf16") -> _Case:
+    """One MoE layer (MOE_SHAPE), its experts in bf16, in fp8 with 128 x 128 scale blocks, or
+    in MXFP4 (random e2m1 codes, a power of two per 32 columns: gpt-oss's); checked on its
+    first 16 tokens (the dense reference gathers every token's experts' weights), timed on all."""
     num_experts, top_k, hidden, inter = MOE_SHAPE
     x = torch.randn(num_tokens, hidden, device=device, dtype=_DTYPE)
     w13 = torch.randn(num_experts, 2 * inter, hidden, device=device) * hidden**-0.5
     w2 = torch.randn(num_experts, hidden, inter, device=device) * inter**-0.5
     scales: tuple = ()
-    if fp8:
+    if experts == "fp8":
         (w13, s13), (w2, s2) = _fp8_blocks(w13), _fp8_blocks(w2)
         scales = (s13, s2, (128, 128))
+    elif experts == "mxfp4":  # codes of magnitude about 2, times 2^-6: about the bf16 weights' size
+        w13, w2 = (torch.randint(0, 256, (*w.shape[:-1], w.shape[-1] // 2), device=device, dtype=torch.uint8)
+                   for w in (w13, w2))
+        s13, s2 = (torch.full((*w.shape[:-1], w.shape[-1] // 16), 2.0**-6, device=device) for w in (w13, w2))
+        scales = (s13, s2, (1, 32))
     else:
         w13, w2 = w13.to(_DTYPE), w2.to(_DTYPE)
     probs = torch.softmax(torch.randn(num_tokens, num_experts, device=device), dim=-1)
@@ -275,9 +280,11 @@ def _fused_moe_case(num_tokens: int, device: torch.device, fp8: bool = False) ->
                          fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n], *scales)))
 
     experts_hit = ids.unique().numel()
-    num_bytes = experts_hit * 3 * hidden * inter * w13.element_size() + 2 * x.numel() * x.element_size()
+    weight_bytes = 3 * hidden * inter * (0.5 if experts == "mxfp4" else w13.element_size())
+    num_bytes = int(experts_hit * weight_bytes) + 2 * x.numel() * x.element_size()
     flops = 2 * num_tokens * top_k * 3 * hidden * inter
-    return _Case("fused_moe fp8" if fp8 else "fused_moe", "qwen3-30b-a3b", f"T={num_tokens} E={num_experts} k={top_k}",
+    name = "fused_moe" if experts == "bf16" else f"fused_moe {experts}"
+    return _Case(name, "qwen3-30b-a3b", f"T={num_tokens} E={num_experts} k={top_k}",
                  lambda: fused_moe(x, w13, w2, weights, ids, *scales), compare, num_bytes, flops)  # fmt: skip
 
 

@@ -114,10 +114,13 @@ def _moe_variant(name: str, dtype: str, first: bool, weights: str, quantized: tu
     over quantized experts."""
     dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
     block = quantized[1] if quantized else (1, 1)
+    fp4 = quantized is not None and quantized[0] == "fp4"  # e2m1 codes, read as int4 words
+    if fp4:
+        quantized = ("*i32", block)
     constexprs = dict(
         NUM_EXPERTS=64, TOP_K=8, A_PER_TOKEN=first, MUL_WEIGHT=not first, DOT_DTYPE=dot,
         DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SCALED=quantized is not None,
-        INT4=quantized is not None and quantized[0] == "*i32", SCALE_ROWS=block[0], SCALE_COLS=block[1],
+        INT4=quantized is not None and quantized[0] == "*i32", FP4=fp4, SCALE_ROWS=block[0], SCALE_COLS=block[1],
         BLOCK_M=_BLOCK_M, BLOCK_N=_MOE_BLOCK_N, BLOCK_K=block_k(block[1], 2048) if quantized else _BLOCK_K,
     )  # fmt: skip
     overrides = dict(_MOE_PTRS, topk_weights_ptr=weights)
@@ -214,6 +217,10 @@ def _variants() -> list[_Variant]:
                      quantized=("*i32", (1, 128))),
         _moe_variant("fused_moe down bf16, int8 experts", "*bf16", first=False, weights="*bf16",
                      quantized=("*i8", (1, 2048))),
+        _moe_variant("fused_moe gate_up bf16, MXFP4 experts", "*bf16", first=True, weights="*bf16",
+                     quantized=("fp4", (1, 32))),
+        _moe_variant("fused_moe down bf16, MXFP4 experts", "*bf16", first=False, weights="*bf16",
+                     quantized=("fp4", (1, 32))),
         _quant_variant("quant_linear fp8 decode, 128x128 blocks", 8, (128, 128)),
         _quant_variant("quant_linear fp8 prefill, 128x128 blocks", 2048, (128, 128)),
         _quant_variant("quant_linear fp8 decode, per channel", 8, (1, 4096)),

@@ -49,7 +49,7 @@ _BLOCK_K = 32
 @triton.jit
 def _moe_matmul_kernel(
     a_ptr,  # [num_tokens, K] when A_PER_TOKEN, else [num_pairs, K]
-    w_ptr,  # [num_experts, N, K]; INT4: [num_experts, N, cdiv(K, 8)] int32
+    w_ptr,  # [num_experts, N, K]; INT4: [num_experts, N, cdiv(K, 8)] int32 (FP4: e2m1 codes)
     scale_ptr,  # [num_experts, cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32; read only when SCALED
     out_ptr,  # [num_pairs, N]
     topk_weights_ptr,  # [num_pairs]; read only when MUL_WEIGHT
@@ -71,6 +71,7 @@ def _moe_matmul_kernel(
     MUL_WEIGHT: tl.constexpr,
     SCALED: tl.constexpr,  # w is quantized (fp8, int8, int4): each tile's partial product is scaled
     INT4: tl.constexpr,  # w packs eight int4 values per int32 (see kernels.quant_linear)
+    FP4: tl.constexpr,  # with INT4: the nibbles are e2m1 codes (MXFP4), not offset integers
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,  # a multiple of BLOCK_K, or >= K
     DOT_DTYPE: tl.constexpr,
@@ -98,7 +99,7 @@ def _moe_matmul_kernel(
         for k0 in range(0, K, BLOCK_K):
             k_valid = (k0 + ks) < K
             a = tl.load(a_base + (k0 + ks)[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
-            w = weight_tile(w_base, k0, K, K_WORDS, cols < N, INT4, BLOCK_K, BLOCK_N)  # [BLOCK_K, BLOCK_N]
+            w = weight_tile(w_base, k0, K, K_WORDS, cols < N, INT4, BLOCK_K, BLOCK_N, FP4)  # [BLOCK_K, BLOCK_N]
             part = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
             if SCALED:
                 part *= tl.load(scale_base + k0 // SCALE_COLS, mask=cols < N, other=0.0)[None, :]
@@ -135,7 +136,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_ids, block_experts
 
 
-_QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.int32)  # int32: packed int4
+_QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.int32, torch.uint8)  # int32: packed int4; uint8: fp4 codes
 
 
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block) -> None:
@@ -143,13 +144,17 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block
     check_shape("x", x, (None, None))
     num_tokens, hidden = x.shape
     check_dtype("w13", w13, (x.dtype, *_QUANTIZED))
-    int4 = w13.dtype == torch.int32
-    check_shape("w13", w13, (None, None, cdiv(hidden, 8) if int4 else hidden))
+    per_column = {torch.int32: 8, torch.uint8: 2}.get(w13.dtype, 1)  # values a stored column holds
+    if per_column == 2 and hidden % 8:
+        raise ValueError(f"fp4 experts need a hidden size that is a multiple of 8, got {hidden}")
+    check_shape("w13", w13, (None, None, cdiv(hidden, per_column)))
     num_experts, two_inter, _ = w13.shape
     if two_inter % 2:
         raise ValueError(f"w13 must stack gate and up halves of equal size, got {two_inter} rows")
     inter = two_inter // 2
-    check_shape("w2", w2, (num_experts, hidden, cdiv(inter, 8) if int4 else inter))
+    if per_column == 2 and inter % 8:
+        raise ValueError(f"fp4 experts need an intermediate size that is a multiple of 8, got {inter}")
+    check_shape("w2", w2, (num_experts, hidden, cdiv(inter, per_column)))
     quantized = w13.dtype in _QUANTIZED
     for name, w, scale, k in (("w13", w13, w13_scale, hidden), ("w2", w2, w2_scale, inter)):
         check_dtype(name, w, (w13.dtype,))
@@ -173,6 +178,9 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block
 
 
 def _launch(a, w, scale, block, out, topk_weights, sorted_ids, block_experts, top_k, a_per_token, mul_weight) -> None:
+    fp4 = w.dtype == torch.uint8
+    if fp4:  # e2m1 codes read as int4 words: little-endian bytes keep the nibbles' order
+        w = w.view(torch.int32)
     num_experts, n = w.shape[:2]
     k = a.shape[1]
     grid = (block_experts.shape[0], cdiv(n, _BLOCK_N))
@@ -182,7 +190,7 @@ def _launch(a, w, scale, block, out, topk_weights, sorted_ids, block_experts, to
         a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if scaled else 0, scale.stride(1) if scaled else 0,
         out.stride(0),
         NUM_EXPERTS=num_experts, TOP_K=top_k, A_PER_TOKEN=a_per_token, MUL_WEIGHT=mul_weight,
-        SCALED=scaled, INT4=w.dtype == torch.int32,
+        SCALED=scaled, INT4=w.dtype == torch.int32, FP4=fp4,
         SCALE_ROWS=block[0] if scaled else 1, SCALE_COLS=block[1] if scaled else 1,
         DOT_DTYPE=dot_dtype(a.dtype, is_interpreted(_moe_matmul_kernel)),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -206,7 +214,8 @@ def fused_moe(
 ) -> torch.Tensor:  # [T, hidden]
     """Sum over each token's top-k experts of weight * down(SiLU(gate(x)) * up(x)). Weights
     in x's dtype, or quantized with float32 scales per block, widened tile by tile: fp8 or
-    int8 values, or int4 packed eight to an int32 (as `kernels.quant_linear` reads them).
+    int8 values, int4 packed eight to an int32 (as `kernels.quant_linear` reads them), or
+    e2m1 codes two to a uint8, low nibble first (MXFP4, whose scales are powers of two).
     `activation` replaces SiLU(gate) * up (it runs in torch between the two launches); biases
     are added to each projection's rounded output (gpt-oss), before the routing weight."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)

@@ -54,17 +54,30 @@ def weight_tile(
     INT4: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FP4: tl.constexpr = False,
 ):
     """Values k0 .. k0 + BLOCK_K of BLOCK_N weight rows, as stored ([BLOCK_K, BLOCK_N]; zero
     past K): fp8 or int8 values as they are, int4 words spread into their nibbles minus 8 (row
-    8 * word + nibble is value k0 + that), each word read once. Shared with `fused_moe`."""
+    8 * word + nibble is value k0 + that), each word read once; with FP4 the nibbles are e2m1
+    codes (MXFP4's bytes read as int32 words: the same nibble order), decoded to float32.
+    Shared with `fused_moe`."""
     if INT4:
         words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         packed = tl.load(w_base[None, :] + words[:, None], mask=(words < K_WORDS)[:, None] & col_ok[None, :], other=0)
         nibbles = (packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
-        return tl.reshape(nibbles, (BLOCK_K, BLOCK_N)) - 8
-    ks = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_base[None, :] + ks[:, None], mask=(ks < K)[:, None] & col_ok[None, :], other=0.0)
+        nibbles = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
+        if FP4:  # sign, two exponent bits, a mantissa bit: 0, 0.5 (subnormal), 1, 1.5, 2, 3, 4, 6
+            exponent = (nibbles >> 1) & 3
+            mantissa = (nibbles & 1).to(tl.float32)
+            magnitude = tl.where(exponent == 0, mantissa * 0.5,
+                                 (1.0 + mantissa * 0.5) * tl.exp2((exponent - 1).to(tl.float32)))
+            tile = tl.where(nibbles >= 8, -magnitude, magnitude)
+        else:
+            tile = nibbles - 8
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(w_base[None, :] + ks[:, None], mask=(ks < K)[:, None] & col_ok[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
@@ -185,11 +198,18 @@ def quant_linear_ref(x, weight, scale, block, bias=None) -> torch.Tensor:
     return F.linear(x.float(), dense.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of e2m1's codes 0..7 (8..15: negative)
+
+
 def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
                    k: int | None = None) -> torch.Tensor:
-    """Weights [..., N, K] (packed int4: [..., N, cdiv(K, 8)], K given) times their scales
-    [..., cdiv(N, block[0]), cdiv(K, block[1])] spread over the blocks, in fp32, then rounded
-    to `dtype`."""
+    """Weights [..., N, K] (packed int4: [..., N, cdiv(K, 8)], K given; fp4: e2m1 codes two to
+    a uint8, low nibble first) times their scales [..., cdiv(N, block[0]), cdiv(K, block[1])]
+    spread over the blocks, in fp32, then rounded to `dtype`."""
+    if weight.dtype == torch.uint8:
+        codes = torch.stack((weight & 0xF, weight >> 4), dim=-1).flatten(-2)[..., :k].long()
+        magnitude = torch.tensor(_E2M1, device=weight.device)[codes % 8]
+        weight = torch.where(codes >= 8, -magnitude, magnitude)
     if weight.dtype == torch.int32:
         nibbles = (weight[..., None] >> torch.arange(0, 32, 4, device=weight.device)) & 0xF
         weight = (nibbles.flatten(-2)[..., :k] - 8).to(torch.int8)

@@ -98,7 +98,7 @@ def test_fused_moe_rejects_what_it_cannot_run(device: torch.device) -> None:
         fused_moe(x, w13, w2, weights, ids.int())
     with pytest.raises(ValueError, match=r"w2 must have shape \[4, 64, 32\]"):
         fused_moe(x, w13, w2[:, :, :16], weights, ids)
-    with pytest.raises(ValueError, match=r"w13 must have dtype in \(float32, float8_e4m3fn, int8, int32\)"):
+    with pytest.raises(ValueError, match=r"w13 must have dtype in \(float32, float8_e4m3fn, int8, int32, uint8\)"):
         fused_moe(x, w13.half(), w2, weights, ids)
 
 
@@ -144,6 +144,23 @@ def test_fused_moe_over_integer_experts_matches_the_dequantized_reference(device
         stored.append((pack_to_int32(q, 4) if bits == 4 else q).to(device))
     out = fused_moe(x, stored[0], stored[1], weights, ids, scales[0], scales[1], (1, group))
     assert_close(out, fused_moe_ref(x, values[0], values[1], weights, ids, scales[0], scales[1], (1, group)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_moe_over_mxfp4_experts_matches_the_dequantized_reference(device, dtype) -> None:
+    """gpt-oss's MXFP4 experts: every e2m1 code (two to a byte, low nibble first) times a
+    power of two per 32 columns; the reference decodes the codes from a table."""
+    case = (37, 8, 3, 96, 64)
+    x, _, _ = _inputs(case, dtype, device)
+    weights, ids = _routing(case[0], case[1], case[2], device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    w13, w2 = (torch.randint(0, 256, (8, n, k // 2), generator=gen, dtype=torch.uint8).to(device)
+               for n, k in ((128, 96), (96, 64)))
+    s13, s2 = (torch.exp2(torch.randint(-7, -4, (8, n, k // 32), generator=gen).float()).to(device)
+               for n, k in ((128, 96), (96, 64)))
+    out = fused_moe(x, w13, w2, weights, ids, s13, s2, (1, 32))
+    assert_close(out, fused_moe_ref(x, w13, w2, weights, ids, s13, s2, (1, 32)))
+    assert not torch.allclose(out.float(), fused_moe_ref(x, w13 ^ 0x88, w2, weights, ids, s13, s2, (1, 32)).float())
 
 
 def test_fused_moe_over_fp8_experts_needs_their_scales(device: torch.device) -> None:
