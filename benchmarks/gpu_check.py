@@ -14,7 +14,7 @@ reports the parts it finished):
    Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), a Gemma 2
    (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
-   biased experts), a W4A16 Llama (packed int4 weights) and a Qwen3-MoE with fp8 experts,
+   biased experts; and with MXFP4 experts), a W4A16 Llama (packed int4 weights) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
@@ -153,6 +153,10 @@ REMADE = {
     # with the clamped SwiGLU, a window on every other layer
     "gpt_oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
                 "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8, "layer_types": None},
+    # and its experts in MXFP4, as OpenAI's checkpoints hold them (e2m1 codes on the fused MoE kernel)
+    "gpt_oss_mxfp4": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+                      "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8, "layer_types": None,
+                      "quantization_config": {"quant_method": "mxfp4"}},
     # quantized checkpoints' layouts: W4A16 (int4 in groups of 128, packed: hidden 576 ends
     # mid-group), and fp8 experts with 128 x 128 blocks (inside the decode CUDA graphs)
     "llama_w4a16": {"quantization_config": {

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_engine import PROMPTS, greedy, run_and_compare
+from test_engine import PROMPTS, greedy, hf_greedy, run_and_compare
 
 from worker import LLM
-from worker.models.gpt_oss import E2M1, dequantize_mxfp4
+from worker.models.gpt_oss import dequantize_mxfp4
+from worker.models.quant import E2M1
 
 GRID = torch.tensor(E2M1[:8])  # the non-negative e2m1 values
 
@@ -65,11 +66,26 @@ def test_mxfp4_checkpoint_matches_transformers(tiny_moe_dir, tmp_path):
     """Greedy tokens equal transformers' on the same MXFP4 files (which it dequantizes on the
     CPU); rounding to e2m1 changed the weights: the float checkpoint's tokens differ."""
     mxfp4 = write_mxfp4_checkpoint(tiny_moe_dir, tmp_path)
-    prompts = PROMPTS[:4]
+    prompts = PROMPTS[:2]
     outputs = run_and_compare(LLM(str(mxfp4), dtype="float32", num_gpu_blocks_override=256), mxfp4, prompts)
     float_outputs = LLM(str(tiny_moe_dir), dtype="float32", num_gpu_blocks_override=256).generate(
         prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in float_outputs]
+
+
+@pytest.mark.parametrize("tiny_moe_dir", ["gpt_oss"], indirect=True)
+def test_mxfp4_experts_stay_so_on_the_kernel_path(tiny_moe_dir, tmp_path):
+    """On the kernel path the experts keep their e2m1 codes (a quarter of bf16's bytes) and
+    the fused MoE kernel decodes them tile by tile: the same greedy tokens as transformers."""
+    mxfp4 = write_mxfp4_checkpoint(tiny_moe_dir, tmp_path)
+    llm = LLM(str(mxfp4), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
+              device="cuda" if torch.cuda.is_available() else "cpu")
+    experts = llm.engine.runner.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.uint8 and experts.w13_scale.shape[-1] == 64 // 32
+    tok = llm.get_tokenizer()
+    expected = hf_greedy(mxfp4, [tok.encode(p) for p in PROMPTS[:3]], max_new=8)
+    outputs = llm.generate(PROMPTS[:3], greedy(8), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 @pytest.mark.parametrize("tiny_moe_dir", ["gpt_oss"], indirect=True)

@@ -6,8 +6,10 @@ up, gate, up; `gate_up_proj_bias` [E, 2 * I] alike; `down_proj` [E, I, hidden]. 
 checkpoints store the expert weights in MXFP4 instead: `<proj>_blocks` [E, rows, cols / 32,
 16] uint8, two 4-bit e2m1 values a byte (low nibble first), and `<proj>_scales` [E, rows,
 cols / 32] uint8, a power of two (e8m0, bias 127) per 32 values, rows being output features.
-They are widened to the model's dtype here, as they load: every e2m1 value times a power of
-two is exact in bfloat16. The router is `mlp.router`, which genq calls `mlp.gate`.
+On the kernel path they stay so (the codes, and each power of two as a float32 scale, on the
+fused MoE kernel's fp4 path); elsewhere they are widened to the model's dtype as they load:
+every e2m1 value times a power of two is exact in bfloat16. The router is `mlp.router`,
+which genq calls `mlp.gate`.
 """
 
 from __future__ import annotations
@@ -16,20 +18,23 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-# the sixteen e2m1 codes: sign, two exponent bits, one mantissa bit
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from worker.models.quant import unpack_fp4
+
+
+def mxfp4_scales(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The checked scales of [..., rows, G, 16] uint8 codes: [..., rows, G] uint8 exponents
+    as float32 powers of two."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not match their scales "
+                         f"{tuple(scales.shape)} {scales.dtype}: expected uint8 [..., G, 16] and [..., G]")
+    return torch.exp2(scales.float() - 127)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """[..., rows, G, 16] uint8 codes and [..., rows, G] uint8 exponents -> [..., rows, G * 32]
     float32."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} do not match their scales "
-                         f"{tuple(scales.shape)} {scales.dtype}: expected uint8 [..., G, 16] and [..., G]")
-    lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., G, 32], low nibble first
-    values = torch.ldexp(lut[codes.long()], scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2)
+    factors = mxfp4_scales(blocks, scales)
+    return (unpack_fp4(blocks) * factors[..., None]).flatten(-2)
 
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -38,9 +43,16 @@ def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim=dim)
 
 
-def checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _same(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t
+
+
+def checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]], keep_mxfp4: bool = False
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """A gpt-oss checkpoint's tensors, renamed and laid out as genq's loader expects: experts
-    [E, 2 * I, hidden] (gates, then ups) and [E, hidden, I], MXFP4 ones dequantized."""
+    [E, 2 * I, hidden] (gates, then ups) and [E, hidden, I]. MXFP4 ones are dequantized, or
+    with `keep_mxfp4` come as their codes [E, rows, cols / 2] and `<name>_scale` [E, rows,
+    cols / 32] float32."""
     pending: dict[str, torch.Tensor] = {}  # an MXFP4 weight's blocks or scales, until the other comes
     for name, tensor in weights:
         name = name.replace(".mlp.router.", ".mlp.gate.")
@@ -51,8 +63,12 @@ def checkpoint_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
                 pending[name] = tensor
                 continue
             blocks, scales = (tensor, pending.pop(other)) if part == "blocks" else (pending.pop(other), tensor)
-            dense = dequantize_mxfp4(blocks, scales)  # [E, rows, cols]: rows are output features
-            yield stem, _deinterleave(dense, 1) if stem.endswith("gate_up_proj") else dense
+            rows = _deinterleave if stem.endswith("gate_up_proj") else _same  # rows are output features
+            if keep_mxfp4:
+                yield stem, rows(blocks.flatten(-2), 1)
+                yield stem + "_scale", rows(mxfp4_scales(blocks, scales), 1)
+            else:
+                yield stem, rows(dequantize_mxfp4(blocks, scales), 1)
         elif name.endswith(".experts.gate_up_proj"):  # [E, hidden, 2 * I]
             yield name, _deinterleave(tensor.transpose(1, 2), 1)
         elif name.endswith(".experts.gate_up_proj_bias"):  # [E, 2 * I]

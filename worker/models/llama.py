@@ -358,7 +358,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         if self.config.architecture == "GptOssForCausalLM":
-            weights = gpt_oss.checkpoint_weights(weights)
+            quant_cfg = self.config.quant
+            weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
         for hf_name, tensor in weights:

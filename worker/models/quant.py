@@ -6,7 +6,9 @@ values, a scale per block of `weight_block_size` or per tensor, `*.weight_scale_
 name, not the arithmetic: they multiply), and `compressed-tensors` (llm-compressor's): fp8,
 int8 or int4 values with `*.weight_scale` per tensor, output channel, block (fp8) or group
 of columns (int), int values possibly packed in int32 words (`*.weight_packed`). Quantized
-at load: fp8, a scale per output channel.
+at load: fp8, a scale per output channel. gpt-oss's MXFP4 experts (`quant_method: mxfp4`,
+read by worker/models/gpt_oss.py): 4-bit e2m1 values two to a byte, low nibble first, a
+power-of-two scale per 32 columns.
 
 On the kernel path (CUDA) the decoder layers' projections keep their narrow values in
 memory, `QuantLinear`s over the Triton kernel `kernels.quant_linear` (int4 stays packed),
@@ -30,8 +32,11 @@ from torch import nn
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
-# how each kind of weight is held: fp8 and int8 values, int4 values packed eight to an int32
-STORAGE = {"fp8": FP8, "int8": torch.int8, "int4": torch.int32}
+# how each kind of weight is held: fp8 and int8 values, int4 values packed eight to an int32,
+# fp4 (e2m1) codes two to a byte
+STORAGE = {"fp8": FP8, "int8": torch.int8, "int4": torch.int32, "fp4": torch.uint8}
+# the sixteen e2m1 codes: sign, two exponent bits, one mantissa bit
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # static activation scales: genq's activations keep the model dtype, so they are not read;
 # a packed weight's shape: the model knows it
 _IGNORED = (".activation_scale", ".input_scale", ".weight_shape")
@@ -46,6 +51,7 @@ class QuantConfig:
     kind: str = "fp8"  # the values: fp8 (e4m3), int8, or int4 (packed eight to an int32)
     skip: tuple[str, ...] = ()  # checkpoint module names kept in float (modules_to_not_convert, ignore)
     online: bool = False  # the checkpoint is float; its weights are quantized as they load
+    experts_only: bool = False  # only the experts are quantized (gpt-oss's MXFP4)
 
     @classmethod
     def from_hf(cls, hf_config: Any, quantization: str | None) -> QuantConfig | None:
@@ -63,8 +69,10 @@ class QuantConfig:
         if method == "compressed-tensors":
             return cls._from_compressed_tensors(qc)
         if method == "mxfp4" and (getattr(hf_config, "architectures", None) or [""])[0] == "GptOssForCausalLM":
-            # gpt-oss's experts, widened to the model's dtype as they load (worker/models/gpt_oss.py)
-            return cls(block=None, online=True) if quantization == "fp8" else None
+            # gpt-oss's experts, kept so on the kernel path; with quantization="fp8" they are
+            # widened as they load, then quantized to fp8 with the rest
+            return cls(block=None, online=True) if quantization == "fp8" else cls(block=(1, 32), kind="fp4",
+                                                                                    experts_only=True)
         raise ValueError(f"the checkpoint is quantized with {method!r}, which genq does not serve; supported: "
                          "quant_method 'fp8', 'compressed-tensors' with fp8, int8 or int4 weights, "
                          "'mxfp4' (gpt-oss), "
@@ -148,7 +156,7 @@ class QuantLinear(nn.Module):
         self.block = block
         self.kind = kind
         grid = (-(-out_features // block[0]), -(-in_features // block[1]))
-        columns = -(-in_features // 8) if kind == "int4" else in_features
+        columns = packed_columns(in_features, kind)
         self.weight = nn.Parameter(torch.empty(out_features, columns, dtype=STORAGE[kind]), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False)
         self.bias = bias
@@ -172,13 +180,38 @@ def quantize(dense: torch.Tensor, block: tuple[int, int], kind: str = "fp8") -> 
     padded[..., :n, :k] = dense
     tiles = padded.view(*lead, rows, block[0], cols, block[1])
     amax = tiles.abs().amax(dim=(-3, -1))
-    top = {"fp8": FP8_MAX, "int8": 127.0, "int4": 7.0}[kind]
+    top = {"fp8": FP8_MAX, "int8": 127.0, "int4": 7.0, "fp4": 6.0}[kind]
     scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))  # [..., rows, cols]
+    if kind == "fp4":  # MXFP4's scales are powers of two
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (tiles / scale[..., :, None, :, None]).view_as(padded)[..., :n, :k]
+    if kind == "fp4":
+        return pack_fp4(q), scale
     if kind == "fp8":
         return q.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
     q = q.round().clamp(-top - 1, top).to(torch.int8)
     return (pack_int4(q) if kind == "int4" else q), scale
+
+
+def packed_columns(in_features: int, kind: str) -> int:
+    """How many stored columns hold a row of `in_features` values of `kind`."""
+    return -(-in_features // 8) if kind == "int4" else -(-in_features // 2) if kind == "fp4" else in_features
+
+
+def unpack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes two to a byte [..., C] uint8, low nibble first -> float32 values [..., 2 * C]."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)
+    return lut[torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2).long()]
+
+
+def pack_fp4(values: torch.Tensor) -> torch.Tensor:
+    """Values [..., K] within +-6 rounded to the nearest e2m1 code (ties to the lower code),
+    two to a byte, low nibble first: [..., cdiv(K, 2)] uint8."""
+    grid = torch.tensor(E2M1[:8], device=values.device)
+    codes = (values.abs()[..., None] - grid).abs().argmin(-1) + 8 * (values < 0)  # [..., K]
+    if codes.shape[-1] % 2:
+        codes = torch.cat((codes, codes.new_zeros(*codes.shape[:-1], 1)), dim=-1)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -205,7 +238,10 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     """A quantized weight [..., out, in] (fp8 or int8; packed int4 [..., out, cdiv(in, 8)])
     times its scales, in float32: one scale, or a grid [..., rows, cols] over blocks of
     `block` (None: blocks that divide the weight exactly)."""
-    values = (unpack(weight, 4, in_features) if weight.dtype == torch.int32 else weight).float()
+    if weight.dtype == torch.uint8:
+        values = unpack_fp4(weight)[..., :in_features]
+    else:
+        values = (unpack(weight, 4, in_features) if weight.dtype == torch.int32 else weight).float()
     scale = scale.float()
     if scale.numel() == 1:
         return values * scale.reshape(())
@@ -224,7 +260,7 @@ def make_quantized(module: nn.Module, name: str, block: tuple[int, int], kind: s
     cols] (on the meta device, before the weights load)."""
     *lead, n, k = getattr(module, name).shape
     grid = (*lead, -(-n // block[0]), -(-k // block[1]))
-    columns = -(-k // 8) if kind == "int4" else k
+    columns = packed_columns(k, kind)
     setattr(module, name, nn.Parameter(torch.empty(*lead, n, columns, dtype=STORAGE[kind]), requires_grad=False))
     setattr(module, name + "_scale", nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False))
 
@@ -282,6 +318,8 @@ def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, 
             if not cfg.skips(names) and fits(block, (inter,), (inter, hidden)):
                 parent.use_quantized(block, cfg.kind)
                 replaced += 1
+            continue
+        if cfg.experts_only:
             continue
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or name not in _TARGETS or not parent_name.startswith("layers."):
