@@ -230,36 +230,43 @@ def _variants() -> list[_Variant]:
     ]  # fmt: skip
 
 
-def compile_all(arch: int = 90) -> list[CompileResult]:
-    """Compile each kernel variant to a cubin for sm_`arch`; raises on the first failure."""
+def compile_all(arch: int = 90, jobs: int = 1) -> list[CompileResult]:
+    """Compile each kernel variant to a cubin for sm_`arch`, `jobs` at a time (in forked
+    processes); raises on the first failure."""
     if not HAS_TRITON:
         raise RuntimeError("compile_check needs Triton")
+    if any(is_interpreted(variant.kernel) for variant in _variants()):
+        raise RuntimeError("compile_check must run with TRITON_INTERPRET unset")
+    indices = range(len(_variants()))
+    if jobs <= 1:
+        return [_compile(i, arch) for i in indices]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_compile, indices, [arch] * len(indices)))
+
+
+def _compile(index: int, arch: int) -> CompileResult:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    results = []
-    for variant in _variants():
-        if is_interpreted(variant.kernel):
-            raise RuntimeError("compile_check must run with TRITON_INTERPRET unset")
-        src = ASTSource(
-            variant.kernel, _signature(variant), variant.constexprs, _divisibility(variant)
-        )
-        compiled = triton.compile(
-            src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps}
-        )
-        results.append(CompileResult(variant.name, compiled.metadata.shared, variant.num_warps))
-    return results
+    variant = _variants()[index]
+    src = ASTSource(variant.kernel, _signature(variant), variant.constexprs, _divisibility(variant))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps})
+    return CompileResult(variant.name, compiled.metadata.shared, variant.num_warps)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="variants compiled at once")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET to compile for CUDA", file=sys.stderr)
         return 2
-    for result in compile_all(args.arch):
+    for result in compile_all(args.arch, args.jobs):
         print(f"ok  {result.name:<40} shared {result.shared_bytes:>6} B")
     return 0
 
