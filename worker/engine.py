@@ -6,9 +6,11 @@ through that thread (the worker's intake queue does this).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +50,8 @@ class Engine:
         self.max_model_len = _max_model_len(config, hf_config)
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
         self.model_config = self.runner.model_config
-        self.eos_token_ids = self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
+        self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
+                              | generation_eos(self.model_path))
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -439,3 +442,16 @@ def _max_model_len(config: EngineConfig, hf_config) -> int:
 
 def _tokenizer_eos(tokenizer) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
+def generation_eos(model_path: Path) -> set[int]:
+    """The EOS ids of the model's generation_config.json, which may list more than config.json
+    (gpt-oss ends a reply at <|return|> and at a tool call's <|call|>; Llama 3's instruct
+    models at <|eot_id|>), as vLLM and transformers' generate stop at them."""
+    path = model_path / "generation_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(t) for t in (eos if isinstance(eos, list) else [eos])}

@@ -3,6 +3,9 @@ float32, whatever the batching, chunking, preemption or prefix caching."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -158,6 +161,25 @@ def test_longrope_matches_transformers_short_and_long(tiny_longrope_dir):
     long = LLM(str(tiny_longrope_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
     assert long.engine.runner.model_config.long_rope
     run_and_compare(long, tiny_longrope_dir, [PROMPTS[8] * 2, PROMPTS[5] * 2])  # prompts past 64
+
+
+def test_generation_config_eos_ids_end_replies(tiny_llama_dir, tmp_path):
+    """generation_config.json may list EOS ids that config.json does not (gpt-oss's <|call|>,
+    Llama 3's <|eot_id|>): a reply ends at the first, where transformers' generate ends it."""
+    shutil.copytree(tiny_llama_dir, tmp_path, dirs_exist_ok=True)
+    free = LLM(str(tmp_path), dtype="float32", num_gpu_blocks_override=64).generate(
+        PROMPTS[0], greedy(16), use_tqdm=False)[0].outputs[0].token_ids
+    at = next(i for i in range(3, 16) if free[i] not in free[:i])  # a token first written at step `at`
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, free[at]]}))
+    llm = LLM(str(tmp_path), dtype="float32", num_gpu_blocks_override=64)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    with torch.inference_mode():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(ids):]
+    assert out.token_ids == expected.tolist() == free[: at + 1]
+    assert out.finish_reason == "stop"
 
 
 def test_preemption_gives_the_same_output(tiny_llama_dir):
