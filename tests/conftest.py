@@ -116,13 +116,30 @@ def tiny_gemma_config(family: str):
 
 
 def tiny_other_config(family: str):
-    from transformers import GraniteConfig, Olmo2Config, Phi3Config
+    from transformers import (
+        GraniteConfig,
+        MinistralConfig,
+        Olmo2Config,
+        Olmo3Config,
+        Phi3Config,
+        SmolLM3Config,
+    )
 
     if family == "granite":  # multipliers far from one, so each one shows
         return GraniteConfig(vocab_size=VOCAB, tie_word_embeddings=True, embedding_multiplier=3.0,
                              residual_multiplier=0.5, attention_multiplier=0.05, logits_scaling=4.0, **TINY_COMMON)
     if family == "olmo2":
         return Olmo2Config(vocab_size=VOCAB, tie_word_embeddings=False, **TINY_COMMON)
+    if family == "olmo3":  # a window on the first layer, RoPE settings of their own on each kind
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+        return Olmo3Config(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=24, rope_parameters=rope,
+                           layer_types=["sliding_attention", "full_attention"], **TINY_COMMON)
+    if family == "smollm3":  # the second layer without RoPE
+        return SmolLM3Config(vocab_size=VOCAB, tie_word_embeddings=True, no_rope_layer_interval=2, **TINY_COMMON)
+    if family == "ministral":  # windows named per layer
+        return MinistralConfig(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=24, head_dim=16,
+                               layer_types=["sliding_attention", "full_attention"], **TINY_COMMON)
     if family == "phi3":  # Phi-4-mini's shape: RoPE over 3/4 of each head, heads not a power of two wide (24)
         return Phi3Config(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=None,
                           **{**TINY_COMMON, "hidden_size": 96}, partial_rotary_factor=0.75)
@@ -189,7 +206,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(0.5, 1.5)
             elif family.startswith("gemma") and name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)
-            elif family == "olmo2" and name.endswith("norm.weight"):
+            elif family in ("olmo2", "olmo3") and name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
             elif family == "gpt_oss" and name.endswith(("_bias", "sinks")):  # transformers starts biases at zero
                 param.uniform_(-1.0, 1.0)
@@ -200,7 +217,8 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2"])
+@pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
+                                        "granite", "olmo2", "olmo3", "smollm3", "ministral"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

@@ -12,6 +12,8 @@ from worker.models.quant import QuantConfig
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "mistral",  # Ministral-8B: Mistral with its windows named per layer
+    "SmolLM3ForCausalLM": "smollm3",  # Llama without RoPE on every fourth layer (NoPE)
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2 without the q/k/v biases, with an RMSNorm on each q and k head
     "Phi3ForCausalLM": "phi3",  # Llama whose checkpoints hold q/k/v and gate/up already fused (Phi-3, Phi-4)
@@ -27,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     # norms after attention and MLP instead of before, and q/k norms over whole projections
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",  # OLMo 2 with windows on three layers of four, RoPE settings per layer kind
     # mixtures of experts: each token's MLP is the weighted sum of its top-k routed experts
     "MixtralForCausalLM": "mixtral",  # Mistral with 8 experts, top-2
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
@@ -138,6 +141,7 @@ class ModelConfig:
     rotary_dim: int | None = None  # RoPE rotates each head's first rotary_dim columns (Phi-4-mini: 3/4); None: all
     long_rope: bool = False  # LongRoPE (Phi-3.5, Phi-4-mini): its long factors, not its short ones
     attn_sinks: bool = False  # a learned logit per head joins its softmax, with no value (gpt-oss)
+    nope_layers: frozenset[int] = frozenset()  # layers that attend without RoPE (SmolLM3's NoPE)
     quant: QuantConfig | None = None  # quantized weights: the checkpoint's, or fp8 quantized as they load
 
     @classmethod
@@ -185,7 +189,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
             labels=_labels(hf_config) if arch.endswith("ForSequenceClassification") else (),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
             quant=QuantConfig.from_hf(hf_config, quantization),
             rotary_dim=_rotary_dim(hf_config, head_dim),
@@ -236,8 +240,10 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
-    if family == "olmo2":
-        return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True)
+    if family in ("olmo2", "olmo3"):
+        return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True, local_rope=_per_kind(hf_config))
+    if family == "smollm3":  # no_rope_layers: 1 where the layer rotates, 0 where it does not
+        return dict(nope_layers=frozenset(i for i, rotates in enumerate(hf_config.no_rope_layers) if not rotates))
     if family == "gpt_oss":  # norms scale in float32 (their weights are kept so), then round
         return dict(norm_weight_offset=0.0, attn_sinks=True)
     if family.startswith("granite"):

@@ -134,6 +134,11 @@ class TableRope:
         return x * self.cos + rotated * self.sin
 
 
+def no_rope(qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A layer without positional rotation (SmolLM3's NoPE layers): q and k as they are."""
+    return qk
+
+
 @dataclass
 class KernelRope:
     positions: torch.Tensor  # [T]
@@ -316,8 +321,10 @@ class LlamaForCausalLM(nn.Module):
         local = rope if self.rotary_local is None else self.rotary_local.for_step(positions, x.dtype)
         residual = None
         windows = self.config.layer_windows or (None,) * len(self.layers)
-        for layer, kv_cache, window in zip(self.layers, kv_caches, windows, strict=True):
-            x, residual = layer(x, residual, rope if window is None else local, kv_cache, meta, lora)
+        nope = self.config.nope_layers
+        for i, (layer, kv_cache, window) in enumerate(zip(self.layers, kv_caches, windows, strict=True)):
+            layer_rope = no_rope if i in nope else rope if window is None else local
+            x, residual = layer(x, residual, layer_rope, kv_cache, meta, lora)
         return self.norm(x, residual)[0]
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, hidden or labels]
