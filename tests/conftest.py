@@ -258,6 +258,41 @@ def tiny_qwen3_moe_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), default_model_dir)
 
 
+@pytest.fixture(scope="session", params=["gemma3", "mistral"])
+def tiny_image_text_dir(request, tmp_path_factory, default_model_dir) -> Path:
+    """An image-text model (Gemma 3's, Mistral 3's) around the tiny language model of
+    `request.param`, with a one-layer vision tower genq does not load."""
+    from transformers import (
+        AutoModelForImageTextToText,
+        Gemma3Config,
+        Mistral3Config,
+        PixtralVisionConfig,
+        SiglipVisionConfig,
+    )
+
+    torch.manual_seed(0)
+    text = tiny_hf_config(request.param)
+    if request.param == "gemma3":
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=32, patch_size=8)
+        config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    else:
+        vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=32, patch_size=8, head_dim=16)
+        config = Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), spatial_merge_size=1)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # Gemma's norms start at zeros: make each one's weights its own
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and "language_model" in name:
+                param.uniform_(-0.5, 0.5) if request.param == "gemma3" else param.uniform_(0.5, 1.5)
+    out = tmp_path_factory.mktemp(f"{request.param}-image-text")
+    model.save_pretrained(out)
+    for name in os.listdir(default_model_dir):
+        if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
+            shutil.copy(default_model_dir / name, out / name)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_longrope_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("phi3_longrope", tmp_path_factory.mktemp("phi3_longrope"), default_model_dir)

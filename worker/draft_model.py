@@ -20,6 +20,7 @@ from transformers import AutoConfig
 from worker.config import EngineConfig
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
+from worker.models.config import language_config
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 from worker.spec_decode import Pacing, SpeculativeConfig
 
@@ -38,7 +39,7 @@ class DraftModelProposer:
         draft = dataclasses.replace(config, model=str(path), enable_lora=False, speculative_config=None,
                                     quantization=None,  # the draft as its checkpoint is stored
                                     num_gpu_blocks_override=blocks)
-        self.runner = ModelRunner(draft, path, AutoConfig.from_pretrained(path), max_model_len)
+        self.runner = ModelRunner(draft, path, language_config(AutoConfig.from_pretrained(path)), max_model_len)
         vocab_size = self.runner.model_config.vocab_size
         if vocab_size != target_vocab_size:
             raise ValueError(f"the draft model's vocabulary ({vocab_size} tokens) is not the target model's "

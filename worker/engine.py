@@ -25,6 +25,7 @@ from worker.draft_model import DraftModelProposer
 from worker.lora_request import LoRARequest
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
+from worker.models.config import language_config
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
@@ -45,7 +46,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model, config.cache_dir)
-        hf_config = AutoConfig.from_pretrained(self.model_path)
+        hf_config = language_config(AutoConfig.from_pretrained(self.model_path))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_model_len = _max_model_len(config, hf_config)
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)

@@ -58,8 +58,10 @@ def chat_prompt(body: ChatCompletionRequest) -> PromptInput:
 def _message(message: ChatMessage, i: int) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
-        if any(part.type != "text" or part.text is None for part in content):
-            raise invalid_param(f"messages[{i}].content", "only text content parts are supported")
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise invalid_param(f"messages[{i}].content", f"only text content parts are supported, got a "
+                                    f"{part.type!r} part (image-text models serve text in, text out here)")
         content = "".join(part.text or "" for part in content)
     extra = {k: v for k, v in (("tool_calls", message.tool_calls), ("tool_call_id", message.tool_call_id),
                                ("name", message.name)) if v is not None}

@@ -163,6 +163,23 @@ def test_longrope_matches_transformers_short_and_long(tiny_longrope_dir):
     run_and_compare(long, tiny_longrope_dir, [PROMPTS[8] * 2, PROMPTS[5] * 2])  # prompts past 64
 
 
+def test_image_text_models_serve_their_language_model(tiny_image_text_dir):
+    """Gemma 3 (4B and up) and Mistral Small 3.x ship as image-text models: genq loads the
+    language model alone and its text replies equal transformers' image-text model's."""
+    from transformers import AutoModelForImageTextToText
+
+    llm = LLM(str(tiny_image_text_dir), dtype="float32", num_gpu_blocks_override=64)
+    tok = llm.get_tokenizer()
+    hf = AutoModelForImageTextToText.from_pretrained(tiny_image_text_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    outputs = llm.generate(PROMPTS[:3], greedy(12), use_tqdm=False)
+    for prompt, out in zip(PROMPTS[:3], outputs, strict=True):
+        ids = tok.encode(prompt)
+        with torch.inference_mode():
+            expected = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == expected[0, len(ids):].tolist(), prompt
+
+
 def test_generation_config_eos_ids_end_replies(tiny_llama_dir, tmp_path):
     """generation_config.json may list EOS ids that config.json does not (gpt-oss's <|call|>,
     Llama 3's <|eot_id|>): a reply ends at the first, where transformers' generate ends it."""

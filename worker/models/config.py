@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,9 +54,30 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
 }
+# image-text models whose language model genq serves (text in, text out); the vision tower
+# and projector are not loaded
+TEXT_OF_MULTIMODAL = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Gemma 3 4B, 12B, 27B
+    "Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 and 3.2
+}
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
+
+
+def language_config(hf_config: Any) -> Any:
+    """The config of the model genq runs: an image-text model's text config (named as its
+    causal LM, tied as the whole model is), else the config itself."""
+    arch = (getattr(hf_config, "architectures", None) or [""])[0]
+    if arch not in TEXT_OF_MULTIMODAL:
+        return hf_config
+    text = copy.deepcopy(hf_config.get_text_config())
+    text.architectures = [TEXT_OF_MULTIMODAL[arch]]
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
+    for field in ("eos_token_id", "quantization_config"):  # kept on the outer config
+        if getattr(hf_config, field, None) is not None and getattr(text, field, None) is None:
+            setattr(text, field, getattr(hf_config, field))
+    return text
 
 
 @dataclass(frozen=True)

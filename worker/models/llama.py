@@ -436,9 +436,19 @@ _GRANITE_MOE = {".mlp.input_linear.weight": ".mlp.experts.gate_up_proj", ".mlp.o
 _STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
 
 
+# an image-text model's language model, as its checkpoints name it (older, then newer
+# transformers), and what genq does not load of it
+_LANGUAGE_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
+_NOT_LANGUAGE = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
-    if "rotary_emb" in hf_name:
-        return None  # recomputed, not loaded
+    if "rotary_emb" in hf_name or hf_name.startswith(_NOT_LANGUAGE):
+        return None  # recomputed, or not the language model's
+    for prefix, new in _LANGUAGE_PREFIXES.items():
+        if hf_name.startswith(prefix):
+            hf_name = new + hf_name[len(prefix):]
+            break
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
     for old, new in _GRANITE_MOE.items():
         name = name.replace(old, new)
