@@ -258,21 +258,30 @@ def tiny_qwen3_moe_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), default_model_dir)
 
 
-@pytest.fixture(scope="session", params=["gemma3", "mistral"])
+@pytest.fixture(scope="session", params=["gemma3", "mistral", "qwen2", "qwen3"])
 def tiny_image_text_dir(request, tmp_path_factory, default_model_dir) -> Path:
-    """An image-text model (Gemma 3's, Mistral 3's) around the tiny language model of
-    `request.param`, with a one-layer vision tower genq does not load."""
+    """An image-text model (Gemma 3's, Mistral 3's, Qwen2.5-VL's, Qwen3-VL's) around the tiny
+    language model of `request.param`, with a one-layer vision tower genq does not load."""
     from transformers import (
         AutoModelForImageTextToText,
         Gemma3Config,
         Mistral3Config,
         PixtralVisionConfig,
+        Qwen2_5_VLConfig,
+        Qwen3VLConfig,
         SiglipVisionConfig,
     )
 
     torch.manual_seed(0)
     text = tiny_hf_config(request.param)
-    if request.param == "gemma3":
+    if request.param in ("qwen2", "qwen3"):  # M-RoPE: three sections of the rotary pairs
+        vision = dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64)
+        sections = [2, 3, 3] if request.param == "qwen2" else [4, 6, 6]  # head_dim 16, 32
+        text_dict = {**text.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                           "mrope_section": sections}}
+        config_class = Qwen2_5_VLConfig if request.param == "qwen2" else Qwen3VLConfig
+        config = config_class(text_config=text_dict, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings)
+    elif request.param == "gemma3":
         vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                     image_size=32, patch_size=8)
         config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)

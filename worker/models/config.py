@@ -59,6 +59,9 @@ SUPPORTED_ARCHITECTURES = {
 TEXT_OF_MULTIMODAL = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Gemma 3 4B, 12B, 27B
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 and 3.2
+    # M-RoPE's three position streams are one for text alone: plain RoPE
+    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
+    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
 }
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
@@ -73,7 +76,7 @@ def language_config(hf_config: Any) -> Any:
         return hf_config
     text = copy.deepcopy(hf_config.get_text_config())
     text.architectures = [TEXT_OF_MULTIMODAL[arch]]
-    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
     for field in ("eos_token_id", "quantization_config"):  # kept on the outer config
         if getattr(hf_config, field, None) is not None and getattr(text, field, None) is None:
             setattr(text, field, getattr(hf_config, field))
