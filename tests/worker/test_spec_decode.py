@@ -25,8 +25,8 @@ PROMPTS = [
 
 
 def engine(spec: bool, **kwargs) -> LLM:
-    args = {"num_gpu_blocks_override": 256, "max_model_len": 1024, **kwargs}
-    return LLM(None, dtype="float32", speculative_config=NGRAM if spec else None, **args)
+    args = {"dtype": "float32", "num_gpu_blocks_override": 256, "max_model_len": 1024, **kwargs}
+    return LLM(None, speculative_config=NGRAM if spec else None, **args)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,12 @@ def spec_llm(default_model_dir) -> LLM:
 def test_greedy_matches_transformers_and_guesses_are_kept(default_model_dir):
     llm = engine(spec=True)
     tok = llm.get_tokenizer()
-    expected = hf_greedy(default_model_dir, [tok.encode(p) for p in PROMPTS], max_new=40)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    expected = hf_greedy(default_model_dir, [tok.encode(p) for p in PROMPTS], max_new=28)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.engine.spec_stats
-    assert stats.num_accepted_tokens > 40 and 0 < stats.acceptance_rate <= 1
-    assert llm.engine.num_generated_tokens == 40 * len(PROMPTS)
+    assert stats.num_accepted_tokens > 28 and 0 < stats.acceptance_rate <= 1
+    assert llm.engine.num_generated_tokens == 28 * len(PROMPTS)
 
 
 CASES = {
@@ -163,7 +163,7 @@ def test_bad_speculative_config_is_refused_by_name(config, message):
         EngineConfig(speculative_config=config)
 
 
-def test_random_sampling_keeps_its_distribution(plain_llm, spec_llm):
+def test_random_sampling_keeps_its_distribution():
     """Unseeded random rows are guessed for too: the token after a guess follows the same
     distribution as plain decoding's (total variation over the five likeliest tokens and
     the rest, 400 samples each, at a temperature that makes the guessed token uncertain)."""
@@ -171,10 +171,12 @@ def test_random_sampling_keeps_its_distribution(plain_llm, spec_llm):
 
     samples = 400  # completions of one prompt (n), which share its prefill
     params = SamplingParams(temperature=1.5, max_tokens=3, ignore_eos=True, n=samples)  # one guess, for token 2
-    drafts_before = spec_llm.engine.spec_stats.num_drafts
+    # bfloat16 (its matmuls several times faster here), all the completions in one batch
+    engines = {name: engine(spec=name == "spec", dtype="bfloat16", max_num_seqs=samples, num_gpu_blocks_override=512)
+               for name in ("plain", "spec")}
     second = {name: Counter(c.token_ids[2] for c in llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs)
-              for name, llm in (("plain", plain_llm), ("spec", spec_llm))}
-    assert spec_llm.engine.spec_stats.num_drafts - drafts_before > 100
+              for name, llm in engines.items()}
+    assert engines["spec"].engine.spec_stats.num_drafts > 100
     top = [t for t, _ in second["plain"].most_common(5)]
 
     def shares(counts: Counter) -> list[float]:
