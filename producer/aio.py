@@ -10,6 +10,7 @@ through; the awaitable's result is dropped then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -39,3 +40,24 @@ async def wait_for_event(event: asyncio.Event, timeout_s: float) -> bool:
     except TimeoutError:
         pass
     return event.is_set()
+
+
+async def unless_set(awaitable: Awaitable[T], event: asyncio.Event) -> T | None:
+    """`await awaitable`, unless `event` is set first: then the awaitable is cancelled (and
+    awaited, so that a Redis connection it held is closed) and None is returned. For a wait
+    that a stop makes moot, such as a blocking read, which would otherwise hold the stop up."""
+    task = asyncio.ensure_future(awaitable)
+    stop = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        stop.cancel()
+        raise
+    stop.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None

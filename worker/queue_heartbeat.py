@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import redis
 
-from producer.aio import wait_for_event
+from producer.aio import unless_set, wait_for_event
 from producer.protocol import WORKER_HEARTBEAT_TTL_S, as_text
 from producer.records import WorkerInfo, encode_worker_info
 from worker.queue_config import WorkerConfig
@@ -152,7 +152,7 @@ async def listen_cancels(
         try:
             await pubsub.subscribe(channel)
             while not stopping.is_set():
-                message = await pubsub.get_message(timeout=CANCEL_POLL_S)
+                message = await unless_set(pubsub.get_message(timeout=CANCEL_POLL_S), stopping)
                 if message is not None and message["type"] == "message":
                     data = message["data"]
                     on_cancel(data.decode(errors="replace") if isinstance(data, bytes) else str(data))

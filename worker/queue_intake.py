@@ -19,7 +19,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from producer.aio import wait_for_event
+from producer.aio import unless_set, wait_for_event
 from producer.protocol import ERROR_INVALID_REQUEST, Job, ProtocolError, decode_job, encode_event
 from producer.records import encode_dead_letter
 from worker.queue_config import WorkerConfig
@@ -335,9 +335,11 @@ class Intake:
             self.changed.clear()  # before reading capacity, so no change is missed
             count = self.capacity()
             if count <= 0:
-                await wait_for_event(self.changed, INTAKE_BLOCK_S)
+                await unless_set(wait_for_event(self.changed, INTAKE_BLOCK_S), stopping)
                 continue
-            deliveries = await self._read(count)
+            # a stop cuts the blocking read short: entries it took are in this consumer's
+            # pending list, which the drain hands back; admission itself is never cut
+            deliveries = await unless_set(self._read(count), stopping)
             if deliveries:
                 await self.admission.admit(deliveries, reclaimed=False)
 

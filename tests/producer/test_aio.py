@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from producer.aio import wait_for_event, wait_within
+from producer.aio import unless_set, wait_for_event, wait_within
 
 
 async def test_wait_within_returns_the_result_or_times_out() -> None:
@@ -30,6 +30,24 @@ async def test_wait_for_event_says_whether_it_was_set() -> None:
     assert not await wait_for_event(event, 0.01)
     asyncio.get_running_loop().call_soon(event.set)
     assert await wait_for_event(event, 5.0)
+
+
+async def test_unless_set_cuts_a_wait_short_and_cancels_it() -> None:
+    """A stop cuts a blocking read short: the read is cancelled (and awaited, its cleanup run)
+    and None comes back; a read that finishes first gives its result."""
+    stop, cleaned = asyncio.Event(), []
+
+    async def read() -> str:
+        try:
+            await asyncio.sleep(30)
+            return "data"
+        finally:
+            cleaned.append(True)
+
+    asyncio.get_running_loop().call_later(0.01, stop.set)
+    assert await wait_within(unless_set(read(), stop), 5.0) is None
+    assert cleaned == [True]
+    assert await unless_set(asyncio.sleep(0, "data"), asyncio.Event()) == "data"
 
 
 async def _cancelled_as_it_completes(wait) -> str:
