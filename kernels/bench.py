@@ -266,7 +266,8 @@ def _fused_moe_case(num_tokens: int, device: torch.device, experts: str = "bf16"
     elif experts == "mxfp4":  # codes of magnitude about 2, times 2^-6: about the bf16 weights' size
         w13, w2 = (torch.randint(0, 256, (*w.shape[:-1], w.shape[-1] // 2), device=device, dtype=torch.uint8)
                    for w in (w13, w2))
-        s13, s2 = (torch.full((*w.shape[:-1], w.shape[-1] // 16), 2.0**-6, device=device) for w in (w13, w2))
+        s13, s2 = (torch.full((*w.shape[:-1], w.shape[-1] // 16), 127 - 6, device=device, dtype=torch.uint8)
+                   for w in (w13, w2))
         scales = (s13, s2, (1, 32))
     else:
         w13, w2 = w13.to(_DTYPE), w2.to(_DTYPE)
@@ -280,7 +281,7 @@ def _fused_moe_case(num_tokens: int, device: torch.device, experts: str = "bf16"
                          fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n], *scales)))
 
     experts_hit = ids.unique().numel()
-    weight_bytes = 3 * hidden * inter * (0.5 if experts == "mxfp4" else w13.element_size())
+    weight_bytes = 3 * hidden * inter * (0.5 + 1 / 32 if experts == "mxfp4" else w13.element_size())
     num_bytes = int(experts_hit * weight_bytes) + 2 * x.numel() * x.element_size()
     flops = 2 * num_tokens * top_k * 3 * hidden * inter
     name = "fused_moe" if experts == "bf16" else f"fused_moe {experts}"

@@ -120,12 +120,13 @@ def _moe_variant(name: str, dtype: str, first: bool, weights: str, quantized: tu
     constexprs = dict(
         NUM_EXPERTS=64, TOP_K=8, A_PER_TOKEN=first, MUL_WEIGHT=not first, DOT_DTYPE=dot,
         DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SCALED=quantized is not None,
-        INT4=quantized is not None and quantized[0] == "*i32", FP4=fp4, SCALE_ROWS=block[0], SCALE_COLS=block[1],
+        INT4=quantized is not None and quantized[0] == "*i32", FP4=fp4, E8M0=fp4, SCALE_ROWS=block[0],
+        SCALE_COLS=block[1],
         BLOCK_M=_BLOCK_M, BLOCK_N=_MOE_BLOCK_N, BLOCK_K=block_k(block[1], 2048) if quantized else _BLOCK_K,
     )  # fmt: skip
     overrides = dict(_MOE_PTRS, topk_weights_ptr=weights)
     overrides["w_ptr"] = quantized[0] if quantized else dtype
-    overrides["scale_ptr"] = "*fp32" if quantized else overrides["w_ptr"]
+    overrides["scale_ptr"] = "*u8" if fp4 else "*fp32" if quantized else overrides["w_ptr"]
     if not first:
         overrides["out_ptr"] = weights
     return _Variant(name, _moe_matmul_kernel, dtype, constexprs, overrides)

@@ -50,7 +50,7 @@ _BLOCK_K = 32
 def _moe_matmul_kernel(
     a_ptr,  # [num_tokens, K] when A_PER_TOKEN, else [num_pairs, K]
     w_ptr,  # [num_experts, N, K]; INT4: [num_experts, N, cdiv(K, 8)] int32 (FP4: e2m1 codes)
-    scale_ptr,  # [num_experts, cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32; read only when SCALED
+    scale_ptr,  # [num_experts, cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32 (E8M0: uint8 exponents); when SCALED
     out_ptr,  # [num_pairs, N]
     topk_weights_ptr,  # [num_pairs]; read only when MUL_WEIGHT
     sorted_ids_ptr,  # [max_rows] int64: pair index per row, num_pairs for padding
@@ -72,6 +72,7 @@ def _moe_matmul_kernel(
     SCALED: tl.constexpr,  # w is quantized (fp8, int8, int4): each tile's partial product is scaled
     INT4: tl.constexpr,  # w packs eight int4 values per int32 (see kernels.quant_linear)
     FP4: tl.constexpr,  # with INT4: the nibbles are e2m1 codes (MXFP4), not offset integers
+    E8M0: tl.constexpr,  # the scales are exponents (bias 127) of powers of two, a uint8 each
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,  # a multiple of BLOCK_K, or >= K
     DOT_DTYPE: tl.constexpr,
@@ -102,7 +103,10 @@ def _moe_matmul_kernel(
             w = weight_tile(w_base, k0, K, K_WORDS, cols < N, INT4, BLOCK_K, BLOCK_N, FP4)  # [BLOCK_K, BLOCK_N]
             part = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
             if SCALED:
-                part *= tl.load(scale_base + k0 // SCALE_COLS, mask=cols < N, other=0.0)[None, :]
+                scale = tl.load(scale_base + k0 // SCALE_COLS, mask=cols < N, other=0)
+                if E8M0:
+                    scale = tl.exp2(scale.to(tl.float32) - 127.0)
+                part *= scale[None, :]
             acc += part
         out = acc.to(a_ptr.dtype.element_ty)  # the projection, rounded to the activation dtype
         if MUL_WEIGHT:  # in fp32, then rounded to out's dtype: fp32 for fp32 routing weights
@@ -165,7 +169,7 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block
             if block[1] < k and block[1] % 16:
                 raise ValueError(f"a scale block of {block[1]} columns is narrower than {name}'s "
                                  f"{k} and not a multiple of 16")
-            check_dtype(f"{name}_scale", scale, (torch.float32,))
+            check_dtype(f"{name}_scale", scale, (torch.uint8,) if w.dtype == torch.uint8 else (torch.float32,))
             check_shape(f"{name}_scale", scale, (num_experts, cdiv(w.shape[1], block[0]), cdiv(k, block[1])))
             check_last_dim_contiguous(f"{name}_scale", scale)
         elif scale is not None:
@@ -190,7 +194,7 @@ def _launch(a, w, scale, block, out, topk_weights, sorted_ids, block_experts, to
         a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if scaled else 0, scale.stride(1) if scaled else 0,
         out.stride(0),
         NUM_EXPERTS=num_experts, TOP_K=top_k, A_PER_TOKEN=a_per_token, MUL_WEIGHT=mul_weight,
-        SCALED=scaled, INT4=w.dtype == torch.int32, FP4=fp4,
+        SCALED=scaled, INT4=w.dtype == torch.int32, FP4=fp4, E8M0=fp4,
         SCALE_ROWS=block[0] if scaled else 1, SCALE_COLS=block[1] if scaled else 1,
         DOT_DTYPE=dot_dtype(a.dtype, is_interpreted(_moe_matmul_kernel)),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -215,7 +219,8 @@ def fused_moe(
     """Sum over each token's top-k experts of weight * down(SiLU(gate(x)) * up(x)). Weights
     in x's dtype, or quantized with float32 scales per block, widened tile by tile: fp8 or
     int8 values, int4 packed eight to an int32 (as `kernels.quant_linear` reads them), or
-    e2m1 codes two to a uint8, low nibble first (MXFP4, whose scales are powers of two).
+    e2m1 codes two to a uint8, low nibble first (MXFP4, whose scales are uint8 exponents of
+    powers of two).
     `activation` replaces SiLU(gate) * up (it runs in torch between the two launches); biases
     are added to each projection's rounded output (gpt-oss), before the routing weight."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)

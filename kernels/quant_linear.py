@@ -213,6 +213,8 @@ def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     if weight.dtype == torch.int32:
         nibbles = (weight[..., None] >> torch.arange(0, 32, 4, device=weight.device)) & 0xF
         weight = (nibbles.flatten(-2)[..., :k] - 8).to(torch.int8)
+    if scale.dtype == torch.uint8:  # MXFP4's e8m0 exponents
+        scale = 2.0 ** (scale.float() - 127)
     n, k = weight.shape[-2:]
     full = scale.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
     return (weight.float() * full).to(dtype)

@@ -182,11 +182,11 @@ def quantize(dense: torch.Tensor, block: tuple[int, int], kind: str = "fp8") -> 
     amax = tiles.abs().amax(dim=(-3, -1))
     top = {"fp8": FP8_MAX, "int8": 127.0, "int4": 7.0, "fp4": 6.0}[kind]
     scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))  # [..., rows, cols]
-    if kind == "fp4":  # MXFP4's scales are powers of two
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    if kind == "fp4":  # MXFP4's scales are powers of two, held as their e8m0 exponents
+        exponent = torch.ceil(torch.log2(scale))
+        q = (tiles / torch.exp2(exponent)[..., :, None, :, None]).view_as(padded)[..., :n, :k]
+        return pack_fp4(q), (exponent + 127).to(torch.uint8)
     q = (tiles / scale[..., :, None, :, None]).view_as(padded)[..., :n, :k]
-    if kind == "fp4":
-        return pack_fp4(q), scale
     if kind == "fp8":
         return q.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
     q = q.round().clamp(-top - 1, top).to(torch.int8)
@@ -202,6 +202,11 @@ def unpack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 codes two to a byte [..., C] uint8, low nibble first -> float32 values [..., 2 * C]."""
     lut = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)
     return lut[torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2).long()]
+
+
+def e8m0_scales(exponents: torch.Tensor) -> torch.Tensor:
+    """MXFP4's scales: uint8 exponents (bias 127) as float32 powers of two."""
+    return torch.exp2(exponents.float() - 127)
 
 
 def pack_fp4(values: torch.Tensor) -> torch.Tensor:
@@ -242,7 +247,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         values = unpack_fp4(weight)[..., :in_features]
     else:
         values = (unpack(weight, 4, in_features) if weight.dtype == torch.int32 else weight).float()
-    scale = scale.float()
+    scale = e8m0_scales(scale) if scale.dtype == torch.uint8 else scale.float()
     if scale.numel() == 1:
         return values * scale.reshape(())
     (n, k), (rows, cols) = values.shape[-2:], scale.shape[-2:]
@@ -256,13 +261,15 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 
 def make_quantized(module: nn.Module, name: str, block: tuple[int, int], kind: str = "fp8") -> None:
     """Turn `module`'s float parameter `name` [..., out, in] into a quantized one of `kind`
-    (int4: [..., out, cdiv(in, 8)] words) and its float32 scales `<name>_scale` [..., rows,
-    cols] (on the meta device, before the weights load)."""
+    (int4: [..., out, cdiv(in, 8)] words) and its scales `<name>_scale` [..., rows, cols]
+    (float32; fp4's are e8m0 exponents, a uint8 each), on the meta device before the weights
+    load."""
     *lead, n, k = getattr(module, name).shape
     grid = (*lead, -(-n // block[0]), -(-k // block[1]))
     columns = packed_columns(k, kind)
     setattr(module, name, nn.Parameter(torch.empty(*lead, n, columns, dtype=STORAGE[kind]), requires_grad=False))
-    setattr(module, name + "_scale", nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False))
+    scale_dtype = torch.uint8 if kind == "fp4" else torch.float32
+    setattr(module, name + "_scale", nn.Parameter(torch.empty(grid, dtype=scale_dtype), requires_grad=False))
 
 
 def quantize_into(module: nn.Module, name: str, dense: torch.Tensor) -> None:
