@@ -20,6 +20,7 @@ import redis
 
 from api.deps import TENANT, AppState
 from api.errors import APIError, error_body, param_from_value_error
+from api.harmony import FINAL_CHANNEL
 from api.logprobs import TokenLogprob, prompt_logprobs
 from api.reasoning import END as THINK_END
 from api.render import Choice, RelayedRequest, Renderer, usage_chunk
@@ -72,6 +73,12 @@ class Plan:
     tenant: str | None = None  # who the jobs are metered to; None: the caller's key (deps.TENANT)
 
 
+# where a guided reply's grammar starts, for parsers whose replies think first: after the
+# thinking's end tag; after gpt-oss's final channel opens (its tags are special tokens, which
+# the worker spells for markers)
+GRAMMAR_AFTER = {"deepseek_r1": THINK_END, "gpt_oss": FINAL_CHANNEL}
+
+
 def plan(
     state: AppState,
     body: GenerationRequest,
@@ -87,9 +94,9 @@ def plan(
     chat = body if isinstance(body, ChatCompletionRequest) else None
     reasoning = _reasoning_parser(state, chat)
     params = sampling_params(body)
-    if reasoning == "deepseek_r1" and params.guided_decoding is not None:
-        # the reply starts thinking: the grammar holds for the answer, after </think>
-        params = replace(params, guided_decoding={**params.guided_decoding, "after": THINK_END})
+    if reasoning in GRAMMAR_AFTER and params.guided_decoding is not None:
+        # the reply thinks first: the grammar holds for the answer, after the thinking's end
+        params = replace(params, guided_decoding={**params.guided_decoding, "after": GRAMMAR_AFTER[reasoning]})
     if reasoning == "gpt_oss":  # the harmony tags are special tokens: the reader needs them in the text
         params = replace(params, skip_special_tokens=False)
     ids = job_ids(base, len(prompts))
@@ -130,12 +137,12 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
 
 def _reasoning_parser(state: AppState, chat: ChatCompletionRequest | None) -> str | None:
     """The deployment's, for chat replies that may think: a guided reply is held to its
-    grammar from its first token, unless the reply starts thinking (deepseek_r1), where the
-    grammar starts after the thinking."""
+    grammar from its first token, unless the reply thinks first (deepseek_r1, gpt_oss), where
+    the grammar starts after the thinking."""
     parser = state.settings.reasoning_parser
     if chat is None or parser == "none":
         return None
-    if chat.guided_source is not None and parser != "deepseek_r1":
+    if chat.guided_source is not None and parser not in GRAMMAR_AFTER:
         return None
     return parser
 

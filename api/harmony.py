@@ -18,6 +18,9 @@ Calls come out in the content as hermes blocks (`<tool_call>{"name": ..., "argum
 ...}</tool_call>`, api.tool_calls), so the tool-call reader that follows finds them as it finds
 any other model's; a body that is not a JSON object stays content there, nothing lost. A reply
 that does not open with a harmony tag (a template without harmony) is all content.
+
+A guided reply (`response_format`, `guided_*`) thinks freely in the analysis channel; its
+grammar holds from `<|channel|>final<|message|>` on (the worker's `guided_decoding` "after").
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ MESSAGE = "<|message|>"
 CHANNEL = "<|channel|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")  # what closes a body (the last two when not left out)
 TAG = "<|"
+FINAL_CHANNEL = "<|channel|>final<|message|>"  # where the answer begins (a guided reply's grammar too)
 
 
 class HarmonyReader:

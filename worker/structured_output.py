@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from producer.regex import compile_regex
 from worker.json_grammar import JSON_OBJECT
 from worker.json_schema_grammar import JsonSchemaGrammar
-from worker.token_bytes import byte_text, token_bytes
+from worker.token_bytes import byte_text, special_texts, token_bytes
 
 MASK_CACHE_SIZE = 1024  # grammar states whose masks are kept (a mask is one byte per token)
 
@@ -114,14 +114,19 @@ class TokenMasks:
     vocabulary's length, 1 where the token may come next.
 
     `vocabulary[i]` is the bytes token i stands for; None (special tokens) is never allowed
-    inside the output.
+    inside the output. `special_texts` spell special tokens for markers only: a grammar may
+    start after one (gpt-oss's `<|channel|>final<|message|>`), never take one.
     """
 
     def __init__(
         self, vocabulary: Sequence[bytes | None], stop_ids: set[int],
-        cache_size: int = MASK_CACHE_SIZE,
+        cache_size: int = MASK_CACHE_SIZE, special_texts: dict[int, str] | None = None,
     ) -> None:
         self.token_texts = [byte_text(b or b"") for b in vocabulary]
+        self.marker_texts = list(self.token_texts)  # what the output spells while a marker is awaited
+        for token_id, text in (special_texts or {}).items():
+            if token_id < len(self.marker_texts):
+                self.marker_texts[token_id] = byte_text(text.encode())
         self.candidates = [(i, self.token_texts[i]) for i, b in enumerate(vocabulary) if b]
         self.stop_mask = _mask(len(self.token_texts), (i for i in stop_ids if i < len(self.token_texts)))
         self.cache_size = cache_size
@@ -158,7 +163,7 @@ class TokenMasks:
         for token_id in output_token_ids[guided.num_tokens :]:
             text = self.token_texts[token_id]
             if guided.after is not None:
-                text = _past(guided, text)
+                text = _past(guided, self.marker_texts[token_id])
                 if not text:
                     continue
                 if guided.state is not None:  # the grammar's first text: it must fit
@@ -230,5 +235,6 @@ class GuidedDecoding:
 
     def _token_masks(self) -> TokenMasks:
         if self._masks is None:  # every token's bytes, once (a fraction of a second)
-            self._masks = TokenMasks(token_bytes(self.tokenizer), self.stop_ids)
+            self._masks = TokenMasks(token_bytes(self.tokenizer), self.stop_ids,
+                                     special_texts=special_texts(self.tokenizer))
         return self._masks

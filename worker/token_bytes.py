@@ -58,6 +58,15 @@ def token_bytes(tokenizer: Any) -> list[bytes | None]:
     return out
 
 
+def special_texts(tokenizer: Any) -> dict[int, str]:
+    """Per special token id: how it is written (`<|im_start|>`), which `token_bytes` leaves
+    out of the vocabulary guided output may use."""
+    texts = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    for token_id in tokenizer.all_special_ids:
+        texts.setdefault(token_id, tokenizer.convert_ids_to_tokens(token_id))
+    return texts
+
+
 def _vocabulary_form(tokenizer: Any) -> str:
     """"byte_level", "byte_fallback" or "text", from the fast tokenizer's decoder."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -105,3 +105,17 @@ def test_a_grammar_that_starts_after_a_marker() -> None:
     broken = GuidedState(ChoiceGrammar(["yes", "no"]), "", after="</th")  # "ink" follows it
     masks.advance(broken, [vocab.index("</"), vocab.index("think")])
     assert broken.state is None and list(masks.allowed(broken)) == [0] * 7 + [1, 0, 0]  # it may only stop
+
+
+def test_a_marker_of_special_tokens() -> None:
+    """gpt-oss's answer opens with special tokens (`<|channel|>final<|message|>`): they spell
+    the marker the grammar waits for, and are never allowed inside the guided output."""
+    vocab = ["<|channel|>", "<|message|>", "analysis", "final", "yes", "no", "<eos>", "hm"]
+    masks = TokenMasks(vocabulary(vocab, {0, 1, 6}), stop_ids={6}, special_texts={0: "<|channel|>", 1: "<|message|>"})
+    guided = GuidedState(ChoiceGrammar(["yes", "no"]), "", after="<|channel|>final<|message|>")
+    thinking = [vocab.index(t) for t in ("<|channel|>", "analysis", "<|message|>", "hm", "<|channel|>", "final")]
+    masks.advance(guided, thinking)
+    assert guided.after is not None  # the analysis channel is free; the final one has not opened yet
+    masks.advance(guided, [*thinking, vocab.index("<|message|>")])
+    assert guided.after is None
+    assert {vocab[i] for i, ok in enumerate(masks.allowed(guided)) if ok} == {"yes", "no"}

@@ -7,7 +7,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from worker.token_bytes import token_bytes
+from worker.token_bytes import special_texts, token_bytes
 
 TEXTS = ["naïve café — 日本語のテキスト 🙂", "plain ascii, with  spaces\n\tand tabs", "Ünïcödé ŝtrïñg ∑ √ ∞"]
 
@@ -32,6 +32,17 @@ def test_byte_level_tokens_spell_what_the_tokenizer_decodes(default_model_dir: P
     for text in TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert b"".join(vocabulary[i] for i in ids) == text.encode()
+
+
+def test_special_tokens_are_spelled_as_the_tokenizer_writes_them(default_model_dir: Path) -> None:
+    """What markers see of the tokens token_bytes leaves out: the text the tokenizer writes
+    for each with skip_special_tokens off."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = special_texts(tokenizer)
+    assert set(texts) == {i for i, b in enumerate(token_bytes(tokenizer)) if b is None}
+    for token_id, text in texts.items():
+        assert tokenizer.decode([token_id], skip_special_tokens=False) == text
+    assert texts[tokenizer.convert_tokens_to_ids("<|im_start|>")] == "<|im_start|>"
 
 
 def test_sentencepiece_byte_fallback_tokens() -> None:
