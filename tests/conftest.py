@@ -137,6 +137,15 @@ def tiny_other_config(family: str):
                            layer_types=["sliding_attention", "full_attention"], **TINY_COMMON)
     if family == "smollm3":  # the second layer without RoPE
         return SmolLM3Config(vocab_size=VOCAB, tie_word_embeddings=True, no_rope_layer_interval=2, **TINY_COMMON)
+    if family == "seed_oss":  # q/k/v biases, none on o
+        from transformers import SeedOssConfig
+
+        return SeedOssConfig(vocab_size=VOCAB, tie_word_embeddings=False, head_dim=16, attention_bias=True,
+                             attention_out_bias=False, **TINY_COMMON)
+    if family == "ernie4_5":  # RoPE over interleaved pairs; a bias on every projection
+        from transformers import Ernie4_5Config
+
+        return Ernie4_5Config(vocab_size=VOCAB, tie_word_embeddings=True, head_dim=16, use_bias=True, **TINY_COMMON)
     if family == "ministral":  # windows named per layer
         return MinistralConfig(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=24, head_dim=16,
                                layer_types=["sliding_attention", "full_attention"], **TINY_COMMON)
@@ -210,6 +219,8 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(0.5, 1.5)
             elif family == "gpt_oss" and name.endswith(("_bias", "sinks")):  # transformers starts biases at zero
                 param.uniform_(-1.0, 1.0)
+            elif family in ("seed_oss", "ernie4_5") and name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
     model.save_pretrained(out_dir)
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
@@ -218,7 +229,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
-                                        "granite", "olmo2", "olmo3", "smollm3", "ministral"])
+                                        "granite", "olmo2", "olmo3", "smollm3", "ministral", "seed_oss", "ernie4_5"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 
@@ -330,6 +341,15 @@ def build_lora_adapter(model_dir: Path, out_dir: Path, seed: int, **lora_config)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_config)).save_pretrained(out_dir)
     return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_ernie_adapter(tmp_path_factory, default_model_dir) -> tuple[Path, Path]:
+    """A tiny Ernie 4.5 (RoPE over interleaved pairs) and an adapter on its attention."""
+    model = build_tiny_model("ernie4_5", tmp_path_factory.mktemp("ernie4_5"), default_model_dir)
+    adapter = build_lora_adapter(model, tmp_path_factory.mktemp("ernie-adapter"), 5, r=8, lora_alpha=16,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    return model, adapter
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ from torch import nn
 
 from worker.lora_request import LoRARequest
 from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
+from worker.models.llama import LlamaForCausalLM, half_split_rows
 
 # PEFT's module name -> (our fused projection, the shard's index in it; None: the whole of it,
 # for models whose own projections are fused, Phi-3's)
@@ -94,14 +94,22 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         sizes = _shard_sizes(fused, cfg)
         shards = adapter.pairs.setdefault((layer, fused), [None] * len(sizes))
         if shard is not None:
-            shards[shard] = (a.float(), b.float() * scale)
+            shards[shard] = (a.float(), _model_rows(b.float(), fused, shard, cfg) * scale)
         else:  # one pair over the whole projection: A shared, B's rows split among the shards
             for i, b_rows in enumerate(b.float().split(sizes)):
-                shards[i] = (a.float(), b_rows * scale)
+                shards[i] = (a.float(), _model_rows(b_rows, fused, i, cfg) * scale)
         adapter.rank = max(adapter.rank, a.shape[0])
     if not adapter.pairs:
         raise ValueError(f"{where}: the adapter holds no LoRA weights")
     return adapter
+
+
+def _model_rows(b: torch.Tensor, fused: str, shard: int, cfg: ModelConfig) -> torch.Tensor:
+    """B's rows in the order the model holds the shard's: q and k's reordered where the
+    model's RoPE rotates interleaved pairs (the base weights' rows are, at load)."""
+    if cfg.interleaved_rope and fused == "qkv_proj" and shard in (0, 1):
+        return half_split_rows(b, cfg.head_dim)
+    return b
 
 
 _MLP = ("gate_up_proj", "down_proj")

@@ -223,3 +223,17 @@ def test_adapter_on_fused_projections_matches_peft(tiny_phi3_adapter, default_mo
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
     outs = llm.generate(PROMPTS, greedy(), lora_request=LoRARequest("phi", 1, str(adapter_dir)), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_adapter_on_reordered_q_and_k_matches_peft(tiny_ernie_adapter, default_model_dir):
+    """Ernie 4.5's q and k rows are reordered at load (its RoPE rotates interleaved pairs):
+    an adapter's B rows for q and k are reordered alike, or its scores would be wrong."""
+    from transformers import AutoTokenizer
+
+    model_dir, adapter_dir = tiny_ernie_adapter
+    ids = [AutoTokenizer.from_pretrained(default_model_dir).encode(p) for p in PROMPTS[:4]]
+    expected = peft_greedy(model_dir, adapter_dir, ids)
+    assert expected != peft_greedy(model_dir, None, ids)
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
+    outs = llm.generate(PROMPTS[:4], greedy(), lora_request=LoRARequest("ernie", 1, str(adapter_dir)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected

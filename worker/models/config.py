@@ -15,6 +15,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "MinistralForCausalLM": "mistral",  # Ministral-8B: Mistral with its windows named per layer
     "SmolLM3ForCausalLM": "smollm3",  # Llama without RoPE on every fourth layer (NoPE)
+    "SeedOssForCausalLM": "seed_oss",  # Llama with q/k/v biases (and its own switch for o's)
+    "Ernie4_5ForCausalLM": "ernie4_5",  # Llama whose RoPE rotates interleaved pairs
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2 without the q/k/v biases, with an RMSNorm on each q and k head
     "Phi3ForCausalLM": "phi3",  # Llama whose checkpoints hold q/k/v and gate/up already fused (Phi-3, Phi-4)
@@ -167,6 +169,9 @@ class ModelConfig:
     long_rope: bool = False  # LongRoPE (Phi-3.5, Phi-4-mini): its long factors, not its short ones
     attn_sinks: bool = False  # a learned logit per head joins its softmax, with no value (gpt-oss)
     nope_layers: frozenset[int] = frozenset()  # layers that attend without RoPE (SmolLM3's NoPE)
+    # RoPE rotates pairs (2i, 2i + 1) of each head, not (i, i + d/2) (Ernie 4.5): q and k's
+    # rows are permuted at load so that the half-split rotation computes the same scores
+    interleaved_rope: bool = False
     quant: QuantConfig | None = None  # quantized weights: the checkpoint's, or fp8 quantized as they load
 
     @classmethod
@@ -182,7 +187,9 @@ class ModelConfig:
         family = SUPPORTED_ARCHITECTURES[arch]
         qwen2 = family in ("qwen2", "qwen2_moe")
         has_lm_head = arch.endswith("ForCausalLM")
-        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or qwen2
+        any_bias = bool(getattr(hf_config, "use_bias", False))  # Ernie 4.5: every projection's
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or qwen2 or any_bias
+        o_bias = bool(getattr(hf_config, "attention_out_bias", getattr(hf_config, "attention_bias", False))) and not qwen2
         window = getattr(hf_config, "sliding_window", None)
         if family.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False):
             window = None
@@ -208,8 +215,9 @@ class ModelConfig:
             # no head of its own: the embedding stands in (logits are never asked of it)
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) or not has_lm_head,
             attention_bias=qkv_bias,
-            o_proj_bias=bool(getattr(hf_config, "attention_bias", False)) and not qwen2,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            o_proj_bias=o_bias or any_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) or any_bias,
+            interleaved_rope=family == "ernie4_5",
             layer_windows=layer_windows,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,

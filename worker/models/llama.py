@@ -485,7 +485,22 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cf
             tensor = tensor.reshape(()).expand(dst.shape)  # one scale for the whole tensor
         if dst.shape != tensor.shape:
             raise ValueError(f"shape mismatch for {hf_name!r}: model {tuple(dst.shape)}, checkpoint {tuple(tensor.shape)}")
+        if cfg.interleaved_rope and shard in ("q", "k"):
+            if row_block == 1:  # a weight's rows, or per-channel scales
+                tensor = half_split_rows(tensor, cfg.head_dim)
+            elif row_block % cfg.head_dim:
+                raise ValueError(f"{hf_name!r}: scale blocks of {row_block} rows would split the heads whose "
+                                 f"rows this model reorders ({cfg.head_dim} each)")
         dst.copy_(tensor)
+
+
+def half_split_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q or k projection rows [heads * head_dim, ...] reordered within each head from
+    interleaved pairs (0, 1), (2, 3) ... to halves (0, 2, 4 ... | 1, 3, 5 ...): rotating the
+    halves then rotates each interleaved pair, and q · k is unchanged by the same order on both."""
+    order = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+    heads = rows.view(-1, head_dim, *rows.shape[1:])
+    return heads[:, order.to(rows.device)].reshape(rows.shape)
 
 
 def _shard_range(shard: str, cfg: ModelConfig, rows: int) -> tuple[int, int]:
