@@ -343,22 +343,27 @@ def build_lora_adapter(model_dir: Path, out_dir: Path, seed: int, **lora_config)
     return out_dir
 
 
+def tiny_model_and_adapter(family: str, seed: int, targets: list[str], tmp_path_factory,
+                           tokenizer_dir: Path) -> tuple[Path, Path]:
+    """A tiny model of `family` and a rank-8 adapter over its modules `targets`."""
+    model = build_tiny_model(family, tmp_path_factory.mktemp(family), tokenizer_dir)
+    adapter = build_lora_adapter(model, tmp_path_factory.mktemp(f"{family}-adapter"), seed, r=8, lora_alpha=16,
+                                 target_modules=targets)
+    return model, adapter
+
+
 @pytest.fixture(scope="session")
 def tiny_ernie_adapter(tmp_path_factory, default_model_dir) -> tuple[Path, Path]:
     """A tiny Ernie 4.5 (RoPE over interleaved pairs) and an adapter on its attention."""
-    model = build_tiny_model("ernie4_5", tmp_path_factory.mktemp("ernie4_5"), default_model_dir)
-    adapter = build_lora_adapter(model, tmp_path_factory.mktemp("ernie-adapter"), 5, r=8, lora_alpha=16,
-                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    return model, adapter
+    return tiny_model_and_adapter("ernie4_5", 5, ["q_proj", "k_proj", "v_proj", "o_proj"], tmp_path_factory,
+                                  default_model_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_phi3_adapter(tmp_path_factory, default_model_dir) -> tuple[Path, Path]:
     """A tiny Phi-3 and an adapter on its own fused projections (qkv_proj, gate_up_proj)."""
-    model = build_tiny_model("phi3", tmp_path_factory.mktemp("phi3"), default_model_dir)
-    adapter = build_lora_adapter(model, tmp_path_factory.mktemp("phi3-adapter"), 4, r=8, lora_alpha=16,
-                                 target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
-    return model, adapter
+    return tiny_model_and_adapter("phi3", 4, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], tmp_path_factory,
+                                  default_model_dir)
 
 
 @pytest.fixture(scope="session")
