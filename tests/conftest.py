@@ -146,6 +146,11 @@ def tiny_other_config(family: str):
         from transformers import Ernie4_5Config
 
         return Ernie4_5Config(vocab_size=VOCAB, tie_word_embeddings=True, head_dim=16, use_bias=True, **TINY_COMMON)
+    if family == "glm4":  # interleaved RoPE over half of each head, four norms a layer
+        from transformers import Glm4Config
+
+        return Glm4Config(vocab_size=VOCAB, tie_word_embeddings=False, head_dim=16, attention_bias=True,
+                          **TINY_COMMON)
     if family == "ministral":  # windows named per layer
         return MinistralConfig(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=24, head_dim=16,
                                layer_types=["sliding_attention", "full_attention"], **TINY_COMMON)
@@ -215,11 +220,11 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(0.5, 1.5)
             elif family.startswith("gemma") and name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)
-            elif family in ("olmo2", "olmo3") and name.endswith("norm.weight"):
+            elif family in ("olmo2", "olmo3", "glm4") and name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
             elif family == "gpt_oss" and name.endswith(("_bias", "sinks")):  # transformers starts biases at zero
                 param.uniform_(-1.0, 1.0)
-            elif family in ("seed_oss", "ernie4_5") and name.endswith(".bias"):
+            elif family in ("seed_oss", "ernie4_5", "glm4") and name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
     model.save_pretrained(out_dir)
     for name in os.listdir(tokenizer_dir):
@@ -229,7 +234,8 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
-                                        "granite", "olmo2", "olmo3", "smollm3", "ministral", "seed_oss", "ernie4_5"])
+                                        "granite", "olmo2", "olmo3", "smollm3", "ministral", "seed_oss", "ernie4_5",
+                                        "glm4"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

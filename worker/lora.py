@@ -108,7 +108,7 @@ def _model_rows(b: torch.Tensor, fused: str, shard: int, cfg: ModelConfig) -> to
     """B's rows in the order the model holds the shard's: q and k's reordered where the
     model's RoPE rotates interleaved pairs (the base weights' rows are, at load)."""
     if cfg.interleaved_rope and fused == "qkv_proj" and shard in (0, 1):
-        return half_split_rows(b, cfg.head_dim)
+        return half_split_rows(b, cfg.head_dim, cfg.rotary_dim)
     return b
 
 

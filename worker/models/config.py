@@ -17,6 +17,9 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",  # Llama without RoPE on every fourth layer (NoPE)
     "SeedOssForCausalLM": "seed_oss",  # Llama with q/k/v biases (and its own switch for o's)
     "Ernie4_5ForCausalLM": "ernie4_5",  # Llama whose RoPE rotates interleaved pairs
+    # GLM-4-0414: interleaved RoPE over half of each head, Gemma 2's four norms a layer,
+    # checkpoints with gate/up fused (as Phi-3's)
+    "Glm4ForCausalLM": "glm4",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2 without the q/k/v biases, with an RMSNorm on each q and k head
     "Phi3ForCausalLM": "phi3",  # Llama whose checkpoints hold q/k/v and gate/up already fused (Phi-3, Phi-4)
@@ -189,7 +192,9 @@ class ModelConfig:
         has_lm_head = arch.endswith("ForCausalLM")
         any_bias = bool(getattr(hf_config, "use_bias", False))  # Ernie 4.5: every projection's
         qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or qwen2 or any_bias
-        o_bias = bool(getattr(hf_config, "attention_out_bias", getattr(hf_config, "attention_bias", False))) and not qwen2
+        # Qwen2's and GLM-4's biases are q/k/v's alone; Seed-OSS switches o's apart
+        o_bias = (bool(getattr(hf_config, "attention_out_bias", getattr(hf_config, "attention_bias", False)))
+                  and not qwen2 and family != "glm4")
         window = getattr(hf_config, "sliding_window", None)
         if family.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False):
             window = None
@@ -217,7 +222,8 @@ class ModelConfig:
             attention_bias=qkv_bias,
             o_proj_bias=o_bias or any_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) or any_bias,
-            interleaved_rope=family == "ernie4_5",
+            interleaved_rope=family in ("ernie4_5", "glm4"),
+            sandwich_norms=family == "glm4",
             layer_windows=layer_windows,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,

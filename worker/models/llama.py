@@ -8,7 +8,7 @@ load time so each layer makes two matmuls for attention input and MLP input inst
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -364,6 +364,8 @@ class LlamaForCausalLM(nn.Module):
         experts."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        if self.config.architecture == "Glm4ForCausalLM":
+            weights = _glm4_names(weights)
         if self.config.architecture == "GptOssForCausalLM":
             quant_cfg = self.config.quant
             weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
@@ -443,6 +445,18 @@ _NOT_LANGUAGE = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.
                  "visual.", "model.visual.")
 
 
+# GLM-4's four norms a layer, under Gemma 2's names: after attention, before the MLP, after it
+_GLM4_NORMS = {".post_self_attn_layernorm.": ".post_attention_layernorm.",
+               ".post_attention_layernorm.": ".pre_feedforward_layernorm.",
+               ".post_mlp_layernorm.": ".post_feedforward_layernorm."}
+
+
+def _glm4_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        old = next((old for old in _GLM4_NORMS if old in name), None)
+        yield (name.replace(old, _GLM4_NORMS[old]) if old else name), tensor
+
+
 def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
     if "rotary_emb" in hf_name or hf_name.startswith(_NOT_LANGUAGE):
         return None  # recomputed, or not the language model's
@@ -487,18 +501,20 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cf
             raise ValueError(f"shape mismatch for {hf_name!r}: model {tuple(dst.shape)}, checkpoint {tuple(tensor.shape)}")
         if cfg.interleaved_rope and shard in ("q", "k"):
             if row_block == 1:  # a weight's rows, or per-channel scales
-                tensor = half_split_rows(tensor, cfg.head_dim)
+                tensor = half_split_rows(tensor, cfg.head_dim, cfg.rotary_dim)
             elif row_block % cfg.head_dim:
                 raise ValueError(f"{hf_name!r}: scale blocks of {row_block} rows would split the heads whose "
                                  f"rows this model reorders ({cfg.head_dim} each)")
         dst.copy_(tensor)
 
 
-def half_split_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+def half_split_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
     """q or k projection rows [heads * head_dim, ...] reordered within each head from
     interleaved pairs (0, 1), (2, 3) ... to halves (0, 2, 4 ... | 1, 3, 5 ...): rotating the
-    halves then rotates each interleaved pair, and q · k is unchanged by the same order on both."""
-    order = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+    halves then rotates each interleaved pair, and q · k is unchanged by the same order on both.
+    With partial rotary only the first `rotary_dim` rows of a head are reordered."""
+    rotary = rotary_dim or head_dim
+    order = torch.cat((torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_dim)))
     heads = rows.view(-1, head_dim, *rows.shape[1:])
     return heads[:, order.to(rows.device)].reshape(rows.shape)
 
