@@ -223,7 +223,6 @@ class ModelConfig:
             o_proj_bias=o_bias or any_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) or any_bias,
             interleaved_rope=family in ("ernie4_5", "glm4"),
-            sandwich_norms=family == "glm4",
             layer_windows=layer_windows,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
@@ -281,6 +280,8 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
         raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
     if family in ("olmo2", "olmo3"):
         return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True, local_rope=_per_kind(hf_config))
+    if family == "glm4":  # a norm after attention and one after the MLP too, as Gemma 2
+        return dict(sandwich_norms=True)
     if family == "smollm3":  # no_rope_layers: 1 where the layer rotates, 0 where it does not
         return dict(nope_layers=frozenset(i for i, rotates in enumerate(hf_config.no_rope_layers) if not rotates))
     if family == "gpt_oss":  # norms scale in float32 (their weights are kept so), then round
