@@ -209,6 +209,13 @@ def default_model_dir() -> Path:
     return ensure_default_model(CACHE_DIR)
 
 
+def copy_tokenizer(source: Path, out: Path) -> None:
+    """The default model's tokenizer and chat template, beside a tiny model's weights."""
+    for name in os.listdir(source):
+        if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
+            shutil.copy(source / name, out / name)
+
+
 def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
@@ -227,9 +234,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
             elif family in ("seed_oss", "ernie4_5", "glm4") and name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
     model.save_pretrained(out_dir)
-    for name in os.listdir(tokenizer_dir):
-        if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
-            shutil.copy(tokenizer_dir / name, out_dir / name)
+    copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
 
 
@@ -263,9 +268,7 @@ def tiny_classifier_dir(tmp_path_factory, default_model_dir) -> Path:
                    "label2id": {"negative": 0, "neutral": 1, "positive": 2}, "pad_token_id": 0})
     out = tmp_path_factory.mktemp("classifier")
     AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).save_pretrained(out)
-    for name in os.listdir(default_model_dir):
-        if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
-            shutil.copy(default_model_dir / name, out / name)
+    copy_tokenizer(default_model_dir, out)
     return out
 
 
@@ -313,9 +316,7 @@ def tiny_image_text_dir(request, tmp_path_factory, default_model_dir) -> Path:
                 param.uniform_(-0.5, 0.5) if request.param == "gemma3" else param.uniform_(0.5, 1.5)
     out = tmp_path_factory.mktemp(f"{request.param}-image-text")
     model.save_pretrained(out)
-    for name in os.listdir(default_model_dir):
-        if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
-            shutil.copy(default_model_dir / name, out / name)
+    copy_tokenizer(default_model_dir, out)
     return out
 
 
