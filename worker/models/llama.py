@@ -1,6 +1,7 @@
 """The Llama-lineage decoder over a flat batch and a paged KV cache: Llama, Mistral, Qwen,
-Phi-3, Gemma, Granite, OLMo 2 and their mixtures of experts, each a set of ModelConfig fields
-this one layer reads (worker/models/config.py lists the architectures).
+Phi-3, Gemma, Granite, OLMo, SmolLM3, GLM-4, gpt-oss and their kin, mixtures of experts
+included, each a set of ModelConfig fields this one layer reads (worker/models/config.py
+lists the architectures).
 
 Weights are read from a Hugging Face checkpoint; q/k/v and gate/up projections are fused at
 load time so each layer makes two matmuls for attention input and MLP input instead of five.
