@@ -146,6 +146,13 @@ def tiny_other_config(family: str):
         from transformers import Ernie4_5Config
 
         return Ernie4_5Config(vocab_size=VOCAB, tie_word_embeddings=True, head_dim=16, use_bias=True, **TINY_COMMON)
+    if family == "ministral3":  # YaRN past 32 positions, queries scaled up past each multiple of 32
+        from transformers import Ministral3Config
+
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}
+        return Ministral3Config(vocab_size=VOCAB, tie_word_embeddings=False, head_dim=16, sliding_window=None,
+                                rope_parameters=rope, **TINY_COMMON)
     if family == "glm4":  # interleaved RoPE over half of each head, four norms a layer
         from transformers import Glm4Config
 
@@ -240,7 +247,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
 
 @pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
                                         "granite", "olmo2", "olmo3", "smollm3", "ministral", "seed_oss", "ernie4_5",
-                                        "glm4"])
+                                        "glm4", "ministral3"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

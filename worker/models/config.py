@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MinistralForCausalLM": "mistral",  # Ministral-8B: Mistral with its windows named per layer
+    # Ministral 3: Mistral whose queries are scaled up with the position past the original length
+    "Ministral3ForCausalLM": "ministral3",
     "SmolLM3ForCausalLM": "smollm3",  # Llama without RoPE on every fourth layer (NoPE)
     "SeedOssForCausalLM": "seed_oss",  # Llama with q/k/v biases (and its own switch for o's)
     "Ernie4_5ForCausalLM": "ernie4_5",  # Llama whose RoPE rotates interleaved pairs
@@ -73,6 +75,10 @@ _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss")
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
+# text models that image-text models of one architecture may hold, by their model_type
+_TEXT_OF_TYPE = {"ministral3": "Ministral3ForCausalLM"}
+
+
 def language_config(hf_config: Any) -> Any:
     """The config of the model genq runs: an image-text model's text config (named as its
     causal LM, tied as the whole model is), else the config itself."""
@@ -80,7 +86,7 @@ def language_config(hf_config: Any) -> Any:
     if arch not in TEXT_OF_MULTIMODAL:
         return hf_config
     text = copy.deepcopy(hf_config.get_text_config())
-    text.architectures = [TEXT_OF_MULTIMODAL[arch]]
+    text.architectures = [_TEXT_OF_TYPE.get(getattr(text, "model_type", ""), TEXT_OF_MULTIMODAL[arch])]
     text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
     for field in ("eos_token_id", "quantization_config"):  # kept on the outer config
         if getattr(hf_config, field, None) is not None and getattr(text, field, None) is None:
@@ -172,6 +178,9 @@ class ModelConfig:
     long_rope: bool = False  # LongRoPE (Phi-3.5, Phi-4-mini): its long factors, not its short ones
     attn_sinks: bool = False  # a learned logit per head joins its softmax, with no value (gpt-oss)
     nope_layers: frozenset[int] = frozenset()  # layers that attend without RoPE (SmolLM3's NoPE)
+    # Llama 4's attention temperature (Ministral 3), (beta, length): queries are scaled by
+    # 1 + beta * log(1 + floor(position / length)) after their rotation
+    query_position_scale: tuple[float, int] | None = None
     # RoPE rotates pairs (2i, 2i + 1) of each head, not (i, i + d/2) (Ernie 4.5): q and k's
     # rows are permuted at load so that the half-split rotation computes the same scores
     interleaved_rope: bool = False
@@ -280,6 +289,10 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
         raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
     if family in ("olmo2", "olmo3"):
         return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True, local_rope=_per_kind(hf_config))
+    if family == "ministral3":
+        params = _rope_params(hf_config)
+        return dict(query_position_scale=(float(params["llama_4_scaling_beta"]),
+                                          int(params["original_max_position_embeddings"])))
     if family == "glm4":  # a norm after attention and one after the MLP too, as Gemma 2
         return dict(sandwich_norms=True)
     if family == "smollm3":  # no_rope_layers: 1 where the layer rotates, 0 where it does not

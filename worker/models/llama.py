@@ -141,6 +141,19 @@ def no_rope(qk: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 @dataclass
+class ScaledQueries:
+    """A rotation, then each token's queries scaled (Llama 4's attention temperature)."""
+
+    rope: Rope
+    scale: torch.Tensor  # [T] in the activation dtype
+
+    def __call__(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+        qk = self.rope(qk, num_heads)
+        qk[:, :num_heads] *= self.scale[:, None, None]
+        return qk
+
+
+@dataclass
 class KernelRope:
     positions: torch.Tensor  # [T]
     cos_sin: torch.Tensor  # [max_positions, rotary_dim] float32: cos | sin
@@ -318,8 +331,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # the scale rounded to the model's dtype, as transformers does for Gemma
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        rope = self.rotary.for_step(positions, x.dtype)
-        local = rope if self.rotary_local is None else self.rotary_local.for_step(positions, x.dtype)
+        rope: Rope = self.rotary.for_step(positions, x.dtype)
+        local: Rope = rope if self.rotary_local is None else self.rotary_local.for_step(positions, x.dtype)
+        if self.config.query_position_scale is not None:
+            beta, length = self.config.query_position_scale
+            scale = (1 + beta * torch.log1p(torch.floor(positions.float() / length))).to(x.dtype)  # [T]
+            rope, local = ScaledQueries(rope, scale), ScaledQueries(local, scale)
         residual = None
         windows = self.config.layer_windows or (None,) * len(self.layers)
         nope = self.config.nope_layers
