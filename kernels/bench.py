@@ -299,7 +299,8 @@ def _fp8_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quant_linear_cases(num_tokens: int, device: torch.device) -> list[_Case]:
     """The quantized-weight kernel at QUANT_SHAPE over fp8 weights (128 x 128 scale blocks)
-    and packed int4 weights (a scale per 128 columns, W4A16's), and cuBLAS's bf16 product over
+    and packed int4 weights (a scale per 128 columns, W4A16's; and with a zero point each,
+    AWQ's and GPTQ's), and cuBLAS's bf16 product over
     the fp8 weight dequantized: the baseline their decode speed-ups (a half, a quarter of the
     weight bytes) are read against."""
     n, k = QUANT_SHAPE
@@ -312,11 +313,15 @@ def _quant_linear_cases(num_tokens: int, device: torch.device) -> list[_Case]:
     flops = 2 * num_tokens * n * k
     out_bytes = 2 * num_tokens * (n + k)
 
-    def case(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], weight_bytes: int) -> _Case:
-        def compare() -> _Error:
-            return _compare((quant_linear(x, weight, scale, block), quant_linear_ref(x, weight, scale, block)))
+    zero = torch.randint(-2, 3, int4_scale.shape, device=device, dtype=torch.int8)
 
-        return _Case(name, "llama-8b", shape, lambda: quant_linear(x, weight, scale, block), compare,
+    def case(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], weight_bytes: int,
+             zero: torch.Tensor | None = None) -> _Case:
+        def compare() -> _Error:
+            return _compare((quant_linear(x, weight, scale, block, zero=zero),
+                             quant_linear_ref(x, weight, scale, block, zero=zero)))
+
+        return _Case(name, "llama-8b", shape, lambda: quant_linear(x, weight, scale, block, zero=zero), compare,
                      weight_bytes + out_bytes, flops)
 
     def compare_bf16() -> _Error:
@@ -325,6 +330,7 @@ def _quant_linear_cases(num_tokens: int, device: torch.device) -> list[_Case]:
     return [
         case("quant_linear fp8", fp8, fp8_scale, (128, 128), n * k),
         case("quant_linear int4", int4, int4_scale, (1, 128), n * k // 2),
+        case("quant_linear int4 zeros", int4, int4_scale, (1, 128), n * k // 2 + zero.numel(), zero),
         _Case("bf16 F.linear", "llama-8b", shape, lambda: torch.nn.functional.linear(x, bf16), compare_bf16,
               2 * n * k + out_bytes, flops),
     ]  # fmt: skip

@@ -106,12 +106,12 @@ def _attention_variant(
     return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps)
 
 
-def _moe_variant(name: str, dtype: str, first: bool, weights: str, quantized: tuple[str, tuple[int, int]] | None = None
-                 ) -> _Variant:
+def _moe_variant(name: str, dtype: str, first: bool, weights: str, quantized: tuple[str, tuple[int, int]] | None = None,
+                 zero: bool = False) -> _Variant:
     """One of fused_moe's two launches: gate/up over tokens, or down over pairs scaled by
     routing weights of dtype `weights` (fp32 for Mixtral, whose weighted rows stay fp32);
     with `quantized` (the experts' pointer type, *i32 for packed int4, and the scale block),
-    over quantized experts."""
+    over quantized experts, with `zero`, less their zero points."""
     dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
     block = quantized[1] if quantized else (1, 1)
     fp4 = quantized is not None and quantized[0] == "fp4"  # e2m1 codes, read as int4 words
@@ -120,27 +120,30 @@ def _moe_variant(name: str, dtype: str, first: bool, weights: str, quantized: tu
     constexprs = dict(
         NUM_EXPERTS=64, TOP_K=8, A_PER_TOKEN=first, MUL_WEIGHT=not first, DOT_DTYPE=dot,
         DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SCALED=quantized is not None,
-        INT4=quantized is not None and quantized[0] == "*i32", FP4=fp4, E8M0=fp4, SCALE_ROWS=block[0],
+        INT4=quantized is not None and quantized[0] == "*i32", FP4=fp4, E8M0=fp4, HAS_ZERO=zero, SCALE_ROWS=block[0],
         SCALE_COLS=block[1],
         BLOCK_M=_BLOCK_M, BLOCK_N=_MOE_BLOCK_N, BLOCK_K=block_k(block[1], 2048) if quantized else _BLOCK_K,
     )  # fmt: skip
     overrides = dict(_MOE_PTRS, topk_weights_ptr=weights)
     overrides["w_ptr"] = quantized[0] if quantized else dtype
     overrides["scale_ptr"] = "*u8" if fp4 else "*fp32" if quantized else overrides["w_ptr"]
+    overrides["zero_ptr"] = "*i8" if zero else overrides["w_ptr"]
     if not first:
         overrides["out_ptr"] = weights
     return _Variant(name, _moe_matmul_kernel, dtype, constexprs, overrides)
 
 
-def _quant_variant(name: str, rows: int, block: tuple[int, int], weight: str = "*fp8e4nv", k: int = 4096) -> _Variant:
+def _quant_variant(name: str, rows: int, block: tuple[int, int], weight: str = "*fp8e4nv", k: int = 4096,
+                   zero: bool = False) -> _Variant:
     """quant_linear as the launcher tiles `rows` rows of bf16 activations, over weights of
-    pointer type `weight` (*i32: packed int4)."""
+    pointer type `weight` (*i32: packed int4), with `zero`, less their zero points."""
     block_m, block_n = tiles(rows)
     constexprs = dict(
-        SCALE_ROWS=block[0], SCALE_COLS=block[1], INT4=weight == "*i32", HAS_BIAS=False, DOT_DTYPE=tl.bfloat16,
+        SCALE_ROWS=block[0], SCALE_COLS=block[1], INT4=weight == "*i32", HAS_ZERO=zero, HAS_BIAS=False,
+        DOT_DTYPE=tl.bfloat16,
         DOT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(block[1], k),
     )  # fmt: skip
-    overrides = dict(w_ptr=weight, scale_ptr="*fp32", bias_ptr=weight)
+    overrides = dict(w_ptr=weight, scale_ptr="*fp32", zero_ptr="*i8" if zero else "*fp32", bias_ptr=weight)
     return _Variant(name, _quant_linear_kernel, "*bf16", constexprs, overrides)
 
 
@@ -216,6 +219,8 @@ def _variants() -> list[_Variant]:
                      quantized=("*fp8e4nv", (128, 128))),
         _moe_variant("fused_moe gate_up bf16, int4 experts", "*bf16", first=True, weights="*bf16",
                      quantized=("*i32", (1, 128))),
+        _moe_variant("fused_moe down bf16, int4 experts - zeros", "*bf16", first=False, weights="*bf16",
+                     quantized=("*i32", (1, 128)), zero=True),
         _moe_variant("fused_moe down bf16, int8 experts", "*bf16", first=False, weights="*bf16",
                      quantized=("*i8", (1, 2048))),
         _moe_variant("fused_moe gate_up bf16, MXFP4 experts", "*bf16", first=True, weights="*bf16",
@@ -228,6 +233,8 @@ def _variants() -> list[_Variant]:
         _quant_variant("quant_linear int8 decode, per channel", 8, (1, 4096), "*i8"),
         _quant_variant("quant_linear int4 decode, groups of 128", 8, (1, 128), "*i32"),
         _quant_variant("quant_linear int4 prefill, groups of 128", 2048, (1, 128), "*i32"),
+        _quant_variant("quant_linear int4 decode, AWQ zeros", 8, (1, 128), "*i32", zero=True),
+        _quant_variant("quant_linear int8 prefill, GPTQ zeros", 2048, (1, 128), "*i8", zero=True),
     ]  # fmt: skip
 
 

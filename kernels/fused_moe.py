@@ -36,7 +36,7 @@ from kernels._common import (
     triton,
 )
 from kernels.quant_linear import block_k as quant_block_k
-from kernels.quant_linear import dequantize_ref, weight_tile
+from kernels.quant_linear import check_zero, dequantize_ref, weight_tile
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align"]
 
@@ -51,6 +51,7 @@ def _moe_matmul_kernel(
     a_ptr,  # [num_tokens, K] when A_PER_TOKEN, else [num_pairs, K]
     w_ptr,  # [num_experts, N, K]; INT4: [num_experts, N, cdiv(K, 8)] int32 (FP4: e2m1 codes)
     scale_ptr,  # [num_experts, cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32 (E8M0: uint8 exponents); when SCALED
+    zero_ptr,  # int8 zero points, the scales' shape and strides; read only when HAS_ZERO
     out_ptr,  # [num_pairs, N]
     topk_weights_ptr,  # [num_pairs]; read only when MUL_WEIGHT
     sorted_ids_ptr,  # [max_rows] int64: pair index per row, num_pairs for padding
@@ -73,6 +74,7 @@ def _moe_matmul_kernel(
     INT4: tl.constexpr,  # w packs eight int4 values per int32 (see kernels.quant_linear)
     FP4: tl.constexpr,  # with INT4: the nibbles are e2m1 codes (MXFP4), not offset integers
     E8M0: tl.constexpr,  # the scales are exponents (bias 127) of powers of two, a uint8 each
+    HAS_ZERO: tl.constexpr,  # integer values less a zero point per scale block (GPTQ, AWQ)
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,  # a multiple of BLOCK_K, or >= K
     DOT_DTYPE: tl.constexpr,
@@ -95,15 +97,18 @@ def _moe_matmul_kernel(
         ks = tl.arange(0, BLOCK_K)
         a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am
         w_base = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64) * stride_wn  # [BLOCK_N]
-        scale_base = scale_ptr + expert.to(tl.int64) * stride_se + (cols // SCALE_ROWS).to(tl.int64) * stride_sn
+        scale_rows = expert.to(tl.int64) * stride_se + (cols // SCALE_ROWS).to(tl.int64) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_valid = (k0 + ks) < K
             a = tl.load(a_base + (k0 + ks)[None, :], mask=valid[:, None] & k_valid[None, :], other=0.0)
             w = weight_tile(w_base, k0, K, K_WORDS, cols < N, INT4, BLOCK_K, BLOCK_N, FP4)  # [BLOCK_K, BLOCK_N]
+            if HAS_ZERO:
+                zero = tl.load(zero_ptr + scale_rows + k0 // SCALE_COLS, mask=cols < N, other=0)
+                w = w.to(tl.int32) - zero.to(tl.int32)[None, :]
             part = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
             if SCALED:
-                scale = tl.load(scale_base + k0 // SCALE_COLS, mask=cols < N, other=0)
+                scale = tl.load(scale_ptr + scale_rows + k0 // SCALE_COLS, mask=cols < N, other=0)
                 if E8M0:
                     scale = tl.exp2(scale.to(tl.float32) - 127.0)
                 part *= scale[None, :]
@@ -143,7 +148,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 _QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.int32, torch.uint8)  # int32: packed int4; uint8: fp4 codes
 
 
-def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block) -> None:
+def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, w13_zero, w2_zero) -> None:
     check_dtype("x", x, _DTYPES)
     check_shape("x", x, (None, None))
     num_tokens, hidden = x.shape
@@ -160,7 +165,7 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block
         raise ValueError(f"fp4 experts need an intermediate size that is a multiple of 8, got {inter}")
     check_shape("w2", w2, (num_experts, hidden, cdiv(inter, per_column)))
     quantized = w13.dtype in _QUANTIZED
-    for name, w, scale, k in (("w13", w13, w13_scale, hidden), ("w2", w2, w2_scale, inter)):
+    for name, w, scale, k, zero in (("w13", w13, w13_scale, hidden, w13_zero), ("w2", w2, w2_scale, inter, w2_zero)):
         check_dtype(name, w, (w13.dtype,))
         check_last_dim_contiguous(name, w)
         if quantized:
@@ -172,6 +177,8 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block
             check_dtype(f"{name}_scale", scale, (torch.uint8,) if w.dtype == torch.uint8 else (torch.float32,))
             check_shape(f"{name}_scale", scale, (num_experts, cdiv(w.shape[1], block[0]), cdiv(k, block[1])))
             check_last_dim_contiguous(f"{name}_scale", scale)
+            if zero is not None:
+                check_zero(f"{name}_zero", zero, w, scale)
         elif scale is not None:
             raise ValueError(f"{name}_scale goes with quantized weights; {name} is {w.dtype}")
     check_shape("topk_ids", topk_ids, (num_tokens, None))
@@ -181,7 +188,8 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block
     check_last_dim_contiguous("x", x)
 
 
-def _launch(a, w, scale, block, out, topk_weights, sorted_ids, block_experts, top_k, a_per_token, mul_weight) -> None:
+def _launch(a, w, scale, zero, block, out, topk_weights, sorted_ids, block_experts, top_k, a_per_token,
+            mul_weight) -> None:
     fp4 = w.dtype == torch.uint8
     if fp4:  # e2m1 codes read as int4 words: little-endian bytes keep the nibbles' order
         w = w.view(torch.int32)
@@ -190,11 +198,11 @@ def _launch(a, w, scale, block, out, topk_weights, sorted_ids, block_experts, to
     grid = (block_experts.shape[0], cdiv(n, _BLOCK_N))
     scaled = scale is not None
     _moe_matmul_kernel[grid](
-        a, w, scale if scaled else w, out, topk_weights, sorted_ids, block_experts, out.shape[0], n, k, cdiv(k, 8),
+        a, w, scale if scaled else w, zero if zero is not None else w, out, topk_weights, sorted_ids, block_experts, out.shape[0], n, k, cdiv(k, 8),
         a.stride(0), w.stride(0), w.stride(1), scale.stride(0) if scaled else 0, scale.stride(1) if scaled else 0,
         out.stride(0),
         NUM_EXPERTS=num_experts, TOP_K=top_k, A_PER_TOKEN=a_per_token, MUL_WEIGHT=mul_weight,
-        SCALED=scaled, INT4=w.dtype == torch.int32, FP4=fp4, E8M0=fp4,
+        SCALED=scaled, INT4=w.dtype == torch.int32, FP4=fp4, E8M0=fp4, HAS_ZERO=zero is not None,
         SCALE_ROWS=block[0] if scaled else 1, SCALE_COLS=block[1] if scaled else 1,
         DOT_DTYPE=dot_dtype(a.dtype, is_interpreted(_moe_matmul_kernel)),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -215,15 +223,17 @@ def fused_moe(
     activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,  # (gate, up) -> h
     w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate], x's dtype
     w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
+    w13_zero: torch.Tensor | None = None,  # int weights' int8 zero points, laid out as their scales
+    w2_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, hidden]
     """Sum over each token's top-k experts of weight * down(SiLU(gate(x)) * up(x)). Weights
     in x's dtype, or quantized with float32 scales per block, widened tile by tile: fp8 or
     int8 values, int4 packed eight to an int32 (as `kernels.quant_linear` reads them), or
     e2m1 codes two to a uint8, low nibble first (MXFP4, whose scales are uint8 exponents of
-    powers of two).
+    powers of two); integers may come with zero points (GPTQ, AWQ: (q - zero) * scale).
     `activation` replaces SiLU(gate) * up (it runs in torch between the two launches); biases
     are added to each projection's rounded output (gpt-oss), before the routing weight."""
-    _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+    _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, w13_zero, w2_zero)
     for name, bias, rows in (("w13_bias", w13_bias, w13.shape[1]), ("w2_bias", w2_bias, w2.shape[1])):
         if bias is not None:
             check_dtype(name, bias, (x.dtype,))
@@ -237,7 +247,7 @@ def fused_moe(
     sorted_ids, block_experts = moe_align(topk_ids, w13.shape[0], _BLOCK_M)
     weights = topk_weights.flatten().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _launch(x, w13, w13_scale, block, gate_up, weights, sorted_ids, block_experts, top_k,
+    _launch(x, w13, w13_scale, w13_zero, block, gate_up, weights, sorted_ids, block_experts, top_k,
             a_per_token=True, mul_weight=False)
     experts = topk_ids.flatten()  # [num_pairs]
     if w13_bias is not None:
@@ -247,25 +257,25 @@ def fused_moe(
     # weighted rows in the weights' dtype; their sum accumulates in fp32 and is rounded once
     if w2_bias is None:  # the kernel weighs each row as it writes it
         out = torch.empty(num_pairs, hidden, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
-        _launch(h, w2, w2_scale, block, out, weights, sorted_ids, block_experts, top_k, a_per_token=False,
+        _launch(h, w2, w2_scale, w2_zero, block, out, weights, sorted_ids, block_experts, top_k, a_per_token=False,
                 mul_weight=True)
     else:  # the bias goes in before the weight
         down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-        _launch(h, w2, w2_scale, block, down, weights, sorted_ids, block_experts, top_k, a_per_token=False,
+        _launch(h, w2, w2_scale, w2_zero, block, down, weights, sorted_ids, block_experts, top_k, a_per_token=False,
                 mul_weight=False)
         out = (down + w2_bias[experts]) * weights[:, None]
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None, *,
-                  activation=None, w13_bias=None, w2_bias=None) -> torch.Tensor:
+                  activation=None, w13_bias=None, w2_bias=None, w13_zero=None, w2_zero=None) -> torch.Tensor:
     """The same sum, each row's experts' weights gathered and multiplied densely (an
     independent oracle: no sorting, no tiles), with the kernel's rounding points; quantized
     weights are dequantized to x's dtype first."""
     if w13_scale is not None:
         hidden, inter = x.shape[1], w13.shape[1] // 2
-        w13 = dequantize_ref(w13, w13_scale, block, x.dtype, hidden)
-        w2 = dequantize_ref(w2, w2_scale, block, x.dtype, inter)
+        w13 = dequantize_ref(w13, w13_scale, block, x.dtype, hidden, w13_zero)
+        w2 = dequantize_ref(w2, w2_scale, block, x.dtype, inter, w2_zero)
     gate_up = torch.einsum("th,tknh->tkn", x.float(), w13[topk_ids].float()).to(x.dtype)
     if w13_bias is not None:
         gate_up = gate_up + w13_bias[topk_ids]

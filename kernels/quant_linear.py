@@ -14,6 +14,10 @@ weight itself is never rounded, unlike a weight dequantized to the activation dt
 int4 weights are packed as compressed-tensors packs them: value k of a row in bits
 4 * (k % 8) of int32 k // 8, stored plus 8 (an unsigned nibble for -8..7).
 
+Integer weights may come with zero points (GPTQ and AWQ checkpoints): an int8 grid shaped
+and strided as the scales, each block's values less its zero point before the scale (w =
+(q - z) * s). The differences stay integers within 255, exact in bf16.
+
 Activations stay in their dtype (W8A16, W4A16): the decode steps, bound by reading the
 weights, read a half (a quarter) of a bf16 weight's bytes, and the outputs differ from the
 dequantized model's by accumulation order alone. Every size depends on the row count only,
@@ -85,6 +89,7 @@ def _quant_linear_kernel(
     x_ptr,  # [M, K] activations
     w_ptr,  # [N, K] float8_e4m3fn or int8; INT4: [N, cdiv(K, 8)] int32
     scale_ptr,  # [cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)] float32
+    zero_ptr,  # int8, the scales' shape and strides; read only when HAS_ZERO
     bias_ptr,  # [N], read only when HAS_BIAS
     out_ptr,  # [M, N]
     M,
@@ -98,6 +103,7 @@ def _quant_linear_kernel(
     SCALE_ROWS: tl.constexpr,  # weight rows per scale row
     SCALE_COLS: tl.constexpr,  # weight columns per scale column: a multiple of BLOCK_K, or >= K
     INT4: tl.constexpr,  # w packs eight int4 values per int32
+    HAS_ZERO: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands, else the default "tf32"
@@ -112,14 +118,17 @@ def _quant_linear_kernel(
     col_ok = cols < N
     x_base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_base = w_ptr + cols.to(tl.int64) * stride_wn  # [BLOCK_N]
-    scale_base = scale_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_sn
+    scale_rows = (cols // SCALE_ROWS).to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
         x = tl.load(x_base + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = weight_tile(w_base, k0, K, K_WORDS, col_ok, INT4, BLOCK_K, BLOCK_N)  # [BLOCK_K, BLOCK_N]
-        scale = tl.load(scale_base + k0 // SCALE_COLS, mask=col_ok, other=0.0)  # [BLOCK_N]
-        # the values are exact in bf16 (fp8's 4-bit significands, integers below 256)
+        if HAS_ZERO:
+            zero = tl.load(zero_ptr + scale_rows + k0 // SCALE_COLS, mask=col_ok, other=0)  # [BLOCK_N]
+            w = w.to(tl.int32) - zero.to(tl.int32)[None, :]
+        scale = tl.load(scale_ptr + scale_rows + k0 // SCALE_COLS, mask=col_ok, other=0.0)  # [BLOCK_N]
+        # the values are exact in bf16 (fp8's 4-bit significands, integers within 256)
         part = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         acc += part * scale[None, :]
     if HAS_BIAS:
@@ -141,7 +150,17 @@ def block_k(scale_cols: int, k: int) -> int:
     return next(b for b in (128, 64, 32, 16) if scale_cols % b == 0)
 
 
-def _check_inputs(x, weight, scale, block, bias) -> None:
+def check_zero(name: str, zero: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Zero points go with integer weights, as an int8 grid laid out as their scales."""
+    if weight.dtype not in (torch.int8, torch.int32):
+        raise ValueError(f"{name} (zero points) goes with int8 or int4 weights, got {weight.dtype} weights")
+    check_dtype(name, zero, (torch.int8,))
+    if zero.shape != scale.shape or zero.stride() != scale.stride():
+        raise ValueError(f"{name} must have the scales' shape {list(scale.shape)} and strides {scale.stride()}, "
+                         f"got {list(zero.shape)} and {zero.stride()}")
+
+
+def _check_inputs(x, weight, scale, block, bias, zero) -> None:
     check_dtype("x", x, _DTYPES)
     check_shape("x", x, (None, None))
     check_last_dim_contiguous("x", x)
@@ -160,6 +179,8 @@ def _check_inputs(x, weight, scale, block, bias) -> None:
     if bias is not None:
         check_dtype("bias", bias, (x.dtype,))
         check_shape("bias", bias, (n,))
+    if zero is not None:
+        check_zero("zero", zero, weight, scale)
 
 
 def quant_linear(
@@ -168,10 +189,12 @@ def quant_linear(
     scale: torch.Tensor,  # [cdiv(N, block[0]), cdiv(K, block[1])] float32
     block: tuple[int, int],  # weight rows, columns per scale
     bias: torch.Tensor | None = None,  # [N] in x's dtype
+    zero: torch.Tensor | None = None,  # int8 zero points, laid out as the scales
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """x @ (weight * scale).T + bias, the scale spread over its blocks."""
-    _check_inputs(x, weight, scale, block, bias)
+    """x @ ((weight - zero) * scale).T + bias, the scale and zero spread over their blocks."""
+    _check_inputs(x, weight, scale, block, bias, zero)
     tensors = dict(x=x, weight=weight, scale=scale) | ({} if bias is None else dict(bias=bias))
+    tensors |= {} if zero is None else dict(zero=zero)
     check_device(_quant_linear_kernel, **tensors)
     m, k = x.shape
     n = weight.shape[0]
@@ -181,9 +204,10 @@ def quant_linear(
     block_m, block_n = tiles(m)
     grid = (cdiv(m, block_m), cdiv(n, block_n))
     _quant_linear_kernel[grid](
-        x, weight, scale, weight if bias is None else bias, out, m, n, k, cdiv(k, 8),
+        x, weight, scale, scale if zero is None else zero, weight if bias is None else bias, out, m, n, k, cdiv(k, 8),
         x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=block[0], SCALE_COLS=block[1], INT4=weight.dtype == torch.int32, HAS_BIAS=bias is not None,
+        SCALE_ROWS=block[0], SCALE_COLS=block[1], INT4=weight.dtype == torch.int32, HAS_ZERO=zero is not None,
+        HAS_BIAS=bias is not None,
         DOT_DTYPE=dot_dtype(x.dtype, is_interpreted(_quant_linear_kernel)),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k(block[1], k),
@@ -191,10 +215,10 @@ def quant_linear(
     return out
 
 
-def quant_linear_ref(x, weight, scale, block, bias=None) -> torch.Tensor:
+def quant_linear_ref(x, weight, scale, block, bias=None, zero=None) -> torch.Tensor:
     """The same product over the weight dequantized to x's dtype first, as a checkpoint
     loader that dequantizes serves it."""
-    dense = dequantize_ref(weight, scale, block, x.dtype, x.shape[-1])
+    dense = dequantize_ref(weight, scale, block, x.dtype, x.shape[-1], zero)
     return F.linear(x.float(), dense.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
@@ -202,10 +226,11 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of e2m1's cod
 
 
 def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
-                   k: int | None = None) -> torch.Tensor:
+                   k: int | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
     """Weights [..., N, K] (packed int4: [..., N, cdiv(K, 8)], K given; fp4: e2m1 codes two to
-    a uint8, low nibble first) times their scales [..., cdiv(N, block[0]), cdiv(K, block[1])]
-    spread over the blocks, in fp32, then rounded to `dtype`."""
+    a uint8, low nibble first), less their zero points if any, times their scales [...,
+    cdiv(N, block[0]), cdiv(K, block[1])] spread over the blocks, in fp32, then rounded to
+    `dtype`."""
     if weight.dtype == torch.uint8:
         codes = torch.stack((weight & 0xF, weight >> 4), dim=-1).flatten(-2)[..., :k].long()
         magnitude = torch.tensor(_E2M1, device=weight.device)[codes % 8]
@@ -216,5 +241,9 @@ def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     if scale.dtype == torch.uint8:  # MXFP4's e8m0 exponents
         scale = 2.0 ** (scale.float() - 127)
     n, k = weight.shape[-2:]
-    full = scale.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
-    return (weight.float() * full).to(dtype)
+
+    def spread(grid: torch.Tensor) -> torch.Tensor:
+        return grid.repeat_interleave(block[0], dim=-2)[..., :n, :].repeat_interleave(block[1], dim=-1)[..., :k]
+
+    values = weight.float() if zero is None else weight.float() - spread(zero.float())
+    return (values * spread(scale)).to(dtype)

@@ -4,7 +4,7 @@ that groups rows by expert against a plain Python grouping."""
 import pytest
 import torch
 from kernel_cases import ON_CUDA, assert_close
-from test_triton_quant_linear import quantize, quantize_int
+from test_triton_quant_linear import asymmetric_int, quantize, quantize_int
 
 from kernels import fused_moe, fused_moe_ref, moe_align
 
@@ -173,3 +173,19 @@ def test_fused_moe_over_fp8_experts_needs_their_scales(device: torch.device) -> 
         fused_moe(x, w13, w2, weights, ids, s13, s13, (16, 32))
     with pytest.raises(ValueError, match="w13_scale goes with quantized weights"):
         fused_moe(x, w13.float(), w2.float(), weights, ids, s13, s2, (16, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_moe_over_experts_with_zero_points(device, dtype) -> None:
+    """int4 experts with a zero point per group of 32 columns (GPTQ's and AWQ's MoE
+    checkpoints): against the dense reference over (q - zero) * scale."""
+    case, group = (37, 8, 3, 96, 64), 32
+    x, _, _ = _inputs(case, dtype, device)
+    weights, ids = _routing(case[0], case[1], case[2], device, dtype)
+    parts = []
+    for n, k in ((128, 96), (96, 64)):  # w13, w2: each expert its own integers
+        experts = [asymmetric_int(n, k, 4, group, seed=e + k) for e in range(8)]
+        parts.append([torch.stack(p).to(device) for p in zip(*experts, strict=True)])
+    (w13, s13, z13, d13), (w2, s2, z2, d2) = parts
+    out = fused_moe(x, w13, w2, weights, ids, s13, s2, (1, group), w13_zero=z13, w2_zero=z2)
+    assert_close(out, fused_moe_ref(x, d13.to(dtype), d2.to(dtype), weights, ids))

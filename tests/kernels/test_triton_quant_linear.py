@@ -1,8 +1,10 @@
-"""The FP8-weight linear kernel against a dense product over the dequantized weight."""
+"""The quantized-weight linear kernel (fp8, int8, int4, with or without zero points) against
+a dense product over the dequantized weight."""
 
 import pytest
 import torch
 from kernel_cases import ON_CUDA, assert_close, cdiv
+from torch.nn import functional as F
 
 from kernels import quant_linear, quant_linear_ref
 
@@ -100,3 +102,53 @@ def test_quant_linear_over_integer_weights(device: torch.device, case, dtype: to
     weight, q, scale = weight.to(device), q.to(device), scale.to(device)
     out = quant_linear(x, weight, scale, (1, group))
     assert_close(out, quant_linear_ref(x, q, scale, (1, group)))
+
+
+def asymmetric_int(n: int, k: int, bits: int, group: int, seed: int = 0):
+    """GPTQ's and AWQ's integers: unsigned values [n, k], a zero point and a scale per row and
+    group of `group` columns. Returns them as the kernel takes them (values and zero points
+    less 2^(bits-1), int8; int4 packed by compressed-tensors' packer) and the dense weight
+    (q - zero) * scale in float32, computed here from the unsigned integers."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (n, k), generator=gen)
+    zero = torch.randint(0, 2**bits, (n, cdiv(k, group)), generator=gen)
+    scale = (torch.rand(n, cdiv(k, group), generator=gen) + 0.5) * k**-0.5 / 2 ** (bits - 1)  # |weights| ~ k^-1/2
+    spread = lambda grid: grid.repeat_interleave(group, dim=1)[:, :k]  # noqa: E731
+    dense = (q - spread(zero)).float() * spread(scale)
+    mid = 2 ** (bits - 1)
+    values = (q - mid).to(torch.int8)
+    stored = pack_to_int32(values, 4) if bits == 4 else values
+    return stored, scale, (zero - mid).to(torch.int8), dense
+
+
+# (bits, rows, N, K, group): int4 in groups of 32 (AWQ's and GPTQ's grids), int8 per channel
+ZERO_CASES = [(4, 37, 80, 256, 32), (8, 3, 48, 96, 96)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", ZERO_CASES, ids=[f"int{c[0]} {c[1:]}" for c in ZERO_CASES])
+def test_quant_linear_subtracts_zero_points(device: torch.device, case, dtype: torch.dtype) -> None:
+    """Asymmetric integers (GPTQ's, AWQ's): each value less its group's zero point, then
+    scaled; against the dense product over that weight rounded to the activation dtype."""
+    bits, m, n, k, group = case
+    weight, scale, zero, dense = asymmetric_int(n, k, bits, group)
+    x = torch.randn(m, k).to(dtype)
+    out = quant_linear(x.to(device), weight.to(device), scale.to(device), (1, group), zero=zero.to(device))
+    assert_close(out, F.linear(x.float(), dense.to(dtype).float()).to(dtype).to(device))
+    without = quant_linear(x.to(device), weight.to(device), scale.to(device), (1, group))
+    assert not torch.allclose(out.float(), without.float())  # the zero points do bite
+
+
+def test_quant_linear_refuses_zero_points_it_cannot_read(device: torch.device) -> None:
+    weight, scale, zero, _ = asymmetric_int(32, 64, 4, 32)
+    x = torch.randn(2, 64, device=device)
+    weight, scale, zero = weight.to(device), scale.to(device), zero.to(device)
+    with pytest.raises(ValueError, match=r"zero must have the scales' shape \[32, 2\]"):
+        quant_linear(x, weight, scale, (1, 32), zero=zero[:, :1])
+    with pytest.raises(ValueError, match=r"zero must have dtype in \(int8\)"):
+        quant_linear(x, weight, scale, (1, 32), zero=zero.float())
+    fp8, fp8_scale = quantize(torch.randn(32, 64, device=device), (1, 32))
+    with pytest.raises(ValueError, match="zero .zero points. goes with int8 or int4 weights"):
+        quant_linear(x, fp8, fp8_scale, (1, 32), zero=zero)
