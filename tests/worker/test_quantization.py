@@ -135,20 +135,18 @@ def test_quantizing_at_load_serves_the_per_channel_fp8_model(per_channel_dirs, b
     assert torch.allclose(logits[0].cpu(), _hf_last_logits(per_channel, ids), atol=1e-4, rtol=0)
 
 
-W4A16_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
 
 
-@pytest.mark.parametrize("quantized", ["fp8 at load", "W4A16 checkpoint"])
+@pytest.mark.parametrize("quantized", ["fp8 at load", "AWQ checkpoint"])
 def test_dummy_quantized_weights_are_the_float_ones_quantized(tiny_llama_dir, tmp_path, quantized):
     """load_format='dummy' (the GPU check's): the kernel path's quantized layers hold the
     dummy float weights quantized (their spread the initializer's), so both paths serve the
-    same model."""
+    same model (int4 with zero points: zero)."""
     model_dir, extra = tiny_llama_dir, {"quantization": "fp8"}
-    if quantized == "W4A16 checkpoint":
-        model_dir, extra = _rewrite_config(tiny_llama_dir, tmp_path / "w4a16",
-                                           lambda c: c.update(quantization_config=W4A16_CONFIG)), {}
+    if quantized == "AWQ checkpoint":
+        model_dir, extra = _rewrite_config(tiny_llama_dir, tmp_path / "awq",
+                                           lambda c: c.update(quantization_config=AWQ_CONFIG)), {}
 
     def run(backend):
         llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, load_format="dummy",
@@ -158,6 +156,7 @@ def test_dummy_quantized_weights_are_the_float_ones_quantized(tiny_llama_dir, tm
 
     (kernel_model, kernel), (torch_model, plain) = run("triton"), run("torch")
     assert isinstance(kernel_model.layers[0].mlp.down_proj, QuantLinear)
+    assert (kernel_model.layers[0].mlp.down_proj.weight_zero is not None) == (quantized == "AWQ checkpoint")
     std = torch_model.layers[0].mlp.down_proj.weight.std().item()  # dequantized at load
     assert 0.25 < std < 0.35, std  # initializer_range 0.3
     torch.testing.assert_close(kernel, plain, atol=1e-4, rtol=0)
@@ -256,10 +255,11 @@ def test_compressed_tensors_integer_checkpoints_match_transformers(request, tmp_
         torch.int8 if fmt == "int-quantized" else torch.int32)
     oracle = {"quantization_config": CompressedTensorsConfig(dequantize=True)}
     check_prefill_logits_against(int_dir, int_dir, "torch", **oracle)
-    if case in ("W4A16 groups", "W8A8 int8", "W4A16 experts"):  # the kernels' ways of reading integers
-        check_prefill_logits_against(int_dir, int_dir, "triton", **oracle)
-    model = LLM(str(int_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
-                enforce_eager=True).engine.runner.model
+    if case == "W8A8 int8":  # int4 words, the kernels' other way of reading integers, by tests/worker/test_gptq_awq.py
+        model = check_prefill_logits_against(int_dir, int_dir, "triton", **oracle).engine.runner.model
+    else:
+        model = LLM(str(int_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
+                    enforce_eager=True).engine.runner.model
     storage = torch.int32 if bits == 4 else torch.int8
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and qkv.weight.dtype == storage
@@ -290,7 +290,7 @@ def _rewrite_config(src: Path, out: Path, change) -> Path:
 
 
 @pytest.mark.parametrize("change, error", [
-    (lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}), "quantized with 'gptq'"),
+    (lambda c: c.update(quantization_config={"quant_method": "bitsandbytes"}), "quantized with 'bitsandbytes'"),
     (lambda c: c["quantization_config"].update(fmt="e5m2"), "fp8 format 'e5m2'"),
     (lambda c: c["quantization_config"].update(scale_fmt="ue8m0"), "scale format 'ue8m0'"),
     (lambda c: c["quantization_config"].update(weight_block_size=[128]), "weight_block_size must be two"),

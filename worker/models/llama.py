@@ -365,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
             for name, param in self.named_parameters():  # a tied lm_head is the embedding, once
                 owner, _, local = name.rpartition(".")
                 module = self.get_submodule(owner)
-                if local.endswith("_scale"):
+                if quant.grid_part(local):
                     continue  # set with its quantized weight
                 if quant.is_quantized(module, local):  # the float weight the other layers draw, quantized
                     dense = torch.randn(quant.dense_shape(module, local), generator=generator).mul_(std)
@@ -403,9 +403,9 @@ class LlamaForCausalLM(nn.Module):
         self._check_complete(loaded)
 
     def _rows_per_row(self, name: str) -> int:
-        """Weight rows per row of a parameter: a quantized weight's scales are loaded by shard
-        as the weight is, a row per block of rows."""
-        if not name.endswith("_scale"):
+        """Weight rows per row of a parameter: a quantized weight's scales (and zero points)
+        are loaded by shard as the weight is, a row per block of rows."""
+        if not quant.grid_part(name):
             return 1
         block: tuple[int, int] = getattr(self.get_submodule(name.rpartition(".")[0]), "block")  # noqa: B009
         return block[0]
@@ -439,7 +439,7 @@ class LlamaForCausalLM(nn.Module):
         """The pieces a parameter is loaded in: q/k/v, gate/up, or one per expert."""
         parts = name.split(".")
         if len(parts) > 1 and parts[-2] == "experts" and self.config.moe is not None:
-            kinds = ("gate", "up") if parts[-1].removesuffix("_scale") == "w13" else ("down",)
+            kinds = ("gate", "up") if parts[-1].removesuffix(quant.grid_part(parts[-1])) == "w13" else ("down",)
             return [f"{kind}.{e}" for e in range(self.config.moe.num_experts) for kind in kinds]
         return list(_SHARDS.get(parts[-2] if len(parts) > 1 else "", [None]))
 
@@ -488,7 +488,7 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
     parts = name.split(".")
     if "experts" in parts[:-1]:
         i = parts.index("experts")
-        scale = "_scale" if parts[-1].endswith("_scale") else ""  # a quantized weight's scales
+        scale = quant.grid_part(parts[-1])  # a quantized weight's scales or zero points
         if parts[i + 1].isdigit() and len(parts) > i + 2 and parts[i + 2] in _EXPERT_PROJ:
             kind = _EXPERT_PROJ[parts[i + 2]]  # experts.<e>.<proj>.weight
             return ".".join(parts[: i + 1] + [("w2" if kind == "down" else "w13") + scale]), f"{kind}.{parts[i + 1]}"

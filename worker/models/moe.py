@@ -31,6 +31,8 @@ from worker.models.packed_linear import pack_weight, packed_linear
 class Experts(nn.Module):
     w13_scale: torch.Tensor  # quantized weights' scales, once use_quantized made them
     w2_scale: torch.Tensor
+    w13_zero: torch.Tensor  # and zero points, with zero_points
+    w2_zero: torch.Tensor
 
     def __init__(self, moe: MoEConfig, hidden_size: int, use_kernel: bool):
         super().__init__()
@@ -43,6 +45,7 @@ class Experts(nn.Module):
         self.hidden_size = hidden_size
         self.block: tuple[int, int] | None = None  # quantized weights: rows, columns per scale
         self.kind = "fp8"  # quantized weights: their values (see use_quantized)
+        self.zero_points = False  # quantized integers come with int8 zero points `w13_zero`, `w2_zero`
         self.bias = moe.bias
         if moe.bias:
             self.w13_bias = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size))
@@ -50,12 +53,13 @@ class Experts(nn.Module):
         self.activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
             silu_and_mul if moe.clamped_swiglu is None else partial(clamped_swiglu, *moe.clamped_swiglu))
 
-    def use_quantized(self, block: tuple[int, int], kind: str) -> None:
+    def use_quantized(self, block: tuple[int, int], kind: str, zero_points: bool = False) -> None:
         """Hold w13 and w2 as `kind` values (fp8, int8, int4 packed) with float32 scales
-        `w13_scale`, `w2_scale` per `block` (on the meta device, before the weights load)."""
-        self.block, self.kind = block, kind
+        `w13_scale`, `w2_scale` per `block`, and with `zero_points` int8 ones laid out as
+        the scales (on the meta device, before the weights load)."""
+        self.block, self.kind, self.zero_points = block, kind, zero_points
         for name in ("w13", "w2"):
-            quant.make_quantized(self, name, block, kind)
+            quant.make_quantized(self, name, block, kind, zero_points)
 
     def pack(self, batch_hint: int) -> None:
         """Lay each expert's weights out for oneDNN once (bfloat16 on the CPU, as
@@ -78,7 +82,9 @@ class Experts(nn.Module):
                                      self.w13_scale if quantized else None, self.w2_scale if quantized else None,
                                      self.block, activation=self.activation,
                                      w13_bias=self.w13_bias if self.bias else None,
-                                     w2_bias=self.w2_bias if self.bias else None)
+                                     w2_bias=self.w2_bias if self.bias else None,
+                                     w13_zero=self.w13_zero if self.zero_points else None,
+                                     w2_zero=self.w2_zero if self.zero_points else None)
         return self._forward_torch(x, topk_weights, topk_ids)
 
     def _forward_torch(self, x, topk_weights, topk_ids):

@@ -8,7 +8,14 @@ int8 or int4 values with `*.weight_scale` per tensor, output channel, block (fp8
 of columns (int), int values possibly packed in int32 words (`*.weight_packed`). Quantized
 at load: fp8, a scale per output channel. gpt-oss's MXFP4 experts (`quant_method: mxfp4`,
 read by worker/models/gpt_oss.py): 4-bit e2m1 values two to a byte, low nibble first, a
-power-of-two scale per 32 columns.
+power-of-two scale per 32 columns. GPTQ (`quant_method: gptq`, AutoGPTQ's and GPTQModel's
+checkpoints: `qweight` 4- or 8-bit values packed along the input columns, `scales` and
+`qzeros` per group of columns, packed along the outputs) and AWQ (`quant_method: awq`,
+AutoAWQ's GEMM layout: 4-bit values packed along the outputs in AWQ's interleaved order):
+each group's weights are (q - zero) * scale. genq repacks them as it loads into its own
+layout (compressed-tensors' packing, a value less 2^(bits-1), zero points held so too, as
+an int8 grid shaped as the scales); a symmetric GPTQ checkpoint, whose zero points are all
+2^(bits-1), needs none.
 
 On the kernel path (CUDA) the decoder layers' projections keep their narrow values in
 memory, `QuantLinear`s over the Triton kernel `kernels.quant_linear` (int4 stays packed),
@@ -52,6 +59,8 @@ class QuantConfig:
     skip: tuple[str, ...] = ()  # checkpoint module names kept in float (modules_to_not_convert, ignore)
     online: bool = False  # the checkpoint is float; its weights are quantized as they load
     experts_only: bool = False  # only the experts are quantized (gpt-oss's MXFP4)
+    zero_points: bool = False  # integers come with a zero point per scale (asymmetric GPTQ, AWQ)
+    packing: str | None = None  # how the checkpoint packs its integers: gptq (v1 zero points), gptq_v2, awq
 
     @classmethod
     def from_hf(cls, hf_config: Any, quantization: str | None) -> QuantConfig | None:
@@ -68,6 +77,10 @@ class QuantConfig:
             return cls._from_fp8(qc)
         if method == "compressed-tensors":
             return cls._from_compressed_tensors(qc)
+        if method == "gptq":
+            return cls._from_gptq(qc)
+        if method == "awq":
+            return cls._from_awq(qc)
         if method == "mxfp4" and (getattr(hf_config, "architectures", None) or [""])[0] == "GptOssForCausalLM":
             # gpt-oss's experts, kept so on the kernel path; with quantization="fp8" they are
             # widened as they load, then quantized to fp8 with the rest
@@ -75,7 +88,7 @@ class QuantConfig:
                                                                                     experts_only=True)
         raise ValueError(f"the checkpoint is quantized with {method!r}, which genq does not serve; supported: "
                          "quant_method 'fp8', 'compressed-tensors' with fp8, int8 or int4 weights, "
-                         "'mxfp4' (gpt-oss), "
+                         "'mxfp4' (gpt-oss), 'gptq' (4 or 8 bits), 'awq' (4 bits, GEMM), "
                          "or quantization='fp8' over a float checkpoint")
 
     @classmethod
@@ -123,6 +136,39 @@ class QuantConfig:
             block = _block([1, weights.get("group_size") or 0], "group_size")
         return cls(block=block, kind=kind, skip=tuple(qc.get("ignore") or ()))
 
+    @classmethod
+    def _from_gptq(cls, qc: dict) -> QuantConfig:
+        """AutoGPTQ's and GPTQModel's checkpoints: 4- or 8-bit integers, a scale and zero
+        point per group of `group_size` columns (-1: per output channel), symmetric or not."""
+        bits = qc.get("bits")
+        if bits not in (4, 8):
+            raise ValueError(f"GPTQ checkpoints of {bits} bits are not supported; supported: 4 or 8 bits")
+        packing = qc.get("checkpoint_format") or "gptq"
+        if packing not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint_format {packing!r} is not supported; supported: gptq, gptq_v2")
+        if qc.get("desc_act") and not qc.get("static_groups"):
+            raise ValueError("GPTQ checkpoints quantized with desc_act (act-order: each column's group "
+                             "permuted by g_idx) are not supported; supported: desc_act false")
+        if qc.get("lm_head"):
+            raise ValueError("GPTQ checkpoints with a quantized lm_head are not supported")
+        if qc.get("dynamic"):
+            raise ValueError("GPTQ checkpoints with per-module overrides (dynamic) are not supported")
+        return cls(block=_group_block(qc.get("group_size", 128)), kind=f"int{bits}",
+                   skip=tuple(qc.get("modules_to_not_convert") or ()), zero_points=not qc.get("sym", True),
+                   packing=packing)
+
+    @classmethod
+    def _from_awq(cls, qc: dict) -> QuantConfig:
+        """AutoAWQ's GEMM checkpoints: 4-bit integers with a scale and zero point per group."""
+        bits = qc.get("bits", qc.get("w_bit"))
+        version = str(qc.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
+            raise ValueError(f"AWQ checkpoints of {bits} bits, version {version!r}"
+                             f"{'' if qc.get('zero_point', True) else ', without zero points'} are not supported; "
+                             "supported: 4 bits, version gemm, with zero points")
+        return cls(block=_group_block(qc.get("group_size", qc.get("q_group_size", 128))), kind="int4",
+                   skip=tuple(qc.get("modules_to_not_convert") or ()), zero_points=True, packing="awq")
+
     def layout(self, out_features: int, in_features: int) -> tuple[int, int]:
         """The scale block of a layer kept in fp8: the checkpoint's, else one scale per
         output channel (a per-tensor scale fills that grid with one value)."""
@@ -136,6 +182,14 @@ class QuantConfig:
                    for pattern in self.skip for name in names)
 
 
+def _group_block(group_size: int) -> tuple[int, int] | None:
+    """GPTQ's and AWQ's `group_size` as a scale block: a row by that many columns; -1 (a
+    scale per output channel) as None."""
+    if group_size == -1:
+        return None
+    return _block([1, group_size], "group_size")
+
+
 def _block(value: Any, field: str) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -146,25 +200,28 @@ def _block(value: Any, field: str) -> tuple[int, int] | None:
 
 class QuantLinear(nn.Module):
     """A linear layer over a quantized weight and its float32 scale grid, on the Triton
-    kernel: fp8 or int8 values [out, in], or int4 values packed [out, cdiv(in, 8)]."""
+    kernel: fp8 or int8 values [out, in], or int4 values packed [out, cdiv(in, 8)]; with
+    `zero_points`, an int8 zero point per scale (`weight_zero`)."""
+
+    weight_scale: torch.Tensor  # set by make_quantized
+    weight_zero: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None, block: tuple[int, int],
-                 kind: str = "fp8"):
+                 kind: str = "fp8", zero_points: bool = False):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.block = block
         self.kind = kind
-        grid = (-(-out_features // block[0]), -(-in_features // block[1]))
-        columns = packed_columns(in_features, kind)
-        self.weight = nn.Parameter(torch.empty(out_features, columns, dtype=STORAGE[kind]), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
+        self.weight_zero = None
+        make_quantized(self, "weight", block, kind, zero_points)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         import kernels
 
-        return kernels.quant_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+        return kernels.quant_linear(x, self.weight, self.weight_scale, self.block, self.bias, self.weight_zero)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, block={self.block}"
@@ -239,10 +296,11 @@ def unpack(words: torch.Tensor, bits: int, k: int | None = None) -> torch.Tensor
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               in_features: int | None = None) -> torch.Tensor:
-    """A quantized weight [..., out, in] (fp8 or int8; packed int4 [..., out, cdiv(in, 8)])
-    times its scales, in float32: one scale, or a grid [..., rows, cols] over blocks of
-    `block` (None: blocks that divide the weight exactly)."""
+               in_features: int | None = None, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """A quantized weight [..., out, in] (fp8 or int8; packed int4 [..., out, cdiv(in, 8)]),
+    less its zero points if any, times its scales, in float32: one scale, or a grid [...,
+    rows, cols] over blocks of `block` (None: blocks that divide the weight exactly), the
+    zero points a grid as the scales."""
     if weight.dtype == torch.uint8:
         values = unpack_fp4(weight)[..., :in_features]
     else:
@@ -255,30 +313,41 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     if -(-n // block_rows) != rows or -(-k // block_cols) != cols:
         raise ValueError(f"a scale grid of {rows} x {cols} does not cover a weight of {n} x {k} "
                          f"in blocks of {block_rows} x {block_cols}")
-    full = scale.repeat_interleave(block_rows, dim=-2)[..., :n, :].repeat_interleave(block_cols, dim=-1)[..., :k]
-    return values * full
+
+    def spread(grid: torch.Tensor) -> torch.Tensor:
+        return grid.repeat_interleave(block_rows, dim=-2)[..., :n, :].repeat_interleave(block_cols, dim=-1)[..., :k]
+
+    if zero is not None:
+        values = values - spread(zero.float())
+    return values * spread(scale)
 
 
-def make_quantized(module: nn.Module, name: str, block: tuple[int, int], kind: str = "fp8") -> None:
+def make_quantized(module: nn.Module, name: str, block: tuple[int, int], kind: str = "fp8",
+                   zero_points: bool = False) -> None:
     """Turn `module`'s float parameter `name` [..., out, in] into a quantized one of `kind`
     (int4: [..., out, cdiv(in, 8)] words) and its scales `<name>_scale` [..., rows, cols]
-    (float32; fp4's are e8m0 exponents, a uint8 each), on the meta device before the weights
-    load."""
+    (float32; fp4's are e8m0 exponents, a uint8 each), with `zero_points` int8 zero points
+    `<name>_zero` of the same grid, on the meta device before the weights load."""
     *lead, n, k = getattr(module, name).shape
     grid = (*lead, -(-n // block[0]), -(-k // block[1]))
     columns = packed_columns(k, kind)
     setattr(module, name, nn.Parameter(torch.empty(*lead, n, columns, dtype=STORAGE[kind]), requires_grad=False))
     scale_dtype = torch.uint8 if kind == "fp4" else torch.float32
     setattr(module, name + "_scale", nn.Parameter(torch.empty(grid, dtype=scale_dtype), requires_grad=False))
+    if zero_points:
+        setattr(module, name + "_zero", nn.Parameter(torch.empty(grid, dtype=torch.int8), requires_grad=False))
 
 
 def quantize_into(module: nn.Module, name: str, dense: torch.Tensor) -> None:
     """Quantize a float weight into `module`'s quantized parameter `name` and its scales, in
-    blocks of `module.block`, values of `module.kind` (a `QuantLinear`, or `Experts`)."""
+    blocks of `module.block`, values of `module.kind` (a `QuantLinear`, or `Experts`);
+    symmetric, so any zero points are zero."""
     q, scale = quantize(dense, getattr(module, "block"), getattr(module, "kind"))  # noqa: B009
     with torch.no_grad():
         getattr(module, name).copy_(q)
         getattr(module, name + "_scale").copy_(scale)
+        if (zero := getattr(module, name + "_zero", None)) is not None:
+            zero.zero_()
 
 
 def dense_shape(module: nn.Module, name: str) -> tuple[int, ...]:
@@ -323,7 +392,7 @@ def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, 
             names = [f"model.{parent_name}.{e}.{proj}" for e in range(parent.num_experts)
                      for proj in ("gate_proj", "up_proj", "down_proj")]
             if not cfg.skips(names) and fits(block, (inter,), (inter, hidden)):
-                parent.use_quantized(block, cfg.kind)
+                parent.use_quantized(block, cfg.kind, cfg.zero_points)
                 replaced += 1
             continue
         if cfg.experts_only:
@@ -336,7 +405,8 @@ def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, 
             if cfg.skips(f"model.{parent_name}.{shard}" for shard in _TARGETS[name]):
                 continue
             if fits(block, shards, (child.in_features,)):
-                setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias, block, cfg.kind))
+                setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias, block, cfg.kind,
+                                                  cfg.zero_points))
                 replaced += 1
     return replaced
 
@@ -349,15 +419,18 @@ def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
     for parent in list(model.modules()):
         if isinstance(parent, Experts) and parent.block is not None:
             for name in ("w13", "w2"):
-                weight, scale = getattr(parent, name), getattr(parent, name + "_scale")
-                dense = dequantize(weight, scale, parent.block, in_features(parent, name)).to(dtype)
+                zero = getattr(parent, name + "_zero") if parent.zero_points else None
+                dense = dequantize(getattr(parent, name), getattr(parent, name + "_scale"), parent.block,
+                                   in_features(parent, name), zero).to(dtype)
                 setattr(parent, name, nn.Parameter(dense, requires_grad=False))
-                delattr(parent, name + "_scale")
-            parent.block = None
+                for part in ("_scale", "_zero") if parent.zero_points else ("_scale",):
+                    delattr(parent, name + part)
+            parent.block, parent.zero_points = None, False
         for name, child in list(parent.named_children()):
             if isinstance(child, QuantLinear):
                 linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-                dense = dequantize(child.weight, child.weight_scale, child.block, child.in_features).to(dtype)
+                dense = dequantize(child.weight, child.weight_scale, child.block, child.in_features,
+                                   child.weight_zero).to(dtype)
                 linear.weight = nn.Parameter(dense, requires_grad=False)
                 linear.register_parameter("bias", child.bias)
                 setattr(parent, name, linear)
@@ -369,29 +442,26 @@ def quantized_weights(
     kept: Callable[[str], Any],  # the module (with its `block`) whose quantized weight a checkpoint weight is, or None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's tensors as the model takes them. A weight the model keeps quantized
-    passes with its scale (renamed `<weight>_scale`); any other quantized weight is
-    dequantized once both it and its scale are read (they may come in either order, in
-    different files); a float weight of a layer kept quantized is quantized (online), or
-    refused (a quantized checkpoint). Packed weights (`<x>.weight_packed`) are read as
-    `<x>.weight`: int4 stays packed, int8 is unpacked."""
-    waiting_weights: dict[str, torch.Tensor] = {}
-    waiting_scales: dict[str, torch.Tensor] = {}
+    passes with its scale (renamed `<weight>_scale`) and zero points (`<weight>_zero`); any
+    other quantized weight is dequantized once all its parts are read (they may come in any
+    order, in different files); a float weight of a layer kept quantized is quantized
+    (online), or refused (a quantized checkpoint). Packed weights (`<x>.weight_packed`) are
+    read as `<x>.weight`: int4 stays packed, int8 is unpacked; GPTQ's and AWQ's are repacked."""
+    needed = ("", "_scale", "_zero") if cfg.zero_points else ("", "_scale")
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # quantized weights not kept so: their parts read so far
     for name, tensor in _unpacked(weights, cfg):
-        owner = _scaled_weight(name)
-        if owner is not None:  # a scale
+        owner, part = _grid_owner(name)
+        if owner is None and tensor.dtype in STORAGE.values():
+            owner = name  # the values themselves
+        if owner is not None:
             if kept(owner) is not None:
-                yield owner + "_scale", tensor.float()
-            elif owner in waiting_weights:
-                yield owner, dequantize(waiting_weights.pop(owner), tensor, cfg.block)
-            else:
-                waiting_scales[owner] = tensor
-        elif tensor.dtype in STORAGE.values():
-            if kept(name) is not None:
-                yield name, tensor
-            elif name in waiting_scales:
-                yield name, dequantize(tensor, waiting_scales.pop(name), cfg.block)
-            else:
-                waiting_weights[name] = tensor
+                yield owner + part, tensor.float() if part == "_scale" else tensor
+                continue
+            parts = waiting.setdefault(owner, {})
+            parts[part] = tensor
+            if all(p in parts for p in needed):
+                del waiting[owner]
+                yield owner, dequantize(parts[""], parts["_scale"], cfg.block, zero=parts.get("_zero"))
         elif (layer := kept(name)) is not None:
             if not cfg.online:
                 raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but the checkpoint's quantization_config "
@@ -401,27 +471,98 @@ def quantized_weights(
             yield name + "_scale", scale
         else:
             yield name, tensor
-    if waiting_weights:
-        raise ValueError(f"checkpoint has quantized weights without scales: {', '.join(sorted(waiting_weights)[:8])}")
-    if waiting_scales:
-        raise ValueError(f"checkpoint has scales of no quantized weight: {', '.join(sorted(waiting_scales)[:8])}")
+    unscaled = sorted(owner for owner, parts in waiting.items() if "" in parts)
+    if unscaled:
+        raise ValueError(f"checkpoint has quantized weights without scales{' or zero points' if cfg.zero_points else ''}: "
+                         f"{', '.join(unscaled[:8])}")
+    if waiting:
+        raise ValueError(f"checkpoint has scales of no quantized weight: {', '.join(sorted(waiting)[:8])}")
 
 
 def _unpacked(weights: Iterable[tuple[str, torch.Tensor]], cfg: QuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors less those genq does not read, packed weights renamed."""
+    """The checkpoint's tensors less those genq does not read, packed weights renamed (and
+    GPTQ's and AWQ's repacked)."""
     for name, tensor in weights:
         if name.endswith(_IGNORED):
             continue
-        if name.endswith(".weight_packed"):
+        if cfg.packing is not None and name.endswith(_GPTQ_PARTS):
+            yield from _repacked(name, tensor, cfg)
+        elif name.endswith(".weight_packed"):
             yield name.removesuffix("_packed"), unpack(tensor, 8) if cfg.kind == "int8" else tensor
         else:
             yield name, tensor
 
 
-def _scaled_weight(name: str) -> str | None:
-    """The weight a scale tensor belongs to (`x.weight` for `x.weight_scale_inv` or
-    `x.weight_scale`; stacked experts' `x.gate_up_proj` for `x.gate_up_proj_scale_inv`)."""
-    for suffix in ("_scale_inv", "_scale"):
+# GPTQ's and AWQ's tensors of a layer: its values, their scales and zero points, each column's group
+_GPTQ_PARTS = (".qweight", ".scales", ".qzeros", ".g_idx")
+# AWQ packs eight outputs to a word in this order: column 8w + j is in nibble _AWQ_NIBBLE[j] of word w
+_AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def _repacked(name: str, tensor: torch.Tensor, cfg: QuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """One of a GPTQ or AWQ layer's tensors as genq holds it (`<x>.weight`, `<x>.weight_scale`,
+    `<x>.weight_zero`: [out, ...] rows; the values and zero points less 2^(bits-1), int4 in
+    compressed-tensors' packing). Their layouts, transposed ([in, out]):
+    GPTQ: qweight [in * bits / 32, out], value k of a column in bits `bits * (k % (32 / bits))`
+    of word k // (32 / bits) (for 4 bits, compressed-tensors' packing already); qzeros [groups,
+    out * bits / 32] packed so along the outputs, stored less one by the original format
+    (checkpoint_format gptq, not gptq_v2); g_idx [in], each column's group (genq serves the
+    columns in order).
+    AWQ: qweight [in, out / 8] and qzeros [groups, out / 8], eight outputs to a word in
+    AWQ's interleaved order.
+    Both: scales [groups, out] float16."""
+    stem, _, part = name.rpartition(".")
+    bits = 8 if cfg.kind == "int8" else 4
+    if part == "scales":
+        yield stem + ".weight_scale", tensor.float().t().contiguous()
+    elif part == "g_idx":
+        group = cfg.block[1] if cfg.block else tensor.numel()
+        if not torch.equal(tensor.long().cpu(), torch.arange(tensor.numel()) // group):
+            raise ValueError(f"{name!r} puts the columns in groups out of order (act-order); "
+                             "genq serves GPTQ checkpoints whose groups follow the columns")
+    elif part == "qweight" and cfg.packing == "awq":
+        values = _awq_columns(unpack(tensor, 4))  # [in, out]
+        yield stem + ".weight", pack_int4(values.t())
+    elif part == "qweight":
+        yield stem + ".weight", tensor.t().contiguous() if bits == 4 else unpack(tensor.t(), 8)
+    else:  # qzeros
+        zeros = unpack(tensor, bits).to(torch.int16)  # [groups, out]
+        if cfg.packing == "awq":
+            zeros = _awq_columns(zeros)
+        elif cfg.packing == "gptq":
+            zeros += 1
+        if not cfg.zero_points:  # symmetric: every zero point 2^(bits-1), here 0
+            if zeros.any():
+                raise ValueError(f"{name!r} holds zero points other than {1 << (bits - 1)}, but the checkpoint's "
+                                 "quantization_config says sym")
+            return
+        if zeros.abs().max() > 127:
+            raise ValueError(f"{name!r} holds a zero point out of range for {bits}-bit values")
+        yield stem + ".weight_zero", zeros.to(torch.int8).t().contiguous()
+
+
+def _awq_columns(values: torch.Tensor) -> torch.Tensor:
+    """AWQ's unpacked values [rows, out], nibble order within each word, in column order."""
+    rows, cols = values.shape
+    order = torch.tensor(_AWQ_NIBBLE, device=values.device)
+    return values.view(rows, cols // 8, 8)[:, :, order].reshape(rows, cols)
+
+
+def _grid_owner(name: str) -> tuple[str | None, str]:
+    """The weight a scale or zero-point tensor belongs to, and which it is ("_scale",
+    "_zero"): `x.weight` for `x.weight_scale_inv`, `x.weight_scale` or `x.weight_zero`;
+    stacked experts' `x.gate_up_proj` for `x.gate_up_proj_scale_inv`. (None, "") for
+    any other tensor."""
+    for suffix, part in (("_scale_inv", "_scale"), ("_scale", "_scale"), ("_zero", "_zero")):
         if name.endswith(suffix) and (name.endswith(".weight" + suffix) or suffix == "_scale_inv"):
-            return name.removesuffix(suffix)
-    return None
+            return name.removesuffix(suffix), part
+    return None, ""
+
+
+# the parameters a quantized weight `<w>` comes with, on its scale grid
+GRID_PARTS = ("_scale", "_zero")
+
+
+def grid_part(name: str) -> str:
+    """Which of a quantized weight's grids a parameter name is ("_scale", "_zero"), or ""."""
+    return next((part for part in GRID_PARTS if name.endswith(part)), "")
