@@ -367,6 +367,9 @@ class LlamaForCausalLM(nn.Module):
                 module = self.get_submodule(owner)
                 if quant.grid_part(local):
                     continue  # set with its quantized weight
+                if local == "input_perm":  # GPTQ act-order's column order: none here
+                    param.copy_(torch.arange(param.numel()))
+                    continue
                 if quant.is_quantized(module, local):  # the float weight the other layers draw, quantized
                     dense = torch.randn(quant.dense_shape(module, local), generator=generator).mul_(std)
                     quant.quantize_into(module, local, dense)
@@ -398,7 +401,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            _copy_shard(params[name], tensor, shard, self.config, hf_name, self._rows_per_row(name))
+            if name.endswith(".input_perm"):  # a fused layer's shards read their inputs in one order
+                _copy_order(params[name], tensor, any(key.startswith(name + ":") for key in loaded), hf_name)
+            else:
+                _copy_shard(params[name], tensor, shard, self.config, hf_name, self._rows_per_row(name))
             loaded.add(f"{name}:{shard}")
         self._check_complete(loaded)
 
@@ -499,6 +505,19 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
             fused, shard = _FUSED[part]
             return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
     return name, None
+
+
+def _copy_order(param: torch.Tensor, order: torch.Tensor, shared: bool, hf_name: str) -> None:
+    """A GPTQ act-order layer's column order (`input_perm`): a fused layer's shards (q, k and
+    v; gate and up) read the same inputs, quantized in the same order; `shared`: a shard
+    before this one set it."""
+    if param.shape != order.shape:
+        raise ValueError(f"shape mismatch for {hf_name!r}: model {tuple(param.shape)}, checkpoint {tuple(order.shape)}")
+    if shared and not torch.equal(param.cpu(), order.cpu()):
+        raise ValueError(f"{hf_name!r}: the shards of one fused layer order their columns differently (g_idx), "
+                         "which genq cannot serve")
+    with torch.no_grad():
+        param.copy_(order)
 
 
 def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cfg: ModelConfig,

@@ -15,7 +15,9 @@ AutoAWQ's GEMM layout: 4-bit values packed along the outputs in AWQ's interleave
 each group's weights are (q - zero) * scale. genq repacks them as it loads into its own
 layout (compressed-tensors' packing, a value less 2^(bits-1), zero points held so too, as
 an int8 grid shaped as the scales); a symmetric GPTQ checkpoint, whose zero points are all
-2^(bits-1), needs none.
+2^(bits-1), needs none. GPTQ's act-order (`desc_act`) quantizes a layer's columns in order
+of importance, each one's group in `g_idx`: genq sorts the columns by group as they load and
+gathers the activations in that order (`QuantLinear.input_perm`).
 
 On the kernel path (CUDA) the decoder layers' projections keep their narrow values in
 memory, `QuantLinear`s over the Triton kernel `kernels.quant_linear` (int4 stays packed),
@@ -61,6 +63,7 @@ class QuantConfig:
     experts_only: bool = False  # only the experts are quantized (gpt-oss's MXFP4)
     zero_points: bool = False  # integers come with a zero point per scale (asymmetric GPTQ, AWQ)
     packing: str | None = None  # how the checkpoint packs its integers: gptq (v1 zero points), gptq_v2, awq
+    act_order: bool = False  # GPTQ's desc_act: columns grouped by g_idx, not in order (sorted so at load)
 
     @classmethod
     def from_hf(cls, hf_config: Any, quantization: str | None) -> QuantConfig | None:
@@ -146,16 +149,13 @@ class QuantConfig:
         packing = qc.get("checkpoint_format") or "gptq"
         if packing not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {packing!r} is not supported; supported: gptq, gptq_v2")
-        if qc.get("desc_act") and not qc.get("static_groups"):
-            raise ValueError("GPTQ checkpoints quantized with desc_act (act-order: each column's group "
-                             "permuted by g_idx) are not supported; supported: desc_act false")
         if qc.get("lm_head"):
             raise ValueError("GPTQ checkpoints with a quantized lm_head are not supported")
         if qc.get("dynamic"):
             raise ValueError("GPTQ checkpoints with per-module overrides (dynamic) are not supported")
         return cls(block=_group_block(qc.get("group_size", 128)), kind=f"int{bits}",
                    skip=tuple(qc.get("modules_to_not_convert") or ()), zero_points=not qc.get("sym", True),
-                   packing=packing)
+                   packing=packing, act_order=bool(qc.get("desc_act")) and not qc.get("static_groups"))
 
     @classmethod
     def _from_awq(cls, qc: dict) -> QuantConfig:
@@ -201,13 +201,16 @@ def _block(value: Any, field: str) -> tuple[int, int] | None:
 class QuantLinear(nn.Module):
     """A linear layer over a quantized weight and its float32 scale grid, on the Triton
     kernel: fp8 or int8 values [out, in], or int4 values packed [out, cdiv(in, 8)]; with
-    `zero_points`, an int8 zero point per scale (`weight_zero`)."""
+    `zero_points`, an int8 zero point per scale (`weight_zero`). With `act_order` (GPTQ's
+    desc_act) the weight's columns are held sorted by group, `input_perm` their order: the
+    activations are gathered so before the product."""
 
     weight_scale: torch.Tensor  # set by make_quantized
     weight_zero: torch.Tensor | None
+    input_perm: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None, block: tuple[int, int],
-                 kind: str = "fp8", zero_points: bool = False):
+                 kind: str = "fp8", zero_points: bool = False, act_order: bool = False):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -216,11 +219,15 @@ class QuantLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
         self.weight_zero = None
         make_quantized(self, "weight", block, kind, zero_points)
+        self.input_perm = nn.Parameter(torch.empty(in_features, dtype=torch.int64), requires_grad=False) \
+            if act_order else None
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         import kernels
 
+        if self.input_perm is not None:
+            x = x.index_select(1, self.input_perm)
         return kernels.quant_linear(x, self.weight, self.weight_scale, self.block, self.bias, self.weight_zero)
 
     def extra_repr(self) -> str:
@@ -392,6 +399,9 @@ def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, 
             names = [f"model.{parent_name}.{e}.{proj}" for e in range(parent.num_experts)
                      for proj in ("gate_proj", "up_proj", "down_proj")]
             if not cfg.skips(names) and fits(block, (inter,), (inter, hidden)):
+                if cfg.act_order:
+                    raise ValueError("GPTQ experts quantized with desc_act (act-order) are not supported; "
+                                     "supported: desc_act false, or static_groups")
                 parent.use_quantized(block, cfg.kind, cfg.zero_points)
                 replaced += 1
             continue
@@ -406,7 +416,7 @@ def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, 
                 continue
             if fits(block, shards, (child.in_features,)):
                 setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias, block, cfg.kind,
-                                                  cfg.zero_points))
+                                                  cfg.zero_points, cfg.act_order))
                 replaced += 1
     return replaced
 
@@ -431,6 +441,8 @@ def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
                 linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
                 dense = dequantize(child.weight, child.weight_scale, child.block, child.in_features,
                                    child.weight_zero).to(dtype)
+                if child.input_perm is not None:  # back in the checkpoint's column order
+                    dense = dense[:, torch.argsort(child.input_perm)]
                 linear.weight = nn.Parameter(dense, requires_grad=False)
                 linear.register_parameter("bias", child.bias)
                 setattr(parent, name, linear)
@@ -482,6 +494,8 @@ def quantized_weights(
 def _unpacked(weights: Iterable[tuple[str, torch.Tensor]], cfg: QuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors less those genq does not read, packed weights renamed (and
     GPTQ's and AWQ's repacked)."""
+    if cfg.act_order:
+        weights = _in_group_order(weights, cfg)
     for name, tensor in weights:
         if name.endswith(_IGNORED):
             continue
@@ -518,8 +532,8 @@ def _repacked(name: str, tensor: torch.Tensor, cfg: QuantConfig) -> Iterator[tup
     elif part == "g_idx":
         group = cfg.block[1] if cfg.block else tensor.numel()
         if not torch.equal(tensor.long().cpu(), torch.arange(tensor.numel()) // group):
-            raise ValueError(f"{name!r} puts the columns in groups out of order (act-order); "
-                             "genq serves GPTQ checkpoints whose groups follow the columns")
+            raise ValueError(f"{name!r} puts the columns in groups out of order (act-order), but the "
+                             "checkpoint's quantization_config says desc_act false")
     elif part == "qweight" and cfg.packing == "awq":
         values = _awq_columns(unpack(tensor, 4))  # [in, out]
         yield stem + ".weight", pack_int4(values.t())
@@ -539,6 +553,43 @@ def _repacked(name: str, tensor: torch.Tensor, cfg: QuantConfig) -> Iterator[tup
         if zeros.abs().max() > 127:
             raise ValueError(f"{name!r} holds a zero point out of range for {bits}-bit values")
         yield stem + ".weight_zero", zeros.to(torch.int8).t().contiguous()
+
+
+def _in_group_order(weights: Iterable[tuple[str, torch.Tensor]], cfg: QuantConfig
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """GPTQ's act-order: a layer's columns are quantized in order of importance, each one's
+    group in `g_idx`. Each layer's qweight waits for its g_idx (or the other way round), then
+    comes out as genq's `<x>.weight` with its columns sorted by group (a stable sort: the
+    groups then lie in order, as genq's kernels read them), and `<x>.input_perm`, that order."""
+    bits = 8 if cfg.kind == "int8" else 4
+    waiting_weights: dict[str, torch.Tensor] = {}
+    orders: dict[str, torch.Tensor] = {}
+
+    def sorted_weight(stem: str, qweight: torch.Tensor, order: torch.Tensor) -> tuple[str, torch.Tensor]:
+        values = unpack(qweight.t(), bits)[:, order]  # [out, in]
+        return stem + ".weight", pack_int4(values) if bits == 4 else values.contiguous()
+
+    for name, tensor in weights:
+        stem, _, part = name.rpartition(".")
+        if part == "g_idx":
+            order = torch.argsort(tensor.long(), stable=True)
+            group = cfg.block[1] if cfg.block else tensor.numel()
+            if not torch.equal(tensor.long()[order].cpu(), torch.arange(tensor.numel()) // group):
+                raise ValueError(f"{name!r} does not put {group} columns in each group")
+            yield stem + ".input_perm", order
+            if stem in waiting_weights:
+                yield sorted_weight(stem, waiting_weights.pop(stem), order)
+            else:
+                orders[stem] = order
+        elif part == "qweight":
+            if stem in orders:
+                yield sorted_weight(stem, tensor, orders.pop(stem))
+            else:
+                waiting_weights[stem] = tensor
+        else:
+            yield name, tensor
+    if waiting_weights:
+        raise ValueError(f"checkpoint has act-order GPTQ weights without g_idx: {', '.join(sorted(waiting_weights)[:8])}")
 
 
 def _awq_columns(values: torch.Tensor) -> torch.Tensor:
