@@ -80,6 +80,7 @@ def poll() -> Callable[..., Any]:
 
 @pytest.fixture(scope="module")
 def stack_redis() -> Iterator[RedisServer]:
+    """A module's own Redis, for a module's own workers."""
     with RedisServer() as server:
         yield server
 
@@ -131,10 +132,19 @@ def run_worker() -> Callable[..., Any]:
     return running_worker
 
 
-@pytest.fixture(scope="module")
-def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factory) -> Iterator[str]:
-    """A real worker serving SERVED_MODEL; yields the Redis URL. Waits for its heartbeat."""
-    with running_worker(stack_redis.url, tiny_llama_dir, tmp_path_factory.mktemp("worker")) as url:
+@pytest.fixture(scope="session")
+def shared_redis() -> Iterator[RedisServer]:
+    """The Redis behind the shared worker (`live_worker`)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def live_worker(shared_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factory) -> Iterator[str]:
+    """A real worker serving SERVED_MODEL; yields the Redis URL. Waits for its heartbeat.
+    One for the session: the modules that use it leave it serving. A module that needs
+    another worker overrides this fixture with its own, on its own Redis (`stack_redis`)."""
+    with running_worker(shared_redis.url, tiny_llama_dir, tmp_path_factory.mktemp("worker")) as url:
         yield url
 
 
