@@ -215,8 +215,9 @@ async def check_backpressure(state: AppState) -> None:
 
 async def check_rate_limit(state: AppState) -> None:
     """Count this request against its key's minute (a fixed window in Redis, shared by every
-    API process); 429 past GENQ_RATE_LIMIT_RPM, or once the minute's ended jobs used
-    GENQ_RATE_LIMIT_TPM tokens (the workers count them)."""
+    API process); 429 past GENQ_RATE_LIMIT_RPM, or once the key's jobs used GENQ_RATE_LIMIT_TPM
+    tokens this minute (the workers count them as they read prompts and write tokens, so a
+    long generation counts while it runs)."""
     rpm, tpm, tenant = state.settings.rate_limit_rpm, state.settings.rate_limit_tpm, TENANT.get()
     if tenant is None or (rpm is None and tpm is None):
         return

@@ -206,8 +206,8 @@ def final_record(held: HeldJob, worker: str, now: float) -> dict[str, str | byte
 
 @dataclass(frozen=True)
 class Meter:
-    """What a finishing job adds to its day's usage (`Keys.usage`) and, with a tenant, to its
-    tenant's minute (`Keys.tokens`, for GENQ_RATE_LIMIT_TPM)."""
+    """What a finishing job adds to its day's usage (`Keys.usage`). (Its tenant's minute,
+    `Keys.tokens`, counts its tokens as they come: `TenantTokens`.)"""
 
     day: str  # UTC, YYYY-MM-DD
     tenant: str  # "" when the job names none
@@ -215,7 +215,17 @@ class Meter:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # of the prompt tokens, those the prefix cache served
-    minute: int = 0  # unix time // 60 as the job ends
+
+
+@dataclass(frozen=True)
+class TenantTokens:
+    """Tokens a publish adds to the job's tenant's minute (`Keys.tokens`, read against
+    GENQ_RATE_LIMIT_TPM): its prompt as it is read, then its new tokens step by step, so a
+    long generation counts while it runs, in the minutes it runs in."""
+
+    tenant: str
+    minute: int  # unix time // 60
+    tokens: int
 
 
 def job_meter(held: HeldJob, served_model: str, now: float) -> Meter:
@@ -226,7 +236,6 @@ def job_meter(held: HeldJob, served_model: str, now: float) -> Meter:
         day=time.strftime("%Y-%m-%d", time.gmtime(now)), tenant=held.job.tenant or "",
         model=held.job.model or served_model, prompt_tokens=usage.get("prompt_tokens", 0),
         completion_tokens=usage.get("completion_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
-        minute=int(now // 60),
     )
 
 

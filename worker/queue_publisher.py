@@ -23,6 +23,7 @@ from worker.queue_jobs import (
     HeldJob,
     JobState,
     JobTable,
+    TenantTokens,
     completion_event,
     final_record,
     job_meter,
@@ -103,8 +104,9 @@ class Publisher:
             if not held.engine_ids:
                 self.table.remove(held)
             return
+        counted = 0  # what this output adds to the tenant's minute
         if held.prompt_tokens is None:
-            held.prompt_tokens = len(output.prompt_token_ids)
+            held.prompt_tokens = counted = len(output.prompt_token_ids)
             self.metrics.prompt_tokens(held.prompt_tokens)
         held.cached_tokens = max(held.cached_tokens, output.num_cached_tokens)
         if output.embedding is not None:
@@ -123,6 +125,9 @@ class Publisher:
                 write.events.append(encode_event(event))
                 num_new += len(delta.token_ids)
         self.metrics.tokens(held, num_new, now)
+        if held.job.tenant and counted + num_new:
+            before = write.tenant_tokens.tokens if write.tenant_tokens else 0
+            write.tenant_tokens = TenantTokens(held.job.tenant, int(now // 60), before + counted + num_new)
         if held.finished:
             write.record = final_record(held, self.worker_name, now)
             write.meter = job_meter(held, self.model_name, now)

@@ -29,7 +29,7 @@ from producer.protocol import (
     Keys,
     pack_script_arg,
 )
-from worker.queue_jobs import Meter
+from worker.queue_jobs import Meter, TenantTokens
 
 # The {host, pid} of another process that heartbeat hash `key` names; false when the hash is
 # missing or names (host, pid). A worker's first heartbeat is how it claims its name.
@@ -56,10 +56,12 @@ end
 # Publish a batch of engine steps. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] events
 # TTL, [4] job TTL, [5] the jobs, one cmsgpack-packed list of {entry id, events key, job key,
 # {encoded events}, {record field, value, ...}, {usage key, field prefix, prompt tokens,
-# completion tokens, cached prompt tokens, the tenant's minute counter or ""} or {}}: an
-# empty record means not finishing, [6] usage TTL. A
+# completion tokens, cached prompt tokens} or {}, {the tenant's minute counter, tokens} or
+# {}}: an empty record means not finishing, [6] usage TTL. A
 # finishing job gets its last events, its record, its usage and its XACK together, so its
-# tokens are counted exactly once however often it was delivered. (One packed argument
+# tokens are counted exactly once however often it was delivered. The minute counter (for
+# GENQ_RATE_LIMIT_TPM) takes each write's tokens as they come: the load a tenant puts on the
+# workers, a rerun of a reclaimed job included. (One packed argument
 # instead of a few per job: building a command of thousands of arguments cost the worker's
 # event loop more than all the rest of a publish.)
 # Returns the entry ids this worker no longer owns (nothing was written for them).
@@ -84,11 +86,12 @@ for _, job in ipairs(cmsgpack.unpack(ARGV[5])) do
         redis.call('HINCRBY', meter[1], meter[2] .. 'completion_tokens', meter[4])
         redis.call('HINCRBY', meter[1], meter[2] .. 'cached_tokens', meter[5])
         redis.call('EXPIRE', meter[1], ARGV[6])
-        if meter[6] ~= '' then
-          redis.call('INCRBY', meter[6], meter[3] + meter[4])
-          redis.call('EXPIRE', meter[6], 120)
-        end
       end
+    end
+    local minute = job[7]
+    if minute and #minute > 0 then
+      redis.call('INCRBY', minute[1], minute[2])
+      redis.call('EXPIRE', minute[1], 120)
     end
   else
     lost[#lost + 1] = entry_id
@@ -319,6 +322,7 @@ class JobWrite:
     events: list[bytes] = field(default_factory=list)
     record: dict[str, str | bytes] | None = None  # set: the job ends with this write
     meter: Meter | None = None  # with the record: counted once, with the XACK
+    tenant_tokens: TenantTokens | None = None  # what this write adds to the tenant's minute
 
 
 @dataclass
@@ -383,7 +387,7 @@ class Scripts:
             return set()
         jobs = [
             [w.entry_id, self.keys.events(w.job_id), self.keys.job(w.job_id), w.events,
-             _pairs(w.record or {}), self._meter(w.meter) if w.record else []]
+             _pairs(w.record or {}), self._meter(w.meter) if w.record else [], self._minute(w.tenant_tokens)]
             for w in writes
         ]
         args: list[Any] = [self.keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs),
@@ -392,12 +396,17 @@ class Scripts:
 
     def _meter(self, meter: Meter | None) -> list[Any]:
         """STEP_LUA's usage item: the day's hash, the field prefix, prompt, completion and cached
-        tokens, and the tenant's minute counter (none without a tenant)."""
+        tokens."""
         if meter is None:
             return []
-        minute = self.keys.tokens(meter.tenant, meter.minute) if meter.tenant else ""
         return [self.keys.usage(meter.day), f"{meter.tenant}\t{meter.model}\t", meter.prompt_tokens,
-                meter.completion_tokens, meter.cached_tokens, minute]
+                meter.completion_tokens, meter.cached_tokens]
+
+    def _minute(self, counted: TenantTokens | None) -> list[Any]:
+        """STEP_LUA's minute item: the tenant's minute counter and the tokens it adds."""
+        if counted is None or not counted.tenant or counted.tokens == 0:
+            return []
+        return [self.keys.tokens(counted.tenant, counted.minute), counted.tokens]
 
     async def holders(self, entry_ids: Sequence[str]) -> dict[str, str]:
         """Who holds each entry now, in words, for the log of an entry found lost: the consumer

@@ -106,8 +106,8 @@ def test_each_key_has_its_own_requests_per_minute(live_worker: str, serve_api, s
 
 
 def test_each_key_has_its_own_tokens_per_minute(live_worker: str, serve_api, served_model: str) -> None:
-    """Once a key's jobs that ended this minute used its tokens, it gets a 429 until the next
-    minute; another key does not."""
+    """Once a key's jobs used its tokens this minute, it gets a 429 until the next minute;
+    another key does not."""
     keys = ("tpm-a", "tpm-b", "tpm-c", "tpm-other")
     settings = Settings(redis_url=live_worker, api_keys=keys, rate_limit_tpm=20, request_timeout_s=60.0)
     body = {"model": served_model, "prompt": "Count my tokens", "max_tokens": 8, "ignore_eos": True}
@@ -129,3 +129,26 @@ def test_each_key_has_its_own_tokens_per_minute(live_worker: str, serve_api, ser
     assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
     assert "20 tokens per minute" in limited.json()["error"]["message"]
     assert 1 <= int(limited.headers["Retry-After"]) <= 60
+
+
+def test_a_running_generation_counts_against_its_keys_minute(live_worker: str, serve_api, served_model: str) -> None:
+    """The tokens of a generation still streaming count as they come: once they pass the
+    limit, the key's next request gets a 429 while the first still runs."""
+    keys = ("run-a", "run-b", "run-c")
+    settings = Settings(redis_url=live_worker, api_keys=keys, rate_limit_tpm=30, request_timeout_s=60.0)
+    body = {"model": served_model, "prompt": "Count", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with serve_api(settings) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for key in keys:  # the window is the clock's minute: a fresh key if one ended mid-way
+            minute = int(time.time() // 60)
+            auth = {"Authorization": f"Bearer {key}"}
+            with http.stream("POST", "/v1/completions", json=body, headers=auth) as stream:
+                chunks = 0
+                for line in stream.iter_lines():  # a chunk per token here (no speculation)
+                    chunks += line.startswith("data: {")
+                    if chunks >= 40:
+                        break
+                limited = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 1}, headers=auth)
+            if int(time.time() // 60) == minute:
+                break
+    assert chunks >= 40  # more than the limit, and far from the 400 asked for: still running
+    assert limited.status_code == 429 and "30 tokens per minute" in limited.json()["error"]["message"]

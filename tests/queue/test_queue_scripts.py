@@ -29,6 +29,7 @@ from worker.queue_engine import EngineStats, intake_capacity
 from worker.queue_jobs import (
     HeldJob,
     Meter,
+    TenantTokens,
     abort_events,
     completion_event,
     final_record,
@@ -87,7 +88,7 @@ async def test_publish_writes_only_entries_it_still_owns(scripts: Scripts) -> No
 async def test_a_finishing_write_meters_its_tokens_once(scripts: Scripts) -> None:
     mine, stolen, running = await deliver(scripts, "a"), await deliver(scripts, "b"), await deliver(scripts, "c")
     await scripts.conn.xclaim(scripts.keys.requests, scripts.keys.group, "other", 0, [stolen])
-    meter = Meter("2026-11-30", "key1", "smol", 7, 3, cached_tokens=4, minute=29_000_000)
+    meter = Meter("2026-11-30", "key1", "smol", 7, 3, cached_tokens=4)
     record = {"status": "finished"}
     lost = await scripts.publish([
         JobWrite("a", mine, [], record, meter), JobWrite("b", stolen, [], record, meter),
@@ -99,11 +100,25 @@ async def test_a_finishing_write_meters_its_tokens_once(scripts: Scripts) -> Non
         b"key1\tsmol\trequests": b"1", b"key1\tsmol\tprompt_tokens": b"7", b"key1\tsmol\tcompletion_tokens": b"3",
         b"key1\tsmol\tcached_tokens": b"4"}
     assert await scripts.conn.ttl(usage) > 300 * 24 * 3600
-    minute = scripts.keys.tokens("key1", 29_000_000)  # for GENQ_RATE_LIMIT_TPM: prompt + completion
-    assert await scripts.conn.get(minute) == b"10" and 0 < await scripts.conn.ttl(minute) <= 120
     await scripts.publish([JobWrite("a", mine, [], record, meter)])  # acked already: not ours
     assert await scripts.conn.hget(usage, "key1\tsmol\trequests") == b"1"
+
+
+async def test_every_write_adds_its_tokens_to_the_tenants_minute(scripts: Scripts) -> None:
+    """For GENQ_RATE_LIMIT_TPM: a running job's tokens count as they are written, in the
+    minute they are written; a lost entry's do not (its new owner counts its own)."""
+    running, stolen = await deliver(scripts, "a"), await deliver(scripts, "b")
+    await scripts.conn.xclaim(scripts.keys.requests, scripts.keys.group, "other", 0, [stolen])
+    event = [encode_event(Event(seq=0, token_ids=[1]))]
+    await scripts.publish([JobWrite("a", running, event, tenant_tokens=TenantTokens("key1", 29_000_000, 9)),
+                           JobWrite("b", stolen, event, tenant_tokens=TenantTokens("key1", 29_000_000, 5))])
+    minute = scripts.keys.tokens("key1", 29_000_000)
+    assert await scripts.conn.get(minute) == b"9" and 0 < await scripts.conn.ttl(minute) <= 120
+    await scripts.publish([JobWrite("a", running, event, tenant_tokens=TenantTokens("key1", 29_000_000, 1)),
+                           JobWrite("a", running, event, tenant_tokens=TenantTokens("key1", 29_000_001, 2))])
     assert await scripts.conn.get(minute) == b"10"
+    assert await scripts.conn.get(scripts.keys.tokens("key1", 29_000_001)) == b"2"
+    assert await scripts.conn.hgetall(scripts.keys.usage("2026-11-30")) == {}  # not ending: no usage yet
 
 
 async def test_start_codes(scripts: Scripts) -> None:
