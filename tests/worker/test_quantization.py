@@ -204,22 +204,37 @@ def test_compressed_tensors_fp8_checkpoints_match_transformers(tiny_llama_dir, t
     assert not isinstance(model.layers[1].mlp.down_proj, QuantLinear)  # ignored: stored float
 
 
-def write_int_checkpoint(src: Path, out: Path, bits: int, strategy: str, fmt: str) -> Path:
+def asymmetric_grid(weight: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zero points (signed, as compressed-tensors holds them) [out, groups] spanning
+    each group's range in 2^bits - 1 steps."""
+    groups = weight.float().view(weight.shape[0], -1, group)
+    low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
+    scale = (high - low) / (2**bits - 1)
+    zero = (-low / scale).round() - 2 ** (bits - 1)
+    return scale, zero.clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1).to(torch.int8)
+
+
+def write_int_checkpoint(src: Path, out: Path, bits: int, strategy: str, fmt: str, symmetric: bool = True) -> Path:
     """`src` with its projections stored as compressed-tensors stores integer weights (its own
-    compressor writes them, from scales computed here): int8 values (`int-quantized`), or
-    values packed in int32 words (`pack-quantized`: W4A16, W8A16), a scale per output channel
-    or per group of 32 columns; the second layer's MLP left float."""
+    compressor writes them, from scales and zero points computed here): int8 values
+    (`int-quantized`), or values packed in int32 words (`pack-quantized`: W4A16, W8A16), a
+    scale (and without `symmetric` a zero point) per output channel or per group of 32
+    columns; the second layer's MLP left float."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     group = 32 if strategy == "group" else None
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     compressor = BaseCompressor.get_value_from_registry(fmt)
     shutil.copytree(src, out)
     tensors = {}
     for name, value in load_file(src / "model.safetensors").items():
-        if name.endswith("proj.weight") and ".layers.1.mlp." not in name:
+        if name.endswith("proj.weight") and ".layers.1.mlp." not in name and not symmetric:
+            scale, zero = asymmetric_grid(value, bits, group or value.shape[1])
+            stored = compressor.compress({"weight": value, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+            tensors.update({name.removesuffix("weight") + key: t for key, t in stored.items()})
+        elif name.endswith("proj.weight") and ".layers.1.mlp." not in name:
             _, scale = quantize(value, (1, group or value.shape[1]), f"int{bits}")
             stored = compressor.compress({"weight": value, "weight_scale": scale}, scheme)
             tensors.update({name.removesuffix("weight") + key: t for key, t in stored.items()})
@@ -237,7 +252,8 @@ def write_int_checkpoint(src: Path, out: Path, bits: int, strategy: str, fmt: st
 
 INT_CASES = {"W4A16 groups": (4, "group", "pack-quantized"), "W4A16 channels": (4, "channel", "pack-quantized"),
              "W8A16 packed": (8, "channel", "pack-quantized"), "W8A8 int8": (8, "channel", "int-quantized"),
-             "W4A16 experts": (4, "group", "pack-quantized")}
+             "W4A16 experts": (4, "group", "pack-quantized"), "W4A16 asymmetric": (4, "group", "pack-quantized"),
+             "W8A16 asymmetric": (8, "channel", "pack-quantized")}
 
 
 @pytest.mark.parametrize("case", list(INT_CASES))
@@ -249,13 +265,13 @@ def test_compressed_tensors_integer_checkpoints_match_transformers(request, tmp_
 
     bits, strategy, fmt = INT_CASES[case]
     src = request.getfixturevalue("tiny_qwen3_moe_dir" if "experts" in case else "tiny_llama_dir")
-    int_dir = write_int_checkpoint(src, tmp_path / "int", bits, strategy, fmt)
+    int_dir = write_int_checkpoint(src, tmp_path / "int", bits, strategy, fmt, symmetric="asymmetric" not in case)
     stored = load_file(int_dir / "model.safetensors")
     assert stored["model.layers.0.self_attn.o_proj." + ("weight" if fmt == "int-quantized" else "weight_packed")].dtype == (
         torch.int8 if fmt == "int-quantized" else torch.int32)
     oracle = {"quantization_config": CompressedTensorsConfig(dequantize=True)}
     check_prefill_logits_against(int_dir, int_dir, "torch", **oracle)
-    if case == "W8A8 int8":  # int4 words, the kernels' other way of reading integers, by tests/worker/test_gptq_awq.py
+    if case == "W8A8 int8":  # int4 words (and zero points) are read there by tests/worker/test_gptq_awq.py
         model = check_prefill_logits_against(int_dir, int_dir, "triton", **oracle).engine.runner.model
     else:
         model = LLM(str(int_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
@@ -263,6 +279,7 @@ def test_compressed_tensors_integer_checkpoints_match_transformers(request, tmp_
     storage = torch.int32 if bits == 4 else torch.int8
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and qkv.weight.dtype == storage
+    assert (qkv.weight_zero is not None) == ("asymmetric" in case)
     assert not isinstance(model.layers[1].mlp.down_proj, QuantLinear)
     if "experts" in case:  # they keep their integers too, for the fused MoE kernel
         assert model.layers[0].mlp.experts.w13.dtype == model.layers[0].mlp.experts.w2.dtype == storage
@@ -311,6 +328,8 @@ def _weights(**change):
     (_weights(symmetric=False), "8 bits, asymmetric are not supported"),
     (_weights(strategy="group", group_size=128), "weight strategy 'group' is not supported for fp8"),
     (_weights(type="int", num_bits=4, strategy="block"), "weight strategy 'block' is not supported for int4"),
+    (_weights(type="int", num_bits=4, symmetric=False, strategy="tensor"),
+     "strategy 'tensor' is not supported for asymmetric int4"),
     (_weights(type="int", num_bits=4, strategy="group", group_size=32, actorder="group"), "actorder 'group'"),
     (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
     (lambda c: c["quantization_config"]["config_groups"].update(group_1={"targets": ["re:.*down_proj"]}),

@@ -5,7 +5,8 @@ Stored: `quant_method: fp8` in config.json (Qwen3-*-FP8, DeepSeek-V3's layout: f
 values, a scale per block of `weight_block_size` or per tensor, `*.weight_scale_inv` — the
 name, not the arithmetic: they multiply), and `compressed-tensors` (llm-compressor's): fp8,
 int8 or int4 values with `*.weight_scale` per tensor, output channel, block (fp8) or group
-of columns (int), int values possibly packed in int32 words (`*.weight_packed`). Quantized
+of columns (int), int values possibly packed in int32 words (`*.weight_packed`), asymmetric
+ones with `*.weight_zero_point` per channel or group (packed along the outputs). Quantized
 at load: fp8, a scale per output channel. gpt-oss's MXFP4 experts (`quant_method: mxfp4`,
 read by worker/models/gpt_oss.py): 4-bit e2m1 values two to a byte, low nibble first, a
 power-of-two scale per 32 columns. GPTQ (`quant_method: gptq`, AutoGPTQ's and GPTQModel's
@@ -116,17 +117,22 @@ class QuantConfig:
             raise ValueError(f"compressed-tensors checkpoints with {len(groups)} schemes, or one not over "
                              "the Linear layers, are not supported; supported: one scheme targeting Linear")
         weights = groups[0].get("weights") or {}
-        scheme = (weights.get("type"), weights.get("num_bits"), weights.get("symmetric", True))
-        kinds = {("float", 8, True): "fp8", ("int", 8, True): "int8", ("int", 4, True): "int4"}
+        symmetric = weights.get("symmetric", True)
+        scheme = (weights.get("type"), weights.get("num_bits"), symmetric)
+        kinds = {("float", 8, True): "fp8", ("int", 8, True): "int8", ("int", 4, True): "int4",
+                 ("int", 8, False): "int8", ("int", 4, False): "int4"}
         if scheme not in kinds:
             raise ValueError(f"compressed-tensors weights of type {scheme[0]!r}, {scheme[1]} bits"
                              f"{'' if scheme[2] else ', asymmetric'} are not supported; "
-                             "supported: symmetric 8-bit float, 8-bit int or 4-bit int")
+                             "supported: symmetric 8-bit float, 8-bit or 4-bit int, symmetric or not")
         kind = kinds[scheme]
         strategy = weights.get("strategy")
-        strategies = ("tensor", "channel", "block") if kind == "fp8" else ("tensor", "channel", "group")
+        strategies: tuple[str, ...] = ("tensor", "channel", "block") if kind == "fp8" else ("tensor", "channel", "group")
+        if not symmetric:  # zero points are kept per group or channel
+            strategies = ("channel", "group")
         if strategy not in strategies:
-            raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported for {kind} weights; "
+            raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported for "
+                             f"{'' if symmetric else 'asymmetric '}{kind} weights; "
                              f"supported: {', '.join(strategies)}")
         if weights.get("actorder") == "group":
             raise ValueError("compressed-tensors weights with actorder 'group' (a g_idx permutation) are not supported")
@@ -137,7 +143,7 @@ class QuantConfig:
             block = _block(weights.get("block_structure"), "block_structure")
         elif strategy == "group":
             block = _block([1, weights.get("group_size") or 0], "group_size")
-        return cls(block=block, kind=kind, skip=tuple(qc.get("ignore") or ()))
+        return cls(block=block, kind=kind, skip=tuple(qc.get("ignore") or ()), zero_points=not symmetric)
 
     @classmethod
     def _from_gptq(cls, qc: dict) -> QuantConfig:
@@ -503,6 +509,9 @@ def _unpacked(weights: Iterable[tuple[str, torch.Tensor]], cfg: QuantConfig) -> 
             yield from _repacked(name, tensor, cfg)
         elif name.endswith(".weight_packed"):
             yield name.removesuffix("_packed"), unpack(tensor, 8) if cfg.kind == "int8" else tensor
+        elif name.endswith(".weight_zero_point"):  # compressed-tensors': int8, or packed along the outputs
+            zero = unpack(tensor.t(), 8 if cfg.kind == "int8" else 4).t() if tensor.dtype == torch.int32 else tensor
+            yield name.removesuffix("_point"), zero.to(torch.int8).contiguous()
         else:
             yield name, tensor
 
