@@ -99,9 +99,11 @@ class Consumer:
             self.capacity, self.abort, self.engine,
         )
         await self.scripts.ensure_group()
-        await self._claim_name()
+        # before the first heartbeat shows this worker: whoever sees it can read its tokenizer
+        # (and a classifier's labels) at once
         await publish_tokenizer(self.conn, self.keys, self.config.model_name, engine.tokenizer, engine.eos_token_ids,
                                 engine.model_config.labels)
+        await self._claim_name()
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._start_tasks()
