@@ -162,7 +162,7 @@ def test_sigterm_drains_and_releases(
     redis_server: RedisServer, offline,
 ) -> None:
     short = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     long_prompts = [f"long job {i}" for i in range(4)]
     long_ids = [client.submit(p, long).id for p in long_prompts]
     streams = Streams(redis_server.url, keys, long_ids)

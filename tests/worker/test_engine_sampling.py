@@ -287,7 +287,7 @@ def test_guided_decoding_can_start_after_a_marker(llm):
 def test_guided_json_object_on_the_default_model():
     llm = LLM(None, dtype="float32", max_model_len=1024, num_gpu_blocks_override=128)
     messages = [{"role": "user", "content": "Describe a cat as a JSON object with the keys name and age."}]
-    free = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=80), use_tqdm=False)[0]
+    free = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
     params = SamplingParams(temperature=0.0, max_tokens=80, guided_decoding={"json_object": True})
     guided = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
     assert guided.finish_reason == "stop", guided.text
