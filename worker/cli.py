@@ -81,8 +81,9 @@ _HELP = {
     "serving another model than the shared stream's workers needs its own (default: $GENQ_QUEUE)",
     "num_gpu_blocks_override": "size of the KV pool in blocks",
     "load_format": "auto (the checkpoint) or dummy (seeded random weights, for benchmarks)",
-    "quantization": "fp8: the decoder layers' weights in fp8, quantized as they load (an fp8 checkpoint "
-    "is served as fp8 without it; default: $GENQ_QUANTIZATION or none)",
+    "quantization": "fp8: the decoder layers' weights in fp8, quantized as they load (a quantized checkpoint "
+    "is served as it is stored without it; gptq, awq, their _marlin names, compressed-tensors or mxfp4 "
+    "only confirm the checkpoint's method; default: $GENQ_QUANTIZATION or none)",
     "kv_cache_dtype": "auto (the model dtype) or fp8: the KV cache in e4m3, twice the tokens in the same memory "
     "(default: $GENQ_KV_CACHE_DTYPE or auto)",
     "claim_idle_s": "reclaim entries of other workers idle this long",

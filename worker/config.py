@@ -7,6 +7,12 @@ from typing import Any
 
 from worker.spec_decode import SpeculativeConfig
 
+# `quantization`'s names (vLLM's, its Marlin kernels' too) -> the checkpoint quant_method each
+# names: "fp8" quantizes a float checkpoint as it loads; the others confirm the checkpoint's own
+QUANTIZATION_METHODS = {"fp8": "fp8", "gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
+                        "compressed-tensors": "compressed-tensors", "compressed_tensors": "compressed-tensors",
+                        "mxfp4": "mxfp4"}
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -52,8 +58,9 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be fp8 or None, got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
+                             f"got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"

@@ -341,8 +341,9 @@ def test_worker_config_from_env() -> None:
         config_from_env({"GENQ_CLAIM_IDLE_S": "1", "GENQ_HEARTBEAT_S": "1"})
     assert config_from_env({"GENQ_QUANTIZATION": "fp8"}).engine.quantization == "fp8"
     assert config_from_env({"GENQ_KV_CACHE_DTYPE": "fp8"}).engine.kv_cache_dtype == "fp8"
-    with pytest.raises(ValueError, match="quantization must be fp8 or None, got 'awq'"):
-        config_from_env({"GENQ_QUANTIZATION": "awq"})
+    assert config_from_env({"GENQ_QUANTIZATION": "awq_marlin"}).engine.quantization == "awq_marlin"  # vLLM's name
+    with pytest.raises(ValueError, match="quantization must be one of fp8, gptq, .* or None, got 'int4'"):
+        config_from_env({"GENQ_QUANTIZATION": "int4"})
     assert config.keys.requests == "genq:requests"  # no queue: the shared stream
     queued = config_from_env({"GENQ_QUEUE": "big-1", "GENQ_PREFIX": "p:"})
     assert (queued.queue, queued.keys.requests, queued.keys.dead) == ("big-1", "p:requests:big-1", "p:dead")

@@ -198,6 +198,16 @@ def test_gptq_and_awq_schemes_genq_cannot_serve_are_refused_by_name(gptq_dir, tm
         LLM(str(_changed(gptq_dir, tmp_path / "bad", config=change)), dtype="float32", num_gpu_blocks_override=16)
 
 
+def test_quantization_argument_names_the_checkpoints_method(gptq_dir):
+    """vLLM's `quantization` names (its Marlin aliases too) confirm the checkpoint's method; another
+    method is refused by name."""
+    llm = LLM(str(gptq_dir), dtype="float32", num_gpu_blocks_override=64, quantization="gptq_marlin")
+    assert llm.engine.runner.model_config.quant.packing == "gptq"
+    for other in ("awq", "fp8"):
+        with pytest.raises(ValueError, match=f"quantization='{other}' does not match the checkpoint's quant_method 'gptq'"):
+            LLM(str(gptq_dir), dtype="float32", num_gpu_blocks_override=16, quantization=other)
+
+
 def test_act_order_experts_are_refused_by_name(tiny_qwen3_moe_dir, tmp_path):
     config = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True, "desc_act": True}
     moe = _changed(tiny_qwen3_moe_dir, tmp_path / "moe", config=lambda c: c | {"quantization_config": config})

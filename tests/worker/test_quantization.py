@@ -343,8 +343,11 @@ def test_compressed_tensors_schemes_genq_cannot_serve_are_refused_by_name(tiny_l
 
 
 def test_a_bad_quantization_argument_is_refused(tiny_llama_dir):
-    with pytest.raises(ValueError, match="quantization must be fp8 or None, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of fp8, gptq, .* or None, got 'int4'"):
         LLM(str(tiny_llama_dir), quantization="int4")
+    with pytest.raises(ValueError, match="quantization='awq' names the checkpoint's quantization, but the checkpoint "
+                                         "has no quantization_config"):
+        LLM(str(tiny_llama_dir), quantization="awq")
 
 
 @pytest.mark.parametrize("src, block, drop, error", [

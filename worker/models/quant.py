@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.config import QUANTIZATION_METHODS
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # how each kind of weight is held: fp8 and int8 values, int4 values packed eight to an int32,
@@ -69,14 +71,23 @@ class QuantConfig:
     @classmethod
     def from_hf(cls, hf_config: Any, quantization: str | None) -> QuantConfig | None:
         """The checkpoint's own quantization (config.json's `quantization_config`), else the
-        engine's `quantization` argument; ValueError for a scheme genq cannot serve."""
-        if quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be fp8 or None, got {quantization!r}")
+        engine's `quantization` argument; ValueError for a scheme genq cannot serve.
+        `quantization` "fp8" quantizes a float checkpoint as it loads; a checkpoint's own
+        method (vLLM's names, its Marlin aliases too) only confirms what the checkpoint says."""
+        method_named = QUANTIZATION_METHODS.get(quantization or "", quantization)
+        if method_named not in (None, *QUANTIZATION_METHODS.values()):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
+                             f"got {quantization!r}")
         qc = getattr(hf_config, "quantization_config", None)
         if qc is None:
+            if method_named not in (None, "fp8"):
+                raise ValueError(f"quantization={quantization!r} names the checkpoint's quantization, but the "
+                                 "checkpoint has no quantization_config (a float checkpoint: fp8 or None)")
             return cls(block=None, online=True) if quantization == "fp8" else None
         qc = qc if isinstance(qc, dict) else qc.to_dict()
         method = qc.get("quant_method")
+        if method_named not in (None, method) and not (method_named == "fp8" and method == "mxfp4"):
+            raise ValueError(f"quantization={quantization!r} does not match the checkpoint's quant_method {method!r}")
         if method == "fp8":
             return cls._from_fp8(qc)
         if method == "compressed-tensors":
