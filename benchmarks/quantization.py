@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 from worker import LLM
 from worker.model_loader import resolve_model_path
-from worker.models.quant import quantize
+from worker.models.quant import pack_awq, quantize
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 TEXT = (
@@ -70,18 +70,10 @@ def write_w4a16(out: Path) -> Path:
     return out
 
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output 8w + AWQ_ORDER[i] is nibble i of word w
-
-
 def write_awq(out: Path) -> Path:
     """The default model with its projections as asymmetric int4 in groups of GROUP columns:
     each group's range over 15 steps from its zero point, in AutoAWQ's GEMM layout ([in,
     out / 8] words, outputs interleaved; scales [groups, out] float16)."""
-
-    def pack(values: torch.Tensor) -> torch.Tensor:  # [rows, out] 0..15 -> [rows, out / 8] int32
-        words = (values.view(values.shape[0], -1, 8)[:, :, list(AWQ_ORDER)] << torch.arange(0, 32, 4)).sum(-1)
-        return (words - (words >= 2**31) * 2**32).to(torch.int32)
-
     source = resolve_model_path(None)
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
     tensors = {}
@@ -96,7 +88,7 @@ def write_awq(out: Path) -> Path:
             zero = (-low / scale.float()).round().clamp(0, 15)
             q = (groups / scale.float()[:, None] + zero[:, None]).round().clamp(0, 15).reshape(-1, value.shape[0])
             stem = name.removesuffix(".weight")
-            tensors |= {f"{stem}.qweight": pack(q.long()), f"{stem}.qzeros": pack(zero.long()), f"{stem}.scales": scale}
+            tensors |= {f"{stem}.qweight": pack_awq(q), f"{stem}.qzeros": pack_awq(zero), f"{stem}.scales": scale}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,

@@ -21,11 +21,10 @@ from safetensors.torch import load_file, save_file
 from test_engine import check_prefill_logits_against
 
 from worker import LLM
-from worker.models.quant import QuantLinear
+from worker.models.quant import QuantLinear, pack_awq
 
 GROUP = 32
 KEEP_FLOAT = "model.layers.1.mlp"  # left float, listed in modules_to_not_convert
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ packs output 8w + AWQ_ORDER[i] into nibble i of word w
 
 
 def autoawq_packing() -> ModuleType:
@@ -57,13 +56,6 @@ def quantize_groups(weight: torch.Tensor, bits: int, group: int, sym: bool):
     scale = scale.half()
     q = (groups / scale.float()[:, None] + zero[:, None]).round().clamp(0, top)
     return q.reshape(-1, weight.shape[0]).long(), zero.long(), scale
-
-
-def pack_awq(values: torch.Tensor) -> torch.Tensor:
-    """4-bit values [rows, out] packed as AutoAWQ's GEMM layout packs them: [rows, out / 8] int32."""
-    words = values.view(values.shape[0], -1, 8)[:, :, list(AWQ_ORDER)] << torch.arange(0, 32, 4)
-    words = words.sum(-1)
-    return (words - (words >= 2**31) * 2**32).to(torch.int32)  # the same 32 bits
 
 
 SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}

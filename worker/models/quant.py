@@ -619,6 +619,14 @@ def _awq_columns(values: torch.Tensor) -> torch.Tensor:
     return values.view(rows, cols // 8, 8)[:, :, order].reshape(rows, cols)
 
 
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit values [rows, out] packed as AutoAWQ's GEMM checkpoints hold them, the
+    inverse of `_awq_columns` (for writing such checkpoints): [rows, out / 8] int32."""
+    shifts = 4 * torch.tensor(_AWQ_NIBBLE, device=values.device)
+    words = (values.long().view(values.shape[0], -1, 8) << shifts).sum(-1)
+    return (words - (words >= 2**31) * 2**32).to(torch.int32)  # the same 32 bits, as int32
+
+
 def _grid_owner(name: str) -> tuple[str | None, str]:
     """The weight a scale or zero-point tensor belongs to, and which it is ("_scale",
     "_zero"): `x.weight` for `x.weight_scale_inv`, `x.weight_scale` or `x.weight_zero`;
