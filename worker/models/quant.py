@@ -550,8 +550,7 @@ def _repacked(name: str, tensor: torch.Tensor, cfg: QuantConfig) -> Iterator[tup
     if part == "scales":
         yield stem + ".weight_scale", tensor.float().t().contiguous()
     elif part == "g_idx":
-        group = cfg.block[1] if cfg.block else tensor.numel()
-        if not torch.equal(tensor.long().cpu(), torch.arange(tensor.numel()) // group):
+        if not _groups_follow_columns(tensor, cfg):
             raise ValueError(f"{name!r} puts the columns in groups out of order (act-order), but the "
                              "checkpoint's quantization_config says desc_act false")
     elif part == "qweight" and cfg.packing == "awq":
@@ -593,9 +592,9 @@ def _in_group_order(weights: Iterable[tuple[str, torch.Tensor]], cfg: QuantConfi
         stem, _, part = name.rpartition(".")
         if part == "g_idx":
             order = torch.argsort(tensor.long(), stable=True)
-            group = cfg.block[1] if cfg.block else tensor.numel()
-            if not torch.equal(tensor.long()[order].cpu(), torch.arange(tensor.numel()) // group):
-                raise ValueError(f"{name!r} does not put {group} columns in each group")
+            if not _groups_follow_columns(tensor[order], cfg):
+                raise ValueError(f"{name!r} does not put {cfg.block[1] if cfg.block else tensor.numel()} "
+                                 "columns in each group")
             yield stem + ".input_perm", order
             if stem in waiting_weights:
                 yield sorted_weight(stem, waiting_weights.pop(stem), order)
@@ -610,6 +609,13 @@ def _in_group_order(weights: Iterable[tuple[str, torch.Tensor]], cfg: QuantConfi
             yield name, tensor
     if waiting_weights:
         raise ValueError(f"checkpoint has act-order GPTQ weights without g_idx: {', '.join(sorted(waiting_weights)[:8])}")
+
+
+def _groups_follow_columns(g_idx: torch.Tensor, cfg: QuantConfig) -> bool:
+    """Whether each column's group (GPTQ's g_idx) is its place over the group size: groups of
+    consecutive columns, in order, as genq's kernels read them."""
+    group = cfg.block[1] if cfg.block else g_idx.numel()  # per channel: one group
+    return torch.equal(g_idx.long().cpu(), torch.arange(g_idx.numel()) // group)
 
 
 def _awq_columns(values: torch.Tensor) -> torch.Tensor:
