@@ -36,7 +36,8 @@ class AttentionBackend(Protocol):
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]: ...
 
-    def build(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> Any: ...
+    def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
+              windows: frozenset[int | None]) -> Any: ...
 
 
 FP8 = torch.float8_e4m3fn  # kv_cache_dtype="fp8": the cache's values
@@ -57,7 +58,7 @@ def make_attention_backend(name: str, model_config, block_size: int, dtype: torc
     args = (block_size, model_config.num_attention_heads, model_config.num_key_value_heads,
             model_config.head_dim, dtype, device)
     if name == "torch":
-        return TorchAttention(*args, windows=frozenset(model_config.layer_windows) - {None})
+        return TorchAttention(*args)
     if name == "triton":
         from worker.attention_triton import TritonAttention
 
@@ -125,13 +126,26 @@ class AttentionMetadata:
         return paged_attention(q, k, v, k_cache, v_cache, self, scale, window, softcap, sinks)
 
 
+@dataclass
+class GroupedMetadata:
+    """A step's metadata where the layers keep their KV in groups of blocks (full and
+    windowed layers, each group with its own block tables): each layer's window names its
+    group's."""
+
+    by_window: dict[int | None, Any]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                scale: float, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return self.by_window[window].forward(q, k, v, kv_cache, scale, window, softcap, sinks)
+
+
 class TorchAttention:
     """The CPU backend: head-major blocks, decode buckets, torch ops."""
 
     def __init__(self, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, windows: frozenset[int] = frozenset()):
+                 dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
-        self.windows = windows  # the layers' sliding windows: a mask is built for each
         self.group = num_heads // num_kv_heads  # query heads per KV head
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -141,9 +155,11 @@ class TorchAttention:
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
-    def build(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
+              windows: frozenset[int | None] = frozenset({None})) -> AttentionMetadata:
         """Metadata for a batch ordered decodes first (shortest context first), then decodes
-        with guesses (grouped by length), then prefills."""
+        with guesses (grouped by length), then prefills; `tables`: each request's block table
+        (of the KV group built for), `windows`: its layers' windows, a mask for each."""
         meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
         row, i = 0, 0
         while i < len(batch) and (len(batch[i].token_ids) == 1 or batch[i].num_drafts):
@@ -153,10 +169,10 @@ class TorchAttention:
                    and len(batch[i + len(bucket)].token_ids) == q_len
                    and (q_len == 1 or batch[i + len(bucket)].num_drafts)):
                 bucket.append(batch[i + len(bucket)])
-            meta.decodes.append(self._decode_bucket(bucket, row, q_len))
+            meta.decodes.append(self._decode_bucket(bucket, tables[i : i + len(bucket)], row, q_len, windows))
             row, i = row + q_len * len(bucket), i + len(bucket)
-        for s in batch[i:]:
-            meta.prefills.append(self._prefill_chunk(s, row))
+        for s, table in zip(batch[i:], tables[i:], strict=True):
+            meta.prefills.append(self._prefill_chunk(s, table, row, windows))
             row += len(s.token_ids)
         return meta
 
@@ -174,11 +190,12 @@ class TorchAttention:
         head = torch.arange(heads, device=self.device)
         return table[:, None, :] * heads + head[None, :, None]
 
-    def _decode_bucket(self, bucket: list[ScheduledRequest], row: int, q_len: int) -> DecodeBucket:
+    def _decode_bucket(self, bucket: list[ScheduledRequest], tables: list[list[int]], row: int, q_len: int,
+                       windows: frozenset[int | None]) -> DecodeBucket:
         bs, n = self.block_size, len(bucket)
         start = torch.tensor([s.start_pos for s in bucket], device=self.device)  # [n]
         num_blocks = -(-(int(start.max()) + q_len) // bs)
-        rows = self._block_rows([s.block_table[:num_blocks] for s in bucket], num_blocks)
+        rows = self._block_rows([table[:num_blocks] for table in tables], num_blocks)
         span = torch.arange(num_blocks * bs, device=self.device)
         # query j of sequence i sits at start_i + j and sees positions up to it: [n, q_len, span]
         last = start[:, None] + torch.arange(q_len, device=self.device)[None, :]
@@ -190,15 +207,17 @@ class TorchAttention:
             return self._additive(allowed).view(n, 1, allowed.shape[1], -1)
 
         buffers = torch.empty(2, rows.numel(), bs * self.head_dim, dtype=self.dtype, device=self.device)
-        return DecodeBucket(row, row + q_len * n, rows.view(-1), self._masks(mask), buffers[0], buffers[1], q_len)
+        return DecodeBucket(row, row + q_len * n, rows.view(-1), {w: mask(w) for w in windows},
+                            buffers[0], buffers[1], q_len)
 
-    def _prefill_chunk(self, s: ScheduledRequest, row: int) -> PrefillChunk:
+    def _prefill_chunk(self, s: ScheduledRequest, table: list[int], row: int,
+                       windows: frozenset[int | None]) -> PrefillChunk:
         q_len = len(s.token_ids)
         ctx_len = s.start_pos + q_len
         context_rows = None
         if s.start_pos > 0:
             num_blocks = -(-ctx_len // self.block_size)
-            context_rows = self._block_rows([s.block_table[:num_blocks]], num_blocks).view(-1)
+            context_rows = self._block_rows([table[:num_blocks]], num_blocks).view(-1)
         q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
         k_pos = torch.arange(ctx_len, device=self.device)
 
@@ -206,10 +225,7 @@ class TorchAttention:
             allowed = self._allowed(k_pos[None, :], q_pos[:, None], window)  # [q_len, ctx_len]
             return self._additive(allowed).repeat(self.group, 1)  # [group * q_len, ctx_len]
 
-        return PrefillChunk(row, row + q_len, context_rows, self._masks(mask))
-
-    def _masks(self, mask) -> dict[int | None, torch.Tensor]:
-        return {window: mask(window) for window in (None, *self.windows)}
+        return PrefillChunk(row, row + q_len, context_rows, {w: mask(w) for w in windows})
 
     @staticmethod
     def _allowed(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:

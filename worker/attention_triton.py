@@ -52,19 +52,22 @@ class TritonAttention:
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def build(self, batch: list[ScheduledRequest], slot_mapping: torch.Tensor) -> TritonMetadata:
+    def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
+              windows: frozenset[int | None] = frozenset({None})) -> TritonMetadata:
+        """`tables`: each request's block table, of the KV group built for (the kernel takes
+        each layer's window as it runs)."""
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_pos + n for s, n in zip(batch, query_lens, strict=True)]
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
         max_blocks = -(-max(seq_lens) // self.block_size)
-        tables = pad_tables([s.block_table[:max_blocks] for s in batch], self.device, max_blocks, torch.int32)
+        padded = pad_tables([table[:max_blocks] for table in tables], self.device, max_blocks, torch.int32)
         return TritonMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_tables=tables,
+            block_tables=padded,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )

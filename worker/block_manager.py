@@ -1,4 +1,4 @@
-"""Paged KV-cache bookkeeping: a pool of fixed-size blocks with reference counts and a prefix
+"""Paged KV-cache bookkeeping: pools of fixed-size blocks with reference counts and a prefix
 cache keyed by chained hashes of full blocks. Plain Python: no torch, no Redis.
 
 A block holds `block_size` consecutive tokens of one sequence. A full block whose KV has been
@@ -6,20 +6,24 @@ computed is registered under the hash of (hash of the previous block, its token 
 later request whose tokens start the same way reuses it instead of recomputing. Freed blocks
 keep their hash and stay reusable until they are evicted, least recently used first.
 
-A model whose every layer attends to a sliding window never reads a block again once it lies
-wholly before every future query's window: `release_before` gives such blocks back while the
-request runs, leaving RELEASED in its table (the runner reads any block there: attention
-masks those positions).
+The model's layers keep their KV in one or more groups, each with a pool of its own and a
+block table per request (vLLM's hybrid KV cache manager). A group whose layers attend to a
+sliding window never reads a block again once it lies wholly before every future query's
+window: such blocks are given back while the request runs, leaving RELEASED in its table
+(the runner reads any block there: attention masks those positions). A model whose every
+layer is windowed has one such group; one that mixes full and windowed layers (Gemma 2 and
+3, gpt-oss) has two, so only its full layers keep a request's whole history.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker.request import Request
 
-RELEASED = -1  # a block table entry whose block was given back (`release_before`)
+RELEASED = -1  # a block table entry whose block was given back (out of its group's window)
 
 
 @dataclass
@@ -28,77 +32,158 @@ class PrefixCacheStats:
     hits: int = 0  # tokens served from the cache
 
 
-class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+class BlockPool:
+    """One group's blocks: reference counts, the prefix cache's hashes, and the free list in
+    eviction order."""
+
+    def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         # Blocks with ref_cnt 0, in eviction order: the front is evicted first.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.req_blocks: dict[str, list[int]] = {}
-        self.num_released: dict[str, int] = {}  # request id -> leading table entries released
+
+    def take(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:  # evict it from the prefix cache
+            del self.cached[block_hash]
+            self.block_hash[block_id] = None
+        self.ref_cnt[block_id] = 1
+        return block_id
+
+    def ref(self, block_id: int) -> None:
+        if block_id == RELEASED:
+            return
+        if self.ref_cnt[block_id] == 0:
+            del self.free[block_id]
+        self.ref_cnt[block_id] += 1
+
+    def unref(self, block_id: int) -> None:
+        if block_id == RELEASED:
+            return
+        self.ref_cnt[block_id] -= 1
+        if self.ref_cnt[block_id] == 0:
+            self.free[block_id] = None
+            if self.block_hash[block_id] is None:
+                self.free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        if block_id == RELEASED or self.block_hash[block_id] is not None or block_hash in self.cached:
+            return  # released, registered already, or the same content is cached in another block
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+
+    def reclaimed(self, hits: list[int]) -> int:
+        """How many of these cache hits sit in the free list (taking them shrinks it)."""
+        return sum(1 for b in hits if b != RELEASED and self.ref_cnt[b] == 0)
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self.cached.items()):
+            if self.ref_cnt[block_id] == 0:
+                self.block_hash[block_id] = None
+                del self.cached[block_hash]
+
+
+class BlockManager:
+    """`num_blocks` and `windows`: each group's pool size and sliding window (None: the group
+    keeps every block). Group 0 is the one the engine's load figures count: the full layers'
+    where there are any."""
+
+    def __init__(self, num_blocks: int | Sequence[int], block_size: int, enable_prefix_caching: bool = True,
+                 windows: Sequence[int | None] | None = None):
+        sizes = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        self.windows = list(windows) if windows is not None else [None] * len(sizes)
+        if len(self.windows) != len(sizes):
+            raise ValueError(f"{len(sizes)} pools but {len(self.windows)} windows")
+        self.pools = [BlockPool(n) for n in sizes]
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_blocks: dict[str, list[list[int]]] = {}  # request id -> a block table per group
+        self.num_released: dict[str, list[int]] = {}  # request id -> leading entries released, per group
         self.stats = PrefixCacheStats()
 
     @property
+    def num_blocks(self) -> int:
+        return self.pools[0].num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.pools[0].free)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / self.num_blocks
+        return max(1.0 - len(pool.free) / pool.num_blocks for pool in self.pools)
 
     def block_table(self, request_id: str) -> list[int]:
-        return self.req_blocks.get(request_id, [])
+        """Group 0's table."""
+        return self.block_tables(request_id)[0]
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        return self.req_blocks.get(request_id) or [[] for _ in self.pools]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
-        """Cached blocks that hold a prefix of the request's tokens.
+    def first_read_block(self, group: int, num_computed: int) -> int:
+        """The first block of `group` that the query at `num_computed` may read."""
+        window = self.windows[group]
+        return 0 if window is None else max(num_computed - window, 0) // self.block_size
+
+    def get_computed_blocks(self, request: Request) -> list[list[int]]:
+        """Cached blocks, per group, that hold a prefix of the request's tokens: every group
+        has them up to the same block, a windowed group from its window's first block on
+        (RELEASED before it).
 
         At least one token is always left to compute, so the step still produces logits.
         """
+        none: list[list[int]] = [[] for _ in self.pools]
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position computed
+            return none  # prompt logprobs need every prompt position computed
         self._hash_full_blocks(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block_id = self.cached.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        found = [[pool.cached.get(h) for h in hashes] for pool in self.pools]
+        num_hit = len(hashes)
+        for group, blocks in enumerate(found):
+            if self.windows[group] is None:  # the whole prefix
+                num_hit = min(num_hit, blocks.index(None) if None in blocks else len(blocks))
+        runs = [_runs(blocks) for blocks in found]  # cached blocks in a row, ending at each
+        while num_hit > 0 and not all(
+            runs[group][num_hit - 1] >= num_hit - self.first_read_block(group, num_hit * self.block_size)
+            for group in range(len(self.pools)) if self.windows[group] is not None
+        ):
+            num_hit -= 1
         self.stats.queries += request.num_tokens
-        self.stats.hits += len(hits) * self.block_size
+        self.stats.hits += num_hit * self.block_size
+        hits = []
+        for group, blocks in enumerate(found):
+            first = self.first_read_block(group, num_hit * self.block_size)
+            hits.append([RELEASED] * first + [b for b in blocks[first:num_hit] if b is not None])
         return hits
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self, request: Request, num_new_tokens: int, computed_blocks: list[list[int]] | None = None
     ) -> bool:
-        """Give the request room for `num_new_tokens` more tokens; False (and no change) if the
-        pool cannot. `computed_blocks` are prefix-cache hits taken over by a new request."""
-        computed_blocks = computed_blocks or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_tokens = (
-            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        )
-        num_new_blocks = self.blocks_needed(num_tokens) - len(blocks) - len(computed_blocks)
-        # Hits that sit in the free list are about to be taken out of it.
-        num_reclaimed = sum(1 for b in computed_blocks if self.ref_cnt[b] == 0)
-        if num_new_blocks > len(self.free) - num_reclaimed:
+        """Give the request room for `num_new_tokens` more tokens in every group; False (and
+        no change) if a pool cannot. `computed_blocks` are prefix-cache hits (per group, from
+        `get_computed_blocks`) taken over by a new request."""
+        hits = computed_blocks or [[] for _ in self.pools]
+        tables = self.req_blocks.setdefault(request.request_id, [[] for _ in self.pools])
+        num_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
+        new = [self.blocks_needed(num_tokens) - len(table) - len(hit) for table, hit in zip(tables, hits, strict=True)]
+        if any(n > len(pool.free) - pool.reclaimed(hit) for pool, n, hit in zip(self.pools, new, hits, strict=True)):
             return False
-        for block_id in computed_blocks:
-            if self.ref_cnt[block_id] == 0:
-                del self.free[block_id]
-            self.ref_cnt[block_id] += 1
-        blocks.extend(computed_blocks)
-        for _ in range(max(num_new_blocks, 0)):
-            blocks.append(self._take_free_block())
+        for group, (pool, table, hit, n) in enumerate(zip(self.pools, tables, hits, new, strict=True)):
+            for block_id in hit:
+                pool.ref(block_id)
+            table.extend(hit)
+            table.extend(pool.take() for _ in range(max(n, 0)))
+            released = hit.count(RELEASED)
+            if released:
+                self.num_released.setdefault(request.request_id, [0] * len(self.pools))[group] = released
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -111,73 +196,56 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         self._hash_full_blocks(request)
-        blocks = self.req_blocks.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        for i in range(num_full):
-            block_id = blocks[i]
-            if block_id == RELEASED or self.block_hash[block_id] is not None:
-                continue
-            block_hash = request.block_hashes[i]
-            if block_hash in self.cached:
-                continue  # the same content is cached in another block; keep that one
-            self.block_hash[block_id] = block_hash
-            self.cached[block_hash] = block_id
+        for pool, table in zip(self.pools, self.block_tables(request.request_id), strict=True):
+            num_full = min(request.num_computed_tokens // self.block_size, len(table))
+            for i in range(num_full):
+                pool.register(table[i], request.block_hashes[i])
 
     def free_request(self, request_id: str) -> None:
         """Release a request's blocks. Tail blocks are queued for eviction before head blocks,
         since heads (system prompts, shared prefixes) are the likeliest to be reused."""
-        blocks = self.req_blocks.pop(request_id, [])
+        tables = self.req_blocks.pop(request_id, [])
         self.num_released.pop(request_id, None)
-        for block_id in reversed(blocks):
-            self._unref(block_id)
+        for pool, table in zip(self.pools, tables, strict=True):
+            for block_id in reversed(table):
+                pool.unref(block_id)
 
-    def release_before(self, request_id: str, position: int) -> int:
-        """Give back the request's blocks that hold only positions before `position` (no
-        future query of a sliding-window model reads them); returns how many were released."""
-        blocks = self.req_blocks.get(request_id, [])
-        start = self.num_released.get(request_id, 0)
-        end = min(max(position, 0) // self.block_size, len(blocks))
-        for i in range(start, end):
-            self._unref(blocks[i])
-            blocks[i] = RELEASED
-        if end > start:
-            self.num_released[request_id] = end
-        return max(end - start, 0)
+    def release_out_of_window(self, request_id: str, num_computed: int) -> int:
+        """Give back the blocks of windowed groups that the query at `num_computed` and every
+        later one will not read; returns how many were released."""
+        tables = self.req_blocks.get(request_id)
+        if tables is None:
+            return 0
+        released = self.num_released.setdefault(request_id, [0] * len(self.pools))
+        count = 0
+        for group, (pool, table) in enumerate(zip(self.pools, tables, strict=True)):
+            if self.windows[group] is None:
+                continue
+            end = min(self.first_read_block(group, num_computed), len(table))
+            for i in range(released[group], end):
+                pool.unref(table[i])
+                table[i] = RELEASED
+                count += 1
+            released[group] = max(released[group], end)
+        return count
 
     def fork(self, parent_id: str, child_id: str, num_blocks: int) -> None:
-        """Share the parent's first `num_blocks` blocks with a child (n > 1 completions)."""
-        shared = self.req_blocks[parent_id][:num_blocks]
-        for block_id in shared:
-            if block_id != RELEASED:
-                self.ref_cnt[block_id] += 1
-        self.req_blocks[child_id] = list(shared)
-        released = min(self.num_released.get(parent_id, 0), num_blocks)
-        if released:
-            self.num_released[child_id] = released
-
-    def _unref(self, block_id: int) -> None:
-        if block_id == RELEASED:
-            return
-        self.ref_cnt[block_id] -= 1
-        if self.ref_cnt[block_id] == 0:
-            self.free[block_id] = None
-            if self.block_hash[block_id] is None:
-                self.free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+        """Share the parent's first `num_blocks` blocks with a child (n > 1 completions),
+        in a windowed group only those the child's first query reads."""
+        tables, released = [], []
+        for group, (pool, table) in enumerate(zip(self.pools, self.req_blocks[parent_id], strict=True)):
+            first = self.first_read_block(group, num_blocks * self.block_size)
+            shared = [RELEASED] * first + table[first:num_blocks]
+            for block_id in shared:
+                pool.ref(block_id)
+            tables.append(shared)
+            released.append(first)
+        self.req_blocks[child_id] = tables
+        self.num_released[child_id] = released
 
     def reset_prefix_cache(self) -> None:
-        for block_hash, block_id in list(self.cached.items()):
-            if self.ref_cnt[block_id] == 0:
-                self.block_hash[block_id] = None
-                del self.cached[block_hash]
-
-    def _take_free_block(self) -> int:
-        block_id, _ = self.free.popitem(last=False)
-        block_hash = self.block_hash[block_id]
-        if block_hash is not None:  # evict it from the prefix cache
-            del self.cached[block_hash]
-            self.block_hash[block_id] = None
-        self.ref_cnt[block_id] = 1
-        return block_id
+        for pool in self.pools:
+            pool.reset_prefix_cache()
 
     def _hash_full_blocks(self, request: Request) -> None:
         bs = self.block_size
@@ -185,3 +253,12 @@ class BlockManager:
             # the first block's parent names the adapter: its KV differs from the base model's
             parent = request.block_hashes[i - 1] if i else ("lora", request.lora_id) if request.lora_id else None
             request.block_hashes.append(hash((parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))))
+
+
+def _runs(blocks: list[int | None]) -> list[int]:
+    """For each index, how many entries up to it in a row are cached (not None)."""
+    runs, run = [], 0
+    for block_id in blocks:
+        run = run + 1 if block_id is not None else 0
+        runs.append(run)
+    return runs

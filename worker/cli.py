@@ -56,6 +56,11 @@ def build(parser: argparse.ArgumentParser) -> Any:
         "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
     )
     parser.add_argument(
+        "--disable-hybrid-kv-cache-manager", action="store_true",
+        help="a model mixing full and sliding-window layers keeps every layer's KV blocks in one pool "
+        "(default: the windowed layers' in a pool of their own, only their windows)",
+    )
+    parser.add_argument(
         "--speculative-config", metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or, '
         'with a draft model, \'{"model": "DIR", "num_speculative_tokens": 4}\' '
@@ -111,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         engine_args["enable_prefix_caching"] = False
     if args.enforce_eager:
         engine_args["enforce_eager"] = True
+    if args.disable_hybrid_kv_cache_manager:
+        engine_args["disable_hybrid_kv_cache_manager"] = True
     if args.enable_lora:
         engine_args["enable_lora"] = True
     if args.speculative_config:

@@ -50,6 +50,10 @@ class EngineConfig:
     # the KV cache's values: auto (the model dtype) or fp8 (e4m3, vLLM's "fp8"/"fp8_e4m3":
     # twice the tokens in the same memory; values past +-448 are clamped)
     kv_cache_dtype: str = "auto"
+    # a model that mixes full and sliding-window layers keeps the windowed layers' KV in a
+    # pool of its own, only the blocks their windows read (vLLM's hybrid KV cache manager);
+    # True: every layer keeps every block, as in one pool
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -90,14 +94,28 @@ class SchedulerConfig:
     policy: str = "fcfs"
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     max_loras: int = 0  # distinct adapters running at once (0: LoRA is off)
-    # every layer attends to at most this many positions back: a running request's blocks
-    # wholly before its next query's window are given back (None: keep them all)
-    window: int | None = None
 
 
-def release_window(attention_span: int | None, config: EngineConfig) -> int | None:
-    """The window past which KV blocks may be given back while a request runs: the model's
-    attention span (every layer windowed), unless a draft model speculates, whose own cache
-    shares the target's block ids and may need the whole history."""
-    draft = bool(config.speculative_config) and "model" in (config.speculative_config or {})
-    return None if draft else attention_span
+def kv_group_layout(layer_windows: tuple[int | None, ...], num_layers: int,
+                    config: EngineConfig) -> list[tuple[int | None, tuple[int, ...]]]:
+    """How the layers keep their KV: (window, layers) per group of blocks, each with its own
+    pool and block tables. A windowed group gives back the blocks before its next query's
+    window (the largest of its layers'); None keeps them all. Group 0 keeps them all where
+    any layer attends to everything.
+
+    One windowed group when every layer is windowed (Mistral v0.1), unless a draft model
+    speculates: its cache holds as many tokens as the target's pool, so the target's pool
+    must keep them all. Two groups when full and windowed layers mix (Gemma 2 and 3,
+    gpt-oss), unless `disable_hybrid_kv_cache_manager`. One that keeps everything otherwise."""
+    windows = layer_windows or (None,) * num_layers
+    every = tuple(range(num_layers))
+    windowed = tuple(i for i, w in enumerate(windows) if w is not None)
+    if not windowed:
+        return [(None, every)]
+    largest = max(w for w in windows if w is not None)
+    if len(windowed) == num_layers:
+        draft = bool((config.speculative_config or {}).get("model"))
+        return [(None if draft else largest, every)]
+    if config.disable_hybrid_kv_cache_manager:
+        return [(None, every)]
+    return [(None, tuple(i for i in every if i not in windowed)), (largest, windowed)]

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from worker.attention import pad_tables
+from worker.attention import GroupedMetadata, pad_tables
 from worker.attention_triton import TritonMetadata
 from worker.models.llama import LlamaForCausalLM
 from worker.scheduler import ScheduledRequest
@@ -48,22 +48,26 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        windows: dict[int | None, int] | None = None,  # each layer window's KV group (None: one group)
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = device
+        self.windows = windows or {None: 0}
+        num_groups = max(self.windows.values()) + 1
         self.sizes = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
         # Padding state: as filled before capture and as left in rows past a batch.
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [N]
         self.positions = torch.zeros(n, dtype=torch.long, device=device)  # [N]
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)  # [N]
+        # a slot mapping and block tables per KV group
+        self.slot_mapping = torch.full((num_groups, n), -1, dtype=torch.long, device=device)  # [G, N]
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [N + 1], fixed
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [N]
-        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)  # [N, max_blocks]
+        self.block_tables = torch.zeros((num_groups, n, max_blocks), dtype=torch.int32, device=device)  # [G, N, max_blocks]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> [size, hidden], written by replay
         self.num_steps: dict[int, int] = dict.fromkeys(self.sizes, 0)  # steps run at each size
@@ -91,28 +95,32 @@ class DecodeGraphs:
         bs = self.block_size
         pad = size - len(batch)
         positions = [s.start_pos for s in batch]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(batch, positions, strict=True)]
+        groups = range(self.slot_mapping.shape[0])
+        slots = [[s.tables()[g][p // bs] * bs + p % bs for s, p in zip(batch, positions, strict=True)] + [-1] * pad
+                 for g in groups]
         rows = torch.tensor([[s.token_ids[0] for s in batch] + [0] * pad, positions + [0] * pad,
-                             slots + [-1] * pad, [p + 1 for p in positions] + [0] * pad])  # [4, size]
+                             [p + 1 for p in positions] + [0] * pad, *slots])  # [3 + G, size]
         rows = rows.to(self.device, non_blocking=True)
         self.input_ids[:size].copy_(rows[0])
         self.positions[:size].copy_(rows[1])
-        self.slot_mapping[:size].copy_(rows[2])
-        self.seq_lens[:size].copy_(rows[3])
+        self.seq_lens[:size].copy_(rows[2])
+        self.slot_mapping[:, :size].copy_(rows[3:])
         # Blocks past a row's context are never read: only the used prefix of each table.
         width = -(-(max(positions) + 1) // bs)
-        tables = pad_tables([s.block_table[:width] for s in batch], torch.device("cpu"), width, torch.int32)
-        self.block_tables[: len(batch), :width].copy_(tables)
+        for g in groups:
+            tables = pad_tables([s.tables()[g][:width] for s in batch], torch.device("cpu"), width, torch.int32)
+            self.block_tables[g, : len(batch), :width].copy_(tables)
 
     def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
-        meta = TritonMetadata(
-            slot_mapping=self.slot_mapping[:size],
+        metas = [TritonMetadata(
+            slot_mapping=self.slot_mapping[g, :size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
+            block_tables=self.block_tables[g, :size],
             max_query_len=1,
             max_seq_len=self.max_model_len,
-        )
+        ) for g in range(self.slot_mapping.shape[0])]
+        meta = metas[0] if len(metas) == 1 else GroupedMetadata({w: metas[g] for w, g in self.windows.items()})
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()

@@ -38,7 +38,8 @@ class DraftModelProposer:
         blocks = target_blocks + config.max_num_seqs * (-(-spec.num_speculative_tokens // config.block_size) + 1)
         draft = dataclasses.replace(config, model=str(path), enable_lora=False, speculative_config=None,
                                     quantization=None,  # the draft as its checkpoint is stored
-                                    num_gpu_blocks_override=blocks)
+                                    num_gpu_blocks_override=blocks,
+                                    disable_hybrid_kv_cache_manager=True)  # one table per request
         self.runner = ModelRunner(draft, path, language_config(AutoConfig.from_pretrained(path)), max_model_len)
         vocab_size = self.runner.model_config.vocab_size
         if vocab_size != target_vocab_size:

@@ -53,9 +53,8 @@ class Engine:
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
-        )
+        self.block_manager = BlockManager(self.runner.group_blocks, config.block_size, config.enable_prefix_caching,
+                                          windows=[window for window, _ in self.runner.kv_layout])
         sched_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -63,7 +62,6 @@ class Engine:
             policy=config.scheduling_policy,
             eos_token_ids=frozenset(self.eos_token_ids),
             max_loras=config.max_loras if config.enable_lora else 0,
-            window=self.runner.release_window,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager)
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels)

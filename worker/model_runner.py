@@ -16,8 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from worker.attention import make_attention_backend, pad_tables, resolve_attention_backend
-from worker.config import EngineConfig, release_window
+from worker.attention import (
+    GroupedMetadata,
+    make_attention_backend,
+    pad_tables,
+    resolve_attention_backend,
+)
+from worker.config import EngineConfig, kv_group_layout
 from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
 from worker.models import quant
@@ -77,9 +82,11 @@ class ModelRunner:
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.block_size = config.block_size
         self.model_config = ModelConfig.from_hf(hf_config, config.quantization, max_model_len)
-        # how far back a running request's KV blocks are kept (None: all of them); the
-        # engine's scheduler gives back the rest, and the cache is sized for it
-        self.release_window = release_window(self.model_config.attention_span, config)
+        # the layers' KV groups: (window, layers) each, a pool and block tables of its own;
+        # a windowed group's blocks before its window are given back, and its pool sized for that
+        self.kv_layout = kv_group_layout(self.model_config.layer_windows, self.model_config.num_hidden_layers, config)
+        self.layer_group = [next(g for g, (_, layers) in enumerate(self.kv_layout) if i in layers)
+                            for i in range(self.model_config.num_hidden_layers)]
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
         self.model = self._load_model(model_path, use_kernels=backend == "triton")
@@ -92,7 +99,8 @@ class ModelRunner:
             pack_linears(self.model, batch_hint=config.max_num_seqs)
             pack_experts(self.model, batch_hint=config.max_num_seqs)
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
-        self.num_blocks = self._num_kv_blocks(max_model_len)
+        self.group_blocks = self._num_kv_blocks(max_model_len)  # per group
+        self.num_blocks = self.group_blocks[0]
         self.kv_caches = self._allocate_kv_cache()
         self.graphs = self._decode_graphs(backend, max_model_len)
 
@@ -104,7 +112,7 @@ class ModelRunner:
         from worker.cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
-                            self.block_size, self.device)
+                            self.block_size, self.device, self.kv_windows())
 
     def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
         cfg = self.model_config
@@ -127,42 +135,65 @@ class ModelRunner:
         return model
 
     def _kv_block_bytes(self) -> int:
+        """One block of every layer, K and V."""
         cfg = self.model_config
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
-    def _num_kv_blocks(self, max_model_len: int) -> int:
+    def kv_windows(self) -> dict[int | None, int]:
+        """Each layer window's KV group."""
+        windows = self.model_config.layer_windows or (None,) * self.model_config.num_hidden_layers
+        return {window: self.layer_group[i] for i, window in enumerate(windows)}
+
+    def _num_kv_blocks(self, max_model_len: int) -> list[int]:
+        """Blocks per KV group. The memory would hold `budget` blocks of every layer; with
+        two groups, the windowed layers' pool takes what its running requests can hold (their
+        windows and one step's chunk) twice over, the second for the prefix cache, and the
+        full layers' pool the rest. num_gpu_blocks_override sizes the full layers' pool."""
+        bs, seqs, chunk = self.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens
         if self.config.num_gpu_blocks_override is not None:
-            num_blocks = self.config.num_gpu_blocks_override
+            budget = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.gpu_memory_utilization)
-            num_blocks = int(budget * 0.9) // self._kv_block_bytes()
+            budget = int((free - total * (1 - self.config.gpu_memory_utilization)) * 0.9) // self._kv_block_bytes()
         else:
-            num_blocks = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()
-        needed = -(-max_model_len // self.block_size)
-        if self.release_window is not None:  # a sequence holds its window and one step's chunk at most
-            window_tokens = self.release_window + self.config.max_num_batched_tokens
-            needed = min(needed, -(-window_tokens // self.block_size) + 1)
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV cache has {num_blocks} blocks of {self.block_size} tokens, fewer than one "
-                f"sequence of max_model_len={max_model_len} needs ({needed}); "
-                "lower max_model_len or give the cache more memory"
-            )
-        return num_blocks
+            budget = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()
+        sizes = [budget]
+        if len(self.kv_layout) == 2:
+            (_, full), (window, windowed) = self.kv_layout
+            assert window is not None
+            held = min(budget, 2 * (seqs * (-(-window // bs) + 2) + -(-chunk // bs)))
+            num_layers = self.model_config.num_hidden_layers
+            sizes = [budget if self.config.num_gpu_blocks_override is not None
+                     else (budget * num_layers - held * len(windowed)) // len(full), held]
+        for (window, _), num_blocks in zip(self.kv_layout, sizes, strict=True):
+            needed = -(-max_model_len // bs)
+            if window is not None:  # a sequence holds its window and one step's chunk at most
+                needed = min(needed, -(-(window + chunk) // bs) + 1)
+            if num_blocks < needed:
+                kind = "" if len(self.kv_layout) == 1 else f" of the {'windowed' if window else 'full'} layers"
+                raise ValueError(
+                    f"the KV cache{kind} has {num_blocks} blocks of {bs} tokens, fewer than one "
+                    f"sequence of max_model_len={max_model_len} needs ({needed}); "
+                    "lower max_model_len or give the cache more memory"
+                )
+        return sizes
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V pools in the attention backend's layout, zeroed: attention reads
-        whole blocks, and a NaN left in an unwritten slot would poison the weighted sum even
-        under a -inf mask."""
-        shape = self.attention.cache_shape(self.num_blocks)
-        num_layers = self.model_config.num_hidden_layers
+        """Per layer, K and V pools of its group's size in the attention backend's layout,
+        zeroed: attention reads whole blocks, and a NaN left in an unwritten slot would
+        poison the weighted sum even under a -inf mask."""
+        shapes = [self.attention.cache_shape(self.group_blocks[g]) for g in self.layer_group]
         if self.device.type != "cpu":
             return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                     torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(num_layers)]
-        pool = _cpu_pool(2 * num_layers * math.prod(shape), self.kv_dtype).view(num_layers, 2, *shape)
-        return [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+                     torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for shape in shapes]
+        pool = _cpu_pool(2 * sum(math.prod(shape) for shape in shapes), self.kv_dtype)
+        caches, start = [], 0
+        for shape in shapes:
+            k, v = pool[start : start + 2 * math.prod(shape)].view(2, *shape)
+            caches.append((k, v))
+            start += 2 * math.prod(shape)
+        return caches
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
@@ -199,13 +230,16 @@ class ModelRunner:
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
-        slot_mapping = self._slots(batch, positions)
-        return input_ids, positions, self.attention.build(batch, slot_mapping)
+        windows = self.kv_windows()
+        metas = [self.attention.build(batch, [s.tables()[g] for s in batch], self._slots(batch, positions, g),
+                                      frozenset(w for w, group in windows.items() if group == g))
+                 for g in range(len(self.kv_layout))]
+        meta = metas[0] if len(metas) == 1 else GroupedMetadata({w: metas[g] for w, g in windows.items()})
+        return input_ids, positions, meta
 
-    def _slots(self, batch: list[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
+    def _slots(self, batch: list[ScheduledRequest], positions: torch.Tensor, group: int) -> torch.Tensor:
         bs = self.block_size
-        tables = [s.block_table for s in batch]
-        table = pad_tables(tables, self.device)  # [B, max_blocks]
+        table = pad_tables([s.tables()[group] for s in batch], self.device)  # [B, max_blocks]
         seq_of_token = torch.repeat_interleave(
             torch.arange(len(batch), device=self.device),
             torch.tensor([len(s.token_ids) for s in batch], device=self.device),

@@ -22,12 +22,17 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
     start_pos: int  # position of token_ids[0]; the cache holds positions [0, start_pos)
-    block_table: list[int]
+    block_table: list[int]  # group 0's (the full layers' where the model mixes kinds)
     sample: bool  # the step reaches the end of the known tokens, so a token is sampled
     prompt_logprobs: bool = False  # the request wants logprobs for the prompt tokens computed here
     lora_id: int = 0  # the adapter its rows run with; 0: none
     num_drafts: int = 0  # token_ids ends with this many guessed tokens (speculative decoding)
     pool: bool = False  # an embedding request's last chunk: its last row is pooled, not sampled
+    group_tables: tuple[list[int], ...] = ()  # the other KV groups' tables (windowed layers)
+
+    def tables(self) -> list[list[int]]:
+        """A block table per KV group."""
+        return [self.block_table, *self.group_tables]
 
 
 @dataclass
@@ -143,8 +148,9 @@ class Scheduler:
                 continue
             # A forked request already holds its shared prompt blocks; others look up the cache.
             forked = request.num_computed_tokens > 0
-            computed = [] if forked else self.block_manager.get_computed_blocks(request)
-            num_computed = request.num_computed_tokens + len(computed) * self.block_manager.block_size
+            computed = None if forked else self.block_manager.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + (len(computed[0]) * self.block_manager.block_size
+                                                          if computed else 0)
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 break
@@ -168,19 +174,21 @@ class Scheduler:
         start = request.num_computed_tokens
         num_known = min(num_new, request.num_tokens - start)
         drafts = request.spec_token_ids[: num_new - num_known]  # what the budget left room for
+        # a released entry reads block 0: attention masks its positions
+        tables = [[max(b, 0) for b in table] for table in self.block_manager.block_tables(request.request_id)]
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=request.token_slice(start, start + num_known) + drafts,
                 start_pos=start,
-                # a released entry reads block 0: attention masks its positions
-                block_table=[max(b, 0) for b in self.block_manager.block_table(request.request_id)],
+                block_table=tables[0],
                 sample=start + num_known == request.num_tokens,
                 prompt_logprobs=request.sampling_params.prompt_logprobs is not None
                 and start < request.num_prompt_tokens,
                 lora_id=request.lora_id,
                 num_drafts=len(drafts),
                 pool=request.pooling_params is not None and start + num_known == request.num_tokens,
+                group_tables=tuple(tables[1:]),
             )
         )
 
@@ -227,8 +235,7 @@ class Scheduler:
             status = self._append(request, token_ids)
             # after the append: kept guesses are computed tokens only once they are tokens
             self.block_manager.cache_computed_blocks(request)
-            if self.config.window is not None:  # the next query, at num_computed, looks back this far
-                self.block_manager.release_before(request.request_id, request.num_computed_tokens - self.config.window)
+            self.block_manager.release_out_of_window(request.request_id, request.num_computed_tokens)
             if status is not None:
                 self.finish_requests([request.request_id], status)
                 finished.append(request)

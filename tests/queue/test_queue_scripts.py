@@ -335,6 +335,7 @@ def test_worker_config_from_env() -> None:
         config_from_env({"GENQ_MAX_NUM_SEQS": "many"})
     assert config_from_env({"GENQ_ENFORCE_EAGER": "true"}).engine.enforce_eager
     assert not config_from_env({"GENQ_ENFORCE_EAGER": "0"}).engine.enforce_eager
+    assert config_from_env({"GENQ_DISABLE_HYBRID_KV_CACHE_MANAGER": "1"}).engine.disable_hybrid_kv_cache_manager
     with pytest.raises(ValueError, match="GENQ_ENFORCE_EAGER must be 1 or 0"):
         config_from_env({"GENQ_ENFORCE_EAGER": "maybe"})
     with pytest.raises(ValueError, match="two heartbeats"):

@@ -137,13 +137,14 @@ def check_prefill_logits_against(tiny_model_dir, reference_dir, backend, engine_
     c = torch.randint(3, 49152, (c_len,)).tolist()
     c_blocks = list(range(5, 24))
     assert backend != "torch" or cut > MATMUL_PREFILL_MAX_CONTEXT
+    def request(rid, ids, start, table, sample):  # the same blocks in each KV group (a hybrid model has two)
+        return ScheduledRequest(rid, ids, start, table, sample, group_tables=(table,) * (len(runner.kv_layout) - 1))
+
     # a and c chunked across two steps (their second chunks attend to their cached first), b whole
-    runner.execute(SchedulerOutput([ScheduledRequest("a", a[:20], 0, [0, 1, 2], False),
-                                    ScheduledRequest("b", b, 0, [3, 4], True),
-                                    ScheduledRequest("c", c[:cut], 0, c_blocks, False)]))
-    out = runner.execute(SchedulerOutput([ScheduledRequest("a", a[20:], 20, [0, 1, 2], True),
-                                          ScheduledRequest("b", [7], 17, [3, 4], True),
-                                          ScheduledRequest("c", c[cut:], cut, c_blocks, True)]))
+    runner.execute(SchedulerOutput([request("a", a[:20], 0, [0, 1, 2], False), request("b", b, 0, [3, 4], True),
+                                    request("c", c[:cut], 0, c_blocks, False)]))
+    out = runner.execute(SchedulerOutput([request("a", a[20:], 20, [0, 1, 2], True), request("b", [7], 17, [3, 4], True),
+                                          request("c", c[cut:], cut, c_blocks, True)]))
     with torch.inference_mode():
         ref = {"a": hf(torch.tensor([a])).logits[0, -1], "b": hf(torch.tensor([b + [7]])).logits[0, -1],
                "c": hf(torch.tensor([c])).logits[0, -1]}
@@ -316,7 +317,7 @@ def test_a_window_model_runs_sequences_longer_than_its_cache(tiny_window_dir, ba
     new = 160 if backend == "torch" else 24  # the interpreter is slow
     llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=8, max_num_batched_tokens=32,
               device=device, attention_backend=backend)
-    assert llm.engine.scheduler.config.window == 24
+    assert llm.engine.block_manager.windows == [24]
     tok = llm.get_tokenizer()
     prompts = [PROMPTS[5], PROMPTS[8]]  # 40 and 60 tokens
     expected = hf_greedy(tiny_window_dir, [tok.encode(p) for p in prompts], max_new=new)
@@ -326,7 +327,42 @@ def test_a_window_model_runs_sequences_longer_than_its_cache(tiny_window_dir, ba
     assert llm.engine.block_manager.num_free_blocks == 8
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("tiny_window_dir", ["qwen2_window"], indirect=True)
-def test_a_model_with_a_full_attention_layer_keeps_its_blocks(tiny_window_dir):
-    llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=256)
-    assert llm.engine.model_config.attention_span is None and llm.engine.scheduler.config.window is None
+def test_a_hybrid_model_keeps_whole_sequences_only_in_its_full_layers(tiny_window_dir, backend):
+    """Layer 0 attends to everything, layer 1 to its last 24 positions: layer 1 keeps its KV
+    in a pool of its own, sized for two running requests' windows and a step's chunk, twice
+    over (20 blocks), and gives blocks back as the requests run. Two sequences of 200+ tokens
+    need more blocks than that pool has, and still equal transformers, which keeps everything."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    new = 160 if backend == "torch" else 24  # the interpreter is slow
+    llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=32,
+              max_num_seqs=2, device=device, attention_backend=backend)
+    engine = llm.engine
+    assert engine.block_manager.windows == [None, 24] and engine.runner.group_blocks == [64, 20]
+    assert [k.shape[0] for k, _ in engine.runner.kv_caches] == [64, 20]
+    tok = llm.get_tokenizer()
+    prompts = [PROMPTS[5], PROMPTS[8]]  # 40 and 60 tokens
+    expected = hf_greedy(tiny_window_dir, [tok.encode(p) for p in prompts], max_new=new)
+    outputs = llm.generate(prompts, greedy(new), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    if backend == "torch":
+        assert sum(-(-(len(tok.encode(p)) + new) // 16) for p in prompts) > 20
+    assert [len(pool.free) for pool in engine.block_manager.pools] == [64, 20]
+
+
+@pytest.mark.parametrize("tiny_window_dir", ["qwen2_window"], indirect=True)
+def test_a_hybrid_models_full_layers_get_the_memory_its_windowed_layers_need_not(tiny_window_dir):
+    """The same KV memory holds longer sequences: the windowed layer's pool takes what its
+    requests' windows need, and the full layer's pool the rest of the memory."""
+    common = {"dtype": "float32", "kv_cache_memory_gb": 0.01, "max_num_seqs": 4}
+    one_pool = LLM(str(tiny_window_dir), disable_hybrid_kv_cache_manager=True, **common).engine.runner
+    hybrid = LLM(str(tiny_window_dir), **common).engine.runner
+    assert one_pool.group_blocks == [one_pool.num_blocks] and len(hybrid.group_blocks) == 2
+    assert hybrid.group_blocks[1] == 2 * (4 * (2 + 2) + 2048 // 16)  # windows (2 blocks + 2) and a chunk
+    assert hybrid.num_blocks > 1.4 * one_pool.num_blocks
+
+    def kv_bytes(runner) -> int:
+        return sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
+
+    assert kv_bytes(hybrid) <= 0.01 * 2**30 and kv_bytes(hybrid) >= 0.99 * kv_bytes(one_pool)

@@ -30,11 +30,14 @@ def test_packed_linear_is_f_linear_bitwise(bias, num_rows):
             assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
 
 
-def _steps(tokens: list[list[int]]) -> list[SchedulerOutput]:
-    """A prefill of each prompt, then one decode step of all of them."""
+def _steps(tokens: list[list[int]], num_groups: int) -> list[SchedulerOutput]:
+    """A prefill of each prompt, then one decode step of all of them (the same blocks in
+    each KV group: a hybrid model's windowed layers have their own)."""
     tables = [[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(len(tokens))]
-    prefill = [ScheduledRequest(str(i), ids, 0, tables[i], True) for i, ids in enumerate(tokens)]
-    decode = [ScheduledRequest(str(i), [ids[-1]], len(ids), tables[i], True) for i, ids in enumerate(tokens)]
+    more = [(table,) * (num_groups - 1) for table in tables]
+    prefill = [ScheduledRequest(str(i), ids, 0, tables[i], True, group_tables=more[i]) for i, ids in enumerate(tokens)]
+    decode = [ScheduledRequest(str(i), [ids[-1]], len(ids), tables[i], True, group_tables=more[i])
+              for i, ids in enumerate(tokens)]
     return [SchedulerOutput(prefill), SchedulerOutput(decode)]
 
 
@@ -47,7 +50,7 @@ def test_engine_packs_every_linear_and_keeps_the_plain_models_logits(tiny_model_
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
     assert sum(type(m) is PackedLinear for m in runner.model.modules()) == 4 * runner.model_config.num_hidden_layers + 1
     torch.manual_seed(2)
-    steps = _steps([torch.randint(3, 49152, (n,)).tolist() for n in (5, 23, 40)])
+    steps = _steps([torch.randint(3, 49152, (n,)).tolist() for n in (5, 23, 40)], len(runner.kv_layout))
     packed = [runner.execute(step).logits for step in steps]
     runner.model = runner._load_model(Path(tiny_model_dir), use_kernels=False)  # the same weights, unpacked
     assert any(type(m) is nn.Linear for m in runner.model.modules())

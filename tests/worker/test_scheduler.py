@@ -164,13 +164,13 @@ def test_lru_eviction_of_cached_blocks():
     a.num_computed_tokens = 8
     bm.cache_computed_blocks(a)
     bm.free_request("a")
-    assert bm.num_free_blocks == 4 and len(bm.cached) == 2
+    assert bm.num_free_blocks == 4 and len(bm.pools[0].cached) == 2
     # Two uncached blocks are handed out before the cached ones; then the cached tail goes first.
     b = make_request("b", range(100, 112))
     assert bm.allocate_slots(b, 12)
-    assert len(bm.cached) == 1  # the tail block of a was evicted, its head survives
+    assert len(bm.pools[0].cached) == 1  # the tail block of a was evicted, its head survives
     c = make_request("c", list(range(4)) + [99, 98])
-    assert len(bm.get_computed_blocks(c)) == 1
+    assert [len(hits) for hits in bm.get_computed_blocks(c)] == [1]
 
 
 def test_allocation_failure_changes_nothing():
@@ -194,7 +194,7 @@ def test_fork_shares_prompt_blocks_by_reference():
     bm = sched.block_manager
     shared = bm.block_table("p#0")[:2]
     assert bm.block_table("p#1")[:2] == shared and bm.block_table("p#2")[:2] == shared
-    assert all(bm.ref_cnt[b] == 3 for b in shared)
+    assert all(bm.pools[0].ref_cnt[b] == 3 for b in shared)
 
 
 def make_lora_request(rid, prompt, lora_id, arrival=0.0, max_tokens=8):
@@ -249,8 +249,8 @@ def test_guesses_are_dropped_before_anyone_is_preempted():
 
 
 def make_window_scheduler(window, num_blocks=16, budget=64):
-    bm = BlockManager(num_blocks, BS, True)
-    return Scheduler(SchedulerConfig(8, budget, 256, "fcfs", frozenset({2}), window=window), bm)
+    bm = BlockManager(num_blocks, BS, True, windows=[window])
+    return Scheduler(SchedulerConfig(8, budget, 256, "fcfs", frozenset({2})), bm)
 
 
 def test_a_window_model_gives_back_blocks_no_query_will_read():
@@ -261,7 +261,7 @@ def test_a_window_model_gives_back_blocks_no_query_will_read():
     sched.add_request(make_request("a", range(10, 30), max_tokens=12))  # 20 prompt tokens
     out, _ = step(sched)  # the first 8 prompt tokens
     bm = sched.block_manager
-    assert out.scheduled[0].token_ids == list(range(10, 18)) and bm.num_released.get("a", 0) == 0  # 8 - 6 < 4
+    assert out.scheduled[0].token_ids == list(range(10, 18)) and bm.num_released["a"] == [0]  # 8 - 6 < 4
     out, _ = step(sched)  # tokens 8..15: 16 computed; blocks before 16 - 6 = 10: blocks 0 and 1
     assert bm.block_table("a")[:2] == [-1, -1] and bm.num_free_blocks == 16 - 2
     out, _ = step(sched)  # the last 4 prompt tokens, attending back to position 10
@@ -270,7 +270,7 @@ def test_a_window_model_gives_back_blocks_no_query_will_read():
         out, _ = step(sched)
         held = [b for b in bm.block_table("a") if b != -1]
         assert len(held) <= 3  # the window (6) and the next token span at most 3 blocks of 4
-    assert bm.num_free_blocks == 16 and all(c == 0 for c in bm.ref_cnt)
+    assert bm.num_free_blocks == 16 and all(c == 0 for c in bm.pools[0].ref_cnt)
 
 
 def test_released_blocks_stay_in_the_prefix_cache_and_forks_skip_them():
@@ -285,10 +285,12 @@ def test_released_blocks_stay_in_the_prefix_cache_and_forks_skip_them():
     assert bm.block_table("p#1")[:4] == [-1] * 4
     while sched.has_unfinished_requests():
         step(sched)
-    assert all(c == 0 for c in bm.ref_cnt)
-    # the released prompt blocks were cached when computed: a new request finds them
+    assert all(c == 0 for c in bm.pools[0].ref_cnt)
+    # the released prompt blocks were cached when computed: a new request finds the prefix,
+    # taking only the blocks its next query's window reads (positions 12.. of 16)
     again = make_request("b", prompt, max_tokens=1)
-    assert len(bm.get_computed_blocks(again)) == 4
+    [hits] = bm.get_computed_blocks(again)
+    assert len(hits) == 4 and hits[:3] == [-1] * 3 and hits[3] != -1
 
 
 def test_without_a_window_nothing_is_given_back():
@@ -297,3 +299,87 @@ def test_without_a_window_nothing_is_given_back():
     while sched.has_unfinished_requests():
         out, _ = step(sched)
         assert -1 not in sched.block_manager.block_table("a")
+
+
+def make_hybrid_scheduler(window=6, full_blocks=16, window_blocks=16, budget=64):
+    """Full layers in group 0, layers with a window of `window` in group 1 (Gemma 2, gpt-oss)."""
+    bm = BlockManager([full_blocks, window_blocks], BS, True, windows=[None, window])
+    return Scheduler(SchedulerConfig(8, budget, 256, "fcfs", frozenset({2})), bm)
+
+
+def test_hybrid_groups_keep_the_full_layers_blocks_and_give_back_the_windowed_ones():
+    sched = make_hybrid_scheduler(budget=8)
+    sched.add_request(make_request("a", range(10, 30), max_tokens=12))  # 20 prompt tokens
+    bm = sched.block_manager
+    step(sched)
+    out, _ = step(sched)  # 16 computed: the windowed group's blocks before 16 - 6 = 10 go back
+    full, windowed = (list(table) for table in bm.block_tables("a"))
+    assert -1 not in full and len(full) == 4 and windowed[:2] == [-1, -1]
+    assert (bm.num_free_blocks, len(bm.pools[1].free)) == (16 - 4, 16 - 2)
+    out, _ = step(sched)
+    [s] = out.scheduled  # released entries read block 0
+    assert s.block_table[:4] == full and s.group_tables[0][:4] == [0, 0, *windowed[2:]]
+    assert s.tables() == [s.block_table, s.group_tables[0]]
+    while sched.has_unfinished_requests():
+        step(sched)
+        full, windowed = bm.block_tables("a") if "a" in bm.req_blocks else (full, windowed)
+        assert -1 not in full and len([b for b in windowed if b != -1]) <= 3
+    assert bm.num_free_blocks == 16 and len(bm.pools[1].free) == 16
+    assert all(c == 0 for pool in bm.pools for c in pool.ref_cnt)
+
+
+def test_a_hybrid_allocation_that_one_pool_cannot_hold_changes_neither():
+    bm = BlockManager([16, 2], BS, True, windows=[None, 6])
+    r = make_request("r", range(20))
+    assert not bm.allocate_slots(r, 20)  # 5 blocks: the full pool has room, the windowed one not
+    assert (bm.num_free_blocks, len(bm.pools[1].free)) == (16, 2) and bm.usage == 0.0
+    assert bm.allocate_slots(r, 8) and bm.usage == 1.0  # the fuller pool's share
+
+
+def test_hybrid_prefix_hits_take_the_windowed_blocks_the_next_query_reads():
+    sched = make_hybrid_scheduler(window=4)
+    prompt = list(range(10, 30))
+    sched.add_request(make_request("a", prompt, max_tokens=1))
+    while sched.has_unfinished_requests():
+        step(sched)
+    bm = sched.block_manager
+    # the first 12 tokens match: 3 blocks, and the query at 12 reads the window's block 2 only
+    hits = bm.get_computed_blocks(make_request("b", prompt[:12] + [99] * 8, max_tokens=1))
+    assert [len(h) for h in hits] == [3, 3] and hits[1][:2] == [-1, -1] and hits[1][2] != -1
+    sched.add_request(make_request("c", prompt[:12] + [99] * 8, max_tokens=1, arrival=1.0))
+    out, _ = step(sched)
+    [c] = out.scheduled
+    assert c.start_pos == 12 and c.block_table[:3] == hits[0] and c.group_tables[0][:3] == [0, 0, hits[1][2]]
+    while sched.has_unfinished_requests():
+        step(sched)
+    # without the window's blocks in the windowed pool, the full layers' hits alone are no hit
+    bm.pools[1].reset_prefix_cache()
+    assert bm.get_computed_blocks(make_request("d", prompt, max_tokens=1)) == [[], []]
+
+
+def test_hybrid_forks_share_both_groups():
+    sched = make_hybrid_scheduler(window=4)
+    prompt = list(range(10, 30))
+    sched.add_request(make_request("p#0", prompt, max_tokens=3), forks=[make_request("p#1", prompt, max_tokens=3)])
+    step(sched)
+    out, _ = step(sched)  # the child joins at 16: its window (13..16) starts in block 3
+    bm = sched.block_manager
+    [child] = [s for s in out.scheduled if s.request_id == "p#1"]
+    assert child.start_pos == 16 and child.block_table[:4] == bm.block_table("p#0")[:4]
+    assert child.group_tables[0][:3] == [0] * 3 and child.group_tables[0][3] > 0
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert all(c == 0 for pool in bm.pools for c in pool.ref_cnt)
+
+
+def test_kv_group_layout():
+    from worker.config import EngineConfig, kv_group_layout
+
+    mixed, config = (None, 24, None, 24), EngineConfig()
+    assert kv_group_layout(mixed, 4, config) == [(None, (0, 2)), (24, (1, 3))]
+    assert kv_group_layout((8, 24), 2, config) == [(24, (0, 1))]  # every layer: the largest window
+    assert kv_group_layout((), 3, config) == [(None, (0, 1, 2))]
+    assert kv_group_layout(mixed, 4, EngineConfig(disable_hybrid_kv_cache_manager=True)) == [(None, (0, 1, 2, 3))]
+    draft = EngineConfig(speculative_config={"model": "draft", "num_speculative_tokens": 2})
+    assert kv_group_layout((24, 24), 2, draft) == [(None, (0, 1))]  # the draft's cache holds what the target does
+    assert kv_group_layout(mixed, 4, draft) == [(None, (0, 2)), (24, (1, 3))]  # the full layers do
