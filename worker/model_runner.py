@@ -146,10 +146,12 @@ class ModelRunner:
         return {window: self.layer_group[i] for i, window in enumerate(windows)}
 
     def _num_kv_blocks(self, max_model_len: int) -> list[int]:
-        """Blocks per KV group. The memory would hold `budget` blocks of every layer; with
+        """Blocks per KV group. The memory would hold `budget` blocks of every layer. With
         two groups, the windowed layers' pool takes what its running requests can hold (their
-        windows and one step's chunk) twice over, the second for the prefix cache, and the
-        full layers' pool the rest. num_gpu_blocks_override sizes the full layers' pool."""
+        windows and one step's chunk), and a share for the prefix cache; the full layers'
+        pool takes the rest. Never fewer blocks than one pool would have in either group: where
+        the running requests' windows need the whole budget, both pools get it (the split
+        gains nothing there). num_gpu_blocks_override sizes the full layers' pool."""
         bs, seqs, chunk = self.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens
         if self.config.num_gpu_blocks_override is not None:
             budget = self.config.num_gpu_blocks_override
@@ -162,7 +164,9 @@ class ModelRunner:
         if len(self.kv_layout) == 2:
             (_, full), (window, windowed) = self.kv_layout
             assert window is not None
-            held = min(budget, 2 * (seqs * (-(-window // bs) + 2) + -(-chunk // bs)))
+            running = seqs * (-(-window // bs) + 2) + -(-chunk // bs)  # the most running requests hold
+            # and as much again for the prefix cache, or half of what the memory holds past that
+            held = budget if running >= budget else running + min(running, (budget - running) // 2)
             num_layers = self.model_config.num_hidden_layers
             sizes = [budget if self.config.num_gpu_blocks_override is not None
                      else (budget * num_layers - held * len(windowed)) // len(full), held]

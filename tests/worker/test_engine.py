@@ -354,7 +354,8 @@ def test_a_hybrid_model_keeps_whole_sequences_only_in_its_full_layers(tiny_windo
 @pytest.mark.parametrize("tiny_window_dir", ["qwen2_window"], indirect=True)
 def test_a_hybrid_models_full_layers_get_the_memory_its_windowed_layers_need_not(tiny_window_dir):
     """The same KV memory holds longer sequences: the windowed layer's pool takes what its
-    requests' windows need, and the full layer's pool the rest of the memory."""
+    running requests' windows need and as much again for the prefix cache, and the full
+    layer's pool the rest of the memory."""
     common = {"dtype": "float32", "kv_cache_memory_gb": 0.01, "max_num_seqs": 4}
     one_pool = LLM(str(tiny_window_dir), disable_hybrid_kv_cache_manager=True, **common).engine.runner
     hybrid = LLM(str(tiny_window_dir), **common).engine.runner
@@ -366,3 +367,6 @@ def test_a_hybrid_models_full_layers_get_the_memory_its_windowed_layers_need_not
         return sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
 
     assert kv_bytes(hybrid) <= 0.01 * 2**30 and kv_bytes(hybrid) >= 0.99 * kv_bytes(one_pool)
+    # 512 running requests' windows would take more than the memory: no split, no loss
+    crowded = LLM(str(tiny_window_dir), **{**common, "max_num_seqs": 512}).engine.runner
+    assert crowded.group_blocks == [one_pool.num_blocks] * 2
