@@ -8,7 +8,9 @@ The runner orders each step's flat batch as decodes first (one new token each, s
 context length), then prefill chunks. Decodes are attended in buckets of similar context
 length (padding stays small); each prefill chunk attends to its cached prefix plus its own
 tokens causally; a layer with a sliding window sees only the last `window` positions, by
-its own mask. Grouped-query attention is handled without repeating K/V: the query heads
+its own mask, and where every layer a step's metadata serves is windowed (a hybrid model's
+windowed group, or a model windowed throughout) only the blocks the widest window reads are
+gathered. Grouped-query attention is handled without repeating K/V: the query heads
 that share a KV head are laid out as extra query rows of that KV head.
 """
 
@@ -193,15 +195,19 @@ class TorchAttention:
     def _decode_bucket(self, bucket: list[ScheduledRequest], tables: list[list[int]], row: int, q_len: int,
                        windows: frozenset[int | None]) -> DecodeBucket:
         bs, n = self.block_size, len(bucket)
-        start = torch.tensor([s.start_pos for s in bucket], device=self.device)  # [n]
-        num_blocks = -(-(int(start.max()) + q_len) // bs)
-        rows = self._block_rows([table[:num_blocks] for table in tables], num_blocks)
-        span = torch.arange(num_blocks * bs, device=self.device)
+        starts = [s.start_pos for s in bucket]
+        firsts = [self._first_block(p, windows) for p in starts]
+        num_blocks = max(-(-(p + q_len) // bs) - first for p, first in zip(starts, firsts, strict=True))
+        rows = self._block_rows([table[first : first + num_blocks] for table, first in zip(tables, firsts, strict=True)],
+                                num_blocks)
+        # the positions each sequence's gathered blocks hold: [n, span]
+        span = (torch.tensor(firsts, device=self.device)[:, None] * bs
+                + torch.arange(num_blocks * bs, device=self.device)[None, :])
         # query j of sequence i sits at start_i + j and sees positions up to it: [n, q_len, span]
-        last = start[:, None] + torch.arange(q_len, device=self.device)[None, :]
+        last = torch.tensor(starts, device=self.device)[:, None] + torch.arange(q_len, device=self.device)[None, :]
 
         def mask(window: int | None) -> torch.Tensor:
-            allowed = self._allowed(span[None, None, :], last[:, :, None], window)
+            allowed = self._allowed(span[:, None, :], last[:, :, None], window)
             if q_len > 1:  # rows ordered (group member, query) within a KV head
                 allowed = allowed.unsqueeze(1).expand(n, self.group, q_len, -1).reshape(n, self.group * q_len, -1)
             return self._additive(allowed).view(n, 1, allowed.shape[1], -1)
@@ -214,18 +220,26 @@ class TorchAttention:
                        windows: frozenset[int | None]) -> PrefillChunk:
         q_len = len(s.token_ids)
         ctx_len = s.start_pos + q_len
+        first = self._first_block(s.start_pos, windows)
         context_rows = None
         if s.start_pos > 0:
-            num_blocks = -(-ctx_len // self.block_size)
-            context_rows = self._block_rows([table[:num_blocks]], num_blocks).view(-1)
+            num_blocks = -(-ctx_len // self.block_size) - first
+            context_rows = self._block_rows([table[first : first + num_blocks]], num_blocks).view(-1)
         q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
-        k_pos = torch.arange(ctx_len, device=self.device)
+        k_pos = torch.arange(first * self.block_size, ctx_len, device=self.device)
 
         def mask(window: int | None) -> torch.Tensor:  # built once per step for all layers
             allowed = self._allowed(k_pos[None, :], q_pos[:, None], window)  # [q_len, ctx_len]
             return self._additive(allowed).repeat(self.group, 1)  # [group * q_len, ctx_len]
 
         return PrefillChunk(row, row + q_len, context_rows, {w: mask(w) for w in windows})
+
+    def _first_block(self, position: int, windows: frozenset[int | None]) -> int:
+        """The first block a query at `position` (or later) reads in any of these layers:
+        where every one has a window, the blocks before the widest are not gathered."""
+        if None in windows:
+            return 0
+        return max(position - max(w for w in windows if w is not None) + 1, 0) // self.block_size
 
     @staticmethod
     def _allowed(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
