@@ -93,7 +93,7 @@ def tiny_hf_config(family: str):
     if family == "qwen2_window":  # layer 0 sees everything, layer 1 its last 24 positions
         return Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, use_sliding_window=True, sliding_window=24,
                            max_window_layers=1, **TINY_COMMON)
-    if family in ("gemma", "gemma2", "gemma3"):
+    if family in ("gemma", "gemma2", "gemma3", "gemma3_layers"):
         return tiny_gemma_config(family)
     return tiny_other_config(family)
 
@@ -107,12 +107,16 @@ def tiny_gemma_config(family: str):
         return Gemma2Config(vocab_size=VOCAB, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
                             attn_logit_softcapping=10.0, final_logit_softcapping=30.0,
                             hidden_activation="gelu_pytorch_tanh", **TINY_COMMON)
-    # Gemma 3: windowed layers with a RoPE base of their own, the full one scaled (as 4B+)
+    # Gemma 3: windowed layers with a RoPE base of their own, the full one scaled (as 4B+);
+    # gemma3_layers: three windowed layers to a full one, as its KV groups are laid out
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+    kinds = ["sliding_attention", "full_attention"]
+    if family == "gemma3_layers":
+        kinds = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
     return Gemma3TextConfig(vocab_size=VOCAB, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
-                            layer_types=["sliding_attention", "full_attention"], rope_parameters=rope,
-                            architectures=["Gemma3ForCausalLM"], **TINY_COMMON)
+                            layer_types=kinds, rope_parameters=rope, architectures=["Gemma3ForCausalLM"],
+                            **{**TINY_COMMON, "num_hidden_layers": len(kinds)})
 
 
 def tiny_other_config(family: str):
@@ -330,6 +334,12 @@ def tiny_image_text_dir(request, tmp_path_factory, default_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_longrope_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("phi3_longrope", tmp_path_factory.mktemp("phi3_longrope"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_layers_dir(tmp_path_factory, default_model_dir) -> Path:
+    """Gemma 3 with three windowed layers to a full one."""
+    return build_tiny_model("gemma3_layers", tmp_path_factory.mktemp("gemma3_layers"), default_model_dir)
 
 
 @pytest.fixture(scope="session")

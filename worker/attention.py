@@ -39,7 +39,7 @@ class AttentionBackend(Protocol):
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]: ...
 
     def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
-              windows: frozenset[int | None]) -> Any: ...
+              windows: frozenset[int | None], like: Any = None) -> Any: ...
 
 
 FP8 = torch.float8_e4m3fn  # kv_cache_dtype="fp8": the cache's values
@@ -111,6 +111,9 @@ class AttentionMetadata:
     decodes: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
+    def for_layer(self, index: int) -> AttentionMetadata:
+        return self  # one group: every layer's
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
@@ -130,16 +133,13 @@ class AttentionMetadata:
 
 @dataclass
 class GroupedMetadata:
-    """A step's metadata where the layers keep their KV in groups of blocks (full and
-    windowed layers, each group with its own block tables): each layer's window names its
-    group's."""
+    """A step's metadata where the layers keep their KV in groups (full and windowed layers,
+    each group with its own block tables): each layer's group's."""
 
-    by_window: dict[int | None, Any]
+    layers: list[Any]  # per layer
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                scale: float, window: int | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        return self.by_window[window].forward(q, k, v, kv_cache, scale, window, softcap, sinks)
+    def for_layer(self, index: int) -> Any:
+        return self.layers[index]
 
 
 class TorchAttention:
@@ -158,10 +158,13 @@ class TorchAttention:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
-              windows: frozenset[int | None] = frozenset({None})) -> AttentionMetadata:
+              windows: frozenset[int | None] = frozenset({None}),
+              like: AttentionMetadata | None = None) -> AttentionMetadata:
         """Metadata for a batch ordered decodes first (shortest context first), then decodes
         with guesses (grouped by length), then prefills; `tables`: each request's block table
-        (of the KV group built for), `windows`: its layers' windows, a mask for each."""
+        (of the KV group built for), `windows`: its layers' windows, a mask for each. `like`:
+        another group's metadata of this step with the same windows, whose masks and gather
+        buffers this one shares (its layers run one at a time)."""
         meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
         row, i = 0, 0
         while i < len(batch) and (len(batch[i].token_ids) == 1 or batch[i].num_drafts):
@@ -171,10 +174,12 @@ class TorchAttention:
                    and len(batch[i + len(bucket)].token_ids) == q_len
                    and (q_len == 1 or batch[i + len(bucket)].num_drafts)):
                 bucket.append(batch[i + len(bucket)])
-            meta.decodes.append(self._decode_bucket(bucket, tables[i : i + len(bucket)], row, q_len, windows))
+            same = like.decodes[len(meta.decodes)] if like is not None else None
+            meta.decodes.append(self._decode_bucket(bucket, tables[i : i + len(bucket)], row, q_len, windows, same))
             row, i = row + q_len * len(bucket), i + len(bucket)
         for s, table in zip(batch[i:], tables[i:], strict=True):
-            meta.prefills.append(self._prefill_chunk(s, table, row, windows))
+            meta.prefills.append(self._prefill_chunk(s, table, row, windows,
+                                                     like.prefills[len(meta.prefills)] if like is not None else None))
             row += len(s.token_ids)
         return meta
 
@@ -193,7 +198,7 @@ class TorchAttention:
         return table[:, None, :] * heads + head[None, :, None]
 
     def _decode_bucket(self, bucket: list[ScheduledRequest], tables: list[list[int]], row: int, q_len: int,
-                       windows: frozenset[int | None]) -> DecodeBucket:
+                       windows: frozenset[int | None], like: DecodeBucket | None = None) -> DecodeBucket:
         bs, n = self.block_size, len(bucket)
         starts = [s.start_pos for s in bucket]
         firsts = [self._first_block(p, windows) for p in starts]
@@ -212,12 +217,14 @@ class TorchAttention:
                 allowed = allowed.unsqueeze(1).expand(n, self.group, q_len, -1).reshape(n, self.group * q_len, -1)
             return self._additive(allowed).view(n, 1, allowed.shape[1], -1)
 
+        if like is not None:
+            return DecodeBucket(row, row + q_len * n, rows.view(-1), like.masks, like.k_buffer, like.v_buffer, q_len)
         buffers = torch.empty(2, rows.numel(), bs * self.head_dim, dtype=self.dtype, device=self.device)
         return DecodeBucket(row, row + q_len * n, rows.view(-1), {w: mask(w) for w in windows},
                             buffers[0], buffers[1], q_len)
 
     def _prefill_chunk(self, s: ScheduledRequest, table: list[int], row: int,
-                       windows: frozenset[int | None]) -> PrefillChunk:
+                       windows: frozenset[int | None], like: PrefillChunk | None = None) -> PrefillChunk:
         q_len = len(s.token_ids)
         ctx_len = s.start_pos + q_len
         first = self._first_block(s.start_pos, windows)
@@ -232,7 +239,7 @@ class TorchAttention:
             allowed = self._allowed(k_pos[None, :], q_pos[:, None], window)  # [q_len, ctx_len]
             return self._additive(allowed).repeat(self.group, 1)  # [group * q_len, ctx_len]
 
-        return PrefillChunk(row, row + q_len, context_rows, {w: mask(w) for w in windows})
+        return PrefillChunk(row, row + q_len, context_rows, like.masks if like is not None else {w: mask(w) for w in windows})
 
     def _first_block(self, position: int, windows: frozenset[int | None]) -> int:
         """The first block a query at `position` (or later) reads in any of these layers:

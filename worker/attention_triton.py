@@ -21,6 +21,9 @@ class TritonMetadata:
     max_query_len: int  # host-side bounds, so the launcher never waits on the device
     max_seq_len: int
 
+    def for_layer(self, index: int) -> TritonMetadata:
+        return self  # one group: every layer's
+
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
@@ -53,9 +56,9 @@ class TritonAttention:
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
-              windows: frozenset[int | None] = frozenset({None})) -> TritonMetadata:
+              windows: frozenset[int | None] = frozenset({None}), like: TritonMetadata | None = None) -> TritonMetadata:
         """`tables`: each request's block table, of the KV group built for (the kernel takes
-        each layer's window as it runs)."""
+        each layer's window as it runs, so `windows` and `like` change nothing here)."""
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_pos + n for s, n in zip(batch, query_lens, strict=True)]
         starts = [0]

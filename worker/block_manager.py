@@ -1,4 +1,4 @@
-"""Paged KV-cache bookkeeping: pools of fixed-size blocks with reference counts and a prefix
+"""Paged KV-cache bookkeeping: a pool of fixed-size blocks with reference counts and a prefix
 cache keyed by chained hashes of full blocks. Plain Python: no torch, no Redis.
 
 A block holds `block_size` consecutive tokens of one sequence. A full block whose KV has been
@@ -6,13 +6,15 @@ computed is registered under the hash of (hash of the previous block, its token 
 later request whose tokens start the same way reuses it instead of recomputing. Freed blocks
 keep their hash and stay reusable until they are evicted, least recently used first.
 
-The model's layers keep their KV in one or more groups, each with a pool of its own and a
-block table per request (vLLM's hybrid KV cache manager). A group whose layers attend to a
-sliding window never reads a block again once it lies wholly before every future query's
-window: such blocks are given back while the request runs, leaving RELEASED in its table
-(the runner reads any block there: attention masks those positions). A model whose every
-layer is windowed has one such group; one that mixes full and windowed layers (Gemma 2 and
-3, gpt-oss) has two, so only its full layers keep a request's whole history.
+The model's layers keep their KV in one or more groups of equally many layers (vLLM's hybrid
+KV cache manager): a request has a block table per group, and every group takes its blocks
+from the one pool (a block id names the same memory in each group's layers). A group whose
+layers attend to a sliding window never reads a block again once it lies wholly before every
+future query's window: such blocks go back to the pool while the request runs, for any group
+to take, leaving RELEASED in the table (the runner reads any block there: attention masks
+those positions). A model whose every layer is windowed has one such group; one that mixes
+full and windowed layers (Gemma 2 and 3, gpt-oss) has both kinds, so only its full layers
+keep a request's whole history.
 """
 
 from __future__ import annotations
@@ -33,18 +35,18 @@ class PrefixCacheStats:
 
 
 class BlockPool:
-    """One group's blocks: reference counts, the prefix cache's hashes, and the free list in
-    eviction order."""
+    """The blocks: reference counts, the prefix cache's keys (a block's content is its group's
+    layers' KV for a run of tokens), and the free list in eviction order."""
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[tuple[int, int] | None] = [None] * num_blocks  # (group, hash) once cached
         # Blocks with ref_cnt 0, in eviction order: the front is evicted first.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block id
 
     def take(self) -> int:
         block_id, _ = self.free.popitem(last=False)
@@ -71,7 +73,7 @@ class BlockPool:
             if self.block_hash[block_id] is None:
                 self.free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
 
-    def register(self, block_id: int, block_hash: int) -> None:
+    def register(self, block_id: int, block_hash: tuple[int, int]) -> None:
         if block_id == RELEASED or self.block_hash[block_id] is not None or block_hash in self.cached:
             return  # released, registered already, or the same content is cached in another block
         self.block_hash[block_id] = block_hash
@@ -89,17 +91,13 @@ class BlockPool:
 
 
 class BlockManager:
-    """`num_blocks` and `windows`: each group's pool size and sliding window (None: the group
-    keeps every block). Group 0 is the one the engine's load figures count: the full layers'
-    where there are any."""
+    """`windows`: each group's sliding window (None: the group keeps every block). Group 0
+    keeps every block where any group does."""
 
-    def __init__(self, num_blocks: int | Sequence[int], block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] | None = None):
-        sizes = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
-        self.windows = list(windows) if windows is not None else [None] * len(sizes)
-        if len(self.windows) != len(sizes):
-            raise ValueError(f"{len(sizes)} pools but {len(self.windows)} windows")
-        self.pools = [BlockPool(n) for n in sizes]
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 windows: Sequence[int | None] = (None,)):
+        self.pool = BlockPool(num_blocks)
+        self.windows = list(windows)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[list[int]]] = {}  # request id -> a block table per group
@@ -108,25 +106,30 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.pools[0].num_blocks
+        return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.pools[0].free)
+        return len(self.pool.free)
 
     @property
     def usage(self) -> float:
-        return max(1.0 - len(pool.free) / pool.num_blocks for pool in self.pools)
+        return 1.0 - len(self.pool.free) / self.pool.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
         """Group 0's table."""
         return self.block_tables(request_id)[0]
 
     def block_tables(self, request_id: str) -> list[list[int]]:
-        return self.req_blocks.get(request_id) or [[] for _ in self.pools]
+        return self.req_blocks.get(request_id) or [[] for _ in self.windows]
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks, over every group, that a request of `num_tokens` holds once computed."""
+        return sum(self._table_len(num_tokens) - self.first_read_block(g, num_tokens) for g in range(len(self.windows)))
+
+    def num_held(self, request_id: str) -> int:
+        return sum(len(table) for table in self.req_blocks.get(request_id, [])) - sum(
+            self.num_released.get(request_id, []))
 
     def first_read_block(self, group: int, num_computed: int) -> int:
         """The first block of `group` that the query at `num_computed` may read."""
@@ -140,12 +143,12 @@ class BlockManager:
 
         At least one token is always left to compute, so the step still produces logits.
         """
-        none: list[list[int]] = [[] for _ in self.pools]
+        none: list[list[int]] = [[] for _ in self.windows]
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return none  # prompt logprobs need every prompt position computed
         self._hash_full_blocks(request)
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
-        found = [[pool.cached.get(h) for h in hashes] for pool in self.pools]
+        found = [[self.pool.cached.get((group, h)) for h in hashes] for group in range(len(self.windows))]
         num_hit = len(hashes)
         for group, blocks in enumerate(found):
             if self.windows[group] is None:  # the whole prefix
@@ -153,7 +156,7 @@ class BlockManager:
         runs = [_runs(blocks) for blocks in found]  # cached blocks in a row, ending at each
         while num_hit > 0 and not all(
             runs[group][num_hit - 1] >= num_hit - self.first_read_block(group, num_hit * self.block_size)
-            for group in range(len(self.pools)) if self.windows[group] is not None
+            for group in range(len(self.windows)) if self.windows[group] is not None
         ):
             num_hit -= 1
         self.stats.queries += request.num_tokens
@@ -168,22 +171,22 @@ class BlockManager:
         self, request: Request, num_new_tokens: int, computed_blocks: list[list[int]] | None = None
     ) -> bool:
         """Give the request room for `num_new_tokens` more tokens in every group; False (and
-        no change) if a pool cannot. `computed_blocks` are prefix-cache hits (per group, from
-        `get_computed_blocks`) taken over by a new request."""
-        hits = computed_blocks or [[] for _ in self.pools]
-        tables = self.req_blocks.setdefault(request.request_id, [[] for _ in self.pools])
+        no change) if the pool cannot. `computed_blocks` are prefix-cache hits (per group,
+        from `get_computed_blocks`) taken over by a new request."""
+        hits = computed_blocks or [[] for _ in self.windows]
+        tables = self.req_blocks.setdefault(request.request_id, [[] for _ in self.windows])
         num_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
-        new = [self.blocks_needed(num_tokens) - len(table) - len(hit) for table, hit in zip(tables, hits, strict=True)]
-        if any(n > len(pool.free) - pool.reclaimed(hit) for pool, n, hit in zip(self.pools, new, hits, strict=True)):
+        new = [max(self._table_len(num_tokens) - len(table) - len(hit), 0) for table, hit in zip(tables, hits, strict=True)]
+        if sum(new) > len(self.pool.free) - sum(self.pool.reclaimed(hit) for hit in hits):
             return False
-        for group, (pool, table, hit, n) in enumerate(zip(self.pools, tables, hits, new, strict=True)):
+        for group, (table, hit, n) in enumerate(zip(tables, hits, new, strict=True)):
             for block_id in hit:
-                pool.ref(block_id)
+                self.pool.ref(block_id)
             table.extend(hit)
-            table.extend(pool.take() for _ in range(max(n, 0)))
+            table.extend(self.pool.take() for _ in range(n))
             released = hit.count(RELEASED)
             if released:
-                self.num_released.setdefault(request.request_id, [0] * len(self.pools))[group] = released
+                self.num_released.setdefault(request.request_id, [0] * len(self.windows))[group] = released
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -196,19 +199,19 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         self._hash_full_blocks(request)
-        for pool, table in zip(self.pools, self.block_tables(request.request_id), strict=True):
+        for group, table in enumerate(self.block_tables(request.request_id)):
             num_full = min(request.num_computed_tokens // self.block_size, len(table))
             for i in range(num_full):
-                pool.register(table[i], request.block_hashes[i])
+                self.pool.register(table[i], (group, request.block_hashes[i]))
 
     def free_request(self, request_id: str) -> None:
         """Release a request's blocks. Tail blocks are queued for eviction before head blocks,
         since heads (system prompts, shared prefixes) are the likeliest to be reused."""
         tables = self.req_blocks.pop(request_id, [])
         self.num_released.pop(request_id, None)
-        for pool, table in zip(self.pools, tables, strict=True):
+        for table in tables:
             for block_id in reversed(table):
-                pool.unref(block_id)
+                self.pool.unref(block_id)
 
     def release_out_of_window(self, request_id: str, num_computed: int) -> int:
         """Give back the blocks of windowed groups that the query at `num_computed` and every
@@ -216,14 +219,14 @@ class BlockManager:
         tables = self.req_blocks.get(request_id)
         if tables is None:
             return 0
-        released = self.num_released.setdefault(request_id, [0] * len(self.pools))
+        released = self.num_released.setdefault(request_id, [0] * len(self.windows))
         count = 0
-        for group, (pool, table) in enumerate(zip(self.pools, tables, strict=True)):
+        for group, table in enumerate(tables):
             if self.windows[group] is None:
                 continue
             end = min(self.first_read_block(group, num_computed), len(table))
             for i in range(released[group], end):
-                pool.unref(table[i])
+                self.pool.unref(table[i])
                 table[i] = RELEASED
                 count += 1
             released[group] = max(released[group], end)
@@ -233,19 +236,21 @@ class BlockManager:
         """Share the parent's first `num_blocks` blocks with a child (n > 1 completions),
         in a windowed group only those the child's first query reads."""
         tables, released = [], []
-        for group, (pool, table) in enumerate(zip(self.pools, self.req_blocks[parent_id], strict=True)):
+        for group, table in enumerate(self.req_blocks[parent_id]):
             first = self.first_read_block(group, num_blocks * self.block_size)
             shared = [RELEASED] * first + table[first:num_blocks]
             for block_id in shared:
-                pool.ref(block_id)
+                self.pool.ref(block_id)
             tables.append(shared)
             released.append(first)
         self.req_blocks[child_id] = tables
         self.num_released[child_id] = released
 
     def reset_prefix_cache(self) -> None:
-        for pool in self.pools:
-            pool.reset_prefix_cache()
+        self.pool.reset_prefix_cache()
+
+    def _table_len(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
     def _hash_full_blocks(self, request: Request) -> None:
         bs = self.block_size

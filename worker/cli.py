@@ -57,8 +57,8 @@ def build(parser: argparse.ArgumentParser) -> Any:
     )
     parser.add_argument(
         "--disable-hybrid-kv-cache-manager", action="store_true",
-        help="a model mixing full and sliding-window layers keeps every layer's KV blocks in one pool "
-        "(default: the windowed layers' in a pool of their own, only their windows)",
+        help="a model mixing full and sliding-window layers keeps every layer's KV blocks "
+        "(default: its windowed layers keep only the blocks their windows read)",
     )
     parser.add_argument(
         "--speculative-config", metavar="JSON",

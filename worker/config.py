@@ -50,9 +50,8 @@ class EngineConfig:
     # the KV cache's values: auto (the model dtype) or fp8 (e4m3, vLLM's "fp8"/"fp8_e4m3":
     # twice the tokens in the same memory; values past +-448 are clamped)
     kv_cache_dtype: str = "auto"
-    # a model that mixes full and sliding-window layers keeps the windowed layers' KV in a
-    # pool of its own, only the blocks their windows read (vLLM's hybrid KV cache manager);
-    # True: every layer keeps every block, as in one pool
+    # a model that mixes full and sliding-window layers keeps only the blocks its windowed
+    # layers' windows read (vLLM's hybrid KV cache manager); True: every layer keeps every block
     disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
@@ -98,15 +97,17 @@ class SchedulerConfig:
 
 def kv_group_layout(layer_windows: tuple[int | None, ...], num_layers: int,
                     config: EngineConfig) -> list[tuple[int | None, tuple[int, ...]]]:
-    """How the layers keep their KV: (window, layers) per group of blocks, each with its own
-    pool and block tables. A windowed group gives back the blocks before its next query's
-    window (the largest of its layers'); None keeps them all. Group 0 keeps them all where
-    any layer attends to everything.
+    """How the layers keep their KV: (window, layers) per group, each group with its own
+    block tables over the one pool of blocks. A windowed group gives back the blocks before
+    its next query's window (the largest of its layers'); None keeps them all.
 
     One windowed group when every layer is windowed (Mistral v0.1), unless a draft model
     speculates: its cache holds as many tokens as the target's pool, so the target's pool
-    must keep them all. Two groups when full and windowed layers mix (Gemma 2 and 3,
-    gpt-oss), unless `disable_hybrid_kv_cache_manager`. One that keeps everything otherwise."""
+    must keep them all. Where full and windowed layers mix (Gemma 2 and 3, gpt-oss), groups
+    of equally many layers, as many as the fewer kind has (vLLM's hybrid KV cache manager):
+    a block id is then the same memory in every group, taken by whichever needs it (the last
+    group of a kind may have fewer layers, leaving some of its blocks' memory unused), unless
+    `disable_hybrid_kv_cache_manager`. One group that keeps everything otherwise."""
     windows = layer_windows or (None,) * num_layers
     every = tuple(range(num_layers))
     windowed = tuple(i for i, w in enumerate(windows) if w is not None)
@@ -118,4 +119,7 @@ def kv_group_layout(layer_windows: tuple[int | None, ...], num_layers: int,
         return [(None if draft else largest, every)]
     if config.disable_hybrid_kv_cache_manager:
         return [(None, every)]
-    return [(None, tuple(i for i in every if i not in windowed)), (largest, windowed)]
+    full = tuple(i for i in every if i not in windowed)
+    size = min(len(full), len(windowed))
+    return ([(None, full[i : i + size]) for i in range(0, len(full), size)]
+            + [(largest, windowed[i : i + size]) for i in range(0, len(windowed), size)])

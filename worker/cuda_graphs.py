@@ -48,15 +48,15 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
-        windows: dict[int | None, int] | None = None,  # each layer window's KV group (None: one group)
+        layer_group: list[int] | None = None,  # each layer's KV group (None: one group)
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = device
-        self.windows = windows or {None: 0}
-        num_groups = max(self.windows.values()) + 1
+        self.layer_group = layer_group or [0]
+        num_groups = max(self.layer_group) + 1
         self.sizes = capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
@@ -120,7 +120,7 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_model_len,
         ) for g in range(self.slot_mapping.shape[0])]
-        meta = metas[0] if len(metas) == 1 else GroupedMetadata({w: metas[g] for w, g in self.windows.items()})
+        meta = metas[0] if len(metas) == 1 else GroupedMetadata([metas[g] for g in self.layer_group])
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()

@@ -53,7 +53,7 @@ class Engine:
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))
-        self.block_manager = BlockManager(self.runner.group_blocks, config.block_size, config.enable_prefix_caching,
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           windows=[window for window, _ in self.runner.kv_layout])
         sched_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,

@@ -82,11 +82,15 @@ class ModelRunner:
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.block_size = config.block_size
         self.model_config = ModelConfig.from_hf(hf_config, config.quantization, max_model_len)
-        # the layers' KV groups: (window, layers) each, a pool and block tables of its own;
-        # a windowed group's blocks before its window are given back, and its pool sized for that
+        # the layers' KV groups: (window, layers) each, with block tables of its own over the
+        # one pool; layer j of every group keeps its KV in the same tensor (its slot)
         self.kv_layout = kv_group_layout(self.model_config.layer_windows, self.model_config.num_hidden_layers, config)
-        self.layer_group = [next(g for g, (_, layers) in enumerate(self.kv_layout) if i in layers)
-                            for i in range(self.model_config.num_hidden_layers)]
+        self.layer_group = [0] * self.model_config.num_hidden_layers
+        self.layer_slot = [0] * self.model_config.num_hidden_layers
+        for group, (_, layers) in enumerate(self.kv_layout):
+            for slot, layer in enumerate(layers):
+                self.layer_group[layer], self.layer_slot[layer] = group, slot
+        self.num_slots = max(len(layers) for _, layers in self.kv_layout)
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
         self.model = self._load_model(model_path, use_kernels=backend == "triton")
@@ -99,8 +103,7 @@ class ModelRunner:
             pack_linears(self.model, batch_hint=config.max_num_seqs)
             pack_experts(self.model, batch_hint=config.max_num_seqs)
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
-        self.group_blocks = self._num_kv_blocks(max_model_len)  # per group
-        self.num_blocks = self.group_blocks[0]
+        self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
         self.graphs = self._decode_graphs(backend, max_model_len)
 
@@ -112,7 +115,7 @@ class ModelRunner:
         from worker.cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
-                            self.block_size, self.device, self.kv_windows())
+                            self.block_size, self.device, self.layer_group)
 
     def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
         cfg = self.model_config
@@ -140,19 +143,11 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
-    def kv_windows(self) -> dict[int | None, int]:
-        """Each layer window's KV group."""
-        windows = self.model_config.layer_windows or (None,) * self.model_config.num_hidden_layers
-        return {window: self.layer_group[i] for i, window in enumerate(windows)}
-
-    def _num_kv_blocks(self, max_model_len: int) -> list[int]:
-        """Blocks per KV group. The memory would hold `budget` blocks of every layer. With
-        two groups, the windowed layers' pool takes what its running requests can hold (their
-        windows and one step's chunk), and a share for the prefix cache; the full layers'
-        pool takes the rest. Never fewer blocks than one pool would have in either group: where
-        the running requests' windows need the whole budget, both pools get it (the split
-        gains nothing there). num_gpu_blocks_override sizes the full layers' pool."""
-        bs, seqs, chunk = self.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        """Blocks in the pool, each `num_slots` layers' worth: as many as the memory holds,
+        or num_gpu_blocks_override blocks of every layer's (as one group of every layer
+        would have them)."""
+        bs, chunk = self.block_size, self.config.max_num_batched_tokens
         if self.config.num_gpu_blocks_override is not None:
             budget = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":
@@ -160,44 +155,33 @@ class ModelRunner:
             budget = int((free - total * (1 - self.config.gpu_memory_utilization)) * 0.9) // self._kv_block_bytes()
         else:
             budget = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()
-        sizes = [budget]
-        if len(self.kv_layout) == 2:
-            (_, full), (window, windowed) = self.kv_layout
-            assert window is not None
-            running = seqs * (-(-window // bs) + 2) + -(-chunk // bs)  # the most running requests hold
-            # and as much again for the prefix cache, or half of what the memory holds past that
-            held = budget if running >= budget else running + min(running, (budget - running) // 2)
-            num_layers = self.model_config.num_hidden_layers
-            sizes = [budget if self.config.num_gpu_blocks_override is not None
-                     else (budget * num_layers - held * len(windowed)) // len(full), held]
-        for (window, _), num_blocks in zip(self.kv_layout, sizes, strict=True):
-            needed = -(-max_model_len // bs)
+        num_blocks = budget * self.model_config.num_hidden_layers // self.num_slots
+        needed = 0
+        for window, _ in self.kv_layout:
+            group_needed = -(-max_model_len // bs)
             if window is not None:  # a sequence holds its window and one step's chunk at most
-                needed = min(needed, -(-(window + chunk) // bs) + 1)
-            if num_blocks < needed:
-                kind = "" if len(self.kv_layout) == 1 else f" of the {'windowed' if window else 'full'} layers"
-                raise ValueError(
-                    f"the KV cache{kind} has {num_blocks} blocks of {bs} tokens, fewer than one "
-                    f"sequence of max_model_len={max_model_len} needs ({needed}); "
-                    "lower max_model_len or give the cache more memory"
-                )
-        return sizes
+                group_needed = min(group_needed, -(-(window + chunk) // bs) + 1)
+            needed += group_needed
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache has {num_blocks} blocks of {bs} tokens, fewer than one "
+                f"sequence of max_model_len={max_model_len} needs ({needed}); "
+                "lower max_model_len or give the cache more memory"
+            )
+        return num_blocks
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V pools of its group's size in the attention backend's layout,
-        zeroed: attention reads whole blocks, and a NaN left in an unwritten slot would
-        poison the weighted sum even under a -inf mask."""
-        shapes = [self.attention.cache_shape(self.group_blocks[g]) for g in self.layer_group]
+        """K and V pools per slot in the attention backend's layout, each layer given its
+        slot's, zeroed: attention reads whole blocks, and a NaN left in an unwritten slot
+        would poison the weighted sum even under a -inf mask."""
+        shape = self.attention.cache_shape(self.num_blocks)
         if self.device.type != "cpu":
-            return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                     torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for shape in shapes]
-        pool = _cpu_pool(2 * sum(math.prod(shape) for shape in shapes), self.kv_dtype)
-        caches, start = [], 0
-        for shape in shapes:
-            k, v = pool[start : start + 2 * math.prod(shape)].view(2, *shape)
-            caches.append((k, v))
-            start += 2 * math.prod(shape)
-        return caches
+            slots = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                      torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(self.num_slots)]
+        else:
+            pool = _cpu_pool(2 * self.num_slots * math.prod(shape), self.kv_dtype).view(self.num_slots, 2, *shape)
+            slots = [(pool[i, 0], pool[i, 1]) for i in range(self.num_slots)]
+        return [slots[slot] for slot in self.layer_slot]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
@@ -234,11 +218,15 @@ class ModelRunner:
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
-        windows = self.kv_windows()
-        metas = [self.attention.build(batch, [s.tables()[g] for s in batch], self._slots(batch, positions, g),
-                                      frozenset(w for w, group in windows.items() if group == g))
-                 for g in range(len(self.kv_layout))]
-        meta = metas[0] if len(metas) == 1 else GroupedMetadata({w: metas[g] for w, g in windows.items()})
+        windows = self.model_config.layer_windows or (None,) * self.model_config.num_hidden_layers
+        metas: list[Any] = []
+        first: dict[frozenset[int | None], Any] = {}  # per set of windows, its first group's metadata
+        for g, (_, layers) in enumerate(self.kv_layout):
+            kinds = frozenset(windows[i] for i in layers)
+            metas.append(self.attention.build(batch, [s.tables()[g] for s in batch], self._slots(batch, positions, g),
+                                              kinds, like=first.get(kinds)))
+            first.setdefault(kinds, metas[-1])
+        meta = metas[0] if len(metas) == 1 else GroupedMetadata([metas[g] for g in self.layer_group])
         return input_ids, positions, meta
 
     def _slots(self, batch: list[ScheduledRequest], positions: torch.Tensor, group: int) -> torch.Tensor:

@@ -50,7 +50,7 @@ ENV_VARS = {
     "GENQ_NUM_GPU_BLOCKS": "engine num_gpu_blocks_override",
     "GENQ_NUM_THREADS": "torch threads on CPU",
     "GENQ_ENFORCE_EAGER": "1: no CUDA graphs for decode (default 0)",
-    "GENQ_DISABLE_HYBRID_KV_CACHE_MANAGER": "1: full and sliding-window layers keep their KV blocks in one pool (default 0)",
+    "GENQ_DISABLE_HYBRID_KV_CACHE_MANAGER": "1: a model mixing full and sliding-window layers keeps every layer's KV blocks (default 0)",
     "GENQ_LORA_MODULES": "LoRA adapters served beside the model: name=path,name=path (jobs name them in `model`)",
     "GENQ_ENABLE_LORA": "1: serve LoRA adapters (implied by GENQ_LORA_MODULES), following the runtime registry",
     "GENQ_MAX_LORAS": "engine max_loras: distinct adapters in one batch (default 1)",

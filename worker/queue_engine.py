@@ -171,7 +171,7 @@ class EngineThread:
         """Load snapshot. Only the engine thread calls this once the thread runs."""
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         waiting_blocks = sum(
-            max(0, blocks.blocks_needed(r.num_tokens) - len(blocks.block_table(r.request_id)))
+            max(0, blocks.blocks_needed(r.num_tokens) - blocks.num_held(r.request_id))
             for r in scheduler.waiting
         )
         return EngineStats(

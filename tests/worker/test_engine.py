@@ -137,8 +137,9 @@ def check_prefill_logits_against(tiny_model_dir, reference_dir, backend, engine_
     c = torch.randint(3, 49152, (c_len,)).tolist()
     c_blocks = list(range(5, 24))
     assert backend != "torch" or cut > MATMUL_PREFILL_MAX_CONTEXT
-    def request(rid, ids, start, table, sample):  # the same blocks in each KV group (a hybrid model has two)
-        return ScheduledRequest(rid, ids, start, table, sample, group_tables=(table,) * (len(runner.kv_layout) - 1))
+    def request(rid, ids, start, table, sample):  # each further KV group's blocks 32 on (a hybrid model has two)
+        more = tuple([b + 32 * g for b in table] for g in range(1, len(runner.kv_layout)))
+        return ScheduledRequest(rid, ids, start, table, sample, group_tables=more)
 
     # a and c chunked across two steps (their second chunks attend to their cached first), b whole
     runner.execute(SchedulerOutput([request("a", a[:20], 0, [0, 1, 2], False), request("b", b, 0, [3, 4], True),
@@ -330,43 +331,56 @@ def test_a_window_model_runs_sequences_longer_than_its_cache(tiny_window_dir, ba
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("tiny_window_dir", ["qwen2_window"], indirect=True)
 def test_a_hybrid_model_keeps_whole_sequences_only_in_its_full_layers(tiny_window_dir, backend):
-    """Layer 0 attends to everything, layer 1 to its last 24 positions: layer 1 keeps its KV
-    in a pool of its own, sized for two running requests' windows and a step's chunk, twice
-    over (20 blocks), and gives blocks back as the requests run. Two sequences of 200+ tokens
-    need more blocks than that pool has, and still equal transformers, which keeps everything."""
+    """Layer 0 attends to everything, layer 1 to its last 24 positions: each has a block
+    table of its own over one pool, a block being one layer's, and layer 1's blocks go back
+    to the pool as they leave its window. Two sequences of 200+ tokens, which would take 54
+    blocks with every block kept, run at once in 48 and still equal transformers."""
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     new = 160 if backend == "torch" else 24  # the interpreter is slow
-    llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=32,
-              max_num_seqs=2, device=device, attention_backend=backend)
+    llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=24, max_model_len=256,
+              max_num_batched_tokens=32, device=device, attention_backend=backend)
     engine = llm.engine
-    assert engine.block_manager.windows == [None, 24] and engine.runner.group_blocks == [64, 20]
-    assert [k.shape[0] for k, _ in engine.runner.kv_caches] == [64, 20]
+    assert engine.block_manager.windows == [None, 24] and engine.runner.num_blocks == 48  # 24 of both layers'
+    assert engine.runner.kv_caches[0][0].data_ptr() == engine.runner.kv_caches[1][0].data_ptr()
     tok = llm.get_tokenizer()
     prompts = [PROMPTS[5], PROMPTS[8]]  # 40 and 60 tokens
     expected = hf_greedy(tiny_window_dir, [tok.encode(p) for p in prompts], max_new=new)
     outputs = llm.generate(prompts, greedy(new), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     if backend == "torch":
-        assert sum(-(-(len(tok.encode(p)) + new) // 16) for p in prompts) > 20
-    assert [len(pool.free) for pool in engine.block_manager.pools] == [64, 20]
+        assert 2 * sum(-(-(len(tok.encode(p)) + new) // 16) for p in prompts) == 54
+        assert engine.scheduler.num_preemptions == 0
+    assert engine.block_manager.num_free_blocks == 48
+
+
+def test_a_hybrid_model_with_several_windowed_groups_matches_transformers(tiny_gemma3_layers_dir):
+    """Three windowed layers to one full one (Gemma 3's five to one, shrunk): four groups of
+    one layer, three of them windowed, whose step metadata shares its masks; greedy outputs
+    far past the window still equal transformers'."""
+    model_dir = tiny_gemma3_layers_dir
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
+    runner = llm.engine.runner
+    assert runner.kv_layout == [(None, (2,)), (24, (0,)), (24, (1,)), (24, (3,))] and runner.num_blocks == 256
+    _, _, meta = runner._prepare([ScheduledRequest("a", list(range(3, 43)), 0, [0, 1, 2], True,
+                                                   group_tables=([3, 4, 5], [6, 7, 8], [9, 10, 11]))])
+    windowed = [meta.for_layer(i).prefills[0] for i in (0, 1, 3)]
+    assert windowed[0].masks is windowed[1].masks is windowed[2].masks
+    assert meta.for_layer(2).prefills[0].masks is not windowed[0].masks
+    run_and_compare(llm, model_dir, [PROMPTS[5], PROMPTS[8]])
 
 
 @pytest.mark.parametrize("tiny_window_dir", ["qwen2_window"], indirect=True)
-def test_a_hybrid_models_full_layers_get_the_memory_its_windowed_layers_need_not(tiny_window_dir):
-    """The same KV memory holds longer sequences: the windowed layer's pool takes what its
-    running requests' windows need and as much again for the prefix cache, and the full
-    layer's pool the rest of the memory."""
+def test_a_hybrid_model_fits_twice_the_tokens_in_the_same_memory(tiny_window_dir):
+    """One full and one windowed layer: a block of the pool is one layer's, so the memory of N
+    blocks of both layers holds 2N, and a long sequence takes about one per 16 tokens."""
     common = {"dtype": "float32", "kv_cache_memory_gb": 0.01, "max_num_seqs": 4}
-    one_pool = LLM(str(tiny_window_dir), disable_hybrid_kv_cache_manager=True, **common).engine.runner
-    hybrid = LLM(str(tiny_window_dir), **common).engine.runner
-    assert one_pool.group_blocks == [one_pool.num_blocks] and len(hybrid.group_blocks) == 2
-    assert hybrid.group_blocks[1] == 2 * (4 * (2 + 2) + 2048 // 16)  # windows (2 blocks + 2) and a chunk
-    assert hybrid.num_blocks > 1.4 * one_pool.num_blocks
+    one_pool = LLM(str(tiny_window_dir), disable_hybrid_kv_cache_manager=True, **common).engine
+    hybrid = LLM(str(tiny_window_dir), **common).engine
+    assert len(one_pool.runner.kv_layout) == 1 and len(hybrid.runner.kv_layout) == 2
+    assert hybrid.block_manager.num_blocks == 2 * one_pool.block_manager.num_blocks
 
     def kv_bytes(runner) -> int:
-        return sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
+        return sum(t.numel() * t.element_size() for t in {id(t): t for layer in runner.kv_caches for t in layer}.values())
 
-    assert kv_bytes(hybrid) <= 0.01 * 2**30 and kv_bytes(hybrid) >= 0.99 * kv_bytes(one_pool)
-    # 512 running requests' windows would take more than the memory: no split, no loss
-    crowded = LLM(str(tiny_window_dir), **{**common, "max_num_seqs": 512}).engine.runner
-    assert crowded.group_blocks == [one_pool.num_blocks] * 2
+    assert kv_bytes(hybrid.runner) == kv_bytes(one_pool.runner) <= 0.01 * 2**30
+    assert hybrid.block_manager.blocks_needed(1600) == 100 + 2 and one_pool.block_manager.blocks_needed(1600) == 100

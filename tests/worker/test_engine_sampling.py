@@ -49,7 +49,7 @@ def test_n_completions_fork_blocks_by_reference(llm):
     tables = [engine.block_manager.block_table(f"fork#{i}") for i in range(3)]
     shared = tables[0][0]
     assert all(t and t[0] == shared for t in tables)
-    assert engine.block_manager.pools[0].ref_cnt[shared] == 3
+    assert engine.block_manager.pool.ref_cnt[shared] == 3
     outs = run_to_end(engine)["fork"]
     assert outs[-1].finished
 

@@ -31,10 +31,10 @@ def test_packed_linear_is_f_linear_bitwise(bias, num_rows):
 
 
 def _steps(tokens: list[list[int]], num_groups: int) -> list[SchedulerOutput]:
-    """A prefill of each prompt, then one decode step of all of them (the same blocks in
-    each KV group: a hybrid model's windowed layers have their own)."""
+    """A prefill of each prompt, then one decode step of all of them (a hybrid model's
+    windowed layers have a block table of their own: blocks 16 on)."""
     tables = [[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(len(tokens))]
-    more = [(table,) * (num_groups - 1) for table in tables]
+    more = [tuple([b + 16 * g for b in table] for g in range(1, num_groups)) for table in tables]
     prefill = [ScheduledRequest(str(i), ids, 0, tables[i], True, group_tables=more[i]) for i, ids in enumerate(tokens)]
     decode = [ScheduledRequest(str(i), [ids[-1]], len(ids), tables[i], True, group_tables=more[i])
               for i, ids in enumerate(tokens)]

@@ -164,11 +164,11 @@ def test_lru_eviction_of_cached_blocks():
     a.num_computed_tokens = 8
     bm.cache_computed_blocks(a)
     bm.free_request("a")
-    assert bm.num_free_blocks == 4 and len(bm.pools[0].cached) == 2
+    assert bm.num_free_blocks == 4 and len(bm.pool.cached) == 2
     # Two uncached blocks are handed out before the cached ones; then the cached tail goes first.
     b = make_request("b", range(100, 112))
     assert bm.allocate_slots(b, 12)
-    assert len(bm.pools[0].cached) == 1  # the tail block of a was evicted, its head survives
+    assert len(bm.pool.cached) == 1  # the tail block of a was evicted, its head survives
     c = make_request("c", list(range(4)) + [99, 98])
     assert [len(hits) for hits in bm.get_computed_blocks(c)] == [1]
 
@@ -194,7 +194,7 @@ def test_fork_shares_prompt_blocks_by_reference():
     bm = sched.block_manager
     shared = bm.block_table("p#0")[:2]
     assert bm.block_table("p#1")[:2] == shared and bm.block_table("p#2")[:2] == shared
-    assert all(bm.pools[0].ref_cnt[b] == 3 for b in shared)
+    assert all(bm.pool.ref_cnt[b] == 3 for b in shared)
 
 
 def make_lora_request(rid, prompt, lora_id, arrival=0.0, max_tokens=8):
@@ -270,7 +270,7 @@ def test_a_window_model_gives_back_blocks_no_query_will_read():
         out, _ = step(sched)
         held = [b for b in bm.block_table("a") if b != -1]
         assert len(held) <= 3  # the window (6) and the next token span at most 3 blocks of 4
-    assert bm.num_free_blocks == 16 and all(c == 0 for c in bm.pools[0].ref_cnt)
+    assert bm.num_free_blocks == 16 and all(c == 0 for c in bm.pool.ref_cnt)
 
 
 def test_released_blocks_stay_in_the_prefix_cache_and_forks_skip_them():
@@ -285,7 +285,7 @@ def test_released_blocks_stay_in_the_prefix_cache_and_forks_skip_them():
     assert bm.block_table("p#1")[:4] == [-1] * 4
     while sched.has_unfinished_requests():
         step(sched)
-    assert all(c == 0 for c in bm.pools[0].ref_cnt)
+    assert all(c == 0 for c in bm.pool.ref_cnt)
     # the released prompt blocks were cached when computed: a new request finds the prefix,
     # taking only the blocks its next query's window reads (positions 12.. of 16)
     again = make_request("b", prompt, max_tokens=1)
@@ -301,9 +301,10 @@ def test_without_a_window_nothing_is_given_back():
         assert -1 not in sched.block_manager.block_table("a")
 
 
-def make_hybrid_scheduler(window=6, full_blocks=16, window_blocks=16, budget=64):
-    """Full layers in group 0, layers with a window of `window` in group 1 (Gemma 2, gpt-oss)."""
-    bm = BlockManager([full_blocks, window_blocks], BS, True, windows=[None, window])
+def make_hybrid_scheduler(window=6, num_blocks=32, budget=64):
+    """Full layers in group 0, layers with a window of `window` in group 1 (Gemma 2, gpt-oss),
+    both taking blocks from one pool."""
+    bm = BlockManager(num_blocks, BS, True, windows=[None, window])
     return Scheduler(SchedulerConfig(8, budget, 256, "fcfs", frozenset({2})), bm)
 
 
@@ -314,8 +315,8 @@ def test_hybrid_groups_keep_the_full_layers_blocks_and_give_back_the_windowed_on
     step(sched)
     out, _ = step(sched)  # 16 computed: the windowed group's blocks before 16 - 6 = 10 go back
     full, windowed = (list(table) for table in bm.block_tables("a"))
-    assert -1 not in full and len(full) == 4 and windowed[:2] == [-1, -1]
-    assert (bm.num_free_blocks, len(bm.pools[1].free)) == (16 - 4, 16 - 2)
+    assert -1 not in full and len(full) == 4 and windowed[:2] == [-1, -1] and len(windowed) == 4
+    assert bm.num_free_blocks == 32 - 4 - 2 and bm.num_held("a") == 6
     out, _ = step(sched)
     [s] = out.scheduled  # released entries read block 0
     assert s.block_table[:4] == full and s.group_tables[0][:4] == [0, 0, *windowed[2:]]
@@ -324,22 +325,33 @@ def test_hybrid_groups_keep_the_full_layers_blocks_and_give_back_the_windowed_on
         step(sched)
         full, windowed = bm.block_tables("a") if "a" in bm.req_blocks else (full, windowed)
         assert -1 not in full and len([b for b in windowed if b != -1]) <= 3
-    assert bm.num_free_blocks == 16 and len(bm.pools[1].free) == 16
-    assert all(c == 0 for pool in bm.pools for c in pool.ref_cnt)
+    assert bm.num_free_blocks == 32 and all(c == 0 for c in bm.pool.ref_cnt)
 
 
-def test_a_hybrid_allocation_that_one_pool_cannot_hold_changes_neither():
-    bm = BlockManager([16, 2], BS, True, windows=[None, 6])
+def test_a_hybrid_allocation_takes_every_groups_blocks_or_none():
+    bm = BlockManager(6, BS, True, windows=[None, 6])
     r = make_request("r", range(20))
-    assert not bm.allocate_slots(r, 20)  # 5 blocks: the full pool has room, the windowed one not
-    assert (bm.num_free_blocks, len(bm.pools[1].free)) == (16, 2) and bm.usage == 0.0
-    assert bm.allocate_slots(r, 8) and bm.usage == 1.0  # the fuller pool's share
+    assert not bm.allocate_slots(r, 20)  # 5 blocks in each group: 10 of 6
+    assert bm.num_free_blocks == 6 and bm.usage == 0.0
+    assert bm.allocate_slots(r, 8) and bm.num_free_blocks == 2 and bm.blocks_needed(8) == 4
+
+
+def test_blocks_a_windowed_group_gives_back_serve_any_group():
+    """Two requests of 36 tokens would hold 18 blocks each with every block kept; in a pool of
+    24 both run to the end at once, each holding its 9 full-layer blocks and its window's."""
+    sched = make_hybrid_scheduler(window=4, num_blocks=24, budget=8)
+    for rid in "ab":
+        sched.add_request(make_request(rid, range(10, 30), max_tokens=16))
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert sched.num_preemptions == 0 and sched.block_manager.num_free_blocks == 24
 
 
 def test_hybrid_prefix_hits_take_the_windowed_blocks_the_next_query_reads():
     sched = make_hybrid_scheduler(window=4)
     prompt = list(range(10, 30))
-    sched.add_request(make_request("a", prompt, max_tokens=1))
+    a = make_request("a", prompt, max_tokens=1)
+    sched.add_request(a)
     while sched.has_unfinished_requests():
         step(sched)
     bm = sched.block_manager
@@ -352,9 +364,14 @@ def test_hybrid_prefix_hits_take_the_windowed_blocks_the_next_query_reads():
     assert c.start_pos == 12 and c.block_table[:3] == hits[0] and c.group_tables[0][:3] == [0, 0, hits[1][2]]
     while sched.has_unfinished_requests():
         step(sched)
-    # without the window's blocks in the windowed pool, the full layers' hits alone are no hit
-    bm.pools[1].reset_prefix_cache()
-    assert bm.get_computed_blocks(make_request("d", prompt, max_tokens=1)) == [[], []]
+    # a's windowed blocks went back as they left its window, before its full ones, so after
+    # the 18 blocks never used they are evicted first: 22 taken leave a's full blocks 0..3
+    assert bm.num_free_blocks == 32 and bm.allocate_slots(make_request("x", range(100, 144)), 44)
+    assert all((0, h) in bm.pool.cached for h in a.block_hashes[:4]) and (1, a.block_hashes[3]) not in bm.pool.cached
+    # so the hit ends where the windowed group still holds its window: 3 blocks, not the full layers' 4
+    cached = bm.pool.cached
+    assert bm.get_computed_blocks(make_request("d", prompt, max_tokens=1)) == [
+        [cached[(0, h)] for h in a.block_hashes[:3]], [-1, -1, cached[(1, a.block_hashes[2])]]]
 
 
 def test_hybrid_forks_share_both_groups():
@@ -369,7 +386,7 @@ def test_hybrid_forks_share_both_groups():
     assert child.group_tables[0][:3] == [0] * 3 and child.group_tables[0][3] > 0
     while sched.has_unfinished_requests():
         step(sched)
-    assert all(c == 0 for pool in bm.pools for c in pool.ref_cnt)
+    assert all(c == 0 for c in bm.pool.ref_cnt)
 
 
 def test_kv_group_layout():
@@ -377,9 +394,13 @@ def test_kv_group_layout():
 
     mixed, config = (None, 24, None, 24), EngineConfig()
     assert kv_group_layout(mixed, 4, config) == [(None, (0, 2)), (24, (1, 3))]
+    # Gemma 3: five windowed layers in six, in groups as large as the full layers' (the last one smaller)
+    gemma3 = tuple(None if i % 6 == 5 else 512 for i in range(14))
+    assert kv_group_layout(gemma3, 14, config) == [(None, (5, 11)), (512, (0, 1)), (512, (2, 3)), (512, (4, 6)),
+                                                   (512, (7, 8)), (512, (9, 10)), (512, (12, 13))]
     assert kv_group_layout((8, 24), 2, config) == [(24, (0, 1))]  # every layer: the largest window
     assert kv_group_layout((), 3, config) == [(None, (0, 1, 2))]
     assert kv_group_layout(mixed, 4, EngineConfig(disable_hybrid_kv_cache_manager=True)) == [(None, (0, 1, 2, 3))]
     draft = EngineConfig(speculative_config={"model": "draft", "num_speculative_tokens": 2})
     assert kv_group_layout((24, 24), 2, draft) == [(None, (0, 1))]  # the draft's cache holds what the target does
-    assert kv_group_layout(mixed, 4, draft) == [(None, (0, 2)), (24, (1, 3))]  # the full layers do
+    assert kv_group_layout(mixed, 4, draft) == [(None, (0, 2)), (24, (1, 3))]  # group 0 does

@@ -342,7 +342,7 @@ class LlamaForCausalLM(nn.Module):
         nope = self.config.nope_layers
         for i, (layer, kv_cache, window) in enumerate(zip(self.layers, kv_caches, windows, strict=True)):
             layer_rope = no_rope if i in nope else rope if window is None else local
-            x, residual = layer(x, residual, layer_rope, kv_cache, meta, lora)
+            x, residual = layer(x, residual, layer_rope, kv_cache, meta.for_layer(i), lora)
         return self.norm(x, residual)[0]
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, hidden or labels]
