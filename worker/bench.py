@@ -51,6 +51,8 @@ def _throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="engine and queue modes: the KV pool's size in blocks (default: as memory allows)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: seeded random weights of the model's shape, no checkpoint needed "
                         "(every mode then runs those; for speed, not output)")
@@ -79,6 +81,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
         "load_format": args.load_format,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,

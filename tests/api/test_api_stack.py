@@ -44,8 +44,10 @@ def test_genq_up_serves_and_stops_on_ctrl_c(tiny_llama_dir: Path) -> None:
     args = [sys.executable, "-m", "producer.cli", "up", "--port", str(api_port),
             "--redis-port", str(redis_port), "--model", str(tiny_llama_dir),
             "--dtype", "float32", "--served-model-name", "tiny"]
-    # its own process group, to which Ctrl-C in a terminal goes: every process in it gets SIGINT
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    # its own process group, to which Ctrl-C in a terminal goes: every process in it gets SIGINT;
+    # a small KV pool (the worker reads the environment), not the 2 GB a CPU worker fills by default
+    env = {**os.environ, "GENQ_NUM_GPU_BLOCKS": "64"}
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
     try:

@@ -21,7 +21,7 @@ def test_throughput_engine_and_hf_report(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench.json"
     rc = main(["bench", "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32",
                "--modes", "engine,hf", "--num-prompts", "5", "--input-len", "20", "--output-len", "8",
-               "--range-ratio", "0.5", "--json", str(out)])
+               "--range-ratio", "0.5", "--num-gpu-blocks-override", "64", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     workload = RandomWorkload.from_lengths(5, 20, 8, 0.5)
@@ -42,7 +42,7 @@ def test_throughput_with_dummy_weights_needs_no_checkpoint(shape_only, tmp_path)
     rc = main(["bench", "throughput", "--model", str(shape_only), "--dtype", "float32",
                "--load-format", "dummy", "--modes", "engine,hf", "--num-prompts", "3",
                "--input-len", "12", "--output-len", "4", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
-               "--json", str(out)])
+               "--num-gpu-blocks-override", "64", "--json", str(out)])
     assert rc == 0
     results = json.loads(out.read_text())["results"]
     assert results["engine"]["output_tokens"] == results["hf"]["output_tokens"] == 12
@@ -55,7 +55,7 @@ def test_dataset_workload(tmp_path, tiny_llama_dir):
     assert workload.prompts() == ["Hello there", "Count: 1, 2,"]
     out = tmp_path / "r.json"
     assert main(["bench", "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32", "--modes", "engine",
-                 "--dataset", str(data), "--json", str(out)]) == 0
+                 "--dataset", str(data), "--num-gpu-blocks-override", "64", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["results"]["engine"]["output_tokens"] == 10
 
 
@@ -63,7 +63,7 @@ def test_throughput_queue_mode_matches_engine_counts(tiny_llama_dir, tmp_path, r
     out = tmp_path / "queue.json"
     rc = main(["bench", "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32",
                "--modes", "engine,queue", "--num-prompts", "4", "--input-len", "16", "--output-len", "6",
-               "--range-ratio", "0.5", "--redis-url", redis_url, "--json", str(out)])
+               "--range-ratio", "0.5", "--redis-url", redis_url, "--num-gpu-blocks-override", "64", "--json", str(out)])
     assert rc == 0
     results = json.loads(out.read_text())["results"]
     assert results["queue"]["output_tokens"] == results["engine"]["output_tokens"]
