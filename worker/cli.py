@@ -84,7 +84,7 @@ _HELP = {
     "served_model_name": "the model name jobs ask for (default: the model directory's name)",
     "queue": "read jobs from genq:requests:QUEUE instead of the shared genq:requests: a pool "
     "serving another model than the shared stream's workers needs its own (default: $GENQ_QUEUE)",
-    "num_gpu_blocks_override": "size of the KV pool in blocks",
+    "num_gpu_blocks_override": "size of the KV pool in blocks of every layer",
     "load_format": "auto (the checkpoint) or dummy (seeded random weights, for benchmarks)",
     "quantization": "fp8: the decoder layers' weights in fp8, quantized as they load (a quantized checkpoint "
     "is served as it is stored without it; gptq, awq, their _marlin names, compressed-tensors or mxfp4 "

@@ -24,7 +24,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None  # size of the KV pool in blocks, on any device
+    # size of the KV pool in blocks of every layer's KV, on any device (a hybrid model's pool
+    # holds that memory as blocks of fewer layers each: more of them)
+    num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_gb: float = 2.0  # KV pool size on CPU, where there is no device memory to fill
     scheduling_policy: str = "fcfs"  # fcfs | priority
