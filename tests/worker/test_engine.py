@@ -66,8 +66,9 @@ def test_greedy_matches_transformers_tiny_families(tiny_model_dir):
 @pytest.mark.slow
 def test_greedy_matches_transformers_default_model(default_model_dir):
     llm = LLM(None, dtype="float32", max_model_len=2048, num_gpu_blocks_override=512)
-    # real weights, a few prompts: a short one, an instruction, code, many scripts
-    run_and_compare(llm, default_model_dir, [PROMPTS[i] for i in (0, 2, 6, 7)])
+    # real weights, two prompts: an instruction, and many scripts (the short ones and code are the
+    # API tests' and the tiny models')
+    run_and_compare(llm, default_model_dir, [PROMPTS[i] for i in (2, 7)])
 
 
 def test_greedy_matches_transformers_mixtures_of_experts(tiny_moe_dir):
@@ -308,7 +309,7 @@ def test_what_the_engine_cannot_run_is_refused_by_name(change, error):
         ModelConfig.from_hf(config)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch"])  # the kernel path's release: the hybrid test below
 @pytest.mark.parametrize("tiny_window_dir", ["mistral_window"], indirect=True)
 def test_a_window_model_runs_sequences_longer_than_its_cache(tiny_window_dir, backend):
     """Every layer sees its last 24 positions, so blocks before that are given back as the
