@@ -3,6 +3,7 @@ and read by the Triton kernels in `kernels/` (on CPU only under TRITON_INTERPRET
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,14 +59,17 @@ class TritonAttention:
     def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
               windows: frozenset[int | None] = frozenset({None}), like: TritonMetadata | None = None) -> TritonMetadata:
         """`tables`: each request's block table, of the KV group built for (the kernel takes
-        each layer's window as it runs, so `windows` and `like` change nothing here)."""
+        each layer's window as it runs). `like`: another group's metadata of this step, whose
+        query starts and context lengths this one shares."""
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_pos + n for s, n in zip(batch, query_lens, strict=True)]
+        max_blocks = -(-max(seq_lens) // self.block_size)
+        padded = pad_tables([table[:max_blocks] for table in tables], self.device, max_blocks, torch.int32)
+        if like is not None:
+            return dataclasses.replace(like, slot_mapping=slot_mapping, block_tables=padded)
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        max_blocks = -(-max(seq_lens) // self.block_size)
-        padded = pad_tables([table[:max_blocks] for table in tables], self.device, max_blocks, torch.int32)
         return TritonMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),

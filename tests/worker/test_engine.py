@@ -370,6 +370,12 @@ def test_a_hybrid_model_with_several_windowed_groups_matches_transformers(tiny_g
     run_and_compare(llm, model_dir, [PROMPTS[5], PROMPTS[8]])
 
 
+def test_several_windowed_groups_on_the_kernel_path(tiny_gemma3_layers_dir):
+    """The same model's prefill logits on the kernel path, whose windowed groups share their
+    query starts and context lengths."""
+    check_prefill_logits(tiny_gemma3_layers_dir, "triton")
+
+
 @pytest.mark.parametrize("tiny_window_dir", ["qwen2_window"], indirect=True)
 def test_a_hybrid_model_fits_twice_the_tokens_in_the_same_memory(tiny_window_dir):
     """One full and one windowed layer: a block of the pool is one layer's, so the memory of N
