@@ -27,6 +27,9 @@ from worker.scheduler import ScheduledRequest
 # Decodes attended together: small enough that length-sorted buckets pad little, large enough
 # that per-call overhead stays small.
 DECODE_BUCKET_SIZE = 32
+# Chunks of at most this many tokens after a cached prefix (the prompt tails of n > 1
+# completions, say) are attended in buckets as decodes with guesses are: one call for many.
+BUCKET_MAX_QUERY = 16
 # Prefill chunks attending to at most this many positions use two matmuls, which on CPU run about
 # twice as fast as SDPA's flash kernel there; past it, SDPA's tiling wins.
 MATMUL_PREFILL_MAX_CONTEXT = 256
@@ -65,6 +68,13 @@ def make_attention_backend(name: str, model_config, block_size: int, dtype: torc
         from worker.attention_triton import TritonAttention
 
         return TritonAttention(*args)
+
+
+def in_bucket(s: ScheduledRequest) -> bool:
+    """Attended in a decode bucket: one new token, guesses to check, or a short chunk after a
+    cached prefix."""
+    n = len(s.token_ids)
+    return n == 1 or bool(s.num_drafts) or (s.start_pos > 0 and n <= BUCKET_MAX_QUERY)
 
 
 def pad_tables(
@@ -161,18 +171,18 @@ class TorchAttention:
               windows: frozenset[int | None] = frozenset({None}),
               like: AttentionMetadata | None = None) -> AttentionMetadata:
         """Metadata for a batch ordered decodes first (shortest context first), then decodes
-        with guesses (grouped by length), then prefills; `tables`: each request's block table
+        with guesses and short chunks after a prefix (grouped by length), then prefills; `tables`: each request's block table
         (of the KV group built for), `windows`: its layers' windows, a mask for each. `like`:
         another group's metadata of this step with the same windows, whose masks and gather
         buffers this one shares (its layers run one at a time)."""
         meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
         row, i = 0, 0
-        while i < len(batch) and (len(batch[i].token_ids) == 1 or batch[i].num_drafts):
+        while i < len(batch) and in_bucket(batch[i]):
             q_len = len(batch[i].token_ids)
             bucket = [batch[i]]
             while (i + len(bucket) < len(batch) and len(bucket) < DECODE_BUCKET_SIZE
                    and len(batch[i + len(bucket)].token_ids) == q_len
-                   and (q_len == 1 or batch[i + len(bucket)].num_drafts)):
+                   and in_bucket(batch[i + len(bucket)])):
                 bucket.append(batch[i + len(bucket)])
             same = like.decodes[len(meta.decodes)] if like is not None else None
             meta.decodes.append(self._decode_bucket(bucket, tables[i : i + len(bucket)], row, q_len, windows, same))

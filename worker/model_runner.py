@@ -18,6 +18,7 @@ import torch
 
 from worker.attention import (
     GroupedMetadata,
+    in_bucket,
     make_attention_backend,
     pad_tables,
     resolve_attention_backend,
@@ -258,12 +259,13 @@ def _cpu_pool(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """Decodes first, shortest context first, so each decode bucket pads little; then decodes
-    with guesses to check, by length (each length attends as a bucket); then prefills. Within
-    those, requests are grouped by adapter, so each adapter's rows are one slice."""
+    with guesses to check and short chunks after a cached prefix, by length (each length
+    attends as a bucket); then prefills. Within those, requests are grouped by adapter, so each
+    adapter's rows are one slice."""
     decodes = sorted((s for s in scheduled if len(s.token_ids) == 1), key=lambda s: (s.lora_id, s.start_pos))
-    guessed = sorted((s for s in scheduled if len(s.token_ids) > 1 and s.num_drafts),
-                     key=lambda s: (len(s.token_ids), s.lora_id, s.start_pos))
-    return decodes + guessed + [s for s in scheduled if len(s.token_ids) > 1 and not s.num_drafts]
+    bucketed = sorted((s for s in scheduled if len(s.token_ids) > 1 and in_bucket(s)),
+                      key=lambda s: (len(s.token_ids), s.lora_id, s.start_pos))
+    return decodes + bucketed + [s for s in scheduled if not in_bucket(s)]
 
 
 def _row_ends(batch: list[ScheduledRequest]) -> list[int]:

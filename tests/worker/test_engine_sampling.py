@@ -40,18 +40,29 @@ def test_n_completions_share_prompt_blocks(llm):
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 
-def test_n_completions_fork_blocks_by_reference(llm):
+def test_n_completions_fork_blocks_by_reference(llm, tiny_llama_dir):
     engine = llm.engine
-    engine.add_request("fork", "one two three four five six seven eight nine ten eleven twelve " * 3,
-                       SamplingParams(n=3, temperature=0.0, max_tokens=30, ignore_eos=True))
-    engine.step()  # prompt computed by the first completion; siblings fork its blocks
-    engine.step()
+    prompt = "one two three four five six seven eight nine ten eleven twelve " * 3
+    engine.add_request("fork", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=30, ignore_eos=True))
+    early = engine.step()  # prompt computed by the first completion; siblings fork its blocks
+    early += engine.step()
     tables = [engine.block_manager.block_table(f"fork#{i}") for i in range(3)]
     shared = tables[0][0]
     assert all(t and t[0] == shared for t in tables)
     assert engine.block_manager.pool.ref_cnt[shared] == 3
     outs = run_to_end(engine)["fork"]
     assert outs[-1].finished
+    # the siblings computed the prompt's tail after the shared blocks (attended as a bucket):
+    # each greedy completion is transformers' (steps report each completion's new tokens)
+    tokens: dict[int, list[int]] = {}
+    for out in [*early, *outs]:
+        for c in out.outputs:
+            tokens.setdefault(c.index, []).extend(c.token_ids)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([llm.get_tokenizer().encode(prompt)])
+    with torch.inference_mode():
+        expected = hf.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert list(tokens.values()) == [expected[0, ids.shape[1]:].tolist()] * 3
 
 
 def test_logprobs_match_log_softmax_of_the_model(llm, tiny_llama_dir):
