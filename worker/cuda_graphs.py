@@ -96,7 +96,8 @@ class DecodeGraphs:
         pad = size - len(batch)
         positions = [s.start_pos for s in batch]
         groups = range(self.slot_mapping.shape[0])
-        slots = [[s.tables()[g][p // bs] * bs + p % bs for s, p in zip(batch, positions, strict=True)] + [-1] * pad
+        tables = [s.tables() for s in batch]
+        slots = [[t[g][p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)] + [-1] * pad
                  for g in groups]
         rows = torch.tensor([[s.token_ids[0] for s in batch] + [0] * pad, positions + [0] * pad,
                              [p + 1 for p in positions] + [0] * pad, *slots])  # [3 + G, size]
@@ -108,8 +109,8 @@ class DecodeGraphs:
         # Blocks past a row's context are never read: only the used prefix of each table.
         width = -(-(max(positions) + 1) // bs)
         for g in groups:
-            tables = pad_tables([s.tables()[g][:width] for s in batch], torch.device("cpu"), width, torch.int32)
-            self.block_tables[g, : len(batch), :width].copy_(tables)
+            padded = pad_tables([t[g][:width] for t in tables], torch.device("cpu"), width, torch.int32)
+            self.block_tables[g, : len(batch), :width].copy_(padded)
 
     def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
         metas = [TritonMetadata(

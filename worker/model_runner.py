@@ -92,6 +92,8 @@ class ModelRunner:
             for slot, layer in enumerate(layers):
                 self.layer_group[layer], self.layer_slot[layer] = group, slot
         self.num_slots = max(len(layers) for _, layers in self.kv_layout)
+        windows = self.model_config.layer_windows or (None,) * self.model_config.num_hidden_layers
+        self.group_windows = [frozenset(windows[i] for i in layers) for _, layers in self.kv_layout]
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
         self.model = self._load_model(model_path, use_kernels=backend == "triton")
@@ -219,24 +221,25 @@ class ModelRunner:
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
-        windows = self.model_config.layer_windows or (None,) * self.model_config.num_hidden_layers
-        metas: list[Any] = []
-        first: dict[frozenset[int | None], Any] = {}  # per set of windows, its first group's metadata
-        for g, (_, layers) in enumerate(self.kv_layout):
-            kinds = frozenset(windows[i] for i in layers)
-            metas.append(self.attention.build(batch, [s.tables()[g] for s in batch], self._slots(batch, positions, g),
-                                              kinds, like=first.get(kinds)))
-            first.setdefault(kinds, metas[-1])
-        meta = metas[0] if len(metas) == 1 else GroupedMetadata([metas[g] for g in self.layer_group])
-        return input_ids, positions, meta
-
-    def _slots(self, batch: list[ScheduledRequest], positions: torch.Tensor, group: int) -> torch.Tensor:
-        bs = self.block_size
-        table = pad_tables([s.tables()[group] for s in batch], self.device)  # [B, max_blocks]
+        tables = [s.tables() for s in batch]
+        # the row of each token's request, for its slots in every group's tables: [T]
         seq_of_token = torch.repeat_interleave(
             torch.arange(len(batch), device=self.device),
             torch.tensor([len(s.token_ids) for s in batch], device=self.device),
         )
+        metas: list[Any] = []
+        first: dict[frozenset[int | None], Any] = {}  # per set of windows, its first group's metadata
+        for g, kinds in enumerate(self.group_windows):
+            group_tables = [t[g] for t in tables]
+            slots = self._slots(group_tables, seq_of_token, positions)
+            metas.append(self.attention.build(batch, group_tables, slots, kinds, like=first.get(kinds)))
+            first.setdefault(kinds, metas[-1])
+        meta = metas[0] if len(metas) == 1 else GroupedMetadata([metas[g] for g in self.layer_group])
+        return input_ids, positions, meta
+
+    def _slots(self, tables: list[list[int]], seq_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        table = pad_tables(tables, self.device)  # [B, max_blocks]
         blocks = table[seq_of_token, positions // bs]
         return blocks * bs + positions % bs  # [T]
 
