@@ -354,6 +354,21 @@ def test_a_hybrid_model_keeps_whole_sequences_only_in_its_full_layers(tiny_windo
     assert engine.block_manager.num_free_blocks == 48
 
 
+@pytest.mark.parametrize("tiny_window_dir", ["qwen2_window"], indirect=True)
+def test_a_hybrid_models_prefix_hits_read_the_right_windows(tiny_window_dir):
+    """A prompt that extends a finished one starts from the prefix cache: the full layer's
+    blocks from position 0, the windowed layer's only over the 24 positions before the hit
+    (the rest released long ago). Its greedy tokens still equal transformers'."""
+    llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=64)
+    tok = llm.get_tokenizer()
+    first = tok.encode(PROMPTS[8])  # 60 tokens
+    llm.generate({"prompt_token_ids": first}, greedy(8), use_tqdm=False)
+    extended = first + tok.encode(" And then the fox slept.")
+    [out] = llm.generate({"prompt_token_ids": extended}, greedy(16), use_tqdm=False)
+    assert out.num_cached_tokens == 48  # three full blocks of the first prompt
+    assert out.outputs[0].token_ids == hf_greedy(tiny_window_dir, [extended], max_new=16)[0]
+
+
 def test_a_hybrid_model_with_several_windowed_groups_matches_transformers(tiny_gemma3_layers_dir):
     """Three windowed layers to one full one (Gemma 3's five to one, shrunk): four groups of
     one layer, three of them windowed, whose step metadata shares its masks; greedy outputs
