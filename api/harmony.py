@@ -16,7 +16,8 @@ end the reply (`<|return|>`, `<|call|>`) are stop tokens the worker leaves out.
 
 Calls come out in the content as hermes blocks (`<tool_call>{"name": ..., "arguments":
 ...}</tool_call>`, api.tool_calls), so the tool-call reader that follows finds them as it finds
-any other model's; a body that is not a JSON object stays content there, nothing lost. A reply
+any other model's. A body that opens with `{` streams into its block as it comes; any other
+body is held and goes in as JSON text, which stays content there, nothing lost. A reply
 that does not open with a harmony tag (a template without harmony) is all content.
 
 A guided reply (`response_format`, `guided_*`) thinks freely in the analysis channel; its
@@ -45,7 +46,8 @@ class HarmonyReader:
         self._phase = "header"  # header (until <|message|>) | body | plain (not harmony)
         self._channel = ""
         self._recipient: str | None = None
-        self._call_body = ""  # a call's arguments so far
+        self._call_body = ""  # a call's arguments so far, until they show whether they stream
+        self._streaming = False  # the call's body opened with `{` and goes out as it comes
 
     def feed(self, text: str) -> tuple[str, str]:
         self._held += text
@@ -56,12 +58,11 @@ class HarmonyReader:
             elif self._phase == "header":
                 if not self._read_header():
                     break
+                content += self._call_head()
             else:
                 piece, closed = self._read_body()
                 if self._recipient is not None:
-                    self._call_body += piece
-                    if closed:
-                        content += self._call()
+                    content += self._call_piece(piece, closed)
                 elif self._channel == "analysis":
                     reasoning += piece
                 else:
@@ -79,8 +80,7 @@ class HarmonyReader:
         if self._phase != "body":
             return "", ""  # a header cut short says nothing
         if self._recipient is not None:
-            self._call_body += held
-            return "", self._call()
+            return "", self._call_piece(held, closed=True)
         return (held, "") if self._channel == "analysis" else ("", held)
 
     def _read_header(self) -> bool:
@@ -111,16 +111,33 @@ class HarmonyReader:
         piece, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
         return piece, False
 
-    def _call(self) -> str:
-        assert self._recipient is not None
-        name = self._recipient.removeprefix("functions.")
-        body, self._call_body = self._call_body.strip(), ""
+    def _call_head(self) -> str:
+        """A call's block up to its arguments, once its header is read."""
+        if self._recipient is None:
+            return ""
+        self._call_body, self._streaming = "", False
+        name = json.dumps(self._recipient.removeprefix("functions."), ensure_ascii=False)
+        return f'<tool_call>{{"name": {name}, "arguments": '
+
+    def _call_piece(self, piece: str, closed: bool) -> str:
+        """What of a call's body goes out now: all it has once it opened with `{`; otherwise
+        nothing until it closes, then the body as JSON text. Once closed, the block's end (a
+        streamed body's own braces close its arguments, so no brace is added: a body cut short
+        stays the call's arguments as they came)."""
+        if not self._streaming:
+            self._call_body += piece
+            self._streaming = self._call_body.lstrip().startswith("{")
+            piece = self._call_body.lstrip() if self._streaming else ""
+        if not closed:
+            return piece
+        if self._streaming:
+            return piece + "</tool_call>"
+        body = self._call_body.strip()
         try:
-            arguments = json.loads(body)
+            piece = json.dumps(json.loads(body), ensure_ascii=False)
         except json.JSONDecodeError:
-            arguments = body  # left as text: the tool-call reader keeps the block as content
-        block = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-        return f"<tool_call>{block}</tool_call>"
+            piece = json.dumps(body, ensure_ascii=False)  # left as text: kept as content
+        return piece + "}</tool_call>"
 
 
 def _field(text: str) -> str:

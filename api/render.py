@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from api.call_stream import CallDelta, ToolCall
 from api.logprobs import (
     TokenLogprob,
     chat_logprobs,
@@ -24,7 +25,7 @@ from api.responses import (
     Usage,
 )
 from api.text_readers import PairReader, read_piece
-from api.tool_calls import READERS, Reader, ToolCall, read_all
+from api.tool_calls import READERS, Reader, read_all
 from producer.protocol import Event
 
 
@@ -269,7 +270,7 @@ def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
     )
     if req.read_tool_calls:
         content, calls = read_all(text, req.read_tool_calls)
-        calls = _kept(req, calls, 0)
+        calls = _kept(req, calls)
         listed = [_call(req, choice, k, call) for k, call in enumerate(calls)]
         return AssistantMessage(content=content, tool_calls=listed or None, reasoning_content=reasoning)
     if req.tool_call is None:
@@ -304,23 +305,27 @@ def _split_reasoning(req: RelayedRequest, choice: Choice, event: Event) -> tuple
 
 
 def _read_delta(req: RelayedRequest, choice: Choice, text: str, finished: bool) -> dict[str, Any]:
-    """The content the text brought, and the calls it completed."""
+    """The content the text brought, and the pieces of calls: a call's first piece has its
+    id and name, each piece some of its arguments (as OpenAI streams them)."""
     assert req.read_tool_calls is not None
     reader = choice.tool_calls = choice.tool_calls or READERS[req.read_tool_calls]()
-    first = reader.num_calls
-    content, calls = read_piece(reader, text, finished)
-    calls = _kept(req, calls, first)
+    content, deltas = read_piece(reader, text, finished)
     delta: dict[str, Any] = {"content": content} if content else {}
-    if calls:
-        delta["tool_calls"] = [
-            {"index": k, **_call(req, choice, k, call)} for k, call in enumerate(calls, first)
-        ]
+    pieces = [_piece(req, choice, d) for d in deltas if req.parallel_tool_calls or d.index == 0]
+    if pieces:
+        delta["tool_calls"] = pieces
     return delta
 
 
-def _kept(req: RelayedRequest, calls: list[ToolCall], first: int) -> list[ToolCall]:
+def _piece(req: RelayedRequest, choice: Choice, delta: CallDelta) -> dict[str, Any]:
+    if delta.name is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {"index": delta.index, **_call(req, choice, delta.index, ToolCall(delta.name, delta.arguments))}
+
+
+def _kept(req: RelayedRequest, calls: list[ToolCall]) -> list[ToolCall]:
     """Without parallel_tool_calls a choice keeps only its first call."""
-    return calls if req.parallel_tool_calls else calls[: max(0, 1 - first)]
+    return calls if req.parallel_tool_calls else calls[:1]
 
 
 def _call(req: RelayedRequest, choice: Choice, k: int, call: ToolCall) -> dict[str, Any]:

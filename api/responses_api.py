@@ -283,12 +283,15 @@ class ResponseEvents:
     def delta(self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None = None) -> list[str]:
         """Events for one chat delta; `logprobs` (chat's per-token form) go with its text."""
         out: list[str] = []
+        calls = delta.get("tool_calls") or []
         if delta.get("reasoning_content"):
             out += self._text("reasoning", delta["reasoning_content"])
+        for call in calls:  # the open call's further arguments were written before any content
+            out += self._call(call) if not call.get("id") else []
         if delta.get("content"):
             out += self._text("message", delta["content"], logprobs)
-        for call in delta.get("tool_calls") or []:
-            out += self._call(call)
+        for call in calls:
+            out += self._call(call) if call.get("id") else []
         return out
 
     def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
@@ -303,8 +306,8 @@ class ResponseEvents:
                                  content_index=0, delta=text)]
 
     def _call(self, call: dict[str, Any]) -> list[str]:
-        """A whole call (tool_choice auto) or a forced call's first piece opens an item; later
-        pieces (no id) add to its arguments."""
+        """A call's first piece (it has the id) opens an item; later pieces add to its
+        arguments."""
         out: list[str] = []
         function = call.get("function") or {}
         if call.get("id"):

@@ -4,82 +4,51 @@ is read for calls in the hermes format, which Qwen, Hermes and SmolLM2 write:
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
 A block may also hold a list of such objects, and `parameters` may stand for `arguments`.
-Text outside the blocks is the message's content. A block whose JSON is not a call stays in
-the content as written, so nothing the model said is lost. Under `tool_choice: "required"`
-with several tools the reply is instead guided into a JSON array of calls. Plain functions
-and small stateful readers for streams; no I/O.
+Text outside the blocks is the message's content. A call streams as it is written: its name
+once its head is whole, then its arguments piece by piece (api.call_stream). A block whose
+JSON is not a call stays in the content as written, so nothing the model said is lost. Under
+`tool_choice: "required"` with several tools the reply is instead guided into a JSON array of
+calls. Plain functions and small stateful readers for streams; no I/O.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import Any
 
+from api.call_stream import CallDelta, CallStream, ToolCall
 from api.text_readers import partial_tag, read_piece
 
 START = "<tool_call>"
 END = "</tool_call>"
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text of an object
-
-
-def parse_block(body: str) -> list[ToolCall] | None:
-    """The calls in one block's JSON; None if it is not one call or a list of calls."""
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    items = value if isinstance(value, list) else [value]
-    calls = [_call(item) for item in items]
-    if not calls or any(c is None for c in calls):
-        return None
-    return [c for c in calls if c is not None]
-
-
-def _call(item: Any) -> ToolCall | None:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    arguments = item.get("arguments", item.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as JSON text
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False))
-
-
 class ToolCallReader:
     """Reads a completion's text as it streams: `feed` returns the content that is safe to
-    send and the calls completed so far. It holds back what may still turn out to be part of a
-    call (a tag cut between two pieces, a block not yet closed) and trailing whitespace (the
-    gap before a call is not content)."""
+    send and the pieces of calls so far. It holds back what may still turn out to be part of a
+    call (a tag cut between two pieces, a block whose head is not whole yet) and trailing
+    whitespace (the gap before a call is not content)."""
 
     def __init__(self) -> None:
         self._held = ""  # text not yet given out
-        self._in_block = False  # _held is the inside of an open block
+        self._block: CallStream | None = None  # the open block's calls
         self._gap = ""  # whitespace before the open block: content only if it is no call
         self.num_calls = 0  # calls given out so far
         self._content_started = False
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._held += text
         content: list[str] = []
-        calls: list[ToolCall] = []
+        calls: list[CallDelta] = []
         while True:
-            if self._in_block:
+            if self._block is not None:
                 end = self._held.find(END)
+                cut = end if end >= 0 else len(self._held) - partial_tag(self._held, END)
+                calls += self._block.feed(self._held[:cut])
+                self._held = self._held[cut:]
                 if end < 0:
                     break
-                body, self._held = self._held[:end], self._held[end + len(END):]
-                self._in_block = False
-                self._take(body, content, calls)
+                self._held = self._held[len(END):]
+                self._close(content, calls)
                 continue
             start = self._held.find(START)
             if start < 0:
@@ -91,31 +60,32 @@ class ToolCallReader:
             before = self._held[:start]
             content.append(before.rstrip())
             self._gap = before[len(before.rstrip()):]
-            self._held, self._in_block = self._held[start + len(START):], True
+            self._held, self._block = self._held[start + len(START):], CallStream(self.num_calls)
+        self.num_calls = self._block.next_index if self._block else self.num_calls
         return self._content("".join(content)), calls
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         """What is left when the completion ends. A block the model did not close is a call if
         its JSON is whole (a stop string may have cut `</tool_call>` off), else it is text."""
         held, self._held = self._held, ""
         content: list[str] = []
-        calls: list[ToolCall] = []
-        if self._in_block:
-            self._in_block = False
-            self._take(held, content, calls, closed=False)
+        calls: list[CallDelta] = []
+        if self._block is not None:
+            calls += self._block.feed(held)
+            self._close(content, calls, closed=False)
         elif not (self.num_calls and not held.strip()):  # the gap after a call is not content
             content.append(held)
         return self._content("".join(content)), calls
 
-    def _take(
-        self, body: str, content: list[str], calls: list[ToolCall], closed: bool = True
-    ) -> None:
-        found = parse_block(body)
-        if found is None:
-            content.append(self._gap + START + body + (END if closed else ""))
+    def _close(self, content: list[str], calls: list[CallDelta], closed: bool = True) -> None:
+        assert self._block is not None
+        block, self._block = self._block, None
+        rest = block.close()
+        if rest is None:
+            content.append(self._gap + START + block.text + (END if closed else ""))
             return
-        calls.extend(found)
-        self.num_calls += len(found)
+        calls += rest
+        self.num_calls = block.next_index
 
     def _content(self, text: str) -> str:
         """Leading whitespace of the whole content is dropped, as a gap before a call."""
@@ -127,44 +97,20 @@ class ToolCallReader:
 
 class CallArrayReader:
     """Reads the JSON array of calls that genq guides tool_choice "required" into (with
-    several tools: `calls_schema`), giving out each call as soon as its object closes."""
+    several tools: `calls_schema`), streaming each call as it is written."""
 
     def __init__(self) -> None:
-        self._text = ""
-        self._scanned = 0
-        self._depth = 0
-        self._in_string = False
-        self._escaped = False
-        self._item_start = 0
-        self.num_calls = 0
+        self._calls = CallStream()
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._text += text
-        calls: list[ToolCall] = []
-        for at in range(self._scanned, len(self._text)):
-            char = self._text[at]
-            if self._escaped:
-                self._escaped = False
-            elif self._in_string:
-                self._escaped = char == "\\"
-                self._in_string = char != '"'
-            elif char == '"':
-                self._in_string = True
-            elif char in "[{":
-                self._depth += 1
-                if self._depth == 2:
-                    self._item_start = at
-            elif char in "]}":
-                self._depth -= 1
-                if self._depth == 1:
-                    found = parse_block(self._text[self._item_start : at + 1])
-                    calls += found or []
-        self._scanned = len(self._text)
-        self.num_calls += len(calls)
-        return "", calls
+    @property
+    def num_calls(self) -> int:
+        return self._calls.num_calls
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        return "", []  # an array cut short (max_tokens) keeps the calls it completed
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        return "", self._calls.feed(text)
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        return "", self._calls.close() or []  # an array cut short (max_tokens) keeps its calls
 
 
 def calls_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> dict[str, Any]:
@@ -187,5 +133,17 @@ READERS: dict[str, type[Reader]] = {"hermes": ToolCallReader, "json": CallArrayR
 def read_all(text: str, form: str = "hermes") -> tuple[str | None, list[ToolCall]]:
     """A whole completion's content (None when it only called tools) and calls, as a stream
     would give them out."""
-    content, calls = read_piece(READERS[form](), text, last=True)
+    content, deltas = read_piece(READERS[form](), text, last=True)
+    calls = joined(deltas)
     return (content or None) if calls else content, calls
+
+
+def joined(deltas: list[CallDelta]) -> list[ToolCall]:
+    """Whole calls from their pieces, in order."""
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for delta in deltas:
+        if delta.name is not None:
+            names[delta.index] = delta.name
+        arguments[delta.index] = arguments.get(delta.index, "") + delta.arguments
+    return [ToolCall(names[k], arguments[k]) for k in sorted(names)]

@@ -330,6 +330,15 @@ def test_tool_choice_auto_reads_the_calls_the_model_writes(served_model: str, oa
     assert (content, reasons) == ("Setting it.", ["tool_calls"])
     assert calls == {0: {"name": "set_colour", "id": calls[0]["id"], "arguments": tool_call.function.arguments}}
     assert calls[0]["id"].startswith("call_")
+    # the client library's stream reader sees the arguments come piece by piece, and the call whole at the end
+    request = {"model": served_model, "messages": MESSAGES, "tools": [SET_COLOUR], "max_tokens": 200,
+               "extra_body": {"guided_choice": [f"Setting it.\n<tool_call>\n{call}\n</tool_call>"]}}
+    with oai.chat.completions.stream(**request) as stream:
+        pieces = [e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion().choices[0]
+    assert len(pieces) > 1 and "".join(pieces) == tool_call.function.arguments
+    assert final.message.tool_calls[0].function.arguments == tool_call.function.arguments
+    assert (final.message.content, final.finish_reason) == ("Setting it.", "tool_calls")
     # two calls in one reply; without parallel_tool_calls only the first is kept
     second = '{"name": "set_colour", "arguments": {"colour": "blue", "bright": false}}'
     text = f"<tool_call>{call}</tool_call><tool_call>{second}</tool_call>"

@@ -262,3 +262,30 @@ def test_a_background_stream_that_times_out_says_where_to_resume(
     response_id = events[0].response.id
     assert oai.responses.retrieve(response_id).status in ("queued", "in_progress")
     assert oai.responses.cancel(response_id).status == "cancelled"
+
+
+def test_a_calls_streamed_arguments_stay_in_its_item_when_content_follows_in_the_same_piece() -> None:
+    """The chat renderer's delta may carry the end of a call's arguments and the content after
+    it together; the Responses events put each in its own item, in the order written."""
+    from api.generate import Collector
+    from api.render import ChatRenderer, RelayedRequest
+    from api.responses_api import ResponseEvents, ResponsesRequest
+    from producer.protocol import Event
+
+    reply = 'Checking.<tool_call>{"name": "set_colour", "arguments": {"colour": "red"}}</tool_call> Done.'
+    cut = reply.index("red")
+    req = RelayedRequest(id="resp-x", job_ids=["j"], n=1, model="m", created=0, read_tool_calls="hermes")
+    events = [Event(seq=0, text=reply[:cut], token_ids=[0]),
+              Event(seq=1, text=reply[cut:], token_ids=[1], finished=True, finish_reason="stop")]
+    collector, renderer, stream = Collector(req), ChatRenderer(), ResponseEvents(ResponsesRequest(input="hi"), req)
+    lines = []
+    for event in events:
+        chunk = renderer.chunk(req, collector.add("j", event), event)
+        lines += stream.delta(chunk["choices"][0]["delta"]) if chunk else []
+    lines += stream.end({"status": "completed"})
+    sent = [json.loads(line.split("data: ", 1)[1]) for line in lines]
+    done = [e["item"] for e in sent if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i.get("arguments") or i.get("content", [{}])[0].get("text")) for i in done] == [
+        ("message", "Checking."), ("function_call", '{"colour": "red"}'), ("message", " Done.")]
+    pieces = [e for e in sent if e["type"] == "response.function_call_arguments.delta"]
+    assert len(pieces) == 2 and {e["item_id"] for e in pieces} == {done[1]["id"]}

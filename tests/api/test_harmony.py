@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from api.call_stream import ToolCall
 from api.generate import Collector
 from api.harmony import HarmonyReader
 from api.reasoning import split
@@ -65,16 +66,23 @@ def test_whole_and_streamed_replies_read_alike(reply: str, reasoning: str | None
         assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
 
 
-def test_a_call_whose_body_is_not_json_stays_in_the_content() -> None:
-    _, text = split("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{oops", "gpt_oss")
-    content, calls = read_all(text, "hermes")
-    assert calls == [] and "{oops" in content
+def test_a_call_whose_body_is_not_an_object_stays_in_the_content() -> None:
+    for body in ("oops", "[1, 2]"):
+        _, text = split(f"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{body}", "gpt_oss")
+        content, calls = read_all(text, "hermes")
+        assert calls == [] and body in content
+
+
+def test_a_call_cut_short_keeps_the_arguments_that_came() -> None:
+    """A body that opens as an object streams as the call's arguments; max_tokens may cut it."""
+    _, text = split('<|channel|>commentary to=functions.f <|constrain|>json<|message|> {"a": [1,', "gpt_oss")
+    assert read_all(text, "hermes") == (None, [ToolCall("f", '{"a": [1,')])
 
 
 def test_the_chat_renderer_streams_reasoning_then_the_call() -> None:
     req = RelayedRequest(id="chatcmpl-x", job_ids=["j"], n=1, model="m", created=0, reasoning_parser="gpt_oss",
                          read_tool_calls="hermes")
-    cuts = [0, 9, 30, 60, 75, 120, 150, len(WEATHER)]
+    cuts = [0, 9, 30, 60, 75, 120, 150, 185, len(WEATHER)]  # 185: inside the arguments
     pieces = [WEATHER[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
     events = [Event(seq=i, text=t, token_ids=[i]) for i, t in enumerate(pieces)]
     events[-1].finished, events[-1].finish_reason = True, "stop"
@@ -86,8 +94,9 @@ def test_the_chat_renderer_streams_reasoning_then_the_call() -> None:
     reasoning = "".join(d["delta"].get("reasoning_content", "") for d in deltas)
     assert reasoning == "User asks for the weather in Paris. Use the tool."
     calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Paris"})]
+    assert [c["function"].get("name") for c in calls] == ["get_weather", None]  # then more arguments
+    assert calls[0]["id"].startswith("call_") and {c["index"] for c in calls} == {0}
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Paris"}'
     assert not any(d["delta"].get("content") for d in deltas)
     assert deltas[-1]["finish_reason"] == "tool_calls"
     message = renderer.response(req, collector.choices, Usage()).choices[0].message
