@@ -331,7 +331,10 @@ def _weights(**change):
     (_weights(type="int", num_bits=4, symmetric=False, strategy="tensor"),
      "strategy 'tensor' is not supported for asymmetric int4"),
     (_weights(type="int", num_bits=4, strategy="group", group_size=32, actorder="group"), "actorder 'group'"),
-    (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+    (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "int"}),
+     "kv_cache_scheme .* is not supported"),
+    (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float", "dynamic": True}),
+     "kv_cache_scheme .* is not supported"),
     (lambda c: c["quantization_config"]["config_groups"].update(group_1={"targets": ["re:.*down_proj"]}),
      "checkpoints with 2 schemes"),
 ])

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from worker.models.kv_scales import kv_cache_scheme
 from worker.models.quant import QuantConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -185,6 +186,8 @@ class ModelConfig:
     # rows are permuted at load so that the half-split rotation computes the same scores
     interleaved_rope: bool = False
     quant: QuantConfig | None = None  # quantized weights: the checkpoint's, or fp8 quantized as they load
+    # the checkpoint's fp8 KV-cache scales, per tensor or attn_head (worker.models.kv_scales)
+    kv_cache_scheme: str | None = None
 
     @classmethod
     def from_hf(cls, hf_config: Any, quantization: str | None = None, max_model_len: int | None = None
@@ -239,6 +242,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
             quant=QuantConfig.from_hf(hf_config, quantization),
+            kv_cache_scheme=kv_cache_scheme(hf_config),
             rotary_dim=_rotary_dim(hf_config, head_dim),
             long_rope=_long_rope(hf_config, max_model_len),
             **_variant_fields(hf_config, family),

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from worker.attention import apply_softcap
-from worker.models import gpt_oss, quant
+from worker.attention import FP8, apply_softcap
+from worker.models import gpt_oss, kv_scales, quant
 from worker.models.config import ModelConfig
 from worker.models.moe import SparseMoeBlock
 
@@ -190,6 +190,7 @@ class Attention(nn.Module):
         self.o_lora: LoRASlots | None = None
         # gpt-oss: a logit per query head that joins its softmax (and adds no value)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None
+        self.kv_scales: kv_scales.KVScales | None = None  # the checkpoint's, for an fp8 cache
 
     def forward(
         self,
@@ -215,7 +216,12 @@ class Attention(nn.Module):
         qk = rope(qk, self.num_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        scales = self.kv_scales if kv_cache[0].dtype == FP8 else None
+        if scales is not None:
+            q, k, v = scales.into_cache(q, k, v)
         o = meta.forward(q, k, v, kv_cache, self.scale, self.sliding_window, self.softcap, self.sinks)
+        if scales is not None:
+            o = scales.out_of_cache(o)
         o = o.view(num_tokens, self.q_size)
         if lora is None:
             return self.o_proj(o)
@@ -392,7 +398,11 @@ class LlamaForCausalLM(nn.Module):
             weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
+        found_scales: dict[tuple[int, str], torch.Tensor] = {}
         for hf_name, tensor in weights:
+            if (scale := kv_scales.scale_target(hf_name)) is not None:
+                found_scales[scale] = tensor
+                continue
             target = _map_hf_name(hf_name)
             if target is None:
                 continue
@@ -407,6 +417,22 @@ class LlamaForCausalLM(nn.Module):
                 _copy_shard(params[name], tensor, shard, self.config, hf_name, self._rows_per_row(name))
             loaded.add(f"{name}:{shard}")
         self._check_complete(loaded)
+        self._set_kv_scales(found_scales)
+
+    def _set_kv_scales(self, found: dict[tuple[int, str], torch.Tensor]) -> None:
+        """Each layer's KV-cache scales: every layer has both or none has any."""
+        if not found and self.config.kv_cache_scheme is None:
+            return
+        missing = [f"layers.{i}.self_attn.{kind}_scale" for i in range(len(self.layers)) for kind in "kv"
+                   if (i, kind) not in found]
+        if missing:
+            raise ValueError(f"checkpoint is missing KV-cache scales: {', '.join(missing[:8])}")
+        cfg, device = self.config, next(self.parameters()).device
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            assert isinstance(attn, Attention)
+            attn.kv_scales = kv_scales.KVScales.of(found[i, "k"], found[i, "v"], cfg.num_key_value_heads,
+                                                   cfg.num_attention_heads, device, i)
 
     def _rows_per_row(self, name: str) -> int:
         """Weight rows per row of a parameter: a quantized weight's scales (and zero points)

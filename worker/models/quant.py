@@ -117,13 +117,16 @@ class QuantConfig:
                    skip=tuple(qc.get("modules_to_not_convert") or ()))
 
     @classmethod
-    def _from_compressed_tensors(cls, qc: dict) -> QuantConfig:
+    def _from_compressed_tensors(cls, qc: dict) -> QuantConfig | None:
         """compressed-tensors' (llm-compressor's checkpoints: *-FP8-dynamic, *-FP8, W8A8 and
         W8A16 int8, W4A16 int4): one scheme over the Linear layers whose weights are symmetric
         8-bit floats (a scale per tensor, output channel or block), or 8- or 4-bit integers (a
         scale per tensor, output channel or group of columns). Activation settings are not
-        read: activations keep the model dtype."""
+        read: activations keep the model dtype. Its `kv_cache_scheme` is read apart
+        (worker.models.kv_scales); with no scheme besides it the weights are float (None)."""
         groups = list((qc.get("config_groups") or {}).values())
+        if not groups and qc.get("kv_cache_scheme"):
+            return None
         if len(groups) != 1 or "Linear" not in groups[0].get("targets", ()):
             raise ValueError(f"compressed-tensors checkpoints with {len(groups)} schemes, or one not over "
                              "the Linear layers, are not supported; supported: one scheme targeting Linear")
@@ -147,8 +150,6 @@ class QuantConfig:
                              f"supported: {', '.join(strategies)}")
         if weights.get("actorder") == "group":
             raise ValueError("compressed-tensors weights with actorder 'group' (a g_idx permutation) are not supported")
-        if qc.get("kv_cache_scheme"):
-            raise ValueError("compressed-tensors kv_cache_scheme (a quantized KV cache) is not supported")
         block = None
         if strategy == "block":
             block = _block(weights.get("block_structure"), "block_structure")
