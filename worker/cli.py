@@ -89,8 +89,8 @@ _HELP = {
     "quantization": "fp8: the decoder layers' weights in fp8, quantized as they load (a quantized checkpoint "
     "is served as it is stored without it; gptq, awq, their _marlin names, compressed-tensors or mxfp4 "
     "only confirm the checkpoint's method; default: $GENQ_QUANTIZATION or none)",
-    "kv_cache_dtype": "auto (the model dtype) or fp8: the KV cache in e4m3, twice the tokens in the same memory "
-    "(default: $GENQ_KV_CACHE_DTYPE or auto)",
+    "kv_cache_dtype": "auto (the model dtype) or fp8: the KV cache in e4m3, twice the tokens in the same memory, "
+    "divided by the checkpoint's KV-cache scales where it has them (default: $GENQ_KV_CACHE_DTYPE or auto)",
     "claim_idle_s": "reclaim entries of other workers idle this long",
     "delivery_limit": "deliveries before an entry goes to the dead stream",
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",
