@@ -8,7 +8,9 @@ here as a compressed-tensors checkpoint from the default model's weights; 64, as
 576 columns are not a multiple of 128), AWQ weights (int4 in groups of 64 with a zero point
 each, rounded to nearest as W4A16's are, written here in AutoAWQ's GEMM layout: the layout
 and the asymmetric grid, without AWQ's activation-aware scaling), and an fp8 KV cache
-(`kv_cache_dtype="fp8"`).
+(`kv_cache_dtype="fp8"`), without scales and with a scale per KV head calibrated here as
+llm-compressor's kv_cache_scheme does (the largest |k| and |v| each head caches over a
+calibration text, over 448; the text is not the one measured).
 
 1. Memory: weight bytes as the kernel path holds them (quantized projections, bf16
    embeddings and norms), and KV cache blocks in the same memory.
@@ -97,6 +99,48 @@ def write_awq(out: Path) -> Path:
     return out
 
 
+CALIBRATION = (
+    "Rivers shape the land they cross: they carve valleys, carry silt to the sea and feed the "
+    "plains where the first cities grew. import numpy as np\nx = np.linspace(0, 1, 100)\n"
+    "Der Rhein fließt durch sechs Länder; la Seine traverse Paris avant de rejoindre la Manche. "
+    "Q: What is 17 * 23? A: 391. Q: Name a prime above 100. A: 101. "
+) * 8
+
+
+def write_kv_scaled(out: Path) -> Path:
+    """The default model with fp8 KV-cache scales per KV head, calibrated on CALIBRATION."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.cache_utils import Cache
+
+    source = resolve_model_path(None)
+    shutil.copytree(source, out)
+    maxima: dict[int, list[torch.Tensor]] = {}
+    update = Cache.update
+
+    def observe(self, k, v, layer_idx, *args, **kwargs):  # k, v: [1, kv_heads, T, D], as cached
+        seen = [x.abs().amax(dim=(0, 2, 3)).float() for x in (k, v)]
+        old = maxima.setdefault(layer_idx, seen)
+        maxima[layer_idx] = [torch.maximum(a, b) for a, b in zip(old, seen, strict=True)]
+        return update(self, k, v, layer_idx, *args, **kwargs)
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
+    ids = AutoTokenizer.from_pretrained(source).encode(CALIBRATION)
+    Cache.update = observe
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([ids]))
+    finally:
+        Cache.update = update
+    save_file({f"model.layers.{i}.self_attn.{kind}_scale": (m / 448).reshape(-1, 1, 1).contiguous()
+               for i, pair in maxima.items() for kind, m in zip("kv", pair, strict=True)},
+              out / "kv_scales.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {},
+                                     "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "attn_head"}}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def memory(model: str | None, **kwargs) -> tuple[int, int]:
     """(weight bytes on the kernel path, KV blocks in 1 GiB)."""
     runner = LLM(model, attention_backend="triton", device="cpu", enforce_eager=True, max_model_len=256,
@@ -126,9 +170,11 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         w4a16, awq = str(write_w4a16(Path(tmp) / "w4a16")), str(write_awq(Path(tmp) / "awq"))
+        kv_scaled = str(write_kv_scaled(Path(tmp) / "kv_scaled"))
         variants = {"bf16": (None, {}), "fp8 weights": (None, {"quantization": "fp8"}),
                     "W4A16 weights": (w4a16, {}), "AWQ weights": (awq, {}),
-                    "fp8 KV cache": (None, {"kv_cache_dtype": "fp8"})}
+                    "fp8 KV cache": (None, {"kv_cache_dtype": "fp8"}),
+                    "fp8 KV, scaled": (kv_scaled, {"kv_cache_dtype": "fp8"})}
         base_bytes, base_blocks = memory(None)
         for name, (model, extra) in variants.items():
             weight_bytes, blocks = memory(model, **extra)
