@@ -7,6 +7,7 @@ default model, converted once into a cache shared across runs.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -328,6 +329,41 @@ def tiny_image_text_dir(request, tmp_path_factory, default_model_dir) -> Path:
     out = tmp_path_factory.mktemp(f"{request.param}-image-text")
     model.save_pretrained(out)
     copy_tokenizer(default_model_dir, out)
+    return out
+
+
+MISTRAL3_PATCH, MISTRAL3_MERGE = 8, 2
+MISTRAL3_IMAGE_TOKENS = {"image_token": "<issue_closed>", "image_break_token": "<issue_start>",
+                         "image_end_token": "<issue_comment>"}
+MISTRAL3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for part in m.content %}{% if part.type == 'text' %}{{ part.text }}"
+    "{% else %}<issue_closed>{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral3_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A Mistral 3 that takes images: Pixtral's vision tower and Mistral 3's projector (two
+    patches merged each way) around the tiny Mistral, its image tokens three of the tokenizer's
+    special tokens (the image token at Mistral's id, 10), and a chat template that writes an
+    image part as that token."""
+    from transformers import AutoModelForImageTextToText, Mistral3Config, PixtralVisionConfig
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    torch.manual_seed(0)
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=64, patch_size=MISTRAL3_PATCH, head_dim=16)
+    config = Mistral3Config(text_config=tiny_hf_config("mistral").to_dict(), vision_config=vision.to_dict(),
+                            spatial_merge_size=MISTRAL3_MERGE, image_token_index=10)
+    out = tmp_path_factory.mktemp("mistral3")
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
+    copy_tokenizer(default_model_dir, out)
+    PixtralImageProcessorPil(size={"longest_edge": 64}, patch_size=MISTRAL3_PATCH).save_pretrained(out)
+    processor = {**MISTRAL3_IMAGE_TOKENS, "patch_size": MISTRAL3_PATCH, "spatial_merge_size": MISTRAL3_MERGE}
+    (out / "processor_config.json").write_text(json.dumps(processor))
+    (out / "chat_template.jinja").write_text(MISTRAL3_TEMPLATE)
     return out
 
 

@@ -257,7 +257,11 @@ class BlockManager:
         for i in range(len(request.block_hashes), request.num_tokens // bs):
             # the first block's parent names the adapter: its KV differs from the base model's
             parent = request.block_hashes[i - 1] if i else ("lora", request.lora_id) if request.lora_id else None
-            request.block_hashes.append(hash((parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))))
+            key = (parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))
+            # a block holding image tokens names those images' pixels: equal placeholders differ
+            images = tuple(digest for offset, length, digest in request.image_spans
+                           if offset < (i + 1) * bs and offset + length > i * bs)
+            request.block_hashes.append(hash((*key, images) if images else key))
 
 
 def _runs(blocks: list[int | None]) -> list[int]:

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -26,6 +26,7 @@ from worker.lora_request import LoRARequest
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.models.config import language_config
+from worker.multimodal import ImageInputs, ImageProcessor, images_of, takes_images
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
@@ -40,16 +41,27 @@ logger = logging.getLogger(__name__)
 PromptInput = str | list[int] | dict[str, Any]
 
 
+class CheckedPrompt(NamedTuple):
+    text: str | None
+    token_ids: list[int]
+    images: ImageInputs | None = None  # its images processed, their tokens in token_ids
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model, config.cache_dir)
-        hf_config = language_config(AutoConfig.from_pretrained(self.model_path))
+        whole_config = AutoConfig.from_pretrained(self.model_path)
+        hf_config = language_config(whole_config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_model_len = _max_model_len(config, hf_config)
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
+        self.image_processor: ImageProcessor | None = None  # where the model takes images
+        if takes_images(self.model_path, whole_config):
+            self.image_processor = ImageProcessor(self.model_path, whole_config, self.tokenizer)
+            self.runner.load_image_encoder(self.model_path, whole_config)
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))
@@ -94,7 +106,7 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        text, prompt_ids = self.check_prompt(prompt, params, pooling_params)
+        text, prompt_ids, images = self.check_prompt(prompt, params, pooling_params)
         if pooling_params is not None and params.n != 1:
             raise ValueError(f"an embedding request has one output, got n={params.n}")
         if pooling_params is None and not self.model_config.has_lm_head:
@@ -112,6 +124,9 @@ class Engine:
             child.lora_id = lora_id
             child.pooling_params = pooling_params
             child.bad_words_token_ids = bad_words
+            child.image_spans = images.span_keys() if images is not None else []
+        if images is not None:
+            self.runner.add_images([child.request_id for child in children], images)
         self.output_processor.add_request(request_id, text, children)
         self.scheduler.add_request(children[0], forks=children[1:])
 
@@ -172,20 +187,29 @@ class Engine:
     def check_prompt(
         self, prompt: PromptInput, params: SamplingParams | None = None,
         pooling_params: PoolingParams | None = None,
-    ) -> tuple[str | None, list[int]]:
-        """The prompt's text (if any) and token ids; ValueError naming what is wrong with it.
-        An embedding request's prompt may fill max_model_len (nothing follows it); with
-        `truncate_prompt_tokens` (of the pooling params, else of the sampling params) a prompt
-        keeps only its last tokens."""
+    ) -> CheckedPrompt:
+        """The prompt's text (if any), token ids and images; ValueError naming what is wrong
+        with it. An embedding request's prompt may fill max_model_len (nothing follows it);
+        with `truncate_prompt_tokens` (of the pooling params, else of the sampling params) a
+        prompt keeps only its last tokens. A prompt dict's `multi_modal_data` images are
+        processed here, each image token in the prompt widened to the image's tokens
+        (worker.multimodal); a dict LLM made of one checked (`image_inputs`) passes as it is."""
         text, prompt_ids = self._tokenize(prompt)
+        images = prompt.get("image_inputs") if isinstance(prompt, dict) else None
+        if images is None and (given := images_of(prompt)):
+            if self.image_processor is None:
+                raise ValueError(f"this model ({self.model_config.architecture}) takes no images")
+            prompt_ids, images = self.image_processor.process(prompt_ids, given)
         # a generation must leave room for a token
         limit = self.max_model_len if pooling_params is not None else self.max_model_len - 1
         source = pooling_params if pooling_params is not None else params
         k = source.truncate_prompt_tokens if source is not None else None
         if k is not None:
+            if images is not None:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
             prompt_ids = prompt_ids[-min(limit if k == -1 else k, limit):]
         self._validate_prompt(prompt_ids, limit)
-        return text, prompt_ids
+        return CheckedPrompt(text, prompt_ids, images)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -375,6 +399,7 @@ class Engine:
     def _forget(self, finished: list[Request]) -> None:
         for request in finished:
             self.generators.pop(request.request_id, None)
+            self.runner.image_embeds.remove(request.request_id)
             if self.proposer is not None:
                 self.proposer.remove(request.request_id)
             self.guided.remove(request.request_id)

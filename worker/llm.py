@@ -15,6 +15,7 @@ from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine, PromptInput
 from worker.lora_request import LoRARequest
+from worker.multimodal import chat_images
 from worker.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -107,13 +108,13 @@ class LLM:
         """The prompt tokenized once (and truncated, for an embedding that asks), its params
         and adapter checked; ValueError naming prompt i."""
         try:
-            text, token_ids = self.engine.check_prompt(prompt, params, pooling_params)
+            text, token_ids, images = self.engine.check_prompt(prompt, params, pooling_params)
             self.engine.check_params(params)
             if lora is not None:
                 self.engine.add_lora(lora)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
-        return {"prompt": text, "prompt_token_ids": token_ids}
+        return {"prompt": text, "prompt_token_ids": token_ids, "image_inputs": images}
 
     def beam_search(
         self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams
@@ -122,7 +123,10 @@ class LLM:
         Each step runs every live beam of every prompt as a one-token greedy request with
         its top 2 x width logprobs (the prefix cache keeps the prompts computed), and
         producer.beam_search keeps the best."""
-        prompt_ids = [self.engine.check_prompt(p)[1] for p in _as_prompt_list(prompts)]
+        checked = [self.engine.check_prompt(p) for p in _as_prompt_list(prompts)]
+        if any(c.images is not None for c in checked):
+            raise ValueError("beam search over prompts with images is not supported")
+        prompt_ids = [c.token_ids for c in checked]
         width = params.beam_width
         step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
         eos = set() if params.ignore_eos else set(self.engine.eos_token_ids)
@@ -164,18 +168,19 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them (with the
         tool definitions and template variables, if any), then generate. As in vLLM,
         `continue_final_message` continues the last (assistant) message instead of beginning
-        a new one."""
+        a new one, and a message's content parts may carry images (`image_url` with a data
+        URL, `image_pil`) for a model that takes them."""
         conversations = cast(
             "list[list[dict[str, str]]]",
             [messages] if messages and isinstance(messages[0], dict) else messages,
         )
         add = add_generation_prompt and not continue_final_message
-        prompts: list[PromptInput] = [
-            self.engine.apply_chat_template(
-                c, add, tools, continue_final_message, **(chat_template_kwargs or {})
-            )
-            for c in conversations
-        ]
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            messages, images = chat_images(conversation)
+            prompt = self.engine.apply_chat_template(messages, add, tools, continue_final_message,
+                                                     **(chat_template_kwargs or {}))
+            prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -31,6 +31,7 @@ from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
+from worker.multimodal import ImageEmbeddings, ImageEncoder, ImageInputs
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -109,6 +110,18 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
         self.graphs = self._decode_graphs(backend, max_model_len)
+        self.image_encoder: ImageEncoder | None = None  # an image-text model's, when it takes images
+        self.image_embeds = ImageEmbeddings()
+
+    def load_image_encoder(self, model_path: Path, hf_config: Any) -> None:
+        """The vision encoder of an image-text checkpoint (its whole config), on this device."""
+        self.image_encoder = ImageEncoder.load(model_path, hf_config, self.dtype, self.device)
+
+    def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
+        """Encode a prompt's images now; its requests' prefill steps read the embeddings."""
+        assert self.image_encoder is not None, "this model takes no images"
+        embeds = self.image_encoder(inputs)  # [len(inputs.positions), hidden]
+        self.image_embeds.add(request_ids, inputs.positions, embeds.to(self.dtype))
 
     def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
@@ -192,11 +205,12 @@ class ModelRunner:
         lora = None
         if self.lora is not None:
             lora = self.lora.mapping([s.lora_id for s in batch], [len(s.token_ids) for s in batch])
-        if self.graphs is not None and lora is None and self.graphs.can_run(batch):
+        images = self._image_rows(batch)
+        if self.graphs is not None and lora is None and images is None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)  # [B, hidden]
         else:  # eager: prefills, and steps with adapters (the graphs hold the base model only)
             input_ids, positions, meta = self._prepare(batch)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)  # [T, hidden]
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images)  # [T, hidden]
         ends = _row_ends(batch)
         # a sampling request's last row, and one more per guessed token before it
         rows = [(s.request_id, end - 1 - s.num_drafts + j)
@@ -236,6 +250,22 @@ class ModelRunner:
             first.setdefault(kinds, metas[-1])
         meta = metas[0] if len(metas) == 1 else GroupedMetadata([metas[g] for g in self.layer_group])
         return input_ids, positions, meta
+
+    def _image_rows(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows of the flat batch that take image embeddings ([k]), and those ([k, hidden])."""
+        if not self.image_embeds:
+            return None
+        rows: list[int] = []
+        embeds: list[torch.Tensor] = []
+        for s, end in zip(batch, _row_ends(batch), strict=True):
+            found = self.image_embeds.rows(s.request_id, s.start_pos, s.start_pos + len(s.token_ids),
+                                           end - len(s.token_ids))
+            if found is not None:
+                rows += found[0]
+                embeds.append(found[1])
+        if not rows:
+            return None
+        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(embeds)
 
     def _slots(self, tables: list[list[int]], seq_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         bs = self.block_size

@@ -65,6 +65,9 @@ class Request:
     pooling_params: PoolingParams | None = None
     # sampling_params.bad_words as token sequences (each word as written and after a space)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # the prompt's images: (offset, length, digest of its pixels) each, hashed into the
+    # prefix-cache keys of the blocks their tokens fill
+    image_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -333,10 +333,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: Any,
         lora: LoRAMapping | None = None,  # the rows' adapters, if any request has one
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,  # rows [k] that take image embeddings [k, hidden]
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # the scale rounded to the model's dtype, as transformers does for Gemma
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        if images is not None:  # in place of their placeholder tokens' (after any scale, as transformers puts them)
+            x = x.index_copy(0, images[0], images[1].to(x.dtype))
         rope: Rope = self.rotary.for_step(positions, x.dtype)
         local: Rope = rope if self.rotary_local is None else self.rotary_local.for_step(positions, x.dtype)
         if self.config.query_position_scale is not None:

@@ -1,0 +1,130 @@
+"""Images in prompts, on a tiny Mistral 3 (Pixtral's vision tower, Mistral 3's projector): greedy
+tokens against transformers' Mistral3ForConditionalGeneration given the same pixels, whole
+and chunked, with the prefix cache telling images apart. transformers' Pixtral processor
+needs torchvision, absent here: its image processor on PIL makes the pixels, and its
+placeholder expansion (`PixtralProcessor.replace_image_token`) is written out below."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from worker import LLM, SamplingParams
+
+
+def picture(height: int, width: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def hf_greedy(model_dir: Path, text: str, images: list[Image.Image], max_new: int = 12) -> list[int]:
+    """transformers' greedy tokens for a prompt whose placeholders stand for `images`."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    processor = json.loads((model_dir / "processor_config.json").read_text())
+    patch = processor["patch_size"] * processor["spatial_merge_size"]
+    features = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(
+        images=images, patch_size=patch, return_tensors="pt")
+    pieces = text.split(processor["image_token"])
+    expanded = pieces[0]
+    for (height, width), rest in zip(features["image_sizes"].tolist(), pieces[1:], strict=True):
+        # PixtralProcessor.replace_image_token: a row of image tokens and a break per row of
+        # merged patches, the last break an end
+        rows = ((processor["image_token"] * (width // patch) + processor["image_break_token"]) * (height // patch))
+        expanded += rows.removesuffix(processor["image_break_token"]) + processor["image_end_token"] + rest
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(expanded)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), pixel_values=features["pixel_values"],
+                             image_sizes=features["image_sizes"], max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+ONE = ("Describe <issue_closed> in a word:", [picture(40, 56, 0)])
+TWO = ("Compare <issue_closed> with <issue_closed>, please.", [picture(64, 48, 1), picture(20, 64, 2)])
+
+
+def _generate(llm: LLM, cases) -> list:
+    return llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in cases],
+                        GREEDY, use_tqdm=False)
+
+
+def test_greedy_matches_transformers_with_images(tiny_mistral3_dir):
+    llm = LLM(str(tiny_mistral3_dir), dtype="float32", num_gpu_blocks_override=64)
+    outputs = _generate(llm, [ONE, TWO])
+    for (text, images), out in zip([ONE, TWO], outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_mistral3_dir, text, images)
+    # the second prompt's two images: 4 x 3 merged patches, and 2 x 4 (20 rows of pixels round up
+    # to two patches of 16), each row ended by a break (the last by the end)
+    assert outputs[1].prompt_token_ids.count(10) == 4 * 3 + 2 * 4
+    assert outputs[1].prompt_token_ids.count(8) + outputs[1].prompt_token_ids.count(9) == 4 + 2
+
+
+def test_a_chunked_prefill_cuts_through_the_images(tiny_mistral3_dir):
+    """Chunks of 8 tokens: each image's embeddings are split across steps."""
+    llm = LLM(str(tiny_mistral3_dir), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=8,
+              max_num_seqs=2)
+    outputs = _generate(llm, [TWO])
+    assert outputs[0].outputs[0].token_ids == hf_greedy(tiny_mistral3_dir, *TWO)
+
+
+def test_the_prefix_cache_tells_images_apart(tiny_mistral3_dir):
+    """The same text around another image shares only the blocks before the image."""
+    llm = LLM(str(tiny_mistral3_dir), dtype="float32", num_gpu_blocks_override=64, block_size=16)
+    text = "Some words to fill the first block of sixteen tokens, and more of them. " * 2 + "Now: <issue_closed>."
+    first, second = picture(64, 64, 3), picture(64, 64, 4)
+    ran = [_generate(llm, [(text, [image])])[0] for image in (first, second, first)]
+    start = ran[0].prompt_token_ids.index(10)
+    assert ran[1].num_cached_tokens == start // 16 * 16  # up to the block the image begins in
+    assert ran[2].num_cached_tokens > start  # the first image again: its blocks are reused
+    assert ran[2].outputs[0].token_ids == ran[0].outputs[0].token_ids
+    assert [r.outputs[0].token_ids for r in ran[:2]] == [hf_greedy(tiny_mistral3_dir, text, [i]) for i in (first, second)]
+
+
+def test_chat_messages_carry_images(tiny_mistral3_dir):
+    import base64
+    import io
+
+    image = picture(48, 48, 5)
+    encoded = io.BytesIO()
+    image.save(encoded, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+    llm = LLM(str(tiny_mistral3_dir), dtype="float32", num_gpu_blocks_override=64)
+    for part in ({"type": "image_url", "image_url": {"url": url}}, {"type": "image_pil", "image_pil": image}):
+        messages = [{"role": "user", "content": [{"type": "text", "text": "What is in "}, part]}]
+        out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+        text = "<|im_start|>user\nWhat is in <issue_closed><|im_end|>\n<|im_start|>assistant\n"
+        assert out.outputs[0].token_ids == hf_greedy(tiny_mistral3_dir, text, [image])
+
+
+@pytest.mark.parametrize(("prompt", "error"), [
+    ({"prompt": "Two <issue_closed> <issue_closed>", "multi_modal_data": {"image": [picture(8, 8, 0)]}},
+     "2 image placeholder.* but 1 image"),
+    ({"prompt": "<issue_closed>", "multi_modal_data": {"image": b"not a picture"}}, "image 0 is not an image"),
+    ({"prompt": "<issue_closed>", "multi_modal_data": {"audio": b""}}, "of kind 'audio' is not supported"),
+])
+def test_bad_images_are_refused_by_name(tiny_mistral3_dir, prompt, error):
+    llm = LLM(str(tiny_mistral3_dir), dtype="float32", num_gpu_blocks_override=64)
+    with pytest.raises(ValueError, match=error):
+        llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_text_model_takes_no_images(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"image": picture(8, 8, 0)}}, GREEDY, use_tqdm=False)
+
+
+def test_other_image_text_models_take_no_images(tiny_image_text_dir):
+    """Gemma 3, Qwen2.5-VL and Qwen3-VL serve text alone, and so does a Mistral 3 checkpoint
+    without its image processor's config: an image is refused by name, not dropped."""
+    llm = LLM(str(tiny_image_text_dir), dtype="float32", num_gpu_blocks_override=64)
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"image": picture(8, 8, 0)}}, GREEDY, use_tqdm=False)

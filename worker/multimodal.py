@@ -1,0 +1,261 @@
+"""Images in prompts (vLLM's `multi_modal_data`): an image-text model's vision encoder turns
+each image into embeddings that take the place of its placeholder tokens in the prompt.
+
+Supported: Mistral 3 (Mistral Small 3.1 and 3.2: Pixtral's vision encoder and Mistral 3's
+projector). A prompt names each image where it goes with the model's image token (`[IMG]`),
+one per image in order; genq widens each into the image's rows of `[IMG]` tokens, each row
+ended by `[IMG_BREAK]` and the last by `[IMG_END]`, as the model's processor does. Chat
+messages carry images as content parts (api and LLM.chat), which the chat template turns
+into that token.
+
+Images are resized and normalized by the checkpoint's own image processor (transformers', on
+PIL), and encoded once, when the request is added, by transformers' vision modules over the
+checkpoint's weights: an image costs a fraction of the language model's time, which genq's
+own runner spends. The embeddings stay with the request until it ends (chunked prefill and
+recomputation after preemption read them again). Each image's pixels are hashed into the
+prefix-cache keys of the blocks its tokens fill, so equal text around another image shares
+nothing it should not.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import logging
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.model_loader import iter_safetensors
+
+logger = logging.getLogger(__name__)
+
+# an image-text architecture genq encodes images for -> its vision weights' prefixes
+IMAGE_ARCHITECTURES = {"Mistral3ForConditionalGeneration": ("vision_tower.", "multi_modal_projector.")}
+
+
+def takes_images(model_path: Path, hf_config: Any) -> bool:
+    """An image-text checkpoint genq encodes images for, with its image processor's config
+    (without one it serves text alone, as other image-text models do)."""
+    arch = (getattr(hf_config, "architectures", None) or [""])[0]
+    if arch not in IMAGE_ARCHITECTURES:
+        return False
+    if not (model_path / "preprocessor_config.json").exists():
+        logger.warning("%s has no preprocessor_config.json: serving text alone, no images", model_path)
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where one image's tokens lie in the prompt, and what its pixels hash to."""
+
+    offset: int
+    length: int  # its tokens, row breaks and end included
+    digest: int
+
+
+@dataclass
+class ImageInputs:
+    """A prompt's images, processed: pixels for the encoder and where their tokens go."""
+
+    pixel_values: torch.Tensor  # [num_images, 3, height, width], padded to the largest
+    image_sizes: torch.Tensor  # [num_images, 2]: each image's (height, width) as resized
+    spans: list[ImageSpan]
+    positions: list[int]  # the prompt positions the images' embeddings fill ([IMG]), in order
+
+    def span_keys(self) -> list[tuple[int, int, int]]:
+        """(offset, length, digest) per image: plain data for the block manager's hashes."""
+        return [(s.offset, s.length, s.digest) for s in self.spans]
+
+
+class ImageProcessor:
+    """Turns a prompt's placeholders and images into its token ids and ImageInputs (CPU)."""
+
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
+        from transformers import AutoImageProcessor
+
+        self.images = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+        processor = _read_json(model_path / "processor_config.json")
+        self.image_token_id = int(hf_config.image_token_index)
+        self.break_token_id = tokenizer.convert_tokens_to_ids(processor.get("image_break_token", "[IMG_BREAK]"))
+        self.end_token_id = tokenizer.convert_tokens_to_ids(processor.get("image_end_token", "[IMG_END]"))
+        self.patch = int(hf_config.vision_config.patch_size) * int(getattr(hf_config, "spatial_merge_size", 1))
+
+    def process(self, prompt_ids: list[int], images: list[Any]) -> tuple[list[int], ImageInputs]:
+        """The prompt with each image token widened to its image's rows; ValueError when the
+        placeholders and images do not pair up."""
+        found = prompt_ids.count(self.image_token_id)
+        if found != len(images):
+            raise ValueError(f"the prompt has {found} image placeholder(s) (token id {self.image_token_id}) "
+                             f"but {len(images)} image(s) were given: put one placeholder where each image goes")
+        pictures = [_as_image(image, i) for i, image in enumerate(images)]
+        batch = self.images(images=pictures, patch_size=self.patch, return_tensors="pt")
+        sizes = batch["image_sizes"]
+        ids: list[int] = []
+        spans: list[ImageSpan] = []
+        positions: list[int] = []
+        k = 0
+        for token in prompt_ids:
+            if token != self.image_token_id:
+                ids.append(token)
+                continue
+            rows, cols = (int(n) // self.patch for n in sizes[k])
+            tokens = ([self.image_token_id] * cols + [self.break_token_id]) * rows
+            tokens[-1] = self.end_token_id
+            positions += [len(ids) + i for i, t in enumerate(tokens) if t == self.image_token_id]
+            spans.append(ImageSpan(len(ids), len(tokens), _digest(batch["pixel_values"][k], sizes[k])))
+            ids += tokens
+            k += 1
+        return ids, ImageInputs(batch["pixel_values"], sizes, spans, positions)
+
+
+class ImageEncoder(nn.Module):
+    """Mistral 3's vision tower and projector (transformers' modules) over the checkpoint's
+    weights: images in, one embedding per [IMG] token out."""
+
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
+        self.config = hf_config
+        self.vision_tower = AutoModel.from_config(hf_config.vision_config)
+        self.multi_modal_projector = Mistral3MultiModalProjector(hf_config)
+
+    @classmethod
+    def load(cls, model_path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> ImageEncoder:
+        encoder = cls(hf_config)
+        prefixes = IMAGE_ARCHITECTURES[hf_config.architectures[0]]
+        weights = {}
+        for name, tensor in iter_safetensors(model_path):
+            name = name.removeprefix("model.")
+            if name.startswith(prefixes):
+                weights[name] = tensor
+        encoder.load_state_dict(weights, strict=True)
+        return encoder.to(device=device, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def forward(self, inputs: ImageInputs) -> torch.Tensor:  # [len(inputs.positions), hidden]
+        device, dtype = self.multi_modal_projector.linear_1.weight.device, self.multi_modal_projector.linear_1.weight.dtype
+        sizes = inputs.image_sizes.to(device)
+        out = self.vision_tower(inputs.pixel_values.to(device=device, dtype=dtype), image_sizes=sizes,
+                                output_hidden_states=True, return_dict=True)
+        layer = self.config.vision_feature_layer
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        return self.multi_modal_projector(features.squeeze(0), sizes)
+
+
+class ImageEmbeddings:
+    """The embeddings of the requests with images, by request id, and the rows of a step's
+    flat batch they fill."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[list[int], torch.Tensor]] = {}
+
+    def add(self, request_ids: list[str], positions: list[int], embeds: torch.Tensor) -> None:
+        for request_id in request_ids:
+            self._held[request_id] = (positions, embeds)
+
+    def remove(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def rows(self, request_id: str, start: int, end: int, row_start: int) -> tuple[list[int], torch.Tensor] | None:
+        """The flat-batch rows (the request's positions [start, end) begin at `row_start`)
+        that take image embeddings, and those embeddings; None when there are none."""
+        held = self._held.get(request_id)
+        if held is None:
+            return None
+        positions, embeds = held
+        lo, hi = bisect_left(positions, start), bisect_left(positions, end)
+        if lo == hi:
+            return None
+        return [row_start + p - start for p in positions[lo:hi]], embeds[lo:hi]
+
+
+def images_of(prompt: Any) -> list[Any]:
+    """The images a prompt dict carries (`multi_modal_data`: {"image": one or a list})."""
+    if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
+        return []
+    data = prompt["multi_modal_data"]
+    unknown = sorted(set(data) - {"image"})
+    if unknown:
+        raise ValueError(f"multi_modal_data of kind {unknown[0]!r} is not supported; supported: image")
+    images = data.get("image")
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages with their image parts (OpenAI's `image_url` with a data URL, vLLM's
+    `image_pil`, or `image`) as the chat template's `{"type": "image"}`, and the images in
+    order, for the prompt's `multi_modal_data`."""
+    images: list[Any] = []
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "image_pil", "image"):
+                images.append(_part_image(part, kind, len(images)))
+                part = {"type": "image"}
+            parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images
+
+
+def _part_image(part: dict[str, Any], kind: str, index: int) -> Any:
+    value = part.get(kind)
+    if kind == "image_url":
+        value = value.get("url") if isinstance(value, dict) else value
+        if not (isinstance(value, str) and value.startswith("data:")):
+            raise ValueError(f"image {index}: only data URLs (data:image/png;base64,...) are read here, "
+                             f"got {str(value)[:40]!r}")
+    if value is None:
+        raise ValueError(f"image {index}: a {kind!r} part needs its {kind!r} field")
+    return value
+
+
+def _as_image(image: Any, index: int) -> Any:
+    """A PIL image from one, from encoded bytes, or from a data URL (base64)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, str) and image.startswith("data:"):
+        header, _, payload = image.partition(",")
+        if not header.endswith(";base64"):
+            raise ValueError(f"image {index}: a data URL must be base64 (data:image/png;base64,...)")
+        image = base64.b64decode(payload, validate=False)
+    if isinstance(image, (bytes, bytearray)):
+        try:
+            picture = Image.open(io.BytesIO(image))
+            picture.load()
+            return picture
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"image {index} is not an image PIL can read: {e}") from None
+    raise ValueError(f"image {index} must be a PIL image, image bytes or a data URL, got {type(image).__name__}")
+
+
+def _digest(pixels: torch.Tensor, size: torch.Tensor) -> int:
+    height, width = (int(n) for n in size)
+    data = pixels[:, :height, :width].contiguous().numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads(path.read_text()) if path.exists() else {}
