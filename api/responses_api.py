@@ -2,7 +2,7 @@
 chat completion request, run as one job like any other, and its reply rendered as a response
 object (output items: reasoning, a message, function calls) or as the Responses stream events.
 
-What is supported: `input` as text or items (messages with text parts, `function_call` and
+What is supported: `input` as text or items (messages with text and image parts, `function_call` and
 `function_call_output` items, so an agent loop can send tool results back), a stored
 response to continue (`previous_response_id`; api.stored_responses), `instructions`,
 `max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool_choice` and
@@ -161,14 +161,18 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         raise invalid_param(f"{where}.type", f"input items of type {kind!r} are not supported (message, function_call, function_call_output)")
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat takes it: its text, or with images its parts."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text") for p in content
-    ):
-        return "".join(p.get("text") or "" for p in content)
-    raise invalid_param(f"{where}.content", "only text content (input_text, output_text) is supported")
+    kinds = {"input_text", "output_text", "text", "input_image"}
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in kinds for p in content):
+        if all(p["type"] != "input_image" for p in content):
+            return "".join(p.get("text") or "" for p in content)
+        return [{"type": "image_url", "image_url": {"url": p.get("image_url")}} if p["type"] == "input_image"
+                else {"type": "text", "text": p.get("text") or ""} for p in content]
+    raise invalid_param(f"{where}.content", "only text and image content (input_text, output_text, input_image) "
+                        "is supported")
 
 
 def _chat_tool(tool: Any, where: str) -> dict[str, Any]:

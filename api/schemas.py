@@ -193,6 +193,7 @@ class ContentPart(BaseModel):
 
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None  # {"url": data URL or http(s) URL}: api.images
 
 
 class ChatMessage(BaseModel):

@@ -52,6 +52,11 @@ class Settings(BaseSettings):
     # batch_max_in_flight of its requests in the queue at once (the rest wait in Redis, so
     # interactive requests are not stuck behind a whole batch), checked every batch_poll_s.
     max_file_bytes: int = 100 << 20
+    # Chat images given as http(s) URLs are fetched by this server (api.images), up to this
+    # size and time each; off, only data URLs are taken (fetching opens any URL a client names).
+    fetch_image_urls: bool = True
+    max_image_bytes: int = 20 << 20
+    image_fetch_timeout_s: float = 10.0
     file_ttl_s: int = 7 * 24 * 3600
     batch_max_in_flight: int = 64
     batch_poll_s: float = 0.5

@@ -267,7 +267,7 @@ class Job:
     sampling_params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = None  # chat: [{"role": ..., "content": ...}]
+    messages: list[dict[str, Any]] | None = None  # chat: [{"role": ..., "content": str or parts}]
     # chat: OpenAI-style tool definitions ({"type": "function", "function": {"name", ...}}),
     # handed to the model's chat template with the messages
     tools: list[dict[str, Any]] | None = None
@@ -362,8 +362,28 @@ def _validate_messages(messages: Any) -> None:
             raise ValueError(f"messages[{i}] must be a mapping, got {type(message).__name__}")
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise ValueError(f"messages[{i}].role must be a non-empty string")
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a string")
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                _validate_part(part, f"messages[{i}].content[{j}]")
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+
+
+def _validate_part(part: Any, where: str) -> None:
+    """A content part: {"type": "text", "text": str}, or an image for a model that takes them,
+    its encoded bytes ({"type": "image", "image": bytes}) or a data URL ({"type":
+    "image_url", "image_url": {"url": "data:image/png;base64,..."}})."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return
+    if kind == "image" and isinstance(part.get("image"), bytes):
+        return
+    url = part.get("image_url") if kind == "image_url" else None
+    url = url.get("url") if isinstance(url, dict) else url
+    if isinstance(url, str) and url.startswith("data:"):
+        return
+    raise ValueError(f"{where} must be a text part, an image part with bytes or an image_url part with a data URL")
 
 
 def _validate_tools(job: Job) -> None:

@@ -9,9 +9,10 @@ from fastapi import APIRouter, Request
 from api import beam_search, generate
 from api.deps import StateDep
 from api.errors import invalid_param
+from api.images import image_part, inline_image_urls, url_of
 from api.render import ChatRenderer
 from api.responses import ChatCompletionResponse
-from api.schemas import ChatCompletionRequest, ChatMessage, PromptInput
+from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart, PromptInput
 from api.settings import Settings
 from api.sse import EventStreamResponse, unless_disconnected
 
@@ -23,7 +24,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     """Messages in, one assistant message per choice out; `stream: true` answers with SSE."""
     renderer = ChatRenderer()
     check_tool_parser(body, state.settings)
+    await inline_image_urls(body.messages, state.settings)
     if body.use_beam_search:
+        if any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content) for m in body.messages):
+            raise invalid_param("use_beam_search", "beam search over messages with images is not supported")
         return await unless_disconnected(request, beam_search.respond(state, body, [chat_prompt(body)], renderer))
     req = await generate.start(state, body, [chat_prompt(body)], renderer)
     if body.stream:
@@ -56,13 +60,21 @@ def chat_prompt(body: ChatCompletionRequest) -> PromptInput:
 
 
 def _message(message: ChatMessage, i: int) -> dict[str, Any]:
-    content = message.content
+    """Text parts are joined into one string; with an image among them the parts go as they
+    are, each image as its bytes (api.images)."""
+    content: Any = message.content
     if isinstance(content, list):
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise invalid_param(f"messages[{i}].content", f"only text content parts are supported, got a "
-                                    f"{part.type!r} part (image-text models serve text in, text out here)")
-        content = "".join(part.text or "" for part in content)
+        parts = [_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)]
+        text_only = all(part["type"] == "text" for part in parts)
+        content = "".join(part["text"] for part in parts) if text_only else parts
     extra = {k: v for k, v in (("tool_calls", message.tool_calls), ("tool_call_id", message.tool_call_id),
                                ("name", message.name)) if v is not None}
     return {"role": message.role, "content": content or "", **extra}
+
+
+def _part(part: ContentPart, where: str) -> dict[str, Any]:
+    if part.type == "text" and part.text is not None:
+        return {"type": "text", "text": part.text}
+    if part.type == "image_url":
+        return image_part(url_of(part), f"{where}.image_url")
+    raise invalid_param(where, f"content parts are text or image_url, got a {part.type!r} part")

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from api import background_responses, generate, responses_api, stored_responses
 from api.deps import StateDep
 from api.errors import APIError, invalid_param
+from api.images import inline_image_urls
 from api.responses_api import ResponseRenderer, ResponsesRequest
 from api.routes.chat import chat_prompt, check_tool_parser
 from api.sse import EventStreamResponse, unless_disconnected
@@ -26,6 +27,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     try:
         chat = responses_api.to_chat(body, history)
         check_tool_parser(chat, state.settings)
+        await inline_image_urls(chat.messages, state.settings)
         req = await generate.start(state, chat, [chat_prompt(chat)], renderer)
     except APIError as exc:
         raise responses_api.renamed(exc) from None

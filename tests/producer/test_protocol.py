@@ -82,6 +82,9 @@ def test_job_status_values() -> None:
         {"prompt": "hello"},
         {"prompt_token_ids": [1, 2, 3]},
         {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is "},
+                                                   {"type": "image", "image": b"\x89PNG\r\n\x1a\n..."},
+                                                   {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
     ],
 )
 def test_job_round_trip_through_redis(redis_conn: redis.Redis, prompt_fields: dict) -> None:
@@ -186,6 +189,10 @@ def test_undecodable_payload_names_the_job(
         ({"sampling_params": "greedy"}, "sampling_params must be a mapping"),
         ({"prompt_token_ids": [1]}, "exactly one of prompt, prompt_token_ids, messages"),
         ({"messages": [{"role": "user"}], "prompt": None}, r"messages\[0\].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "image": "not bytes"}]}], "prompt": None},
+         r"messages\[0\].content\[0\] must be a text part, an image part with bytes"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x"}}]}],
+          "prompt": None}, r"messages\[0\].content\[0\] must be .* an image_url part with a data URL"),
         ({"priority": "high"}, "priority must be an integer"),
         ({"extra": 1}, r"unknown \['extra'\]"),
         ({"id": "job-2"}, "differs from entry id"),

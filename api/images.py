@@ -1,0 +1,68 @@
+"""Images in chat messages: OpenAI's `image_url` content parts, for a model that takes images
+(worker.multimodal). The job carries each image's encoded bytes, so it holds all it needs
+wherever and whenever a worker takes it (a reclaimed job too): a data URL is decoded here,
+and an http(s) URL is fetched here, before the job is queued (`GENQ_FETCH_IMAGE_URLS`
+off refuses those: fetching makes the API server open any URL a client names). No image is
+decoded here; the worker reads them and says which it cannot.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import httpx
+
+from api.errors import invalid_param
+from api.settings import Settings
+
+
+def image_part(url: str, where: str) -> dict[str, Any]:
+    """The job's part for a data URL: the image's bytes; 400 naming `where` if it is not one."""
+    header, comma, payload = url.partition(",")
+    if not (url.startswith("data:") and comma and header.endswith(";base64")):
+        raise invalid_param(where, "an image_url must be a base64 data URL (data:image/png;base64,...) "
+                            "or an http(s) URL")
+    try:
+        return {"type": "image", "image": base64.b64decode(payload, validate=True)}
+    except binascii.Error:
+        raise invalid_param(where, "the image's data URL is not valid base64") from None
+
+
+async def inline_image_urls(messages: list[Any], settings: Settings) -> None:
+    """Replace each http(s) image URL of the messages' content parts by a data URL of what it
+    serves; 400 naming the part when it cannot be fetched, is too large, or fetching is off."""
+    wanted = [(f"messages[{i}].content[{j}].image_url", part) for i, message in enumerate(messages)
+              if isinstance(message.content, list) for j, part in enumerate(message.content)
+              if part.type == "image_url" and url_of(part).startswith(("http://", "https://"))]
+    if not wanted:
+        return
+    if not settings.fetch_image_urls:
+        raise invalid_param(wanted[0][0], "this server does not fetch image URLs (GENQ_FETCH_IMAGE_URLS=false): "
+                            "send the image as a data URL")
+    async with httpx.AsyncClient(timeout=settings.image_fetch_timeout_s, follow_redirects=True) as client:
+        for where, part in wanted:
+            data, kind = await _fetch(client, url_of(part), where, settings.max_image_bytes)
+            part.image_url = {"url": f"data:{kind};base64,{base64.b64encode(data).decode()}"}
+
+
+async def _fetch(client: httpx.AsyncClient, url: str, where: str, max_bytes: int) -> tuple[bytes, str]:
+    try:
+        async with client.stream("GET", url) as response:
+            if response.status_code != 200:
+                raise invalid_param(where, f"fetching {url} answered {response.status_code}")
+            data = bytearray()
+            async for chunk in response.aiter_bytes():
+                data += chunk
+                if len(data) > max_bytes:
+                    raise invalid_param(where, f"the image at {url} is larger than {max_bytes} bytes "
+                                        "(GENQ_MAX_IMAGE_BYTES)")
+            return bytes(data), response.headers.get("content-type", "application/octet-stream")
+    except httpx.HTTPError as e:
+        raise invalid_param(where, f"fetching {url} failed: {type(e).__name__}") from None
+
+
+def url_of(part: Any) -> str:
+    value = part.image_url
+    return str(value.get("url", "") if isinstance(value, dict) else value or "")
