@@ -78,8 +78,10 @@ class CallStream:
     the pieces of calls it can give out; `close` (when the text has ended) what is left, or
     None when the text turned out to hold no call at all."""
 
-    def __init__(self, first_index: int = 0) -> None:
+    def __init__(self, first_index: int = 0, separator: str | None = None) -> None:
         self.text = ""  # all that was fed
+        self._separator = separator  # between calls written one after another, not in a list (";")
+        self.arguments_end: int | None = None  # where in `text` the last call's arguments closed
         self._at = 0  # where reading resumes
         self._phase = "open"  # open | head | arguments | rest | next | end | whole
         self._in_list = False
@@ -122,8 +124,9 @@ class CallStream:
             if self._phase == "open":
                 self._in_list = self.text[at] == "["
                 self._phase, self._at = "head", at + self._in_list
-            else:  # between a list's calls
-                self._phase, self._at = ("head", at + 1) if self.text[at] == "," else ("end", at)
+            else:  # between a list's calls, or calls separated so
+                between = "," if self._in_list else self._separator
+                self._phase, self._at = ("head", at + 1) if self.text[at] == between else ("end", at)
             return True
         if self._phase == "head":
             return self._read_head(deltas)
@@ -157,13 +160,14 @@ class CallStream:
             deltas.append(CallDelta(self.next_index - 1, None, piece))
         if closed:
             self._phase, self._depth = "rest", 1  # inside the call's object still
+            self.arguments_end = self._at
         return closed
 
     def _read_rest(self) -> bool:
         """Skip what follows the arguments in the call's object (other keys) to its brace."""
         closed = self._scan()
         if closed:
-            self._phase = "next" if self._in_list else "end"
+            self._phase = "next" if self._in_list or self._separator else "end"
         return closed
 
     def _scan(self) -> bool:

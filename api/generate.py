@@ -77,6 +77,7 @@ class Plan:
 # thinking's end tag; after gpt-oss's final channel opens (its tags are special tokens, which
 # the worker spells for markers)
 GRAMMAR_AFTER = {"deepseek_r1": THINK_END, "gpt_oss": FINAL_CHANNEL}
+SPECIAL_TOKEN_FORMATS = ("llama3_json", "mistral")  # tool-call formats that open with a special token
 
 
 def plan(
@@ -97,7 +98,13 @@ def plan(
     if reasoning in GRAMMAR_AFTER and params.guided_decoding is not None:
         # the reply thinks first: the grammar holds for the answer, after the thinking's end
         params = replace(params, guided_decoding={**params.guided_decoding, "after": GRAMMAR_AFTER[reasoning]})
-    if reasoning == "gpt_oss":  # the harmony tags are special tokens: the reader needs them in the text
+    read_tool_calls = chat.tool_calls_form() if chat else None
+    if read_tool_calls == "auto":  # check_tool_parser has refused "auto" where the parser is "none"
+        parser = state.settings.tool_call_parser
+        read_tool_calls = parser if parser != "none" else None
+    if reasoning == "gpt_oss" or read_tool_calls in SPECIAL_TOKEN_FORMATS:
+        # harmony's tags, Llama 3's and Mistral's call tokens are special tokens: the readers
+        # need them in the text
         params = replace(params, skip_special_tokens=False)
     ids = job_ids(base, len(prompts))
     check_jobs(body, prompts, ids, params, deadline_s)
@@ -110,7 +117,7 @@ def plan(
         echo=tuple(p if isinstance(p, str) else None for p in prompts) if echo else (),
         prompt_logprobs=body.prompt_logprobs is not None,
         tool_call=forced.name if forced else None,
-        read_tool_calls=chat.tool_calls_form() if chat else None,
+        read_tool_calls=read_tool_calls,
         parallel_tool_calls=chat is None or chat.parallel_tool_calls,
         reasoning_parser=reasoning,
     )

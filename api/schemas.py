@@ -260,14 +260,15 @@ class ChatCompletionRequest(_GenerationRequest):
         return tools[0] if choice == "required" and len(tools) == 1 else None
 
     def tool_calls_form(self) -> str | None:
-        """How the reply is read for calls (api.tool_calls.READERS): "hermes" when the model
-        decides ("auto"), "json" when it must call one or more of several tools ("required":
-        guided into a JSON array of calls); None when it is not read for calls."""
+        """How the reply is read for calls: "auto" when the model decides (in the format the
+        server's GENQ_TOOL_CALL_PARSER names), "json" when it must call one or more of several
+        tools ("required": guided into a JSON array of calls); None when it is not read for
+        calls."""
         if not self.tools or self.tool_choice not in (None, "auto", "required"):
             return None
         if self.tool_choice == "required":
             return "json" if len(self.tools) > 1 else None
-        return "hermes"
+        return "auto"
 
     def _guided_fields(self) -> list[tuple[str, bool]]:
         guided = self.forced_tool() is not None or self.tool_calls_form() == "json"

@@ -17,6 +17,7 @@ from typing import Any
 
 from api.call_stream import CallDelta, CallStream, ToolCall
 from api.text_readers import partial_tag, read_piece
+from api.tool_formats import Llama3JsonReader, MistralReader
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -126,8 +127,9 @@ def calls_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool)
     }
 
 
-Reader = ToolCallReader | CallArrayReader
-READERS: dict[str, type[Reader]] = {"hermes": ToolCallReader, "json": CallArrayReader}
+Reader = ToolCallReader | CallArrayReader | Llama3JsonReader | MistralReader
+READERS: dict[str, type[Reader]] = {"hermes": ToolCallReader, "json": CallArrayReader,
+                                    "llama3_json": Llama3JsonReader, "mistral": MistralReader}
 
 
 def read_all(text: str, form: str = "hermes") -> tuple[str | None, list[ToolCall]]:

@@ -37,7 +37,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
 def check_tool_parser(body: ChatCompletionRequest, settings: Settings) -> None:
     """400 for tool_choice "auto" where the deployment turned it off."""
-    if body.tool_calls_form() == "hermes" and settings.tool_call_parser == "none":
+    if body.tool_calls_form() == "auto" and settings.tool_call_parser == "none":
         raise invalid_param(
             "tool_choice", 'tool_choice "auto" (the default with tools) is off on this server '
             "(GENQ_TOOL_CALL_PARSER=none): name the function, or use \"none\"",

@@ -407,6 +407,31 @@ def test_tool_choice_none_is_plain_text_and_auto_can_be_turned_off(
         client.close()
 
 
+@pytest.mark.parametrize(("parser", "text"), [
+    ("llama3_json", '<|python_tag|>{"name": "set_colour", "parameters": {"colour": "red", "bright": true}}'),
+    ("mistral", 'Setting it.[TOOL_CALLS]set_colour[ARGS]{"colour": "red", "bright": true}'),
+])
+def test_llama3_and_mistral_tool_call_parsers(served_model: str, live_worker: str, serve_api, parser: str,
+                                              text: str) -> None:
+    """A server whose models write Llama 3's or Mistral's calls (GENQ_TOOL_CALL_PARSER); the
+    reply's text is forced, as above. The client library's stream reader sees the arguments
+    come piece by piece and ends with the call the whole reply has."""
+    with serve_api(Settings(redis_url=live_worker, tool_call_parser=parser)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        request = {"model": served_model, "messages": MESSAGES, "tools": [SET_COLOUR], "max_tokens": 200,
+                   "extra_body": {"guided_choice": [text]}}
+        whole = client.chat.completions.create(**request).choices[0]
+        with client.chat.completions.stream(**request) as stream:
+            pieces = [e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"]
+            final = stream.get_final_completion().choices[0]
+        client.close()
+    (call,) = whole.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("set_colour", {"colour": "red", "bright": True})
+    assert (whole.message.content, whole.finish_reason) == ("Setting it." if parser == "mistral" else None, "tool_calls")
+    assert len(pieces) > 1 and "".join(pieces) == call.function.arguments
+    assert final.message.tool_calls[0].function.arguments == call.function.arguments
+
+
 def test_continuing_the_last_message_and_template_kwargs(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -> None:
     started = [*MESSAGES, {"role": "assistant", "content": "Once upon a"}]
     chat = oai.chat.completions.create(model=served_model, messages=started, **{

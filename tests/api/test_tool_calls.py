@@ -126,3 +126,45 @@ def test_a_guided_array_of_calls_streams_each_call_as_it_is_written() -> None:
     cut = CallArrayReader()  # max_tokens cut the array: the calls it began stay
     calls = joined(_stream(cut, ARRAY[:-6], [len(ARRAY)])[1])
     assert (_calls(calls[:1]), calls[1:], cut.num_calls) == (expected[:1], [ToolCall("b", '{"l": [1, ')], 2)
+
+
+# -- Llama 3's and Mistral's formats (api.tool_formats) ---------------------------------------
+
+WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+FORMAT_CASES = [
+    # (form, reply, content, calls as (name, arguments))
+    ("llama3_json", WEATHER, None, [("get_weather", {"city": "Paris", "days": 2})]),
+    ("llama3_json", f"<|python_tag|>{WEATHER}; {WEATHER}", None, [("get_weather", {"city": "Paris", "days": 2})] * 2),
+    ("llama3_json", "It is sunny in Paris.", "It is sunny in Paris.", []),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),  # JSON, but no call: content as written
+    ("llama3_json", "<|python", "<|python", []),
+    ("mistral", 'Let me look.[TOOL_CALLS][{"name": "a", "arguments": {"x": [1, "]"]}}, {"name": "b", "arguments": {}}]',
+     "Let me look.", [("a", {"x": [1, "]"]}), ("b", {})]),
+    ("mistral", '[TOOL_CALLS]a[ARGS]{"x": {"y": "}"}}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"x": {"y": "}"}}), ("b", {})]),
+    ("mistral", "No tools needed [TOOL", "No tools needed [TOOL", []),
+]
+
+
+@pytest.mark.parametrize(("form", "reply", "content", "calls"), FORMAT_CASES)
+def test_llama3_and_mistral_formats_whole_and_streamed(form: str, reply: str, content: str | None, calls: list) -> None:
+    from api.tool_calls import READERS
+
+    got_content, got_calls = read_all(reply, form)
+    assert (got_content, _calls(got_calls)) == (content, calls)
+    rng = random.Random(reply)
+    for _ in range(20):
+        reader = READERS[form]()
+        streamed, deltas = _stream(reader, reply, [rng.choice([1, 1, 2, 3, 7, 40]) for _ in reply])
+        assert (streamed or None if deltas else streamed) == content
+        assert joined(deltas) == got_calls
+        assert reader.num_calls == len(calls)
+
+
+def test_a_mistral_calls_arguments_stream_before_it_closes() -> None:
+    from api.tool_formats import MistralReader
+
+    reader = MistralReader()
+    assert reader.feed("[TOOL_CALLS]get_weather[AR") == ("", [])
+    assert reader.feed('GS]{"city": "Pa') == ("", [CallDelta(0, "get_weather", '{"city": "Pa')])
+    assert reader.num_calls == 1
+    assert reader.feed('ris"}') == ("", [CallDelta(0, None, 'ris"}')])
