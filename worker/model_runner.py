@@ -119,9 +119,10 @@ class ModelRunner:
 
     def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
         """Encode a prompt's images now; its requests' prefill steps read the embeddings."""
-        assert self.image_encoder is not None, "this model takes no images"
-        embeds = self.image_encoder(inputs)  # [len(inputs.positions), hidden]
-        self.image_embeds.add(request_ids, inputs.positions, embeds.to(self.dtype))
+        encoder = self.image_encoder
+        assert encoder is not None, "this model takes no images"
+        embeds = self.image_embeds.embeddings(inputs, lambda pixels, sizes: encoder(pixels, sizes).to(self.dtype))
+        self.image_embeds.add(request_ids, inputs.positions, embeds)  # [len(inputs.positions), hidden]
 
     def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the

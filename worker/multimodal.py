@@ -12,7 +12,9 @@ Images are resized and normalized by the checkpoint's own image processor (trans
 PIL), and encoded once, when the request is added, by transformers' vision modules over the
 checkpoint's weights: an image costs a fraction of the language model's time, which genq's
 own runner spends. The embeddings stay with the request until it ends (chunked prefill and
-recomputation after preemption read them again). Each image's pixels are hashed into the
+recomputation after preemption read them again), and the embeddings of the images encoded
+lately are kept by their pixels' digest, so a conversation that sends its image again with
+every turn has it encoded once. Each image's pixels are hashed into the
 prefix-cache keys of the blocks its tokens fill, so equal text around another image shares
 nothing it should not.
 """
@@ -24,6 +26,8 @@ import hashlib
 import io
 import logging
 from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +72,7 @@ class ImageInputs:
     image_sizes: torch.Tensor  # [num_images, 2]: each image's (height, width) as resized
     spans: list[ImageSpan]
     positions: list[int]  # the prompt positions the images' embeddings fill ([IMG]), in order
+    num_embeds: list[int]  # of those, each image's
 
     def span_keys(self) -> list[tuple[int, int, int]]:
         """(offset, length, digest) per image: plain data for the block manager's hashes."""
@@ -100,6 +105,7 @@ class ImageProcessor:
         ids: list[int] = []
         spans: list[ImageSpan] = []
         positions: list[int] = []
+        num_embeds: list[int] = []
         k = 0
         for token in prompt_ids:
             if token != self.image_token_id:
@@ -109,10 +115,11 @@ class ImageProcessor:
             tokens = ([self.image_token_id] * cols + [self.break_token_id]) * rows
             tokens[-1] = self.end_token_id
             positions += [len(ids) + i for i, t in enumerate(tokens) if t == self.image_token_id]
+            num_embeds.append(rows * cols)
             spans.append(ImageSpan(len(ids), len(tokens), _digest(batch["pixel_values"][k], sizes[k])))
             ids += tokens
             k += 1
-        return ids, ImageInputs(batch["pixel_values"], sizes, spans, positions)
+        return ids, ImageInputs(batch["pixel_values"], sizes, spans, positions, num_embeds)
 
 
 class ImageEncoder(nn.Module):
@@ -141,10 +148,12 @@ class ImageEncoder(nn.Module):
         return encoder.to(device=device, dtype=dtype).eval()
 
     @torch.inference_mode()
-    def forward(self, inputs: ImageInputs) -> torch.Tensor:  # [len(inputs.positions), hidden]
+    def forward(
+        self, pixel_values: torch.Tensor, image_sizes: torch.Tensor  # [n, 3, H, W], [n, 2]
+    ) -> torch.Tensor:  # [the images' image tokens, hidden], image after image
         device, dtype = self.multi_modal_projector.linear_1.weight.device, self.multi_modal_projector.linear_1.weight.dtype
-        sizes = inputs.image_sizes.to(device)
-        out = self.vision_tower(inputs.pixel_values.to(device=device, dtype=dtype), image_sizes=sizes,
+        sizes = image_sizes.to(device)
+        out = self.vision_tower(pixel_values.to(device=device, dtype=dtype), image_sizes=sizes,
                                 output_hidden_states=True, return_dict=True)
         layer = self.config.vision_feature_layer
         layers = [layer] if isinstance(layer, int) else list(layer)
@@ -152,12 +161,52 @@ class ImageEncoder(nn.Module):
         return self.multi_modal_projector(features.squeeze(0), sizes)
 
 
+# the embeddings of images encoded lately, kept by their pixels' digest so that a conversation
+# sending its image again (every turn does) encodes it once
+IMAGE_CACHE_BYTES = 512 << 20
+
+
 class ImageEmbeddings:
     """The embeddings of the requests with images, by request id, and the rows of a step's
-    flat batch they fill."""
+    flat batch they fill; and the embeddings of the images encoded lately (IMAGE_CACHE_BYTES,
+    least recently used first out)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_cache_bytes: int = IMAGE_CACHE_BYTES) -> None:
         self._held: dict[str, tuple[list[int], torch.Tensor]] = {}
+        self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._cache_bytes = 0
+        self.max_cache_bytes = max_cache_bytes
+        self.num_encoded = 0  # images the encoder ran on
+        self.num_reused = 0  # images whose embeddings came from the cache
+
+    def embeddings(self, inputs: ImageInputs, encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                   ) -> torch.Tensor:  # [len(inputs.positions), hidden]
+        """A prompt's image embeddings: each image's from the cache where it was encoded
+        lately, the others encoded now, in one batch."""
+        found = [self._cache.get(span.digest) for span in inputs.spans]
+        missing = [k for k, embeds in enumerate(found) if embeds is None]
+        for k, span in enumerate(inputs.spans):
+            if found[k] is not None:
+                self._cache.move_to_end(span.digest)
+        if missing:
+            index = torch.tensor(missing)
+            new = encode(inputs.pixel_values[index], inputs.image_sizes[index])
+            for k, embeds in zip(missing, new.split([inputs.num_embeds[k] for k in missing]), strict=True):
+                found[k] = embeds
+                self._remember(inputs.spans[k].digest, embeds)
+        self.num_encoded += len(missing)
+        self.num_reused += len(found) - len(missing)
+        return torch.cat([embeds for embeds in found if embeds is not None])
+
+    def _remember(self, digest: int, embeds: torch.Tensor) -> None:
+        size = embeds.numel() * embeds.element_size()
+        if digest in self._cache or size > self.max_cache_bytes:
+            return
+        self._cache[digest] = embeds
+        self._cache_bytes += size
+        while self._cache_bytes > self.max_cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self._cache_bytes -= old.numel() * old.element_size()
 
     def add(self, request_ids: list[str], positions: list[int], embeds: torch.Tensor) -> None:
         for request_id in request_ids:

@@ -80,11 +80,25 @@ def test_the_prefix_cache_tells_images_apart(tiny_mistral3_dir):
     text = "Some words to fill the first block of sixteen tokens, and more of them. " * 2 + "Now: <issue_closed>."
     first, second = picture(64, 64, 3), picture(64, 64, 4)
     ran = [_generate(llm, [(text, [image])])[0] for image in (first, second, first)]
+    embeds = llm.engine.runner.image_embeds
+    assert (embeds.num_encoded, embeds.num_reused) == (2, 1)  # the first image again: not encoded again
     start = ran[0].prompt_token_ids.index(10)
     assert ran[1].num_cached_tokens == start // 16 * 16  # up to the block the image begins in
     assert ran[2].num_cached_tokens > start  # the first image again: its blocks are reused
     assert ran[2].outputs[0].token_ids == ran[0].outputs[0].token_ids
     assert [r.outputs[0].token_ids for r in ran[:2]] == [hf_greedy(tiny_mistral3_dir, text, [i]) for i in (first, second)]
+
+
+def test_an_image_encoded_lately_beside_a_new_one(tiny_mistral3_dir):
+    """The cached image's embeddings and the new one's, encoded alone, go back in the prompt's
+    order."""
+    llm = LLM(str(tiny_mistral3_dir), dtype="float32", num_gpu_blocks_override=64, enable_prefix_caching=False)
+    _generate(llm, [TWO])
+    mixed = ("First <issue_closed>, then <issue_closed>.", [picture(48, 48, 9), TWO[1][1]])
+    out = _generate(llm, [mixed])[0]
+    embeds = llm.engine.runner.image_embeds
+    assert (embeds.num_encoded, embeds.num_reused) == (3, 1)
+    assert out.outputs[0].token_ids == hf_greedy(tiny_mistral3_dir, *mixed)
 
 
 def test_chat_messages_carry_images(tiny_mistral3_dir):
