@@ -66,6 +66,8 @@ def test_messages_count_as_a_chat_job_would(http: httpx.Client, served_model: st
     ("/tokenize", {"model": "gpt-nope", "prompt": "x"}, 404, "model"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}, 400, "messages"),
 ])
 def test_bad_requests_name_what_is_wrong(http: httpx.Client, path: str, body: dict, status: int, param) -> None:
     response = http.post(path, json=body)
