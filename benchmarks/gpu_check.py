@@ -16,7 +16,8 @@ reports the parts it finished):
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
    biased experts; and with MXFP4 experts), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
-   greedy, CUDA against CPU;
+   greedy, CUDA against CPU; and a Mistral 3 around it (a Pixtral tower) on a prompt with
+   two images, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -28,11 +29,12 @@ On the lent device machine nothing can be downloaded, and the default model's GG
 is over what travels (64 MiB): there the check runs SmolLM2-135M's shape with seeded random
 weights (`--load-format dummy`; speed does not depend on the values, and both paths of each
 comparison get the same weights). Its python3 has torch, triton, transformers and msgpack but
-not redis, which `producer` imports. Prepare here, in the repository root:
+not redis, which `producer` imports, nor (maybe) pillow, which the image check needs.
+Prepare here, in the repository root:
 
     echo /.whl/ >> .git/info/exclude; echo /.gpu_model/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux2014_x86_64 -d .whl redis==5.3.1 PyJWT==2.15.1
+        --implementation cp --platform manylinux2014_x86_64 -d .whl redis==5.3.1 PyJWT==2.15.1 pillow==12.2.0
     mkdir -p .gpu_model && cp ~/.cache/genq/models/SmolLM2-135M-Instruct/{config.json,\
 tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu_model/
 
@@ -212,6 +214,45 @@ def check_remade_vs_cpu(model: str | None, arch: str, devices: tuple[str, str] =
     return [f"greedy {arch} {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}"]
 
 
+def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "cuda"), num_tokens: int = 16) -> list[str]:
+    """The model's shape remade as Mistral 3 around it (a two-layer Pixtral tower, patches of
+    14 merged two by two; seeded random weights): greedy on a prompt with two images, on CUDA
+    against the CPU path in float32. The image embeddings enter the eager prefill; decode
+    runs in the CUDA graphs."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from worker import LLM, SamplingParams
+
+    tokens = {"image_token": "<issue_closed>", "image_break_token": "<issue_start>", "image_end_token": "<issue_comment>"}
+    images = [Image.fromarray(np.random.RandomState(seed).randint(0, 255, (h, w, 3), dtype=np.uint8))
+              for seed, (h, w) in enumerate([(200, 150), (90, 224)])]
+    prompt = {"prompt": "Compare <issue_closed> with <issue_closed> in a word:", "multi_modal_data": {"image": images}}
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(remake(model, "qwen3", tmp))  # for its tokenizer files; the config is replaced below
+        text = json.loads((out / "config.json").read_text())
+        text.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        vision = {"model_type": "pixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "head_dim": 64, "image_size": 224, "patch_size": 14}
+        config = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "text_config": text,
+                  "vision_config": vision, "spatial_merge_size": 2, "image_token_index": 10,
+                  "projector_hidden_act": "gelu", "multimodal_projector_bias": False, "vision_feature_layer": -1}
+        (out / "config.json").write_text(json.dumps(config))
+        PixtralImageProcessorPil(size={"longest_edge": 224}, patch_size=14).save_pretrained(out)
+        (out / "processor_config.json").write_text(json.dumps({**tokens, "patch_size": 14, "spatial_merge_size": 2}))
+        runs = []
+        for device in devices:
+            llm = LLM(str(out), dtype="float32", device=device, max_model_len=2048, load_format="dummy")
+            runs.append([llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids])
+    return [f"greedy mistral3 images {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}"]
+
+
 def _compare(a: list[list[int]], b: list[list[int]]) -> str:
     same = sum(x == y for x, y in zip(a, b, strict=True))
     return f"identical {same}/{len(a)}  common prefix {[_common_prefix(x, y) for x, y in zip(a, b, strict=True)]}"
@@ -289,6 +330,7 @@ def main() -> int:
     summary += _section("embed", lambda: check_embed_vs_cpu(args.model, args.load_format))
     for arch in REMADE:
         summary += _section(arch, lambda arch=arch: check_remade_vs_cpu(args.model, arch))
+    summary += _section("images", lambda: check_images_vs_cpu(args.model))
     summary += _section("W1", lambda: check_w1(args.model, args.load_format, args.num_prompts))
     summary.append(f"elapsed {time.time() - start:.0f} s")
     print("\n".join(["", "== GPU check ==", *summary]))

@@ -115,7 +115,8 @@ class ModelRunner:
 
     def load_image_encoder(self, model_path: Path, hf_config: Any) -> None:
         """The vision encoder of an image-text checkpoint (its whole config), on this device."""
-        self.image_encoder = ImageEncoder.load(model_path, hf_config, self.dtype, self.device)
+        self.image_encoder = ImageEncoder.load(model_path, hf_config, self.dtype, self.device,
+                                               dummy=self.config.load_format == "dummy")
 
     def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
         """Encode a prompt's images now; its requests' prefill steps read the embeddings."""

@@ -136,7 +136,14 @@ class ImageEncoder(nn.Module):
         self.multi_modal_projector = Mistral3MultiModalProjector(hf_config)
 
     @classmethod
-    def load(cls, model_path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device) -> ImageEncoder:
+    def load(cls, model_path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device,
+             dummy: bool = False) -> ImageEncoder:
+        """The checkpoint's encoder; `dummy`: seeded random weights (transformers' own init,
+        drawn on the CPU, so every device starts from the same values), no checkpoint read."""
+        if dummy:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                return cls(hf_config).to(device=device, dtype=dtype).eval()
         encoder = cls(hf_config)
         prefixes = IMAGE_ARCHITECTURES[hf_config.architectures[0]]
         weights = {}

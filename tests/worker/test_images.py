@@ -142,3 +142,16 @@ def test_other_image_text_models_take_no_images(tiny_image_text_dir):
     llm = LLM(str(tiny_image_text_dir), dtype="float32", num_gpu_blocks_override=64)
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": picture(8, 8, 0)}}, GREEDY, use_tqdm=False)
+
+
+def test_dummy_weights_take_images_without_a_checkpoint(tiny_mistral3_dir, tmp_path):
+    """load_format="dummy" (benchmarks, the GPU check): the encoder's weights are seeded too, so
+    two engines agree, and no safetensors file is read."""
+    import shutil
+
+    for path in tiny_mistral3_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, tmp_path / path.name)
+    runs = [_generate(LLM(str(tmp_path), dtype="float32", num_gpu_blocks_override=64, load_format="dummy"), [ONE])
+            for _ in range(2)]
+    assert runs[0][0].outputs[0].token_ids == runs[1][0].outputs[0].token_ids
