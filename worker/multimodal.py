@@ -287,6 +287,7 @@ def _part_image(part: dict[str, Any], kind: str, index: int) -> Any:
 def _as_image(image: Any, index: int) -> Any:
     """A PIL image from one, from encoded bytes, or from a data URL (base64)."""
     from PIL import Image, UnidentifiedImageError
+    from PIL.Image import DecompressionBombError
 
     if isinstance(image, Image.Image):
         return image
@@ -300,6 +301,8 @@ def _as_image(image: Any, index: int) -> Any:
             picture = Image.open(io.BytesIO(image))
             picture.load()
             return picture
+        except DecompressionBombError as e:  # pixels past PIL's limit: refused before they are decoded
+            raise ValueError(f"image {index} is too large: {e}") from None
         except (UnidentifiedImageError, OSError) as e:
             raise ValueError(f"image {index} is not an image PIL can read: {e}") from None
     raise ValueError(f"image {index} must be a PIL image, image bytes or a data URL, got {type(image).__name__}")

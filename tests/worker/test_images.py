@@ -45,6 +45,17 @@ def hf_greedy(model_dir: Path, text: str, images: list[Image.Image], max_new: in
     return out[0, len(ids):].tolist()
 
 
+def _bomb() -> bytes:
+    """The start of a PNG that says it is 20000 x 20000 pixels (1.2 GB decoded)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)) + chunk(b"IDAT", b"")
+
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ONE = ("Describe <issue_closed> in a word:", [picture(40, 56, 0)])
 TWO = ("Compare <issue_closed> with <issue_closed>, please.", [picture(64, 48, 1), picture(20, 64, 2)])
@@ -122,6 +133,7 @@ def test_chat_messages_carry_images(tiny_mistral3_dir):
      "2 image placeholder.* but 1 image"),
     ({"prompt": "<issue_closed>", "multi_modal_data": {"image": b"not a picture"}}, "image 0 is not an image"),
     ({"prompt": "<issue_closed>", "multi_modal_data": {"audio": b""}}, "of kind 'audio' is not supported"),
+    ({"prompt": "<issue_closed>", "multi_modal_data": {"image": _bomb()}}, "image 0 is too large"),
 ])
 def test_bad_images_are_refused_by_name(tiny_mistral3_dir, prompt, error):
     llm = LLM(str(tiny_mistral3_dir), dtype="float32", num_gpu_blocks_override=64)
