@@ -238,6 +238,7 @@ class BlockManager:
         tables, released = [], []
         for group, table in enumerate(self.req_blocks[parent_id]):
             first = self.first_read_block(group, num_blocks * self.block_size)
+            assert RELEASED not in table[first:num_blocks], "the parent gave back blocks its child reads"
             shared = [RELEASED] * first + table[first:num_blocks]
             for block_id in shared:
                 self.pool.ref(block_id)

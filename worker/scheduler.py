@@ -235,7 +235,8 @@ class Scheduler:
             status = self._append(request, token_ids)
             # after the append: kept guesses are computed tokens only once they are tokens
             self.block_manager.cache_computed_blocks(request)
-            self.block_manager.release_out_of_window(request.request_id, request.num_computed_tokens)
+            if request.request_id not in self.forks:  # its forks' first queries read further back
+                self.block_manager.release_out_of_window(request.request_id, request.num_computed_tokens)
             if status is not None:
                 self.finish_requests([request.request_id], status)
                 finished.append(request)

@@ -293,6 +293,27 @@ def test_released_blocks_stay_in_the_prefix_cache_and_forks_skip_them():
     assert len(hits) == 4 and hits[:3] == [-1] * 3 and hits[3] != -1
 
 
+def test_a_chunked_prompt_keeps_the_blocks_its_forks_will_read():
+    """The parent's prompt in chunks of 19: after the first chunk the window (7) would let
+    blocks go that the fork's first query (at 16) still reads (positions 10 on): a parent
+    with forks to come gives nothing back until they have their share."""
+    sched = make_window_scheduler(window=7, budget=19)
+    prompt = list(range(10, 30))  # 20 tokens: the fork computes from 16
+    sched.add_request(make_request("p#0", prompt, max_tokens=3), forks=[make_request("p#1", prompt, max_tokens=3)])
+    bm = sched.block_manager
+    step(sched)  # 19 prompt tokens
+    held = list(bm.block_table("p#0"))
+    assert -1 not in held
+    step(sched)  # the last prompt token: the fork is made, then the parent gives back
+    out, _ = step(sched)
+    [child] = [s for s in out.scheduled if s.request_id == "p#1"]
+    first = bm.first_read_block(0, child.start_pos)  # block 2: positions 8..11, of which 10 and 11 are read
+    assert (child.start_pos, first) == (16, 2) and child.block_table[first:4] == held[first:4]
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert all(c == 0 for c in bm.pool.ref_cnt)
+
+
 def test_without_a_window_nothing_is_given_back():
     sched = make_window_scheduler(window=None)
     sched.add_request(make_request("a", range(10, 30), max_tokens=4))
