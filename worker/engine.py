@@ -339,8 +339,11 @@ class Engine:
         spec = SpeculativeConfig.from_dict(config.speculative_config)
         if spec.method == "ngram":
             return NgramProposer(spec)
-        return DraftModelProposer(spec, config, self.max_model_len, self.runner.num_blocks,
-                                  self.model_config.vocab_size)
+        # the draft holds as many tokens as the target's pool would with one KV group: a hybrid
+        # target's blocks each hold a few layers, and sizing by their count would make the
+        # draft's pool (every layer a block) as many times larger (it guesses less once full)
+        target_blocks = self.runner.num_blocks * self.runner.num_slots // self.model_config.num_hidden_layers
+        return DraftModelProposer(spec, config, self.max_model_len, target_blocks, self.model_config.vocab_size)
 
     def _propose(self) -> None:
         """Guesses for the next step of every decoding request that may speculate."""

@@ -225,6 +225,19 @@ def test_draft_model_guesses_keep_plain_outputs(tiny_llama_dir, tiny_mistral_dir
     assert not proposer._tables and len(proposer._free) == proposer.runner.num_blocks
 
 
+def test_a_hybrid_targets_draft_holds_what_one_kv_group_would(tiny_gemma3_layers_dir, tiny_llama_dir):
+    """A hybrid target's blocks each hold a few of its layers, so it has more of them; the
+    draft's pool (every draft layer a block) is sized as the target's would be with one
+    group, not by that count. Outputs stay plain decoding's."""
+    spec = draft_engine(tiny_gemma3_layers_dir, tiny_llama_dir, max_num_seqs=4)
+    runner, proposer = spec.engine.runner, spec.engine.proposer
+    assert runner.num_blocks > 128 and proposer.runner.num_blocks == 128 + 4 * (1 + 1)  # 3 guesses: one block
+    plain = LLM(str(tiny_gemma3_layers_dir), dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = [llm.generate(PROMPTS[:4], greedy, use_tqdm=False) for llm in (plain, spec)]
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
+
+
 def test_a_draft_model_that_cannot_serve_is_refused(tiny_llama_dir, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
