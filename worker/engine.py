@@ -57,11 +57,11 @@ class Engine:
         hf_config = language_config(whole_config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_model_len = _max_model_len(config, hf_config)
-        self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len)
-        self.image_processor: ImageProcessor | None = None  # where the model takes images
-        if takes_images(self.model_path, whole_config):
-            self.image_processor = ImageProcessor(self.model_path, whole_config, self.tokenizer)
-            self.runner.load_image_encoder(self.model_path, whole_config)
+        images = takes_images(self.model_path, whole_config)
+        self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len,
+                                  image_config=whole_config if images else None)
+        # where the model takes images: what makes their pixels and tokens
+        self.image_processor = ImageProcessor(self.model_path, whole_config, self.tokenizer) if images else None
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))

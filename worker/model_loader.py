@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -87,7 +88,9 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def iter_safetensors(path: Path):
+def iter_safetensors(path: Path, keep: Callable[[str], bool] | None = None):
+    """A checkpoint's (name, tensor) pairs; with `keep`, only those it names, the others
+    never read."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -96,4 +99,5 @@ def iter_safetensors(path: Path):
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)

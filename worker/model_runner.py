@@ -77,7 +77,10 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int,
+                 image_config: Any = None):
+        """`image_config`: an image-text checkpoint's whole config, when it takes images: its
+        vision encoder loads beside the model, before the KV cache takes what memory is left."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -106,17 +109,13 @@ class ModelRunner:
             # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
             pack_linears(self.model, batch_hint=config.max_num_seqs)
             pack_experts(self.model, batch_hint=config.max_num_seqs)
+        self.image_encoder = None if image_config is None else ImageEncoder.load(
+            model_path, image_config, self.dtype, self.device, dummy=config.load_format == "dummy")
+        self.image_embeds = ImageEmbeddings()
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
         self.graphs = self._decode_graphs(backend, max_model_len)
-        self.image_encoder: ImageEncoder | None = None  # an image-text model's, when it takes images
-        self.image_embeds = ImageEmbeddings()
-
-    def load_image_encoder(self, model_path: Path, hf_config: Any) -> None:
-        """The vision encoder of an image-text checkpoint (its whole config), on this device."""
-        self.image_encoder = ImageEncoder.load(model_path, hf_config, self.dtype, self.device,
-                                               dummy=self.config.load_format == "dummy")
 
     def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
         """Encode a prompt's images now; its requests' prefill steps read the embeddings."""
@@ -170,6 +169,8 @@ class ModelRunner:
             budget = self.config.num_gpu_blocks_override
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
+            if self.image_encoder is not None:  # room for the images' embeddings kept lately
+                free -= self.image_embeds.max_cache_bytes
             budget = int((free - total * (1 - self.config.gpu_memory_utilization)) * 0.9) // self._kv_block_bytes()
         else:
             budget = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()

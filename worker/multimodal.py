@@ -146,12 +146,8 @@ class ImageEncoder(nn.Module):
                 return cls(hf_config).to(device=device, dtype=dtype).eval()
         encoder = cls(hf_config)
         prefixes = IMAGE_ARCHITECTURES[hf_config.architectures[0]]
-        weights = {}
-        for name, tensor in iter_safetensors(model_path):
-            name = name.removeprefix("model.")
-            if name.startswith(prefixes):
-                weights[name] = tensor
-        encoder.load_state_dict(weights, strict=True)
+        vision = iter_safetensors(model_path, keep=lambda name: name.removeprefix("model.").startswith(prefixes))
+        encoder.load_state_dict({name.removeprefix("model."): tensor for name, tensor in vision}, strict=True)
         return encoder.to(device=device, dtype=dtype).eval()
 
     @torch.inference_mode()
