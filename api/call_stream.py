@@ -107,13 +107,34 @@ class CallStream:
 
     def close(self) -> list[CallDelta] | None:
         """The end of the text: calls held whole are read now; None when there is no call."""
-        if self._phase == "whole" or (self.num_calls == 0 and self._phase in ("open", "head")):
-            value = _loads(self.text)
-            calls = _calls(value)[self.num_calls:] if value is not None else []
-            if self.num_calls == 0 and parse_block(self.text) is None:
-                return None
-            return [self._start(call.name, call.arguments) for call in calls]
+        if self.num_calls == 0 and self._phase in ("open", "head", "whole"):
+            calls = parse_block(self.text)  # all calls, or the text is none
+            if calls is None and self._separator:  # calls one after another, not one JSON value
+                calls = self._calls_from(0) or None
+            return None if calls is None else [self._start(call.name, call.arguments) for call in calls]
+        if self._phase == "whole":  # the calls after those streamed, from the item held
+            return [self._start(call.name, call.arguments) for call in self._calls_from(self._at)]
         return []
+
+    def _calls_from(self, at: int) -> list[ToolCall]:
+        """The calls written one after another from `at`, each read whole, up to the first
+        that is not one."""
+        decoder, calls = json.JSONDecoder(), []
+        between = "," if self._in_list else self._separator
+        while True:
+            try:
+                value, at = decoder.raw_decode(self.text, _skip_space(self.text, at))
+            except json.JSONDecodeError:
+                break
+            call = _call(value)
+            if call is None:
+                break
+            calls.append(call)
+            at = _skip_space(self.text, at)
+            if not self.text.startswith(between or "\0", at):
+                break
+            at += 1
+        return calls
 
     def _step(self, deltas: list[CallDelta]) -> bool:
         """Read on from `_at`; False when more text is needed."""
@@ -140,7 +161,7 @@ class CallStream:
         head = _head(self.text, self._at)
         if head == _WAIT:
             return False
-        if head == _NOT_A_CALL:
+        if head == _NOT_A_CALL:  # `_at` stays where the item begins, to read it whole at the close
             self._phase = "whole"
             return False
         name, brace = head

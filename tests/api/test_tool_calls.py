@@ -136,6 +136,11 @@ FORMAT_CASES = [
     ("llama3_json", WEATHER, None, [("get_weather", {"city": "Paris", "days": 2})]),
     ("llama3_json", f"<|python_tag|>{WEATHER}; {WEATHER}", None, [("get_weather", {"city": "Paris", "days": 2})] * 2),
     ("llama3_json", "It is sunny in Paris.", "It is sunny in Paris.", []),
+    # the second call's keys in another order: read whole at the end, after the first streamed
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1}}; {"parameters": {"y": 2}, "name": "b"}', None,
+     [("a", {"x": 1}), ("b", {"y": 2})]),
+    ("llama3_json", '{"parameters": {"y": 2}, "name": "b"}; {"name": "a", "parameters": {"x": 1}}', None,
+     [("b", {"y": 2}), ("a", {"x": 1})]),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),  # JSON, but no call: content as written
     ("llama3_json", "<|python", "<|python", []),
     ("mistral", 'Let me look.[TOOL_CALLS][{"name": "a", "arguments": {"x": [1, "]"]}}, {"name": "b", "arguments": {}}]',
