@@ -8,26 +8,24 @@ decoded here; the worker reads them and says which it cannot.
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import binascii
 from typing import Any
 
 import httpx
 
 from api.errors import invalid_param
 from api.settings import Settings
+from producer.data_urls import decode_data_url, image_url_of, is_data_url
 
 
 def image_part(url: str, where: str) -> dict[str, Any]:
     """The job's part for a data URL: the image's bytes; 400 naming `where` if it is not one."""
-    header, comma, payload = url.partition(",")
-    if not (url.startswith("data:") and comma and header.endswith(";base64")):
-        raise invalid_param(where, "an image_url must be a base64 data URL (data:image/png;base64,...) "
-                            "or an http(s) URL")
     try:
-        return {"type": "image", "image": base64.b64decode(payload, validate=True)}
-    except binascii.Error:
-        raise invalid_param(where, "the image's data URL is not valid base64") from None
+        return {"type": "image", "image": decode_data_url(url)}
+    except ValueError as e:
+        hint = "" if is_data_url(url) else " or an http(s) URL"
+        raise invalid_param(where, f"{e}{hint}") from None
 
 
 async def inline_image_urls(messages: list[Any], settings: Settings) -> None:
@@ -42,9 +40,10 @@ async def inline_image_urls(messages: list[Any], settings: Settings) -> None:
         raise invalid_param(wanted[0][0], "this server does not fetch image URLs (GENQ_FETCH_IMAGE_URLS=false): "
                             "send the image as a data URL")
     async with httpx.AsyncClient(timeout=settings.image_fetch_timeout_s, follow_redirects=True) as client:
-        for where, part in wanted:
-            data, kind = await _fetch(client, url_of(part), where, settings.max_image_bytes)
-            part.image_url = {"url": f"data:{kind};base64,{base64.b64encode(data).decode()}"}
+        fetched = await asyncio.gather(*(_fetch(client, url_of(part), where, settings.max_image_bytes)
+                                         for where, part in wanted))
+    for (_, part), (data, kind) in zip(wanted, fetched, strict=True):
+        part.image_url = {"url": f"data:{kind};base64,{base64.b64encode(data).decode()}"}
 
 
 async def _fetch(client: httpx.AsyncClient, url: str, where: str, max_bytes: int) -> tuple[bytes, str]:
@@ -64,5 +63,4 @@ async def _fetch(client: httpx.AsyncClient, url: str, where: str, max_bytes: int
 
 
 def url_of(part: Any) -> str:
-    value = part.image_url
-    return str(value.get("url", "") if isinstance(value, dict) else value or "")
+    return str(image_url_of({"image_url": part.image_url}) or "")

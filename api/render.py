@@ -288,11 +288,7 @@ def _delta(req: RelayedRequest, choice: Choice, text: str) -> dict[str, Any]:
     first, choice.content_sent = not choice.content_sent, True
     if req.tool_call is None:
         return {"content": text}
-    call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-    if first:
-        call = {"index": 0, "id": req.tool_call_id(choice), "type": "function",
-                "function": {"name": req.tool_call, "arguments": text}}
-    return {"tool_calls": [call]}
+    return {"tool_calls": [_piece(req, choice, CallDelta(0, req.tool_call if first else None, text))]}
 
 
 def _split_reasoning(req: RelayedRequest, choice: Choice, event: Event) -> tuple[str, str]:

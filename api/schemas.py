@@ -205,6 +205,9 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
+
 
 class ChatCompletionRequest(_GenerationRequest):
     """`POST /v1/chat/completions`; the worker applies the model's chat template."""

@@ -33,8 +33,13 @@ class ToolCallReader:
         self._held = ""  # text not yet given out
         self._block: CallStream | None = None  # the open block's calls
         self._gap = ""  # whitespace before the open block: content only if it is no call
-        self.num_calls = 0  # calls given out so far
+        self._num_closed = 0  # calls of the blocks closed so far
         self._content_started = False
+
+    @property
+    def num_calls(self) -> int:
+        """Calls given out so far."""
+        return self._block.next_index if self._block is not None else self._num_closed
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._held += text
@@ -62,7 +67,6 @@ class ToolCallReader:
             content.append(before.rstrip())
             self._gap = before[len(before.rstrip()):]
             self._held, self._block = self._held[start + len(START):], CallStream(self.num_calls)
-        self.num_calls = self._block.next_index if self._block else self.num_calls
         return self._content("".join(content)), calls
 
     def finish(self) -> tuple[str, list[CallDelta]]:
@@ -86,7 +90,7 @@ class ToolCallReader:
             content.append(self._gap + START + block.text + (END if closed else ""))
             return
         calls += rest
-        self.num_calls = block.next_index
+        self._num_closed = block.next_index
 
     def _content(self, text: str) -> str:
         """Leading whitespace of the whole content is dropped, as a gap before a call."""

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgpack
 
+from producer.data_urls import image_url_of, is_data_url
 from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 
@@ -379,9 +380,7 @@ def _validate_part(part: Any, where: str) -> None:
         return
     if kind == "image" and isinstance(part.get("image"), bytes):
         return
-    url = part.get("image_url") if kind == "image_url" else None
-    url = url.get("url") if isinstance(url, dict) else url
-    if isinstance(url, str) and url.startswith("data:"):
+    if kind == "image_url" and is_data_url(image_url_of(part)):
         return
     raise ValueError(f"{where} must be a text part, an image part with bytes or an image_url part with a data URL")
 

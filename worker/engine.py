@@ -26,7 +26,7 @@ from worker.lora_request import LoRARequest
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.models.config import language_config
-from worker.multimodal import ImageInputs, ImageProcessor, images_of, takes_images
+from worker.multimodal import ImageInputs, ImageProcessor, chat_images, images_of, takes_images
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
@@ -413,9 +413,12 @@ class Engine:
         tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> dict[str, Any]:
-        """The prompt for a conversation (producer.chat_template.render_chat)."""
-        return render_chat(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
-                           **template_kwargs)
+        """The prompt for a conversation (producer.chat_template.render_chat), with the
+        images its messages' content parts carry (worker.multimodal.chat_images)."""
+        messages, images = chat_images(messages)
+        prompt = render_chat(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
+                             **template_kwargs)
+        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
 
 
 def _bad_word_bans(requests: list[Request], row_outputs: list[list[int]]) -> list[list[int]] | None:

@@ -15,7 +15,6 @@ from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.engine import Engine, PromptInput
 from worker.lora_request import LoRARequest
-from worker.multimodal import chat_images
 from worker.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -175,12 +174,12 @@ class LLM:
             [messages] if messages and isinstance(messages[0], dict) else messages,
         )
         add = add_generation_prompt and not continue_final_message
-        prompts: list[PromptInput] = []
-        for conversation in conversations:
-            messages, images = chat_images(conversation)
-            prompt = self.engine.apply_chat_template(messages, add, tools, continue_final_message,
-                                                     **(chat_template_kwargs or {}))
-            prompts.append({**prompt, "multi_modal_data": {"image": images}} if images else prompt)
+        prompts: list[PromptInput] = [
+            self.engine.apply_chat_template(
+                c, add, tools, continue_final_message, **(chat_template_kwargs or {})
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

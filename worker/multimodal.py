@@ -21,7 +21,6 @@ nothing it should not.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import logging
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from producer.data_urls import decode_data_url, image_url_of, is_data_url
 from worker.model_loader import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -269,12 +269,10 @@ def chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
 
 
 def _part_image(part: dict[str, Any], kind: str, index: int) -> Any:
-    value = part.get(kind)
-    if kind == "image_url":
-        value = value.get("url") if isinstance(value, dict) else value
-        if not (isinstance(value, str) and value.startswith("data:")):
-            raise ValueError(f"image {index}: only data URLs (data:image/png;base64,...) are read here, "
-                             f"got {str(value)[:40]!r}")
+    value = image_url_of(part) if kind == "image_url" else part.get(kind)
+    if kind == "image_url" and not is_data_url(value):
+        raise ValueError(f"image {index}: only data URLs (data:image/png;base64,...) are read here, "
+                         f"got {str(value)[:40]!r}")
     if value is None:
         raise ValueError(f"image {index}: a {kind!r} part needs its {kind!r} field")
     return value
@@ -287,11 +285,11 @@ def _as_image(image: Any, index: int) -> Any:
 
     if isinstance(image, Image.Image):
         return image
-    if isinstance(image, str) and image.startswith("data:"):
-        header, _, payload = image.partition(",")
-        if not header.endswith(";base64"):
-            raise ValueError(f"image {index}: a data URL must be base64 (data:image/png;base64,...)")
-        image = base64.b64decode(payload, validate=False)
+    if is_data_url(image):
+        try:
+            image = decode_data_url(image)
+        except ValueError as e:
+            raise ValueError(f"image {index}: {e}") from None
     if isinstance(image, (bytes, bytearray)):
         try:
             picture = Image.open(io.BytesIO(image))

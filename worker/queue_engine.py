@@ -280,12 +280,9 @@ class EngineThread:
 
     def _prompt(self, job: Job) -> Any:
         if job.messages is not None:
-            # imported here: it brings torch, and this module stays cheap to import
-            from worker.multimodal import chat_images
-
-            messages, images = chat_images(job.messages)
-            prompt = self.engine.apply_chat_template(messages, tools=job.tools, **(job.chat_template_kwargs or {}))
-            return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
+            return self.engine.apply_chat_template(
+                job.messages, tools=job.tools, **(job.chat_template_kwargs or {})
+            )
         if job.prompt_token_ids is not None:
             return {"prompt_token_ids": job.prompt_token_ids}
         return job.prompt

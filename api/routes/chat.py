@@ -24,10 +24,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     """Messages in, one assistant message per choice out; `stream: true` answers with SSE."""
     renderer = ChatRenderer()
     check_tool_parser(body, state.settings)
+    if body.use_beam_search and any(m.has_images() for m in body.messages):
+        raise invalid_param("use_beam_search", "beam search over messages with images is not supported")
     await inline_image_urls(body.messages, state.settings)
     if body.use_beam_search:
-        if any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content) for m in body.messages):
-            raise invalid_param("use_beam_search", "beam search over messages with images is not supported")
         return await unless_disconnected(request, beam_search.respond(state, body, [chat_prompt(body)], renderer))
     req = await generate.start(state, body, [chat_prompt(body)], renderer)
     if body.stream:

@@ -52,7 +52,7 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> dict[str, Any]:
     model, max_model_len = await base_model(state.cluster, await resolve_model(state, body.model))
     tokenizer = await state.tokenizers.get(state.client, model)
     if body.messages is not None:
-        if any(isinstance(m.content, list) and any(p.type != "text" for p in m.content) for m in body.messages):
+        if any(m.has_images() for m in body.messages):
             raise invalid_param("messages", "messages with images cannot be tokenized here: the worker widens "
                                 "each image into as many tokens as its size makes")
         ids = _chat_ids(tokenizer, body)

@@ -120,3 +120,11 @@ def test_fetching_can_be_turned_off(live_worker: str, serve_api, served_model: s
             client.chat.completions.create(model=served_model, messages=_messages(f"{image_server}/image.png"),
                                            **GREEDY)
         client.close()
+
+
+def test_beam_search_over_images_is_refused(oai: openai.OpenAI, served_model: str, image_server: str) -> None:
+    """Refused before any image is fetched: the URL here would answer 404."""
+    with pytest.raises(openai.BadRequestError, match="beam search over messages with images") as info:
+        oai.chat.completions.create(model=served_model, messages=_messages(f"{image_server}/missing.png"), n=2,
+                                    max_tokens=4, extra_body={"use_beam_search": True})
+    assert info.value.body["param"] == "use_beam_search"
