@@ -102,6 +102,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[list[int]]] = {}  # request id -> a block table per group
         self.num_released: dict[str, list[int]] = {}  # request id -> leading entries released, per group
+        self.num_registered: dict[str, list[int]] = {}  # request id -> leading blocks offered to the cache, per group
+        self._windowed = any(window is not None for window in self.windows)
         self.stats = PrefixCacheStats()
 
     @property
@@ -199,16 +201,19 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         self._hash_full_blocks(request)
+        done = self.num_registered.setdefault(request.request_id, [0] * len(self.windows))
         for group, table in enumerate(self.block_tables(request.request_id)):
             num_full = min(request.num_computed_tokens // self.block_size, len(table))
-            for i in range(num_full):
+            for i in range(done[group], num_full):  # each block once: not the whole table every step
                 self.pool.register(table[i], (group, request.block_hashes[i]))
+            done[group] = max(done[group], num_full)
 
     def free_request(self, request_id: str) -> None:
         """Release a request's blocks. Tail blocks are queued for eviction before head blocks,
         since heads (system prompts, shared prefixes) are the likeliest to be reused."""
         tables = self.req_blocks.pop(request_id, [])
         self.num_released.pop(request_id, None)
+        self.num_registered.pop(request_id, None)
         for table in tables:
             for block_id in reversed(table):
                 self.pool.unref(block_id)
@@ -217,7 +222,7 @@ class BlockManager:
         """Give back the blocks of windowed groups that the query at `num_computed` and every
         later one will not read; returns how many were released."""
         tables = self.req_blocks.get(request_id)
-        if tables is None:
+        if tables is None or not self._windowed:
             return 0
         released = self.num_released.setdefault(request_id, [0] * len(self.windows))
         count = 0
