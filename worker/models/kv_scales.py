@@ -50,12 +50,15 @@ def scale_target(hf_name: str) -> tuple[int, str] | None:
 
 @dataclass(frozen=True)
 class KVScales:
-    """One layer's scales, laid out for the heads they serve."""
+    """One layer's scales, laid out for the heads they serve. One a layer (every head's the
+    same) folds into attention's softmax scale and one product of the output; one per KV head
+    scales each query head."""
 
     k: torch.Tensor  # [num_kv_heads, 1] float32: the cache holds k / k
     v: torch.Tensor
     q_heads: torch.Tensor  # [num_heads, 1]: each query head's KV head's k scale
     out_heads: torch.Tensor  # [num_heads, 1]: ... and v scale
+    per_layer: tuple[float, float] | None = None  # (k, v) when every head shares them
 
     @classmethod
     def of(cls, k_scale: torch.Tensor, v_scale: torch.Tensor, num_kv_heads: int, num_heads: int,
@@ -64,17 +67,25 @@ class KVScales:
                     for t, kind in ((k_scale, "k"), (v_scale, "v"))]
         group = num_heads // num_kv_heads  # query head h reads KV head h // group
         k, v = per_head
-        return cls(k, v, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0))
+        shared = all(bool((t == t[0]).all()) for t in (k, v))
+        return cls(k, v, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
+                   (float(k[0]), float(v[0])) if shared else None)
 
     def into_cache(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor  # [T, heads, D]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The query scaled and the keys and values as the cache holds them."""
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float  # [T, heads, D]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """The query (or the softmax scale) scaled, and the keys and values as the cache holds
+        them."""
+        if self.per_layer is not None:
+            k_scale, v_scale = self.per_layer
+            return q, k / k_scale, v / v_scale, scale * k_scale
         return ((q.float() * self.q_heads).to(q.dtype), (k.float() / self.k).to(k.dtype),
-                (v.float() / self.v).to(v.dtype))
+                (v.float() / self.v).to(v.dtype), scale)
 
     def out_of_cache(self, o: torch.Tensor) -> torch.Tensor:  # [T, num_heads, D]
         """Attention over values the cache holds divided by their scale, scaled back."""
+        if self.per_layer is not None:
+            return o * self.per_layer[1]
         return (o.float() * self.out_heads).to(o.dtype)
 
 

@@ -216,10 +216,10 @@ class Attention(nn.Module):
         qk = rope(qk, self.num_heads)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        scales = self.kv_scales if kv_cache[0].dtype == FP8 else None
+        scales, scale = self.kv_scales if kv_cache[0].dtype == FP8 else None, self.scale
         if scales is not None:
-            q, k, v = scales.into_cache(q, k, v)
-        o = meta.forward(q, k, v, kv_cache, self.scale, self.sliding_window, self.softcap, self.sinks)
+            q, k, v, scale = scales.into_cache(q, k, v, scale)
+        o = meta.forward(q, k, v, kv_cache, scale, self.sliding_window, self.softcap, self.sinks)
         if scales is not None:
             o = scales.out_of_cache(o)
         o = o.view(num_tokens, self.q_size)
