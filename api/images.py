@@ -21,6 +21,8 @@ from producer.data_urls import decode_data_url, image_url_of, is_data_url
 
 def image_part(url: str, where: str) -> dict[str, Any]:
     """The job's part for a data URL: the image's bytes; 400 naming `where` if it is not one."""
+    if url.startswith(("http://", "https://")):  # left by a path that does not fetch (a batch line)
+        raise invalid_param(where, "image URLs are fetched for chat and Responses requests only: send a data URL")
     try:
         return {"type": "image", "image": decode_data_url(url)}
     except ValueError as e:

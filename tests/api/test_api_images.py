@@ -128,3 +128,15 @@ def test_beam_search_over_images_is_refused(oai: openai.OpenAI, served_model: st
         oai.chat.completions.create(model=served_model, messages=_messages(f"{image_server}/missing.png"), n=2,
                                     max_tokens=4, extra_body={"use_beam_search": True})
     assert info.value.body["param"] == "use_beam_search"
+
+
+def test_a_batch_line_takes_data_urls_only() -> None:
+    """Batch lines are planned without fetching: an http URL there is a 400 saying so."""
+    from api.errors import APIError
+    from api.routes.chat import chat_prompt
+    from api.schemas import ChatCompletionRequest
+
+    assert chat_prompt(ChatCompletionRequest(model="m", messages=_messages(DATA_URL)))[0]["content"][1]["image"] == PNG.getvalue()
+    with pytest.raises(APIError, match="fetched for chat and Responses requests only") as info:
+        chat_prompt(ChatCompletionRequest(model="m", messages=_messages("http://127.0.0.1:9/x.png")))
+    assert info.value.param == "messages[0].content[1].image_url"
