@@ -64,6 +64,15 @@ class ImageSpan:
     digest: int
 
 
+@dataclass(frozen=True)
+class PreparedImages:
+    """A prompt's images as the encoder takes them, before the prompt's tokens are known."""
+
+    pixel_values: torch.Tensor  # [num_images, 3, height, width], padded to the largest
+    image_sizes: torch.Tensor  # [num_images, 2]: each image's (height, width) as resized
+    digests: list[int]  # of each image's pixels
+
+
 @dataclass
 class ImageInputs:
     """A prompt's images, processed: pixels for the encoder and where their tokens go."""
@@ -92,16 +101,24 @@ class ImageProcessor:
         self.end_token_id = tokenizer.convert_tokens_to_ids(processor.get("image_end_token", "[IMG_END]"))
         self.patch = int(hf_config.vision_config.patch_size) * int(getattr(hf_config, "spatial_merge_size", 1))
 
-    def process(self, prompt_ids: list[int], images: list[Any]) -> tuple[list[int], ImageInputs]:
+    def prepare(self, images: list[Any]) -> PreparedImages:
+        """Images read, resized and normalized, and their pixels hashed: the costly part, which
+        holds no state, so a thread other than the engine's may do it (worker.queue_engine)."""
+        pictures = [_as_image(image, i) for i, image in enumerate(images)]
+        batch = self.images(images=pictures, patch_size=self.patch, return_tensors="pt")
+        pixels, sizes = batch["pixel_values"], batch["image_sizes"]
+        return PreparedImages(pixels, sizes, [_digest(pixels[k], sizes[k]) for k in range(len(pictures))])
+
+    def process(self, prompt_ids: list[int], images: list[Any] | PreparedImages) -> tuple[list[int], ImageInputs]:
         """The prompt with each image token widened to its image's rows; ValueError when the
         placeholders and images do not pair up."""
         found = prompt_ids.count(self.image_token_id)
-        if found != len(images):
+        count = len(images.digests) if isinstance(images, PreparedImages) else len(images)
+        if found != count:
             raise ValueError(f"the prompt has {found} image placeholder(s) (token id {self.image_token_id}) "
-                             f"but {len(images)} image(s) were given: put one placeholder where each image goes")
-        pictures = [_as_image(image, i) for i, image in enumerate(images)]
-        batch = self.images(images=pictures, patch_size=self.patch, return_tensors="pt")
-        sizes = batch["image_sizes"]
+                             f"but {count} image(s) were given: put one placeholder where each image goes")
+        prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
+        sizes = prepared.image_sizes
         ids: list[int] = []
         spans: list[ImageSpan] = []
         positions: list[int] = []
@@ -116,10 +133,10 @@ class ImageProcessor:
             tokens[-1] = self.end_token_id
             positions += [len(ids) + i for i, t in enumerate(tokens) if t == self.image_token_id]
             num_embeds.append(rows * cols)
-            spans.append(ImageSpan(len(ids), len(tokens), _digest(batch["pixel_values"][k], sizes[k])))
+            spans.append(ImageSpan(len(ids), len(tokens), prepared.digests[k]))
             ids += tokens
             k += 1
-        return ids, ImageInputs(batch["pixel_values"], sizes, spans, positions, num_embeds)
+        return ids, ImageInputs(prepared.pixel_values, sizes, spans, positions, num_embeds)
 
 
 class ImageEncoder(nn.Module):
@@ -234,8 +251,9 @@ class ImageEmbeddings:
         return [row_start + p - start for p in positions[lo:hi]], embeds[lo:hi]
 
 
-def images_of(prompt: Any) -> list[Any]:
-    """The images a prompt dict carries (`multi_modal_data`: {"image": one or a list})."""
+def images_of(prompt: Any) -> list[Any] | PreparedImages:
+    """The images a prompt dict carries (`multi_modal_data`: {"image": one, a list, or them
+    prepared already})."""
     if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
         return []
     data = prompt["multi_modal_data"]
@@ -243,6 +261,8 @@ def images_of(prompt: Any) -> list[Any]:
     if unknown:
         raise ValueError(f"multi_modal_data of kind {unknown[0]!r} is not supported; supported: image")
     images = data.get("image")
+    if isinstance(images, PreparedImages):
+        return images
     return list(images) if isinstance(images, (list, tuple)) else [images]
 
 

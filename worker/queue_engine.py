@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from worker.queue_adapters import ServedAdapters
 
 if TYPE_CHECKING:
     from worker.engine import Engine
+    from worker.multimodal import PreparedImages
     from worker.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ class AddRequest:
     job: Job
     index: int | None = None  # set: run only this completion (n = 1), a resumed n > 1 job
     resume_token_ids: list[int] | None = None  # tokens already sent for it
+    # the job's images, read and resized in a thread of their own (None: no images)
+    images: Future[PreparedImages | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ class EngineThread:
         self._initial_registry: dict[str, str] = {}
         self._mean_request_tokens: float | None = None
         self._thread = threading.Thread(target=self._main, name="genq-engine", daemon=True)
+        self._images: ThreadPoolExecutor | None = None  # prepares chat jobs' images
 
     async def start(self, adapter_registry: dict[str, str] | None = None) -> Engine:
         """Start the thread and wait until the engine is built, with the configured LoRA
@@ -148,7 +153,24 @@ class EngineThread:
         return self.engine
 
     def add(self, request: AddRequest) -> None:
+        """Queue a job for the engine. A chat job's images are read, resized and normalized
+        meanwhile in another thread: costly work the engine thread would do between steps."""
+        engine = getattr(self, "engine", None)  # set once the thread has built it
+        if request.job.messages is not None and engine is not None and engine.image_processor is not None:
+            request = replace(request, images=self._image_pool().submit(self._prepare_images, request.job))
         self._commands.put(request)
+
+    def _image_pool(self) -> ThreadPoolExecutor:
+        if self._images is None:
+            self._images = ThreadPoolExecutor(max_workers=2, thread_name_prefix="genq-images")
+        return self._images
+
+    def _prepare_images(self, job: Job) -> PreparedImages | None:
+        from worker.multimodal import chat_images  # loaded by now: the engine imported it
+
+        assert job.messages is not None and self.engine.image_processor is not None
+        images = chat_images(job.messages)[1]
+        return self.engine.image_processor.prepare(images) if images else None
 
     def follow_adapters(self, registry: dict[str, str]) -> None:
         """Serve the runtime LoRA registry's adapters (read in the engine thread)."""
@@ -162,6 +184,8 @@ class EngineThread:
         """Stop after the current step; waits for the thread."""
         self._commands.put(_Stop())
         self._thread.join(timeout_s)
+        if self._images is not None:
+            self._images.shutdown(wait=False, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
@@ -258,7 +282,7 @@ class EngineThread:
                             "(the LoRA adapter was unloaded)", ERROR_INVALID_REQUEST)
         try:
             self.engine.add_request(
-                request.engine_id, self._prompt(job), params, priority=job.priority,
+                request.engine_id, self._prompt(job, request.images), params, priority=job.priority,
                 resume_output_token_ids=request.resume_token_ids or None, lora_request=lora,
                 pooling_params=job.pooling_params,
             )
@@ -278,11 +302,13 @@ class EngineThread:
         mean = self._mean_request_tokens
         self._mean_request_tokens = size if mean is None else mean + PROMPT_EMA_WEIGHT * (size - mean)
 
-    def _prompt(self, job: Job) -> Any:
+    def _prompt(self, job: Job, images: Future[PreparedImages | None] | None = None) -> Any:
         if job.messages is not None:
-            return self.engine.apply_chat_template(
+            prompt = self.engine.apply_chat_template(
                 job.messages, tools=job.tools, **(job.chat_template_kwargs or {})
             )
+            prepared = images.result() if images is not None else None  # raises what reading them raised
+            return {**prompt, "multi_modal_data": {"image": prepared}} if prepared is not None else prompt
         if job.prompt_token_ids is not None:
             return {"prompt_token_ids": job.prompt_token_ids}
         return job.prompt
