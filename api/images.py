@@ -32,10 +32,15 @@ def image_part(url: str, where: str) -> dict[str, Any]:
 
 async def inline_image_urls(messages: list[Any], settings: Settings) -> None:
     """Replace each http(s) image URL of the messages' content parts by a data URL of what it
-    serves; 400 naming the part when it cannot be fetched, is too large, or fetching is off."""
-    wanted = [(f"messages[{i}].content[{j}].image_url", part) for i, message in enumerate(messages)
+    serves; 400 naming the part when it cannot be fetched, is too large, or fetching is off,
+    and naming `messages` when they hold more images than GENQ_MAX_IMAGES_PER_REQUEST."""
+    images = [(f"messages[{i}].content[{j}].image_url", part) for i, message in enumerate(messages)
               if isinstance(message.content, list) for j, part in enumerate(message.content)
-              if part.type == "image_url" and url_of(part).startswith(("http://", "https://"))]
+              if part.type == "image_url"]
+    if len(images) > settings.max_images_per_request:
+        raise invalid_param("messages", f"the messages hold {len(images)} images, more than this server takes in "
+                            f"one request ({settings.max_images_per_request}, GENQ_MAX_IMAGES_PER_REQUEST)")
+    wanted = [(where, part) for where, part in images if url_of(part).startswith(("http://", "https://"))]
     if not wanted:
         return
     if not settings.fetch_image_urls:

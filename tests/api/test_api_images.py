@@ -113,12 +113,18 @@ def test_bad_images_are_a_400_naming_them(oai: openai.OpenAI, served_model: str,
     assert info.value.body["param"] == param
 
 
-def test_fetching_can_be_turned_off(live_worker: str, serve_api, served_model: str, image_server: str) -> None:
-    with serve_api(Settings(redis_url=live_worker, fetch_image_urls=False)) as url:
+def test_fetching_can_be_turned_off_and_images_capped(live_worker: str, serve_api, served_model: str,
+                                                      image_server: str) -> None:
+    with serve_api(Settings(redis_url=live_worker, fetch_image_urls=False, max_images_per_request=1)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="GENQ_FETCH_IMAGE_URLS=false"):
             client.chat.completions.create(model=served_model, messages=_messages(f"{image_server}/image.png"),
                                            **GREEDY)
+        two = _messages(DATA_URL)
+        two[0]["content"].append(two[0]["content"][1])
+        with pytest.raises(openai.BadRequestError, match="hold 2 images, more than this server takes") as info:
+            client.chat.completions.create(model=served_model, messages=two, **GREEDY)
+        assert info.value.body["param"] == "messages"
         client.close()
 
 
