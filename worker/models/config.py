@@ -248,13 +248,6 @@ class ModelConfig:
             **_variant_fields(hf_config, family),
         )
 
-    @property
-    def attention_span(self) -> int | None:
-        """How many positions back any layer reads: the largest window when every layer has
-        one (Mistral v0.1, Phi-3-mini-4k), else None (unbounded)."""
-        windows = [w for w in self.layer_windows if w is not None]
-        return max(windows) if windows and len(windows) == len(self.layer_windows) else None
-
     def rope_inv_freq(self, kind: str = "full_attention") -> tuple[torch.Tensor, float]:
         """Inverse frequencies [head_dim / 2] and the attention scaling of the RoPE variant of
         the layers of `kind` (full_attention, or sliding_attention where local_rope)."""
