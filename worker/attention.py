@@ -148,6 +148,11 @@ class GroupedMetadata:
 
     layers: list[Any]  # per layer
 
+    @staticmethod
+    def of(metas: list[Any], layer_group: list[int]) -> Any:
+        """A step's metadata: one group's as it is, several groups' each to its layers."""
+        return metas[0] if len(metas) == 1 else GroupedMetadata([metas[g] for g in layer_group])
+
     def for_layer(self, index: int) -> Any:
         return self.layers[index]
 

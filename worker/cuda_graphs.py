@@ -121,7 +121,7 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_model_len,
         ) for g in range(self.slot_mapping.shape[0])]
-        meta = metas[0] if len(metas) == 1 else GroupedMetadata([metas[g] for g in self.layer_group])
+        meta = GroupedMetadata.of(metas, self.layer_group)
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()

@@ -251,7 +251,7 @@ class ModelRunner:
             slots = self._slots(group_tables, seq_of_token, positions)
             metas.append(self.attention.build(batch, group_tables, slots, kinds, like=first.get(kinds)))
             first.setdefault(kinds, metas[-1])
-        meta = metas[0] if len(metas) == 1 else GroupedMetadata([metas[g] for g in self.layer_group])
+        meta = GroupedMetadata.of(metas, self.layer_group)
         return input_ids, positions, meta
 
     def _image_rows(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
