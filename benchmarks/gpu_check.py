@@ -16,8 +16,8 @@ reports the parts it finished):
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
    biased experts; and with MXFP4 experts), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
-   greedy, CUDA against CPU; and a Mistral 3 around it (a Pixtral tower) on a prompt with
-   two images, CUDA against CPU;
+   greedy, CUDA against CPU; and a Mistral 3 (a Pixtral tower) and a Qwen2.5-VL (M-RoPE)
+   around it on a prompt with two images, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -215,10 +215,12 @@ def check_remade_vs_cpu(model: str | None, arch: str, devices: tuple[str, str] =
 
 
 def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "cuda"), num_tokens: int = 16) -> list[str]:
-    """The model's shape remade as Mistral 3 around it (a two-layer Pixtral tower, patches of
-    14 merged two by two; seeded random weights): greedy on a prompt with two images, on CUDA
-    against the CPU path in float32. The image embeddings enter the eager prefill; decode
-    runs in the CUDA graphs."""
+    """The model's shape remade as two image-text models around it (seeded random weights),
+    greedy on a prompt with two images, on CUDA against the CPU path in float32: Mistral 3 (a
+    two-layer Pixtral tower, patches of 14 merged two by two) and Qwen2.5-VL (a two-block
+    windowed vision transformer; M-RoPE, whose prompt rows the rotary kernel reads from a
+    table of the step's own). The image embeddings enter the eager prefill; decode runs in
+    the CUDA graphs (for Qwen2.5-VL, at positions shifted by the images)."""
     import json
     import tempfile
     from pathlib import Path
@@ -226,31 +228,50 @@ def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "c
     import numpy as np
     from PIL import Image
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from worker import LLM, SamplingParams
 
     tokens = {"image_token": "<issue_closed>", "image_break_token": "<issue_start>", "image_end_token": "<issue_comment>"}
     images = [Image.fromarray(np.random.RandomState(seed).randint(0, 255, (h, w, 3), dtype=np.uint8))
               for seed, (h, w) in enumerate([(200, 150), (90, 224)])]
-    prompt = {"prompt": "Compare <issue_closed> with <issue_closed> in a word:", "multi_modal_data": {"image": images}}
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(remake(model, "qwen3", tmp))  # for its tokenizer files; the config is replaced below
-        text = json.loads((out / "config.json").read_text())
-        text.update(architectures=["LlamaForCausalLM"], model_type="llama")
-        vision = {"model_type": "pixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-                  "num_attention_heads": 4, "head_dim": 64, "image_size": 224, "patch_size": 14}
-        config = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "text_config": text,
-                  "vision_config": vision, "spatial_merge_size": 2, "image_token_index": 10,
-                  "projector_hidden_act": "gelu", "multimodal_projector_bias": False, "vision_feature_layer": -1}
-        (out / "config.json").write_text(json.dumps(config))
-        PixtralImageProcessorPil(size={"longest_edge": 224}, patch_size=14).save_pretrained(out)
-        (out / "processor_config.json").write_text(json.dumps({**tokens, "patch_size": 14, "spatial_merge_size": 2}))
-        runs = []
-        for device in devices:
-            llm = LLM(str(out), dtype="float32", device=device, max_model_len=2048, load_format="dummy")
-            runs.append([llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids])
-    return [f"greedy mistral3 images {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}"]
+    lines = []
+    for arch in ("mistral3", "qwen2_5_vl"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(remake(model, "qwen3", tmp))  # for its tokenizer files; the config is replaced below
+            text = json.loads((out / "config.json").read_text())
+            if arch == "mistral3":
+                image = "<issue_closed>"
+                text.update(architectures=["LlamaForCausalLM"], model_type="llama")
+                vision = {"model_type": "pixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "head_dim": 64, "image_size": 224, "patch_size": 14}
+                config = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+                          "text_config": text, "vision_config": vision, "spatial_merge_size": 2, "image_token_index": 10,
+                          "projector_hidden_act": "gelu", "multimodal_projector_bias": False, "vision_feature_layer": -1}
+                PixtralImageProcessorPil(size={"longest_edge": 224}, patch_size=14).save_pretrained(out)
+                (out / "processor_config.json").write_text(json.dumps({**tokens, "patch_size": 14,
+                                                                       "spatial_merge_size": 2}))
+            else:
+                image = "<issue_start><issue_closed><issue_comment>"
+                half = (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]) // 2
+                sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+                text.update(model_type="qwen2_5_vl_text", rope_parameters={
+                    "rope_type": "default", "rope_theta": text.get("rope_theta", 10000.0), "mrope_section": sections})
+                vision = {"depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
+                          "out_hidden_size": text["hidden_size"], "fullatt_block_indexes": [1]}
+                config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+                          "text_config": text, "vision_config": vision, "image_token_id": 10,
+                          "vision_start_token_id": 8, "vision_end_token_id": 9}
+                Qwen2VLImageProcessorPil(max_pixels=224 * 224).save_pretrained(out)
+            (out / "config.json").write_text(json.dumps(config))
+            prompt = {"prompt": f"Compare {image} with {image} in a word:", "multi_modal_data": {"image": images}}
+            runs = []
+            for device in devices:
+                llm = LLM(str(out), dtype="float32", device=device, max_model_len=2048, load_format="dummy")
+                runs.append([llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids])
+        lines.append(f"greedy {arch} images {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}")
+    return lines
 
 
 def _compare(a: list[list[int]], b: list[list[int]]) -> str:

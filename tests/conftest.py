@@ -367,6 +367,42 @@ def tiny_mistral3_dir(tmp_path_factory, default_model_dir) -> Path:
     return out
 
 
+QWEN_VL_PATCH, QWEN_VL_MERGE = 8, 2
+# Qwen2.5-VL's <|vision_start|>, <|image_pad|> and <|vision_end|>, as three of the tokenizer's special tokens
+QWEN_VL_IMAGE = "<issue_start><issue_closed><issue_comment>"
+QWEN_VL_TEMPLATE = MISTRAL3_TEMPLATE.replace("{% else %}<issue_closed>{% endif %}",
+                                             "{% else %}" + QWEN_VL_IMAGE + "{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_vl_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A Qwen2.5-VL that takes images: a two-block vision transformer (one windowed, windows
+    of 2 x 2 merged patches, one whole) and its patch merger around the tiny Qwen2 with M-RoPE
+    sections, its image token at id 10, and a chat template that writes an image part as
+    vision start, image pad, vision end."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    torch.manual_seed(0)
+    text = tiny_hf_config("qwen2")
+    text_dict = {**text.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "mrope_section": [2, 3, 3]}}
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=text.hidden_size, num_heads=2, intermediate_size=64,
+                  patch_size=QWEN_VL_PATCH, spatial_merge_size=QWEN_VL_MERGE, window_size=2 * QWEN_VL_PATCH * 2,
+                  fullatt_block_indexes=[1])
+    config = Qwen2_5_VLConfig(text_config=text_dict, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings,
+                              image_token_id=10, vision_start_token_id=8, vision_end_token_id=9)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("qwen-vl")
+    model.save_pretrained(out)
+    copy_tokenizer(default_model_dir, out)
+    factor = QWEN_VL_PATCH * QWEN_VL_MERGE
+    Qwen2VLImageProcessorPil(patch_size=QWEN_VL_PATCH, merge_size=QWEN_VL_MERGE, min_pixels=factor * factor,
+                             max_pixels=64 * 64).save_pretrained(out)
+    (out / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_longrope_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("phi3_longrope", tmp_path_factory.mktemp("phi3_longrope"), default_model_dir)

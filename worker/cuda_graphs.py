@@ -81,16 +81,17 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledRequest]) -> torch.Tensor:  # [B, hidden]
+    def run(self, batch: list[ScheduledRequest], rope: list[int] | None = None) -> torch.Tensor:  # [B, hidden]
+        """`rope`: the rows' rotary positions where they are not their positions (M-RoPE)."""
         size = next(n for n in self.sizes if n >= len(batch))
         self.num_steps[size] += 1
-        self._fill(batch, size)
+        self._fill(batch, size, rope)
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][: len(batch)]
         return self._forward(size)[: len(batch)]
 
-    def _fill(self, batch: list[ScheduledRequest], size: int) -> None:
+    def _fill(self, batch: list[ScheduledRequest], size: int, rope: list[int] | None = None) -> None:
         """Copy the batch into the static buffers, rows past it set to padding."""
         bs = self.block_size
         pad = size - len(batch)
@@ -99,7 +100,7 @@ class DecodeGraphs:
         tables = [s.tables() for s in batch]
         slots = [[t[g][p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)] + [-1] * pad
                  for g in groups]
-        rows = torch.tensor([[s.token_ids[0] for s in batch] + [0] * pad, positions + [0] * pad,
+        rows = torch.tensor([[s.token_ids[0] for s in batch] + [0] * pad, (rope or positions) + [0] * pad,
                              [p + 1 for p in positions] + [0] * pad, *slots])  # [3 + G, size]
         rows = rows.to(self.device, non_blocking=True)
         self.input_ids[:size].copy_(rows[0])

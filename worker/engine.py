@@ -26,7 +26,7 @@ from worker.lora_request import LoRARequest
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.models.config import language_config
-from worker.multimodal import ImageInputs, ImageProcessor, chat_images, images_of, takes_images
+from worker.multimodal import ImageInputs, chat_images, image_processor, images_of, takes_images
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
@@ -61,7 +61,7 @@ class Engine:
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len,
                                   image_config=whole_config if images else None)
         # where the model takes images: what makes their pixels and tokens
-        self.image_processor = ImageProcessor(self.model_path, whole_config, self.tokenizer) if images else None
+        self.image_processor = image_processor(self.model_path, whole_config, self.tokenizer) if images else None
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))

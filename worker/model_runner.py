@@ -31,7 +31,7 @@ from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
-from worker.multimodal import ImageEmbeddings, ImageEncoder, ImageInputs
+from worker.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class ModelRunner:
             # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
             pack_linears(self.model, batch_hint=config.max_num_seqs)
             pack_experts(self.model, batch_hint=config.max_num_seqs)
-        self.image_encoder = None if image_config is None else ImageEncoder.load(
+        self.image_encoder = None if image_config is None else load_image_encoder(
             model_path, image_config, self.dtype, self.device, dummy=config.load_format == "dummy")
         self.image_embeds = ImageEmbeddings()
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
@@ -122,7 +122,7 @@ class ModelRunner:
         encoder = self.image_encoder
         assert encoder is not None, "this model takes no images"
         embeds = self.image_embeds.embeddings(inputs, lambda pixels, sizes: encoder(pixels, sizes).to(self.dtype))
-        self.image_embeds.add(request_ids, inputs.positions, embeds)  # [len(inputs.positions), hidden]
+        self.image_embeds.add(request_ids, inputs, embeds)  # [len(inputs.positions), hidden]
 
     def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
@@ -209,10 +209,14 @@ class ModelRunner:
         if self.lora is not None:
             lora = self.lora.mapping([s.lora_id for s in batch], [len(s.token_ids) for s in batch])
         images = self._image_rows(batch)
-        if self.graphs is not None and lora is None and images is None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)  # [B, hidden]
+        rope = self._rope_positions(batch)
+        if (self.graphs is not None and lora is None and images is None and not isinstance(rope, torch.Tensor)
+                and self.graphs.can_run(batch)):
+            hidden = self.graphs.run(batch, rope)  # [B, hidden]
         else:  # eager: prefills, and steps with adapters (the graphs hold the base model only)
             input_ids, positions, meta = self._prepare(batch)
+            if rope is not None:
+                positions = torch.as_tensor(rope, dtype=torch.long).to(self.device)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images)  # [T, hidden]
         ends = _row_ends(batch)
         # a sampling request's last row, and one more per guessed token before it
@@ -269,6 +273,22 @@ class ModelRunner:
         if not rows:
             return None
         return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(embeds)
+
+    def _rope_positions(self, batch: list[ScheduledRequest]) -> list[int] | torch.Tensor | None:
+        """The step's rotary positions where some request's are not its positions (M-RoPE,
+        after an image): a list where the three streams agree on every row, else [3, T];
+        None where every row rotates by its position."""
+        if not self.image_embeds:
+            return None
+        ropes = [self.image_embeds.rope_positions(s.request_id, s.start_pos, s.start_pos + len(s.token_ids))
+                 for s in batch]
+        if all(rope is None for rope in ropes):
+            return None
+        rows = [list(range(s.start_pos, s.start_pos + len(s.token_ids))) if rope is None else rope
+                for s, rope in zip(batch, ropes, strict=True)]
+        if all(isinstance(row, list) for row in rows):
+            return [p for row in rows for p in row]  # type: ignore[union-attr]
+        return torch.cat([torch.tensor(row).expand(3, -1) if isinstance(row, list) else row for row in rows], dim=1)
 
     def _slots(self, tables: list[list[int]], seq_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         bs = self.block_size

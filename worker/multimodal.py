@@ -1,12 +1,21 @@
 """Images in prompts (vLLM's `multi_modal_data`): an image-text model's vision encoder turns
 each image into embeddings that take the place of its placeholder tokens in the prompt.
 
-Supported: Mistral 3 (Mistral Small 3.1 and 3.2: Pixtral's vision encoder and Mistral 3's
-projector). A prompt names each image where it goes with the model's image token (`[IMG]`),
-one per image in order; genq widens each into the image's rows of `[IMG]` tokens, each row
-ended by `[IMG_BREAK]` and the last by `[IMG_END]`, as the model's processor does. Chat
-messages carry images as content parts (api and LLM.chat), which the chat template turns
-into that token.
+Supported:
+
+- Mistral 3 (Mistral Small 3.1 and 3.2: Pixtral's vision encoder and Mistral 3's
+  projector). Each image token (`[IMG]`) is widened into the image's rows of `[IMG]`
+  tokens, each row ended by `[IMG_BREAK]` and the last by `[IMG_END]`.
+- Qwen2.5-VL (its windowed vision transformer and patch merger). Each image token
+  (`<|image_pad|>`, which the chat template puts between `<|vision_start|>` and
+  `<|vision_end|>`) is widened into one per merged patch, and the prompt's positions become
+  M-RoPE's three streams: an image's tokens are placed by their row and column, and the
+  text after it goes on from the image's largest position, so a sequence's rotary
+  positions run behind its length by a fixed delta from its last image on.
+
+A prompt names each image where it goes with the model's image token, one per image in
+order, as the processors of transformers do. Chat messages carry images as content parts
+(api and LLM.chat), which the chat template turns into that token.
 
 Images are resized and normalized by the checkpoint's own image processor (transformers', on
 PIL), and encoded once, when the request is added, by transformers' vision modules over the
@@ -39,9 +48,6 @@ from worker.model_loader import iter_safetensors
 
 logger = logging.getLogger(__name__)
 
-# an image-text architecture genq encodes images for -> its vision weights' prefixes
-IMAGE_ARCHITECTURES = {"Mistral3ForConditionalGeneration": ("vision_tower.", "multi_modal_projector.")}
-
 
 def takes_images(model_path: Path, hf_config: Any) -> bool:
     """An image-text checkpoint genq encodes images for, with its image processor's config
@@ -68,8 +74,8 @@ class ImageSpan:
 class PreparedImages:
     """A prompt's images as the encoder takes them, before the prompt's tokens are known."""
 
-    pixel_values: torch.Tensor  # [num_images, 3, height, width], padded to the largest
-    image_sizes: torch.Tensor  # [num_images, 2]: each image's (height, width) as resized
+    pixel_values: list[torch.Tensor]  # per image, as the model's image processor lays them out
+    image_sizes: torch.Tensor  # [num_images, 2]: (height, width) as resized; [num_images, 3]: Qwen's patch grid
     digests: list[int]  # of each image's pixels
 
 
@@ -77,11 +83,15 @@ class PreparedImages:
 class ImageInputs:
     """A prompt's images, processed: pixels for the encoder and where their tokens go."""
 
-    pixel_values: torch.Tensor  # [num_images, 3, height, width], padded to the largest
-    image_sizes: torch.Tensor  # [num_images, 2]: each image's (height, width) as resized
+    pixel_values: list[torch.Tensor]  # per image
+    image_sizes: torch.Tensor  # [num_images, 2 or 3]
     spans: list[ImageSpan]
-    positions: list[int]  # the prompt positions the images' embeddings fill ([IMG]), in order
+    positions: list[int]  # the prompt positions the images' embeddings fill (image tokens), in order
     num_embeds: list[int]  # of those, each image's
+    # M-RoPE: the prompt's rotary positions in three streams ([3, prompt length]), and what
+    # the positions after the prompt add to their index; None where positions are plain
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
     def span_keys(self) -> list[tuple[int, int, int]]:
         """(offset, length, digest) per image: plain data for the block manager's hashes."""
@@ -89,28 +99,29 @@ class ImageInputs:
 
 
 class ImageProcessor:
-    """Turns a prompt's placeholders and images into its token ids and ImageInputs (CPU)."""
+    """Turns a prompt's placeholders and images into its token ids and ImageInputs (CPU).
+    A model's subclass says how many tokens an image takes and which they are."""
 
     def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
         from transformers import AutoImageProcessor
 
         self.images = AutoImageProcessor.from_pretrained(model_path, backend="pil")
-        processor = _read_json(model_path / "processor_config.json")
-        self.image_token_id = int(hf_config.image_token_index)
-        self.break_token_id = tokenizer.convert_tokens_to_ids(processor.get("image_break_token", "[IMG_BREAK]"))
-        self.end_token_id = tokenizer.convert_tokens_to_ids(processor.get("image_end_token", "[IMG_END]"))
-        self.patch = int(hf_config.vision_config.patch_size) * int(getattr(hf_config, "spatial_merge_size", 1))
+        self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)
 
     def prepare(self, images: list[Any]) -> PreparedImages:
         """Images read, resized and normalized, and their pixels hashed: the costly part, which
         holds no state, so a thread other than the engine's may do it (worker.queue_engine)."""
-        pictures = [_as_image(image, i) for i, image in enumerate(images)]
-        batch = self.images(images=pictures, patch_size=self.patch, return_tensors="pt")
-        pixels, sizes = batch["pixel_values"], batch["image_sizes"]
-        return PreparedImages(pixels, sizes, [_digest(pixels[k], sizes[k]) for k in range(len(pictures))])
+        return self._prepare([_as_image(image, i) for i, image in enumerate(images)])
+
+    def _prepare(self, pictures: list[Any]) -> PreparedImages:
+        raise NotImplementedError
+
+    def _tokens(self, size: torch.Tensor) -> tuple[list[int], int]:
+        """An image's tokens, and how many of them take its embeddings."""
+        raise NotImplementedError
 
     def process(self, prompt_ids: list[int], images: list[Any] | PreparedImages) -> tuple[list[int], ImageInputs]:
-        """The prompt with each image token widened to its image's rows; ValueError when the
+        """The prompt with each image token widened to its image's tokens; ValueError when the
         placeholders and images do not pair up."""
         found = prompt_ids.count(self.image_token_id)
         count = len(images.digests) if isinstance(images, PreparedImages) else len(images)
@@ -118,39 +129,96 @@ class ImageProcessor:
             raise ValueError(f"the prompt has {found} image placeholder(s) (token id {self.image_token_id}) "
                              f"but {count} image(s) were given: put one placeholder where each image goes")
         prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
-        sizes = prepared.image_sizes
         ids: list[int] = []
         spans: list[ImageSpan] = []
         positions: list[int] = []
         num_embeds: list[int] = []
-        k = 0
         for token in prompt_ids:
             if token != self.image_token_id:
                 ids.append(token)
                 continue
-            rows, cols = (int(n) // self.patch for n in sizes[k])
-            tokens = ([self.image_token_id] * cols + [self.break_token_id]) * rows
-            tokens[-1] = self.end_token_id
+            k = len(spans)
+            tokens, embeds = self._tokens(prepared.image_sizes[k])
             positions += [len(ids) + i for i, t in enumerate(tokens) if t == self.image_token_id]
-            num_embeds.append(rows * cols)
+            num_embeds.append(embeds)
             spans.append(ImageSpan(len(ids), len(tokens), prepared.digests[k]))
             ids += tokens
-            k += 1
-        return ids, ImageInputs(prepared.pixel_values, sizes, spans, positions, num_embeds)
+        inputs = ImageInputs(prepared.pixel_values, prepared.image_sizes, spans, positions, num_embeds)
+        return ids, self._placed(ids, inputs)
+
+    def _placed(self, ids: list[int], inputs: ImageInputs) -> ImageInputs:
+        """The inputs with the prompt's rotary positions, where the model places images by them."""
+        return inputs
+
+
+class Mistral3Images(ImageProcessor):
+    """Pixtral's patches, two merged each way: a row of [IMG] per row of merged patches, each
+    row ended by [IMG_BREAK], the last by [IMG_END] (PixtralProcessor.replace_image_token)."""
+
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
+        super().__init__(model_path, hf_config, tokenizer)
+        processor = _read_json(model_path / "processor_config.json")
+        self.break_token_id = tokenizer.convert_tokens_to_ids(processor.get("image_break_token", "[IMG_BREAK]"))
+        self.end_token_id = tokenizer.convert_tokens_to_ids(processor.get("image_end_token", "[IMG_END]"))
+        self.patch = int(hf_config.vision_config.patch_size) * int(getattr(hf_config, "spatial_merge_size", 1))
+
+    def _prepare(self, pictures: list[Any]) -> PreparedImages:
+        batch = self.images(images=pictures, patch_size=self.patch, return_tensors="pt")
+        pixels, sizes = batch["pixel_values"], batch["image_sizes"]  # padded to the largest; [n, 2]
+        digests = [_digest(pixels[k][:, : int(sizes[k][0]), : int(sizes[k][1])], sizes[k]) for k in range(len(pictures))]
+        return PreparedImages(list(pixels), sizes, digests)
+
+    def _tokens(self, size: torch.Tensor) -> tuple[list[int], int]:
+        rows, cols = (int(n) // self.patch for n in size)
+        tokens = ([self.image_token_id] * cols + [self.break_token_id]) * rows
+        tokens[-1] = self.end_token_id
+        return tokens, rows * cols
+
+
+class QwenVLImages(ImageProcessor):
+    """Qwen2.5-VL: an image token per merged patch, and M-RoPE positions for the prompt
+    (transformers' Qwen2_5_VLModel.get_rope_index, for still images)."""
+
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
+        super().__init__(model_path, hf_config, tokenizer)
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+
+    def _prepare(self, pictures: list[Any]) -> PreparedImages:
+        batch = self.images(images=pictures, return_tensors="pt")
+        grids = batch["image_grid_thw"]  # [n, 3]: each image's patches, in time, height and width
+        pixels = list(batch["pixel_values"].split(grids.prod(-1).tolist()))  # [patches, channels x patch] each
+        return PreparedImages(pixels, grids, [_digest(p, g) for p, g in zip(pixels, grids, strict=True)])
+
+    def _tokens(self, size: torch.Tensor) -> tuple[list[int], int]:
+        count = int(size.prod()) // self.merge**2
+        return [self.image_token_id] * count, count
+
+    def _placed(self, ids: list[int], inputs: ImageInputs) -> ImageInputs:
+        """Text tokens count on one by one in all three streams; an image's tokens sit at the
+        position it starts at, plus their (time, row, column) among its merged patches, and
+        the text after it goes on from that position plus its larger side."""
+        rope = torch.empty(3, len(ids), dtype=torch.long)
+        at, done = 0, 0  # the next text position; the tokens placed so far
+        for span, grid in zip(inputs.spans, inputs.image_sizes.tolist(), strict=True):
+            rope[:, done : span.offset] = torch.arange(at, at + span.offset - done)
+            at += span.offset - done
+            t, h, w = grid[0], grid[1] // self.merge, grid[2] // self.merge
+            grid_positions = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
+                                                        indexing="ij")).reshape(3, -1)
+            rope[:, span.offset : span.offset + span.length] = grid_positions + at
+            at += max(h, w)
+            done = span.offset + span.length
+        rope[:, done:] = torch.arange(at, at + len(ids) - done)
+        inputs.rope_positions = rope
+        inputs.rope_delta = int(rope.max()) + 1 - len(ids) if len(ids) else 0
+        return inputs
 
 
 class ImageEncoder(nn.Module):
-    """Mistral 3's vision tower and projector (transformers' modules) over the checkpoint's
-    weights: images in, one embedding per [IMG] token out."""
+    """A model's vision modules (transformers') over the checkpoint's weights: images in,
+    one embedding per image token out. `prefixes`: the weights' names it loads."""
 
-    def __init__(self, hf_config: Any):
-        super().__init__()
-        from transformers import AutoModel
-        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
-
-        self.config = hf_config
-        self.vision_tower = AutoModel.from_config(hf_config.vision_config)
-        self.multi_modal_projector = Mistral3MultiModalProjector(hf_config)
+    prefixes: tuple[str, ...] = ()
 
     @classmethod
     def load(cls, model_path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device,
@@ -162,23 +230,79 @@ class ImageEncoder(nn.Module):
                 torch.manual_seed(0)
                 return cls(hf_config).to(device=device, dtype=dtype).eval()
         encoder = cls(hf_config)
-        prefixes = IMAGE_ARCHITECTURES[hf_config.architectures[0]]
-        vision = iter_safetensors(model_path, keep=lambda name: name.removeprefix("model.").startswith(prefixes))
+        vision = iter_safetensors(model_path, keep=lambda name: name.removeprefix("model.").startswith(cls.prefixes))
         encoder.load_state_dict({name.removeprefix("model."): tensor for name, tensor in vision}, strict=True)
         return encoder.to(device=device, dtype=dtype).eval()
 
+    def _placement(self) -> tuple[torch.device, torch.dtype]:
+        weight = next(self.parameters())
+        return weight.device, weight.dtype
+
+
+class Mistral3Encoder(ImageEncoder):
+    """Mistral 3's vision tower (Pixtral) and projector."""
+
+    prefixes = ("vision_tower.", "multi_modal_projector.")
+
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
+        self.config = hf_config
+        self.vision_tower = AutoModel.from_config(hf_config.vision_config)
+        self.multi_modal_projector = Mistral3MultiModalProjector(hf_config)
+
     @torch.inference_mode()
     def forward(
-        self, pixel_values: torch.Tensor, image_sizes: torch.Tensor  # [n, 3, H, W], [n, 2]
+        self, pixel_values: list[torch.Tensor], image_sizes: torch.Tensor  # [3, H, W] each (padded alike), [n, 2]
     ) -> torch.Tensor:  # [the images' image tokens, hidden], image after image
-        device, dtype = self.multi_modal_projector.linear_1.weight.device, self.multi_modal_projector.linear_1.weight.dtype
+        device, dtype = self._placement()
         sizes = image_sizes.to(device)
-        out = self.vision_tower(pixel_values.to(device=device, dtype=dtype), image_sizes=sizes,
+        out = self.vision_tower(torch.stack(pixel_values).to(device=device, dtype=dtype), image_sizes=sizes,
                                 output_hidden_states=True, return_dict=True)
         layer = self.config.vision_feature_layer
         layers = [layer] if isinstance(layer, int) else list(layer)
         features = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         return self.multi_modal_projector(features.squeeze(0), sizes)
+
+
+class QwenVLEncoder(ImageEncoder):
+    """Qwen2.5-VL's vision transformer, whose patch merger ends in the language model's width."""
+
+    prefixes = ("visual.",)
+
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(hf_config.vision_config)
+
+    @torch.inference_mode()
+    def forward(
+        self, pixel_values: list[torch.Tensor], image_sizes: torch.Tensor  # [patches, C x patch] each, [n, 3]
+    ) -> torch.Tensor:  # [the images' image tokens, hidden], image after image
+        device, dtype = self._placement()
+        out = self.visual(torch.cat(pixel_values).to(device=device, dtype=dtype), grid_thw=image_sizes.to(device))
+        return out.pooler_output
+
+
+# an image-text architecture genq encodes images for -> how its prompts and pixels are made, and its encoder
+IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] = {
+    "Mistral3ForConditionalGeneration": (Mistral3Images, Mistral3Encoder),
+    "Qwen2_5_VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
+}
+
+
+def image_processor(model_path: Path, hf_config: Any, tokenizer: Any) -> ImageProcessor:
+    return IMAGE_ARCHITECTURES[hf_config.architectures[0]][0](model_path, hf_config, tokenizer)
+
+
+def load_image_encoder(model_path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device,
+                       dummy: bool = False) -> ImageEncoder:
+    return IMAGE_ARCHITECTURES[hf_config.architectures[0]][1].load(model_path, hf_config, dtype, device, dummy)
 
 
 # the embeddings of images encoded lately, kept by their pixels' digest so that a conversation
@@ -192,14 +316,14 @@ class ImageEmbeddings:
     least recently used first out)."""
 
     def __init__(self, max_cache_bytes: int = IMAGE_CACHE_BYTES) -> None:
-        self._held: dict[str, tuple[list[int], torch.Tensor]] = {}
+        self._held: dict[str, _Held] = {}
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._cache_bytes = 0
         self.max_cache_bytes = max_cache_bytes
         self.num_encoded = 0  # images the encoder ran on
         self.num_reused = 0  # images whose embeddings came from the cache
 
-    def embeddings(self, inputs: ImageInputs, encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    def embeddings(self, inputs: ImageInputs, encode: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
                    ) -> torch.Tensor:  # [len(inputs.positions), hidden]
         """A prompt's image embeddings: each image's from the cache where it was encoded
         lately, the others encoded now, in one batch."""
@@ -209,8 +333,7 @@ class ImageEmbeddings:
             if found[k] is not None:
                 self._cache.move_to_end(span.digest)
         if missing:
-            index = torch.tensor(missing)
-            new = encode(inputs.pixel_values[index], inputs.image_sizes[index])
+            new = encode([inputs.pixel_values[k] for k in missing], inputs.image_sizes[torch.tensor(missing)])
             for k, embeds in zip(missing, new.split([inputs.num_embeds[k] for k in missing]), strict=True):
                 found[k] = embeds
                 self._remember(inputs.spans[k].digest, embeds)
@@ -228,9 +351,10 @@ class ImageEmbeddings:
             _, old = self._cache.popitem(last=False)
             self._cache_bytes -= old.numel() * old.element_size()
 
-    def add(self, request_ids: list[str], positions: list[int], embeds: torch.Tensor) -> None:
+    def add(self, request_ids: list[str], inputs: ImageInputs, embeds: torch.Tensor) -> None:
+        held = _Held(inputs.positions, embeds, inputs.rope_positions, inputs.rope_delta)
         for request_id in request_ids:
-            self._held[request_id] = (positions, embeds)
+            self._held[request_id] = held
 
     def remove(self, request_id: str) -> None:
         self._held.pop(request_id, None)
@@ -244,11 +368,35 @@ class ImageEmbeddings:
         held = self._held.get(request_id)
         if held is None:
             return None
-        positions, embeds = held
-        lo, hi = bisect_left(positions, start), bisect_left(positions, end)
+        lo, hi = bisect_left(held.positions, start), bisect_left(held.positions, end)
         if lo == hi:
             return None
-        return [row_start + p - start for p in positions[lo:hi]], embeds[lo:hi]
+        return [row_start + p - start for p in held.positions[lo:hi]], held.embeds[lo:hi]
+
+    def rope_positions(self, request_id: str, start: int, end: int) -> list[int] | torch.Tensor | None:
+        """The rotary positions of the request's positions [start, end): None where they are
+        those positions, a list where the three M-RoPE streams agree (past the prompt, the
+        index plus the delta), else [3, end - start]."""
+        held = self._held.get(request_id)
+        if held is None or held.rope_positions is None:
+            return None
+        length = held.rope_positions.shape[1]
+        if start >= length:
+            return list(range(start + held.rope_delta, end + held.rope_delta))
+        rows = held.rope_positions[:, start:end]
+        if end > length:
+            rows = torch.cat((rows, torch.arange(length, end).expand(3, -1) + held.rope_delta), dim=1)
+        return rows
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A request's images as its steps read them."""
+
+    positions: list[int]  # the prompt positions their embeddings fill
+    embeds: torch.Tensor  # [len(positions), hidden]
+    rope_positions: torch.Tensor | None  # ImageInputs'
+    rope_delta: int
 
 
 def images_of(prompt: Any) -> list[Any] | PreparedImages:
@@ -323,8 +471,8 @@ def _as_image(image: Any, index: int) -> Any:
 
 
 def _digest(pixels: torch.Tensor, size: torch.Tensor) -> int:
-    height, width = (int(n) for n in size)
-    data = pixels[:, :height, :width].contiguous().numpy().tobytes()
+    """One image's pixels (without padding) and their shape, hashed."""
+    data = pixels.contiguous().numpy().tobytes() + size.numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 

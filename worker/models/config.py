@@ -185,6 +185,9 @@ class ModelConfig:
     # RoPE rotates pairs (2i, 2i + 1) of each head, not (i, i + d/2) (Ernie 4.5): q and k's
     # rows are permuted at load so that the half-split rotation computes the same scores
     interleaved_rope: bool = False
+    # M-RoPE (Qwen2.5-VL): each head's rotary pairs in sections, rotated by the temporal,
+    # height and width positions in turn; text alone has the three equal (plain RoPE)
+    mrope_section: tuple[int, ...] | None = None
     quant: QuantConfig | None = None  # quantized weights: the checkpoint's, or fp8 quantized as they load
     # the checkpoint's fp8 KV-cache scales, per tensor or attn_head (worker.models.kv_scales)
     kv_cache_scheme: str | None = None
@@ -245,6 +248,7 @@ class ModelConfig:
             kv_cache_scheme=kv_cache_scheme(hf_config),
             rotary_dim=_rotary_dim(hf_config, head_dim),
             long_rope=_long_rope(hf_config, max_model_len),
+            mrope_section=_mrope_section(hf_config),
             **_variant_fields(hf_config, family),
         )
 
@@ -333,6 +337,16 @@ def _rope_params(hf_config: Any, kind: str = "full_attention") -> dict:
         return dict(hf_config.rope_parameters.get(kind) or hf_config.rope_parameters["full_attention"])
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     return dict(params or {})
+
+
+def _mrope_section(hf_config: Any) -> tuple[int, ...] | None:
+    """M-RoPE's sections (rotary pairs per position stream) where images are placed by them:
+    Qwen2-VL's and Qwen2.5-VL's. Qwen3-VL interleaves its sections and serves text alone,
+    where the three streams are equal and any layout is plain RoPE."""
+    section = _rope_params(hf_config).get("mrope_section")
+    if not section or getattr(hf_config, "model_type", None) not in ("qwen2_vl_text", "qwen2_5_vl_text"):
+        return None
+    return tuple(int(n) for n in section)
 
 
 def _rotary_dim(hf_config: Any, head_dim: int) -> int | None:

@@ -85,16 +85,28 @@ def make_norm(cfg: ModelConfig, hidden_size: int, use_kernel: bool = False) -> R
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary tables for every position, built once; `for_step` gives the
     rotation of one step's q and k heads. With `use_kernel` a Triton kernel rotates them in
-    place from one float32 cos|sin table (the CUDA path)."""
+    place from one float32 cos|sin table (the CUDA path).
+
+    `mrope_section` (M-RoPE, Qwen2.5-VL): the rotary pairs in sections, each rotated by
+    one of three position streams (temporal, height, width); a step whose positions are
+    [3, T] rotates each column by its section's stream, one of [T] by that position alone."""
 
     cos: torch.Tensor  # [max_positions, rotary_dim] float32, torch path
     sin: torch.Tensor
     cos_sin: torch.Tensor  # [max_positions, rotary_dim] float32: cos | sin, kernel path
+    streams: torch.Tensor  # [rotary_dim]: each column's position stream, with mrope_section
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
-                 use_kernel: bool = False):
+                 use_kernel: bool = False, mrope_section: tuple[int, ...] | None = None):
         super().__init__()
         self.use_kernel = use_kernel
+        self.mrope = mrope_section is not None
+        if mrope_section is not None:
+            if sum(mrope_section) != len(inv_freq):
+                raise ValueError(f"mrope_section {list(mrope_section)} covers {sum(mrope_section)} rotary pairs; "
+                                 f"the heads have {len(inv_freq)}")
+            half = torch.repeat_interleave(torch.arange(len(mrope_section)), torch.tensor(mrope_section))
+            self.register_buffer("streams", torch.cat((half, half)), persistent=False)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())  # [max_positions, rotary_dim / 2]
         if use_kernel:
@@ -105,11 +117,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:  # positions: [T]
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:  # positions: [T], or [3, T]
+        if positions.dim() == 2:
+            return self._sections(positions, dtype)
         if self.use_kernel:
             return KernelRope(positions, self.cos_sin)
         # cos and sin gathered once for all layers: [T, 1, rotary_dim] each
         return TableRope(self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1))
+
+    def _sections(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """M-RoPE: each column's table entry at its own stream's position."""
+        assert self.mrope, "positions in three streams need mrope_section"
+        at = positions[self.streams].T  # [T, rotary_dim]: the position each column rotates by
+        columns = torch.arange(at.shape[1], device=at.device)
+        if self.use_kernel:  # the step's own rows of the table, read in order
+            rows = self.cos_sin[at, columns].contiguous()  # [T, rotary_dim]
+            return KernelRope(torch.arange(len(rows), device=rows.device), rows)
+        return TableRope(self.cos[at, columns].to(dtype).unsqueeze(1), self.sin[at, columns].to(dtype).unsqueeze(1))
 
 
 class Rope(Protocol):
@@ -321,7 +345,8 @@ class LlamaForCausalLM(nn.Module):
         to another dtype, as they stay float32 (each step rounds its rows to the model dtype)."""
         cfg = self.config
         with torch.device("cpu"):
-            tables = [RotaryEmbedding(*cfg.rope_inv_freq(kind), cfg.max_position_embeddings, self.use_kernels)
+            tables = [RotaryEmbedding(*cfg.rope_inv_freq(kind), cfg.max_position_embeddings, self.use_kernels,
+                                      cfg.mrope_section)
                       for kind in (("full_attention", "sliding_attention") if cfg.local_rope else ("full_attention",))]
         self.rotary = tables[0].to(device)
         self.rotary_local = tables[1].to(device) if cfg.local_rope else None
@@ -329,7 +354,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]; [3, T] for M-RoPE's streams (images in Qwen2.5-VL prompts)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: Any,
         lora: LoRAMapping | None = None,  # the rows' adapters, if any request has one

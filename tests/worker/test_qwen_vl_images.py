@@ -1,0 +1,111 @@
+"""Images in Qwen2.5-VL prompts, on a tiny Qwen2.5-VL: greedy tokens against transformers'
+Qwen2_5_VLForConditionalGeneration given the same pixels. Its M-RoPE places an image's
+tokens by their row and column, so these check the positions (three streams in the prompt,
+one shifted stream after it) as much as the embeddings: whole, in chunks that cut through
+an image, on the Triton path (decode graphs replayed eagerly on CPU), and with the prefix
+cache. transformers' Qwen2-VL processor needs torchvision, absent here: its image processor
+on PIL makes the pixels, and its placeholder expansion is written out below."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from test_images import GREEDY, _generate, picture
+
+from worker import LLM, SamplingParams
+
+# the fixture's <|vision_start|>, <|image_pad|> (token id 10) and <|vision_end|>; two patches merged each way
+IMAGE_PAD = "<issue_closed>"
+IMAGE = "<issue_start>" + IMAGE_PAD + "<issue_comment>"
+MERGE = 2
+
+
+def hf_greedy(model_dir: Path, text: str, images: list, max_new: int = 12) -> list[int]:
+    """transformers' greedy tokens for a prompt whose image pads stand for `images`."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    features = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(images=images, return_tensors="pt")
+    pieces = text.split(IMAGE_PAD)
+    expanded = pieces[0]
+    for grid, rest in zip(features["image_grid_thw"], pieces[1:], strict=True):
+        expanded += IMAGE_PAD * (int(grid.prod()) // MERGE**2) + rest  # Qwen2VLProcessor's expansion
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(expanded)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), pixel_values=features["pixel_values"],
+                             image_grid_thw=features["image_grid_thw"],
+                             mm_token_type_ids=torch.tensor([[int(i == 10) for i in ids]]),
+                             max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+# 40 x 56 pixels resize to 32 x 64 (multiples of 16, nearest): 2 x 4 merged patches; 64 x 32 to
+# 4 x 2; 20 x 64 to 1 x 4
+ONE = (f"Describe {IMAGE} in a word:", [picture(40, 56, 0)])
+TWO = (f"Compare {IMAGE} with {IMAGE}, please.", [picture(64, 32, 1), picture(20, 64, 2)])
+
+
+def test_greedy_matches_transformers_with_images(tiny_qwen_vl_dir):
+    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64)
+    outputs = _generate(llm, [ONE, TWO])
+    assert outputs[0].prompt_token_ids.count(10) == 2 * 4
+    assert outputs[1].prompt_token_ids.count(10) == 4 * 2 + 1 * 4
+    for (text, images), out in zip([ONE, TWO], outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, text, images)
+
+
+def test_chunks_cut_through_the_images(tiny_qwen_vl_dir):
+    """Chunks of 8 tokens: an image's embeddings and its three-stream positions are split
+    across steps, and a step holds one request's image rows beside another's text."""
+    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=8,
+              max_num_seqs=2)
+    outputs = _generate(llm, [TWO, ONE])
+    assert [out.outputs[0].token_ids for out in outputs] == [hf_greedy(tiny_qwen_vl_dir, *case) for case in (TWO, ONE)]
+
+
+def test_the_triton_path_rotates_by_the_three_streams(tiny_qwen_vl_dir):
+    """The rotary kernel takes each step's mixed table rows in the prompt, and the decode
+    graphs (replayed eagerly on CPU) the shifted positions after it."""
+    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
+              device="cuda" if torch.cuda.is_available() else "cpu")
+    outputs = _generate(llm, [ONE, TWO])
+    assert sum(llm.engine.runner.graphs.num_steps.values()) > 0
+    assert [out.outputs[0].token_ids for out in outputs] == [hf_greedy(tiny_qwen_vl_dir, *case) for case in (ONE, TWO)]
+
+
+def test_recomputed_after_preemption(tiny_qwen_vl_dir):
+    """A pool too small for the batch preempts requests: their recomputation places the
+    generated tokens after the prompt's images by the delta again."""
+    cases = [(f"{IMAGE} number {i}", [picture(40 + 8 * i, 56, 10 + i)]) for i in range(4)]
+    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=6, block_size=8, max_model_len=40,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in cases],
+                           params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [out.outputs[0].token_ids for out in outputs] == [hf_greedy(tiny_qwen_vl_dir, *case, max_new=16)
+                                                            for case in cases]
+
+
+def test_the_prefix_cache_tells_images_apart(tiny_qwen_vl_dir):
+    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64, block_size=16)
+    text = "Some words to fill the first block of sixteen tokens, and more of them. " * 2 + f"Now: {IMAGE}."
+    first, second = picture(64, 64, 3), picture(64, 64, 4)
+    ran = [_generate(llm, [(text, [image])])[0] for image in (first, second, first)]
+    start = ran[0].prompt_token_ids.index(10)
+    assert ran[1].num_cached_tokens == start // 16 * 16
+    assert ran[2].num_cached_tokens > start
+    assert ran[2].outputs[0].token_ids == ran[0].outputs[0].token_ids
+    assert [r.outputs[0].token_ids for r in ran[:2]] == [hf_greedy(tiny_qwen_vl_dir, text, [i]) for i in (first, second)]
+
+
+def test_chat_messages_carry_images(tiny_qwen_vl_dir):
+    image = picture(48, 48, 5)
+    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in "},
+                                             {"type": "image_pil", "image_pil": image}]}]
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    text = f"<|im_start|>user\nWhat is in {IMAGE}<|im_end|>\n<|im_start|>assistant\n"
+    assert out.outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, text, [image])
