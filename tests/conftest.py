@@ -374,33 +374,45 @@ QWEN_VL_TEMPLATE = MISTRAL3_TEMPLATE.replace("{% else %}<issue_closed>{% endif %
                                              "{% else %}" + QWEN_VL_IMAGE + "{% endif %}")
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen_vl_dir(tmp_path_factory, default_model_dir) -> Path:
-    """A Qwen2.5-VL that takes images: a two-block vision transformer (one windowed, windows
-    of 2 x 2 merged patches, one whole) and its patch merger around the tiny Qwen2 with M-RoPE
-    sections, its image token at id 10, and a chat template that writes an image part as
-    vision start, image pad, vision end."""
-    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
+    """A Qwen2.5-VL ("qwen2_5_vl") or Qwen2-VL ("qwen2_vl") that takes images: a two-block
+    vision transformer (Qwen2.5-VL's: one block windowed, windows of 2 x 2 merged patches,
+    one whole) and its patch merger around the tiny Qwen2 with M-RoPE sections, its image
+    token at id 10, and a chat template that writes an image part as vision start, image
+    pad, vision end."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig, Qwen2VLConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     torch.manual_seed(0)
     text = tiny_hf_config("qwen2")
     text_dict = {**text.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                        "mrope_section": [2, 3, 3]}}
-    vision = dict(depth=2, hidden_size=32, out_hidden_size=text.hidden_size, num_heads=2, intermediate_size=64,
-                  patch_size=QWEN_VL_PATCH, spatial_merge_size=QWEN_VL_MERGE, window_size=2 * QWEN_VL_PATCH * 2,
-                  fullatt_block_indexes=[1])
-    config = Qwen2_5_VLConfig(text_config=text_dict, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings,
-                              image_token_id=10, vision_start_token_id=8, vision_end_token_id=9)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    out = tmp_path_factory.mktemp("qwen-vl")
-    model.save_pretrained(out)
-    copy_tokenizer(default_model_dir, out)
+    vision: dict = dict(depth=2, num_heads=2, patch_size=QWEN_VL_PATCH, spatial_merge_size=QWEN_VL_MERGE)
+    if version == "qwen2_5_vl":
+        vision.update(hidden_size=32, out_hidden_size=text.hidden_size, intermediate_size=64,
+                      window_size=2 * QWEN_VL_PATCH * QWEN_VL_MERGE, fullatt_block_indexes=[1])
+    else:  # Qwen2-VL names the vision width embed_dim and the merger's output hidden_size
+        vision.update(embed_dim=32, hidden_size=text.hidden_size, mlp_ratio=2)
+    config_class = Qwen2_5_VLConfig if version == "qwen2_5_vl" else Qwen2VLConfig
+    config = config_class(text_config=text_dict, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings,
+                          image_token_id=10, vision_start_token_id=8, vision_end_token_id=9)
+    AutoModelForImageTextToText.from_config(config, dtype=torch.float32).save_pretrained(out)
+    copy_tokenizer(tokenizer_dir, out)
     factor = QWEN_VL_PATCH * QWEN_VL_MERGE
     Qwen2VLImageProcessorPil(patch_size=QWEN_VL_PATCH, merge_size=QWEN_VL_MERGE, min_pixels=factor * factor,
                              max_pixels=64 * 64).save_pretrained(out)
     (out / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_vl_dir(tmp_path_factory, default_model_dir) -> Path:
+    return build_tiny_qwen_vl("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory, default_model_dir) -> Path:
+    return build_tiny_qwen_vl("qwen2_vl", tmp_path_factory.mktemp("qwen2_vl"), default_model_dir)
 
 
 @pytest.fixture(scope="session")

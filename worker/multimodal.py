@@ -6,7 +6,7 @@ Supported:
 - Mistral 3 (Mistral Small 3.1 and 3.2: Pixtral's vision encoder and Mistral 3's
   projector). Each image token (`[IMG]`) is widened into the image's rows of `[IMG]`
   tokens, each row ended by `[IMG_BREAK]` and the last by `[IMG_END]`.
-- Qwen2.5-VL (its windowed vision transformer and patch merger). Each image token
+- Qwen2-VL and Qwen2.5-VL (their vision transformers and patch mergers). Each image token
   (`<|image_pad|>`, which the chat template puts between `<|vision_start|>` and
   `<|vision_end|>`) is widened into one per merged patch, and the prompt's positions become
   M-RoPE's three streams: an image's tokens are placed by their row and column, and the
@@ -176,8 +176,8 @@ class Mistral3Images(ImageProcessor):
 
 
 class QwenVLImages(ImageProcessor):
-    """Qwen2.5-VL: an image token per merged patch, and M-RoPE positions for the prompt
-    (transformers' Qwen2_5_VLModel.get_rope_index, for still images)."""
+    """Qwen2-VL and Qwen2.5-VL: an image token per merged patch, and M-RoPE positions for the prompt
+    (transformers' Qwen2_5_VLModel.get_rope_index, for still images; Qwen2-VL's is the same)."""
 
     def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
         super().__init__(model_path, hf_config, tokenizer)
@@ -268,17 +268,19 @@ class Mistral3Encoder(ImageEncoder):
 
 
 class QwenVLEncoder(ImageEncoder):
-    """Qwen2.5-VL's vision transformer, whose patch merger ends in the language model's width."""
+    """Qwen2-VL's or Qwen2.5-VL's vision transformer, whose patch merger ends in the language
+    model's width."""
 
     prefixes = ("visual.",)
 
     def __init__(self, hf_config: Any):
         super().__init__()
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-        )
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+        from transformers.models.qwen2_vl import modeling_qwen2_vl
 
-        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(hf_config.vision_config)
+        vision = (modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel if hf_config.model_type == "qwen2_5_vl"
+                  else modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel)
+        self.visual = vision._from_config(hf_config.vision_config)
 
     @torch.inference_mode()
     def forward(
@@ -292,6 +294,7 @@ class QwenVLEncoder(ImageEncoder):
 # an image-text architecture genq encodes images for -> how its prompts and pixels are made, and its encoder
 IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] = {
     "Mistral3ForConditionalGeneration": (Mistral3Images, Mistral3Encoder),
+    "Qwen2VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
     "Qwen2_5_VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
 }
 

@@ -1,5 +1,5 @@
-"""Images in Qwen2.5-VL prompts, on a tiny Qwen2.5-VL: greedy tokens against transformers'
-Qwen2_5_VLForConditionalGeneration given the same pixels. Its M-RoPE places an image's
+"""Images in Qwen2.5-VL prompts, on a tiny Qwen2.5-VL (and Qwen2-VL): greedy tokens against
+transformers' Qwen2_5_VLForConditionalGeneration given the same pixels. Its M-RoPE places an image's
 tokens by their row and column, so these check the positions (three streams in the prompt,
 one shifted stream after it) as much as the embeddings: whole, in chunks that cut through
 an image, on the Triton path (decode graphs replayed eagerly on CPU), and with the prefix
@@ -109,3 +109,10 @@ def test_chat_messages_carry_images(tiny_qwen_vl_dir):
     out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
     text = f"<|im_start|>user\nWhat is in {IMAGE}<|im_end|>\n<|im_start|>assistant\n"
     assert out.outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, text, [image])
+
+
+def test_qwen2_vl_greedy_matches_transformers(tiny_qwen2_vl_dir):
+    """Qwen2-VL: the same prompts and positions, its vision transformer without windows."""
+    llm = LLM(str(tiny_qwen2_vl_dir), dtype="float32", num_gpu_blocks_override=64)
+    outputs = _generate(llm, [ONE, TWO])
+    assert [out.outputs[0].token_ids for out in outputs] == [hf_greedy(tiny_qwen2_vl_dir, *case) for case in (ONE, TWO)]

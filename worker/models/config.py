@@ -62,12 +62,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
 }
-# image-text models whose language model genq serves (text in, text out); the vision tower
-# and projector are not loaded
+# image-text models whose language model genq serves; those of worker.multimodal's
+# IMAGE_ARCHITECTURES take images too (their vision modules load apart), the others text alone
 TEXT_OF_MULTIMODAL = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Gemma 3 4B, 12B, 27B
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 and 3.2
     # M-RoPE's three position streams are one for text alone: plain RoPE
+    "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2-VL
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
 }
