@@ -16,8 +16,8 @@ reports the parts it finished):
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
    biased experts; and with MXFP4 experts), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
-   greedy, CUDA against CPU; and a Mistral 3 (a Pixtral tower) and a Qwen2.5-VL (M-RoPE)
-   around it on a prompt with two images, CUDA against CPU;
+   greedy, CUDA against CPU; and a Mistral 3 (a Pixtral tower), a Qwen2.5-VL (M-RoPE) and a
+   Qwen3-VL (deepstack) around it on a prompt with two images, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -215,12 +215,13 @@ def check_remade_vs_cpu(model: str | None, arch: str, devices: tuple[str, str] =
 
 
 def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "cuda"), num_tokens: int = 16) -> list[str]:
-    """The model's shape remade as two image-text models around it (seeded random weights),
+    """The model's shape remade as image-text models around it (seeded random weights),
     greedy on a prompt with two images, on CUDA against the CPU path in float32: Mistral 3 (a
-    two-layer Pixtral tower, patches of 14 merged two by two) and Qwen2.5-VL (a two-block
+    two-layer Pixtral tower, patches of 14 merged two by two), Qwen2.5-VL (a two-block
     windowed vision transformer; M-RoPE, whose prompt rows the rotary kernel reads from a
-    table of the step's own). The image embeddings enter the eager prefill; decode runs in
-    the CUDA graphs (for Qwen2.5-VL, at positions shifted by the images)."""
+    table of the step's own) and Qwen3-VL (M-RoPE interleaved, deepstack embeddings). The
+    image embeddings enter the eager prefill; decode runs in the CUDA graphs (for Qwen, at
+    positions shifted by the images)."""
     import json
     import tempfile
     from pathlib import Path
@@ -237,7 +238,7 @@ def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "c
               for seed, (h, w) in enumerate([(200, 150), (90, 224)])]
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     lines = []
-    for arch in ("mistral3", "qwen2_5_vl"):
+    for arch in ("mistral3", "qwen2_5_vl", "qwen3_vl"):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(remake(model, "qwen3", tmp))  # for its tokenizer files; the config is replaced below
             text = json.loads((out / "config.json").read_text())
@@ -252,15 +253,19 @@ def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "c
                 PixtralImageProcessorPil(size={"longest_edge": 224}, patch_size=14).save_pretrained(out)
                 (out / "processor_config.json").write_text(json.dumps({**tokens, "patch_size": 14,
                                                                        "spatial_merge_size": 2}))
-            else:
+            else:  # Qwen2.5-VL: M-RoPE in sections; Qwen3-VL: interleaved, and deepstack embeddings
                 image = "<issue_start><issue_closed><issue_comment>"
                 half = (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]) // 2
-                sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
-                text.update(model_type="qwen2_5_vl_text", rope_parameters={
-                    "rope_type": "default", "rope_theta": text.get("rope_theta", 10000.0), "mrope_section": sections})
+                side = half * 3 // 8 if arch == "qwen2_5_vl" else half * 5 // 16  # Qwen's [16, 24, 24], [24, 20, 20]
+                text.update(model_type=f"{arch}_text", rope_parameters={
+                    "rope_type": "default", "rope_theta": text.get("rope_theta", 10000.0),
+                    "mrope_section": [half - 2 * side, side, side]})
                 vision = {"depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
-                          "out_hidden_size": text["hidden_size"], "fullatt_block_indexes": [1]}
-                config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+                          "out_hidden_size": text["hidden_size"]}
+                vision.update({"fullatt_block_indexes": [1]} if arch == "qwen2_5_vl" else
+                              {"patch_size": 14, "num_position_embeddings": 256, "deepstack_visual_indexes": [0]})
+                name = "Qwen2_5_VL" if arch == "qwen2_5_vl" else "Qwen3VL"
+                config = {"architectures": [f"{name}ForConditionalGeneration"], "model_type": arch,
                           "text_config": text, "vision_config": vision, "image_token_id": 10,
                           "vision_start_token_id": 8, "vision_end_token_id": 9}
                 Qwen2VLImageProcessorPil(max_pixels=224 * 224).save_pretrained(out)

@@ -6,7 +6,8 @@ Supported:
 - Mistral 3 (Mistral Small 3.1 and 3.2: Pixtral's vision encoder and Mistral 3's
   projector). Each image token (`[IMG]`) is widened into the image's rows of `[IMG]`
   tokens, each row ended by `[IMG_BREAK]` and the last by `[IMG_END]`.
-- Qwen2-VL and Qwen2.5-VL (their vision transformers and patch mergers). Each image token
+- Qwen2-VL, Qwen2.5-VL and Qwen3-VL (their vision transformers and patch mergers; Qwen3-VL's
+  deepstack embeddings too, added to its first layers' output). Each image token
   (`<|image_pad|>`, which the chat template puts between `<|vision_start|>` and
   `<|vision_end|>`) is widened into one per merged patch, and the prompt's positions become
   M-RoPE's three streams: an image's tokens are placed by their row and column, and the
@@ -176,8 +177,8 @@ class Mistral3Images(ImageProcessor):
 
 
 class QwenVLImages(ImageProcessor):
-    """Qwen2-VL and Qwen2.5-VL: an image token per merged patch, and M-RoPE positions for the prompt
-    (transformers' Qwen2_5_VLModel.get_rope_index, for still images; Qwen2-VL's is the same)."""
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: an image token per merged patch, and M-RoPE positions for the prompt
+    (transformers' Qwen2_5_VLModel.get_rope_index, for still images; Qwen2-VL's and Qwen3-VL's are the same)."""
 
     def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
         super().__init__(model_path, hf_config, tokenizer)
@@ -268,8 +269,9 @@ class Mistral3Encoder(ImageEncoder):
 
 
 class QwenVLEncoder(ImageEncoder):
-    """Qwen2-VL's or Qwen2.5-VL's vision transformer, whose patch merger ends in the language
-    model's width."""
+    """Qwen2-VL's, Qwen2.5-VL's or Qwen3-VL's vision transformer, whose patch merger ends in
+    the language model's width. Qwen3-VL's deepstack mergers give more embeddings per image
+    token, from earlier blocks, which the language model adds to its first layers' output."""
 
     prefixes = ("visual.",)
 
@@ -277,18 +279,21 @@ class QwenVLEncoder(ImageEncoder):
         super().__init__()
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
         from transformers.models.qwen2_vl import modeling_qwen2_vl
+        from transformers.models.qwen3_vl import modeling_qwen3_vl
 
-        vision = (modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel if hf_config.model_type == "qwen2_5_vl"
-                  else modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel)
+        vision: Any = {"qwen2_vl": modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel,
+                       "qwen2_5_vl": modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel,
+                       "qwen3_vl": modeling_qwen3_vl.Qwen3VLVisionModel}[hf_config.model_type]
         self.visual = vision._from_config(hf_config.vision_config)
 
     @torch.inference_mode()
     def forward(
         self, pixel_values: list[torch.Tensor], image_sizes: torch.Tensor  # [patches, C x patch] each, [n, 3]
-    ) -> torch.Tensor:  # [the images' image tokens, hidden], image after image
+    ) -> torch.Tensor:  # [the images' image tokens, hidden] image after image; [.., 1 + deepstack, hidden]
         device, dtype = self._placement()
         out = self.visual(torch.cat(pixel_values).to(device=device, dtype=dtype), grid_thw=image_sizes.to(device))
-        return out.pooler_output
+        deepstack = getattr(out, "deepstack_features", None)
+        return torch.stack([out.pooler_output, *deepstack], dim=1) if deepstack else out.pooler_output
 
 
 # an image-text architecture genq encodes images for -> how its prompts and pixels are made, and its encoder
@@ -296,6 +301,7 @@ IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] 
     "Mistral3ForConditionalGeneration": (Mistral3Images, Mistral3Encoder),
     "Qwen2VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
     "Qwen2_5_VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
+    "Qwen3VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
 }
 
 

@@ -149,8 +149,8 @@ def test_a_text_model_takes_no_images(tiny_llama_dir):
 
 
 def test_other_image_text_models_take_no_images(tiny_image_text_dir):
-    """Gemma 3 and Qwen3-VL serve text alone, and so do Mistral 3 and Qwen2.5-VL checkpoints
-    without their image processor's config: an image is refused by name, not dropped."""
+    """Gemma 3 serves text alone, and so do Mistral 3 and Qwen checkpoints without their
+    image processor's config: an image is refused by name, not dropped."""
     llm = LLM(str(tiny_image_text_dir), dtype="float32", num_gpu_blocks_override=64)
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": picture(8, 8, 0)}}, GREEDY, use_tqdm=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from test_images import GREEDY, _generate, picture
 
@@ -23,6 +24,11 @@ MERGE = 2
 
 def hf_greedy(model_dir: Path, text: str, images: list, max_new: int = 12) -> list[int]:
     """transformers' greedy tokens for a prompt whose image pads stand for `images`."""
+    return hf_greedy_logprobs(model_dir, text, images, max_new)[0]
+
+
+def hf_greedy_logprobs(model_dir: Path, text: str, images: list, max_new: int = 12) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens, and each one's logprob."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     features = AutoImageProcessor.from_pretrained(model_dir, backend="pil")(images=images, return_tensors="pt")
@@ -37,8 +43,10 @@ def hf_greedy(model_dir: Path, text: str, images: list, max_new: int = 12) -> li
         out = model.generate(torch.tensor([ids]), pixel_values=features["pixel_values"],
                              image_grid_thw=features["image_grid_thw"],
                              mm_token_type_ids=torch.tensor([[int(i == 10) for i in ids]]),
-                             max_new_tokens=max_new, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+                             max_new_tokens=max_new, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    return tokens, [float(row[0].log_softmax(-1)[t]) for row, t in zip(out.logits, tokens, strict=True)]
 
 
 # 40 x 56 pixels resize to 32 x 64 (multiples of 16, nearest): 2 x 4 merged patches; 64 x 32 to
@@ -111,8 +119,20 @@ def test_chat_messages_carry_images(tiny_qwen_vl_dir):
     assert out.outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, text, [image])
 
 
-def test_qwen2_vl_greedy_matches_transformers(tiny_qwen2_vl_dir):
-    """Qwen2-VL: the same prompts and positions, its vision transformer without windows."""
-    llm = LLM(str(tiny_qwen2_vl_dir), dtype="float32", num_gpu_blocks_override=64)
-    outputs = _generate(llm, [ONE, TWO])
-    assert [out.outputs[0].token_ids for out in outputs] == [hf_greedy(tiny_qwen2_vl_dir, *case) for case in (ONE, TWO)]
+@pytest.mark.parametrize("model", ["tiny_qwen2_vl_dir", "tiny_qwen3_vl_dir"])
+def test_qwen2_vl_and_qwen3_vl_match_transformers(model, request):
+    """Qwen2-VL: the same prompts and positions, its vision transformer without windows.
+    Qwen3-VL: M-RoPE's streams interleaved over the rotary pairs, and deepstack embeddings
+    added after the first layers (whose effect on the tiny model's logits is a tenth, too
+    small to change greedy tokens: the logprobs tell). Whole, and in chunks that cut
+    through the images."""
+    model_dir = request.getfixturevalue(model)
+    expected = [hf_greedy_logprobs(model_dir, *case) for case in (ONE, TWO)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for chunk in ({}, {"max_num_batched_tokens": 8, "max_num_seqs": 2}):
+        llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, **chunk)
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in (ONE, TWO)],
+                               params, use_tqdm=False)
+        for out, (tokens, logprobs) in zip(outputs, expected, strict=True):
+            assert out.outputs[0].token_ids == tokens
+            assert [entry.logprob for entry in out.outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)

@@ -186,9 +186,10 @@ class ModelConfig:
     # RoPE rotates pairs (2i, 2i + 1) of each head, not (i, i + d/2) (Ernie 4.5): q and k's
     # rows are permuted at load so that the half-split rotation computes the same scores
     interleaved_rope: bool = False
-    # M-RoPE (Qwen2.5-VL): each head's rotary pairs in sections, rotated by the temporal,
+    # M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): each head's rotary pairs in sections, rotated by the temporal,
     # height and width positions in turn; text alone has the three equal (plain RoPE)
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL: the streams take turns over the pairs, not sections of them
     quant: QuantConfig | None = None  # quantized weights: the checkpoint's, or fp8 quantized as they load
     # the checkpoint's fp8 KV-cache scales, per tensor or attn_head (worker.models.kv_scales)
     kv_cache_scheme: str | None = None
@@ -250,6 +251,7 @@ class ModelConfig:
             rotary_dim=_rotary_dim(hf_config, head_dim),
             long_rope=_long_rope(hf_config, max_model_len),
             mrope_section=_mrope_section(hf_config),
+            mrope_interleaved=getattr(hf_config, "model_type", None) in _INTERLEAVED_MROPE,
             **_variant_fields(hf_config, family),
         )
 
@@ -340,12 +342,16 @@ def _rope_params(hf_config: Any, kind: str = "full_attention") -> dict:
     return dict(params or {})
 
 
+# the text configs of image-text models whose prompts place images by M-RoPE
+_MROPE_MODEL_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+_INTERLEAVED_MROPE = ("qwen3_vl_text",)
+
+
 def _mrope_section(hf_config: Any) -> tuple[int, ...] | None:
-    """M-RoPE's sections (rotary pairs per position stream) where images are placed by them:
-    Qwen2-VL's and Qwen2.5-VL's. Qwen3-VL interleaves its sections and serves text alone,
-    where the three streams are equal and any layout is plain RoPE."""
+    """M-RoPE's sections (rotary pairs per position stream) of Qwen2-VL, Qwen2.5-VL and
+    Qwen3-VL. For text alone the three streams are equal and M-RoPE is plain RoPE."""
     section = _rope_params(hf_config).get("mrope_section")
-    if not section or getattr(hf_config, "model_type", None) not in ("qwen2_vl_text", "qwen2_5_vl_text"):
+    if not section or getattr(hf_config, "model_type", None) not in _MROPE_MODEL_TYPES:
         return None
     return tuple(int(n) for n in section)
 

@@ -87,9 +87,11 @@ class RotaryEmbedding(nn.Module):
     rotation of one step's q and k heads. With `use_kernel` a Triton kernel rotates them in
     place from one float32 cos|sin table (the CUDA path).
 
-    `mrope_section` (M-RoPE, Qwen2.5-VL): the rotary pairs in sections, each rotated by
-    one of three position streams (temporal, height, width); a step whose positions are
-    [3, T] rotates each column by its section's stream, one of [T] by that position alone."""
+    `mrope_section` (M-RoPE, Qwen2-VL and Qwen2.5-VL): the rotary pairs in sections, each
+    rotated by one of three position streams (temporal, height, width); `interleaved`
+    (Qwen3-VL): pairs 3i + 1 and 3i + 2 rotate by the height and width streams while i is
+    under their sections' sizes, the others by the temporal one. A step whose positions are
+    [3, T] rotates each column by its stream, one of [T] by that position alone."""
 
     cos: torch.Tensor  # [max_positions, rotary_dim] float32, torch path
     sin: torch.Tensor
@@ -97,15 +99,12 @@ class RotaryEmbedding(nn.Module):
     streams: torch.Tensor  # [rotary_dim]: each column's position stream, with mrope_section
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
-                 use_kernel: bool = False, mrope_section: tuple[int, ...] | None = None):
+                 use_kernel: bool = False, mrope_section: tuple[int, ...] | None = None, interleaved: bool = False):
         super().__init__()
         self.use_kernel = use_kernel
         self.mrope = mrope_section is not None
         if mrope_section is not None:
-            if sum(mrope_section) != len(inv_freq):
-                raise ValueError(f"mrope_section {list(mrope_section)} covers {sum(mrope_section)} rotary pairs; "
-                                 f"the heads have {len(inv_freq)}")
-            half = torch.repeat_interleave(torch.arange(len(mrope_section)), torch.tensor(mrope_section))
+            half = _mrope_streams(mrope_section, len(inv_freq), interleaved)
             self.register_buffer("streams", torch.cat((half, half)), persistent=False)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())  # [max_positions, rotary_dim / 2]
@@ -134,6 +133,18 @@ class RotaryEmbedding(nn.Module):
             rows = self.cos_sin[at, columns].contiguous()  # [T, rotary_dim]
             return KernelRope(torch.arange(len(rows), device=rows.device), rows)
         return TableRope(self.cos[at, columns].to(dtype).unsqueeze(1), self.sin[at, columns].to(dtype).unsqueeze(1))
+
+
+def _mrope_streams(section: tuple[int, ...], pairs: int, interleaved: bool) -> torch.Tensor:  # [pairs]
+    """Each rotary pair's position stream (0: temporal, 1: height, 2: width)."""
+    if sum(section) != pairs:
+        raise ValueError(f"mrope_section {list(section)} covers {sum(section)} rotary pairs; the heads have {pairs}")
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+    streams = torch.zeros(pairs, dtype=torch.long)
+    for stream in (1, 2):
+        streams[stream : section[stream] * 3 : 3] = stream
+    return streams
 
 
 class Rope(Protocol):
@@ -346,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         with torch.device("cpu"):
             tables = [RotaryEmbedding(*cfg.rope_inv_freq(kind), cfg.max_position_embeddings, self.use_kernels,
-                                      cfg.mrope_section)
+                                      cfg.mrope_section, cfg.mrope_interleaved)
                       for kind in (("full_attention", "sliding_attention") if cfg.local_rope else ("full_attention",))]
         self.rotary = tables[0].to(device)
         self.rotary_local = tables[1].to(device) if cfg.local_rope else None
@@ -354,17 +365,23 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]; [3, T] for M-RoPE's streams (images in Qwen2.5-VL prompts)
+        positions: torch.Tensor,  # [T]; [3, T] for M-RoPE's streams (images in Qwen-VL prompts)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: Any,
         lora: LoRAMapping | None = None,  # the rows' adapters, if any request has one
-        images: tuple[torch.Tensor, torch.Tensor] | None = None,  # rows [k] that take image embeddings [k, hidden]
+        # rows [k] that take image embeddings, and those: [k, hidden], or [k, 1 + d, hidden] with
+        # Qwen3-VL's deepstack, whose d more are added to the hidden states after layers 0 to d - 1
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:  # the scale rounded to the model's dtype, as transformers does for Gemma
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        deepstack = None
         if images is not None:  # in place of their placeholder tokens' (after any scale, as transformers puts them)
-            x = x.index_copy(0, images[0], images[1].to(x.dtype))
+            rows, embeds = images[0], images[1].to(x.dtype)
+            if embeds.dim() == 3:
+                embeds, deepstack = embeds[:, 0], embeds[:, 1:]
+            x = x.index_copy(0, rows, embeds)
         rope: Rope = self.rotary.for_step(positions, x.dtype)
         local: Rope = rope if self.rotary_local is None else self.rotary_local.for_step(positions, x.dtype)
         if self.config.query_position_scale is not None:
@@ -377,6 +394,9 @@ class LlamaForCausalLM(nn.Module):
         for i, (layer, kv_cache, window) in enumerate(zip(self.layers, kv_caches, windows, strict=True)):
             layer_rope = no_rope if i in nope else rope if window is None else local
             x, residual = layer(x, residual, layer_rope, kv_cache, meta.for_layer(i), lora)
+            if deepstack is not None and i < deepstack.shape[1]:  # the whole hidden state, added to as transformers does
+                hidden = (x if residual is None else x + residual).index_add(0, rows, deepstack[:, i])
+                x, residual = torch.zeros_like(hidden), hidden
         return self.norm(x, residual)[0]
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, hidden or labels]
