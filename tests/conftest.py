@@ -375,7 +375,8 @@ QWEN_VL_TEMPLATE = MISTRAL3_TEMPLATE.replace("{% else %}<issue_closed>{% endif %
 
 
 def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
-    """A Qwen2.5-VL ("qwen2_5_vl"), Qwen2-VL ("qwen2_vl") or Qwen3-VL ("qwen3_vl") that takes images: a two-block
+    """A Qwen2.5-VL ("qwen2_5_vl"), Qwen2-VL ("qwen2_vl") or Qwen3-VL ("qwen3_vl", "qwen3_vl_moe"
+    around the tiny Qwen3-MoE) that takes images: a two-block
     vision transformer (Qwen2.5-VL's: one block windowed, windows of 2 x 2 merged patches,
     one whole) and its patch merger around the tiny Qwen2 with M-RoPE sections, its image
     token at id 10, and a chat template that writes an image part as vision start, image
@@ -385,24 +386,30 @@ def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
         Qwen2_5_VLConfig,
         Qwen2VLConfig,
         Qwen3VLConfig,
+        Qwen3VLMoeConfig,
     )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     torch.manual_seed(0)
-    text = tiny_hf_config("qwen3" if version == "qwen3_vl" else "qwen2")
-    sections = [4, 6, 6] if version == "qwen3_vl" else [2, 3, 3]  # head_dim 32, 16
+    qwen3 = version.startswith("qwen3")
+    text = tiny_hf_config({"qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}.get(version, "qwen2"))
+    sections = [4, 6, 6] if qwen3 else [2, 3, 3]  # head_dim 32, 16
     text_dict = {**text.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                        "mrope_section": sections}}
+    if version == "qwen3_vl_moe":  # experts 48 wide: none of their matrices square, so layouts tell apart
+        text_dict["moe_intermediate_size"] = 48
+        del text_dict["norm_topk_prob"]  # not in Qwen3-VL-MoE's configs: its router always renormalizes
     vision: dict = dict(depth=2, num_heads=2, patch_size=QWEN_VL_PATCH, spatial_merge_size=QWEN_VL_MERGE)
     if version == "qwen2_5_vl":
         vision.update(hidden_size=32, out_hidden_size=text.hidden_size, intermediate_size=64,
                       window_size=2 * QWEN_VL_PATCH * QWEN_VL_MERGE, fullatt_block_indexes=[1])
-    elif version == "qwen3_vl":  # deepstack embeddings from both blocks, added after both text layers
+    elif qwen3:  # deepstack embeddings from both blocks, added after both text layers
         vision.update(hidden_size=32, out_hidden_size=text.hidden_size, intermediate_size=64,
                       num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
     else:  # Qwen2-VL names the vision width embed_dim and the merger's output hidden_size
         vision.update(embed_dim=32, hidden_size=text.hidden_size, mlp_ratio=2)
-    config_class = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig}[version]
+    config_class = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig,
+                    "qwen3_vl_moe": Qwen3VLMoeConfig}[version]
     config = config_class(text_config=text_dict, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings,
                           image_token_id=10, vision_start_token_id=8, vision_end_token_id=9)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -410,7 +417,8 @@ def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
         for name, param in model.named_parameters():
             if "deepstack_merger_list" in name and name.endswith("linear_fc2.weight"):
                 param.normal_(0.0, 1.0)
-    model.save_pretrained(out)
+    # as kept in memory: reverting Qwen3-VL-MoE's experts to the Hub's layout fails in transformers' save
+    model.save_pretrained(out, save_original_format=False)
     copy_tokenizer(tokenizer_dir, out)
     factor = QWEN_VL_PATCH * QWEN_VL_MERGE
     Qwen2VLImageProcessorPil(patch_size=QWEN_VL_PATCH, merge_size=QWEN_VL_MERGE, min_pixels=factor * factor,
@@ -432,6 +440,11 @@ def tiny_qwen2_vl_dir(tmp_path_factory, default_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_qwen_vl("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_moe_dir(tmp_path_factory, default_model_dir) -> Path:
+    return build_tiny_qwen_vl("qwen3_vl_moe", tmp_path_factory.mktemp("qwen3_vl_moe"), default_model_dir)
 
 
 @pytest.fixture(scope="session")

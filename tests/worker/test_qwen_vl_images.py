@@ -119,13 +119,13 @@ def test_chat_messages_carry_images(tiny_qwen_vl_dir):
     assert out.outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, text, [image])
 
 
-@pytest.mark.parametrize("model", ["tiny_qwen2_vl_dir", "tiny_qwen3_vl_dir"])
+@pytest.mark.parametrize("model", ["tiny_qwen2_vl_dir", "tiny_qwen3_vl_dir", "tiny_qwen3_vl_moe_dir"])
 def test_qwen2_vl_and_qwen3_vl_match_transformers(model, request):
     """Qwen2-VL: the same prompts and positions, its vision transformer without windows.
     Qwen3-VL: M-RoPE's streams interleaved over the rotary pairs, and deepstack embeddings
     added after the first layers (whose effect on the tiny model's logits is a tenth, too
-    small to change greedy tokens: the logprobs tell). Whole, and in chunks that cut
-    through the images."""
+    small to change greedy tokens: the logprobs tell); Qwen3-VL-MoE, the same around
+    routed experts. Whole, and in chunks that cut through the images."""
     model_dir = request.getfixturevalue(model)
     expected = [hf_greedy_logprobs(model_dir, *case) for case in (ONE, TWO)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -136,3 +136,22 @@ def test_qwen2_vl_and_qwen3_vl_match_transformers(model, request):
         for out, (tokens, logprobs) in zip(outputs, expected, strict=True):
             assert out.outputs[0].token_ids == tokens
             assert [entry.logprob for entry in out.outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_qwen3_vl_moe_reads_the_hubs_expert_layout(tiny_qwen3_vl_moe_dir, tmp_path):
+    """Qwen3-VL-MoE's Hub checkpoints hold stacked experts inputs first ([E, H, 2I], [E, I, H]),
+    transformers 5 saves them outputs first: both load to the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for path in tiny_qwen3_vl_moe_dir.iterdir():
+        if path.suffix == ".safetensors":
+            tensors = load_file(path)
+            save_file({name: t.transpose(1, 2).contiguous() if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                       else t for name, t in tensors.items()}, tmp_path / path.name, metadata={"format": "pt"})
+        elif path.is_file():
+            shutil.copy(path, tmp_path / path.name)
+    runs = [_generate(LLM(str(model), dtype="float32", num_gpu_blocks_override=64), [ONE])[0].outputs[0].token_ids
+            for model in (tiny_qwen3_vl_moe_dir, tmp_path)]
+    assert runs[0] == runs[1]

@@ -71,6 +71,7 @@ TEXT_OF_MULTIMODAL = {
     "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2-VL
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-30B-A3B, -235B-A22B
 }
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
@@ -134,7 +135,10 @@ class MoEConfig:
                            if i not in dense and (i + 1) % step == 0)
         return cls(num_experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok,
                    intermediate_size=hf_config.moe_intermediate_size, layers=layers,
-                   renormalize=bool(getattr(hf_config, "norm_topk_prob", False)), float32_weights=False,
+                   # Qwen3-VL-MoE's router always renormalizes (its config has no norm_topk_prob)
+                   renormalize=bool(getattr(hf_config, "norm_topk_prob", False))
+                   or getattr(hf_config, "model_type", None) == "qwen3_vl_moe_text",
+                   float32_weights=False,
                    shared_expert_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
 
 
@@ -343,8 +347,8 @@ def _rope_params(hf_config: Any, kind: str = "full_attention") -> dict:
 
 
 # the text configs of image-text models whose prompts place images by M-RoPE
-_MROPE_MODEL_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
-_INTERLEAVED_MROPE = ("qwen3_vl_text",)
+_MROPE_MODEL_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
+_INTERLEAVED_MROPE = ("qwen3_vl_text", "qwen3_vl_moe_text")
 
 
 def _mrope_section(hf_config: Any) -> tuple[int, ...] | None:

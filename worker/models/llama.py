@@ -608,6 +608,8 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cf
                 dst = dst.narrow(0, start // row_block, size // row_block)
         if hf_name.endswith("_scale") and tensor.numel() == 1:
             tensor = tensor.reshape(()).expand(dst.shape)  # one scale for the whole tensor
+        if _hub_stacked_experts(cfg, hf_name) and tensor.transpose(1, 2).shape == dst.shape:
+            tensor = tensor.transpose(1, 2)
         if dst.shape != tensor.shape:
             raise ValueError(f"shape mismatch for {hf_name!r}: model {tuple(dst.shape)}, checkpoint {tuple(tensor.shape)}")
         if cfg.interleaved_rope and shard in ("q", "k"):
@@ -617,6 +619,14 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cf
                 raise ValueError(f"{hf_name!r}: scale blocks of {row_block} rows would split the heads whose "
                                  f"rows this model reorders ({cfg.head_dim} each)")
         dst.copy_(tensor)
+
+
+def _hub_stacked_experts(cfg: ModelConfig, hf_name: str) -> bool:
+    """Stacked experts as Qwen3-VL-MoE's Hub checkpoints hold them, inputs before outputs
+    ([E, H, 2 * I] and [E, I, H]); transformers 5 saves them the other way round, as genq
+    keeps them. The shapes tell which (a square one is taken as the Hub's)."""
+    return (getattr(cfg.hf_config, "model_type", None) == "qwen3_vl_moe_text"
+            and hf_name.endswith((".experts.gate_up_proj", ".experts.down_proj")))
 
 
 def half_split_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
