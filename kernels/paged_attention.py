@@ -8,6 +8,9 @@ causally) and decodes (query_len 1) alike. The batch is described as in the engi
 - `seq_lens` [B] int32: context length including the new tokens, which are its last
   `query_len` positions.
 - `block_tables` [B, max_num_blocks_per_seq] int32: physical block of each logical block.
+- `attend_until` [T] int32, optional: the last position each new token sees, where some
+  see past themselves (Gemma 3's image tokens see their whole image); a sliding window
+  still bounds what lies before a query.
 
 Grouped-query attention: one program owns one KV head and all `group` query heads that share
 it. Its tile rows are (query token, query head) pairs, so each K/V tile is loaded once for the
@@ -56,6 +59,7 @@ def _paged_attention_kernel(
     out_ptr,  # [T, num_heads, HEAD_DIM], or [num_splits, T, num_heads, HEAD_DIM] fp32 partials
     lse_ptr,  # [num_splits, T, num_heads] fp32, log2 units; only read when SPLIT
     sinks_ptr,  # [num_heads] fp32: each head's sink logit; only read when SINKS
+    until_ptr,  # [T] int32: the last position each row's query sees; only read when UNTIL
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_num_blocks_per_seq] int32
@@ -85,6 +89,7 @@ def _paged_attention_kernel(
     WINDOW: tl.constexpr,  # a query sees only the last WINDOW positions (itself included); 0: all
     SOFTCAP: tl.constexpr,  # scores become SOFTCAP * tanh(score / SOFTCAP); 0: uncapped
     SINKS: tl.constexpr,  # a learned logit per head joins each row's softmax, with a zero value
+    UNTIL: tl.constexpr,  # queries see up to their until_ptr position, not their own
 ):
     q_tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -103,6 +108,9 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP_P  # [BLOCK_M] query head
     row_valid = (tok < query_len) & (rows % GROUP_P < GROUP)  # [BLOCK_M]
     pos = context_len + tok  # [BLOCK_M] absolute position: keys at <= pos are visible
+    last = pos  # [BLOCK_M] the last position a row sees
+    if UNTIL:
+        last = tl.load(until_ptr + q_start + tok, mask=row_valid, other=0)
     dims = tl.arange(0, HEAD_P)
     dim_ok = dims < HEAD_DIM  # padded columns load as zeros and add nothing to the dots
 
@@ -111,8 +119,11 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=q_mask, other=0.0)
     q = q.to(DOT_DTYPE)  # [BLOCK_M, HEAD_P]
 
-    # Keys this tile of queries can see end at its last token; this split owns a range of tiles.
+    # Keys this tile of queries can see end at its last token (at the chunk's end, where queries
+    # see past themselves); this split owns a range of tiles.
     visible_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len)
+    if UNTIL:
+        visible_end = seq_len
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(visible_end, BLOCK_N))
     if WINDOW > 0:  # tiles wholly before the window of this tile's first query are skipped
@@ -147,7 +158,7 @@ def _paged_attention_kernel(
         )  # [BLOCK_N, HEAD_P]
 
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        visible = (kv_pos[None, :] <= pos[:, None]) & kv_valid[None, :]
+        visible = (kv_pos[None, :] <= last[:, None]) & kv_valid[None, :]
         if WINDOW > 0:
             visible = visible & (kv_pos[None, :] > pos[:, None] - WINDOW)
         if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), in natural units, then back to log2
@@ -328,6 +339,7 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32
+    attend_until: torch.Tensor | None = None,  # [T] int32
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of the batch's new tokens over their paged contexts.
 
@@ -338,8 +350,14 @@ def paged_attention(
     count from the batch shape and the GPU; 1 disables splitting. Rows of `out` from
     `query_start_loc[B]` on (padding) are left untouched. `sinks` (GPT-OSS): a logit per
     query head that takes its share of every row's softmax and contributes no value.
+    `attend_until`: the last position each row sees (at least its own, within its
+    sequence's context), where some rows see keys after their own.
     """
     _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
+    if attend_until is not None:
+        check_dtype("attend_until", attend_until, (torch.int32,))
+        check_shape("attend_until", attend_until, (q.shape[0],))
+        check_contiguous("attend_until", attend_until)
     if sinks is not None:
         check_dtype("sinks", sinks, (torch.float32,))
         check_shape("sinks", sinks, (q.shape[1],))
@@ -375,7 +393,7 @@ def paged_attention(
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     launch = _Launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, tiling,
-                     sliding_window or 0, softcap or 0.0, sinks)
+                     sliding_window or 0, softcap or 0.0, sinks, attend_until)
     if num_splits == 1:
         launch.run(out, None, 1, max_seq_len)
     else:
@@ -398,6 +416,7 @@ class _Launch:
     window: int  # 0: none
     softcap: float  # 0: none
     sinks: torch.Tensor | None  # [num_heads] float32
+    attend_until: torch.Tensor | None  # [T] int32
 
     def run(
         self,
@@ -415,6 +434,7 @@ class _Launch:
         _paged_attention_kernel[grid](
             self.q, self.k_cache, self.v_cache, out, out if lse is None else lse,
             self.q if self.sinks is None else self.sinks,
+            self.q if self.attend_until is None else self.attend_until,
             self.query_start_loc, self.seq_lens, self.block_tables,
             self.scale * _LOG2E,
             self.q.stride(0), self.q.stride(1),
@@ -429,6 +449,7 @@ class _Launch:
             DOT_DTYPE=dot_dtype(self.q.dtype, is_interpreted(_paged_attention_kernel)),
             DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32",
             SPLIT=split, WINDOW=self.window, SOFTCAP=self.softcap, SINKS=self.sinks is not None,
+            UNTIL=self.attend_until is not None,
             num_warps=t.num_warps,
         )  # fmt: skip
 
@@ -464,6 +485,7 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]
+    attend_until: torch.Tensor | None = None,  # [T]
 ) -> torch.Tensor:  # [T, num_heads, head_dim]; padding rows are zero
     """Plain-torch paged attention, one sequence at a time, computed in float32 (an fp8
     cache's values widened as they are)."""
@@ -479,7 +501,9 @@ def paged_attention_ref(
         blocks = block_tables[b, : cdiv(seq_len, block_size)].long()  # [num_seq_blocks]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [seq_len, kvh, D]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        out[start:end] = _dense_causal_attention(q[start:end], k, v, scale, sliding_window, softcap, sinks).to(q.dtype)
+        until = None if attend_until is None else attend_until[start:end]
+        out[start:end] = _dense_causal_attention(q[start:end], k, v, scale, sliding_window, softcap, sinks,
+                                                 until).to(q.dtype)
     return out
 
 
@@ -491,6 +515,7 @@ def _dense_causal_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]: one more logit per row, whose value is zero
+    until: torch.Tensor | None = None,  # [query_len]: the last position each query sees (None: its own)
 ) -> torch.Tensor:  # [query_len, num_heads, D] float32
     query_len, seq_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -501,7 +526,7 @@ def _dense_causal_attention(
         scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(seq_len - query_len, seq_len, device=q.device)  # [query_len]
     kv_pos = torch.arange(seq_len, device=q.device)[None, :]
-    visible = kv_pos <= pos[:, None]
+    visible = kv_pos <= (pos if until is None else until.long())[:, None]
     if window is not None:
         visible &= kv_pos > pos[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))

@@ -262,3 +262,33 @@ def test_fp8_cache(device: torch.device, dtype: torch.dtype, num_splits: int) ->
     _check(batch, out)
     wide = paged_attention_ref(batch.q, batch.k_cache.to(dtype), batch.v_cache.to(dtype), *batch.attention_args()[3:])
     assert_close(out[: batch.num_real_tokens], wide[: batch.num_real_tokens])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 16])
+def test_rows_that_see_past_themselves(device: torch.device, window: int | None, num_splits: int) -> None:
+    """Gemma 3's image tokens: each sees up to its image's last position (`attend_until`),
+    the rest causally; a window still bounds what lies before a query. Against the
+    reference, and the reference against SDPA given the mask written out."""
+    query_lens, seq_lens = [1, 5, 33], [150, 90, 97]
+    batch = make_paged_batch(query_lens, seq_lens, 8, 2, 64, 16, torch.float32, device)
+    positions = [p for q, s in zip(query_lens, seq_lens, strict=True) for p in range(s - q, s)]
+    image = range(70, 80)  # in the 33-token chunk, whose context starts at 64
+    until = torch.tensor([79 if i >= 6 and p in image else p for i, p in enumerate(positions)], dtype=torch.int32)
+    until = until.to(device)
+    out = _run(batch, num_splits=num_splits, sliding_window=window, attend_until=until)
+    expected = paged_attention_ref(*batch.attention_args(), sliding_window=window, attend_until=until)
+    assert_close(out[: batch.num_real_tokens], expected[: batch.num_real_tokens])
+    causal = paged_attention_ref(*batch.attention_args(), sliding_window=window)
+    changed = (expected - causal).abs().amax(dim=(1, 2)) > 1e-6
+    assert changed.nonzero().flatten().tolist() == [6 + p - 64 for p in image[:-1]]  # all but the image's last
+    # the chunk's rows through SDPA, each query's keys written out
+    k, v = batch.dense_k[2].float(), batch.dense_v[2].float()  # [97, kv heads, D]
+    q = batch.q[6:39].float()
+    pos, kv = torch.arange(64, 97, device=device)[:, None], torch.arange(97, device=device)[None, :]
+    allowed = kv <= until[6:39].long()[:, None]
+    if window is not None:
+        allowed &= kv > pos - window
+    sdpa = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1),
+                                          v.repeat_interleave(4, 1).transpose(0, 1), attn_mask=allowed)
+    assert_close(expected[6:39].float(), sdpa.transpose(0, 1))
