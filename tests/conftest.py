@@ -367,6 +367,40 @@ def tiny_mistral3_dir(tmp_path_factory, default_model_dir) -> Path:
     return out
 
 
+# Gemma 3's <start_of_image>, image soft token and <end_of_image>, as three of the tokenizer's special tokens
+GEMMA3_IMAGE_TOKENS = {"boi_token_index": 8, "image_token_index": 10, "eoi_token_index": 9}
+GEMMA3_TEMPLATE = MISTRAL3_TEMPLATE.replace("{% else %}<issue_closed>{% endif %}", "{% else %}<issue_start>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_images_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A Gemma 3 that takes images: a one-layer SigLIP tower on 32 x 32 pixels (patches of 4)
+    and Gemma 3's projector pooling them to 16 image tokens, around the tiny Gemma 3 (a window
+    of 24 on one of its two layers); its image tokens three of the tokenizer's special tokens,
+    and a chat template that writes an image part as the start-of-image token."""
+    from transformers import AutoModelForImageTextToText, Gemma3Config, SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    torch.manual_seed(0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=4)
+    config = Gemma3Config(text_config=tiny_hf_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=16, **GEMMA3_IMAGE_TOKENS)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # Gemma's norms start at zeros, and the projection too: make them the model's own
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and "vision_tower" not in name:
+                param.uniform_(-0.5, 0.5)
+            elif name.endswith("mm_input_projection_weight"):
+                param.normal_(0.0, 0.5)
+    out = tmp_path_factory.mktemp("gemma3-images")
+    model.save_pretrained(out)
+    copy_tokenizer(default_model_dir, out)
+    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(out)
+    (out / "chat_template.jinja").write_text(GEMMA3_TEMPLATE)
+    return out
+
+
 QWEN_VL_PATCH, QWEN_VL_MERGE = 8, 2
 # Qwen2.5-VL's <|vision_start|>, <|image_pad|> and <|vision_end|>, as three of the tokenizer's special tokens
 QWEN_VL_IMAGE = "<issue_start><issue_closed><issue_comment>"

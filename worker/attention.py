@@ -74,7 +74,18 @@ def in_bucket(s: ScheduledRequest) -> bool:
     """Attended in a decode bucket: one new token, guesses to check, or a short chunk after a
     cached prefix."""
     n = len(s.token_ids)
-    return n == 1 or bool(s.num_drafts) or (s.start_pos > 0 and n <= BUCKET_MAX_QUERY)
+    return n == 1 or bool(s.num_drafts) or (s.start_pos > 0 and n <= BUCKET_MAX_QUERY and not s.both_ways)
+
+
+def attend_until(s: ScheduledRequest, device: torch.device) -> torch.Tensor | None:
+    """The last position each of the step's tokens sees, where some see past themselves:
+    those in a both-ways span see to its end ([len(s.token_ids)]); None where all are causal."""
+    if not s.both_ways:
+        return None
+    until = torch.arange(s.start_pos, s.start_pos + len(s.token_ids), device=device)
+    for lo, hi in s.both_ways:
+        until[max(lo - s.start_pos, 0) : hi - s.start_pos] = hi - 1
+    return until
 
 
 def pad_tables(
@@ -249,9 +260,11 @@ class TorchAttention:
             context_rows = self._block_rows([table[first : first + num_blocks]], num_blocks).view(-1)
         q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
         k_pos = torch.arange(first * self.block_size, ctx_len, device=self.device)
+        until = attend_until(s, self.device)
 
         def mask(window: int | None) -> torch.Tensor:  # built once per step for all layers
-            allowed = self._allowed(k_pos[None, :], q_pos[:, None], window)  # [q_len, ctx_len]
+            allowed = self._allowed(k_pos[None, :], q_pos[:, None], window,
+                                    None if until is None else until[:, None])  # [q_len, ctx_len]
             return self._additive(allowed).repeat(self.group, 1)  # [group * q_len, ctx_len]
 
         return PrefillChunk(row, row + q_len, context_rows, like.masks if like is not None else {w: mask(w) for w in windows})
@@ -264,9 +277,11 @@ class TorchAttention:
         return max(position - max(w for w in windows if w is not None) + 1, 0) // self.block_size
 
     @staticmethod
-    def _allowed(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-        """Which keys each query sees: those up to its position, and within its window."""
-        allowed = k_pos <= q_pos
+    def _allowed(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None,
+                 until: torch.Tensor | None = None) -> torch.Tensor:
+        """Which keys each query sees: those up to its position (or `until`, where it sees
+        past itself), and within its window."""
+        allowed = k_pos <= (q_pos if until is None else until)
         if window is not None:
             allowed &= k_pos > q_pos - window
         return allowed

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from worker.attention import pad_tables
+from worker.attention import attend_until, pad_tables
 from worker.scheduler import ScheduledRequest
 
 
@@ -21,6 +21,7 @@ class TritonMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int  # host-side bounds, so the launcher never waits on the device
     max_seq_len: int
+    attend_until: torch.Tensor | None = None  # [T] int32: each row's last visible position, where some see past themselves
 
     def for_layer(self, index: int) -> TritonMetadata:
         return self  # one group: every layer's
@@ -42,6 +43,7 @@ class TritonMetadata:
             q, k_cache, v_cache, self.query_start_loc, self.seq_lens, self.block_tables,
             scale=scale, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
             sliding_window=window, softcap=softcap, sinks=None if sinks is None else sinks.float(),
+            attend_until=self.attend_until,
         )
 
 
@@ -70,6 +72,12 @@ class TritonAttention:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
+        until = None
+        if any(s.both_ways for s in batch):
+            rows = [attend_until(s, torch.device("cpu")) for s in batch]
+            until = torch.cat([torch.arange(s.start_pos, s.start_pos + n) if row is None else row
+                               for s, n, row in zip(batch, query_lens, rows, strict=True)])
+            until = until.to(device=self.device, dtype=torch.int32)
         return TritonMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
@@ -77,4 +85,5 @@ class TritonAttention:
             block_tables=padded,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            attend_until=until,
         )

@@ -125,6 +125,8 @@ class Engine:
             child.pooling_params = pooling_params
             child.bad_words_token_ids = bad_words
             child.image_spans = images.span_keys() if images is not None else []
+            if images is not None and self.image_processor is not None and self.image_processor.both_ways:
+                child.whole_spans = images.embed_ranges()
         if images is not None:
             self.runner.add_images([child.request_id for child in children], images)
         self.output_processor.add_request(request_id, text, children)
@@ -199,7 +201,14 @@ class Engine:
         if images is None and (given := images_of(prompt)):
             if self.image_processor is None:
                 raise ValueError(f"this model ({self.model_config.architecture}) takes no images")
+            if isinstance(prompt, dict) and isinstance(text, str):
+                prompt_ids = self._expanded_ids(text, prompt_ids, with_specials="prompt_token_ids" not in prompt)
             prompt_ids, images = self.image_processor.process(prompt_ids, given)
+            if self.image_processor.both_ways:  # each image is computed in one step
+                longest = max(hi - lo for lo, hi in images.embed_ranges())
+                if longest > self.config.max_num_batched_tokens:
+                    raise ValueError(f"an image takes {longest} tokens, computed in one step, but "
+                                     f"max_num_batched_tokens is {self.config.max_num_batched_tokens}")
         # a generation must leave room for a token
         limit = self.max_model_len if pooling_params is not None else self.max_model_len - 1
         source = pooling_params if pooling_params is not None else params
@@ -210,6 +219,16 @@ class Engine:
             prompt_ids = prompt_ids[-min(limit if k == -1 else k, limit):]
         self._validate_prompt(prompt_ids, limit)
         return CheckedPrompt(text, prompt_ids, images)
+
+    def _expanded_ids(self, text: str, prompt_ids: list[int], with_specials: bool) -> list[int]:
+        """A text prompt's ids as the model's processor tokenizes it around its images (Gemma
+        3 sets each off by blank lines, which join the text's own newlines); `with_specials`:
+        as a plain prompt is tokenized (a chat template's text writes its own)."""
+        assert self.image_processor is not None
+        expanded = self.image_processor.expand_text(text)
+        if expanded == text:
+            return prompt_ids
+        return self.tokenizer.encode(expanded, add_special_tokens=with_specials)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

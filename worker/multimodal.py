@@ -3,6 +3,10 @@ each image into embeddings that take the place of its placeholder tokens in the 
 
 Supported:
 
+- Gemma 3 (4B, 12B, 27B: SigLIP and Gemma 3's pooling projector). Each <start_of_image>
+  is widened into itself, the image's tokens and <end_of_image>, set off by blank lines,
+  and an image's tokens attend to each other both ways: the scheduler never ends a
+  prefill chunk inside an image, and attention lets those rows see to the image's end.
 - Mistral 3 (Mistral Small 3.1 and 3.2: Pixtral's vision encoder and Mistral 3's
   projector). Each image token (`[IMG]`) is widened into the image's rows of `[IMG]`
   tokens, each row ended by `[IMG_BREAK]` and the last by `[IMG_END]`.
@@ -98,16 +102,35 @@ class ImageInputs:
         """(offset, length, digest) per image: plain data for the block manager's hashes."""
         return [(s.offset, s.length, s.digest) for s in self.spans]
 
+    def embed_ranges(self) -> list[tuple[int, int]]:
+        """[first, last + 1) of each image's embedding positions (contiguous where images
+        attend both ways)."""
+        ranges, k = [], 0
+        for n in self.num_embeds:
+            ranges.append((self.positions[k], self.positions[k + n - 1] + 1))
+            k += n
+        return ranges
+
 
 class ImageProcessor:
     """Turns a prompt's placeholders and images into its token ids and ImageInputs (CPU).
     A model's subclass says how many tokens an image takes and which they are."""
 
+    # an image's tokens attend to each other both ways (Gemma 3): each is computed in one chunk
+    both_ways = False
+
     def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
         from transformers import AutoImageProcessor
 
         self.images = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+        # the token whose rows take the image's embeddings, and the one a prompt writes per image
         self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)
+        self.placeholder_id = self.image_token_id
+
+    def expand_text(self, text: str) -> str:
+        """A text prompt as the model's processor writes it around each placeholder before
+        tokenizing (so that the text beside an image tokenizes as it does there)."""
+        return text
 
     def prepare(self, images: list[Any]) -> PreparedImages:
         """Images read, resized and normalized, and their pixels hashed: the costly part, which
@@ -124,10 +147,10 @@ class ImageProcessor:
     def process(self, prompt_ids: list[int], images: list[Any] | PreparedImages) -> tuple[list[int], ImageInputs]:
         """The prompt with each image token widened to its image's tokens; ValueError when the
         placeholders and images do not pair up."""
-        found = prompt_ids.count(self.image_token_id)
+        found = prompt_ids.count(self.placeholder_id)
         count = len(images.digests) if isinstance(images, PreparedImages) else len(images)
         if found != count:
-            raise ValueError(f"the prompt has {found} image placeholder(s) (token id {self.image_token_id}) "
+            raise ValueError(f"the prompt has {found} image placeholder(s) (token id {self.placeholder_id}) "
                              f"but {count} image(s) were given: put one placeholder where each image goes")
         prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
         ids: list[int] = []
@@ -135,7 +158,7 @@ class ImageProcessor:
         positions: list[int] = []
         num_embeds: list[int] = []
         for token in prompt_ids:
-            if token != self.image_token_id:
+            if token != self.placeholder_id:
                 ids.append(token)
                 continue
             k = len(spans)
@@ -174,6 +197,33 @@ class Mistral3Images(ImageProcessor):
         tokens = ([self.image_token_id] * cols + [self.break_token_id]) * rows
         tokens[-1] = self.end_token_id
         return tokens, rows * cols
+
+
+class Gemma3Images(ImageProcessor):
+    """Gemma 3: each image resized to the vision tower's square (no pan and scan), and its
+    <start_of_image> widened to itself, mm_tokens_per_image image tokens and <end_of_image>,
+    with a blank line before and after in a text prompt (Gemma3Processor's
+    full_image_sequence). The image tokens attend to each other both ways."""
+
+    both_ways = True
+
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
+        super().__init__(model_path, hf_config, tokenizer)
+        self.placeholder_id = int(hf_config.boi_token_index)
+        self.end_token_id = int(hf_config.eoi_token_index)
+        self.num_tokens = int(hf_config.mm_tokens_per_image)
+        self.placeholder = tokenizer.convert_ids_to_tokens(self.placeholder_id)
+
+    def expand_text(self, text: str) -> str:
+        return text.replace(self.placeholder, f"\n\n{self.placeholder}\n\n")
+
+    def _prepare(self, pictures: list[Any]) -> PreparedImages:
+        pixels = self.images(images=pictures, do_pan_and_scan=False, return_tensors="pt")["pixel_values"]
+        sizes = torch.tensor([list(p.shape[-2:]) for p in pixels])  # [n, 2], all the tower's square
+        return PreparedImages(list(pixels), sizes, [_digest(p, size) for p, size in zip(pixels, sizes, strict=True)])
+
+    def _tokens(self, size: torch.Tensor) -> tuple[list[int], int]:
+        return [self.placeholder_id, *[self.image_token_id] * self.num_tokens, self.end_token_id], self.num_tokens
 
 
 class QwenVLImages(ImageProcessor):
@@ -268,6 +318,30 @@ class Mistral3Encoder(ImageEncoder):
         return self.multi_modal_projector(features.squeeze(0), sizes)
 
 
+class Gemma3Encoder(ImageEncoder):
+    """Gemma 3's vision tower (SigLIP) and projector (average-pooled to mm_tokens_per_image,
+    normed, projected)."""
+
+    prefixes = ("vision_tower.", "multi_modal_projector.")
+
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        self.vision_tower = AutoModel.from_config(hf_config.vision_config)
+        self.multi_modal_projector = Gemma3MultiModalProjector(hf_config)
+
+    @torch.inference_mode()
+    def forward(
+        self, pixel_values: list[torch.Tensor], image_sizes: torch.Tensor  # [3, H, W] each
+    ) -> torch.Tensor:  # [the images' image tokens, hidden], image after image
+        device, dtype = self._placement()
+        features = self.vision_tower(pixel_values=torch.stack(pixel_values).to(device=device, dtype=dtype)).last_hidden_state
+        embeds = self.multi_modal_projector(features)  # [n, mm_tokens_per_image, hidden]
+        return embeds.reshape(-1, embeds.shape[-1])
+
+
 class QwenVLEncoder(ImageEncoder):
     """Qwen2-VL's, Qwen2.5-VL's or Qwen3-VL's vision transformer, whose patch merger ends in
     the language model's width. Qwen3-VL's deepstack mergers give more embeddings per image
@@ -300,6 +374,7 @@ class QwenVLEncoder(ImageEncoder):
 
 # an image-text architecture genq encodes images for -> how its prompts and pixels are made, and its encoder
 IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] = {
+    "Gemma3ForConditionalGeneration": (Gemma3Images, Gemma3Encoder),
     "Mistral3ForConditionalGeneration": (Mistral3Images, Mistral3Encoder),
     "Qwen2VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
     "Qwen2_5_VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),

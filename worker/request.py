@@ -68,6 +68,9 @@ class Request:
     # the prompt's images: (offset, length, digest of its pixels) each, hashed into the
     # prefix-cache keys of the blocks their tokens fill
     image_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # position ranges [start, end) whose tokens attend to each other both ways (Gemma 3's
+    # images): a prefill chunk never ends inside one, so each is computed whole
+    whole_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

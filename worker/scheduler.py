@@ -29,6 +29,9 @@ class ScheduledRequest:
     num_drafts: int = 0  # token_ids ends with this many guessed tokens (speculative decoding)
     pool: bool = False  # an embedding request's last chunk: its last row is pooled, not sampled
     group_tables: tuple[list[int], ...] = ()  # the other KV groups' tables (windowed layers)
+    # ranges [start, end) of positions this step computes (some of) whose tokens each see
+    # the whole range, later ones too (Request.whole_spans)
+    both_ways: tuple[tuple[int, int], ...] = ()
 
     def tables(self) -> list[list[int]]:
         """A block table per KV group."""
@@ -116,6 +119,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
+            num_new = _keep_spans_whole(request, request.num_computed_tokens, num_new)
+            if num_new == 0:  # the next image does not fit this step's budget: it waits for one that does
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(request, num_new):
                 if request.spec_token_ids:  # guesses are not worth preempting anyone for
                     num_new -= min(len(request.spec_token_ids), max(num_new - 1, 0))
@@ -151,8 +158,8 @@ class Scheduler:
             computed = None if forked else self.block_manager.get_computed_blocks(request)
             num_computed = request.num_computed_tokens + (len(computed[0]) * self.block_manager.block_size
                                                           if computed else 0)
-            num_new = min(request.num_tokens - num_computed, budget)
-            if not self.block_manager.allocate_slots(request, num_new, computed):
+            num_new = _keep_spans_whole(request, num_computed, min(request.num_tokens - num_computed, budget))
+            if num_new == 0 or not self.block_manager.allocate_slots(request, num_new, computed):
                 break
             self.waiting.pop(i)
             if request.lora_id:
@@ -189,6 +196,7 @@ class Scheduler:
                 num_drafts=len(drafts),
                 pool=request.pooling_params is not None and start + num_known == request.num_tokens,
                 group_tables=tuple(tables[1:]),
+                both_ways=tuple((lo, hi) for lo, hi in request.whole_spans if lo < start + num_known and hi > start),
             )
         )
 
@@ -279,3 +287,16 @@ class Scheduler:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         return None
+
+
+def _keep_spans_whole(request: Request, start: int, num_new: int) -> int:
+    """`num_new` tokens from `start`, cut back so that the chunk ends outside each of the
+    request's whole spans; 0 where it starts inside one (or at one it cannot hold)
+    and cannot reach its end."""
+    end = start + num_new
+    for lo, hi in request.whole_spans:
+        if lo < end < hi:
+            if lo <= start:
+                return 0
+            end = lo
+    return end - start

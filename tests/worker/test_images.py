@@ -61,6 +61,17 @@ ONE = ("Describe <issue_closed> in a word:", [picture(40, 56, 0)])
 TWO = ("Compare <issue_closed> with <issue_closed>, please.", [picture(64, 48, 1), picture(20, 64, 2)])
 
 
+# the text the tiny fixtures' chat templates write for chat_about's message, the image's placeholder in {}
+CHAT_TEXT = "<|im_start|>user\nWhat is in {}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def chat_about(llm: LLM, image: Image.Image, params: SamplingParams):
+    """A user message asking about `image` (vLLM's image_pil part), answered."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in "},
+                                             {"type": "image_pil", "image_pil": image}]}]
+    return llm.chat(messages, params, use_tqdm=False)[0]
+
+
 def _generate(llm: LLM, cases) -> list:
     return llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in cases],
                         GREEDY, use_tqdm=False)
@@ -149,8 +160,8 @@ def test_a_text_model_takes_no_images(tiny_llama_dir):
 
 
 def test_other_image_text_models_take_no_images(tiny_image_text_dir):
-    """Gemma 3 serves text alone, and so do Mistral 3 and Qwen checkpoints without their
-    image processor's config: an image is refused by name, not dropped."""
+    """Image-text checkpoints without their image processor's config serve text alone: an
+    image is refused by name, not dropped."""
     llm = LLM(str(tiny_image_text_dir), dtype="float32", num_gpu_blocks_override=64)
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": picture(8, 8, 0)}}, GREEDY, use_tqdm=False)

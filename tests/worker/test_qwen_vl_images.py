@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_images import GREEDY, _generate, picture
+from test_images import CHAT_TEXT, GREEDY, _generate, chat_about, picture
 
 from worker import LLM, SamplingParams
 
@@ -111,12 +111,8 @@ def test_the_prefix_cache_tells_images_apart(tiny_qwen_vl_dir):
 
 def test_chat_messages_carry_images(tiny_qwen_vl_dir):
     image = picture(48, 48, 5)
-    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in "},
-                                             {"type": "image_pil", "image_pil": image}]}]
-    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
-    text = f"<|im_start|>user\nWhat is in {IMAGE}<|im_end|>\n<|im_start|>assistant\n"
-    assert out.outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, text, [image])
+    out = chat_about(LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64), image, GREEDY)
+    assert out.outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, CHAT_TEXT.format(IMAGE), [image])
 
 
 @pytest.mark.parametrize("model", ["tiny_qwen2_vl_dir", "tiny_qwen3_vl_dir", "tiny_qwen3_vl_moe_dir"])

@@ -425,3 +425,25 @@ def test_kv_group_layout():
     draft = EngineConfig(speculative_config={"model": "draft", "num_speculative_tokens": 2})
     assert kv_group_layout((24, 24), 2, draft) == [(None, (0, 1))]  # the draft's cache holds what the target does
     assert kv_group_layout(mixed, 4, draft) == [(None, (0, 2)), (24, (1, 3))]  # group 0 does
+
+
+def test_chunks_never_end_inside_a_whole_span():
+    """Gemma 3's images (Request.whole_spans): a chunk that would end inside one ends before
+    it, the span goes in one later chunk, and a step whose budget cannot hold it schedules
+    none of it; each chunk names the spans its tokens fall in."""
+    sched = make_scheduler(budget=8)
+    a = make_request("a", range(10, 30))  # 20 prompt tokens, an image at [5, 12)
+    a.whole_spans = [(5, 12)]
+    sched.add_request(a)
+    out, _ = step(sched)
+    assert [(s.start_pos, len(s.token_ids), s.both_ways) for s in out.scheduled] == [(0, 5, ())]
+    out, _ = step(sched)
+    assert [(s.start_pos, len(s.token_ids), s.both_ways) for s in out.scheduled] == [(5, 8, ((5, 12),))]
+    b = make_request("b", range(40, 50), arrival=1.0)  # its image needs 7 of a step's 8 tokens
+    b.whole_spans = [(1, 8)]
+    sched.add_request(b)
+    out, _ = step(sched)  # a's 7 remaining tokens leave 1: b's first token, not its image
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled] == [("a", 13, 7), ("b", 0, 1)]
+    out, _ = step(sched)  # a decodes (1): b's image (7) fits
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled] == [("a", 20, 1), ("b", 1, 7)]
+    assert out.scheduled[1].both_ways == ((1, 8),)
