@@ -16,8 +16,9 @@ reports the parts it finished):
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
    biased experts; and with MXFP4 experts), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
-   greedy, CUDA against CPU; and a Mistral 3 (a Pixtral tower), a Qwen2.5-VL (M-RoPE) and a
-   Qwen3-VL (deepstack) around it on a prompt with two images, CUDA against CPU;
+   greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
+   Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt
+   with two images, CUDA against CPU;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -216,7 +217,8 @@ def check_remade_vs_cpu(model: str | None, arch: str, devices: tuple[str, str] =
 
 def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "cuda"), num_tokens: int = 16) -> list[str]:
     """The model's shape remade as image-text models around it (seeded random weights),
-    greedy on a prompt with two images, on CUDA against the CPU path in float32: Mistral 3 (a
+    greedy on a prompt with two images, on CUDA against the CPU path in float32: Gemma 3 (its
+    image tokens attend both ways: the kernel's attend_until, a window of 8), Mistral 3 (a
     two-layer Pixtral tower, patches of 14 merged two by two), Qwen2.5-VL (a two-block
     windowed vision transformer; M-RoPE, whose prompt rows the rotary kernel reads from a
     table of the step's own) and Qwen3-VL (M-RoPE interleaved, deepstack embeddings). The
@@ -228,6 +230,7 @@ def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "c
 
     import numpy as np
     from PIL import Image
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -238,11 +241,20 @@ def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "c
               for seed, (h, w) in enumerate([(200, 150), (90, 224)])]
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     lines = []
-    for arch in ("mistral3", "qwen2_5_vl", "qwen3_vl"):
+    for arch in ("gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl"):
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(remake(model, "qwen3", tmp))  # for its tokenizer files; the config is replaced below
+            # for its tokenizer files and text config; the config is replaced below
+            out = Path(remake(model, "gemma3" if arch == "gemma3" else "qwen3", tmp))
             text = json.loads((out / "config.json").read_text())
-            if arch == "mistral3":
+            if arch == "gemma3":  # image tokens that see their whole image; a window of 8 before them
+                image = "<issue_start>"
+                vision = {"model_type": "siglip_vision_model", "hidden_size": 256, "intermediate_size": 512,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 224, "patch_size": 14}
+                config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                          "text_config": text, "vision_config": vision, "mm_tokens_per_image": 64,
+                          "boi_token_index": 8, "eoi_token_index": 9, "image_token_index": 10}
+                Gemma3ImageProcessorPil(size={"height": 224, "width": 224}).save_pretrained(out)
+            elif arch == "mistral3":
                 image = "<issue_closed>"
                 text.update(architectures=["LlamaForCausalLM"], model_type="llama")
                 vision = {"model_type": "pixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,

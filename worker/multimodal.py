@@ -279,7 +279,12 @@ class ImageEncoder(nn.Module):
         if dummy:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                return cls(hf_config).to(device=device, dtype=dtype).eval()
+                encoder = cls(hf_config)
+                with torch.no_grad():  # matrices transformers starts at zeros (Gemma 3's projection) would make
+                    for param in encoder.parameters():  # every image the same
+                        if param.dim() >= 2 and not param.any():
+                            param.normal_(0.0, param.shape[0] ** -0.5)
+                return encoder.to(device=device, dtype=dtype).eval()
         encoder = cls(hf_config)
         vision = iter_safetensors(model_path, keep=lambda name: name.removeprefix("model.").startswith(cls.prefixes))
         encoder.load_state_dict({name.removeprefix("model."): tensor for name, tensor in vision}, strict=True)
