@@ -86,12 +86,12 @@ def _divisibility(variant: _Variant) -> dict[tuple[int, ...], list[list[Any]]]:
 
 def _attention_variant(
     name: str, dtype: str, head_dim: int, group: int, max_query_len: int, split: bool, window: int = 0,
-    softcap: float = 0.0, cache: str | None = None, sinks: bool = False,
+    softcap: float = 0.0, cache: str | None = None, sinks: bool = False, until: bool = False,
 ) -> _Variant:
     """`cache`: the KV cache's pointer type when it is not the activations' (*fp8e4nv)."""
     tiling = _choose_tiling(group, max_query_len, padded_head_dim(head_dim))
     dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
-    overrides = dict(_INT32_PTRS, lse_ptr="*fp32", sinks_ptr="*fp32")
+    overrides = dict(_INT32_PTRS, lse_ptr="*fp32", sinks_ptr="*fp32", until_ptr="*i32")
     if cache:
         overrides.update(k_cache_ptr=cache, v_cache_ptr=cache)
     if split:
@@ -100,7 +100,7 @@ def _attention_variant(
         GROUP=group, GROUP_P=tiling.group_p, BLOCK_Q=tiling.block_q, BLOCK_M=tiling.block_m,
         BLOCK_N=_BLOCK_N, BLOCK_SIZE=16, HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim), DOT_DTYPE=dot,
         DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SPLIT=split, WINDOW=window, SOFTCAP=softcap,
-        SINKS=sinks,
+        SINKS=sinks, UNTIL=until,
     )  # fmt: skip
     kernel = _paged_attention_kernel
     return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps)
@@ -164,6 +164,9 @@ def _variants() -> list[_Variant]:
         _attention_variant("attention bf16 d64 gqa8 sinks window decode split", "*bf16", 64, 8, 1, True,
                            window=128, sinks=True),
         _attention_variant("attention bf16 d64 gqa8 sinks prefill", "*bf16", 64, 8, 512, False, sinks=True),
+        # Gemma 3 with images: image tokens see their whole image (attend_until), windows of 1024
+        _attention_variant("attention bf16 d256 gqa2 window until prefill", "*bf16", 256, 2, 512, False, window=1024,
+                           until=True),
         # Phi-3's 96-wide heads, in 128-wide tiles
         _attention_variant("attention bf16 d96 mha prefill", "*bf16", 96, 1, 512, False),
         _attention_variant("attention bf16 d96 mha decode split", "*bf16", 96, 1, 1, True, window=2047),
