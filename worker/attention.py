@@ -7,7 +7,8 @@ out as [.., num_kv_heads, ctx, head_dim], ready for matmul without another copy.
 The runner orders each step's flat batch as decodes first (one new token each, sorted by
 context length), then prefill chunks. Decodes are attended in buckets of similar context
 length (padding stays small); each prefill chunk attends to its cached prefix plus its own
-tokens causally; a layer with a sliding window sees only the last `window` positions, by
+tokens causally (an image's tokens that attend both ways, Gemma 3's, to the image's end); a
+layer with a sliding window sees only the last `window` positions before a query, by
 its own mask, and where every layer a step's metadata serves is windowed (a hybrid model's
 windowed group, or a model windowed throughout) only the blocks the widest window reads are
 gathered. Grouped-query attention is handled without repeating K/V: the query heads
@@ -72,7 +73,7 @@ def make_attention_backend(name: str, model_config, block_size: int, dtype: torc
 
 def in_bucket(s: ScheduledRequest) -> bool:
     """Attended in a decode bucket: one new token, guesses to check, or a short chunk after a
-    cached prefix."""
+    cached prefix (not one whose tokens see past themselves: the buckets' masks are causal)."""
     n = len(s.token_ids)
     return n == 1 or bool(s.num_drafts) or (s.start_pos > 0 and n <= BUCKET_MAX_QUERY and not s.both_ways)
 

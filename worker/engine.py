@@ -201,8 +201,8 @@ class Engine:
         if images is None and (given := images_of(prompt)):
             if self.image_processor is None:
                 raise ValueError(f"this model ({self.model_config.architecture}) takes no images")
-            if isinstance(prompt, dict) and isinstance(text, str):
-                prompt_ids = self._expanded_ids(text, prompt_ids, with_specials="prompt_token_ids" not in prompt)
+            if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(text, str):
+                prompt_ids = self._expanded_ids(text, prompt_ids, with_specials=True)
             prompt_ids, images = self.image_processor.process(prompt_ids, given)
             if self.image_processor.both_ways:  # each image is computed in one step
                 longest = max(hi - lo for lo, hi in images.embed_ranges())
@@ -222,8 +222,9 @@ class Engine:
 
     def _expanded_ids(self, text: str, prompt_ids: list[int], with_specials: bool) -> list[int]:
         """A text prompt's ids as the model's processor tokenizes it around its images (Gemma
-        3 sets each off by blank lines, which join the text's own newlines); `with_specials`:
-        as a plain prompt is tokenized (a chat template's text writes its own)."""
+        3 sets each off by blank lines, which join the text's own newlines), else
+        `prompt_ids`; `with_specials`: as a plain prompt is tokenized (a chat template's text
+        writes its own). Token ids a caller gives are taken as they are."""
         assert self.image_processor is not None
         expanded = self.image_processor.expand_text(text)
         if expanded == text:
@@ -437,7 +438,12 @@ class Engine:
         messages, images = chat_images(messages)
         prompt = render_chat(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
                              **template_kwargs)
-        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
+        if not images:
+            return prompt
+        if self.image_processor is not None:
+            prompt["prompt_token_ids"] = self._expanded_ids(prompt["prompt"], prompt["prompt_token_ids"],
+                                                            with_specials=False)
+        return {**prompt, "multi_modal_data": {"image": images}}
 
 
 def _bad_word_bans(requests: list[Request], row_outputs: list[list[int]]) -> list[list[int]] | None:

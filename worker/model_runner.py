@@ -213,7 +213,8 @@ class ModelRunner:
         if (self.graphs is not None and lora is None and images is None and not isinstance(rope, torch.Tensor)
                 and self.graphs.can_run(batch)):
             hidden = self.graphs.run(batch, rope)  # [B, hidden]
-        else:  # eager: prefills, and steps with adapters (the graphs hold the base model only)
+        else:  # eager: prefills, steps with adapters (the graphs hold the base model only), with
+            # image rows, or with M-RoPE's three streams
             input_ids, positions, meta = self._prepare(batch)
             if rope is not None:
                 positions = torch.as_tensor(rope, dtype=torch.long).to(self.device)

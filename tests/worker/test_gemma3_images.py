@@ -96,6 +96,16 @@ def test_chat_messages_carry_images(tiny_gemma3_images_dir):
     assert [entry.logprob for entry in out.outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
 
 
+def test_token_ids_given_are_taken_as_they_are(tiny_gemma3_images_dir):
+    """Only a text prompt gets the blank lines: a caller's token ids have each
+    <start_of_image> widened in place."""
+    llm = LLM(str(tiny_gemma3_images_dir), dtype="float32", num_gpu_blocks_override=64)
+    ids = llm.get_tokenizer().encode(ONE[0])
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": ONE[1]}}, PARAMS, use_tqdm=False)[0]
+    k = ids.index(8)
+    assert out.prompt_token_ids == ids[:k] + [8] + [10] * NUM_TOKENS + [9] + ids[k + 1:]
+
+
 def test_an_image_longer_than_a_step_is_refused(tiny_gemma3_images_dir):
     llm = LLM(str(tiny_gemma3_images_dir), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=8,
               max_num_seqs=2)
