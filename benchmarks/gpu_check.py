@@ -223,7 +223,8 @@ def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "c
     windowed vision transformer; M-RoPE, whose prompt rows the rotary kernel reads from a
     table of the step's own) and Qwen3-VL (M-RoPE interleaved, deepstack embeddings). The
     image embeddings enter the eager prefill; decode runs in the CUDA graphs (for Qwen, at
-    positions shifted by the images)."""
+    positions shifted by the images). Also where a running request's embeddings rest on
+    CUDA (cpu: the device holds only the lately encoded ones, in memory set aside)."""
     import json
     import tempfile
     from pathlib import Path
@@ -283,11 +284,17 @@ def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "c
                 Qwen2VLImageProcessorPil(max_pixels=224 * 224).save_pretrained(out)
             (out / "config.json").write_text(json.dumps(config))
             prompt = {"prompt": f"Compare {image} with {image} in a word:", "multi_modal_data": {"image": images}}
-            runs = []
+            runs, held = [], ""
             for device in devices:
                 llm = LLM(str(out), dtype="float32", device=device, max_model_len=2048, load_format="dummy")
+                llm.engine.add_request("held", prompt, params)  # where a running request's embeddings rest
+                llm.engine.step()
+                held = str(llm.engine.runner.image_embeds.rows("held", 0, 2048, 0)[1].device)  # type: ignore[index]
+                while llm.engine.has_unfinished_requests():
+                    llm.engine.step()
                 runs.append([llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids])
-        lines.append(f"greedy {arch} images {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}")
+        lines.append(f"greedy {arch} images {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}"
+                     f"  embeddings held on {held}")
     return lines
 
 

@@ -273,7 +273,7 @@ class ModelRunner:
                 embeds.append(found[1])
         if not rows:
             return None
-        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(embeds)
+        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(embeds).to(self.device)
 
     def _rope_positions(self, batch: list[ScheduledRequest]) -> list[int] | torch.Tensor | None:
         """The step's rotary positions where some request's are not its positions (M-RoPE,

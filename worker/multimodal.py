@@ -26,8 +26,9 @@ Images are resized and normalized by the checkpoint's own image processor (trans
 PIL), and encoded once, when the request is added, by transformers' vision modules over the
 checkpoint's weights: an image costs a fraction of the language model's time, which genq's
 own runner spends. The embeddings stay with the request until it ends (chunked prefill and
-recomputation after preemption read them again), and the embeddings of the images encoded
-lately are kept by their pixels' digest, so a conversation that sends its image again with
+recomputation after preemption read them again), in host memory, from which each step
+copies the rows it computes; the embeddings of the images encoded lately are kept on the
+device by their pixels' digest, in memory the KV cache sizing sets aside, so a conversation that sends its image again with
 every turn has it encoded once. Each image's pixels are hashed into the
 prefix-cache keys of the blocks its tokens fill, so equal text around another image shares
 nothing it should not.
@@ -405,9 +406,15 @@ IMAGE_CACHE_BYTES = 512 << 20
 class ImageEmbeddings:
     """The embeddings of the requests with images, by request id, and the rows of a step's
     flat batch they fill; and the embeddings of the images encoded lately (IMAGE_CACHE_BYTES,
-    least recently used first out)."""
+    least recently used first out).
 
-    def __init__(self, max_cache_bytes: int = IMAGE_CACHE_BYTES) -> None:
+    Only the lately encoded ones stay on the device, in memory the KV cache leaves them: a
+    request's own copy rests on the host (`host`), from which a step copies the rows it
+    computes, so that many requests with images in flight (queued, or decoding long after
+    their prompt) hold no device memory the cache sizing did not set aside."""
+
+    def __init__(self, max_cache_bytes: int = IMAGE_CACHE_BYTES, host: torch.device | str = "cpu") -> None:
+        self.host = torch.device(host)
         self._held: dict[str, _Held] = {}
         self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._cache_bytes = 0
@@ -444,7 +451,7 @@ class ImageEmbeddings:
             self._cache_bytes -= old.numel() * old.element_size()
 
     def add(self, request_ids: list[str], inputs: ImageInputs, embeds: torch.Tensor) -> None:
-        held = _Held(inputs.positions, embeds, inputs.rope_positions, inputs.rope_delta)
+        held = _Held(inputs.positions, embeds.to(self.host), inputs.rope_positions, inputs.rope_delta)
         for request_id in request_ids:
             self._held[request_id] = held
 
@@ -456,7 +463,7 @@ class ImageEmbeddings:
 
     def rows(self, request_id: str, start: int, end: int, row_start: int) -> tuple[list[int], torch.Tensor] | None:
         """The flat-batch rows (the request's positions [start, end) begin at `row_start`)
-        that take image embeddings, and those embeddings; None when there are none."""
+        that take image embeddings, and those embeddings (on the host); None when there are none."""
         held = self._held.get(request_id)
         if held is None:
             return None
@@ -486,7 +493,7 @@ class _Held:
     """A request's images as its steps read them."""
 
     positions: list[int]  # the prompt positions their embeddings fill
-    embeds: torch.Tensor  # [len(positions), hidden]
+    embeds: torch.Tensor  # [len(positions), hidden] (or [.., 1 + deepstack, hidden]), on the host
     rope_positions: torch.Tensor | None  # ImageInputs'
     rope_delta: int
 

@@ -178,3 +178,18 @@ def test_dummy_weights_take_images_without_a_checkpoint(tiny_mistral3_dir, tmp_p
     runs = [_generate(LLM(str(tmp_path), dtype="float32", num_gpu_blocks_override=64, load_format="dummy"), [ONE])
             for _ in range(2)]
     assert runs[0][0].outputs[0].token_ids == runs[1][0].outputs[0].token_ids
+
+
+def test_a_requests_embeddings_rest_on_the_host():
+    """The lately encoded embeddings stay as the encoder gave them (on the device, in memory
+    the KV cache sizing set aside); a request's own copy rests on `host`, from which steps
+    copy their rows ("meta" stands in here for a host apart from the device)."""
+    from worker.multimodal import ImageEmbeddings, ImageInputs, ImageSpan
+
+    embeds = ImageEmbeddings(host="meta")
+    inputs = ImageInputs([torch.zeros(3)], torch.tensor([[16, 16]]), [ImageSpan(2, 4, 7)], [2, 3, 4, 5], [4])
+    encoded = embeds.embeddings(inputs, lambda pixels, sizes: torch.ones(4, 8))
+    embeds.add(["r"], inputs, encoded)
+    assert encoded.device.type == "cpu"
+    rows, held = embeds.rows("r", 0, 6, 10)
+    assert rows == [12, 13, 14, 15] and held.device.type == "meta" and held.shape == (4, 8)
