@@ -67,6 +67,11 @@ def build(parser: argparse.ArgumentParser) -> Any:
         "(default: $GENQ_SPECULATIVE_CONFIG or off)",
     )
     parser.add_argument(
+        "--mm-processor-kwargs", metavar="JSON",
+        help='overrides of the image processor\'s settings, e.g. \'{"max_pixels": 1003520}\' to bound '
+        "the tokens a Qwen-VL image takes (default: $GENQ_MM_PROCESSOR_KWARGS or the checkpoint's)",
+    )
+    parser.add_argument(
         "--enable-lora", action="store_true",
         help="serve LoRA adapters: those of --lora-modules and of the runtime registry (genq:lora_adapters)",
     )
@@ -125,6 +130,11 @@ def run(args: argparse.Namespace) -> int:
             engine_args["speculative_config"] = parse_json_object(args.speculative_config)
         except ValueError:
             raise SystemExit(f"--speculative-config must be a JSON object, got {args.speculative_config!r}") from None
+    if args.mm_processor_kwargs:
+        try:
+            engine_args["mm_processor_kwargs"] = parse_json_object(args.mm_processor_kwargs)
+        except ValueError:
+            raise SystemExit(f"--mm-processor-kwargs must be a JSON object, got {args.mm_processor_kwargs!r}") from None
     worker_args = {k: getattr(args, k) for k in _WORKER_FLAGS if getattr(args, k) is not None}
     if args.lora_modules:
         worker_args["lora_modules"] = parse_lora_modules(args.lora_modules, "--lora-modules")

@@ -55,6 +55,9 @@ class EngineConfig:
     # a model that mixes full and sliding-window layers keeps only the blocks its windowed
     # layers' windows read (vLLM's hybrid KV cache manager); True: every layer keeps every block
     disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's: overrides of the checkpoint's image processor settings, e.g. {"max_pixels":
+    # 1003520} to bound the tokens a Qwen-VL image takes; keys it does not know are refused
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

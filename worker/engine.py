@@ -61,7 +61,8 @@ class Engine:
         self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len,
                                   image_config=whole_config if images else None)
         # where the model takes images: what makes their pixels and tokens
-        self.image_processor = image_processor(self.model_path, whole_config, self.tokenizer) if images else None
+        self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)
+                                if images else None)
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))

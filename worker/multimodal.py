@@ -120,10 +120,13 @@ class ImageProcessor:
     # an image's tokens attend to each other both ways (Gemma 3): each is computed in one chunk
     both_ways = False
 
-    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any, overrides: dict[str, Any] | None = None):
         from transformers import AutoImageProcessor
 
         self.images = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+        if overrides:
+            _check_overrides(self.images, overrides)
+            self.images = AutoImageProcessor.from_pretrained(model_path, backend="pil", **overrides)
         # the token whose rows take the image's embeddings, and the one a prompt writes per image
         self.image_token_id = int(getattr(hf_config, "image_token_index", None) or hf_config.image_token_id)
         self.placeholder_id = self.image_token_id
@@ -180,8 +183,8 @@ class Mistral3Images(ImageProcessor):
     """Pixtral's patches, two merged each way: a row of [IMG] per row of merged patches, each
     row ended by [IMG_BREAK], the last by [IMG_END] (PixtralProcessor.replace_image_token)."""
 
-    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
-        super().__init__(model_path, hf_config, tokenizer)
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any, overrides: dict[str, Any] | None = None):
+        super().__init__(model_path, hf_config, tokenizer, overrides)
         processor = _read_json(model_path / "processor_config.json")
         self.break_token_id = tokenizer.convert_tokens_to_ids(processor.get("image_break_token", "[IMG_BREAK]"))
         self.end_token_id = tokenizer.convert_tokens_to_ids(processor.get("image_end_token", "[IMG_END]"))
@@ -208,8 +211,8 @@ class Gemma3Images(ImageProcessor):
 
     both_ways = True
 
-    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
-        super().__init__(model_path, hf_config, tokenizer)
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any, overrides: dict[str, Any] | None = None):
+        super().__init__(model_path, hf_config, tokenizer, overrides)
         self.placeholder_id = int(hf_config.boi_token_index)
         self.end_token_id = int(hf_config.eoi_token_index)
         self.num_tokens = int(hf_config.mm_tokens_per_image)
@@ -231,8 +234,8 @@ class QwenVLImages(ImageProcessor):
     """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: an image token per merged patch, and M-RoPE positions for the prompt
     (transformers' Qwen2_5_VLModel.get_rope_index, for still images; Qwen2-VL's and Qwen3-VL's are the same)."""
 
-    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any):
-        super().__init__(model_path, hf_config, tokenizer)
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any, overrides: dict[str, Any] | None = None):
+        super().__init__(model_path, hf_config, tokenizer, overrides)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
 
     def _prepare(self, pictures: list[Any]) -> PreparedImages:
@@ -389,8 +392,11 @@ IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] 
 }
 
 
-def image_processor(model_path: Path, hf_config: Any, tokenizer: Any) -> ImageProcessor:
-    return IMAGE_ARCHITECTURES[hf_config.architectures[0]][0](model_path, hf_config, tokenizer)
+def image_processor(model_path: Path, hf_config: Any, tokenizer: Any,
+                    overrides: dict[str, Any] | None = None) -> ImageProcessor:
+    """The model's ImageProcessor; `overrides`: settings of the checkpoint's image processor
+    replaced (vLLM's mm_processor_kwargs), ValueError for one it does not take."""
+    return IMAGE_ARCHITECTURES[hf_config.architectures[0]][0](model_path, hf_config, tokenizer, overrides)
 
 
 def load_image_encoder(model_path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device,
@@ -573,6 +579,16 @@ def _digest(pixels: torch.Tensor, size: torch.Tensor) -> int:
     """One image's pixels (without padding) and their shape, hashed."""
     data = pixels.contiguous().numpy().tobytes() + size.numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _check_overrides(processor: Any, overrides: dict[str, Any]) -> None:
+    """transformers drops settings an image processor does not take without a word: refuse
+    them (those it takes: its valid_kwargs, a TypedDict, and its bases')."""
+    known = {key for cls in processor.valid_kwargs.__mro__ for key in getattr(cls, "__annotations__", {})}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"mm_processor_kwargs: {type(processor).__name__} takes no {unknown[0]!r}; "
+                         f"it takes {', '.join(sorted(known))}")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

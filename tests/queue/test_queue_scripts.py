@@ -343,6 +343,10 @@ def test_worker_config_from_env() -> None:
     assert config_from_env({"GENQ_QUANTIZATION": "fp8"}).engine.quantization == "fp8"
     assert config_from_env({"GENQ_KV_CACHE_DTYPE": "fp8"}).engine.kv_cache_dtype == "fp8"
     assert config_from_env({"GENQ_QUANTIZATION": "awq_marlin"}).engine.quantization == "awq_marlin"  # vLLM's name
+    mm = config_from_env({"GENQ_MM_PROCESSOR_KWARGS": '{"max_pixels": 1003520}'}).engine.mm_processor_kwargs
+    assert mm == {"max_pixels": 1003520}
+    with pytest.raises(ValueError, match="GENQ_MM_PROCESSOR_KWARGS must be a JSON object"):
+        config_from_env({"GENQ_MM_PROCESSOR_KWARGS": "max_pixels=3"})
     with pytest.raises(ValueError, match="quantization must be one of fp8, gptq, .* or None, got 'int4'"):
         config_from_env({"GENQ_QUANTIZATION": "int4"})
     assert config.keys.requests == "genq:requests"  # no queue: the shared stream

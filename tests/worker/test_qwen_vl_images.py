@@ -151,3 +151,23 @@ def test_qwen3_vl_moe_reads_the_hubs_expert_layout(tiny_qwen3_vl_moe_dir, tmp_pa
     runs = [_generate(LLM(str(model), dtype="float32", num_gpu_blocks_override=64), [ONE])[0].outputs[0].token_ids
             for model in (tiny_qwen3_vl_moe_dir, tmp_path)]
     assert runs[0] == runs[1]
+
+
+def test_mm_processor_kwargs_bound_an_images_tokens(tiny_qwen_vl_dir, tmp_path):
+    """max_pixels 32 x 32 (vLLM's mm_processor_kwargs): the 40 x 56 image takes 1 x 2 merged
+    patches, not 2 x 4, and the tokens are transformers' given the processor so set; a
+    setting the processor does not take is refused by name."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64,
+              mm_processor_kwargs={"max_pixels": 32 * 32})
+    out = _generate(llm, [ONE])[0]
+    assert out.prompt_token_ids.count(10) == 1 * 2
+    import shutil
+
+    bounded = tmp_path / "bounded"  # the same checkpoint, its image processor saved with the override
+    shutil.copytree(tiny_qwen_vl_dir, bounded)
+    Qwen2VLImageProcessorPil.from_pretrained(tiny_qwen_vl_dir, max_pixels=32 * 32).save_pretrained(bounded)
+    assert out.outputs[0].token_ids == hf_greedy(bounded, *ONE)
+    with pytest.raises(ValueError, match="Qwen2VLImageProcessorPil takes no 'max_pixel'; it takes .*max_pixels"):
+        LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64, mm_processor_kwargs={"max_pixel": 1})
