@@ -118,11 +118,13 @@ class ModelRunner:
         self.graphs = self._decode_graphs(backend, max_model_len)
 
     def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
-        """Encode a prompt's images now; its requests' prefill steps read the embeddings."""
-        encoder = self.image_encoder
-        assert encoder is not None, "this model takes no images"
-        embeds = self.image_embeds.embeddings(inputs, lambda pixels, sizes: encoder(pixels, sizes).to(self.dtype))
-        self.image_embeds.add(request_ids, inputs, embeds)  # [len(inputs.positions), hidden]
+        """A prompt's images, encoded when a step first computes their tokens."""
+        assert self.image_encoder is not None, "this model takes no images"
+        self.image_embeds.add(request_ids, inputs)
+
+    def _encode(self, pixels: list[torch.Tensor], sizes: torch.Tensor) -> torch.Tensor:
+        assert self.image_encoder is not None
+        return self.image_encoder(pixels, sizes).to(self.dtype)
 
     def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
@@ -267,7 +269,7 @@ class ModelRunner:
         embeds: list[torch.Tensor] = []
         for s, end in zip(batch, _row_ends(batch), strict=True):
             found = self.image_embeds.rows(s.request_id, s.start_pos, s.start_pos + len(s.token_ids),
-                                           end - len(s.token_ids))
+                                           end - len(s.token_ids), self._encode)
             if found is not None:
                 rows += found[0]
                 embeds.append(found[1])

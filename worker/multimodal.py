@@ -23,13 +23,14 @@ order, as the processors of transformers do. Chat messages carry images as conte
 (api and LLM.chat), which the chat template turns into that token.
 
 Images are resized and normalized by the checkpoint's own image processor (transformers', on
-PIL), and encoded once, when the request is added, by transformers' vision modules over the
-checkpoint's weights: an image costs a fraction of the language model's time, which genq's
-own runner spends. The embeddings stay with the request until it ends (chunked prefill and
-recomputation after preemption read them again), in host memory, from which each step
-copies the rows it computes; the embeddings of the images encoded lately are kept on the
-device by their pixels' digest, in memory the KV cache sizing sets aside, so a conversation that sends its image again with
-every turn has it encoded once. Each image's pixels are hashed into the
+PIL), and encoded once, by transformers' vision modules over the checkpoint's weights, when
+a step first computes the image's tokens (ImageEmbeddings): an image costs a fraction of
+the language model's time, which genq's own runner spends. The embeddings stay with the
+request until it ends (chunked prefill and recomputation after preemption read them
+again), in host memory, from which each step copies the rows it computes; the embeddings
+of the images encoded lately are kept on the device by their pixels' digest, in memory the
+KV cache sizing sets aside, so a conversation that sends its image again with every turn
+has it encoded once. Each image's pixels are hashed into the
 prefix-cache keys of the blocks its tokens fill, so equal text around another image shares
 nothing it should not.
 """
@@ -410,14 +411,17 @@ IMAGE_CACHE_BYTES = 512 << 20
 
 
 class ImageEmbeddings:
-    """The embeddings of the requests with images, by request id, and the rows of a step's
-    flat batch they fill; and the embeddings of the images encoded lately (IMAGE_CACHE_BYTES,
-    least recently used first out).
+    """The images of the requests that have them, by request id, and the rows of a step's
+    flat batch their embeddings fill; and the embeddings of the images encoded lately
+    (IMAGE_CACHE_BYTES, least recently used first out).
 
-    Only the lately encoded ones stay on the device, in memory the KV cache leaves them: a
-    request's own copy rests on the host (`host`), from which a step copies the rows it
-    computes, so that many requests with images in flight (queued, or decoding long after
-    their prompt) hold no device memory the cache sizing did not set aside."""
+    An image is encoded when a step first computes one of its tokens, as vLLM's encoder
+    runs within the scheduler's token budget: a burst of requests with images does not
+    stall the running ones for all of their encodes at once, and an image whose tokens the
+    prefix cache holds is never encoded. Until then the request keeps its pixels; after,
+    its embeddings, on the host (`host`), from which each step copies the rows it computes
+    (chunked prefill and recomputation after preemption read them again). Only the lately
+    encoded ones stay on the device, in memory the KV cache sizing sets aside."""
 
     def __init__(self, max_cache_bytes: int = IMAGE_CACHE_BYTES, host: torch.device | str = "cpu") -> None:
         self.host = torch.device(host)
@@ -428,23 +432,25 @@ class ImageEmbeddings:
         self.num_encoded = 0  # images the encoder ran on
         self.num_reused = 0  # images whose embeddings came from the cache
 
-    def embeddings(self, inputs: ImageInputs, encode: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
-                   ) -> torch.Tensor:  # [len(inputs.positions), hidden]
-        """A prompt's image embeddings: each image's from the cache where it was encoded
-        lately, the others encoded now, in one batch."""
-        found = [self._cache.get(span.digest) for span in inputs.spans]
+    def _encode(self, images: list[_Image], encode: Encode) -> None:
+        """Give each of one prompt's images its embeddings: from the cache where it was
+        encoded lately, the others encoded now, in one batch."""
+        found = [self._cache.get(image.digest) for image in images]
+        for image, embeds in zip(images, found, strict=True):
+            if embeds is not None:
+                self._cache.move_to_end(image.digest)
         missing = [k for k, embeds in enumerate(found) if embeds is None]
-        for k, span in enumerate(inputs.spans):
-            if found[k] is not None:
-                self._cache.move_to_end(span.digest)
         if missing:
-            new = encode([inputs.pixel_values[k] for k in missing], inputs.image_sizes[torch.tensor(missing)])
-            for k, embeds in zip(missing, new.split([inputs.num_embeds[k] for k in missing]), strict=True):
+            pixels = [images[k].pixels for k in missing]
+            new = encode([p for p in pixels if p is not None], torch.stack([images[k].size for k in missing]))
+            for k, embeds in zip(missing, new.split([len(images[k].positions) for k in missing]), strict=True):
                 found[k] = embeds
-                self._remember(inputs.spans[k].digest, embeds)
+                self._remember(images[k].digest, embeds)
+        for image, embeds in zip(images, found, strict=True):
+            assert embeds is not None
+            image.embeds, image.pixels = embeds.to(self.host), None
         self.num_encoded += len(missing)
-        self.num_reused += len(found) - len(missing)
-        return torch.cat([embeds for embeds in found if embeds is not None])
+        self.num_reused += len(images) - len(missing)
 
     def _remember(self, digest: int, embeds: torch.Tensor) -> None:
         size = embeds.numel() * embeds.element_size()
@@ -456,8 +462,14 @@ class ImageEmbeddings:
             _, old = self._cache.popitem(last=False)
             self._cache_bytes -= old.numel() * old.element_size()
 
-    def add(self, request_ids: list[str], inputs: ImageInputs, embeds: torch.Tensor) -> None:
-        held = _Held(inputs.positions, embeds.to(self.host), inputs.rope_positions, inputs.rope_delta)
+    def add(self, request_ids: list[str], inputs: ImageInputs) -> None:
+        """A prompt's images, for its requests (the samples of one prompt share them)."""
+        images, k = [], 0
+        for span, n, pixels, size in zip(inputs.spans, inputs.num_embeds, inputs.pixel_values, inputs.image_sizes,
+                                         strict=True):
+            images.append(_Image(inputs.positions[k : k + n], span.digest, size, pixels))
+            k += n
+        held = _Held(images, inputs.positions, inputs.rope_positions, inputs.rope_delta)
         for request_id in request_ids:
             self._held[request_id] = held
 
@@ -467,16 +479,28 @@ class ImageEmbeddings:
     def __bool__(self) -> bool:
         return bool(self._held)
 
-    def rows(self, request_id: str, start: int, end: int, row_start: int) -> tuple[list[int], torch.Tensor] | None:
+    def rows(self, request_id: str, start: int, end: int, row_start: int,
+             encode: Encode | None = None) -> tuple[list[int], torch.Tensor] | None:
         """The flat-batch rows (the request's positions [start, end) begin at `row_start`)
-        that take image embeddings, and those embeddings (on the host); None when there are none."""
+        that take image embeddings, and those embeddings (on the host); None when there are
+        none. Images not encoded yet are encoded now by `encode` (without one: ValueError)."""
         held = self._held.get(request_id)
-        if held is None:
+        if held is None or bisect_left(held.positions, start) == bisect_left(held.positions, end):
             return None
-        lo, hi = bisect_left(held.positions, start), bisect_left(held.positions, end)
-        if lo == hi:
-            return None
-        return [row_start + p - start for p in held.positions[lo:hi]], held.embeds[lo:hi]
+        images = [image for image in held.images if image.positions[0] < end and image.positions[-1] >= start]
+        pending = [image for image in images if image.embeds is None]
+        if pending:
+            if encode is None:
+                raise ValueError(f"request {request_id!r}: an image in positions [{start}, {end}) is not encoded")
+            self._encode(pending, encode)
+        rows: list[int] = []
+        embeds = []
+        for image in images:
+            assert image.embeds is not None
+            lo, hi = bisect_left(image.positions, start), bisect_left(image.positions, end)
+            rows += [row_start + p - start for p in image.positions[lo:hi]]
+            embeds.append(image.embeds[lo:hi])
+        return rows, torch.cat(embeds)
 
     def rope_positions(self, request_id: str, start: int, end: int) -> list[int] | torch.Tensor | None:
         """The rotary positions of the request's positions [start, end): None where they are
@@ -494,12 +518,27 @@ class ImageEmbeddings:
         return rows
 
 
+# the encoder: one prompt's images' pixels and sizes in, their embeddings out, image after image
+Encode = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Image:
+    """One image of a request: its pixels until it is encoded, its embeddings after."""
+
+    positions: list[int]  # the prompt positions its embeddings fill
+    digest: int
+    size: torch.Tensor  # its row of image_sizes
+    pixels: torch.Tensor | None  # None once encoded
+    embeds: torch.Tensor | None = None  # [len(positions), hidden] (or [.., 1 + deepstack, hidden]), on the host
+
+
 @dataclass(frozen=True)
 class _Held:
     """A request's images as its steps read them."""
 
-    positions: list[int]  # the prompt positions their embeddings fill
-    embeds: torch.Tensor  # [len(positions), hidden] (or [.., 1 + deepstack, hidden]), on the host
+    images: list[_Image]
+    positions: list[int]  # all their embedding positions, in order
     rope_positions: torch.Tensor | None  # ImageInputs'
     rope_delta: int
 

@@ -181,15 +181,44 @@ def test_dummy_weights_take_images_without_a_checkpoint(tiny_mistral3_dir, tmp_p
 
 
 def test_a_requests_embeddings_rest_on_the_host():
-    """The lately encoded embeddings stay as the encoder gave them (on the device, in memory
-    the KV cache sizing set aside); a request's own copy rests on `host`, from which steps
-    copy their rows ("meta" stands in here for a host apart from the device)."""
+    """An image is encoded when rows of it are first asked for; the lately encoded
+    embeddings stay as the encoder gave them (on the device, in memory the KV cache sizing
+    set aside), and a request's own copy rests on `host`, from which steps copy their rows
+    ("meta" stands in here for a host apart from the device)."""
     from worker.multimodal import ImageEmbeddings, ImageInputs, ImageSpan
 
     embeds = ImageEmbeddings(host="meta")
     inputs = ImageInputs([torch.zeros(3)], torch.tensor([[16, 16]]), [ImageSpan(2, 4, 7)], [2, 3, 4, 5], [4])
-    encoded = embeds.embeddings(inputs, lambda pixels, sizes: torch.ones(4, 8))
-    embeds.add(["r"], inputs, encoded)
-    assert encoded.device.type == "cpu"
-    rows, held = embeds.rows("r", 0, 6, 10)
+    embeds.add(["r"], inputs)
+    assert embeds.rows("r", 0, 2, 0) is None  # no image token in [0, 2)
+    with pytest.raises(ValueError, match="not encoded"):
+        embeds.rows("r", 0, 6, 10)
+    encoded = []
+    rows, held = embeds.rows("r", 0, 6, 10, lambda pixels, sizes: encoded.append(1) or torch.ones(4, 8))
     assert rows == [12, 13, 14, 15] and held.device.type == "meta" and held.shape == (4, 8)
+    assert embeds.rows("r", 4, 6, 0, lambda pixels, sizes: encoded.append(1) or torch.ones(4, 8))[0] == [0, 1]
+    assert len(encoded) == 1 and embeds.num_encoded == 1  # once
+
+
+def test_images_are_encoded_when_their_tokens_are_computed(tiny_mistral3_dir):
+    """Three requests with an image each, one prefill a step: the first step encodes one
+    image, not three. An image whose tokens the prefix cache holds whole is not encoded
+    again (nor looked up), and the answer is the same."""
+    llm = LLM(str(tiny_mistral3_dir), dtype="float32", num_gpu_blocks_override=64, max_num_seqs=1, block_size=16)
+    embeds = llm.engine.runner.image_embeds
+    for i in range(3):
+        llm.engine.add_request(str(i), {"prompt": ONE[0], "multi_modal_data": {"image": [picture(40, 56, 20 + i)]}},
+                               GREEDY)
+    llm.engine.step()
+    assert embeds.num_encoded == 1
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert embeds.num_encoded == 3
+    case = ("Look: <issue_closed>" + " and then a long tail of words to fill more blocks" * 4, [picture(40, 56, 30)])
+    first = _generate(llm, [case])[0]
+    counts = (embeds.num_encoded, embeds.num_reused)
+    again = _generate(llm, [case])[0]
+    image_end = max(i for i, t in enumerate(first.prompt_token_ids) if t in (8, 9, 10))  # [IMG_END]
+    assert again.num_cached_tokens > image_end
+    assert (embeds.num_encoded, embeds.num_reused) == counts
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
