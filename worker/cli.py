@@ -28,6 +28,7 @@ _ENGINE_FLAGS: dict[str, type] = {
     "kv_cache_dtype": str,
     "max_loras": int,
     "max_lora_rank": int,
+    "max_images_per_prompt": int,
 }
 # Flags that set worker arguments.
 _WORKER_FLAGS: dict[str, type] = {
@@ -84,6 +85,8 @@ def build(parser: argparse.ArgumentParser) -> Any:
 
 
 _HELP = {
+    "max_images_per_prompt": "the most images one prompt may hold; more fail the job by name "
+    "(default: $GENQ_MAX_IMAGES_PER_PROMPT or 16)",
     "model": "local model directory (default: $GENQ_MODEL or SmolLM2-135M-Instruct)",
     "name": "consumer name in the group (default: $GENQ_WORKER_NAME or the host name)",
     "served_model_name": "the model name jobs ask for (default: the model directory's name)",

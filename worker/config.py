@@ -58,6 +58,10 @@ class EngineConfig:
     # vLLM's: overrides of the checkpoint's image processor settings, e.g. {"max_pixels":
     # 1003520} to bound the tokens a Qwen-VL image takes; keys it does not know are refused
     mm_processor_kwargs: dict[str, Any] | None = None
+    # the most images one prompt may hold (vLLM's limit_mm_per_prompt["image"]): a job that
+    # reaches the queue other than through the API (which holds its requests to
+    # GENQ_MAX_IMAGES_PER_REQUEST) cannot fill the worker's memory with pixels
+    max_images_per_prompt: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -73,7 +77,8 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank",
+                     "max_images_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speculative_config is not None:

@@ -26,7 +26,14 @@ from worker.lora_request import LoRARequest
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.models.config import language_config
-from worker.multimodal import ImageInputs, chat_images, image_processor, images_of, takes_images
+from worker.multimodal import (
+    ImageInputs,
+    PreparedImages,
+    chat_images,
+    image_processor,
+    images_of,
+    takes_images,
+)
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
 from worker.request import Request, RequestStatus
@@ -202,6 +209,7 @@ class Engine:
         if images is None and (given := images_of(prompt)):
             if self.image_processor is None:
                 raise ValueError(f"this model ({self.model_config.architecture}) takes no images")
+            self.check_image_count(len(given.digests) if isinstance(given, PreparedImages) else len(given))
             if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(text, str):
                 prompt_ids = self._expanded_ids(text, prompt_ids, with_specials=True)
             prompt_ids, images = self.image_processor.process(prompt_ids, given)
@@ -220,6 +228,12 @@ class Engine:
             prompt_ids = prompt_ids[-min(limit if k == -1 else k, limit):]
         self._validate_prompt(prompt_ids, limit)
         return CheckedPrompt(text, prompt_ids, images)
+
+    def check_image_count(self, count: int) -> None:
+        """ValueError where one prompt holds more images than max_images_per_prompt."""
+        if count > self.config.max_images_per_prompt:
+            raise ValueError(f"the prompt holds {count} images, more than max_images_per_prompt "
+                             f"({self.config.max_images_per_prompt})")
 
     def _expanded_ids(self, text: str, prompt_ids: list[int], with_specials: bool) -> list[int]:
         """A text prompt's ids as the model's processor tokenizes it around its images (Gemma

@@ -56,6 +56,7 @@ ENV_VARS = {
     "GENQ_MAX_LORAS": "engine max_loras: distinct adapters in one batch (default 1)",
     "GENQ_MAX_LORA_RANK": "engine max_lora_rank (default 16)",
     "GENQ_SPECULATIVE_CONFIG": 'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4} (default: off)',
+    "GENQ_MAX_IMAGES_PER_PROMPT": "the most images one prompt may hold (default 16)",
     "GENQ_MM_PROCESSOR_KWARGS": 'image processor overrides, JSON: {"max_pixels": 1003520} (default: the checkpoint\'s)',
     "GENQ_CLAIM_IDLE_S": "idle time after which another worker reclaims an entry",
     "GENQ_HEARTBEAT_S": "heartbeat period",
@@ -172,6 +173,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         max_lora_rank=_int(env, "GENQ_MAX_LORA_RANK"),
         speculative_config=_parse(env, "GENQ_SPECULATIVE_CONFIG", parse_json_object, "a JSON object"),
         mm_processor_kwargs=_parse(env, "GENQ_MM_PROCESSOR_KWARGS", parse_json_object, "a JSON object"),
+        max_images_per_prompt=_int(env, "GENQ_MAX_IMAGES_PER_PROMPT"),
         quantization=env.get("GENQ_QUANTIZATION") or None,
         kv_cache_dtype=env.get("GENQ_KV_CACHE_DTYPE") or None,
     )

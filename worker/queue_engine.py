@@ -170,6 +170,7 @@ class EngineThread:
 
         assert job.messages is not None and self.engine.image_processor is not None
         images = chat_images(job.messages)[1]
+        self.engine.check_image_count(len(images))  # before any pixels are read
         return self.engine.image_processor.prepare(images) if images else None
 
     def follow_adapters(self, registry: dict[str, str]) -> None:

@@ -153,6 +153,13 @@ def test_bad_images_are_refused_by_name(tiny_mistral3_dir, prompt, error):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_more_images_than_max_images_per_prompt_are_refused(tiny_mistral3_dir):
+    llm = LLM(str(tiny_mistral3_dir), dtype="float32", num_gpu_blocks_override=64, max_images_per_prompt=1)
+    with pytest.raises(ValueError, match=r"the prompt holds 2 images, more than max_images_per_prompt \(1\)"):
+        _generate(llm, [TWO])
+    assert _generate(llm, [ONE])[0].outputs[0].token_ids == hf_greedy(tiny_mistral3_dir, *ONE)
+
+
 def test_a_text_model_takes_no_images(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
     with pytest.raises(ValueError, match="takes no images"):
