@@ -213,7 +213,11 @@ class Gemma3Images(ImageProcessor):
     both_ways = True
 
     def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any, overrides: dict[str, Any] | None = None):
+        if (overrides or {}).get("do_pan_and_scan"):
+            raise ValueError("mm_processor_kwargs: Gemma 3's pan and scan (do_pan_and_scan) is not supported")
         super().__init__(model_path, hf_config, tokenizer, overrides)
+        if getattr(self.images, "do_pan_and_scan", False):
+            logger.warning("%s asks for pan and scan, which genq does not do: each image is resized whole", model_path)
         self.placeholder_id = int(hf_config.boi_token_index)
         self.end_token_id = int(hf_config.eoi_token_index)
         self.num_tokens = int(hf_config.mm_tokens_per_image)

@@ -106,6 +106,12 @@ def test_token_ids_given_are_taken_as_they_are(tiny_gemma3_images_dir):
     assert out.prompt_token_ids == ids[:k] + [8] + [10] * NUM_TOKENS + [9] + ids[k + 1:]
 
 
+def test_pan_and_scan_is_refused_by_name(tiny_gemma3_images_dir):
+    with pytest.raises(ValueError, match="pan and scan .do_pan_and_scan. is not supported"):
+        LLM(str(tiny_gemma3_images_dir), dtype="float32", num_gpu_blocks_override=64,
+            mm_processor_kwargs={"do_pan_and_scan": True})
+
+
 def test_an_image_longer_than_a_step_is_refused(tiny_gemma3_images_dir):
     llm = LLM(str(tiny_gemma3_images_dir), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=8,
               max_num_seqs=2)
