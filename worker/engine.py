@@ -298,6 +298,8 @@ class Engine:
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}
         embeddings: dict[str, list[float]] = {}
+        if not sched.is_empty and (failed := self.runner.encode_images(sched.scheduled)):
+            updated += self._drop_unencoded(sched, failed)
         if not sched.is_empty:
             model_out = self.runner.execute(sched)
             sampled, logprobs = self._sample(sched, model_out.request_ids, model_out.logits)
@@ -312,6 +314,14 @@ class Engine:
         self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
         self._propose()
         return outputs
+
+    def _drop_unencoded(self, sched: SchedulerOutput, failed: dict[str, Exception]) -> list[Request]:
+        """Requests whose images the encoder failed on end now (finish_reason abort), out of
+        this step; the rest of the batch runs."""
+        for request_id, exc in failed.items():
+            logger.error("request %s: its images could not be encoded, so it ends: %r", request_id, exc)
+        sched.scheduled = [s for s in sched.scheduled if s.request_id not in failed]
+        return self.scheduler.abort_requests(failed)
 
     def _pool(self, pooled: dict[str, torch.Tensor]) -> dict[str, list[float]]:
         """Embedding requests whose prompt is computed: their vectors, and they end here."""

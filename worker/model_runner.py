@@ -122,6 +122,19 @@ class ModelRunner:
         assert self.image_encoder is not None, "this model takes no images"
         self.image_embeds.add(request_ids, inputs)
 
+    def encode_images(self, batch: list[ScheduledRequest]) -> dict[str, Exception]:
+        """Encode the images this step's chunks reach first; the requests whose images the
+        encoder failed on, with what it raised (the others' are encoded)."""
+        failed: dict[str, Exception] = {}
+        if not self.image_embeds:
+            return failed
+        for s in batch:
+            try:
+                self.image_embeds.encode(s.request_id, s.start_pos, s.start_pos + len(s.token_ids), self._encode)
+            except Exception as exc:  # an image's fault (or its size's: out of memory) fails its request alone
+                failed[s.request_id] = exc
+        return failed
+
     def _encode(self, pixels: list[torch.Tensor], sizes: torch.Tensor) -> torch.Tensor:
         assert self.image_encoder is not None
         return self.image_encoder(pixels, sizes).to(self.dtype)
@@ -269,7 +282,7 @@ class ModelRunner:
         embeds: list[torch.Tensor] = []
         for s, end in zip(batch, _row_ends(batch), strict=True):
             found = self.image_embeds.rows(s.request_id, s.start_pos, s.start_pos + len(s.token_ids),
-                                           end - len(s.token_ids), self._encode)
+                                           end - len(s.token_ids))
             if found is not None:
                 rows += found[0]
                 embeds.append(found[1])

@@ -483,28 +483,37 @@ class ImageEmbeddings:
     def __bool__(self) -> bool:
         return bool(self._held)
 
-    def rows(self, request_id: str, start: int, end: int, row_start: int,
-             encode: Encode | None = None) -> tuple[list[int], torch.Tensor] | None:
+    def encode(self, request_id: str, start: int, end: int, encode: Encode) -> None:
+        """Encode the request's images with tokens in positions [start, end) that are not
+        encoded yet (raises what the encoder raised, leaving them so)."""
+        held = self._held.get(request_id)
+        if held is None:
+            return
+        pending = [image for image in self._reached(held, start, end) if image.embeds is None]
+        if pending:
+            self._encode(pending, encode)
+
+    def rows(self, request_id: str, start: int, end: int, row_start: int) -> tuple[list[int], torch.Tensor] | None:
         """The flat-batch rows (the request's positions [start, end) begin at `row_start`)
         that take image embeddings, and those embeddings (on the host); None when there are
-        none. Images not encoded yet are encoded now by `encode` (without one: ValueError)."""
+        none. Their images must be encoded (`encode`)."""
         held = self._held.get(request_id)
         if held is None or bisect_left(held.positions, start) == bisect_left(held.positions, end):
             return None
-        images = [image for image in held.images if image.positions[0] < end and image.positions[-1] >= start]
-        pending = [image for image in images if image.embeds is None]
-        if pending:
-            if encode is None:
-                raise ValueError(f"request {request_id!r}: an image in positions [{start}, {end}) is not encoded")
-            self._encode(pending, encode)
         rows: list[int] = []
         embeds = []
-        for image in images:
-            assert image.embeds is not None
+        for image in self._reached(held, start, end):
+            if image.embeds is None:
+                raise ValueError(f"request {request_id!r}: an image in positions [{start}, {end}) is not encoded")
             lo, hi = bisect_left(image.positions, start), bisect_left(image.positions, end)
             rows += [row_start + p - start for p in image.positions[lo:hi]]
             embeds.append(image.embeds[lo:hi])
         return rows, torch.cat(embeds)
+
+    @staticmethod
+    def _reached(held: _Held, start: int, end: int) -> list[_Image]:
+        """The images with tokens in positions [start, end)."""
+        return [image for image in held.images if image.positions[0] < end and image.positions[-1] >= start]
 
     def rope_positions(self, request_id: str, start: int, end: int) -> list[int] | torch.Tensor | None:
         """The rotary positions of the request's positions [start, end): None where they are

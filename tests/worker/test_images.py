@@ -201,10 +201,12 @@ def test_a_requests_embeddings_rest_on_the_host():
     with pytest.raises(ValueError, match="not encoded"):
         embeds.rows("r", 0, 6, 10)
     encoded = []
-    rows, held = embeds.rows("r", 0, 6, 10, lambda pixels, sizes: encoded.append(1) or torch.ones(4, 8))
-    assert rows == [12, 13, 14, 15] and held.device.type == "meta" and held.shape == (4, 8)
-    assert embeds.rows("r", 4, 6, 0, lambda pixels, sizes: encoded.append(1) or torch.ones(4, 8))[0] == [0, 1]
+    for start, end in ((0, 6), (4, 6)):
+        embeds.encode("r", start, end, lambda pixels, sizes: encoded.append(1) or torch.ones(4, 8))
     assert len(encoded) == 1 and embeds.num_encoded == 1  # once
+    rows, held = embeds.rows("r", 0, 6, 10)
+    assert rows == [12, 13, 14, 15] and held.device.type == "meta" and held.shape == (4, 8)
+    assert embeds.rows("r", 4, 6, 0)[0] == [0, 1]
 
 
 def test_images_are_encoded_when_their_tokens_are_computed(tiny_mistral3_dir):

@@ -171,3 +171,19 @@ def test_mm_processor_kwargs_bound_an_images_tokens(tiny_qwen_vl_dir, tmp_path):
     assert out.outputs[0].token_ids == hf_greedy(bounded, *ONE)
     with pytest.raises(ValueError, match="Qwen2VLImageProcessorPil takes no 'max_pixel'; it takes .*max_pixels"):
         LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64, mm_processor_kwargs={"max_pixel": 1})
+
+
+def test_an_image_the_encoder_fails_on_ends_its_request_alone(tiny_qwen_vl_dir):
+    """Pixels that do not fit their patch grid (prepared elsewhere, as the queue worker's
+    thread prepares them): the vision transformer raises when the step reaches the image.
+    That request ends (abort) and the others in the step go on, as transformers answers."""
+    from worker.multimodal import PreparedImages
+
+    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64)
+    good = llm.engine.image_processor.prepare(ONE[1])
+    bad = PreparedImages([good.pixel_values[0][:-3]], good.image_sizes, [12345])  # 3 patches short
+    outputs = llm.generate([{"prompt": ONE[0], "multi_modal_data": {"image": bad}},
+                            {"prompt": ONE[0], "multi_modal_data": {"image": good}}], GREEDY, use_tqdm=False)
+    assert outputs[0].outputs[0].finish_reason == "abort" and outputs[0].outputs[0].token_ids == []
+    assert outputs[1].outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, *ONE)
+    assert not llm.engine.has_unfinished_requests()
