@@ -91,6 +91,7 @@ class Engine:
         self.proposer = self._make_proposer(config)
         self.spec_stats = SpecDecodeStats()
         self._aborted: list[Request] = []  # finished by abort, reported at the next step
+        self._image_failures: dict[str, str] = {}  # request id -> why its images failed to encode
         self.num_generated_tokens = 0
 
     # -- intake --------------------------------------------------------------------------------
@@ -317,11 +318,20 @@ class Engine:
 
     def _drop_unencoded(self, sched: SchedulerOutput, failed: dict[str, Exception]) -> list[Request]:
         """Requests whose images the encoder failed on end now (finish_reason abort), out of
-        this step; the rest of the batch runs."""
+        this step, and why is kept by the prompt's request id (take_image_failures); the
+        rest of the batch runs."""
         for request_id, exc in failed.items():
             logger.error("request %s: its images could not be encoded, so it ends: %r", request_id, exc)
+            parent = self.output_processor.parent_of.get(request_id, request_id)
+            self._image_failures[parent] = f"its images could not be encoded: {type(exc).__name__}: {exc}"
         sched.scheduled = [s for s in sched.scheduled if s.request_id not in failed]
         return self.scheduler.abort_requests(failed)
+
+    def take_image_failures(self) -> dict[str, str]:
+        """The requests (by the ids they were added with) that ended since the last call
+        because the encoder failed on their images, and why."""
+        failures, self._image_failures = self._image_failures, {}
+        return failures
 
     def _pool(self, pooled: dict[str, torch.Tensor]) -> dict[str, list[float]]:
         """Embedding requests whose prompt is computed: their vectors, and they end here."""

@@ -237,8 +237,11 @@ class EngineThread:
                     return
                 rejected, changed = taken
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                if failures := self.engine.take_image_failures():  # the job fails, with why, not its abort output
+                    outputs = [o for o in outputs if o.request_id not in failures]
+                    rejected += [Rejected(engine_id, why, ERROR_INVALID_REQUEST) for engine_id, why in failures.items()]
                 self.adapters.retire_unused(self.engine)
-                if outputs or changed:
+                if outputs or changed or rejected:
                     self._post(StepResult(outputs, rejected, self.stats(), time.time()))
         except BaseException as exc:  # reported to the event loop, which stops the worker
             logger.exception("engine thread failed")

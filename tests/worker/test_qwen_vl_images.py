@@ -187,3 +187,38 @@ def test_an_image_the_encoder_fails_on_ends_its_request_alone(tiny_qwen_vl_dir):
     assert outputs[0].outputs[0].finish_reason == "abort" and outputs[0].outputs[0].token_ids == []
     assert outputs[1].outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, *ONE)
     assert not llm.engine.has_unfinished_requests()
+
+
+async def test_a_queued_job_whose_images_fail_to_encode_fails_with_why(tiny_qwen_vl_dir):
+    """Through the worker's engine thread: the job is rejected with the encoder's error (the
+    consumer fails it with that message, a 400), not reported as an abort; a job beside it
+    runs to its end."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from producer.protocol import ERROR_INVALID_REQUEST, Job
+    from worker.config import EngineConfig
+    from worker.multimodal import PreparedImages
+    from worker.queue_engine import AddRequest, EngineThread
+
+    thread = EngineThread(EngineConfig(model=str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64),
+                          asyncio.get_running_loop())
+    engine = await thread.start()
+    good = engine.image_processor.prepare(ONE[1])
+    messages = [{"role": "user", "content": f"What is in {IMAGE}"}]  # the placeholder written out
+    for engine_id, images in (("bad", PreparedImages([good.pixel_values[0][:-3]], good.image_sizes, [1])),
+                              ("good", good)):
+        prepared: Future = Future()
+        prepared.set_result(images)
+        job = Job(id=engine_id, sampling_params=GREEDY, messages=messages)
+        thread._commands.put(AddRequest(engine_id, job, images=prepared))  # the images as prepared, not re-read
+    rejected, finished = [], []
+    async with asyncio.timeout(30):
+        while not finished and len(rejected) < 2:
+            result = await thread.results.get()
+            rejected += result.rejected
+            finished += [o.request_id for o in result.outputs if o.finished]
+    thread.stop(10.0)
+    assert [(r.engine_id, r.error_type) for r in rejected] == [("bad", ERROR_INVALID_REQUEST)]
+    assert rejected[0].error.startswith("its images could not be encoded: RuntimeError")
+    assert finished == ["good"]
