@@ -45,6 +45,8 @@ from worker.structured_output import GuidedDecoding
 
 logger = logging.getLogger(__name__)
 
+MAX_IMAGE_FAILURES = 1024  # image encoding failures kept for take_image_failures, latest last
+
 PromptInput = str | list[int] | dict[str, Any]
 
 
@@ -317,15 +319,20 @@ class Engine:
         return outputs
 
     def _drop_unencoded(self, sched: SchedulerOutput, failed: dict[str, Exception]) -> list[Request]:
-        """Requests whose images the encoder failed on end now (finish_reason abort), out of
-        this step, and why is kept by the prompt's request id (take_image_failures); the
-        rest of the batch runs."""
+        """Requests whose images the encoder failed on end now (finish_reason abort), with
+        their prompt's other samples (which would only fail the same way), out of this step;
+        why is kept by the prompt's request id (take_image_failures). The rest of the batch
+        runs."""
+        ended: list[str] = []
         for request_id, exc in failed.items():
             logger.error("request %s: its images could not be encoded, so it ends: %r", request_id, exc)
             parent = self.output_processor.parent_of.get(request_id, request_id)
             self._image_failures[parent] = f"its images could not be encoded: {type(exc).__name__}: {exc}"
-        sched.scheduled = [s for s in sched.scheduled if s.request_id not in failed]
-        return self.scheduler.abort_requests(failed)
+            ended += self.output_processor.child_ids(parent) or [request_id]
+        while len(self._image_failures) > MAX_IMAGE_FAILURES:  # offline, nobody takes them
+            self._image_failures.pop(next(iter(self._image_failures)))
+        sched.scheduled = [s for s in sched.scheduled if s.request_id not in ended]
+        return self.scheduler.abort_requests(ended)
 
     def take_image_failures(self) -> dict[str, str]:
         """The requests (by the ids they were added with) that ended since the last call

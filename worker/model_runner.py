@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,9 +118,12 @@ class ModelRunner:
         self.graphs = self._decode_graphs(backend, max_model_len)
 
     def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
-        """A prompt's images, encoded when a step first computes their tokens."""
+        """A prompt's images, encoded when a step first computes their tokens; their pixels
+        wait in the model's dtype, which the encoder reads them in (half the host memory of
+        float32 for a bfloat16 model)."""
         assert self.image_encoder is not None, "this model takes no images"
-        self.image_embeds.add(request_ids, inputs)
+        pixels = [p.to(self.dtype) if p.is_floating_point() else p for p in inputs.pixel_values]
+        self.image_embeds.add(request_ids, replace(inputs, pixel_values=pixels))
 
     def encode_images(self, batch: list[ScheduledRequest]) -> dict[str, Exception]:
         """Encode the images this step's chunks reach first; the requests whose images the

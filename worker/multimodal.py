@@ -422,7 +422,7 @@ class ImageEmbeddings:
     An image is encoded when a step first computes one of its tokens, as vLLM's encoder
     runs within the scheduler's token budget: a burst of requests with images does not
     stall the running ones for all of their encodes at once, and an image whose tokens the
-    prefix cache holds is never encoded. Until then the request keeps its pixels; after,
+    prefix cache holds is not encoded (unless the request, preempted, recomputes them). Until then the request keeps its pixels; after,
     its embeddings, on the host (`host`), from which each step copies the rows it computes
     (chunked prefill and recomputation after preemption read them again). Only the lately
     encoded ones stay on the device, in memory the KV cache sizing sets aside."""

@@ -239,7 +239,8 @@ class EngineThread:
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 if failures := self.engine.take_image_failures():  # the job fails, with why, not its abort output
                     outputs = [o for o in outputs if o.request_id not in failures]
-                    rejected += [Rejected(engine_id, why, ERROR_INVALID_REQUEST) for engine_id, why in failures.items()]
+                    # not the job's fault that we know of (a bad image is refused when added): out of memory, say
+                    rejected += [Rejected(engine_id, why, None) for engine_id, why in failures.items()]
                 self.adapters.retire_unused(self.engine)
                 if outputs or changed or rejected:
                     self._post(StepResult(outputs, rejected, self.stats(), time.time()))

@@ -173,7 +173,7 @@ def test_mm_processor_kwargs_bound_an_images_tokens(tiny_qwen_vl_dir, tmp_path):
         LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64, mm_processor_kwargs={"max_pixel": 1})
 
 
-def test_an_image_the_encoder_fails_on_ends_its_request_alone(tiny_qwen_vl_dir):
+def test_an_image_the_encoder_fails_on_ends_its_request_alone(tiny_qwen_vl_dir, caplog):
     """Pixels that do not fit their patch grid (prepared elsewhere, as the queue worker's
     thread prepares them): the vision transformer raises when the step reaches the image.
     That request ends (abort) and the others in the step go on, as transformers answers."""
@@ -182,21 +182,24 @@ def test_an_image_the_encoder_fails_on_ends_its_request_alone(tiny_qwen_vl_dir):
     llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64)
     good = llm.engine.image_processor.prepare(ONE[1])
     bad = PreparedImages([good.pixel_values[0][:-3]], good.image_sizes, [12345])  # 3 patches short
+    two = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2)  # the samples of one prompt
     outputs = llm.generate([{"prompt": ONE[0], "multi_modal_data": {"image": bad}},
-                            {"prompt": ONE[0], "multi_modal_data": {"image": good}}], GREEDY, use_tqdm=False)
-    assert outputs[0].outputs[0].finish_reason == "abort" and outputs[0].outputs[0].token_ids == []
+                            {"prompt": ONE[0], "multi_modal_data": {"image": good}}], [two, GREEDY], use_tqdm=False)
+    assert [(c.finish_reason, c.token_ids) for c in outputs[0].outputs] == [("abort", [])] * 2  # both end at once
+    assert list(llm.engine.take_image_failures()) == [outputs[0].request_id]
+    assert sum("could not be encoded" in r.getMessage() for r in caplog.records) == 1  # the sibling never ran
     assert outputs[1].outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, *ONE)
     assert not llm.engine.has_unfinished_requests()
 
 
 async def test_a_queued_job_whose_images_fail_to_encode_fails_with_why(tiny_qwen_vl_dir):
     """Through the worker's engine thread: the job is rejected with the encoder's error (the
-    consumer fails it with that message, a 400), not reported as an abort; a job beside it
-    runs to its end."""
+    consumer fails it with that message), not reported as an abort; a job beside it runs to
+    its end."""
     import asyncio
     from concurrent.futures import Future
 
-    from producer.protocol import ERROR_INVALID_REQUEST, Job
+    from producer.protocol import Job
     from worker.config import EngineConfig
     from worker.multimodal import PreparedImages
     from worker.queue_engine import AddRequest, EngineThread
@@ -219,6 +222,6 @@ async def test_a_queued_job_whose_images_fail_to_encode_fails_with_why(tiny_qwen
             rejected += result.rejected
             finished += [o.request_id for o in result.outputs if o.finished]
     thread.stop(10.0)
-    assert [(r.engine_id, r.error_type) for r in rejected] == [("bad", ERROR_INVALID_REQUEST)]
+    assert [(r.engine_id, r.error_type) for r in rejected] == [("bad", None)]  # not known to be the job's fault
     assert rejected[0].error.startswith("its images could not be encoded: RuntimeError")
     assert finished == ["good"]
