@@ -462,23 +462,21 @@ def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen_vl_dir(tmp_path_factory, default_model_dir) -> Path:
-    return build_tiny_qwen_vl("qwen2_5_vl", tmp_path_factory.mktemp("qwen2_5_vl"), default_model_dir)
+def tiny_qwen_vl(tmp_path_factory, default_model_dir):
+    """build_tiny_qwen_vl's model of a version, built once a session on first use."""
+    built: dict[str, Path] = {}
+
+    def model(version: str) -> Path:
+        if version not in built:
+            built[version] = build_tiny_qwen_vl(version, tmp_path_factory.mktemp(version), default_model_dir)
+        return built[version]
+
+    return model
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2_vl_dir(tmp_path_factory, default_model_dir) -> Path:
-    return build_tiny_qwen_vl("qwen2_vl", tmp_path_factory.mktemp("qwen2_vl"), default_model_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_vl_dir(tmp_path_factory, default_model_dir) -> Path:
-    return build_tiny_qwen_vl("qwen3_vl", tmp_path_factory.mktemp("qwen3_vl"), default_model_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_vl_moe_dir(tmp_path_factory, default_model_dir) -> Path:
-    return build_tiny_qwen_vl("qwen3_vl_moe", tmp_path_factory.mktemp("qwen3_vl_moe"), default_model_dir)
+def tiny_qwen_vl_dir(tiny_qwen_vl) -> Path:
+    return tiny_qwen_vl("qwen2_5_vl")
 
 
 @pytest.fixture(scope="session")

@@ -115,14 +115,14 @@ def test_chat_messages_carry_images(tiny_qwen_vl_dir):
     assert out.outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, CHAT_TEXT.format(IMAGE), [image])
 
 
-@pytest.mark.parametrize("model", ["tiny_qwen2_vl_dir", "tiny_qwen3_vl_dir", "tiny_qwen3_vl_moe_dir"])
-def test_qwen2_vl_and_qwen3_vl_match_transformers(model, request):
+@pytest.mark.parametrize("version", ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe"])
+def test_qwen2_vl_and_qwen3_vl_match_transformers(version, tiny_qwen_vl):
     """Qwen2-VL: the same prompts and positions, its vision transformer without windows.
     Qwen3-VL: M-RoPE's streams interleaved over the rotary pairs, and deepstack embeddings
     added after the first layers (whose effect on the tiny model's logits is a tenth, too
     small to change greedy tokens: the logprobs tell); Qwen3-VL-MoE, the same around
     routed experts. Whole, and in chunks that cut through the images."""
-    model_dir = request.getfixturevalue(model)
+    model_dir = tiny_qwen_vl(version)
     expected = [hf_greedy_logprobs(model_dir, *case) for case in (ONE, TWO)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     for chunk in ({}, {"max_num_batched_tokens": 8, "max_num_seqs": 2}):
@@ -134,14 +134,15 @@ def test_qwen2_vl_and_qwen3_vl_match_transformers(model, request):
             assert [entry.logprob for entry in out.outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
 
 
-def test_qwen3_vl_moe_reads_the_hubs_expert_layout(tiny_qwen3_vl_moe_dir, tmp_path):
+def test_qwen3_vl_moe_reads_the_hubs_expert_layout(tiny_qwen_vl, tmp_path):
     """Qwen3-VL-MoE's Hub checkpoints hold stacked experts inputs first ([E, H, 2I], [E, I, H]),
     transformers 5 saves them outputs first: both load to the same model."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    for path in tiny_qwen3_vl_moe_dir.iterdir():
+    moe_dir = tiny_qwen_vl("qwen3_vl_moe")
+    for path in moe_dir.iterdir():
         if path.suffix == ".safetensors":
             tensors = load_file(path)
             save_file({name: t.transpose(1, 2).contiguous() if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
@@ -149,7 +150,7 @@ def test_qwen3_vl_moe_reads_the_hubs_expert_layout(tiny_qwen3_vl_moe_dir, tmp_pa
         elif path.is_file():
             shutil.copy(path, tmp_path / path.name)
     runs = [_generate(LLM(str(model), dtype="float32", num_gpu_blocks_override=64), [ONE])[0].outputs[0].token_ids
-            for model in (tiny_qwen3_vl_moe_dir, tmp_path)]
+            for model in (moe_dir, tmp_path)]
     assert runs[0] == runs[1]
 
 
