@@ -183,7 +183,7 @@ def tiny_moe_config(family: str, vocab: int):
     """Mixtures of experts, each routing its own way: Mixtral (top 2 of 4, renormalized, in
     float32), Qwen2-MoE (top 3 of 8, not renormalized, a shared expert), Qwen3-MoE (top 2 of
     6, renormalized, its second layer a dense MLP), GraniteMoE (a softmax over the top 2 of 4
-    logits, Granite's multipliers)."""
+    logits, Granite's multipliers), GLM-4.5 (DeepSeek-V3's grouped sigmoid routing)."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family == "mixtral":
@@ -211,6 +211,13 @@ def tiny_moe_config(family: str, vocab: int):
         return GraniteMoeConfig(vocab_size=vocab, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                 embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.05,
                                 logits_scaling=4.0, **TINY_COMMON)
+    if family == "glm4_moe":  # DeepSeek-V3's routing: top 2 of 8 within the better of 2 groups, scaled
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(vocab_size=vocab, tie_word_embeddings=False, attention_bias=True, use_qk_norm=True,
+                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                             moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1,
+                             routed_scaling_factor=2.5, norm_topk_prob=True, **TINY_COMMON)
     raise ValueError(family)
 
 
@@ -243,8 +250,11 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(0.5, 1.5)
             elif family == "gpt_oss" and name.endswith(("_bias", "sinks")):  # transformers starts biases at zero
                 param.uniform_(-1.0, 1.0)
-            elif family in ("seed_oss", "ernie4_5", "glm4") and name.endswith(".bias"):
+            elif family in ("seed_oss", "ernie4_5", "glm4", "glm4_moe") and name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a router's bias, which transformers starts at zero
+                buffer.uniform_(-0.2, 0.2)
     model.save_pretrained(out_dir)
     copy_tokenizer(tokenizer_dir, out_dir)
     return out_dir
@@ -257,7 +267,7 @@ def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 
 
-@pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss"])
+@pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe"])
 def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

@@ -110,7 +110,8 @@ def test_prefill_logits_match_transformers_kernel_path_window(tiny_window_dir):
     check_prefill_logits(tiny_window_dir, "triton")
 
 
-@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe", "gpt_oss"], indirect=True)  # gpt-oss: sinks, biased experts
+# gpt-oss: sinks, biased experts; GLM-4.5: float32 weights over one (routed_scaling_factor), a plain shared expert
+@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe", "gpt_oss", "glm4_moe"], indirect=True)
 def test_prefill_logits_match_transformers_kernel_path_experts(tiny_moe_dir):
     check_prefill_logits(tiny_moe_dir, "triton")
 

@@ -47,7 +47,7 @@ def test_expert_layers_equal_transformers_bitwise_in_bfloat16(tiny_moe_dir):
         hf_layers = hf.model.layers
         expected = {i: getattr(hf_layers[i], "mlp", None) or hf_layers[i].block_sparse_moe for i in moe_layers}
         expected = {i: _hf_block(block, x) for i, block in expected.items()}
-        ids = {i: ours.layers[i].mlp.gate(x).topk(ours.config.moe.top_k).indices for i in moe_layers}
+        ids = {i: ours.layers[i].mlp.route(x)[1] for i in moe_layers}
         assert all(len(ids[i].unique()) == ours.config.moe.num_experts for i in moe_layers)
         for i in moe_layers:
             assert torch.equal(ours.layers[i].mlp(x), expected[i]), i
@@ -136,3 +136,25 @@ def _write_adapter(out: Path, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]
         tensors[f"base_model.model.model.layers.{name}.lora_B.weight"] = b.contiguous()
     save_file(tensors, out / "adapter_model.safetensors")
     return out
+
+
+@pytest.mark.parametrize("tiny_moe_dir", ["glm4_moe"], indirect=True)
+def test_multi_token_prediction_layers_are_left_unloaded(tiny_moe_dir, tmp_path):
+    """GLM-4.5's and DeepSeek-V3's checkpoints hold their multi-token-prediction layer after
+    the decoder's (its config's num_nextn_predict_layers): genq loads the rest; a layer past
+    that is still refused by name."""
+    for path in tiny_moe_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, tmp_path / path.name)
+    tensors = load_file(tiny_moe_dir / "model.safetensors")
+    layers = json.loads((tiny_moe_dir / "config.json").read_text())["num_hidden_layers"]
+    mtp = {f"model.layers.{layers}.eh_proj.weight": torch.ones(64, 128),
+           f"model.layers.{layers}.self_attn.q_proj.weight": torch.ones(64, 64)}
+    save_file({**tensors, **mtp}, tmp_path / "model.safetensors")
+    plain, with_mtp = _load(tiny_moe_dir, torch.float32), _load(tmp_path, torch.float32)
+    for (name, a), (_, b) in zip(plain.named_parameters(), with_mtp.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    save_file({**tensors, f"model.layers.{layers + 1}.eh_proj.weight": torch.ones(64, 128)},
+              tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"checkpoint tensor 'model\.layers\.{layers + 1}\.eh_proj\.weight' has no place"):
+        _load(tmp_path, torch.float32)

@@ -47,6 +47,11 @@ SUPPORTED_ARCHITECTURES = {
     # OpenAI's gpt-oss: a learned sink logit per attention head, biased router and experts
     # with a clamped SwiGLU, windows of 128 on every other layer
     "GptOssForCausalLM": "gpt_oss",
+    # GLM-4.5, 4.6 and 4.7 (and their Air models): DeepSeek-V3's routing (sigmoid scores with a
+    # bias for choosing, expert groups, an always-on shared expert, dense first layers) over
+    # Llama's attention with q/k/v biases and RoPE over half of each head; its checkpoints'
+    # multi-token-prediction layer is not served
+    "Glm4MoeForCausalLM": "glm4_moe",
     # the same decoders without an LM head (embedding models such as e5-mistral and
     # gte-Qwen2): they serve embedding requests only
     "LlamaModel": "llama",
@@ -73,7 +78,7 @@ TEXT_OF_MULTIMODAL = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-30B-A3B, -235B-A22B
 }
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -117,6 +122,14 @@ class MoEConfig:
     # gpt-oss's SwiGLU, (alpha, limit): gate clamped under limit, up within +-limit,
     # (up + 1) * gate * sigmoid(alpha * gate); None: SiLU(gate) * up
     clamped_swiglu: tuple[float, float] | None = None
+    # DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, plus a learned bias where experts
+    # are chosen (not where they are weighed), chosen only within the `topk_groups` best of
+    # `num_groups` groups (a group scores its two best), weights scaled by `routed_scaling`
+    sigmoid_scores: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    shared_expert_gated: bool = True  # Qwen2-MoE scales its shared expert by sigmoid(gate(x)); DeepSeek's is plain
 
     @classmethod
     def from_hf(cls, hf_config: Any, family: str) -> MoEConfig:
@@ -128,6 +141,8 @@ class MoEConfig:
                        float32_weights=family == "mixtral", softmax_after_topk=family != "mixtral",
                        bias=gpt_oss,
                        clamped_swiglu=(hf_config.swiglu_alpha, hf_config.swiglu_limit) if gpt_oss else None)
+        if family == "glm4_moe":
+            return cls._deepseek_v3(hf_config)
         # Qwen: every `decoder_sparse_step`-th layer has experts, unless listed in mlp_only_layers
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
@@ -140,6 +155,22 @@ class MoEConfig:
                    or getattr(hf_config, "model_type", None) == "qwen3_vl_moe_text",
                    float32_weights=False,
                    shared_expert_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+
+    @classmethod
+    def _deepseek_v3(cls, hf_config: Any) -> MoEConfig:
+        """The first `first_k_dense_replace` layers keep a dense MLP; `n_shared_experts`
+        experts' worth of always-on MLP joins the routed ones."""
+        experts, groups = hf_config.n_routed_experts, hf_config.n_group or 1
+        if experts % groups or experts // groups < 2:
+            raise ValueError(f"n_group={groups} does not split n_routed_experts={experts} into groups "
+                             "of at least two experts")
+        return cls(num_experts=experts, top_k=hf_config.num_experts_per_tok,
+                   intermediate_size=hf_config.moe_intermediate_size,
+                   layers=frozenset(range(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)),
+                   renormalize=bool(hf_config.norm_topk_prob), float32_weights=True,
+                   shared_expert_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0),
+                   sigmoid_scores=True, num_groups=groups, topk_groups=hf_config.topk_group or 1,
+                   routed_scaling=float(hf_config.routed_scaling_factor), shared_expert_gated=False)
 
 
 @dataclass(frozen=True)
@@ -215,7 +246,7 @@ class ModelConfig:
         qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or qwen2 or any_bias
         # Qwen2's and GLM-4's biases are q/k/v's alone; Seed-OSS switches o's apart
         o_bias = (bool(getattr(hf_config, "attention_out_bias", getattr(hf_config, "attention_bias", False)))
-                  and not qwen2 and family != "glm4")
+                  and not qwen2 and family not in ("glm4", "glm4_moe"))
         window = getattr(hf_config, "sliding_window", None)
         if family.startswith("qwen") and not getattr(hf_config, "use_sliding_window", False):
             window = None
@@ -248,7 +279,8 @@ class ModelConfig:
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
             labels=_labels(hf_config) if arch.endswith("ForSequenceClassification") else (),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3")
+            or (family == "glm4_moe" and bool(hf_config.use_qk_norm)),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
             quant=QuantConfig.from_hf(hf_config, quantization),
             kv_cache_scheme=kv_cache_scheme(hf_config),

@@ -441,6 +441,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         if self.config.architecture == "Glm4ForCausalLM":
             weights = _glm4_names(weights)
+        weights = _without_mtp_layers(weights, self.config)
         if self.config.architecture == "GptOssForCausalLM":
             quant_cfg = self.config.quant
             weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
@@ -555,6 +556,15 @@ def _glm4_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         yield (name.replace(old, _GLM4_NORMS[old]) if old else name), tensor
 
 
+def _without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint less its multi-token-prediction layers (DeepSeek-V3's and GLM-4.5's,
+    numbered after the decoder's), which genq does not run."""
+    mtp = getattr(cfg.hf_config, "num_nextn_predict_layers", 0) or 0
+    skipped = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + mtp))
+    return ((name, tensor) for name, tensor in weights if not (skipped and name.startswith(skipped)))
+
+
 def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
     if "rotary_emb" in hf_name or hf_name.startswith(_NOT_LANGUAGE):
         return None  # recomputed, or not the language model's
@@ -563,6 +573,7 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
             hf_name = new + hf_name[len(prefix):]
             break
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
+    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's name
     for old, new in _GRANITE_MOE.items():
         name = name.replace(old, new)
     parts = name.split(".")

@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE, gpt-oss) over a flat
-batch of tokens.
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE, gpt-oss, GLM-4.5) over
+a flat batch of tokens.
 
 Each expert is a SwiGLU MLP. Their weights are stacked at load time, vLLM's layout:
 `w13` [num_experts, 2 * intermediate, hidden] holds each expert's gate and up projections,
@@ -141,25 +141,78 @@ def combine(out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
 
 
 class SparseMoeBlock(nn.Module):
-    """The router, the routed experts and, for Qwen2-MoE, the shared expert."""
+    """The router, the routed experts and, for Qwen2-MoE and DeepSeek-V3, the shared expert."""
 
     def __init__(self, moe: MoEConfig, hidden_size: int, use_kernel: bool, mlp_cls: type[nn.Module]):
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.bias)  # the router
+        self.gate: nn.Linear | GroupedTopkRouter  # the router
+        if moe.sigmoid_scores:
+            self.gate = GroupedTopkRouter(moe, hidden_size)
+        else:
+            self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.bias)
         self.experts = Experts(moe, hidden_size, use_kernel)
         if moe.shared_expert_size:
             self.shared_expert = mlp_cls(hidden_size, moe.shared_expert_size, False)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, hidden]; LoRA skips experts
-        topk_weights, topk_ids = route(self.gate(x), self.moe)
-        if not self.moe.float32_weights:
-            topk_weights = topk_weights.to(x.dtype)
+        topk_weights, topk_ids = self.route(x)
         out = self.experts(x, topk_weights, topk_ids)
         if self.moe.shared_expert_size:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            out = out + (torch.sigmoid(self.shared_expert_gate(x)) * shared if self.moe.shared_expert_gated else shared)
         return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: [T, hidden]
+        """Each token's experts: weights [T, k] (float32, or the activation dtype) and ids [T, k]."""
+        if isinstance(self.gate, GroupedTopkRouter):
+            topk_weights, topk_ids = self.gate.route(x)
+        else:
+            topk_weights, topk_ids = route(self.gate(x), self.moe)
+        return topk_weights if self.moe.float32_weights else topk_weights.to(x.dtype), topk_ids
+
+
+class GroupedTopkRouter(nn.Module):
+    """DeepSeek-V3's router: float32 weights whatever the model's dtype (as transformers keeps
+    them), sigmoid scores, a correction bias that steers the choice of experts alone, and
+    group-limited choice (`MoEConfig.num_groups`)."""
+
+    def __init__(self, moe: MoEConfig, hidden_size: int):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        """Moves follow the model; casts do not (a cast to bfloat16 would round the scores)."""
+        def keep_float32(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            if moved.dtype == t.dtype:
+                return moved
+            return torch.empty_like(t, device=moved.device) if t.is_meta else t.to(moved.device)
+
+        return super()._apply(keep_float32, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> logits [T, E] float32
+        return F.linear(x.float(), self.weight)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: [T, hidden]
+        """Weights [T, k] float32 and expert ids [T, k]."""
+        moe = self.moe
+        scores = self(x).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias
+        if moe.num_groups > 1:  # only experts of the best groups can be chosen
+            groups = choice.view(len(x), moe.num_groups, -1)  # [T, G, E / G]
+            best = groups.topk(2, dim=-1).values.sum(dim=-1).topk(moe.topk_groups, dim=-1).indices  # [T, topk_groups]
+            kept = torch.zeros(groups.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, best, True)
+            choice = groups.masked_fill(~kept[..., None], float("-inf")).view_as(scores)
+        topk_ids = choice.topk(moe.top_k, dim=-1).indices
+        topk_weights = scores.gather(1, topk_ids)
+        if moe.renormalize:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_weights * moe.routed_scaling, topk_ids
 
 
 def route(router_logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
