@@ -218,7 +218,29 @@ def tiny_moe_config(family: str, vocab: int):
                              n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                              moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1,
                              routed_scaling_factor=2.5, norm_topk_prob=True, **TINY_COMMON)
+    if family.startswith("deepseek"):
+        return tiny_deepseek_config(family, vocab)
     raise ValueError(family)
+
+
+def tiny_deepseek_config(family: str, vocab: int):
+    """Latent attention with values narrower than the keys' nope part, and routed experts:
+    V3 (queries through a low rank, interleaved RoPE under YaRN with its softmax mscale, V3's
+    routing as GLM-4.5's) and V2 (queries straight from the hidden state, softmax routing
+    within the best 2 of 4 groups, weights scaled, not renormalized)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=48,
+               n_routed_experts=8, first_k_dense_replace=1, **{**TINY_COMMON, "num_key_value_heads": 4})
+    if family == "deepseek_v3":
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+        return DeepseekV3Config(vocab_size=vocab, tie_word_embeddings=False, q_lora_rank=24, num_experts_per_tok=2,
+                                n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                                norm_topk_prob=True, rope_parameters=rope, rope_interleave=True, **mla)
+    return DeepseekV2Config(vocab_size=vocab, tie_word_embeddings=False, q_lora_rank=None, num_experts_per_tok=3,
+                            topk_method="group_limited_greedy", n_group=4, topk_group=2, n_shared_experts=2,
+                            routed_scaling_factor=1.5, norm_topk_prob=False, **mla)
 
 
 @pytest.fixture(scope="session")
@@ -246,7 +268,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(0.5, 1.5)
             elif family.startswith("gemma") and name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)
-            elif family in ("olmo2", "olmo3", "glm4") and name.endswith("norm.weight"):
+            elif (family in ("olmo2", "olmo3", "glm4") or family.startswith("deepseek")) and name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
             elif family == "gpt_oss" and name.endswith(("_bias", "sinks")):  # transformers starts biases at zero
                 param.uniform_(-1.0, 1.0)
@@ -267,7 +289,8 @@ def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 
 
-@pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe"])
+@pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe",
+                                        "deepseek_v2", "deepseek_v3"])
 def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

@@ -232,6 +232,9 @@ class LoRAManager:
 
     def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device):
+        if cfg.mla is not None:
+            raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}, whose attention is "
+                             "multi-head latent attention (MLA); serve it without enable_lora")
         self.cfg = cfg
         self.max_loras = max_loras
         self.max_rank = max_rank

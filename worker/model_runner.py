@@ -176,7 +176,8 @@ class ModelRunner:
         """One block of every layer, K and V."""
         cfg = self.model_config
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        pools = 1 if cfg.mla is not None else 2  # latent attention's keys are its values
+        return pools * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         """Blocks in the pool, each `num_slots` layers' worth: as many as the memory holds,
@@ -212,12 +213,12 @@ class ModelRunner:
         slot's, zeroed: attention reads whole blocks, and a NaN left in an unwritten slot
         would poison the weighted sum even under a -inf mask."""
         shape = self.attention.cache_shape(self.num_blocks)
+        pools = 1 if self.model_config.mla is not None else 2  # latent attention: one pool, K and V alike
         if self.device.type != "cpu":
-            slots = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                      torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(self.num_slots)]
+            pool = torch.zeros((self.num_slots, pools, *shape), dtype=self.kv_dtype, device=self.device)
         else:
-            pool = _cpu_pool(2 * self.num_slots * math.prod(shape), self.kv_dtype).view(self.num_slots, 2, *shape)
-            slots = [(pool[i, 0], pool[i, 1]) for i in range(self.num_slots)]
+            pool = _cpu_pool(pools * self.num_slots * math.prod(shape), self.kv_dtype).view(self.num_slots, pools, *shape)
+        slots = [(pool[i, 0], pool[i, pools - 1]) for i in range(self.num_slots)]
         return [slots[slot] for slot in self.layer_slot]
 
     @torch.inference_mode()

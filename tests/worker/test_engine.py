@@ -111,7 +111,7 @@ def test_prefill_logits_match_transformers_kernel_path_window(tiny_window_dir):
 
 
 # gpt-oss: sinks, biased experts; GLM-4.5: float32 weights over one (routed_scaling_factor), a plain shared expert
-@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe", "gpt_oss", "glm4_moe"], indirect=True)
+@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe", "gpt_oss", "glm4_moe", "deepseek_v3"], indirect=True)
 def test_prefill_logits_match_transformers_kernel_path_experts(tiny_moe_dir):
     check_prefill_logits(tiny_moe_dir, "triton")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,12 @@ SUPPORTED_ARCHITECTURES = {
     # Llama's attention with q/k/v biases and RoPE over half of each head; its checkpoints'
     # multi-token-prediction layer is not served
     "Glm4MoeForCausalLM": "glm4_moe",
+    # DeepSeek's multi-head latent attention (MLA: keys and values from one small latent per
+    # token, which the cache holds) with routed experts: DeepSeek-V2 (softmax routing) and
+    # DeepSeek-V3 (V3's routing, as GLM-4.5's), whose architecture R1, V3.1, Kimi K2 and
+    # Moonlight share
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     # the same decoders without an LM head (embedding models such as e5-mistral and
     # gte-Qwen2): they serve embedding requests only
     "LlamaModel": "llama",
@@ -78,7 +86,8 @@ TEXT_OF_MULTIMODAL = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-30B-A3B, -235B-A22B
 }
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3")
+_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -122,9 +131,11 @@ class MoEConfig:
     # gpt-oss's SwiGLU, (alpha, limit): gate clamped under limit, up within +-limit,
     # (up + 1) * gate * sigmoid(alpha * gate); None: SiLU(gate) * up
     clamped_swiglu: tuple[float, float] | None = None
-    # DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, plus a learned bias where experts
-    # are chosen (not where they are weighed), chosen only within the `topk_groups` best of
-    # `num_groups` groups (a group scores its two best), weights scaled by `routed_scaling`
+    # DeepSeek's routers: float32 weights, experts chosen only within the `topk_groups` best of
+    # `num_groups` groups, weights scaled by `routed_scaling`. V2 scores by softmax (a group by
+    # its best); V3 (GLM-4.5 too) by sigmoid, plus a learned bias where experts are chosen (not
+    # where they are weighed), a group scored by its two best
+    deepseek_router: bool = False
     sigmoid_scores: bool = False
     num_groups: int = 1
     topk_groups: int = 1
@@ -141,8 +152,8 @@ class MoEConfig:
                        float32_weights=family == "mixtral", softmax_after_topk=family != "mixtral",
                        bias=gpt_oss,
                        clamped_swiglu=(hf_config.swiglu_alpha, hf_config.swiglu_limit) if gpt_oss else None)
-        if family == "glm4_moe":
-            return cls._deepseek_v3(hf_config)
+        if family in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
+            return cls._deepseek(hf_config, v3=family != "deepseek_v2")
         # Qwen: every `decoder_sparse_step`-th layer has experts, unless listed in mlp_only_layers
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
@@ -157,20 +168,56 @@ class MoEConfig:
                    shared_expert_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
 
     @classmethod
-    def _deepseek_v3(cls, hf_config: Any) -> MoEConfig:
+    def _deepseek(cls, hf_config: Any, v3: bool) -> MoEConfig:
         """The first `first_k_dense_replace` layers keep a dense MLP; `n_shared_experts`
-        experts' worth of always-on MLP joins the routed ones."""
-        experts, groups = hf_config.n_routed_experts, hf_config.n_group or 1
+        experts' worth of always-on MLP joins the routed ones. V2 groups experts only with
+        `topk_method` group_limited_greedy, and never renormalizes (as transformers)."""
+        experts = hf_config.n_routed_experts
+        grouped = v3 or getattr(hf_config, "topk_method", "greedy") == "group_limited_greedy"
+        groups = (hf_config.n_group or 1) if grouped else 1
         if experts % groups or experts // groups < 2:
             raise ValueError(f"n_group={groups} does not split n_routed_experts={experts} into groups "
                              "of at least two experts")
         return cls(num_experts=experts, top_k=hf_config.num_experts_per_tok,
                    intermediate_size=hf_config.moe_intermediate_size,
                    layers=frozenset(range(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)),
-                   renormalize=bool(hf_config.norm_topk_prob), float32_weights=True,
+                   renormalize=v3 and bool(hf_config.norm_topk_prob), float32_weights=True,
                    shared_expert_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0),
-                   sigmoid_scores=True, num_groups=groups, topk_groups=hf_config.topk_group or 1,
+                   deepseek_router=True, sigmoid_scores=v3, num_groups=groups,
+                   topk_groups=(hf_config.topk_group or 1) if grouped else 1,
                    routed_scaling=float(hf_config.routed_scaling_factor), shared_expert_gated=False)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention. Each token's keys and values come from one
+    latent of `kv_lora_rank` (normalized) and one RoPE key of `qk_rope_head_dim` shared by
+    every head, which is all the cache holds; queries come from `q_lora_rank` (None: straight
+    from the hidden state). A head's key is [nope | rope] (`qk_nope_head_dim` +
+    `qk_rope_head_dim`), its value `v_head_dim` wide."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    interleaved_rope: bool  # the RoPE columns come as interleaved pairs (V2; V3's rope_interleave)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, family: str) -> MLAConfig:
+        return cls(q_lora_rank=hf_config.q_lora_rank or None, kv_lora_rank=hf_config.kv_lora_rank,
+                   qk_nope_head_dim=hf_config.qk_nope_head_dim, qk_rope_head_dim=hf_config.qk_rope_head_dim,
+                   v_head_dim=hf_config.v_head_dim,
+                   interleaved_rope=family == "deepseek_v2" or bool(getattr(hf_config, "rope_interleave", True)))
+
+    def softmax_scale(self, hf_config: Any) -> float:
+        """1 / sqrt(nope + rope), times YaRN's mscale squared where mscale_all_dim is set."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        params = _rope_params(hf_config)
+        factor, all_dim = float(params.get("factor", 1.0)), float(params.get("mscale_all_dim", 0) or 0)
+        if (params.get("rope_type") or params.get("type") or "default") != "default" and all_dim and factor > 1:
+            scale *= (0.1 * all_dim * math.log(factor) + 1.0) ** 2
+        return scale
 
 
 @dataclass(frozen=True)
@@ -228,6 +275,9 @@ class ModelConfig:
     quant: QuantConfig | None = None  # quantized weights: the checkpoint's, or fp8 quantized as they load
     # the checkpoint's fp8 KV-cache scales, per tensor or attn_head (worker.models.kv_scales)
     kv_cache_scheme: str | None = None
+    # multi-head latent attention (DeepSeek): the cache holds one head (num_key_value_heads 1)
+    # of head_dim = kv_lora_rank + qk_rope_head_dim columns, keys and values alike
+    mla: MLAConfig | None = None
 
     @classmethod
     def from_hf(cls, hf_config: Any, quantization: str | None = None, max_model_len: int | None = None
@@ -257,7 +307,7 @@ class ModelConfig:
         for kind in _ROPE_KINDS:
             _rope_type(hf_config, kind)  # fail early on unsupported scaling
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        return cls(
+        cfg = cls(
             hf_config=hf_config,
             architecture=arch,
             vocab_size=hf_config.vocab_size,
@@ -290,6 +340,14 @@ class ModelConfig:
             mrope_interleaved=getattr(hf_config, "model_type", None) in _INTERLEAVED_MROPE,
             **_variant_fields(hf_config, family),
         )
+        return cfg._with_mla(family) if family in _MLA_FAMILIES else cfg
+
+    def _with_mla(self, family: str) -> ModelConfig:
+        """The cache's one head of latent and RoPE key; RoPE over the query's and key's RoPE
+        columns alone."""
+        mla = MLAConfig.from_hf(self.hf_config, family)
+        return dataclasses.replace(self, mla=mla, num_key_value_heads=1, head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim,
+                                   rotary_dim=mla.qk_rope_head_dim, attn_scale=mla.softmax_scale(self.hf_config))
 
     def rope_inv_freq(self, kind: str = "full_attention") -> tuple[torch.Tensor, float]:
         """Inverse frequencies [head_dim / 2] and the attention scaling of the RoPE variant of

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from worker.attention import FP8, apply_softcap
 from worker.models import gpt_oss, kv_scales, quant
 from worker.models.config import ModelConfig
+from worker.models.mla import MLAttention, rope_rows_halved
 from worker.models.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
@@ -291,7 +292,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, use_kernels: bool, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg, index)
+        self.self_attn = MLAttention(cfg, make_norm) if cfg.mla is not None else Attention(cfg, index)
         self.mlp: MLP | SparseMoeBlock
         if cfg.moe is not None and index in cfg.moe.layers:
             self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, use_kernels, MLP)
@@ -447,12 +448,14 @@ class LlamaForCausalLM(nn.Module):
             weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
+        if self.config.mla is not None and self.config.mla.interleaved_rope:
+            weights = rope_rows_halved(weights, self.config)
         found_scales: dict[tuple[int, str], torch.Tensor] = {}
         for hf_name, tensor in weights:
             if (scale := kv_scales.scale_target(hf_name)) is not None:
                 found_scales[scale] = tensor
                 continue
-            target = _map_hf_name(hf_name)
+            target = _map_hf_name(hf_name, self.config.mla is not None)
             if target is None:
                 continue
             name, shard = target
@@ -493,7 +496,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _quantized_owner(self, hf_name: str) -> nn.Module | None:
         """The module whose quantized weight a checkpoint weight loads into, if it is one."""
-        target = _map_hf_name(hf_name)
+        target = _map_hf_name(hf_name, self.config.mla is not None)
         if target is None:
             return None
         module_name, _, local = target[0].rpartition(".")
@@ -565,7 +568,8 @@ def _without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelC
     return ((name, tensor) for name, tensor in weights if not (skipped and name.startswith(skipped)))
 
 
-def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
+def _map_hf_name(hf_name: str, mla: bool = False) -> tuple[str, str | None] | None:
+    """`mla`: a latent-attention model's, whose q_proj stands alone."""
     if "rotary_emb" in hf_name or hf_name.startswith(_NOT_LANGUAGE):
         return None  # recomputed, or not the language model's
     for prefix, new in _LANGUAGE_PREFIXES.items():
@@ -586,7 +590,7 @@ def _map_hf_name(hf_name: str) -> tuple[str, str | None] | None:
         if parts[i + 1].removesuffix(scale) in _STACKED:
             return ".".join(parts[: i + 1] + [_STACKED[parts[i + 1].removesuffix(scale)] + scale]), None
     for i, part in enumerate(parts):
-        if part in _FUSED:
+        if part in _FUSED and not (mla and part == "q_proj"):
             fused, shard = _FUSED[part]
             return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
     return name, None

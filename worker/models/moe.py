@@ -147,7 +147,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.moe = moe
         self.gate: nn.Linear | GroupedTopkRouter  # the router
-        if moe.sigmoid_scores:
+        if moe.deepseek_router:
             self.gate = GroupedTopkRouter(moe, hidden_size)
         else:
             self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.bias)
@@ -175,15 +175,16 @@ class SparseMoeBlock(nn.Module):
 
 
 class GroupedTopkRouter(nn.Module):
-    """DeepSeek-V3's router: float32 weights whatever the model's dtype (as transformers keeps
-    them), sigmoid scores, a correction bias that steers the choice of experts alone, and
-    group-limited choice (`MoEConfig.num_groups`)."""
+    """DeepSeek's router: float32 weights whatever the model's dtype (as transformers keeps
+    them) and group-limited choice (`MoEConfig.num_groups`); V3's sigmoid scores come with a
+    correction bias that steers the choice of experts alone."""
 
     def __init__(self, moe: MoEConfig, hidden_size: int):
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
+        if moe.sigmoid_scores:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
 
     def _apply(self, fn, recurse=True):
         """Moves follow the model; casts do not (a cast to bfloat16 would round the scores)."""
@@ -201,11 +202,15 @@ class GroupedTopkRouter(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: [T, hidden]
         """Weights [T, k] float32 and expert ids [T, k]."""
         moe = self.moe
-        scores = self(x).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias
+        if moe.sigmoid_scores:
+            scores = self(x).sigmoid()  # [T, E]
+            choice = scores + self.e_score_correction_bias
+        else:
+            scores = choice = self(x).softmax(dim=-1)
         if moe.num_groups > 1:  # only experts of the best groups can be chosen
             groups = choice.view(len(x), moe.num_groups, -1)  # [T, G, E / G]
-            best = groups.topk(2, dim=-1).values.sum(dim=-1).topk(moe.topk_groups, dim=-1).indices  # [T, topk_groups]
+            group_scores = groups.topk(2, dim=-1).values.sum(dim=-1) if moe.sigmoid_scores else groups.amax(dim=-1)
+            best = group_scores.topk(moe.topk_groups, dim=-1).indices  # [T, topk_groups]
             kept = torch.zeros(groups.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, best, True)
             choice = groups.masked_fill(~kept[..., None], float("-inf")).view_as(scores)
         topk_ids = choice.topk(moe.top_k, dim=-1).indices
