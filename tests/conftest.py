@@ -68,6 +68,7 @@ TINY_COMMON = dict(
 
 
 VOCAB = 49152  # the default tokenizer's vocabulary, so prompts can be text
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")  # latent attention (tiny_deepseek_config)
 
 
 def tiny_hf_config(family: str):
@@ -218,7 +219,7 @@ def tiny_moe_config(family: str, vocab: int):
                              n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                              moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1,
                              routed_scaling_factor=2.5, norm_topk_prob=True, **TINY_COMMON)
-    if family.startswith("deepseek"):
+    if family in MLA_FAMILIES:
         return tiny_deepseek_config(family, vocab)
     raise ValueError(family)
 
@@ -227,7 +228,8 @@ def tiny_deepseek_config(family: str, vocab: int):
     """Latent attention with values narrower than the keys' nope part, and routed experts:
     V3 (queries through a low rank, interleaved RoPE under YaRN with its softmax mscale, V3's
     routing as GLM-4.5's) and V2 (queries straight from the hidden state, softmax routing
-    within the best 2 of 4 groups, weights scaled, not renormalized)."""
+    within the best 2 of 4 groups, weights scaled, not renormalized); GLM-4.7-Flash's
+    ("glm4_moe_lite") has its experts in the first layer, its dense MLP in the second."""
     from transformers import DeepseekV2Config, DeepseekV3Config
 
     mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=48,
@@ -238,6 +240,12 @@ def tiny_deepseek_config(family: str, vocab: int):
         return DeepseekV3Config(vocab_size=vocab, tie_word_embeddings=False, q_lora_rank=24, num_experts_per_tok=2,
                                 n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
                                 norm_topk_prob=True, rope_parameters=rope, rope_interleave=True, **mla)
+    if family == "glm4_moe_lite":  # GLM-4.7-Flash: V3's attention and routing, MLP kinds named per layer
+        from transformers import Glm4MoeLiteConfig
+
+        return Glm4MoeLiteConfig(vocab_size=vocab, tie_word_embeddings=False, q_lora_rank=24, num_experts_per_tok=2,
+                                 n_group=1, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8,
+                                 norm_topk_prob=True, mlp_layer_types=["sparse", "dense"], **mla)
     return DeepseekV2Config(vocab_size=vocab, tie_word_embeddings=False, q_lora_rank=None, num_experts_per_tok=3,
                             topk_method="group_limited_greedy", n_group=4, topk_group=2, n_shared_experts=2,
                             routed_scaling_factor=1.5, norm_topk_prob=False, **mla)
@@ -268,7 +276,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(0.5, 1.5)
             elif family.startswith("gemma") and name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)
-            elif (family in ("olmo2", "olmo3", "glm4") or family.startswith("deepseek")) and name.endswith("norm.weight"):
+            elif family in ("olmo2", "olmo3", "glm4", *MLA_FAMILIES) and name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
             elif family == "gpt_oss" and name.endswith(("_bias", "sinks")):  # transformers starts biases at zero
                 param.uniform_(-1.0, 1.0)

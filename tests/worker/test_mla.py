@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_engine import check_prefill_logits_against
+from test_engine import check_prefill_logits_against, run_and_compare
 from test_quantization import write_fp8_checkpoint
 
 from producer.sampling_params import SamplingParams
@@ -46,3 +46,12 @@ def test_fp8_block_checkpoints_load_as_deepseek_ships_them(tiny_moe_dir, tmp_pat
     llm = check_prefill_logits_against(fp8_dir, fp8_dir, "torch")
     kv_b_proj = llm.engine.runner.model.layers[0].self_attn.kv_b_proj.weight
     assert kv_b_proj.dtype == torch.float32
+
+
+@pytest.mark.parametrize("tiny_moe_dir", ["glm4_moe_lite"], indirect=True)
+def test_glm_4_7_flash_greedy_matches_transformers(tiny_moe_dir):
+    """GLM-4.7-Flash: DeepSeek-V3's latent attention and routing, with its layers' MLP kinds
+    named in mlp_layer_types (experts first here, then a dense MLP)."""
+    llm = LLM(str(tiny_moe_dir), dtype="float32", num_gpu_blocks_override=256)
+    assert [type(layer.mlp).__name__ for layer in llm.engine.runner.model.layers] == ["SparseMoeBlock", "MLP"]
+    run_and_compare(llm, tiny_moe_dir)

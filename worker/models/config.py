@@ -60,6 +60,7 @@ SUPPORTED_ARCHITECTURES = {
     # Moonlight share
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash: DeepSeek-V3's attention and routing
     # the same decoders without an LM head (embedding models such as e5-mistral and
     # gte-Qwen2): they serve embedding requests only
     "LlamaModel": "llama",
@@ -86,8 +87,8 @@ TEXT_OF_MULTIMODAL = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-30B-A3B, -235B-A22B
 }
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3")
-_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", *_MLA_FAMILIES)
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -152,7 +153,7 @@ class MoEConfig:
                        float32_weights=family == "mixtral", softmax_after_topk=family != "mixtral",
                        bias=gpt_oss,
                        clamped_swiglu=(hf_config.swiglu_alpha, hf_config.swiglu_limit) if gpt_oss else None)
-        if family in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
+        if family in ("glm4_moe", *_MLA_FAMILIES):
             return cls._deepseek(hf_config, v3=family != "deepseek_v2")
         # Qwen: every `decoder_sparse_step`-th layer has experts, unless listed in mlp_only_layers
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
@@ -169,10 +170,14 @@ class MoEConfig:
 
     @classmethod
     def _deepseek(cls, hf_config: Any, v3: bool) -> MoEConfig:
-        """The first `first_k_dense_replace` layers keep a dense MLP; `n_shared_experts`
-        experts' worth of always-on MLP joins the routed ones. V2 groups experts only with
-        `topk_method` group_limited_greedy, and never renormalizes (as transformers)."""
+        """The first `first_k_dense_replace` layers keep a dense MLP (GLM-4.7-Flash: those
+        `mlp_layer_types` does not call sparse); `n_shared_experts` experts' worth of
+        always-on MLP joins the routed ones. V2 groups experts only with `topk_method`
+        group_limited_greedy, and never renormalizes (as transformers)."""
         experts = hf_config.n_routed_experts
+        kinds = getattr(hf_config, "mlp_layer_types", None)
+        layers = (frozenset(i for i, kind in enumerate(kinds) if kind == "sparse") if kinds
+                  else frozenset(range(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)))
         grouped = v3 or getattr(hf_config, "topk_method", "greedy") == "group_limited_greedy"
         groups = (hf_config.n_group or 1) if grouped else 1
         if experts % groups or experts // groups < 2:
@@ -180,8 +185,7 @@ class MoEConfig:
                              "of at least two experts")
         return cls(num_experts=experts, top_k=hf_config.num_experts_per_tok,
                    intermediate_size=hf_config.moe_intermediate_size,
-                   layers=frozenset(range(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)),
-                   renormalize=v3 and bool(hf_config.norm_topk_prob), float32_weights=True,
+                   layers=layers, renormalize=v3 and bool(hf_config.norm_topk_prob), float32_weights=True,
                    shared_expert_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0),
                    deepseek_router=True, sigmoid_scores=v3, num_groups=groups,
                    topk_groups=(hf_config.topk_group or 1) if grouped else 1,
