@@ -140,6 +140,7 @@ def _shell(body: ResponsesRequest, req: RelayedRequest, status: str) -> dict[str
 def _relayed(record: dict[str, Any]) -> RelayedRequest:
     fields = dict(record["background"]["relayed"])
     fields["echo"] = tuple(fields.get("echo") or ())
+    fields["string_parameters"] = tuple(tuple(pair) for pair in fields.get("string_parameters") or ())
     return RelayedRequest(**fields)
 
 

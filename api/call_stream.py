@@ -103,7 +103,7 @@ class CallStream:
         deltas: list[CallDelta] = []
         while self._step(deltas):
             pass
-        return _merged(deltas)
+        return merged(deltas)
 
     def close(self) -> list[CallDelta] | None:
         """The end of the text: calls held whole are read now; None when there is no call."""
@@ -115,6 +115,11 @@ class CallStream:
         if self._phase == "whole":  # the calls after those streamed, from the item held
             return [self._start(call.name, call.arguments) for call in self._calls_from(self._at)]
         return []
+
+    def cut(self) -> list[CallDelta] | None:
+        """The text broke off before its block's end tag (max_tokens, a stop string): JSON
+        read whole needs no tag, so this is `close`."""
+        return self.close()
 
     def _calls_from(self, at: int) -> list[ToolCall]:
         """The calls written one after another from `at`, each read whole, up to the first
@@ -266,13 +271,13 @@ def _loads(text: str) -> Any:
         return None
 
 
-def _merged(deltas: list[CallDelta]) -> list[CallDelta]:
+def merged(deltas: list[CallDelta]) -> list[CallDelta]:
     """One piece per call: a call's name and the arguments that came with it go out together."""
-    merged: list[CallDelta] = []
+    pieces: list[CallDelta] = []
     for delta in deltas:
-        if merged and merged[-1].index == delta.index:
-            last = merged[-1]
-            merged[-1] = CallDelta(last.index, last.name or delta.name, last.arguments + delta.arguments)
+        if pieces and pieces[-1].index == delta.index:
+            last = pieces[-1]
+            pieces[-1] = CallDelta(last.index, last.name or delta.name, last.arguments + delta.arguments)
         else:
-            merged.append(delta)
-    return merged
+            pieces.append(delta)
+    return pieces

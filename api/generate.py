@@ -118,6 +118,7 @@ def plan(
         prompt_logprobs=body.prompt_logprobs is not None,
         tool_call=forced.name if forced else None,
         read_tool_calls=read_tool_calls,
+        string_parameters=chat.string_parameters() if chat else (),
         parallel_tool_calls=chat is None or chat.parallel_tool_calls,
         reasoning_parser=reasoning,
     )

@@ -25,7 +25,7 @@ from api.responses import (
     Usage,
 )
 from api.text_readers import PairReader, read_piece
-from api.tool_calls import READERS, Reader, read_all
+from api.tool_calls import Reader, calls_reader, read_all
 from producer.protocol import Event
 
 
@@ -47,6 +47,9 @@ class RelayedRequest:
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for (non-streaming responses)
     tool_call: str | None = None  # chat's forced tool call: each choice's text is its arguments
     read_tool_calls: str | None = None  # the form each choice's text holds calls in (READERS)
+    # (tool, parameter) for each parameter the tools declare a string: GLM's calls write its
+    # values as raw text, any other value as JSON (api.glm_tool_calls)
+    string_parameters: tuple[tuple[str, str], ...] = ()
     parallel_tool_calls: bool = True  # False: a choice keeps only its first call
     reasoning_parser: str | None = None  # chat: split the thinking off (api.reasoning)
 
@@ -269,7 +272,7 @@ def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
         split(choice.text, req.reasoning_parser) if req.reasoning_parser else (None, choice.text)
     )
     if req.read_tool_calls:
-        content, calls = read_all(text, req.read_tool_calls)
+        content, calls = read_all(text, req.read_tool_calls, req.string_parameters)
         calls = _kept(req, calls)
         listed = [_call(req, choice, k, call) for k, call in enumerate(calls)]
         return AssistantMessage(content=content, tool_calls=listed or None, reasoning_content=reasoning)
@@ -304,7 +307,7 @@ def _read_delta(req: RelayedRequest, choice: Choice, text: str, finished: bool) 
     """The content the text brought, and the pieces of calls: a call's first piece has its
     id and name, each piece some of its arguments (as OpenAI streams them)."""
     assert req.read_tool_calls is not None
-    reader = choice.tool_calls = choice.tool_calls or READERS[req.read_tool_calls]()
+    reader = choice.tool_calls = choice.tool_calls or calls_reader(req.read_tool_calls, req.string_parameters)
     content, deltas = read_piece(reader, text, finished)
     delta: dict[str, Any] = {"content": content} if content else {}
     pieces = [_piece(req, choice, d) for d in deltas if req.parallel_tool_calls or d.index == 0]

@@ -209,6 +209,12 @@ class ChatMessage(BaseModel):
         return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
 
 
+def _properties(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A JSON schema's properties; none where the schema has no such object."""
+    properties = (parameters or {}).get("properties")
+    return properties if isinstance(properties, dict) else {}
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """`POST /v1/chat/completions`; the worker applies the model's chat template."""
 
@@ -272,6 +278,16 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.tool_choice == "required":
             return "json" if len(self.tools) > 1 else None
         return "auto"
+
+    def string_parameters(self) -> tuple[tuple[str, str], ...]:
+        """(tool, parameter) for each parameter the tools declare a string (`"type": "string"`
+        or `["string"]`): GLM's calls write those values as raw text (api.glm_tool_calls)."""
+        return tuple(
+            (tool.function.name, name)
+            for tool in self.tools or []
+            for name, schema in _properties(tool.function.parameters).items()
+            if isinstance(schema, dict) and schema.get("type") in ("string", ["string"])
+        )
 
     def _guided_fields(self) -> list[tuple[str, bool]]:
         guided = self.forced_tool() is not None or self.tool_calls_form() == "json"

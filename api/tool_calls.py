@@ -8,19 +8,39 @@ Text outside the blocks is the message's content. A call streams as it is writte
 once its head is whole, then its arguments piece by piece (api.call_stream). A block whose
 JSON is not a call stays in the content as written, so nothing the model said is lost. Under
 `tool_choice: "required"` with several tools the reply is instead guided into a JSON array of
-calls. Plain functions and small stateful readers for streams; no I/O.
+calls. GLM's blocks hold key and value tags instead of JSON (api.glm_tool_calls); the blocks
+are found alike. Plain functions and small stateful readers for streams; no I/O.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
-from api.call_stream import CallDelta, CallStream, ToolCall
+from api.call_stream import CallDelta, CallStream, ToolCall, merged
+from api.glm_tool_calls import GlmBlock
 from api.text_readers import partial_tag, read_piece
 from api.tool_formats import Llama3JsonReader, MistralReader
 
 START = "<tool_call>"
 END = "</tool_call>"
+
+
+class Block(Protocol):
+    """What one block holds, read as it streams: JSON (CallStream) or GLM's tags (GlmBlock).
+    `close` when its end tag came, `cut` when the reply ended inside it: the rest of its calls,
+    or None when it holds none."""
+
+    text: str  # all that was fed
+
+    @property
+    def next_index(self) -> int: ...
+
+    def feed(self, text: str) -> list[CallDelta]: ...
+
+    def close(self) -> list[CallDelta] | None: ...
+
+    def cut(self) -> list[CallDelta] | None: ...
 
 
 class ToolCallReader:
@@ -29,9 +49,10 @@ class ToolCallReader:
     call (a tag cut between two pieces, a block whose head is not whole yet) and trailing
     whitespace (the gap before a call is not content)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block: Callable[[int], Block] = CallStream) -> None:
+        self._new_block = block  # a block's reader, from the index of its first call
         self._held = ""  # text not yet given out
-        self._block: CallStream | None = None  # the open block's calls
+        self._block: Block | None = None  # the open block's calls
         self._gap = ""  # whitespace before the open block: content only if it is no call
         self._num_closed = 0  # calls of the blocks closed so far
         self._content_started = False
@@ -66,12 +87,13 @@ class ToolCallReader:
             before = self._held[:start]
             content.append(before.rstrip())
             self._gap = before[len(before.rstrip()):]
-            self._held, self._block = self._held[start + len(START):], CallStream(self.num_calls)
-        return self._content("".join(content)), calls
+            self._held, self._block = self._held[start + len(START):], self._new_block(self.num_calls)
+        return self._content("".join(content)), merged(calls)
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """What is left when the completion ends. A block the model did not close is a call if
-        its JSON is whole (a stop string may have cut `</tool_call>` off), else it is text."""
+        enough of it came (`Block.cut`: whole JSON, a whole GLM name; a stop string may have
+        cut `</tool_call>` off), else it is text."""
         held, self._held = self._held, ""
         content: list[str] = []
         calls: list[CallDelta] = []
@@ -80,12 +102,12 @@ class ToolCallReader:
             self._close(content, calls, closed=False)
         elif not (self.num_calls and not held.strip()):  # the gap after a call is not content
             content.append(held)
-        return self._content("".join(content)), calls
+        return self._content("".join(content)), merged(calls)
 
     def _close(self, content: list[str], calls: list[CallDelta], closed: bool = True) -> None:
         assert self._block is not None
         block, self._block = self._block, None
-        rest = block.close()
+        rest = block.close() if closed else block.cut()
         if rest is None:
             content.append(self._gap + START + block.text + (END if closed else ""))
             return
@@ -136,10 +158,21 @@ READERS: dict[str, type[Reader]] = {"hermes": ToolCallReader, "json": CallArrayR
                                     "llama3_json": Llama3JsonReader, "mistral": MistralReader}
 
 
-def read_all(text: str, form: str = "hermes") -> tuple[str | None, list[ToolCall]]:
+def calls_reader(form: str, string_parameters: Iterable[tuple[str, str]] = ()) -> Reader:
+    """A reader of calls written in `form` (READERS, or "glm45"). GLM's calls write the values
+    of parameters declared strings ((tool, parameter)) as raw text, any other as JSON."""
+    if form == "glm45":
+        strings = frozenset(string_parameters)
+        return ToolCallReader(lambda first_index: GlmBlock(first_index, strings))
+    return READERS[form]()
+
+
+def read_all(
+    text: str, form: str = "hermes", string_parameters: Iterable[tuple[str, str]] = ()
+) -> tuple[str | None, list[ToolCall]]:
     """A whole completion's content (None when it only called tools) and calls, as a stream
     would give them out."""
-    content, deltas = read_piece(READERS[form](), text, last=True)
+    content, deltas = read_piece(calls_reader(form, string_parameters), text, last=True)
     calls = joined(deltas)
     return (content or None) if calls else content, calls
 

@@ -1,5 +1,6 @@
-"""Reading hermes tool calls out of a reply, whole and as it streams in pieces of any size:
-the pieces of a call join to the call read whole, and its arguments go out as they come."""
+"""Reading tool calls out of a reply (hermes, Llama 3's, Mistral's and GLM's formats), whole and
+as it streams in pieces of any size: the pieces of a call join to the call read whole, and its
+arguments go out as they come."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ import random
 import pytest
 
 from api.call_stream import CallDelta, ToolCall
-from api.tool_calls import CallArrayReader, ToolCallReader, joined, read_all
+from api.cluster import Cluster
+from api.deps import AppState
+from api.generate import Collector, plan
+from api.metrics import Metrics
+from api.relay import Relay
+from api.render import ChatRenderer
+from api.responses import Usage
+from api.routes.chat import chat_prompt
+from api.schemas import ChatCompletionRequest
+from api.settings import Settings
+from api.tool_calls import CallArrayReader, ToolCallReader, calls_reader, joined, read_all
+from producer.async_client import AsyncClient
+from producer.protocol import Event
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
 TWO = '[{"name": "a", "arguments": {}}, {"name": "b", "parameters": "{\\"x\\": [1, \\"é\\"]}"}]'
@@ -128,6 +141,66 @@ def test_a_guided_array_of_calls_streams_each_call_as_it_is_written() -> None:
     assert (_calls(calls[:1]), calls[1:], cut.num_calls) == (expected[:1], [ToolCall("b", '{"l": [1, ')], 2)
 
 
+# -- GLM-4.5 to 4.7's format (api.glm_tool_calls) -----------------------------------------------
+
+GLM45 = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+         "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
+GLM47 = GLM45.replace("\n", "")  # GLM-4.7 writes no newlines between the parts
+PARIS = ("get_weather", {"city": "Paris", "days": 2})
+# the parameters the request's tools declare strings: lookup's `limit` is declared an integer,
+# `other` has no schema
+STRINGS = (("get_weather", "city"), ("lookup", "code"), ("lookup", "quote"))
+
+
+def _glm(name: str, *arguments: tuple[str, str]) -> str:
+    """A GLM-4.7 block calling `name` with (key, value as written)."""
+    written = "".join(f"<arg_key>{key}</arg_key><arg_value>{value}</arg_value>" for key, value in arguments)
+    return f"<tool_call>{name}{written}</tool_call>"
+
+
+GLM_CASES = [
+    # (reply, content, calls as (name, arguments))
+    (GLM45, None, [PARIS]),
+    (GLM47, None, [PARIS]),
+    (f"{GLM45}\n{GLM47}\n", None, [PARIS, PARIS]),
+    (f"Let me check.\n\n{GLM45}", "Let me check.", [PARIS]),
+    (f"{GLM47} Done, see above.", "Done, see above.", [PARIS]),
+    ("<tool_call>get_time</tool_call>", None, [("get_time", {})]),
+    ("<tool_call>get_time\n</tool_call>", None, [("get_time", {})]),
+    # a declared string keeps its text as written; any other value is JSON when it is JSON
+    (_glm("lookup", ("code", "123"), ("quote", '"x" <b>')), None, [("lookup", {"code": "123", "quote": '"x" <b>'})]),
+    (_glm("lookup", ("limit", "123")), None, [("lookup", {"limit": 123})]),
+    (_glm("other", ("code", "123"), ("q", "Paris"), ("on", "true"), ("x", "NaN")), None,
+     [("other", {"code": 123, "q": "Paris", "on": True, "x": "NaN"})]),
+    (_glm("other", ("filter", '{"tags": ["é", 1]}'), ("text", "line 1\nline 2")), None,
+     [("other", {"filter": {"tags": ["é", 1]}, "text": "line 1\nline 2"})]),
+    # cut off (max_tokens, or a stop string ate </tool_call>): a call once its name is whole,
+    # with the arguments whose values closed
+    (GLM45.removesuffix("</tool_call>"), None, [PARIS]),
+    (GLM47[: GLM47.rindex("</arg_value>")], None, [("get_weather", {"city": "Paris"})]),
+    ("<tool_call>get_weather<arg_key>ci", None, [("get_weather", {})]),
+    ("Hm, <tool_call>get_wea", "Hm, <tool_call>get_wea", []),  # the name may have gone on
+    # not calls: kept as the model wrote them
+    ("a <tool_call>\n<arg_key>x</arg_key><arg_value>1</arg_value></tool_call> b",
+     "a <tool_call>\n<arg_key>x</arg_key><arg_value>1</arg_value></tool_call> b", []),
+    ("<tool_call>not a name</tool_call>", "<tool_call>not a name</tool_call>", []),
+    ("a < b and <tool_", "a < b and <tool_", []),
+]
+
+
+def test_a_glm_call_is_named_once_its_name_is_whole_and_streams_an_argument_at_a_time() -> None:
+    reader = calls_reader("glm45", STRINGS)
+    assert reader.feed("Sure.\n<tool") == ("Sure.", [])
+    assert reader.feed("_call>get_wea") == ("", [])
+    assert reader.feed("ther\n<arg_key>ci") == ("", [CallDelta(0, "get_weather", "")])
+    assert reader.feed("ty</arg_key>\n<arg_value>Pa") == ("", [])
+    assert reader.feed("ris</arg_value>\n") == ("", [CallDelta(0, None, '{"city": "Paris"')])
+    assert reader.feed("<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>") == (
+        "", [CallDelta(0, None, ', "days": 2}')])
+    assert reader.finish() == ("", [])
+    assert reader.num_calls == 1
+
+
 # -- Llama 3's and Mistral's formats (api.tool_formats) ---------------------------------------
 
 WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
@@ -147,18 +220,17 @@ FORMAT_CASES = [
      "Let me look.", [("a", {"x": [1, "]"]}), ("b", {})]),
     ("mistral", '[TOOL_CALLS]a[ARGS]{"x": {"y": "}"}}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"x": {"y": "}"}}), ("b", {})]),
     ("mistral", "No tools needed [TOOL", "No tools needed [TOOL", []),
+    *[("glm45", *case) for case in GLM_CASES],
 ]
 
 
 @pytest.mark.parametrize(("form", "reply", "content", "calls"), FORMAT_CASES)
-def test_llama3_and_mistral_formats_whole_and_streamed(form: str, reply: str, content: str | None, calls: list) -> None:
-    from api.tool_calls import READERS
-
-    got_content, got_calls = read_all(reply, form)
+def test_other_formats_whole_and_streamed(form: str, reply: str, content: str | None, calls: list) -> None:
+    got_content, got_calls = read_all(reply, form, STRINGS)
     assert (got_content, _calls(got_calls)) == (content, calls)
     rng = random.Random(reply)
     for _ in range(20):
-        reader = READERS[form]()
+        reader = calls_reader(form, STRINGS)
         streamed, deltas = _stream(reader, reply, [rng.choice([1, 1, 2, 3, 7, 40]) for _ in reply])
         assert (streamed or None if deltas else streamed) == content
         assert joined(deltas) == got_calls
@@ -173,3 +245,29 @@ def test_a_mistral_calls_arguments_stream_before_it_closes() -> None:
     assert reader.feed('GS]{"city": "Pa') == ("", [CallDelta(0, "get_weather", '{"city": "Pa')])
     assert reader.num_calls == 1
     assert reader.feed('ris"}') == ("", [CallDelta(0, None, 'ris"}')])
+
+
+def test_a_glm45_server_reads_calls_with_the_parameters_its_tools_declare_strings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GENQ_TOOL_CALL_PARSER=glm45 from the environment, a chat request with tools planned as
+    the route plans it (no job is submitted), and its reply rendered whole and streamed."""
+    monkeypatch.setenv("GENQ_TOOL_CALL_PARSER", "glm45")
+    settings = Settings()
+    client = AsyncClient(settings.redis_url, settings.prefix)  # connects on first use only: never here
+    state = AppState(settings, client, Relay(client.redis, client.keys), Cluster(client.redis, client.keys), Metrics())
+    properties = {"code": {"type": "string"}, "limit": {"type": "integer"}, "tag": {"type": ["string"]},
+                  "note": {"type": ["string", "null"]}}
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Look up 123."}], "tools": [
+        {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": properties}}},
+        {"type": "function", "function": {"name": "other"}}]})
+    renderer = ChatRenderer()
+    req = plan(state, body, [chat_prompt(body)], renderer, "x", "m").req
+    assert (req.read_tool_calls, req.string_parameters) == ("glm45", (("lookup", "code"), ("lookup", "tag")))
+    reply = _glm("lookup", ("code", "123"), ("limit", "123"), ("tag", "7"), ("note", "8")) + _glm("other", ("code", "123"))
+    event = Event(seq=0, token_ids=[0], text=reply, finished=True, finish_reason="stop")
+    collector = Collector(req)
+    streamed = renderer.chunk(req, collector.add("x", event), event)["choices"][0]
+    whole = renderer.response(req, collector.choices, Usage()).choices[0]
+    expected = [("lookup", {"code": "123", "limit": 123, "tag": "7", "note": 8}), ("other", {"code": 123})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.message.tool_calls] == expected
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed["delta"]["tool_calls"]] == expected
+    assert (whole.finish_reason, streamed["finish_reason"]) == ("tool_calls", "tool_calls")

@@ -1,0 +1,110 @@
+"""Tool calls as GLM-4.5, 4.6 and 4.7 write them (GENQ_TOOL_CALL_PARSER `glm45`; vLLM's glm45
+and glm47 parsers): a `<tool_call>` block holds the function's name, then each argument as a
+key and a value,
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    </tool_call>
+
+and GLM-4.7 writes the same without the newlines. The blocks are found as hermes blocks are
+(api.tool_calls.ToolCallReader); `GlmBlock` reads what one holds. The chat template writes a
+string value as its raw text and any other as JSON, so a value is read as JSON unless the
+request's tool declares that parameter a string, and as text when it is no JSON. A call's
+arguments go out as the JSON text of an object, an argument at a time as each value closes.
+Plain Python; no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from api.call_stream import CallDelta
+
+KEY = "<arg_key>"
+VALUE_END = "</arg_value>"
+# one argument, up to its value's closing tag
+_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*)", re.DOTALL)
+
+StringParameters = frozenset[tuple[str, str]]  # (tool, parameter): those the tools declare strings
+
+
+class GlmBlock:
+    """Reads one block's text (between its tags) as it streams. The block is a call once its
+    name is whole, at its first `<arg_key>` or at the block's end tag; a name that is empty or
+    more than one word makes it no call."""
+
+    def __init__(self, first_index: int, string_parameters: StringParameters = frozenset()) -> None:
+        self.text = ""  # all that was fed
+        self._index = first_index
+        self._strings = string_parameters
+        self._name: str | None = None  # once given out
+        self._not_a_call = False
+        self._at = 0  # where the next argument begins
+        self._num_arguments = 0  # given out
+
+    @property
+    def next_index(self) -> int:
+        """The index the next call will have."""
+        return self._index + (self._name is not None)
+
+    def feed(self, text: str) -> list[CallDelta]:
+        self.text += text
+        deltas: list[CallDelta] = []
+        if self._name is None and not self._not_a_call and (key := self.text.find(KEY)) >= 0:
+            deltas += self._named(self.text[:key])
+            self._at = key
+        while self._name is not None and (end := self.text.find(VALUE_END, self._at)) >= 0:
+            deltas += self._argument(self.text[self._at : end])
+            self._at = end + len(VALUE_END)
+        return deltas
+
+    def close(self) -> list[CallDelta] | None:
+        """The block's end tag came: the rest of the call, or None when the block is none. An
+        argument whose value did not close is dropped."""
+        deltas = self._named(self.text) if self._name is None and not self._not_a_call else []
+        if self._name is None:
+            return None
+        return [*deltas, CallDelta(self._index, None, "}" if self._num_arguments else "{}")]
+
+    def cut(self) -> list[CallDelta] | None:
+        """The reply ended inside the block (max_tokens, or a stop string ate the end tag): a
+        call only if its name was whole, with the arguments whose values closed."""
+        return None if self._name is None else self.close()
+
+    def _named(self, text: str) -> list[CallDelta]:
+        name = text.strip()
+        if len(name.split()) != 1:  # empty, or words: no function's name
+            self._not_a_call = True
+            return []
+        self._name = name
+        return [CallDelta(self._index, name, "")]
+
+    def _argument(self, text: str) -> list[CallDelta]:
+        """One argument's text, as JSON to add to the arguments' object; none if the text is
+        not a key and a value."""
+        match = _ARGUMENT.fullmatch(text)
+        if match is None:
+            return []
+        key, value = match[1].strip(), match[2]
+        read = value if (self._name, key) in self._strings else _json_or_text(value)
+        opening = ", " if self._num_arguments else "{"
+        self._num_arguments += 1
+        pair = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(read, ensure_ascii=False)
+        return [CallDelta(self._index, None, opening + pair)]
+
+
+def _json_or_text(value: str) -> Any:
+    """A value the template wrote with `tojson`, or the text of a string the request's tool
+    does not declare."""
+    try:
+        return json.loads(value, parse_constant=_not_json)
+    except ValueError:
+        return value
+
+
+def _not_json(constant: str) -> Any:
+    """Python's json reads NaN and Infinity, but they are no JSON for the client."""
+    raise ValueError(f"{constant} is not JSON")
