@@ -14,7 +14,8 @@ reports the parts it finished):
    Mixtral (routed experts: the fused MoE kernel in the decode CUDA graphs), a Gemma 2
    (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
-   biased experts; and with MXFP4 experts), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
+   biased experts; and with MXFP4 experts), a GLM-4.5 (DeepSeek-V3's routing), a DeepSeek-V3
+   (latent attention, one 576-wide cache head), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
    Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt
@@ -161,6 +162,24 @@ REMADE = {
     "gpt_oss_mxfp4": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
                       "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 8, "layer_types": None,
                       "quantization_config": {"quant_method": "mxfp4"}},
+    # GLM-4.5: DeepSeek-V3's grouped sigmoid routing (float32 router, scaled weights over one,
+    # an ungated shared expert) in the decode CUDA graphs, RoPE over half of each head
+    "glm4_moe": {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "n_routed_experts": 8,
+                 "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 256,
+                 "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                 "norm_topk_prob": True, "partial_rotary_factor": 0.5, "attention_bias": True},
+    # DeepSeek-V3's latent attention at its real head sizes: the cache's one head of 512 + 64
+    # columns (kernel tiles padded to 1024), 9 query heads on it, values the key's first 512;
+    # interleaved RoPE under YaRN with its softmax mscale
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "q_lora_rank": 384,
+                    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                    "head_dim": 64, "num_key_value_heads": 9, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                    "n_group": 2, "topk_group": 1, "moe_intermediate_size": 256, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                    "rope_interleave": True,
+                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "mscale": 1.0, "mscale_all_dim": 1.0}},
     # quantized checkpoints' layouts: W4A16 (int4 in groups of 128, packed: hidden 576 ends
     # mid-group), and fp8 experts with 128 x 128 blocks (inside the decode CUDA graphs)
     "llama_w4a16": {"quantization_config": {
