@@ -176,8 +176,7 @@ class ModelRunner:
         """One block of every layer, K and V."""
         cfg = self.model_config
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        pools = 1 if cfg.mla is not None else 2  # latent attention's keys are its values
-        return pools * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return cfg.kv_pools * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         """Blocks in the pool, each `num_slots` layers' worth: as many as the memory holds,
@@ -213,7 +212,7 @@ class ModelRunner:
         slot's, zeroed: attention reads whole blocks, and a NaN left in an unwritten slot
         would poison the weighted sum even under a -inf mask."""
         shape = self.attention.cache_shape(self.num_blocks)
-        pools = 1 if self.model_config.mla is not None else 2  # latent attention: one pool, K and V alike
+        pools = self.model_config.kv_pools
         if self.device.type != "cpu":
             pool = torch.zeros((self.num_slots, pools, *shape), dtype=self.kv_dtype, device=self.device)
         else:

@@ -353,6 +353,11 @@ class ModelConfig:
         return dataclasses.replace(self, mla=mla, num_key_value_heads=1, head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim,
                                    rotary_dim=mla.qk_rope_head_dim, attn_scale=mla.softmax_scale(self.hf_config))
 
+    @property
+    def kv_pools(self) -> int:
+        """Cache pools a layer holds: K and V, or one where latent attention's keys are its values."""
+        return 1 if self.mla is not None else 2
+
     def rope_inv_freq(self, kind: str = "full_attention") -> tuple[torch.Tensor, float]:
         """Inverse frequencies [head_dim / 2] and the attention scaling of the RoPE variant of
         the layers of `kind` (full_attention, or sliding_attention where local_rope)."""

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 from worker.attention import FP8, apply_softcap
 from worker.models import gpt_oss, kv_scales, quant
 from worker.models.config import ModelConfig
-from worker.models.mla import MLAttention, rope_rows_halved
+from worker.models.mla import MLAttention
 from worker.models.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
@@ -449,7 +449,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
         if self.config.mla is not None and self.config.mla.interleaved_rope:
-            weights = rope_rows_halved(weights, self.config)
+            weights = _mla_rope_rows(weights, self.config)
         found_scales: dict[tuple[int, str], torch.Tensor] = {}
         for hf_name, tensor in weights:
             if (scale := kv_scales.scale_target(hf_name)) is not None:
@@ -559,6 +559,22 @@ def _glm4_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         yield (name.replace(old, _GLM4_NORMS[old]) if old else name), tensor
 
 
+def _mla_rope_rows(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A latent-attention checkpoint whose RoPE columns come as interleaved pairs, with the
+    rows that make them (each head's last qk_rope_head_dim rows of the query projection, the
+    last ones of kv_a_proj_with_mqa) reordered to halves, as `half_split_rows` does for q and k."""
+    mla = cfg.mla
+    assert mla is not None
+    rope, head = mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    for name, tensor in weights:
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            tensor = half_split_rows(tensor, head, rope, start=head - rope)
+        elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
+            tensor = half_split_rows(tensor, len(tensor), rope, start=len(tensor) - rope)
+        yield name, tensor
+
+
 def _without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint less its multi-token-prediction layers (DeepSeek-V3's and GLM-4.5's,
@@ -644,13 +660,15 @@ def _hub_stacked_experts(cfg: ModelConfig, hf_name: str) -> bool:
             and hf_name.endswith((".experts.gate_up_proj", ".experts.down_proj")))
 
 
-def half_split_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
+def half_split_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = None, start: int = 0) -> torch.Tensor:
     """q or k projection rows [heads * head_dim, ...] reordered within each head from
     interleaved pairs (0, 1), (2, 3) ... to halves (0, 2, 4 ... | 1, 3, 5 ...): rotating the
     halves then rotates each interleaved pair, and q · k is unchanged by the same order on both.
-    With partial rotary only the first `rotary_dim` rows of a head are reordered."""
+    With partial rotary only the `rotary_dim` rows of a head from `start` are reordered (the
+    first ones; DeepSeek's latent attention rotates each head's last ones)."""
     rotary = rotary_dim or head_dim
-    order = torch.cat((torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_dim)))
+    order = torch.cat((torch.arange(start), start + torch.arange(0, rotary, 2), start + torch.arange(1, rotary, 2),
+                       torch.arange(start + rotary, head_dim)))
     heads = rows.view(-1, head_dim, *rows.shape[1:])
     return heads[:, order.to(rows.device)].reshape(rows.shape)
 

@@ -13,7 +13,6 @@ kv_lora_rank columns are kept. K and V share one pool (the runner allocates it o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -80,26 +79,3 @@ class MLAttention(nn.Module):
         o = torch.einsum("thc,hvc->thv", o[..., : mla.kv_lora_rank], w_uv)  # [T, H, v]
         return self.o_proj(o.reshape(num_tokens, -1))
 
-
-def rope_rows_halved(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint whose RoPE columns come as interleaved pairs, with the rows that make them
-    (each head's last qk_rope_head_dim rows of the query projection, the last ones of
-    kv_a_proj_with_mqa) reordered to halves (evens, then odds), which the half-split rotation
-    turns as the pairs would be: scores are unchanged by the same order on queries and key."""
-    mla = cfg.mla
-    assert mla is not None
-    rope = mla.qk_rope_head_dim
-    for name, tensor in weights:
-        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-            tensor = _halve_tail(tensor, mla.qk_nope_head_dim + rope, rope)
-        elif name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
-            tensor = _halve_tail(tensor, tensor.shape[0], rope)
-        yield name, tensor
-
-
-def _halve_tail(rows: torch.Tensor, group: int, tail: int) -> torch.Tensor:
-    """Within each group of `group` rows, the last `tail` ones from pairs to halves."""
-    head = group - tail
-    order = torch.cat((torch.arange(head), head + torch.arange(0, tail, 2), head + torch.arange(1, tail, 2)))
-    return rows.view(-1, group, *rows.shape[1:])[:, order].reshape(rows.shape)
