@@ -127,7 +127,7 @@ class TokenMasks:
         for token_id, text in (special_texts or {}).items():
             if token_id < len(self.marker_texts):
                 self.marker_texts[token_id] = byte_text(text.encode())
-        self.candidates = [(i, self.token_texts[i]) for i, b in enumerate(vocabulary) if b]
+        self.trie = _trie((i, self.token_texts[i]) for i, b in enumerate(vocabulary) if b)
         self.stop_mask = _mask(len(self.token_texts), (i for i in stop_ids if i < len(self.token_texts)))
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[Hashable, Hashable], bytes] = OrderedDict()
@@ -148,7 +148,17 @@ class TokenMasks:
         return mask
 
     def _compute(self, grammar: Grammar, state: Hashable) -> bytes:
-        ids = [i for i, text in self.candidates if grammar.advance(state, text) is not None]
+        # Down the vocabulary's trie one character at a time: a prefix the grammar refuses
+        # rules out every token under it at once, and tokens that begin alike share its steps.
+        ids: list[int] = []
+        pending = [(self.trie, state)]
+        while pending:
+            (children, ends), at = pending.pop()
+            ids.extend(ends)
+            for char, child in children.items():
+                nxt = grammar.advance(at, char)
+                if nxt is not None:
+                    pending.append((child, nxt))
         mask = bytearray(_mask(len(self.token_texts), ids))
         # Complete, or stuck: no token spells what must come next (a character the tokenizer
         # only has in pieces). Ending beats sampling from a distribution with nothing in it.
@@ -188,6 +198,19 @@ def _past(guided: GuidedState, text: str) -> str:
     rest = seen[at + len(guided.after):]
     guided.after, guided.seen = None, ""
     return rest
+
+
+Trie = tuple[dict[str, "Trie"], list[int]]  # (the next character's nodes, the tokens that end here)
+
+
+def _trie(tokens: Iterable[tuple[int, str]]) -> Trie:
+    root: Trie = ({}, [])
+    for token_id, text in tokens:
+        node = root
+        for char in text:
+            node = node[0].setdefault(char, ({}, []))
+        node[1].append(token_id)
+    return root
 
 
 def _mask(size: int, ids: Iterable[int]) -> bytes:

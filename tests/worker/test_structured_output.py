@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from worker.json_grammar import JSON_OBJECT
-from worker.structured_output import ChoiceGrammar, GuidedState, TokenMasks
+from worker.structured_output import ChoiceGrammar, GuidedState, TokenMasks, make_grammar
+from worker.token_bytes import token_bytes
 
 
 def vocabulary(texts: list[str], special: set[int]) -> list[bytes | None]:
@@ -119,3 +122,34 @@ def test_a_marker_of_special_tokens() -> None:
     masks.advance(guided, [*thinking, vocab.index("<|message|>")])
     assert guided.after is None
     assert {vocab[i] for i, ok in enumerate(masks.allowed(guided)) if ok} == {"yes", "no"}
+
+
+SCHEMA = {"type": "object", "required": ["name", "tags"], "properties": {
+    "name": {"type": "string", "maxLength": 12}, "size": {"anyOf": [{"type": "integer"}, {"enum": ["big", "small"]}]},
+    "tags": {"type": "array", "items": {"enum": ["red", "reed", "blue"]}, "maxItems": 3}}}
+
+
+@pytest.mark.parametrize(("guided_decoding", "text"), [
+    ({"json_object": True}, '{"a": [-2.5e3, true], "b\\u00e9": {"c": "d"}}'),
+    ({"json_schema": SCHEMA}, '{"name": "Ann", "size": "big", "tags": ["reed"]}'),
+    ({"regex": r"(yes|no|maybe)[0-9]{1,3}!?"}, "maybe42!"),
+    ({"choice": ["set it", "set them", "leave it"]}, "set them"),
+], ids=["json_object", "json_schema", "regex", "choice"])
+def test_masks_on_the_default_vocabulary_equal_checking_every_token(default_model_dir, guided_decoding, text) -> None:
+    """The masks, found down the vocabulary's trie, allow exactly the tokens that the grammar
+    takes whole, at each state along an output that the tokenizer splits as it would."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    vocabulary = token_bytes(tokenizer)
+    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id})
+    grammar = make_grammar(guided_decoding)
+    guided = GuidedState(grammar, grammar.initial())
+    output = tokenizer.encode(text, add_special_tokens=False)
+    for steps in range(len(output) + 1):
+        masks.advance(guided, output[:steps])
+        assert guided.state is not None, tokenizer.decode(output[:steps])
+        every = {i for i, data in enumerate(vocabulary) if data and grammar.advance(guided.state, masks.token_texts[i]) is not None}
+        allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok} - {tokenizer.eos_token_id}
+        assert allowed == every, (tokenizer.decode(output[:steps]), [masks.token_texts[i] for i in allowed ^ every][:10])
+    assert grammar.is_complete(guided.state) and masks.allowed(guided)[tokenizer.eos_token_id]
