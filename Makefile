@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/genq up
 
+# Test files run in TEST_PROCS processes (each keeps its files' fixtures; tests/conftest.py
+# shares the cores among them): on 2 cores this halves the suite's time.
+TEST_PROCS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

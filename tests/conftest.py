@@ -24,6 +24,11 @@ from producer.redis_server import RedisServer
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs two processes), each process gets its share of the cores:
+# torch's threads would otherwise contend for them and spin.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
