@@ -195,16 +195,21 @@ def _variants() -> list[_Variant]:
         ),
         _Variant(
             "fused_add_rms_norm bf16 576", _rms_norm_kernel, "*bf16",
-            dict(HIDDEN=576, BLOCK=1024, HAS_RESIDUAL=True), {},
+            dict(HIDDEN=576, BLOCK=1024, ROWS=2, HAS_RESIDUAL=True), {}, num_warps=8,
         ),
         _Variant(
             "rotary bf16 32/8 heads d128", _rotary_kernel, "*bf16",
-            dict(HEADS_P=32, KV_HEADS_P=8, HALF=64, HALF_P=64),
+            dict(HEADS_P=32, KV_HEADS_P=8, HALF=64, HALF_P=64, TOKENS=1),
             dict(positions_ptr="*i64", cos_sin_ptr="*fp32"),
         ),
         _Variant(  # Phi-3's 96-wide heads; and Phi-4-mini's first 96 columns of 128
             "rotary bf16 24/8 heads, 96 rotated", _rotary_kernel, "*bf16",
-            dict(HEADS_P=32, KV_HEADS_P=8, HALF=48, HALF_P=64),
+            dict(HEADS_P=32, KV_HEADS_P=8, HALF=48, HALF_P=64, TOKENS=1),
+            dict(positions_ptr="*i64", cos_sin_ptr="*fp32"),
+        ),
+        _Variant(  # SmolLM2's 9/3 heads of 64: four tokens a program
+            "rotary bf16 9/3 heads d64", _rotary_kernel, "*bf16",
+            dict(HEADS_P=16, KV_HEADS_P=4, HALF=32, HALF_P=32, TOKENS=4),
             dict(positions_ptr="*i64", cos_sin_ptr="*fp32"),
         ),
         _Variant(

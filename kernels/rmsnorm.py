@@ -9,6 +9,7 @@ before the weight multiply, whose product is rounded once more.
 import torch
 
 from kernels._common import (
+    cdiv,
     check_device,
     check_dtype,
     check_last_dim_contiguous,
@@ -23,6 +24,11 @@ __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_ref", "rms_norm", "rms_norm
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# Elements a program normalises at once: rows of a small hidden size share a program (the
+# interpreter pays per program, and a GPU program with a 64-wide row would idle most lanes).
+_TILE_ELEMENTS = 2048
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [num_tokens, HIDDEN]
@@ -30,6 +36,7 @@ def _rms_norm_kernel(
     weight_ptr,  # [HIDDEN]
     out_ptr,  # [num_tokens, HIDDEN]
     residual_out_ptr,  # [num_tokens, HIDDEN]: x + residual; written only when HAS_RESIDUAL
+    num_tokens,
     stride_x,
     stride_residual,
     stride_out,
@@ -37,21 +44,22 @@ def _rms_norm_kernel(
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,  # HIDDEN rounded up to a power of two
+    ROWS: tl.constexpr,  # rows per program
     HAS_RESIDUAL: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK]
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+    mask = (rows < num_tokens) & (cols < HIDDEN)  # [ROWS, BLOCK]
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        residual = tl.load(residual_ptr + rows * stride_residual + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
-        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+        tl.store(residual_out_ptr + rows * stride_residual_out + cols, x, mask=mask)
     xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, 1)[:, None] / HIDDEN + eps)  # [ROWS, 1]
     normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(x.dtype), mask=mask)
+    weight = tl.load(weight_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)  # [1, BLOCK]
+    tl.store(out_ptr + rows * stride_out + cols, (normed * weight).to(x.dtype), mask=mask)
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, **others: torch.Tensor) -> None:
@@ -82,12 +90,13 @@ def _launch(
     has_residual = residual is not None and residual_out is not None
     if residual is None or residual_out is None:
         residual, residual_out = x, out  # placeholders the kernel never touches
-    _rms_norm_kernel[(num_tokens,)](
-        x, residual, weight, out, residual_out,
+    rows = max(1, _TILE_ELEMENTS // block)
+    _rms_norm_kernel[(cdiv(num_tokens, rows),)](
+        x, residual, weight, out, residual_out, num_tokens,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
         eps,
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual,
-        num_warps=min(16, max(1, block // 256)),
+        HIDDEN=hidden, BLOCK=block, ROWS=rows, HAS_RESIDUAL=has_residual,
+        num_warps=min(16, max(1, rows * block // 256)),
     )  # fmt: skip
 
 

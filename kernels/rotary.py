@@ -18,6 +18,7 @@ width works (tiles are padded to a power of two and masked).
 import torch
 
 from kernels._common import (
+    cdiv,
     check_device,
     check_dtype,
     check_last_dim_contiguous,
@@ -32,21 +33,27 @@ __all__ = ["apply_rotary_emb", "apply_rotary_emb_ref", "build_cos_sin_cache"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# Elements of q a program rotates at once: the tokens of a model with few or narrow heads
+# share a program (the interpreter pays per program; a GPU program would idle most lanes).
+_TILE_ELEMENTS = 2048
+
+
 @triton.jit
 def _rotate_heads(
-    x_ptr,  # this token's [num_heads, 2 * HALF] row
+    x_ptrs,  # [TOKENS, 1, 1]: each token's [num_heads, 2 * HALF] row
+    tok_ok,  # [TOKENS, 1, 1]
     stride_head,
     num_heads,
-    cos,  # [1, HALF_P] fp32
-    sin,  # [1, HALF_P] fp32
+    cos,  # [TOKENS, 1, HALF_P] fp32
+    sin,  # [TOKENS, 1, HALF_P] fp32
     HEADS_P: tl.constexpr,
     HALF: tl.constexpr,
     HALF_P: tl.constexpr,
 ):
-    heads = tl.arange(0, HEADS_P)[:, None]  # [HEADS_P, 1]
-    cols = tl.arange(0, HALF_P)[None, :]  # [1, HALF_P]
-    mask = (heads < num_heads) & (cols < HALF)
-    lo_ptrs = x_ptr + heads * stride_head + cols  # [HEADS_P, HALF_P]
+    heads = tl.arange(0, HEADS_P)[None, :, None]  # [1, HEADS_P, 1]
+    cols = tl.arange(0, HALF_P)[None, None, :]  # [1, 1, HALF_P]
+    mask = tok_ok & (heads < num_heads) & (cols < HALF)  # [TOKENS, HEADS_P, HALF_P]
+    lo_ptrs = x_ptrs + heads * stride_head + cols
     x1 = tl.load(lo_ptrs, mask=mask, other=0.0)
     x2 = tl.load(lo_ptrs + HALF, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
@@ -61,6 +68,7 @@ def _rotary_kernel(
     q_ptr,  # [T, num_heads, 2 * HALF], rotated in place
     k_ptr,  # [T, num_kv_heads, 2 * HALF], rotated in place
     cos_sin_ptr,  # [max_position, 2 * HALF] fp32: cos | sin
+    num_tokens,
     stride_q_tok,
     stride_q_head,
     stride_k_tok,
@@ -71,16 +79,18 @@ def _rotary_kernel(
     KV_HEADS_P: tl.constexpr,
     HALF: tl.constexpr,  # head_dim / 2
     HALF_P: tl.constexpr,  # HALF rounded up to a power of two
+    TOKENS: tl.constexpr,  # tokens per program
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    cols = tl.arange(0, HALF_P)[None, :]  # [1, HALF_P]
-    col_ok = cols < HALF
-    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + cols, mask=col_ok, other=0.0)  # [1, HALF_P]
-    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + cols, mask=col_ok, other=0.0)
-    _rotate_heads(q_ptr + tok * stride_q_tok, stride_q_head, num_heads, cos, sin, HEADS_P, HALF, HALF_P)
+    toks = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)[:, None, None]  # [TOKENS, 1, 1]
+    tok_ok = toks < num_tokens
+    pos = tl.load(positions_ptr + toks, mask=tok_ok, other=0).to(tl.int64)
+    cols = tl.arange(0, HALF_P)[None, None, :]  # [1, 1, HALF_P]
+    ok = tok_ok & (cols < HALF)
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + cols, mask=ok, other=0.0)  # [TOKENS, 1, HALF_P]
+    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + cols, mask=ok, other=0.0)
+    _rotate_heads(q_ptr + toks * stride_q_tok, tok_ok, stride_q_head, num_heads, cos, sin, HEADS_P, HALF, HALF_P)
     _rotate_heads(
-        k_ptr + tok * stride_k_tok, stride_k_head, num_kv_heads, cos, sin, KV_HEADS_P, HALF, HALF_P
+        k_ptr + toks * stride_k_tok, tok_ok, stride_k_head, num_kv_heads, cos, sin, KV_HEADS_P, HALF, HALF_P
     )
 
 
@@ -128,13 +138,15 @@ def apply_rotary_emb(
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
-    _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin_cache,
+    heads_p, half_p = next_power_of_2(num_heads), next_power_of_2(head_dim // 2)
+    tokens = max(1, _TILE_ELEMENTS // (heads_p * half_p))
+    _rotary_kernel[(cdiv(num_tokens, tokens),)](
+        positions, q, k, cos_sin_cache, num_tokens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         num_heads, num_kv_heads,
-        HEADS_P=next_power_of_2(num_heads), KV_HEADS_P=next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2, HALF_P=next_power_of_2(head_dim // 2),
-        num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        HEADS_P=heads_p, KV_HEADS_P=next_power_of_2(num_kv_heads),
+        HALF=head_dim // 2, HALF_P=half_p, TOKENS=tokens,
+        num_warps=4 if tokens * num_heads * head_dim >= 2048 else 1,
     )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from kernels import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_no
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
-SHAPES = [(5, 96), (3, 576), (1, 64)]  # hidden sizes that are and are not powers of two
+SHAPES = [(5, 96), (3, 576), (1, 64), (70, 64)]  # hidden sizes that are and are not powers of two; rows past a program
 if ON_CUDA:
     SHAPES += [(4096, 576), (512, 4096)]
 

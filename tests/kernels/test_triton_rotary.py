@@ -9,7 +9,7 @@ from kernels import apply_rotary_emb, apply_rotary_emb_ref, build_cos_sin_cache
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
 # (num_tokens, num_heads, num_kv_heads, head_dim)
-SHAPES = [(6, 9, 3, 64), (3, 4, 4, 128), (5, 8, 2, 16), (4, 6, 2, 96)]  # 96: Phi-3's heads
+SHAPES = [(6, 9, 3, 64), (3, 4, 4, 128), (5, 8, 2, 16), (4, 6, 2, 96), (70, 4, 2, 16)]  # 96: Phi-3's heads; 70: past a program
 if ON_CUDA:
     SHAPES += [(4096, 32, 8, 128), (4096, 9, 3, 64)]
 MAX_POSITION = 4096
