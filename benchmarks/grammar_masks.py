@@ -1,27 +1,30 @@
 """The cost of building a guided-decoding mask: for each state a JSON-schema output passes
-through, the default model's whole vocabulary (as bytes) is stepped through the grammar, once
-per state (the engine caches the result).
+through, the tokens of the default model's vocabulary that the grammar takes, found as the
+engine finds them (down a trie of the vocabulary, one character at a time) and, as the
+baseline in the same run, by stepping every token's bytes through the grammar. The engine
+caches each state's mask; here each is built afresh.
 
     python benchmarks/grammar_masks.py [--repeats 3] [--tools 20]
 
-Prints milliseconds per mask (the best of the repeats) for a schema whose states cover keys,
-strings, integers, an enum array and a union with null; then for tool_choice "required" over
-`--tools` tools (an array of calls, each `{"name": <const>, "arguments": ...}`), through the
-tool's name; then for a regular expression (guided_regex), cold (its DFA states are built as
-the vocabulary walks them, once per pattern and process) and warm.
+Prints milliseconds per mask (the best of the repeats) both ways and their ratio, for a schema
+whose states cover keys, strings, integers, an enum array and a union with null; then for
+tool_choice "required" over `--tools` tools (an array of calls, each `{"name": <const>,
+"arguments": ...}`), through the tool's name; then for a regular expression (guided_regex),
+cold (its DFA states are built as the trie walks them, once per pattern and process) and warm.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable, Hashable
 
 from transformers import AutoTokenizer
 
 from api.tool_calls import calls_schema
 from worker.json_schema_grammar import JsonSchemaGrammar
 from worker.model_loader import resolve_model_path
-from worker.structured_output import Grammar, RegexGrammar
+from worker.structured_output import Grammar, GuidedState, RegexGrammar, TokenMasks
 from worker.token_bytes import byte_text, token_bytes
 
 SCHEMA = {
@@ -44,21 +47,25 @@ def main() -> int:
     ap.add_argument("--tools", type=int, default=20)
     args = ap.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
-    vocabulary = [byte_text(b) for b in token_bytes(tokenizer) if b]
+    vocabulary = token_bytes(tokenizer)
+    masks = TokenMasks(vocabulary, stop_ids=set(), cache_size=0)  # every mask built afresh
+    texts = [byte_text(b) for b in vocabulary if b]
     parameters = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
     tools = calls_schema([(f"tool_{i}", parameters) for i in range(args.tools)], parallel=True)
-    for name, schema, pieces in (("schema", SCHEMA, PIECES), (f"{args.tools} tools", tools, TOOL_PIECES)):
-        per_mask = time_masks(JsonSchemaGrammar(schema), pieces, vocabulary, args.repeats)
-        print(f"{name}: {len(pieces) + 1} masks over {len(vocabulary)} tokens: {per_mask * 1000:.1f} ms per mask")
     regex = RegexGrammar(REGEX)
-    cold = time_masks(regex, REGEX_PIECES, vocabulary, 1)
-    warm = time_masks(regex, REGEX_PIECES, vocabulary, args.repeats)
-    print(f"regex: {len(REGEX_PIECES) + 1} masks over {len(vocabulary)} tokens: {cold * 1000:.1f} ms per mask cold, "
-          f"{warm * 1000:.1f} ms warm")
+    cold = time_masks(regex, REGEX_PIECES, lambda g, s: masks.allowed(GuidedState(g, s)), 1)
+    for name, grammar, pieces in (("schema", JsonSchemaGrammar(SCHEMA), PIECES),
+                                  (f"{args.tools} tools", JsonSchemaGrammar(tools), TOOL_PIECES),
+                                  ("regex (warm)", regex, REGEX_PIECES)):
+        trie = time_masks(grammar, pieces, lambda g, s: masks.allowed(GuidedState(g, s)), args.repeats)
+        every = time_masks(grammar, pieces, lambda g, s: [t for t in texts if g.advance(s, t) is not None], args.repeats)
+        print(f"{name}: {len(pieces) + 1} masks over {len(texts)} tokens: {trie * 1000:.1f} ms per mask down the trie, "
+              f"{every * 1000:.1f} ms checking every token ({every / trie:.1f}x)")
+    print(f"regex cold: {cold * 1000:.1f} ms per mask down the trie")
     return 0
 
 
-def time_masks(grammar: Grammar, pieces: list[str], vocabulary: list[str], repeats: int) -> float:
+def time_masks(grammar: Grammar, pieces: list[str], build: Callable[[Grammar, Hashable], object], repeats: int) -> float:
     """Seconds per mask, best of `repeats`, over the states `pieces` lead through."""
     states = [grammar.initial()]
     for piece in pieces:
@@ -67,7 +74,7 @@ def time_masks(grammar: Grammar, pieces: list[str], vocabulary: list[str], repea
     for _ in range(repeats):
         start = time.perf_counter()
         for state in states:
-            sum(1 for text in vocabulary if grammar.advance(state, text) is not None)
+            build(grammar, state)
         best = min(best, time.perf_counter() - start)
     return best / len(states)
 

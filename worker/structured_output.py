@@ -148,13 +148,14 @@ class TokenMasks:
         return mask
 
     def _compute(self, grammar: Grammar, state: Hashable) -> bytes:
-        # Down the vocabulary's trie one character at a time: a prefix the grammar refuses
-        # rules out every token under it at once, and tokens that begin alike share its steps.
+        # Down the vocabulary's trie: a first character or two the grammar refuses rule out
+        # every token that begins so at once, and tokens that begin alike share those steps.
         ids: list[int] = []
         pending = [(self.trie, state)]
         while pending:
-            (children, ends), at = pending.pop()
+            (children, ends, tails), at = pending.pop()
             ids.extend(ends)
+            ids.extend(token_id for token_id, rest in tails if grammar.advance(at, rest) is not None)
             for char, child in children.items():
                 nxt = grammar.advance(at, char)
                 if nxt is not None:
@@ -200,16 +201,23 @@ def _past(guided: GuidedState, text: str) -> str:
     return rest
 
 
-Trie = tuple[dict[str, "Trie"], list[int]]  # (the next character's nodes, the tokens that end here)
+# The vocabulary's trie branches on a token's first TRIE_DEPTH characters; a longer token's rest
+# hangs from that node and is stepped whole, where a grammar's whole-text fast path (plain text
+# inside a string) serves it. Deeper tries stepped more characters one by one for no gain.
+TRIE_DEPTH = 2
+Trie = tuple[dict[str, "Trie"], list[int], list[tuple[int, str]]]  # (next characters, tokens ending here, tails)
 
 
 def _trie(tokens: Iterable[tuple[int, str]]) -> Trie:
-    root: Trie = ({}, [])
+    root: Trie = ({}, [], [])
     for token_id, text in tokens:
         node = root
-        for char in text:
-            node = node[0].setdefault(char, ({}, []))
-        node[1].append(token_id)
+        for char in text[:TRIE_DEPTH]:
+            node = node[0].setdefault(char, ({}, [], []))
+        if len(text) > TRIE_DEPTH:
+            node[2].append((token_id, text[TRIE_DEPTH:]))
+        else:
+            node[1].append(token_id)
     return root
 
 
