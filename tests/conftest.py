@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 # Under pytest-xdist (`make test` runs two processes), each process gets its share of the cores:
 # torch's threads would otherwise contend for them and spin.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session")
