@@ -62,7 +62,7 @@ class Experts(nn.Module):
             quant.make_quantized(self, name, block, kind, zero_points)
 
     def pack(self, batch_hint: int) -> None:
-        """Lay each expert's weights out for oneDNN once (bfloat16 on the CPU, as
+        """Lay each expert's weights out for oneDNN once (on the CPU, as
         `pack_linears` does for linear layers); the stacked weights are freed."""
         self.packed = [(pack_weight(self.w13[e], batch_hint), pack_weight(self.w2[e], batch_hint))
                        for e in range(self.num_experts)]

@@ -1,11 +1,14 @@
-"""Linear layers over weights that oneDNN lays out once, at load time (bfloat16 on CPU).
+"""Linear layers over weights that oneDNN lays out once, at load time (bfloat16 and float32 on CPU).
 
 `F.linear` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight, which it re-lays
 into its blocked layout on every call. Doing that once and keeping the blocked copy makes each
 matmul 1.3x (128 rows) to 2.3x (8 rows) faster at decode batch sizes and 1.1x at prefill sizes
 (`benchmarks/cpu_linear.py`), on the same arithmetic: the outputs are bitwise equal to
-`F.linear`'s. These are torch's own oneDNN ops, the
-ones its compiler uses for frozen CPU models.
+`F.linear`'s. These are torch's own oneDNN ops, the ones its compiler uses for frozen CPU models.
+
+float32 `F.linear` goes to MKL's sgemm instead, which on some CPUs (an AVX2 AMD EPYC) takes
+2-4x longer than oneDNN's blocked weights at a few rows and 1.1-1.5x longer at prefill sizes.
+There the two sum in different orders: equal to float32 rounding, not bitwise.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from torch import nn
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build and CPU can run prepacked bfloat16 linears."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """Whether this torch build and CPU can run prepacked linears of `dtype` (bfloat16 only
+    where the CPU multiplies it natively)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
         return False
     try:  # private ops: a build may lack them, and then F.linear serves
         ops = torch.ops.mkldnn
         _ = (ops._reorder_linear_weight, ops._linear_pointwise)
-        return bool(ops._is_mkldnn_bf16_supported())
+        return dtype == torch.float32 or bool(ops._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
@@ -51,7 +55,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) over the weight `pack_weight` laid out; bitwise the same."""
+    """F.linear(x, weight, bias) over the weight `pack_weight` laid out (bitwise the same in bfloat16)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
