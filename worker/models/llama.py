@@ -340,7 +340,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.use_kernels = use_kernels
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # its weight made empty: on the meta device, nn.Embedding's own init would import torch._dynamo (1 s)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, use_kernels, i) for i in range(cfg.num_hidden_layers))
         self.norm = make_norm(cfg, cfg.hidden_size, use_kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
