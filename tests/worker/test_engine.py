@@ -42,18 +42,30 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], max_new: int = NEW_TOKENS)
     return out
 
 
+def hf_greedy_along(model_dir, prompt_ids: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy choice at each position of each output, given its prompt and the
+    output before it (teacher forcing). It equals `outputs` exactly when they are the tokens
+    transformers' greedy decoding writes (as hf_greedy's, never stopping at EOS), and takes
+    one forward per prompt where generate takes one per token."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1 :].argmax(-1).tolist() if out else []
+                for ids, out in zip(prompt_ids, outputs, strict=True)]
+
+
 def greedy(n=NEW_TOKENS):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def run_and_compare(llm: LLM, model_dir, prompts=PROMPTS):
+    """The engine's greedy outputs (NEW_TOKENS each) are transformers' greedy tokens."""
     tok = llm.get_tokenizer()
-    ids = [tok.encode(p) for p in prompts]
-    expected = hf_greedy(model_dir, ids)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    tokens = [out.outputs[0].token_ids for out in outputs]
+    expected = hf_greedy_along(model_dir, [tok.encode(p) for p in prompts], tokens)
     for prompt, out, ref in zip(prompts, outputs, expected, strict=True):
+        assert len(out.outputs[0].token_ids) == NEW_TOKENS and out.outputs[0].finish_reason == "length"
         assert out.outputs[0].token_ids == ref, f"mismatch for {prompt[:30]!r}"
-        assert out.outputs[0].finish_reason == "length"
         assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
     return outputs
 
