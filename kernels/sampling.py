@@ -1,9 +1,12 @@
 """Top-k / top-p sampling without sorting the vocabulary.
 
 Each row's cut-offs are found by bisection on the logit value instead of a sort: a float's
-bits, reordered so that integer order matches float order, are searched in at most 32 steps,
-each step one pass over the row that counts tokens (top-k) or sums their probability (top-p)
-above the candidate. The cut-off is therefore an exact logit of the row, and every token tied
+bits, reordered so that integer order matches float order, are searched, each step one pass
+over the row that counts tokens (top-k) or sums their probability (top-p) above the
+candidate. The same pass finds the row's nearest logits on either side of the candidate, and
+the bracket snaps to them: it shrinks to the logits actually there, so a cut-off among the
+few large logits of a row (a small k, a peaked distribution) takes far fewer than the 32
+steps of bisecting bits alone. The cut-off is an exact logit of the row, and every token tied
 with it is kept. Top-p applies to the top-k set, renormalised (vLLM's order).
 
 The draw is an exponential race: with `noise` i.i.d. Exp(1), `argmax(p_i / noise_i)` over
@@ -45,17 +48,24 @@ def _mass_at_least(
     COUNT: tl.constexpr,  # count tokens instead of summing exp(x - row_max)
     BLOCK_V: tl.constexpr,
 ):
-    total = tl.zeros([BLOCK_V], tl.float32)
+    """The mass of the tokens whose key is at least `threshold`; the smallest key among them
+    (2**31 - 1 if none) and the largest key below it (-2**31 if none)."""
+    total = tl.zeros([BLOCK_V], tl.float32)  # per lane, reduced once at the end
+    above = tl.full([BLOCK_V], 2**31 - 1, tl.int32)
+    below = tl.full([BLOCK_V], -(2**31), tl.int32)
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         in_row = cols < vocab_size
         x = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        keep = (_ordered_key(x) >= threshold) & in_row
+        key = _ordered_key(x)
+        keep = (key >= threshold) & in_row
         if COUNT:
             total += tl.where(keep, 1.0, 0.0)
         else:
             total += tl.where(keep, tl.exp(x - row_max), 0.0)
-    return tl.sum(total, 0)
+        above = tl.minimum(above, tl.where(keep, key, 2**31 - 1))
+        below = tl.maximum(below, tl.where(in_row & (key < threshold), key, -(2**31)))
+    return tl.sum(total, 0), tl.min(above, 0), tl.max(below, 0)
 
 
 @triton.jit
@@ -69,12 +79,14 @@ def _largest_key_reaching(
     COUNT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """The largest key t in [lo, hi] with mass_at_least(t) >= target (it decreases in t)."""
+    """The largest key t in [lo, hi] with mass_at_least(t) >= target (it decreases in t, and
+    changes only at the row's keys: t is one of them)."""
     while lo < hi:
         mid = lo + (hi - lo + 1) // 2
-        ok = _mass_at_least(row_ptr, vocab_size, mid, row_max, COUNT, BLOCK_V) >= target
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
+        mass, above, below = _mass_at_least(row_ptr, vocab_size, mid, row_max, COUNT, BLOCK_V)
+        ok = mass >= target
+        lo = tl.where(ok, above.to(tl.int64), lo)  # no key in [mid, above): the same mass
+        hi = tl.where(ok, hi, below.to(tl.int64))  # t < mid is a key: at most the largest below
     return lo
 
 
@@ -108,7 +120,7 @@ def _top_k_top_p_sample_kernel(
         )
     top_p = tl.load(top_p_ptr + row)
     if top_p < 1.0:
-        kept_mass = _mass_at_least(row_ptr, vocab_size, threshold, row_max, False, BLOCK_V)
+        kept_mass, _, _ = _mass_at_least(row_ptr, vocab_size, threshold, row_max, False, BLOCK_V)
         threshold = _largest_key_reaching(
             row_ptr, vocab_size, threshold, max_key, top_p * kept_mass, row_max, False, BLOCK_V
         )

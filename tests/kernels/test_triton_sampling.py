@@ -59,6 +59,23 @@ def test_cut_off_is_exact(device: torch.device, side: str) -> None:
         assert (token == target) == (side == "last_kept")
 
 
+def test_cut_off_among_neighbouring_floats(device: torch.device) -> None:
+    """Logits that are consecutive floats: the search's candidates land on the row's own
+    values and between neighbours, where a cut-off one value off keeps a wrong token."""
+    torch.manual_seed(3)
+    num_rows, vocab_size = 32, 300
+    values = [1.0]
+    for _ in range(vocab_size - 1):
+        values.append(torch.nextafter(torch.tensor(values[-1]), torch.tensor(2.0)).item())
+    logits = torch.stack([torch.tensor(values)[torch.randperm(vocab_size)] for _ in range(num_rows)]).to(device)
+    top_k = torch.randint(1, vocab_size, (num_rows,), dtype=torch.int32, device=device)
+    top_k[::4] = 0  # top-p alone
+    top_p = torch.rand(num_rows, device=device).clamp(min=0.05)
+    top_p[1::4] = 1.0  # top-k alone
+    noise = torch.empty(num_rows, vocab_size, device=device).exponential_()
+    assert torch.equal(top_k_top_p_sample(logits, top_k, top_p, noise), top_k_top_p_sample_ref(logits, top_k, top_p, noise))
+
+
 # --- the oracle itself ---------------------------------------------------------------------
 
 
