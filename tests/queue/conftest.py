@@ -16,8 +16,6 @@ from producer.protocol import Keys
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
-Oracle = Callable[..., Any]
-
 # Workers of the module running now: a failing test's report shows their logs, since what a
 # worker process did is otherwise invisible (a flake in CI is diagnosed from this alone).
 LIVE_WORKERS: list[WorkerProcess] = []
@@ -54,33 +52,42 @@ def client(redis_server: RedisServer, keys: Keys) -> Iterator[Client]:
         yield c
 
 
-@pytest.fixture(scope="session")
-def offline(tiny_llama_dir: Path) -> Oracle:
+class Offline:
     """`offline(prompt, params)`: the completions the in-process LLM produces for a prompt in
     any form the client takes (greedy params give the tokens any worker must produce);
-    `offline(..., whole=True)`: its whole RequestOutput."""
-    import torch
+    `offline(..., whole=True)`: its whole RequestOutput. `offline.many(prompts, params)`:
+    each text prompt's completions, from one batch (greedy tokens do not depend on it)."""
 
-    from worker import LLM
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
 
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=512,
-              max_num_seqs=16)
+    def __call__(self, prompt: object, params: SamplingParams, whole: bool = False) -> Any:
+        out = self._run(lambda: self.llm.chat(prompt, params, use_tqdm=False) if isinstance(prompt, list)
+                        else self.llm.generate(prompt, params, use_tqdm=False))[0]
+        return out if whole else out.outputs
 
-    def generate(prompt: object, params: SamplingParams, whole: bool = False) -> Any:
+    def many(self, prompts: list[str], params: SamplingParams) -> list[Any]:
+        return [out.outputs for out in self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False))]
+
+    @staticmethod
+    def _run(generate: Callable[[], list[Any]]) -> list[Any]:
+        import torch
+
         # One thread: the tiny model is far faster so beside worker processes on few cores.
         # Restored after, so other test packages keep their setting.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            if isinstance(prompt, list):
-                out = llm.chat(prompt, params, use_tqdm=False)[0]
-            else:
-                out = llm.generate(prompt, params, use_tqdm=False)[0]
+            return generate()
         finally:
             torch.set_num_threads(threads)
-        return out if whole else out.outputs
 
-    return generate
+
+@pytest.fixture(scope="session")
+def offline(tiny_llama_dir: Path) -> Offline:
+    from worker import LLM
+
+    return Offline(LLM(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=512, max_num_seqs=16))
 
 
 @pytest.fixture(scope="module")

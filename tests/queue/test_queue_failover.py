@@ -96,9 +96,9 @@ def running_on(conn: redis.Redis, keys: Keys, job_ids: list[str], name: str, min
 def check_against_offline(client: Client, job_ids: list[str], prompts: list[str],
                           params: SamplingParams, deltas: dict[str, list[Delta]], offline) -> None:
     """Every stream equals its result, and every result the offline engine's output."""
-    for job_id, prompt in zip(job_ids, prompts, strict=True):
+    for job_id, completions in zip(job_ids, offline.many(prompts, params), strict=True):
         result = client.result(job_id, TIMEOUT_S)
-        expected = offline(prompt, params)[0]
+        expected = completions[0]
         assert result.status == JobStatus.FINISHED, job_id
         assert (result.text, result.token_ids) == (expected.text, expected.token_ids), job_id
         stream = deltas[job_id]
