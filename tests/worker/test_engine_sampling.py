@@ -298,17 +298,16 @@ def test_guided_decoding_can_start_after_a_marker(llm):
 def test_guided_json_object_on_the_default_model():
     llm = LLM(None, dtype="float32", max_model_len=1024, num_gpu_blocks_override=128)
     messages = [{"role": "user", "content": "Describe a cat as a JSON object with the keys name and age."}]
-    free = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=80, guided_decoding={"json_object": True})
-    guided = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
-    assert guided.finish_reason == "stop", guided.text
-    assert isinstance(json.loads(guided.text), dict)
-    assert not free.outputs[0].text.lstrip().startswith("{")  # unguided, it writes prose first
     schema = {"type": "object", "required": ["name", "age", "colours"], "properties": {
         "name": {"type": "string"}, "age": {"type": "integer"},
         "colours": {"type": "array", "items": {"enum": ["black", "white", "orange"]}, "maxItems": 3}}}
-    params = SamplingParams(temperature=0.0, max_tokens=80, guided_decoding={"json_schema": schema})
-    shaped = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    params = [SamplingParams(temperature=0.0, max_tokens=8),  # one batch: unguided, then each grammar
+              SamplingParams(temperature=0.0, max_tokens=80, guided_decoding={"json_object": True}),
+              SamplingParams(temperature=0.0, max_tokens=80, guided_decoding={"json_schema": schema})]
+    free, guided, shaped = (out.outputs[0] for out in llm.chat([messages] * 3, params, use_tqdm=False))
+    assert guided.finish_reason == "stop", guided.text
+    assert isinstance(json.loads(guided.text), dict)
+    assert not free.text.lstrip().startswith("{")  # unguided, it writes prose first
     assert shaped.finish_reason == "stop", shaped.text
     jsonschema.validate(json.loads(shaped.text), schema)
 
