@@ -7,8 +7,9 @@ matmul 1.3x (128 rows) to 2.3x (8 rows) faster at decode batch sizes and 1.1x at
 `F.linear`'s. These are torch's own oneDNN ops, the ones its compiler uses for frozen CPU models.
 
 float32 `F.linear` goes to MKL's sgemm instead, which on some CPUs (an AVX2 AMD EPYC) takes
-2-4x longer than oneDNN's blocked weights at a few rows and 1.1-1.5x longer at prefill sizes.
-There the two sum in different orders: equal to float32 rounding, not bitwise.
+1.7-2.8x longer than oneDNN's blocked weights at 1-128 rows and 1.1-1.2x longer at 512-2048
+(`benchmarks/cpu_linear.py --dtype float32`). There the two sum in different orders: the
+outputs agree to float32 rounding, not bitwise.
 """
 
 from __future__ import annotations
