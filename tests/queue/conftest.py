@@ -4,6 +4,7 @@ engine as the oracle, and worker subprocesses (see queue_support)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,25 +63,28 @@ class Offline:
         self.llm = llm
 
     def __call__(self, prompt: object, params: SamplingParams, whole: bool = False) -> Any:
-        out = self._run(lambda: self.llm.chat(prompt, params, use_tqdm=False) if isinstance(prompt, list)
-                        else self.llm.generate(prompt, params, use_tqdm=False))[0]
+        with _one_thread():
+            generate = self.llm.chat if isinstance(prompt, list) else self.llm.generate
+            out = generate(prompt, params, use_tqdm=False)[0]
         return out if whole else out.outputs
 
     def many(self, prompts: list[str], params: SamplingParams) -> list[Any]:
-        return [out.outputs for out in self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False))]
+        with _one_thread():
+            return [out.outputs for out in self.llm.generate(prompts, params, use_tqdm=False)]
 
-    @staticmethod
-    def _run(generate: Callable[[], list[Any]]) -> list[Any]:
-        import torch
 
-        # One thread: the tiny model is far faster so beside worker processes on few cores.
-        # Restored after, so other test packages keep their setting.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return generate()
-        finally:
-            torch.set_num_threads(threads)
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """One torch thread: the tiny model is far faster so beside worker processes on few cores.
+    Restored after, so other test packages keep their setting."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
