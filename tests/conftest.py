@@ -537,6 +537,19 @@ def tiny_gemma3_layers_dir(tmp_path_factory, default_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory, default_model_dir):
+    """The tiny model of a family named at the call, built once a session."""
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            built[family] = build_tiny_model(family, tmp_path_factory.mktemp(family), default_model_dir)
+        return built[family]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), default_model_dir)
 

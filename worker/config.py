@@ -62,6 +62,9 @@ class EngineConfig:
     # reaches the queue other than through the API (which holds its requests to
     # GENQ_MAX_IMAGES_PER_REQUEST) cannot fill the worker's memory with pixels
     max_images_per_prompt: int = 16
+    # the model split over this many devices (worker.parallel): each holds its share of the
+    # attention heads and MLP features, with the KV cache of its heads
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -78,9 +81,15 @@ class EngineConfig:
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank",
-                     "max_images_per_prompt"):
+                     "max_images_per_prompt", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size > 1:
+            refused = [name for name, on in (("enable_lora", self.enable_lora),
+                                             ("a draft model", "model" in (self.speculative_config or {})))
+                       if on]
+            if refused:
+                raise ValueError(f"tensor_parallel_size > 1 does not run with {' or '.join(refused)} yet")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, by name
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:

@@ -25,7 +25,7 @@ from worker.draft_model import DraftModelProposer
 from worker.lora_request import LoRARequest
 from worker.model_loader import resolve_model_path
 from worker.model_runner import ModelRunner
-from worker.models.config import language_config
+from worker.models.config import ModelConfig, language_config
 from worker.multimodal import (
     ImageInputs,
     PreparedImages,
@@ -36,6 +36,7 @@ from worker.multimodal import (
 )
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
+from worker.parallel import ParallelRunner
 from worker.request import Request, RequestStatus
 from worker.sampler import Sampler, SamplerOutput, TokenLogprobs
 from worker.sampling_batch import SamplingBatch
@@ -67,8 +68,17 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_model_len = _max_model_len(config, hf_config)
         images = takes_images(self.model_path, whole_config)
-        self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len,
-                                  image_config=whole_config if images else None)
+        self.runner: ModelRunner | ParallelRunner
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len,
+                                      image_config=whole_config if images else None)
+        elif images:
+            raise ValueError("tensor_parallel_size > 1 does not run image-text models yet "
+                             "(their image encoders are not split)")
+        else:
+            # the model's split is checked before any other rank starts
+            ModelConfig.from_hf(hf_config, config.quantization, self.max_model_len).shard(config.tensor_parallel_size)
+            self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len)
         # where the model takes images: what makes their pixels and tokens
         self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)
                                 if images else None)

@@ -32,6 +32,7 @@ from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
 from worker.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
+from worker.parallel import TensorParallel, shard_weights
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -78,15 +79,19 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int,
-                 image_config: Any = None):
+                 image_config: Any = None, parallel: TensorParallel | None = None):
         """`image_config`: an image-text checkpoint's whole config, when it takes images: its
-        vision encoder loads beside the model, before the KV cache takes what memory is left."""
+        vision encoder loads beside the model, before the KV cache takes what memory is left.
+        `parallel`: this runner's rank of a tensor-parallel group (worker.parallel), which
+        holds its share of the model (`model_config` is that share's)."""
         self.config = config
+        self.parallel = parallel
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.block_size = config.block_size
-        self.model_config = ModelConfig.from_hf(hf_config, config.quantization, max_model_len)
+        whole = ModelConfig.from_hf(hf_config, config.quantization, max_model_len)
+        self.model_config = whole if parallel is None else whole.shard(parallel.world_size)
         # the layers' KV groups: (window, layers) each, with block tables of its own over the
         # one pool; layer j of every group keeps its KV in the same tensor (its slot)
         self.kv_layout = kv_group_layout(self.model_config.layer_windows, self.model_config.num_hidden_layers, config)
@@ -100,7 +105,7 @@ class ModelRunner:
         self.group_windows = [frozenset(windows[i] for i in layers) for _, layers in self.kv_layout]
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
-        self.model = self._load_model(model_path, use_kernels=backend == "triton")
+        self.model = self._load_model(model_path, whole, use_kernels=backend == "triton")
         self.lora = (
             LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device)
             if config.enable_lora else None
@@ -145,14 +150,15 @@ class ModelRunner:
     def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
         same padded buffers on CPU, where the triton backend runs only for tests)."""
-        if backend != "triton" or self.config.enforce_eager:
-            return None
+        if backend != "triton" or self.config.enforce_eager or self.parallel is not None:
+            return None  # (a tensor-parallel step's reductions are not captured yet)
         from worker.cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
                             self.block_size, self.device, self.layer_group)
 
-    def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
+    def _load_model(self, model_path: Path, whole: ModelConfig, use_kernels: bool) -> LlamaForCausalLM:
+        """`whole`: the whole model's config, whose checkpoint a tensor-parallel rank takes its share of."""
         cfg = self.model_config
         with torch.device("meta"):  # built in the model's dtype, so loading writes each weight once
             model = LlamaForCausalLM(cfg, use_kernels).to(self.dtype)
@@ -164,8 +170,13 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight
         if self.config.load_format == "dummy":
             model.init_dummy_weights(getattr(cfg.hf_config, "initializer_range", 0.02))
-        else:
+        elif self.parallel is None:
             model.load_weights(iter_safetensors(model_path))
+        else:
+            p = self.parallel
+            model.load_weights(shard_weights(iter_safetensors(model_path), whole, p.rank, p.world_size))
+        if self.parallel is not None:
+            model.reduce_with(self.parallel.all_reduce)
         if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's
             quant.dequantize_all(model, self.dtype)
         model.eval()
@@ -193,6 +204,8 @@ class ModelRunner:
         else:
             budget = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()
         num_blocks = budget * self.model_config.num_hidden_layers // self.num_slots
+        if self.parallel is not None:  # every rank's pool holds the same blocks, for the one scheduler
+            num_blocks = self.parallel.min(num_blocks)
         needed = 0
         for window, _ in self.kv_layout:
             group_needed = -(-max_model_len // bs)
@@ -222,21 +235,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        batch = _order_decodes_first(out.scheduled)
-        lora = None
-        if self.lora is not None:
-            lora = self.lora.mapping([s.lora_id for s in batch], [len(s.token_ids) for s in batch])
-        images = self._image_rows(batch)
-        rope = self._rope_positions(batch)
-        if (self.graphs is not None and lora is None and images is None and not isinstance(rope, torch.Tensor)
-                and self.graphs.can_run(batch)):
-            hidden = self.graphs.run(batch, rope)  # [B, hidden]
-        else:  # eager: prefills, steps with adapters (the graphs hold the base model only), with
-            # image rows, or with M-RoPE's three streams
-            input_ids, positions, meta = self._prepare(batch)
-            if rope is not None:
-                positions = torch.as_tensor(rope, dtype=torch.long).to(self.device)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images)  # [T, hidden]
+        batch, hidden = self._run_layers(out)
         ends = _row_ends(batch)
         # a sampling request's last row, and one more per guessed token before it
         rows = [(s.request_id, end - 1 - s.num_drafts + j)
@@ -252,6 +251,31 @@ class ModelRunner:
         pooled = {s.request_id: self.model.pool(hidden[end - 1 : end])[0] for s, end in zip(batch, ends, strict=True)
                   if s.pool}
         return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled)
+
+    @torch.inference_mode()
+    def execute_layers(self, out: SchedulerOutput) -> None:
+        """A step's decoder layers alone: a tensor-parallel rank other than 0 takes its part in
+        them, and leaves the logits to rank 0."""
+        self._run_layers(out)
+
+    def _run_layers(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """The step's requests as the batch orders them, and their rows' final hidden states."""
+        batch = _order_decodes_first(out.scheduled)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.mapping([s.lora_id for s in batch], [len(s.token_ids) for s in batch])
+        images = self._image_rows(batch)
+        rope = self._rope_positions(batch)
+        if (self.graphs is not None and lora is None and images is None and not isinstance(rope, torch.Tensor)
+                and self.graphs.can_run(batch)):
+            hidden = self.graphs.run(batch, rope)  # [B, hidden]
+        else:  # eager: prefills, steps with adapters (the graphs hold the base model only), with
+            # image rows, or with M-RoPE's three streams
+            input_ids, positions, meta = self._prepare(batch)
+            if rope is not None:
+                positions = torch.as_tensor(rope, dtype=torch.long).to(self.device)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images)  # [T, hidden]
+        return batch, hidden
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, Any]:
         ids: list[int] = []

@@ -353,6 +353,28 @@ class ModelConfig:
         return dataclasses.replace(self, mla=mla, num_key_value_heads=1, head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim,
                                    rotary_dim=mla.qk_rope_head_dim, attn_scale=mla.softmax_scale(self.hf_config))
 
+    def shard(self, world_size: int) -> ModelConfig:
+        """A tensor-parallel rank's share of the model (worker.parallel): 1/world_size of its
+        attention heads, key-value heads and MLP features; ValueError naming what does not
+        split."""
+        if world_size == 1:
+            return self
+        refused = [what for what, on in (("experts", self.moe is not None), ("latent attention", self.mla is not None),
+                                          ("quantized weights", self.quant is not None),
+                                          ("q/k norms over whole projections", self.qk_norm_whole),
+                                          ("attention sinks", self.attn_sinks),
+                                          ("KV-cache scales", self.kv_cache_scheme is not None)) if on]
+        if refused:
+            raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: "
+                             f"its {', '.join(refused)} run on one device only")
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(self, name) % world_size:
+                raise ValueError(f"{name} ({getattr(self, name)}) is not divisible by "
+                                 f"tensor_parallel_size ({world_size})")
+        return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // world_size,
+                                   num_key_value_heads=self.num_key_value_heads // world_size,
+                                   intermediate_size=self.intermediate_size // world_size)
+
     @property
     def kv_pools(self) -> int:
         """Cache pools a layer holds: K and V, or one where latent attention's keys are its values."""

@@ -9,7 +9,7 @@ load time so each layer makes two matmuls for attention input and MLP input inst
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -227,6 +227,8 @@ class Attention(nn.Module):
         # gpt-oss: a logit per query head that joins its softmax (and adds no value)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None
         self.kv_scales: kv_scales.KVScales | None = None  # the checkpoint's, for an fp8 cache
+        # tensor parallelism: sums o_proj's partial outputs over the ranks (worker.parallel)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -259,9 +261,8 @@ class Attention(nn.Module):
         if scales is not None:
             o = scales.out_of_cache(o)
         o = o.view(num_tokens, self.q_size)
-        if lora is None:
-            return self.o_proj(o)
-        return lora.add(self.o_proj(o), o, self.o_lora)
+        out = self.o_proj(o) if lora is None else lora.add(self.o_proj(o), o, self.o_lora)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
@@ -273,6 +274,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_up_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
         self.down_lora: LoRASlots | None = None
+        # tensor parallelism: sums down_proj's partial outputs over the ranks (worker.parallel)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:  # [T, hidden]
         gate_up = self.gate_up_proj(x)
@@ -284,9 +287,8 @@ class MLP(nn.Module):
             h = F.silu(gate, inplace=True).mul_(up)
         else:
             h = F.gelu(gate, approximate="tanh" if self.act == "gelu_pytorch_tanh" else "none").mul_(up)
-        if lora is None:
-            return self.down_proj(h)
-        return lora.add(self.down_proj(h), h, self.down_lora)
+        out = self.down_proj(h) if lora is None else lora.add(self.down_proj(h), h, self.down_lora)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -352,6 +354,15 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding
         self.rotary_local: RotaryEmbedding | None = None  # the windowed layers', where they have their own
         self.build_rotary(torch.device("cpu"))
+
+    def reduce_with(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Tensor parallelism: each layer's attention and MLP outputs are summed over the
+        ranks by `all_reduce` (the model holds this rank's share of them)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
+            assert isinstance(layer.mlp, MLP), "experts are not split (ModelConfig.shard refuses them)"
+            layer.self_attn.reduce = all_reduce
+            layer.mlp.reduce = all_reduce
 
     def build_rotary(self, device: torch.device) -> None:
         """The rotary tables, computed (again) on `device`: after a model built on "meta" or cast

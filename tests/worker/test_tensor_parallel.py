@@ -1,0 +1,100 @@
+"""Tensor parallelism on CPU: two ranks (rank 0 in the test's process, rank 1 spawned) over a
+gloo group decode as transformers does, and the split is refused by name where it cannot be
+made. The CUDA path (NCCL, a GPU per rank) is the same code with another group."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from test_engine import greedy, hf_greedy_along, run_and_compare
+
+from producer.sampling_params import SamplingParams
+from worker import LLM
+from worker.config import EngineConfig
+
+
+def split_llm(model_dir, **kwargs) -> LLM:
+    return LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=256, num_threads=1,
+               tensor_parallel_size=2, **kwargs)
+
+
+# ernie4_5: biases on every projection (o_proj's and down_proj's added once over the ranks)
+# and q/k rows reordered for its interleaved RoPE; phi3: q/k/v and gate/up fused in the
+# checkpoint, a partial rotary; qwen3: a head_dim of its own, per-head q/k norms, two query
+# heads per KV head on each rank
+@pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3"])
+def test_a_split_model_decodes_as_transformers(family, tiny_family):
+    model_dir = tiny_family(family)
+    llm = split_llm(model_dir)
+    local = llm.engine.runner.local
+    assert (local.model_config.num_attention_heads, local.model_config.num_key_value_heads) == (2, 1)
+    assert local.kv_caches[0][0].shape[1] == 1  # [blocks, KV heads, ...]: this rank's KV head only
+    run_and_compare(llm, model_dir)
+    (rank1,) = llm.engine.runner.processes
+    del llm, local
+    gc.collect()
+    assert not rank1.is_alive() and rank1.exitcode == 0  # the other ranks stop with the engine
+
+
+def test_the_kernel_path_splits_alike(tiny_llama_dir):
+    """Triton's norms, rotary and paged attention over each rank's heads (on a GPU each rank
+    has its own; eager there: a split model's decode steps are not captured as graphs)."""
+    llm = split_llm(tiny_llama_dir, attention_backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    assert llm.engine.runner.graphs is None
+    prompts = ["Hello, my name is", "x"]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+    tok = llm.get_tokenizer()
+    assert tokens == hf_greedy_along(tiny_llama_dir, [tok.encode(p) for p in prompts], tokens)
+
+
+def test_a_rank_that_stopped_fails_the_step_by_name(tiny_llama_dir):
+    llm = split_llm(tiny_llama_dir)
+    (rank1,) = llm.engine.runner.processes
+    os.kill(rank1.pid, signal.SIGKILL)
+    rank1.join()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(exit code -9\) stopped"):
+        llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_a_rank_that_stops_while_starting_fails_the_engine_by_name(tiny_llama_dir):
+    """Killed before it joins the group: rank 0 gives up at once, not at the group's timeout."""
+    killed: list[int] = []
+
+    def kill_rank1_once_started() -> None:
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            for child in multiprocessing.active_children():
+                if child.name == "genq-tp-rank1" and child.pid is not None:
+                    os.kill(child.pid, signal.SIGKILL)
+                    killed.append(child.pid)
+            time.sleep(0.005)
+
+    threading.Thread(target=kill_rank1_once_started, daemon=True).start()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(exit code -9\) stopped"):
+        split_llm(tiny_llama_dir)
+    assert killed
+
+
+@pytest.mark.parametrize("size, message", [
+    (4, r"num_key_value_heads \(2\) is not divisible by tensor_parallel_size \(4\)"),
+    (3, r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"),
+])
+def test_a_split_that_does_not_divide_is_refused(tiny_llama_dir, size, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, tensor_parallel_size=size)
+
+
+def test_what_does_not_split_yet_is_refused(tiny_family):
+    with pytest.raises(ValueError, match="cannot split Olmo2ForCausalLM yet: its q/k norms over whole projections"):
+        split_llm(tiny_family("olmo2"))
+    with pytest.raises(ValueError, match="does not run with enable_lora"):
+        EngineConfig(tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)

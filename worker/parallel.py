@@ -1,0 +1,250 @@
+"""Tensor parallelism: one model split over several devices (vLLM's `tensor_parallel_size`).
+
+Megatron's split, as vLLM makes it: each rank holds its share of the attention heads (query
+and key-value alike, with their rows of q/k/v and columns of o_proj) and of the MLP's
+intermediate features (rows of gate/up, columns of down_proj); the partial outputs of o_proj
+and down_proj are summed over the ranks (an all-reduce), so every rank carries the whole
+residual stream. Embeddings, norms and the LM head are whole on every rank. Each rank's KV
+cache holds its own heads.
+
+Rank 0 is the engine's own runner; the other ranks are processes of their own
+(`multiprocessing`'s spawn), each with a runner that executes every step rank 0 sends it over
+a pipe. The ranks reduce over a process group of their own (gloo on CPU, NCCL on CUDA), made
+from a TCP store on the loopback: no global `torch.distributed` state, so one process may
+hold several engines.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from worker.config import EngineConfig
+    from worker.model_runner import ModelOutput, ModelRunner
+    from worker.models.config import ModelConfig
+    from worker.scheduler import SchedulerOutput
+
+# how long a rank waits for the others in one collective (or to join), before it gives up:
+# a rank that dies closes its connections and the others fail at once, so this bounds only
+# a rank that hangs
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class TensorParallel:
+    """A rank's place in the group and the group's reductions."""
+
+    rank: int
+    world_size: int
+    group: Any  # a torch.distributed ProcessGroup: gloo on CPU, NCCL on CUDA
+    device: torch.device  # where the group's tensors live
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns it."""
+        self.group.allreduce([x]).wait()
+        return x
+
+    def min(self, value: int) -> int:
+        """The least of every rank's `value`."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.group.allreduce([t], options).wait()
+        return int(t.item())
+
+
+# a decoder layer's projections by how they split: by output rows (their outputs are this
+# rank's heads or features), or by input columns (partial sums, reduced after)
+_BY_ROWS = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+_BY_COLUMNS = frozenset({"o_proj", "down_proj"})
+
+
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, rank: int, world_size: int
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor's part on this rank (`cfg`: the whole model's). Checkpoints that
+    fuse q/k/v or gate/up (Phi-3, GLM-4) split each part alike. A bias of a split-by-columns
+    projection is added once, by rank 0 (the others hold zeros)."""
+    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    for name, tensor in weights:
+        module, _, kind = name.rpartition(".")
+        module = module.rpartition(".")[2]
+        if module in _BY_ROWS:
+            tensor = tensor.chunk(world_size)[rank]
+        elif module in ("qkv_proj", "gate_up_proj"):
+            parts = tensor.split([q_rows, kv_rows, kv_rows]) if module == "qkv_proj" else tensor.chunk(2)
+            tensor = torch.cat([part.chunk(world_size)[rank] for part in parts])
+        elif module in _BY_COLUMNS and kind == "weight":
+            tensor = tensor.chunk(world_size, dim=1)[rank]
+        elif module in _BY_COLUMNS and rank > 0:
+            tensor = torch.zeros_like(tensor)
+        yield name, tensor
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The engine config a rank runs with: on CUDA, its own device (rank r on cuda:r)."""
+    from worker.model_runner import resolve_device
+
+    device = resolve_device(config.device)
+    if device.type != "cuda":
+        return config
+    return replace(config, device=f"cuda:{rank}")
+
+
+def join_group(rank: int, world_size: int, port: int, device: torch.device,
+               store: dist.TCPStore | None = None) -> TensorParallel:
+    """This rank's group, over the store rank 0 serves on `port`."""
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=TIMEOUT)
+    prefixed = dist.PrefixStore("genq-tp", store)
+    group: Any
+    if device.type == "cuda":  # (a CPU build of torch has no NCCL)
+        torch.cuda.set_device(device)
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, TIMEOUT)
+    return TensorParallel(rank, world_size, group, device)
+
+
+class ParallelRunner:
+    """Rank 0's runner, which sends each step to the other ranks' before running it; anything
+    else asked of it is its own runner's."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config: Any, max_model_len: int):
+        from worker.model_runner import ModelRunner, resolve_device
+
+        world_size = config.tensor_parallel_size
+        device = resolve_device(rank_config(config, 0).device)
+        if device.type == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs, "
+                             f"this host has {torch.cuda.device_count()}")
+        if device.type == "cpu" and config.num_threads is None:  # each rank on its share of the cores
+            threads = max(1, torch.get_num_threads() // world_size)
+            torch.set_num_threads(threads)
+            config = replace(config, num_threads=threads)
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+        context = mp.get_context("spawn")  # never fork a process that holds threads and a CUDA context
+        self.pipes: list[Connection] = []
+        self.processes: list[Any] = []
+        for rank in range(1, world_size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=serve_rank, name=f"genq-tp-rank{rank}", daemon=True,
+                                      args=(rank, world_size, store.port, config, model_path, max_model_len, theirs))
+            process.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.processes.append(process)
+        self._finalizer = weakref.finalize(self, _stop, self.pipes, self.processes)
+        try:
+            parallel = self._unless_a_rank_stops(lambda: join_group(0, world_size, store.port, device, store))
+            self.local: ModelRunner = ModelRunner(rank_config(config, 0), model_path, hf_config, max_model_len,
+                                                  parallel=parallel)
+        except (OSError, RuntimeError) as exc:  # a rank failed to start (its own error is in its log)
+            self._raise_if_a_rank_stopped(exc)
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self._store = store  # the other ranks' rendezvous lives as long as the group
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        """Run a step on every rank. A rank that has stopped fails the step (and so the
+        engine) by name, at once: the others never wait for it."""
+        try:
+            for pipe in self.pipes:
+                pipe.send(out)
+            return self.local.execute(out)
+        except (OSError, RuntimeError) as exc:  # a pipe, or the group's connections, closed
+            self._raise_if_a_rank_stopped(exc)
+            raise
+
+    def _raise_if_a_rank_stopped(self, exc: BaseException) -> None:
+        """Name the ranks that stopped, if that is what failed: a rank that crashed closes its
+        connections a moment before it is gone, so each gets a few seconds to be."""
+        deadline = time.monotonic() + 5.0
+        for process in self.processes:
+            process.join(max(deadline - time.monotonic(), 0.0))
+        stopped = [f"rank {rank} (exit code {p.exitcode})" for rank, p in enumerate(self.processes, 1)
+                   if not p.is_alive()]
+        if stopped:
+            self.close()
+            raise RuntimeError(f"tensor-parallel {', '.join(stopped)} stopped") from exc
+
+    def _unless_a_rank_stops(self, join: Callable[[], TensorParallel]) -> TensorParallel:
+        """`join()`, which waits for every rank to join: in a thread of its own, given up (it
+        stays blocked until the store's timeout) as soon as a rank stops before joining."""
+        joined: list[TensorParallel | BaseException] = []
+
+        def run() -> None:
+            try:
+                joined.append(join())
+            except BaseException as exc:
+                joined.append(exc)
+
+        thread = threading.Thread(target=run, name="genq-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if thread.is_alive() and not all(p.is_alive() for p in self.processes):
+                raise RuntimeError("a rank stopped before it joined the group")
+        if isinstance(joined[0], BaseException):
+            raise joined[0]
+        return joined[0]
+
+    def close(self) -> None:
+        """Stop the other ranks (also done when this runner is collected)."""
+        self._finalizer()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)
+
+
+def _stop(pipes: list[Connection], processes: list[Any]) -> None:
+    for pipe in pipes:
+        try:
+            pipe.send(None)
+        except (BrokenPipeError, OSError):  # it has stopped already
+            pass
+        pipe.close()
+    for process in processes:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, model_path: Path, max_model_len: int,
+               pipe: Connection) -> None:
+    """A rank other than 0: build its share of the model, then run each step rank 0 sends,
+    until rank 0 says stop or goes away."""
+    from transformers import AutoConfig
+
+    from worker.model_runner import ModelRunner, resolve_device
+    from worker.models.config import language_config
+
+    config = rank_config(config, rank)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    parallel = join_group(rank, world_size, port, resolve_device(config.device))
+    hf_config = language_config(AutoConfig.from_pretrained(model_path))
+    runner = ModelRunner(config, model_path, hf_config, max_model_len, parallel=parallel)
+    while True:
+        try:
+            out = pipe.recv()
+        except EOFError:  # rank 0's process is gone
+            return
+        if out is None:
+            return
+        runner.execute_layers(out)
