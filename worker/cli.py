@@ -29,6 +29,7 @@ _ENGINE_FLAGS: dict[str, type] = {
     "max_loras": int,
     "max_lora_rank": int,
     "max_images_per_prompt": int,
+    "tensor_parallel_size": int,
 }
 # Flags that set worker arguments.
 _WORKER_FLAGS: dict[str, type] = {
@@ -107,6 +108,8 @@ _HELP = {
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
     "max_loras": "distinct LoRA adapters in one batch (default 1)",
     "max_lora_rank": "the largest LoRA rank served (default 16)",
+    "tensor_parallel_size": "split the model over this many GPUs, one process each "
+    "(default: $GENQ_TENSOR_PARALLEL_SIZE or 1)",
 }
 
 

@@ -57,6 +57,7 @@ ENV_VARS = {
     "GENQ_MAX_LORA_RANK": "engine max_lora_rank (default 16)",
     "GENQ_SPECULATIVE_CONFIG": 'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4} (default: off)',
     "GENQ_MAX_IMAGES_PER_PROMPT": "the most images one prompt may hold (default 16)",
+    "GENQ_TENSOR_PARALLEL_SIZE": "split the model over this many GPUs, one process each (default 1)",
     "GENQ_MM_PROCESSOR_KWARGS": 'image processor overrides, JSON: {"max_pixels": 1003520} (default: the checkpoint\'s)',
     "GENQ_CLAIM_IDLE_S": "idle time after which another worker reclaims an entry",
     "GENQ_HEARTBEAT_S": "heartbeat period",
@@ -174,6 +175,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         speculative_config=_parse(env, "GENQ_SPECULATIVE_CONFIG", parse_json_object, "a JSON object"),
         mm_processor_kwargs=_parse(env, "GENQ_MM_PROCESSOR_KWARGS", parse_json_object, "a JSON object"),
         max_images_per_prompt=_int(env, "GENQ_MAX_IMAGES_PER_PROMPT"),
+        tensor_parallel_size=_int(env, "GENQ_TENSOR_PARALLEL_SIZE"),
         quantization=env.get("GENQ_QUANTIZATION") or None,
         kv_cache_dtype=env.get("GENQ_KV_CACHE_DTYPE") or None,
     )

@@ -345,6 +345,8 @@ def test_worker_config_from_env() -> None:
     assert config_from_env({"GENQ_QUANTIZATION": "awq_marlin"}).engine.quantization == "awq_marlin"  # vLLM's name
     assert config_from_env({"GENQ_MAX_IMAGES_PER_PROMPT": "2"}).engine.max_images_per_prompt == 2
     assert config.engine.max_images_per_prompt == 16
+    assert config_from_env({"GENQ_TENSOR_PARALLEL_SIZE": "2"}).engine.tensor_parallel_size == 2
+    assert config.engine.tensor_parallel_size == 1
     mm = config_from_env({"GENQ_MM_PROCESSOR_KWARGS": '{"max_pixels": 1003520}'}).engine.mm_processor_kwargs
     assert mm == {"max_pixels": 1003520}
     with pytest.raises(ValueError, match="GENQ_MM_PROCESSOR_KWARGS must be a JSON object"):
