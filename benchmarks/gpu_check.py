@@ -19,7 +19,8 @@ reports the parts it finished):
    zero points) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
    Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt
-   with two images, CUDA against CPU;
+   with two images, CUDA against CPU; where the host has two GPUs, a Qwen3 split over them
+   (`tensor_parallel_size=2`) against one, float32: equal;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -234,6 +235,31 @@ def check_remade_vs_cpu(model: str | None, arch: str, devices: tuple[str, str] =
     return [f"greedy {arch} {devices[1]} vs {devices[0]} float32 {_compare(runs[0], runs[1])}"]
 
 
+def check_tensor_parallel(model: str | None, device: str = "cuda", num_tokens: int = 16) -> list[str]:
+    """The model's shape remade as a Qwen3 with 8 query heads and 2 KV heads (random weights, saved as a
+    checkpoint: each rank reads its share), greedy split over two GPUs against one, float32."""
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from worker import LLM, SamplingParams
+
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        return [f"tensor parallel: not run ({torch.cuda.device_count()} GPU; it needs 2)"]
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        remade = remake(model, "qwen3", tmp, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(remade), dtype=torch.float32).save_pretrained(tmp)
+        runs = []
+        for size in (1, 2):
+            llm = LLM(remade, dtype="float32", device=device, max_model_len=2048, tensor_parallel_size=size)
+            runs.append([o.outputs[0].token_ids for o in llm.generate(["Hello, my name is", "1, 2, 3,"], params,
+                                                                      use_tqdm=False)])
+            del llm
+    return [f"greedy qwen3 split over 2 {device}s vs 1, float32 {_compare(runs[0], runs[1])}"]
+
+
 def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "cuda"), num_tokens: int = 16) -> list[str]:
     """The model's shape remade as image-text models around it (seeded random weights),
     greedy on a prompt with two images, on CUDA against the CPU path in float32: Gemma 3 (its
@@ -395,6 +421,7 @@ def main() -> int:
     for arch in REMADE:
         summary += _section(arch, lambda arch=arch: check_remade_vs_cpu(args.model, arch))
     summary += _section("images", lambda: check_images_vs_cpu(args.model))
+    summary += _section("tensor parallel", lambda: check_tensor_parallel(args.model))
     summary += _section("W1", lambda: check_w1(args.model, args.load_format, args.num_prompts))
     summary.append(f"elapsed {time.time() - start:.0f} s")
     print("\n".join(["", "== GPU check ==", *summary]))

@@ -60,6 +60,8 @@ def _throughput_args(p: argparse.ArgumentParser) -> None:
                    help="engine and queue modes: the model's projections in fp8, quantized as they load")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="engine and queue modes: fp8 holds twice the tokens in the same KV memory")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="engine and queue modes: the model split over this many devices")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--redis-url", default=argparse.SUPPRESS,
                    help="queue mode: use this Redis instead of starting one (also $GENQ_REDIS_URL)")
@@ -85,6 +87,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "load_format": args.load_format,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     results: dict[str, dict[str, Any]] = {}
     for mode in args.modes.split(","):
