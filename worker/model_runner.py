@@ -90,8 +90,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.block_size = config.block_size
-        whole = ModelConfig.from_hf(hf_config, config.quantization, max_model_len)
-        self.model_config = whole if parallel is None else whole.shard(parallel.world_size)
+        # the whole model's, as its checkpoint holds it; model_config is this rank's share
+        self.checkpoint_config = ModelConfig.from_hf(hf_config, config.quantization, max_model_len)
+        self.model_config = (self.checkpoint_config if parallel is None
+                             else self.checkpoint_config.shard(parallel.world_size))
         # the layers' KV groups: (window, layers) each, with block tables of its own over the
         # one pool; layer j of every group keeps its KV in the same tensor (its slot)
         self.kv_layout = kv_group_layout(self.model_config.layer_windows, self.model_config.num_hidden_layers, config)
@@ -105,7 +107,7 @@ class ModelRunner:
         self.group_windows = [frozenset(windows[i] for i in layers) for _, layers in self.kv_layout]
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
-        self.model = self._load_model(model_path, whole, use_kernels=backend == "triton")
+        self.model = self._load_model(model_path, use_kernels=backend == "triton")
         self.lora = (
             LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device)
             if config.enable_lora else None
@@ -157,8 +159,7 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
                             self.block_size, self.device, self.layer_group)
 
-    def _load_model(self, model_path: Path, whole: ModelConfig, use_kernels: bool) -> LlamaForCausalLM:
-        """`whole`: the whole model's config, whose checkpoint a tensor-parallel rank takes its share of."""
+    def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
         cfg = self.model_config
         with torch.device("meta"):  # built in the model's dtype, so loading writes each weight once
             model = LlamaForCausalLM(cfg, use_kernels).to(self.dtype)
@@ -174,7 +175,7 @@ class ModelRunner:
             model.load_weights(iter_safetensors(model_path))
         else:
             p = self.parallel
-            model.load_weights(shard_weights(iter_safetensors(model_path), whole, p.rank, p.world_size))
+            model.load_weights(shard_weights(iter_safetensors(model_path), self.checkpoint_config, p.rank, p.world_size))
         if self.parallel is not None:
             model.reduce_with(self.parallel.all_reduce)
         if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's
