@@ -66,21 +66,31 @@ class TensorParallel:
 
 
 # a decoder layer's projections by how they split: by output rows (their outputs are this
-# rank's heads or features), or by input columns (partial sums, reduced after)
-_BY_ROWS = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
-_BY_COLUMNS = frozenset({"o_proj", "down_proj"})
+# rank's heads or features), or by input columns (partial sums, reduced after); an expert's
+# as a dense MLP's (Mixtral's w1 and w3, w2)
+_BY_ROWS = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3"})
+_BY_COLUMNS = frozenset({"o_proj", "down_proj", "w2"})
+# experts stacked in one tensor: gate and up [E, 2 * I, H], down [E, H, I] (transformers 5's,
+# and GraniteMoE's input_linear and output_linear)
+_STACKED_GATE_UP = ("experts.gate_up_proj", "input_linear.weight")
+_STACKED_DOWN = ("experts.down_proj", "output_linear.weight")
 
 
 def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, rank: int, world_size: int
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each checkpoint tensor's part on this rank (`cfg`: the whole model's). Checkpoints that
-    fuse q/k/v or gate/up (Phi-3, GLM-4) split each part alike. A bias of a split-by-columns
-    projection is added once, by rank 0 (the others hold zeros)."""
+    fuse q/k/v or gate/up (Phi-3, GLM-4), or stack the experts, split each part alike. A bias
+    of a split-by-columns projection is added once, by rank 0 (the others hold zeros). The
+    router and the shared expert's gate are whole on every rank."""
     q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for name, tensor in weights:
         module, _, kind = name.rpartition(".")
         module = module.rpartition(".")[2]
-        if module in _BY_ROWS:
+        if name.endswith(_STACKED_GATE_UP):
+            tensor = torch.cat([part.chunk(world_size, dim=1)[rank] for part in tensor.chunk(2, dim=1)], dim=1)
+        elif name.endswith(_STACKED_DOWN):
+            tensor = tensor.chunk(world_size, dim=2)[rank]
+        elif module in _BY_ROWS:
             tensor = tensor.chunk(world_size)[rank]
         elif module in ("qkv_proj", "gate_up_proj"):
             parts = tensor.split([q_rows, kv_rows, kv_rows]) if module == "qkv_proj" else tensor.chunk(2)

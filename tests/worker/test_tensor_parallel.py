@@ -18,6 +18,10 @@ from test_engine import greedy, hf_greedy_along, run_and_compare
 from producer.sampling_params import SamplingParams
 from worker import LLM
 from worker.config import EngineConfig
+from worker.model_loader import iter_safetensors
+from worker.models.config import ModelConfig
+from worker.models.llama import LlamaForCausalLM
+from worker.parallel import shard_weights
 
 
 def split_llm(model_dir, **kwargs) -> LLM:
@@ -28,19 +32,47 @@ def split_llm(model_dir, **kwargs) -> LLM:
 # ernie4_5: biases on every projection (o_proj's and down_proj's added once over the ranks)
 # and q/k rows reordered for its interleaved RoPE; phi3: q/k/v and gate/up fused in the
 # checkpoint, a partial rotary; qwen3: a head_dim of its own, per-head q/k norms, two query
-# heads per KV head on each rank
-@pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3"])
+# heads per KV head on each rank; qwen2_moe: every expert split, and the gated shared
+# expert; glm4_moe: DeepSeek-V3's routing on whole router weights, shared experts and a
+# dense first layer; granitemoe: experts stacked in the checkpoint
+@pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3", "qwen2_moe", "glm4_moe", "granitemoe"])
 def test_a_split_model_decodes_as_transformers(family, tiny_family):
     model_dir = tiny_family(family)
     llm = split_llm(model_dir)
     local = llm.engine.runner.local
     assert (local.model_config.num_attention_heads, local.model_config.num_key_value_heads) == (2, 1)
+    if local.model_config.moe is not None:  # half of every expert's features
+        whole = ModelConfig.from_hf(local.model_config.hf_config)
+        assert local.model_config.moe.intermediate_size * 2 == whole.moe.intermediate_size
     assert local.kv_caches[0][0].shape[1] == 1  # [blocks, KV heads, ...]: this rank's KV head only
     run_and_compare(llm, model_dir)
     (rank1,) = llm.engine.runner.processes
     del llm, local
     gc.collect()
     assert not rank1.is_alive() and rank1.exitcode == 0  # the other ranks stop with the engine
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_experts_one_per_tensor_and_stacked_split_alike(tiny_family, rank):
+    """Mixtral's checkpoint holds each expert's w1, w3 and w2; transformers 5 stacks them
+    (`experts.gate_up_proj`, `experts.down_proj`): a rank's share loads the same from both."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_family("mixtral")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    stacked = hf.state_dict()
+    assert any(name.endswith("experts.gate_up_proj") for name in stacked)
+    whole = ModelConfig.from_hf(hf.config)
+    loaded = []
+    for weights in (iter_safetensors(model_dir), iter(stacked.items())):
+        model = LlamaForCausalLM(whole.shard(2))
+        model.load_weights(shard_weights(weights, whole, rank, 2))
+        loaded.append(dict(model.named_parameters()))
+    expert = loaded[0]["layers.0.mlp.experts.w13"]  # [experts, 2 * 64, hidden]: gate rows, then up rows
+    assert expert.shape[1] == whole.moe.intermediate_size
+    torch.testing.assert_close(expert[1, :64], stacked["model.layers.0.mlp.experts.gate_up_proj"][1, rank * 64 : (rank + 1) * 64])
+    for name, param in loaded[0].items():
+        assert torch.equal(param, loaded[1][name]), name
 
 
 def test_the_kernel_path_splits_alike(tiny_llama_dir):

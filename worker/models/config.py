@@ -359,7 +359,9 @@ class ModelConfig:
         split."""
         if world_size == 1:
             return self
-        refused = [what for what, on in (("experts", self.moe is not None), ("latent attention", self.mla is not None),
+        moe = self.moe
+        refused = [what for what, on in (("expert biases", moe is not None and moe.bias),
+                                          ("latent attention", self.mla is not None),
                                           ("quantized weights", self.quant is not None),
                                           ("q/k norms over whole projections", self.qk_norm_whole),
                                           ("attention sinks", self.attn_sinks),
@@ -367,13 +369,20 @@ class ModelConfig:
         if refused:
             raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: "
                              f"its {', '.join(refused)} run on one device only")
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if getattr(self, name) % world_size:
-                raise ValueError(f"{name} ({getattr(self, name)}) is not divisible by "
-                                 f"tensor_parallel_size ({world_size})")
+        sizes = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+                 "intermediate_size": self.intermediate_size}
+        if moe is not None:  # each expert (and the shared one) split as a dense MLP is
+            sizes.update({"the experts' intermediate_size": moe.intermediate_size,
+                          "the shared expert's intermediate_size": moe.shared_expert_size})
+        for name, size in sizes.items():
+            if size % world_size:
+                raise ValueError(f"{name} ({size}) is not divisible by tensor_parallel_size ({world_size})")
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world_size,
+                                      shared_expert_size=moe.shared_expert_size // world_size)
         return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // world_size,
                                    num_key_value_heads=self.num_key_value_heads // world_size,
-                                   intermediate_size=self.intermediate_size // world_size)
+                                   intermediate_size=self.intermediate_size // world_size, moe=moe)
 
     @property
     def kv_pools(self) -> int:

@@ -360,9 +360,8 @@ class LlamaForCausalLM(nn.Module):
         ranks by `all_reduce` (the model holds this rank's share of them)."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
-            assert isinstance(layer.mlp, MLP), "experts are not split (ModelConfig.shard refuses them)"
             layer.self_attn.reduce = all_reduce
-            layer.mlp.reduce = all_reduce
+            layer.mlp.reduce = all_reduce  # a dense MLP's, or the whole expert block's
 
     def build_rotary(self, device: torch.device) -> None:
         """The rotary tables, computed (again) on `device`: after a model built on "meta" or cast

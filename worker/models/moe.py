@@ -156,6 +156,9 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = mlp_cls(hidden_size, moe.shared_expert_size, False)
             if moe.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        # tensor parallelism: sums the experts' partial outputs (each rank holds a share of
+        # every expert's features, and of the shared expert's) over the ranks, once
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, hidden]; LoRA skips experts
         topk_weights, topk_ids = self.route(x)
@@ -163,7 +166,7 @@ class SparseMoeBlock(nn.Module):
         if self.moe.shared_expert_size:
             shared = self.shared_expert(x)
             out = out + (torch.sigmoid(self.shared_expert_gate(x)) * shared if self.moe.shared_expert_gated else shared)
-        return out
+        return out if self.reduce is None else self.reduce(out)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: [T, hidden]
         """Each token's experts: weights [T, k] (float32, or the activation dtype) and ids [T, k]."""
