@@ -7,9 +7,9 @@ and down_proj are summed over the ranks (an all-reduce), so every rank carries t
 residual stream. Embeddings, norms and the LM head are whole on every rank. Each rank's KV
 cache holds its own heads.
 
-Rank 0 is the engine's own runner; the other ranks are processes of their own
-(`multiprocessing`'s spawn), each with a runner that executes every step rank 0 sends it over
-a pipe. The ranks reduce over a process group of their own (gloo on CPU, NCCL on CUDA), made
+Rank 0 is the engine's own runner; the other ranks are processes of their own (forked by
+`multiprocessing`'s forkserver, never from the engine's process), each with a runner that
+executes every step rank 0 sends it over a pipe. The ranks reduce over a process group of their own (gloo on CPU, NCCL on CUDA), made
 from a TCP store on the loopback: no global `torch.distributed` state, so one process may
 hold several engines.
 """
@@ -144,7 +144,11 @@ class ParallelRunner:
             torch.set_num_threads(threads)
             config = replace(config, num_threads=threads)
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-        context = mp.get_context("spawn")  # never fork a process that holds threads and a CUDA context
+        # Never fork this process, which holds threads and maybe a CUDA context: ranks fork from
+        # a server process that has imported torch and transformers once (and touched no GPU),
+        # so each engine's ranks start in a second, not the several a fresh interpreter takes
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(["worker.model_runner", "transformers.activations"])
         self.pipes: list[Connection] = []
         self.processes: list[Any] = []
         for rank in range(1, world_size):

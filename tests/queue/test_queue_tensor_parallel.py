@@ -25,10 +25,12 @@ def worker(spawn: Callable[..., WorkerProcess], conn: redis.Redis) -> WorkerProc
     return proc
 
 
-def ranks(pid: int) -> list[int]:
-    """The processes `pid` spawned to run ranks (multiprocessing's spawn; not its resource tracker)."""
-    kids = [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()]
-    return [kid for kid in kids if b"spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes()]
+def children(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()]
+
+
+def forkservers(pid: int) -> list[int]:
+    return [kid for kid in children(pid) if b"multiprocessing.forkserver" in Path(f"/proc/{kid}/cmdline").read_bytes()]
 
 
 def running(pid: int) -> bool:
@@ -49,7 +51,9 @@ def test_jobs_match_the_offline_engine_and_the_rank_ends_with_its_worker(
     assert all(result.status == JobStatus.FINISHED for result in results)
     expected = offline.many(prompts, params)
     assert [r.outputs[0].token_ids for r in results] == [e[0].token_ids for e in expected]
-    (rank1,) = ranks(worker.pid)
+    (server,) = forkservers(worker.pid)
+    (rank1,) = children(server)  # the other rank, forked by the worker's forkserver
     assert running(rank1)
     worker.kill()
-    wait_for(lambda: not running(rank1), TIMEOUT_S, "the other rank's exit after its worker's SIGKILL")
+    for pid, what in ((rank1, "the other rank"), (server, "the forkserver")):
+        wait_for(lambda pid=pid: not running(pid), TIMEOUT_S, f"{what}'s exit after its worker's SIGKILL")
