@@ -68,7 +68,8 @@ class TensorParallel:
 # a decoder layer's projections by how they split: by output rows (their outputs are this
 # rank's heads or features), or by input columns (partial sums, reduced after); an expert's
 # as a dense MLP's (Mixtral's w1 and w3, w2)
-_BY_ROWS = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3"})
+_BY_ROWS = frozenset({"q_proj", "gate_proj", "up_proj", "w1", "w3"})
+_KV = frozenset({"k_proj", "v_proj"})  # by rows too, a KV head each
 _BY_COLUMNS = frozenset({"o_proj", "down_proj", "w2"})
 # experts stacked in one tensor: gate and up [E, 2 * I, H], down [E, H, I] (transformers 5's,
 # and GraniteMoE's input_linear and output_linear)
@@ -92,14 +93,28 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
             tensor = tensor.chunk(world_size, dim=2)[rank]
         elif module in _BY_ROWS:
             tensor = tensor.chunk(world_size)[rank]
-        elif module in ("qkv_proj", "gate_up_proj"):
-            parts = tensor.split([q_rows, kv_rows, kv_rows]) if module == "qkv_proj" else tensor.chunk(2)
-            tensor = torch.cat([part.chunk(world_size)[rank] for part in parts])
+        elif module in _KV:
+            tensor = _kv_share(tensor, cfg, rank, world_size)
+        elif module == "qkv_proj":
+            q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
+            tensor = torch.cat([q.chunk(world_size)[rank], _kv_share(k, cfg, rank, world_size),
+                                _kv_share(v, cfg, rank, world_size)])
+        elif module == "gate_up_proj":
+            tensor = torch.cat([part.chunk(world_size)[rank] for part in tensor.chunk(2)])
         elif module in _BY_COLUMNS and kind == "weight":
             tensor = tensor.chunk(world_size, dim=1)[rank]
         elif module in _BY_COLUMNS and rank > 0:
             tensor = torch.zeros_like(tensor)
         yield name, tensor
+
+
+def _kv_share(rows: torch.Tensor, cfg: ModelConfig, rank: int, world_size: int) -> torch.Tensor:
+    """A rank's rows of a key or value projection: its share of the KV heads or, where there
+    are fewer heads than ranks, the one head its query heads read."""
+    if cfg.num_key_value_heads >= world_size:
+        return rows.chunk(world_size)[rank]
+    head = rank * cfg.num_key_value_heads // world_size
+    return rows[head * cfg.head_dim : (head + 1) * cfg.head_dim]
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:

@@ -34,8 +34,10 @@ def split_llm(model_dir, **kwargs) -> LLM:
 # checkpoint, a partial rotary; qwen3: a head_dim of its own, per-head q/k norms, two query
 # heads per KV head on each rank; qwen2_moe: every expert split, and the gated shared
 # expert; glm4_moe: DeepSeek-V3's routing on whole router weights, shared experts and a
-# dense first layer; granitemoe: experts stacked in the checkpoint
-@pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3", "qwen2_moe", "glm4_moe", "granitemoe"])
+# dense first layer; granitemoe: experts stacked in the checkpoint; llama3_rope: one KV head,
+# which both ranks keep
+@pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3", "qwen2_moe", "glm4_moe", "granitemoe",
+                                    "llama3_rope"])
 def test_a_split_model_decodes_as_transformers(family, tiny_family):
     model_dir = tiny_family(family)
     llm = split_llm(model_dir)
@@ -115,12 +117,24 @@ def test_a_rank_that_stops_while_starting_fails_the_engine_by_name(tiny_llama_di
 
 
 @pytest.mark.parametrize("size, message", [
-    (4, r"num_key_value_heads \(2\) is not divisible by tensor_parallel_size \(4\)"),
     (3, r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"),
+    (8, r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(8\)"),
 ])
 def test_a_split_that_does_not_divide_is_refused(tiny_llama_dir, size, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, tensor_parallel_size=size)
+
+
+def test_kv_heads_split_or_are_shared():
+    """Two KV heads: split over two ranks, kept one a rank over four; over three, refused."""
+    from transformers import LlamaConfig
+
+    whole = ModelConfig.from_hf(LlamaConfig(num_attention_heads=12, num_key_value_heads=2, hidden_size=96,
+                                            intermediate_size=96))
+    assert [whole.shard(n).num_key_value_heads for n in (2, 4, 6, 12)] == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\) is not divisible by tensor_parallel_size "
+                                         r"\(3\), nor does it divide it"):
+        whole.shard(3)
 
 
 def test_what_does_not_split_yet_is_refused(tiny_family):

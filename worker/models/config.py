@@ -369,19 +369,23 @@ class ModelConfig:
         if refused:
             raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: "
                              f"its {', '.join(refused)} run on one device only")
-        sizes = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+        kv_heads = self.num_key_value_heads
+        if kv_heads < world_size and world_size % kv_heads == 0:  # each rank keeps the one KV head its
+            kv_heads = world_size  # query heads read, as vLLM replicates them (world_size / kv ranks a head)
+        sizes = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": kv_heads,
                  "intermediate_size": self.intermediate_size}
         if moe is not None:  # each expert (and the shared one) split as a dense MLP is
             sizes.update({"the experts' intermediate_size": moe.intermediate_size,
                           "the shared expert's intermediate_size": moe.shared_expert_size})
         for name, size in sizes.items():
             if size % world_size:
-                raise ValueError(f"{name} ({size}) is not divisible by tensor_parallel_size ({world_size})")
+                nor = ", nor does it divide it" if name == "num_key_value_heads" else ""
+                raise ValueError(f"{name} ({size}) is not divisible by tensor_parallel_size ({world_size}){nor}")
         if moe is not None:
             moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world_size,
                                       shared_expert_size=moe.shared_expert_size // world_size)
         return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // world_size,
-                                   num_key_value_heads=self.num_key_value_heads // world_size,
+                                   num_key_value_heads=kv_heads // world_size,
                                    intermediate_size=self.intermediate_size // world_size, moe=moe)
 
     @property
