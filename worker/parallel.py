@@ -67,8 +67,9 @@ class TensorParallel:
 
 # a decoder layer's projections by how they split: by output rows (their outputs are this
 # rank's heads or features), or by input columns (partial sums, reduced after); an expert's
-# as a dense MLP's (Mixtral's w1 and w3, w2)
-_BY_ROWS = frozenset({"q_proj", "gate_proj", "up_proj", "w1", "w3"})
+# as a dense MLP's (Mixtral's w1 and w3, w2); latent attention's per-head up-projections
+# (q_b_proj, kv_b_proj) by rows, its latent projections whole (every rank keeps the latent cache)
+_BY_ROWS = frozenset({"q_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj"})
 _KV = frozenset({"k_proj", "v_proj"})  # by rows too, a KV head each
 _BY_COLUMNS = frozenset({"o_proj", "down_proj", "w2"})
 # experts stacked in one tensor: gate and up [E, 2 * I, H], down [E, H, I] (transformers 5's,

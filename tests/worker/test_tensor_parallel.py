@@ -35,9 +35,10 @@ def split_llm(model_dir, **kwargs) -> LLM:
 # heads per KV head on each rank; qwen2_moe: every expert split, and the gated shared
 # expert; glm4_moe: DeepSeek-V3's routing on whole router weights, shared experts and a
 # dense first layer; granitemoe: experts stacked in the checkpoint; llama3_rope: one KV head,
-# which both ranks keep
+# which both ranks keep; deepseek_v2 and _v3: latent attention's heads split, its latent
+# cache whole on both ranks (V3's queries through a low rank, with interleaved RoPE)
 @pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3", "qwen2_moe", "glm4_moe", "granitemoe",
-                                    "llama3_rope"])
+                                    "llama3_rope", "deepseek_v2", "deepseek_v3"])
 def test_a_split_model_decodes_as_transformers(family, tiny_family):
     model_dir = tiny_family(family)
     llm = split_llm(model_dir)

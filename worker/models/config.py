@@ -361,7 +361,6 @@ class ModelConfig:
             return self
         moe = self.moe
         refused = [what for what, on in (("expert biases", moe is not None and moe.bias),
-                                          ("latent attention", self.mla is not None),
                                           ("quantized weights", self.quant is not None),
                                           ("q/k norms over whole projections", self.qk_norm_whole),
                                           ("attention sinks", self.attn_sinks),

@@ -359,7 +359,7 @@ class LlamaForCausalLM(nn.Module):
         """Tensor parallelism: each layer's attention and MLP outputs are summed over the
         ranks by `all_reduce` (the model holds this rank's share of them)."""
         for layer in self.layers:
-            assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
+            assert isinstance(layer, DecoderLayer)
             layer.self_attn.reduce = all_reduce
             layer.mlp.reduce = all_reduce  # a dense MLP's, or the whole expert block's
 

@@ -13,6 +13,7 @@ kv_lora_rank columns are kept. K and V share one pool (the runner allocates it o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +56,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = KVUpProjection(self.num_heads, mla)
         self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = cfg.attn_scale
+        # tensor parallelism: sums o_proj's partial outputs over the ranks (worker.parallel);
+        # each rank holds its share of the heads and the whole latent cache
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -77,5 +81,6 @@ class MLAttention(nn.Module):
         kv = torch.cat((latent, pe[:, self.num_heads]), dim=-1)[:, None]  # [T, 1, kv_lora + rope]
         o = meta.forward(q, kv, kv, kv_cache, self.scale, None, None, None)  # [T, H, kv_lora + rope]
         o = torch.einsum("thc,hvc->thv", o[..., : mla.kv_lora_rank], w_uv)  # [T, H, v]
-        return self.o_proj(o.reshape(num_tokens, -1))
+        out = self.o_proj(o.reshape(num_tokens, -1))
+        return out if self.reduce is None else self.reduce(out)
 
