@@ -70,21 +70,23 @@ CASES = {
 @pytest.fixture(scope="module")
 def both_outputs(plain_llm, spec_llm) -> dict[str, tuple[list, list, int | None]]:
     """Each case's outputs from both engines, and how many guesses the speculating one made for
-    it. The cases run in one batch (each prompt once per case), but for the seeded one, which
-    runs alone so that its guesses (none) can be counted."""
-    batched = [case for case in CASES if case != "n=2 seeded random"]
-    prompts = [p for _ in batched for p in PROMPTS]
-    params = [CASES[case] for case in batched for _ in PROMPTS]
-    plain = plain_llm.generate(prompts, params, use_tqdm=False)
-    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    it. Each engine runs the cases in one batch (each prompt once per case), but for the
+    speculating engine's seeded case, which runs alone so that its guesses (none) can be counted."""
+    seeded = "n=2 seeded random"
+    batched = [case for case in CASES if case != seeded]
     n = len(PROMPTS)
-    outputs = {case: (plain[i * n : (i + 1) * n], spec[i * n : (i + 1) * n], None) for i, case in enumerate(batched)}
+
+    def generate(llm: LLM, cases: list[str]) -> dict[str, list]:
+        outs = llm.generate([p for _ in cases for p in PROMPTS], [CASES[c] for c in cases for _ in PROMPTS],
+                            use_tqdm=False)
+        return {case: outs[i * n : (i + 1) * n] for i, case in enumerate(cases)}
+
+    plain, spec = generate(plain_llm, [*batched, seeded]), generate(spec_llm, batched)
+    outputs: dict[str, tuple[list, list, int | None]] = {case: (plain[case], spec[case], None) for case in batched}
     assert spec_llm.engine.spec_stats.num_drafts > 0
-    seeded = CASES["n=2 seeded random"]
     drafts_before = spec_llm.engine.spec_stats.num_drafts
-    outputs["n=2 seeded random"] = (plain_llm.generate(PROMPTS, seeded, use_tqdm=False),
-                                    spec_llm.generate(PROMPTS, seeded, use_tqdm=False),
-                                    spec_llm.engine.spec_stats.num_drafts - drafts_before)
+    outputs[seeded] = (plain[seeded], generate(spec_llm, [seeded])[seeded],
+                       spec_llm.engine.spec_stats.num_drafts - drafts_before)
     return outputs
 
 
