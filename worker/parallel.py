@@ -9,9 +9,9 @@ cache holds its own heads.
 
 Rank 0 is the engine's own runner; the other ranks are processes of their own (forked by
 `multiprocessing`'s forkserver, never from the engine's process), each with a runner that
-executes every step rank 0 sends it over a pipe. The ranks reduce over a process group of their own (gloo on CPU, NCCL on CUDA), made
-from a TCP store on the loopback: no global `torch.distributed` state, so one process may
-hold several engines.
+executes every step rank 0 sends it over a pipe. The ranks reduce over a process group of
+their own (gloo on CPU, NCCL on CUDA), made from a TCP store on the loopback: no global
+`torch.distributed` state, so one process may hold several engines.
 """
 
 from __future__ import annotations
@@ -180,11 +180,9 @@ class ParallelRunner:
             parallel = self._unless_a_rank_stops(lambda: join_group(0, world_size, store.port, device, store))
             self.local: ModelRunner = ModelRunner(rank_config(config, 0), model_path, hf_config, max_model_len,
                                                   parallel=parallel)
-        except (OSError, RuntimeError) as exc:  # a rank failed to start (its own error is in its log)
-            self._raise_if_a_rank_stopped(exc)
-            self.close()
-            raise
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, (OSError, RuntimeError)):  # a rank failed to start (its error is in its log)
+                self._raise_if_a_rank_stopped(exc)
             self.close()
             raise
         self._store = store  # the other ranks' rendezvous lives as long as the group
@@ -238,6 +236,8 @@ class ParallelRunner:
         self._finalizer()
 
     def __getattr__(self, name: str) -> Any:
+        if name == "local":  # asked before it was made (a failed start): not a recursion
+            raise AttributeError(name)
         return getattr(self.local, name)
 
 
