@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -507,17 +507,24 @@ def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
+def built_once(build: Callable[[str, Path, Path], Path], tmp_path_factory, tokenizer_dir: Path
+               ) -> Callable[[str], Path]:
+    """`build(name, out_dir, tokenizer_dir)` as a function of the name alone, each name built
+    on its first call and kept."""
+    built: dict[str, Path] = {}
+
+    def model(name: str) -> Path:
+        if name not in built:
+            built[name] = build(name, tmp_path_factory.mktemp(name), tokenizer_dir)
+        return built[name]
+
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen_vl(tmp_path_factory, default_model_dir):
     """build_tiny_qwen_vl's model of a version, built once a session on first use."""
-    built: dict[str, Path] = {}
-
-    def model(version: str) -> Path:
-        if version not in built:
-            built[version] = build_tiny_qwen_vl(version, tmp_path_factory.mktemp(version), default_model_dir)
-        return built[version]
-
-    return model
+    return built_once(build_tiny_qwen_vl, tmp_path_factory, default_model_dir)
 
 
 @pytest.fixture(scope="session")
@@ -539,14 +546,7 @@ def tiny_gemma3_layers_dir(tmp_path_factory, default_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory, default_model_dir):
     """The tiny model of a family named at the call, built once a session."""
-    built: dict[str, Path] = {}
-
-    def build(family: str) -> Path:
-        if family not in built:
-            built[family] = build_tiny_model(family, tmp_path_factory.mktemp(family), default_model_dir)
-        return built[family]
-
-    return build
+    return built_once(build_tiny_model, tmp_path_factory, default_model_dir)
 
 
 @pytest.fixture(scope="session")
