@@ -7,6 +7,7 @@ the logits of the rows that sample a token.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import mmap
@@ -175,7 +176,8 @@ class ModelRunner:
             model.load_weights(iter_safetensors(model_path))
         else:
             p = self.parallel
-            model.load_weights(shard_weights(iter_safetensors(model_path), self.checkpoint_config, p.rank, p.world_size))
+            model.load_weights(iter_safetensors(model_path), functools.partial(
+                shard_weights, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size))
         if self.parallel is not None:
             model.reduce_with(self.parallel.all_reduce)
         if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's

@@ -83,39 +83,77 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
     """Each checkpoint tensor's part on this rank (`cfg`: the whole model's). Checkpoints that
     fuse q/k/v or gate/up (Phi-3, GLM-4), or stack the experts, split each part alike. A bias
     of a split-by-columns projection is added once, by rank 0 (the others hold zeros). The
-    router and the shared expert's gate are whole on every rank."""
-    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    router and the shared expert's gate are whole on every rank.
+
+    Quantized weights come as genq holds them (worker.models.quant): values [out, in] (int4
+    packed [out, in / 8]) with their scale and zero-point grids (`<w>_scale`, `<w>_zero`, a
+    row and column per block), and split as their values do: a grid by its block rows, or by
+    its groups of columns (ModelConfig.shard has checked that each rank's rows and columns
+    are whole blocks); a grid of one row or column (a scale per tensor, or per output
+    channel of a layer split by columns) is whole on every rank. KV-cache scales, one per KV
+    head, are split as the heads are."""
     for name, tensor in weights:
-        module, _, kind = name.rpartition(".")
-        module = module.rpartition(".")[2]
-        if name.endswith(_STACKED_GATE_UP):
-            tensor = torch.cat([part.chunk(world_size, dim=1)[rank] for part in tensor.chunk(2, dim=1)], dim=1)
-        elif name.endswith(_STACKED_DOWN):
-            tensor = tensor.chunk(world_size, dim=2)[rank]
-        elif module in _BY_ROWS:
-            tensor = tensor.chunk(world_size)[rank]
-        elif module in _KV:
-            tensor = _kv_share(tensor, cfg, rank, world_size)
-        elif module == "qkv_proj":
-            q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
-            tensor = torch.cat([q.chunk(world_size)[rank], _kv_share(k, cfg, rank, world_size),
-                                _kv_share(v, cfg, rank, world_size)])
-        elif module == "gate_up_proj":
-            tensor = torch.cat([part.chunk(world_size)[rank] for part in tensor.chunk(2)])
-        elif module in _BY_COLUMNS and kind == "weight":
-            tensor = tensor.chunk(world_size, dim=1)[rank]
-        elif module in _BY_COLUMNS and rank > 0:
-            tensor = torch.zeros_like(tensor)
-        yield name, tensor
+        yield name, _share(name, tensor, cfg, rank, world_size)
+
+
+def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_size: int) -> torch.Tensor:
+    """One checkpoint tensor's part on this rank (shard_weights)."""
+    from worker.models.kv_scales import scale_target
+    from worker.models.quant import grid_part
+
+    if scale_target(name):  # a KV-cache scale: one a layer, or one per KV head
+        return _kv_share(tensor.reshape(-1), cfg, rank, world_size) if tensor.numel() > 1 else tensor
+    grid = grid_part(name)
+    values = name.removesuffix(grid)  # the weight a grid belongs to
+    module, _, kind = values.rpartition(".")
+    module = module.rpartition(".")[2]
+    if (grid and tensor.numel() == 1) or kind == "input_perm":
+        return tensor  # a scale for the whole tensor; the order of a row-split layer's (whole) input
+
+    def part(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return _part(t, dim, rank, world_size, bool(grid), f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)}")
+
+    if values.endswith(_STACKED_GATE_UP):
+        return torch.cat([part(half, 1) for half in tensor.chunk(2, dim=1)], dim=1)
+    if values.endswith(_STACKED_DOWN):
+        return part(tensor, 2)
+    if module in _BY_ROWS:
+        return part(tensor)
+    if module in _KV:
+        return _kv_share(tensor, cfg, rank, world_size)
+    if module == "qkv_proj":
+        q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        unit = (q_rows + 2 * kv_rows) // tensor.shape[0]  # weight rows a row stands for (a grid's: a block's)
+        q, k, v = tensor.split([q_rows // unit, kv_rows // unit, kv_rows // unit])
+        return torch.cat([part(q), _kv_share(k, cfg, rank, world_size), _kv_share(v, cfg, rank, world_size)])
+    if module == "gate_up_proj":
+        return torch.cat([part(half) for half in tensor.chunk(2)])
+    if module in _BY_COLUMNS and kind == "weight":
+        return part(tensor, 1)
+    if module in _BY_COLUMNS and rank > 0:
+        return torch.zeros_like(tensor)
+    return tensor
+
+
+def _part(t: torch.Tensor, dim: int, rank: int, world_size: int, grid: bool, what: str) -> torch.Tensor:
+    """This rank's 1/world_size of `t` along `dim`; a grid's one row (or column), a scale for
+    all the rows (or columns), is every rank's."""
+    if grid and t.shape[dim] == 1:
+        return t
+    if t.shape[dim] % world_size:
+        raise ValueError(f"{what} does not split over tensor_parallel_size={world_size}")
+    return t.chunk(world_size, dim)[rank]
 
 
 def _kv_share(rows: torch.Tensor, cfg: ModelConfig, rank: int, world_size: int) -> torch.Tensor:
-    """A rank's rows of a key or value projection: its share of the KV heads or, where there
-    are fewer heads than ranks, the one head its query heads read."""
+    """A rank's rows of a key or value projection (or of its scale grid, or of the KV-cache
+    scales, a row per head): its share of the KV heads or, where there are fewer heads than
+    ranks, the one head its query heads read."""
     if cfg.num_key_value_heads >= world_size:
         return rows.chunk(world_size)[rank]
+    per_head = rows.shape[0] // cfg.num_key_value_heads
     head = rank * cfg.num_key_value_heads // world_size
-    return rows[head * cfg.head_dim : (head + 1) * cfg.head_dim]
+    return rows[head * per_head : (head + 1) * per_head]
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:

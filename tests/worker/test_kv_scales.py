@@ -185,3 +185,9 @@ def test_bad_scales_are_refused_by_name(loud_dir, kv_scales, tmp_path, change, e
     checkpoint = _scaled_checkpoint(loud_dir, tmp_path / "bad", scales, "attn_head")
     with pytest.raises(ValueError, match=error):
         LLM(str(checkpoint), dtype="float32", num_gpu_blocks_override=64, kv_cache_dtype="fp8")
+
+
+def test_prefill_logits_match_split_over_two_ranks(scaled_per_head, loud_dir):
+    """Each rank holds one of the two KV heads, and its scales."""
+    check_prefill_logits_against(scaled_per_head, loud_dir, "torch",
+                                 {"kv_cache_dtype": "fp8", "tensor_parallel_size": 2, "num_threads": 1})

@@ -103,11 +103,9 @@ def test_quantization_is_visible_in_the_logits(fp8_dirs):
     assert (_hf_last_logits(src, ids) - _hf_last_logits(fp8_dir, ids)).abs().max() > 1e-3
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen3_moe_dir"])
-def per_channel_dirs(request, tmp_path_factory) -> tuple[Path, Path]:
-    """(a float model, the same with a scale per output channel, as quantization='fp8' makes it)."""
-    src = request.getfixturevalue(request.param)
-    out = tmp_path_factory.mktemp("per_channel") / "fp8"
+def write_per_channel_checkpoint(src: Path, out: Path) -> Path:
+    """`src` with its projections in fp8, a scale per output channel, as quantization='fp8'
+    quantizes them at load."""
     shutil.copytree(src, out)
     tensors = {}
     for name, value in load_file(src / "model.safetensors").items():
@@ -118,7 +116,14 @@ def per_channel_dirs(request, tmp_path_factory) -> tuple[Path, Path]:
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
     (out / "config.json").write_text(json.dumps(config))
-    return src, out
+    return out
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen3_moe_dir"])
+def per_channel_dirs(request, tmp_path_factory) -> tuple[Path, Path]:
+    """(a float model, the same with a scale per output channel, as quantization='fp8' makes it)."""
+    src = request.getfixturevalue(request.param)
+    return src, write_per_channel_checkpoint(src, tmp_path_factory.mktemp("per_channel") / "fp8")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

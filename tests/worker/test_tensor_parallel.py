@@ -13,7 +13,9 @@ import time
 
 import pytest
 import torch
-from test_engine import greedy, hf_greedy_along, run_and_compare
+from test_engine import check_prefill_logits_against, greedy, hf_greedy_along, run_and_compare
+from test_gptq_awq import write_checkpoint
+from test_quantization import BLOCK, write_fp8_checkpoint, write_per_channel_checkpoint
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
@@ -21,6 +23,7 @@ from worker.config import EngineConfig
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
+from worker.models.quant import QuantLinear
 from worker.parallel import shard_weights
 
 
@@ -87,6 +90,58 @@ def test_the_kernel_path_splits_alike(tiny_llama_dir):
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
     tok = llm.get_tokenizer()
     assert tokens == hf_greedy_along(tiny_llama_dir, [tok.encode(p) for p in prompts], tokens)
+
+
+def quantized_checkpoint(case: str, src, root) -> tuple:
+    """(the checkpoint, the float one transformers reads as its oracle, LLM arguments)."""
+    if case == "GPTQ":  # int4 packed along the rows, a scale and a zero point per 32 columns
+        write_checkpoint(src, root / "q", root / "oracle", "gptq", bits=4, sym=False, group=32)
+        return root / "q", root / "oracle", {}
+    if case == "fp8 at load":  # a scale per output channel: o_proj's and down_proj's whole on both ranks
+        return src, write_per_channel_checkpoint(src, root / "oracle"), {"quantization": "fp8"}
+    fp8 = write_fp8_checkpoint(src, root / "q", BLOCK, ("model.layers.1.mlp",))  # the second MLP float
+    return fp8, fp8, {}
+
+
+# fp8 in 16 x 32 blocks: q/k/v and gate/up by whole blocks of rows, o_proj and down_proj by
+# whole blocks of columns, a float layer among them; GPTQ on the kernel path, where each rank
+# keeps its packed integers and zero points, over one KV head both ranks keep (its grids
+# whole on each); experts in fp8 blocks; fp8 quantized at load
+@pytest.mark.parametrize("case, family, backend", [("fp8 blocks", "llama", "torch"), ("GPTQ", "llama3_rope", "triton"),
+                                                   ("fp8 blocks", "qwen3_moe", "torch"),
+                                                   ("fp8 at load", "qwen3_moe", "torch")])
+def test_quantized_checkpoints_split_as_transformers_reads_them(tiny_family, tmp_path, case, family, backend):
+    checkpoint, oracle, args = quantized_checkpoint(case, tiny_family(family), tmp_path)
+    llm = check_prefill_logits_against(checkpoint, oracle, backend, {"tensor_parallel_size": 2, "num_threads": 1, **args})
+    if backend == "triton":
+        qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj  # q: 32 rows a rank, k and v: 16 each
+        assert isinstance(qkv, QuantLinear) and qkv.weight.shape == (64, 8) and qkv.weight.dtype == torch.int32
+        assert qkv.weight_zero is not None and qkv.weight_zero.shape == (64, 2)
+
+
+def test_quantized_layers_split_at_whole_blocks_or_are_refused():
+    """Each rank's rows and columns of a quantized layer must be whole blocks of its scales
+    (and int4's whole words), as vLLM requires."""
+    from transformers import LlamaConfig
+
+    def whole(quantization: dict, **sizes) -> ModelConfig:
+        shape = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, **sizes}
+        return ModelConfig.from_hf(LlamaConfig(**shape, quantization_config=quantization))
+
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+    assert whole(gptq).shard(2).intermediate_size == 64
+    refused = [
+        (whole({"quant_method": "fp8", "weight_block_size": [32, 32]}),
+         "leaves 16 output rows of k_proj and v_proj on each rank, not whole blocks of the checkpoint's 32 rows"),
+        (whole(gptq, intermediate_size=96),
+         "leaves 48 input columns of down_proj on each rank, not whole groups of the checkpoint's 32 columns"),
+        (whole({**gptq, "group_size": -1}, hidden_size=40, num_attention_heads=2),
+         "leaves 20 input columns of o_proj on each rank, not whole words of eight int4 values"),
+        (whole({**gptq, "desc_act": True}), "its act-order \\(desc_act\\) GPTQ weights run on one device only"),
+    ]
+    for cfg, error in refused:
+        with pytest.raises(ValueError, match=error):
+            cfg.shard(2)
 
 
 def test_a_rank_that_stopped_fails_the_step_by_name(tiny_llama_dir):

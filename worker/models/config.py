@@ -361,10 +361,10 @@ class ModelConfig:
             return self
         moe = self.moe
         refused = [what for what, on in (("expert biases", moe is not None and moe.bias),
-                                          ("quantized weights", self.quant is not None),
+                                          ("act-order (desc_act) GPTQ weights", self.quant is not None
+                                           and self.quant.act_order),
                                           ("q/k norms over whole projections", self.qk_norm_whole),
-                                          ("attention sinks", self.attn_sinks),
-                                          ("KV-cache scales", self.kv_cache_scheme is not None)) if on]
+                                          ("attention sinks", self.attn_sinks)) if on]
         if refused:
             raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: "
                              f"its {', '.join(refused)} run on one device only")
@@ -380,12 +380,47 @@ class ModelConfig:
             if size % world_size:
                 nor = ", nor does it divide it" if name == "num_key_value_heads" else ""
                 raise ValueError(f"{name} ({size}) is not divisible by tensor_parallel_size ({world_size}){nor}")
+        if self.quant is not None:
+            self._check_quantized_split(world_size, kv_heads)
         if moe is not None:
             moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world_size,
                                       shared_expert_size=moe.shared_expert_size // world_size)
         return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // world_size,
                                    num_key_value_heads=kv_heads // world_size,
                                    intermediate_size=self.intermediate_size // world_size, moe=moe)
+
+    def _check_quantized_split(self, world_size: int, kv_heads: int) -> None:
+        """A quantized layer splits at whole blocks of its scales: each rank's rows of a layer
+        split by rows are whole blocks of rows, and its columns of a layer split by columns
+        whole groups of columns (or all of them lie in one) and, packed eight to a word (int4),
+        whole words. ValueError naming the first that does not, as vLLM refuses it."""
+        assert self.quant is not None
+        block_rows, block_cols = self.quant.block or (1, 1)
+        moe, mla = self.moe, self.mla
+        heads = self.num_attention_heads * (mla.v_head_dim if mla is not None else self.head_dim)
+        rows = {"q_proj": self.num_attention_heads * self.head_dim, "k_proj and v_proj": kv_heads * self.head_dim,
+                "gate_proj and up_proj": self.intermediate_size}
+        columns = {"o_proj": heads, "down_proj": self.intermediate_size}
+        if mla is not None:  # its up-projections are widened as they load: only o_proj stays quantized
+            del rows["q_proj"], rows["k_proj and v_proj"]
+        if moe is not None:
+            rows["the experts' gate_proj and up_proj"] = columns["the experts' down_proj"] = moe.intermediate_size
+            if moe.shared_expert_size:
+                rows["the shared expert's gate_proj and up_proj"] = moe.shared_expert_size
+                columns["the shared expert's down_proj"] = moe.shared_expert_size
+        for layers, size in rows.items():
+            if size // world_size % block_rows:
+                raise ValueError(f"tensor_parallel_size={world_size} leaves {size // world_size} output rows of "
+                                 f"{layers} on each rank, not whole blocks of the checkpoint's {block_rows} rows "
+                                 "a scale")
+        for layers, size in columns.items():
+            share = size // world_size
+            if size > block_cols and share % block_cols:
+                raise ValueError(f"tensor_parallel_size={world_size} leaves {share} input columns of {layers} on "
+                                 f"each rank, not whole groups of the checkpoint's {block_cols} columns a scale")
+            if self.quant.kind == "int4" and share % 8:
+                raise ValueError(f"tensor_parallel_size={world_size} leaves {share} input columns of {layers} on "
+                                 "each rank, not whole words of eight int4 values")
 
     @property
     def kv_pools(self) -> int:

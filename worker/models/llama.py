@@ -446,9 +446,12 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator).mul_(std))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     split: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]]
+                     | None = None) -> None:
         """Copy a Hugging Face checkpoint's tensors in, fusing q/k/v and gate/up and stacking
-        experts."""
+        experts. `split`: a tensor-parallel rank's part of each tensor (worker.parallel's
+        shard_weights), taken once quantized weights are in genq's layout."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         if self.config.architecture == "Glm4ForCausalLM":
@@ -459,6 +462,8 @@ class LlamaForCausalLM(nn.Module):
             weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
+        if split is not None:
+            weights = split(weights)
         if self.config.mla is not None and self.config.mla.interleaved_rope:
             weights = _mla_rope_rows(weights, self.config)
         found_scales: dict[tuple[int, str], torch.Tensor] = {}

@@ -492,11 +492,13 @@ def quantized_weights(
             if all(p in parts for p in needed):
                 del waiting[owner]
                 yield owner, dequantize(parts[""], parts["_scale"], cfg.block, zero=parts.get("_zero"))
-        elif (layer := kept(name)) is not None:
+        elif kept(name) is not None:
             if not cfg.online:
                 raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}, but the checkpoint's quantization_config "
                                  f"stores it in {cfg.kind} (list it in modules_to_not_convert or ignore)")
-            q, scale = quantize(tensor, layer.block)
+            # a scale per output channel of the checkpoint's whole row (a tensor-parallel rank's
+            # share of a layer split by columns takes it whole: the model is the same split or not)
+            q, scale = quantize(tensor, (1, tensor.shape[-1]))
             yield name, q
             yield name + "_scale", scale
         else:
