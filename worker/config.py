@@ -85,11 +85,8 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tensor_parallel_size > 1:
-            refused = [name for name, on in (("enable_lora", self.enable_lora),
-                                             ("a draft model", "model" in (self.speculative_config or {})))
-                       if on]
-            if refused:
-                raise ValueError(f"tensor_parallel_size > 1 does not run with {' or '.join(refused)} yet")
+            if "model" in (self.speculative_config or {}):
+                raise ValueError("tensor_parallel_size > 1 does not run with a draft model yet")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, by name
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:

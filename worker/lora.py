@@ -20,6 +20,7 @@ import json
 import math
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,11 +232,16 @@ class LoRAManager:
     """Adapters read into CPU memory by id, and the `max_loras` slots they take turns in."""
 
     def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device,
+                 share: Callable[[LoRAAdapter], LoRAAdapter] | None = None, whole: ModelConfig | None = None):
+        """`cfg`: the model as this runner holds it; on a tensor-parallel rank, `whole` is the
+        whole model's (adapters are read and checked against it) and `share` takes the rank's
+        part of an adapter (worker.parallel.shard_adapter)."""
         if cfg.mla is not None:
             raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}, whose attention is "
                              "multi-head latent attention (MLA); serve it without enable_lora")
-        self.cfg = cfg
+        self.cfg = whole or cfg
+        self.share = share
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
@@ -261,7 +267,8 @@ class LoRAManager:
                 raise ValueError(f"lora_int_id {request.lora_int_id} is already adapter "
                                  f"{known.request.lora_name!r} from {known.request.lora_path}")
             return
-        self.adapters[request.lora_int_id] = load_adapter(request, self.cfg, self.max_rank)
+        adapter = load_adapter(request, self.cfg, self.max_rank)
+        self.adapters[request.lora_int_id] = adapter if self.share is None else self.share(adapter)
 
     def remove(self, lora_id: int) -> None:
         """Forget an adapter (no request may still run with it); its slot becomes free."""

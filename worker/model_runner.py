@@ -33,7 +33,7 @@ from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
 from worker.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
-from worker.parallel import TensorParallel, shard_weights
+from worker.parallel import TensorParallel, shard_adapter, shard_weights
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -109,10 +109,12 @@ class ModelRunner:
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
         self.model = self._load_model(model_path, use_kernels=backend == "triton")
-        self.lora = (
-            LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank, self.dtype, self.device)
-            if config.enable_lora else None
-        )
+        self.lora = None
+        if config.enable_lora:
+            share = None if parallel is None else functools.partial(
+                shard_adapter, cfg=self.checkpoint_config, rank=parallel.rank, world_size=parallel.world_size)
+            self.lora = LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank, self.dtype,
+                                    self.device, share, self.checkpoint_config)
         if backend == "torch" and can_pack(self.device, self.dtype):
             # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
             pack_linears(self.model, batch_hint=config.max_num_seqs)

@@ -9,7 +9,8 @@ cache holds its own heads.
 
 Rank 0 is the engine's own runner; the other ranks are processes of their own (forked by
 `multiprocessing`'s forkserver, never from the engine's process), each with a runner that
-executes every step rank 0 sends it over a pipe. The ranks reduce over a process group of
+executes every step rank 0 sends it over a pipe, and makes each change to the LoRA adapters
+sent the same way. The ranks reduce over a process group of
 their own (gloo on CPU, NCCL on CUDA), made from a TCP store on the loopback: no global
 `torch.distributed` state, so one process may hold several engines.
 """
@@ -32,6 +33,8 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from worker.config import EngineConfig
+    from worker.lora import LoRAAdapter, LoRAManager
+    from worker.lora_request import LoRARequest
     from worker.model_runner import ModelOutput, ModelRunner
     from worker.models.config import ModelConfig
     from worker.scheduler import SchedulerOutput
@@ -156,6 +159,30 @@ def _kv_share(rows: torch.Tensor, cfg: ModelConfig, rank: int, world_size: int) 
     return rows[head * per_head : (head + 1) * per_head]
 
 
+def shard_adapter(adapter: LoRAAdapter, cfg: ModelConfig, rank: int, world_size: int) -> LoRAAdapter:
+    """A LoRA adapter's part on this rank (`cfg`: the whole model's), each pair (A [r, in],
+    B [out, r]) split as its projection is: by rows (q/k/v, gate/up), B's rows as the weight's
+    and A whole; by columns (o_proj, down_proj), A's columns and B whole, so each rank's delta
+    is a partial sum, added to the projection's own before the ranks sum them."""
+    pairs: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+    for (layer, fused), shards in adapter.pairs.items():
+        split: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for i, pair in enumerate(shards):
+            if pair is None:
+                split.append(None)
+                continue
+            a, b = pair
+            if fused in ("o_proj", "down_proj"):
+                a = a.chunk(world_size, dim=1)[rank]
+            elif fused == "qkv_proj" and i > 0:  # k, v
+                b = _kv_share(b, cfg, rank, world_size)
+            else:
+                b = b.chunk(world_size)[rank]
+            split.append((a.contiguous(), b.contiguous()))
+        pairs[(layer, fused)] = split
+    return replace(adapter, pairs=pairs)
+
+
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The engine config a rank runs with: on CUDA, its own device (rank r on cuda:r)."""
     from worker.model_runner import resolve_device
@@ -224,15 +251,25 @@ class ParallelRunner:
             self.close()
             raise
         self._store = store  # the other ranks' rendezvous lives as long as the group
+        self.lora = None if self.local.lora is None else AllRanksLoRA(self.local.lora, self._send)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         """Run a step on every rank. A rank that has stopped fails the step (and so the
         engine) by name, at once: the others never wait for it."""
+        self._send(out)
+        try:
+            return self.local.execute(out)
+        except (OSError, RuntimeError) as exc:  # the group's connections closed
+            self._raise_if_a_rank_stopped(exc)
+            raise
+
+    def _send(self, message: Any) -> None:
+        """Send every other rank a step, or a change to its adapters; a rank that has stopped
+        is named."""
         try:
             for pipe in self.pipes:
-                pipe.send(out)
-            return self.local.execute(out)
-        except (OSError, RuntimeError) as exc:  # a pipe, or the group's connections, closed
+                pipe.send(message)
+        except OSError as exc:  # its pipe closed
             self._raise_if_a_rank_stopped(exc)
             raise
 
@@ -279,6 +316,27 @@ class ParallelRunner:
         return getattr(self.local, name)
 
 
+class AllRanksLoRA:
+    """Rank 0's adapters, whose changes go to every rank: each reads an adapter it is told of
+    and keeps its share (shard_adapter). Rank 0 reads it first, so a bad adapter is refused
+    there, by name, and goes no further. Anything else asked of it is rank 0's manager's."""
+
+    def __init__(self, local: LoRAManager, send: Callable[[Any], None]):
+        self.local = local
+        self.send = send
+
+    def add(self, request: LoRARequest) -> None:
+        self.local.add(request)
+        self.send(("add", request))
+
+    def remove(self, lora_id: int) -> None:
+        self.local.remove(lora_id)
+        self.send(("remove", lora_id))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)
+
+
 def _stop(pipes: list[Connection], processes: list[Any]) -> None:
     for pipe in pipes:
         try:
@@ -315,4 +373,8 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, mode
             return
         if out is None:
             return
-        runner.execute_layers(out)
+        if isinstance(out, tuple):  # a change to the adapters: ("add", request) or ("remove", id)
+            assert runner.lora is not None
+            getattr(runner.lora, out[0])(out[1])
+        else:
+            runner.execute_layers(out)

@@ -121,6 +121,28 @@ def test_triton_path_runs_adapters_eagerly(tiny_llama_dir, tiny_llama_adapters, 
     assert sum(graphs.num_steps.values()) == NEW_TOKENS - 1
 
 
+def test_adapters_split_over_two_ranks_match_peft(tiny_llama_dir, tiny_llama_adapters, expected, tmp_path):
+    """Each rank keeps its share of an adapter (B's rows of q/k/v and gate/up, A's columns of
+    o_proj and down_proj, whose partial deltas the ranks sum with the projections' own). Both
+    adapters and the base model in one batch, over one slot they take turns in on every rank;
+    a bad adapter is refused by rank 0 and reaches no other; one forgotten, another read."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=256, enable_lora=True, max_loras=1,
+              max_lora_rank=8, tensor_parallel_size=2, num_threads=1)
+    requests = lora_requests(tiny_llama_adapters)
+    names = ["all", None, "qv"]
+    outs = llm.generate(PROMPTS[:3] * 3, greedy(), use_tqdm=False,
+                        lora_request=[requests[name] for name in names for _ in range(3)])
+    for i, out in enumerate(outs):
+        assert out.outputs[0].token_ids == expected[names[i // 3]][i % 3], (names[i // 3], i % 3)
+    with pytest.raises(ValueError, match="not a PEFT adapter directory"):
+        llm.generate(PROMPTS[0], greedy(), use_tqdm=False, lora_request=LoRARequest("none", 3, str(tmp_path)))
+    llm.engine.remove_lora(1)
+    again = LoRARequest("all-again", 4, str(tiny_llama_adapters["all"]))
+    out = llm.generate(PROMPTS[0], greedy(), use_tqdm=False, lora_request=again)[0]
+    assert out.outputs[0].token_ids == expected["all"][0]
+    assert sorted(llm.engine.runner.lora.adapters) == [2, 4]
+
+
 def test_bad_adapters_are_refused_by_name(tiny_llama_dir, tiny_llama_adapters, tmp_path):
     adapter = tiny_llama_adapters["all"]
     plain = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)

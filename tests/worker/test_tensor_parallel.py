@@ -196,7 +196,7 @@ def test_kv_heads_split_or_are_shared():
 def test_what_does_not_split_yet_is_refused(tiny_family):
     with pytest.raises(ValueError, match="cannot split Olmo2ForCausalLM yet: its q/k norms over whole projections"):
         split_llm(tiny_family("olmo2"))
-    with pytest.raises(ValueError, match="does not run with enable_lora"):
-        EngineConfig(tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="does not run with a draft model"):
+        EngineConfig(tensor_parallel_size=2, speculative_config={"model": "/draft", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
