@@ -69,16 +69,13 @@ class Engine:
         self.max_model_len = _max_model_len(config, hf_config)
         images = takes_images(self.model_path, whole_config)
         self.runner: ModelRunner | ParallelRunner
+        image_config = whole_config if images else None
         if config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len,
-                                      image_config=whole_config if images else None)
-        elif images:
-            raise ValueError("tensor_parallel_size > 1 does not run image-text models yet "
-                             "(their image encoders are not split)")
+            self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
         else:
             # the model's split is checked before any other rank starts
             ModelConfig.from_hf(hf_config, config.quantization, self.max_model_len).shard(config.tensor_parallel_size)
-            self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len)
+            self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
         # where the model takes images: what makes their pixels and tokens
         self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)
                                 if images else None)

@@ -78,6 +78,17 @@ class ModelOutput:
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class StepImages:
+    """What images bring to a step's rows: the rows that take image embeddings ([k]) and those
+    embeddings ([k, hidden]), and the rotary positions where they are not the rows' own
+    (M-RoPE after an image: a list, or [3, T] where the streams differ). The runner that
+    encodes the images makes it; under tensor parallelism rank 0 sends it to the others."""
+
+    rows: tuple[torch.Tensor, torch.Tensor] | None
+    rope: list[int] | torch.Tensor | None
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int,
                  image_config: Any = None, parallel: TensorParallel | None = None):
@@ -239,8 +250,9 @@ class ModelRunner:
         return [slots[slot] for slot in self.layer_slot]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
-        batch, hidden = self._run_layers(out)
+    def execute(self, out: SchedulerOutput, images: StepImages | None = None) -> ModelOutput:
+        """`images`: the step's, where the caller has them (step_images); else this runner's."""
+        batch, hidden = self._run_layers(out, images or self.step_images(out))
         ends = _row_ends(batch)
         # a sampling request's last row, and one more per guessed token before it
         rows = [(s.request_id, end - 1 - s.num_drafts + j)
@@ -258,19 +270,31 @@ class ModelRunner:
         return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled)
 
     @torch.inference_mode()
-    def execute_layers(self, out: SchedulerOutput) -> None:
+    def execute_layers(self, out: SchedulerOutput, images: StepImages | None) -> None:
         """A step's decoder layers alone: a tensor-parallel rank other than 0 takes its part in
-        them, and leaves the logits to rank 0."""
-        self._run_layers(out)
+        them, with the step's image inputs as rank 0 made them, and leaves the logits to rank 0."""
+        self._run_layers(out, images)
 
-    def _run_layers(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
+    def step_images(self, out: SchedulerOutput) -> StepImages | None:
+        """What this runner's images bring to the step's rows; None where they bring nothing."""
+        if not self.image_embeds:
+            return None
+        batch = _order_decodes_first(out.scheduled)
+        images = StepImages(self._image_rows(batch), self._rope_positions(batch))
+        return None if images.rows is None and images.rope is None else images
+
+    def _run_layers(self, out: SchedulerOutput, step: StepImages | None
+                    ) -> tuple[list[ScheduledRequest], torch.Tensor]:
         """The step's requests as the batch orders them, and their rows' final hidden states."""
         batch = _order_decodes_first(out.scheduled)
         lora = None
         if self.lora is not None:
             lora = self.lora.mapping([s.lora_id for s in batch], [len(s.token_ids) for s in batch])
-        images = self._image_rows(batch)
-        rope = self._rope_positions(batch)
+        images = rope = None
+        if step is not None:
+            rope = step.rope
+            if step.rows is not None:
+                images = (step.rows[0].to(self.device), step.rows[1].to(self.device))
         if (self.graphs is not None and lora is None and images is None and not isinstance(rope, torch.Tensor)
                 and self.graphs.can_run(batch)):
             hidden = self.graphs.run(batch, rope)  # [B, hidden]
@@ -320,7 +344,7 @@ class ModelRunner:
                 embeds.append(found[1])
         if not rows:
             return None
-        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(embeds).to(self.device)
+        return torch.tensor(rows, dtype=torch.long), torch.cat(embeds)
 
     def _rope_positions(self, batch: list[ScheduledRequest]) -> list[int] | torch.Tensor | None:
         """The step's rotary positions where some request's are not its positions (M-RoPE,

@@ -18,6 +18,7 @@ their own (gloo on CPU, NCCL on CUDA), made from a TCP store on the loopback: no
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import threading
 import time
@@ -116,10 +117,11 @@ def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_s
     def part(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return _part(t, dim, rank, world_size, bool(grid), f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)}")
 
-    if values.endswith(_STACKED_GATE_UP):
-        return torch.cat([part(half, 1) for half in tensor.chunk(2, dim=1)], dim=1)
-    if values.endswith(_STACKED_DOWN):
-        return part(tensor, 2)
+    if values.endswith(_STACKED_GATE_UP):  # [E, 2 * I, H], or the Hub's Qwen3-VL-MoE [E, H, 2 * I]
+        dim = 2 if _inputs_first(name, tensor, cfg, 2) else 1
+        return torch.cat([part(half, dim) for half in tensor.chunk(2, dim=dim)], dim=dim)
+    if values.endswith(_STACKED_DOWN):  # [E, H, I], or the Hub's [E, I, H]
+        return part(tensor, 1 if _inputs_first(name, tensor, cfg, 1) else 2)
     if module in _BY_ROWS:
         return part(tensor)
     if module in _KV:
@@ -136,6 +138,17 @@ def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_s
     if module in _BY_COLUMNS and rank > 0:
         return torch.zeros_like(tensor)
     return tensor
+
+
+def _inputs_first(name: str, tensor: torch.Tensor, cfg: ModelConfig, dim: int) -> bool:
+    """Whether stacked experts lie inputs before outputs, as Qwen3-VL-MoE's Hub checkpoints
+    hold them: their intermediate features (gate and up's together) along `dim`, the loader's
+    rule (a square matrix is taken as the Hub's)."""
+    from worker.models.llama import hub_stacked_experts
+
+    assert cfg.moe is not None
+    features = cfg.moe.intermediate_size * (2 if dim == 2 else 1)
+    return hub_stacked_experts(cfg, name) and tensor.shape[dim] == features
 
 
 def _part(t: torch.Tensor, dim: int, rank: int, world_size: int, grid: bool, what: str) -> torch.Tensor:
@@ -212,7 +225,10 @@ class ParallelRunner:
     """Rank 0's runner, which sends each step to the other ranks' before running it; anything
     else asked of it is its own runner's."""
 
-    def __init__(self, config: EngineConfig, model_path: Path, hf_config: Any, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config: Any, max_model_len: int,
+                 image_config: Any = None):
+        """`image_config`: an image-text checkpoint's whole config: rank 0 alone loads its image
+        encoder, whose embeddings it sends the other ranks with each step that reads them."""
         from worker.model_runner import ModelRunner, resolve_device
 
         world_size = config.tensor_parallel_size
@@ -244,7 +260,7 @@ class ParallelRunner:
         try:
             parallel = self._unless_a_rank_stops(lambda: join_group(0, world_size, store.port, device, store))
             self.local: ModelRunner = ModelRunner(rank_config(config, 0), model_path, hf_config, max_model_len,
-                                                  parallel=parallel)
+                                                  image_config, parallel)
         except BaseException as exc:
             if isinstance(exc, (OSError, RuntimeError)):  # a rank failed to start (its error is in its log)
                 self._raise_if_a_rank_stopped(exc)
@@ -254,11 +270,13 @@ class ParallelRunner:
         self.lora = None if self.local.lora is None else AllRanksLoRA(self.local.lora, self._send)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        """Run a step on every rank. A rank that has stopped fails the step (and so the
-        engine) by name, at once: the others never wait for it."""
-        self._send(out)
+        """Run a step on every rank, with what rank 0's images bring to its rows (rank 0 alone
+        encodes them). A rank that has stopped fails the step (and so the engine) by name, at
+        once: the others never wait for it."""
+        images = self.local.step_images(out)
+        self._send(("step", out, None if images is None else _by_value(images)))
         try:
-            return self.local.execute(out)
+            return self.local.execute(out, images)
         except (OSError, RuntimeError) as exc:  # the group's connections closed
             self._raise_if_a_rank_stopped(exc)
             raise
@@ -327,14 +345,21 @@ class AllRanksLoRA:
 
     def add(self, request: LoRARequest) -> None:
         self.local.add(request)
-        self.send(("add", request))
+        self.send(("add_lora", request))
 
     def remove(self, lora_id: int) -> None:
         self.local.remove(lora_id)
-        self.send(("remove", lora_id))
+        self.send(("remove_lora", lora_id))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
+
+
+def _by_value(obj: Any) -> bytes:
+    """`obj`'s tensors and all, as bytes: sent over a pipe, tensors would go by shared memory."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def _stop(pipes: list[Connection], processes: list[Any]) -> None:
@@ -368,13 +393,15 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, mode
     runner = ModelRunner(config, model_path, hf_config, max_model_len, parallel=parallel)
     while True:
         try:
-            out = pipe.recv()
+            message = pipe.recv()
         except EOFError:  # rank 0's process is gone
             return
-        if out is None:
+        if message is None:
             return
-        if isinstance(out, tuple):  # a change to the adapters: ("add", request) or ("remove", id)
+        kind, *args = message
+        if kind == "step":  # (the step, its image inputs as bytes)
+            images = None if args[1] is None else torch.load(io.BytesIO(args[1]), weights_only=False)
+            runner.execute_layers(args[0], images)
+        else:  # a change to the adapters: add_lora (a request), remove_lora (an id)
             assert runner.lora is not None
-            getattr(runner.lora, out[0])(out[1])
-        else:
-            runner.execute_layers(out)
+            getattr(runner.lora, kind.removesuffix("_lora"))(*args)

@@ -134,23 +134,29 @@ def test_qwen2_vl_and_qwen3_vl_match_transformers(version, tiny_qwen_vl):
             assert [entry.logprob for entry in out.outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
 
 
-def test_qwen3_vl_moe_reads_the_hubs_expert_layout(tiny_qwen_vl, tmp_path):
-    """Qwen3-VL-MoE's Hub checkpoints hold stacked experts inputs first ([E, H, 2I], [E, I, H]),
-    transformers 5 saves them outputs first: both load to the same model."""
+def hub_layout(model_dir: Path, out: Path) -> Path:
+    """A Qwen3-VL-MoE checkpoint as the Hub holds it: stacked experts inputs first ([E, H, 2I],
+    [E, I, H]), where transformers 5 saves them outputs first."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    moe_dir = tiny_qwen_vl("qwen3_vl_moe")
-    for path in moe_dir.iterdir():
+    out.mkdir()
+    for path in model_dir.iterdir():
         if path.suffix == ".safetensors":
             tensors = load_file(path)
             save_file({name: t.transpose(1, 2).contiguous() if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-                       else t for name, t in tensors.items()}, tmp_path / path.name, metadata={"format": "pt"})
+                       else t for name, t in tensors.items()}, out / path.name, metadata={"format": "pt"})
         elif path.is_file():
-            shutil.copy(path, tmp_path / path.name)
+            shutil.copy(path, out / path.name)
+    return out
+
+
+def test_qwen3_vl_moe_reads_the_hubs_expert_layout(tiny_qwen_vl, tmp_path):
+    """The Hub's layout and transformers 5's load to the same model."""
+    moe_dir = tiny_qwen_vl("qwen3_vl_moe")
     runs = [_generate(LLM(str(model), dtype="float32", num_gpu_blocks_override=64), [ONE])[0].outputs[0].token_ids
-            for model in (moe_dir, tmp_path)]
+            for model in (moe_dir, hub_layout(moe_dir, tmp_path / "hub"))]
     assert runs[0] == runs[1]
 
 

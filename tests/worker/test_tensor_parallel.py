@@ -144,6 +144,28 @@ def test_quantized_layers_split_at_whole_blocks_or_are_refused():
             cfg.shard(2)
 
 
+@pytest.mark.parametrize("version", ["qwen2_5_vl", "qwen3_vl_moe"])
+def test_image_text_models_split_with_the_images_on_rank_0(version, tiny_qwen_vl, tmp_path):
+    """Rank 0 alone loads the image encoder; each step's image rows and M-RoPE positions go to
+    the other rank with the step. Qwen3-VL-MoE (as the Hub lays out its experts) adds the
+    deepstack embeddings and split experts, whose effect the logprobs show. Whole, and in
+    chunks that cut through the images."""
+    from test_qwen_vl_images import ONE, TWO, hf_greedy_logprobs, hub_layout
+
+    model_dir = tiny_qwen_vl(version)
+    expected = [hf_greedy_logprobs(model_dir, *case) for case in (ONE, TWO)]
+    served = hub_layout(model_dir, tmp_path / "hub") if version == "qwen3_vl_moe" else model_dir
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for chunk in ({}, {"max_num_batched_tokens": 8, "max_num_seqs": 2}):
+        llm = split_llm(served, **chunk)
+        assert llm.engine.runner.local.image_encoder is not None
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}} for text, images in (ONE, TWO)],
+                               params, use_tqdm=False)
+        for out, (tokens, logprobs) in zip(outputs, expected, strict=True):
+            assert out.outputs[0].token_ids == tokens
+            assert [entry.logprob for entry in out.outputs[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
 def test_a_rank_that_stopped_fails_the_step_by_name(tiny_llama_dir):
     llm = split_llm(tiny_llama_dir)
     (rank1,) = llm.engine.runner.processes

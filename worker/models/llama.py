@@ -462,8 +462,8 @@ class LlamaForCausalLM(nn.Module):
             weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
-        if split is not None:
-            weights = split(weights)
+        if split is not None:  # (what has no place in the model, an image encoder's, is not split)
+            weights = split((name, t) for name, t in weights if _map_hf_name(name) is not None)
         if self.config.mla is not None and self.config.mla.interleaved_rope:
             weights = _mla_rope_rows(weights, self.config)
         found_scales: dict[tuple[int, str], torch.Tensor] = {}
@@ -655,7 +655,7 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cf
                 dst = dst.narrow(0, start // row_block, size // row_block)
         if hf_name.endswith("_scale") and tensor.numel() == 1:
             tensor = tensor.reshape(()).expand(dst.shape)  # one scale for the whole tensor
-        if _hub_stacked_experts(cfg, hf_name) and tensor.transpose(1, 2).shape == dst.shape:
+        if hub_stacked_experts(cfg, hf_name) and tensor.transpose(1, 2).shape == dst.shape:
             tensor = tensor.transpose(1, 2)
         if dst.shape != tensor.shape:
             raise ValueError(f"shape mismatch for {hf_name!r}: model {tuple(dst.shape)}, checkpoint {tuple(tensor.shape)}")
@@ -668,7 +668,7 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cf
         dst.copy_(tensor)
 
 
-def _hub_stacked_experts(cfg: ModelConfig, hf_name: str) -> bool:
+def hub_stacked_experts(cfg: ModelConfig, hf_name: str) -> bool:
     """Stacked experts as Qwen3-VL-MoE's Hub checkpoints hold them, inputs before outputs
     ([E, H, 2 * I] and [E, I, H]); transformers 5 saves them the other way round, as genq
     keeps them. The shapes tell which (a square one is taken as the Hub's)."""
