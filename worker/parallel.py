@@ -117,27 +117,33 @@ def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_s
     def part(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return _part(t, dim, rank, world_size, bool(grid), f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)}")
 
-    if values.endswith(_STACKED_GATE_UP):  # [E, 2 * I, H], or the Hub's Qwen3-VL-MoE [E, H, 2 * I]
+    # stacked experts [E, 2 * I, H] (the Hub's Qwen3-VL-MoE [E, H, 2 * I]), gpt-oss's biases [E, 2 * I]
+    if values.endswith(_STACKED_GATE_UP) or kind == "gate_up_proj_bias":
         dim = 2 if _inputs_first(name, tensor, cfg, 2) else 1
         return torch.cat([part(half, dim) for half in tensor.chunk(2, dim=dim)], dim=dim)
     if values.endswith(_STACKED_DOWN):  # [E, H, I], or the Hub's [E, I, H]
         return part(tensor, 1 if _inputs_first(name, tensor, cfg, 1) else 2)
-    if module in _BY_ROWS:
+    if module in _BY_ROWS or kind == "sinks":  # (gpt-oss's sink logit per head)
         return part(tensor)
     if module in _KV:
         return _kv_share(tensor, cfg, rank, world_size)
     if module == "qkv_proj":
-        q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        unit = (q_rows + 2 * kv_rows) // tensor.shape[0]  # weight rows a row stands for (a grid's: a block's)
-        q, k, v = tensor.split([q_rows // unit, kv_rows // unit, kv_rows // unit])
+        q, k, v = _qkv_parts(tensor, cfg)
         return torch.cat([part(q), _kv_share(k, cfg, rank, world_size), _kv_share(v, cfg, rank, world_size)])
     if module == "gate_up_proj":
         return torch.cat([part(half) for half in tensor.chunk(2)])
     if module in _BY_COLUMNS and kind == "weight":
         return part(tensor, 1)
-    if module in _BY_COLUMNS and rank > 0:
-        return torch.zeros_like(tensor)
+    if module in _BY_COLUMNS or kind == "down_proj_bias":  # a bias added once, by rank 0
+        return tensor if rank == 0 else torch.zeros_like(tensor)
     return tensor
+
+
+def _qkv_parts(tensor: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """A fused q/k/v weight's (or its grid's) q, k and v rows."""
+    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    unit = (q_rows + 2 * kv_rows) // tensor.shape[0]  # weight rows a row stands for (a grid's: a block's)
+    return tensor.split([q_rows // unit, kv_rows // unit, kv_rows // unit])
 
 
 def _inputs_first(name: str, tensor: torch.Tensor, cfg: ModelConfig, dim: int) -> bool:

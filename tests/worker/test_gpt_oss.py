@@ -73,15 +73,20 @@ def test_mxfp4_checkpoint_matches_transformers(tiny_moe_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in float_outputs]
 
 
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 @pytest.mark.parametrize("tiny_moe_dir", ["gpt_oss"], indirect=True)
-def test_mxfp4_experts_stay_so_on_the_kernel_path(tiny_moe_dir, tmp_path):
+def test_mxfp4_experts_stay_so_on_the_kernel_path(tiny_moe_dir, tmp_path, tensor_parallel_size):
     """On the kernel path the experts keep their e2m1 codes (a quarter of bf16's bytes) and
-    the fused MoE kernel decodes them tile by tile: the same greedy tokens as transformers."""
+    the fused MoE kernel decodes them tile by tile: the same greedy tokens as transformers.
+    Split over two ranks, each keeps the codes and exponents of half of every expert's
+    features (and its heads' sinks, and the biases)."""
     mxfp4 = write_mxfp4_checkpoint(tiny_moe_dir, tmp_path)
     llm = LLM(str(mxfp4), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
-              device="cuda" if torch.cuda.is_available() else "cpu")
+              device="cuda" if torch.cuda.is_available() else "cpu", tensor_parallel_size=tensor_parallel_size,
+              num_threads=1 if tensor_parallel_size > 1 else None)
     experts = llm.engine.runner.model.layers[0].mlp.experts
     assert experts.w13.dtype == torch.uint8 and experts.w13_scale.shape[-1] == 64 // 32
+    assert experts.w2.shape[-1] * 2 * tensor_parallel_size == 64  # its features: two e2m1 codes a byte
     tok = llm.get_tokenizer()
     expected = hf_greedy(mxfp4, [tok.encode(p) for p in PROMPTS[:3]], max_new=8)
     outputs = llm.generate(PROMPTS[:3], greedy(8), use_tqdm=False)

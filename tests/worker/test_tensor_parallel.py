@@ -39,9 +39,10 @@ def split_llm(model_dir, **kwargs) -> LLM:
 # expert; glm4_moe: DeepSeek-V3's routing on whole router weights, shared experts and a
 # dense first layer; granitemoe: experts stacked in the checkpoint; llama3_rope: one KV head,
 # which both ranks keep; deepseek_v2 and _v3: latent attention's heads split, its latent
-# cache whole on both ranks (V3's queries through a low rank, with interleaved RoPE)
+# cache whole on both ranks (V3's queries through a low rank, with interleaved RoPE); gpt_oss:
+# a sink logit per head, biases on the experts (down_proj's added once) and interleaved gate/up
 @pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3", "qwen2_moe", "glm4_moe", "granitemoe",
-                                    "llama3_rope", "deepseek_v2", "deepseek_v3"])
+                                    "llama3_rope", "deepseek_v2", "deepseek_v3", "gpt_oss"])
 def test_a_split_model_decodes_as_transformers(family, tiny_family):
     model_dir = tiny_family(family)
     llm = split_llm(model_dir)
@@ -139,6 +140,14 @@ def test_quantized_layers_split_at_whole_blocks_or_are_refused():
          "leaves 20 input columns of o_proj on each rank, not whole words of eight int4 values"),
         (whole({**gptq, "desc_act": True}), "its act-order \\(desc_act\\) GPTQ weights run on one device only"),
     ]
+    from transformers import GptOssConfig
+
+    mxfp4 = GptOssConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_local_experts=4, architectures=["GptOssForCausalLM"],
+                         quantization_config={"quant_method": "mxfp4"})
+    refused.append((ModelConfig.from_hf(mxfp4), "leaves 48 input columns of the experts' down_proj on each rank, not "
+                    "whole groups of the checkpoint's 32 columns a scale \\(quantization='fp8' widens"))
+    assert ModelConfig.from_hf(mxfp4, "fp8").shard(2).moe.intermediate_size == 48
     for cfg, error in refused:
         with pytest.raises(ValueError, match=error):
             cfg.shard(2)

@@ -360,11 +360,9 @@ class ModelConfig:
         if world_size == 1:
             return self
         moe = self.moe
-        refused = [what for what, on in (("expert biases", moe is not None and moe.bias),
-                                          ("act-order (desc_act) GPTQ weights", self.quant is not None
+        refused = [what for what, on in (("act-order (desc_act) GPTQ weights", self.quant is not None
                                            and self.quant.act_order),
-                                          ("q/k norms over whole projections", self.qk_norm_whole),
-                                          ("attention sinks", self.attn_sinks)) if on]
+                                          ("q/k norms over whole projections", self.qk_norm_whole)) if on]
         if refused:
             raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: "
                              f"its {', '.join(refused)} run on one device only")
@@ -403,6 +401,8 @@ class ModelConfig:
         columns = {"o_proj": heads, "down_proj": self.intermediate_size}
         if mla is not None:  # its up-projections are widened as they load: only o_proj stays quantized
             del rows["q_proj"], rows["k_proj and v_proj"]
+        if self.quant.experts_only:  # gpt-oss's MXFP4: the experts alone are quantized
+            rows, columns = {}, {}
         if moe is not None:
             rows["the experts' gate_proj and up_proj"] = columns["the experts' down_proj"] = moe.intermediate_size
             if moe.shared_expert_size:
@@ -416,8 +416,10 @@ class ModelConfig:
         for layers, size in columns.items():
             share = size // world_size
             if size > block_cols and share % block_cols:
+                hint = (" (quantization='fp8' widens the MXFP4 experts as they load and quantizes them again, a "
+                        "scale per output channel, which splits anywhere)" if self.quant.kind == "fp4" else "")
                 raise ValueError(f"tensor_parallel_size={world_size} leaves {share} input columns of {layers} on "
-                                 f"each rank, not whole groups of the checkpoint's {block_cols} columns a scale")
+                                 f"each rank, not whole groups of the checkpoint's {block_cols} columns a scale{hint}")
             if self.quant.kind == "int4" and share % 8:
                 raise ValueError(f"tensor_parallel_size={world_size} leaves {share} input columns of {layers} on "
                                  "each rank, not whole words of eight int4 values")
