@@ -84,9 +84,6 @@ class EngineConfig:
                      "max_images_per_prompt", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.tensor_parallel_size > 1:
-            if "model" in (self.speculative_config or {}):
-                raise ValueError("tensor_parallel_size > 1 does not run with a draft model yet")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, by name
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:

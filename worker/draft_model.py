@@ -38,6 +38,7 @@ class DraftModelProposer:
         blocks = target_blocks + config.max_num_seqs * (-(-spec.num_speculative_tokens // config.block_size) + 1)
         draft = dataclasses.replace(config, model=str(path), enable_lora=False, speculative_config=None,
                                     quantization=None,  # the draft as its checkpoint is stored
+                                    tensor_parallel_size=1,  # whole, beside rank 0's share of a split target
                                     num_gpu_blocks_override=blocks,
                                     disable_hybrid_kv_cache_manager=True)  # one table per request
         self.runner = ModelRunner(draft, path, language_config(AutoConfig.from_pretrained(path)), max_model_len)

@@ -330,7 +330,7 @@ def test_a_window_model_runs_sequences_longer_than_its_cache(tiny_window_dir, ba
     requests run: two sequences of 200+ tokens each fit in a cache of 8 blocks (128 tokens),
     and still equal transformers, which keeps everything."""
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-    new = 160 if backend == "torch" else 24  # the interpreter is slow
+    new = 160 if backend == "torch" else 12  # the interpreter is slow: past the window all the same
     llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=8, max_num_batched_tokens=32,
               device=device, attention_backend=backend)
     assert llm.engine.block_manager.windows == [24]
@@ -351,7 +351,7 @@ def test_a_hybrid_model_keeps_whole_sequences_only_in_its_full_layers(tiny_windo
     to the pool as they leave its window. Two sequences of 200+ tokens, which would take 54
     blocks with every block kept, run at once in 48 and still equal transformers."""
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-    new = 160 if backend == "torch" else 24  # the interpreter is slow
+    new = 160 if backend == "torch" else 12  # the interpreter is slow: past the window all the same
     llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=24, max_model_len=256,
               max_num_batched_tokens=32, device=device, attention_backend=backend)
     engine = llm.engine

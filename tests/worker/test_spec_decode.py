@@ -254,6 +254,18 @@ def test_draft_model_guesses_keep_plain_outputs(tiny_llama_dir, tiny_mistral_dir
     assert not proposer._tables and len(proposer._free) == proposer.runner.num_blocks
 
 
+def test_a_split_targets_draft_is_whole_beside_rank_0(tiny_llama_dir):
+    """Tensor parallelism splits the target over two ranks; the draft runs whole in rank 0's
+    process, and guessing right (it is the target) changes no output."""
+    plain = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=128)
+    spec = draft_engine(tiny_llama_dir, tiny_llama_dir, tensor_parallel_size=2, num_threads=1)
+    assert spec.engine.proposer.runner.model_config.num_attention_heads == 4  # the whole draft: 2 a rank split
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = [llm.generate(PROMPTS[:4], greedy, use_tqdm=False) for llm in (plain, spec)]
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
+    assert spec.engine.spec_stats.acceptance_rate > 0.95
+
+
 def test_a_hybrid_targets_draft_holds_what_one_kv_group_would(tiny_gemma3_layers_dir, tiny_llama_dir):
     """A hybrid target's blocks each hold a few of its layers, so it has more of them; the
     draft's pool (every draft layer a block) is sized as the target's would be with one
