@@ -15,33 +15,98 @@ to take, leaving RELEASED in the table (the runner reads any block there: attent
 those positions). A model whose every layer is windowed has one such group; one that mixes
 full and windowed layers (Gemma 2 and 3, gpt-oss) has both kinds, so only its full layers
 keep a request's whole history.
+
+With a host tier (vLLM's KV offloading), a cached block evicted from the pool is copied to
+one of `num_host_blocks` slots in host memory first, under the same hash, and a later request
+whose prefix continues there takes fresh blocks that the slots are copied back into before
+its step runs: the prefix cache then holds what the host's memory does, not only the device's.
+The copies a step needs (`take_swaps`) go out with it, evictions first. The host tier serves
+models whose layers all keep every block (one group, no window).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.request import Request
 
 RELEASED = -1  # a block table entry whose block was given back (out of its group's window)
 
 
+def host_hit(slot: int) -> int:
+    """A prefix-cache hit in the host tier, as get_computed_blocks lists it among block ids."""
+    return -2 - slot
+
+
+def host_slot(entry: int) -> int | None:
+    """The host slot a hit entry names, or None for a block id (or RELEASED)."""
+    return -2 - entry if entry < RELEASED else None
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens served from the cache
+    hits: int = 0  # tokens served from the cache (either tier)
+    host_hits: int = 0  # of those, tokens copied back from the host tier
+
+
+@dataclass
+class KVSwaps:
+    """The copies a step needs before it runs, in this order: evicted blocks out to host
+    slots, then host slots back into fresh blocks."""
+
+    out: list[tuple[int, int]] = field(default_factory=list)  # (block id, host slot)
+    back: list[tuple[int, int]] = field(default_factory=list)  # (host slot, block id)
+
+
+class HostTier:
+    """The host slots: which block hash each holds, least recently used first, and those a
+    copy back is pending from (not to be reused until the step has run)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.cached: OrderedDict[tuple[int, int], int] = OrderedDict()  # block hash -> slot
+        self.free = list(range(num_slots))
+        self.pinned: set[int] = set()
+
+    def store(self, block_hash: tuple[int, int]) -> int | None:
+        """A slot for an evicted block's content (None: already held, or every slot pinned)."""
+        if block_hash in self.cached:
+            self.cached.move_to_end(block_hash)
+            return None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            victim = next((h for h, s in self.cached.items() if s not in self.pinned), None)
+            if victim is None:
+                return None
+            slot = self.cached.pop(victim)
+        self.cached[block_hash] = slot
+        return slot
+
+    def lookup(self, block_hash: tuple[int, int]) -> int | None:
+        slot = self.cached.get(block_hash)
+        if slot is not None:
+            self.cached.move_to_end(block_hash)
+        return slot
+
+    def reset(self) -> None:
+        self.free = list(range(self.num_slots))
+        self.cached.clear()
 
 
 class BlockPool:
     """The blocks: reference counts, the prefix cache's keys (a block's content is its group's
     layers' KV for a run of tokens), and the free list in eviction order."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, host: HostTier | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.host = host
+        self.swaps = KVSwaps()  # the copies the step being scheduled needs
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[tuple[int, int] | None] = [None] * num_blocks  # (group, hash) once cached
         # Blocks with ref_cnt 0, in eviction order: the front is evicted first.
@@ -51,9 +116,12 @@ class BlockPool:
     def take(self) -> int:
         block_id, _ = self.free.popitem(last=False)
         block_hash = self.block_hash[block_id]
-        if block_hash is not None:  # evict it from the prefix cache
+        if block_hash is not None:  # evict it from the prefix cache (to the host tier, if any)
             del self.cached[block_hash]
             self.block_hash[block_id] = None
+            slot = self.host.store(block_hash) if self.host is not None else None
+            if slot is not None:
+                self.swaps.out.append((block_id, slot))
         self.ref_cnt[block_id] = 1
         return block_id
 
@@ -80,14 +148,33 @@ class BlockPool:
         self.cached[block_hash] = block_id
 
     def reclaimed(self, hits: list[int]) -> int:
-        """How many of these cache hits sit in the free list (taking them shrinks it)."""
-        return sum(1 for b in hits if b != RELEASED and self.ref_cnt[b] == 0)
+        """How many of these cache hits sit in the free list (taking them shrinks it), or
+        need a free block (the host tier's)."""
+        return sum(1 for b in hits if b < RELEASED or (b != RELEASED and self.ref_cnt[b] == 0))
+
+    def pin(self, slot: int) -> None:
+        assert self.host is not None
+        self.host.pinned.add(slot)
+
+    def take_back(self, slot: int) -> int:
+        """A fresh block that host slot `slot` (pinned) is copied back into before the step runs."""
+        block_id = self.take()
+        self.swaps.back.append((slot, block_id))
+        return block_id
+
+    def take_swaps(self) -> KVSwaps:
+        swaps, self.swaps = self.swaps, KVSwaps()
+        if self.host is not None:
+            self.host.pinned.clear()
+        return swaps
 
     def reset_prefix_cache(self) -> None:
         for block_hash, block_id in list(self.cached.items()):
             if self.ref_cnt[block_id] == 0:
                 self.block_hash[block_id] = None
                 del self.cached[block_hash]
+        if self.host is not None and not self.host.pinned:
+            self.host.reset()
 
 
 class BlockManager:
@@ -95,8 +182,11 @@ class BlockManager:
     keeps every block where any group does."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,)):
-        self.pool = BlockPool(num_blocks)
+                 windows: Sequence[int | None] = (None,), num_host_blocks: int = 0):
+        if num_host_blocks and (not enable_prefix_caching or list(windows) != [None]):
+            raise ValueError("KV offloading to host memory serves the prefix cache of a model whose layers keep "
+                             "every block: it needs enable_prefix_caching, and no sliding-window layers")
+        self.pool = BlockPool(num_blocks, HostTier(num_host_blocks) if num_host_blocks else None)
         self.windows = list(windows)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -162,11 +252,19 @@ class BlockManager:
         ):
             num_hit -= 1
         self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit * self.block_size
         hits = []
         for group, blocks in enumerate(found):
             first = self.first_read_block(group, num_hit * self.block_size)
             hits.append([RELEASED] * first + [b for b in blocks[first:num_hit] if b is not None])
+        host = self.pool.host
+        if host is not None:  # the prefix goes on in the host tier (one group, no window)
+            for block_hash in hashes[num_hit:]:
+                slot = host.lookup((0, block_hash))
+                if slot is None:
+                    break
+                hits[0].append(host_hit(slot))
+                self.stats.host_hits += self.block_size
+        self.stats.hits += len(hits[0]) * self.block_size
         return hits
 
     def allocate_slots(
@@ -183,8 +281,13 @@ class BlockManager:
             return False
         for group, (table, hit, n) in enumerate(zip(tables, hits, new, strict=True)):
             for block_id in hit:
-                self.pool.ref(block_id)
-            table.extend(hit)
+                if (slot := host_slot(block_id)) is not None:  # kept until copied back: no eviction reuses it
+                    self.pool.pin(slot)
+                else:
+                    self.pool.ref(block_id)
+            # (the host tier's hits take blocks last: a block taken may evict another's cached one)
+            table.extend(block_id if (slot := host_slot(block_id)) is None else self.pool.take_back(slot)
+                         for block_id in hit)
             table.extend(self.pool.take() for _ in range(n))
             released = hit.count(RELEASED)
             if released:
@@ -254,6 +357,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+
+    def take_swaps(self) -> KVSwaps:
+        """The copies the step just scheduled needs (KV offloading), and the slots free again."""
+        return self.pool.take_swaps()
 
     def _table_len(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

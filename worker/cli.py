@@ -30,6 +30,7 @@ _ENGINE_FLAGS: dict[str, type] = {
     "max_lora_rank": int,
     "max_images_per_prompt": int,
     "tensor_parallel_size": int,
+    "kv_offloading_size": float,
 }
 # Flags that set worker arguments.
 _WORKER_FLAGS: dict[str, type] = {
@@ -110,6 +111,8 @@ _HELP = {
     "max_lora_rank": "the largest LoRA rank served (default 16)",
     "tensor_parallel_size": "split the model over this many GPUs, one process each "
     "(default: $GENQ_TENSOR_PARALLEL_SIZE or 1)",
+    "kv_offloading_size": "GiB of host memory that KV blocks evicted from the prefix cache are kept in, and "
+    "copied back from on a hit (default: $GENQ_KV_OFFLOADING_SIZE or off)",
 }
 
 

@@ -55,6 +55,10 @@ class EngineConfig:
     # a model that mixes full and sliding-window layers keeps only the blocks its windowed
     # layers' windows read (vLLM's hybrid KV cache manager); True: every layer keeps every block
     disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's: GiB of host memory (in all, over the tensor-parallel ranks) that cached KV blocks
+    # evicted from the pool are copied to, and copied back from when a prefix reaches them;
+    # None: the prefix cache holds only what the pool does
+    kv_offloading_size: float | None = None
     # vLLM's: overrides of the checkpoint's image processor settings, e.g. {"max_pixels":
     # 1003520} to bound the tokens a Qwen-VL image takes; keys it does not know are refused
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -88,6 +92,8 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, by name
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB (or None: off), got {self.kv_offloading_size}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

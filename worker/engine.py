@@ -83,7 +83,8 @@ class Engine:
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          windows=[window for window, _ in self.runner.kv_layout])
+                                          windows=[window for window, _ in self.runner.kv_layout],
+                                          num_host_blocks=self.runner.num_host_blocks)
         sched_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -305,6 +306,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if sched.swaps.out or sched.swaps.back:  # (whether or not a request is left to run)
+            self.runner.swap_blocks(sched.swaps)
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}
         embeddings: dict[str, list[float]] = {}

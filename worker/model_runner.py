@@ -24,6 +24,7 @@ from worker.attention import (
     pad_tables,
     resolve_attention_backend,
 )
+from worker.block_manager import KVSwaps
 from worker.config import EngineConfig, kv_group_layout
 from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
@@ -136,6 +137,8 @@ class ModelRunner:
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
+        self.host_pool = self._allocate_host_tier(config.kv_offloading_size)
+        self.num_host_blocks = 0 if self.host_pool is None else self.host_pool.shape[2]
         self.graphs = self._decode_graphs(backend, max_model_len)
 
     def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
@@ -246,8 +249,40 @@ class ModelRunner:
             pool = torch.zeros((self.num_slots, pools, *shape), dtype=self.kv_dtype, device=self.device)
         else:
             pool = _cpu_pool(pools * self.num_slots * math.prod(shape), self.kv_dtype).view(self.num_slots, pools, *shape)
+        self.kv_pool = pool  # [slots, pools, blocks, ...]
         slots = [(pool[i, 0], pool[i, pools - 1]) for i in range(self.num_slots)]
         return [slots[slot] for slot in self.layer_slot]
+
+    def _allocate_host_tier(self, size_gb: float | None) -> torch.Tensor | None:
+        """KV offloading's host slots, laid out as the pool's blocks: `size_gb` GiB in all, a
+        tensor-parallel rank holding its share of each block (pinned where the pool is on a
+        GPU, so copies run beside the stream's work)."""
+        if not size_gb:
+            return None
+        block_bytes = self.kv_pool[:, :, 0].numel() * self.kv_pool.element_size()
+        world = 1 if self.parallel is None else self.parallel.world_size
+        num_slots = int(size_gb * 2**30 / world // block_bytes)
+        if self.parallel is not None:
+            num_slots = self.parallel.min(num_slots)
+        if num_slots < 1:
+            raise ValueError(f"kv_offloading_size={size_gb} GiB holds no block of this model's KV cache "
+                             f"({block_bytes * world} bytes a block)")
+        shape = (*self.kv_pool.shape[:2], num_slots, *self.kv_pool.shape[3:])
+        return torch.empty(shape, dtype=self.kv_pool.dtype, pin_memory=self.device.type == "cuda")
+
+    def swap_blocks(self, swaps: KVSwaps) -> None:
+        """KV offloading's copies for a step, before it runs: evicted blocks out to their host
+        slots, then host slots back into the blocks that take them (each destination's last
+        copy is the one that counts)."""
+        assert self.host_pool is not None
+        pool, host = self.kv_pool.view(torch.uint8), self.host_pool.view(torch.uint8)  # (fp8 has no index_put)
+        if swaps.out:
+            block_in = {slot: block for block, slot in swaps.out}  # a slot given twice: its last
+            host[:, :, list(block_in)] = pool[:, :, list(block_in.values())].to("cpu")
+        if swaps.back:
+            slot_for = {block: slot for slot, block in swaps.back}
+            blocks = torch.tensor(list(slot_for), device=self.device)
+            pool[:, :, blocks] = host[:, :, list(slot_for.values())].to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, images: StepImages | None = None) -> ModelOutput:

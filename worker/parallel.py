@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from worker.block_manager import KVSwaps
     from worker.config import EngineConfig
     from worker.lora import LoRAAdapter, LoRAManager
     from worker.lora_request import LoRARequest
@@ -287,6 +288,11 @@ class ParallelRunner:
             self._raise_if_a_rank_stopped(exc)
             raise
 
+    def swap_blocks(self, swaps: KVSwaps) -> None:
+        """KV offloading's copies, made by every rank in its own pool and host slots."""
+        self._send(("swap_blocks", swaps))
+        self.local.swap_blocks(swaps)
+
     def _send(self, message: Any) -> None:
         """Send every other rank a step, or a change to its adapters; a rank that has stopped
         is named."""
@@ -408,6 +414,8 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, mode
         if kind == "step":  # (the step, its image inputs as bytes)
             images = None if args[1] is None else torch.load(io.BytesIO(args[1]), weights_only=False)
             runner.execute_layers(args[0], images)
+        elif kind == "swap_blocks":  # KV offloading's copies
+            runner.swap_blocks(*args)
         else:  # a change to the adapters: add_lora (a request), remove_lora (an id)
             assert runner.lora is not None
             getattr(runner.lora, kind.removesuffix("_lora"))(*args)

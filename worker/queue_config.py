@@ -58,6 +58,7 @@ ENV_VARS = {
     "GENQ_SPECULATIVE_CONFIG": 'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4} (default: off)',
     "GENQ_MAX_IMAGES_PER_PROMPT": "the most images one prompt may hold (default 16)",
     "GENQ_TENSOR_PARALLEL_SIZE": "split the model over this many GPUs, one process each (default 1)",
+    "GENQ_KV_OFFLOADING_SIZE": "GiB of host memory for KV blocks evicted from the prefix cache (default: off)",
     "GENQ_MM_PROCESSOR_KWARGS": 'image processor overrides, JSON: {"max_pixels": 1003520} (default: the checkpoint\'s)',
     "GENQ_CLAIM_IDLE_S": "idle time after which another worker reclaims an entry",
     "GENQ_HEARTBEAT_S": "heartbeat period",
@@ -176,6 +177,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         mm_processor_kwargs=_parse(env, "GENQ_MM_PROCESSOR_KWARGS", parse_json_object, "a JSON object"),
         max_images_per_prompt=_int(env, "GENQ_MAX_IMAGES_PER_PROMPT"),
         tensor_parallel_size=_int(env, "GENQ_TENSOR_PARALLEL_SIZE"),
+        kv_offloading_size=_float(env, "GENQ_KV_OFFLOADING_SIZE"),
         quantization=env.get("GENQ_QUANTIZATION") or None,
         kv_cache_dtype=env.get("GENQ_KV_CACHE_DTYPE") or None,
     )

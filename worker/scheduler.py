@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from worker.block_manager import BlockManager
+from worker.block_manager import BlockManager, KVSwaps
 from worker.config import SchedulerConfig
 from worker.request import Request, RequestStatus
 
@@ -43,6 +43,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
+    # KV offloading's copies, made before the step runs (even one left with no request to run)
+    swaps: KVSwaps = field(default_factory=KVSwaps)
 
     @property
     def is_empty(self) -> bool:
@@ -111,6 +113,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.swaps = self.block_manager.take_swaps()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

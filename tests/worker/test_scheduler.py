@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from producer.sampling_params import SamplingParams
-from worker.block_manager import BlockManager
+from worker.block_manager import BlockManager, KVSwaps, host_hit, host_slot
 from worker.config import SchedulerConfig
 from worker.request import Request, RequestStatus
 from worker.scheduler import Scheduler
@@ -171,6 +173,54 @@ def test_lru_eviction_of_cached_blocks():
     assert len(bm.pool.cached) == 1  # the tail block of a was evicted, its head survives
     c = make_request("c", list(range(4)) + [99, 98])
     assert [len(hits) for hits in bm.get_computed_blocks(c)] == [1]
+
+
+def _computed_and_freed(bm, request):
+    """A request's blocks computed, cached and given back."""
+    assert bm.allocate_slots(request, request.num_tokens)
+    request.num_computed_tokens = request.num_tokens
+    bm.cache_computed_blocks(request)
+    bm.free_request(request.request_id)
+
+
+def test_blocks_evicted_to_the_host_tier_come_back_on_a_hit():
+    """Four blocks on the device, four host slots: a's cached blocks, evicted by b, are copied
+    out (before b's step overwrites them); a's prompt again takes fresh blocks that its host
+    slots are copied back into, after this step's own evictions."""
+    bm = BlockManager(4, BS, True, num_host_blocks=4)
+    _computed_and_freed(bm, make_request("a", range(12)))  # 3 full blocks cached
+    assert bm.take_swaps() == KVSwaps()
+    a_blocks = {h: b for h, b in bm.pool.cached.items()}
+    _computed_and_freed(bm, make_request("b", range(100, 116)))  # takes all 4: a's 3 go to the host
+    swaps = bm.take_swaps()
+    assert sorted(block for block, _ in swaps.out) == sorted(a_blocks.values()) and not swaps.back
+    slot_of = {bm.pool.host.cached[h]: a_blocks[h] for h in a_blocks}  # slot -> a's block it holds
+    again = make_request("a2", list(range(12)) + [5])
+    hits = bm.get_computed_blocks(again)
+    assert [host_slot(entry) for entry in hits[0]] == [bm.pool.host.cached[(0, h)] for h in again.block_hashes[:3]]
+    assert bm.stats.host_hits == 12
+    assert bm.allocate_slots(again, 1, hits)
+    swaps = bm.take_swaps()
+    # b's 4 cached blocks go to the host as a2 takes them, each into the one slot a's 3 (being
+    # copied back from) leave: it ends with the last
+    assert [slot for slot, _ in swaps.back] == [host_slot(e) for e in hits[0]]
+    assert [block for _, block in swaps.back] == bm.block_table("a2")[:3]
+    (spare,) = set(range(4)) - set(slot_of)
+    assert [slot for _, slot in swaps.out] == [spare] * 4 and len(bm.pool.host.cached) == 4
+    assert bm.pool.host.pinned == set()  # reusable again once the step has its copies
+
+
+def test_the_host_tier_keeps_the_latest_and_refuses_what_it_cannot_serve():
+    bm = BlockManager(2, BS, True, num_host_blocks=1)
+    _computed_and_freed(bm, make_request("a", range(4)))
+    _computed_and_freed(bm, make_request("b", range(10, 18)))  # evicts a's block: slot 0 holds it
+    _computed_and_freed(bm, make_request("c", range(20, 28)))  # evicts b's two, tail first
+    swaps = bm.take_swaps()
+    assert [slot for _, slot in swaps.out] == [0, 0, 0] and len(bm.pool.host.cached) == 1
+    assert bm.get_computed_blocks(make_request("b2", list(range(10, 18)) + [1])) == [[host_hit(0)]]  # b's head
+    for windows, prefix in (((8,), True), ((None,), False)):
+        with pytest.raises(ValueError, match="needs enable_prefix_caching, and no sliding-window layers"):
+            BlockManager(4, BS, prefix, windows=windows, num_host_blocks=4)
 
 
 def test_allocation_failure_changes_nothing():
