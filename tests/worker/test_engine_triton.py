@@ -104,8 +104,8 @@ def test_triton_backend_bf16_error_matches_torch_backend(tiny_llama_dir):
 def test_triton_backend_samples_the_torch_backends_tokens(tiny_llama_dir):
     """Seeded top-k / top-p sampling: the kernel path (attention, norms, rotary and the sampling
     kernel) draws the same tokens as the torch path from the same seeds."""
-    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11, max_tokens=3, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.7, seed=12, max_tokens=3, ignore_eos=True)]
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11, max_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.7, seed=12, max_tokens=2, ignore_eos=True)]
     prompts = [PROMPTS[0], PROMPTS[0]]  # one prompt under each setting (the interpreter is slow)
 
     def tokens(backend: str) -> list[list[int]]:
