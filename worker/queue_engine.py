@@ -83,6 +83,9 @@ class EngineStats:
     blocks_per_request: int = 1  # blocks a recent request needed to start (moving average)
     spec_decode_num_draft_tokens: int = 0  # guesses computed (speculative decoding), in total
     spec_decode_num_accepted_tokens: int = 0  # guesses kept, in total
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, in total
+    prefix_cache_hits: int = 0  # of those, tokens it held (either tier)
+    prefix_cache_host_hits: int = 0  # of those, tokens copied back from host memory (KV offloading)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -210,6 +213,9 @@ class EngineThread:
             blocks_per_request=blocks.blocks_needed(int(self._mean_request_tokens or 0) + 1),
             spec_decode_num_draft_tokens=self.engine.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.engine.spec_stats.num_accepted_tokens,
+            prefix_cache_queries=blocks.stats.queries,
+            prefix_cache_hits=blocks.stats.hits,
+            prefix_cache_host_hits=blocks.stats.host_hits,
         )
 
     # -- the thread ----------------------------------------------------------------------------

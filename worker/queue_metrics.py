@@ -45,13 +45,23 @@ class WorkerMetrics:
                           buckets=ITL_BUCKETS)
         self._e2e = child(Histogram, "genq:e2e_request_latency_seconds", "Submit to last token",
                           buckets=E2E_BUCKETS)
-        self._drafts = child(Counter, "genq:spec_decode_num_draft_tokens", "Speculative tokens computed")
-        self._accepted = child(Counter, "genq:spec_decode_num_accepted_tokens", "Speculative tokens kept")
+        # counters of the engine's totals (EngineStats fields), which go up by what is new since the last stats
+        self._totals = {
+            "spec_decode_num_draft_tokens": child(Counter, "genq:spec_decode_num_draft_tokens",
+                                                  "Speculative tokens computed"),
+            "spec_decode_num_accepted_tokens": child(Counter, "genq:spec_decode_num_accepted_tokens",
+                                                     "Speculative tokens kept"),
+            "prefix_cache_queries": child(Counter, "genq:prefix_cache_queries", "Prompt tokens looked up in the "
+                                          "prefix cache"),
+            "prefix_cache_hits": child(Counter, "genq:prefix_cache_hits", "Prompt tokens the prefix cache held"),
+            "prefix_cache_host_hits": child(Counter, "genq:prefix_cache_host_hits", "Prompt tokens the prefix "
+                                            "cache held in host memory (KV offloading), copied back"),
+        }
+        self._totals_seen = dict.fromkeys(self._totals, 0)
         self.generation_tokens_total = 0
         self.prompt_tokens_total = 0
         self.requests_finished_total = 0
         self._rate_mark = (time.monotonic(), 0)  # (when, generation tokens then)
-        self._spec_seen = (0, 0)  # the engine's speculative totals at the last stats
 
     def serve(self, port: int, host: str) -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -60,11 +70,10 @@ class WorkerMetrics:
         self._running.set(stats.num_running)
         self._waiting.set(stats.num_waiting)
         self._kv.set(stats.kv_cache_usage)
-        # the engine counts in total; the counters go up by what is new since the last stats
-        drafts, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
-        self._drafts.inc(drafts - self._spec_seen[0])
-        self._accepted.inc(accepted - self._spec_seen[1])
-        self._spec_seen = (drafts, accepted)
+        for name, counter in self._totals.items():
+            total = getattr(stats, name)
+            counter.inc(total - self._totals_seen[name])
+            self._totals_seen[name] = total
 
     def prompt_tokens(self, num_tokens: int) -> None:
         self.prompt_tokens_total += num_tokens

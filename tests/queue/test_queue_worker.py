@@ -278,10 +278,22 @@ def test_heartbeat_reports_model_capacity_and_load(
 
 
 def test_metrics_endpoint(client: Client, metrics_port: int) -> None:
-    client.submit("measure me", GREEDY).result(TIMEOUT_S)
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
-        text = response.read().decode()
+    """Every metric, and the prefix cache's: the same long prompt twice, the second time
+    mostly from the cache."""
+    for _ in range(2):
+        client.submit("measure me " * 20, GREEDY).result(TIMEOUT_S)
+
+    def scrape() -> tuple[str, dict[str, float]]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT_S) as response:
+            text = response.read().decode()
+        return text, {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith("genq:prefix")}
+
+    deadline = time.monotonic() + TIMEOUT_S  # the stats of the job's last step may follow its result
+    text, values = scrape()
+    while values["genq:prefix_cache_hits_total"] < 32 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        text, values = scrape()
     for name in (
         "genq:num_requests_running", "genq:num_requests_waiting", "genq:kv_cache_usage_perc",
         "genq:generation_tokens_total", "genq:prompt_tokens_total",
@@ -290,6 +302,8 @@ def test_metrics_endpoint(client: Client, metrics_port: int) -> None:
     ):
         assert name in text, name
     assert f'model_name="{SERVED}"' in text
+    assert values["genq:prefix_cache_queries_total"] >= values["genq:prefix_cache_hits_total"] >= 32
+    assert values["genq:prefix_cache_host_hits_total"] == 0  # no offloading
 
 
 def test_arq_health_check(worker: WorkerProcess) -> None:
