@@ -195,7 +195,7 @@ class ModelRunner:
             model.load_weights(iter_safetensors(model_path), functools.partial(
                 shard_weights, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size))
         if self.parallel is not None:
-            model.reduce_with(self.parallel.all_reduce)
+            model.reduce_with(self.parallel.all_reduce, self.parallel.world_size)
         if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's
             quant.dequantize_all(model, self.dtype)
         model.eval()

@@ -124,9 +124,10 @@ def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_s
         return torch.cat([part(half, dim) for half in tensor.chunk(2, dim=dim)], dim=dim)
     if values.endswith(_STACKED_DOWN):  # [E, H, I], or the Hub's [E, I, H]
         return part(tensor, 1 if _inputs_first(name, tensor, cfg, 1) else 2)
-    if module in _BY_ROWS or kind == "sinks":  # (gpt-oss's sink logit per head)
+    by_rows, kv = _BY_ROWS | _whole_norms(cfg, "q_norm"), _KV | _whole_norms(cfg, "k_norm")
+    if module in by_rows or kind == "sinks":  # (gpt-oss's sink logit per head)
         return part(tensor)
-    if module in _KV:
+    if module in kv:
         return _kv_share(tensor, cfg, rank, world_size)
     if module == "qkv_proj":
         q, k, v = _qkv_parts(tensor, cfg)
@@ -138,6 +139,12 @@ def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_s
     if module in _BY_COLUMNS or kind == "down_proj_bias":  # a bias added once, by rank 0
         return tensor if rank == 0 else torch.zeros_like(tensor)
     return tensor
+
+
+def _whole_norms(cfg: ModelConfig, name: str) -> frozenset[str]:
+    """OLMo 2's q and k norms, over whole projections: their weights split as q's and k's rows
+    (other models' norms are per head, whole on every rank)."""
+    return frozenset({name}) if cfg.qk_norm_whole else frozenset()
 
 
 def _qkv_parts(tensor: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:

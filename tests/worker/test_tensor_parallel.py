@@ -35,13 +35,14 @@ def split_llm(model_dir, **kwargs) -> LLM:
 # ernie4_5: biases on every projection (o_proj's and down_proj's added once over the ranks)
 # and q/k rows reordered for its interleaved RoPE; phi3: q/k/v and gate/up fused in the
 # checkpoint, a partial rotary; qwen3: a head_dim of its own, per-head q/k norms, two query
-# heads per KV head on each rank; qwen2_moe: every expert split, and the gated shared
+# heads per KV head on each rank; olmo2: q and k normed over whole projections, each rank's
+# sums of squares summed over the ranks; qwen2_moe: every expert split, and the gated shared
 # expert; granitemoe: experts stacked in the checkpoint; deepseek_v2 and _v3: latent
 # attention's heads split, its latent cache whole on both ranks (V3's queries through a low
 # rank, with interleaved RoPE; DeepSeek-V3's routing on whole router weights, shared experts
 # and a dense first layer); gpt_oss: a sink logit per head, biases on the experts (down_proj's
 # added once) and interleaved gate/up. (One KV head that both ranks keep: the GPTQ case below.)
-@pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3", "qwen2_moe", "granitemoe", "deepseek_v2",
+@pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3", "olmo2", "qwen2_moe", "granitemoe", "deepseek_v2",
                                     "deepseek_v3", "gpt_oss"])
 def test_a_split_model_decodes_as_transformers(family, tiny_family):
     model_dir = tiny_family(family)
@@ -224,8 +225,41 @@ def test_kv_heads_split_or_are_shared():
         whole.shard(3)
 
 
-def test_what_does_not_split_yet_is_refused(tiny_family):
-    with pytest.raises(ValueError, match="cannot split Olmo2ForCausalLM yet: its q/k norms over whole projections"):
-        split_llm(tiny_family("olmo2"))
+def test_whole_projection_norms_over_replicated_kv_heads():
+    """OLMo 2 over four ranks: one query head each, each of the 2 KV heads kept by two. Every
+    rank's normed q and k equal its columns of the whole norms, given its all-reduce: the sum
+    of what the four ranks give it (gathered first, then handed back)."""
+    from transformers import Olmo2Config
+
+    from worker.models.llama import Attention
+    from worker.parallel import _kv_share
+
+    whole = ModelConfig.from_hf(Olmo2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                            num_key_value_heads=2, num_hidden_layers=1,
+                                            architectures=["Olmo2ForCausalLM"]))
+    torch.manual_seed(0)
+    full = Attention(whole)
+    for norm in (full.q_norm, full.k_norm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    q, k = torch.randn(5, 64), torch.randn(5, 32)
+    ranks = []
+    for rank in range(4):
+        attn = Attention(whole.shard(4))
+        attn.world_size = 4
+        attn.q_norm.weight.data = full.q_norm.weight.data.chunk(4)[rank]
+        attn.k_norm.weight.data = _kv_share(full.k_norm.weight.data, whole, rank, 4)
+        ranks.append((attn, q.chunk(4, dim=1)[rank], _kv_share(k.T, whole, rank, 4).T))
+    given: list[torch.Tensor] = []
+    for attn, q_part, k_part in ranks:  # what each rank gives the all-reduce
+        attn.reduce = lambda t: given.append(t) or t
+        attn._split_norms(q_part, k_part)
+    for rank, (attn, q_part, k_part) in enumerate(ranks):
+        attn.reduce = lambda t: sum(given)
+        q_normed, k_normed = attn._split_norms(q_part, k_part)
+        torch.testing.assert_close(q_normed, full.q_norm(q).chunk(4, dim=1)[rank])
+        torch.testing.assert_close(k_normed, _kv_share(full.k_norm(k).T, whole, rank, 4).T)
+
+
+def test_a_bad_split_is_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)

@@ -360,12 +360,9 @@ class ModelConfig:
         if world_size == 1:
             return self
         moe = self.moe
-        refused = [what for what, on in (("act-order (desc_act) GPTQ weights", self.quant is not None
-                                           and self.quant.act_order),
-                                          ("q/k norms over whole projections", self.qk_norm_whole)) if on]
-        if refused:
+        if self.quant is not None and self.quant.act_order:
             raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: "
-                             f"its {', '.join(refused)} run on one device only")
+                             "its act-order (desc_act) GPTQ weights run on one device only")
         kv_heads = self.num_key_value_heads
         if kv_heads < world_size and world_size % kv_heads == 0:  # each rank keeps the one KV head its
             kv_heads = world_size  # query heads read, as vLLM replicates them (world_size / kv ranks a head)

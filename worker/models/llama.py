@@ -51,8 +51,11 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Same arithmetic as transformers (normalise in float32, cast, then scale), with
         # torch's fused kernel for the normalisation: bitwise equal, fewer passes.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.scaled(F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps), x.dtype)
+
+    def scaled(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weight applied to a float32 normalised value, in `dtype`."""
+        return self.weight * normed.to(dtype)
 
     def _forward_kernel(self, x, residual):
         import kernels  # triton is loaded only where the kernel path runs
@@ -72,9 +75,8 @@ class Float32ScaleRMSNorm(RMSNorm):
         super().__init__(hidden_size, eps, use_kernel=False)
         self.offset = offset
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (self.offset + self.weight.float())).to(x.dtype)
+    def scaled(self, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (normed * (self.offset + self.weight.float())).to(dtype)
 
 
 def make_norm(cfg: ModelConfig, hidden_size: int, use_kernel: bool = False) -> RMSNorm:
@@ -227,8 +229,21 @@ class Attention(nn.Module):
         # gpt-oss: a logit per query head that joins its softmax (and adds no value)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None
         self.kv_scales: kv_scales.KVScales | None = None  # the checkpoint's, for an fp8 cache
-        # tensor parallelism: sums o_proj's partial outputs over the ranks (worker.parallel)
+        # tensor parallelism: sums o_proj's partial outputs over the ranks (worker.parallel), of
+        # which there are `world_size`
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.world_size = 1
+
+    def _split_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's q and k norms over whole projections whose heads the ranks share: each
+        rank's sums of squares, summed by one all-reduce, over every rank's columns (a KV head
+        that several ranks keep is counted as often in the sum as in the columns)."""
+        assert self.reduce is not None
+        sums = self.reduce(torch.stack((q.float().square().sum(-1), k.float().square().sum(-1)), dim=-1))  # [T, 2]
+        q_norm, k_norm = (norm.scaled(x.float() * torch.rsqrt(total[:, None] / (x.shape[-1] * self.world_size)
+                                                              + norm.eps), x.dtype)
+                          for x, norm, total in ((q, self.q_norm, sums[:, 0]), (k, self.k_norm, sums[:, 1])))
+        return q_norm, k_norm
 
     def forward(
         self,
@@ -245,7 +260,7 @@ class Attention(nn.Module):
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-1)
+            qk = torch.cat(self._split_norms(q, k) if self.reduce else (self.q_norm(q), self.k_norm(k)), dim=-1)
         qk = qk.view(num_tokens, -1, self.head_dim)
         if self.qk_norm and not self.qk_norm_whole:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -355,12 +370,13 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_local: RotaryEmbedding | None = None  # the windowed layers', where they have their own
         self.build_rotary(torch.device("cpu"))
 
-    def reduce_with(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def reduce_with(self, all_reduce: Callable[[torch.Tensor], torch.Tensor], world_size: int) -> None:
         """Tensor parallelism: each layer's attention and MLP outputs are summed over the
-        ranks by `all_reduce` (the model holds this rank's share of them)."""
+        `world_size` ranks by `all_reduce` (the model holds this rank's share of them)."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.reduce = all_reduce
+            layer.self_attn.world_size = world_size
             layer.mlp.reduce = all_reduce  # a dense MLP's, or the whole expert block's
 
     def build_rotary(self, device: torch.device) -> None:
