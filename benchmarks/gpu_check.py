@@ -20,7 +20,9 @@ reports the parts it finished):
    greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
    Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt
    with two images, CUDA against CPU; where the host has two GPUs, a Qwen3 split over them
-   (`tensor_parallel_size=2`) against one, float32: equal;
+   (`tensor_parallel_size=2`) against one, float32: equal; KV offloading (a prompt's blocks
+   pushed out of a small pool and copied back from pinned host memory), its greedy tokens
+   before and after, float32: equal;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -380,6 +382,26 @@ def check_w1(model: str | None, load_format: str, num_prompts: int) -> list[str]
     ]
 
 
+def check_kv_offload(model: str | None, load_format: str, device: str = "cuda", num_tokens: int = 16) -> list[str]:
+    """KV offloading on the device: a 400-token prompt's cached blocks, pushed out of a
+    48-block pool by a 600-token one, come back from pinned host memory; its greedy tokens the
+    second time equal the first's (float32)."""
+    import random
+
+    from worker import LLM, SamplingParams
+
+    rng = random.Random(0)
+    first, other = ([rng.randrange(3, 49152) for _ in range(n)] for n in (400, 600))
+    llm = LLM(model, dtype="float32", device=device, load_format=load_format, max_model_len=768,
+              num_gpu_blocks_override=48, kv_offloading_size=0.25)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    runs = [llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0] for ids in (first, other, first)]
+    stats = llm.engine.block_manager.stats
+    return [f"kv offloading on {device}: {runs[2].num_cached_tokens} of {len(first)} prompt tokens cached the second "
+            f"time, {stats.host_hits} from host memory; greedy "
+            f"{_compare([runs[0].outputs[0].token_ids], [runs[2].outputs[0].token_ids])}"]
+
+
 def _section(name: str, check: Callable[[], list[str]]) -> list[str]:
     """One part of the check; a failure becomes a line of the table, not the end of the run."""
     try:
@@ -422,6 +444,7 @@ def main() -> int:
         summary += _section(arch, lambda arch=arch: check_remade_vs_cpu(args.model, arch))
     summary += _section("images", lambda: check_images_vs_cpu(args.model))
     summary += _section("tensor parallel", lambda: check_tensor_parallel(args.model))
+    summary += _section("kv offloading", lambda: check_kv_offload(args.model, args.load_format))
     summary += _section("W1", lambda: check_w1(args.model, args.load_format, args.num_prompts))
     summary.append(f"elapsed {time.time() - start:.0f} s")
     print("\n".join(["", "== GPU check ==", *summary]))
