@@ -39,6 +39,7 @@ class DraftModelProposer:
         draft = dataclasses.replace(config, model=str(path), enable_lora=False, speculative_config=None,
                                     quantization=None,  # the draft as its checkpoint is stored
                                     tensor_parallel_size=1,  # whole, beside rank 0's share of a split target
+                                    kv_offloading_size=None,  # its blocks are its own: no prefix cache
                                     num_gpu_blocks_override=blocks,
                                     disable_hybrid_kv_cache_manager=True)  # one table per request
         self.runner = ModelRunner(draft, path, language_config(AutoConfig.from_pretrained(path)), max_model_len)

@@ -40,3 +40,11 @@ def test_without_room_or_prefix_caching_offloading_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="KV offloading to host memory .* needs enable_prefix_caching"):
         LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=12, max_model_len=192, kv_offloading_size=0.001,
             enable_prefix_caching=False)
+
+
+def test_a_draft_model_keeps_no_host_tier(tiny_llama_dir):
+    """The target's prefix cache has the host tier; a draft's blocks are its own, uncached."""
+    spec = {"model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=12, max_model_len=192,
+              kv_offloading_size=64 * BLOCK_BYTES / 2**30, speculative_config=spec)
+    assert llm.engine.runner.num_host_blocks == 64 and llm.engine.proposer.runner.host_pool is None
