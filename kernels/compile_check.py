@@ -86,7 +86,7 @@ def _divisibility(variant: _Variant) -> dict[tuple[int, ...], list[list[Any]]]:
 
 def _attention_variant(
     name: str, dtype: str, head_dim: int, group: int, max_query_len: int, split: bool, window: int = 0,
-    softcap: float = 0.0, cache: str | None = None, sinks: bool = False, until: bool = False,
+    softcap: float = 0.0, cache: str | None = None, sinks: bool = False, until: bool = False, chunk: int = 0,
 ) -> _Variant:
     """`cache`: the KV cache's pointer type when it is not the activations' (*fp8e4nv)."""
     tiling = _choose_tiling(group, max_query_len, padded_head_dim(head_dim))
@@ -99,8 +99,8 @@ def _attention_variant(
     constexprs = dict(
         GROUP=group, GROUP_P=tiling.group_p, BLOCK_Q=tiling.block_q, BLOCK_M=tiling.block_m,
         BLOCK_N=_BLOCK_N, BLOCK_SIZE=16, HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim), DOT_DTYPE=dot,
-        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SPLIT=split, WINDOW=window, SOFTCAP=softcap,
-        SINKS=sinks, UNTIL=until,
+        DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SPLIT=split, WINDOW=window, CHUNK=chunk,
+        SOFTCAP=softcap, SINKS=sinks, UNTIL=until,
     )  # fmt: skip
     kernel = _paged_attention_kernel
     return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps)
@@ -169,6 +169,9 @@ def _variants() -> list[_Variant]:
                            until=True),
         # Phi-3's 96-wide heads, in 128-wide tiles
         _attention_variant("attention bf16 d96 mha prefill", "*bf16", 96, 1, 512, False),
+        # Llama 4 Scout's chunked layers: 40 query heads over 8 KV heads, chunks of 8192
+        _attention_variant("attention bf16 d128 gqa5 chunk prefill", "*bf16", 128, 5, 512, False, chunk=8192),
+        _attention_variant("attention bf16 d128 gqa5 chunk decode split", "*bf16", 128, 5, 1, True, chunk=8192),
         _attention_variant("attention bf16 d96 mha decode split", "*bf16", 96, 1, 1, True, window=2047),
         _Variant(
             "merge splits bf16 d128", _merge_splits_kernel, "*fp32",

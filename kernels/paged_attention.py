@@ -10,7 +10,7 @@ causally) and decodes (query_len 1) alike. The batch is described as in the engi
 - `block_tables` [B, max_num_blocks_per_seq] int32: physical block of each logical block.
 - `attend_until` [T] int32, optional: the last position each new token sees, where some
   see past themselves (Gemma 3's image tokens see their whole image); a sliding window
-  still bounds what lies before a query.
+  or a chunk still bounds what lies before a query.
 
 Grouped-query attention: one program owns one KV head and all `group` query heads that share
 it. Its tile rows are (query token, query head) pairs, so each K/V tile is loaded once for the
@@ -87,6 +87,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands (tests), else the default "tf32"
     SPLIT: tl.constexpr,  # write fp32 partials and their log-sum-exp
     WINDOW: tl.constexpr,  # a query sees only the last WINDOW positions (itself included); 0: all
+    CHUNK: tl.constexpr,  # a query sees only the positions of its own chunk of CHUNK (Llama 4); 0: all
     SOFTCAP: tl.constexpr,  # scores become SOFTCAP * tanh(score / SOFTCAP); 0: uncapped
     SINKS: tl.constexpr,  # a learned logit per head joins each row's softmax, with a zero value
     UNTIL: tl.constexpr,  # queries see up to their until_ptr position, not their own
@@ -128,6 +129,8 @@ def _paged_attention_kernel(
     tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(visible_end, BLOCK_N))
     if WINDOW > 0:  # tiles wholly before the window of this tile's first query are skipped
         tile_lo = tl.maximum(tile_lo, tl.maximum(context_len + q_tile * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N)
+    if CHUNK > 0:  # and those wholly before its chunk
+        tile_lo = tl.maximum(tile_lo, (context_len + q_tile * BLOCK_Q) // CHUNK * CHUNK // BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
@@ -161,6 +164,8 @@ def _paged_attention_kernel(
         visible = (kv_pos[None, :] <= last[:, None]) & kv_valid[None, :]
         if WINDOW > 0:
             visible = visible & (kv_pos[None, :] > pos[:, None] - WINDOW)
+        if CHUNK > 0:
+            visible = visible & (kv_pos[None, :] >= pos[:, None] // CHUNK * CHUNK)
         if SOFTCAP > 0:  # tanh(x) = 1 - 2 / (exp(2x) + 1), in natural units, then back to log2
             log2e = 1.4426950408889634  # _LOG2E: a kernel reads no module globals
             x = s * (scale_log2 / (log2e * SOFTCAP))
@@ -340,6 +345,7 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] float32
     attend_until: torch.Tensor | None = None,  # [T] int32
+    chunk_size: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of the batch's new tokens over their paged contexts.
 
@@ -351,7 +357,8 @@ def paged_attention(
     `query_start_loc[B]` on (padding) are left untouched. `sinks` (GPT-OSS): a logit per
     query head that takes its share of every row's softmax and contributes no value.
     `attend_until`: the last position each row sees (at least its own, within its
-    sequence's context), where some rows see keys after their own.
+    sequence's context), where some rows see keys after their own. `chunk_size` (Llama 4's
+    chunked attention): a row sees only the positions of its own chunk of that many.
     """
     _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
     if attend_until is not None:
@@ -390,10 +397,12 @@ def paged_attention(
     scale = q.shape[2] ** -0.5 if scale is None else scale
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     launch = _Launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, tiling,
-                     sliding_window or 0, softcap or 0.0, sinks, attend_until)
+                     sliding_window or 0, chunk_size or 0, softcap or 0.0, sinks, attend_until)
     if num_splits == 1:
         launch.run(out, None, 1, max_seq_len)
     else:
@@ -414,6 +423,7 @@ class _Launch:
     scale: float
     tiling: _Tiling
     window: int  # 0: none
+    chunk: int  # 0: none
     softcap: float  # 0: none
     sinks: torch.Tensor | None  # [num_heads] float32
     attend_until: torch.Tensor | None  # [T] int32
@@ -448,7 +458,7 @@ class _Launch:
             BLOCK_N=_BLOCK_N, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim),
             DOT_DTYPE=dot_dtype(self.q.dtype, is_interpreted(_paged_attention_kernel)),
             DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32",
-            SPLIT=split, WINDOW=self.window, SOFTCAP=self.softcap, SINKS=self.sinks is not None,
+            SPLIT=split, WINDOW=self.window, CHUNK=self.chunk, SOFTCAP=self.softcap, SINKS=self.sinks is not None,
             UNTIL=self.attend_until is not None,
             num_warps=t.num_warps,
         )  # fmt: skip
@@ -486,6 +496,7 @@ def paged_attention_ref(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]
     attend_until: torch.Tensor | None = None,  # [T]
+    chunk_size: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]; padding rows are zero
     """Plain-torch paged attention, one sequence at a time, computed in float32 (an fp8
     cache's values widened as they are)."""
@@ -503,7 +514,7 @@ def paged_attention_ref(
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         until = None if attend_until is None else attend_until[start:end]
         out[start:end] = _dense_causal_attention(q[start:end], k, v, scale, sliding_window, softcap, sinks,
-                                                 until).to(q.dtype)
+                                                 until, chunk_size).to(q.dtype)
     return out
 
 
@@ -516,6 +527,7 @@ def _dense_causal_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]: one more logit per row, whose value is zero
     until: torch.Tensor | None = None,  # [query_len]: the last position each query sees (None: its own)
+    chunk: int | None = None,  # each query sees only its own chunk of this many positions
 ) -> torch.Tensor:  # [query_len, num_heads, D] float32
     query_len, seq_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -529,6 +541,8 @@ def _dense_causal_attention(
     visible = kv_pos <= (pos if until is None else until.long())[:, None]
     if window is not None:
         visible &= kv_pos > pos[:, None] - window
+    if chunk is not None:
+        visible &= kv_pos >= (pos // chunk * chunk)[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sink_column = sinks.float()[:, None, None].expand(-1, query_len, 1)  # [num_heads, query_len, 1]

@@ -82,6 +82,21 @@ def test_sliding_window(device: torch.device, window: int, num_splits: int) -> N
         assert not torch.allclose(expected, causal)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("chunk", [1, 16, 64, 100])  # itself only; under a tile; a tile; tiles cut mid-way
+def test_chunked(device: torch.device, chunk: int, num_splits: int) -> None:
+    """Llama 4's chunked attention: queries see only their own chunk, from its start to
+    themselves. A chunk after a cached prefix (33 tokens at 64..96) crosses a chunk
+    boundary; tiles wholly before a chunk are skipped, and the splits that then hold nothing
+    must not count."""
+    batch = make_paged_batch([1, 5, 1, 33], [150, 90, 3, 97], 8, 2, 64, 16, torch.float32, device)
+    out = _run(batch, num_splits=num_splits, chunk_size=chunk)
+    expected = paged_attention_ref(*batch.attention_args(), chunk_size=chunk)
+    assert_close(out[: batch.num_real_tokens], expected[: batch.num_real_tokens])
+    causal = paged_attention_ref(*batch.attention_args())
+    assert not torch.allclose(expected, causal)  # the chunks changed something
+
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_softcap(device: torch.device, window: int | None) -> None:
     """Gemma2's capped scores (cap * tanh(score / cap)), with and without a window; the
@@ -181,6 +196,7 @@ def test_reference_matches_sdpa(gqa: tuple[int, int]) -> None:
     batch = make_paged_batch(query_lens, seq_lens, *gqa, 64, block_size, torch.float32, cpu)
     actual = paged_attention_ref(*batch.attention_args())
     windowed = paged_attention_ref(*batch.attention_args(), sliding_window=24)
+    chunked = paged_attention_ref(*batch.attention_args(), chunk_size=24)
     starts = batch.query_start_loc.tolist()
     for b, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         q = batch.q[starts[b] : starts[b + 1]].transpose(0, 1)  # [num_heads, query_len, D]
@@ -194,6 +210,11 @@ def test_reference_matches_sdpa(gqa: tuple[int, int]) -> None:
         band = mask & ~torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len - 24)
         expected = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True)
         torch.testing.assert_close(windowed[starts[b] : starts[b + 1]], expected.transpose(0, 1))
+        # and chunks of 24: a query sees from its chunk's start, a multiple of 24, to itself
+        pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+        own = mask & (torch.arange(seq_len)[None, :] >= pos - pos % 24)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=own, enable_gqa=True)
+        torch.testing.assert_close(chunked[starts[b] : starts[b + 1]], expected.transpose(0, 1))
 
 
 # --- launcher checks -------------------------------------------------------------------------
@@ -217,12 +238,13 @@ def _bad_inputs(batch: PagedBatch) -> dict[str, tuple[tuple, dict, str]]:
         "out shape": ((q, kc, vc, qsl, sl, bt), {"out": q[:1]}, "out must have shape"),
         "out dtype": ((q, kc, vc, qsl, sl, bt), {"out": q.float()}, "out must have dtype"),
         "num_splits": ((q, kc, vc, qsl, sl, bt), {"num_splits": 0}, "num_splits"),
+        "chunk_size": ((q, kc, vc, qsl, sl, bt), {"chunk_size": 0}, "chunk_size must be >= 1"),
     }
 
 
 BAD_INPUTS = [
     "int q", "cache dtype", "cache strides", "v shape", "heads", "head_dim", "q stride",
-    "seq_lens int64", "query_start_loc", "block_tables", "out shape", "out dtype", "num_splits",
+    "seq_lens int64", "query_start_loc", "block_tables", "out shape", "out dtype", "num_splits", "chunk_size",
 ]  # fmt: skip
 
 
