@@ -224,6 +224,17 @@ def tiny_moe_config(family: str, vocab: int):
                              n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                              moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1,
                              routed_scaling_factor=2.5, norm_topk_prob=True, **TINY_COMMON)
+    if family == "llama4":  # Llama 4's layers in small: chunks of 16 on the rotated first layer (with
+        # experts: one of 4 a token, beside the shared one), the second without RoPE, its
+        # queries scaled up past every 8 positions
+        from transformers import Llama4TextConfig
+
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256, "rope_theta": 500000.0}
+        return Llama4TextConfig(vocab_size=vocab, tie_word_embeddings=False, head_dim=16, num_local_experts=4,
+                                num_experts_per_tok=1, intermediate_size_mlp=96, moe_layers=[0], no_rope_layers=[1, 0],
+                                attention_chunk_size=16, floor_scale=8, attn_scale=0.5, use_qk_norm=True,
+                                rope_parameters=rope, **{**TINY_COMMON, "intermediate_size": 48})
     if family in MLA_FAMILIES:
         return tiny_deepseek_config(family, vocab)
     raise ValueError(family)
@@ -303,7 +314,7 @@ def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe",
-                                        "deepseek_v2", "deepseek_v3"])
+                                        "deepseek_v2", "deepseek_v3", "llama4"])
 def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 
@@ -336,9 +347,9 @@ def tiny_qwen3_moe_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), default_model_dir)
 
 
-@pytest.fixture(scope="session", params=["gemma3", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="session", params=["gemma3", "mistral", "qwen2", "qwen3", "llama4"])
 def tiny_image_text_dir(request, tmp_path_factory, default_model_dir) -> Path:
-    """An image-text model (Gemma 3's, Mistral 3's, Qwen2.5-VL's, Qwen3-VL's) around the tiny
+    """An image-text model (Gemma 3's, Mistral 3's, Qwen2.5-VL's, Qwen3-VL's, Llama 4's) around the tiny
     language model of `request.param`, with a one-layer vision tower genq does not load."""
     from transformers import (
         AutoModelForImageTextToText,
@@ -359,6 +370,14 @@ def tiny_image_text_dir(request, tmp_path_factory, default_model_dir) -> Path:
                                                            "mrope_section": sections}}
         config_class = Qwen2_5_VLConfig if request.param == "qwen2" else Qwen3VLConfig
         config = config_class(text_config=text_dict, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings)
+    elif request.param == "llama4":
+        from transformers import Llama4Config, Llama4VisionConfig
+
+        vision = Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=32, patch_size=8, projector_input_dim=64, projector_output_dim=64,
+                                    vision_output_dim=64)
+        config = Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                              tie_word_embeddings=text.tie_word_embeddings)
     elif request.param == "gemma3":
         vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                     image_size=32, patch_size=8)

@@ -8,10 +8,11 @@ The runner orders each step's flat batch as decodes first (one new token each, s
 context length), then prefill chunks. Decodes are attended in buckets of similar context
 length (padding stays small); each prefill chunk attends to its cached prefix plus its own
 tokens causally (an image's tokens that attend both ways, Gemma 3's, to the image's end); a
-layer with a sliding window sees only the last `window` positions before a query, by
-its own mask, and where every layer a step's metadata serves is windowed (a hybrid model's
-windowed group, or a model windowed throughout) only the blocks the widest window reads are
-gathered. Grouped-query attention is handled without repeating K/V: the query heads
+layer with a sliding window sees only the last `window` positions before a query, and a layer
+of chunked attention (Llama 4's) only those of the query's own chunk, each by its own mask
+(one per span, worker.models.config.Span); where every layer a step's metadata serves sees
+less than everything (a hybrid model's windowed group, or a model windowed throughout) only
+the blocks the widest span reads are gathered. Grouped-query attention is handled without repeating K/V: the query heads
 that share a KV head are laid out as extra query rows of that KV head.
 """
 
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from worker.models.config import Chunked, Span
 from worker.scheduler import ScheduledRequest
 
 # Decodes attended together: small enough that length-sorted buckets pad little, large enough
@@ -43,7 +45,7 @@ class AttentionBackend(Protocol):
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]: ...
 
     def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
-              windows: frozenset[int | None], like: Any = None) -> Any: ...
+              spans: frozenset[Span], like: Any = None) -> Any: ...
 
 
 FP8 = torch.float8_e4m3fn  # kv_cache_dtype="fp8": the cache's values
@@ -108,9 +110,9 @@ class DecodeBucket:
     # block_size * head_dim], ordered (sequence, kv head, block); padded with block 0
     block_rows: torch.Tensor
     # [n, 1, group * q_len, max_blocks * block_size] additive: 0 where a row may attend (one
-    # row for q_len 1: every query head of a sequence sees the same positions); per window
+    # row for q_len 1: every query head of a sequence sees the same positions); per span
     # (None: causal only)
-    masks: dict[int | None, torch.Tensor]
+    masks: dict[Span, torch.Tensor]
     # where the gathered K and V land, reused by every layer of the step: [len(block_rows), bs * D]
     k_buffer: torch.Tensor
     v_buffer: torch.Tensor
@@ -122,8 +124,8 @@ class PrefillChunk:
     row_start: int
     row_end: int
     context_rows: torch.Tensor | None  # [num_kv_heads * num_blocks], ordered (kv head, block); None: no prefix
-    # [group * q_len, ctx_len] additive causal mask, one copy per query head of a group; per window
-    masks: dict[int | None, torch.Tensor]
+    # [group * q_len, ctx_len] additive causal mask, one copy per query head of a group; per span
+    masks: dict[Span, torch.Tensor]
 
 
 @dataclass
@@ -143,14 +145,14 @@ class AttentionMetadata:
         v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         scale: float,
-        window: int | None = None,  # the layer's sliding window
+        span: Span = None,  # what the layer's queries see: a sliding window, their chunk, or all
         softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
         sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head in each softmax (gpt-oss)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's K/V into the cache, then attend over it."""
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, self)
-        return paged_attention(q, k, v, k_cache, v_cache, self, scale, window, softcap, sinks)
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, span, softcap, sinks)
 
 
 @dataclass
@@ -185,12 +187,12 @@ class TorchAttention:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
     def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
-              windows: frozenset[int | None] = frozenset({None}),
+              spans: frozenset[Span] = frozenset({None}),
               like: AttentionMetadata | None = None) -> AttentionMetadata:
         """Metadata for a batch ordered decodes first (shortest context first), then decodes
         with guesses and short chunks after a prefix (grouped by length), then prefills; `tables`: each request's block table
-        (of the KV group built for), `windows`: its layers' windows, a mask for each. `like`:
-        another group's metadata of this step with the same windows, whose masks and gather
+        (of the KV group built for), `spans`: what its layers see, a mask for each. `like`:
+        another group's metadata of this step with the same spans, whose masks and gather
         buffers this one shares (its layers run one at a time)."""
         meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
         row, i = 0, 0
@@ -202,10 +204,10 @@ class TorchAttention:
                    and in_bucket(batch[i + len(bucket)])):
                 bucket.append(batch[i + len(bucket)])
             same = like.decodes[len(meta.decodes)] if like is not None else None
-            meta.decodes.append(self._decode_bucket(bucket, tables[i : i + len(bucket)], row, q_len, windows, same))
+            meta.decodes.append(self._decode_bucket(bucket, tables[i : i + len(bucket)], row, q_len, spans, same))
             row, i = row + q_len * len(bucket), i + len(bucket)
         for s, table in zip(batch[i:], tables[i:], strict=True):
-            meta.prefills.append(self._prefill_chunk(s, table, row, windows,
+            meta.prefills.append(self._prefill_chunk(s, table, row, spans,
                                                      like.prefills[len(meta.prefills)] if like is not None else None))
             row += len(s.token_ids)
         return meta
@@ -225,10 +227,10 @@ class TorchAttention:
         return table[:, None, :] * heads + head[None, :, None]
 
     def _decode_bucket(self, bucket: list[ScheduledRequest], tables: list[list[int]], row: int, q_len: int,
-                       windows: frozenset[int | None], like: DecodeBucket | None = None) -> DecodeBucket:
+                       spans: frozenset[Span], like: DecodeBucket | None = None) -> DecodeBucket:
         bs, n = self.block_size, len(bucket)
         starts = [s.start_pos for s in bucket]
-        firsts = [self._first_block(p, windows) for p in starts]
+        firsts = [self._first_block(p, spans) for p in starts]
         num_blocks = max(-(-(p + q_len) // bs) - first for p, first in zip(starts, firsts, strict=True))
         rows = self._block_rows([table[first : first + num_blocks] for table, first in zip(tables, firsts, strict=True)],
                                 num_blocks)
@@ -238,8 +240,8 @@ class TorchAttention:
         # query j of sequence i sits at start_i + j and sees positions up to it: [n, q_len, span]
         last = torch.tensor(starts, device=self.device)[:, None] + torch.arange(q_len, device=self.device)[None, :]
 
-        def mask(window: int | None) -> torch.Tensor:
-            allowed = self._allowed(span[:, None, :], last[:, :, None], window)
+        def mask(seen: Span) -> torch.Tensor:
+            allowed = self._allowed(span[:, None, :], last[:, :, None], seen)
             if q_len > 1:  # rows ordered (group member, query) within a KV head
                 allowed = allowed.unsqueeze(1).expand(n, self.group, q_len, -1).reshape(n, self.group * q_len, -1)
             return self._additive(allowed).view(n, 1, allowed.shape[1], -1)
@@ -247,14 +249,14 @@ class TorchAttention:
         if like is not None:
             return DecodeBucket(row, row + q_len * n, rows.view(-1), like.masks, like.k_buffer, like.v_buffer, q_len)
         buffers = torch.empty(2, rows.numel(), bs * self.head_dim, dtype=self.dtype, device=self.device)
-        return DecodeBucket(row, row + q_len * n, rows.view(-1), {w: mask(w) for w in windows},
+        return DecodeBucket(row, row + q_len * n, rows.view(-1), {seen: mask(seen) for seen in spans},
                             buffers[0], buffers[1], q_len)
 
     def _prefill_chunk(self, s: ScheduledRequest, table: list[int], row: int,
-                       windows: frozenset[int | None], like: PrefillChunk | None = None) -> PrefillChunk:
+                       spans: frozenset[Span], like: PrefillChunk | None = None) -> PrefillChunk:
         q_len = len(s.token_ids)
         ctx_len = s.start_pos + q_len
-        first = self._first_block(s.start_pos, windows)
+        first = self._first_block(s.start_pos, spans)
         context_rows = None
         if s.start_pos > 0:
             num_blocks = -(-ctx_len // self.block_size) - first
@@ -263,34 +265,42 @@ class TorchAttention:
         k_pos = torch.arange(first * self.block_size, ctx_len, device=self.device)
         until = attend_until(s, self.device)
 
-        def mask(window: int | None) -> torch.Tensor:  # built once per step for all layers
-            allowed = self._allowed(k_pos[None, :], q_pos[:, None], window,
+        def mask(seen: Span) -> torch.Tensor:  # built once per step for all layers
+            allowed = self._allowed(k_pos[None, :], q_pos[:, None], seen,
                                     None if until is None else until[:, None])  # [q_len, ctx_len]
             return self._additive(allowed).repeat(self.group, 1)  # [group * q_len, ctx_len]
 
-        return PrefillChunk(row, row + q_len, context_rows, like.masks if like is not None else {w: mask(w) for w in windows})
+        return PrefillChunk(row, row + q_len, context_rows,
+                            like.masks if like is not None else {seen: mask(seen) for seen in spans})
 
-    def _first_block(self, position: int, windows: frozenset[int | None]) -> int:
+    def _first_block(self, position: int, spans: frozenset[Span]) -> int:
         """The first block a query at `position` (or later) reads in any of these layers:
-        where every one has a window, the blocks before the widest are not gathered."""
-        if None in windows:
-            return 0
-        return max(position - max(w for w in windows if w is not None) + 1, 0) // self.block_size
+        where none sees everything, the blocks before the widest span are not gathered."""
+        return min(first_seen(seen, position) for seen in spans) // self.block_size
 
     @staticmethod
-    def _allowed(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None,
+    def _allowed(k_pos: torch.Tensor, q_pos: torch.Tensor, seen: Span,
                  until: torch.Tensor | None = None) -> torch.Tensor:
         """Which keys each query sees: those up to its position (or `until`, where it sees
-        past itself), and within its window."""
+        past itself), within its window or its chunk."""
         allowed = k_pos <= (q_pos if until is None else until)
-        if window is not None:
-            allowed &= k_pos > q_pos - window
+        if isinstance(seen, Chunked):
+            allowed &= k_pos >= torch.div(q_pos, seen.size, rounding_mode="floor") * seen.size
+        elif seen is not None:
+            allowed &= k_pos > q_pos - seen
         return allowed
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, float("-inf"))
 
+
+
+def first_seen(span: Span, position: int) -> int:
+    """The first position a query at `position` sees, in a layer of this span."""
+    if isinstance(span, Chunked):
+        return span.first_seen(position)
+    return 0 if span is None else max(position - span + 1, 0)
 
 
 def apply_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -326,18 +336,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    window: int | None = None,
+    span: Span = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     out = torch.empty_like(q)
     for bucket in meta.decodes:
         rows = slice(bucket.row_start, bucket.row_end)
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale, bucket.masks[window], softcap, sinks)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, bucket, scale, bucket.masks[span], softcap, sinks)
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_end)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale,
-                                       chunk.masks[window], softcap, sinks)
+                                       chunk.masks[span], softcap, sinks)
     return out
 
 

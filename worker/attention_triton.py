@@ -10,6 +10,7 @@ import torch
 
 import kernels
 from worker.attention import attend_until, pad_tables
+from worker.models.config import Chunked, Span
 from worker.scheduler import ScheduledRequest
 
 
@@ -33,7 +34,7 @@ class TritonMetadata:
         v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         scale: float,
-        window: int | None = None,  # the layer's sliding window
+        span: Span = None,  # what the layer's queries see: a sliding window, their chunk, or all
         softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
         sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head in each softmax (gpt-oss)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
@@ -42,8 +43,9 @@ class TritonMetadata:
         return kernels.paged_attention(
             q, k_cache, v_cache, self.query_start_loc, self.seq_lens, self.block_tables,
             scale=scale, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-            sliding_window=window, softcap=softcap, sinks=None if sinks is None else sinks.float(),
-            attend_until=self.attend_until,
+            sliding_window=None if isinstance(span, Chunked) else span,
+            chunk_size=span.size if isinstance(span, Chunked) else None,
+            softcap=softcap, sinks=None if sinks is None else sinks.float(), attend_until=self.attend_until,
         )
 
 
@@ -59,9 +61,9 @@ class TritonAttention:
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
-              windows: frozenset[int | None] = frozenset({None}), like: TritonMetadata | None = None) -> TritonMetadata:
+              spans: frozenset[Span] = frozenset({None}), like: TritonMetadata | None = None) -> TritonMetadata:
         """`tables`: each request's block table, of the KV group built for (the kernel takes
-        each layer's window as it runs). `like`: another group's metadata of this step, whose
+        each layer's span as it runs). `like`: another group's metadata of this step, whose
         query starts and context lengths this one shares."""
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_pos + n for s, n in zip(batch, query_lens, strict=True)]

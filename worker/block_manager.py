@@ -185,7 +185,9 @@ class BlockManager:
                  windows: Sequence[int | None] = (None,), num_host_blocks: int = 0):
         if num_host_blocks and (not enable_prefix_caching or list(windows) != [None]):
             raise ValueError("KV offloading to host memory serves the prefix cache of a model whose layers keep "
-                             "every block: it needs enable_prefix_caching, and no sliding-window layers")
+                             "every block: it needs enable_prefix_caching, and no sliding-window or chunked layers "
+                             "(where they mix with full ones, disable_hybrid_kv_cache_manager keeps every layer's "
+                             "blocks)")
         self.pool = BlockPool(num_blocks, HostTier(num_host_blocks) if num_host_blocks else None)
         self.windows = list(windows)
         self.block_size = block_size

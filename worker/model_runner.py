@@ -29,7 +29,7 @@ from worker.config import EngineConfig, kv_group_layout
 from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
 from worker.models import quant
-from worker.models.config import ModelConfig
+from worker.models.config import ModelConfig, Span
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
@@ -109,15 +109,15 @@ class ModelRunner:
                              else self.checkpoint_config.shard(parallel.world_size))
         # the layers' KV groups: (window, layers) each, with block tables of its own over the
         # one pool; layer j of every group keeps its KV in the same tensor (its slot)
-        self.kv_layout = kv_group_layout(self.model_config.layer_windows, self.model_config.num_hidden_layers, config)
+        self.kv_layout = kv_group_layout(self.model_config.kept_windows, self.model_config.num_hidden_layers, config)
         self.layer_group = [0] * self.model_config.num_hidden_layers
         self.layer_slot = [0] * self.model_config.num_hidden_layers
         for group, (_, layers) in enumerate(self.kv_layout):
             for slot, layer in enumerate(layers):
                 self.layer_group[layer], self.layer_slot[layer] = group, slot
         self.num_slots = max(len(layers) for _, layers in self.kv_layout)
-        windows = self.model_config.layer_windows or (None,) * self.model_config.num_hidden_layers
-        self.group_windows = [frozenset(windows[i] for i in layers) for _, layers in self.kv_layout]
+        # what each group's layers see (their windows, chunks): a mask for each
+        self.group_spans = [frozenset(self.model_config.layer_span(i) for i in layers) for _, layers in self.kv_layout]
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
         self.model = self._load_model(model_path, use_kernels=backend == "triton")
@@ -356,8 +356,8 @@ class ModelRunner:
             torch.tensor([len(s.token_ids) for s in batch], device=self.device),
         )
         metas: list[Any] = []
-        first: dict[frozenset[int | None], Any] = {}  # per set of windows, its first group's metadata
-        for g, kinds in enumerate(self.group_windows):
+        first: dict[frozenset[Span], Any] = {}  # per set of spans, its first group's metadata
+        for g, kinds in enumerate(self.group_spans):
             group_tables = [t[g] for t in tables]
             slots = self._slots(group_tables, seq_of_token, positions)
             metas.append(self.attention.build(batch, group_tables, slots, kinds, like=first.get(kinds)))

@@ -124,7 +124,7 @@ def test_prefill_logits_match_transformers_kernel_path_window(tiny_window_dir):
 
 # gpt-oss: sinks, biased experts; DeepSeek-V3: latent attention, and GLM-4.5's routing too (float32
 # weights over one from routed_scaling_factor, a plain shared expert), so glm4_moe is not run apart
-@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe", "gpt_oss", "deepseek_v3"], indirect=True)
+@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe", "gpt_oss", "deepseek_v3", "llama4"], indirect=True)
 def test_prefill_logits_match_transformers_kernel_path_experts(tiny_moe_dir):
     check_prefill_logits(tiny_moe_dir, "triton")
 
@@ -190,6 +190,10 @@ def test_image_text_models_serve_their_language_model(tiny_image_text_dir):
     llm = LLM(str(tiny_image_text_dir), dtype="float32", num_gpu_blocks_override=64)
     tok = llm.get_tokenizer()
     hf = AutoModelForImageTextToText.from_pretrained(tiny_image_text_dir, dtype=torch.float32).eval()
+    if type(hf).__name__ == "Llama4ForConditionalGeneration":
+        # text alone, it runs its language model as it is; its own forward fails building
+        # its output in transformers 5.24 (no image_outputs on the language model's)
+        hf = hf.language_model
     hf.generation_config.eos_token_id = None
     outputs = llm.generate(PROMPTS[:3], greedy(12), use_tqdm=False)
     for prompt, out in zip(PROMPTS[:3], outputs, strict=True):
@@ -374,13 +378,39 @@ def test_a_hybrid_models_prefix_hits_read_the_right_windows(tiny_window_dir):
     blocks from position 0, the windowed layer's only over the 24 positions before the hit
     (the rest released long ago). Its greedy tokens still equal transformers'."""
     llm = LLM(str(tiny_window_dir), dtype="float32", num_gpu_blocks_override=64)
+    check_a_prefix_hit(llm, tiny_window_dir)
+
+
+def check_a_prefix_hit(llm: LLM, model_dir) -> None:
+    """A prompt that extends a finished one (of 60 tokens) reads three full blocks of it from
+    the prefix cache, and its greedy tokens equal transformers'."""
     tok = llm.get_tokenizer()
-    first = tok.encode(PROMPTS[8])  # 60 tokens
+    first = tok.encode(PROMPTS[8])
     llm.generate({"prompt_token_ids": first}, greedy(8), use_tqdm=False)
     extended = first + tok.encode(" And then the fox slept.")
     [out] = llm.generate({"prompt_token_ids": extended}, greedy(16), use_tqdm=False)
-    assert out.num_cached_tokens == 48  # three full blocks of the first prompt
-    assert out.outputs[0].token_ids == hf_greedy(tiny_window_dir, [extended], max_new=16)[0]
+    assert out.num_cached_tokens == 48
+    assert out.outputs[0].token_ids == hf_greedy_along(model_dir, [extended], [out.outputs[0].token_ids])[0]
+
+
+@pytest.mark.parametrize("tiny_moe_dir", ["llama4"], indirect=True)
+def test_llama4_chunked_layers_keep_only_their_chunk(tiny_moe_dir):
+    """Llama 4's chunked layer (chunks of 16) reads at most its last 16 positions, so its KV
+    is kept as a window of 16 would keep it, in a group of its own; its NoPE layer keeps
+    everything. A prompt extending a finished one reads its prefix from the cache; then two
+    sequences of 200+ tokens, which would take 54 blocks with every block kept, run at once
+    in 48. Greedy tokens equal transformers' throughout."""
+    llm = LLM(str(tiny_moe_dir), dtype="float32", num_gpu_blocks_override=24, max_model_len=256,
+              max_num_batched_tokens=32)
+    engine = llm.engine
+    assert engine.runner.kv_layout == [(None, (1,)), (16, (0,))] and engine.block_manager.windows == [None, 16]
+    check_a_prefix_hit(llm, tiny_moe_dir)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(PROMPTS[5]), tok.encode(PROMPTS[7] + PROMPTS[6])]  # 46 and 36 tokens, not cached
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(160), use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert tokens == hf_greedy_along(tiny_moe_dir, prompts, tokens)
+    assert 2 * sum(-(-(len(ids) + 160) // 16) for ids in prompts) > 48 and engine.scheduler.num_preemptions == 0
 
 
 def test_a_hybrid_model_with_several_windowed_groups_matches_transformers(tiny_gemma3_layers_dir):

@@ -30,7 +30,8 @@ def _load(model_dir: Path, dtype: torch.dtype) -> LlamaForCausalLM:
 
 def _hf_block(block, x: torch.Tensor) -> torch.Tensor:
     out = block(x[None])
-    return (out[0] if isinstance(out, tuple) else out)[0]  # gpt-oss's also returns its router's scores
+    # gpt-oss's and Llama 4's also return their router's scores (Llama 4's output is flat)
+    return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
 
 
 def test_expert_layers_equal_transformers_bitwise_in_bfloat16(tiny_moe_dir):
@@ -45,7 +46,8 @@ def test_expert_layers_equal_transformers_bitwise_in_bfloat16(tiny_moe_dir):
     assert moe_layers
     with torch.inference_mode():
         hf_layers = hf.model.layers
-        expected = {i: getattr(hf_layers[i], "mlp", None) or hf_layers[i].block_sparse_moe for i in moe_layers}
+        expected = {i: next(getattr(hf_layers[i], name) for name in ("mlp", "feed_forward", "block_sparse_moe")
+                            if hasattr(hf_layers[i], name)) for i in moe_layers}
         expected = {i: _hf_block(block, x) for i, block in expected.items()}
         ids = {i: ours.layers[i].mlp.route(x)[1] for i in moe_layers}
         assert all(len(ids[i].unique()) == ours.config.moe.num_experts for i in moe_layers)
@@ -158,3 +160,24 @@ def test_multi_token_prediction_layers_are_left_unloaded(tiny_moe_dir, tmp_path)
               tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=rf"checkpoint tensor 'model\.layers\.{layers + 1}\.eh_proj\.weight' has no place"):
         _load(tmp_path, torch.float32)
+
+
+def test_llama4_weighs_each_experts_input_with_two_experts_a_token(tiny_family, tmp_path):
+    """Llama 4 routes one expert a token, scaling the token going in by the sigmoid of its
+    logit; with two a token each pair's input is scaled by its own weight and the pairs'
+    outputs are summed unweighted, as transformers' block does."""
+    shutil.copytree(tiny_family("llama4"), tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 2}))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = _load(tmp_path, torch.float32)
+    torch.manual_seed(0)
+    x = torch.randn(40, hf.config.hidden_size)
+    with torch.inference_mode():
+        expected = _hf_block(hf.model.layers[0].feed_forward, x)
+        block = ours.layers[0].mlp
+        weights, ids = block.route(x)
+        assert ids.shape == (40, 2)
+        torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=1e-5)
+        # not the experts' outputs weighed: the scale goes in before their nonlinearity
+        assert not torch.allclose(block.experts(x, weights, ids) + block.shared_expert(x), expected, atol=1e-4)

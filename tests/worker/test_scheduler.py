@@ -219,7 +219,7 @@ def test_the_host_tier_keeps_the_latest_and_refuses_what_it_cannot_serve():
     assert [slot for _, slot in swaps.out] == [0, 0, 0] and len(bm.pool.host.cached) == 1
     assert bm.get_computed_blocks(make_request("b2", list(range(10, 18)) + [1])) == [[host_hit(0)]]  # b's head
     for windows, prefix in (((8,), True), ((None,), False)):
-        with pytest.raises(ValueError, match="needs enable_prefix_caching, and no sliding-window layers"):
+        with pytest.raises(ValueError, match="needs enable_prefix_caching, and no sliding-window or chunked layers"):
             BlockManager(4, BS, prefix, windows=windows, num_host_blocks=4)
 
 

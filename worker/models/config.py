@@ -61,6 +61,11 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash: DeepSeek-V3's attention and routing
+    # Llama 4 (Scout, Maverick): chunked local attention with interleaved RoPE and unit q/k norms
+    # on three layers of four, full attention without RoPE (queries scaled by position) on the
+    # fourth; one routed expert a token, its router's sigmoid score scaling the expert's input,
+    # beside an always-on shared expert
+    "Llama4ForCausalLM": "llama4",
     # the same decoders without an LM head (embedding models such as e5-mistral and
     # gte-Qwen2): they serve embedding requests only
     "LlamaModel": "llama",
@@ -86,9 +91,10 @@ TEXT_OF_MULTIMODAL = {
     "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2.5-VL
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-30B-A3B, -235B-A22B
+    "Llama4ForConditionalGeneration": "Llama4ForCausalLM",  # Llama 4 Scout and Maverick
 }
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", *_MLA_FAMILIES)
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", "llama4", *_MLA_FAMILIES)
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -137,11 +143,14 @@ class MoEConfig:
     # its best); V3 (GLM-4.5 too) by sigmoid, plus a learned bias where experts are chosen (not
     # where they are weighed), a group scored by its two best
     deepseek_router: bool = False
-    sigmoid_scores: bool = False
+    sigmoid_scores: bool = False  # (and Llama 4's: the sigmoid of each chosen expert's logit)
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
     shared_expert_gated: bool = True  # Qwen2-MoE scales its shared expert by sigmoid(gate(x)); DeepSeek's is plain
+    # Llama 4: each chosen expert weighs sigmoid(its logit), and the weight scales the token
+    # going into the expert, not what comes out (vLLM's apply_router_weight_on_input)
+    weights_on_input: bool = False
 
     @classmethod
     def from_hf(cls, hf_config: Any, family: str) -> MoEConfig:
@@ -155,6 +164,11 @@ class MoEConfig:
                        clamped_swiglu=(hf_config.swiglu_alpha, hf_config.swiglu_limit) if gpt_oss else None)
         if family in ("glm4_moe", *_MLA_FAMILIES):
             return cls._deepseek(hf_config, v3=family != "deepseek_v2")
+        if family == "llama4":  # the shared expert is as wide as a routed one, and ungated
+            return cls(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
+                       intermediate_size=hf_config.intermediate_size, layers=frozenset(hf_config.moe_layers),
+                       renormalize=False, float32_weights=False, shared_expert_size=hf_config.intermediate_size,
+                       shared_expert_gated=False, sigmoid_scores=True, weights_on_input=True)
         # Qwen: every `decoder_sparse_step`-th layer has experts, unless listed in mlp_only_layers
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
@@ -225,6 +239,37 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class Chunked:
+    """Chunked local attention (Llama 4's): the positions are cut into chunks of `size`, and a
+    query sees those of its own chunk up to itself."""
+
+    size: int
+
+    def first_seen(self, position: int) -> int:
+        return position // self.size * self.size
+
+
+# what a layer's queries see before them: the last `window` positions (an int), their chunk,
+# or every position (None)
+Span = int | Chunked | None
+
+
+@dataclass(frozen=True)
+class QueryScale:
+    """Llama 4's attention temperature: queries are scaled by
+    1 + beta * log(1 + floor((position + offset) / length)) after their rotation, on the NoPE
+    layers alone where `nope_only` (Llama 4; Ministral 3 scales every layer's). `rounded`: the
+    scale is rounded to the model's dtype before the product (Ministral 3), else the product
+    is taken in float32 and rounded (Llama 4), as transformers does each."""
+
+    beta: float
+    length: int
+    offset: int = 0
+    nope_only: bool = False
+    rounded: bool = True
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     hf_config: Any  # transformers.PretrainedConfig
     architecture: str
@@ -266,9 +311,12 @@ class ModelConfig:
     long_rope: bool = False  # LongRoPE (Phi-3.5, Phi-4-mini): its long factors, not its short ones
     attn_sinks: bool = False  # a learned logit per head joins its softmax, with no value (gpt-oss)
     nope_layers: frozenset[int] = frozenset()  # layers that attend without RoPE (SmolLM3's NoPE)
-    # Llama 4's attention temperature (Ministral 3), (beta, length): queries are scaled by
-    # 1 + beta * log(1 + floor(position / length)) after their rotation
-    query_position_scale: tuple[float, int] | None = None
+    query_scale: QueryScale | None = None  # Llama 4's attention temperature (and Ministral 3's)
+    # Llama 4: the layers of chunked local attention, and their chunk (their KV is kept as a
+    # window as wide as the chunk would keep it)
+    chunked_layers: frozenset[int] = frozenset()
+    attention_chunk_size: int | None = None
+    unit_qk_norm: bool = False  # Llama 4: each rotated q and k head scaled to unit RMS (no weight), after RoPE
     # RoPE rotates pairs (2i, 2i + 1) of each head, not (i, i + d/2) (Ernie 4.5): q and k's
     # rows are permuted at load so that the half-split rotation computes the same scores
     interleaved_rope: bool = False
@@ -308,6 +356,10 @@ class ModelConfig:
         # alternation); without that list, a window applies to every layer (Mistral, Phi-3)
         layer_types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * hf_config.num_hidden_layers
         layer_windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+        chunked = frozenset(i for i, kind in enumerate(layer_types) if kind == "chunked_attention")
+        chunk = getattr(hf_config, "attention_chunk_size", None) if chunked else None
+        if chunked and not (isinstance(chunk, int) and chunk > 0):
+            raise ValueError(f"layers {sorted(chunked)} are chunked_attention, but attention_chunk_size is {chunk!r}")
         for kind in _ROPE_KINDS:
             _rope_type(hf_config, kind)  # fail early on unsupported scaling
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -316,7 +368,8 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
+            # Llama 4's dense layers are wider than its experts
+            intermediate_size=hf_config.intermediate_size_mlp if family == "llama4" else hf_config.intermediate_size,
             num_hidden_layers=hf_config.num_hidden_layers,
             num_attention_heads=heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
@@ -328,8 +381,10 @@ class ModelConfig:
             attention_bias=qkv_bias,
             o_proj_bias=o_bias or any_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)) or any_bias,
-            interleaved_rope=family in ("ernie4_5", "glm4"),
+            interleaved_rope=family in ("ernie4_5", "glm4", "llama4"),
             layer_windows=layer_windows,
+            chunked_layers=chunked,
+            attention_chunk_size=chunk,
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
             labels=_labels(hf_config) if arch.endswith("ForSequenceClassification") else (),
@@ -421,6 +476,21 @@ class ModelConfig:
                 raise ValueError(f"tensor_parallel_size={world_size} leaves {share} input columns of {layers} on "
                                  "each rank, not whole words of eight int4 values")
 
+    def layer_span(self, index: int) -> Span:
+        """What layer `index`'s queries see before them."""
+        if index in self.chunked_layers:
+            assert self.attention_chunk_size is not None
+            return Chunked(self.attention_chunk_size)
+        return self.layer_windows[index] if self.layer_windows else None
+
+    @property
+    def kept_windows(self) -> tuple[int | None, ...]:
+        """Per layer, how far back its queries read, for the blocks the cache keeps
+        (worker.config.kv_group_layout): a window's width, or a chunk's size (a query reads
+        from its chunk's start, never more than that many positions back), or None: all."""
+        spans = (self.layer_span(i) for i in range(self.num_hidden_layers))
+        return tuple(span.size if isinstance(span, Chunked) else span for span in spans)
+
     @property
     def kv_pools(self) -> int:
         """Cache pools a layer holds: K and V, or one where latent attention's keys are its values."""
@@ -466,8 +536,13 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
         return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True, local_rope=_per_kind(hf_config))
     if family == "ministral3":
         params = _rope_params(hf_config)
-        return dict(query_position_scale=(float(params["llama_4_scaling_beta"]),
-                                          int(params["original_max_position_embeddings"])))
+        return dict(query_scale=QueryScale(float(params["llama_4_scaling_beta"]),
+                                           int(params["original_max_position_embeddings"])))
+    if family == "llama4":  # no_rope_layers: 1 where the layer rotates, 0 where it does not
+        nope = frozenset(i for i, rotates in enumerate(hf_config.no_rope_layers) if not rotates)
+        scale = (QueryScale(float(hf_config.attn_scale), int(hf_config.floor_scale), offset=1, nope_only=True,
+                            rounded=False) if hf_config.attn_temperature_tuning else None)
+        return dict(nope_layers=nope, query_scale=scale, unit_qk_norm=bool(hf_config.use_qk_norm))
     if family == "glm4":  # a norm after attention and one after the MLP too, as Gemma 2
         return dict(sandwich_norms=True)
     if family == "smollm3":  # no_rope_layers: 1 where the layer rotates, 0 where it does not

@@ -183,12 +183,25 @@ class ScaledQueries:
     """A rotation, then each token's queries scaled (Llama 4's attention temperature)."""
 
     rope: Rope
-    scale: torch.Tensor  # [T] in the activation dtype
+    scale: torch.Tensor  # [T], in the activation dtype or float32 (QueryScale.rounded)
 
     def __call__(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
         qk = self.rope(qk, num_heads)
-        qk[:, :num_heads] *= self.scale[:, None, None]
+        qk[:, :num_heads] *= self.scale[:, None, None]  # a float32 scale: the product rounded once
         return qk
+
+
+@dataclass
+class UnitNormed:
+    """A rotation, then each q and k head scaled to unit RMS, in float32 (Llama 4's q/k norm,
+    which has no weight, on its rotated layers)."""
+
+    rope: Rope
+    eps: float
+
+    def __call__(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+        x = self.rope(qk, num_heads).float()
+        return (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)).to(qk.dtype)
 
 
 @dataclass
@@ -208,7 +221,7 @@ class KernelRope:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        self.sliding_window = cfg.layer_windows[index] if cfg.layer_windows else None
+        self.span = cfg.layer_span(index)  # what its queries see: a sliding window, their chunk, or all
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -272,7 +285,7 @@ class Attention(nn.Module):
         scales, scale = self.kv_scales if kv_cache[0].dtype == FP8 else None, self.scale
         if scales is not None:
             q, k, v, scale = scales.into_cache(q, k, v, scale)
-        o = meta.forward(q, k, v, kv_cache, scale, self.sliding_window, self.softcap, self.sinks)
+        o = meta.forward(q, k, v, kv_cache, scale, self.span, self.softcap, self.sinks)
         if scales is not None:
             o = scales.out_of_cache(o)
         o = o.view(num_tokens, self.q_size)
@@ -410,22 +423,34 @@ class LlamaForCausalLM(nn.Module):
             if embeds.dim() == 3:
                 embeds, deepstack = embeds[:, 0], embeds[:, 1:]
             x = x.index_copy(0, rows, embeds)
-        rope: Rope = self.rotary.for_step(positions, x.dtype)
-        local: Rope = rope if self.rotary_local is None else self.rotary_local.for_step(positions, x.dtype)
-        if self.config.query_position_scale is not None:
-            beta, length = self.config.query_position_scale
-            scale = (1 + beta * torch.log1p(torch.floor(positions.float() / length))).to(x.dtype)  # [T]
-            rope, local = ScaledQueries(rope, scale), ScaledQueries(local, scale)
         residual = None
-        windows = self.config.layer_windows or (None,) * len(self.layers)
-        nope = self.config.nope_layers
-        for i, (layer, kv_cache, window) in enumerate(zip(self.layers, kv_caches, windows, strict=True)):
-            layer_rope = no_rope if i in nope else rope if window is None else local
+        ropes = self._layer_ropes(positions, x.dtype)
+        for i, (layer, kv_cache, layer_rope) in enumerate(zip(self.layers, kv_caches, ropes, strict=True)):
             x, residual = layer(x, residual, layer_rope, kv_cache, meta.for_layer(i), lora)
             if deepstack is not None and i < deepstack.shape[1]:  # the whole hidden state, added to as transformers does
                 hidden = (x if residual is None else x + residual).index_add(0, rows, deepstack[:, i])
                 x, residual = torch.zeros_like(hidden), hidden
         return self.norm(x, residual)[0]
+
+    def _layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        """What each layer does to its q and k heads this step: its rotation (none on NoPE
+        layers; the windowed layers' own where they have one), then Llama 4's unit norms on
+        rotated layers, and its attention temperature (Ministral 3's too) on the queries."""
+        cfg = self.config
+        rope: Rope = self.rotary.for_step(positions, dtype)
+        local: Rope = rope if self.rotary_local is None else self.rotary_local.for_step(positions, dtype)
+        unrotated: Rope = no_rope
+        if cfg.unit_qk_norm:
+            rope, local = UnitNormed(rope, cfg.rms_norm_eps), UnitNormed(local, cfg.rms_norm_eps)
+        if (qs := cfg.query_scale) is not None:
+            scale = 1 + qs.beta * torch.log1p(torch.floor((positions.float() + qs.offset) / qs.length))  # [T]
+            scale = scale.to(dtype) if qs.rounded else scale
+            unrotated = ScaledQueries(no_rope, scale)
+            if not qs.nope_only:
+                rope, local = ScaledQueries(rope, scale), ScaledQueries(local, scale)
+        windows = cfg.layer_windows or (None,) * len(self.layers)
+        return [unrotated if i in cfg.nope_layers else rope if window is None else local
+                for i, window in enumerate(windows)]
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, hidden or labels]
         """What an embedding request's last row gives: its hidden state, or a classifier's
@@ -576,7 +601,7 @@ _STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_
 # transformers), and what genq does not load of it
 _LANGUAGE_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
 _NOT_LANGUAGE = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                 "visual.", "model.visual.")
+                 "visual.", "model.visual.", "vision_model.", "model.vision_model.")
 
 
 # GLM-4's four norms a layer, under Gemma 2's names: after attention, before the MLP, after it
@@ -626,6 +651,7 @@ def _map_hf_name(hf_name: str, mla: bool = False) -> tuple[str, str | None] | No
             break
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
     name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's name
+    name = name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")  # Llama 4's
     for old, new in _GRANITE_MOE.items():
         name = name.replace(old, new)
     parts = name.split(".")
@@ -687,8 +713,9 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str | None, cf
 def hub_stacked_experts(cfg: ModelConfig, hf_name: str) -> bool:
     """Stacked experts as Qwen3-VL-MoE's Hub checkpoints hold them, inputs before outputs
     ([E, H, 2 * I] and [E, I, H]); transformers 5 saves them the other way round, as genq
-    keeps them. The shapes tell which (a square one is taken as the Hub's)."""
-    return (getattr(cfg.hf_config, "model_type", None) == "qwen3_vl_moe_text"
+    keeps them. The shapes tell which (a square one is taken as the Hub's). Llama 4's
+    checkpoints (and transformers' own module) hold them inputs first too."""
+    return (getattr(cfg.hf_config, "model_type", None) in ("qwen3_vl_moe_text", "llama4_text")
             and hf_name.endswith((".experts.gate_up_proj", ".experts.down_proj")))
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE, gpt-oss, GLM-4.5) over
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE, gpt-oss, GLM-4.5, Llama 4) over
 a flat batch of tokens.
 
 Each expert is a SwiGLU MLP. Their weights are stacked at load time, vLLM's layout:
@@ -162,11 +162,24 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, hidden]; LoRA skips experts
         topk_weights, topk_ids = self.route(x)
-        out = self.experts(x, topk_weights, topk_ids)
+        if self.moe.weights_on_input:
+            out = self._weighted_inputs(x, topk_weights, topk_ids)
+        else:
+            out = self.experts(x, topk_weights, topk_ids)
         if self.moe.shared_expert_size:
             shared = self.shared_expert(x)
             out = out + (torch.sigmoid(self.shared_expert_gate(x)) * shared if self.moe.shared_expert_gated else shared)
         return out if self.reduce is None else self.reduce(out)
+
+    def _weighted_inputs(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Llama 4's experts: each (token, expert) pair's input is the token scaled by the
+        pair's weight (rounded to the activation dtype, as transformers does), and the pairs'
+        outputs are summed unweighted."""
+        num_tokens, top_k = topk_ids.shape
+        scaled = x.repeat_interleave(top_k, dim=0) * topk_weights.reshape(-1, 1)  # [T * k, hidden], (token, choice)
+        ones = torch.ones(num_tokens * top_k, 1, dtype=topk_weights.dtype, device=x.device)
+        out = self.experts(scaled, ones, topk_ids.reshape(-1, 1))
+        return out if top_k == 1 else out.view(num_tokens, top_k, -1).sum(dim=1)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x: [T, hidden]
         """Each token's experts: weights [T, k] (float32, or the activation dtype) and ids [T, k]."""
@@ -225,6 +238,9 @@ class GroupedTopkRouter(nn.Module):
 
 def route(router_logits: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts per token by softmax probability (float32): weights [T, k], ids [T, k]."""
+    if moe.sigmoid_scores:  # Llama 4: the top k logits, each weighed by its sigmoid
+        top_logits, topk_ids = torch.topk(router_logits, moe.top_k, dim=-1)
+        return torch.sigmoid(top_logits.float()), topk_ids
     if moe.softmax_after_topk:
         top_logits, topk_ids = torch.topk(router_logits.float(), moe.top_k, dim=-1)
         return torch.softmax(top_logits, dim=-1), topk_ids
