@@ -77,7 +77,8 @@ class Plan:
 # thinking's end tag; after gpt-oss's final channel opens (its tags are special tokens, which
 # the worker spells for markers)
 GRAMMAR_AFTER = {"deepseek_r1": THINK_END, "gpt_oss": FINAL_CHANNEL}
-SPECIAL_TOKEN_FORMATS = ("llama3_json", "mistral")  # tool-call formats that open with a special token
+# tool-call formats that open with a special token (Llama 4's pythonic calls: <|python_start|>)
+SPECIAL_TOKEN_FORMATS = ("llama3_json", "mistral", "pythonic")
 
 
 def plan(

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from api.call_stream import CallDelta, CallStream, ToolCall, merged
 from api.glm_tool_calls import GlmBlock
+from api.pythonic_tool_calls import PythonicReader
 from api.text_readers import partial_tag, read_piece
 from api.tool_formats import Llama3JsonReader, MistralReader
 
@@ -153,9 +154,10 @@ def calls_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool)
     }
 
 
-Reader = ToolCallReader | CallArrayReader | Llama3JsonReader | MistralReader
+Reader = ToolCallReader | CallArrayReader | Llama3JsonReader | MistralReader | PythonicReader
 READERS: dict[str, type[Reader]] = {"hermes": ToolCallReader, "json": CallArrayReader,
-                                    "llama3_json": Llama3JsonReader, "mistral": MistralReader}
+                                    "llama3_json": Llama3JsonReader, "mistral": MistralReader,
+                                    "pythonic": PythonicReader}
 
 
 def calls_reader(form: str, string_parameters: Iterable[tuple[str, str]] = ()) -> Reader:

@@ -221,6 +221,21 @@ FORMAT_CASES = [
     ("mistral", '[TOOL_CALLS]a[ARGS]{"x": {"y": "}"}}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"x": {"y": "}"}}), ("b", {})]),
     ("mistral", "No tools needed [TOOL", "No tools needed [TOOL", []),
     *[("glm45", *case) for case in GLM_CASES],
+    # Llama 3.2's and Llama 4's Python lists of calls: literals of every kind, brackets and
+    # quotes inside strings, Llama 4's tags
+    ("pythonic", '[get_weather(city="Paris", days=2)]', None, [("get_weather", {"city": "Paris", "days": 2})]),
+    ("pythonic", '<|python_start|>[a(x=[1, (2, 3)], y={"k": None}, z=True), b()]<|python_end|>', None,
+     [("a", {"x": [1, [2, 3]], "y": {"k": None}, "z": True}), ("b", {})]),
+    ("pythonic", """ [note(text='it\\'s ) ] "fine"', n=-1.5),\n note(text="[x(y=1)]")]""", None,
+     [("note", {"text": 'it\'s ) ] "fine"', "n": -1.5}), ("note", {"text": "[x(y=1)]"})]),
+    ("pythonic", "It is sunny in Paris.", "It is sunny in Paris.", []),
+    ("pythonic", "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),  # a list, but of no calls
+    ("pythonic", "[]", "[]", []),
+    ("pythonic", "[f(1)]", "[f(1)]", []),  # a positional argument: no call genq can name
+    ("pythonic", "[f(x=y)]", "[f(x=y)]", []),  # a value that is no literal
+    ("pythonic", "[a(x=1), b(y=2", None, [("a", {"x": 1})]),  # cut short: the whole calls stand
+    ("pythonic", "[a(x=1), 7]", None, [("a", {"x": 1})]),
+    ("pythonic", "<|python_st", "<|python_st", []),
 ]
 
 
@@ -235,6 +250,17 @@ def test_other_formats_whole_and_streamed(form: str, reply: str, content: str | 
         assert (streamed or None if deltas else streamed) == content
         assert joined(deltas) == got_calls
         assert reader.num_calls == len(calls)
+
+
+def test_a_pythonic_call_goes_out_once_its_parenthesis_closes() -> None:
+    from api.pythonic_tool_calls import PythonicReader
+
+    reader = PythonicReader()
+    assert reader.feed("<|python_start|>[get_weather(city=") == ("", [])
+    assert reader.feed('"Paris (FR)"), get_time(zone="CE') == ("", [CallDelta(0, "get_weather", '{"city": "Paris (FR)"}')])
+    assert reader.num_calls == 1
+    assert reader.feed('T")]<|python_end|>') == ("", [CallDelta(1, "get_time", '{"zone": "CET"}')])
+    assert reader.finish() == ("", [])
 
 
 def test_a_mistral_calls_arguments_stream_before_it_closes() -> None:
@@ -271,3 +297,26 @@ def test_a_glm45_server_reads_calls_with_the_parameters_its_tools_declare_string
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.message.tool_calls] == expected
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed["delta"]["tool_calls"]] == expected
     assert (whole.finish_reason, streamed["finish_reason"]) == ("tool_calls", "tool_calls")
+
+
+def test_a_pythonic_server_asks_for_special_tokens_and_renders_llama4_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GENQ_TOOL_CALL_PARSER=pythonic: Llama 4 wraps its calls in special tokens, so the job
+    asks for the text with them; a reply of calls renders as tool_calls, whole and streamed."""
+    monkeypatch.setenv("GENQ_TOOL_CALL_PARSER", "pythonic")
+    settings = Settings()
+    client = AsyncClient(settings.redis_url, settings.prefix)  # connects on first use only: never here
+    state = AppState(settings, client, Relay(client.redis, client.keys), Cluster(client.redis, client.keys), Metrics())
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Weather?"}], "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})
+    renderer = ChatRenderer()
+    planned = plan(state, body, [chat_prompt(body)], renderer, "x", "m")
+    assert planned.req.read_tool_calls == "pythonic" and planned.params.skip_special_tokens is False
+    reply = '<|python_start|>[get_weather(city="Paris", days=2)]<|python_end|>'
+    event = Event(seq=0, token_ids=[0], text=reply, finished=True, finish_reason="stop")
+    collector = Collector(planned.req)
+    streamed = renderer.chunk(planned.req, collector.add("x", event), event)["choices"][0]
+    whole = renderer.response(planned.req, collector.choices, Usage()).choices[0]
+    expected = [("get_weather", {"city": "Paris", "days": 2})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.message.tool_calls] == expected
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed["delta"]["tool_calls"]] == expected
+    assert whole.message.content is None and (whole.finish_reason, streamed["finish_reason"]) == ("tool_calls", "tool_calls")
