@@ -15,7 +15,8 @@ reports the parts it finished):
    (capped scores, a window on every other layer) and a Gemma 3 (a RoPE table per layer
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
    biased experts; and with MXFP4 experts), a GLM-4.5 (DeepSeek-V3's routing), a DeepSeek-V3
-   (latent attention, one 576-wide cache head), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
+   (latent attention, one 576-wide cache head), a Llama 4 (chunked attention, NoPE layers,
+   experts weighing their input), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
    Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt
@@ -192,6 +193,13 @@ REMADE = {
     # AWQ's layout: int4 with a zero point per group of 128 (dummy weights: zero points zero)
     "llama_awq": {"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
                                           "version": "gemm"}},
+    # Llama 4: chunks of 8 on three layers of four (the kernel's CHUNK bound, their KV kept as
+    # windows), unit q/k norms, NoPE layers with queries scaled past every 8 positions; one
+    # expert of 8 a token weighing its input, a shared expert, on every other layer
+    "llama4": {"architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "num_local_experts": 8,
+               "num_experts_per_tok": 1, "intermediate_size": 256, "intermediate_size_mlp": 1536,
+               "interleave_moe_layer_step": 2, "attention_chunk_size": 8, "floor_scale": 8, "attn_scale": 0.5,
+               "use_qk_norm": True},
     "qwen3_moe_fp8": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
                       "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
                       "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},

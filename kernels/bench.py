@@ -119,6 +119,10 @@ def _cases(config: str, device: torch.device) -> list[_Case]:
         _attention_case(config, heads, [1] * 4, [8192] * 4, 1, device),
         _attention_case(config, heads, [1] * 4, [8192] * 4, None, device),
         _attention_case(config, heads, [512] * 4, [2048] * 4, None, device),
+        # Llama 4's chunked layers: decodes 3808 positions into their chunk of 8192, and
+        # prefill chunks that straddle a chunk's end (the tiles before each chunk skipped)
+        _attention_case(config, heads, [1] * 4, [12000] * 4, None, device, chunk=8192),
+        _attention_case(config, heads, [512] * 4, [8448] * 4, None, device, chunk=8192),
         _kv_cache_case(config, 4096, num_kv_heads, head_dim, device),
         _rms_norm_case(config, 4096, hidden, device),
         _rotary_case(config, 4096, heads, device),
@@ -141,6 +145,7 @@ def _attention_case(
     seq_lens: list[int],
     num_splits: int | None,
     device: torch.device,
+    chunk: int | None = None,  # Llama 4's chunked attention: a query sees its own chunk only
 ) -> _Case:
     num_heads, num_kv_heads, head_dim = heads
     blocks_per_seq = [cdiv(s, _BLOCK_SIZE) for s in seq_lens]
@@ -156,20 +161,25 @@ def _attention_case(
     args = (q, k_cache, v_cache, starts, lens, block_tables)
     run = functools.partial(
         paged_attention, *args,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_splits=num_splits,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_splits=num_splits, chunk_size=chunk,
     )  # fmt: skip
 
     def compare() -> _Error:
-        return _compare((run(), paged_attention_ref(*args)))
+        return _compare((run(), paged_attention_ref(*args, chunk_size=chunk)))
 
-    kv_bytes = 2 * sum(seq_lens) * num_kv_heads * head_dim * k_cache.element_size()
+    def first_seen(pos: int) -> int:
+        return 0 if chunk is None else pos // chunk * chunk
+
+    # the keys read: from the first query's chunk (all of them without chunks) to the end
+    read = sum(s - first_seen(s - q_len) for q_len, s in zip(query_lens, seq_lens, strict=True))
+    kv_bytes = 2 * read * num_kv_heads * head_dim * k_cache.element_size()
     split = "auto" if num_splits is None else str(num_splits)
     shape = f"B={len(seq_lens)} q={max(query_lens)} ctx={max(seq_lens)} splits={split}"
-    # Each new token i of a sequence sees context_len + i + 1 keys: QK^T and PV, 2 flops a MAC.
-    visible = sum(
-        q_len * (s - q_len) + q_len * (q_len + 1) // 2
-        for q_len, s in zip(query_lens, seq_lens, strict=True)
-    )
+    shape += "" if chunk is None else f" chunk={chunk}"
+    # Each new token at position p sees the keys from its chunk's start (0 without chunks) to
+    # itself: QK^T and PV, 2 flops a MAC.
+    visible = sum(p + 1 - first_seen(p) for q_len, s in zip(query_lens, seq_lens, strict=True)
+                  for p in range(s - q_len, s))
     flops = 4 * visible * num_heads * head_dim
     return _Case("paged_attention", config, shape, run,
                  compare, kv_bytes + 2 * q.numel() * q.element_size(), flops)  # fmt: skip
