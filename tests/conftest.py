@@ -164,6 +164,14 @@ def tiny_other_config(family: str):
                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}
         return Ministral3Config(vocab_size=VOCAB, tie_word_embeddings=False, head_dim=16, sliding_window=None,
                                 rope_parameters=rope, **TINY_COMMON)
+    if family == "qwen3_5":  # linear attention on layers 0 and 2 (two value heads per key head), full
+        # attention with gated outputs on 1 and 3, RoPE over a quarter of each head
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(vocab_size=VOCAB, tie_word_embeddings=True, head_dim=32, linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                                 linear_conv_kernel_dim=4, full_attention_interval=2,
+                                 architectures=["Qwen3_5ForCausalLM"], **{**TINY_COMMON, "num_hidden_layers": 4})
     if family == "glm4":  # interleaved RoPE over half of each head, four norms a layer
         from transformers import Glm4Config
 
@@ -235,6 +243,24 @@ def tiny_moe_config(family: str, vocab: int):
                                 num_experts_per_tok=1, intermediate_size_mlp=96, moe_layers=[0], no_rope_layers=[1, 0],
                                 attention_chunk_size=16, floor_scale=8, attn_scale=0.5, use_qk_norm=True,
                                 rope_parameters=rope, **{**TINY_COMMON, "intermediate_size": 48})
+    if family == "qwen3_5_moe":  # Qwen3.5's linear and gated full attention over experts: top 2 of 4,
+        # renormalized, beside a gated shared expert
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(vocab_size=vocab, tie_word_embeddings=False, head_dim=32, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                                    full_attention_interval=2, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                                    architectures=["Qwen3_5MoeForCausalLM"], **TINY_COMMON)
+    if family == "qwen3_next":  # the same layers, its checkpoints' linear projections grouped by key
+        # head; a dense MLP on the second layer
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(vocab_size=vocab, tie_word_embeddings=False, head_dim=32, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                               full_attention_interval=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                               moe_intermediate_size=48, shared_expert_intermediate_size=64, mlp_only_layers=[1],
+                               **TINY_COMMON)
     if family in MLA_FAMILIES:
         return tiny_deepseek_config(family, vocab)
     raise ValueError(family)
@@ -290,8 +316,10 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
         for name, param in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
-            elif family.startswith("gemma") and name.endswith("norm.weight"):
+            elif family.startswith(("gemma", "qwen3_5", "qwen3_next")) and name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)
+            elif name.endswith("dt_bias"):  # linear attention's, which transformers starts at ones
+                param.uniform_(-1.0, 1.0)
             elif family in ("olmo2", "olmo3", "glm4", *MLA_FAMILIES) and name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
             elif family == "gpt_oss" and name.endswith(("_bias", "sinks")):  # transformers starts biases at zero
@@ -308,13 +336,13 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
 
 @pytest.fixture(scope="session", params=["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
                                         "granite", "olmo2", "olmo3", "smollm3", "ministral", "seed_oss", "ernie4_5",
-                                        "glm4", "ministral3"])
+                                        "glm4", "ministral3", "qwen3_5"])
 def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 
 
 @pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe",
-                                        "deepseek_v2", "deepseek_v3", "llama4"])
+                                        "deepseek_v2", "deepseek_v3", "llama4", "qwen3_5_moe", "qwen3_next"])
 def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 
@@ -347,7 +375,7 @@ def tiny_qwen3_moe_dir(tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), default_model_dir)
 
 
-@pytest.fixture(scope="session", params=["gemma3", "mistral", "qwen2", "qwen3", "llama4"])
+@pytest.fixture(scope="session", params=["gemma3", "mistral", "qwen2", "qwen3", "llama4", "qwen3_5"])
 def tiny_image_text_dir(request, tmp_path_factory, default_model_dir) -> Path:
     """An image-text model (Gemma 3's, Mistral 3's, Qwen2.5-VL's, Qwen3-VL's, Llama 4's) around the tiny
     language model of `request.param`, with a one-layer vision tower genq does not load."""
@@ -370,6 +398,14 @@ def tiny_image_text_dir(request, tmp_path_factory, default_model_dir) -> Path:
                                                            "mrope_section": sections}}
         config_class = Qwen2_5_VLConfig if request.param == "qwen2" else Qwen3VLConfig
         config = config_class(text_config=text_dict, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings)
+    elif request.param == "qwen3_5":  # M-RoPE over the quarter of each head it rotates
+        from transformers import Qwen3_5Config
+
+        vision = dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64)
+        text_dict = {**text.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                                           "mrope_interleaved": True}}
+        config = Qwen3_5Config(text_config=text_dict, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings)
     elif request.param == "llama4":
         from transformers import Llama4Config, Llama4VisionConfig
 

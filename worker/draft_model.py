@@ -49,6 +49,9 @@ class DraftModelProposer:
                              f"({target_vocab_size}): a draft must share the target's tokenizer")
         if not self.runner.model_config.has_lm_head:
             raise ValueError(f"the draft model ({self.runner.model_config.architecture}) has no LM head")
+        if self.runner.states is not None:  # its guesses, rejected, would stay in its state
+            raise ValueError(f"the draft model ({self.runner.model_config.architecture}) has linear-attention "
+                             "layers, which cannot take back rejected guesses; draft with an attention-only model")
         self._free = list(range(self.runner.num_blocks))
         self._tables: dict[str, list[int]] = {}
         self._seen: dict[str, int] = {}  # tokens of the request whose KV the draft holds

@@ -82,7 +82,13 @@ class Engine:
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+        # linear attention's state follows every token before: no prefix can be restored from blocks
+        self.recurrent = self.model_config.linear is not None
+        if self.recurrent and config.kv_offloading_size:
+            raise ValueError(f"kv_offloading_size: {self.model_config.architecture} keeps a linear-attention state "
+                             "per request, which the prefix cache cannot restore, so it runs without one")
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching and not self.recurrent,
                                           windows=[window for window, _ in self.runner.kv_layout],
                                           num_host_blocks=self.runner.num_host_blocks)
         sched_config = SchedulerConfig(
@@ -149,7 +155,11 @@ class Engine:
         if images is not None:
             self.runner.add_images([child.request_id for child in children], images)
         self.output_processor.add_request(request_id, text, children)
-        self.scheduler.add_request(children[0], forks=children[1:])
+        if self.recurrent:  # each completion computes the prompt: its state is its own
+            for child in children:
+                self.scheduler.add_request(child)
+        else:
+            self.scheduler.add_request(children[0], forks=children[1:])
 
     def _make_child(self, request_id, index, prompt_ids, params, priority, arrival_time, resume):
         child_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -409,6 +419,9 @@ class Engine:
         if not config.speculative_config:
             return None
         spec = SpeculativeConfig.from_dict(config.speculative_config)
+        if self.recurrent:  # a rejected guess would stay in the state
+            raise ValueError(f"speculative_config: {self.model_config.architecture}'s linear-attention layers "
+                             "cannot take back rejected guesses yet; serve it without speculative decoding")
         if spec.method == "ngram":
             return NgramProposer(spec)
         # the draft holds as many tokens as the target's pool would with one KV group: a hybrid
@@ -475,6 +488,8 @@ class Engine:
         for request in finished:
             self.generators.pop(request.request_id, None)
             self.runner.image_embeds.remove(request.request_id)
+            if self.runner.states is not None:
+                self.runner.states.remove(request.request_id)
             if self.proposer is not None:
                 self.proposer.remove(request.request_id)
             self.guided.remove(request.request_id)

@@ -240,6 +240,9 @@ class LoRAManager:
         if cfg.mla is not None:
             raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}, whose attention is "
                              "multi-head latent attention (MLA); serve it without enable_lora")
+        if cfg.linear is not None:
+            raise ValueError(f"LoRA adapters are not supported for {cfg.architecture} yet, whose layers are "
+                             "mostly linear attention; serve it without enable_lora")
         self.cfg = whole or cfg
         self.share = share
         self.max_loras = max_loras

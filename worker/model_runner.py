@@ -30,6 +30,7 @@ from worker.lora import LoRAManager
 from worker.model_loader import iter_safetensors
 from worker.models import quant
 from worker.models.config import ModelConfig, Span
+from worker.models.linear_attention import LinearStates
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
@@ -108,8 +109,12 @@ class ModelRunner:
         self.model_config = (self.checkpoint_config if parallel is None
                              else self.checkpoint_config.shard(parallel.world_size))
         # the layers' KV groups: (window, layers) each, with block tables of its own over the
-        # one pool; layer j of every group keeps its KV in the same tensor (its slot)
-        self.kv_layout = kv_group_layout(self.model_config.kept_windows, self.model_config.num_hidden_layers, config)
+        # one pool; layer j of every group keeps its KV in the same tensor (its slot). Layers of
+        # linear attention keep a state per request instead (self.states), in no group
+        cfg = self.model_config
+        self.kv_layers = [i for i in range(cfg.num_hidden_layers) if i not in cfg.linear_layers]
+        layout = kv_group_layout(tuple(cfg.kept_windows[i] for i in self.kv_layers), len(self.kv_layers), config)
+        self.kv_layout = [(window, tuple(self.kv_layers[j] for j in layers)) for window, layers in layout]
         self.layer_group = [0] * self.model_config.num_hidden_layers
         self.layer_slot = [0] * self.model_config.num_hidden_layers
         for group, (_, layers) in enumerate(self.kv_layout):
@@ -134,6 +139,10 @@ class ModelRunner:
         self.image_encoder = None if image_config is None else load_image_encoder(
             model_path, image_config, self.dtype, self.device, dummy=config.load_format == "dummy")
         self.image_embeds = ImageEmbeddings()
+        # linear attention's states, a slot for each request that may run at once (made before the
+        # KV cache, which takes what memory is left)
+        self.states = None if cfg.linear is None else LinearStates(
+            cfg.linear, len(cfg.linear_layers), config.max_num_seqs, self.dtype, self.device)
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
@@ -169,8 +178,8 @@ class ModelRunner:
     def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
         same padded buffers on CPU, where the triton backend runs only for tests)."""
-        if backend != "triton" or self.config.enforce_eager or self.parallel is not None:
-            return None  # (a tensor-parallel step's reductions are not captured yet)
+        if backend != "triton" or self.config.enforce_eager or self.parallel is not None or self.states is not None:
+            return None  # (a tensor-parallel step's reductions, linear attention's states are not captured yet)
         from worker.cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
@@ -203,10 +212,10 @@ class ModelRunner:
         return model
 
     def _kv_block_bytes(self) -> int:
-        """One block of every layer, K and V."""
+        """One block of every layer that keeps KV, K and V."""
         cfg = self.model_config
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return cfg.kv_pools * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return cfg.kv_pools * len(self.kv_layers) * self.block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         """Blocks in the pool, each `num_slots` layers' worth: as many as the memory holds,
@@ -222,7 +231,7 @@ class ModelRunner:
             budget = int((free - total * (1 - self.config.gpu_memory_utilization)) * 0.9) // self._kv_block_bytes()
         else:
             budget = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()
-        num_blocks = budget * self.model_config.num_hidden_layers // self.num_slots
+        num_blocks = budget * len(self.kv_layers) // self.num_slots
         if self.parallel is not None:  # every rank's pool holds the same blocks, for the one scheduler
             num_blocks = self.parallel.min(num_blocks)
         needed = 0
@@ -335,13 +344,16 @@ class ModelRunner:
             hidden = self.graphs.run(batch, rope)  # [B, hidden]
         else:  # eager: prefills, steps with adapters (the graphs hold the base model only), with
             # image rows, or with M-RoPE's three streams
-            input_ids, positions, meta = self._prepare(batch)
+            input_ids, positions, meta = self._prepare(batch, out.preempted)
             if rope is not None:
                 positions = torch.as_tensor(rope, dtype=torch.long).to(self.device)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images)  # [T, hidden]
         return batch, hidden
 
-    def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _prepare(self, batch: list[ScheduledRequest], preempted: list[str] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """`preempted`: the requests the step's scheduling preempted (their linear-attention
+        states are void)."""
         ids: list[int] = []
         pos: list[int] = []
         for s in batch:
@@ -363,6 +375,10 @@ class ModelRunner:
             metas.append(self.attention.build(batch, group_tables, slots, kinds, like=first.get(kinds)))
             first.setdefault(kinds, metas[-1])
         meta = GroupedMetadata.of(metas, self.layer_group)
+        if self.states is not None:  # linear attention's layers take their states instead
+            states = self.states.for_step(((s.request_id, s.start_pos, len(s.token_ids)) for s in batch), preempted or ())
+            linear = self.model_config.linear_layers
+            meta = GroupedMetadata([states if i in linear else meta.for_layer(i) for i in range(len(self.layer_group))])
         return input_ids, positions, meta
 
     def _image_rows(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:

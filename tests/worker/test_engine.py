@@ -112,7 +112,7 @@ def test_prefill_logits_match_transformers_mixtures_of_experts(tiny_moe_dir):
 # window on some layers, capped scores with a window (Gemma 2), a RoPE table per layer kind
 # (Gemma 3), routed experts with a shared one, RoPE over part of heads 24 wide (Phi-3's tiny
 # model, GQA too: tiles padded to 32 columns). The other families differ in torch code only.
-@pytest.mark.parametrize("tiny_model_dir", ["mistral", "phi3", "gemma2", "gemma3"], indirect=True)
+@pytest.mark.parametrize("tiny_model_dir", ["mistral", "phi3", "gemma2", "gemma3", "qwen3_5"], indirect=True)
 def test_prefill_logits_match_transformers_kernel_path(tiny_model_dir):
     check_prefill_logits(tiny_model_dir, "triton")
 

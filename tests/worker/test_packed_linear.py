@@ -62,12 +62,13 @@ def test_engine_packs_every_linear_and_keeps_the_plain_models_logits(tiny_model_
     llm = LLM(str(tiny_model_dir), dtype=str(dtype).removeprefix("torch."), num_gpu_blocks_override=64)
     runner = llm.engine.runner
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
-    assert sum(type(m) is PackedLinear for m in runner.model.modules()) == 4 * runner.model_config.num_hidden_layers + 1
+    num_packed = sum(type(m) is PackedLinear for m in runner.model.modules())
     torch.manual_seed(2)
     steps = _steps([torch.randint(3, 49152, (n,)).tolist() for n in (5, 23, 40)], len(runner.kv_layout))
     packed = [runner.execute(step).logits for step in steps]
     runner.model = runner._load_model(Path(tiny_model_dir), use_kernels=False)  # the same weights, unpacked
-    assert any(type(m) is nn.Linear for m in runner.model.modules())
+    # every linear layer was packed: four a layer and the head, or Qwen3.5's linear attention's five
+    assert sum(type(m) is nn.Linear for m in runner.model.modules()) == num_packed >= 4 * len(runner.model.layers) + 1
     plain = [runner.execute(step).logits for step in steps]
     for a, b in zip(packed, plain, strict=True):
-        assert_same(a, b, atol=1e-4)  # float32 rounding, through every layer
+        assert_same(a, b, atol=2e-4)  # float32 rounding, through every layer (Qwen3.5 has four)

@@ -66,6 +66,13 @@ SUPPORTED_ARCHITECTURES = {
     # fourth; one routed expert a token, its router's sigmoid score scaling the expert's input,
     # beside an always-on shared expert
     "Llama4ForCausalLM": "llama4",
+    # Qwen3.5 (dense): three layers of four linear attention (Gated DeltaNet, a recurrent state
+    # per request instead of a KV cache), the fourth full attention with a sigmoid gate on its
+    # output, RoPE over a quarter of each head, (1 + w) norms
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",  # and with Qwen2-MoE's experts (renormalized, a gated shared one)
+    # Qwen3-Next: Qwen3.5-MoE's layers before it, its checkpoints' linear projections grouped by key head
+    "Qwen3NextForCausalLM": "qwen3_next",
     # the same decoders without an LM head (embedding models such as e5-mistral and
     # gte-Qwen2): they serve embedding requests only
     "LlamaModel": "llama",
@@ -92,9 +99,13 @@ TEXT_OF_MULTIMODAL = {
     "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",  # Qwen3-VL (dense)
     "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",  # Qwen3-VL-30B-A3B, -235B-A22B
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",  # Llama 4 Scout and Maverick
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",  # Qwen3.5 (dense)
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",  # Qwen3.5 (experts)
 }
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
-_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", "llama4", *_MLA_FAMILIES)
+_QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # linear and gated full attention
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", "llama4", "qwen3_5_moe",
+                 "qwen3_next", *_MLA_FAMILIES)
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -178,7 +189,7 @@ class MoEConfig:
                    intermediate_size=hf_config.moe_intermediate_size, layers=layers,
                    # Qwen3-VL-MoE's router always renormalizes (its config has no norm_topk_prob)
                    renormalize=bool(getattr(hf_config, "norm_topk_prob", False))
-                   or getattr(hf_config, "model_type", None) == "qwen3_vl_moe_text",
+                   or getattr(hf_config, "model_type", None) in ("qwen3_vl_moe_text", "qwen3_5_moe_text"),
                    float32_weights=False,
                    shared_expert_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
 
@@ -236,6 +247,32 @@ class MLAConfig:
         if (params.get("rope_type") or params.get("type") or "default") != "default" and all_dim and factor > 1:
             scale *= (0.1 * all_dim * math.log(factor) + 1.0) ** 2
         return scale
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet's shape (Qwen3.5's linear-attention layers, worker.models.linear_attention):
+    q and k of `num_key_heads` heads, v of `num_value_heads` (a multiple), a causal convolution
+    of `conv_kernel` taps over the three."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> LinearAttentionConfig:
+        cfg = cls(hf_config.linear_num_key_heads, hf_config.linear_num_value_heads, hf_config.linear_key_head_dim,
+                  hf_config.linear_value_head_dim, hf_config.linear_conv_kernel_dim)
+        if cfg.num_value_heads % cfg.num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({cfg.num_value_heads}) is not a multiple of "
+                             f"linear_num_key_heads ({cfg.num_key_heads})")
+        return cfg
 
 
 @dataclass(frozen=True)
@@ -317,6 +354,10 @@ class ModelConfig:
     chunked_layers: frozenset[int] = frozenset()
     attention_chunk_size: int | None = None
     unit_qk_norm: bool = False  # Llama 4: each rotated q and k head scaled to unit RMS (no weight), after RoPE
+    # Qwen3.5: the layers of linear attention (a state per request, no KV cache), and its shape
+    linear_layers: frozenset[int] = frozenset()
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False  # Qwen3.5: q_proj gives each head a gate too; the output is scaled by its sigmoid
     # RoPE rotates pairs (2i, 2i + 1) of each head, not (i, i + d/2) (Ernie 4.5): q and k's
     # rows are permuted at load so that the half-split rotation computes the same scores
     interleaved_rope: bool = False
@@ -369,7 +410,7 @@ class ModelConfig:
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             # Llama 4's dense layers are wider than its experts
-            intermediate_size=hf_config.intermediate_size_mlp if family == "llama4" else hf_config.intermediate_size,
+            intermediate_size=_dense_intermediate_size(hf_config, family),
             num_hidden_layers=hf_config.num_hidden_layers,
             num_attention_heads=heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
@@ -388,7 +429,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
             labels=_labels(hf_config) if arch.endswith("ForSequenceClassification") else (),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3")
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", *_QWEN3_5_FAMILIES)
             or (family == "glm4_moe" and bool(hf_config.use_qk_norm)),
             moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
             quant=QuantConfig.from_hf(hf_config, quantization),
@@ -415,6 +456,9 @@ class ModelConfig:
         if world_size == 1:
             return self
         moe = self.moe
+        if self.linear is not None:
+            raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: its "
+                             "linear-attention layers run on one device only")
         if self.quant is not None and self.quant.act_order:
             raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: "
                              "its act-order (desc_act) GPTQ weights run on one device only")
@@ -517,6 +561,14 @@ class ModelConfig:
         return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu", **extra)
 
 
+def _dense_intermediate_size(hf_config: Any, family: str) -> int:
+    """The dense MLPs' width: Llama 4's are wider than its experts; Qwen3.5-MoE has none (its
+    experts' width stands in)."""
+    if family == "llama4":
+        return hf_config.intermediate_size_mlp
+    return getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size
+
+
 def _labels(hf_config: Any) -> tuple[str, ...]:
     id2label = getattr(hf_config, "id2label", None) or {}
     return tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(hf_config.num_labels))
@@ -547,6 +599,10 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
         return dict(sandwich_norms=True)
     if family == "smollm3":  # no_rope_layers: 1 where the layer rotates, 0 where it does not
         return dict(nope_layers=frozenset(i for i, rotates in enumerate(hf_config.no_rope_layers) if not rotates))
+    if family in _QWEN3_5_FAMILIES:  # (1 + w) norms in float32, Gemma's
+        kinds = hf_config.layer_types
+        return dict(norm_weight_offset=1.0, attn_output_gate=True, linear=LinearAttentionConfig.from_hf(hf_config),
+                    linear_layers=frozenset(i for i, kind in enumerate(kinds) if kind == "linear_attention"))
     if family == "gpt_oss":  # norms scale in float32 (their weights are kept so), then round
         return dict(norm_weight_offset=0.0, attn_sinks=True)
     if family.startswith("granite"):

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from worker.attention import FP8, apply_softcap
 from worker.models import gpt_oss, kv_scales, quant
 from worker.models.config import ModelConfig
+from worker.models.linear_attention import GatedDeltaNet, GatedRMSNorm, grouped_projections
 from worker.models.mla import MLAttention
 from worker.models.moe import SparseMoeBlock
 
@@ -227,7 +228,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.output_gate = cfg.attn_output_gate  # q_proj's rows: each head's queries, then its gate
+        q_rows = self.q_size * (2 if self.output_gate else 1)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_rows + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = cfg.attn_scale or self.head_dim**-0.5
         self.softcap = cfg.attn_softcap
@@ -270,6 +273,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if lora is not None:
             lora.add(qkv, x, self.qkv_lora)
+        gate = None
+        if self.output_gate:
+            q_gate, kv = qkv.split([2 * self.q_size, 2 * self.kv_size], dim=-1)
+            q, gate = q_gate.view(num_tokens, self.num_heads, 2, self.head_dim).unbind(2)
+            qkv = torch.cat((q.reshape(num_tokens, self.q_size), kv), dim=-1)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
@@ -289,6 +297,8 @@ class Attention(nn.Module):
         if scales is not None:
             o = scales.out_of_cache(o)
         o = o.view(num_tokens, self.q_size)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(num_tokens, self.q_size))
         out = self.o_proj(o) if lora is None else lora.add(self.o_proj(o), o, self.o_lora)
         return out if self.reduce is None else self.reduce(out)
 
@@ -322,7 +332,15 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, use_kernels: bool, index: int):
         super().__init__()
-        self.self_attn = MLAttention(cfg, make_norm) if cfg.mla is not None else Attention(cfg, index)
+        self.self_attn: Attention | MLAttention | GatedDeltaNet
+        if cfg.mla is not None:
+            self.self_attn = MLAttention(cfg, make_norm)
+        elif index in cfg.linear_layers:  # its checkpoint's linear_attn
+            assert cfg.linear is not None
+            self.self_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps,
+                                           sorted(cfg.linear_layers).index(index))
+        else:
+            self.self_attn = Attention(cfg, index)
         self.mlp: MLP | SparseMoeBlock
         if cfg.moe is not None and index in cfg.moe.layers:
             self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, use_kernels, MLP)
@@ -480,8 +498,8 @@ class LlamaForCausalLM(nn.Module):
                 if quant.is_quantized(module, local):  # the float weight the other layers draw, quantized
                     dense = torch.randn(quant.dense_shape(module, local), generator=generator).mul_(std)
                     quant.quantize_into(module, local, dense)
-                elif name.endswith("norm.weight"):
-                    param.fill_(1.0 - (self.config.norm_weight_offset or 0.0))  # a scale of one
+                elif name.endswith("norm.weight"):  # a scale of one
+                    param.fill_(1.0 if isinstance(module, GatedRMSNorm) else 1.0 - (self.config.norm_weight_offset or 0.0))
                 elif name.endswith(".bias"):
                     param.zero_()
                 else:
@@ -498,6 +516,9 @@ class LlamaForCausalLM(nn.Module):
         if self.config.architecture == "Glm4ForCausalLM":
             weights = _glm4_names(weights)
         weights = _without_mtp_layers(weights, self.config)
+        if self.config.architecture == "Qwen3NextForCausalLM":
+            assert self.config.linear is not None
+            weights = grouped_projections(weights, self.config.linear)
         if self.config.architecture == "GptOssForCausalLM":
             quant_cfg = self.config.quant
             weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
@@ -601,7 +622,8 @@ _STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_
 # transformers), and what genq does not load of it
 _LANGUAGE_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
 _NOT_LANGUAGE = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                 "visual.", "model.visual.", "vision_model.", "model.vision_model.")
+                 "visual.", "model.visual.", "vision_model.", "model.vision_model.",
+                 "mtp.")  # (Qwen3.5's multi-token-prediction layer, which genq does not run)
 
 
 # GLM-4's four norms a layer, under Gemma 2's names: after attention, before the MLP, after it
@@ -652,6 +674,7 @@ def _map_hf_name(hf_name: str, mla: bool = False) -> tuple[str, str | None] | No
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
     name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's name
     name = name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")  # Llama 4's
+    name = name.replace(".linear_attn.", ".self_attn.")  # Qwen3.5's linear-attention layers
     for old, new in _GRANITE_MOE.items():
         name = name.replace(old, new)
     parts = name.split(".")
@@ -734,7 +757,7 @@ def half_split_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = 
 
 def _shard_range(shard: str, cfg: ModelConfig, rows: int) -> tuple[int, int]:
     """Where a piece lies in the fused weight of `rows` rows."""
-    q_size = cfg.num_attention_heads * cfg.head_dim
+    q_size = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)  # (with the gates)
     kv_size = cfg.num_key_value_heads * cfg.head_dim
     return {
         "q": (0, q_size),

@@ -1,0 +1,103 @@
+"""Qwen3.5's linear attention (Gated DeltaNet) beyond greedy parity (tests/worker/test_engine.py
+has that, for the tiny Qwen3.5 of `tiny_model_dir`): the delta rule against transformers' own
+per-token recurrence, each request's state across chunks, preemption and n > 1, and what is
+refused because a state cannot be shared or taken back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import PROMPTS, greedy, hf_greedy_along
+
+from worker import LLM
+from worker.models.linear_attention import gated_delta_rule
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tiny_family):
+    return tiny_family("qwen3_5")
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 150])  # a decode; under a chunk; one chunk; three, the last short
+def test_the_chunked_delta_rule_equals_transformers_recurrence(length):
+    """Tokens solved a chunk at a time, from a state the tokens before left, give the outputs
+    and the final state of transformers' token-by-token recurrence."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    torch.manual_seed(length)
+    heads, dk, dv = 3, 16, 24
+    q, k = torch.randn(2, length, heads, dk).unbind(0)
+    v = torch.randn(length, heads, dv)
+    g = -torch.rand(length, heads) * 2  # log decays
+    beta = torch.rand(length, heads)
+    state = torch.randn(heads, dk, dv)
+    expected, expected_state = torch_recurrent_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], initial_state=state[None].clone(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True)
+    # ours takes q and k normalized, q scaled, as the layer gives them
+    qn, kn = (t * torch.rsqrt(t.square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    ours = state.clone()
+    out = gated_delta_rule(qn * dk**-0.5, kn, v, g, beta, ours)
+    torch.testing.assert_close(out, expected[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, expected_state[0], atol=1e-4, rtol=1e-4)
+
+
+def test_states_survive_chunks_preemption_and_n(qwen3_5):
+    """Prompts cut into chunks of 16 tokens, a pool so small that requests are preempted (and
+    start over with a fresh state), and two completions of one prompt, each computing it:
+    greedy tokens equal transformers'. No prefix is ever read from the cache."""
+    llm = LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=16, max_model_len=128)
+    engine = llm.engine
+    assert not engine.block_manager.enable_prefix_caching
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in (PROMPTS[5], PROMPTS[8], PROMPTS[7])]  # 46, 61 and 29 tokens
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(40), use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert tokens == hf_greedy_along(qwen3_5, prompts, tokens)
+    assert engine.scheduler.num_preemptions > 0
+    params = greedy(12)
+    params.n = 2
+    [twice] = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+    assert [c.token_ids for c in twice.outputs] == [tokens[0][:12]] * 2
+    assert twice.num_cached_tokens == 0
+    assert not engine.runner.states.slots  # every request gave its slot back as it ended
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "cannot take back rejected guesses"),
+    ({"enable_lora": True}, "LoRA adapters are not supported for Qwen3_5ForCausalLM yet"),
+    ({"kv_offloading_size": 1.0}, "keeps a linear-attention state per request"),
+    ({"tensor_parallel_size": 2}, "linear-attention layers run on one device only"),
+])
+def test_what_a_state_cannot_do_is_refused_by_name(qwen3_5, args, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=16, max_model_len=128, **args)
+
+
+def test_a_slot_is_taken_zeroed_and_given_back():
+    """A request takes a zeroed slot at its first chunk and keeps it while it continues; a
+    preempted one gives it back (it starts over); with every slot held, a new request and one
+    that continues without its state are errors, not silent mixes of states."""
+    from worker.models.config import LinearAttentionConfig
+    from worker.models.linear_attention import LinearStates
+
+    states = LinearStates(LinearAttentionConfig(1, 2, 4, 4, 3), 2, 2, torch.float32, torch.device("cpu"))
+    meta = states.for_step([("a", 0, 5), ("b", 0, 1)])
+    assert (meta.slots, meta.rows, meta.num_decodes) == ([0, 1], [(0, 5), (5, 6)], 0)
+    assert not states.recurrent[0].any() and not states.conv[1].any()
+    states.recurrent[0].fill_(1.0)
+    meta = states.for_step([("b", 1, 1), ("a", 5, 3)])
+    assert (meta.slots, meta.num_decodes, meta.decode_slots.tolist()) == ([1, 0], 1, [1])
+    assert states.recurrent[0].eq(1.0).all()  # a's state kept as it continues
+    with pytest.raises(RuntimeError, match="no linear-attention state slot is free for request 'c'"):
+        states.for_step([("c", 0, 4)])
+    meta = states.for_step([("c", 0, 4)], preempted=["a"])
+    assert meta.slots == [0] and not states.recurrent[0].any()
+    with pytest.raises(RuntimeError, match="request 'a' continues at position 8 without"):
+        states.for_step([("a", 8, 1)])
+
+
+def test_a_linear_attention_draft_is_refused(qwen3_5, tiny_family):
+    with pytest.raises(ValueError, match=r"the draft model \(Qwen3_5ForCausalLM\) has linear-attention layers"):
+        LLM(str(tiny_family("llama")), dtype="float32", num_gpu_blocks_override=16, max_model_len=128,
+            speculative_config={"model": str(qwen3_5), "num_speculative_tokens": 2})
