@@ -16,7 +16,7 @@ reports the parts it finished):
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
    biased experts; and with MXFP4 experts), a GLM-4.5 (DeepSeek-V3's routing), a DeepSeek-V3
    (latent attention, one 576-wide cache head), a Llama 4 (chunked attention, NoPE layers,
-   experts weighing their input), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
+   experts weighing their input), a Qwen3.5 (linear attention's states), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
    Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt
@@ -200,6 +200,11 @@ REMADE = {
                "num_experts_per_tok": 1, "intermediate_size": 256, "intermediate_size_mlp": 1536,
                "interleave_moe_layer_step": 2, "attention_chunk_size": 8, "floor_scale": 8, "attn_scale": 0.5,
                "use_qk_norm": True},
+    # Qwen3.5: Gated DeltaNet on three layers of four (torch ops on the device, a state slot per
+    # request, no decode graphs), gated full attention on the fourth, RoPE over a quarter of each head
+    "qwen3_5": {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "linear_num_key_heads": 3,
+                "linear_num_value_heads": 6, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                "linear_conv_kernel_dim": 4, "layer_types": None},
     "qwen3_moe_fp8": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
                       "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
                       "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
