@@ -174,11 +174,12 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.repeat(d, 1, 1)  # [d * conv_dim, 1, kernel]
         qkv = F.silu(F.conv1d(inputs.reshape(1, d * channels, -1), weight, groups=d * channels).view(d, channels))
         q, k, v = self._heads(qkv)  # [d, Hv, D]
-        s = states.recurrent[slots, self.index] * g.exp()[..., None, None]  # [d, Hv, Dk, Dv], decayed
-        written = (v - (s * k[..., None]).sum(-2)) * beta[..., None]  # [d, Hv, Dv]
-        s = s + k[..., None] * written[..., None, :]
+        s = states.recurrent[slots, self.index].mul_(g.exp()[..., None, None])  # [d, Hv, Dk, Dv], decayed
+        written = (v - (k[..., None, :] @ s)[..., 0, :]) * beta[..., None]  # [d, Hv, Dv]
+        flat = s.view(-1, *s.shape[2:])
+        flat.baddbmm_(k.reshape(-1, k.shape[-1], 1), written.reshape(len(flat), 1, -1))  # s += k written^T
         states.recurrent[slots, self.index] = s
-        return (s * q[..., None]).sum(-2)
+        return (q[..., None, :] @ s)[..., 0, :]
 
     def _convolve(self, rows: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """The causal depthwise convolution (then SiLU) over a request's new rows [n, conv_dim],
