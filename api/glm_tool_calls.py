@@ -7,12 +7,22 @@ key and a value,
     <arg_value>Paris</arg_value>
     </tool_call>
 
-and GLM-4.7 writes the same without the newlines. The blocks are found as hermes blocks are
-(api.tool_calls.ToolCallReader); `GlmBlock` reads what one holds. The chat template writes a
-string value as its raw text and any other as JSON, so a value is read as JSON unless the
-request's tool declares that parameter a string, and as text when it is no JSON. A call's
-arguments go out as the JSON text of an object, an argument at a time as each value closes.
-Plain Python; no I/O.
+and GLM-4.7 writes the same without the newlines; and as Qwen3-Coder and Qwen3.5 write them
+(`qwen3_coder`; vLLM's qwen3_coder):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+The blocks are found as hermes blocks are (api.tool_calls.ToolCallReader); `GlmBlock` and
+`Qwen3CoderBlock` read what one holds. The chat templates write a string value as its raw
+text and any other as JSON, so a value is read as JSON unless the request's tool declares
+that parameter a string, and as text when it is no JSON. A call's arguments go out as the
+JSON text of an object, an argument at a time as each value closes. Plain Python; no I/O.
 """
 
 from __future__ import annotations
@@ -23,11 +33,6 @@ from typing import Any
 
 from api.call_stream import CallDelta
 
-KEY = "<arg_key>"
-VALUE_END = "</arg_value>"
-# one argument, up to its value's closing tag
-_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*)", re.DOTALL)
-
 StringParameters = frozenset[tuple[str, str]]  # (tool, parameter): those the tools declare strings
 
 
@@ -35,6 +40,11 @@ class GlmBlock:
     """Reads one block's text (between its tags) as it streams. The block is a call once its
     name is whole, at its first `<arg_key>` or at the block's end tag; a name that is empty or
     more than one word makes it no call."""
+
+    key = "<arg_key>"  # where an argument begins
+    value_end = "</arg_value>"
+    # one argument, up to its value's closing tag: its key and its value
+    argument = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*)", re.DOTALL)
 
     def __init__(self, first_index: int, string_parameters: StringParameters = frozenset()) -> None:
         self.text = ""  # all that was fed
@@ -53,12 +63,12 @@ class GlmBlock:
     def feed(self, text: str) -> list[CallDelta]:
         self.text += text
         deltas: list[CallDelta] = []
-        if self._name is None and not self._not_a_call and (key := self.text.find(KEY)) >= 0:
+        if self._name is None and not self._not_a_call and (key := self.text.find(self.key)) >= 0:
             deltas += self._named(self.text[:key])
             self._at = key
-        while self._name is not None and (end := self.text.find(VALUE_END, self._at)) >= 0:
+        while self._name is not None and (end := self.text.find(self.value_end, self._at)) >= 0:
             deltas += self._argument(self.text[self._at : end])
-            self._at = end + len(VALUE_END)
+            self._at = end + len(self.value_end)
         return deltas
 
     def close(self) -> list[CallDelta] | None:
@@ -74,8 +84,12 @@ class GlmBlock:
         call only if its name was whole, with the arguments whose values closed."""
         return None if self._name is None else self.close()
 
+    def _name_in(self, text: str) -> str:
+        """The function's name in the block's text before its first argument."""
+        return text.strip()
+
     def _named(self, text: str) -> list[CallDelta]:
-        name = text.strip()
+        name = self._name_in(text)
         if len(name.split()) != 1:  # empty, or words: no function's name
             self._not_a_call = True
             return []
@@ -85,15 +99,36 @@ class GlmBlock:
     def _argument(self, text: str) -> list[CallDelta]:
         """One argument's text, as JSON to add to the arguments' object; none if the text is
         not a key and a value."""
-        match = _ARGUMENT.fullmatch(text)
+        match = self.argument.fullmatch(text)
         if match is None:
             return []
-        key, value = match[1].strip(), match[2]
+        key, value = match[1].strip(), self._value(match[2])
         read = value if (self._name, key) in self._strings else _json_or_text(value)
         opening = ", " if self._num_arguments else "{"
         self._num_arguments += 1
         pair = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(read, ensure_ascii=False)
         return [CallDelta(self._index, None, opening + pair)]
+
+
+    def _value(self, text: str) -> str:
+        return text
+
+
+class Qwen3CoderBlock(GlmBlock):
+    """Qwen3-Coder's block: the name in `<function=NAME>`, each argument a `<parameter=KEY>`
+    whose value lies on the lines between it and `</parameter>` (one newline each side is
+    the template's, not the value's)."""
+
+    key = "<parameter="
+    value_end = "</parameter>"
+    argument = re.compile(r"\s*<parameter=([^>]*)>(.*)", re.DOTALL)
+
+    def _name_in(self, text: str) -> str:
+        match = re.fullmatch(r"\s*<function=([^>]*)>.*", text, re.DOTALL)
+        return match[1].strip() if match else ""
+
+    def _value(self, text: str) -> str:
+        return text.removeprefix("\n").removesuffix("\n")
 
 
 def _json_or_text(value: str) -> Any:

@@ -158,6 +158,12 @@ def _glm(name: str, *arguments: tuple[str, str]) -> str:
     return f"<tool_call>{name}{written}</tool_call>"
 
 
+def _qwen3_coder(name: str, *arguments: tuple[str, str]) -> str:
+    """A Qwen3-Coder block calling `name` with (key, value as written)."""
+    written = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments)
+    return f"<tool_call>\n<function={name}>\n{written}</function>\n</tool_call>"
+
+
 GLM_CASES = [
     # (reply, content, calls as (name, arguments))
     (GLM45, None, [PARIS]),
@@ -221,6 +227,14 @@ FORMAT_CASES = [
     ("mistral", '[TOOL_CALLS]a[ARGS]{"x": {"y": "}"}}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"x": {"y": "}"}}), ("b", {})]),
     ("mistral", "No tools needed [TOOL", "No tools needed [TOOL", []),
     *[("glm45", *case) for case in GLM_CASES],
+    # Qwen3-Coder's blocks (Qwen3.5, Qwen3-Next): a value on its own lines, typed as GLM's are
+    *[("qwen3_coder", *case) for case in [
+        (_qwen3_coder("get_weather", ("city", "Paris"), ("days", "2")), None, [PARIS]),
+        (f"Let me check.\n\n{_qwen3_coder('get_time')}", "Let me check.", [("get_time", {})]),
+        (_qwen3_coder("lookup", ("code", "123"), ("quote", "line 1\n</b> 2")) + _qwen3_coder("other", ("code", "123")),
+         None, [("lookup", {"code": "123", "quote": "line 1\n</b> 2"}), ("other", {"code": 123})]),
+        ("<tool_call>\nno function here\n</tool_call>", "<tool_call>\nno function here\n</tool_call>", []),
+    ]],
     # Llama 3.2's and Llama 4's Python lists of calls: literals of every kind, brackets and
     # quotes inside strings, Llama 4's tags
     ("pythonic", '[get_weather(city="Paris", days=2)]', None, [("get_weather", {"city": "Paris", "days": 2})]),
