@@ -520,6 +520,7 @@ def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
         AutoModelForImageTextToText,
         Qwen2_5_VLConfig,
         Qwen2VLConfig,
+        Qwen3_5Config,
         Qwen3VLConfig,
         Qwen3VLMoeConfig,
     )
@@ -527,10 +528,12 @@ def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
 
     torch.manual_seed(0)
     qwen3 = version.startswith("qwen3")
-    text = tiny_hf_config({"qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}.get(version, "qwen2"))
+    text = tiny_hf_config({"qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe", "qwen3_5": "qwen3_5"}.get(version, "qwen2"))
     sections = [4, 6, 6] if qwen3 else [2, 3, 3]  # head_dim 32, 16
-    text_dict = {**text.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                       "mrope_section": sections}}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections}
+    if version == "qwen3_5":  # a quarter of each 32-wide head rotates: 4 pairs, interleaved
+        rope.update(mrope_section=[2, 1, 1], partial_rotary_factor=0.25, mrope_interleaved=True)
+    text_dict = {**text.to_dict(), "rope_parameters": rope}
     if version == "qwen3_vl_moe":  # experts 48 wide: none of their matrices square, so layouts tell apart
         text_dict["moe_intermediate_size"] = 48
         del text_dict["norm_topk_prob"]  # not in Qwen3-VL-MoE's configs: its router always renormalizes
@@ -538,13 +541,16 @@ def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
     if version == "qwen2_5_vl":
         vision.update(hidden_size=32, out_hidden_size=text.hidden_size, intermediate_size=64,
                       window_size=2 * QWEN_VL_PATCH * QWEN_VL_MERGE, fullatt_block_indexes=[1])
+    elif version == "qwen3_5":  # Qwen3-VL's vision transformer without deepstack
+        vision.update(hidden_size=32, out_hidden_size=text.hidden_size, intermediate_size=64,
+                      num_position_embeddings=16)
     elif qwen3:  # deepstack embeddings from both blocks, added after both text layers
         vision.update(hidden_size=32, out_hidden_size=text.hidden_size, intermediate_size=64,
                       num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
     else:  # Qwen2-VL names the vision width embed_dim and the merger's output hidden_size
         vision.update(embed_dim=32, hidden_size=text.hidden_size, mlp_ratio=2)
     config_class = {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_vl": Qwen3VLConfig,
-                    "qwen3_vl_moe": Qwen3VLMoeConfig}[version]
+                    "qwen3_vl_moe": Qwen3VLMoeConfig, "qwen3_5": Qwen3_5Config}[version]
     config = config_class(text_config=text_dict, vision_config=vision, tie_word_embeddings=text.tie_word_embeddings,
                           image_token_id=10, vision_start_token_id=8, vision_end_token_id=9)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)

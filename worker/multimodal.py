@@ -10,7 +10,7 @@ Supported:
 - Mistral 3 (Mistral Small 3.1 and 3.2: Pixtral's vision encoder and Mistral 3's
   projector). Each image token (`[IMG]`) is widened into the image's rows of `[IMG]`
   tokens, each row ended by `[IMG_BREAK]` and the last by `[IMG_END]`.
-- Qwen2-VL, Qwen2.5-VL and Qwen3-VL, dense and MoE (their vision transformers and patch mergers; Qwen3-VL's
+- Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5, dense and MoE (their vision transformers and patch mergers; Qwen3-VL's
   deepstack embeddings too, added to its first layers' output). Each image token
   (`<|image_pad|>`, which the chat template puts between `<|vision_start|>` and
   `<|vision_end|>`) is widened into one per merged patch, and the prompt's positions become
@@ -367,13 +367,17 @@ class QwenVLEncoder(ImageEncoder):
         super().__init__()
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
         from transformers.models.qwen2_vl import modeling_qwen2_vl
+        from transformers.models.qwen3_5 import modeling_qwen3_5
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
         from transformers.models.qwen3_vl import modeling_qwen3_vl
         from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe
 
         vision: Any = {"qwen2_vl": modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel,
                        "qwen2_5_vl": modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel,
                        "qwen3_vl": modeling_qwen3_vl.Qwen3VLVisionModel,
-                       "qwen3_vl_moe": modeling_qwen3_vl_moe.Qwen3VLMoeVisionModel}[hf_config.model_type]
+                       "qwen3_vl_moe": modeling_qwen3_vl_moe.Qwen3VLMoeVisionModel,
+                       "qwen3_5": modeling_qwen3_5.Qwen3_5VisionModel,
+                       "qwen3_5_moe": modeling_qwen3_5_moe.Qwen3_5MoeVisionModel}[hf_config.model_type]
         self.visual = vision._from_config(hf_config.vision_config)
 
     @torch.inference_mode()
@@ -394,6 +398,8 @@ IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] 
     "Qwen2_5_VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
     "Qwen3VLForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
     "Qwen3VLMoeForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
+    "Qwen3_5ForConditionalGeneration": (QwenVLImages, QwenVLEncoder),  # Qwen3-VL's, without deepstack
+    "Qwen3_5MoeForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
 }
 
 

@@ -115,13 +115,14 @@ def test_chat_messages_carry_images(tiny_qwen_vl_dir):
     assert out.outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, CHAT_TEXT.format(IMAGE), [image])
 
 
-@pytest.mark.parametrize("version", ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("version", ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
 def test_qwen2_vl_and_qwen3_vl_match_transformers(version, tiny_qwen_vl):
     """Qwen2-VL: the same prompts and positions, its vision transformer without windows.
     Qwen3-VL: M-RoPE's streams interleaved over the rotary pairs, and deepstack embeddings
     added after the first layers (whose effect on the tiny model's logits is a tenth, too
     small to change greedy tokens: the logprobs tell); Qwen3-VL-MoE, the same around
-    routed experts. Whole, and in chunks that cut through the images."""
+    routed experts; Qwen3.5, the same streams over a quarter of each head, beside linear
+    attention's states. Whole, and in chunks that cut through the images."""
     model_dir = tiny_qwen_vl(version)
     expected = [hf_greedy_logprobs(model_dir, *case) for case in (ONE, TWO)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)

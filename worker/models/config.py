@@ -645,8 +645,9 @@ def _rope_params(hf_config: Any, kind: str = "full_attention") -> dict:
 
 
 # the text configs of image-text models whose prompts place images by M-RoPE
-_MROPE_MODEL_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
-_INTERLEAVED_MROPE = ("qwen3_vl_text", "qwen3_vl_moe_text")
+_MROPE_MODEL_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_5_text",
+                      "qwen3_5_moe_text")
+_INTERLEAVED_MROPE = ("qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def _mrope_section(hf_config: Any) -> tuple[int, ...] | None:
