@@ -45,9 +45,6 @@ class StateMetadata:
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
 
-    def for_layer(self, index: int) -> StateMetadata:
-        return self
-
 
 class LinearStates:
     """Every running request's state in every linear-attention layer, a slot each of
@@ -66,11 +63,6 @@ class LinearStates:
                                      cfg.value_head_dim, dtype=torch.float32, device=device)
         self.slots: dict[str, int] = {}  # request id -> its slot
         self.free = list(range(max_requests - 1, -1, -1))
-
-    @staticmethod
-    def bytes_per_request(cfg: LinearAttentionConfig, num_layers: int, dtype: torch.dtype) -> int:
-        conv = cfg.conv_dim * (cfg.conv_kernel - 1) * torch.tensor([], dtype=dtype).element_size()
-        return num_layers * (conv + cfg.num_value_heads * cfg.key_head_dim * cfg.value_head_dim * 4)
 
     def for_step(self, requests: Iterable[tuple[str, int, int]], preempted: Iterable[str] = ()) -> StateMetadata:
         """(request id, start position, new tokens) of each request in batch order; `preempted`:
@@ -98,9 +90,6 @@ class LinearStates:
         slot = self.slots.pop(request_id, None)
         if slot is not None:
             self.free.append(slot)
-
-    def __len__(self) -> int:
-        return len(self.slots)
 
     def _take(self, request_id: str) -> int:
         slot = self.slots.get(request_id)
