@@ -1,12 +1,13 @@
-"""The hybrid KV cache on a model that mixes full and sliding-window layers: the same KV
+"""The hybrid KV cache on a model that mixes full and sliding-window (or chunked) layers: the same KV
 memory with the windowed layers in a pool of their own (the default) and with every layer in
 one pool (`disable_hybrid_kv_cache_manager`), on a long-context workload, in one run.
 
     python benchmarks/hybrid_kv.py [--arch gemma3] [--window 256] [--kv-gb 0.27] [--num-prompts 24]
 
 The default model's shape (SmolLM2-135M: 30 layers) is remade as Gemma 3 (five windowed
-layers in six) or Gemma 2 (every other layer), with seeded random weights (load_format
-dummy). Prompts of 1024..1536 tokens and 128..256 output tokens, up to 16 at once, in a
+layers in six), Gemma 2 (every other layer) or Llama 4 (chunked attention, chunks of
+`--window`, on three layers of four, kept as windows that wide), with seeded random weights
+(load_format dummy). Prompts of 1024..1536 tokens and 128..256 output tokens, up to 16 at once, in a
 cache sized to hold about seven of the longest in one pool. Prints per layout: the pool's
 blocks, how many layers' KV a block holds and how many of the longest requests the pool
 holds, preemptions (requests whose KV was dropped for lack of room
@@ -45,7 +46,7 @@ def run(model: str, workload: RandomWorkload, engine_args: dict) -> dict[str, fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="gemma3", choices=["gemma3", "gemma2"])
+    ap.add_argument("--arch", default="gemma3", choices=["gemma3", "gemma2", "llama4"])
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--kv-gb", type=float, default=0.27)
     ap.add_argument("--num-prompts", type=int, default=24)
@@ -55,7 +56,8 @@ def main() -> None:
     engine_args = {"dtype": args.dtype, "load_format": "dummy", "max_model_len": 4096, "max_num_seqs": 16,
                    "kv_cache_memory_gb": args.kv_gb}
     with tempfile.TemporaryDirectory() as tmp:
-        model = remake(None, args.arch, tmp, sliding_window=args.window)
+        span = {"attention_chunk_size": args.window} if args.arch == "llama4" else {"sliding_window": args.window}
+        model = remake(None, args.arch, tmp, **span)
         rows = {"hybrid": run(model, workload, engine_args),
                 "one pool": run(model, workload, {**engine_args, "disable_hybrid_kv_cache_manager": True})}
     print(f"{args.arch} remade from SmolLM2-135M, window {args.window}, {args.kv_gb} GB of KV, "
