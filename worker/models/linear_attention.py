@@ -134,7 +134,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(cfg.num_value_heads))
         self.norm = GatedRMSNorm(cfg.value_head_dim, eps)
         self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
-        self.reduce = None  # (tensor parallelism is refused for these models)
 
     def forward(self, x: torch.Tensor, rope, kv_cache, meta: StateMetadata, lora=None) -> torch.Tensor:  # [T, hidden]
         cfg = self.cfg
@@ -157,11 +156,9 @@ class GatedDeltaNet(nn.Module):
                 slots: torch.Tensor) -> torch.Tensor:  # [d, Hv, Dv] float32
         """One new token of each of d requests, together: the convolution over each one's last
         inputs, then one step of the delta rule on each one's state."""
-        d, channels = rows.shape
         inputs = torch.cat((states.conv[slots, self.index], rows[:, :, None]), dim=2)  # [d, conv_dim, kernel]
         states.conv[slots, self.index] = inputs[:, :, 1:]
-        weight = self.conv1d.weight.repeat(d, 1, 1)  # [d * conv_dim, 1, kernel]
-        qkv = F.silu(F.conv1d(inputs.reshape(1, d * channels, -1), weight, groups=d * channels).view(d, channels))
+        qkv = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=self.cfg.conv_dim)[:, :, 0])  # the d requests as a batch
         q, k, v = self._heads(qkv)  # [d, Hv, D]
         s = states.recurrent[slots, self.index].mul_(g.exp()[..., None, None])  # [d, Hv, Dk, Dv], decayed
         written = (v - (k[..., None, :] @ s)[..., 0, :]) * beta[..., None]  # [d, Hv, Dv]
