@@ -22,12 +22,20 @@ whose prefix continues there takes fresh blocks that the slots are copied back i
 its step runs: the prefix cache then holds what the host's memory does, not only the device's.
 The copies a step needs (`take_swaps`) go out with it, evictions first. The host tier serves
 models whose layers all keep every block (one group, no window).
+
+A model with linear-attention layers keeps, besides its KV, a state per request that follows
+every token before (worker.models.linear_attention): blocks alone cannot restore a prefix.
+Its prefix cache also keeps states, in `state_slots` slots of their own: the state after every
+`state_interval` tokens (a multiple of the block size) that a step computes, saved by the
+step (`ScheduledRequest.state_saves`) and keyed by the hash of the block it ends with once
+the step has run. A prefix is then served up to the last such boundary whose state is kept,
+which the request's first step restores (`ScheduledRequest.state_restore`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from worker.request import Request
@@ -61,32 +69,36 @@ class KVSwaps:
     back: list[tuple[int, int]] = field(default_factory=list)  # (host slot, block id)
 
 
-class HostTier:
-    """The host slots: which block hash each holds, least recently used first, and those a
-    copy back is pending from (not to be reused until the step has run)."""
+class SlotCache:
+    """Slots of content kept by hash, least recently used first, and those not to be reused
+    until the step has run (pinned): the host tier's slots of evicted blocks, and the saved
+    linear-attention states."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self.cached: OrderedDict[tuple[int, int], int] = OrderedDict()  # block hash -> slot
+        self.cached: OrderedDict[Hashable, int] = OrderedDict()  # hash -> slot
         self.free = list(range(num_slots))
         self.pinned: set[int] = set()
 
-    def store(self, block_hash: tuple[int, int]) -> int | None:
+    def store(self, block_hash: Hashable) -> int | None:
         """A slot for an evicted block's content (None: already held, or every slot pinned)."""
         if block_hash in self.cached:
             self.cached.move_to_end(block_hash)
             return None
-        if self.free:
-            slot = self.free.pop()
-        else:
-            victim = next((h for h, s in self.cached.items() if s not in self.pinned), None)
-            if victim is None:
-                return None
-            slot = self.cached.pop(victim)
-        self.cached[block_hash] = slot
+        slot = self.take()
+        if slot is not None:
+            self.cached[block_hash] = slot
         return slot
 
-    def lookup(self, block_hash: tuple[int, int]) -> int | None:
+    def take(self) -> int | None:
+        """A slot off the books: a free one, else the least recently used one not pinned
+        (its content is forgotten); None where every slot is pinned."""
+        if self.free:
+            return self.free.pop()
+        victim = next((h for h, s in self.cached.items() if s not in self.pinned), None)
+        return None if victim is None else self.cached.pop(victim)
+
+    def lookup(self, block_hash: Hashable) -> int | None:
         slot = self.cached.get(block_hash)
         if slot is not None:
             self.cached.move_to_end(block_hash)
@@ -101,7 +113,7 @@ class BlockPool:
     """The blocks: reference counts, the prefix cache's keys (a block's content is its group's
     layers' KV for a run of tokens), and the free list in eviction order."""
 
-    def __init__(self, num_blocks: int, host: HostTier | None = None):
+    def __init__(self, num_blocks: int, host: SlotCache | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -179,16 +191,28 @@ class BlockPool:
 
 class BlockManager:
     """`windows`: each group's sliding window (None: the group keeps every block). Group 0
-    keeps every block where any group does."""
+    keeps every block where any group does. `state_slots`: a model with linear-attention
+    layers, the states its prefix cache keeps (None: a model without such layers), one after
+    every `state_interval` tokens computed."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,), num_host_blocks: int = 0):
+                 windows: Sequence[int | None] = (None,), num_host_blocks: int = 0,
+                 state_slots: int | None = None, state_interval: int = 0):
         if num_host_blocks and (not enable_prefix_caching or list(windows) != [None]):
             raise ValueError("KV offloading to host memory serves the prefix cache of a model whose layers keep "
                              "every block: it needs enable_prefix_caching, and no sliding-window or chunked layers "
                              "(where they mix with full ones, disable_hybrid_kv_cache_manager keeps every layer's "
                              "blocks)")
-        self.pool = BlockPool(num_blocks, HostTier(num_host_blocks) if num_host_blocks else None)
+        if state_slots is not None and (num_host_blocks or state_interval < 1 or state_interval % block_size):
+            raise ValueError(f"a model with linear-attention states saves them every multiple of block_size "
+                             f"({block_size}) tokens, with no host tier: got state_interval={state_interval}, "
+                             f"num_host_blocks={num_host_blocks}")
+        # linear attention's saved states: hash of the block a state ends with -> its slot,
+        # and those the step being scheduled saves (registered once it has run)
+        self.states = None if state_slots is None else SlotCache(state_slots)
+        self.state_interval = state_interval
+        self.pending_states: dict[int, int] = {}
+        self.pool = BlockPool(num_blocks, SlotCache(num_host_blocks) if num_host_blocks else None)
         self.windows = list(windows)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -248,10 +272,10 @@ class BlockManager:
             if self.windows[group] is None:  # the whole prefix
                 num_hit = min(num_hit, blocks.index(None) if None in blocks else len(blocks))
         runs = [_runs(blocks) for blocks in found]  # cached blocks in a row, ending at each
-        while num_hit > 0 and not all(
+        while num_hit > 0 and not (all(
             runs[group][num_hit - 1] >= num_hit - self.first_read_block(group, num_hit * self.block_size)
             for group in range(len(self.windows)) if self.windows[group] is not None
-        ):
+        ) and self._state_kept(hashes, num_hit)):
             num_hit -= 1
         self.stats.queries += request.num_tokens
         hits = []
@@ -268,6 +292,54 @@ class BlockManager:
                 self.stats.host_hits += self.block_size
         self.stats.hits += len(hits[0]) * self.block_size
         return hits
+
+    def _state_kept(self, hashes: list[int], num_blocks: int) -> bool:
+        """The linear-attention state after the first `num_blocks` blocks is kept (always
+        true of a model without such layers)."""
+        if self.states is None:
+            return True
+        return (num_blocks * self.block_size) % self.state_interval == 0 and hashes[num_blocks - 1] in self.states.cached
+
+    def saved_state(self, request: Request, num_computed: int) -> int | None:
+        """The slot of the state a request admitted with `num_computed` tokens from the prefix
+        cache starts from (None: it starts from nothing)."""
+        if self.states is None or num_computed == 0:
+            return None
+        slot = self.states.lookup(request.block_hashes[num_computed // self.block_size - 1])
+        assert slot is not None, "a prefix-cache hit ends where a state is kept"
+        return slot
+
+    def reserve_state_saves(self, request: Request, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """Slots for the states that a step computing the request's positions [start, end)
+        passes every `state_interval` tokens, as (tokens before, slot) each; none where the
+        cache keeps that state already (or saves it this step), or no slot is left."""
+        if self.states is None or not self.enable_prefix_caching:
+            return ()
+        self._hash_full_blocks(request)
+        saves = []
+        for num_tokens in range((start // self.state_interval + 1) * self.state_interval, end + 1, self.state_interval):
+            block_hash = request.block_hashes[num_tokens // self.block_size - 1]
+            if self.states.lookup(block_hash) is not None or block_hash in self.pending_states:
+                continue
+            slot = self.states.take()
+            if slot is None:
+                break
+            self.pending_states[block_hash] = slot
+            saves.append((num_tokens, slot))
+        return tuple(saves)
+
+    def settle_state_saves(self, written: Iterable[int]) -> None:
+        """The states saved into these slots are written (their step ran): the cache keeps
+        them. Other slots reserved for saves go back, unwritten (their request left the step)."""
+        if self.states is None:
+            return
+        written = set(written)
+        for block_hash, slot in self.pending_states.items():
+            if slot in written:
+                self.states.cached[block_hash] = slot
+            else:
+                self.states.free.append(slot)
+        self.pending_states.clear()
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[list[int]] | None = None
@@ -359,6 +431,9 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        if self.states is not None:
+            self.pending_states.clear()
+            self.states.reset()
 
     def take_swaps(self) -> KVSwaps:
         """The copies the step just scheduled needs (KV offloading), and the slots free again."""

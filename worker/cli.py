@@ -31,6 +31,8 @@ _ENGINE_FLAGS: dict[str, type] = {
     "max_images_per_prompt": int,
     "tensor_parallel_size": int,
     "kv_offloading_size": float,
+    "mamba_block_size": int,
+    "num_state_snapshots": int,
 }
 # Flags that set worker arguments.
 _WORKER_FLAGS: dict[str, type] = {
@@ -113,6 +115,10 @@ _HELP = {
     "(default: $GENQ_TENSOR_PARALLEL_SIZE or 1)",
     "kv_offloading_size": "GiB of host memory that KV blocks evicted from the prefix cache are kept in, and "
     "copied back from on a hit (default: $GENQ_KV_OFFLOADING_SIZE or off)",
+    "mamba_block_size": "linear-attention models (Qwen3.5, Qwen3-Next): tokens between the states the prefix cache "
+    "keeps, a multiple of the block size (default: $GENQ_MAMBA_BLOCK_SIZE or 512)",
+    "num_state_snapshots": "linear-attention models: states the prefix cache keeps; 0: no prefix caching for them "
+    "(default: $GENQ_NUM_STATE_SNAPSHOTS or a tenth of the KV cache's memory, at most 8 per max_num_seqs)",
 }
 
 

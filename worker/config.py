@@ -69,6 +69,13 @@ class EngineConfig:
     # the model split over this many devices (worker.parallel): each holds its share of the
     # attention heads and MLP features, with the KV cache of its heads
     tensor_parallel_size: int = 1
+    # a model with linear-attention layers (Qwen3.5, Qwen3-Next): its prefix cache keeps each
+    # request's state after every mamba_block_size tokens (vLLM's name; a multiple of
+    # block_size; None: 512 rounded up to one), in num_state_snapshots slots (None: as many
+    # as a tenth of the KV cache's memory holds, at most 8 per max_num_seqs; 0: no prefix
+    # caching for such a model). A prefix is served up to the last state kept
+    mamba_block_size: int | None = None
+    num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -92,8 +99,18 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, by name
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.mamba_block_size is not None and (self.mamba_block_size < 1 or self.mamba_block_size % self.block_size):
+            raise ValueError(f"mamba_block_size must be a positive multiple of block_size ({self.block_size}), "
+                             f"got {self.mamba_block_size}")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ValueError(f"kv_offloading_size must be > 0 GiB (or None: off), got {self.kv_offloading_size}")
+
+    @property
+    def state_interval(self) -> int:
+        """Tokens between the linear-attention states the prefix cache keeps (mamba_block_size)."""
+        return self.mamba_block_size or -(-512 // self.block_size) * self.block_size
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -82,15 +82,18 @@ class Engine:
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))
-        # linear attention's state follows every token before: no prefix can be restored from blocks
+        # linear attention's state follows every token before: blocks alone restore no prefix, the
+        # states the prefix cache keeps do (where it keeps some)
         self.recurrent = self.model_config.linear is not None
         if self.recurrent and config.kv_offloading_size:
             raise ValueError(f"kv_offloading_size: {self.model_config.architecture} keeps a linear-attention state "
-                             "per request, which the prefix cache cannot restore, so it runs without one")
+                             "per request, which the host tier does not keep, so it is not offered")
+        num_saved = self.runner.states.num_saved if self.runner.states is not None else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching and not self.recurrent,
+                                          config.enable_prefix_caching and num_saved != 0,
                                           windows=[window for window, _ in self.runner.kv_layout],
-                                          num_host_blocks=self.runner.num_host_blocks)
+                                          num_host_blocks=self.runner.num_host_blocks,
+                                          state_slots=num_saved, state_interval=config.state_interval)
         sched_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

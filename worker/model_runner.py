@@ -224,13 +224,16 @@ class ModelRunner:
         bs, chunk = self.block_size, self.config.max_num_batched_tokens
         if self.config.num_gpu_blocks_override is not None:
             budget = self.config.num_gpu_blocks_override
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            if self.image_encoder is not None:  # room for the images' embeddings kept lately
-                free -= self.image_embeds.max_cache_bytes
-            budget = int((free - total * (1 - self.config.gpu_memory_utilization)) * 0.9) // self._kv_block_bytes()
+            self._allocate_saved_states(budget * self._kv_block_bytes())  # (besides those blocks)
         else:
-            budget = int(self.config.kv_cache_memory_gb * 2**30) // self._kv_block_bytes()
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                if self.image_encoder is not None:  # room for the images' embeddings kept lately
+                    free -= self.image_embeds.max_cache_bytes
+                memory = int((free - total * (1 - self.config.gpu_memory_utilization)) * 0.9)
+            else:
+                memory = int(self.config.kv_cache_memory_gb * 2**30)
+            budget = (memory - self._allocate_saved_states(memory)) // self._kv_block_bytes()
         num_blocks = budget * len(self.kv_layers) // self.num_slots
         if self.parallel is not None:  # every rank's pool holds the same blocks, for the one scheduler
             num_blocks = self.parallel.min(num_blocks)
@@ -247,6 +250,18 @@ class ModelRunner:
                 "lower max_model_len or give the cache more memory"
             )
         return num_blocks
+
+    def _allocate_saved_states(self, memory: int) -> int:
+        """Slots for the linear-attention states the prefix cache keeps (num_state_snapshots,
+        or as many as a tenth of the cache's `memory` holds, at most 8 per request that may
+        run); the bytes they take."""
+        if self.states is None or not self.config.enable_prefix_caching:
+            return 0
+        count = self.config.num_state_snapshots
+        if count is None:
+            count = min(memory // 10 // self.states.state_bytes, 8 * self.config.max_num_seqs)
+        self.states.allocate_saved(count)
+        return count * self.states.state_bytes
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K and V pools per slot in the attention backend's layout, each layer given its
@@ -376,7 +391,8 @@ class ModelRunner:
             first.setdefault(kinds, metas[-1])
         meta = GroupedMetadata.of(metas, self.layer_group)
         if self.states is not None:  # linear attention's layers take their states instead
-            states = self.states.for_step(((s.request_id, s.start_pos, len(s.token_ids)) for s in batch), preempted or ())
+            states = self.states.for_step(((s.request_id, s.start_pos, len(s.token_ids), s.state_restore, s.state_saves)
+                                           for s in batch), preempted or ())
             linear = self.model_config.linear_layers
             meta = GroupedMetadata([states if i in linear else meta.for_layer(i) for i in range(len(self.layer_group))])
         return input_ids, positions, meta

@@ -178,6 +178,8 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         max_images_per_prompt=_int(env, "GENQ_MAX_IMAGES_PER_PROMPT"),
         tensor_parallel_size=_int(env, "GENQ_TENSOR_PARALLEL_SIZE"),
         kv_offloading_size=_float(env, "GENQ_KV_OFFLOADING_SIZE"),
+        mamba_block_size=_int(env, "GENQ_MAMBA_BLOCK_SIZE"),
+        num_state_snapshots=_int(env, "GENQ_NUM_STATE_SNAPSHOTS"),
         quantization=env.get("GENQ_QUANTIZATION") or None,
         kv_cache_dtype=env.get("GENQ_KV_CACHE_DTYPE") or None,
     )

@@ -32,6 +32,10 @@ class ScheduledRequest:
     # ranges [start, end) of positions this step computes (some of) whose tokens each see
     # the whole range, later ones too (Request.whole_spans)
     both_ways: tuple[tuple[int, int], ...] = ()
+    # linear attention's states (BlockManager.states): the saved one the request's first step
+    # after a prefix-cache hit starts from, and the (tokens before, slot) this step saves
+    state_restore: int | None = None
+    state_saves: tuple[tuple[int, int], ...] = ()
 
     def tables(self) -> list[list[int]]:
         """A block table per KV group."""
@@ -109,6 +113,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.block_manager.settle_state_saves(())  # (saves of a step that never ran are void)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -172,7 +177,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
             self.running.append(request)
-            self._emit(out, request, num_new)
+            self._emit(out, request, num_new, self.block_manager.saved_state(request, num_computed))
             budget -= num_new
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
 
@@ -180,7 +185,7 @@ class Scheduler:
         """Its adapter is not running and every slot is: it waits, without holding others up."""
         return bool(request.lora_id) and request.lora_id not in adapters and len(adapters) >= self.config.max_loras
 
-    def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int, state_restore: int | None = None) -> None:
         start = request.num_computed_tokens
         num_known = min(num_new, request.num_tokens - start)
         drafts = request.spec_token_ids[: num_new - num_known]  # what the budget left room for
@@ -200,6 +205,8 @@ class Scheduler:
                 pool=request.pooling_params is not None and start + num_known == request.num_tokens,
                 group_tables=tuple(tables[1:]),
                 both_ways=tuple((lo, hi) for lo, hi in request.whole_spans if lo < start + num_known and hi > start),
+                state_restore=state_restore,
+                state_saves=self.block_manager.reserve_state_saves(request, start, start + num_known),
             )
         )
 
@@ -234,6 +241,7 @@ class Scheduler:
         the guesses kept, then one more), and finish requests that hit EOS, a stop token id,
         max_tokens or max_model_len. Returns the requests finished here."""
         finished: list[Request] = []
+        self.block_manager.settle_state_saves(slot for s in out.scheduled for _, slot in s.state_saves)
         for sched in out.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None:

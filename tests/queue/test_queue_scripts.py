@@ -347,6 +347,10 @@ def test_worker_config_from_env() -> None:
     assert config.engine.max_images_per_prompt == 16
     assert config_from_env({"GENQ_TENSOR_PARALLEL_SIZE": "2"}).engine.tensor_parallel_size == 2
     assert config.engine.tensor_parallel_size == 1
+    states = config_from_env({"GENQ_MAMBA_BLOCK_SIZE": "256", "GENQ_NUM_STATE_SNAPSHOTS": "0"}).engine
+    assert (states.state_interval, states.num_state_snapshots, config.engine.state_interval) == (256, 0, 512)
+    with pytest.raises(ValueError, match=r"mamba_block_size must be a positive multiple of block_size \(16\), got 100"):
+        config_from_env({"GENQ_MAMBA_BLOCK_SIZE": "100"})
     mm = config_from_env({"GENQ_MM_PROCESSOR_KWARGS": '{"max_pixels": 1003520}'}).engine.mm_processor_kwargs
     assert mm == {"max_pixels": 1003520}
     with pytest.raises(ValueError, match="GENQ_MM_PROCESSOR_KWARGS must be a JSON object"):

@@ -21,7 +21,8 @@ def qwen3_5(tiny_family):
 @pytest.mark.parametrize("length", [1, 5, 64, 150])  # a decode; under a chunk; one chunk; three, the last short
 def test_the_chunked_delta_rule_equals_transformers_recurrence(length):
     """Tokens solved a chunk at a time, from a state the tokens before left, give the outputs
-    and the final state of transformers' token-by-token recurrence."""
+    and the final state of transformers' token-by-token recurrence, and the state after the
+    first half (a chunk ends there) that the recurrence has after it."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
     torch.manual_seed(length)
@@ -37,18 +38,26 @@ def test_the_chunked_delta_rule_equals_transformers_recurrence(length):
     # ours takes q and k normalized, q scaled, as the layer gives them
     qn, kn = (t * torch.rsqrt(t.square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))
     ours = state.clone()
-    out = gated_delta_rule(qn * dk**-0.5, kn, v, g, beta, ours)
+    stop = torch.full_like(state, float("nan"))  # the state after the first `length // 2 + 1` tokens
+    out = gated_delta_rule(qn * dk**-0.5, kn, v, g, beta, ours, {length // 2 + 1: stop})
     torch.testing.assert_close(out, expected[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours, expected_state[0], atol=1e-4, rtol=1e-4)
+    n = length // 2 + 1
+    _, expected_stop = torch_recurrent_gated_delta_rule(
+        q[None, :n], k[None, :n], v[None, :n], g[None, :n], beta[None, :n], initial_state=state[None].clone(),
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(stop, expected_stop[0], atol=1e-4, rtol=1e-4)
 
 
 def test_states_survive_chunks_preemption_and_n(qwen3_5):
-    """Prompts cut into chunks of 16 tokens, a pool so small that requests are preempted (and
-    start over with a fresh state), and two completions of one prompt, each computing it:
-    greedy tokens equal transformers'. No prefix is ever read from the cache."""
-    llm = LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=16, max_model_len=128)
+    """Without states kept for the prefix cache: prompts cut into chunks of 16 tokens, a pool
+    so small that requests are preempted (and start over with a fresh state), and two
+    completions of one prompt, each computing it: greedy tokens equal transformers'. No
+    prefix is ever read from the cache."""
+    llm = LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=16, max_model_len=128,
+              num_state_snapshots=0)
     engine = llm.engine
-    assert not engine.block_manager.enable_prefix_caching
+    assert not engine.block_manager.enable_prefix_caching  # no state kept: no prefix either
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in (PROMPTS[5], PROMPTS[8], PROMPTS[7])]  # 46, 61 and 29 tokens
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(40), use_tqdm=False)
@@ -63,10 +72,39 @@ def test_states_survive_chunks_preemption_and_n(qwen3_5):
     assert not engine.runner.states.slots  # every request gave its slot back as it ended
 
 
+def test_the_prefix_cache_serves_prefixes_from_the_states_it_keeps(qwen3_5):
+    """A state kept every 16 tokens: chunks of 24 save those at 16 and 32 mid-chunk, decodes
+    those they pass. A prompt sharing 40 tokens with a finished one starts from the state at
+    32; one that goes on from a finished exchange (prompt and output) from the state its
+    output's decodes saved at 64; requests preempted for blocks resume from theirs. Greedy
+    tokens equal transformers' throughout: any wrong state would change them."""
+    llm = LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=24, max_model_len=128,
+              mamba_block_size=16, num_state_snapshots=12)
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    first = tok.encode(PROMPTS[5])  # 46 tokens: the states at 16, 32, 48 and 64 are saved
+    [out] = llm.generate({"prompt_token_ids": first}, greedy(20), use_tqdm=False)
+    answer = out.outputs[0].token_ids
+    shared = first[:40] + tok.encode(" and nothing else")
+    follow_up = first + answer + tok.encode(" Tell me more.")
+    for ids, cached in ((shared, 32), (follow_up, 64)):
+        [out] = llm.generate({"prompt_token_ids": ids}, greedy(16), use_tqdm=False)
+        assert out.num_cached_tokens == cached
+        assert out.outputs[0].token_ids == hf_greedy_along(qwen3_5, [ids], [out.outputs[0].token_ids])[0]
+    hits = engine.block_manager.stats.hits
+    prompts = [tok.encode(p) for p in (PROMPTS[8], PROMPTS[7], PROMPTS[6])]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(40), use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert tokens == hf_greedy_along(qwen3_5, prompts, tokens)
+    assert engine.scheduler.num_preemptions > 0 and all(o.num_cached_tokens == 0 for o in outputs)
+    assert engine.block_manager.stats.hits > hits  # the preempted came back to their states
+    assert not engine.runner.states.slots
+
+
 @pytest.mark.parametrize("args, message", [
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "cannot take back rejected guesses"),
     ({"enable_lora": True}, "LoRA adapters are not supported for Qwen3_5ForCausalLM yet"),
-    ({"kv_offloading_size": 1.0}, "keeps a linear-attention state per request"),
+    ({"kv_offloading_size": 1.0}, "keeps a linear-attention state per request, which the host tier"),
     ({"tensor_parallel_size": 2}, "linear-attention layers run on one device only"),
 ])
 def test_what_a_state_cannot_do_is_refused_by_name(qwen3_5, args, message):
@@ -77,24 +115,29 @@ def test_what_a_state_cannot_do_is_refused_by_name(qwen3_5, args, message):
 def test_a_slot_is_taken_zeroed_and_given_back():
     """A request takes a zeroed slot at its first chunk and keeps it while it continues; a
     preempted one gives it back (it starts over); with every slot held, a new request and one
-    that continues without its state are errors, not silent mixes of states."""
+    that continues without its state are errors, not silent mixes of states. One served from
+    the prefix cache takes a copy of the saved state it starts from."""
     from worker.models.config import LinearAttentionConfig
     from worker.models.linear_attention import LinearStates
 
     states = LinearStates(LinearAttentionConfig(1, 2, 4, 4, 3), 2, 2, torch.float32, torch.device("cpu"))
-    meta = states.for_step([("a", 0, 5), ("b", 0, 1)])
-    assert (meta.slots, meta.rows, meta.num_decodes) == ([0, 1], [(0, 5), (5, 6)], 0)
+    states.allocate_saved(3)
+    meta = states.for_step([("a", 0, 5, None, ((4, 2),)), ("b", 0, 1, None, ())])
+    assert (meta.slots, meta.rows, meta.num_decodes, meta.saves) == ([0, 1], [(0, 5), (5, 6)], 0, [((4, 2),), ()])
     assert not states.recurrent[0].any() and not states.conv[1].any()
     states.recurrent[0].fill_(1.0)
-    meta = states.for_step([("b", 1, 1), ("a", 5, 3)])
+    meta = states.for_step([("b", 1, 1, None, ((2, 0),)), ("a", 5, 3, None, ())])
     assert (meta.slots, meta.num_decodes, meta.decode_slots.tolist()) == ([1, 0], 1, [1])
+    assert [t.tolist() for t in meta.decode_saves] == [[1], [0]]  # b's slot saved to saved slot 0
     assert states.recurrent[0].eq(1.0).all()  # a's state kept as it continues
     with pytest.raises(RuntimeError, match="no linear-attention state slot is free for request 'c'"):
-        states.for_step([("c", 0, 4)])
-    meta = states.for_step([("c", 0, 4)], preempted=["a"])
-    assert meta.slots == [0] and not states.recurrent[0].any()
+        states.for_step([("c", 0, 4, None, ())])
+    states.saved_recurrent[1].fill_(2.0)
+    states.saved_conv[1].fill_(3.0)
+    meta = states.for_step([("c", 16, 4, 1, ())], preempted=["a"])
+    assert meta.slots == [0] and states.recurrent[0].eq(2.0).all() and states.conv[0].eq(3.0).all()
     with pytest.raises(RuntimeError, match="request 'a' continues at position 8 without"):
-        states.for_step([("a", 8, 1)])
+        states.for_step([("a", 8, 1, None, ())])
 
 
 def test_a_linear_attention_draft_is_refused(qwen3_5, tiny_family):

@@ -497,3 +497,75 @@ def test_chunks_never_end_inside_a_whole_span():
     out, _ = step(sched)  # a decodes (1): b's image (7) fits
     assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled] == [("a", 20, 1), ("b", 1, 7)]
     assert out.scheduled[1].both_ways == ((1, 8),)
+
+
+def make_state_scheduler(slots=3, interval=8, budget=6, num_blocks=32):
+    """A model with linear-attention states: one kept after every `interval` tokens, in `slots`."""
+    bm = BlockManager(num_blocks, BS, True, state_slots=slots, state_interval=interval)
+    return Scheduler(SchedulerConfig(8, budget, 256, "fcfs", frozenset({2})), bm)
+
+
+def test_steps_save_the_states_at_every_interval_they_pass_once_they_ran():
+    """Chunks of 6 tokens over a 20-token prompt pass 8 (mid-chunk) and 16: each step names the
+    slots its states go to, and the cache keeps them once the step has run. A prompt sharing 18
+    tokens is served up to 16, where a state is kept (its blocks hold 16 more), and its first
+    step starts from that state; one sharing 14 gets 8."""
+    sched = make_state_scheduler()
+    bm = sched.block_manager
+    sched.add_request(make_request("a", range(100, 120), max_tokens=1))
+    saves = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        saves += [(s.start_pos, s.state_saves) for s in out.scheduled]
+        assert not bm.states.cached.keys() & bm.pending_states.keys()
+        sched.update_from_output(out, {s.request_id: [7] for s in out.scheduled if s.sample})
+    assert saves == [(0, ()), (6, ((8, 2),)), (12, ((16, 1),)), (18, ())]
+    assert sorted(bm.states.cached.values()) == [1, 2] and not bm.pending_states
+    sched.add_request(make_request("b", [*range(100, 118), 5, 6, 7]))
+    sched.add_request(make_request("c", [*range(100, 114), 5, 6, 7]))
+    out = sched.schedule()
+    assert [(s.request_id, s.start_pos, s.state_restore) for s in out.scheduled] == [("b", 16, 1), ("c", 8, 2)]
+
+
+def test_unwritten_saves_go_back_and_the_oldest_state_is_evicted():
+    """Saves of a request that left the step before it ran (its images failed, or the step
+    failed) are never kept: their slots go back. With every slot holding a state, a new one
+    takes the least recently used (a hit counts as use); a state kept already is not saved
+    again."""
+    sched = make_state_scheduler(slots=2, interval=4, budget=64)
+    bm = sched.block_manager
+    sched.add_request(make_request("a", range(100, 109), max_tokens=1))
+    out = sched.schedule()
+    assert out.scheduled[0].state_saves == ((4, 1), (8, 0))
+    out.scheduled = []  # it never ran
+    sched.update_from_output(out, {})
+    assert not bm.states.cached and sorted(bm.states.free) == [0, 1]
+    sched.abort_requests(["a"])
+
+    def run(rid, prompt):  # its first step
+        sched.add_request(make_request(rid, prompt, max_tokens=1))
+        first, _ = step(sched)
+        while sched.has_unfinished_requests():
+            step(sched)
+        return first.scheduled[0]
+
+    for rid in ("x1", "x2"):  # the same prompt twice in one step: its state is saved once
+        sched.add_request(make_request(rid, range(500, 505), max_tokens=1))
+    out, _ = step(sched)
+    assert [s.state_saves for s in out.scheduled] == [((4, 0),), ()]
+    step(sched)
+    for rid, start in (("a", 100), ("b", 200), ("c", 300)):
+        run(rid, range(start, start + 5))
+    assert len(bm.states.cached) == 2  # x's state and a's made room for b's and c's
+    assert run("x3", range(500, 505)).start_pos == 0
+    assert run("c2", [*range(300, 305), 1, 2]).start_pos == 4  # x3's state at 4 took b's slot
+    run("d", range(400, 405))
+    assert run("c3", [*range(300, 305), 9]).start_pos == 4  # c's state, used last, outlived x3's
+    assert run("x4", [*range(500, 505), 9]).start_pos == 0  # x3's was evicted: its blocks alone restore nothing
+
+
+def test_a_state_model_without_saved_states_is_refused_a_host_tier_and_odd_intervals():
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        BlockManager(16, BS, True, state_slots=2, state_interval=6)
+    with pytest.raises(ValueError, match="no host tier"):
+        BlockManager(16, BS, True, num_host_blocks=4, state_slots=2, state_interval=8)

@@ -14,15 +14,19 @@ lower-triangular system, and the outputs and the final state follow by matrix pr
 (the DeltaNet papers' "WY" form). A step's decodes run together, one recurrence step over
 their states gathered from their slots.
 
-The state depends on every token before, so what the prefix cache saves (blocks of keys and
-values) cannot restore it: models with these layers run without prefix caching, n > 1
-completions each compute their prompt, and a preempted request recomputes from its first
-token, its state reset. Plain torch, on every device.
+The state depends on every token before, so blocks of keys and values cannot restore it: the
+prefix cache keeps states too, in slots of their own beside the requests' (`saved_conv`,
+`saved_recurrent`), each the state after a boundary the scheduler names (a multiple of
+`state_interval` tokens, worker.block_manager). A step saves a request's state at each
+boundary its tokens pass (a prefill splits its chunks there), and a request served from the
+cache starts from the state saved where the hit ends, as does a preempted one whose
+boundaries are still kept (else it recomputes from its first token). n > 1 completions each
+compute their prompt. Plain torch, on every device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +40,21 @@ CHUNK = 64  # tokens solved together in a prefill
 
 @dataclass
 class StateMetadata:
-    """A step's requests in the linear-attention layers: each one's rows of the flat batch and
-    its slot of the states; the first `num_decodes` are decodes (a row each), run together."""
+    """A step's requests in the linear-attention layers: each one's rows of the flat batch, its
+    slot of the states, and the saved slots its state is copied to after some of its rows
+    ((rows, saved slot) each); the first `num_decodes` are decodes (a row each), run together."""
 
     states: LinearStates
     rows: list[tuple[int, int]]
     slots: list[int]
+    saves: list[tuple[tuple[int, int], ...]]
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
+    decode_saves: tuple[torch.Tensor, torch.Tensor] | None  # the decodes that save: their slots, the saved slots
+
+# (request id, start position, new tokens, saved slot it starts from, (tokens before, saved
+# slot) of the states it saves) of a request in a step
+StepRequest = tuple[str, int, int, int | None, tuple[tuple[int, int], ...]]
 
 
 class LinearStates:
@@ -51,9 +62,11 @@ class LinearStates:
     `max_requests` (the scheduler runs no more at once): the last inputs of the convolution
     [slots, layers, conv_dim, conv_kernel - 1] in the model's dtype, the recurrent matrices
     [slots, layers, value heads, key_head_dim, value_head_dim] in float32. A request takes a
-    slot, zeroed, when its first chunk runs (again when it starts over after a preemption) and
-    gives it back when it ends or is preempted. (Allocated empty: on the CPU the memory of
-    slots never used is never touched.)"""
+    slot when its first chunk runs (again when it starts over after a preemption), zeroed or
+    copied from the saved state it starts from, and gives it back when it ends or is
+    preempted. The prefix cache's saved states, `num_saved` of them (`allocate_saved`), are
+    laid out alike. (Allocated empty: on the CPU the memory of slots never used is never
+    touched.)"""
 
     def __init__(self, cfg: LinearAttentionConfig, num_layers: int, max_requests: int, dtype: torch.dtype,
                  device: torch.device):
@@ -63,43 +76,68 @@ class LinearStates:
                                      cfg.value_head_dim, dtype=torch.float32, device=device)
         self.slots: dict[str, int] = {}  # request id -> its slot
         self.free = list(range(max_requests - 1, -1, -1))
+        self.allocate_saved(0)
 
-    def for_step(self, requests: Iterable[tuple[str, int, int]], preempted: Iterable[str] = ()) -> StateMetadata:
-        """(request id, start position, new tokens) of each request in batch order; `preempted`:
-        the requests the step's scheduling preempted, whose states are void."""
+    @property
+    def state_bytes(self) -> int:
+        """One request's state, every layer's."""
+        return sum(t[0].numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+    @property
+    def num_saved(self) -> int:
+        return len(self.saved_conv)
+
+    def allocate_saved(self, count: int) -> None:
+        self.saved_conv = self.conv.new_empty(count, *self.conv.shape[1:])
+        self.saved_recurrent = self.recurrent.new_empty(count, *self.recurrent.shape[1:])
+
+    def for_step(self, requests: Iterable[StepRequest], preempted: Iterable[str] = ()) -> StateMetadata:
+        """Each request of the step in batch order (StepRequest); `preempted`: the requests the
+        step's scheduling preempted, whose states are void."""
         for request_id in preempted:
             self.remove(request_id)
         rows: list[tuple[int, int]] = []
         slots: list[int] = []
+        saves: list[tuple[tuple[int, int], ...]] = []
         row = num_decodes = 0
-        for request_id, start_pos, num_tokens in requests:
+        for request_id, start_pos, num_tokens, restore, saved in requests:
             slot = self.slots.get(request_id)
-            if slot is None or start_pos == 0:
-                if start_pos != 0:
+            if slot is None or start_pos == 0 or restore is not None:
+                if start_pos != 0 and restore is None:
                     raise RuntimeError(f"request {request_id!r} continues at position {start_pos} "
                                        "without the linear-attention state of the tokens before")
-                slot = self._take(request_id)
+                slot = self._take(request_id, restore)
             num_decodes += num_tokens == 1 and num_decodes == len(rows)
             rows.append((row, row + num_tokens))
             slots.append(slot)
+            saves.append(tuple((before - start_pos, saved_slot) for before, saved_slot in saved))
             row += num_tokens
         decode_slots = torch.tensor(slots[:num_decodes], dtype=torch.long, device=self.device)
-        return StateMetadata(self, rows, slots, num_decodes, decode_slots)
+        decode_saves = None
+        if any(saves[:num_decodes]):  # (a decode saves after its one row)
+            pairs = [(slot, saved[0][1]) for slot, saved in zip(slots[:num_decodes], saves[:num_decodes], strict=True) if saved]
+            decode_saves = (torch.tensor([p[0] for p in pairs], device=self.device),
+                            torch.tensor([p[1] for p in pairs], device=self.device))
+        return StateMetadata(self, rows, slots, saves, num_decodes, decode_slots, decode_saves)
 
     def remove(self, request_id: str) -> None:
         slot = self.slots.pop(request_id, None)
         if slot is not None:
             self.free.append(slot)
 
-    def _take(self, request_id: str) -> int:
+    def _take(self, request_id: str, restore: int | None) -> int:
         slot = self.slots.get(request_id)
         if slot is None:
             if not self.free:
                 raise RuntimeError(f"no linear-attention state slot is free for request {request_id!r}: "
                                    f"{len(self.slots)} requests hold them")
             slot = self.slots[request_id] = self.free.pop()
-        self.conv[slot].zero_()
-        self.recurrent[slot].zero_()
+        if restore is None:
+            self.conv[slot].zero_()
+            self.recurrent[slot].zero_()
+        else:
+            self.conv[slot] = self.saved_conv[restore]
+            self.recurrent[slot] = self.saved_recurrent[restore]
         return slot
 
 
@@ -145,10 +183,17 @@ class GatedDeltaNet(nn.Module):
         states, d = meta.states, meta.num_decodes
         if d:
             out[:d] = self._decode(mixed[:d], g[:d], beta[:d], states, meta.decode_slots)
-        for (start, end), slot in zip(meta.rows[d:], meta.slots[d:], strict=True):
-            qkv = self._convolve(mixed[start:end], states.conv[slot, self.index])
+            if meta.decode_saves is not None:
+                slots, saved = meta.decode_saves
+                states.saved_conv[saved, self.index] = states.conv[slots, self.index]
+                states.saved_recurrent[saved, self.index] = states.recurrent[slots, self.index]
+        for (start, end), slot, saves in zip(meta.rows[d:], meta.slots[d:], meta.saves[d:], strict=True):
+            qkv = self._convolve(mixed[start:end], states.conv[slot, self.index],
+                                 [states.saved_conv[saved, self.index] for _, saved in saves], [n for n, _ in saves])
             q, k, v = self._heads(qkv)
-            out[start:end] = gated_delta_rule(q, k, v, g[start:end], beta[start:end], states.recurrent[slot, self.index])
+            stops = {n: states.saved_recurrent[saved, self.index] for n, saved in saves}
+            out[start:end] = gated_delta_rule(q, k, v, g[start:end], beta[start:end], states.recurrent[slot, self.index],
+                                              stops)
         core = self.norm(out, z).reshape(len(x), -1)
         return self.out_proj(core)
 
@@ -167,10 +212,14 @@ class GatedDeltaNet(nn.Module):
         states.recurrent[slots, self.index] = s
         return (q[..., None, :] @ s)[..., 0, :]
 
-    def _convolve(self, rows: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    def _convolve(self, rows: torch.Tensor, conv_state: torch.Tensor, saved: Sequence[torch.Tensor] = (),
+                  after: Sequence[int] = ()) -> torch.Tensor:
         """The causal depthwise convolution (then SiLU) over a request's new rows [n, conv_dim],
-        after the inputs its state keeps; the state then keeps the last of them."""
+        after the inputs its state keeps; the state then keeps the last of them, and each of
+        `saved` those before row `after[i]`."""
         inputs = torch.cat((conv_state, rows.t()), dim=1)  # [conv_dim, kernel - 1 + n]
+        for state, num_rows in zip(saved, after, strict=True):
+            state.copy_(inputs[:, num_rows:num_rows + conv_state.shape[1]])
         conv_state.copy_(inputs[:, inputs.shape[1] - conv_state.shape[1]:])
         out = F.conv1d(inputs[None], self.conv1d.weight, groups=self.cfg.conv_dim)[0]  # [conv_dim, n]
         return F.silu(out).t()
@@ -194,16 +243,24 @@ def gated_delta_rule(
     g: torch.Tensor,  # [n, H] log decay (<= 0)
     beta: torch.Tensor,  # [n, H]
     state: torch.Tensor,  # [H, Dk, Dv] float32, updated in place
+    stops: Mapping[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [n, H, Dv] float32
     """A request's new tokens through the gated delta rule, CHUNK tokens at a time, from
-    `state` (the tokens before), which ends holding the state after the last."""
+    `state` (the tokens before), which ends holding the state after the last; `stops`: tensors
+    that take the state after that many tokens (a chunk ends there)."""
+    stops = stops or {}
+    ends = sorted({*range(CHUNK, len(q), CHUNK), *stops, len(q)})
     outputs = []
     s = state
-    for start in range(0, len(q), CHUNK):
-        chunk = slice(start, start + CHUNK)
+    start = 0
+    for end in ends:
+        chunk = slice(start, end)
         o, s = _chunk(q[chunk].transpose(0, 1), k[chunk].transpose(0, 1), v[chunk].transpose(0, 1),
                       g[chunk].t(), beta[chunk].t(), s)
         outputs.append(o.transpose(0, 1))
+        if end in stops:
+            stops[end].copy_(s)
+        start = end
     state.copy_(s)
     return torch.cat(outputs)
 
