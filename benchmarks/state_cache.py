@@ -1,0 +1,75 @@
+"""The prefix cache of a model with linear attention (Qwen3.5), which keeps the layers' states
+every `mamba_block_size` tokens beside the KV blocks: with those states (the default) against
+none kept (`num_state_snapshots=0`, where such a model has no prefix cache), in one run.
+
+    python benchmarks/state_cache.py [--conversations 6] [--system 1024] [--context 256] [--turns 3]
+
+The default model's shape (SmolLM2-135M: 30 layers) remade as Qwen3.5 (three linear-attention
+layers of four), with seeded random weights (load_format dummy). Every conversation starts
+with the same system prompt of `--system` random tokens, then a context of its own; each
+round sends every conversation's next turn (its history, the last reply and a new 32-token
+message), two at a time. Prints per mode the prompt tokens computed (not served from the
+cache) and the seconds of the rounds after the first; then the ratios states / none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+
+from gpu_check import remake
+
+from producer.sampling_params import SamplingParams
+from worker import LLM
+
+MESSAGE, REPLY = 32, 16  # tokens a turn adds, and a reply's
+
+
+def run(model: str, args: argparse.Namespace, snapshots: int | None) -> dict[str, float]:
+    llm = LLM(model, dtype=args.dtype, load_format="dummy", max_model_len=4096, max_num_seqs=2,
+              mamba_block_size=args.interval, num_state_snapshots=snapshots)
+    stats = llm.engine.block_manager.stats
+    rng = random.Random(0)
+    system = [rng.randrange(3, 49152) for _ in range(args.system)]
+    histories = [system + [rng.randrange(3, 49152) for _ in range(args.context)] for _ in range(args.conversations)]
+    params = SamplingParams(temperature=0.0, max_tokens=REPLY, ignore_eos=True)
+    computed, elapsed = 0, 0.0
+    for turn in range(args.turns):
+        prompts = [h + [rng.randrange(3, 49152) for _ in range(MESSAGE)] for h in histories]
+        before = stats.queries - stats.hits
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if turn:  # the first round computes every conversation once (the system prompt aside), in both modes
+            elapsed += time.perf_counter() - start
+            computed += stats.queries - stats.hits - before if snapshots != 0 else sum(map(len, prompts))
+        histories = [p + o.outputs[0].token_ids for p, o in zip(prompts, outputs, strict=True)]
+    return {"computed": computed, "elapsed_s": elapsed, "snapshots": llm.engine.runner.states.num_saved}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--system", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--interval", type=int, default=512)  # mamba_block_size
+    ap.add_argument("--dtype", default="float32")  # bfloat16 where the CPU has AVX-512 bf16
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = remake(None, "qwen3_5", tmp)
+        rows = {"states": run(model, args, None), "none": run(model, args, 0)}
+    print(f"SmolLM2-135M remade as Qwen3.5 (dummy weights, {args.dtype}), {args.conversations} conversations: "
+          f"a shared system prompt of {args.system} tokens, {args.context} of their own, {args.turns} turns, "
+          f"a state kept every {args.interval} tokens; rounds 2..{args.turns}:")
+    for name, row in rows.items():
+        print(f"{name:<7} {row['computed']:>7} prompt tokens computed  ({row['snapshots']} states kept at most)  "
+              f"{row['elapsed_s']:6.1f} s")
+    states, none = rows["states"], rows["none"]
+    print(f"states / none: prompt tokens computed {states['computed'] / none['computed']:.2f}x  "
+          f"time {states['elapsed_s'] / none['elapsed_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
