@@ -261,6 +261,17 @@ def tiny_moe_config(family: str, vocab: int):
                                full_attention_interval=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                moe_intermediate_size=48, shared_expert_intermediate_size=64, mlp_only_layers=[1],
                                **TINY_COMMON)
+    if family.startswith("granitemoehybrid"):  # Granite 4.0: Mamba2 on layers 0 and 2 (8 heads in 2 groups),
+        # NoPE attention on 1 and 3; top 2 of 4 experts beside the shared MLP, or ("_dense") the shared MLP alone
+        from transformers import GraniteMoeHybridConfig
+
+        return GraniteMoeHybridConfig(
+            vocab_size=vocab, tie_word_embeddings=True, num_local_experts=0 if family.endswith("_dense") else 4,
+            num_experts_per_tok=2, shared_intermediate_size=96, layer_types=["mamba", "attention"] * 2,
+            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=16, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.05,
+            logits_scaling=4.0, architectures=["GraniteMoeHybridForCausalLM"],
+            **{**TINY_COMMON, "num_hidden_layers": 4, "intermediate_size": 48})
     if family in MLA_FAMILIES:
         return tiny_deepseek_config(family, vocab)
     raise ValueError(family)
@@ -320,6 +331,10 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(-0.5, 0.5)
             elif name.endswith("dt_bias"):  # linear attention's, which transformers starts at ones
                 param.uniform_(-1.0, 1.0)
+            elif name.endswith(("mamba.D", "mamba.norm.weight")):  # Mamba2's skip and gated norm, at ones
+                param.uniform_(0.5, 1.5)
+            elif name.endswith("mamba.conv1d.bias"):  # at zeros
+                param.uniform_(-0.5, 0.5)
             elif family in ("olmo2", "olmo3", "glm4", *MLA_FAMILIES) and name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
             elif family == "gpt_oss" and name.endswith(("_bias", "sinks")):  # transformers starts biases at zero

@@ -242,7 +242,7 @@ class LoRAManager:
                              "multi-head latent attention (MLA); serve it without enable_lora")
         if cfg.linear is not None:
             raise ValueError(f"LoRA adapters are not supported for {cfg.architecture} yet, whose layers are "
-                             "mostly linear attention; serve it without enable_lora")
+                             "mostly linear attention or Mamba2; serve it without enable_lora")
         self.cfg = whole or cfg
         self.share = share
         self.max_loras = max_loras

@@ -46,6 +46,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2 with routed experts and one sigmoid-gated shared expert
     "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 with routed experts
     "GraniteMoeForCausalLM": "granitemoe",  # Granite with routed experts, weighed by a softmax over the top k
+    # Granite 4.0: Mamba2 layers among NoPE attention ones, experts beside a shared MLP (or the
+    # shared MLP alone: a dense model; every layer attention in Granite 4.0 Micro)
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     # OpenAI's gpt-oss: a learned sink logit per attention head, biased router and experts
     # with a clamped SwiGLU, windows of 128 on every other layer
     "GptOssForCausalLM": "gpt_oss",
@@ -105,7 +108,7 @@ TEXT_OF_MULTIMODAL = {
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 _QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # linear and gated full attention
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", "llama4", "qwen3_5_moe",
-                 "qwen3_next", *_MLA_FAMILIES)
+                 "qwen3_next", "granitemoehybrid", *_MLA_FAMILIES)
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -165,14 +168,17 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, family: str) -> MoEConfig:
-        if family in ("mixtral", "granitemoe", "gpt_oss"):
+        if family in ("mixtral", "granitemoe", "gpt_oss", "granitemoehybrid"):
             gpt_oss = family == "gpt_oss"
             return cls(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
                        intermediate_size=hf_config.intermediate_size,
                        layers=frozenset(range(hf_config.num_hidden_layers)), renormalize=True,
                        float32_weights=family == "mixtral", softmax_after_topk=family != "mixtral",
                        bias=gpt_oss,
-                       clamped_swiglu=(hf_config.swiglu_alpha, hf_config.swiglu_limit) if gpt_oss else None)
+                       clamped_swiglu=(hf_config.swiglu_alpha, hf_config.swiglu_limit) if gpt_oss else None,
+                       # Granite 4.0's shared MLP, added unscaled
+                       shared_expert_size=hf_config.shared_intermediate_size if family == "granitemoehybrid" else 0,
+                       shared_expert_gated=False)
         if family in ("glm4_moe", *_MLA_FAMILIES):
             return cls._deepseek(hf_config, v3=family != "deepseek_v2")
         if family == "llama4":  # the shared expert is as wide as a routed one, and ungated
@@ -251,15 +257,21 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class LinearAttentionConfig:
-    """Gated DeltaNet's shape (Qwen3.5's linear-attention layers, worker.models.linear_attention):
-    q and k of `num_key_heads` heads, v of `num_value_heads` (a multiple), a causal convolution
-    of `conv_kernel` taps over the three."""
+    """The shape of the layers that keep a state per request (worker.models.linear_attention):
+    Gated DeltaNet's (Qwen3.5's linear attention), q and k of `num_key_heads` heads, v of
+    `num_value_heads` (a multiple), a causal convolution of `conv_kernel` taps over the three;
+    or Mamba2's (`mamba2`), whose B and C stand for k and q (`num_key_heads` groups of
+    `key_head_dim`, the state size) and x for v (`num_value_heads` heads of `value_head_dim`)."""
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    mamba2: bool = False
+    conv_bias: bool = False  # Mamba2's convolution and projections may have biases
+    proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, math.inf)  # Mamba2's time steps are clamped to this
 
     @property
     def conv_dim(self) -> int:
@@ -273,6 +285,19 @@ class LinearAttentionConfig:
             raise ValueError(f"linear_num_value_heads ({cfg.num_value_heads}) is not a multiple of "
                              f"linear_num_key_heads ({cfg.num_key_heads})")
         return cfg
+
+    @classmethod
+    def of_mamba2(cls, hf_config: Any) -> LinearAttentionConfig:
+        heads, groups = hf_config.mamba_n_heads, hf_config.mamba_n_groups
+        if heads % groups:
+            raise ValueError(f"mamba_n_heads ({heads}) is not a multiple of mamba_n_groups ({groups})")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported Mamba2 activation {act!r}; supported: silu")
+        limit = tuple(getattr(hf_config, "time_step_limit", None) or (0.0, math.inf))
+        return cls(groups, heads, hf_config.mamba_d_state, hf_config.mamba_d_head, hf_config.mamba_d_conv, mamba2=True,
+                   conv_bias=bool(hf_config.mamba_conv_bias), proj_bias=bool(hf_config.mamba_proj_bias),
+                   dt_limit=(float(limit[0]), float(limit[1])))
 
 
 @dataclass(frozen=True)
@@ -431,7 +456,7 @@ class ModelConfig:
             labels=_labels(hf_config) if arch.endswith("ForSequenceClassification") else (),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", *_QWEN3_5_FAMILIES)
             or (family == "glm4_moe" and bool(hf_config.use_qk_norm)),
-            moe=MoEConfig.from_hf(hf_config, family) if family in _MOE_FAMILIES else None,
+            moe=MoEConfig.from_hf(hf_config, family) if _has_experts(hf_config, family) else None,
             quant=QuantConfig.from_hf(hf_config, quantization),
             kv_cache_scheme=kv_cache_scheme(hf_config),
             rotary_dim=_rotary_dim(hf_config, head_dim),
@@ -561,11 +586,18 @@ class ModelConfig:
         return ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu", **extra)
 
 
+def _has_experts(hf_config: Any, family: str) -> bool:
+    """Granite 4.0's dense models (num_local_experts 0) are of its experts' architecture."""
+    return family in _MOE_FAMILIES and (family != "granitemoehybrid" or hf_config.num_local_experts > 0)
+
+
 def _dense_intermediate_size(hf_config: Any, family: str) -> int:
     """The dense MLPs' width: Llama 4's are wider than its experts; Qwen3.5-MoE has none (its
-    experts' width stands in)."""
+    experts' width stands in); Granite 4.0's dense models have their shared MLP."""
     if family == "llama4":
         return hf_config.intermediate_size_mlp
+    if family == "granitemoehybrid":
+        return hf_config.shared_intermediate_size
     return getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size
 
 
@@ -606,8 +638,16 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
     if family == "gpt_oss":  # norms scale in float32 (their weights are kept so), then round
         return dict(norm_weight_offset=0.0, attn_sinks=True)
     if family.startswith("granite"):
-        return dict(embed_scale=hf_config.embedding_multiplier, residual_scale=hf_config.residual_multiplier,
-                    attn_scale=hf_config.attention_multiplier, logits_divisor=hf_config.logits_scaling)
+        fields = dict(embed_scale=hf_config.embedding_multiplier, residual_scale=hf_config.residual_multiplier,
+                      attn_scale=hf_config.attention_multiplier, logits_divisor=hf_config.logits_scaling)
+        if family == "granitemoehybrid":  # Mamba2 layers ("mamba" in older configs); attention without
+            # RoPE unless position_embedding_type asks for it
+            kinds = hf_config.layer_types
+            mamba = frozenset(i for i, kind in enumerate(kinds) if kind in ("linear_attention", "mamba"))
+            rotates = getattr(hf_config, "position_embedding_type", None) == "rope"
+            fields.update(linear=LinearAttentionConfig.of_mamba2(hf_config), linear_layers=mamba,
+                          nope_layers=frozenset() if rotates else frozenset(range(len(kinds))) - mamba)
+        return fields
     return {}
 
 

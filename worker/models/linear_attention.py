@@ -1,5 +1,5 @@
-"""Gated DeltaNet, the linear attention of Qwen3.5's hybrid layers (three of every four), and
-the per-request state it keeps in place of a KV cache.
+"""Gated DeltaNet, the linear attention of Qwen3.5's hybrid layers (three of every four), Mamba2
+(Granite 4.0-H's), and the per-request state they keep in place of a KV cache.
 
 Each such layer keeps, for every running request, a fixed-size state: the last
 `conv_kernel - 1` inputs of its short causal convolution, and one recurrent matrix
@@ -12,7 +12,8 @@ with q and k L2-normalized and q scaled by key_head_dim ** -0.5. A chunk of toke
 computed at once in its closed form: within the chunk the values written, u, solve a unit
 lower-triangular system, and the outputs and the final state follow by matrix products
 (the DeltaNet papers' "WY" form). A step's decodes run together, one recurrence step over
-their states gathered from their slots.
+their states gathered from their slots. Mamba2's state space recurrence is the same rule
+without its delta (Mamba2Mixer), S <- a S + k v^T: the values written are v themselves.
 
 The state depends on every token before, so blocks of keys and values cannot restore it: the
 prefix cache keeps states too, in slots of their own beside the requests' (`saved_conv`,
@@ -26,7 +27,7 @@ compute their prompt. Plain torch, on every device.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -154,14 +155,74 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class StateMixer(nn.Module):
+    """What a layer with a per-request state does whatever its rule: a short causal convolution
+    over its inputs, then the recurrence per request from its slot (a prefill's chunks solved at
+    once, a step's decodes one step together), saving the states the step names."""
+
+    cfg: LinearAttentionConfig
+    index: int  # among the layers with a state: its row of each request's state
+    conv1d: nn.Conv1d
+
+    def _mix(self, inputs: torch.Tensor, meta: StateMetadata, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule over the convolution of `inputs` [T, conv_dim]: its outputs [T, Hv, Dv]
+        (float32), and the convolution's [T, conv_dim]. `heads` makes q, k, v, the log decay g
+        and beta (None: no delta) of some rows from their convolution."""
+        cfg = self.cfg
+        out = torch.empty(len(inputs), cfg.num_value_heads, cfg.value_head_dim, device=inputs.device)
+        convolved = torch.empty_like(inputs)
+        states, d = meta.states, meta.num_decodes
+        if d:
+            convolved[:d], out[:d] = self._decode(inputs[:d], states, meta.decode_slots, heads)
+            if meta.decode_saves is not None:
+                slots, saved = meta.decode_saves
+                states.saved_conv[saved, self.index] = states.conv[slots, self.index]
+                states.saved_recurrent[saved, self.index] = states.recurrent[slots, self.index]
+        for (start, end), slot, saves in zip(meta.rows[d:], meta.slots[d:], meta.saves[d:], strict=True):
+            convolved[start:end] = self._convolve(inputs[start:end], states.conv[slot, self.index],
+                                                  [states.saved_conv[saved, self.index] for _, saved in saves],
+                                                  [n for n, _ in saves])
+            q, k, v, g, beta = heads(convolved[start:end], slice(start, end))
+            stops = {n: states.saved_recurrent[saved, self.index] for n, saved in saves}
+            out[start:end] = gated_delta_rule(q, k, v, g, beta, states.recurrent[slot, self.index], stops)
+        return out, convolved
+
+    def _decode(self, rows: torch.Tensor, states: LinearStates, slots: torch.Tensor, heads: Heads
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # [d, conv_dim], [d, Hv, Dv] float32
+        """One new token of each of d requests, together: the convolution over each one's last
+        inputs, then one step of the rule on each one's state."""
+        inputs = torch.cat((states.conv[slots, self.index], rows[:, :, None]), dim=2)  # [d, conv_dim, kernel]
+        states.conv[slots, self.index] = inputs[:, :, 1:]
+        convolved = F.silu(F.conv1d(inputs, self.conv1d.weight, self.conv1d.bias, groups=self.cfg.conv_dim)[:, :, 0])
+        q, k, v, g, beta = heads(convolved, slice(0, len(rows)))  # the d requests as a batch: [d, Hv, D]
+        s = states.recurrent[slots, self.index].mul_(g.exp()[..., None, None])  # [d, Hv, Dk, Dv], decayed
+        written = v if beta is None else (v - (k[..., None, :] @ s)[..., 0, :]) * beta[..., None]  # [d, Hv, Dv]
+        flat = s.view(-1, *s.shape[2:])
+        flat.baddbmm_(k.reshape(-1, k.shape[-1], 1), written.reshape(len(flat), 1, -1))  # s += k written^T
+        states.recurrent[slots, self.index] = s
+        return convolved, (q[..., None, :] @ s)[..., 0, :]
+
+    def _convolve(self, rows: torch.Tensor, conv_state: torch.Tensor, saved: Sequence[torch.Tensor] = (),
+                  after: Sequence[int] = ()) -> torch.Tensor:
+        """The causal depthwise convolution (then SiLU) over a request's new rows [n, conv_dim],
+        after the inputs its state keeps; the state then keeps the last of them, and each of
+        `saved` those before row `after[i]`."""
+        inputs = torch.cat((conv_state, rows.t()), dim=1)  # [conv_dim, kernel - 1 + n]
+        for state, num_rows in zip(saved, after, strict=True):
+            state.copy_(inputs[:, num_rows:num_rows + conv_state.shape[1]])
+        conv_state.copy_(inputs[:, inputs.shape[1] - conv_state.shape[1]:])
+        out = F.conv1d(inputs[None], self.conv1d.weight, self.conv1d.bias, groups=self.cfg.conv_dim)[0]  # [conv_dim, n]
+        return F.silu(out).t()
+
+
+class GatedDeltaNet(StateMixer):
     """One linear-attention layer (its checkpoint's `linear_attn`): projections in, a short
     causal convolution over q, k and v, the gated delta rule per request, a gated norm, out."""
 
     def __init__(self, cfg: LinearAttentionConfig, hidden_size: int, eps: float, index: int):
         super().__init__()
         self.cfg = cfg
-        self.index = index  # among the linear-attention layers: its row of each request's state
+        self.index = index
         key_dim, value_dim = cfg.num_key_heads * cfg.key_head_dim, cfg.num_value_heads * cfg.value_head_dim
         self.in_proj_qkv = nn.Linear(hidden_size, 2 * key_dim + value_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
@@ -175,54 +236,16 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, rope, kv_cache, meta: StateMetadata, lora=None) -> torch.Tensor:  # [T, hidden]
         cfg = self.cfg
-        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x).view(len(x), cfg.num_value_heads, cfg.value_head_dim)
         beta = torch.sigmoid(self.in_proj_b(x)).float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv], log decay
-        out = torch.empty(len(x), cfg.num_value_heads, cfg.value_head_dim, dtype=x.dtype, device=x.device)
-        states, d = meta.states, meta.num_decodes
-        if d:
-            out[:d] = self._decode(mixed[:d], g[:d], beta[:d], states, meta.decode_slots)
-            if meta.decode_saves is not None:
-                slots, saved = meta.decode_saves
-                states.saved_conv[saved, self.index] = states.conv[slots, self.index]
-                states.saved_recurrent[saved, self.index] = states.recurrent[slots, self.index]
-        for (start, end), slot, saves in zip(meta.rows[d:], meta.slots[d:], meta.saves[d:], strict=True):
-            qkv = self._convolve(mixed[start:end], states.conv[slot, self.index],
-                                 [states.saved_conv[saved, self.index] for _, saved in saves], [n for n, _ in saves])
-            q, k, v = self._heads(qkv)
-            stops = {n: states.saved_recurrent[saved, self.index] for n, saved in saves}
-            out[start:end] = gated_delta_rule(q, k, v, g[start:end], beta[start:end], states.recurrent[slot, self.index],
-                                              stops)
-        core = self.norm(out, z).reshape(len(x), -1)
+
+        def heads(qkv: torch.Tensor, rows: slice) -> HeadsOut:
+            return *self._heads(qkv), g[rows], beta[rows]
+
+        out, _ = self._mix(self.in_proj_qkv(x), meta, heads)
+        core = self.norm(out.to(x.dtype), z).reshape(len(x), -1)
         return self.out_proj(core)
-
-    def _decode(self, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: LinearStates,
-                slots: torch.Tensor) -> torch.Tensor:  # [d, Hv, Dv] float32
-        """One new token of each of d requests, together: the convolution over each one's last
-        inputs, then one step of the delta rule on each one's state."""
-        inputs = torch.cat((states.conv[slots, self.index], rows[:, :, None]), dim=2)  # [d, conv_dim, kernel]
-        states.conv[slots, self.index] = inputs[:, :, 1:]
-        qkv = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=self.cfg.conv_dim)[:, :, 0])  # the d requests as a batch
-        q, k, v = self._heads(qkv)  # [d, Hv, D]
-        s = states.recurrent[slots, self.index].mul_(g.exp()[..., None, None])  # [d, Hv, Dk, Dv], decayed
-        written = (v - (k[..., None, :] @ s)[..., 0, :]) * beta[..., None]  # [d, Hv, Dv]
-        flat = s.view(-1, *s.shape[2:])
-        flat.baddbmm_(k.reshape(-1, k.shape[-1], 1), written.reshape(len(flat), 1, -1))  # s += k written^T
-        states.recurrent[slots, self.index] = s
-        return (q[..., None, :] @ s)[..., 0, :]
-
-    def _convolve(self, rows: torch.Tensor, conv_state: torch.Tensor, saved: Sequence[torch.Tensor] = (),
-                  after: Sequence[int] = ()) -> torch.Tensor:
-        """The causal depthwise convolution (then SiLU) over a request's new rows [n, conv_dim],
-        after the inputs its state keeps; the state then keeps the last of them, and each of
-        `saved` those before row `after[i]`."""
-        inputs = torch.cat((conv_state, rows.t()), dim=1)  # [conv_dim, kernel - 1 + n]
-        for state, num_rows in zip(saved, after, strict=True):
-            state.copy_(inputs[:, num_rows:num_rows + conv_state.shape[1]])
-        conv_state.copy_(inputs[:, inputs.shape[1] - conv_state.shape[1]:])
-        out = F.conv1d(inputs[None], self.conv1d.weight, groups=self.cfg.conv_dim)[0]  # [conv_dim, n]
-        return F.silu(out).t()
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q and k [n, Hv, Dk] (each key head serving its value heads), float32, L2-normalized,
@@ -236,12 +259,71 @@ class GatedDeltaNet(nn.Module):
         return q * cfg.key_head_dim**-0.5, k, v.view(len(v), cfg.num_value_heads, cfg.value_head_dim)
 
 
+class GroupedGatedRMSNorm(nn.Module):
+    """Mamba2's gated norm: x times the gate's SiLU, then RMSNorm over each of `groups` equal
+    parts of the features (in float32)."""
+
+    def __init__(self, size: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [T, size] each
+        h = (x.float() * F.silu(gate.float())).view(len(x), self.groups, -1)
+        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.view(len(x), -1).to(self.weight.dtype)
+
+
+class Mamba2Mixer(StateMixer):
+    """One Mamba2 layer (Granite 4.0-H's `mamba`): in_proj makes the gate z, the convolution's
+    inputs (x, B, C) and each head's time step dt; after the convolution the state space
+    recurrence runs per head, S <- exp(dt A) S + B (dt x)^T, y = S^T C + D x: the gated rule
+    without its delta, with k = B, v = dt x and q = C (B and C shared by the heads of a group).
+    Then the grouped gated norm, and out_proj."""
+
+    def __init__(self, cfg: LinearAttentionConfig, hidden_size: int, eps: float, index: int):
+        super().__init__()
+        self.cfg = cfg
+        self.index = index
+        self.inner = cfg.num_value_heads * cfg.value_head_dim
+        self.in_proj = nn.Linear(hidden_size, self.inner + cfg.conv_dim + cfg.num_value_heads, bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(cfg.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.num_value_heads))
+        self.D = nn.Parameter(torch.ones(cfg.num_value_heads))
+        self.norm = GroupedGatedRMSNorm(self.inner, cfg.num_key_heads, eps)
+        self.out_proj = nn.Linear(self.inner, hidden_size, bias=cfg.proj_bias)
+
+    def forward(self, x: torch.Tensor, rope, kv_cache, meta: StateMetadata, lora=None) -> torch.Tensor:  # [T, hidden]
+        cfg = self.cfg
+        heads_, dv = cfg.num_value_heads, cfg.value_head_dim
+        z, inputs, dt = self.in_proj(x).split([self.inner, cfg.conv_dim, heads_], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*cfg.dt_limit)  # [T, H]
+        g = -self.A_log.float().exp() * dt  # log decay
+
+        def heads(convolved: torch.Tensor, rows: slice) -> HeadsOut:
+            xs, b, c = convolved.float().split([self.inner, cfg.num_key_heads * cfg.key_head_dim,
+                                                cfg.num_key_heads * cfg.key_head_dim], dim=1)
+            b, c = (t.view(len(t), cfg.num_key_heads, -1).repeat_interleave(heads_ // cfg.num_key_heads, dim=1)
+                    for t in (b, c))
+            return c, b, xs.view(len(xs), heads_, dv) * dt[rows, :, None], g[rows], None
+
+        y, convolved = self._mix(inputs, meta, heads)
+        y = y + self.D.float()[:, None] * convolved[:, :self.inner].float().view(len(x), heads_, dv)
+        return self.out_proj(self.norm(y.view(len(x), -1), z).to(x.dtype))
+
+
+# (q, k, v, g, beta) of some rows: what StateMixer._mix's `heads` makes of their convolution
+HeadsOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+Heads = Callable[[torch.Tensor, slice], HeadsOut]
+
+
 def gated_delta_rule(
     q: torch.Tensor,  # [n, H, Dk] float32, normalized and scaled
     k: torch.Tensor,  # [n, H, Dk]
     v: torch.Tensor,  # [n, H, Dv]
     g: torch.Tensor,  # [n, H] log decay (<= 0)
-    beta: torch.Tensor,  # [n, H]
+    beta: torch.Tensor | None,  # [n, H]; None: the gated rule without its delta (Mamba2's), u = v
     state: torch.Tensor,  # [H, Dk, Dv] float32, updated in place
     stops: Mapping[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [n, H, Dv] float32
@@ -256,7 +338,7 @@ def gated_delta_rule(
     for end in ends:
         chunk = slice(start, end)
         o, s = _chunk(q[chunk].transpose(0, 1), k[chunk].transpose(0, 1), v[chunk].transpose(0, 1),
-                      g[chunk].t(), beta[chunk].t(), s)
+                      g[chunk].t(), None if beta is None else beta[chunk].t(), s)
         outputs.append(o.transpose(0, 1))
         if end in stops:
             stops[end].copy_(s)
@@ -265,21 +347,25 @@ def gated_delta_rule(
     return torch.cat(outputs)
 
 
-def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, s: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:  # q, k, v [H, C, D]; g, beta [H, C]; s [H, Dk, Dv]
+def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor | None,
+           s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # q, k, v [H, C, D]; g, beta [H, C]; s [H, Dk, Dv]
     """One chunk in closed form. With A_t the decay from the chunk's start to t (inclusive) and
     D_tj = A_t / A_j, the values written u_t = beta_t (v_t - A_t S0^T k_t - sum_{j<t} D_tj
-    (k_t . k_j) u_j) solve (I + L) U = beta V - beta A K S0, L strictly lower; then
-    o_t = A_t S0^T q_t + sum_{j<=t} D_tj (q_t . k_j) u_j and S_C = A_C S0 + sum_j D_Cj k_j u_j^T."""
+    (k_t . k_j) u_j) solve (I + L) U = beta V - beta A K S0, L strictly lower (without the
+    delta, u = v); then o_t = A_t S0^T q_t + sum_{j<=t} D_tj (q_t . k_j) u_j and
+    S_C = A_C S0 + sum_j D_Cj k_j u_j^T."""
     size = q.shape[1]
     log_a = g.cumsum(-1)  # [H, C]
     lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     decay = (log_a[:, :, None] - log_a[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # D, 0 above
     a = log_a.exp()[..., None]  # [H, C, 1]
-    strict = (beta[..., None] * (k @ k.transpose(1, 2)) * decay).tril(-1)  # L
-    system = strict + torch.eye(size, device=q.device)
-    rhs = beta[..., None] * (v - (a * k) @ s)  # [H, C, Dv]
-    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    if beta is None:
+        u = v
+    else:
+        strict = (beta[..., None] * (k @ k.transpose(1, 2)) * decay).tril(-1)  # L
+        system = strict + torch.eye(size, device=q.device)
+        rhs = beta[..., None] * (v - (a * k) @ s)  # [H, C, Dv]
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     o = (a * q) @ s + ((q @ k.transpose(1, 2)) * decay) @ u
     tail = (log_a[:, -1:] - log_a).exp()[..., None]  # D_Cj [H, C, 1]
     s = log_a[:, -1, None, None].exp() * s + (k * tail).transpose(1, 2) @ u

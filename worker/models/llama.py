@@ -20,7 +20,12 @@ from torch.nn import functional as F
 from worker.attention import FP8, apply_softcap
 from worker.models import gpt_oss, kv_scales, quant
 from worker.models.config import ModelConfig
-from worker.models.linear_attention import GatedDeltaNet, GatedRMSNorm, grouped_projections
+from worker.models.linear_attention import (
+    GatedDeltaNet,
+    GatedRMSNorm,
+    Mamba2Mixer,
+    grouped_projections,
+)
 from worker.models.mla import MLAttention
 from worker.models.moe import SparseMoeBlock
 
@@ -332,13 +337,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, use_kernels: bool, index: int):
         super().__init__()
-        self.self_attn: Attention | MLAttention | GatedDeltaNet
+        self.self_attn: Attention | MLAttention | GatedDeltaNet | Mamba2Mixer
         if cfg.mla is not None:
             self.self_attn = MLAttention(cfg, make_norm)
-        elif index in cfg.linear_layers:  # its checkpoint's linear_attn
+        elif index in cfg.linear_layers:  # its checkpoint's linear_attn (Granite 4.0's mamba)
             assert cfg.linear is not None
-            self.self_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps,
-                                           sorted(cfg.linear_layers).index(index))
+            mixer = Mamba2Mixer if cfg.linear.mamba2 else GatedDeltaNet
+            self.self_attn = mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, sorted(cfg.linear_layers).index(index))
         else:
             self.self_attn = Attention(cfg, index)
         self.mlp: MLP | SparseMoeBlock
@@ -513,15 +518,7 @@ class LlamaForCausalLM(nn.Module):
         shard_weights), taken once quantized weights are in genq's layout."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        if self.config.architecture == "Glm4ForCausalLM":
-            weights = _glm4_names(weights)
-        weights = _without_mtp_layers(weights, self.config)
-        if self.config.architecture == "Qwen3NextForCausalLM":
-            assert self.config.linear is not None
-            weights = grouped_projections(weights, self.config.linear)
-        if self.config.architecture == "GptOssForCausalLM":
-            quant_cfg = self.config.quant
-            weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
+        weights = self._in_common_names(weights)
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
         if split is not None:  # (what has no place in the model, an image encoder's, is not split)
@@ -548,6 +545,23 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(f"{name}:{shard}")
         self._check_complete(loaded)
         self._set_kv_scales(found_scales)
+
+    def _in_common_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint in the names and layout of the families genq loads alike, less what
+        it does not run (multi-token-prediction layers)."""
+        arch = self.config.architecture
+        if arch == "Glm4ForCausalLM":
+            weights = _glm4_names(weights)
+        weights = _without_mtp_layers(weights, self.config)
+        if arch == "Qwen3NextForCausalLM":
+            assert self.config.linear is not None
+            weights = grouped_projections(weights, self.config.linear)
+        if arch == "GraniteMoeHybridForCausalLM":
+            weights = _granite_shared_mlp(weights, self.config.moe is not None)
+        if arch == "GptOssForCausalLM":
+            quant_cfg = self.config.quant
+            weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
+        return weights
 
     def _set_kv_scales(self, found: dict[tuple[int, str], torch.Tensor]) -> None:
         """Each layer's KV-cache scales: every layer has both or none has any."""
@@ -638,6 +652,18 @@ def _glm4_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         yield (name.replace(old, _GLM4_NORMS[old]) if old else name), tensor
 
 
+def _granite_shared_mlp(weights: Iterable[tuple[str, torch.Tensor]], experts: bool
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Granite 4.0's shared MLP ([gate; up] in input_linear, down in output_linear): the
+    experts' shared expert, or a dense model's MLP."""
+    into = ".mlp.shared_expert." if experts else ".mlp."
+    for name, tensor in weights:
+        if ".shared_mlp." in name:
+            name = name.replace(".shared_mlp.", into).replace(".input_linear.", ".gate_up_proj.").replace(
+                ".output_linear.", ".down_proj.")
+        yield name, tensor
+
+
 def _mla_rope_rows(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """A latent-attention checkpoint whose RoPE columns come as interleaved pairs, with the
@@ -674,7 +700,7 @@ def _map_hf_name(hf_name: str, mla: bool = False) -> tuple[str, str | None] | No
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
     name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's name
     name = name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")  # Llama 4's
-    name = name.replace(".linear_attn.", ".self_attn.")  # Qwen3.5's linear-attention layers
+    name = name.replace(".linear_attn.", ".self_attn.").replace(".mamba.", ".self_attn.")  # Qwen3.5's, Granite 4.0's
     for old, new in _GRANITE_MOE.items():
         name = name.replace(old, new)
     parts = name.split(".")
