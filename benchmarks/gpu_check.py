@@ -205,6 +205,12 @@ REMADE = {
     "qwen3_5": {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "linear_num_key_heads": 3,
                 "linear_num_value_heads": 6, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                 "linear_conv_kernel_dim": 4, "layer_types": None},
+    # Granite 4.0-H's dense shape: Mamba2 (18 heads of 64, one group, state 64) on five layers of
+    # six, NoPE attention on the sixth, the shared MLP alone
+    "granitemoehybrid": {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+                         "layer_types": (["mamba"] * 5 + ["attention"]) * 5, "num_local_experts": 0,
+                         "shared_intermediate_size": 1536, "mamba_n_heads": 18, "mamba_d_head": 64,
+                         "mamba_n_groups": 1, "mamba_d_state": 64, "mamba_d_conv": 4, "mamba_expand": 2},
     "qwen3_moe_fp8": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
                       "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
                       "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},

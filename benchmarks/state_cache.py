@@ -1,11 +1,12 @@
-"""The prefix cache of a model with linear attention (Qwen3.5), which keeps the layers' states
+"""The prefix cache of a model with linear attention or Mamba2 (Qwen3.5, Granite 4.0-H), which keeps the layers' states
 every `mamba_block_size` tokens beside the KV blocks: with those states (the default) against
 none kept (`num_state_snapshots=0`, where such a model has no prefix cache), in one run.
 
-    python benchmarks/state_cache.py [--conversations 6] [--system 1024] [--context 256] [--turns 3]
+    python benchmarks/state_cache.py [--arch qwen3_5] [--conversations 6] [--system 1024] [--context 256] [--turns 3]
 
 The default model's shape (SmolLM2-135M: 30 layers) remade as Qwen3.5 (three linear-attention
-layers of four), with seeded random weights (load_format dummy). Every conversation starts
+layers of four) or Granite 4.0-H (`--arch granitemoehybrid`: five Mamba2 layers of six), with
+seeded random weights (load_format dummy). Every conversation starts
 with the same system prompt of `--system` random tokens, then a context of its own; each
 round sends every conversation's next turn (its history, the last reply and a new 32-token
 message), two at a time. Prints per mode the prompt tokens computed (not served from the
@@ -50,6 +51,7 @@ def run(model: str, args: argparse.Namespace, snapshots: int | None) -> dict[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="qwen3_5", choices=["qwen3_5", "granitemoehybrid"])
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--system", type=int, default=1024)
     ap.add_argument("--context", type=int, default=256)
@@ -58,9 +60,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")  # bfloat16 where the CPU has AVX-512 bf16
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = remake(None, "qwen3_5", tmp)
+        model = remake(None, args.arch, tmp)
         rows = {"states": run(model, args, None), "none": run(model, args, 0)}
-    print(f"SmolLM2-135M remade as Qwen3.5 (dummy weights, {args.dtype}), {args.conversations} conversations: "
+    print(f"SmolLM2-135M remade as {args.arch} (dummy weights, {args.dtype}), {args.conversations} conversations: "
           f"a shared system prompt of {args.system} tokens, {args.context} of their own, {args.turns} turns, "
           f"a state kept every {args.interval} tokens; rounds 2..{args.turns}:")
     for name, row in rows.items():
