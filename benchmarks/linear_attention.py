@@ -56,8 +56,8 @@ def decodes(count: int) -> tuple[float, float]:
         torch.nn.init.normal_(param, std=0.02)
     states = LinearStates(SHAPE, 1, count, torch.float32, torch.device("cpu"))
     x = torch.randn(count, HIDDEN)
-    together = states.for_step([(f"r{i}", 0, 1, None, ()) for i in range(count)])
-    one_by_one = states.for_step([(f"r{i}", 1, 1, None, ()) for i in range(count)])
+    together = states.for_step([(f"r{i}", 0, 1, None, (), 0) for i in range(count)])
+    one_by_one = states.for_step([(f"r{i}", 1, 1, None, (), 0) for i in range(count)])
     one_by_one.num_decodes = 0  # the same requests' rows, each through the per-request path
     return ms(lambda: layer(x, None, None, together), 5), ms(lambda: layer(x, None, None, one_by_one), 5)
 

@@ -129,6 +129,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     max_loras: int = 0  # distinct adapters running at once (0: LoRA is off)
+    # the model keeps a state per request (linear attention, Mamba2): after a wrong guess it
+    # goes back to the state after the step's known token, so the guesses kept are computed again
+    recurrent: bool = False
 
 
 def kv_group_layout(layer_windows: tuple[int | None, ...], num_layers: int,

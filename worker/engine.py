@@ -101,6 +101,7 @@ class Engine:
             policy=config.scheduling_policy,
             eos_token_ids=frozenset(self.eos_token_ids),
             max_loras=config.max_loras if config.enable_lora else 0,
+            recurrent=self.recurrent,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager)
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels)
@@ -329,6 +330,7 @@ class Engine:
         if not sched.is_empty:
             model_out = self.runner.execute(sched)
             sampled, logprobs = self._sample(sched, model_out.request_ids, model_out.logits)
+            self._rewind_wrong_guesses(sched, sampled)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._update(sched, sampled)
             embeddings = self._pool(model_out.pooled)
@@ -340,6 +342,17 @@ class Engine:
         self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
         self._propose()
         return outputs
+
+    def _rewind_wrong_guesses(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """A model with states took in every guess of the step: where one was wrong, each such
+        request's state goes back to the one after its known token (the guesses it keeps are
+        computed again by its next step, SchedulerConfig.recurrent)."""
+        states = self.runner.states
+        if states is None:
+            return
+        for s in sched.scheduled:
+            if s.num_drafts and len(sampled.get(s.request_id, ())) <= s.num_drafts:
+                states.rewind(s.request_id)
 
     def _drop_unencoded(self, sched: SchedulerOutput, failed: dict[str, Exception]) -> list[Request]:
         """Requests whose images the encoder failed on end now (finish_reason abort), with
@@ -422,9 +435,6 @@ class Engine:
         if not config.speculative_config:
             return None
         spec = SpeculativeConfig.from_dict(config.speculative_config)
-        if self.recurrent:  # a rejected guess would stay in the state
-            raise ValueError(f"speculative_config: {self.model_config.architecture}'s linear-attention layers "
-                             "cannot take back rejected guesses yet; serve it without speculative decoding")
         if spec.method == "ngram":
             return NgramProposer(spec)
         # the draft holds as many tokens as the target's pool would with one KV group: a hybrid

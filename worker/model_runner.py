@@ -254,14 +254,13 @@ class ModelRunner:
     def _allocate_saved_states(self, memory: int) -> int:
         """Slots for the linear-attention states the prefix cache keeps (num_state_snapshots,
         or as many as a tenth of the cache's `memory` holds, at most 8 per request that may
-        run); the bytes they take."""
-        if self.states is None or not self.config.enable_prefix_caching:
+        run), and with speculative decoding a spare per request; the bytes they take."""
+        if self.states is None:
             return 0
-        count = self.config.num_state_snapshots
+        count = self.config.num_state_snapshots if self.config.enable_prefix_caching else 0
         if count is None:
             count = min(memory // 10 // self.states.state_bytes, 8 * self.config.max_num_seqs)
-        self.states.allocate_saved(count)
-        return count * self.states.state_bytes
+        return self.states.allocate_saved(count, spares=bool(self.config.speculative_config)) * self.states.state_bytes
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K and V pools per slot in the attention backend's layout, each layer given its
@@ -391,8 +390,8 @@ class ModelRunner:
             first.setdefault(kinds, metas[-1])
         meta = GroupedMetadata.of(metas, self.layer_group)
         if self.states is not None:  # linear attention's layers take their states instead
-            states = self.states.for_step(((s.request_id, s.start_pos, len(s.token_ids), s.state_restore, s.state_saves)
-                                           for s in batch), preempted or ())
+            states = self.states.for_step(((s.request_id, s.start_pos, len(s.token_ids), s.state_restore, s.state_saves,
+                                            s.num_drafts) for s in batch), preempted or ())
             linear = self.model_config.linear_layers
             meta = GroupedMetadata([states if i in linear else meta.for_layer(i) for i in range(len(self.layer_group))])
         return input_ids, positions, meta

@@ -39,7 +39,7 @@ def test_the_chunked_delta_rule_equals_transformers_recurrence(length):
     qn, kn = (t * torch.rsqrt(t.square().sum(-1, keepdim=True) + 1e-6) for t in (q, k))
     ours = state.clone()
     stop = torch.full_like(state, float("nan"))  # the state after the first `length // 2 + 1` tokens
-    out = gated_delta_rule(qn * dk**-0.5, kn, v, g, beta, ours, {length // 2 + 1: stop})
+    out = gated_delta_rule(qn * dk**-0.5, kn, v, g, beta, ours, {length // 2 + 1: [stop]})
     torch.testing.assert_close(out, expected[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours, expected_state[0], atol=1e-4, rtol=1e-4)
     n = length // 2 + 1
@@ -101,8 +101,28 @@ def test_the_prefix_cache_serves_prefixes_from_the_states_it_keeps(qwen3_5):
     assert not engine.runner.states.slots
 
 
+def test_guesses_are_taken_back_from_the_state(qwen3_5):
+    """n-gram guesses, from prompts that repeat a prompt after the model's own greedy answer to
+    it (so that the guesses are the answer again, some right, some not), with states saved
+    every 16 tokens: where some guess of a step is wrong, the state goes back to the one after
+    the step's known token and the guesses kept are computed again. Greedy tokens equal
+    transformers'."""
+    args = {"dtype": "float32", "num_gpu_blocks_override": 64, "max_model_len": 256, "mamba_block_size": 16}
+    plain = LLM(str(qwen3_5), **args)
+    firsts = [plain.get_tokenizer().encode(p) for p in PROMPTS[:6]]
+    answers = plain.generate([{"prompt_token_ids": ids} for ids in firsts], greedy(24), use_tqdm=False)
+    prompts = [ids * 2 + a.outputs[0].token_ids + ids for ids, a in zip(firsts, answers, strict=True)]
+    spec = LLM(str(qwen3_5), speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+               num_state_snapshots=8, **args)
+    outputs = spec.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(32), use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert tokens == hf_greedy_along(qwen3_5, prompts, tokens)
+    stats = spec.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (stats.num_accepted_tokens, stats.num_draft_tokens)
+    assert not spec.engine.runner.states.slots
+
+
 @pytest.mark.parametrize("args, message", [
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "cannot take back rejected guesses"),
     ({"enable_lora": True}, "LoRA adapters are not supported for Qwen3_5ForCausalLM yet"),
     ({"kv_offloading_size": 1.0}, "keeps a linear-attention state per request, which the host tier"),
     ({"tensor_parallel_size": 2}, "linear-attention layers run on one device only"),
@@ -121,23 +141,28 @@ def test_a_slot_is_taken_zeroed_and_given_back():
     from worker.models.linear_attention import LinearStates
 
     states = LinearStates(LinearAttentionConfig(1, 2, 4, 4, 3), 2, 2, torch.float32, torch.device("cpu"))
-    states.allocate_saved(3)
-    meta = states.for_step([("a", 0, 5, None, ((4, 2),)), ("b", 0, 1, None, ())])
+    assert states.allocate_saved(3, spares=True) == 5  # and a spare per request slot after them
+    meta = states.for_step([("a", 0, 5, None, ((4, 2),), 0), ("b", 0, 1, None, (), 0)])
     assert (meta.slots, meta.rows, meta.num_decodes, meta.saves) == ([0, 1], [(0, 5), (5, 6)], 0, [((4, 2),), ()])
     assert not states.recurrent[0].any() and not states.conv[1].any()
     states.recurrent[0].fill_(1.0)
-    meta = states.for_step([("b", 1, 1, None, ((2, 0),)), ("a", 5, 3, None, ())])
+    meta = states.for_step([("b", 1, 1, None, ((2, 0),), 0), ("a", 5, 3, None, (), 0)])
     assert (meta.slots, meta.num_decodes, meta.decode_slots.tolist()) == ([1, 0], 1, [1])
     assert [t.tolist() for t in meta.decode_saves] == [[1], [0]]  # b's slot saved to saved slot 0
     assert states.recurrent[0].eq(1.0).all()  # a's state kept as it continues
     with pytest.raises(RuntimeError, match="no linear-attention state slot is free for request 'c'"):
-        states.for_step([("c", 0, 4, None, ())])
+        states.for_step([("c", 0, 4, None, (), 0)])
     states.saved_recurrent[1].fill_(2.0)
     states.saved_conv[1].fill_(3.0)
-    meta = states.for_step([("c", 16, 4, 1, ())], preempted=["a"])
+    meta = states.for_step([("c", 16, 4, 1, (), 0)], preempted=["a"])
     assert meta.slots == [0] and states.recurrent[0].eq(2.0).all() and states.conv[0].eq(3.0).all()
     with pytest.raises(RuntimeError, match="request 'a' continues at position 8 without"):
-        states.for_step([("a", 8, 1, None, ())])
+        states.for_step([("a", 8, 1, None, (), 0)])
+    meta = states.for_step([("c", 20, 3, None, ((21, 1),), 2)])  # a known token and two guesses
+    assert meta.saves == [((1, 1), (1, 3))]  # the state after the known token: saved, and in c's spare
+    states.saved_recurrent[3].fill_(5.0)
+    states.rewind("c")
+    assert states.recurrent[0].eq(5.0).all()
 
 
 def test_a_linear_attention_draft_is_refused(qwen3_5, tiny_family):

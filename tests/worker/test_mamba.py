@@ -36,7 +36,7 @@ def test_the_rule_without_its_delta_equals_mamba2s_scan(length):
     ours = state.transpose(1, 2).contiguous()
     half = length // 2 + 1
     stop = torch.full_like(ours, float("nan"))
-    out = gated_delta_rule(cq, bk, x * dt[..., None], dt * a, None, ours, {half: stop}) + d[:, None] * x
+    out = gated_delta_rule(cq, bk, x * dt[..., None], dt * a, None, ours, {half: [stop]}) + d[:, None] * x
     torch.testing.assert_close(out, expected[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours.transpose(1, 2), expected_state[0], atol=1e-4, rtol=1e-4)
     _, expected_stop = mamba2_chunk_scan(

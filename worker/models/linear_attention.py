@@ -21,7 +21,9 @@ prefix cache keeps states too, in slots of their own beside the requests' (`save
 `state_interval` tokens, worker.block_manager). A step saves a request's state at each
 boundary its tokens pass (a prefill splits its chunks there), and a request served from the
 cache starts from the state saved where the hit ends, as does a preempted one whose
-boundaries are still kept (else it recomputes from its first token). n > 1 completions each
+boundaries are still kept (else it recomputes from its first token). A step that checks
+guesses saves the state after its known token in the request's spare, and the engine rewinds
+to it where a guess was wrong (the guesses kept are computed again). n > 1 completions each
 compute their prompt. Plain torch, on every device.
 """
 
@@ -54,8 +56,8 @@ class StateMetadata:
     decode_saves: tuple[torch.Tensor, torch.Tensor] | None  # the decodes that save: their slots, the saved slots
 
 # (request id, start position, new tokens, saved slot it starts from, (tokens before, saved
-# slot) of the states it saves) of a request in a step
-StepRequest = tuple[str, int, int, int | None, tuple[tuple[int, int], ...]]
+# slot) of the states it saves, guessed tokens its new tokens end with) of a request in a step
+StepRequest = tuple[str, int, int, int | None, tuple[tuple[int, int], ...], int]
 
 
 class LinearStates:
@@ -66,8 +68,9 @@ class LinearStates:
     slot when its first chunk runs (again when it starts over after a preemption), zeroed or
     copied from the saved state it starts from, and gives it back when it ends or is
     preempted. The prefix cache's saved states, `num_saved` of them (`allocate_saved`), are
-    laid out alike. (Allocated empty: on the CPU the memory of slots never used is never
-    touched.)"""
+    laid out alike, followed by a spare per request slot: a step that checks guesses saves the
+    state after the request's one known token there, which `rewind` takes back when a guess
+    was wrong. (Allocated empty: on the CPU the memory of slots never used is never touched.)"""
 
     def __init__(self, cfg: LinearAttentionConfig, num_layers: int, max_requests: int, dtype: torch.dtype,
                  device: torch.device):
@@ -77,6 +80,7 @@ class LinearStates:
                                      cfg.value_head_dim, dtype=torch.float32, device=device)
         self.slots: dict[str, int] = {}  # request id -> its slot
         self.free = list(range(max_requests - 1, -1, -1))
+        self.num_saved = 0
         self.allocate_saved(0)
 
     @property
@@ -84,13 +88,23 @@ class LinearStates:
         """One request's state, every layer's."""
         return sum(t[0].numel() * t.element_size() for t in (self.conv, self.recurrent))
 
-    @property
-    def num_saved(self) -> int:
-        return len(self.saved_conv)
+    def allocate_saved(self, count: int, spares: bool = False) -> int:
+        """`count` saved states for the prefix cache, and after them, where `spares`
+        (speculative decoding), the requests' spares; how many states that is."""
+        self.num_saved = count
+        total = count + (len(self.conv) if spares else 0)
+        self.saved_conv = self.conv.new_empty(total, *self.conv.shape[1:])
+        self.saved_recurrent = self.recurrent.new_empty(total, *self.recurrent.shape[1:])
+        return total
 
-    def allocate_saved(self, count: int) -> None:
-        self.saved_conv = self.conv.new_empty(count, *self.conv.shape[1:])
-        self.saved_recurrent = self.recurrent.new_empty(count, *self.recurrent.shape[1:])
+    def rewind(self, request_id: str) -> None:
+        """The request's state back to the one after the known token of its last step: the
+        guesses after it were not all right."""
+        slot = self.slots.get(request_id)
+        if slot is None:  # (it left the step: aborted)
+            return
+        self.conv[slot] = self.saved_conv[self.num_saved + slot]
+        self.recurrent[slot] = self.saved_recurrent[self.num_saved + slot]
 
     def for_step(self, requests: Iterable[StepRequest], preempted: Iterable[str] = ()) -> StateMetadata:
         """Each request of the step in batch order (StepRequest); `preempted`: the requests the
@@ -101,7 +115,7 @@ class LinearStates:
         slots: list[int] = []
         saves: list[tuple[tuple[int, int], ...]] = []
         row = num_decodes = 0
-        for request_id, start_pos, num_tokens, restore, saved in requests:
+        for request_id, start_pos, num_tokens, restore, saved, num_drafts in requests:
             slot = self.slots.get(request_id)
             if slot is None or start_pos == 0 or restore is not None:
                 if start_pos != 0 and restore is None:
@@ -111,7 +125,8 @@ class LinearStates:
             num_decodes += num_tokens == 1 and num_decodes == len(rows)
             rows.append((row, row + num_tokens))
             slots.append(slot)
-            saves.append(tuple((before - start_pos, saved_slot) for before, saved_slot in saved))
+            spare = ((1, self.num_saved + slot),) if num_drafts else ()  # (guesses follow one known token)
+            saves.append(tuple((before - start_pos, saved_slot) for before, saved_slot in saved) + spare)
             row += num_tokens
         decode_slots = torch.tensor(slots[:num_decodes], dtype=torch.long, device=self.device)
         decode_saves = None
@@ -180,10 +195,12 @@ class StateMixer(nn.Module):
                 states.saved_recurrent[saved, self.index] = states.recurrent[slots, self.index]
         for (start, end), slot, saves in zip(meta.rows[d:], meta.slots[d:], meta.saves[d:], strict=True):
             convolved[start:end] = self._convolve(inputs[start:end], states.conv[slot, self.index],
-                                                  [states.saved_conv[saved, self.index] for _, saved in saves],
+                                                  [states.saved_conv[target, self.index] for _, target in saves],
                                                   [n for n, _ in saves])
             q, k, v, g, beta = heads(convolved[start:end], slice(start, end))
-            stops = {n: states.saved_recurrent[saved, self.index] for n, saved in saves}
+            stops: dict[int, list[torch.Tensor]] = {}
+            for n, target in saves:
+                stops.setdefault(n, []).append(states.saved_recurrent[target, self.index])
             out[start:end] = gated_delta_rule(q, k, v, g, beta, states.recurrent[slot, self.index], stops)
         return out, convolved
 
@@ -325,7 +342,7 @@ def gated_delta_rule(
     g: torch.Tensor,  # [n, H] log decay (<= 0)
     beta: torch.Tensor | None,  # [n, H]; None: the gated rule without its delta (Mamba2's), u = v
     state: torch.Tensor,  # [H, Dk, Dv] float32, updated in place
-    stops: Mapping[int, torch.Tensor] | None = None,
+    stops: Mapping[int, Sequence[torch.Tensor]] | None = None,
 ) -> torch.Tensor:  # [n, H, Dv] float32
     """A request's new tokens through the gated delta rule, CHUNK tokens at a time, from
     `state` (the tokens before), which ends holding the state after the last; `stops`: tensors
@@ -340,8 +357,8 @@ def gated_delta_rule(
         o, s = _chunk(q[chunk].transpose(0, 1), k[chunk].transpose(0, 1), v[chunk].transpose(0, 1),
                       g[chunk].t(), None if beta is None else beta[chunk].t(), s)
         outputs.append(o.transpose(0, 1))
-        if end in stops:
-            stops[end].copy_(s)
+        for stop in stops.get(end, ()):
+            stop.copy_(s)
         start = end
     state.copy_(s)
     return torch.cat(outputs)
