@@ -26,10 +26,11 @@ models whose layers all keep every block (one group, no window).
 A model with linear-attention layers keeps, besides its KV, a state per request that follows
 every token before (worker.models.linear_attention): blocks alone cannot restore a prefix.
 Its prefix cache also keeps states, in `state_slots` slots of their own: the state after every
-`state_interval` tokens (a multiple of the block size) that a step computes, saved by the
-step (`ScheduledRequest.state_saves`) and keyed by the hash of the block it ends with once
-the step has run. A prefix is then served up to the last such boundary whose state is kept,
-which the request's first step restores (`ScheduledRequest.state_restore`).
+`state_interval` tokens (a multiple of the block size) that a step computes, and where the
+forks of an n > 1 request start, saved by the step (`ScheduledRequest.state_saves`) and keyed
+by the hash of the block it ends with once the step has run. A prefix is then served up to
+the last block whose state is kept, which the request's first step restores
+(`ScheduledRequest.state_restore`); a fork starts from its parent's.
 """
 
 from __future__ import annotations
@@ -296,28 +297,31 @@ class BlockManager:
     def _state_kept(self, hashes: list[int], num_blocks: int) -> bool:
         """The linear-attention state after the first `num_blocks` blocks is kept (always
         true of a model without such layers)."""
-        if self.states is None:
-            return True
-        return (num_blocks * self.block_size) % self.state_interval == 0 and hashes[num_blocks - 1] in self.states.cached
+        return self.states is None or hashes[num_blocks - 1] in self.states.cached
 
     def saved_state(self, request: Request, num_computed: int) -> int | None:
-        """The slot of the state a request admitted with `num_computed` tokens from the prefix
-        cache starts from (None: it starts from nothing)."""
+        """The slot of the kept state a request admitted with its first `num_computed` tokens
+        computed (a prefix-cache hit, or a fork's share of its parent's prompt) starts from;
+        None where it starts from nothing, or no such state is kept."""
         if self.states is None or num_computed == 0:
             return None
-        slot = self.states.lookup(request.block_hashes[num_computed // self.block_size - 1])
-        assert slot is not None, "a prefix-cache hit ends where a state is kept"
-        return slot
+        self._hash_full_blocks(request)
+        return self.states.lookup(request.block_hashes[num_computed // self.block_size - 1])
 
-    def reserve_state_saves(self, request: Request, start: int, end: int) -> tuple[tuple[int, int], ...]:
+    def reserve_state_saves(self, request: Request, start: int, end: int, also: int = 0
+                            ) -> tuple[tuple[int, int], ...]:
         """Slots for the states that a step computing the request's positions [start, end)
-        passes every `state_interval` tokens, as (tokens before, slot) each; none where the
-        cache keeps that state already (or saves it this step), or no slot is left."""
+        passes every `state_interval` tokens (and after `also` tokens, a multiple of the block
+        size: where its forks start), as (tokens before, slot) each; none where the cache keeps
+        that state already (or saves it this step), or no slot is left."""
         if self.states is None or not self.enable_prefix_caching:
             return ()
         self._hash_full_blocks(request)
         saves = []
-        for num_tokens in range((start // self.state_interval + 1) * self.state_interval, end + 1, self.state_interval):
+        boundaries = set(range((start // self.state_interval + 1) * self.state_interval, end + 1, self.state_interval))
+        if start < also <= end:
+            boundaries.add(also)
+        for num_tokens in sorted(boundaries):
             block_hash = request.block_hashes[num_tokens // self.block_size - 1]
             if self.states.lookup(block_hash) is not None or block_hash in self.pending_states:
                 continue

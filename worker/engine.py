@@ -159,7 +159,8 @@ class Engine:
         if images is not None:
             self.runner.add_images([child.request_id for child in children], images)
         self.output_processor.add_request(request_id, text, children)
-        if self.recurrent:  # each completion computes the prompt: its state is its own
+        if self.recurrent and not self.block_manager.enable_prefix_caching:  # no state of the prompt is
+            # kept for the others to start from: each completion computes it
             for child in children:
                 self.scheduler.add_request(child)
         else:

@@ -163,6 +163,11 @@ class Scheduler:
                 continue
             # A forked request already holds its shared prompt blocks; others look up the cache.
             forked = request.num_computed_tokens > 0
+            if forked and self.block_manager.states is not None and self.block_manager.saved_state(
+                    request, request.num_computed_tokens) is None:  # its parent's state there was evicted
+                self.block_manager.free_request(request.request_id)
+                request.num_computed_tokens = 0
+                forked = False
             computed = None if forked else self.block_manager.get_computed_blocks(request)
             num_computed = request.num_computed_tokens + (len(computed[0]) * self.block_manager.block_size
                                                           if computed else 0)
@@ -206,7 +211,8 @@ class Scheduler:
                 group_tables=tuple(tables[1:]),
                 both_ways=tuple((lo, hi) for lo, hi in request.whole_spans if lo < start + num_known and hi > start),
                 state_restore=state_restore,
-                state_saves=self.block_manager.reserve_state_saves(request, start, start + num_known),
+                state_saves=self.block_manager.reserve_state_saves(request, start, start + num_known,
+                                                                   also=self._fork_point(request)),
             )
         )
 
@@ -274,10 +280,18 @@ class Scheduler:
                 return status
         return None
 
+    def _fork_point(self, request: Request) -> int:
+        """Where the forks of a request waiting for them start: after its prompt's full
+        blocks, less the last token (0: it has none)."""
+        if request.request_id not in self.forks:
+            return 0
+        return (request.num_prompt_tokens - 1) // self.block_manager.block_size * self.block_manager.block_size
+
     def _fork(self, parent: Request) -> None:
         """The parent has computed the prompt: its siblings share the prompt's full blocks and
-        compute only the rest (at least one token, for their own first logits)."""
-        num_shared = (parent.num_prompt_tokens - 1) // self.block_manager.block_size
+        compute only the rest (at least one token, for their own first logits). A model with
+        states saved the parent's there (reserve_state_saves), which they start from."""
+        num_shared = self._fork_point(parent) // self.block_manager.block_size
         for fork in self.forks.pop(parent.request_id):
             self.block_manager.fork(parent.request_id, fork.request_id, num_shared)
             fork.num_computed_tokens = num_shared * self.block_manager.block_size

@@ -101,6 +101,39 @@ def test_the_prefix_cache_serves_prefixes_from_the_states_it_keeps(qwen3_5):
     assert not engine.runner.states.slots
 
 
+def test_completions_of_one_prompt_start_from_its_state(qwen3_5):
+    """n = 3 completions of a 46-token prompt: the first computes it, saving its state after
+    its full blocks less the last token's (32 tokens), where the others start, as they share
+    its blocks. Greedy, each equals transformers'; seeded random sampling, each equals a
+    request of its own with its seed."""
+    from producer.sampling_params import SamplingParams
+
+    llm = LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=64, max_model_len=128, num_state_snapshots=8)
+    engine = llm.engine
+    prompt = llm.get_tokenizer().encode(PROMPTS[5])
+    computed = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():  # the scheduler's own output, noted
+        out = schedule()
+        computed.extend(min(len(s.token_ids), len(prompt) - s.start_pos) for s in out.scheduled
+                        if s.start_pos < len(prompt))
+        return out
+
+    engine.scheduler.schedule = recorded
+    params = greedy(8)
+    params.n = 3
+    [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == hf_greedy_along(qwen3_5, [prompt], [out.outputs[0].token_ids]) * 3
+    assert sum(computed) == 46 + 2 * 14
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, seed=5, n=3)
+    [forked] = llm.generate({"prompt_token_ids": prompt}, seeded, use_tqdm=False)
+    alone = llm.generate([{"prompt_token_ids": prompt}] * 3,
+                         [SamplingParams(temperature=1.0, max_tokens=8, seed=5 + i) for i in range(3)], use_tqdm=False)
+    assert [c.token_ids for c in forked.outputs] == [o.outputs[0].token_ids for o in alone]
+    assert len({tuple(c.token_ids) for c in forked.outputs}) > 1
+
+
 def test_guesses_are_taken_back_from_the_state(qwen3_5):
     """n-gram guesses, from prompts that repeat a prompt after the model's own greedy answer to
     it (so that the guesses are the answer again, some right, some not), with states saved

@@ -569,3 +569,30 @@ def test_a_state_model_without_saved_states_is_refused_a_host_tier_and_odd_inter
         BlockManager(16, BS, True, state_slots=2, state_interval=6)
     with pytest.raises(ValueError, match="no host tier"):
         BlockManager(16, BS, True, num_host_blocks=4, state_slots=2, state_interval=8)
+
+
+def test_forks_start_from_their_parents_state_or_from_scratch_if_it_is_gone():
+    """A model with states: the parent of n > 1 completions saves its state where its forks
+    start (its prompt's full blocks, less the last token's: 8 of 10 tokens), and they start
+    from it; a fork whose state was evicted before it ran computes the prompt itself."""
+    sched = make_state_scheduler(slots=2, interval=64, budget=64)
+    bm = sched.block_manager
+    parent, forks = make_request("p", range(100, 110), max_tokens=2), [make_request(f"p#{i}", range(100, 110))
+                                                                       for i in (1, 2)]
+    sched.add_request(parent, forks=forks)
+    out, _ = step(sched)
+    [s] = out.scheduled
+    assert s.state_saves == ((8, 1),)
+    bm.states.take()  # another save takes the free slot; the next evicts the parent's state
+    out = sched.schedule()
+    assert sorted((s.request_id, s.start_pos, s.state_restore) for s in out.scheduled) == [
+        ("p", 10, None), ("p#1", 8, 1), ("p#2", 8, 1)]
+    sched.update_from_output(out, {s.request_id: [7] for s in out.scheduled})
+    sched.add_request(make_request("q", range(100, 110)), forks=[make_request("q#1", range(100, 110))])
+    out, _ = step(sched)  # the same prompt again starts from p's state at 8 too (not saved again)
+    assert [(s.request_id, s.start_pos, s.state_restore, s.state_saves) for s in out.scheduled
+            if s.request_id == "q"] == [("q", 8, 1, ())]
+    assert bm.states.take() == 1  # another save evicts it before q's fork runs
+    out = sched.schedule()
+    assert sorted((s.request_id, s.start_pos, s.state_restore) for s in out.scheduled if s.request_id[0] == "q") == [
+        ("q", 10, None), ("q#1", 0, None)]

@@ -23,8 +23,9 @@ boundary its tokens pass (a prefill splits its chunks there), and a request serv
 cache starts from the state saved where the hit ends, as does a preempted one whose
 boundaries are still kept (else it recomputes from its first token). A step that checks
 guesses saves the state after its known token in the request's spare, and the engine rewinds
-to it where a guess was wrong (the guesses kept are computed again). n > 1 completions each
-compute their prompt. Plain torch, on every device.
+to it where a guess was wrong (the guesses kept are computed again). The n > 1 completions
+of a prompt start from the state its first saved where they fork (each computes the prompt
+where no state is kept). Plain torch, on every device.
 """
 
 from __future__ import annotations
