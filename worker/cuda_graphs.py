@@ -10,6 +10,10 @@ graph replays the whole forward with one launch. It replays fixed addresses and 
 - attention is launched with `max_model_len` as its bound on context length, so its grid
   (and KV split count) holds for any batch of that size.
 
+A model with per-request states (linear attention, Mamba2) reads each row's state slot from a
+static buffer too; padding rows read and write a slot of their own. The states a decode saves
+for the prefix cache are copied after the replay.
+
 Only the model's forward is captured; logits and sampling run after it, on real rows only.
 On CPU, where the triton backend runs only under TRITON_INTERPRET for tests, nothing is
 captured: `run` makes the same padded call eagerly, so tests check all but the capture.
@@ -24,6 +28,7 @@ import torch
 
 from worker.attention import GroupedMetadata, pad_tables
 from worker.attention_triton import TritonMetadata
+from worker.models.linear_attention import LinearStates
 from worker.models.llama import LlamaForCausalLM
 from worker.scheduler import ScheduledRequest
 
@@ -49,8 +54,11 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         layer_group: list[int] | None = None,  # each layer's KV group (None: one group)
+        states: LinearStates | None = None,  # the per-request states of the layers in `state_layers`
+        state_layers: frozenset[int] = frozenset(),
     ):
         self.model = model
+        self.states, self.state_layers = states, state_layers
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -68,6 +76,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [N + 1], fixed
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [N]
         self.block_tables = torch.zeros((num_groups, n, max_blocks), dtype=torch.int32, device=device)  # [G, N, max_blocks]
+        if states is not None:
+            self.state_slots = torch.full((n,), states.padding_slot, dtype=torch.long, device=device)  # [N]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> [size, hidden], written by replay
         self.num_steps: dict[int, int] = dict.fromkeys(self.sizes, 0)  # steps run at each size
@@ -75,9 +85,12 @@ class DecodeGraphs:
             self._capture_all()
 
     def can_run(self, batch: list[ScheduledRequest]) -> bool:
-        """Decodes only (no prompt logprobs to compute), and no more than the largest size."""
+        """Decodes only (no prompt logprobs to compute), and no more than the largest size; with
+        states, of requests that hold theirs already (not one starting, from nothing or from a
+        saved state)."""
         return 0 < len(batch) <= self.sizes[-1] and all(
-            len(s.token_ids) == 1 and not s.prompt_logprobs for s in batch
+            len(s.token_ids) == 1 and not s.prompt_logprobs and (self.states is None or self.states.holds(s.request_id))
+            for s in batch
         )
 
     @torch.inference_mode()
@@ -88,8 +101,14 @@ class DecodeGraphs:
         self._fill(batch, size, rope)
         if size in self.graphs:
             self.graphs[size].replay()
-            return self.outputs[size][: len(batch)]
-        return self._forward(size)[: len(batch)]
+            out = self.outputs[size][: len(batch)]
+        else:
+            out = self._forward(size)[: len(batch)]
+        if self.states is not None:  # (a decode's saved state is the one it ends with)
+            for s in batch:
+                for _, saved in s.state_saves:
+                    self.states.save_whole(self.states.slot_of(s.request_id), saved)
+        return out
 
     def _fill(self, batch: list[ScheduledRequest], size: int, rope: list[int] | None = None) -> None:
         """Copy the batch into the static buffers, rows past it set to padding."""
@@ -107,6 +126,9 @@ class DecodeGraphs:
         self.positions[:size].copy_(rows[1])
         self.seq_lens[:size].copy_(rows[2])
         self.slot_mapping[:, :size].copy_(rows[3:])
+        if self.states is not None:
+            state_slots = [self.states.slot_of(s.request_id) for s in batch] + [self.states.padding_slot] * pad
+            self.state_slots[:size].copy_(torch.tensor(state_slots).to(self.device, non_blocking=True))
         # Blocks past a row's context are never read: only the used prefix of each table.
         width = -(-(max(positions) + 1) // bs)
         for g in groups:
@@ -123,6 +145,10 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
         ) for g in range(self.slot_mapping.shape[0])]
         meta = GroupedMetadata.of(metas, self.layer_group)
+        if self.states is not None:
+            states = self.states.for_graph(self.state_slots[:size])
+            meta = GroupedMetadata([states if i in self.state_layers else meta.for_layer(i)
+                                    for i in range(len(self.layer_group))])
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()

@@ -178,12 +178,13 @@ class ModelRunner:
     def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
         same padded buffers on CPU, where the triton backend runs only for tests)."""
-        if backend != "triton" or self.config.enforce_eager or self.parallel is not None or self.states is not None:
-            return None  # (a tensor-parallel step's reductions, linear attention's states are not captured yet)
+        if backend != "triton" or self.config.enforce_eager or self.parallel is not None:
+            return None  # (a tensor-parallel step's reductions are not captured yet)
         from worker.cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
-                            self.block_size, self.device, self.layer_group)
+                            self.block_size, self.device, self.layer_group, self.states,
+                            self.model_config.linear_layers)
 
     def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
         cfg = self.model_config
@@ -355,6 +356,9 @@ class ModelRunner:
                 images = (step.rows[0].to(self.device), step.rows[1].to(self.device))
         if (self.graphs is not None and lora is None and images is None and not isinstance(rope, torch.Tensor)
                 and self.graphs.can_run(batch)):
+            if self.states is not None:  # (the eager path's for_step does this)
+                for request_id in out.preempted:
+                    self.states.remove(request_id)
             hidden = self.graphs.run(batch, rope)  # [B, hidden]
         else:  # eager: prefills, steps with adapters (the graphs hold the base model only), with
             # image rows, or with M-RoPE's three streams

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import hf_greedy
+from test_engine import hf_greedy, hf_greedy_along
 from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams
@@ -116,3 +116,31 @@ def test_triton_backend_samples_the_torch_backends_tokens(tiny_llama_dir):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     assert tokens("triton") == tokens("torch")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "granitemoehybrid"])
+def test_decode_graphs_carry_the_requests_states(tiny_family, family):
+    """Decode batches of a model with states (Qwen3.5's linear attention, Granite 4.0's
+    Mamba2) through the graphs' padded buffers: each row's state slot from a static buffer,
+    the padding rows' a slot of their own, the states saved every 16 tokens copied after; the
+    prompts' own steps (and a request's first after a prefix hit) run eagerly. Greedy tokens
+    equal transformers', and the follow-up's, served from a decode's saved state."""
+    model = tiny_family(family)
+    llm = LLM(str(model), dtype="float32", device=DEVICE, attention_backend="triton", num_gpu_blocks_override=64,
+              max_num_seqs=3, max_model_len=128, mamba_block_size=16, num_state_snapshots=8)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in ("Hello, my name is", "The quick brown fox", "1, 2, 3,")]
+    max_tokens = [12, 20, 6]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert tokens == hf_greedy_along(model, prompts, tokens)
+    assert all(graphs.num_steps[n] > 0 for n in (1, 2, 4)), graphs.num_steps
+    follow_ups = [prompts[1] + tokens[1] + tok.encode(" and"), (prompts[1] + tokens[1])[:17]]  # the second: one
+    # token past the saved state, a first step of one row that must restore it (eagerly)
+    for ids in follow_ups:
+        [out] = llm.generate({"prompt_token_ids": ids}, params[0], use_tqdm=False)
+        assert out.num_cached_tokens == 16
+        assert out.outputs[0].token_ids == hf_greedy_along(model, [ids], [out.outputs[0].token_ids])[0]

@@ -71,14 +71,20 @@ class LinearStates:
     preempted. The prefix cache's saved states, `num_saved` of them (`allocate_saved`), are
     laid out alike, followed by a spare per request slot: a step that checks guesses saves the
     state after the request's one known token there, which `rewind` takes back when a guess
-    was wrong. (Allocated empty: on the CPU the memory of slots never used is never touched.)"""
+    was wrong. One slot more, zeroed, is the padding rows' of a decode graph (worker.cuda_graphs),
+    which write only there. (Allocated empty: on the CPU the memory of slots never used is
+    never touched.)"""
 
     def __init__(self, cfg: LinearAttentionConfig, num_layers: int, max_requests: int, dtype: torch.dtype,
                  device: torch.device):
         self.cfg, self.device = cfg, device
-        self.conv = torch.empty(max_requests, num_layers, cfg.conv_dim, cfg.conv_kernel - 1, dtype=dtype, device=device)
-        self.recurrent = torch.empty(max_requests, num_layers, cfg.num_value_heads, cfg.key_head_dim,
+        self.max_requests = self.padding_slot = max_requests
+        self.conv = torch.empty(max_requests + 1, num_layers, cfg.conv_dim, cfg.conv_kernel - 1, dtype=dtype,
+                                device=device)
+        self.recurrent = torch.empty(max_requests + 1, num_layers, cfg.num_value_heads, cfg.key_head_dim,
                                      cfg.value_head_dim, dtype=torch.float32, device=device)
+        self.conv[self.padding_slot].zero_()
+        self.recurrent[self.padding_slot].zero_()
         self.slots: dict[str, int] = {}  # request id -> its slot
         self.free = list(range(max_requests - 1, -1, -1))
         self.num_saved = 0
@@ -93,7 +99,7 @@ class LinearStates:
         """`count` saved states for the prefix cache, and after them, where `spares`
         (speculative decoding), the requests' spares; how many states that is."""
         self.num_saved = count
-        total = count + (len(self.conv) if spares else 0)
+        total = count + (self.max_requests if spares else 0)
         self.saved_conv = self.conv.new_empty(total, *self.conv.shape[1:])
         self.saved_recurrent = self.recurrent.new_empty(total, *self.recurrent.shape[1:])
         return total
@@ -106,6 +112,22 @@ class LinearStates:
             return
         self.conv[slot] = self.saved_conv[self.num_saved + slot]
         self.recurrent[slot] = self.saved_recurrent[self.num_saved + slot]
+
+    def for_graph(self, slots: torch.Tensor) -> StateMetadata:
+        """A decode graph's: every row a decode, of the slot in `slots` (a static buffer)."""
+        n = len(slots)
+        return StateMetadata(self, [(i, i + 1) for i in range(n)], [self.padding_slot] * n, [()] * n, n, slots, None)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.slots
+
+    def slot_of(self, request_id: str) -> int:
+        return self.slots[request_id]
+
+    def save_whole(self, slot: int, saved: int) -> None:
+        """A slot's state, every layer's, into saved slot `saved` (after a decode graph)."""
+        self.saved_conv[saved] = self.conv[slot]
+        self.saved_recurrent[saved] = self.recurrent[slot]
 
     def for_step(self, requests: Iterable[StepRequest], preempted: Iterable[str] = ()) -> StateMetadata:
         """Each request of the step in batch order (StepRequest); `preempted`: the requests the
