@@ -16,7 +16,8 @@ reports the parts it finished):
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
    biased experts; and with MXFP4 experts), a GLM-4.5 (DeepSeek-V3's routing), a DeepSeek-V3
    (latent attention, one 576-wide cache head), a Llama 4 (chunked attention, NoPE layers,
-   experts weighing their input), a Qwen3.5 (linear attention's states), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
+   experts weighing their input), a Qwen3.5 and a Granite 4.0-H (linear attention's and Mamba2's
+   states, their decodes in the CUDA graphs), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
    Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt

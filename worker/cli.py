@@ -115,9 +115,9 @@ _HELP = {
     "(default: $GENQ_TENSOR_PARALLEL_SIZE or 1)",
     "kv_offloading_size": "GiB of host memory that KV blocks evicted from the prefix cache are kept in, and "
     "copied back from on a hit (default: $GENQ_KV_OFFLOADING_SIZE or off)",
-    "mamba_block_size": "linear-attention models (Qwen3.5, Qwen3-Next): tokens between the states the prefix cache "
-    "keeps, a multiple of the block size (default: $GENQ_MAMBA_BLOCK_SIZE or 512)",
-    "num_state_snapshots": "linear-attention models: states the prefix cache keeps; 0: no prefix caching for them "
+    "mamba_block_size": "models with per-request states (Qwen3.5, Qwen3-Next, Granite 4.0-H): tokens between the "
+    "states the prefix cache keeps, a multiple of the block size (default: $GENQ_MAMBA_BLOCK_SIZE or 512)",
+    "num_state_snapshots": "models with per-request states: states the prefix cache keeps; 0: no prefix caching for them "
     "(default: $GENQ_NUM_STATE_SNAPSHOTS or a tenth of the KV cache's memory, at most 8 per max_num_seqs)",
 }
 
