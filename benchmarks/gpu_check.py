@@ -16,8 +16,8 @@ reports the parts it finished):
    kind), a Phi-3.5 (96-wide heads, partial rotary, LongRoPE), a gpt-oss (attention sinks,
    biased experts; and with MXFP4 experts), a GLM-4.5 (DeepSeek-V3's routing), a DeepSeek-V3
    (latent attention, one 576-wide cache head), a Llama 4 (chunked attention, NoPE layers,
-   experts weighing their input), a Qwen3.5 and a Granite 4.0-H (linear attention's and Mamba2's
-   states, their decodes in the CUDA graphs), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
+   experts weighing their input), a Qwen3.5, a Granite 4.0-H and a Nemotron-H (linear
+   attention's and Mamba2's states, their decodes in the CUDA graphs), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
    Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt
@@ -212,6 +212,11 @@ REMADE = {
                          "layer_types": (["mamba"] * 5 + ["attention"]) * 5, "num_local_experts": 0,
                          "shared_intermediate_size": 1536, "mamba_n_heads": 18, "mamba_d_head": 64,
                          "mamba_n_groups": 1, "mamba_d_state": 64, "mamba_d_conv": 4, "mamba_expand": 2},
+    # Nemotron-H's: a layer each of Mamba2 (18 heads of 64), NoPE attention or a ReLU^2 MLP
+    "nemotron_h": {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+                   "layers_block_type": ["linear_attention", "mlp", "linear_attention", "mlp", "full_attention",
+                                         "mlp"] * 5, "mamba_num_heads": 18, "mamba_head_dim": 64, "n_groups": 1,
+                   "ssm_state_size": 64, "conv_kernel": 4},
     "qwen3_moe_fp8": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
                       "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
                       "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},

@@ -5,8 +5,9 @@ none kept (`num_state_snapshots=0`, where such a model has no prefix cache), in 
     python benchmarks/state_cache.py [--arch qwen3_5] [--conversations 6] [--system 1024] [--context 256] [--turns 3]
 
 The default model's shape (SmolLM2-135M: 30 layers) remade as Qwen3.5 (three linear-attention
-layers of four) or Granite 4.0-H (`--arch granitemoehybrid`: five Mamba2 layers of six), with
-seeded random weights (load_format dummy). Every conversation starts
+layers of four), Granite 4.0-H (`--arch granitemoehybrid`: five Mamba2 layers of six) or
+Nemotron-H (`--arch nemotron_h`: one-part layers, Mamba2, attention or MLP), with seeded
+random weights (load_format dummy). Every conversation starts
 with the same system prompt of `--system` random tokens, then a context of its own; each
 round sends every conversation's next turn (its history, the last reply and a new 32-token
 message), two at a time. Prints per mode the prompt tokens computed (not served from the
@@ -51,7 +52,7 @@ def run(model: str, args: argparse.Namespace, snapshots: int | None) -> dict[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="qwen3_5", choices=["qwen3_5", "granitemoehybrid"])
+    ap.add_argument("--arch", default="qwen3_5", choices=["qwen3_5", "granitemoehybrid", "nemotron_h"])
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--system", type=int, default=1024)
     ap.add_argument("--context", type=int, default=256)

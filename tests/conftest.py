@@ -272,6 +272,16 @@ def tiny_moe_config(family: str, vocab: int):
             mamba_chunk_size=16, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.05,
             logits_scaling=4.0, architectures=["GraniteMoeHybridForCausalLM"],
             **{**TINY_COMMON, "num_hidden_layers": 4, "intermediate_size": 48})
+    if family == "nemotron_h":  # Nemotron-H's one-part layers: Mamba2 (time steps at least 0.5, so the
+        # floor bites), NoPE attention, and a ReLU^2 MLP after each
+        from transformers import NemotronHConfig
+
+        return NemotronHConfig(
+            vocab_size=vocab, tie_word_embeddings=False, head_dim=16, time_step_min=0.5,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"],
+            mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16,
+            architectures=["NemotronHForCausalLM"],
+            **{k: v for k, v in TINY_COMMON.items() if k not in ("num_hidden_layers", "rms_norm_eps")})
     if family in MLA_FAMILIES:
         return tiny_deepseek_config(family, vocab)
     raise ValueError(family)
@@ -331,9 +341,10 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
                 param.uniform_(-0.5, 0.5)
             elif name.endswith("dt_bias"):  # linear attention's, which transformers starts at ones
                 param.uniform_(-1.0, 1.0)
-            elif name.endswith(("mamba.D", "mamba.norm.weight")):  # Mamba2's skip and gated norm, at ones
-                param.uniform_(0.5, 1.5)
-            elif name.endswith("mamba.conv1d.bias"):  # at zeros
+            elif name.endswith(("mamba.D", "mixer.D", "mamba.norm.weight")) or (
+                    family == "nemotron_h" and name.endswith("norm.weight")):
+                param.uniform_(0.5, 1.5)  # Mamba2's skip, its gated norm and Nemotron-H's norms, at ones
+            elif name.endswith(("mamba.conv1d.bias", "mixer.conv1d.bias")):  # at zeros
                 param.uniform_(-0.5, 0.5)
             elif family in ("olmo2", "olmo3", "glm4", *MLA_FAMILIES) and name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)

@@ -112,7 +112,8 @@ class ModelRunner:
         # one pool; layer j of every group keeps its KV in the same tensor (its slot). Layers of
         # linear attention keep a state per request instead (self.states), in no group
         cfg = self.model_config
-        self.kv_layers = [i for i in range(cfg.num_hidden_layers) if i not in cfg.linear_layers]
+        self.kv_layers = [i for i in range(cfg.num_hidden_layers)
+                          if i not in cfg.linear_layers and i not in cfg.mlp_only_layers]
         layout = kv_group_layout(tuple(cfg.kept_windows[i] for i in self.kv_layers), len(self.kv_layers), config)
         self.kv_layout = [(window, tuple(self.kv_layers[j] for j in layers)) for window, layers in layout]
         self.layer_group = [0] * self.model_config.num_hidden_layers

@@ -1,6 +1,6 @@
-"""Granite 4.0's Mamba2 layers (worker.models.linear_attention.Mamba2Mixer), which keep a
-state per request as Qwen3.5's linear attention does: the rule against transformers' own
-Mamba2 scan, and the tiny Granite 4.0 models (experts and dense) against transformers' greedy
+"""Mamba2 layers (worker.models.linear_attention.Mamba2Mixer), which keep a state per request
+as Qwen3.5's linear attention does: the rule against transformers' own Mamba2 scan, and the
+tiny Granite 4.0 models (experts and dense) and Nemotron-H against transformers' greedy
 tokens through chunked prefill, preemption and the prefix cache's saved states."""
 
 from __future__ import annotations
@@ -45,17 +45,22 @@ def test_the_rule_without_its_delta_equals_mamba2s_scan(length):
     torch.testing.assert_close(stop.transpose(1, 2), expected_stop[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["granitemoehybrid", "granitemoehybrid_dense"])
-def test_granite_4_greedy_matches_transformers(tiny_family, family):
-    """Six prompts at once in chunks of 24 tokens, in a pool small enough that some are
-    preempted, then a prompt going on from a finished one (its state saved every 16 tokens):
-    greedy tokens equal transformers' throughout, the last served from the cache."""
+# each tiny model's Mamba2 layers and attention layers (without RoPE)
+LAYERS = {"granitemoehybrid": ({0, 2}, {1, 3}), "granitemoehybrid_dense": ({0, 2}, {1, 3}), "nemotron_h": ({0, 4}, {2})}
+
+
+@pytest.mark.parametrize("family", list(LAYERS))
+def test_mamba2_hybrids_greedy_match_transformers(tiny_family, family):
+    """Granite 4.0 (experts, and dense) and Nemotron-H (a layer each for Mamba2, attention
+    and the MLP): six prompts at once in chunks of 24 tokens, in a pool small enough that
+    some are preempted, then a prompt going on from a finished one (its state saved every 16
+    tokens): greedy tokens equal transformers' throughout, the last served from the cache."""
     model = tiny_family(family)
     llm = LLM(str(model), dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=24, max_model_len=128,
               mamba_block_size=16, num_state_snapshots=16)
     engine = llm.engine
-    assert engine.model_config.linear_layers == {0, 2} and engine.model_config.nope_layers == {1, 3}
-    assert (engine.model_config.moe is None) == family.endswith("_dense")
+    assert (engine.model_config.linear_layers, engine.model_config.nope_layers) == LAYERS[family]
+    assert (engine.model_config.moe is None) == (family != "granitemoehybrid")
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS[:6]]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(32), use_tqdm=False)

@@ -49,6 +49,8 @@ SUPPORTED_ARCHITECTURES = {
     # Granite 4.0: Mamba2 layers among NoPE attention ones, experts beside a shared MLP (or the
     # shared MLP alone: a dense model; every layer attention in Granite 4.0 Micro)
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    # Nemotron-H and Nemotron Nano 2: each layer one part, Mamba2, NoPE attention or a ReLU^2 MLP
+    "NemotronHForCausalLM": "nemotron_h",
     # OpenAI's gpt-oss: a learned sink logit per attention head, biased router and experts
     # with a clamped SwiGLU, windows of 128 on every other layer
     "GptOssForCausalLM": "gpt_oss",
@@ -288,16 +290,23 @@ class LinearAttentionConfig:
 
     @classmethod
     def of_mamba2(cls, hf_config: Any) -> LinearAttentionConfig:
-        heads, groups = hf_config.mamba_n_heads, hf_config.mamba_n_groups
-        if heads % groups:
-            raise ValueError(f"mamba_n_heads ({heads}) is not a multiple of mamba_n_groups ({groups})")
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported Mamba2 activation {act!r}; supported: silu")
-        limit = tuple(getattr(hf_config, "time_step_limit", None) or (0.0, math.inf))
-        return cls(groups, heads, hf_config.mamba_d_state, hf_config.mamba_d_head, hf_config.mamba_d_conv, mamba2=True,
-                   conv_bias=bool(hf_config.mamba_conv_bias), proj_bias=bool(hf_config.mamba_proj_bias),
-                   dt_limit=(float(limit[0]), float(limit[1])))
+        """Granite 4.0's Mamba2 settings, or Nemotron-H's (named otherwise; time steps at least
+        time_step_min)."""
+        if hasattr(hf_config, "mamba_num_heads"):  # Nemotron-H
+            cfg = cls(hf_config.n_groups, hf_config.mamba_num_heads, hf_config.ssm_state_size, hf_config.mamba_head_dim,
+                      hf_config.conv_kernel, mamba2=True, conv_bias=bool(hf_config.use_conv_bias),
+                      proj_bias=bool(hf_config.use_bias), dt_limit=(float(hf_config.time_step_min), math.inf))
+        else:
+            act = getattr(hf_config, "hidden_act", "silu")
+            if act != "silu":
+                raise ValueError(f"unsupported Mamba2 activation {act!r}; supported: silu")
+            limit = tuple(getattr(hf_config, "time_step_limit", None) or (0.0, math.inf))
+            cfg = cls(hf_config.mamba_n_groups, hf_config.mamba_n_heads, hf_config.mamba_d_state, hf_config.mamba_d_head,
+                      hf_config.mamba_d_conv, mamba2=True, conv_bias=bool(hf_config.mamba_conv_bias),
+                      proj_bias=bool(hf_config.mamba_proj_bias), dt_limit=(float(limit[0]), float(limit[1])))
+        if cfg.num_value_heads % cfg.num_key_heads:
+            raise ValueError(f"Mamba2's {cfg.num_value_heads} heads do not split into its {cfg.num_key_heads} groups")
+        return cfg
 
 
 @dataclass(frozen=True)
@@ -383,6 +392,10 @@ class ModelConfig:
     linear_layers: frozenset[int] = frozenset()
     linear: LinearAttentionConfig | None = None
     attn_output_gate: bool = False  # Qwen3.5: q_proj gives each head a gate too; the output is scaled by its sigmoid
+    # Nemotron-H: each layer is one part after its norm: these layers an MLP alone, the others
+    # their attention or Mamba2 alone
+    mlp_only_layers: frozenset[int] = frozenset()
+    one_part_layers: bool = False
     # RoPE rotates pairs (2i, 2i + 1) of each head, not (i, i + d/2) (Ernie 4.5): q and k's
     # rows are permuted at load so that the half-split rotation computes the same scores
     interleaved_rope: bool = False
@@ -440,7 +453,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
+            rms_norm_eps=getattr(hf_config, "rms_norm_eps", None) or hf_config.layer_norm_epsilon,
             max_position_embeddings=hf_config.max_position_embeddings,
             # no head of its own: the embedding stands in (logits are never asked of it)
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) or not has_lm_head,
@@ -613,6 +626,8 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
     """What Gemma's, Granite's and OLMo 2's layers do beyond Llama's."""
     if family.startswith("gemma"):
         return _gemma_fields(hf_config, family)
+    if family == "nemotron_h":
+        return _nemotron_h_fields(hf_config)
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
@@ -649,6 +664,23 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
                           nope_layers=frozenset() if rotates else frozenset(range(len(kinds))) - mamba)
         return fields
     return {}
+
+
+def _nemotron_h_fields(hf_config: Any) -> dict[str, Any]:
+    """Nemotron-H's layers, each one part: Mamba2, attention without RoPE, or an MLP of
+    ReLU^2 without a gate; norms that scale in float32, then round."""
+    kinds = list(hf_config.layers_block_type)
+    if "moe" in kinds:
+        raise ValueError("Nemotron-H's expert layers (Nemotron 3) are not supported yet; its Mamba2, attention "
+                         "and MLP layers are")
+    for name, act in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if getattr(hf_config, name, act) != act:
+            raise ValueError(f"unsupported {name} {getattr(hf_config, name)!r}; supported: {act}")
+    mamba = frozenset(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    mlp = frozenset(i for i, kind in enumerate(kinds) if kind == "mlp")
+    return dict(hidden_act="relu2", norm_weight_offset=0.0, linear=LinearAttentionConfig.of_mamba2(hf_config),
+                linear_layers=mamba, mlp_only_layers=mlp, one_part_layers=True,
+                nope_layers=frozenset(range(len(kinds))) - mamba - mlp)
 
 
 def _gemma_fields(hf_config: Any, family: str) -> dict[str, Any]:

@@ -334,10 +334,29 @@ class MLP(nn.Module):
         return out if self.reduce is None else self.reduce(out)
 
 
+class ReluSquaredMLP(nn.Module):
+    """Nemotron-H's MLP: up, ReLU squared, down; no gate."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+        super().__init__()
+        self.up = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:  # [T, hidden]
+        return self.down(F.relu(self.up(x)).square_())
+
+
 class DecoderLayer(nn.Module):
+    self_attn: Attention | MLAttention | GatedDeltaNet | Mamba2Mixer
+    mlp: MLP | SparseMoeBlock | ReluSquaredMLP
+
     def __init__(self, cfg: ModelConfig, use_kernels: bool, index: int):
         super().__init__()
-        self.self_attn: Attention | MLAttention | GatedDeltaNet | Mamba2Mixer
+        self.one_part = cfg.one_part_layers
+        if self.one_part:  # Nemotron-H: the layer is its mixer alone, or its MLP alone
+            self._init_one_part(cfg, use_kernels, index)
+            return
         if cfg.mla is not None:
             self.self_attn = MLAttention(cfg, make_norm)
         elif index in cfg.linear_layers:  # its checkpoint's linear_attn (Granite 4.0's mamba)
@@ -346,7 +365,6 @@ class DecoderLayer(nn.Module):
             self.self_attn = mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, sorted(cfg.linear_layers).index(index))
         else:
             self.self_attn = Attention(cfg, index)
-        self.mlp: MLP | SparseMoeBlock
         if cfg.moe is not None and index in cfg.moe.layers:
             self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, use_kernels, MLP)
         else:
@@ -363,9 +381,24 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
             self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
 
+    def _init_one_part(self, cfg: ModelConfig, use_kernels: bool, index: int) -> None:
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
+        self.mlp_only = index in cfg.mlp_only_layers
+        if self.mlp_only:
+            self.mlp = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        elif index in cfg.linear_layers:
+            assert cfg.linear is not None
+            self.self_attn = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps,
+                                         sorted(cfg.linear_layers).index(index))
+        else:
+            self.self_attn = Attention(cfg, index)
+
     def forward(self, x, residual, rope, kv_cache, meta, lora=None):  # x, residual: [T, hidden]
         """The residual stream is carried beside x and added in by the next norm, so a
         kernel can fuse each add with the norm after it; residual is None at the first layer."""
+        if self.one_part:
+            x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+            return (self.mlp(x) if self.mlp_only else self.self_attn(x, rope, kv_cache, meta, lora)), residual
         if self.post_norms_only:
             h = x if residual is None else x + residual
             h = h + self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta, lora))
@@ -558,6 +591,8 @@ class LlamaForCausalLM(nn.Module):
             weights = grouped_projections(weights, self.config.linear)
         if arch == "GraniteMoeHybridForCausalLM":
             weights = _granite_shared_mlp(weights, self.config.moe is not None)
+        if arch == "NemotronHForCausalLM":
+            weights = _nemotron_h_names(weights, self.config.mlp_only_layers)
         if arch == "GptOssForCausalLM":
             quant_cfg = self.config.quant
             weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
@@ -662,6 +697,25 @@ def _granite_shared_mlp(weights: Iterable[tuple[str, torch.Tensor]], experts: bo
             name = name.replace(".shared_mlp.", into).replace(".input_linear.", ".gate_up_proj.").replace(
                 ".output_linear.", ".down_proj.")
         yield name, tensor
+
+
+def _nemotron_h_names(weights: Iterable[tuple[str, torch.Tensor]], mlp_layers: frozenset[int]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Nemotron-H's `backbone` under Llama's names: each layer's `mixer` its attention (or
+    Mamba2), or its MLP; its one `norm` the input norm."""
+    for name, tensor in weights:
+        name = name.replace("backbone.", "model.", 1).replace("model.embeddings.", "model.embed_tokens.")
+        name = name.replace("model.norm_f.", "model.norm.")
+        parts = name.split(".")
+        if len(parts) > 3 and parts[1] == "layers":
+            if parts[3] == "norm":
+                parts[3] = "input_layernorm"
+            elif parts[3] == "mixer":
+                mlp = int(parts[2]) in mlp_layers
+                parts[3] = "mlp" if mlp else "self_attn"
+                if mlp:  # (not gate_up_proj's up: there is no gate)
+                    parts[4] = {"up_proj": "up", "down_proj": "down"}.get(parts[4], parts[4])
+        yield ".".join(parts), tensor
 
 
 def _mla_rope_rows(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
