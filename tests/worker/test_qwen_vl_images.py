@@ -233,3 +233,20 @@ async def test_a_queued_job_whose_images_fail_to_encode_fails_with_why(tiny_qwen
     assert [(r.engine_id, r.error_type) for r in rejected] == [("bad", None)]  # not known to be the job's fault
     assert rejected[0].error.startswith("its images could not be encoded: RuntimeError")
     assert finished == ["good"]
+
+
+def test_qwen3_5_serves_image_prefixes_from_the_states_it_keeps(tiny_qwen_vl):
+    """Qwen3.5 keeps linear attention's states every 16 tokens for its prefix cache: a prompt
+    again with another image starts from the state before the image, with the same image
+    from one after it (not encoding it again); greedy tokens equal transformers'."""
+    model_dir = tiny_qwen_vl("qwen3_5")
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, mamba_block_size=16,
+              num_state_snapshots=16)
+    text = "Some words to fill the first block of sixteen tokens, and more of them. " * 2 + f"Now: {IMAGE}."
+    first, second = picture(64, 64, 3), picture(64, 64, 4)
+    ran = [_generate(llm, [(text, [image])])[0] for image in (first, second, first)]
+    start = ran[0].prompt_token_ids.index(10)
+    assert ran[1].num_cached_tokens == start // 16 * 16
+    assert ran[2].num_cached_tokens > start
+    assert ran[2].outputs[0].token_ids == ran[0].outputs[0].token_ids
+    assert [r.outputs[0].token_ids for r in ran[:2]] == [hf_greedy(model_dir, text, [i]) for i in (first, second)]
