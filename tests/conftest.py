@@ -262,12 +262,16 @@ def tiny_moe_config(family: str, vocab: int):
                                moe_intermediate_size=48, shared_expert_intermediate_size=64, mlp_only_layers=[1],
                                **TINY_COMMON)
     if family.startswith("granitemoehybrid"):  # Granite 4.0: Mamba2 on layers 0 and 2 (8 heads in 2 groups),
-        # NoPE attention on 1 and 3; top 2 of 4 experts beside the shared MLP, or ("_dense") the shared MLP alone
+        # NoPE attention on 1 and 3; top 2 of 4 experts beside the shared MLP, or ("_dense") the shared MLP
+        # alone; "_micro", Granite-4.0-Micro's: attention with RoPE on every layer, the shared MLP alone
         from transformers import GraniteMoeHybridConfig
 
+        micro = family.endswith("_micro")
         return GraniteMoeHybridConfig(
-            vocab_size=vocab, tie_word_embeddings=True, num_local_experts=0 if family.endswith("_dense") else 4,
-            num_experts_per_tok=2, shared_intermediate_size=96, layer_types=["mamba", "attention"] * 2,
+            vocab_size=vocab, tie_word_embeddings=True, num_local_experts=0 if family != "granitemoehybrid" else 4,
+            num_experts_per_tok=2, shared_intermediate_size=96,
+            layer_types=["attention"] * 4 if micro else ["mamba", "attention"] * 2,
+            position_embedding_type="rope" if micro else None,
             mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2,
             mamba_chunk_size=16, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.05,
             logits_scaling=4.0, architectures=["GraniteMoeHybridForCausalLM"],

@@ -49,6 +49,20 @@ def test_the_rule_without_its_delta_equals_mamba2s_scan(length):
 LAYERS = {"granitemoehybrid": ({0, 2}, {1, 3}), "granitemoehybrid_dense": ({0, 2}, {1, 3}), "nemotron_h": ({0, 4}, {2})}
 
 
+def test_granite_4_micro_is_a_plain_transformer(tiny_family):
+    """Granite-4.0-Micro's layers are all attention (with RoPE): no state to keep, so nothing
+    of the state models' is refused or held back (its prefix cache is the plain one)."""
+    model = tiny_family("granitemoehybrid_micro")
+    llm = LLM(str(model), dtype="float32", num_gpu_blocks_override=32, max_model_len=128)
+    engine = llm.engine
+    assert engine.model_config.linear is None and not engine.model_config.nope_layers and engine.runner.states is None
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(16), use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert tokens == hf_greedy_along(model, prompts, tokens)
+
+
 @pytest.mark.parametrize("family", list(LAYERS))
 def test_mamba2_hybrids_greedy_match_transformers(tiny_family, family):
     """Granite 4.0 (experts, and dense) and Nemotron-H (a layer each for Mamba2, attention

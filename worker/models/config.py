@@ -655,15 +655,20 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
     if family.startswith("granite"):
         fields = dict(embed_scale=hf_config.embedding_multiplier, residual_scale=hf_config.residual_multiplier,
                       attn_scale=hf_config.attention_multiplier, logits_divisor=hf_config.logits_scaling)
-        if family == "granitemoehybrid":  # Mamba2 layers ("mamba" in older configs); attention without
-            # RoPE unless position_embedding_type asks for it
-            kinds = hf_config.layer_types
-            mamba = frozenset(i for i, kind in enumerate(kinds) if kind in ("linear_attention", "mamba"))
-            rotates = getattr(hf_config, "position_embedding_type", None) == "rope"
-            fields.update(linear=LinearAttentionConfig.of_mamba2(hf_config), linear_layers=mamba,
-                          nope_layers=frozenset() if rotates else frozenset(range(len(kinds))) - mamba)
-        return fields
+        return {**fields, **_granite_4_fields(hf_config)} if family == "granitemoehybrid" else fields
     return {}
+
+
+def _granite_4_fields(hf_config: Any) -> dict[str, Any]:
+    """Granite 4.0's Mamba2 layers ("mamba" in older configs), and attention without RoPE
+    unless position_embedding_type asks for it."""
+    kinds = hf_config.layer_types
+    mamba = frozenset(i for i, kind in enumerate(kinds) if kind in ("linear_attention", "mamba"))
+    rotates = getattr(hf_config, "position_embedding_type", None) == "rope"
+    fields: dict[str, Any] = dict(nope_layers=frozenset() if rotates else frozenset(range(len(kinds))) - mamba)
+    if mamba:  # (Granite-4.0-Micro's layers are all attention: a plain transformer)
+        fields.update(linear=LinearAttentionConfig.of_mamba2(hf_config), linear_layers=mamba)
+    return fields
 
 
 def _nemotron_h_fields(hf_config: Any) -> dict[str, Any]:
