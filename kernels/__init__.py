@@ -10,6 +10,12 @@ from kernels.fused_moe import fused_moe, fused_moe_ref, moe_align
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_ref
 from kernels.quant_linear import quant_linear, quant_linear_ref
+from kernels.recurrent import (
+    causal_conv1d_step,
+    causal_conv1d_step_ref,
+    gated_delta_step,
+    gated_delta_step_ref,
+)
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary_emb, apply_rotary_emb_ref, build_cos_sin_cache
 from kernels.sampling import top_k_top_p_sample, top_k_top_p_sample_ref
@@ -19,6 +25,8 @@ __all__ = [
     "apply_rotary_emb",
     "apply_rotary_emb_ref",
     "build_cos_sin_cache",
+    "causal_conv1d_step",
+    "causal_conv1d_step_ref",
     "choose_num_splits",
     "quant_linear",
     "quant_linear_ref",
@@ -26,6 +34,8 @@ __all__ = [
     "fused_add_rms_norm_ref",
     "fused_moe",
     "fused_moe_ref",
+    "gated_delta_step",
+    "gated_delta_step_ref",
     "moe_align",
     "paged_attention",
     "paged_attention_ref",

@@ -18,6 +18,12 @@ from kernels.fused_moe import fused_moe, fused_moe_ref
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref
 from kernels.quant_linear import dequantize_ref, quant_linear, quant_linear_ref
+from kernels.recurrent import (
+    causal_conv1d_step,
+    causal_conv1d_step_ref,
+    gated_delta_step,
+    gated_delta_step_ref,
+)
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
 from kernels.rotary import apply_rotary_emb, apply_rotary_emb_ref, build_cos_sin_cache
 from kernels.sampling import top_k_top_p_sample, top_k_top_p_sample_ref
@@ -28,6 +34,9 @@ __all__ = ["HEAD_CONFIGS", "check_kernels", "format_rows"]
 MOE_SHAPE = (128, 8, 2048, 768)
 # Llama-3-8B's gate/up projection (out, in), for the quantized-weight kernel
 QUANT_SHAPE = (28672, 4096)
+# decode steps of the layers with states: (name, decoding requests, value heads, key_dim,
+# value_dim, delta rule): Qwen3-Next-80B's Gated DeltaNet, Nemotron-H-8B's Mamba2
+STATE_SHAPES = [("qwen3-next", 256, 32, 128, 128, True), ("nemotron-h-8b", 128, 128, 128, 64, False)]
 # name: (num_heads, num_kv_heads, head_dim, hidden_size, vocab_size)
 HEAD_CONFIGS = {
     "smollm2-135m": (9, 3, 64, 576, 49152),
@@ -77,6 +86,9 @@ def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
         for experts in ("bf16", "fp8", "mxfp4"):
             rows.append(_measure(_fused_moe_case(num_tokens, device, experts)))
         rows.extend(_measure(case) for case in _quant_linear_cases(num_tokens, device))
+    for shape in STATE_SHAPES:
+        rows.append(_measure(_state_step_case(*shape, device)))
+    rows.append(_measure(_conv_step_case(256, 8192, device)))
     return rows
 
 
@@ -259,6 +271,45 @@ def _sampling_case(config: str, num_rows: int, vocab_size: int, device: torch.de
     num_bytes = logits.numel() * logits.element_size() + noise.numel() * 4
     return _Case("top_k_top_p_sample", config, f"B={num_rows} V={vocab_size} k=50|0 p=0.9",
                  lambda: top_k_top_p_sample(*args), compare, num_bytes)  # fmt: skip
+
+
+def _state_step_case(config: str, num_rows: int, heads: int, key_dim: int, value_dim: int, delta: bool,
+                     device: torch.device) -> _Case:
+    """One decode step over `num_rows` requests' float32 states, in slots among twice as many."""
+    q, k = (torch.nn.functional.normalize(torch.randn(num_rows, heads, key_dim, device=device), dim=-1)
+            for _ in "qk")  # fmt: skip
+    v = torch.randn(num_rows, heads, value_dim, device=device)
+    g = -torch.rand(num_rows, heads, device=device)
+    beta = torch.rand(num_rows, heads, device=device) if delta else None
+    state = torch.randn(2 * num_rows, heads, key_dim, value_dim, device=device)
+    slots = torch.randperm(2 * num_rows, device=device)[:num_rows]
+    args = (q, k, v, g, beta)
+
+    def compare() -> _Error:
+        ref_state = state.clone()
+        ref = gated_delta_step_ref(*args, ref_state, slots)
+        return _compare((gated_delta_step(*args, state, slots), ref), (state, ref_state))
+
+    num_bytes = 2 * num_rows * heads * key_dim * value_dim * 4
+    return _Case("gated_delta_step", config, f"B={num_rows} H={heads} {key_dim}x{value_dim} fp32",
+                 lambda: gated_delta_step(*args, state, slots), compare, num_bytes)  # fmt: skip
+
+
+def _conv_step_case(num_rows: int, channels: int, device: torch.device) -> _Case:
+    x = torch.randn(num_rows, channels, device=device, dtype=_DTYPE)
+    state = torch.randn(2 * num_rows, channels, 3, device=device, dtype=_DTYPE)
+    weight, bias = torch.randn(channels, 4, device=device, dtype=_DTYPE), torch.randn(channels, device=device,
+                                                                                        dtype=_DTYPE)
+    slots = torch.randperm(2 * num_rows, device=device)[:num_rows]
+
+    def compare() -> _Error:
+        ref_state = state.clone()
+        ref = causal_conv1d_step_ref(x, ref_state, slots, weight, bias)
+        return _compare((causal_conv1d_step(x, state, slots, weight, bias), ref), (state, ref_state))
+
+    num_bytes = (2 * 3 + 2) * num_rows * channels * x.element_size()
+    return _Case("causal_conv1d_step", "qwen3-next", f"B={num_rows} C={channels} K=4",
+                 lambda: causal_conv1d_step(x, state, slots, weight, bias), compare, num_bytes)  # fmt: skip
 
 
 def _fused_moe_case(num_tokens: int, device: torch.device, experts: str = "bf16") -> _Case:

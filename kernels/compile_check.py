@@ -24,6 +24,7 @@ from kernels.paged_attention import (
     _paged_attention_kernel,
 )
 from kernels.quant_linear import _quant_linear_kernel, block_k, tiles
+from kernels.recurrent import _BLOCK_C, _conv_step_kernel, _delta_step_kernel
 from kernels.rmsnorm import _rms_norm_kernel
 from kernels.rotary import _rotary_kernel
 from kernels.sampling import _top_k_top_p_sample_kernel
@@ -220,6 +221,19 @@ def _variants() -> list[_Variant]:
             dict(BLOCK_V=2048),
             dict(noise_ptr="*fp32", top_k_ptr="*i32", top_p_ptr="*fp32", out_ptr="*i64"),
             num_warps=8,
+        ),
+        # the decode steps of Qwen3.5's Gated DeltaNet (heads of 128 by 128) and Mamba2's (64 over 128)
+        _Variant(
+            "causal_conv1d_step bf16 kernel 4", _conv_step_kernel, "*bf16",
+            dict(KERNEL=4, BLOCK_C=_BLOCK_C, HAS_BIAS=True), dict(slots_ptr="*i64"),
+        ),
+        _Variant(
+            "gated_delta_step fp32 128x128", _delta_step_kernel, "*fp32",
+            dict(KEY_DIM=128, VALUE_DIM=128, KEY_P=128, BLOCK_V=64, DELTA=True), dict(slots_ptr="*i64"),
+        ),
+        _Variant(
+            "gated_delta_step fp32 128x64, no delta", _delta_step_kernel, "*fp32",
+            dict(KEY_DIM=128, VALUE_DIM=64, KEY_P=128, BLOCK_V=64, DELTA=False), dict(slots_ptr="*i64"),
         ),
         _moe_variant("fused_moe gate_up bf16 64x8", "*bf16", first=True, weights="*bf16"),
         _moe_variant("fused_moe down bf16 64x8", "*bf16", first=False, weights="*bf16"),

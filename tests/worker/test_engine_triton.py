@@ -118,14 +118,15 @@ def test_triton_backend_samples_the_torch_backends_tokens(tiny_llama_dir):
     assert tokens("triton") == tokens("torch")
 
 
-def test_decode_graphs_carry_the_requests_states(tiny_family):
-    """Decode batches of a model with states (Qwen3.5's linear attention; Mamba2 layers run the
-    same StateMixer code) through the graphs' padded buffers: each row's state slot from a
-    static buffer, the padding rows' a slot of their own, the states saved every 16 tokens
-    copied after; the prompts' own steps (and a request's first after a prefix hit) run
-    eagerly. Greedy tokens equal transformers', and the follow-ups', served from a decode's
-    saved state."""
-    model = tiny_family("qwen3_5")
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_decode_graphs_carry_the_requests_states(tiny_family, family):
+    """Decode batches of a model with states (Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba2 with
+    its convolution's bias), in the decode-step kernels, through the graphs' padded buffers:
+    each row's state slot from a static buffer, the padding rows' a slot of their own, the
+    states saved every 16 tokens copied after; the prompts' own steps (and a request's first
+    after a prefix hit) run eagerly. Greedy tokens equal transformers', and the follow-ups',
+    served from a decode's saved state."""
+    model = tiny_family(family)
     llm = LLM(str(model), dtype="float32", device=DEVICE, attention_backend="triton", num_gpu_blocks_override=64,
               max_num_seqs=3, max_model_len=128, mamba_block_size=16, num_state_snapshots=8)
     graphs = llm.engine.runner.graphs

@@ -25,7 +25,9 @@ boundaries are still kept (else it recomputes from its first token). A step that
 guesses saves the state after its known token in the request's spare, and the engine rewinds
 to it where a guess was wrong (the guesses kept are computed again). The n > 1 completions
 of a prompt start from the state its first saved where they fork (each computes the prompt
-where no state is kept). Plain torch, on every device.
+where no state is kept). Plain torch on every device, but for the decodes of the kernel path
+(CUDA): there the convolution and the rule's step are Triton kernels (kernels.recurrent) that
+update each row's state in its slot.
 """
 
 from __future__ import annotations
@@ -200,6 +202,7 @@ class StateMixer(nn.Module):
 
     cfg: LinearAttentionConfig
     index: int  # among the layers with a state: its row of each request's state
+    use_kernels: bool  # decodes in Triton kernels (the CUDA path)
     conv1d: nn.Conv1d
 
     def _mix(self, inputs: torch.Tensor, meta: StateMetadata, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +234,8 @@ class StateMixer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # [d, conv_dim], [d, Hv, Dv] float32
         """One new token of each of d requests, together: the convolution over each one's last
         inputs, then one step of the rule on each one's state."""
+        if self.use_kernels:
+            return self._decode_kernels(rows, states, slots, heads)
         inputs = torch.cat((states.conv[slots, self.index], rows[:, :, None]), dim=2)  # [d, conv_dim, kernel]
         states.conv[slots, self.index] = inputs[:, :, 1:]
         convolved = F.silu(F.conv1d(inputs, self.conv1d.weight, self.conv1d.bias, groups=self.cfg.conv_dim)[:, :, 0])
@@ -241,6 +246,16 @@ class StateMixer(nn.Module):
         flat.baddbmm_(k.reshape(-1, k.shape[-1], 1), written.reshape(len(flat), 1, -1))  # s += k written^T
         states.recurrent[slots, self.index] = s
         return convolved, (q[..., None, :] @ s)[..., 0, :]
+
+    def _decode_kernels(self, rows: torch.Tensor, states: LinearStates, slots: torch.Tensor, heads: Heads
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """_decode in two kernels over the states in their slots (kernels.recurrent)."""
+        import kernels  # triton is loaded only where the kernel path runs
+
+        convolved = kernels.causal_conv1d_step(rows, states.conv[:, self.index], slots, self.conv1d.weight[:, 0],
+                                               self.conv1d.bias)
+        q, k, v, g, beta = heads(convolved, slice(0, len(rows)))
+        return convolved, kernels.gated_delta_step(q, k, v, g, beta, states.recurrent[:, self.index], slots)
 
     def _convolve(self, rows: torch.Tensor, conv_state: torch.Tensor, saved: Sequence[torch.Tensor] = (),
                   after: Sequence[int] = ()) -> torch.Tensor:
@@ -259,10 +274,10 @@ class GatedDeltaNet(StateMixer):
     """One linear-attention layer (its checkpoint's `linear_attn`): projections in, a short
     causal convolution over q, k and v, the gated delta rule per request, a gated norm, out."""
 
-    def __init__(self, cfg: LinearAttentionConfig, hidden_size: int, eps: float, index: int):
+    def __init__(self, cfg: LinearAttentionConfig, hidden_size: int, eps: float, index: int,
+                 use_kernels: bool = False):
         super().__init__()
-        self.cfg = cfg
-        self.index = index
+        self.cfg, self.index, self.use_kernels = cfg, index, use_kernels
         key_dim, value_dim = cfg.num_key_heads * cfg.key_head_dim, cfg.num_value_heads * cfg.value_head_dim
         self.in_proj_qkv = nn.Linear(hidden_size, 2 * key_dim + value_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
@@ -321,10 +336,10 @@ class Mamba2Mixer(StateMixer):
     without its delta, with k = B, v = dt x and q = C (B and C shared by the heads of a group).
     Then the grouped gated norm, and out_proj."""
 
-    def __init__(self, cfg: LinearAttentionConfig, hidden_size: int, eps: float, index: int):
+    def __init__(self, cfg: LinearAttentionConfig, hidden_size: int, eps: float, index: int,
+                 use_kernels: bool = False):
         super().__init__()
-        self.cfg = cfg
-        self.index = index
+        self.cfg, self.index, self.use_kernels = cfg, index, use_kernels
         self.inner = cfg.num_value_heads * cfg.value_head_dim
         self.in_proj = nn.Linear(hidden_size, self.inner + cfg.conv_dim + cfg.num_value_heads, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=cfg.conv_bias)

@@ -347,6 +347,13 @@ class ReluSquaredMLP(nn.Module):
         return self.down(F.relu(self.up(x)).square_())
 
 
+def state_mixer(cfg: ModelConfig, index: int, use_kernels: bool) -> GatedDeltaNet | Mamba2Mixer:
+    """Layer `index`'s mixer with a per-request state: Mamba2, or Gated DeltaNet."""
+    assert cfg.linear is not None
+    mixer = Mamba2Mixer if cfg.linear.mamba2 else GatedDeltaNet
+    return mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, sorted(cfg.linear_layers).index(index), use_kernels)
+
+
 class DecoderLayer(nn.Module):
     self_attn: Attention | MLAttention | GatedDeltaNet | Mamba2Mixer
     mlp: MLP | SparseMoeBlock | ReluSquaredMLP
@@ -360,9 +367,7 @@ class DecoderLayer(nn.Module):
         if cfg.mla is not None:
             self.self_attn = MLAttention(cfg, make_norm)
         elif index in cfg.linear_layers:  # its checkpoint's linear_attn (Granite 4.0's mamba)
-            assert cfg.linear is not None
-            mixer = Mamba2Mixer if cfg.linear.mamba2 else GatedDeltaNet
-            self.self_attn = mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, sorted(cfg.linear_layers).index(index))
+            self.self_attn = state_mixer(cfg, index, use_kernels)
         else:
             self.self_attn = Attention(cfg, index)
         if cfg.moe is not None and index in cfg.moe.layers:
@@ -387,9 +392,7 @@ class DecoderLayer(nn.Module):
         if self.mlp_only:
             self.mlp = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         elif index in cfg.linear_layers:
-            assert cfg.linear is not None
-            self.self_attn = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps,
-                                         sorted(cfg.linear_layers).index(index))
+            self.self_attn = state_mixer(cfg, index, use_kernels)
         else:
             self.self_attn = Attention(cfg, index)
 
