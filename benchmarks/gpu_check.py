@@ -17,7 +17,8 @@ reports the parts it finished):
    biased experts; and with MXFP4 experts), a GLM-4.5 (DeepSeek-V3's routing), a DeepSeek-V3
    (latent attention, one 576-wide cache head), a Llama 4 (chunked attention, NoPE layers,
    experts weighing their input), a Qwen3.5, a Granite 4.0-H and a Nemotron-H (linear
-   attention's and Mamba2's states, their decodes in the CUDA graphs), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
+   attention's and Mamba2's states through the scan kernel, their decodes in the CUDA
+   graphs; and one such layer timed on the torch path against the kernel path), a W4A16 Llama (packed int4 weights), an AWQ Llama (int4 less
    zero points) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
    Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt
@@ -427,6 +428,14 @@ def check_kv_offload(model: str | None, load_format: str, device: str = "cuda", 
             f"{_compare([runs[0].outputs[0].token_ids], [runs[2].outputs[0].token_ids])}"]
 
 
+def check_state_paths() -> list[str]:
+    """One Gated DeltaNet layer of Qwen3.5's size: torch path against kernel path."""
+    from linear_attention import paths  # benchmarks/linear_attention.py, beside this script
+
+    with torch.inference_mode():
+        return paths(torch.device("cuda"))
+
+
 def _section(name: str, check: Callable[[], list[str]]) -> list[str]:
     """One part of the check; a failure becomes a line of the table, not the end of the run."""
     try:
@@ -467,6 +476,7 @@ def main() -> int:
     summary += _section("embed", lambda: check_embed_vs_cpu(args.model, args.load_format))
     for arch in REMADE:
         summary += _section(arch, lambda arch=arch: check_remade_vs_cpu(args.model, arch))
+    summary += _section("state layer paths", check_state_paths)
     summary += _section("images", lambda: check_images_vs_cpu(args.model))
     summary += _section("tensor parallel", lambda: check_tensor_parallel(args.model))
     summary += _section("kv offloading", lambda: check_kv_offload(args.model, args.load_format))

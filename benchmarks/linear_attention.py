@@ -10,6 +10,12 @@ layer's size, in one run:
     python benchmarks/linear_attention.py [--tokens 512] [--decodes 32] [--threads 2]
 
 Random weights and inputs, float32, on the CPU. Prints each pair's milliseconds and ratio.
+
+On a CUDA machine, `--paths` times one layer's steps on the torch path (chunks of 64 in closed
+form, request by request; decodes by gather and matmul) against the kernel path (Triton: the
+rule over every request's rows in one launch, the decodes' convolution in another), the same
+layer and states: a 4096-token prompt, 16 prompts of 256 tokens, 128 decodes
+(`benchmarks/gpu_check.py` runs it).
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ SHAPE = LinearAttentionConfig(num_key_heads=16, num_value_heads=32, key_head_dim
 HIDDEN = 2048
 
 
-def ms(fn: Callable[[], object], repeats: int) -> float:
+def ms(fn: Callable[[], object], repeats: int, cuda: bool = False) -> float:
     fn()  # warm-up
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    sync()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
+    sync()
     return (time.perf_counter() - start) / repeats * 1000
 
 
@@ -62,13 +71,38 @@ def decodes(count: int) -> tuple[float, float]:
     return ms(lambda: layer(x, None, None, together), 5), ms(lambda: layer(x, None, None, one_by_one), 5)
 
 
+def paths(device: torch.device) -> list[str]:
+    """One layer's steps on the torch path and on the kernel path, a line each."""
+    layers = [GatedDeltaNet(SHAPE, HIDDEN, 1e-6, 0, use_kernels=kernel).to(device).eval() for kernel in (False, True)]
+    for param in layers[0].parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    layers[1].load_state_dict(layers[0].state_dict())
+    lines = []
+    for what, requests, tokens in (("a 4096-token prompt", 1, 4096), ("16 prompts of 256 tokens", 16, 256),
+                                   ("128 decodes", 128, 1)):
+        x = torch.randn(requests * tokens, HIDDEN, device=device)
+        step = [(f"r{i}", 0, tokens, None, (), 0) for i in range(requests)]
+        times = []
+        for layer in layers:
+            meta = LinearStates(SHAPE, 1, requests, torch.float32, device).for_step(step)
+            times.append(ms(lambda layer=layer, meta=meta, x=x: layer(x, None, None, meta), 5, device.type == "cuda"))
+        lines.append(f"one linear-attention layer, {what}: torch path {times[0]:.2f} ms, kernel path {times[1]:.2f} ms "
+                     f"({times[0] / times[1]:.1f}x)")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--decodes", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--paths", action="store_true", help="torch path against kernel path, on CUDA")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.paths:
+        with torch.inference_mode():
+            print("\n".join(paths(torch.device("cuda"))))
+        return
     torch.set_num_threads(args.threads)
     with torch.inference_mode():
         chunked, recurrent = prefill(args.tokens)

@@ -11,10 +11,11 @@ from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_ref
 from kernels.quant_linear import quant_linear, quant_linear_ref
 from kernels.recurrent import (
+    StateSaves,
     causal_conv1d_step,
     causal_conv1d_step_ref,
-    gated_delta_step,
-    gated_delta_step_ref,
+    gated_delta_scan,
+    gated_delta_scan_ref,
 )
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import apply_rotary_emb, apply_rotary_emb_ref, build_cos_sin_cache
@@ -22,6 +23,7 @@ from kernels.sampling import top_k_top_p_sample, top_k_top_p_sample_ref
 
 __all__ = [
     "HAS_TRITON",
+    "StateSaves",
     "apply_rotary_emb",
     "apply_rotary_emb_ref",
     "build_cos_sin_cache",
@@ -34,8 +36,8 @@ __all__ = [
     "fused_add_rms_norm_ref",
     "fused_moe",
     "fused_moe_ref",
-    "gated_delta_step",
-    "gated_delta_step_ref",
+    "gated_delta_scan",
+    "gated_delta_scan_ref",
     "moe_align",
     "paged_attention",
     "paged_attention_ref",

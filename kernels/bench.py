@@ -19,10 +19,11 @@ from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref
 from kernels.quant_linear import dequantize_ref, quant_linear, quant_linear_ref
 from kernels.recurrent import (
+    StateSaves,
     causal_conv1d_step,
     causal_conv1d_step_ref,
-    gated_delta_step,
-    gated_delta_step_ref,
+    gated_delta_scan,
+    gated_delta_scan_ref,
 )
 from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
 from kernels.rotary import apply_rotary_emb, apply_rotary_emb_ref, build_cos_sin_cache
@@ -34,9 +35,10 @@ __all__ = ["HEAD_CONFIGS", "check_kernels", "format_rows"]
 MOE_SHAPE = (128, 8, 2048, 768)
 # Llama-3-8B's gate/up projection (out, in), for the quantized-weight kernel
 QUANT_SHAPE = (28672, 4096)
-# decode steps of the layers with states: (name, decoding requests, value heads, key_dim,
-# value_dim, delta rule): Qwen3-Next-80B's Gated DeltaNet, Nemotron-H-8B's Mamba2
-STATE_SHAPES = [("qwen3-next", 256, 32, 128, 128, True), ("nemotron-h-8b", 128, 128, 128, 64, False)]
+# the layers with states: (name, requests, tokens each, value heads, key_dim, value_dim, delta
+# rule): Qwen3-Next-80B's Gated DeltaNet decoding and prefilling, Nemotron-H-8B's Mamba2 decoding
+STATE_SHAPES = [("qwen3-next", 256, 1, 32, 128, 128, True), ("qwen3-next", 4, 1024, 32, 128, 128, True),
+                ("nemotron-h-8b", 128, 1, 128, 128, 64, False)]
 # name: (num_heads, num_kv_heads, head_dim, hidden_size, vocab_size)
 HEAD_CONFIGS = {
     "smollm2-135m": (9, 3, 64, 576, 49152),
@@ -87,7 +89,7 @@ def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
             rows.append(_measure(_fused_moe_case(num_tokens, device, experts)))
         rows.extend(_measure(case) for case in _quant_linear_cases(num_tokens, device))
     for shape in STATE_SHAPES:
-        rows.append(_measure(_state_step_case(*shape, device)))
+        rows.append(_measure(_state_scan_case(*shape, device)))
     rows.append(_measure(_conv_step_case(256, 8192, device)))
     return rows
 
@@ -273,26 +275,38 @@ def _sampling_case(config: str, num_rows: int, vocab_size: int, device: torch.de
                  lambda: top_k_top_p_sample(*args), compare, num_bytes)  # fmt: skip
 
 
-def _state_step_case(config: str, num_rows: int, heads: int, key_dim: int, value_dim: int, delta: bool,
-                     device: torch.device) -> _Case:
-    """One decode step over `num_rows` requests' float32 states, in slots among twice as many."""
-    q, k = (torch.nn.functional.normalize(torch.randn(num_rows, heads, key_dim, device=device), dim=-1)
+def _state_scan_case(config: str, num_requests: int, tokens: int, heads: int, key_dim: int, value_dim: int,
+                     delta: bool, device: torch.device) -> _Case:
+    """`tokens` rows of each request through the rule from its float32 state, in slots among
+    twice as many; a prefill saves the state after its middle row."""
+    rows = num_requests * tokens
+    q, k = (torch.nn.functional.normalize(torch.randn(rows, heads, key_dim, device=device), dim=-1)
             for _ in "qk")  # fmt: skip
-    v = torch.randn(num_rows, heads, value_dim, device=device)
-    g = -torch.rand(num_rows, heads, device=device)
-    beta = torch.rand(num_rows, heads, device=device) if delta else None
-    state = torch.randn(2 * num_rows, heads, key_dim, value_dim, device=device)
-    slots = torch.randperm(2 * num_rows, device=device)[:num_rows]
+    v = torch.randn(rows, heads, value_dim, device=device)
+    g = -torch.rand(rows, heads, device=device)
+    beta = torch.rand(rows, heads, device=device) if delta else None
+    state = torch.randn(2 * num_requests, heads, key_dim, value_dim, device=device)
+    slots = torch.randperm(2 * num_requests, device=device)[:num_requests]
+    starts = torch.arange(0, rows + 1, tokens, dtype=torch.int32, device=device)
+    saves = None
+    if tokens > 1:
+        saves = StateSaves(torch.empty_like(state), torch.arange(num_requests + 1, dtype=torch.int32, device=device),
+                           torch.full((num_requests,), tokens // 2, dtype=torch.int32, device=device), slots)
     args = (q, k, v, g, beta)
 
     def compare() -> _Error:
         ref_state = state.clone()
-        ref = gated_delta_step_ref(*args, ref_state, slots)
-        return _compare((gated_delta_step(*args, state, slots), ref), (state, ref_state))
+        ref_saves = saves and StateSaves(saves.saved.clone(), saves.index, saves.after, saves.slots)
+        ref = gated_delta_scan_ref(*args, ref_state, slots, starts, ref_saves)
+        pairs = [(gated_delta_scan(*args, state, slots, starts, saves), ref), (state, ref_state)]
+        if saves is not None and ref_saves is not None:
+            pairs.append((saves.saved[slots], ref_saves.saved[slots]))
+        return _compare(*pairs)
 
-    num_bytes = 2 * num_rows * heads * key_dim * value_dim * 4
-    return _Case("gated_delta_step", config, f"B={num_rows} H={heads} {key_dim}x{value_dim} fp32",
-                 lambda: gated_delta_step(*args, state, slots), compare, num_bytes)  # fmt: skip
+    per_state = heads * key_dim * value_dim * 4
+    num_bytes = num_requests * (2 + (tokens > 1)) * per_state + (q.numel() + k.numel() + 2 * v.numel()) * 4
+    return _Case("gated_delta_scan", config, f"B={num_requests} T={tokens} H={heads} {key_dim}x{value_dim}",
+                 lambda: gated_delta_scan(*args, state, slots, starts, saves), compare, num_bytes)  # fmt: skip
 
 
 def _conv_step_case(num_rows: int, channels: int, device: torch.device) -> _Case:

@@ -24,7 +24,7 @@ from kernels.paged_attention import (
     _paged_attention_kernel,
 )
 from kernels.quant_linear import _quant_linear_kernel, block_k, tiles
-from kernels.recurrent import _BLOCK_C, _conv_step_kernel, _delta_step_kernel
+from kernels.recurrent import _BLOCK_C, _conv_step_kernel, _delta_scan_kernel
 from kernels.rmsnorm import _rms_norm_kernel
 from kernels.rotary import _rotary_kernel
 from kernels.sampling import _top_k_top_p_sample_kernel
@@ -43,6 +43,8 @@ _DIVISIBLE_INTS = {
     "stride_am", "stride_we", "stride_wn", "stride_om", "stride_xm",
 }  # fmt: skip
 _MOE_PTRS = {"sorted_ids_ptr": "*i64", "block_experts_ptr": "*i64"}
+_SCAN_PTRS = {"slots_ptr": "*i64", "starts_ptr": "*i32", "save_index_ptr": "*i32", "save_after_ptr": "*i32",
+              "save_slots_ptr": "*i64"}
 _INT32_PTRS = {"query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32"}
 
 
@@ -228,12 +230,12 @@ def _variants() -> list[_Variant]:
             dict(KERNEL=4, BLOCK_C=_BLOCK_C, HAS_BIAS=True), dict(slots_ptr="*i64"),
         ),
         _Variant(
-            "gated_delta_step fp32 128x128", _delta_step_kernel, "*fp32",
-            dict(KEY_DIM=128, VALUE_DIM=128, KEY_P=128, BLOCK_V=64, DELTA=True), dict(slots_ptr="*i64"),
+            "gated_delta_scan fp32 128x128, saves", _delta_scan_kernel, "*fp32",
+            dict(KEY_DIM=128, VALUE_DIM=128, KEY_P=128, BLOCK_V=64, DELTA=True, SAVES=True), _SCAN_PTRS,
         ),
         _Variant(
-            "gated_delta_step fp32 128x64, no delta", _delta_step_kernel, "*fp32",
-            dict(KEY_DIM=128, VALUE_DIM=64, KEY_P=128, BLOCK_V=64, DELTA=False), dict(slots_ptr="*i64"),
+            "gated_delta_scan fp32 128x64, no delta", _delta_scan_kernel, "*fp32",
+            dict(KEY_DIM=128, VALUE_DIM=64, KEY_P=128, BLOCK_V=64, DELTA=False, SAVES=False), _SCAN_PTRS,
         ),
         _moe_variant("fused_moe gate_up bf16 64x8", "*bf16", first=True, weights="*bf16"),
         _moe_variant("fused_moe down bf16 64x8", "*bf16", first=False, weights="*bf16"),

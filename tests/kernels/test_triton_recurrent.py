@@ -1,15 +1,16 @@
-"""The decode-step kernels of the layers with a per-request state (convolution, gated delta
-rule) against their torch references, and the references against transformers' Qwen3.5."""
+"""The kernels of the layers with a per-request state (a decode's convolution, the gated delta
+rule over ragged requests) against their torch references, and the references against transformers' Qwen3.5."""
 
 import pytest
 import torch
 from kernel_cases import ON_CUDA, assert_close
 
 from kernels import (
+    StateSaves,
     causal_conv1d_step,
     causal_conv1d_step_ref,
-    gated_delta_step,
-    gated_delta_step_ref,
+    gated_delta_scan,
+    gated_delta_scan_ref,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -54,19 +55,32 @@ def test_causal_conv1d_step(device: torch.device, shape: tuple[int, int, int], b
     assert torch.equal(state[slots, :, -1], x)
 
 
-@pytest.mark.parametrize("delta", [True, False], ids=["delta", "mamba2"])
-@pytest.mark.parametrize("shape", DELTA_SHAPES, ids=[str(s) for s in DELTA_SHAPES])
-def test_gated_delta_step(device: torch.device, shape: tuple[int, int, int, int], delta: bool) -> None:
-    rows, heads, key_dim, value_dim = shape
+def _scan_inputs(lengths: list[int], heads: int, key_dim: int, value_dim: int, delta: bool, device: torch.device
+                 ) -> tuple[torch.Tensor, ...]:
+    rows = sum(lengths)
     q, k = (torch.nn.functional.normalize(torch.randn(rows, heads, key_dim, device=device), dim=-1) for _ in "qk")
     v = torch.randn(rows, heads, value_dim, device=device)
     g = -torch.rand(rows, heads, device=device)  # decays in (e^-1, 1]
     beta = torch.rand(rows, heads, device=device) if delta else None
+    return q, k, v, g, beta
+
+
+def _starts(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "mamba2"])
+@pytest.mark.parametrize("shape", DELTA_SHAPES, ids=[str(s) for s in DELTA_SHAPES])
+def test_gated_delta_scan_decodes(device: torch.device, shape: tuple[int, int, int, int], delta: bool) -> None:
+    """A row per request, as a step's decodes run (and a decode graph's)."""
+    rows, heads, key_dim, value_dim = shape
+    args = _scan_inputs([1] * rows, heads, key_dim, value_dim, delta, device)
     slots = _slots(rows, device)
     state = _layer_view((max(NUM_SLOTS, rows + 2), heads, key_dim, value_dim), torch.float32, device)
     expected_state = state.clone()
-    expected = gated_delta_step_ref(q, k, v, g, beta, expected_state, slots)
-    out = gated_delta_step(q, k, v, g, beta, state, slots)
+    starts = _starts([1] * rows, device)
+    expected = gated_delta_scan_ref(*args, expected_state, slots, starts)
+    out = gated_delta_scan(*args, state, slots, starts)
     assert_close(out, expected)
     assert_close(state, expected_state)
     kept = torch.ones(len(state), dtype=torch.bool, device=device)
@@ -74,23 +88,53 @@ def test_gated_delta_step(device: torch.device, shape: tuple[int, int, int, int]
     torch.testing.assert_close(state[kept], expected_state[kept], atol=0, rtol=0)  # other slots untouched
 
 
-def test_gated_delta_step_takes_strided_heads(device: torch.device) -> None:
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "mamba2"])
+def test_gated_delta_scan_prefills_and_saves(device: torch.device, delta: bool) -> None:
+    """Ragged requests (decodes among prefill chunks) through the rule a token at a time, with
+    states saved after some rows: two at one row, one after the last row, a request saving none."""
+    lengths = [1, 9, 1, 20, 6]
+    heads, key_dim, value_dim = 2, 16, 24
+    args = _scan_inputs(lengths, heads, key_dim, value_dim, delta, device)
+    slots = _slots(len(lengths), device)
+    state = _layer_view((NUM_SLOTS, heads, key_dim, value_dim), torch.float32, device)
+    starts = _starts(lengths, device)
+    # (request, rows before the save): the first decode's, two after row 4 of the first prefill,
+    # rows 16 and 20 of the second (its end), one of the third; the second decode saves nothing
+    where = [(0, 1), (1, 4), (1, 4), (3, 16), (3, 20), (4, 5)]
+    index = torch.tensor([sum(r < i for r, _ in where) for i in range(len(lengths) + 1)], dtype=torch.int32,
+                         device=device)
+    saves = StateSaves(torch.full((8, heads, key_dim, value_dim), float("nan"), device=device), index,
+                       torch.tensor([n for _, n in where], dtype=torch.int32, device=device),
+                       torch.tensor([5, 0, 7, 3, 6, 1], device=device))
+    expected_state = state.clone()
+    expected_saves = StateSaves(saves.saved.clone(), saves.index, saves.after, saves.slots)
+    expected = gated_delta_scan_ref(*args, expected_state, slots, starts, expected_saves)
+    out = gated_delta_scan(*args, state, slots, starts, saves)
+    assert_close(out, expected)
+    assert_close(state, expected_state)
+    written = saves.slots
+    assert_close(saves.saved[written], expected_saves.saved[written])
+    assert saves.saved[[2, 4]].isnan().all()  # slots no save names are untouched
+    assert_close(saves.saved[6], state[slots[3]])  # the save after a request's last row: its final state
+
+
+def test_gated_delta_scan_takes_strided_heads(device: torch.device) -> None:
     """q, k and v sliced out of a wider row (each head's features still contiguous)."""
-    rows, heads, dim = 2, 3, 16
-    wide = torch.randn(rows, heads, 3 * dim, device=device)
+    lengths, heads, dim = [3, 1], 3, 16
+    wide = torch.randn(sum(lengths), heads, 3 * dim, device=device)
     q, k, v = wide.split(dim, dim=-1)
-    g, beta = -torch.rand(rows, heads, device=device), torch.rand(rows, heads, device=device)
-    slots = _slots(rows, device)
+    g, beta = -torch.rand(sum(lengths), heads, device=device), torch.rand(sum(lengths), heads, device=device)
+    slots, starts = _slots(len(lengths), device), _starts(lengths, device)
     state = torch.randn(NUM_SLOTS, heads, dim, dim, device=device)
     expected_state = state.clone()
-    expected = gated_delta_step_ref(q, k, v, g, beta, expected_state, slots)
-    assert_close(gated_delta_step(q, k, v, g, beta, state, slots), expected)
+    expected = gated_delta_scan_ref(q, k, v, g, beta, expected_state, slots, starts)
+    assert_close(gated_delta_scan(q, k, v, g, beta, state, slots, starts), expected)
     assert_close(state, expected_state)
 
 
 def test_references_match_transformers() -> None:
-    """One decode of Qwen3.5 in transformers: its convolution update (SiLU) and its recurrent
-    gated delta rule (q scaled by key_dim ** -0.5 inside) from the same states."""
+    """Qwen3.5 in transformers: its convolution update (SiLU) for a decode, and its recurrent
+    gated delta rule (q scaled by key_dim ** -0.5 inside) over a few tokens, from the same states."""
     qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
     rows, channels, kernel = 3, 24, 4
     x = torch.randn(rows, channels)
@@ -102,15 +146,15 @@ def test_references_match_transformers() -> None:
     torch.testing.assert_close(causal_conv1d_step_ref(x, conv_state, slots, weight, bias), theirs)
     torch.testing.assert_close(conv_state[slots], theirs_state)
 
-    heads, key_dim, value_dim = 2, 16, 8
-    q, k = (torch.nn.functional.normalize(torch.randn(rows, heads, key_dim), dim=-1) for _ in "qk")
-    v, g, beta = torch.randn(rows, heads, value_dim), -torch.rand(rows, heads), torch.rand(rows, heads)
+    heads, key_dim, value_dim, tokens = 2, 16, 8, 5  # each request 5 tokens
+    q, k, v, g, beta = _scan_inputs([tokens] * rows, heads, key_dim, value_dim, True, torch.device("cpu"))
     state = torch.randn(5, heads, key_dim, value_dim)
     theirs, final = qwen.torch_recurrent_gated_delta_rule(
-        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state=state[slots].clone(),
+        *(t.view(rows, tokens, *t.shape[1:]) for t in (q, k, v, g, beta)), initial_state=state[slots].clone(),
         output_final_state=True)
-    ours = gated_delta_step_ref(q * key_dim**-0.5, k, v, g, beta, state, slots)
-    torch.testing.assert_close(ours, theirs[:, 0])
+    ours = gated_delta_scan_ref(q * key_dim**-0.5, k, v, g, beta, state, slots,
+                                _starts([tokens] * rows, torch.device("cpu")))
+    torch.testing.assert_close(ours, theirs.reshape(ours.shape))
     torch.testing.assert_close(state[slots], final)
 
 
@@ -146,12 +190,16 @@ def test_conv_launcher_rejects_bad_inputs(device: torch.device, change: str, mes
         ("state_shape", "state must have shape"),
         ("beta_shape", "beta must have shape"),
         ("v_stride", "v must have a contiguous last dimension"),
+        ("starts_dtype", "starts must have dtype"),
+        ("save_after_dtype", "saves.after must have dtype"),
     ],
 )
 def test_delta_launcher_rejects_bad_inputs(device: torch.device, change: str, message: str) -> None:
     q, k, v = (torch.randn(2, 2, 8, device=device) for _ in range(3))
     g, beta = torch.randn(2, 2, device=device), torch.rand(2, 2, device=device)
     state, slots = torch.randn(4, 2, 8, 8, device=device), torch.tensor([1, 3], device=device)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    saves = StateSaves(state.clone(), starts, torch.ones(1, dtype=torch.int32, device=device), slots[:1])
     if change == "q_dtype":
         q = q.half()
     elif change == "state_shape":
@@ -160,5 +208,9 @@ def test_delta_launcher_rejects_bad_inputs(device: torch.device, change: str, me
         beta = beta[:1]
     elif change == "v_stride":
         v = torch.randn(2, 2, 16, device=device)[..., ::2]
+    elif change == "starts_dtype":
+        starts = starts.long()
+    elif change == "save_after_dtype":
+        saves = StateSaves(saves.saved, saves.index, saves.after.long(), saves.slots)
     with pytest.raises(ValueError, match=message):
-        gated_delta_step(q, k, v, g, beta, state, slots)
+        gated_delta_scan(q, k, v, g, beta, state, slots, starts, saves)

@@ -72,15 +72,20 @@ def test_states_survive_chunks_preemption_and_n(qwen3_5):
     assert not engine.runner.states.slots  # every request gave its slot back as it ended
 
 
-def test_the_prefix_cache_serves_prefixes_from_the_states_it_keeps(qwen3_5):
+def kept_every_16(qwen3_5, **args) -> LLM:
+    """States kept every 16 tokens, prompts in chunks of 24 tokens, blocks for 160 tokens."""
+    return LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=24, max_model_len=128,
+               mamba_block_size=16, num_state_snapshots=12, **args)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # triton: the kernel path, whose scan saves the states
+def test_the_prefix_cache_serves_prefixes_from_the_states_it_keeps(qwen3_5, backend):
     """A state kept every 16 tokens: chunks of 24 save those at 16 and 32 mid-chunk, decodes
     those they pass. A prompt sharing 40 tokens with a finished one starts from the state at
     32; one that goes on from a finished exchange (prompt and output) from the state its
-    output's decodes saved at 64; requests preempted for blocks resume from theirs. Greedy
-    tokens equal transformers' throughout: any wrong state would change them."""
-    llm = LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=10, max_num_batched_tokens=24, max_model_len=128,
-              mamba_block_size=16, num_state_snapshots=12)
-    engine = llm.engine
+    output's decodes saved at 64. Greedy tokens equal transformers': any wrong state would
+    change them."""
+    llm = kept_every_16(qwen3_5, attention_backend=backend, enforce_eager=True)
     tok = llm.get_tokenizer()
     first = tok.encode(PROMPTS[5])  # 46 tokens: the states at 16, 32, 48 and 64 are saved
     [out] = llm.generate({"prompt_token_ids": first}, greedy(20), use_tqdm=False)
@@ -91,6 +96,14 @@ def test_the_prefix_cache_serves_prefixes_from_the_states_it_keeps(qwen3_5):
         [out] = llm.generate({"prompt_token_ids": ids}, greedy(16), use_tqdm=False)
         assert out.num_cached_tokens == cached
         assert out.outputs[0].token_ids == hf_greedy_along(qwen3_5, [ids], [out.outputs[0].token_ids])[0]
+
+
+def test_preempted_requests_resume_from_their_states(qwen3_5):
+    """Requests preempted for blocks come back to the states they saved (prefix hits of their
+    own), and their greedy tokens equal transformers'."""
+    llm = kept_every_16(qwen3_5)
+    engine = llm.engine
+    tok = llm.get_tokenizer()
     hits = engine.block_manager.stats.hits
     prompts = [tok.encode(p) for p in (PROMPTS[8], PROMPTS[7], PROMPTS[6])]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(40), use_tqdm=False)
@@ -134,7 +147,9 @@ def test_completions_of_one_prompt_start_from_its_state(qwen3_5):
     assert len({tuple(c.token_ids) for c in forked.outputs}) > 1
 
 
-def test_guesses_are_taken_back_from_the_state(qwen3_5):
+# triton: the kernel path, whose scan saves the spares (one prompt, whose guesses are partly right)
+@pytest.mark.parametrize("backend, prompts", [("torch", slice(0, 6)), ("triton", slice(5, 6))])
+def test_guesses_are_taken_back_from_the_state(qwen3_5, backend, prompts):
     """n-gram guesses, from prompts that repeat a prompt after the model's own greedy answer to
     it (so that the guesses are the answer again, some right, some not), with states saved
     every 16 tokens: where some guess of a step is wrong, the state goes back to the one after
@@ -142,11 +157,11 @@ def test_guesses_are_taken_back_from_the_state(qwen3_5):
     transformers'."""
     args = {"dtype": "float32", "num_gpu_blocks_override": 64, "max_model_len": 256, "mamba_block_size": 16}
     plain = LLM(str(qwen3_5), **args)
-    firsts = [plain.get_tokenizer().encode(p) for p in PROMPTS[:6]]
+    firsts = [plain.get_tokenizer().encode(p) for p in PROMPTS[prompts]]
     answers = plain.generate([{"prompt_token_ids": ids} for ids in firsts], greedy(24), use_tqdm=False)
     prompts = [ids * 2 + a.outputs[0].token_ids + ids for ids, a in zip(firsts, answers, strict=True)]
     spec = LLM(str(qwen3_5), speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
-               num_state_snapshots=8, **args)
+               num_state_snapshots=8, attention_backend=backend, **args)
     outputs = spec.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(32), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outputs]
     assert tokens == hf_greedy_along(qwen3_5, prompts, tokens)
@@ -202,3 +217,42 @@ def test_a_linear_attention_draft_is_refused(qwen3_5, tiny_family):
     with pytest.raises(ValueError, match=r"the draft model \(Qwen3_5ForCausalLM\) has linear-attention layers"):
         LLM(str(tiny_family("llama")), dtype="float32", num_gpu_blocks_override=16, max_model_len=128,
             speculative_config={"model": str(qwen3_5), "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("mamba2", [False, True], ids=["gated-deltanet", "mamba2"])
+def test_the_kernel_path_steps_as_the_torch_path(mamba2):
+    """One layer's steps on the kernel path (the decodes' convolution and every request's rule
+    in Triton kernels, under the interpreter here) against the torch path's, from the same
+    weights and states: three prompts in chunks, then a step of two decodes beside a chunk,
+    with states saved mid-chunk, after a decode, at the same row twice and out of row order
+    within a request. Outputs, states and every saved state agree."""
+    from worker.models.config import LinearAttentionConfig
+    from worker.models.linear_attention import GatedDeltaNet, LinearStates, Mamba2Mixer
+
+    torch.manual_seed(0)
+    cfg = LinearAttentionConfig(2, 4, 8, 12, 4, mamba2=mamba2, conv_bias=mamba2)
+    mixer = Mamba2Mixer if mamba2 else GatedDeltaNet
+    torch_layer, kernel_layer = (mixer(cfg, 32, 1e-6, 1, use_kernels=k).eval() for k in (False, True))
+    for param in torch_layer.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    kernel_layer.load_state_dict(torch_layer.state_dict())
+    pools = [LinearStates(cfg, 2, 4, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for pool in pools:
+        pool.allocate_saved(8)
+        pool.saved_conv.fill_(float("nan"))
+        pool.saved_recurrent.fill_(float("nan"))
+    steps = [
+        [("a", 0, 7, None, ((5, 0),), 0), ("b", 0, 20, None, ((16, 1), (3, 2), (16, 3)), 0),
+         ("c", 0, 2, None, (), 0)],
+        [("c", 2, 1, None, ((3, 4),), 0), ("a", 7, 1, None, (), 0), ("b", 20, 9, None, ((28, 5), (21, 6)), 0)],
+    ]
+    for step in steps:
+        x = torch.randn(sum(n for _, _, n, *_ in step), 32)
+        with torch.inference_mode():
+            outs = [layer(x, None, None, pool.for_step(step)) for layer, pool in zip((torch_layer, kernel_layer), pools,
+                                                                                     strict=True)]
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-4)
+    for name in ("conv", "recurrent", "saved_conv", "saved_recurrent"):
+        theirs, ours = (getattr(pool, name)[:7 if name.startswith("saved") else 3, 1] for pool in pools)  # layer 1's
+        assert not theirs.isnan().any(), name
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4, msg=name)

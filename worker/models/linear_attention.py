@@ -25,15 +25,17 @@ boundaries are still kept (else it recomputes from its first token). A step that
 guesses saves the state after its known token in the request's spare, and the engine rewinds
 to it where a guess was wrong (the guesses kept are computed again). The n > 1 completions
 of a prompt start from the state its first saved where they fork (each computes the prompt
-where no state is kept). Plain torch on every device, but for the decodes of the kernel path
-(CUDA): there the convolution and the rule's step are Triton kernels (kernels.recurrent) that
-update each row's state in its slot.
+where no state is kept). Plain torch, but on the kernel path (CUDA): there every request's rows
+go through the rule in one Triton kernel per layer, a token at a time (kernels.recurrent), and
+the decodes' convolution in another, each over the states in their slots.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,26 @@ class StateMetadata:
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
     decode_saves: tuple[torch.Tensor, torch.Tensor] | None  # the decodes that save: their slots, the saved slots
+
+    @cached_property
+    def scan(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """The step as the kernel path's `gated_delta_scan` takes it (made once, for every
+        layer): each request's slot, its first row and the rows' end (int32), and the saves
+        (first of each request's and their end, rows before each, saved slots), None if none."""
+        states = self.states
+        if self.num_decodes == len(self.rows):  # (a decode graph's slots are its static buffer)
+            slots, starts = self.decode_slots, states.row_starts[:len(self.rows) + 1]
+        else:
+            slots = torch.tensor(self.slots, dtype=torch.long, device=states.device)
+            starts = torch.tensor([0] + [end for _, end in self.rows], dtype=torch.int32, device=states.device)
+        if not any(self.saves):
+            return slots, starts, None
+        counts = [len(request_saves) for request_saves in self.saves]
+        flat = [save for request_saves in self.saves for save in sorted(request_saves)]  # each request's in row order
+        return slots, starts, (torch.tensor([0, *accumulate(counts)], dtype=torch.int32, device=states.device),
+                               torch.tensor([n for n, _ in flat], dtype=torch.int32, device=states.device),
+                               torch.tensor([target for _, target in flat], dtype=torch.long, device=states.device))
+
 
 # (request id, start position, new tokens, saved slot it starts from, (tokens before, saved
 # slot) of the states it saves, guessed tokens its new tokens end with) of a request in a step
@@ -87,6 +109,7 @@ class LinearStates:
                                      cfg.value_head_dim, dtype=torch.float32, device=device)
         self.conv[self.padding_slot].zero_()
         self.recurrent[self.padding_slot].zero_()
+        self.row_starts = torch.arange(max_requests + 2, dtype=torch.int32, device=device)  # a decode step's rows
         self.slots: dict[str, int] = {}  # request id -> its slot
         self.free = list(range(max_requests - 1, -1, -1))
         self.num_saved = 0
@@ -202,13 +225,15 @@ class StateMixer(nn.Module):
 
     cfg: LinearAttentionConfig
     index: int  # among the layers with a state: its row of each request's state
-    use_kernels: bool  # decodes in Triton kernels (the CUDA path)
+    use_kernels: bool  # the rule and the decodes' convolution in Triton kernels (the CUDA path)
     conv1d: nn.Conv1d
 
     def _mix(self, inputs: torch.Tensor, meta: StateMetadata, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
         """The rule over the convolution of `inputs` [T, conv_dim]: its outputs [T, Hv, Dv]
         (float32), and the convolution's [T, conv_dim]. `heads` makes q, k, v, the log decay g
         and beta (None: no delta) of some rows from their convolution."""
+        if self.use_kernels:
+            return self._mix_kernels(inputs, meta, heads)
         cfg = self.cfg
         out = torch.empty(len(inputs), cfg.num_value_heads, cfg.value_head_dim, device=inputs.device)
         convolved = torch.empty_like(inputs)
@@ -220,9 +245,7 @@ class StateMixer(nn.Module):
                 states.saved_conv[saved, self.index] = states.conv[slots, self.index]
                 states.saved_recurrent[saved, self.index] = states.recurrent[slots, self.index]
         for (start, end), slot, saves in zip(meta.rows[d:], meta.slots[d:], meta.saves[d:], strict=True):
-            convolved[start:end] = self._convolve(inputs[start:end], states.conv[slot, self.index],
-                                                  [states.saved_conv[target, self.index] for _, target in saves],
-                                                  [n for n, _ in saves])
+            convolved[start:end] = self._convolve_request(inputs, meta, start, end, slot, saves)
             q, k, v, g, beta = heads(convolved[start:end], slice(start, end))
             stops: dict[int, list[torch.Tensor]] = {}
             for n, target in saves:
@@ -234,8 +257,6 @@ class StateMixer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # [d, conv_dim], [d, Hv, Dv] float32
         """One new token of each of d requests, together: the convolution over each one's last
         inputs, then one step of the rule on each one's state."""
-        if self.use_kernels:
-            return self._decode_kernels(rows, states, slots, heads)
         inputs = torch.cat((states.conv[slots, self.index], rows[:, :, None]), dim=2)  # [d, conv_dim, kernel]
         states.conv[slots, self.index] = inputs[:, :, 1:]
         convolved = F.silu(F.conv1d(inputs, self.conv1d.weight, self.conv1d.bias, groups=self.cfg.conv_dim)[:, :, 0])
@@ -247,15 +268,35 @@ class StateMixer(nn.Module):
         states.recurrent[slots, self.index] = s
         return convolved, (q[..., None, :] @ s)[..., 0, :]
 
-    def _decode_kernels(self, rows: torch.Tensor, states: LinearStates, slots: torch.Tensor, heads: Heads
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """_decode in two kernels over the states in their slots (kernels.recurrent)."""
+    def _mix_kernels(self, inputs: torch.Tensor, meta: StateMetadata, heads: Heads
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """_mix on the kernel path: the decodes' convolution in one kernel (the prefills' in
+        torch, request by request), then every request's rows through the rule in one launch
+        (kernels.recurrent), which saves the recurrent states the step names."""
         import kernels  # triton is loaded only where the kernel path runs
 
-        convolved = kernels.causal_conv1d_step(rows, states.conv[:, self.index], slots, self.conv1d.weight[:, 0],
-                                               self.conv1d.bias)
-        q, k, v, g, beta = heads(convolved, slice(0, len(rows)))
-        return convolved, kernels.gated_delta_step(q, k, v, g, beta, states.recurrent[:, self.index], slots)
+        states, d = meta.states, meta.num_decodes
+        convolved = torch.empty_like(inputs)
+        if d:
+            convolved[:d] = kernels.causal_conv1d_step(inputs[:d], states.conv[:, self.index], meta.decode_slots,
+                                                       self.conv1d.weight[:, 0], self.conv1d.bias)
+            if meta.decode_saves is not None:
+                slots, saved = meta.decode_saves
+                states.saved_conv[saved, self.index] = states.conv[slots, self.index]
+        for (start, end), slot, saves in zip(meta.rows[d:], meta.slots[d:], meta.saves[d:], strict=True):
+            convolved[start:end] = self._convolve_request(inputs, meta, start, end, slot, saves)
+        q, k, v, g, beta = heads(convolved, slice(0, len(inputs)))
+        slots, starts, kept = meta.scan
+        saving = None if kept is None else kernels.StateSaves(states.saved_recurrent[:, self.index], *kept)
+        return kernels.gated_delta_scan(q, k, v, g, beta, states.recurrent[:, self.index], slots, starts, saving), convolved
+
+    def _convolve_request(self, inputs: torch.Tensor, meta: StateMetadata, start: int, end: int, slot: int,
+                          saves: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """A request's rows start:end of `inputs` through _convolve from its slot, saving the
+        convolution's states the step names."""
+        states = meta.states
+        return self._convolve(inputs[start:end], states.conv[slot, self.index],
+                              [states.saved_conv[target, self.index] for _, target in saves], [n for n, _ in saves])
 
     def _convolve(self, rows: torch.Tensor, conv_state: torch.Tensor, saved: Sequence[torch.Tensor] = (),
                   after: Sequence[int] = ()) -> torch.Tensor:
