@@ -675,6 +675,13 @@ def tiny_model_and_adapter(family: str, seed: int, targets: list[str], tmp_path_
 
 
 @pytest.fixture(scope="session")
+def tiny_adapter(tmp_path_factory, default_model_dir):
+    """tiny_model_and_adapter for a family, seed and targets named at the call."""
+    return lambda family, seed, targets: tiny_model_and_adapter(family, seed, targets, tmp_path_factory,
+                                                                default_model_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_ernie_adapter(tmp_path_factory, default_model_dir) -> tuple[Path, Path]:
     """A tiny Ernie 4.5 (RoPE over interleaved pairs) and an adapter on its attention."""
     return tiny_model_and_adapter("ernie4_5", 5, ["q_proj", "k_proj", "v_proj", "o_proj"], tmp_path_factory,

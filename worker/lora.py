@@ -11,7 +11,10 @@ Per fused projection (q/k/v, o, gate/up, down) a slot holds A as `[in, num_shard
 B as `[num_shards * R, out]`, R being `max_lora_rank`: each shard's pair sits in its own
 rank-R band (zero-padded past the adapter's rank) and B's band covers only that shard's
 output columns, so one pair of matmuls serves q, k and v (or gate and up) together. A
-projection the adapter does not target stays zero and adds nothing.
+projection the adapter does not target stays zero and adds nothing. A layer with a state
+(Qwen3.5's linear attention, Mamba2) keeps a slot set per projection of its own, by name.
+An image-text model's adapter names its language model's projections under
+`model.language_model.`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 
 from worker.lora_request import LoRARequest
 from worker.models.config import ModelConfig
+from worker.models.linear_attention import StateMixer
 from worker.models.llama import LlamaForCausalLM, half_split_rows
 
 # PEFT's module name -> (our fused projection, the shard's index in it; None: the whole of it,
@@ -39,8 +43,17 @@ TARGETS: dict[str, tuple[str, int | None]] = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
     "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None),
+    # the layers with a state: Qwen3.5's linear attention (linear_attn), Mamba2 (Granite 4.0-H's
+    # mamba); each projection its own
+    **{name: (name, 0) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj", "out_proj")},
+    # Granite 4.0's shared MLP: gate and up in one projection, down
+    "input_linear": ("gate_up_proj", None), "output_linear": ("down_proj", 0),
 }
-_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# the projections of a layer with a state, Gated DeltaNet's or Mamba2's
+STATE_PROJECTIONS = {False: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+                     True: ("in_proj", "out_proj")}
+_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\."
+                  r"(?:self_attn|mlp|shared_mlp|linear_attn|mamba)\.(\w+)\.lora_([AB])\.weight")
 # adapter_config.json settings that change what an adapter computes beyond plain LoRA
 _REFUSED = {
     "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out", "modules_to_save": "modules_to_save",
@@ -86,6 +99,9 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         if TARGETS[match.group(2)][0] in _MLP and _has_experts(cfg, layer):
             raise ValueError(f"{where}: tensor {key!r} adapts the MLP of layer {layer}, a mixture-of-experts "
                              "layer; genq applies adapters to attention and dense MLPs only")
+        if TARGETS[match.group(2)][0] not in _MLP and match.group(2) not in layer_projections(cfg, layer):
+            raise ValueError(f"{where}: tensor {key!r} adapts {match.group(2)} in layer {layer}, which has none: "
+                             f"its mixer's projections are {', '.join(layer_projections(cfg, layer))}")
         halves.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
     adapter = LoRAAdapter(request, rank=0)
     for (layer, module), pair in sorted(halves.items()):
@@ -114,6 +130,14 @@ def _model_rows(b: torch.Tensor, fused: str, shard: int, cfg: ModelConfig) -> to
 
 
 _MLP = ("gate_up_proj", "down_proj")
+
+
+def layer_projections(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The projections of layer `layer`'s mixer an adapter may target (attention's, or those
+    of a layer with a state)."""
+    if cfg.linear is not None and layer in cfg.linear_layers:
+        return STATE_PROJECTIONS[cfg.linear.mamba2]
+    return ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 
 
 def _has_experts(cfg: ModelConfig, layer: int) -> bool:
@@ -162,14 +186,23 @@ def _scale(config: dict, module_name: str, rank: int) -> float:
 
 
 def _in_features(fused: str, cfg: ModelConfig) -> int:
-    return {"o_proj": cfg.num_attention_heads * cfg.head_dim,
+    inner = 0 if cfg.linear is None else cfg.linear.num_value_heads * cfg.linear.value_head_dim
+    return {"o_proj": cfg.num_attention_heads * cfg.head_dim, "out_proj": inner,
             "down_proj": cfg.intermediate_size}.get(fused, cfg.hidden_size)
 
 
 def _shard_sizes(fused: str, cfg: ModelConfig) -> list[int]:
-    q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {"qkv_proj": [q_size, kv_size, kv_size], "o_proj": [cfg.hidden_size],
-            "gate_up_proj": [cfg.intermediate_size] * 2, "down_proj": [cfg.hidden_size]}[fused]
+    """Each shard's output rows (Qwen3.5's q_proj gives each head's gate after its queries)."""
+    q_size = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+    kv_size = cfg.num_key_value_heads * cfg.head_dim
+    sizes = {"qkv_proj": [q_size, kv_size, kv_size], "o_proj": [cfg.hidden_size],
+             "gate_up_proj": [cfg.intermediate_size] * 2, "down_proj": [cfg.hidden_size], "out_proj": [cfg.hidden_size]}
+    if cfg.linear is not None:
+        linear = cfg.linear
+        inner = linear.num_value_heads * linear.value_head_dim
+        sizes.update(in_proj_qkv=[linear.conv_dim], in_proj_z=[inner], in_proj_b=[linear.num_value_heads],
+                     in_proj_a=[linear.num_value_heads], in_proj=[inner + linear.conv_dim + linear.num_value_heads])
+    return sizes[fused]
 
 
 class LoRASlots(nn.Module):
@@ -240,9 +273,9 @@ class LoRAManager:
         if cfg.mla is not None:
             raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}, whose attention is "
                              "multi-head latent attention (MLA); serve it without enable_lora")
-        if cfg.linear is not None:
+        if cfg.one_part_layers:
             raise ValueError(f"LoRA adapters are not supported for {cfg.architecture} yet, whose layers are "
-                             "mostly linear attention or Mamba2; serve it without enable_lora")
+                             "one part each (Nemotron-H); serve it without enable_lora")
         self.cfg = whole or cfg
         self.share = share
         self.max_loras = max_loras
@@ -253,12 +286,17 @@ class LoRAManager:
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recent first
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         for i, layer in enumerate(model.layers):
-            targets = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+            state = cfg.linear is not None and i in cfg.linear_layers
+            targets = [(layer.self_attn, fused) for fused in
+                       (STATE_PROJECTIONS[cfg.linear.mamba2] if state and cfg.linear else ("qkv_proj", "o_proj"))]
             if not _has_experts(cfg, i):
                 targets += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
             for owner, fused in targets:
                 slots = LoRASlots(_in_features(fused, cfg), _shard_sizes(fused, cfg), max_loras, max_rank, dtype, device)
-                setattr(owner, fused.removesuffix("_proj") + "_lora", slots)
+                if isinstance(owner, StateMixer):  # (it keeps its projections' by name)
+                    owner.lora_slots[fused] = slots
+                else:
+                    setattr(owner, fused.removesuffix("_proj") + "_lora", slots)
                 self.slots[(i, fused)] = slots
 
     def add(self, request: LoRARequest) -> None:

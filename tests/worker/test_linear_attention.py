@@ -171,7 +171,6 @@ def test_guesses_are_taken_back_from_the_state(qwen3_5, backend, prompts):
 
 
 @pytest.mark.parametrize("args, message", [
-    ({"enable_lora": True}, "LoRA adapters are not supported for Qwen3_5ForCausalLM yet"),
     ({"kv_offloading_size": 1.0}, "keeps a linear-attention state per request, which the host tier"),
     ({"tensor_parallel_size": 2}, "linear-attention layers run on one device only"),
 ])

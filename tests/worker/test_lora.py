@@ -28,6 +28,11 @@ def peft_greedy(model_dir, adapter_dir, prompt_ids: list[list[int]]) -> list[lis
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir)
+    return greedy_of(model, prompt_ids)
+
+
+def greedy_of(model, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """A transformers (or PEFT) model's greedy tokens, ignoring EOS."""
     model = model.eval()
     out = []
     with torch.inference_mode():
@@ -259,3 +264,78 @@ def test_adapter_on_reordered_q_and_k_matches_peft(tiny_ernie_adapter, default_m
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
     outs = llm.generate(PROMPTS[:4], greedy(), lora_request=LoRARequest("ernie", 1, str(adapter_dir)), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+STATE_TARGETS = {  # every projection of the layers with states, and those of attention and MLP
+    "qwen3_5": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
+    "granitemoehybrid_dense": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "input_linear",
+                               "output_linear"],
+}
+
+
+@pytest.mark.parametrize("family", list(STATE_TARGETS))
+def test_adapters_on_models_with_states_match_peft(family, tiny_adapter, default_model_dir):
+    """Qwen3.5 (Gated DeltaNet layers beside gated attention) and Granite 4.0-H (Mamba2 beside
+    attention, its shared MLP): an adapter on every projection, the state layers' too, in a batch beside
+    requests without it, chunked prefill and a prefix served from a kept state: greedy tokens
+    equal PEFT's, and the base model's rows stay the base model's."""
+    from transformers import AutoTokenizer
+
+    model_dir, adapter_dir = tiny_adapter(family, 6, STATE_TARGETS[family])
+    ids = [AutoTokenizer.from_pretrained(default_model_dir).encode(p) for p in PROMPTS]
+    expected = peft_greedy(model_dir, adapter_dir, ids)
+    base = peft_greedy(model_dir, None, ids)
+    assert all(e != b for e, b in zip(expected, base, strict=True))
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8,
+              max_num_batched_tokens=24, mamba_block_size=16, num_state_snapshots=64)
+    adapter = LoRARequest("states", 1, str(adapter_dir))
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    outs = llm.generate(prompts * 2, greedy(), lora_request=[adapter] * len(ids) + [None] * len(ids),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected + base
+    [again] = llm.generate(prompts[2], greedy(), lora_request=adapter, use_tqdm=False)  # from its kept state
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected[2]
+
+
+def test_an_adapter_for_the_other_layer_kind_is_refused(tiny_adapter):
+    """A linear-attention projection named in a full-attention layer (or the other way round)
+    is refused by name, not silently dropped."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir, adapter_dir = tiny_adapter("qwen3_5", 7, ["in_proj_z"])
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    moved = {key.replace("layers.0.linear_attn", "layers.1.linear_attn"): t for key, t in tensors.items()}
+    save_file(moved, str(adapter_dir / "adapter_model.safetensors"))
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16, max_model_len=128, enable_lora=True,
+              max_lora_rank=8)
+    with pytest.raises(ValueError, match="adapts in_proj_z in layer 1, which has none: its mixer's projections are "
+                                         "q_proj, k_proj, v_proj, o_proj"):
+        llm.generate("Hello", greedy(), lora_request=LoRARequest("moved", 1, str(adapter_dir)), use_tqdm=False)
+
+
+@pytest.mark.parametrize("tiny_image_text_dir", ["qwen3_5"], indirect=True)
+def test_adapter_on_an_image_text_models_language_model_matches_peft(tiny_image_text_dir, default_model_dir, tmp_path):
+    """Qwen3.5 ships as an image-text model: an adapter trained on it names its language
+    model's projections under `model.language_model.`; served on text, its greedy tokens
+    equal PEFT's on transformers' image-text model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    torch.manual_seed(8)
+    hf = AutoModelForImageTextToText.from_pretrained(tiny_image_text_dir, dtype=torch.float32)
+    targets = r".*language_model.*\.(q_proj|v_proj|o_proj|in_proj_qkv|out_proj|gate_proj|down_proj)"
+    peft = get_peft_model(hf, LoraConfig(init_lora_weights=False, r=8, lora_alpha=16, target_modules=targets))
+    peft.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    keys = list(load_file(str(tmp_path / "adapter_model.safetensors")))
+    assert keys and all(".language_model.layers." in key for key in keys)
+    ids = [AutoTokenizer.from_pretrained(default_model_dir).encode(p) for p in PROMPTS[:2]]
+    expected = greedy_of(peft, ids)
+    llm = LLM(str(tiny_image_text_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], greedy(),
+                        lora_request=LoRARequest("vl", 1, str(tmp_path)), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    base = llm.generate([{"prompt_token_ids": p} for p in ids], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in base] != expected

@@ -36,12 +36,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.models.config import LinearAttentionConfig
+
+if TYPE_CHECKING:
+    from worker.lora import LoRAMapping, LoRASlots
 
 CHUNK = 64  # tokens solved together in a prefill
 
@@ -227,6 +231,12 @@ class StateMixer(nn.Module):
     index: int  # among the layers with a state: its row of each request's state
     use_kernels: bool  # the rule and the decodes' convolution in Triton kernels (the CUDA path)
     conv1d: nn.Conv1d
+    lora_slots: dict[str, LoRASlots]  # the projections' adapter slots by name, where LoRA is enabled
+
+    def _project(self, name: str, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
+        """Projection `name` of x, plus each row's adapter delta where a request has one."""
+        y = getattr(self, name)(x)
+        return y if lora is None else lora.add(y, x, self.lora_slots.get(name))
 
     def _mix(self, inputs: torch.Tensor, meta: StateMetadata, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
         """The rule over the convolution of `inputs` [T, conv_dim]: its outputs [T, Hv, Dv]
@@ -319,6 +329,7 @@ class GatedDeltaNet(StateMixer):
                  use_kernels: bool = False):
         super().__init__()
         self.cfg, self.index, self.use_kernels = cfg, index, use_kernels
+        self.lora_slots = {}
         key_dim, value_dim = cfg.num_key_heads * cfg.key_head_dim, cfg.num_value_heads * cfg.value_head_dim
         self.in_proj_qkv = nn.Linear(hidden_size, 2 * key_dim + value_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
@@ -330,18 +341,19 @@ class GatedDeltaNet(StateMixer):
         self.norm = GatedRMSNorm(cfg.value_head_dim, eps)
         self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope, kv_cache, meta: StateMetadata, lora=None) -> torch.Tensor:  # [T, hidden]
+    def forward(self, x: torch.Tensor, rope, kv_cache, meta: StateMetadata, lora: LoRAMapping | None = None
+                ) -> torch.Tensor:  # [T, hidden]
         cfg = self.cfg
-        z = self.in_proj_z(x).view(len(x), cfg.num_value_heads, cfg.value_head_dim)
-        beta = torch.sigmoid(self.in_proj_b(x)).float()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [T, Hv], log decay
+        z = self._project("in_proj_z", x, lora).view(len(x), cfg.num_value_heads, cfg.value_head_dim)
+        beta = torch.sigmoid(self._project("in_proj_b", x, lora)).float()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self._project("in_proj_a", x, lora).float() + self.dt_bias)  # log decay
 
         def heads(qkv: torch.Tensor, rows: slice) -> HeadsOut:
             return *self._heads(qkv), g[rows], beta[rows]
 
-        out, _ = self._mix(self.in_proj_qkv(x), meta, heads)
+        out, _ = self._mix(self._project("in_proj_qkv", x, lora), meta, heads)
         core = self.norm(out.to(x.dtype), z).reshape(len(x), -1)
-        return self.out_proj(core)
+        return self._project("out_proj", core, lora)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q and k [n, Hv, Dk] (each key head serving its value heads), float32, L2-normalized,
@@ -381,6 +393,7 @@ class Mamba2Mixer(StateMixer):
                  use_kernels: bool = False):
         super().__init__()
         self.cfg, self.index, self.use_kernels = cfg, index, use_kernels
+        self.lora_slots = {}
         self.inner = cfg.num_value_heads * cfg.value_head_dim
         self.in_proj = nn.Linear(hidden_size, self.inner + cfg.conv_dim + cfg.num_value_heads, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=cfg.conv_bias)
@@ -390,10 +403,11 @@ class Mamba2Mixer(StateMixer):
         self.norm = GroupedGatedRMSNorm(self.inner, cfg.num_key_heads, eps)
         self.out_proj = nn.Linear(self.inner, hidden_size, bias=cfg.proj_bias)
 
-    def forward(self, x: torch.Tensor, rope, kv_cache, meta: StateMetadata, lora=None) -> torch.Tensor:  # [T, hidden]
+    def forward(self, x: torch.Tensor, rope, kv_cache, meta: StateMetadata, lora: LoRAMapping | None = None
+                ) -> torch.Tensor:  # [T, hidden]
         cfg = self.cfg
         heads_, dv = cfg.num_value_heads, cfg.value_head_dim
-        z, inputs, dt = self.in_proj(x).split([self.inner, cfg.conv_dim, heads_], dim=-1)
+        z, inputs, dt = self._project("in_proj", x, lora).split([self.inner, cfg.conv_dim, heads_], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*cfg.dt_limit)  # [T, H]
         g = -self.A_log.float().exp() * dt  # log decay
 
@@ -406,7 +420,7 @@ class Mamba2Mixer(StateMixer):
 
         y, convolved = self._mix(inputs, meta, heads)
         y = y + self.D.float()[:, None] * convolved[:, :self.inner].float().view(len(x), heads_, dv)
-        return self.out_proj(self.norm(y.view(len(x), -1), z).to(x.dtype))
+        return self._project("out_proj", self.norm(y.view(len(x), -1), z).to(x.dtype), lora)
 
 
 # (q, k, v, g, beta) of some rows: what StateMixer._mix's `heads` makes of their convolution
