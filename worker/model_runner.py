@@ -262,6 +262,8 @@ class ModelRunner:
         count = self.config.num_state_snapshots if self.config.enable_prefix_caching else 0
         if count is None:
             count = min(memory // 10 // self.states.state_bytes, 8 * self.config.max_num_seqs)
+            if self.parallel is not None:  # the one scheduler names the same slots on every rank
+                count = self.parallel.min(count)
         return self.states.allocate_saved(count, spares=bool(self.config.speculative_config)) * self.states.state_bytes
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -5,7 +5,8 @@ and key-value alike, with their rows of q/k/v and columns of o_proj) and of the 
 intermediate features (rows of gate/up, columns of down_proj); the partial outputs of o_proj
 and down_proj are summed over the ranks (an all-reduce), so every rank carries the whole
 residual stream. Embeddings, norms and the LM head are whole on every rank. Each rank's KV
-cache holds its own heads.
+cache holds its own heads. A layer with a state per request (linear attention, Mamba2)
+splits by its heads alike, each rank keeping its heads' part of every state.
 
 Rank 0 is the engine's own runner; the other ranks are processes of their own (forked by
 `multiprocessing`'s forkserver, never from the engine's process), each with a runner that
@@ -35,10 +36,9 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from worker.block_manager import KVSwaps
     from worker.config import EngineConfig
-    from worker.lora import LoRAAdapter, LoRAManager
-    from worker.lora_request import LoRARequest
+    from worker.lora import LoRAAdapter
     from worker.model_runner import ModelOutput, ModelRunner
-    from worker.models.config import ModelConfig
+    from worker.models.config import LinearAttentionConfig, ModelConfig
     from worker.scheduler import SchedulerOutput
 
 # how long a rank waits for the others in one collective (or to join), before it gives up:
@@ -124,6 +124,9 @@ def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_s
         return torch.cat([part(half, dim) for half in tensor.chunk(2, dim=dim)], dim=dim)
     if values.endswith(_STACKED_DOWN):  # [E, H, I], or the Hub's [E, I, H]
         return part(tensor, 1 if _inputs_first(name, tensor, cfg, 1) else 2)
+    if cfg.linear is not None and (module in _STATE_MODULES or kind in _STATE_PER_HEAD or (
+            module == "norm" and values.split(".")[-3:-2] in (["linear_attn"], ["mamba"]))):
+        return _state_share(module, kind, tensor, cfg.linear, part, rank)
     by_rows, kv = _BY_ROWS | _whole_norms(cfg, "q_norm"), _KV | _whole_norms(cfg, "k_norm")
     if module in by_rows or kind == "sinks":  # (gpt-oss's sink logit per head)
         return part(tensor)
@@ -139,6 +142,31 @@ def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_s
     if module in _BY_COLUMNS or kind == "down_proj_bias":  # a bias added once, by rank 0
         return tensor if rank == 0 else torch.zeros_like(tensor)
     return tensor
+
+
+# the layers with a state (Qwen3.5's linear attention, Mamba2): their projections and
+# convolution, and their per-head parameters (A_log a tensor of its own, not a module's)
+_STATE_MODULES = frozenset({"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj", "conv1d", "out_proj"})
+_STATE_PER_HEAD = frozenset({"dt_bias", "A_log", "D"})
+
+
+def _state_share(module: str, kind: str, tensor: torch.Tensor, linear: LinearAttentionConfig,
+                 part: Callable[..., torch.Tensor], rank: int) -> torch.Tensor:
+    """A tensor of a layer with a state: this rank's heads (value heads, and the key heads or
+    Mamba2 groups they read) in each section of its rows; out_proj by its columns (its bias
+    added once, by rank 0); Gated DeltaNet's norm, over one head's features, whole."""
+    groups = linear.num_key_heads * linear.key_head_dim  # q's or k's rows (Mamba2: B's or C's)
+    inner = linear.num_value_heads * linear.value_head_dim
+    sections = {"in_proj_qkv": [groups, groups, inner], "in_proj": [inner, inner, groups, groups, linear.num_value_heads],
+                "conv1d": [inner, groups, groups] if linear.mamba2 else [groups, groups, inner]}.get(module)
+    if module == "out_proj":
+        return part(tensor, 1) if kind == "weight" else tensor if rank == 0 else torch.zeros_like(tensor)
+    if module == "norm" and not linear.mamba2:
+        return tensor
+    if sections is None:  # one section: z, b, a, the per-head parameters, Mamba2's norm (its groups')
+        return part(tensor)
+    unit = sum(sections) // tensor.shape[0]  # weight rows a row stands for (a scale grid's: a block's)
+    return torch.cat([part(section) for section in tensor.split([size // unit for size in sections])])
 
 
 def _whole_norms(cfg: ModelConfig, name: str) -> frozenset[str]:
@@ -188,9 +216,10 @@ def _kv_share(rows: torch.Tensor, cfg: ModelConfig, rank: int, world_size: int) 
 
 def shard_adapter(adapter: LoRAAdapter, cfg: ModelConfig, rank: int, world_size: int) -> LoRAAdapter:
     """A LoRA adapter's part on this rank (`cfg`: the whole model's), each pair (A [r, in],
-    B [out, r]) split as its projection is: by rows (q/k/v, gate/up), B's rows as the weight's
-    and A whole; by columns (o_proj, down_proj), A's columns and B whole, so each rank's delta
-    is a partial sum, added to the projection's own before the ranks sum them."""
+    B [out, r]) split as its projection is: by rows (q/k/v, gate/up, a state layer's in_proj),
+    B's rows as the weight's and A whole; by columns (o_proj, down_proj, out_proj), A's columns
+    and B whole, so each rank's delta is a partial sum, added to the projection's own before
+    the ranks sum them."""
     pairs: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
     for (layer, fused), shards in adapter.pairs.items():
         split: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -199,10 +228,12 @@ def shard_adapter(adapter: LoRAAdapter, cfg: ModelConfig, rank: int, world_size:
                 split.append(None)
                 continue
             a, b = pair
-            if fused in ("o_proj", "down_proj"):
+            if fused in ("o_proj", "down_proj", "out_proj"):
                 a = a.chunk(world_size, dim=1)[rank]
             elif fused == "qkv_proj" and i > 0:  # k, v
                 b = _kv_share(b, cfg, rank, world_size)
+            elif fused in _STATE_MODULES and cfg.linear is not None:  # B's rows as the weight's, section by section
+                b = _state_share(fused, "weight", b, cfg.linear, lambda t, dim=0: t.chunk(world_size, dim)[rank], rank)
             else:
                 b = b.chunk(world_size)[rank]
             split.append((a.contiguous(), b.contiguous()))
@@ -281,7 +312,11 @@ class ParallelRunner:
             self.close()
             raise
         self._store = store  # the other ranks' rendezvous lives as long as the group
-        self.lora = None if self.local.lora is None else AllRanksLoRA(self.local.lora, self._send)
+        # an adapter read or forgotten; a request's state given back (it ended) or rewound (guesses taken back)
+        self.lora = None if self.local.lora is None else AllRanks(self.local.lora, self._send, "lora",
+                                                                  frozenset({"add", "remove"}))
+        self.states = None if self.local.states is None else AllRanks(self.local.states, self._send, "state",
+                                                                      frozenset({"remove", "rewind"}))
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         """Run a step on every rank, with what rank 0's images bring to its rows (rank 0 alone
@@ -353,25 +388,27 @@ class ParallelRunner:
         return getattr(self.local, name)
 
 
-class AllRanksLoRA:
-    """Rank 0's adapters, whose changes go to every rank: each reads an adapter it is told of
-    and keeps its share (shard_adapter). Rank 0 reads it first, so a bad adapter is refused
-    there, by name, and goes no further. Anything else asked of it is rank 0's manager's."""
+class AllRanks:
+    """Rank 0's `local` (its LoRA manager, its states of the layers with one per request),
+    whose `changes`, called, are made on every rank: rank 0 makes one first (so a bad adapter
+    is refused there, by name, and goes no further), then sends it to the others, which make
+    it on their own (an adapter's share, their heads' states) before the next step. Anything
+    else asked of it is rank 0's."""
 
-    def __init__(self, local: LoRAManager, send: Callable[[Any], None]):
+    def __init__(self, local: Any, send: Callable[[Any], None], kind: str, changes: frozenset[str]):
         self.local = local
-        self.send = send
-
-    def add(self, request: LoRARequest) -> None:
-        self.local.add(request)
-        self.send(("add_lora", request))
-
-    def remove(self, lora_id: int) -> None:
-        self.local.remove(lora_id)
-        self.send(("remove_lora", lora_id))
+        self._send, self._kind, self._changes = send, kind, changes
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.local, name)
+        value = getattr(self.local, name)
+        if name not in self._changes:
+            return value
+
+        def everywhere(*args: Any) -> None:
+            value(*args)
+            self._send((f"{name}_{self._kind}", *args))
+
+        return everywhere
 
 
 def _by_value(obj: Any) -> bytes:
@@ -423,6 +460,6 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, mode
             runner.execute_layers(args[0], images)
         elif kind == "swap_blocks":  # KV offloading's copies
             runner.swap_blocks(*args)
-        else:  # a change to the adapters: add_lora (a request), remove_lora (an id)
-            assert runner.lora is not None
-            getattr(runner.lora, kind.removesuffix("_lora"))(*args)
+        else:  # an AllRanks change: add_lora (a request), remove_lora (an id), remove_state, rewind_state (an id)
+            name, _, owner = kind.rpartition("_")
+            getattr(getattr(runner, {"lora": "lora", "state": "states"}[owner]), name)(*args)

@@ -172,7 +172,6 @@ def test_guesses_are_taken_back_from_the_state(qwen3_5, backend, prompts):
 
 @pytest.mark.parametrize("args, message", [
     ({"kv_offloading_size": 1.0}, "keeps a linear-attention state per request, which the host tier"),
-    ({"tensor_parallel_size": 2}, "linear-attention layers run on one device only"),
 ])
 def test_what_a_state_cannot_do_is_refused_by_name(qwen3_5, args, message):
     with pytest.raises(ValueError, match=message):

@@ -274,8 +274,9 @@ STATE_TARGETS = {  # every projection of the layers with states, and those of at
 }
 
 
+@pytest.mark.parametrize("tp", [1, 2])  # 2: each rank its share of the adapter, as its heads' (shard_adapter)
 @pytest.mark.parametrize("family", list(STATE_TARGETS))
-def test_adapters_on_models_with_states_match_peft(family, tiny_adapter, default_model_dir):
+def test_adapters_on_models_with_states_match_peft(family, tp, tiny_adapter, default_model_dir):
     """Qwen3.5 (Gated DeltaNet layers beside gated attention) and Granite 4.0-H (Mamba2 beside
     attention, its shared MLP): an adapter on every projection, the state layers' too, in a batch beside
     requests without it, chunked prefill and a prefix served from a kept state: greedy tokens
@@ -288,7 +289,8 @@ def test_adapters_on_models_with_states_match_peft(family, tiny_adapter, default
     base = peft_greedy(model_dir, None, ids)
     assert all(e != b for e, b in zip(expected, base, strict=True))
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8,
-              max_num_batched_tokens=24, mamba_block_size=16, num_state_snapshots=64)
+              max_num_batched_tokens=24, mamba_block_size=16, num_state_snapshots=64, tensor_parallel_size=tp,
+              num_threads=1 if tp > 1 else None)
     adapter = LoRARequest("states", 1, str(adapter_dir))
     prompts = [{"prompt_token_ids": p} for p in ids]
     outs = llm.generate(prompts * 2, greedy(), lora_request=[adapter] * len(ids) + [None] * len(ids),

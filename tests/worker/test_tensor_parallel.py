@@ -13,7 +13,13 @@ import time
 
 import pytest
 import torch
-from test_engine import check_prefill_logits_against, greedy, hf_greedy_along, run_and_compare
+from test_engine import (
+    PROMPTS,
+    check_prefill_logits_against,
+    greedy,
+    hf_greedy_along,
+    run_and_compare,
+)
 from test_gptq_awq import write_checkpoint
 from test_quantization import BLOCK, write_fp8_checkpoint, write_per_channel_checkpoint
 
@@ -226,6 +232,32 @@ def test_kv_heads_split_or_are_shared():
         whole.shard(3)
 
 
+def test_state_layers_split_by_their_heads_or_are_refused():
+    """A layer with a state splits by its heads: Gated DeltaNet's key and value heads, Mamba2's
+    heads and groups (B and C), each a whole number a rank, else refused by name; Nemotron-H's
+    one-part layers are refused."""
+    from transformers import GraniteMoeHybridConfig, NemotronHConfig, Qwen3_5TextConfig
+
+    qwen = ModelConfig.from_hf(Qwen3_5TextConfig(num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4,
+                                                 linear_num_value_heads=8, full_attention_interval=2,
+                                                 architectures=["Qwen3_5ForCausalLM"]))
+    share = qwen.shard(4).linear
+    assert (share.num_key_heads, share.num_value_heads, share.key_head_dim) == (1, 2, qwen.linear.key_head_dim)
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(4\) is not divisible by tensor_parallel_size \(8\)"):
+        qwen.shard(8)
+    granite = ModelConfig.from_hf(GraniteMoeHybridConfig(num_attention_heads=8, num_key_value_heads=8,
+                                                         mamba_n_heads=16, mamba_n_groups=2, num_local_experts=0,
+                                                         num_hidden_layers=2, layer_types=["mamba", "attention"],
+                                                         architectures=["GraniteMoeHybridForCausalLM"]))
+    assert granite.shard(2).linear.num_key_heads == 1
+    with pytest.raises(ValueError, match=r"Mamba2's n_groups \(2\) is not divisible by tensor_parallel_size \(4\)"):
+        granite.shard(4)
+    nemotron = ModelConfig.from_hf(NemotronHConfig(layers_block_type=["linear_attention", "mlp", "full_attention"],
+                                                   architectures=["NemotronHForCausalLM"]))
+    with pytest.raises(ValueError, match="cannot split NemotronHForCausalLM yet: its layers are one part each"):
+        nemotron.shard(2)
+
+
 def test_whole_projection_norms_over_replicated_kv_heads():
     """OLMo 2 over four ranks: one query head each, each of the 2 KV heads kept by two. Every
     rank's normed q and k equal its columns of the whole norms, given its all-reduce: the sum
@@ -264,3 +296,31 @@ def test_whole_projection_norms_over_replicated_kv_heads():
 def test_a_bad_split_is_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
+
+
+# qwen3_5: Gated DeltaNet beside gated attention; qwen3_next: its checkpoints' grouped
+# projections, over experts; granitemoehybrid: Mamba2 (B and C in two groups, a group a rank)
+# beside NoPE attention and experts
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "granitemoehybrid"])
+def test_models_with_states_split_as_transformers(family, tiny_family):
+    """Each rank holds its heads' states, in the same slots, saved states and spares: two
+    slots taken in turn by nine requests (a slot freed on rank 0 is freed on rank 1), n-gram
+    guesses taken back on both ranks where wrong, and follow-ups served from the states the
+    ranks kept. Greedy tokens equal transformers'."""
+    model_dir = tiny_family(family)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    llm = split_llm(model_dir, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=24, mamba_block_size=16,
+                    num_state_snapshots=16, speculative_config=spec)
+    whole = ModelConfig.from_hf(llm.engine.runner.local.model_config.hf_config).linear
+    local = llm.engine.runner.local.model_config.linear
+    assert (2 * local.num_key_heads, 2 * local.num_value_heads) == (whole.num_key_heads, whole.num_value_heads)
+    outputs = run_and_compare(llm, model_dir)
+    tok = llm.get_tokenizer()
+    first = tok.encode(PROMPTS[5])  # its answer after it again: guesses partly right
+    follow_up = first * 2 + outputs[5].outputs[0].token_ids + first
+    [out] = llm.generate({"prompt_token_ids": follow_up}, greedy(), use_tqdm=False)
+    assert out.num_cached_tokens >= 16
+    assert out.outputs[0].token_ids == hf_greedy_along(model_dir, [follow_up], [out.outputs[0].token_ids])[0]
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # guesses were taken back
+    assert not llm.engine.runner.states.slots

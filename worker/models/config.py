@@ -493,10 +493,10 @@ class ModelConfig:
         split."""
         if world_size == 1:
             return self
-        moe = self.moe
-        if self.linear is not None:
+        moe, linear = self.moe, self.linear
+        if self.one_part_layers:
             raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: its "
-                             "linear-attention layers run on one device only")
+                             "layers are one part each (Nemotron-H)")
         if self.quant is not None and self.quant.act_order:
             raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: "
                              "its act-order (desc_act) GPTQ weights run on one device only")
@@ -508,6 +508,10 @@ class ModelConfig:
         if moe is not None:  # each expert (and the shared one) split as a dense MLP is
             sizes.update({"the experts' intermediate_size": moe.intermediate_size,
                           "the shared expert's intermediate_size": moe.shared_expert_size})
+        if linear is not None:  # the layers with a state: their heads (Mamba2's B and C: its groups)
+            keys, values = (("Mamba2's n_groups", "Mamba2's heads") if linear.mamba2 else
+                            ("linear_num_key_heads", "linear_num_value_heads"))
+            sizes.update({keys: linear.num_key_heads, values: linear.num_value_heads})
         for name, size in sizes.items():
             if size % world_size:
                 nor = ", nor does it divide it" if name == "num_key_value_heads" else ""
@@ -517,9 +521,12 @@ class ModelConfig:
         if moe is not None:
             moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world_size,
                                       shared_expert_size=moe.shared_expert_size // world_size)
+        if linear is not None:
+            linear = dataclasses.replace(linear, num_key_heads=linear.num_key_heads // world_size,
+                                         num_value_heads=linear.num_value_heads // world_size)
         return dataclasses.replace(self, num_attention_heads=self.num_attention_heads // world_size,
                                    num_key_value_heads=kv_heads // world_size,
-                                   intermediate_size=self.intermediate_size // world_size, moe=moe)
+                                   intermediate_size=self.intermediate_size // world_size, moe=moe, linear=linear)
 
     def _check_quantized_split(self, world_size: int, kv_heads: int) -> None:
         """A quantized layer splits at whole blocks of its scales: each rank's rows of a layer

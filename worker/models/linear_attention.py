@@ -232,6 +232,11 @@ class StateMixer(nn.Module):
     use_kernels: bool  # the rule and the decodes' convolution in Triton kernels (the CUDA path)
     conv1d: nn.Conv1d
     lora_slots: dict[str, LoRASlots]  # the projections' adapter slots by name, where LoRA is enabled
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None  # tensor parallelism's sum over the ranks
+
+    def _reduced(self, out: torch.Tensor) -> torch.Tensor:
+        """out_proj's output summed over the tensor-parallel ranks (each holds some heads)."""
+        return out if self.reduce is None else self.reduce(out)
 
     def _project(self, name: str, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
         """Projection `name` of x, plus each row's adapter delta where a request has one."""
@@ -330,6 +335,7 @@ class GatedDeltaNet(StateMixer):
         super().__init__()
         self.cfg, self.index, self.use_kernels = cfg, index, use_kernels
         self.lora_slots = {}
+        self.reduce = None
         key_dim, value_dim = cfg.num_key_heads * cfg.key_head_dim, cfg.num_value_heads * cfg.value_head_dim
         self.in_proj_qkv = nn.Linear(hidden_size, 2 * key_dim + value_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
@@ -353,7 +359,7 @@ class GatedDeltaNet(StateMixer):
 
         out, _ = self._mix(self._project("in_proj_qkv", x, lora), meta, heads)
         core = self.norm(out.to(x.dtype), z).reshape(len(x), -1)
-        return self._project("out_proj", core, lora)
+        return self._reduced(self._project("out_proj", core, lora))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q and k [n, Hv, Dk] (each key head serving its value heads), float32, L2-normalized,
@@ -394,6 +400,7 @@ class Mamba2Mixer(StateMixer):
         super().__init__()
         self.cfg, self.index, self.use_kernels = cfg, index, use_kernels
         self.lora_slots = {}
+        self.reduce = None
         self.inner = cfg.num_value_heads * cfg.value_head_dim
         self.in_proj = nn.Linear(hidden_size, self.inner + cfg.conv_dim + cfg.num_value_heads, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=cfg.conv_bias)
@@ -420,7 +427,7 @@ class Mamba2Mixer(StateMixer):
 
         y, convolved = self._mix(inputs, meta, heads)
         y = y + self.D.float()[:, None] * convolved[:, :self.inner].float().view(len(x), heads_, dv)
-        return self._project("out_proj", self.norm(y.view(len(x), -1), z).to(x.dtype), lora)
+        return self._reduced(self._project("out_proj", self.norm(y.view(len(x), -1), z).to(x.dtype), lora))
 
 
 # (q, k, v, g, beta) of some rows: what StateMixer._mix's `heads` makes of their convolution
@@ -488,17 +495,17 @@ def grouped_projections(weights: Iterable[tuple[str, torch.Tensor]], cfg: Linear
     (the head's q, its k, then the v and z of the value heads it serves), and in_proj_ba's
     likewise (b, then a): regrouped as Qwen3.5 keeps them, in_proj_qkv (every q, every k,
     every v), in_proj_z, in_proj_b and in_proj_a."""
-    per_key = cfg.num_value_heads // cfg.num_key_heads
+    per_key = cfg.num_value_heads // cfg.num_key_heads  # (a tensor-parallel rank's `cfg` holds some key heads)
     for name, tensor in weights:
         if name.endswith("linear_attn.in_proj_qkvz.weight"):
-            groups = tensor.view(cfg.num_key_heads, -1, tensor.shape[-1])
+            groups = tensor.view(-1, 2 * (cfg.key_head_dim + per_key * cfg.value_head_dim), tensor.shape[-1])
             q, k, v, z = groups.split([cfg.key_head_dim, cfg.key_head_dim, per_key * cfg.value_head_dim,
                                        per_key * cfg.value_head_dim], dim=1)
             flat = [t.reshape(-1, tensor.shape[-1]) for t in (q, k, v, z)]
             yield name.replace("in_proj_qkvz", "in_proj_qkv"), torch.cat(flat[:3])
             yield name.replace("in_proj_qkvz", "in_proj_z"), flat[3]
         elif name.endswith("linear_attn.in_proj_ba.weight"):
-            b, a = tensor.view(cfg.num_key_heads, 2 * per_key, -1).split(per_key, dim=1)
+            b, a = tensor.view(-1, 2 * per_key, tensor.shape[-1]).split(per_key, dim=1)
             yield name.replace("in_proj_ba", "in_proj_b"), b.reshape(-1, tensor.shape[-1])
             yield name.replace("in_proj_ba", "in_proj_a"), a.reshape(-1, tensor.shape[-1])
         else:

@@ -447,7 +447,7 @@ class LlamaForCausalLM(nn.Module):
         `world_size` ranks by `all_reduce` (the model holds this rank's share of them)."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.self_attn.reduce = all_reduce
+            layer.self_attn.reduce = all_reduce  # attention's, or a layer with a state's
             layer.self_attn.world_size = world_size
             layer.mlp.reduce = all_reduce  # a dense MLP's, or the whole expert block's
 
