@@ -74,9 +74,9 @@ class TensorParallel:
 # rank's heads or features), or by input columns (partial sums, reduced after); an expert's
 # as a dense MLP's (Mixtral's w1 and w3, w2); latent attention's per-head up-projections
 # (q_b_proj, kv_b_proj) by rows, its latent projections whole (every rank keeps the latent cache)
-_BY_ROWS = frozenset({"q_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj"})
+_BY_ROWS = frozenset({"q_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj", "up"})
 _KV = frozenset({"k_proj", "v_proj"})  # by rows too, a KV head each
-_BY_COLUMNS = frozenset({"o_proj", "down_proj", "w2"})
+_BY_COLUMNS = frozenset({"o_proj", "down_proj", "w2", "down"})  # (up and down: Nemotron-H's MLP, without a gate)
 # experts stacked in one tensor: gate and up [E, 2 * I, H], down [E, H, I] (transformers 5's,
 # and GraniteMoE's input_linear and output_linear)
 _STACKED_GATE_UP = ("experts.gate_up_proj", "input_linear.weight")
@@ -125,7 +125,7 @@ def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_s
     if values.endswith(_STACKED_DOWN):  # [E, H, I], or the Hub's [E, I, H]
         return part(tensor, 1 if _inputs_first(name, tensor, cfg, 1) else 2)
     if cfg.linear is not None and (module in _STATE_MODULES or kind in _STATE_PER_HEAD or (
-            module == "norm" and values.split(".")[-3:-2] in (["linear_attn"], ["mamba"]))):
+            module == "norm" and values.split(".")[-3:-2] in (["linear_attn"], ["mamba"], ["self_attn"]))):  # (Nemotron-H's mixer: self_attn)
         return _state_share(module, kind, tensor, cfg.linear, part, rank)
     by_rows, kv = _BY_ROWS | _whole_norms(cfg, "q_norm"), _KV | _whole_norms(cfg, "k_norm")
     if module in by_rows or kind == "sinks":  # (gpt-oss's sink logit per head)

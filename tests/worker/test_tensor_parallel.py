@@ -234,9 +234,8 @@ def test_kv_heads_split_or_are_shared():
 
 def test_state_layers_split_by_their_heads_or_are_refused():
     """A layer with a state splits by its heads: Gated DeltaNet's key and value heads, Mamba2's
-    heads and groups (B and C), each a whole number a rank, else refused by name; Nemotron-H's
-    one-part layers are refused."""
-    from transformers import GraniteMoeHybridConfig, NemotronHConfig, Qwen3_5TextConfig
+    heads and groups (B and C), each a whole number a rank, else refused by name."""
+    from transformers import GraniteMoeHybridConfig, Qwen3_5TextConfig
 
     qwen = ModelConfig.from_hf(Qwen3_5TextConfig(num_attention_heads=8, num_key_value_heads=4, linear_num_key_heads=4,
                                                  linear_num_value_heads=8, full_attention_interval=2,
@@ -252,10 +251,6 @@ def test_state_layers_split_by_their_heads_or_are_refused():
     assert granite.shard(2).linear.num_key_heads == 1
     with pytest.raises(ValueError, match=r"Mamba2's n_groups \(2\) is not divisible by tensor_parallel_size \(4\)"):
         granite.shard(4)
-    nemotron = ModelConfig.from_hf(NemotronHConfig(layers_block_type=["linear_attention", "mlp", "full_attention"],
-                                                   architectures=["NemotronHForCausalLM"]))
-    with pytest.raises(ValueError, match="cannot split NemotronHForCausalLM yet: its layers are one part each"):
-        nemotron.shard(2)
 
 
 def test_whole_projection_norms_over_replicated_kv_heads():
@@ -300,8 +295,9 @@ def test_a_bad_split_is_refused():
 
 # qwen3_5: Gated DeltaNet beside gated attention; qwen3_next: its checkpoints' grouped
 # projections, over experts; granitemoehybrid: Mamba2 (B and C in two groups, a group a rank)
-# beside NoPE attention and experts
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "granitemoehybrid"])
+# beside NoPE attention and experts; nemotron_h: one-part layers (Mamba2, attention, or an
+# MLP without a gate)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h"])
 def test_models_with_states_split_as_transformers(family, tiny_family):
     """Each rank holds its heads' states, in the same slots, saved states and spares: two
     slots taken in turn by nine requests (a slot freed on rank 0 is freed on rank 1), n-gram

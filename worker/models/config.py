@@ -494,9 +494,6 @@ class ModelConfig:
         if world_size == 1:
             return self
         moe, linear = self.moe, self.linear
-        if self.one_part_layers:
-            raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: its "
-                             "layers are one part each (Nemotron-H)")
         if self.quant is not None and self.quant.act_order:
             raise ValueError(f"tensor_parallel_size={world_size} cannot split {self.architecture} yet: "
                              "its act-order (desc_act) GPTQ weights run on one device only")

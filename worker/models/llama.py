@@ -344,7 +344,8 @@ class ReluSquaredMLP(nn.Module):
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:  # [T, hidden]
-        return self.down(F.relu(self.up(x)).square_())
+        out = self.down(F.relu(self.up(x)).square_())
+        return out if self.reduce is None else self.reduce(out)
 
 
 def state_mixer(cfg: ModelConfig, index: int, use_kernels: bool) -> GatedDeltaNet | Mamba2Mixer:
@@ -447,9 +448,11 @@ class LlamaForCausalLM(nn.Module):
         `world_size` ranks by `all_reduce` (the model holds this rank's share of them)."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.self_attn.reduce = all_reduce  # attention's, or a layer with a state's
-            layer.self_attn.world_size = world_size
-            layer.mlp.reduce = all_reduce  # a dense MLP's, or the whole expert block's
+            if hasattr(layer, "self_attn"):  # (Nemotron-H's one-part layers have it or an MLP)
+                layer.self_attn.reduce = all_reduce  # attention's, or a layer with a state's
+                layer.self_attn.world_size = world_size
+            if hasattr(layer, "mlp"):
+                layer.mlp.reduce = all_reduce  # a dense MLP's, or the whole expert block's
 
     def build_rotary(self, device: torch.device) -> None:
         """The rotary tables, computed (again) on `device`: after a model built on "meta" or cast
