@@ -21,7 +21,8 @@ one of `num_host_blocks` slots in host memory first, under the same hash, and a 
 whose prefix continues there takes fresh blocks that the slots are copied back into before
 its step runs: the prefix cache then holds what the host's memory does, not only the device's.
 The copies a step needs (`take_swaps`) go out with it, evictions first. The host tier serves
-models whose layers all keep every block (one group, no window).
+models whose layers all keep every block (one group, no window), and keeps a model's saved
+states too (below).
 
 A model with linear-attention layers keeps, besides its KV, a state per request that follows
 every token before (worker.models.linear_attention): blocks alone cannot restore a prefix.
@@ -30,13 +31,16 @@ Its prefix cache also keeps states, in `state_slots` slots of their own: the sta
 forks of an n > 1 request start, saved by the step (`ScheduledRequest.state_saves`) and keyed
 by the hash of the block it ends with once the step has run. A prefix is then served up to
 the last block whose state is kept, which the request's first step restores
-(`ScheduledRequest.state_restore`); a fork starts from its parent's.
+(`ScheduledRequest.state_restore`); a fork starts from its parent's. With a host tier, a
+saved state evicted from its slot goes on in a host slot (`num_host_states`), copied out
+before the step that overwrites it, and a hit there takes a saved slot again, copied back
+into before the step that restores it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from worker.request import Request
@@ -68,6 +72,12 @@ class KVSwaps:
 
     out: list[tuple[int, int]] = field(default_factory=list)  # (block id, host slot)
     back: list[tuple[int, int]] = field(default_factory=list)  # (host slot, block id)
+    # a model with states: saved states evicted to host slots, and copied back into saved slots
+    states_out: list[tuple[int, int]] = field(default_factory=list)  # (saved slot, host slot)
+    states_back: list[tuple[int, int]] = field(default_factory=list)  # (host slot, saved slot)
+
+    def __bool__(self) -> bool:
+        return bool(self.out or self.back or self.states_out or self.states_back)
 
 
 class SlotCache:
@@ -91,13 +101,19 @@ class SlotCache:
             self.cached[block_hash] = slot
         return slot
 
-    def take(self) -> int | None:
+    def take(self, evicted: Callable[[Hashable, int], None] | None = None) -> int | None:
         """A slot off the books: a free one, else the least recently used one not pinned
-        (its content is forgotten); None where every slot is pinned."""
+        (its content is forgotten, once `evicted` has been told its hash and slot); None where
+        every slot is pinned."""
         if self.free:
             return self.free.pop()
         victim = next((h for h, s in self.cached.items() if s not in self.pinned), None)
-        return None if victim is None else self.cached.pop(victim)
+        if victim is None:
+            return None
+        slot = self.cached.pop(victim)
+        if evicted is not None:
+            evicted(victim, slot)
+        return slot
 
     def lookup(self, block_hash: Hashable) -> int | None:
         slot = self.cached.get(block_hash)
@@ -198,19 +214,20 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: Sequence[int | None] = (None,), num_host_blocks: int = 0,
-                 state_slots: int | None = None, state_interval: int = 0):
+                 state_slots: int | None = None, state_interval: int = 0, num_host_states: int = 0):
         if num_host_blocks and (not enable_prefix_caching or list(windows) != [None]):
             raise ValueError("KV offloading to host memory serves the prefix cache of a model whose layers keep "
                              "every block: it needs enable_prefix_caching, and no sliding-window or chunked layers "
                              "(where they mix with full ones, disable_hybrid_kv_cache_manager keeps every layer's "
                              "blocks)")
-        if state_slots is not None and (num_host_blocks or state_interval < 1 or state_interval % block_size):
+        if state_slots is not None and (state_interval < 1 or state_interval % block_size):
             raise ValueError(f"a model with linear-attention states saves them every multiple of block_size "
-                             f"({block_size}) tokens, with no host tier: got state_interval={state_interval}, "
-                             f"num_host_blocks={num_host_blocks}")
+                             f"({block_size}) tokens: got state_interval={state_interval}")
         # linear attention's saved states: hash of the block a state ends with -> its slot,
-        # and those the step being scheduled saves (registered once it has run)
+        # and those the step being scheduled saves (registered once it has run); with a host
+        # tier, the states evicted from their slots go on in host slots of their own
         self.states = None if state_slots is None else SlotCache(state_slots)
+        self.host_states = SlotCache(num_host_states) if num_host_states and state_slots else None
         self.state_interval = state_interval
         self.pending_states: dict[int, int] = {}
         self.pool = BlockPool(num_blocks, SlotCache(num_host_blocks) if num_host_blocks else None)
@@ -285,19 +302,25 @@ class BlockManager:
             hits.append([RELEASED] * first + [b for b in blocks[first:num_hit] if b is not None])
         host = self.pool.host
         if host is not None:  # the prefix goes on in the host tier (one group, no window)
-            for block_hash in hashes[num_hit:]:
-                slot = host.lookup((0, block_hash))
-                if slot is None:
-                    break
-                hits[0].append(host_hit(slot))
+            more = 0
+            while num_hit + more < len(hashes) and (0, hashes[num_hit + more]) in host.cached:
+                more += 1
+            while more and not self._state_kept(hashes, num_hit + more):  # (to a block whose state is kept)
+                more -= 1
+            for block_hash in hashes[num_hit:num_hit + more]:
+                hits[0].append(host_hit(host.cached[(0, block_hash)]))
+                host.lookup((0, block_hash))  # (a hit counts as use)
                 self.stats.host_hits += self.block_size
         self.stats.hits += len(hits[0]) * self.block_size
         return hits
 
     def _state_kept(self, hashes: list[int], num_blocks: int) -> bool:
-        """The linear-attention state after the first `num_blocks` blocks is kept (always
-        true of a model without such layers)."""
-        return self.states is None or hashes[num_blocks - 1] in self.states.cached
+        """The linear-attention state after the first `num_blocks` blocks is kept, in a saved
+        slot or a host slot (always true of a model without such layers)."""
+        if self.states is None:
+            return True
+        block_hash = hashes[num_blocks - 1]
+        return block_hash in self.states.cached or (self.host_states is not None and block_hash in self.host_states.cached)
 
     def saved_state(self, request: Request, num_computed: int) -> int | None:
         """The slot of the kept state a request admitted with its first `num_computed` tokens
@@ -306,7 +329,34 @@ class BlockManager:
         if self.states is None or num_computed == 0:
             return None
         self._hash_full_blocks(request)
-        return self.states.lookup(request.block_hashes[num_computed // self.block_size - 1])
+        block_hash = request.block_hashes[num_computed // self.block_size - 1]
+        slot = self.states.lookup(block_hash)
+        if slot is not None or self.host_states is None:
+            return slot
+        host_slot = self.host_states.lookup(block_hash)
+        if host_slot is None:
+            return None
+        # the state is copied back into a saved slot before the step runs: until then no state
+        # evicted (this one's slot's first) may take its host slot, nor a save the saved slot
+        self.host_states.pinned.add(host_slot)
+        slot = self._take_state_slot()
+        if slot is None:
+            return None
+        self.states.cached[block_hash] = slot
+        self.states.pinned.add(slot)
+        self.pool.swaps.states_back.append((host_slot, slot))
+        return slot
+
+    def _take_state_slot(self) -> int | None:
+        """A saved slot for a state: free, or the least recently used one's, which goes on in
+        the host tier where there is one (copied out before the step runs)."""
+        assert self.states is not None
+
+        def to_host(block_hash: Hashable, slot: int) -> None:
+            if self.host_states is not None and (host_slot := self.host_states.store(block_hash)) is not None:
+                self.pool.swaps.states_out.append((slot, host_slot))
+
+        return self.states.take(to_host)
 
     def reserve_state_saves(self, request: Request, start: int, end: int, also: int = 0
                             ) -> tuple[tuple[int, int], ...]:
@@ -325,7 +375,7 @@ class BlockManager:
             block_hash = request.block_hashes[num_tokens // self.block_size - 1]
             if self.states.lookup(block_hash) is not None or block_hash in self.pending_states:
                 continue
-            slot = self.states.take()
+            slot = self._take_state_slot()
             if slot is None:
                 break
             self.pending_states[block_hash] = slot
@@ -438,9 +488,14 @@ class BlockManager:
         if self.states is not None:
             self.pending_states.clear()
             self.states.reset()
+        if self.host_states is not None and not self.host_states.pinned:
+            self.host_states.reset()
 
     def take_swaps(self) -> KVSwaps:
         """The copies the step just scheduled needs (KV offloading), and the slots free again."""
+        for cache in (self.states, self.host_states):
+            if cache is not None:
+                cache.pinned.clear()
         return self.pool.take_swaps()
 
     def _table_len(self, num_tokens: int) -> int:

@@ -85,15 +85,13 @@ class Engine:
         # linear attention's state follows every token before: blocks alone restore no prefix, the
         # states the prefix cache keeps do (where it keeps some)
         self.recurrent = self.model_config.linear is not None
-        if self.recurrent and config.kv_offloading_size:
-            raise ValueError(f"kv_offloading_size: {self.model_config.architecture} keeps a linear-attention state "
-                             "per request, which the host tier does not keep, so it is not offered")
         num_saved = self.runner.states.num_saved if self.runner.states is not None else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching and num_saved != 0,
                                           windows=[window for window, _ in self.runner.kv_layout],
                                           num_host_blocks=self.runner.num_host_blocks,
-                                          state_slots=num_saved, state_interval=config.state_interval)
+                                          state_slots=num_saved, state_interval=config.state_interval,
+                                          num_host_states=self.runner.num_host_states)
         sched_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -321,7 +319,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        if sched.swaps.out or sched.swaps.back:  # (whether or not a request is left to run)
+        if sched.swaps:  # (whether or not a request is left to run)
             self.runner.swap_blocks(sched.swaps)
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}

@@ -149,6 +149,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         self.host_pool = self._allocate_host_tier(config.kv_offloading_size)
         self.num_host_blocks = 0 if self.host_pool is None else self.host_pool.shape[2]
+        self.num_host_states = 0 if self.states is None else self.states.num_host
         self.graphs = self._decode_graphs(backend, max_model_len)
 
     def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
@@ -288,7 +289,16 @@ class ModelRunner:
             return None
         block_bytes = self.kv_pool[:, :, 0].numel() * self.kv_pool.element_size()
         world = 1 if self.parallel is None else self.parallel.world_size
-        num_slots = int(size_gb * 2**30 / world // block_bytes)
+        size = size_gb * 2**30 / world
+        if self.states is not None and self.states.num_saved:  # states too, in the device's proportion
+            saved = self.states.num_saved * self.states.state_bytes
+            share = size * saved / (saved + self.num_blocks * block_bytes)
+            num_states = int(share // self.states.state_bytes)
+            if self.parallel is not None:
+                num_states = self.parallel.min(num_states)
+            self.states.allocate_host(num_states, pinned=self.device.type == "cuda")
+            size -= num_states * self.states.state_bytes
+        num_slots = int(size // block_bytes)
         if self.parallel is not None:
             num_slots = self.parallel.min(num_slots)
         if num_slots < 1:
@@ -300,7 +310,11 @@ class ModelRunner:
     def swap_blocks(self, swaps: KVSwaps) -> None:
         """KV offloading's copies for a step, before it runs: evicted blocks out to their host
         slots, then host slots back into the blocks that take them (each destination's last
-        copy is the one that counts)."""
+        copy is the one that counts); and so for saved states."""
+        if self.states is not None and (swaps.states_out or swaps.states_back):
+            self.states.swap(swaps.states_out, swaps.states_back)
+        if not (swaps.out or swaps.back):
+            return
         assert self.host_pool is not None
         pool, host = self.kv_pool.view(torch.uint8), self.host_pool.view(torch.uint8)  # (fp8 has no index_put)
         if swaps.out:

@@ -170,12 +170,11 @@ def test_guesses_are_taken_back_from_the_state(qwen3_5, backend, prompts):
     assert not spec.engine.runner.states.slots
 
 
-@pytest.mark.parametrize("args, message", [
-    ({"kv_offloading_size": 1.0}, "keeps a linear-attention state per request, which the host tier"),
-])
-def test_what_a_state_cannot_do_is_refused_by_name(qwen3_5, args, message):
-    with pytest.raises(ValueError, match=message):
-        LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=16, max_model_len=128, **args)
+def test_kv_offloading_without_saved_states_is_refused_by_name(qwen3_5):
+    """No state kept (num_state_snapshots=0) is no prefix cache, which the host tier serves."""
+    with pytest.raises(ValueError, match="KV offloading to host memory serves the prefix cache"):
+        LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=16, max_model_len=128, kv_offloading_size=1.0,
+            num_state_snapshots=0)
 
 
 def test_a_slot_is_taken_zeroed_and_given_back():
@@ -254,3 +253,25 @@ def test_the_kernel_path_steps_as_the_torch_path(mamba2):
         theirs, ours = (getattr(pool, name)[:7 if name.startswith("saved") else 3, 1] for pool in pools)  # layer 1's
         assert not theirs.isnan().any(), name
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("offload", [None, 0.01])
+def test_states_evicted_go_on_in_the_host_tier(qwen3_5, offload):
+    """Two saved slots on the device: a prompt's states at 16 and 32 are evicted by the
+    states of the prompts after it. Without a host tier its follow-up computes everything
+    again; with one (kv_offloading_size) they went on in host slots, and the follow-up starts
+    from the state at 32, copied back, with the KV blocks of its prefix: greedy tokens equal
+    transformers' either way."""
+    llm = LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=24, max_model_len=128, mamba_block_size=16,
+              num_state_snapshots=2, max_num_seqs=1, kv_offloading_size=offload)
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    first = tok.encode(PROMPTS[5])  # 46 tokens: states at 16 and 32 (and 48 as it decodes)
+    llm.generate({"prompt_token_ids": first}, greedy(4), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": tok.encode(p)} for p in (PROMPTS[8], PROMPTS[7])], greedy(4), use_tqdm=False)
+    follow_up = first[:40] + tok.encode(" and then")
+    [out] = llm.generate({"prompt_token_ids": follow_up}, greedy(12), use_tqdm=False)
+    assert out.num_cached_tokens == (32 if offload else 0)
+    assert out.outputs[0].token_ids == hf_greedy_along(qwen3_5, [follow_up], [out.outputs[0].token_ids])[0]
+    if offload:
+        assert engine.runner.num_host_states > 0 and engine.block_manager.host_states.cached

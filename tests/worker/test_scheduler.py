@@ -499,9 +499,10 @@ def test_chunks_never_end_inside_a_whole_span():
     assert out.scheduled[1].both_ways == ((1, 8),)
 
 
-def make_state_scheduler(slots=3, interval=8, budget=6, num_blocks=32):
-    """A model with linear-attention states: one kept after every `interval` tokens, in `slots`."""
-    bm = BlockManager(num_blocks, BS, True, state_slots=slots, state_interval=interval)
+def make_state_scheduler(slots=3, interval=8, budget=6, num_blocks=32, host_states=0):
+    """A model with linear-attention states: one kept after every `interval` tokens, in `slots`
+    (and `host_states` host slots)."""
+    bm = BlockManager(num_blocks, BS, True, state_slots=slots, state_interval=interval, num_host_states=host_states)
     return Scheduler(SchedulerConfig(8, budget, 256, "fcfs", frozenset({2})), bm)
 
 
@@ -564,11 +565,35 @@ def test_unwritten_saves_go_back_and_the_oldest_state_is_evicted():
     assert run("x4", [*range(500, 505), 9]).start_pos == 0  # x3's was evicted: its blocks alone restore nothing
 
 
-def test_a_state_model_without_saved_states_is_refused_a_host_tier_and_odd_intervals():
+def test_a_state_model_is_refused_odd_intervals():
     with pytest.raises(ValueError, match="multiple of block_size"):
         BlockManager(16, BS, True, state_slots=2, state_interval=6)
-    with pytest.raises(ValueError, match="no host tier"):
-        BlockManager(16, BS, True, num_host_blocks=4, state_slots=2, state_interval=8)
+
+
+def test_evicted_states_go_on_in_host_slots_and_come_back_for_a_hit():
+    """One saved slot and one host slot: a second prompt's state evicts the first's to the
+    host slot (copied out before the step that overwrites it). A hit on the first's prefix
+    takes the saved slot back for it (copied in before the step), the state there giving way;
+    the host slot, pinned until then, is not overwritten by that state in the same step (the
+    copies out run first), so the copy back reads the first prompt's state."""
+    sched = make_state_scheduler(slots=1, interval=4, budget=64, host_states=1)
+    bm = sched.block_manager
+
+    def run(rid, prompt):  # its first step's request and swaps
+        sched.add_request(make_request(rid, prompt, max_tokens=1))
+        first, _ = step(sched)
+        while sched.has_unfinished_requests():
+            step(sched)
+        return first.scheduled[0], first.swaps
+
+    run("a", range(100, 105))  # a's state at 4 in saved slot 0
+    _, swaps = run("b", range(200, 205))  # b's takes slot 0: a's goes out to host slot 0
+    assert (swaps.states_out, swaps.states_back) == ([(0, 0)], [])
+    hit, swaps = run("a2", [*range(100, 105), 7])
+    assert (hit.start_pos, hit.state_restore) == (4, 0)
+    assert (swaps.states_out, swaps.states_back) == ([], [(0, 0)])  # b's state has no host slot left: dropped
+    assert not bm.states.pinned and not bm.host_states.pinned  # (until the step ran)
+    assert run("b2", [*range(200, 205), 7])[0].start_pos == 0
 
 
 def test_forks_start_from_their_parents_state_or_from_scratch_if_it_is_gone():

@@ -116,7 +116,7 @@ class LinearStates:
         self.row_starts = torch.arange(max_requests + 2, dtype=torch.int32, device=device)  # a decode step's rows
         self.slots: dict[str, int] = {}  # request id -> its slot
         self.free = list(range(max_requests - 1, -1, -1))
-        self.num_saved = 0
+        self.num_saved = self.num_host = 0
         self.allocate_saved(0)
 
     @property
@@ -132,6 +132,24 @@ class LinearStates:
         self.saved_conv = self.conv.new_empty(total, *self.conv.shape[1:])
         self.saved_recurrent = self.recurrent.new_empty(total, *self.recurrent.shape[1:])
         return total
+
+    def allocate_host(self, count: int, pinned: bool) -> None:
+        """KV offloading's host slots for `count` saved states (pinned beside a GPU)."""
+        self.num_host = count
+        self.host_conv = torch.empty(count, *self.conv.shape[1:], dtype=self.conv.dtype, pin_memory=pinned)
+        self.host_recurrent = torch.empty(count, *self.recurrent.shape[1:], dtype=torch.float32, pin_memory=pinned)
+
+    def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
+        """Saved states out to host slots ((saved slot, host slot) each), then host slots back
+        into saved slots ((host slot, saved slot) each), before the step runs."""
+        if out:
+            saved, host = [s for s, _ in out], [h for _, h in out]
+            self.host_conv[host] = self.saved_conv[saved].cpu()
+            self.host_recurrent[host] = self.saved_recurrent[saved].cpu()
+        if back:
+            host, saved = [h for h, _ in back], [s for _, s in back]
+            self.saved_conv[saved] = self.host_conv[host].to(self.device, non_blocking=True)
+            self.saved_recurrent[saved] = self.host_recurrent[host].to(self.device, non_blocking=True)
 
     def rewind(self, request_id: str) -> None:
         """The request's state back to the one after the known token of its last step: the
