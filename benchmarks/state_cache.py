@@ -3,6 +3,7 @@ every `mamba_block_size` tokens beside the KV blocks: with those states (the def
 none kept (`num_state_snapshots=0`, where such a model has no prefix cache), in one run.
 
     python benchmarks/state_cache.py [--arch qwen3_5] [--conversations 6] [--system 1024] [--context 256] [--turns 3]
+    python benchmarks/state_cache.py --snapshots 4 --offload 1   # with a host tier against without
 
 The default model's shape (SmolLM2-135M: 30 layers) remade as Qwen3.5 (three linear-attention
 layers of four), Granite 4.0-H (`--arch granitemoehybrid`: five Mamba2 layers of six) or
@@ -11,7 +12,9 @@ random weights (load_format dummy). Every conversation starts
 with the same system prompt of `--system` random tokens, then a context of its own; each
 round sends every conversation's next turn (its history, the last reply and a new 32-token
 message), two at a time. Prints per mode the prompt tokens computed (not served from the
-cache) and the seconds of the rounds after the first; then the ratios states / none.
+cache) and the seconds of the rounds after the first; then the ratios states / none. With
+`--offload GiB`, both modes keep `--snapshots` states on the device, one with KV offloading's
+host tier (which keeps the states evicted from the device), the other without.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from worker import LLM
 MESSAGE, REPLY = 32, 16  # tokens a turn adds, and a reply's
 
 
-def run(model: str, args: argparse.Namespace, snapshots: int | None) -> dict[str, float]:
+def run(model: str, args: argparse.Namespace, snapshots: int | None, offload: float | None = None) -> dict[str, float]:
     llm = LLM(model, dtype=args.dtype, load_format="dummy", max_model_len=4096, max_num_seqs=2,
-              mamba_block_size=args.interval, num_state_snapshots=snapshots)
+              mamba_block_size=args.interval, num_state_snapshots=snapshots, kv_offloading_size=offload)
     stats = llm.engine.block_manager.stats
     rng = random.Random(0)
     system = [rng.randrange(3, 49152) for _ in range(args.system)]
@@ -59,19 +62,25 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--interval", type=int, default=512)  # mamba_block_size
     ap.add_argument("--dtype", default="float32")  # bfloat16 where the CPU has AVX-512 bf16
+    ap.add_argument("--snapshots", type=int, default=None)  # num_state_snapshots (None: the engine's default)
+    ap.add_argument("--offload", type=float, default=None,  # kv_offloading_size: compare with and without it
+                    help="GiB of host memory: the states kept with and without this host tier")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = remake(None, args.arch, tmp)
-        rows = {"states": run(model, args, None), "none": run(model, args, 0)}
+        if args.offload:  # a few saved slots on the device, with and without the host tier
+            rows = {"host": run(model, args, args.snapshots, args.offload), "device": run(model, args, args.snapshots)}
+        else:
+            rows = {"states": run(model, args, args.snapshots), "none": run(model, args, 0)}
     print(f"SmolLM2-135M remade as {args.arch} (dummy weights, {args.dtype}), {args.conversations} conversations: "
           f"a shared system prompt of {args.system} tokens, {args.context} of their own, {args.turns} turns, "
           f"a state kept every {args.interval} tokens; rounds 2..{args.turns}:")
     for name, row in rows.items():
-        print(f"{name:<7} {row['computed']:>7} prompt tokens computed  ({row['snapshots']} states kept at most)  "
-              f"{row['elapsed_s']:6.1f} s")
-    states, none = rows["states"], rows["none"]
-    print(f"states / none: prompt tokens computed {states['computed'] / none['computed']:.2f}x  "
-          f"time {states['elapsed_s'] / none['elapsed_s']:.2f}x")
+        print(f"{name:<7} {row['computed']:>7} prompt tokens computed  ({row['snapshots']} states kept at most on "
+              f"the device)  {row['elapsed_s']:6.1f} s")
+    (_, ours), (_, base) = rows.items()
+    print(f"{' / '.join(rows)}: prompt tokens computed {ours['computed'] / base['computed']:.2f}x  "
+          f"time {ours['elapsed_s'] / base['elapsed_s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -290,10 +290,9 @@ class ModelRunner:
         block_bytes = self.kv_pool[:, :, 0].numel() * self.kv_pool.element_size()
         world = 1 if self.parallel is None else self.parallel.world_size
         size = size_gb * 2**30 / world
-        if self.states is not None and self.states.num_saved:  # states too, in the device's proportion
-            saved = self.states.num_saved * self.states.state_bytes
-            share = size * saved / (saved + self.num_blocks * block_bytes)
-            num_states = int(share // self.states.state_bytes)
+        if self.states is not None and self.states.num_saved:  # half of it for states: a prefix is
+            # served from the host only up to a state kept (the scarcer part, a few per GiB)
+            num_states = int(size / 2 // self.states.state_bytes)
             if self.parallel is not None:
                 num_states = self.parallel.min(num_states)
             self.states.allocate_host(num_states, pinned=self.device.type == "cuda")
