@@ -115,6 +115,10 @@ class SlotCache:
             evicted(victim, slot)
         return slot
 
+    def can_take(self) -> bool:
+        """Whether take() would give a slot (not every one pinned)."""
+        return bool(self.free) or any(slot not in self.pinned for slot in self.cached.values())
+
     def lookup(self, block_hash: Hashable) -> int | None:
         slot = self.cached.get(block_hash)
         if slot is not None:
@@ -316,11 +320,13 @@ class BlockManager:
 
     def _state_kept(self, hashes: list[int], num_blocks: int) -> bool:
         """The linear-attention state after the first `num_blocks` blocks is kept, in a saved
-        slot or a host slot (always true of a model without such layers)."""
+        slot, or in a host slot while a saved slot is left to copy it back into (always true of
+        a model without such layers)."""
         if self.states is None:
             return True
         block_hash = hashes[num_blocks - 1]
-        return block_hash in self.states.cached or (self.host_states is not None and block_hash in self.host_states.cached)
+        return block_hash in self.states.cached or (self.host_states is not None and block_hash in self.host_states.cached
+                                                    and self.states.can_take())
 
     def saved_state(self, request: Request, num_computed: int) -> int | None:
         """The slot of the kept state a request admitted with its first `num_computed` tokens

@@ -596,6 +596,23 @@ def test_evicted_states_go_on_in_host_slots_and_come_back_for_a_hit():
     assert run("b2", [*range(200, 205), 7])[0].start_pos == 0
 
 
+def test_a_state_in_the_host_tier_is_a_hit_only_while_a_saved_slot_can_take_it():
+    """One saved slot, three host slots holding a's and b's states: a step admitting
+    follow-ups of both copies a's back into the saved slot, which it pins until the step has
+    run; b's then has no slot to come back into, so b's follow-up computes its prompt (not a
+    hit it could not restore)."""
+    sched = make_state_scheduler(slots=1, interval=4, budget=64, host_states=3)
+    for rid, start in (("a", 100), ("b", 200), ("c", 300)):
+        sched.add_request(make_request(rid, range(start, start + 5), max_tokens=1))
+        while sched.has_unfinished_requests():
+            step(sched)
+    assert len(sched.block_manager.host_states.cached) == 2  # a's and b's; c's in the saved slot
+    sched.add_request(make_request("a2", [*range(100, 105), 7], max_tokens=1))
+    sched.add_request(make_request("b2", [*range(200, 205), 7], max_tokens=1))
+    out, _ = step(sched)
+    assert [(s.request_id, s.start_pos, s.state_restore) for s in out.scheduled] == [("a2", 4, 0), ("b2", 0, None)]
+
+
 def test_forks_start_from_their_parents_state_or_from_scratch_if_it_is_gone():
     """A model with states: the parent of n > 1 completions saves its state where its forks
     start (its prompt's full blocks, less the last token's: 8 of 10 tokens), and they start
