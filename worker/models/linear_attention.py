@@ -28,6 +28,11 @@ of a prompt start from the state its first saved where they fork (each computes 
 where no state is kept). Plain torch, but on the kernel path (CUDA): there every request's rows
 go through the rule in one Triton kernel per layer, a token at a time (kernels.recurrent), and
 the decodes' convolution in another, each over the states in their slots.
+
+LoRA adapters add to each projection by name (`lora_slots`); under tensor parallelism a rank
+holds some key heads and the value heads that read them (their part of every state), and
+out_proj's partial outputs are summed (`reduce`); KV offloading's host tier keeps saved states
+evicted from their slots (`allocate_host`, `swap`).
 """
 
 from __future__ import annotations
@@ -245,12 +250,15 @@ class StateMixer(nn.Module):
     over its inputs, then the recurrence per request from its slot (a prefill's chunks solved at
     once, a step's decodes one step together), saving the states the step names."""
 
-    cfg: LinearAttentionConfig
-    index: int  # among the layers with a state: its row of each request's state
-    use_kernels: bool  # the rule and the decodes' convolution in Triton kernels (the CUDA path)
     conv1d: nn.Conv1d
-    lora_slots: dict[str, LoRASlots]  # the projections' adapter slots by name, where LoRA is enabled
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None  # tensor parallelism's sum over the ranks
+
+    def __init__(self, cfg: LinearAttentionConfig, index: int, use_kernels: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.index = index  # among the layers with a state: its row of each request's state
+        self.use_kernels = use_kernels  # the rule and the decodes' convolution in Triton kernels (the CUDA path)
+        self.lora_slots: dict[str, LoRASlots] = {}  # the projections' adapter slots by name, where LoRA is enabled
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallelism's sum over the ranks
 
     def _reduced(self, out: torch.Tensor) -> torch.Tensor:
         """out_proj's output summed over the tensor-parallel ranks (each holds some heads)."""
@@ -350,10 +358,7 @@ class GatedDeltaNet(StateMixer):
 
     def __init__(self, cfg: LinearAttentionConfig, hidden_size: int, eps: float, index: int,
                  use_kernels: bool = False):
-        super().__init__()
-        self.cfg, self.index, self.use_kernels = cfg, index, use_kernels
-        self.lora_slots = {}
-        self.reduce = None
+        super().__init__(cfg, index, use_kernels)
         key_dim, value_dim = cfg.num_key_heads * cfg.key_head_dim, cfg.num_value_heads * cfg.value_head_dim
         self.in_proj_qkv = nn.Linear(hidden_size, 2 * key_dim + value_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
@@ -415,10 +420,7 @@ class Mamba2Mixer(StateMixer):
 
     def __init__(self, cfg: LinearAttentionConfig, hidden_size: int, eps: float, index: int,
                  use_kernels: bool = False):
-        super().__init__()
-        self.cfg, self.index, self.use_kernels = cfg, index, use_kernels
-        self.lora_slots = {}
-        self.reduce = None
+        super().__init__(cfg, index, use_kernels)
         self.inner = cfg.num_value_heads * cfg.value_head_dim
         self.in_proj = nn.Linear(hidden_size, self.inner + cfg.conv_dim + cfg.num_value_heads, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=cfg.conv_bias)
