@@ -255,15 +255,16 @@ def test_the_kernel_path_steps_as_the_torch_path(mamba2):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("offload", [None, 0.01])
-def test_states_evicted_go_on_in_the_host_tier(qwen3_5, offload):
+@pytest.mark.parametrize("offload, tp", [(None, 1), (0.01, 1), (0.01, 2)])
+def test_states_evicted_go_on_in_the_host_tier(qwen3_5, offload, tp):
     """Two saved slots on the device: a prompt's states at 16 and 32 are evicted by the
     states of the prompts after it. Without a host tier its follow-up computes everything
     again; with one (kv_offloading_size) they went on in host slots, and the follow-up starts
-    from the state at 32, copied back, with the KV blocks of its prefix: greedy tokens equal
-    transformers' either way."""
+    from the state at 32, copied back, with the KV blocks of its prefix (on two ranks, each
+    copying its heads' part): greedy tokens equal transformers' either way."""
     llm = LLM(str(qwen3_5), dtype="float32", num_gpu_blocks_override=24, max_model_len=128, mamba_block_size=16,
-              num_state_snapshots=2, max_num_seqs=1, kv_offloading_size=offload)
+              num_state_snapshots=2, max_num_seqs=1, kv_offloading_size=offload, tensor_parallel_size=tp,
+              num_threads=1 if tp > 1 else None)
     engine = llm.engine
     tok = llm.get_tokenizer()
     first = tok.encode(PROMPTS[5])  # 46 tokens: states at 16 and 32 (and 48 as it decodes)
