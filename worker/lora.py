@@ -14,7 +14,8 @@ output columns, so one pair of matmuls serves q, k and v (or gate and up) togeth
 projection the adapter does not target stays zero and adds nothing. A layer with a state
 (Qwen3.5's linear attention, Mamba2) keeps a slot set per projection of its own, by name.
 An image-text model's adapter names its language model's projections under
-`model.language_model.`.
+`model.language_model.`; Nemotron-H's, each layer's one part under `backbone.layers.N.mixer`
+(an MLP layer's up_proj and down_proj, without a gate).
 """
 
 from __future__ import annotations
@@ -48,12 +49,15 @@ TARGETS: dict[str, tuple[str, int | None]] = {
     **{name: (name, 0) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj", "out_proj")},
     # Granite 4.0's shared MLP: gate and up in one projection, down
     "input_linear": ("gate_up_proj", None), "output_linear": ("down_proj", 0),
+    # Nemotron-H's MLP layers (up and down, no gate: its up_proj and down_proj there)
+    "up": ("up", 0), "down": ("down", 0),
 }
+_GATELESS = {"up_proj": "up", "down_proj": "down"}  # a Nemotron-H MLP layer's names
 # the projections of a layer with a state, Gated DeltaNet's or Mamba2's
 STATE_PROJECTIONS = {False: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
                      True: ("in_proj", "out_proj")}
-_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\."
-                  r"(?:self_attn|mlp|shared_mlp|linear_attn|mamba)\.(\w+)\.lora_([AB])\.weight")
+_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.|backbone\.)?(?:language_model\.)?layers\.(\d+)\."
+                  r"(?:self_attn|mlp|shared_mlp|linear_attn|mamba|mixer)\.(\w+)\.lora_([AB])\.weight")
 # adapter_config.json settings that change what an adapter computes beyond plain LoRA
 _REFUSED = {
     "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out", "modules_to_save": "modules_to_save",
@@ -99,10 +103,11 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         if TARGETS[match.group(2)][0] in _MLP and _has_experts(cfg, layer):
             raise ValueError(f"{where}: tensor {key!r} adapts the MLP of layer {layer}, a mixture-of-experts "
                              "layer; genq applies adapters to attention and dense MLPs only")
-        if TARGETS[match.group(2)][0] not in _MLP and match.group(2) not in layer_projections(cfg, layer):
+        if match.group(2) not in layer_projections(cfg, layer):
             raise ValueError(f"{where}: tensor {key!r} adapts {match.group(2)} in layer {layer}, which has none: "
-                             f"its mixer's projections are {', '.join(layer_projections(cfg, layer))}")
-        halves.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
+                             f"its projections are {', '.join(layer_projections(cfg, layer))}")
+        module = _GATELESS.get(match.group(2), match.group(2)) if layer in cfg.mlp_only_layers else match.group(2)
+        halves.setdefault((layer, module), {})[match.group(3)] = tensor
     adapter = LoRAAdapter(request, rank=0)
     for (layer, module), pair in sorted(halves.items()):
         a, b = _check_pair(pair, layer, module, cfg, max_rank, where)
@@ -133,11 +138,15 @@ _MLP = ("gate_up_proj", "down_proj")
 
 
 def layer_projections(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
-    """The projections of layer `layer`'s mixer an adapter may target (attention's, or those
-    of a layer with a state)."""
+    """The projections of layer `layer` an adapter may name: its mixer's (attention's, or a
+    layer with a state's), and its MLP's; a Nemotron-H layer has one or the other."""
+    if layer in cfg.mlp_only_layers:
+        return tuple(_GATELESS)
+    mlp = () if cfg.one_part_layers else ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "input_linear",
+                                          "output_linear")
     if cfg.linear is not None and layer in cfg.linear_layers:
-        return STATE_PROJECTIONS[cfg.linear.mamba2]
-    return ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+        return STATE_PROJECTIONS[cfg.linear.mamba2] + mlp
+    return ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", *mlp)
 
 
 def _has_experts(cfg: ModelConfig, layer: int) -> bool:
@@ -188,7 +197,7 @@ def _scale(config: dict, module_name: str, rank: int) -> float:
 def _in_features(fused: str, cfg: ModelConfig) -> int:
     inner = 0 if cfg.linear is None else cfg.linear.num_value_heads * cfg.linear.value_head_dim
     return {"o_proj": cfg.num_attention_heads * cfg.head_dim, "out_proj": inner,
-            "down_proj": cfg.intermediate_size}.get(fused, cfg.hidden_size)
+            "down_proj": cfg.intermediate_size, "down": cfg.intermediate_size}.get(fused, cfg.hidden_size)
 
 
 def _shard_sizes(fused: str, cfg: ModelConfig) -> list[int]:
@@ -196,7 +205,8 @@ def _shard_sizes(fused: str, cfg: ModelConfig) -> list[int]:
     q_size = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
     kv_size = cfg.num_key_value_heads * cfg.head_dim
     sizes = {"qkv_proj": [q_size, kv_size, kv_size], "o_proj": [cfg.hidden_size],
-             "gate_up_proj": [cfg.intermediate_size] * 2, "down_proj": [cfg.hidden_size], "out_proj": [cfg.hidden_size]}
+             "gate_up_proj": [cfg.intermediate_size] * 2, "down_proj": [cfg.hidden_size], "out_proj": [cfg.hidden_size],
+             "up": [cfg.intermediate_size], "down": [cfg.hidden_size]}
     if cfg.linear is not None:
         linear = cfg.linear
         inner = linear.num_value_heads * linear.value_head_dim
@@ -273,9 +283,6 @@ class LoRAManager:
         if cfg.mla is not None:
             raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}, whose attention is "
                              "multi-head latent attention (MLA); serve it without enable_lora")
-        if cfg.one_part_layers:
-            raise ValueError(f"LoRA adapters are not supported for {cfg.architecture} yet, whose layers are "
-                             "one part each (Nemotron-H); serve it without enable_lora")
         self.cfg = whole or cfg
         self.share = share
         self.max_loras = max_loras
@@ -287,9 +294,11 @@ class LoRAManager:
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         for i, layer in enumerate(model.layers):
             state = cfg.linear is not None and i in cfg.linear_layers
-            targets = [(layer.self_attn, fused) for fused in
-                       (STATE_PROJECTIONS[cfg.linear.mamba2] if state and cfg.linear else ("qkv_proj", "o_proj"))]
-            if not _has_experts(cfg, i):
+            targets = [] if i in cfg.mlp_only_layers else [(layer.self_attn, fused) for fused in (
+                STATE_PROJECTIONS[cfg.linear.mamba2] if state and cfg.linear else ("qkv_proj", "o_proj"))]
+            if i in cfg.mlp_only_layers:  # Nemotron-H's: up and down, no gate
+                targets += [(layer.mlp, "up"), (layer.mlp, "down")]
+            elif not cfg.one_part_layers and not _has_experts(cfg, i):
                 targets += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
             for owner, fused in targets:
                 slots = LoRASlots(_in_features(fused, cfg), _shard_sizes(fused, cfg), max_loras, max_rank, dtype, device)

@@ -228,7 +228,7 @@ def shard_adapter(adapter: LoRAAdapter, cfg: ModelConfig, rank: int, world_size:
                 split.append(None)
                 continue
             a, b = pair
-            if fused in ("o_proj", "down_proj", "out_proj"):
+            if fused in ("o_proj", "down_proj", "out_proj", "down"):
                 a = a.chunk(world_size, dim=1)[rank]
             elif fused == "qkv_proj" and i > 0:  # k, v
                 b = _kv_share(b, cfg, rank, world_size)

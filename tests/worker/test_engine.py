@@ -47,7 +47,12 @@ def hf_greedy_along(model_dir, prompt_ids: list[list[int]], outputs: list[list[i
     output before it (teacher forcing). It equals `outputs` exactly when they are the tokens
     transformers' greedy decoding writes (as hf_greedy's, never stopping at EOS), and takes
     one forward per prompt where generate takes one per token."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return greedy_along(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), prompt_ids, outputs)
+
+
+def greedy_along(model, prompt_ids: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
+    """hf_greedy_along's choices, of a model already loaded (a PEFT model, say)."""
+    model = model.eval()
     with torch.inference_mode():
         return [model(torch.tensor([ids + out[:-1]])).logits[0, len(ids) - 1 :].argmax(-1).tolist() if out else []
                 for ids, out in zip(prompt_ids, outputs, strict=True)]

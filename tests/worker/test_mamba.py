@@ -86,10 +86,3 @@ def test_mamba2_hybrids_greedy_match_transformers(tiny_family, family):
     assert out.num_cached_tokens == (len(prompts[5]) + 31) // 16 * 16
     assert out.outputs[0].token_ids == hf_greedy_along(model, [follow_up], [out.outputs[0].token_ids])[0]
 
-
-def test_nemotron_h_refuses_adapters_by_name(tiny_family):
-    """Nemotron-H's one-part layers take no LoRA adapters yet: said at start, by name."""
-    with pytest.raises(ValueError, match="LoRA adapters are not supported for NemotronHForCausalLM yet, whose "
-                                         "layers are one part each"):
-        LLM(str(tiny_family("nemotron_h")), dtype="float32", num_gpu_blocks_override=16, max_model_len=128,
-            enable_lora=True)

@@ -342,9 +342,15 @@ class ReluSquaredMLP(nn.Module):
         self.up = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.up_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
+        self.down_lora: LoRASlots | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:  # [T, hidden]
-        out = self.down(F.relu(self.up(x)).square_())
+        up = self.up(x)
+        if lora is not None:
+            lora.add(up, x, self.up_lora)
+        h = F.relu(up).square_()
+        out = self.down(h) if lora is None else lora.add(self.down(h), h, self.down_lora)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -402,7 +408,7 @@ class DecoderLayer(nn.Module):
         kernel can fuse each add with the norm after it; residual is None at the first layer."""
         if self.one_part:
             x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-            return (self.mlp(x) if self.mlp_only else self.self_attn(x, rope, kv_cache, meta, lora)), residual
+            return (self.mlp(x, lora) if self.mlp_only else self.self_attn(x, rope, kv_cache, meta, lora)), residual
         if self.post_norms_only:
             h = x if residual is None else x + residual
             h = h + self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta, lora))
