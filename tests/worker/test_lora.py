@@ -323,11 +323,11 @@ def test_an_adapter_for_the_other_layer_kind_is_refused(tiny_adapter):
         llm.generate("Hello", greedy(), lora_request=LoRARequest("moved", 1, str(adapter_dir)), use_tqdm=False)
 
 
-@pytest.mark.parametrize("tiny_image_text_dir", ["qwen3_5"], indirect=True)
+@pytest.mark.parametrize("tiny_image_text_dir", ["qwen3_5", "gemma3"], indirect=True)
 def test_adapter_on_an_image_text_models_language_model_matches_peft(tiny_image_text_dir, default_model_dir, tmp_path):
-    """Qwen3.5 ships as an image-text model: an adapter trained on it names its language
-    model's projections under `model.language_model.`; served on text, its greedy tokens
-    equal PEFT's on transformers' image-text model."""
+    """Qwen3.5 and Gemma 3 ship as image-text models: an adapter trained on one names its
+    language model's projections under `model.language_model.`; served on text, its greedy
+    tokens equal PEFT's on transformers' image-text model."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
