@@ -312,8 +312,9 @@ class BlockManager:
             while more and not self._state_kept(hashes, num_hit + more):  # (to a block whose state is kept)
                 more -= 1
             for block_hash in hashes[num_hit:num_hit + more]:
-                hits[0].append(host_hit(host.cached[(0, block_hash)]))
-                host.lookup((0, block_hash))  # (a hit counts as use)
+                slot = host.lookup((0, block_hash))  # (a hit counts as use)
+                assert slot is not None  # (held, as counted above)
+                hits[0].append(host_hit(slot))
                 self.stats.host_hits += self.block_size
         self.stats.hits += len(hits[0]) * self.block_size
         return hits

@@ -284,7 +284,8 @@ class ModelRunner:
     def _allocate_host_tier(self, size_gb: float | None) -> torch.Tensor | None:
         """KV offloading's host slots, laid out as the pool's blocks: `size_gb` GiB in all, a
         tensor-parallel rank holding its share of each block (pinned where the pool is on a
-        GPU, so copies run beside the stream's work)."""
+        GPU, so copies run beside the stream's work). A model with states that keeps saved
+        ones gives half of it to host slots for them (LinearStates.allocate_host)."""
         if not size_gb:
             return None
         block_bytes = self.kv_pool[:, :, 0].numel() * self.kv_pool.element_size()
