@@ -4,8 +4,9 @@ Each (token, choice) pair is a row of work. `moe_align` sorts the rows by expert
 each expert's run to a multiple of BLOCK_M, so each program's tile of BLOCK_M rows belongs to
 one expert and multiplies by that expert's weights alone (a grouped GEMM, the layout of
 vLLM's fused_moe). Two launches of one kernel make the MLP: x @ w13[e].T gives each row's
-gate and up halves, SiLU(gate) * up runs in torch between them, and @ w2[e].T, scaled by the
-row's routing weight, gives the row's output; a token's k rows are summed at the end.
+gate and up halves (or its up rows alone, for experts without a gate), the activation
+(SiLU(gate) * up) runs in torch between them, and @ w2[e].T, scaled by the row's routing
+weight, gives the row's output; a token's k rows are summed at the end.
 
 Every size is fixed by the number of tokens (the padded row count has an upper bound:
 rows + num_experts * (BLOCK_M - 1)), and the alignment is torch ops without host syncs, so
@@ -38,7 +39,7 @@ from kernels._common import (
 from kernels.quant_linear import block_k as quant_block_k
 from kernels.quant_linear import check_zero, dequantize_ref, weight_tile
 
-__all__ = ["fused_moe", "fused_moe_ref", "moe_align"]
+__all__ = ["fused_moe", "fused_moe_ref", "moe_align", "silu_and_mul"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BLOCK_M = 16  # rows per tile: the tl.dot minimum, as a decode step routes few rows per expert
@@ -121,6 +122,12 @@ def _moe_matmul_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < N)[None, :])
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's unit: SiLU of the gate half (the first) times the up half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows sorted by expert, each expert's run padded to a multiple of `block_m`.
 
@@ -148,7 +155,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 _QUANTIZED = (torch.float8_e4m3fn, torch.int8, torch.int32, torch.uint8)  # int32: packed int4; uint8: fp4 codes
 
 
-def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, w13_zero, w2_zero) -> None:
+def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, w13_zero, w2_zero, gated) -> None:
     check_dtype("x", x, _DTYPES)
     check_shape("x", x, (None, None))
     num_tokens, hidden = x.shape
@@ -157,10 +164,10 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block
     if per_column == 2 and hidden % 8:
         raise ValueError(f"fp4 experts need a hidden size that is a multiple of 8, got {hidden}")
     check_shape("w13", w13, (None, None, cdiv(hidden, per_column)))
-    num_experts, two_inter, _ = w13.shape
-    if two_inter % 2:
-        raise ValueError(f"w13 must stack gate and up halves of equal size, got {two_inter} rows")
-    inter = two_inter // 2
+    num_experts, rows, _ = w13.shape
+    if gated and rows % 2:
+        raise ValueError(f"w13 must stack gate and up halves of equal size, got {rows} rows")
+    inter = rows // 2 if gated else rows
     if per_column == 2 and inter % 8:
         raise ValueError(f"fp4 experts need an intermediate size that is a multiple of 8, got {inter}")
     check_shape("w2", w2, (num_experts, hidden, cdiv(inter, per_column)))
@@ -212,7 +219,7 @@ def _launch(a, w, scale, zero, block, out, topk_weights, sorted_ids, block_exper
 
 def fused_moe(
     x: torch.Tensor,  # [T, hidden]
-    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows (gated)
     w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [T, top_k]: float32 or x's dtype
     topk_ids: torch.Tensor,  # [T, top_k] int64
@@ -220,7 +227,8 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,  # quantized weights: weight rows, columns per scale
     *,
-    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,  # (gate, up) -> h
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,  # w13's products [pairs, rows] -> h
+    gated: bool = True,  # w13 holds gate rows, then up rows; False: up rows alone
     w13_bias: torch.Tensor | None = None,  # [num_experts, 2 * intermediate], x's dtype
     w2_bias: torch.Tensor | None = None,  # [num_experts, hidden]
     w13_zero: torch.Tensor | None = None,  # int weights' int8 zero points, laid out as their scales
@@ -231,9 +239,14 @@ def fused_moe(
     int8 values, int4 packed eight to an int32 (as `kernels.quant_linear` reads them), or
     e2m1 codes two to a uint8, low nibble first (MXFP4, whose scales are uint8 exponents of
     powers of two); integers may come with zero points (GPTQ, AWQ: (q - zero) * scale).
-    `activation` replaces SiLU(gate) * up (it runs in torch between the two launches); biases
-    are added to each projection's rounded output (gpt-oss), before the routing weight."""
-    _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, w13_zero, w2_zero)
+    `activation` replaces SiLU(gate) * up (it runs in torch between the two launches, on each
+    row's first products, gate and up halves side by side); it is needed when `gated` is
+    False (w13 [num_experts, intermediate, hidden]: experts without a gate, Nemotron 3's
+    ReLU^2). Biases are added to each projection's rounded output (gpt-oss), before the
+    routing weight."""
+    _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, w13_zero, w2_zero, gated)
+    if not gated and activation is None:
+        raise ValueError("experts without a gate (gated=False) need their activation")
     for name, bias, rows in (("w13_bias", w13_bias, w13.shape[1]), ("w2_bias", w2_bias, w2.shape[1])):
         if bias is not None:
             check_dtype(name, bias, (x.dtype,))
@@ -252,8 +265,7 @@ def fused_moe(
     experts = topk_ids.flatten()  # [num_pairs]
     if w13_bias is not None:
         gate_up += w13_bias[experts]
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = F.silu(gate).mul_(up) if activation is None else activation(gate, up)  # [num_pairs, intermediate]
+    h = silu_and_mul(gate_up) if activation is None else activation(gate_up)  # [num_pairs, intermediate]
     # weighted rows in the weights' dtype; their sum accumulates in fp32 and is rounded once
     if w2_bias is None:  # the kernel weighs each row as it writes it
         out = torch.empty(num_pairs, hidden, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
@@ -268,19 +280,19 @@ def fused_moe(
 
 
 def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None, block=None, *,
-                  activation=None, w13_bias=None, w2_bias=None, w13_zero=None, w2_zero=None) -> torch.Tensor:
+                  activation=None, gated=True, w13_bias=None, w2_bias=None, w13_zero=None, w2_zero=None
+                  ) -> torch.Tensor:
     """The same sum, each row's experts' weights gathered and multiplied densely (an
     independent oracle: no sorting, no tiles), with the kernel's rounding points; quantized
     weights are dequantized to x's dtype first."""
     if w13_scale is not None:
-        hidden, inter = x.shape[1], w13.shape[1] // 2
+        hidden, inter = x.shape[1], w2.shape[2] * {torch.int32: 8, torch.uint8: 2}.get(w2.dtype, 1)
         w13 = dequantize_ref(w13, w13_scale, block, x.dtype, hidden, w13_zero)
         w2 = dequantize_ref(w2, w2_scale, block, x.dtype, inter, w2_zero)
     gate_up = torch.einsum("th,tknh->tkn", x.float(), w13[topk_ids].float()).to(x.dtype)
     if w13_bias is not None:
         gate_up = gate_up + w13_bias[topk_ids]
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = F.silu(gate) * up if activation is None else activation(gate, up)  # [T, top_k, intermediate]
+    h = silu_and_mul(gate_up) if activation is None else activation(gate_up)  # [T, top_k, intermediate]
     out = torch.einsum("tki,tkhi->tkh", h.float(), w2[topk_ids].float()).to(x.dtype)
     if w2_bias is not None:
         out = out + w2_bias[topk_ids]

@@ -12,6 +12,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -276,19 +277,32 @@ def tiny_moe_config(family: str, vocab: int):
             mamba_chunk_size=16, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.05,
             logits_scaling=4.0, architectures=["GraniteMoeHybridForCausalLM"],
             **{**TINY_COMMON, "num_hidden_layers": 4, "intermediate_size": 48})
-    if family == "nemotron_h":  # Nemotron-H's one-part layers: Mamba2 (time steps at least 0.5, so the
-        # floor bites), NoPE attention, and a ReLU^2 MLP after each
-        from transformers import NemotronHConfig
-
-        return NemotronHConfig(
-            vocab_size=vocab, tie_word_embeddings=False, head_dim=16, time_step_min=0.5,
-            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"],
-            mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16,
-            architectures=["NemotronHForCausalLM"],
-            **{k: v for k, v in TINY_COMMON.items() if k not in ("num_hidden_layers", "rms_norm_eps")})
+    if family.startswith("nemotron"):
+        return tiny_nemotron_config(family, vocab)
     if family in MLA_FAMILIES:
         return tiny_deepseek_config(family, vocab)
     raise ValueError(family)
+
+
+def tiny_nemotron_config(family: str, vocab: int):
+    """Nemotron-H's one-part layers: Mamba2 (time steps at least 0.5, so the floor bites), NoPE
+    attention, and a ReLU^2 MLP after each; Nemotron 3's experts (without a gate, a shared one
+    beside; "_latent": in a narrower space, as Super's, and chosen within the best of two
+    groups) in place of two of the MLPs."""
+    from transformers import NemotronHConfig
+
+    kinds = ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]
+    experts: dict[str, Any] = {}
+    if family != "nemotron_h":
+        kinds[1] = kinds[3] = "moe"
+        experts = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5, norm_topk_prob=True,
+                       **(dict(moe_latent_size=24, n_group=2, topk_group=1) if family.endswith("_latent") else {}))
+    return NemotronHConfig(
+        vocab_size=vocab, tie_word_embeddings=False, head_dim=16, time_step_min=0.5, layers_block_type=kinds,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16,
+        architectures=["NemotronHForCausalLM"], **experts,
+        **{k: v for k, v in TINY_COMMON.items() if k not in ("num_hidden_layers", "rms_norm_eps")})
 
 
 def tiny_deepseek_config(family: str, vocab: int):
@@ -346,7 +360,7 @@ def build_tiny_model(family: str, out_dir: Path, tokenizer_dir: Path) -> Path:
             elif name.endswith("dt_bias"):  # linear attention's, which transformers starts at ones
                 param.uniform_(-1.0, 1.0)
             elif name.endswith(("mamba.D", "mixer.D", "mamba.norm.weight")) or (
-                    family == "nemotron_h" and name.endswith("norm.weight")):
+                    family.startswith("nemotron") and name.endswith("norm.weight")):
                 param.uniform_(0.5, 1.5)  # Mamba2's skip, its gated norm and Nemotron-H's norms, at ones
             elif name.endswith(("mamba.conv1d.bias", "mixer.conv1d.bias")):  # at zeros
                 param.uniform_(-0.5, 0.5)
@@ -372,7 +386,8 @@ def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe",
-                                        "deepseek_v2", "deepseek_v3", "llama4", "qwen3_5_moe", "qwen3_next"])
+                                        "deepseek_v2", "deepseek_v3", "llama4", "qwen3_5_moe", "qwen3_next",
+                                        "nemotron_3_latent"])
 def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

@@ -58,6 +58,8 @@ STATE_PROJECTIONS = {False: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a
                      True: ("in_proj", "out_proj")}
 _KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.|backbone\.)?(?:language_model\.)?layers\.(\d+)\."
                   r"(?:self_attn|mlp|shared_mlp|linear_attn|mamba|mixer)\.(\w+)\.lora_([AB])\.weight")
+# a projection within a layer's experts (a routed one's, or the shared expert's)
+_EXPERTS_KEY = re.compile(r"layers\.(\d+)\.(?:mlp|mixer|block_sparse_moe|feed_forward)\.(?:shared_experts?|experts)\.")
 # adapter_config.json settings that change what an adapter computes beyond plain LoRA
 _REFUSED = {
     "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out", "modules_to_save": "modules_to_save",
@@ -93,6 +95,9 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.fullmatch(key)
+        if match is None and (experts := _EXPERTS_KEY.search(key)) is not None:
+            raise ValueError(f"{where}: tensor {key!r} adapts the experts of layer {experts.group(1)}; genq applies "
+                             "adapters to attention, layers with a state and dense MLPs only")
         if match is None or match.group(2) not in TARGETS:
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA pair of a projection genq applies "
                              f"adapters to ({', '.join(TARGETS)})")
@@ -105,7 +110,7 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
                              "layer; genq applies adapters to attention and dense MLPs only")
         if match.group(2) not in layer_projections(cfg, layer):
             raise ValueError(f"{where}: tensor {key!r} adapts {match.group(2)} in layer {layer}, which has none: "
-                             f"its projections are {', '.join(layer_projections(cfg, layer))}")
+                             f"its projections are {', '.join(layer_projections(cfg, layer)) or 'its experts'}")
         module = _GATELESS.get(match.group(2), match.group(2)) if layer in cfg.mlp_only_layers else match.group(2)
         halves.setdefault((layer, module), {})[match.group(3)] = tensor
     adapter = LoRAAdapter(request, rank=0)
@@ -139,9 +144,12 @@ _MLP = ("gate_up_proj", "down_proj")
 
 def layer_projections(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
     """The projections of layer `layer` an adapter may name: its mixer's (attention's, or a
-    layer with a state's), and its MLP's; a Nemotron-H layer has one or the other."""
+    layer with a state's), and its MLP's; a Nemotron-H layer has one or the other (Nemotron 3's
+    layers of experts none)."""
     if layer in cfg.mlp_only_layers:
         return tuple(_GATELESS)
+    if cfg.one_part_layers and _has_experts(cfg, layer):
+        return ()
     mlp = () if cfg.one_part_layers else ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "input_linear",
                                           "output_linear")
     if cfg.linear is not None and layer in cfg.linear_layers:
@@ -294,7 +302,8 @@ class LoRAManager:
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         for i, layer in enumerate(model.layers):
             state = cfg.linear is not None and i in cfg.linear_layers
-            targets = [] if i in cfg.mlp_only_layers else [(layer.self_attn, fused) for fused in (
+            mixer = i not in cfg.mlp_only_layers and not (cfg.one_part_layers and _has_experts(cfg, i))
+            targets = [] if not mixer else [(layer.self_attn, fused) for fused in (
                 STATE_PROJECTIONS[cfg.linear.mamba2] if state and cfg.linear else ("qkv_proj", "o_proj"))]
             if i in cfg.mlp_only_layers:  # Nemotron-H's: up and down, no gate
                 targets += [(layer.mlp, "up"), (layer.mlp, "down")]

@@ -79,7 +79,8 @@ _KV = frozenset({"k_proj", "v_proj"})  # by rows too, a KV head each
 _BY_COLUMNS = frozenset({"o_proj", "down_proj", "w2", "down"})  # (up and down: Nemotron-H's MLP, without a gate)
 # experts stacked in one tensor: gate and up [E, 2 * I, H], down [E, H, I] (transformers 5's,
 # and GraniteMoE's input_linear and output_linear)
-_STACKED_GATE_UP = ("experts.gate_up_proj", "input_linear.weight")
+_STACKED_UP = "experts.up_proj"  # (experts without a gate)
+_STACKED_GATE_UP = ("experts.gate_up_proj", "input_linear.weight", _STACKED_UP)
 _STACKED_DOWN = ("experts.down_proj", "output_linear.weight")
 
 
@@ -118,10 +119,12 @@ def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_s
     def part(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return _part(t, dim, rank, world_size, bool(grid), f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)}")
 
-    # stacked experts [E, 2 * I, H] (the Hub's Qwen3-VL-MoE [E, H, 2 * I]), gpt-oss's biases [E, 2 * I]
+    # stacked experts [E, 2 * I, H] (the Hub's Qwen3-VL-MoE [E, H, 2 * I]), gpt-oss's biases [E, 2 * I];
+    # experts without a gate (Nemotron 3's) [E, I, H]
     if values.endswith(_STACKED_GATE_UP) or kind == "gate_up_proj_bias":
         dim = 2 if _inputs_first(name, tensor, cfg, 2) else 1
-        return torch.cat([part(half, dim) for half in tensor.chunk(2, dim=dim)], dim=dim)
+        halves = 1 if values.endswith(_STACKED_UP) else 2
+        return torch.cat([part(half, dim) for half in tensor.chunk(halves, dim=dim)], dim=dim)
     if values.endswith(_STACKED_DOWN):  # [E, H, I], or the Hub's [E, I, H]
         return part(tensor, 1 if _inputs_first(name, tensor, cfg, 1) else 2)
     if cfg.linear is not None and (module in _STATE_MODULES or kind in _STATE_PER_HEAD or (

@@ -73,13 +73,37 @@ def test_fused_moe_with_biases_and_another_activation(device: torch.device, dtyp
     b13 = torch.randn(8, 96, device=device).to(dtype)
     b2 = torch.randn(8, 96, device=device).to(dtype)
 
-    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
         return (up.clamp(-1.0, 1.0) + 1) * gate.clamp(max=1.0)
 
     kwargs = dict(activation=act, w13_bias=b13, w2_bias=b2)
     expected = fused_moe_ref(x, w13, w2, weights, ids, **kwargs)
     assert_close(fused_moe(x, w13, w2, weights, ids, **kwargs), expected)
     assert not torch.allclose(expected, fused_moe_ref(x, w13, w2, weights, ids), atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_moe_experts_without_a_gate(device: torch.device, dtype: torch.dtype) -> None:
+    """Nemotron 3's experts: w13 holds up rows alone (as many as w2 has columns), ReLU^2
+    between the launches."""
+    num_tokens, num_experts, top_k, hidden, inter = 37, 8, 3, 96, 48
+    x, _, w2 = _inputs((num_tokens, num_experts, top_k, hidden, inter), dtype, device)
+    up = (torch.randn(num_experts, inter, hidden, device=device) * hidden**-0.5).to(dtype)
+    weights, ids = _routing(num_tokens, num_experts, top_k, device, torch.float32)
+
+    def relu2(h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(h).square()
+
+    expected = fused_moe_ref(x, up, w2, weights, ids, activation=relu2, gated=False)
+    assert_close(fused_moe(x, up, w2, weights, ids, activation=relu2, gated=False), expected)
+    dense = torch.einsum("tki,tkhi->tkh", relu2(torch.einsum("th,tkih->tki", x.float(), up[ids].float())),
+                         w2[ids].float())  # (an oracle of its own, without the reference's roundings)
+    torch.testing.assert_close(expected.float(), (dense * weights[..., None]).sum(dim=1), atol=5e-2, rtol=5e-2)
+    with pytest.raises(ValueError, match="without a gate .* need their activation"):
+        fused_moe(x, up, w2, weights, ids, gated=False)
+    with pytest.raises(ValueError, match=r"w2 must have shape \[8, 96, 24\]"):
+        fused_moe(x, up, w2, weights, ids, activation=relu2)  # read as gate and up halves
 
 
 def test_fused_moe_reads_strided_rows(device: torch.device) -> None:

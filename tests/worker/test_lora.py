@@ -273,6 +273,7 @@ STATE_TARGETS = {  # every projection of the layers with states, and those of at
     "granitemoehybrid_dense": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "input_linear",
                                "output_linear"],
     "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"],  # (PEFT refuses out_proj)
+    "nemotron_3_latent": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj"],  # (its experts take none)
 }
 
 
@@ -321,6 +322,17 @@ def test_an_adapter_for_the_other_layer_kind_is_refused(tiny_adapter):
     with pytest.raises(ValueError, match="adapts in_proj_z in layer 1, which has none: its projections are "
                                          "q_proj, k_proj, v_proj, o_proj"):
         llm.generate("Hello", greedy(), lora_request=LoRARequest("moved", 1, str(adapter_dir)), use_tqdm=False)
+
+
+def test_an_adapter_on_nemotron_3s_experts_is_refused(tiny_adapter):
+    """PEFT's up_proj on Nemotron 3 adapts the dense MLP and each layer of experts' shared
+    expert: genq adapts no layer of experts, and says so rather than drop those tensors."""
+    model_dir, adapter_dir = tiny_adapter("nemotron_3_latent", 7, ["up_proj"])
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16, max_model_len=128, enable_lora=True,
+              max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mixer\.shared_experts\.up_proj\.lora_A\.weight' "
+                                         "adapts the experts of layer 1"):
+        llm.generate("Hello", greedy(), lora_request=LoRARequest("experts", 1, str(adapter_dir)), use_tqdm=False)
 
 
 @pytest.mark.parametrize("tiny_image_text_dir", ["qwen3_5", "gemma3"], indirect=True)

@@ -46,7 +46,10 @@ def test_the_rule_without_its_delta_equals_mamba2s_scan(length):
 
 
 # each tiny model's Mamba2 layers and attention layers (without RoPE)
-LAYERS = {"granitemoehybrid": ({0, 2}, {1, 3}), "granitemoehybrid_dense": ({0, 2}, {1, 3}), "nemotron_h": ({0, 4}, {2})}
+# (Nemotron 3 Super's latent experts: tests/worker/test_engine.py's mixtures of experts)
+LAYERS = {"granitemoehybrid": ({0, 2}, {1, 3}), "granitemoehybrid_dense": ({0, 2}, {1, 3}), "nemotron_h": ({0, 4}, {2}),
+          "nemotron_3": ({0, 4}, {2})}
+WITH_EXPERTS = {"granitemoehybrid": None, "nemotron_3": {1, 3}}
 
 
 def test_granite_4_micro_is_a_plain_transformer(tiny_family):
@@ -65,8 +68,8 @@ def test_granite_4_micro_is_a_plain_transformer(tiny_family):
 
 @pytest.mark.parametrize("family", list(LAYERS))
 def test_mamba2_hybrids_greedy_match_transformers(tiny_family, family):
-    """Granite 4.0 (experts, and dense) and Nemotron-H (a layer each for Mamba2, attention
-    and the MLP): six prompts at once in chunks of 24 tokens, in a pool small enough that
+    """Granite 4.0 (experts, and dense), Nemotron-H (a layer each for Mamba2, attention and
+    the MLP) and Nemotron 3 (two of its MLPs layers of experts, as Nano's): six prompts at once in chunks of 24 tokens, in a pool small enough that
     some are preempted, then a prompt going on from a finished one (its state saved every 16
     tokens): greedy tokens equal transformers' throughout, the last served from the cache."""
     model = tiny_family(family)
@@ -74,7 +77,9 @@ def test_mamba2_hybrids_greedy_match_transformers(tiny_family, family):
               mamba_block_size=16, num_state_snapshots=16)
     engine = llm.engine
     assert (engine.model_config.linear_layers, engine.model_config.nope_layers) == LAYERS[family]
-    assert (engine.model_config.moe is None) == (family != "granitemoehybrid")
+    moe = engine.model_config.moe
+    assert (moe is None) == (family not in WITH_EXPERTS)
+    assert moe is None or WITH_EXPERTS[family] in (None, moe.layers)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in PROMPTS[:6]]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(32), use_tqdm=False)

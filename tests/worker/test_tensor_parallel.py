@@ -4,6 +4,7 @@ made. The CUDA path (NCCL, a GPU per rank) is the same code with another group."
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing
 import os
@@ -68,24 +69,29 @@ def test_a_split_model_decodes_as_transformers(family, tiny_family):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_experts_one_per_tensor_and_stacked_split_alike(tiny_family, rank):
-    """Mixtral's checkpoint holds each expert's w1, w3 and w2; transformers 5 stacks them
-    (`experts.gate_up_proj`, `experts.down_proj`): a rank's share loads the same from both."""
+@pytest.mark.parametrize("family, layer, stacked_name", [
+    ("mixtral", 0, "gate_up_proj"), ("nemotron_3_latent", 1, "up_proj")])
+def test_experts_one_per_tensor_and_stacked_split_alike(tiny_family, rank, family, layer, stacked_name):
+    """Mixtral's checkpoint holds each expert's w1, w3 and w2 (Nemotron 3's its up_proj and
+    down_proj, without a gate); transformers 5 stacks them (`experts.gate_up_proj` or
+    `experts.up_proj`, `experts.down_proj`): a rank's share loads the same from both."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = tiny_family("mixtral")
+    model_dir = tiny_family(family)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     stacked = hf.state_dict()
-    assert any(name.endswith("experts.gate_up_proj") for name in stacked)
+    mixer = "mlp" if family == "mixtral" else "mixer"
+    first = stacked[f"model.layers.{layer}.{mixer}.experts.{stacked_name}"]  # [experts, (2 *) I, hidden]
     whole = ModelConfig.from_hf(hf.config)
     loaded = []
     for weights in (iter_safetensors(model_dir), iter(stacked.items())):
         model = LlamaForCausalLM(whole.shard(2))
-        model.load_weights(shard_weights(weights, whole, rank, 2))
+        model.load_weights(weights, functools.partial(shard_weights, cfg=whole, rank=rank, world_size=2))
         loaded.append(dict(model.named_parameters()))
-    expert = loaded[0]["layers.0.mlp.experts.w13"]  # [experts, 2 * 64, hidden]: gate rows, then up rows
-    assert expert.shape[1] == whole.moe.intermediate_size
-    torch.testing.assert_close(expert[1, :64], stacked["model.layers.0.mlp.experts.gate_up_proj"][1, rank * 64 : (rank + 1) * 64])
+    expert = loaded[0][f"layers.{layer}.mlp.experts.w13"]  # [experts, (2 *) I / 2, hidden]: gate rows, then up rows
+    half = whole.moe.intermediate_size // 2
+    assert expert.shape[1] == (whole.moe.intermediate_size if whole.moe.gated else half)
+    torch.testing.assert_close(expert[1, :half], first[1, rank * half : (rank + 1) * half])
     for name, param in loaded[0].items():
         assert torch.equal(param, loaded[1][name]), name
 
@@ -295,9 +301,10 @@ def test_a_bad_split_is_refused():
 
 # qwen3_5: Gated DeltaNet beside gated attention; qwen3_next: its checkpoints' grouped
 # projections, over experts; granitemoehybrid: Mamba2 (B and C in two groups, a group a rank)
-# beside NoPE attention and experts; nemotron_h: one-part layers (Mamba2, attention, or an
-# MLP without a gate)
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h"])
+# beside NoPE attention and experts; nemotron_3_latent: one-part layers (Mamba2, attention, an
+# MLP without a gate, or Nemotron 3's experts without one, in a latent space whose projection
+# out takes each rank's partial sums)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_3_latent"])
 def test_models_with_states_split_as_transformers(family, tiny_family):
     """Each rank holds its heads' states, in the same slots, saved states and spares: two
     slots taken in turn by nine requests (a slot freed on rank 0 is freed on rank 1), n-gram

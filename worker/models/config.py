@@ -110,7 +110,7 @@ TEXT_OF_MULTIMODAL = {
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 _QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # linear and gated full attention
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", "llama4", "qwen3_5_moe",
-                 "qwen3_next", "granitemoehybrid", *_MLA_FAMILIES)
+                 "qwen3_next", "granitemoehybrid", "nemotron_h", *_MLA_FAMILIES)
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -167,6 +167,8 @@ class MoEConfig:
     # Llama 4: each chosen expert weighs sigmoid(its logit), and the weight scales the token
     # going into the expert, not what comes out (vLLM's apply_router_weight_on_input)
     weights_on_input: bool = False
+    gated: bool = True  # SwiGLU experts; False: up, ReLU^2, down (Nemotron 3's, its shared expert's too)
+    latent_size: int = 0  # Nemotron 3 Super: the routed experts' hidden size, projected into and out of
 
     @classmethod
     def from_hf(cls, hf_config: Any, family: str) -> MoEConfig:
@@ -183,6 +185,8 @@ class MoEConfig:
                        shared_expert_gated=False)
         if family in ("glm4_moe", *_MLA_FAMILIES):
             return cls._deepseek(hf_config, v3=family != "deepseek_v2")
+        if family == "nemotron_h":
+            return cls._nemotron_3(hf_config)
         if family == "llama4":  # the shared expert is as wide as a routed one, and ungated
             return cls(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
                        intermediate_size=hf_config.intermediate_size, layers=frozenset(hf_config.moe_layers),
@@ -202,6 +206,22 @@ class MoEConfig:
                    shared_expert_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
 
     @classmethod
+    def _nemotron_3(cls, hf_config: Any) -> MoEConfig:
+        """Nemotron 3: its "moe" layers route as DeepSeek-V3 does (sigmoid scores, a correction
+        bias, groups) to experts without a gate, beside one shared expert of its own width;
+        Super's routed experts work in `moe_latent_size`."""
+        experts, groups = hf_config.n_routed_experts, hf_config.n_group or 1
+        _check_expert_groups(experts, groups)
+        return cls(num_experts=experts, top_k=hf_config.num_experts_per_tok,
+                   intermediate_size=hf_config.moe_intermediate_size,
+                   layers=frozenset(i for i, kind in enumerate(hf_config.layers_block_type) if kind == "moe"),
+                   renormalize=bool(hf_config.norm_topk_prob), float32_weights=True,
+                   shared_expert_size=hf_config.moe_shared_expert_intermediate_size, deepseek_router=True,
+                   sigmoid_scores=True, num_groups=groups, topk_groups=hf_config.topk_group or 1,
+                   routed_scaling=float(hf_config.routed_scaling_factor), shared_expert_gated=False, gated=False,
+                   latent_size=getattr(hf_config, "moe_latent_size", None) or 0)
+
+    @classmethod
     def _deepseek(cls, hf_config: Any, v3: bool) -> MoEConfig:
         """The first `first_k_dense_replace` layers keep a dense MLP (GLM-4.7-Flash: those
         `mlp_layer_types` does not call sparse); `n_shared_experts` experts' worth of
@@ -213,9 +233,7 @@ class MoEConfig:
                   else frozenset(range(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)))
         grouped = v3 or getattr(hf_config, "topk_method", "greedy") == "group_limited_greedy"
         groups = (hf_config.n_group or 1) if grouped else 1
-        if experts % groups or experts // groups < 2:
-            raise ValueError(f"n_group={groups} does not split n_routed_experts={experts} into groups "
-                             "of at least two experts")
+        _check_expert_groups(experts, groups)
         return cls(num_experts=experts, top_k=hf_config.num_experts_per_tok,
                    intermediate_size=hf_config.moe_intermediate_size,
                    layers=layers, renormalize=v3 and bool(hf_config.norm_topk_prob), float32_weights=True,
@@ -223,6 +241,12 @@ class MoEConfig:
                    deepseek_router=True, sigmoid_scores=v3, num_groups=groups,
                    topk_groups=(hf_config.topk_group or 1) if grouped else 1,
                    routed_scaling=float(hf_config.routed_scaling_factor), shared_expert_gated=False)
+
+
+def _check_expert_groups(experts: int, groups: int) -> None:
+    if experts % groups or experts // groups < 2:
+        raise ValueError(f"n_group={groups} does not split n_routed_experts={experts} into groups "
+                         "of at least two experts")
 
 
 @dataclass(frozen=True)
@@ -604,7 +628,10 @@ class ModelConfig:
 
 
 def _has_experts(hf_config: Any, family: str) -> bool:
-    """Granite 4.0's dense models (num_local_experts 0) are of its experts' architecture."""
+    """Granite 4.0's dense models (num_local_experts 0) are of its experts' architecture, as
+    Nemotron-H's (without "moe" layers) are of Nemotron 3's."""
+    if family == "nemotron_h":
+        return "moe" in hf_config.layers_block_type
     return family in _MOE_FAMILIES and (family != "granitemoehybrid" or hf_config.num_local_experts > 0)
 
 
@@ -677,19 +704,20 @@ def _granite_4_fields(hf_config: Any) -> dict[str, Any]:
 
 def _nemotron_h_fields(hf_config: Any) -> dict[str, Any]:
     """Nemotron-H's layers, each one part: Mamba2, attention without RoPE, or an MLP of
-    ReLU^2 without a gate; norms that scale in float32, then round."""
+    ReLU^2 without a gate (Nemotron 3: or experts, `MoEConfig.layers`); norms that scale in
+    float32, then round."""
     kinds = list(hf_config.layers_block_type)
-    if "moe" in kinds:
-        raise ValueError("Nemotron-H's expert layers (Nemotron 3) are not supported yet; its Mamba2, attention "
-                         "and MLP layers are")
+    if "moe" in kinds and hf_config.mlp_bias:
+        raise ValueError("Nemotron 3's expert layers with mlp_bias=True are not supported (its checkpoints have "
+                         "none)")
     for name, act in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if getattr(hf_config, name, act) != act:
             raise ValueError(f"unsupported {name} {getattr(hf_config, name)!r}; supported: {act}")
     mamba = frozenset(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    attention = frozenset(i for i, kind in enumerate(kinds) if kind == "full_attention")
     mlp = frozenset(i for i, kind in enumerate(kinds) if kind == "mlp")
     return dict(hidden_act="relu2", norm_weight_offset=0.0, linear=LinearAttentionConfig.of_mamba2(hf_config),
-                linear_layers=mamba, mlp_only_layers=mlp, one_part_layers=True,
-                nope_layers=frozenset(range(len(kinds))) - mamba - mlp)
+                linear_layers=mamba, mlp_only_layers=mlp, one_part_layers=True, nope_layers=attention)
 
 
 def _gemma_fields(hf_config: Any, family: str) -> dict[str, Any]:

@@ -395,8 +395,12 @@ class DecoderLayer(nn.Module):
 
     def _init_one_part(self, cfg: ModelConfig, use_kernels: bool, index: int) -> None:
         self.input_layernorm = make_norm(cfg, cfg.hidden_size, use_kernels)
-        self.mlp_only = index in cfg.mlp_only_layers
-        if self.mlp_only:
+        experts = cfg.moe is not None and index in cfg.moe.layers  # (Nemotron 3's)
+        self.mlp_only = index in cfg.mlp_only_layers or experts
+        if experts:
+            assert cfg.moe is not None
+            self.mlp = SparseMoeBlock(cfg.moe, cfg.hidden_size, use_kernels, ReluSquaredMLP)
+        elif self.mlp_only:
             self.mlp = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
         elif index in cfg.linear_layers:
             self.self_attn = state_mixer(cfg, index, use_kernels)
@@ -604,7 +608,8 @@ class LlamaForCausalLM(nn.Module):
         if arch == "GraniteMoeHybridForCausalLM":
             weights = _granite_shared_mlp(weights, self.config.moe is not None)
         if arch == "NemotronHForCausalLM":
-            weights = _nemotron_h_names(weights, self.config.mlp_only_layers)
+            moe = self.config.moe
+            weights = _nemotron_h_names(weights, self.config.mlp_only_layers, moe.layers if moe else frozenset())
         if arch == "GptOssForCausalLM":
             quant_cfg = self.config.quant
             weights = gpt_oss.checkpoint_weights(weights, keep_mxfp4=quant_cfg is not None and quant_cfg.kind == "fp4")
@@ -662,7 +667,8 @@ class LlamaForCausalLM(nn.Module):
         """The pieces a parameter is loaded in: q/k/v, gate/up, or one per expert."""
         parts = name.split(".")
         if len(parts) > 1 and parts[-2] == "experts" and self.config.moe is not None:
-            kinds = ("gate", "up") if parts[-1].removesuffix(quant.grid_part(parts[-1])) == "w13" else ("down",)
+            w13 = parts[-1].removesuffix(quant.grid_part(parts[-1])) == "w13"
+            kinds = (("gate", "up") if self.config.moe.gated else ("up",)) if w13 else ("down",)
             return [f"{kind}.{e}" for e in range(self.config.moe.num_experts) for kind in kinds]
         return list(_SHARDS.get(parts[-2] if len(parts) > 1 else "", [None]))
 
@@ -676,7 +682,9 @@ _EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", 
 _GRANITE_MOE = {".mlp.input_linear.weight": ".mlp.experts.gate_up_proj", ".mlp.output_linear.weight": ".mlp.experts.down_proj",
                 ".mlp.router.layer.weight": ".mlp.gate.weight", ".mlp.router.weight": ".mlp.gate.weight"}
 # experts already stacked (transformers >= 5 holds them so): [E, 2 * I, H] and [E, H, I]
-_STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
+# (Nemotron 3's, without a gate: up [E, I, H])
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias",
+            "up_proj": "w13"}
 
 
 # an image-text model's language model, as its checkpoints name it (older, then newer
@@ -711,10 +719,10 @@ def _granite_shared_mlp(weights: Iterable[tuple[str, torch.Tensor]], experts: bo
         yield name, tensor
 
 
-def _nemotron_h_names(weights: Iterable[tuple[str, torch.Tensor]], mlp_layers: frozenset[int]
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def _nemotron_h_names(weights: Iterable[tuple[str, torch.Tensor]], mlp_layers: frozenset[int],
+                      moe_layers: frozenset[int]) -> Iterator[tuple[str, torch.Tensor]]:
     """Nemotron-H's `backbone` under Llama's names: each layer's `mixer` its attention (or
-    Mamba2), or its MLP; its one `norm` the input norm."""
+    Mamba2), or its MLP, or its experts (Nemotron 3's); its one `norm` the input norm."""
     for name, tensor in weights:
         name = name.replace("backbone.", "model.", 1).replace("model.embeddings.", "model.embed_tokens.")
         name = name.replace("model.norm_f.", "model.norm.")
@@ -723,10 +731,12 @@ def _nemotron_h_names(weights: Iterable[tuple[str, torch.Tensor]], mlp_layers: f
             if parts[3] == "norm":
                 parts[3] = "input_layernorm"
             elif parts[3] == "mixer":
-                mlp = int(parts[2]) in mlp_layers
-                parts[3] = "mlp" if mlp else "self_attn"
-                if mlp:  # (not gate_up_proj's up: there is no gate)
-                    parts[4] = {"up_proj": "up", "down_proj": "down"}.get(parts[4], parts[4])
+                layer = int(parts[2])
+                parts[3] = "mlp" if layer in mlp_layers | moe_layers else "self_attn"
+                # an MLP without a gate (the shared expert's too): not gate_up_proj's up
+                gateless = 4 if layer in mlp_layers else 5 if parts[4] == "shared_experts" else None
+                if gateless is not None:
+                    parts[gateless] = {"up_proj": "up", "down_proj": "down"}.get(parts[gateless], parts[gateless])
         yield ".".join(parts), tensor
 
 
@@ -856,5 +866,5 @@ def _shard_range(shard: str, cfg: ModelConfig, rows: int) -> tuple[int, int]:
         "k": (q_size, kv_size),
         "v": (q_size + kv_size, kv_size),
         "gate": (0, rows // 2),
-        "up": (rows // 2, rows // 2),
+        "up": (rows // 2, rows // 2) if cfg.moe is None or cfg.moe.gated else (0, rows),  # (experts without a gate)
     }[shard]

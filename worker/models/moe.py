@@ -1,11 +1,12 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE, gpt-oss, GLM-4.5, Llama 4) over
-a flat batch of tokens.
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GraniteMoE, gpt-oss, GLM-4.5, Llama 4,
+Nemotron 3) over a flat batch of tokens.
 
 Each expert is a SwiGLU MLP. Their weights are stacked at load time, vLLM's layout:
 `w13` [num_experts, 2 * intermediate, hidden] holds each expert's gate and up projections,
 `w2` [num_experts, hidden, intermediate] its down projection (gpt-oss: with biases `w13_bias`,
-`w2_bias`, and a clamped SwiGLU). A router (one linear layer) scores the experts for each
-token; the token's output is the weighted sum of its top-k experts' outputs.
+`w2_bias`, and a clamped SwiGLU; Nemotron 3: no gate, `w13` its up projection alone and
+ReLU^2 between). A router (one linear layer) scores the experts for each token; the token's
+output is the weighted sum of its top-k experts' outputs.
 
 On the torch path the experts run one after another over the tokens routed to them, with
 transformers' rounding, so outputs equal transformers' on the same weights (bitwise in
@@ -38,7 +39,9 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = moe.num_experts
         self.intermediate_size = moe.intermediate_size
-        self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden_size))
+        rows = (2 if moe.gated else 1) * moe.intermediate_size
+        self.gated = moe.gated
+        self.w13 = nn.Parameter(torch.empty(moe.num_experts, rows, hidden_size))
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
         self.use_kernel = use_kernel
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, see pack()
@@ -48,10 +51,12 @@ class Experts(nn.Module):
         self.zero_points = False  # quantized integers come with int8 zero points `w13_zero`, `w2_zero`
         self.bias = moe.bias
         if moe.bias:
-            self.w13_bias = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size))
+            self.w13_bias = nn.Parameter(torch.empty(moe.num_experts, rows))
             self.w2_bias = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
-        self.activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
-            silu_and_mul if moe.clamped_swiglu is None else partial(clamped_swiglu, *moe.clamped_swiglu))
+        # w13's products [rows of work, w13's rows] -> the inputs of w2
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = (
+            relu_squared if not moe.gated else silu_and_mul if moe.clamped_swiglu is None
+            else partial(clamped_swiglu, *moe.clamped_swiglu))
 
     def use_quantized(self, block: tuple[int, int], kind: str, zero_points: bool = False) -> None:
         """Hold w13 and w2 as `kind` values (fp8, int8, int4 packed) with float32 scales
@@ -80,7 +85,7 @@ class Experts(nn.Module):
             quantized = self.block is not None
             return kernels.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
                                      self.w13_scale if quantized else None, self.w2_scale if quantized else None,
-                                     self.block, activation=self.activation,
+                                     self.block, activation=self.activation, gated=self.gated,
                                      w13_bias=self.w13_bias if self.bias else None,
                                      w2_bias=self.w2_bias if self.bias else None,
                                      w13_zero=self.w13_zero if self.zero_points else None,
@@ -103,7 +108,7 @@ class Experts(nn.Module):
             gate_up = self._linear(x[pairs // top_k], expert, 0)
             if self.bias:  # added after the product is rounded, as transformers does
                 gate_up = gate_up + self.w13_bias[expert]
-            down = self._linear(self.activation(*gate_up.chunk(2, dim=-1)), expert, 1)
+            down = self._linear(self.activation(gate_up), expert, 1)
             out[pairs] = down + self.w2_bias[expert] if self.bias else down
         return combine(out, topk_weights)
 
@@ -113,14 +118,21 @@ class Experts(nn.Module):
         return F.linear(x, (self.w13, self.w2)[which][expert])
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def clamped_swiglu(alpha: float, limit: float, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def clamped_swiglu(alpha: float, limit: float, gate_up: torch.Tensor) -> torch.Tensor:
     """gpt-oss's gated unit: the gate clamped from above, up clamped both ways and shifted by one."""
+    gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def relu_squared(up: torch.Tensor) -> torch.Tensor:
+    """Nemotron 3's experts' unit, without a gate."""
+    return F.relu(up).square_()
 
 
 def pack_experts(model: nn.Module, batch_hint: int) -> int:
@@ -141,7 +153,8 @@ def combine(out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
 
 
 class SparseMoeBlock(nn.Module):
-    """The router, the routed experts and, for Qwen2-MoE and DeepSeek-V3, the shared expert."""
+    """The router, the routed experts and, for Qwen2-MoE, DeepSeek-V3 and Nemotron 3, the shared
+    expert (`mlp_cls`, as wide as `MoEConfig.shared_expert_size`)."""
 
     def __init__(self, moe: MoEConfig, hidden_size: int, use_kernel: bool, mlp_cls: type[nn.Module]):
         super().__init__()
@@ -151,7 +164,11 @@ class SparseMoeBlock(nn.Module):
             self.gate = GroupedTopkRouter(moe, hidden_size)
         else:
             self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.bias)
-        self.experts = Experts(moe, hidden_size, use_kernel)
+        # Nemotron 3 Super: the experts work in a narrower space, projected into and out of once
+        if moe.latent_size:
+            self.fc1_latent_proj = nn.Linear(hidden_size, moe.latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(moe.latent_size, hidden_size, bias=False)
+        self.experts = Experts(moe, moe.latent_size or hidden_size, use_kernel)
         if moe.shared_expert_size:
             self.shared_expert = mlp_cls(hidden_size, moe.shared_expert_size, False)
             if moe.shared_expert_gated:
@@ -164,6 +181,8 @@ class SparseMoeBlock(nn.Module):
         topk_weights, topk_ids = self.route(x)
         if self.moe.weights_on_input:
             out = self._weighted_inputs(x, topk_weights, topk_ids)
+        elif self.moe.latent_size:  # (under tensor parallelism fc2 takes partial sums: it has no bias)
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), topk_weights, topk_ids))
         else:
             out = self.experts(x, topk_weights, topk_ids)
         if self.moe.shared_expert_size:
