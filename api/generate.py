@@ -147,10 +147,14 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
 def _reasoning_parser(state: AppState, chat: ChatCompletionRequest | None) -> str | None:
     """The deployment's, for chat replies that may think: a guided reply is held to its
     grammar from its first token, unless the reply thinks first (deepseek_r1, gpt_oss), where
-    the grammar starts after the thinking."""
+    the grammar starts after the thinking. Under deepseek_r1 a request that turns thinking
+    off for the template (Qwen3's and Nemotron 3's `enable_thinking`, DeepSeek-V3.1's
+    `thinking`) is read as qwen3: its reply starts answering."""
     parser = state.settings.reasoning_parser
     if chat is None or parser == "none":
         return None
+    if parser == "deepseek_r1" and chat.thinking_off():
+        parser = "qwen3"  # the template closes the thinking in the prompt: the reply answers
     if chat.guided_source is not None and parser not in GRAMMAR_AFTER:
         return None
     return parser

@@ -250,6 +250,12 @@ class ChatCompletionRequest(_GenerationRequest):
             kwargs["continue_final_message"] = True
         return kwargs
 
+    def thinking_off(self) -> bool:
+        """Whether chat_template_kwargs turn the template's thinking off: `enable_thinking`
+        (Qwen3, Nemotron 3) or `thinking` (DeepSeek-V3.1) false."""
+        kwargs = self.chat_template_kwargs or {}
+        return kwargs.get("enable_thinking", True) is False or kwargs.get("thinking", True) is False
+
     def forced_tool(self) -> FunctionDefinition | None:
         """The function the reply must call; ValueError naming tool_choice when unsupported."""
         choice = self.tool_choice

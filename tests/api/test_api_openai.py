@@ -473,11 +473,29 @@ def test_a_reasoning_parser_splits_the_thinking_off(
                                                     response_format={"type": "json_object"}).choices[0].message
             if parser == "deepseek_r1":  # six tokens of free thinking, as unguided
                 assert text.startswith(guided.reasoning_content) and guided.content == ""
+                _thinking_turned_off(client, served_model, text)
             elif parser == "gpt_oss":  # free until the final channel opens, which it never does
                 assert guided.reasoning_content is None and text.startswith(guided.content)
             else:
                 assert guided.reasoning_content is None and guided.content.lstrip().startswith("{")
             client.close()
+
+
+def _thinking_turned_off(client: openai.OpenAI, served_model: str, text: str) -> None:
+    """Under deepseek_r1, a request whose template closes the thinking (enable_thinking, or
+    DeepSeek-V3.1's thinking, false) answers: all content, streamed or not, and a guided
+    reply's grammar holds from its first token."""
+    for kwargs in ({"enable_thinking": False}, {"thinking": False}):
+        off = {**GREEDY, "extra_body": {**GREEDY["extra_body"], "chat_template_kwargs": kwargs}}
+        message = client.chat.completions.create(model=served_model, messages=MESSAGES, **off).choices[0].message
+        assert (message.reasoning_content, message.content) == (None, text)
+    chunks = list(client.chat.completions.create(model=served_model, messages=MESSAGES, stream=True, **off))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert not any(c.choices[0].delta.model_extra.get("reasoning_content") for c in chunks)
+    guided = client.chat.completions.create(model=served_model, messages=MESSAGES, temperature=0.0, max_tokens=6,
+                                            response_format={"type": "json_object"},
+                                            extra_body={"chat_template_kwargs": kwargs}).choices[0].message
+    assert guided.reasoning_content is None and guided.content.lstrip().startswith("{")
 
 
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
