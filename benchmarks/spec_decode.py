@@ -2,6 +2,15 @@
 one process.
 
     python benchmarks/spec_decode.py [--max-tokens 128] [--k 4] [--dtype bfloat16] [--disable-by-batch-size N]
+    python benchmarks/spec_decode.py --arch qwen3_5   # a model with states, its guesses' rewinds
+
+`--arch` remakes the default model's shape as a model with per-request states (Qwen3.5's
+linear attention, `granitemoehybrid`'s or `nemotron_h`'s Mamba2) with seeded random
+weights, which take back wrong guesses otherwise than by KV positions (the state after the
+step's known tokens comes back, and the guesses kept are computed again by the next step).
+What random weights write is noise no guess foresees, so its workload ("held") holds the
+copy prompts' replies to the few tokens of " width height w h" (allowed_token_ids): they
+repeat themselves, and guesses are kept in part.
 
 Workloads (greedy): "copy" asks the model to repeat and edit text it was given (where
 prompt lookup helps: code edits, quoting, extraction); "free" asks for new text (where
@@ -13,7 +22,10 @@ outputs are checked identical to plain decoding.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+
+from gpu_check import remake
 
 from worker import LLM, SamplingParams
 
@@ -40,16 +52,29 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--disable-by-batch-size", type=int, default=None, help="no guesses at this many requests")
+    ap.add_argument("--arch", default=None, choices=["qwen3_5", "granitemoehybrid", "nemotron_h"],
+                    help="the default model's shape remade so, with random weights")
     args = ap.parse_args()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    plain = LLM(None, dtype=args.dtype, max_model_len=2048)
-    spec = LLM(None, dtype=args.dtype, max_model_len=2048,
+    with tempfile.TemporaryDirectory() as tmp:
+        model = remake(None, args.arch, tmp) if args.arch else None
+        return compare(model, args)
+
+
+def compare(model: str | None, args: argparse.Namespace) -> int:
+    extra = {"load_format": "dummy"} if model else {}
+    plain = LLM(model, dtype=args.dtype, max_model_len=2048, **extra)
+    spec = LLM(model, dtype=args.dtype, max_model_len=2048, **extra,
                speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
                                    "disable_by_batch_size": args.disable_by_batch_size})
-    print(f"greedy, max_tokens {args.max_tokens}, k={args.k}, {args.dtype}, "
+    print(f"{args.arch or 'default model'}, greedy, max_tokens {args.max_tokens}, k={args.k}, {args.dtype}, "
           f"disable_by_batch_size {args.disable_by_batch_size}")
     print(f"{'workload':<10} {'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'speed-up':>9} {'kept':>6} {'same':>5}")
-    for name, messages in (("copy", COPY), ("free", FREE)):
+    workloads: tuple[tuple[str, list, dict], ...] = (("copy", COPY, {}), ("free", FREE, {}))
+    if model is not None:  # (random weights write to the end: no EOS)
+        held = sorted(set(plain.get_tokenizer().encode(CODE)))[:12]
+        workloads = (("held", COPY, {"allowed_token_ids": held, "ignore_eos": True}),)
+    for name, messages, held_to in workloads:
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, **held_to)
         for batch in (1, 16):
             plain_s, plain_out = timed(plain, messages[:batch], params)
             stats = spec.engine.spec_stats

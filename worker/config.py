@@ -130,7 +130,8 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     max_loras: int = 0  # distinct adapters running at once (0: LoRA is off)
     # the model keeps a state per request (linear attention, Mamba2): after a wrong guess it
-    # goes back to the state after the step's known token, so the guesses kept are computed again
+    # goes back to the state after the step's known tokens, so the guesses kept are computed
+    # again (by the next step, which guesses on after them)
     recurrent: bool = False
 
 

@@ -344,8 +344,8 @@ class Engine:
 
     def _rewind_wrong_guesses(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """A model with states took in every guess of the step: where one was wrong, each such
-        request's state goes back to the one after its known token (the guesses it keeps are
-        computed again by its next step, SchedulerConfig.recurrent)."""
+        request's state goes back to the one after its known tokens (the guesses it keeps are
+        computed again by its next step, before that step's own guesses: SchedulerConfig.recurrent)."""
         states = self.runner.states
         if states is None:
             return
@@ -451,8 +451,9 @@ class Engine:
             return
         candidates = []
         for request in self.scheduler.running:
-            if request.num_computed_tokens != request.num_tokens - 1:
-                continue  # still prefilling
+            if request.num_computed_tokens != request.num_tokens - 1 and (
+                    request.num_computed_tokens < request.num_prompt_tokens):
+                continue  # still prefilling (a model with states recomputes the guesses it kept: it guesses on)
             if not can_speculate(request.sampling_params, request.request_id in self.generators):
                 continue
             # no guess past max_tokens or max_model_len: the step's last token needs room

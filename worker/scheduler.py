@@ -255,7 +255,8 @@ class Scheduler:
             token_ids = sampled.get(sched.request_id, [])
             num_rejected = sched.num_drafts - max(len(token_ids) - 1, 0)
             # the KV of rejected guesses stays past num_computed_tokens, to be overwritten; a
-            # model with states went back to the one before any guess (SchedulerConfig.recurrent)
+            # model with states went back to the one before any guess (SchedulerConfig.recurrent):
+            # the guesses it kept are computed again, in front of the next step's guesses
             kept = 0 if num_rejected and self.config.recurrent else sched.num_drafts - num_rejected
             request.num_computed_tokens += len(sched.token_ids) - sched.num_drafts + kept
             request.spec_token_ids = []

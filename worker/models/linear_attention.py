@@ -12,7 +12,8 @@ with q and k L2-normalized and q scaled by key_head_dim ** -0.5. A chunk of toke
 computed at once in its closed form: within the chunk the values written, u, solve a unit
 lower-triangular system, and the outputs and the final state follow by matrix products
 (the DeltaNet papers' "WY" form). A step's decodes run together, one recurrence step over
-their states gathered from their slots. Mamba2's state space recurrence is the same rule
+their states gathered from their slots, and so do the rows of short runs (a decode with its
+guesses, STEPPED_ROWS or fewer), a token at a time. Mamba2's state space recurrence is the same rule
 without its delta (Mamba2Mixer), S <- a S + k v^T: the values written are v themselves.
 
 The state depends on every token before, so blocks of keys and values cannot restore it: the
@@ -22,8 +23,9 @@ prefix cache keeps states too, in slots of their own beside the requests' (`save
 boundary its tokens pass (a prefill splits its chunks there), and a request served from the
 cache starts from the state saved where the hit ends, as does a preempted one whose
 boundaries are still kept (else it recomputes from its first token). A step that checks
-guesses saves the state after its known token in the request's spare, and the engine rewinds
-to it where a guess was wrong (the guesses kept are computed again). The n > 1 completions
+guesses saves the state after its known tokens in the request's spare, and the engine rewinds
+to it where a guess was wrong (the guesses kept are computed again, in front of the next
+step's guesses). The n > 1 completions
 of a prompt start from the state its first saved where they fork (each computes the prompt
 where no state is kept). Plain torch, but on the kernel path (CUDA): there every request's rows
 go through the rule in one Triton kernel per layer, a token at a time (kernels.recurrent), and
@@ -53,6 +55,9 @@ if TYPE_CHECKING:
     from worker.lora import LoRAMapping, LoRASlots
 
 CHUNK = 64  # tokens solved together in a prefill
+# the torch path runs a request of at most this many rows (a decode with its guesses, a short
+# chunk) a token at a time, together with the others such, rather than solving it alone
+STEPPED_ROWS = 8
 
 
 @dataclass
@@ -68,6 +73,27 @@ class StateMetadata:
     num_decodes: int
     decode_slots: torch.Tensor  # [num_decodes] int64
     decode_saves: tuple[torch.Tensor, torch.Tensor] | None  # the decodes that save: their slots, the saved slots
+
+    @cached_property
+    def stepped(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]],
+                               list[int]]:
+        """The torch path's split of the requests (made once, for every layer): the decodes and
+        the others of at most STEPPED_ROWS rows, as a run of steps of one row each, every such
+        request's row t in step t (its rows, their slots, and the (slot, saved slot) copies
+        after it, None if none); and the others, by index, each solved alone."""
+        short = [i for i in range(len(self.rows))
+                 if self.rows[i][1] - self.rows[i][0] <= STEPPED_ROWS and all(n for n, _ in self.saves[i])]
+        steps = []
+        device = self.states.device
+        for t in range(max((self.rows[i][1] - self.rows[i][0] for i in short), default=0)):
+            active = [i for i in short if self.rows[i][0] + t < self.rows[i][1]]
+            copies = [(self.slots[i], target) for i in active for n, target in self.saves[i] if n == t + 1]
+            steps.append((torch.tensor([self.rows[i][0] + t for i in active], device=device),
+                          torch.tensor([self.slots[i] for i in active], device=device),
+                          (torch.tensor([c[0] for c in copies], device=device),
+                           torch.tensor([c[1] for c in copies], device=device)) if copies else None))
+        alone = [i for i in range(len(self.rows)) if i not in short]
+        return steps, alone
 
     @cached_property
     def scan(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
@@ -103,8 +129,8 @@ class LinearStates:
     copied from the saved state it starts from, and gives it back when it ends or is
     preempted. The prefix cache's saved states, `num_saved` of them (`allocate_saved`), are
     laid out alike, followed by a spare per request slot: a step that checks guesses saves the
-    state after the request's one known token there, which `rewind` takes back when a guess
-    was wrong. One slot more, zeroed, is the padding rows' of a decode graph (worker.cuda_graphs),
+    state after the request's known tokens there (its last token, after the guesses kept
+    last time, which it computes again), which `rewind` takes back when a guess was wrong. One slot more, zeroed, is the padding rows' of a decode graph (worker.cuda_graphs),
     which write only there. (Allocated empty: on the CPU the memory of slots never used is
     never touched.)"""
 
@@ -157,8 +183,8 @@ class LinearStates:
             self.saved_recurrent[saved] = self.host_recurrent[host].to(self.device, non_blocking=True)
 
     def rewind(self, request_id: str) -> None:
-        """The request's state back to the one after the known token of its last step: the
-        guesses after it were not all right."""
+        """The request's state back to the one after the known tokens of its last step: the
+        guesses after them were not all right."""
         slot = self.slots.get(request_id)
         if slot is None:  # (it left the step: aborted)
             return
@@ -200,7 +226,7 @@ class LinearStates:
             num_decodes += num_tokens == 1 and num_decodes == len(rows)
             rows.append((row, row + num_tokens))
             slots.append(slot)
-            spare = ((1, self.num_saved + slot),) if num_drafts else ()  # (guesses follow one known token)
+            spare = ((num_tokens - num_drafts, self.num_saved + slot),) if num_drafts else ()  # (after the known rows)
             saves.append(tuple((before - start_pos, saved_slot) for before, saved_slot in saved) + spare)
             row += num_tokens
         decode_slots = torch.tensor(slots[:num_decodes], dtype=torch.long, device=self.device)
@@ -248,7 +274,8 @@ class GatedRMSNorm(nn.Module):
 class StateMixer(nn.Module):
     """What a layer with a per-request state does whatever its rule: a short causal convolution
     over its inputs, then the recurrence per request from its slot (a prefill's chunks solved at
-    once, a step's decodes one step together), saving the states the step names."""
+    once, a step's decodes and short runs a token at a time together), saving the states the
+    step names."""
 
     conv1d: nn.Conv1d
 
@@ -278,14 +305,16 @@ class StateMixer(nn.Module):
         cfg = self.cfg
         out = torch.empty(len(inputs), cfg.num_value_heads, cfg.value_head_dim, device=inputs.device)
         convolved = torch.empty_like(inputs)
-        states, d = meta.states, meta.num_decodes
-        if d:
-            convolved[:d], out[:d] = self._decode(inputs[:d], states, meta.decode_slots, heads)
-            if meta.decode_saves is not None:
-                slots, saved = meta.decode_saves
+        states = meta.states
+        steps, alone = meta.stepped
+        for rows, slots, copies in steps:  # the decodes' and short requests' rows, a token at a time
+            convolved[rows], out[rows] = self._decode(inputs[rows], states, slots, heads, rows)
+            if copies is not None:
+                slots, saved = copies
                 states.saved_conv[saved, self.index] = states.conv[slots, self.index]
                 states.saved_recurrent[saved, self.index] = states.recurrent[slots, self.index]
-        for (start, end), slot, saves in zip(meta.rows[d:], meta.slots[d:], meta.saves[d:], strict=True):
+        for i in alone:
+            (start, end), slot, saves = meta.rows[i], meta.slots[i], meta.saves[i]
             convolved[start:end] = self._convolve_request(inputs, meta, start, end, slot, saves)
             q, k, v, g, beta = heads(convolved[start:end], slice(start, end))
             stops: dict[int, list[torch.Tensor]] = {}
@@ -294,14 +323,15 @@ class StateMixer(nn.Module):
             out[start:end] = gated_delta_rule(q, k, v, g, beta, states.recurrent[slot, self.index], stops)
         return out, convolved
 
-    def _decode(self, rows: torch.Tensor, states: LinearStates, slots: torch.Tensor, heads: Heads
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # [d, conv_dim], [d, Hv, Dv] float32
-        """One new token of each of d requests, together: the convolution over each one's last
-        inputs, then one step of the rule on each one's state."""
+    def _decode(self, rows: torch.Tensor, states: LinearStates, slots: torch.Tensor, heads: Heads,
+                where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [d, conv_dim], [d, Hv, Dv] float32
+        """One new token of each of d requests (`rows`, the batch's rows `where`), together:
+        the convolution over each one's last inputs, then one step of the rule on each one's
+        state."""
         inputs = torch.cat((states.conv[slots, self.index], rows[:, :, None]), dim=2)  # [d, conv_dim, kernel]
         states.conv[slots, self.index] = inputs[:, :, 1:]
         convolved = F.silu(F.conv1d(inputs, self.conv1d.weight, self.conv1d.bias, groups=self.cfg.conv_dim)[:, :, 0])
-        q, k, v, g, beta = heads(convolved, slice(0, len(rows)))  # the d requests as a batch: [d, Hv, D]
+        q, k, v, g, beta = heads(convolved, where)  # the d requests as a batch: [d, Hv, D]
         s = states.recurrent[slots, self.index].mul_(g.exp()[..., None, None])  # [d, Hv, Dk, Dv], decayed
         written = v if beta is None else (v - (k[..., None, :] @ s)[..., 0, :]) * beta[..., None]  # [d, Hv, Dv]
         flat = s.view(-1, *s.shape[2:])
@@ -377,7 +407,7 @@ class GatedDeltaNet(StateMixer):
         beta = torch.sigmoid(self._project("in_proj_b", x, lora)).float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self._project("in_proj_a", x, lora).float() + self.dt_bias)  # log decay
 
-        def heads(qkv: torch.Tensor, rows: slice) -> HeadsOut:
+        def heads(qkv: torch.Tensor, rows: slice | torch.Tensor) -> HeadsOut:
             return *self._heads(qkv), g[rows], beta[rows]
 
         out, _ = self._mix(self._project("in_proj_qkv", x, lora), meta, heads)
@@ -438,7 +468,7 @@ class Mamba2Mixer(StateMixer):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*cfg.dt_limit)  # [T, H]
         g = -self.A_log.float().exp() * dt  # log decay
 
-        def heads(convolved: torch.Tensor, rows: slice) -> HeadsOut:
+        def heads(convolved: torch.Tensor, rows: slice | torch.Tensor) -> HeadsOut:
             xs, b, c = convolved.float().split([self.inner, cfg.num_key_heads * cfg.key_head_dim,
                                                 cfg.num_key_heads * cfg.key_head_dim], dim=1)
             b, c = (t.view(len(t), cfg.num_key_heads, -1).repeat_interleave(heads_ // cfg.num_key_heads, dim=1)
@@ -452,7 +482,7 @@ class Mamba2Mixer(StateMixer):
 
 # (q, k, v, g, beta) of some rows: what StateMixer._mix's `heads` makes of their convolution
 HeadsOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
-Heads = Callable[[torch.Tensor, slice], HeadsOut]
+Heads = Callable[[torch.Tensor, slice | torch.Tensor], HeadsOut]  # (rows: a slice, or their indices)
 
 
 def gated_delta_rule(
