@@ -222,7 +222,7 @@ def fused_moe(
     w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]: gate rows, then up rows (gated)
     w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [T, top_k]: float32 or x's dtype
-    topk_ids: torch.Tensor,  # [T, top_k] int64
+    topk_ids: torch.Tensor,  # [T, top_k] int64 in [0, num_experts]; num_experts: no expert here
     w13_scale: torch.Tensor | None = None,  # quantized weights: [num_experts, cdiv(rows, block[0]), cdiv(cols, block[1])]
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,  # quantized weights: weight rows, columns per scale
@@ -243,7 +243,8 @@ def fused_moe(
     row's first products, gate and up halves side by side); it is needed when `gated` is
     False (w13 [num_experts, intermediate, hidden]: experts without a gate, Nemotron 3's
     ReLU^2). Biases are added to each projection's rounded output (gpt-oss), before the
-    routing weight."""
+    routing weight. A pair whose id is num_experts is served by none of these experts (under
+    expert parallelism, another rank's): it adds nothing."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, w13_zero, w2_zero, gated)
     if not gated and activation is None:
         raise ValueError("experts without a gate (gated=False) need their activation")
@@ -257,25 +258,29 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    sorted_ids, block_experts = moe_align(topk_ids, w13.shape[0], _BLOCK_M)
+    num_experts = w13.shape[0]
+    # (pairs of id num_experts get tiles of their own, which the kernel skips as padding)
+    sorted_ids, block_experts = moe_align(topk_ids, num_experts + 1, _BLOCK_M)
     weights = topk_weights.flatten().contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
     _launch(x, w13, w13_scale, w13_zero, block, gate_up, weights, sorted_ids, block_experts, top_k,
             a_per_token=True, mul_weight=False)
     experts = topk_ids.flatten()  # [num_pairs]
     if w13_bias is not None:
-        gate_up += w13_bias[experts]
+        gate_up += w13_bias[experts.clamp(max=num_experts - 1)]
     h = silu_and_mul(gate_up) if activation is None else activation(gate_up)  # [num_pairs, intermediate]
     # weighted rows in the weights' dtype; their sum accumulates in fp32 and is rounded once
+    # (the rows of pairs no expert here serves are never written: zero)
     if w2_bias is None:  # the kernel weighs each row as it writes it
-        out = torch.empty(num_pairs, hidden, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+        out = torch.zeros(num_pairs, hidden, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
         _launch(h, w2, w2_scale, w2_zero, block, out, weights, sorted_ids, block_experts, top_k, a_per_token=False,
                 mul_weight=True)
     else:  # the bias goes in before the weight
-        down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+        down = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
         _launch(h, w2, w2_scale, w2_zero, block, down, weights, sorted_ids, block_experts, top_k, a_per_token=False,
                 mul_weight=False)
-        out = (down + w2_bias[experts]) * weights[:, None]
+        served = experts < num_experts
+        out = (down + w2_bias[experts.clamp(max=num_experts - 1)]) * weights.masked_fill(~served, 0)[:, None]
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
@@ -284,11 +289,13 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=N
                   ) -> torch.Tensor:
     """The same sum, each row's experts' weights gathered and multiplied densely (an
     independent oracle: no sorting, no tiles), with the kernel's rounding points; quantized
-    weights are dequantized to x's dtype first."""
+    weights are dequantized to x's dtype first. Pairs of id num_experts weigh nothing."""
     if w13_scale is not None:
         hidden, inter = x.shape[1], w2.shape[2] * {torch.int32: 8, torch.uint8: 2}.get(w2.dtype, 1)
         w13 = dequantize_ref(w13, w13_scale, block, x.dtype, hidden, w13_zero)
         w2 = dequantize_ref(w2, w2_scale, block, x.dtype, inter, w2_zero)
+    served = topk_ids < w13.shape[0]
+    topk_ids, topk_weights = topk_ids.clamp(max=w13.shape[0] - 1), topk_weights.masked_fill(~served, 0)
     gate_up = torch.einsum("th,tknh->tkn", x.float(), w13[topk_ids].float()).to(x.dtype)
     if w13_bias is not None:
         gate_up = gate_up + w13_bias[topk_ids]

@@ -61,6 +61,10 @@ def build(parser: argparse.ArgumentParser) -> Any:
         "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
     )
     parser.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="with --tensor-parallel-size N: each rank holds 1/N of the experts whole (default: a share of every one)",
+    )
+    parser.add_argument(
         "--disable-hybrid-kv-cache-manager", action="store_true",
         help="a model mixing full and sliding-window layers keeps every layer's KV blocks "
         "(default: its windowed layers keep only the blocks their windows read)",
@@ -136,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         engine_args["enable_prefix_caching"] = False
     if args.enforce_eager:
         engine_args["enforce_eager"] = True
+    if args.enable_expert_parallel:
+        engine_args["enable_expert_parallel"] = True
     if args.disable_hybrid_kv_cache_manager:
         engine_args["disable_hybrid_kv_cache_manager"] = True
     if args.enable_lora:

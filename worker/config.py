@@ -69,6 +69,9 @@ class EngineConfig:
     # the model split over this many devices (worker.parallel): each holds its share of the
     # attention heads and MLP features, with the KV cache of its heads
     tensor_parallel_size: int = 1
+    # vLLM's: the mixture-of-experts layers' experts dealt out whole over the tensor-parallel
+    # ranks (each holds num_experts / N of them), not each expert's features split over all
+    enable_expert_parallel: bool = False
     # a model with linear-attention layers (Qwen3.5, Qwen3-Next): its prefix cache keeps each
     # request's state after every mamba_block_size tokens (vLLM's name; a multiple of
     # block_size; None: 512 rounded up to one), in num_state_snapshots slots (None: as many

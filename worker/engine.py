@@ -74,7 +74,8 @@ class Engine:
             self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
         else:
             # the model's split is checked before any other rank starts
-            ModelConfig.from_hf(hf_config, config.quantization, self.max_model_len).shard(config.tensor_parallel_size)
+            ModelConfig.from_hf(hf_config, config.quantization, self.max_model_len).shard(
+                config.tensor_parallel_size, config.enable_expert_parallel)
             self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
         # where the model takes images: what makes their pixels and tokens
         self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)

@@ -107,7 +107,7 @@ class ModelRunner:
         # the whole model's, as its checkpoint holds it; model_config is this rank's share
         self.checkpoint_config = ModelConfig.from_hf(hf_config, config.quantization, max_model_len)
         self.model_config = (self.checkpoint_config if parallel is None
-                             else self.checkpoint_config.shard(parallel.world_size))
+                             else self.checkpoint_config.shard(parallel.world_size, config.enable_expert_parallel))
         # the layers' KV groups: (window, layers) each, with block tables of its own over the
         # one pool; layer j of every group keeps its KV in the same tensor (its slot). Layers of
         # linear attention keep a state per request instead (self.states), in no group
@@ -205,9 +205,10 @@ class ModelRunner:
         else:
             p = self.parallel
             model.load_weights(iter_safetensors(model_path), functools.partial(
-                shard_weights, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size))
+                shard_weights, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size,
+                expert_parallel=self.config.enable_expert_parallel))
         if self.parallel is not None:
-            model.reduce_with(self.parallel.all_reduce, self.parallel.world_size)
+            model.reduce_with(self.parallel.all_reduce, self.parallel.world_size, self.parallel.rank)
         if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's
             quant.dequantize_all(model, self.dtype)
         model.eval()

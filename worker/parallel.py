@@ -6,7 +6,11 @@ intermediate features (rows of gate/up, columns of down_proj); the partial outpu
 and down_proj are summed over the ranks (an all-reduce), so every rank carries the whole
 residual stream. Embeddings, norms and the LM head are whole on every rank. Each rank's KV
 cache holds its own heads. A layer with a state per request (linear attention, Mamba2)
-splits by its heads alike, each rank keeping its heads' part of every state.
+splits by its heads alike, each rank keeping its heads' part of every state. A mixture of
+experts splits each expert as a dense MLP, or with expert parallelism (vLLM's
+`enable_expert_parallel`) deals the experts out whole, rank r holding experts r * E/N to
+(r + 1) * E/N - 1: each rank then serves the tokens routed to its experts, the others' rows
+adding nothing, and the same one sum after the block gathers every expert's output.
 
 Rank 0 is the engine's own runner; the other ranks are processes of their own (forked by
 `multiprocessing`'s forkserver, never from the engine's process), each with a runner that
@@ -21,6 +25,7 @@ from __future__ import annotations
 import datetime
 import io
 import multiprocessing as mp
+import re
 import threading
 import time
 import weakref
@@ -84,8 +89,8 @@ _STACKED_GATE_UP = ("experts.gate_up_proj", "input_linear.weight", _STACKED_UP)
 _STACKED_DOWN = ("experts.down_proj", "output_linear.weight")
 
 
-def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, rank: int, world_size: int
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, rank: int, world_size: int,
+                  expert_parallel: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Each checkpoint tensor's part on this rank (`cfg`: the whole model's). Checkpoints that
     fuse q/k/v or gate/up (Phi-3, GLM-4), or stack the experts, split each part alike. A bias
     of a split-by-columns projection is added once, by rank 0 (the others hold zeros). The
@@ -97,9 +102,39 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
     its groups of columns (ModelConfig.shard has checked that each rank's rows and columns
     are whole blocks); a grid of one row or column (a scale per tensor, or per output
     channel of a layer split by columns) is whole on every rank. KV-cache scales, one per KV
-    head, are split as the heads are."""
+    head, are split as the heads are.
+
+    `expert_parallel`: the experts' tensors are this rank's experts, whole (numbered from 0
+    on each rank; stacked ones sliced, their biases added by the rank that holds the expert)."""
     for name, tensor in weights:
-        yield name, _share(name, tensor, cfg, rank, world_size)
+        dealt = _expert_share(name, tensor, rank, world_size, cfg) if expert_parallel else None
+        if dealt is None:
+            yield name, _share(name, tensor, cfg, rank, world_size)
+        else:
+            yield from dealt
+
+
+# one expert's tensor in a checkpoint: experts.<e>.<its projection...>
+_ONE_EXPERT = re.compile(r"(.*\.experts\.)(\d+)(\..*)")
+
+
+def _expert_share(name: str, tensor: torch.Tensor, rank: int, world_size: int, cfg: ModelConfig
+                  ) -> list[tuple[str, torch.Tensor]] | None:
+    """Expert parallelism: an experts' tensor as this rank holds it (nothing, if another
+    rank's expert), or None if `name` is none of the experts'."""
+    from worker.models.quant import grid_part
+
+    assert cfg.moe is not None
+    per_rank = cfg.moe.num_experts // world_size
+    first = rank * per_rank
+    one = _ONE_EXPERT.fullmatch(name)
+    if one is not None:
+        expert = int(one.group(2)) - first
+        return [(f"{one.group(1)}{expert}{one.group(3)}", tensor)] if 0 <= expert < per_rank else []
+    values = name.removesuffix(grid_part(name))
+    if values.endswith(_STACKED_GATE_UP + _STACKED_DOWN) or values.endswith(("gate_up_proj_bias", "down_proj_bias")):
+        return [(name, tensor[first : first + per_rank])]  # stacked: [E, ...]
+    return None
 
 
 def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_size: int) -> torch.Tensor:

@@ -177,6 +177,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         mm_processor_kwargs=_parse(env, "GENQ_MM_PROCESSOR_KWARGS", parse_json_object, "a JSON object"),
         max_images_per_prompt=_int(env, "GENQ_MAX_IMAGES_PER_PROMPT"),
         tensor_parallel_size=_int(env, "GENQ_TENSOR_PARALLEL_SIZE"),
+        enable_expert_parallel=_bool(env, "GENQ_ENABLE_EXPERT_PARALLEL"),
         kv_offloading_size=_float(env, "GENQ_KV_OFFLOADING_SIZE"),
         mamba_block_size=_int(env, "GENQ_MAMBA_BLOCK_SIZE"),
         num_state_snapshots=_int(env, "GENQ_NUM_STATE_SNAPSHOTS"),

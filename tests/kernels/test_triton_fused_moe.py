@@ -106,6 +106,25 @@ def test_fused_moe_experts_without_a_gate(device: torch.device, dtype: torch.dty
         fused_moe(x, up, w2, weights, ids, activation=relu2)  # read as gate and up halves
 
 
+@pytest.mark.parametrize("biases", [False, True], ids=["plain", "biases"])
+def test_fused_moe_pairs_of_no_expert_here_add_nothing(device: torch.device, biases: bool) -> None:
+    """Expert parallelism: a rank holds some experts; a pair routed to id num_experts is
+    another rank's and adds nothing (with gpt-oss's biases too): the sum equals the one
+    over the pairs this rank serves alone, and a token routed wholly elsewhere gets zeros."""
+    num_tokens, num_experts, top_k, hidden, inter = 37, 8, 3, 96, 48
+    x, w13, w2 = _inputs((num_tokens, num_experts, top_k, hidden, inter), torch.float32, device)
+    weights, ids = _routing(num_tokens, 2 * num_experts, top_k, device, torch.float32)
+    local = ids.masked_fill(ids >= num_experts, num_experts)  # experts 8..15 are another rank's
+    local[0] = num_experts
+    kwargs = dict(w13_bias=torch.randn(num_experts, 2 * inter, device=device),
+                  w2_bias=torch.randn(num_experts, hidden, device=device)) if biases else {}
+    out = fused_moe(x, w13, w2, weights, local, **kwargs)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert_close(out, fused_moe_ref(x, w13, w2, weights, local, **kwargs))
+    ours = local < num_experts  # the same sum with the others' pairs weighed zero on our experts
+    assert_close(out, fused_moe_ref(x, w13, w2, weights * ours, local.clamp(max=num_experts - 1), **kwargs))
+
+
 def test_fused_moe_reads_strided_rows(device: torch.device) -> None:
     """x as a slice of a wider buffer, as the residual stream hands it over."""
     x, w13, w2 = _inputs((6, 4, 2, 64, 32), torch.float32, device)

@@ -30,6 +30,7 @@ from worker.config import EngineConfig
 from worker.model_loader import iter_safetensors
 from worker.models.config import ModelConfig
 from worker.models.llama import LlamaForCausalLM
+from worker.models.moe import Experts
 from worker.models.quant import QuantLinear
 from worker.parallel import shard_weights
 
@@ -66,6 +67,44 @@ def test_a_split_model_decodes_as_transformers(family, tiny_family):
     del llm, local
     gc.collect()
     assert not rank1.is_alive() and rank1.exitcode == 0  # the other ranks stop with the engine
+
+
+# expert parallelism: qwen2_moe (8 experts, 4 a rank, beside the gated shared expert, split by
+# its features); gpt_oss (stacked experts, their biases added by the rank that holds each);
+# deepseek_v3 (sigmoid routing within groups, whole on both ranks); nemotron_3_latent (experts
+# without a gate, in the latent space); llama4 (the token weighed going into its one expert)
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "deepseek_v3", "nemotron_3_latent", "llama4"])
+def test_experts_dealt_out_whole_decode_as_transformers(family, tiny_family):
+    model_dir = tiny_family(family)
+    llm = split_llm(model_dir, enable_expert_parallel=True)
+    local = llm.engine.runner.local
+    moe, whole = local.model_config.moe, ModelConfig.from_hf(local.model_config.hf_config).moe
+    assert (moe.intermediate_size, 2 * moe.num_local_experts) == (whole.intermediate_size, whole.num_experts)
+    experts = next(m for m in local.model.modules() if isinstance(m, Experts))
+    assert experts.num_experts == whole.num_experts // 2 and experts.intermediate_size == whole.intermediate_size
+    run_and_compare(llm, model_dir)
+
+
+def test_experts_dealt_out_whole_on_the_kernel_path(tiny_family):
+    """The fused MoE kernel on each rank's experts: pairs routed to the other rank's experts
+    (an id past this rank's last) add nothing. Prefill logits equal transformers'."""
+    model_dir = tiny_family("qwen2_moe")
+    check_prefill_logits_against(model_dir, model_dir, "triton", {"tensor_parallel_size": 2, "num_threads": 1,
+                                                                  "enable_expert_parallel": True})
+
+
+def test_experts_dealt_out_whole_split_at_no_block(tiny_family, tmp_path):
+    """Qwen3-MoE's experts in fp8 blocks of 64 x 64 (attention and the dense MLP float):
+    split by features, each rank's 32 rows of an expert are half a block, refused by name;
+    dealt out whole, they serve, equal to transformers on the same checkpoint."""
+    fp8 = write_fp8_checkpoint(tiny_family("qwen3_moe"), tmp_path / "q", (64, 64),
+                               ("model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.1.mlp"))
+    with pytest.raises(ValueError, match="leaves 32 output rows of the experts' gate_proj and up_proj on each rank, "
+                                         "not whole blocks .* \\(enable_expert_parallel keeps each expert whole\\)"):
+        split_llm(fp8)
+    llm = check_prefill_logits_against(fp8, fp8, "torch", {"tensor_parallel_size": 2, "num_threads": 1,
+                                                           "enable_expert_parallel": True})
+    assert llm.engine.runner.local.model_config.moe.num_local_experts == 3
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -160,8 +199,14 @@ def test_quantized_layers_split_at_whole_blocks_or_are_refused():
                          num_local_experts=4, architectures=["GptOssForCausalLM"],
                          quantization_config={"quant_method": "mxfp4"})
     refused.append((ModelConfig.from_hf(mxfp4), "leaves 48 input columns of the experts' down_proj on each rank, not "
-                    "whole groups of the checkpoint's 32 columns a scale \\(quantization='fp8' widens"))
+                    "whole groups of the checkpoint's 32 columns a scale \\(enable_expert_parallel keeps each expert "
+                    "whole; or quantization='fp8', which widens"))
     assert ModelConfig.from_hf(mxfp4, "fp8").shard(2).moe.intermediate_size == 48
+    dealt = ModelConfig.from_hf(mxfp4).shard(2, expert_parallel=True).moe  # (whole experts: whole blocks)
+    assert (dealt.intermediate_size, dealt.num_experts, dealt.num_local_experts) == (96, 4, 2)
+    with pytest.raises(ValueError, match=r"num_experts \(4\) is not divisible by tensor_parallel_size \(8\)"):
+        ModelConfig.from_hf(GptOssConfig(**{**mxfp4.to_dict(), "num_attention_heads": 8, "num_key_value_heads": 8})
+                            ).shard(8, expert_parallel=True)
     for cfg, error in refused:
         with pytest.raises(ValueError, match=error):
             cfg.shard(2)

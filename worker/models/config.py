@@ -169,6 +169,13 @@ class MoEConfig:
     weights_on_input: bool = False
     gated: bool = True  # SwiGLU experts; False: up, ReLU^2, down (Nemotron 3's, its shared expert's too)
     latent_size: int = 0  # Nemotron 3 Super: the routed experts' hidden size, projected into and out of
+    # expert parallelism (a rank's share, ModelConfig.shard): the experts dealt out whole to
+    # this many ranks, num_local_experts each, rank r holding those from r * num_local_experts
+    expert_ranks: int = 1
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.expert_ranks
 
     @classmethod
     def from_hf(cls, hf_config: Any, family: str) -> MoEConfig:
@@ -241,6 +248,21 @@ class MoEConfig:
                    deepseek_router=True, sigmoid_scores=v3, num_groups=groups,
                    topk_groups=(hf_config.topk_group or 1) if grouped else 1,
                    routed_scaling=float(hf_config.routed_scaling_factor), shared_expert_gated=False)
+
+
+# the checkpoint's modules of each kind of layer _check_quantized_split names, within a layer
+_LAYER_MODULES = {"q_proj": ("self_attn.q_proj",), "k_proj and v_proj": ("self_attn.k_proj", "self_attn.v_proj"),
+                  "o_proj": ("self_attn.o_proj",), "gate_proj and up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                  "down_proj": ("mlp.down_proj",)}
+
+
+def _float_in_every_layer(cfg: ModelConfig, layers: str) -> bool:
+    """Whether the quantized checkpoint keeps `layers` (_LAYER_MODULES' name) float in every
+    decoder layer (NVIDIA's FP8 checkpoints keep attention so, say)."""
+    assert cfg.quant is not None
+    modules = _LAYER_MODULES.get(layers)
+    return modules is not None and all(cfg.quant.skips([f"model.layers.{i}.{module}"])
+                                       for i in range(cfg.num_hidden_layers) for module in modules)
 
 
 def _check_expert_groups(experts: int, groups: int) -> None:
@@ -511,9 +533,10 @@ class ModelConfig:
         return dataclasses.replace(self, mla=mla, num_key_value_heads=1, head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim,
                                    rotary_dim=mla.qk_rope_head_dim, attn_scale=mla.softmax_scale(self.hf_config))
 
-    def shard(self, world_size: int) -> ModelConfig:
+    def shard(self, world_size: int, expert_parallel: bool = False) -> ModelConfig:
         """A tensor-parallel rank's share of the model (worker.parallel): 1/world_size of its
-        attention heads, key-value heads and MLP features; ValueError naming what does not
+        attention heads, key-value heads and MLP features (`expert_parallel`: of its experts,
+        whole, beside a share of the shared expert's features); ValueError naming what does not
         split."""
         if world_size == 1:
             return self
@@ -526,9 +549,10 @@ class ModelConfig:
             kv_heads = world_size  # query heads read, as vLLM replicates them (world_size / kv ranks a head)
         sizes = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": kv_heads,
                  "intermediate_size": self.intermediate_size}
-        if moe is not None:  # each expert (and the shared one) split as a dense MLP is
-            sizes.update({"the experts' intermediate_size": moe.intermediate_size,
-                          "the shared expert's intermediate_size": moe.shared_expert_size})
+        if moe is not None:  # each expert (and the shared one) split as a dense MLP is, or dealt out whole
+            sizes.update({"the shared expert's intermediate_size": moe.shared_expert_size,
+                          **({"num_experts": moe.num_experts} if expert_parallel else
+                             {"the experts' intermediate_size": moe.intermediate_size})})
         if linear is not None:  # the layers with a state: their heads (Mamba2's B and C: its groups)
             keys, values = (("Mamba2's n_groups", "Mamba2's heads") if linear.mamba2 else
                             ("linear_num_key_heads", "linear_num_value_heads"))
@@ -538,10 +562,11 @@ class ModelConfig:
                 nor = ", nor does it divide it" if name == "num_key_value_heads" else ""
                 raise ValueError(f"{name} ({size}) is not divisible by tensor_parallel_size ({world_size}){nor}")
         if self.quant is not None:
-            self._check_quantized_split(world_size, kv_heads)
+            self._check_quantized_split(world_size, kv_heads, expert_parallel)
         if moe is not None:
-            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world_size,
-                                      shared_expert_size=moe.shared_expert_size // world_size)
+            moe = dataclasses.replace(moe, shared_expert_size=moe.shared_expert_size // world_size,
+                                      expert_ranks=world_size if expert_parallel else 1,
+                                      intermediate_size=moe.intermediate_size // (1 if expert_parallel else world_size))
         if linear is not None:
             linear = dataclasses.replace(linear, num_key_heads=linear.num_key_heads // world_size,
                                          num_value_heads=linear.num_value_heads // world_size)
@@ -549,11 +574,12 @@ class ModelConfig:
                                    num_key_value_heads=kv_heads // world_size,
                                    intermediate_size=self.intermediate_size // world_size, moe=moe, linear=linear)
 
-    def _check_quantized_split(self, world_size: int, kv_heads: int) -> None:
+    def _check_quantized_split(self, world_size: int, kv_heads: int, expert_parallel: bool) -> None:
         """A quantized layer splits at whole blocks of its scales: each rank's rows of a layer
         split by rows are whole blocks of rows, and its columns of a layer split by columns
         whole groups of columns (or all of them lie in one) and, packed eight to a word (int4),
-        whole words. ValueError naming the first that does not, as vLLM refuses it."""
+        whole words (experts dealt out whole always are). ValueError naming the first that
+        does not, as vLLM refuses it."""
         assert self.quant is not None
         block_rows, block_cols = self.quant.block or (1, 1)
         moe, mla = self.moe, self.mla
@@ -566,20 +592,26 @@ class ModelConfig:
         if self.quant.experts_only:  # gpt-oss's MXFP4: the experts alone are quantized
             rows, columns = {}, {}
         if moe is not None:
-            rows["the experts' gate_proj and up_proj"] = columns["the experts' down_proj"] = moe.intermediate_size
+            if not expert_parallel:
+                rows["the experts' gate_proj and up_proj"] = columns["the experts' down_proj"] = moe.intermediate_size
             if moe.shared_expert_size:
                 rows["the shared expert's gate_proj and up_proj"] = moe.shared_expert_size
                 columns["the shared expert's down_proj"] = moe.shared_expert_size
+        for table in (rows, columns):  # what every layer keeps float splits as a float layer does
+            for layers in [name for name in table if _float_in_every_layer(self, name)]:
+                del table[layers]
         for layers, size in rows.items():
             if size // world_size % block_rows:
+                hint = " (enable_expert_parallel keeps each expert whole)" if "experts'" in layers else ""
                 raise ValueError(f"tensor_parallel_size={world_size} leaves {size // world_size} output rows of "
                                  f"{layers} on each rank, not whole blocks of the checkpoint's {block_rows} rows "
-                                 "a scale")
+                                 f"a scale{hint}")
         for layers, size in columns.items():
             share = size // world_size
             if size > block_cols and share % block_cols:
-                hint = (" (quantization='fp8' widens the MXFP4 experts as they load and quantizes them again, a "
-                        "scale per output channel, which splits anywhere)" if self.quant.kind == "fp4" else "")
+                fp4 = ("; or quantization='fp8', which widens the MXFP4 experts as they load and quantizes them "
+                       "again, a scale per output channel, which splits anywhere" if self.quant.kind == "fp4" else "")
+                hint = f" (enable_expert_parallel keeps each expert whole{fp4})" if "experts'" in layers else ""
                 raise ValueError(f"tensor_parallel_size={world_size} leaves {share} input columns of {layers} on "
                                  f"each rank, not whole groups of the checkpoint's {block_cols} columns a scale{hint}")
             if self.quant.kind == "int4" and share % 8:

@@ -453,9 +453,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_local: RotaryEmbedding | None = None  # the windowed layers', where they have their own
         self.build_rotary(torch.device("cpu"))
 
-    def reduce_with(self, all_reduce: Callable[[torch.Tensor], torch.Tensor], world_size: int) -> None:
+    def reduce_with(self, all_reduce: Callable[[torch.Tensor], torch.Tensor], world_size: int, rank: int) -> None:
         """Tensor parallelism: each layer's attention and MLP outputs are summed over the
-        `world_size` ranks by `all_reduce` (the model holds this rank's share of them)."""
+        `world_size` ranks by `all_reduce` (the model holds rank `rank`'s share of them)."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             if hasattr(layer, "self_attn"):  # (Nemotron-H's one-part layers have it or an MLP)
@@ -463,6 +463,8 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.world_size = world_size
             if hasattr(layer, "mlp"):
                 layer.mlp.reduce = all_reduce  # a dense MLP's, or the whole expert block's
+                if isinstance(layer.mlp, SparseMoeBlock):  # (with expert parallelism, its experts')
+                    layer.mlp.first_expert = rank * layer.mlp.moe.num_local_experts
 
     def build_rotary(self, device: torch.device) -> None:
         """The rotary tables, computed (again) on `device`: after a model built on "meta" or cast
@@ -669,7 +671,7 @@ class LlamaForCausalLM(nn.Module):
         if len(parts) > 1 and parts[-2] == "experts" and self.config.moe is not None:
             w13 = parts[-1].removesuffix(quant.grid_part(parts[-1])) == "w13"
             kinds = (("gate", "up") if self.config.moe.gated else ("up",)) if w13 else ("down",)
-            return [f"{kind}.{e}" for e in range(self.config.moe.num_experts) for kind in kinds]
+            return [f"{kind}.{e}" for e in range(self.config.moe.num_local_experts) for kind in kinds]
         return list(_SHARDS.get(parts[-2] if len(parts) > 1 else "", [None]))
 
 

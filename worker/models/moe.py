@@ -37,12 +37,15 @@ class Experts(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden_size: int, use_kernel: bool):
         super().__init__()
-        self.num_experts = moe.num_experts
+        # the experts this rank holds (expert parallelism: its share, whole); a pair routed to
+        # id num_experts is another rank's, and adds nothing here
+        self.num_experts = moe.num_local_experts
+        self.all_experts = moe.expert_ranks == 1
         self.intermediate_size = moe.intermediate_size
         rows = (2 if moe.gated else 1) * moe.intermediate_size
         self.gated = moe.gated
-        self.w13 = nn.Parameter(torch.empty(moe.num_experts, rows, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden_size, moe.intermediate_size))
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, rows, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden_size, moe.intermediate_size))
         self.use_kernel = use_kernel
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per expert, see pack()
         self.hidden_size = hidden_size
@@ -51,8 +54,8 @@ class Experts(nn.Module):
         self.zero_points = False  # quantized integers come with int8 zero points `w13_zero`, `w2_zero`
         self.bias = moe.bias
         if moe.bias:
-            self.w13_bias = nn.Parameter(torch.empty(moe.num_experts, rows))
-            self.w2_bias = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+            self.w13_bias = nn.Parameter(torch.empty(self.num_experts, rows))
+            self.w2_bias = nn.Parameter(torch.empty(self.num_experts, hidden_size))
         # w13's products [rows of work, w13's rows] -> the inputs of w2
         self.activation: Callable[[torch.Tensor], torch.Tensor] = (
             relu_squared if not moe.gated else silu_and_mul if moe.clamped_swiglu is None
@@ -77,7 +80,7 @@ class Experts(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         topk_weights: torch.Tensor,  # [T, top_k]: float32, or the activation dtype
-        topk_ids: torch.Tensor,  # [T, top_k] int64
+        topk_ids: torch.Tensor,  # [T, top_k] int64; num_experts: another rank's expert
     ) -> torch.Tensor:  # [T, hidden]
         if self.use_kernel:
             import kernels
@@ -94,13 +97,14 @@ class Experts(nn.Module):
 
     def _forward_torch(self, x, topk_weights, topk_ids):
         num_tokens, top_k = topk_ids.shape
-        out = x.new_empty(num_tokens * top_k, x.shape[1])  # one row per (token, choice) pair
+        # one row per (token, choice) pair; those of another rank's experts stay zero
+        out = (x.new_empty if self.all_experts else x.new_zeros)(num_tokens * top_k, x.shape[1])
         # the pairs each expert serves, grouped; one host sync per layer
         flat = topk_ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(counts[: self.num_experts]):
             if count == 0:
                 continue
             pairs = order[start : start + count]
@@ -174,11 +178,16 @@ class SparseMoeBlock(nn.Module):
             if moe.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         # tensor parallelism: sums the experts' partial outputs (each rank holds a share of
-        # every expert's features, and of the shared expert's) over the ranks, once
+        # every expert's features, or some experts whole, and a share of the shared expert's)
+        # over the ranks, once
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.first_expert = 0  # expert parallelism: the id of this rank's first expert (reduce_with sets it)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, hidden]; LoRA skips experts
         topk_weights, topk_ids = self.route(x)
+        if self.moe.expert_ranks > 1:  # ids among this rank's experts; others' pairs: num_local_experts
+            local = topk_ids - self.first_expert
+            topk_ids = local.masked_fill((local < 0) | (local >= self.moe.num_local_experts), self.moe.num_local_experts)
         if self.moe.weights_on_input:
             out = self._weighted_inputs(x, topk_weights, topk_ids)
         elif self.moe.latent_size:  # (under tensor parallelism fc2 takes partial sums: it has no bias)
