@@ -56,7 +56,8 @@ if TYPE_CHECKING:
 
 CHUNK = 64  # tokens solved together in a prefill
 # the torch path runs a request of at most this many rows (a decode with its guesses, a short
-# chunk) a token at a time, together with the others such, rather than solving it alone
+# chunk) a token at a time, together with the others such, rather than solving it alone, when
+# they are at least as many as the steps that takes (a batch of guessing requests)
 STEPPED_ROWS = 8
 
 
@@ -78,14 +79,19 @@ class StateMetadata:
     def stepped(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]],
                                list[int]]:
         """The torch path's split of the requests (made once, for every layer): the decodes and
-        the others of at most STEPPED_ROWS rows, as a run of steps of one row each, every such
-        request's row t in step t (its rows, their slots, and the (slot, saved slot) copies
-        after it, None if none); and the others, by index, each solved alone."""
+        (where they are at least as many as the rows of the longest) the others of at most
+        STEPPED_ROWS rows, as a run of steps of one row each, every such request's row t in
+        step t (its rows, their slots, and the (slot, saved slot) copies after it, None if
+        none); and the others, by index, each solved alone."""
         short = [i for i in range(len(self.rows))
                  if self.rows[i][1] - self.rows[i][0] <= STEPPED_ROWS and all(n for n, _ in self.saves[i])]
+        longest = max((self.rows[i][1] - self.rows[i][0] for i in short), default=0)
+        if len(short) < longest:  # fewer runs than steps: each solved alone costs less (the decodes still step)
+            short = [i for i in short if self.rows[i][1] - self.rows[i][0] == 1]
+            longest = min(len(short), 1)
         steps = []
         device = self.states.device
-        for t in range(max((self.rows[i][1] - self.rows[i][0] for i in short), default=0)):
+        for t in range(longest):
             active = [i for i in short if self.rows[i][0] + t < self.rows[i][1]]
             copies = [(self.slots[i], target) for i in active for n, target in self.saves[i] if n == t + 1]
             steps.append((torch.tensor([self.rows[i][0] + t for i in active], device=device),
