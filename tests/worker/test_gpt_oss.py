@@ -73,22 +73,25 @@ def test_mxfp4_checkpoint_matches_transformers(tiny_moe_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in outputs] != [o.outputs[0].token_ids for o in float_outputs]
 
 
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+@pytest.mark.parametrize("tensor_parallel_size, expert_parallel", [(1, False), (2, False), (2, True)])
 @pytest.mark.parametrize("tiny_moe_dir", ["gpt_oss"], indirect=True)
-def test_mxfp4_experts_stay_so_on_the_kernel_path(tiny_moe_dir, tmp_path, tensor_parallel_size):
+def test_mxfp4_experts_stay_so_on_the_kernel_path(tiny_moe_dir, tmp_path, tensor_parallel_size, expert_parallel):
     """On the kernel path the experts keep their e2m1 codes (a quarter of bf16's bytes) and
     the fused MoE kernel decodes them tile by tile: the same greedy tokens as transformers.
     Split over two ranks, each keeps the codes and exponents of half of every expert's
-    features (and its heads' sinks, and the biases)."""
+    features (and its heads' sinks, and the biases), or with expert parallelism those of
+    half of the experts, whole."""
     if torch.cuda.is_available() and torch.cuda.device_count() < tensor_parallel_size:
         pytest.skip(f"{tensor_parallel_size} GPUs needed")
     mxfp4 = write_mxfp4_checkpoint(tiny_moe_dir, tmp_path)
     llm = LLM(str(mxfp4), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
               device="cuda" if torch.cuda.is_available() else "cpu", tensor_parallel_size=tensor_parallel_size,
-              num_threads=1 if tensor_parallel_size > 1 else None)
+              num_threads=1 if tensor_parallel_size > 1 else None, enable_expert_parallel=expert_parallel)
     experts = llm.engine.runner.model.layers[0].mlp.experts
     assert experts.w13.dtype == torch.uint8 and experts.w13_scale.shape[-1] == 64 // 32
-    assert experts.w2.shape[-1] * 2 * tensor_parallel_size == 64  # its features: two e2m1 codes a byte
+    features_split = 1 if expert_parallel else tensor_parallel_size
+    assert experts.w2.shape[-1] * 2 * features_split == 64  # its features: two e2m1 codes a byte
+    assert experts.w2.shape[0] * (tensor_parallel_size if expert_parallel else 1) == 4  # the experts
     tok = llm.get_tokenizer()
     expected = hf_greedy(mxfp4, [tok.encode(p) for p in PROMPTS[:3]], max_new=8)
     outputs = llm.generate(PROMPTS[:3], greedy(8), use_tqdm=False)
