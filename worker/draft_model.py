@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformers import AutoConfig
-
 from worker.config import EngineConfig
-from worker.model_loader import resolve_model_path
+from worker.model_loader import read_config, resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.models.config import language_config
 from worker.scheduler import ScheduledRequest, SchedulerOutput
@@ -42,7 +40,7 @@ class DraftModelProposer:
                                     kv_offloading_size=None,  # its blocks are its own: no prefix cache
                                     num_gpu_blocks_override=blocks,
                                     disable_hybrid_kv_cache_manager=True)  # one table per request
-        self.runner = ModelRunner(draft, path, language_config(AutoConfig.from_pretrained(path)), max_model_len)
+        self.runner = ModelRunner(draft, path, language_config(read_config(path)), max_model_len)
         vocab_size = self.runner.model_config.vocab_size
         if vocab_size != target_vocab_size:
             raise ValueError(f"the draft model's vocabulary ({vocab_size} tokens) is not the target model's "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from producer.chat_template import render_chat
 from producer.pooling_params import PoolingParams
@@ -23,7 +23,7 @@ from worker.block_manager import BlockManager
 from worker.config import EngineConfig, SchedulerConfig
 from worker.draft_model import DraftModelProposer
 from worker.lora_request import LoRARequest
-from worker.model_loader import resolve_model_path
+from worker.model_loader import read_config, resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.models.config import ModelConfig, language_config
 from worker.multimodal import (
@@ -63,7 +63,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model, config.cache_dir)
-        whole_config = AutoConfig.from_pretrained(self.model_path)
+        whole_config = read_config(self.model_path)
         hf_config = language_config(whole_config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_model_len = _max_model_len(config, hf_config)

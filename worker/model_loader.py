@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,6 +87,19 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> None:
     config["torch_dtype"] = config["dtype"] = "float32"
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(out_dir)
+
+
+def read_config(path: Path) -> Any:
+    """The checkpoint's config (transformers'), with NVIDIA ModelOpt's quantization, which
+    some checkpoints keep in hf_quant_config.json alone, as its quantization_config."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    modelopt = Path(path) / "hf_quant_config.json"
+    if getattr(config, "quantization_config", None) is None and modelopt.exists():
+        found = json.loads(modelopt.read_text())
+        config.quantization_config = {"quant_method": "modelopt", **found.get("quantization", found)}
+    return config
 
 
 def iter_safetensors(path: Path, keep: Callable[[str], bool] | None = None):

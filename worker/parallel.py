@@ -474,8 +474,7 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, mode
                pipe: Connection) -> None:
     """A rank other than 0: build its share of the model, then run each step rank 0 sends,
     until rank 0 says stop or goes away."""
-    from transformers import AutoConfig
-
+    from worker.model_loader import read_config
     from worker.model_runner import ModelRunner, resolve_device
     from worker.models.config import language_config
 
@@ -483,7 +482,7 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, mode
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     parallel = join_group(rank, world_size, port, resolve_device(config.device))
-    hf_config = language_config(AutoConfig.from_pretrained(model_path))
+    hf_config = language_config(read_config(model_path))
     runner = ModelRunner(config, model_path, hf_config, max_model_len, parallel=parallel)
     while True:
         try:

@@ -210,6 +210,68 @@ def test_compressed_tensors_fp8_checkpoints_match_transformers(tiny_llama_dir, t
     assert not isinstance(model.layers[1].mlp.down_proj, QuantLinear)  # ignored: stored float
 
 
+def write_modelopt_checkpoint(src: Path, out: Path, oracle: Path, exclude: list[str], apart: bool = False) -> None:
+    """`src` as NVIDIA ModelOpt stores FP8 (its quantization_config, or with `apart` its
+    hf_quant_config.json alone): each projection (experts' too) fp8 with a float32
+    `weight_scale` per tensor and an `input_scale`, those that `exclude` names (patterns too)
+    float, a KV-cache scale on each k_proj and v_proj; and at `oracle` the float checkpoint
+    those fp8 values and scales make, for transformers."""
+    import fnmatch
+
+    shutil.copytree(src, out)
+    shutil.copytree(src, oracle)
+    tensors, dense = {}, {}
+    for name, value in load_file(src / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if name.endswith("proj.weight") and not any(fnmatch.fnmatch(module, p) or module == p for p in exclude):
+            q, scale = quantize(value, tuple(value.shape))  # one scale for the tensor
+            tensors[name], tensors[module + ".weight_scale"] = q, scale.reshape(())
+            tensors[module + ".input_scale"] = torch.tensor(0.5)  # (static activation scales: not read)
+            value = q.float() * scale
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            tensors[f"{module}.{name.split('.')[-2][0]}_scale"] = torch.tensor(0.25 if "k_proj" in name else 0.125)
+        tensors.setdefault(name, value)
+        dense[name] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(dense, oracle / "model.safetensors", metadata={"format": "pt"})
+    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head", *exclude]}
+    if apart:
+        (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
+    else:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "modelopt", **quant}
+        (out / "config.json").write_text(json.dumps(config))
+
+
+# attention's first layer kept float by a pattern, the second MLP by name; experts in fp8 too,
+# from hf_quant_config.json
+@pytest.mark.parametrize("model, apart", [("tiny_llama_dir", False), ("tiny_qwen3_moe_dir", True)])
+def test_modelopt_fp8_checkpoints_match_transformers(request, tmp_path, model, apart):
+    """NVIDIA's FP8 checkpoints: against transformers on the float weights their fp8 values
+    and scales make, on both paths; the layers ModelOpt excluded stay float on the kernel
+    path, the others fp8; the KV-cache scales on k_proj and v_proj serve an fp8 cache."""
+    src = request.getfixturevalue(model)
+    exclude = ["model.layers.0.self_attn*", "model.layers.1.mlp"]
+    write_modelopt_checkpoint(src, tmp_path / "q", tmp_path / "oracle", exclude, apart)
+    for backend in ("torch", "triton"):
+        check_prefill_logits_against(tmp_path / "q", tmp_path / "oracle", backend)
+    model = LLM(str(tmp_path / "q"), dtype="float32", num_gpu_blocks_override=64, attention_backend="triton",
+                enforce_eager=True, kv_cache_dtype="fp8").engine.runner.model
+    layers = model.layers
+    assert not isinstance(layers[0].self_attn.qkv_proj, QuantLinear) and layers[1].self_attn.qkv_proj.weight.dtype == FP8
+    assert not isinstance(getattr(layers[1].mlp, "down_proj", None), QuantLinear)
+    assert all(layer.self_attn.kv_scales.per_layer == (0.25, 0.125) for layer in layers)
+
+
+def test_modelopt_formats_genq_cannot_serve_are_refused_by_name(tiny_llama_dir, tmp_path):
+    shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="ModelOpt quant_algo 'NVFP4' is not supported; supported: FP8"):
+        LLM(str(tmp_path / "m"), dtype="float32", num_gpu_blocks_override=16)
+
+
 def asymmetric_grid(weight: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and zero points (signed, as compressed-tensors holds them) [out, groups] spanning
     each group's range in 2^bits - 1 steps."""

@@ -3,7 +3,8 @@ llm-compressor writes): each layer's keys and values were calibrated, and the ca
 k / k_scale and v / v_scale, so keys and values past fp8's +-448 are not clipped and small
 ones keep their precision. One scale a layer (strategy "tensor") or one per KV head
 ("attn_head"), stored as `model.layers.N.self_attn.k_scale` and `v_scale` (older checkpoints:
-`k_proj.output_scale`, `v_proj.output_scale`).
+`k_proj.output_scale`, `v_proj.output_scale`), and NVIDIA ModelOpt's (`kv_cache_quant_algo`
+FP8: one a layer, as `k_proj.k_scale` and `v_proj.v_scale`).
 
 The scales are read when the cache is fp8 (`kv_cache_dtype="fp8"`); a cache in the model's
 dtype holds keys and values as they are and needs none. Attention then reads the cache as it
@@ -21,7 +22,8 @@ import torch
 
 # a layer's K or V scale as checkpoints name it; q's (attention quantized too) is not needed:
 # genq attends in the model's dtype
-_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kqv])_scale|([kqv])_proj\.output_scale)$")
+# (ModelOpt's: k_proj.k_scale, v_proj.v_scale)
+_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:(?:[kqv]_proj\.)?([kqv])_scale|([kqv])_proj\.output_scale)$")
 
 
 def kv_cache_scheme(hf_config: Any) -> str | None:
@@ -29,6 +31,11 @@ def kv_cache_scheme(hf_config: Any) -> str | None:
     when it has none; ValueError for a scheme genq cannot serve."""
     qc = getattr(hf_config, "quantization_config", None)
     qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
+    if (qc or {}).get("quant_method") == "modelopt":  # NVIDIA ModelOpt's: fp8, a scale a layer
+        algo = (qc or {}).get("kv_cache_quant_algo")
+        if algo not in (None, "FP8"):
+            raise ValueError(f"ModelOpt kv_cache_quant_algo {algo!r} is not supported; supported: FP8")
+        return None if algo is None else "tensor"
     scheme = (qc or {}).get("kv_cache_scheme")
     if not scheme:
         return None

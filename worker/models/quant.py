@@ -1,7 +1,8 @@
 """Quantized weights: checkpoints whose linear layers are stored as narrow values times
 scales, and fp8 quantization of a float checkpoint as it loads (vLLM's `quantization="fp8"`).
 
-Stored: `quant_method: fp8` in config.json (Qwen3-*-FP8, DeepSeek-V3's layout: fp8 e4m3
+Stored: NVIDIA ModelOpt's FP8 (`quant_method: modelopt`, a `weight_scale` per tensor, read
+as compressed-tensors' per-tensor fp8), `quant_method: fp8` in config.json (Qwen3-*-FP8, DeepSeek-V3's layout: fp8 e4m3
 values, a scale per block of `weight_block_size` or per tensor, `*.weight_scale_inv` — the
 name, not the arithmetic: they multiply), and `compressed-tensors` (llm-compressor's): fp8,
 int8 or int4 values with `*.weight_scale` per tensor, output channel, block (fp8) or group
@@ -32,6 +33,7 @@ LM head, the routers and any layer the checkpoint leaves float (`modules_to_not_
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -96,13 +98,15 @@ class QuantConfig:
             return cls._from_gptq(qc)
         if method == "awq":
             return cls._from_awq(qc)
+        if method == "modelopt":
+            return cls._from_modelopt(qc)
         if method == "mxfp4" and (getattr(hf_config, "architectures", None) or [""])[0] == "GptOssForCausalLM":
             # gpt-oss's experts, kept so on the kernel path; with quantization="fp8" they are
             # widened as they load, then quantized to fp8 with the rest
             return cls(block=None, online=True) if quantization == "fp8" else cls(block=(1, 32), kind="fp4",
                                                                                     experts_only=True)
         raise ValueError(f"the checkpoint is quantized with {method!r}, which genq does not serve; supported: "
-                         "quant_method 'fp8', 'compressed-tensors' with fp8, int8 or int4 weights, "
+                         "quant_method 'fp8', 'compressed-tensors' with fp8, int8 or int4 weights, 'modelopt' FP8, "
                          "'mxfp4' (gpt-oss), 'gptq' (4 or 8 bits), 'awq' (4 bits, GEMM), "
                          "or quantization='fp8' over a float checkpoint")
 
@@ -115,6 +119,17 @@ class QuantConfig:
             raise ValueError(f"fp8 scale format {qc['scale_fmt']!r} is not supported; supported: float32 scales")
         return cls(block=_block(qc.get("weight_block_size"), "weight_block_size"),
                    skip=tuple(qc.get("modules_to_not_convert") or ()))
+
+    @classmethod
+    def _from_modelopt(cls, qc: dict) -> QuantConfig:
+        """NVIDIA ModelOpt's FP8 checkpoints (nvidia/*-FP8): fp8 e4m3 weights with a float32
+        `weight_scale` per tensor (their `input_scale`s are not read: activations keep the
+        model dtype). `exclude_modules` stay float: names, or fnmatch patterns (`*`), in the
+        checkpoint's names (Nemotron-H's `backbone.`, `mixer` read as genq's)."""
+        algo = qc.get("quant_algo")
+        if algo != "FP8":
+            raise ValueError(f"ModelOpt quant_algo {algo!r} is not supported; supported: FP8 (a scale per tensor)")
+        return cls(block=None, skip=tuple(_modelopt_pattern(name) for name in qc.get("exclude_modules") or ()))
 
     @classmethod
     def _from_compressed_tensors(cls, qc: dict) -> QuantConfig | None:
@@ -198,6 +213,15 @@ class QuantConfig:
         names = list(names)
         return any(re.match(pattern[3:], name) if pattern.startswith("re:") else f".{pattern}." in f".{name}."
                    for pattern in self.skip for name in names)
+
+
+def _modelopt_pattern(name: str) -> str:
+    """An exclude_modules entry as a skip entry: a name as it is, a pattern as `re:`; Nemotron-H's
+    `backbone.` and `mixer` stand for genq's `model.` and its attention or MLP."""
+    if "*" not in name and "mixer" not in name and not name.startswith("backbone."):
+        return name
+    pattern = fnmatch.translate(name.replace("backbone.", "model.", 1))
+    return "re:" + pattern.replace("mixer", "(?:mixer|self_attn|mlp)").replace(r"\Z", r"(?:\..*)?\Z")
 
 
 def _group_block(group_size: int) -> tuple[int, int] | None:
