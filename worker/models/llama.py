@@ -618,16 +618,17 @@ class LlamaForCausalLM(nn.Module):
         return weights
 
     def _set_kv_scales(self, found: dict[tuple[int, str], torch.Tensor]) -> None:
-        """Each layer's KV-cache scales: every layer has both or none has any."""
+        """Each attention layer's KV-cache scales: every one has both or none has any (a layer
+        with a state, or an MLP alone, keeps no KV)."""
         if not found and self.config.kv_cache_scheme is None:
             return
-        missing = [f"layers.{i}.self_attn.{kind}_scale" for i in range(len(self.layers)) for kind in "kv"
-                   if (i, kind) not in found]
+        attending = [i for i, layer in enumerate(self.layers) if isinstance(getattr(layer, "self_attn", None), Attention)]
+        missing = [f"layers.{i}.self_attn.{kind}_scale" for i in attending for kind in "kv" if (i, kind) not in found]
         if missing:
             raise ValueError(f"checkpoint is missing KV-cache scales: {', '.join(missing[:8])}")
         cfg, device = self.config, next(self.parameters()).device
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
+        for i in attending:
+            attn = self.layers[i].self_attn
             assert isinstance(attn, Attention)
             attn.kv_scales = kv_scales.KVScales.of(found[i, "k"], found[i, "v"], cfg.num_key_value_heads,
                                                    cfg.num_attention_heads, device, i)
