@@ -218,6 +218,14 @@ REMADE = {
                    "layers_block_type": ["linear_attention", "mlp", "linear_attention", "mlp", "full_attention",
                                          "mlp"] * 5, "mamba_num_heads": 18, "mamba_head_dim": 64, "n_groups": 1,
                    "ssm_state_size": 64, "conv_kernel": 4},
+    # Nemotron 3 Super's: experts without a gate (ReLU^2 on the fused MoE kernel, in the decode
+    # CUDA graphs) in a latent space of 256, routed within the best of two groups, a shared expert
+    "nemotron_3": {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+                   "layers_block_type": ["linear_attention", "moe", "linear_attention", "moe", "full_attention",
+                                         "moe"] * 5, "mamba_num_heads": 18, "mamba_head_dim": 64, "n_groups": 1,
+                   "ssm_state_size": 64, "conv_kernel": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 256, "moe_shared_expert_intermediate_size": 512, "n_group": 2,
+                   "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "moe_latent_size": 256},
     "qwen3_moe_fp8": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
                       "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": True,
                       "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
