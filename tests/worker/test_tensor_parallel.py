@@ -72,8 +72,10 @@ def test_a_split_model_decodes_as_transformers(family, tiny_family):
 # expert parallelism: qwen2_moe (8 experts, 4 a rank, beside the gated shared expert, split by
 # its features); gpt_oss (stacked experts, their biases added by the rank that holds each);
 # deepseek_v3 (sigmoid routing within groups, whole on both ranks); nemotron_3_latent (experts
-# without a gate, in the latent space); llama4 (the token weighed going into its one expert)
-@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "deepseek_v3", "nemotron_3_latent", "llama4"])
+# without a gate, in the latent space); llama4 (the token weighed going into its one expert);
+# mixtral (w1, w3, w2 per expert); granitemoe (stacked as input_linear and output_linear)
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "deepseek_v3", "nemotron_3_latent", "llama4", "mixtral",
+                                    "granitemoe"])
 def test_experts_dealt_out_whole_decode_as_transformers(family, tiny_family):
     model_dir = tiny_family(family)
     llm = split_llm(model_dir, enable_expert_parallel=True)
