@@ -56,10 +56,12 @@ _GATELESS = {"up_proj": "up", "down_proj": "down"}  # a Nemotron-H MLP layer's n
 # the projections of a layer with a state, Gated DeltaNet's or Mamba2's
 STATE_PROJECTIONS = {False: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
                      True: ("in_proj", "out_proj")}
+# (a layer of experts' shared expert: Qwen2-MoE's mlp.shared_expert, DeepSeek's and Nemotron 3's shared_experts)
 _KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.|backbone\.)?(?:language_model\.)?layers\.(\d+)\."
-                  r"(?:self_attn|mlp|shared_mlp|linear_attn|mamba|mixer)\.(\w+)\.lora_([AB])\.weight")
-# a projection within a layer's experts (a routed one's, or the shared expert's)
-_EXPERTS_KEY = re.compile(r"layers\.(\d+)\.(?:mlp|mixer|block_sparse_moe|feed_forward)\.(?:shared_experts?|experts)\.")
+                  r"(?:self_attn|mlp|shared_mlp|linear_attn|mamba|mixer|feed_forward)\.(shared_experts?\.)?(\w+)"
+                  r"\.lora_([AB])\.weight")
+# a projection within a layer's routed experts
+_EXPERTS_KEY = re.compile(r"layers\.(\d+)\.(?:mlp|mixer|block_sparse_moe|feed_forward)\.experts\.")
 # adapter_config.json settings that change what an adapter computes beyond plain LoRA
 _REFUSED = {
     "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out", "modules_to_save": "modules_to_save",
@@ -97,28 +99,22 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         match = _KEY.fullmatch(key)
         if match is None and (experts := _EXPERTS_KEY.search(key)) is not None:
             raise ValueError(f"{where}: tensor {key!r} adapts the experts of layer {experts.group(1)}; genq applies "
-                             "adapters to attention, layers with a state and dense MLPs only")
-        if match is None or match.group(2) not in TARGETS:
+                             "adapters to attention, layers with a state, dense MLPs and shared experts only")
+        if match is None or match.group(3) not in TARGETS:
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA pair of a projection genq applies "
                              f"adapters to ({', '.join(TARGETS)})")
         layer = int(match.group(1))
         if layer >= cfg.num_hidden_layers:
             raise ValueError(f"{where}: tensor {key!r} names layer {layer}, but the model has "
                              f"{cfg.num_hidden_layers}")
-        if TARGETS[match.group(2)][0] in _MLP and _has_experts(cfg, layer):
-            raise ValueError(f"{where}: tensor {key!r} adapts the MLP of layer {layer}, a mixture-of-experts "
-                             "layer; genq applies adapters to attention and dense MLPs only")
-        if match.group(2) not in layer_projections(cfg, layer):
-            raise ValueError(f"{where}: tensor {key!r} adapts {match.group(2)} in layer {layer}, which has none: "
-                             f"its projections are {', '.join(layer_projections(cfg, layer)) or 'its experts'}")
-        module = _GATELESS.get(match.group(2), match.group(2)) if layer in cfg.mlp_only_layers else match.group(2)
-        halves.setdefault((layer, module), {})[match.group(3)] = tensor
+        module = _module_of(cfg, layer, match.group(3), match.group(2) is not None, f"{where}: tensor {key!r}")
+        halves.setdefault((layer, module), {})[match.group(4)] = tensor
     adapter = LoRAAdapter(request, rank=0)
     for (layer, module), pair in sorted(halves.items()):
         a, b = _check_pair(pair, layer, module, cfg, max_rank, where)
         scale = _scale(config, f"model.layers.{layer}.{module}", a.shape[0])
         fused, shard = TARGETS[module]
-        sizes = _shard_sizes(fused, cfg)
+        sizes = _shard_sizes(fused, cfg, layer)
         shards = adapter.pairs.setdefault((layer, fused), [None] * len(sizes))
         if shard is not None:
             shards[shard] = (a.float(), _model_rows(b.float(), fused, shard, cfg) * scale)
@@ -161,6 +157,31 @@ def _has_experts(cfg: ModelConfig, layer: int) -> bool:
     return cfg.moe is not None and layer in cfg.moe.layers
 
 
+def _module_of(cfg: ModelConfig, layer: int, proj: str, shared: bool, what: str) -> str:
+    """The projection an adapter tensor (`what`) names in layer `layer`, under the name its
+    pair is kept by: `shared`, its layer of experts' shared expert's (a dense MLP's names; the
+    routed experts take none). ValueError if the layer has no such projection."""
+    if shared:
+        if not (_has_experts(cfg, layer) and cfg.moe is not None and cfg.moe.shared_expert_size):
+            raise ValueError(f"{what} adapts a shared expert in layer {layer}, which has none")
+        allowed = tuple(_GATELESS) if cfg.one_part_layers else ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+    elif TARGETS[proj][0] in _MLP and _has_experts(cfg, layer):
+        raise ValueError(f"{what} adapts the MLP of layer {layer}, a mixture-of-experts layer; genq applies "
+                         "adapters to attention, dense MLPs and shared experts only")
+    else:
+        allowed = layer_projections(cfg, layer)
+    if proj not in allowed:
+        raise ValueError(f"{what} adapts {proj} in layer {layer}, which has none: its projections are "
+                         f"{', '.join(allowed) or 'its experts'}")
+    gateless = layer in cfg.mlp_only_layers or (shared and cfg.one_part_layers)  # Nemotron-H's MLPs
+    return _GATELESS.get(proj, proj) if gateless else proj
+
+
+def _mlp_width(cfg: ModelConfig, layer: int) -> int:
+    """The features of layer `layer`'s MLP: its shared expert's, in a layer of experts."""
+    return cfg.moe.shared_expert_size if cfg.moe is not None and layer in cfg.moe.layers else cfg.intermediate_size
+
+
 def _check_config(config: dict, where: str) -> None:
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type is {config.get('peft_type')!r}; only LORA adapters are served")
@@ -178,8 +199,8 @@ def _check_pair(pair: dict[str, torch.Tensor], layer: int, module: str, cfg: Mod
         raise ValueError(f"{where}: {name} has lora_{''.join(pair)} without its other half")
     a, b = pair["A"], pair["B"]  # [rank, in], [out, rank]
     fused, shard = TARGETS[module]
-    in_features = _in_features(fused, cfg)
-    sizes = _shard_sizes(fused, cfg)
+    in_features = _in_features(fused, cfg, layer)
+    sizes = _shard_sizes(fused, cfg, layer)
     out_features = sum(sizes) if shard is None else sizes[shard]
     rank = a.shape[0]
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or tuple(b.shape) != (out_features, rank):
@@ -202,19 +223,21 @@ def _scale(config: dict, module_name: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-def _in_features(fused: str, cfg: ModelConfig) -> int:
+def _in_features(fused: str, cfg: ModelConfig, layer: int) -> int:
     inner = 0 if cfg.linear is None else cfg.linear.num_value_heads * cfg.linear.value_head_dim
+    width = _mlp_width(cfg, layer)
     return {"o_proj": cfg.num_attention_heads * cfg.head_dim, "out_proj": inner,
-            "down_proj": cfg.intermediate_size, "down": cfg.intermediate_size}.get(fused, cfg.hidden_size)
+            "down_proj": width, "down": width}.get(fused, cfg.hidden_size)
 
 
-def _shard_sizes(fused: str, cfg: ModelConfig) -> list[int]:
+def _shard_sizes(fused: str, cfg: ModelConfig, layer: int) -> list[int]:
     """Each shard's output rows (Qwen3.5's q_proj gives each head's gate after its queries)."""
     q_size = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
     kv_size = cfg.num_key_value_heads * cfg.head_dim
+    width = _mlp_width(cfg, layer)
     sizes = {"qkv_proj": [q_size, kv_size, kv_size], "o_proj": [cfg.hidden_size],
-             "gate_up_proj": [cfg.intermediate_size] * 2, "down_proj": [cfg.hidden_size], "out_proj": [cfg.hidden_size],
-             "up": [cfg.intermediate_size], "down": [cfg.hidden_size]}
+             "gate_up_proj": [width] * 2, "down_proj": [cfg.hidden_size], "out_proj": [cfg.hidden_size],
+             "up": [width], "down": [cfg.hidden_size]}
     if cfg.linear is not None:
         linear = cfg.linear
         inner = linear.num_value_heads * linear.value_head_dim
@@ -307,10 +330,15 @@ class LoRAManager:
                 STATE_PROJECTIONS[cfg.linear.mamba2] if state and cfg.linear else ("qkv_proj", "o_proj"))]
             if i in cfg.mlp_only_layers:  # Nemotron-H's: up and down, no gate
                 targets += [(layer.mlp, "up"), (layer.mlp, "down")]
+            elif _has_experts(cfg, i) and cfg.moe is not None and cfg.moe.shared_expert_size:  # the shared expert's
+                shared = layer.get_submodule("mlp.shared_expert")
+                targets += [(shared, "up"), (shared, "down")] if cfg.one_part_layers else [
+                    (shared, "gate_up_proj"), (shared, "down_proj")]
             elif not cfg.one_part_layers and not _has_experts(cfg, i):
                 targets += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
             for owner, fused in targets:
-                slots = LoRASlots(_in_features(fused, cfg), _shard_sizes(fused, cfg), max_loras, max_rank, dtype, device)
+                slots = LoRASlots(_in_features(fused, cfg, i), _shard_sizes(fused, cfg, i), max_loras, max_rank, dtype,
+                                  device)
                 if isinstance(owner, StateMixer):  # (it keeps its projections' by name)
                     owner.lora_slots[fused] = slots
                 else:

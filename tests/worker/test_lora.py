@@ -273,7 +273,8 @@ STATE_TARGETS = {  # every projection of the layers with states, and those of at
     "granitemoehybrid_dense": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "input_linear",
                                "output_linear"],
     "nemotron_h": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"],  # (PEFT refuses out_proj)
-    "nemotron_3_latent": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj"],  # (its experts take none)
+    # (up_proj and down_proj: the dense MLP's and each layer of experts' shared expert's)
+    "nemotron_3_latent": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"],
 }
 
 
@@ -324,13 +325,38 @@ def test_an_adapter_for_the_other_layer_kind_is_refused(tiny_adapter):
         llm.generate("Hello", greedy(), lora_request=LoRARequest("moved", 1, str(adapter_dir)), use_tqdm=False)
 
 
-def test_an_adapter_on_nemotron_3s_experts_is_refused(tiny_adapter):
-    """PEFT's up_proj on Nemotron 3 adapts the dense MLP and each layer of experts' shared
-    expert: genq adapts no layer of experts, and says so rather than drop those tensors."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapters_on_shared_experts_match_peft(tiny_adapter, default_model_dir, tp):
+    """Qwen2-MoE: PEFT's gate_proj, up_proj and down_proj adapt each layer of experts' shared
+    expert (its routed experts are not modules PEFT adapts), applied as to a dense MLP of the
+    shared expert's width, beside its gate and the routed experts' sum: greedy tokens equal
+    PEFT's, on one rank and split over two."""
+    from transformers import AutoTokenizer
+
+    model_dir, adapter_dir = tiny_adapter("qwen2_moe", 9, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    ids = [AutoTokenizer.from_pretrained(default_model_dir).encode(p) for p in PROMPTS[:4]]
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8,
+              tensor_parallel_size=tp, num_threads=1 if tp > 1 else None)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], greedy(),
+                        lora_request=LoRARequest("shared", 1, str(adapter_dir)), use_tqdm=False)
+    adapted = [o.outputs[0].token_ids for o in outs]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert adapted == greedy_along(PeftModel.from_pretrained(model, adapter_dir), ids, adapted)
+    assert adapted != greedy_along(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), ids, adapted)
+
+
+def test_an_adapter_on_routed_experts_is_refused(tiny_adapter):
+    """A pair on one of Nemotron 3's routed experts (PEFT's own targets reach only the shared
+    one): genq adapts no routed expert, and says so rather than drop those tensors."""
+    from safetensors.torch import load_file, save_file
+
     model_dir, adapter_dir = tiny_adapter("nemotron_3_latent", 7, ["up_proj"])
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    moved = {key.replace("layers.1.mixer.shared_experts.", "layers.1.mixer.experts.0."): t for key, t in tensors.items()}
+    save_file(moved, str(adapter_dir / "adapter_model.safetensors"))
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16, max_model_len=128, enable_lora=True,
               max_lora_rank=8)
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mixer\.shared_experts\.up_proj\.lora_A\.weight' "
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mixer\.experts\.0\.up_proj\.lora_A\.weight' "
                                          "adapts the experts of layer 1"):
         llm.generate("Hello", greedy(), lora_request=LoRARequest("experts", 1, str(adapter_dir)), use_tqdm=False)
 

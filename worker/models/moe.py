@@ -183,7 +183,7 @@ class SparseMoeBlock(nn.Module):
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.first_expert = 0  # expert parallelism: the id of this rank's first expert (reduce_with sets it)
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, hidden]; LoRA skips experts
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, hidden]; LoRA skips the routed experts
         topk_weights, topk_ids = self.route(x)
         if self.moe.expert_ranks > 1:  # ids among this rank's experts; others' pairs: num_local_experts
             local = topk_ids - self.first_expert
@@ -195,7 +195,7 @@ class SparseMoeBlock(nn.Module):
         else:
             out = self.experts(x, topk_weights, topk_ids)
         if self.moe.shared_expert_size:
-            shared = self.shared_expert(x)
+            shared = self.shared_expert(x, lora)  # (adapters apply to it, as to a dense MLP)
             out = out + (torch.sigmoid(self.shared_expert_gate(x)) * shared if self.moe.shared_expert_gated else shared)
         return out if self.reduce is None else self.reduce(out)
 
