@@ -56,9 +56,10 @@ _GATELESS = {"up_proj": "up", "down_proj": "down"}  # a Nemotron-H MLP layer's n
 # the projections of a layer with a state, Gated DeltaNet's or Mamba2's
 STATE_PROJECTIONS = {False: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
                      True: ("in_proj", "out_proj")}
-# (a layer of experts' shared expert: Qwen2-MoE's mlp.shared_expert, DeepSeek's and Nemotron 3's shared_experts)
+# (a layer of experts' shared expert: Qwen2-MoE's mlp.shared_expert, DeepSeek's and Nemotron 3's
+# shared_experts, Granite 4.0's shared_mlp)
 _KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.|backbone\.)?(?:language_model\.)?layers\.(\d+)\."
-                  r"(?:self_attn|mlp|shared_mlp|linear_attn|mamba|mixer|feed_forward)\.(shared_experts?\.)?(\w+)"
+                  r"(?:self_attn|mlp|(shared_mlp)|linear_attn|mamba|mixer|feed_forward)\.(shared_experts?\.)?(\w+)"
                   r"\.lora_([AB])\.weight")
 # a projection within a layer's routed experts
 _EXPERTS_KEY = re.compile(r"layers\.(\d+)\.(?:mlp|mixer|block_sparse_moe|feed_forward)\.experts\.")
@@ -100,15 +101,16 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         if match is None and (experts := _EXPERTS_KEY.search(key)) is not None:
             raise ValueError(f"{where}: tensor {key!r} adapts the experts of layer {experts.group(1)}; genq applies "
                              "adapters to attention, layers with a state, dense MLPs and shared experts only")
-        if match is None or match.group(3) not in TARGETS:
+        if match is None or match.group(4) not in TARGETS:
             raise ValueError(f"{where}: tensor {key!r} is not a LoRA pair of a projection genq applies "
                              f"adapters to ({', '.join(TARGETS)})")
         layer = int(match.group(1))
         if layer >= cfg.num_hidden_layers:
             raise ValueError(f"{where}: tensor {key!r} names layer {layer}, but the model has "
                              f"{cfg.num_hidden_layers}")
-        module = _module_of(cfg, layer, match.group(3), match.group(2) is not None, f"{where}: tensor {key!r}")
-        halves.setdefault((layer, module), {})[match.group(4)] = tensor
+        shared = match.group(3) is not None or (match.group(2) is not None and _has_experts(cfg, layer))
+        module = _module_of(cfg, layer, match.group(4), shared, f"{where}: tensor {key!r}")
+        halves.setdefault((layer, module), {})[match.group(5)] = tensor
     adapter = LoRAAdapter(request, rank=0)
     for (layer, module), pair in sorted(halves.items()):
         a, b = _check_pair(pair, layer, module, cfg, max_rank, where)
@@ -164,7 +166,8 @@ def _module_of(cfg: ModelConfig, layer: int, proj: str, shared: bool, what: str)
     if shared:
         if not (_has_experts(cfg, layer) and cfg.moe is not None and cfg.moe.shared_expert_size):
             raise ValueError(f"{what} adapts a shared expert in layer {layer}, which has none")
-        allowed = tuple(_GATELESS) if cfg.one_part_layers else ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+        allowed = tuple(_GATELESS) if cfg.one_part_layers else ("gate_proj", "up_proj", "down_proj", "gate_up_proj",
+                                                                "input_linear", "output_linear")
     elif TARGETS[proj][0] in _MLP and _has_experts(cfg, layer):
         raise ValueError(f"{what} adapts the MLP of layer {layer}, a mixture-of-experts layer; genq applies "
                          "adapters to attention, dense MLPs and shared experts only")

@@ -325,15 +325,20 @@ def test_an_adapter_for_the_other_layer_kind_is_refused(tiny_adapter):
         llm.generate("Hello", greedy(), lora_request=LoRARequest("moved", 1, str(adapter_dir)), use_tqdm=False)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_adapters_on_shared_experts_match_peft(tiny_adapter, default_model_dir, tp):
+SHARED_TARGETS = {"qwen2_moe": ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                  "granitemoehybrid": ["q_proj", "v_proj", "in_proj", "input_linear", "output_linear"]}
+
+
+@pytest.mark.parametrize("family, tp", [("qwen2_moe", 1), ("qwen2_moe", 2), ("granitemoehybrid", 1)])
+def test_adapters_on_shared_experts_match_peft(tiny_adapter, default_model_dir, family, tp):
     """Qwen2-MoE: PEFT's gate_proj, up_proj and down_proj adapt each layer of experts' shared
     expert (its routed experts are not modules PEFT adapts), applied as to a dense MLP of the
-    shared expert's width, beside its gate and the routed experts' sum: greedy tokens equal
-    PEFT's, on one rank and split over two."""
+    shared expert's width, beside its gate and the routed experts' sum; Granite 4.0-H's
+    shared_mlp likewise (input_linear, output_linear). Greedy tokens equal PEFT's, on one
+    rank and split over two."""
     from transformers import AutoTokenizer
 
-    model_dir, adapter_dir = tiny_adapter("qwen2_moe", 9, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    model_dir, adapter_dir = tiny_adapter(family, 9, SHARED_TARGETS[family])
     ids = [AutoTokenizer.from_pretrained(default_model_dir).encode(p) for p in PROMPTS[:4]]
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8,
               tensor_parallel_size=tp, num_threads=1 if tp > 1 else None)
