@@ -15,7 +15,9 @@ projection the adapter does not target stays zero and adds nothing. A layer with
 (Qwen3.5's linear attention, Mamba2) keeps a slot set per projection of its own, by name.
 An image-text model's adapter names its language model's projections under
 `model.language_model.`; Nemotron-H's, each layer's one part under `backbone.layers.N.mixer`
-(an MLP layer's up_proj and down_proj, without a gate).
+(an MLP layer's up_proj and down_proj, without a gate). In a layer of experts the shared
+expert takes adapters as a dense MLP of its own width (`mlp.shared_expert`, `shared_experts`,
+Granite 4.0's `shared_mlp`); the routed experts take none.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def _module_of(cfg: ModelConfig, layer: int, proj: str, shared: bool, what: str)
 
 def _mlp_width(cfg: ModelConfig, layer: int) -> int:
     """The features of layer `layer`'s MLP: its shared expert's, in a layer of experts."""
-    return cfg.moe.shared_expert_size if cfg.moe is not None and layer in cfg.moe.layers else cfg.intermediate_size
+    return cfg.moe.shared_expert_size if cfg.moe is not None and _has_experts(cfg, layer) else cfg.intermediate_size
 
 
 def _check_config(config: dict, where: str) -> None:
