@@ -35,7 +35,7 @@ from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
 from worker.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
-from worker.parallel import TensorParallel, shard_adapter, shard_weights
+from worker.parallel import TensorParallel, deal_experts, shard_adapter, shard_weights
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -192,6 +192,8 @@ class ModelRunner:
         cfg = self.model_config
         with torch.device("meta"):  # built in the model's dtype, so loading writes each weight once
             model = LlamaForCausalLM(cfg, use_kernels).to(self.dtype)
+            if self.parallel is not None:  # (first: quantization names a rank's experts by their ids)
+                model.reduce_with(self.parallel.all_reduce, self.parallel.world_size, self.parallel.rank)
             if cfg.quant is not None:
                 kv_rows = cfg.num_key_value_heads * cfg.head_dim
                 quant.use_quantized(model, cfg.quant, (cfg.num_attention_heads * cfg.head_dim, kv_rows, kv_rows))
@@ -203,12 +205,11 @@ class ModelRunner:
         elif self.parallel is None:
             model.load_weights(iter_safetensors(model_path))
         else:
-            p = self.parallel
+            p, ep = self.parallel, self.config.enable_expert_parallel
             model.load_weights(iter_safetensors(model_path), functools.partial(
-                shard_weights, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size,
-                expert_parallel=self.config.enable_expert_parallel))
-        if self.parallel is not None:
-            model.reduce_with(self.parallel.all_reduce, self.parallel.world_size, self.parallel.rank)
+                shard_weights, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size, expert_parallel=ep),
+                functools.partial(deal_experts, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size)
+                if ep else None)
         if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's
             quant.dequantize_all(model, self.dtype)
         model.eval()

@@ -104,14 +104,20 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
     channel of a layer split by columns) is whole on every rank. KV-cache scales, one per KV
     head, are split as the heads are.
 
-    `expert_parallel`: the experts' tensors are this rank's experts, whole (numbered from 0
-    on each rank; stacked ones sliced, their biases added by the rank that holds the expert)."""
+    `expert_parallel`: the experts' tensors are this rank's already (deal_experts), whole."""
     for name, tensor in weights:
-        dealt = _expert_share(name, tensor, rank, world_size, cfg) if expert_parallel else None
-        if dealt is None:
-            yield name, _share(name, tensor, cfg, rank, world_size)
-        else:
-            yield from dealt
+        yield name, tensor if expert_parallel and _is_experts(name) else _share(name, tensor, cfg, rank, world_size)
+
+
+def deal_experts(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, rank: int, world_size: int
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Expert parallelism, before quantized weights are read (so that a rank never reads
+    another's experts): this rank's experts' tensors, whole, numbered from 0 (stacked ones
+    sliced, their biases added by the rank that holds the expert); the other ranks' dropped;
+    every other tensor as it is."""
+    for name, tensor in weights:
+        dealt = _expert_share(name, tensor, rank, world_size, cfg)
+        yield from [(name, tensor)] if dealt is None else dealt
 
 
 # one expert's tensor in a checkpoint: experts.<e>.<its projection...>
@@ -122,8 +128,6 @@ def _expert_share(name: str, tensor: torch.Tensor, rank: int, world_size: int, c
                   ) -> list[tuple[str, torch.Tensor]] | None:
     """Expert parallelism: an experts' tensor as this rank holds it (nothing, if another
     rank's expert), or None if `name` is none of the experts'."""
-    from worker.models.quant import grid_part
-
     assert cfg.moe is not None
     per_rank = cfg.moe.num_experts // world_size
     first = rank * per_rank
@@ -131,10 +135,18 @@ def _expert_share(name: str, tensor: torch.Tensor, rank: int, world_size: int, c
     if one is not None:
         expert = int(one.group(2)) - first
         return [(f"{one.group(1)}{expert}{one.group(3)}", tensor)] if 0 <= expert < per_rank else []
-    values = name.removesuffix(grid_part(name))
-    if values.endswith(_STACKED_GATE_UP + _STACKED_DOWN) or values.endswith(("gate_up_proj_bias", "down_proj_bias")):
+    if _is_experts(name):
         return [(name, tensor[first : first + per_rank])]  # stacked: [E, ...]
     return None
+
+
+def _is_experts(name: str) -> bool:
+    """Whether a tensor is routed experts': one expert's, or all of them stacked."""
+    from worker.models.quant import grid_part
+
+    values = name.removesuffix(grid_part(name))
+    return (_ONE_EXPERT.fullmatch(name) is not None or values.endswith(_STACKED_GATE_UP + _STACKED_DOWN)
+            or values.endswith(("gate_up_proj_bias", "down_proj_bias")))
 
 
 def _share(name: str, tensor: torch.Tensor, cfg: ModelConfig, rank: int, world_size: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import functools
 import gc
 import multiprocessing
 import os
+import shutil
 import signal
 import threading
 import time
@@ -93,6 +94,24 @@ def test_experts_dealt_out_whole_on_the_kernel_path(tiny_family):
     model_dir = tiny_family("qwen2_moe")
     check_prefill_logits_against(model_dir, model_dir, "triton", {"tensor_parallel_size": 2, "num_threads": 1,
                                                                   "enable_expert_parallel": True})
+
+
+def test_an_expert_kept_float_is_named_by_its_own_id_on_every_rank(tiny_family, tmp_path):
+    """Qwen3-MoE's experts in fp8, but expert 4 of the first layer kept float: rank 1 holds
+    experts 3 to 5, and reads "experts.4" as its second (not as a fourth it does not have),
+    keeping that layer's experts float. Prefill logits equal transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    from worker.models.quant import dequantize
+
+    fp8 = write_fp8_checkpoint(tiny_family("qwen3_moe"), tmp_path / "q", BLOCK, ("model.layers.0.mlp.experts.4",))
+    stored = load_file(fp8 / "model.safetensors")  # the oracle: its values times their scales, for transformers
+    dense = {name: dequantize(t, stored[name + "_scale_inv"], BLOCK) if t.dtype == torch.float8_e4m3fn else t
+             for name, t in stored.items() if not name.endswith("_scale_inv")}
+    shutil.copytree(tiny_family("qwen3_moe"), tmp_path / "oracle")
+    save_file(dense, tmp_path / "oracle" / "model.safetensors")
+    check_prefill_logits_against(fp8, tmp_path / "oracle", "torch", {"tensor_parallel_size": 2, "num_threads": 1,
+                                                                     "enable_expert_parallel": True})
 
 
 def test_experts_dealt_out_whole_split_at_no_block(tiny_family, tmp_path):

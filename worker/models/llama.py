@@ -463,8 +463,8 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.world_size = world_size
             if hasattr(layer, "mlp"):
                 layer.mlp.reduce = all_reduce  # a dense MLP's, or the whole expert block's
-                if isinstance(layer.mlp, SparseMoeBlock):  # (with expert parallelism, its experts')
-                    layer.mlp.first_expert = rank * layer.mlp.moe.num_local_experts
+                if isinstance(layer.mlp, SparseMoeBlock):  # (with expert parallelism, its experts' ids)
+                    layer.mlp.experts.first_expert = rank * layer.mlp.moe.num_local_experts
 
     def build_rotary(self, device: torch.device) -> None:
         """The rotary tables, computed (again) on `device`: after a model built on "meta" or cast
@@ -563,13 +563,18 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      split: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]]
+                     | None = None,
+                     deal: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]]
                      | None = None) -> None:
         """Copy a Hugging Face checkpoint's tensors in, fusing q/k/v and gate/up and stacking
         experts. `split`: a tensor-parallel rank's part of each tensor (worker.parallel's
-        shard_weights), taken once quantized weights are in genq's layout."""
+        shard_weights), taken once quantized weights are in genq's layout; `deal`: with expert
+        parallelism, its experts (worker.parallel's deal_experts), taken before."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         weights = self._in_common_names(weights)
+        if deal is not None:  # expert parallelism: this rank's experts (worker.parallel.deal_experts)
+            weights = deal(weights)
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)
         if split is not None:  # (what has no place in the model, an image encoder's, is not split)

@@ -41,6 +41,7 @@ class Experts(nn.Module):
         # id num_experts is another rank's, and adds nothing here
         self.num_experts = moe.num_local_experts
         self.all_experts = moe.expert_ranks == 1
+        self.first_expert = 0  # expert parallelism: the id of this rank's first expert (reduce_with sets it)
         self.intermediate_size = moe.intermediate_size
         rows = (2 if moe.gated else 1) * moe.intermediate_size
         self.gated = moe.gated
@@ -181,12 +182,11 @@ class SparseMoeBlock(nn.Module):
         # every expert's features, or some experts whole, and a share of the shared expert's)
         # over the ranks, once
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.first_expert = 0  # expert parallelism: the id of this rank's first expert (reduce_with sets it)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:  # [T, hidden]; LoRA skips the routed experts
         topk_weights, topk_ids = self.route(x)
         if self.moe.expert_ranks > 1:  # ids among this rank's experts; others' pairs: num_local_experts
-            local = topk_ids - self.first_expert
+            local = topk_ids - self.experts.first_expert
             topk_ids = local.masked_fill((local < 0) | (local >= self.moe.num_local_experts), self.moe.num_local_experts)
         if self.moe.weights_on_input:
             out = self._weighted_inputs(x, topk_weights, topk_ids)

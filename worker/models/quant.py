@@ -438,7 +438,7 @@ def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, 
         if isinstance(parent, Experts):
             inter, hidden = parent.w2.shape[2], parent.w2.shape[1]
             block = cfg.block or (1, max(inter, hidden))  # one scale per expert row
-            names = [f"model.{parent_name}.{e}.{proj}" for e in range(parent.num_experts)
+            names = [f"model.{parent_name}.{parent.first_expert + e}.{proj}" for e in range(parent.num_experts)
                      for proj in ("gate_proj", "up_proj", "down_proj")]
             if not cfg.skips(names) and fits(block, (inter,), (inter, hidden)):
                 if cfg.act_order:
