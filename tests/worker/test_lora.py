@@ -312,16 +312,20 @@ def test_adapters_on_models_with_states_match_peft(family, tp, tiny_adapter, def
 def test_an_adapter_for_the_other_layer_kind_is_refused(tiny_adapter):
     """A linear-attention projection named in a full-attention layer (or the other way round)
     is refused by name, not silently dropped."""
+    _refused_once_moved(tiny_adapter("qwen3_5", 7, ["in_proj_z"]), "layers.0.linear_attn", "layers.1.linear_attn",
+                        "adapts in_proj_z in layer 1, which has none: its projections are q_proj, k_proj, v_proj, o_proj")
+
+
+def _refused_once_moved(model_and_adapter: tuple, old: str, new: str, error: str) -> None:
+    """The adapter with `old` replaced by `new` in its tensors' names is refused with `error`."""
     from safetensors.torch import load_file, save_file
 
-    model_dir, adapter_dir = tiny_adapter("qwen3_5", 7, ["in_proj_z"])
+    model_dir, adapter_dir = model_and_adapter
     tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    moved = {key.replace("layers.0.linear_attn", "layers.1.linear_attn"): t for key, t in tensors.items()}
-    save_file(moved, str(adapter_dir / "adapter_model.safetensors"))
+    save_file({key.replace(old, new): t for key, t in tensors.items()}, str(adapter_dir / "adapter_model.safetensors"))
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16, max_model_len=128, enable_lora=True,
               max_lora_rank=8)
-    with pytest.raises(ValueError, match="adapts in_proj_z in layer 1, which has none: its projections are "
-                                         "q_proj, k_proj, v_proj, o_proj"):
+    with pytest.raises(ValueError, match=error):
         llm.generate("Hello", greedy(), lora_request=LoRARequest("moved", 1, str(adapter_dir)), use_tqdm=False)
 
 
@@ -353,17 +357,9 @@ def test_adapters_on_shared_experts_match_peft(tiny_adapter, default_model_dir, 
 def test_an_adapter_on_routed_experts_is_refused(tiny_adapter):
     """A pair on one of Nemotron 3's routed experts (PEFT's own targets reach only the shared
     one): genq adapts no routed expert, and says so rather than drop those tensors."""
-    from safetensors.torch import load_file, save_file
-
-    model_dir, adapter_dir = tiny_adapter("nemotron_3_latent", 7, ["up_proj"])
-    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    moved = {key.replace("layers.1.mixer.shared_experts.", "layers.1.mixer.experts.0."): t for key, t in tensors.items()}
-    save_file(moved, str(adapter_dir / "adapter_model.safetensors"))
-    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16, max_model_len=128, enable_lora=True,
-              max_lora_rank=8)
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mixer\.experts\.0\.up_proj\.lora_A\.weight' "
-                                         "adapts the experts of layer 1"):
-        llm.generate("Hello", greedy(), lora_request=LoRARequest("experts", 1, str(adapter_dir)), use_tqdm=False)
+    _refused_once_moved(tiny_adapter("nemotron_3_latent", 7, ["up_proj"]), "layers.1.mixer.shared_experts.",
+                        "layers.1.mixer.experts.0.",
+                        r"model\.layers\.1\.mixer\.experts\.0\.up_proj\.lora_A\.weight' adapts the experts of layer 1")
 
 
 @pytest.mark.parametrize("tiny_image_text_dir", ["qwen3_5", "gemma3"], indirect=True)
