@@ -78,6 +78,10 @@ class ModelOutput:
     chunk_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     # request id -> [hidden] float32: the last row of an embedding request's prompt
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    # every row's final hidden state [T, hidden] (an MTP draft reads the target's), and each
+    # request's rows in it: [start, end)
+    hidden: torch.Tensor | None = None
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,12 +97,15 @@ class StepImages:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, max_model_len: int,
-                 image_config: Any = None, parallel: TensorParallel | None = None):
+                 image_config: Any = None, parallel: TensorParallel | None = None,
+                 model_class: type[LlamaForCausalLM] = LlamaForCausalLM):
         """`image_config`: an image-text checkpoint's whole config, when it takes images: its
         vision encoder loads beside the model, before the KV cache takes what memory is left.
         `parallel`: this runner's rank of a tensor-parallel group (worker.parallel), which
-        holds its share of the model (`model_config` is that share's)."""
+        holds its share of the model (`model_config` is that share's). `model_class`: what
+        runs `hf_config` (a checkpoint's MTP layer: worker.models.mtp.MultiTokenPredictor)."""
         self.config = config
+        self.model_class = model_class
         self.parallel = parallel
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -191,7 +198,7 @@ class ModelRunner:
     def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
         cfg = self.model_config
         with torch.device("meta"):  # built in the model's dtype, so loading writes each weight once
-            model = LlamaForCausalLM(cfg, use_kernels).to(self.dtype)
+            model = self.model_class(cfg, use_kernels).to(self.dtype)
             if self.parallel is not None:  # (first: quantization names a rank's experts by their ids)
                 model.reduce_with(self.parallel.all_reduce, self.parallel.world_size, self.parallel.rank)
             if cfg.quant is not None:
@@ -203,10 +210,10 @@ class ModelRunner:
         if self.config.load_format == "dummy":
             model.init_dummy_weights(getattr(cfg.hf_config, "initializer_range", 0.02))
         elif self.parallel is None:
-            model.load_weights(iter_safetensors(model_path))
+            model.load_weights(iter_safetensors(model_path, model.checkpoint_filter()))
         else:
             p, ep = self.parallel, self.config.enable_expert_parallel
-            model.load_weights(iter_safetensors(model_path), functools.partial(
+            model.load_weights(iter_safetensors(model_path, model.checkpoint_filter()), functools.partial(
                 shard_weights, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size, expert_parallel=ep),
                 functools.partial(deal_experts, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size)
                 if ep else None)
@@ -328,24 +335,28 @@ class ModelRunner:
             pool[:, :, blocks] = host[:, :, list(slot_for.values())].to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, images: StepImages | None = None) -> ModelOutput:
-        """`images`: the step's, where the caller has them (step_images); else this runner's."""
-        batch, hidden = self._run_layers(out, images or self.step_images(out))
+    def execute(self, out: SchedulerOutput, images: StepImages | None = None,
+                hidden: dict[str, torch.Tensor] | None = None) -> ModelOutput:
+        """`images`: the step's, where the caller has them (step_images); else this runner's.
+        `hidden`: each request's rows' input states, for a model that reads them (the MTP
+        layer's: [len(token_ids), hidden] a request)."""
+        batch, hidden_out = self._run_layers(out, images or self.step_images(out), hidden)
         ends = _row_ends(batch)
         # a sampling request's last row, and one more per guessed token before it
         rows = [(s.request_id, end - 1 - s.num_drafts + j)
                 for s, end in zip(batch, ends, strict=True) if s.sample and not s.pool
                 for j in range(1 + s.num_drafts)]
         index = torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[index])  # [num_rows, vocab]
+        logits = self.model.compute_logits(hidden_out[index])  # [num_rows, vocab]
         chunk_logits = {
-            s.request_id: self.model.compute_logits(hidden[end - len(s.token_ids) : end])
+            s.request_id: self.model.compute_logits(hidden_out[end - len(s.token_ids) : end])
             for s, end in zip(batch, ends, strict=True)
             if s.prompt_logprobs
         }
-        pooled = {s.request_id: self.model.pool(hidden[end - 1 : end])[0] for s, end in zip(batch, ends, strict=True)
-                  if s.pool}
-        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled)
+        pooled = {s.request_id: self.model.pool(hidden_out[end - 1 : end])[0]
+                  for s, end in zip(batch, ends, strict=True) if s.pool}
+        spans = {s.request_id: (end - len(s.token_ids), end) for s, end in zip(batch, ends, strict=True)}
+        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled, hidden_out, spans)
 
     @torch.inference_mode()
     def execute_layers(self, out: SchedulerOutput, images: StepImages | None) -> None:
@@ -361,9 +372,10 @@ class ModelRunner:
         images = StepImages(self._image_rows(batch), self._rope_positions(batch))
         return None if images.rows is None and images.rope is None else images
 
-    def _run_layers(self, out: SchedulerOutput, step: StepImages | None
-                    ) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """The step's requests as the batch orders them, and their rows' final hidden states."""
+    def _run_layers(self, out: SchedulerOutput, step: StepImages | None,
+                    inputs: dict[str, torch.Tensor] | None = None) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """The step's requests as the batch orders them, and their rows' final hidden states.
+        `inputs`: each request's input states, for a model that reads them (execute's `hidden`)."""
         batch = _order_decodes_first(out.scheduled)
         lora = None
         if self.lora is not None:
@@ -374,7 +386,7 @@ class ModelRunner:
             if step.rows is not None:
                 images = (step.rows[0].to(self.device), step.rows[1].to(self.device))
         if (self.graphs is not None and lora is None and images is None and not isinstance(rope, torch.Tensor)
-                and self.graphs.can_run(batch)):
+                and inputs is None and self.graphs.can_run(batch)):
             if self.states is not None:  # (the eager path's for_step does this)
                 for request_id in out.preempted:
                     self.states.remove(request_id)
@@ -384,7 +396,11 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare(batch, out.preempted)
             if rope is not None:
                 positions = torch.as_tensor(rope, dtype=torch.long).to(self.device)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images)  # [T, hidden]
+            if inputs is None:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images)  # [T, hidden]
+            else:
+                rows = torch.cat([inputs[s.request_id] for s in batch])
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images, rows)
         return batch, hidden
 
     def _prepare(self, batch: list[ScheduledRequest], preempted: list[str] | None = None

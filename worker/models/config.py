@@ -710,9 +710,9 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
     if family == "smollm3":  # no_rope_layers: 1 where the layer rotates, 0 where it does not
         return dict(nope_layers=frozenset(i for i, rotates in enumerate(hf_config.no_rope_layers) if not rotates))
     if family in _QWEN3_5_FAMILIES:  # (1 + w) norms in float32, Gemma's
-        kinds = hf_config.layer_types
-        return dict(norm_weight_offset=1.0, attn_output_gate=True, linear=LinearAttentionConfig.from_hf(hf_config),
-                    linear_layers=frozenset(i for i, kind in enumerate(kinds) if kind == "linear_attention"))
+        linear = frozenset(i for i, kind in enumerate(hf_config.layer_types) if kind == "linear_attention")
+        return dict(norm_weight_offset=1.0, attn_output_gate=True, linear_layers=linear,  # (none: an MTP layer's model)
+                    linear=LinearAttentionConfig.from_hf(hf_config) if linear else None)
     if family == "gpt_oss":  # norms scale in float32 (their weights are kept so), then round
         return dict(norm_weight_offset=0.0, attn_sinks=True)
     if family.startswith("granite"):

@@ -497,14 +497,25 @@ class LlamaForCausalLM(nn.Module):
             if embeds.dim() == 3:
                 embeds, deepstack = embeds[:, 0], embeds[:, 1:]
             x = x.index_copy(0, rows, embeds)
+        return self.decode(x, positions, kv_caches, meta, lora, None if deepstack is None else (rows, deepstack))
+
+    def decode(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
+        lora: LoRAMapping | None = None, deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        """The decoder layers and the final norm over the rows' input states `x` [T, hidden]."""
         residual = None
         ropes = self._layer_ropes(positions, x.dtype)
         for i, (layer, kv_cache, layer_rope) in enumerate(zip(self.layers, kv_caches, ropes, strict=True)):
             x, residual = layer(x, residual, layer_rope, kv_cache, meta.for_layer(i), lora)
-            if deepstack is not None and i < deepstack.shape[1]:  # the whole hidden state, added to as transformers does
-                hidden = (x if residual is None else x + residual).index_add(0, rows, deepstack[:, i])
+            if deepstack is not None and i < deepstack[1].shape[1]:  # the whole hidden state, added to as transformers does
+                hidden = (x if residual is None else x + residual).index_add(0, deepstack[0], deepstack[1][:, i])
                 x, residual = torch.zeros_like(hidden), hidden
         return self.norm(x, residual)[0]
+
+    def checkpoint_filter(self) -> Callable[[str], bool] | None:
+        """Which checkpoint tensors the model reads (None: all)."""
+        return None
 
     def _layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
         """What each layer does to its q and k heads this step: its rotation (none on NoPE
@@ -609,8 +620,7 @@ class LlamaForCausalLM(nn.Module):
         if arch == "Glm4ForCausalLM":
             weights = _glm4_names(weights)
         weights = _without_mtp_layers(weights, self.config)
-        if arch == "Qwen3NextForCausalLM":
-            assert self.config.linear is not None
+        if arch == "Qwen3NextForCausalLM" and self.config.linear is not None:  # (an MTP layer's model has none)
             weights = grouped_projections(weights, self.config.linear)
         if arch == "GraniteMoeHybridForCausalLM":
             weights = _granite_shared_mlp(weights, self.config.moe is not None)
