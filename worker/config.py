@@ -43,7 +43,8 @@ class EngineConfig:
     max_lora_rank: int = 16  # the largest adapter rank the slots hold
     # vLLM's: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 1} guesses tokens from the request's own earlier text;
-    # {"model": DIR, "num_speculative_tokens": 4}, a draft model's greedy tokens; None: off
+    # {"model": DIR, "num_speculative_tokens": 4}, a draft model's greedy tokens;
+    # {"method": "mtp", "num_speculative_tokens": 1}, the model's own MTP layer's; None: off
     speculative_config: dict[str, Any] | None = None
     # fp8: the decoder layers' weights quantized to fp8 as they load (per output channel),
     # served by the fp8 kernel on CUDA; None: as the checkpoint stores them (an fp8

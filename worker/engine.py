@@ -21,11 +21,12 @@ from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig, SchedulerConfig
-from worker.draft_model import DraftModelProposer
+from worker.draft_model import DraftModelProposer, MtpProposer
 from worker.lora_request import LoRARequest
 from worker.model_loader import read_config, resolve_model_path
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelOutput, ModelRunner
 from worker.models.config import ModelConfig, language_config
+from worker.models.mtp import check_has_mtp
 from worker.multimodal import (
     ImageInputs,
     PreparedImages,
@@ -41,7 +42,13 @@ from worker.request import Request, RequestStatus
 from worker.sampler import Sampler, SamplerOutput, TokenLogprobs
 from worker.sampling_batch import SamplingBatch
 from worker.scheduler import Scheduler, SchedulerOutput
-from worker.spec_decode import NgramProposer, SpecDecodeStats, SpeculativeConfig, can_speculate
+from worker.spec_decode import (
+    MTP_METHODS,
+    NgramProposer,
+    SpecDecodeStats,
+    SpeculativeConfig,
+    can_speculate,
+)
 from worker.structured_output import GuidedDecoding
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,8 @@ class Engine:
         hf_config = language_config(whole_config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_model_len = _max_model_len(config, hf_config)
+        if (config.speculative_config or {}).get("method") in MTP_METHODS:  # before the model loads
+            check_has_mtp(hf_config)
         images = takes_images(self.model_path, whole_config)
         self.runner: ModelRunner | ParallelRunner
         image_config = whole_config if images else None
@@ -322,6 +331,8 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.swaps:  # (whether or not a request is left to run)
             self.runner.swap_blocks(sched.swaps)
+            if isinstance(self.proposer, MtpProposer):  # (its cache mirrors the target's blocks)
+                self.proposer.swap_blocks(sched.swaps)
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}
         embeddings: dict[str, list[float]] = {}
@@ -333,6 +344,8 @@ class Engine:
             self._rewind_wrong_guesses(sched, sampled)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._update(sched, sampled)
+            if isinstance(self.proposer, MtpProposer):
+                self.proposer.take_rows(self._kept_rows(sched, model_out, sampled))
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
         outputs, stopped = self.output_processor.process(updated, logprobs)
@@ -431,7 +444,7 @@ class Engine:
                 self.proposer.record(rid, len(guesses), len(sampled[rid]) - 1)
         return sampled, logprobs
 
-    def _make_proposer(self, config: EngineConfig) -> NgramProposer | DraftModelProposer | None:
+    def _make_proposer(self, config: EngineConfig) -> NgramProposer | DraftModelProposer | MtpProposer | None:
         if not config.speculative_config:
             return None
         spec = SpeculativeConfig.from_dict(config.speculative_config)
@@ -441,7 +454,29 @@ class Engine:
         # target's blocks each hold a few layers, and sizing by their count would make the
         # draft's pool (every layer a block) as many times larger (it guesses less once full)
         target_blocks = self.runner.num_blocks * self.runner.num_slots // self.model_config.num_hidden_layers
+        if spec.method == "mtp":  # (its cache mirrors the target's blocks)
+            return MtpProposer(spec, config, self.model_path, self.model_config.hf_config, self.max_model_len,
+                               self.runner.num_blocks, self.runner.model, self.runner.num_host_blocks)
         return DraftModelProposer(spec, config, self.max_model_len, target_blocks, self.model_config.vocab_size)
+
+    def _kept_rows(self, sched: SchedulerOutput, out: ModelOutput, sampled: dict[str, list[int]]
+                   ) -> list[tuple[str, int, list[int], torch.Tensor, int, list[int]]]:
+        """What an MTP draft reads of a step (MtpProposer.take_rows): each request's rows
+        whose inputs it keeps (its known tokens and the guesses kept), with their tokens and
+        the one after, their final hidden states, and the request's block table. Requests
+        that never guess are in too: others may share their blocks."""
+        assert out.hidden is not None
+        rows = []
+        for s in sched.scheduled:
+            request = self.scheduler.requests.get(s.request_id)
+            if request is None or s.pool:
+                continue  # (ended)
+            kept = len(s.token_ids) - s.num_drafts + max(len(sampled.get(s.request_id, ())) - 1, 0)
+            tokens = request.token_slice(s.start_pos, min(s.start_pos + 1 + kept, request.num_tokens))
+            start = out.rows[s.request_id][0]
+            rows.append((s.request_id, s.start_pos, tokens, out.hidden[start : start + len(tokens) - 1],
+                         request.num_tokens, s.block_table))
+        return rows
 
     def _propose(self) -> None:
         """Guesses for the next step of every decoding request that may speculate."""

@@ -1,5 +1,6 @@
 """Speculative decoding with n-gram drafts (vLLM's `speculative_config={"method": "ngram"}`,
-prompt lookup decoding), or with a draft model's (`{"model": DIR}`, worker/draft_model.py).
+prompt lookup decoding), with a draft model's (`{"model": DIR}`, worker/draft_model.py), or
+with the model's own multi-token-prediction layer's (`{"method": "mtp"}`, worker/models/mtp.py).
 Plain Python here: the scheduler reads the drafts proposed.
 
 When a request's last few tokens occurred earlier in its prompt or output, the tokens that
@@ -20,13 +21,16 @@ from typing import Any
 
 from producer.sampling_params import MIN_TEMPERATURE, SamplingParams
 
+# vLLM's method names for one family's MTP layers, which it now calls "mtp" alike
+MTP_METHODS = ("deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "mtp")
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_speculative_tokens: int  # guesses per step, at most
     prompt_lookup_max: int = 4  # longest suffix looked up
     prompt_lookup_min: int = 1  # shortest suffix looked up
-    method: str = "ngram"  # or "draft_model"
+    method: str = "ngram"  # or "draft_model", "mtp"
     model: str | None = None  # the draft model's local directory (method draft_model)
     # no guesses while this many requests run or more: at large batches a step is bound by
     # compute, and every guess adds a row to it (None: guess at any batch size)
@@ -42,11 +46,19 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(known))})")
         config = {"method": "draft_model" if config.get("model") else "ngram", **config}
-        if config["method"] not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {config['method']!r}")
-        if (config["method"] == "draft_model") != bool(config.get("model")):
+        if config["method"] in MTP_METHODS:  # vLLM's older names for it, one per family
+            config["method"] = "mtp"
+        if config["method"] not in ("ngram", "draft_model", "mtp"):
+            raise ValueError(f"speculative_config method must be 'ngram', 'draft_model' or 'mtp', "
+                             f"got {config['method']!r}")
+        if config["method"] == "mtp" and config.get("model"):
+            raise ValueError("speculative_config method 'mtp' runs the model's own MTP layer: it takes no `model` "
+                             f"(got {config['model']!r})")
+        if config["method"] != "mtp" and (config["method"] == "draft_model") != bool(config.get("model")):
             raise ValueError("speculative_config needs a draft `model` directory exactly when method is "
                              f"'draft_model' (method {config['method']!r}, model {config.get('model')!r})")
+        if config["method"] == "mtp":  # (vLLM's default: as many as the layers, one in every checkpoint)
+            config.setdefault("num_speculative_tokens", 1)
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config needs num_speculative_tokens")
         spec = cls(**config)

@@ -251,7 +251,7 @@ def test_draft_model_guesses_keep_plain_outputs(tiny_llama_dir, tiny_mistral_dir
             assert (s.outputs[0].token_ids, s.outputs[0].finish_reason) == (p.outputs[0].token_ids, p.outputs[0].finish_reason)
     # its blocks come back as requests end
     proposer = spec.engine.proposer
-    assert not proposer._tables and len(proposer._free) == proposer.runner.num_blocks
+    assert not proposer.blocks.tables and len(proposer.blocks.free) == proposer.runner.num_blocks
 
 
 def test_a_split_targets_draft_is_whole_beside_rank_0(tiny_llama_dir):
