@@ -3,6 +3,7 @@ one process.
 
     python benchmarks/spec_decode.py [--max-tokens 128] [--k 4] [--dtype bfloat16] [--disable-by-batch-size N]
     python benchmarks/spec_decode.py --arch qwen3_5   # a model with states, its guesses' rewinds
+    python benchmarks/spec_decode.py --arch deepseek_v3 --method mtp --k 1   # its MTP layer's guesses
 
 `--arch` remakes the default model's shape as a model with per-request states (Qwen3.5's
 linear attention, `granitemoehybrid`'s or `nemotron_h`'s Mamba2) with seeded random
@@ -11,6 +12,12 @@ step's known tokens comes back, and the guesses kept are computed again by the n
 What random weights write is noise no guess foresees, so its workload ("held") holds the
 copy prompts' replies to the few tokens of " width height w h" (allowed_token_ids): they
 repeat themselves, and guesses are kept in part.
+
+`--method mtp` guesses with the remade model's multi-token-prediction layer (DeepSeek-V3's
+shape, or GLM-4.5's). Its random weights foresee nothing, so two workloads bound what it
+does: "wrong" (the layer's guesses as they come: all but never kept, so what guessing costs)
+and "right" (the target's and the layer's final norms zeroed after loading, so both always
+pick token 0: every guess kept, what it gains at best).
 
 Workloads (greedy): "copy" asks the model to repeat and edit text it was given (where
 prompt lookup helps: code edits, quoting, extraction); "free" asks for new text (where
@@ -68,9 +75,13 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--disable-by-batch-size", type=int, default=None, help="no guesses at this many requests")
-    ap.add_argument("--arch", default=None, choices=["qwen3_5", "granitemoehybrid", "nemotron_h"],
+    ap.add_argument("--arch", default=None, choices=["qwen3_5", "granitemoehybrid", "nemotron_h", "deepseek_v3",
+                                                     "glm4_moe"],
                     help="the default model's shape remade so, with random weights")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "mtp"])
     args = ap.parse_args()
+    if args.method == "mtp" and args.arch not in ("deepseek_v3", "glm4_moe"):
+        ap.error("--method mtp needs --arch deepseek_v3 or glm4_moe (a shape with an MTP layer)")
     with tempfile.TemporaryDirectory() as tmp:
         model = remake(None, args.arch, tmp) if args.arch else None
         return compare(model, args)
@@ -79,18 +90,24 @@ def main() -> int:
 def compare(model: str | None, args: argparse.Namespace) -> int:
     extra = {"load_format": "dummy"} if model else {}
     plain = LLM(model, dtype=args.dtype, max_model_len=2048, **extra)
+    guessing = ({"method": "mtp"} if args.method == "mtp" else {"method": "ngram", "prompt_lookup_max": 4})
     spec = LLM(model, dtype=args.dtype, max_model_len=2048, **extra,
-               speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+               speculative_config={**guessing, "num_speculative_tokens": args.k,
                                    "disable_by_batch_size": args.disable_by_batch_size})
     print(f"{args.arch or 'default model'}, greedy, max_tokens {args.max_tokens}, k={args.k}, {args.dtype}, "
           f"disable_by_batch_size {args.disable_by_batch_size}")
-    print(f"{'workload':<10} {'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'speed-up':>9} {'kept':>6} "
-          f"{'steps':>6} {'same':>5}")
+    print(f"{'workload':<10} {'batch':>5} {'plain tok/s':>12} {args.method + ' tok/s':>12} {'speed-up':>9} "
+          f"{'kept':>6} {'steps':>6} {'same':>5}")
     workloads: tuple[tuple[str, list, dict], ...] = (("copy", COPY, {}), ("free", FREE, {}))
-    if model is not None:  # (random weights write to the end: no EOS)
+    if args.method == "mtp":
+        workloads = (("wrong", FREE, {"ignore_eos": True}), ("right", FREE, {"ignore_eos": True}))
+    elif model is not None:  # (random weights write to the end: no EOS)
         held = sorted(set(plain.get_tokenizer().encode(CODE)))[:12]
         workloads = (("held", COPY, {"allowed_token_ids": held, "ignore_eos": True}),)
     for name, messages, held_to in workloads:
+        if name == "right":  # the final norms zeroed: the target and the MTP layer pick token 0 alike
+            for runner in (plain.engine.runner, spec.engine.runner, spec.engine.proposer.runner):
+                runner.model.norm.weight.data.zero_()
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, **held_to)
         for batch in (1, 16):
             plain_s, plain_out, plain_steps = timed(plain, messages[:batch], params)
