@@ -191,7 +191,8 @@ class MtpProposer:
         position, the tokens from there to the one after the last row, the target's final
         hidden states [rows, hidden], the request's tokens now, its block table). The layer
         computes them into its cache; where they reach the request's last token, the guess
-        after it is made."""
+        after it is made (unless the request's guesses wait this step: its logits cost as
+        much as the layer at small sizes)."""
         batch: list[ScheduledRequest] = []
         inputs: dict[str, torch.Tensor] = {}
         tables: dict[str, list[int]] = {}
@@ -209,7 +210,8 @@ class MtpProposer:
                 self._copy_block(table[first // self.block_size], self._private[rid][1])
             self._fed.add(rid)
             tables[rid] = self._own_table(rid, table)
-            batch.append(ScheduledRequest(rid, ids, first, tables[rid], first + len(ids) == num_tokens - 1))
+            ends = first + len(ids) == num_tokens - 1
+            batch.append(ScheduledRequest(rid, ids, first, tables[rid], ends and self.pacing.guesses_next(rid)))
             inputs[rid] = hidden
         if not batch:
             return
@@ -246,7 +248,7 @@ class MtpProposer:
             self.last_hidden[blocks] = self.host_hidden[list(slot_for.values())].to(self.last_hidden.device)
 
     def _copy_block(self, source: int, dest: int) -> None:
-        pool = self.runner.kv_pool  # [slots, pools, blocks, ...]
+        pool = self.runner.kv_pool.view(torch.uint8)  # [slots, pools, blocks, ...] (fp8 has no index_put)
         pool[:, :, dest] = pool[:, :, source]
 
     def propose_all(self, requests: list[tuple[str, list[int], int]]) -> dict[str, list[int]]:

@@ -117,6 +117,10 @@ class Pace:
     wait_steps: int = 0
     backoff_steps: int = 1
 
+    def guesses_next(self) -> bool:
+        """Whether `allowed` would give any guess now (it is not asked, so nothing counts down)."""
+        return self.limit > 0 or self.wait_steps == 0
+
     def allowed(self) -> int:
         if self.limit == 0:
             if self.wait_steps > 0:
@@ -145,6 +149,10 @@ class Pacing:
 
     def allowed(self, request_id: str) -> int:
         return self._pace.setdefault(request_id, Pace(self.most)).allowed()
+
+    def guesses_next(self, request_id: str) -> bool:
+        pace = self._pace.get(request_id)
+        return pace is None or pace.guesses_next()
 
     def record(self, request_id: str, num_drafts: int, num_kept: int) -> None:
         """How a step went for the request's guesses: paces its next ones."""
