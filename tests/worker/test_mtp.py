@@ -23,7 +23,7 @@ from producer.sampling_params import SamplingParams
 from worker import LLM
 from worker.spec_decode import SpeculativeConfig
 
-FAMILIES = ["deepseek_v3", "qwen3_next"]
+FAMILIES = ["deepseek_v3", "qwen3_next"]  # (and GLM-4.5, DeepSeek's layout, where a test's guesses are checked)
 PROMPTS = [list(range(100, 131)), [7, 3000, 41, 999, 12, 5, 8000, 77, 300]]
 
 
@@ -96,7 +96,7 @@ def _checkpoint_names(name: str, tensor: torch.Tensor, config, family: str) -> d
     return {name: tensor.contiguous()}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[*FAMILIES, "glm4_moe"])
 def mtp_model(request, tiny_family, tmp_path_factory) -> tuple[str, Path]:
     family = request.param
     return family, build_mtp_checkpoint(tiny_family(family), tmp_path_factory.mktemp(f"{family}_mtp") / "m", family)
@@ -207,6 +207,18 @@ def test_mtp_is_refused_where_there_is_no_layer(tiny_llama_dir, tiny_family):
     with pytest.raises(ValueError, match=r"holds no multi-token-prediction layer \(no tensors named model\.layers\.2\."):
         LLM(str(tiny_family("deepseek_v3")), num_gpu_blocks_override=16, max_model_len=128,
             speculative_config={"method": "mtp"})
+
+
+def test_an_mtp_layer_with_an_embedding_of_its_own_is_refused_by_name():
+    from transformers import Qwen3NextConfig
+
+    from worker.models.mtp import check_has_mtp
+
+    config = Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], mtp_num_hidden_layers=1)
+    check_has_mtp(config)
+    config.mtp_use_dedicated_embeddings = True
+    with pytest.raises(ValueError, match="has an embedding of its own"):
+        check_has_mtp(config)
 
 
 @pytest.mark.parametrize(("config", "message"), [

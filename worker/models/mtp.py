@@ -59,6 +59,9 @@ def check_has_mtp(hf_config: Any) -> None:
         raise ValueError(f"speculative method 'mtp' needs a model with multi-token-prediction layers; "
                          f"{(getattr(hf_config, 'architectures', None) or ['this model'])[0]}'s config names none "
                          f"(genq runs those of {families})")
+    if getattr(hf_config, "mtp_use_dedicated_embeddings", False):
+        raise ValueError("this model's MTP layer has an embedding of its own (mtp_use_dedicated_embeddings), "
+                         "which genq does not run yet; it shares the target's")
 
 
 def mtp_hf_config(hf_config: Any) -> Any:
