@@ -345,6 +345,8 @@ class Engine:
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._update(sched, sampled)
             if isinstance(self.proposer, MtpProposer):
+                for request_id in sched.preempted:  # (it computes its rows again, as a new request would)
+                    self.proposer.remove(request_id)
                 self.proposer.take_rows(self._kept_rows(sched, model_out, sampled))
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]

@@ -128,15 +128,16 @@ class HfMtp:
         return guesses, hidden[0, len(token_ids) - 1]
 
 
-def run_checking_guesses(llm: LLM, hf: HfMtp, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Run the prompts (one after another, each to its end, where `params.n` > 1: siblings),
-    checking at every step that each running request's guesses are transformers' from its
+def run_checking_guesses(llm: LLM, hf: HfMtp, prompts: list[list[int]], params: SamplingParams,
+                         together: bool = False) -> list[list[int]]:
+    """Run the prompts (one after another, each to its end, or `together`; where `params.n` >
+    1: siblings), checking at every step that each running request's guesses are transformers' from its
     tokens so far, and the layer's output its first guess is read from (every entry of its
     cache weighs in that); each request's output tokens."""
     engine, outputs, checked = llm.engine, {}, 0
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests() and not (together and i < len(prompts) - 1):
             for out in engine.step():  # (each step's new tokens)
                 for completion in out.outputs:
                     outputs.setdefault((out.request_id, completion.index), []).extend(completion.token_ids)
@@ -182,6 +183,21 @@ def test_a_cached_prefix_and_siblings_have_the_layers_cache_too(mtp_model):
     run_checking_guesses(llm, HfMtp(model_dir, family), prompts, SamplingParams(n=2, temperature=0.0, max_tokens=6,
                                                                                  ignore_eos=True))
     assert llm.engine.block_manager.stats.hits >= 32
+
+
+def test_preempted_requests_guess_as_before(mtp_model):
+    """A pool too small for every request at once preempts some; computed again, they guess as
+    they would have, and the outputs are plain decoding's."""
+    family, model_dir = mtp_model
+    args = dict(dtype="float32", num_gpu_blocks_override=12, max_model_len=192, max_num_batched_tokens=32)
+    llm = LLM(str(model_dir), speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **args)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [*PROMPTS, *(torch.randint(3, 49152, (60,), generator=generator).tolist() for _ in range(2))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = run_checking_guesses(llm, HfMtp(model_dir, family), prompts, params, together=True)
+    assert llm.engine.scheduler.num_preemptions > 0
+    plain = LLM(str(model_dir), **args).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert outputs == [o.outputs[0].token_ids for o in plain]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
