@@ -436,7 +436,8 @@ class Engine:
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=logits.shape[-1],
             device=logits.device,
-            token_masks=self.guided.masks(list(zip(row_ids, row_outputs, strict=True))),
+            token_masks=self.guided.masks([(rid, out, len(out) - request.num_output_tokens)  # (its guesses)
+                                           for rid, out, request in zip(row_ids, row_outputs, requests, strict=True)]),
             banned_token_ids=_bad_word_bans(requests, row_outputs),
         )
         sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch), drafts)
@@ -499,7 +500,8 @@ class Engine:
             candidates.append((request, room))
         guesses = self.proposer.propose_all([(r.request_id, r.all_token_ids, room) for r, room in candidates])
         for request, _ in candidates:
-            request.spec_token_ids = guesses.get(request.request_id, [])
+            request.spec_token_ids = self.guided.fitting(request.request_id, request.output_token_ids,
+                                                         guesses.get(request.request_id, []))
 
     def _record_prompt_logprobs(self, sched, chunk_logits: dict[str, torch.Tensor]) -> None:
         """Logprob of each prompt token given the tokens before it (raw model distribution),

@@ -76,11 +76,11 @@ class SpeculativeConfig:
 
 
 def can_speculate(params: SamplingParams, seeded: bool) -> bool:
-    """Guided rows advance a grammar one sampled token at a time, and a seeded random row
-    must draw exactly one noise vector per token (a resumed job skips that many): both are
-    decoded plainly."""
+    """A seeded random row must draw exactly one noise vector per token (a resumed job skips
+    that many): it is decoded plainly. (A guided row guesses: each of its rows is masked by
+    the grammar's state after the guesses before it.)"""
     random = params.temperature >= MIN_TEMPERATURE
-    return params.guided_decoding is None and not (seeded and random)
+    return not (seeded and random)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from producer.regex import compile_regex
@@ -168,6 +168,13 @@ class TokenMasks:
                 mask[i] |= stop
         return bytes(mask)
 
+    def ahead(self, guided: GuidedState, output_token_ids: Sequence[int]) -> GuidedState:
+        """The state after the output tokens it has not consumed, `guided` left as it is (a
+        row that assumes guessed tokens)."""
+        state = replace(guided)
+        self.advance(state, output_token_ids)
+        return state
+
     def advance(self, guided: GuidedState, output_token_ids: Sequence[int]) -> None:
         """Consume the output tokens not seen yet (one per step; all of them for a resumed
         request). A token the grammar cannot take (a stop token at the end) leaves the state."""
@@ -247,22 +254,40 @@ class GuidedDecoding:
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def masks(self, rows: Sequence[tuple[str, Sequence[int]]]) -> list[bytes | None] | None:
-        """Per row (request id, its output tokens): the tokens it may sample next, or None
-        for an unguided request; None altogether when no row is guided."""
-        if not any(request_id in self.states for request_id, _ in rows):
+    def masks(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[bytes | None] | None:
+        """Per row (request id, its output tokens, how many of them at the end are guesses
+        (speculative decoding)): the tokens it may sample next, or None for an unguided
+        request; None altogether when no row is guided. The request's state takes in its
+        tokens, not the guesses."""
+        if not any(request_id in self.states for request_id, _, _ in rows):
             return None
         masks = self._token_masks()
         out: list[bytes | None] = []
-        for request_id, output_token_ids in rows:
+        for request_id, output_token_ids, num_guessed in rows:
             guided = self.states.get(request_id)
             if guided is not None:
-                masks.advance(guided, output_token_ids)
+                masks.advance(guided, output_token_ids[: len(output_token_ids) - num_guessed])
+                if num_guessed:
+                    guided = masks.ahead(guided, output_token_ids)
             if guided is None or guided.after is not None:  # unguided, or not guided yet
                 out.append(None)
             else:
                 out.append(masks.allowed(guided))
         return out
+
+    def fitting(self, request_id: str, output_token_ids: Sequence[int], guesses: list[int]) -> list[int]:
+        """The guesses up to the first one the request's grammar refuses after its output
+        (all of them for an unguided request): a refused guess could never be kept."""
+        guided = self.states.get(request_id)
+        if guided is None or not guesses:
+            return guesses
+        masks = self._token_masks()
+        state = masks.ahead(guided, output_token_ids)
+        for i, token_id in enumerate(guesses):
+            if state.after is None and not masks.allowed(state)[token_id]:
+                return guesses[:i]
+            masks.advance(state, [*output_token_ids, *guesses[: i + 1]])
+        return guesses
 
     def _token_masks(self) -> TokenMasks:
         if self._masks is None:  # every token's bytes, once (a fraction of a second)

@@ -9,6 +9,7 @@ never repeats itself)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -102,6 +103,41 @@ def test_outputs_equal_plain_decoding(both_outputs, case):
                 assert [sorted(e.top_logprobs) for e in b.logprobs] == [sorted(e.top_logprobs) for e in a.logprobs]
     if num_drafts is not None:  # seeded random rows draw one noise vector per token: never guessed for
         assert num_drafts == 0
+
+
+PEOPLE = r"(- name: [A-Z][a-z]{1,8}, city: [A-Z][a-z]{1,8}\n){4}"
+
+
+def test_guided_requests_guess_within_their_grammar(plain_llm, spec_llm):
+    """A guided request guesses too (its lines repeat their keys: prompt lookup finds them):
+    each of its rows is masked by the grammar's state after the guesses before it, which the
+    request's own state never takes in, so outputs are plain guided decoding's."""
+    prompts = ["Four people and their cities:\n", "Name four cities:\n"]
+    params = SamplingParams(temperature=0.0, max_tokens=60, guided_decoding={"regex": PEOPLE})
+    before = dataclasses.replace(spec_llm.engine.spec_stats)
+    plain, spec = (llm.generate(prompts, params, use_tqdm=False) for llm in (plain_llm, spec_llm))
+    for p, s in zip(plain, spec, strict=True):
+        assert (s.outputs[0].token_ids, s.outputs[0].finish_reason) == (p.outputs[0].token_ids, p.outputs[0].finish_reason)
+        assert re.fullmatch(PEOPLE, s.outputs[0].text)
+    stats = spec_llm.engine.spec_stats
+    assert stats.num_accepted_tokens - before.num_accepted_tokens > 20
+
+
+def test_guesses_a_grammar_refuses_are_cut_off(default_model_dir):
+    """Guesses past the first one the request's grammar refuses after its output are never
+    proposed: they could not be kept."""
+    from transformers import AutoTokenizer
+
+    from worker.structured_output import GuidedDecoding
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    guided = GuidedDecoding(tok, {tok.eos_token_id})
+    guided.add("r", {"choice": ["yes please", "no thanks"]})
+    yes, please, no = (tok.encode(text) for text in ("yes", " please", "no"))
+    assert guided.fitting("r", [], yes + please + no) == yes + please
+    assert guided.fitting("r", yes, please + please) == please
+    assert guided.fitting("r", [], no + please) == no
+    assert guided.fitting("unguided", [], no + please) == no + please
 
 
 def test_preemption_and_chunked_prefill_keep_outputs(plain_llm):
