@@ -21,7 +21,8 @@ pick token 0: every guess kept, what it gains at best).
 
 Workloads (greedy): "copy" asks the model to repeat and edit text it was given (where
 prompt lookup helps: code edits, quoting, extraction); "free" asks for new text (where
-guesses are rarely right and only cost). Each at batch 1 (latency) and 16 (throughput).
+guesses are rarely right and only cost); "guided" asks for lines of a fixed form (a regex:
+structured output, whose keys repeat). Each at batch 1 (latency) and 16 (throughput).
 Prints output tokens per second for each, the speed-up, the share of guesses kept, and the
 engine steps (forward passes) against plain decoding's: on a GPU, where a decode step's few
 rows cost about what one row does, those are what guessing saves; on the CPU every row
@@ -47,6 +48,8 @@ COPY = [
     for i in range(16)
 ]
 FREE = [[{"role": "user", "content": f"Write a short story about a lighthouse keeper, part {i}."}] for i in range(16)]
+PEOPLE = [[{"role": "user", "content": f"Name six people and the city each lives in ({i})."}] for i in range(16)]
+LINES = r"(- name: [A-Z][a-z]{1,10}, city: [A-Z][a-z]{1,10}\n){6}"
 
 
 def timed(llm: LLM, messages: list, params: SamplingParams) -> tuple[float, list[list[int]], int]:
@@ -98,7 +101,8 @@ def compare(model: str | None, args: argparse.Namespace) -> int:
           f"disable_by_batch_size {args.disable_by_batch_size}")
     print(f"{'workload':<10} {'batch':>5} {'plain tok/s':>12} {args.method + ' tok/s':>12} {'speed-up':>9} "
           f"{'kept':>6} {'steps':>6} {'same':>5}")
-    workloads: tuple[tuple[str, list, dict], ...] = (("copy", COPY, {}), ("free", FREE, {}))
+    workloads: tuple[tuple[str, list, dict], ...] = (("copy", COPY, {}), ("free", FREE, {}),
+                                                     ("guided", PEOPLE, {"guided_decoding": {"regex": LINES}}))
     if args.method == "mtp":
         workloads = (("wrong", FREE, {"ignore_eos": True}), ("right", FREE, {"ignore_eos": True}))
     elif model is not None:  # (random weights write to the end: no EOS)
