@@ -279,3 +279,26 @@ def test_the_layers_blocks_go_to_the_host_and_back_with_the_targets(tiny_family,
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     run_checking_guesses(llm, HfMtp(model_dir, family), [first, other, first[:96] + [11, 12, 13]], params)
     assert llm.engine.block_manager.stats.host_hits >= 32
+
+
+def test_an_fp8_checkpoints_layer_is_read_as_stored(tiny_family, tmp_path):
+    """DeepSeek-V3's FP8 checkpoints store the layer's projections (eh_proj too, in some) in
+    fp8 with block scales: the layer guesses as transformers' does on the same weights
+    dequantized."""
+    from test_quantization import BLOCK, write_fp8_checkpoint
+
+    from worker.models.quant import dequantize
+
+    family = "deepseek_v3"
+    fp8 = write_fp8_checkpoint(build_mtp_checkpoint(tiny_family(family), tmp_path / "m", family), tmp_path / "fp8",
+                               BLOCK)
+    tensors = load_file(fp8 / "model.safetensors")
+    assert tensors["model.layers.2.eh_proj.weight"].dtype == torch.float8_e4m3fn
+    oracle = build_mtp_checkpoint(tiny_family(family), tmp_path / "oracle", family)
+    save_file({name: dequantize(tensors[name], tensors[name + "_scale_inv"], BLOCK) if name + "_scale_inv" in tensors
+               else tensor for name, tensor in tensors.items() if not name.endswith("_scale_inv")},
+              oracle / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(fp8), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    run_checking_guesses(llm, HfMtp(oracle, family), PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
+                                                                              ignore_eos=True))
