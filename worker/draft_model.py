@@ -200,7 +200,6 @@ class MtpProposer:
             self._first.pop(rid, None)
             if len(tokens) < 2:
                 continue
-            hidden = hidden[: len(tokens) - 1]
             self._keep_block_ends(start, hidden, table)
             first, ids = start, tokens[1:]
             if start and rid not in self._fed and self._private_free:  # after a shared prefix

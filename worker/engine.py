@@ -331,8 +331,10 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.swaps:  # (whether or not a request is left to run)
             self.runner.swap_blocks(sched.swaps)
-            if isinstance(self.proposer, MtpProposer):  # (its cache mirrors the target's blocks)
-                self.proposer.swap_blocks(sched.swaps)
+        if isinstance(self.proposer, MtpProposer):  # (its cache mirrors the target's blocks)
+            self.proposer.swap_blocks(sched.swaps)
+            for request_id in sched.preempted:  # (it computes its rows again, as a new request would)
+                self.proposer.remove(request_id)
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}
         embeddings: dict[str, list[float]] = {}
@@ -345,8 +347,6 @@ class Engine:
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._update(sched, sampled)
             if isinstance(self.proposer, MtpProposer):
-                for request_id in sched.preempted:  # (it computes its rows again, as a new request would)
-                    self.proposer.remove(request_id)
                 self.proposer.take_rows(self._kept_rows(sched, model_out, sampled))
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
