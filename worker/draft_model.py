@@ -186,13 +186,15 @@ class MtpProposer:
         # there, its table then)
         self._first: dict[str, tuple[int, int, torch.Tensor, list[int]]] = {}
 
-    def take_rows(self, rows: list[tuple[str, int, list[int], torch.Tensor, int, list[int]]]) -> None:
+    def take_rows(self, rows: list[tuple[str, int, list[int], torch.Tensor, int, list[int]]],
+                  guessing: bool = True) -> None:
         """A target step's rows that each request keeps: (request id, the first one's
         position, the tokens from there to the one after the last row, the target's final
         hidden states [rows, hidden], the request's tokens now, its block table). The layer
         computes them into its cache; where they reach the request's last token, the guess
-        after it is made (unless the request's guesses wait this step: its logits cost as
-        much as the layer at small sizes)."""
+        after it is made, unless none is wanted: not `guessing` (disable_by_batch_size), or
+        the request's guesses wait this step (its logits cost as much as the layer at small
+        sizes)."""
         batch: list[ScheduledRequest] = []
         inputs: dict[str, torch.Tensor] = {}
         tables: dict[str, list[int]] = {}
@@ -210,7 +212,8 @@ class MtpProposer:
             self._fed.add(rid)
             tables[rid] = self._own_table(rid, table)
             ends = first + len(ids) == num_tokens - 1
-            batch.append(ScheduledRequest(rid, ids, first, tables[rid], ends and self.pacing.guesses_next(rid)))
+            wanted = ends and guessing and self.pacing.guesses_next(rid)
+            batch.append(ScheduledRequest(rid, ids, first, tables[rid], wanted))
             inputs[rid] = hidden
         if not batch:
             return

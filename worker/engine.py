@@ -347,7 +347,7 @@ class Engine:
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._update(sched, sampled)
             if isinstance(self.proposer, MtpProposer):
-                self.proposer.take_rows(self._kept_rows(sched, model_out, sampled))
+                self.proposer.take_rows(self._kept_rows(sched, model_out, sampled), guessing=not self._guessing_off())
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
         outputs, stopped = self.output_processor.process(updated, logprobs)
@@ -481,12 +481,15 @@ class Engine:
                          request.num_tokens, s.block_table))
         return rows
 
+    def _guessing_off(self) -> bool:
+        """Whether disable_by_batch_size turns guessing off now: as many requests run or more."""
+        assert self.proposer is not None
+        limit = self.proposer.config.disable_by_batch_size
+        return limit is not None and len(self.scheduler.running) >= limit
+
     def _propose(self) -> None:
         """Guesses for the next step of every decoding request that may speculate."""
-        if self.proposer is None:
-            return
-        limit = self.proposer.config.disable_by_batch_size
-        if limit is not None and len(self.scheduler.running) >= limit:
+        if self.proposer is None or self._guessing_off():
             return
         candidates = []
         for request in self.scheduler.running:

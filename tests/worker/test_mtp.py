@@ -302,3 +302,28 @@ def test_an_fp8_checkpoints_layer_is_read_as_stored(tiny_family, tmp_path):
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     run_checking_guesses(llm, HfMtp(oracle, family), PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
                                                                               ignore_eos=True))
+
+
+def test_while_guessing_is_off_the_layer_keeps_up_but_makes_no_guess(tiny_family, tmp_path):
+    """At disable_by_batch_size requests the layer still computes every row (its cache must
+    keep up) but no first guess (its logits would go unused); once fewer run, guesses come at
+    once, right."""
+    family = "deepseek_v3"
+    model_dir = build_mtp_checkpoint(tiny_family(family), tmp_path / "m", family)
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 2})
+    engine, hf, guessed_alone = llm.engine, HfMtp(model_dir, family), 0
+    for rid, prompt, max_tokens in (("long", PROMPTS[0], 12), ("short", PROMPTS[1], 4)):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                              ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = engine.scheduler.running
+        if len(running) >= 2:
+            assert not engine.proposer._first and not any(r.spec_token_ids for r in running)
+        for request in running:
+            if request.spec_token_ids:
+                expected, _ = hf.guesses(request.all_token_ids, len(request.spec_token_ids))
+                assert request.spec_token_ids == expected
+                guessed_alone += 1
+    assert guessed_alone >= 2
