@@ -44,7 +44,8 @@ class EngineConfig:
     # vLLM's: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 1} guesses tokens from the request's own earlier text;
     # {"model": DIR, "num_speculative_tokens": 4}, a draft model's greedy tokens;
-    # {"method": "mtp", "num_speculative_tokens": 1}, the model's own MTP layer's; None: off
+    # {"method": "mtp", "num_speculative_tokens": 1}, the model's own MTP layer's;
+    # {"method": "eagle3", "model": DIR, ...}, an EAGLE-3 head's; None: off
     speculative_config: dict[str, Any] | None = None
     # fp8: the decoder layers' weights quantized to fp8 as they load (per output channel),
     # served by the fp8 kernel on CUDA; None: as the checkpoint stores them (an fp8

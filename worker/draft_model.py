@@ -1,8 +1,9 @@
 """Draft-model speculative decoding (vLLM's `speculative_config={"model": DIR,
 "num_speculative_tokens": k}`): a small model of the same vocabulary guesses the next k
 tokens of each request, greedily, and the target model checks them all in one step
-(worker/spec_decode.py keeps what plain decoding would have sampled). And the same with the
-target's own multi-token-prediction layer as the draft (`{"method": "mtp"}`, MtpProposer).
+(worker/spec_decode.py keeps what plain decoding would have sampled). And the same with a
+draft layer that reads the target's hidden states (HiddenStateProposer): the target's own
+multi-token-prediction layer (`{"method": "mtp"}`) or an EAGLE-3 head (`{"method": "eagle3"}`).
 
 The draft has its own model runner and KV cache: a block list per request, taken from a free
 list as the request grows and given back when it ends (no prefix caching: a draft is cheap to
@@ -25,7 +26,14 @@ from worker.config import EngineConfig
 from worker.model_loader import read_config, resolve_model_path
 from worker.model_runner import ModelRunner
 from worker.models.config import language_config
-from worker.models.llama import LlamaForCausalLM
+from worker.models.eagle3 import (
+    EAGLE3_ARCHITECTURES,
+    Eagle3Head,
+    aux_layers,
+    eagle3_hf_config,
+    is_eagle3,
+)
+from worker.models.llama import HiddenStateDraft, LlamaForCausalLM
 from worker.models.mtp import MultiTokenPredictor, check_has_mtp, mtp_hf_config
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 from worker.spec_decode import Pacing, SpeculativeConfig
@@ -130,12 +138,14 @@ class DraftModelProposer:
         self.pacing.forget(request_id)
 
 
-class MtpProposer:
-    """Guesses from the target's multi-token-prediction layer (worker.models.mtp), run in a
-    runner of its own with the target's embedding and LM head. After each target step the
-    layer computes the rows the target kept (`take_rows`), in one batched forward that also
-    makes each request's first guess; each further guess is one batched step feeding the
-    layer its own output.
+class HiddenStateProposer:
+    """Guesses from a draft layer that reads the target's hidden states: the target's own
+    multi-token-prediction layer (worker.models.mtp: its final hidden states, and its
+    embedding and LM head) or an EAGLE-3 head (worker.models.eagle3: the residual stream
+    before three of its layers, `reads_aux`), run in a runner of its own (`mtp_proposer`,
+    `eagle3_proposer` make them). After each target step the layer computes the rows the
+    target kept (`take_rows`), in one batched forward that also makes each request's first
+    guess; each further guess is one batched step feeding the layer its own output.
 
     The layer's KV cache mirrors the target's blocks: its block b holds the layer's entries
     for the positions the target's block b holds, so what the target shares (prefix-cache
@@ -148,34 +158,35 @@ class MtpProposer:
     copied there first), never to blocks the target holds. With KV offloading the layer's
     blocks (and hidden states kept) go to host slots and back with the target's."""
 
-    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, model_path: Path, hf_config: Any,
-                 max_model_len: int, target_blocks: int, target: LlamaForCausalLM, num_host_blocks: int = 0):
-        """`hf_config`, `target`: the target model's config and (rank 0's) model, whose
-        checkpoint at `model_path` holds the layer; `target_blocks`, `num_host_blocks`: the
-        target's pool and host slots."""
-        check_has_mtp(hf_config)
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, layer: tuple[Path, Any, type[HiddenStateDraft]],
+                 max_model_len: int, target_blocks: int, target: LlamaForCausalLM, num_host_blocks: int = 0,
+                 reads_aux: bool = False):
+        """`layer`: the draft layer's checkpoint directory, config and model class (one with
+        `share_with(target)`); `target`: the target's (rank 0's) model; `target_blocks`,
+        `num_host_blocks`: the target's pool and host slots."""
         self.config = spec
         self.block_size = config.block_size
+        self.reads_aux = reads_aux
         # a request's guesses past its known tokens span this many blocks at most
         per_request = -(-(spec.num_speculative_tokens - 1) // config.block_size) + 1
         # blocks: the target's twins, a private one and the scratch ones per running request
-        mtp_config = draft_config(config, spec, target_blocks, enforce_eager=True,
-                                  num_gpu_blocks_override=target_blocks + config.max_num_seqs * (1 + per_request))
-        self.runner = ModelRunner(mtp_config, model_path, mtp_hf_config(hf_config), max_model_len,
-                                  model_class=MultiTokenPredictor)
-        layer = self.runner.model
-        assert isinstance(layer, MultiTokenPredictor)
-        layer.share_with(target)
+        layer_config = draft_config(config, spec, target_blocks, enforce_eager=True,
+                                    num_gpu_blocks_override=target_blocks + config.max_num_seqs * (1 + per_request))
+        path, hf_config, model_class = layer
+        self.runner = ModelRunner(layer_config, path, hf_config, max_model_len, model_class=model_class)
+        draft = self.runner.model
+        assert isinstance(draft, HiddenStateDraft)
+        draft.share_with(target)
         num_private = config.max_num_seqs
         self.scratch = DraftBlocks(config.max_num_seqs * per_request, config.block_size)
         self.scratch.free = [target_blocks + num_private + b for b in self.scratch.free]
         self._private_free = [target_blocks + b for b in range(num_private)]
         self._private: dict[str, tuple[int, int]] = {}  # request id -> (block index, its private block)
         self._fed: set[str] = set()  # requests the layer has computed rows of
-        cfg = self.runner.model_config
-        self.last_hidden = torch.zeros(target_blocks, cfg.hidden_size, dtype=self.runner.dtype,
+        width = 3 * target.config.hidden_size if reads_aux else target.config.hidden_size
+        self.last_hidden = torch.zeros(target_blocks, width, dtype=self.runner.dtype,
                                        device=self.runner.device)  # the target's, at each block's last position
-        self.host_hidden = torch.zeros(num_host_blocks, cfg.hidden_size, dtype=self.runner.dtype)
+        self.host_hidden = torch.zeros(num_host_blocks, width, dtype=self.runner.dtype)
         if num_host_blocks:  # host slots as the target's, each the layer's share of a block
             pool, pinned = self.runner.kv_pool, self.runner.device.type == "cuda"
             self.runner.host_pool = torch.empty((*pool.shape[:2], num_host_blocks, *pool.shape[3:]),
@@ -308,3 +319,31 @@ class MtpProposer:
         self._fed.discard(request_id)
         self._first.pop(request_id, None)
         self.pacing.forget(request_id)
+
+
+def mtp_proposer(spec: SpeculativeConfig, config: EngineConfig, model_path: Path, hf_config: Any,
+                 max_model_len: int, target_blocks: int, target: LlamaForCausalLM,
+                 num_host_blocks: int = 0) -> HiddenStateProposer:
+    """Guesses from the MTP layer in the target's checkpoint (`model_path`, `hf_config`)."""
+    check_has_mtp(hf_config)
+    return HiddenStateProposer(spec, config, (model_path, mtp_hf_config(hf_config), MultiTokenPredictor),
+                               max_model_len, target_blocks, target, num_host_blocks)
+
+
+def eagle3_proposer(spec: SpeculativeConfig, config: EngineConfig, max_model_len: int, target_blocks: int,
+                    target: LlamaForCausalLM, num_host_blocks: int = 0) -> HiddenStateProposer:
+    """Guesses from the EAGLE-3 head in `spec.model`; the target keeps the residual stream
+    before the layers the head reads (its steps then run eagerly: the CUDA graphs keep no
+    such states)."""
+    path = resolve_model_path(spec.model, config.cache_dir)
+    head_config = read_config(path)
+    if not is_eagle3(head_config):
+        arch = (getattr(head_config, "architectures", None) or ["none"])[0]
+        raise ValueError(f"speculative method 'eagle3' needs an EAGLE-3 head ({', '.join(EAGLE3_ARCHITECTURES)}); "
+                         f"{path} holds {arch}")
+    if head_config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the EAGLE-3 head's vocabulary ({head_config.vocab_size} tokens) is not the target "
+                         f"model's ({target.config.vocab_size})")
+    target.aux_layers = aux_layers(head_config, target.config.num_hidden_layers)
+    return HiddenStateProposer(spec, config, (path, eagle3_hf_config(head_config, path), Eagle3Head),
+                               max_model_len, target_blocks, target, num_host_blocks, reads_aux=True)

@@ -21,7 +21,12 @@ from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig, SchedulerConfig
-from worker.draft_model import DraftModelProposer, MtpProposer
+from worker.draft_model import (
+    DraftModelProposer,
+    HiddenStateProposer,
+    eagle3_proposer,
+    mtp_proposer,
+)
 from worker.lora_request import LoRARequest
 from worker.model_loader import read_config, resolve_model_path
 from worker.model_runner import ModelOutput, ModelRunner
@@ -331,7 +336,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.swaps:  # (whether or not a request is left to run)
             self.runner.swap_blocks(sched.swaps)
-        if isinstance(self.proposer, MtpProposer):  # (its cache mirrors the target's blocks)
+        if isinstance(self.proposer, HiddenStateProposer):  # (its cache mirrors the target's blocks)
             self.proposer.swap_blocks(sched.swaps)
             for request_id in sched.preempted:  # (it computes its rows again, as a new request would)
                 self.proposer.remove(request_id)
@@ -346,7 +351,7 @@ class Engine:
             self._rewind_wrong_guesses(sched, sampled)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._update(sched, sampled)
-            if isinstance(self.proposer, MtpProposer):
+            if isinstance(self.proposer, HiddenStateProposer):
                 self.proposer.take_rows(self._kept_rows(sched, model_out, sampled), guessing=not self._guessing_off())
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
@@ -447,7 +452,7 @@ class Engine:
                 self.proposer.record(rid, len(guesses), len(sampled[rid]) - 1)
         return sampled, logprobs
 
-    def _make_proposer(self, config: EngineConfig) -> NgramProposer | DraftModelProposer | MtpProposer | None:
+    def _make_proposer(self, config: EngineConfig) -> NgramProposer | DraftModelProposer | HiddenStateProposer | None:
         if not config.speculative_config:
             return None
         spec = SpeculativeConfig.from_dict(config.speculative_config)
@@ -458,17 +463,22 @@ class Engine:
         # draft's pool (every layer a block) as many times larger (it guesses less once full)
         target_blocks = self.runner.num_blocks * self.runner.num_slots // self.model_config.num_hidden_layers
         if spec.method == "mtp":  # (its cache mirrors the target's blocks)
-            return MtpProposer(spec, config, self.model_path, self.model_config.hf_config, self.max_model_len,
-                               self.runner.num_blocks, self.runner.model, self.runner.num_host_blocks)
+            return mtp_proposer(spec, config, self.model_path, self.model_config.hf_config, self.max_model_len,
+                                self.runner.num_blocks, self.runner.model, self.runner.num_host_blocks)
+        if spec.method == "eagle3":
+            return eagle3_proposer(spec, config, self.max_model_len, self.runner.num_blocks, self.runner.model,
+                                   self.runner.num_host_blocks)
         return DraftModelProposer(spec, config, self.max_model_len, target_blocks, self.model_config.vocab_size)
 
     def _kept_rows(self, sched: SchedulerOutput, out: ModelOutput, sampled: dict[str, list[int]]
                    ) -> list[tuple[str, int, list[int], torch.Tensor, int, list[int]]]:
-        """What an MTP draft reads of a step (MtpProposer.take_rows): each request's rows
+        """What a draft layer reads of a step (HiddenStateProposer.take_rows): each request's rows
         whose inputs it keeps (its known tokens and the guesses kept), with their tokens and
-        the one after, their final hidden states, and the request's block table. Requests
+        the one after, the states it reads (final hidden states, or an EAGLE-3 head's aux ones), and the request's block table. Requests
         that never guess are in too: others may share their blocks."""
-        assert out.hidden is not None
+        assert isinstance(self.proposer, HiddenStateProposer)
+        states = out.aux if self.proposer.reads_aux else out.hidden
+        assert states is not None
         rows = []
         for s in sched.scheduled:
             request = self.scheduler.requests.get(s.request_id)
@@ -477,7 +487,7 @@ class Engine:
             kept = len(s.token_ids) - s.num_drafts + max(len(sampled.get(s.request_id, ())) - 1, 0)
             tokens = request.token_slice(s.start_pos, min(s.start_pos + 1 + kept, request.num_tokens))
             start = out.rows[s.request_id][0]
-            rows.append((s.request_id, s.start_pos, tokens, out.hidden[start : start + len(tokens) - 1],
+            rows.append((s.request_id, s.start_pos, tokens, states[start : start + len(tokens) - 1],
                          request.num_tokens, s.block_table))
         return rows
 

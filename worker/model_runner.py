@@ -82,6 +82,8 @@ class ModelOutput:
     # request's rows in it: [start, end)
     hidden: torch.Tensor | None = None
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # the residual stream before the model's aux_layers, concatenated (an EAGLE-3 head reads it)
+    aux: torch.Tensor | None = None
 
 
 @dataclass
@@ -356,7 +358,8 @@ class ModelRunner:
         pooled = {s.request_id: self.model.pool(hidden_out[end - 1 : end])[0]
                   for s, end in zip(batch, ends, strict=True) if s.pool}
         spans = {s.request_id: (end - len(s.token_ids), end) for s, end in zip(batch, ends, strict=True)}
-        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled, hidden_out, spans)
+        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled, hidden_out, spans,
+                           self.model.aux)
 
     @torch.inference_mode()
     def execute_layers(self, out: SchedulerOutput, images: StepImages | None) -> None:
@@ -386,7 +389,7 @@ class ModelRunner:
             if step.rows is not None:
                 images = (step.rows[0].to(self.device), step.rows[1].to(self.device))
         if (self.graphs is not None and lora is None and images is None and not isinstance(rope, torch.Tensor)
-                and inputs is None and self.graphs.can_run(batch)):
+                and inputs is None and not self.model.aux_layers and self.graphs.can_run(batch)):
             if self.states is not None:  # (the eager path's for_step does this)
                 for request_id in out.preempted:
                     self.states.remove(request_id)

@@ -1,6 +1,7 @@
 """Speculative decoding with n-gram drafts (vLLM's `speculative_config={"method": "ngram"}`,
 prompt lookup decoding), with a draft model's (`{"model": DIR}`, worker/draft_model.py), or
-with the model's own multi-token-prediction layer's (`{"method": "mtp"}`, worker/models/mtp.py).
+with the model's own multi-token-prediction layer's (`{"method": "mtp"}`, worker/models/mtp.py),
+or with an EAGLE-3 head's (`{"method": "eagle3", "model": DIR}`, worker/models/eagle3.py).
 Plain Python here: the scheduler reads the drafts proposed.
 
 When a request's last few tokens occurred earlier in its prompt or output, the tokens that
@@ -30,8 +31,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # guesses per step, at most
     prompt_lookup_max: int = 4  # longest suffix looked up
     prompt_lookup_min: int = 1  # shortest suffix looked up
-    method: str = "ngram"  # or "draft_model", "mtp"
-    model: str | None = None  # the draft model's local directory (method draft_model)
+    method: str = "ngram"  # or "draft_model", "mtp", "eagle3"
+    model: str | None = None  # the draft model's or EAGLE-3 head's local directory
     # no guesses while this many requests run or more: at large batches a step is bound by
     # compute, and every guess adds a row to it (None: guess at any batch size)
     disable_by_batch_size: int | None = None
@@ -48,15 +49,15 @@ class SpeculativeConfig:
         config = {"method": "draft_model" if config.get("model") else "ngram", **config}
         if config["method"] in MTP_METHODS:  # vLLM's older names for it, one per family
             config["method"] = "mtp"
-        if config["method"] not in ("ngram", "draft_model", "mtp"):
-            raise ValueError(f"speculative_config method must be 'ngram', 'draft_model' or 'mtp', "
+        if config["method"] not in ("ngram", "draft_model", "mtp", "eagle3"):
+            raise ValueError(f"speculative_config method must be 'ngram', 'draft_model', 'mtp' or 'eagle3', "
                              f"got {config['method']!r}")
         if config["method"] == "mtp" and config.get("model"):
             raise ValueError("speculative_config method 'mtp' runs the model's own MTP layer: it takes no `model` "
                              f"(got {config['model']!r})")
-        if config["method"] != "mtp" and (config["method"] == "draft_model") != bool(config.get("model")):
+        if config["method"] != "mtp" and (config["method"] in ("draft_model", "eagle3")) != bool(config.get("model")):
             raise ValueError("speculative_config needs a draft `model` directory exactly when method is "
-                             f"'draft_model' (method {config['method']!r}, model {config.get('model')!r})")
+                             f"'draft_model' or 'eagle3' (method {config['method']!r}, model {config.get('model')!r})")
         if config["method"] == "mtp":  # (vLLM's default: as many as the layers, one in every checkpoint)
             config.setdefault("num_speculative_tokens", 1)
         if "num_speculative_tokens" not in config:

@@ -239,7 +239,7 @@ def test_an_mtp_layer_with_an_embedding_of_its_own_is_refused_by_name():
 
 @pytest.mark.parametrize(("config", "message"), [
     ({"method": "mtp", "model": "x"}, "'mtp' runs the model's own MTP layer: it takes no `model`"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "must be 'ngram', 'draft_model' or 'mtp', got 'eagle'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "must be 'ngram', 'draft_model', 'mtp' or 'eagle3', got 'eagle'"),
 ])
 def test_bad_mtp_config_is_refused_by_name(config, message):
     with pytest.raises(ValueError, match=message):

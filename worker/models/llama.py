@@ -452,6 +452,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding
         self.rotary_local: RotaryEmbedding | None = None  # the windowed layers', where they have their own
         self.build_rotary(torch.device("cpu"))
+        # an EAGLE-3 head reads the residual stream before these layers: each forward keeps
+        # them, concatenated, in `aux` ([T, len(aux_layers) x hidden])
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux: torch.Tensor | None = None
 
     def reduce_with(self, all_reduce: Callable[[torch.Tensor], torch.Tensor], world_size: int, rank: int) -> None:
         """Tensor parallelism: each layer's attention and MLP outputs are summed over the
@@ -506,11 +510,15 @@ class LlamaForCausalLM(nn.Module):
         """The decoder layers and the final norm over the rows' input states `x` [T, hidden]."""
         residual = None
         ropes = self._layer_ropes(positions, x.dtype)
+        aux: dict[int, torch.Tensor] = {}
         for i, (layer, kv_cache, layer_rope) in enumerate(zip(self.layers, kv_caches, ropes, strict=True)):
+            if i in self.aux_layers:  # (a copy: the kernel path's fused norms add into residual in place)
+                aux[i] = x.clone() if residual is None else x + residual
             x, residual = layer(x, residual, layer_rope, kv_cache, meta.for_layer(i), lora)
             if deepstack is not None and i < deepstack[1].shape[1]:  # the whole hidden state, added to as transformers does
                 hidden = (x if residual is None else x + residual).index_add(0, deepstack[0], deepstack[1][:, i])
                 x, residual = torch.zeros_like(hidden), hidden
+        self.aux = torch.cat([aux[i] for i in self.aux_layers], dim=-1) if aux else None
         return self.norm(x, residual)[0]
 
     def checkpoint_filter(self) -> Callable[[str], bool] | None:
@@ -689,6 +697,32 @@ class LlamaForCausalLM(nn.Module):
             kinds = (("gate", "up") if self.config.moe.gated else ("up",)) if w13 else ("down",)
             return [f"{kind}.{e}" for e in range(self.config.moe.num_local_experts) for kind in kinds]
         return list(_SHARDS.get(parts[-2] if len(parts) > 1 else "", [None]))
+
+
+class HiddenStateDraft(LlamaForCausalLM):
+    """A draft layer that reads a hidden state for every row beside its token (a checkpoint's
+    MTP layer, an EAGLE-3 head), which the runner passes as `hidden`; it shares what it has
+    not of its own with the target model (`share_with`)."""
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,  # [T]: token i + 1 at the row for position i
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: Any,
+        lora: LoRAMapping | None = None,
+        images: Any = None,
+        hidden: torch.Tensor | None = None,  # [T, width]: the target's state at i, or the draft's own output
+    ) -> torch.Tensor:  # [T, hidden]
+        assert hidden is not None, f"{type(self).__name__} reads a hidden state for every row"
+        return self.draft(input_ids, positions, kv_caches, meta, hidden)
+
+    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              meta: Any, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def share_with(self, target: LlamaForCausalLM) -> None:
+        raise NotImplementedError
 
 
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from worker.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from worker.models.llama import LlamaForCausalLM, make_norm
+from worker.models.llama import HiddenStateDraft, LlamaForCausalLM, make_norm
 
 # the checkpoint's names for the layer's own parts -> genq's; first DeepSeek's layout
 # (model.layers.<num_hidden_layers>.*: DeepSeek-V3, GLM-4.5, GLM-4.7-Flash), then Qwen's (mtp.*)
@@ -119,7 +119,7 @@ def mtp_weights(weights: Iterable[tuple[str, torch.Tensor]], mtp_config: Any) ->
             yield "model." + local, tensor
 
 
-class MultiTokenPredictor(LlamaForCausalLM):
+class MultiTokenPredictor(HiddenStateDraft):
     """The MTP layer as a one-layer model (`cfg` from mtp_hf_config). Its embedding and LM
     head are the target model's, given by `share_with` once the runner has loaded it."""
 
@@ -149,17 +149,10 @@ class MultiTokenPredictor(LlamaForCausalLM):
                              f"{self.config.hf_config.mtp_prefix}*), though its config names one")
         super()._check_complete(loaded | {"embed_tokens.weight:None", "lm_head.weight:None"})
 
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor,  # [T]: token i + 1 at the row for position i
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: Any,
-        lora: Any = None,
-        images: Any = None,
-        hidden: torch.Tensor | None = None,  # [T, hidden]: the target's final state at i, or this layer's output
-    ) -> torch.Tensor:  # [T, hidden]: the layer's output, normed
-        assert hidden is not None, "the MTP layer reads a hidden state for every row"
+    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              meta: Any, hidden: torch.Tensor) -> torch.Tensor:
+        """Row i: token i + 1 and the target's final state at i, or this layer's output; the
+        layer's output, normed."""
         embeds = self.enorm(self.embed_tokens(input_ids))
         x = self.eh_proj(torch.cat([embeds, self.hnorm(hidden.to(embeds.dtype))], dim=-1))
-        return self.decode(x, positions, kv_caches, meta, lora)
+        return self.decode(x, positions, kv_caches, meta)

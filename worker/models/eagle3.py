@@ -1,0 +1,147 @@
+"""EAGLE-3 draft heads (vLLM's `speculative_config={"method": "eagle3", "model": DIR}`): one
+Llama decoder layer trained to guess a target model's next tokens from the target's own
+hidden states, published for Llama 3, Qwen3, gpt-oss and others (SpecForge's checkpoint
+layout: `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`).
+
+The target's residual stream before three of its layers (low, middle, high; the head's
+`eagle_config.eagle_aux_hidden_state_layer_ids`, else 2, L/2 and L - 3) is concatenated and
+projected to the hidden width (`fc`); a further guess reads the head's own output (before its
+final norm) instead. Row i reads token i + 1 and that state: the token's embedding and the
+state are each RMS-normed and concatenated, so the layer's attention reads twice the hidden
+width; the state itself is the residual. The head's LM head covers `draft_vocab_size`
+tokens, the target token of each being its id plus `d2t`'s entry. The embedding is the
+target's unless the head has its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.models.config import ModelConfig
+from worker.models.llama import (
+    Attention,
+    DecoderLayer,
+    HiddenStateDraft,
+    LlamaForCausalLM,
+    make_norm,
+)
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+def is_eagle3(hf_config: Any) -> bool:
+    return (getattr(hf_config, "architectures", None) or [""])[0] in EAGLE3_ARCHITECTURES
+
+
+def aux_layers(head_config: Any, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers whose input (the residual stream before them) the head reads."""
+    ids = (getattr(head_config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = tuple(ids) if ids else (2, num_target_layers // 2, num_target_layers - 3)
+    if len(layers) != 3 or not all(0 <= i < num_target_layers for i in layers):
+        raise ValueError(f"the EAGLE-3 head reads the target's layers {layers}: three of its "
+                         f"{num_target_layers} are needed")
+    return layers
+
+
+def eagle3_hf_config(head_config: Any, model_path: Path) -> Any:
+    """The head's config as a one-layer Llama's, noting whether its checkpoint has an
+    embedding of its own (`eagle3_own_embedding`)."""
+    from safetensors import safe_open
+
+    cfg = copy.deepcopy(head_config)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.num_hidden_layers = 1
+    cfg.tie_word_embeddings = False
+    names = [name for file in sorted(model_path.glob("*.safetensors"))
+             for name in safe_open(str(file), framework="pt").keys()]
+    cfg.eagle3_own_embedding = any(name.endswith("embed_tokens.weight") for name in names)
+    return cfg
+
+
+def _head_weights(weights: Iterable[tuple[str, torch.Tensor]], d2t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """The head's tensors in a one-layer Llama's names (`d2t` copied in, `t2d` not read)."""
+    for name, tensor in weights:
+        name = name.removeprefix("model.")
+        if name == "d2t":
+            d2t.copy_(tensor)
+        elif name.startswith(("midlayer.hidden_norm.", "layers.0.hidden_norm.")):
+            yield "model.hidden_norm." + name.rsplit(".", 1)[1], tensor
+        elif name.startswith("midlayer."):
+            yield "model.layers.0." + name.removeprefix("midlayer."), tensor
+        elif name != "t2d":
+            yield (name if name.startswith("lm_head.") else "model." + name), tensor
+
+
+class Eagle3Head(HiddenStateDraft):
+    """The head as a one-layer model (`cfg` from eagle3_hf_config)."""
+
+    d2t: torch.Tensor  # [draft vocab]: each head token's target id less its own
+
+    def __init__(self, cfg: ModelConfig, use_kernels: bool = False):
+        super().__init__(cfg, use_kernels)
+        hf, hidden = cfg.hf_config, cfg.hidden_size
+        attention = self._layer().self_attn
+        assert isinstance(attention, Attention)
+        attention.qkv_proj = nn.Linear(2 * hidden, attention.qkv_proj.out_features, bias=cfg.attention_bias)
+        self.hidden_norm = make_norm(cfg, hidden, use_kernels)
+        self.fc = nn.Linear(3 * (getattr(hf, "target_hidden_size", None) or hidden), hidden, bias=False)
+        self.draft_vocab_size = getattr(hf, "draft_vocab_size", None) or cfg.vocab_size
+        self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.norm_before_residual = bool(getattr(hf, "norm_before_residual", False))
+        self.own_embedding = bool(getattr(hf, "eagle3_own_embedding", True))
+        if not self.own_embedding:  # the target's stands in (share_with)
+            self.embed_tokens = nn.Embedding(1, hidden, _weight=torch.empty(1, hidden))
+
+    def _layer(self) -> DecoderLayer:
+        layer = self.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        return layer
+
+    def share_with(self, target: LlamaForCausalLM) -> None:
+        if not self.own_embedding:
+            self.embed_tokens = target.embed_tokens
+
+    def init_dummy_weights(self, std: float, seed: int = 0) -> None:
+        super().init_dummy_weights(std, seed)
+        self.d2t.zero_()
+
+    def load_weights(self, weights, split=None, deal=None) -> None:  # type: ignore[no-untyped-def]
+        self.d2t.zero_()
+        super().load_weights(_head_weights(weights, self.d2t), split, deal)
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        super()._check_complete(loaded if self.own_embedding else loaded | {"embed_tokens.weight:None"})
+
+    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              meta: Any, hidden: torch.Tensor) -> torch.Tensor:
+        """Row i: token i + 1 and the target's states before its aux layers [T, 3 x target
+        hidden], or the head's own output [T, hidden]; the head's output before its final norm."""
+        layer = self._layer()
+        embeds = layer.input_layernorm(self.embed_tokens(input_ids))
+        hidden = hidden.to(embeds.dtype)
+        if hidden.shape[-1] != embeds.shape[-1]:
+            hidden = self.fc(hidden)
+        normed = self.hidden_norm(hidden)
+        # (cloned: the fused norm kernel adds into it in place)
+        residual = (normed if self.norm_before_residual else hidden).clone()
+        rope = self._layer_ropes(positions, embeds.dtype)[0]
+        x = layer.self_attn(torch.cat([embeds, normed], dim=-1), rope, kv_caches[0], meta.for_layer(0))
+        x, residual = layer.post_attention_layernorm(x, residual)
+        return layer.mlp(x) + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary: the head's tokens at their target ids, -inf
+        elsewhere."""
+        logits = super().compute_logits(self.norm(hidden))  # [rows, draft vocab]
+        if self.draft_vocab_size == self.config.vocab_size and not self.d2t.any():
+            return logits
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        full[:, torch.arange(self.draft_vocab_size, device=logits.device) + self.d2t] = logits
+        return full
