@@ -25,9 +25,9 @@ reports the parts it finished):
    with two images, CUDA against CPU; where the host has two GPUs, a Qwen3 split over them
    (`tensor_parallel_size=2`) against one, float32: equal; KV offloading (a prompt's blocks
    pushed out of a small pool and copied back from pinned host memory), its greedy tokens
-   before and after, float32: equal; a DeepSeek-V3's MTP layer as the draft (`method mtp`):
-   each step's guesses and the outputs on CUDA against CPU, float32: equal, and with both
-   final norms zeroed every guess kept;
+   before and after, float32: equal; a DeepSeek-V3's MTP layer as the draft (`method mtp`),
+   and a Qwen3 with an EAGLE-3 head (`method eagle3`): each step's guesses and the outputs on
+   CUDA against CPU, float32: equal, and with both final norms zeroed every guess kept;
 3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
@@ -438,40 +438,64 @@ def check_kv_offload(model: str | None, load_format: str, device: str = "cuda", 
             f"{_compare([runs[0].outputs[0].token_ids], [runs[2].outputs[0].token_ids])}"]
 
 
-def check_mtp_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "cuda"), num_tokens: int = 24
-                     ) -> list[str]:
-    """The model's shape remade as a DeepSeek-V3 (seeded random weights) guessing with its MTP
-    layer: every step's guesses and the outputs on CUDA against CPU, float32; then with the
-    target's and the layer's final norms zeroed (both always pick token 0), the share of
-    guesses kept on CUDA."""
+def write_eagle3_head(target_dir: str) -> str:
+    """The config of an EAGLE-3 head for the model at `target_dir` (a one-layer Llama of its
+    width, reading its default aux layers), written beside it in `head/`; load it with
+    load_format="dummy"."""
+    import json
+    from pathlib import Path
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    head = Path(target_dir) / "head"
+    head.mkdir(exist_ok=True)
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings", "hidden_act")
+    (head / "config.json").write_text(json.dumps({
+        **{k: target[k] for k in keep if k in target}, "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama", "num_hidden_layers": 1, "tie_word_embeddings": False}))
+    return str(head)
+
+
+def check_draft_layer_vs_cpu(model: str | None, method: str, devices: tuple[str, str] = ("cpu", "cuda"),
+                             num_tokens: int = 24) -> list[str]:
+    """A draft layer that reads the target's hidden states, seeded random weights: the model's
+    shape remade as a DeepSeek-V3 guessing with its MTP layer (`method` mtp), or as a Qwen3
+    with an EAGLE-3 head of its width (eagle3). Every step's guesses and the outputs on CUDA
+    against CPU, float32; then with the target's and the draft's final norms zeroed (both
+    always pick token 0), the share of guesses kept on CUDA."""
     import tempfile
 
     from worker import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    prompts = ["Hello, my name is", "1, 2, 3,"]
     with tempfile.TemporaryDirectory() as tmp:
-        remade = remake(model, "deepseek_v3", tmp)
+        arch = "deepseek_v3" if method == "mtp" else "qwen3"
+        remade = remake(model, arch, tmp)
+        spec: dict = {"method": method, "num_speculative_tokens": 2}
+        if method == "eagle3":
+            spec["model"] = write_eagle3_head(remade)
         runs, lines = [], []
         for device in devices:
             llm = LLM(remade, dtype="float32", device=device, max_model_len=2048, load_format="dummy",
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+                      speculative_config=spec)
             engine, steps = llm.engine, []
-            for i, prompt in enumerate(["Hello, my name is", "1, 2, 3,"]):
+            for i, prompt in enumerate(prompts):
                 engine.add_request(str(i), prompt, params)
             while engine.has_unfinished_requests():
                 engine.step()
                 steps.append(sorted((r.request_id, r.all_token_ids, r.spec_token_ids) for r in engine.scheduler.running))
             runs.append(steps)
-        lines.append(f"mtp deepseek_v3 {devices[1]} vs {devices[0]} guesses and outputs float32: "
+        lines.append(f"{method} {arch} {devices[1]} vs {devices[0]} guesses and outputs float32: "
                      f"{'equal' if runs[0] == runs[1] else 'DIFFER'} ({sum(len(s) for s in runs[0])} request steps)")
         for runner in (engine.runner, engine.proposer.runner):
             runner.model.norm.weight.data.zero_()
         before = (engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens)
-        outs = llm.generate(["Hello, my name is", "1, 2, 3,"], params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         drafted, kept = (now - then for now, then in zip((engine.spec_stats.num_draft_tokens,
                                                           engine.spec_stats.num_accepted_tokens), before, strict=True))
         zeros = all(o.outputs[0].token_ids == [0] * num_tokens for o in outs)
-        lines.append(f"mtp deepseek_v3 {devices[1]} every guess right: {kept}/{drafted} kept, outputs all 0: {zeros}")
+        lines.append(f"{method} {arch} {devices[1]} every guess right: {kept}/{drafted} kept, outputs all 0: {zeros}")
     return lines
 
 
@@ -527,7 +551,8 @@ def main() -> int:
     summary += _section("images", lambda: check_images_vs_cpu(args.model))
     summary += _section("tensor parallel", lambda: check_tensor_parallel(args.model))
     summary += _section("kv offloading", lambda: check_kv_offload(args.model, args.load_format))
-    summary += _section("mtp", lambda: check_mtp_vs_cpu(args.model))
+    for method in ("mtp", "eagle3"):
+        summary += _section(method, lambda method=method: check_draft_layer_vs_cpu(args.model, method))
     summary += _section("W1", lambda: check_w1(args.model, args.load_format, args.num_prompts))
     summary.append(f"elapsed {time.time() - start:.0f} s")
     print("\n".join(["", "== GPU check ==", *summary]))

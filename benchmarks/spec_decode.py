@@ -4,6 +4,7 @@ one process.
     python benchmarks/spec_decode.py [--max-tokens 128] [--k 4] [--dtype bfloat16] [--disable-by-batch-size N]
     python benchmarks/spec_decode.py --arch qwen3_5   # a model with states, its guesses' rewinds
     python benchmarks/spec_decode.py --arch deepseek_v3 --method mtp --k 1   # its MTP layer's guesses
+    python benchmarks/spec_decode.py --arch qwen3 --method eagle3 --k 3   # an EAGLE-3 head's
 
 `--arch` remakes the default model's shape as a model with per-request states (Qwen3.5's
 linear attention, `granitemoehybrid`'s or `nemotron_h`'s Mamba2) with seeded random
@@ -14,8 +15,8 @@ copy prompts' replies to the few tokens of " width height w h" (allowed_token_id
 repeat themselves, and guesses are kept in part.
 
 `--method mtp` guesses with the remade model's multi-token-prediction layer (DeepSeek-V3's
-shape, or GLM-4.5's). Its random weights foresee nothing, so two workloads bound what it
-does: "wrong" (the layer's guesses as they come: all but never kept, so what guessing costs)
+shape, or GLM-4.5's); `--method eagle3` with an EAGLE-3 head of the remade model's width.
+Their random weights foresee nothing, so two workloads bound what they do: "wrong" (the layer's guesses as they come: all but never kept, so what guessing costs)
 and "right" (the target's and the layer's final norms zeroed after loading, so both always
 pick token 0: every guess kept, what it gains at best).
 
@@ -36,7 +37,7 @@ import tempfile
 import time
 from typing import Any
 
-from gpu_check import remake
+from gpu_check import remake, write_eagle3_head
 
 from worker import LLM, SamplingParams
 
@@ -79,12 +80,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--disable-by-batch-size", type=int, default=None, help="no guesses at this many requests")
     ap.add_argument("--arch", default=None, choices=["qwen3_5", "granitemoehybrid", "nemotron_h", "deepseek_v3",
-                                                     "glm4_moe"],
+                                                     "glm4_moe", "qwen3"],
                     help="the default model's shape remade so, with random weights")
-    ap.add_argument("--method", default="ngram", choices=["ngram", "mtp"])
+    ap.add_argument("--method", default="ngram", choices=["ngram", "mtp", "eagle3"])
     args = ap.parse_args()
     if args.method == "mtp" and args.arch not in ("deepseek_v3", "glm4_moe"):
         ap.error("--method mtp needs --arch deepseek_v3 or glm4_moe (a shape with an MTP layer)")
+    if args.method == "eagle3" and args.arch is None:
+        ap.error("--method eagle3 needs --arch (the remade model its head is written for)")
     with tempfile.TemporaryDirectory() as tmp:
         model = remake(None, args.arch, tmp) if args.arch else None
         return compare(model, args)
@@ -93,7 +96,12 @@ def main() -> int:
 def compare(model: str | None, args: argparse.Namespace) -> int:
     extra = {"load_format": "dummy"} if model else {}
     plain = LLM(model, dtype=args.dtype, max_model_len=2048, **extra)
-    guessing = ({"method": "mtp"} if args.method == "mtp" else {"method": "ngram", "prompt_lookup_max": 4})
+    guessing: dict[str, Any] = {"method": "ngram", "prompt_lookup_max": 4}
+    if args.method == "mtp":
+        guessing = {"method": "mtp"}
+    elif args.method == "eagle3":
+        assert model is not None  # (the remade one)
+        guessing = {"method": "eagle3", "model": write_eagle3_head(model)}
     spec = LLM(model, dtype=args.dtype, max_model_len=2048, **extra,
                speculative_config={**guessing, "num_speculative_tokens": args.k,
                                    "disable_by_batch_size": args.disable_by_batch_size})
@@ -103,7 +111,7 @@ def compare(model: str | None, args: argparse.Namespace) -> int:
           f"{'kept':>6} {'steps':>6} {'same':>5}")
     workloads: tuple[tuple[str, list, dict], ...] = (("copy", COPY, {}), ("free", FREE, {}),
                                                      ("guided", PEOPLE, {"guided_decoding": {"regex": LINES}}))
-    if args.method == "mtp":
+    if args.method in ("mtp", "eagle3"):
         workloads = (("wrong", FREE, {"ignore_eos": True}), ("right", FREE, {"ignore_eos": True}))
     elif model is not None:  # (random weights write to the end: no EOS)
         held = sorted(set(plain.get_tokenizer().encode(CODE)))[:12]

@@ -474,8 +474,9 @@ class Engine:
                    ) -> list[tuple[str, int, list[int], torch.Tensor, int, list[int]]]:
         """What a draft layer reads of a step (HiddenStateProposer.take_rows): each request's rows
         whose inputs it keeps (its known tokens and the guesses kept), with their tokens and
-        the one after, the states it reads (final hidden states, or an EAGLE-3 head's aux ones), and the request's block table. Requests
-        that never guess are in too: others may share their blocks."""
+        the one after, the states it reads (final hidden states, or an EAGLE-3 head's aux
+        ones), and the request's block table. Requests that never guess are in too: others
+        may share their blocks."""
         assert isinstance(self.proposer, HiddenStateProposer)
         states = out.aux if self.proposer.reads_aux else out.hidden
         assert states is not None
