@@ -58,8 +58,10 @@ def eagle3_hf_config(head_config: Any, model_path: Path) -> Any:
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.num_hidden_layers = 1
     cfg.tie_word_embeddings = False
-    names = [name for file in sorted(model_path.glob("*.safetensors"))
-             for name in safe_open(str(file), framework="pt").keys()]
+    names: list[str] = []
+    for file in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names += f.keys()
     cfg.eagle3_own_embedding = any(name.endswith("embed_tokens.weight") for name in names)
     return cfg
 
@@ -82,6 +84,7 @@ class Eagle3Head(HiddenStateDraft):
     """The head as a one-layer model (`cfg` from eagle3_hf_config)."""
 
     d2t: torch.Tensor  # [draft vocab]: each head token's target id less its own
+    target_ids: torch.Tensor  # [draft vocab]: each head token's target id
 
     def __init__(self, cfg: ModelConfig, use_kernels: bool = False):
         super().__init__(cfg, use_kernels)
@@ -94,6 +97,8 @@ class Eagle3Head(HiddenStateDraft):
         self.draft_vocab_size = getattr(hf, "draft_vocab_size", None) or cfg.vocab_size
         self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("target_ids", torch.arange(self.draft_vocab_size))
+        self.same_ids = self.draft_vocab_size == cfg.vocab_size  # (no d2t: head token i is target token i)
         self.norm_before_residual = bool(getattr(hf, "norm_before_residual", False))
         self.own_embedding = bool(getattr(hf, "eagle3_own_embedding", True))
         if not self.own_embedding:  # the target's stands in (share_with)
@@ -110,11 +115,19 @@ class Eagle3Head(HiddenStateDraft):
 
     def init_dummy_weights(self, std: float, seed: int = 0) -> None:
         super().init_dummy_weights(std, seed)
-        self.d2t.zero_()
+        self._map_ids(torch.zeros_like(self.d2t))
 
     def load_weights(self, weights, split=None, deal=None) -> None:  # type: ignore[no-untyped-def]
-        self.d2t.zero_()
-        super().load_weights(_head_weights(weights, self.d2t), split, deal)
+        d2t = torch.zeros(self.draft_vocab_size, dtype=torch.long)
+        super().load_weights(_head_weights(weights, d2t), split, deal)
+        self._map_ids(d2t)
+
+    def _map_ids(self, d2t: torch.Tensor) -> None:
+        """Each head token's target id, once, on the head's device (the buffers made on the
+        meta device hold nothing until now)."""
+        self.d2t.copy_(d2t)
+        self.target_ids.copy_(torch.arange(self.draft_vocab_size) + d2t)
+        self.same_ids = self.draft_vocab_size == self.config.vocab_size and not d2t.any()
 
     def _check_complete(self, loaded: set[str]) -> None:
         super()._check_complete(loaded if self.own_embedding else loaded | {"embed_tokens.weight:None"})
@@ -140,8 +153,8 @@ class Eagle3Head(HiddenStateDraft):
         """Logits over the target's vocabulary: the head's tokens at their target ids, -inf
         elsewhere."""
         logits = super().compute_logits(self.norm(hidden))  # [rows, draft vocab]
-        if self.draft_vocab_size == self.config.vocab_size and not self.d2t.any():
+        if self.same_ids:
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        full[:, torch.arange(self.draft_vocab_size, device=logits.device) + self.d2t] = logits
+        full[:, self.target_ids] = logits
         return full
