@@ -25,7 +25,7 @@ from worker.block_manager import KVSwaps
 from worker.config import EngineConfig
 from worker.model_loader import read_config, resolve_model_path
 from worker.model_runner import ModelRunner
-from worker.models.config import language_config
+from worker.models.config import architecture_of, language_config
 from worker.models.eagle3 import (
     EAGLE3_ARCHITECTURES,
     Eagle3Head,
@@ -338,9 +338,8 @@ def eagle3_proposer(spec: SpeculativeConfig, config: EngineConfig, max_model_len
     path = resolve_model_path(spec.model, config.cache_dir)
     head_config = read_config(path)
     if not is_eagle3(head_config):
-        arch = (getattr(head_config, "architectures", None) or ["none"])[0]
         raise ValueError(f"speculative method 'eagle3' needs an EAGLE-3 head ({', '.join(EAGLE3_ARCHITECTURES)}); "
-                         f"{path} holds {arch}")
+                         f"{path} holds {architecture_of(head_config, 'none')}")
     if head_config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the EAGLE-3 head's vocabulary ({head_config.vocab_size} tokens) is not the target "
                          f"model's ({target.config.vocab_size})")

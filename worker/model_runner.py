@@ -105,9 +105,8 @@ class ModelRunner:
         vision encoder loads beside the model, before the KV cache takes what memory is left.
         `parallel`: this runner's rank of a tensor-parallel group (worker.parallel), which
         holds its share of the model (`model_config` is that share's). `model_class`: what
-        runs `hf_config` (a checkpoint's MTP layer: worker.models.mtp.MultiTokenPredictor)."""
+        runs `hf_config` (a draft layer: worker.models.mtp's, worker.models.eagle3's)."""
         self.config = config
-        self.model_class = model_class
         self.parallel = parallel
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -135,7 +134,7 @@ class ModelRunner:
         self.group_spans = [frozenset(self.model_config.layer_span(i) for i in layers) for _, layers in self.kv_layout]
         backend = resolve_attention_backend(config.attention_backend, self.device)
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
-        self.model = self._load_model(model_path, use_kernels=backend == "triton")
+        self.model = self._load_model(model_path, use_kernels=backend == "triton", model_class=model_class)
         self.lora = None
         if config.enable_lora:
             share = None if parallel is None else functools.partial(
@@ -197,10 +196,11 @@ class ModelRunner:
                             self.block_size, self.device, self.layer_group, self.states,
                             self.model_config.linear_layers)
 
-    def _load_model(self, model_path: Path, use_kernels: bool) -> LlamaForCausalLM:
+    def _load_model(self, model_path: Path, use_kernels: bool,
+                    model_class: type[LlamaForCausalLM] = LlamaForCausalLM) -> LlamaForCausalLM:
         cfg = self.model_config
         with torch.device("meta"):  # built in the model's dtype, so loading writes each weight once
-            model = self.model_class(cfg, use_kernels).to(self.dtype)
+            model = model_class(cfg, use_kernels).to(self.dtype)
             if self.parallel is not None:  # (first: quantization names a rank's experts by their ids)
                 model.reduce_with(self.parallel.all_reduce, self.parallel.world_size, self.parallel.rank)
             if cfg.quant is not None:

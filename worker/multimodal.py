@@ -52,6 +52,7 @@ from torch import nn
 
 from producer.data_urls import decode_data_url, image_url_of, is_data_url
 from worker.model_loader import iter_safetensors
+from worker.models.config import architecture_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 def takes_images(model_path: Path, hf_config: Any) -> bool:
     """An image-text checkpoint genq encodes images for, with its image processor's config
     (without one it serves text alone, as other image-text models do)."""
-    arch = (getattr(hf_config, "architectures", None) or [""])[0]
+    arch = architecture_of(hf_config)
     if arch not in IMAGE_ARCHITECTURES:
         return False
     if not (model_path / "preprocessor_config.json").exists():

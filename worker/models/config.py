@@ -119,10 +119,15 @@ SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 _TEXT_OF_TYPE = {"ministral3": "Ministral3ForCausalLM"}
 
 
+def architecture_of(hf_config: Any, default: str = "") -> str:
+    """The config's architecture (the first it names), or `default` where it names none."""
+    return (getattr(hf_config, "architectures", None) or [default])[0]
+
+
 def language_config(hf_config: Any) -> Any:
     """The config of the model genq runs: an image-text model's text config (named as its
     causal LM, tied as the whole model is), else the config itself."""
-    arch = (getattr(hf_config, "architectures", None) or [""])[0]
+    arch = architecture_of(hf_config)
     if arch not in TEXT_OF_MULTIMODAL:
         return hf_config
     text = copy.deepcopy(hf_config.get_text_config())
@@ -461,7 +466,7 @@ class ModelConfig:
                 ) -> ModelConfig:
         """`quantization`: the engine's argument (fp8, or None: as the checkpoint is stored);
         `max_model_len`: the longest sequence the engine serves (None: the model's limit)."""
-        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        arch = architecture_of(hf_config, "LlamaForCausalLM")
         if arch not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise ValueError(f"unsupported architecture {arch!r}; supported: {supported}")

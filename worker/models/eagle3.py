@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.models.config import ModelConfig
+from worker.models.config import ModelConfig, architecture_of
 from worker.models.llama import (
     Attention,
     DecoderLayer,
@@ -36,7 +36,7 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 def is_eagle3(hf_config: Any) -> bool:
-    return (getattr(hf_config, "architectures", None) or [""])[0] in EAGLE3_ARCHITECTURES
+    return architecture_of(hf_config) in EAGLE3_ARCHITECTURES
 
 
 def aux_layers(head_config: Any, num_target_layers: int) -> tuple[int, ...]:

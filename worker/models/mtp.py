@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from worker.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, architecture_of
 from worker.models.llama import HiddenStateDraft, LlamaForCausalLM, make_norm
 
 # the checkpoint's names for the layer's own parts -> genq's; first DeepSeek's layout
@@ -37,7 +37,7 @@ QWEN_LAYOUT = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def _family(hf_config: Any) -> str:
-    arch = (getattr(hf_config, "architectures", None) or [""])[0]
+    arch = architecture_of(hf_config)
     return SUPPORTED_ARCHITECTURES.get(arch, arch)
 
 
@@ -57,7 +57,7 @@ def check_has_mtp(hf_config: Any) -> None:
     if num_mtp_layers(hf_config) < 1:
         families = ", ".join(DEEPSEEK_LAYOUT + QWEN_LAYOUT)
         raise ValueError(f"speculative method 'mtp' needs a model with multi-token-prediction layers; "
-                         f"{(getattr(hf_config, 'architectures', None) or ['this model'])[0]}'s config names none "
+                         f"{architecture_of(hf_config, 'this model')}'s config names none "
                          f"(genq runs those of {families})")
     if getattr(hf_config, "mtp_use_dedicated_embeddings", False):
         raise ValueError("this model's MTP layer has an embedding of its own (mtp_use_dedicated_embeddings), "
