@@ -15,6 +15,7 @@ from typing import Any
 # Flags that set engine arguments, with their types.
 _ENGINE_FLAGS: dict[str, type] = {
     "model": str,
+    "tokenizer": str,
     "dtype": str,
     "device": str,
     "max_num_seqs": int,
@@ -95,7 +96,9 @@ def build(parser: argparse.ArgumentParser) -> Any:
 _HELP = {
     "max_images_per_prompt": "the most images one prompt may hold; more fail the job by name "
     "(default: $GENQ_MAX_IMAGES_PER_PROMPT or 16)",
-    "model": "local model directory (default: $GENQ_MODEL or SmolLM2-135M-Instruct)",
+    "model": "local model directory or GGUF file (default: $GENQ_MODEL or SmolLM2-135M-Instruct)",
+    "tokenizer": "local directory of the tokenizer to use, e.g. a GGUF model's base model's "
+    "(default: $GENQ_TOKENIZER or the model's)",
     "name": "consumer name in the group (default: $GENQ_WORKER_NAME or the host name)",
     "served_model_name": "the model name jobs ask for (default: the model directory's name)",
     "queue": "read jobs from genq:requests:QUEUE instead of the shared genq:requests: a pool "

@@ -16,7 +16,11 @@ QUANTIZATION_METHODS = {"fp8": "fp8", "gptq": "gptq", "gptq_marlin": "gptq", "aw
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # local HF directory; None: the default model (SmolLM2-135M-Instruct)
+    # a local HF directory or GGUF file; None: the default model (SmolLM2-135M-Instruct)
+    model: str | None = None
+    # vLLM's: a local directory whose tokenizer (and chat template) to use; None: the model's
+    # own (a GGUF file's as transformers reads it, which may differ from its base model's)
+    tokenizer: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -77,7 +77,7 @@ class Engine:
         self.model_path = resolve_model_path(config.model, config.cache_dir)
         whole_config = read_config(self.model_path)
         hf_config = language_config(whole_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer, self.model_path)
         self.max_model_len = _max_model_len(config, hf_config)
         if (config.speculative_config or {}).get("method") in MTP_METHODS:  # before the model loads
             check_has_mtp(hf_config)
@@ -618,6 +618,19 @@ def _keep_matching(
         if entry is not None:
             logprobs.setdefault(rid, []).append(entry)
     return sampled, logprobs
+
+
+def load_tokenizer(tokenizer: str | None, model_path: Path) -> Any:
+    """The tokenizer of `tokenizer` (a local directory) if given, else the model's."""
+    if tokenizer is None:
+        return AutoTokenizer.from_pretrained(model_path)
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"tokenizer {tokenizer!r} is not a local directory (genq never downloads)")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer {tokenizer!r}: {exc}") from exc
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

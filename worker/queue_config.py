@@ -161,6 +161,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
     """The worker configuration from GENQ_* variables (the entry points pass os.environ)."""
     engine_args = _drop_none(
         model=env.get("GENQ_MODEL") or None,
+        tokenizer=env.get("GENQ_TOKENIZER") or None,
         dtype=env.get("GENQ_DTYPE") or None,
         device=env.get("GENQ_DEVICE") or None,
         max_num_seqs=_int(env, "GENQ_MAX_NUM_SEQS"),
