@@ -32,6 +32,7 @@ from worker.models.eagle3 import (
     aux_layers,
     eagle3_hf_config,
     is_eagle3,
+    read_head_config,
 )
 from worker.models.llama import HiddenStateDraft, LlamaForCausalLM
 from worker.models.mtp import MultiTokenPredictor, check_has_mtp, mtp_hf_config
@@ -330,13 +331,19 @@ def mtp_proposer(spec: SpeculativeConfig, config: EngineConfig, model_path: Path
                                max_model_len, target_blocks, target, num_host_blocks)
 
 
+def holds_eagle3_head(spec: SpeculativeConfig, config: EngineConfig) -> bool:
+    """The draft `model` is an EAGLE-3 head (as vLLM does, a head given without its method
+    guesses as one)."""
+    return spec.model is not None and is_eagle3(read_head_config(resolve_model_path(spec.model, config.cache_dir)))
+
+
 def eagle3_proposer(spec: SpeculativeConfig, config: EngineConfig, max_model_len: int, target_blocks: int,
                     target: LlamaForCausalLM, num_host_blocks: int = 0) -> HiddenStateProposer:
     """Guesses from the EAGLE-3 head in `spec.model`; the target keeps the residual stream
     before the layers the head reads (its steps then run eagerly: the CUDA graphs keep no
     such states)."""
     path = resolve_model_path(spec.model, config.cache_dir)
-    head_config = read_config(path)
+    head_config = read_head_config(path)
     if not is_eagle3(head_config):
         raise ValueError(f"speculative method 'eagle3' needs an EAGLE-3 head ({', '.join(EAGLE3_ARCHITECTURES)}); "
                          f"{path} holds {architecture_of(head_config, 'none')}")

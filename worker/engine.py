@@ -25,6 +25,7 @@ from worker.draft_model import (
     DraftModelProposer,
     HiddenStateProposer,
     eagle3_proposer,
+    holds_eagle3_head,
     mtp_proposer,
 )
 from worker.lora_request import LoRARequest
@@ -456,6 +457,8 @@ class Engine:
         if not config.speculative_config:
             return None
         spec = SpeculativeConfig.from_dict(config.speculative_config)
+        if spec.method == "draft_model" and holds_eagle3_head(spec, config):
+            spec = replace(spec, method="eagle3")
         if spec.method == "ngram":
             return NgramProposer(spec)
         # the draft holds as many tokens as the target's pool would with one KV group: a hybrid

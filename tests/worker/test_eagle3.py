@@ -4,7 +4,9 @@ published architecture, as SpecForge trains it and vLLM runs it) over transforme
 states of the target, and outputs stay plain decoding's.
 
 The head is written as SpecForge saves one (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`,
-`t2d`), with random weights and a draft vocabulary of a few hundred of the target's tokens."""
+`t2d`) or as the speculators library does (`layers.0.*`, its config nested, its states
+normed before they are the residual), with random weights and a draft vocabulary of a few
+hundred of the target's tokens."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, DRAFT_VOCAB, VOCAB = 64, 4, 2, 16, 96,
 AUX = [0, 1, 1]  # the tiny target has two layers: its embeddings, and the input of its second layer twice
 
 
-def build_eagle3_head(out: Path, own_embedding: bool = False, aux: list[int] | None = AUX) -> Path:
+def build_eagle3_head(out: Path, own_embedding: bool = False, aux: list[int] | None = AUX,
+                      speculators: dict | None = None) -> Path:
+    """SpecForge's layout; with `speculators`, the speculators library's, these fields added
+    to its config."""
     generator = torch.Generator().manual_seed(3)
 
     def rand(*shape: int, std: float = 0.1) -> torch.Tensor:
@@ -50,14 +55,24 @@ def build_eagle3_head(out: Path, own_embedding: bool = False, aux: list[int] | N
     if own_embedding:
         tensors["embed_tokens.weight"] = rand(VOCAB, HIDDEN, std=1.0)
     out.mkdir(parents=True)
+    layer = {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": INTER, "num_attention_heads": HEADS,
+             "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "num_hidden_layers": 1, "vocab_size": VOCAB,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+             "tie_word_embeddings": False, "hidden_act": "silu"}
+    if speculators is None:
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **layer, "draft_vocab_size": DRAFT_VOCAB}
+        if aux is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}
+    else:
+        tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+        config = {"architectures": ["Eagle3Speculator"], "model_type": "speculators",
+                  "speculators_model_type": "eagle3", "draft_vocab_size": DRAFT_VOCAB, "transformer_layer_config": layer,
+                  "eagle_aux_hidden_state_layer_ids": aux, "target_hidden_size": None,
+                  "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+                      {"proposal_type": "greedy", "speculative_tokens": 3}],
+                      "verifier": {"name_or_path": "target", "architectures": ["LlamaForCausalLM"]}},
+                  **speculators}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
-              "intermediate_size": INTER, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-              "head_dim": HEAD_DIM, "num_hidden_layers": 1, "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-              "tie_word_embeddings": False, "hidden_act": "silu"}
-    if aux is not None:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -66,11 +81,12 @@ class TorchEagle3:
     """The head in plain torch over transformers' target: the guesses `HfMtp.guesses` makes
     for an MTP layer, for this head (run_checking_guesses reads them)."""
 
-    def __init__(self, target_dir: Path, head_dir: Path):
+    def __init__(self, target_dir: Path, head_dir: Path, norm_before_residual: bool = False):
         from safetensors.torch import load_file
 
         self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-        self.w = load_file(head_dir / "model.safetensors")
+        self.w = {k.replace("layers.0.", "midlayer."): v for k, v in load_file(head_dir / "model.safetensors").items()}
+        self.norm_before_residual = norm_before_residual
         self.embed = self.w.get("embed_tokens.weight", self.target.model.embed_tokens.weight.detach())
 
     @staticmethod
@@ -86,8 +102,8 @@ class TorchEagle3:
 
     def _layer(self, ids: list[int], states: torch.Tensor) -> torch.Tensor:  # -> [n, hidden] before the last norm
         w, n = self.w, len(ids)
-        x = torch.cat([self._rms(self.embed[ids], w["midlayer.input_layernorm.weight"]),
-                       self._rms(states, w["midlayer.hidden_norm.weight"])], dim=-1)
+        normed = self._rms(states, w["midlayer.hidden_norm.weight"])
+        x = torch.cat([self._rms(self.embed[ids], w["midlayer.input_layernorm.weight"]), normed], dim=-1)
         positions = torch.arange(n)
         q = self._rotate((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM), positions)
         k = self._rotate((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM), positions)
@@ -96,7 +112,7 @@ class TorchEagle3:
         scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
         scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HEADS * HEAD_DIM)
-        residual = states + o @ w["midlayer.self_attn.o_proj.weight"].T
+        residual = (normed if self.norm_before_residual else states) + o @ w["midlayer.self_attn.o_proj.weight"].T
         y = self._rms(residual, w["midlayer.post_attention_layernorm.weight"])
         mlp = (torch.nn.functional.silu(y @ w["midlayer.mlp.gate_proj.weight"].T) * (y @ w["midlayer.mlp.up_proj.weight"].T))
         return residual + mlp @ w["midlayer.mlp.down_proj.weight"].T
@@ -154,5 +170,32 @@ def test_what_is_not_an_eagle3_head_is_refused_by_name(tiny_llama_dir, tmp_path)
             speculative_config={"method": "eagle3", "model": str(tiny_llama_dir), "num_speculative_tokens": 2})
     head = build_eagle3_head(tmp_path / "head", aux=None)  # its default layers, 2, 1 and -1, are not the target's
     with pytest.raises(ValueError, match=r"reads the target's layers \(2, 1, -1\): three of its 2 are needed"):
+        LLM(str(tiny_llama_dir), num_gpu_blocks_override=16, max_model_len=128,
+            speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_a_speculators_head_guesses_as_its_config_says(tiny_llama_dir, tmp_path, norm_before_residual):
+    """Red Hat's speculators layout: the layer under `layers.0.`, its config nested, the
+    states normed before they are the residual unless the config says otherwise. Given as a
+    draft `model` without a method, it is read as the head it is (as vLLM reads it)."""
+    head = build_eagle3_head(tmp_path / "head", speculators={"norm_before_residual": norm_before_residual})
+    args = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=128, max_num_batched_tokens=16)
+    spec = LLM(str(tiny_llama_dir), speculative_config={"model": str(head), "num_speculative_tokens": 3}, **args)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outputs = run_checking_guesses(spec, TorchEagle3(tiny_llama_dir, head, norm_before_residual), PROMPTS, greedy)
+    plain = LLM(str(tiny_llama_dir), **args).generate([{"prompt_token_ids": p} for p in PROMPTS], greedy,
+                                                      use_tqdm=False)
+    assert outputs == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    ({"speculators_model_type": "eagle"}, "holds a speculators 'eagle' model; genq serves its eagle3 heads only"),
+    ({"norm_before_fc": True}, "sets norm_before_fc, a normalization genq does not run"),
+    ({"transformer_layer_config": {"model_type": "qwen3"}}, "needs a Llama transformer_layer_config"),
+])
+def test_speculators_heads_genq_cannot_run_are_refused_by_name(tiny_llama_dir, tmp_path, fields, error):
+    head = build_eagle3_head(tmp_path / "head", speculators=fields)
+    with pytest.raises(ValueError, match=error):
         LLM(str(tiny_llama_dir), num_gpu_blocks_override=16, max_model_len=128,
             speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})

@@ -1,7 +1,8 @@
 """EAGLE-3 draft heads (vLLM's `speculative_config={"method": "eagle3", "model": DIR}`): one
 Llama decoder layer trained to guess a target model's next tokens from the target's own
-hidden states, published for Llama 3, Qwen3, gpt-oss and others (SpecForge's checkpoint
-layout: `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`).
+hidden states, published for Llama 3, Qwen3, gpt-oss and others, in SpecForge's checkpoint
+layout (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`) or the speculators library's (Red Hat's
+`*-speculator.eagle3`: `layers.0.*`, its layer's config nested in `transformer_layer_config`).
 
 The target's residual stream before three of its layers (low, middle, high; the head's
 `eagle_config.eagle_aux_hidden_state_layer_ids`, else 2, L/2 and L - 3) is concatenated and
@@ -16,6 +17,7 @@ target's unless the head has its own.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.model_loader import read_config
 from worker.models.config import ModelConfig, architecture_of
 from worker.models.llama import (
     Attention,
@@ -37,6 +40,35 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 def is_eagle3(hf_config: Any) -> bool:
     return architecture_of(hf_config) in EAGLE3_ARCHITECTURES
+
+
+def read_head_config(path: Path) -> Any:
+    """The head's config, as a one-layer Llama's with EAGLE-3's fields (`draft_vocab_size`,
+    `norm_before_residual`, `eagle_config`); a speculators-format one is rebuilt so from the
+    layer config it nests. Speculators' other algorithms and the normalizations genq does not
+    run are refused by name."""
+    from transformers import LlamaConfig
+
+    raw = json.loads((path / "config.json").read_text())
+    kind = raw.get("speculators_model_type")
+    if kind is None:
+        return read_config(path)
+    if kind != "eagle3":
+        raise ValueError(f"{path} holds a speculators {kind!r} model; genq serves its eagle3 heads only")
+    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+        if raw.get(flag):
+            raise ValueError(f"the EAGLE-3 head in {path} sets {flag}, a normalization genq does not run")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict) or layer.get("model_type", "llama") != "llama":
+        raise ValueError(f"the EAGLE-3 head in {path} needs a Llama transformer_layer_config, got {layer!r}")
+    config = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures", "model_type")})
+    config.architectures = [EAGLE3_ARCHITECTURES[1]]
+    config.draft_vocab_size = raw.get("draft_vocab_size") or config.vocab_size
+    config.target_hidden_size = raw.get("target_hidden_size")
+    config.norm_before_residual = raw.get("norm_before_residual", True)  # (the library's default)
+    if raw.get("eagle_aux_hidden_state_layer_ids"):
+        config.eagle_config = {"eagle_aux_hidden_state_layer_ids": raw["eagle_aux_hidden_state_layer_ids"]}
+    return config
 
 
 def aux_layers(head_config: Any, num_target_layers: int) -> tuple[int, ...]:
