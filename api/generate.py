@@ -113,7 +113,7 @@ def plan(
     forced = chat.forced_tool() if chat else None
     req = RelayedRequest(
         id=renderer.id_prefix + base, job_ids=ids, n=params.n, model=model,
-        created=int(time.time()), include_usage=body.include_usage,
+        created=int(time.time()), include_usage=body.include_usage, continuous_usage=body.continuous_usage,
         num_logprobs=params.logprobs,
         echo=tuple(p if isinstance(p, str) else None for p in prompts) if echo else (),
         prompt_logprobs=body.prompt_logprobs is not None,
@@ -302,18 +302,24 @@ class Collector:
         if self.req.echo and choice.num_events == 0:
             choice.echo(*self._echo(job_id, event))
         if event.prompt_logprobs is not None:  # the job's: every choice of it shows them
-            first = self.req.job_ids.index(job_id) * self.req.n
-            for sibling in self.choices[first : first + self.req.n]:
+            for sibling in self._siblings(job_id):
                 sibling.prompt_logprobs = event.prompt_logprobs
-        choice.add(event)
         if event.usage is not None:
             self.prompt_tokens[job_id] = int(event.usage.get("prompt_tokens", 0))
+            for sibling in self._siblings(job_id):
+                sibling.prompt_tokens = self.prompt_tokens[job_id]
             if "cached_tokens" in event.usage:
                 self.cached_tokens[job_id] = int(event.usage["cached_tokens"])
+        choice.add(event)
         if event.error is not None:
             self.error = f"job {job_id} failed: {event.error}"
             self.invalid_request = event.error_type == ERROR_INVALID_REQUEST
         return choice
+
+    def _siblings(self, job_id: str) -> list[Choice]:
+        """The choices of one job: its n completions."""
+        first = self.req.job_ids.index(job_id) * self.req.n
+        return self.choices[first : first + self.req.n]
 
     def error_kind(self) -> tuple[int, str, str]:
         """(status, type, code) of the failure: the request's fault (400: sending it again

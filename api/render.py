@@ -39,6 +39,7 @@ class RelayedRequest:
     model: str
     created: int  # unix seconds
     include_usage: bool = False
+    continuous_usage: bool = False  # each chunk's usage: its choice's so far (vLLM's continuous_usage_stats)
     num_logprobs: int | None = None  # alternatives per token; None: no logprobs
     enqueued: bool = True  # False: every job id existed already (idempotent submit)
     # completions' `echo`, per job: the prompt text to put before each of its completions
@@ -84,6 +85,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[Any] | None = None  # the job's, as the worker sent them
+    prompt_tokens: int | None = None  # the job's, once the worker has counted them
     num_events: int = 0
     # where the text and logprobs the last event brought begin (the echo counts with the
     # first event): what its stream chunk carries
@@ -141,13 +143,21 @@ class Renderer(Protocol):
     def response(self, req: RelayedRequest, choices: list[Choice], usage: Usage) -> Any: ...
 
 
-def _chunk_envelope(req: RelayedRequest, object_name: str, choices: list[Any]) -> dict[str, Any]:
+def _chunk_envelope(req: RelayedRequest, object_name: str, choices: list[Any],
+                    choice: Choice | None = None) -> dict[str, Any]:
+    """A stream chunk; with include_usage its `usage` is null (OpenAI: every chunk's but the
+    last), or with continuous usage `choice`'s so far, once the worker has counted the prompt
+    (vLLM's continuous_usage_stats)."""
     chunk: dict[str, Any] = {
         "id": req.id, "object": object_name, "created": req.created, "model": req.model,
         "choices": choices,
     }
     if req.include_usage:
-        chunk["usage"] = None  # OpenAI: null on every chunk but the last
+        chunk["usage"] = None
+        if req.continuous_usage and choice is not None and choice.prompt_tokens is not None:
+            completion = len(choice.token_ids)
+            chunk["usage"] = {"prompt_tokens": choice.prompt_tokens, "completion_tokens": completion,
+                              "total_tokens": choice.prompt_tokens + completion}
     return chunk
 
 
@@ -181,7 +191,7 @@ class CompletionRenderer:
             "finish_reason": event.finish_reason if event.finished else None,
             "stop_reason": event.stop_reason if event.finished else None,
         }
-        return _chunk_envelope(req, self.object_name, [body])
+        return _chunk_envelope(req, self.object_name, [body], choice)
 
     def response(
         self, req: RelayedRequest, choices: list[Choice], usage: Usage
@@ -242,7 +252,7 @@ class ChatRenderer:
             ),
             "finish_reason": _called(choice.tool_calls.num_calls if choice.tool_calls else 0, finish_reason),
         }
-        return _chunk_envelope(req, self.object_name, [body])
+        return _chunk_envelope(req, self.object_name, [body], choice)
 
     def response(
         self, req: RelayedRequest, choices: list[Choice], usage: Usage

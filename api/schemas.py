@@ -19,6 +19,8 @@ PromptInput = str | dict[str, Any] | list[dict[str, Any]]  # as `AsyncClient.sub
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk of a choice carries its usage so far
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -64,6 +66,10 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def _common_params(self) -> dict[str, Any]:
         optional = {

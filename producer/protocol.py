@@ -495,7 +495,8 @@ class Event:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # stop token id or stop string that matched
     # prompt_tokens, completion_tokens, total_tokens; genq workers add cached_tokens (prompt
-    # tokens the prefix cache served)
+    # tokens the prefix cache served). On a completion's last event: the job's; genq workers
+    # also send the counts so far on each completion's first event (seq 0)
     usage: dict[str, int] | None = None
     error: str | None = None  # set: the whole job failed; no more events follow
     error_type: str | None = None  # with error: ERROR_INVALID_REQUEST, or None

@@ -164,9 +164,10 @@ def completion_event(
     if index == 0 and c.next_seq == 0 and held.prompt_logprobs is not None:
         event.prompt_logprobs, event.prompt = held.prompt_logprobs, held.prompt_text
         held.prompt_logprobs = held.prompt_text = None
+    if event.finished or c.next_seq == 0:  # the first event's: readers know the prompt's count early
+        event.usage = held.usage()
     c.next_seq += 1
     if event.finished:
-        event.usage = held.usage()
         if held.embedding is not None:
             event.embedding = pack_embedding(held.embedding)
     return event

@@ -68,6 +68,41 @@ def test_chat_streaming_matches_non_streaming(served_model: str, oai: openai.Ope
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_count_each_choice_so_far(served_model: str, oai: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk an event brings carries its
+    choice's usage so far (the role chunks go out before the worker has counted the prompt:
+    null there), and the last chunk the request's."""
+    expected = oai.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY)
+    prompt_tokens = expected.usage.prompt_tokens
+    chunks = list(oai.chat.completions.create(
+        model=served_model, messages=MESSAGES, stream=True, n=2,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY,
+    ))
+    role_chunks, event_chunks, last = chunks[:2], chunks[2:-1], chunks[-1]
+    assert all(c.usage is None and c.choices[0].delta.role == "assistant" for c in role_chunks)
+    counts: dict[int, int] = {0: 0, 1: 0}
+    for chunk in event_chunks:
+        (choice,) = chunk.choices
+        assert chunk.usage.prompt_tokens == prompt_tokens
+        assert chunk.usage.completion_tokens > counts[choice.index]  # each chunk brought tokens
+        assert chunk.usage.total_tokens == prompt_tokens + chunk.usage.completion_tokens
+        counts[choice.index] = chunk.usage.completion_tokens
+    assert counts == {0: 12, 1: 12}
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (prompt_tokens, 24)
+    # completions too; without continuous_usage_stats, null until the last chunk
+    chunks = list(oai.completions.create(
+        model=served_model, prompt="Once upon", stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY,
+    ))
+    assert [c.usage.completion_tokens for c in chunks if c.choices][-1] == 12
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0 for c in chunks)
+    chunks = list(oai.completions.create(
+        model=served_model, prompt="Once upon", stream=True,
+        stream_options={"include_usage": False, "continuous_usage_stats": True}, **GREEDY,
+    ))
+    assert all(c.usage is None for c in chunks)
+
+
 def test_completion_prompt_forms_and_choice_indices(served_model: str, oai: openai.OpenAI) -> None:
     one = oai.completions.create(model=served_model, prompt="Once upon", **GREEDY)
     assert one.object == "text_completion" and one.choices[0].text

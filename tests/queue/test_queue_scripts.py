@@ -290,16 +290,19 @@ def test_events_record_and_abort() -> None:
     held = held_job("j", n=2)
     held.prompt_tokens = 3
     first = completion_event(held, 0, "hi", [4], None)
-    assert first is not None and (first.seq, first.usage) == (0, None)
+    assert first is not None and first.seq == 0  # event 0 counts the prompt (and the tokens so far)
+    assert first.usage == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4, "cached_tokens": 0}
     assert completion_event(held, 0, "", [], None) is None  # nothing new: no event
+    middle = completion_event(held, 0, " ", [6], None)
+    assert middle is not None and middle.usage is None
     last = completion_event(held, 0, "!", [5], "length")
     assert last is not None
-    assert last.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "cached_tokens": 0}
+    assert last.usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "cached_tokens": 0}
     [abort] = abort_events(held)  # completion 1 never ran
     assert (abort.index, abort.seq, abort.finish_reason) == (1, 0, FINISH_ABORT)
     rec = decode_record(final_record(held, "w", 1.0))
-    assert (rec.status, rec.text, rec.finish_reason, rec.n) == (JobStatus.FINISHED, "hi!", "length", 2)
-    assert [o.token_ids for o in rec.outputs or []] == [[4, 5], []]
+    assert (rec.status, rec.text, rec.finish_reason, rec.n) == (JobStatus.FINISHED, "hi !", "length", 2)
+    assert [o.token_ids for o in rec.outputs or []] == [[4, 6, 5], []]
     assert decode_event(encode_event(last)).finished
 
 
