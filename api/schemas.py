@@ -62,6 +62,7 @@ class _GenerationRequest(BaseModel):
     # {"type": "json_object"}: one JSON object; {"type": "json_schema", "json_schema": {"name",
     # "schema"}}: a value of that schema; {"type": "text"} or absent: free text
     response_format: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None  # vLLM's: settings for the workers' custom logits processors
 
     @property
     def include_usage(self) -> bool:
@@ -86,6 +87,7 @@ class _GenerationRequest(BaseModel):
             "logit_bias": self.logit_bias or None, "allowed_token_ids": self.allowed_token_ids,
             "guided_decoding": self._guided_decoding(),
             "truncate_prompt_tokens": self.truncate_prompt_tokens, "bad_words": self.bad_words,
+            "extra_args": self.vllm_xargs,
             **{k: v for k, v in optional.items() if v is not None},
         }
 

@@ -6,6 +6,7 @@ naming the field and its allowed range, so a bad job fails with a message its se
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -55,6 +56,9 @@ class SamplingParams:
     # vLLM's: words the output may not contain. Each is tokenized as written and after a
     # space; the last token of a tokenization is banned whenever the output ends with the rest
     bad_words: list[str] | None = None
+    # vLLM's: settings for the worker's custom logits processors (worker.logits_processors),
+    # a JSON object each reads its own keys from; the API takes it as `vllm_xargs`
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +113,10 @@ class SamplingParams:
             _check_int("truncate_prompt_tokens", k, low=1, note="-1 keeps as many as max_model_len allows")
         if self.guided_decoding is not None:
             _check_guided(self.guided_decoding)
+        if self.extra_args is not None and not (
+            isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args) and _is_json(self.extra_args)
+        ):
+            raise ValueError(f"extra_args must be a JSON object, got {self.extra_args!r}")
 
     def _validate_token_lists(self) -> None:
         for token_id, bias in (self.logit_bias or {}).items():
@@ -138,6 +146,14 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**data)
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _check_guided(guided: Any) -> None:

@@ -86,6 +86,11 @@ def build(parser: argparse.ArgumentParser) -> Any:
         help="serve LoRA adapters: those of --lora-modules and of the runtime registry (genq:lora_adapters)",
     )
     parser.add_argument(
+        "--logits-processors", nargs="+", metavar="MODULE:CLASS",
+        help="custom logits processor classes, e.g. worker.logits_processors:NoRepeatNGram; requests "
+        "set theirs in extra_args (the API's vllm_xargs) (default: $GENQ_LOGITS_PROCESSORS)",
+    )
+    parser.add_argument(
         "--lora-modules", nargs="+", metavar="NAME=PATH",
         help="LoRA adapters (PEFT directories) served beside the model; jobs name them in `model` "
         "(default: $GENQ_LORA_MODULES)",
@@ -159,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
             engine_args["mm_processor_kwargs"] = parse_json_object(args.mm_processor_kwargs)
         except ValueError:
             raise SystemExit(f"--mm-processor-kwargs must be a JSON object, got {args.mm_processor_kwargs!r}") from None
+    if args.logits_processors:
+        engine_args["logits_processors"] = tuple(args.logits_processors)
     worker_args = {k: getattr(args, k) for k in _WORKER_FLAGS if getattr(args, k) is not None}
     if args.lora_modules:
         worker_args["lora_modules"] = parse_lora_modules(args.lora_modules, "--lora-modules")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -85,6 +86,9 @@ class EngineConfig:
     # caching for such a model). A prefix is served up to the last state kept
     mamba_block_size: int | None = None
     num_state_snapshots: int | None = None
+    # vLLM's: logits processor classes (or "module:Class" names) loaded once; each request may
+    # take a function of its own from them (worker.logits_processors)
+    logits_processors: Sequence[str | type] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -28,6 +28,7 @@ from worker.draft_model import (
     holds_eagle3_head,
     mtp_proposer,
 )
+from worker.logits_processors import LogitsProcessors, load_logits_processors
 from worker.lora_request import LoRARequest
 from worker.model_loader import read_config, resolve_model_path
 from worker.model_runner import ModelOutput, ModelRunner
@@ -59,7 +60,7 @@ from worker.structured_output import GuidedDecoding
 
 logger = logging.getLogger(__name__)
 
-MAX_IMAGE_FAILURES = 1024  # image encoding failures kept for take_image_failures, latest last
+MAX_FAILURES = 1024  # failed requests' reasons kept for take_failures, latest last
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -79,6 +80,8 @@ class Engine:
         whole_config = read_config(self.model_path)
         hf_config = language_config(whole_config)
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_path)
+        # (before the model loads: a processor that cannot load fails the start at once)
+        self.logits_processors = LogitsProcessors(load_logits_processors(config.logits_processors, config))
         self.max_model_len = _max_model_len(config, hf_config)
         if (config.speculative_config or {}).get("method") in MTP_METHODS:  # before the model loads
             check_has_mtp(hf_config)
@@ -125,7 +128,9 @@ class Engine:
         self.proposer = self._make_proposer(config)
         self.spec_stats = SpecDecodeStats()
         self._aborted: list[Request] = []  # finished by abort, reported at the next step
-        self._image_failures: dict[str, str] = {}  # request id -> why its images failed to encode
+        # request id -> why it failed in a step (its images' encoding, a logits processor)
+        self._failures: dict[str, str] = {}
+        self._processor_failures: dict[str, str] = {}  # this step's
         self.num_generated_tokens = 0
 
     # -- intake --------------------------------------------------------------------------------
@@ -156,6 +161,7 @@ class Engine:
             raise ValueError(f"this model ({self.model_config.architecture}) has no LM head: it serves "
                              "embedding requests only")
         self.check_params(params)
+        functions = self.logits_processors.make(params, params.n)  # (a refusal leaves nothing behind)
         lora_id = self.add_lora(lora_request) if lora_request is not None else 0
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         children = [
@@ -173,6 +179,7 @@ class Engine:
         if images is not None:
             self.runner.add_images([child.request_id for child in children], images)
         self.output_processor.add_request(request_id, text, children)
+        self.logits_processors.keep([child.request_id for child in children], functions)
         if self.recurrent and not self.block_manager.enable_prefix_caching:  # no state of the prompt is
             # kept for the others to start from: each completion computes it
             for child in children:
@@ -351,6 +358,7 @@ class Engine:
             sampled, logprobs = self._sample(sched, model_out.request_ids, model_out.logits)
             self._rewind_wrong_guesses(sched, sampled)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
+            updated += self._end_failed(sampled, logprobs)
             updated += self._update(sched, sampled)
             if isinstance(self.proposer, HiddenStateProposer):
                 self.proposer.take_rows(self._kept_rows(sched, model_out, sampled), guessing=not self._guessing_off())
@@ -376,25 +384,47 @@ class Engine:
                 states.rewind(s.request_id)
 
     def _drop_unencoded(self, sched: SchedulerOutput, failed: dict[str, Exception]) -> list[Request]:
-        """Requests whose images the encoder failed on end now (finish_reason abort), with
-        their prompt's other samples (which would only fail the same way), out of this step;
-        why is kept by the prompt's request id (take_image_failures). The rest of the batch
-        runs."""
-        ended: list[str] = []
+        """Requests whose images the encoder failed on end now (finish_reason abort), out of
+        this step (_fail). The rest of the batch runs."""
         for request_id, exc in failed.items():
             logger.error("request %s: its images could not be encoded, so it ends: %r", request_id, exc)
-            parent = self.output_processor.parent_of.get(request_id, request_id)
-            self._image_failures[parent] = f"its images could not be encoded: {type(exc).__name__}: {exc}"
-            ended += self.output_processor.child_ids(parent) or [request_id]
-        while len(self._image_failures) > MAX_IMAGE_FAILURES:  # offline, nobody takes them
-            self._image_failures.pop(next(iter(self._image_failures)))
+        ended = self._fail({rid: f"its images could not be encoded: {type(exc).__name__}: {exc}"
+                            for rid, exc in failed.items()})
         sched.scheduled = [s for s in sched.scheduled if s.request_id not in ended]
         return self.scheduler.abort_requests(ended)
 
-    def take_image_failures(self) -> dict[str, str]:
+    def _end_failed(self, sampled: dict[str, list[int]], logprobs: dict[str, list[TokenLogprobs]]) -> list[Request]:
+        """Requests a logits processor failed on end now, what they sampled this step unkept
+        (_fail)."""
+        failed, self._processor_failures = self._processor_failures, {}
+        if not failed:
+            return []
+        for request_id, why in failed.items():
+            logger.warning("request %s ends: %s", request_id, why)
+        ended = self._fail(failed)
+        for request_id in ended:
+            sampled.pop(request_id, None)
+            logprobs.pop(request_id, None)
+        return self.scheduler.abort_requests(ended)
+
+    def _fail(self, why: dict[str, str]) -> list[str]:
+        """Record why each request failed, by the id it was added with (take_failures); the ids
+        of the requests that end with it: its prompt's other samples too (they would only
+        fail the same way, and a job fails whole)."""
+        ended: list[str] = []
+        for request_id, reason in why.items():
+            parent = self.output_processor.parent_of.get(request_id, request_id)
+            self._failures[parent] = reason
+            ended += self.output_processor.child_ids(parent) or [request_id]
+        while len(self._failures) > MAX_FAILURES:  # offline, nobody takes them
+            self._failures.pop(next(iter(self._failures)))
+        return ended
+
+    def take_failures(self) -> dict[str, str]:
         """The requests (by the ids they were added with) that ended since the last call
-        because the encoder failed on their images, and why."""
-        failures, self._image_failures = self._image_failures, {}
+        because a step failed on them (the encoder on their images, a logits processor), and
+        why."""
+        failures, self._failures = self._failures, {}
         return failures
 
     def _pool(self, pooled: dict[str, torch.Tensor]) -> dict[str, list[float]]:
@@ -434,6 +464,8 @@ class Engine:
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled}
         requests = [self.scheduler.requests[rid] for rid in row_ids]
         row_outputs = _row_outputs(row_ids, requests, drafts)
+        self._processor_failures = self.logits_processors.apply(
+            logits, row_ids, [r.prompt_token_ids for r in requests], row_outputs)
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -563,6 +595,7 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.remove(request.request_id)
             self.guided.remove(request.request_id)
+            self.logits_processors.remove(request.request_id)
             self.scheduler.finished.pop(request.request_id, None)
 
     def apply_chat_template(

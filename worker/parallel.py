@@ -343,6 +343,7 @@ class ParallelRunner:
         context.set_forkserver_preload(["worker.model_runner", "transformers.activations"])
         self.pipes: list[Connection] = []
         self.processes: list[Any] = []
+        config = replace(config, logits_processors=())  # (rank 0 samples; a class may not pickle)
         for rank in range(1, world_size):
             ours, theirs = context.Pipe()
             process = context.Process(target=serve_rank, name=f"genq-tp-rank{rank}", daemon=True,

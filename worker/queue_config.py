@@ -184,6 +184,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         num_state_snapshots=_int(env, "GENQ_NUM_STATE_SNAPSHOTS"),
         quantization=env.get("GENQ_QUANTIZATION") or None,
         kv_cache_dtype=env.get("GENQ_KV_CACHE_DTYPE") or None,
+        logits_processors=tuple(filter(None, (s.strip() for s in env.get("GENQ_LOGITS_PROCESSORS", "").split(",")))) or None,
     )
     lora_modules = parse_lora_modules(env.get("GENQ_LORA_MODULES", ""), "GENQ_LORA_MODULES")
     if lora_modules:

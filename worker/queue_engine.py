@@ -243,9 +243,10 @@ class EngineThread:
                     return
                 rejected, changed = taken
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-                if failures := self.engine.take_image_failures():  # the job fails, with why, not its abort output
+                if failures := self.engine.take_failures():  # the job fails, with why, not its abort output
                     outputs = [o for o in outputs if o.request_id not in failures]
-                    # not the job's fault that we know of (a bad image is refused when added): out of memory, say
+                    # not the job's fault that we know of (a bad image or processor setting is refused when
+                    # added): out of memory, say, or a processor's bug
                     rejected += [Rejected(engine_id, why, None) for engine_id, why in failures.items()]
                 self.adapters.retire_unused(self.engine)
                 if outputs or changed or rejected:

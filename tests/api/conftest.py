@@ -143,8 +143,10 @@ def shared_redis() -> Iterator[RedisServer]:
 def live_worker(shared_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factory) -> Iterator[str]:
     """A real worker serving SERVED_MODEL; yields the Redis URL. Waits for its heartbeat.
     One for the session: the modules that use it leave it serving. A module that needs
-    another worker overrides this fixture with its own, on its own Redis (`stack_redis`)."""
-    with running_worker(shared_redis.url, tiny_llama_dir, tmp_path_factory.mktemp("worker")) as url:
+    another worker overrides this fixture with its own, on its own Redis (`stack_redis`). It
+    loads genq's NoRepeatNGram logits processor (requests without its setting are untouched)."""
+    with running_worker(shared_redis.url, tiny_llama_dir, tmp_path_factory.mktemp("worker"),
+                        ("--logits-processors", "worker.logits_processors:NoRepeatNGram")) as url:
         yield url
 
 

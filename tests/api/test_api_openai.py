@@ -103,6 +103,23 @@ def test_continuous_usage_stats_count_each_choice_so_far(served_model: str, oai:
     assert all(c.usage is None for c in chunks)
 
 
+def test_vllm_xargs_reach_the_workers_logits_processors(served_model: str, oai: openai.OpenAI,
+                                                        tiny_llama_dir: Path) -> None:
+    """The live worker loads NoRepeatNGram; a request's vllm_xargs set it, as offline."""
+    prompt = [6, 19425, 3, 1, 4, 1, 5, 9, 2, 6]  # greedy on the tiny Llama repeats its first bigram
+    body = {"model": served_model, "prompt": prompt, "temperature": 0.0, "max_tokens": 8}
+    served = oai.completions.create(extra_body={"ignore_eos": True, "vllm_xargs": {"no_repeat_ngram_size": 2}}, **body)
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64,
+                  logits_processors=["worker.logits_processors:NoRepeatNGram"])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, extra_args={"no_repeat_ngram_size": 2})
+    expected = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    assert served.choices[0].text == expected.text
+    assert oai.completions.create(extra_body={"ignore_eos": True}, **body).choices[0].text != expected.text
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.completions.create(extra_body={"vllm_xargs": {"no_repeat_ngram_size": "two"}}, **body)
+    assert "no_repeat_ngram_size must be an int >= 1, got 'two'" in bad.value.body["message"]
+
+
 def test_completion_prompt_forms_and_choice_indices(served_model: str, oai: openai.OpenAI) -> None:
     one = oai.completions.create(model=served_model, prompt="Once upon", **GREEDY)
     assert one.object == "text_completion" and one.choices[0].text

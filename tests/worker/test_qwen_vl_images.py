@@ -201,7 +201,7 @@ def test_an_image_the_encoder_fails_on_ends_its_request_alone(tiny_qwen_vl_dir, 
     outputs = llm.generate([{"prompt": ONE[0], "multi_modal_data": {"image": bad}},
                             {"prompt": ONE[0], "multi_modal_data": {"image": good}}], [two, GREEDY], use_tqdm=False)
     assert [(c.finish_reason, c.token_ids) for c in outputs[0].outputs] == [("abort", [])] * 2  # both end at once
-    assert list(llm.engine.take_image_failures()) == [outputs[0].request_id]
+    assert list(llm.engine.take_failures()) == [outputs[0].request_id]
     assert sum("could not be encoded" in r.getMessage() for r in caplog.records) == 1  # the sibling never ran
     assert outputs[1].outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, *ONE)
     assert not llm.engine.has_unfinished_requests()
