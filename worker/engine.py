@@ -45,6 +45,7 @@ from worker.multimodal import (
 from worker.output_processor import OutputProcessor
 from worker.outputs import RequestOutput
 from worker.parallel import ParallelRunner
+from worker.prompt_embeds import PLACEHOLDER_ID, checked_embeds, embeds_digest, prompt_embeds_of
 from worker.request import Request, RequestStatus
 from worker.sampler import Sampler, SamplerOutput, TokenLogprobs
 from worker.sampling_batch import SamplingBatch
@@ -69,6 +70,7 @@ class CheckedPrompt(NamedTuple):
     text: str | None
     token_ids: list[int]
     images: ImageInputs | None = None  # its images processed, their tokens in token_ids
+    embeds: torch.Tensor | None = None  # given as embeddings: [len(token_ids), hidden], the ids placeholders
 
 
 class Engine:
@@ -154,7 +156,7 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        text, prompt_ids, images = self.check_prompt(prompt, params, pooling_params)
+        text, prompt_ids, images, embeds = self.check_prompt(prompt, params, pooling_params)
         if pooling_params is not None and params.n != 1:
             raise ValueError(f"an embedding request has one output, got n={params.n}")
         if pooling_params is None and not self.model_config.has_lm_head:
@@ -169,6 +171,7 @@ class Engine:
             for i in range(params.n)
         ]
         bad_words = self._bad_words_token_ids(params.bad_words or [])
+        digest = embeds_digest(embeds) if embeds is not None else 0
         for child in children:
             child.lora_id = lora_id
             child.pooling_params = pooling_params
@@ -176,8 +179,12 @@ class Engine:
             child.image_spans = images.span_keys() if images is not None else []
             if images is not None and self.image_processor is not None and self.image_processor.both_ways:
                 child.whole_spans = images.embed_ranges()
+            if embeds is not None:  # (its blocks keyed by the embeddings, as an image's by its pixels)
+                child.image_spans, child.given_embeds = [(0, len(prompt_ids), digest)], True
         if images is not None:
             self.runner.add_images([child.request_id for child in children], images)
+        if embeds is not None:
+            self.runner.add_prompt_embeds([child.request_id for child in children], embeds, digest)
         self.output_processor.add_request(request_id, text, children)
         self.logits_processors.keep([child.request_id for child in children], functions)
         if self.recurrent and not self.block_manager.enable_prefix_caching:  # no state of the prompt is
@@ -251,6 +258,8 @@ class Engine:
         prompt keeps only its last tokens. A prompt dict's `multi_modal_data` images are
         processed here, each image token in the prompt widened to the image's tokens
         (worker.multimodal); a dict LLM made of one checked (`image_inputs`) passes as it is."""
+        if (embeds := prompt_embeds_of(prompt)) is not None:
+            return self._check_embeds(embeds, params, pooling_params)
         text, prompt_ids = self._tokenize(prompt)
         images = prompt.get("image_inputs") if isinstance(prompt, dict) else None
         if images is None and (given := images_of(prompt)):
@@ -275,6 +284,22 @@ class Engine:
             prompt_ids = prompt_ids[-min(limit if k == -1 else k, limit):]
         self._validate_prompt(prompt_ids, limit)
         return CheckedPrompt(text, prompt_ids, images)
+
+    def _check_embeds(self, given: torch.Tensor | bytes, params: SamplingParams | None,
+                      pooling_params: PoolingParams | None) -> CheckedPrompt:
+        """A prompt given as embeddings (worker.prompt_embeds): checked, cut to its last
+        truncate_prompt_tokens rows, with a placeholder id per row."""
+        if params is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs the prompt's tokens: a prompt given as prompt_embeds has none")
+        embeds = checked_embeds(given, self.model_config.hidden_size)
+        limit = self.max_model_len if pooling_params is not None else self.max_model_len - 1
+        source = pooling_params if pooling_params is not None else params
+        k = source.truncate_prompt_tokens if source is not None else None
+        if k is not None:
+            embeds = embeds[-min(limit if k == -1 else k, limit):]
+        prompt_ids = [PLACEHOLDER_ID] * len(embeds)
+        self._validate_prompt(prompt_ids, limit)
+        return CheckedPrompt(None, prompt_ids, None, embeds)
 
     def check_image_count(self, count: int) -> None:
         """ValueError where one prompt holds more images than max_images_per_prompt."""
@@ -465,10 +490,10 @@ class Engine:
         requests = [self.scheduler.requests[rid] for rid in row_ids]
         row_outputs = _row_outputs(row_ids, requests, drafts)
         self._processor_failures = self.logits_processors.apply(
-            logits, row_ids, [r.prompt_token_ids for r in requests], row_outputs)
+            logits, row_ids, [r.prompt_tokens_seen for r in requests], row_outputs)
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            prompt_token_ids=[r.prompt_tokens_seen for r in requests],
             output_token_ids=row_outputs,
             generators=[self.generators.get(r.request_id) for r in requests],
             eos_token_ids=sorted(self.eos_token_ids),

@@ -107,12 +107,14 @@ class LLM:
         """The prompt tokenized once (and truncated, for an embedding that asks), its params
         and adapter checked; ValueError naming prompt i."""
         try:
-            text, token_ids, images = self.engine.check_prompt(prompt, params, pooling_params)
+            text, token_ids, images, embeds = self.engine.check_prompt(prompt, params, pooling_params)
             self.engine.check_params(params)
             if lora is not None:
                 self.engine.add_lora(lora)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
+        if embeds is not None:
+            return {"prompt_embeds": embeds}
         return {"prompt": text, "prompt_token_ids": token_ids, "image_inputs": images}
 
     def beam_search(
@@ -123,8 +125,8 @@ class LLM:
         its top 2 x width logprobs (the prefix cache keeps the prompts computed), and
         producer.beam_search keeps the best."""
         checked = [self.engine.check_prompt(p) for p in _as_prompt_list(prompts)]
-        if any(c.images is not None for c in checked):
-            raise ValueError("beam search over prompts with images is not supported")
+        if any(c.images is not None or c.embeds is not None for c in checked):
+            raise ValueError("beam search over prompts with images or prompt_embeds is not supported")
         prompt_ids = [c.token_ids for c in checked]
         width = params.beam_width
         step_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
@@ -202,7 +204,8 @@ def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None
     current = results.get(delta.request_id)
     if current is None:
         current = results[delta.request_id] = RequestOutput(
-            delta.request_id, delta.prompt, delta.prompt_token_ids, [], num_cached_tokens=delta.num_cached_tokens
+            delta.request_id, delta.prompt, delta.prompt_token_ids, [], num_cached_tokens=delta.num_cached_tokens,
+            num_prompt_tokens=delta.num_prompt_tokens,
         )
     current.num_cached_tokens = max(current.num_cached_tokens, delta.num_cached_tokens)
     if delta.prompt_logprobs is not None:

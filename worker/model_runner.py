@@ -168,6 +168,11 @@ class ModelRunner:
         pixels = [p.to(self.dtype) if p.is_floating_point() else p for p in inputs.pixel_values]
         self.image_embeds.add(request_ids, replace(inputs, pixel_values=pixels))
 
+    def add_prompt_embeds(self, request_ids: list[str], embeds: torch.Tensor, digest: int) -> None:
+        """A prompt given as embeddings [positions, hidden] (worker.prompt_embeds), in the
+        model's dtype, whose rows stand in for its placeholder tokens' as an encoded image's do."""
+        self.image_embeds.add_given(request_ids, embeds.to(self.dtype), digest)
+
     def encode_images(self, batch: list[ScheduledRequest]) -> dict[str, Exception]:
         """Encode the images this step's chunks reach first; the requests whose images the
         encoder failed on, with what it raised (the others' are encoded)."""

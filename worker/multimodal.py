@@ -484,6 +484,13 @@ class ImageEmbeddings:
         for request_id in request_ids:
             self._held[request_id] = held
 
+    def add_given(self, request_ids: list[str], embeds: torch.Tensor, digest: int) -> None:
+        """A prompt given as embeddings: one "image" over all its positions, encoded already."""
+        image = _Image(list(range(len(embeds))), digest, torch.zeros(0), None, embeds.to(self.host))
+        held = _Held([image], image.positions, None, 0)
+        for request_id in request_ids:
+            self._held[request_id] = held
+
     def remove(self, request_id: str) -> None:
         self._held.pop(request_id, None)
 

@@ -31,6 +31,7 @@ class ParentState:
     prompt_logprobs: list[Any] | None = None  # per prompt position, filled as chunks compute
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served, for usage reports
+    given_embeds: bool = False  # the prompt came as embeddings: its ids are the engine's placeholders
 
     @property
     def finished(self) -> bool:
@@ -45,7 +46,7 @@ class OutputProcessor:
 
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
         first = children[0]
-        state = ParentState(parent_id, prompt, first.prompt_token_ids)
+        state = ParentState(parent_id, prompt, first.prompt_token_ids, given_embeds=first.given_embeds)
         for index, child in enumerate(children):
             detok = IncrementalDetokenizer(
                 self.tokenizer, child.prompt_token_ids, child.sampling_params, child.output_token_ids
@@ -113,8 +114,9 @@ class OutputProcessor:
             del self.parents[parent_id]
             for child_id in parent.completions:
                 self.parent_of.pop(child_id, None)
-        out = RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids, deltas, finished,
-                            num_cached_tokens=parent.num_cached_tokens)
+        out = RequestOutput(parent_id, parent.prompt, [] if parent.given_embeds else parent.prompt_token_ids, deltas,
+                            finished, num_cached_tokens=parent.num_cached_tokens,
+                            num_prompt_tokens=len(parent.prompt_token_ids))
         if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
             out.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
             for entry in out.prompt_logprobs:

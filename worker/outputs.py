@@ -31,6 +31,13 @@ class RequestOutput:
     prompt_logprobs: list[Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     embedding: list[float] | None = None  # an embedding request's vector (its final output)
+    # the prompt's positions: len(prompt_token_ids), or those of a prompt given as embeddings
+    # (prompt_token_ids empty then)
+    num_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens is None:
+            self.num_prompt_tokens = len(self.prompt_token_ids)
 
 
 @dataclass

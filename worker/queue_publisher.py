@@ -106,7 +106,7 @@ class Publisher:
             return
         counted = 0  # what this output adds to the tenant's minute
         if held.prompt_tokens is None:
-            held.prompt_tokens = counted = len(output.prompt_token_ids)
+            held.prompt_tokens = counted = output.num_prompt_tokens or 0
             self.metrics.prompt_tokens(held.prompt_tokens)
         held.cached_tokens = max(held.cached_tokens, output.num_cached_tokens)
         if output.embedding is not None:

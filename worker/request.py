@@ -71,6 +71,14 @@ class Request:
     # position ranges [start, end) whose tokens attend to each other both ways (Gemma 3's
     # images): a prefill chunk never ends inside one, so each is computed whole
     whole_spans: list[tuple[int, int]] = field(default_factory=list)
+    # the prompt came as embeddings (worker.prompt_embeds): its token ids are placeholders
+    given_embeds: bool = False
+
+    @property
+    def prompt_tokens_seen(self) -> list[int]:
+        """The prompt's tokens as penalties and logits processors read them: none for a prompt
+        given as embeddings."""
+        return [] if self.given_embeds else self.prompt_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:

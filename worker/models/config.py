@@ -422,6 +422,9 @@ class ModelConfig:
     post_norms_only: bool = False  # OLMo 2: no norm before attention or MLP, one after each
     qk_norm_whole: bool = False  # OLMo 2: the q/k norms span all heads of the projection, not one head
     embed_scale: float | None = None  # the embedding is multiplied by this (Gemma: sqrt(hidden))
+    # and so are input states given in place of tokens' (Granite's embedding_multiplier scales
+    # transformers' inputs_embeds; Gemma's scale is its embedding's own)
+    embed_scale_given: bool = False
     residual_scale: float | None = None  # attention's and the MLP's outputs are, before the residual add
     logits_divisor: float | None = None  # the final logits are divided by this (Granite's logits_scaling)
     sandwich_norms: bool = False  # a norm after attention and one after the MLP as well (Gemma2)
@@ -721,7 +724,8 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
     if family == "gpt_oss":  # norms scale in float32 (their weights are kept so), then round
         return dict(norm_weight_offset=0.0, attn_sinks=True)
     if family.startswith("granite"):
-        fields = dict(embed_scale=hf_config.embedding_multiplier, residual_scale=hf_config.residual_multiplier,
+        fields = dict(embed_scale=hf_config.embedding_multiplier, embed_scale_given=True,
+                      residual_scale=hf_config.residual_multiplier,
                       attn_scale=hf_config.attention_multiplier, logits_divisor=hf_config.logits_scaling)
         return {**fields, **_granite_4_fields(hf_config)} if family == "granitemoehybrid" else fields
     return {}

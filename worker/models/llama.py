@@ -493,14 +493,18 @@ class LlamaForCausalLM(nn.Module):
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
-        if self.config.embed_scale is not None:  # the scale rounded to the model's dtype, as transformers does for Gemma
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        # the scale rounded to the model's dtype, as transformers does for Gemma
+        scale = None if self.config.embed_scale is None else torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        if scale is not None and not self.config.embed_scale_given:
+            x = x * scale
         deepstack = None
         if images is not None:  # in place of their placeholder tokens' (after any scale, as transformers puts them)
             rows, embeds = images[0], images[1].to(x.dtype)
             if embeds.dim() == 3:
                 embeds, deepstack = embeds[:, 0], embeds[:, 1:]
             x = x.index_copy(0, rows, embeds)
+        if scale is not None and self.config.embed_scale_given:
+            x = x * scale
         return self.decode(x, positions, kv_caches, meta, lora, None if deepstack is None else (rows, deepstack))
 
     def decode(
