@@ -164,7 +164,7 @@ def plan_line(state: AppState, line: Line, batch_id: str, number: int) -> Plan:
         check_tool_parser(body, state.settings)
         prompts = [chat_prompt(body)]
     else:
-        reject_unsupported(body)
+        reject_unsupported(body, state.settings.max_prompt_embeds_bytes)
         prompts = body.prompts()
     renderer = line.endpoint.renderer()
     model = body.model or state.settings.served_model_name

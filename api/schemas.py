@@ -6,10 +6,12 @@ ValueError names the field (the routes turn it into a 400 with that `param`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, PrivateAttr, Tag
 
 from api.tool_calls import calls_schema
 from producer.sampling_params import SamplingParams
@@ -144,12 +146,16 @@ class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`. A list of prompts gives one job per prompt; choice `i * n + j`
     is completion `j` of prompt `i`, as in OpenAI."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's: prompts as their input states, each a [positions, hidden] tensor as torch.save
+    # writes it, base64-encoded (one job each; the worker reads them, this layer has no torch)
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None  # top alternatives per token, 0..20
     echo: bool = False  # each completion begins with its prompt (and the prompt's logprobs)
     suffix: str | None = None  # not supported: refused when set
     best_of: int | None = None  # only best_of == n is supported
+    _embeds: list[bytes] | None = PrivateAttr(default=None)  # prompt_embeds decoded, once
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams' own checks)."""
@@ -171,8 +177,16 @@ class CompletionRequest(_GenerationRequest):
         return max(wanted) if wanted else None
 
     def prompts(self) -> list[PromptInput]:
-        """One prompt per job: a string or `{"prompt_token_ids": [...]}`."""
+        """One prompt per job: a string, `{"prompt_token_ids": [...]}` or `{"prompt_embeds":
+        bytes}`; ValueError naming prompt_embeds where one is not base64."""
+        if self.prompt_embeds is not None:
+            if self._embeds is None:
+                given = [self.prompt_embeds] if isinstance(self.prompt_embeds, str) else self.prompt_embeds
+                self._embeds = [_base64_bytes(e, "prompt_embeds") for e in given]
+            return [{"prompt_embeds": e} for e in self._embeds]
         prompt = self.prompt
+        if prompt is None:
+            return []
         if isinstance(prompt, str):
             return [prompt]
         out: list[PromptInput] = []
@@ -397,3 +411,13 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(getattr(part, "text", None) or "" for part in content)
     return content or ""
+
+
+def _base64_bytes(text: str, field: str) -> bytes:
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{field} must be base64 (of torch.save's bytes of a tensor): {exc}") from exc
+    if not data:
+        raise ValueError(f"{field} must not be empty")
+    return data

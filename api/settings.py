@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     # size and time each; off, only data URLs are taken (fetching opens any URL a client names).
     fetch_image_urls: bool = True
     max_image_bytes: int = 20 << 20
+    # /v1/completions' prompt_embeds: the most bytes one tensor may take (torch.save's; 64 MiB is
+    # 8192 positions of a 4096-wide model in bfloat16); each travels in its job through Redis
+    max_prompt_embeds_bytes: int = 64 << 20
     max_images_per_request: int = 8  # vLLM's limit_mm_per_prompt: each image is a vision-encoder run
     image_fetch_timeout_s: float = 10.0
     file_ttl_s: int = 7 * 24 * 3600

@@ -183,13 +183,14 @@ def _prompt_fields(prompt: PromptInput) -> dict[str, Any]:
         return {"prompt": prompt}
     if isinstance(prompt, list):
         return {"messages": prompt}
-    if isinstance(prompt, dict) and len(prompt) == 1 and set(prompt) <= {"prompt", "prompt_token_ids"}:
+    if isinstance(prompt, dict) and len(prompt) == 1 and set(prompt) <= {"prompt", "prompt_token_ids", "prompt_embeds"}:
         return dict(prompt)
     if isinstance(prompt, dict) and "messages" in prompt and set(prompt) <= CHAT_FIELDS:
         return dict(prompt)
     raise ValueError(
-        "a prompt is a string, {'prompt': str}, {'prompt_token_ids': [...]}, a list of chat "
-        "messages, or {'messages': [...], 'tools': [...], 'chat_template_kwargs': {...}}; "
+        "a prompt is a string, {'prompt': str}, {'prompt_token_ids': [...]}, {'prompt_embeds': "
+        "torch.save's bytes of a tensor}, a list of chat messages, or {'messages': [...], 'tools': "
+        "[...], 'chat_template_kwargs': {...}}; "
         f"got {prompt!r:.80}"
     )
 

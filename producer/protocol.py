@@ -262,13 +262,17 @@ def _is_number(value: Any) -> bool:
 
 @dataclass
 class Job:
-    """One generation job. Exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
+    """One generation job. Exactly one of `prompt`, `prompt_token_ids`, `messages`,
+    `prompt_embeds` is set."""
 
     id: str
     sampling_params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: [{"role": ..., "content": str or parts}]
+    # the prompt as its input states (vLLM's prompt_embeds): a [positions, hidden] float tensor
+    # as torch.save writes it, read by the worker (worker.prompt_embeds)
+    prompt_embeds: bytes | None = None
     # chat: OpenAI-style tool definitions ({"type": "function", "function": {"name", ...}}),
     # handed to the model's chat template with the messages
     tools: list[dict[str, Any]] | None = None
@@ -328,12 +332,13 @@ def validate_job_id(job_id: Any) -> None:
 
 
 def _validate_prompt(job: Job) -> None:
-    given = [n for n in ("prompt", "prompt_token_ids", "messages") if getattr(job, n) is not None]
+    given = [n for n in PROMPT_FORMS if getattr(job, n) is not None]
     if len(given) != 1:
         raise ValueError(
-            "exactly one of prompt, prompt_token_ids, messages must be set, "
-            f"got {', '.join(given) or 'none'}"
+            f"exactly one of {', '.join(PROMPT_FORMS)} must be set, got {', '.join(given) or 'none'}"
         )
+    if job.prompt_embeds is not None and (not isinstance(job.prompt_embeds, bytes) or not job.prompt_embeds):
+        raise ValueError("prompt_embeds must be the non-empty bytes torch.save writes of a tensor")
     if job.prompt is not None and (not isinstance(job.prompt, str) or not job.prompt):
         raise ValueError(f"prompt must be a non-empty string, got {job.prompt!r}")
     if job.prompt_token_ids is not None:
@@ -346,6 +351,9 @@ def _validate_prompt(job: Job) -> None:
         _validate_tools(job)
     if job.chat_template_kwargs is not None:
         _validate_template_kwargs(job)
+
+
+PROMPT_FORMS = ("prompt", "prompt_token_ids", "messages", "prompt_embeds")
 
 
 def _validate_embedding(job: Job) -> None:
@@ -429,7 +437,7 @@ def encode_job(job: Job) -> dict[str, bytes]:
     job.validate()
     payload = asdict(job)
     payload["sampling_params"] = job.sampling_params.to_dict()
-    for optional in ("pooling_params", "tenant"):  # unset, the payload reads as it did before them
+    for optional in ("pooling_params", "tenant", "prompt_embeds"):  # unset, the payload reads as it did before them
         if payload[optional] is None:
             del payload[optional]
     return {

@@ -134,7 +134,10 @@ class SamplingParams:
                 _check_int("allowed_token_ids", token_id, low=0)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["extra_args"] is None:  # unset, a job reads as it did before them
+            del data["extra_args"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

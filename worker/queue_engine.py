@@ -323,6 +323,8 @@ class EngineThread:
             return {**prompt, "multi_modal_data": {"image": prepared}} if prepared is not None else prompt
         if job.prompt_token_ids is not None:
             return {"prompt_token_ids": job.prompt_token_ids}
+        if job.prompt_embeds is not None:
+            return {"prompt_embeds": job.prompt_embeds}
         return job.prompt
 
     def _post(self, result: StepResult) -> None:

@@ -18,7 +18,7 @@ router = APIRouter(tags=["openai"])
 @router.post("/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest, request: Request, state: StateDep):
     """Prompt(s) as text or token ids; `stream: true` answers with SSE chunks."""
-    reject_unsupported(body)
+    reject_unsupported(body, state.settings.max_prompt_embeds_bytes)
     renderer = CompletionRenderer()
     if body.use_beam_search:
         return await unless_disconnected(request, beam_search.respond(state, body, body.prompts(), renderer))
@@ -28,11 +28,34 @@ async def create_completion(body: CompletionRequest, request: Request, state: St
     return await unless_disconnected(request, generate.collect(state, req, renderer))
 
 
-def reject_unsupported(body: CompletionRequest) -> None:
+def reject_unsupported(body: CompletionRequest, max_embeds_bytes: int) -> None:
     """400 for what genq does not do, rather than silently ignoring it."""
-    if not body.prompts() or any(p in ("", {"prompt_token_ids": []}) for p in body.prompts()):
+    if body.prompt_embeds is not None:
+        _check_embeds(body, max_embeds_bytes)
+    elif not body.prompts() or any(p in ("", {"prompt_token_ids": []}) for p in body.prompts()):
         raise invalid_param("prompt", "prompt must be a non-empty string or token list")
     if body.suffix:
         raise invalid_param("suffix", "suffix is not supported")
     if body.best_of is not None and body.best_of != body.n:
         raise invalid_param("best_of", "best_of must equal n (no server-side ranking)")
+
+
+def _check_embeds(body: CompletionRequest, max_bytes: int) -> None:
+    """prompt_embeds alone, base64 within the size limit, not echoed (there is no text) nor
+    beam searched."""
+    if body.prompt not in (None, "", []):  # (vLLM's examples send an empty prompt beside them)
+        raise invalid_param("prompt", "give either prompt or prompt_embeds, not both")
+    given = [body.prompt_embeds] if isinstance(body.prompt_embeds, str) else body.prompt_embeds or []
+    if not given:
+        raise invalid_param("prompt_embeds", "prompt_embeds must be a base64 string or a non-empty list of them")
+    for text in given:
+        if len(text) * 3 // 4 > max_bytes:
+            raise invalid_param("prompt_embeds", f"a prompt_embeds tensor may take at most {max_bytes} bytes "
+                                "(GENQ_MAX_PROMPT_EMBEDS_BYTES)")
+    for field, on in (("echo", body.echo), ("use_beam_search", body.use_beam_search)):
+        if on:
+            raise invalid_param(field, f"{field} needs the prompt's tokens: prompt_embeds has none")
+    try:
+        body.prompts()
+    except ValueError as exc:
+        raise invalid_param("prompt_embeds", str(exc)) from exc

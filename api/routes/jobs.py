@@ -31,7 +31,7 @@ async def create_job(
     if isinstance(body, ChatJobRequest):
         prompts, renderer = [chat_prompt(body)], ChatRenderer()
     else:
-        reject_unsupported(body)
+        reject_unsupported(body, state.settings.max_prompt_embeds_bytes)
         if body.echo:
             raise invalid_param("echo", "a job's outputs hold only what was generated; echo is for /v1/completions")
         prompts, renderer = body.prompts(), CompletionRenderer()

@@ -120,6 +120,46 @@ def test_vllm_xargs_reach_the_workers_logits_processors(served_model: str, oai: 
     assert "no_repeat_ngram_size must be an int >= 1, got 'two'" in bad.value.body["message"]
 
 
+def test_prompt_embeds_through_the_queue(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    """vLLM's prompt_embeds: torch.save's bytes, base64-encoded, carried in the job to the
+    worker, which decodes as the offline engine does."""
+    import base64
+    import io
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        embeds = [hf.get_input_embeddings()(torch.tensor(ids)) * 1.1 for ids in ([5, 6, 7, 8, 9], [30, 31, 32])]
+
+    def encoded(tensor: torch.Tensor) -> str:
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    body = {"model": served_model, "prompt": "", "temperature": 0.0, "max_tokens": 8}
+    served = oai.completions.create(extra_body={"ignore_eos": True, "prompt_embeds": [encoded(e) for e in embeds]},
+                                    **body)
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = offline.generate([{"prompt_embeds": e} for e in embeds], params, use_tqdm=False)
+    assert [c.text for c in served.choices] == [o.outputs[0].text for o in expected]
+    assert served.usage.prompt_tokens == 5 + 3
+    failures = [
+        ({"prompt_embeds": "not base64!"}, "prompt_embeds", "must be base64"),
+        ({"prompt_embeds": encoded(embeds[0]), "echo": True}, "echo", "echo needs the prompt's tokens"),
+        ({"prompt_embeds": encoded(torch.zeros(3, 7))}, None, r"prompt_embeds must be [positions, 64]"),
+    ]
+    for extra, param, message in failures:
+        with pytest.raises(openai.BadRequestError) as bad:
+            oai.completions.create(extra_body=extra, **body)
+        assert message in bad.value.body["message"] and (param is None or bad.value.body["param"] == param)
+    with pytest.raises(openai.BadRequestError) as both:
+        oai.completions.create(extra_body={"prompt_embeds": encoded(embeds[0])}, **{**body, "prompt": "hi"})
+    assert both.value.body["param"] == "prompt"
+
+
 def test_completion_prompt_forms_and_choice_indices(served_model: str, oai: openai.OpenAI) -> None:
     one = oai.completions.create(model=served_model, prompt="Once upon", **GREEDY)
     assert one.object == "text_completion" and one.choices[0].text

@@ -81,6 +81,7 @@ def test_job_status_values() -> None:
     [
         {"prompt": "hello"},
         {"prompt_token_ids": [1, 2, 3]},
+        {"prompt_embeds": b"PK\x03\x04 torch.save's bytes"},
         {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is "},
                                                    {"type": "image", "image": b"\x89PNG\r\n\x1a\n..."},
@@ -224,8 +225,10 @@ def test_str_payload_is_explained() -> None:
 
 
 def test_encode_job_validates() -> None:
-    with pytest.raises(ValueError, match="exactly one of"):
+    with pytest.raises(ValueError, match="exactly one of prompt, prompt_token_ids, messages, prompt_embeds"):
         encode_job(make_job(prompt_token_ids=[1]))
+    with pytest.raises(ValueError, match="prompt_embeds must be the non-empty bytes"):
+        encode_job(make_job(prompt=None, prompt_embeds=b""))
     with pytest.raises(ValueError, match="job id"):
         encode_job(make_job(id="has space"))
 
