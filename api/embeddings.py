@@ -53,13 +53,13 @@ def plan_embeddings(
     prompts = body.inputs()
     if not prompts or any(p in ("", {"prompt_token_ids": []}) for p in prompts):
         raise invalid_param("input", "input must be a non-empty string or token list, or a list of them")
-    if body.dimensions is not None:
-        raise invalid_param("dimensions", "dimensions is not supported: this model's vectors have one size")
     ids = job_ids(base, len(prompts))
     try:
-        pooling = PoolingParams(normalize=body.normalize, truncate_prompt_tokens=body.truncate_prompt_tokens)
+        pooling = PoolingParams(normalize=body.normalize, truncate_prompt_tokens=body.truncate_prompt_tokens,
+                                dimensions=body.dimensions)
     except ValueError as exc:
-        raise invalid_param("truncate_prompt_tokens", str(exc)) from exc
+        raise invalid_param("dimensions" if str(exc).startswith("dimensions") else "truncate_prompt_tokens",
+                            str(exc)) from exc
     priority = body.priority + priority_offset
     try:  # every job checked before any is queued
         for prompt, job_id in zip(prompts, ids, strict=True):

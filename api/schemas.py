@@ -384,7 +384,9 @@ class EmbeddingRequest(BaseModel):
     add_generation_prompt: bool = False  # chat form: end with the assistant's header
     chat_template_kwargs: dict[str, Any] | None = None  # chat form: more for the template
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # not supported: refused when set
+    # a Matryoshka model's vectors cut to their first `dimensions` values (the workers refuse it
+    # for other models)
+    dimensions: int | None = None
     user: str | None = None
     normalize: bool = True  # False: the raw pooled hidden state
     truncate_prompt_tokens: int | None = None  # vLLM's: pool only the last k tokens (-1: max_model_len)

@@ -11,12 +11,14 @@ from typing import Any
 class PoolingParams:
     """How a prompt becomes one vector: the final hidden state (after the model's last norm)
     of its last token, as vLLM pools decoder models, scaled to unit length unless
-    `normalize` is False."""
+    `normalize` is False; with `dimensions` (a Matryoshka model's, OpenAI's and vLLM's name)
+    only its first that many values, scaled so."""
 
     normalize: bool = True
     # vLLM's: pool only the last k tokens of a longer prompt (-1: as many as max_model_len
     # allows); None: a prompt longer than max_model_len is refused
     truncate_prompt_tokens: int | None = None
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.normalize, bool):
@@ -24,9 +26,15 @@ class PoolingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
             raise ValueError(f"truncate_prompt_tokens must be a positive number of tokens or -1, got {k!r}")
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"dimensions must be a positive number, got {d!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["dimensions"] is None:  # unset, a job reads as it did before them
+            del data["dimensions"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> PoolingParams:

@@ -77,6 +77,11 @@ def build(parser: argparse.ArgumentParser) -> Any:
         "(default: $GENQ_SPECULATIVE_CONFIG or off)",
     )
     parser.add_argument(
+        "--hf-overrides", metavar="JSON",
+        help='entries of the model\'s config.json replaced, e.g. \'{"rope_scaling": {"rope_type": "yarn", '
+        '"factor": 4.0, "original_max_position_embeddings": 32768}}\' (default: $GENQ_HF_OVERRIDES or none)',
+    )
+    parser.add_argument(
         "--mm-processor-kwargs", metavar="JSON",
         help='overrides of the image processor\'s settings, e.g. \'{"max_pixels": 1003520}\' to bound '
         "the tokens a Qwen-VL image takes (default: $GENQ_MM_PROCESSOR_KWARGS or the checkpoint's)",
@@ -154,16 +159,12 @@ def run(args: argparse.Namespace) -> int:
         engine_args["disable_hybrid_kv_cache_manager"] = True
     if args.enable_lora:
         engine_args["enable_lora"] = True
-    if args.speculative_config:
-        try:
-            engine_args["speculative_config"] = parse_json_object(args.speculative_config)
-        except ValueError:
-            raise SystemExit(f"--speculative-config must be a JSON object, got {args.speculative_config!r}") from None
-    if args.mm_processor_kwargs:
-        try:
-            engine_args["mm_processor_kwargs"] = parse_json_object(args.mm_processor_kwargs)
-        except ValueError:
-            raise SystemExit(f"--mm-processor-kwargs must be a JSON object, got {args.mm_processor_kwargs!r}") from None
+    for name in ("speculative_config", "hf_overrides", "mm_processor_kwargs"):  # JSON objects
+        if text := getattr(args, name):
+            try:
+                engine_args[name] = parse_json_object(text)
+            except ValueError:
+                raise SystemExit(f"--{name.replace('_', '-')} must be a JSON object, got {text!r}") from None
     if args.logits_processors:
         engine_args["logits_processors"] = tuple(args.logits_processors)
     worker_args = {k: getattr(args, k) for k in _WORKER_FLAGS if getattr(args, k) is not None}

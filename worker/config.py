@@ -86,6 +86,10 @@ class EngineConfig:
     # caching for such a model). A prefix is served up to the last state kept
     mamba_block_size: int | None = None
     num_state_snapshots: int | None = None
+    # vLLM's: entries of the model's config.json replaced before it is read (a mapping merged
+    # into a mapping), e.g. {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+    # "original_max_position_embeddings": 32768}} for a longer context
+    hf_overrides: dict[str, Any] | None = None
     # vLLM's: logits processor classes (or "module:Class" names) loaded once; each request may
     # take a function of its own from them (worker.logits_processors)
     logits_processors: Sequence[str | type] = ()
@@ -110,6 +114,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, by name
+        self._check_optional()
+
+    def _check_optional(self) -> None:
+        """The settings that may be left unset."""
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.mamba_block_size is not None and (self.mamba_block_size < 1 or self.mamba_block_size % self.block_size):
@@ -117,6 +125,8 @@ class EngineConfig:
                              f"got {self.mamba_block_size}")
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a mapping of config.json entries, got {self.hf_overrides!r}")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ValueError(f"kv_offloading_size must be > 0 GiB (or None: off), got {self.kv_offloading_size}")
 

@@ -79,7 +79,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model, config.cache_dir)
-        whole_config = read_config(self.model_path)
+        whole_config = read_config(self.model_path, config.hf_overrides)
         hf_config = language_config(whole_config)
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_path)
         # (before the model loads: a processor that cannot load fails the start at once)
@@ -159,6 +159,8 @@ class Engine:
         text, prompt_ids, images, embeds = self.check_prompt(prompt, params, pooling_params)
         if pooling_params is not None and params.n != 1:
             raise ValueError(f"an embedding request has one output, got n={params.n}")
+        if pooling_params is not None and pooling_params.dimensions is not None:
+            self._check_dimensions(pooling_params.dimensions)
         if pooling_params is None and not self.model_config.has_lm_head:
             raise ValueError(f"this model ({self.model_config.architecture}) has no LM head: it serves "
                              "embedding requests only")
@@ -345,6 +347,19 @@ class Engine:
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
 
+    def _check_dimensions(self, dimensions: int) -> None:
+        """A vector cut to its first `dimensions` values means something only where the model
+        was trained so (Matryoshka: its config's is_matryoshka or matryoshka_dimensions, as vLLM
+        reads them; hf_overrides can set them)."""
+        hf, hidden = self.model_config.hf_config, self.model_config.hidden_size
+        sizes = getattr(hf, "matryoshka_dimensions", None)
+        if self.model_config.labels or not (getattr(hf, "is_matryoshka", False) or sizes):
+            raise ValueError(f"dimensions: this model ({self.model_config.architecture}) does not declare Matryoshka "
+                             "embeddings (is_matryoshka), so its vectors have one size")
+        if dimensions > hidden or (sizes and dimensions not in sizes):
+            allowed = sorted(sizes) if sizes else f"up to {hidden}"
+            raise ValueError(f"dimensions must be one of this model's Matryoshka sizes ({allowed}), got {dimensions}")
+
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: logit_bias and allowed_token_ids may only
         name tokens this model has."""
@@ -461,6 +476,7 @@ class Engine:
                 continue  # aborted while the step ran
             # a classifier's logits are never normalized: LLM.classify and /classify take their softmax
             normalize = request.pooling_params.normalize and not self.model_config.labels
+            hidden = hidden[: request.pooling_params.dimensions]  # (None: all of it)
             vector = torch.nn.functional.normalize(hidden, dim=-1) if normalize else hidden
             embeddings[request_id] = vector.tolist()
         self.scheduler.finish_requests(embeddings, RequestStatus.FINISHED_STOPPED)

@@ -153,17 +153,33 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path, dtype: torch.dty
     tokenizer.save_pretrained(out_dir)
 
 
-def read_config(path: Path) -> Any:
+def read_config(path: Path, overrides: dict[str, Any] | None = None) -> Any:
     """The checkpoint's config (transformers'), with NVIDIA ModelOpt's quantization, which
-    some checkpoints keep in hf_quant_config.json alone, as its quantization_config."""
-    from transformers import AutoConfig
+    some checkpoints keep in hf_quant_config.json alone, as its quantization_config.
+    `overrides` (vLLM's hf_overrides) replace entries of its config.json before the config is
+    built (a mapping merged into a mapping), so transformers reads them as it reads the file's:
+    `{"rope_scaling": {"rope_type": "yarn", ...}}` is a YaRN model's."""
+    from transformers import AutoConfig, PretrainedConfig
 
-    config = AutoConfig.from_pretrained(path)
+    if overrides:
+        values, _ = PretrainedConfig.get_config_dict(path)
+        values = _merged(values, overrides)
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    else:
+        config = AutoConfig.from_pretrained(path)
     modelopt = Path(path) / "hf_quant_config.json"
     if getattr(config, "quantization_config", None) is None and modelopt.exists():
         found = json.loads(modelopt.read_text())
         config.quantization_config = {"quant_method": "modelopt", **found.get("quantization", found)}
     return config
+
+
+def _merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        old = merged.get(key)
+        merged[key] = _merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+    return merged
 
 
 def iter_safetensors(path: Path, keep: Callable[[str], bool] | None = None):

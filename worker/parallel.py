@@ -495,7 +495,7 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, mode
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     parallel = join_group(rank, world_size, port, resolve_device(config.device))
-    hf_config = language_config(read_config(model_path))
+    hf_config = language_config(read_config(model_path, config.hf_overrides))
     runner = ModelRunner(config, model_path, hf_config, max_model_len, parallel=parallel)
     while True:
         try:

@@ -53,6 +53,29 @@ def test_embeddings_are_the_normalized_last_hidden_state(llm, hf_hidden) -> None
     torch.testing.assert_close(torch.tensor(raw.outputs.embedding), hf_hidden([1, 450, 7483]), atol=1e-5, rtol=1e-4)
 
 
+def test_matryoshka_dimensions_cut_the_vector_where_the_model_declares_them(tiny_llama_dir: Path, hf_hidden,
+                                                                             llm) -> None:
+    """`dimensions`: the first values of the hidden state, normalized, for a model whose config
+    declares Matryoshka embeddings (here by vLLM's hf_overrides); refused for one that does not,
+    or at a size it does not list."""
+    from worker import LLM
+
+    ids = [1, 450, 7483, 29871]
+    matryoshka = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64,
+                     hf_overrides={"is_matryoshka": True})
+    out = matryoshka.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=16), use_tqdm=False)[0]
+    expected = torch.nn.functional.normalize(hf_hidden(ids)[:16], dim=-1)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, atol=1e-5, rtol=1e-4)
+    listed = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64,
+                 hf_overrides={"matryoshka_dimensions": [16, 32]})
+    assert len(listed.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=32), use_tqdm=False)[0]
+               .outputs.embedding) == 32
+    with pytest.raises(ValueError, match=r"dimensions must be one of this model's Matryoshka sizes \(\[16, 32\]\)"):
+        listed.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=24), use_tqdm=False)
+    with pytest.raises(ValueError, match="does not declare Matryoshka embeddings"):
+        llm.embed({"prompt_token_ids": ids}, PoolingParams(dimensions=16), use_tqdm=False)
+
+
 def test_embeddings_share_steps_with_generation_and_the_prefix_cache(llm, hf_hidden) -> None:
     """Embedding requests ride in the same batches as generating ones, leave no blocks held,
     and a prompt served from the prefix cache pools the same vector."""
@@ -115,7 +138,9 @@ def test_bad_embedding_requests_are_refused(llm) -> None:
     with pytest.raises(ValueError, match="normalize must be true or false"):
         PoolingParams(normalize="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown pooling parameter"):
-        PoolingParams.from_dict({"dimensions": 8})
+        PoolingParams.from_dict({"width": 8})
+    with pytest.raises(ValueError, match="dimensions must be a positive number, got 0"):
+        PoolingParams(dimensions=0)
 
 
 @pytest.fixture(scope="module")
