@@ -116,8 +116,10 @@ class BatchRunner:
         tenant = await self._tenant(batch.id) if texts else None
         for number, text in enumerate(texts, next_line):
             line = parse_line(text.decode(), batch.endpoint)
+            model = line.body.model or self.state.settings.served_model_name
+            defaults = await self.state.cluster.sampling_defaults(model)
             try:
-                planned = replace(plan_line(self.state, line, batch.id, number), tenant=tenant)
+                planned = replace(plan_line(self.state, line, batch.id, number, defaults), tenant=tenant)
             except APIError as exc:  # the deployment changed since the batch was checked
                 await self._store(batch, number, False, _refused(line, exc))
                 await redis_.hset(keys.batch(batch.id), "next", number + 1)

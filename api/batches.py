@@ -152,8 +152,10 @@ def parse_line(text: str, endpoint: str) -> Line:
     return Line(custom_id, request, kind.to_run(request), kind)
 
 
-def plan_line(state: AppState, line: Line, batch_id: str, number: int) -> Plan:
-    """The jobs of one line: its ids from the batch's, a lower priority than API requests."""
+def plan_line(state: AppState, line: Line, batch_id: str, number: int,
+              defaults: dict[str, Any] | None = None) -> Plan:
+    """The jobs of one line: its ids from the batch's, a lower priority than API requests;
+    `defaults`: the model's sampling values for fields the line leaves unset."""
     body = line.body
     base = f"{batch_id}-{number}"
     if isinstance(body, EmbeddingRequest):
@@ -168,7 +170,7 @@ def plan_line(state: AppState, line: Line, batch_id: str, number: int) -> Plan:
         prompts = body.prompts()
     renderer = line.endpoint.renderer()
     model = body.model or state.settings.served_model_name
-    return plan(state, body, prompts, renderer, base, model, priority_offset=BATCH_PRIORITY)
+    return plan(state, body, prompts, renderer, base, model, priority_offset=BATCH_PRIORITY, defaults=defaults)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio
 
@@ -124,6 +125,14 @@ class Cluster:
         shared = sorted({info.model for info in serving if not info.queue})
         models = shared + sorted({info.model for info in serving} - set(shared))
         return models + sorted({name for info in serving for name in info.adapters} - set(models))
+
+    async def sampling_defaults(self, model: str, max_age_s: float = QUEUES_MAX_AGE_S) -> dict[str, Any]:
+        """The sampling values a serving worker of `model` (or of the adapter it names) reports
+        from its generation_config.json; none where no such worker is live."""
+        for worker in await self.workers(max_age_s):
+            if worker.serving and (worker.info.model == model or model in worker.info.adapters):
+                return worker.info.default_sampling
+        return {}
 
     async def ping(self) -> bool:
         return bool(await self._redis.ping())

@@ -46,7 +46,8 @@ async def start(
     """Validate, apply backpressure, submit one job per prompt; raises APIError."""
     model = await resolve_model(state, body.model)
     await check_backpressure(state)
-    planned = plan(state, body, prompts, renderer, job_id or uuid.uuid4().hex, model, deadline_s)
+    defaults = await state.cluster.sampling_defaults(model)
+    planned = plan(state, body, prompts, renderer, job_id or uuid.uuid4().hex, model, deadline_s, defaults=defaults)
     planned = replace(planned, model=await job_model(state, body.model, model))
     return await submit(state, planned)
 
@@ -90,12 +91,14 @@ def plan(
     model: str,
     deadline_s: float | None = None,
     priority_offset: int = 0,
+    defaults: dict[str, Any] | None = None,
 ) -> Plan:
     """Check a request and build its jobs (one per prompt, ids from `base`) without submitting
-    any; raises APIError naming what is wrong."""
+    any; raises APIError naming what is wrong. `defaults`: the model's sampling values for the
+    fields the request leaves unset (Cluster.sampling_defaults)."""
     chat = body if isinstance(body, ChatCompletionRequest) else None
     reasoning = _reasoning_parser(state, chat)
-    params = sampling_params(body)
+    params = sampling_params(body, defaults)
     if reasoning in GRAMMAR_AFTER and params.guided_decoding is not None:
         # the reply thinks first: the grammar holds for the answer, after the thinking's end
         params = replace(params, guided_decoding={**params.guided_decoding, "after": GRAMMAR_AFTER[reasoning]})
@@ -175,9 +178,9 @@ def check_jobs(
         raise _bad_value(exc, body) from exc
 
 
-def sampling_params(body: GenerationRequest) -> SamplingParams:
+def sampling_params(body: GenerationRequest, defaults: dict[str, Any] | None = None) -> SamplingParams:
     try:
-        return body.sampling_params()
+        return body.sampling_params(defaults)
     except ValueError as exc:
         raise _bad_value(exc, body) from exc
 

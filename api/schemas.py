@@ -74,11 +74,14 @@ class _GenerationRequest(BaseModel):
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
-    def _common_params(self) -> dict[str, Any]:
+    def _common_params(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`defaults`: the model's values for the sampling fields the request leaves unset
+        (its generation_config.json's, as the workers report them); else SamplingParams'."""
         optional = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
         }
+        optional = {k: (defaults or {}).get(k) if v is None else v for k, v in optional.items()}
         return {
             "n": self.n, "seed": self.seed, "stop": self.stop or [],
             "presence_penalty": self.presence_penalty,
@@ -157,11 +160,12 @@ class CompletionRequest(_GenerationRequest):
     best_of: int | None = None  # only best_of == n is supported
     _embeds: list[bytes] | None = PrivateAttr(default=None)  # prompt_embeds decoded, once
 
-    def sampling_params(self) -> SamplingParams:
-        """Raises ValueError naming the field (SamplingParams' own checks)."""
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Raises ValueError naming the field (SamplingParams' own checks); `defaults`: see
+        _common_params."""
         return SamplingParams(
             max_tokens=self.max_tokens, logprobs=self.logprobs,
-            prompt_logprobs=self._prompt_logprobs(), **self._common_params()
+            prompt_logprobs=self._prompt_logprobs(), **self._common_params(defaults)
         )
 
     def _prompt_logprobs(self) -> int | None:
@@ -332,12 +336,12 @@ class ChatCompletionRequest(_GenerationRequest):
             return {"json_schema": calls_schema(tools, self.parallel_tool_calls)}
         return super()._guided_decoding()
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
-            **self._common_params(),
+            **self._common_params(defaults),
         )
 
 

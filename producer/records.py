@@ -188,6 +188,9 @@ class WorkerInfo:
     lora_errors: str = ""  # JSON {name: why}: runtime adapters this worker could not load
     max_loras: int = 0  # adapters in one batch; 0: LoRA is off (it follows no registry)
     max_model_len: int = 0  # prompt plus output tokens a job may reach (0: not reported)
+    # JSON {field: value}: the model's sampling defaults (its generation_config.json's
+    # temperature, top_p, ...), which the API gives requests that leave them unset
+    sampling_defaults: str = ""
     state: str = "serving"  # serving | draining (SIGTERM received)
     running: int = 0  # requests in the engine's running queue
     waiting: int = 0  # requests in the engine's waiting queue
@@ -208,13 +211,23 @@ class WorkerInfo:
         return [name for name in self.lora_modules.split(",") if name]
 
     @property
+    def default_sampling(self) -> dict[str, Any]:
+        """`sampling_defaults` decoded; an unreadable value counts as none."""
+        return _json_object(self.sampling_defaults)
+
+    @property
     def adapter_errors(self) -> dict[str, str]:
         """`lora_errors` decoded; an unreadable value counts as none."""
-        try:
-            errors = json.loads(self.lora_errors) if self.lora_errors else {}
-        except json.JSONDecodeError:
-            return {}
-        return {str(k): str(v) for k, v in errors.items()} if isinstance(errors, dict) else {}
+        return {str(k): str(v) for k, v in _json_object(self.lora_errors).items()}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A heartbeat field's JSON object; {} for an empty or unreadable one."""
+    try:
+        value = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 _WORKER_FIELDS = {f.name: f.type for f in fields(WorkerInfo)}

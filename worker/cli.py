@@ -16,6 +16,7 @@ from typing import Any
 _ENGINE_FLAGS: dict[str, type] = {
     "model": str,
     "tokenizer": str,
+    "generation_config": str,
     "dtype": str,
     "device": str,
     "max_num_seqs": int,
@@ -107,6 +108,9 @@ _HELP = {
     "max_images_per_prompt": "the most images one prompt may hold; more fail the job by name "
     "(default: $GENQ_MAX_IMAGES_PER_PROMPT or 16)",
     "model": "local model directory or GGUF file (default: $GENQ_MODEL or SmolLM2-135M-Instruct)",
+    "generation_config": "auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset "
+    "take the model's generation_config.json values; vllm: vLLM's defaults; or a directory to read one from "
+    "(default: $GENQ_GENERATION_CONFIG or auto)",
     "tokenizer": "local directory of the tokenizer to use, e.g. a GGUF model's base model's "
     "(default: $GENQ_TOKENIZER or the model's)",
     "name": "consumer name in the group (default: $GENQ_WORKER_NAME or the host name)",

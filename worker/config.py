@@ -86,6 +86,10 @@ class EngineConfig:
     # caching for such a model). A prefix is served up to the last state kept
     mamba_block_size: int | None = None
     num_state_snapshots: int | None = None
+    # vLLM's: "auto", requests that leave temperature, top_p, top_k, min_p or
+    # repetition_penalty unset (the API's, LLM.generate without params) take the model's
+    # generation_config.json values; "vllm", vLLM's own defaults; or a directory to read one from
+    generation_config: str = "auto"
     # vLLM's: entries of the model's config.json replaced before it is read (a mapping merged
     # into a mapping), e.g. {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
     # "original_max_position_embeddings": 32768}} for a longer context

@@ -103,6 +103,7 @@ class Engine:
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))
+        self.sampling_defaults = sampling_defaults(self.model_path, config.generation_config)
         # linear attention's state follows every token before: blocks alone restore no prefix, the
         # states the prefix cache keeps do (where it keeps some)
         self.recurrent = self.model_config.linear is not None
@@ -721,6 +722,34 @@ def _max_model_len(config: EngineConfig, hf_config) -> int:
 
 def _tokenizer_eos(tokenizer) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
+# what vLLM takes from a model's generation_config.json as its requests' sampling defaults
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_path: Path, generation_config: str) -> dict[str, Any]:
+    """vLLM's generation_config: "auto", the sampling values of the model's
+    generation_config.json (Qwen3's temperature 0.6, top_p 0.95, top_k 20, ...), which
+    requests that leave them unset take; "vllm", none; else a directory whose
+    generation_config.json to read. ValueError naming a value SamplingParams refuses."""
+    if generation_config == "vllm":
+        return {}
+    folder = model_path if generation_config == "auto" else Path(generation_config).expanduser()
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config == "auto":
+            return {}
+        raise ValueError(f"generation_config {generation_config!r} holds no generation_config.json")
+    values = json.loads(path.read_text())
+    found = {k: values[k] for k in SAMPLING_DEFAULT_KEYS if values.get(k) is not None}
+    try:
+        SamplingParams(**found)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    if found:
+        logger.info("requests that leave them unset sample with the model's generation config: %s", found)
+    return found
 
 
 def generation_eos(model_path: Path) -> set[int]:

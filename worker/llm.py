@@ -37,6 +37,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what `generate` samples with when given no params: the model's
+        generation_config.json values (generation_config="auto"), vLLM's defaults otherwise."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: PromptInput | list[PromptInput],
@@ -51,7 +56,7 @@ class LLM:
         Every prompt is checked before any is queued, so a bad one raises ValueError (naming
         its index and what was wrong) and leaves the engine untouched."""
         prompt_list = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompt_list))
+        params = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
         loras = _as_per_prompt(lora_request, len(prompt_list), "lora requests")
         checked = [self._checked(i, prompt, p, lora) for i, (prompt, p, lora) in
                    enumerate(zip(prompt_list, params, loras, strict=True))]

@@ -126,6 +126,7 @@ class Heartbeat:
             lora_errors=json.dumps(adapters.errors) if adapters.errors else "",
             max_loras=self.config.engine.max_loras if self.config.engine.enable_lora else 0,
             max_model_len=self.engine.engine.max_model_len,  # as the engine resolved it
+            sampling_defaults=json.dumps(self.engine.engine.sampling_defaults) if self.engine.engine.sampling_defaults else "",
             state=self.state,
             running=stats.num_running,
             waiting=stats.num_waiting,

@@ -1,0 +1,39 @@
+"""The model's generation_config.json sampling values through the API: the worker reports
+them in its heartbeat and the API gives them to requests that leave those fields unset (as
+vLLM's server does), checked against the offline engine with the values given."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from producer.redis_server import RedisServer
+from producer.sampling_params import SamplingParams
+from worker import LLM
+
+PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def live_worker(stack_redis: RedisServer, tuned_llama_dir: Path, run_worker, tmp_path_factory) -> Iterator[str]:
+    with run_worker(stack_redis.url, tuned_llama_dir, tmp_path_factory.mktemp("worker")) as url:
+        yield url
+
+
+def test_unset_fields_take_the_models_values(served_model: str, oai: openai.OpenAI, tuned_llama_dir: Path) -> None:
+    offline = LLM(str(tuned_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+
+    def expected(**params) -> str:
+        given = SamplingParams(max_tokens=16, ignore_eos=True, **params)
+        return offline.generate({"prompt_token_ids": PROMPT}, given, use_tqdm=False)[0].outputs[0].text
+
+    body = {"model": served_model, "prompt": PROMPT, "max_tokens": 16, "extra_body": {"ignore_eos": True}}
+    # nothing set: the model's top_k 1 (greedy) and repetition penalty
+    assert oai.completions.create(**body).choices[0].text == expected(temperature=0.0, repetition_penalty=1.5)
+    # what a request sets wins, field by field
+    unpenalized = {**body, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.0}}
+    assert oai.completions.create(**unpenalized).choices[0].text == expected(temperature=0.0)
+    assert expected(temperature=0.0) != expected(temperature=0.0, repetition_penalty=1.5)
