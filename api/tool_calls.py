@@ -20,6 +20,8 @@ from typing import Any, Protocol
 from api.call_stream import CallDelta, CallStream, ToolCall, merged
 from api.glm_tool_calls import GlmBlock, Qwen3CoderBlock
 from api.pythonic_tool_calls import PythonicReader
+from api.section_tool_calls import FORMATS as SECTION_FORMATS
+from api.section_tool_calls import SectionReader
 from api.text_readers import partial_tag, read_piece
 from api.tool_formats import Llama3JsonReader, MistralReader
 
@@ -154,18 +156,20 @@ def calls_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool)
     }
 
 
-Reader = ToolCallReader | CallArrayReader | Llama3JsonReader | MistralReader | PythonicReader
+Reader = ToolCallReader | CallArrayReader | Llama3JsonReader | MistralReader | PythonicReader | SectionReader
 # blocks whose arguments are tagged pairs, read by the tools' declared string parameters
 XML_BLOCKS: dict[str, type[GlmBlock]] = {"glm45": GlmBlock, "qwen3_coder": Qwen3CoderBlock}
-READERS: dict[str, type[Reader]] = {"hermes": ToolCallReader, "json": CallArrayReader,
+READERS: dict[str, Callable[[], Reader]] = {"hermes": ToolCallReader, "json": CallArrayReader,
                                     "llama3_json": Llama3JsonReader, "mistral": MistralReader,
                                     "pythonic": PythonicReader}
 
 
 def calls_reader(form: str, string_parameters: Iterable[tuple[str, str]] = ()) -> Reader:
-    """A reader of calls written in `form` (READERS, "glm45" or "qwen3_coder"). GLM's and
-    Qwen3-Coder's calls write the values of parameters declared strings ((tool, parameter)) as
-    raw text, any other as JSON."""
+    """A reader of calls written in `form` (READERS, "glm45", "qwen3_coder", or the section
+    formats of api.section_tool_calls). GLM's and Qwen3-Coder's calls write the values of
+    parameters declared strings ((tool, parameter)) as raw text, any other as JSON."""
+    if form in SECTION_FORMATS:
+        return SectionReader(SECTION_FORMATS[form])
     if form in XML_BLOCKS:
         strings, block = frozenset(string_parameters), XML_BLOCKS[form]
         return ToolCallReader(lambda first_index: block(first_index, strings))

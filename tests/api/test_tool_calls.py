@@ -210,6 +210,28 @@ def test_a_glm_call_is_named_once_its_name_is_whole_and_streams_an_argument_at_a
 # -- Llama 3's and Mistral's formats (api.tool_formats) ---------------------------------------
 
 WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                                                 "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+KIMI_BEGIN, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, KIMI_END = (
+    "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+    "<|tool_calls_section_end|>")
+
+
+def _deepseek_v31(*calls: tuple[str, str]) -> str:
+    return DS_BEGIN + "".join(f"{DS_CALL}{name}{DS_SEP}{arguments}{DS_CALL_END}" for name, arguments in calls) + DS_END
+
+
+def _deepseek_v3(*calls: tuple[str, str]) -> str:
+    return DS_BEGIN + "".join(f"{DS_CALL}function{DS_SEP}{name}\n```json\n{arguments}\n```{DS_CALL_END}"
+                              for name, arguments in calls) + DS_END
+
+
+def _kimi(*calls: tuple[str, str]) -> str:
+    return KIMI_BEGIN + "".join(f"{KIMI_CALL}functions.{name}:{k}{KIMI_ARGS}{arguments}{KIMI_CALL_END}"
+                                for k, (name, arguments) in enumerate(calls)) + KIMI_END
+
+
+SECTION_WRITERS = {"deepseek_v31": _deepseek_v31, "deepseek_v3": _deepseek_v3, "kimi_k2": _kimi}
 FORMAT_CASES = [
     # (form, reply, content, calls as (name, arguments))
     ("llama3_json", WEATHER, None, [("get_weather", {"city": "Paris", "days": 2})]),
@@ -250,6 +272,18 @@ FORMAT_CASES = [
     ("pythonic", "[a(x=1), b(y=2", None, [("a", {"x": 1})]),  # cut short: the whole calls stand
     ("pythonic", "[a(x=1), 7]", None, [("a", {"x": 1})]),
     ("pythonic", "<|python_st", "<|python_st", []),
+    # DeepSeek's and Kimi K2's sections of special tokens: content before them, calls in them
+    *[case for form, write in SECTION_WRITERS.items() for case in [
+        (form, write(("get_weather", '{"city": "Paris", "days": 2}')), None, [PARIS]),
+        (form, "Let me check both." + write(("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}")),
+         "Let me check both.", [PARIS, ("get_time", {})]),
+        (form, "It is sunny in Paris.", "It is sunny in Paris.", []),
+        (form, "It is sunny <|tool", "It is sunny <|tool", []),
+    ]],
+    # cut short: a call whose arguments were coming keeps what came of them
+    ("deepseek_v31", f'{DS_BEGIN}{DS_CALL}a{DS_SEP}{{"x": 1}}{DS_CALL_END}{DS_CALL}b{DS_SEP}{{"y": 2}}', None,
+     [("a", {"x": 1}), ("b", {"y": 2})]),
+    ("kimi_k2", f"{KIMI_BEGIN}{KIMI_CALL}functions.lookup.v2:3{KIMI_ARGS}{{}}{KIMI_CALL_END}", None, [("lookup.v2", {})]),
 ]
 
 
@@ -275,6 +309,17 @@ def test_a_pythonic_call_goes_out_once_its_parenthesis_closes() -> None:
     assert reader.num_calls == 1
     assert reader.feed('T")]<|python_end|>') == ("", [CallDelta(1, "get_time", '{"zone": "CET"}')])
     assert reader.finish() == ("", [])
+
+
+@pytest.mark.parametrize("form", ["deepseek_v31", "kimi_k2"])
+def test_a_section_calls_arguments_stream_as_written(form: str) -> None:
+    reply = SECTION_WRITERS[form](("get_weather", '{"city": "Paris"}'))
+    head = reply.index('{"city"')
+    reader = calls_reader(form)
+    assert reader.feed(reply[:head]) == ("", [CallDelta(0, "get_weather", "")])
+    assert reader.feed(reply[head : head + 10]) == ("", [CallDelta(0, None, reply[head : head + 10])])
+    assert reader.feed(reply[head + 10 :]) == ("", [CallDelta(0, None, reply[head + 10 : reply.index("}") + 1])])
+    assert reader.finish() == ("", []) and reader.num_calls == 1
 
 
 def test_a_mistral_calls_arguments_stream_before_it_closes() -> None:
@@ -313,10 +358,18 @@ def test_a_glm45_server_reads_calls_with_the_parameters_its_tools_declare_string
     assert (whole.finish_reason, streamed["finish_reason"]) == ("tool_calls", "tool_calls")
 
 
-def test_a_pythonic_server_asks_for_special_tokens_and_renders_llama4_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GENQ_TOOL_CALL_PARSER=pythonic: Llama 4 wraps its calls in special tokens, so the job
-    asks for the text with them; a reply of calls renders as tool_calls, whole and streamed."""
-    monkeypatch.setenv("GENQ_TOOL_CALL_PARSER", "pythonic")
+@pytest.mark.parametrize(("parser", "reply"), [
+    ("pythonic", '<|python_start|>[get_weather(city="Paris", days=2)]<|python_end|>'),
+    ("deepseek_v3", _deepseek_v3(("get_weather", '{"city": "Paris", "days": 2}'))),
+    ("deepseek_v31", _deepseek_v31(("get_weather", '{"city": "Paris", "days": 2}'))),
+    ("kimi_k2", _kimi(("get_weather", '{"city": "Paris", "days": 2}'))),
+])
+def test_a_server_whose_calls_are_special_tokens_asks_for_them(monkeypatch: pytest.MonkeyPatch, parser: str,
+                                                              reply: str) -> None:
+    """GENQ_TOOL_CALL_PARSER=pythonic (Llama 4), deepseek_v3, deepseek_v31, kimi_k2: the calls
+    are wrapped in special tokens, so the job asks for the text with them; a reply of calls
+    renders as tool_calls, whole and streamed."""
+    monkeypatch.setenv("GENQ_TOOL_CALL_PARSER", parser)
     settings = Settings()
     client = AsyncClient(settings.redis_url, settings.prefix)  # connects on first use only: never here
     state = AppState(settings, client, Relay(client.redis, client.keys), Cluster(client.redis, client.keys), Metrics())
@@ -324,8 +377,7 @@ def test_a_pythonic_server_asks_for_special_tokens_and_renders_llama4_calls(monk
         {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})
     renderer = ChatRenderer()
     planned = plan(state, body, [chat_prompt(body)], renderer, "x", "m")
-    assert planned.req.read_tool_calls == "pythonic" and planned.params.skip_special_tokens is False
-    reply = '<|python_start|>[get_weather(city="Paris", days=2)]<|python_end|>'
+    assert planned.req.read_tool_calls == parser and planned.params.skip_special_tokens is False
     event = Event(seq=0, token_ids=[0], text=reply, finished=True, finish_reason="stop")
     collector = Collector(planned.req)
     streamed = renderer.chunk(planned.req, collector.add("x", event), event)["choices"][0]
