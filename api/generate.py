@@ -79,7 +79,7 @@ class Plan:
 # the worker spells for markers)
 GRAMMAR_AFTER = {"deepseek_r1": THINK_END, "gpt_oss": FINAL_CHANNEL}
 # tool-call formats that open with a special token (Llama 4's pythonic calls: <|python_start|>)
-SPECIAL_TOKEN_FORMATS = ("llama3_json", "mistral", "pythonic", "deepseek_v3", "deepseek_v31", "kimi_k2")
+SPECIAL_TOKEN_FORMATS = ("llama3_json", "mistral", "granite", "pythonic", "deepseek_v3", "deepseek_v31", "kimi_k2")
 
 
 def plan(

@@ -40,13 +40,13 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0  # a relayed request longer than this is cancelled (504)
     # How chat replies are read for tool calls under tool_choice "auto": "hermes"
     # (<tool_call>{...}</tool_call>: Qwen, Hermes, SmolLM2), "llama3_json" (Llama 3.1 to 3.3),
-    # "mistral" ([TOOL_CALLS]...), "glm45" (<tool_call>name<arg_key>...: GLM-4.5 to 4.7),
+    # "mistral" ([TOOL_CALLS]...), "granite" (<|tool_call|>[...]: Granite 3), "glm45" (<tool_call>name<arg_key>...: GLM-4.5 to 4.7),
     # "qwen3_coder" (<tool_call><function=name><parameter=...: Qwen3-Coder, Qwen3.5),
     # "pythonic" ([get_weather(city="Paris")]: Llama 3.2 and Llama 4), "deepseek_v3" (DeepSeek-V3,
     # R1), "deepseek_v31" (DeepSeek-V3.1, V3.2), "kimi_k2" (api.section_tool_calls), or "none" to
     # refuse "auto" with a 400.
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "glm45", "qwen3_coder", "pythonic", "deepseek_v3",
-                              "deepseek_v31", "kimi_k2", "none"] = "hermes"
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "granite", "glm45", "qwen3_coder", "pythonic",
+                              "deepseek_v3", "deepseek_v31", "kimi_k2", "none"] = "hermes"
     # How chat replies of reasoning models are split into reasoning_content and content
     # (api.reasoning): "deepseek_r1", "qwen3", "gpt_oss" (harmony channels, api.harmony), or
     # "none" (not a reasoning model).

@@ -23,7 +23,7 @@ from api.pythonic_tool_calls import PythonicReader
 from api.section_tool_calls import FORMATS as SECTION_FORMATS
 from api.section_tool_calls import SectionReader
 from api.text_readers import partial_tag, read_piece
-from api.tool_formats import Llama3JsonReader, MistralReader
+from api.tool_formats import GraniteReader, Llama3JsonReader, MistralReader
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -160,7 +160,7 @@ Reader = ToolCallReader | CallArrayReader | Llama3JsonReader | MistralReader | P
 # blocks whose arguments are tagged pairs, read by the tools' declared string parameters
 XML_BLOCKS: dict[str, type[GlmBlock]] = {"glm45": GlmBlock, "qwen3_coder": Qwen3CoderBlock}
 READERS: dict[str, Callable[[], Reader]] = {"hermes": ToolCallReader, "json": CallArrayReader,
-                                    "llama3_json": Llama3JsonReader, "mistral": MistralReader,
+                                    "llama3_json": Llama3JsonReader, "mistral": MistralReader, "granite": GraniteReader,
                                     "pythonic": PythonicReader}
 
 

@@ -1,5 +1,5 @@
-"""Tool calls as Llama 3 and Mistral models write them (GENQ_TOOL_CALL_PARSER `llama3_json`,
-`mistral`; vLLM's parsers of those names), read as they stream, each call's arguments going
+"""Tool calls as Llama 3, Mistral and Granite 3 models write them (GENQ_TOOL_CALL_PARSER
+`llama3_json`, `mistral`, `granite`; vLLM's parsers of those names), read as they stream, each call's arguments going
 out as they are written (api.call_stream). Both formats begin with a special token, so the
 API asks the worker for the text with special tokens.
 
@@ -9,6 +9,7 @@ API asks the worker for the text with special tokens.
 - mistral: content, then `[TOOL_CALLS]` and the calls: a JSON array of `{"name", "arguments"}`
   objects (tokenizers up to v7), or from v11 (Mistral Small 3.2, Magistral) the name, `[ARGS]`
   and the arguments, each call after its own `[TOOL_CALLS]`.
+- granite (Granite 3.x; vLLM's `granite`): the same array after `<|tool_call|>`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class Llama3JsonReader:
 
 
 class MistralReader:
+    tag = TOOL_CALLS  # what opens the calls
+
     def __init__(self) -> None:
         self._held = ""
         self._phase = "content"  # content | calls (after [TOOL_CALLS]) | array | arguments
@@ -81,12 +84,12 @@ class MistralReader:
                 if not self._step(deltas):
                     break
                 continue
-            at = self._held.find(TOOL_CALLS)
+            at = self._held.find(self.tag)
             if at < 0:
-                keep = partial_tag(self._held, TOOL_CALLS)
+                keep = partial_tag(self._held, self.tag)
                 content, self._held = content + self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
                 break
-            content, self._held, self._phase = content + self._held[:at], self._held[at + len(TOOL_CALLS):], "calls"
+            content, self._held, self._phase = content + self._held[:at], self._held[at + len(self.tag):], "calls"
         return content, deltas
 
     def finish(self) -> tuple[str, list[CallDelta]]:
@@ -119,3 +122,9 @@ class MistralReader:
         self._held = self._stream.text[self._stream.arguments_end:]
         self._done, self._stream, self._phase = self.num_calls, None, "content"
         return True
+
+
+class GraniteReader(MistralReader):
+    """Granite 3's calls: content, then `<|tool_call|>` and a JSON array of calls."""
+
+    tag = "<|tool_call|>"

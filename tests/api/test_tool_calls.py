@@ -248,6 +248,10 @@ FORMAT_CASES = [
      "Let me look.", [("a", {"x": [1, "]"]}), ("b", {})]),
     ("mistral", '[TOOL_CALLS]a[ARGS]{"x": {"y": "}"}}[TOOL_CALLS]b[ARGS]{}', None, [("a", {"x": {"y": "}"}}), ("b", {})]),
     ("mistral", "No tools needed [TOOL", "No tools needed [TOOL", []),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]', None, [PARIS]),
+    ("granite", 'Checking.<|tool_call|>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"y": 2}}]',
+     "Checking.", [("a", {}), ("b", {"y": 2})]),
+    ("granite", "Sunny, <|tool", "Sunny, <|tool", []),
     *[("glm45", *case) for case in GLM_CASES],
     # Qwen3-Coder's blocks (Qwen3.5, Qwen3-Next): a value on its own lines, typed as GLM's are
     *[("qwen3_coder", *case) for case in [
