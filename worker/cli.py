@@ -17,6 +17,7 @@ _ENGINE_FLAGS: dict[str, type] = {
     "model": str,
     "tokenizer": str,
     "generation_config": str,
+    "logprobs_mode": str,
     "dtype": str,
     "device": str,
     "max_num_seqs": int,
@@ -108,6 +109,8 @@ _HELP = {
     "max_images_per_prompt": "the most images one prompt may hold; more fail the job by name "
     "(default: $GENQ_MAX_IMAGES_PER_PROMPT or 16)",
     "model": "local model directory or GGUF file (default: $GENQ_MODEL or SmolLM2-135M-Instruct)",
+    "logprobs_mode": "what logprobs report: processed_logprobs (after penalties, bias and temperature), raw_logprobs "
+    "(the model's own), processed_logits or raw_logits (default: $GENQ_LOGPROBS_MODE or processed_logprobs)",
     "generation_config": "auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset "
     "take the model's generation_config.json values; vllm: vLLM's defaults; or a directory to read one from "
     "(default: $GENQ_GENERATION_CONFIG or auto)",

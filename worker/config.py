@@ -15,6 +15,10 @@ QUANTIZATION_METHODS = {"fp8": "fp8", "gptq": "gptq", "gptq_marlin": "gptq", "aw
                         "mxfp4": "mxfp4"}
 
 
+# vLLM's logprobs_mode values: what a logprob reports
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # a local HF directory or GGUF file; None: the default model (SmolLM2-135M-Instruct)
@@ -86,6 +90,10 @@ class EngineConfig:
     # caching for such a model). A prefix is served up to the last state kept
     mamba_block_size: int | None = None
     num_state_snapshots: int | None = None
+    # vLLM's: what logprobs report: processed_logprobs (after penalties, bias and temperature;
+    # genq's default), raw_logprobs (the model's own distribution; vLLM's default),
+    # processed_logits or raw_logits (the values, not their log-softmax)
+    logprobs_mode: str = "processed_logprobs"
     # vLLM's: "auto", requests that leave temperature, top_p, top_k, min_p or
     # repetition_penalty unset (the API's, LLM.generate without params) take the model's
     # generation_config.json values; "vllm", vLLM's own defaults; or a directory to read one from
@@ -99,6 +107,8 @@ class EngineConfig:
     logits_processors: Sequence[str | type] = ()
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):

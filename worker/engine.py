@@ -124,7 +124,8 @@ class Engine:
             recurrent=self.recurrent,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager)
-        self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels)
+        self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels,
+                               logprobs_mode=config.logprobs_mode)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}
@@ -506,6 +507,7 @@ class Engine:
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled}
         requests = [self.scheduler.requests[rid] for rid in row_ids]
         row_outputs = _row_outputs(row_ids, requests, drafts)
+        model_logits = logits.clone() if self.sampler.reports_raw and self.logits_processors.by_request else None
         self._processor_failures = self.logits_processors.apply(
             logits, row_ids, [r.prompt_tokens_seen for r in requests], row_outputs)
         batch = SamplingBatch.build(
@@ -520,7 +522,7 @@ class Engine:
                                            for rid, out, request in zip(row_ids, row_outputs, requests, strict=True)]),
             banned_token_ids=_bad_word_bans(requests, row_outputs),
         )
-        sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch), drafts)
+        sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch, model_logits), drafts)
         for rid, guesses in drafts.items():  # how the guesses fared: counted, and pacing the next
             if guesses and rid in sampled and self.proposer is not None:
                 self.spec_stats.add(len(guesses), len(sampled[rid]) - 1)

@@ -163,6 +163,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         model=env.get("GENQ_MODEL") or None,
         tokenizer=env.get("GENQ_TOKENIZER") or None,
         generation_config=env.get("GENQ_GENERATION_CONFIG") or None,
+        logprobs_mode=env.get("GENQ_LOGPROBS_MODE") or None,
         dtype=env.get("GENQ_DTYPE") or None,
         device=env.get("GENQ_DEVICE") or None,
         max_num_seqs=_int(env, "GENQ_MAX_NUM_SEQS"),

@@ -5,11 +5,13 @@ A single vectorised pass over the batch, in vLLM's order:
     allowed_token_ids -> min_tokens -> logit_bias -> penalties -> temperature -> [logprobs]
     -> top-k -> top-p -> min-p -> sample
 
-Logprobs are reported "processed" (as the issue asks, and as vLLM's processed-logprobs mode
-does): the log-softmax of the logits after every step up to temperature, before the
-top-k/top-p/min-p filters, so a reported distribution is the one the filters started from.
-Greedy rows (temperature 0) take the argmax of the penalised logits and report the
-log-softmax of those logits (no temperature to divide by).
+Logprobs are reported "processed" by default (as the issue asks; vLLM's logprobs_mode
+"processed_logprobs"): the log-softmax of the logits after every step up to temperature,
+before the top-k/top-p/min-p filters, so a reported distribution is the one the filters
+started from. Greedy rows (temperature 0) take the argmax of the penalised logits and report
+the log-softmax of those logits (no temperature to divide by). vLLM's other modes report the
+model's own distribution ("raw_logprobs": before any processing, custom logits processors
+included), or logits instead of logprobs ("raw_logits", "processed_logits").
 
 Random rows sample with the exponential race: argmax(probs / E) with E ~ Exponential(1) drawn
 independently per token picks token i with probability probs[i]. Each row's draw depends on its
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from worker.config import LOGPROBS_MODES
 from worker.sampling_batch import SamplingBatch
 
 # Smallest positive float32: exponential noise clamped to it never divides by zero.
@@ -149,13 +152,23 @@ class Sampler:
     tokens are those of the torch path. Batches with min_p keep the torch path.
     """
 
-    def __init__(self, seed: int = 0, use_kernel: bool = False) -> None:
+    def __init__(self, seed: int = 0, use_kernel: bool = False, logprobs_mode: str = "processed_logprobs") -> None:
         self.seed = seed
         self.use_kernel = use_kernel
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: [num_seqs, vocab], any float dtype; row i belongs to the batch's request i."""
+    @property
+    def reports_raw(self) -> bool:
+        """Logprobs come from the model's logits, before any processing."""
+        return self.logprobs_mode.startswith("raw")
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch, model_logits: Tensor | None = None) -> SamplerOutput:
+        """logits: [num_seqs, vocab], any float dtype; row i belongs to the batch's request i.
+        `model_logits`: the model's own where `logits` were processed before (custom logits
+        processors), for the raw logprobs modes."""
         if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
             num_seqs = batch.temperature.shape[0]
             raise ValueError(f"logits must be [{num_seqs}, vocab], got {tuple(logits.shape)}")
@@ -167,8 +180,10 @@ class Sampler:
         # Greedy rows divide by 1; an all-greedy batch skips the full-vocabulary division.
         scaled = logits if batch.all_greedy else logits / batch.temperature.unsqueeze(1)
         token_ids = self._sample(logits, scaled, batch)  # [num_seqs] int64
+        reported = (raw if model_logits is None else model_logits.float()) if self.reports_raw else scaled
+        as_logits = self.logprobs_mode.endswith("logits")
         return SamplerOutput(
-            token_ids=token_ids.tolist(), logprobs=compute_logprobs(scaled, token_ids, batch)
+            token_ids=token_ids.tolist(), logprobs=compute_logprobs(reported, token_ids, batch, as_logits)
         )
 
     def _sample(self, logits: Tensor, scaled: Tensor, batch: SamplingBatch) -> Tensor:
@@ -212,18 +227,19 @@ class Sampler:
 
 
 def compute_logprobs(
-    scaled: Tensor, token_ids: Tensor, batch: SamplingBatch
+    scaled: Tensor, token_ids: Tensor, batch: SamplingBatch, as_logits: bool = False
 ) -> list[TokenLogprobs | None] | None:
     """Logprobs of the sampled tokens and the top alternatives, for rows that asked.
 
-    scaled: [num_seqs, vocab] logits after min_tokens, penalties and temperature.
+    scaled: [num_seqs, vocab] logits after min_tokens, penalties and temperature (or the
+    model's own, for the raw modes); `as_logits`: report these values, not their log-softmax.
     token_ids: [num_seqs] the sampled tokens.
     """
     rows = [row for row, n in enumerate(batch.num_logprobs) if n is not None]
     if not rows:
         return None
     index = torch.tensor(rows, device=scaled.device)
-    logprobs = scaled[index].log_softmax(dim=-1)  # [num_rows, vocab]
+    logprobs = scaled[index] if as_logits else scaled[index].log_softmax(dim=-1)  # [num_rows, vocab]
     sampled = token_ids[index].unsqueeze(1)  # [num_rows, 1]
     sampled_logprobs = logprobs.gather(1, sampled)  # [num_rows, 1]
     ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1  # [num_rows]

@@ -85,6 +85,49 @@ def test_logprobs_match_log_softmax_of_the_model(llm, tiny_llama_dir):
         assert entry.decoded == {i: tok.decode([i]) for i in [entry.token_id, *entry.top_logprobs]}
 
 
+class CountUp:
+    """Test logits processor: each step's token may only be 100 + the tokens before it."""
+
+    def __init__(self, config) -> None:
+        pass
+
+    def new_req_logits_processor(self, params):
+        def force(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            forced = torch.full_like(logits, float("-inf"))
+            forced[100 + len(output_ids)] = 0.0
+            return forced
+
+        return force if (params.extra_args or {}).get("count_up") else None
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"])
+def test_logprobs_mode_reports_the_logits_it_names(tiny_llama_dir, mode):
+    """vLLM's logprobs_mode: the model's own logits (raw: before a custom logits processor,
+    here one that forces each token, the penalty and the temperature) or those after the
+    penalty and the temperature (processed), as logprobs or as values."""
+    raw = mode.startswith("raw")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, logprobs_mode=mode,
+              logits_processors=[CountUp])
+    params = SamplingParams(temperature=2.0, repetition_penalty=1.5, max_tokens=6, logprobs=3, ignore_eos=True,
+                            seed=1, extra_args={"count_up": True} if raw else None)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 5, 6, 7]}, params, use_tqdm=False)[0]
+    comp, prompt = out.outputs[0], out.prompt_token_ids
+    if raw:
+        assert comp.token_ids == list(range(100, 106))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        model = hf(torch.tensor([prompt + comp.token_ids])).logits[0, len(prompt) - 1 : -1]
+    for step, entry in enumerate(comp.logprobs):
+        row = model[step].clone()
+        if not raw:  # the penalty on the tokens seen, then the temperature
+            seen = list(set(prompt + comp.token_ids[:step]))
+            row[seen] = torch.where(row[seen] > 0, row[seen] / 1.5, row[seen] * 1.5)
+            row = row / 2.0
+        expected = row if mode.endswith("logits") else row.log_softmax(-1)
+        assert math.isclose(entry.logprob, float(expected[entry.token_id]), rel_tol=1e-4, abs_tol=1e-4)
+        assert list(entry.top_logprobs) == expected.topk(3).indices.tolist()
+
+
 def test_prompt_logprobs_match_the_model_with_chunking(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=16)
     prompt = "A long prompt that needs several chunks of sixteen tokens to compute. " * 3
