@@ -36,6 +36,7 @@ from worker.models.eagle3 import (
 )
 from worker.models.llama import HiddenStateDraft, LlamaForCausalLM
 from worker.models.mtp import MultiTokenPredictor, check_has_mtp, mtp_hf_config
+from worker.multimodal import ImageEmbeddings, ShiftedEmbeddings
 from worker.scheduler import ScheduledRequest, SchedulerOutput
 from worker.spec_decode import Pacing, SpeculativeConfig
 
@@ -161,10 +162,11 @@ class HiddenStateProposer:
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, layer: tuple[Path, Any, type[HiddenStateDraft]],
                  max_model_len: int, target_blocks: int, target: LlamaForCausalLM, num_host_blocks: int = 0,
-                 reads_aux: bool = False):
+                 reads_aux: bool = False, given: ImageEmbeddings | None = None):
         """`layer`: the draft layer's checkpoint directory, config and model class (one with
         `share_with(target)`); `target`: the target's (rank 0's) model; `target_blocks`,
-        `num_host_blocks`: the target's pool and host slots."""
+        `num_host_blocks`: the target's pool and host slots; `given`: the target's given rows
+        (images', prompt embeddings), which the layer's rows of those tokens read too."""
         self.config = spec
         self.block_size = config.block_size
         self.reads_aux = reads_aux
@@ -178,6 +180,8 @@ class HiddenStateProposer:
         draft = self.runner.model
         assert isinstance(draft, HiddenStateDraft)
         draft.share_with(target)
+        if given is not None:
+            self.runner.image_embeds = ShiftedEmbeddings(given)
         num_private = config.max_num_seqs
         self.scratch = DraftBlocks(config.max_num_seqs * per_request, config.block_size)
         self.scratch.free = [target_blocks + num_private + b for b in self.scratch.free]
@@ -324,11 +328,12 @@ class HiddenStateProposer:
 
 def mtp_proposer(spec: SpeculativeConfig, config: EngineConfig, model_path: Path, hf_config: Any,
                  max_model_len: int, target_blocks: int, target: LlamaForCausalLM,
-                 num_host_blocks: int = 0) -> HiddenStateProposer:
-    """Guesses from the MTP layer in the target's checkpoint (`model_path`, `hf_config`)."""
+                 num_host_blocks: int = 0, given: ImageEmbeddings | None = None) -> HiddenStateProposer:
+    """Guesses from the MTP layer in the target's checkpoint (`model_path`, `hf_config`);
+    `given`: the target's given rows (HiddenStateProposer)."""
     check_has_mtp(hf_config)
     return HiddenStateProposer(spec, config, (model_path, mtp_hf_config(hf_config), MultiTokenPredictor),
-                               max_model_len, target_blocks, target, num_host_blocks)
+                               max_model_len, target_blocks, target, num_host_blocks, given=given)
 
 
 def holds_eagle3_head(spec: SpeculativeConfig, config: EngineConfig) -> bool:
@@ -338,7 +343,8 @@ def holds_eagle3_head(spec: SpeculativeConfig, config: EngineConfig) -> bool:
 
 
 def eagle3_proposer(spec: SpeculativeConfig, config: EngineConfig, max_model_len: int, target_blocks: int,
-                    target: LlamaForCausalLM, num_host_blocks: int = 0) -> HiddenStateProposer:
+                    target: LlamaForCausalLM, num_host_blocks: int = 0,
+                    given: ImageEmbeddings | None = None) -> HiddenStateProposer:
     """Guesses from the EAGLE-3 head in `spec.model`; the target keeps the residual stream
     before the layers the head reads (its steps then run eagerly: the CUDA graphs keep no
     such states)."""
@@ -352,4 +358,4 @@ def eagle3_proposer(spec: SpeculativeConfig, config: EngineConfig, max_model_len
                          f"model's ({target.config.vocab_size})")
     target.aux_layers = aux_layers(head_config, target.config.num_hidden_layers)
     return HiddenStateProposer(spec, config, (path, eagle3_hf_config(head_config, path), Eagle3Head),
-                               max_model_len, target_blocks, target, num_host_blocks, reads_aux=True)
+                               max_model_len, target_blocks, target, num_host_blocks, reads_aux=True, given=given)

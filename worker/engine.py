@@ -543,10 +543,11 @@ class Engine:
         target_blocks = self.runner.num_blocks * self.runner.num_slots // self.model_config.num_hidden_layers
         if spec.method == "mtp":  # (its cache mirrors the target's blocks)
             return mtp_proposer(spec, config, self.model_path, self.model_config.hf_config, self.max_model_len,
-                                self.runner.num_blocks, self.runner.model, self.runner.num_host_blocks)
+                                self.runner.num_blocks, self.runner.model, self.runner.num_host_blocks,
+                                given=self.runner.image_embeds)
         if spec.method == "eagle3":
             return eagle3_proposer(spec, config, self.max_model_len, self.runner.num_blocks, self.runner.model,
-                                   self.runner.num_host_blocks)
+                                   self.runner.num_host_blocks, given=self.runner.image_embeds)
         return DraftModelProposer(spec, config, self.max_model_len, target_blocks, self.model_config.vocab_size)
 
     def _kept_rows(self, sched: SchedulerOutput, out: ModelOutput, sampled: dict[str, list[int]]

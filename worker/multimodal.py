@@ -545,6 +545,32 @@ class ImageEmbeddings:
         return rows
 
 
+class ShiftedEmbeddings(ImageEmbeddings):
+    """A target's given rows (images' embeddings, prompt embeddings) as a draft layer that reads
+    the target's hidden states reads them (worker.draft_model): its row at position q takes the
+    token at q + 1, so the embeddings of position q + 1. An image the target has not reached
+    yet (a prefill chunk that ends just before it) leaves its placeholder's embedding in that
+    one row. Rotary positions stay plain: the draft layers rotate by position."""
+
+    def __init__(self, source: ImageEmbeddings) -> None:
+        super().__init__(0, source.host)
+        self.source = source
+
+    def __bool__(self) -> bool:
+        return bool(self.source)
+
+    def rows(self, request_id: str, start: int, end: int, row_start: int) -> tuple[list[int], torch.Tensor] | None:
+        for stop in (end + 1, end):  # (the last row's token may lie in an image not encoded yet)
+            try:
+                return self.source.rows(request_id, start + 1, stop, row_start)
+            except ValueError:
+                continue
+        return None
+
+    def rope_positions(self, request_id: str, start: int, end: int) -> list[int] | torch.Tensor | None:
+        return None
+
+
 # the encoder: one prompt's images' pixels and sizes in, their embeddings out, image after image
 Encode = Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]
 

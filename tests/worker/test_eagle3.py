@@ -100,10 +100,20 @@ class TorchEagle3:
         half = torch.cat([-x[..., HEAD_DIM // 2 :], x[..., : HEAD_DIM // 2]], dim=-1)
         return x * angles.cos() + half * angles.sin()
 
+    given: torch.Tensor | None = None  # a prompt given as embeddings: its first positions' inputs
+
+    def _inputs(self, ids: list[int], embed: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """The rows' input embeddings; positions `offset` on, the given ones where they reach."""
+        rows = embed[ids].clone()
+        if self.given is not None and offset < len(self.given):
+            reach = min(len(self.given) - offset, len(ids))
+            rows[:reach] = self.given[offset : offset + reach]
+        return rows
+
     def _layer(self, ids: list[int], states: torch.Tensor) -> torch.Tensor:  # -> [n, hidden] before the last norm
         w, n = self.w, len(ids)
         normed = self._rms(states, w["midlayer.hidden_norm.weight"])
-        x = torch.cat([self._rms(self.embed[ids], w["midlayer.input_layernorm.weight"]), normed], dim=-1)
+        x = torch.cat([self._rms(self._inputs(ids, self.embed, 1), w["midlayer.input_layernorm.weight"]), normed], dim=-1)
         positions = torch.arange(n)
         q = self._rotate((x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM), positions)
         k = self._rotate((x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM), positions)
@@ -119,7 +129,8 @@ class TorchEagle3:
 
     @torch.inference_mode()
     def guesses(self, token_ids: list[int], num: int) -> tuple[list[int], torch.Tensor]:
-        hidden = self.target(torch.tensor([token_ids[:-1]]), output_hidden_states=True).hidden_states
+        target_inputs = self._inputs(token_ids[:-1], self.target.model.embed_tokens.weight.detach())
+        hidden = self.target(inputs_embeds=target_inputs[None], output_hidden_states=True).hidden_states
         states = torch.cat([hidden[i][0] for i in AUX], dim=-1) @ self.w["fc.weight"].T
         ids, guesses, first = list(token_ids[1:]), [], None
         for _ in range(num):
@@ -199,3 +210,16 @@ def test_speculators_heads_genq_cannot_run_are_refused_by_name(tiny_llama_dir, t
     with pytest.raises(ValueError, match=error):
         LLM(str(tiny_llama_dir), num_gpu_blocks_override=16, max_model_len=128,
             speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
+
+
+def test_a_prompt_given_as_embeddings_feeds_the_head_them_too(tiny_llama_dir, tmp_path):
+    """As the MTP layer's: the head's rows of a prompt given as embeddings read them."""
+    head = build_eagle3_head(tmp_path / "head")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+              max_num_batched_tokens=16,
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
+    oracle = TorchEagle3(tiny_llama_dir, head)
+    with torch.no_grad():
+        oracle.given = oracle.target.model.embed_tokens(torch.tensor(PROMPTS[0])) * 1.5
+    run_checking_guesses(llm, oracle, [{"prompt_embeds": oracle.given}],
+                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

@@ -110,25 +110,32 @@ class HfMtp:
         _with_mtp_config(self.main, family)
         self.mtp = MtpModel.from_pretrained(self.main).eval()
 
+    given: torch.Tensor | None = None  # a prompt given as embeddings: its first positions' inputs
+
     @torch.inference_mode()
     def guesses(self, token_ids: list[int], num: int) -> tuple[list[int], torch.Tensor]:
         """The layer's `num` greedy guesses after `token_ids`: the first from the target's
         final hidden states at every position before the last token (as transformers'
         MTPCandidateGenerator reads them), each further one from the layer's own output; and
-        the layer's output the first was read from."""
-        hidden = self.main(torch.tensor([token_ids[:-1]]), output_hidden_states=True).hidden_states[-1]
-        ids = list(token_ids[1:])
+        the layer's output the first was read from. With `given`, the first positions' inputs
+        are those embeddings (their ids placeholders), for the target and the layer alike."""
+        embed = self.main.get_input_embeddings()
+        inputs = embed(torch.tensor(token_ids))
+        if self.given is not None:
+            inputs[: len(self.given)] = self.given
+        hidden = self.main(inputs_embeds=inputs[None, :-1], output_hidden_states=True).hidden_states[-1]
+        layer_inputs = inputs[1:]
         guesses: list[int] = []
         for _ in range(num):
-            positions = torch.arange(1, len(ids) + 1)[None]
-            out = self.mtp.forward_layer(0, hidden, positions, None, input_ids=torch.tensor([ids]))
+            positions = torch.arange(1, len(layer_inputs) + 1)[None]
+            out = self.mtp.forward_layer(0, hidden, positions, None, inputs_embeds=layer_inputs[None])
             guesses.append(int(self.mtp._project_to_logits(out[:, -1]).argmax(-1)))
-            ids.append(guesses[-1])
+            layer_inputs = torch.cat([layer_inputs, embed(torch.tensor([guesses[-1]]))])
             hidden = torch.cat([hidden, out[:, -1:]], dim=1)
         return guesses, hidden[0, len(token_ids) - 1]
 
 
-def run_checking_guesses(llm: LLM, hf: HfMtp, prompts: list[list[int]], params: SamplingParams,
+def run_checking_guesses(llm: LLM, hf: HfMtp, prompts: list[list[int]] | list[dict], params: SamplingParams,
                          together: bool = False) -> list[list[int]]:
     """Run the prompts (one after another, each to its end, or `together`; where `params.n` >
     1: siblings), checking at every step that each running request's guesses are transformers' from its
@@ -136,7 +143,7 @@ def run_checking_guesses(llm: LLM, hf: HfMtp, prompts: list[list[int]], params: 
     cache weighs in that); each request's output tokens."""
     engine, outputs, checked = llm.engine, {}, 0
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        engine.add_request(str(i), prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}, params)
         while engine.has_unfinished_requests() and not (together and i < len(prompts) - 1):
             for out in engine.step():  # (each step's new tokens)
                 for completion in out.outputs:
@@ -169,6 +176,19 @@ def test_mtp_guesses_are_transformers_and_outputs_plain_decodings(mtp_model):
     assert spec.engine.spec_stats.num_draft_tokens >= 6
     plain = LLM(str(model_dir), **args).generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     assert outputs == [o.outputs[0].token_ids for o in plain]
+
+
+def test_a_prompt_given_as_embeddings_feeds_the_layer_them_too(mtp_model):
+    """The layer's rows of a prompt given as embeddings read those embeddings (the target's
+    given rows, a position on), not its placeholder tokens'."""
+    family, model_dir = mtp_model
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+              max_num_batched_tokens=16, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    hf = HfMtp(model_dir, family)
+    with torch.no_grad():
+        hf.given = hf.main.get_input_embeddings()(torch.tensor(PROMPTS[0])) * 1.5
+    run_checking_guesses(llm, hf, [{"prompt_embeds": hf.given}], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                                  ignore_eos=True))
 
 
 def test_a_cached_prefix_and_siblings_have_the_layers_cache_too(mtp_model):

@@ -164,12 +164,13 @@ class Eagle3Head(HiddenStateDraft):
     def _check_complete(self, loaded: set[str]) -> None:
         super()._check_complete(loaded if self.own_embedding else loaded | {"embed_tokens.weight:None"})
 
-    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def draft(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
               meta: Any, hidden: torch.Tensor) -> torch.Tensor:
-        """Row i: token i + 1 and the target's states before its aux layers [T, 3 x target
-        hidden], or the head's own output [T, hidden]; the head's output before its final norm."""
+        """Row i: token i + 1's embedding and the target's states before its aux layers [T, 3 x
+        target hidden], or the head's own output [T, hidden]; the head's output before its final
+        norm."""
         layer = self._layer()
-        embeds = layer.input_layernorm(self.embed_tokens(input_ids))
+        embeds = layer.input_layernorm(embeds)
         hidden = hidden.to(embeds.dtype)
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)

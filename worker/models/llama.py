@@ -715,14 +715,20 @@ class HiddenStateDraft(LlamaForCausalLM):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: Any,
         lora: LoRAMapping | None = None,
-        images: Any = None,
+        # rows [k] whose token is given as embeddings (an image's, a prompt's: the target's), and those
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
         hidden: torch.Tensor | None = None,  # [T, width]: the target's state at i, or the draft's own output
     ) -> torch.Tensor:  # [T, hidden]
         assert hidden is not None, f"{type(self).__name__} reads a hidden state for every row"
-        return self.draft(input_ids, positions, kv_caches, meta, hidden)
+        embeds = self.embed_tokens(input_ids)
+        if images is not None:
+            given = images[1].to(embeds.dtype)
+            embeds = embeds.index_copy(0, images[0], given[:, 0] if given.dim() == 3 else given)  # (not deepstack's)
+        return self.draft(embeds, positions, kv_caches, meta, hidden)
 
-    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def draft(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
               meta: Any, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows' token embeddings [T, hidden] and states in, the layer's output out."""
         raise NotImplementedError
 
     def share_with(self, target: LlamaForCausalLM) -> None:

@@ -149,10 +149,10 @@ class MultiTokenPredictor(HiddenStateDraft):
                              f"{self.config.hf_config.mtp_prefix}*), though its config names one")
         super()._check_complete(loaded | {"embed_tokens.weight:None", "lm_head.weight:None"})
 
-    def draft(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def draft(self, embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
               meta: Any, hidden: torch.Tensor) -> torch.Tensor:
-        """Row i: token i + 1 and the target's final state at i, or this layer's output; the
-        layer's output, normed."""
-        embeds = self.enorm(self.embed_tokens(input_ids))
+        """Row i: token i + 1's embedding and the target's final state at i, or this layer's
+        output; the layer's output, normed."""
+        embeds = self.enorm(embeds)
         x = self.eh_proj(torch.cat([embeds, self.hnorm(hidden.to(embeds.dtype))], dim=-1))
         return self.decode(x, positions, kv_caches, meta)
