@@ -178,6 +178,7 @@ def test_mtp_guesses_are_transformers_and_outputs_plain_decodings(mtp_model):
     assert outputs == [o.outputs[0].token_ids for o in plain]
 
 
+@pytest.mark.parametrize("mtp_model", ["qwen3_next"], indirect=True)  # (the path is every family's)
 def test_a_prompt_given_as_embeddings_feeds_the_layer_them_too(mtp_model):
     """The layer's rows of a prompt given as embeddings read those embeddings (the target's
     given rows, a position on), not its placeholder tokens'."""
