@@ -134,7 +134,6 @@ class Engine:
         self._aborted: list[Request] = []  # finished by abort, reported at the next step
         # request id -> why it failed in a step (its images' encoding, a logits processor)
         self._failures: dict[str, str] = {}
-        self._processor_failures: dict[str, str] = {}  # this step's
         self.num_generated_tokens = 0
 
     # -- intake --------------------------------------------------------------------------------
@@ -278,16 +277,23 @@ class Engine:
                 if longest > self.config.max_num_batched_tokens:
                     raise ValueError(f"an image takes {longest} tokens, computed in one step, but "
                                      f"max_num_batched_tokens is {self.config.max_num_batched_tokens}")
-        # a generation must leave room for a token
+        limit, keep = self._prompt_limits(params, pooling_params)
+        if keep is not None:
+            if images is not None:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+            prompt_ids = prompt_ids[-keep:]
+        self._validate_prompt(prompt_ids, limit)
+        return CheckedPrompt(text, prompt_ids, images)
+
+    def _prompt_limits(self, params: SamplingParams | None, pooling_params: PoolingParams | None) -> tuple[int, int | None]:
+        """The most tokens a prompt may have (a generation must leave room for a token; an
+        embedding's prompt may fill max_model_len), and how many of its last ones
+        truncate_prompt_tokens keeps (of the pooling params, else of the sampling params;
+        None: all)."""
         limit = self.max_model_len if pooling_params is not None else self.max_model_len - 1
         source = pooling_params if pooling_params is not None else params
         k = source.truncate_prompt_tokens if source is not None else None
-        if k is not None:
-            if images is not None:
-                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
-            prompt_ids = prompt_ids[-min(limit if k == -1 else k, limit):]
-        self._validate_prompt(prompt_ids, limit)
-        return CheckedPrompt(text, prompt_ids, images)
+        return limit, None if k is None else min(limit if k == -1 else k, limit)
 
     def _check_embeds(self, given: torch.Tensor | bytes, params: SamplingParams | None,
                       pooling_params: PoolingParams | None) -> CheckedPrompt:
@@ -296,11 +302,9 @@ class Engine:
         if params is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs the prompt's tokens: a prompt given as prompt_embeds has none")
         embeds = checked_embeds(given, self.model_config.hidden_size)
-        limit = self.max_model_len if pooling_params is not None else self.max_model_len - 1
-        source = pooling_params if pooling_params is not None else params
-        k = source.truncate_prompt_tokens if source is not None else None
-        if k is not None:
-            embeds = embeds[-min(limit if k == -1 else k, limit):]
+        limit, keep = self._prompt_limits(params, pooling_params)
+        if keep is not None:
+            embeds = embeds[-keep:]
         prompt_ids = [PLACEHOLDER_ID] * len(embeds)
         self._validate_prompt(prompt_ids, limit)
         return CheckedPrompt(None, prompt_ids, None, embeds)
@@ -397,10 +401,10 @@ class Engine:
             updated += self._drop_unencoded(sched, failed)
         if not sched.is_empty:
             model_out = self.runner.execute(sched)
-            sampled, logprobs = self._sample(sched, model_out.request_ids, model_out.logits)
+            sampled, logprobs, failed = self._sample(sched, model_out.request_ids, model_out.logits)
             self._rewind_wrong_guesses(sched, sampled)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
-            updated += self._end_failed(sampled, logprobs)
+            updated += self._end_failed(failed, sampled, logprobs)
             updated += self._update(sched, sampled)
             if isinstance(self.proposer, HiddenStateProposer):
                 self.proposer.take_rows(self._kept_rows(sched, model_out, sampled), guessing=not self._guessing_off())
@@ -435,10 +439,10 @@ class Engine:
         sched.scheduled = [s for s in sched.scheduled if s.request_id not in ended]
         return self.scheduler.abort_requests(ended)
 
-    def _end_failed(self, sampled: dict[str, list[int]], logprobs: dict[str, list[TokenLogprobs]]) -> list[Request]:
-        """Requests a logits processor failed on end now, what they sampled this step unkept
-        (_fail)."""
-        failed, self._processor_failures = self._processor_failures, {}
+    def _end_failed(self, failed: dict[str, str], sampled: dict[str, list[int]],
+                    logprobs: dict[str, list[TokenLogprobs]]) -> list[Request]:
+        """Requests a logits processor failed on (`failed`: why) end now, what they sampled this
+        step unkept (_fail)."""
         if not failed:
             return []
         for request_id, why in failed.items():
@@ -497,18 +501,18 @@ class Engine:
 
     def _sample(
         self, sched: SchedulerOutput, row_ids: list[str], logits: torch.Tensor
-    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]], dict[str, str]]:
         """The tokens each sampling request keeps this step (and their logprobs). A request
         with guesses has a row per guess and one more; row j is sampled as if the guesses
         before it were output already, and guesses are kept while each equals the token
-        sampled in the row before it."""
+        sampled in the row before it. Also the requests a logits processor failed on, and why."""
         if not row_ids:
-            return {}, {}
+            return {}, {}, {}
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled}
         requests = [self.scheduler.requests[rid] for rid in row_ids]
         row_outputs = _row_outputs(row_ids, requests, drafts)
         model_logits = logits.clone() if self.sampler.reports_raw and self.logits_processors.by_request else None
-        self._processor_failures = self.logits_processors.apply(
+        failed = self.logits_processors.apply(
             logits, row_ids, [r.prompt_tokens_seen for r in requests], row_outputs)
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],
@@ -527,7 +531,7 @@ class Engine:
             if guesses and rid in sampled and self.proposer is not None:
                 self.spec_stats.add(len(guesses), len(sampled[rid]) - 1)
                 self.proposer.record(rid, len(guesses), len(sampled[rid]) - 1)
-        return sampled, logprobs
+        return sampled, logprobs, failed
 
     def _make_proposer(self, config: EngineConfig) -> NgramProposer | DraftModelProposer | HiddenStateProposer | None:
         if not config.speculative_config:
