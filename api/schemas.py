@@ -61,6 +61,10 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[str] | None = None  # the output is exactly one of these
     guided_json: dict[str, Any] | str | None = None  # vLLM's: a JSON schema the output follows
     guided_regex: str | None = None  # vLLM's: a regular expression the whole output matches
+    guided_grammar: str | None = None  # vLLM's: an EBNF grammar the output is a sentence of
+    # vLLM's current form of the guided_* fields: {"json" | "regex" | "choice" | "grammar" |
+    # "json_object": ...} (producer.sampling_params.StructuredOutputsParams)
+    structured_outputs: dict[str, Any] | None = None
     # {"type": "json_object"}: one JSON object; {"type": "json_schema", "json_schema": {"name",
     # "schema"}}: a value of that schema; {"type": "text"} or absent: free text
     response_format: dict[str, Any] | None = None
@@ -90,7 +94,7 @@ class _GenerationRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": self.logit_bias or None, "allowed_token_ids": self.allowed_token_ids,
-            "guided_decoding": self._guided_decoding(),
+            **self._guided_params(),
             "truncate_prompt_tokens": self.truncate_prompt_tokens, "bad_words": self.bad_words,
             "extra_args": self.vllm_xargs,
             **{k: v for k, v in optional.items() if v is not None},
@@ -102,6 +106,8 @@ class _GenerationRequest(BaseModel):
             ("guided_json", self.guided_json is not None),
             ("guided_choice", self.guided_choice is not None),
             ("guided_regex", self.guided_regex is not None),
+            ("guided_grammar", self.guided_grammar is not None),
+            ("structured_outputs", self.structured_outputs is not None),
         ]
 
     @property
@@ -112,6 +118,13 @@ class _GenerationRequest(BaseModel):
             raise ValueError(f"{given[1]} cannot be combined with {given[0]}: choose one")
         return given[0] if given else None
 
+    def _guided_params(self) -> dict[str, Any]:
+        """SamplingParams' `structured_outputs` as given (its errors name it), else its
+        `guided_decoding`."""
+        if self.guided_source == "structured_outputs":
+            return {"structured_outputs": self.structured_outputs}
+        return {"guided_decoding": self._guided_decoding()}
+
     def _guided_decoding(self) -> dict[str, Any] | None:
         source = self.guided_source
         if source == "guided_choice":
@@ -120,6 +133,8 @@ class _GenerationRequest(BaseModel):
             return {"json_schema": _json_schema(self.guided_json, "guided_json")}
         if source == "guided_regex":
             return {"regex": self.guided_regex}
+        if source == "guided_grammar":
+            return {"grammar": self.guided_grammar}
         if source is None:
             return None
         response_format = self.response_format or {}

@@ -9,8 +9,9 @@ caches each state's mask; here each is built afresh.
 Prints milliseconds per mask (the best of the repeats) both ways and their ratio, for a schema
 whose states cover keys, strings, integers, an enum array and a union with null; then for
 tool_choice "required" over `--tools` tools (an array of calls, each `{"name": <const>,
-"arguments": ...}`), through the tool's name; then for a regular expression (guided_regex),
-cold (its DFA states are built as the trie walks them, once per pattern and process) and warm.
+"arguments": ...}`), through the tool's name; then for a regular expression (guided_regex)
+and an EBNF grammar (structured_outputs grammar), cold (their automata's states are built as
+the trie walks them, once per pattern or grammar and process) and warm.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from transformers import AutoTokenizer
 from api.tool_calls import calls_schema
 from worker.json_schema_grammar import JsonSchemaGrammar
 from worker.model_loader import resolve_model_path
-from worker.structured_output import Grammar, GuidedState, RegexGrammar, TokenMasks
+from worker.structured_output import Grammar, GuidedState, TokenMasks, ebnf_grammar, regex_grammar
 from worker.token_bytes import byte_text, token_bytes
 
 SCHEMA = {
@@ -39,6 +40,13 @@ TOOL_PIECES = ['[', '{', '"', 'name', '"', ':', ' "', 'tool', '_', '1', '7']
 PIECES = ['{', '"', 'name', '"', ':', ' "', 'Ann', '"', ', "age": ', '3', ', "tags": [', '"a"', ']']
 REGEX = r"[\w.+-]{1,32}@[a-z0-9-]{1,20}\.(com|org|net)|\(\d{3}\) \d{3}-\d{4}"
 REGEX_PIECES = ['john', '.', 'doe', '@', 'mail', '.', 'co']
+EBNF = r"""
+root ::= "SELECT " columns " FROM " [a-z_]+ (" WHERE " condition (" AND " condition)*)? ";"
+columns ::= "*" | column (", " column)*
+column ::= [a-z_] [a-z_0-9]* | "\"" [^"\n]+ "\""
+condition ::= column (" = " | " < " | " > ") ([0-9]+ | "'" [^'\n]* "'")
+"""
+EBNF_PIECES = ['SELECT', ' name', ',', ' "', 'full name', '"', ' FROM', ' people', ' WHERE', ' age', ' >', ' ', '30']
 
 
 def main() -> int:
@@ -58,16 +66,18 @@ def main() -> int:
     def every_token(grammar: Grammar, state: Hashable) -> list[str]:
         return [t for t in texts if grammar.advance(state, t) is not None]
 
-    regex = RegexGrammar(REGEX)
+    regex, ebnf = regex_grammar(REGEX), ebnf_grammar(EBNF)
     cold = time_masks(regex, REGEX_PIECES, down_the_trie, 1)
+    ebnf_cold = time_masks(ebnf, EBNF_PIECES, down_the_trie, 1)
     for name, grammar, pieces in (("schema", JsonSchemaGrammar(SCHEMA), PIECES),
                                   (f"{args.tools} tools", JsonSchemaGrammar(tools), TOOL_PIECES),
-                                  ("regex (warm)", regex, REGEX_PIECES)):
+                                  ("regex (warm)", regex, REGEX_PIECES), ("grammar (warm)", ebnf, EBNF_PIECES)):
         trie = time_masks(grammar, pieces, down_the_trie, args.repeats)
         every = time_masks(grammar, pieces, every_token, args.repeats)
         print(f"{name}: {len(pieces) + 1} masks over {len(texts)} tokens: {trie * 1000:.1f} ms per mask down the trie, "
               f"{every * 1000:.1f} ms checking every token ({every / trie:.1f}x)")
     print(f"regex cold: {cold * 1000:.1f} ms per mask down the trie")
+    print(f"grammar cold: {ebnf_cold * 1000:.1f} ms per mask down the trie")
     return 0
 
 

@@ -5,7 +5,7 @@ from producer.client import Client, JobHandle
 from producer.jobs import Delta, JobFailed, JobNotFound, JobResult
 from producer.pooling_params import PoolingParams
 from producer.protocol import JobStatus, Keys, ProtocolError
-from producer.sampling_params import SamplingParams
+from producer.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "AsyncClient",
@@ -21,4 +21,5 @@ __all__ = [
     "PoolingParams",
     "ProtocolError",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

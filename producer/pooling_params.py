@@ -3,8 +3,10 @@ behind `/v1/embeddings`). Plain Python, shared by the producer, the worker and t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from producer.field_mappings import from_mapping
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,4 @@ class PoolingParams:
     @classmethod
     def from_dict(cls, data: Any) -> PoolingParams:
         """Build from a decoded payload; unknown fields are an error, not silently dropped."""
-        if not isinstance(data, dict):
-            raise ValueError(f"pooling_params must be a mapping, got {type(data).__name__}")
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown pooling parameter(s): {', '.join(unknown)}")
-        return cls(**data)
+        return from_mapping(cls, data, "pooling_params", "pooling parameter(s)")

@@ -8,18 +8,71 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from producer.ebnf import compile_ebnf
+from producer.field_mappings import from_mapping
 from producer.json_schema import compile_schema
 from producer.regex import compile_regex
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
-GUIDED_KINDS = {"json_object", "json_schema", "choice", "regex"}
+GUIDED_KINDS = {"json_object", "json_schema", "choice", "regex", "grammar"}
 # Below this, temperature is greedy: dividing logits by a tinier number overflows to inf.
 MIN_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs (`SamplingParams(structured_outputs=...)`, the API's
+    `structured_outputs`): exactly one of `json` (a JSON schema, or its text), `regex`,
+    `choice`, `grammar` (EBNF, `producer.ebnf`) or `json_object`. The options vLLM hands its
+    backends are taken where genq already does what they ask: `disable_additional_properties`
+    (objects with properties are closed) and `disable_fallback` (there is one backend)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def guided_decoding(self) -> dict[str, Any]:
+        """The same request as `SamplingParams.guided_decoding` spells it."""
+        for name in ("disable_any_whitespace", "whitespace_pattern", "structural_tag"):
+            if getattr(self, name):
+                raise ValueError(f"structured_outputs {name} is not supported")
+        given = {
+            "json_schema": _schema_object(self.json), "regex": self.regex, "choice": self.choice,
+            "grammar": self.grammar, "json_object": self.json_object or None,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must give exactly one of json, regex, choice, grammar or json_object, "
+                f"got {sorted(given) or 'none'}".replace("json_schema", "json")
+            )
+        return given
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StructuredOutputsParams:
+        return data if isinstance(data, cls) else from_mapping(cls, data, "structured_outputs", "structured_outputs field(s)")
+
+
+def _schema_object(schema: Any) -> Any:
+    """A schema given as JSON text (vLLM takes either), parsed."""
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return json.loads(schema)
+    except ValueError:
+        raise ValueError("structured_outputs json must be a JSON schema or its JSON text") from None
 
 
 @dataclass
@@ -47,9 +100,13 @@ class SamplingParams:
     # vLLM's guided decoding, one of: {"json_object": True} (the output is one JSON object),
     # {"json_schema": schema} (a value of that schema, in the subset producer.json_schema
     # supports), {"choice": [strings]} (the output is one of them), {"regex": pattern} (the
-    # output matches it whole, producer.regex's syntax); with "after": text, the
+    # output matches it whole, producer.regex's syntax), {"grammar": ebnf} (the output is a
+    # sentence of it, producer.ebnf's syntax); with "after": text, the
     # output is free until that text (a reasoning model's "</think>") and guided after it
     guided_decoding: dict[str, Any] | None = None
+    # vLLM's current spelling of the same (StructuredOutputsParams, or its fields as a
+    # mapping): read into guided_decoding when the params are made, then None
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # vLLM's: keep only the last k tokens of a longer prompt (-1: as many as max_model_len
     # leaves room for, with one token to generate); None: a prompt too long is refused
     truncate_prompt_tokens: int | None = None
@@ -69,6 +126,15 @@ class SamplingParams:
             self.logit_bias = _token_keys(self.logit_bias)
         if self.top_k == 0:
             self.top_k = -1
+        if self.structured_outputs is not None:
+            if self.guided_decoding is not None:
+                raise ValueError("structured_outputs and guided_decoding ask for the same thing: give one")
+            guided = StructuredOutputsParams.from_dict(self.structured_outputs).guided_decoding()
+            try:
+                _check_guided(guided)
+            except ValueError as exc:  # named as it was given
+                raise ValueError(str(exc).replace("guided_decoding", "structured_outputs", 1)) from None
+            self.guided_decoding, self.structured_outputs = guided, None
         self._validate()
 
     @property
@@ -135,6 +201,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["structured_outputs"]  # always None: read into guided_decoding
         if data["extra_args"] is None:  # unset, a job reads as it did before them
             del data["extra_args"]
         return data
@@ -142,13 +209,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from a decoded payload; unknown fields are an error, not silently dropped."""
-        if not isinstance(data, dict):
-            raise ValueError(f"sampling_params must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        return cls(**data)
+        return from_mapping(cls, data, "sampling_params", "sampling parameter(s)")
 
 
 def _is_json(value: Any) -> bool:
@@ -164,12 +225,13 @@ def _check_guided(guided: Any) -> None:
     if len(kinds) != 1 or not kinds <= GUIDED_KINDS:
         raise ValueError(
             'guided_decoding must be {"json_object": true}, {"json_schema": {...}}, '
-            f'{{"choice": [strings]}} or {{"regex": pattern}} (and optionally "after": text), got {guided!r}'
+            f'{{"choice": [strings]}}, {{"regex": pattern}} or {{"grammar": ebnf}} (and optionally "after": text), '
+            f'got {guided!r}'
         )
     after = guided.get("after")
     if after is not None and (not isinstance(after, str) or not after):
         raise ValueError(f"guided_decoding after must be a non-empty string, got {after!r}")
-    for kind, compile_spec in (("json_schema", compile_schema), ("regex", compile_regex)):
+    for kind, compile_spec in (("json_schema", compile_schema), ("regex", compile_regex), ("grammar", compile_ebnf)):
         if kind in guided:
             try:
                 compile_spec(guided[kind])

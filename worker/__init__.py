@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from producer.beam_search import BeamSearchParams
 from producer.pooling_params import PoolingParams
-from producer.sampling_params import SamplingParams
+from producer.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from worker.lora_request import LoRARequest
     from worker.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 
-__all__ = ["LLM", "Engine", "SamplingParams", "PoolingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "Engine", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput",
            "EmbeddingRequestOutput"]
 
 _LAZY = {

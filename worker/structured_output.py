@@ -1,7 +1,8 @@
 """Structured output: grammars that say which text may come next, and the per-request token
 masks built from them (vLLM's `guided_decoding`: `json_object`, `json_schema`, `choice`,
-`regex`; the JSON grammars are in `worker.json_grammar` and `worker.json_schema_grammar`,
-regular expressions in `producer.regex`).
+`regex`, `grammar`; the JSON grammars are in `worker.json_grammar` and
+`worker.json_schema_grammar`, regular expressions in `producer.regex`, EBNF grammars in
+`producer.ebnf`).
 
 A grammar is an automaton over immutable, hashable states that reads the output's UTF-8
 bytes, one character per byte (`worker.token_bytes.byte_text`), so a token holding part of a
@@ -22,6 +23,7 @@ from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from producer.ebnf import compile_ebnf
 from producer.regex import compile_regex
 from worker.json_grammar import JSON_OBJECT
 from worker.json_schema_grammar import JsonSchemaGrammar
@@ -41,39 +43,56 @@ class Grammar(Protocol):
 
 
 def make_grammar(guided_decoding: dict[str, Any]) -> Grammar:
-    """`{"json_object": True}`, `{"json_schema": {...}}`, `{"choice": [...]}` or
-    `{"regex": pattern}` (SamplingParams checked the shape, and that the schema or pattern
-    compiles)."""
+    """`{"json_object": True}`, `{"json_schema": {...}}`, `{"choice": [...]}`,
+    `{"regex": pattern}` or `{"grammar": ebnf}` (SamplingParams checked the shape, and that
+    the schema, pattern or grammar compiles)."""
     if guided_decoding.get("json_object"):
         return JSON_OBJECT
     if "json_schema" in guided_decoding:
         return JsonSchemaGrammar(guided_decoding["json_schema"])
     if "regex" in guided_decoding:
-        return RegexGrammar(guided_decoding["regex"])
+        return regex_grammar(guided_decoding["regex"])
+    if "grammar" in guided_decoding:
+        return ebnf_grammar(guided_decoding["grammar"])
     return ChoiceGrammar(guided_decoding["choice"])
 
 
-class RegexGrammar:
-    """The output matches the pattern whole. A state is the pattern's DFA state (a frozen
-    set of NFA states, the same for every request with this pattern)."""
+class AutomatonGrammar:
+    """A grammar run by a byte automaton of `producer`'s (`initial`, `step(state, byte)`,
+    `accepts(state)`): a regular expression's DFA, or a context-free grammar's sets of parse
+    stacks. A state is the automaton's, shared by every request with the same automaton."""
 
-    def __init__(self, pattern: str) -> None:
-        self.regex = compile_regex(pattern)
-        self.key: Hashable = ("regex", pattern)
+    def __init__(self, automaton: Any, key: Hashable) -> None:
+        self.automaton = automaton
+        self.key = key
 
     def initial(self) -> Hashable:
-        return self.regex.initial
+        return self.automaton.initial
 
     def advance(self, state: Hashable, text: str) -> Hashable | None:
-        current: frozenset[int] | None = state  # type: ignore[assignment]
+        current = state
         for ch in text:  # one byte per character (byte_text)
-            current = self.regex.step(current, ord(ch))  # type: ignore[arg-type]
+            current = self.automaton.step(current, ord(ch))
             if current is None:
                 return None
         return current
 
     def is_complete(self, state: Hashable) -> bool:
-        return self.regex.accepts(state)  # type: ignore[arg-type]
+        return self.automaton.accepts(state)
+
+
+def regex_grammar(pattern: str) -> AutomatonGrammar:
+    """The output matches the pattern whole. A state is the pattern's DFA state (a frozen
+    set of NFA states, numbered alike whenever the pattern is compiled)."""
+    return AutomatonGrammar(compile_regex(pattern), ("regex", pattern))
+
+
+def ebnf_grammar(text: str) -> AutomatonGrammar:
+    """The output is a sentence of the EBNF grammar. A state is a frozen set of parse
+    stacks, numbered by the compiled grammar as it is walked: masks are shared by requests
+    sharing that compilation (`compile_ebnf` keeps the recent ones), not across them."""
+    ebnf = compile_ebnf(text)
+    return AutomatonGrammar(ebnf, ("grammar", ebnf.serial))
 
 
 class ChoiceGrammar:

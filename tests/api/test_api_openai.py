@@ -336,6 +336,38 @@ def test_guided_regex_outputs_match(served_model: str, oai: openai.OpenAI) -> No
     assert info.value.body["param"] == "guided_regex" and "not supported" in info.value.body["message"]
 
 
+def test_structured_outputs_as_current_vllm_spells_them(served_model: str, oai: openai.OpenAI) -> None:
+    """vLLM >= 0.12's `structured_outputs` (its guided_* fields are gone there), grammars
+    among them; the grammar's sentences are judged by xgrammar, vLLM's backend for them."""
+    import xgrammar as xgr
+
+    grammar = 'root ::= ("yes" | "no") ", " [a-z]{2,5} ("!" | ".")\n'
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(grammar)
+    for extra in ({"structured_outputs": {"grammar": grammar}}, {"guided_grammar": grammar}):
+        chat = oai.chat.completions.create(model=served_model, messages=MESSAGES, n=3, temperature=1.0, seed=8,
+                                           max_tokens=16, extra_body=extra)
+        for c in chat.choices:
+            matcher = xgr.GrammarMatcher(compiled)
+            assert matcher.accept_string(c.message.content) and matcher.is_completed(), c.message.content
+            assert c.finish_reason == "stop"
+    picked = oai.completions.create(model=served_model, prompt="Colour:", n=3, temperature=1.0, seed=2, max_tokens=8,
+                                    extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert {c.text for c in picked.choices} <= {"red", "blue"}
+    schema = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}, "additionalProperties": False}
+    shaped = oai.completions.create(model=served_model, prompt="Count:", temperature=1.0, seed=1, max_tokens=40,
+                                    extra_body={"structured_outputs": {"json": json.dumps(schema)}})
+    assert shaped.choices[0].text.lstrip().startswith("{")
+    if shaped.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(shaped.choices[0].text), schema)
+    for extra, message in (({"structured_outputs": {"grammar": "root ::= x"}}, "rule 'x' is not defined"),
+                           ({"structured_outputs": {"regex": "a", "json_object": True}}, "exactly one of"),
+                           ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "cannot be combined")):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(model=served_model, prompt="x", max_tokens=2, extra_body=extra)
+        assert message in info.value.body["message"]
+        assert info.value.body["param"] == "structured_outputs", info.value.body
+
+
 def test_json_schema_outputs_validate(served_model: str, oai: openai.OpenAI) -> None:
     schema = {
         "type": "object",

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from producer.sampling_params import SamplingParams
+from producer.sampling_params import SamplingParams, StructuredOutputsParams
 from worker import LLM
 
 
@@ -210,6 +210,13 @@ def test_resumed_request_continues_the_same_output(llm, params):
     ({"guided_decoding": {"choice": ["a", ""]}}, "guided_decoding"),
     ({"guided_decoding": {"after": "</think>"}}, "guided_decoding must be"),
     ({"guided_decoding": {"json_object": True, "after": ""}}, "guided_decoding after must be a non-empty string"),
+    ({"guided_decoding": {"grammar": "root ::= item"}}, "guided_decoding grammar line 1, column 10: rule 'item'"),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | b'}}, "structured_outputs grammar .* rule 'b' is not defined"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs must give exactly one"),
+    ({"structured_outputs": {"json": "{nope"}}, "structured_outputs json must be a JSON schema"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs whitespace_pattern is not"),
+    ({"structured_outputs": {"grammar": 'root ::= "a"', "backend": "x"}}, "unknown structured_outputs field"),
+    ({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "a"}}, "structured_outputs and guided_decoding"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -307,6 +314,29 @@ def test_guided_regex_outputs_match_the_pattern(llm, pattern):
         else:  # max_tokens came first: what there is must still begin a match
             assert o.finish_reason == "length" and len(o.token_ids) == 24
     assert sum(o.finish_reason == "stop" for o in out.outputs) >= 6
+
+
+def test_guided_grammar_outputs_are_sentences_of_it(llm):
+    """vLLM's structured_outputs grammar (EBNF): a random model sampled hot writes only what
+    the grammar allows, as xgrammar (vLLM's backend for it) judges."""
+    import xgrammar as xgr
+
+    grammar = r"""
+root ::= "SELECT " columns " FROM " table (" WHERE " condition)? ";"
+columns ::= "*" | column (", " column){0,3}
+column ::= [a-z] [a-z_0-9]{0,6} | "\"" [^"\n]{1,8} "\""
+table ::= "users" | "orders" | "日本"
+condition ::= column (" = " | " < ") ([0-9]+ | "'" [a-z]* "'")
+"""
+    params = SamplingParams(temperature=1.0, seed=4, n=8, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(grammar=grammar))
+    outs = llm.generate("Query:", params, use_tqdm=False)[0].outputs
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(grammar)
+    for o in outs:
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(o.text.encode()), o.text
+        assert matcher.is_completed() if o.finish_reason == "stop" else len(o.token_ids) == 40, o.text
+    assert sum(o.finish_reason == "stop" for o in outs) >= 4
 
 
 def test_json_schema_strings_keep_their_patterns_and_formats(llm):

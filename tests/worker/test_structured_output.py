@@ -134,7 +134,8 @@ SCHEMA = {"type": "object", "required": ["name", "tags"], "properties": {
     ({"json_schema": SCHEMA}, '{"name": "Ann", "size": "big", "tags": ["reed"]}'),
     ({"regex": r"(yes|no|maybe)[0-9]{1,3}!?"}, "maybe42!"),
     ({"choice": ["set it", "set them", "leave it"]}, "set them"),
-], ids=["json_object", "json_schema", "regex", "choice"])
+    ({"grammar": 'root ::= "SELECT " [a-z_]+ (", " [a-z_]+)* " FROM " [a-z]+ ";"'}, "SELECT name, age FROM people;"),
+], ids=["json_object", "json_schema", "regex", "choice", "grammar"])
 def test_masks_on_the_default_vocabulary_equal_checking_every_token(default_model_dir, guided_decoding, text) -> None:
     """The masks, found down the vocabulary's trie, allow exactly the tokens that the grammar
     takes whole, at each state along an output that the tokenizer splits as it would."""
@@ -153,3 +154,44 @@ def test_masks_on_the_default_vocabulary_equal_checking_every_token(default_mode
         allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok} - {tokenizer.eos_token_id}
         assert allowed == every, (tokenizer.decode(output[:steps]), [masks.token_texts[i] for i in allowed ^ every][:10])
     assert grammar.is_complete(guided.state) and masks.allowed(guided)[tokenizer.eos_token_id]
+
+
+EBNF_ITEMS = r"""
+root ::= "{" ws "\"items\"" ws ":" ws "[" ws (item (ws "," ws item)*)? ws "]" ws "}"
+item ::= "\"" [^"\\\n]* "\"" | [0-9]+ ("." [0-9]+)? | "é" | "[" ws (item (ws "," ws item)*)? ws "]"
+ws ::= [ \n\t]*
+"""
+
+
+@pytest.mark.parametrize(("grammar", "text"), [
+    (EBNF_ITEMS, '{"items": [12, "two words é", [3.5, é], []]}'),
+    ('root ::= "SELECT " column " FROM " ("t1" | "t2") (" WHERE " column "=" [0-9]+)?\n'
+     'column ::= "col_" [0-9] | "name"', "SELECT name FROM t2 WHERE col_7=42"),
+], ids=["items", "sql"])
+def test_grammar_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir, grammar: str, text: str) -> None:
+    """At each state along an output, the tokens an EBNF grammar's mask allows are those
+    xgrammar's bitmask allows (vLLM's backend for grammars), special tokens aside: genq never
+    lets one stand in guided text, xgrammar lets a special token whose text fits."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    vocabulary = token_bytes(tokenizer)
+    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id})
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(vocabulary))
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar))
+    bitmask = xgr.allocate_token_bitmask(1, len(vocabulary))
+    special = {i for i, data in enumerate(vocabulary) if data is None} - {tokenizer.eos_token_id}
+    ebnf = make_grammar({"grammar": grammar})
+    guided = GuidedState(ebnf, ebnf.initial())
+    output = tokenizer.encode(text, add_special_tokens=False)
+    for steps in range(len(output) + 1):
+        masks.advance(guided, output[:steps])
+        matcher.fill_next_token_bitmask(bitmask)
+        words = bitmask[0].tolist()
+        theirs = {i for i in range(len(vocabulary)) if (words[i // 32] >> (i % 32)) & 1} - special
+        allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok}
+        assert allowed == theirs, (tokenizer.decode(output[:steps]), [tokenizer.decode([i]) for i in allowed ^ theirs][:10])
+        if steps < len(output):
+            assert matcher.accept_token(output[steps])
+    assert matcher.is_completed() and ebnf.is_complete(guided.state)
