@@ -352,7 +352,9 @@ class ChatCompletionRequest(_GenerationRequest):
         return super()._guided_decoding()
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        """Unset, max_tokens is the model's generation_config max_new_tokens where it has
+        one, else up to the context (OpenAI's); completions keep OpenAI's 16."""
+        max_tokens = self.max_completion_tokens or self.max_tokens or (defaults or {}).get("max_tokens")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,

@@ -664,12 +664,13 @@ def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
 def tuned_llama_dir(tiny_llama_dir: Path, tmp_path_factory) -> Path:
     """The tiny Llama with sampling values in its generation_config.json, which requests that
     leave them unset take: temperature 0.9, top_k 1 (so sampling is greedy), repetition
-    penalty 1.5."""
+    penalty 1.5, max_new_tokens 20."""
     out = tmp_path_factory.mktemp("tuned") / "model"
     shutil.copytree(tiny_llama_dir, out)
     path = out / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
-    path.write_text(json.dumps({**config, "temperature": 0.9, "top_k": 1, "repetition_penalty": 1.5}))
+    path.write_text(json.dumps({**config, "temperature": 0.9, "top_k": 1, "repetition_penalty": 1.5,
+                                "max_new_tokens": 20}))
     return out
 
 

@@ -731,14 +731,18 @@ def _tokenizer_eos(tokenizer) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
 
 
-# what vLLM takes from a model's generation_config.json as its requests' sampling defaults
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# what vLLM takes from a model's generation_config.json as its requests' sampling defaults,
+# and the SamplingParams field each becomes
+SAMPLING_DEFAULT_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
 
 
 def sampling_defaults(model_path: Path, generation_config: str) -> dict[str, Any]:
     """vLLM's generation_config: "auto", the sampling values of the model's
-    generation_config.json (Qwen3's temperature 0.6, top_p 0.95, top_k 20, ...), which
-    requests that leave them unset take; "vllm", none; else a directory whose
+    generation_config.json (Qwen3's temperature 0.6, top_p 0.95, top_k 20, ...; its
+    max_new_tokens as max_tokens), which requests that leave them unset take; "vllm", none; else a directory whose
     generation_config.json to read. ValueError naming a value SamplingParams refuses."""
     if generation_config == "vllm":
         return {}
@@ -749,7 +753,7 @@ def sampling_defaults(model_path: Path, generation_config: str) -> dict[str, Any
             return {}
         raise ValueError(f"generation_config {generation_config!r} holds no generation_config.json")
     values = json.loads(path.read_text())
-    found = {k: values[k] for k in SAMPLING_DEFAULT_KEYS if values.get(k) is not None}
+    found = {field: values[k] for k, field in SAMPLING_DEFAULT_KEYS.items() if values.get(k) is not None}
     try:
         SamplingParams(**found)
     except (ValueError, TypeError) as exc:

@@ -37,3 +37,15 @@ def test_unset_fields_take_the_models_values(served_model: str, oai: openai.Open
     unpenalized = {**body, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.0}}
     assert oai.completions.create(**unpenalized).choices[0].text == expected(temperature=0.0)
     assert expected(temperature=0.0) != expected(temperature=0.0, repetition_penalty=1.5)
+
+
+def test_a_chat_that_leaves_max_tokens_unset_takes_the_models_max_new_tokens(served_model: str, oai: openai.OpenAI) -> None:
+    """vLLM reads generation_config's max_new_tokens as max_tokens; a request's own value wins."""
+    messages = [{"role": "user", "content": "Go on."}]
+    unset = oai.chat.completions.create(model=served_model, messages=messages, extra_body={"ignore_eos": True})
+    assert (unset.usage.completion_tokens, unset.choices[0].finish_reason) == (20, "length")
+    given = oai.chat.completions.create(model=served_model, messages=messages, max_completion_tokens=24,
+                                        extra_body={"ignore_eos": True})
+    assert given.usage.completion_tokens == 24
+    completion = oai.completions.create(model=served_model, prompt=PROMPT, extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 16  # OpenAI's default for completions

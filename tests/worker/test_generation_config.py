@@ -16,17 +16,19 @@ from worker import LLM
 def test_unset_sampling_takes_the_models_generation_config(tuned_llama_dir, tiny_llama_dir):
     llm = LLM(str(tuned_llama_dir), dtype="float32", num_gpu_blocks_override=64)
     defaults = llm.get_default_sampling_params()
-    assert (defaults.temperature, defaults.top_k, defaults.repetition_penalty, defaults.top_p) == (0.9, 1, 1.5, 1.0)
+    assert (defaults.temperature, defaults.top_k, defaults.repetition_penalty, defaults.top_p,
+            defaults.max_tokens) == (0.9, 1, 1.5, 1.0, 20)
     prompt = {"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}
-    unset = llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids  # no params: the model's (16 tokens)
-    given = SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.5)
-    assert unset == llm.generate(prompt, given, use_tqdm=False)[0].outputs[0].token_ids
-    plain = SamplingParams(temperature=0.0, max_tokens=16)
+    unset = llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids  # no params: the model's
+    given = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.5)
+    assert len(unset) == 20 and unset == llm.generate(prompt, given, use_tqdm=False)[0].outputs[0].token_ids
+    plain = SamplingParams(temperature=0.0, max_tokens=20)
     assert unset != llm.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids
     # "vllm": vLLM's own defaults; a directory: its generation_config.json
     assert LLM(str(tuned_llama_dir), num_gpu_blocks_override=64, generation_config="vllm").engine.sampling_defaults == {}
     other = LLM(str(tiny_llama_dir), num_gpu_blocks_override=64, generation_config=str(tuned_llama_dir))
-    assert other.engine.sampling_defaults == {"temperature": 0.9, "top_k": 1, "repetition_penalty": 1.5}
+    assert other.engine.sampling_defaults == {"temperature": 0.9, "top_k": 1, "repetition_penalty": 1.5,
+                                              "max_tokens": 20}
 
 
 def test_a_generation_config_sampling_refuses_is_named(tiny_llama_dir, tmp_path):
