@@ -66,7 +66,8 @@ class _GenerationRequest(BaseModel):
     # "json_object": ...} (producer.sampling_params.StructuredOutputsParams)
     structured_outputs: dict[str, Any] | None = None
     # {"type": "json_object"}: one JSON object; {"type": "json_schema", "json_schema": {"name",
-    # "schema"}}: a value of that schema; {"type": "text"} or absent: free text
+    # "schema"}}: a value of that schema; vLLM's {"type": "structural_tag", "structures": [...],
+    # "triggers": [...]} (producer.structural_tag); {"type": "text"} or absent: free text
     response_format: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None  # vLLM's: settings for the workers' custom logits processors
 
@@ -145,7 +146,11 @@ class _GenerationRequest(BaseModel):
             spec = response_format.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             return {"json_schema": _json_schema(schema, "response_format")}
-        raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        if kind == "structural_tag":  # vLLM's: structures and triggers beside the type
+            return {"structural_tag": {k: v for k, v in response_format.items() if k != "type"}}
+        raise ValueError(
+            f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}"
+        )
 
 
 def _json_schema(schema: Any, field: str) -> dict[str, Any]:

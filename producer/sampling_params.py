@@ -15,10 +15,11 @@ from producer.ebnf import compile_ebnf
 from producer.field_mappings import from_mapping
 from producer.json_schema import compile_schema
 from producer.regex import compile_regex
+from producer.structural_tag import read_structural_tag
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
-GUIDED_KINDS = {"json_object", "json_schema", "choice", "regex", "grammar"}
+GUIDED_KINDS = {"json_object", "json_schema", "choice", "regex", "grammar", "structural_tag"}
 # Below this, temperature is greedy: dividing logits by a tinier number overflows to inf.
 MIN_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -28,7 +29,8 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 class StructuredOutputsParams:
     """vLLM's structured outputs (`SamplingParams(structured_outputs=...)`, the API's
     `structured_outputs`): exactly one of `json` (a JSON schema, or its text), `regex`,
-    `choice`, `grammar` (EBNF, `producer.ebnf`) or `json_object`. The options vLLM hands its
+    `choice`, `grammar` (EBNF, `producer.ebnf`), `json_object` or `structural_tag` (its JSON
+    text or mapping, `producer.structural_tag`). The options vLLM hands its
     backends are taken where genq already does what they ask: `disable_additional_properties`
     (objects with properties are closed) and `disable_fallback` (there is one backend)."""
 
@@ -41,21 +43,22 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
-    structural_tag: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def guided_decoding(self) -> dict[str, Any]:
         """The same request as `SamplingParams.guided_decoding` spells it."""
-        for name in ("disable_any_whitespace", "whitespace_pattern", "structural_tag"):
+        for name in ("disable_any_whitespace", "whitespace_pattern"):
             if getattr(self, name):
                 raise ValueError(f"structured_outputs {name} is not supported")
         given = {
             "json_schema": _schema_object(self.json), "regex": self.regex, "choice": self.choice,
             "grammar": self.grammar, "json_object": self.json_object or None,
+            "structural_tag": None if self.structural_tag is None else read_structural_tag(self.structural_tag),
         }
         given = {k: v for k, v in given.items() if v is not None}
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs must give exactly one of json, regex, choice, grammar or json_object, "
+                "structured_outputs must give exactly one of json, regex, choice, grammar, json_object or structural_tag, "
                 f"got {sorted(given) or 'none'}".replace("json_schema", "json")
             )
         return given
@@ -225,13 +228,14 @@ def _check_guided(guided: Any) -> None:
     if len(kinds) != 1 or not kinds <= GUIDED_KINDS:
         raise ValueError(
             'guided_decoding must be {"json_object": true}, {"json_schema": {...}}, '
-            f'{{"choice": [strings]}}, {{"regex": pattern}} or {{"grammar": ebnf}} (and optionally "after": text), '
-            f'got {guided!r}'
+            f'{{"choice": [strings]}}, {{"regex": pattern}}, {{"grammar": ebnf}} or '
+            f'{{"structural_tag": {{"structures", "triggers"}}}} (and optionally "after": text), got {guided!r}'
         )
     after = guided.get("after")
     if after is not None and (not isinstance(after, str) or not after):
         raise ValueError(f"guided_decoding after must be a non-empty string, got {after!r}")
-    for kind, compile_spec in (("json_schema", compile_schema), ("regex", compile_regex), ("grammar", compile_ebnf)):
+    for kind, compile_spec in (("json_schema", compile_schema), ("regex", compile_regex), ("grammar", compile_ebnf),
+                               ("structural_tag", read_structural_tag)):
         if kind in guided:
             try:
                 compile_spec(guided[kind])

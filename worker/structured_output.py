@@ -1,8 +1,8 @@
 """Structured output: grammars that say which text may come next, and the per-request token
 masks built from them (vLLM's `guided_decoding`: `json_object`, `json_schema`, `choice`,
-`regex`, `grammar`; the JSON grammars are in `worker.json_grammar` and
+`regex`, `grammar`, `structural_tag`; the JSON grammars are in `worker.json_grammar` and
 `worker.json_schema_grammar`, regular expressions in `producer.regex`, EBNF grammars in
-`producer.ebnf`).
+`producer.ebnf`, structural tags in `worker.structural_tag`).
 
 A grammar is an automaton over immutable, hashable states that reads the output's UTF-8
 bytes, one character per byte (`worker.token_bytes.byte_text`), so a token holding part of a
@@ -27,6 +27,7 @@ from producer.ebnf import compile_ebnf
 from producer.regex import compile_regex
 from worker.json_grammar import JSON_OBJECT
 from worker.json_schema_grammar import JsonSchemaGrammar
+from worker.structural_tag import StructuralTagGrammar
 from worker.token_bytes import byte_text, special_texts, token_bytes
 
 MASK_CACHE_SIZE = 1024  # grammar states whose masks are kept (a mask is one byte per token)
@@ -44,8 +45,9 @@ class Grammar(Protocol):
 
 def make_grammar(guided_decoding: dict[str, Any]) -> Grammar:
     """`{"json_object": True}`, `{"json_schema": {...}}`, `{"choice": [...]}`,
-    `{"regex": pattern}` or `{"grammar": ebnf}` (SamplingParams checked the shape, and that
-    the schema, pattern or grammar compiles)."""
+    `{"regex": pattern}`, `{"grammar": ebnf}` or `{"structural_tag": {"structures",
+    "triggers"}}` (SamplingParams checked the shape, and that the schema, pattern or grammar
+    compiles)."""
     if guided_decoding.get("json_object"):
         return JSON_OBJECT
     if "json_schema" in guided_decoding:
@@ -54,6 +56,8 @@ def make_grammar(guided_decoding: dict[str, Any]) -> Grammar:
         return regex_grammar(guided_decoding["regex"])
     if "grammar" in guided_decoding:
         return ebnf_grammar(guided_decoding["grammar"])
+    if "structural_tag" in guided_decoding:
+        return StructuralTagGrammar(guided_decoding["structural_tag"])
     return ChoiceGrammar(guided_decoding["choice"])
 
 

@@ -336,10 +336,11 @@ def test_guided_regex_outputs_match(served_model: str, oai: openai.OpenAI) -> No
     assert info.value.body["param"] == "guided_regex" and "not supported" in info.value.body["message"]
 
 
-def test_structured_outputs_as_current_vllm_spells_them(served_model: str, oai: openai.OpenAI) -> None:
+def test_structured_outputs_as_current_vllm_spells_them(served_model: str, oai: openai.OpenAI, tiny_llama_dir) -> None:
     """vLLM >= 0.12's `structured_outputs` (its guided_* fields are gone there), grammars
     among them; the grammar's sentences are judged by xgrammar, vLLM's backend for them."""
     import xgrammar as xgr
+    from transformers import AutoTokenizer
 
     grammar = 'root ::= ("yes" | "no") ", " [a-z]{2,5} ("!" | ".")\n'
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(grammar)
@@ -359,13 +360,26 @@ def test_structured_outputs_as_current_vllm_spells_them(served_model: str, oai: 
     assert shaped.choices[0].text.lstrip().startswith("{")
     if shaped.choices[0].finish_reason == "stop":
         jsonschema.validate(json.loads(shaped.choices[0].text), schema)
+    # a structural tag (vLLM's response_format type): a few allowed tokens make the trigger come
+    tag = {"type": "structural_tag", "triggers": ["<"],
+           "structures": [{"begin": "<t>", "schema": schema, "end": "</t>"}]}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    allowed = sorted({i for p in ["<", "t", ">", "</", "/", "{", '"', "n", ":", "1", "}", "x"]
+                      for i in tokenizer.encode(p, add_special_tokens=False)})
+    tagged = oai.chat.completions.create(model=served_model, messages=MESSAGES, n=4, temperature=1.0, seed=3,
+                                         max_tokens=32, response_format=tag, extra_body={"allowed_token_ids": allowed})
+    item = xgr.StructuralTagItem(begin="<t>", schema=json.dumps(schema), end="</t>")
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(xgr.Grammar.from_structural_tag([item], ["<"]))
+    assert all(xgr.GrammarMatcher(compiled).accept_string(c.message.content) for c in tagged.choices)
+    assert any("<t>{" in c.message.content for c in tagged.choices)
     for extra, message in (({"structured_outputs": {"grammar": "root ::= x"}}, "rule 'x' is not defined"),
                            ({"structured_outputs": {"regex": "a", "json_object": True}}, "exactly one of"),
-                           ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "cannot be combined")):
+                           ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "cannot be combined"),
+                           ({"response_format": {"type": "structural_tag", "triggers": ["<"]}}, "structures must be")):
         with pytest.raises(openai.BadRequestError) as info:
             oai.completions.create(model=served_model, prompt="x", max_tokens=2, extra_body=extra)
         assert message in info.value.body["message"]
-        assert info.value.body["param"] == "structured_outputs", info.value.body
+        assert info.value.body["param"] == next(iter(extra)), info.value.body
 
 
 def test_json_schema_outputs_validate(served_model: str, oai: openai.OpenAI) -> None:

@@ -339,6 +339,30 @@ condition ::= column (" = " | " < ") ([0-9]+ | "'" [a-z]* "'")
     assert sum(o.finish_reason == "stop" for o in outs) >= 4
 
 
+def test_structural_tags_hold_calls_to_their_schemas_between_free_text(llm):
+    """vLLM's structural_tag: sampled hot from a handful of tokens (allowed_token_ids) the
+    free text writes the trigger ("<") often; from there each call must follow its begin,
+    schema and end, as xgrammar judges."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
+    spec = {"structures": [{"begin": "<t>", "schema": schema, "end": "</t>"}], "triggers": ["<"]}
+    tokenizer = llm.get_tokenizer()
+    pieces = ["<", "t", ">", "</", "/", "{", '"', "a", ":", "1", "2", "}", " ", "x"]
+    allowed = sorted({i for p in pieces for i in tokenizer.encode(p, add_special_tokens=False)})
+    params = SamplingParams(temperature=1.0, seed=6, n=8, max_tokens=48, allowed_token_ids=allowed,
+                            structured_outputs={"structural_tag": json.dumps({"type": "structural_tag", **spec})})
+    outs = llm.generate("Call:", params, use_tqdm=False)[0].outputs
+    item = xgr.StructuralTagItem(begin="<t>", schema=json.dumps(schema), end="</t>")
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(xgr.Grammar.from_structural_tag([item], ["<"]))
+    for o in outs:
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(o.text), o.text
+        assert matcher.is_completed() if o.finish_reason == "stop" else len(o.token_ids) == 48, o.text
+    calls = [c for o in outs for c in re.findall(r"<t>(.*?)</t>", o.text)]
+    assert len(calls) >= 3 and all(isinstance(json.loads(c)["a"], int) for c in calls), calls
+
+
 def test_json_schema_strings_keep_their_patterns_and_formats(llm):
     """What pydantic writes for constr(pattern=...), date, UUID and conint(ge=, le=) fields."""
     import jsonschema

@@ -1,0 +1,137 @@
+"""Structural tags (vLLM's `structural_tag`) against xgrammar, the backend vLLM hands them to:
+the same bytes taken and refused, the same places the output may end, and the same token masks
+on the default vocabulary (special tokens, and whitespace past genq's cap, aside)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import xgrammar as xgr
+
+from producer.structural_tag import read_structural_tag
+from worker.json_grammar import MAX_WHITESPACE_RUN
+from worker.structural_tag import StructuralTagGrammar
+from worker.structured_output import GuidedState, TokenMasks, make_grammar
+from worker.token_bytes import byte_text, token_bytes
+
+WEATHER = {"type": "object", "required": ["city"], "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "unit": {"enum": ["C", "F"]}}}
+SEARCH = {"type": "object", "required": ["q"], "properties": {"q": {"type": "string", "maxLength": 20}}}
+SPEC = {"structures": [{"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"},
+                       {"begin": "<function=search>", "schema": SEARCH, "end": "</function>"},
+                       {"begin": "[[note]]", "schema": {"type": "object"}, "end": ""}],
+        "triggers": ["<function=", "[["]}
+ANY = {"type": "object"}
+PROSE = ["Sure.", " Let me check", "<b>bold</b>", " a < b,", " [link](x)", "\n", " é 日本 🙂", "<func", "[note"]
+
+
+def compiled_xgrammar(spec: dict, info: xgr.TokenizerInfo):
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in spec["structures"]]
+    return xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.from_structural_tag(items, spec["triggers"]))
+
+
+def call(rng: random.Random) -> str:
+    kind = rng.randrange(3)
+    if kind == 0:
+        args = {"city": rng.choice(["Paris", "Tōkyō", 'say "hi"']), "days": rng.randint(1, 14)}
+        if rng.random() < 0.5:
+            args["unit"] = rng.choice("CF")
+        return f"<function=get_weather>{json.dumps(args, ensure_ascii=rng.random() < 0.5)}</function>"
+    if kind == 1:
+        return f'<function=search>{json.dumps({"q": rng.choice(["genq", "a b c", ""])})}</function>'
+    return f"[[note]]{json.dumps({'any': [1, {'x': None}]}, separators=(',', ':'))}"
+
+
+def text(rng: random.Random) -> str:
+    return "".join(rng.choice(PROSE) if rng.random() < 0.6 else call(rng) for _ in range(rng.randint(1, 5)))
+
+
+def mutated(value: str, rng: random.Random) -> str:
+    chars = list(value)
+    at = rng.randrange(len(chars) + 1)
+    if rng.random() < 0.5 and at < len(chars):
+        del chars[at]
+    else:
+        chars.insert(at, rng.choice('<>[]{}":, 1xé'))
+    return "".join(chars)
+
+
+def ours(grammar: StructuralTagGrammar, value: str) -> tuple[int, bool]:
+    state = grammar.initial()
+    for i, char in enumerate(byte_text(value.encode())):
+        nxt = grammar.advance(state, char)
+        if nxt is None:
+            return i, grammar.is_complete(state)
+        state = nxt
+    return len(value.encode()), grammar.is_complete(state)
+
+
+def theirs(compiled, value: str) -> tuple[int, bool]:
+    matcher = xgr.GrammarMatcher(compiled)
+    for i, byte in enumerate(value.encode()):
+        if not matcher.accept_string(bytes([byte])):
+            return i, matcher.is_completed()
+    return len(value.encode()), matcher.is_completed()
+
+
+def test_texts_are_taken_and_refused_as_xgrammar_does() -> None:
+    grammar, compiled = StructuralTagGrammar(SPEC), compiled_xgrammar(SPEC, xgr.TokenizerInfo([]))
+    rng = random.Random(3)
+    texts = [text(rng) for _ in range(60)]
+    texts += [mutated(t, rng) for t in texts for _ in range(4)]
+    refused = 0
+    for value in texts:
+        verdict = ours(grammar, value)
+        assert verdict == theirs(compiled, value), value
+        refused += verdict[0] < len(value.encode())
+    assert 60 <= refused < len(texts) - 60  # the changes broke many calls, not all
+
+
+def test_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    vocabulary = token_bytes(tokenizer)
+    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id})
+    matcher = xgr.GrammarMatcher(compiled_xgrammar(SPEC, xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(vocabulary))))
+    bitmask = xgr.allocate_token_bitmask(1, len(vocabulary))
+    special = {i for i, data in enumerate(vocabulary) if data is None} - {tokenizer.eos_token_id}
+    # genq's JSON takes at most MAX_WHITESPACE_RUN whitespace in a row (no padding forever)
+    padding = {i for i, data in enumerate(vocabulary) if data and not data.strip() and len(data) >= MAX_WHITESPACE_RUN}
+    grammar = make_grammar({"structural_tag": SPEC})
+    guided = GuidedState(grammar, grammar.initial())
+    output = tokenizer.encode('I will look. <function=get_weather>{"city": "Nice", "days": 2}</function> Then [[note]]{}',
+                              add_special_tokens=False)
+    for steps in range(len(output) + 1):
+        masks.advance(guided, output[:steps])
+        matcher.fill_next_token_bitmask(bitmask)
+        words = bitmask[0].tolist()
+        expected = {i for i in range(len(vocabulary)) if (words[i // 32] >> (i % 32)) & 1} - special - padding
+        allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok} - padding
+        assert allowed == expected, (tokenizer.decode(output[:steps]), [tokenizer.decode([i]) for i in allowed ^ expected][:10])
+        if steps < len(output):
+            assert matcher.accept_token(output[steps])
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"structures": [], "triggers": ["<f"]}, "structures must be a non-empty list"),
+    ({"structures": [{"begin": "<f>", "schema": {}}], "triggers": []}, "triggers must be a non-empty list"),
+    ({"structures": [{"begin": "<g>", "schema": {"type": "object"}}], "triggers": ["<f"]}, "starts with none of the triggers"),
+    ({"structures": [{"begin": "<f>", "schema": {"type": "object"}}], "triggers": ["<f", "<g"]}, "trigger '<g' begins none"),
+    ({"structures": [{"begin": "<f", "schema": ANY}, {"begin": "<f>", "schema": ANY}], "triggers": ["<f"]},
+     "cannot be told apart"),
+    ({"structures": [{"begin": "<fa>", "schema": ANY}], "triggers": ["<f", "<fa"]}, "begins with another trigger"),
+    ({"structures": [{"begin": "<f>", "schema": {"type": "object", "properties": {"a": {"multipleOf": 2}}}}],
+      "triggers": ["<f"]}, "structures[0] json_schema: #/properties/a"),
+    ({"structures": [{"begin": "<f>", "schema": {}, "stop": "x"}], "triggers": ["<f"]}, "begin, schema and end"),
+    ({"format": {"type": "const_string", "value": "x"}}, "'format' form is not supported"),
+    ("{not json", "must be a JSON object or its text"),
+])
+def test_bad_structural_tags_are_refused_naming_what(spec, message: str) -> None:
+    with pytest.raises(ValueError, match="structural_tag") as info:
+        read_structural_tag(spec)
+    assert message in str(info.value)
