@@ -99,6 +99,7 @@ def plan(
     chat = body if isinstance(body, ChatCompletionRequest) else None
     reasoning = _reasoning_parser(state, chat)
     params = sampling_params(body, defaults)
+    prompts = [salted(p, body.cache_salt) for p in prompts]
     if reasoning in GRAMMAR_AFTER and params.guided_decoding is not None:
         # the reply thinks first: the grammar holds for the answer, after the thinking's end
         params = replace(params, guided_decoding={**params.guided_decoding, "after": GRAMMAR_AFTER[reasoning]})
@@ -127,6 +128,15 @@ def plan(
         reasoning_parser=reasoning,
     )
     return Plan(req, prompts, params, body.priority + priority_offset, body.model, deadline_s)
+
+
+def salted(prompt: PromptInput, cache_salt: str | None) -> PromptInput:
+    """A job's prompt with vLLM's `cache_salt` beside it (the prefix cache shares its blocks
+    only with prompts of the same salt)."""
+    if cache_salt is None:
+        return prompt
+    as_mapping = prompt if isinstance(prompt, dict) else {"prompt": prompt} if isinstance(prompt, str) else {"messages": prompt}
+    return {**as_mapping, "cache_salt": cache_salt}
 
 
 def job_ids(base: str, count: int) -> list[str]:

@@ -11,7 +11,7 @@ import binascii
 import json
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Discriminator, PrivateAttr, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag
 
 from api.tool_calls import calls_schema
 from producer.sampling_params import SamplingParams
@@ -70,6 +70,9 @@ class _GenerationRequest(BaseModel):
     # "triggers": [...]} (producer.structural_tag); {"type": "text"} or absent: free text
     response_format: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None  # vLLM's: settings for the workers' custom logits processors
+    # vLLM's: the workers' prefix cache shares this request's blocks only with requests of the
+    # same salt (a secret per tenant: no one else can learn its prompts by how fast they run)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @property
     def include_usage(self) -> bool:

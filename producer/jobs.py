@@ -179,6 +179,10 @@ def build_job(
 
 
 def _prompt_fields(prompt: PromptInput) -> dict[str, Any]:
+    """The Job fields of a prompt; a prompt mapping may carry vLLM's `cache_salt` beside."""
+    if isinstance(prompt, dict) and "cache_salt" in prompt:
+        rest = {k: v for k, v in prompt.items() if k != "cache_salt"}
+        return {**_prompt_fields(rest), "cache_salt": prompt["cache_salt"]}
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if isinstance(prompt, list):
@@ -190,7 +194,7 @@ def _prompt_fields(prompt: PromptInput) -> dict[str, Any]:
     raise ValueError(
         "a prompt is a string, {'prompt': str}, {'prompt_token_ids': [...]}, {'prompt_embeds': "
         "torch.save's bytes of a tensor}, a list of chat messages, or {'messages': [...], 'tools': "
-        "[...], 'chat_template_kwargs': {...}}; "
+        "[...], 'chat_template_kwargs': {...}}, each mapping with an optional 'cache_salt'; "
         f"got {prompt!r:.80}"
     )
 

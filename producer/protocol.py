@@ -286,6 +286,9 @@ class Job:
     # who the job is metered to (the API sets the id of the caller's API key): the worker
     # that finishes it adds its tokens to `usage(day)` under this name, once
     tenant: str | None = None
+    # vLLM's cache_salt: the prefix cache shares this job's blocks only with jobs of the same
+    # salt (a secret per tenant keeps others from learning its prompts by their speed)
+    cache_salt: str | None = None
     priority: int = 0  # as in vLLM: lower values are scheduled first
     deadline: float | None = None  # absolute unix time; past it the job is aborted
     submit_time: float = 0.0  # unix time
@@ -301,6 +304,8 @@ class Job:
             _validate_embedding(self)
         if self.tenant is not None and not (isinstance(self.tenant, str) and _TENANT.fullmatch(self.tenant)):
             raise ValueError(f"tenant must be 1 to 64 letters, digits, '.', '_' or '-', got {self.tenant!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model must be a string, got {self.model!r}")
         if not _is_int(self.priority):
@@ -437,7 +442,7 @@ def encode_job(job: Job) -> dict[str, bytes]:
     job.validate()
     payload = asdict(job)
     payload["sampling_params"] = job.sampling_params.to_dict()
-    for optional in ("pooling_params", "tenant", "prompt_embeds"):  # unset, the payload reads as it did before them
+    for optional in ("pooling_params", "tenant", "prompt_embeds", "cache_salt"):  # unset, the payload reads as before them
         if payload[optional] is None:
             del payload[optional]
     return {

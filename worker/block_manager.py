@@ -511,13 +511,20 @@ class BlockManager:
     def _hash_full_blocks(self, request: Request) -> None:
         bs = self.block_size
         for i in range(len(request.block_hashes), request.num_tokens // bs):
-            # the first block's parent names the adapter: its KV differs from the base model's
-            parent = request.block_hashes[i - 1] if i else ("lora", request.lora_id) if request.lora_id else None
+            # the first block's parent names the adapter (its KV differs from the base model's)
+            # and the cache salt (only requests with the same salt share blocks)
+            parent = request.block_hashes[i - 1] if i else _first_parent(request)
             key = (parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))
             # a block holding image tokens names those images' pixels: equal placeholders differ
             images = tuple(digest for offset, length, digest in request.image_spans
                            if offset < (i + 1) * bs and offset + length > i * bs)
             request.block_hashes.append(hash((*key, images) if images else key))
+
+
+def _first_parent(request: Request) -> Hashable:
+    if request.cache_salt is not None:
+        return ("salt", request.cache_salt, request.lora_id)
+    return ("lora", request.lora_id) if request.lora_id else None
 
 
 def _runs(blocks: list[int | None]) -> list[int]:

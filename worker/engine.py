@@ -158,6 +158,7 @@ class Engine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, prompt_ids, images, embeds = self.check_prompt(prompt, params, pooling_params)
+        salt = cache_salt_of(prompt)
         if pooling_params is not None and params.n != 1:
             raise ValueError(f"an embedding request has one output, got n={params.n}")
         if pooling_params is not None and pooling_params.dimensions is not None:
@@ -176,7 +177,7 @@ class Engine:
         bad_words = self._bad_words_token_ids(params.bad_words or [])
         digest = embeds_digest(embeds) if embeds is not None else 0
         for child in children:
-            child.lora_id = lora_id
+            child.lora_id, child.cache_salt = lora_id, salt
             child.pooling_params = pooling_params
             child.bad_words_token_ids = bad_words
             child.image_spans = images.span_keys() if images is not None else []
@@ -725,6 +726,15 @@ def _max_model_len(config: EngineConfig, hf_config) -> int:
     if config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit}")
     return config.max_model_len
+
+
+def cache_salt_of(prompt: PromptInput) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's: its blocks are shared only with requests of the
+    same salt); ValueError unless it is a non-empty string."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def _tokenizer_eos(tokenizer) -> set[int]:

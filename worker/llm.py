@@ -13,7 +13,7 @@ from producer.beam_search import Beam, BeamSearchParams, best, step
 from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
-from worker.engine import Engine, PromptInput
+from worker.engine import Engine, PromptInput, cache_salt_of
 from worker.lora_request import LoRARequest
 from worker.outputs import (
     BeamSearchOutput,
@@ -113,14 +113,15 @@ class LLM:
         and adapter checked; ValueError naming prompt i."""
         try:
             text, token_ids, images, embeds = self.engine.check_prompt(prompt, params, pooling_params)
+            salt = {"cache_salt": s} if (s := cache_salt_of(prompt)) is not None else {}
             self.engine.check_params(params)
             if lora is not None:
                 self.engine.add_lora(lora)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
         if embeds is not None:
-            return {"prompt_embeds": embeds}
-        return {"prompt": text, "prompt_token_ids": token_ids, "image_inputs": images}
+            return {"prompt_embeds": embeds, **salt}
+        return {"prompt": text, "prompt_token_ids": token_ids, "image_inputs": images, **salt}
 
     def beam_search(
         self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams

@@ -28,7 +28,7 @@ def prompt_embeds_of(prompt: Any) -> torch.Tensor | bytes | None:
     where it comes with another form of prompt."""
     if not isinstance(prompt, dict) or prompt.get("prompt_embeds") is None:
         return None
-    others = sorted(k for k in prompt if k != "prompt_embeds" and prompt[k] is not None)
+    others = sorted(k for k in prompt if k not in ("prompt_embeds", "cache_salt") and prompt[k] is not None)
     if others:
         raise ValueError(f"a prompt given as prompt_embeds takes nothing else, got {', '.join(others)}")
     return prompt["prompt_embeds"]

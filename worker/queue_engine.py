@@ -315,6 +315,12 @@ class EngineThread:
         self._mean_request_tokens = size if mean is None else mean + PROMPT_EMA_WEIGHT * (size - mean)
 
     def _prompt(self, job: Job, images: Future[PreparedImages | None] | None = None) -> Any:
+        prompt = self._job_prompt(job, images)
+        if job.cache_salt is None:
+            return prompt
+        return {**(prompt if isinstance(prompt, dict) else {"prompt": prompt}), "cache_salt": job.cache_salt}
+
+    def _job_prompt(self, job: Job, images: Future[PreparedImages | None] | None) -> Any:
         if job.messages is not None:
             prompt = self.engine.apply_chat_template(
                 job.messages, tools=job.tools, **(job.chat_template_kwargs or {})

@@ -73,6 +73,9 @@ class Request:
     whole_spans: list[tuple[int, int]] = field(default_factory=list)
     # the prompt came as embeddings (worker.prompt_embeds): its token ids are placeholders
     given_embeds: bool = False
+    # vLLM's cache_salt: its blocks are cached under keys salted with it, so only requests
+    # with the same salt share them (a tenant's prompts cannot be probed by another's timing)
+    cache_salt: str | None = None
 
     @property
     def prompt_tokens_seen(self) -> list[int]:

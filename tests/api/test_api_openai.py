@@ -53,6 +53,28 @@ def test_usage_counts_prompt_tokens_the_prefix_cache_served(served_model: str, o
     assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens  # whole blocks
 
 
+def test_a_cache_salt_keeps_a_prompts_cached_blocks_to_its_own_salt(served_model: str, oai: openai.OpenAI) -> None:
+    """vLLM's cache_salt, through the queue to the worker's prefix cache."""
+    prompt = "Another prompt long enough to fill two blocks of sixteen tokens in the worker's cache. " * 2
+
+    def cached(salt: str | None, **kwargs) -> int:
+        extra = {"cache_salt": salt} if salt else {}
+        if kwargs.get("chat"):
+            reply = oai.chat.completions.create(model=served_model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=2, extra_body=extra)
+        else:
+            reply = oai.completions.create(model=served_model, prompt=prompt, max_tokens=2, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("s3cret-a") == 0
+    assert cached("s3cret-b") == 0 and cached(None) == 0  # neither another salt nor none shares them
+    assert cached("s3cret-a") > 0 and cached(None) > 0
+    assert cached("s3cret-a", chat=True) == 0 and cached("s3cret-a", chat=True) > 0
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=served_model, prompt="x", max_tokens=1, extra_body={"cache_salt": ""})
+    assert info.value.body["param"] == "cache_salt"
+
+
 def test_chat_streaming_matches_non_streaming(served_model: str, oai: openai.OpenAI) -> None:
     expected = oai.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY)
     chunks = list(oai.chat.completions.create(

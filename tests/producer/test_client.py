@@ -41,9 +41,13 @@ def test_submit_accepts_every_prompt_shape(client: Client, worker: FakeWorker) -
     before = time.time()
     client.submit(messages, SamplingParams(n=2), priority=-1, job_id="chat-1", deadline_s=30.0,
                   model="smol")
-    jobs = [worker.take() for _ in range(4)]
+    client.submit({"messages": messages, "cache_salt": "s1"})  # vLLM's cache_salt beside any prompt form
+    client.submit({"prompt_token_ids": [3], "cache_salt": "s2"})
+    jobs = [worker.take() for _ in range(6)]
     assert [j.prompt for j in jobs[:3]] == ["plain", None, "dict"]
     assert jobs[1].prompt_token_ids == [1, 2]
+    assert [(j.messages, j.prompt_token_ids, j.cache_salt) for j in jobs[4:]] == [(messages, None, "s1"), (None, [3], "s2")]
+    assert jobs[0].cache_salt is None
     chat = jobs[3]
     assert (chat.id, chat.messages, chat.model, chat.priority) == ("chat-1", messages, "smol", -1)
     assert chat.sampling_params.n == 2
@@ -64,6 +68,8 @@ def test_submit_accepts_every_prompt_shape(client: Client, worker: FakeWorker) -
         ("a", {"job_id": ""}, "job id"),
         ("a", {"deadline_s": 0}, "deadline_s"),
         ("a", {"priority": 1.5}, "priority must be an integer"),
+        ({"prompt": "a", "cache_salt": 7}, {}, "cache_salt must be a non-empty string"),
+        ({"cache_salt": "s"}, {}, "a prompt is a string"),
     ],
 )
 def test_submit_rejects_bad_input(

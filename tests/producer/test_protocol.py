@@ -81,6 +81,7 @@ def test_job_status_values() -> None:
     [
         {"prompt": "hello"},
         {"prompt_token_ids": [1, 2, 3]},
+        {"prompt_token_ids": [1, 2, 3], "cache_salt": "tenant-7-secret"},
         {"prompt_embeds": b"PK\x03\x04 torch.save's bytes"},
         {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is "},
@@ -195,6 +196,7 @@ def test_undecodable_payload_names_the_job(
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x"}}]}],
           "prompt": None}, r"messages\[0\].content\[0\] must be .* an image_url part with a data URL"),
         ({"priority": "high"}, "priority must be an integer"),
+        ({"cache_salt": ""}, "cache_salt must be a non-empty string"),
         ({"extra": 1}, r"unknown \['extra'\]"),
         ({"id": "job-2"}, "differs from entry id"),
     ],

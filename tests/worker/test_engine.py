@@ -227,6 +227,24 @@ def test_generation_config_eos_ids_end_replies(tiny_llama_dir, tmp_path):
     assert out.finish_reason == "stop"
 
 
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt(tiny_llama_dir):
+    """vLLM's cache_salt: a salted prompt is served from the prefix cache only by blocks a
+    prompt of the same salt left (tenants cannot learn each other's prompts by their speed);
+    the tokens are the same either way."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    ids = llm.get_tokenizer().encode(PROMPTS[8])  # 60 tokens: 3 whole blocks
+    runs = [(None, 0), ("tenant-a", 0), ("tenant-a", 48), ("tenant-b", 0), (None, 48), ("tenant-b", 48)]
+    outs = []
+    for salt, cached in runs:
+        prompt = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+        [out] = llm.generate(prompt, greedy(6), use_tqdm=False)
+        assert out.num_cached_tokens == cached, (salt, out.num_cached_tokens)
+        outs.append(out.outputs[0].token_ids)
+    assert all(o == outs[0] for o in outs)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string, got ''"):
+        llm.generate({"prompt": "x", "cache_salt": ""}, greedy(2), use_tqdm=False)
+
+
 def test_preemption_gives_the_same_output(tiny_llama_dir):
     # 12 blocks of 16 tokens cannot hold 9 sequences of up to ~90 tokens: preemption must happen.
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=12, max_model_len=192)
