@@ -126,6 +126,8 @@ def plan(
         string_parameters=chat.string_parameters() if chat else (),
         parallel_tool_calls=chat is None or chat.parallel_tool_calls,
         reasoning_parser=reasoning,
+        return_token_ids=bool(body.return_token_ids),
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )
     return Plan(req, prompts, params, body.priority + priority_offset, body.model, deadline_s)
 
@@ -151,7 +153,7 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
         handle = await state.client.submit(
             prompt, planned.params, priority=planned.priority, job_id=job_id,
             deadline_s=planned.deadline_s, model=planned.model, pooling_params=planned.pooling_params,
-            tenant=planned.tenant or TENANT.get(),
+            tenant=planned.tenant or TENANT.get(), return_prompt_token_ids=planned.req.return_token_ids,
         )
         enqueued = handle.enqueued or enqueued
     return replace(planned.req, enqueued=enqueued)

@@ -8,7 +8,7 @@ with "logprob", "top_logprobs" ({token_id: logprob}) and optionally "token" and 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from producer.protocol import Event
@@ -22,6 +22,15 @@ class TokenLogprob:
     logprob: float | None  # None only for an echoed prompt's first token: nothing precedes it
     top: list[tuple[str, float]]  # most likely first
     spelled: str = ""  # the token decoded alone, when the worker sent it ("" otherwise)
+    token_id: int | None = None
+    top_ids: tuple[int, ...] = ()  # the ids of `top`'s tokens
+
+    def as_token_ids(self) -> TokenLogprob:
+        """Tokens named "token_id:<id>" rather than by their text (vLLM's
+        return_tokens_as_token_ids: every token is then told apart, and JSON-safe)."""
+        token = self.token if self.token_id is None else _token_text(self.token_id)
+        top = [(_token_text(t), lp) for t, (_, lp) in zip(self.top_ids, self.top, strict=True)]
+        return replace(self, token=token, top=top)
 
 
 def event_logprobs(event: Event) -> list[TokenLogprob]:
@@ -33,10 +42,11 @@ def event_logprobs(event: Event) -> list[TokenLogprob]:
 def token_logprob(token_id: int, entry: Any) -> TokenLogprob:
     if isinstance(entry, dict) and "logprob" in entry:
         spelled = entry.get("token") or (entry.get("decoded") or {}).get(token_id) or ""
-        return _mapped(entry, spelled or _token_text(token_id), spelled)
+        return _mapped(entry, spelled or _token_text(token_id), spelled, token_id)
     top = top_token_pairs(entry)
     logprob = dict(top).get(token_id, MIN_LOGPROB) if not _is_number(entry) else entry
-    return TokenLogprob(_token_text(token_id), _finite(logprob), _named(top, {}))
+    return TokenLogprob(_token_text(token_id), _finite(logprob), _named(top, {}), token_id=token_id,
+                        top_ids=tuple(t for t, _ in top))
 
 
 def prompt_logprobs(entries: list[Any] | None) -> list[TokenLogprob]:
@@ -46,14 +56,16 @@ def prompt_logprobs(entries: list[Any] | None) -> list[TokenLogprob]:
     for entry in entries or []:
         mapping = entry if isinstance(entry, dict) else {}
         spelled = mapping.get("token") or ""
-        out.append(_mapped(mapping, spelled, spelled))
+        out.append(_mapped(mapping, spelled, spelled, mapping.get("token_id")))
     return out
 
 
-def _mapped(entry: dict[str, Any], token: str, spelled: str) -> TokenLogprob:
+def _mapped(entry: dict[str, Any], token: str, spelled: str, token_id: int | None) -> TokenLogprob:
     logprob = entry.get("logprob")
-    top = _named(top_token_pairs(entry.get("top_logprobs")), entry.get("decoded") or {})
-    return TokenLogprob(token, None if logprob is None else _finite(logprob), top, spelled)
+    pairs = top_token_pairs(entry.get("top_logprobs"))
+    top = _named(pairs, entry.get("decoded") or {})
+    return TokenLogprob(token, None if logprob is None else _finite(logprob), top, spelled, token_id,
+                        tuple(t for t, _ in pairs))
 
 
 def top_token_pairs(top: Any) -> list[tuple[int, float]]:

@@ -53,6 +53,8 @@ class RelayedRequest:
     string_parameters: tuple[tuple[str, str], ...] = ()
     parallel_tool_calls: bool = True  # False: a choice keeps only its first call
     reasoning_parser: str | None = None  # chat: split the thinking off (api.reasoning)
+    return_token_ids: bool = False  # vLLM's: each choice's token ids, and the prompt's, beside the text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
     def tool_call_id(self, choice: Choice, k: int = 0) -> str:
         """The id of call `k` of a choice."""
@@ -95,6 +97,9 @@ class Choice:
     reasoning: PairReader | None = None  # what split the streamed text's thinking off
     content_sent: bool = False  # a stream chunk has carried some of its content
     embedding: bytes | None = None  # an embedding job's vector (float32, little-endian)
+    prompt_token_ids: list[int] | None = None  # the job's, when the request asked for them
+    ids_sent: int = 0  # token ids the stream's chunks have carried (return_token_ids)
+    prompt_ids_sent: bool = False
 
     def echo(self, text: str, logprobs: list[TokenLogprob]) -> None:
         """Put the prompt first; before the first event."""
@@ -116,6 +121,17 @@ class Choice:
             self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
         if event.embedding is not None:
             self.embedding = event.embedding
+        if event.prompt_token_ids is not None:
+            self.prompt_token_ids = event.prompt_token_ids
+
+    def unsent_ids(self) -> dict[str, Any]:
+        """A stream chunk's token ids (vLLM's return_token_ids): those generated since the
+        last chunk, and with the first, the prompt's."""
+        out: dict[str, Any] = {"token_ids": self.token_ids[self.ids_sent:]}
+        self.ids_sent = len(self.token_ids)
+        if not self.prompt_ids_sent and self.prompt_token_ids is not None:
+            out["prompt_token_ids"], self.prompt_ids_sent = self.prompt_token_ids, True
+        return out
 
     def _add_offsets(self, start: int, new: list[TokenLogprob]) -> None:
         """OpenAI's `text_offset`: where each token begins in the text, by the lengths of the
@@ -186,10 +202,11 @@ class CompletionRenderer:
         body = {
             "index": choice.index, "text": choice.text[choice.last_text_start:],
             "logprobs": (
-                completion_logprobs(new, offsets, req.num_logprobs) if req.logprobs else None
+                completion_logprobs(_named(req, new), offsets, req.num_logprobs) if req.logprobs else None
             ),
             "finish_reason": event.finish_reason if event.finished else None,
             "stop_reason": event.stop_reason if event.finished else None,
+            **(choice.unsent_ids() if req.return_token_ids else {}),
         }
         return _chunk_envelope(req, self.object_name, [body], choice)
 
@@ -203,12 +220,14 @@ class CompletionRenderer:
                     index=c.index, text=c.text, finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     logprobs=(
-                        completion_logprobs(c.logprobs, c.text_offsets, req.num_logprobs)
+                        completion_logprobs(_named(req, c.logprobs), c.text_offsets, req.num_logprobs)
                         if req.logprobs else None
                     ),
                     prompt_logprobs=(
                         vllm_prompt_logprobs(c.prompt_logprobs) if req.prompt_logprobs else None
                     ),
+                    token_ids=c.token_ids if req.return_token_ids else None,
+                    prompt_token_ids=c.prompt_token_ids if req.return_token_ids else None,
                 )
                 for c in choices
             ],
@@ -248,11 +267,17 @@ class ChatRenderer:
             "index": choice.index,
             "delta": delta,
             "logprobs": (
-                chat_logprobs(event_logprobs(event), req.num_logprobs) if req.logprobs else None
+                chat_logprobs(_named(req, event_logprobs(event)), req.num_logprobs) if req.logprobs else None
             ),
             "finish_reason": _called(choice.tool_calls.num_calls if choice.tool_calls else 0, finish_reason),
         }
-        return _chunk_envelope(req, self.object_name, [body], choice)
+        chunk = _chunk_envelope(req, self.object_name, [body], choice)
+        if req.return_token_ids:  # (vLLM's chat chunks hold the prompt's beside the choices)
+            ids = choice.unsent_ids()
+            body["token_ids"] = ids["token_ids"]
+            if "prompt_token_ids" in ids:
+                chunk["prompt_token_ids"] = ids["prompt_token_ids"]
+        return chunk
 
     def response(
         self, req: RelayedRequest, choices: list[Choice], usage: Usage
@@ -266,7 +291,8 @@ class ChatRenderer:
                         len(message.tool_calls or []) if req.read_tool_calls else 0, c.finish_reason
                     ),
                     stop_reason=c.stop_reason,
-                    logprobs=chat_logprobs(c.logprobs, req.num_logprobs) if req.logprobs else None,
+                    logprobs=chat_logprobs(_named(req, c.logprobs), req.num_logprobs) if req.logprobs else None,
+                    token_ids=c.token_ids if req.return_token_ids else None,
                 )
                 for c in choices
                 for message in [_message(req, c)]
@@ -274,7 +300,13 @@ class ChatRenderer:
             prompt_logprobs=(
                 vllm_prompt_logprobs(choices[0].prompt_logprobs) if req.prompt_logprobs else None
             ),
+            prompt_token_ids=choices[0].prompt_token_ids if req.return_token_ids else None,
         )
+
+
+def _named(req: RelayedRequest, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
+    """Logprobs' tokens by their text, or by "token_id:<id>" as the request asks."""
+    return [lp.as_token_ids() for lp in logprobs] if req.tokens_as_ids else logprobs
 
 
 def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:

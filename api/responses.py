@@ -77,6 +77,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that matched
     prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the tokens generated
+    prompt_token_ids: list[int] | None = None  # and the prompt's, as the worker ran it
 
 
 class CompletionResponse(BaseModel):
@@ -101,6 +103,7 @@ class ChatChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the tokens generated
 
 
 class ChatCompletionResponse(BaseModel):
@@ -111,6 +114,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the prompt's, after its template
 
 
 class ModelCard(BaseModel):

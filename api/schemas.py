@@ -73,6 +73,10 @@ class _GenerationRequest(BaseModel):
     # vLLM's: the workers' prefix cache shares this request's blocks only with requests of the
     # same salt (a secret per tenant: no one else can learn its prompts by how fast they run)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's: token ids beside the text (each choice's generated ones, and the prompt's as the
+    # worker ran it); logprobs' tokens as "token_id:<id>" rather than their text
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -89,8 +89,10 @@ class AsyncClient:
         model: str | None = None,
         pooling_params: PoolingParams | None = None,
         tenant: str | None = None,
+        return_prompt_token_ids: bool = False,
     ) -> AsyncJobHandle:
-        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params, tenant)
+        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params, tenant,
+                        return_prompt_token_ids)
         keys, args = submit_call(await self.keys_for(job.model), job)
         entry_id = await self._submit_script(keys=keys, args=args)
         return AsyncJobHandle(self, job.id, enqueued=entry_id is not None)

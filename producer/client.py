@@ -91,11 +91,14 @@ class Client:
         model: str | None = None,
         pooling_params: PoolingParams | None = None,
         tenant: str | None = None,
+        return_prompt_token_ids: bool = False,
     ) -> JobHandle:
         """Enqueue one job (once per job id); raises ValueError on invalid input. With
         `pooling_params` it is an embedding job (`result().embedding`); `tenant` names who
-        its tokens are metered to (`usage`)."""
-        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params, tenant)
+        its tokens are metered to (`usage`); with `return_prompt_token_ids` each completion's
+        first event carries the prompt's token ids as the worker ran it."""
+        job = build_job(prompt, sampling_params, priority, job_id, deadline_s, model, pooling_params, tenant,
+                        return_prompt_token_ids)
         keys, args = submit_call(self.keys_for(job.model), job)
         entry_id = self._submit_script(keys=keys, args=args)
         return JobHandle(self, job.id, enqueued=entry_id is not None)

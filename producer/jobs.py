@@ -107,13 +107,14 @@ class Delta:
     logprobs: list[Any] | None = None  # per new token, as protocol.Event carries them
     prompt_logprobs: list[Any] | None = None  # once, on completion 0's first delta
     prompt: str | None = None  # with prompt_logprobs: the prompt as the worker decoded it
+    prompt_token_ids: list[int] | None = None  # on each first delta, when the job asked for them
 
     @classmethod
     def from_event(cls, event: Event) -> Delta:
         return cls(
             event.index, event.seq, event.text, list(event.token_ids), event.finished,
             event.finish_reason, event.stop_reason, event.usage, event.logprobs,
-            event.prompt_logprobs, event.prompt,
+            event.prompt_logprobs, event.prompt, event.prompt_token_ids,
         )
 
 
@@ -155,6 +156,7 @@ def build_job(
     model: str | None = None,
     pooling_params: PoolingParams | None = None,
     tenant: str | None = None,
+    return_prompt_token_ids: bool = False,
 ) -> Job:
     """Validate the inputs of a submit and build its Job; raises ValueError. With
     `pooling_params` it is an embedding job (the result's `embedding`, no text)."""
@@ -169,6 +171,7 @@ def build_job(
         model=model,
         pooling_params=pooling_params,
         tenant=tenant,
+        return_prompt_token_ids=return_prompt_token_ids,
         priority=priority,
         deadline=None if deadline_s is None else now + deadline_s,
         submit_time=now,

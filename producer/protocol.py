@@ -289,6 +289,8 @@ class Job:
     # vLLM's cache_salt: the prefix cache shares this job's blocks only with jobs of the same
     # salt (a secret per tenant keeps others from learning its prompts by their speed)
     cache_salt: str | None = None
+    # vLLM's return_token_ids: each completion's first event carries the prompt's token ids
+    return_prompt_token_ids: bool = False
     priority: int = 0  # as in vLLM: lower values are scheduled first
     deadline: float | None = None  # absolute unix time; past it the job is aborted
     submit_time: float = 0.0  # unix time
@@ -308,6 +310,8 @@ class Job:
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model must be a string, got {self.model!r}")
+        if not isinstance(self.return_prompt_token_ids, bool):
+            raise ValueError(f"return_prompt_token_ids must be true or false, got {self.return_prompt_token_ids!r}")
         if not _is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if self.deadline is not None and not _is_number(self.deadline):
@@ -442,8 +446,8 @@ def encode_job(job: Job) -> dict[str, bytes]:
     job.validate()
     payload = asdict(job)
     payload["sampling_params"] = job.sampling_params.to_dict()
-    for optional in ("pooling_params", "tenant", "prompt_embeds", "cache_salt"):  # unset, the payload reads as before them
-        if payload[optional] is None:
+    for optional in ("pooling_params", "tenant", "prompt_embeds", "cache_salt", "return_prompt_token_ids"):
+        if payload[optional] in (None, False):  # unset, the payload reads as it did before them
             del payload[optional]
     return {
         "id": job.id.encode(),
@@ -523,6 +527,9 @@ class Event:
     # "token_id" and "token": nothing precedes it), and the prompt as the worker decodes it
     prompt_logprobs: list[Any] | None = None
     prompt: str | None = None
+    # the prompt's token ids as the worker ran it (after its chat template and truncation),
+    # on each completion's seq 0, for a job with return_prompt_token_ids (vLLM's return_token_ids)
+    prompt_token_ids: list[int] | None = None
     # an embedding job's vector, on its one (final) event: float32, little-endian
     # (pack_embedding / unpack_embedding)
     embedding: bytes | None = None
@@ -542,6 +549,7 @@ _EVENT_TYPES: dict[str, tuple[type, ...]] = {
     "logprobs": (list, type(None)),
     "prompt_logprobs": (list, type(None)),
     "prompt": (str, type(None)),
+    "prompt_token_ids": (list, type(None)),
     "embedding": (bytes, type(None)),
 }
 
@@ -592,8 +600,8 @@ def decode_event(data: bytes) -> Event:
         allowed = _EVENT_TYPES[key]
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
             raise ProtocolError(f"event field {key!r} has type {type(value).__name__}")
-    if not all(_is_int(t) for t in obj.get("token_ids", [])):
-        raise ProtocolError("event token_ids must be integers")
+    if not all(_is_int(t) for t in [*obj.get("token_ids", []), *(obj.get("prompt_token_ids") or [])]):
+        raise ProtocolError("event token_ids and prompt_token_ids must be integers")
     if obj["seq"] < 0 or obj.get("index", 0) < 0:
         raise ProtocolError("event seq and index must be >= 0")
     return Event(**obj)

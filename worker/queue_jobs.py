@@ -86,6 +86,7 @@ class HeldJob:
     # event; a job resumed after that event never sets them
     prompt_logprobs: list[Any] | None = None
     prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None  # kept for a job that asks for them (return_prompt_token_ids)
 
     @property
     def id(self) -> str:
@@ -166,6 +167,8 @@ def completion_event(
         held.prompt_logprobs = held.prompt_text = None
     if event.finished or c.next_seq == 0:  # the first event's: readers know the prompt's count early
         event.usage = held.usage()
+    if c.next_seq == 0:
+        event.prompt_token_ids = held.prompt_token_ids
     c.next_seq += 1
     if event.finished:
         if held.embedding is not None:

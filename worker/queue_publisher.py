@@ -104,18 +104,7 @@ class Publisher:
             if not held.engine_ids:
                 self.table.remove(held)
             return
-        counted = 0  # what this output adds to the tenant's minute
-        if held.prompt_tokens is None:
-            held.prompt_tokens = counted = output.num_prompt_tokens or 0
-            self.metrics.prompt_tokens(held.prompt_tokens)
-        held.cached_tokens = max(held.cached_tokens, output.num_cached_tokens)
-        if output.embedding is not None:
-            held.embedding = output.embedding  # sent with the final event, and kept in the record
-        if output.prompt_logprobs is not None and held.completions[0].next_seq == 0:
-            held.prompt_logprobs = self._wire_prompt_logprobs(
-                output.prompt_token_ids, output.prompt_logprobs
-            )
-            held.prompt_text = output.prompt
+        counted = self._note_prompt(held, output)  # what this output adds to the tenant's minute
         write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
         num_new = 0
         for delta in output.outputs:
@@ -133,6 +122,25 @@ class Publisher:
             write.meter = job_meter(held, self.model_name, now)
         elif held.abort_reason is None and held.past_deadline(now):
             self._abort_expired(held)
+
+    def _note_prompt(self, held: HeldJob, output: RequestOutput) -> int:
+        """What the job's outputs say of its prompt, kept for its events (its token count the
+        first time: returned, for the tenant's minute)."""
+        counted = 0
+        if held.prompt_tokens is None:
+            held.prompt_tokens = counted = output.num_prompt_tokens or 0
+            self.metrics.prompt_tokens(held.prompt_tokens)
+            if held.job.return_prompt_token_ids:
+                held.prompt_token_ids = list(output.prompt_token_ids)
+        held.cached_tokens = max(held.cached_tokens, output.num_cached_tokens)
+        if output.embedding is not None:
+            held.embedding = output.embedding  # sent with the final event, and kept in the record
+        if output.prompt_logprobs is not None and held.completions[0].next_seq == 0:
+            held.prompt_logprobs = self._wire_prompt_logprobs(
+                output.prompt_token_ids, output.prompt_logprobs
+            )
+            held.prompt_text = output.prompt
+        return counted
 
     def _wire_prompt_logprobs(
         self, prompt_token_ids: list[int], prompt_logprobs: list[Any]

@@ -261,6 +261,39 @@ def test_logprobs(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -
     assert all(t.bytes == list(t.token.encode()) and t.top_logprobs[0].token == t.token for t in content)
 
 
+def test_token_ids_beside_the_text_as_vllm_returns_them(served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    """vLLM's return_token_ids (RL trainers read the exact tokens instead of retokenizing) and
+    return_tokens_as_token_ids, against the offline engine on the same tiny model."""
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    [done] = offline.generate("Once upon", params, use_tqdm=False)
+    [chatted] = offline.chat(MESSAGES, params, use_tqdm=False)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    body = {"model": served_model, "temperature": 0.0, "max_tokens": 12, "extra_body": extra}
+    completion = oai.completions.create(prompt="Once upon", **body).choices[0]
+    assert (completion.token_ids, completion.prompt_token_ids) == (done.outputs[0].token_ids, done.prompt_token_ids)
+    chunks = [c.choices[0] for c in oai.completions.create(prompt="Once upon", stream=True, **body) if c.choices]
+    assert [t for c in chunks for t in c.token_ids] == done.outputs[0].token_ids
+    assert chunks[0].prompt_token_ids == done.prompt_token_ids
+    assert not any(getattr(c, "prompt_token_ids", None) for c in chunks[1:])
+    chat = oai.chat.completions.create(messages=MESSAGES, **body)
+    assert (chat.choices[0].token_ids, chat.prompt_token_ids) == (chatted.outputs[0].token_ids, chatted.prompt_token_ids)
+    streamed = list(oai.chat.completions.create(messages=MESSAGES, stream=True, **body))
+    assert [t for c in streamed for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])] == chatted.outputs[0].token_ids
+    assert [c.prompt_token_ids for c in streamed if getattr(c, "prompt_token_ids", None)] == [chatted.prompt_token_ids]
+    plain = oai.completions.create(prompt="Once upon", **{**body, "extra_body": {"ignore_eos": True}}).choices[0]
+    assert plain.token_ids is None and plain.prompt_token_ids is None  # only when asked
+    # logprobs naming tokens by id: the sampled one and every alternative
+    as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    named = oai.completions.create(prompt="Once upon", logprobs=2, **{**body, "extra_body": as_ids}).choices[0].logprobs
+    assert named.tokens == [f"token_id:{i}" for i in done.outputs[0].token_ids]
+    assert all(key.startswith("token_id:") for top in named.top_logprobs for key in top)
+    content = oai.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=2,
+                                          **{**body, "extra_body": as_ids}).choices[0].logprobs.content
+    assert [t.token for t in content] == [f"token_id:{i}" for i in chatted.outputs[0].token_ids]
+    assert all(alt.token.startswith("token_id:") for t in content for alt in t.top_logprobs)
+
+
 def test_echo_and_prompt_logprobs_score_the_prompt(
     served_model: str, oai: openai.OpenAI, tiny_llama_dir: Path
 ) -> None:

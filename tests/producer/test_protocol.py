@@ -81,7 +81,7 @@ def test_job_status_values() -> None:
     [
         {"prompt": "hello"},
         {"prompt_token_ids": [1, 2, 3]},
-        {"prompt_token_ids": [1, 2, 3], "cache_salt": "tenant-7-secret"},
+        {"prompt_token_ids": [1, 2, 3], "cache_salt": "tenant-7-secret", "return_prompt_token_ids": True},
         {"prompt_embeds": b"PK\x03\x04 torch.save's bytes"},
         {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is "},
@@ -197,6 +197,7 @@ def test_undecodable_payload_names_the_job(
           "prompt": None}, r"messages\[0\].content\[0\] must be .* an image_url part with a data URL"),
         ({"priority": "high"}, "priority must be an integer"),
         ({"cache_salt": ""}, "cache_salt must be a non-empty string"),
+        ({"return_prompt_token_ids": "yes"}, "return_prompt_token_ids must be true or false"),
         ({"extra": 1}, r"unknown \['extra'\]"),
         ({"id": "job-2"}, "differs from entry id"),
     ],
@@ -240,7 +241,7 @@ def test_event_round_trip() -> None:
         seq=3, token_ids=[5, 6], text="ab", finished=True, finish_reason="stop", stop_reason="\n",
         usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}, index=1,
         logprobs=[{5: -0.1}, {6: -0.2}], prompt_logprobs=[{"token": "hi"}, {"logprob": -1.5, "rank": 2}],
-        prompt="hi there",
+        prompt="hi there", prompt_token_ids=[1, 7, 7],
     )
     assert decode_event(encode_event(event)) == event
     minimal = Event(seq=0)
@@ -260,6 +261,7 @@ def test_event_round_trip() -> None:
         (pack({"v": PROTOCOL_VERSION, "seq": True}), "'seq' has type bool"),
         (pack({"v": PROTOCOL_VERSION, "seq": 1, "finished": 1}), "'finished' has type int"),
         (pack({"v": PROTOCOL_VERSION, "seq": 1, "token_ids": ["a"]}), "token_ids must be integers"),
+        (pack({"v": PROTOCOL_VERSION, "seq": 1, "prompt_token_ids": [1.5]}), "prompt_token_ids must be integers"),
         (pack({"v": PROTOCOL_VERSION, "seq": 1, "prompt": 7}), "'prompt' has type int"),
         (pack({"v": PROTOCOL_VERSION, "seq": -1}), "seq and index must be >= 0"),
         ("text", "msgpack bytes, got str"),
