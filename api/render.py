@@ -53,6 +53,7 @@ class RelayedRequest:
     string_parameters: tuple[tuple[str, str], ...] = ()
     parallel_tool_calls: bool = True  # False: a choice keeps only its first call
     reasoning_parser: str | None = None  # chat: split the thinking off (api.reasoning)
+    include_reasoning: bool = True  # vLLM's: False leaves the thinking out of the reply
     return_token_ids: bool = False  # vLLM's: each choice's token ids, and the prompt's, beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
@@ -258,8 +259,8 @@ class ChatRenderer:
             delta = _read_delta(req, choice, text, event.finished)
         else:
             delta = _delta(req, choice, text)
-        if reasoning:
-            delta = {"reasoning_content": reasoning, **delta}
+        if reasoning and req.include_reasoning:  # (vLLM's current name, and its older one)
+            delta = {"reasoning": reasoning, "reasoning_content": reasoning, **delta}
         if not delta and not event.finished and not event.logprobs:
             return None  # held back: it may be part of a tag or a call
         finish_reason = event.finish_reason if event.finished else None
@@ -313,6 +314,8 @@ def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
     reasoning, text = (
         split(choice.text, req.reasoning_parser) if req.reasoning_parser else (None, choice.text)
     )
+    if not req.include_reasoning:
+        reasoning = None
     if req.read_tool_calls:
         content, calls = read_all(text, req.read_tool_calls, req.string_parameters)
         calls = _kept(req, calls)

@@ -95,6 +95,10 @@ class AssistantMessage(BaseModel):
     content: str | None
     tool_calls: list[dict[str, Any]] | None = None  # the calls; a forced call has content None
     reasoning_content: str | None = None  # a reasoning model's thinking (GENQ_REASONING_PARSER)
+    reasoning: str | None = None  # the same, under the name vLLM gives it now
+
+    def model_post_init(self, context: Any) -> None:
+        self.reasoning = self.reasoning_content
 
 
 class ChatChoice(BaseModel):

@@ -276,6 +276,7 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token, with logprobs=true
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the reply
     tools: list[Tool] | None = None  # shown to the chat template
     # "auto" (the default with tools): the model decides, and its text is read for calls
     # (api.tool_calls); {"type": "function", "function": {"name": ...}}, or "required" with one

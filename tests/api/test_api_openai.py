@@ -657,11 +657,19 @@ def test_a_reasoning_parser_splits_the_thinking_off(
         with serve_api(Settings(redis_url=live_worker, reasoning_parser=parser)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             message = client.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY).choices[0].message
-            assert (message.reasoning_content, message.content) == (reasoning, content)
+            assert (message.reasoning_content, message.reasoning, message.content) == (reasoning, reasoning, content)
             chunks = list(client.chat.completions.create(model=served_model, messages=MESSAGES, stream=True, **GREEDY))
             deltas = [c.choices[0].delta for c in chunks]
-            assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == (reasoning or "")
+            for name in ("reasoning_content", "reasoning"):  # vLLM's older name, and its current one
+                assert "".join(d.model_extra.get(name) or "" for d in deltas) == (reasoning or "")
             assert "".join(d.content or "" for d in deltas) == content
+            # vLLM's include_reasoning=false: the thinking left out, the content as it was
+            hidden = {**GREEDY, "extra_body": {**GREEDY["extra_body"], "include_reasoning": False}}
+            message = client.chat.completions.create(model=served_model, messages=MESSAGES, **hidden).choices[0].message
+            assert (message.reasoning_content, message.reasoning, message.content) == (None, None, content)
+            chunks = list(client.chat.completions.create(model=served_model, messages=MESSAGES, stream=True, **hidden))
+            assert not any(c.choices[0].delta.model_extra.get("reasoning") for c in chunks)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
             guided = client.chat.completions.create(model=served_model, messages=MESSAGES, temperature=0.0, max_tokens=6,
                                                     response_format={"type": "json_object"}).choices[0].message
             if parser == "deepseek_r1":  # six tokens of free thinking, as unguided

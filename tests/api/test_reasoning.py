@@ -51,8 +51,8 @@ def test_the_chat_renderer_sends_reasoning_then_content() -> None:
     for event in events:
         chunk = renderer.chunk(req, collector.add("j", event), event)
         deltas.append(chunk and chunk["choices"][0]["delta"])
-    assert deltas == [{"reasoning_content": "First, "}, {"reasoning_content": "add."}, None,
-                      {"content": "It is"}, {"content": " 4."}]
+    assert deltas == [{"reasoning": "First, ", "reasoning_content": "First, "},
+                      {"reasoning": "add.", "reasoning_content": "add."}, None, {"content": "It is"}, {"content": " 4."}]
     message = renderer.response(req, collector.choices, Usage()).choices[0].message
     assert (message.reasoning_content, message.content) == ("First, add.", "It is 4.")
 
@@ -63,7 +63,7 @@ def test_a_forced_call_after_thinking_is_named_in_its_first_piece() -> None:
     events = [Event(seq=i, text=t, token_ids=[i]) for i, t in enumerate(["hmm</think>", '{"a":', " 1}"])]
     collector, renderer = Collector(req), ChatRenderer()
     deltas = [renderer.chunk(req, collector.add("j", e), e)["choices"][0]["delta"] for e in events]
-    assert deltas[0] == {"reasoning_content": "hmm"}
+    assert deltas[0] == {"reasoning": "hmm", "reasoning_content": "hmm"}
     first, second = deltas[1]["tool_calls"][0], deltas[2]["tool_calls"][0]
     assert (first["function"], first["id"]) == ({"name": "f", "arguments": '{"a":'}, "call_x_0")
     assert second == {"index": 0, "function": {"arguments": " 1}"}}
