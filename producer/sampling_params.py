@@ -30,8 +30,9 @@ class StructuredOutputsParams:
     """vLLM's structured outputs (`SamplingParams(structured_outputs=...)`, the API's
     `structured_outputs`): exactly one of `json` (a JSON schema, or its text), `regex`,
     `choice`, `grammar` (EBNF, `producer.ebnf`), `json_object` or `structural_tag` (its JSON
-    text or mapping, `producer.structural_tag`). The options vLLM hands its
-    backends are taken where genq already does what they ask: `disable_additional_properties`
+    text or mapping, `producer.structural_tag`). `disable_any_whitespace` writes JSON compact
+    (one space after each `,` and `:`, none elsewhere, as xgrammar does). The options vLLM hands
+    its backends are taken where genq already does what they ask: `disable_additional_properties`
     (objects with properties are closed) and `disable_fallback` (there is one backend)."""
 
     json: dict[str, Any] | str | None = None
@@ -47,9 +48,8 @@ class StructuredOutputsParams:
 
     def guided_decoding(self) -> dict[str, Any]:
         """The same request as `SamplingParams.guided_decoding` spells it."""
-        for name in ("disable_any_whitespace", "whitespace_pattern"):
-            if getattr(self, name):
-                raise ValueError(f"structured_outputs {name} is not supported")
+        if self.whitespace_pattern:
+            raise ValueError("structured_outputs whitespace_pattern is not supported")
         given = {
             "json_schema": _schema_object(self.json), "regex": self.regex, "choice": self.choice,
             "grammar": self.grammar, "json_object": self.json_object or None,
@@ -61,6 +61,8 @@ class StructuredOutputsParams:
                 "structured_outputs must give exactly one of json, regex, choice, grammar, json_object or structural_tag, "
                 f"got {sorted(given) or 'none'}".replace("json_schema", "json")
             )
+        if self.disable_any_whitespace and given.keys() & {"json_schema", "json_object"}:
+            given["disable_any_whitespace"] = True  # (JSON's only: other grammars say their spaces)
         return given
 
     @classmethod
@@ -104,7 +106,8 @@ class SamplingParams:
     # {"json_schema": schema} (a value of that schema, in the subset producer.json_schema
     # supports), {"choice": [strings]} (the output is one of them), {"regex": pattern} (the
     # output matches it whole, producer.regex's syntax), {"grammar": ebnf} (the output is a
-    # sentence of it, producer.ebnf's syntax); with "after": text, the
+    # sentence of it, producer.ebnf's syntax); JSON with "disable_any_whitespace": True is
+    # compact (one space after each , and :); with "after": text, the
     # output is free until that text (a reasoning model's "</think>") and guided after it
     guided_decoding: dict[str, Any] | None = None
     # vLLM's current spelling of the same (StructuredOutputsParams, or its fields as a
@@ -224,7 +227,7 @@ def _is_json(value: Any) -> bool:
 
 
 def _check_guided(guided: Any) -> None:
-    kinds = set(guided) - {"after"} if isinstance(guided, dict) else set()
+    kinds = set(guided) - {"after", "disable_any_whitespace"} if isinstance(guided, dict) else set()
     if len(kinds) != 1 or not kinds <= GUIDED_KINDS:
         raise ValueError(
             'guided_decoding must be {"json_object": true}, {"json_schema": {...}}, '
@@ -234,6 +237,8 @@ def _check_guided(guided: Any) -> None:
     after = guided.get("after")
     if after is not None and (not isinstance(after, str) or not after):
         raise ValueError(f"guided_decoding after must be a non-empty string, got {after!r}")
+    if not isinstance(guided.get("disable_any_whitespace", False), bool):
+        raise ValueError("guided_decoding disable_any_whitespace must be true or false")
     for kind, compile_spec in (("json_schema", compile_schema), ("regex", compile_regex), ("grammar", compile_ebnf),
                                ("structural_tag", read_structural_tag)):
         if kind in guided:

@@ -32,7 +32,13 @@ JsonState = tuple[tuple[str, ...], str, Any, int]
 
 
 class JsonObjectGrammar:
-    key: Hashable = ("json_object",)
+    """Any JSON object; `compact` (vLLM's disable_any_whitespace): no whitespace but the one
+    space after each `,` and `:`, as xgrammar writes JSON then (`{"a": [1, 2]}`)."""
+
+    def __init__(self, compact: bool = False) -> None:
+        self.compact = compact
+        self.step = compact_json_step if compact else json_step
+        self.key: Hashable = ("json_object", compact)
 
     def initial(self) -> Hashable:
         return ((), "start", None, 0)
@@ -45,7 +51,7 @@ class JsonObjectGrammar:
             return state  # plain text inside a string: most tokens there, checked at once
         current: JsonState | None = state  # type: ignore[assignment]
         for char in text:
-            current = json_step(current, char)  # type: ignore[arg-type]
+            current = self.step(current, char)  # type: ignore[arg-type]
             if current is None:
                 return None
         return current
@@ -57,6 +63,22 @@ def json_step(state: JsonState, char: str) -> JsonState | None:
         return (stack, mode, aux, ws + 1) if ws < MAX_WHITESPACE_RUN else None
     state = (stack, mode, aux, 0)
     return _JSON_STEPS[mode](state, char)
+
+
+SPACE_DUE = -1  # a compact state's whitespace count: the one space after a separator comes next
+
+
+def compact_json_step(state: JsonState, char: str) -> JsonState | None:
+    """`json_step` for compact JSON: whitespace only as the one space each separator takes."""
+    stack, mode, aux, ws = state
+    if ws == SPACE_DUE:
+        return (stack, mode, aux, 0) if char == " " else None
+    if char in WHITESPACE and mode != "string":  # (a number's end too: no space before what follows)
+        return None
+    new = _JSON_STEPS[mode](state, char)
+    if new is not None and char in ",:" and new[1] in ("key", "value"):  # a separator: its space is due
+        return (*new[:3], SPACE_DUE)
+    return new
 
 
 def _start(state: JsonState, char: str) -> JsonState | None:
@@ -188,7 +210,7 @@ def _number(state: JsonState, char: str) -> JsonState | None:
     if part not in NUMBER_ENDS:
         return None
     after = (stack, "after_value", None, 0)
-    return json_step(after, char)
+    return json_step(after, char)  # (a compact step marks the space a separator here makes due)
 
 
 def _done(state: JsonState, char: str) -> JsonState | None:
@@ -196,6 +218,7 @@ def _done(state: JsonState, char: str) -> JsonState | None:
 
 
 JSON_OBJECT = JsonObjectGrammar()  # stateless: one for every request
+COMPACT_JSON_OBJECT = JsonObjectGrammar(compact=True)
 
 _JSON_STEPS: dict[str, Callable[[JsonState, str], JsonState | None]] = {
     "start": _start, "value": _value, "value_or_end": _value_or_end, "key_or_end": _key_or_end,

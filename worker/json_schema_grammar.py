@@ -18,9 +18,11 @@ from worker.json_grammar import (
     DIGITS,
     MAX_WHITESPACE_RUN,
     NUMBER_ENDS,
+    SPACE_DUE,
     STRING_STOPS,
     WHITESPACE,
     JsonState,
+    compact_json_step,
     json_step,
     number_next,
 )
@@ -34,6 +36,7 @@ Step = SchemaState | list[SchemaState] | None
 MAX_ALTERNATIVES = 16  # live at once; past it the text is refused (no schema-driven blow-up)
 _WHITESPACE_PHASES = {"start", "open", "colon", "after", "comma", "next"}
 _GENERIC_VALUE: JsonState = ((), "value", None, 0)  # where an embedded any-value starts
+_AFTER_SEPARATOR = {"comma", "next", "start"}  # phases a `,` or `:` leads to: compact JSON's space comes next
 
 
 class JsonSchemaGrammar:
@@ -41,11 +44,15 @@ class JsonSchemaGrammar:
     numbers, literals, unions) step here; strings and free-form values run the generic JSON
     automaton inside their frame."""
 
-    def __init__(self, schema: dict[str, Any]) -> None:
+    def __init__(self, schema: dict[str, Any], compact: bool = False) -> None:
+        """`compact` (vLLM's disable_any_whitespace): no whitespace but the one space after
+        each `,` and `:`, as xgrammar writes JSON then."""
         self.graph = compile_schema(schema)
         self.graph.nodes = [_in_bytes(node) for node in self.graph.nodes]
         self.nodes = self.graph.nodes
-        self.key: Hashable = ("json_schema", json.dumps(schema, sort_keys=True))
+        self.compact = compact
+        self._json_step = compact_json_step if compact else json_step
+        self.key: Hashable = ("json_schema", json.dumps(schema, sort_keys=True), compact)
         self._keys_at: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
         # tagged unions: union node -> the object every alternative begins as (its tag
         # property only), and the tag object's node -> {tag literal: alternative}
@@ -132,9 +139,29 @@ class JsonSchemaGrammar:
         frames, ws = state
         if not frames:
             return None  # the value is complete: nothing may follow
-        node_id, phase, aux = frames[-1]
-        if phase in _WHITESPACE_PHASES and char in WHITESPACE:
+        if self.compact:
+            return self._compact_step(state, char)
+        if frames[-1][1] in _WHITESPACE_PHASES and char in WHITESPACE:
             return (frames, ws + 1) if ws < MAX_WHITESPACE_RUN else None
+        return self._step_value(frames, char)
+
+    def _compact_step(self, state: SchemaState, char: str) -> Step:
+        """Whitespace only as the one space after a separator (the state's count is
+        SPACE_DUE until it comes): elsewhere between values no step takes it, and inside
+        strings and free-form values the compact generic automaton rules."""
+        frames, ws = state
+        if ws == SPACE_DUE:
+            return (frames, 0) if char == " " else None
+        stepped = self._step_value(frames, char)
+        if char in ",:" and isinstance(stepped, tuple) and stepped[0] and stepped[0][-1][1] in _AFTER_SEPARATOR:
+            return (stepped[0], SPACE_DUE)
+        if isinstance(stepped, list):
+            return [(f, SPACE_DUE) if char in ",:" and f and f[-1][1] in _AFTER_SEPARATOR else (f, w)
+                    for f, w in stepped]
+        return stepped
+
+    def _step_value(self, frames: tuple[Frame, ...], char: str) -> Step:
+        node_id, phase, aux = frames[-1]
         rest = frames[:-1]
         if phase == "start":
             return self._begin(rest, node_id, char)
@@ -197,7 +224,7 @@ class JsonSchemaGrammar:
             if nxt is not None:
                 return ((*rest, (node_id, "any", (stack, mode, nxt, 0))), 0)
             return self._step((rest, 0), char) if part in NUMBER_ENDS else None
-        new = json_step(inner, char)
+        new = self._json_step(inner, char)
         if new is None:
             return None
         if not new[0] and new[1] in ("after_value", "done"):

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from producer.ebnf import compile_ebnf
 from producer.regex import compile_regex
-from worker.json_grammar import JSON_OBJECT
+from worker.json_grammar import COMPACT_JSON_OBJECT, JSON_OBJECT
 from worker.json_schema_grammar import JsonSchemaGrammar
 from worker.structural_tag import StructuralTagGrammar
 from worker.token_bytes import byte_text, special_texts, token_bytes
@@ -47,11 +47,12 @@ def make_grammar(guided_decoding: dict[str, Any]) -> Grammar:
     """`{"json_object": True}`, `{"json_schema": {...}}`, `{"choice": [...]}`,
     `{"regex": pattern}`, `{"grammar": ebnf}` or `{"structural_tag": {"structures",
     "triggers"}}` (SamplingParams checked the shape, and that the schema, pattern or grammar
-    compiles)."""
+    compiles); JSON with `"disable_any_whitespace": True` is written compact."""
+    compact = bool(guided_decoding.get("disable_any_whitespace"))
     if guided_decoding.get("json_object"):
-        return JSON_OBJECT
+        return COMPACT_JSON_OBJECT if compact else JSON_OBJECT
     if "json_schema" in guided_decoding:
-        return JsonSchemaGrammar(guided_decoding["json_schema"])
+        return JsonSchemaGrammar(guided_decoding["json_schema"], compact=compact)
     if "regex" in guided_decoding:
         return regex_grammar(guided_decoding["regex"])
     if "grammar" in guided_decoding:

@@ -415,6 +415,14 @@ def test_structured_outputs_as_current_vllm_spells_them(served_model: str, oai: 
     assert shaped.choices[0].text.lstrip().startswith("{")
     if shaped.choices[0].finish_reason == "stop":
         jsonschema.validate(json.loads(shaped.choices[0].text), schema)
+    # compact JSON (disable_any_whitespace): every prefix is one xgrammar takes without any whitespace
+    compact_json = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_json_schema(
+        json.dumps(schema), any_whitespace=False)
+    compact = oai.completions.create(model=served_model, prompt="Count:", n=3, temperature=1.0, seed=4, max_tokens=24,
+                                     extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    for c in compact.choices:
+        matcher = xgr.GrammarMatcher(compact_json)
+        assert matcher.accept_string(c.text) and (c.finish_reason == "length" or matcher.is_completed()), c.text
     # a structural tag (vLLM's response_format type): a few allowed tokens make the trigger come
     tag = {"type": "structural_tag", "triggers": ["<"],
            "structures": [{"begin": "<t>", "schema": schema, "end": "</t>"}]}

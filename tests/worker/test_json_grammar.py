@@ -497,3 +497,75 @@ def test_random_instances_of_random_schemas_are_accepted() -> None:
         grammar = JsonSchemaGrammar(schema)
         state = feed(text, grammar)
         assert state is not None and grammar.is_complete(state), (schema, text)
+
+
+def _whitespace_mutations(text: str, rng: random.Random) -> list[str]:
+    """The text with a space, newline or tab put in, or one of its spaces taken out."""
+    out = []
+    for _ in range(6):
+        i = rng.randrange(len(text) + 1)
+        if rng.random() < 0.5 and " " in text:
+            j = rng.choice([k for k, c in enumerate(text) if c == " "])
+            out.append(text[:j] + text[j + 1:])
+        else:
+            out.append(text[:i] + rng.choice(" \n\t") + text[i:])
+    return out
+
+
+def _xgrammar_takes(compiled, text: str) -> tuple[int, bool]:
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    for i, byte in enumerate(text.encode()):
+        if not matcher.accept_string(bytes([byte])):
+            return i, matcher.is_completed()
+    return len(text.encode()), matcher.is_completed()
+
+
+def _ours_takes(grammar, text: str) -> tuple[int, bool]:
+    state = grammar.initial()
+    for i, char in enumerate(as_read(text)):
+        nxt = grammar.advance(state, char)
+        if nxt is None:
+            return i, grammar.is_complete(state)
+        state = nxt
+    return len(text.encode()), grammar.is_complete(state)
+
+
+@pytest.mark.parametrize("which", ["json_object", "json_schema"])
+def test_compact_json_spaces_as_xgrammar_without_any_whitespace(which: str) -> None:
+    """vLLM's disable_any_whitespace: one space after each `,` and `:`, none elsewhere, byte
+    for byte as xgrammar (vLLM's backend) takes JSON compiled with any_whitespace=False, on
+    json.dumps' texts (its default separators are those) and on them with spaces moved."""
+    import xgrammar as xgr
+
+    from worker.json_grammar import COMPACT_JSON_OBJECT
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]))
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(40):
+        if which == "json_object":
+            value, schema, grammar = random_object(rng), {"type": "object"}, COMPACT_JSON_OBJECT
+        else:
+            schema = {"type": "object", "properties": {"x": random_schema(rng), "y": {"type": "integer"}},
+                      "required": ["x", "y"], "additionalProperties": False}
+            value, grammar = random_instance(schema, rng), JsonSchemaGrammar(schema, compact=True)
+            value["y"] = value.get("y", 3)
+        compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        text = json.dumps(value, ensure_ascii=False)
+        assert _ours_takes(grammar, text) == (len(text.encode()), True), text
+        for variant in [json.dumps(value, separators=(",", ":")), json.dumps(value, indent=2),
+                        *_whitespace_mutations(text, rng)]:
+            assert _ours_takes(grammar, variant) == _xgrammar_takes(compiled, variant), variant
+            checked += 1
+    assert checked == 40 * 8
+
+
+def test_compact_json_is_asked_for_by_name() -> None:
+    params = SamplingParams(structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True})
+    assert params.guided_decoding == {"json_schema": {"type": "object"}, "disable_any_whitespace": True}
+    regex = SamplingParams(structured_outputs={"regex": "a b", "disable_any_whitespace": True})
+    assert regex.guided_decoding == {"regex": "a b"}  # a pattern says its own spaces
+    with pytest.raises(ValueError, match="disable_any_whitespace must be true or false"):
+        SamplingParams(guided_decoding={"json_object": True, "disable_any_whitespace": "yes"})

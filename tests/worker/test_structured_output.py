@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from worker.json_grammar import JSON_OBJECT
@@ -195,3 +197,35 @@ def test_grammar_masks_on_the_default_vocabulary_equal_xgrammars(default_model_d
         if steps < len(output):
             assert matcher.accept_token(output[steps])
     assert matcher.is_completed() and ebnf.is_complete(guided.state)
+
+
+def test_compact_json_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir) -> None:
+    """disable_any_whitespace: at each state of an output, the tokens allowed are those
+    xgrammar allows for the schema compiled with any_whitespace=False (special tokens aside)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    schema = {"type": "object", "required": ["name", "tags"], "additionalProperties": False, "properties": {
+        "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "integer"}},
+        "extra": {"type": "object"}}}
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    vocabulary = token_bytes(tokenizer)
+    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id})
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(vocabulary))
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False))
+    bitmask = xgr.allocate_token_bitmask(1, len(vocabulary))
+    special = {i for i, data in enumerate(vocabulary) if data is None} - {tokenizer.eos_token_id}
+    grammar = make_grammar({"json_schema": schema, "disable_any_whitespace": True})
+    guided = GuidedState(grammar, grammar.initial())
+    output = tokenizer.encode('{"name": "Ann, \\"A\\"", "tags": [1, 22, 333], "extra": {"k": [true, null]}}',
+                              add_special_tokens=False)
+    for steps in range(len(output) + 1):
+        masks.advance(guided, output[:steps])
+        matcher.fill_next_token_bitmask(bitmask)
+        words = bitmask[0].tolist()
+        theirs = {i for i in range(len(vocabulary)) if (words[i // 32] >> (i % 32)) & 1} - special
+        allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok}
+        assert allowed == theirs, (tokenizer.decode(output[:steps]), [tokenizer.decode([i]) for i in allowed ^ theirs][:10])
+        if steps < len(output):
+            assert matcher.accept_token(output[steps])
+    assert matcher.is_completed() and grammar.is_complete(guided.state)
