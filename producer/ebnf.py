@@ -33,6 +33,7 @@ from producer.regex import MAX_REPEAT, _complement, _normalize, utf8_sequences
 
 ROOT = "root"
 MAX_STACKS = 20_000  # parses one state may hold; an output past it can only stop
+MAX_MOVES = 1 << 20  # steps of stacks kept for reuse (each a small frozen set)
 ACCEPT = -1  # in a state: the output may end here
 
 # Elements of an alternative: (LITERAL, bytes) | (CLASS, byte-range sequences) |
@@ -380,6 +381,8 @@ class Ebnf:
             if stack != ACCEPT:
                 move = self._moves.get((stack, byte))
                 if move is None:
+                    if len(self._moves) >= MAX_MOVES:  # a long-lived grammar's walks: start afresh
+                        self._moves.clear()
                     move = self._moves[(stack, byte)] = self._move(stack, byte)
                 reached |= move
         if not reached or len(reached) > MAX_STACKS:
