@@ -127,6 +127,7 @@ def plan(
         parallel_tool_calls=chat is None or chat.parallel_tool_calls,
         reasoning_parser=reasoning,
         include_reasoning=chat is None or chat.include_reasoning,
+        chat_echo=chat.echoed() if chat else None,
         return_token_ids=bool(body.return_token_ids),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )

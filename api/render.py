@@ -54,6 +54,7 @@ class RelayedRequest:
     parallel_tool_calls: bool = True  # False: a choice keeps only its first call
     reasoning_parser: str | None = None  # chat: split the thinking off (api.reasoning)
     include_reasoning: bool = True  # vLLM's: False leaves the thinking out of the reply
+    chat_echo: str | None = None  # chat's `echo`: the last assistant message, which each reply begins with
     return_token_ids: bool = False  # vLLM's: each choice's token ids, and the prompt's, beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
@@ -242,13 +243,15 @@ class ChatRenderer:
     id_prefix = "chatcmpl-"
 
     def preamble(self, req: RelayedRequest) -> list[dict[str, Any]]:
-        """First chunk of each choice: the role, as OpenAI sends it."""
+        """First chunk of each choice: the role, as OpenAI sends it (with chat's echo, then
+        the echoed message, as vLLM sends it)."""
+        openings = [{"role": "assistant", "content": ""}] + ([{"content": req.chat_echo}] if req.chat_echo else [])
         return [
             _chunk_envelope(req, self.object_name, [{
-                "index": i, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None,
+                "index": i, "delta": delta, "logprobs": None, "finish_reason": None,
             }])
             for i in range(req.num_choices)
+            for delta in openings
         ]
 
     def chunk(self, req: RelayedRequest, choice: Choice, event: Event) -> dict[str, Any] | None:
@@ -322,7 +325,7 @@ def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
         listed = [_call(req, choice, k, call) for k, call in enumerate(calls)]
         return AssistantMessage(content=content, tool_calls=listed or None, reasoning_content=reasoning)
     if req.tool_call is None:
-        return AssistantMessage(content=text, reasoning_content=reasoning)
+        return AssistantMessage(content=(req.chat_echo or "") + text, reasoning_content=reasoning)
     call = {"id": req.tool_call_id(choice), "type": "function",
             "function": {"name": req.tool_call, "arguments": text}}
     return AssistantMessage(content=None, tool_calls=[call], reasoning_content=reasoning)

@@ -289,9 +289,21 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: a reply that goes on from a last assistant message begins with that message's text
+    echo: bool = False
     # OpenAI's: how hard a reasoning model thinks; the chat template's `reasoning_effort`
     # (gpt-oss's sets "Reasoning: low" and so on in its system message)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+    def echoed(self) -> str | None:
+        """With echo, the text a reply begins with: the last message's, when it is the
+        assistant's (the reply goes on from it); else None."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or last is None or last.role != "assistant":
+            return None
+        if isinstance(last.content, list):
+            return "".join(part.text or "" for part in last.content if part.type == "text")
+        return last.content or ""
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the worker's chat template gets besides the messages and tools."""

@@ -1,7 +1,9 @@
 """The cost of guided decoding: the same chat prompts on the default model, free and with
-`guided_decoding={"json_object": True}`, in one run.
+`guided_decoding={"json_object": True}`, in one run; `--guide compact` asks for compact JSON
+(disable_any_whitespace), `--guide ebnf` for JSON objects by an EBNF grammar (xgrammar's JSON
+grammar, run by producer.ebnf's pushdown automaton).
 
-    python benchmarks/guided.py [--prompts 16] [--max-tokens 96] [--dtype bfloat16]
+    python benchmarks/guided.py [--prompts 16] [--max-tokens 96] [--dtype bfloat16] [--guide json_object]
 
 Both runs use ignore_eos off and stop where the model (or the grammar) ends, so it prints
 seconds per output token for each: the guided figure includes building masks for states the
@@ -16,6 +18,20 @@ import time
 
 from worker import LLM, SamplingParams
 
+JSON_EBNF = r"""
+root ::= object
+value ::= object | array | string | number | ("true" | "false" | "null")
+object ::= "{" ws ( string ws ":" ws value ( ws "," ws string ws ":" ws value )* )? ws "}"
+array ::= "[" ws ( value ( ws "," ws value )* )? ws "]"
+string ::= "\"" ( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
+number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
+ws ::= [ \t\n]{0,20}
+"""
+GUIDES = {
+    "json_object": {"json_object": True},
+    "compact": {"json_object": True, "disable_any_whitespace": True},
+    "ebnf": {"grammar": JSON_EBNF},
+}
 TOPICS = ["a cat", "a city", "a book", "a car", "a planet", "a song", "a river", "a chair"]
 
 
@@ -30,6 +46,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--guide", choices=sorted(GUIDES), default="json_object")
     args = ap.parse_args()
     llm = LLM(None, dtype=args.dtype, max_model_len=1024)
     messages = [
@@ -37,7 +54,7 @@ def main() -> int:
         for i in range(args.prompts)
     ]
     free = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    guided = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, guided_decoding={"json_object": True})
+    guided = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, guided_decoding=GUIDES[args.guide])
     run(llm, messages[:2], free)  # warm-up: first-call costs outside the timings
     rows = []
     for name, params in (("free", free), ("guided, cold cache", guided), ("guided, warm cache", guided)):

@@ -644,6 +644,16 @@ def test_continuing_the_last_message_and_template_kwargs(served_model: str, oai:
     assert expected.prompt.endswith("Once upon a")  # the reply goes on from inside the message
     assert chat.choices[0].message.content == expected.outputs[0].text
     assert chat.usage.prompt_tokens == len(expected.prompt_token_ids)
+    # vLLM's echo: the reply begins with the message it goes on from, streamed or not
+    echoed = {**GREEDY, "extra_body": {"ignore_eos": True, "continue_final_message": True, "echo": True,
+                                       "chat_template_kwargs": {"enable_thinking": False}}}
+    whole = oai.chat.completions.create(model=served_model, messages=started, **echoed)
+    assert whole.choices[0].message.content == "Once upon a" + expected.outputs[0].text
+    chunks = list(oai.chat.completions.create(model=served_model, messages=started, stream=True, **echoed))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    plain = oai.chat.completions.create(model=served_model, messages=MESSAGES, extra_body={"echo": True}, **{
+        k: v for k, v in GREEDY.items() if k != "extra_body"})
+    assert not plain.choices[0].message.content.startswith("Say something")  # a user's message is not echoed
     with pytest.raises(openai.BadRequestError, match="may not set tokenize") as info:
         oai.chat.completions.create(model=served_model, messages=MESSAGES, max_tokens=2,
                                     extra_body={"chat_template_kwargs": {"tokenize": True}})
