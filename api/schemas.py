@@ -291,6 +291,9 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = False
     # vLLM's: a reply that goes on from a last assistant message begins with that message's text
     echo: bool = False
+    # OpenAI's predicted output, {"type": "content", "content": text or text parts}: workers
+    # that guess with n-grams guess from it too (a reply that repeats it comes sooner)
+    prediction: dict[str, Any] | None = None
     # OpenAI's: how hard a reasoning model thinks; the chat template's `reasoning_effort`
     # (gpt-oss's sets "Reasoning: low" and so on in its system message)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
@@ -383,8 +386,18 @@ class ChatCompletionRequest(_GenerationRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
-            **self._common_params(defaults),
+            prediction=self._predicted_text(), **self._common_params(defaults),
         )
+
+    def _predicted_text(self) -> str | None:
+        if self.prediction is None:
+            return None
+        content = self.prediction.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if self.prediction.get("type") != "content" or not isinstance(content, str) or not content:
+            raise ValueError('prediction must be {"type": "content", "content": text or text parts}')
+        return content
 
 
 # ---------------------------------------------------------------------------------------------

@@ -122,6 +122,10 @@ class SamplingParams:
     # vLLM's: settings for the worker's custom logits processors (worker.logits_processors),
     # a JSON object each reads its own keys from; the API takes it as `vllm_xargs`
     extra_args: dict[str, Any] | None = None
+    # OpenAI's predicted output: text the output is expected to largely repeat (a file being
+    # edited). A worker that guesses with n-grams (speculative_config method "ngram") guesses
+    # from it too; the output is the same with it or without it, only sooner
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -183,8 +187,14 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and k != -1:
             _check_int("truncate_prompt_tokens", k, low=1, note="-1 keeps as many as max_model_len allows")
+        self._validate_extras()
+
+    def _validate_extras(self) -> None:
+        """Guided decoding, the predicted output and the logits processors' settings."""
         if self.guided_decoding is not None:
             _check_guided(self.guided_decoding)
+        if self.prediction is not None and (not isinstance(self.prediction, str) or not self.prediction):
+            raise ValueError(f"prediction must be a non-empty string, got {self.prediction!r}")
         if self.extra_args is not None and not (
             isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args) and _is_json(self.extra_args)
         ):
@@ -208,8 +218,9 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         del data["structured_outputs"]  # always None: read into guided_decoding
-        if data["extra_args"] is None:  # unset, a job reads as it did before them
-            del data["extra_args"]
+        for optional in ("extra_args", "prediction"):
+            if data[optional] is None:  # unset, a job reads as it did before them
+                del data[optional]
         return data
 
     @classmethod

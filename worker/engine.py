@@ -159,6 +159,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         text, prompt_ids, images, embeds = self.check_prompt(prompt, params, pooling_params)
         salt = cache_salt_of(prompt)
+        predicted = self.tokenizer.encode(params.prediction, add_special_tokens=False) if params.prediction else []
         if pooling_params is not None and params.n != 1:
             raise ValueError(f"an embedding request has one output, got n={params.n}")
         if pooling_params is not None and pooling_params.dimensions is not None:
@@ -177,7 +178,7 @@ class Engine:
         bad_words = self._bad_words_token_ids(params.bad_words or [])
         digest = embeds_digest(embeds) if embeds is not None else 0
         for child in children:
-            child.lora_id, child.cache_salt = lora_id, salt
+            child.lora_id, child.cache_salt, child.prediction_token_ids = lora_id, salt, predicted
             child.pooling_params = pooling_params
             child.bad_words_token_ids = bad_words
             child.image_spans = images.span_keys() if images is not None else []
@@ -597,7 +598,9 @@ class Engine:
             # no guess past max_tokens or max_model_len: the step's last token needs room
             room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
             candidates.append((request, room))
-        guesses = self.proposer.propose_all([(r.request_id, r.all_token_ids, room) for r, room in candidates])
+        ngrams = isinstance(self.proposer, NgramProposer)  # (it alone reads predicted outputs)
+        guesses = self.proposer.propose_all([(r.request_id, r.lookup_token_ids if ngrams else r.all_token_ids, room)
+                                             for r, room in candidates])
         for request, _ in candidates:
             request.spec_token_ids = self.guided.fitting(request.request_id, request.output_token_ids,
                                                          guesses.get(request.request_id, []))

@@ -39,6 +39,9 @@ _FINISH_REASONS = {
 }
 
 
+NO_TOKEN = -1  # between the parts of a request's n-gram lookup
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -76,6 +79,8 @@ class Request:
     # vLLM's cache_salt: its blocks are cached under keys salted with it, so only requests
     # with the same salt share them (a tenant's prompts cannot be probed by another's timing)
     cache_salt: str | None = None
+    # sampling_params.prediction's tokens: an n-gram proposer looks for guesses in them too
+    prediction_token_ids: list[int] = field(default_factory=list)
 
     @property
     def prompt_tokens_seen(self) -> list[int]:
@@ -86,6 +91,14 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def lookup_token_ids(self) -> list[int]:
+        """What an n-gram proposer searches: the prompt, the predicted output and the output,
+        apart (-1 is no token: nothing matches across it, and a guess stops at it)."""
+        if not self.prediction_token_ids:
+            return self.all_token_ids
+        return [*self.prompt_token_ids, NO_TOKEN, *self.prediction_token_ids, NO_TOKEN, *self.output_token_ids]
 
     @property
     def num_tokens(self) -> int:

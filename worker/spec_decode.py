@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer.sampling_params import MIN_TEMPERATURE, SamplingParams
+from worker.request import NO_TOKEN
 
 # vLLM's method names for one family's MTP layers, which it now calls "mtp" alike
 MTP_METHODS = ("deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "mtp")
@@ -166,9 +167,9 @@ class Pacing:
 
 
 class NgramProposer:
-    """Drafts for each request from its own tokens, with an index of where each token id
-    occurs (kept per request and extended as tokens come), so a lookup checks only the
-    places a match could start."""
+    """Drafts for each request from its own tokens (and its predicted output's:
+    Request.lookup_token_ids), with an index of where each token id occurs (kept per request
+    and extended as tokens come), so a lookup checks only the places a match could start."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -194,7 +195,8 @@ class NgramProposer:
                 if start >= suffix_start:
                     continue  # the suffix itself, or a match with nothing after it
                 if token_ids[start : start + n] == suffix:
-                    return token_ids[start + n : start + n + max_drafts]
+                    guesses = token_ids[start + n : start + n + max_drafts]
+                    return guesses[: guesses.index(NO_TOKEN)] if NO_TOKEN in guesses else guesses
                 checked += 1
                 if checked == MAX_CANDIDATES:
                     break

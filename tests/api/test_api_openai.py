@@ -717,6 +717,19 @@ def _thinking_turned_off(client: openai.OpenAI, served_model: str, text: str) ->
     assert guided.reasoning_content is None and guided.content.lstrip().startswith("{")
 
 
+def test_a_predicted_output_is_taken_and_changes_nothing(served_model: str, oai: openai.OpenAI) -> None:
+    """OpenAI's `prediction`: a hint for workers that guess with n-grams (this one does not
+    guess): the reply is the same; a prediction of the wrong shape is a 400 naming it."""
+    plain = oai.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY).choices[0].message.content
+    predicted = oai.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY,
+                                            prediction={"type": "content", "content": [{"type": "text", "text": plain}]})
+    assert predicted.choices[0].message.content == plain
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=served_model, messages=MESSAGES, max_tokens=2,
+                                    prediction={"type": "diff", "content": "x"})  # type: ignore[typeddict-item]
+    assert info.value.body["param"] == "prediction"
+
+
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
     response = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, temperature=0.0, max_completion_tokens=5,

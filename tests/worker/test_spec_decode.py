@@ -18,6 +18,7 @@ from test_engine import hf_greedy_along
 from producer.sampling_params import SamplingParams
 from worker import LLM
 from worker.models.packed_linear import can_pack
+from worker.request import NO_TOKEN
 from worker.spec_decode import NgramProposer, SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -180,6 +181,24 @@ def test_guesses_are_paced_by_how_they_fare():
     assert proposer.propose("a", tokens, 10) == [2, 3]
 
 
+def test_a_predicted_output_is_guessed_from_and_changes_nothing(spec_llm):
+    """OpenAI's predicted output: the n-gram proposer guesses from it as from the prompt, so
+    a reply that repeats it keeps most guesses; the tokens are the same as without it."""
+    prompt = "Tell me about your day in the garden with the children."
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def run(given: SamplingParams) -> tuple[list[int], int]:
+        before = spec_llm.engine.spec_stats.num_accepted_tokens
+        [out] = spec_llm.generate(prompt, given, use_tqdm=False)
+        return out.outputs[0].token_ids, spec_llm.engine.spec_stats.num_accepted_tokens - before
+
+    plain, kept_plain = run(params)
+    text = spec_llm.get_tokenizer().decode(plain)
+    predicted, kept = run(dataclasses.replace(params, prediction=text))
+    assert predicted == plain
+    assert kept >= 30 > kept_plain + 10, (kept, kept_plain)
+
+
 def test_ngram_proposals():
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3))
     tokens = [5, 1, 2, 3, 9, 8, 1, 2, 3]
@@ -189,6 +208,8 @@ def test_ngram_proposals():
     assert proposer.propose("b", [4], 10) == []
     proposer.remove("a")
     assert proposer.propose("a", [1, 2, 1], 10) == [2, 1]  # indexes from scratch
+    # a lookup of prompt, predicted output and output (Request.lookup_token_ids): a guess stops at a part's end
+    assert proposer.propose("c", [1, 2, 3, NO_TOKEN, 4, 5, NO_TOKEN, 4], 10) == [5]
 
 
 @pytest.mark.parametrize("config, message", [
