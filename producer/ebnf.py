@@ -3,7 +3,8 @@ must be a sentence of the grammar. Plain Python, no dependencies: the API checks
 with it, the worker's grammar runs it.
 
 The syntax is xgrammar's EBNF, which vLLM hands such grammars to (a superset of llama.cpp's
-GBNF): rules `name ::= expression`, each starting its line, entered at `root`; string
+GBNF; a grammar without `::=` is Lark's, as vLLM tells them apart, read by `producer.lark` into
+the same rules): rules `name ::= expression`, each starting its line, entered at `root`; string
 literals `"..."` with escapes (`\\n \\t \\xHH \\uXXXX ...`), character classes `[a-z]`,
 `[^"\\\\]`, `[^]` (over Unicode code points), rule references, groups `( ... )`,
 alternatives `|`, and the repetitions `? * + {m} {m,} {m,n}`; `#` comments. Rule options
@@ -85,6 +86,10 @@ class _Parser:
         if not rules:
             raise EbnfError("grammar has no rules")
         return rules
+
+    def root(self, rules: dict[str, tuple[object, int]]) -> str:
+        """The rule the output begins at."""
+        return ROOT
 
     def _error(self, what: str, at: int | None = None) -> EbnfError:
         at = self.i if at is None else at
@@ -478,10 +483,13 @@ def compile_ebnf(text: str) -> Ebnf:
     and the steps it has walked). EbnfError (a ValueError) names what is wrong and where."""
     if not isinstance(text, str) or not text.strip():
         raise EbnfError(f"grammar must be a non-empty string, got {text!r}")
-    parser = _Parser(text)
+    from producer.lark import LarkReader, is_lark  # (it reads into this module's rules)
+
+    parser = LarkReader(text) if is_lark(text) else _Parser(text)
     parsed = parser.parse()
-    if ROOT not in parsed:
-        raise EbnfError(f"grammar has no rule named {ROOT!r}, where the output begins")
+    root = parser.root(parsed)
+    if root not in parsed:
+        raise EbnfError(f"grammar has no rule named {root!r}, where the output begins")
     compiler = _Compiler(parsed, parser)
     recursive = _left_recursive(compiler.rules, _nullable(compiler.rules))
     if recursive is not None:
@@ -489,4 +497,4 @@ def compile_ebnf(text: str) -> Ebnf:
             f"grammar rule {compiler.names[recursive]!r} is left-recursive (it can begin with itself): "
             "write the repetition with * or + instead"
         )
-    return Ebnf(text, compiler.rules, compiler.ids[ROOT])
+    return Ebnf(text, compiler.rules, compiler.ids[root])

@@ -399,7 +399,9 @@ def test_structured_outputs_as_current_vllm_spells_them(served_model: str, oai: 
 
     grammar = 'root ::= ("yes" | "no") ", " [a-z]{2,5} ("!" | ".")\n'
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(grammar)
-    for extra in ({"structured_outputs": {"grammar": grammar}}, {"guided_grammar": grammar}):
+    lark_grammar = 'start: ("yes" | "no") ", " /[a-z]{2,5}/ ("!" | ".")'  # the same language, as Lark writes it
+    for extra in ({"structured_outputs": {"grammar": grammar}}, {"guided_grammar": grammar},
+                  {"structured_outputs": {"grammar": lark_grammar}}):
         chat = oai.chat.completions.create(model=served_model, messages=MESSAGES, n=3, temperature=1.0, seed=8,
                                            max_tokens=16, extra_body=extra)
         for c in chat.choices:
