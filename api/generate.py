@@ -100,13 +100,15 @@ def plan(
     reasoning = _reasoning_parser(state, chat)
     params = sampling_params(body, defaults)
     prompts = [salted(p, body.cache_salt) for p in prompts]
-    if reasoning in GRAMMAR_AFTER and params.guided_decoding is not None:
-        # the reply thinks first: the grammar holds for the answer, after the thinking's end
-        params = replace(params, guided_decoding={**params.guided_decoding, "after": GRAMMAR_AFTER[reasoning]})
     read_tool_calls = chat.tool_calls_form() if chat else None
     if read_tool_calls == "auto":  # check_tool_parser has refused "auto" where the parser is "none"
         parser = state.settings.tool_call_parser
         read_tool_calls = parser if parser != "none" else None
+    if read_tool_calls == "hermes" and chat is not None and params.guided_decoding is None:
+        params = _strict_calls(params, chat)
+    if reasoning in GRAMMAR_AFTER and params.guided_decoding is not None:
+        # the reply thinks first: the grammar holds for the answer, after the thinking's end
+        params = replace(params, guided_decoding={**params.guided_decoding, "after": GRAMMAR_AFTER[reasoning]})
     if reasoning == "gpt_oss" or read_tool_calls in SPECIAL_TOKEN_FORMATS:
         # harmony's tags, Llama 3's and Mistral's call tokens are special tokens: the readers
         # need them in the text
@@ -132,6 +134,19 @@ def plan(
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )
     return Plan(req, prompts, params, body.priority + priority_offset, body.model, deadline_s)
+
+
+def _strict_calls(params: SamplingParams, chat: ChatCompletionRequest) -> SamplingParams:
+    """The reply's calls held to their strict tools (ChatCompletionRequest.strict_calls);
+    a tool schema genq cannot hold a call to is a 400 naming the tools."""
+    tag = chat.strict_calls()
+    if tag is None:
+        return params
+    try:
+        return replace(params, guided_decoding={"structural_tag": tag})
+    except ValueError as exc:
+        raise APIError(400, str(exc).replace("guided_decoding structural_tag", "a strict tool's call:", 1),
+                       param="tools", code="invalid_value") from exc
 
 
 def salted(prompt: PromptInput, cache_salt: str | None) -> PromptInput:

@@ -12,6 +12,7 @@ import pytest
 from api.call_stream import CallDelta, ToolCall
 from api.cluster import Cluster
 from api.deps import AppState
+from api.errors import APIError
 from api.generate import Collector, plan
 from api.metrics import Metrics
 from api.relay import Relay
@@ -390,3 +391,48 @@ def test_a_server_whose_calls_are_special_tokens_asks_for_them(monkeypatch: pyte
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole.message.tool_calls] == expected
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed["delta"]["tool_calls"]] == expected
     assert whole.message.content is None and (whole.finish_reason, streamed["finish_reason"]) == ("tool_calls", "tool_calls")
+
+
+def test_strict_tools_hold_the_calls_of_an_auto_reply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenAI's `strict` functions under tool_choice "auto" (Hermes' format): the reply may
+    write text, and each call it opens is held to its tool (a structural tag whose trigger is
+    <tool_call>): a reply written so reads as those calls; a call whose arguments break the
+    strict tool's schema, or that names no tool, is refused where it goes wrong."""
+    from worker.structured_output import make_grammar
+    from worker.token_bytes import byte_text
+
+    settings = Settings()
+    client = AsyncClient(settings.redis_url, settings.prefix)  # connects on first use only: never here
+    state = AppState(settings, client, Relay(client.redis, client.keys), Cluster(client.redis, client.keys), Metrics())
+    weather = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather, "strict": True}},
+             {"type": "function", "function": {"name": "note"}}]
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Weather?"}], "tools": tools})
+    planned = plan(state, body, [chat_prompt(body)], ChatRenderer(), "x", "m")
+    grammar = make_grammar(planned.params.guided_decoding)
+
+    def taken(text: str) -> int:
+        state_ = grammar.initial()
+        for i, char in enumerate(byte_text(text.encode())):
+            state_ = grammar.advance(state_, char)
+            if state_ is None:
+                return i
+        return len(text.encode()) if grammar.is_complete(state_) else -1
+
+    reply = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+             '\n<tool_call>\n{"name": "note", "arguments": {"any": [1]}}\n</tool_call> Done.')
+    assert taken(reply) == len(reply)
+    assert read_all(reply, planned.req.read_tool_calls)[1] == [
+        ToolCall("get_weather", '{"city": "Paris", "days": 2}'), ToolCall("note", '{"any": [1]}')]
+    bad_days = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}\n</tool_call>'
+    assert taken(bad_days) == bad_days.index('"2"')
+    assert taken('<tool_call>\n{"name": "other"') == len('<tool_call>\n{"name": "')
+    plain = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Weather?"}],
+                                                  "tools": [{**tools[0], "function": {**tools[0]["function"], "strict": False}}]})
+    assert plan(state, plain, [chat_prompt(plain)], ChatRenderer(), "x", "m").params.guided_decoding is None
+    odd = {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 3}}}
+    unheld = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Weather?"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": odd, "strict": True}}]})
+    with pytest.raises(APIError) as info:
+        plan(state, unheld, [chat_prompt(unheld)], ChatRenderer(), "x", "m")
+    assert info.value.param == "tools" and "multipleOf" in info.value.message
