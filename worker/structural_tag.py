@@ -26,6 +26,10 @@ State = tuple[Any, ...]
 
 
 class StructuralTagGrammar:
+    # special tokens are taken by their text (a trigger may be one); in free text any may come,
+    # as unguided
+    reads_special_tokens = True
+
     def __init__(self, spec: dict[str, Any]) -> None:
         """`spec`: as the request gave it (SamplingParams checked it)."""
         spec = read_structural_tag(spec)

@@ -137,9 +137,11 @@ class TokenMasks:
     """The allowed next tokens of grammar states over one vocabulary, as masks: bytes of the
     vocabulary's length, 1 where the token may come next.
 
-    `vocabulary[i]` is the bytes token i stands for; None (special tokens) is never allowed
-    inside the output. `special_texts` spell special tokens for markers only: a grammar may
-    start after one (gpt-oss's `<|channel|>final<|message|>`), never take one.
+    `vocabulary[i]` is the bytes token i stands for; None (special tokens) is not allowed
+    inside the output, unless the grammar `reads_special_tokens` (a structural tag, whose
+    trigger may be one: Llama's `<|python_tag|>`): then a special token is taken by its text,
+    from `special_texts`, as xgrammar takes it. `special_texts` also spell special tokens for
+    markers: a grammar may start after one (gpt-oss's `<|channel|>final<|message|>`).
     """
 
     def __init__(
@@ -152,6 +154,10 @@ class TokenMasks:
             if token_id < len(self.marker_texts):
                 self.marker_texts[token_id] = byte_text(text.encode())
         self.trie = _trie((i, self.token_texts[i]) for i, b in enumerate(vocabulary) if b)
+        # special tokens a grammar that reads them may take whole, by their text (a stop token
+        # only ever where the output may end)
+        self.special = [(i, self.marker_texts[i]) for i in (special_texts or {})
+                        if i < len(self.marker_texts) and i not in stop_ids]
         self.stop_mask = _mask(len(self.token_texts), (i for i in stop_ids if i < len(self.token_texts)))
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[Hashable, Hashable], bytes] = OrderedDict()
@@ -184,6 +190,8 @@ class TokenMasks:
                 nxt = grammar.advance(at, char)
                 if nxt is not None:
                     pending.append((child, nxt))
+        if getattr(grammar, "reads_special_tokens", False):
+            ids.extend(i for i, text in self.special if grammar.advance(state, text) is not None)
         mask = bytearray(_mask(len(self.token_texts), ids))
         # Complete, or stuck: no token spells what must come next (a character the tokenizer
         # only has in pieces). Ending beats sampling from a distribution with nothing in it.
@@ -202,8 +210,9 @@ class TokenMasks:
     def advance(self, guided: GuidedState, output_token_ids: Sequence[int]) -> None:
         """Consume the output tokens not seen yet (one per step; all of them for a resumed
         request). A token the grammar cannot take (a stop token at the end) leaves the state."""
+        texts = self.marker_texts if getattr(guided.grammar, "reads_special_tokens", False) else self.token_texts
         for token_id in output_token_ids[guided.num_tokens :]:
-            text = self.token_texts[token_id]
+            text = texts[token_id]
             if guided.after is not None:
                 text = _past(guided, self.marker_texts[token_id])
                 if not text:

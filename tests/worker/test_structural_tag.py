@@ -1,6 +1,7 @@
 """Structural tags (vLLM's `structural_tag`) against xgrammar, the backend vLLM hands them to:
 the same bytes taken and refused, the same places the output may end, and the same token masks
-on the default vocabulary (special tokens, and whitespace past genq's cap, aside)."""
+on the default vocabulary, special tokens taken by their text as xgrammar takes them
+(whitespace past genq's cap aside)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from producer.structural_tag import read_structural_tag
 from worker.json_grammar import MAX_WHITESPACE_RUN
 from worker.structural_tag import StructuralTagGrammar
 from worker.structured_output import GuidedState, TokenMasks, make_grammar
-from worker.token_bytes import byte_text, token_bytes
+from worker.token_bytes import byte_text, special_texts, token_bytes
 
 WEATHER = {"type": "object", "required": ["city"], "properties": {
     "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
@@ -91,26 +92,36 @@ def test_texts_are_taken_and_refused_as_xgrammar_does() -> None:
     assert 60 <= refused < len(texts) - 60  # the changes broke many calls, not all
 
 
-def test_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir) -> None:
+# a trigger, begin and end that are special tokens of the default vocabulary, taken whole
+QUERY = {"type": "object", "required": ["q"], "properties": {"q": {"type": "string"}}}
+SPECIAL_SPEC = {"structures": [{"begin": "<repo_name>", "schema": QUERY, "end": "<file_sep>"}],
+                "triggers": ["<repo_name>"]}
+
+
+@pytest.mark.parametrize("spec, reply", [
+    (SPEC, 'I will look. <function=get_weather>{"city": "Nice", "days": 2}</function> Then [[note]]{}'),
+    (SPECIAL_SPEC, 'Looking: <repo_name>{"q": "genq"}<file_sep> done <repo_name>{"q": ""}<file_sep>'),
+], ids=["text tags", "special-token tags"])
+def test_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir, spec: dict, reply: str) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     vocabulary = token_bytes(tokenizer)
-    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id})
-    matcher = xgr.GrammarMatcher(compiled_xgrammar(SPEC, xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(vocabulary))))
+    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id}, special_texts=special_texts(tokenizer))
+    matcher = xgr.GrammarMatcher(compiled_xgrammar(spec, xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(vocabulary))))
     bitmask = xgr.allocate_token_bitmask(1, len(vocabulary))
-    special = {i for i, data in enumerate(vocabulary) if data is None} - {tokenizer.eos_token_id}
     # genq's JSON takes at most MAX_WHITESPACE_RUN whitespace in a row (no padding forever)
     padding = {i for i, data in enumerate(vocabulary) if data and not data.strip() and len(data) >= MAX_WHITESPACE_RUN}
-    grammar = make_grammar({"structural_tag": SPEC})
+    grammar = make_grammar({"structural_tag": spec})
     guided = GuidedState(grammar, grammar.initial())
-    output = tokenizer.encode('I will look. <function=get_weather>{"city": "Nice", "days": 2}</function> Then [[note]]{}',
-                              add_special_tokens=False)
+    output = tokenizer.encode(reply, add_special_tokens=False)
+    specials = set(special_texts(tokenizer))
+    assert (sum(t in specials for t in output) == 4) == (spec is SPECIAL_SPEC)  # the tags are single special tokens
     for steps in range(len(output) + 1):
         masks.advance(guided, output[:steps])
         matcher.fill_next_token_bitmask(bitmask)
         words = bitmask[0].tolist()
-        expected = {i for i in range(len(vocabulary)) if (words[i // 32] >> (i % 32)) & 1} - special - padding
+        expected = {i for i in range(len(vocabulary)) if (words[i // 32] >> (i % 32)) & 1} - padding
         allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok} - padding
         assert allowed == expected, (tokenizer.decode(output[:steps]), [tokenizer.decode([i]) for i in allowed ^ expected][:10])
         if steps < len(output):
