@@ -129,7 +129,7 @@ def plan(
         parallel_tool_calls=chat is None or chat.parallel_tool_calls,
         reasoning_parser=reasoning,
         include_reasoning=chat is None or chat.include_reasoning,
-        chat_echo=chat.echoed() if chat else None,
+        chat_echo=chat.echoed() if chat and not forced else None,  # (a forced call's reply is no text)
         return_token_ids=bool(body.return_token_ids),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )

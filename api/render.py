@@ -321,6 +321,8 @@ def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
         reasoning = None
     if req.read_tool_calls:
         content, calls = read_all(text, req.read_tool_calls, req.string_parameters)
+        if req.chat_echo:  # (streamed first, before any call is read)
+            content = req.chat_echo + (content or "")
         calls = _kept(req, calls)
         listed = [_call(req, choice, k, call) for k, call in enumerate(calls)]
         return AssistantMessage(content=content, tool_calls=listed or None, reasoning_content=reasoning)
