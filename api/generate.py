@@ -27,6 +27,7 @@ from api.render import Choice, RelayedRequest, Renderer, usage_chunk
 from api.responses import Usage
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput
 from api.sse import DONE, format_sse
+from api.strict_calls import strict_calls
 from producer.jobs import build_job
 from producer.pooling_params import PoolingParams
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
@@ -104,8 +105,8 @@ def plan(
     if read_tool_calls == "auto":  # check_tool_parser has refused "auto" where the parser is "none"
         parser = state.settings.tool_call_parser
         read_tool_calls = parser if parser != "none" else None
-    if read_tool_calls == "hermes" and chat is not None and params.guided_decoding is None:
-        params = _strict_calls(params, chat)
+    if chat is not None and params.guided_decoding is None:
+        params = _strict_calls(params, chat, read_tool_calls)
     if reasoning in GRAMMAR_AFTER and params.guided_decoding is not None:
         # the reply thinks first: the grammar holds for the answer, after the thinking's end
         params = replace(params, guided_decoding={**params.guided_decoding, "after": GRAMMAR_AFTER[reasoning]})
@@ -136,10 +137,10 @@ def plan(
     return Plan(req, prompts, params, body.priority + priority_offset, body.model, deadline_s)
 
 
-def _strict_calls(params: SamplingParams, chat: ChatCompletionRequest) -> SamplingParams:
-    """The reply's calls held to their strict tools (ChatCompletionRequest.strict_calls);
-    a tool schema genq cannot hold a call to is a 400 naming the tools."""
-    tag = chat.strict_calls()
+def _strict_calls(params: SamplingParams, chat: ChatCompletionRequest, parser: str | None) -> SamplingParams:
+    """An auto reply's calls held to their strict tools (api.strict_calls); a tool schema
+    genq cannot hold a call to is a 400 naming the tools."""
+    tag = strict_calls(parser, [t.function for t in chat.tools or []], chat.parallel_tool_calls)
     if tag is None:
         return params
     try:

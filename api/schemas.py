@@ -355,20 +355,6 @@ class ChatCompletionRequest(_GenerationRequest):
             return "json" if len(self.tools) > 1 else None
         return "auto"
 
-    def strict_calls(self) -> dict[str, Any] | None:
-        """Under tool_choice "auto" with a function marked `strict` (OpenAI's), the reply's
-        calls in Hermes' format held to their tools: a structural tag whose trigger is
-        `<tool_call>`, each tool's call its name then its arguments, a strict tool's fit to
-        its parameters (another's any object); the text around them free. None otherwise."""
-        if self.tool_calls_form() != "auto" or not any(t.function.strict for t in self.tools or []):
-            return None
-        structures = [{
-            "begin": '<tool_call>\n{"name": ' + json.dumps(t.function.name, ensure_ascii=False) + ', "arguments": ',
-            "schema": (t.function.parameters or {"type": "object"}) if t.function.strict else {"type": "object"},
-            "end": "}\n</tool_call>",
-        } for t in self.tools or []]
-        return {"structures": structures, "triggers": ["<tool_call>"]}
-
     def string_parameters(self) -> tuple[tuple[str, str], ...]:
         """(tool, parameter) for each parameter the tools declare a string (`"type": "string"`
         or `["string"]`): GLM's calls write those values as raw text (api.glm_tool_calls)."""

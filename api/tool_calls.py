@@ -14,7 +14,7 @@ are found alike. Plain functions and small stateful readers for streams; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from api.call_stream import CallDelta, CallStream, ToolCall, merged
@@ -143,7 +143,7 @@ class CallArrayReader:
         return "", self._calls.close() or []  # an array cut short (max_tokens) keeps its calls
 
 
-def calls_schema(tools: list[tuple[str, dict[str, Any] | None]], parallel: bool) -> dict[str, Any]:
+def calls_schema(tools: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool) -> dict[str, Any]:
     """The JSON schema of a reply that calls one or more of `tools` ((name, parameters)):
     `[{"name": ..., "arguments": {...}}, ...]`, the name deciding which arguments follow."""
     return {

@@ -393,14 +393,26 @@ def test_a_server_whose_calls_are_special_tokens_asks_for_them(monkeypatch: pyte
     assert whole.message.content is None and (whole.finish_reason, streamed["finish_reason"]) == ("tool_calls", "tool_calls")
 
 
-def test_strict_tools_hold_the_calls_of_an_auto_reply(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OpenAI's `strict` functions under tool_choice "auto" (Hermes' format): the reply may
-    write text, and each call it opens is held to its tool (a structural tag whose trigger is
-    <tool_call>): a reply written so reads as those calls; a call whose arguments break the
-    strict tool's schema, or that names no tool, is refused where it goes wrong."""
+STRICT_REPLIES = {  # a reply of two calls (the strict tool's, then the other's) in each format
+    "hermes": ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+               '\n<tool_call>\n{"name": "note", "arguments": {"any": [1]}}\n</tool_call> Done.'),
+    "deepseek_v31": "Let me look." + _deepseek_v31(("get_weather", '{"city": "Paris", "days": 2}'), ("note", '{"any": [1]}')),
+    "deepseek_v3": "Let me look." + _deepseek_v3(("get_weather", '{"city": "Paris", "days": 2}'), ("note", '{"any": [1]}')),
+    "granite": ('Let me look. <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+                '{"name": "note", "arguments": {"any": [1]}}]'),
+}
+
+
+@pytest.mark.parametrize("parser", list(STRICT_REPLIES))
+def test_strict_tools_hold_the_calls_of_an_auto_reply(monkeypatch: pytest.MonkeyPatch, parser: str) -> None:
+    """OpenAI's `strict` functions under tool_choice "auto": the reply may write text, and
+    each call it opens is held to its tool in the server's format (a structural tag): a
+    reply written so reads as those calls; a call whose arguments break the strict tool's
+    schema, or that names no tool, is refused where it goes wrong."""
     from worker.structured_output import make_grammar
     from worker.token_bytes import byte_text
 
+    monkeypatch.setenv("GENQ_TOOL_CALL_PARSER", parser)
     settings = Settings()
     client = AsyncClient(settings.redis_url, settings.prefix)  # connects on first use only: never here
     state = AppState(settings, client, Relay(client.redis, client.keys), Cluster(client.redis, client.keys), Metrics())
@@ -419,14 +431,14 @@ def test_strict_tools_hold_the_calls_of_an_auto_reply(monkeypatch: pytest.Monkey
                 return i
         return len(text.encode()) if grammar.is_complete(state_) else -1
 
-    reply = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
-             '\n<tool_call>\n{"name": "note", "arguments": {"any": [1]}}\n</tool_call> Done.')
-    assert taken(reply) == len(reply)
+    reply = STRICT_REPLIES[parser]
+    assert taken(reply) == len(reply.encode())
     assert read_all(reply, planned.req.read_tool_calls)[1] == [
         ToolCall("get_weather", '{"city": "Paris", "days": 2}'), ToolCall("note", '{"any": [1]}')]
-    bad_days = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": "2"}}\n</tool_call>'
-    assert taken(bad_days) == bad_days.index('"2"')
-    assert taken('<tool_call>\n{"name": "other"') == len('<tool_call>\n{"name": "')
+    bad_days = reply.replace('"days": 2', '"days": "2"', 1)
+    assert taken(bad_days) == bad_days.encode().index(b'"2"')
+    unknown = reply.replace("get_weather", "get_whether", 1)
+    assert taken(unknown) == unknown.encode().index(b"whether") + 1  # at the h: no tool is named so
     plain = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Weather?"}],
                                                   "tools": [{**tools[0], "function": {**tools[0]["function"], "strict": False}}]})
     assert plan(state, plain, [chat_prompt(plain)], ChatRenderer(), "x", "m").params.guided_decoding is None
