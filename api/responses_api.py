@@ -178,7 +178,7 @@ def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
 def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise invalid_param(f"{where}.type", "only function tools are supported")
-    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": function}
 
 

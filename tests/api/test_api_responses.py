@@ -289,3 +289,14 @@ def test_a_calls_streamed_arguments_stay_in_its_item_when_content_follows_in_the
         ("message", "Checking."), ("function_call", '{"colour": "red"}'), ("message", " Done.")]
     pieces = [e for e in sent if e["type"] == "response.function_call_arguments.delta"]
     assert len(pieces) == 2 and {e["item_id"] for e in pieces} == {done[1]["id"]}
+
+
+def test_a_strict_function_tool_stays_strict_in_the_chat_it_becomes() -> None:
+    """A Responses function tool's `strict` reaches the chat request the reply is made by
+    (where strict tools hold an auto reply's calls: api.strict_calls)."""
+    from api.responses_api import ResponsesRequest, to_chat
+
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True},
+             {"type": "function", "name": "g"}]
+    chat = to_chat(ResponsesRequest.model_validate({"input": "hi", "tools": tools}))
+    assert [(t.function.name, t.function.strict) for t in chat.tools or []] == [("f", True), ("g", None)]
