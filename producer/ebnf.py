@@ -58,7 +58,7 @@ class EbnfError(ValueError):
 
 # -- parsing ------------------------------------------------------------------------------------
 # An expression is ("alt", [sequences]) | ("seq", [items]) | ("lit", text) | ("cls", ranges) |
-# ("ref", name, offset) | ("rep", expr, min, max or None)
+# ("ref", name, offset) | ("rep", expr, min, max or None) | ("tok", expr) (producer.lark's)
 
 
 class _Parser:
@@ -279,6 +279,8 @@ class _Compiler:
 
     def _elements(self, expr) -> list[tuple]:
         kind = expr[0]
+        if kind == "tok":  # (producer.lark: a regular expression, one token of a Lark grammar)
+            return self._elements(expr[1])
         if kind == "lit":
             data = expr[1].encode("utf-8", "surrogatepass")
             return [(LITERAL, data)] if data else []

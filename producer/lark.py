@@ -7,10 +7,10 @@ Read: `name: expansions` for rules (`?name`, `!name`, `name.2` too) and TERMINAL
 next line too), `"literals"` (and `'literals'`), `"a".."z"`, `/regular expressions/`
 (`producer.regex`'s syntax, no flags), `(groups)`, `[optional]`, `? * +`, `~ n` and `~ n..m`,
 `-> alias` (dropped: it names a tree node, not text), `//` (and `#`) comments, `%import common.NAME`
-for the usual terminals (DIGIT, INT, NUMBER, WORD, CNAME, ESCAPED_STRING, WS, ...). The
-output begins at `start` (else at the first rule). Refused by name: `%ignore` (it lets
-whitespace stand between any two tokens; write it into the rules), other directives and
-imports, case-insensitive literals and regex flags.
+for the usual terminals (DIGIT, INT, NUMBER, WORD, CNAME, ESCAPED_STRING, WS, ...), and
+`%ignore` (what it names may stand before any token of a rule and at the end, as Lark's lexer
+skips it). The output begins at `start` (else at the first rule). Refused by name: other
+directives and imports, case-insensitive literals and regex flags.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class LarkReader(_Parser):
     def parse(self) -> dict[str, tuple[object, int]]:
         rules: dict[str, tuple[object, int]] = {}
         imports: list[tuple[str, int]] = []
+        self.ignored: list[tuple[object, int]] = []  # %ignore's items
         while True:
             self._skip_lark(newlines=True)
             if self.i >= len(self.text):
@@ -81,7 +82,21 @@ class LarkReader(_Parser):
             self._import(name, at, rules)
         if not rules:
             raise EbnfError("grammar has no rules")
+        if self.ignored:
+            self._weave_ignored(rules)
         return rules
+
+    def _weave_ignored(self, rules: dict[str, tuple[object, int]]) -> None:
+        """%ignore: what it names may stand before any token of a rule (a terminal, a literal,
+        a regular expression) and at the end of the text, as Lark's lexer skips it there."""
+        ignore = ("rep", ("ref", IGNORED, 0), 0, None)
+        root = self.root(rules)
+        rules[IGNORED] = (self.ignored[0][0] if len(self.ignored) == 1 else ("alt", [e for e, _ in self.ignored]), 0)
+        for name, (expr, at) in list(rules.items()):
+            if name == IGNORED or _is_terminal(name):
+                continue
+            woven = _before_tokens(expr, ignore)
+            rules[name] = (("seq", [woven, ignore]) if name == root else woven, at)
 
     def root(self, rules: dict[str, tuple[object, int]]) -> str:
         return START if START in rules else next(iter(rules))
@@ -117,8 +132,10 @@ class LarkReader(_Parser):
         self.i += len(line)
         line = re.sub(r"(//|#).*$", "", line).strip()
         if line.startswith("%ignore"):
-            raise self._error("%ignore is not supported (it lets whitespace stand between any two tokens): "
-                              "write the whitespace into the rules", at)
+            reader = LarkReader(line.removeprefix("%ignore") + "\n")
+            self.ignored.append((reader._expansions(), at))
+            names = _REF.findall(re.sub(r'"[^"]*"|/[^/]*/', "", line.removeprefix("%ignore")))
+            return [(n, at) for n in names if n in COMMON]  # `%ignore WS` imports it where it is common's
         match = re.fullmatch(r"%import\s+common\.(\w+)|%import\s+common\s*\(([\w\s,]+)\)", line)
         if match is None:
             raise self._error(f"only %import common.NAME is supported, got {line!r}", at)
@@ -219,7 +236,7 @@ class LarkReader(_Parser):
         if self._peek().isalpha():
             raise self._error("regular expression flags are not supported", at)
         try:
-            return _from_regex(_RegexParser(pattern).parse())
+            return ("tok", _from_regex(_RegexParser(pattern).parse()))  # one token, whatever its parts
         except RegexError as exc:
             raise self._error(str(exc), at) from None
 
@@ -243,6 +260,25 @@ class LarkReader(_Parser):
                 raise self._error("bad repetition range")
             return ("rep", node, low, high)
         return node
+
+
+IGNORED = "__ignored"  # the rule %ignore's items make
+
+
+def _is_terminal(name: str) -> bool:
+    return name.lstrip("_")[:1].isupper()
+
+
+def _before_tokens(expr, ignore) -> object:
+    """`expr` with `ignore` put before each token it holds (terminals, literals, classes)."""
+    kind = expr[0]
+    if kind in ("lit", "cls", "tok") or (kind == "ref" and _is_terminal(expr[1])):
+        return ("seq", [ignore, expr])
+    if kind in ("seq", "alt"):
+        return (kind, [_before_tokens(e, ignore) for e in expr[1]])
+    if kind == "rep":
+        return ("rep", _before_tokens(expr[1], ignore), expr[2], expr[3])
+    return expr
 
 
 def _from_regex(node) -> object:

@@ -1,6 +1,7 @@
 """Lark grammars (structured outputs' `grammar` without `::=`) against the `lark` library's
 Earley parser: texts our automaton writes are sentences to Lark, and texts changed a character
-at a time are taken or refused by both alike."""
+at a time are taken or refused by both alike (Lark's own JSON grammar, %ignore WS and all,
+among them)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,34 @@ tail: /x(yz|w)*[0-9]{0,2}|q+/ | WORD WS_INLINE WORD
 %import common.WORD
 %import common.WS_INLINE
 """,
+    "lark's json": r"""
+?start: value
+?value: object | array | string | SIGNED_NUMBER -> number | "true" -> true | "false" -> false | "null" -> null
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : string ":" value
+string : ESCAPED_STRING
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS
+""",
+    "ignored comments": r"""
+start: stmt+
+stmt: NAME "=" DIGIT ";"
+NAME: /[a-z]/
+COMMENT: "#" /[a-z ]/ ~ 0..2 "\n"
+%import common.DIGIT
+%ignore " "
+%ignore COMMENT
+""",
     "regex": r"""
 start: /(ab|c)+d?|e[0-9]{2}/ ";" TAIL
 TAIL: /x(yz|w)*|q+/
+""",
+    "ignored around regexes": r"""
+start: (/(ab|c)+d?/ | "e" /[0-9]{2}/) ";" /x(yz|w)*/
+%ignore " "
 """,
 }
 ALPHABET = 'abcqxyzw019é-_;+*()[]{}",: \t.e'
@@ -73,7 +99,7 @@ def test_sentences_are_larks(name: str) -> None:
     rng = random.Random(name)
     texts = [walk(grammar, rng) for _ in range(40)]
     sentences = [t for t in texts if ours(grammar, t)]
-    assert len(sentences) >= 20
+    assert len(sentences) >= 12
     assert all(theirs(parser, t) for t in sentences), [t for t in sentences if not theirs(parser, t)]
     for text in texts:
         for _ in range(4):
@@ -83,7 +109,6 @@ def test_sentences_are_larks(name: str) -> None:
 
 
 @pytest.mark.parametrize("grammar, message", [
-    ('start: WORD\n%import common.WORD\n%ignore " "', "%ignore is not supported"),
     ('start: "select"i', "case-insensitive literals"),
     ("start: /ab/i", "regular expression flags are not supported"),
     ("start: A\n%import common.NOPE", "common.NOPE is not one genq knows"),
