@@ -112,17 +112,12 @@ class LarkReader(_Parser):
                 return
 
     def _continues(self) -> bool:
-        """At a line's end: whether the next line goes on with `|`."""
-        j = self.i
-        while j < len(self.text) and (self.text[j] in " \t\r\n" or self.text.startswith(("//", "#"), j)):
-            if self.text.startswith(("//", "#"), j):
-                end = self.text.find("\n", j)
-                j = len(self.text) if end < 0 else end
-            else:
-                j += 1
-        if self.text[j:j + 1] == "|":
-            self.i = j
+        """At a line's end: whether the next line goes on with `|` (then there, else back)."""
+        start = self.i
+        self._skip_lark(newlines=True)
+        if self._peek() == "|":
             return True
+        self.i = start
         return False
 
     def _directive(self) -> list[tuple[str, int]]:
