@@ -10,11 +10,11 @@ import random
 
 import pytest
 import xgrammar as xgr
+from test_structured_output import check_masks_against_xgrammar
 
 from producer.structural_tag import read_structural_tag
 from worker.json_grammar import MAX_WHITESPACE_RUN
 from worker.structural_tag import StructuralTagGrammar
-from worker.structured_output import GuidedState, TokenMasks, make_grammar
 from worker.token_bytes import byte_text, special_texts, token_bytes
 
 WEATHER = {"type": "object", "required": ["city"], "properties": {
@@ -29,10 +29,10 @@ ANY = {"type": "object"}
 PROSE = ["Sure.", " Let me check", "<b>bold</b>", " a < b,", " [link](x)", "\n", " é 日本 🙂", "<func", "[note"]
 
 
-def compiled_xgrammar(spec: dict, info: xgr.TokenizerInfo):
+def xgrammar_tag(spec: dict) -> xgr.Grammar:
     items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
              for s in spec["structures"]]
-    return xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.from_structural_tag(items, spec["triggers"]))
+    return xgr.Grammar.from_structural_tag(items, spec["triggers"])
 
 
 def call(rng: random.Random) -> str:
@@ -80,7 +80,7 @@ def theirs(compiled, value: str) -> tuple[int, bool]:
 
 
 def test_texts_are_taken_and_refused_as_xgrammar_does() -> None:
-    grammar, compiled = StructuralTagGrammar(SPEC), compiled_xgrammar(SPEC, xgr.TokenizerInfo([]))
+    grammar, compiled = StructuralTagGrammar(SPEC), xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(xgrammar_tag(SPEC))
     rng = random.Random(3)
     texts = [text(rng) for _ in range(60)]
     texts += [mutated(t, rng) for t in texts for _ in range(4)]
@@ -107,25 +107,12 @@ def test_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir, spec
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     vocabulary = token_bytes(tokenizer)
-    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id}, special_texts=special_texts(tokenizer))
-    matcher = xgr.GrammarMatcher(compiled_xgrammar(spec, xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(vocabulary))))
-    bitmask = xgr.allocate_token_bitmask(1, len(vocabulary))
+    specials = set(special_texts(tokenizer))
+    assert (sum(t in specials for t in tokenizer.encode(reply, add_special_tokens=False)) == 4) == (spec is SPECIAL_SPEC)
     # genq's JSON takes at most MAX_WHITESPACE_RUN whitespace in a row (no padding forever)
     padding = {i for i, data in enumerate(vocabulary) if data and not data.strip() and len(data) >= MAX_WHITESPACE_RUN}
-    grammar = make_grammar({"structural_tag": spec})
-    guided = GuidedState(grammar, grammar.initial())
-    output = tokenizer.encode(reply, add_special_tokens=False)
-    specials = set(special_texts(tokenizer))
-    assert (sum(t in specials for t in output) == 4) == (spec is SPECIAL_SPEC)  # the tags are single special tokens
-    for steps in range(len(output) + 1):
-        masks.advance(guided, output[:steps])
-        matcher.fill_next_token_bitmask(bitmask)
-        words = bitmask[0].tolist()
-        expected = {i for i in range(len(vocabulary)) if (words[i // 32] >> (i % 32)) & 1} - padding
-        allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok} - padding
-        assert allowed == expected, (tokenizer.decode(output[:steps]), [tokenizer.decode([i]) for i in allowed ^ expected][:10])
-        if steps < len(output):
-            assert matcher.accept_token(output[steps])
+    check_masks_against_xgrammar(tokenizer, lambda compiler: compiler.compile_grammar(xgrammar_tag(spec)),
+                                 {"structural_tag": spec}, reply, padding, with_special_tokens=True)
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -8,7 +8,7 @@ import pytest
 
 from worker.json_grammar import JSON_OBJECT
 from worker.structured_output import ChoiceGrammar, GuidedState, TokenMasks, make_grammar
-from worker.token_bytes import token_bytes
+from worker.token_bytes import special_texts, token_bytes
 
 
 def vocabulary(texts: list[str], special: set[int]) -> list[bytes | None]:
@@ -165,6 +165,37 @@ ws ::= [ \n\t]*
 """
 
 
+def check_masks_against_xgrammar(tokenizer, compile_for_xgrammar, guided_decoding: dict, text: str,
+                                 not_compared: set[int] = frozenset(), with_special_tokens: bool = False) -> None:
+    """At each state along `text` as the tokenizer splits it, the tokens genq's mask allows
+    are those xgrammar's bitmask allows, the grammar compiled by `compile_for_xgrammar(compiler)`
+    (but for `not_compared`; special tokens only where the grammar reads them); both end
+    complete."""
+    import xgrammar as xgr
+
+    vocabulary = token_bytes(tokenizer)
+    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id},
+                       special_texts=special_texts(tokenizer) if with_special_tokens else None)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(vocabulary))
+    matcher = xgr.GrammarMatcher(compile_for_xgrammar(xgr.GrammarCompiler(info)))
+    bitmask = xgr.allocate_token_bitmask(1, len(vocabulary))
+    if not with_special_tokens:  # genq never lets one stand in such text; xgrammar takes one whose text fits
+        not_compared = set(not_compared) | ({i for i, data in enumerate(vocabulary) if data is None} - {tokenizer.eos_token_id})
+    grammar = make_grammar(guided_decoding)
+    guided = GuidedState(grammar, grammar.initial())
+    output = tokenizer.encode(text, add_special_tokens=False)
+    for steps in range(len(output) + 1):
+        masks.advance(guided, output[:steps])
+        matcher.fill_next_token_bitmask(bitmask)
+        words = bitmask[0].tolist()
+        theirs = {i for i in range(len(vocabulary)) if (words[i // 32] >> (i % 32)) & 1} - not_compared
+        allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok} - not_compared
+        assert allowed == theirs, (tokenizer.decode(output[:steps]), [tokenizer.decode([i]) for i in allowed ^ theirs][:10])
+        if steps < len(output):
+            assert matcher.accept_token(output[steps])
+    assert matcher.is_completed() and grammar.is_complete(guided.state)
+
+
 @pytest.mark.parametrize(("grammar", "text"), [
     (EBNF_ITEMS, '{"items": [12, "two words é", [3.5, é], []]}'),
     ('root ::= "SELECT " column " FROM " ("t1" | "t2") (" WHERE " column "=" [0-9]+)?\n'
@@ -172,60 +203,23 @@ ws ::= [ \n\t]*
 ], ids=["items", "sql"])
 def test_grammar_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir, grammar: str, text: str) -> None:
     """At each state along an output, the tokens an EBNF grammar's mask allows are those
-    xgrammar's bitmask allows (vLLM's backend for grammars), special tokens aside: genq never
-    lets one stand in guided text, xgrammar lets a special token whose text fits."""
-    import xgrammar as xgr
+    xgrammar's bitmask allows (vLLM's backend for grammars), special tokens aside."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    vocabulary = token_bytes(tokenizer)
-    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id})
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(vocabulary))
-    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar))
-    bitmask = xgr.allocate_token_bitmask(1, len(vocabulary))
-    special = {i for i, data in enumerate(vocabulary) if data is None} - {tokenizer.eos_token_id}
-    ebnf = make_grammar({"grammar": grammar})
-    guided = GuidedState(ebnf, ebnf.initial())
-    output = tokenizer.encode(text, add_special_tokens=False)
-    for steps in range(len(output) + 1):
-        masks.advance(guided, output[:steps])
-        matcher.fill_next_token_bitmask(bitmask)
-        words = bitmask[0].tolist()
-        theirs = {i for i in range(len(vocabulary)) if (words[i // 32] >> (i % 32)) & 1} - special
-        allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok}
-        assert allowed == theirs, (tokenizer.decode(output[:steps]), [tokenizer.decode([i]) for i in allowed ^ theirs][:10])
-        if steps < len(output):
-            assert matcher.accept_token(output[steps])
-    assert matcher.is_completed() and ebnf.is_complete(guided.state)
+    check_masks_against_xgrammar(tokenizer, lambda compiler: compiler.compile_grammar(grammar), {"grammar": grammar}, text)
 
 
 def test_compact_json_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir) -> None:
     """disable_any_whitespace: at each state of an output, the tokens allowed are those
     xgrammar allows for the schema compiled with any_whitespace=False (special tokens aside)."""
-    import xgrammar as xgr
     from transformers import AutoTokenizer
 
     schema = {"type": "object", "required": ["name", "tags"], "additionalProperties": False, "properties": {
         "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "integer"}},
         "extra": {"type": "object"}}}
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    vocabulary = token_bytes(tokenizer)
-    masks = TokenMasks(vocabulary, stop_ids={tokenizer.eos_token_id})
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(vocabulary))
-    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False))
-    bitmask = xgr.allocate_token_bitmask(1, len(vocabulary))
-    special = {i for i, data in enumerate(vocabulary) if data is None} - {tokenizer.eos_token_id}
-    grammar = make_grammar({"json_schema": schema, "disable_any_whitespace": True})
-    guided = GuidedState(grammar, grammar.initial())
-    output = tokenizer.encode('{"name": "Ann, \\"A\\"", "tags": [1, 22, 333], "extra": {"k": [true, null]}}',
-                              add_special_tokens=False)
-    for steps in range(len(output) + 1):
-        masks.advance(guided, output[:steps])
-        matcher.fill_next_token_bitmask(bitmask)
-        words = bitmask[0].tolist()
-        theirs = {i for i in range(len(vocabulary)) if (words[i // 32] >> (i % 32)) & 1} - special
-        allowed = {i for i, ok in enumerate(masks.allowed(guided)) if ok}
-        assert allowed == theirs, (tokenizer.decode(output[:steps]), [tokenizer.decode([i]) for i in allowed ^ theirs][:10])
-        if steps < len(output):
-            assert matcher.accept_token(output[steps])
-    assert matcher.is_completed() and grammar.is_complete(guided.state)
+    check_masks_against_xgrammar(
+        tokenizer, lambda compiler: compiler.compile_json_schema(json.dumps(schema), any_whitespace=False),
+        {"json_schema": schema, "disable_any_whitespace": True},
+        '{"name": "Ann, \\"A\\"", "tags": [1, 22, 333], "extra": {"k": [true, null]}}')
