@@ -7,9 +7,11 @@ GBNF; a grammar without `::=` is Lark's, as vLLM tells them apart, read by `prod
 the same rules): rules `name ::= expression`, each starting its line, entered at `root`; string
 literals `"..."` with escapes (`\\n \\t \\xHH \\uXXXX ...`), character classes `[a-z]`,
 `[^"\\\\]`, `[^]` (over Unicode code points), rule references, groups `( ... )`,
-alternatives `|`, and the repetitions `? * + {m} {m,} {m,n}`; `#` comments. Rule options
-(`name[temperature=...]`) and macros (`TagDispatch(...)`, `Token(...)`) are refused by name,
-as is left recursion (a rule that can begin with itself: write the repetition with `*`).
+alternatives `|`, and the repetitions `? * + {m} {m,} {m,n}`; `#` comments. A rule that
+begins with itself (`expr ::= expr "+" term | term`) is read as the repetition it means
+(`term ("+" term)*`). Rule options (`name[temperature=...]`) and macros (`TagDispatch(...)`,
+`Token(...)`) are refused by name, as is left recursion through other rules or an empty
+prefix (write the repetition with `*`).
 
 The grammar runs as a pushdown automaton over UTF-8 bytes whose state is the set of every
 stack a parse can be in (a generalized LR-style search: an ambiguous grammar keeps each
@@ -265,6 +267,27 @@ class _Compiler:
         for name, (expr, _) in parsed.items():
             self.current = name  # what a group inside it is named after
             self.rules[self.ids[name]] = self._alternatives(expr)
+        for rule in range(len(parsed)):
+            self._unloop(rule)
+
+    def _unloop(self, rule: int) -> None:
+        """Direct left recursion, `A ::= A x | A y | b | c`, as the same language without it:
+        `A ::= (b | c) (x | y)*` (a parse stack would otherwise grow without reading)."""
+        alternatives = self.rules[rule]
+        tails = [alt[1:] for alt in alternatives if alt and alt[0] == (RULE, rule)]
+        if not tails:
+            return
+        starts = [alt for alt in alternatives if not alt or alt[0] != (RULE, rule)]
+        if not starts:
+            raise EbnfError(f"grammar rule {self.names[rule]!r} only ever begins with itself: it matches nothing")
+        self.current = self.names[rule]
+        first, rest = self._new_rule(starts), self._new_rule(tails)
+        self.rules[rule] = [((RULE, first), (REPEAT, rest, 0, None))]
+
+    def _new_rule(self, alternatives: list[tuple[tuple, ...]]) -> int:
+        self.rules.append(alternatives)
+        self.names.append(self.current)
+        return len(self.rules) - 1
 
     def _alternatives(self, expr) -> list[tuple[tuple, ...]]:
         branches = expr[1] if expr[0] == "alt" else [expr]
@@ -303,9 +326,7 @@ class _Compiler:
         return [(REPEAT, target, low, high)]
 
     def _anonymous(self, expr) -> int:
-        self.rules.append([])
-        self.names.append(self.current)
-        rule = len(self.rules) - 1
+        rule = self._new_rule([])
         self.rules[rule] = self._alternatives(expr)
         return rule
 

@@ -53,6 +53,13 @@ identifier ::= [a-zA-Z_] [a-zA-Z0-9_]*
 root ::= [\u4e00-\u9fff]+ [^a-z\u00e9]{1,3} ("😀" | "\U0001F600\x41" | "é")? tail
 tail ::= [^] [^\n]*  # any first character, a newline too
 """,
+    "left recursive": r"""
+# rules that begin with themselves, read as the repetitions they mean (xgrammar takes them so)
+root ::= expr
+expr ::= expr "+" term | expr "-" term | term
+term ::= term "*" num | num | "(" expr ")"
+num ::= [0-9] | num [0-9]
+""",
     "ambiguous": r"""
 # alternatives that match alike, empty ones, and a group that may be empty
 root ::= (a | b)* "!" ( ) opt-tail.x
@@ -164,7 +171,7 @@ def test_a_repetition_does_not_grow_the_state() -> None:
     ('root ::= a', "line 1, column 10: rule 'a' is not defined"),
     ('foo ::= "x"', "no rule named 'root'"),
     ('root ::= "x"\nroot ::= "y"', "line 2, column 1: rule 'root' is defined twice"),
-    ('root ::= root "a" | "a"', "rule 'root' is left-recursive"),
+    ('root ::= root "a"', "rule 'root' only ever begins with itself"),
     ('root ::= x\nx ::= y? root\ny ::= "a"', "rule 'root' is left-recursive"),
     ('root ::= ("b"? root)* "a"', "rule 'root' is left-recursive"),
     ('root[temperature=0.7] ::= "a"', "rule options such as [temperature=...] are not supported"),
