@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import pytest
+from test_structured_output import grammar_takes, xgrammar_takes
 
 from producer.json_values import integer_range_regex
 from producer.sampling_params import SamplingParams
@@ -512,26 +513,6 @@ def _whitespace_mutations(text: str, rng: random.Random) -> list[str]:
     return out
 
 
-def _xgrammar_takes(compiled, text: str) -> tuple[int, bool]:
-    import xgrammar as xgr
-
-    matcher = xgr.GrammarMatcher(compiled)
-    for i, byte in enumerate(text.encode()):
-        if not matcher.accept_string(bytes([byte])):
-            return i, matcher.is_completed()
-    return len(text.encode()), matcher.is_completed()
-
-
-def _ours_takes(grammar, text: str) -> tuple[int, bool]:
-    state = grammar.initial()
-    for i, char in enumerate(as_read(text)):
-        nxt = grammar.advance(state, char)
-        if nxt is None:
-            return i, grammar.is_complete(state)
-        state = nxt
-    return len(text.encode()), grammar.is_complete(state)
-
-
 @pytest.mark.parametrize("which", ["json_object", "json_schema"])
 def test_compact_json_spaces_as_xgrammar_without_any_whitespace(which: str) -> None:
     """vLLM's disable_any_whitespace: one space after each `,` and `:`, none elsewhere, byte
@@ -554,10 +535,10 @@ def test_compact_json_spaces_as_xgrammar_without_any_whitespace(which: str) -> N
             value["y"] = value.get("y", 3)
         compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
         text = json.dumps(value, ensure_ascii=False)
-        assert _ours_takes(grammar, text) == (len(text.encode()), True), text
+        assert grammar_takes(grammar, text) == (len(text.encode()), True), text
         for variant in [json.dumps(value, separators=(",", ":")), json.dumps(value, indent=2),
                         *_whitespace_mutations(text, rng)]:
-            assert _ours_takes(grammar, variant) == _xgrammar_takes(compiled, variant), variant
+            assert grammar_takes(grammar, variant) == xgrammar_takes(compiled, variant), variant
             checked += 1
     assert checked == 40 * 8
 

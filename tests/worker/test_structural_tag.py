@@ -10,12 +10,12 @@ import random
 
 import pytest
 import xgrammar as xgr
-from test_structured_output import check_masks_against_xgrammar
+from test_structured_output import check_masks_against_xgrammar, grammar_takes, xgrammar_takes
 
 from producer.structural_tag import read_structural_tag
 from worker.json_grammar import MAX_WHITESPACE_RUN
 from worker.structural_tag import StructuralTagGrammar
-from worker.token_bytes import byte_text, special_texts, token_bytes
+from worker.token_bytes import special_texts, token_bytes
 
 WEATHER = {"type": "object", "required": ["city"], "properties": {
     "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
@@ -61,24 +61,6 @@ def mutated(value: str, rng: random.Random) -> str:
     return "".join(chars)
 
 
-def ours(grammar: StructuralTagGrammar, value: str) -> tuple[int, bool]:
-    state = grammar.initial()
-    for i, char in enumerate(byte_text(value.encode())):
-        nxt = grammar.advance(state, char)
-        if nxt is None:
-            return i, grammar.is_complete(state)
-        state = nxt
-    return len(value.encode()), grammar.is_complete(state)
-
-
-def theirs(compiled, value: str) -> tuple[int, bool]:
-    matcher = xgr.GrammarMatcher(compiled)
-    for i, byte in enumerate(value.encode()):
-        if not matcher.accept_string(bytes([byte])):
-            return i, matcher.is_completed()
-    return len(value.encode()), matcher.is_completed()
-
-
 def test_texts_are_taken_and_refused_as_xgrammar_does() -> None:
     grammar, compiled = StructuralTagGrammar(SPEC), xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(xgrammar_tag(SPEC))
     rng = random.Random(3)
@@ -86,8 +68,8 @@ def test_texts_are_taken_and_refused_as_xgrammar_does() -> None:
     texts += [mutated(t, rng) for t in texts for _ in range(4)]
     refused = 0
     for value in texts:
-        verdict = ours(grammar, value)
-        assert verdict == theirs(compiled, value), value
+        verdict = grammar_takes(grammar, value)
+        assert verdict == xgrammar_takes(compiled, value), value
         refused += verdict[0] < len(value.encode())
     assert 60 <= refused < len(texts) - 60  # the changes broke many calls, not all
 

@@ -8,7 +8,7 @@ import pytest
 
 from worker.json_grammar import JSON_OBJECT
 from worker.structured_output import ChoiceGrammar, GuidedState, TokenMasks, make_grammar
-from worker.token_bytes import special_texts, token_bytes
+from worker.token_bytes import byte_text, special_texts, token_bytes
 
 
 def vocabulary(texts: list[str], special: set[int]) -> list[bytes | None]:
@@ -163,6 +163,29 @@ root ::= "{" ws "\"items\"" ws ":" ws "[" ws (item (ws "," ws item)*)? ws "]" ws
 item ::= "\"" [^"\\\n]* "\"" | [0-9]+ ("." [0-9]+)? | "é" | "[" ws (item (ws "," ws item)*)? ws "]"
 ws ::= [ \n\t]*
 """
+
+
+def grammar_takes(grammar, text: str) -> tuple[int, bool]:
+    """How many of the text's UTF-8 bytes a grammar takes before refusing one, and whether
+    the output may end there."""
+    state = grammar.initial()
+    for i, char in enumerate(byte_text(text.encode())):
+        nxt = grammar.advance(state, char)
+        if nxt is None:
+            return i, grammar.is_complete(state)
+        state = nxt
+    return len(text.encode()), grammar.is_complete(state)
+
+
+def xgrammar_takes(compiled, text: str) -> tuple[int, bool]:
+    """The same for an xgrammar compiled grammar, fed a byte at a time."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    for i, byte in enumerate(text.encode()):
+        if not matcher.accept_string(bytes([byte])):
+            return i, matcher.is_completed()
+    return len(text.encode()), matcher.is_completed()
 
 
 def check_masks_against_xgrammar(tokenizer, compile_for_xgrammar, guided_decoding: dict, text: str,
