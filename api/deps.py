@@ -69,17 +69,22 @@ def key_id(key: str) -> str:
 
 
 async def require_api_key(
-    settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+    settings: SettingsDep,
+    authorization: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Header()] = None,
 ) -> None:
-    """401 unless `Authorization: Bearer <key>` names a configured key (none configured: open).
-    Async so the tenant it sets is the endpoint's (a sync dependency runs in a thread)."""
+    """401 unless `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>`
+    (Anthropic's) names a configured key (none configured: open). Async so the tenant it sets
+    is the endpoint's (a sync dependency runs in a thread)."""
     if not settings.api_keys:
         return
     scheme, _, key = (authorization or "").partition(" ")
+    if authorization is None and x_api_key is not None:
+        scheme, key = "bearer", x_api_key
     matched = [k for k in settings.api_keys if secrets.compare_digest(key.strip().encode(), k.encode())]
     if scheme.lower() != "bearer" or not matched:
         raise APIError(
-            401, "Incorrect API key provided: send `Authorization: Bearer <key>`.",
+            401, "Incorrect API key provided: send `Authorization: Bearer <key>` or `x-api-key: <key>`.",
             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
         )
     TENANT.set(key_id(matched[0]))

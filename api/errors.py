@@ -1,4 +1,5 @@
-"""Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`; under
+Anthropic's routes (/v1/messages) in Anthropic's: `{"type": "error", "error": {"type", "message"}}`.
 
 Routes raise `APIError`; the handlers below also turn FastAPI's validation errors (422) into
 400s naming the field, and Starlette's HTTP errors (404, 405) into the same shape.
@@ -6,7 +7,7 @@ Routes raise `APIError`; the handlers below also turn FastAPI's validation error
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -46,6 +47,15 @@ def error_body(
     message: str, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def renamed(exc: APIError, names: dict[str, str]) -> APIError:
+    """A 400 from the chat machinery, naming the field as a request of another API (Responses,
+    Messages) that ran as chat names it: `names` maps chat's top-level fields to its."""
+    if exc.param is not None:
+        head, _, rest = exc.param.partition(".")
+        exc.param = names.get(head, head) + (f".{rest}" if rest else "")
+    return exc
 
 
 def not_found(what: str, code: str) -> APIError:
@@ -91,9 +101,27 @@ def _validation_message(error: dict[str, Any], param: str | None) -> str:
     return f"Invalid value for {where}: {error.get('msg')}"
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+# Anthropic's error types by status (others: api_error)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error",
+}
+
+
+def _respond(request: Request, body: dict[str, Any], status: int, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """An error response in OpenAI's shape, or Anthropic's under its routes (the field named
+    ahead of the message, as Anthropic names it)."""
+    if request.url.path.startswith(ANTHROPIC_PATHS):
+        error = body["error"]
+        message = f"{error['param']}: {error['message']}" if error.get("param") else error["message"]
+        body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+    return _respond(request, exc.body(), exc.status_code, exc.headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -103,26 +131,22 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     param = validation_param(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         param = None
-    body = error_body(_validation_message(first, param), param=param, code="invalid_value")
-    return JSONResponse(body, status_code=400)
+    return _respond(request, error_body(_validation_message(first, param), param=param, code="invalid_value"), 400)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     kind = "server_error" if exc.status_code >= 500 else INVALID_REQUEST
-    body = error_body(str(exc.detail), kind)
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    return _respond(request, error_body(str(exc.detail), kind), exc.status_code, exc.headers)
 
 
 async def _redis_error(request: Request, exc: Exception) -> JSONResponse:
-    body = error_body(f"Redis unreachable: {exc}", "server_error", code="redis_unavailable")
-    return JSONResponse(body, status_code=503)
+    return _respond(request, error_body(f"Redis unreachable: {exc}", "server_error", code="redis_unavailable"), 503)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     """Anything unexpected: still OpenAI's shape (Starlette logs the traceback)."""
-    body = error_body(f"{type(exc).__name__}: {exc}", "server_error", code="internal_error")
-    return JSONResponse(body, status_code=500)
+    return _respond(request, error_body(f"{type(exc).__name__}: {exc}", "server_error", code="internal_error"), 500)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from api import stored_responses
 from api.deps import AppState
-from api.errors import APIError, invalid_param
+from api.errors import invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
 from api.render import ChatRenderer, RelayedRequest
 from api.responses import ChatCompletionResponse
@@ -127,14 +127,6 @@ CHAT_ONLY = {
 }
 # chat fields a 400 may name, as a Responses request names them
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
-
-
-def renamed(exc: APIError) -> APIError:
-    """A 400 from the chat machinery, naming the Responses field."""
-    if exc.param is not None:
-        head, _, rest = exc.param.partition(".")
-        exc.param = PARAMS.get(head, head) + (f".{rest}" if rest else "")
-    return exc
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:

@@ -7,10 +7,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from api import beam_search, generate
-from api.deps import StateDep
+from api.deps import AppState, StateDep
 from api.errors import invalid_param
 from api.images import image_part, inline_image_urls, url_of
-from api.render import ChatRenderer
+from api.render import ChatRenderer, RelayedRequest, Renderer
 from api.responses import ChatCompletionResponse
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart, PromptInput
 from api.settings import Settings
@@ -23,16 +23,23 @@ router = APIRouter(tags=["openai"])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: StateDep):
     """Messages in, one assistant message per choice out; `stream: true` answers with SSE."""
     renderer = ChatRenderer()
-    check_tool_parser(body, state.settings)
-    if body.use_beam_search and any(m.has_images() for m in body.messages):
-        raise invalid_param("use_beam_search", "beam search over messages with images is not supported")
-    await inline_image_urls(body.messages, state.settings)
     if body.use_beam_search:
+        check_tool_parser(body, state.settings)
+        if any(m.has_images() for m in body.messages):
+            raise invalid_param("use_beam_search", "beam search over messages with images is not supported")
         return await unless_disconnected(request, beam_search.respond(state, body, [chat_prompt(body)], renderer))
-    req = await generate.start(state, body, [chat_prompt(body)], renderer)
+    req = await start(state, body, renderer)
     if body.stream:
         return EventStreamResponse(generate.stream(state, req, renderer))
     return await unless_disconnected(request, generate.collect(state, req, renderer))
+
+
+async def start(state: AppState, chat: ChatCompletionRequest, renderer: Renderer) -> RelayedRequest:
+    """Submit a chat request's job, its image URLs fetched first; raises APIError. Also for
+    requests of the APIs that run as chat (Responses, Messages)."""
+    check_tool_parser(chat, state.settings)
+    await inline_image_urls(chat.messages, state.settings)
+    return await generate.start(state, chat, [chat_prompt(chat)], renderer)
 
 
 def check_tool_parser(body: ChatCompletionRequest, settings: Settings) -> None:

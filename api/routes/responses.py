@@ -7,10 +7,9 @@ from fastapi.responses import JSONResponse
 
 from api import background_responses, generate, responses_api, stored_responses
 from api.deps import StateDep
-from api.errors import APIError, invalid_param
-from api.images import inline_image_urls
+from api.errors import APIError, invalid_param, renamed
 from api.responses_api import ResponseRenderer, ResponsesRequest
-from api.routes.chat import chat_prompt, check_tool_parser
+from api.routes.chat import start
 from api.sse import EventStreamResponse, unless_disconnected
 
 router = APIRouter(tags=["openai"])
@@ -26,11 +25,9 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         raise invalid_param("store", "background responses are stored: store must be true")
     try:
         chat = responses_api.to_chat(body, history)
-        check_tool_parser(chat, state.settings)
-        await inline_image_urls(chat.messages, state.settings)
-        req = await generate.start(state, chat, [chat_prompt(chat)], renderer)
+        req = await start(state, chat, renderer)
     except APIError as exc:
-        raise responses_api.renamed(exc) from None
+        raise renamed(exc, responses_api.PARAMS) from None
     if body.background:
         record = await background_responses.start(state, body, chat, req)
         if body.stream:  # the job runs on if the client goes; GET ...?stream=true resumes

@@ -75,24 +75,30 @@ async def detokenize(body: DetokenizeRequest, state: StateDep) -> dict[str, Any]
 
 
 def _chat_ids(tokenizer: Any, body: TokenizeRequest) -> list[int]:
-    """The ids a chat job with these messages would run on: the chat endpoint's own prompt
-    (messages, tools, template variables) made into a job, which checks it as any job is
-    checked, and rendered as the worker renders it."""
+    """The ids a chat job with these messages would run on (`chat_ids`)."""
     fields = {"messages": body.messages, "tools": body.tools, "chat_template_kwargs": body.chat_template_kwargs,
               "add_generation_prompt": body.add_generation_prompt,
               "continue_final_message": body.continue_final_message}
     try:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-        job = build_job(chat_prompt(chat))
     except ValidationError as exc:
         first = exc.errors()[0]
         raise invalid_param(".".join(str(p) for p in first["loc"]), first["msg"]) from None
-    except ValueError as exc:  # what a chat job refuses (reserved template variables, ...)
-        raise APIError(400, str(exc), param=param_from_value_error(exc, {}), code="invalid_value") from None
-    try:
-        ids = job_prompt_ids(tokenizer, job)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
+    ids = chat_ids(tokenizer, chat)
     if body.add_special_tokens:
         ids = tokenizer.build_inputs_with_special_tokens(ids)
     return ids
+
+
+def chat_ids(tokenizer: Any, chat: ChatCompletionRequest) -> list[int]:
+    """The ids a chat request's job would run on: the chat endpoint's own prompt (messages,
+    tools, template variables) made into a job, which checks it as any job is checked, and
+    rendered as the worker renders it."""
+    try:
+        job = build_job(chat_prompt(chat))
+    except ValueError as exc:  # what a chat job refuses (reserved template variables, ...)
+        raise APIError(400, str(exc), param=param_from_value_error(exc, {}), code="invalid_value") from None
+    try:
+        return job_prompt_ids(tokenizer, job)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None

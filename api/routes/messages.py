@@ -1,0 +1,50 @@
+"""`POST /v1/messages`: Anthropic's Messages API, run as a chat completion (api.messages_api);
+`POST /v1/messages/count_tokens`: a request's input tokens, as the worker would read them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from api import generate, messages_api
+from api.deps import StateDep
+from api.errors import APIError, invalid_param, renamed
+from api.generate import resolve_model
+from api.messages_api import CountTokensRequest, MessageRenderer, MessagesRequest
+from api.routes.chat import start
+from api.routes.tokenize import chat_ids
+from api.sse import EventStreamResponse, unless_disconnected
+from api.tokenizers import base_model
+
+router = APIRouter(tags=["anthropic"])
+
+
+@router.post("/messages")
+async def create_message(body: MessagesRequest, request: Request, state: StateDep):
+    """Messages in, one assistant message out; `stream: true` answers with the Messages events."""
+    renderer = MessageRenderer()
+    try:
+        req = await start(state, messages_api.to_chat(body), renderer)
+    except APIError as exc:
+        raise renamed(exc, messages_api.PARAMS) from None
+    if body.stream:
+        return EventStreamResponse(messages_api.stream(state, body, req))
+    finished = await unless_disconnected(request, generate.collect(state, req, renderer))
+    return JSONResponse(messages_api.message_object(body, finished))
+
+
+@router.post("/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, state: StateDep) -> dict[str, Any]:
+    """The prompt's tokens: the chat template applied to the system prompt, messages and tools."""
+    try:
+        chat = messages_api.to_chat(body)
+    except APIError as exc:
+        raise renamed(exc, messages_api.PARAMS) from None
+    if any(m.has_images() for m in chat.messages):
+        raise invalid_param("messages", "messages with images cannot be counted here: the worker widens "
+                            "each image into as many tokens as its size makes")
+    model, _ = await base_model(state.cluster, await resolve_model(state, body.model))
+    tokenizer = await state.tokenizers.get(state.client, model)
+    return {"input_tokens": len(chat_ids(tokenizer, chat))}
