@@ -87,14 +87,16 @@ CHAT_ONLY = {
     "messages", "max_tokens", "max_completion_tokens", "stop", "tools", "tool_choice", "parallel_tool_calls",
     "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "prompt_logprobs", "response_format",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "background", "include_reasoning",
-    "reasoning_effort",
+    "reasoning_effort", "thinking_token_budget",
 }
 # chat fields a 400 may name, as a Messages request names them
 PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
-def to_chat(request: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request that does what `request` asks; APIError naming the field otherwise."""
+def to_chat(request: MessagesRequest | CountTokensRequest, think_tags: bool = False) -> ChatCompletionRequest:
+    """The chat request that does what `request` asks; APIError naming the field otherwise.
+    `think_tags`: the deployment reads thinking between <think> tags (a reasoning parser), so
+    the workers can hold it to thinking.budget_tokens."""
     extra = request.model_extra or {}
     for field, what in REFUSED.items():
         if field in extra:
@@ -118,7 +120,7 @@ def to_chat(request: MessagesRequest | CountTokensRequest) -> ChatCompletionRequ
         body["tools"] = [_chat_tool(tool, f"tools.{i}") for i, tool in enumerate(request.tools)]
     body.update(_tool_choice(request.tool_choice))
     if request.thinking is not None:
-        body.update(_thinking(request.thinking))
+        body.update(_thinking(request.thinking, think_tags and isinstance(request, MessagesRequest)))
     body.update(_output_config(request))
     try:
         return ChatCompletionRequest.model_validate(body)
@@ -224,14 +226,21 @@ def _tool_choice(choice: dict[str, Any] | None) -> dict[str, Any]:
     return {"tool_choice": forms[kind], "parallel_tool_calls": not choice.get("disable_parallel_tool_use", False)}
 
 
-def _thinking(thinking: dict[str, Any]) -> dict[str, Any]:
+def _thinking(thinking: dict[str, Any], budgeted: bool) -> dict[str, Any]:
     """Chat's fields for Anthropic's thinking: the chat template's switch, under the names
     templates read it by (Qwen3's enable_thinking, DeepSeek-V3.1's thinking), or the model's
-    own default ("adaptive"); thinking the client asked not to see left out of the reply."""
+    own default ("adaptive"); thinking the client asked not to see left out of the reply;
+    `budgeted`: budget_tokens as the thinking_token_budget the workers hold it to."""
     kind = thinking.get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
         raise invalid_param("thinking.type", f"thinking type must be enabled, disabled or adaptive, got {kind!r}")
     fields: dict[str, Any] = {"include_reasoning": thinking.get("display") != "omitted"}
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise invalid_param("thinking.budget_tokens", f"budget_tokens must be an integer >= 0, got {budget!r}")
+        if budgeted:
+            fields["thinking_token_budget"] = budget
     if kind != "adaptive":
         fields["chat_template_kwargs"] = {"enable_thinking": kind == "enabled", "thinking": kind == "enabled"}
     return fields

@@ -55,6 +55,8 @@ class _GenerationRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     bad_words: list[str] | None = None  # words the output may not contain
+    # vLLM's: a reasoning model thinks at most this many tokens, then its thinking is ended for it
+    thinking_token_budget: int | None = None
     use_beam_search: bool = False  # vLLM's: the n best of an n-wide beam search (api.beam_search)
     length_penalty: float = 1.0  # beam search ranks by logprob / length ** length_penalty
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many alternatives
@@ -104,7 +106,7 @@ class _GenerationRequest(BaseModel):
             "logit_bias": self.logit_bias or None, "allowed_token_ids": self.allowed_token_ids,
             **self._guided_params(),
             "truncate_prompt_tokens": self.truncate_prompt_tokens, "bad_words": self.bad_words,
-            "extra_args": self.vllm_xargs,
+            "extra_args": self.vllm_xargs, "thinking_token_budget": self.thinking_token_budget,
             **{k: v for k, v in optional.items() if v is not None},
         }
 

@@ -126,6 +126,9 @@ class SamplingParams:
     # edited). A worker that guesses with n-grams (speculative_config method "ngram") guesses
     # from it too; the output is the same with it or without it, only sooner
     prediction: str | None = None
+    # vLLM's: a reasoning model writes at most this many tokens of thinking, then the end of
+    # its thinking (`</think>`) is forced and it answers (worker.thinking_budget); None: no limit
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -162,6 +165,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"

@@ -84,6 +84,12 @@ def build(parser: argparse.ArgumentParser) -> Any:
         '"factor": 4.0, "original_max_position_embeddings": 32768}}\' (default: $GENQ_HF_OVERRIDES or none)',
     )
     parser.add_argument(
+        "--reasoning-config", metavar="JSON",
+        help='the markers of a reasoning model\'s thinking, which requests\' thinking_token_budget counts '
+        'between, e.g. \'{"think_start_str": "<think>", "think_end_str": "</think>"}\' '
+        "(default: $GENQ_REASONING_CONFIG or <think> and </think> where they are tokens)",
+    )
+    parser.add_argument(
         "--mm-processor-kwargs", metavar="JSON",
         help='overrides of the image processor\'s settings, e.g. \'{"max_pixels": 1003520}\' to bound '
         "the tokens a Qwen-VL image takes (default: $GENQ_MM_PROCESSOR_KWARGS or the checkpoint's)",
@@ -166,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args["disable_hybrid_kv_cache_manager"] = True
     if args.enable_lora:
         engine_args["enable_lora"] = True
-    for name in ("speculative_config", "hf_overrides", "mm_processor_kwargs"):  # JSON objects
+    for name in ("speculative_config", "hf_overrides", "mm_processor_kwargs", "reasoning_config"):  # JSON objects
         if text := getattr(args, name):
             try:
                 engine_args[name] = parse_json_object(text)

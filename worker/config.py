@@ -105,6 +105,10 @@ class EngineConfig:
     # vLLM's: logits processor classes (or "module:Class" names) loaded once; each request may
     # take a function of its own from them (worker.logits_processors)
     logits_processors: Sequence[str | type] = ()
+    # vLLM's: the markers of a reasoning model's thinking, {"think_start_str": "<think>",
+    # "think_end_str": "</think>"}, which requests' thinking_token_budget counts between
+    # (worker.thinking_budget); None: <think> and </think> where the tokenizer has them as tokens
+    reasoning_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -58,6 +58,7 @@ from worker.spec_decode import (
     can_speculate,
 )
 from worker.structured_output import GuidedDecoding
+from worker.thinking_budget import ThinkingBudgets, ThinkingMarkers
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class Engine:
                                logprobs_mode=config.logprobs_mode)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids)
+        self.thinking = ThinkingBudgets(ThinkingMarkers.from_config(config.reasoning_config, self.tokenizer))
         self.generators: dict[str, torch.Generator] = {}
         self.proposer = self._make_proposer(config)
         self.spec_stats = SpecDecodeStats()
@@ -168,6 +170,7 @@ class Engine:
             raise ValueError(f"this model ({self.model_config.architecture}) has no LM head: it serves "
                              "embedding requests only")
         self.check_params(params)
+        self.thinking.check(params.thinking_token_budget)
         functions = self.logits_processors.make(params, params.n)  # (a refusal leaves nothing behind)
         lora_id = self.add_lora(lora_request) if lora_request is not None else 0
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -181,6 +184,7 @@ class Engine:
             child.lora_id, child.cache_salt, child.prediction_token_ids = lora_id, salt, predicted
             child.pooling_params = pooling_params
             child.bad_words_token_ids = bad_words
+            self.thinking.add(child.request_id, params.thinking_token_budget, prompt_ids)
             child.image_spans = images.span_keys() if images is not None else []
             if images is not None and self.image_processor is not None and self.image_processor.both_ways:
                 child.whole_spans = images.embed_ranges()
@@ -527,6 +531,7 @@ class Engine:
             token_masks=self.guided.masks([(rid, out, len(out) - request.num_output_tokens)  # (its guesses)
                                            for rid, out, request in zip(row_ids, row_outputs, requests, strict=True)]),
             banned_token_ids=_bad_word_bans(requests, row_outputs),
+            forced_token_ids=self.thinking.forced(row_ids, [r.num_output_tokens for r in requests], row_outputs),
         )
         sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch, model_logits), drafts)
         for rid, guesses in drafts.items():  # how the guesses fared: counted, and pacing the next
@@ -648,6 +653,7 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.remove(request.request_id)
             self.guided.remove(request.request_id)
+            self.thinking.remove(request.request_id)
             self.logits_processors.remove(request.request_id)
             self.scheduler.finished.pop(request.request_id, None)
 

@@ -58,6 +58,7 @@ class SamplingBatch:
         device: torch.device,
         token_masks: list[bytes | None] | None = None,
         banned_token_ids: list[list[int]] | None = None,
+        forced_token_ids: list[int | None] | None = None,
     ) -> SamplingBatch:
         """Gather the sampling state of `params[i]` (request i = row i) into tensors.
 
@@ -66,7 +67,9 @@ class SamplingBatch:
         has a seed, kept by the engine across steps. Cost is O(num_seqs) plus, only when some
         row uses penalties, O(prompt + output tokens) to count tokens. `token_masks[i]`, when
         not None, allows request i only the tokens whose byte is 1 (guided decoding);
-        `banned_token_ids[i]` are tokens request i may not sample this step (bad words).
+        `banned_token_ids[i]` are tokens request i may not sample this step (bad words);
+        `forced_token_ids[i]`, when not None, is the one token request i may sample (a spent
+        thinking budget's end marker).
         """
         _check_rows(len(params), prompt_token_ids, output_token_ids, generators)
         greedy = [p.temperature < MIN_TEMPERATURE for p in params]
@@ -81,7 +84,7 @@ class SamplingBatch:
             **_filter_tensors(params, greedy, vocab_size, device),
             **_penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, device),
             **_blocks(params, output_token_ids, eos_token_ids, vocab_size, device, banned_token_ids),
-            **_token_list_tensors(params, token_masks, eos_token_ids, vocab_size, device),
+            **_token_list_tensors(params, token_masks, eos_token_ids, vocab_size, device, forced_token_ids),
             row_generators=[
                 (row, g)
                 for row, (g, is_greedy) in enumerate(zip(generators, greedy, strict=True))
@@ -217,16 +220,17 @@ def _blocks(
 
 def _token_list_tensors(
     params: list[SamplingParams], token_masks: list[bytes | None] | None, eos_token_ids: list[int],
-    vocab_size: int, device: torch.device,
+    vocab_size: int, device: torch.device, forced_token_ids: list[int | None] | None = None,
 ) -> dict[str, Tensor | None]:
-    """allowed_token_ids and guided-decoding masks as one mask, logit_bias as (row, token,
-    value) triples; the engine has checked that every id is in the vocabulary."""
+    """allowed_token_ids, guided-decoding masks and forced tokens as one mask, logit_bias as
+    (row, token, value) triples; the engine has checked that every id is in the vocabulary."""
     out: dict[str, Tensor | None] = dict.fromkeys(
         ("disallowed", "eos_token_ids", "bias_rows", "bias_token_ids", "bias_values")
     )
     allowed = [(row, p.allowed_token_ids) for row, p in enumerate(params) if p.allowed_token_ids]
     guided = [(row, m) for row, m in enumerate(token_masks or []) if m is not None]
-    if allowed or guided:
+    forced = [(row, t) for row, t in enumerate(forced_token_ids or []) if t is not None and t < vocab_size]
+    if allowed or guided or forced:
         disallowed = torch.zeros(len(params), vocab_size, dtype=torch.bool)
         for row, allowed_ids in allowed:
             disallowed[row] = True
@@ -236,6 +240,9 @@ def _token_list_tensors(
             n = min(len(mask), vocab_size)
             permitted[:n] = torch.frombuffer(bytearray(mask[:n]), dtype=torch.uint8).bool()
             disallowed[row] |= ~permitted
+        for row, token_id in forced:  # (over any mask: the grammar of a reply that thinks first waits for the end)
+            disallowed[row] = True
+            disallowed[row, token_id] = False
         out["disallowed"] = disallowed.to(device)
         out["eos_token_ids"] = _row_tensor([t for t in eos_token_ids if t < vocab_size], torch.int64, device)
     biased = [(row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]

@@ -20,13 +20,16 @@ from api.tokenizers import base_model
 
 router = APIRouter(tags=["anthropic"])
 
+THINK_TAG_PARSERS = ("deepseek_r1", "qwen3")  # reasoning parsers whose thinking ends at </think>
+
 
 @router.post("/messages")
 async def create_message(body: MessagesRequest, request: Request, state: StateDep):
     """Messages in, one assistant message out; `stream: true` answers with the Messages events."""
     renderer = MessageRenderer()
     try:
-        req = await start(state, messages_api.to_chat(body), renderer)
+        think_tags = state.settings.reasoning_parser in THINK_TAG_PARSERS
+        req = await start(state, messages_api.to_chat(body, think_tags), renderer)
     except APIError as exc:
         raise renamed(exc, messages_api.PARAMS) from None
     if body.stream:

@@ -7,6 +7,7 @@ every test and would wipe the worker's consumer group and heartbeat under it).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,8 @@ WORKER_NAME = "api-test"
 SERVED_MODEL = "tiny-llama"
 WORKER_READY_TIMEOUT_S = 120.0  # model load (torch import) on a slow CI machine
 POLL_TIMEOUT_S = 20.0
+# the live worker's thinking markers: the tiny model's chat template ends its prompts with the start
+THINKING = {"think_start_str": "<|im_start|>assistant\n", "think_end_str": "</think>"}
 
 
 def wait_for(
@@ -144,10 +147,20 @@ def live_worker(shared_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factor
     """A real worker serving SERVED_MODEL; yields the Redis URL. Waits for its heartbeat.
     One for the session: the modules that use it leave it serving. A module that needs
     another worker overrides this fixture with its own, on its own Redis (`stack_redis`). It
-    loads genq's NoRepeatNGram logits processor (requests without its setting are untouched)."""
+    loads genq's NoRepeatNGram logits processor (requests without its setting are untouched),
+    and reads a reply's thinking as opened by the chat template's generation prompt, as
+    DeepSeek-R1's template opens it (THINKING: requests without a thinking_token_budget are
+    untouched)."""
     with running_worker(shared_redis.url, tiny_llama_dir, tmp_path_factory.mktemp("worker"),
-                        ("--logits-processors", "worker.logits_processors:NoRepeatNGram")) as url:
+                        ("--logits-processors", "worker.logits_processors:NoRepeatNGram",
+                         "--reasoning-config", json.dumps(THINKING))) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def live_thinking() -> dict[str, str]:
+    """The live worker's reasoning_config: where its replies' thinking starts and ends."""
+    return THINKING
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
 
 from api.messages_api import MessageEvents, MessagesRequest, to_chat
+from api.reasoning import split
 from api.render import RelayedRequest
 from api.settings import Settings
 from producer.sampling_params import SamplingParams
@@ -177,6 +178,28 @@ def test_thinking_is_a_thinking_block(served_model: str, live_worker: str, serve
         # thinking the client does not want shown is left out
         omitted = client.messages.create(**request, thinking={"type": "adaptive", "display": "omitted"})
         assert omitted.content == [] and omitted.usage.output_tokens == 10
+        client.close()
+
+
+def test_thinking_budget_tokens_end_the_thinking(
+    served_model: str, live_worker: str, live_thinking: dict, serve_api, tiny_llama_dir: Path
+) -> None:
+    """Where the deployment reads <think> tags, budget_tokens is the workers' thinking budget:
+    past it </think> is forced and the reply answers. The oracle: the offline engine with the
+    live worker's markers and that budget, its text split as deepseek_r1 splits it."""
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, reasoning_config=live_thinking)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, thinking_token_budget=3)
+    reasoning, answer = split(offline.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text, "deepseek_r1")
+    assert reasoning and answer
+    request = {"model": served_model, "messages": MESSAGES, "max_tokens": 12, "extra_body": {"temperature": 0.0, "ignore_eos": True},
+               "thinking": {"type": "enabled", "budget_tokens": 3}}
+    with serve_api(Settings(redis_url=live_worker, reasoning_parser="deepseek_r1")) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        message = client.messages.create(**request)
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content] == [
+            ("thinking", reasoning), ("text", answer)]
+        with client.messages.stream(**request) as stream:
+            assert [b.type for b in stream.get_final_message().content] == ["thinking", "text"]
         client.close()
 
 

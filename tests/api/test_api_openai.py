@@ -217,6 +217,24 @@ def test_bad_words_keep_a_word_out(served_model: str, oai: openai.OpenAI) -> Non
     assert word in free.split() and word not in banned.split() and banned != free
 
 
+def test_a_thinking_token_budget_ends_the_thinking(
+    served_model: str, oai: openai.OpenAI, live_thinking: dict, tiny_llama_dir: Path
+) -> None:
+    """vLLM's thinking_token_budget reaches the worker, whose thinking opens with the reply
+    (live_thinking): three tokens of it, then </think> forced, then the answer, as the offline
+    engine with the same markers writes it; the budget is checked by name."""
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, reasoning_config=live_thinking)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, thinking_token_budget=3)
+    expected = offline.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
+    assert "</think>" in expected.text
+    reply = oai.chat.completions.create(model=served_model, messages=MESSAGES, temperature=0.0, max_tokens=12,
+                                        extra_body={"ignore_eos": True, "thinking_token_budget": 3})
+    assert reply.choices[0].message.content == expected.text
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=served_model, messages=MESSAGES, extra_body={"thinking_token_budget": -1})
+    assert info.value.body["param"] == "thinking_token_budget"
+
+
 def test_completion_streaming_with_usage(served_model: str, oai: openai.OpenAI) -> None:
     expected = oai.completions.create(model=served_model, prompt="Once upon", **GREEDY)
     chunks = list(oai.completions.create(
