@@ -22,7 +22,7 @@ from api.deps import TENANT, AppState
 from api.errors import APIError, error_body, param_from_value_error
 from api.harmony import FINAL_CHANNEL
 from api.logprobs import TokenLogprob, prompt_logprobs
-from api.reasoning import END as THINK_END
+from api.reasoning import TAGS as THINK_TAGS
 from api.render import Choice, RelayedRequest, Renderer, usage_chunk
 from api.responses import Usage
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput
@@ -78,7 +78,7 @@ class Plan:
 # where a guided reply's grammar starts, for parsers whose replies think first: after the
 # thinking's end tag; after gpt-oss's final channel opens (its tags are special tokens, which
 # the worker spells for markers)
-GRAMMAR_AFTER = {"deepseek_r1": THINK_END, "gpt_oss": FINAL_CHANNEL}
+GRAMMAR_AFTER = {**{name: tags.end for name, tags in THINK_TAGS.items() if tags.opened}, "gpt_oss": FINAL_CHANNEL}
 # tool-call formats that open with a special token (Llama 4's pythonic calls: <|python_start|>)
 SPECIAL_TOKEN_FORMATS = ("llama3_json", "mistral", "granite", "pythonic", "deepseek_v3", "deepseek_v31", "kimi_k2")
 
@@ -110,9 +110,10 @@ def plan(
     if reasoning in GRAMMAR_AFTER and params.guided_decoding is not None:
         # the reply thinks first: the grammar holds for the answer, after the thinking's end
         params = replace(params, guided_decoding={**params.guided_decoding, "after": GRAMMAR_AFTER[reasoning]})
-    if reasoning == "gpt_oss" or read_tool_calls in SPECIAL_TOKEN_FORMATS:
-        # harmony's tags, Llama 3's and Mistral's call tokens are special tokens: the readers
-        # need them in the text
+    special_tags = reasoning == "gpt_oss" or (reasoning in THINK_TAGS and THINK_TAGS[reasoning].special)
+    if special_tags or read_tool_calls in SPECIAL_TOKEN_FORMATS:
+        # harmony's tags, Magistral's [THINK], Llama 3's and Mistral's call tokens are special
+        # tokens: the readers need them in the text
         params = replace(params, skip_special_tokens=False)
     ids = job_ids(base, len(prompts))
     check_jobs(body, prompts, ids, params, deadline_s)
@@ -182,12 +183,18 @@ def _reasoning_parser(state: AppState, chat: ChatCompletionRequest | None) -> st
     grammar from its first token, unless the reply thinks first (deepseek_r1, gpt_oss), where
     the grammar starts after the thinking. Under deepseek_r1 a request that turns thinking
     off for the template (Qwen3's and Nemotron 3's `enable_thinking`, DeepSeek-V3.1's
-    `thinking`) is read as qwen3: its reply starts answering."""
-    parser = state.settings.reasoning_parser
+    `thinking`) is read as qwen3: its reply starts answering. Under deepseek_v3 the template
+    thinks only when the request turns it on: such a reply is read as deepseek_r1's, any other
+    has no reasoning."""
+    parser: str | None = state.settings.reasoning_parser
     if chat is None or parser == "none":
         return None
-    if parser == "deepseek_r1" and chat.thinking_off():
+    if parser == "deepseek_v3":
+        parser = "deepseek_r1" if chat.thinking_on() else None
+    elif parser == "deepseek_r1" and chat.thinking_off():
         parser = "qwen3"  # the template closes the thinking in the prompt: the reply answers
+    if parser is None:
+        return None
     if chat.guided_source is not None and parser not in GRAMMAR_AFTER:
         return None
     return parser

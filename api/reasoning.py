@@ -1,17 +1,24 @@
 """A reasoning model's thinking, split from its answer (vLLM's `--reasoning-parser`): the text
-up to `</think>` is `reasoning_content`, the rest is `content`. A leading `<think>` is
-dropped.
+up to the end tag (`</think>`) is `reasoning_content`, the rest is `content`. A leading start
+tag (`<think>`) is dropped.
 
-Two deployments differ only where no `</think>` has come (yet):
+Deployments differ in their tags and in where no end tag has come (yet):
 - "deepseek_r1": the chat template opens the thinking in the prompt, so the reply starts
   inside it, and a reply cut off before `</think>` is all reasoning;
-- "qwen3": the reply thinks only if it begins with `<think>` (Qwen3 with enable_thinking
-  off answers straight away), else it is all content.
+- "qwen3", "glm45" (GLM-4.5 to 4.7): the reply thinks only if it begins with `<think>` (with
+  thinking off the model answers straight away), else it is all content;
+- "seed_oss" (`<seed:think>`), "mistral" (Magistral's `[THINK]`, special tokens), "granite"
+  (Granite 3.2's "Here is my thought process:" and "Here is my response:"): as qwen3, with
+  their tags;
+- "deepseek_v3" (DeepSeek-V3.1 and on): deepseek_r1 when the request turns the template's
+  thinking on (`chat_template_kwargs` `thinking`), else no reasoning (api.generate decides).
 
 gpt-oss ("gpt_oss") writes channels instead of tags: api.harmony reads those.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from api.harmony import HarmonyReader
 from api.text_readers import PairReader, partial_tag, read_piece
@@ -20,12 +27,31 @@ START = "<think>"
 END = "</think>"
 
 
+@dataclass(frozen=True)
+class ThinkTags:
+    start: str
+    end: str
+    opened: bool = False  # the chat template opens the thinking: the reply starts inside it
+    special: bool = False  # the tags are special tokens: the reply must keep them to be read
+
+
+TAGS = {
+    "deepseek_r1": ThinkTags(START, END, opened=True),
+    "qwen3": ThinkTags(START, END),
+    "glm45": ThinkTags(START, END),
+    "seed_oss": ThinkTags("<seed:think>", "</seed:think>"),
+    "mistral": ThinkTags("[THINK]", "[/THINK]", special=True),
+    "granite": ThinkTags("Here is my thought process:", "Here is my response:"),
+}
+
+
 class ReasoningReader:
     """Splits a reply as it streams: `feed` returns (reasoning, content) that are safe to send,
     holding back what may be part of a tag."""
 
     def __init__(self, parser: str) -> None:
-        self._starts_thinking = parser == "deepseek_r1"
+        tags = TAGS[parser]
+        self._start, self._end, self._starts_thinking = tags.start, tags.end, tags.opened
         self._held = ""
         self._phase = "start"  # start (a <think> may still come) | thinking | answering
         self._gap = False  # right after </think>: whitespace is not content yet
@@ -35,19 +61,19 @@ class ReasoningReader:
         reasoning = ""
         if self._phase == "start":
             stripped = self._held.lstrip()
-            if START.startswith(stripped) and len(stripped) < len(START):
+            if self._start.startswith(stripped) and len(stripped) < len(self._start):
                 return "", ""  # it may still be <think>
-            if stripped.startswith(START):
-                self._held, self._phase = stripped[len(START):], "thinking"
+            if stripped.startswith(self._start):
+                self._held, self._phase = stripped[len(self._start):], "thinking"
             else:
                 self._phase = "thinking" if self._starts_thinking else "answering"
         if self._phase == "thinking":
-            end = self._held.find(END)
+            end = self._held.find(self._end)
             if end < 0:
-                keep = partial_tag(self._held, END)
+                keep = partial_tag(self._held, self._end)
                 reasoning, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
                 return reasoning, ""
-            reasoning, self._held = self._held[:end], self._held[end + len(END):]
+            reasoning, self._held = self._held[:end], self._held[end + len(self._end):]
             self._phase, self._gap = "answering", True
         if self._gap:  # the blank lines between the thinking and the answer are neither
             self._held = self._held.lstrip()

@@ -322,6 +322,12 @@ class ChatCompletionRequest(_GenerationRequest):
             kwargs["continue_final_message"] = True
         return kwargs
 
+    def thinking_on(self) -> bool:
+        """Whether chat_template_kwargs turn the template's thinking on (DeepSeek-V3.1's
+        `thinking`, or `enable_thinking`), for templates that do not think unless asked."""
+        kwargs = self.chat_template_kwargs or {}
+        return kwargs.get("thinking") is True or kwargs.get("enable_thinking") is True
+
     def thinking_off(self) -> bool:
         """Whether chat_template_kwargs turn the template's thinking off: `enable_thinking`
         (Qwen3, Nemotron 3) or `thinking` (DeepSeek-V3.1) false."""

@@ -48,9 +48,10 @@ class Settings(BaseSettings):
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "granite", "glm45", "qwen3_coder", "pythonic",
                               "deepseek_v3", "deepseek_v31", "kimi_k2", "none"] = "hermes"
     # How chat replies of reasoning models are split into reasoning_content and content
-    # (api.reasoning): "deepseek_r1", "qwen3", "gpt_oss" (harmony channels, api.harmony), or
-    # "none" (not a reasoning model).
-    reasoning_parser: Literal["none", "deepseek_r1", "qwen3", "gpt_oss"] = "none"
+    # (api.reasoning): "deepseek_r1", "qwen3", "glm45", "seed_oss", "mistral", "granite",
+    # "deepseek_v3", "gpt_oss" (harmony channels, api.harmony), or "none" (not a reasoning model).
+    reasoning_parser: Literal["none", "deepseek_r1", "qwen3", "glm45", "seed_oss", "mistral", "granite", "deepseek_v3",
+                              "gpt_oss"] = "none"
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only when this is on (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING): they make workers read paths on their disks.
     allow_runtime_lora_updating: bool = False

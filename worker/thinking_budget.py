@@ -5,7 +5,8 @@ marker's tokens are forced, one a step, and the reply goes on as the answer.
 Thinking starts where the start marker is last seen (in the prompt, when the chat template
 opens the thinking, or in the output) and ends at the end marker after it. The markers are the
 worker's `reasoning_config` (`think_start_str`, `think_end_str`, as vLLM names them), by
-default `<think>` and `</think>` where the tokenizer has them as tokens of their own. Plain
+default the first of the known pairs (`<think>`, Magistral's `[THINK]`, Seed-OSS's
+`<seed:think>`) the tokenizer has as tokens of their own. Plain
 Python: each request's state follows its committed output a token at a time, and a row with
 guesses before it is the state after them (a copy).
 """
@@ -16,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-DEFAULT_MARKERS = ("<think>", "</think>")
+# the thinking tags reasoning models write, each pair a token each in their tokenizers
+KNOWN_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"))
 
 
 @dataclass(frozen=True)
@@ -27,20 +29,21 @@ class ThinkingMarkers:
     @classmethod
     def from_config(cls, reasoning_config: dict[str, Any] | None, tokenizer: Any) -> ThinkingMarkers | None:
         """The markers a reasoning_config names (ValueError for one that is not two non-empty
-        strings), else `<think>` and `</think>` where each is one token; None: none known."""
+        strings), else the first known pair whose tags are a token each; None: none known."""
         if reasoning_config is None:
-            ids = [tokenizer.convert_tokens_to_ids(marker) for marker in DEFAULT_MARKERS]
-            if any(i is None or i == tokenizer.unk_token_id for i in ids):
-                return None
-            return cls((ids[0],), (ids[1],))
+            vocab = tokenizer.get_vocab()
+            for start, end in KNOWN_MARKERS:
+                if start in vocab and end in vocab:
+                    return cls((vocab[start],), (vocab[end],))
+            return None
         unknown = set(reasoning_config) - {"think_start_str", "think_end_str"}
         if unknown:
             raise ValueError(f"reasoning_config takes think_start_str and think_end_str, got {sorted(unknown)}")
         texts = [reasoning_config.get(name) for name in ("think_start_str", "think_end_str")]
         if not all(isinstance(t, str) and t for t in texts):
             raise ValueError("reasoning_config must give think_start_str and think_end_str as non-empty strings")
-        start, end = (tuple(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
-        return cls(start, end)
+        start_ids, end_ids = (tuple(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+        return cls(start_ids, end_ids)
 
 
 @dataclass
@@ -96,7 +99,7 @@ class ThinkingBudgets:
         if budget is not None and self.markers is None:
             raise ValueError(
                 "thinking_token_budget needs the thinking's markers: this model's tokenizer has no <think> and "
-                "</think> tokens, so the worker must be started with --reasoning-config "
+                "</think> tokens (nor [THINK], <seed:think>), so the worker must be started with --reasoning-config "
                 "'{\"think_start_str\": ..., \"think_end_str\": ...}'"
             )
 

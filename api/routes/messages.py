@@ -13,6 +13,7 @@ from api.deps import StateDep
 from api.errors import APIError, invalid_param, renamed
 from api.generate import resolve_model
 from api.messages_api import CountTokensRequest, MessageRenderer, MessagesRequest
+from api.reasoning import TAGS as THINK_TAGS
 from api.routes.chat import start
 from api.routes.tokenize import chat_ids
 from api.sse import EventStreamResponse, unless_disconnected
@@ -20,7 +21,8 @@ from api.tokenizers import base_model
 
 router = APIRouter(tags=["anthropic"])
 
-THINK_TAG_PARSERS = ("deepseek_r1", "qwen3")  # reasoning parsers whose thinking ends at </think>
+# reasoning parsers whose thinking lies between tags, which workers can hold to a budget
+THINK_TAG_PARSERS = (*THINK_TAGS, "deepseek_v3")
 
 
 @router.post("/messages")

@@ -720,6 +720,26 @@ def test_a_reasoning_parser_splits_the_thinking_off(
             client.close()
 
 
+def test_deepseek_v3_replies_think_only_when_asked(
+    served_model: str, live_worker: str, serve_api, tiny_llama_dir: Path
+) -> None:
+    """DeepSeek-V3.1's template thinks only with chat_template_kwargs thinking true: then the
+    tiny model's reply (no </think>) is all reasoning, streamed or not; else all content."""
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    text = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    with serve_api(Settings(redis_url=live_worker, reasoning_parser="deepseek_v3")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        plain = client.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY).choices[0].message
+        assert (plain.reasoning_content, plain.content) == (None, text)
+        on = {**GREEDY, "extra_body": {**GREEDY["extra_body"], "chat_template_kwargs": {"thinking": True}}}
+        thought = client.chat.completions.create(model=served_model, messages=MESSAGES, **on).choices[0].message
+        assert (thought.reasoning_content, thought.content) == (text, "")
+        chunks = list(client.chat.completions.create(model=served_model, messages=MESSAGES, stream=True, **on))
+        assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == text
+        client.close()
+
+
 def _thinking_turned_off(client: openai.OpenAI, served_model: str, text: str) -> None:
     """Under deepseek_r1, a request whose template closes the thinking (enable_thinking, or
     DeepSeek-V3.1's thinking, false) answers: all content, streamed or not, and a guided

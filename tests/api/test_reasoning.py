@@ -7,10 +7,18 @@ import random
 
 import pytest
 
-from api.generate import Collector
+from api.cluster import Cluster
+from api.deps import AppState
+from api.generate import Collector, Plan, plan
+from api.metrics import Metrics
 from api.reasoning import ReasoningReader, split
+from api.relay import Relay
 from api.render import ChatRenderer, RelayedRequest
 from api.responses import Usage
+from api.routes.chat import chat_prompt
+from api.schemas import ChatCompletionRequest
+from api.settings import Settings
+from producer.async_client import AsyncClient
 from producer.protocol import Event
 
 CASES = [
@@ -25,6 +33,13 @@ CASES = [
     ("qwen3", "<thin", None, "<thin"),
     ("qwen3", "<think>cut", "cut", ""),
     ("qwen3", "a </think> b", None, "a </think> b"),  # no opening: not thinking
+    ("glm45", "<think>ok</think>Answer", "ok", "Answer"),
+    ("seed_oss", "<seed:think>sum it</seed:think>\n6", "sum it", "6"),
+    ("seed_oss", "<think>x</think>y", None, "<think>x</think>y"),
+    ("mistral", "[THINK]2 and 2[/THINK]4", "2 and 2", "4"),
+    ("mistral", "[THI", None, "[THI"),
+    ("granite", "Here is my thought process:\nadd them\nHere is my response:\nIt is 4.", "\nadd them\n", "It is 4."),
+    ("granite", "It is 4.", None, "It is 4."),
 ]
 
 
@@ -40,6 +55,28 @@ def test_whole_and_streamed_replies_split_alike(parser: str, reply: str, reasoni
             got_reasoning, got_content, at = got_reasoning + piece_reasoning, got_content + piece_content, at + size
         more_reasoning, more_content = reader.finish()
         assert ((got_reasoning + more_reasoning) or None, got_content + more_content) == (reasoning, content)
+
+
+def planned(parser: str, **fields) -> Plan:
+    """A chat request planned as the route plans it under `parser` (no job is submitted)."""
+    settings = Settings(reasoning_parser=parser)
+    client = AsyncClient(settings.redis_url, settings.prefix)  # connects on first use only: never here
+    state = AppState(settings, client, Relay(client.redis, client.keys), Cluster(client.redis, client.keys), Metrics())
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], **fields})
+    return plan(state, body, [chat_prompt(body)], ChatRenderer(), "x", "m")
+
+
+def test_parsers_plan_their_replies_as_their_models_write_them() -> None:
+    """Magistral's [THINK] tags are special tokens: its replies keep them. DeepSeek-V3.1's
+    template thinks only when asked: then its reply is read as deepseek_r1's, and a grammar
+    holds after </think>; else the reply has no reasoning and the grammar holds from the start."""
+    assert planned("mistral").params.skip_special_tokens is False
+    assert planned("qwen3").params.skip_special_tokens is True
+    assert planned("deepseek_v3").req.reasoning_parser is None
+    thinking = {"chat_template_kwargs": {"thinking": True}, "response_format": {"type": "json_object"}}
+    on = planned("deepseek_v3", **thinking)
+    assert on.req.reasoning_parser == "deepseek_r1" and on.params.guided_decoding["after"] == "</think>"
+    assert "after" not in planned("deepseek_v3", response_format={"type": "json_object"}).params.guided_decoding
 
 
 def test_the_chat_renderer_sends_reasoning_then_content() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
@@ -99,6 +100,16 @@ def test_markers_in_the_output_open_and_close_thinking() -> None:
     assert state.due() is None
     state.feed([1])
     assert state.due() == 9
+
+
+def test_known_tags_are_the_markers_where_they_are_tokens(tiny_llama_dir: Path) -> None:
+    """Without a reasoning_config: the first known pair the tokenizer holds whole (Magistral's
+    here), none where it holds none."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    assert ThinkingMarkers.from_config(None, tokenizer) is None
+    tokenizer.add_tokens(["[THINK]", "[/THINK]", "</think>"], special_tokens=True)
+    start, end = tokenizer.convert_tokens_to_ids(["[THINK]", "[/THINK]"])
+    assert ThinkingMarkers.from_config(None, tokenizer) == ThinkingMarkers((start,), (end,))
 
 
 def test_a_budget_the_worker_cannot_keep_is_refused_by_name(tiny_llama_dir: Path) -> None:
