@@ -7,10 +7,13 @@ stream), one metrics registry and one batch runner (api.batches), created in its
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.batch_runner import BatchRunner
 from api.cluster import Cluster
@@ -25,6 +28,7 @@ from api.routes import (
     embeddings,
     files,
     health,
+    invocations,
     jobs,
     lora,
     messages,
@@ -71,10 +75,38 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router, prefix="/v1", dependencies=guarded)
     app.include_router(tokenize.router, dependencies=guarded)  # vLLM serves these at the root
     app.include_router(scores.router, dependencies=guarded)  # at the root and under /v1, /v2
+    app.include_router(invocations.router, dependencies=guarded)
     if settings.allow_runtime_lora_updating:
         app.include_router(lora.router, prefix="/v1", dependencies=guarded)
     app.include_router(health.router)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(RequestIdHeader)
     return app
+
+
+class RequestIdHeader:
+    """Every response carries `X-Request-Id`: the request's own, or a new one (vLLM's
+    --enable-request-id-headers), so a client can name a request in a report. Plain ASGI:
+    streamed responses pass through as they are."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        request_id = given if given and len(given) <= 128 else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 async def _client_disconnected(request: Request, exc: Exception) -> Response:

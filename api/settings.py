@@ -72,7 +72,11 @@ class Settings(BaseSettings):
     batch_max_in_flight: int = 64
     batch_poll_s: float = 0.5
 
-    @field_validator("api_keys", mode="before")
+    # Browsers may call the API from these origins (CORS; vLLM's --allowed-origins, every
+    # origin by default as in vLLM: keys are bearer tokens, never cookies); empty: none
+    allowed_origins: Annotated[tuple[str, ...], NoDecode] = ("*",)
+
+    @field_validator("api_keys", "allowed_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         """Comma-separated in the environment; blanks are ignored."""

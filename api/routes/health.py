@@ -1,6 +1,9 @@
-"""`GET /health` and `GET /metrics` (no API key: probes and scrapers)."""
+"""`GET /health` (and vLLM's `/ping`, SageMaker's probe), `GET /metrics` and `GET /version`
+(no API key: probes and scrapers)."""
 
 from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
 
 import redis
 from fastapi import APIRouter, Response
@@ -13,6 +16,8 @@ router = APIRouter(tags=["ops"])
 
 
 @router.get("/health")
+@router.get("/ping")
+@router.post("/ping")
 async def health(state: StateDep) -> JSONResponse:
     """200 when Redis answers and at least one worker is live; 503 with the reason else."""
     try:
@@ -24,6 +29,14 @@ async def health(state: StateDep) -> JSONResponse:
         return JSONResponse({"status": "unavailable", "reason": "no live worker"}, 503)
     models = sorted({w.info.model for w in workers})
     return JSONResponse({"status": "ok", "workers": len(workers), "models": models})
+
+
+@router.get("/version")
+async def genq_version() -> dict[str, str]:
+    try:
+        return {"version": version("genq")}
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return {"version": "unknown"}
 
 
 @router.get("/metrics")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from importlib.metadata import version
 
 import httpx
 import openai
@@ -198,12 +199,34 @@ def test_health_is_503_without_worker_or_redis(bare: httpx.Client, serve_api) ->
         assert "Redis unreachable" in response.json()["reason"]
 
 
+def test_ping_version_request_ids_and_cors(bare: httpx.Client, redis_server: RedisServer, serve_api) -> None:
+    """vLLM's /ping answers as /health does (SageMaker's probe, GET or POST); /version is the
+    installed genq's; every response names its request (the client's X-Request-Id, else a new
+    one); browsers may call from any origin unless GENQ_ALLOWED_ORIGINS narrows it."""
+    assert bare.get("/ping").status_code == bare.post("/ping").status_code == bare.get("/health").status_code == 503
+    assert bare.get("/version").json() == {"version": version("genq")}
+    assert bare.get("/health", headers={"X-Request-Id": "abc-1"}).headers["x-request-id"] == "abc-1"
+    first, second = (bare.get("/v1/jobs/nope").headers["x-request-id"] for _ in range(2))
+    assert len(first) == 32 and first != second
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = bare.options("/v1/chat/completions", headers=preflight)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "*"
+    with serve_api(Settings(redis_url=redis_server.url, allowed_origins=("https://app.example",))) as url:
+        with httpx.Client(base_url=url) as http:
+            assert http.options("/v1/models", headers=preflight).headers["access-control-allow-origin"] == "https://app.example"
+            other = {**preflight, "Origin": "https://elsewhere.example"}
+            assert "access-control-allow-origin" not in http.options("/v1/models", headers=other).headers
+
+
 def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GENQ_API_KEYS", " a, b ,,")
     monkeypatch.setenv("GENQ_MAX_QUEUED_JOBS", "")
     monkeypatch.setenv("GENQ_PREFIX", "x:")
+    monkeypatch.setenv("GENQ_ALLOWED_ORIGINS", "https://a.example, https://b.example")
     settings = Settings()
     assert settings.api_keys == ("a", "b")
+    assert settings.allowed_origins == ("https://a.example", "https://b.example")
     assert settings.max_queued_jobs is None
     assert settings.prefix == "x:"
 

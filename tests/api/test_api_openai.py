@@ -235,6 +235,24 @@ def test_a_thinking_token_budget_ends_the_thinking(
     assert info.value.body["param"] == "thinking_token_budget"
 
 
+def test_invocations_answer_as_the_endpoint_the_body_is_for(served_model: str, oai: openai.OpenAI, http) -> None:
+    """SageMaker's one route: a chat body is answered as chat answers it, a completions body
+    as completions does, streamed too; a body for no endpoint, or a bad one, is a 400 naming
+    what is wrong."""
+    chat = {"model": served_model, "messages": MESSAGES, "temperature": 0.0, "max_tokens": 8}
+    expected = oai.chat.completions.create(**chat).choices[0].message.content
+    assert http.post("/invocations", json=chat).json()["choices"][0]["message"]["content"] == expected
+    completion = {"model": served_model, "prompt": "Once upon a time", "temperature": 0.0, "max_tokens": 8}
+    text = oai.completions.create(**completion).choices[0].text
+    assert http.post("/invocations", json=completion).json()["choices"][0]["text"] == text
+    with http.stream("POST", "/invocations", json={**completion, "stream": True}) as streamed:
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines) == text
+    for body, param in (({"model": served_model, "text": "x"}, "body"), ({"messages": "hi"}, "messages")):
+        response = http.post("/invocations", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
 def test_completion_streaming_with_usage(served_model: str, oai: openai.OpenAI) -> None:
     expected = oai.completions.create(model=served_model, prompt="Once upon", **GREEDY)
     chunks = list(oai.completions.create(
