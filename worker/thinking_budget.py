@@ -31,10 +31,10 @@ class ThinkingMarkers:
         """The markers a reasoning_config names (ValueError for one that is not two non-empty
         strings), else the first known pair whose tags are a token each; None: none known."""
         if reasoning_config is None:
-            vocab = tokenizer.get_vocab()
-            for start, end in KNOWN_MARKERS:
-                if start in vocab and end in vocab:
-                    return cls((vocab[start],), (vocab[end],))
+            for pair in KNOWN_MARKERS:  # (an unknown token is the unknown token's id, or None)
+                start, end = tokenizer.convert_tokens_to_ids(list(pair))
+                if None not in (start, end) and tokenizer.unk_token_id not in (start, end):
+                    return cls((start,), (end,))
             return None
         unknown = set(reasoning_config) - {"think_start_str", "think_end_str"}
         if unknown:
