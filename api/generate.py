@@ -80,7 +80,8 @@ class Plan:
 # the worker spells for markers)
 GRAMMAR_AFTER = {**{name: tags.end for name, tags in THINK_TAGS.items() if tags.opened}, "gpt_oss": FINAL_CHANNEL}
 # tool-call formats that open with a special token (Llama 4's pythonic calls: <|python_start|>)
-SPECIAL_TOKEN_FORMATS = ("llama3_json", "mistral", "granite", "pythonic", "deepseek_v3", "deepseek_v31", "kimi_k2")
+SPECIAL_TOKEN_FORMATS = ("llama3_json", "mistral", "granite", "pythonic", "deepseek_v3", "deepseek_v31", "kimi_k2",
+                         "seed_oss", "minimax_m2")
 
 
 def plan(

@@ -102,12 +102,9 @@ class GlmBlock:
         match = self.argument.fullmatch(text)
         if match is None:
             return []
-        key, value = match[1].strip(), self._value(match[2])
-        read = value if (self._name, key) in self._strings else _json_or_text(value)
-        opening = ", " if self._num_arguments else "{"
+        piece = argument_piece(self._name, match[1].strip(), self._value(match[2]), self._strings, self._num_arguments)
         self._num_arguments += 1
-        pair = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(read, ensure_ascii=False)
-        return [CallDelta(self._index, None, opening + pair)]
+        return [CallDelta(self._index, None, piece)]
 
 
     def _value(self, text: str) -> str:
@@ -129,6 +126,78 @@ class Qwen3CoderBlock(GlmBlock):
 
     def _value(self, text: str) -> str:
         return text.removeprefix("\n").removesuffix("\n")
+
+
+class MiniMaxBlock:
+    """MiniMax-M2's block: one or more calls, each an `<invoke name="NAME">` whose arguments are
+    `<parameter name="KEY">VALUE</parameter>`, up to `</invoke>`. A call is given out once its
+    invoke tag is whole, an argument at a time as each value closes; a block without an invoke
+    is none."""
+
+    invoke = re.compile(r'<invoke name="([^"<>]*)">')
+    parameter = re.compile(r'\s*<parameter name="([^"<>]*)">(.*)', re.DOTALL)
+
+    def __init__(self, first_index: int, string_parameters: StringParameters = frozenset()) -> None:
+        self.text = ""
+        self._index = first_index  # the next call's (the open one's while one is open)
+        self._strings = string_parameters
+        self._name: str | None = None  # of the open call
+        self._num_arguments = 0  # of the open call, given out
+        self._at = 0  # where reading goes on
+        self._any = False  # a call was given out
+
+    @property
+    def next_index(self) -> int:
+        return self._index + (self._name is not None)
+
+    def feed(self, text: str) -> list[CallDelta]:
+        self.text += text
+        deltas: list[CallDelta] = []
+        while True:
+            if self._name is None:
+                match = self.invoke.search(self.text, self._at)
+                if match is None or not match[1].strip():
+                    return deltas
+                self._name, self._num_arguments, self._at, self._any = match[1].strip(), 0, match.end(), True
+                deltas.append(CallDelta(self._index, self._name, ""))
+            ends = [(i, tag) for tag in ("</parameter>", "</invoke>") if (i := self.text.find(tag, self._at)) >= 0]
+            if not ends:
+                return deltas
+            end, tag = min(ends)
+            if tag == "</invoke>":
+                deltas += self._finish()
+            else:
+                deltas += self._argument(self.text[self._at : end])
+            self._at = end + len(tag)
+
+    def close(self) -> list[CallDelta] | None:
+        """The block's end tag came: the open call's end, or None when the block held none."""
+        deltas = self._finish() if self._name is not None else []
+        return deltas if self._any else None
+
+    def cut(self) -> list[CallDelta] | None:
+        return self.close()
+
+    def _finish(self) -> list[CallDelta]:
+        delta = CallDelta(self._index, None, "}" if self._num_arguments else "{}")
+        self._name, self._index = None, self._index + 1
+        return [delta]
+
+    def _argument(self, text: str) -> list[CallDelta]:
+        match = self.parameter.fullmatch(text)
+        if match is None:
+            return []
+        piece = argument_piece(self._name, match[1].strip(), match[2], self._strings, self._num_arguments)
+        self._num_arguments += 1
+        return [CallDelta(self._index, None, piece)]
+
+
+def argument_piece(name: str | None, key: str, value: str, strings: StringParameters, num_before: int) -> str:
+    """One argument as the next piece of the arguments' JSON object: a value the tool declares
+    a string as its text, any other as JSON when it is JSON."""
+    read = value if (name, key) in strings else _json_or_text(value)
+    pair = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(read, ensure_ascii=False)
+    return (", " if num_before else "{") + pair
 
 
 def _json_or_text(value: str) -> Any:

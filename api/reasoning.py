@@ -3,8 +3,8 @@ up to the end tag (`</think>`) is `reasoning_content`, the rest is `content`. A 
 tag (`<think>`) is dropped.
 
 Deployments differ in their tags and in where no end tag has come (yet):
-- "deepseek_r1": the chat template opens the thinking in the prompt, so the reply starts
-  inside it, and a reply cut off before `</think>` is all reasoning;
+- "deepseek_r1", "minimax_m2" (MiniMax-M2): the chat template opens the thinking in the
+  prompt, so the reply starts inside it, and a reply cut off before `</think>` is all reasoning;
 - "qwen3", "glm45" (GLM-4.5 to 4.7): the reply thinks only if it begins with `<think>` (with
   thinking off the model answers straight away), else it is all content;
 - "seed_oss" (`<seed:think>`), "mistral" (Magistral's `[THINK]`, special tokens), "granite"
@@ -39,7 +39,8 @@ TAGS = {
     "deepseek_r1": ThinkTags(START, END, opened=True),
     "qwen3": ThinkTags(START, END),
     "glm45": ThinkTags(START, END),
-    "seed_oss": ThinkTags("<seed:think>", "</seed:think>"),
+    "seed_oss": ThinkTags("<seed:think>", "</seed:think>", special=True),
+    "minimax_m2": ThinkTags(START, END, opened=True),
     "mistral": ThinkTags("[THINK]", "[/THINK]", special=True),
     "granite": ThinkTags("Here is my thought process:", "Here is my response:"),
 }

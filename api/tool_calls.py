@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from api.call_stream import CallDelta, CallStream, ToolCall, merged
-from api.glm_tool_calls import GlmBlock, Qwen3CoderBlock
+from api.glm_tool_calls import GlmBlock, MiniMaxBlock, Qwen3CoderBlock, StringParameters
 from api.pythonic_tool_calls import PythonicReader
 from api.section_tool_calls import FORMATS as SECTION_FORMATS
 from api.section_tool_calls import SectionReader
@@ -52,8 +52,9 @@ class ToolCallReader:
     call (a tag cut between two pieces, a block whose head is not whole yet) and trailing
     whitespace (the gap before a call is not content)."""
 
-    def __init__(self, block: Callable[[int], Block] = CallStream) -> None:
+    def __init__(self, block: Callable[[int], Block] = CallStream, tags: tuple[str, str] = (START, END)) -> None:
         self._new_block = block  # a block's reader, from the index of its first call
+        self._start, self._end = tags  # a block's opening and closing tags
         self._held = ""  # text not yet given out
         self._block: Block | None = None  # the open block's calls
         self._gap = ""  # whitespace before the open block: content only if it is no call
@@ -71,18 +72,18 @@ class ToolCallReader:
         calls: list[CallDelta] = []
         while True:
             if self._block is not None:
-                end = self._held.find(END)
-                cut = end if end >= 0 else len(self._held) - partial_tag(self._held, END)
+                end = self._held.find(self._end)
+                cut = end if end >= 0 else len(self._held) - partial_tag(self._held, self._end)
                 calls += self._block.feed(self._held[:cut])
                 self._held = self._held[cut:]
                 if end < 0:
                     break
-                self._held = self._held[len(END):]
+                self._held = self._held[len(self._end):]
                 self._close(content, calls)
                 continue
-            start = self._held.find(START)
+            start = self._held.find(self._start)
             if start < 0:
-                stem = self._held[: len(self._held) - partial_tag(self._held, START)]
+                stem = self._held[: len(self._held) - partial_tag(self._held, self._start)]
                 stem = stem.rstrip()
                 content.append(stem)
                 self._held = self._held[len(stem):]
@@ -90,7 +91,7 @@ class ToolCallReader:
             before = self._held[:start]
             content.append(before.rstrip())
             self._gap = before[len(before.rstrip()):]
-            self._held, self._block = self._held[start + len(START):], self._new_block(self.num_calls)
+            self._held, self._block = self._held[start + len(self._start):], self._new_block(self.num_calls)
         return self._content("".join(content)), merged(calls)
 
     def finish(self) -> tuple[str, list[CallDelta]]:
@@ -112,7 +113,7 @@ class ToolCallReader:
         block, self._block = self._block, None
         rest = block.close() if closed else block.cut()
         if rest is None:
-            content.append(self._gap + START + block.text + (END if closed else ""))
+            content.append(self._gap + self._start + block.text + (self._end if closed else ""))
             return
         calls += rest
         self._num_closed = block.next_index
@@ -157,22 +158,28 @@ def calls_schema(tools: Sequence[tuple[str, dict[str, Any] | None]], parallel: b
 
 
 Reader = ToolCallReader | CallArrayReader | Llama3JsonReader | MistralReader | PythonicReader | SectionReader
-# blocks whose arguments are tagged pairs, read by the tools' declared string parameters
-XML_BLOCKS: dict[str, type[GlmBlock]] = {"glm45": GlmBlock, "qwen3_coder": Qwen3CoderBlock}
+# blocks whose arguments are tagged pairs, read by the tools' declared string parameters, and
+# the tags each block lies between
+XML_BLOCKS: dict[str, tuple[Callable[[int, StringParameters], Block], tuple[str, str]]] = {
+    "glm45": (GlmBlock, (START, END)),
+    "qwen3_coder": (Qwen3CoderBlock, (START, END)),
+    "seed_oss": (Qwen3CoderBlock, ("<seed:tool_call>", "</seed:tool_call>")),
+    "minimax_m2": (MiniMaxBlock, ("<minimax:tool_call>", "</minimax:tool_call>")),
+}
 READERS: dict[str, Callable[[], Reader]] = {"hermes": ToolCallReader, "json": CallArrayReader,
                                     "llama3_json": Llama3JsonReader, "mistral": MistralReader, "granite": GraniteReader,
                                     "pythonic": PythonicReader}
 
 
 def calls_reader(form: str, string_parameters: Iterable[tuple[str, str]] = ()) -> Reader:
-    """A reader of calls written in `form` (READERS, "glm45", "qwen3_coder", or the section
-    formats of api.section_tool_calls). GLM's and Qwen3-Coder's calls write the values of
-    parameters declared strings ((tool, parameter)) as raw text, any other as JSON."""
+    """A reader of calls written in `form` (READERS, XML_BLOCKS, or the section formats of
+    api.section_tool_calls). The XML blocks' calls write the values of parameters declared
+    strings ((tool, parameter)) as raw text, any other as JSON."""
     if form in SECTION_FORMATS:
         return SectionReader(SECTION_FORMATS[form])
     if form in XML_BLOCKS:
-        strings, block = frozenset(string_parameters), XML_BLOCKS[form]
-        return ToolCallReader(lambda first_index: block(first_index, strings))
+        strings, (block, tags) = frozenset(string_parameters), XML_BLOCKS[form]
+        return ToolCallReader(lambda first_index: block(first_index, strings), tags)
     return READERS[form]()
 
 

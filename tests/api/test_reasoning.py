@@ -40,6 +40,7 @@ CASES = [
     ("mistral", "[THI", None, "[THI"),
     ("granite", "Here is my thought process:\nadd them\nHere is my response:\nIt is 4.", "\nadd them\n", "It is 4."),
     ("granite", "It is 4.", None, "It is 4."),
+    ("minimax_m2", "weigh it</think>\n\nIt is 4.", "weigh it", "It is 4."),
 ]
 
 

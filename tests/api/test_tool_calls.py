@@ -165,6 +165,13 @@ def _qwen3_coder(name: str, *arguments: tuple[str, str]) -> str:
     return f"<tool_call>\n<function={name}>\n{written}</function>\n</tool_call>"
 
 
+def _minimax(*calls: tuple[str, tuple[tuple[str, str], ...]]) -> str:
+    """A MiniMax-M2 block calling each (name, ((key, value as written), ...))."""
+    invokes = "".join(f'<invoke name="{name}">\n' + "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in args)
+                      + "</invoke>\n" for name, args in calls)
+    return f"<minimax:tool_call>\n{invokes}</minimax:tool_call>"
+
+
 GLM_CASES = [
     # (reply, content, calls as (name, arguments))
     (GLM45, None, [PARIS]),
@@ -261,6 +268,25 @@ FORMAT_CASES = [
         (_qwen3_coder("lookup", ("code", "123"), ("quote", "line 1\n</b> 2")) + _qwen3_coder("other", ("code", "123")),
          None, [("lookup", {"code": "123", "quote": "line 1\n</b> 2"}), ("other", {"code": 123})]),
         ("<tool_call>\nno function here\n</tool_call>", "<tool_call>\nno function here\n</tool_call>", []),
+    ]],
+    # Seed-OSS's: Qwen3-Coder's blocks between its own tags (a hermes tag is no call there)
+    *[("seed_oss", *case) for case in [
+        (_qwen3_coder("get_weather", ("city", "Paris"), ("days", "2")).replace("tool_call>", "seed:tool_call>"),
+         None, [PARIS]),
+        ("Sure. " + _qwen3_coder("get_time").replace("tool_call>", "seed:tool_call>"), "Sure.", [("get_time", {})]),
+        ("<tool_call>x</tool_call>", "<tool_call>x</tool_call>", []),
+    ]],
+    # MiniMax-M2's: several invokes in a block, values typed as GLM's are
+    *[("minimax_m2", *case) for case in [
+        (_minimax(("get_weather", (("city", "Paris"), ("days", "2")))), None, [PARIS]),
+        ("Let me look.\n" + _minimax(("lookup", (("code", "123"), ("quote", "a </b> b"))), ("get_time", ())),
+         "Let me look.", [("lookup", {"code": "123", "quote": "a </b> b"}), ("get_time", {})]),
+        (_minimax(("a", (("x", "[1, 2]"),))) + "\n" + _minimax(("b", (("y", "true"),))), None, [("a", {"x": [1, 2]}), ("b", {"y": True})]),
+        # cut short: the calls named so far, with the arguments whose values closed
+        ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n<parameter name="da',
+         None, [("get_weather", {"city": "Paris"})]),
+        ("<minimax:tool_call>\nno invoke here\n</minimax:tool_call>", "<minimax:tool_call>\nno invoke here\n</minimax:tool_call>", []),
+        ("It is sunny <minimax:tool", "It is sunny <minimax:tool", []),
     ]],
     # Llama 3.2's and Llama 4's Python lists of calls: literals of every kind, brackets and
     # quotes inside strings, Llama 4's tags
@@ -368,6 +394,7 @@ def test_a_glm45_server_reads_calls_with_the_parameters_its_tools_declare_string
     ("deepseek_v3", _deepseek_v3(("get_weather", '{"city": "Paris", "days": 2}'))),
     ("deepseek_v31", _deepseek_v31(("get_weather", '{"city": "Paris", "days": 2}'))),
     ("kimi_k2", _kimi(("get_weather", '{"city": "Paris", "days": 2}'))),
+    ("minimax_m2", _minimax(("get_weather", (("city", "Paris"), ("days", "2"))))),
 ])
 def test_a_server_whose_calls_are_special_tokens_asks_for_them(monkeypatch: pytest.MonkeyPatch, parser: str,
                                                               reply: str) -> None:
