@@ -36,7 +36,25 @@ from api.call_stream import CallDelta
 StringParameters = frozenset[tuple[str, str]]  # (tool, parameter): those the tools declare strings
 
 
-class GlmBlock:
+class TaggedBlock:
+    """What a block of tagged arguments keeps as its text streams in: the open call (its
+    index, its name once given out, its arguments given out) and where reading goes on."""
+
+    def __init__(self, first_index: int, string_parameters: StringParameters = frozenset()) -> None:
+        self.text = ""  # all that was fed
+        self._index = first_index  # the open call's, or the next one's
+        self._strings = string_parameters
+        self._name: str | None = None  # the open call's, once given out
+        self._at = 0  # where reading goes on
+        self._num_arguments = 0  # of the open call, given out
+
+    @property
+    def next_index(self) -> int:
+        """The index the next call will have."""
+        return self._index + (self._name is not None)
+
+
+class GlmBlock(TaggedBlock):
     """Reads one block's text (between its tags) as it streams. The block is a call once its
     name is whole, at its first `<arg_key>` or at the block's end tag; a name that is empty or
     more than one word makes it no call."""
@@ -47,18 +65,8 @@ class GlmBlock:
     argument = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*)", re.DOTALL)
 
     def __init__(self, first_index: int, string_parameters: StringParameters = frozenset()) -> None:
-        self.text = ""  # all that was fed
-        self._index = first_index
-        self._strings = string_parameters
-        self._name: str | None = None  # once given out
+        super().__init__(first_index, string_parameters)
         self._not_a_call = False
-        self._at = 0  # where the next argument begins
-        self._num_arguments = 0  # given out
-
-    @property
-    def next_index(self) -> int:
-        """The index the next call will have."""
-        return self._index + (self._name is not None)
 
     def feed(self, text: str) -> list[CallDelta]:
         self.text += text
@@ -128,7 +136,7 @@ class Qwen3CoderBlock(GlmBlock):
         return text.removeprefix("\n").removesuffix("\n")
 
 
-class MiniMaxBlock:
+class MiniMaxBlock(TaggedBlock):
     """MiniMax-M2's block: one or more calls, each an `<invoke name="NAME">` whose arguments are
     `<parameter name="KEY">VALUE</parameter>`, up to `</invoke>`. A call is given out once its
     invoke tag is whole, an argument at a time as each value closes; a block without an invoke
@@ -138,17 +146,8 @@ class MiniMaxBlock:
     parameter = re.compile(r'\s*<parameter name="([^"<>]*)">(.*)', re.DOTALL)
 
     def __init__(self, first_index: int, string_parameters: StringParameters = frozenset()) -> None:
-        self.text = ""
-        self._index = first_index  # the next call's (the open one's while one is open)
-        self._strings = string_parameters
-        self._name: str | None = None  # of the open call
-        self._num_arguments = 0  # of the open call, given out
-        self._at = 0  # where reading goes on
+        super().__init__(first_index, string_parameters)
         self._any = False  # a call was given out
-
-    @property
-    def next_index(self) -> int:
-        return self._index + (self._name is not None)
 
     def feed(self, text: str) -> list[CallDelta]:
         self.text += text
