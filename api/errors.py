@@ -1,5 +1,6 @@
 """Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`; under
-Anthropic's routes (/v1/messages) in Anthropic's: `{"type": "error", "error": {"type", "message"}}`.
+Anthropic's routes (/v1/messages), and to Anthropic's clients (which send `anthropic-version`),
+in Anthropic's: `{"type": "error", "error": {"type", "message"}}`.
 
 Routes raise `APIError`; the handlers below also turn FastAPI's validation errors (422) into
 400s naming the field, and Starlette's HTTP errors (404, 405) into the same shape.
@@ -110,9 +111,9 @@ ANTHROPIC_TYPES = {
 
 
 def _respond(request: Request, body: dict[str, Any], status: int, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """An error response in OpenAI's shape, or Anthropic's under its routes (the field named
-    ahead of the message, as Anthropic names it)."""
-    if request.url.path.startswith(ANTHROPIC_PATHS):
+    """An error response in OpenAI's shape, or Anthropic's under its routes and to its clients
+    (the field named ahead of the message, as Anthropic names it)."""
+    if request.url.path.startswith(ANTHROPIC_PATHS) or "anthropic-version" in request.headers:
         error = body["error"]
         message = f"{error['param']}: {error['message']}" if error.get("param") else error["message"]
         body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}

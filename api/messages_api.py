@@ -271,15 +271,17 @@ def _output_config(request: MessagesRequest | CountTokensRequest) -> dict[str, A
 # ---------------------------------------------------------------------------------------------
 # Response: chat -> Messages
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
 
 
 def stop_reason(finish_reason: str | None, matched: int | str | None, stop: list[str] | None,
-                called: bool) -> StopReason:
+                called: bool, short: bool = False) -> StopReason:
     """Anthropic's stop_reason for a chat choice's finish_reason, what matched (a stop string
-    or token id), and whether it called a tool (a forced call finishes as "stop" in chat)."""
+    or token id), and whether it called a tool (a forced call finishes as "stop" in chat);
+    `short`: the reply wrote fewer tokens than max_tokens allowed (a "length" finish then is
+    the context's end)."""
     if finish_reason == "length":
-        return "max_tokens"
+        return "model_context_window_exceeded" if short else "max_tokens"
     if called:
         return "tool_use"
     if isinstance(matched, str) and matched in (stop or []):
@@ -307,7 +309,8 @@ def message_object(request: MessagesRequest, chat: ChatCompletionResponse) -> di
     for call in message.tool_calls or []:
         function = call["function"]
         content.append(tool_use_block(call["id"], function["name"], _input(function["arguments"])))
-    reason = stop_reason(choice.finish_reason, choice.stop_reason, request.stop_sequences, bool(message.tool_calls))
+    reason = stop_reason(choice.finish_reason, choice.stop_reason, request.stop_sequences, bool(message.tool_calls),
+                         short=chat.usage.completion_tokens < request.max_tokens)
     return {**envelope(chat.id, chat.model), "content": content, "stop_reason": reason,
             "stop_sequence": choice.stop_reason if reason == "stop_sequence" else None,
             "usage": message_usage(chat.usage)}

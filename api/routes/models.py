@@ -1,11 +1,15 @@
 """`GET /v1/models` and `GET /v1/models/{model}`: the models live workers serve (from their
-heartbeats)."""
+heartbeats), in OpenAI's shape, or in Anthropic's for Anthropic's clients (which send
+`anthropic-version`)."""
 
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
+from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from api.deps import StateDep
 from api.errors import APIError
@@ -15,18 +19,31 @@ router = APIRouter(tags=["openai"])
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(state: StateDep) -> ModelList:
+async def list_models(request: Request, state: StateDep) -> Any:
     """One card per served model name; the configured fallback when no worker is live."""
-    return ModelList(data=list((await _cards(state)).values()))
+    cards = list((await _cards(state)).values())
+    if anthropic_client(request):  # one page holds them all
+        data = [_anthropic_model(card) for card in cards]
+        return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]})
+    return ModelList(data=cards)
 
 
 @router.get("/models/{model}", response_model=ModelCard)
-async def retrieve_model(model: str, state: StateDep) -> ModelCard:
+async def retrieve_model(model: str, request: Request, state: StateDep) -> Any:
     """One card; 404 `model_not_found` for a name no live worker serves."""
     card = (await _cards(state)).get(model)
     if card is None:
         raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-    return card
+    return JSONResponse(_anthropic_model(card)) if anthropic_client(request) else card
+
+
+def anthropic_client(request: Request) -> bool:
+    return "anthropic-version" in request.headers
+
+
+def _anthropic_model(card: ModelCard) -> dict[str, Any]:
+    created = datetime.fromtimestamp(card.created, timezone.utc).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": card.id, "display_name": card.id, "created_at": created}
 
 
 async def _cards(state: StateDep) -> dict[str, ModelCard]:

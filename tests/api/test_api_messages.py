@@ -240,6 +240,20 @@ def test_what_is_not_supported_is_a_400_in_anthropics_shape(served_model: str, a
         assert http.post("/v1/chat/completions", json={"messages": []}).json()["error"]["param"] == "messages"
 
 
+def test_models_and_a_full_context_as_anthropic_names_them(served_model: str, claude: anthropic.Anthropic) -> None:
+    """Anthropic's client lists the models in its own shape; a reply the context cut short
+    before max_tokens says so rather than max_tokens."""
+    (model,) = claude.models.list().data
+    assert (model.type, model.id, model.display_name) == ("model", served_model, served_model)
+    assert model.created_at.year >= 2026 and claude.models.retrieve(served_model).id == served_model
+    with pytest.raises(anthropic.NotFoundError) as info:
+        claude.models.retrieve("claude-sonnet-4-5")
+    assert info.value.body["error"]["type"] == "not_found_error"
+    long = [{"role": "user", "content": "hi " * 990}]  # near the live worker's 1024 tokens
+    full = claude.messages.create(model=served_model, messages=long, max_tokens=200, extra_body={"ignore_eos": True})
+    assert full.stop_reason == "model_context_window_exceeded" and full.usage.output_tokens < 200
+
+
 def test_the_anthropic_client_raises_its_own_errors(served_model: str, claude: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as info:
         claude.messages.create(model=served_model, messages=MESSAGES, max_tokens=4, tools=[{"type": "bash_20250124", "name": "bash"}])
