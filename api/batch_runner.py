@@ -183,6 +183,8 @@ class BatchRunner:
         first = (await pipe.execute())[0]
         if first:
             await client.redis.hincrby(client.keys.batch(batch.id), "completed" if ok else "failed", 1)
+            if not ok and output.get("response") is None:  # of the failed, cancelled or expired before it ended
+                await client.redis.hincrby(client.keys.batch(batch.id), "stopped", 1)
 
     async def _output(self, line: Line, planned: Plan, batch: BatchObject) -> tuple[bool, dict[str, Any]]:
         """The line's output: the response body, or its error, as OpenAI writes them."""

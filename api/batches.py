@@ -28,6 +28,8 @@ from api.deps import TENANT, AppState
 from api.embeddings import EmbeddingRenderer, encoded, plan_embeddings
 from api.errors import APIError, not_found
 from api.generate import GenerationRequest, Plan, plan
+from api.messages_api import MessageRenderer, MessagesRequest, message_object
+from api.messages_api import to_chat as message_to_chat
 from api.render import ChatRenderer, CompletionRenderer, Renderer
 from api.responses_api import ResponseRenderer, ResponsesRequest, response_object, to_chat
 from api.routes.chat import chat_prompt, check_tool_parser
@@ -109,6 +111,7 @@ ENDPOINTS = {
     "/v1/completions": Endpoint(CompletionRequest, CompletionRenderer),
     "/v1/responses": Endpoint(ResponsesRequest, ResponseRenderer, to_chat, response_object),
     "/v1/embeddings": Endpoint(EmbeddingRequest, EmbeddingRenderer, respond=_embeddings),
+    "/v1/messages": Endpoint(MessagesRequest, MessageRenderer, message_to_chat, message_object),  # (api.message_batches)
 }
 
 
@@ -191,8 +194,20 @@ async def create(state: AppState, request: CreateBatch) -> BatchObject:
     text = (await files.content(client, request.input_file_id)).decode(errors="replace")
     lines = [line for line in text.splitlines() if line.strip()]
     batch_id = f"batch_{uuid.uuid4().hex}"
-    # off the event loop: checking a large file takes seconds that streams must not wait
-    errors = await asyncio.to_thread(_validate, state, lines, request.endpoint, batch_id)
+    return await store(state, request, lines, batch_id, await validate(state, lines, request.endpoint, batch_id))
+
+
+async def validate(state: AppState, lines: list[str], endpoint: str, batch_id: str) -> list[dict[str, Any]]:
+    """Every problem of the lines, up to MAX_ERRORS, each naming its line (1-based); off the
+    event loop: checking a large file takes seconds that streams must not wait."""
+    return await asyncio.to_thread(_validate, state, lines, endpoint, batch_id)
+
+
+async def store(
+    state: AppState, request: CreateBatch, lines: list[str], batch_id: str, errors: list[dict[str, Any]]
+) -> BatchObject:
+    """A batch of `lines` (the input file's), started; one with `errors` is stored as failed."""
+    client = state.client
     now = int(time.time())
     batch = BatchObject(
         id=batch_id, endpoint=request.endpoint, input_file_id=request.input_file_id,

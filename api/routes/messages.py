@@ -1,17 +1,18 @@
 """`POST /v1/messages`: Anthropic's Messages API, run as a chat completion (api.messages_api);
-`POST /v1/messages/count_tokens`: a request's input tokens, as the worker would read them."""
+`POST /v1/messages/count_tokens`: a request's input tokens, as the worker would read them;
+`/v1/messages/batches`: Anthropic's Message Batches API (api.message_batches)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from api import generate, messages_api
+from api import batches, generate, message_batches, messages_api
 from api.deps import StateDep
 from api.errors import APIError, invalid_param, renamed
-from api.generate import resolve_model
+from api.generate import check_rate_limit, resolve_model
 from api.messages_api import CountTokensRequest, MessageRenderer, MessagesRequest
 from api.reasoning import TAGS as THINK_TAGS
 from api.routes.chat import start
@@ -53,3 +54,43 @@ async def count_tokens(body: CountTokensRequest, state: StateDep) -> dict[str, A
     model, _ = await base_model(state.cluster, await resolve_model(state, body.model))
     tokenizer = await state.tokenizers.get(state.client, model)
     return {"input_tokens": len(chat_ids(tokenizer, chat))}
+
+
+@router.post("/messages/batches")
+async def create_message_batch(body: message_batches.CreateMessageBatch, state: StateDep) -> JSONResponse:
+    """Anthropic's Message Batches API (api.message_batches): the requests run as a genq batch.
+    Creating one counts against the key's requests per minute; its requests do not."""
+    await check_rate_limit(state)
+    return JSONResponse(await message_batches.create(state, body))
+
+
+@router.get("/messages/batches")
+async def list_message_batches(request: Request, state: StateDep, limit: int = 20,
+                               after_id: str | None = None) -> JSONResponse:
+    return JSONResponse(await message_batches.listing(state, max(1, min(limit, 1000)), after_id, _base(request)))
+
+
+@router.get("/messages/batches/{batch_id}")
+async def retrieve_message_batch(batch_id: str, request: Request, state: StateDep) -> JSONResponse:
+    return JSONResponse(await message_batches.shown(state, await message_batches.read(state, batch_id), _base(request)))
+
+
+@router.post("/messages/batches/{batch_id}/cancel")
+async def cancel_message_batch(batch_id: str, request: Request, state: StateDep) -> JSONResponse:
+    await message_batches.read(state, batch_id)
+    return JSONResponse(await message_batches.shown(state, await batches.cancel(state, batch_id), _base(request)))
+
+
+@router.delete("/messages/batches/{batch_id}")
+async def delete_message_batch(batch_id: str, state: StateDep) -> JSONResponse:
+    return JSONResponse(await message_batches.delete(state, await message_batches.read(state, batch_id)))
+
+
+@router.get("/messages/batches/{batch_id}/results")
+async def message_batch_results(batch_id: str, state: StateDep) -> Response:
+    batch = await message_batches.read(state, batch_id)
+    return Response(await message_batches.results(state, batch), media_type="application/x-jsonl")
+
+
+def _base(request: Request) -> str:
+    return str(request.base_url).rstrip("/")

@@ -254,6 +254,52 @@ def test_models_and_a_full_context_as_anthropic_names_them(served_model: str, cl
     assert full.stop_reason == "model_context_window_exceeded" and full.usage.output_tokens < 200
 
 
+def test_a_message_batch_runs_and_its_results_are_anthropics(
+    served_model: str, claude: anthropic.Anthropic, poll, http
+) -> None:
+    """Anthropic's Message Batches API: each request answered as /v1/messages answers it, one
+    the worker refuses errored, their results in order; a bad request refused at creation,
+    naming it; a canceled batch's requests that never ran canceled; ended batches deleted."""
+    params = {"model": served_model, "messages": MESSAGES, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    batch = claude.messages.batches.create(requests=[
+        {"custom_id": "plain", "params": params},
+        {"custom_id": "system", "params": {**params, "system": SYSTEM}},
+        {"custom_id": "bad-token", "params": {**params, "logit_bias": {"10000000": 1}}},  # the worker refuses it
+    ])
+    assert batch.type == "message_batch" and batch.id.startswith("msgbatch_") and batch.processing_status == "in_progress"
+    done = poll(lambda: (b := claude.messages.batches.retrieve(batch.id)).processing_status == "ended" and b, 120.0,
+                "the batch ended")
+    assert (done.request_counts.succeeded, done.request_counts.errored, done.request_counts.processing) == (2, 1, 0)
+    assert done.ended_at is not None and done.results_url.endswith(f"/v1/messages/batches/{batch.id}/results")
+    results = list(claude.messages.batches.results(batch.id))
+    assert [r.custom_id for r in results] == ["plain", "system", "bad-token"]
+    for result, extra in zip(results[:2], ({}, {"system": SYSTEM}), strict=True):
+        direct = claude.messages.create(**{k: v for k, v in params.items() if k not in ("temperature", "ignore_eos")},
+                                        extra_body={"temperature": 0.0, "ignore_eos": True}, **extra)
+        assert result.result.type == "succeeded" and result.result.message.content[0].text == direct.content[0].text
+    errored = results[2].result
+    assert errored.type == "errored" and "outside the vocabulary" in errored.error.error.message
+    assert batch.id in [b.id for b in claude.messages.batches.list()]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude.messages.batches.create(requests=[{"custom_id": "a", "params": params},
+                                                 {"custom_id": "b", "params": {**params, "max_tokens": "many"}}])
+    assert "requests.1.params.max_tokens" in info.value.message
+    # canceled while its first request runs: that one, and what never ran, are canceled
+    long = claude.messages.batches.create(requests=[{"custom_id": f"r{i}", "params": {**params, "max_tokens": 900}}
+                                                    for i in range(3)])
+    poll(lambda: http.get(f"/v1/jobs/{long.id}-0").json().get("status") == "running", 60.0, "the first request running")
+    assert claude.messages.batches.cancel(long.id).processing_status in ("canceling", "ended")
+    ended = poll(lambda: (b := claude.messages.batches.retrieve(long.id)).processing_status == "ended" and b, 120.0,
+                 "the canceled batch ended")
+    kinds = [r.result.type for r in claude.messages.batches.results(long.id)]
+    assert kinds[0] == "canceled" and ended.request_counts.canceled == kinds.count("canceled")
+    assert ended.request_counts.errored == 0
+    for batch_id in (batch.id, long.id):
+        assert claude.messages.batches.delete(batch_id).type == "message_batch_deleted"
+        with pytest.raises(anthropic.NotFoundError):
+            claude.messages.batches.retrieve(batch_id)
+
+
 def test_the_anthropic_client_raises_its_own_errors(served_model: str, claude: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as info:
         claude.messages.create(model=served_model, messages=MESSAGES, max_tokens=4, tools=[{"type": "bash_20250124", "name": "bash"}])
