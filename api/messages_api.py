@@ -4,7 +4,7 @@ completion request, run as one job like any other, and its reply rendered as a m
 blocks: thinking, text, tool_use) or as the Messages stream events.
 
 What is supported: `system` (text or text blocks), `messages` with text, image (base64 or URL),
-`tool_use` and `tool_result` blocks, a last assistant message the reply goes on from (a
+plain-text document, `tool_use` and `tool_result` blocks, a last assistant message the reply goes on from (a
 prefill), `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, client `tools` with
 `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`), `thinking` (enabled or
 disabled: the chat template's switch; adaptive: the model's default; a deployment's reasoning
@@ -12,8 +12,8 @@ parser makes the thinking a `thinking` block), `output_config` (`format`: a JSON
 reply follows, guided as chat's json_schema; `effort`: the template's reasoning_effort),
 `stream`, and chat's sampling extras (`seed`, `ignore_eos`, ...). Prompt caching needs no
 `cache_control`: the workers cache every prefix, and `usage` says how much of the prompt they
-read from cache. Server tools, documents, MCP servers and containers are a 400
-naming the field. `POST /v1/messages/count_tokens` counts a request's input tokens.
+read from cache. Server tools, documents other than plain text, MCP servers and containers
+are a 400 naming the field. `POST /v1/messages/count_tokens` counts a request's input tokens.
 """
 
 from __future__ import annotations
@@ -158,6 +158,8 @@ def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": block.get("text") or ""})
         elif kind == "image" and role == "user":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
+        elif kind == "document" and role == "user":
+            parts.append({"type": "text", "text": _document(block, at)})
         elif kind == "tool_result" and role == "user":
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": _result(block, at)})
         elif kind == "tool_use" and role == "assistant":
@@ -168,7 +170,7 @@ def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
             continue  # earlier turns' thinking: chat templates leave it out of the prompt too
         else:
             raise invalid_param(f"{at}.type", f"{role} content blocks of type {kind!r} are not supported "
-                                f"({'text, image, tool_result' if role == 'user' else 'text, tool_use, thinking'})")
+                                f"({'text, image, document, tool_result' if role == 'user' else 'text, tool_use, thinking'})")
     if parts or calls or not out:
         out.append({"role": role, "content": _joined(parts), **({"tool_calls": calls} if calls else {})})
     return out
@@ -191,6 +193,19 @@ def _image_url(source: Any, where: str) -> str:
     raise invalid_param(f"{where}.source.type", f"image sources are base64 or url, got {kind!r}")
 
 
+def _document(block: dict[str, Any], where: str) -> str:
+    """A plain-text document's text (under its title, when it has one); other sources (PDF,
+    files) are a 400 naming the source."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        source = {}
+    if source.get("type") != "text" or not isinstance(source.get("data"), str):
+        raise invalid_param(f"{where}.source.type", "documents are plain text ({\"type\": \"text\", \"data\": ...}), "
+                            f"got a {source.get('type')!r} source")
+    title = block.get("title")
+    return f"{title}\n\n{source['data']}" if title else source["data"]
+
+
 def _result(block: dict[str, Any], where: str) -> str:
     """A tool result's content as text (an error result says it is one, as Anthropic shows it)."""
     content = block.get("content")
@@ -209,8 +224,9 @@ def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
     if not tool.get("name"):
         raise invalid_param(f"{where}.name", "a tool needs a name")
     function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
-    if tool.get("description") is not None:
-        function["description"] = tool["description"]
+    for field in ("description", "strict"):  # strict: its calls' inputs are held to the schema
+        if tool.get(field) is not None:
+            function[field] = tool[field]
     return {"type": "function", "function": function}
 
 

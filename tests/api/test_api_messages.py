@@ -216,7 +216,9 @@ def test_what_is_not_supported_is_a_400_in_anthropics_shape(served_model: str, a
     base = {"model": served_model, "messages": MESSAGES, "max_tokens": 4}
     cases = [
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
-        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0.type"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "base64", "data": "JVBE"}}]}]},
+         "messages.0.content.0.source.type"),
+        ({"messages": [{"role": "user", "content": [{"type": "search_result"}]}]}, "messages.0.content.0.type"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
         ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
         ({"thinking": {"type": "deep"}}, "thinking.type"),
@@ -359,8 +361,9 @@ def test_image_blocks_and_tool_results_become_chats_parts() -> None:
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"}, {"type": "text", "text": "Let me look."},
                                           {"type": "tool_use", "id": "t1", "name": "look", "input": {"x": 1}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True,
-                                      "content": [{"type": "text", "text": "no"}]}, {"type": "text", "text": "Hm?"}]},
-    ]})
+                                      "content": [{"type": "text", "text": "no"}]}, {"type": "text", "text": "Hm?"},
+                                     {"type": "document", "title": "Notes", "source": {"type": "text", "data": "x = 1"}}]},
+    ], "tools": [{**SET_COLOUR, "strict": True}]})
     chat = to_chat(request).model_dump(exclude_none=True)
     roles = [m["role"] for m in chat["messages"]]
     assert roles == ["system", "user", "assistant", "tool", "user"]
@@ -372,4 +375,6 @@ def test_image_blocks_and_tool_results_become_chats_parts() -> None:
     assert assistant["content"] == "Let me look."
     assert assistant["tool_calls"][0]["function"] == {"name": "look", "arguments": '{"x": 1}'}
     assert chat["messages"][3] == {"role": "tool", "tool_call_id": "t1", "content": "Error: no"}
+    assert chat["messages"][4]["content"] == "Hm?Notes\n\nx = 1"  # a text document is its text
+    assert chat["tools"][0]["function"]["strict"] is True  # a strict tool's calls are held to its schema
     assert "continue_final_message" not in chat or chat["continue_final_message"] is False
