@@ -76,6 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(tokenize.router, dependencies=guarded)  # vLLM serves these at the root
     app.include_router(scores.router, dependencies=guarded)  # at the root and under /v1, /v2
     app.include_router(invocations.router, dependencies=guarded)
+    app.include_router(embeddings.pooling_router, dependencies=guarded)
     if settings.allow_runtime_lora_updating:
         app.include_router(lora.router, prefix="/v1", dependencies=guarded)
     app.include_router(health.router)

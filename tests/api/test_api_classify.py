@@ -29,14 +29,19 @@ def test_classify_gives_each_inputs_label_probabilities(live_worker: str, serve_
         one = http.post("/v1/classify", json={"input": texts[0]})
         empty = http.post("/classify", json={"input": []})
         generate = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        pooled = http.post("/pooling", json={"model": served_model, "input": texts})  # vLLM's: the raw logits
     assert reply.status_code == 200, reply.text
     body = reply.json()
     hf = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_classifier_dir)
     labels = ["negative", "neutral", "positive"]
-    for i, (text, item) in enumerate(zip(texts, body["data"], strict=True)):
+    assert pooled.status_code == 200 and pooled.json()["object"] == "list"
+    for i, (text, item, raw) in enumerate(zip(texts, body["data"], pooled.json()["data"], strict=True)):
         with torch.inference_mode():
-            expected = hf(torch.tensor([tok.encode(text)])).logits[0].softmax(-1)
+            logits = hf(torch.tensor([tok.encode(text)])).logits[0]
+        expected = logits.softmax(-1)
+        assert (raw["index"], raw["object"]) == (i, "pooling")
+        torch.testing.assert_close(torch.tensor(raw["data"]), logits, atol=1e-4, rtol=1e-4)
         assert item["index"] == i and item["num_classes"] == 3
         torch.testing.assert_close(torch.tensor(item["probs"]), expected, atol=1e-5, rtol=1e-4)
         assert item["label"] == labels[int(expected.argmax())]
