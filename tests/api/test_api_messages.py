@@ -303,6 +303,12 @@ def test_a_message_batch_runs_and_its_results_are_anthropics(
 
 
 def test_the_anthropic_client_raises_its_own_errors(served_model: str, claude: anthropic.Anthropic) -> None:
+    refused = {"model": served_model, "messages": MESSAGES, "max_tokens": 4,
+               "extra_body": {"logit_bias": {"10000000": 1}}}  # the worker refuses the job
+    with pytest.raises(anthropic.BadRequestError, match="outside the vocabulary"):
+        claude.messages.create(**refused)
+    with pytest.raises(anthropic.APIStatusError, match="outside the vocabulary"):  # an error event mid-stream
+        list(claude.messages.create(**refused, stream=True))
     with pytest.raises(anthropic.BadRequestError) as info:
         claude.messages.create(model=served_model, messages=MESSAGES, max_tokens=4, tools=[{"type": "bash_20250124", "name": "bash"}])
     assert info.value.body["error"]["type"] == "invalid_request_error" and "tools.0.type" in info.value.message
