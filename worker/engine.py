@@ -184,7 +184,6 @@ class Engine:
             child.lora_id, child.cache_salt, child.prediction_token_ids = lora_id, salt, predicted
             child.pooling_params = pooling_params
             child.bad_words_token_ids = bad_words
-            self.thinking.add(child.request_id, params.thinking_token_budget, prompt_ids)
             child.image_spans = images.span_keys() if images is not None else []
             if images is not None and self.image_processor is not None and self.image_processor.both_ways:
                 child.whole_spans = images.embed_ranges()
@@ -196,6 +195,8 @@ class Engine:
             self.runner.add_prompt_embeds([child.request_id for child in children], embeds, digest)
         self.output_processor.add_request(request_id, text, children)
         self.logits_processors.keep([child.request_id for child in children], functions)
+        for child in children:
+            self.thinking.add(child.request_id, params.thinking_token_budget, prompt_ids)
         if self.recurrent and not self.block_manager.enable_prefix_caching:  # no state of the prompt is
             # kept for the others to start from: each completion computes it
             for child in children:
