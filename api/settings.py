@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     batch_max_in_flight: int = 64
     batch_poll_s: float = 0.5
 
+    # A stream that has sent nothing this long (its job waiting in the queue) sends an SSE
+    # comment, so proxies that close idle connections leave it open; 0: never
+    sse_keepalive_s: float = 15.0
     # Browsers may call the API from these origins (CORS; vLLM's --allowed-origins, every
     # origin by default as in vLLM: keys are bearer tokens, never cookies); empty: none
     allowed_origins: Annotated[tuple[str, ...], NoDecode] = ("*",)

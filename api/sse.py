@@ -1,19 +1,21 @@
-"""Server-sent events: the line format, a response that always closes its stream, and the
-disconnect watch for non-streaming requests."""
+"""Server-sent events: the line format, a response that always closes its stream and keeps an
+idle one alive, and the disconnect watch for non-streaming requests."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 DONE = "data: [DONE]\n\n"
+KEEPALIVE = b": keepalive\n\n"  # an SSE comment: every client skips it
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 T = TypeVar("T")
@@ -29,7 +31,9 @@ def format_sse(data: dict[str, Any] | str, event_id: str | None = None) -> str:
 class EventStreamResponse(StreamingResponse):
     """`text/event-stream` whose generator is always closed when the response ends: Starlette
     stops iterating on a client disconnect but leaves the generator open, and the generator's
-    cleanup is what cancels the request's jobs."""
+    cleanup is what cancels the request's jobs. While a stream has sent nothing for the app's
+    GENQ_SSE_KEEPALIVE_S (its job waiting in a long queue), it sends a comment, so proxies that
+    close idle connections (nginx's and load balancers' 60 s) leave it open."""
 
     media_type = "text/event-stream"
 
@@ -37,13 +41,49 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(content, headers={**SSE_HEADERS, **kwargs.pop("headers", {})}, **kwargs)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = getattr(getattr(scope.get("app"), "state", None), "genq", None)
+        interval = state.settings.sse_keepalive_s if state is not None else 0.0
         try:
-            await super().__call__(scope, receive, send)
+            if interval > 0:
+                await self._kept_alive(scope, receive, send, interval)
+            else:
+                await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self.body_iterator, "aclose", None)
                 if aclose is not None:
                     await aclose()
+
+
+    async def _kept_alive(self, scope: Scope, receive: Receive, send: Send, interval: float) -> None:
+        """The stream, with a comment sent whenever nothing was for `interval` seconds; one lock
+        keeps the comments and the stream's own messages apart."""
+        lock = anyio.Lock()
+        sent = {"at": time.monotonic(), "started": False, "ended": False}
+
+        async def guarded(message: Message) -> None:
+            async with lock:
+                sent["started"] = sent["started"] or message["type"] == "http.response.start"
+                sent["ended"] = message["type"] == "http.response.body" and not message.get("more_body", False)
+                sent["at"] = time.monotonic()
+                await send(message)
+
+        async def keep_alive() -> None:
+            while True:
+                await anyio.sleep(interval / 4)
+                async with lock:
+                    if sent["ended"]:
+                        return
+                    if sent["started"] and time.monotonic() - sent["at"] >= interval:
+                        await send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+                        sent["at"] = time.monotonic()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(keep_alive)
+            try:
+                await super().__call__(scope, receive, guarded)
+            finally:
+                group.cancel_scope.cancel()
 
 
 async def until_disconnected(request: Request) -> None:

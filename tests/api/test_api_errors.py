@@ -219,6 +219,21 @@ def test_ping_version_request_ids_and_cors(bare: httpx.Client, redis_server: Red
             assert "access-control-allow-origin" not in http.options("/v1/models", headers=other).headers
 
 
+def test_an_idle_stream_is_kept_alive(redis_server: RedisServer, serve_api) -> None:
+    """No worker: the jobs wait in the queue, and their streams send SSE comments while they do,
+    which the clients skip; the streams end at the request timeout as ever."""
+    settings = Settings(redis_url=redis_server.url, sse_keepalive_s=0.1, request_timeout_s=1.0)
+    with serve_api(settings) as url, httpx.Client(base_url=url, timeout=30) as http:
+        job_id = http.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
+        with http.stream("GET", f"/v1/jobs/{job_id}/events") as events:
+            lines = list(events.iter_lines())
+        assert lines.count(": keepalive") >= 3 and not [line for line in lines if line.startswith("data:")]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        stream = client.chat.completions.create(model="genq", messages=[{"role": "user", "content": "hi"}], stream=True)
+        with pytest.raises(openai.APIError, match="no end of the job within 1.0 s"):
+            list(stream)
+
+
 def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GENQ_API_KEYS", " a, b ,,")
     monkeypatch.setenv("GENQ_MAX_QUEUED_JOBS", "")
