@@ -60,6 +60,19 @@ def test_the_end_is_forced_once_the_budget_is_spent(llm: LLM, markers: ThinkingM
     assert speculative.engine.spec_stats.num_drafts > 0
 
 
+def test_a_resumed_reply_keeps_the_budget_it_had_spent(llm: LLM, markers: ThinkingMarkers) -> None:
+    """A job taken over from a worker that died goes on from the tokens it had sent (their
+    thinking counted): its reply is the one it would have been."""
+    prompt = thinking_prompt(llm, markers)
+    params = greedy(16, thinking_token_budget=5)
+    whole = generate(llm, prompt, params)
+    llm.engine.add_request("resumed", {"prompt_token_ids": prompt}, params, resume_output_token_ids=whole[:3])
+    rest: list[int] = []
+    while llm.engine.has_unfinished_requests():
+        rest += [t for out in llm.engine.step() for t in out.outputs[0].token_ids]
+    assert whole[:3] + rest == whole
+
+
 def test_a_reply_that_is_not_thinking_is_left_alone(llm: LLM, markers: ThinkingMarkers) -> None:
     prompt = llm.engine.tokenizer.encode("1, 2, 3, 4, 1, 2, 3,", add_special_tokens=False)
     assert generate(llm, prompt, greedy(12, thinking_token_budget=0)) == generate(llm, prompt, greedy(12))
