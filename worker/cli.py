@@ -16,6 +16,7 @@ from typing import Any
 _ENGINE_FLAGS: dict[str, type] = {
     "model": str,
     "tokenizer": str,
+    "chat_template": str,
     "generation_config": str,
     "logprobs_mode": str,
     "dtype": str,
@@ -112,6 +113,8 @@ def build(parser: argparse.ArgumentParser) -> Any:
 
 
 _HELP = {
+    "chat_template": "the chat template to use instead of the tokenizer's: a Jinja file's path or the template "
+    "itself (default: $GENQ_CHAT_TEMPLATE or the tokenizer's)",
     "max_images_per_prompt": "the most images one prompt may hold; more fail the job by name "
     "(default: $GENQ_MAX_IMAGES_PER_PROMPT or 16)",
     "model": "local model directory or GGUF file (default: $GENQ_MODEL or SmolLM2-135M-Instruct)",

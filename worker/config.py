@@ -26,6 +26,9 @@ class EngineConfig:
     # vLLM's: a local directory whose tokenizer (and chat template) to use; None: the model's
     # own (a GGUF file's as transformers reads it, which may differ from its base model's)
     tokenizer: str | None = None
+    # vLLM's: the chat template to use instead of the tokenizer's, a Jinja file's path or the
+    # template itself (a model whose tokenizer has none, a template with another tool format)
+    chat_template: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import AutoTokenizer
 
 from producer.chat_template import render_chat
@@ -83,6 +85,8 @@ class Engine:
         whole_config = read_config(self.model_path, config.hf_overrides)
         hf_config = language_config(whole_config)
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_path)
+        if config.chat_template is not None:  # (the workers publish it with the tokenizer)
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
         # (before the model loads: a processor that cannot load fails the start at once)
         self.logits_processors = LogitsProcessors(load_logits_processors(config.logits_processors, config))
         self.max_model_len = _max_model_len(config, hf_config)
@@ -727,6 +731,21 @@ def load_tokenizer(tokenizer: str | None, model_path: Path) -> Any:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"tokenizer {tokenizer!r}: {exc}") from exc
+
+
+def read_chat_template(given: str) -> str:
+    """A chat template from a file's path or given as itself; ValueError naming chat_template
+    for a file that is not there or a template Jinja cannot read."""
+    path = Path(given).expanduser()
+    looks_like_path = "{" not in given and "\n" not in given
+    if looks_like_path and not path.is_file():
+        raise ValueError(f"chat_template {given!r} is no file (give a Jinja file's path, or the template itself)")
+    text = path.read_text() if looks_like_path else given
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not parse as Jinja: {exc.message} (line {exc.lineno})") from None
+    return text
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

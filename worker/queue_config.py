@@ -162,6 +162,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
     engine_args = _drop_none(
         model=env.get("GENQ_MODEL") or None,
         tokenizer=env.get("GENQ_TOKENIZER") or None,
+        chat_template=env.get("GENQ_CHAT_TEMPLATE") or None,
         generation_config=env.get("GENQ_GENERATION_CONFIG") or None,
         logprobs_mode=env.get("GENQ_LOGPROBS_MODE") or None,
         dtype=env.get("GENQ_DTYPE") or None,
