@@ -32,7 +32,7 @@ from api.messages_api import MessageRenderer, MessagesRequest, message_object
 from api.messages_api import to_chat as message_to_chat
 from api.render import ChatRenderer, CompletionRenderer, Renderer
 from api.responses_api import ResponseRenderer, ResponsesRequest, response_object, to_chat
-from api.routes.chat import chat_prompt, check_tool_parser
+from api.routes.chat import chat_prompt, check_tool_parser, templated
 from api.routes.completions import reject_unsupported
 from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput
 
@@ -166,6 +166,7 @@ def plan_line(state: AppState, line: Line, batch_id: str, number: int,
         return plan_embeddings(body, base, model, body.model, priority_offset=BATCH_PRIORITY)
     prompts: list[PromptInput]
     if isinstance(body, ChatCompletionRequest):
+        body = templated(body, state.settings)
         check_tool_parser(body, state.settings)
         prompts = [chat_prompt(body)]
     else:

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     # reasoning model).
     reasoning_parser: Literal["none", "deepseek_r1", "qwen3", "glm45", "seed_oss", "mistral", "granite", "minimax_m2",
                               "deepseek_v3", "gpt_oss"] = "none"
+    # vLLM's --default-chat-template-kwargs: variables every chat request's template gets
+    # unless the request sets them itself (e.g. {"enable_thinking": false}); JSON in the environment
+    default_chat_template_kwargs: dict[str, Any] = {}
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only when this is on (vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING): they make workers read paths on their disks.
     allow_runtime_lora_updating: bool = False

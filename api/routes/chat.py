@@ -23,6 +23,7 @@ router = APIRouter(tags=["openai"])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: StateDep):
     """Messages in, one assistant message per choice out; `stream: true` answers with SSE."""
     renderer = ChatRenderer()
+    body = templated(body, state.settings)
     if body.use_beam_search:
         check_tool_parser(body, state.settings)
         if any(m.has_images() for m in body.messages):
@@ -37,9 +38,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 async def start(state: AppState, chat: ChatCompletionRequest, renderer: Renderer) -> RelayedRequest:
     """Submit a chat request's job, its image URLs fetched first; raises APIError. Also for
     requests of the APIs that run as chat (Responses, Messages)."""
+    chat = templated(chat, state.settings)
     check_tool_parser(chat, state.settings)
     await inline_image_urls(chat.messages, state.settings)
     return await generate.start(state, chat, [chat_prompt(chat)], renderer)
+
+
+def templated(chat: ChatCompletionRequest, settings: Settings) -> ChatCompletionRequest:
+    """The request with the deployment's default template variables under its own."""
+    defaults = settings.default_chat_template_kwargs
+    if not defaults:
+        return chat
+    return chat.model_copy(update={"chat_template_kwargs": {**defaults, **(chat.chat_template_kwargs or {})}})
 
 
 def check_tool_parser(body: ChatCompletionRequest, settings: Settings) -> None:

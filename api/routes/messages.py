@@ -15,7 +15,7 @@ from api.errors import APIError, invalid_param, renamed
 from api.generate import check_rate_limit, resolve_model
 from api.messages_api import CountTokensRequest, MessageRenderer, MessagesRequest
 from api.reasoning import TAGS as THINK_TAGS
-from api.routes.chat import start
+from api.routes.chat import start, templated
 from api.routes.tokenize import chat_ids
 from api.sse import EventStreamResponse, unless_disconnected
 from api.tokenizers import base_model
@@ -53,7 +53,7 @@ async def count_tokens(body: CountTokensRequest, state: StateDep) -> dict[str, A
                             "each image into as many tokens as its size makes")
     model, _ = await base_model(state.cluster, await resolve_model(state, body.model))
     tokenizer = await state.tokenizers.get(state.client, model)
-    return {"input_tokens": len(chat_ids(tokenizer, chat))}
+    return {"input_tokens": len(chat_ids(tokenizer, templated(chat, state.settings)))}
 
 
 @router.post("/messages/batches")

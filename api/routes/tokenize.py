@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from api.deps import StateDep
 from api.errors import APIError, invalid_param, param_from_value_error
 from api.generate import resolve_model
-from api.routes.chat import chat_prompt
+from api.routes.chat import chat_prompt, templated
 from api.schemas import ChatCompletionRequest, ChatMessage
+from api.settings import Settings
 from api.tokenizers import base_model, job_prompt_ids
 from producer.jobs import build_job
 
@@ -55,7 +56,7 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> dict[str, Any]:
         if any(m.has_images() for m in body.messages):
             raise invalid_param("messages", "messages with images cannot be tokenized here: the worker widens "
                                 "each image into as many tokens as its size makes")
-        ids = _chat_ids(tokenizer, body)
+        ids = _chat_ids(tokenizer, body, state.settings)
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
@@ -74,7 +75,7 @@ async def detokenize(body: DetokenizeRequest, state: StateDep) -> dict[str, Any]
     return {"prompt": tokenizer.decode(body.tokens)}
 
 
-def _chat_ids(tokenizer: Any, body: TokenizeRequest) -> list[int]:
+def _chat_ids(tokenizer: Any, body: TokenizeRequest, settings: Settings) -> list[int]:
     """The ids a chat job with these messages would run on (`chat_ids`)."""
     fields = {"messages": body.messages, "tools": body.tools, "chat_template_kwargs": body.chat_template_kwargs,
               "add_generation_prompt": body.add_generation_prompt,
@@ -84,7 +85,7 @@ def _chat_ids(tokenizer: Any, body: TokenizeRequest) -> list[int]:
     except ValidationError as exc:
         first = exc.errors()[0]
         raise invalid_param(".".join(str(p) for p in first["loc"]), first["msg"]) from None
-    ids = chat_ids(tokenizer, chat)
+    ids = chat_ids(tokenizer, templated(chat, settings))
     if body.add_special_tokens:
         ids = tokenizer.build_inputs_with_special_tokens(ids)
     return ids

@@ -239,9 +239,11 @@ def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GENQ_MAX_QUEUED_JOBS", "")
     monkeypatch.setenv("GENQ_PREFIX", "x:")
     monkeypatch.setenv("GENQ_ALLOWED_ORIGINS", "https://a.example, https://b.example")
+    monkeypatch.setenv("GENQ_DEFAULT_CHAT_TEMPLATE_KWARGS", '{"enable_thinking": false}')
     settings = Settings()
     assert settings.api_keys == ("a", "b")
     assert settings.allowed_origins == ("https://a.example", "https://b.example")
+    assert settings.default_chat_template_kwargs == {"enable_thinking": False}
     assert settings.max_queued_jobs is None
     assert settings.prefix == "x:"
 

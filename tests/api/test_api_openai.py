@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -738,23 +739,53 @@ def test_a_reasoning_parser_splits_the_thinking_off(
             client.close()
 
 
+def offline_reply(tiny_llama_dir: Path) -> str:
+    """The tiny model's greedy reply to MESSAGES (GREEDY's 12 tokens), from the offline engine."""
+    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    return offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+
+
+def thinks_only_when_asked(client: openai.OpenAI, served_model: str, text: str, turned_on: dict) -> dict:
+    """A plain request's reply is all content; one with `turned_on` template variables all
+    reasoning (the tiny model never writes </think>). Returns that request's arguments."""
+    plain = client.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY).choices[0].message
+    assert (plain.reasoning_content, plain.content) == (None, text)
+    on = {**GREEDY, "extra_body": {**GREEDY["extra_body"], "chat_template_kwargs": turned_on}}
+    thought = client.chat.completions.create(model=served_model, messages=MESSAGES, **on).choices[0].message
+    assert (thought.reasoning_content, thought.content) == (text, "")
+    return on
+
+
 def test_deepseek_v3_replies_think_only_when_asked(
     served_model: str, live_worker: str, serve_api, tiny_llama_dir: Path
 ) -> None:
     """DeepSeek-V3.1's template thinks only with chat_template_kwargs thinking true: then the
     tiny model's reply (no </think>) is all reasoning, streamed or not; else all content."""
-    offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
-    text = offline.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].text
+    text = offline_reply(tiny_llama_dir)
     with serve_api(Settings(redis_url=live_worker, reasoning_parser="deepseek_v3")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        plain = client.chat.completions.create(model=served_model, messages=MESSAGES, **GREEDY).choices[0].message
-        assert (plain.reasoning_content, plain.content) == (None, text)
-        on = {**GREEDY, "extra_body": {**GREEDY["extra_body"], "chat_template_kwargs": {"thinking": True}}}
-        thought = client.chat.completions.create(model=served_model, messages=MESSAGES, **on).choices[0].message
-        assert (thought.reasoning_content, thought.content) == (text, "")
+        on = thinks_only_when_asked(client, served_model, text, {"thinking": True})
         chunks = list(client.chat.completions.create(model=served_model, messages=MESSAGES, stream=True, **on))
         assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == text
+        client.close()
+
+
+def test_the_deployments_template_variables_stand_unless_a_request_sets_its_own(
+    served_model: str, live_worker: str, serve_api, tiny_llama_dir: Path
+) -> None:
+    """vLLM's --default-chat-template-kwargs: {"enable_thinking": false} for every request turns
+    the thinking off (under deepseek_r1 the reply is then all content), unless a request turns
+    it on again; the Messages API's requests get them too."""
+    text = offline_reply(tiny_llama_dir)
+    settings = Settings(redis_url=live_worker, reasoning_parser="deepseek_r1",
+                        default_chat_template_kwargs={"enable_thinking": False})
+    with serve_api(settings) as url, httpx.Client(base_url=url, timeout=60) as http:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        thinks_only_when_asked(client, served_model, text, {"enable_thinking": True})
+        message = http.post("/v1/messages", json={"model": served_model, "messages": MESSAGES, "max_tokens": 12,
+                                                  "temperature": 0.0, "ignore_eos": True}).json()
+        assert [block["type"] for block in message["content"]] == ["text"]
         client.close()
 
 
