@@ -85,6 +85,11 @@ def build(parser: argparse.ArgumentParser) -> Any:
         '"factor": 4.0, "original_max_position_embeddings": 32768}}\' (default: $GENQ_HF_OVERRIDES or none)',
     )
     parser.add_argument(
+        "--override-generation-config", metavar="JSON",
+        help='sampling defaults under generation_config.json\'s names that replace or add to the model\'s, e.g. '
+        '\'{"temperature": 0.5}\' (default: $GENQ_OVERRIDE_GENERATION_CONFIG or none)',
+    )
+    parser.add_argument(
         "--reasoning-config", metavar="JSON",
         help='the markers of a reasoning model\'s thinking, which requests\' thinking_token_budget counts '
         'between, e.g. \'{"think_start_str": "<think>", "think_end_str": "</think>"}\' '
@@ -175,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         engine_args["disable_hybrid_kv_cache_manager"] = True
     if args.enable_lora:
         engine_args["enable_lora"] = True
-    for name in ("speculative_config", "hf_overrides", "mm_processor_kwargs", "reasoning_config"):  # JSON objects
+    for name in ("speculative_config", "hf_overrides", "mm_processor_kwargs", "reasoning_config",
+                 "override_generation_config"):  # JSON objects
         if text := getattr(args, name):
             try:
                 engine_args[name] = parse_json_object(text)

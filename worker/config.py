@@ -101,6 +101,9 @@ class EngineConfig:
     # repetition_penalty unset (the API's, LLM.generate without params) take the model's
     # generation_config.json values; "vllm", vLLM's own defaults; or a directory to read one from
     generation_config: str = "auto"
+    # vLLM's: sampling values under generation_config.json's names ({"temperature": 0.5,
+    # "max_new_tokens": 512}) that replace or add to those generation_config gives
+    override_generation_config: dict[str, Any] | None = None
     # vLLM's: entries of the model's config.json replaced before it is read (a mapping merged
     # into a mapping), e.g. {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
     # "original_max_position_embeddings": 32768}} for a longer context

@@ -108,7 +108,8 @@ class Engine:
         self.model_config = self.runner.model_config
         self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
                               | generation_eos(self.model_path))
-        self.sampling_defaults = sampling_defaults(self.model_path, config.generation_config)
+        self.sampling_defaults = sampling_defaults(self.model_path, config.generation_config,
+                                                   config.override_generation_config)
         # linear attention's state follows every token before: blocks alone restore no prefix, the
         # states the prefix cache keeps do (where it keeps some)
         self.recurrent = self.model_config.linear is not None
@@ -778,25 +779,27 @@ SAMPLING_DEFAULT_KEYS = {
 }
 
 
-def sampling_defaults(model_path: Path, generation_config: str) -> dict[str, Any]:
+def sampling_defaults(model_path: Path, generation_config: str, override: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's generation_config: "auto", the sampling values of the model's
     generation_config.json (Qwen3's temperature 0.6, top_p 0.95, top_k 20, ...; its
     max_new_tokens as max_tokens), which requests that leave them unset take; "vllm", none; else a directory whose
-    generation_config.json to read. ValueError naming a value SamplingParams refuses."""
-    if generation_config == "vllm":
-        return {}
-    folder = model_path if generation_config == "auto" else Path(generation_config).expanduser()
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        if generation_config == "auto":
-            return {}
+    generation_config.json to read; then vLLM's override_generation_config, values under the
+    same names that replace or add to those. ValueError naming a value SamplingParams refuses."""
+    unknown = sorted(set(override or {}) - set(SAMPLING_DEFAULT_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config takes {', '.join(SAMPLING_DEFAULT_KEYS)}, got {unknown[0]!r}")
+    named = generation_config not in ("auto", "vllm")  # a directory
+    path = (Path(generation_config).expanduser() if named else model_path) / "generation_config.json"
+    if named and not path.is_file():
         raise ValueError(f"generation_config {generation_config!r} holds no generation_config.json")
-    values = json.loads(path.read_text())
+    values = json.loads(path.read_text()) if generation_config != "vllm" and path.is_file() else {}
+    values.update(override or {})
     found = {field: values[k] for k, field in SAMPLING_DEFAULT_KEYS.items() if values.get(k) is not None}
     try:
         SamplingParams(**found)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+        where = f"{path} with override_generation_config" if override else str(path)
+        raise ValueError(f"{where}: {exc}") from exc
     if found:
         logger.info("requests that leave them unset sample with the model's generation config: %s", found)
     return found

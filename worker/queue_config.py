@@ -181,6 +181,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         mm_processor_kwargs=_parse(env, "GENQ_MM_PROCESSOR_KWARGS", parse_json_object, "a JSON object"),
         hf_overrides=_parse(env, "GENQ_HF_OVERRIDES", parse_json_object, "a JSON object"),
         reasoning_config=_parse(env, "GENQ_REASONING_CONFIG", parse_json_object, "a JSON object"),
+        override_generation_config=_parse(env, "GENQ_OVERRIDE_GENERATION_CONFIG", parse_json_object, "a JSON object"),
         max_images_per_prompt=_int(env, "GENQ_MAX_IMAGES_PER_PROMPT"),
         tensor_parallel_size=_int(env, "GENQ_TENSOR_PARALLEL_SIZE"),
         enable_expert_parallel=_bool(env, "GENQ_ENABLE_EXPERT_PARALLEL"),

@@ -341,6 +341,8 @@ def test_worker_config_from_env() -> None:
     markers = '{"think_start_str": "<think>", "think_end_str": "</think>"}'
     assert config_from_env({"GENQ_REASONING_CONFIG": markers}).engine.reasoning_config["think_end_str"] == "</think>"
     assert config_from_env({"GENQ_CHAT_TEMPLATE": "/t/tools.jinja"}).engine.chat_template == "/t/tools.jinja"
+    override = config_from_env({"GENQ_OVERRIDE_GENERATION_CONFIG": '{"temperature": 0.5}'}).engine.override_generation_config
+    assert override == {"temperature": 0.5}
     assert config_from_env({"GENQ_DISABLE_HYBRID_KV_CACHE_MANAGER": "1"}).engine.disable_hybrid_kv_cache_manager
     with pytest.raises(ValueError, match="GENQ_ENFORCE_EAGER must be 1 or 0"):
         config_from_env({"GENQ_ENFORCE_EAGER": "maybe"})

@@ -39,3 +39,21 @@ def test_a_generation_config_sampling_refuses_is_named(tiny_llama_dir, tmp_path)
         LLM(str(bad), num_gpu_blocks_override=64)
     with pytest.raises(ValueError, match="holds no generation_config.json"):
         LLM(str(tiny_llama_dir), num_gpu_blocks_override=64, generation_config=str(tmp_path))
+
+
+def test_an_override_replaces_or_adds_to_the_generation_config(tuned_llama_dir):
+    """vLLM's override_generation_config: over the model's values ("auto"), or alone ("vllm");
+    a key it does not take, or a value SamplingParams refuses, is named."""
+    override = {"temperature": 0.5, "max_new_tokens": 7, "min_p": 0.1}
+    llm = LLM(str(tuned_llama_dir), num_gpu_blocks_override=64, override_generation_config=override)
+    assert llm.engine.sampling_defaults == {"temperature": 0.5, "top_k": 1, "repetition_penalty": 1.5, "min_p": 0.1,
+                                            "max_tokens": 7}
+    prompt = {"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}
+    assert len(llm.generate(prompt, use_tqdm=False)[0].outputs[0].token_ids) == 7  # requests that leave it unset
+    alone = LLM(str(tuned_llama_dir), num_gpu_blocks_override=64, generation_config="vllm",
+                override_generation_config={"top_p": 0.8})
+    assert alone.engine.sampling_defaults == {"top_p": 0.8}
+    with pytest.raises(ValueError, match="override_generation_config takes temperature.*got 'beams'"):
+        LLM(str(tuned_llama_dir), num_gpu_blocks_override=64, override_generation_config={"beams": 2})
+    with pytest.raises(ValueError, match="top_p must be in"):
+        LLM(str(tuned_llama_dir), num_gpu_blocks_override=64, override_generation_config={"top_p": 3})
