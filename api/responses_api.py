@@ -14,6 +14,7 @@ a 400 naming the field.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -110,14 +111,22 @@ def to_chat(request: ResponsesRequest, history: list[dict[str, Any]] | None = No
         raise invalid_param(".".join(str(p) for p in first["loc"]), first["msg"]) from None
 
 
-LOGPROBS = "message.output_text.logprobs"  # the one `include` value genq has something for
+LOGPROBS = "message.output_text.logprobs"
+# reasoning items carry their text as `encrypted_content`, for clients that keep no state
+# (store false) and send the items back (Codex): genq's thinking is no secret, only encoded
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+INCLUDABLE = (LOGPROBS, ENCRYPTED_REASONING)
 
 
 def _wants_logprobs(request: ResponsesRequest) -> bool:
-    unknown = [value for value in request.include or [] if value != LOGPROBS]
+    unknown = [value for value in request.include or [] if value not in INCLUDABLE]
     if unknown:
-        raise invalid_param("include", f"include {unknown[0]!r} is not supported (only {LOGPROBS!r})")
+        raise invalid_param("include", f"include {unknown[0]!r} is not supported (only {' and '.join(INCLUDABLE)})")
     return LOGPROBS in (request.include or [])
+
+
+def _encrypted(request: ResponsesRequest) -> bool:
+    return ENCRYPTED_REASONING in (request.include or [])
 
 
 # chat fields a Responses request sets through its own, or that have no meaning here
@@ -145,12 +154,15 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
             last["tool_calls"].append(call)  # parallel calls: one assistant turn
         else:
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "reasoning":
+        return  # an earlier turn's thinking: chat templates leave it out of the prompt too
     elif kind == "function_call_output":
         output = item.get("output")
         messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                          "content": output if isinstance(output, str) else json.dumps(output)})
     else:
-        raise invalid_param(f"{where}.type", f"input items of type {kind!r} are not supported (message, function_call, function_call_output)")
+        raise invalid_param(f"{where}.type", f"input items of type {kind!r} are not supported "
+                            "(message, function_call, function_call_output, reasoning)")
 
 
 def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
@@ -188,7 +200,7 @@ def response_object(
     incomplete = choice.finish_reason == "length"
     output: list[dict[str, Any]] = []
     if message.reasoning_content:
-        output.append(reasoning_item(base, message.reasoning_content))
+        output.append(reasoning_item(base, message.reasoning_content, _encrypted(request)))
     if message.content:
         logprobs = (choice.logprobs or {}).get("content")
         output.append(message_item(base, message.content, "incomplete" if incomplete else "completed", logprobs))
@@ -235,9 +247,9 @@ def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def reasoning_item(base: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": f"rs_{base}", "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}
+def reasoning_item(base: str, text: str, encrypted: bool = False) -> dict[str, Any]:
+    item = {"type": "reasoning", "id": f"rs_{base}", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+    return {**item, "encrypted_content": base64.b64encode(text.encode()).decode()} if encrypted else item
 
 
 def function_call_item(base: str, k: int, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -348,7 +360,7 @@ class ResponseEvents:
             item.update(message_item(self.base, text, "completed", self.logprobs))
         elif self.open == "reasoning":
             out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
-            item.update(reasoning_item(self.base, text))
+            item.update(reasoning_item(self.base, text, _encrypted(self.request)))
         else:
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=text))
             item.update(arguments=text, status="completed")

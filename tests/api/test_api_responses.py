@@ -4,6 +4,7 @@ oracles for what the model says."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -95,6 +96,19 @@ def test_a_reasoning_model_s_thinking_is_a_reasoning_item(
         events = list(client.responses.create(**request, stream=True))
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text
         assert [e.type for e in events][-2:] == ["response.output_item.done", "response.incomplete"]
+        # a client that keeps no state (Codex) asks for the reasoning as encrypted_content and
+        # sends the item back; earlier thinking is left out of the prompt, as chat templates do
+        stateless = {**request, "store": False, "include": ["reasoning.encrypted_content"]}
+        (item,) = client.responses.create(**stateless).output
+        assert base64.b64decode(item.encrypted_content).decode() == text
+        streamed = list(client.responses.create(**stateless, stream=True))
+        assert streamed[-1].response.output[0].encrypted_content == item.encrypted_content
+        follow = [*MESSAGES, item.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+        again = client.responses.create(**{**request, "input": follow})
+        chat = client.chat.completions.create(
+            model=served_model, max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True},
+            messages=[*MESSAGES, {"role": "user", "content": "And?"}])
+        assert again.output[0].content[0].text == chat.choices[0].message.reasoning_content
         client.close()
 
 
