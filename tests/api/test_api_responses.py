@@ -257,7 +257,7 @@ def test_output_text_logprobs_whole_and_streamed(served_model: str, oai: openai.
     assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in part.logprobs], abs=1e-4)
     assert oai.responses.create(**{**request, "include": None}).output[0].content[0].logprobs == []
     with pytest.raises(openai.BadRequestError) as info:
-        oai.responses.create(**{**request, "include": ["reasoning.encrypted_content"]})
+        oai.responses.create(**{**request, "include": ["file_search_call.results"]})
     assert info.value.body["param"] == "include"
 
 
