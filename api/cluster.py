@@ -119,18 +119,26 @@ class Cluster:
 
     async def served_models(self, max_age_s: float = 0.0) -> list[str]:
         """Model names the serving workers report (draining ones excluded): base models
-        first (the shared stream's first: a job naming no model runs there), then their LoRA
-        adapters."""
+        first (the shared stream's first: a job naming no model runs there), then their
+        aliases, then their LoRA adapters."""
         serving = [w.info for w in await self.workers(max_age_s) if w.serving and w.info.model]
         shared = sorted({info.model for info in serving if not info.queue})
         models = shared + sorted({info.model for info in serving} - set(shared))
+        models += sorted({name for info in serving for name in info.names} - set(models))
         return models + sorted({name for info in serving for name in info.adapters} - set(models))
+
+    async def model_named(self, name: str, max_age_s: float = 0.0) -> str:
+        """The model's own name for one of its aliases (any other name as it is)."""
+        for worker in await self.workers(max_age_s):
+            if worker.serving and name in worker.info.names:
+                return worker.info.model
+        return name
 
     async def sampling_defaults(self, model: str, max_age_s: float = QUEUES_MAX_AGE_S) -> dict[str, Any]:
         """The sampling values a serving worker of `model` (or of the adapter it names) reports
         from its generation_config.json; none where no such worker is live."""
         for worker in await self.workers(max_age_s):
-            if worker.serving and (worker.info.model == model or model in worker.info.adapters):
+            if worker.serving and (model in worker.info.names or model in worker.info.adapters):
                 return worker.info.default_sampling
         return {}
 

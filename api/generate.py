@@ -247,7 +247,7 @@ async def resolve_model(state: AppState, requested: str | None) -> str:
             404, f"The model `{requested}` does not exist (served: {', '.join(served)}).",
             param="model", code="model_not_found",
         )
-    return requested
+    return await state.cluster.model_named(requested, max_age_s=1.0)  # an alias answers as its model, as vLLM's
 
 
 async def check_backpressure(state: AppState) -> None:

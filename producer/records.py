@@ -183,6 +183,7 @@ class WorkerInfo:
 
     model: str  # the served model name jobs may ask for
     max_num_seqs: int
+    aliases: str = ""  # comma-separated other names jobs may ask for the model by
     queue: str = ""  # the requests stream it reads: "" the shared one, else requests:<queue>
     lora_modules: str = ""  # comma-separated names of the LoRA adapters jobs may ask for too
     lora_errors: str = ""  # JSON {name: why}: runtime adapters this worker could not load
@@ -204,6 +205,11 @@ class WorkerInfo:
     heartbeat_at: float = 0.0
     pid: int = 0
     host: str = ""
+
+    @property
+    def names(self) -> list[str]:
+        """The model's names: its own, then its aliases."""
+        return [self.model, *(name for name in self.aliases.split(",") if name)]
 
     @property
     def adapters(self) -> list[str]:

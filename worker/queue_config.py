@@ -80,7 +80,9 @@ class WorkerConfig:
     # Workers on one stream serve one model; clients route each job by its model (Keys.route).
     queue: str = ""
     name: str = field(default_factory=socket.gethostname)  # consumer name in the group
-    served_model_name: str | None = None  # None: the model directory's name
+    # None: the model directory's name; "a,b": vLLM's several names, the first the model's own,
+    # the others aliases jobs may name it by too
+    served_model_name: str | None = None
     claim_idle_s: float = DEFAULT_CLAIM_IDLE_S
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     delivery_limit: int = DEFAULT_DELIVERY_LIMIT
@@ -122,8 +124,9 @@ class WorkerConfig:
                 raise ValueError(f"LoRA module name {name!r} must be non-empty, without commas, '=' or edge spaces")
         if len(set(names)) != len(names):
             raise ValueError(f"LoRA module names must differ, got {', '.join(names)}")
-        if self.model_name in names:
-            raise ValueError(f"LoRA module name {self.model_name!r} is the served model's own name")
+        taken = [n for n in (self.model_name, *self.aliases) if n in names]
+        if taken:
+            raise ValueError(f"LoRA module name {taken[0]!r} is the served model's own name")
         if names and not self.engine.enable_lora:
             raise ValueError("LoRA modules are given but the engine's enable_lora is off")
 
@@ -134,17 +137,28 @@ class WorkerConfig:
 
     @property
     def model_name(self) -> str:
-        """The name this worker serves: jobs whose `model` is set must use it."""
-        if self.served_model_name:
-            return self.served_model_name
+        """The name this worker serves (its first, with aliases): jobs whose `model` is set
+        must use it or an alias."""
+        if self.served_names:
+            return self.served_names[0]
         if self.engine.model is None:
             return DEFAULT_MODEL_NAME
         return Path(self.engine.model).expanduser().name or self.engine.model
 
     @property
+    def aliases(self) -> tuple[str, ...]:
+        """The served model's other names (served_model_name's after the first)."""
+        return self.served_names[1:]
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """served_model_name's names, in order (none when it is unset)."""
+        return tuple(n.strip() for n in (self.served_model_name or "").split(",") if n.strip())
+
+    @property
     def base_names(self) -> frozenset[str]:
-        """The `model` names that mean the base model: the served name and the --model path."""
-        return frozenset(n for n in (self.model_name, self.engine.model) if n)
+        """The `model` names that mean the base model: the served names and the --model path."""
+        return frozenset(n for n in (self.model_name, *self.aliases, self.engine.model) if n)
 
     @property
     def keys(self) -> Keys:

@@ -120,6 +120,7 @@ class Heartbeat:
         stats, m, adapters = self.publisher.stats, self.metrics, self.engine.adapters
         return WorkerInfo(
             model=self.config.model_name,
+            aliases=",".join(self.config.aliases),
             max_num_seqs=self.config.engine.max_num_seqs,
             queue=self.config.queue,
             lora_modules=",".join(adapters.served),

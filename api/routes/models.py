@@ -47,15 +47,16 @@ def _anthropic_model(card: ModelCard) -> dict[str, Any]:
 
 
 async def _cards(state: StateDep) -> dict[str, ModelCard]:
-    """Base models and their LoRA adapters (whose `parent` is the base model); the shared
-    stream's model first (a request naming none runs there), then by name."""
+    """Base models (under each of their names) and their LoRA adapters (whose `parent` is the
+    base model); the shared stream's model first (a request naming none runs there), then by
+    name."""
     cards: dict[str, ModelCard] = {}
     workers = sorted(await state.cluster.workers(), key=lambda w: (w.info.queue != "", w.info.model, w.name))
     for worker in workers:
         info = worker.info
         if not worker.serving or not info.model:
             continue
-        for name, parent in [(info.model, None)] + [(a, info.model) for a in info.adapters]:
+        for name, parent in [(n, None) for n in info.names] + [(a, info.model) for a in info.adapters]:
             card = cards.setdefault(name, ModelCard(id=name, created=int(info.started_at), parent=parent))
             card.workers += 1
             card.created = min(card.created, int(info.started_at))

@@ -23,6 +23,7 @@ from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
 MISTRAL = "tiny-mistral"
+ALIAS = "mistral-alias"  # the Mistral's other name (vLLM's --served-model-name with several)
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
@@ -33,7 +34,7 @@ def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, tiny_mistral_dir
     logs = tmp_path_factory.mktemp("workers")
     with ExitStack() as stack:
         stack.enter_context(run_worker(stack_redis.url, tiny_llama_dir, logs))
-        mistral = ("--queue", "b", "--served-model-name", MISTRAL)
+        mistral = ("--queue", "b", "--served-model-name", f"{MISTRAL},{ALIAS}")
         yield stack.enter_context(run_worker(stack_redis.url, tiny_mistral_dir, logs, mistral, name="mistral-worker"))
 
 
@@ -55,8 +56,8 @@ def offline(tiny_llama_dir: Path, tiny_mistral_dir: Path, served_model: str):
 
 
 def test_models_lists_every_pools_model(served_model: str, oai: openai.OpenAI) -> None:
-    assert [m.id for m in oai.models.list().data] == [served_model, MISTRAL]  # the shared stream's first
-    assert oai.models.retrieve(MISTRAL).id == MISTRAL
+    assert [m.id for m in oai.models.list().data] == [served_model, MISTRAL, ALIAS]  # the shared stream's first
+    assert oai.models.retrieve(MISTRAL).id == MISTRAL and oai.models.retrieve(ALIAS).id == ALIAS
 
 
 def test_each_request_runs_on_the_model_it_names(served_model: str, oai: openai.OpenAI, offline) -> None:
@@ -66,6 +67,13 @@ def test_each_request_runs_on_the_model_it_names(served_model: str, oai: openai.
         chunks = oai.completions.create(model=model, prompt="Once upon", stream=True, **GREEDY)
         assert "".join(c.choices[0].text for c in chunks) == offline(model, "Once upon")
     assert offline(served_model) != offline(MISTRAL)
+
+
+def test_a_request_naming_an_alias_runs_on_its_model(oai: openai.OpenAI, offline) -> None:
+    """The alias routes to the Mistral's queue; the response names the model by its first
+    name, as vLLM's does."""
+    chat = oai.chat.completions.create(model=ALIAS, messages=MESSAGES, **GREEDY)
+    assert (chat.model, chat.choices[0].message.content) == (MISTRAL, offline(MISTRAL))
 
 
 def test_a_request_naming_no_model_runs_on_the_shared_stream(

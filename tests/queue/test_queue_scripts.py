@@ -336,6 +336,9 @@ def test_worker_config_from_env() -> None:
     assert config.serves("/models/Foo-1B") and not config.serves("Bar")
     with pytest.raises(ValueError, match="GENQ_MAX_NUM_SEQS must be an integer"):
         config_from_env({"GENQ_MAX_NUM_SEQS": "many"})
+    aliased = config_from_env({"GENQ_SERVED_MODEL_NAME": "qwen3-8b, qwen, ", "GENQ_MODEL": "/m/Qwen3-8B"})
+    assert (aliased.model_name, aliased.aliases) == ("qwen3-8b", ("qwen",)) and aliased.serves("qwen")
+    assert aliased.base_names == {"qwen3-8b", "qwen", "/m/Qwen3-8B"}
     assert config_from_env({"GENQ_ENFORCE_EAGER": "true"}).engine.enforce_eager
     assert not config_from_env({"GENQ_ENFORCE_EAGER": "0"}).engine.enforce_eager
     markers = '{"think_start_str": "<think>", "think_end_str": "</think>"}'
