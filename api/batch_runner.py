@@ -115,7 +115,7 @@ class BatchRunner:
         texts = await redis_.lrange(keys.batch_lines(batch.id), next_line, next_line + room - 1) if room > 0 else []
         tenant = await self._tenant(batch.id) if texts else None
         for number, text in enumerate(texts, next_line):
-            line = parse_line(text.decode(), batch.endpoint)
+            line = parse_line(text.decode(), batch.endpoint, self.state.settings)
             model = line.body.model or self.state.settings.served_model_name
             defaults = await self.state.cluster.sampling_defaults(model)
             try:
@@ -162,7 +162,7 @@ class BatchRunner:
         """An in-flight line, `number:jobs`, and its plan."""
         number = int(member.split(":")[0])
         text = await self.state.client.redis.lindex(self.state.client.keys.batch_lines(batch.id), number)
-        line = parse_line(text.decode(), batch.endpoint)
+        line = parse_line(text.decode(), batch.endpoint, self.state.settings)
         return line, plan_line(self.state, line, batch.id, number)
 
     async def _record(self, batch: BatchObject, member: str) -> None:

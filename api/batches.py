@@ -28,13 +28,14 @@ from api.deps import TENANT, AppState
 from api.embeddings import EmbeddingRenderer, encoded, plan_embeddings
 from api.errors import APIError, not_found
 from api.generate import GenerationRequest, Plan, plan
-from api.messages_api import MessageRenderer, MessagesRequest, message_object
+from api.messages_api import MessageRenderer, MessagesRequest, message_object, think_tags
 from api.messages_api import to_chat as message_to_chat
 from api.render import ChatRenderer, CompletionRenderer, Renderer
 from api.responses_api import ResponseRenderer, ResponsesRequest, response_object, to_chat
 from api.routes.chat import chat_prompt, check_tool_parser, templated
 from api.routes.completions import reject_unsupported
 from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput
+from api.settings import Settings
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 BATCH_PRIORITY = 100  # added to each request's own: queued requests of the API go first
@@ -84,8 +85,16 @@ class CreateBatch(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-def _as_is(request: Any) -> Any:
+def _as_is(request: Any, settings: Settings) -> Any:
     return request
+
+
+def _responses(request: ResponsesRequest, settings: Settings) -> GenerationRequest:
+    return to_chat(request)
+
+
+def _messages(request: MessagesRequest, settings: Settings) -> GenerationRequest:
+    return message_to_chat(request, think_tags(settings))
 
 
 def _dumped(request: Any, response: BaseModel) -> dict[str, Any]:
@@ -102,16 +111,16 @@ class Endpoint:
 
     request: type[BaseModel]  # the body as the line gives it
     renderer: type[Renderer]
-    to_run: Callable[[Any], GenerationRequest | EmbeddingRequest] = _as_is  # what runs it
+    to_run: Callable[[Any, Settings], GenerationRequest | EmbeddingRequest] = _as_is  # what runs it
     respond: Callable[[Any, Any], dict[str, Any]] = _dumped  # (request, rendered) -> body
 
 
 ENDPOINTS = {
     "/v1/chat/completions": Endpoint(ChatCompletionRequest, ChatRenderer),
     "/v1/completions": Endpoint(CompletionRequest, CompletionRenderer),
-    "/v1/responses": Endpoint(ResponsesRequest, ResponseRenderer, to_chat, response_object),
+    "/v1/responses": Endpoint(ResponsesRequest, ResponseRenderer, _responses, response_object),
     "/v1/embeddings": Endpoint(EmbeddingRequest, EmbeddingRenderer, respond=_embeddings),
-    "/v1/messages": Endpoint(MessagesRequest, MessageRenderer, message_to_chat, message_object),  # (api.message_batches)
+    "/v1/messages": Endpoint(MessagesRequest, MessageRenderer, _messages, message_object),  # (api.message_batches)
 }
 
 
@@ -127,7 +136,7 @@ class Line:
     endpoint: Endpoint
 
 
-def parse_line(text: str, endpoint: str) -> Line:
+def parse_line(text: str, endpoint: str, settings: Settings) -> Line:
     """One line of the input file; APIError naming what is wrong with it."""
     try:
         item = json.loads(text)
@@ -152,7 +161,7 @@ def parse_line(text: str, endpoint: str) -> Line:
         raise APIError(400, f"body.{param}: {first['msg']}", param=f"body.{param}", code="invalid_body") from None
     if getattr(request, "stream", False):
         raise APIError(400, "a batch request does not stream", param="body.stream", code="invalid_body")
-    return Line(custom_id, request, kind.to_run(request), kind)
+    return Line(custom_id, request, kind.to_run(request, settings), kind)
 
 
 def plan_line(state: AppState, line: Line, batch_id: str, number: int,
@@ -242,7 +251,7 @@ def _validate(state: AppState, lines: list[str], endpoint: str, batch_id: str) -
     seen: set[str] = set()
     for number, text in enumerate(lines):
         try:
-            line = parse_line(text, endpoint)
+            line = parse_line(text, endpoint, state.settings)
             if line.custom_id in seen:
                 raise APIError(400, f"custom_id {line.custom_id!r} is not unique", param="custom_id",
                                code="duplicate_custom_id")

@@ -28,9 +28,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from api.deps import AppState
 from api.errors import invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
+from api.reasoning import TAGS as THINK_TAGS
 from api.render import ChatRenderer, RelayedRequest
 from api.responses import ChatCompletionResponse, Usage
 from api.schemas import ChatCompletionRequest
+from api.settings import Settings
 
 
 class MessagesRequest(BaseModel):
@@ -78,6 +80,15 @@ class MessageRenderer(ChatRenderer):
 
 # ---------------------------------------------------------------------------------------------
 # Request: Messages -> chat
+
+
+# reasoning parsers whose thinking lies between tags, which workers can hold to a budget
+THINK_TAG_PARSERS = (*THINK_TAGS, "deepseek_v3")
+
+
+def think_tags(settings: Settings) -> bool:
+    """Whether the deployment reads thinking between tags (its replies' thinking can be budgeted)."""
+    return settings.reasoning_parser in THINK_TAG_PARSERS
 
 
 # Anthropic's fields genq has nothing for: a 400 naming them rather than a reply that ignored them

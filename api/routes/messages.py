@@ -14,7 +14,6 @@ from api.deps import StateDep
 from api.errors import APIError, invalid_param, renamed
 from api.generate import check_rate_limit, resolve_model
 from api.messages_api import CountTokensRequest, MessageRenderer, MessagesRequest
-from api.reasoning import TAGS as THINK_TAGS
 from api.routes.chat import start, templated
 from api.routes.tokenize import chat_ids
 from api.sse import EventStreamResponse, unless_disconnected
@@ -22,17 +21,13 @@ from api.tokenizers import base_model
 
 router = APIRouter(tags=["anthropic"])
 
-# reasoning parsers whose thinking lies between tags, which workers can hold to a budget
-THINK_TAG_PARSERS = (*THINK_TAGS, "deepseek_v3")
-
 
 @router.post("/messages")
 async def create_message(body: MessagesRequest, request: Request, state: StateDep):
     """Messages in, one assistant message out; `stream: true` answers with the Messages events."""
     renderer = MessageRenderer()
     try:
-        think_tags = state.settings.reasoning_parser in THINK_TAG_PARSERS
-        req = await start(state, messages_api.to_chat(body, think_tags), renderer)
+        req = await start(state, messages_api.to_chat(body, messages_api.think_tags(state.settings)), renderer)
     except APIError as exc:
         raise renamed(exc, messages_api.PARAMS) from None
     if body.stream:

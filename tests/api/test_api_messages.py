@@ -18,6 +18,7 @@ from anthropic._models import construct_type
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
 
+from api.batches import parse_line
 from api.messages_api import MessageEvents, MessagesRequest, to_chat
 from api.reasoning import split
 from api.render import RelayedRequest
@@ -201,6 +202,11 @@ def test_thinking_budget_tokens_end_the_thinking(
         with client.messages.stream(**request) as stream:
             assert [b.type for b in stream.get_final_message().content] == ["thinking", "text"]
         client.close()
+    # a message batch's lines are run as the deployment runs requests: budgeted where it reads tags
+    params = {k: v for k, v in request.items() if k != "extra_body"} | request["extra_body"]
+    line = json.dumps({"custom_id": "b", "method": "POST", "url": "/v1/messages", "body": params})
+    assert parse_line(line, "/v1/messages", Settings(reasoning_parser="deepseek_r1")).body.thinking_token_budget == 3
+    assert parse_line(line, "/v1/messages", Settings()).body.thinking_token_budget is None
 
 
 def test_an_output_format_guides_the_reply(served_model: str, claude: anthropic.Anthropic) -> None:
