@@ -73,33 +73,8 @@ def build(parser: argparse.ArgumentParser) -> Any:
         help="a model mixing full and sliding-window layers keeps every layer's KV blocks "
         "(default: its windowed layers keep only the blocks their windows read)",
     )
-    parser.add_argument(
-        "--speculative-config", metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or, '
-        'with a draft model, \'{"model": "DIR", "num_speculative_tokens": 4}\' '
-        "(default: $GENQ_SPECULATIVE_CONFIG or off)",
-    )
-    parser.add_argument(
-        "--hf-overrides", metavar="JSON",
-        help='entries of the model\'s config.json replaced, e.g. \'{"rope_scaling": {"rope_type": "yarn", '
-        '"factor": 4.0, "original_max_position_embeddings": 32768}}\' (default: $GENQ_HF_OVERRIDES or none)',
-    )
-    parser.add_argument(
-        "--override-generation-config", metavar="JSON",
-        help='sampling defaults under generation_config.json\'s names that replace or add to the model\'s, e.g. '
-        '\'{"temperature": 0.5}\' (default: $GENQ_OVERRIDE_GENERATION_CONFIG or none)',
-    )
-    parser.add_argument(
-        "--reasoning-config", metavar="JSON",
-        help='the markers of a reasoning model\'s thinking, which requests\' thinking_token_budget counts '
-        'between, e.g. \'{"think_start_str": "<think>", "think_end_str": "</think>"}\' '
-        "(default: $GENQ_REASONING_CONFIG or <think> and </think> where they are tokens)",
-    )
-    parser.add_argument(
-        "--mm-processor-kwargs", metavar="JSON",
-        help='overrides of the image processor\'s settings, e.g. \'{"max_pixels": 1003520}\' to bound '
-        "the tokens a Qwen-VL image takes (default: $GENQ_MM_PROCESSOR_KWARGS or the checkpoint's)",
-    )
+    for name, about in _JSON_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), metavar="JSON", help=about)
     parser.add_argument(
         "--enable-lora", action="store_true",
         help="serve LoRA adapters: those of --lora-modules and of the runtime registry (genq:lora_adapters)",
@@ -117,6 +92,20 @@ def build(parser: argparse.ArgumentParser) -> Any:
     return run
 
 
+# Flags that take a JSON object, and what each says.
+_JSON_FLAGS = {
+    "speculative_config": 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or, '
+    'with a draft model, \'{"model": "DIR", "num_speculative_tokens": 4}\' (default: $GENQ_SPECULATIVE_CONFIG or off)',
+    "hf_overrides": 'entries of the model\'s config.json replaced, e.g. \'{"rope_scaling": {"rope_type": "yarn", '
+    '"factor": 4.0, "original_max_position_embeddings": 32768}}\' (default: $GENQ_HF_OVERRIDES or none)',
+    "override_generation_config": 'sampling defaults under generation_config.json\'s names that replace or add to '
+    'the model\'s, e.g. \'{"temperature": 0.5}\' (default: $GENQ_OVERRIDE_GENERATION_CONFIG or none)',
+    "reasoning_config": 'the markers of a reasoning model\'s thinking, which requests\' thinking_token_budget counts '
+    'between, e.g. \'{"think_start_str": "<think>", "think_end_str": "</think>"}\' '
+    "(default: $GENQ_REASONING_CONFIG or <think> and </think> where they are tokens)",
+    "mm_processor_kwargs": 'overrides of the image processor\'s settings, e.g. \'{"max_pixels": 1003520}\' to bound '
+    "the tokens a Qwen-VL image takes (default: $GENQ_MM_PROCESSOR_KWARGS or the checkpoint's)",
+}
 _HELP = {
     "chat_template": "the chat template to use instead of the tokenizer's: a Jinja file's path or the template "
     "itself (default: $GENQ_CHAT_TEMPLATE or the tokenizer's)",
@@ -180,8 +169,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args["disable_hybrid_kv_cache_manager"] = True
     if args.enable_lora:
         engine_args["enable_lora"] = True
-    for name in ("speculative_config", "hf_overrides", "mm_processor_kwargs", "reasoning_config",
-                 "override_generation_config"):  # JSON objects
+    for name in _JSON_FLAGS:
         if text := getattr(args, name):
             try:
                 engine_args[name] = parse_json_object(text)
