@@ -537,7 +537,7 @@ class Engine:
             token_masks=self.guided.masks([(rid, out, len(out) - request.num_output_tokens)  # (its guesses)
                                            for rid, out, request in zip(row_ids, row_outputs, requests, strict=True)]),
             banned_token_ids=_bad_word_bans(requests, row_outputs),
-            forced_token_ids=self.thinking.forced(row_ids, [r.num_output_tokens for r in requests], row_outputs),
+            forced_token_ids=self.thinking.forced(row_ids, requests, row_outputs),
         )
         sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch, model_logits), drafts)
         for rid, guesses in drafts.items():  # how the guesses fared: counted, and pacing the next

@@ -113,19 +113,20 @@ class ThinkingBudgets:
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def forced(self, row_ids: Sequence[str], committed: Sequence[int], row_outputs: Sequence[Sequence[int]]
+    def forced(self, row_ids: Sequence[str], requests: Sequence[Any], row_outputs: Sequence[Sequence[int]]
                ) -> list[int | None] | None:
         """Per logits row, the token it must be (None: free); None when no row has a budget.
-        `committed[i]`: how many of row i's output tokens its request has kept (the rest are
-        guesses the row assumes)."""
+        `requests[i]`: row i's request, whose `num_output_tokens` it has kept (the rest of the
+        row's output are guesses the row assumes)."""
         if not self.states or not any(rid in self.states for rid in row_ids):
             return None
         out: list[int | None] = []
-        for rid, kept, output in zip(row_ids, committed, row_outputs, strict=True):
+        for rid, request, output in zip(row_ids, requests, row_outputs, strict=True):
             state = self.states.get(rid)
             if state is None:
                 out.append(None)
                 continue
+            kept = request.num_output_tokens
             if state.seen < kept:  # the tokens kept since the last step
                 state.feed(output[state.seen:kept])
                 state.seen = kept
