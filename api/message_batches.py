@@ -100,13 +100,13 @@ def _time(seconds: int | None) -> str | None:
 async def listing(state: AppState, limit: int, after_id: str | None, base_url: str) -> dict[str, Any]:
     """The newest message batches first, from just past `after_id`."""
     found: list[batches.BatchObject] = []
-    after, more = after_id, True
-    while more and len(found) <= limit:  # other batches may stand between them
+    after: str | None = after_id
+    while len(found) <= limit:  # other batches may stand between them
         page = await batches.listing(state, 100, after)
         found += [b for b in page.data if b.endpoint == ENDPOINT]
-        more = page.has_more
-        after = page.data[-1].id if page.data else None
-        more = more and after is not None
+        if not (page.has_more and page.data):
+            break
+        after = page.data[-1].id
     data = [await shown(state, b, base_url) for b in found[:limit]]
     return {"data": data, "has_more": len(found) > limit,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}

@@ -23,8 +23,8 @@ router = APIRouter(tags=["openai"])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: StateDep):
     """Messages in, one assistant message per choice out; `stream: true` answers with SSE."""
     renderer = ChatRenderer()
-    body = templated(body, state.settings)
-    if body.use_beam_search:
+    if body.use_beam_search:  # (start templates the others)
+        body = templated(body, state.settings)
         check_tool_parser(body, state.settings)
         if any(m.has_images() for m in body.messages):
             raise invalid_param("use_beam_search", "beam search over messages with images is not supported")
