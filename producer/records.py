@@ -50,6 +50,7 @@ class JobRecord:
     finished_at: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt tokens, those the prefix cache served
     finish_reason: str | None = None  # of completion 0
     text: str | None = None  # of completion 0
     error: str | None = None
@@ -62,15 +63,17 @@ class JobRecord:
     def usage(self) -> dict[str, int] | None:
         if self.prompt_tokens is None or self.completion_tokens is None:
             return None
-        total = self.prompt_tokens + self.completion_tokens
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "total_tokens": total,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cached_tokens is not None:
+            usage["cached_tokens"] = self.cached_tokens
+        return usage
 
 
-_RECORD_INTS = ("n", "prompt_tokens", "completion_tokens")
+_RECORD_INTS = ("n", "prompt_tokens", "completion_tokens", "cached_tokens")
 _RECORD_FLOATS = ("submitted_at", "started_at", "finished_at")
 _RECORD_STRS = ("entry_id", "queue", "worker", "finish_reason", "text", "error", "error_type")
 

@@ -198,6 +198,7 @@ def final_record(held: HeldJob, worker: str, now: float) -> dict[str, str | byte
         finished_at=now,
         prompt_tokens=held.prompt_tokens,
         completion_tokens=held.num_output_tokens,
+        cached_tokens=held.cached_tokens if held.prompt_tokens is not None else None,
         finish_reason=outputs[0].finish_reason,
         text=outputs[0].text,
         outputs=outputs,
