@@ -182,10 +182,11 @@ def build_job(
 
 
 def _prompt_fields(prompt: PromptInput) -> dict[str, Any]:
-    """The Job fields of a prompt; a prompt mapping may carry vLLM's `cache_salt` beside."""
-    if isinstance(prompt, dict) and "cache_salt" in prompt:
-        rest = {k: v for k, v in prompt.items() if k != "cache_salt"}
-        return {**_prompt_fields(rest), "cache_salt": prompt["cache_salt"]}
+    """The Job fields of a prompt; a prompt mapping may carry vLLM's `cache_salt` and OpenAI's
+    `prompt_cache_key` beside."""
+    if isinstance(prompt, dict) and not PROMPT_SIDE_FIELDS.isdisjoint(prompt):
+        rest = {k: v for k, v in prompt.items() if k not in PROMPT_SIDE_FIELDS}
+        return {**_prompt_fields(rest), **{k: v for k, v in prompt.items() if k in PROMPT_SIDE_FIELDS}}
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if isinstance(prompt, list):
@@ -197,12 +198,14 @@ def _prompt_fields(prompt: PromptInput) -> dict[str, Any]:
     raise ValueError(
         "a prompt is a string, {'prompt': str}, {'prompt_token_ids': [...]}, {'prompt_embeds': "
         "torch.save's bytes of a tensor}, a list of chat messages, or {'messages': [...], 'tools': "
-        "[...], 'chat_template_kwargs': {...}}, each mapping with an optional 'cache_salt'; "
+        "[...], 'chat_template_kwargs': {...}}, each mapping with an optional 'cache_salt' and "
+        "'prompt_cache_key'; "
         f"got {prompt!r:.80}"
     )
 
 
 CHAT_FIELDS = {"messages", "tools", "chat_template_kwargs"}  # a chat prompt as a mapping
+PROMPT_SIDE_FIELDS = {"cache_salt", "prompt_cache_key"}  # what any prompt mapping may carry beside
 
 
 def batch_jobs(

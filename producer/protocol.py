@@ -54,6 +54,7 @@ FINISH_ABORT = "abort"  # finish_reason of a completion ended by cancel or deadl
 ERROR_INVALID_REQUEST = "invalid_request"
 MAX_JOB_ID_LEN = 200
 MAX_QUEUE_NAME_LEN = 64
+MAX_PROMPT_CACHE_KEY_LEN = 1024
 # field of `Keys.tokenizer(model)` beside the files: the model's end-of-sequence ids, comma-separated
 TOKENIZER_EOS_FIELD = "eos_token_ids"
 TOKENIZER_LABELS_FIELD = "labels"  # a classification model's labels, JSON list; absent otherwise
@@ -145,6 +146,12 @@ class Keys:
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat
+
+    def affinity(self, digest: str) -> str:
+        return f"{self.prefix}affinity:{digest}"  # string with TTL: the worker that last ran a prompt start
+
+    def handoff_channel(self, name: str) -> str:
+        return f"{self.prefix}handoff:{name}"  # pub/sub: entry ids another worker handed to `name`
 
     @property
     def lora_adapters(self) -> str:
@@ -289,6 +296,9 @@ class Job:
     # vLLM's cache_salt: the prefix cache shares this job's blocks only with jobs of the same
     # salt (a secret per tenant keeps others from learning its prompts by their speed)
     cache_salt: str | None = None
+    # OpenAI's prompt_cache_key: jobs with one key go, while its worker has room, to the worker
+    # that last ran one (worker.queue_affinity); unset, a key is made from the prompt's start
+    prompt_cache_key: str | None = None
     # vLLM's return_token_ids: each completion's first event carries the prompt's token ids
     return_prompt_token_ids: bool = False
     priority: int = 0  # as in vLLM: lower values are scheduled first
@@ -308,6 +318,10 @@ class Job:
             raise ValueError(f"tenant must be 1 to 64 letters, digits, '.', '_' or '-', got {self.tenant!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if self.prompt_cache_key is not None and not (
+                isinstance(self.prompt_cache_key, str) and 0 < len(self.prompt_cache_key) <= MAX_PROMPT_CACHE_KEY_LEN):
+            raise ValueError(f"prompt_cache_key must be a string of 1 to {MAX_PROMPT_CACHE_KEY_LEN} characters, "
+                             f"got {self.prompt_cache_key!r:.80}")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model must be a string, got {self.model!r}")
         if not isinstance(self.return_prompt_token_ids, bool):
@@ -446,7 +460,8 @@ def encode_job(job: Job) -> dict[str, bytes]:
     job.validate()
     payload = asdict(job)
     payload["sampling_params"] = job.sampling_params.to_dict()
-    for optional in ("pooling_params", "tenant", "prompt_embeds", "cache_salt", "return_prompt_token_ids"):
+    for optional in ("pooling_params", "tenant", "prompt_embeds", "cache_salt", "prompt_cache_key",
+                     "return_prompt_token_ids"):
         if payload[optional] in (None, False):  # unset, the payload reads as it did before them
             del payload[optional]
     return {

@@ -47,6 +47,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "claim_idle_s": float,
     "heartbeat_s": float,
     "delivery_limit": int,
+    "cache_affinity_ttl_s": float,
     "shutdown_grace_s": float,
     "requests_retention_s": float,
     "dead_retention_s": float,
@@ -132,6 +133,8 @@ _HELP = {
     "divided by the checkpoint's KV-cache scales where it has them (default: $GENQ_KV_CACHE_DTYPE or auto)",
     "claim_idle_s": "reclaim entries of other workers idle this long",
     "delivery_limit": "deliveries before an entry goes to the dead stream",
+    "cache_affinity_ttl_s": "jobs whose prompts start alike (or share a prompt_cache_key) go, while it has room, "
+    "to the worker that last ran one, for this long after (default 600; 0: off)",
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",
     "requests_retention_s": "acked entries older than this leave the requests stream (default: 86400)",
     "dead_retention_s": "dead letters older than this leave the dead stream (default: 604800)",

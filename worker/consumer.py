@@ -8,7 +8,8 @@ consumer; the consumer's own asyncio tasks do the work:
 - publisher: engine step results -> one STEP_LUA call per batch of steps;
 - heartbeat: the worker hash, re-owning in-flight entries, cancel flags, deadlines;
 - reclaimer: entries of dead workers, resumed from the tokens they had sent;
-- cancel listener: the `cancel` channel.
+- cancel listener: the `cancel` channel;
+- handoff listener: entries other workers handed to this one (queue_affinity).
 
 The engine steps in its own thread (`queue_engine.EngineThread`). On SIGTERM arq cancels
 its main task and calls `on_shutdown`, which drains: intake stops, jobs that have produced
@@ -37,7 +38,7 @@ from producer.aio import wait_for_event
 from producer.protocol import Keys
 from worker.queue_config import WorkerConfig, config_from_env
 from worker.queue_engine import EngineThread, Rejected, intake_capacity
-from worker.queue_heartbeat import Heartbeat, listen_cancels, read_adapter_registry
+from worker.queue_heartbeat import Heartbeat, listen, read_adapter_registry
 from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer
 from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics
@@ -118,11 +119,12 @@ class Consumer:
         intake = Intake(self.admission, self.capacity, self.publisher.changed)
         self._spawn("publisher", self.publisher.run())
         self._spawn("heartbeat", self.heartbeat.run(self.stop_control))
-        self._spawn("cancels", listen_cancels(
-            self.conn, self.keys.cancel_channel, self.cancel, self.stop_control
-        ))
+        self._spawn("cancels", listen(self.conn, self.keys.cancel_channel, self.cancel, self.stop_control, "cancel"))
         self._spawn("intake", _retrying(lambda: intake.run(self.stop_intake), self.stop_intake))
         self._spawn("reclaimer", _retrying(lambda: reclaimer.run(self.stop_intake), self.stop_intake))
+        if self.config.cache_affinity:  # (stops with the intake: what comes later, the drain releases)
+            self._spawn("handoffs", listen(self.conn, self.keys.handoff_channel(self.config.name),
+                                           self.admission.take_handed, self.stop_intake, "handoff"))
 
     def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro, name=f"genq-{name}")
@@ -193,7 +195,7 @@ class Consumer:
         if held.state == JobState.RUNNING:
             self.engine.abort(sorted(held.engine_ids))
 
-    def cancel(self, job_id: str) -> None:
+    async def cancel(self, job_id: str) -> None:
         held = self.table.get(job_id)
         if held is not None and held.state.writes:
             logger.info("job %s: cancel requested", job_id)
@@ -213,7 +215,7 @@ class Consumer:
         logger.info("worker %s draining (grace %.1f s)", self.config.name, self.config.shutdown_grace_s)
         self.heartbeat.state = "draining"
         self.stop_intake.set()
-        await self._wait_tasks("intake", "reclaimer", timeout_s=INTAKE_BLOCK_S + 5)
+        await self._wait_tasks("intake", "reclaimer", "handoffs", timeout_s=INTAKE_BLOCK_S + 5)
         await self._release([h for h in self.table if h.state.writes and h.last_token_at is None])
         # with the name lost, the namesake may reclaim these jobs any time: hand them over now
         await self._wait_for_jobs(0.0 if self.name_lost else self.config.shutdown_grace_s)

@@ -33,6 +33,9 @@ T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # worker.model_loader's default (it imports torch)
 DEFAULT_DEAD_RETENTION_S = 7 * 24 * 3600  # dead letters wait a week for someone to look
+# a prompt start's blocks last about this long in a busy worker's prefix cache (its LRU order
+# decides); past it the next job with that start may go to any worker
+DEFAULT_CACHE_AFFINITY_TTL_S = 600.0
 
 # Every variable the worker reads, with what it sets (docs/queue.md lists them too).
 ENV_VARS = {
@@ -62,6 +65,7 @@ ENV_VARS = {
     "GENQ_MM_PROCESSOR_KWARGS": 'image processor overrides, JSON: {"max_pixels": 1003520} (default: the checkpoint\'s)',
     "GENQ_CLAIM_IDLE_S": "idle time after which another worker reclaims an entry",
     "GENQ_HEARTBEAT_S": "heartbeat period",
+    "GENQ_CACHE_AFFINITY_TTL_S": "a prompt start's jobs go to the worker that last ran it, for this long (default 600; 0: off)",
     "GENQ_DELIVERY_LIMIT": "deliveries before an entry goes to the dead stream",
     "GENQ_SHUTDOWN_GRACE_S": "SIGTERM: time in-flight jobs get before they are released",
     "GENQ_REQUESTS_RETENTION_S": "age past which done entries leave the requests stream (default: the job TTL, 24 h)",
@@ -86,6 +90,9 @@ class WorkerConfig:
     claim_idle_s: float = DEFAULT_CLAIM_IDLE_S
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     delivery_limit: int = DEFAULT_DELIVERY_LIMIT
+    # jobs whose prompts start alike go, while it has room, to the worker that last ran one, for
+    # this long after (worker.queue_affinity); 0 (or no prefix cache) turns it off
+    cache_affinity_ttl_s: float = DEFAULT_CACHE_AFFINITY_TTL_S
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     # acked entries older than this leave genq:requests (each heartbeat trims); the default keeps
     # a job's payload, which `genq inspect` shows, as long as its record usually lives
@@ -113,7 +120,7 @@ class WorkerConfig:
             raise ValueError(f"delivery_limit must be >= 1, got {self.delivery_limit}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        for name in ("requests_retention_s", "dead_retention_s"):
+        for name in ("requests_retention_s", "dead_retention_s", "cache_affinity_ttl_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -164,6 +171,11 @@ class WorkerConfig:
     def keys(self) -> Keys:
         """The Redis names this worker uses: its queue's requests stream, the shared rest."""
         return Keys(self.prefix, self.queue)
+
+    @property
+    def cache_affinity(self) -> bool:
+        """Whether jobs are steered to the worker whose prefix cache holds their prompt's start."""
+        return self.cache_affinity_ttl_s > 0 and self.engine.enable_prefix_caching
 
     def serves(self, model: str | None) -> bool:
         """A job for `model` may run here: no model asked, a base name, or one of the LoRA
@@ -218,6 +230,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         claim_idle_s=_float(env, "GENQ_CLAIM_IDLE_S"),
         heartbeat_s=_float(env, "GENQ_HEARTBEAT_S"),
         delivery_limit=_int(env, "GENQ_DELIVERY_LIMIT"),
+        cache_affinity_ttl_s=_float(env, "GENQ_CACHE_AFFINITY_TTL_S"),
         shutdown_grace_s=_float(env, "GENQ_SHUTDOWN_GRACE_S"),
         requests_retention_s=_float(env, "GENQ_REQUESTS_RETENTION_S"),
         dead_retention_s=_float(env, "GENQ_DEAD_RETENTION_S"),

@@ -1,5 +1,5 @@
 """The worker's periodic and pushed control: the heartbeat (worker hash, re-owning in-flight
-entries, cancel flags, deadlines) and the cancel channel listener."""
+entries, cancel flags, deadlines) and the channel listener (cancels, handed-over entries)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis
 
@@ -144,11 +144,13 @@ class Heartbeat:
         )
 
 
-async def listen_cancels(
-    conn: redis.asyncio.Redis, channel: str, on_cancel: Callable[[str], None], stopping: asyncio.Event
+async def listen(
+    conn: redis.asyncio.Redis, channel: str, on_message: Callable[[str], Awaitable[None]],
+    stopping: asyncio.Event, what: str,
 ) -> None:
-    """Call `on_cancel(job id)` for each id published on the cancel channel. Messages missed
-    while reconnecting are not lost for good: the heartbeat also reads the durable flags."""
+    """Await `on_message(text)` for each message published on `channel`, resubscribing after
+    Redis errors. Whatever a message says is not lost with it: cancels are durable flags the
+    heartbeat reads too, handed-over entries idle ones a reclaimer takes."""
     while not stopping.is_set():
         pubsub = conn.pubsub(ignore_subscribe_messages=True)
         try:
@@ -157,9 +159,9 @@ async def listen_cancels(
                 message = await unless_set(pubsub.get_message(timeout=CANCEL_POLL_S), stopping)
                 if message is not None and message["type"] == "message":
                     data = message["data"]
-                    on_cancel(data.decode(errors="replace") if isinstance(data, bytes) else str(data))
+                    await on_message(data.decode(errors="replace") if isinstance(data, bytes) else str(data))
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            logger.warning("cancel listener lost Redis (%s); resubscribing", exc)
+            logger.warning("%s listener lost Redis (%s); resubscribing", what, exc)
             await asyncio.sleep(REDIS_RETRY_S)
         finally:
             await pubsub.aclose()

@@ -1,10 +1,13 @@
-"""Taking jobs: the intake (XREADGROUP, new entries) and the reclaimer (entries of workers
-that died), both feeding one admission path.
+"""Taking jobs: the intake (XREADGROUP, new entries), the reclaimer (entries of workers that
+died) and handoffs (entries another worker read and handed here, queue_affinity), all feeding
+one admission path.
 
 Admission decodes and checks each entry, dead-letters what cannot run, marks the rest
 running (START_LUA), ends at once the ones that were cancelled or are past their deadline,
-and hands the others to the engine thread. A reclaimed job resumes from its events stream:
-the engine prefills prompt + tokens already sent, and numbering continues.
+and hands the others to the engine thread. A job read from the stream whose prompt start
+another worker ran last goes to that worker while it has room (queue_affinity). A reclaimed
+job resumes from its events stream: the engine prefills prompt + tokens already sent, and
+numbering continues.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import redis
@@ -22,6 +26,7 @@ import redis.asyncio
 from producer.aio import unless_set, wait_for_event
 from producer.protocol import ERROR_INVALID_REQUEST, Job, ProtocolError, decode_job, encode_event
 from producer.records import encode_dead_letter
+from worker.queue_affinity import Affinity
 from worker.queue_config import WorkerConfig
 from worker.queue_engine import AddRequest, EngineThread
 from worker.queue_jobs import (
@@ -55,6 +60,14 @@ class Delivery:
     delivery_count: int = 1  # including this one
 
 
+class Source(Enum):
+    """How entries came to this worker."""
+
+    READ = "read"  # XREADGROUP: new entries
+    RECLAIMED = "reclaimed"  # idle entries of a worker gone: resumed from their events
+    HANDED = "handed"  # read by another worker, whose owner by affinity this worker is
+
+
 @dataclass(frozen=True)
 class Rejection:
     reason: str
@@ -71,13 +84,14 @@ class Admission:
         self.scripts = scripts
         self.table = table
         self.engine = engine
+        self.affinity = Affinity(config, scripts)
         self.num_admitting = 0  # entries read and not yet handed on (counted against capacity)
         self.num_adds_sent = 0  # AddRequests sent to the engine thread, ever
 
-    async def admit(self, deliveries: list[Delivery], reclaimed: bool) -> None:
+    async def admit(self, deliveries: list[Delivery], source: Source) -> None:
         self.num_admitting += len(deliveries)
         try:
-            await self._admit(deliveries, reclaimed)
+            await self._admit(deliveries, source)
         finally:
             self.num_admitting -= len(deliveries)
             self._forget_unstarted(deliveries)
@@ -91,9 +105,11 @@ class Admission:
             if held is not None and held.state == JobState.ADMITTING:
                 self.table.remove(held)
 
-    async def _admit(self, deliveries: list[Delivery], reclaimed: bool) -> None:
+    async def _admit(self, deliveries: list[Delivery], source: Source) -> None:
         checked = await self._route([(d, self.check(d)) for d in deliveries])
-        progress = await self._read_progress(checked) if reclaimed else {}
+        if source == Source.READ:  # (a handed job stays: no handing back and forth)
+            checked = await self._hand_off(checked)
+        progress = await self._read_progress(checked) if source == Source.RECLAIMED else {}
         letters, held = [], []
         for delivery, verdict in checked:
             if isinstance(verdict, Job):  # again: two entries of one job can share a batch
@@ -108,6 +124,8 @@ class Admission:
         codes = await self.scripts.start(
             [h.job for h in held], [h.entry_id for h in held], time.time()
         )
+        # owned before the jobs can end: a reply's follow-up may come at once
+        await self.affinity.own([h.job for h, code in zip(held, codes, strict=True) if code == "run"])
         await self._dispatch(list(zip(held, codes, strict=True)))
 
     # -- checks, each a delivery rule ------------------------------------------------------
@@ -171,6 +189,22 @@ class Admission:
                 out.append((delivery, self._unserved(job)))
             # lost: another worker took the entry meanwhile; it is theirs to run or move
         return out
+
+    async def _hand_off(
+        self, checked: list[tuple[Delivery, Job | Rejection]]
+    ) -> list[tuple[Delivery, Job | Rejection]]:
+        """Jobs whose prompt start another worker of this stream ran last: handed to it while
+        it has room (queue_affinity), and dropped from `checked`."""
+        handed = await self.affinity.hand_off([(d.entry_id, v) for d, v in checked if isinstance(v, Job)])
+        return [(d, v) for d, v in checked if d.entry_id not in handed]
+
+    async def take_handed(self, text: str) -> None:
+        """Admit the entries of a handoff notice (their ids, space-separated) still this
+        worker's."""
+        taken = await self.scripts.take(text.split())
+        fresh = [t for t in taken if self.table.by_entry(t.entry_id) is None]
+        if fresh:
+            await self.admit([Delivery(t.entry_id, t.fields, t.delivery_count) for t in fresh], Source.HANDED)
 
     def _unserved(self, job: Job) -> Rejection:
         adapters = ", ".join(self.engine.adapters.served)
@@ -341,7 +375,7 @@ class Intake:
             # pending list, which the drain hands back; admission itself is never cut
             deliveries = await unless_set(self._read(count), stopping)
             if deliveries:
-                await self.admission.admit(deliveries, reclaimed=False)
+                await self.admission.admit(deliveries, Source.READ)
 
     async def _read(self, count: int) -> list[Delivery]:
         keys = self.scripts.keys
@@ -394,7 +428,7 @@ class Reclaimer:
         deliveries = [Delivery(c.entry_id, c.fields, c.delivery_count) for c in fresh]
         if deliveries:
             logger.info("reclaimed %d idle entries: %s", len(deliveries), [d.entry_id for d in deliveries])
-            await self.admission.admit(deliveries, reclaimed=True)
+            await self.admission.admit(deliveries, Source.RECLAIMED)
         return len(deliveries)
 
 

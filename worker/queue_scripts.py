@@ -235,6 +235,38 @@ end
 return n
 """
 
+# Hand entries to another worker of this stream (worker.queue_affinity). KEYS[1]: requests.
+# ARGV[1] group, [2] consumer, [3] the receiving worker's name, [4] its handoff channel; then
+# entry ids. Each entry still this worker's is claimed in the receiver's name (JUSTID: the
+# delivery count stays, a handoff is no failed attempt; its idle time starts again), and the
+# receiver is told their ids. Returns the ids handed over.
+HANDOFF_LUA = _OWNED + """
+local moved = {}
+for i = 5, #ARGV do
+  if owned(KEYS[1], ARGV[1], ARGV[2], ARGV[i]) then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'JUSTID')
+    moved[#moved + 1] = ARGV[i]
+  end
+end
+if #moved > 0 then redis.call('PUBLISH', ARGV[4], table.concat(moved, ' ')) end
+return moved
+"""
+
+# Read entries handed to this worker. KEYS[1]: requests. ARGV[1] group, [2] consumer; then entry
+# ids. Returns {id, delivery count, fields or false} for each still pending under this worker
+# (a notice that came late finds its entry reclaimed by another: that one is left alone).
+TAKE_LUA = _OWNED + """
+local out = {}
+for i = 3, #ARGV do
+  if owned(KEYS[1], ARGV[1], ARGV[2], ARGV[i]) then
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+    local entry = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+    out[#out + 1] = {ARGV[i], p[1][4], entry[1] and entry[1][2] or false}
+  end
+end
+return out
+"""
+
 # Forward entries to the queue whose workers serve their model. KEYS[1]: requests (this
 # worker's); per entry: the target queue's requests stream, job(id). ARGV[1] group, [2]
 # consumer, [3] job TTL; per entry: entry id, target queue name, number of field/value
@@ -368,6 +400,8 @@ class Scripts:
         self._release = conn.register_script(RELEASE_LUA)
         self._trim = conn.register_script(TRIM_LUA)
         self._forward = conn.register_script(FORWARD_LUA)
+        self._handoff = conn.register_script(HANDOFF_LUA)
+        self._take = conn.register_script(TAKE_LUA)
 
     async def ensure_group(self) -> None:
         """Create the group at id 0 if missing: entries enqueued before any worker existed
@@ -521,6 +555,26 @@ class Scripts:
             keys += [self.keys.on_queue(move.queue).requests, self.keys.job(move.job_id)]
             args += [move.entry_id, move.queue, len(fields), *fields]
         return [_str(c) for c in await self._forward(keys=keys, args=args)]
+
+    async def hand_off(self, worker: str, entry_ids: Sequence[str]) -> list[str]:
+        """Give entries this worker read to `worker`, which is told on its handoff channel;
+        returns the ids handed over.
+
+        Race prevented: an entry handed over after a reclaimer took it from this worker (a
+        stall), so that two workers would run it."""
+        if not entry_ids:
+            return []
+        args = [self.keys.group, self.consumer, worker, self.keys.handoff_channel(worker), *entry_ids]
+        return [_str(e) for e in await self._handoff(keys=[self.keys.requests], args=args)]
+
+    async def take(self, entry_ids: Sequence[str]) -> list[Reclaimed]:
+        """The entries of a handoff notice that are still this worker's, with their fields.
+
+        Race prevented: running an entry another worker reclaimed while the notice was late."""
+        if not entry_ids:
+            return []
+        reply = await self._take(keys=[self.keys.requests], args=[self.keys.group, self.consumer, *entry_ids])
+        return [Reclaimed(_str(e), int(n), _fields(f)) for e, n, f in reply]
 
     async def routes(self, models: Sequence[str]) -> dict[str, str]:
         """The queues that live workers advertise for these models (absent: none does)."""

@@ -1,0 +1,134 @@
+"""Prefix-cache affinity: a job whose prompt starts as an earlier job's did goes to the worker
+that ran that one, while that worker has room, so its prefix cache serves the shared start
+(a conversation's next turn, a long system prompt, a shared few-shot header).
+
+Each job has an affinity key: OpenAI's `prompt_cache_key` when the request gives one, else a
+digest of its prompt's start (a chat's messages up to the first user message and its tools,
+a text's first HEAD_CHARS characters, a token prompt's first HEAD_TOKENS ids), its model and
+its cache salt. The worker that starts a job records its own name under the key
+(`affinity(digest)`, expiring cache_affinity_ttl_s later). A worker that reads a job whose key
+names another live, serving worker of the same stream hands the entry to it while that
+worker's free slots last (as of its last heartbeat, less what was handed to it since):
+HANDOFF_LUA claims the entry in the owner's name and tells the owner its id on the owner's
+handoff channel, and the owner admits it as if it had read it. A worker with no free slot
+named gets nothing handed: the reader runs the job, and becomes the key's owner.
+
+The entry never leaves the stream and the job's record stays `queued` until the owner starts
+it, so nothing is lost when the owner dies or misses the notice: the entry sits idle in its
+pending list and is reclaimed like any of a dead worker's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from producer.protocol import Job, pack
+from worker.queue_config import WorkerConfig
+from worker.queue_scripts import Scripts
+
+logger = logging.getLogger(__name__)
+
+HEAD_CHARS = 256  # a text prompt's start that names what it shares with others
+HEAD_TOKENS = 64  # a token prompt's
+
+
+def affinity_digest(job: Job) -> str | None:
+    """The key of the prompt start `job` shares with others; None where no prefix cache is
+    served (embeddings, a prompt given as its input states)."""
+    if job.pooling_params is not None:
+        return None
+    head: Any
+    if job.prompt_cache_key is not None:
+        head = ["key", job.prompt_cache_key]
+    elif job.messages is not None:
+        head = ["chat", _opening(job.messages), job.tools]  # (templates put the tools up front)
+    elif job.prompt is not None:
+        head = ["text", job.prompt[:HEAD_CHARS]]
+    elif job.prompt_token_ids is not None:
+        head = ["ids", job.prompt_token_ids[:HEAD_TOKENS]]
+    else:
+        return None
+    return hashlib.blake2b(pack([job.model, job.cache_salt, head]), digest_size=16).hexdigest()
+
+
+def _opening(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages up to the first user message: what every turn of one conversation shares."""
+    for i, message in enumerate(messages):
+        if message.get("role") == "user":
+            return messages[: i + 1]
+    return messages
+
+
+class Affinity:
+    """This worker's side of affinity: handing jobs to their keys' owners, owning the keys of
+    the jobs it starts."""
+
+    def __init__(self, config: WorkerConfig, scripts: Scripts) -> None:
+        self.enabled = config.cache_affinity
+        self.ttl_ms = int(config.cache_affinity_ttl_s * 1000)
+        self.scripts = scripts
+        self.name = config.name
+        self.queue = config.queue
+        # worker -> (the heartbeat its free slots were read from, jobs handed to it since)
+        self._handed: dict[str, tuple[bytes, int]] = {}
+
+    async def hand_off(self, jobs: Sequence[tuple[str, Job]]) -> set[str]:
+        """Hand (entry id, job) pairs to their keys' owners where those have room; returns
+        the entry ids handed over."""
+        if not self.enabled:
+            return set()
+        digests = {entry_id: d for entry_id, job in jobs if (d := affinity_digest(job)) is not None}
+        if not digests:
+            return set()
+        conn, keys = self.scripts.conn, self.scripts.keys
+        owned = dict(zip(digests, await conn.mget([keys.affinity(d) for d in digests.values()]), strict=True))
+        owners = {entry_id: o.decode() for entry_id, o in owned.items() if o is not None and o.decode() != self.name}
+        rooms = await self._rooms(sorted(set(owners.values())))
+        plan: dict[str, list[str]] = {}
+        for entry_id, owner in owners.items():
+            if rooms.get(owner, 0) > 0:
+                rooms[owner] -= 1
+                plan.setdefault(owner, []).append(entry_id)
+        handed: set[str] = set()
+        for owner, entry_ids in plan.items():
+            moved = await self.scripts.hand_off(owner, entry_ids)
+            beat, count = self._handed[owner]
+            self._handed[owner] = (beat, count + len(moved))
+            handed.update(moved)
+            logger.info("handed %d entries to worker %s, whose prefix cache holds their start: %s",
+                        len(moved), owner, moved)
+        return handed
+
+    async def _rooms(self, workers: list[str]) -> dict[str, int]:
+        """The jobs each worker could still be handed: its free slots at its last heartbeat,
+        less what was handed to it since; none for a worker gone, draining or on another
+        stream."""
+        if not workers:
+            return {}
+        pipe = self.scripts.conn.pipeline(transaction=False)
+        for worker in workers:
+            pipe.hmget(self.scripts.keys.worker(worker), ["state", "queue", "free_slots", "heartbeat_at"])
+        rooms = {}
+        for worker, (state, queue, free, beat) in zip(workers, await pipe.execute(), strict=True):
+            if state != b"serving" or (queue or b"").decode() != self.queue or free is None or beat is None:
+                continue
+            seen, count = self._handed.get(worker, (beat, 0))
+            count = count if seen == beat else 0  # a new beat counts what was handed before it
+            self._handed[worker] = (beat, count)
+            rooms[worker] = int(free) - count
+        return rooms
+
+    async def own(self, jobs: Sequence[Job]) -> None:
+        """Name this worker the owner of the keys of jobs it starts."""
+        if not self.enabled:
+            return
+        digests = {d for job in jobs if (d := affinity_digest(job)) is not None}
+        if not digests:
+            return
+        pipe = self.scripts.conn.pipeline(transaction=False)
+        for digest in sorted(digests):
+            pipe.set(self.scripts.keys.affinity(digest), self.name, px=self.ttl_ms)
+        await pipe.execute()
