@@ -17,7 +17,7 @@ from typing import Any
 from api import generate
 from api.deps import AppState
 from api.errors import APIError, invalid_param
-from api.generate import GenerationRequest, salted
+from api.generate import GenerationRequest, cache_fields
 from api.logprobs import top_token_pairs
 from api.render import Choice, RelayedRequest, Renderer
 from api.responses import Usage
@@ -84,7 +84,7 @@ async def search(
     for n in range(max_tokens):
         ids = [f"{base}-{n}-{k}" for k in range(len(live))]
         for beam, job_id in zip(live, ids, strict=True):
-            await state.client.submit(salted({"prompt_token_ids": prompt_ids + beam.tokens}, body.cache_salt), params,
+            await state.client.submit(cache_fields({"prompt_token_ids": prompt_ids + beam.tokens}, body), params,
                                       job_id=job_id, model=model, priority=body.priority)
         tops = await _next_tokens(state, ids)
         live, finished = step(live, [tops[job_id] for job_id in ids], width, eos)

@@ -101,7 +101,7 @@ def plan(
     chat = body if isinstance(body, ChatCompletionRequest) else None
     reasoning = _reasoning_parser(state, chat)
     params = sampling_params(body, defaults)
-    prompts = [salted(p, body.cache_salt) for p in prompts]
+    prompts = [cache_fields(p, body) for p in prompts]
     read_tool_calls = chat.tool_calls_form() if chat else None
     if read_tool_calls == "auto":  # check_tool_parser has refused "auto" where the parser is "none"
         parser = state.settings.tool_call_parser
@@ -152,13 +152,14 @@ def _strict_calls(params: SamplingParams, chat: ChatCompletionRequest, parser: s
                        param="tools", code="invalid_value") from exc
 
 
-def salted(prompt: PromptInput, cache_salt: str | None) -> PromptInput:
-    """A job's prompt with vLLM's `cache_salt` beside it (the prefix cache shares its blocks
-    only with prompts of the same salt)."""
-    if cache_salt is None:
+def cache_fields(prompt: PromptInput, body: GenerationRequest) -> PromptInput:
+    """A job's prompt with the request's vLLM `cache_salt` (the prefix cache shares its blocks
+    only with prompts of the same salt) and OpenAI `prompt_cache_key` beside it."""
+    beside = {k: v for k, v in (("cache_salt", body.cache_salt), ("prompt_cache_key", body.prompt_cache_key)) if v}
+    if not beside:
         return prompt
     as_mapping = prompt if isinstance(prompt, dict) else {"prompt": prompt} if isinstance(prompt, str) else {"messages": prompt}
-    return {**as_mapping, "cache_salt": cache_salt}
+    return {**as_mapping, **beside}
 
 
 def job_ids(base: str, count: int) -> list[str]:

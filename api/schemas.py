@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag
 
 from api.tool_calls import calls_schema
+from producer.protocol import MAX_PROMPT_CACHE_KEY_LEN
 from producer.sampling_params import SamplingParams
 
 PromptInput = str | dict[str, Any] | list[dict[str, Any]]  # as `AsyncClient.submit` takes it
@@ -75,6 +76,9 @@ class _GenerationRequest(BaseModel):
     # vLLM's: the workers' prefix cache shares this request's blocks only with requests of the
     # same salt (a secret per tenant: no one else can learn its prompts by how fast they run)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # OpenAI's: requests of one key go to the worker whose prefix cache ran the last one (while
+    # it has room); without it, requests whose prompts start alike do (worker.queue_affinity)
+    prompt_cache_key: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CACHE_KEY_LEN)] | None = None
     # vLLM's: token ids beside the text (each choice's generated ones, and the prompt's as the
     # worker ran it); logprobs' tokens as "token_id:<id>" rather than their text
     return_token_ids: bool | None = None

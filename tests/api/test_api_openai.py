@@ -11,8 +11,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import redis
 
 from api.settings import Settings
+from producer.protocol import Keys, decode_job
 from producer.sampling_params import SamplingParams
 from worker import LLM
 
@@ -74,6 +76,22 @@ def test_a_cache_salt_keeps_a_prompts_cached_blocks_to_its_own_salt(served_model
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=served_model, prompt="x", max_tokens=1, extra_body={"cache_salt": ""})
     assert info.value.body["param"] == "cache_salt"
+
+
+def test_prompt_cache_key_reaches_the_jobs_the_workers_steer_by_it(
+    served_model: str, oai: openai.OpenAI, shared_redis
+) -> None:
+    """OpenAI's prompt_cache_key, from chat, completions and the Responses API, onto the job
+    (worker.queue_affinity sends a key's jobs to the worker that ran the last one)."""
+    oai.chat.completions.create(model=served_model, messages=MESSAGES, max_tokens=1, prompt_cache_key="conv-1")
+    oai.completions.create(model=served_model, prompt="x", max_tokens=1, extra_body={"prompt_cache_key": "conv-2"})
+    oai.responses.create(model=served_model, input="x", max_output_tokens=1, prompt_cache_key="conv-3")
+    conn = redis.Redis.from_url(shared_redis.url)
+    entries = conn.xrevrange(Keys().requests, count=3)
+    assert sorted(decode_job(fields).prompt_cache_key for _, fields in entries) == ["conv-1", "conv-2", "conv-3"]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=served_model, prompt="x", max_tokens=1, extra_body={"prompt_cache_key": ""})
+    assert info.value.body["param"] == "prompt_cache_key"
 
 
 def test_chat_streaming_matches_non_streaming(served_model: str, oai: openai.OpenAI) -> None:
