@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from api import files
+from api.api_keys import PLAN
 from api.deps import TENANT, AppState
 from api.embeddings import EmbeddingRenderer, encoded, plan_embeddings
 from api.errors import APIError, not_found
@@ -256,12 +257,22 @@ def _validate(state: AppState, lines: list[str], endpoint: str, batch_id: str) -
                 raise APIError(400, f"custom_id {line.custom_id!r} is not unique", param="custom_id",
                                code="duplicate_custom_id")
             seen.add(line.custom_id)
+            _check_access(line, state.settings.served_model_name)
             plan_line(state, line, batch_id, number)
         except APIError as exc:
             errors.append({"code": exc.code, "message": exc.message, "param": exc.param, "line": number + 1})
             if len(errors) >= MAX_ERRORS:
                 break
     return errors
+
+
+def _check_access(line: Line, default_model: str) -> None:
+    """A managed key's batch names only models the key may use (its lines run later, in the
+    batch runner, with no key to check)."""
+    plan, model = PLAN.get(), line.body.model or default_model
+    if plan is not None and not plan.allows(model):
+        raise APIError(404, f"The model `{model}` does not exist or this API key may not use it.",
+                       param="body.model", code="model_not_found")
 
 
 _FIELDS = ["object", "completed", "failed"]  # what a batch's hash holds for its object

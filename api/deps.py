@@ -12,6 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
+from api.api_keys import PLAN, ManagedKeys
 from api.cluster import Cluster
 from api.errors import APIError
 from api.metrics import Metrics
@@ -32,6 +33,10 @@ class AppState:
     metrics: Metrics
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # background work, cancelled at shutdown
     tokenizers: Tokenizers = field(default_factory=Tokenizers)  # for /tokenize, as workers published them
+    managed_keys: ManagedKeys = field(init=False)  # the API keys kept in Redis (`genq keys`)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "managed_keys", ManagedKeys(self.client.redis, self.client.keys))
 
 
 def get_state(request: Request) -> AppState:
@@ -69,22 +74,27 @@ def key_id(key: str) -> str:
 
 
 async def require_api_key(
-    settings: SettingsDep,
+    state: StateDep,
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
 ) -> None:
     """401 unless `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>`
-    (Anthropic's) names a configured key (none configured: open). Async so the tenant it sets
-    is the endpoint's (a sync dependency runs in a thread)."""
-    if not settings.api_keys:
+    (Anthropic's) names a GENQ_API_KEYS key or a managed one (`genq keys`; none of either:
+    open). Async so the tenant and plan it sets are the endpoint's (a sync dependency runs
+    in a thread)."""
+    static = state.settings.api_keys
+    if not static and not await state.managed_keys.any():
         return
     scheme, _, key = (authorization or "").partition(" ")
     if authorization is None and x_api_key is not None:
         scheme, key = "bearer", x_api_key
-    matched = [k for k in settings.api_keys if secrets.compare_digest(key.strip().encode(), k.encode())]
-    if scheme.lower() != "bearer" or not matched:
+    key = key.strip()
+    matched = [k for k in static if secrets.compare_digest(key.encode(), k.encode())]
+    plan = await state.managed_keys.plan(key) if scheme.lower() == "bearer" and key and not matched else None
+    if scheme.lower() != "bearer" or not (matched or plan):
         raise APIError(
             401, "Incorrect API key provided: send `Authorization: Bearer <key>` or `x-api-key: <key>`.",
             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
         )
-    TENANT.set(key_id(matched[0]))
+    TENANT.set(plan.name if plan else key_id(matched[0]))
+    PLAN.set(plan)

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 import anyio
 import redis
 
+from api.api_keys import PLAN
 from api.deps import TENANT, AppState
 from api.errors import APIError, error_body, param_from_value_error
 from api.harmony import FINAL_CHANNEL
@@ -239,14 +240,19 @@ def _bad_value(exc: ValueError, body: GenerationRequest) -> APIError:
 
 
 async def resolve_model(state: AppState, requested: str | None) -> str:
-    """The model a response names. 404 for one no live worker serves (when any is live)."""
-    served = await state.cluster.served_models(max_age_s=1.0)
+    """The model a response names. 404 for one no live worker serves (when any is live), or
+    one the caller's managed key may not use."""
+    plan = PLAN.get()
+    served = [m for m in await state.cluster.served_models(max_age_s=1.0) if plan is None or plan.allows(m)]
     if requested is None:
+        if plan is not None and plan.models is not None and not served:
+            raise APIError(404, "This API key may use none of the models served now.", param="model",
+                           code="model_not_found")
         return served[0] if served else state.settings.served_model_name
-    if served and requested not in served:
+    if (served or plan is not None) and requested not in served:
         raise APIError(
-            404, f"The model `{requested}` does not exist (served: {', '.join(served)}).",
-            param="model", code="model_not_found",
+            404, f"The model `{requested}` does not exist or this API key may not use it (served: "
+            f"{', '.join(served) or 'none to this key'}).", param="model", code="model_not_found",
         )
     return await state.cluster.model_named(requested, max_age_s=1.0)  # an alias answers as its model, as vLLM's
 
@@ -270,10 +276,12 @@ async def check_backpressure(state: AppState) -> None:
 
 async def check_rate_limit(state: AppState) -> None:
     """Count this request against its key's minute (a fixed window in Redis, shared by every
-    API process); 429 past GENQ_RATE_LIMIT_RPM, or once the key's jobs used GENQ_RATE_LIMIT_TPM
-    tokens this minute (the workers count them as they read prompts and write tokens, so a
+    API process); 429 past GENQ_RATE_LIMIT_RPM (or the managed key's own rpm), or once the
+    key's jobs used GENQ_RATE_LIMIT_TPM (its tpm) tokens this minute (the workers count them as they read prompts and write tokens, so a
     long generation counts while it runs)."""
-    rpm, tpm, tenant = state.settings.rate_limit_rpm, state.settings.rate_limit_tpm, TENANT.get()
+    plan, tenant = PLAN.get(), TENANT.get()
+    rpm = plan.rpm if plan and plan.rpm is not None else state.settings.rate_limit_rpm
+    tpm = plan.tpm if plan and plan.tpm is not None else state.settings.rate_limit_tpm
     if tenant is None or (rpm is None and tpm is None):
         return
     now = time.time()

@@ -62,12 +62,12 @@ def format_status(status: dict[str, Any]) -> str:
          str(w["free_slots"]), f"{100 * w['kv_cache_usage']:.1f}", f"{w['tokens_per_s']:.1f}")
         for w in status["workers"]
     ]
-    lines = _table(queues) + [""]
-    lines += _table(workers) if status["workers"] else ["no live worker"]
+    lines = text_table(queues) + [""]
+    lines += text_table(workers) if status["workers"] else ["no live worker"]
     return "\n".join([*lines, "", f"dead letters: {status['dead_letters']} (genq dead ls)"])
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def text_table(rows: list[tuple[str, ...]]) -> list[str]:
     """Left-aligned text columns, right-aligned numbers, two spaces apart."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     numeric = [all(_is_number(row[i]) for row in rows[1:]) for i in range(len(widths))]

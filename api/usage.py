@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from api.status_cli import text_table
 from producer.async_client import AsyncClient
 from producer.protocol import DEFAULT_PREFIX
 
@@ -67,9 +68,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     header = ("day", "tenant", "model", *METRICS, "total_tokens")
     table = [header] + [(r["day"], r["tenant"] or "-", r["model"], *(str(r[m]) for m in header[3:])) for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        print("  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip())
+    print("\n".join(text_table(table)))
     return 0
 
 

@@ -47,6 +47,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "up": Subcommand("run the whole stack: Redis, one worker and the API", "producer.stack:build"),
     "bench": Subcommand("benchmarks: throughput (offline) and serve (HTTP load)", "worker.bench:build"),
     "lora": Subcommand("add, remove or list LoRA adapters the workers load at run time", "api.lora_cli:build"),
+    "keys": Subcommand("create, list or revoke API keys, each with its own limits and models", "api.keys_cli:build"),
 }
 
 

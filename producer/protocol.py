@@ -154,6 +154,10 @@ class Keys:
         return f"{self.prefix}handoff:{name}"  # pub/sub: entry ids another worker handed to `name`
 
     @property
+    def api_keys(self) -> str:
+        return f"{self.prefix}api_keys"  # hash: SHA-256 of an API key -> its plan (JSON; api.api_keys)
+
+    @property
     def lora_adapters(self) -> str:
         return f"{self.prefix}lora_adapters"  # hash: LoRA adapter name -> path, loaded at run time
 

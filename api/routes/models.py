@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from api.api_keys import PLAN
 from api.deps import StateDep
 from api.errors import APIError
 from api.responses import ModelCard, ModelList
@@ -24,7 +25,8 @@ async def list_models(request: Request, state: StateDep) -> Any:
     cards = list((await _cards(state)).values())
     if anthropic_client(request):  # one page holds them all
         data = [_anthropic_model(card) for card in cards]
-        return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]})
+        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+        return JSONResponse({"data": data, "has_more": False, "first_id": first, "last_id": last})
     return ModelList(data=cards)
 
 
@@ -51,18 +53,21 @@ async def _cards(state: StateDep) -> dict[str, ModelCard]:
     base model); the shared stream's model first (a request naming none runs there), then by
     name."""
     cards: dict[str, ModelCard] = {}
+    plan = PLAN.get()  # a managed key sees the models it may use
     workers = sorted(await state.cluster.workers(), key=lambda w: (w.info.queue != "", w.info.model, w.name))
     for worker in workers:
         info = worker.info
         if not worker.serving or not info.model:
             continue
         for name, parent in [(n, None) for n in info.names] + [(a, info.model) for a in info.adapters]:
+            if plan is not None and not plan.allows(name):
+                continue
             card = cards.setdefault(name, ModelCard(id=name, created=int(info.started_at), parent=parent))
             card.workers += 1
             card.created = min(card.created, int(info.started_at))
             if info.max_model_len:  # a job may land on any of them: the smallest bounds it
                 card.max_model_len = min(card.max_model_len or info.max_model_len, info.max_model_len)
-    if not cards:
-        name = state.settings.served_model_name
+    name = state.settings.served_model_name
+    if not cards and (plan is None or plan.allows(name)):
         cards[name] = ModelCard(id=name, created=int(time.time()))
     return cards

@@ -1,0 +1,73 @@
+"""`genq keys`: the API keys kept in Redis (api.api_keys), each with its own limits and models.
+
+    genq keys create NAME [--rpm N] [--tpm N] [--models a,b]   # prints the new key, once
+    genq keys ls                                              # names, limits, models
+    genq keys revoke NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+
+import redis.asyncio
+
+from api import api_keys
+from api.api_keys import KeyPlan
+from api.status_cli import text_table
+from producer.protocol import DEFAULT_PREFIX, Keys
+
+
+def build(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="Redis key prefix (default: %(default)s)")
+    sub = parser.add_subparsers(dest="action", required=True)
+    create = sub.add_parser("create", help="make a key and print it (the only time it is shown)")
+    create.add_argument("name", help="its usage is metered under this name (genq usage)")
+    create.add_argument("--rpm", type=int, help="requests per minute (default: GENQ_RATE_LIMIT_RPM)")
+    create.add_argument("--tpm", type=int, help="tokens per minute (default: GENQ_RATE_LIMIT_TPM)")
+    create.add_argument("--models", help="comma-separated model names it may use (default: every model)")
+    sub.add_parser("ls", help="the keys' names, limits and models")
+    sub.add_parser("revoke", help="delete a key: its requests get 401 within a second").add_argument("name")
+    return run
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        print(asyncio.run(_run(args)))
+    except ValueError as exc:
+        print(f"genq keys: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _run(args: argparse.Namespace) -> str:
+    conn, keys = redis.asyncio.Redis.from_url(args.redis_url), Keys(args.prefix)
+    try:
+        if args.action == "create":
+            models = tuple(m.strip() for m in args.models.split(",")) if args.models is not None else None
+            return await api_keys.create(conn, keys, KeyPlan(args.name, args.rpm, args.tpm, models))
+        if args.action == "revoke":
+            if not await api_keys.revoke(conn, keys, args.name):
+                raise ValueError(f"no key named {args.name!r}")
+            return f"revoked {args.name}"
+        return _table(await api_keys.listing(conn, keys))
+    finally:
+        await conn.aclose()
+
+
+def _table(plans: list[KeyPlan]) -> str:
+    if not plans:
+        return "no keys (the API is open unless GENQ_API_KEYS is set)"
+    rows: list[tuple[str, ...]] = [("NAME", "RPM", "TPM", "MODELS", "CREATED")]
+    for plan in plans:
+        created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(plan.created_at))
+        rows.append((plan.name, _limit(plan.rpm), _limit(plan.tpm),
+                     ",".join(plan.models) if plan.models is not None else "all", created))
+    return "\n".join(text_table(rows))
+
+
+def _limit(value: int | None) -> str:
+    return str(value) if value is not None else "default"

@@ -1,0 +1,159 @@
+"""API keys kept in Redis (`genq keys`, api.api_keys) against a live stack, driven by the
+official `openai` client: once one exists the API asks for a key; each key is metered under
+its name, keeps its own requests per minute and sees only its models; a revoked key stops
+working; GENQ_API_KEYS keys work beside them."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+import redis.asyncio
+from batch_support import chat_line, run_batch
+
+from api import api_keys
+from api.api_keys import KeyPlan
+from api.deps import key_id
+from api.settings import Settings
+from producer.protocol import Keys
+
+STATIC = "sk-static"
+GREEDY = {"temperature": 0.0, "max_tokens": 2}
+
+
+def genq_keys(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "producer.cli", "keys", "--redis-url", redis_url, *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def create(redis_url: str, plan: KeyPlan) -> str:
+    async def run() -> str:
+        conn = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            return await api_keys.create(conn, Keys(), plan)
+        finally:
+            await conn.aclose()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def url(live_worker: str, serve_api) -> Iterator[str]:
+    """An API with one static key, on the shared Redis; the managed keys are gone after (the
+    other modules' APIs on this Redis are open)."""
+    conn = redis.Redis.from_url(live_worker)
+    try:
+        with serve_api(Settings(redis_url=live_worker, api_keys=(STATIC,), request_timeout_s=60.0)) as served:
+            yield served
+    finally:
+        conn.delete(Keys().api_keys)
+        conn.close()
+
+
+def oai(url: str, key: str | None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key or "none", max_retries=0, timeout=60)
+
+
+def test_a_key_made_by_genq_keys_is_metered_under_its_name(url: str, live_worker: str, served_model: str) -> None:
+    made = genq_keys(live_worker, "create", "acme", "--rpm", "100")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip()
+    assert key.startswith("sk-genq-")
+    reply = oai(url, key).completions.create(model=served_model, prompt="Hi", **GREEDY)
+    with httpx.Client(base_url=url, timeout=30) as http:
+        usage = http.get("/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()
+    assert usage["tenant"] == "acme"
+    assert sum(r["completion_tokens"] for r in usage["data"]) == reply.usage.completion_tokens
+    listed = genq_keys(live_worker, "ls").stdout
+    assert listed.splitlines()[0].split() == ["NAME", "RPM", "TPM", "MODELS", "CREATED"]
+    assert listed.splitlines()[1].split()[:4] == ["acme", "100", "default", "all"]
+    assert key not in listed and key not in str(redis.Redis.from_url(live_worker).hgetall(Keys().api_keys))
+    taken = genq_keys(live_worker, "create", "acme")
+    assert taken.returncode == 1 and "a key named 'acme' exists" in taken.stderr
+    bad = genq_keys(live_worker, "create", "key-x")
+    assert bad.returncode == 1 and "not starting with 'key-'" in bad.stderr
+
+
+def test_a_managed_key_existing_closes_the_api_to_requests_without_one(
+    url: str, live_worker: str, served_model: str, serve_api, poll: Callable[..., Any]
+) -> None:
+    """An API started without GENQ_API_KEYS is open until a managed key exists; a static key
+    works beside the managed ones and is metered as before."""
+    redis.Redis.from_url(live_worker).delete(Keys().api_keys)
+    with serve_api(Settings(redis_url=live_worker, request_timeout_s=60.0)) as open_url:
+        assert oai(open_url, None).models.list().data
+        key = create(live_worker, KeyPlan("closer"))
+
+        def closed() -> bool:
+            try:
+                oai(open_url, None).models.list()
+            except openai.AuthenticationError:
+                return True
+            return False
+
+        poll(closed, 10.0, "the API asking for a key")
+        with pytest.raises(openai.AuthenticationError):
+            oai(open_url, "sk-genq-guessed").models.list()
+        assert oai(open_url, key).models.list().data
+    static = oai(url, STATIC).completions.create(model=served_model, prompt="Hi", **GREEDY)
+    assert static.usage.completion_tokens == 2
+    with httpx.Client(base_url=url, timeout=30) as http:
+        assert http.get("/v1/usage", headers={"Authorization": f"Bearer {STATIC}"}).json()["tenant"] == key_id(STATIC)
+
+
+def test_a_key_sees_and_uses_only_its_models(url: str, live_worker: str, served_model: str,
+                                             poll: Callable[..., Any]) -> None:
+    allowed = oai(url, create(live_worker, KeyPlan("mine", models=(served_model,))))
+    barred = oai(url, create(live_worker, KeyPlan("barred", models=("some-other-model",))))
+    assert [m.id for m in allowed.models.list()] == [served_model]
+    assert allowed.chat.completions.create(model=served_model, messages=[{"role": "user", "content": "Hi"}],
+                                           **GREEDY).choices[0].message.content is not None
+    assert barred.models.list().data == []
+    with pytest.raises(openai.NotFoundError) as info:
+        barred.chat.completions.create(model=served_model, messages=[{"role": "user", "content": "Hi"}], **GREEDY)
+    assert info.value.body["code"] == "model_not_found" and "may not use it" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        barred.completions.create(model=None, prompt="Hi", **GREEDY)  # not even by default
+    with pytest.raises(openai.NotFoundError):
+        barred.models.retrieve(served_model)
+    batch = run_batch(barred, [chat_line("b1", served_model)])  # its lines are checked as they are stored
+    assert batch.status == "failed" and batch.errors.data[0].code == "model_not_found"
+
+
+def test_a_key_has_its_own_requests_per_minute(url: str, live_worker: str, served_model: str) -> None:
+    """Two a minute for this key (none for the API's others): its third is refused."""
+    for attempt in range(3):  # the window is the clock's minute: a fresh key if one ended mid-way
+        client = oai(url, create(live_worker, KeyPlan(f"slow-{attempt}", rpm=2)))
+        minute = int(time.time() // 60)
+        firsts = [client.completions.create(model=served_model, prompt="Hi", **GREEDY) for _ in range(2)]
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=served_model, prompt="Hi", **GREEDY)
+        if int(time.time() // 60) == minute:
+            break
+    assert len(firsts) == 2 and "2 requests per minute" in info.value.body["message"]
+    assert oai(url, STATIC).completions.create(model=served_model, prompt="Hi", **GREEDY).usage is not None
+
+
+def test_a_revoked_key_stops_working(url: str, live_worker: str, poll: Callable[..., Any]) -> None:
+    client = oai(url, create(live_worker, KeyPlan("leaving")))
+    assert client.models.list().data
+    revoked = genq_keys(live_worker, "revoke", "leaving")
+    assert revoked.returncode == 0 and revoked.stdout.strip() == "revoked leaving"
+    assert genq_keys(live_worker, "revoke", "leaving").returncode == 1
+
+    def refused() -> bool:
+        try:
+            client.models.list()
+        except openai.AuthenticationError:
+            return True
+        return False
+
+    poll(refused, 10.0, "the revoked key refused")
