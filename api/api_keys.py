@@ -16,7 +16,7 @@ import re
 import secrets
 import time
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import redis.asyncio
 
@@ -36,6 +36,7 @@ class KeyPlan:
     tpm: int | None = None
     models: tuple[str, ...] | None = None  # the model names it may ask for, aliases and adapters included
     created_at: float = 0.0
+    priority: int = 0  # added to its requests' priority: a tier (lower runs first, as vLLM's)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "models": list(self.models) if self.models is not None else None})
@@ -45,7 +46,7 @@ class KeyPlan:
         data = json.loads(text)
         models = data.get("models")
         return cls(data["name"], data.get("rpm"), data.get("tpm"), tuple(models) if models is not None else None,
-                   data.get("created_at", 0.0))
+                   data.get("created_at", 0.0), data.get("priority", 0))
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -54,6 +55,12 @@ class KeyPlan:
 # The plan of the managed key a request came with (None: keys are off, or a GENQ_API_KEYS key).
 # Set with deps.TENANT by `require_api_key`; tasks a request starts inherit it.
 PLAN: ContextVar[KeyPlan | None] = ContextVar("genq_key_plan", default=None)
+
+
+def key_priority() -> int:
+    """What the caller's managed key adds to its requests' priority (0 for any other caller)."""
+    plan = PLAN.get()
+    return plan.priority if plan is not None else 0
 
 
 def digest(key: str) -> str:
@@ -79,7 +86,7 @@ async def create(conn: redis.asyncio.Redis, keys: Keys, plan: KeyPlan) -> str:
     if any(p.name == plan.name for p in await listing(conn, keys)):
         raise ValueError(f"a key named {plan.name!r} exists; revoke it first, or choose another name")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    stamped = KeyPlan(plan.name, plan.rpm, plan.tpm, plan.models, time.time())
+    stamped = replace(plan, created_at=time.time())
     await conn.hset(keys.api_keys, digest(key), stamped.to_json())  # type: ignore[misc]
     return key
 

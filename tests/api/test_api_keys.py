@@ -23,7 +23,7 @@ from api import api_keys
 from api.api_keys import KeyPlan
 from api.deps import key_id
 from api.settings import Settings
-from producer.protocol import Keys
+from producer.protocol import Keys, decode_job
 
 STATIC = "sk-static"
 GREEDY = {"temperature": 0.0, "max_tokens": 2}
@@ -73,8 +73,8 @@ def test_a_key_made_by_genq_keys_is_metered_under_its_name(url: str, live_worker
     assert usage["tenant"] == "acme"
     assert sum(r["completion_tokens"] for r in usage["data"]) == reply.usage.completion_tokens
     listed = genq_keys(live_worker, "ls").stdout
-    assert listed.splitlines()[0].split() == ["NAME", "RPM", "TPM", "MODELS", "CREATED"]
-    assert listed.splitlines()[1].split()[:4] == ["acme", "100", "default", "all"]
+    assert listed.splitlines()[0].split() == ["NAME", "RPM", "TPM", "MODELS", "PRIORITY", "CREATED"]
+    assert listed.splitlines()[1].split()[:5] == ["acme", "100", "default", "all", "0"]
     assert key not in listed and key not in str(redis.Redis.from_url(live_worker).hgetall(Keys().api_keys))
     taken = genq_keys(live_worker, "create", "acme")
     assert taken.returncode == 1 and "a key named 'acme' exists" in taken.stderr
@@ -157,3 +157,21 @@ def test_a_revoked_key_stops_working(url: str, live_worker: str, poll: Callable[
         return False
 
     poll(refused, 10.0, "the revoked key refused")
+
+
+def test_a_keys_priority_tiers_its_jobs_and_beam_search_is_metered_to_it(
+    url: str, live_worker: str, served_model: str
+) -> None:
+    """A key made with --priority -5 (a tier scheduled first): its jobs carry the request's
+    priority plus -5. Beam search's jobs, one a step and beam, are metered to the key too."""
+    made = genq_keys(live_worker, "create", "gold", "--priority", "-5")
+    gold = oai(url, made.stdout.strip())
+    gold.completions.create(model=served_model, prompt="Tiered", extra_body={"priority": 2}, **GREEDY)
+    conn = redis.Redis.from_url(live_worker)
+    [(_, fields)] = conn.xrevrange(Keys().requests, count=1)
+    job = decode_job(fields)
+    assert (job.prompt, job.priority, job.tenant) == ("Tiered", -3, "gold")
+    gold.completions.create(model=served_model, prompt="Beams", n=2, max_tokens=3,
+                            extra_body={"use_beam_search": True})
+    beams = [b for b in (decode_job(f) for _, f in conn.xrevrange(Keys().requests, count=6)) if b.prompt is None]
+    assert len(beams) >= 3 and all(b.tenant == "gold" and b.priority == -5 for b in beams)
