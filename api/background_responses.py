@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 # a job's status as the status of a response still running
 _RUNNING = {JobStatus.QUEUED: "queued", JobStatus.RUNNING: "in_progress"}
+ENDED = ("completed", "incomplete", "failed", "cancelled")  # a response's final statuses
 
 
 async def start(
@@ -86,7 +87,9 @@ async def cancel(state: AppState, stored: dict[str, Any]) -> dict[str, Any]:
     for job_id in req.job_ids:
         await state.client.cancel(job_id)
     # Not waiting for a worker to see the cancel: with none live, nothing would answer.
-    return await _save_ended(state, stored, "cancelled")
+    final = await _save_ended(state, stored, "cancelled")
+    await state.webhooks.ended("response", final["id"], "cancelled")
+    return final
 
 
 async def _finish_when_done(state: AppState, record: dict[str, Any]) -> None:
@@ -99,7 +102,15 @@ async def _finish_when_done(state: AppState, record: dict[str, Any]) -> None:
 
 
 async def _finish(state: AppState, record: dict[str, Any]) -> dict[str, Any]:
-    """Wait for the job's end (replayed from Redis if it is over) and store the result."""
+    """Wait for the job's end (replayed from Redis if it is over), store the result and
+    announce it (api.webhooks)."""
+    final = await _finished(state, record)
+    if final["status"] in ENDED:
+        await state.webhooks.ended("response", final["id"], final["status"])
+    return final
+
+
+async def _finished(state: AppState, record: dict[str, Any]) -> dict[str, Any]:
     req = _relayed(record)
     try:
         response = await generate.collect(state, req, ResponseRenderer(), keep_jobs=True)

@@ -242,6 +242,7 @@ class BatchRunner:
         pipe.srem(client.keys.active_batches, batch.id)
         pipe.delete(client.keys.batch_results(batch.id), client.keys.batch_lines(batch.id), client.keys.batch_lease(batch.id))
         await pipe.execute()
+        await self.state.webhooks.ended("batch", batch.id, batch.status)
 
 
 def _refused(line: Line, exc: APIError) -> dict[str, Any]:

@@ -241,6 +241,8 @@ async def store(
         pipe.expire(keys.batch_lines(batch_id), ttl)
         pipe.sadd(keys.active_batches, batch_id)
     await pipe.execute()
+    if errors:
+        await state.webhooks.ended("batch", batch_id, "failed")
     return batch
 
 

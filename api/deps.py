@@ -19,6 +19,7 @@ from api.metrics import Metrics
 from api.relay import Relay
 from api.settings import Settings
 from api.tokenizers import Tokenizers
+from api.webhooks import Webhooks
 from producer.async_client import AsyncClient
 
 
@@ -34,9 +35,11 @@ class AppState:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # background work, cancelled at shutdown
     tokenizers: Tokenizers = field(default_factory=Tokenizers)  # for /tokenize, as workers published them
     managed_keys: ManagedKeys = field(init=False)  # the API keys kept in Redis (`genq keys`)
+    webhooks: Webhooks = field(init=False)  # announces ended background responses and batches
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "managed_keys", ManagedKeys(self.client.redis, self.client.keys))
+        object.__setattr__(self, "webhooks", Webhooks(self.settings, self.client.redis, self.client.keys, self.tasks))
 
 
 def get_state(request: Request) -> AppState:

@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Annotated, Any, Literal
 
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from producer.jobs import DEFAULT_REDIS_URL
@@ -77,12 +79,35 @@ class Settings(BaseSettings):
     batch_max_in_flight: int = 64
     batch_poll_s: float = 0.5
 
+    # OpenAI's webhooks: background responses and batches that end are announced by a POST of
+    # {"object": "event", "type": "response.completed", "data": {"id": ...}} to this URL,
+    # signed with the secret as Standard Webhooks sign (OpenAI's clients verify it:
+    # client.webhooks.unwrap); retried with backoff while the receiver fails (api.webhooks)
+    webhook_url: str | None = None
+    webhook_secret: str | None = None  # whsec_<base64>, as OpenAI's dashboard gives one
+    webhook_max_attempts: int = 8
+
     # A stream that has sent nothing this long (its job waiting in the queue) sends an SSE
     # comment, so proxies that close idle connections leave it open; 0: never
     sse_keepalive_s: float = 15.0
     # Browsers may call the API from these origins (CORS; vLLM's --allowed-origins, every
     # origin by default as in vLLM: keys are bearer tokens, never cookies); empty: none
     allowed_origins: Annotated[tuple[str, ...], NoDecode] = ("*",)
+
+    @model_validator(mode="after")
+    def _webhook_signed(self) -> Settings:
+        """A webhook URL needs a secret to sign with; a whsec_ secret must decode."""
+        if self.webhook_url is not None and not self.webhook_secret:
+            raise ValueError("GENQ_WEBHOOK_URL needs GENQ_WEBHOOK_SECRET (whsec_ and 32 random bytes in base64) "
+                             "to sign its events with")
+        if self.webhook_secret is not None and self.webhook_secret.startswith("whsec_"):
+            try:
+                base64.b64decode(self.webhook_secret[6:], validate=True)
+            except binascii.Error:
+                raise ValueError("GENQ_WEBHOOK_SECRET must be whsec_ followed by base64") from None
+        if self.webhook_max_attempts < 1:
+            raise ValueError(f"GENQ_WEBHOOK_MAX_ATTEMPTS must be at least 1, got {self.webhook_max_attempts}")
+        return self
 
     @field_validator("api_keys", "allowed_origins", mode="before")
     @classmethod

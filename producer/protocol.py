@@ -153,6 +153,9 @@ class Keys:
     def handoff_channel(self, name: str) -> str:
         return f"{self.prefix}handoff:{name}"  # pub/sub: entry ids another worker handed to `name`
 
+    def webhook_sent(self, event: str) -> str:
+        return f"{self.prefix}webhook:{event}"  # string with TTL: the API sent this event ("type:object id")
+
     @property
     def api_keys(self) -> str:
         return f"{self.prefix}api_keys"  # hash: SHA-256 of an API key -> its plan (JSON; api.api_keys)

@@ -1,0 +1,110 @@
+"""OpenAI's webhooks (api.webhooks) against a live stack and a receiver of the test's own:
+background responses and batches that end are announced once each, signed so that OpenAI's
+own SDK (`client.webhooks.unwrap`) verifies and reads them, and retried while the receiver
+fails."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import openai
+import pytest
+from batch_support import chat_line, run_batch, wait_done
+
+from api.settings import Settings
+
+SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
+
+
+class Receiver:
+    """An HTTP server that records every POST (headers, body, whether it answered 200) and
+    fails the first `fail` of each event id with a 500."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.posts: list[tuple[dict[str, str], bytes, bool]] = []
+        self.fail = fail
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["content-length"]))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                tries = 1 + sum(1 for h, _, _ in receiver.posts if h["webhook-id"] == headers["webhook-id"])
+                receiver.posts.append((headers, body, tries > receiver.fail))
+                self.send_response(200 if tries > receiver.fail else 500)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def events(self) -> list[Any]:
+        """The events delivered (answered 200), each verified and read by OpenAI's SDK."""
+        reader = openai.OpenAI(api_key="unused", webhook_secret=SECRET)
+        return [reader.webhooks.unwrap(body, headers) for headers, body, ok in list(self.posts) if ok]
+
+    def of(self, object_id: str) -> list[Any]:
+        return [e for e in self.events() if e.data.id == object_id]
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    receiver = Receiver(fail=1)  # each event's first attempt fails: every one is a retry
+    yield receiver
+    receiver.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(live_worker: str, serve_api, receiver: Receiver) -> Iterator[openai.OpenAI]:
+    settings = Settings(redis_url=live_worker, webhook_url=receiver.url, webhook_secret=SECRET,
+                        request_timeout_s=60.0, batch_poll_s=0.1)
+    with serve_api(settings) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_a_background_response_that_ends_is_announced_once(client: openai.OpenAI, receiver: Receiver,
+                                                           served_model: str, poll: Callable[..., Any]) -> None:
+    queued = client.responses.create(model=served_model, input="Say hi.", background=True, max_output_tokens=4)
+    [event] = poll(lambda: receiver.of(queued.id), 30.0, "the response's event")
+    assert event.type == "response.incomplete" and event.object == "event"  # (4 tokens: cut short)
+    assert client.responses.retrieve(queued.id).status == "incomplete"  # a GET that sees the end again
+    attempts = [h for h, body, _ in receiver.posts if json.loads(body)["data"]["id"] == queued.id]
+    assert len(attempts) == 2 and attempts[0]["webhook-id"] == attempts[1]["webhook-id"]  # the retry
+    assert len(receiver.of(queued.id)) == 1
+
+    long = client.responses.create(model=served_model, input="Count to a thousand.", background=True,
+                                   max_output_tokens=900, extra_body={"ignore_eos": True})
+    assert client.responses.cancel(long.id).status == "cancelled"
+    [event] = poll(lambda: receiver.of(long.id), 30.0, "the cancelled response's event")
+    assert event.type == "response.cancelled"
+
+
+def test_batches_that_end_are_announced(client: openai.OpenAI, receiver: Receiver, served_model: str,
+                                        poll: Callable[..., Any]) -> None:
+    done = wait_done(client, run_batch(client, [chat_line("a", served_model), chat_line("b", served_model)]).id, poll)
+    assert done.status == "completed"
+    [event] = poll(lambda: receiver.of(done.id), 30.0, "the batch's event")
+    assert event.type == "batch.completed"
+    refused = run_batch(client, [{"custom_id": "x", "method": "GET", "url": "/v1/chat/completions", "body": {}}])
+    assert refused.status == "failed"
+    [event] = poll(lambda: receiver.of(refused.id), 30.0, "the failed batch's event")
+    assert event.type == "batch.failed"
+    with pytest.raises(openai.InvalidWebhookSignatureError):  # the signature is the secret's
+        other_event_headers, body = receiver.posts[0][0], receiver.posts[-1][1]
+        openai.OpenAI(api_key="unused", webhook_secret=SECRET).webhooks.unwrap(body, other_event_headers)
+
+
+def test_a_webhook_url_needs_a_secret() -> None:
+    with pytest.raises(ValueError, match="GENQ_WEBHOOK_URL needs GENQ_WEBHOOK_SECRET"):
+        Settings(webhook_url="http://127.0.0.1:1/hooks")
+    with pytest.raises(ValueError, match="whsec_ followed by base64"):
+        Settings(webhook_url="http://127.0.0.1:1/hooks", webhook_secret="whsec_!!!")
