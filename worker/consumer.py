@@ -94,7 +94,7 @@ class Consumer:
             self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject,
             self.config.model_name,
         )
-        self.admission = Admission(self.config, self.scripts, self.table, self.engine)
+        self.admission = Admission(self.config, self.scripts, self.table, self.engine, self.metrics)
         self.heartbeat = Heartbeat(
             self.config, self.scripts, self.table, self.publisher, self.metrics,
             self.capacity, self.abort, self.engine,

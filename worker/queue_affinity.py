@@ -8,7 +8,7 @@ a text's first HEAD_CHARS characters, a token prompt's first HEAD_TOKENS ids), i
 its cache salt. The worker that starts a job records its own name under the key
 (`affinity(digest)`, expiring cache_affinity_ttl_s later). A worker that reads a job whose key
 names another live, serving worker of the same stream hands the entry to it while that
-worker's free slots last (as of its last heartbeat, less what was handed to it since):
+worker has room (its max_num_seqs less the entries pending under its name, read then):
 HANDOFF_LUA claims the entry in the owner's name and tells the owner its id on the owner's
 handoff channel, and the owner admits it as if it had read it. A worker with no free slot
 named gets nothing handed: the reader runs the job, and becomes the key's owner.
@@ -72,8 +72,6 @@ class Affinity:
         self.scripts = scripts
         self.name = config.name
         self.queue = config.queue
-        # worker -> (the heartbeat its free slots were read from, jobs handed to it since)
-        self._handed: dict[str, tuple[bytes, int]] = {}
 
     async def hand_off(self, jobs: Sequence[tuple[str, Job]]) -> set[str]:
         """Hand (entry id, job) pairs to their keys' owners where those have room; returns
@@ -95,30 +93,27 @@ class Affinity:
         handed: set[str] = set()
         for owner, entry_ids in plan.items():
             moved = await self.scripts.hand_off(owner, entry_ids)
-            beat, count = self._handed[owner]
-            self._handed[owner] = (beat, count + len(moved))
             handed.update(moved)
             logger.info("handed %d entries to worker %s, whose prefix cache holds their start: %s",
                         len(moved), owner, moved)
         return handed
 
     async def _rooms(self, workers: list[str]) -> dict[str, int]:
-        """The jobs each worker could still be handed: its free slots at its last heartbeat,
-        less what was handed to it since; none for a worker gone, draining or on another
-        stream."""
+        """The jobs each worker could still be handed: its max_num_seqs less the entries
+        pending under its name (what it runs, waits on, or was handed and has not yet
+        taken, as of now); none for a worker gone, draining or on another stream."""
         if not workers:
             return {}
         pipe = self.scripts.conn.pipeline(transaction=False)
         for worker in workers:
-            pipe.hmget(self.scripts.keys.worker(worker), ["state", "queue", "free_slots", "heartbeat_at"])
+            pipe.hmget(self.scripts.keys.worker(worker), ["state", "queue", "max_num_seqs"])
+        pipe.xpending(self.scripts.keys.requests, self.scripts.keys.group)
+        *infos, summary = await pipe.execute()
+        pending = {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
         rooms = {}
-        for worker, (state, queue, free, beat) in zip(workers, await pipe.execute(), strict=True):
-            if state != b"serving" or (queue or b"").decode() != self.queue or free is None or beat is None:
-                continue
-            seen, count = self._handed.get(worker, (beat, 0))
-            count = count if seen == beat else 0  # a new beat counts what was handed before it
-            self._handed[worker] = (beat, count)
-            rooms[worker] = int(free) - count
+        for worker, (state, queue, max_num_seqs) in zip(workers, infos, strict=True):
+            if state == b"serving" and _text(queue or b"") == self.queue and max_num_seqs is not None:
+                rooms[worker] = int(max_num_seqs) - pending.get(worker, 0)
         return rooms
 
     async def own(self, jobs: Sequence[Job]) -> None:
@@ -132,3 +127,7 @@ class Affinity:
         for digest in sorted(digests):
             pipe.set(self.scripts.keys.affinity(digest), self.name, px=self.ttl_ms)
         await pipe.execute()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

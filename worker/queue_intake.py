@@ -43,6 +43,7 @@ from worker.queue_jobs import (
     new_completions,
     progress_from_events,
 )
+from worker.queue_metrics import WorkerMetrics
 from worker.queue_scripts import DeadLetter, Forward, JobWrite, Scripts
 
 logger = logging.getLogger(__name__)
@@ -78,12 +79,14 @@ class Rejection:
 
 class Admission:
     def __init__(
-        self, config: WorkerConfig, scripts: Scripts, table: JobTable, engine: EngineThread
+        self, config: WorkerConfig, scripts: Scripts, table: JobTable, engine: EngineThread,
+        metrics: WorkerMetrics,
     ) -> None:
         self.config = config
         self.scripts = scripts
         self.table = table
         self.engine = engine
+        self.metrics = metrics
         self.affinity = Affinity(config, scripts)
         self.num_admitting = 0  # entries read and not yet handed on (counted against capacity)
         self.num_adds_sent = 0  # AddRequests sent to the engine thread, ever
@@ -196,6 +199,7 @@ class Admission:
         """Jobs whose prompt start another worker of this stream ran last: handed to it while
         it has room (queue_affinity), and dropped from `checked`."""
         handed = await self.affinity.hand_off([(d.entry_id, v) for d, v in checked if isinstance(v, Job)])
+        self.metrics.handoffs_sent.inc(len(handed))
         return [(d, v) for d, v in checked if d.entry_id not in handed]
 
     async def take_handed(self, text: str) -> None:
@@ -204,6 +208,7 @@ class Admission:
         taken = await self.scripts.take(text.split())
         fresh = [t for t in taken if self.table.by_entry(t.entry_id) is None]
         if fresh:
+            self.metrics.handoffs_taken.inc(len(fresh))
             await self.admit([Delivery(t.entry_id, t.fields, t.delivery_count) for t in fresh], Source.HANDED)
 
     def _unserved(self, job: Job) -> Rejection:

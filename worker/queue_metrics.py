@@ -45,6 +45,9 @@ class WorkerMetrics:
                           buckets=ITL_BUCKETS)
         self._e2e = child(Histogram, "genq:e2e_request_latency_seconds", "Submit to last token",
                           buckets=E2E_BUCKETS)
+        self.handoffs_sent = child(Counter, "genq:affinity_handoffs_sent", "Jobs handed to the worker whose prefix "
+                                   "cache holds their prompt's start (worker.queue_affinity)")
+        self.handoffs_taken = child(Counter, "genq:affinity_handoffs_taken", "Jobs other workers handed here")
         # counters of the engine's totals (EngineStats fields), which go up by what is new since the last stats
         self._totals = {
             "spec_decode_num_draft_tokens": child(Counter, "genq:spec_decode_num_draft_tokens",

@@ -2,14 +2,15 @@
 of a conversation, and the jobs of one prompt_cache_key, run on the worker that ran the
 first, whichever worker reads them, and are served from its prefix cache; an entry handed to a
 worker that stopped is reclaimed by the other. Then the handing itself, against a real Redis
-and heartbeat hashes the test writes: how many a worker is handed (its free slots at its last
-beat, less what it was handed since), and nothing to one draining or on another stream."""
+and heartbeat hashes the test writes: how many a worker is handed (its max_num_seqs less the
+entries pending under its name), and nothing to one draining or on another stream."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import urllib.request
 from collections.abc import Callable
 
 import pytest
@@ -21,7 +22,7 @@ from producer.client import Client
 from producer.jobs import build_job
 from producer.pooling_params import PoolingParams
 from producer.protocol import JobStatus, Keys, encode_job
-from producer.redis_server import RedisServer
+from producer.redis_server import RedisServer, free_port
 from producer.sampling_params import SamplingParams
 from worker.queue_affinity import HEAD_CHARS, Affinity, affinity_digest
 from worker.queue_config import WorkerConfig
@@ -35,8 +36,14 @@ FILLER = " ".join(f"word{i}" for i in range(60))
 
 
 @pytest.fixture(scope="module")
-def workers(spawn: Callable[..., WorkerProcess], conn: redis.Redis) -> dict[str, WorkerProcess]:
-    procs = {name: spawn(name, GENQ_MAX_NUM_SEQS="4") for name in NAMES}
+def metrics_ports() -> dict[str, int]:
+    return {name: free_port() for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def workers(spawn: Callable[..., WorkerProcess], conn: redis.Redis, metrics_ports: dict[str, int]) -> dict[str, WorkerProcess]:
+    procs = {name: spawn(name, GENQ_MAX_NUM_SEQS="4", GENQ_METRICS_PORT=str(metrics_ports[name]),
+                         GENQ_METRICS_HOST="127.0.0.1") for name in NAMES}
     for proc in procs.values():
         proc.wait_ready(conn)
     return procs
@@ -51,8 +58,15 @@ def ran_on(conn: redis.Redis, keys: Keys, job_id: str) -> str:
     return conn.hget(keys.job(job_id), "worker").decode()
 
 
+def handoffs(port: int) -> dict[str, float]:
+    """A worker's affinity counters, from its Prometheus endpoint."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("genq:affinity_handoffs_") and "_total" in line.split("{")[0]}
+
+
 def test_turns_of_a_conversation_run_where_it_began(
-    client: Client, conn: redis.Redis, keys: Keys, workers: dict[str, WorkerProcess]
+    client: Client, conn: redis.Redis, keys: Keys, workers: dict[str, WorkerProcess], metrics_ports: dict[str, int]
 ) -> None:
     """Eight conversations of three turns each, a turn submitted once the one before ended,
     each round of turns in another order (idle workers take entries in turns, so the same order
@@ -73,6 +87,9 @@ def test_turns_of_a_conversation_run_where_it_began(
             texts[c] += result.text + f" and then turn {turn + 1}"
     assert set(first.values()) == set(NAMES)  # both began conversations: both read jobs
     assert any("whose prefix cache holds their start" in w.log() for w in workers.values())
+    counts = [handoffs(port) for port in metrics_ports.values()]
+    sent = sum(c["genq:affinity_handoffs_sent_total"] for c in counts)
+    assert sent > 0 and sent == sum(c["genq:affinity_handoffs_taken_total"] for c in counts)
 
 
 def test_jobs_of_one_prompt_cache_key_run_on_one_worker_while_it_has_room(
@@ -129,11 +146,13 @@ def test_a_conversations_turns_share_a_key_and_salts_models_and_embeddings_part_
     assert affinity_digest(build_job("a", PARAMS, pooling_params=PoolingParams())) is None
 
 
-def test_a_worker_is_handed_what_its_free_slots_hold(redis_server: RedisServer) -> None:
+def test_a_worker_is_handed_what_its_room_holds(redis_server: RedisServer) -> None:
     asyncio.run(_handing(redis_server.url))
 
 
 async def _handing(url: str) -> None:
+    """The owner may run two: with one entry pending under its name, it is handed one of the
+    reader's three; once it acknowledges that, another."""
     keys = Keys("t-handing:")
     conn = redis.asyncio.Redis.from_url(url)
     scripts = Scripts(conn, keys, "reader")
@@ -144,33 +163,35 @@ async def _handing(url: str) -> None:
         await conn.xadd(keys.requests, encode_job(job))
     reply = await conn.xreadgroup(keys.group, "reader", {keys.requests: ">"})
     entries = [(e.decode(), job) for (e, _), job in zip(reply[0][1], jobs, strict=True)]
+    running, entries = entries[0], entries[1:]
+    await conn.xclaim(keys.requests, keys.group, "owner", 0, [running[0]])  # the owner runs one
     await conn.set(keys.affinity(affinity_digest(jobs[0]) or ""), "owner")
     owner = keys.worker("owner")
 
-    async def beat(state: str = "serving", queue: str = "", free: int = 2, at: str = "1.0") -> None:
-        await conn.hset(owner, mapping={"state": state, "queue": queue, "free_slots": free, "heartbeat_at": at})
+    async def beat(state: str = "serving", queue: str = "") -> None:
+        await conn.hset(owner, mapping={"state": state, "queue": queue, "max_num_seqs": 2})
 
     async def pending(consumer: str) -> list[str]:
         rows = await conn.xpending_range(keys.requests, keys.group, "-", "+", 10, consumername=consumer)
         return [r["message_id"].decode() for r in rows]
 
     try:
-        for state, queue, free in (("draining", "", 2), ("serving", "other", 2), ("serving", "", 0)):
-            await beat(state, queue, free)
-            assert await affinity.hand_off(entries) == set(), (state, queue, free)
+        for state, queue in (("draining", ""), ("serving", "other")):
+            await beat(state, queue)
+            assert await affinity.hand_off(entries) == set(), (state, queue)
         await conn.delete(owner)  # gone
         assert await affinity.hand_off(entries) == set()
         await beat()
         pubsub = conn.pubsub()
         await pubsub.subscribe(keys.handoff_channel("owner"))
         handed = await affinity.hand_off(entries)
-        assert handed == {e for e, _ in entries[:2]} and set(await pending("owner")) == handed
+        assert handed == {entries[0][0]} and set(await pending("owner")) == {running[0], entries[0][0]}
         message = await wait_message(pubsub)
-        assert set(message["data"].decode().split()) == handed
-        assert await affinity.hand_off(entries[2:]) == set()  # its two slots are spoken for
-        await beat(at="2.0")  # a new beat, with room again
-        assert await affinity.hand_off(entries[2:3]) == {entries[2][0]}
-        assert len(await pending("reader")) == 1
+        assert message["data"].decode() == entries[0][0]
+        assert await affinity.hand_off(entries[1:]) == set()  # its two are spoken for
+        await conn.xack(keys.requests, keys.group, running[0])  # one ended
+        assert await affinity.hand_off(entries[1:]) == {entries[1][0]}
+        assert await pending("reader") == [entries[2][0]]
         await pubsub.aclose()
         await affinity.own([jobs[0]])
         assert await conn.get(keys.affinity(affinity_digest(jobs[0]) or "")) == b"reader"
