@@ -42,6 +42,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "status": Subcommand("each queue's depth, each live worker's load, the dead letters", "api.status_cli:build"),
     "usage": Subcommand("tokens metered by day, API key and model", "api.usage:build"),
     "dead": Subcommand("list dead letters, or send their jobs back to the queue", "producer.dead_letters:build"),
+    "drain": Subcommand("ask workers to drain and stop, as SIGTERM would, from anywhere", "producer.drain:build"),
     "worker": Subcommand("run a GPU worker: pull jobs into the engine (as arq worker)", "worker.cli:build"),
     "api": Subcommand("serve the OpenAI-compatible HTTP API", "api.cli:build"),
     "up": Subcommand("run the whole stack: Redis, one worker and the API", "producer.stack:build"),

@@ -147,6 +147,9 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat
 
+    def drain(self, name: str) -> str:
+        return f"{self.prefix}drain:{name}"  # string with TTL: worker `name` is asked to drain and stop (genq drain)
+
     def affinity(self, digest: str) -> str:
         return f"{self.prefix}affinity:{digest}"  # string with TTL: the worker that last ran a prompt start
 

@@ -97,7 +97,7 @@ class Consumer:
         self.admission = Admission(self.config, self.scripts, self.table, self.engine, self.metrics)
         self.heartbeat = Heartbeat(
             self.config, self.scripts, self.table, self.publisher, self.metrics,
-            self.capacity, self.abort, self.engine,
+            self.capacity, self.abort, self.engine, self._stop,
         )
         await self.scripts.ensure_group()
         # before the first heartbeat shows this worker: whoever sees it can read its tokenizer
@@ -139,6 +139,11 @@ class Consumer:
         if isinstance(task.exception(), NameTaken):
             self.name_lost = True
         logger.critical("%s failed; stopping the worker", task.get_name(), exc_info=task.exception())
+        self._stop()
+
+    @staticmethod
+    def _stop() -> None:
+        """Stop the worker as SIGTERM does (arq's handler cancels its loop; on_shutdown drains)."""
         os.kill(os.getpid(), signal.SIGTERM)
 
     async def _check_queue(self) -> None:

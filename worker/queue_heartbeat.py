@@ -48,8 +48,10 @@ class Heartbeat:
         capacity: Callable[[], int],
         abort: AbortJob,
         engine: EngineThread,
+        drain: Callable[[], None],
     ) -> None:
         self.config = config
+        self.drain = drain  # stop the worker as SIGTERM does (asked by `genq drain`)
         self.engine = engine
         self.registry: dict[str, str] | None = None  # the LoRA registry as last handed to the engine
         self.scripts = scripts
@@ -67,6 +69,7 @@ class Heartbeat:
         while not stopping.is_set():
             try:
                 await self.beat()
+                await self._drain_if_asked()
                 await self.trim()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 logger.warning("heartbeat failed: %s", exc)
@@ -76,6 +79,7 @@ class Heartbeat:
         """One beat: abort jobs past their deadline, write the worker hash, keep in-flight
         entries owned, and act on lost entries and cancel flags."""
         self._abort_expired(time.time())
+
         if self.config.engine.enable_lora:  # adapters follow the registry, beat by beat
             registry = await read_adapter_registry(self.scripts)
             if registry != self.registry:  # the engine thread hears only of changes
@@ -94,6 +98,18 @@ class Heartbeat:
                 self.publisher.drop(h, JobState.LOST)
             elif h.entry_id in cancelled:
                 self.abort(h, ABORT_CANCELLED)
+
+    async def _drain_if_asked(self) -> None:
+        """Stop as SIGTERM does when `genq drain` asked this process to (the flag names its
+        host and pid: one left for a worker of this name that is gone is dropped)."""
+        asked = await self.scripts.conn.getdel(self.scripts.keys.drain(self.config.name))
+        if self.state != "serving" or asked is None:
+            return
+        if as_text(asked) != f"{self.host}:{os.getpid()}":
+            logger.warning("dropped a request to drain worker %s addressed to %s", self.config.name, as_text(asked))
+            return
+        logger.info("worker %s asked to drain (genq drain)", self.config.name)
+        self.drain()
 
     async def trim(self) -> None:
         """Drop done entries past their retention from the requests and dead streams, which
