@@ -59,8 +59,8 @@ def renamed(exc: APIError, names: dict[str, str]) -> APIError:
     return exc
 
 
-def not_found(what: str, code: str) -> APIError:
-    return APIError(404, what, param=None, code=code)
+def not_found(what: str, code: str, param: str | None = None) -> APIError:
+    return APIError(404, what, param=param, code=code)
 
 
 def invalid_param(param: str, message: str) -> APIError:

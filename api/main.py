@@ -25,6 +25,7 @@ from api.routes import (
     batches,
     chat,
     completions,
+    conversations,
     embeddings,
     files,
     health,
@@ -71,7 +72,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
     guarded = [Depends(require_api_key)]
-    for module in (completions, chat, embeddings, responses, messages, models, jobs, files, batches, usage):
+    for module in (completions, chat, embeddings, responses, conversations, messages, models, jobs, files, batches,
+                   usage):
         app.include_router(module.router, prefix="/v1", dependencies=guarded)
     app.include_router(tokenize.router, dependencies=guarded)  # vLLM serves these at the root
     app.include_router(scores.router, dependencies=guarded)  # at the root and under /v1, /v2

@@ -22,7 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from api import stored_responses
+from api import conversations, stored_responses
+from api.conversations import conversation_id, request_items
 from api.deps import AppState
 from api.errors import invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
@@ -47,6 +48,8 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None  # a stored response this one continues
+    # a conversation (api.conversations) this one runs on and adds its turn to: its id or {"id": ...}
+    conversation: str | dict[str, Any] | None = None
     store: bool = True  # keep it (GENQ_FILE_TTL_S) for retrieval and previous_response_id
     background: bool = False  # answer at once (queued); poll GET /v1/responses/{id} (api.background_responses)
     include: list[str] | None = None  # "message.output_text.logprobs": each output token's logprob
@@ -73,8 +76,7 @@ def to_chat(request: ResponsesRequest, history: list[dict[str, Any]] | None = No
     messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
     messages += history or []
     items = [{"role": "user", "content": request.input}] if isinstance(request.input, str) else request.input
-    for i, item in enumerate(items):
-        _add_item(messages, item, f"input[{i}]")
+    messages += as_messages(items, "input")
     if not items:
         raise invalid_param("input", "input must be text or a non-empty list of items")
     passed_on = set(ChatCompletionRequest.model_fields) - CHAT_ONLY
@@ -136,6 +138,14 @@ CHAT_ONLY = {
 }
 # chat fields a 400 may name, as a Responses request names them
 PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
+def as_messages(items: list[Any], where: str) -> list[dict[str, Any]]:
+    """Responses items as chat messages; APIError naming `where[i]` for one chat cannot take."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        _add_item(messages, item, f"{where}[{i}]")
+    return messages
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
@@ -230,6 +240,7 @@ def envelope(request: ResponsesRequest, response_id: str, created: int, model: s
         "error": None, "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
         "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
         "previous_response_id": request.previous_response_id, "store": request.store,
+        "conversation": {"id": conversation_id(request.conversation)} if request.conversation else None,
         "background": request.background, "top_logprobs": request.top_logprobs,
         "temperature": request.temperature,
         "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice or "auto",
@@ -421,4 +432,7 @@ async def finish(
     if request.store:
         await stored_responses.save(state, final, chat_request, instructions=bool(request.instructions),
                                     background=background)
+    conv_id = conversation_id(request.conversation)
+    if conv_id is not None:  # its turn: what it was given, then what it gave
+        await conversations.add_turn(state, conv_id, final["id"], request_items(request.input) + final["output"])
     return final

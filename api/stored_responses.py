@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from api.deps import AppState
-from api.errors import not_found
+from api.errors import APIError, not_found
 from api.schemas import ChatCompletionRequest
 
 
@@ -31,11 +31,15 @@ async def save(
 
 
 async def load(state: AppState, response_id: str, param: str | None = None) -> dict[str, Any]:
-    raw = await state.client.redis.get(state.client.keys.stored_response(response_id))
+    missing = not_found(f"No response {response_id!r} (not stored, deleted, or expired).", "response_not_found", param)
+    return await load_json(state, state.client.keys.stored_response(response_id), missing)
+
+
+async def load_json(state: AppState, key: str, missing: APIError) -> dict[str, Any]:
+    """The JSON object stored at `key`; `missing` raised when there is none."""
+    raw = await state.client.redis.get(key)
     if raw is None:
-        error = not_found(f"No response {response_id!r} (not stored, deleted, or expired).", "response_not_found")
-        error.param = param
-        raise error
+        raise missing
     stored: dict[str, Any] = json.loads(raw)
     return stored
 

@@ -200,6 +200,15 @@ class Keys:
     def stored_response(self, response_id: str) -> str:
         return f"{self.prefix}response:{response_id}"  # string with TTL: JSON, /v1/responses
 
+    def conversation(self, conv_id: str) -> str:
+        return f"{self.prefix}conversation:{conv_id}"  # string with TTL: JSON, /v1/conversations
+
+    def conversation_items(self, conv_id: str) -> str:
+        return f"{self.prefix}conversation:{conv_id}:items"  # list with TTL: its items (JSON), oldest first
+
+    def conversation_turn(self, conv_id: str, response_id: str) -> str:
+        return f"{self.prefix}conversation:{conv_id}:turn:{response_id}"  # string with TTL: that turn was added
+
     def tokenizer(self, model: str) -> str:
         return f"{self.prefix}tokenizer:{model}"  # hash: the served model's tokenizer files, and `digest`
 

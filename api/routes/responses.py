@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api import background_responses, generate, responses_api, stored_responses
+from api import background_responses, conversations, generate, responses_api, stored_responses
+from api.conversations import conversation_id
 from api.deps import StateDep
 from api.errors import APIError, invalid_param, renamed
-from api.responses_api import ResponseRenderer, ResponsesRequest
+from api.responses_api import ResponseRenderer, ResponsesRequest, as_messages
 from api.routes.chat import start
 from api.sse import EventStreamResponse, unless_disconnected
 
@@ -19,8 +20,12 @@ router = APIRouter(tags=["openai"])
 async def create_response(body: ResponsesRequest, request: Request, state: StateDep):
     """Input items in, output items out; `stream: true` answers with the Responses events."""
     renderer = ResponseRenderer()
-    previous = body.previous_response_id
+    previous, conv_id = body.previous_response_id, conversation_id(body.conversation)
+    if previous is not None and conv_id is not None:
+        raise invalid_param("conversation", "conversation and previous_response_id cannot be used together")
     history = await stored_responses.history(state, previous) if previous is not None else None
+    if conv_id is not None:  # (its items were checked as they were added)
+        history = as_messages(await conversations.items(state, conv_id, "conversation"), "conversation")
     if body.background and not body.store:
         raise invalid_param("store", "background responses are stored: store must be true")
     try:
