@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from api import generate, responses_api, stored_responses
+from api.conversations import request_items
 from api.deps import AppState
 from api.errors import APIError
 from api.render import RelayedRequest
@@ -71,6 +72,14 @@ async def current(state: AppState, stored: dict[str, Any]) -> dict[str, Any]:
         return await _finish(state, stored)
     running = "in_progress" if JobStatus.RUNNING in statuses else "queued"
     return {**stored["response"], "status": running}
+
+
+def input_items(stored: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stored response's input as items: kept with it once it ended, else its request's."""
+    if "input_items" in stored:
+        items: list[dict[str, Any]] = stored["input_items"]
+        return items
+    return request_items(_requests(stored)[0].input) if "background" in stored else []
 
 
 async def cancel(state: AppState, stored: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +143,7 @@ async def _save_ended(
     body, chat = _requests(record)
     final = {**_shell(body, _relayed(record), status), "error": error}
     await stored_responses.save(state, final, chat, instructions=bool(body.instructions),
-                                background=record["background"])
+                                input_items=request_items(body.input), background=record["background"])
     return final
 
 

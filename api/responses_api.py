@@ -429,10 +429,11 @@ async def finish(
     """The response object of a finished chat completion, stored unless `store` is false (a
     background one with what replaying its stream needs)."""
     final = response_object(request, chat)
+    given = request_items(request.input)
     if request.store:
         await stored_responses.save(state, final, chat_request, instructions=bool(request.instructions),
-                                    background=background)
+                                    input_items=given, background=background)
     conv_id = conversation_id(request.conversation)
     if conv_id is not None:  # its turn: what it was given, then what it gave
-        await conversations.add_turn(state, conv_id, final["id"], request_items(request.input) + final["output"])
+        await conversations.add_turn(state, conv_id, final["id"], given + final["output"])
     return final

@@ -17,13 +17,15 @@ from api.schemas import ChatCompletionRequest
 
 async def save(
     state: AppState, response: dict[str, Any], chat: ChatCompletionRequest, instructions: bool,
-    background: dict[str, Any] | None = None,
+    input_items: list[dict[str, Any]], background: dict[str, Any] | None = None,
 ) -> None:
     """`response` with its conversation: `chat`'s messages (without the instructions, when
-    the request had them) and the response as the assistant's turn; for a background
-    response, what replaying its stream needs, marked done."""
+    the request had them) and the response as the assistant's turn; its request's input as
+    items (`GET /v1/responses/{id}/input_items`); for a background response, what replaying
+    its stream needs, marked done."""
     messages = [m.model_dump(exclude_none=True) for m in chat.messages][1 if instructions else 0:]
-    stored: dict[str, Any] = {"response": response, "conversation": messages + as_turn(response)}
+    stored: dict[str, Any] = {"response": response, "conversation": messages + as_turn(response),
+                              "input_items": input_items}
     if background is not None:
         stored |= {"background": background, "done": True}
     key = state.client.keys.stored_response(response["id"])

@@ -56,6 +56,14 @@ async def retrieve_response(
     return JSONResponse(await background_responses.current(state, stored))
 
 
+@router.get("/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, state: StateDep, limit: int = 20, order: str = "desc",
+                           after: str | None = None) -> JSONResponse:
+    """The items a stored response was given, in pages as a conversation's."""
+    stored = await stored_responses.load(state, response_id)
+    return JSONResponse(conversations.page(background_responses.input_items(stored), limit, order, after))
+
+
 @router.post("/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, state: StateDep) -> JSONResponse:
     """Cancel a background response: its job stops, and it is `cancelled` (or as it ended)."""

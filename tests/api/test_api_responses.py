@@ -120,6 +120,9 @@ def test_a_stored_response_is_retrieved_and_continued(served_model: str, oai: op
     assert oai.responses.retrieve(first.id).output_text == first.output_text and first.store
     second = oai.responses.create(input="And then?", previous_response_id=first.id, **greedy)
     assert second.previous_response_id == first.id
+    given = oai.responses.input_items.list(first.id)  # what it was given, as items
+    assert [(i.type, i.role, i.content[0].text) for i in given.data] == [("message", "user", "Say something.")]
+    assert given.data[0].id.startswith("msg_") and not given.has_more
     chat = oai.chat.completions.create(  # instructions are not carried over, as OpenAI's are not
         model=served_model, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True}, messages=[
             *MESSAGES, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And then?"}])
@@ -173,7 +176,9 @@ def test_background_responses_are_polled_to_the_same_result(served_model: str, o
     expected = oai.responses.create(**request)
     queued = oai.responses.create(**request, background=True)
     assert queued.background is True and queued.status in ("queued", "in_progress") and queued.output == []
+    before = [i.content[0].text for i in oai.responses.input_items.list(queued.id).data]  # queued or done
     done = wait_until_ended(oai, queued.id, poll)
+    assert before == [i.content[0].text for i in oai.responses.input_items.list(done.id).data] == ["Say something."]
     assert (done.status, done.output_text, done.usage.output_tokens) == (expected.status, expected.output_text,
                                                                          expected.usage.output_tokens)
     assert done.background is True
