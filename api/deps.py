@@ -21,6 +21,7 @@ from api.settings import Settings
 from api.tokenizers import Tokenizers
 from api.webhooks import Webhooks
 from producer.async_client import AsyncClient
+from producer.tracing import Tracing
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class AppState:
     metrics: Metrics
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # background work, cancelled at shutdown
     tokenizers: Tokenizers = field(default_factory=Tokenizers)  # for /tokenize, as workers published them
+    tracing: Tracing | None = None  # spans of requests (GENQ_OTLP_TRACES_ENDPOINT; producer.tracing)
     managed_keys: ManagedKeys = field(init=False)  # the API keys kept in Redis (`genq keys`)
     webhooks: Webhooks = field(init=False)  # announces ended background responses and batches
 
@@ -69,6 +71,8 @@ RelayDep = Annotated[Relay, Depends(get_relay)]
 # The id of the API key the request came with (None: keys are off): the tenant its jobs are
 # metered to. Set by `require_api_key`; tasks a request starts inherit it.
 TENANT: ContextVar[str | None] = ContextVar("genq_tenant", default=None)
+# The W3C traceparent of the request's span (main.RequestSpans; None: not traced): its jobs carry it.
+TRACEPARENT: ContextVar[str | None] = ContextVar("genq_traceparent", default=None)
 
 
 def key_id(key: str) -> str:

@@ -19,7 +19,7 @@ import anyio
 import redis
 
 from api.api_keys import PLAN, key_priority
-from api.deps import TENANT, AppState
+from api.deps import TENANT, TRACEPARENT, AppState
 from api.errors import APIError, error_body, param_from_value_error
 from api.harmony import FINAL_CHANNEL
 from api.logprobs import TokenLogprob, prompt_logprobs
@@ -155,8 +155,10 @@ def _strict_calls(params: SamplingParams, chat: ChatCompletionRequest, parser: s
 
 def cache_fields(prompt: PromptInput, body: GenerationRequest) -> PromptInput:
     """A job's prompt with the request's vLLM `cache_salt` (the prefix cache shares its blocks
-    only with prompts of the same salt) and OpenAI `prompt_cache_key` beside it."""
-    beside = {k: v for k, v in (("cache_salt", body.cache_salt), ("prompt_cache_key", body.prompt_cache_key)) if v}
+    only with prompts of the same salt), OpenAI `prompt_cache_key` and the request span's
+    `traceparent` (when traced) beside it."""
+    beside = {k: v for k, v in (("cache_salt", body.cache_salt), ("prompt_cache_key", body.prompt_cache_key),
+                                ("traceparent", TRACEPARENT.get())) if v}
     if not beside:
         return prompt
     as_mapping = prompt if isinstance(prompt, dict) else {"prompt": prompt} if isinstance(prompt, str) else {"messages": prompt}

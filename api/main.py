@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.batch_runner import BatchRunner
 from api.cluster import Cluster
-from api.deps import AppState, require_api_key
+from api.deps import TRACEPARENT, AppState, require_api_key
 from api.errors import install_error_handlers
 from api.metrics import Metrics
 from api.relay import Relay
@@ -42,6 +42,7 @@ from api.routes import (
 from api.settings import Settings
 from api.sse import ClientDisconnected
 from producer.async_client import AsyncClient
+from producer.tracing import Tracing
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away: nobody reads it
 
@@ -55,7 +56,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         client = AsyncClient(settings.redis_url, settings.prefix)
         relay = Relay(client.redis, client.keys)
         await relay.start()
-        state = AppState(settings, client, relay, Cluster(client.redis, client.keys), Metrics())
+        tracing = Tracing(settings.otlp_traces_endpoint, "genq-api") if settings.otlp_traces_endpoint else None
+        state = AppState(settings, client, relay, Cluster(client.redis, client.keys), Metrics(), tracing=tracing)
         app.state.genq = state
         runner = asyncio.create_task(BatchRunner(state).run())
         try:
@@ -67,6 +69,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await asyncio.gather(runner, *state.tasks, return_exceptions=True)
             await relay.aclose()
             await client.aclose()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # the last requests' spans go out
 
     app = FastAPI(title="genq", summary="LLM generation jobs over Redis", lifespan=lifespan)
     install_error_handlers(app)
@@ -86,6 +90,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(RequestIdHeader)
+    if settings.otlp_traces_endpoint:
+        app.add_middleware(RequestSpans)
     return app
 
 
@@ -110,6 +116,40 @@ class RequestIdHeader:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class RequestSpans:
+    """With GENQ_OTLP_TRACES_ENDPOINT, a span per request (producer.tracing), a child of the
+    client's `traceparent` header when it sends one; its own traceparent goes to the request's
+    jobs (deps.TRACEPARENT). Plain ASGI: a streamed response's span ends with its stream."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = getattr(scope["app"].state, "genq", None) if scope["type"] == "http" else None
+        tracing = state.tracing if state is not None else None
+        if tracing is None:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"traceparent", b"").decode(errors="replace")
+        span = tracing.tracer.start_span(f"{scope['method']} {scope['path']}", context=tracing.parent(given or None))
+        status = 500
+
+        async def send_seen(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        token = TRACEPARENT.set(tracing.traceparent(span))
+        try:
+            await self.app(scope, receive, send_seen)
+        finally:
+            TRACEPARENT.reset(token)
+            span.set_attributes({"http.request.method": scope["method"], "url.path": scope["path"],
+                                 "http.response.status_code": status})
+            span.end()
 
 
 async def _client_disconnected(request: Request, exc: Exception) -> Response:

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     webhook_url: str | None = None
     webhook_secret: str | None = None  # whsec_<base64>, as OpenAI's dashboard gives one
     webhook_max_attempts: int = 8
+    # vLLM's --otlp-traces-endpoint: a span per request to this OpenTelemetry collector (OTLP
+    # over HTTP), the parent of the workers' spans of its jobs (producer.tracing)
+    otlp_traces_endpoint: str | None = None
 
     # A stream that has sent nothing this long (its job waiting in the queue) sends an SSE
     # comment, so proxies that close idle connections leave it open; 0: never

@@ -182,8 +182,8 @@ def build_job(
 
 
 def _prompt_fields(prompt: PromptInput) -> dict[str, Any]:
-    """The Job fields of a prompt; a prompt mapping may carry vLLM's `cache_salt` and OpenAI's
-    `prompt_cache_key` beside."""
+    """The Job fields of a prompt; a prompt mapping may carry vLLM's `cache_salt`, OpenAI's
+    `prompt_cache_key` and a W3C `traceparent` beside."""
     if isinstance(prompt, dict) and not PROMPT_SIDE_FIELDS.isdisjoint(prompt):
         rest = {k: v for k, v in prompt.items() if k not in PROMPT_SIDE_FIELDS}
         return {**_prompt_fields(rest), **{k: v for k, v in prompt.items() if k in PROMPT_SIDE_FIELDS}}
@@ -198,14 +198,15 @@ def _prompt_fields(prompt: PromptInput) -> dict[str, Any]:
     raise ValueError(
         "a prompt is a string, {'prompt': str}, {'prompt_token_ids': [...]}, {'prompt_embeds': "
         "torch.save's bytes of a tensor}, a list of chat messages, or {'messages': [...], 'tools': "
-        "[...], 'chat_template_kwargs': {...}}, each mapping with an optional 'cache_salt' and "
-        "'prompt_cache_key'; "
+        "[...], 'chat_template_kwargs': {...}}, each mapping with an optional 'cache_salt', "
+        "'prompt_cache_key' and 'traceparent'; "
         f"got {prompt!r:.80}"
     )
 
 
 CHAT_FIELDS = {"messages", "tools", "chat_template_kwargs"}  # a chat prompt as a mapping
-PROMPT_SIDE_FIELDS = {"cache_salt", "prompt_cache_key"}  # what any prompt mapping may carry beside
+# what any prompt mapping may carry beside (traceparent: W3C trace context, producer.tracing)
+PROMPT_SIDE_FIELDS = {"cache_salt", "prompt_cache_key", "traceparent"}
 
 
 def batch_jobs(

@@ -33,6 +33,7 @@ import msgpack
 from producer.data_urls import image_url_of, is_data_url
 from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
+from producer.tracing import TRACEPARENT
 
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "genq:"
@@ -318,6 +319,9 @@ class Job:
     # OpenAI's prompt_cache_key: jobs with one key go, while its worker has room, to the worker
     # that last ran one (worker.queue_affinity); unset, a key is made from the prompt's start
     prompt_cache_key: str | None = None
+    # W3C trace context of the request that made the job (producer.tracing): the worker's span
+    # of the job is its child
+    traceparent: str | None = None
     # vLLM's return_token_ids: each completion's first event carries the prompt's token ids
     return_prompt_token_ids: bool = False
     priority: int = 0  # as in vLLM: lower values are scheduled first
@@ -337,6 +341,9 @@ class Job:
             raise ValueError(f"tenant must be 1 to 64 letters, digits, '.', '_' or '-', got {self.tenant!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if self.traceparent is not None and not (isinstance(self.traceparent, str) and TRACEPARENT.fullmatch(self.traceparent)):
+            raise ValueError(f"traceparent must be a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>), "
+                             f"got {self.traceparent!r:.80}")
         if self.prompt_cache_key is not None and not (
                 isinstance(self.prompt_cache_key, str) and 0 < len(self.prompt_cache_key) <= MAX_PROMPT_CACHE_KEY_LEN):
             raise ValueError(f"prompt_cache_key must be a string of 1 to {MAX_PROMPT_CACHE_KEY_LEN} characters, "
@@ -479,7 +486,7 @@ def encode_job(job: Job) -> dict[str, bytes]:
     job.validate()
     payload = asdict(job)
     payload["sampling_params"] = job.sampling_params.to_dict()
-    for optional in ("pooling_params", "tenant", "prompt_embeds", "cache_salt", "prompt_cache_key",
+    for optional in ("pooling_params", "tenant", "prompt_embeds", "cache_salt", "prompt_cache_key", "traceparent",
                      "return_prompt_token_ids"):
         if payload[optional] in (None, False):  # unset, the payload reads as it did before them
             del payload[optional]

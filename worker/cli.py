@@ -53,6 +53,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "dead_retention_s": float,
     "metrics_port": int,
     "metrics_host": str,
+    "otlp_traces_endpoint": str,
 }
 
 
@@ -139,6 +140,8 @@ _HELP = {
     "requests_retention_s": "acked entries older than this leave the requests stream (default: 86400)",
     "dead_retention_s": "dead letters older than this leave the dead stream (default: 604800)",
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
+    "otlp_traces_endpoint": "export a span per finished job to this OpenTelemetry collector, OTLP over HTTP, "
+    "e.g. http://collector:4318 (default: off; needs genq[otel])",
     "max_loras": "distinct LoRA adapters in one batch (default 1)",
     "max_lora_rank": "the largest LoRA rank served (default 16)",
     "tensor_parallel_size": "split the model over this many GPUs, one process each "

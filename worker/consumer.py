@@ -36,6 +36,7 @@ from arq.connections import RedisSettings
 
 from producer.aio import wait_for_event
 from producer.protocol import Keys
+from producer.tracing import Tracing
 from worker.queue_config import WorkerConfig, config_from_env
 from worker.queue_engine import EngineThread, Rejected, intake_capacity
 from worker.queue_heartbeat import Heartbeat, listen, read_adapter_registry
@@ -89,7 +90,9 @@ class Consumer:
         # the runtime adapters are read with the model, before any job can name one
         registry = await read_adapter_registry(self.scripts) if self.config.engine.enable_lora else {}
         engine = await self.engine.start(registry)  # loads the model; steps wait for the first command
-        self.metrics = WorkerMetrics(self.config.model_name)
+        endpoint = self.config.otlp_traces_endpoint
+        self.tracing = Tracing(endpoint, "genq-worker") if endpoint else None
+        self.metrics = WorkerMetrics(self.config.model_name, self.tracing)
         self.publisher = Publisher(
             self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject,
             self.config.model_name,
@@ -234,6 +237,8 @@ class Consumer:
         if not self.name_lost:
             await self.conn.delete(self.keys.worker(self.config.name))
         await self.conn.aclose()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the last jobs' spans go out
         logger.info("worker %s stopped", self.config.name)
 
     async def _release(self, jobs: list[HeldJob]) -> None:

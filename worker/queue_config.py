@@ -72,6 +72,7 @@ ENV_VARS = {
     "GENQ_DEAD_RETENTION_S": "age past which dead letters leave the dead stream (default: a week)",
     "GENQ_METRICS_PORT": "serve Prometheus metrics on this port (default: off)",
     "GENQ_METRICS_HOST": "address the metrics server binds (default 0.0.0.0)",
+    "GENQ_OTLP_TRACES_ENDPOINT": "export a span per job to this OpenTelemetry collector (OTLP/HTTP; default: off)",
 }
 
 
@@ -100,6 +101,7 @@ class WorkerConfig:
     dead_retention_s: float = DEFAULT_DEAD_RETENTION_S  # older dead letters are trimmed
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
+    otlp_traces_endpoint: str | None = None  # an OTLP/HTTP collector: a span per finished job (producer.tracing)
     # LoRA adapters served beside the model, (name, PEFT directory): a job whose `model` is
     # the name runs with the adapter. The engine needs enable_lora.
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -236,6 +238,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         dead_retention_s=_float(env, "GENQ_DEAD_RETENTION_S"),
         metrics_port=_int(env, "GENQ_METRICS_PORT"),
         metrics_host=env.get("GENQ_METRICS_HOST") or None,
+        otlp_traces_endpoint=env.get("GENQ_OTLP_TRACES_ENDPOINT") or None,
         lora_modules=lora_modules or None,
     )
     return WorkerConfig(engine=EngineConfig.from_kwargs(**engine_args), **worker_args)

@@ -81,6 +81,7 @@ class HeldJob:
     cached_tokens: int = 0  # prompt tokens the prefix cache served
     embedding: list[float] | None = None  # an embedding job's vector, once pooled
     received_at: float = field(default_factory=time.time)  # unix time it came off the stream
+    first_token_at: float | None = None  # unix time of the step that sent its first token
     last_token_at: float | None = None  # unix time of the last step that sent a token
     # prompt logprobs (wire form) and the decoded prompt, waiting for completion 0's first
     # event; a job resumed after that event never sets them

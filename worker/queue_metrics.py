@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 if TYPE_CHECKING:
+    from producer.tracing import Tracing
     from worker.queue_engine import EngineStats
     from worker.queue_jobs import HeldJob
 
@@ -25,7 +26,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class WorkerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, tracing: Tracing | None = None) -> None:
+        self.model_name = model_name
+        self.tracing = tracing  # a span per finished job (producer.tracing), when traces are exported
         self.registry = CollectorRegistry()
 
         def child(kind: Any, name: str, doc: str, **kwargs: Any) -> Any:
@@ -89,6 +92,7 @@ class WorkerMetrics:
         self.generation_tokens_total += num_tokens
         self._gen.inc(num_tokens)
         if held.last_token_at is None:
+            held.first_token_at = now
             if not held.resumed:
                 self._ttft.observe(max(0.0, now - held.job.submit_time))
         else:
@@ -101,6 +105,31 @@ class WorkerMetrics:
         self.requests_finished_total += 1
         self._done.inc()
         self._e2e.observe(max(0.0, now - held.job.submit_time))
+        if self.tracing is not None:
+            self._trace(held, now)
+
+    def _trace(self, held: HeldJob, now: float) -> None:
+        """The job's `llm_request` span, from its submit to now, under the request that made it,
+        with vLLM's attribute names."""
+        job, params, tracing = held.job, held.job.sampling_params, self.tracing
+        assert tracing is not None
+        span = tracing.tracer.start_span("llm_request", context=tracing.parent(job.traceparent),
+                                         start_time=int(job.submit_time * 1e9))
+        attributes: dict[str, Any] = {
+            "gen_ai.request.id": job.id, "gen_ai.response.model": job.model or self.model_name,
+            "gen_ai.request.n": params.n, "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p, "gen_ai.usage.completion_tokens": held.num_output_tokens,
+            "gen_ai.latency.time_in_queue": max(0.0, held.received_at - job.submit_time),
+            "gen_ai.latency.e2e": max(0.0, now - job.submit_time),
+        }
+        if params.max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = params.max_tokens
+        if held.prompt_tokens is not None:
+            attributes["gen_ai.usage.prompt_tokens"] = held.prompt_tokens
+        if held.first_token_at is not None and not held.resumed:
+            attributes["gen_ai.latency.time_to_first_token"] = max(0.0, held.first_token_at - job.submit_time)
+        span.set_attributes(attributes)
+        span.end(end_time=int(now * 1e9))
 
     def tokens_per_s(self) -> float:
         """Generated tokens per second since the previous call (the heartbeat's rate)."""

@@ -70,6 +70,8 @@ def test_submit_accepts_every_prompt_shape(client: Client, worker: FakeWorker) -
         ("a", {"priority": 1.5}, "priority must be an integer"),
         ({"prompt": "a", "cache_salt": 7}, {}, "cache_salt must be a non-empty string"),
         ({"cache_salt": "s"}, {}, "a prompt is a string"),
+        ({"prompt": "a", "prompt_cache_key": ""}, {}, "prompt_cache_key must be a string of 1 to 1024"),
+        ({"prompt": "a", "traceparent": "00-abc-def-01"}, {}, "traceparent must be a W3C traceparent"),
     ],
 )
 def test_submit_rejects_bad_input(
