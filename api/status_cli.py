@@ -6,8 +6,11 @@ API's /metrics reads it.
     (shared)   genq:requests               3        5
     qwen       genq:requests:qwen          0        2
 
-    worker  model        queue     state    running  waiting  free  kv%   tok/s
-    w1      llama-8b     (shared)  serving        5        0     3  41.0  812.5
+    worker  model     queue     state    running  waiting  free  kv%   hit%  handed  tok/s
+    w1      llama-8b  (shared)  serving        5        0     3  41.0  62.5      14  812.5
+
+(hit%: of the prompt tokens looked up, those the prefix cache held; handed: jobs other workers
+handed this one by prefix-cache affinity.)
 """
 
 from __future__ import annotations
@@ -57,14 +60,21 @@ def format_status(status: dict[str, Any]) -> str:
     queues = [("queue", "stream", "queued", "running")] + [
         (q["queue"] or SHARED, q["stream"], str(q["undelivered"]), str(q["pending"])) for q in status["queues"]
     ]
-    workers = [("worker", "model", "queue", "state", "running", "waiting", "free", "kv%", "tok/s")] + [
+    workers = [("worker", "model", "queue", "state", "running", "waiting", "free", "kv%", "hit%", "handed", "tok/s")] + [
         (w["name"], w["model"], w["queue"] or SHARED, w["state"], str(w["running"]), str(w["waiting"]),
-         str(w["free_slots"]), f"{100 * w['kv_cache_usage']:.1f}", f"{w['tokens_per_s']:.1f}")
+         str(w["free_slots"]), f"{100 * w['kv_cache_usage']:.1f}", _hit_rate(w), str(w["affinity_handoffs_taken_total"]),
+         f"{w['tokens_per_s']:.1f}")
         for w in status["workers"]
     ]
     lines = text_table(queues) + [""]
     lines += text_table(workers) if status["workers"] else ["no live worker"]
     return "\n".join([*lines, "", f"dead letters: {status['dead_letters']} (genq dead ls)"])
+
+
+def _hit_rate(worker: dict[str, Any]) -> str:
+    """The share of prompt tokens the prefix cache held, since the worker started."""
+    queries = worker["prefix_cache_queries_total"]
+    return f"{100 * worker['prefix_cache_hits_total'] / queries:.1f}" if queries else "-"
 
 
 def text_table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -204,6 +204,9 @@ class WorkerInfo:
     generation_tokens_total: int = 0
     prompt_tokens_total: int = 0
     requests_finished_total: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, the tokens it held
+    affinity_handoffs_taken_total: int = 0  # jobs other workers handed here (worker.queue_affinity)
     started_at: float = 0.0  # unix times
     heartbeat_at: float = 0.0
     pid: int = 0

@@ -199,7 +199,7 @@ class Admission:
         """Jobs whose prompt start another worker of this stream ran last: handed to it while
         it has room (queue_affinity), and dropped from `checked`."""
         handed = await self.affinity.hand_off([(d.entry_id, v) for d, v in checked if isinstance(v, Job)])
-        self.metrics.handoffs_sent.inc(len(handed))
+        self.metrics.handed_off(len(handed))
         return [(d, v) for d, v in checked if d.entry_id not in handed]
 
     async def take_handed(self, text: str) -> None:
@@ -208,7 +208,7 @@ class Admission:
         taken = await self.scripts.take(text.split())
         fresh = [t for t in taken if self.table.by_entry(t.entry_id) is None]
         if fresh:
-            self.metrics.handoffs_taken.inc(len(fresh))
+            self.metrics.handed_in(len(fresh))
             await self.admit([Delivery(t.entry_id, t.fields, t.delivery_count) for t in fresh], Source.HANDED)
 
     def _unserved(self, job: Job) -> Rejection:

@@ -48,9 +48,9 @@ class WorkerMetrics:
                           buckets=ITL_BUCKETS)
         self._e2e = child(Histogram, "genq:e2e_request_latency_seconds", "Submit to last token",
                           buckets=E2E_BUCKETS)
-        self.handoffs_sent = child(Counter, "genq:affinity_handoffs_sent", "Jobs handed to the worker whose prefix "
-                                   "cache holds their prompt's start (worker.queue_affinity)")
-        self.handoffs_taken = child(Counter, "genq:affinity_handoffs_taken", "Jobs other workers handed here")
+        self._handoffs_sent = child(Counter, "genq:affinity_handoffs_sent", "Jobs handed to the worker whose prefix "
+                                    "cache holds their prompt's start (worker.queue_affinity)")
+        self._handoffs_taken = child(Counter, "genq:affinity_handoffs_taken", "Jobs other workers handed here")
         # counters of the engine's totals (EngineStats fields), which go up by what is new since the last stats
         self._totals = {
             "spec_decode_num_draft_tokens": child(Counter, "genq:spec_decode_num_draft_tokens",
@@ -67,6 +67,7 @@ class WorkerMetrics:
         self.generation_tokens_total = 0
         self.prompt_tokens_total = 0
         self.requests_finished_total = 0
+        self.handoffs_taken_total = 0
         self._rate_mark = (time.monotonic(), 0)  # (when, generation tokens then)
 
     def serve(self, port: int, host: str) -> None:
@@ -80,6 +81,13 @@ class WorkerMetrics:
             total = getattr(stats, name)
             counter.inc(total - self._totals_seen[name])
             self._totals_seen[name] = total
+
+    def handed_off(self, count: int) -> None:
+        self._handoffs_sent.inc(count)
+
+    def handed_in(self, count: int) -> None:
+        self.handoffs_taken_total += count
+        self._handoffs_taken.inc(count)
 
     def prompt_tokens(self, num_tokens: int) -> None:
         self.prompt_tokens_total += num_tokens

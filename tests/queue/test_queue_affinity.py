@@ -16,12 +16,13 @@ from collections.abc import Callable
 import pytest
 import redis
 import redis.asyncio
-from queue_support import WorkerProcess
+from queue_support import WorkerProcess, wait_for
 
 from producer.client import Client
 from producer.jobs import build_job
 from producer.pooling_params import PoolingParams
 from producer.protocol import JobStatus, Keys, encode_job
+from producer.records import WorkerInfo, decode_worker_info
 from producer.redis_server import RedisServer, free_port
 from producer.sampling_params import SamplingParams
 from worker.queue_affinity import HEAD_CHARS, Affinity, affinity_digest
@@ -90,6 +91,13 @@ def test_turns_of_a_conversation_run_where_it_began(
     counts = [handoffs(port) for port in metrics_ports.values()]
     sent = sum(c["genq:affinity_handoffs_sent_total"] for c in counts)
     assert sent > 0 and sent == sum(c["genq:affinity_handoffs_taken_total"] for c in counts)
+
+    def beats() -> list[WorkerInfo] | None:  # what genq status shows: handoffs taken, the cache's hits
+        infos = [decode_worker_info(conn.hgetall(keys.worker(name)), name) for name in NAMES]
+        return infos if sum(i.affinity_handoffs_taken_total for i in infos) == sent else None
+
+    infos = wait_for(beats, TIMEOUT_S, "heartbeats counting the handoffs")
+    assert all(0 < i.prefix_cache_hits_total < i.prefix_cache_queries_total for i in infos)
 
 
 def test_jobs_of_one_prompt_cache_key_run_on_one_worker_while_it_has_room(
