@@ -15,6 +15,7 @@ from typing import Any
 
 TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")  # W3C trace context, version 00
 EXPORT_DELAY_MS = 1000  # spans go out in batches at most this long after they end
+EXPORT_TIMEOUT_S = 5  # one export's wait for the collector (a stopping process waits no longer)
 
 
 class Tracing:
@@ -31,8 +32,9 @@ class Tracing:
             raise RuntimeError(f"tracing to {endpoint} needs OpenTelemetry's SDK and OTLP exporter: "
                                "pip install 'genq[otel]'") from exc
         self.provider = TracerProvider(resource=Resource.create({"service.name": service}))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=_traces_url(endpoint)),
-                                                            schedule_delay_millis=EXPORT_DELAY_MS))
+        exporter = OTLPSpanExporter(endpoint=_traces_url(endpoint), timeout=EXPORT_TIMEOUT_S)
+        self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS,
+                                                            export_timeout_millis=EXPORT_TIMEOUT_S * 1000))
         self.tracer = self.provider.get_tracer("genq")
         self.propagator = TraceContextTextMapPropagator()
 

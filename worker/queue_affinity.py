@@ -25,6 +25,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import redis
+
 from producer.protocol import Job, pack
 from worker.queue_config import WorkerConfig
 from worker.queue_scripts import Scripts
@@ -75,9 +77,17 @@ class Affinity:
 
     async def hand_off(self, jobs: Sequence[tuple[str, Job]]) -> set[str]:
         """Hand (entry id, job) pairs to their keys' owners where those have room; returns
-        the entry ids handed over."""
+        the entry ids handed over. A Redis refusal (the stream or group gone mid-way) hands
+        nothing: affinity only ever chooses where a job runs."""
         if not self.enabled:
             return set()
+        try:
+            return await self._hand_off(jobs)
+        except redis.ResponseError as exc:
+            logger.warning("handing jobs to their prefix caches' workers failed (%s); running them here", exc)
+            return set()
+
+    async def _hand_off(self, jobs: Sequence[tuple[str, Job]]) -> set[str]:
         digests = {entry_id: d for entry_id, job in jobs if (d := affinity_digest(job)) is not None}
         if not digests:
             return set()

@@ -79,7 +79,6 @@ class Heartbeat:
         """One beat: abort jobs past their deadline, write the worker hash, keep in-flight
         entries owned, and act on lost entries and cancel flags."""
         self._abort_expired(time.time())
-
         if self.config.engine.enable_lora:  # adapters follow the registry, beat by beat
             registry = await read_adapter_registry(self.scripts)
             if registry != self.registry:  # the engine thread hears only of changes

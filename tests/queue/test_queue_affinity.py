@@ -200,6 +200,8 @@ async def _handing(url: str) -> None:
         await conn.xack(keys.requests, keys.group, running[0])  # one ended
         assert await affinity.hand_off(entries[1:]) == {entries[1][0]}
         assert await pending("reader") == [entries[2][0]]
+        await conn.xgroup_destroy(keys.requests, keys.group)  # (a FLUSHALL, say): nothing handed, no error
+        assert await affinity.hand_off(entries[2:]) == set()
         await pubsub.aclose()
         await affinity.own([jobs[0]])
         assert await conn.get(keys.affinity(affinity_digest(jobs[0]) or "")) == b"reader"
