@@ -7,7 +7,7 @@ document of its own, the replies, the questions) plus a new question, submitted 
 turn before it has ended. With affinity (GENQ_CACHE_AFFINITY_TTL_S=600) a conversation's
 turns go to the worker that ran its last one; without (0) to whichever worker reads them.
 
-    python benchmarks/cache_affinity.py [--conversations 8] [--turns 4] [--opening-words 600]
+    python benchmarks/cache_affinity.py [--conversations 8] [--turns 4] [--opening-words 600] [--shared-opening]
 
 Prints, per mode, the share of the later turns' prompt tokens the prefix cache served, their
 mean and p90 latency, and the wall time; then the ratios, affinity over none.
@@ -44,6 +44,9 @@ def main() -> int:
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--opening-words", type=int, default=600, help="words in each conversation's opening document")
+    ap.add_argument("--shared-opening", action="store_true",
+                    help="every conversation opens with the same document (one affinity key for all: the "
+                    "load must still spread over both workers)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
@@ -69,8 +72,8 @@ def _run(url: str, prefix: str, args: argparse.Namespace) -> dict:
     keys = Keys(prefix)
 
     def conversation(c: int) -> list[tuple[float, int, int, str]]:
-        rng = random.Random(c)
-        text = f"Document {c}: " + " ".join(rng.choice(WORDS) for _ in range(args.opening_words))
+        rng = random.Random(0 if args.shared_opening else c)
+        text = "Document: " + " ".join(rng.choice(WORDS) for _ in range(args.opening_words)) + f"\nReader {c}."
         turns = []
         with Client(url, prefix=prefix) as client:
             for t in range(args.turns):

@@ -8,7 +8,8 @@ a text's first HEAD_CHARS characters, a token prompt's first HEAD_TOKENS ids), i
 its cache salt. The worker that starts a job records its own name under the key
 (`affinity(digest)`, expiring cache_affinity_ttl_s later). A worker that reads a job whose key
 names another live, serving worker of the same stream hands the entry to it while that
-worker has room (its max_num_seqs less the entries pending under its name, read then):
+worker has room (fewer entries pending under its name than its max_num_seqs, and at most
+BALANCE_SLACK more than under the reader's, read then):
 HANDOFF_LUA claims the entry in the owner's name and tells the owner its id on the owner's
 handoff channel, and the owner admits it as if it had read it. A worker with no free slot
 named gets nothing handed: the reader runs the job, and becomes the key's owner.
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 HEAD_CHARS = 256  # a text prompt's start that names what it shares with others
 HEAD_TOKENS = 64  # a token prompt's
+# how many more jobs than the reader holds a worker may hold and still be handed one: the
+# queueing a prefix-cache hit is worth
+BALANCE_SLACK = 4
 
 
 def affinity_digest(job: Job) -> str | None:
@@ -109,9 +113,11 @@ class Affinity:
         return handed
 
     async def _rooms(self, workers: list[str]) -> dict[str, int]:
-        """The jobs each worker could still be handed: its max_num_seqs less the entries
-        pending under its name (what it runs, waits on, or was handed and has not yet
-        taken, as of now); none for a worker gone, draining or on another stream."""
+        """The jobs each worker could still be handed, from the entries pending under each
+        name now (what it runs, waits on, or was handed and has not yet taken): below its
+        max_num_seqs, and no more than BALANCE_SLACK above this worker's own (a prompt start
+        many jobs share, such as a common header, must not pile them all on one worker while
+        this one idles); none for a worker gone, draining or on another stream."""
         if not workers:
             return {}
         pipe = self.scripts.conn.pipeline(transaction=False)
@@ -121,9 +127,11 @@ class Affinity:
         *infos, summary = await pipe.execute()
         pending = {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
         rooms = {}
+        mine = pending.get(self.name, 0)
         for worker, (state, queue, max_num_seqs) in zip(workers, infos, strict=True):
             if state == b"serving" and _text(queue or b"") == self.queue and max_num_seqs is not None:
-                rooms[worker] = int(max_num_seqs) - pending.get(worker, 0)
+                theirs = pending.get(worker, 0)
+                rooms[worker] = min(int(max_num_seqs) - theirs, mine + BALANCE_SLACK - theirs)
         return rooms
 
     async def own(self, jobs: Sequence[Job]) -> None:

@@ -160,7 +160,8 @@ def test_a_worker_is_handed_what_its_room_holds(redis_server: RedisServer) -> No
 
 async def _handing(url: str) -> None:
     """The owner may run two: with one entry pending under its name, it is handed one of the
-    reader's three; once it acknowledges that, another."""
+    reader's three; once it acknowledges that, another. With room to spare, it is handed none
+    while it holds more than BALANCE_SLACK entries above the reader's."""
     keys = Keys("t-handing:")
     conn = redis.asyncio.Redis.from_url(url)
     scripts = Scripts(conn, keys, "reader")
@@ -200,6 +201,12 @@ async def _handing(url: str) -> None:
         await conn.xack(keys.requests, keys.group, running[0])  # one ended
         assert await affinity.hand_off(entries[1:]) == {entries[1][0]}
         assert await pending("reader") == [entries[2][0]]
+        await conn.hset(owner, "max_num_seqs", 100)  # room to spare, but 4 more than the reader's 1 ...
+        for i in range(3):
+            entry = await conn.xadd(keys.requests, encode_job(build_job(f"filler {i}", PARAMS)))
+            await conn.xreadgroup(keys.group, "owner", {keys.requests: ">"})
+        assert len(await pending("owner")) == 5 and entry
+        assert await affinity.hand_off(entries[2:]) == set()  # ... is as many as a prefix-cache hit is worth
         await conn.xgroup_destroy(keys.requests, keys.group)  # (a FLUSHALL, say): nothing handed, no error
         assert await affinity.hand_off(entries[2:]) == set()
         await pubsub.aclose()
