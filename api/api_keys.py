@@ -37,6 +37,7 @@ class KeyPlan:
     models: tuple[str, ...] | None = None  # the model names it may ask for, aliases and adapters included
     created_at: float = 0.0
     priority: int = 0  # added to its requests' priority: a tier (lower runs first, as vLLM's)
+    max_in_flight: int | None = None  # its jobs queued or running at once (None: no limit)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "models": list(self.models) if self.models is not None else None})
@@ -46,7 +47,7 @@ class KeyPlan:
         data = json.loads(text)
         models = data.get("models")
         return cls(data["name"], data.get("rpm"), data.get("tpm"), tuple(models) if models is not None else None,
-                   data.get("created_at", 0.0), data.get("priority", 0))
+                   data.get("created_at", 0.0), data.get("priority", 0), data.get("max_in_flight"))
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -55,6 +56,12 @@ class KeyPlan:
 # The plan of the managed key a request came with (None: keys are off, or a GENQ_API_KEYS key).
 # Set with deps.TENANT by `require_api_key`; tasks a request starts inherit it.
 PLAN: ContextVar[KeyPlan | None] = ContextVar("genq_key_plan", default=None)
+
+
+def in_flight_limit() -> tuple[str, int] | None:
+    """(the key's name, its limit) when the caller's managed key limits its jobs in flight."""
+    plan = PLAN.get()
+    return (plan.name, plan.max_in_flight) if plan is not None and plan.max_in_flight is not None else None
 
 
 def key_priority() -> int:
@@ -72,7 +79,7 @@ def check_plan(plan: KeyPlan) -> None:
     if not _NAME.fullmatch(plan.name) or plan.name.startswith("key-"):
         raise ValueError(f"a key's name is 1 to 64 letters, digits, '.', '_' or '-', not starting with "
                          f"'key-' (GENQ_API_KEYS keys are metered as key-<digest>), got {plan.name!r}")
-    for field in ("rpm", "tpm"):
+    for field in ("rpm", "tpm", "max_in_flight"):
         value = getattr(plan, field)
         if value is not None and value < 1:
             raise ValueError(f"{field} must be at least 1, got {value}")

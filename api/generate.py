@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import anyio
 import redis
 
-from api.api_keys import PLAN, key_priority
+from api.api_keys import PLAN, in_flight_limit, key_priority
 from api.deps import TENANT, TRACEPARENT, AppState
 from api.errors import APIError, error_body, param_from_value_error
 from api.harmony import FINAL_CHANNEL
@@ -180,6 +180,7 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
             tenant=planned.tenant or TENANT.get(), return_prompt_token_ids=planned.req.return_token_ids,
         )
         enqueued = handle.enqueued or enqueued
+    await _count_in_flight(state, planned.req.job_ids, ended=False)
     return replace(planned.req, enqueued=enqueued)
 
 
@@ -284,9 +285,10 @@ async def check_rate_limit(state: AppState) -> None:
     plan, tenant = PLAN.get(), TENANT.get()
     rpm = plan.rpm if plan and plan.rpm is not None else state.settings.rate_limit_rpm
     tpm = plan.tpm if plan and plan.tpm is not None else state.settings.rate_limit_tpm
+    now = time.time()
+    await _check_in_flight(state, now)
     if tenant is None or (rpm is None and tpm is None):
         return
-    now = time.time()
     minute = int(now // 60)
     if tpm is not None:
         used = int(await state.client.redis.get(state.client.keys.tokens(tenant, minute)) or 0)
@@ -300,6 +302,44 @@ async def check_rate_limit(state: AppState) -> None:
         count, _ = await pipe.execute()
         if count > rpm:
             _rate_limited(f"{rpm} requests per minute", now)
+
+
+async def _check_in_flight(state: AppState, now: float) -> None:
+    """429 while the caller's managed key has as many jobs queued or running as it may
+    (`genq keys --max-in-flight`). A job counts from its submit until its relay ends, or for
+    GENQ_REQUEST_TIMEOUT_S at most (an API process that stopped relaying it frees it then).
+    A soft limit: requests checked at once may each pass."""
+    limited = in_flight_limit()
+    if limited is None:
+        return
+    name, limit = limited
+    key = state.client.keys.in_flight(name)
+    pipe = state.client.redis.pipeline(transaction=True)
+    pipe.zremrangebyscore(key, "-inf", now)
+    pipe.zcard(key)
+    _, count = await pipe.execute()
+    if count >= limit:
+        raise APIError(
+            429, f"Rate limit reached: {count} jobs in flight for this API key, which may have {limit} at once; "
+            "retry when one ends.", type="rate_limit_error", code="rate_limit_exceeded",
+            headers={"Retry-After": str(state.settings.retry_after_s)},
+        )
+
+
+async def _count_in_flight(state: AppState, job_ids: list[str], ended: bool) -> None:
+    """Count a managed key's jobs in flight as they are submitted, and no more once relayed."""
+    limited = in_flight_limit()
+    if limited is None or not job_ids:
+        return
+    key = state.client.keys.in_flight(limited[0])
+    if ended:
+        await state.client.redis.zrem(key, *job_ids)
+        return
+    until = time.time() + state.settings.request_timeout_s
+    pipe = state.client.redis.pipeline(transaction=True)
+    pipe.zadd(key, dict.fromkeys(job_ids, until))
+    pipe.expire(key, int(state.settings.request_timeout_s) + 60)
+    await pipe.execute()
 
 
 def _rate_limited(what: str, now: float) -> NoReturn:
@@ -335,6 +375,8 @@ async def relay_events(
     finally:
         if not ended and not keep_jobs:
             await cancel_jobs(state, req.job_ids)
+        with anyio.CancelScope(shield=True):  # (a client gone cancels this task)
+            await _count_in_flight(state, req.job_ids, ended=True)
 
 
 class Collector:

@@ -1,6 +1,6 @@
 """`genq keys`: the API keys kept in Redis (api.api_keys), each with its own limits and models.
 
-    genq keys create NAME [--rpm N] [--tpm N] [--models a,b] [--priority N]   # prints the new key, once
+    genq keys create NAME [--rpm N] [--tpm N] [--max-in-flight N] [--models a,b] [--priority N]   # prints it, once
     genq keys ls                                              # names, limits, models
     genq keys revoke NAME
 """
@@ -31,6 +31,8 @@ def build(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int
     create.add_argument("--models", help="comma-separated model names it may use (default: every model)")
     create.add_argument("--priority", type=int, default=0,
                         help="added to its requests' priority, lower first: a tier (default 0)")
+    create.add_argument("--max-in-flight", type=int,
+                        help="its jobs queued or running at once; past it, 429 (default: no limit)")
     sub.add_parser("ls", help="the keys' names, limits and models")
     sub.add_parser("revoke", help="delete a key: its requests get 401 within a second").add_argument("name")
     return run
@@ -51,7 +53,7 @@ async def _run(args: argparse.Namespace) -> str:
         if args.action == "create":
             models = tuple(m.strip() for m in args.models.split(",")) if args.models is not None else None
             return await api_keys.create(conn, keys, KeyPlan(args.name, args.rpm, args.tpm, models,
-                                                             priority=args.priority))
+                                                             priority=args.priority, max_in_flight=args.max_in_flight))
         if args.action == "revoke":
             if not await api_keys.revoke(conn, keys, args.name):
                 raise ValueError(f"no key named {args.name!r}")
@@ -64,10 +66,10 @@ async def _run(args: argparse.Namespace) -> str:
 def _table(plans: list[KeyPlan]) -> str:
     if not plans:
         return "no keys (the API is open unless GENQ_API_KEYS is set)"
-    rows: list[tuple[str, ...]] = [("NAME", "RPM", "TPM", "MODELS", "PRIORITY", "CREATED")]
+    rows: list[tuple[str, ...]] = [("NAME", "RPM", "TPM", "IN-FLIGHT", "MODELS", "PRIORITY", "CREATED")]
     for plan in plans:
         created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(plan.created_at))
-        rows.append((plan.name, _limit(plan.rpm), _limit(plan.tpm),
+        rows.append((plan.name, _limit(plan.rpm), _limit(plan.tpm), _limit(plan.max_in_flight),
                      ",".join(plan.models) if plan.models is not None else "all", str(plan.priority), created))
     return "\n".join(text_table(rows))
 

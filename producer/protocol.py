@@ -160,6 +160,9 @@ class Keys:
     def webhook_sent(self, event: str) -> str:
         return f"{self.prefix}webhook:{event}"  # string with TTL: the API sent this event ("type:object id")
 
+    def in_flight(self, tenant: str) -> str:
+        return f"{self.prefix}in_flight:{tenant}"  # sorted set: job id -> when it stops counting (api.api_keys)
+
     @property
     def api_keys(self) -> str:
         return f"{self.prefix}api_keys"  # hash: SHA-256 of an API key -> its plan (JSON; api.api_keys)

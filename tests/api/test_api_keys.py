@@ -73,8 +73,8 @@ def test_a_key_made_by_genq_keys_is_metered_under_its_name(url: str, live_worker
     assert usage["tenant"] == "acme"
     assert sum(r["completion_tokens"] for r in usage["data"]) == reply.usage.completion_tokens
     listed = genq_keys(live_worker, "ls").stdout
-    assert listed.splitlines()[0].split() == ["NAME", "RPM", "TPM", "MODELS", "PRIORITY", "CREATED"]
-    assert listed.splitlines()[1].split()[:5] == ["acme", "100", "default", "all", "0"]
+    assert listed.splitlines()[0].split() == ["NAME", "RPM", "TPM", "IN-FLIGHT", "MODELS", "PRIORITY", "CREATED"]
+    assert listed.splitlines()[1].split()[:6] == ["acme", "100", "default", "default", "all", "0"]
     assert key not in listed and key not in str(redis.Redis.from_url(live_worker).hgetall(Keys().api_keys))
     taken = genq_keys(live_worker, "create", "acme")
     assert taken.returncode == 1 and "a key named 'acme' exists" in taken.stderr
@@ -175,3 +175,28 @@ def test_a_keys_priority_tiers_its_jobs_and_beam_search_is_metered_to_it(
                             extra_body={"use_beam_search": True})
     beams = [b for b in (decode_job(f) for _, f in conn.xrevrange(Keys().requests, count=6)) if b.prompt is None]
     assert len(beams) >= 3 and all(b.tenant == "gold" and b.priority == -5 for b in beams)
+
+
+def test_a_key_has_its_own_jobs_in_flight(url: str, live_worker: str, served_model: str,
+                                          poll: Callable[..., Any]) -> None:
+    """One job in flight for this key: while its background response runs, another request
+    is refused; once it ended (cancelled here), the key may submit again. A request that ended
+    frees its place at once."""
+    client = oai(url, genq_keys(live_worker, "create", "single", "--max-in-flight", "1").stdout.strip())
+    assert client.completions.create(model=served_model, prompt="Hi", **GREEDY).usage.completion_tokens == 2
+    assert client.completions.create(model=served_model, prompt="Again", **GREEDY).usage is not None  # freed
+    long = client.responses.create(model=served_model, input="Go on.", background=True, max_output_tokens=900,
+                                   extra_body={"ignore_eos": True})
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(model=served_model, prompt="Meanwhile", **GREEDY)
+    assert "1 jobs in flight for this API key, which may have 1 at once" in info.value.body["message"]
+    assert oai(url, STATIC).completions.create(model=served_model, prompt="Others", **GREEDY).usage is not None
+    client.responses.cancel(long.id)
+
+    def admitted() -> bool:
+        try:
+            return client.completions.create(model=served_model, prompt="After", **GREEDY).usage is not None
+        except openai.RateLimitError:
+            return False
+
+    poll(admitted, 30.0, "the key's place freed")
