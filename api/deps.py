@@ -41,7 +41,7 @@ class AppState:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "managed_keys", ManagedKeys(self.client.redis, self.client.keys))
-        object.__setattr__(self, "webhooks", Webhooks(self.settings, self.client.redis, self.client.keys, self.tasks))
+        object.__setattr__(self, "webhooks", Webhooks(self.settings, self.client.redis, self.client.keys))
 
 
 def get_state(request: Request) -> AppState:

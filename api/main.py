@@ -60,13 +60,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state = AppState(settings, client, relay, Cluster(client.redis, client.keys), Metrics(), tracing=tracing)
         app.state.genq = state
         runner = asyncio.create_task(BatchRunner(state).run())
+        sender = asyncio.create_task(state.webhooks.run())
         try:
             yield
         finally:
             runner.cancel()
+            sender.cancel()
             for task in state.tasks:  # background responses: their jobs run on; a GET finishes them
                 task.cancel()
-            await asyncio.gather(runner, *state.tasks, return_exceptions=True)
+            await asyncio.gather(runner, sender, *state.tasks, return_exceptions=True)
             await relay.aclose()
             await client.aclose()
             if tracing is not None:

@@ -5,10 +5,13 @@ OpenAI signs its own, so `client.webhooks.unwrap(body, headers)` of OpenAI's SDK
 headers `webhook-id`, `webhook-timestamp` and `webhook-signature: v1,<base64 HMAC-SHA256 of
 "id.timestamp.body">` under the secret.
 
-Each event is sent once however many API processes see the end (a Redis SET NX on the event's
-name decides which), from a task of the process that won; a receiver that fails (an error
-status, no answer) is tried again after 1, 2, 4, ... s (at most 60), up to
-GENQ_WEBHOOK_MAX_ATTEMPTS times. A process stopping drops the retries it still owed.
+Events go through an outbox in Redis, so none is lost with an API process: `ended` adds the
+event to the stream `webhook_outbox` once however many processes see the end (a SET NX on the
+event's name decides), and every API process's sender reads it in the consumer group
+`webhook_senders`. A delivery that succeeds is acknowledged and deleted; one that fails (an
+error status, no answer within TIMEOUT_S) stays pending, and is claimed again, by any process,
+once it has been idle 1, 2, 4, ... s (at most 60) after its last attempt, up to
+GENQ_WEBHOOK_MAX_ATTEMPTS attempts. A process that stops leaves its pending events to the others.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
 
 import httpx
+import redis
 import redis.asyncio
 
 from api.settings import Settings
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 SENT_TTL_S = 7 * 24 * 3600  # an event's "sent" mark outlives any process that might see the end again
 TIMEOUT_S = 10.0  # one delivery attempt
 MAX_BACKOFF_S = 60.0
+READ_BLOCK_MS = 1000  # the sender's longest wait for new events: bounds how late a retry is seen
+BATCH = 16  # events read or retried at once
 
 
 def signing_key(secret: str) -> bytes:
@@ -47,13 +52,20 @@ def signed_headers(secret: str, event_id: str, body: str, now: int) -> dict[str,
             "webhook-signature": "v1," + base64.b64encode(digest).decode(), "content-type": "application/json"}
 
 
-class Webhooks:
-    """One API process's sender; a no-op without GENQ_WEBHOOK_URL."""
+def backoff_s(attempts: int) -> float:
+    """How long an event rests after its `attempts`-th failed attempt."""
+    return min(2.0 ** (attempts - 1), MAX_BACKOFF_S)
 
-    def __init__(self, settings: Settings, conn: redis.asyncio.Redis, keys: Keys, tasks: set[asyncio.Task[None]]) -> None:
+
+class Webhooks:
+    """One API process's side of the outbox: adding events, and (`run`) sending them; a no-op
+    without GENQ_WEBHOOK_URL."""
+
+    def __init__(self, settings: Settings, conn: redis.asyncio.Redis, keys: Keys) -> None:
         self.url, self.secret = settings.webhook_url, settings.webhook_secret or ""
         self.max_attempts = settings.webhook_max_attempts
-        self.conn, self.keys, self.tasks = conn, keys, tasks
+        self.conn, self.keys = conn, keys
+        self.consumer = f"api-{uuid.uuid4().hex[:12]}"
 
     async def ended(self, kind: str, object_id: str, status: str) -> None:
         """`kind` ("response", "batch") `object_id` ended with `status`: announce it once."""
@@ -61,29 +73,75 @@ class Webhooks:
             return
         event_type = f"{kind}.{status}"
         if not await self.conn.set(self.keys.webhook_sent(f"{event_type}:{object_id}"), 1, nx=True, ex=SENT_TTL_S):
-            return  # another process (or an earlier end of this one) sent it
+            return  # another process (or an earlier end of this one) queued it
         event = {"object": "event", "id": f"evt_{uuid.uuid4().hex}", "type": event_type,
                  "created_at": int(time.time()), "data": {"id": object_id}}
-        task = asyncio.create_task(self._deliver(event), name=f"genq-webhook-{event['id']}")
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        await self.conn.xadd(self.keys.webhook_outbox, {"event": json.dumps(event)})
 
-    async def _deliver(self, event: dict[str, Any]) -> None:
-        body = json.dumps(event)
-        delay = 1.0
+    async def run(self) -> None:
+        """Send the outbox's events until cancelled: new ones as they come, failed ones again
+        when their rest is over."""
+        if self.url is None:
+            return
         async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
-            for attempt in range(1, self.max_attempts + 1):
+            grouped = False
+            while True:
                 try:
-                    reply = await http.post(str(self.url), content=body,
-                                            headers=signed_headers(self.secret, event["id"], body, int(time.time())))
-                    if reply.is_success:
-                        return
-                    why = f"status {reply.status_code}"
-                except httpx.HTTPError as exc:
-                    why = f"{type(exc).__name__}: {exc}"
-                log.warning("webhook %s (%s) attempt %d of %d failed: %s", event["id"], event["type"], attempt,
-                            self.max_attempts, why)
-                if attempt < self.max_attempts:
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, MAX_BACKOFF_S)
-        log.error("webhook %s (%s) given up after %d attempts", event["id"], event["type"], self.max_attempts)
+                    if not grouped:
+                        await self._ensure_group()
+                        grouped = True
+                    await self._retry(http)
+                    await self._send_new(http)
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    log.warning("webhook sender: Redis unavailable (%s); retrying", exc)
+                    await asyncio.sleep(1.0)
+                except redis.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    grouped = False  # the outbox was deleted (FLUSHALL): made again
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.conn.xgroup_create(self.keys.webhook_outbox, self.keys.webhook_senders, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def _send_new(self, http: httpx.AsyncClient) -> None:
+        reply = await self.conn.xreadgroup(self.keys.webhook_senders, self.consumer, {self.keys.webhook_outbox: ">"},
+                                           count=BATCH, block=READ_BLOCK_MS)
+        entries = reply[0][1] if reply else []
+        await asyncio.gather(*(self._attempt(http, entry_id, fields, 1) for entry_id, fields in entries))
+
+    async def _retry(self, http: httpx.AsyncClient) -> None:
+        """Claim pending events (of any process) whose rest after their last attempt is over."""
+        rows = await self.conn.xpending_range(self.keys.webhook_outbox, self.keys.webhook_senders, "-", "+", BATCH * 8,
+                                              idle=int(backoff_s(1) * 1000))
+        due = [r for r in rows if r["time_since_delivered"] >= backoff_s(r["times_delivered"]) * 1000][:BATCH]
+        attempts = []
+        for row in due:
+            claimed = await self.conn.xclaim(self.keys.webhook_outbox, self.keys.webhook_senders, self.consumer,
+                                             int(backoff_s(row["times_delivered"]) * 1000), [row["message_id"]])
+            attempts += [(entry_id, fields, row["times_delivered"] + 1) for entry_id, fields in claimed if fields]
+        await asyncio.gather(*(self._attempt(http, *attempt) for attempt in attempts))
+
+    async def _attempt(self, http: httpx.AsyncClient, entry_id: bytes, fields: dict[bytes, bytes], attempt: int) -> None:
+        """One delivery; the event leaves the outbox once delivered or out of attempts."""
+        body = fields[b"event"].decode()
+        event = json.loads(body)
+        try:
+            reply = await http.post(str(self.url), content=body,
+                                    headers=signed_headers(self.secret, event["id"], body, int(time.time())))
+            why = None if reply.is_success else f"status {reply.status_code}"
+        except httpx.HTTPError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if why is None or attempt >= self.max_attempts:
+            if why is not None:
+                log.error("webhook %s (%s) given up after %d attempts: %s", event["id"], event["type"], attempt, why)
+            pipe = self.conn.pipeline(transaction=True)
+            pipe.xack(self.keys.webhook_outbox, self.keys.webhook_senders, entry_id)
+            pipe.xdel(self.keys.webhook_outbox, entry_id)
+            await pipe.execute()
+            return
+        log.warning("webhook %s (%s) attempt %d of %d failed: %s; again in %.0f s", event["id"], event["type"],
+                    attempt, self.max_attempts, why, backoff_s(attempt))

@@ -157,6 +157,14 @@ class Keys:
     def handoff_channel(self, name: str) -> str:
         return f"{self.prefix}handoff:{name}"  # pub/sub: entry ids another worker handed to `name`
 
+    @property
+    def webhook_outbox(self) -> str:
+        return f"{self.prefix}webhook_outbox"  # stream: webhook events to send (api.webhooks)
+
+    @property
+    def webhook_senders(self) -> str:
+        return f"{self.prefix}webhook_senders"  # consumer group on webhook_outbox: the API processes
+
     def webhook_sent(self, event: str) -> str:
         return f"{self.prefix}webhook:{event}"  # string with TTL: the API sent this event ("type:object id")
 

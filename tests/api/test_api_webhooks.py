@@ -1,7 +1,7 @@
 """OpenAI's webhooks (api.webhooks) against a live stack and a receiver of the test's own:
 background responses and batches that end are announced once each, signed so that OpenAI's
-own SDK (`client.webhooks.unwrap`) verifies and reads them, and retried while the receiver
-fails."""
+own SDK (`client.webhooks.unwrap`) verifies and reads them, retried while the receiver fails,
+and sent by another API process when the one that saw the end could not."""
 
 from __future__ import annotations
 
@@ -68,6 +68,27 @@ def client(live_worker: str, serve_api, receiver: Receiver) -> Iterator[openai.O
                         request_timeout_s=60.0, batch_poll_s=0.1)
     with serve_api(settings) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_an_event_one_api_process_could_not_send_is_sent_by_another(
+    live_worker: str, serve_api, served_model: str, poll: Callable[..., Any],
+) -> None:
+    """(First in the module: no other API process sends webhooks yet.) One whose receiver is
+    unreachable ends a background response, fails to send its event and stops; the event waits
+    in the outbox in Redis, and the next API process sends it."""
+    unreachable = Settings(redis_url=live_worker, webhook_url="http://127.0.0.1:9/hooks", webhook_secret=SECRET,
+                           request_timeout_s=60.0)
+    with serve_api(unreachable) as url:
+        other = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        queued = other.responses.create(model=served_model, input="Hi.", background=True, max_output_tokens=2)
+        poll(lambda: other.responses.retrieve(queued.id).status == "incomplete", 30.0, "the response's end")
+    later = Receiver()
+    try:
+        with serve_api(Settings(redis_url=live_worker, webhook_url=later.url, webhook_secret=SECRET)):
+            [event] = poll(lambda: later.of(queued.id), 30.0, "the event, from the outbox")
+    finally:
+        later.server.shutdown()
+    assert event.type == "response.incomplete"
 
 
 def test_a_background_response_that_ends_is_announced_once(client: openai.OpenAI, receiver: Receiver,
