@@ -32,10 +32,13 @@ class ClusterCollector(Collector):
         self._depths: dict[str, QueueDepth] = {}
         self._workers: list[LiveWorker] = []
         self._batches = 0
+        self._webhooks = 0
 
-    def update(self, depths: dict[str, QueueDepth], workers: list[LiveWorker], batches: int = 0) -> None:
-        """`depths`: by queue ("": the shared stream), as Cluster.queue_depths reads them."""
-        self._depths, self._workers, self._batches = depths, workers, batches
+    def update(self, depths: dict[str, QueueDepth], workers: list[LiveWorker], batches: int = 0,
+               webhooks: int = 0) -> None:
+        """`depths`: by queue ("": the shared stream), as Cluster.queue_depths reads them;
+        `webhooks`: the events in the webhook outbox."""
+        self._depths, self._workers, self._batches, self._webhooks = depths, workers, batches, webhooks
 
     def collect(self) -> Iterator[Metric]:
         workers = [w.info for w in self._workers]
@@ -68,6 +71,8 @@ class ClusterCollector(Collector):
             sum(w.kv_cache_usage for w in workers) / len(workers) if workers else 0.0,
         )
         yield _gauge("genq:batches_active", "Batches (/v1/batches) not yet ended.", self._batches)
+        yield _gauge("genq:webhook_events_unsent", "Webhook events in the outbox: not yet delivered, or resting "
+                     "between failed attempts (api.webhooks).", self._webhooks)
         yield _counter("genq:generation_tokens", "Generated tokens (live workers).",
                        sum(w.generation_tokens_total for w in workers))
         yield _counter("genq:prompt_tokens", "Prefilled prompt tokens (live workers).",

@@ -42,6 +42,8 @@ async def genq_version() -> dict[str, str]:
 @router.get("/metrics")
 async def metrics(state: StateDep) -> Response:
     """Prometheus text format; the cluster part is read from Redis now."""
-    batches = await state.client.redis.scard(state.client.keys.active_batches)
-    state.metrics.cluster.update(await state.cluster.queue_depths(), await state.cluster.workers(), batches)
+    keys = state.client.keys
+    batches = await state.client.redis.scard(keys.active_batches)  # type: ignore[misc]
+    webhooks = await state.client.redis.xlen(keys.webhook_outbox)
+    state.metrics.cluster.update(await state.cluster.queue_depths(), await state.cluster.workers(), batches, webhooks)
     return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

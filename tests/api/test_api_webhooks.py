@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from batch_support import chat_line, run_batch, wait_done
@@ -82,13 +83,19 @@ def test_an_event_one_api_process_could_not_send_is_sent_by_another(
         other = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         queued = other.responses.create(model=served_model, input="Hi.", background=True, max_output_tokens=2)
         poll(lambda: other.responses.retrieve(queued.id).status == "incomplete", 30.0, "the response's end")
+        poll(lambda: "genq:webhook_events_unsent 1.0" in unsent(url), 30.0, "the event waiting")
     later = Receiver()
     try:
-        with serve_api(Settings(redis_url=live_worker, webhook_url=later.url, webhook_secret=SECRET)):
+        with serve_api(Settings(redis_url=live_worker, webhook_url=later.url, webhook_secret=SECRET)) as url:
             [event] = poll(lambda: later.of(queued.id), 30.0, "the event, from the outbox")
+            poll(lambda: "genq:webhook_events_unsent 0.0" in unsent(url), 30.0, "the outbox emptied")
     finally:
         later.server.shutdown()
     assert event.type == "response.incomplete"
+
+
+def unsent(url: str) -> list[str]:
+    return httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
 
 
 def test_a_background_response_that_ends_is_announced_once(client: openai.OpenAI, receiver: Receiver,
