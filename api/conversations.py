@@ -33,10 +33,11 @@ def conversation_id(value: str | dict[str, Any] | None) -> str | None:
     raise invalid_param("conversation", "conversation must be a conversation id or {\"id\": ...}")
 
 
-def as_items(items: Any, where: str) -> list[dict[str, Any]]:
+def as_items(items: Any, where: str, roles: tuple[str, ...] = ("user", "assistant", "system", "developer")
+             ) -> list[dict[str, Any]]:
     """Input items as a conversation keeps them: each with an id and a type, a message's text
-    as content parts; 400 naming the item for a type or role it cannot keep. (What a response
-    makes of their content, responses_api.as_messages checks.)"""
+    as content parts; 400 naming the item for a type or a role (not in `roles`) it cannot
+    keep. (What a response makes of their content, responses_api.as_messages checks.)"""
     if not isinstance(items, list):
         raise invalid_param(where, f"{where} must be a list of items")
     out = []
@@ -50,8 +51,8 @@ def as_items(items: Any, where: str) -> list[dict[str, Any]]:
         kept = {**item, "type": kind, "id": item.get("id") or f"{_ID_PREFIX[kind]}_{uuid.uuid4().hex}"}
         if kind == "message":
             role, content = item.get("role"), item.get("content")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise invalid_param(f"{where}[{i}].role", "role must be user, assistant, system or developer")
+            if roles and role not in roles:
+                raise invalid_param(f"{where}[{i}].role", f"role must be {', '.join(roles)}")
             if isinstance(content, str):
                 content = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
             kept |= {"role": role, "content": content, "status": item.get("status", "completed")}
@@ -60,9 +61,10 @@ def as_items(items: Any, where: str) -> list[dict[str, Any]]:
 
 
 def request_items(request_input: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A Responses request's input as conversation items (already checked by to_chat)."""
+    """A Responses request's input as conversation items, as to_chat took it (whatever roles
+    its messages have: its response has run by now)."""
     items = [{"role": "user", "content": request_input}] if isinstance(request_input, str) else request_input
-    return as_items(items, "input")
+    return as_items(items, "input", roles=())
 
 
 async def create(state: AppState, kept: list[dict[str, Any]], metadata: dict[str, str] | None) -> dict[str, Any]:
