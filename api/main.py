@@ -44,6 +44,7 @@ from api.sse import ClientDisconnected
 from producer.async_client import AsyncClient
 from producer.tracing import Tracing
 
+UNTRACED = frozenset({"/health", "/metrics", "/ping", "/version"})  # probes and scrapes: no spans
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away: nobody reads it
 
 
@@ -131,7 +132,7 @@ class RequestSpans:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = getattr(scope["app"].state, "genq", None) if scope["type"] == "http" else None
         tracing = state.tracing if state is not None else None
-        if tracing is None:
+        if tracing is None or scope["path"] in UNTRACED:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"traceparent", b"").decode(errors="replace")

@@ -117,10 +117,11 @@ class WorkerMetrics:
             self._trace(held, now)
 
     def _trace(self, held: HeldJob, now: float) -> None:
-        """The job's `llm_request` span, from its submit to now, under the request that made it,
-        with vLLM's attribute names."""
+        """The job's `llm_request` span, from its submit to the step of its last token (now,
+        for a job that sent none), under the request that made it, with vLLM's attribute names."""
         job, params, tracing = held.job, held.job.sampling_params, self.tracing
         assert tracing is not None
+        end = held.last_token_at or now  # (before its last write: whoever waits on it sees it end after)
         span = tracing.tracer.start_span("llm_request", context=tracing.parent(job.traceparent),
                                          start_time=int(job.submit_time * 1e9))
         attributes: dict[str, Any] = {
@@ -128,7 +129,7 @@ class WorkerMetrics:
             "gen_ai.request.n": params.n, "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p, "gen_ai.usage.completion_tokens": held.num_output_tokens,
             "gen_ai.latency.time_in_queue": max(0.0, held.received_at - job.submit_time),
-            "gen_ai.latency.e2e": max(0.0, now - job.submit_time),
+            "gen_ai.latency.e2e": max(0.0, end - job.submit_time),
         }
         if params.max_tokens is not None:
             attributes["gen_ai.request.max_tokens"] = params.max_tokens
@@ -137,7 +138,7 @@ class WorkerMetrics:
         if held.first_token_at is not None and not held.resumed:
             attributes["gen_ai.latency.time_to_first_token"] = max(0.0, held.first_token_at - job.submit_time)
         span.set_attributes(attributes)
-        span.end(end_time=int(now * 1e9))
+        span.end(end_time=int(end * 1e9))
 
     def tokens_per_s(self) -> float:
         """Generated tokens per second since the previous call (the heartbeat's rate)."""

@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -71,12 +72,14 @@ def test_a_traced_request_and_its_job_are_spans_of_the_clients_trace(
 ) -> None:
     settings = Settings(redis_url=traced_worker, otlp_traces_endpoint=collector.url, request_timeout_s=60.0)
     with serve_api(settings) as url:
+        assert httpx.get(f"{url}/metrics", timeout=30).status_code == 200  # a scrape: no span
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         reply = client.chat.completions.create(
             model=served_model, messages=[{"role": "user", "content": "Trace me."}], max_tokens=5, temperature=0.0,
             extra_headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}, extra_body={"ignore_eos": True})
         spans = poll(lambda: len(collector.of_trace(TRACE_ID)) >= 2 and collector.of_trace(TRACE_ID), 30.0,
                      "the request's and its job's spans")
+    assert not any(span.name.endswith("/metrics") for _, span in collector.spans)  # (exported before ours, if any)
     by_service = {service: span for service, span in spans}
     api, job = by_service["genq-api"], by_service["genq-worker"]
     assert api.name == "POST /v1/chat/completions" and api.parent_span_id.hex() == CLIENT_SPAN
