@@ -8,8 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 import time
 from collections.abc import Callable
 
@@ -18,6 +16,7 @@ import redis.asyncio
 from api import api_keys
 from api.api_keys import KeyPlan
 from api.status_cli import text_table
+from producer.cli import printed
 from producer.protocol import DEFAULT_PREFIX, Keys
 
 
@@ -39,12 +38,7 @@ def build(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        print(asyncio.run(_run(args)))
-    except ValueError as exc:
-        print(f"genq keys: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return printed("keys", _run(args), ValueError)
 
 
 async def _run(args: argparse.Namespace) -> str:

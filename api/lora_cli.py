@@ -10,14 +10,13 @@ live worker).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 from collections.abc import Callable
 
 from api import lora_adapters
 from api.cluster import Cluster
 from api.errors import APIError
 from producer.async_client import AsyncClient
+from producer.cli import printed
 from producer.protocol import DEFAULT_PREFIX
 
 
@@ -33,12 +32,7 @@ def build(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        print(asyncio.run(_run(args)))
-    except APIError as exc:
-        print(f"genq lora: {exc.message}", file=sys.stderr)
-        return 1
-    return 0
+    return printed("lora", _run(args), APIError)
 
 
 async def _run(args: argparse.Namespace) -> str:

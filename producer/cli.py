@@ -12,12 +12,13 @@ subcommand's `--redis-url`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -79,6 +80,17 @@ def _top_parser() -> argparse.ArgumentParser:
     for name, spec in SUBCOMMANDS.items():
         sub.add_parser(name, help=spec.help, add_help=False)
     return parser
+
+
+def printed(command: str, work: Coroutine[Any, Any, str], refused: type[Exception] | tuple[type[Exception], ...]) -> int:
+    """Run a subcommand's coroutine and print what it returns (exit 0), or, for a `refused`
+    exception, `genq COMMAND: why` on stderr (exit 1)."""
+    try:
+        print(asyncio.run(work))
+    except refused as exc:
+        print(f"genq {command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _load_builder(path: str) -> Builder:
