@@ -81,14 +81,16 @@ class Cluster:
         return QueueDepth(sum(d.undelivered for d in depths), sum(d.pending for d in depths))
 
     async def queue_depths(self, cap: int = METRICS_DEPTH_CAP) -> dict[str, QueueDepth]:
-        """Each queue's depth, by name ("": the shared stream): that one and every live
-        worker's."""
+        """Each queue's depth, by name ("": the shared stream), its priority lanes together:
+        that one and every live worker's."""
         queues = {""} | {w.info.queue for w in await self.workers(max_age_s=QUEUES_MAX_AGE_S)}
         depths = {}
         for queue in sorted(queues):
-            stream = self._keys.on_queue(queue).requests
-            undelivered, pending = await self._depth(keys=[stream], args=[self._keys.group, cap])
-            depths[queue] = QueueDepth(int(undelivered), int(pending))
+            undelivered = pending = 0
+            for stream in self._keys.on_queue(queue).lane_streams:
+                lane_undelivered, lane_pending = await self._depth(keys=[stream], args=[self._keys.group, cap])
+                undelivered, pending = undelivered + int(lane_undelivered), pending + int(lane_pending)
+            depths[queue] = QueueDepth(undelivered, pending)
         return depths
 
     async def workers(self, max_age_s: float = 0.0) -> list[LiveWorker]:

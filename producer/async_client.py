@@ -26,6 +26,7 @@ from producer.jobs import (
     batch_jobs,
     build_job,
     count_failure,
+    entry_location,
     inspect_view,
     is_final,
     make_result,
@@ -169,9 +170,8 @@ class AsyncClient:
         pipe.xrange(self.keys.events(job_id))
         pipe.exists(self.keys.cancel_flag(job_id))
         raw, events, cancel = await pipe.execute()
-        entry_id, queue = raw.get(b"entry_id"), raw.get(b"queue", b"").decode()
-        stream = self.keys.on_queue(queue).requests
-        entry = await self.redis.xrange(stream, entry_id, entry_id) if entry_id else []
+        at = entry_location(self.keys, raw)
+        entry = await self.redis.xrange(at[0], at[1], at[1]) if at else []
         return inspect_view(job_id, raw, entry, events, bool(cancel))
 
     async def _follow(

@@ -28,6 +28,7 @@ from producer.jobs import (
     batch_jobs,
     build_job,
     count_failure,
+    entry_location,
     inspect_view,
     is_final,
     make_result,
@@ -185,9 +186,8 @@ class Client:
         pipe.xrange(self.keys.events(job_id))
         pipe.exists(self.keys.cancel_flag(job_id))
         raw, events, cancel = pipe.execute()
-        entry_id, queue = raw.get(b"entry_id"), raw.get(b"queue", b"").decode()
-        stream = self.keys.on_queue(queue).requests
-        entry = self.redis.xrange(stream, entry_id, entry_id) if entry_id else []
+        at = entry_location(self.keys, raw)
+        entry = self.redis.xrange(at[0], at[1], at[1]) if at else []
         return inspect_view(job_id, raw, cast(list[Any], entry), events, bool(cancel))
 
     def _results(self, logs: dict[str, EventLog]) -> list[JobResult]:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 # Retry one dead letter. KEYS[1]: job(id), [2]: the requests stream of its model's queue,
 # [3]: dead, [4]: events(id). ARGV[1]: the dead letter's id, then SUBMIT_LUA's arguments
-# (group, number k of entry arguments, the entry, the queued record).
+# (group, lane suffix, number k of entry arguments, the entry, the queued record).
 # Only a job that failed (or whose record expired) is sent again: a dead letter whose job is
 # alive or ended well (a duplicate entry of it) stays. The old record and events go, so
 # readers see the job queued anew rather than failed. Returns {outcome, detail}: {'queued',
@@ -36,11 +36,11 @@ local status = redis.call('HGET', KEYS[1], 'status')
 if status and status ~= 'failed' then return {'alive', status} end
 redis.call('DEL', KEYS[1], KEYS[4])
 redis.pcall('XGROUP', 'CREATE', KEYS[2], ARGV[2], '0', 'MKSTREAM')
-local k = tonumber(ARGV[3])
-local entry_id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4, 3 + k))
-redis.call('HSET', KEYS[1], 'entry_id', entry_id, unpack(ARGV, 4 + k))
+local k = tonumber(ARGV[4])
+local ref = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5, 4 + k)) .. ARGV[3]
+redis.call('HSET', KEYS[1], 'entry_id', ref, unpack(ARGV, 5 + k))
 redis.call('XDEL', KEYS[3], ARGV[1])
-return {'queued', entry_id}
+return {'queued', ref}
 """
 
 

@@ -31,6 +31,8 @@ from producer.protocol import (
     decode_event,
     decode_job,
     encode_job,
+    entry_ref,
+    lane_of,
     unpack_embedding,
 )
 from producer.records import CompletionOutput, JobRecord, decode_record, encode_record
@@ -44,10 +46,11 @@ ROUTE_CACHE_S = 1.0  # how long a client trusts a model's route before reading i
 PromptInput = str | dict[str, Any] | list[dict[str, Any]]
 ParamsInput = SamplingParams | dict[str, Any] | None
 
-# Idempotent submit. KEYS[1]: job hash, KEYS[2]: requests stream.
-# ARGV[1]: consumer group, ARGV[2]: number k of entry arguments, ARGV[3 .. 2+k]: entry
-# field/value pairs, the rest: job-record field/value pairs. Returns the entry id, or nil if
-# the job already exists.
+# Idempotent submit. KEYS[1]: job hash, KEYS[2]: requests stream (of the job's lane).
+# ARGV[1]: consumer group, ARGV[2]: the lane's entry_ref suffix ('' or '@<lane>'), ARGV[3]:
+# number k of entry arguments, ARGV[4 .. 3+k]: entry field/value pairs, the rest: job-record
+# field/value pairs. Returns the entry's ref (protocol.entry_ref), or nil if the job already
+# exists.
 # Races it prevents, by running as one atomic script:
 # - two submits of one job id (a retry after a timeout whose first attempt did land, or two
 #   API replicas) both passing an EXISTS check before either writes: the job would be
@@ -62,10 +65,10 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return false
 end
 redis.pcall('XGROUP', 'CREATE', KEYS[2], ARGV[1], '0', 'MKSTREAM')
-local k = tonumber(ARGV[2])
-local entry_id = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3, 2 + k))
-redis.call('HSET', KEYS[1], 'entry_id', entry_id, unpack(ARGV, 3 + k))
-return entry_id
+local k = tonumber(ARGV[3])
+local ref = redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4, 3 + k)) .. ARGV[2]
+redis.call('HSET', KEYS[1], 'entry_id', ref, unpack(ARGV, 4 + k))
+return ref
 """
 
 
@@ -223,17 +226,28 @@ def batch_jobs(
 
 
 def submit_call(keys: Keys, job: Job) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of SUBMIT_LUA for one job, onto the requests stream of `keys.queue`."""
+    """KEYS and ARGV of SUBMIT_LUA for one job, onto the stream of `keys.queue`'s lane for
+    the job's priority."""
     entry = encode_job(job)
     record = encode_record(JobRecord(
         status=JobStatus.QUEUED, n=job.sampling_params.n, submitted_at=job.submit_time,
         queue=keys.queue or None,
     ))
-    args: list[Any] = [keys.group, 2 * len(entry)]
+    lane = lane_of(job.priority)
+    keys = keys.on_lane(lane)
+    args: list[Any] = [keys.group, entry_ref("", lane), 2 * len(entry)]
     for mapping in (entry, record):
         for name, value in mapping.items():
             args += [name, value]
     return [keys.job(job.id), keys.requests], args
+
+
+def entry_location(keys: Keys, raw: dict[bytes, bytes]) -> tuple[str, str] | None:
+    """(stream, entry id) of the entry a job record (HGETALL reply) names; None: none."""
+    ref = raw.get(b"entry_id")
+    if not ref:
+        return None
+    return keys.on_queue(raw.get(b"queue", b"").decode()).locate(ref.decode())
 
 
 class Routes:

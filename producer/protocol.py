@@ -88,23 +88,65 @@ class ProtocolError(Exception):
         self.job_id = job_id
 
 
+# Priority lanes: each queue is read as three streams, a job going to the one of its priority's
+# sign. Workers read them in this order and take from a lane only when those before it have
+# nothing left, so a job with a lower priority than the backlog's runs before it (within a lane
+# the engine's scheduler orders by the exact value). "" is the queue's own stream.
+LANE_HIGH, LANE_NORMAL, LANE_LOW = "high", "", "low"
+LANES = (LANE_HIGH, LANE_NORMAL, LANE_LOW)
+
+
+def lane_of(priority: int) -> str:
+    """The lane of a job with this priority (lower runs first, as vLLM's)."""
+    return LANE_HIGH if priority < 0 else LANE_LOW if priority > 0 else LANE_NORMAL
+
+
+def entry_ref(entry_id: str, lane: str) -> str:
+    """How records, dead letters and workers name an entry: its id, with `@<lane>` when it is
+    in a priority lane's stream (ids of two streams can be equal)."""
+    return f"{entry_id}@{lane}" if lane else entry_id
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """(entry id, lane) of an entry_ref."""
+    entry_id, _, lane = ref.partition("@")
+    return entry_id, lane
+
+
 @dataclass(frozen=True)
 class Keys:
     """Every Redis name genq uses, under one prefix. `queue` names the requests stream of
     one pool of workers: "" is the shared stream, `genq:requests`; a pool serving another
-    model reads `genq:requests:<queue>`."""
+    model reads `genq:requests:<queue>`. `lane` names one of its priority lanes' streams
+    (`genq:requests@high`, `genq:requests:<queue>@low`)."""
 
     prefix: str = DEFAULT_PREFIX
     queue: str = ""
+    lane: str = LANE_NORMAL
 
     @property
     def requests(self) -> str:
         # stream: one entry per job
-        return f"{self.prefix}requests:{self.queue}" if self.queue else f"{self.prefix}requests"
+        stream = f"{self.prefix}requests:{self.queue}" if self.queue else f"{self.prefix}requests"
+        return f"{stream}@{self.lane}" if self.lane else stream
 
     def on_queue(self, queue: str) -> Keys:
-        """The same names, with the requests stream of `queue`."""
-        return replace(self, queue=queue)
+        """The same names, with the requests stream of `queue` (its normal lane)."""
+        return replace(self, queue=queue, lane=LANE_NORMAL)
+
+    def on_lane(self, lane: str) -> Keys:
+        """The same names, with the stream of this queue's `lane`."""
+        return replace(self, lane=lane)
+
+    @property
+    def lane_streams(self) -> list[str]:
+        """The streams of this queue's lanes, in the order workers read them."""
+        return [self.on_lane(lane).requests for lane in LANES]
+
+    def locate(self, ref: str) -> tuple[str, str]:
+        """(stream, entry id) of an entry_ref on this queue."""
+        entry_id, lane = split_ref(ref)
+        return self.on_lane(lane).requests, entry_id
 
     def rate(self, tenant: str, minute: int) -> str:
         return f"{self.prefix}rate:{tenant}:{minute}"  # counter with TTL: a key's requests that minute

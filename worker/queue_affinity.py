@@ -114,7 +114,7 @@ class Affinity:
 
     async def _rooms(self, workers: list[str]) -> dict[str, int]:
         """The jobs each worker could still be handed, from the entries pending under each
-        name now (what it runs, waits on, or was handed and has not yet taken): below its
+        name now in every lane (what it runs, waits on, or was handed and has not yet taken): below its
         max_num_seqs, and no more than BALANCE_SLACK above this worker's own (a prompt start
         many jobs share, such as a common header, must not pile them all on one worker while
         this one idles); none for a worker gone, draining or on another stream."""
@@ -123,9 +123,14 @@ class Affinity:
         pipe = self.scripts.conn.pipeline(transaction=False)
         for worker in workers:
             pipe.hmget(self.scripts.keys.worker(worker), ["state", "queue", "max_num_seqs"])
-        pipe.xpending(self.scripts.keys.requests, self.scripts.keys.group)
-        *infos, summary = await pipe.execute()
-        pending = {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
+        for stream in self.scripts.keys.lane_streams:
+            pipe.xpending(stream, self.scripts.keys.group)
+        replies = await pipe.execute()
+        infos, summaries = replies[:len(workers)], replies[len(workers):]
+        pending: dict[str, int] = {}
+        for summary in summaries:
+            for c in summary.get("consumers") or []:
+                pending[_text(c["name"])] = pending.get(_text(c["name"]), 0) + int(c["pending"])
         rooms = {}
         mine = pending.get(self.name, 0)
         for worker, (state, queue, max_num_seqs) in zip(workers, infos, strict=True):

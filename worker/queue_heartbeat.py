@@ -111,11 +111,11 @@ class Heartbeat:
         self.drain()
 
     async def trim(self) -> None:
-        """Drop done entries past their retention from the requests and dead streams, which
+        """Drop done entries past their retention from the requests (each lane's) and dead streams, which
         would otherwise grow forever. Any worker may do it: it is idempotent."""
         keys = self.scripts.keys
         for stream, retention_s in (
-            (keys.requests, self.config.requests_retention_s),
+            *((lane, self.config.requests_retention_s) for lane in keys.lane_streams),
             (keys.dead, self.config.dead_retention_s),
         ):
             try:

@@ -24,7 +24,15 @@ import redis
 import redis.asyncio
 
 from producer.aio import unless_set, wait_for_event
-from producer.protocol import ERROR_INVALID_REQUEST, Job, ProtocolError, decode_job, encode_event
+from producer.protocol import (
+    ERROR_INVALID_REQUEST,
+    LANES,
+    Job,
+    ProtocolError,
+    decode_job,
+    encode_event,
+    entry_ref,
+)
 from producer.records import encode_dead_letter
 from worker.queue_affinity import Affinity
 from worker.queue_config import WorkerConfig
@@ -279,7 +287,8 @@ class Admission:
         entry to the dead stream."""
         keys = self.scripts.keys
         pipe = self.scripts.conn.pipeline(transaction=False)
-        pipe.xrange(keys.requests, held.entry_id, held.entry_id)
+        stream, entry_id = keys.locate(held.entry_id)
+        pipe.xrange(stream, entry_id, entry_id)
         pipe.xrange(keys.events(held.id))
         entry, events = await pipe.execute()
         delivery = Delivery(held.entry_id, entry[0][1] if entry else {}, held.delivery_count)
@@ -356,7 +365,8 @@ class Admission:
 
 
 class Intake:
-    """XREADGROUP as many new entries as the engine has room for; block while idle."""
+    """XREADGROUP as many new entries as the engine has room for, the priority lanes in their
+    order (a lane is read only when those before it have nothing new); block while idle."""
 
     def __init__(
         self,
@@ -383,20 +393,33 @@ class Intake:
                 await self.admission.admit(deliveries, Source.READ)
 
     async def _read(self, count: int) -> list[Delivery]:
-        keys = self.scripts.keys
         try:
-            reply = await self.scripts.conn.xreadgroup(
-                keys.group, self.scripts.consumer, {keys.requests: ">"},
-                count=count, block=int(INTAKE_BLOCK_S * 1000),
-            )
+            deliveries: list[Delivery] = []
+            for lane in LANES:
+                if len(deliveries) < count:
+                    deliveries += await self._read_lanes([lane], count - len(deliveries), None)
+            if deliveries:
+                return deliveries
+            # Nothing new anywhere: wait on every lane at once, for one entry each (a lane
+            # woken first then has its followers read lane by lane next time round).
+            return await self._read_lanes(list(LANES), 1, int(INTAKE_BLOCK_S * 1000))
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             await self.scripts.ensure_group()  # the stream or group was deleted (FLUSHALL)
             return []
-        if not reply:
-            return []
-        return [Delivery(_str(entry_id), fields) for entry_id, fields in reply[0][1]]
+
+    async def _read_lanes(self, lanes: list[str], count: int, block_ms: int | None) -> list[Delivery]:
+        keys = self.scripts.keys
+        streams = {keys.on_lane(lane).requests: ">" for lane in lanes}
+        reply = await self.scripts.conn.xreadgroup(
+            keys.group, self.scripts.consumer, streams, count=count, block=block_ms,  # type: ignore[arg-type]
+        )
+        lane_of_stream = {keys.on_lane(lane).requests: lane for lane in lanes}
+        return [
+            Delivery(entry_ref(_str(entry_id), lane_of_stream[_str(stream)]), fields)
+            for stream, entries in reply or [] for entry_id, fields in entries
+        ]
 
 
 class Reclaimer:

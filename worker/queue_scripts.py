@@ -22,12 +22,15 @@ from producer.protocol import (
     EVENT_FIELD,
     EVENTS_TTL_S,
     JOB_TTL_S,
+    LANES,
     USAGE_TTL_S,
     WORKER_HEARTBEAT_TTL_S,
     Job,
     JobStatus,
     Keys,
+    entry_ref,
     pack_script_arg,
+    split_ref,
 )
 from worker.queue_jobs import Meter, TenantTokens
 
@@ -43,13 +46,25 @@ end
 
 _TERMINAL = ", ".join(f"['{s.value}'] = true" for s in JobStatus if s.terminal)
 
-# True when entry ARGV id is pending in the group under `consumer`. A missing group (the
+# Entries are named by their ref (protocol.entry_ref): `<id>` in the queue's stream `base`
+# (KEYS[1]), `<id>@<lane>` in its lane's stream `base@<lane>`. locate gives (stream, id).
+# owned is true when the entry is pending in the group under `consumer`; a missing group (the
 # database was flushed) counts as not owned.
 _OWNED = """
-local function owned(stream, group, consumer, id)
+local function locate(base, ref)
+  local at = string.find(ref, '@', 1, true)
+  if at then return base .. string.sub(ref, at), string.sub(ref, 1, at - 1) end
+  return base, ref
+end
+local function owned(base, group, consumer, ref)
+  local stream, id = locate(base, ref)
   local p = redis.pcall('XPENDING', stream, group, id, id, 1)
   if type(p) ~= 'table' or p.err or #p ~= 1 then return false end
   return p[1][2] == consumer
+end
+local function ack(base, group, ref)
+  local stream, id = locate(base, ref)
+  redis.call('XACK', stream, group, id)
 end
 """
 
@@ -78,7 +93,7 @@ for _, job in ipairs(cmsgpack.unpack(ARGV[5])) do
     if #record > 0 then
       redis.call('HSET', job_key, unpack(record))
       redis.call('EXPIRE', job_key, ARGV[4])
-      redis.call('XACK', KEYS[1], ARGV[1], entry_id)
+      ack(KEYS[1], ARGV[1], entry_id)
       local meter = job[6]
       if meter and #meter > 0 then
         redis.call('HINCRBY', meter[1], meter[2] .. 'requests', 1)
@@ -149,7 +164,7 @@ while a <= #ARGV do
   if num_fail > 0 then k = k + 2 end
   if owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then
     redis.call('XADD', KEYS[2], '*', unpack(ARGV, first, first + num_dead - 1))
-    redis.call('XACK', KEYS[1], ARGV[1], entry_id)
+    ack(KEYS[1], ARGV[1], entry_id)
     n = n + 1
     if num_fail > 0 then
       local known = redis.call('HGET', job_key, 'entry_id')
@@ -189,7 +204,8 @@ local lost, cancelled = {}, {}
 for i = 5 + num_fields, #ARGV do
   local entry_id = ARGV[i]
   if owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, entry_id, 'JUSTID')
+    local stream, id = locate(KEYS[1], entry_id)
+    redis.call('XCLAIM', stream, ARGV[1], ARGV[2], 0, id, 'JUSTID')
     if redis.call('EXISTS', KEYS[i - num_fields - 2]) == 1 then
       cancelled[#cancelled + 1] = entry_id
     end
@@ -200,7 +216,7 @@ end
 return {lost, cancelled, false}
 """
 
-# Reclaim. KEYS[1]: requests. ARGV[1] group, [2] consumer, [3] min idle ms, [4] count.
+# Reclaim. KEYS[1]: one lane's stream (ids in the reply are of that stream). ARGV[1] group, [2] consumer, [3] min idle ms, [4] count.
 # Entries idle for min idle ms (their worker died, or released them at shutdown) are claimed
 # for this worker, one XCLAIM each inside the script, so no other reclaimer can take one
 # between the XPENDING and the claim. Returns {entry id, deliveries including this one,
@@ -224,10 +240,11 @@ return out
 RELEASE_LUA = _OWNED + """
 local n = 0
 for i = 4, #ARGV do
-  local p = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
   if owned(KEYS[1], ARGV[1], ARGV[2], ARGV[i]) then
+    local stream, id = locate(KEYS[1], ARGV[i])
+    local p = redis.call('XPENDING', stream, ARGV[1], id, id, 1)
     local retries = math.max(tonumber(p[1][4]) - 1, 0)
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i],
+    redis.call('XCLAIM', stream, ARGV[1], ARGV[2], 0, id,
                'IDLE', ARGV[3], 'RETRYCOUNT', retries, 'JUSTID')
     n = n + 1
   end
@@ -244,7 +261,8 @@ HANDOFF_LUA = _OWNED + """
 local moved = {}
 for i = 5, #ARGV do
   if owned(KEYS[1], ARGV[1], ARGV[2], ARGV[i]) then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'JUSTID')
+    local stream, id = locate(KEYS[1], ARGV[i])
+    redis.call('XCLAIM', stream, ARGV[1], ARGV[3], 0, id, 'JUSTID')
     moved[#moved + 1] = ARGV[i]
   end
 end
@@ -259,8 +277,9 @@ TAKE_LUA = _OWNED + """
 local out = {}
 for i = 3, #ARGV do
   if owned(KEYS[1], ARGV[1], ARGV[2], ARGV[i]) then
-    local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-    local entry = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
+    local stream, id = locate(KEYS[1], ARGV[i])
+    local p = redis.call('XPENDING', stream, ARGV[1], id, id, 1)
+    local entry = redis.call('XRANGE', stream, id, id)
     out[#out + 1] = {ARGV[i], p[1][4], entry[1] and entry[1][2] or false}
   end
 end
@@ -288,9 +307,11 @@ for j = 0, (#KEYS - 1) / 2 - 1 do
   else
     redis.pcall('XGROUP', 'CREATE', target, ARGV[1], '0', 'MKSTREAM')
     local copy = redis.call('XADD', target, '*', unpack(ARGV, first, a - 1))
+    local at = string.find(entry_id, '@', 1, true)
+    if at then copy = copy .. string.sub(entry_id, at) end  -- the copy keeps its lane
     redis.call('HSET', job_key, 'entry_id', copy, 'queue', queue)
     redis.call('EXPIRE', job_key, ARGV[3])
-    redis.call('XACK', KEYS[1], ARGV[1], entry_id)
+    ack(KEYS[1], ARGV[1], entry_id)
   end
   codes[#codes + 1] = code
 end
@@ -404,13 +425,14 @@ class Scripts:
         self._take = conn.register_script(TAKE_LUA)
 
     async def ensure_group(self) -> None:
-        """Create the group at id 0 if missing: entries enqueued before any worker existed
-        are delivered too (a group created at `$` would skip them)."""
-        try:
-            await self.conn.xgroup_create(self.keys.requests, self.keys.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        """Create the group on each lane's stream at id 0 if missing: entries enqueued before
+        any worker existed are delivered too (a group created at `$` would skip them)."""
+        for stream in self.keys.lane_streams:
+            try:
+                await self.conn.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     async def publish(self, writes: Sequence[JobWrite]) -> set[str]:
         """Append events and finish jobs in one round trip; returns entry ids no longer ours.
@@ -447,8 +469,9 @@ class Scripts:
         and its delivery count, or that the group no longer has it pending (acknowledged, or
         the group was created again). One round trip; only lost entries come here."""
         pipe = self.conn.pipeline(transaction=False)
-        for entry_id in entry_ids:
-            pipe.xpending_range(self.keys.requests, self.keys.group, entry_id, entry_id, 1)
+        for ref in entry_ids:
+            stream, entry_id = self.keys.locate(ref)
+            pipe.xpending_range(stream, self.keys.group, entry_id, entry_id, 1)
         replies = await pipe.execute(raise_on_error=False)
         out = {}
         for entry_id, reply in zip(entry_ids, replies, strict=True):
@@ -513,13 +536,20 @@ class Scripts:
         return {_str(e) for e in lost}, {_str(e) for e in cancelled}
 
     async def reclaim(self, min_idle_ms: int, count: int) -> list[Reclaimed]:
-        """Claim up to `count` entries idle for `min_idle_ms` (their worker is gone).
+        """Claim up to `count` entries idle for `min_idle_ms` (their worker is gone), the
+        lanes in their order.
 
         Race prevented: a job stranded forever in a dead worker's pending list."""
-        reply = await self._reclaim(
-            keys=[self.keys.requests], args=[self.keys.group, self.consumer, min_idle_ms, count]
-        )
-        return [Reclaimed(_str(e), int(n), _fields(f)) for e, n, f in reply]
+        out: list[Reclaimed] = []
+        for lane in LANES:
+            if len(out) >= count:
+                break
+            reply = await self._reclaim(
+                keys=[self.keys.on_lane(lane).requests],
+                args=[self.keys.group, self.consumer, min_idle_ms, count - len(out)],
+            )
+            out += [Reclaimed(entry_ref(_str(e), lane), int(n), _fields(f)) for e, n, f in reply]
+        return out
 
     async def release(self, entry_ids: Sequence[str]) -> int:
         """Hand owned entries back at shutdown, claimable by another worker at once.
@@ -552,7 +582,8 @@ class Scripts:
         args: list[Any] = [self.keys.group, self.consumer, JOB_TTL_S]
         for move in moves:
             fields = _pairs(move.fields)
-            keys += [self.keys.on_queue(move.queue).requests, self.keys.job(move.job_id)]
+            lane = split_ref(move.entry_id)[1]
+            keys += [self.keys.on_queue(move.queue).on_lane(lane).requests, self.keys.job(move.job_id)]
             args += [move.entry_id, move.queue, len(fields), *fields]
         return [_str(c) for c in await self._forward(keys=keys, args=args)]
 
@@ -609,14 +640,17 @@ class Scripts:
         return beside
 
     async def own_pending(self, limit: int = 10_000) -> list[str]:
-        """Entry ids pending under this worker's name (to release what is left at shutdown)."""
-        try:
-            rows = await self.conn.xpending_range(
-                self.keys.requests, self.keys.group, "-", "+", limit, consumername=self.consumer
-            )
-        except redis.ResponseError:  # no group: nothing is pending
-            return []
-        return [_str(r["message_id"]) for r in rows]
+        """Entry refs pending under this worker's name, in every lane (to release what is
+        left at shutdown)."""
+        pipe = self.conn.pipeline(transaction=False)
+        for lane in LANES:
+            pipe.xpending_range(self.keys.on_lane(lane).requests, self.keys.group, "-", "+", limit,
+                                consumername=self.consumer)
+        out = []
+        for lane, rows in zip(LANES, await pipe.execute(raise_on_error=False), strict=True):
+            if not isinstance(rows, Exception):  # no group: nothing is pending there
+                out += [entry_ref(_str(r["message_id"]), lane) for r in rows]
+        return out
 
 
 def _pairs(mapping: Mapping[Any, Any]) -> list[Any]:

@@ -23,7 +23,7 @@ from api import api_keys
 from api.api_keys import KeyPlan
 from api.deps import key_id
 from api.settings import Settings
-from producer.protocol import Keys, decode_job
+from producer.protocol import LANE_HIGH, Keys, decode_job
 
 STATIC = "sk-static"
 GREEDY = {"temperature": 0.0, "max_tokens": 2}
@@ -163,17 +163,18 @@ def test_a_keys_priority_tiers_its_jobs_and_beam_search_is_metered_to_it(
     url: str, live_worker: str, served_model: str
 ) -> None:
     """A key made with --priority -5 (a tier scheduled first): its jobs carry the request's
-    priority plus -5. Beam search's jobs, one a step and beam, are metered to the key too."""
+    priority plus -5, and wait in the high lane. Beam search's jobs, one a step and beam, are
+    metered to the key too."""
     made = genq_keys(live_worker, "create", "gold", "--priority", "-5")
     gold = oai(url, made.stdout.strip())
     gold.completions.create(model=served_model, prompt="Tiered", extra_body={"priority": 2}, **GREEDY)
     conn = redis.Redis.from_url(live_worker)
-    [(_, fields)] = conn.xrevrange(Keys().requests, count=1)
+    [(_, fields)] = conn.xrevrange(Keys().on_lane(LANE_HIGH).requests, count=1)
     job = decode_job(fields)
     assert (job.prompt, job.priority, job.tenant) == ("Tiered", -3, "gold")
     gold.completions.create(model=served_model, prompt="Beams", n=2, max_tokens=3,
                             extra_body={"use_beam_search": True})
-    beams = [b for b in (decode_job(f) for _, f in conn.xrevrange(Keys().requests, count=6)) if b.prompt is None]
+    beams = [b for b in (decode_job(f) for _, f in conn.xrevrange(Keys().on_lane(LANE_HIGH).requests, count=6)) if b.prompt is None]
     assert len(beams) >= 3 and all(b.tenant == "gold" and b.priority == -5 for b in beams)
 
 

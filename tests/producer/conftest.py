@@ -69,16 +69,20 @@ class FakeWorker:
         self.redis.close()
 
     def take(self, timeout_s: float = POLL_TIMEOUT_S) -> Job:
-        try:
-            self.redis.xgroup_create(self.keys.requests, self.keys.group, id="$", mkstream=True)
-        except redis.ResponseError:
-            pass  # the producer created it already (at id 0)
-        reply = self.redis.xreadgroup(
-            self.keys.group, "fake", {self.keys.requests: ">"}, count=1, block=int(timeout_s * 1000)
-        )
-        assert reply, "no job arrived"
-        _, entries = reply[0]
-        return decode_job(entries[0][1])
+        """The next job from any priority lane's stream."""
+        for stream in self.keys.lane_streams:
+            try:
+                self.redis.xgroup_create(stream, self.keys.group, id="$", mkstream=True)
+            except redis.ResponseError:
+                pass  # the producer created it already (at id 0)
+        deadline = time.monotonic() + timeout_s
+        while True:  # lane by lane, as workers read them
+            for stream in self.keys.lane_streams:
+                reply = self.redis.xreadgroup(self.keys.group, "fake", {stream: ">"}, count=1)
+                if reply:
+                    return decode_job(reply[0][1][0][1])
+            assert time.monotonic() < deadline, "no job arrived"
+            time.sleep(0.01)
 
     def emit(self, job_id: str, events: list[Event], client: Any = None) -> None:
         args = [EVENTS_TTL_S, *(encode_event(e) for e in events)]

@@ -43,12 +43,11 @@ def test_submit_accepts_every_prompt_shape(client: Client, worker: FakeWorker) -
                   model="smol")
     client.submit({"messages": messages, "cache_salt": "s1"})  # vLLM's cache_salt beside any prompt form
     client.submit({"prompt_token_ids": [3], "cache_salt": "s2"})
-    jobs = [worker.take() for _ in range(6)]
+    chat, *jobs = [worker.take() for _ in range(6)]  # priority -1: the high lane, read first
     assert [j.prompt for j in jobs[:3]] == ["plain", None, "dict"]
     assert jobs[1].prompt_token_ids == [1, 2]
-    assert [(j.messages, j.prompt_token_ids, j.cache_salt) for j in jobs[4:]] == [(messages, None, "s1"), (None, [3], "s2")]
+    assert [(j.messages, j.prompt_token_ids, j.cache_salt) for j in jobs[3:]] == [(messages, None, "s1"), (None, [3], "s2")]
     assert jobs[0].cache_salt is None
-    chat = jobs[3]
     assert (chat.id, chat.messages, chat.model, chat.priority) == ("chat-1", messages, "smol", -1)
     assert chat.sampling_params.n == 2
     assert chat.deadline is not None and before + 30 <= chat.deadline <= time.time() + 30

@@ -9,6 +9,7 @@ to rb's stream. Outputs match the offline engine of each model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,8 @@ import redis
 from queue_support import WorkerProcess, wait_for
 
 from producer.client import Client
-from producer.jobs import build_job
-from producer.protocol import JobStatus, Keys, encode_job
+from producer.jobs import SUBMIT_LUA, build_job, submit_call
+from producer.protocol import LANE_HIGH, LANE_NORMAL, JobStatus, Keys, encode_job, split_ref
 from producer.records import decode_record, decode_worker_info
 from producer.sampling_params import SamplingParams
 
@@ -90,20 +91,53 @@ def test_each_model_runs_on_its_own_queue(client: Client, conn: redis.Redis, key
     assert handle.result(TIMEOUT_S).token_ids == oracles(LLAMA, "no model named")
 
 
+@pytest.mark.parametrize(("lane", "priority"), [(LANE_NORMAL, 0), (LANE_HIGH, -2)])
 def test_a_job_put_on_the_shared_stream_goes_to_its_models_queue(
-    client: Client, conn: redis.Redis, keys: Keys, oracles
+    client: Client, conn: redis.Redis, keys: Keys, oracles, lane: str, priority: int
 ) -> None:
-    job = build_job("Forwarded to the Mistral", GREEDY, job_id="routed-1", model=MISTRAL)
-    conn.xadd(keys.requests, encode_job(job))  # redis-cli XADD: no route, no record yet
+    job = build_job("Forwarded to the Mistral", GREEDY, job_id=f"routed-{priority}", model=MISTRAL)
+    job = replace(job, priority=priority)
+    shared = keys.on_lane(lane).requests
+    conn.xadd(shared, encode_job(job))  # redis-cli XADD: no route, no record yet
     wait_for(lambda: conn.hget(keys.job(job.id), "status") in (b"running", b"finished"), TIMEOUT_S, "job started on b")
     result = client.result(job.id, TIMEOUT_S)
     assert result.status == JobStatus.FINISHED
     assert result.token_ids == oracles(MISTRAL, "Forwarded to the Mistral")
     record = job_record(conn, keys, job.id)
     assert (record.worker, record.queue) == ("rb", "b")
-    assert conn.xrange(keys.on_queue("b").requests, record.entry_id, record.entry_id)  # the copy
-    assert conn.xpending(keys.requests, keys.group)["pending"] == 0  # the original is acked
+    assert record.entry_id is not None and split_ref(record.entry_id)[1] == lane  # it keeps its lane
+    stream, entry_id = keys.on_queue("b").locate(record.entry_id)
+    assert stream == keys.on_queue("b").on_lane(lane).requests
+    assert conn.xrange(stream, entry_id, entry_id)  # the copy
+    assert conn.xpending(shared, keys.group)["pending"] == 0  # the original is acked
     assert client.inspect(job.id)["job"]["prompt"] == "Forwarded to the Mistral"
+
+
+def test_workers_take_the_high_lane_first_and_the_low_lane_last(
+    spawn: Callable[..., WorkerProcess], client: Client, conn: redis.Redis, keys: Keys
+) -> None:
+    """A backlog waits on queue `lanes`; its one-slot worker starts after it was queued, and
+    takes the jobs one at a time: the priority -1 job (queued last) first, the priority 5 job
+    after every priority-0 one, whatever their order in time."""
+    lanes = keys.on_queue("lanes")
+    order = [("n0", 0), ("low", 5), ("n1", 0), ("n2", 0), ("high", -1)]
+    submit = conn.register_script(SUBMIT_LUA)
+    for job_id, priority in order:
+        job = replace(build_job(f"job {job_id}", GREEDY, job_id=f"lane-{job_id}"), priority=priority)
+        submit_keys, args = submit_call(lanes, job)
+        submit(keys=submit_keys, args=args)
+    assert [conn.xlen(s) for s in lanes.lane_streams] == [1, 3, 1]
+    worker = spawn("rl", GENQ_QUEUE="lanes", GENQ_SERVED_MODEL_NAME="tiny-lanes", GENQ_MAX_NUM_SEQS="1")
+    try:
+        results = [client.result(f"lane-{job_id}", TIMEOUT_S) for job_id, _ in order]
+        assert all(r.status == JobStatus.FINISHED for r in results)
+        started = {job_id: job_record(conn, keys, f"lane-{job_id}").started_at for job_id, _ in order}
+        assert sorted(started, key=lambda j: started[j]) == ["high", "n0", "n1", "n2", "low"]
+        ref = job_record(conn, keys, "lane-high").entry_id
+        assert ref is not None and ref.endswith("@high")
+        assert client.inspect("lane-high")["job"]["prompt"] == "job high"
+    finally:
+        worker.stop()
 
 
 def test_a_worker_of_another_model_refuses_the_shared_queue(

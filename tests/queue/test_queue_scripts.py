@@ -15,12 +15,15 @@ from producer.jobs import build_job
 from producer.protocol import (
     EVENT_FIELD,
     FINISH_ABORT,
+    LANE_HIGH,
+    LANE_NORMAL,
     Event,
     JobStatus,
     Keys,
     decode_event,
     encode_event,
     encode_job,
+    entry_ref,
 )
 from producer.records import decode_record
 from producer.redis_server import RedisServer
@@ -36,7 +39,7 @@ from worker.queue_jobs import (
     new_completions,
     progress_from_events,
 )
-from worker.queue_scripts import RELEASED_IDLE_MS, Forward, JobWrite, NameTaken, Scripts
+from worker.queue_scripts import RELEASED_IDLE_MS, DeadLetter, Forward, JobWrite, NameTaken, Scripts
 
 
 @pytest.fixture
@@ -194,6 +197,50 @@ async def test_reclaim_and_release(scripts: Scripts) -> None:
     row = await pending(scripts, idle)
     assert row["time_since_delivered"] >= RELEASED_IDLE_MS // 2 and row["times_delivered"] == 1
     assert await scripts.own_pending() == [idle, gone]
+
+
+async def test_every_rule_tells_lanes_apart_by_the_entrys_ref(scripts: Scripts) -> None:
+    """Two lanes' streams can hold entries with one id: the ref (`<id>@<lane>`) says which
+    stream each script touches."""
+    conn, keys = scripts.conn, scripts.keys
+    refs = {}
+    for lane in (LANE_HIGH, LANE_NORMAL):
+        for job_id, entry_id in ((f"a-{lane}", "5-1"), (f"b-{lane}", "5-2")):
+            job = build_job("hi", SamplingParams(max_tokens=4), job_id=job_id)
+            await conn.xadd(keys.on_lane(lane).requests, encode_job(job), id=entry_id)
+            refs[job_id] = entry_ref(entry_id, lane)
+        await conn.xreadgroup(keys.group, "dead", {keys.on_lane(lane).requests: ">"}, count=2)
+    assert refs["a-high"] == "5-1@high" and refs["a-"] == "5-1"
+    for stream in keys.lane_streams[:2]:
+        await conn.xclaim(stream, keys.group, "dead", 0, ["5-1", "5-2"], idle=10_000, justid=True)
+    claimed = await scripts.reclaim(min_idle_ms=5_000, count=3)  # the high lane first
+    assert [c.entry_id for c in claimed] == ["5-1@high", "5-2@high", "5-1"]
+    assert claimed[0].fields is not None and claimed[0].fields[b"id"] == b"a-high"
+    assert sorted(await scripts.own_pending()) == ["5-1", "5-1@high", "5-2@high"]
+    # a finishing write acks its own lane's entry only
+    held = held_job("a-high")
+    abort_events(held)
+    assert await scripts.publish([JobWrite("a-high", "5-1@high", [], final_record(held, "me", time.time()))]) == set()
+    assert sorted(await scripts.own_pending()) == ["5-1", "5-2@high"]
+    # the heartbeat re-owns, the release hands back, the dead-letter acks, each in its lane
+    await conn.xclaim(keys.on_lane(LANE_HIGH).requests, keys.group, "me", 0, ["5-2"], idle=60_000, justid=True)
+    lost, _ = await scripts.heartbeat(keys.worker("me"), {"model": "m"}, [("b-high", "5-2@high"), ("a-", "5-1")], 5)
+    assert lost == set()
+    [row] = await conn.xpending_range(keys.on_lane(LANE_HIGH).requests, keys.group, "5-2", "5-2", 1)
+    assert row["time_since_delivered"] < 60_000
+    assert await scripts.holders(["5-2@high", "5-2"]) == {
+        "5-2@high": "worker me (delivered 2 times)", "5-2": "worker dead (delivered 1 times)"}
+    assert await scripts.release(["5-2@high"]) == 1
+    [row] = await conn.xpending_range(keys.on_lane(LANE_HIGH).requests, keys.group, "5-2", "5-2", 1)
+    assert row["time_since_delivered"] >= RELEASED_IDLE_MS // 2
+    assert await scripts.dead_letter([DeadLetter("5-1", {"entry_id": b"5-1", "reason": b"test"})]) == 1
+    assert await scripts.own_pending() == ["5-2@high"]
+    assert [r["message_id"] for r in await conn.xpending_range(keys.requests, keys.group, "-", "+", 10)] == [b"5-2"]
+    # a handoff names the ref; the receiver takes it from its lane
+    assert await scripts.hand_off("other", ["5-2@high"]) == ["5-2@high"]
+    other = Scripts(conn, keys, "other")
+    [taken] = await other.take(["5-2@high"])
+    assert (taken.entry_id, taken.fields is not None and taken.fields[b"id"]) == ("5-2@high", b"b-high")
 
 
 async def test_heartbeat_claims_the_name_for_the_first_process_only(scripts: Scripts) -> None:
