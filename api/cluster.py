@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio
 
-from producer.protocol import Keys, ProtocolError
+from producer.protocol import LANES, Keys, ProtocolError
 from producer.records import WorkerInfo, decode_worker_info
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ QUEUES_MAX_AGE_S = 1.0  # the queues counted in a depth may be this old (workers
 class QueueDepth:
     undelivered: int  # in the stream, not yet read by any worker (capped)
     pending: int  # delivered to a worker, not yet acknowledged (waiting or running there)
+    # a queue's: the depth of each of its priority lanes' streams, by lane name (LANES)
+    lanes: dict[str, QueueDepth] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -86,11 +88,13 @@ class Cluster:
         queues = {""} | {w.info.queue for w in await self.workers(max_age_s=QUEUES_MAX_AGE_S)}
         depths = {}
         for queue in sorted(queues):
-            undelivered = pending = 0
-            for stream in self._keys.on_queue(queue).lane_streams:
-                lane_undelivered, lane_pending = await self._depth(keys=[stream], args=[self._keys.group, cap])
-                undelivered, pending = undelivered + int(lane_undelivered), pending + int(lane_pending)
-            depths[queue] = QueueDepth(undelivered, pending)
+            lanes = {}
+            for lane in LANES:
+                stream = self._keys.on_queue(queue).on_lane(lane).requests
+                undelivered, pending = await self._depth(keys=[stream], args=[self._keys.group, cap])
+                lanes[lane] = QueueDepth(int(undelivered), int(pending))
+            depths[queue] = QueueDepth(sum(d.undelivered for d in lanes.values()),
+                                       sum(d.pending for d in lanes.values()), lanes)
         return depths
 
     async def workers(self, max_age_s: float = 0.0) -> list[LiveWorker]:

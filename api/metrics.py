@@ -59,9 +59,14 @@ class ClusterCollector(Collector):
         )
         by_queue = GaugeMetricFamily("genq:queue_depth_by_queue", "genq:queue_depth of each queue's stream "
                                      '(queue="" is the shared genq:requests).', labels=["queue"])
+        by_lane = GaugeMetricFamily("genq:queue_depth_by_lane", "genq:queue_depth of each priority lane's stream "
+                                    '(lane="high": priority < 0, "normal": 0, "low": > 0).', labels=["queue", "lane"])
         for queue, queue_depth in sorted(self._depths.items()):
             by_queue.add_metric([queue], queue_depth.total)
+            for lane, lane_depth in queue_depth.lanes.items():
+                by_lane.add_metric([queue, lane or "normal"], lane_depth.total)
         yield by_queue
+        yield by_lane
         yield _gauge(
             "genq:generation_tokens_per_second", "Sum of the workers' recent generation rates.",
             sum(w.tokens_per_s for w in workers),

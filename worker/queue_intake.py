@@ -335,6 +335,7 @@ class Admission:
         """Queue the job in the engine; a resumed n > 1 job runs one request per unfinished
         completion, each primed with its own tokens."""
         held.state = JobState.RUNNING
+        self.metrics.taken(held)
         if held.resumed and held.job.sampling_params.n > 1:
             requests = [
                 AddRequest(self.table.new_engine_id(held, c.index), held.job, c.index, list(c.token_ids))

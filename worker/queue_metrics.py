@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from producer.protocol import split_ref
+
 if TYPE_CHECKING:
     from producer.tracing import Tracing
     from worker.queue_engine import EngineStats
@@ -23,6 +25,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0)
+QUEUE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, *E2E_BUCKETS)  # a job mostly waits far less than it runs
 
 
 class WorkerMetrics:
@@ -48,6 +51,11 @@ class WorkerMetrics:
                           buckets=ITL_BUCKETS)
         self._e2e = child(Histogram, "genq:e2e_request_latency_seconds", "Submit to last token",
                           buckets=E2E_BUCKETS)
+        # time in the stream, by priority lane (how long a tier's jobs wait for a worker)
+        self._queue_time = Histogram(
+            "genq:request_queue_time_seconds", "Submit to being taken off the requests stream",
+            ["model_name", "lane"], registry=self.registry, buckets=QUEUE_BUCKETS,
+        )
         self._handoffs_sent = child(Counter, "genq:affinity_handoffs_sent", "Jobs handed to the worker whose prefix "
                                     "cache holds their prompt's start (worker.queue_affinity)")
         self._handoffs_taken = child(Counter, "genq:affinity_handoffs_taken", "Jobs other workers handed here")
@@ -88,6 +96,13 @@ class WorkerMetrics:
     def handed_in(self, count: int) -> None:
         self.handoffs_taken_total += count
         self._handoffs_taken.inc(count)
+
+    def taken(self, held: HeldJob) -> None:
+        """`held` goes to the engine: its wait in the stream, unless it is a reclaimed job's
+        rerun (its wait was counted by its first worker)."""
+        if not held.resumed:
+            lane = split_ref(held.entry_id)[1] or "normal"
+            self._queue_time.labels(self.model_name, lane).observe(max(0.0, held.received_at - held.job.submit_time))
 
     def prompt_tokens(self, num_tokens: int) -> None:
         self.prompt_tokens_total += num_tokens

@@ -112,14 +112,17 @@ def test_backpressure_counts_every_queue(stack_redis: RedisServer, live_worker: 
     try:
         with serve_api(Settings(redis_url=stack_redis.url, max_queued_jobs=2)) as url, \
                 httpx.Client(base_url=url) as http:
-            for i in range(2):
-                assert http.post("/v1/jobs", json={"prompt": f"p{i}", "model": "big-model"}).status_code == 202
-            assert conn.xlen(keys.on_queue("big").requests) == 2
+            for i in range(2):  # the second in the high lane: counted all the same
+                job = {"prompt": f"p{i}", "model": "big-model", "priority": -i}
+                assert http.post("/v1/jobs", json=job).status_code == 202
+            assert [conn.xlen(s) for s in keys.on_queue("big").lane_streams] == [1, 1, 0]
             full = http.post("/v1/jobs", json={"prompt": "one too many", "model": "big-model"})
             assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
             scrape = http.get("/metrics").text
             assert 'genq:queue_depth_by_queue{queue="big"} 2.0' in scrape
             assert 'genq:queue_depth_by_queue{queue=""} 0.0' in scrape and "genq:queue_depth 2.0" in scrape
+            assert 'genq:queue_depth_by_lane{lane="high",queue="big"} 1.0' in scrape
+            assert 'genq:queue_depth_by_lane{lane="normal",queue="big"} 1.0' in scrape
     finally:
-        conn.delete(keys.worker("loading"), keys.route("big-model"), keys.on_queue("big").requests)
+        conn.delete(keys.worker("loading"), keys.route("big-model"), *keys.on_queue("big").lane_streams)
         conn.close()

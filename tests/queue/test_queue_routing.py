@@ -8,6 +8,7 @@ to rb's stream. Outputs match the offline engine of each model.
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from producer.client import Client
 from producer.jobs import SUBMIT_LUA, build_job, submit_call
 from producer.protocol import LANE_HIGH, LANE_NORMAL, JobStatus, Keys, encode_job, split_ref
 from producer.records import decode_record, decode_worker_info
+from producer.redis_server import free_port
 from producer.sampling_params import SamplingParams
 
 TIMEOUT_S = 60.0
@@ -64,6 +66,11 @@ def oracles(tiny_llama_dir: Path, tiny_mistral_dir: Path) -> Callable[[str, str]
             torch.set_num_threads(threads)
 
     return tokens
+
+
+def count_of(scraped: str, sample: str) -> float:
+    """The value of one sample line of a Prometheus scrape (0 when absent)."""
+    return next((float(line.split()[-1]) for line in scraped.splitlines() if line.startswith(sample + " ")), 0.0)
 
 
 def job_record(conn: redis.Redis, keys: Keys, job_id: str):
@@ -127,7 +134,9 @@ def test_workers_take_the_high_lane_first_and_the_low_lane_last(
         submit_keys, args = submit_call(lanes, job)
         submit(keys=submit_keys, args=args)
     assert [conn.xlen(s) for s in lanes.lane_streams] == [1, 3, 1]
-    worker = spawn("rl", GENQ_QUEUE="lanes", GENQ_SERVED_MODEL_NAME="tiny-lanes", GENQ_MAX_NUM_SEQS="1")
+    port = free_port()
+    worker = spawn("rl", GENQ_QUEUE="lanes", GENQ_SERVED_MODEL_NAME="tiny-lanes", GENQ_MAX_NUM_SEQS="1",
+                   GENQ_METRICS_PORT=str(port), GENQ_METRICS_HOST="127.0.0.1")
     try:
         results = [client.result(f"lane-{job_id}", TIMEOUT_S) for job_id, _ in order]
         assert all(r.status == JobStatus.FINISHED for r in results)
@@ -136,6 +145,10 @@ def test_workers_take_the_high_lane_first_and_the_low_lane_last(
         ref = job_record(conn, keys, "lane-high").entry_id
         assert ref is not None and ref.endswith("@high")
         assert client.inspect("lane-high")["job"]["prompt"] == "job high"
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        waits = {lane: count_of(scraped, f'genq:request_queue_time_seconds_count{{lane="{lane}",model_name="tiny-lanes"}}')
+                 for lane in ("high", "normal", "low")}
+        assert waits == {"high": 1, "normal": 3, "low": 1}
     finally:
         worker.stop()
 
