@@ -2,14 +2,15 @@
 worker's load, the dead letters. Read from Redis alone (the heartbeats, the streams), as the
 API's /metrics reads it.
 
-    queue      stream                 queued  running
-    (shared)   genq:requests               3        5
-    qwen       genq:requests:qwen          0        2
+    queue      stream                 queued  running  high  low
+    (shared)   genq:requests               3        5     1    0
+    qwen       genq:requests:qwen          0        2     0    0
 
     worker  model     queue     state    running  waiting  free  kv%   hit%  handed  tok/s
     w1      llama-8b  (shared)  serving        5        0     3  41.0  62.5      14  812.5
 
-(hit%: of the prompt tokens looked up, those the prefix cache held; handed: jobs other workers
+(queued and running: over the queue's priority lanes; high and low: the jobs of those lanes
+queued, priority < 0 and > 0. hit%: of the prompt tokens looked up, those the prefix cache held; handed: jobs other workers
 handed this one by prefix-cache affinity.)
 """
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from api.cluster import Cluster
+from api.cluster import Cluster, QueueDepth
 from producer.async_client import AsyncClient
 from producer.protocol import DEFAULT_PREFIX
 
@@ -48,7 +49,7 @@ async def _status(redis_url: str, prefix: str) -> dict[str, Any]:
         workers = sorted(await cluster.workers(), key=lambda w: (w.info.queue, w.name))
         depths = await cluster.queue_depths()
         return {
-            "queues": [{"queue": q, "stream": client.keys.on_queue(q).requests, **asdict(d)} for q, d in depths.items()],
+            "queues": [_queue(client.keys.on_queue(q).requests, q, d) for q, d in depths.items()],
             "workers": [{"name": w.name, **asdict(w.info)} for w in workers],
             "dead_letters": await client.redis.xlen(client.keys.dead),
         }
@@ -56,9 +57,16 @@ async def _status(redis_url: str, prefix: str) -> dict[str, Any]:
         await client.aclose()
 
 
+def _queue(stream: str, queue: str, depth: QueueDepth) -> dict[str, Any]:
+    lanes = {lane or "normal": {"undelivered": d.undelivered, "pending": d.pending} for lane, d in depth.lanes.items()}
+    return {"queue": queue, "stream": stream, "undelivered": depth.undelivered, "pending": depth.pending, "lanes": lanes}
+
+
 def format_status(status: dict[str, Any]) -> str:
-    queues = [("queue", "stream", "queued", "running")] + [
-        (q["queue"] or SHARED, q["stream"], str(q["undelivered"]), str(q["pending"])) for q in status["queues"]
+    queues = [("queue", "stream", "queued", "running", "high", "low")] + [
+        (q["queue"] or SHARED, q["stream"], str(q["undelivered"]), str(q["pending"]),
+         *(str(q["lanes"].get(lane, {}).get("undelivered", 0)) for lane in ("high", "low")))
+        for q in status["queues"]
     ]
     workers = [("worker", "model", "queue", "state", "running", "waiting", "free", "kv%", "hit%", "handed", "tok/s")] + [
         (w["name"], w["model"], w["queue"] or SHARED, w["state"], str(w["running"]), str(w["waiting"]),

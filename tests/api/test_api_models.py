@@ -89,7 +89,7 @@ def test_genq_status_shows_each_queue_and_worker(stack_redis: RedisServer, live_
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()]
-    assert ["(shared)", "genq:requests", "0", "0"] in rows and ["b", "genq:requests:b", "0", "0"] in rows
+    assert ["(shared)", "genq:requests", "0", "0", "0", "0"] in rows and ["b", "genq:requests:b", "0", "0", "0", "0"] in rows
     workers = {row[0]: row[1:4] for row in rows if len(row) == 11 and row[0] != "worker"}
     assert workers == {"api-test": ["tiny-llama", "(shared)", "serving"], "mistral-worker": [MISTRAL, "b", "serving"]}
     assert rows[-1][:3] == ["dead", "letters:", "0"]
@@ -123,6 +123,9 @@ def test_backpressure_counts_every_queue(stack_redis: RedisServer, live_worker: 
             assert 'genq:queue_depth_by_queue{queue=""} 0.0' in scrape and "genq:queue_depth 2.0" in scrape
             assert 'genq:queue_depth_by_lane{lane="high",queue="big"} 1.0' in scrape
             assert 'genq:queue_depth_by_lane{lane="normal",queue="big"} 1.0' in scrape
+            status = subprocess.run([sys.executable, "-m", "producer.cli", "status", "--redis-url", stack_redis.url],
+                                    capture_output=True, text=True, timeout=30)
+            assert ["big", "genq:requests:big", "2", "0", "1", "0"] in [line.split() for line in status.stdout.splitlines()]
     finally:
         conn.delete(keys.worker("loading"), keys.route("big-model"), *keys.on_queue("big").lane_streams)
         conn.close()
