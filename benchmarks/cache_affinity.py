@@ -16,18 +16,14 @@ mean and p90 latency, and the wall time; then the ratios, affinity over none.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import random
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import redis
+from worker_procs import running_workers
 
 from producer.client import Client
 from producer.protocol import Keys
@@ -35,7 +31,6 @@ from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
 WORKERS = ("bench-a", "bench-b")
-STARTUP_TIMEOUT_S = 300.0
 WORDS = "river stone cloud lamp paper garden window silver market engine letter forest bridge candle".split()
 
 
@@ -54,7 +49,8 @@ def main() -> int:
     with RedisServer() as server:
         for mode, ttl in (("none", "0"), ("affinity", "600")):
             prefix = f"bench-{mode}:"
-            with _workers(server.url, prefix, ttl, args.dtype):
+            worker_args = ["--dtype", args.dtype, "--num-threads", "1", "--cache-affinity-ttl-s", ttl]
+            with running_workers(server.url, prefix, WORKERS, worker_args):
                 rows[mode] = _run(server.url, prefix, args)
             print(f"{mode:>8}: cached {rows[mode]['cached']:.1%} of later turns' prompt tokens, latency mean "
                   f"{rows[mode]['mean_s']:.3f} s p90 {rows[mode]['p90_s']:.3f} s, wall {rows[mode]['wall_s']:.1f} s, "
@@ -103,41 +99,6 @@ def _run(url: str, prefix: str, args: argparse.Namespace) -> dict:
         "wall_s": wall,
         "per_worker": per_worker,
     }
-
-
-@contextlib.contextmanager
-def _workers(url: str, prefix: str, affinity_ttl: str, dtype: str) -> Iterator[None]:
-    logs, procs = [], []
-    try:
-        for name in WORKERS:
-            log = tempfile.TemporaryFile()
-            cmd = [sys.executable, "-m", "producer.cli", "worker", "--redis-url", url, "--prefix", prefix,
-                   "--name", name, "--dtype", dtype, "--num-threads", "1", "--cache-affinity-ttl-s", affinity_ttl]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log))
-            logs.append(log)
-        conn = redis.Redis.from_url(url)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not all(conn.exists(Keys(prefix).worker(name)) for name in WORKERS):
-            for proc, log in zip(procs, logs, strict=True):
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"a worker exited with {proc.returncode}:\n{log.read().decode()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("the workers did not start")
-            time.sleep(0.2)  # polling a condition, bounded by the deadline
-        conn.close()
-        yield
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
 
 
 if __name__ == "__main__":

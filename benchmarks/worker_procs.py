@@ -1,0 +1,54 @@
+"""`genq worker` processes for the queue benchmarks: started on one Redis under one prefix,
+ready once each heartbeat is there, stopped with SIGTERM (a drain) at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+
+import redis
+
+from producer.protocol import Keys
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+@contextlib.contextmanager
+def running_workers(url: str, prefix: str, names: Sequence[str], args: Sequence[str]) -> Iterator[None]:
+    """Workers `names`, each `genq worker --name NAME` plus `args`, for the `with` block."""
+    logs, procs = [], []
+    try:
+        for name in names:
+            log = tempfile.TemporaryFile()
+            cmd = [sys.executable, "-m", "producer.cli", "worker", "--redis-url", url, "--prefix", prefix,
+                   "--name", name, *args]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log))
+            logs.append(log)
+        conn = redis.Redis.from_url(url)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not all(conn.exists(Keys(prefix).worker(name)) for name in names):
+            for proc, log in zip(procs, logs, strict=True):
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"a worker exited with {proc.returncode}:\n{log.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the workers did not start")
+            time.sleep(0.2)  # polling a condition, bounded by the deadline
+        conn.close()
+        yield
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
