@@ -36,7 +36,7 @@ class KeyPlan:
     tpm: int | None = None
     models: tuple[str, ...] | None = None  # the model names it may ask for, aliases and adapters included
     created_at: float = 0.0
-    priority: int = 0  # added to its requests' priority: a tier (lower runs first, as vLLM's)
+    priority: int = 0  # added to its requests' priority: a tier (lower runs first, as vLLM's; see job_priority)
     max_in_flight: int | None = None  # its jobs queued or running at once (None: no limit)
 
     def to_json(self) -> str:
@@ -64,10 +64,13 @@ def in_flight_limit() -> tuple[str, int] | None:
     return (plan.name, plan.max_in_flight) if plan is not None and plan.max_in_flight is not None else None
 
 
-def key_priority() -> int:
-    """What the caller's managed key adds to its requests' priority (0 for any other caller)."""
+def job_priority(requested: int) -> int:
+    """The priority a caller's job runs at, for the `priority` its request asked (lower runs
+    first). A managed key's tier is added to it, and such a caller may only lower its
+    precedence: a negative request counts as 0, so no request jumps the tiers (each priority's
+    sign picks its lane). Callers of GENQ_API_KEYS or of an open API are trusted as vLLM's."""
     plan = PLAN.get()
-    return plan.priority if plan is not None else 0
+    return requested if plan is None else plan.priority + max(requested, 0)
 
 
 def digest(key: str) -> str:

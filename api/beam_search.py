@@ -15,7 +15,7 @@ from contextlib import aclosing
 from typing import Any
 
 from api import generate
-from api.api_keys import key_priority
+from api.api_keys import job_priority
 from api.deps import TENANT, AppState
 from api.errors import APIError, invalid_param
 from api.generate import GenerationRequest, cache_fields
@@ -86,7 +86,7 @@ async def search(
         ids = [f"{base}-{n}-{k}" for k in range(len(live))]
         for beam, job_id in zip(live, ids, strict=True):
             await state.client.submit(cache_fields({"prompt_token_ids": prompt_ids + beam.tokens}, body), params,
-                                      job_id=job_id, model=model, priority=body.priority + key_priority(),
+                                      job_id=job_id, model=model, priority=job_priority(body.priority),
                                       tenant=TENANT.get())
         tops = await _next_tokens(state, ids)
         live, finished = step(live, [tops[job_id] for job_id in ids], width, eos)

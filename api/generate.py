@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import anyio
 import redis
 
-from api.api_keys import PLAN, in_flight_limit, key_priority
+from api.api_keys import PLAN, in_flight_limit, job_priority
 from api.deps import TENANT, TRACEPARENT, AppState
 from api.errors import APIError, error_body, param_from_value_error
 from api.harmony import FINAL_CHANNEL
@@ -175,7 +175,7 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
     enqueued = False
     for prompt, job_id in zip(planned.prompts, planned.req.job_ids, strict=True):
         handle = await state.client.submit(
-            prompt, planned.params, priority=planned.priority + key_priority(), job_id=job_id,
+            prompt, planned.params, priority=job_priority(planned.priority), job_id=job_id,
             deadline_s=planned.deadline_s, model=planned.model, pooling_params=planned.pooling_params,
             tenant=planned.tenant or TENANT.get(), return_prompt_token_ids=planned.req.return_token_ids,
         )

@@ -163,8 +163,8 @@ def test_a_keys_priority_tiers_its_jobs_and_beam_search_is_metered_to_it(
     url: str, live_worker: str, served_model: str
 ) -> None:
     """A key made with --priority -5 (a tier scheduled first): its jobs carry the request's
-    priority plus -5, and wait in the high lane. Beam search's jobs, one a step and beam, are
-    metered to the key too."""
+    priority plus -5 (a negative one counting as 0), and wait in the high lane. Beam search's
+    jobs, one a step and beam, are metered to the key too."""
     made = genq_keys(live_worker, "create", "gold", "--priority", "-5")
     gold = oai(url, made.stdout.strip())
     gold.completions.create(model=served_model, prompt="Tiered", extra_body={"priority": 2}, **GREEDY)
@@ -172,6 +172,10 @@ def test_a_keys_priority_tiers_its_jobs_and_beam_search_is_metered_to_it(
     [(_, fields)] = conn.xrevrange(Keys().on_lane(LANE_HIGH).requests, count=1)
     job = decode_job(fields)
     assert (job.prompt, job.priority, job.tenant) == ("Tiered", -3, "gold")
+    # a request may lower its precedence, never raise it past its key's tier
+    gold.completions.create(model=served_model, prompt="Jumping", extra_body={"priority": -50}, **GREEDY)
+    [(_, fields)] = conn.xrevrange(Keys().on_lane(LANE_HIGH).requests, count=1)
+    assert (decode_job(fields).prompt, decode_job(fields).priority) == ("Jumping", -5)
     gold.completions.create(model=served_model, prompt="Beams", n=2, max_tokens=3,
                             extra_body={"use_beam_search": True})
     beams = [b for b in (decode_job(f) for _, f in conn.xrevrange(Keys().on_lane(LANE_HIGH).requests, count=6)) if b.prompt is None]
