@@ -28,3 +28,14 @@ def decode_data_url(url: str) -> bytes:
         return base64.b64decode(payload, validate=True)
     except binascii.Error:
         raise ValueError("the image's data URL is not valid base64") from None
+
+
+def bytes_if_data_url(value: Any, what: str) -> Any:
+    """The bytes of `value` when it is a data URL (ValueError naming `what`, "image 0", when
+    it is not a valid one), else `value` itself."""
+    if not is_data_url(value):
+        return value
+    try:
+        return decode_data_url(value)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None

@@ -613,6 +613,36 @@ def build_tiny_qwen_vl(version: str, out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
+AUDIO_MELS, AUDIO_WINDOW_S = 16, 1  # the tiny Qwen2-Audio's mel bins, and its encoder's window (100 frames)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_audio_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A Qwen2-Audio: a two-layer Whisper-style audio tower over 16 mel bins and a 1 s window
+    (50 positions, pooled to 25) and its projector around the tiny Qwen2, its audio token at
+    id 10 (audio bos and eos at 8 and 9), and a chat template that writes an audio part as
+    the three."""
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
+
+    torch.manual_seed(0)
+    text = tiny_hf_config("qwen2")
+    text.tie_word_embeddings = False  # as Qwen2-Audio-7B's (transformers' class never ties its head)
+    audio = dict(d_model=32, encoder_attention_heads=2, encoder_ffn_dim=64, encoder_layers=2, num_mel_bins=AUDIO_MELS,
+                 max_source_positions=50 * AUDIO_WINDOW_S)
+    config = Qwen2AudioConfig(audio_config=audio, text_config=text.to_dict(), audio_token_index=10,
+                              tie_word_embeddings=text.tie_word_embeddings)
+    out = tmp_path_factory.mktemp("qwen2-audio")
+    Qwen2AudioForConditionalGeneration(config).to(torch.float32).save_pretrained(out)
+    copy_tokenizer(default_model_dir, out)
+    WhisperFeatureExtractor(feature_size=AUDIO_MELS, chunk_length=AUDIO_WINDOW_S).save_pretrained(out)
+    (out / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
+    return out
+
+
 def built_once(build: Callable[[str, Path, Path], Path], tmp_path_factory, tokenizer_dir: Path
                ) -> Callable[[str], Path]:
     """`build(name, out_dir, tokenizer_dir)` as a function of the name alone, each name built

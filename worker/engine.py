@@ -39,7 +39,7 @@ from worker.models.mtp import check_has_mtp
 from worker.multimodal import (
     ImageInputs,
     PreparedImages,
-    chat_images,
+    chat_media,
     image_processor,
     images_of,
     takes_images,
@@ -277,7 +277,8 @@ class Engine:
             return self._check_embeds(embeds, params, pooling_params)
         text, prompt_ids = self._tokenize(prompt)
         images = prompt.get("image_inputs") if isinstance(prompt, dict) else None
-        if images is None and (given := images_of(prompt)):
+        modality = "image" if self.image_processor is None else self.image_processor.modality
+        if images is None and (given := images_of(prompt, modality)):
             if self.image_processor is None:
                 raise ValueError(f"this model ({self.model_config.architecture}) takes no images")
             self.check_image_count(len(given.digests) if isinstance(given, PreparedImages) else len(given))
@@ -324,7 +325,8 @@ class Engine:
     def check_image_count(self, count: int) -> None:
         """ValueError where one prompt holds more images than max_images_per_prompt."""
         if count > self.config.max_images_per_prompt:
-            raise ValueError(f"the prompt holds {count} images, more than max_images_per_prompt "
+            kind = "audio clips" if self.image_processor is not None and self.image_processor.modality == "audio" else "images"
+            raise ValueError(f"the prompt holds {count} {kind}, more than max_images_per_prompt "
                              f"({self.config.max_images_per_prompt})")
 
     def _expanded_ids(self, text: str, prompt_ids: list[int], with_specials: bool) -> list[int]:
@@ -669,8 +671,8 @@ class Engine:
         **template_kwargs: Any,
     ) -> dict[str, Any]:
         """The prompt for a conversation (producer.chat_template.render_chat), with the
-        images its messages' content parts carry (worker.multimodal.chat_images)."""
-        messages, images = chat_images(messages)
+        images (or audio clips) its messages' content parts carry (worker.multimodal.chat_media)."""
+        messages, images, modality = chat_media(messages)
         prompt = render_chat(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
                              **template_kwargs)
         if not images:
@@ -678,7 +680,7 @@ class Engine:
         if self.image_processor is not None:
             prompt["prompt_token_ids"] = self._expanded_ids(prompt["prompt"], prompt["prompt_token_ids"],
                                                             with_specials=False)
-        return {**prompt, "multi_modal_data": {"image": images}}
+        return {**prompt, "multi_modal_data": {modality: images}}
 
 
 def _bad_word_bans(requests: list[Request], row_outputs: list[list[int]]) -> list[list[int]] | None:

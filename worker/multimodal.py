@@ -1,5 +1,6 @@
-"""Images in prompts (vLLM's `multi_modal_data`): an image-text model's vision encoder turns
-each image into embeddings that take the place of its placeholder tokens in the prompt.
+"""Images (and audio clips) in prompts (vLLM's `multi_modal_data`): an image-text model's
+vision encoder turns each image into embeddings that take the place of its placeholder tokens
+in the prompt; an audio-text model's audio encoder does so with each clip.
 
 Supported:
 
@@ -18,8 +19,15 @@ Supported:
   text after it goes on from the image's largest position, so a sequence's rotary
   positions run behind its length by a fixed delta from its last image on.
 
-A prompt names each image where it goes with the model's image token, one per image in
-order, as the processors of transformers do. Chat messages carry images as content parts
+- Qwen2-Audio takes audio clips instead (vLLM's `multi_modal_data={"audio": ...}`; chat
+  parts `input_audio`, `audio_url`, `audio`): each clip (worker.audio reads WAV bytes, data
+  URLs or samples, resampled to 16 kHz) becomes its Whisper log-mel features, in the
+  encoder's 30 s window, and its <|AUDIO|> one token per two encoder frames that hold sound.
+  The same machinery carries them as it does images: a clip is an item of the prompt, its
+  features its "pixels", its mel frames its size.
+
+A prompt names each image (or clip) where it goes with the model's image (or audio) token,
+one per item in order, as the processors of transformers do. Chat messages carry images as content parts
 (api and LLM.chat), which the chat template turns into that token.
 
 Images are resized and normalized by the checkpoint's own image processor (transformers', on
@@ -37,6 +45,8 @@ nothing it should not.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import logging
@@ -50,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from producer.data_urls import decode_data_url, image_url_of, is_data_url
+from producer.data_urls import bytes_if_data_url, image_url_of, is_data_url
 from worker.model_loader import iter_safetensors
 from worker.models.config import architecture_of
 
@@ -121,6 +131,7 @@ class ImageProcessor:
 
     # an image's tokens attend to each other both ways (Gemma 3): each is computed in one chunk
     both_ways = False
+    modality = "image"  # what the model's prompts carry: "image", or "audio" (clips: AudioClips)
 
     def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any, overrides: dict[str, Any] | None = None):
         from transformers import AutoImageProcessor
@@ -141,7 +152,11 @@ class ImageProcessor:
     def prepare(self, images: list[Any]) -> PreparedImages:
         """Images read, resized and normalized, and their pixels hashed: the costly part, which
         holds no state, so a thread other than the engine's may do it (worker.queue_engine)."""
-        return self._prepare([_as_image(image, i) for i, image in enumerate(images)])
+        return self._prepare([self._read(image, i) for i, image in enumerate(images)])
+
+    def _read(self, item: Any, index: int) -> Any:
+        """One image of a prompt as `_prepare` takes it."""
+        return _as_image(item, index)
 
     def _prepare(self, pictures: list[Any]) -> PreparedImages:
         raise NotImplementedError
@@ -156,8 +171,9 @@ class ImageProcessor:
         found = prompt_ids.count(self.placeholder_id)
         count = len(images.digests) if isinstance(images, PreparedImages) else len(images)
         if found != count:
-            raise ValueError(f"the prompt has {found} image placeholder(s) (token id {self.placeholder_id}) "
-                             f"but {count} image(s) were given: put one placeholder where each image goes")
+            kind = self.modality
+            raise ValueError(f"the prompt has {found} {kind} placeholder(s) (token id {self.placeholder_id}) "
+                             f"but {count} {kind} item(s) were given: put one placeholder where each goes")
         prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
         ids: list[int] = []
         spans: list[ImageSpan] = []
@@ -273,6 +289,45 @@ class QwenVLImages(ImageProcessor):
         inputs.rope_positions = rope
         inputs.rope_delta = int(rope.max()) + 1 - len(ids) if len(ids) else 0
         return inputs
+
+
+class AudioClips(ImageProcessor):
+    """Qwen2-Audio: each clip's log-mel features (its checkpoint's Whisper feature extractor,
+    padded to the encoder's 30 s window), and its <|AUDIO|> widened to one token per two
+    encoder frames that hold sound (Qwen2AudioProcessor's count). The clip's length in mel
+    frames is its `size`; a clip longer than the window is refused, not cut."""
+
+    modality = "audio"
+
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any, overrides: dict[str, Any] | None = None):
+        from transformers import WhisperFeatureExtractor
+
+        if overrides:
+            raise ValueError(f"mm_processor_kwargs: audio models take none, got {sorted(overrides)}")
+        self.features = WhisperFeatureExtractor.from_pretrained(model_path)
+        self.image_token_id = self.placeholder_id = int(hf_config.audio_token_index)
+
+    def _read(self, item: Any, index: int) -> Any:
+        from worker.audio import read_clip
+
+        clip = read_clip(item, index, self.features.sampling_rate)
+        if len(clip) > self.features.n_samples:
+            raise ValueError(f"audio {index} lasts {len(clip) / self.features.sampling_rate:.1f} s, longer than "
+                             f"the model's window of {self.features.chunk_length} s: split it")
+        return clip
+
+    def _prepare(self, pictures: list[Any]) -> PreparedImages:
+        batch = self.features(pictures, sampling_rate=self.features.sampling_rate, return_attention_mask=True,
+                              padding="max_length", return_tensors="pt")
+        features, lengths = batch["input_features"], batch["attention_mask"].sum(-1)
+        sizes = lengths[:, None]  # [n, 1]: each clip's mel frames
+        digests = [_digest(f[:, : int(n)], n) for f, n in zip(features, sizes, strict=True)]
+        return PreparedImages(list(features), sizes, digests)
+
+    def _tokens(self, size: torch.Tensor) -> tuple[list[int], int]:
+        frames = (int(size[0]) - 1) // 2 + 1  # after the encoder's strided convolution
+        count = (frames - 2) // 2 + 1  # after its pooling
+        return [self.image_token_id] * count, count
 
 
 class ImageEncoder(nn.Module):
@@ -391,6 +446,37 @@ class QwenVLEncoder(ImageEncoder):
         return torch.stack([out.pooler_output, *deepstack], dim=1) if deepstack else out.pooler_output
 
 
+class Qwen2AudioEncoder(ImageEncoder):
+    """Qwen2-Audio's audio tower (Whisper's encoder, then pooled two to one) and projector:
+    each clip's features in, one embedding per frame that holds sound out (the padding's are
+    masked in the tower's attention, and dropped)."""
+
+    prefixes = ("audio_tower.", "multi_modal_projector.")
+
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        from transformers.models.qwen2_audio import modeling_qwen2_audio
+
+        self.audio_tower = modeling_qwen2_audio.Qwen2AudioEncoder._from_config(hf_config.audio_config)
+        self.multi_modal_projector = modeling_qwen2_audio.Qwen2AudioMultiModalProjector(hf_config)
+
+    @torch.inference_mode()
+    def forward(
+        self, features: list[torch.Tensor], sizes: torch.Tensor  # [mels, window] each, [n, 1] frames
+    ) -> torch.Tensor:  # [the clips' audio tokens, hidden] clip after clip
+        device, dtype = self._placement()
+        batch = torch.stack(features).to(device=device, dtype=dtype)
+        lengths = sizes[:, 0].to(device)
+        frames = (lengths - 1) // 2 + 1  # the tower's positions that hold sound
+        positions = (batch.shape[-1] - 2) // 2 + 1
+        valid = torch.arange(positions, device=device)[None, :] < frames[:, None]  # [n, positions]
+        mask = torch.zeros(valid.shape, device=device, dtype=dtype).masked_fill(~valid, torch.finfo(dtype).min)
+        hidden = self.audio_tower(batch, attention_mask=mask[:, None, None, :]).last_hidden_state
+        embeds = self.multi_modal_projector(hidden)  # [n, positions / 2, hidden]
+        counts = (frames - 2) // 2 + 1
+        return torch.cat([e[: int(c)] for e, c in zip(embeds, counts, strict=True)])
+
+
 # an image-text architecture genq encodes images for -> how its prompts and pixels are made, and its encoder
 IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] = {
     "Gemma3ForConditionalGeneration": (Gemma3Images, Gemma3Encoder),
@@ -401,6 +487,7 @@ IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] 
     "Qwen3VLMoeForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
     "Qwen3_5ForConditionalGeneration": (QwenVLImages, QwenVLEncoder),  # Qwen3-VL's, without deepstack
     "Qwen3_5MoeForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
+    "Qwen2AudioForConditionalGeneration": (AudioClips, Qwen2AudioEncoder),  # audio clips, not images
 }
 
 
@@ -596,26 +683,38 @@ class _Held:
     rope_delta: int
 
 
-def images_of(prompt: Any) -> list[Any] | PreparedImages:
-    """The images a prompt dict carries (`multi_modal_data`: {"image": one, a list, or them
-    prepared already})."""
+def images_of(prompt: Any, modality: str = "image") -> list[Any] | PreparedImages:
+    """The images (or audio clips, for `modality` "audio") a prompt dict carries
+    (`multi_modal_data`: {"image": one, a list, or them prepared already}; {"audio": one clip,
+    a list of them, or them prepared}); ValueError for another kind than the model takes."""
     if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
         return []
     data = prompt["multi_modal_data"]
-    unknown = sorted(set(data) - {"image"})
+    unknown = sorted(set(data) - {modality})
     if unknown:
-        raise ValueError(f"multi_modal_data of kind {unknown[0]!r} is not supported; supported: image")
-    images = data.get("image")
-    if isinstance(images, PreparedImages):
-        return images
-    return list(images) if isinstance(images, (list, tuple)) else [images]
+        raise ValueError(f"multi_modal_data of kind {unknown[0]!r} is not supported by this model; it takes: {modality}")
+    items = data.get(modality)
+    if isinstance(items, PreparedImages):
+        return items
+    one_pair = isinstance(items, tuple) and len(items) == 2 and isinstance(items[1], (int, float))
+    if modality == "audio" and one_pair:  # vLLM's (samples, sampling rate): one clip
+        return [items]
+    return list(items) if isinstance(items, (list, tuple)) else [items]
 
 
-def chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+_IMAGE_PARTS = ("image_url", "image_pil", "image")
+_AUDIO_PARTS = ("input_audio", "audio_url", "audio")
+
+
+def chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any], str]:
     """Chat messages with their image parts (OpenAI's `image_url` with a data URL, vLLM's
-    `image_pil`, or `image`) as the chat template's `{"type": "image"}`, and the images in
-    order, for the prompt's `multi_modal_data`."""
-    images: list[Any] = []
+    `image_pil`, or `image`) as the chat template's `{"type": "image"}`, or their audio parts
+    (OpenAI's `input_audio` with base64 WAV data, vLLM's `audio_url` with a data URL, or
+    `audio`) as `{"type": "audio", "audio": None}`; the images or clips in order, for the
+    prompt's `multi_modal_data`; and which they are ("image" when there are none). ValueError
+    when one conversation holds both."""
+    items: list[Any] = []
+    kinds = set()
     out = []
     for message in messages:
         content = message.get("content")
@@ -625,12 +724,40 @@ def chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
         parts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("image_url", "image_pil", "image"):
-                images.append(_part_image(part, kind, len(images)))
+            if kind in _IMAGE_PARTS:
+                kinds.add("image")
+                items.append(_part_image(part, kind, len(items)))
                 part = {"type": "image"}
+            elif kind in _AUDIO_PARTS:
+                kinds.add("audio")
+                items.append(_part_audio(part, kind, len(items)))
+                part = {"type": "audio", "audio": None}
             parts.append(part)
         out.append({**message, "content": parts})
-    return out, images
+    if len(kinds) > 1:
+        raise ValueError("the messages hold both images and audio; a model takes one or the other")
+    return out, items, kinds.pop() if kinds else "image"
+
+
+def _part_audio(part: dict[str, Any], kind: str, index: int) -> Any:
+    value = part.get(kind)
+    if kind == "input_audio":  # OpenAI's: {"data": base64, "format": "wav" | "mp3"}
+        if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+            raise ValueError(f"audio {index}: an input_audio part needs {{'data': base64 audio, 'format': 'wav'}}")
+        if value.get("format", "wav") != "wav":
+            raise ValueError(f"audio {index}: input_audio format {value.get('format')!r} is not read here: send wav")
+        try:
+            return base64.b64decode(value["data"], validate=True)
+        except binascii.Error:
+            raise ValueError(f"audio {index}: its input_audio data is not valid base64") from None
+    if kind == "audio_url":
+        value = value.get("url") if isinstance(value, dict) else value
+        if not is_data_url(value):
+            raise ValueError(f"audio {index}: only data URLs (data:audio/wav;base64,...) are read here, "
+                             f"got {str(value)[:40]!r}")
+    if value is None:
+        raise ValueError(f"audio {index}: a {kind!r} part needs its {kind!r} field")
+    return value
 
 
 def _part_image(part: dict[str, Any], kind: str, index: int) -> Any:
@@ -650,11 +777,7 @@ def _as_image(image: Any, index: int) -> Any:
 
     if isinstance(image, Image.Image):
         return image
-    if is_data_url(image):
-        try:
-            image = decode_data_url(image)
-        except ValueError as e:
-            raise ValueError(f"image {index}: {e}") from None
+    image = bytes_if_data_url(image, f"image {index}")
     if isinstance(image, (bytes, bytearray)):
         try:
             picture = Image.open(io.BytesIO(image))

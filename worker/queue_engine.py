@@ -169,10 +169,12 @@ class EngineThread:
         return self._images
 
     def _prepare_images(self, job: Job) -> PreparedImages | None:
-        from worker.multimodal import chat_images  # loaded by now: the engine imported it
+        from worker.multimodal import chat_media  # loaded by now: the engine imported it
 
         assert job.messages is not None and self.engine.image_processor is not None
-        images = chat_images(job.messages)[1]
+        _, images, modality = chat_media(job.messages)
+        if images and modality != self.engine.image_processor.modality:
+            raise ValueError(f"this model takes {self.engine.image_processor.modality} parts, not {modality}")
         self.engine.check_image_count(len(images))  # before any pixels are read
         return self.engine.image_processor.prepare(images) if images else None
 
@@ -326,7 +328,10 @@ class EngineThread:
                 job.messages, tools=job.tools, **(job.chat_template_kwargs or {})
             )
             prepared = images.result() if images is not None else None  # raises what reading them raised
-            return {**prompt, "multi_modal_data": {"image": prepared}} if prepared is not None else prompt
+            processor = self.engine.image_processor
+            if prepared is None or processor is None:
+                return prompt
+            return {**prompt, "multi_modal_data": {processor.modality: prepared}}
         if job.prompt_token_ids is not None:
             return {"prompt_token_ids": job.prompt_token_ids}
         if job.prompt_embeds is not None:

@@ -93,8 +93,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
 }
-# image-text models whose language model genq serves; those of worker.multimodal's
-# IMAGE_ARCHITECTURES take images too (their vision modules load apart), the others text alone
+# image-text (and audio-text) models whose language model genq serves; those of
+# worker.multimodal's IMAGE_ARCHITECTURES take images (or audio) too (their encoders load
+# apart), the others text alone
 TEXT_OF_MULTIMODAL = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Gemma 3 4B, 12B, 27B
     "Mistral3ForConditionalGeneration": "MistralForCausalLM",  # Mistral Small 3.1 and 3.2
@@ -106,6 +107,7 @@ TEXT_OF_MULTIMODAL = {
     "Llama4ForConditionalGeneration": "Llama4ForCausalLM",  # Llama 4 Scout and Maverick
     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",  # Qwen3.5 (dense)
     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",  # Qwen3.5 (experts)
+    "Qwen2AudioForConditionalGeneration": "Qwen2ForCausalLM",  # Qwen2-Audio: audio clips, not images
 }
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 _QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # linear and gated full attention

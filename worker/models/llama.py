@@ -749,11 +749,12 @@ _STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_bias": "w13_
             "up_proj": "w13"}
 
 
-# an image-text model's language model, as its checkpoints name it (older, then newer
-# transformers), and what genq does not load of it
+# an image-text (or audio-text) model's language model, as its checkpoints name it (older,
+# then newer transformers), and what genq does not load of it
 _LANGUAGE_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
 _NOT_LANGUAGE = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                  "visual.", "model.visual.", "vision_model.", "model.vision_model.",
+                 "audio_tower.", "model.audio_tower.",
                  "mtp.")  # (Qwen3.5's multi-token-prediction layer, which genq does not run)
 
 

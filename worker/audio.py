@@ -1,0 +1,86 @@
+"""Audio clips in prompts, read into what an audio encoder's feature extractor takes: mono
+float32 samples at its sampling rate.
+
+A clip comes as WAV bytes (PCM, 8 to 32 bits, any rate and channel count), as a base64 data
+URL of them (data:audio/wav;base64,...), or as samples already decoded: vLLM's `(array,
+sampling rate)` pair, or an array at the extractor's rate. Channels are averaged; another
+rate is resampled, band-limited, through the clip's spectrum. Other containers (mp3, flac,
+ogg) are refused with the reason: decode them to WAV first.
+"""
+
+from __future__ import annotations
+
+import io
+import wave
+from typing import Any
+
+import numpy as np
+
+from producer.data_urls import bytes_if_data_url
+
+_PCM = {1: np.uint8, 2: np.int16, 4: np.int32}  # sample width in bytes -> its integer type (8-bit is unsigned)
+
+
+def read_clip(clip: Any, index: int, sampling_rate: int) -> np.ndarray:
+    """Clip `index` of a prompt as mono float32 samples at `sampling_rate`; ValueError naming
+    it and what is wrong."""
+    clip = bytes_if_data_url(clip, f"audio {index}")
+    if isinstance(clip, (bytes, bytearray)):
+        samples, rate = _wav(bytes(clip), index)
+    elif isinstance(clip, tuple) and len(clip) == 2:
+        samples, rate = _array(clip[0], index), clip[1]
+    else:
+        samples, rate = _array(clip, index), sampling_rate
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate <= 0:
+        raise ValueError(f"audio {index}: its sampling rate must be a positive number, got {rate!r}")
+    if samples.size == 0:
+        raise ValueError(f"audio {index} holds no samples")
+    return resample(samples, float(rate), sampling_rate)
+
+
+def resample(samples: np.ndarray, rate: float, to_rate: int) -> np.ndarray:
+    """`samples` at `rate` brought to `to_rate`: the spectrum cut (or padded) to the new
+    length's, so nothing above the lower rate's Nyquist frequency folds back."""
+    if rate == to_rate:
+        return samples.astype(np.float32, copy=False)
+    length = max(1, round(len(samples) * to_rate / rate))
+    spectrum = np.fft.rfft(samples.astype(np.float64))
+    bins = length // 2 + 1
+    kept = np.zeros(bins, dtype=spectrum.dtype)
+    kept[: min(bins, len(spectrum))] = spectrum[:bins]
+    return (np.fft.irfft(kept, n=length) * (length / len(samples))).astype(np.float32)
+
+
+def _wav(data: bytes, index: int) -> tuple[np.ndarray, int]:
+    try:
+        with wave.open(io.BytesIO(data)) as reader:
+            width, channels, rate = reader.getsampwidth(), reader.getnchannels(), reader.getframerate()
+            frames = reader.readframes(reader.getnframes())
+    except (wave.Error, EOFError) as e:
+        kind = {b"ID3": "mp3", b"fLa": "flac", b"Ogg": "ogg"}.get(data[:3], "")
+        what = f"{kind} audio" if kind else "not a WAV file"
+        raise ValueError(f"audio {index} is {what} ({e}): send WAV (PCM) audio") from None
+    if width == 3:  # 24-bit: widened to 32 bits, the low byte zero
+        raw = np.frombuffer(frames, dtype=np.uint8).reshape(-1, 3)
+        samples = (np.pad(raw, ((0, 0), (1, 0))).view("<i4")[:, 0].astype(np.float64)) / 2**31
+    elif width in _PCM:
+        ints = np.frombuffer(frames, dtype=np.dtype(_PCM[width]).newbyteorder("<"))
+        samples = (ints.astype(np.float64) - 128) / 128 if width == 1 else ints.astype(np.float64) / 2 ** (8 * width - 1)
+    else:
+        raise ValueError(f"audio {index}: WAV samples of {width} bytes are not read; send 8, 16, 24 or 32-bit PCM")
+    return samples.reshape(-1, channels).mean(axis=1).astype(np.float32), rate
+
+
+def _array(samples: Any, index: int) -> np.ndarray:
+    try:
+        array = np.asarray(samples, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"audio {index} must be WAV bytes, a data URL, samples, or (samples, sampling rate); "
+                         f"got {type(samples).__name__}") from None
+    if array.ndim == 2:  # [samples, channels] as soundfile reads them
+        array = array.mean(axis=1)
+    if array.ndim != 1:
+        raise ValueError(f"audio {index}: samples must be one channel or [samples, channels], got shape {array.shape}")
+    if not np.isfinite(array).all():
+        raise ValueError(f"audio {index}: its samples must be finite numbers")
+    return array
