@@ -1,5 +1,6 @@
 """Images in chat messages: OpenAI's `image_url` content parts, for a model that takes images
-(worker.multimodal). The job carries each image's encoded bytes, so it holds all it needs
+(worker.multimodal); and audio clips: OpenAI's `input_audio` and vLLM's `audio_url`, for a model
+that takes audio. The job carries each image's encoded bytes, so it holds all it needs
 wherever and whenever a worker takes it (a reclaimed job too): a data URL is decoded here,
 and an http(s) URL is fetched here, before the job is queued (`GENQ_FETCH_IMAGE_URLS`
 off refuses those: fetching makes the API server open any URL a client names). No image is
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 from typing import Any
 
 import httpx
@@ -67,6 +69,27 @@ async def _fetch(client: httpx.AsyncClient, url: str, where: str, max_bytes: int
             return bytes(data), response.headers.get("content-type", "application/octet-stream")
     except httpx.HTTPError as e:
         raise invalid_param(where, f"fetching {url} failed: {type(e).__name__}") from None
+
+
+def audio_part(part: Any, where: str) -> dict[str, Any]:
+    """The job's part for an audio clip: its WAV bytes, from OpenAI's `input_audio` ({"data":
+    base64, "format": "wav"}) or vLLM's `audio_url` (a data URL); 400 naming `where`. Clips
+    are not fetched from URLs; the worker reads the WAV and says what it cannot."""
+    if part.type == "input_audio":
+        audio = part.input_audio or {}
+        if audio.get("format", "wav") != "wav":
+            raise invalid_param(f"{where}.format", f"audio format {audio.get('format')!r} is not taken: send wav")
+        if not isinstance(audio.get("data"), str):
+            raise invalid_param(f"{where}.data", "input_audio needs its data: the WAV file, base64")
+        try:
+            return {"type": "audio", "audio": base64.b64decode(audio["data"], validate=True)}
+        except binascii.Error:
+            raise invalid_param(f"{where}.data", "input_audio data is not valid base64") from None
+    url = str(image_url_of({"image_url": part.audio_url}) or "")
+    try:
+        return {"type": "audio", "audio": decode_data_url(url)}
+    except ValueError as e:
+        raise invalid_param(where, f"an audio_url must be a base64 data URL (data:audio/wav;base64,...): {e}") from None
 
 
 def url_of(part: Any) -> str:

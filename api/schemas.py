@@ -248,12 +248,17 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+MEDIA_PARTS = ("image_url", "input_audio", "audio_url")  # the content parts that are not text
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: str
     text: str | None = None
     image_url: dict[str, Any] | str | None = None  # {"url": data URL or http(s) URL}: api.images
+    input_audio: dict[str, Any] | None = None  # OpenAI's {"data": base64 WAV, "format": "wav"}: api.images
+    audio_url: dict[str, Any] | str | None = None  # vLLM's {"url": data URL of a WAV}
 
 
 class ChatMessage(BaseModel):
@@ -266,7 +271,9 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     def has_images(self) -> bool:
-        return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
+        """Whether the message holds an image or an audio clip (which the worker widens into
+        tokens by its size)."""
+        return isinstance(self.content, list) and any(part.type in MEDIA_PARTS for part in self.content)
 
 
 def _properties(parameters: dict[str, Any] | None) -> dict[str, Any]:

@@ -482,17 +482,23 @@ def _validate_messages(messages: Any) -> None:
 
 
 def _validate_part(part: Any, where: str) -> None:
-    """A content part: {"type": "text", "text": str}, or an image for a model that takes them,
+    """A content part: {"type": "text", "text": str}; an image for a model that takes them,
     its encoded bytes ({"type": "image", "image": bytes}) or a data URL ({"type":
-    "image_url", "image_url": {"url": "data:image/png;base64,..."}})."""
+    "image_url", "image_url": {"url": "data:image/png;base64,..."}}); or an audio clip for a
+    model that takes them, its WAV bytes ({"type": "audio", "audio": bytes}), OpenAI's
+    {"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}} or a data URL
+    ({"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,..."}})."""
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return
-    if kind == "image" and isinstance(part.get("image"), bytes):
+    if kind in ("image", "audio") and isinstance(part.get(kind), bytes):
         return
-    if kind == "image_url" and is_data_url(image_url_of(part)):
+    if kind in ("image_url", "audio_url") and is_data_url(image_url_of({"image_url": part.get(kind)})):
         return
-    raise ValueError(f"{where} must be a text part, an image part with bytes or an image_url part with a data URL")
+    if kind == "input_audio" and isinstance(part.get("input_audio"), dict) and isinstance(part["input_audio"].get("data"), str):
+        return
+    raise ValueError(f"{where} must be a text part, an image or audio part with bytes, an image_url or audio_url "
+                     "part with a data URL, or an input_audio part")
 
 
 def _validate_tools(job: Job) -> None:

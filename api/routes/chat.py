@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from api import beam_search, generate
 from api.deps import AppState, StateDep
 from api.errors import invalid_param
-from api.images import image_part, inline_image_urls, url_of
+from api.images import audio_part, image_part, inline_image_urls, url_of
 from api.render import ChatRenderer, RelayedRequest, Renderer
 from api.responses import ChatCompletionResponse
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart, PromptInput
@@ -94,4 +94,6 @@ def _part(part: ContentPart, where: str) -> dict[str, Any]:
         return {"type": "text", "text": part.text}
     if part.type == "image_url":
         return image_part(url_of(part), f"{where}.image_url")
-    raise invalid_param(where, f"content parts are text or image_url, got a {part.type!r} part")
+    if part.type in ("input_audio", "audio_url"):
+        return audio_part(part, f"{where}.{part.type}")
+    raise invalid_param(where, f"content parts are text, image_url, input_audio or audio_url, got a {part.type!r} part")

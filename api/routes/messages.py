@@ -44,8 +44,8 @@ async def count_tokens(body: CountTokensRequest, state: StateDep) -> dict[str, A
     except APIError as exc:
         raise renamed(exc, messages_api.PARAMS) from None
     if any(m.has_images() for m in chat.messages):
-        raise invalid_param("messages", "messages with images cannot be counted here: the worker widens "
-                            "each image into as many tokens as its size makes")
+        raise invalid_param("messages", "messages with images or audio cannot be counted here: the worker widens "
+                            "each image and clip into as many tokens as its size makes")
     model, _ = await base_model(state.cluster, await resolve_model(state, body.model))
     tokenizer = await state.tokenizers.get(state.client, model)
     return {"input_tokens": len(chat_ids(tokenizer, templated(chat, state.settings)))}

@@ -54,8 +54,8 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> dict[str, Any]:
     tokenizer = await state.tokenizers.get(state.client, model)
     if body.messages is not None:
         if any(m.has_images() for m in body.messages):
-            raise invalid_param("messages", "messages with images cannot be tokenized here: the worker widens "
-                                "each image into as many tokens as its size makes")
+            raise invalid_param("messages", "messages with images or audio cannot be tokenized here: the worker widens "
+                                "each image and clip into as many tokens as its size makes")
         ids = _chat_ids(tokenizer, body, state.settings)
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
