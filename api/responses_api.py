@@ -176,17 +176,25 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
 
 
 def _text(content: Any, where: str) -> str | list[dict[str, Any]]:
-    """A message's content as chat takes it: its text, or with images its parts."""
+    """A message's content as chat takes it: its text, or with images or audio its parts."""
     if isinstance(content, str):
         return content
-    kinds = {"input_text", "output_text", "text", "input_image"}
+    kinds = {"input_text", "output_text", "text", "input_image", "input_audio"}
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in kinds for p in content):
-        if all(p["type"] != "input_image" for p in content):
+        if all(p["type"] not in ("input_image", "input_audio") for p in content):
             return "".join(p.get("text") or "" for p in content)
-        return [{"type": "image_url", "image_url": {"url": p.get("image_url")}} if p["type"] == "input_image"
-                else {"type": "text", "text": p.get("text") or ""} for p in content]
-    raise invalid_param(f"{where}.content", "only text and image content (input_text, output_text, input_image) "
-                        "is supported")
+        return [_media_part(p) for p in content]
+    raise invalid_param(f"{where}.content", "only text, image and audio content (input_text, output_text, "
+                        "input_image, input_audio) is supported")
+
+
+def _media_part(part: dict[str, Any]) -> dict[str, Any]:
+    """A Responses content part as chat's: input_image -> image_url; input_audio is chat's own."""
+    if part["type"] == "input_image":
+        return {"type": "image_url", "image_url": {"url": part.get("image_url")}}
+    if part["type"] == "input_audio":
+        return {"type": "input_audio", "input_audio": part.get("input_audio")}
+    return {"type": "text", "text": part.get("text") or ""}
 
 
 def _chat_tool(tool: Any, where: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Audio clips in chat messages through a live worker serving the tiny Qwen2-Audio, driven by
-the official `openai` client: OpenAI's `input_audio` parts and vLLM's `audio_url` data URLs.
+the official `openai` client: OpenAI's `input_audio` parts (chat and Responses) and vLLM's
+`audio_url` data URLs.
 The oracle is the offline engine given the same clip (checked against transformers in
 tests/worker/test_audio.py)."""
 
@@ -52,6 +53,14 @@ def test_chat_with_a_clip_as_input_audio_and_as_an_audio_url(oai: openai.OpenAI,
     assert offline.prompt_token_ids.count(10) == 12  # half a second: 50 mel frames, 25 positions, 12 tokens
     chunks = oai.chat.completions.create(model=served_model, messages=_messages(AUDIO_URL), stream=True, **GREEDY)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline.outputs[0].text
+
+
+def test_the_responses_api_takes_input_audio(oai: openai.OpenAI, served_model: str, offline) -> None:
+    content = [{"type": "input_text", "text": "What do you hear? "},
+               {"type": "input_audio", "input_audio": {"data": DATA, "format": "wav"}}]
+    response = oai.responses.create(model=served_model, input=[{"role": "user", "content": content}],
+                                    max_output_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    assert response.output_text == offline.outputs[0].text
 
 
 @pytest.mark.parametrize(("part", "error", "param"), [
