@@ -17,6 +17,7 @@ import secrets
 import time
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import redis.asyncio
 
@@ -99,6 +100,40 @@ async def create(conn: redis.asyncio.Redis, keys: Keys, plan: KeyPlan) -> str:
     stamped = replace(plan, created_at=time.time())
     await conn.hset(keys.api_keys, digest(key), stamped.to_json())  # type: ignore[misc]
     return key
+
+
+# Replace one key's plan if it is still the one read. KEYS[1]: api_keys. ARGV[1]: the key's
+# digest, [2]: its plan as read, [3]: the new plan. Returns 1, or 0 when the plan changed or
+# the key was revoked meanwhile (a change must not bring a revoked key back).
+_SET_PLAN_LUA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+
+async def update(conn: redis.asyncio.Redis, keys: Keys, name: str, **changes: Any) -> KeyPlan:
+    """Change the plan of the key named `name` (the KeyPlan fields given; None clears a limit
+    back to the server's default) and return it; the key itself stays. ValueError when there
+    is no such key, or the change breaks check_plan. API processes see it within CACHE_S."""
+    stored = await conn.hgetall(keys.api_keys)  # type: ignore[misc]
+    found = [(field, value) for field, value in stored.items() if KeyPlan.from_json(value).name == name]
+    if not found:
+        raise ValueError(f"no key named {name!r}")
+    field, old = found[0]
+    plan = replace(KeyPlan.from_json(old), **changes)
+    check_plan(plan)
+    if not await set_plan(conn, keys, field, old, plan):
+        raise ValueError(f"the key {name!r} was changed or revoked meanwhile: run it again")
+    return plan
+
+
+async def set_plan(conn: redis.asyncio.Redis, keys: Keys, field: bytes, read: bytes, plan: KeyPlan) -> bool:
+    """Store `plan` for the key whose digest is `field` if its stored plan is still `read`.
+
+    Race prevented: a `genq keys set` that read a plan just before a revoke writing the key
+    back (or overwriting another change)."""
+    return bool(await conn.eval(_SET_PLAN_LUA, 1, keys.api_keys, field, read, plan.to_json()))  # type: ignore[arg-type, misc]
 
 
 async def revoke(conn: redis.asyncio.Redis, keys: Keys, name: str) -> bool:

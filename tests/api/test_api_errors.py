@@ -58,7 +58,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"content": "x"}]}, "messages[0].role"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
-            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "messages[0].content[0]"),
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]}, "messages[0].content[0]"),
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
         ("/v1/chat/completions", {**CHAT, "presence_penalty": 3}, "presence_penalty"),

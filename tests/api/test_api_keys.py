@@ -142,6 +142,54 @@ def test_a_key_has_its_own_requests_per_minute(url: str, live_worker: str, serve
     assert oai(url, STATIC).completions.create(model=served_model, prompt="Hi", **GREEDY).usage is not None
 
 
+def test_genq_keys_set_changes_a_plan_and_keeps_the_key(url: str, live_worker: str, served_model: str,
+                                                        poll: Callable[..., Any]) -> None:
+    """A key barred from every model is let through by `set --models all`, its tier lowered
+    by `--priority -2`, its rpm back to the server's; unknown names and empty changes fail."""
+    made = genq_keys(live_worker, "create", "bronze", "--models", "nothing-served", "--rpm", "7")
+    client = oai(url, made.stdout.strip())
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=served_model, prompt="Hi", **GREEDY)
+    changed = genq_keys(live_worker, "set", "bronze", "--models", "all", "--priority", "-2", "--rpm", "default")
+    assert changed.returncode == 0, changed.stderr
+    assert changed.stdout.splitlines()[1].split()[:6] == ["bronze", "default", "default", "default", "all", "-2"]
+
+    def served() -> Any:
+        try:
+            return client.completions.create(model=served_model, prompt="Upgraded", **GREEDY)
+        except openai.NotFoundError:
+            return None  # the API's plan is at most a second old
+
+    assert poll(served, 10, "the changed plan taken").usage is not None
+    [(_, fields)] = redis.Redis.from_url(live_worker).xrevrange(Keys().on_lane(LANE_HIGH).requests, count=1)
+    assert (decode_job(fields).prompt, decode_job(fields).priority, decode_job(fields).tenant) == ("Upgraded", -2, "bronze")
+    missing = genq_keys(live_worker, "set", "nobody", "--rpm", "3")
+    assert missing.returncode == 1 and "no key named 'nobody'" in missing.stderr
+    empty = genq_keys(live_worker, "set", "bronze")
+    assert empty.returncode == 1 and "name what to change" in empty.stderr
+    assert genq_keys(live_worker, "set", "bronze", "--rpm", "0").returncode == 1  # check_plan: at least 1
+
+
+def test_a_plan_change_never_brings_a_revoked_key_back(live_worker: str) -> None:
+    async def run() -> None:
+        conn, keys = redis.asyncio.Redis.from_url(live_worker), Keys("cas-test:")
+        try:
+            await api_keys.create(conn, keys, KeyPlan("racing"))
+            [(field, read)] = (await conn.hgetall(keys.api_keys)).items()
+            await api_keys.update(conn, keys, "racing", rpm=5)  # another change since `read`
+            assert not await api_keys.set_plan(conn, keys, field, read, KeyPlan("racing", priority=-9))
+            assert KeyPlan.from_json(await conn.hget(keys.api_keys, field)).rpm == 5
+            [(_, read)] = (await conn.hgetall(keys.api_keys)).items()
+            await api_keys.revoke(conn, keys, "racing")
+            assert not await api_keys.set_plan(conn, keys, field, read, KeyPlan("racing", priority=-9))
+            assert not await conn.exists(keys.api_keys)
+        finally:
+            await conn.delete(keys.api_keys)
+            await conn.aclose()
+
+    asyncio.run(run())
+
+
 def test_a_revoked_key_stops_working(url: str, live_worker: str, poll: Callable[..., Any]) -> None:
     client = oai(url, create(live_worker, KeyPlan("leaving")))
     assert client.models.list().data
