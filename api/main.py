@@ -22,6 +22,7 @@ from api.errors import install_error_handlers
 from api.metrics import Metrics
 from api.relay import Relay
 from api.routes import (
+    audio,
     batches,
     chat,
     completions,
@@ -80,7 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
     guarded = [Depends(require_api_key)]
     for module in (completions, chat, embeddings, responses, conversations, messages, models, jobs, files, batches,
-                   usage):
+                   usage, audio):
         app.include_router(module.router, prefix="/v1", dependencies=guarded)
     app.include_router(tokenize.router, dependencies=guarded)  # vLLM serves these at the root
     app.include_router(scores.router, dependencies=guarded)  # at the root and under /v1, /v2

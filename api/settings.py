@@ -74,6 +74,12 @@ class Settings(BaseSettings):
     # 8192 positions of a 4096-wide model in bfloat16); each travels in its job through Redis
     max_prompt_embeds_bytes: int = 64 << 20
     max_images_per_request: int = 8  # vLLM's limit_mm_per_prompt: each image is a vision-encoder run
+    # /v1/audio/transcriptions and /translations run as a chat with the clip and this instruction
+    # (api.transcriptions), for models that take audio; the upload may be this large
+    transcription_instruction: str = "Transcribe the speech in this audio word for word, and write nothing else."
+    translation_instruction: str = ("Translate the speech in this audio into English, and write the translation "
+                                    "and nothing else.")
+    max_audio_bytes: int = 25 << 20  # OpenAI's limit
     image_fetch_timeout_s: float = 10.0
     file_ttl_s: int = 7 * 24 * 3600
     batch_max_in_flight: int = 64

@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from api.settings import Settings
 from worker import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "worker"))
@@ -79,4 +80,51 @@ def test_bad_clips_are_a_400_naming_them(oai: openai.OpenAI, served_model: str, 
                                          param: str | None) -> None:
     with pytest.raises(openai.BadRequestError, match=error) as info:
         oai.chat.completions.create(model=served_model, messages=_messages(part), **GREEDY)
+    assert info.value.body["param"] == param
+
+
+def offline_reply(model_dir: Path, instruction: str) -> str:
+    """The offline engine's greedy reply to the clip followed by `instruction`."""
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
+    messages = [{"role": "user", "content": [INPUT_AUDIO, {"type": "text", "text": instruction}]}]
+    return llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+
+
+TRANSCRIBE = {"model": None, "file": ("clip.wav", WAV), "extra_body": {"max_tokens": 8, "ignore_eos": True}}
+
+
+def test_transcriptions_and_translations_run_as_a_chat_with_the_clip(
+    oai: openai.OpenAI, served_model: str, tiny_qwen2_audio_dir: Path
+) -> None:
+    """OpenAI's audio endpoints: the clip and the instruction (with the language and prompt
+    given), in json, text, verbose_json and as a stream; and the translation's instruction."""
+    settings = Settings()
+    call = {**TRANSCRIBE, "model": served_model}
+    expected = offline_reply(tiny_qwen2_audio_dir, settings.transcription_instruction)
+    got = oai.audio.transcriptions.create(**call)
+    assert got.text == expected and got.usage.output_tokens == 8
+    assert oai.audio.transcriptions.create(**call, response_format="text") == expected
+    verbose = oai.audio.transcriptions.create(**call, response_format="verbose_json", language="fr", prompt="Bonjour.")
+    with_context = settings.transcription_instruction + (
+        " The speech is in the language whose ISO-639-1 code is fr. Earlier speech, for context: Bonjour.")
+    assert (verbose.text, verbose.language, verbose.duration) == (
+        offline_reply(tiny_qwen2_audio_dir, with_context), "fr", 0.5)
+    events = list(oai.audio.transcriptions.create(**call, stream=True))
+    assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == expected
+    assert events[-1].type == "transcript.text.done" and events[-1].text == expected
+    translated = oai.audio.translations.create(model=served_model, file=("clip.wav", WAV),
+                                               extra_body={"max_tokens": 8, "ignore_eos": True})
+    assert translated.text == offline_reply(tiny_qwen2_audio_dir, settings.translation_instruction)
+
+
+@pytest.mark.parametrize(("extra", "error", "param"), [
+    ({"response_format": "srt"}, "timestamps are not given", "response_format"),
+    ({"timestamp_granularities": ["word"], "response_format": "verbose_json"}, "timestamps are not given",
+     "timestamp_granularities"),
+    ({"file": ("clip.mp3", b"ID3" + bytes(60))}, "the file must be WAV audio", "file"),
+])
+def test_what_transcriptions_cannot_do_is_a_400(oai: openai.OpenAI, served_model: str, extra: dict, error: str,
+                                                param: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=error) as info:
+        oai.audio.transcriptions.create(**{**TRANSCRIBE, "model": served_model, **extra})
     assert info.value.body["param"] == param

@@ -1,0 +1,42 @@
+"""`POST /v1/audio/transcriptions` and `/v1/audio/translations` (OpenAI's), for models that take
+audio: run as a chat with the clip (api.transcriptions)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from api import generate, transcriptions
+from api.deps import StateDep
+from api.render import ChatRenderer
+from api.routes.chat import start
+from api.sse import EventStreamResponse, unless_disconnected
+from api.transcriptions import AudioRequest
+
+router = APIRouter(prefix="/audio", tags=["openai"])
+
+
+@router.post("/transcriptions")
+async def create_transcription(request: Request, state: StateDep) -> Response:
+    """The speech of a WAV file as text, in its own language (a multipart form: `file`,
+    `model`, `language`, `prompt`, `response_format`, `temperature`, `stream`)."""
+    return await _respond(request, state, "transcribe")
+
+
+@router.post("/translations")
+async def create_translation(request: Request, state: StateDep) -> Response:
+    """The speech of a WAV file as English text (`file`, `model`, `prompt`,
+    `response_format`, `temperature`)."""
+    return await _respond(request, state, "translate")
+
+
+async def _respond(request: Request, state: StateDep, task: str) -> Response:
+    async with request.form() as form:
+        audio = await AudioRequest.from_form(task, form, state.settings.max_audio_bytes)
+    audio.check()
+    req = await start(state, audio.as_chat(state.settings), ChatRenderer())
+    if audio.stream:
+        return EventStreamResponse(transcriptions.stream(state, req))
+    reply = await unless_disconnected(request, generate.collect(state, req, ChatRenderer()))
+    body = transcriptions.response(audio, reply.choices[0].message.content or "", reply.usage)
+    return PlainTextResponse(body) if isinstance(body, str) else JSONResponse(body)

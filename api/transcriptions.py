@@ -1,0 +1,157 @@
+"""OpenAI's audio endpoints, `/v1/audio/transcriptions` and `/v1/audio/translations`, for models
+that take audio clips (Qwen2-Audio: worker.multimodal): each runs as a chat whose user message
+holds the uploaded clip and an instruction (GENQ_TRANSCRIPTION_INSTRUCTION,
+GENQ_TRANSLATION_INSTRUCTION), the language and prompt given added to it, as gpt-4o-transcribe
+takes them. The reply is the text.
+
+Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "language",
+"duration", "text", "usage"}, no segments); `srt`, `vtt` and `timestamp_granularities` need
+timestamps, which these models do not give: a 400 says so. `stream: true` sends OpenAI's
+`transcript.text.delta` events and a `transcript.text.done`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.datastructures import FormData
+
+from api.errors import APIError, invalid_param
+from api.generate import Collector, StreamError, relayed_chunks
+from api.render import ChatRenderer, RelayedRequest
+from api.responses import Usage
+from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
+from api.settings import Settings
+from api.sse import DONE, format_sse
+
+FORMATS = ("json", "text", "verbose_json")
+TIMESTAMPED = ("srt", "vtt")
+
+
+# sampling fields a form may add (as vLLM's transcription requests take them), passed to the chat
+SAMPLING_FIELDS = ("max_completion_tokens", "max_tokens", "seed", "top_p", "top_k", "min_p", "ignore_eos",
+                   "repetition_penalty", "presence_penalty", "frequency_penalty")
+FORM_FIELDS = {"transcribe": ("file", "model", "language", "prompt", "response_format", "temperature", "stream",
+                              "timestamp_granularities[]", "include[]", "chunking_strategy"),
+               "translate": ("file", "model", "prompt", "response_format", "temperature")}
+
+
+@dataclass(frozen=True)
+class AudioRequest:
+    """A transcription's or translation's form fields."""
+
+    task: str  # "transcribe" | "translate"
+    audio: bytes  # the uploaded file: WAV
+    model: str
+    language: str | None = None
+    prompt: str | None = None
+    response_format: str = "json"
+    temperature: float = 0.0
+    stream: bool = False
+    timestamps: bool = False  # timestamp_granularities given
+    sampling: dict[str, Any] = field(default_factory=dict)  # SAMPLING_FIELDS given, as sent
+
+    @classmethod
+    async def from_form(cls, task: str, form: FormData, max_bytes: int) -> AudioRequest:
+        """The request a multipart form makes; 400 naming a missing, unknown or too large field."""
+        unknown = sorted(set(form) - set(FORM_FIELDS[task]) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise invalid_param(unknown[0], f"{unknown[0]!r} is not a field of this endpoint")
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise invalid_param("file", "the audio file is missing (a multipart field 'file')")
+        audio = await upload.read(max_bytes + 1)
+        if len(audio) > max_bytes:
+            raise APIError(413, f"The file is over the limit of {max_bytes} bytes (GENQ_MAX_AUDIO_BYTES).",
+                           param="file", code="file_too_large")
+        text = {k: v for k, v in form.items() if isinstance(v, str)}
+        if not text.get("model"):
+            raise invalid_param("model", "model is required")
+        try:
+            temperature = float(text.get("temperature", 0.0))
+        except ValueError:
+            raise invalid_param("temperature", f"temperature must be a number, got {text['temperature']!r}") from None
+        return cls(task, audio, text["model"], text.get("language"), text.get("prompt"),
+                   text.get("response_format", "json"), temperature, text.get("stream", "false").lower() == "true",
+                   bool(form.getlist("timestamp_granularities[]")),
+                   {k: v for k, v in text.items() if k in SAMPLING_FIELDS})
+
+    def check(self) -> None:
+        """400 naming the field genq cannot serve."""
+        if self.response_format in TIMESTAMPED or self.timestamps:
+            field = "response_format" if self.response_format in TIMESTAMPED else "timestamp_granularities"
+            raise invalid_param(field, "timestamps are not given by genq's audio models: ask for json, text or "
+                                "verbose_json")
+        if self.response_format not in FORMATS:
+            raise invalid_param("response_format", f"response_format must be one of {', '.join(FORMATS)}, "
+                                f"got {self.response_format!r}")
+        if self.stream and self.response_format == "verbose_json":
+            raise invalid_param("stream", "a stream sends text events: ask for json or text")
+        duration_s(self.audio)  # a WAV the API can read, so the 400 comes before the job
+
+    def as_chat(self, settings: Settings) -> ChatCompletionRequest:
+        """The chat that does the work: the clip, then the instruction."""
+        instruction = settings.transcription_instruction if self.task == "transcribe" else settings.translation_instruction
+        if self.language:
+            instruction += f" The speech is in the language whose ISO-639-1 code is {self.language}."
+        if self.prompt:
+            instruction += f" Earlier speech, for context: {self.prompt}"
+        clip = ContentPart(type="input_audio", input_audio={"data": base64.b64encode(self.audio).decode(), "format": "wav"})
+        message = ChatMessage(role="user", content=[clip, ContentPart(type="text", text=instruction)])
+        try:
+            return ChatCompletionRequest(model=self.model, messages=[message], temperature=self.temperature,
+                                         stream=self.stream, **self.sampling)
+        except ValidationError as e:
+            where = str(e.errors()[0]["loc"][0])
+            raise invalid_param(where, f"{where}: {e.errors()[0]['msg']}") from None
+
+
+def duration_s(audio: bytes) -> float:
+    """The clip's length in seconds; 400 naming `file` when it is not WAV."""
+    try:
+        with wave.open(io.BytesIO(audio)) as reader:
+            return reader.getnframes() / reader.getframerate()
+    except (wave.Error, EOFError, ZeroDivisionError) as e:
+        raise invalid_param("file", f"the file must be WAV audio (PCM): {e}") from None
+
+
+def usage_of(usage: Usage) -> dict[str, Any]:
+    """OpenAI's token usage of a transcription."""
+    return {"type": "tokens", "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
+
+
+def response(audio: AudioRequest, text: str, usage: Usage) -> dict[str, Any] | str:
+    """The body in the format asked: a str for `text`."""
+    if audio.response_format == "text":
+        return text
+    if audio.response_format == "verbose_json":
+        return {"task": audio.task, "language": audio.language or "unknown", "duration": duration_s(audio.audio),
+                "text": text, "usage": usage_of(usage)}
+    return {"text": text, "usage": usage_of(usage)}
+
+
+async def stream(state: Any, req: RelayedRequest) -> AsyncGenerator[str, None]:
+    """OpenAI's transcription events: `transcript.text.delta` as the text comes, then
+    `transcript.text.done` with all of it and the usage; a failure is an `error` event."""
+    renderer, collector = ChatRenderer(), Collector(req)
+    async with aclosing(relayed_chunks(state, req, renderer, collector)) as chunks:
+        async for chunk in chunks:
+            if isinstance(chunk, StreamError):
+                yield format_sse({"type": "error", "error": {"message": chunk.message, "type": chunk.type,
+                                                             "code": chunk.code}})
+                yield DONE
+                return
+            delta = chunk["choices"][0]["delta"].get("content") if chunk else None
+            if delta:
+                yield format_sse({"type": "transcript.text.delta", "delta": delta})
+    text = collector.choices[0].text if collector.choices else ""
+    yield format_sse({"type": "transcript.text.done", "text": text, "usage": usage_of(collector.usage())})
+    yield DONE
