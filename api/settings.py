@@ -80,6 +80,7 @@ class Settings(BaseSettings):
     translation_instruction: str = ("Translate the speech in this audio into English, and write the translation "
                                     "and nothing else.")
     max_audio_bytes: int = 25 << 20  # OpenAI's limit
+    audio_chunk_s: float = 30.0  # a longer upload is cut into pieces this long, each its own job (Qwen2-Audio's window)
     image_fetch_timeout_s: float = 10.0
     file_ttl_s: int = 7 * 24 * 3600
     batch_max_in_flight: int = 64

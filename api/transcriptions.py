@@ -2,7 +2,8 @@
 that take audio clips (Qwen2-Audio: worker.multimodal): each runs as a chat whose user message
 holds the uploaded clip and an instruction (GENQ_TRANSCRIPTION_INSTRUCTION,
 GENQ_TRANSLATION_INSTRUCTION), the language and prompt given added to it, as gpt-4o-transcribe
-takes them. The reply is the text.
+takes them. The reply is the text. A long upload is cut into pieces of the model's window
+(GENQ_AUDIO_CHUNK_S), each a job, their texts joined in order.
 
 Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "language",
 "duration", "text", "usage"}, no segments); `srt`, `vtt` and `timestamp_granularities` need
@@ -20,6 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 from starlette.datastructures import FormData
 
@@ -96,14 +98,18 @@ class AudioRequest:
             raise invalid_param("stream", "a stream sends text events: ask for json or text")
         duration_s(self.audio)  # a WAV the API can read, so the 400 comes before the job
 
-    def as_chat(self, settings: Settings) -> ChatCompletionRequest:
-        """The chat that does the work: the clip, then the instruction."""
+    def as_chats(self, settings: Settings) -> list[ChatCompletionRequest]:
+        """The chats that do the work, one per piece of at most GENQ_AUDIO_CHUNK_S (each run
+        as a job of its own, on any worker): the piece, then the instruction."""
+        return [self._chat(piece, settings) for piece in split_wav(self.audio, settings.audio_chunk_s)]
+
+    def _chat(self, audio: bytes, settings: Settings) -> ChatCompletionRequest:
         instruction = settings.transcription_instruction if self.task == "transcribe" else settings.translation_instruction
         if self.language:
             instruction += f" The speech is in the language whose ISO-639-1 code is {self.language}."
         if self.prompt:
             instruction += f" Earlier speech, for context: {self.prompt}"
-        clip = ContentPart(type="input_audio", input_audio={"data": base64.b64encode(self.audio).decode(), "format": "wav"})
+        clip = ContentPart(type="input_audio", input_audio={"data": base64.b64encode(audio).decode(), "format": "wav"})
         message = ChatMessage(role="user", content=[clip, ContentPart(type="text", text=instruction)])
         try:
             return ChatCompletionRequest(model=self.model, messages=[message], temperature=self.temperature,
@@ -111,6 +117,56 @@ class AudioRequest:
         except ValidationError as e:
             where = str(e.errors()[0]["loc"][0])
             raise invalid_param(where, f"{where}: {e.errors()[0]['msg']}") from None
+
+
+CUT_SEARCH_S = 1.0  # a long clip is cut at the quietest moment of the last second before the limit (half a piece at most)
+CUT_FRAME_S = 0.02  # ... measured in frames of 20 ms
+
+
+def split_wav(audio: bytes, chunk_s: float) -> list[bytes]:
+    """A WAV cut into WAVs of at most `chunk_s` seconds (the model's window), each cut at the
+    quietest 20 ms of the second before its limit, so that few words are cut through; the
+    file itself when it is short enough. (8, 16 and 32-bit samples: 24-bit ones are cut at
+    the limit.)"""
+    with wave.open(io.BytesIO(audio)) as reader:
+        params = reader.getparams()
+        frames = reader.readframes(params.nframes)
+    limit = int(chunk_s * params.framerate)
+    if params.nframes <= limit:
+        return [audio]
+    width = params.sampwidth * params.nchannels
+    loudness = _loudness(frames, params.sampwidth, params.nchannels)
+    step, search = max(1, int(CUT_FRAME_S * params.framerate)), min(int(CUT_SEARCH_S * params.framerate), limit // 2)
+    pieces, start = [], 0
+    while params.nframes - start > limit:
+        end = start + limit
+        if loudness is not None:  # the quietest step-long stretch in the last `search` frames
+            first = max(start + 1, end - search)
+            energy = [float(loudness[at : at + step].sum()) for at in range(first, end - step + 1, step)]
+            if energy:
+                end = first + step * min(range(len(energy)), key=energy.__getitem__) + step // 2
+        pieces.append(frames[start * width : end * width])
+        start = end
+    pieces.append(frames[start * width :])
+    out = []
+    for piece in pieces:
+        buffer = io.BytesIO()
+        with wave.open(buffer, "wb") as writer:
+            writer.setparams(params)
+            writer.writeframes(piece)
+        out.append(buffer.getvalue())
+    return out
+
+
+def _loudness(frames: bytes, width: int, channels: int) -> np.ndarray | None:
+    """Each frame's squared amplitude (channels summed); None for samples of 3 bytes."""
+    kinds = {1: "u1", 2: "<i2", 4: "<i4"}
+    if width not in kinds:
+        return None
+    samples = np.frombuffer(frames, dtype=np.dtype(kinds[width])).astype(np.float64)
+    if width == 1:
+        samples -= 128  # 8-bit PCM is unsigned
+    return np.square(samples).reshape(-1, channels).sum(axis=1)
 
 
 def duration_s(audio: bytes) -> float:
@@ -128,6 +184,11 @@ def usage_of(usage: Usage) -> dict[str, Any]:
             "total_tokens": usage.total_tokens}
 
 
+def joined(texts: list[str]) -> str:
+    """The pieces' texts as one: each without its edges' spaces, one space between."""
+    return " ".join(t.strip() for t in texts if t.strip())
+
+
 def response(audio: AudioRequest, text: str, usage: Usage) -> dict[str, Any] | str:
     """The body in the format asked: a str for `text`."""
     if audio.response_format == "text":
@@ -138,10 +199,31 @@ def response(audio: AudioRequest, text: str, usage: Usage) -> dict[str, Any] | s
     return {"text": text, "usage": usage_of(usage)}
 
 
+class InOrder:
+    """The pieces' texts as one stream, in order: a piece's text goes out as it comes once
+    the pieces before it have ended, else when they have; what joined() would write."""
+
+    def __init__(self, num_pieces: int) -> None:
+        self.texts = [""] * num_pieces
+        self.ended = [False] * num_pieces
+        self.sent = ""  # of joined(), what went out
+
+    def add(self, piece: int, delta: str, ended: bool) -> str:
+        """What goes out now."""
+        self.texts[piece] += delta
+        self.ended[piece] = self.ended[piece] or ended
+        running = next((k for k, done in enumerate(self.ended) if not done), len(self.texts))
+        now = joined(self.texts[: running + 1])  # (each piece's stripped text only grows at its end)
+        new, self.sent = now[len(self.sent):], now
+        return new
+
+
 async def stream(state: Any, req: RelayedRequest) -> AsyncGenerator[str, None]:
-    """OpenAI's transcription events: `transcript.text.delta` as the text comes, then
-    `transcript.text.done` with all of it and the usage; a failure is an `error` event."""
+    """OpenAI's transcription events: `transcript.text.delta` as the text comes (the pieces
+    in order), then `transcript.text.done` with all of it and the usage; a failure is an
+    `error` event."""
     renderer, collector = ChatRenderer(), Collector(req)
+    order = InOrder(req.num_choices)
     async with aclosing(relayed_chunks(state, req, renderer, collector)) as chunks:
         async for chunk in chunks:
             if isinstance(chunk, StreamError):
@@ -149,9 +231,11 @@ async def stream(state: Any, req: RelayedRequest) -> AsyncGenerator[str, None]:
                                                              "code": chunk.code}})
                 yield DONE
                 return
-            delta = chunk["choices"][0]["delta"].get("content") if chunk else None
-            if delta:
-                yield format_sse({"type": "transcript.text.delta", "delta": delta})
-    text = collector.choices[0].text if collector.choices else ""
+            if chunk:
+                choice = chunk["choices"][0]
+                if new := order.add(choice["index"], choice["delta"].get("content") or "",
+                                    choice["finish_reason"] is not None):
+                    yield format_sse({"type": "transcript.text.delta", "delta": new})
+    text = joined([c.text for c in collector.choices])
     yield format_sse({"type": "transcript.text.done", "text": text, "usage": usage_of(collector.usage())})
     yield DONE

@@ -321,6 +321,10 @@ class AudioClips(ImageProcessor):
                               padding="max_length", return_tensors="pt")
         features, lengths = batch["input_features"], batch["attention_mask"].sum(-1)
         sizes = lengths[:, None]  # [n, 1]: each clip's mel frames
+        for k, size in enumerate(sizes):
+            if self._tokens(size)[1] < 1:
+                raise ValueError(f"audio {k} lasts {1000 * len(pictures[k]) / self.features.sampling_rate:.0f} ms, "
+                                 "too short to make a single audio token")
         digests = [_digest(f[:, : int(n)], n) for f, n in zip(features, sizes, strict=True)]
         return PreparedImages(list(features), sizes, digests)
 

@@ -1,5 +1,5 @@
 """`POST /v1/audio/transcriptions` and `/v1/audio/translations` (OpenAI's), for models that take
-audio: run as a chat with the clip (api.transcriptions)."""
+audio: run as a chat with the clip, a long one as one chat per piece (api.transcriptions)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from api import generate, transcriptions
 from api.deps import StateDep
 from api.render import ChatRenderer
-from api.routes.chat import start
+from api.routes.chat import chat_prompt, templated
 from api.sse import EventStreamResponse, unless_disconnected
 from api.transcriptions import AudioRequest
 
@@ -34,9 +34,11 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
     async with request.form() as form:
         audio = await AudioRequest.from_form(task, form, state.settings.max_audio_bytes)
     audio.check()
-    req = await start(state, audio.as_chat(state.settings), ChatRenderer())
+    chats = [templated(chat, state.settings) for chat in audio.as_chats(state.settings)]
+    req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())
     if audio.stream:
         return EventStreamResponse(transcriptions.stream(state, req))
     reply = await unless_disconnected(request, generate.collect(state, req, ChatRenderer()))
-    body = transcriptions.response(audio, reply.choices[0].message.content or "", reply.usage)
+    text = transcriptions.joined([choice.message.content or "" for choice in reply.choices])
+    body = transcriptions.response(audio, text, reply.usage)
     return PlainTextResponse(body) if isinstance(body, str) else JSONResponse(body)

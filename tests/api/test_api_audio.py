@@ -7,18 +7,22 @@ tests/worker/test_audio.py)."""
 from __future__ import annotations
 
 import base64
+import io
 import sys
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
 from api.settings import Settings
+from api.transcriptions import InOrder, joined, split_wav
 from worker import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "worker"))
-from test_audio import clip, wav  # noqa: E402 (the worker tests' clips)
+from test_audio import RATE, clip, wav  # noqa: E402 (the worker tests' clips)
 
 WAV = wav(clip(0.5, 11, rate=8000), rate=8000)  # half a second at 8 kHz
 DATA = base64.b64encode(WAV).decode()
@@ -40,9 +44,21 @@ AUDIO_URL = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_qwen2_audio_dir: Path):
+def api_url(live_worker: str, serve_api) -> Iterator[str]:
+    """The API in front of the live worker, cutting uploads into pieces of the tiny model's
+    1 s window."""
+    with serve_api(Settings(redis_url=live_worker, request_timeout_s=60.0, audio_chunk_s=1.0)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen2_audio_dir: Path) -> LLM:
+    return LLM(str(tiny_qwen2_audio_dir), dtype="float32", num_gpu_blocks_override=64)
+
+
+@pytest.fixture(scope="module")
+def offline(llm: LLM):
     """The offline engine's greedy reply to the question with the clip."""
-    llm = LLM(str(tiny_qwen2_audio_dir), dtype="float32", num_gpu_blocks_override=64)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     return llm.chat(_messages(INPUT_AUDIO), params, use_tqdm=False)[0]
 
@@ -83,24 +99,28 @@ def test_bad_clips_are_a_400_naming_them(oai: openai.OpenAI, served_model: str, 
     assert info.value.body["param"] == param
 
 
-def offline_reply(model_dir: Path, instruction: str) -> str:
-    """The offline engine's greedy reply to the clip followed by `instruction`."""
-    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
-    messages = [{"role": "user", "content": [INPUT_AUDIO, {"type": "text", "text": instruction}]}]
-    return llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+def offline_reply(llm: LLM, instruction: str, audio: bytes = WAV) -> str:
+    """The offline engine's greedy reply to `audio`, a piece at a time, each followed by
+    `instruction`, joined as the API joins the pieces' texts."""
+    part = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    chats = [[{"role": "user", "content": [{**part, "input_audio": {"data": base64.b64encode(piece).decode()}},
+                                           {"type": "text", "text": instruction}]}]
+             for piece in split_wav(audio, 1.0)]
+    replies = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return joined([r.outputs[0].text for r in replies])
 
 
 TRANSCRIBE = {"model": None, "file": ("clip.wav", WAV), "extra_body": {"max_tokens": 8, "ignore_eos": True}}
 
 
 def test_transcriptions_and_translations_run_as_a_chat_with_the_clip(
-    oai: openai.OpenAI, served_model: str, tiny_qwen2_audio_dir: Path
+    oai: openai.OpenAI, served_model: str, llm: LLM
 ) -> None:
     """OpenAI's audio endpoints: the clip and the instruction (with the language and prompt
     given), in json, text, verbose_json and as a stream; and the translation's instruction."""
     settings = Settings()
     call = {**TRANSCRIBE, "model": served_model}
-    expected = offline_reply(tiny_qwen2_audio_dir, settings.transcription_instruction)
+    expected = offline_reply(llm, settings.transcription_instruction)
     got = oai.audio.transcriptions.create(**call)
     assert got.text == expected and got.usage.output_tokens == 8
     assert oai.audio.transcriptions.create(**call, response_format="text") == expected
@@ -108,13 +128,41 @@ def test_transcriptions_and_translations_run_as_a_chat_with_the_clip(
     with_context = settings.transcription_instruction + (
         " The speech is in the language whose ISO-639-1 code is fr. Earlier speech, for context: Bonjour.")
     assert (verbose.text, verbose.language, verbose.duration) == (
-        offline_reply(tiny_qwen2_audio_dir, with_context), "fr", 0.5)
+        offline_reply(llm, with_context), "fr", 0.5)
     events = list(oai.audio.transcriptions.create(**call, stream=True))
     assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == expected
     assert events[-1].type == "transcript.text.done" and events[-1].text == expected
     translated = oai.audio.translations.create(model=served_model, file=("clip.wav", WAV),
                                                extra_body={"max_tokens": 8, "ignore_eos": True})
-    assert translated.text == offline_reply(tiny_qwen2_audio_dir, settings.translation_instruction)
+    assert translated.text == offline_reply(llm, settings.translation_instruction)
+
+
+def test_a_long_upload_runs_as_pieces_joined_in_order(oai: openai.OpenAI, served_model: str, llm: LLM) -> None:
+    """2.3 s through a 1 s window: three pieces, three jobs, their texts joined in order, whole
+    and streamed."""
+    long = wav(np.concatenate([clip(0.9, 21), np.zeros(800, np.float32), clip(1.35, 22)]))
+    expected = offline_reply(llm, Settings().transcription_instruction, long)
+    call = {**TRANSCRIBE, "model": served_model, "file": ("long.wav", long)}
+    got = oai.audio.transcriptions.create(**call)
+    assert got.text == expected and got.usage.output_tokens == 3 * 8
+    events = list(oai.audio.transcriptions.create(**call, stream=True))
+    assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == expected == events[-1].text
+
+
+def test_pieces_are_cut_in_quiet_moments_and_streamed_in_order() -> None:
+    """A cut lands in the silence before the limit; the pieces hold every frame once. Text of
+    a later piece waits for the pieces before it."""
+    audio = wav(np.concatenate([clip(0.72, 23), np.zeros(480, np.float32), clip(1.0, 24)]))
+    pieces = split_wav(audio, 1.0)
+    frames = [wave.open(io.BytesIO(p)).readframes(10**9) for p in pieces]
+    assert b"".join(frames) == wave.open(io.BytesIO(audio)).readframes(10**9)
+    assert 0.72 * RATE <= len(frames[0]) // 2 <= 0.75 * RATE and all(len(f) // 2 <= RATE for f in frames)
+    order = InOrder(3)
+    assert order.add(2, " third.", True) == "" and order.add(1, " second", False) == ""
+    assert order.add(0, " first", False) == "first"
+    assert order.add(0, " one ", True) == " one second"
+    assert order.add(1, " two", True) == " two third."
+    assert order.sent == joined([" first one ", " second two", " third."])
 
 
 @pytest.mark.parametrize(("extra", "error", "param"), [

@@ -113,6 +113,7 @@ def test_bad_clips_fail_with_the_reason(llm: LLM) -> None:
         ({"audio": [clip(0.2, 6), clip(0.2, 7)]}, "1 audio placeholder(s) (token id 10) but 2 audio item(s)"),
         ({"image": b"\x89PNG"}, "kind 'image' is not supported by this model; it takes: audio"),
         ({"audio": (clip(0.2, 8), 0)}, "sampling rate must be a positive number"),
+        ({"audio": clip(0.01, 9)}, "audio 0 lasts 10 ms, too short to make a single audio token"),
     ]
     for data, message in cases:
         with pytest.raises(ValueError, match=None) as info:
