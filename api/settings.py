@@ -93,6 +93,9 @@ class Settings(BaseSettings):
     webhook_url: str | None = None
     webhook_secret: str | None = None  # whsec_<base64>, as OpenAI's dashboard gives one
     webhook_max_attempts: int = 8
+    # a sender (an API process) not seen this long, with no event pending, leaves the group
+    # (one that stopped); a live one reads every second, and reading joins it again
+    webhook_sender_ttl_s: float = 60.0
     # vLLM's --otlp-traces-endpoint: a span per request to this OpenTelemetry collector (OTLP
     # over HTTP), the parent of the workers' spans of its jobs (producer.tracing)
     otlp_traces_endpoint: str | None = None

@@ -57,6 +57,23 @@ def backoff_s(attempts: int) -> float:
     return min(2.0 ** (attempts - 1), MAX_BACKOFF_S)
 
 
+# Drop stopped senders. KEYS[1]: the outbox. ARGV[1] the group, [2] this sender, [3] idle ms.
+# One script: a sender is dropped only if it still has nothing pending (XGROUP DELCONSUMER
+# would lose what it holds). Returns the names dropped.
+PRUNE_LUA = """
+local gone = {}
+for _, row in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for i = 1, #row, 2 do info[row[i]] = row[i + 1] end
+  if info['name'] ~= ARGV[2] and info['pending'] == 0 and info['idle'] >= tonumber(ARGV[3]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info['name'])
+    gone[#gone + 1] = info['name']
+  end
+end
+return gone
+"""
+
+
 class Webhooks:
     """One API process's side of the outbox: adding events, and (`run`) sending them; a no-op
     without GENQ_WEBHOOK_URL."""
@@ -64,6 +81,8 @@ class Webhooks:
     def __init__(self, settings: Settings, conn: redis.asyncio.Redis, keys: Keys) -> None:
         self.url, self.secret = settings.webhook_url, settings.webhook_secret or ""
         self.max_attempts = settings.webhook_max_attempts
+        self.sender_ttl_s = settings.webhook_sender_ttl_s
+        self._pruned_at = -settings.webhook_sender_ttl_s  # (monotonic)
         self.conn, self.keys = conn, keys
         self.consumer = f"api-{uuid.uuid4().hex[:12]}"
 
@@ -92,6 +111,7 @@ class Webhooks:
                         grouped = True
                     await self._retry(http)
                     await self._send_new(http)
+                    await self._prune()
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     log.warning("webhook sender: Redis unavailable (%s); retrying", exc)
                     await asyncio.sleep(1.0)
@@ -106,6 +126,19 @@ class Webhooks:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+
+    async def _prune(self) -> None:
+        """Drop from the group the senders of API processes that stopped: unseen for
+        GENQ_WEBHOOK_SENDER_TTL_S, with nothing pending (their pending events are claimed by
+        the others first). Without it every restart would leave a consumer behind for good."""
+        if time.monotonic() - self._pruned_at < self.sender_ttl_s / 2:
+            return
+        self._pruned_at = time.monotonic()
+        gone = await self.conn.eval(PRUNE_LUA, 1, self.keys.webhook_outbox, self.keys.webhook_senders,  # type: ignore[misc]
+                                    self.consumer, str(int(self.sender_ttl_s * 1000)))
+        if gone:
+            log.info("webhook senders gone for %.0f s left the group: %s", self.sender_ttl_s,
+                     ", ".join(g.decode() for g in gone))
 
     async def _send_new(self, http: httpx.AsyncClient) -> None:
         reply = await self.conn.xreadgroup(self.keys.webhook_senders, self.consumer, {self.keys.webhook_outbox: ">"},

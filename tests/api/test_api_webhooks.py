@@ -16,9 +16,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 from batch_support import chat_line, run_batch, wait_done
 
 from api.settings import Settings
+from producer.protocol import Keys
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 
@@ -85,12 +87,18 @@ def test_an_event_one_api_process_could_not_send_is_sent_by_another(
         poll(lambda: other.responses.retrieve(queued.id).status == "incomplete", 30.0, "the response's end")
         poll(lambda: "genq:webhook_events_unsent 1.0" in unsent(url), 30.0, "the event waiting")
     later = Receiver()
+    conn = redis.Redis.from_url(live_worker)
     try:
-        with serve_api(Settings(redis_url=live_worker, webhook_url=later.url, webhook_secret=SECRET)) as url:
+        settings = Settings(redis_url=live_worker, webhook_url=later.url, webhook_secret=SECRET, webhook_sender_ttl_s=1.0)
+        with serve_api(settings) as url:
             [event] = poll(lambda: later.of(queued.id), 30.0, "the event, from the outbox")
             poll(lambda: "genq:webhook_events_unsent 0.0" in unsent(url), 30.0, "the outbox emptied")
+            # the stopped process's sender, its event taken over, leaves the group; the live one stays
+            poll(lambda: len(conn.xinfo_consumers(Keys().webhook_outbox, Keys().webhook_senders)) == 1, 30.0,
+                 "the stopped sender dropped")
     finally:
         later.server.shutdown()
+        conn.close()
     assert event.type == "response.incomplete"
 
 
