@@ -71,14 +71,19 @@ async def _fetch(client: httpx.AsyncClient, url: str, where: str, max_bytes: int
         raise invalid_param(where, f"fetching {url} failed: {type(e).__name__}") from None
 
 
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # input_audio's `format`s taken (the worker reads the bytes)
+
+
 def audio_part(part: Any, where: str) -> dict[str, Any]:
-    """The job's part for an audio clip: its WAV bytes, from OpenAI's `input_audio` ({"data":
-    base64, "format": "wav"}) or vLLM's `audio_url` (a data URL); 400 naming `where`. Clips
-    are not fetched from URLs; the worker reads the WAV and says what it cannot."""
+    """The job's part for an audio clip: its file's bytes, from OpenAI's `input_audio`
+    ({"data": base64, "format": "wav" or "mp3"}) or vLLM's `audio_url` (a data URL); 400
+    naming `where`. Clips are not fetched from URLs; the worker reads the file and says what
+    it cannot."""
     if part.type == "input_audio":
         audio = part.input_audio or {}
-        if audio.get("format", "wav") != "wav":
-            raise invalid_param(f"{where}.format", f"audio format {audio.get('format')!r} is not taken: send wav")
+        if audio.get("format", "wav") not in AUDIO_FORMATS:
+            raise invalid_param(f"{where}.format", f"audio format {audio.get('format')!r} is not taken: "
+                                f"send {', '.join(AUDIO_FORMATS)}")
         if not isinstance(audio.get("data"), str):
             raise invalid_param(f"{where}.data", "input_audio needs its data: the WAV file, base64")
         try:

@@ -73,6 +73,7 @@ class AudioRequest:
         if len(audio) > max_bytes:
             raise APIError(413, f"The file is over the limit of {max_bytes} bytes (GENQ_MAX_AUDIO_BYTES).",
                            param="file", code="file_too_large")
+        audio = as_wav(audio)
         text = {k: v for k, v in form.items() if isinstance(v, str)}
         if not text.get("model"):
             raise invalid_param("model", "model is required")
@@ -96,7 +97,6 @@ class AudioRequest:
                                 f"got {self.response_format!r}")
         if self.stream and self.response_format == "verbose_json":
             raise invalid_param("stream", "a stream sends text events: ask for json or text")
-        duration_s(self.audio)  # a WAV the API can read, so the 400 comes before the job
 
     def as_chats(self, settings: Settings) -> list[ChatCompletionRequest]:
         """The chats that do the work, one per piece of at most GENQ_AUDIO_CHUNK_S (each run
@@ -169,13 +169,36 @@ def _loudness(frames: bytes, width: int, channels: int) -> np.ndarray | None:
     return np.square(samples).reshape(-1, channels).sum(axis=1)
 
 
-def duration_s(audio: bytes) -> float:
-    """The clip's length in seconds; 400 naming `file` when it is not WAV."""
+def as_wav(audio: bytes) -> bytes:
+    """An uploaded file as PCM WAV (which the pieces are cut from): itself when it is one, else
+    decoded (MP3, FLAC, OGG, ...: libsndfile's formats) into 16-bit samples; 400 naming `file`
+    when it is not audio."""
     try:
         with wave.open(io.BytesIO(audio)) as reader:
-            return reader.getnframes() / reader.getframerate()
-    except (wave.Error, EOFError, ZeroDivisionError) as e:
-        raise invalid_param("file", f"the file must be WAV audio (PCM): {e}") from None
+            if reader.getframerate() > 0:
+                return audio
+    except (wave.Error, EOFError):
+        pass
+    import soundfile
+
+    try:
+        samples, rate = soundfile.read(io.BytesIO(audio), dtype="int16", always_2d=True)
+    except (RuntimeError, TypeError) as e:  # (soundfile's errors are RuntimeErrors)
+        why = getattr(e, "error_string", None) or str(e)
+        raise invalid_param("file", f"the file is not audio that can be read (WAV, MP3, FLAC, OGG, ...): {why}") from None
+    out = io.BytesIO()
+    with wave.open(out, "wb") as writer:
+        writer.setnchannels(samples.shape[1])
+        writer.setsampwidth(2)
+        writer.setframerate(int(rate))
+        writer.writeframes(samples.astype("<i2").tobytes())
+    return out.getvalue()
+
+
+def duration_s(audio: bytes) -> float:
+    """A WAV's length in seconds."""
+    with wave.open(io.BytesIO(audio)) as reader:
+        return reader.getnframes() / reader.getframerate()
 
 
 def usage_of(usage: Usage) -> dict[str, Any]:

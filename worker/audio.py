@@ -1,11 +1,11 @@
 """Audio clips in prompts, read into what an audio encoder's feature extractor takes: mono
 float32 samples at its sampling rate.
 
-A clip comes as WAV bytes (PCM, 8 to 32 bits, any rate and channel count), as a base64 data
-URL of them (data:audio/wav;base64,...), or as samples already decoded: vLLM's `(array,
-sampling rate)` pair, or an array at the extractor's rate. Channels are averaged; another
-rate is resampled, band-limited, through the clip's spectrum. Other containers (mp3, flac,
-ogg) are refused with the reason: decode them to WAV first.
+A clip comes as the bytes of an audio file (WAV, PCM of 8 to 32 bits, read by the standard
+library; MP3, FLAC, OGG and the other formats of libsndfile, through soundfile), any rate and
+channel count, as a base64 data URL of them (data:audio/wav;base64,...), or as samples
+already decoded: vLLM's `(array, sampling rate)` pair, or an array at the extractor's rate.
+Channels are averaged; another rate is resampled, band-limited, through the clip's spectrum.
 """
 
 from __future__ import annotations
@@ -56,10 +56,8 @@ def _wav(data: bytes, index: int) -> tuple[np.ndarray, int]:
         with wave.open(io.BytesIO(data)) as reader:
             width, channels, rate = reader.getsampwidth(), reader.getnchannels(), reader.getframerate()
             frames = reader.readframes(reader.getnframes())
-    except (wave.Error, EOFError) as e:
-        kind = {b"ID3": "mp3", b"fLa": "flac", b"Ogg": "ogg"}.get(data[:3], "")
-        what = f"{kind} audio" if kind else "not a WAV file"
-        raise ValueError(f"audio {index} is {what} ({e}): send WAV (PCM) audio") from None
+    except (wave.Error, EOFError):
+        return _other(data, index)
     if width == 3:  # 24-bit: widened to 32 bits, the low byte zero
         raw = np.frombuffer(frames, dtype=np.uint8).reshape(-1, 3)
         samples = (np.pad(raw, ((0, 0), (1, 0))).view("<i4")[:, 0].astype(np.float64)) / 2**31
@@ -69,6 +67,18 @@ def _wav(data: bytes, index: int) -> tuple[np.ndarray, int]:
     else:
         raise ValueError(f"audio {index}: WAV samples of {width} bytes are not read; send 8, 16, 24 or 32-bit PCM")
     return samples.reshape(-1, channels).mean(axis=1).astype(np.float32), rate
+
+
+def _other(data: bytes, index: int) -> tuple[np.ndarray, int]:
+    """A file of another format than PCM WAV (MP3, FLAC, OGG, float WAV, ...), via libsndfile."""
+    import soundfile
+
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (RuntimeError, TypeError) as e:  # (soundfile's errors are RuntimeErrors)
+        why = getattr(e, "error_string", None) or str(e)
+        raise ValueError(f"audio {index} is not audio that can be read (WAV, MP3, FLAC, OGG, ...): {why}") from None
+    return samples.mean(axis=1).astype(np.float32), int(rate)
 
 
 def _array(samples: Any, index: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Audio clips in Qwen2-Audio prompts, on a tiny Qwen2-Audio: greedy tokens against
 transformers' Qwen2AudioForConditionalGeneration given the same samples (its Whisper feature
-extractor, its audio tower, its placeholder count), clips given as samples, WAV bytes and
-chat parts; and the reading of clips (WAV decoding, resampling) against numbers worked out
+extractor, its audio tower, its placeholder count), clips given as samples, WAV and FLAC bytes
+and chat parts; and the reading of clips (WAV decoding, resampling) against numbers worked out
 by hand."""
 
 from __future__ import annotations
@@ -31,9 +31,22 @@ def clip(seconds: float, seed: int, rate: int = RATE) -> np.ndarray:
     return (tones + rng.normal(0, 0.02, t.shape)).astype(np.float32)
 
 
+def pcm16(samples: np.ndarray) -> np.ndarray:
+    return np.clip(np.round(samples * 32767), -32768, 32767).astype("<i2")
+
+
+def flac(samples: np.ndarray, rate: int = RATE) -> bytes:
+    """FLAC bytes of the 16-bit samples wav() writes: lossless, so they read back the same."""
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, pcm16(samples), rate, format="FLAC", subtype="PCM_16")
+    return out.getvalue()
+
+
 def wav(samples: np.ndarray, rate: int = RATE, channels: int = 1) -> bytes:
     """16-bit PCM WAV bytes of `samples` (repeated on each channel)."""
-    ints = np.clip(np.round(samples * 32767), -32768, 32767).astype("<i2")
+    ints = pcm16(samples)
     out = io.BytesIO()
     with wave.open(out, "wb") as writer:
         writer.setnchannels(channels)
@@ -96,6 +109,7 @@ def test_clips_as_wav_bytes_and_chat_parts(llm: LLM, tiny_qwen2_audio_dir: Path)
     assert len(read) == 8000
     by_bytes = llm.generate({"prompt": ONE[0], "multi_modal_data": {"audio": data}}, GREEDY, use_tqdm=False)
     assert by_bytes[0].outputs[0].token_ids == hf_greedy(tiny_qwen2_audio_dir, ONE[0], [read])
+    assert np.array_equal(read_clip(flac(samples, rate=8000), 0, RATE), read)  # FLAC, through libsndfile
     encoded = base64.b64encode(data).decode()
     parts = [{"type": "input_audio", "input_audio": {"data": encoded, "format": "wav"}},
              {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{encoded}"}}]
@@ -109,7 +123,7 @@ def test_clips_as_wav_bytes_and_chat_parts(llm: LLM, tiny_qwen2_audio_dir: Path)
 def test_bad_clips_fail_with_the_reason(llm: LLM) -> None:
     cases = [
         ({"audio": clip(1.5, 5)}, "lasts 1.5 s, longer than the model's window of 1 s"),
-        ({"audio": b"ID3\x04" + bytes(40)}, "audio 0 is mp3 audio"),
+        ({"audio": b"ID3\x04" + bytes(40)}, "audio 0 is not audio that can be read (WAV, MP3, FLAC, OGG, ...)"),
         ({"audio": [clip(0.2, 6), clip(0.2, 7)]}, "1 audio placeholder(s) (token id 10) but 2 audio item(s)"),
         ({"image": b"\x89PNG"}, "kind 'image' is not supported by this model; it takes: audio"),
         ({"audio": (clip(0.2, 8), 0)}, "sampling rate must be a positive number"),
