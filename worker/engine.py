@@ -277,10 +277,11 @@ class Engine:
             return self._check_embeds(embeds, params, pooling_params)
         text, prompt_ids = self._tokenize(prompt)
         images = prompt.get("image_inputs") if isinstance(prompt, dict) else None
+        if self.image_processor is None and isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise ValueError(f"this model ({self.model_config.architecture}) takes no images or audio")
         modality = "image" if self.image_processor is None else self.image_processor.modality
         if images is None and (given := images_of(prompt, modality)):
-            if self.image_processor is None:
-                raise ValueError(f"this model ({self.model_config.architecture}) takes no images")
+            assert self.image_processor is not None
             self.check_image_count(len(given.digests) if isinstance(given, PreparedImages) else len(given))
             if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(text, str):
                 prompt_ids = self._expanded_ids(text, prompt_ids, with_specials=True)
@@ -673,13 +674,14 @@ class Engine:
         """The prompt for a conversation (producer.chat_template.render_chat), with the
         images (or audio clips) its messages' content parts carry (worker.multimodal.chat_media)."""
         messages, images, modality = chat_media(messages)
+        if images and self.image_processor is None:  # (before a text model's template chokes on parts)
+            raise ValueError(f"this model ({self.model_config.architecture}) takes no images or audio")
         prompt = render_chat(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
                              **template_kwargs)
         if not images:
             return prompt
-        if self.image_processor is not None:
-            prompt["prompt_token_ids"] = self._expanded_ids(prompt["prompt"], prompt["prompt_token_ids"],
-                                                            with_specials=False)
+        prompt["prompt_token_ids"] = self._expanded_ids(prompt["prompt"], prompt["prompt_token_ids"],
+                                                        with_specials=False)
         return {**prompt, "multi_modal_data": {modality: images}}
 
 

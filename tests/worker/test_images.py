@@ -162,8 +162,11 @@ def test_more_images_than_max_images_per_prompt_are_refused(tiny_mistral3_dir):
 
 def test_a_text_model_takes_no_images(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
-    with pytest.raises(ValueError, match="takes no images"):
+    with pytest.raises(ValueError, match="takes no images or audio"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": picture(8, 8, 0)}}, GREEDY, use_tqdm=False)
+    chat = [{"role": "user", "content": [{"type": "audio", "audio": b"RIFF"}, {"type": "text", "text": "hi"}]}]
+    with pytest.raises(ValueError, match=r"this model \(LlamaForCausalLM\) takes no images or audio"):
+        llm.chat(chat, GREEDY, use_tqdm=False)
 
 
 def test_other_image_text_models_take_no_images(tiny_image_text_dir):
