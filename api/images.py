@@ -18,6 +18,7 @@ import httpx
 
 from api.errors import invalid_param
 from api.settings import Settings
+from producer.audio import AUDIO_RATE, read_clip, to_wav
 from producer.data_urls import decode_data_url, image_url_of, is_data_url
 
 
@@ -75,26 +76,31 @@ AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # input_audio's `format`s taken (
 
 
 def audio_part(part: Any, where: str) -> dict[str, Any]:
-    """The job's part for an audio clip: its file's bytes, from OpenAI's `input_audio`
-    ({"data": base64, "format": "wav" or "mp3"}) or vLLM's `audio_url` (a data URL); 400
-    naming `where`. Clips are not fetched from URLs; the worker reads the file and says what
-    it cannot."""
+    """The job's part for an audio clip, from OpenAI's `input_audio` ({"data": base64,
+    "format": "wav" or "mp3"}) or vLLM's `audio_url` (a data URL): the clip read here and
+    queued as 16-bit mono WAV at 16 kHz (producer.audio), whatever it came as, so the job
+    stays small; 400 naming `where` for what is not a readable clip. Clips are not fetched
+    from URLs."""
     if part.type == "input_audio":
         audio = part.input_audio or {}
         if audio.get("format", "wav") not in AUDIO_FORMATS:
             raise invalid_param(f"{where}.format", f"audio format {audio.get('format')!r} is not taken: "
                                 f"send {', '.join(AUDIO_FORMATS)}")
         if not isinstance(audio.get("data"), str):
-            raise invalid_param(f"{where}.data", "input_audio needs its data: the WAV file, base64")
+            raise invalid_param(f"{where}.data", "input_audio needs its data: the audio file, base64")
         try:
-            return {"type": "audio", "audio": base64.b64decode(audio["data"], validate=True)}
+            data = base64.b64decode(audio["data"], validate=True)
         except binascii.Error:
             raise invalid_param(f"{where}.data", "input_audio data is not valid base64") from None
-    url = str(image_url_of({"image_url": part.audio_url}) or "")
+    else:
+        try:
+            data = decode_data_url(str(image_url_of({"image_url": part.audio_url}) or ""))
+        except ValueError as e:
+            raise invalid_param(where, f"an audio_url must be a base64 data URL (data:audio/wav;base64,...): {e}") from None
     try:
-        return {"type": "audio", "audio": decode_data_url(url)}
+        return {"type": "audio", "audio": to_wav(read_clip(data, "the clip", AUDIO_RATE), AUDIO_RATE)}
     except ValueError as e:
-        raise invalid_param(where, f"an audio_url must be a base64 data URL (data:audio/wav;base64,...): {e}") from None
+        raise invalid_param(where, str(e)) from None
 
 
 def url_of(part: Any) -> str:

@@ -32,6 +32,7 @@ from api.responses import Usage
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.settings import Settings
 from api.sse import DONE, format_sse
+from producer.audio import AUDIO_RATE, read_clip, to_wav
 
 FORMATS = ("json", "text", "verbose_json")
 TIMESTAMPED = ("srt", "vtt")
@@ -170,29 +171,12 @@ def _loudness(frames: bytes, width: int, channels: int) -> np.ndarray | None:
 
 
 def as_wav(audio: bytes) -> bytes:
-    """An uploaded file as PCM WAV (which the pieces are cut from): itself when it is one, else
-    decoded (MP3, FLAC, OGG, ...: libsndfile's formats) into 16-bit samples; 400 naming `file`
-    when it is not audio."""
+    """An uploaded file (WAV, MP3, FLAC, OGG, ...) as the 16-bit mono WAV at 16 kHz the pieces
+    are cut from and the jobs carry (producer.audio); 400 naming `file` when it is no audio."""
     try:
-        with wave.open(io.BytesIO(audio)) as reader:
-            if reader.getframerate() > 0:
-                return audio
-    except (wave.Error, EOFError):
-        pass
-    import soundfile
-
-    try:
-        samples, rate = soundfile.read(io.BytesIO(audio), dtype="int16", always_2d=True)
-    except (RuntimeError, TypeError) as e:  # (soundfile's errors are RuntimeErrors)
-        why = getattr(e, "error_string", None) or str(e)
-        raise invalid_param("file", f"the file is not audio that can be read (WAV, MP3, FLAC, OGG, ...): {why}") from None
-    out = io.BytesIO()
-    with wave.open(out, "wb") as writer:
-        writer.setnchannels(samples.shape[1])
-        writer.setsampwidth(2)
-        writer.setframerate(int(rate))
-        writer.writeframes(samples.astype("<i2").tobytes())
-    return out.getvalue()
+        return to_wav(read_clip(audio, "the file", AUDIO_RATE), AUDIO_RATE)
+    except ValueError as e:
+        raise invalid_param("file", str(e)) from None
 
 
 def duration_s(audio: bytes) -> float:

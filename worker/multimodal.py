@@ -20,7 +20,7 @@ Supported:
   positions run behind its length by a fixed delta from its last image on.
 
 - Qwen2-Audio takes audio clips instead (vLLM's `multi_modal_data={"audio": ...}`; chat
-  parts `input_audio`, `audio_url`, `audio`): each clip (worker.audio reads WAV bytes, data
+  parts `input_audio`, `audio_url`, `audio`): each clip (producer.audio reads WAV bytes, data
   URLs or samples, resampled to 16 kHz) becomes its Whisper log-mel features, in the
   encoder's 30 s window, and its <|AUDIO|> one token per two encoder frames that hold sound.
   The same machinery carries them as it does images: a clip is an item of the prompt, its
@@ -308,9 +308,9 @@ class AudioClips(ImageProcessor):
         self.image_token_id = self.placeholder_id = int(hf_config.audio_token_index)
 
     def _read(self, item: Any, index: int) -> Any:
-        from worker.audio import read_clip
+        from producer.audio import read_clip
 
-        clip = read_clip(item, index, self.features.sampling_rate)
+        clip = read_clip(item, f"audio {index}", self.features.sampling_rate)
         if len(clip) > self.features.n_samples:
             raise ValueError(f"audio {index} lasts {len(clip) / self.features.sampling_rate:.1f} s, longer than "
                              f"the model's window of {self.features.chunk_length} s: split it")

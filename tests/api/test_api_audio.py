@@ -16,9 +16,12 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+import redis
 
 from api.settings import Settings
 from api.transcriptions import InOrder, joined, split_wav
+from producer.audio import read_clip, to_wav
+from producer.protocol import Keys, decode_job
 from worker import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "worker"))
@@ -40,6 +43,15 @@ def _messages(part: dict) -> list[dict]:
 
 
 INPUT_AUDIO = {"type": "input_audio", "input_audio": {"data": DATA, "format": "wav"}}
+
+
+def normalized(audio: bytes) -> bytes:
+    """The clip as the API queues it: 16-bit mono WAV at 16 kHz."""
+    return to_wav(read_clip(audio, "the clip", RATE), RATE)
+
+
+# what the worker gets for INPUT_AUDIO: the oracle is the offline engine given that
+QUEUED_AUDIO = {"type": "input_audio", "input_audio": {"data": base64.b64encode(normalized(WAV)).decode()}}
 AUDIO_URL = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{DATA}"}}
 
 
@@ -60,11 +72,17 @@ def llm(tiny_qwen2_audio_dir: Path) -> LLM:
 def offline(llm: LLM):
     """The offline engine's greedy reply to the question with the clip."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    return llm.chat(_messages(INPUT_AUDIO), params, use_tqdm=False)[0]
+    return llm.chat(_messages(QUEUED_AUDIO), params, use_tqdm=False)[0]
 
 
-def test_chat_with_a_clip_as_input_audio_and_as_an_audio_url(oai: openai.OpenAI, served_model: str, offline) -> None:
+def test_chat_with_a_clip_as_input_audio_and_as_an_audio_url(oai: openai.OpenAI, served_model: str, offline,
+                                                              live_worker: str) -> None:
     reply = oai.chat.completions.create(model=served_model, messages=_messages(INPUT_AUDIO), **GREEDY)
+    [(_, fields)] = redis.Redis.from_url(live_worker).xrevrange(Keys().requests, count=1)
+    queued = decode_job(fields).messages[0]["content"][1]  # the 8 kHz clip, queued at 16 kHz
+    assert queued["type"] == "audio" and queued["audio"] == normalized(WAV)
+    with wave.open(io.BytesIO(queued["audio"])) as reader:
+        assert (reader.getframerate(), reader.getnchannels(), reader.getsampwidth()) == (RATE, 1, 2)
     assert reply.choices[0].message.content == offline.outputs[0].text
     assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
     assert offline.prompt_token_ids.count(10) == 12  # half a second: 50 mel frames, 25 positions, 12 tokens
@@ -88,7 +106,7 @@ def test_the_responses_api_takes_input_audio(oai: openai.OpenAI, served_model: s
     ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, "must be a base64 data URL",
      "messages[0].content[1].audio_url"),
     ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"ID3" + bytes(60)).decode()}},
-     "audio 0 is not audio that can be read", None),  # read by the worker
+     "the clip is not audio that can be read", "messages[0].content[1].input_audio"),  # read by the API
     ({"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(clip(1.5, 12))).decode()}},
      "longer than the model's window of 1 s", None),
 ])
@@ -105,7 +123,7 @@ def offline_reply(llm: LLM, instruction: str, audio: bytes = WAV) -> str:
     part = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     chats = [[{"role": "user", "content": [{**part, "input_audio": {"data": base64.b64encode(piece).decode()}},
                                            {"type": "text", "text": instruction}]}]
-             for piece in split_wav(audio, 1.0)]
+             for piece in split_wav(normalized(audio), 1.0)]
     replies = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     return joined([r.outputs[0].text for r in replies])
 

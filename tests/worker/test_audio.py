@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from producer.audio import read_clip, resample, to_wav
 from worker import LLM, SamplingParams
-from worker.audio import read_clip, resample
 
 RATE = 16_000
 AUDIO = "<issue_start><issue_closed><issue_comment>"  # the fixture's audio bos, <|AUDIO|> (id 10), audio eos
@@ -105,11 +105,11 @@ def test_clips_as_wav_bytes_and_chat_parts(llm: LLM, tiny_qwen2_audio_dir: Path)
     input_audio part and vLLM's audio_url part carry it in a chat, as the prompt form does."""
     samples = clip(0.5, 4, rate=8000)
     data = wav(samples, rate=8000, channels=2)
-    read = read_clip(data, 0, RATE)
+    read = read_clip(data, "audio 0", RATE)
     assert len(read) == 8000
     by_bytes = llm.generate({"prompt": ONE[0], "multi_modal_data": {"audio": data}}, GREEDY, use_tqdm=False)
     assert by_bytes[0].outputs[0].token_ids == hf_greedy(tiny_qwen2_audio_dir, ONE[0], [read])
-    assert np.array_equal(read_clip(flac(samples, rate=8000), 0, RATE), read)  # FLAC, through libsndfile
+    assert np.array_equal(read_clip(flac(samples, rate=8000), "audio 0", RATE), read)  # FLAC, through libsndfile
     encoded = base64.b64encode(data).decode()
     parts = [{"type": "input_audio", "input_audio": {"data": encoded, "format": "wav"}},
              {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{encoded}"}}]
@@ -148,7 +148,9 @@ def test_wav_decoding_and_resampling_by_hand() -> None:
             writer.setsampwidth(width)
             writer.setframerate(RATE)
             writer.writeframes(ints.tobytes())
-        assert np.allclose(read_clip(data.getvalue(), 0, RATE), ramp, atol=1 / 127), width
+        assert np.allclose(read_clip(data.getvalue(), "audio 0", RATE), ramp, atol=1 / 127), width
+    sixteen = wav(clip(0.1, 30))  # 16-bit mono at 16 kHz: what the API queues, back byte for byte
+    assert to_wav(read_clip(sixteen, "audio 0", RATE), RATE) == sixteen
     t8, t16 = np.arange(800) / 8000, np.arange(1600) / 16000
     tone = np.sin(2 * np.pi * 500 * t8)  # whole periods: its spectrum is exact
     assert np.allclose(resample(tone, 8000, 16000), np.sin(2 * np.pi * 500 * t16), atol=1e-6)
