@@ -51,7 +51,7 @@ class AudioRequest:
     """A transcription's or translation's form fields."""
 
     task: str  # "transcribe" | "translate"
-    audio: bytes  # the uploaded file: WAV
+    audio: bytes  # the upload as 16-bit mono WAV at 16 kHz (as_wav)
     model: str
     language: str | None = None
     prompt: str | None = None
@@ -74,6 +74,8 @@ class AudioRequest:
         if len(audio) > max_bytes:
             raise APIError(413, f"The file is over the limit of {max_bytes} bytes (GENQ_MAX_AUDIO_BYTES).",
                            param="file", code="file_too_large")
+        if form.getlist("include[]"):
+            raise invalid_param("include", "include (logprobs) is not given by genq's audio endpoints")
         audio = as_wav(audio)
         text = {k: v for k, v in form.items() if isinstance(v, str)}
         if not text.get("model"):

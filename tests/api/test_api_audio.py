@@ -190,6 +190,7 @@ def test_pieces_are_cut_in_quiet_moments_and_streamed_in_order() -> None:
     ({"timestamp_granularities": ["word"], "response_format": "verbose_json"}, "timestamps are not given",
      "timestamp_granularities"),
     ({"file": ("clip.mp3", b"ID3" + bytes(60))}, "the file is not audio that can be read", "file"),
+    ({"include": ["logprobs"]}, "include \\(logprobs\\) is not given", "include"),
 ])
 def test_what_transcriptions_cannot_do_is_a_400(oai: openai.OpenAI, served_model: str, extra: dict, error: str,
                                                 param: str) -> None:
