@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from api.errors import invalid_param
+from api.schemas import MEDIA_PARTS
 from api.settings import Settings
 from producer.audio import AUDIO_RATE, read_clip, to_wav
 from producer.data_urls import decode_data_url, image_url_of, is_data_url
@@ -36,13 +37,15 @@ def image_part(url: str, where: str) -> dict[str, Any]:
 async def inline_image_urls(messages: list[Any], settings: Settings) -> None:
     """Replace each http(s) image URL of the messages' content parts by a data URL of what it
     serves; 400 naming the part when it cannot be fetched, is too large, or fetching is off,
-    and naming `messages` when they hold more images than GENQ_MAX_IMAGES_PER_REQUEST."""
-    images = [(f"messages[{i}].content[{j}].image_url", part) for i, message in enumerate(messages)
-              if isinstance(message.content, list) for j, part in enumerate(message.content)
-              if part.type == "image_url"]
-    if len(images) > settings.max_images_per_request:
-        raise invalid_param("messages", f"the messages hold {len(images)} images, more than this server takes in "
-                            f"one request ({settings.max_images_per_request}, GENQ_MAX_IMAGES_PER_REQUEST)")
+    and naming `messages` when they hold more images (or audio clips) than
+    GENQ_MAX_IMAGES_PER_REQUEST (each is an encoder run)."""
+    media = [(f"messages[{i}].content[{j}].{part.type}", part) for i, message in enumerate(messages)
+             if isinstance(message.content, list) for j, part in enumerate(message.content)
+             if part.type in MEDIA_PARTS]
+    if len(media) > settings.max_images_per_request:
+        raise invalid_param("messages", f"the messages hold {len(media)} images or clips, more than this server "
+                            f"takes in one request ({settings.max_images_per_request}, GENQ_MAX_IMAGES_PER_REQUEST)")
+    images = [(where, part) for where, part in media if part.type == "image_url"]
     wanted = [(where, part) for where, part in images if url_of(part).startswith(("http://", "https://"))]
     if not wanted:
         return

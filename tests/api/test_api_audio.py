@@ -90,6 +90,13 @@ def test_chat_with_a_clip_as_input_audio_and_as_an_audio_url(oai: openai.OpenAI,
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline.outputs[0].text
 
 
+def test_clips_count_against_the_images_per_request(oai: openai.OpenAI, served_model: str) -> None:
+    messages = [{"role": "user", "content": [INPUT_AUDIO] * 9}]  # GENQ_MAX_IMAGES_PER_REQUEST is 8
+    with pytest.raises(openai.BadRequestError, match="hold 9 images or clips, more than this server takes") as info:
+        oai.chat.completions.create(model=served_model, messages=messages, **GREEDY)
+    assert info.value.body["param"] == "messages"
+
+
 def test_the_responses_api_takes_input_audio(oai: openai.OpenAI, served_model: str, offline) -> None:
     content = [{"type": "input_text", "text": "What do you hear? "},
                {"type": "input_audio", "input_audio": {"data": DATA, "format": "wav"}}]

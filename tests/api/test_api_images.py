@@ -122,7 +122,7 @@ def test_fetching_can_be_turned_off_and_images_capped(live_worker: str, serve_ap
                                            **GREEDY)
         two = _messages(DATA_URL)
         two[0]["content"].append(two[0]["content"][1])
-        with pytest.raises(openai.BadRequestError, match="hold 2 images, more than this server takes") as info:
+        with pytest.raises(openai.BadRequestError, match="hold 2 images or clips, more than this server takes") as info:
             client.chat.completions.create(model=served_model, messages=two, **GREEDY)
         assert info.value.body["param"] == "messages"
         client.close()

@@ -120,6 +120,22 @@ def test_clips_as_wav_bytes_and_chat_parts(llm: LLM, tiny_qwen2_audio_dir: Path)
     assert [r.outputs[0].token_ids for r in replies] == [expected, expected]
 
 
+def test_the_prefix_cache_tells_clips_apart(tiny_qwen2_audio_dir: Path) -> None:
+    """The same words around another clip share blocks only up to the clip's; around the same
+    clip again, past it, and the clip is not encoded again."""
+    llm = LLM(str(tiny_qwen2_audio_dir), dtype="float32", num_gpu_blocks_override=64, block_size=16)
+    text = ("Some words to fill the first block of sixteen tokens, and more of them. " * 2 + f"Now: {AUDIO}."
+            + " And then more words after the clip, enough to fill its block and another.")
+    first, second = clip(0.4, 31), clip(0.4, 32)
+    ran = [llm.generate({"prompt": text, "multi_modal_data": {"audio": [c]}}, GREEDY, use_tqdm=False)[0]
+           for c in (first, second, first)]
+    start = ran[0].prompt_token_ids.index(10)
+    assert ran[1].num_cached_tokens == start // 16 * 16
+    assert ran[2].num_cached_tokens > start + 10
+    assert ran[2].outputs[0].token_ids == ran[0].outputs[0].token_ids
+    assert llm.engine.runner.image_embeds.num_encoded == 2
+
+
 def test_bad_clips_fail_with_the_reason(llm: LLM) -> None:
     cases = [
         ({"audio": clip(1.5, 5)}, "lasts 1.5 s, longer than the model's window of 1 s"),
