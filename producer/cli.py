@@ -133,6 +133,11 @@ def run_redis(args: argparse.Namespace) -> int:
 def build_submit(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("prompt")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    parser.add_argument("--image", action="append", default=[], metavar="FILE",
+                        help="an image the user message shows before its text (implies --chat; repeatable)")
+    parser.add_argument("--audio", action="append", default=[], metavar="FILE",
+                        help="an audio clip (WAV, MP3, FLAC, ...) the user message plays before its text "
+                        "(implies --chat; repeatable)")
     parser.add_argument("--embed", action="store_true",
                         help="an embedding job: print the prompt's vector as a JSON list")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -161,7 +166,7 @@ def run_submit(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams.from_dict(_submit_params(args)) if not args.embed else SamplingParams()
-        prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+        prompt = _submit_prompt(args)
         with Client(args.redis_url) as client:
             handle = client.submit(
                 prompt, params, priority=args.priority, job_id=args.job_id, model=args.model,
@@ -178,6 +183,32 @@ def run_submit(args: argparse.Namespace) -> int:
     except _redis_errors() as exc:
         print(f"genq: cannot reach Redis at {args.redis_url}: {exc}", file=sys.stderr)
         return 1
+
+
+def _submit_prompt(args: argparse.Namespace) -> Any:
+    """The text, or with --chat a user message; with --image or --audio its content parts:
+    each file's bytes (a clip read and queued as 16 kHz mono WAV, as the API does), then the
+    text. ValueError naming a file that cannot be read."""
+    if not (args.chat or args.image or args.audio):
+        return args.prompt
+    if not (args.image or args.audio):
+        return [{"role": "user", "content": args.prompt}]
+    from producer.audio import AUDIO_RATE, read_clip, to_wav
+
+    parts: list[dict[str, Any]] = []
+    for path in args.image:
+        parts.append({"type": "image", "image": _read_file(path)})
+    for path in args.audio:
+        parts.append({"type": "audio", "audio": to_wav(read_clip(_read_file(path), path, AUDIO_RATE), AUDIO_RATE)})
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": args.prompt}]}]
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -94,6 +94,37 @@ def test_submit_streams_chat_using_env_url(
     assert jobs[0].messages == [{"role": "user", "content": "hi there"}]
 
 
+def test_submit_attaches_images_and_clips_to_the_message(
+    redis_url: str, worker: FakeWorker, in_thread: RunInThread, tmp_path
+) -> None:
+    """--image and --audio files go before the text, the image as its bytes, the clip as the
+    API queues one: 16-bit mono WAV at 16 kHz (here from a stereo 8 kHz file)."""
+    import io
+    import wave
+
+    jobs = serve_one(worker, in_thread, ["ok"])
+    picture, clip = tmp_path / "a.png", tmp_path / "b.wav"
+    picture.write_bytes(b"\x89PNG not really")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as writer:
+        writer.setnchannels(2)
+        writer.setsampwidth(2)
+        writer.setframerate(8000)
+        writer.writeframes(bytes(4 * 800))  # 0.1 s of silence
+    clip.write_bytes(out.getvalue())
+    done = genq("submit", "Describe both", "--image", str(picture), "--audio", str(clip), "--redis-url", redis_url)
+    assert (done.returncode, done.stdout) == (0, "ok\n"), done.stderr
+    [message] = jobs[0].messages
+    image, audio, text = message["content"]
+    assert (image, text) == ({"type": "image", "image": picture.read_bytes()}, {"type": "text", "text": "Describe both"})
+    with wave.open(io.BytesIO(audio["audio"])) as reader:
+        assert (reader.getframerate(), reader.getnchannels(), reader.getsampwidth(), reader.getnframes()) == (16000, 1, 2, 1600)
+    bad = genq("submit", "x", "--audio", str(picture), "--redis-url", redis_url)
+    assert bad.returncode == 1 and f"{picture} is not audio that can be read" in bad.stderr
+    missing = genq("submit", "x", "--image", str(tmp_path / "none.png"), "--redis-url", redis_url)
+    assert missing.returncode == 1 and "cannot read" in missing.stderr
+
+
 def test_submit_embed_prints_the_vector(redis_url: str, worker: FakeWorker, in_thread: RunInThread) -> None:
     from producer.protocol import Event, pack_embedding
     from producer.records import JobRecord
