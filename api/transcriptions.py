@@ -127,49 +127,28 @@ CUT_FRAME_S = 0.02  # ... measured in frames of 20 ms
 
 
 def split_wav(audio: bytes, chunk_s: float) -> list[bytes]:
-    """A WAV cut into WAVs of at most `chunk_s` seconds (the model's window), each cut at the
-    quietest 20 ms of the second before its limit, so that few words are cut through; the
-    file itself when it is short enough. (8, 16 and 32-bit samples: 24-bit ones are cut at
-    the limit.)"""
+    """A 16-bit mono WAV (as_wav's) cut into WAVs of at most `chunk_s` seconds (the model's
+    window), each cut at the quietest 20 ms of the second before its limit, so that few words
+    are cut through; the file itself when it is short enough."""
     with wave.open(io.BytesIO(audio)) as reader:
-        params = reader.getparams()
-        frames = reader.readframes(params.nframes)
-    limit = int(chunk_s * params.framerate)
-    if params.nframes <= limit:
+        rate = reader.getframerate()
+        samples = np.frombuffer(reader.readframes(reader.getnframes()), dtype="<i2")
+    limit = int(chunk_s * rate)
+    if len(samples) <= limit:
         return [audio]
-    width = params.sampwidth * params.nchannels
-    loudness = _loudness(frames, params.sampwidth, params.nchannels)
-    step, search = max(1, int(CUT_FRAME_S * params.framerate)), min(int(CUT_SEARCH_S * params.framerate), limit // 2)
-    pieces, start = [], 0
-    while params.nframes - start > limit:
+    loudness = np.square(samples.astype(np.float64))
+    step, search = max(1, int(CUT_FRAME_S * rate)), min(int(CUT_SEARCH_S * rate), limit // 2)
+    cuts, start = [], 0
+    while len(samples) - start > limit:
         end = start + limit
-        if loudness is not None:  # the quietest step-long stretch in the last `search` frames
-            first = max(start + 1, end - search)
-            energy = [float(loudness[at : at + step].sum()) for at in range(first, end - step + 1, step)]
-            if energy:
-                end = first + step * min(range(len(energy)), key=energy.__getitem__) + step // 2
-        pieces.append(frames[start * width : end * width])
+        first = max(start + 1, end - search)  # the quietest step-long stretch in the last `search` frames
+        energy = [float(loudness[at : at + step].sum()) for at in range(first, end - step + 1, step)]
+        if energy:
+            end = first + step * min(range(len(energy)), key=energy.__getitem__) + step // 2
+        cuts.append((start, end))
         start = end
-    pieces.append(frames[start * width :])
-    out = []
-    for piece in pieces:
-        buffer = io.BytesIO()
-        with wave.open(buffer, "wb") as writer:
-            writer.setparams(params)
-            writer.writeframes(piece)
-        out.append(buffer.getvalue())
-    return out
-
-
-def _loudness(frames: bytes, width: int, channels: int) -> np.ndarray | None:
-    """Each frame's squared amplitude (channels summed); None for samples of 3 bytes."""
-    kinds = {1: "u1", 2: "<i2", 4: "<i4"}
-    if width not in kinds:
-        return None
-    samples = np.frombuffer(frames, dtype=np.dtype(kinds[width])).astype(np.float64)
-    if width == 1:
-        samples -= 128  # 8-bit PCM is unsigned
-    return np.square(samples).reshape(-1, channels).sum(axis=1)
+    cuts.append((start, len(samples)))
+    return [to_wav(samples[a:b] / 2**15, rate) for a, b in cuts]
 
 
 def as_wav(audio: bytes) -> bytes:

@@ -307,8 +307,8 @@ for j = 0, (#KEYS - 1) / 2 - 1 do
   else
     redis.pcall('XGROUP', 'CREATE', target, ARGV[1], '0', 'MKSTREAM')
     local copy = redis.call('XADD', target, '*', unpack(ARGV, first, a - 1))
-    local at = string.find(entry_id, '@', 1, true)
-    if at then copy = copy .. string.sub(entry_id, at) end  -- the copy keeps its lane
+    local _, id = locate(KEYS[1], entry_id)
+    copy = copy .. string.sub(entry_id, #id + 1)  -- the copy keeps its lane ('@<lane>', or none)
     redis.call('HSET', job_key, 'entry_id', copy, 'queue', queue)
     redis.call('EXPIRE', job_key, ARGV[3])
     ack(KEYS[1], ARGV[1], entry_id)
