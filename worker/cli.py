@@ -48,6 +48,8 @@ _WORKER_FLAGS: dict[str, type] = {
     "heartbeat_s": float,
     "delivery_limit": int,
     "cache_affinity_ttl_s": float,
+    "lane_aging_s": float,
+    "lane_aged_every": int,
     "shutdown_grace_s": float,
     "requests_retention_s": float,
     "dead_retention_s": float,
@@ -136,6 +138,9 @@ _HELP = {
     "delivery_limit": "deliveries before an entry goes to the dead stream",
     "cache_affinity_ttl_s": "jobs whose prompts start alike (or share a prompt_cache_key) go, while it has room, "
     "to the worker that last ran one, for this long after (default 600; 0: off)",
+    "lane_aging_s": "a priority lane whose oldest job has waited this long gets a share of the jobs this "
+    "worker reads, however busy the lanes before it are (default 30; 0: strict lanes)",
+    "lane_aged_every": "that share: at least one in this many (default 10)",
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",
     "requests_retention_s": "acked entries older than this leave the requests stream (default: 86400)",
     "dead_retention_s": "dead letters older than this leave the dead stream (default: 604800)",

@@ -36,6 +36,10 @@ DEFAULT_DEAD_RETENTION_S = 7 * 24 * 3600  # dead letters wait a week for someone
 # a prompt start's blocks last about this long in a busy worker's prefix cache (its LRU order
 # decides); past it the next job with that start may go to any worker
 DEFAULT_CACHE_AFFINITY_TTL_S = 600.0
+# a lane whose oldest entry has waited this long gets one entry in every DEFAULT_LANE_AGED_EVERY
+# a worker reads: a batch's jobs (low lane) run, slowly, under any steady interactive load
+DEFAULT_LANE_AGING_S = 30.0
+DEFAULT_LANE_AGED_EVERY = 10
 
 # Every variable the worker reads, with what it sets (docs/queue.md lists them too).
 ENV_VARS = {
@@ -67,6 +71,8 @@ ENV_VARS = {
     "GENQ_HEARTBEAT_S": "heartbeat period",
     "GENQ_CACHE_AFFINITY_TTL_S": "a prompt start's jobs go to the worker that last ran it, for this long (default 600; 0: off)",
     "GENQ_DELIVERY_LIMIT": "deliveries before an entry goes to the dead stream",
+    "GENQ_LANE_AGING_S": "a priority lane whose oldest job waited this long is no longer passed over entirely (default 30; 0: strict lanes)",
+    "GENQ_LANE_AGED_EVERY": "such a lane gets at least one in this many of the jobs a worker reads (default 10)",
     "GENQ_SHUTDOWN_GRACE_S": "SIGTERM: time in-flight jobs get before they are released",
     "GENQ_REQUESTS_RETENTION_S": "age past which done entries leave the requests stream (default: the job TTL, 24 h)",
     "GENQ_DEAD_RETENTION_S": "age past which dead letters leave the dead stream (default: a week)",
@@ -94,6 +100,10 @@ class WorkerConfig:
     # jobs whose prompts start alike go, while it has room, to the worker that last ran one, for
     # this long after (worker.queue_affinity); 0 (or no prefix cache) turns it off
     cache_affinity_ttl_s: float = DEFAULT_CACHE_AFFINITY_TTL_S
+    # a lower priority lane whose oldest entry has waited lane_aging_s gets at least one of
+    # every lane_aged_every entries this worker reads (worker.queue_intake); 0: strict lanes
+    lane_aging_s: float = DEFAULT_LANE_AGING_S
+    lane_aged_every: int = DEFAULT_LANE_AGED_EVERY
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     # acked entries older than this leave genq:requests (each heartbeat trims); the default keeps
     # a job's payload, which `genq inspect` shows, as long as its record usually lives
@@ -120,9 +130,11 @@ class WorkerConfig:
             )
         if self.delivery_limit < 1:
             raise ValueError(f"delivery_limit must be >= 1, got {self.delivery_limit}")
+        if self.lane_aged_every < 2:
+            raise ValueError(f"lane_aged_every must be >= 2, got {self.lane_aged_every}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        for name in ("requests_retention_s", "dead_retention_s", "cache_affinity_ttl_s"):
+        for name in ("requests_retention_s", "dead_retention_s", "cache_affinity_ttl_s", "lane_aging_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -233,6 +245,8 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         heartbeat_s=_float(env, "GENQ_HEARTBEAT_S"),
         delivery_limit=_int(env, "GENQ_DELIVERY_LIMIT"),
         cache_affinity_ttl_s=_float(env, "GENQ_CACHE_AFFINITY_TTL_S"),
+        lane_aging_s=_float(env, "GENQ_LANE_AGING_S"),
+        lane_aged_every=_int(env, "GENQ_LANE_AGED_EVERY"),
         shutdown_grace_s=_float(env, "GENQ_SHUTDOWN_GRACE_S"),
         requests_retention_s=_float(env, "GENQ_REQUESTS_RETENTION_S"),
         dead_retention_s=_float(env, "GENQ_DEAD_RETENTION_S"),

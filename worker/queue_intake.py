@@ -366,8 +366,8 @@ class Admission:
 
 
 class Intake:
-    """XREADGROUP as many new entries as the engine has room for, the priority lanes in their
-    order (a lane is read only when those before it have nothing new); block while idle."""
+    """XREADGROUP as many new entries as the engine has room for (LaneReader); block while
+    idle."""
 
     def __init__(
         self,
@@ -379,6 +379,7 @@ class Intake:
         self.scripts = admission.scripts
         self.capacity = capacity
         self.changed = changed  # set when the engine's load changed
+        self.lanes = LaneReader(admission.scripts, admission.config)
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
@@ -395,20 +396,72 @@ class Intake:
 
     async def _read(self, count: int) -> list[Delivery]:
         try:
-            deliveries: list[Delivery] = []
-            for lane in LANES:
-                if len(deliveries) < count:
-                    deliveries += await self._read_lanes([lane], count - len(deliveries), None)
-            if deliveries:
-                return deliveries
-            # Nothing new anywhere: wait on every lane at once, for one entry each (a lane
-            # woken first then has its followers read lane by lane next time round).
-            return await self._read_lanes(list(LANES), 1, int(INTAKE_BLOCK_S * 1000))
+            return await self.lanes.read(count)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             await self.scripts.ensure_group()  # the stream or group was deleted (FLUSHALL)
             return []
+
+
+class LaneReader:
+    """Reads new entries from the priority lanes in their order: a lane is read only when
+    those before it have nothing new; while all are empty, one blocking read waits on them all.
+
+    Lanes age: a lane passed over while its oldest entry has waited `lane_aging_s` is owed one
+    entry for every `lane_aged_every - 1` read ahead of it, and is read first next time. So a
+    steady load of higher work slows a lower lane down to a share of this worker's reads but
+    never stops it, and a burst of higher work shorter than the aging still goes first."""
+
+    def __init__(self, scripts: Scripts, config: WorkerConfig) -> None:
+        self.scripts = scripts
+        self.aging_s = config.lane_aging_s
+        self.per_owed = config.lane_aged_every - 1  # entries read ahead, per entry owed
+        # entries read ahead of each lower lane while its oldest one waited past the aging
+        self.passed = dict.fromkeys(LANES[1:], 0)
+
+    async def read(self, count: int) -> list[Delivery]:
+        """Up to `count` new entries; blocks up to INTAKE_BLOCK_S while there are none."""
+        deliveries = await self._read_owed(count)
+        read: dict[str, int] = {}  # the lanes reached, in order: entries read from each
+        for lane in LANES:
+            if len(deliveries) >= count:
+                break
+            got = await self._read_lanes([lane], count - len(deliveries), None)
+            read[lane] = len(got)
+            deliveries += got
+        await self._age(read)
+        if deliveries:
+            return deliveries
+        # Nothing new anywhere: wait on every lane at once, for one entry each (a lane woken
+        # first then has its followers read lane by lane next time round).
+        return await self._read_lanes(list(LANES), 1, int(INTAKE_BLOCK_S * 1000))
+
+    async def _read_owed(self, count: int) -> list[Delivery]:
+        """The entries aged lanes are owed, up to `count`."""
+        deliveries: list[Delivery] = []
+        for lane, passed in self.passed.items():
+            owed = min(passed // self.per_owed, count - len(deliveries))
+            if owed > 0:
+                deliveries += await self._read_lanes([lane], owed, None)
+                self.passed[lane] = passed - owed * self.per_owed  # (a lane that ran out: _age zeroes)
+        return deliveries
+
+    async def _age(self, read: dict[str, int]) -> None:
+        """After a read that reached the lanes in `read`: a lane reached is not passed over;
+        one the read filled up before is passed over by everything read, if its oldest entry
+        has waited past the aging."""
+        skipped = [lane for lane in self.passed if lane not in read]
+        for lane in self.passed:
+            if lane in read:
+                self.passed[lane] = 0
+        if not skipped or self.aging_s <= 0:
+            return
+        waits = await self.scripts.lane_waits(skipped)
+        ahead = sum(read.values())
+        for lane in skipped:
+            wait = waits[lane]
+            self.passed[lane] = self.passed[lane] + ahead if wait is not None and wait >= self.aging_s else 0
 
     async def _read_lanes(self, lanes: list[str], count: int, block_ms: int | None) -> list[Delivery]:
         keys = self.scripts.keys

@@ -324,7 +324,25 @@ return codes
 # all after it (a worker may reclaim one and must read its fields), and every entry it has not
 # been delivered yet (a backlog older than the retention is still work). XTRIM MINID cuts below one id, so an acked
 # entry behind a long-pending one waits for it. Returns how many entries were removed.
-TRIM_LUA = """
+# Redis's clock in ms (it makes the entries' ids), and the consumer groups of a stream, each a
+# table of XINFO GROUPS fields ('name', 'last-delivered-id', ...).
+_STREAM_CLOCK = """
+local function now_ms()
+  local now = redis.call('TIME')
+  return tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+end
+local function groups(stream)
+  local out = {}
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+    out[#out + 1] = info
+  end
+  return out
+end
+"""
+
+TRIM_LUA = _STREAM_CLOCK + """
 local function split(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   return tonumber(ms), tonumber(seq)
@@ -335,13 +353,10 @@ local function before(a, b)
   return am < bm or (am == bm and as < bs)
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local now = redis.call('TIME')
-local cutoff_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - tonumber(ARGV[1])
+local cutoff_ms = now_ms() - tonumber(ARGV[1])
 if cutoff_ms < 0 then return 0 end
 local min_id = string.format('%d-0', cutoff_ms + 1)  -- entries of the cutoff's millisecond are old enough
-for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local info = {}
-  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+for _, info in ipairs(groups(KEYS[1])) do
   local ms, seq = split(info['last-delivered-id'])
   local first_undelivered = string.format('%d-%d', ms, seq + 1)
   if before(first_undelivered, min_id) then min_id = first_undelivered end
@@ -349,6 +364,26 @@ for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
   if pending[1] > 0 and before(pending[2], min_id) then min_id = pending[2] end
 end
 return redis.call('XTRIM', KEYS[1], 'MINID', min_id)
+"""
+
+# How long the oldest entry the group has not read yet has waited in each stream. KEYS: the
+# lanes' streams; ARGV[1]: the group. Returns ms per stream (by the clock that made the ids),
+# -1 where the group has read every entry (or the stream or group is missing).
+LANE_WAITS_LUA = _STREAM_CLOCK + """
+local now = now_ms()
+local out = {}
+for i, stream in ipairs(KEYS) do
+  out[i] = -1
+  if redis.call('EXISTS', stream) == 1 then
+    for _, info in ipairs(groups(stream)) do
+      if info['name'] == ARGV[1] then
+        local head = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+', 'COUNT', 1)[1]
+        if head then out[i] = math.max(0, now - tonumber(string.match(head[1], '^(%d+)-'))) end
+      end
+    end
+  end
+end
+return out
 """
 
 
@@ -420,6 +455,7 @@ class Scripts:
         self._reclaim = conn.register_script(RECLAIM_LUA)
         self._release = conn.register_script(RELEASE_LUA)
         self._trim = conn.register_script(TRIM_LUA)
+        self._lane_waits = conn.register_script(LANE_WAITS_LUA)
         self._forward = conn.register_script(FORWARD_LUA)
         self._handoff = conn.register_script(HANDOFF_LUA)
         self._take = conn.register_script(TAKE_LUA)
@@ -569,6 +605,13 @@ class Scripts:
         to read, or a backlog no worker has taken yet; the script reads the groups' positions
         and trims in one step."""
         return int(await self._trim(keys=[stream], args=[int(retention_s * 1000)]))
+
+    async def lane_waits(self, lanes: Sequence[str]) -> dict[str, float | None]:
+        """Seconds the oldest entry of each lane that no worker has read yet has waited; None
+        for a lane whose entries have all been read."""
+        waits = await self._lane_waits(keys=[self.keys.on_lane(lane).requests for lane in lanes],
+                                       args=[self.keys.group])
+        return {lane: None if ms < 0 else ms / 1000 for lane, ms in zip(lanes, waits, strict=True)}
 
     async def forward(self, moves: Sequence[Forward]) -> list[str]:
         """Hand entries to the queues serving their jobs' models; one code per move (see

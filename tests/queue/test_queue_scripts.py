@@ -16,7 +16,9 @@ from producer.protocol import (
     EVENT_FIELD,
     FINISH_ABORT,
     LANE_HIGH,
+    LANE_LOW,
     LANE_NORMAL,
+    LANES,
     Event,
     JobStatus,
     Keys,
@@ -24,11 +26,14 @@ from producer.protocol import (
     encode_event,
     encode_job,
     entry_ref,
+    split_ref,
 )
 from producer.records import decode_record
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
+from worker.queue_config import WorkerConfig
 from worker.queue_engine import EngineStats, intake_capacity
+from worker.queue_intake import LaneReader
 from worker.queue_jobs import (
     HeldJob,
     Meter,
@@ -243,6 +248,59 @@ async def test_every_rule_tells_lanes_apart_by_the_entrys_ref(scripts: Scripts) 
     assert (taken.entry_id, taken.fields is not None and taken.fields[b"id"]) == ("5-2@high", b"b-high")
 
 
+async def queue_lanes(s: Scripts, lanes: str, waited_s: float) -> None:
+    """One job per letter of `lanes` (h, n, l: the lane), each XADDed to its lane's stream;
+    the low lane's with ids `waited_s` in the past."""
+    now_ms = int(time.time() * 1000)
+    for i, letter in enumerate(lanes):
+        lane = {"h": LANE_HIGH, "n": LANE_NORMAL, "l": LANE_LOW}[letter]
+        job = build_job("hi", SamplingParams(max_tokens=4), job_id=f"{letter}{i}")
+        entry_id = f"{now_ms - int(waited_s * 1000)}-{i}" if lane == LANE_LOW else "*"
+        await s.conn.xadd(s.keys.on_lane(lane).requests, encode_job(job), id=entry_id)
+
+
+def lanes_read(deliveries: list) -> str:
+    return "".join({LANE_HIGH: "h", LANE_NORMAL: "n", LANE_LOW: "l"}[split_ref(d.entry_id)[1]] for d in deliveries)
+
+
+async def test_lane_waits_are_the_age_of_each_lanes_oldest_unread_entry(scripts: Scripts) -> None:
+    assert await scripts.lane_waits(list(LANES)) == dict.fromkeys(LANES)  # empty lanes
+    await queue_lanes(scripts, "hl", waited_s=50)
+    waits = await scripts.lane_waits(list(LANES))
+    assert waits[LANE_NORMAL] is None
+    assert 0 <= waits[LANE_HIGH] < 5 and 50 <= waits[LANE_LOW] < 55
+    await scripts.conn.xreadgroup(scripts.keys.group, "me", {scripts.keys.on_lane(LANE_LOW).requests: ">"}, count=1)
+    assert (await scripts.lane_waits([LANE_LOW]))[LANE_LOW] is None  # read: no longer waiting
+
+
+@pytest.mark.parametrize(("aging_s", "waited_s", "order"), [
+    (30, 40, "hhhl" * 3),  # the low jobs waited past the aging: one read in four is theirs
+    (30, 0, "h" * 12),  # not yet: the high lane goes strictly first
+    (0, 40, "h" * 12),  # no aging: strict lanes
+])
+async def test_a_lane_waiting_past_the_aging_gets_a_share_of_the_reads(
+    scripts: Scripts, aging_s: float, waited_s: float, order: str
+) -> None:
+    await queue_lanes(scripts, "llll" + "h" * 12, waited_s)
+    reader = LaneReader(scripts, WorkerConfig(lane_aging_s=aging_s, lane_aged_every=4))
+    assert "".join([lanes_read(await reader.read(1)) for _ in range(12)]) == order
+
+
+async def test_a_larger_read_takes_what_an_aged_lane_is_owed_first(scripts: Scripts) -> None:
+    await queue_lanes(scripts, "l" * 5 + "h" * 20, waited_s=40)
+    reader = LaneReader(scripts, WorkerConfig(lane_aging_s=30, lane_aged_every=4))
+    # 6 read ahead of the low lane: it is owed 2 (and 4 more read ahead: 1 owed, 1 over)
+    assert [lanes_read(await reader.read(6)) for _ in range(3)] == ["hhhhhh", "llhhhh", "lhhhhh"]
+
+
+async def test_a_lane_read_in_its_turn_is_owed_nothing(scripts: Scripts) -> None:
+    await queue_lanes(scripts, "llllhh", waited_s=40)
+    reader = LaneReader(scripts, WorkerConfig(lane_aging_s=30, lane_aged_every=4))
+    assert "".join([lanes_read(await reader.read(1)) for _ in range(3)]) == "hhl"  # the high lane ran out
+    await queue_lanes(scripts, "hhhh", waited_s=40)
+    assert "".join([lanes_read(await reader.read(1)) for _ in range(4)]) == "hhhl"  # counting from 0 again
+
+
 async def test_heartbeat_claims_the_name_for_the_first_process_only(scripts: Scripts) -> None:
     """A worker's first heartbeat claims its name: a hash naming another process is left as it
     is, and the beat raises naming that process."""
@@ -424,6 +482,11 @@ def test_worker_config_from_env() -> None:
     assert config_from_env({"GENQ_REQUESTS_RETENTION_S": "0"}).requests_retention_s == 0
     with pytest.raises(ValueError, match="requests_retention_s must be >= 0"):
         config_from_env({"GENQ_REQUESTS_RETENTION_S": "-1"})
+    assert (config.lane_aging_s, config.lane_aged_every) == (30, 10)
+    aging = config_from_env({"GENQ_LANE_AGING_S": "0", "GENQ_LANE_AGED_EVERY": "4"})
+    assert (aging.lane_aging_s, aging.lane_aged_every) == (0, 4)
+    with pytest.raises(ValueError, match="lane_aged_every must be >= 2, got 1"):
+        config_from_env({"GENQ_LANE_AGED_EVERY": "1"})
     assert config.dead_retention_s == 7 * 24 * 3600
     assert config_from_env({"GENQ_DEAD_RETENTION_S": "60"}).dead_retention_s == 60
     with pytest.raises(ValueError, match="dead_retention_s must be >= 0"):
