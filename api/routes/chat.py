@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from api import beam_search, generate
 from api.deps import AppState, StateDep
 from api.errors import invalid_param
-from api.images import audio_part, image_part, inline_image_urls, url_of
+from api.images import audio_part, image_part, inline_media_urls, url_of
 from api.render import ChatRenderer, RelayedRequest, Renderer
 from api.responses import ChatCompletionResponse
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart, PromptInput
@@ -40,7 +40,7 @@ async def start(state: AppState, chat: ChatCompletionRequest, renderer: Renderer
     requests of the APIs that run as chat (Responses, Messages)."""
     chat = templated(chat, state.settings)
     check_tool_parser(chat, state.settings)
-    await inline_image_urls(chat.messages, state.settings)
+    await inline_media_urls(chat.messages, state.settings)
     return await generate.start(state, chat, [chat_prompt(chat)], renderer)
 
 

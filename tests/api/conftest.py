@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,37 @@ def serve(settings: Settings) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextmanager
+def file_server(files: dict[str, tuple[bytes, str]]) -> Iterator[str]:
+    """An HTTP server on loopback answering GET `path` with files[path] (body, content type),
+    anything else with 404; yields its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body, kind = files.get(self.path, (b"", "text/plain"))
+            self.send_response(200 if self.path in files else 404)
+            self.send_header("Content-Type", kind)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="session")
+def serve_files() -> Callable[[dict[str, tuple[bytes, str]]], Any]:
+    return file_server
 
 
 @pytest.fixture(scope="session")

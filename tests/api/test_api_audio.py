@@ -90,6 +90,26 @@ def test_chat_with_a_clip_as_input_audio_and_as_an_audio_url(oai: openai.OpenAI,
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline.outputs[0].text
 
 
+def test_an_http_audio_url_is_fetched_by_the_api(oai: openai.OpenAI, served_model: str, offline, serve_files) -> None:
+    with serve_files({"/clip.wav": (WAV, "audio/wav")}) as files:
+        reply = oai.chat.completions.create(
+            model=served_model, messages=_messages({"type": "audio_url", "audio_url": {"url": f"{files}/clip.wav"}}),
+            **GREEDY)
+        assert reply.choices[0].message.content == offline.outputs[0].text
+        with pytest.raises(openai.BadRequestError, match="answered 404") as info:
+            oai.chat.completions.create(
+                model=served_model, messages=_messages({"type": "audio_url", "audio_url": f"{files}/missing.wav"}),
+                **GREEDY)
+    assert info.value.body["param"] == "messages[0].content[1].audio_url"
+    from api.errors import APIError
+    from api.routes.chat import chat_prompt
+    from api.schemas import ChatCompletionRequest
+
+    line = ChatCompletionRequest(model="m", messages=_messages({"type": "audio_url", "audio_url": f"{files}/clip.wav"}))
+    with pytest.raises(APIError, match="audio URLs are fetched for chat and Responses requests only"):
+        chat_prompt(line)  # a batch line's: not fetched
+
+
 def test_clips_count_against_the_images_per_request(oai: openai.OpenAI, served_model: str) -> None:
     messages = [{"role": "user", "content": [INPUT_AUDIO] * 9}]  # GENQ_MAX_IMAGES_PER_REQUEST is 8
     with pytest.raises(openai.BadRequestError, match="hold 9 images or clips, more than this server takes") as info:
@@ -110,7 +130,7 @@ def test_the_responses_api_takes_input_audio(oai: openai.OpenAI, served_model: s
      "messages[0].content[1].input_audio.data"),
     ({"type": "input_audio", "input_audio": {"data": DATA, "format": "aac"}}, "format 'aac' is not taken",
      "messages[0].content[1].input_audio.format"),
-    ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, "must be a base64 data URL",
+    ({"type": "audio_url", "audio_url": {"url": "ftp://example.com/a.wav"}}, "must be a base64 data URL .* or an http",
      "messages[0].content[1].audio_url"),
     ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"ID3" + bytes(60)).decode()}},
      "the clip is not audio that can be read", "messages[0].content[1].input_audio"),  # read by the API

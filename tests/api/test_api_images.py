@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -34,26 +32,10 @@ def live_worker(stack_redis, tiny_mistral3_dir: Path, run_worker, tmp_path_facto
 
 
 @pytest.fixture(scope="module")
-def image_server() -> Iterator[str]:
-    """An HTTP server on loopback with the image at /image.png (anything else: 404)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            found = self.path == "/image.png"
-            self.send_response(200 if found else 404)
-            self.send_header("Content-Type", "image/png")
-            self.end_headers()
-            self.wfile.write(PNG.getvalue() if found else b"")
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+def image_server(serve_files) -> Iterator[str]:
+    """Serves the image at /image.png."""
+    with serve_files({"/image.png": (PNG.getvalue(), "image/png")}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
