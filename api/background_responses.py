@@ -153,7 +153,7 @@ def _requests(record: dict[str, Any]) -> tuple[ResponsesRequest, ChatCompletionR
 
 
 def _shell(body: ResponsesRequest, req: RelayedRequest, status: str) -> dict[str, Any]:
-    return {**envelope(body, req.id, req.created, req.model), "status": status, "background": True,
+    return {**envelope(body, req.id, req.created, req.model, req.service_tier), "status": status, "background": True,
             "output": [], "incomplete_details": None, "usage": None}
 
 

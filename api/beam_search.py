@@ -22,7 +22,7 @@ from api.generate import GenerationRequest, cache_fields
 from api.logprobs import top_token_pairs
 from api.render import Choice, RelayedRequest, Renderer
 from api.responses import Usage
-from api.schemas import ChatCompletionRequest, PromptInput
+from api.schemas import ChatCompletionRequest, PromptInput, service_tier_of
 from api.tokenizers import base_model, eos_token_ids, job_prompt_ids
 from producer.beam_search import Beam, best, step
 from producer.jobs import build_job
@@ -70,7 +70,8 @@ async def respond(
     completion_tokens = sum(len(c.token_ids) for c in choices)
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                   total_tokens=prompt_tokens + completion_tokens)
-    req = RelayedRequest(id=renderer.id_prefix + base, job_ids=[], n=body.n, model=model, created=int(time.time()))
+    req = RelayedRequest(id=renderer.id_prefix + base, job_ids=[], n=body.n, model=model, created=int(time.time()),
+                         service_tier=service_tier_of(job_priority(body.requested_priority())))
     return renderer.response(req, choices, usage)
 
 
@@ -86,7 +87,7 @@ async def search(
         ids = [f"{base}-{n}-{k}" for k in range(len(live))]
         for beam, job_id in zip(live, ids, strict=True):
             await state.client.submit(cache_fields({"prompt_token_ids": prompt_ids + beam.tokens}, body), params,
-                                      job_id=job_id, model=model, priority=job_priority(body.priority),
+                                      job_id=job_id, model=model, priority=job_priority(body.requested_priority()),
                                       tenant=TENANT.get())
         tops = await _next_tokens(state, ids)
         live, finished = step(live, [tops[job_id] for job_id in ids], width, eos)

@@ -26,7 +26,7 @@ from api.logprobs import TokenLogprob, prompt_logprobs
 from api.reasoning import TAGS as THINK_TAGS
 from api.render import Choice, RelayedRequest, Renderer, usage_chunk
 from api.responses import Usage
-from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput
+from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, service_tier_of
 from api.sse import DONE, format_sse
 from api.strict_calls import strict_calls
 from producer.jobs import build_job
@@ -137,7 +137,7 @@ def plan(
         return_token_ids=bool(body.return_token_ids),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )
-    return Plan(req, prompts, params, body.priority + priority_offset, body.model, deadline_s)
+    return Plan(req, prompts, params, body.requested_priority() + priority_offset, body.model, deadline_s)
 
 
 def _strict_calls(params: SamplingParams, chat: ChatCompletionRequest, parser: str | None) -> SamplingParams:
@@ -173,15 +173,16 @@ def job_ids(base: str, count: int) -> list[str]:
 async def submit(state: AppState, planned: Plan) -> RelayedRequest:
     """Enqueue a plan's jobs (each once: a known id is not enqueued again)."""
     enqueued = False
+    priority = job_priority(planned.priority)
     for prompt, job_id in zip(planned.prompts, planned.req.job_ids, strict=True):
         handle = await state.client.submit(
-            prompt, planned.params, priority=job_priority(planned.priority), job_id=job_id,
+            prompt, planned.params, priority=priority, job_id=job_id,
             deadline_s=planned.deadline_s, model=planned.model, pooling_params=planned.pooling_params,
             tenant=planned.tenant or TENANT.get(), return_prompt_token_ids=planned.req.return_token_ids,
         )
         enqueued = handle.enqueued or enqueued
     await _count_in_flight(state, planned.req.job_ids, ended=False)
-    return replace(planned.req, enqueued=enqueued)
+    return replace(planned.req, enqueued=enqueued, service_tier=service_tier_of(priority))
 
 
 def _reasoning_parser(state: AppState, chat: ChatCompletionRequest | None) -> str | None:
@@ -216,7 +217,7 @@ def check_jobs(
     """Build every job before enqueueing any, so one bad prompt of a list enqueues nothing."""
     try:
         for prompt, one_id in zip(prompts, job_ids, strict=True):
-            build_job(prompt, params, body.priority, one_id, deadline_s, body.model)
+            build_job(prompt, params, body.requested_priority(), one_id, deadline_s, body.model)
     except ValueError as exc:
         raise _bad_value(exc, body) from exc
 

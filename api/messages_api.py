@@ -98,7 +98,7 @@ CHAT_ONLY = {
     "messages", "max_tokens", "max_completion_tokens", "stop", "tools", "tool_choice", "parallel_tool_calls",
     "stream", "stream_options", "n", "logprobs", "top_logprobs", "echo", "prompt_logprobs", "response_format",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "background", "include_reasoning",
-    "reasoning_effort", "thinking_token_budget",
+    "reasoning_effort", "thinking_token_budget", "service_tier",  # (Anthropic's tiers are other names)
 }
 # chat fields a 400 may name, as a Messages request names them
 PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}

@@ -57,6 +57,7 @@ class RelayedRequest:
     chat_echo: str | None = None  # chat's `echo`: the last assistant message, which each reply begins with
     return_token_ids: bool = False  # vLLM's: each choice's token ids, and the prompt's, beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    service_tier: str = "default"  # the tier its jobs run on (schemas.service_tier_of), set when submitted
 
     def tool_call_id(self, choice: Choice, k: int = 0) -> str:
         """The id of call `k` of a choice."""
@@ -168,7 +169,7 @@ def _chunk_envelope(req: RelayedRequest, object_name: str, choices: list[Any],
     (vLLM's continuous_usage_stats)."""
     chunk: dict[str, Any] = {
         "id": req.id, "object": object_name, "created": req.created, "model": req.model,
-        "choices": choices,
+        "choices": choices, "service_tier": req.service_tier,
     }
     if req.include_usage:
         chunk["usage"] = None
@@ -216,7 +217,7 @@ class CompletionRenderer:
         self, req: RelayedRequest, choices: list[Choice], usage: Usage
     ) -> CompletionResponse:
         return CompletionResponse(
-            id=req.id, created=req.created, model=req.model, usage=usage,
+            id=req.id, created=req.created, model=req.model, usage=usage, service_tier=req.service_tier,
             choices=[
                 CompletionChoice(
                     index=c.index, text=c.text, finish_reason=c.finish_reason,
@@ -287,7 +288,7 @@ class ChatRenderer:
         self, req: RelayedRequest, choices: list[Choice], usage: Usage
     ) -> ChatCompletionResponse:
         return ChatCompletionResponse(
-            id=req.id, created=req.created, model=req.model, usage=usage,
+            id=req.id, created=req.created, model=req.model, usage=usage, service_tier=req.service_tier,
             choices=[
                 ChatChoice(
                     index=c.index, message=message,

@@ -88,6 +88,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    service_tier: str | None = None  # as chat's
 
 
 class AssistantMessage(BaseModel):
@@ -119,6 +120,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the prompt's, after its template
+    service_tier: str | None = None  # the tier it ran on: default, flex or priority (its priority lane)
 
 
 class ModelCard(BaseModel):

@@ -227,7 +227,7 @@ def response_object(
         output.append(function_call_item(base, k, call["id"], function["name"], function["arguments"]))
     usage = chat.usage
     return {
-        **envelope(request, chat.id, chat.created, chat.model),
+        **envelope(request, chat.id, chat.created, chat.model, chat.service_tier),
         "status": status or ("incomplete" if incomplete else "completed"),
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "output": output,
@@ -242,9 +242,12 @@ def response_object(
     }
 
 
-def envelope(request: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
+def envelope(request: ResponsesRequest, response_id: str, created: int, model: str,
+             service_tier: str | None = None) -> dict[str, Any]:
+    """The response's fields that echo the request (and `service_tier`: the tier it runs on)."""
     return {
         "id": response_id, "object": "response", "created_at": created, "model": model,
+        "service_tier": service_tier or "default",
         "error": None, "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
         "metadata": request.metadata or {}, "parallel_tool_calls": request.parallel_tool_calls,
         "previous_response_id": request.previous_response_id, "store": request.store,
@@ -303,7 +306,7 @@ class ResponseEvents:
         return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def start(self) -> list[str]:
-        shell = {**envelope(self.request, self.req.id, self.req.created, self.req.model),
+        shell = {**envelope(self.request, self.req.id, self.req.created, self.req.model, self.req.service_tier),
                  "status": "in_progress", "output": [], "incomplete_details": None, "usage": None}
         return [self.event("response.created", response=shell), self.event("response.in_progress", response=shell)]
 
@@ -392,7 +395,7 @@ class ResponseEvents:
         return [*self._close(), self.event(name, response=final)]
 
     def failed(self, message: str, code: str) -> list[str]:
-        shell = {**envelope(self.request, self.req.id, self.req.created, self.req.model), "status": "failed",
+        shell = {**envelope(self.request, self.req.id, self.req.created, self.req.model, self.req.service_tier), "status": "failed",
                  "output": self.items, "incomplete_details": None, "usage": None,
                  "error": {"code": code, "message": message}}
         return [self.event("error", code=code, message=message, param=None), self.event("response.failed", response=shell)]

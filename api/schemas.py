@@ -20,6 +20,17 @@ from producer.sampling_params import SamplingParams
 PromptInput = str | dict[str, Any] | list[dict[str, Any]]  # as `AsyncClient.submit` takes it
 
 
+# OpenAI's service_tier as a priority (lower runs first), as vLLM maps it: its sign picks the
+# job's priority lane (docs/queue.md). An explicit `priority` takes precedence.
+SERVICE_TIER_PRIORITY = {"auto": 0, "default": 0, "flex": 2, "scale": -1, "priority": -2}
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+
+
+def service_tier_of(priority: int) -> str:
+    """The tier a job of this priority runs on, as responses report it: its lane's."""
+    return "priority" if priority < 0 else "flex" if priority > 0 else "default"
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk of a choice carries its usage so far
@@ -53,6 +64,7 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first, as in vLLM
+    service_tier: ServiceTier | None = None  # OpenAI's: flex runs after, priority before (SERVICE_TIER_PRIORITY)
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     bad_words: list[str] | None = None  # words the output may not contain
@@ -87,6 +99,12 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_priority(self) -> int:
+        """The priority asked for: `priority` where given, else the service_tier's."""
+        if "priority" in self.model_fields_set:
+            return self.priority
+        return SERVICE_TIER_PRIORITY[self.service_tier or "auto"]
 
     @property
     def continuous_usage(self) -> bool:

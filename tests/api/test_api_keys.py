@@ -23,7 +23,7 @@ from api import api_keys
 from api.api_keys import KeyPlan
 from api.deps import key_id
 from api.settings import Settings
-from producer.protocol import LANE_HIGH, Keys, decode_job
+from producer.protocol import LANE_HIGH, LANE_LOW, LANE_NORMAL, Keys, decode_job
 
 STATIC = "sk-static"
 GREEDY = {"temperature": 0.0, "max_tokens": 2}
@@ -228,6 +228,35 @@ def test_a_keys_priority_tiers_its_jobs_and_beam_search_is_metered_to_it(
                             extra_body={"use_beam_search": True})
     beams = [b for b in (decode_job(f) for _, f in conn.xrevrange(Keys().on_lane(LANE_HIGH).requests, count=6)) if b.prompt is None]
     assert len(beams) >= 3 and all(b.tenant == "gold" and b.priority == -5 for b in beams)
+
+
+def test_service_tier_picks_the_lane_and_the_reply_names_it(url: str, live_worker: str, served_model: str) -> None:
+    """OpenAI's service_tier as vLLM maps it to a priority (flex 2, priority -2), whose sign
+    picks the lane; an explicit priority wins; replies name the tier their jobs ran on, which a
+    managed key's request cannot raise past its key's."""
+    conn = redis.Redis.from_url(live_worker)
+
+    def last_job(lane: str):
+        return decode_job(conn.xrevrange(Keys().on_lane(lane).requests, count=1)[0][1])
+
+    static = oai(url, STATIC)
+    hello = [{"role": "user", "content": "Hello"}]
+    reply = static.chat.completions.create(model=served_model, messages=hello, service_tier="flex", **GREEDY)
+    assert reply.service_tier == "flex" and last_job(LANE_LOW).priority == 2
+    chunks = list(static.chat.completions.create(model=served_model, messages=hello, service_tier="priority",
+                                                 stream=True, **GREEDY))
+    assert {c.service_tier for c in chunks} == {"priority"} and last_job(LANE_HIGH).priority == -2
+    explicit = static.completions.create(model=served_model, prompt="Hi", extra_body={"service_tier": "flex", "priority": 0},
+                                         **GREEDY)
+    assert explicit.service_tier == "default" and last_job(LANE_NORMAL).prompt == "Hi"
+    response = static.responses.create(model=served_model, input="Hi", service_tier="flex", max_output_tokens=2,
+                                       temperature=0.0)
+    assert response.service_tier == "flex" and last_job(LANE_LOW).messages is not None
+    managed = oai(url, genq_keys(live_worker, "create", "standard").stdout.strip())
+    held = managed.chat.completions.create(model=served_model, messages=hello, service_tier="priority", **GREEDY)
+    assert held.service_tier == "default"  # its key's tier holds
+    with pytest.raises(openai.BadRequestError, match="service_tier"):
+        static.chat.completions.create(model=served_model, messages=hello, extra_body={"service_tier": "fast"}, **GREEDY)
 
 
 def test_a_key_has_its_own_jobs_in_flight(url: str, live_worker: str, served_model: str,
