@@ -643,6 +643,26 @@ def tiny_qwen2_audio_dir(tmp_path_factory, default_model_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_whisper_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A Whisper: two encoder and two decoder layers of width 32 over 16 mel bins and a 1 s
+    window (50 encoder positions), 64 decoder positions, with the default model's tokenizer
+    (prompts are given as token ids)."""
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = WhisperConfig(vocab_size=49152, num_mel_bins=AUDIO_MELS, d_model=32, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=2, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=48,
+                           max_source_positions=50 * AUDIO_WINDOW_S, max_target_positions=64,
+                           decoder_start_token_id=1, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                           init_std=0.3)  # (at 0.02 the audio barely moves the logits: every clip reads alike)
+    out = tmp_path_factory.mktemp("whisper")
+    WhisperForConditionalGeneration(config).to(torch.float32).save_pretrained(out)
+    copy_tokenizer(default_model_dir, out)
+    WhisperFeatureExtractor(feature_size=AUDIO_MELS, chunk_length=AUDIO_WINDOW_S).save_pretrained(out)
+    return out
+
+
 def built_once(build: Callable[[str, Path, Path], Path], tmp_path_factory, tokenizer_dir: Path
                ) -> Callable[[str], Path]:
     """`build(name, out_dir, tokenizer_dir)` as a function of the name alone, each name built

@@ -34,7 +34,7 @@ from worker.logits_processors import LogitsProcessors, load_logits_processors
 from worker.lora_request import LoRARequest
 from worker.model_loader import check_import_names, read_config, resolve_model_path
 from worker.model_runner import ModelOutput, ModelRunner
-from worker.models.config import ModelConfig, language_config
+from worker.models.config import ModelConfig, architecture_of, language_config
 from worker.models.mtp import check_has_mtp
 from worker.multimodal import (
     ImageInputs,
@@ -96,7 +96,11 @@ class Engine:
         images = takes_images(self.model_path, whole_config)
         self.runner: ModelRunner | ParallelRunner
         image_config = whole_config if images else None
-        if config.tensor_parallel_size == 1:
+        model_class = encoder_decoder_class(config, whole_config, images)
+        if model_class is not None:
+            self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len, image_config,
+                                      model_class=model_class)
+        elif config.tensor_parallel_size == 1:
             self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
         else:
             # the model's split is checked before any other rank starts
@@ -285,13 +289,18 @@ class Engine:
             assert self.image_processor is not None
             self.check_image_count(len(given.digests) if isinstance(given, PreparedImages) else len(given))
             if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(text, str):
-                prompt_ids = self._expanded_ids(text, prompt_ids, with_specials=True)
+                prompt_ids = (self.tokenizer.encode(text, add_special_tokens=False)  # (a decoder prompt: as written)
+                              if self.image_processor.encoder_decoder
+                              else self._expanded_ids(text, prompt_ids, with_specials=True))
             prompt_ids, images = self.image_processor.process(prompt_ids, given)
             if self.image_processor.both_ways:  # each image is computed in one step
                 longest = max(hi - lo for lo, hi in images.embed_ranges())
                 if longest > self.config.max_num_batched_tokens:
                     raise ValueError(f"an image takes {longest} tokens, computed in one step, but "
                                      f"max_num_batched_tokens is {self.config.max_num_batched_tokens}")
+        if images is None and self.image_processor is not None and self.image_processor.encoder_decoder:
+            raise ValueError(f"this model ({self.model_config.architecture}) reads an audio clip with its prompt: "
+                             "give one as multi_modal_data {'audio': clip}")
         limit, keep = self._prompt_limits(params, pooling_params)
         if keep is not None:
             if images is not None:
@@ -413,6 +422,8 @@ class Engine:
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}
         embeddings: dict[str, list[float]] = {}
+        for request_id in sched.preempted:
+            self.runner.forget(request_id, preempted=True)
         if not sched.is_empty and (failed := self.runner.encode_images(sched.scheduled)):
             updated += self._drop_unencoded(sched, failed)
         if not sched.is_empty:
@@ -657,7 +668,7 @@ class Engine:
     def _forget(self, finished: list[Request]) -> None:
         for request in finished:
             self.generators.pop(request.request_id, None)
-            self.runner.image_embeds.remove(request.request_id)
+            self.runner.forget(request.request_id)
             if self.runner.states is not None:
                 self.runner.states.remove(request.request_id)
             if self.proposer is not None:
@@ -724,6 +735,25 @@ def _keep_matching(
         if entry is not None:
             logprobs.setdefault(rid, []).append(entry)
     return sampled, logprobs
+
+
+def encoder_decoder_class(config: EngineConfig, hf_config: Any, takes_audio: bool) -> type | None:
+    """The model class of an encoder-decoder checkpoint (Whisper), None for any other; ValueError
+    naming what it cannot run with (it runs on one device, with its checkpoint's weights as
+    they are, through eager steps)."""
+    if architecture_of(hf_config) != "WhisperForConditionalGeneration":
+        return None
+    if not takes_audio:
+        raise ValueError("a Whisper checkpoint needs its preprocessor_config.json (the feature extractor)")
+    refused = [name for name, on in (
+        ("tensor_parallel_size > 1", config.tensor_parallel_size > 1), ("speculative_config", config.speculative_config),
+        ("enable_lora", config.enable_lora), ("quantization", config.quantization),
+        ("kv_cache_dtype fp8", config.kv_cache_dtype not in (None, "auto"))) if on]
+    if refused:
+        raise ValueError(f"Whisper runs without {', '.join(refused)}")
+    from worker.models.whisper import WhisperForConditionalGeneration
+
+    return WhisperForConditionalGeneration
 
 
 def load_tokenizer(tokenizer: str | None, model_path: Path) -> Any:

@@ -13,7 +13,7 @@ import math
 import mmap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -34,6 +34,7 @@ from worker.models.linear_attention import LinearStates
 from worker.models.llama import LlamaForCausalLM
 from worker.models.moe import pack_experts
 from worker.models.packed_linear import can_pack, pack_linears
+from worker.models.whisper import CrossStates, CrossStep
 from worker.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
 from worker.parallel import TensorParallel, deal_experts, shard_adapter, shard_weights
 from worker.scheduler import ScheduledRequest, SchedulerOutput
@@ -148,6 +149,15 @@ class ModelRunner:
         self.image_encoder = None if image_config is None else load_image_encoder(
             model_path, image_config, self.dtype, self.device, dummy=config.load_format == "dummy")
         self.image_embeds = ImageEmbeddings()
+        # an encoder-decoder's (Whisper's): each running request's audio keys and values, a slot
+        # for each request that may run at once, made before the KV cache as the states are; and
+        # each request's clip's features, kept for as long as it lives (a preempted request
+        # computes them again)
+        self.cross: CrossStates | None = None
+        self.clips: dict[str, torch.Tensor] = {}
+        if getattr(self.model, "encoder_decoder", False):
+            self.cross = CrossStates(cfg.num_hidden_layers, config.max_num_seqs, cfg.hf_config.encoder_positions,
+                                     cfg.hidden_size, self.dtype, self.device)
         # linear attention's states, a slot for each request that may run at once (made before the
         # KV cache, which takes what memory is left)
         self.states = None if cfg.linear is None else LinearStates(
@@ -166,6 +176,9 @@ class ModelRunner:
         float32 for a bfloat16 model)."""
         assert self.image_encoder is not None, "this model takes no images"
         pixels = [p.to(self.dtype) if p.is_floating_point() else p for p in inputs.pixel_values]
+        if self.cross is not None:  # the encoder's clip, for the cross-attention
+            self.clips.update(dict.fromkeys(request_ids, pixels[0]))
+            return
         self.image_embeds.add(request_ids, replace(inputs, pixel_values=pixels))
 
     def add_prompt_embeds(self, request_ids: list[str], embeds: torch.Tensor, digest: int) -> None:
@@ -177,6 +190,8 @@ class ModelRunner:
         """Encode the images this step's chunks reach first; the requests whose images the
         encoder failed on, with what it raised (the others' are encoded)."""
         failed: dict[str, Exception] = {}
+        if self.cross is not None:
+            return self._encode_clips(batch)
         if not self.image_embeds:
             return failed
         for s in batch:
@@ -186,6 +201,34 @@ class ModelRunner:
                 failed[s.request_id] = exc
         return failed
 
+    def _encode_clips(self, batch: list[ScheduledRequest]) -> dict[str, Exception]:
+        """An encoder-decoder's: the audio keys and values of the step's requests that have
+        none (their first step, or their first after a preemption), encoder and projections run
+        per clip; the requests the encoder failed on, with what it raised."""
+        assert self.cross is not None and self.image_encoder is not None
+        failed: dict[str, Exception] = {}
+        for s in batch:
+            if s.request_id in self.cross.slots:
+                continue
+            try:
+                clip = self.clips[s.request_id]
+                encoded = self.image_encoder([clip], torch.zeros(1, 1)).to(self.dtype)[0]
+                self.cross.store(s.request_id, *cast(Any, self.model).cross_kv(encoded))
+            except Exception as exc:  # a clip's fault (or its size's: out of memory) fails its request alone
+                failed[s.request_id] = exc
+        return failed
+
+    def forget(self, request_id: str, preempted: bool = False) -> None:
+        """Drop the images and audio the runner keeps for a request that ended (its states are
+        the caller's to remove, on every rank); for one `preempted` (it will compute its rows
+        again), only its audio keys and values, before the step's encodes take slots."""
+        if self.cross is not None:
+            self.cross.remove(request_id)
+        if preempted:
+            return
+        self.image_embeds.remove(request_id)
+        self.clips.pop(request_id, None)
+
     def _encode(self, pixels: list[torch.Tensor], sizes: torch.Tensor) -> torch.Tensor:
         assert self.image_encoder is not None
         return self.image_encoder(pixels, sizes).to(self.dtype)
@@ -193,8 +236,8 @@ class ModelRunner:
     def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
         same padded buffers on CPU, where the triton backend runs only for tests)."""
-        if backend != "triton" or self.config.enforce_eager or self.parallel is not None:
-            return None  # (a tensor-parallel step's reductions are not captured yet)
+        if backend != "triton" or self.config.enforce_eager or self.parallel is not None or self.cross is not None:
+            return None  # (nor an encoder-decoder's, whose cross-attention reads slots per request)  # (a tensor-parallel step's reductions are not captured yet)
         from worker.cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
@@ -402,6 +445,9 @@ class ModelRunner:
         else:  # eager: prefills, steps with adapters (the graphs hold the base model only), with
             # image rows, or with M-RoPE's three streams
             input_ids, positions, meta = self._prepare(batch, out.preempted)
+            if self.cross is not None:
+                cast(Any, self.model).cross = CrossStep(self.cross, [(end - len(s.token_ids), end, self.cross.slots[s.request_id])
+                                                          for s, end in zip(batch, _row_ends(batch), strict=True)])
             if rope is not None:
                 positions = torch.as_tensor(rope, dtype=torch.long).to(self.device)
             if inputs is None:

@@ -132,6 +132,9 @@ class ImageProcessor:
     # an image's tokens attend to each other both ways (Gemma 3): each is computed in one chunk
     both_ways = False
     modality = "image"  # what the model's prompts carry: "image", or "audio" (clips: AudioClips)
+    # the media go to an encoder whose output the decoder cross-attends (Whisper), not into the
+    # prompt's rows; the prompt's text is the decoder's, tokenized as it is written
+    encoder_decoder = False
 
     def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any, overrides: dict[str, Any] | None = None):
         from transformers import AutoImageProcessor
@@ -334,6 +337,34 @@ class AudioClips(ImageProcessor):
         return [self.image_token_id] * count, count
 
 
+class WhisperClips(AudioClips):
+    """Whisper: the prompt is the decoder's (`<|startoftranscript|><|en|><|transcribe|>...`),
+    written with no placeholder, and its one clip goes to the encoder, whose output every
+    decoder layer's cross-attention reads (worker.models.whisper). The clip's digest keys the
+    prompt's blocks in the prefix cache: the same prompt over other audio shares nothing."""
+
+    encoder_decoder = True
+
+    def __init__(self, model_path: Path, hf_config: Any, tokenizer: Any, overrides: dict[str, Any] | None = None):
+        from transformers import WhisperFeatureExtractor
+
+        if overrides:
+            raise ValueError(f"mm_processor_kwargs: audio models take none, got {sorted(overrides)}")
+        self.features = WhisperFeatureExtractor.from_pretrained(model_path)
+        self.image_token_id = self.placeholder_id = -1
+
+    def process(self, prompt_ids: list[int], images: list[Any] | PreparedImages) -> tuple[list[int], ImageInputs]:
+        count = len(images.digests) if isinstance(images, PreparedImages) else len(images)
+        if count != 1:
+            raise ValueError(f"a Whisper prompt takes exactly one audio clip, got {count}")
+        prepared = images if isinstance(images, PreparedImages) else self.prepare(images)
+        span = ImageSpan(0, len(prompt_ids), prepared.digests[0])
+        return prompt_ids, ImageInputs(prepared.pixel_values, prepared.image_sizes, [span], [], [0])
+
+    def _tokens(self, size: torch.Tensor) -> tuple[list[int], int]:
+        return [], 1  # (no tokens in the prompt; any clip of a sample or more is taken)
+
+
 class ImageEncoder(nn.Module):
     """A model's vision modules (transformers') over the checkpoint's weights: images in,
     one embedding per image token out. `prefixes`: the weights' names it loads."""
@@ -481,6 +512,24 @@ class Qwen2AudioEncoder(ImageEncoder):
         return torch.cat([e[: int(c)] for e, c in zip(embeds, counts, strict=True)])
 
 
+class WhisperEncoder(ImageEncoder):
+    """Whisper's encoder (transformers' module): each clip's features in, its encoder output
+    ([clips, positions, hidden]) out, which the decoder's cross_kv turns into keys and values."""
+
+    prefixes = ("encoder.",)
+
+    def __init__(self, hf_config: Any):
+        super().__init__()
+        from transformers.models.whisper import modeling_whisper
+
+        self.encoder = modeling_whisper.WhisperEncoder._from_config(hf_config)
+
+    @torch.inference_mode()
+    def forward(self, features: list[torch.Tensor], sizes: torch.Tensor) -> torch.Tensor:
+        device, dtype = self._placement()
+        return self.encoder(torch.stack(features).to(device=device, dtype=dtype)).last_hidden_state
+
+
 # an image-text architecture genq encodes images for -> how its prompts and pixels are made, and its encoder
 IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] = {
     "Gemma3ForConditionalGeneration": (Gemma3Images, Gemma3Encoder),
@@ -492,6 +541,7 @@ IMAGE_ARCHITECTURES: dict[str, tuple[type[ImageProcessor], type[ImageEncoder]]] 
     "Qwen3_5ForConditionalGeneration": (QwenVLImages, QwenVLEncoder),  # Qwen3-VL's, without deepstack
     "Qwen3_5MoeForConditionalGeneration": (QwenVLImages, QwenVLEncoder),
     "Qwen2AudioForConditionalGeneration": (AudioClips, Qwen2AudioEncoder),  # audio clips, not images
+    "WhisperForConditionalGeneration": (WhisperClips, WhisperEncoder),  # an encoder-decoder's clip
 }
 
 

@@ -15,6 +15,8 @@ from worker.models.quant import QuantConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    # an encoder-decoder: its decoder's config as language_config gives it (worker.models.whisper)
+    "WhisperForConditionalGeneration": "whisper",
     "MistralForCausalLM": "mistral",
     "MinistralForCausalLM": "mistral",  # Ministral-8B: Mistral with its windows named per layer
     # Ministral 3: Mistral whose queries are scaled up with the position past the original length
@@ -128,8 +130,12 @@ def architecture_of(hf_config: Any, default: str = "") -> str:
 
 def language_config(hf_config: Any) -> Any:
     """The config of the model genq runs: an image-text model's text config (named as its
-    causal LM, tied as the whole model is), else the config itself."""
+    causal LM, tied as the whole model is), Whisper's decoder's, else the config itself."""
     arch = architecture_of(hf_config)
+    if arch == "WhisperForConditionalGeneration" and hasattr(hf_config, "d_model"):
+        from worker.models.whisper import whisper_decoder_config
+
+        return whisper_decoder_config(hf_config)
     if arch not in TEXT_OF_MULTIMODAL:
         return hf_config
     text = copy.deepcopy(hf_config.get_text_config())
@@ -478,7 +484,7 @@ class ModelConfig:
         heads = hf_config.num_attention_heads
         family = SUPPORTED_ARCHITECTURES[arch]
         qwen2 = family in ("qwen2", "qwen2_moe")
-        has_lm_head = arch.endswith("ForCausalLM")
+        has_lm_head = arch.endswith("ForCausalLM") or family == "whisper"
         any_bias = bool(getattr(hf_config, "use_bias", False))  # Ernie 4.5: every projection's
         qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or qwen2 or any_bias
         # Qwen2's and GLM-4's biases are q/k/v's alone; Seed-OSS switches o's apart

@@ -1,0 +1,84 @@
+"""Whisper, an encoder-decoder, on a tiny random checkpoint: greedy tokens against
+transformers' WhisperForConditionalGeneration run step by step on the same clip (its feature
+extractor, its encoder, every step's whole decoder), with several clips in one batch, through
+the prefix cache and through preemption."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_audio import RATE, clip
+
+from worker import LLM, SamplingParams
+
+PROMPT = [1, 50, 51, 52]  # the decoder's prompt, as token ids (the tiny model's start token is 1)
+LONG_PROMPT = [1] + list(range(100, 120))  # past a block of 16: its blocks go to the prefix cache
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: int = 12) -> list[int]:
+    """transformers' greedy tokens: the whole decoder run again each step (no cache, no
+    generation rules), argmax of the last position's logits."""
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    features = WhisperFeatureExtractor.from_pretrained(model_dir)(samples, sampling_rate=RATE, return_tensors="pt")
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.inference_mode():
+        encoded = model.model.encoder(features["input_features"]).last_hidden_state
+        for _ in range(max_new):
+            logits = model(encoder_outputs=(encoded,), decoder_input_ids=torch.tensor([ids])).logits
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def request(prompt: list[int], samples: np.ndarray) -> dict:
+    return {"prompt_token_ids": prompt, "multi_modal_data": {"audio": (samples, RATE)}}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_whisper_dir: Path) -> LLM:
+    return LLM(str(tiny_whisper_dir), dtype="float32", num_gpu_blocks_override=64)
+
+
+CLIPS = [clip(0.6, 1), clip(1.0, 2), clip(0.3, 3)]
+
+
+def test_greedy_matches_transformers_for_clips_in_one_batch(llm: LLM, tiny_whisper_dir: Path) -> None:
+    outputs = llm.generate([request(PROMPT, c) for c in CLIPS], GREEDY, use_tqdm=False)
+    expected = [hf_greedy(tiny_whisper_dir, PROMPT, c) for c in CLIPS]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert len({tuple(e) for e in expected}) == 3  # each clip's own
+
+
+def test_the_prefix_cache_tells_clips_apart(llm: LLM, tiny_whisper_dir: Path) -> None:
+    """The same decoder prompt over another clip shares no block: its KV read another audio."""
+    first = llm.generate([request(LONG_PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([request(LONG_PROMPT, CLIPS[1])], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([request(LONG_PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 0 and again.num_cached_tokens == 16
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, LONG_PROMPT, CLIPS[0])
+    assert second.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, LONG_PROMPT, CLIPS[1])
+
+
+def test_preempted_requests_encode_their_clip_again(tiny_whisper_dir: Path) -> None:
+    """Six blocks of 16 for three requests that grow to 3 blocks each: some are preempted, give
+    their audio's slot back, and take one again when they resume."""
+    small = LLM(str(tiny_whisper_dir), dtype="float32", num_gpu_blocks_override=6, max_num_seqs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outputs = small.generate([request(PROMPT, c) for c in CLIPS], params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    for c, out in zip(CLIPS, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, PROMPT, c, max_new=40)
+
+
+def test_whisper_refuses_what_it_cannot_run(llm: LLM, tiny_whisper_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"reads an audio clip with its prompt: give one as multi_modal_data"):
+        llm.generate([{"prompt_token_ids": PROMPT}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="a Whisper prompt takes exactly one audio clip, got 2"):
+        llm.generate([{"prompt_token_ids": PROMPT, "multi_modal_data": {"audio": CLIPS[:2]}}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="Whisper runs without tensor_parallel_size > 1, enable_lora"):
+        LLM(str(tiny_whisper_dir), tensor_parallel_size=2, enable_lora=True)

@@ -1,0 +1,207 @@
+"""Whisper's decoder (WhisperForConditionalGeneration), an encoder-decoder model: its
+self-attention keeps KV in the paged cache as any decoder's, and its cross-attention reads the
+keys and values of its request's audio, computed once from the encoder's output
+(`cross_kv`, when the request's first chunk runs) and kept in a slot of CrossStates for the
+request's life. The encoder is transformers' module (worker.multimodal.WhisperEncoder).
+
+Layers are pre-norm with LayerNorm and biases (no bias on the key projections), the MLP is
+fc1, GELU, fc2, positions are learned embeddings, and the head is the token embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.models.config import ModelConfig
+
+DECODER_PREFIX = "model.decoder."
+
+
+def whisper_decoder_config(hf_config):
+    """The decoder's side of a Whisper config, in the names ModelConfig.from_hf reads (its
+    learned positions bound max_model_len)."""
+    from transformers import LlamaConfig
+
+    view = LlamaConfig(
+        vocab_size=hf_config.vocab_size, hidden_size=hf_config.d_model, intermediate_size=hf_config.decoder_ffn_dim,
+        num_hidden_layers=hf_config.decoder_layers, num_attention_heads=hf_config.decoder_attention_heads,
+        num_key_value_heads=hf_config.decoder_attention_heads, max_position_embeddings=hf_config.max_target_positions,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=hf_config.eos_token_id,
+        bos_token_id=hf_config.decoder_start_token_id, pad_token_id=hf_config.pad_token_id,
+    )
+    view.architectures = ["WhisperForConditionalGeneration"]
+    view.encoder_positions = hf_config.max_source_positions  # the encoder's output length
+    return view
+
+
+@dataclass
+class CrossStep:
+    """A step's cross-attention inputs: each request's rows [start, end) of the flat batch and
+    its slot in `states`."""
+
+    states: CrossStates
+    segments: list[tuple[int, int, int]]
+
+
+class CrossStates:
+    """The keys and values of each running request's audio for every decoder layer, a slot each
+    of `max_requests`: [slots, layers, encoder positions, hidden] twice, in the model's dtype.
+    A request takes a slot when its first step runs (its encoder and the projections run then)
+    and gives it back when it ends or is preempted (it is computed again when it resumes).
+    (Allocated empty: on the CPU the memory of slots never used is never touched.)"""
+
+    def __init__(self, num_layers: int, max_requests: int, positions: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.keys = torch.empty(max_requests, num_layers, positions, hidden, dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+        self.slots: dict[str, int] = {}
+        self.free = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def request_bytes(self) -> int:
+        return 2 * self.keys[0].numel() * self.keys.element_size()
+
+    def store(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A request's keys and values ([layers, positions, hidden] each) into a slot of its own."""
+        slot = self.slots.get(request_id)
+        if slot is None:
+            slot = self.slots[request_id] = self.free.pop()
+        self.keys[slot].copy_(keys)
+        self.values[slot].copy_(values)
+
+    def remove(self, request_id: str) -> None:
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+
+
+class WhisperDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.index, self.span, self.eps = index, cfg.layer_span(index), cfg.rms_norm_eps
+        self.self_attn = _Attention(hidden, heads)
+        self.self_attn_layer_norm = nn.LayerNorm(hidden)
+        self.encoder_attn = _Attention(hidden, heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, hidden)
+        self.final_layer_norm = nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta, cross: CrossStep
+                ) -> torch.Tensor:  # x: [T, hidden]
+        attn, T = self.self_attn, x.shape[0]
+        h = self.self_attn_layer_norm(x)
+        q = attn.q_proj(h).view(T, attn.heads, attn.head_dim)
+        k = attn.k_proj(h).view(T, attn.heads, attn.head_dim)
+        v = attn.v_proj(h).view(T, attn.heads, attn.head_dim)
+        o = meta.forward(q, k, v, kv_cache, attn.head_dim**-0.5, self.span, None, None)
+        x = x + attn.out_proj(o.reshape(T, -1))
+        x = x + self._cross(self.encoder_attn_layer_norm(x), cross)
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+    def _cross(self, h: torch.Tensor, cross: CrossStep) -> torch.Tensor:
+        """Each request's rows attend to its audio's keys and values (all of them: no mask)."""
+        attn = self.encoder_attn
+        q = attn.q_proj(h).view(h.shape[0], attn.heads, attn.head_dim).transpose(0, 1)  # [heads, T, D]
+        out = torch.empty_like(q)
+        keys, values = cross.states.keys, cross.states.values
+        for start, end, slot in cross.segments:
+            k = keys[slot, self.index].view(-1, attn.heads, attn.head_dim).transpose(0, 1)  # [heads, S, D]
+            v = values[slot, self.index].view(-1, attn.heads, attn.head_dim).transpose(0, 1)
+            out[:, start:end] = F.scaled_dot_product_attention(q[:, start:end], k, v)
+        return attn.out_proj(out.transpose(0, 1).reshape(h.shape[0], -1))
+
+
+class WhisperForConditionalGeneration(nn.Module):
+    """`use_kernels` is taken for the runner's sake: the decoder runs torch ops everywhere
+    (its attention goes through the step's backend)."""
+
+    encoder_decoder = True
+
+    def __init__(self, cfg: ModelConfig, use_kernels: bool = False):
+        super().__init__()
+        self.config = cfg
+        self.use_kernels = False
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                            _weight=torch.empty(cfg.max_position_embeddings, cfg.hidden_size))
+        self.layers = nn.ModuleList(WhisperDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layer_norm = nn.LayerNorm(cfg.hidden_size)
+        self.lm_head = self.embed_tokens  # (the runner ties it again after loading)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux: torch.Tensor | None = None
+        self.cross: CrossStep | None = None  # set by the runner before each step
+
+    def build_rotary(self, device: torch.device) -> None:
+        """No rotary tables: positions are learned."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta, lora=None, images=None) -> torch.Tensor:  # [T, hidden]
+        assert self.cross is not None, "the runner sets the step's cross-attention inputs"
+        x = self.embed_tokens(input_ids) + self.embed_positions(positions)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, kv_cache, meta.for_layer(i), self.cross)
+        return self.layer_norm(x)
+
+    @torch.inference_mode()
+    def cross_kv(self, encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values every layer's cross-attention reads for one clip's encoder output
+        [positions, hidden]: [layers, positions, hidden] each."""
+        layers = cast(list[WhisperDecoderLayer], list(self.layers))
+        keys = [layer.encoder_attn.k_proj(encoded) for layer in layers]
+        values = [layer.encoder_attn.v_proj(encoded) for layer in layers]
+        return torch.stack(keys), torch.stack(values)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float()
+
+    def checkpoint_filter(self) -> Callable[[str], bool]:
+        return lambda name: name.startswith(DECODER_PREFIX)
+
+    def init_dummy_weights(self, std: float, seed: int = 0) -> None:
+        """Seeded random weights: normal(0, std) matrices and embeddings, unit norms, zero biases."""
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if "layer_norm" in name and name.endswith(".weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator).mul_(std))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], split=None, deal=None) -> None:
+        """The checkpoint's decoder tensors, by their names less `model.decoder.`; ValueError
+        for one the model lacks or one the checkpoint lacks."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix(DECODER_PREFIX)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {', '.join(DECODER_PREFIX + n for n in missing[:5])}")
