@@ -1,9 +1,12 @@
 """OpenAI's audio endpoints, `/v1/audio/transcriptions` and `/v1/audio/translations`, for models
-that take audio clips (Qwen2-Audio: worker.multimodal): each runs as a chat whose user message
-holds the uploaded clip and an instruction (GENQ_TRANSCRIPTION_INSTRUCTION,
-GENQ_TRANSLATION_INSTRUCTION), the language and prompt given added to it, as gpt-4o-transcribe
-takes them. The reply is the text. A long upload is cut into pieces of the model's window
-(GENQ_AUDIO_CHUNK_S), each a job, their texts joined in order.
+that take audio clips (worker.multimodal). Each runs as a chat whose user message holds the
+uploaded clip. For Whisper (a model whose tokenizer has `<|startoftranscript|>`) the worker's
+template writes the decoder's prompt from the chat's template variables: the language (the
+form's, else the one the model hears: a one-token job first, limited to the language tokens),
+the task and the prompt. For the others (Qwen2-Audio) an instruction follows the clip
+(GENQ_TRANSCRIPTION_INSTRUCTION, GENQ_TRANSLATION_INSTRUCTION), the language and prompt given
+added to it, as gpt-4o-transcribe takes them. The reply is the text. A long upload is cut into
+pieces of the model's window (GENQ_AUDIO_CHUNK_S), each a job, their texts joined in order.
 
 Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "language",
 "duration", "text", "usage"}, no segments); `srt`, `vtt` and `timestamp_granularities` need
@@ -24,6 +27,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 from starlette.datastructures import FormData
+from transformers.models.whisper.tokenization_whisper import LANGUAGES  # (code -> name; no torch)
 
 from api.errors import APIError, invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
@@ -101,25 +105,71 @@ class AudioRequest:
         if self.stream and self.response_format == "verbose_json":
             raise invalid_param("stream", "a stream sends text events: ask for json or text")
 
-    def as_chats(self, settings: Settings) -> list[ChatCompletionRequest]:
+    def as_chats(self, settings: Settings, whisper: WhisperPrompts | None = None,
+                 language: str | None = None) -> list[ChatCompletionRequest]:
         """The chats that do the work, one per piece of at most GENQ_AUDIO_CHUNK_S (each run
-        as a job of its own, on any worker): the piece, then the instruction."""
-        return [self._chat(piece, settings) for piece in split_wav(self.audio, settings.audio_chunk_s)]
+        as a job of its own, on any worker): for Whisper, the piece and the prompt's variables
+        (`language`: the one heard, where the form gives none); else the piece, then the
+        instruction."""
+        pieces = split_wav(self.audio, settings.audio_chunk_s)
+        if whisper is None:
+            return [self._chat([_clip(piece), ContentPart(type="text", text=self._instruction(settings))])
+                    for piece in pieces]
+        variables = {"language": language, "task": self.task if whisper.tasks else None, "prompt": self.prompt}
+        kwargs = {k: v for k, v in variables.items() if v}
+        return [self._chat([_clip(piece)], chat_template_kwargs=kwargs) for piece in pieces]
 
-    def _chat(self, audio: bytes, settings: Settings) -> ChatCompletionRequest:
+    def detecting_chat(self, whisper: WhisperPrompts, settings: Settings) -> ChatCompletionRequest:
+        """A Whisper chat whose one token is the language the model hears in the first piece."""
+        first = split_wav(self.audio, settings.audio_chunk_s)[0]
+        return ChatCompletionRequest(model=self.model, messages=[ChatMessage(role="user", content=[_clip(first)])],
+                                     max_tokens=1, temperature=0.0, allowed_token_ids=sorted(whisper.languages),
+                                     chat_template_kwargs={"detect_language": True}, return_token_ids=True)
+
+    def _instruction(self, settings: Settings) -> str:
         instruction = settings.transcription_instruction if self.task == "transcribe" else settings.translation_instruction
         if self.language:
             instruction += f" The speech is in the language whose ISO-639-1 code is {self.language}."
         if self.prompt:
             instruction += f" Earlier speech, for context: {self.prompt}"
-        clip = ContentPart(type="input_audio", input_audio={"data": base64.b64encode(audio).decode(), "format": "wav"})
-        message = ChatMessage(role="user", content=[clip, ContentPart(type="text", text=instruction)])
+        return instruction
+
+    def _chat(self, content: list[ContentPart], **fields: Any) -> ChatCompletionRequest:
         try:
-            return ChatCompletionRequest(model=self.model, messages=[message], temperature=self.temperature,
-                                         stream=self.stream, **self.sampling)
+            return ChatCompletionRequest(model=self.model, messages=[ChatMessage(role="user", content=content)],
+                                         temperature=self.temperature, stream=self.stream, **self.sampling, **fields)
         except ValidationError as e:
             where = str(e.errors()[0]["loc"][0])
             raise invalid_param(where, f"{where}: {e.errors()[0]['msg']}") from None
+
+
+def _clip(audio: bytes) -> ContentPart:
+    return ContentPart(type="input_audio", input_audio={"data": base64.b64encode(audio).decode(), "format": "wav"})
+
+
+@dataclass(frozen=True)
+class WhisperPrompts:
+    """What a Whisper model's tokenizer says of its prompts: its language tokens (id -> code)
+    and whether it has task tokens (an English-only model has neither)."""
+
+    languages: dict[int, str]
+    tasks: bool
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> WhisperPrompts | None:
+        """None for a tokenizer that is not Whisper's."""
+        vocab = tokenizer.get_vocab()
+        if "<|startoftranscript|>" not in vocab:
+            return None
+        languages = {i: token[2:-2] for token, i in vocab.items()
+                     if token.startswith("<|") and token.endswith("|>") and token[2:-2] in LANGUAGES}
+        return cls(languages, "<|transcribe|>" in vocab)
+
+    def check(self, language: str | None) -> None:
+        """400 naming `language` where the model has no token for it."""
+        if language is not None and language not in self.languages.values():
+            raise invalid_param("language", f"language {language!r} is not one this model knows (ISO-639-1 codes: "
+                                f"{', '.join(sorted(self.languages.values())[:12])}, ...)")
 
 
 CUT_SEARCH_S = 1.0  # a long clip is cut at the quietest moment of the last second before the limit (half a piece at most)
@@ -177,13 +227,15 @@ def joined(texts: list[str]) -> str:
     return " ".join(t.strip() for t in texts if t.strip())
 
 
-def response(audio: AudioRequest, text: str, usage: Usage) -> dict[str, Any] | str:
-    """The body in the format asked: a str for `text`."""
+def response(audio: AudioRequest, text: str, usage: Usage, language: str | None = None) -> dict[str, Any] | str:
+    """The body in the format asked: a str for `text`. `language`: the code of the one the
+    model heard (Whisper), named in verbose_json as OpenAI names it ("english")."""
     if audio.response_format == "text":
         return text
     if audio.response_format == "verbose_json":
-        return {"task": audio.task, "language": audio.language or "unknown", "duration": duration_s(audio.audio),
-                "text": text, "usage": usage_of(usage)}
+        language = language or audio.language
+        return {"task": audio.task, "language": LANGUAGES.get(language, language) if language else "unknown",
+                "duration": duration_s(audio.audio), "text": text, "usage": usage_of(usage)}
     return {"text": text, "usage": usage_of(usage)}
 
 

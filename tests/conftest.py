@@ -643,15 +643,24 @@ def tiny_qwen2_audio_dir(tmp_path_factory, default_model_dir) -> Path:
     return out
 
 
+WHISPER_TOKENS = ("<|startoftranscript|>", "<|en|>", "<|fr|>", "<|de|>", "<|translate|>", "<|transcribe|>",
+                  "<|startofprev|>", "<|notimestamps|>")
+
+
 @pytest.fixture(scope="session")
 def tiny_whisper_dir(tmp_path_factory, default_model_dir) -> Path:
     """A Whisper: two encoder and two decoder layers of width 32 over 16 mel bins and a 1 s
     window (50 encoder positions), 64 decoder positions, with the default model's tokenizer
-    (prompts are given as token ids)."""
-    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+    and Whisper's special tokens added after it (WHISPER_TOKENS, from id 49152)."""
+    from transformers import (
+        AutoTokenizer,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+    )
 
     torch.manual_seed(0)
-    config = WhisperConfig(vocab_size=49152, num_mel_bins=AUDIO_MELS, d_model=32, encoder_layers=2, decoder_layers=2,
+    config = WhisperConfig(vocab_size=49152 + len(WHISPER_TOKENS), num_mel_bins=AUDIO_MELS, d_model=32, encoder_layers=2, decoder_layers=2,
                            encoder_attention_heads=2, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=48,
                            max_source_positions=50 * AUDIO_WINDOW_S, max_target_positions=64,
                            decoder_start_token_id=1, bos_token_id=1, eos_token_id=2, pad_token_id=2,
@@ -659,6 +668,11 @@ def tiny_whisper_dir(tmp_path_factory, default_model_dir) -> Path:
     out = tmp_path_factory.mktemp("whisper")
     WhisperForConditionalGeneration(config).to(torch.float32).save_pretrained(out)
     copy_tokenizer(default_model_dir, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(WHISPER_TOKENS)})
+    tokenizer.chat_template = None  # (Whisper's has none)
+    tokenizer.save_pretrained(out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
     WhisperFeatureExtractor(feature_size=AUDIO_MELS, chunk_length=AUDIO_WINDOW_S).save_pretrained(out)
     return out
 

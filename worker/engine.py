@@ -36,6 +36,7 @@ from worker.model_loader import check_import_names, read_config, resolve_model_p
 from worker.model_runner import ModelOutput, ModelRunner
 from worker.models.config import ModelConfig, architecture_of, language_config
 from worker.models.mtp import check_has_mtp
+from worker.models.whisper import CHAT_TEMPLATE as WHISPER_CHAT_TEMPLATE
 from worker.multimodal import (
     ImageInputs,
     PreparedImages,
@@ -107,6 +108,8 @@ class Engine:
             ModelConfig.from_hf(hf_config, config.quantization, self.max_model_len).shard(
                 config.tensor_parallel_size, config.enable_expert_parallel)
             self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
+        if model_class is not None and config.chat_template is None:  # (Whisper's prompts, as chats)
+            self.tokenizer.chat_template = WHISPER_CHAT_TEMPLATE
         # where the model takes images: what makes their pixels and tokens
         self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)
                                 if images else None)

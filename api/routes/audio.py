@@ -11,7 +11,8 @@ from api.deps import StateDep
 from api.render import ChatRenderer
 from api.routes.chat import chat_prompt, templated
 from api.sse import EventStreamResponse, unless_disconnected
-from api.transcriptions import AudioRequest
+from api.tokenizers import base_model
+from api.transcriptions import AudioRequest, WhisperPrompts
 
 router = APIRouter(prefix="/audio", tags=["openai"])
 
@@ -34,11 +35,32 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
     async with request.form() as form:
         audio = await AudioRequest.from_form(task, form, state.settings.max_audio_bytes)
     audio.check()
-    chats = [templated(chat, state.settings) for chat in audio.as_chats(state.settings)]
+    whisper = await _whisper(state, audio.model)
+    language = audio.language
+    if whisper is not None:
+        whisper.check(language)
+        if language is None and whisper.languages:
+            language = await unless_disconnected(request, _heard_language(state, audio, whisper))
+    chats = [templated(chat, state.settings) for chat in audio.as_chats(state.settings, whisper, language)]
     req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())
     if audio.stream:
         return EventStreamResponse(transcriptions.stream(state, req))
     reply = await unless_disconnected(request, generate.collect(state, req, ChatRenderer()))
     text = transcriptions.joined([choice.message.content or "" for choice in reply.choices])
-    body = transcriptions.response(audio, text, reply.usage)
+    body = transcriptions.response(audio, text, reply.usage, language)
     return PlainTextResponse(body) if isinstance(body, str) else JSONResponse(body)
+
+
+async def _whisper(state: StateDep, model: str) -> WhisperPrompts | None:
+    """What the model's tokenizer says of Whisper prompts; None for a model of another kind."""
+    served = await generate.resolve_model(state, model)
+    tokenizer = await state.tokenizers.get(state.client, (await base_model(state.cluster, served))[0])
+    return WhisperPrompts.of(tokenizer)
+
+
+async def _heard_language(state: StateDep, audio: AudioRequest, whisper: WhisperPrompts) -> str:
+    """The language Whisper hears in the first piece: its one token of a language."""
+    chat = templated(audio.detecting_chat(whisper, state.settings), state.settings)
+    req = await generate.start(state, chat, [chat_prompt(chat)], ChatRenderer())
+    reply = await generate.collect(state, req, ChatRenderer())
+    return whisper.languages[(reply.choices[0].token_ids or [-1])[0]]

@@ -175,7 +175,7 @@ def test_transcriptions_and_translations_run_as_a_chat_with_the_clip(
     with_context = settings.transcription_instruction + (
         " The speech is in the language whose ISO-639-1 code is fr. Earlier speech, for context: Bonjour.")
     assert (verbose.text, verbose.language, verbose.duration) == (
-        offline_reply(llm, with_context), "fr", 0.5)
+        offline_reply(llm, with_context), "french", 0.5)  # (named as OpenAI names it)
     events = list(oai.audio.transcriptions.create(**call, stream=True))
     assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == expected
     assert events[-1].type == "transcript.text.done" and events[-1].text == expected

@@ -5,6 +5,7 @@ the prefix cache and through preemption."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 from test_audio import RATE, clip
 
+from producer.audio import read_clip
 from worker import LLM, SamplingParams
 
 PROMPT = [1, 50, 51, 52]  # the decoder's prompt, as token ids (the tiny model's start token is 1)
@@ -73,6 +75,24 @@ def test_preempted_requests_encode_their_clip_again(tiny_whisper_dir: Path) -> N
     assert small.engine.scheduler.num_preemptions > 0
     for c, out in zip(CLIPS, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, PROMPT, c, max_new=40)
+
+
+def test_a_chat_writes_the_decoder_prompt_from_its_variables(llm: LLM, tiny_whisper_dir: Path) -> None:
+    """Whisper's template: the clip goes to the encoder, the text parts nowhere, and the prompt
+    is written from language, task and prompt (or the start alone, to detect the language)."""
+    from test_audio import wav
+
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(CLIPS[0])).decode(), "format": "wav"}}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "ignored"}]}]
+    encode = llm.get_tokenizer().encode
+    cases = [({"language": "fr", "task": "translate"}, "<|startoftranscript|><|fr|><|translate|><|notimestamps|>"),
+             ({"task": "transcribe", "prompt": " Earlier. "}, "<|startofprev|> Earlier.<|startoftranscript|><|transcribe|><|notimestamps|>"),
+             ({"detect_language": True}, "<|startoftranscript|>")]
+    for kwargs, written in cases:
+        out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs=kwargs)[0]
+        ids = encode(written, add_special_tokens=False)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, ids, read_clip(wav(CLIPS[0]), "clip", RATE))
 
 
 def test_whisper_refuses_what_it_cannot_run(llm: LLM, tiny_whisper_dir: Path) -> None:

@@ -22,6 +22,18 @@ from worker.models.config import ModelConfig
 
 DECODER_PREFIX = "model.decoder."
 
+# The chat template of a Whisper checkpoint (it has none of its own): a conversation's audio
+# part goes to the encoder, and the decoder's prompt is written from the template's variables:
+# `language` (a code: "en") and `task` ("transcribe" or "translate"), where given, and the
+# `prompt` (earlier speech) after <|startofprev|>; `detect_language` writes the start alone, whose
+# next token is the language the model hears (the API's transcriptions ask it for one token).
+CHAT_TEMPLATE = (
+    "{%- if detect_language -%}<|startoftranscript|>{%- else -%}"
+    "{%- if prompt %}<|startofprev|> {{ prompt | trim }}{% endif -%}"
+    "<|startoftranscript|>{% if language %}<|{{ language }}|>{% endif %}{% if task %}<|{{ task }}|>{% endif %}"
+    "<|notimestamps|>{%- endif -%}"
+)
+
 
 def whisper_decoder_config(hf_config):
     """The decoder's side of a Whisper config, in the names ModelConfig.from_hf reads (its
