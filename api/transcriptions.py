@@ -17,6 +17,7 @@ timestamps, which these models do not give: a 400 says so. `stream: true` sends 
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import wave
 from collections.abc import AsyncGenerator
@@ -27,7 +28,6 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 from starlette.datastructures import FormData
-from transformers.models.whisper.tokenization_whisper import LANGUAGES  # (code -> name; no torch)
 
 from api.errors import APIError, invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
@@ -147,6 +147,15 @@ def _clip(audio: bytes) -> ContentPart:
     return ContentPart(type="input_audio", input_audio={"data": base64.b64encode(audio).decode(), "format": "wav"})
 
 
+@functools.cache
+def languages() -> dict[str, str]:
+    """Whisper's languages, code -> name ("en" -> "english"): transformers' table, imported
+    when first asked (the API loads transformers with a model's tokenizer, not before)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return dict(LANGUAGES)
+
+
 @dataclass(frozen=True)
 class WhisperPrompts:
     """What a Whisper model's tokenizer says of its prompts: its language tokens (id -> code)
@@ -161,9 +170,10 @@ class WhisperPrompts:
         vocab = tokenizer.get_vocab()
         if "<|startoftranscript|>" not in vocab:
             return None
-        languages = {i: token[2:-2] for token, i in vocab.items()
-                     if token.startswith("<|") and token.endswith("|>") and token[2:-2] in LANGUAGES}
-        return cls(languages, "<|transcribe|>" in vocab)
+        known = languages()
+        languages_of = {i: token[2:-2] for token, i in vocab.items()
+                        if token.startswith("<|") and token.endswith("|>") and token[2:-2] in known}
+        return cls(languages_of, "<|transcribe|>" in vocab)
 
     def check(self, language: str | None) -> None:
         """400 naming `language` where the model has no token for it."""
@@ -234,7 +244,7 @@ def response(audio: AudioRequest, text: str, usage: Usage, language: str | None 
         return text
     if audio.response_format == "verbose_json":
         language = language or audio.language
-        return {"task": audio.task, "language": LANGUAGES.get(language, language) if language else "unknown",
+        return {"task": audio.task, "language": languages().get(language, language) if language else "unknown",
                 "duration": duration_s(audio.audio), "text": text, "usage": usage_of(usage)}
     return {"text": text, "usage": usage_of(usage)}
 
