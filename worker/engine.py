@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from jinja2 import TemplateSyntaxError
@@ -108,8 +108,10 @@ class Engine:
             ModelConfig.from_hf(hf_config, config.quantization, self.max_model_len).shard(
                 config.tensor_parallel_size, config.enable_expert_parallel)
             self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
-        if model_class is not None and config.chat_template is None:  # (Whisper's prompts, as chats)
-            self.tokenizer.chat_template = WHISPER_CHAT_TEMPLATE
+        if model_class is not None:  # Whisper's prompts, as chats; the tokens it never writes
+            if config.chat_template is None:
+                self.tokenizer.chat_template = WHISPER_CHAT_TEMPLATE
+            cast(Any, self.runner.model).suppress(sorted(_generation_ids(self.model_path, "suppress_tokens")))
         # where the model takes images: what makes their pixels and tokens
         self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)
                                 if images else None)
@@ -847,10 +849,15 @@ def generation_eos(model_path: Path) -> set[int]:
     """The EOS ids of the model's generation_config.json, which may list more than config.json
     (gpt-oss ends a reply at <|return|> and at a tool call's <|call|>; Llama 3's instruct
     models at <|eot_id|>), as vLLM and transformers' generate stop at them."""
+    return _generation_ids(model_path, "eos_token_id")
+
+
+def _generation_ids(model_path: Path, field: str) -> set[int]:
+    """The token ids (one or a list) of a field of the model's generation_config.json."""
     path = model_path / "generation_config.json"
     if not path.is_file():
         return set()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
+    ids = json.loads(path.read_text()).get(field)
+    if ids is None:
         return set()
-    return {int(t) for t in (eos if isinstance(eos, list) else [eos])}
+    return {int(t) for t in (ids if isinstance(ids, list) else [ids])}

@@ -6,6 +6,8 @@ the prefix cache and through preemption."""
 from __future__ import annotations
 
 import base64
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +23,10 @@ LONG_PROMPT = [1] + list(range(100, 120))  # past a block of 16: its blocks go t
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: int = 12) -> list[int]:
+def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: int = 12,
+              suppressed: tuple[int, ...] = ()) -> list[int]:
     """transformers' greedy tokens: the whole decoder run again each step (no cache, no
-    generation rules), argmax of the last position's logits."""
+    generation rules but `suppressed` tokens masked), argmax of the last position's logits."""
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
     features = WhisperFeatureExtractor.from_pretrained(model_dir)(samples, sampling_rate=RATE, return_tensors="pt")
@@ -32,8 +35,9 @@ def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: 
     with torch.inference_mode():
         encoded = model.model.encoder(features["input_features"]).last_hidden_state
         for _ in range(max_new):
-            logits = model(encoder_outputs=(encoded,), decoder_input_ids=torch.tensor([ids])).logits
-            ids.append(int(logits[0, -1].argmax()))
+            logits = model(encoder_outputs=(encoded,), decoder_input_ids=torch.tensor([ids])).logits[0, -1]
+            logits[list(suppressed)] = float("-inf")
+            ids.append(int(logits.argmax()))
     return ids[len(prompt):]
 
 
@@ -93,6 +97,21 @@ def test_a_chat_writes_the_decoder_prompt_from_its_variables(llm: LLM, tiny_whis
         ids = encode(written, add_special_tokens=False)
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, ids, read_clip(wav(CLIPS[0]), "clip", RATE))
+
+
+def test_the_checkpoints_suppressed_tokens_are_never_written(tiny_whisper_dir: Path, tmp_path: Path) -> None:
+    """generation_config.json's suppress_tokens, masked at every step as transformers' generate
+    does: here the tokens the model writes first for the clip, so it writes others."""
+    plain = hf_greedy(tiny_whisper_dir, PROMPT, CLIPS[0])
+    suppressed = tuple(dict.fromkeys(plain[:2]))
+    model_dir = tmp_path / "whisper"
+    shutil.copytree(tiny_whisper_dir, model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**config, "suppress_tokens": list(suppressed)}))
+    out = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16).generate(
+        [request(PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, PROMPT, CLIPS[0], suppressed=suppressed)
+    assert not set(out.outputs[0].token_ids) & set(suppressed)
 
 
 def test_whisper_refuses_what_it_cannot_run(llm: LLM, tiny_whisper_dir: Path) -> None:

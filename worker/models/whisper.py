@@ -161,6 +161,7 @@ class WhisperForConditionalGeneration(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux: torch.Tensor | None = None
         self.cross: CrossStep | None = None  # set by the runner before each step
+        self.suppressed: torch.Tensor | None = None  # token ids whose logits are -inf (suppress)
 
     def build_rotary(self, device: torch.device) -> None:
         """No rotary tables: positions are learned."""
@@ -182,8 +183,15 @@ class WhisperForConditionalGeneration(nn.Module):
         values = [layer.encoder_attn.v_proj(encoded) for layer in layers]
         return torch.stack(keys), torch.stack(values)
 
+    def suppress(self, token_ids: list[int]) -> None:
+        """Never write these tokens (the checkpoint's generation_config suppress_tokens, which
+        transformers' generate masks at every step: symbols and non-speech marks)."""
+        self.suppressed = torch.tensor(token_ids, dtype=torch.long, device=self.embed_tokens.weight.device) \
+            if token_ids else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        logits = F.linear(hidden, self.embed_tokens.weight).float()
+        return logits if self.suppressed is None else logits.index_fill_(1, self.suppressed, float("-inf"))
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.float()
