@@ -34,7 +34,12 @@ TOKENS = ("<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|translate|>", 
 
 def build_checkpoint(out: Path) -> list[int]:
     """A random whisper-tiny in `out`; the decoder prompt's token ids."""
-    from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers import (
+        AutoTokenizer,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
     tokenizer.add_special_tokens({"additional_special_tokens": list(TOKENS)})

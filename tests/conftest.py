@@ -643,8 +643,9 @@ def tiny_qwen2_audio_dir(tmp_path_factory, default_model_dir) -> Path:
     return out
 
 
+# Whisper's special tokens, then its timestamps (0.02 s apart, over the tiny model's 1 s window)
 WHISPER_TOKENS = ("<|startoftranscript|>", "<|en|>", "<|fr|>", "<|de|>", "<|translate|>", "<|transcribe|>",
-                  "<|startofprev|>", "<|notimestamps|>")
+                  "<|startofprev|>", "<|notimestamps|>", *(f"<|{k * 0.02:.2f}|>" for k in range(51)))
 
 
 @pytest.fixture(scope="session")
@@ -674,6 +675,10 @@ def tiny_whisper_dir(tmp_path_factory, default_model_dir) -> Path:
     tokenizer.save_pretrained(out)
     (out / "chat_template.jinja").unlink(missing_ok=True)
     WhisperFeatureExtractor(feature_size=AUDIO_MELS, chunk_length=AUDIO_WINDOW_S).save_pretrained(out)
+    generation = json.loads((out / "generation_config.json").read_text())
+    generation.update(no_timestamps_token_id=tokenizer.convert_tokens_to_ids("<|notimestamps|>"),
+                      begin_suppress_tokens=[2, 220], max_initial_timestamp_index=10)
+    (out / "generation_config.json").write_text(json.dumps(generation))
     return out
 
 

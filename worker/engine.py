@@ -37,6 +37,7 @@ from worker.model_runner import ModelOutput, ModelRunner
 from worker.models.config import ModelConfig, architecture_of, language_config
 from worker.models.mtp import check_has_mtp
 from worker.models.whisper import CHAT_TEMPLATE as WHISPER_CHAT_TEMPLATE
+from worker.models.whisper import whisper_rules
 from worker.multimodal import (
     ImageInputs,
     PreparedImages,
@@ -112,6 +113,8 @@ class Engine:
             if config.chat_template is None:
                 self.tokenizer.chat_template = WHISPER_CHAT_TEMPLATE
             cast(Any, self.runner.model).suppress(sorted(_generation_ids(self.model_path, "suppress_tokens")))
+            self.logits_processors.processors.append(("whisper", whisper_rules(_generation_config(self.model_path),
+                                                                              self.tokenizer)))
         # where the model takes images: what makes their pixels and tokens
         self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)
                                 if images else None)
@@ -852,12 +855,15 @@ def generation_eos(model_path: Path) -> set[int]:
     return _generation_ids(model_path, "eos_token_id")
 
 
+def _generation_config(model_path: Path) -> dict[str, Any]:
+    """The model's generation_config.json ({} without one)."""
+    path = model_path / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def _generation_ids(model_path: Path, field: str) -> set[int]:
     """The token ids (one or a list) of a field of the model's generation_config.json."""
-    path = model_path / "generation_config.json"
-    if not path.is_file():
-        return set()
-    ids = json.loads(path.read_text()).get(field)
+    ids = _generation_config(model_path).get(field)
     if ids is None:
         return set()
     return {int(t) for t in (ids if isinstance(ids, list) else [ids])}

@@ -9,6 +9,7 @@ import base64
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ from test_audio import RATE, clip
 
 from producer.audio import read_clip
 from worker import LLM, SamplingParams
+from worker.models.whisper import WhisperRules
 
+START = 49152  # <|startoftranscript|> (the fixture's first added token)
 PROMPT = [1, 50, 51, 52]  # the decoder's prompt, as token ids (the tiny model's start token is 1)
 LONG_PROMPT = [1] + list(range(100, 120))  # past a block of 16: its blocks go to the prefix cache
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -25,19 +28,34 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: int = 12,
               suppressed: tuple[int, ...] = ()) -> list[int]:
-    """transformers' greedy tokens: the whole decoder run again each step (no cache, no
-    generation rules but `suppressed` tokens masked), argmax of the last position's logits."""
+    """transformers' greedy tokens: the whole decoder run again each step (no cache), the
+    `suppressed` tokens masked, then transformers' own processors of the checkpoint's rules
+    (begin_suppress_tokens; the timestamp rules where the prompt has no <|notimestamps|>),
+    argmax of the last position's logits."""
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers.generation.logits_process import (
+        SuppressTokensAtBeginLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
 
     features = WhisperFeatureExtractor.from_pretrained(model_dir)(samples, sampling_rate=RATE, return_tensors="pt")
     model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # (the file's fields as they are: transformers 5's GenerationConfig drops Whisper's own)
+    rules = SimpleNamespace(**json.loads((model_dir / "generation_config.json").read_text()))
+    processors = [SuppressTokensAtBeginLogitsProcessor(rules.begin_suppress_tokens, begin_index=len(prompt))]
+    if rules.no_timestamps_token_id not in prompt:
+        processors.append(WhisperTimeStampLogitsProcessor(rules, begin_index=len(prompt)))
+    if prompt[-1] == START:  # the language's step: no rules
+        processors = []
     ids = list(prompt)
     with torch.inference_mode():
         encoded = model.model.encoder(features["input_features"]).last_hidden_state
         for _ in range(max_new):
-            logits = model(encoder_outputs=(encoded,), decoder_input_ids=torch.tensor([ids])).logits[0, -1]
-            logits[list(suppressed)] = float("-inf")
-            ids.append(int(logits.argmax()))
+            scores = model(encoder_outputs=(encoded,), decoder_input_ids=torch.tensor([ids])).logits[:, -1]
+            scores[:, list(suppressed)] = float("-inf")
+            for processor in processors:
+                scores = processor(torch.tensor([ids]), scores)
+            ids.append(int(scores[0].argmax()))
     return ids[len(prompt):]
 
 
@@ -97,6 +115,53 @@ def test_a_chat_writes_the_decoder_prompt_from_its_variables(llm: LLM, tiny_whis
         ids = encode(written, add_special_tokens=False)
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, ids, read_clip(wav(CLIPS[0]), "clip", RATE))
+
+
+def test_the_rules_mask_as_transformers_processors_do() -> None:
+    """WhisperRules against transformers' SuppressTokensAtBegin and WhisperTimeStamp processors
+    on random outputs (text and timestamps mixed) and logits: the same logits come out."""
+    from transformers.generation.logits_process import (
+        SuppressTokensAtBeginLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
+
+    vocab, no_timestamps, eos, prompt = 140, 99, 50, [1, 3, 2]
+    rules = WhisperRules(no_timestamps, eos, begin_suppress=[eos, 7], max_initial=5, start=3)
+    config = SimpleNamespace(no_timestamps_token_id=no_timestamps, eos_token_id=eos, max_initial_timestamp_index=5)
+    theirs = [SuppressTokensAtBeginLogitsProcessor([eos, 7], begin_index=len(prompt)),
+              WhisperTimeStampLogitsProcessor(config, begin_index=len(prompt))]
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        output = [int(rng.integers(100, vocab) if rng.random() < 0.5 else rng.integers(4, 99))
+                  for _ in range(int(rng.integers(0, 7)))]
+        logits = torch.tensor(rng.normal(0, 3, vocab), dtype=torch.float32)
+        expected = logits[None].clone()
+        for processor in theirs:
+            expected = processor(torch.tensor([prompt + output]), expected)
+        assert torch.equal(rules.apply(prompt, output, logits.clone()), expected[0]), output
+    assert torch.equal(rules.apply([*prompt, no_timestamps], [], logits.clone()),  # no timestamps: the start's rule alone
+                       theirs[0](torch.tensor([prompt]), logits[None].clone())[0])
+    assert torch.equal(rules.apply([1, 3], [], logits.clone()), logits)  # the language's step: none
+
+
+def test_timestamps_follow_transformers_rules(llm: LLM, tiny_whisper_dir: Path) -> None:
+    """A prompt without <|notimestamps|>: segments between timestamps, by transformers' own
+    WhisperTimeStampLogitsProcessor, for each clip."""
+    from test_audio import wav
+
+    encode = llm.get_tokenizer().encode
+    ids = encode("<|startoftranscript|><|en|>", add_special_tokens=False)
+    first = encode("<|0.00|>", add_special_tokens=False)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for samples in CLIPS:
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(samples)).decode()}}
+        out = llm.chat([{"role": "user", "content": [part]}], params, use_tqdm=False,
+                       chat_template_kwargs={"language": "en", "timestamps": True})[0]
+        tokens = out.outputs[0].token_ids
+        assert out.prompt_token_ids == ids
+        assert tokens == hf_greedy(tiny_whisper_dir, ids, read_clip(wav(samples), "clip", RATE), max_new=40)
+        stamps = [t for t in tokens if t >= first]
+        assert tokens[0] in range(first, first + 11) and stamps == sorted(stamps)
 
 
 def test_the_checkpoints_suppressed_tokens_are_never_written(tiny_whisper_dir: Path, tmp_path: Path) -> None:

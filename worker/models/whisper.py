@@ -25,13 +25,14 @@ DECODER_PREFIX = "model.decoder."
 # The chat template of a Whisper checkpoint (it has none of its own): a conversation's audio
 # part goes to the encoder, and the decoder's prompt is written from the template's variables:
 # `language` (a code: "en") and `task` ("transcribe" or "translate"), where given, and the
-# `prompt` (earlier speech) after <|startofprev|>; `detect_language` writes the start alone, whose
-# next token is the language the model hears (the API's transcriptions ask it for one token).
+# `prompt` (earlier speech) after <|startofprev|>, and `timestamps` (the reply's segments between
+# timestamp tokens: WhisperRules); `detect_language` writes the start alone, whose next token is
+# the language the model hears (the API's transcriptions ask it for one token).
 CHAT_TEMPLATE = (
     "{%- if detect_language -%}<|startoftranscript|>{%- else -%}"
     "{%- if prompt %}<|startofprev|> {{ prompt | trim }}{% endif -%}"
     "<|startoftranscript|>{% if language %}<|{{ language }}|>{% endif %}{% if task %}<|{{ task }}|>{% endif %}"
-    "<|notimestamps|>{%- endif -%}"
+    "{% if not timestamps %}<|notimestamps|>{% endif %}{%- endif -%}"
 )
 
 
@@ -50,6 +51,70 @@ def whisper_decoder_config(hf_config):
     view.architectures = ["WhisperForConditionalGeneration"]
     view.encoder_positions = hf_config.max_source_positions  # the encoder's output length
     return view
+
+
+class WhisperRules:
+    """transformers' Whisper generation rules, as a logits processor (worker.logits_processors)
+    every request of a Whisper engine has: `begin_suppress` tokens cannot come first; and, in a
+    request whose prompt has no <|notimestamps|> (`no_timestamps`), the timestamp rules: the
+    first token is a timestamp (at most `max_initial` steps past 0), timestamps come in pairs
+    (but one before the end), never go back, and one is forced where all of them together are
+    likelier than any text token. Timestamps are the ids after <|notimestamps|>. A prompt that
+    ends at <|startoftranscript|> (`start`) asks for the language heard: no rule applies."""
+
+    def __init__(self, no_timestamps: int | None, eos: int, begin_suppress: list[int], max_initial: int | None,
+                 start: int | None = None):
+        self.no_timestamps, self.eos, self.max_initial, self.start = no_timestamps, eos, max_initial, start
+        self.first = None if no_timestamps is None else no_timestamps + 1  # <|0.00|>
+        self.begin_suppress = torch.tensor(begin_suppress, dtype=torch.long)
+
+    def new_req_logits_processor(self, params) -> Callable[[list[int], list[int], torch.Tensor], torch.Tensor]:
+        return self.apply
+
+    def apply(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if prompt_ids[-1:] == [self.start]:
+            return logits
+        if not output_ids and len(self.begin_suppress):
+            logits = logits.index_fill(0, self.begin_suppress.to(logits.device), float("-inf"))
+        if self.first is None or self.no_timestamps in prompt_ids:
+            return logits
+        return self._timestamps(output_ids, logits.clone())
+
+    def _timestamps(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        first, inf = self.first, float("-inf")
+        assert first is not None
+        logits[self.no_timestamps] = inf
+        stamps = [t for t in output_ids if t >= first]
+        last_stamp = bool(output_ids) and output_ids[-1] >= first
+        pair_closed = len(output_ids) < 2 or output_ids[-2] >= first  # (a pair, or the start)
+        if last_stamp:
+            if pair_closed:
+                logits[first:] = inf  # text follows a pair
+            else:
+                logits[: self.eos] = inf  # a timestamp that opened a segment's end: another, or the end
+        if stamps:  # never back, nor the same one again but to close a pair
+            logits[first : stamps[-1] + (0 if last_stamp and not pair_closed else 1)] = inf
+        if not output_ids:
+            logits[:first] = inf
+            if self.max_initial is not None:
+                logits[first + self.max_initial + 1 :] = inf
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if logprobs[first:].logsumexp(-1) > logprobs[:first].max():
+            logits[:first] = inf
+        return logits
+
+
+def whisper_rules(generation_config: dict, tokenizer) -> WhisperRules:
+    """The rules of a checkpoint's generation_config.json (its no_timestamps_token_id, else the
+    tokenizer's <|notimestamps|>), the start its tokenizer's <|startoftranscript|>."""
+    no_timestamps = generation_config.get("no_timestamps_token_id")
+    if no_timestamps is None and "<|notimestamps|>" in tokenizer.get_vocab():
+        no_timestamps = tokenizer.convert_tokens_to_ids("<|notimestamps|>")
+    eos = generation_config.get("eos_token_id", tokenizer.eos_token_id)
+    return WhisperRules(no_timestamps, eos[0] if isinstance(eos, list) else eos,
+                        list(generation_config.get("begin_suppress_tokens") or []),
+                        generation_config.get("max_initial_timestamp_index"),
+                        tokenizer.get_vocab().get("<|startoftranscript|>"))
 
 
 @dataclass
