@@ -9,8 +9,10 @@ added to it, as gpt-4o-transcribe takes them. The reply is the text. A long uplo
 pieces of the model's window (GENQ_AUDIO_CHUNK_S), each a job, their texts joined in order.
 
 Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "language",
-"duration", "text", "usage"}, no segments); `srt`, `vtt` and `timestamp_granularities` need
-timestamps, which these models do not give: a 400 says so. `stream: true` sends OpenAI's
+"duration", "text", "usage"}, and on Whisper its `segments`); `srt`, `vtt` and
+`timestamp_granularities: ["segment"]` need timestamps, which Whisper gives (its prompt without
+<|notimestamps|>: segments between timestamp tokens, each piece's offset added) and other
+models do not (a 400 says so, as word timestamps are). `stream: true` sends OpenAI's
 `transcript.text.delta` events and a `transcript.text.done`.
 """
 
@@ -40,6 +42,7 @@ from producer.audio import AUDIO_RATE, read_clip, to_wav
 
 FORMATS = ("json", "text", "verbose_json")
 TIMESTAMPED = ("srt", "vtt")
+TIMESTAMP_S = 0.02  # between Whisper's timestamp tokens (its 30 s window over 1500 positions)
 
 
 # sampling fields a form may add (as vLLM's transcription requests take them), passed to the chat
@@ -62,7 +65,7 @@ class AudioRequest:
     response_format: str = "json"
     temperature: float = 0.0
     stream: bool = False
-    timestamps: bool = False  # timestamp_granularities given
+    granularities: tuple[str, ...] = ()  # timestamp_granularities[] given
     sampling: dict[str, Any] = field(default_factory=dict)  # SAMPLING_FIELDS given, as sent
 
     @classmethod
@@ -90,20 +93,28 @@ class AudioRequest:
             raise invalid_param("temperature", f"temperature must be a number, got {text['temperature']!r}") from None
         return cls(task, audio, text["model"], text.get("language"), text.get("prompt"),
                    text.get("response_format", "json"), temperature, text.get("stream", "false").lower() == "true",
-                   bool(form.getlist("timestamp_granularities[]")),
+                   tuple(str(g) for g in form.getlist("timestamp_granularities[]")),
                    {k: v for k, v in text.items() if k in SAMPLING_FIELDS})
 
-    def check(self) -> None:
-        """400 naming the field genq cannot serve."""
-        if self.response_format in TIMESTAMPED or self.timestamps:
+    def check(self, whisper: WhisperPrompts | None = None) -> None:
+        """400 naming the field genq cannot serve (timestamps but on a Whisper that writes them)."""
+        timed = whisper is not None and whisper.first_timestamp is not None
+        if "word" in self.granularities:
+            raise invalid_param("timestamp_granularities", "word timestamps are not given: ask for segment")
+        if (self.response_format in TIMESTAMPED or self.granularities) and not timed:
             field = "response_format" if self.response_format in TIMESTAMPED else "timestamp_granularities"
-            raise invalid_param(field, "timestamps are not given by genq's audio models: ask for json, text or "
-                                "verbose_json")
-        if self.response_format not in FORMATS:
-            raise invalid_param("response_format", f"response_format must be one of {', '.join(FORMATS)}, "
+            raise invalid_param(field, "timestamps are given by Whisper models only: ask this one for json, text "
+                                "or verbose_json")
+        if self.response_format not in (*FORMATS, *TIMESTAMPED):
+            raise invalid_param("response_format", f"response_format must be one of {', '.join(FORMATS + TIMESTAMPED)}, "
                                 f"got {self.response_format!r}")
-        if self.stream and self.response_format == "verbose_json":
+        if self.stream and self.response_format not in ("json", "text"):
             raise invalid_param("stream", "a stream sends text events: ask for json or text")
+
+    def timed(self, whisper: WhisperPrompts | None) -> bool:
+        """Whether the reply is read as timed segments: Whisper's verbose_json, srt and vtt."""
+        return (whisper is not None and whisper.first_timestamp is not None
+                and (self.response_format in ("verbose_json", *TIMESTAMPED) or bool(self.granularities)))
 
     def as_chats(self, settings: Settings, whisper: WhisperPrompts | None = None,
                  language: str | None = None) -> list[ChatCompletionRequest]:
@@ -115,9 +126,11 @@ class AudioRequest:
         if whisper is None:
             return [self._chat([_clip(piece), ContentPart(type="text", text=self._instruction(settings))])
                     for piece in pieces]
-        variables = {"language": language, "task": self.task if whisper.tasks else None, "prompt": self.prompt}
+        variables = {"language": language, "task": self.task if whisper.tasks else None, "prompt": self.prompt,
+                     "timestamps": self.timed(whisper)}
         kwargs = {k: v for k, v in variables.items() if v}
-        return [self._chat([_clip(piece)], chat_template_kwargs=kwargs) for piece in pieces]
+        return [self._chat([_clip(piece)], chat_template_kwargs=kwargs, return_token_ids=self.timed(whisper) or None)
+                for piece in pieces]
 
     def detecting_chat(self, whisper: WhisperPrompts, settings: Settings) -> ChatCompletionRequest:
         """A Whisper chat whose one token is the language the model hears in the first piece."""
@@ -158,11 +171,14 @@ def languages() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class WhisperPrompts:
-    """What a Whisper model's tokenizer says of its prompts: its language tokens (id -> code)
-    and whether it has task tokens (an English-only model has neither)."""
+    """What a Whisper model's tokenizer says of its prompts: its language tokens (id -> code),
+    whether it has task tokens (an English-only model has neither), and its first timestamp's
+    id (<|0.00|>, the one after <|notimestamps|>; None without timestamps)."""
 
     languages: dict[int, str]
     tasks: bool
+    first_timestamp: int | None = None
+    tokenizer: Any = field(default=None, compare=False)
 
     @classmethod
     def of(cls, tokenizer: Any) -> WhisperPrompts | None:
@@ -173,7 +189,41 @@ class WhisperPrompts:
         known = languages()
         languages_of = {i: token[2:-2] for token, i in vocab.items()
                         if token.startswith("<|") and token.endswith("|>") and token[2:-2] in known}
-        return cls(languages_of, "<|transcribe|>" in vocab)
+        first = vocab.get("<|0.00|>")
+        return cls(languages_of, "<|transcribe|>" in vocab, first if first == vocab.get("<|notimestamps|>", -2) + 1
+                   else None, tokenizer)
+
+    def segments(self, tokens: list[int], offset_s: float, first_id: int = 0) -> list[dict[str, Any]]:
+        """A piece's reply as segments, each the text between two timestamps (a text before
+        any, or after the last, runs from the time before it to the piece's end, unknown:
+        the last time known), times from `offset_s`; ids from `first_id`."""
+        assert self.first_timestamp is not None
+        out: list[dict[str, Any]] = []
+        start: float | None = None
+        text: list[int] = []
+
+        def close(end: float) -> None:
+            nonlocal text
+            words = self.tokenizer.decode(text, skip_special_tokens=True)
+            if words.strip():
+                begin = start if start is not None else (out[-1]["end"] if out else offset_s)
+                out.append({"id": first_id + len(out), "seek": round(offset_s * 100), "start": round(begin, 2),
+                            "end": round(max(end, begin), 2), "text": words, "tokens": list(text), "temperature": 0.0})
+            text = []
+
+        for token in tokens:
+            if token < self.first_timestamp:
+                text.append(token)
+                continue
+            time = offset_s + (token - self.first_timestamp) * TIMESTAMP_S
+            if start is None and not text:
+                start = time
+            else:
+                close(time)
+                start = None
+        if text:
+            close(start if start is not None else (out[-1]["end"] if out else offset_s))
+        return out
 
     def check(self, language: str | None) -> None:
         """400 naming `language` where the model has no token for it."""
@@ -237,16 +287,46 @@ def joined(texts: list[str]) -> str:
     return " ".join(t.strip() for t in texts if t.strip())
 
 
-def response(audio: AudioRequest, text: str, usage: Usage, language: str | None = None) -> dict[str, Any] | str:
-    """The body in the format asked: a str for `text`. `language`: the code of the one the
-    model heard (Whisper), named in verbose_json as OpenAI names it ("english")."""
+def response(audio: AudioRequest, text: str, usage: Usage, language: str | None = None,
+             segments: list[dict[str, Any]] | None = None) -> dict[str, Any] | str:
+    """The body in the format asked: a str for `text`, `srt` and `vtt`. `language`: the code
+    of the one the model heard (Whisper), named in verbose_json as OpenAI names it
+    ("english"); `segments`: the timed segments, where the model gave them."""
     if audio.response_format == "text":
         return text
+    if audio.response_format in TIMESTAMPED:
+        return subtitles(segments or [], audio.response_format)
     if audio.response_format == "verbose_json":
         language = language or audio.language
-        return {"task": audio.task, "language": languages().get(language, language) if language else "unknown",
-                "duration": duration_s(audio.audio), "text": text, "usage": usage_of(usage)}
+        body = {"task": audio.task, "language": languages().get(language, language) if language else "unknown",
+                "duration": duration_s(audio.audio), "text": text}
+        return {**body, **({"segments": segments} if segments is not None else {}), "usage": usage_of(usage)}
     return {"text": text, "usage": usage_of(usage)}
+
+
+def timed_segments(whisper: WhisperPrompts, audio: AudioRequest, settings: Settings,
+                   replies: list[list[int]]) -> list[dict[str, Any]]:
+    """The segments of every piece's reply (its token ids), in order, each piece's times from
+    where it starts in the upload."""
+    out: list[dict[str, Any]] = []
+    offset = 0.0
+    for piece, tokens in zip(split_wav(audio.audio, settings.audio_chunk_s), replies, strict=True):
+        out += whisper.segments(tokens, offset, len(out))
+        offset += duration_s(piece)
+    return out
+
+
+def subtitles(segments: list[dict[str, Any]], kind: str) -> str:
+    """The segments as SubRip (`srt`) or WebVTT (`vtt`) cues."""
+    def stamp(seconds: float) -> str:
+        ms = round(seconds * 1000)
+        text = f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}"
+        return f"{text},{ms % 1000:03d}" if kind == "srt" else f"{text}.{ms % 1000:03d}"
+
+    cues = [f"{stamp(s['start'])} --> {stamp(s['end'])}\n{s['text'].strip()}\n" for s in segments]
+    if kind == "srt":
+        return "\n".join(f"{k}\n{cue}" for k, cue in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "\n".join(cues)
 
 
 class InOrder:

@@ -34,8 +34,8 @@ async def create_translation(request: Request, state: StateDep) -> Response:
 async def _respond(request: Request, state: StateDep, task: str) -> Response:
     async with request.form() as form:
         audio = await AudioRequest.from_form(task, form, state.settings.max_audio_bytes)
-    audio.check()
     whisper = await _whisper(state, audio.model)
+    audio.check(whisper)
     language = audio.language
     if whisper is not None:
         whisper.check(language)
@@ -46,8 +46,14 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
     if audio.stream:
         return EventStreamResponse(transcriptions.stream(state, req))
     reply = await unless_disconnected(request, generate.collect(state, req, ChatRenderer()))
-    text = transcriptions.joined([choice.message.content or "" for choice in reply.choices])
-    body = transcriptions.response(audio, text, reply.usage, language)
+    segments = None
+    if whisper is not None and audio.timed(whisper):
+        segments = transcriptions.timed_segments(whisper, audio, state.settings,
+                                                 [choice.token_ids or [] for choice in reply.choices])
+        text = transcriptions.joined([segment["text"] for segment in segments])
+    else:
+        text = transcriptions.joined([choice.message.content or "" for choice in reply.choices])
+    body = transcriptions.response(audio, text, reply.usage, language, segments)
     return PlainTextResponse(body) if isinstance(body, str) else JSONResponse(body)
 
 

@@ -213,8 +213,10 @@ def test_pieces_are_cut_in_quiet_moments_and_streamed_in_order() -> None:
 
 
 @pytest.mark.parametrize(("extra", "error", "param"), [
-    ({"response_format": "srt"}, "timestamps are not given", "response_format"),
-    ({"timestamp_granularities": ["word"], "response_format": "verbose_json"}, "timestamps are not given",
+    ({"response_format": "srt"}, "timestamps are given by Whisper models only", "response_format"),
+    ({"timestamp_granularities": ["segment"], "response_format": "verbose_json"},
+     "timestamps are given by Whisper models only", "timestamp_granularities"),
+    ({"timestamp_granularities": ["word"], "response_format": "verbose_json"}, "word timestamps are not given",
      "timestamp_granularities"),
     ({"file": ("clip.mp3", b"ID3" + bytes(60))}, "the file is not audio that can be read", "file"),
     ({"include": ["logprobs"]}, "include \\(logprobs\\) is not given", "include"),

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from api.settings import Settings
-from api.transcriptions import joined, split_wav
+from api.transcriptions import duration_s, joined, split_wav
 from producer.audio import AUDIO_RATE, read_clip, to_wav
 from worker import LLM, SamplingParams
 
@@ -70,10 +70,9 @@ def heard(llm: LLM, audio: bytes) -> str:
 
 
 def test_a_transcription_writes_whispers_prompt_from_the_form(oai: openai.OpenAI, served_model: str, llm: LLM) -> None:
-    verbose = oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="de",
-                                              prompt="Vorher.", response_format="verbose_json", **FORM)
-    assert verbose.text == offline(llm, WAV, language="de", task="transcribe", prompt="Vorher.")
-    assert (verbose.language, verbose.duration) == ("german", 0.6)
+    got = oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="de",
+                                          prompt="Vorher.", **FORM)
+    assert got.text == offline(llm, WAV, language="de", task="transcribe", prompt="Vorher.")
     translated = oai.audio.translations.create(model=served_model, file=("clip.wav", WAV), **FORM)
     language = heard(llm, WAV)
     assert translated.text == offline(llm, WAV, language=language, task="translate")
@@ -83,12 +82,67 @@ def test_without_a_language_the_one_heard_is_used(oai: openai.OpenAI, served_mod
     """A long upload: the language heard in its first piece, then a job per piece."""
     language = heard(llm, LONG)
     expected = offline(llm, LONG, language=language, task="transcribe")
+    got = oai.audio.transcriptions.create(model=served_model, file=("long.wav", LONG), **FORM)
+    assert (got.text, got.usage.output_tokens) == (expected, 2 * 6)
     verbose = oai.audio.transcriptions.create(model=served_model, file=("long.wav", LONG),
                                               response_format="verbose_json", **FORM)
-    assert (verbose.text, verbose.usage.output_tokens) == (expected, 2 * 6)
-    assert verbose.language == {"en": "english", "fr": "french", "de": "german"}[language]
+    assert (verbose.language, verbose.duration) == ({"en": "english", "fr": "french", "de": "german"}[language], 1.75)
     events = list(oai.audio.transcriptions.create(model=served_model, file=("long.wav", LONG), stream=True, **FORM))
     assert events[-1].type == "transcript.text.done" and events[-1].text == expected
+
+
+def offline_tokens(llm: LLM, audio: bytes, **variables) -> list[list[int]]:
+    """The offline engine's tokens for each piece of `audio` under Whisper's template."""
+    pieces = split_wav(to_wav(read_clip(audio, "clip", AUDIO_RATE), AUDIO_RATE), 1.0)
+    chats = [[{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": base64.b64encode(piece).decode(), "format": "wav"}}]}] for piece in pieces]
+    return [r.outputs[0].token_ids for r in llm.chat(chats, GREEDY, use_tqdm=False, chat_template_kwargs=variables)]
+
+
+def runs(tokens: list[int], first: int) -> list[tuple[float | None, list[int], float | None]]:
+    """The text between timestamps: (the time before, the text's tokens, the time after)."""
+    out, before, text = [], None, []
+    for token in tokens:
+        if token < first:
+            text.append(token)
+            continue
+        if text:
+            out.append((before, text, (token - first) * 0.02))
+            text = []
+        before = (token - first) * 0.02
+    return out + ([(before, text, None)] if text else [])
+
+
+def test_timestamps_give_segments_and_subtitles(oai: openai.OpenAI, served_model: str, llm: LLM) -> None:
+    """verbose_json's segments, srt and vtt: the text between the timestamps the model writes
+    (its prompt without <|notimestamps|>), each piece's times after the pieces before it."""
+    tokenizer = llm.get_tokenizer()
+    first = tokenizer.convert_tokens_to_ids("<|0.00|>")
+    pieces = offline_tokens(llm, LONG, language="en", task="transcribe", timestamps=True)
+    offsets = [0.0, duration_s(split_wav(to_wav(read_clip(LONG, "clip", AUDIO_RATE), AUDIO_RATE), 1.0)[0])]
+    expected = [(run, offset) for tokens, offset in zip(pieces, offsets, strict=True) for run in runs(tokens, first)
+                if tokenizer.decode(run[1], skip_special_tokens=True).strip()]
+    verbose = oai.audio.transcriptions.create(model=served_model, file=("long.wav", LONG), language="en",
+                                              response_format="verbose_json", timestamp_granularities=["segment"],
+                                              **FORM)
+    segments = verbose.segments
+    assert len(segments) >= 2 and segments[-1].start >= offsets[1]  # (both pieces have some)
+    assert [s.tokens for s in segments] == [run[1] for run, _ in expected]
+    assert [s.text for s in segments] == [tokenizer.decode(run[1], skip_special_tokens=True) for run, _ in expected]
+    for segment, ((before, _, after), offset) in zip(segments, expected, strict=True):
+        if before is not None:
+            assert segment.start == round(offset + before, 2)
+        if after is not None:
+            assert segment.end == round(offset + after, 2)
+    assert verbose.text == joined([s.text for s in segments])
+    srt = oai.audio.transcriptions.create(model=served_model, file=("long.wav", LONG), language="en",
+                                          response_format="srt", **FORM)
+    cues = srt.strip().split("\n\n")
+    assert len(cues) == len(segments) and cues[0].split("\n")[0] == "1"
+    assert cues[0].split("\n")[1] == f"00:00:00,{round(segments[0].start * 1000):03d} --> 00:00:00,{round(segments[0].end * 1000):03d}"
+    vtt = oai.audio.transcriptions.create(model=served_model, file=("long.wav", LONG), language="en",
+                                          response_format="vtt", **FORM)
+    assert vtt.startswith("WEBVTT\n\n") and vtt.count(" --> ") == len(segments) and "00:00:00." in vtt
 
 
 def test_a_language_the_model_lacks_is_a_400(oai: openai.OpenAI, served_model: str) -> None:
