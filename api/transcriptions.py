@@ -179,6 +179,7 @@ class WhisperPrompts:
     tasks: bool
     first_timestamp: int | None = None
     tokenizer: Any = field(default=None, compare=False)
+    english_only: bool = False  # its template writes no language (whisper-*.en)
 
     @classmethod
     def of(cls, tokenizer: Any) -> WhisperPrompts | None:
@@ -186,12 +187,14 @@ class WhisperPrompts:
         vocab = tokenizer.get_vocab()
         if "<|startoftranscript|>" not in vocab:
             return None
+        first = vocab.get("<|0.00|>")
+        timestamps = first if first == vocab.get("<|notimestamps|>", -2) + 1 else None
+        if "{{ language }}" not in (getattr(tokenizer, "chat_template", None) or ""):  # the worker's English-only one
+            return cls({}, False, timestamps, tokenizer, english_only=True)
         known = languages()
         languages_of = {i: token[2:-2] for token, i in vocab.items()
                         if token.startswith("<|") and token.endswith("|>") and token[2:-2] in known}
-        first = vocab.get("<|0.00|>")
-        return cls(languages_of, "<|transcribe|>" in vocab, first if first == vocab.get("<|notimestamps|>", -2) + 1
-                   else None, tokenizer)
+        return cls(languages_of, "<|transcribe|>" in vocab, timestamps, tokenizer)
 
     def segments(self, tokens: list[int], offset_s: float, first_id: int = 0) -> list[dict[str, Any]]:
         """A piece's reply as segments, each the text between two timestamps (a text before
@@ -226,8 +229,11 @@ class WhisperPrompts:
         return out
 
     def check(self, language: str | None) -> None:
-        """400 naming `language` where the model has no token for it."""
-        if language is not None and language not in self.languages.values():
+        """400 naming `language` where the model has no token for it (or, English-only, it is
+        not English)."""
+        if self.english_only and language not in (None, "en"):
+            raise invalid_param("language", f"this model transcribes English only, got language {language!r}")
+        if not self.english_only and language is not None and language not in self.languages.values():
             raise invalid_param("language", f"language {language!r} is not one this model knows (ISO-639-1 codes: "
                                 f"{', '.join(sorted(self.languages.values())[:12])}, ...)")
 

@@ -37,6 +37,7 @@ from worker.model_runner import ModelOutput, ModelRunner
 from worker.models.config import ModelConfig, architecture_of, language_config
 from worker.models.mtp import check_has_mtp
 from worker.models.whisper import CHAT_TEMPLATE as WHISPER_CHAT_TEMPLATE
+from worker.models.whisper import ENGLISH_CHAT_TEMPLATE as WHISPER_ENGLISH_TEMPLATE
 from worker.models.whisper import whisper_rules
 from worker.multimodal import (
     ImageInputs,
@@ -111,7 +112,8 @@ class Engine:
             self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
         if model_class is not None:  # Whisper's prompts, as chats; the tokens it never writes
             if config.chat_template is None:
-                self.tokenizer.chat_template = WHISPER_CHAT_TEMPLATE
+                multilingual = _generation_config(self.model_path).get("is_multilingual", True)
+                self.tokenizer.chat_template = WHISPER_CHAT_TEMPLATE if multilingual else WHISPER_ENGLISH_TEMPLATE
             cast(Any, self.runner.model).suppress(sorted(_generation_ids(self.model_path, "suppress_tokens")))
             self.logits_processors.processors.append(("whisper", whisper_rules(_generation_config(self.model_path),
                                                                               self.tokenizer)))

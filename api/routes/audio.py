@@ -39,7 +39,9 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
     language = audio.language
     if whisper is not None:
         whisper.check(language)
-        if language is None and whisper.languages:
+        if whisper.english_only:
+            language = "en"
+        elif language is None and whisper.languages:
             language = await unless_disconnected(request, _heard_language(state, audio, whisper))
     chats = [templated(chat, state.settings) for chat in audio.as_chats(state.settings, whisper, language)]
     req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())

@@ -149,3 +149,26 @@ def test_a_language_the_model_lacks_is_a_400(oai: openai.OpenAI, served_model: s
     with pytest.raises(openai.BadRequestError, match="language 'ja' is not one this model knows") as info:
         oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="ja", **FORM)
     assert info.value.body["param"] == "language"
+
+
+def test_what_the_api_reads_from_a_whisper_tokenizer(tiny_whisper_dir: Path) -> None:
+    """The worker's templates tell a multilingual model (languages to detect or name) from an
+    English-only one (no language asked, English only taken)."""
+    from transformers import AutoTokenizer
+
+    from api.errors import APIError
+    from api.transcriptions import WhisperPrompts
+    from worker.models.whisper import CHAT_TEMPLATE, ENGLISH_CHAT_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_whisper_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    multilingual = WhisperPrompts.of(tokenizer)
+    assert multilingual is not None and not multilingual.english_only and multilingual.tasks
+    assert sorted(multilingual.languages.values()) == ["de", "en", "fr"]
+    assert multilingual.first_timestamp == tokenizer.convert_tokens_to_ids("<|0.00|>")
+    tokenizer.chat_template = ENGLISH_CHAT_TEMPLATE
+    english = WhisperPrompts.of(tokenizer)
+    assert english is not None and english.english_only and not english.languages
+    english.check("en")
+    with pytest.raises(APIError, match="this model transcribes English only, got language 'fr'"):
+        english.check("fr")

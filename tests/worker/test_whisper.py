@@ -27,11 +27,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: int = 12,
-              suppressed: tuple[int, ...] = ()) -> list[int]:
+              suppressed: tuple[int, ...] = (), detecting: bool = False) -> list[int]:
     """transformers' greedy tokens: the whole decoder run again each step (no cache), the
     `suppressed` tokens masked, then transformers' own processors of the checkpoint's rules
     (begin_suppress_tokens; the timestamp rules where the prompt has no <|notimestamps|>),
-    argmax of the last position's logits."""
+    argmax of the last position's logits; `detecting` the language: no rules."""
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
     from transformers.generation.logits_process import (
         SuppressTokensAtBeginLogitsProcessor,
@@ -45,7 +45,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: 
     processors = [SuppressTokensAtBeginLogitsProcessor(rules.begin_suppress_tokens, begin_index=len(prompt))]
     if rules.no_timestamps_token_id not in prompt:
         processors.append(WhisperTimeStampLogitsProcessor(rules, begin_index=len(prompt)))
-    if prompt[-1] == START:  # the language's step: no rules
+    if detecting:
         processors = []
     ids = list(prompt)
     with torch.inference_mode():
@@ -114,7 +114,8 @@ def test_a_chat_writes_the_decoder_prompt_from_its_variables(llm: LLM, tiny_whis
         out = llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs=kwargs)[0]
         ids = encode(written, add_special_tokens=False)
         assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, ids, read_clip(wav(CLIPS[0]), "clip", RATE))
+        assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, ids, read_clip(wav(CLIPS[0]), "clip", RATE),
+                                                     detecting="detect_language" in kwargs)
 
 
 def test_the_rules_mask_as_transformers_processors_do() -> None:
@@ -177,6 +178,26 @@ def test_the_checkpoints_suppressed_tokens_are_never_written(tiny_whisper_dir: P
         [request(PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, PROMPT, CLIPS[0], suppressed=suppressed)
     assert not set(out.outputs[0].token_ids) & set(suppressed)
+
+
+def test_an_english_only_checkpoint_writes_no_language_or_task(tiny_whisper_dir: Path, tmp_path: Path) -> None:
+    """generation_config's is_multilingual false (whisper-*.en): the prompt is the start (and
+    <|notimestamps|> unless timestamps are asked for), whatever the variables say, and the
+    timestamp rules hold right after the start."""
+    from test_audio import wav
+
+    model_dir = tmp_path / "whisper-en"
+    shutil.copytree(tiny_whisper_dir, model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**config, "is_multilingual": False}))
+    english = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16)
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(CLIPS[1])).decode()}}
+    samples = read_clip(wav(CLIPS[1]), "clip", RATE)
+    for timestamps, prompt in ((False, [START, START + 7]), (True, [START])):
+        out = english.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False,
+                           chat_template_kwargs={"language": "fr", "task": "translate", "timestamps": timestamps})[0]
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, samples)
 
 
 def test_whisper_refuses_what_it_cannot_run(llm: LLM, tiny_whisper_dir: Path) -> None:

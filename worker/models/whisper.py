@@ -34,6 +34,12 @@ CHAT_TEMPLATE = (
     "<|startoftranscript|>{% if language %}<|{{ language }}|>{% endif %}{% if task %}<|{{ task }}|>{% endif %}"
     "{% if not timestamps %}<|notimestamps|>{% endif %}{%- endif -%}"
 )
+# An English-only checkpoint's (generation_config's is_multilingual false: whisper-*.en): its
+# prompts have no language or task token, whatever the variables say
+ENGLISH_CHAT_TEMPLATE = (
+    "{%- if prompt %}<|startofprev|> {{ prompt | trim }}{% endif -%}"
+    "<|startoftranscript|>{% if not timestamps %}<|notimestamps|>{% endif %}"
+)
 
 
 def whisper_decoder_config(hf_config):
@@ -60,7 +66,8 @@ class WhisperRules:
     first token is a timestamp (at most `max_initial` steps past 0), timestamps come in pairs
     (but one before the end), never go back, and one is forced where all of them together are
     likelier than any text token. Timestamps are the ids after <|notimestamps|>. A prompt that
-    ends at <|startoftranscript|> (`start`) asks for the language heard: no rule applies."""
+    ends at <|startoftranscript|> (`start`, for a multilingual model) asks for the language
+    heard: no rule applies."""
 
     def __init__(self, no_timestamps: int | None, eos: int, begin_suppress: list[int], max_initial: int | None,
                  start: int | None = None):
@@ -111,10 +118,11 @@ def whisper_rules(generation_config: dict, tokenizer) -> WhisperRules:
     if no_timestamps is None and "<|notimestamps|>" in tokenizer.get_vocab():
         no_timestamps = tokenizer.convert_tokens_to_ids("<|notimestamps|>")
     eos = generation_config.get("eos_token_id", tokenizer.eos_token_id)
+    multilingual = generation_config.get("is_multilingual", True)  # (an English-only one has no language step)
     return WhisperRules(no_timestamps, eos[0] if isinstance(eos, list) else eos,
                         list(generation_config.get("begin_suppress_tokens") or []),
                         generation_config.get("max_initial_timestamp_index"),
-                        tokenizer.get_vocab().get("<|startoftranscript|>"))
+                        tokenizer.get_vocab().get("<|startoftranscript|>") if multilingual else None)
 
 
 @dataclass
