@@ -22,7 +22,8 @@ reports the parts it finished):
    zero points) and a Qwen3-MoE with fp8 experts,
    greedy, CUDA against CPU; and a Gemma 3 (image tokens attending both ways), a Mistral 3 (a
    Pixtral tower), a Qwen2.5-VL (M-RoPE) and a Qwen3-VL (deepstack) around it on a prompt
-   with two images, CUDA against CPU; where the host has two GPUs, a Qwen3 split over them
+   with two images, CUDA against CPU; a small Whisper (encoder-decoder: cross-attention over
+   per-request slots, its timestamp rules) on two clips, CUDA against CPU; where the host has two GPUs, a Qwen3 split over them
    (`tensor_parallel_size=2`) against one, float32: equal; KV offloading (a prompt's blocks
    pushed out of a small pool and copied back from pinned host memory), its greedy tokens
    before and after, float32: equal; a DeepSeek-V3's MTP layer as the draft (`method mtp`),
@@ -381,6 +382,65 @@ def check_images_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "c
     return lines
 
 
+def check_whisper_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "cuda"), num_tokens: int = 16
+                         ) -> list[str]:
+    """A small random Whisper (2 + 2 layers of width 64, 16 mel bins, a 1 s window; the model's
+    tokenizer with Whisper's special tokens and 51 timestamps added) greedy on two clips, with
+    and without timestamps (its timestamp rules), on CUDA against the CPU path in float32: its
+    self-attention through the step's backend, its cross-attention over the slots' keys and
+    values."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    from transformers import (
+        AutoTokenizer,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+    )
+
+    from worker import LLM, SamplingParams
+    from worker.model_loader import resolve_model_path
+
+    special = ["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|translate|>", "<|startofprev|>",
+               "<|notimestamps|>", *(f"<|{k * 0.02:.2f}|>" for k in range(51))]
+    rng = np.random.default_rng(0)
+    clips = [(rng.normal(0, 0.1, int(seconds * 16000)).astype(np.float32), 16000) for seconds in (0.4, 0.9)]
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, source = Path(tmp), resolve_model_path(model)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(source / name, out / name)
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        tokenizer.add_special_tokens({"additional_special_tokens": special})
+        tokenizer.chat_template = None
+        tokenizer.save_pretrained(out)
+        torch.manual_seed(0)
+        config = WhisperConfig(vocab_size=len(tokenizer), num_mel_bins=16, d_model=64, encoder_layers=2,
+                               decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                               encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=50,
+                               max_target_positions=64, init_std=0.3, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+                               decoder_start_token_id=tokenizer.convert_tokens_to_ids(special[0]))
+        WhisperForConditionalGeneration(config).save_pretrained(out)
+        WhisperFeatureExtractor(feature_size=16, chunk_length=1).save_pretrained(out)
+        generation = json.loads((out / "generation_config.json").read_text())
+        generation.update(no_timestamps_token_id=tokenizer.convert_tokens_to_ids("<|notimestamps|>"),
+                          begin_suppress_tokens=[], max_initial_timestamp_index=10)
+        (out / "generation_config.json").write_text(json.dumps(generation))
+        runs = []
+        for device in devices:
+            llm = LLM(str(out), dtype="float32", device=device, max_model_len=64)
+            prompts = [{"prompt": "<|startoftranscript|><|en|><|transcribe|>" + ("" if timed else "<|notimestamps|>"),
+                        "multi_modal_data": {"audio": clip}} for clip in clips for timed in (False, True)]
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            del llm
+    return [f"greedy whisper {devices[1]} vs {devices[0]} float32 (clips x timestamps) {_compare(runs[0], runs[1])}"]
+
+
 def _compare(a: list[list[int]], b: list[list[int]]) -> str:
     same = sum(x == y for x, y in zip(a, b, strict=True))
     return f"identical {same}/{len(a)}  common prefix {[_common_prefix(x, y) for x, y in zip(a, b, strict=True)]}"
@@ -549,6 +609,7 @@ def main() -> int:
         summary += _section(arch, lambda arch=arch: check_remade_vs_cpu(args.model, arch))
     summary += _section("state layer paths", check_state_paths)
     summary += _section("images", lambda: check_images_vs_cpu(args.model))
+    summary += _section("whisper", lambda: check_whisper_vs_cpu(args.model))
     summary += _section("tensor parallel", lambda: check_tensor_parallel(args.model))
     summary += _section("kv offloading", lambda: check_kv_offload(args.model, args.load_format))
     for method in ("mtp", "eagle3"):

@@ -78,6 +78,18 @@ def test_greedy_matches_transformers_for_clips_in_one_batch(llm: LLM, tiny_whisp
     assert len({tuple(e) for e in expected}) == 3  # each clip's own
 
 
+def test_the_triton_backend_decodes_as_the_torch_one(tiny_whisper_dir: Path) -> None:
+    """The CUDA path's attention (the Triton kernels; interpreted here) for the decoder's own
+    attention, with and without timestamps."""
+    runs = []
+    prompts = [request(PROMPT, CLIPS[0]), request([START, START + 1], CLIPS[1])]  # (the second takes timestamps)
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_whisper_dir), dtype="float32", num_gpu_blocks_override=16, attention_backend=backend)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert runs[0] == runs[1]
+    assert runs[0][0] == hf_greedy(tiny_whisper_dir, PROMPT, CLIPS[0])
+
+
 def test_the_prefix_cache_tells_clips_apart(llm: LLM, tiny_whisper_dir: Path) -> None:
     """The same decoder prompt over another clip shares no block: its KV read another audio."""
     first = llm.generate([request(LONG_PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0]
