@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import math
 import wave
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -282,8 +283,12 @@ def duration_s(audio: bytes) -> float:
         return reader.getnframes() / reader.getframerate()
 
 
-def usage_of(usage: Usage) -> dict[str, Any]:
-    """OpenAI's token usage of a transcription."""
+def usage_of(usage: Usage, seconds: float | None = None) -> dict[str, Any]:
+    """OpenAI's usage of a transcription: tokens (gpt-4o-transcribe's), or where `seconds`
+    are given the audio's length, rounded up to a whole second (whisper-1's, which is billed
+    by it)."""
+    if seconds is not None:
+        return {"type": "duration", "seconds": math.ceil(seconds)}
     return {"type": "tokens", "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens}
 
@@ -294,20 +299,22 @@ def joined(texts: list[str]) -> str:
 
 
 def response(audio: AudioRequest, text: str, usage: Usage, language: str | None = None,
-             segments: list[dict[str, Any]] | None = None) -> dict[str, Any] | str:
+             segments: list[dict[str, Any]] | None = None, by_duration: bool = False) -> dict[str, Any] | str:
     """The body in the format asked: a str for `text`, `srt` and `vtt`. `language`: the code
     of the one the model heard (Whisper), named in verbose_json as OpenAI names it
-    ("english"); `segments`: the timed segments, where the model gave them."""
+    ("english"); `segments`: the timed segments, where the model gave them; `by_duration`:
+    usage in seconds of audio (Whisper's, as whisper-1's)."""
     if audio.response_format == "text":
         return text
     if audio.response_format in TIMESTAMPED:
         return subtitles(segments or [], audio.response_format)
+    used = usage_of(usage, duration_s(audio.audio) if by_duration else None)
     if audio.response_format == "verbose_json":
         language = language or audio.language
         body = {"task": audio.task, "language": languages().get(language, language) if language else "unknown",
                 "duration": duration_s(audio.audio), "text": text}
-        return {**body, **({"segments": segments} if segments is not None else {}), "usage": usage_of(usage)}
-    return {"text": text, "usage": usage_of(usage)}
+        return {**body, **({"segments": segments} if segments is not None else {}), "usage": used}
+    return {"text": text, "usage": used}
 
 
 def timed_segments(whisper: WhisperPrompts, audio: AudioRequest, settings: Settings,
@@ -354,10 +361,10 @@ class InOrder:
         return new
 
 
-async def stream(state: Any, req: RelayedRequest) -> AsyncGenerator[str, None]:
+async def stream(state: Any, req: RelayedRequest, seconds: float | None = None) -> AsyncGenerator[str, None]:
     """OpenAI's transcription events: `transcript.text.delta` as the text comes (the pieces
-    in order), then `transcript.text.done` with all of it and the usage; a failure is an
-    `error` event."""
+    in order), then `transcript.text.done` with all of it and the usage (`seconds`: of audio,
+    usage_of's); a failure is an `error` event."""
     renderer, collector = ChatRenderer(), Collector(req)
     order = InOrder(req.num_choices)
     async with aclosing(relayed_chunks(state, req, renderer, collector)) as chunks:
@@ -373,5 +380,5 @@ async def stream(state: Any, req: RelayedRequest) -> AsyncGenerator[str, None]:
                                     choice["finish_reason"] is not None):
                     yield format_sse({"type": "transcript.text.delta", "delta": new})
     text = joined([c.text for c in collector.choices])
-    yield format_sse({"type": "transcript.text.done", "text": text, "usage": usage_of(collector.usage())})
+    yield format_sse({"type": "transcript.text.done", "text": text, "usage": usage_of(collector.usage(), seconds)})
     yield DONE

@@ -46,7 +46,8 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
     chats = [templated(chat, state.settings) for chat in audio.as_chats(state.settings, whisper, language)]
     req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())
     if audio.stream:
-        return EventStreamResponse(transcriptions.stream(state, req))
+        seconds = transcriptions.duration_s(audio.audio) if whisper is not None else None
+        return EventStreamResponse(transcriptions.stream(state, req, seconds))
     reply = await unless_disconnected(request, generate.collect(state, req, ChatRenderer()))
     segments = None
     if whisper is not None and audio.timed(whisper):
@@ -55,7 +56,7 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
         text = transcriptions.joined([segment["text"] for segment in segments])
     else:
         text = transcriptions.joined([choice.message.content or "" for choice in reply.choices])
-    body = transcriptions.response(audio, text, reply.usage, language, segments)
+    body = transcriptions.response(audio, text, reply.usage, language, segments, by_duration=whisper is not None)
     return PlainTextResponse(body) if isinstance(body, str) else JSONResponse(body)
 
 
