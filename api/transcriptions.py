@@ -117,13 +117,12 @@ class AudioRequest:
         return (whisper is not None and whisper.first_timestamp is not None
                 and (self.response_format in ("verbose_json", *TIMESTAMPED) or bool(self.granularities)))
 
-    def as_chats(self, settings: Settings, whisper: WhisperPrompts | None = None,
+    def as_chats(self, pieces: list[bytes], settings: Settings, whisper: WhisperPrompts | None = None,
                  language: str | None = None) -> list[ChatCompletionRequest]:
-        """The chats that do the work, one per piece of at most GENQ_AUDIO_CHUNK_S (each run
-        as a job of its own, on any worker): for Whisper, the piece and the prompt's variables
-        (`language`: the one heard, where the form gives none); else the piece, then the
-        instruction."""
-        pieces = split_wav(self.audio, settings.audio_chunk_s)
+        """The chats that do the work, one per piece (split_wav's, of at most
+        GENQ_AUDIO_CHUNK_S; each run as a job of its own, on any worker): for Whisper, the
+        piece and the prompt's variables (`language`: the one heard, where the form gives
+        none); else the piece, then the instruction."""
         if whisper is None:
             return [self._chat([_clip(piece), ContentPart(type="text", text=self._instruction(settings))])
                     for piece in pieces]
@@ -133,9 +132,8 @@ class AudioRequest:
         return [self._chat([_clip(piece)], chat_template_kwargs=kwargs, return_token_ids=self.timed(whisper) or None)
                 for piece in pieces]
 
-    def detecting_chat(self, whisper: WhisperPrompts, settings: Settings) -> ChatCompletionRequest:
+    def detecting_chat(self, whisper: WhisperPrompts, first: bytes) -> ChatCompletionRequest:
         """A Whisper chat whose one token is the language the model hears in the first piece."""
-        first = split_wav(self.audio, settings.audio_chunk_s)[0]
         return ChatCompletionRequest(model=self.model, messages=[ChatMessage(role="user", content=[_clip(first)])],
                                      max_tokens=1, temperature=0.0, allowed_token_ids=sorted(whisper.languages),
                                      chat_template_kwargs={"detect_language": True}, return_token_ids=True)
@@ -198,9 +196,10 @@ class WhisperPrompts:
         return cls(languages_of, "<|transcribe|>" in vocab, timestamps, tokenizer)
 
     def segments(self, tokens: list[int], offset_s: float, first_id: int = 0) -> list[dict[str, Any]]:
-        """A piece's reply as segments, each the text between two timestamps (a text before
-        any, or after the last, runs from the time before it to the piece's end, unknown:
-        the last time known), times from `offset_s`; ids from `first_id`."""
+        """A piece's reply as segments, each the text between two timestamps, times counted
+        from `offset_s` (where the piece starts), ids from `first_id`. Text before the first
+        timestamp starts where the segment before ended (or the piece starts); text after the
+        last one, cut short, ends where it starts."""
         assert self.first_timestamp is not None
         out: list[dict[str, Any]] = []
         start: float | None = None
@@ -317,13 +316,12 @@ def response(audio: AudioRequest, text: str, usage: Usage, language: str | None 
     return {"text": text, "usage": used}
 
 
-def timed_segments(whisper: WhisperPrompts, audio: AudioRequest, settings: Settings,
-                   replies: list[list[int]]) -> list[dict[str, Any]]:
+def timed_segments(whisper: WhisperPrompts, pieces: list[bytes], replies: list[list[int]]) -> list[dict[str, Any]]:
     """The segments of every piece's reply (its token ids), in order, each piece's times from
     where it starts in the upload."""
     out: list[dict[str, Any]] = []
     offset = 0.0
-    for piece, tokens in zip(split_wav(audio.audio, settings.audio_chunk_s), replies, strict=True):
+    for piece, tokens in zip(pieces, replies, strict=True):
         out += whisper.segments(tokens, offset, len(out))
         offset += duration_s(piece)
     return out

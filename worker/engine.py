@@ -99,24 +99,17 @@ class Engine:
         images = takes_images(self.model_path, whole_config)
         self.runner: ModelRunner | ParallelRunner
         image_config = whole_config if images else None
-        model_class = encoder_decoder_class(config, whole_config, images)
-        if model_class is not None:
-            self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len, image_config,
-                                      model_class=model_class)
-        elif config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
+        model_class = encoder_decoder_class(config, whole_config, images)  # (which refuses tensor parallelism)
+        if config.tensor_parallel_size == 1:
+            own_class: dict[str, Any] = {} if model_class is None else {"model_class": model_class}
+            self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len, image_config, **own_class)
         else:
             # the model's split is checked before any other rank starts
             ModelConfig.from_hf(hf_config, config.quantization, self.max_model_len).shard(
                 config.tensor_parallel_size, config.enable_expert_parallel)
             self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
-        if model_class is not None:  # Whisper's prompts, as chats; the tokens it never writes
-            if config.chat_template is None:
-                multilingual = _generation_config(self.model_path).get("is_multilingual", True)
-                self.tokenizer.chat_template = WHISPER_CHAT_TEMPLATE if multilingual else WHISPER_ENGLISH_TEMPLATE
-            cast(Any, self.runner.model).suppress(sorted(_generation_ids(self.model_path, "suppress_tokens")))
-            self.logits_processors.processors.append(("whisper", whisper_rules(_generation_config(self.model_path),
-                                                                              self.tokenizer)))
+        if model_class is not None:
+            self._take_whisper_rules(config)
         # where the model takes images: what makes their pixels and tokens
         self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)
                                 if images else None)
@@ -415,6 +408,17 @@ class Engine:
         comes from the next step."""
         child_ids = self.output_processor.child_ids(request_id) or [request_id]
         self._aborted.extend(self.scheduler.abort_requests(child_ids))
+
+    def _take_whisper_rules(self, config: EngineConfig) -> None:
+        """Whisper's prompts as chats (its template, unless one is given), and transformers'
+        generation rules of the checkpoint: the tokens it never writes (the model masks them)
+        and the rest (WhisperRules, a logits processor every request has)."""
+        generation = _generation_config(self.model_path)
+        if config.chat_template is None:
+            english_only = not generation.get("is_multilingual", True)
+            self.tokenizer.chat_template = WHISPER_ENGLISH_TEMPLATE if english_only else WHISPER_CHAT_TEMPLATE
+        cast(Any, self.runner.model).suppress(sorted(_token_ids(generation.get("suppress_tokens"))))
+        self.logits_processors.processors.append(("whisper", whisper_rules(generation, self.tokenizer)))
 
     # -- stepping ------------------------------------------------------------------------------
 
@@ -854,7 +858,7 @@ def generation_eos(model_path: Path) -> set[int]:
     """The EOS ids of the model's generation_config.json, which may list more than config.json
     (gpt-oss ends a reply at <|return|> and at a tool call's <|call|>; Llama 3's instruct
     models at <|eot_id|>), as vLLM and transformers' generate stop at them."""
-    return _generation_ids(model_path, "eos_token_id")
+    return _token_ids(_generation_config(model_path).get("eos_token_id"))
 
 
 def _generation_config(model_path: Path) -> dict[str, Any]:
@@ -863,9 +867,8 @@ def _generation_config(model_path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _generation_ids(model_path: Path, field: str) -> set[int]:
-    """The token ids (one or a list) of a field of the model's generation_config.json."""
-    ids = _generation_config(model_path).get(field)
+def _token_ids(ids: Any) -> set[int]:
+    """A generation config's token ids: one, a list, or none."""
     if ids is None:
         return set()
     return {int(t) for t in (ids if isinstance(ids, list) else [ids])}

@@ -236,8 +236,10 @@ class ModelRunner:
     def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
         same padded buffers on CPU, where the triton backend runs only for tests)."""
+        # (a tensor-parallel step's reductions are not captured yet, nor an encoder-decoder's
+        # cross-attention, which reads a slot per request)
         if backend != "triton" or self.config.enforce_eager or self.parallel is not None or self.cross is not None:
-            return None  # (nor an encoder-decoder's, whose cross-attention reads slots per request)  # (a tensor-parallel step's reductions are not captured yet)
+            return None
         from worker.cuda_graphs import DecodeGraphs
 
         return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
@@ -445,9 +447,10 @@ class ModelRunner:
         else:  # eager: prefills, steps with adapters (the graphs hold the base model only), with
             # image rows, or with M-RoPE's three streams
             input_ids, positions, meta = self._prepare(batch, out.preempted)
-            if self.cross is not None:
-                cast(Any, self.model).cross = CrossStep(self.cross, [(end - len(s.token_ids), end, self.cross.slots[s.request_id])
-                                                          for s, end in zip(batch, _row_ends(batch), strict=True)])
+            if self.cross is not None:  # each request's rows, and its slot
+                segments = [(end - len(s.token_ids), end, self.cross.slots[s.request_id])
+                            for s, end in zip(batch, _row_ends(batch), strict=True)]
+                cast(Any, self.model).cross = CrossStep(self.cross, segments)
             if rope is not None:
                 positions = torch.as_tensor(rope, dtype=torch.long).to(self.device)
             if inputs is None:

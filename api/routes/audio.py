@@ -36,14 +36,15 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
         audio = await AudioRequest.from_form(task, form, state.settings.max_audio_bytes)
     whisper = await _whisper(state, audio.model)
     audio.check(whisper)
+    pieces = transcriptions.split_wav(audio.audio, state.settings.audio_chunk_s)
     language = audio.language
     if whisper is not None:
         whisper.check(language)
         if whisper.english_only:
             language = "en"
         elif language is None and whisper.languages:
-            language = await unless_disconnected(request, _heard_language(state, audio, whisper))
-    chats = [templated(chat, state.settings) for chat in audio.as_chats(state.settings, whisper, language)]
+            language = await unless_disconnected(request, _heard_language(state, audio, whisper, pieces[0]))
+    chats = [templated(chat, state.settings) for chat in audio.as_chats(pieces, state.settings, whisper, language)]
     req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())
     if audio.stream:
         seconds = transcriptions.duration_s(audio.audio) if whisper is not None else None
@@ -51,8 +52,7 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
     reply = await unless_disconnected(request, generate.collect(state, req, ChatRenderer()))
     segments = None
     if whisper is not None and audio.timed(whisper):
-        segments = transcriptions.timed_segments(whisper, audio, state.settings,
-                                                 [choice.token_ids or [] for choice in reply.choices])
+        segments = transcriptions.timed_segments(whisper, pieces, [choice.token_ids or [] for choice in reply.choices])
         text = transcriptions.joined([segment["text"] for segment in segments])
     else:
         text = transcriptions.joined([choice.message.content or "" for choice in reply.choices])
@@ -67,9 +67,9 @@ async def _whisper(state: StateDep, model: str) -> WhisperPrompts | None:
     return WhisperPrompts.of(tokenizer)
 
 
-async def _heard_language(state: StateDep, audio: AudioRequest, whisper: WhisperPrompts) -> str:
-    """The language Whisper hears in the first piece: its one token of a language."""
-    chat = templated(audio.detecting_chat(whisper, state.settings), state.settings)
+async def _heard_language(state: StateDep, audio: AudioRequest, whisper: WhisperPrompts, first: bytes) -> str:
+    """The language Whisper hears in the `first` piece: its one token of a language."""
+    chat = templated(audio.detecting_chat(whisper, first), state.settings)
     req = await generate.start(state, chat, [chat_prompt(chat)], ChatRenderer())
     reply = await generate.collect(state, req, ChatRenderer())
     return whisper.languages[(reply.choices[0].token_ids or [-1])[0]]

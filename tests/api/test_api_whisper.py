@@ -47,11 +47,15 @@ def llm(tiny_whisper_dir: Path) -> LLM:
     return LLM(str(tiny_whisper_dir), dtype="float32", num_gpu_blocks_override=64)
 
 
+def pieces_of(audio: bytes) -> list[bytes]:
+    """`audio` in the pieces the API cuts it into (as its 16 kHz WAV, at the tiny model's 1 s)."""
+    return split_wav(to_wav(read_clip(audio, "clip", AUDIO_RATE), AUDIO_RATE), 1.0)
+
+
 def offline(llm: LLM, audio: bytes, **variables: str) -> str:
     """The offline engine's text for each piece of `audio` under Whisper's template, joined."""
-    pieces = split_wav(to_wav(read_clip(audio, "clip", AUDIO_RATE), AUDIO_RATE), 1.0)
     chats = [[{"role": "user", "content": [{"type": "input_audio", "input_audio": {
-        "data": base64.b64encode(piece).decode(), "format": "wav"}}]}] for piece in pieces]
+        "data": base64.b64encode(piece).decode(), "format": "wav"}}]}] for piece in pieces_of(audio)]
     replies = llm.chat(chats, GREEDY, use_tqdm=False, chat_template_kwargs=variables)
     return joined([r.outputs[0].text for r in replies])
 
@@ -59,7 +63,7 @@ def offline(llm: LLM, audio: bytes, **variables: str) -> str:
 def heard(llm: LLM, audio: bytes) -> str:
     """The language the offline engine hears in the first piece: its one token among the
     language tokens."""
-    audio = split_wav(to_wav(read_clip(audio, "clip", AUDIO_RATE), AUDIO_RATE), 1.0)[0]
+    audio = pieces_of(audio)[0]
     tokenizer = llm.get_tokenizer()
     ids = {tokenizer.convert_tokens_to_ids(f"<|{code}|>"): code for code in ("en", "fr", "de")}
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(audio).decode(), "format": "wav"}}
@@ -94,9 +98,8 @@ def test_without_a_language_the_one_heard_is_used(oai: openai.OpenAI, served_mod
 
 def offline_tokens(llm: LLM, audio: bytes, **variables) -> list[list[int]]:
     """The offline engine's tokens for each piece of `audio` under Whisper's template."""
-    pieces = split_wav(to_wav(read_clip(audio, "clip", AUDIO_RATE), AUDIO_RATE), 1.0)
     chats = [[{"role": "user", "content": [{"type": "input_audio", "input_audio": {
-        "data": base64.b64encode(piece).decode(), "format": "wav"}}]}] for piece in pieces]
+        "data": base64.b64encode(piece).decode(), "format": "wav"}}]}] for piece in pieces_of(audio)]
     return [r.outputs[0].token_ids for r in llm.chat(chats, GREEDY, use_tqdm=False, chat_template_kwargs=variables)]
 
 
@@ -120,7 +123,7 @@ def test_timestamps_give_segments_and_subtitles(oai: openai.OpenAI, served_model
     tokenizer = llm.get_tokenizer()
     first = tokenizer.convert_tokens_to_ids("<|0.00|>")
     pieces = offline_tokens(llm, LONG, language="en", task="transcribe", timestamps=True)
-    offsets = [0.0, duration_s(split_wav(to_wav(read_clip(LONG, "clip", AUDIO_RATE), AUDIO_RATE), 1.0)[0])]
+    offsets = [0.0, duration_s(pieces_of(LONG)[0])]
     expected = [(run, offset) for tokens, offset in zip(pieces, offsets, strict=True) for run in runs(tokens, first)
                 if tokenizer.decode(run[1], skip_special_tokens=True).strip()]
     verbose = oai.audio.transcriptions.create(model=served_model, file=("long.wav", LONG), language="en",
