@@ -44,6 +44,7 @@ from producer.audio import AUDIO_RATE, read_clip, to_wav
 FORMATS = ("json", "text", "verbose_json")
 TIMESTAMPED = ("srt", "vtt")
 TIMESTAMP_S = 0.02  # between Whisper's timestamp tokens (its 30 s window over 1500 positions)
+WHISPER_POSITIONS = 448  # its decoder's (max_target_positions), where the workers do not say
 
 
 # sampling fields a form may add (as vLLM's transcription requests take them), passed to the chat
@@ -126,8 +127,8 @@ class AudioRequest:
         if whisper is None:
             return [self._chat([_clip(piece), ContentPart(type="text", text=self._instruction(settings))])
                     for piece in pieces]
-        variables = {"language": language, "task": self.task if whisper.tasks else None, "prompt": self.prompt,
-                     "timestamps": self.timed(whisper)}
+        variables = {"language": language, "task": self.task if whisper.tasks else None,
+                     "prompt": whisper.context(self.prompt) if self.prompt else None, "timestamps": self.timed(whisper)}
         kwargs = {k: v for k, v in variables.items() if v}
         return [self._chat([_clip(piece)], chat_template_kwargs=kwargs, return_token_ids=self.timed(whisper) or None)
                 for piece in pieces]
@@ -179,21 +180,30 @@ class WhisperPrompts:
     first_timestamp: int | None = None
     tokenizer: Any = field(default=None, compare=False)
     english_only: bool = False  # its template writes no language (whisper-*.en)
+    max_context: int = WHISPER_POSITIONS // 2 - 1  # of a `prompt`, the last tokens kept (as Whisper keeps them)
 
     @classmethod
-    def of(cls, tokenizer: Any) -> WhisperPrompts | None:
-        """None for a tokenizer that is not Whisper's."""
+    def of(cls, tokenizer: Any, max_model_len: int | None = None) -> WhisperPrompts | None:
+        """None for a tokenizer that is not Whisper's; `max_model_len`: the workers' (its
+        decoder's positions, 448), half of which a prompt's context may take."""
         vocab = tokenizer.get_vocab()
         if "<|startoftranscript|>" not in vocab:
             return None
         first = vocab.get("<|0.00|>")
         timestamps = first if first == vocab.get("<|notimestamps|>", -2) + 1 else None
+        max_context = (max_model_len or WHISPER_POSITIONS) // 2 - 1
         if "{{ language }}" not in (getattr(tokenizer, "chat_template", None) or ""):  # the worker's English-only one
-            return cls({}, False, timestamps, tokenizer, english_only=True)
+            return cls({}, False, timestamps, tokenizer, english_only=True, max_context=max_context)
         known = languages()
         languages_of = {i: token[2:-2] for token, i in vocab.items()
                         if token.startswith("<|") and token.endswith("|>") and token[2:-2] in known}
-        return cls(languages_of, "<|transcribe|>" in vocab, timestamps, tokenizer)
+        return cls(languages_of, "<|transcribe|>" in vocab, timestamps, tokenizer, max_context=max_context)
+
+    def context(self, prompt: str) -> str:
+        """A form's `prompt` (earlier speech) as the template writes it after <|startofprev|>:
+        its last max_context tokens, as Whisper keeps them (whisper-1 reads the last 224)."""
+        ids = self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
+        return prompt if len(ids) <= self.max_context else self.tokenizer.decode(ids[-self.max_context:])
 
     def segments(self, tokens: list[int], offset_s: float, first_id: int = 0) -> list[dict[str, Any]]:
         """A piece's reply as segments, each the text between two timestamps, times counted

@@ -62,9 +62,8 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
 
 async def _whisper(state: StateDep, model: str) -> WhisperPrompts | None:
     """What the model's tokenizer says of Whisper prompts; None for a model of another kind."""
-    served = await generate.resolve_model(state, model)
-    tokenizer = await state.tokenizers.get(state.client, (await base_model(state.cluster, served))[0])
-    return WhisperPrompts.of(tokenizer)
+    base, max_model_len = await base_model(state.cluster, await generate.resolve_model(state, model))
+    return WhisperPrompts.of(await state.tokenizers.get(state.client, base), max_model_len)
 
 
 async def _heard_language(state: StateDep, audio: AudioRequest, whisper: WhisperPrompts, first: bytes) -> str:

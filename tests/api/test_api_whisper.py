@@ -149,6 +149,18 @@ def test_timestamps_give_segments_and_subtitles(oai: openai.OpenAI, served_model
     assert vtt.startswith("WEBVTT\n\n") and vtt.count(" --> ") == len(segments) and "00:00:00." in vtt
 
 
+def test_a_long_prompt_keeps_its_last_tokens(oai: openai.OpenAI, served_model: str, llm: LLM) -> None:
+    """The form's prompt (earlier speech) keeps its last max_model_len // 2 - 1 tokens (31 of
+    the tiny model's 64 positions; whisper-1 keeps 224 of 448): the request runs."""
+    tokenizer = llm.get_tokenizer()
+    prompt = " ".join(f"word{k}" for k in range(60))
+    ids = tokenizer.encode(" " + prompt, add_special_tokens=False)
+    assert len(ids) > 31
+    got = oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="en", prompt=prompt,
+                                          **FORM)
+    assert got.text == offline(llm, WAV, language="en", task="transcribe", prompt=tokenizer.decode(ids[-31:]))
+
+
 def test_a_language_the_model_lacks_is_a_400(oai: openai.OpenAI, served_model: str) -> None:
     with pytest.raises(openai.BadRequestError, match="language 'ja' is not one this model knows") as info:
         oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="ja", **FORM)
