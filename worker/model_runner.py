@@ -154,7 +154,7 @@ class ModelRunner:
         # each request's clip's features, kept for as long as it lives (a preempted request
         # computes them again)
         self.cross: CrossStates | None = None
-        self.clips: dict[str, torch.Tensor] = {}
+        self.clips: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> its clip's features, digest
         if getattr(self.model, "encoder_decoder", False):
             self.cross = CrossStates(cfg.num_hidden_layers, config.max_num_seqs, cfg.hf_config.encoder_positions,
                                      cfg.hidden_size, self.dtype, self.device)
@@ -177,7 +177,7 @@ class ModelRunner:
         assert self.image_encoder is not None, "this model takes no images"
         pixels = [p.to(self.dtype) if p.is_floating_point() else p for p in inputs.pixel_values]
         if self.cross is not None:  # the encoder's clip, for the cross-attention
-            self.clips.update(dict.fromkeys(request_ids, pixels[0]))
+            self.clips.update(dict.fromkeys(request_ids, (pixels[0], inputs.spans[0].digest)))
             return
         self.image_embeds.add(request_ids, replace(inputs, pixel_values=pixels))
 
@@ -203,20 +203,25 @@ class ModelRunner:
 
     def _encode_clips(self, batch: list[ScheduledRequest]) -> dict[str, Exception]:
         """An encoder-decoder's: the audio keys and values of the step's requests that have
-        none (their first step, or their first after a preemption), encoder and projections run
-        per clip; the requests the encoder failed on, with what it raised."""
-        assert self.cross is not None and self.image_encoder is not None
+        none (their first step, or their first after a preemption), the projections run on the
+        clip's encoder output (the encoder run per clip, unless it ran on the same clip lately:
+        ImageEmbeddings' cache); the requests the encoder failed on, with what it raised."""
+        assert self.cross is not None
         failed: dict[str, Exception] = {}
         for s in batch:
             if s.request_id in self.cross.slots:
                 continue
             try:
-                clip = self.clips[s.request_id]
-                encoded = self.image_encoder([clip], torch.zeros(1, 1)).to(self.dtype)[0]
+                clip, digest = self.clips[s.request_id]
+                encoded = self.image_embeds.encoded(digest, functools.partial(self._encode_clip, clip))
                 self.cross.store(s.request_id, *cast(Any, self.model).cross_kv(encoded))
             except Exception as exc:  # a clip's fault (or its size's: out of memory) fails its request alone
                 failed[s.request_id] = exc
         return failed
+
+    def _encode_clip(self, clip: torch.Tensor) -> torch.Tensor:  # [encoder positions, hidden]
+        assert self.image_encoder is not None
+        return self.image_encoder([clip], torch.zeros(1, 1)).to(self.dtype)[0]
 
     def forget(self, request_id: str, preempted: bool = False) -> None:
         """Drop the images and audio the runner keeps for a request that ended (its states are

@@ -604,6 +604,20 @@ class ImageEmbeddings:
         self.num_encoded += len(missing)
         self.num_reused += len(images) - len(missing)
 
+    def encoded(self, digest: int, encode: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One item's encoder output, from the cache where it was encoded lately (by its
+        digest), else `encode()`'s, kept: for an encoder whose output no prompt rows take
+        (Whisper's clips, whose language is asked first and then transcribed)."""
+        found = self._cache.get(digest)
+        if found is not None:
+            self._cache.move_to_end(digest)
+            self.num_reused += 1
+            return found
+        out = encode()
+        self._remember(digest, out)
+        self.num_encoded += 1
+        return out
+
     def _remember(self, digest: int, embeds: torch.Tensor) -> None:
         size = embeds.numel() * embeds.element_size()
         if digest in self._cache or size > self.max_cache_bytes:

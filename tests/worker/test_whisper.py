@@ -90,6 +90,24 @@ def test_the_triton_backend_decodes_as_the_torch_one(tiny_whisper_dir: Path) -> 
     assert runs[0][0] == hf_greedy(tiny_whisper_dir, PROMPT, CLIPS[0])
 
 
+def test_a_clip_encoded_lately_is_not_encoded_again(llm: LLM, tiny_whisper_dir: Path) -> None:
+    """Two samples of one prompt, then the same clip under another prompt (as a transcription
+    after its language step): the encoder runs once; another clip runs it again."""
+    embeds = llm.engine.runner.image_embeds
+    samples = clip(0.7, 41)
+    before = (embeds.num_encoded, embeds.num_reused)
+    two = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2)
+    pair = llm.generate([request(PROMPT, samples)], two, use_tqdm=False)[0]
+    assert (embeds.num_encoded - before[0], embeds.num_reused - before[1]) == (1, 1)
+    other = llm.generate([request(LONG_PROMPT, samples)], GREEDY, use_tqdm=False)[0]
+    assert (embeds.num_encoded - before[0], embeds.num_reused - before[1]) == (1, 2)
+    llm.generate([request(PROMPT, clip(0.7, 42))], GREEDY, use_tqdm=False)
+    assert embeds.num_encoded - before[0] == 2
+    expected = hf_greedy(tiny_whisper_dir, PROMPT, samples)
+    assert [o.token_ids for o in pair.outputs] == [expected, expected]
+    assert other.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, LONG_PROMPT, samples)
+
+
 def test_the_prefix_cache_tells_clips_apart(llm: LLM, tiny_whisper_dir: Path) -> None:
     """The same decoder prompt over another clip shares no block: its KV read another audio."""
     first = llm.generate([request(LONG_PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0]
