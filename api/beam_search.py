@@ -55,6 +55,7 @@ async def respond(
     eos = set() if body.ignore_eos else await eos_token_ids(state.client, base_name, tokenizer)
     max_tokens = body.sampling_params().max_tokens or 16
     base = uuid.uuid4().hex
+    priority = job_priority(body.requested_priority())  # every step's jobs run at it
     choices: list[Choice] = []
     prompt_tokens = 0
     for i, prompt in enumerate(prompts):
@@ -63,7 +64,7 @@ async def respond(
         except ValueError as exc:
             raise invalid_param("messages" if isinstance(body, ChatCompletionRequest) else "prompt", str(exc)) from exc
         prompt_tokens += len(prompt_ids)
-        beams = await search(state, prompt_ids, body, eos, max_tokens, job_model, f"{base}-{i}")
+        beams = await search(state, prompt_ids, body, eos, max_tokens, job_model, f"{base}-{i}", priority)
         for j, beam in enumerate(beams):
             text = tokenizer.decode(beam.tokens, skip_special_tokens=body.skip_special_tokens)
             choices.append(Choice(i * body.n + j, text=text, token_ids=beam.tokens, finish_reason=beam.finish_reason))
@@ -71,15 +72,16 @@ async def respond(
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                   total_tokens=prompt_tokens + completion_tokens)
     req = RelayedRequest(id=renderer.id_prefix + base, job_ids=[], n=body.n, model=model, created=int(time.time()),
-                         service_tier=service_tier_of(job_priority(body.requested_priority())))
+                         service_tier=service_tier_of(priority))
     return renderer.response(req, choices, usage)
 
 
 async def search(
     state: AppState, prompt_ids: list[int], body: GenerationRequest, eos: set[int], max_tokens: int,
-    model: str | None, base: str,
+    model: str | None, base: str, priority: int,
 ) -> list[Beam]:
-    """The `body.n` best beams after `max_tokens` steps (or once every beam has ended)."""
+    """The `body.n` best beams after `max_tokens` steps (or once every beam has ended), each
+    step's jobs at `priority`."""
     width = body.n
     live, done = [Beam()], []
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
@@ -87,7 +89,7 @@ async def search(
         ids = [f"{base}-{n}-{k}" for k in range(len(live))]
         for beam, job_id in zip(live, ids, strict=True):
             await state.client.submit(cache_fields({"prompt_token_ids": prompt_ids + beam.tokens}, body), params,
-                                      job_id=job_id, model=model, priority=job_priority(body.requested_priority()),
+                                      job_id=job_id, model=model, priority=priority,
                                       tenant=TENANT.get())
         tops = await _next_tokens(state, ids)
         live, finished = step(live, [tops[job_id] for job_id in ids], width, eos)

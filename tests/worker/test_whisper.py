@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_audio import RATE, clip
+from test_audio import RATE, clip, wav
 
 from producer.audio import read_clip
 from worker import LLM, SamplingParams
@@ -61,6 +61,11 @@ def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: 
 
 def request(prompt: list[int], samples: np.ndarray) -> dict:
     return {"prompt_token_ids": prompt, "multi_modal_data": {"audio": (samples, RATE)}}
+
+
+def audio_part(samples: np.ndarray) -> dict:
+    """A chat content part with the clip as WAV."""
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(samples)).decode(), "format": "wav"}}
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +137,7 @@ def test_preempted_requests_encode_their_clip_again(tiny_whisper_dir: Path) -> N
 def test_a_chat_writes_the_decoder_prompt_from_its_variables(llm: LLM, tiny_whisper_dir: Path) -> None:
     """Whisper's template: the clip goes to the encoder, the text parts nowhere, and the prompt
     is written from language, task and prompt (or the start alone, to detect the language)."""
-    from test_audio import wav
-
-    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(CLIPS[0])).decode(), "format": "wav"}}
+    part = audio_part(CLIPS[0])
     messages = [{"role": "user", "content": [part, {"type": "text", "text": "ignored"}]}]
     encode = llm.get_tokenizer().encode
     cases = [({"language": "fr", "task": "translate"}, "<|startoftranscript|><|fr|><|translate|><|notimestamps|>"),
@@ -178,14 +181,12 @@ def test_the_rules_mask_as_transformers_processors_do() -> None:
 def test_timestamps_follow_transformers_rules(llm: LLM, tiny_whisper_dir: Path) -> None:
     """A prompt without <|notimestamps|>: segments between timestamps, by transformers' own
     WhisperTimeStampLogitsProcessor, for each clip."""
-    from test_audio import wav
-
     encode = llm.get_tokenizer().encode
     ids = encode("<|startoftranscript|><|en|>", add_special_tokens=False)
     first = encode("<|0.00|>", add_special_tokens=False)[0]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for samples in CLIPS:
-        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(samples)).decode()}}
+        part = audio_part(samples)
         out = llm.chat([{"role": "user", "content": [part]}], params, use_tqdm=False,
                        chat_template_kwargs={"language": "en", "timestamps": True})[0]
         tokens = out.outputs[0].token_ids
@@ -214,14 +215,12 @@ def test_an_english_only_checkpoint_writes_no_language_or_task(tiny_whisper_dir:
     """generation_config's is_multilingual false (whisper-*.en): the prompt is the start (and
     <|notimestamps|> unless timestamps are asked for), whatever the variables say, and the
     timestamp rules hold right after the start."""
-    from test_audio import wav
-
     model_dir = tmp_path / "whisper-en"
     shutil.copytree(tiny_whisper_dir, model_dir)
     config = json.loads((model_dir / "generation_config.json").read_text())
     (model_dir / "generation_config.json").write_text(json.dumps({**config, "is_multilingual": False}))
     english = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16)
-    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(CLIPS[1])).decode()}}
+    part = audio_part(CLIPS[1])
     samples = read_clip(wav(CLIPS[1]), "clip", RATE)
     for timestamps, prompt in ((False, [START, START + 7]), (True, [START])):
         out = english.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False,
