@@ -25,6 +25,8 @@ _ENGINE_FLAGS: dict[str, type] = {
     "max_model_len": int,
     "max_num_batched_tokens": int,
     "num_gpu_blocks_override": int,
+    "gpu_memory_utilization": float,
+    "kv_cache_memory_gb": float,
     "num_threads": int,
     "seed": int,
     "load_format": str,
@@ -111,6 +113,10 @@ _JSON_FLAGS = {
     "the tokens a Qwen-VL image takes (default: $GENQ_MM_PROCESSOR_KWARGS or the checkpoint's)",
 }
 _HELP = {
+    "gpu_memory_utilization": "the share of the GPU's memory the engine may fill: the model, then the KV cache in what "
+    "is left of it (default: $GENQ_GPU_MEMORY_UTILIZATION or 0.9; lower it to share a GPU)",
+    "kv_cache_memory_gb": "on the CPU, GiB for the KV cache (and Whisper's audio slots) "
+    "(default: $GENQ_KV_CACHE_MEMORY_GB or 2)",
     "chat_template": "the chat template to use instead of the tokenizer's: a Jinja file's path or the template "
     "itself (default: $GENQ_CHAT_TEMPLATE or the tokenizer's)",
     "max_images_per_prompt": "the most images one prompt may hold; more fail the job by name "

@@ -40,7 +40,8 @@ class EngineConfig:
     # holds that memory as blocks of fewer layers each: more of them)
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory_gb: float = 2.0  # KV pool size on CPU, where there is no device memory to fill
+    # KV pool size on CPU, where there is no device memory to fill (Whisper's audio slots come out of it too)
+    kv_cache_memory_gb: float = 2.0
     scheduling_policy: str = "fcfs"  # fcfs | priority
     enforce_eager: bool = False
     seed: int = 0
@@ -136,6 +137,10 @@ class EngineConfig:
                      "max_images_per_prompt", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # a bad one fails here, by name
         self._check_optional()

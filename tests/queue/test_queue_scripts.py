@@ -444,6 +444,10 @@ def test_worker_config_from_env() -> None:
     aliased = config_from_env({"GENQ_SERVED_MODEL_NAME": "qwen3-8b, qwen, ", "GENQ_MODEL": "/m/Qwen3-8B"})
     assert (aliased.model_name, aliased.aliases) == ("qwen3-8b", ("qwen",)) and aliased.serves("qwen")
     assert aliased.base_names == {"qwen3-8b", "qwen", "/m/Qwen3-8B"}
+    memory = config_from_env({"GENQ_GPU_MEMORY_UTILIZATION": "0.45", "GENQ_KV_CACHE_MEMORY_GB": "0.5"}).engine
+    assert (memory.gpu_memory_utilization, memory.kv_cache_memory_gb) == (0.45, 0.5)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        config_from_env({"GENQ_GPU_MEMORY_UTILIZATION": "1.5"})
     assert config_from_env({"GENQ_ENFORCE_EAGER": "true"}).engine.enforce_eager
     assert not config_from_env({"GENQ_ENFORCE_EAGER": "0"}).engine.enforce_eager
     markers = '{"think_start_str": "<think>", "think_end_str": "</think>"}'
