@@ -113,7 +113,7 @@ class Consumer:
         self._start_tasks()
         logger.info(
             "worker %s serving %s (max_num_seqs=%d, %d KV blocks) on %s",
-            self.config.name, self.config.model_name, self.config.engine.max_num_seqs,
+            self.config.name, self.config.model_name, engine.max_num_seqs,
             engine.block_manager.num_blocks, self.keys.requests,
         )
 
@@ -194,7 +194,7 @@ class Consumer:
         in_flight = self.admission.num_admitting + max(
             0, self.admission.num_adds_sent - stats.num_adds_taken
         )
-        return intake_capacity(stats, self.config.engine.max_num_seqs, in_flight)
+        return intake_capacity(stats, self.engine.engine.max_num_seqs, in_flight)
 
     def abort(self, held: HeldJob, reason: str) -> None:
         """Ask the engine to end a job now (cancel, deadline); it ends with `abort` events."""

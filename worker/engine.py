@@ -129,7 +129,7 @@ class Engine:
                                           state_slots=num_saved, state_interval=config.state_interval,
                                           num_host_states=self.runner.num_host_states)
         sched_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=self.runner.max_num_seqs,  # (fewer where Whisper's slots do not fit)
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
@@ -138,6 +138,7 @@ class Engine:
             recurrent=self.recurrent,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager)
+        self.max_num_seqs = sched_config.max_num_seqs
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels,
                                logprobs_mode=config.logprobs_mode)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -155,8 +155,11 @@ class ModelRunner:
         # computes them again)
         self.cross: CrossStates | None = None
         self.clips: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> its clip's features, digest
+        # requests that may run at once: max_num_seqs, or fewer where their slots would not fit
+        self.max_num_seqs = config.max_num_seqs
         if getattr(self.model, "encoder_decoder", False):
-            self.cross = CrossStates(cfg.num_hidden_layers, config.max_num_seqs, cfg.hf_config.encoder_positions,
+            self.max_num_seqs = self._num_cross_slots(max_model_len)
+            self.cross = CrossStates(cfg.num_hidden_layers, self.max_num_seqs, cfg.hf_config.encoder_positions,
                                      cfg.hidden_size, self.dtype, self.device)
         # linear attention's states, a slot for each request that may run at once (made before the
         # KV cache, which takes what memory is left)
@@ -295,13 +298,9 @@ class ModelRunner:
             budget = self.config.num_gpu_blocks_override
             self._allocate_saved_states(budget * self._kv_block_bytes())  # (besides those blocks)
         else:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                if self.image_encoder is not None:  # room for the images' embeddings kept lately
-                    free -= self.image_embeds.max_cache_bytes
-                memory = int((free - total * (1 - self.config.gpu_memory_utilization)) * 0.9)
-            else:
-                memory = int(self.config.kv_cache_memory_gb * 2**30)
+            memory = self._cache_memory()
+            if self.cross is not None and self.device.type != "cuda":  # (on CUDA, no longer free)
+                memory -= len(self.cross) * self.cross.request_bytes
             budget = (memory - self._allocate_saved_states(memory)) // self._kv_block_bytes()
         num_blocks = budget * len(self.kv_layers) // self.num_slots
         if self.parallel is not None:  # every rank's pool holds the same blocks, for the one scheduler
@@ -319,6 +318,40 @@ class ModelRunner:
                 "lower max_model_len or give the cache more memory"
             )
         return num_blocks
+
+    def _cache_memory(self) -> int:
+        """The bytes the requests' states may take (the KV cache, and Whisper's cross-attention
+        slots): on CUDA, gpu_memory_utilization's share of the device less what is taken, less
+        room for the images' embeddings kept lately; on the CPU, kv_cache_memory_gb."""
+        if self.device.type != "cuda":
+            return int(self.config.kv_cache_memory_gb * 2**30)
+        free, total = torch.cuda.mem_get_info(self.device)
+        if self.image_encoder is not None:
+            free -= self.image_embeds.max_cache_bytes
+        return int((free - total * (1 - self.config.gpu_memory_utilization)) * 0.9)
+
+    def _num_cross_slots(self, max_model_len: int) -> int:
+        """Whisper's cross-attention slots: one per request that may run at once, max_num_seqs
+        or as many as fit in the cache's memory beside the KV cache of a whole sequence each
+        (whisper-large-v3's slot takes 245 MB in bfloat16: 128 of them do not fit a 24 GB GPU).
+        With num_gpu_blocks_override, max_num_seqs."""
+        cfg, wanted = self.model_config, self.config.max_num_seqs
+        if self.config.num_gpu_blocks_override is not None:
+            return wanted
+        slot = CrossStates.slot_bytes(cfg.num_hidden_layers, cfg.hf_config.encoder_positions, cfg.hidden_size, self.dtype)
+        kv = -(-max_model_len // self.block_size) * self._kv_block_bytes()
+        memory = self._cache_memory()
+        fits = memory // (slot + kv)
+        if fits < 1:
+            raise ValueError(f"one request needs {(slot + kv) / 2**20:.0f} MiB ({slot / 2**20:.0f} MiB of its audio's "
+                             f"keys and values, {kv / 2**20:.0f} MiB of KV cache), more than the cache's "
+                             f"{memory / 2**20:.0f} MiB: give the cache more memory (gpu_memory_utilization, "
+                             "kv_cache_memory_gb on the CPU)")
+        if fits < wanted:
+            logger.warning("the cache's %.0f MiB hold %d requests' audio keys and values (%.0f MiB each) and KV "
+                           "cache: %d run at once, not max_num_seqs=%d", memory / 2**20, fits, slot / 2**20, fits,
+                           wanted)
+        return min(wanted, fits)
 
     def _allocate_saved_states(self, memory: int) -> int:
         """Slots for the linear-attention states the prefix cache keeps (num_state_snapshots,

@@ -136,7 +136,7 @@ class Heartbeat:
         return WorkerInfo(
             model=self.config.model_name,
             aliases=",".join(self.config.aliases),
-            max_num_seqs=self.config.engine.max_num_seqs,
+            max_num_seqs=self.engine.engine.max_num_seqs,  # as the engine resolved it
             queue=self.config.queue,
             lora_modules=",".join(adapters.served),
             lora_errors=json.dumps(adapters.errors) if adapters.errors else "",

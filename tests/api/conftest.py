@@ -122,12 +122,14 @@ def stack_redis() -> Iterator[RedisServer]:
 
 def start_worker(redis_url: str, model_dir: Path, log_path: Path, extra_args: tuple[str, ...] = (),
                  name: str = WORKER_NAME) -> subprocess.Popen[bytes]:
-    """`genq worker` on the tiny model, small enough for a CPU."""
+    """`genq worker` on the tiny model, small enough for a CPU (its KV cache 512 blocks, unless
+    `extra_args` give its memory)."""
+    blocks = () if "--kv-cache-memory-gb" in extra_args else ("--num-gpu-blocks-override", "512")
     args = [
         sys.executable, "-m", "producer.cli", "worker", "--redis-url", redis_url,
         "--model", str(model_dir), "--dtype", "float32", "--name", name,
         "--served-model-name", SERVED_MODEL, "--max-num-seqs", "8", "--max-model-len", "1024",
-        "--num-gpu-blocks-override", "512", "--heartbeat-s", "0.5", "--num-threads", "1", *extra_args,
+        *blocks, "--heartbeat-s", "0.5", "--num-threads", "1", *extra_args,
     ]
     env = dict(os.environ)
     with open(log_path, "wb") as log:

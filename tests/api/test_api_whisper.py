@@ -14,10 +14,13 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+import redis
 
 from api.settings import Settings
 from api.transcriptions import duration_s, joined, split_wav
 from producer.audio import AUDIO_RATE, read_clip, to_wav
+from producer.protocol import Keys
+from producer.records import decode_worker_info
 from worker import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "worker"))
@@ -29,10 +32,16 @@ FORM = {"extra_body": {"max_tokens": 6, "ignore_eos": True}}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
+# a request's audio slot and its 4 blocks of KV cache (float32): the worker's cache holds 2.5
+PER_REQUEST = 2 * 2 * 50 * 32 * 4 + 4 * (2 * 2 * 16 * 32 * 4)
+WORKER = "whisper"
+
+
 @pytest.fixture(scope="module")
 def live_worker(stack_redis, tiny_whisper_dir: Path, run_worker, tmp_path_factory) -> Iterator[str]:
     with run_worker(stack_redis.url, tiny_whisper_dir, tmp_path_factory.mktemp("whisper-worker"),
-                    ("--max-model-len", "64")) as url:  # (its decoder's positions)
+                    ("--max-model-len", "64",  # (its decoder's positions)
+                     "--kv-cache-memory-gb", str(2.5 * PER_REQUEST / 2**30)), WORKER) as url:
         yield url
 
 
@@ -159,6 +168,14 @@ def test_a_long_prompt_keeps_its_last_tokens(oai: openai.OpenAI, served_model: s
     got = oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="en", prompt=prompt,
                                           **FORM)
     assert got.text == offline(llm, WAV, language="en", task="transcribe", prompt=tokenizer.decode(ids[-31:]))
+
+
+def test_the_worker_takes_as_many_jobs_as_its_audio_slots_fit(live_worker: str) -> None:
+    """Two requests' audio fit its cache (--kv-cache-memory-gb): it says it runs two at once,
+    not max_num_seqs, and the API's long uploads (two pieces) still come whole (above)."""
+    conn = redis.Redis.from_url(live_worker)
+    assert decode_worker_info(conn.hgetall(Keys().worker(WORKER)), WORKER).max_num_seqs == 2
+    conn.close()
 
 
 def test_a_language_the_model_lacks_is_a_400(oai: openai.OpenAI, served_model: str) -> None:

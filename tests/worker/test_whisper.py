@@ -134,6 +134,28 @@ def test_preempted_requests_encode_their_clip_again(tiny_whisper_dir: Path) -> N
         assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, PROMPT, c, max_new=40)
 
 
+def test_requests_run_at_once_as_their_audio_slots_fit_the_cache(tiny_whisper_dir: Path) -> None:
+    """A cache that holds two requests' audio keys and values beside a whole sequence's KV each:
+    two of four run at once (max_num_seqs is lowered), and every one decodes as transformers;
+    a cache too small for one is refused by name."""
+    per_request = 2 * 2 * 50 * 32 * 4 + 4 * (2 * 2 * 16 * 32 * 4)  # slot, and 4 blocks of KV (float32)
+    small = LLM(str(tiny_whisper_dir), dtype="float32", max_num_seqs=4, kv_cache_memory_gb=2.5 * per_request / 2**30)
+    engine = small.engine
+    assert engine.max_num_seqs == len(engine.runner.cross) == 2
+    for k, c in enumerate(CLIPS):
+        engine.add_request(str(k), request(PROMPT, c), GREEDY)
+    tokens: dict[str, list[int]] = {str(k): [] for k in range(3)}
+    most = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+        most = max(most, len(engine.runner.cross.slots))
+    assert most == 2
+    assert list(tokens.values()) == [hf_greedy(tiny_whisper_dir, PROMPT, c) for c in CLIPS]
+    with pytest.raises(ValueError, match=r"one request needs 0 MiB .* more than the cache's 0 MiB"):
+        LLM(str(tiny_whisper_dir), dtype="float32", kv_cache_memory_gb=0.5 * per_request / 2**30)
+
+
 def test_a_chat_writes_the_decoder_prompt_from_its_variables(llm: LLM, tiny_whisper_dir: Path) -> None:
     """Whisper's template: the clip goes to the encoder, the text parts nowhere, and the prompt
     is written from language, task and prompt (or the start alone, to detect the language)."""

@@ -148,9 +148,18 @@ class CrossStates:
         self.slots: dict[str, int] = {}
         self.free = list(range(max_requests - 1, -1, -1))
 
+    @staticmethod
+    def slot_bytes(num_layers: int, positions: int, hidden: int, dtype: torch.dtype) -> int:
+        """What one request's keys and values take."""
+        return 2 * num_layers * positions * hidden * dtype.itemsize
+
     @property
     def request_bytes(self) -> int:
-        return 2 * self.keys[0].numel() * self.keys.element_size()
+        _, layers, positions, hidden = self.keys.shape
+        return self.slot_bytes(layers, positions, hidden, self.keys.dtype)
+
+    def __len__(self) -> int:
+        return self.keys.shape[0]
 
     def store(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A request's keys and values ([layers, positions, hidden] each) into a slot of its own."""
