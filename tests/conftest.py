@@ -645,7 +645,7 @@ def tiny_qwen2_audio_dir(tmp_path_factory, default_model_dir) -> Path:
 
 # Whisper's special tokens, then its timestamps (0.02 s apart, over the tiny model's 1 s window)
 WHISPER_TOKENS = ("<|startoftranscript|>", "<|en|>", "<|fr|>", "<|de|>", "<|translate|>", "<|transcribe|>",
-                  "<|startofprev|>", "<|notimestamps|>", *(f"<|{k * 0.02:.2f}|>" for k in range(51)))
+                  "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>", *(f"<|{k * 0.02:.2f}|>" for k in range(51)))
 
 
 @pytest.fixture(scope="session")

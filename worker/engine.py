@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 from jinja2 import TemplateSyntaxError
@@ -139,8 +139,9 @@ class Engine:
         )
         self.scheduler = Scheduler(sched_config, self.block_manager)
         self.max_num_seqs = sched_config.max_num_seqs
+        # (Whisper's logprobs are its rules' before the temperature: what its decoders weigh a reply by)
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels,
-                               logprobs_mode=config.logprobs_mode)
+                               logprobs_mode=config.logprobs_mode, before_temperature=model_class is not None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids)
         self.thinking = ThinkingBudgets(ThinkingMarkers.from_config(config.reasoning_config, self.tokenizer))
@@ -412,13 +413,12 @@ class Engine:
 
     def _take_whisper_rules(self, config: EngineConfig) -> None:
         """Whisper's prompts as chats (its template, unless one is given), and transformers'
-        generation rules of the checkpoint: the tokens it never writes (the model masks them)
-        and the rest (WhisperRules, a logits processor every request has)."""
+        generation rules of the checkpoint (WhisperRules, a logits processor every request
+        has)."""
         generation = _generation_config(self.model_path)
         if config.chat_template is None:
             english_only = not generation.get("is_multilingual", True)
             self.tokenizer.chat_template = WHISPER_ENGLISH_TEMPLATE if english_only else WHISPER_CHAT_TEMPLATE
-        cast(Any, self.runner.model).suppress(sorted(_token_ids(generation.get("suppress_tokens"))))
         self.logits_processors.processors.append(("whisper", whisper_rules(generation, self.tokenizer)))
 
     # -- stepping ------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ before the top-k/top-p/min-p filters, so a reported distribution is the one the 
 started from. Greedy rows (temperature 0) take the argmax of the penalised logits and report
 the log-softmax of those logits (no temperature to divide by). vLLM's other modes report the
 model's own distribution ("raw_logprobs": before any processing, custom logits processors
-included), or logits instead of logprobs ("raw_logits", "processed_logits").
+included), or logits instead of logprobs ("raw_logits", "processed_logits"). A sampler made
+`before_temperature` reports processed values before the temperature (Whisper's, whose
+decoders weigh a sampled reply by the model's own likelihood of it, its rules applied).
 
 Random rows sample with the exponential race: argmax(probs / E) with E ~ Exponential(1) drawn
 independently per token picks token i with probability probs[i]. Each row's draw depends on its
@@ -152,9 +154,11 @@ class Sampler:
     tokens are those of the torch path. Batches with min_p keep the torch path.
     """
 
-    def __init__(self, seed: int = 0, use_kernel: bool = False, logprobs_mode: str = "processed_logprobs") -> None:
+    def __init__(self, seed: int = 0, use_kernel: bool = False, logprobs_mode: str = "processed_logprobs",
+                 before_temperature: bool = False) -> None:
         self.seed = seed
         self.use_kernel = use_kernel
+        self.before_temperature = before_temperature
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
@@ -180,7 +184,10 @@ class Sampler:
         # Greedy rows divide by 1; an all-greedy batch skips the full-vocabulary division.
         scaled = logits if batch.all_greedy else logits / batch.temperature.unsqueeze(1)
         token_ids = self._sample(logits, scaled, batch)  # [num_seqs] int64
-        reported = (raw if model_logits is None else model_logits.float()) if self.reports_raw else scaled
+        if self.reports_raw:
+            reported = raw if model_logits is None else model_logits.float()
+        else:
+            reported = logits if self.before_temperature else scaled
         as_logits = self.logprobs_mode.endswith("logits")
         return SamplerOutput(
             token_ids=token_ids.tolist(), logprobs=compute_logprobs(reported, token_ids, batch, as_logits)

@@ -27,11 +27,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: int = 12,
-              suppressed: tuple[int, ...] = (), detecting: bool = False) -> list[int]:
+              suppressed: tuple[int, ...] = (), detecting: bool = False,
+              logprobs: list[float] | None = None, forced: list[int] | None = None) -> list[int]:
     """transformers' greedy tokens: the whole decoder run again each step (no cache), the
     `suppressed` tokens masked, then transformers' own processors of the checkpoint's rules
     (begin_suppress_tokens; the timestamp rules where the prompt has no <|notimestamps|>),
-    argmax of the last position's logits; `detecting` the language: no rules."""
+    argmax of the last position's logits; `detecting` the language: no rules. `logprobs`
+    gets each token's log-softmax of those logits; `forced` tokens are taken instead of the
+    argmax (a sampled reply, weighed)."""
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
     from transformers.generation.logits_process import (
         SuppressTokensAtBeginLogitsProcessor,
@@ -55,7 +58,9 @@ def hf_greedy(model_dir: Path, prompt: list[int], samples: np.ndarray, max_new: 
             scores[:, list(suppressed)] = float("-inf")
             for processor in processors:
                 scores = processor(torch.tensor([ids]), scores)
-            ids.append(int(scores[0].argmax()))
+            ids.append(int(scores[0].argmax()) if forced is None else forced[len(ids) - len(prompt)])
+            if logprobs is not None:
+                logprobs.append(float(scores[0].log_softmax(-1)[ids[-1]]))
     return ids[len(prompt):]
 
 
@@ -244,7 +249,7 @@ def test_an_english_only_checkpoint_writes_no_language_or_task(tiny_whisper_dir:
     english = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16)
     part = audio_part(CLIPS[1])
     samples = read_clip(wav(CLIPS[1]), "clip", RATE)
-    for timestamps, prompt in ((False, [START, START + 7]), (True, [START])):
+    for timestamps, prompt in ((False, [START, START + 8]), (True, [START])):
         out = english.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False,
                            chat_template_kwargs={"language": "fr", "task": "translate", "timestamps": timestamps})[0]
         assert out.prompt_token_ids == prompt

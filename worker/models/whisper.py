@@ -61,7 +61,9 @@ def whisper_decoder_config(hf_config):
 
 class WhisperRules:
     """transformers' Whisper generation rules, as a logits processor (worker.logits_processors)
-    every request of a Whisper engine has: `begin_suppress` tokens cannot come first; and, in a
+    every request of a Whisper engine has: `suppress` tokens are never written (symbols and
+    non-speech marks; the model's logits keep them, so a prompt's logprobs tell how likely
+    <|nospeech|> was), `begin_suppress` tokens cannot come first; and, in a
     request whose prompt has no <|notimestamps|> (`no_timestamps`), the timestamp rules: the
     first token is a timestamp (at most `max_initial` steps past 0), timestamps come in pairs
     (but one before the end), never go back, and one is forced where all of them together are
@@ -70,10 +72,11 @@ class WhisperRules:
     heard: no rule applies."""
 
     def __init__(self, no_timestamps: int | None, eos: int, begin_suppress: list[int], max_initial: int | None,
-                 start: int | None = None):
+                 start: int | None = None, suppress: list[int] | None = None):
         self.no_timestamps, self.eos, self.max_initial, self.start = no_timestamps, eos, max_initial, start
         self.first = None if no_timestamps is None else no_timestamps + 1  # <|0.00|>
         self.begin_suppress = torch.tensor(begin_suppress, dtype=torch.long)
+        self.suppress = torch.tensor(suppress or [], dtype=torch.long)
 
     def new_req_logits_processor(self, params) -> Callable[[list[int], list[int], torch.Tensor], torch.Tensor]:
         return self.apply
@@ -81,6 +84,8 @@ class WhisperRules:
     def apply(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         if prompt_ids[-1:] == [self.start]:
             return logits
+        if len(self.suppress):
+            logits = logits.index_fill(0, self.suppress.to(logits.device), float("-inf"))
         if not output_ids and len(self.begin_suppress):
             logits = logits.index_fill(0, self.begin_suppress.to(logits.device), float("-inf"))
         if self.first is None or self.no_timestamps in prompt_ids:
@@ -122,7 +127,8 @@ def whisper_rules(generation_config: dict, tokenizer) -> WhisperRules:
     return WhisperRules(no_timestamps, eos[0] if isinstance(eos, list) else eos,
                         list(generation_config.get("begin_suppress_tokens") or []),
                         generation_config.get("max_initial_timestamp_index"),
-                        tokenizer.get_vocab().get("<|startoftranscript|>") if multilingual else None)
+                        tokenizer.get_vocab().get("<|startoftranscript|>") if multilingual else None,
+                        sorted(set(generation_config.get("suppress_tokens") or [])))
 
 
 @dataclass
@@ -243,7 +249,6 @@ class WhisperForConditionalGeneration(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux: torch.Tensor | None = None
         self.cross: CrossStep | None = None  # set by the runner before each step
-        self.suppressed: torch.Tensor | None = None  # token ids whose logits are -inf (suppress)
 
     def build_rotary(self, device: torch.device) -> None:
         """No rotary tables: positions are learned."""
@@ -265,15 +270,8 @@ class WhisperForConditionalGeneration(nn.Module):
         values = [layer.encoder_attn.v_proj(encoded) for layer in layers]
         return torch.stack(keys), torch.stack(values)
 
-    def suppress(self, token_ids: list[int]) -> None:
-        """Never write these tokens (the checkpoint's generation_config suppress_tokens, which
-        transformers' generate masks at every step: symbols and non-speech marks)."""
-        self.suppressed = torch.tensor(token_ids, dtype=torch.long, device=self.embed_tokens.weight.device) \
-            if token_ids else None
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.embed_tokens.weight).float()
-        return logits if self.suppressed is None else logits.index_fill_(1, self.suppressed, float("-inf"))
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.float()
