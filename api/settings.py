@@ -81,6 +81,14 @@ class Settings(BaseSettings):
                                     "and nothing else.")
     max_audio_bytes: int = 25 << 20  # OpenAI's limit
     audio_chunk_s: float = 30.0  # a longer upload is cut into pieces this long, each its own job (Qwen2-Audio's window)
+    # Whisper at temperature 0 decodes as whisper-1 (OpenAI's transcribe): a piece whose text
+    # repeats itself (its zlib compression ratio over this) or whose tokens were unlikely (their
+    # mean logprob under this) is decoded again at 0.2, 0.4, ... 1.0; one where <|nospeech|> was
+    # likelier than this after <|startoftranscript|> is not decoded again, and is dropped as
+    # silence where its tokens were that unlikely too. inf and -inf turn a check off.
+    whisper_compression_ratio_threshold: float = 2.4
+    whisper_logprob_threshold: float = -1.0
+    whisper_no_speech_threshold: float = 0.6
     image_fetch_timeout_s: float = 10.0
     file_ttl_s: int = 7 * 24 * 3600
     batch_max_in_flight: int = 64

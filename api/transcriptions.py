@@ -8,6 +8,11 @@ the task and the prompt. For the others (Qwen2-Audio) an instruction follows the
 added to it, as gpt-4o-transcribe takes them. The reply is the text. A long upload is cut into
 pieces of the model's window (GENQ_AUDIO_CHUNK_S), each a job, their texts joined in order.
 
+Whisper decodes as whisper-1 does (OpenAI's transcribe): at temperature 0 a piece whose text
+repeats itself or whose tokens were unlikely is decoded again, hotter (FALLBACK_TEMPERATURES),
+and one the model hears as silence is dropped (Settings' whisper_* thresholds); each segment
+tells its piece's temperature, avg_logprob, compression_ratio and no_speech_prob.
+
 Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "language",
 "duration", "text", "usage"}, and on Whisper its `segments`); `srt`, `vtt` and
 `timestamp_granularities: ["segment"]` need timestamps, which Whisper gives (its prompt without
@@ -23,6 +28,7 @@ import functools
 import io
 import math
 import wave
+import zlib
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -34,7 +40,8 @@ from starlette.datastructures import FormData
 
 from api.errors import APIError, invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
-from api.render import ChatRenderer, RelayedRequest
+from api.logprobs import top_token_pairs
+from api.render import ChatRenderer, Choice, RelayedRequest
 from api.responses import Usage
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
 from api.settings import Settings
@@ -45,6 +52,8 @@ FORMATS = ("json", "text", "verbose_json")
 TIMESTAMPED = ("srt", "vtt")
 TIMESTAMP_S = 0.02  # between Whisper's timestamp tokens (its 30 s window over 1500 positions)
 WHISPER_POSITIONS = 448  # its decoder's (max_target_positions), where the workers do not say
+FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # whisper-1's, from temperature 0
+NO_SPEECH_TOP = 20  # the prompt's alternatives asked for: <|nospeech|> below them counts as 0
 
 
 # sampling fields a form may add (as vLLM's transcription requests take them), passed to the chat
@@ -119,19 +128,26 @@ class AudioRequest:
                 and (self.response_format in ("verbose_json", *TIMESTAMPED) or bool(self.granularities)))
 
     def as_chats(self, pieces: list[bytes], settings: Settings, whisper: WhisperPrompts | None = None,
-                 language: str | None = None) -> list[ChatCompletionRequest]:
+                 language: str | None = None, temperature: float | None = None,
+                 no_speech: bool = False) -> list[ChatCompletionRequest]:
         """The chats that do the work, one per piece (split_wav's, of at most
-        GENQ_AUDIO_CHUNK_S; each run as a job of its own, on any worker): for Whisper, the
-        piece and the prompt's variables (`language`: the one heard, where the form gives
-        none); else the piece, then the instruction."""
+        GENQ_AUDIO_CHUNK_S; each run as a job of its own, on any worker), at `temperature`
+        (the form's where None): for Whisper, the piece and the prompt's variables
+        (`language`: the one heard, where the form gives none), and outside a stream the
+        logprobs its decode is weighed by (and with `no_speech` the prompt's, which tell how
+        likely <|nospeech|> was); else the piece, then the instruction."""
+        temperature = self.temperature if temperature is None else temperature
         if whisper is None:
-            return [self._chat([_clip(piece), ContentPart(type="text", text=self._instruction(settings))])
+            return [self._chat([_clip(piece), ContentPart(type="text", text=self._instruction(settings))], temperature)
                     for piece in pieces]
         variables = {"language": language, "task": self.task if whisper.tasks else None,
                      "prompt": whisper.context(self.prompt) if self.prompt else None, "timestamps": self.timed(whisper)}
         kwargs = {k: v for k, v in variables.items() if v}
-        return [self._chat([_clip(piece)], chat_template_kwargs=kwargs, return_token_ids=self.timed(whisper) or None)
-                for piece in pieces]
+        weighed: dict[str, Any] = {} if self.stream else {"logprobs": True}
+        if no_speech and whisper.no_speech is not None and not self.stream:
+            weighed["prompt_logprobs"] = NO_SPEECH_TOP
+        return [self._chat([_clip(piece)], temperature, chat_template_kwargs=kwargs,
+                           return_token_ids=self.timed(whisper) or None, **weighed) for piece in pieces]
 
     def detecting_chat(self, whisper: WhisperPrompts, first: bytes) -> ChatCompletionRequest:
         """A Whisper chat whose one token is the language the model hears in the first piece."""
@@ -147,10 +163,10 @@ class AudioRequest:
             instruction += f" Earlier speech, for context: {self.prompt}"
         return instruction
 
-    def _chat(self, content: list[ContentPart], **fields: Any) -> ChatCompletionRequest:
+    def _chat(self, content: list[ContentPart], temperature: float, **fields: Any) -> ChatCompletionRequest:
         try:
             return ChatCompletionRequest(model=self.model, messages=[ChatMessage(role="user", content=content)],
-                                         temperature=self.temperature, stream=self.stream, **self.sampling, **fields)
+                                         temperature=temperature, stream=self.stream, **self.sampling, **fields)
         except ValidationError as e:
             where = str(e.errors()[0]["loc"][0])
             raise invalid_param(where, f"{where}: {e.errors()[0]['msg']}") from None
@@ -181,6 +197,8 @@ class WhisperPrompts:
     tokenizer: Any = field(default=None, compare=False)
     english_only: bool = False  # its template writes no language (whisper-*.en)
     max_context: int = WHISPER_POSITIONS // 2 - 1  # of a `prompt`, the last tokens kept (as Whisper keeps them)
+    start: int | None = None  # <|startoftranscript|>
+    no_speech: int | None = None  # <|nospeech|> (<|nocaptions|> before large-v3)
 
     @classmethod
     def of(cls, tokenizer: Any, max_model_len: int | None = None) -> WhisperPrompts | None:
@@ -191,19 +209,46 @@ class WhisperPrompts:
             return None
         first = vocab.get("<|0.00|>")
         timestamps = first if first == vocab.get("<|notimestamps|>", -2) + 1 else None
-        max_context = (max_model_len or WHISPER_POSITIONS) // 2 - 1
+        marks = {"max_context": (max_model_len or WHISPER_POSITIONS) // 2 - 1, "start": vocab["<|startoftranscript|>"],
+                 "no_speech": vocab.get("<|nospeech|>", vocab.get("<|nocaptions|>"))}
         if "{{ language }}" not in (getattr(tokenizer, "chat_template", None) or ""):  # the worker's English-only one
-            return cls({}, False, timestamps, tokenizer, english_only=True, max_context=max_context)
+            return cls({}, False, timestamps, tokenizer, english_only=True, **marks)
         known = languages()
         languages_of = {i: token[2:-2] for token, i in vocab.items()
                         if token.startswith("<|") and token.endswith("|>") and token[2:-2] in known}
-        return cls(languages_of, "<|transcribe|>" in vocab, timestamps, tokenizer, max_context=max_context)
+        return cls(languages_of, "<|transcribe|>" in vocab, timestamps, tokenizer, **marks)
 
     def context(self, prompt: str) -> str:
         """A form's `prompt` (earlier speech) as the template writes it after <|startofprev|>:
         its last max_context tokens, as Whisper keeps them (whisper-1 reads the last 224)."""
         ids = self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
         return prompt if len(ids) <= self.max_context else self.tokenizer.decode(ids[-self.max_context:])
+
+    def decoded(self, choice: Choice, temperature: float, no_speech_prob: float) -> Decoded:
+        """A piece's reply (a choice with its logprobs) as whisper-1 weighs it: the mean
+        logprob of its tokens, the end's included, over their count and one (OpenAI's
+        transcribe), and its text's compression ratio."""
+        tokens = list(choice.token_ids)
+        if choice.finish_reason == "stop" and tokens:
+            tokens.pop()  # (its end)
+        total = sum(lp.logprob or 0.0 for lp in choice.logprobs)
+        words = [t for t in tokens if self.first_timestamp is None or t < self.first_timestamp]
+        text = self.tokenizer.decode(words, skip_special_tokens=True)
+        return Decoded(tokens, text, temperature, total / (len(tokens) + 1), compression_ratio(text.strip()),
+                       no_speech_prob)
+
+    def no_speech_prob(self, prompt_logprobs: list[Any] | None) -> float:
+        """How likely <|nospeech|> was after <|startoftranscript|> (OpenAI's no_speech_prob),
+        from a prompt's logprobs as the worker sent them; 0 where it was not among their
+        NO_SPEECH_TOP alternatives there."""
+        ids = [entry.get("token_id") if isinstance(entry, dict) else None for entry in prompt_logprobs or []]
+        if self.no_speech is None or self.start not in ids[:-1]:
+            return 0.0
+        after = prompt_logprobs[ids.index(self.start) + 1]  # type: ignore[index]
+        pairs = dict(top_token_pairs(after.get("top_logprobs")))
+        if after.get("logprob") is not None:
+            pairs[after["token_id"]] = after["logprob"]
+        return math.exp(pairs[self.no_speech]) if self.no_speech in pairs else 0.0
 
     def segments(self, tokens: list[int], offset_s: float, first_id: int = 0) -> list[dict[str, Any]]:
         """A piece's reply as segments, each the text between two timestamps, times counted
@@ -221,7 +266,7 @@ class WhisperPrompts:
             if words.strip():
                 begin = start if start is not None else (out[-1]["end"] if out else offset_s)
                 out.append({"id": first_id + len(out), "seek": round(offset_s * 100), "start": round(begin, 2),
-                            "end": round(max(end, begin), 2), "text": words, "tokens": list(text), "temperature": 0.0})
+                            "end": round(max(end, begin), 2), "text": words, "tokens": list(text)})
             text = []
 
         for token in tokens:
@@ -292,12 +337,13 @@ def duration_s(audio: bytes) -> float:
         return reader.getnframes() / reader.getframerate()
 
 
-def usage_of(usage: Usage, seconds: float | None = None) -> dict[str, Any]:
+def usage_of(usage: Usage | None, seconds: float | None = None) -> dict[str, Any]:
     """OpenAI's usage of a transcription: tokens (gpt-4o-transcribe's), or where `seconds`
     are given the audio's length, rounded up to a whole second (whisper-1's, which is billed
     by it)."""
     if seconds is not None:
         return {"type": "duration", "seconds": math.ceil(seconds)}
+    assert usage is not None
     return {"type": "tokens", "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens}
 
@@ -307,17 +353,17 @@ def joined(texts: list[str]) -> str:
     return " ".join(t.strip() for t in texts if t.strip())
 
 
-def response(audio: AudioRequest, text: str, usage: Usage, language: str | None = None,
-             segments: list[dict[str, Any]] | None = None, by_duration: bool = False) -> dict[str, Any] | str:
+def response(audio: AudioRequest, text: str, usage: Usage | None, language: str | None = None,
+             segments: list[dict[str, Any]] | None = None) -> dict[str, Any] | str:
     """The body in the format asked: a str for `text`, `srt` and `vtt`. `language`: the code
     of the one the model heard (Whisper), named in verbose_json as OpenAI names it
-    ("english"); `segments`: the timed segments, where the model gave them; `by_duration`:
-    usage in seconds of audio (Whisper's, as whisper-1's)."""
+    ("english"); `segments`: the timed segments, where the model gave them; `usage`: the
+    tokens', or None for seconds of audio (Whisper's, as whisper-1's)."""
     if audio.response_format == "text":
         return text
     if audio.response_format in TIMESTAMPED:
         return subtitles(segments or [], audio.response_format)
-    used = usage_of(usage, duration_s(audio.audio) if by_duration else None)
+    used = usage_of(usage, duration_s(audio.audio) if usage is None else None)
     if audio.response_format == "verbose_json":
         language = language or audio.language
         body = {"task": audio.task, "language": languages().get(language, language) if language else "unknown",
@@ -326,13 +372,63 @@ def response(audio: AudioRequest, text: str, usage: Usage, language: str | None 
     return {"text": text, "usage": used}
 
 
-def timed_segments(whisper: WhisperPrompts, pieces: list[bytes], replies: list[list[int]]) -> list[dict[str, Any]]:
-    """The segments of every piece's reply (its token ids), in order, each piece's times from
-    where it starts in the upload."""
+@dataclass(frozen=True)
+class Decoded:
+    """A piece's reply as whisper-1 weighs it (WhisperPrompts.decoded): its tokens (without
+    the end), text, the temperature it was sampled at, and what decides whether it is decoded
+    again or dropped as silence."""
+
+    token_ids: list[int]
+    text: str
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+    def silent(self, settings: Settings) -> bool:
+        """The model heard no speech, and wrote what it hardly believed."""
+        return (self.no_speech_prob > settings.whisper_no_speech_threshold
+                and self.avg_logprob < settings.whisper_logprob_threshold)
+
+    def needs_fallback(self, settings: Settings) -> bool:
+        """Its text repeats itself, or its tokens were unlikely (unless it is silence: decoded
+        again, it would be no better)."""
+        if self.no_speech_prob > settings.whisper_no_speech_threshold:
+            return False
+        return (self.compression_ratio > settings.whisper_compression_ratio_threshold
+                or self.avg_logprob < settings.whisper_logprob_threshold)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """What each of its segments tells (OpenAI's fields)."""
+        return {"temperature": self.temperature, "avg_logprob": self.avg_logprob,
+                "compression_ratio": self.compression_ratio, "no_speech_prob": self.no_speech_prob}
+
+
+def compression_ratio(text: str) -> float:
+    """How much zlib shrinks a text: over 2.4, Whisper's transcribe calls it repetitive."""
+    data = text.encode()
+    return len(data) / len(zlib.compress(data))
+
+
+class ChoicesOnly(ChatRenderer):
+    """A chat renderer whose response is the choices as collected (their logprobs, token ids
+    and prompt logprobs), for the API's own reading."""
+
+    def response(self, req: RelayedRequest, choices: list[Choice], usage: Usage) -> list[Choice]:  # type: ignore[override]
+        return choices
+
+
+def timed_segments(whisper: WhisperPrompts, pieces: list[bytes], replies: list[Decoded],
+                   settings: Settings) -> list[dict[str, Any]]:
+    """The segments of every piece's reply, in order, each piece's times from where it
+    starts in the upload, each with what its piece's decode was weighed by; a silent piece's
+    none."""
     out: list[dict[str, Any]] = []
     offset = 0.0
-    for piece, tokens in zip(pieces, replies, strict=True):
-        out += whisper.segments(tokens, offset, len(out))
+    for piece, reply in zip(pieces, replies, strict=True):
+        if not reply.silent(settings):
+            out += [{**segment, **reply.weights} for segment in whisper.segments(reply.token_ids, offset, len(out))]
         offset += duration_s(piece)
     return out
 

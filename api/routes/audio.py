@@ -12,7 +12,7 @@ from api.render import ChatRenderer
 from api.routes.chat import chat_prompt, templated
 from api.sse import EventStreamResponse, unless_disconnected
 from api.tokenizers import base_model
-from api.transcriptions import AudioRequest, WhisperPrompts
+from api.transcriptions import AudioRequest, ChoicesOnly, Decoded, WhisperPrompts
 
 router = APIRouter(prefix="/audio", tags=["openai"])
 
@@ -44,20 +44,50 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
             language = "en"
         elif language is None and whisper.languages:
             language = await unless_disconnected(request, _heard_language(state, audio, whisper, pieces[0]))
+    if whisper is not None and not audio.stream:
+        decoded = await unless_disconnected(request, _decoded(state, audio, whisper, pieces, language))
+        segments = None
+        if audio.timed(whisper):
+            segments = transcriptions.timed_segments(whisper, pieces, decoded, state.settings)
+            text = transcriptions.joined([segment["text"] for segment in segments])
+        else:
+            text = transcriptions.joined([d.text for d in decoded if not d.silent(state.settings)])
+        return _body(transcriptions.response(audio, text, None, language, segments))
     chats = [templated(chat, state.settings) for chat in audio.as_chats(pieces, state.settings, whisper, language)]
     req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())
     if audio.stream:
         seconds = transcriptions.duration_s(audio.audio) if whisper is not None else None
         return EventStreamResponse(transcriptions.stream(state, req, seconds))
     reply = await unless_disconnected(request, generate.collect(state, req, ChatRenderer()))
-    segments = None
-    if whisper is not None and audio.timed(whisper):
-        segments = transcriptions.timed_segments(whisper, pieces, [choice.token_ids or [] for choice in reply.choices])
-        text = transcriptions.joined([segment["text"] for segment in segments])
-    else:
-        text = transcriptions.joined([choice.message.content or "" for choice in reply.choices])
-    body = transcriptions.response(audio, text, reply.usage, language, segments, by_duration=whisper is not None)
+    text = transcriptions.joined([choice.message.content or "" for choice in reply.choices])
+    return _body(transcriptions.response(audio, text, reply.usage))
+
+
+def _body(body: dict | str) -> Response:
     return PlainTextResponse(body) if isinstance(body, str) else JSONResponse(body)
+
+
+async def _decoded(state: StateDep, audio: AudioRequest, whisper: WhisperPrompts, pieces: list[bytes],
+                   language: str | None) -> list[Decoded]:
+    """Each piece decoded as whisper-1 decodes: at the form's temperature, or from 0 with its
+    fallback (FALLBACK_TEMPERATURES: the pieces that need it, all at once, each round hotter,
+    until none does or the last is reached). How likely <|nospeech|> was is read from the
+    first round's prompts."""
+    temperatures = transcriptions.FALLBACK_TEMPERATURES if audio.temperature == 0 else (audio.temperature,)
+    decoded: dict[int, Decoded] = {}  # piece -> its latest decode
+    todo = list(range(len(pieces)))
+    for temperature in temperatures:
+        chats = [templated(chat, state.settings) for chat in audio.as_chats(
+            [pieces[i] for i in todo], state.settings, whisper, language, temperature, no_speech=not decoded)]
+        req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())
+        choices = await generate.collect(state, req, ChoicesOnly())
+        for i, choice in zip(todo, choices, strict=True):
+            no_speech = decoded[i].no_speech_prob if i in decoded else whisper.no_speech_prob(choice.prompt_logprobs)
+            decoded[i] = whisper.decoded(choice, temperature, no_speech)
+        todo = [i for i in todo if decoded[i].needs_fallback(state.settings)]
+        if not todo:
+            break
+    return [decoded[i] for i in range(len(pieces))]
 
 
 async def _whisper(state: StateDep, model: str) -> WhisperPrompts | None:

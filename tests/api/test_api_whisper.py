@@ -1,13 +1,19 @@
 """OpenAI's audio endpoints on Whisper, through a live worker serving the tiny Whisper, driven
 by the official `openai` client: the decoder's prompt written from the form (language, task,
-prompt), the language heard where the form gives none, pieces of a long upload. The oracle is
-the offline engine's chat with Whisper's template (checked against transformers in
-tests/worker/test_whisper.py)."""
+prompt), the language heard where the form gives none, pieces of a long upload, whisper-1's
+fallback and silence. The oracles are the offline engine's chat with Whisper's template
+(checked against transformers in tests/worker/test_whisper.py) and transformers itself. The
+module's API turns whisper-1's checks off (a random model's tokens are all unlikely), but for
+the test of them."""
 
 from __future__ import annotations
 
 import base64
+import json
+import math
+import shutil
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 import redis
+import torch
 
 from api.settings import Settings
 from api.transcriptions import duration_s, joined, split_wav
@@ -25,11 +32,54 @@ from worker import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "worker"))
 from test_audio import clip, wav  # noqa: E402 (the worker tests' clips)
+from test_whisper import hf_greedy  # noqa: E402
 
 WAV = wav(clip(0.6, 31))
 LONG = wav(np.concatenate([clip(0.9, 32), np.zeros(800, np.float32), clip(0.8, 33)]))  # two pieces of a 1 s window
 FORM = {"extra_body": {"max_tokens": 6, "ignore_eos": True}}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+SPEECH_THEN_SILENCE = wav(np.concatenate([clip(0.9, 34), np.zeros(AUDIO_RATE, np.float32)]))  # two pieces
+CHECKS_OFF = {"whisper_compression_ratio_threshold": math.inf, "whisper_logprob_threshold": -math.inf}
+
+
+def sot_logits(model, piece: bytes, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' decoder after <|startoftranscript|> over a piece: its hidden state and
+    logits."""
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor(feature_size=model.config.num_mel_bins, chunk_length=1)
+    features = extractor(read_clip(piece, "piece", AUDIO_RATE), sampling_rate=AUDIO_RATE, return_tensors="pt")
+    with torch.inference_mode():
+        encoded = model.model.encoder(features["input_features"]).last_hidden_state
+        hidden = model.model.decoder(input_ids=torch.tensor([[start]]), encoder_hidden_states=encoded)
+        hidden = hidden.last_hidden_state[0, -1]
+        return hidden, model.proj_out(hidden)
+
+
+@pytest.fixture(scope="module")
+def whisper_dir(tiny_whisper_dir: Path, tmp_path_factory) -> Path:
+    """The tiny Whisper, its <|nospeech|> made likely (0.82) after <|startoftranscript|> over
+    SPEECH_THEN_SILENCE's silent piece, and just under the likeliest token over its first;
+    and suppressed, as real checkpoints suppress it."""
+    from transformers import AutoTokenizer, WhisperForConditionalGeneration
+
+    out = tmp_path_factory.mktemp("whisper-nospeech")
+    shutil.copytree(tiny_whisper_dir, out, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    start, no_speech = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|nospeech|>"])
+    model = WhisperForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    speech, silence = (sot_logits(model, piece, start) for piece in pieces_of(SPEECH_THEN_SILENCE))
+    others = [k for k in range(model.config.vocab_size) if k != no_speech]
+    targets = torch.tensor([float(speech[1][others].max()) - 1.0, float(silence[1][others].logsumexp(0)) + 1.5],
+                           dtype=torch.float64)
+    hidden = torch.stack([speech[0], silence[0]]).double()  # the row whose products with both are the targets
+    row = hidden.T @ torch.linalg.solve(hidden @ hidden.T, targets)
+    with torch.no_grad():
+        model.model.decoder.embed_tokens.weight[no_speech] = row.float()
+    generation = json.loads((tiny_whisper_dir / "generation_config.json").read_text())
+    model.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({**generation, "suppress_tokens": [no_speech]}))
+    return out
 
 
 # a request's audio slot and its 4 blocks of KV cache (float32): the worker's cache holds 2.5
@@ -38,8 +88,8 @@ WORKER = "whisper"
 
 
 @pytest.fixture(scope="module")
-def live_worker(stack_redis, tiny_whisper_dir: Path, run_worker, tmp_path_factory) -> Iterator[str]:
-    with run_worker(stack_redis.url, tiny_whisper_dir, tmp_path_factory.mktemp("whisper-worker"),
+def live_worker(stack_redis, whisper_dir: Path, run_worker, tmp_path_factory) -> Iterator[str]:
+    with run_worker(stack_redis.url, whisper_dir, tmp_path_factory.mktemp("whisper-worker"),
                     ("--max-model-len", "64",  # (its decoder's positions)
                      "--kv-cache-memory-gb", str(2.5 * PER_REQUEST / 2**30)), WORKER) as url:
         yield url
@@ -47,13 +97,13 @@ def live_worker(stack_redis, tiny_whisper_dir: Path, run_worker, tmp_path_factor
 
 @pytest.fixture(scope="module")
 def api_url(live_worker: str, serve_api) -> Iterator[str]:
-    with serve_api(Settings(redis_url=live_worker, request_timeout_s=60.0, audio_chunk_s=1.0)) as url:
+    with serve_api(Settings(redis_url=live_worker, request_timeout_s=60.0, audio_chunk_s=1.0, **CHECKS_OFF)) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_whisper_dir: Path) -> LLM:
-    return LLM(str(tiny_whisper_dir), dtype="float32", num_gpu_blocks_override=64)
+def llm(whisper_dir: Path) -> LLM:
+    return LLM(str(whisper_dir), dtype="float32", num_gpu_blocks_override=64)
 
 
 def pieces_of(audio: bytes) -> list[bytes]:
@@ -168,6 +218,83 @@ def test_a_long_prompt_keeps_its_last_tokens(oai: openai.OpenAI, served_model: s
     got = oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="en", prompt=prompt,
                                           **FORM)
     assert got.text == offline(llm, WAV, language="en", task="transcribe", prompt=tokenizer.decode(ids[-31:]))
+
+
+def weighed(model_dir: Path, piece: bytes, prompt: list[int], no_speech: int) -> tuple[list[int], float, float]:
+    """transformers' greedy tokens over a piece (6, its rules applied, <|nospeech|> suppressed),
+    their mean logprob over their count and one (whisper-1's), and how likely <|nospeech|> was
+    after <|startoftranscript|> (the model's own logits)."""
+    from transformers import WhisperForConditionalGeneration
+
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    logprobs: list[float] = []
+    tokens = hf_greedy(model_dir, prompt, read_clip(piece, "piece", AUDIO_RATE), max_new=6, suppressed=(no_speech,),
+                       logprobs=logprobs)
+    return tokens, sum(logprobs) / (len(tokens) + 1), float(sot_logits(model, piece, prompt[0])[1].softmax(0)[no_speech])
+
+
+def test_segments_tell_how_whisper_weighed_their_piece(oai: openai.OpenAI, served_model: str, llm: LLM,
+                                                       whisper_dir: Path) -> None:
+    """Each segment's avg_logprob, compression_ratio and no_speech_prob are its piece's, as
+    transformers gives them, and its temperature the one it was decoded at."""
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|en|>", "<|transcribe|>"])
+    first, no_speech = tokenizer.convert_tokens_to_ids(["<|0.00|>", "<|nospeech|>"])
+    got = oai.audio.transcriptions.create(model=served_model, file=("a.wav", SPEECH_THEN_SILENCE), language="en",
+                                          response_format="verbose_json", **FORM)
+    seeks = [0, round(duration_s(pieces_of(SPEECH_THEN_SILENCE)[0]) * 100)]  # (where each piece starts, in 10 ms)
+    for seek, piece in zip(seeks, pieces_of(SPEECH_THEN_SILENCE), strict=True):
+        tokens, avg_logprob, no_speech_prob = weighed(whisper_dir, piece, prompt, no_speech)
+        text = tokenizer.decode([t for t in tokens if t < first], skip_special_tokens=True).strip().encode()
+        segments = [s for s in got.segments if s.seek == seek]
+        assert segments and [t for s in segments for t in s.tokens] == [t for t in tokens if t < first]
+        for segment in segments:
+            assert segment.avg_logprob == pytest.approx(avg_logprob, abs=1e-4)
+            assert segment.no_speech_prob == pytest.approx(no_speech_prob, rel=1e-3)
+            assert (segment.compression_ratio, segment.temperature) == (len(text) / len(zlib.compress(text)), 0.0)
+    assert got.segments[-1].no_speech_prob > 0.6 > got.segments[0].no_speech_prob > 0  # (both exact: above)
+    # at the form's temperature, once: the reply weighed by the model's likelihood, not the hotter one sampled from
+    sampled = offline_sampled(llm, WAV, SamplingParams(temperature=0.5, seed=3, max_tokens=6, ignore_eos=True))
+    logprobs: list[float] = []
+    hf_greedy(whisper_dir, prompt, read_clip(WAV, "clip", AUDIO_RATE), max_new=6, suppressed=(no_speech,),
+              logprobs=logprobs, forced=sampled)
+    hot = oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="en", temperature=0.5,
+                                          response_format="verbose_json", extra_body={**FORM["extra_body"], "seed": 3})
+    assert hot.segments and [t for s in hot.segments for t in s.tokens] == [t for t in sampled if t < first]
+    assert {(s.temperature, round(s.avg_logprob, 4)) for s in hot.segments} == {(0.5, round(sum(logprobs) / 7, 4))}
+
+
+def test_unlikely_pieces_are_decoded_hotter_and_silence_is_dropped(served_model: str, llm: LLM, whisper_dir: Path,
+                                                                  live_worker: str, serve_api) -> None:
+    """whisper-1's checks (the API's defaults): the speech piece's greedy tokens are unlikely
+    (a random model), so it is decoded again at 0.2, 0.4, ... 1.0, where it stays (as
+    unlikely each time); the silent piece's are unlikely too, but the model heard no speech:
+    it is dropped, not decoded again."""
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|en|>", "<|transcribe|>"])
+    first, no_speech = tokenizer.convert_tokens_to_ids(["<|0.00|>", "<|nospeech|>"])
+    speech, silence = pieces_of(SPEECH_THEN_SILENCE)
+    _, avg_logprob, no_speech_prob = weighed(whisper_dir, speech, prompt, no_speech)
+    assert avg_logprob < -1 and no_speech_prob < 0.6
+    _, avg_logprob, no_speech_prob = weighed(whisper_dir, silence, prompt, no_speech)
+    assert avg_logprob < -1 and no_speech_prob > 0.6
+    sampled = offline_sampled(llm, speech, SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True))
+    with serve_api(Settings(redis_url=live_worker, request_timeout_s=60.0, audio_chunk_s=1.0)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        got = client.audio.transcriptions.create(
+            model=served_model, file=("a.wav", SPEECH_THEN_SILENCE), language="en", response_format="verbose_json",
+            extra_body={**FORM["extra_body"], "seed": 3})
+        client.close()
+    assert got.segments and {s.temperature for s in got.segments} == {1.0}
+    assert all(s.avg_logprob < -1 and s.seek == 0 for s in got.segments)
+    assert [t for s in got.segments for t in s.tokens] == [t for t in sampled if t < first]
+
+
+def offline_sampled(llm: LLM, piece: bytes, params: SamplingParams) -> list[int]:
+    """The offline engine's tokens for a piece, English, with timestamps."""
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(piece).decode(), "format": "wav"}}
+    return llm.chat([{"role": "user", "content": [part]}], params, use_tqdm=False,
+                    chat_template_kwargs={"language": "en", "task": "transcribe", "timestamps": True})[0].outputs[0].token_ids
 
 
 def test_the_worker_takes_as_many_jobs_as_its_audio_slots_fit(live_worker: str) -> None:
