@@ -18,7 +18,8 @@ Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "langu
 `timestamp_granularities: ["segment"]` need timestamps, which Whisper gives (its prompt without
 <|notimestamps|>: segments between timestamp tokens, each piece's offset added) and other
 models do not (a 400 says so, as word timestamps are). `stream: true` sends OpenAI's
-`transcript.text.delta` events and a `transcript.text.done`.
+`transcript.text.delta` events and a `transcript.text.done`. `include: ["logprobs"]` (with
+`json`, as OpenAI's) adds each written token's logprob to the reply, and to a stream's events.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from starlette.datastructures import FormData
 
 from api.errors import APIError, invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
-from api.logprobs import top_token_pairs
+from api.logprobs import TokenLogprob, top_token_pairs
 from api.render import ChatRenderer, Choice, RelayedRequest
 from api.responses import Usage
 from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
@@ -78,6 +79,7 @@ class AudioRequest:
     stream: bool = False
     granularities: tuple[str, ...] = ()  # timestamp_granularities[] given
     sampling: dict[str, Any] = field(default_factory=dict)  # SAMPLING_FIELDS given, as sent
+    logprobs: bool = False  # include[]: ["logprobs"]
 
     @classmethod
     async def from_form(cls, task: str, form: FormData, max_bytes: int) -> AudioRequest:
@@ -92,8 +94,9 @@ class AudioRequest:
         if len(audio) > max_bytes:
             raise APIError(413, f"The file is over the limit of {max_bytes} bytes (GENQ_MAX_AUDIO_BYTES).",
                            param="file", code="file_too_large")
-        if form.getlist("include[]"):
-            raise invalid_param("include", "include (logprobs) is not given by genq's audio endpoints")
+        include = [str(i) for i in form.getlist("include[]")]
+        if any(i != "logprobs" for i in include):
+            raise invalid_param("include", f"include may hold logprobs only, got {include}")
         audio = as_wav(audio)
         text = {k: v for k, v in form.items() if isinstance(v, str)}
         if not text.get("model"):
@@ -105,7 +108,7 @@ class AudioRequest:
         return cls(task, audio, text["model"], text.get("language"), text.get("prompt"),
                    text.get("response_format", "json"), temperature, text.get("stream", "false").lower() == "true",
                    tuple(str(g) for g in form.getlist("timestamp_granularities[]")),
-                   {k: v for k, v in text.items() if k in SAMPLING_FIELDS})
+                   {k: v for k, v in text.items() if k in SAMPLING_FIELDS}, bool(include))
 
     def check(self, whisper: WhisperPrompts | None = None) -> None:
         """400 naming the field genq cannot serve (timestamps but on a Whisper that writes them)."""
@@ -121,6 +124,8 @@ class AudioRequest:
                                 f"got {self.response_format!r}")
         if self.stream and self.response_format not in ("json", "text"):
             raise invalid_param("stream", "a stream sends text events: ask for json or text")
+        if self.logprobs and self.response_format != "json":
+            raise invalid_param("include", "logprobs are given with response_format json only (as OpenAI gives them)")
 
     def timed(self, whisper: WhisperPrompts | None) -> bool:
         """Whether the reply is read as timed segments: Whisper's verbose_json, srt and vtt."""
@@ -138,12 +143,12 @@ class AudioRequest:
         likely <|nospeech|> was); else the piece, then the instruction."""
         temperature = self.temperature if temperature is None else temperature
         if whisper is None:
-            return [self._chat([_clip(piece), ContentPart(type="text", text=self._instruction(settings))], temperature)
-                    for piece in pieces]
+            return [self._chat([_clip(piece), ContentPart(type="text", text=self._instruction(settings))], temperature,
+                               logprobs=self.logprobs) for piece in pieces]
         variables = {"language": language, "task": self.task if whisper.tasks else None,
                      "prompt": whisper.context(self.prompt) if self.prompt else None, "timestamps": self.timed(whisper)}
         kwargs = {k: v for k, v in variables.items() if v}
-        weighed: dict[str, Any] = {} if self.stream else {"logprobs": True}
+        weighed: dict[str, Any] = {"logprobs": True} if self.logprobs or not self.stream else {}
         if no_speech and whisper.no_speech is not None and not self.stream:
             weighed["prompt_logprobs"] = NO_SPEECH_TOP
         return [self._chat([_clip(piece)], temperature, chat_template_kwargs=kwargs,
@@ -235,7 +240,7 @@ class WhisperPrompts:
         words = [t for t in tokens if self.first_timestamp is None or t < self.first_timestamp]
         text = self.tokenizer.decode(words, skip_special_tokens=True)
         return Decoded(tokens, text, temperature, total / (len(tokens) + 1), compression_ratio(text.strip()),
-                       no_speech_prob)
+                       no_speech_prob, choice.logprobs[: len(tokens)])
 
     def no_speech_prob(self, prompt_logprobs: list[Any] | None) -> float:
         """How likely <|nospeech|> was after <|startoftranscript|> (OpenAI's no_speech_prob),
@@ -354,11 +359,13 @@ def joined(texts: list[str]) -> str:
 
 
 def response(audio: AudioRequest, text: str, usage: Usage | None, language: str | None = None,
-             segments: list[dict[str, Any]] | None = None) -> dict[str, Any] | str:
+             segments: list[dict[str, Any]] | None = None,
+             logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any] | str:
     """The body in the format asked: a str for `text`, `srt` and `vtt`. `language`: the code
     of the one the model heard (Whisper), named in verbose_json as OpenAI names it
     ("english"); `segments`: the timed segments, where the model gave them; `usage`: the
-    tokens', or None for seconds of audio (Whisper's, as whisper-1's)."""
+    tokens', or None for seconds of audio (Whisper's, as whisper-1's); `logprobs`:
+    written_logprobs', with include logprobs (json only)."""
     if audio.response_format == "text":
         return text
     if audio.response_format in TIMESTAMPED:
@@ -369,7 +376,7 @@ def response(audio: AudioRequest, text: str, usage: Usage | None, language: str 
         body = {"task": audio.task, "language": languages().get(language, language) if language else "unknown",
                 "duration": duration_s(audio.audio), "text": text}
         return {**body, **({"segments": segments} if segments is not None else {}), "usage": used}
-    return {"text": text, "usage": used}
+    return {"text": text, **({"logprobs": logprobs} if audio.logprobs else {}), "usage": used}
 
 
 @dataclass(frozen=True)
@@ -384,6 +391,7 @@ class Decoded:
     avg_logprob: float
     compression_ratio: float
     no_speech_prob: float
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', as the worker sent them
 
     def silent(self, settings: Settings) -> bool:
         """The model heard no speech, and wrote what it hardly believed."""
@@ -403,6 +411,20 @@ class Decoded:
         """What each of its segments tells (OpenAI's fields)."""
         return {"temperature": self.temperature, "avg_logprob": self.avg_logprob,
                 "compression_ratio": self.compression_ratio, "no_speech_prob": self.no_speech_prob}
+
+
+def written_logprobs(logprobs: list[TokenLogprob] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's transcription logprobs: each written token, its logprob and its bytes (from
+    TokenLogprobs, or a chat's logprobs content)."""
+    entries = [(lp.token, lp.logprob) if isinstance(lp, TokenLogprob) else (lp["token"], lp["logprob"])
+               for lp in logprobs]
+    return [{"token": token, "logprob": logprob, "bytes": list(token.encode())} for token, logprob in entries]
+
+
+def ended_without_end(logprobs: list[Any], finish_reason: str | None) -> list[Any]:
+    """A reply's logprobs without its end token's (a transcription's chats stop at an end
+    token only, never at a stop string)."""
+    return logprobs[:-1] if finish_reason == "stop" else logprobs
 
 
 def compression_ratio(text: str) -> float:
@@ -454,15 +476,27 @@ class InOrder:
         self.texts = [""] * num_pieces
         self.ended = [False] * num_pieces
         self.sent = ""  # of joined(), what went out
+        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(num_pieces)]  # each piece's tokens'
+        self.logprobs_sent = [0] * num_pieces
+        self.running = 0  # the first piece not ended
 
-    def add(self, piece: int, delta: str, ended: bool) -> str:
-        """What goes out now."""
+    def add(self, piece: int, delta: str, ended: bool, logprobs: list[dict[str, Any]] | None = None) -> str:
+        """What goes out now (and its pieces' logprobs: taken_logprobs)."""
         self.texts[piece] += delta
+        self.logprobs[piece] += logprobs or []
         self.ended[piece] = self.ended[piece] or ended
-        running = next((k for k, done in enumerate(self.ended) if not done), len(self.texts))
-        now = joined(self.texts[: running + 1])  # (each piece's stripped text only grows at its end)
+        self.running = next((k for k, done in enumerate(self.ended) if not done), len(self.texts))
+        now = joined(self.texts[: self.running + 1])  # (each piece's stripped text only grows at its end)
         new, self.sent = now[len(self.sent):], now
         return new
+
+    def taken_logprobs(self) -> list[dict[str, Any]]:
+        """The logprobs of the pieces whose text has gone out, not taken before."""
+        out = []
+        for k in range(min(self.running + 1, len(self.texts))):
+            out += self.logprobs[k][self.logprobs_sent[k]:]
+            self.logprobs_sent[k] = len(self.logprobs[k])
+        return out
 
 
 async def stream(state: Any, req: RelayedRequest, seconds: float | None = None) -> AsyncGenerator[str, None]:
@@ -471,6 +505,7 @@ async def stream(state: Any, req: RelayedRequest, seconds: float | None = None) 
     usage_of's); a failure is an `error` event."""
     renderer, collector = ChatRenderer(), Collector(req)
     order = InOrder(req.num_choices)
+    logprobs: list[dict[str, Any]] = []  # all that went out (include logprobs)
     async with aclosing(relayed_chunks(state, req, renderer, collector)) as chunks:
         async for chunk in chunks:
             if isinstance(chunk, StreamError):
@@ -480,9 +515,18 @@ async def stream(state: Any, req: RelayedRequest, seconds: float | None = None) 
                 return
             if chunk:
                 choice = chunk["choices"][0]
+                written = written_logprobs(ended_without_end((choice.get("logprobs") or {}).get("content") or [],
+                                                             choice["finish_reason"]))
                 if new := order.add(choice["index"], choice["delta"].get("content") or "",
-                                    choice["finish_reason"] is not None):
-                    yield format_sse({"type": "transcript.text.delta", "delta": new})
+                                    choice["finish_reason"] is not None, written):
+                    event: dict[str, Any] = {"type": "transcript.text.delta", "delta": new}
+                    if req.logprobs:
+                        logprobs += (taken := order.taken_logprobs())
+                        event["logprobs"] = taken
+                    yield format_sse(event)
     text = joined([c.text for c in collector.choices])
-    yield format_sse({"type": "transcript.text.done", "text": text, "usage": usage_of(collector.usage(), seconds)})
+    done: dict[str, Any] = {"type": "transcript.text.done", "text": text, "usage": usage_of(collector.usage(), seconds)}
+    if req.logprobs:
+        done["logprobs"] = logprobs + order.taken_logprobs()
+    yield format_sse(done)
     yield DONE

@@ -52,7 +52,9 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
             text = transcriptions.joined([segment["text"] for segment in segments])
         else:
             text = transcriptions.joined([d.text for d in decoded if not d.silent(state.settings)])
-        return _body(transcriptions.response(audio, text, None, language, segments))
+        written = transcriptions.written_logprobs([lp for d in decoded if not d.silent(state.settings)
+                                                   for lp in d.logprobs])
+        return _body(transcriptions.response(audio, text, None, language, segments, written))
     chats = [templated(chat, state.settings) for chat in audio.as_chats(pieces, state.settings, whisper, language)]
     req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())
     if audio.stream:
@@ -60,7 +62,10 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
         return EventStreamResponse(transcriptions.stream(state, req, seconds))
     reply = await unless_disconnected(request, generate.collect(state, req, ChatRenderer()))
     text = transcriptions.joined([choice.message.content or "" for choice in reply.choices])
-    return _body(transcriptions.response(audio, text, reply.usage))
+    written = transcriptions.written_logprobs([
+        lp for choice in reply.choices
+        for lp in transcriptions.ended_without_end((choice.logprobs or {}).get("content", []), choice.finish_reason)])
+    return _body(transcriptions.response(audio, text, reply.usage, logprobs=written))
 
 
 def _body(body: dict | str) -> Response:

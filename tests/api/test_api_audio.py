@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from api.settings import Settings
-from api.transcriptions import InOrder, joined, split_wav
+from api.transcriptions import InOrder, ended_without_end, joined, split_wav
 from producer.audio import read_clip, to_wav
 from producer.protocol import Keys, decode_job
 from worker import LLM, SamplingParams
@@ -144,15 +144,20 @@ def test_bad_clips_are_a_400_naming_them(oai: openai.OpenAI, served_model: str, 
     assert info.value.body["param"] == param
 
 
-def offline_reply(llm: LLM, instruction: str, audio: bytes = WAV) -> str:
-    """The offline engine's greedy reply to `audio`, a piece at a time, each followed by
-    `instruction`, joined as the API joins the pieces' texts."""
+def offline_replies(llm: LLM, instruction: str, audio: bytes = WAV) -> list:
+    """The offline engine's greedy replies (with logprobs) to `audio`, a piece at a time, each
+    followed by `instruction`."""
     part = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     chats = [[{"role": "user", "content": [{**part, "input_audio": {"data": base64.b64encode(piece).decode()}},
                                            {"type": "text", "text": instruction}]}]
              for piece in split_wav(normalized(audio), 1.0)]
-    replies = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    return joined([r.outputs[0].text for r in replies])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    return [r.outputs[0] for r in llm.chat(chats, params, use_tqdm=False)]
+
+
+def offline_reply(llm: LLM, instruction: str, audio: bytes = WAV) -> str:
+    """The replies' texts joined as the API joins the pieces'."""
+    return joined([r.text for r in offline_replies(llm, instruction, audio)])
 
 
 TRANSCRIBE = {"model": None, "file": ("clip.wav", WAV), "extra_body": {"max_tokens": 8, "ignore_eos": True}}
@@ -194,6 +199,15 @@ def test_a_long_upload_runs_as_pieces_joined_in_order(oai: openai.OpenAI, served
     assert got.text == expected and got.usage.output_tokens == 3 * 8
     events = list(oai.audio.transcriptions.create(**call, stream=True))
     assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == expected == events[-1].text
+    # include logprobs: every written token's, in the pieces' order, whole and as the text streams
+    replies = offline_replies(llm, Settings().transcription_instruction, long)
+    written = [(lp.decoded[lp.token_id], round(lp.logprob, 4)) for r in replies for lp in r.logprobs]
+    weighed = oai.audio.transcriptions.create(**call, include=["logprobs"])
+    assert [(lp.token, round(lp.logprob, 4)) for lp in weighed.logprobs] == written and weighed.text == expected
+    assert all(lp.bytes == list(lp.token.encode()) for lp in weighed.logprobs)
+    events = list(oai.audio.transcriptions.create(**call, include=["logprobs"], stream=True))
+    streamed = [(lp.token, round(lp.logprob, 4)) for e in events[:-1] for lp in e.logprobs]
+    assert streamed == [(lp.token, round(lp.logprob, 4)) for lp in events[-1].logprobs] == written
 
 
 def test_pieces_are_cut_in_quiet_moments_and_streamed_in_order() -> None:
@@ -205,11 +219,14 @@ def test_pieces_are_cut_in_quiet_moments_and_streamed_in_order() -> None:
     assert b"".join(frames) == wave.open(io.BytesIO(audio)).readframes(10**9)
     assert 0.72 * RATE <= len(frames[0]) // 2 <= 0.75 * RATE and all(len(f) // 2 <= RATE for f in frames)
     order = InOrder(3)
-    assert order.add(2, " third.", True) == "" and order.add(1, " second", False) == ""
-    assert order.add(0, " first", False) == "first"
-    assert order.add(0, " one ", True) == " one second"
-    assert order.add(1, " two", True) == " two third."
+    assert order.add(2, " third.", True, [{"token": "c"}]) == "" and order.add(1, " second", False, [{"token": "b"}]) == ""
+    assert order.taken_logprobs() == []  # (a later piece's wait with its text)
+    assert order.add(0, " first", False, [{"token": "a"}]) == "first" and order.taken_logprobs() == [{"token": "a"}]
+    assert order.add(0, " one ", True) == " one second" and order.taken_logprobs() == [{"token": "b"}]
+    assert order.add(1, " two", True, [{"token": "b2"}]) == " two third."
+    assert order.taken_logprobs() == [{"token": "b2"}, {"token": "c"}]
     assert order.sent == joined([" first one ", " second two", " third."])
+    assert ended_without_end([1, 2, 3], "stop") == [1, 2] and ended_without_end([1, 2, 3], "length") == [1, 2, 3]
 
 
 @pytest.mark.parametrize(("extra", "error", "param"), [
@@ -219,7 +236,9 @@ def test_pieces_are_cut_in_quiet_moments_and_streamed_in_order() -> None:
     ({"timestamp_granularities": ["word"], "response_format": "verbose_json"}, "word timestamps are not given",
      "timestamp_granularities"),
     ({"file": ("clip.mp3", b"ID3" + bytes(60))}, "the file is not audio that can be read", "file"),
-    ({"include": ["logprobs"]}, "include \\(logprobs\\) is not given", "include"),
+    ({"include": ["logprobs"], "response_format": "text"}, "logprobs are given with response_format json only",
+     "include"),
+    ({"include": ["item_reference"]}, "include may hold logprobs only", "include"),
 ])
 def test_what_transcriptions_cannot_do_is_a_400(oai: openai.OpenAI, served_model: str, extra: dict, error: str,
                                                 param: str) -> None:

@@ -290,6 +290,25 @@ def test_unlikely_pieces_are_decoded_hotter_and_silence_is_dropped(served_model:
     assert [t for s in got.segments for t in s.tokens] == [t for t in sampled if t < first]
 
 
+def test_include_logprobs_gives_each_written_tokens(oai: openai.OpenAI, served_model: str, llm: LLM,
+                                                    whisper_dir: Path) -> None:
+    """include logprobs (json): each written token and its logprob, transformers' (after the
+    rules), whole and as the text streams."""
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"])
+    logprobs: list[float] = []
+    tokens = hf_greedy(whisper_dir, prompt, read_clip(WAV, "clip", AUDIO_RATE), max_new=6,
+                       suppressed=tuple(tokenizer.convert_tokens_to_ids(["<|nospeech|>"])), logprobs=logprobs)
+    expected = [(tokenizer.decode([t]), round(lp, 4)) for t, lp in zip(tokens, logprobs, strict=True)]
+    got = oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="en",
+                                          include=["logprobs"], **FORM)
+    assert [(lp.token, round(lp.logprob, 4)) for lp in got.logprobs] == expected
+    events = list(oai.audio.transcriptions.create(model=served_model, file=("clip.wav", WAV), language="en",
+                                                  include=["logprobs"], stream=True, **FORM))
+    assert [(lp.token, round(lp.logprob, 4)) for e in events[:-1] for lp in e.logprobs] == expected
+    assert [(lp.token, round(lp.logprob, 4)) for lp in events[-1].logprobs] == expected
+
+
 def offline_sampled(llm: LLM, piece: bytes, params: SamplingParams) -> list[int]:
     """The offline engine's tokens for a piece, English, with timestamps."""
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(piece).decode(), "format": "wav"}}
