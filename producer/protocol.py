@@ -633,6 +633,9 @@ class Event:
     # an embedding job's vector, on its one (final) event: float32, little-endian
     # (pack_embedding / unpack_embedding)
     embedding: bytes | None = None
+    # Whisper, asked by sampling_params.extra_args {"token_timestamps": true}: on the final
+    # event, where in the audio (seconds) each of the completion's tokens was said, all of them
+    token_timestamps: list[float] | None = None
 
 
 _EVENT_TYPES: dict[str, tuple[type, ...]] = {
@@ -651,6 +654,7 @@ _EVENT_TYPES: dict[str, tuple[type, ...]] = {
     "prompt": (str, type(None)),
     "prompt_token_ids": (list, type(None)),
     "embedding": (bytes, type(None)),
+    "token_timestamps": (list, type(None)),
 }
 
 

@@ -677,7 +677,8 @@ def tiny_whisper_dir(tmp_path_factory, default_model_dir) -> Path:
     WhisperFeatureExtractor(feature_size=AUDIO_MELS, chunk_length=AUDIO_WINDOW_S).save_pretrained(out)
     generation = json.loads((out / "generation_config.json").read_text())
     generation.update(no_timestamps_token_id=tokenizer.convert_tokens_to_ids("<|notimestamps|>"),
-                      begin_suppress_tokens=[2, 220], max_initial_timestamp_index=10)
+                      begin_suppress_tokens=[2, 220], max_initial_timestamp_index=10,
+                      alignment_heads=[[0, 1], [1, 0], [1, 3]])
     (out / "generation_config.json").write_text(json.dumps(generation))
     return out
 

@@ -38,7 +38,7 @@ from worker.models.config import ModelConfig, architecture_of, language_config
 from worker.models.mtp import check_has_mtp
 from worker.models.whisper import CHAT_TEMPLATE as WHISPER_CHAT_TEMPLATE
 from worker.models.whisper import ENGLISH_CHAT_TEMPLATE as WHISPER_ENGLISH_TEMPLATE
-from worker.models.whisper import whisper_rules
+from worker.models.whisper import token_timestamps, whisper_rules
 from worker.multimodal import (
     ImageInputs,
     PreparedImages,
@@ -108,8 +108,10 @@ class Engine:
             ModelConfig.from_hf(hf_config, config.quantization, self.max_model_len).shard(
                 config.tensor_parallel_size, config.enable_expert_parallel)
             self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
+        self.alignment_heads: list[tuple[int, int]] = []  # (layer, head): Whisper's, its token timestamps'
+        self.median_filter_width = 7
         if model_class is not None:
-            self._take_whisper_rules(config)
+            self._take_whisper_rules(config, whole_config)
         # where the model takes images: what makes their pixels and tokens
         self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)
                                 if images else None)
@@ -404,6 +406,11 @@ class Engine:
             bad = [t for t in getattr(params, name) or () if t >= vocab]
             if bad:
                 raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        if (params.extra_args or {}).get("token_timestamps") and not self.alignment_heads:
+            raise ValueError("extra_args token_timestamps: " + (
+                "this Whisper checkpoint names no alignment_heads (generation_config.json) to find them by"
+                if self.runner.cross is not None else
+                f"token timestamps are a Whisper model's, this one is {self.model_config.architecture}"))
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its final output (finish_reason 'abort')
@@ -411,11 +418,13 @@ class Engine:
         child_ids = self.output_processor.child_ids(request_id) or [request_id]
         self._aborted.extend(self.scheduler.abort_requests(child_ids))
 
-    def _take_whisper_rules(self, config: EngineConfig) -> None:
-        """Whisper's prompts as chats (its template, unless one is given), and transformers'
+    def _take_whisper_rules(self, config: EngineConfig, whole_config: Any) -> None:
+        """Whisper's prompts as chats (its template, unless one is given), transformers'
         generation rules of the checkpoint (WhisperRules, a logits processor every request
-        has)."""
+        has), and the cross-attention heads its token timestamps are found by."""
         generation = _generation_config(self.model_path)
+        self.alignment_heads = [(int(layer), int(head)) for layer, head in generation.get("alignment_heads") or []]
+        self.median_filter_width = int(getattr(whole_config, "median_filter_width", 7))
         if config.chat_template is None:
             english_only = not generation.get("is_multilingual", True)
             self.tokenizer.chat_template = WHISPER_ENGLISH_TEMPLATE if english_only else WHISPER_CHAT_TEMPLATE
@@ -452,7 +461,7 @@ class Engine:
                 self.proposer.take_rows(self._kept_rows(sched, model_out, sampled), guessing=not self._guessing_off())
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
-        outputs, stopped = self.output_processor.process(updated, logprobs)
+        outputs, stopped = self.output_processor.process(updated, logprobs, self._token_timestamps(updated))
         for output in outputs:
             output.embedding = embeddings.get(output.request_id)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -679,6 +688,19 @@ class Engine:
     def _take_aborted(self) -> list[Request]:
         aborted, self._aborted = self._aborted, []
         return aborted
+
+    def _token_timestamps(self, updated: list[Request]) -> dict[str, list[float]]:
+        """Whisper's requests that asked for them (extra_args token_timestamps) and ended by
+        their end token or length this step: where in the audio each of their tokens was said
+        (worker.models.whisper.token_timestamps), found before their audio's slot is given back."""
+        out: dict[str, list[float]] = {}
+        for r in updated:
+            if (r.status.finish_reason in ("stop", "length") and r.output_token_ids
+                    and (r.sampling_params.extra_args or {}).get("token_timestamps")):
+                weights, frames = self.runner.cross_attention_weights(
+                    r.request_id, [*r.prompt_token_ids, *r.output_token_ids[:-1]], self.alignment_heads)
+                out[r.request_id] = token_timestamps(weights, len(r.prompt_token_ids), frames, self.median_filter_width)
+        return out
 
     def _forget(self, finished: list[Request]) -> None:
         for request in finished:

@@ -228,6 +228,8 @@ def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None
         acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
         if c.logprobs is not None and acc.logprobs is not None:
             acc.logprobs += c.logprobs
+        if c.token_timestamps is not None:  # (the final delta's: every token's)
+            acc.token_timestamps = c.token_timestamps
     current.outputs = [by_index[i] for i in sorted(by_index)]
     current.finished = delta.finished
 

@@ -154,7 +154,7 @@ class ModelRunner:
         # each request's clip's features, kept for as long as it lives (a preempted request
         # computes them again)
         self.cross: CrossStates | None = None
-        self.clips: dict[str, tuple[torch.Tensor, int]] = {}  # request id -> its clip's features, digest
+        self.clips: dict[str, tuple[torch.Tensor, int, int]] = {}  # request id -> its clip's features, digest, frames
         # requests that may run at once: max_num_seqs, or fewer where their slots would not fit
         self.max_num_seqs = config.max_num_seqs
         if getattr(self.model, "encoder_decoder", False):
@@ -180,7 +180,8 @@ class ModelRunner:
         assert self.image_encoder is not None, "this model takes no images"
         pixels = [p.to(self.dtype) if p.is_floating_point() else p for p in inputs.pixel_values]
         if self.cross is not None:  # the encoder's clip, for the cross-attention
-            self.clips.update(dict.fromkeys(request_ids, (pixels[0], inputs.spans[0].digest)))
+            frames = int(inputs.image_sizes[0][0])  # (its mel frames, before the window's padding)
+            self.clips.update(dict.fromkeys(request_ids, (pixels[0], inputs.spans[0].digest, frames)))
             return
         self.image_embeds.add(request_ids, replace(inputs, pixel_values=pixels))
 
@@ -215,12 +216,23 @@ class ModelRunner:
             if s.request_id in self.cross.slots:
                 continue
             try:
-                clip, digest = self.clips[s.request_id]
+                clip, digest, _ = self.clips[s.request_id]
                 encoded = self.image_embeds.encoded(digest, functools.partial(self._encode_clip, clip))
                 self.cross.store(s.request_id, *cast(Any, self.model).cross_kv(encoded))
             except Exception as exc:  # a clip's fault (or its size's: out of memory) fails its request alone
                 failed[s.request_id] = exc
         return failed
+
+    def cross_attention_weights(self, request_id: str, token_ids: list[int], heads: list[tuple[int, int]]
+                                ) -> tuple[torch.Tensor, int]:
+        """An encoder-decoder's running request's: the cross-attention weights of `heads` for
+        its whole sequence `token_ids` (the model's cross_attention_weights), and its clip's mel
+        frames."""
+        assert self.cross is not None
+        slot = self.cross.slots[request_id]
+        weights = cast(Any, self.model).cross_attention_weights(token_ids, self.cross.keys[slot],
+                                                                self.cross.values[slot], heads)
+        return weights, self.clips[request_id][2]
 
     def _encode_clip(self, clip: torch.Tensor) -> torch.Tensor:  # [encoder positions, hidden]
         assert self.image_encoder is not None

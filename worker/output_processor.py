@@ -66,10 +66,12 @@ class OutputProcessor:
         return parent.prompt_logprobs
 
     def process(
-        self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]] | None = None
+        self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]] | None = None,
+        timestamps: dict[str, list[float]] | None = None,
     ) -> tuple[list[RequestOutput], list[str]]:
         """Deltas for requests that got tokens or finished this step, and the ids of requests
-        that a stop string finished (the engine tells the scheduler)."""
+        that a stop string finished (the engine tells the scheduler); `timestamps`: the token
+        timestamps of requests that finished (Whisper's), on their final deltas."""
         by_parent: dict[str, list[CompletionOutput]] = {}
         stopped: list[str] = []
         for request in updated:
@@ -81,6 +83,7 @@ class OutputProcessor:
             delta = self._completion_delta(request, self.parents[parent_id], (logprobs or {}).get(request.request_id))
             if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
                 stopped.append(request.request_id)
+            delta.token_timestamps = (timestamps or {}).get(request.request_id) if delta.finished else None
             by_parent.setdefault(parent_id, []).append(delta)
         return [self._request_output(pid, deltas) for pid, deltas in by_parent.items()], stopped
 

@@ -14,6 +14,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: int | str | None = None  # the stop string or token id that stopped it
     logprobs: list[Any] | None = None  # per generated token: TokenLogprobs
+    # Whisper, asked by extra_args {"token_timestamps": true}: on the final output, where in
+    # the audio (seconds) each of the completion's tokens was said (all of them)
+    token_timestamps: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -150,6 +150,7 @@ def completion_event(
     finish_reason: str | None,
     stop_reason: int | str | None = None,
     logprobs: list[Any] | None = None,
+    token_timestamps: list[float] | None = None,
 ) -> Event | None:
     """Record one engine delta for completion `index` and return its event (None when the
     delta carries nothing, or the completion had already finished)."""
@@ -162,6 +163,7 @@ def completion_event(
     event = Event(
         seq=c.next_seq, token_ids=list(token_ids), text=text, finished=finish_reason is not None,
         finish_reason=finish_reason, stop_reason=stop_reason, index=index, logprobs=logprobs,
+        token_timestamps=token_timestamps,
     )
     if index == 0 and c.next_seq == 0 and held.prompt_logprobs is not None:
         event.prompt_logprobs, event.prompt = held.prompt_logprobs, held.prompt_text

@@ -222,7 +222,7 @@ class Publisher:
 def _event(held: HeldJob, index: int, delta: CompletionOutput) -> Event | None:
     return completion_event(
         held, index, delta.text, list(delta.token_ids), delta.finish_reason,
-        delta.stop_reason, _wire_logprobs(delta.logprobs),
+        delta.stop_reason, _wire_logprobs(delta.logprobs), delta.token_timestamps,
     )
 
 

@@ -161,6 +161,64 @@ def test_requests_run_at_once_as_their_audio_slots_fit_the_cache(tiny_whisper_di
         LLM(str(tiny_whisper_dir), dtype="float32", kv_cache_memory_gb=0.5 * per_request / 2**30)
 
 
+def hf_token_timestamps(model_dir: Path, prompt: list[int], samples: np.ndarray, tokens: list[int]) -> list[float]:
+    """transformers' token timestamps of a reply (generate's return_token_timestamps): its own
+    extraction over the cross-attention weights of a forward pass over the prompt and every
+    reply token but the last, the clip's frames its feature extractor counts."""
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers.generation.utils import GenerateEncoderDecoderOutput
+
+    batch = WhisperFeatureExtractor.from_pretrained(model_dir)(samples, sampling_rate=RATE, return_tensors="pt",
+                                                               return_attention_mask=True)
+    model = WhisperForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    heads = json.loads((model_dir / "generation_config.json").read_text())["alignment_heads"]
+    with torch.inference_mode():
+        out = model(input_features=batch["input_features"], decoder_input_ids=torch.tensor([prompt + tokens[:-1]]),
+                    output_attentions=True)
+        generated = GenerateEncoderDecoderOutput(sequences=torch.tensor([prompt + tokens]),
+                                                 cross_attentions=(out.cross_attentions,))
+        times = model._extract_token_timestamps(generated, heads, num_frames=int(batch["attention_mask"].sum()),
+                                                num_input_ids=len(prompt))
+    return times[0, len(prompt):].tolist()
+
+
+def test_time_warping_takes_transformers_paths() -> None:
+    """The anti-diagonal time warping against transformers' cell-by-cell loop, on matrices
+    of small integers (ties everywhere, where the choice of step shows)."""
+    from transformers.models.whisper.generation_whisper import _dynamic_time_warping
+
+    from worker.models.whisper import dynamic_time_warping
+
+    rng = np.random.default_rng(0)
+    for shape in ((1, 1), (1, 7), (6, 1), (5, 9), (12, 30), (30, 12)):
+        matrix = rng.integers(-2, 3, size=shape).astype(np.float64)
+        ours, theirs = dynamic_time_warping(matrix), _dynamic_time_warping(matrix)
+        assert [a.tolist() for a in ours] == [b.tolist() for b in theirs], shape
+
+
+def test_token_timestamps_are_transformers(llm: LLM, tiny_whisper_dir: Path, tmp_path: Path) -> None:
+    """extra_args token_timestamps: the final output tells where in the clip each token was
+    said, as transformers finds it (its alignment heads' cross-attention, time-warped), with
+    timestamps and without; a checkpoint without alignment heads refuses the request."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, extra_args={"token_timestamps": True})
+    prompts = [PROMPT, [START, START + 1], PROMPT]  # (the second writes timestamps)
+    outputs = llm.generate([request(p, c) for p, c in zip(prompts, CLIPS, strict=True)], params, use_tqdm=False)
+    for prompt, samples, out in zip(prompts, CLIPS, outputs, strict=True):
+        tokens = out.outputs[0].token_ids
+        expected = hf_token_timestamps(tiny_whisper_dir, prompt, read_clip(wav(samples), "clip", RATE), tokens)
+        assert out.outputs[0].token_timestamps == pytest.approx(expected, abs=1e-6)
+        assert max(expected) > 0  # (the path moves into the clip)
+    assert llm.generate([request(PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0].outputs[0].token_timestamps is None
+    model_dir = tmp_path / "whisper"
+    shutil.copytree(tiny_whisper_dir, model_dir)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**config, "alignment_heads": None}))
+    headless = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match="names no alignment_heads"):
+        headless.generate([request(PROMPT, CLIPS[0])], params, use_tqdm=False)
+
+
 def test_a_chat_writes_the_decoder_prompt_from_its_variables(llm: LLM, tiny_whisper_dir: Path) -> None:
     """Whisper's template: the clip goes to the encoder, the text parts nowhere, and the prompt
     is written from language, task and prompt (or the start alone, to detect the language)."""

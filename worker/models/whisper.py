@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,6 +115,65 @@ class WhisperRules:
         if logprobs[first:].logsumexp(-1) > logprobs[:first].max():
             logits[:first] = inf
         return logits
+
+
+TIME_PRECISION = 0.02  # seconds between two of the encoder's positions (its 30 s over 1500)
+
+
+def token_timestamps(weights: torch.Tensor, num_prompt: int, num_frames: int, median_width: int = 7) -> list[float]:
+    """Where in the audio (seconds) each token of a reply was said, as transformers' Whisper
+    finds it (return_token_timestamps): `weights` are the alignment heads' cross-attention
+    over the prompt and every reply token but the last, as inputs ([heads, rows, positions]:
+    cross_attention_weights'). The reply's rows, over the positions that hold the clip's
+    `num_frames` mel frames, are normalized along the tokens, median-filtered along the
+    audio, averaged over the heads, and aligned to the audio by dynamic time warping; each
+    token's time is where its row's path first reaches, the last token's that of the one
+    before it."""
+    rows = weights[:, num_prompt:, : num_frames // 2].float()
+    count = weights.shape[1] - num_prompt + 1  # the reply's tokens
+    if rows.shape[1] == 0:
+        return [0.0] * count
+    std, mean = torch.std_mean(rows, dim=-2, keepdim=True, correction=0)
+    matrix = median_filter((rows - mean) / std, median_width).mean(0)
+    text, time = dynamic_time_warping(-matrix.double().cpu().numpy())
+    jumps = np.pad(np.diff(text), (1, 0), constant_values=1).astype(bool)
+    times = [float(np.float32(t * TIME_PRECISION)) for t in time[jumps]]
+    return times + times[-1:]
+
+
+def median_filter(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The median of each `width` values around each along the last dimension, the edges
+    reflected."""
+    pad = width // 2
+    if x.shape[-1] <= pad:
+        return x
+    return F.pad(x, (pad, pad), mode="reflect").unfold(-1, width, 1).sort()[0][..., pad]
+
+
+def dynamic_time_warping(cost_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cheapest monotone path through a [tokens, frames] cost matrix, as its (token,
+    frame) indices from the start; each cell takes the diagonal step where it is strictly
+    cheapest, else the step down where that is, else the step along the frames (transformers'
+    and openai-whisper's ties). The cells of an anti-diagonal are computed at once."""
+    rows, cols = cost_of.shape
+    cost = np.full((rows + 1, cols + 1), np.inf, dtype=np.float32)
+    trace = -np.ones((rows + 1, cols + 1), dtype=np.float32)
+    cost[0, 0] = 0
+    for diagonal in range(2, rows + cols + 1):
+        i = np.arange(max(1, diagonal - cols), min(rows, diagonal - 1) + 1)
+        j = diagonal - i
+        c0, c1, c2 = cost[i - 1, j - 1], cost[i - 1, j], cost[i, j - 1]
+        step = np.where((c0 < c1) & (c0 < c2), 0, np.where((c1 < c0) & (c1 < c2), 1, 2))
+        cost[i, j] = cost_of[i - 1, j - 1] + np.choose(step, [c0, c1, c2])
+        trace[i, j] = step
+    trace[0, :], trace[:, 0] = 2, 1
+    i, j, text, time = rows, cols, [], []
+    while i > 0 or j > 0:
+        text.append(i - 1)
+        time.append(j - 1)
+        step = trace[i, j]
+        i, j = (i - 1, j - 1) if step == 0 else (i - 1, j) if step == 1 else (i, j - 1)
+    return np.array(text[::-1]), np.array(time[::-1])
 
 
 def whisper_rules(generation_config: dict, tokenizer) -> WhisperRules:
@@ -260,6 +320,33 @@ class WhisperForConditionalGeneration(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, kv_cache, meta.for_layer(i), self.cross)
         return self.layer_norm(x)
+
+    @torch.inference_mode()
+    def cross_attention_weights(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor,
+                                heads: list[tuple[int, int]]) -> torch.Tensor:
+        """How much each position of a whole sequence, run at once, attends to each of its
+        audio's positions, in the cross-attention heads named ((layer, head) each):
+        [len(heads), len(token_ids), audio positions], float32. The decoder as a step runs it,
+        its own attention causal over the sequence; `keys`, `values`: the request's audio's
+        ([layers, positions, hidden] each, CrossStates')."""
+        ids = torch.tensor(token_ids, device=keys.device)
+        x = self.embed_tokens(ids) + self.embed_positions(torch.arange(len(token_ids), device=keys.device))
+        wanted: dict[tuple[int, int], torch.Tensor] = {}
+        for layer in cast(list[WhisperDecoderLayer], list(self.layers)):
+            attn, T = layer.self_attn, x.shape[0]
+            h = layer.self_attn_layer_norm(x)
+            q, k, v = (proj(h).view(T, attn.heads, attn.head_dim).transpose(0, 1)
+                       for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+            x = x + attn.out_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(T, -1))
+            cross = layer.encoder_attn
+            q = cross.q_proj(layer.encoder_attn_layer_norm(x)).view(T, cross.heads, cross.head_dim).transpose(0, 1)
+            k = keys[layer.index].view(-1, cross.heads, cross.head_dim).transpose(0, 1)
+            v = values[layer.index].view(-1, cross.heads, cross.head_dim).transpose(0, 1)
+            weights = ((q.float() @ k.float().transpose(1, 2)) * cross.head_dim**-0.5).softmax(-1)  # [heads, T, S]
+            wanted.update({(i, head): weights[head] for i, head in heads if i == layer.index})
+            x = x + cross.out_proj((weights.to(v.dtype) @ v).transpose(0, 1).reshape(T, -1))
+            x = x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
+        return torch.stack([wanted[head] for head in heads])
 
     @torch.inference_mode()
     def cross_kv(self, encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
