@@ -100,6 +100,7 @@ class Choice:
     reasoning: PairReader | None = None  # what split the streamed text's thinking off
     content_sent: bool = False  # a stream chunk has carried some of its content
     embedding: bytes | None = None  # an embedding job's vector (float32, little-endian)
+    token_timestamps: list[float] | None = None  # Whisper's, asked for: each token's time in the audio
     prompt_token_ids: list[int] | None = None  # the job's, when the request asked for them
     ids_sent: int = 0  # token ids the stream's chunks have carried (return_token_ids)
     prompt_ids_sent: bool = False
@@ -124,6 +125,8 @@ class Choice:
             self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
         if event.embedding is not None:
             self.embedding = event.embedding
+        if event.token_timestamps is not None:
+            self.token_timestamps = event.token_timestamps
         if event.prompt_token_ids is not None:
             self.prompt_token_ids = event.prompt_token_ids
 

@@ -17,7 +17,9 @@ Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "langu
 "duration", "text", "usage"}, and on Whisper its `segments`); `srt`, `vtt` and
 `timestamp_granularities: ["segment"]` need timestamps, which Whisper gives (its prompt without
 <|notimestamps|>: segments between timestamp tokens, each piece's offset added) and other
-models do not (a 400 says so, as word timestamps are). `stream: true` sends OpenAI's
+models do not (a 400 says so). `timestamp_granularities: ["word"]` (verbose_json) adds
+`words`, from the times the worker finds for each token (worker.models.whisper's
+token_timestamps). `stream: true` sends OpenAI's
 `transcript.text.delta` events and a `transcript.text.done`. `include: ["logprobs"]` (with
 `json`, as OpenAI's) adds each written token's logprob to the reply, and to a stream's events.
 """
@@ -113,8 +115,8 @@ class AudioRequest:
     def check(self, whisper: WhisperPrompts | None = None) -> None:
         """400 naming the field genq cannot serve (timestamps but on a Whisper that writes them)."""
         timed = whisper is not None and whisper.first_timestamp is not None
-        if "word" in self.granularities:
-            raise invalid_param("timestamp_granularities", "word timestamps are not given: ask for segment")
+        if "word" in self.granularities and self.response_format != "verbose_json":
+            raise invalid_param("timestamp_granularities", "word timestamps come in verbose_json: ask for it")
         if (self.response_format in TIMESTAMPED or self.granularities) and not timed:
             field = "response_format" if self.response_format in TIMESTAMPED else "timestamp_granularities"
             raise invalid_param(field, "timestamps are given by Whisper models only: ask this one for json, text "
@@ -151,6 +153,8 @@ class AudioRequest:
         weighed: dict[str, Any] = {"logprobs": True} if self.logprobs or not self.stream else {}
         if no_speech and whisper.no_speech is not None and not self.stream:
             weighed["prompt_logprobs"] = NO_SPEECH_TOP
+        if "word" in self.granularities:  # (each token's time in the piece: the worker's alignment)
+            weighed["vllm_xargs"] = {"token_timestamps": True}
         return [self._chat([_clip(piece)], temperature, chat_template_kwargs=kwargs,
                            return_token_ids=self.timed(whisper) or None, **weighed) for piece in pieces]
 
@@ -240,7 +244,38 @@ class WhisperPrompts:
         words = [t for t in tokens if self.first_timestamp is None or t < self.first_timestamp]
         text = self.tokenizer.decode(words, skip_special_tokens=True)
         return Decoded(tokens, text, temperature, total / (len(tokens) + 1), compression_ratio(text.strip()),
-                       no_speech_prob, choice.logprobs[: len(tokens)])
+                       no_speech_prob, choice.logprobs[: len(tokens)], choice.token_timestamps or [])
+
+    def words(self, tokens: list[int], times: list[float], offset_s: float) -> list[dict[str, Any]]:
+        """A piece's reply as OpenAI's words, each `{"word", "start", "end"}`: its text tokens
+        (timestamps and special tokens left out) grouped at those that begin with a space (so
+        punctuation stays with the word before), each word from its first token's time to the
+        time of the token after it (the next word's, a timestamp's, or the end's), counted
+        from `offset_s`; `times`: each token's, the end token's last (the worker's)."""
+        out: list[dict[str, Any]] = []
+        word: list[int] = []
+        start = 0.0
+
+        def close(end: float) -> None:
+            nonlocal word
+            text = self.tokenizer.decode(word, skip_special_tokens=True).strip()
+            if text:
+                out.append({"word": text, "start": round(offset_s + start, 2), "end": round(offset_s + end, 2)})
+            word = []
+
+        for k, token in enumerate(tokens):
+            spelled = self.tokenizer.decode([token], skip_special_tokens=True)
+            if (self.first_timestamp is not None and token >= self.first_timestamp) or not spelled:
+                close(times[k])
+                continue
+            if word and spelled.startswith(" "):
+                close(times[k])
+            if not word:
+                start = times[k]
+            word.append(token)
+        if times:
+            close(times[min(len(tokens), len(times) - 1)])
+        return out
 
     def no_speech_prob(self, prompt_logprobs: list[Any] | None) -> float:
         """How likely <|nospeech|> was after <|startoftranscript|> (OpenAI's no_speech_prob),
@@ -359,8 +394,8 @@ def joined(texts: list[str]) -> str:
 
 
 def response(audio: AudioRequest, text: str, usage: Usage | None, language: str | None = None,
-             segments: list[dict[str, Any]] | None = None,
-             logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any] | str:
+             segments: list[dict[str, Any]] | None = None, logprobs: list[dict[str, Any]] | None = None,
+             words: list[dict[str, Any]] | None = None) -> dict[str, Any] | str:
     """The body in the format asked: a str for `text`, `srt` and `vtt`. `language`: the code
     of the one the model heard (Whisper), named in verbose_json as OpenAI names it
     ("english"); `segments`: the timed segments, where the model gave them; `usage`: the
@@ -375,7 +410,8 @@ def response(audio: AudioRequest, text: str, usage: Usage | None, language: str 
         language = language or audio.language
         body = {"task": audio.task, "language": languages().get(language, language) if language else "unknown",
                 "duration": duration_s(audio.audio), "text": text}
-        return {**body, **({"segments": segments} if segments is not None else {}), "usage": used}
+        return {**body, **({"segments": segments} if segments is not None else {}),
+                **({"words": words} if words is not None else {}), "usage": used}
     return {"text": text, **({"logprobs": logprobs} if audio.logprobs else {}), "usage": used}
 
 
@@ -392,6 +428,7 @@ class Decoded:
     compression_ratio: float
     no_speech_prob: float
     logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', as the worker sent them
+    times: list[float] = field(default_factory=list)  # where each token was said (asked for word timestamps)
 
     def silent(self, settings: Settings) -> bool:
         """The model heard no speech, and wrote what it hardly believed."""
@@ -451,6 +488,19 @@ def timed_segments(whisper: WhisperPrompts, pieces: list[bytes], replies: list[D
     for piece, reply in zip(pieces, replies, strict=True):
         if not reply.silent(settings):
             out += [{**segment, **reply.weights} for segment in whisper.segments(reply.token_ids, offset, len(out))]
+        offset += duration_s(piece)
+    return out
+
+
+def timed_words(whisper: WhisperPrompts, pieces: list[bytes], replies: list[Decoded],
+                settings: Settings) -> list[dict[str, Any]]:
+    """The words of every piece's reply, in order, each piece's times from where it starts
+    in the upload; a silent piece's none."""
+    out: list[dict[str, Any]] = []
+    offset = 0.0
+    for piece, reply in zip(pieces, replies, strict=True):
+        if not reply.silent(settings):
+            out += whisper.words(reply.token_ids, reply.times, offset)
         offset += duration_s(piece)
     return out
 

@@ -54,7 +54,9 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
             text = transcriptions.joined([d.text for d in decoded if not d.silent(state.settings)])
         written = transcriptions.written_logprobs([lp for d in decoded if not d.silent(state.settings)
                                                    for lp in d.logprobs])
-        return _body(transcriptions.response(audio, text, None, language, segments, written))
+        words = (transcriptions.timed_words(whisper, pieces, decoded, state.settings)
+                 if "word" in audio.granularities else None)
+        return _body(transcriptions.response(audio, text, None, language, segments, written, words))
     chats = [templated(chat, state.settings) for chat in audio.as_chats(pieces, state.settings, whisper, language)]
     req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())
     if audio.stream:

@@ -208,6 +208,38 @@ def test_timestamps_give_segments_and_subtitles(oai: openai.OpenAI, served_model
     assert vtt.startswith("WEBVTT\n\n") and vtt.count(" --> ") == len(segments) and "00:00:00." in vtt
 
 
+def test_word_timestamps_group_each_pieces_tokens_at_their_times(oai: openai.OpenAI, served_model: str,
+                                                                  llm: LLM) -> None:
+    """timestamp_granularities word: the words of every piece, each from its first token's
+    time (the worker's alignment, checked against transformers in tests/worker) to the next
+    token's, a piece's times after the pieces before it; punctuation stays with its word."""
+    tokenizer = llm.get_tokenizer()
+    first = tokenizer.convert_tokens_to_ids("<|0.00|>")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, extra_args={"token_timestamps": True})
+    expected, offset = [], 0.0
+    for piece in pieces_of(LONG):
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(piece).decode(), "format": "wav"}}
+        out = llm.chat([{"role": "user", "content": [part]}], params, use_tqdm=False,
+                       chat_template_kwargs={"language": "en", "task": "transcribe", "timestamps": True})[0].outputs[0]
+        word: list[int] = []  # its tokens' indices
+        for k, token in enumerate([*out.token_ids, first]):  # (a timestamp closes the last word)
+            spelled = tokenizer.decode([token], skip_special_tokens=True)
+            if word and (token >= first or spelled.startswith(" ")):
+                text = tokenizer.decode([out.token_ids[i] for i in word]).strip()
+                times = out.token_timestamps[word[0]], out.token_timestamps[min(k, 5)]
+                expected += [(text, *(round(offset + t, 2) for t in times))]
+                word = []
+            if token < first and spelled:
+                word.append(k)
+        offset += duration_s(piece)
+    got = oai.audio.transcriptions.create(model=served_model, file=("long.wav", LONG), language="en",
+                                          response_format="verbose_json", timestamp_granularities=["word", "segment"],
+                                          **FORM)
+    assert [(w.word, w.start, w.end) for w in got.words] == expected
+    assert len(expected) >= 4 and expected[-1][1] >= duration_s(pieces_of(LONG)[0])  # (both pieces have words)
+    assert "".join(w.word for w in got.words) == got.text.replace(" ", "") and got.segments
+
+
 def test_a_long_prompt_keeps_its_last_tokens(oai: openai.OpenAI, served_model: str, llm: LLM) -> None:
     """The form's prompt (earlier speech) keeps its last max_model_len // 2 - 1 tokens (31 of
     the tiny model's 64 positions; whisper-1 keeps 224 of 448): the request runs."""
