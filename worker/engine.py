@@ -428,7 +428,8 @@ class Engine:
         if config.chat_template is None:
             english_only = not generation.get("is_multilingual", True)
             self.tokenizer.chat_template = WHISPER_ENGLISH_TEMPLATE if english_only else WHISPER_CHAT_TEMPLATE
-        self.logits_processors.processors.append(("whisper", whisper_rules(generation, self.tokenizer)))
+        rules = whisper_rules(generation, self.tokenizer, self.runner.model_config.vocab_size)
+        self.logits_processors.processors.append(("whisper", rules))
 
     # -- stepping ------------------------------------------------------------------------------
 

@@ -293,6 +293,12 @@ def test_the_checkpoints_suppressed_tokens_are_never_written(tiny_whisper_dir: P
     out = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16).generate(
         [request(PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, PROMPT, CLIPS[0], suppressed=suppressed)
+    # ids past the vocabulary (whisper's own, in a config over a smaller one) mask nothing, as in transformers
+    (model_dir / "generation_config.json").write_text(json.dumps({
+        **config, "suppress_tokens": [*suppressed, 50362], "begin_suppress_tokens": [2, 220, 50256]}))
+    out = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=16).generate(
+        [request(PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(tiny_whisper_dir, PROMPT, CLIPS[0], suppressed=suppressed)
     assert not set(out.outputs[0].token_ids) & set(suppressed)
 
 

@@ -176,19 +176,23 @@ def dynamic_time_warping(cost_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.array(text[::-1]), np.array(time[::-1])
 
 
-def whisper_rules(generation_config: dict, tokenizer) -> WhisperRules:
+def whisper_rules(generation_config: dict, tokenizer, vocab_size: int) -> WhisperRules:
     """The rules of a checkpoint's generation_config.json (its no_timestamps_token_id, else the
-    tokenizer's <|notimestamps|>), the start its tokenizer's <|startoftranscript|>."""
+    tokenizer's <|notimestamps|>), the start its tokenizer's <|startoftranscript|>. Tokens it
+    names past the model's `vocab_size` are no tokens to mask (transformers' processors pass
+    over them too)."""
     no_timestamps = generation_config.get("no_timestamps_token_id")
     if no_timestamps is None and "<|notimestamps|>" in tokenizer.get_vocab():
         no_timestamps = tokenizer.convert_tokens_to_ids("<|notimestamps|>")
     eos = generation_config.get("eos_token_id", tokenizer.eos_token_id)
     multilingual = generation_config.get("is_multilingual", True)  # (an English-only one has no language step)
-    return WhisperRules(no_timestamps, eos[0] if isinstance(eos, list) else eos,
-                        list(generation_config.get("begin_suppress_tokens") or []),
+    def tokens(name: str) -> list[int]:
+        return sorted({int(t) for t in generation_config.get(name) or [] if 0 <= int(t) < vocab_size})
+
+    return WhisperRules(no_timestamps, eos[0] if isinstance(eos, list) else eos, tokens("begin_suppress_tokens"),
                         generation_config.get("max_initial_timestamp_index"),
                         tokenizer.get_vocab().get("<|startoftranscript|>") if multilingual else None,
-                        sorted(set(generation_config.get("suppress_tokens") or [])))
+                        tokens("suppress_tokens"))
 
 
 @dataclass
