@@ -388,7 +388,7 @@ def check_whisper_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "
     tokenizer with Whisper's special tokens and 51 timestamps added) greedy on two clips, with
     and without timestamps (its timestamp rules), on CUDA against the CPU path in float32: its
     self-attention through the step's backend, its cross-attention over the slots' keys and
-    values."""
+    values; and the token timestamps (its alignment heads' cross-attention, time-warped)."""
     import json
     import shutil
     import tempfile
@@ -409,7 +409,8 @@ def check_whisper_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "
                "<|notimestamps|>", *(f"<|{k * 0.02:.2f}|>" for k in range(51))]
     rng = np.random.default_rng(0)
     clips = [(rng.normal(0, 0.1, int(seconds * 16000)).astype(np.float32), 16000) for seconds in (0.4, 0.9)]
-    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True,
+                            extra_args={"token_timestamps": True})
     with tempfile.TemporaryDirectory() as tmp:
         out, source = Path(tmp), resolve_model_path(model)
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -429,16 +430,21 @@ def check_whisper_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "
         WhisperFeatureExtractor(feature_size=16, chunk_length=1).save_pretrained(out)
         generation = json.loads((out / "generation_config.json").read_text())
         generation.update(no_timestamps_token_id=tokenizer.convert_tokens_to_ids("<|notimestamps|>"),
-                          begin_suppress_tokens=[], max_initial_timestamp_index=10)
+                          begin_suppress_tokens=[], max_initial_timestamp_index=10,
+                          alignment_heads=[[0, 1], [1, 0], [1, 3]])
         (out / "generation_config.json").write_text(json.dumps(generation))
-        runs = []
+        runs, times = [], []
         for device in devices:
             llm = LLM(str(out), dtype="float32", device=device, max_model_len=64)
             prompts = [{"prompt": "<|startoftranscript|><|en|><|transcribe|>" + ("" if timed else "<|notimestamps|>"),
                         "multi_modal_data": {"audio": clip}} for clip in clips for timed in (False, True)]
-            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            runs.append([o.token_ids for o in outputs])
+            times.append([o.token_timestamps for o in outputs])
             del llm
-    return [f"greedy whisper {devices[1]} vs {devices[0]} float32 (clips x timestamps) {_compare(runs[0], runs[1])}"]
+    return [f"greedy whisper {devices[1]} vs {devices[0]} float32 (clips x timestamps) {_compare(runs[0], runs[1])}",
+            f"whisper token timestamps {devices[1]} vs {devices[0]}: identical "
+            f"{sum(a == b for a, b in zip(*times, strict=True))}/{len(times[0])}"]
 
 
 def _compare(a: list[list[int]], b: list[list[int]]) -> str:

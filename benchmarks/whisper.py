@@ -11,12 +11,16 @@ request decodes `--tokens` tokens greedily after `<|startoftranscript|><|en|><|t
 <|notimestamps|>` (no end: the random model's eos is ignored). The baseline runs batches of
 `--hf-batch` clips: the encoder, then the decoder with transformers' KV cache a token at a
 time, argmax. It prints generated tokens per second of each, their ratio, and the share of
-requests whose tokens agree (a check, not a target: bfloat16 roundings differ).
+requests whose tokens agree (a check, not a target: bfloat16 roundings differ). Then the engine
+on two other sets of clips (the caches would serve the same), plainly and with token timestamps
+asked for (extra_args, whisper-tiny's alignment heads: the word timestamps' cost), and their
+ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -54,11 +58,14 @@ def build_checkpoint(out: Path) -> list[int]:
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
     WhisperForConditionalGeneration(config).save_pretrained(out)
     WhisperFeatureExtractor(feature_size=80).save_pretrained(out)
+    generation = json.loads((out / "generation_config.json").read_text())
+    heads = [[2, 2], [3, 0], [3, 2], [3, 3], [3, 4], [3, 5]]  # whisper-tiny's
+    (out / "generation_config.json").write_text(json.dumps({**generation, "alignment_heads": heads}))
     return tokenizer.encode("<|startoftranscript|><|en|><|transcribe|><|notimestamps|>", add_special_tokens=False)
 
 
-def clips_of(n: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(0)
+def clips_of(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         t = np.arange(int(rng.uniform(5, 30) * RATE)) / RATE
@@ -86,7 +93,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], clips: list[np.ndarray], token
             generated = [step.logits[:, -1].argmax(-1)]
             for _ in range(tokens - 1):
                 step = model(encoder_outputs=(encoded,), decoder_input_ids=generated[-1][:, None],
-                             past_key_values=step.past_key_values, use_cache=True)
+                             past_key_values=step.get("cache", step.get("past_key_values")), use_cache=True)
                 generated.append(step.logits[:, -1].argmax(-1))
             out += torch.stack(generated, dim=1).tolist()
     return out, time.perf_counter() - start
@@ -110,6 +117,16 @@ def main() -> int:
         start = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=False)
         engine_s = time.perf_counter() - start
+        # other clips (the same would be served by the prefix and encoder caches), plain then timed
+        timed = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True,
+                               extra_args={"token_timestamps": True})
+        laps = []
+        for seed, run in ((1, params), (2, timed)):
+            others = [{"prompt_token_ids": prompt, "multi_modal_data": {"audio": (c, RATE)}}
+                      for c in clips_of(args.clips, seed)]
+            start = time.perf_counter()
+            llm.generate(others, run, use_tqdm=False)
+            laps.append(time.perf_counter() - start)
         del llm
         expected, hf_s = hf_greedy(model_dir, prompt, clips, args.tokens, args.hf_batch, DTYPES[args.dtype])
     total = args.clips * args.tokens
@@ -117,6 +134,8 @@ def main() -> int:
     print(f"engine: {total / engine_s:.1f} tokens/s ({engine_s:.2f} s); transformers (batches of {args.hf_batch}): "
           f"{total / hf_s:.1f} tokens/s ({hf_s:.2f} s)")
     print(f"engine / transformers: {hf_s / engine_s:.2f}x; requests whose tokens agree: {agree:.0%}")
+    print(f"engine on other clips: {total / laps[0]:.1f} tokens/s plain, {total / laps[1]:.1f} with token timestamps "
+          f"({laps[0] / laps[1]:.2f}x)")
     return 0
 
 
