@@ -112,20 +112,26 @@ return 1
 """
 
 
+UPDATE_ATTEMPTS = 8  # reads of a plan that others keep changing before update gives up
+
+
 async def update(conn: redis.asyncio.Redis, keys: Keys, name: str, **changes: Any) -> KeyPlan:
     """Change the plan of the key named `name` (the KeyPlan fields given; None clears a limit
     back to the server's default) and return it; the key itself stays. ValueError when there
-    is no such key, or the change breaks check_plan. API processes see it within CACHE_S."""
-    stored = await conn.hgetall(keys.api_keys)  # type: ignore[misc]
-    found = [(field, value) for field, value in stored.items() if KeyPlan.from_json(value).name == name]
-    if not found:
-        raise ValueError(f"no key named {name!r}")
-    field, old = found[0]
-    plan = replace(KeyPlan.from_json(old), **changes)
-    check_plan(plan)
-    if not await set_plan(conn, keys, field, old, plan):
-        raise ValueError(f"the key {name!r} was changed or revoked meanwhile: run it again")
-    return plan
+    is no such key, or the change breaks check_plan. A plan changed meanwhile is read again
+    and changed anew (the fields given win, the others keep the other change). API processes
+    see it within CACHE_S."""
+    for _ in range(UPDATE_ATTEMPTS):
+        stored = await conn.hgetall(keys.api_keys)  # type: ignore[misc]
+        found = [(field, value) for field, value in stored.items() if KeyPlan.from_json(value).name == name]
+        if not found:
+            raise ValueError(f"no key named {name!r}")
+        field, old = found[0]
+        plan = replace(KeyPlan.from_json(old), **changes)
+        check_plan(plan)
+        if await set_plan(conn, keys, field, old, plan):
+            return plan
+    raise ValueError(f"the key {name!r} changed {UPDATE_ATTEMPTS} times while this change was made: run it again")
 
 
 async def set_plan(conn: redis.asyncio.Redis, keys: Keys, field: bytes, read: bytes, plan: KeyPlan) -> bool:

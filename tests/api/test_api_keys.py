@@ -183,6 +183,12 @@ def test_a_plan_change_never_brings_a_revoked_key_back(live_worker: str) -> None
             await api_keys.revoke(conn, keys, "racing")
             assert not await api_keys.set_plan(conn, keys, field, read, KeyPlan("racing", priority=-9))
             assert not await conn.exists(keys.api_keys)
+            # changes made at once: each that finds the plan changed reads it again, none is lost
+            await api_keys.create(conn, keys, KeyPlan("busy"))
+            await asyncio.gather(*(api_keys.update(conn, keys, "busy", **{field: 7}) for field in (
+                "rpm", "tpm", "max_in_flight", "priority")))
+            [plan] = [KeyPlan.from_json(v) for v in (await conn.hgetall(keys.api_keys)).values()]
+            assert (plan.rpm, plan.tpm, plan.max_in_flight, plan.priority) == (7, 7, 7, 7)
         finally:
             await conn.delete(keys.api_keys)
             await conn.aclose()
