@@ -174,14 +174,18 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
     """Enqueue a plan's jobs (each once: a known id is not enqueued again)."""
     enqueued = False
     priority = job_priority(planned.priority)
-    for prompt, job_id in zip(planned.prompts, planned.req.job_ids, strict=True):
-        handle = await state.client.submit(
-            prompt, planned.params, priority=priority, job_id=job_id,
-            deadline_s=planned.deadline_s, model=planned.model, pooling_params=planned.pooling_params,
-            tenant=planned.tenant or TENANT.get(), return_prompt_token_ids=planned.req.return_token_ids,
-        )
-        enqueued = handle.enqueued or enqueued
-    await _count_in_flight(state, planned.req.job_ids, ended=False)
+    await _reserve_in_flight(state, planned.req.job_ids)
+    try:
+        for prompt, job_id in zip(planned.prompts, planned.req.job_ids, strict=True):
+            handle = await state.client.submit(
+                prompt, planned.params, priority=priority, job_id=job_id,
+                deadline_s=planned.deadline_s, model=planned.model, pooling_params=planned.pooling_params,
+                tenant=planned.tenant or TENANT.get(), return_prompt_token_ids=planned.req.return_token_ids,
+            )
+            enqueued = handle.enqueued or enqueued
+    except BaseException:
+        await _release_in_flight(state, planned.req.job_ids)  # (what was enqueued is relayed by nobody)
+        raise
     return replace(planned.req, enqueued=enqueued, service_tier=service_tier_of(priority))
 
 
@@ -305,21 +309,41 @@ async def check_rate_limit(state: AppState) -> None:
             _rate_limited(f"{rpm} requests per minute", now)
 
 
+# A managed key's jobs in flight: drop those past their time; then, unless as many as the
+# limit are left, count the request's jobs in until a time. KEYS[1]: the key's in-flight set.
+# ARGV[1]: now, [2]: the limit, [3]: until, [4]: the set's TTL, [5...]: job ids (none: only
+# check). Returns the jobs in flight found, and whether the request's were counted in.
+_IN_FLIGHT_LUA = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local count = redis.call('ZCARD', KEYS[1])
+if count >= tonumber(ARGV[2]) or #ARGV < 5 then return {count, 0} end
+for i = 5, #ARGV do redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i]) end
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return {count, 1}
+"""
+
+
 async def _check_in_flight(state: AppState, now: float) -> None:
     """429 while the caller's managed key has as many jobs queued or running as it may
-    (`genq keys --max-in-flight`). A job counts from its submit until its relay ends, or for
-    GENQ_REQUEST_TIMEOUT_S at most (an API process that stopped relaying it frees it then).
-    A soft limit: requests checked at once may each pass."""
+    (`genq keys --max-in-flight`), before the request is planned (and counted against its
+    rpm): _reserve_in_flight holds the limit."""
+    await _reserve_in_flight(state, [], now)
+
+
+async def _reserve_in_flight(state: AppState, job_ids: list[str], now: float | None = None) -> None:
+    """Count a managed key's request's jobs in flight, at once with the check that fewer than
+    its limit are (one Redis script: requests made at once cannot all pass); 429 where as
+    many are. A job counts from its submit until its relay ends, or for
+    GENQ_REQUEST_TIMEOUT_S at most (an API process that stopped relaying it frees it then)."""
     limited = in_flight_limit()
     if limited is None:
         return
     name, limit = limited
-    key = state.client.keys.in_flight(name)
-    pipe = state.client.redis.pipeline(transaction=True)
-    pipe.zremrangebyscore(key, "-inf", now)
-    pipe.zcard(key)
-    _, count = await pipe.execute()
-    if count >= limit:
+    now = time.time() if now is None else now
+    timeout = state.settings.request_timeout_s
+    count, counted = await state.client.redis.eval(  # type: ignore[misc]
+        _IN_FLIGHT_LUA, 1, state.client.keys.in_flight(name), now, limit, now + timeout, int(timeout) + 60, *job_ids)
+    if count >= limit and not counted:
         raise APIError(
             429, f"Rate limit reached: {count} jobs in flight for this API key, which may have {limit} at once; "
             "retry when one ends.", type="rate_limit_error", code="rate_limit_exceeded",
@@ -327,20 +351,12 @@ async def _check_in_flight(state: AppState, now: float) -> None:
         )
 
 
-async def _count_in_flight(state: AppState, job_ids: list[str], ended: bool) -> None:
-    """Count a managed key's jobs in flight as they are submitted, and no more once relayed."""
+async def _release_in_flight(state: AppState, job_ids: list[str]) -> None:
+    """A managed key's jobs no longer in flight: relayed (or never enqueued)."""
     limited = in_flight_limit()
     if limited is None or not job_ids:
         return
-    key = state.client.keys.in_flight(limited[0])
-    if ended:
-        await state.client.redis.zrem(key, *job_ids)
-        return
-    until = time.time() + state.settings.request_timeout_s
-    pipe = state.client.redis.pipeline(transaction=True)
-    pipe.zadd(key, dict.fromkeys(job_ids, until))
-    pipe.expire(key, int(state.settings.request_timeout_s) + 60)
-    await pipe.execute()
+    await state.client.redis.zrem(state.client.keys.in_flight(limited[0]), *job_ids)
 
 
 def _rate_limited(what: str, now: float) -> NoReturn:
@@ -377,7 +393,7 @@ async def relay_events(
         if not ended and not keep_jobs:
             await cancel_jobs(state, req.job_ids)
         with anyio.CancelScope(shield=True):  # (a client gone cancels this task)
-            await _count_in_flight(state, req.job_ids, ended=True)
+            await _release_in_flight(state, req.job_ids)
 
 
 class Collector:

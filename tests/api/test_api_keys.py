@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -288,3 +289,15 @@ def test_a_key_has_its_own_jobs_in_flight(url: str, live_worker: str, served_mod
             return False
 
     poll(admitted, 30.0, "the key's place freed")
+    # requests made at once: the check and the count are one step, so one of them runs
+    racing = oai(url, genq_keys(live_worker, "create", "racer", "--max-in-flight", "1").stdout.strip())
+
+    def attempt(k: int) -> bool:
+        try:
+            return racing.completions.create(model=served_model, prompt=f"Race {k}", max_tokens=400,
+                                             extra_body={"ignore_eos": True}).usage is not None
+        except openai.RateLimitError:
+            return False
+
+    with ThreadPoolExecutor(6) as pool:
+        assert sorted(pool.map(attempt, range(6))) == [False] * 5 + [True]
