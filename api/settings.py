@@ -89,6 +89,9 @@ class Settings(BaseSettings):
     whisper_compression_ratio_threshold: float = 2.4
     whisper_logprob_threshold: float = -1.0
     whisper_no_speech_threshold: float = 0.6
+    # Whisper's pieces of a long upload one after another, each prompted with the text before it
+    # (openai-whisper's condition_on_previous_text: steadier names and style), not all at once
+    whisper_condition_on_previous_text: bool = False
     image_fetch_timeout_s: float = 10.0
     file_ttl_s: int = 7 * 24 * 3600
     batch_max_in_flight: int = 64

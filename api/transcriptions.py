@@ -57,6 +57,7 @@ TIMESTAMP_S = 0.02  # between Whisper's timestamp tokens (its 30 s window over 1
 WHISPER_POSITIONS = 448  # its decoder's (max_target_positions), where the workers do not say
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # whisper-1's, from temperature 0
 NO_SPEECH_TOP = 20  # the prompt's alternatives asked for: <|nospeech|> below them counts as 0
+PROMPT_RESET_TEMPERATURE = 0.5  # a piece decoded hotter prompts the next with nothing (openai-whisper's)
 
 
 # sampling fields a form may add (as vLLM's transcription requests take them), passed to the chat

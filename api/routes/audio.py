@@ -3,6 +3,8 @@ audio: run as a chat with the clip, a long one as one chat per piece (api.transc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -76,6 +78,28 @@ def _body(body: dict | str) -> Response:
 
 async def _decoded(state: StateDep, audio: AudioRequest, whisper: WhisperPrompts, pieces: list[bytes],
                    language: str | None) -> list[Decoded]:
+    """Each piece decoded (_decoded_at_once): all at once, or with
+    GENQ_WHISPER_CONDITION_ON_PREVIOUS_TEXT one after another, each prompted with the text of
+    the pieces before it (after the form's prompt), as openai-whisper's transcribe windows
+    are: a piece that had to be decoded hotter than 0.5 starts the text afresh, a silent
+    piece adds none."""
+    if not state.settings.whisper_condition_on_previous_text:
+        return await _decoded_at_once(state, audio, whisper, pieces, language)
+    decoded: list[Decoded] = []
+    before = [audio.prompt] if audio.prompt else []
+    for piece in pieces:
+        prompted = replace(audio, prompt=transcriptions.joined(before) or None)
+        [reply] = await _decoded_at_once(state, prompted, whisper, [piece], language)
+        decoded.append(reply)
+        if reply.temperature > transcriptions.PROMPT_RESET_TEMPERATURE:
+            before = []
+        elif not reply.silent(state.settings):
+            before.append(reply.text)
+    return decoded
+
+
+async def _decoded_at_once(state: StateDep, audio: AudioRequest, whisper: WhisperPrompts, pieces: list[bytes],
+                           language: str | None) -> list[Decoded]:
     """Each piece decoded as whisper-1 decodes: at the form's temperature, or from 0 with its
     fallback (FALLBACK_TEMPERATURES: the pieces that need it, all at once, each round hotter,
     until none does or the last is reached). How likely <|nospeech|> was is read from the

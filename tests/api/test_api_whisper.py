@@ -240,6 +240,30 @@ def test_word_timestamps_group_each_pieces_tokens_at_their_times(oai: openai.Ope
     assert "".join(w.word for w in got.words) == got.text.replace(" ", "") and got.segments
 
 
+def test_pieces_can_be_prompted_with_the_text_before_them(served_model: str, llm: LLM, live_worker: str,
+                                                          serve_api) -> None:
+    """GENQ_WHISPER_CONDITION_ON_PREVIOUS_TEXT: the pieces run one after another, the second
+    prompted with the form's prompt and the first piece's text."""
+    first, second = pieces_of(LONG)
+
+    def alone(piece: bytes, **variables: str) -> str:
+        part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(piece).decode(), "format": "wav"}}
+        return llm.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False,
+                        chat_template_kwargs={"language": "en", "task": "transcribe", **variables})[0].outputs[0].text
+
+    text = alone(first, prompt="Before.")
+    expected = joined([text, alone(second, prompt=joined(["Before.", text]))])
+    assert expected != joined([text, alone(second, prompt="Before.")])  # (the prompt tells)
+    settings = Settings(redis_url=live_worker, request_timeout_s=60.0, audio_chunk_s=1.0,
+                        whisper_condition_on_previous_text=True, **CHECKS_OFF)
+    with serve_api(settings) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        got = client.audio.transcriptions.create(model=served_model, file=("long.wav", LONG), language="en",
+                                                 prompt="Before.", **FORM)
+        client.close()
+    assert got.text == expected
+
+
 def test_a_long_prompt_keeps_its_last_tokens(oai: openai.OpenAI, served_model: str, llm: LLM) -> None:
     """The form's prompt (earlier speech) keeps its last max_model_len // 2 - 1 tokens (31 of
     the tiny model's 64 positions; whisper-1 keeps 224 of 448): the request runs."""
