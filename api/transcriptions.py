@@ -32,7 +32,7 @@ import io
 import math
 import wave
 import zlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -479,17 +479,24 @@ class ChoicesOnly(ChatRenderer):
         return choices
 
 
+def heard(pieces: list[bytes], replies: list[Decoded], settings: Settings) -> Iterator[tuple[Decoded, float]]:
+    """The replies of the pieces the model heard speech in, each with where its piece starts
+    in the upload (seconds)."""
+    offset = 0.0
+    for piece, reply in zip(pieces, replies, strict=True):
+        if not reply.silent(settings):
+            yield reply, offset
+        offset += duration_s(piece)
+
+
 def timed_segments(whisper: WhisperPrompts, pieces: list[bytes], replies: list[Decoded],
                    settings: Settings) -> list[dict[str, Any]]:
     """The segments of every piece's reply, in order, each piece's times from where it
     starts in the upload, each with what its piece's decode was weighed by; a silent piece's
     none."""
     out: list[dict[str, Any]] = []
-    offset = 0.0
-    for piece, reply in zip(pieces, replies, strict=True):
-        if not reply.silent(settings):
-            out += [{**segment, **reply.weights} for segment in whisper.segments(reply.token_ids, offset, len(out))]
-        offset += duration_s(piece)
+    for reply, offset in heard(pieces, replies, settings):
+        out += [{**segment, **reply.weights} for segment in whisper.segments(reply.token_ids, offset, len(out))]
     return out
 
 
@@ -497,13 +504,8 @@ def timed_words(whisper: WhisperPrompts, pieces: list[bytes], replies: list[Deco
                 settings: Settings) -> list[dict[str, Any]]:
     """The words of every piece's reply, in order, each piece's times from where it starts
     in the upload; a silent piece's none."""
-    out: list[dict[str, Any]] = []
-    offset = 0.0
-    for piece, reply in zip(pieces, replies, strict=True):
-        if not reply.silent(settings):
-            out += whisper.words(reply.token_ids, reply.times, offset)
-        offset += duration_s(piece)
-    return out
+    return [word for reply, offset in heard(pieces, replies, settings)
+            for word in whisper.words(reply.token_ids, reply.times, offset)]
 
 
 def subtitles(segments: list[dict[str, Any]], kind: str) -> str:

@@ -48,14 +48,14 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
             language = await unless_disconnected(request, _heard_language(state, audio, whisper, pieces[0]))
     if whisper is not None and not audio.stream:
         decoded = await unless_disconnected(request, _decoded(state, audio, whisper, pieces, language))
+        heard = [reply for reply, _ in transcriptions.heard(pieces, decoded, state.settings)]
         segments = None
         if audio.timed(whisper):
             segments = transcriptions.timed_segments(whisper, pieces, decoded, state.settings)
             text = transcriptions.joined([segment["text"] for segment in segments])
         else:
-            text = transcriptions.joined([d.text for d in decoded if not d.silent(state.settings)])
-        written = transcriptions.written_logprobs([lp for d in decoded if not d.silent(state.settings)
-                                                   for lp in d.logprobs])
+            text = transcriptions.joined([d.text for d in heard])
+        written = transcriptions.written_logprobs([lp for d in heard for lp in d.logprobs])
         words = (transcriptions.timed_words(whisper, pieces, decoded, state.settings)
                  if "word" in audio.granularities else None)
         return _body(transcriptions.response(audio, text, None, language, segments, written, words))
