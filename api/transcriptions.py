@@ -87,6 +87,10 @@ class AudioRequest:
     @classmethod
     async def from_form(cls, task: str, form: FormData, max_bytes: int) -> AudioRequest:
         """The request a multipart form makes; 400 naming a missing, unknown or too large field."""
+        chunking = [name for name in form if name.startswith("chunking_strategy")]
+        if any(name != "chunking_strategy" or form[name] != "auto" for name in chunking) and task == "transcribe":
+            raise invalid_param("chunking_strategy", "chunking_strategy may be auto only: genq cuts a long upload "
+                                "at its quietest moments (server_vad's settings are not taken)")
         unknown = sorted(set(form) - set(FORM_FIELDS[task]) - set(SAMPLING_FIELDS))
         if unknown:
             raise invalid_param(unknown[0], f"{unknown[0]!r} is not a field of this endpoint")

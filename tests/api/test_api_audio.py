@@ -202,7 +202,7 @@ def test_a_long_upload_runs_as_pieces_joined_in_order(oai: openai.OpenAI, served
     # include logprobs: every written token's, in the pieces' order, whole and as the text streams
     replies = offline_replies(llm, Settings().transcription_instruction, long)
     written = [(lp.decoded[lp.token_id], round(lp.logprob, 4)) for r in replies for lp in r.logprobs]
-    weighed = oai.audio.transcriptions.create(**call, include=["logprobs"])
+    weighed = oai.audio.transcriptions.create(**call, include=["logprobs"], chunking_strategy="auto")
     assert [(lp.token, round(lp.logprob, 4)) for lp in weighed.logprobs] == written and weighed.text == expected
     assert all(lp.bytes == list(lp.token.encode()) for lp in weighed.logprobs)
     events = list(oai.audio.transcriptions.create(**call, include=["logprobs"], stream=True))
@@ -240,6 +240,8 @@ def test_pieces_are_cut_in_quiet_moments_and_streamed_in_order() -> None:
     ({"include": ["logprobs"], "response_format": "text"}, "logprobs are given with response_format json only",
      "include"),
     ({"include": ["item_reference"]}, "include may hold logprobs only", "include"),
+    ({"chunking_strategy": {"type": "server_vad", "threshold": 0.5}}, "chunking_strategy may be auto only",
+     "chunking_strategy"),
 ])
 def test_what_transcriptions_cannot_do_is_a_400(oai: openai.OpenAI, served_model: str, extra: dict, error: str,
                                                 param: str) -> None:
