@@ -257,6 +257,9 @@ class WhisperPrompts:
         punctuation stays with the word before), each word from its first token's time to the
         time of the token after it (the next word's, a timestamp's, or the end's), counted
         from `offset_s`; `times`: each token's, the end token's last (the worker's)."""
+        if len(times) < len(tokens):  # (a worker older than the API's words)
+            raise APIError(500, "the worker sent no token timestamps for word timestamps: upgrade the workers",
+                           type="server_error", code="job_failed")
         out: list[dict[str, Any]] = []
         word: list[int] = []
         start = 0.0

@@ -407,3 +407,5 @@ def test_what_the_api_reads_from_a_whisper_tokenizer(tiny_whisper_dir: Path) -> 
     english.check("en")
     with pytest.raises(APIError, match="this model transcribes English only, got language 'fr'"):
         english.check("fr")
+    with pytest.raises(APIError, match="the worker sent no token timestamps"):  # (one older than the API)
+        english.words([100, 101], [], 0.0)
