@@ -7,11 +7,13 @@ API's /metrics reads it.
     qwen       genq:requests:qwen          0        2     0    0
 
     worker  model     queue     state    running  waiting  free  kv%   hit%  handed  tok/s
-    w1      llama-8b  (shared)  serving        5        0     3  41.0  62.5      14  812.5
+    w1      llama-8b  (shared)  serving    5/128        0     3  41.0  62.5      14  812.5
 
 (queued and running: over the queue's priority lanes; high and low: the jobs of those lanes
-queued, priority < 0 and > 0. hit%: of the prompt tokens looked up, those the prefix cache held; handed: jobs other workers
-handed this one by prefix-cache affinity.)
+queued, priority < 0 and > 0. A worker's running: of the requests it runs at once, its
+max_num_seqs or fewer where Whisper's audio slots do not fit. hit%: of the prompt tokens looked
+up, those the prefix cache held; handed: jobs other workers handed this one by prefix-cache
+affinity.)
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def format_status(status: dict[str, Any]) -> str:
         for q in status["queues"]
     ]
     workers = [("worker", "model", "queue", "state", "running", "waiting", "free", "kv%", "hit%", "handed", "tok/s")] + [
-        (w["name"], w["model"], w["queue"] or SHARED, w["state"], str(w["running"]), str(w["waiting"]),
+        (w["name"], w["model"], w["queue"] or SHARED, w["state"], f"{w['running']}/{w['max_num_seqs']}", str(w["waiting"]),
          str(w["free_slots"]), f"{100 * w['kv_cache_usage']:.1f}", _hit_rate(w), str(w["affinity_handoffs_taken_total"]),
          f"{w['tokens_per_s']:.1f}")
         for w in status["workers"]
