@@ -78,6 +78,7 @@ class WhisperRules:
         self.first = None if no_timestamps is None else no_timestamps + 1  # <|0.00|>
         self.begin_suppress = torch.tensor(begin_suppress, dtype=torch.long)
         self.suppress = torch.tensor(suppress or [], dtype=torch.long)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # both, copied to a device once
 
     def new_req_logits_processor(self, params) -> Callable[[list[int], list[int], torch.Tensor], torch.Tensor]:
         return self.apply
@@ -85,10 +86,13 @@ class WhisperRules:
     def apply(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         if prompt_ids[-1:] == [self.start]:
             return logits
-        if len(self.suppress):
-            logits = logits.index_fill(0, self.suppress.to(logits.device), float("-inf"))
-        if not output_ids and len(self.begin_suppress):
-            logits = logits.index_fill(0, self.begin_suppress.to(logits.device), float("-inf"))
+        if logits.device not in self._on:
+            self._on[logits.device] = (self.suppress.to(logits.device), self.begin_suppress.to(logits.device))
+        suppress, begin_suppress = self._on[logits.device]
+        if len(suppress):
+            logits = logits.index_fill(0, suppress, float("-inf"))
+        if not output_ids and len(begin_suppress):
+            logits = logits.index_fill(0, begin_suppress, float("-inf"))
         if self.first is None or self.no_timestamps in prompt_ids:
             return logits
         return self._timestamps(output_ids, logits.clone())
