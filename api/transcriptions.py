@@ -242,9 +242,7 @@ class WhisperPrompts:
         """A piece's reply (a choice with its logprobs) as whisper-1 weighs it: the mean
         logprob of its tokens, the end's included, over their count and one (OpenAI's
         transcribe), and its text's compression ratio."""
-        tokens = list(choice.token_ids)
-        if choice.finish_reason == "stop" and tokens:
-            tokens.pop()  # (its end)
+        tokens = ended_without_end(list(choice.token_ids), choice.finish_reason)
         total = sum(lp.logprob or 0.0 for lp in choice.logprobs)
         words = [t for t in tokens if self.first_timestamp is None or t < self.first_timestamp]
         text = self.tokenizer.decode(words, skip_special_tokens=True)
@@ -466,10 +464,10 @@ def written_logprobs(logprobs: list[TokenLogprob] | list[dict[str, Any]]) -> lis
     return [{"token": token, "logprob": logprob, "bytes": list(token.encode())} for token, logprob in entries]
 
 
-def ended_without_end(logprobs: list[Any], finish_reason: str | None) -> list[Any]:
-    """A reply's logprobs without its end token's (a transcription's chats stop at an end
-    token only, never at a stop string)."""
-    return logprobs[:-1] if finish_reason == "stop" else logprobs
+def ended_without_end(items: list[Any], finish_reason: str | None) -> list[Any]:
+    """A reply's tokens (or their logprobs) without its end token's (a transcription's chats
+    stop at an end token only, never at a stop string)."""
+    return items[:-1] if finish_reason == "stop" else items
 
 
 def compression_ratio(text: str) -> float:
