@@ -393,7 +393,7 @@ def test_guided_decoding_can_start_after_a_marker(llm):
 
 @pytest.mark.slow
 def test_guided_json_object_on_the_default_model():
-    llm = LLM(None, dtype="float32", max_model_len=1024, num_gpu_blocks_override=128)
+    llm = LLM(None, dtype="bfloat16", max_model_len=1024, num_gpu_blocks_override=128)
     messages = [{"role": "user", "content": "Describe a cat as a JSON object with the keys name and age."}]
     schema = {"type": "object", "required": ["name", "age", "colours"], "properties": {
         "name": {"type": "string"}, "age": {"type": "integer"},
