@@ -156,15 +156,14 @@ class ModelRunner:
         self.cross: CrossStates | None = None
         self.clips: dict[str, tuple[torch.Tensor, int, int]] = {}  # request id -> its clip's features, digest, frames
         # requests that may run at once: max_num_seqs, or fewer where their slots would not fit
-        self.max_num_seqs = config.max_num_seqs
+        self.max_num_seqs = self._num_request_slots(max_model_len)
         if getattr(self.model, "encoder_decoder", False):
-            self.max_num_seqs = self._num_cross_slots(max_model_len)
             self.cross = CrossStates(cfg.num_hidden_layers, self.max_num_seqs, cfg.hf_config.encoder_positions,
                                      cfg.hidden_size, self.dtype, self.device)
         # linear attention's states, a slot for each request that may run at once (made before the
         # KV cache, which takes what memory is left)
         self.states = None if cfg.linear is None else LinearStates(
-            cfg.linear, len(cfg.linear_layers), config.max_num_seqs, self.dtype, self.device)
+            cfg.linear, len(cfg.linear_layers), self.max_num_seqs, self.dtype, self.device)
         self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
@@ -262,7 +261,7 @@ class ModelRunner:
             return None
         from worker.cuda_graphs import DecodeGraphs
 
-        return DecodeGraphs(self.model, self.kv_caches, self.config.max_num_seqs, max_model_len,
+        return DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, max_model_len,
                             self.block_size, self.device, self.layer_group, self.states,
                             self.model_config.linear_layers)
 
@@ -311,8 +310,8 @@ class ModelRunner:
             self._allocate_saved_states(budget * self._kv_block_bytes())  # (besides those blocks)
         else:
             memory = self._cache_memory()
-            if self.cross is not None and self.device.type != "cuda":  # (on CUDA, no longer free)
-                memory -= len(self.cross) * self.cross.request_bytes
+            if self.device.type != "cuda":  # (on CUDA, no longer free)
+                memory -= self.max_num_seqs * self._request_state_bytes()
             budget = (memory - self._allocate_saved_states(memory)) // self._kv_block_bytes()
         num_blocks = budget * len(self.kv_layers) // self.num_slots
         if self.parallel is not None:  # every rank's pool holds the same blocks, for the one scheduler
@@ -332,8 +331,8 @@ class ModelRunner:
         return num_blocks
 
     def _cache_memory(self) -> int:
-        """The bytes the requests' states may take (the KV cache, and Whisper's cross-attention
-        slots): on CUDA, gpu_memory_utilization's share of the device less what is taken, less
+        """The bytes the requests' states may take (the KV cache, and what each request holds
+        besides: _request_state_bytes): on CUDA, gpu_memory_utilization's share of the device less what is taken, less
         room for the images' embeddings kept lately; on the CPU, kv_cache_memory_gb."""
         if self.device.type != "cuda":
             return int(self.config.kv_cache_memory_gb * 2**30)
@@ -342,27 +341,41 @@ class ModelRunner:
             free -= self.image_embeds.max_cache_bytes
         return int((free - total * (1 - self.config.gpu_memory_utilization)) * 0.9)
 
-    def _num_cross_slots(self, max_model_len: int) -> int:
-        """Whisper's cross-attention slots: one per request that may run at once, max_num_seqs
-        or as many as fit in the cache's memory beside the KV cache of a whole sequence each
-        (whisper-large-v3's slot takes 245 MB in bfloat16: 128 of them do not fit a 24 GB GPU).
-        With num_gpu_blocks_override, max_num_seqs."""
-        cfg, wanted = self.model_config, self.config.max_num_seqs
-        if self.config.num_gpu_blocks_override is not None:
+    def _request_state_bytes(self) -> int:
+        """What each request that may run at once holds besides its KV cache, made up front:
+        an encoder-decoder's audio keys and values (CrossStates), linear attention's states
+        (LinearStates; twice, with a spare each, under speculative decoding)."""
+        cfg, total = self.model_config, 0
+        if getattr(self.model, "encoder_decoder", False):
+            total += CrossStates.slot_bytes(cfg.num_hidden_layers, cfg.hf_config.encoder_positions, cfg.hidden_size,
+                                            self.dtype)
+        if cfg.linear is not None:
+            spares = 2 if self.config.speculative_config else 1
+            total += spares * LinearStates.request_bytes(cfg.linear, len(cfg.linear_layers), self.dtype)
+        return total
+
+    def _num_request_slots(self, max_model_len: int) -> int:
+        """Requests that may run at once: max_num_seqs, or, where each holds states of its own
+        (_request_state_bytes), as many as fit in the cache's memory beside the KV cache of a
+        whole sequence each (whisper-large-v3's audio takes 245 MB a request in bfloat16, a
+        large hybrid's states tens of MB: 128 of them need not fit a GPU). With
+        num_gpu_blocks_override, max_num_seqs. The same count on every rank."""
+        wanted, state = self.config.max_num_seqs, self._request_state_bytes()
+        if not state or self.config.num_gpu_blocks_override is not None:
             return wanted
-        slot = CrossStates.slot_bytes(cfg.num_hidden_layers, cfg.hf_config.encoder_positions, cfg.hidden_size, self.dtype)
         kv = -(-max_model_len // self.block_size) * self._kv_block_bytes()
         memory = self._cache_memory()
-        fits = memory // (slot + kv)
+        fits = memory // (state + kv)
+        if self.parallel is not None:
+            fits = self.parallel.min(fits)
         if fits < 1:
-            raise ValueError(f"one request needs {(slot + kv) / 2**20:.0f} MiB ({slot / 2**20:.0f} MiB of its audio's "
-                             f"keys and values, {kv / 2**20:.0f} MiB of KV cache), more than the cache's "
+            raise ValueError(f"one request needs {(state + kv) / 2**20:.0f} MiB ({state / 2**20:.0f} MiB of states "
+                             f"of its own, {kv / 2**20:.0f} MiB of KV cache), more than the cache's "
                              f"{memory / 2**20:.0f} MiB: give the cache more memory (gpu_memory_utilization, "
                              "kv_cache_memory_gb on the CPU)")
         if fits < wanted:
-            logger.warning("the cache's %.0f MiB hold %d requests' audio keys and values (%.0f MiB each) and KV "
-                           "cache: %d run at once, not max_num_seqs=%d", memory / 2**20, fits, slot / 2**20, fits,
-                           wanted)
+            logger.warning("the cache's %.0f MiB hold %d requests' own states (%.0f MiB each) and KV cache: %d run "
+                           "at once, not max_num_seqs=%d", memory / 2**20, fits, state / 2**20, fits, wanted)
         return min(wanted, fits)
 
     def _allocate_saved_states(self, memory: int) -> int:
@@ -373,7 +386,7 @@ class ModelRunner:
             return 0
         count = self.config.num_state_snapshots if self.config.enable_prefix_caching else 0
         if count is None:
-            count = min(memory // 10 // self.states.state_bytes, 8 * self.config.max_num_seqs)
+            count = min(memory // 10 // self.states.state_bytes, 8 * self.max_num_seqs)
             if self.parallel is not None:  # the one scheduler names the same slots on every rank
                 count = self.parallel.min(count)
         return self.states.allocate_saved(count, spares=bool(self.config.speculative_config)) * self.states.state_bytes

@@ -62,6 +62,20 @@ def greedy(n=NEW_TOKENS):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
+def step_to_end(engine, requests: dict[str, tuple], in_use) -> tuple[list[list[int]], int]:
+    """Add `requests` (id -> add_request's prompt and params) and step until all end: each one's
+    tokens, in order, and the most that `in_use()` (slots held, say) read after any step."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in requests}
+    most = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+        most = max(most, in_use())
+    return list(tokens.values()), most
+
+
 def run_and_compare(llm: LLM, model_dir, prompts=PROMPTS):
     """The engine's greedy outputs (NEW_TOKENS each) are transformers' greedy tokens."""
     tok = llm.get_tokenizer()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import PROMPTS, greedy, hf_greedy_along
+from test_engine import PROMPTS, greedy, hf_greedy_along, step_to_end
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
@@ -71,6 +71,31 @@ def test_states_survive_chunks_preemption_and_n(qwen3_5):
     assert [c.token_ids for c in twice.outputs] == [tokens[0][:12]] * 2
     assert twice.num_cached_tokens == 0
     assert not engine.runner.states.slots  # every request gave its slot back as it ended
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])  # 2: each rank holds half of every state and KV block
+def test_requests_run_at_once_as_their_states_fit_the_cache(qwen3_5, tensor_parallel_size):
+    """A cache that holds two requests' states beside a whole sequence's KV each: two of four
+    run at once (max_num_seqs is lowered), and every one decodes as transformers; a cache too
+    small for one is refused by name."""
+    layers, conv_dim = 2, 2 * 2 * 16 + 4 * 24  # the tiny Qwen3.5's linear layers: q, k of 2 heads of 16, v of 4 of 24
+    state = layers * (conv_dim * 3 * 4 + 4 * 16 * 24 * 4)  # the convolution's last 3 inputs, the recurrent matrices
+    kv = 8 * (2 * 2 * 16 * 2 * 32 * 4)  # max_model_len 128: 8 blocks of 16 of K and V, 2 layers, 2 heads of 32
+    per_request = (state + kv) / tensor_parallel_size
+    llm = LLM(str(qwen3_5), dtype="float32", max_num_seqs=4, max_model_len=128, num_state_snapshots=0,
+              kv_cache_memory_gb=2.5 * per_request / 2**30, tensor_parallel_size=tensor_parallel_size, num_threads=1)
+    engine = llm.engine
+    assert engine.max_num_seqs == engine.runner.states.max_requests == 2
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS[:4]]
+    tokens, most = step_to_end(engine, {str(k): ({"prompt_token_ids": ids}, greedy(12)) for k, ids in enumerate(prompts)},
+                               lambda: len(engine.runner.states.slots))
+    assert most == 2
+    assert tokens == hf_greedy_along(qwen3_5, prompts, tokens)
+    if tensor_parallel_size == 1:
+        with pytest.raises(ValueError, match=r"one request needs 0 MiB \(0 MiB of states of its own, 0 MiB of KV "
+                                             r"cache\), more than the cache's 0 MiB"):
+            LLM(str(qwen3_5), dtype="float32", max_model_len=128, kv_cache_memory_gb=0.5 * per_request / 2**30)
 
 
 def kept_every_16(qwen3_5, **args) -> LLM:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from test_audio import RATE, clip, wav
+from test_engine import step_to_end
 
 from producer.audio import read_clip
 from worker import LLM, SamplingParams
@@ -147,16 +148,10 @@ def test_requests_run_at_once_as_their_audio_slots_fit_the_cache(tiny_whisper_di
     small = LLM(str(tiny_whisper_dir), dtype="float32", max_num_seqs=4, kv_cache_memory_gb=2.5 * per_request / 2**30)
     engine = small.engine
     assert engine.max_num_seqs == len(engine.runner.cross) == 2
-    for k, c in enumerate(CLIPS):
-        engine.add_request(str(k), request(PROMPT, c), GREEDY)
-    tokens: dict[str, list[int]] = {str(k): [] for k in range(3)}
-    most = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] += out.outputs[0].token_ids
-        most = max(most, len(engine.runner.cross.slots))
+    tokens, most = step_to_end(engine, {str(k): (request(PROMPT, c), GREEDY) for k, c in enumerate(CLIPS)},
+                               lambda: len(engine.runner.cross.slots))
     assert most == 2
-    assert list(tokens.values()) == [hf_greedy(tiny_whisper_dir, PROMPT, c) for c in CLIPS]
+    assert tokens == [hf_greedy(tiny_whisper_dir, PROMPT, c) for c in CLIPS]
     with pytest.raises(ValueError, match=r"one request needs 0 MiB .* more than the cache's 0 MiB"):
         LLM(str(tiny_whisper_dir), dtype="float32", kv_cache_memory_gb=0.5 * per_request / 2**30)
 

@@ -156,10 +156,18 @@ class LinearStates:
         self.num_saved = self.num_host = 0
         self.allocate_saved(0)
 
+    @staticmethod
+    def request_bytes(cfg: LinearAttentionConfig, num_layers: int, dtype: torch.dtype) -> int:
+        """One request's state, every layer's: its convolution's last inputs (in `dtype`) and
+        its recurrent matrices (float32)."""
+        conv = cfg.conv_dim * (cfg.conv_kernel - 1) * dtype.itemsize
+        recurrent = cfg.num_value_heads * cfg.key_head_dim * cfg.value_head_dim * torch.float32.itemsize
+        return num_layers * (conv + recurrent)
+
     @property
     def state_bytes(self) -> int:
         """One request's state, every layer's."""
-        return sum(t[0].numel() * t.element_size() for t in (self.conv, self.recurrent))
+        return self.request_bytes(self.cfg, self.conv.shape[1], self.conv.dtype)
 
     def allocate_saved(self, count: int, spares: bool = False) -> int:
         """`count` saved states for the prefix cache, and after them, where `spares`
