@@ -14,15 +14,16 @@ from producer.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from worker.engine import Engine
-    from worker.llm import LLM
+    from worker.llm import LLM, RequestsFailed
     from worker.lora_request import LoRARequest
     from worker.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 
-__all__ = ["LLM", "Engine", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "Engine", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput", "RequestsFailed",
            "EmbeddingRequestOutput"]
 
 _LAZY = {
     "LLM": "worker.llm",
+    "RequestsFailed": "worker.llm",
     "Engine": "worker.engine",
     "LoRARequest": "worker.lora_request",
     "RequestOutput": "worker.outputs",

@@ -29,6 +29,19 @@ from worker.outputs import (
 T = TypeVar("T")
 
 
+class RequestsFailed(RuntimeError):
+    """Prompts a step failed on (a logits processor raised, the encoder failed on an image)
+    after they were queued: each ended early, the others ran to their end. `outputs` holds
+    every prompt's output, in input order (the failed ones with what they had, finish_reason
+    "abort"); `failures` maps a failed prompt's index to why."""
+
+    def __init__(self, outputs: list[Any], failures: dict[int, str]):
+        self.outputs, self.failures = outputs, failures
+        listed = "; ".join(f"prompt {i}: {why}" for i, why in failures.items())
+        super().__init__(f"{len(failures)} of {len(outputs)} prompts failed as they ran ({listed}); "
+                         "the exception's outputs holds every prompt's output")
+
+
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args: Any):
         self.engine = Engine(EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args))
@@ -203,7 +216,11 @@ class LLM:
             elapsed = time.perf_counter() - start
             bar.set_postfix_str(f"output {num_tokens / max(elapsed, 1e-9):.1f} toks/s", refresh=False)
         bar.close()
-        return [results[rid] for rid in request_ids]
+        outputs = [results[rid] for rid in request_ids]
+        failures = self.engine.take_failures()  # (the others' are older: nobody asks for them)
+        if failed := {i: failures[rid] for i, rid in enumerate(request_ids) if rid in failures}:
+            raise RequestsFailed(outputs, failed)
+        return outputs
 
 
 def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None:

@@ -4,6 +4,7 @@ whose function fails ending its own request only, and refusals by name."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams
-from worker import LLM
+from worker import LLM, RequestsFailed
 
 NO_REPEAT = "worker.logits_processors:NoRepeatNGram"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21, 22, 20, 21]]
@@ -91,17 +92,19 @@ def test_a_failing_function_ends_its_own_request(tiny_llama_dir):
     plain = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     failing = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, n=2, extra_args={"fail_after": 3})
     expected = llm.generate([{"prompt_token_ids": PROMPTS[0]}], plain, use_tqdm=False)[0].outputs[0].token_ids
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}],
-                        [plain, failing], use_tqdm=False)
+    why = "logits processor test_logits_processors.FailsAfter failed: RuntimeError: 3 tokens is too many"
+    with pytest.raises(RequestsFailed, match=re.escape(f"1 of 2 prompts failed as they ran (prompt 1: {why}); ")) as failed:
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}], [plain, failing],
+                     use_tqdm=False)
+    outs = failed.value.outputs
     assert outs[0].outputs[0].token_ids == expected and outs[0].outputs[0].finish_reason == "length"
     # the whole request ends (both samples, the second a step behind the first: it forks
     # after the prompt), what it had before the failing step kept
     assert [(c.finish_reason, len(c.token_ids)) for c in outs[1].outputs] == [("abort", 3), ("abort", 2)]
-    failures = llm.engine.take_failures()
-    assert list(failures) == [outs[1].request_id]
-    assert failures[outs[1].request_id] == (
-        "logits processor test_logits_processors.FailsAfter failed: RuntimeError: 3 tokens is too many")
+    assert failed.value.failures == {1: why}
     assert llm.engine.take_failures() == {} and not llm.engine.logits_processors.by_request
+    # the engine serves on, and an earlier run's failure is not the next one's
+    assert llm.generate([{"prompt_token_ids": PROMPTS[0]}], plain, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
 def test_bad_settings_and_processors_are_refused_by_name(tiny_llama_dir):

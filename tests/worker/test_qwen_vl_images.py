@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_images import CHAT_TEXT, GREEDY, _generate, chat_about, picture
 
-from worker import LLM, SamplingParams
+from worker import LLM, RequestsFailed, SamplingParams
 
 # the fixture's <|vision_start|>, <|image_pad|> (token id 10) and <|vision_end|>; two patches merged each way
 IMAGE_PAD = "<issue_closed>"
@@ -191,17 +191,21 @@ def test_mm_processor_kwargs_bound_an_images_tokens(tiny_qwen_vl_dir, tmp_path):
 def test_an_image_the_encoder_fails_on_ends_its_request_alone(tiny_qwen_vl_dir, caplog):
     """Pixels that do not fit their patch grid (prepared elsewhere, as the queue worker's
     thread prepares them): the vision transformer raises when the step reaches the image.
-    That request ends (abort) and the others in the step go on, as transformers answers."""
+    That request ends (abort) and the others in the step go on, as transformers answers;
+    generate raises naming it, with every output."""
     from worker.multimodal import PreparedImages
 
     llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64)
     good = llm.engine.image_processor.prepare(ONE[1])
     bad = PreparedImages([good.pixel_values[0][:-3]], good.image_sizes, [12345])  # 3 patches short
     two = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2)  # the samples of one prompt
-    outputs = llm.generate([{"prompt": ONE[0], "multi_modal_data": {"image": bad}},
-                            {"prompt": ONE[0], "multi_modal_data": {"image": good}}], [two, GREEDY], use_tqdm=False)
+    with pytest.raises(RequestsFailed, match=r"^1 of 2 prompts failed as they ran \(prompt 0: .*could not be encoded"
+                                             ) as failed:
+        llm.generate([{"prompt": ONE[0], "multi_modal_data": {"image": bad}},
+                      {"prompt": ONE[0], "multi_modal_data": {"image": good}}], [two, GREEDY], use_tqdm=False)
+    outputs = failed.value.outputs
     assert [(c.finish_reason, c.token_ids) for c in outputs[0].outputs] == [("abort", [])] * 2  # both end at once
-    assert list(llm.engine.take_failures()) == [outputs[0].request_id]
+    assert list(failed.value.failures) == [0] and llm.engine.take_failures() == {}
     assert sum("could not be encoded" in r.getMessage() for r in caplog.records) == 1  # the sibling never ran
     assert outputs[1].outputs[0].token_ids == hf_greedy(tiny_qwen_vl_dir, *ONE)
     assert not llm.engine.has_unfinished_requests()
