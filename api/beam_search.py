@@ -14,6 +14,8 @@ import uuid
 from contextlib import aclosing
 from typing import Any
 
+import anyio
+
 from api import generate
 from api.api_keys import job_priority
 from api.deps import TENANT, AppState
@@ -85,17 +87,23 @@ async def search(
     width = body.n
     live, done = [Beam()], []
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
-    for n in range(max_tokens):
-        ids = [f"{base}-{n}-{k}" for k in range(len(live))]
-        for beam, job_id in zip(live, ids, strict=True):
-            await state.client.submit(cache_fields({"prompt_token_ids": prompt_ids + beam.tokens}, body), params,
-                                      job_id=job_id, model=model, priority=priority,
-                                      tenant=TENANT.get())
-        tops = await _next_tokens(state, ids)
-        live, finished = step(live, [tops[job_id] for job_id in ids], width, eos)
-        done += finished
-        if not live:
-            break
+    beams = [f"{base}-beam-{k}" for k in range(width)]  # a managed key's jobs in flight: a beam's each, throughout
+    await generate.reserve_in_flight(state, beams)
+    try:
+        for n in range(max_tokens):
+            ids = [f"{base}-{n}-{k}" for k in range(len(live))]
+            for beam, job_id in zip(live, ids, strict=True):
+                await state.client.submit(cache_fields({"prompt_token_ids": prompt_ids + beam.tokens}, body), params,
+                                          job_id=job_id, model=model, priority=priority,
+                                          tenant=TENANT.get())
+            tops = await _next_tokens(state, ids)
+            live, finished = step(live, [tops[job_id] for job_id in ids], width, eos)
+            done += finished
+            if not live:
+                break
+    finally:
+        with anyio.CancelScope(shield=True):  # (a client gone cancels this task)
+            await generate.release_in_flight(state, beams)
     return best(done, live, width, body.length_penalty)
 
 

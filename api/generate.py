@@ -174,7 +174,7 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
     """Enqueue a plan's jobs (each once: a known id is not enqueued again)."""
     enqueued = False
     priority = job_priority(planned.priority)
-    await _reserve_in_flight(state, planned.req.job_ids)
+    await reserve_in_flight(state, planned.req.job_ids)
     try:
         for prompt, job_id in zip(planned.prompts, planned.req.job_ids, strict=True):
             handle = await state.client.submit(
@@ -184,7 +184,7 @@ async def submit(state: AppState, planned: Plan) -> RelayedRequest:
             )
             enqueued = handle.enqueued or enqueued
     except BaseException:
-        await _release_in_flight(state, planned.req.job_ids)  # (what was enqueued is relayed by nobody)
+        await release_in_flight(state, planned.req.job_ids)  # (what was enqueued is relayed by nobody)
         raise
     return replace(planned.req, enqueued=enqueued, service_tier=service_tier_of(priority))
 
@@ -326,11 +326,11 @@ return {count, 1}
 async def _check_in_flight(state: AppState, now: float) -> None:
     """429 while the caller's managed key has as many jobs queued or running as it may
     (`genq keys --max-in-flight`), before the request is planned (and counted against its
-    rpm): _reserve_in_flight holds the limit."""
-    await _reserve_in_flight(state, [], now)
+    rpm): reserve_in_flight holds the limit."""
+    await reserve_in_flight(state, [], now)
 
 
-async def _reserve_in_flight(state: AppState, job_ids: list[str], now: float | None = None) -> None:
+async def reserve_in_flight(state: AppState, job_ids: list[str], now: float | None = None) -> None:
     """Count a managed key's request's jobs in flight, at once with the check that fewer than
     its limit are (one Redis script: requests made at once cannot all pass); 429 where as
     many are. A job counts from its submit until its relay ends, or for
@@ -351,7 +351,7 @@ async def _reserve_in_flight(state: AppState, job_ids: list[str], now: float | N
         )
 
 
-async def _release_in_flight(state: AppState, job_ids: list[str]) -> None:
+async def release_in_flight(state: AppState, job_ids: list[str]) -> None:
     """A managed key's jobs no longer in flight: relayed (or never enqueued)."""
     limited = in_flight_limit()
     if limited is None or not job_ids:
@@ -393,7 +393,7 @@ async def relay_events(
         if not ended and not keep_jobs:
             await cancel_jobs(state, req.job_ids)
         with anyio.CancelScope(shield=True):  # (a client gone cancels this task)
-            await _release_in_flight(state, req.job_ids)
+            await release_in_flight(state, req.job_ids)
 
 
 class Collector:

@@ -301,3 +301,29 @@ def test_a_key_has_its_own_jobs_in_flight(url: str, live_worker: str, served_mod
 
     with ThreadPoolExecutor(6) as pool:
         assert sorted(pool.map(attempt, range(6))) == [False] * 5 + [True]
+
+
+def test_a_beam_search_holds_a_place_per_beam_until_it_ends(url: str, live_worker: str, served_model: str,
+                                                             poll: Callable[..., Any]) -> None:
+    """A beam search of width 2 runs a job per beam at every step: its key's two places are
+    taken from its start to its end (not only each step's jobs, which would leave room between
+    steps), so a request beside it is refused, and one after it is not."""
+    client = oai(url, create(live_worker, KeyPlan("beams", max_in_flight=2)))
+
+    def search() -> Any:
+        return client.completions.create(model=served_model, prompt="Beams", max_tokens=60, n=2,
+                                         extra_body={"use_beam_search": True, "ignore_eos": True})
+
+    def refused() -> bool:
+        try:
+            client.completions.create(model=served_model, prompt="Beside", **GREEDY)
+            return False
+        except openai.RateLimitError as exc:
+            return "jobs in flight for this API key, which may have 2 at once" in exc.body["message"]
+
+    with ThreadPoolExecutor(1) as pool:
+        beams = pool.submit(search)
+        poll(lambda: refused() or beams.done(), 60.0, "a request refused beside the search, or its end")
+        assert not beams.done()  # a request beside it was refused while it ran
+        assert len(beams.result().choices) == 2
+    assert client.completions.create(model=served_model, prompt="After", **GREEDY).usage is not None
