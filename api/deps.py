@@ -12,6 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
+from api import request_log
 from api.api_keys import PLAN, ManagedKeys
 from api.cluster import Cluster
 from api.errors import APIError
@@ -104,4 +105,5 @@ async def require_api_key(
             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
         )
     TENANT.set(plan.name if plan else key_id(matched[0]))
+    request_log.note(key=TENANT.get())
     PLAN.set(plan)

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 import anyio
 import redis
 
+from api import request_log
 from api.api_keys import PLAN, in_flight_limit, job_priority
 from api.deps import TENANT, TRACEPARENT, AppState
 from api.errors import APIError, error_body, param_from_value_error
@@ -380,16 +381,25 @@ async def relay_events(
     """The request's events with latency metrics; cancels its jobs unless all ended (or
     `keep_jobs`: a background response's jobs outlive whoever waits for them)."""
     timer = state.metrics.timer()
-    ended = False
+    logged = request_log.Relayed(req.id, req.job_ids, req.model)
+    ended, outcome = False, "cancelled"
     try:
         follow = state.relay.follow(req.job_ids, timeout_s=state.settings.request_timeout_s)
         async with aclosing(follow) as events:
             async for job_id, event in events:
                 timer.on_event(job_id, event)
+                logged.on_event(job_id, event)
                 yield job_id, event
-        ended = True
+        ended, outcome = True, "completed"
         timer.on_end()
+    except TimeoutError:
+        outcome = "timeout"
+        raise
+    except Exception:
+        outcome = "failed"
+        raise
     finally:
+        logged.on_close(outcome)
         if not ended and not keep_jobs:
             await cancel_jobs(state, req.job_ids)
         with anyio.CancelScope(shield=True):  # (a client gone cancels this task)

@@ -21,6 +21,7 @@ from api.deps import TRACEPARENT, AppState, require_api_key
 from api.errors import install_error_handlers
 from api.metrics import Metrics
 from api.relay import Relay
+from api.request_log import REQUEST_ID_SCOPE_KEY, RequestLog
 from api.routes import (
     audio,
     batches,
@@ -45,7 +46,7 @@ from api.sse import ClientDisconnected
 from producer.async_client import AsyncClient
 from producer.tracing import Tracing
 
-UNTRACED = frozenset({"/health", "/metrics", "/ping", "/version"})  # probes and scrapes: no spans
+UNTRACED = frozenset({"/health", "/metrics", "/ping", "/version"})  # probes and scrapes: no spans, no log lines
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away: nobody reads it
 
 
@@ -93,6 +94,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
+    if settings.log_requests:  # (inside RequestIdHeader: it reads the id that one leaves)
+        app.add_middleware(RequestLog, skipped=UNTRACED)
     app.add_middleware(RequestIdHeader)
     if settings.otlp_traces_endpoint:
         app.add_middleware(RequestSpans)
@@ -113,6 +116,7 @@ class RequestIdHeader:
             return
         given = dict(scope["headers"]).get(b"x-request-id")
         request_id = given if given and len(given) <= 128 else uuid.uuid4().hex.encode()
+        scope[REQUEST_ID_SCOPE_KEY] = request_id
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

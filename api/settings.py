@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     # requests that name none.
     served_model_name: str = "genq"
     request_timeout_s: float = 600.0  # a relayed request longer than this is cancelled (504)
+    # A JSON line per request on the logger genq.requests (api.request_log): path, status,
+    # seconds, request id, key, and a generation's jobs, tokens, first-token time and ending;
+    # never prompts or outputs.
+    log_requests: bool = False
     # How chat replies are read for tool calls under tool_choice "auto": "hermes"
     # (<tool_call>{...}</tool_call>: Qwen, Hermes, SmolLM2), "llama3_json" (Llama 3.1 to 3.3),
     # "mistral" ([TOOL_CALLS]...), "granite" (<|tool_call|>[...]: Granite 3), "glm45" (<tool_call>name<arg_key>...: GLM-4.5 to 4.7),
