@@ -198,7 +198,7 @@ def tiny_moe_config(family: str, vocab: int):
     """Mixtures of experts, each routing its own way: Mixtral (top 2 of 4, renormalized, in
     float32), Qwen2-MoE (top 3 of 8, not renormalized, a shared expert), Qwen3-MoE (top 2 of
     6, renormalized, its second layer a dense MLP), GraniteMoE (a softmax over the top 2 of 4
-    logits, Granite's multipliers), GLM-4.5 (DeepSeek-V3's grouped sigmoid routing)."""
+    logits, Granite's multipliers), GLM-4.5 and MiniMax-M2 (DeepSeek-V3's sigmoid routing)."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family == "mixtral":
@@ -226,13 +226,8 @@ def tiny_moe_config(family: str, vocab: int):
         return GraniteMoeConfig(vocab_size=vocab, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                 embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.05,
                                 logits_scaling=4.0, **TINY_COMMON)
-    if family == "glm4_moe":  # DeepSeek-V3's routing: top 2 of 8 within the better of 2 groups, scaled
-        from transformers import Glm4MoeConfig
-
-        return Glm4MoeConfig(vocab_size=vocab, tie_word_embeddings=False, attention_bias=True, use_qk_norm=True,
-                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-                             moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1,
-                             routed_scaling_factor=2.5, norm_topk_prob=True, **TINY_COMMON)
+    if family in ("glm4_moe", "minimax_m2"):
+        return tiny_sigmoid_routed_config(family, vocab)
     if family == "llama4":  # Llama 4's layers in small: chunks of 16 on the rotated first layer (with
         # experts: one of 4 a token, beside the shared one), the second without RoPE, its
         # queries scaled up past every 8 positions
@@ -282,6 +277,25 @@ def tiny_moe_config(family: str, vocab: int):
     if family in MLA_FAMILIES:
         return tiny_deepseek_config(family, vocab)
     raise ValueError(family)
+
+
+def tiny_sigmoid_routed_config(family: str, vocab: int):
+    """DeepSeek-V3's routing (sigmoid scores, a bias that steers the choice) over Llama's
+    attention: GLM-4.5 (top 2 of 8 within the better of 2 groups, scaled, a shared expert,
+    a dense first layer), MiniMax-M2 (top 2 of 8, q and k normed over whole projections,
+    RoPE over half of each head: rotary_dim, as its checkpoints say it)."""
+    if family == "glm4_moe":
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(vocab_size=vocab, tie_word_embeddings=False, attention_bias=True, use_qk_norm=True,
+                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                             moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=1,
+                             routed_scaling_factor=2.5, norm_topk_prob=True, **TINY_COMMON)
+    from transformers import MiniMaxM2Config
+
+    return MiniMaxM2Config(vocab_size=vocab, tie_word_embeddings=False, head_dim=32, num_local_experts=8,
+                           num_experts_per_tok=2, rotary_dim=16, rope_theta=10000.0,
+                           **{**TINY_COMMON, "intermediate_size": 48})
 
 
 def tiny_nemotron_config(family: str, vocab: int):
@@ -387,7 +401,7 @@ def tiny_model_dir(request, tmp_path_factory, default_model_dir) -> Path:
 
 @pytest.fixture(scope="session", params=["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe",
                                         "deepseek_v2", "deepseek_v3", "llama4", "qwen3_5_moe", "qwen3_next",
-                                        "nemotron_3_latent"])
+                                        "nemotron_3_latent", "minimax_m2"])
 def tiny_moe_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), default_model_dir)
 

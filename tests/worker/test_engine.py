@@ -142,8 +142,10 @@ def test_prefill_logits_match_transformers_kernel_path_window(tiny_window_dir):
 
 
 # gpt-oss: sinks, biased experts; DeepSeek-V3: latent attention, and GLM-4.5's routing too (float32
-# weights over one from routed_scaling_factor, a plain shared expert), so glm4_moe is not run apart
-@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe", "gpt_oss", "deepseek_v3", "llama4", "nemotron_3_latent"], indirect=True)
+# weights over one from routed_scaling_factor, a plain shared expert), so glm4_moe is not run apart;
+# MiniMax-M2: that routing beside whole-projection q/k norms and partial RoPE
+@pytest.mark.parametrize("tiny_moe_dir", ["qwen2_moe", "gpt_oss", "deepseek_v3", "llama4", "nemotron_3_latent", "minimax_m2"],
+                         indirect=True)
 def test_prefill_logits_match_transformers_kernel_path_experts(tiny_moe_dir):
     check_prefill_logits(tiny_moe_dir, "triton")
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_engine import check_prefill_logits_against
+from test_quantization import write_fp8_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from producer.sampling_params import SamplingParams
@@ -40,6 +42,12 @@ def test_expert_layers_equal_transformers_bitwise_in_bfloat16(tiny_moe_dir):
     a batch of tokens that routes to every expert (and so with packed CPU linears)."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.bfloat16).eval()
     ours = _load(tiny_moe_dir, torch.bfloat16)
+    if hf.config.model_type == "minimax_m2":  # genq keeps its router in float32 (as vLLM, and as
+        # transformers keeps DeepSeek-V3's); transformers rounds it with the model: given back here
+        full = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32)
+        for block, whole in zip(hf.model.layers, full.model.layers, strict=True):
+            block.mlp.gate.weight.data = whole.mlp.gate.weight.data
+            block.mlp.e_score_correction_bias.data = whole.mlp.e_score_correction_bias.data
     torch.manual_seed(0)
     x = torch.randn(57, hf.config.hidden_size).to(torch.bfloat16)
     moe_layers = [i for i, layer in enumerate(ours.layers) if isinstance(getattr(layer, "mlp", None), SparseMoeBlock)]
@@ -140,14 +148,17 @@ def _write_adapter(out: Path, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]
     return out
 
 
-@pytest.mark.parametrize("tiny_moe_dir", ["glm4_moe"], indirect=True)
+@pytest.mark.parametrize("tiny_moe_dir", ["glm4_moe", "minimax_m2"], indirect=True)
 def test_multi_token_prediction_layers_are_left_unloaded(tiny_moe_dir, tmp_path):
     """GLM-4.5's and DeepSeek-V3's checkpoints hold their multi-token-prediction layer after
-    the decoder's (its config's num_nextn_predict_layers): genq loads the rest; a layer past
-    that is still refused by name."""
+    the decoder's (its config's num_nextn_predict_layers; MiniMax-M2's, use_mtp and
+    num_mtp_modules): genq loads the rest; a layer past that is still refused by name."""
     for path in tiny_moe_dir.iterdir():
         if path.suffix != ".safetensors":
             shutil.copy(path, tmp_path / path.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    if config["model_type"] == "minimax_m2":
+        (tmp_path / "config.json").write_text(json.dumps({**config, "use_mtp": True, "num_mtp_modules": 1}))
     tensors = load_file(tiny_moe_dir / "model.safetensors")
     layers = json.loads((tiny_moe_dir / "config.json").read_text())["num_hidden_layers"]
     mtp = {f"model.layers.{layers}.eh_proj.weight": torch.ones(64, 128),
@@ -181,3 +192,40 @@ def test_llama4_weighs_each_experts_input_with_two_experts_a_token(tiny_family, 
         torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=1e-5)
         # not the experts' outputs weighed: the scale goes in before their nonlinearity
         assert not torch.allclose(block.experts(x, weights, ids) + block.shared_expert(x), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"qk_norm_type": "per_head"}, r"qk_norm_type='per_head' are not supported; genq runs qk_norm_type='per_layer'"),
+    ({"scoring_func": "softmax"}, r"scoring_func='softmax' are not supported"),
+    ({"shared_intermediate_size": 32}, r"shared_intermediate_size=32 are not supported"),
+    ({"attn_type_list": [0, 1]}, r"makes layers \[0\] lightning \(linear\) attention, MiniMax-Text-01's"),
+])
+def test_minimax_configs_of_another_model_are_refused_by_name(change, error):
+    """MiniMax-M2's checkpoints carry MiniMax-Text-01's config fields, which transformers'
+    MiniMaxM2 does not read: values other than M2's describe a model genq would run wrongly."""
+    from transformers import MiniMaxM2Config
+
+    config = MiniMaxM2Config(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, num_local_experts=4, vocab_size=512,
+                             bos_token_id=1, eos_token_id=2, architectures=["MiniMaxM2ForCausalLM"])
+    assert ModelConfig.from_hf(config).moe.sigmoid_scores  # as given, M2's values
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=error):
+        ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("tiny_moe_dir", ["minimax_m2"], indirect=True)
+def test_minimax_fp8_block_checkpoints_load_as_minimax_ships_them(tiny_moe_dir, tmp_path):
+    """MiniMax-M2 ships in fp8 with a scale per 128 x 128 block (16 x 16 here: whole blocks,
+    as its widths make), its experts' w1, w2 and w3 too, its router and the LM head float
+    (modules_to_not_convert names them bare): the logits are transformers' on the same
+    checkpoint, on both paths, the kernel path's experts in fp8."""
+    fp8_dir = write_fp8_checkpoint(tiny_moe_dir, tmp_path / "fp8", (16, 16))
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["gate", "e_score_correction_bias", "lm_head"]
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    for backend in ("torch", "triton"):
+        llm = check_prefill_logits_against(fp8_dir, fp8_dir, backend)
+    experts = llm.engine.runner.model.layers[0].mlp.experts
+    assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn

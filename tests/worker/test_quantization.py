@@ -21,6 +21,9 @@ from worker.scheduler import ScheduledRequest, SchedulerOutput
 BLOCK = (16, 32)  # rows x columns per scale, off square so a transposed grid shows
 
 
+FLOAT8_WEIGHTS = ("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # (Mixtral's experts are w1, w2, w3)
+
+
 def write_fp8_checkpoint(src: Path, out: Path, block: tuple[int, int] | None, keep: tuple[str, ...] = ()) -> Path:
     """`src` with every decoder projection (experts' too) stored in fp8, as FP8 checkpoints
     are: a scale per `block`, or one per tensor (block None); modules under `keep` stay float
@@ -28,7 +31,7 @@ def write_fp8_checkpoint(src: Path, out: Path, block: tuple[int, int] | None, ke
     shutil.copytree(src, out)
     tensors = {}
     for name, value in load_file(src / "model.safetensors").items():
-        if not name.endswith("proj.weight") or any(name.startswith(k + ".") for k in keep):
+        if not name.endswith(FLOAT8_WEIGHTS) or any(name.startswith(k + ".") for k in keep):
             tensors[name] = value
             continue
         q, scale = quantize(value, block or tuple(value.shape))

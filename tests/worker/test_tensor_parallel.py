@@ -50,10 +50,11 @@ def split_llm(model_dir, **kwargs) -> LLM:
 # attention's heads split, its latent cache whole on both ranks (V3's queries through a low
 # rank, with interleaved RoPE; DeepSeek-V3's routing on whole router weights, shared experts
 # and a dense first layer); gpt_oss: a sink logit per head, biases on the experts (down_proj's
-# added once) and interleaved gate/up. (One KV head that both ranks keep: the GPTQ case below.
+# added once) and interleaved gate/up; minimax_m2: whole-projection q/k norms (as olmo2's) over
+# experts routed by sigmoid scores and a bias. (One KV head that both ranks keep: the GPTQ case below.
 # Llama 4's split, experts stacked inputs first, is Qwen3-VL-MoE's Hub layout's, below.)
 @pytest.mark.parametrize("family", ["ernie4_5", "phi3", "qwen3", "olmo2", "qwen2_moe", "granitemoe", "deepseek_v2",
-                                    "deepseek_v3", "gpt_oss"])
+                                    "deepseek_v3", "gpt_oss", "minimax_m2"])
 def test_a_split_model_decodes_as_transformers(family, tiny_family):
     model_dir = tiny_family(family)
     llm = split_llm(model_dir)

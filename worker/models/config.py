@@ -68,6 +68,10 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash: DeepSeek-V3's attention and routing
+    # MiniMax-M2 (and M2.1, M2.5): Mixtral's experts on every layer, routed by DeepSeek-V3's
+    # sigmoid scores with a bias for choosing (no groups, no shared expert), q and k normed
+    # over whole projections (OLMo 2's), RoPE over the first rotary_dim columns of each head
+    "MiniMaxM2ForCausalLM": "minimax_m2",
     # Llama 4 (Scout, Maverick): chunked local attention with interleaved RoPE and unit q/k norms
     # on three layers of four, full attention without RoPE (queries scaled by position) on the
     # fourth; one routed expert a token, its router's sigmoid score scaling the expert's input,
@@ -114,7 +118,7 @@ TEXT_OF_MULTIMODAL = {
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 _QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # linear and gated full attention
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss", "glm4_moe", "llama4", "qwen3_5_moe",
-                 "qwen3_next", "granitemoehybrid", "nemotron_h", *_MLA_FAMILIES)
+                 "qwen3_next", "granitemoehybrid", "nemotron_h", "minimax_m2", *_MLA_FAMILIES)
 # RoPE variants whose frequencies depend only on the config, not on the sequence length.
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -205,6 +209,11 @@ class MoEConfig:
                        shared_expert_gated=False)
         if family in ("glm4_moe", *_MLA_FAMILIES):
             return cls._deepseek(hf_config, v3=family != "deepseek_v2")
+        if family == "minimax_m2":  # DeepSeek-V3's router in one group, renormalized, unscaled
+            return cls(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
+                       intermediate_size=hf_config.intermediate_size,
+                       layers=frozenset(range(hf_config.num_hidden_layers)), renormalize=True,
+                       float32_weights=True, deepseek_router=True, sigmoid_scores=True, shared_expert_gated=False)
         if family == "nemotron_h":
             return cls._nemotron_3(hf_config)
         if family == "llama4":  # the shared expert is as wide as a routed one, and ungated
@@ -529,7 +538,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(hf_config),
             has_lm_head=has_lm_head,
             labels=_labels(hf_config) if arch.endswith("ForSequenceClassification") else (),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", *_QWEN3_5_FAMILIES)
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "minimax_m2", *_QWEN3_5_FAMILIES)
             or (family == "glm4_moe" and bool(hf_config.use_qk_norm)),
             moe=MoEConfig.from_hf(hf_config, family) if _has_experts(hf_config, family) else None,
             quant=QuantConfig.from_hf(hf_config, quantization),
@@ -712,6 +721,8 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
         raise ValueError(f"unsupported MLP activation {act!r}; supported: silu")
     if family in ("olmo2", "olmo3"):
         return dict(norm_weight_offset=0.0, post_norms_only=True, qk_norm_whole=True, local_rope=_per_kind(hf_config))
+    if family == "minimax_m2":
+        return _minimax_m2_fields(hf_config)
     if family == "ministral3":
         params = _rope_params(hf_config)
         return dict(query_scale=QueryScale(float(params["llama_4_scaling_beta"]),
@@ -737,6 +748,29 @@ def _variant_fields(hf_config: Any, family: str) -> dict[str, Any]:
                       attn_scale=hf_config.attention_multiplier, logits_divisor=hf_config.logits_scaling)
         return {**fields, **_granite_4_fields(hf_config)} if family == "granitemoehybrid" else fields
     return {}
+
+
+# what MiniMax-M2's checkpoints may say of themselves, and the one value genq (as transformers)
+# runs: another is a model of another kind, refused by name rather than run wrongly
+_MINIMAX_M2_AS_RUN = {"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+                      "use_routing_bias": True, "shared_intermediate_size": 0}
+
+
+def _minimax_m2_fields(hf_config: Any) -> dict[str, Any]:
+    """MiniMax-M2's q and k norms over whole projections. Its checkpoints' config carries
+    fields from MiniMax-Text-01 that transformers' MiniMaxM2 does not read: values other than
+    M2's (lightning attention layers, per-head norms, softmax routing, a shared expert) would
+    mean a model genq does not run."""
+    for name, value in _MINIMAX_M2_AS_RUN.items():
+        given = getattr(hf_config, name, value)
+        if given != value:
+            raise ValueError(f"MiniMax-M2 checkpoints with {name}={given!r} are not supported; "
+                             f"genq runs {name}={value!r}, as transformers does")
+    lightning = [i for i, kind in enumerate(getattr(hf_config, "attn_type_list", None) or ()) if kind != 1]
+    if lightning:
+        raise ValueError(f"attn_type_list makes layers {lightning} lightning (linear) attention, MiniMax-Text-01's, "
+                         "which genq does not run; MiniMax-M2's layers are all full attention (1)")
+    return dict(qk_norm_whole=True)
 
 
 def _granite_4_fields(hf_config: Any) -> dict[str, Any]:

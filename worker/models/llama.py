@@ -821,9 +821,11 @@ def _mla_rope_rows(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
 
 def _without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint less its multi-token-prediction layers (DeepSeek-V3's and GLM-4.5's,
-    numbered after the decoder's), which genq does not run."""
-    mtp = getattr(cfg.hf_config, "num_nextn_predict_layers", 0) or 0
+    """The checkpoint less its multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's and
+    MiniMax-M2's, numbered after the decoder's), which genq does not run."""
+    hf = cfg.hf_config
+    mtp = (getattr(hf, "num_nextn_predict_layers", 0) or 0) or (
+        (getattr(hf, "num_mtp_modules", 0) or 0) if getattr(hf, "use_mtp", False) else 0)
     skipped = tuple(f"model.layers.{i}." for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + mtp))
     return ((name, tensor) for name, tensor in weights if not (skipped and name.startswith(skipped)))
 
@@ -837,6 +839,7 @@ def _map_hf_name(hf_name: str, mla: bool = False) -> tuple[str, str | None] | No
             hf_name = new + hf_name[len(prefix):]
             break
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
+    name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")  # MiniMax-M2's
     name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's name
     name = name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")  # Llama 4's
     name = name.replace(".linear_attn.", ".self_attn.").replace(".mamba.", ".self_attn.")  # Qwen3.5's, Granite 4.0's
