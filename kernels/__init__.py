@@ -6,6 +6,7 @@ TRITON_INTERPRET=1 before importing this package to run the kernels on CPU tenso
 """
 
 from kernels._common import HAS_TRITON
+from kernels.dtw import dtw_trace, dtw_trace_ref, warp_path
 from kernels.fused_moe import fused_moe, fused_moe_ref, moe_align
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import choose_num_splits, paged_attention, paged_attention_ref
@@ -30,6 +31,8 @@ __all__ = [
     "causal_conv1d_step",
     "causal_conv1d_step_ref",
     "choose_num_splits",
+    "dtw_trace",
+    "dtw_trace_ref",
     "quant_linear",
     "quant_linear_ref",
     "fused_add_rms_norm",
@@ -47,4 +50,5 @@ __all__ = [
     "rms_norm_ref",
     "top_k_top_p_sample",
     "top_k_top_p_sample_ref",
+    "warp_path",
 ]

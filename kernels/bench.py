@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._common import HAS_TRITON, cdiv
+from kernels._common import HAS_TRITON, cdiv, next_power_of_2
+from kernels.dtw import dtw_trace, dtw_trace_ref
 from kernels.fused_moe import fused_moe, fused_moe_ref
 from kernels.kv_cache import reshape_and_cache, reshape_and_cache_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref
@@ -91,7 +92,23 @@ def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
     for shape in STATE_SHAPES:
         rows.append(_measure(_state_scan_case(*shape, device)))
     rows.append(_measure(_conv_step_case(256, 8192, device)))
+    rows.append(_measure(_dtw_case(448, 1500, device)))
     return rows
+
+
+def _dtw_case(rows: int, cols: int, device: torch.device) -> _Case:
+    """Whisper's longest reply (448 tokens) warped onto its 30 s window's 1500 frames: the
+    kernel's trace against numpy's (equal, step for step: max_abs_err counts the cells that
+    differ)."""
+    cost = torch.randn(rows, cols, device=device)
+
+    def compare() -> _Error:
+        differ = (dtw_trace(cost).cpu() != dtw_trace_ref(cost)).sum().item()
+        return _Error(float(differ), differ == 0)
+
+    block = next_power_of_2(rows + 1)  # the kernel's lanes
+    num_bytes = cost.numel() * 4 + (rows + cols + 1) * block * 5  # the costs, each diagonal's sums and steps
+    return _Case("dtw_trace", "whisper", f"{rows}x{cols}", lambda: dtw_trace(cost), compare, num_bytes)
 
 
 def _measure(case: _Case) -> dict[str, object]:

@@ -178,20 +178,6 @@ def hf_token_timestamps(model_dir: Path, prompt: list[int], samples: np.ndarray,
     return times[0, len(prompt):].tolist()
 
 
-def test_time_warping_takes_transformers_paths() -> None:
-    """The anti-diagonal time warping against transformers' cell-by-cell loop, on matrices
-    of small integers (ties everywhere, where the choice of step shows)."""
-    from transformers.models.whisper.generation_whisper import _dynamic_time_warping
-
-    from worker.models.whisper import dynamic_time_warping
-
-    rng = np.random.default_rng(0)
-    for shape in ((1, 1), (1, 7), (6, 1), (5, 9), (12, 30), (30, 12)):
-        matrix = rng.integers(-2, 3, size=shape).astype(np.float64)
-        ours, theirs = dynamic_time_warping(matrix), _dynamic_time_warping(matrix)
-        assert [a.tolist() for a in ours] == [b.tolist() for b in theirs], shape
-
-
 def test_token_timestamps_are_transformers(llm: LLM, tiny_whisper_dir: Path, tmp_path: Path) -> None:
     """extra_args token_timestamps: the final output tells where in the clip each token was
     said, as transformers finds it (its alignment heads' cross-attention, time-warped), with

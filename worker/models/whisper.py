@@ -139,7 +139,7 @@ def token_timestamps(weights: torch.Tensor, num_prompt: int, num_frames: int, me
         return [0.0] * count
     std, mean = torch.std_mean(rows, dim=-2, keepdim=True, correction=0)
     matrix = median_filter((rows - mean) / std, median_width).mean(0)
-    text, time = dynamic_time_warping(-matrix.double().cpu().numpy())
+    text, time = dynamic_time_warping(-matrix)
     jumps = np.pad(np.diff(text), (1, 0), constant_values=1).astype(bool)
     times = [float(np.float32(t * TIME_PRECISION)) for t in time[jumps]]
     return times + times[-1:]
@@ -154,30 +154,15 @@ def median_filter(x: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(x, (pad, pad), mode="reflect").unfold(-1, width, 1).sort()[0][..., pad]
 
 
-def dynamic_time_warping(cost_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The cheapest monotone path through a [tokens, frames] cost matrix, as its (token,
-    frame) indices from the start; each cell takes the diagonal step where it is strictly
-    cheapest, else the step down where that is, else the step along the frames (transformers'
-    and openai-whisper's ties). The cells of an anti-diagonal are computed at once."""
-    rows, cols = cost_of.shape
-    cost = np.full((rows + 1, cols + 1), np.inf, dtype=np.float32)
-    trace = -np.ones((rows + 1, cols + 1), dtype=np.float32)
-    cost[0, 0] = 0
-    for diagonal in range(2, rows + cols + 1):
-        i = np.arange(max(1, diagonal - cols), min(rows, diagonal - 1) + 1)
-        j = diagonal - i
-        c0, c1, c2 = cost[i - 1, j - 1], cost[i - 1, j], cost[i, j - 1]
-        step = np.where((c0 < c1) & (c0 < c2), 0, np.where((c1 < c0) & (c1 < c2), 1, 2))
-        cost[i, j] = cost_of[i - 1, j - 1] + np.choose(step, [c0, c1, c2])
-        trace[i, j] = step
-    trace[0, :], trace[:, 0] = 2, 1
-    i, j, text, time = rows, cols, [], []
-    while i > 0 or j > 0:
-        text.append(i - 1)
-        time.append(j - 1)
-        step = trace[i, j]
-        i, j = (i - 1, j - 1) if step == 0 else (i - 1, j) if step == 1 else (i, j - 1)
-    return np.array(text[::-1]), np.array(time[::-1])
+def dynamic_time_warping(cost: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The cheapest monotone path through a [tokens, frames] cost matrix (float32), as its
+    (token, frame) indices from the start, with transformers' ties (kernels.dtw): on the GPU
+    one Triton kernel on the matrix where it lies, on the CPU numpy's anti-diagonals."""
+    # (imported here: triton loads where the kernel path runs)
+    from kernels import dtw_trace, dtw_trace_ref, warp_path
+
+    trace = dtw_trace(cost) if cost.is_cuda else dtw_trace_ref(cost)
+    return warp_path(trace)
 
 
 def whisper_rules(generation_config: dict, tokenizer, vocab_size: int) -> WhisperRules:
