@@ -11,7 +11,11 @@ Deployments differ in their tags and in where no end tag has come (yet):
   (Granite 3.2's "Here is my thought process:" and "Here is my response:"): as qwen3, with
   their tags;
 - "deepseek_v3" (DeepSeek-V3.1 and on): deepseek_r1 when the request turns the template's
-  thinking on (`chat_template_kwargs` `thinking`), else no reasoning (api.generate decides).
+  thinking on (`chat_template_kwargs` `thinking`), else no reasoning (api.generate decides);
+- "minimax_m2_append_think" (vLLM's, which MiniMax recommends): nothing is split off; the
+  content is the whole reply after the `<think>` the template opened, so a client that sends
+  back only the content keeps the model's earlier thinking in the conversation (M2 thinks
+  between tool calls, and reads its own thinking back).
 
 gpt-oss ("gpt_oss") writes channels instead of tags: api.harmony reads those.
 """
@@ -33,6 +37,7 @@ class ThinkTags:
     end: str
     opened: bool = False  # the chat template opens the thinking: the reply starts inside it
     special: bool = False  # the tags are special tokens: the reply must keep them to be read
+    kept: bool = False  # not split off: the thinking stays in the content, its opening tag put back
 
 
 TAGS = {
@@ -41,6 +46,7 @@ TAGS = {
     "glm45": ThinkTags(START, END),
     "seed_oss": ThinkTags("<seed:think>", "</seed:think>", special=True),
     "minimax_m2": ThinkTags(START, END, opened=True),
+    "minimax_m2_append_think": ThinkTags(START, END, opened=True, kept=True),
     "mistral": ThinkTags("[THINK]", "[/THINK]", special=True),
     "granite": ThinkTags("Here is my thought process:", "Here is my response:"),
 }
@@ -56,8 +62,12 @@ class ReasoningReader:
         self._held = ""
         self._phase = "start"  # start (a <think> may still come) | thinking | answering
         self._gap = False  # right after </think>: whitespace is not content yet
+        self._opening = tags.start if tags.kept else None  # (kept: put before the reply's first piece)
 
     def feed(self, text: str) -> tuple[str, str]:
+        if self._opening is not None:  # kept: all content
+            text, self._opening = self._opening + text, ""
+            return "", text
         self._held += text
         reasoning = ""
         if self._phase == "start":
@@ -84,6 +94,8 @@ class ReasoningReader:
 
     def finish(self) -> tuple[str, str]:
         """What is held when the reply ends: a tag cut short is text after all."""
+        if self._opening is not None:  # kept: the opening tag, if no piece came
+            return self.feed("")
         held, self._held = self._held, ""
         if self._phase == "thinking" or (self._phase == "start" and self._starts_thinking):
             return held, ""

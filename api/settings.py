@@ -56,10 +56,10 @@ class Settings(BaseSettings):
                               "deepseek_v3", "deepseek_v31", "kimi_k2", "seed_oss", "minimax_m2", "none"] = "hermes"
     # How chat replies of reasoning models are split into reasoning_content and content
     # (api.reasoning): "deepseek_r1", "qwen3", "glm45", "seed_oss", "mistral", "granite",
-    # "minimax_m2", "deepseek_v3", "gpt_oss" (harmony channels, api.harmony), or "none" (not a
-    # reasoning model).
+    # "minimax_m2" (or "minimax_m2_append_think": the thinking kept in the content), "deepseek_v3",
+    # "gpt_oss" (harmony channels, api.harmony), or "none" (not a reasoning model).
     reasoning_parser: Literal["none", "deepseek_r1", "qwen3", "glm45", "seed_oss", "mistral", "granite", "minimax_m2",
-                              "deepseek_v3", "gpt_oss"] = "none"
+                              "minimax_m2_append_think", "deepseek_v3", "gpt_oss"] = "none"
     # vLLM's --default-chat-template-kwargs: variables every chat request's template gets
     # unless the request sets them itself (e.g. {"enable_thinking": false}); JSON in the environment
     default_chat_template_kwargs: dict[str, Any] = {}

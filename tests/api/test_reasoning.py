@@ -41,6 +41,10 @@ CASES = [
     ("granite", "Here is my thought process:\nadd them\nHere is my response:\nIt is 4.", "\nadd them\n", "It is 4."),
     ("granite", "It is 4.", None, "It is 4."),
     ("minimax_m2", "weigh it</think>\n\nIt is 4.", "weigh it", "It is 4."),
+    # kept: the thinking stays in the content, after the <think> the template opened
+    ("minimax_m2_append_think", "weigh it</think>\n\nIt is 4.", None, "<think>weigh it</think>\n\nIt is 4."),
+    ("minimax_m2_append_think", "cut off </thi", None, "<think>cut off </thi"),
+    ("minimax_m2_append_think", "", None, "<think>"),
 ]
 
 
@@ -78,6 +82,8 @@ def test_parsers_plan_their_replies_as_their_models_write_them() -> None:
     on = planned("deepseek_v3", **thinking)
     assert on.req.reasoning_parser == "deepseek_r1" and on.params.guided_decoding["after"] == "</think>"
     assert "after" not in planned("deepseek_v3", response_format={"type": "json_object"}).params.guided_decoding
+    kept = planned("minimax_m2_append_think", response_format={"type": "json_object"})  # M2's thinking is free
+    assert kept.req.reasoning_parser == "minimax_m2_append_think" and kept.params.guided_decoding["after"] == "</think>"
 
 
 def test_the_chat_renderer_sends_reasoning_then_content() -> None:
@@ -93,6 +99,20 @@ def test_the_chat_renderer_sends_reasoning_then_content() -> None:
                       {"reasoning": "add.", "reasoning_content": "add."}, None, {"content": "It is"}, {"content": " 4."}]
     message = renderer.response(req, collector.choices, Usage()).choices[0].message
     assert (message.reasoning_content, message.content) == ("First, add.", "It is 4.")
+
+
+def test_kept_thinking_streams_as_content_after_its_opening_tag() -> None:
+    """minimax_m2_append_think: the first piece of content opens with the template's <think>,
+    and the whole message's content is the reply behind it, tags and all."""
+    req = RelayedRequest(id="chatcmpl-x", job_ids=["j"], n=1, model="m", created=0,
+                         reasoning_parser="minimax_m2_append_think")
+    events = [Event(seq=i, text=t, token_ids=[i]) for i, t in enumerate(["First, ", "add.</th", "ink>\n\nIt is 4."])]
+    events[-1].finished, events[-1].finish_reason = True, "stop"
+    collector, renderer = Collector(req), ChatRenderer()
+    deltas = [renderer.chunk(req, collector.add("j", e), e)["choices"][0]["delta"] for e in events]
+    assert deltas == [{"content": "<think>First, "}, {"content": "add.</th"}, {"content": "ink>\n\nIt is 4."}]
+    message = renderer.response(req, collector.choices, Usage()).choices[0].message
+    assert (message.reasoning_content, message.content) == (None, "<think>First, add.</think>\n\nIt is 4.")
 
 
 def test_a_forced_call_after_thinking_is_named_in_its_first_piece() -> None:
