@@ -54,11 +54,15 @@ def _steps(tokens: list[list[int]], num_groups: int) -> list[SchedulerOutput]:
     return [SchedulerOutput(prefill), SchedulerOutput(decode)]
 
 
+# packing replaces every nn.Linear, whatever the family: these cover what differs among them
+# (an untied head, q/k/v biases, biases on every projection, windowed layers' second KV group,
+# linear attention's projections)
+@pytest.mark.parametrize("tiny_model_dir", ["mistral", "qwen2", "ernie4_5", "gemma2", "qwen3_5"], indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_engine_packs_every_linear_and_keeps_the_plain_models_logits(tiny_model_dir, dtype):
-    """All four tiny families (q/k/v biases, tied and untied heads): the engine's CPU model
-    has no plain nn.Linear left, and its logits over a prefill and a decode step equal
-    (bit for bit in bfloat16) those of the same checkpoint loaded without packing."""
+    """The engine's CPU model has no plain nn.Linear left, and its logits over a prefill and
+    a decode step equal (bit for bit in bfloat16) those of the same checkpoint loaded
+    without packing."""
     llm = LLM(str(tiny_model_dir), dtype=str(dtype).removeprefix("torch."), num_gpu_blocks_override=64)
     runner = llm.engine.runner
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
