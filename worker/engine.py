@@ -462,7 +462,7 @@ class Engine:
                 self.proposer.take_rows(self._kept_rows(sched, model_out, sampled), guessing=not self._guessing_off())
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
-        outputs, stopped = self.output_processor.process(updated, logprobs, self._token_timestamps(updated))
+        outputs, stopped = self.output_processor.process(updated, logprobs, self._token_timestamps)
         for output in outputs:
             output.embedding = embeddings.get(output.request_id)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -690,18 +690,17 @@ class Engine:
         aborted, self._aborted = self._aborted, []
         return aborted
 
-    def _token_timestamps(self, updated: list[Request]) -> dict[str, list[float]]:
-        """Whisper's requests that asked for them (extra_args token_timestamps) and ended by
-        their end token or length this step: where in the audio each of their tokens was said
-        (worker.models.whisper.token_timestamps), found before their audio's slot is given back."""
-        out: dict[str, list[float]] = {}
-        for r in updated:
-            if (r.status.finish_reason in ("stop", "length") and r.output_token_ids
-                    and (r.sampling_params.extra_args or {}).get("token_timestamps")):
-                weights, frames = self.runner.cross_attention_weights(
-                    r.request_id, [*r.prompt_token_ids, *r.output_token_ids[:-1]], self.alignment_heads)
-                out[r.request_id] = token_timestamps(weights, len(r.prompt_token_ids), frames, self.median_filter_width)
-        return out
+    def _token_timestamps(self, r: Request, finish_reason: str | None) -> list[float] | None:
+        """A Whisper request's token timestamps, where it asked for them (extra_args
+        token_timestamps) and ended by its end token, a stop string or its length this step:
+        where in the audio each of its tokens was said (worker.models.whisper.token_timestamps),
+        found before its audio's slot is given back."""
+        if (finish_reason not in ("stop", "length") or not r.output_token_ids
+                or not (r.sampling_params.extra_args or {}).get("token_timestamps")):
+            return None
+        weights, frames = self.runner.cross_attention_weights(
+            r.request_id, [*r.prompt_token_ids, *r.output_token_ids[:-1]], self.alignment_heads)
+        return token_timestamps(weights, len(r.prompt_token_ids), frames, self.median_filter_width)
 
     def _forget(self, finished: list[Request]) -> None:
         for request in finished:

@@ -3,6 +3,7 @@ the grouping of `n > 1` completions under their parent request."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,11 +68,12 @@ class OutputProcessor:
 
     def process(
         self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]] | None = None,
-        timestamps: dict[str, list[float]] | None = None,
+        timestamps_of: Callable[[Request, str | None], list[float] | None] | None = None,
     ) -> tuple[list[RequestOutput], list[str]]:
         """Deltas for requests that got tokens or finished this step, and the ids of requests
-        that a stop string finished (the engine tells the scheduler); `timestamps`: the token
-        timestamps of requests that finished (Whisper's), on their final deltas."""
+        that a stop string finished (the engine tells the scheduler); `timestamps_of(request,
+        finish reason)`: a finished request's token timestamps (Whisper's) for its final delta,
+        asked once its tokens are final (a stop string's cut made)."""
         by_parent: dict[str, list[CompletionOutput]] = {}
         stopped: list[str] = []
         for request in updated:
@@ -83,7 +85,8 @@ class OutputProcessor:
             delta = self._completion_delta(request, self.parents[parent_id], (logprobs or {}).get(request.request_id))
             if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
                 stopped.append(request.request_id)
-            delta.token_timestamps = (timestamps or {}).get(request.request_id) if delta.finished else None
+            if delta.finished and timestamps_of is not None:
+                delta.token_timestamps = timestamps_of(request, delta.finish_reason)
             by_parent.setdefault(parent_id, []).append(delta)
         return [self._request_output(pid, deltas) for pid, deltas in by_parent.items()], stopped
 

@@ -191,6 +191,17 @@ def test_token_timestamps_are_transformers(llm: LLM, tiny_whisper_dir: Path, tmp
         assert out.outputs[0].token_timestamps == pytest.approx(expected, abs=1e-6)
         assert max(expected) > 0  # (the path moves into the clip)
     assert llm.generate([request(PROMPT, CLIPS[0])], GREEDY, use_tqdm=False)[0].outputs[0].token_timestamps is None
+    # a stop string ends the reply: the tokens it kept, timed
+    tokens = outputs[0].outputs[0].token_ids
+    stop = llm.get_tokenizer().decode(tokens[4:6])
+    stopped = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop],
+                             extra_args={"token_timestamps": True})
+    [cut] = llm.generate([request(PROMPT, CLIPS[0])], stopped, use_tqdm=False)
+    assert (cut.outputs[0].finish_reason, cut.outputs[0].stop_reason) == ("stop", stop)
+    kept = cut.outputs[0].token_ids
+    assert len(kept) < len(tokens) and kept == tokens[: len(kept)]
+    expected = hf_token_timestamps(tiny_whisper_dir, PROMPT, read_clip(wav(CLIPS[0]), "clip", RATE), kept)
+    assert cut.outputs[0].token_timestamps == pytest.approx(expected, abs=1e-6)
     model_dir = tmp_path / "whisper"
     shutil.copytree(tiny_whisper_dir, model_dir)
     config = json.loads((model_dir / "generation_config.json").read_text())
