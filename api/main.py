@@ -28,6 +28,7 @@ from api.routes import (
     chat,
     completions,
     conversations,
+    dev,
     embeddings,
     files,
     health,
@@ -90,6 +91,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(embeddings.pooling_router, dependencies=guarded)
     if settings.allow_runtime_lora_updating:
         app.include_router(lora.router, prefix="/v1", dependencies=guarded)
+    if settings.server_dev_mode:
+        app.include_router(dev.router, dependencies=guarded)
     app.include_router(health.router)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],

@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     # seconds, request id, key, and a generation's jobs, tokens, first-token time and ending;
     # never prompts or outputs.
     log_requests: bool = False
+    # vLLM's VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache (api.routes.dev), for benchmarks
+    server_dev_mode: bool = False
     # How chat replies are read for tool calls under tool_choice "auto": "hermes"
     # (<tool_call>{...}</tool_call>: Qwen, Hermes, SmolLM2), "llama3_json" (Llama 3.1 to 3.3),
     # "mistral" ([TOOL_CALLS]...), "granite" (<|tool_call|>[...]: Granite 3), "glm45" (<tool_call>name<arg_key>...: GLM-4.5 to 4.7),

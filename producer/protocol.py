@@ -221,6 +221,11 @@ class Keys:
     def lora_adapters(self) -> str:
         return f"{self.prefix}lora_adapters"  # hash: LoRA adapter name -> path, loaded at run time
 
+    @property
+    def prefix_cache_resets(self) -> str:
+        # string: a count; each worker empties its prefix cache when it sees the count move
+        return f"{self.prefix}prefix_cache_resets"
+
     # The API's files, batches and stored responses (/v1/files, /v1/batches, /v1/responses);
     # workers never read them.
 

@@ -412,6 +412,12 @@ class Engine:
                 if self.runner.cross is not None else
                 f"token timestamps are a Whisper model's, this one is {self.model_config.architecture}"))
 
+    def reset_prefix_cache(self) -> None:
+        """vLLM's: forget every cached prefix (KV blocks, saved states, the host tier's) that no
+        running request holds; those it holds are forgotten as they are freed. For benchmarks
+        that must start cold, and after anything that should not be served from memory."""
+        self.block_manager.reset_prefix_cache()
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its final output (finish_reason 'abort')
         comes from the next step."""

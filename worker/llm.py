@@ -50,6 +50,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """vLLM's: the next prompts compute their prefixes afresh (Engine.reset_prefix_cache)."""
+        self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what `generate` samples with when given no params: the model's
         generation_config.json values (generation_config="auto"), vLLM's defaults otherwise."""

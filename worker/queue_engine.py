@@ -65,6 +65,10 @@ class FollowAdapters:
     registry: dict[str, str]  # the runtime LoRA registry: name -> path
 
 
+class ResetPrefixCache:
+    pass
+
+
 class _Stop:
     pass
 
@@ -182,6 +186,10 @@ class EngineThread:
         """Serve the runtime LoRA registry's adapters (read in the engine thread)."""
         self._commands.put(FollowAdapters(dict(registry)))
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache (in the engine thread, between steps)."""
+        self._commands.put(ResetPrefixCache())
+
     def abort(self, engine_ids: list[str]) -> None:
         if engine_ids:
             self._commands.put(AbortRequests(list(engine_ids)))
@@ -275,6 +283,8 @@ class EngineThread:
                     self.engine.abort_request(engine_id)
             elif isinstance(command, FollowAdapters):
                 self.adapters.follow(self.engine, command.registry)
+            elif isinstance(command, ResetPrefixCache):
+                self.engine.reset_prefix_cache()
             else:
                 refused = self._add(command)
                 if refused is not None:

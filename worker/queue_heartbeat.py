@@ -54,6 +54,7 @@ class Heartbeat:
         self.drain = drain  # stop the worker as SIGTERM does (asked by `genq drain`)
         self.engine = engine
         self.registry: dict[str, str] | None = None  # the LoRA registry as last handed to the engine
+        self.resets: bytes | None = None  # the prefix-cache reset count last seen (None: not yet read)
         self.scripts = scripts
         self.table = table
         self.publisher = publisher
@@ -84,6 +85,11 @@ class Heartbeat:
             if registry != self.registry:  # the engine thread hears only of changes
                 self.engine.follow_adapters(registry)
                 self.registry = registry
+        resets = await self.scripts.conn.get(self.scripts.keys.prefix_cache_resets) or b"0"
+        if self.resets is not None and resets != self.resets:  # (at start the cache is empty anyway)
+            logger.info("worker %s empties its prefix cache, as asked", self.config.name)
+            self.engine.reset_prefix_cache()
+        self.resets = resets
         held = [h for h in self.table if h.state.writes]
         lost, cancelled = await self.scripts.heartbeat(
             self.scripts.keys.worker(self.config.name),

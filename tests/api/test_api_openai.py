@@ -56,6 +56,25 @@ def test_usage_counts_prompt_tokens_the_prefix_cache_served(served_model: str, o
     assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens  # whole blocks
 
 
+def test_reset_prefix_cache_empties_the_workers_caches(served_model: str, oai: openai.OpenAI, live_worker: str,
+                                                      serve_api, poll) -> None:
+    """vLLM's POST /reset_prefix_cache, under GENQ_SERVER_DEV_MODE alone: the worker empties its
+    cache at its next heartbeat, so a prompt it served from memory is computed again."""
+    prompt = "A prompt the worker is asked to forget, long enough for two blocks of sixteen tokens. " * 2
+
+    def cached() -> int:
+        return oai.completions.create(model=served_model, prompt=prompt, max_tokens=1).usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() > 0
+    with serve_api(Settings(redis_url=live_worker)) as url:
+        assert httpx.post(f"{url}/reset_prefix_cache").status_code == 404
+    with serve_api(Settings(redis_url=live_worker, server_dev_mode=True)) as url:
+        assert httpx.post(f"{url}/reset_prefix_cache").status_code == 200
+    poll(lambda: cached() == 0, 20.0, "the prompt computed afresh")  # (each try caches it again)
+    assert cached() > 0  # and the cache serves on
+
+
 def test_a_cache_salt_keeps_a_prompts_cached_blocks_to_its_own_salt(served_model: str, oai: openai.OpenAI) -> None:
     """vLLM's cache_salt, through the queue to the worker's prefix cache."""
     prompt = "Another prompt long enough to fill two blocks of sixteen tokens in the worker's cache. " * 2

@@ -280,6 +280,10 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs(tiny_llama_dir, prefix_c
     assert (hits > 0) if prefix_caching else (hits == 0)
     outs = llm.generate(prompts[1:], greedy(4), use_tqdm=False)
     assert all((o.num_cached_tokens > 0) == prefix_caching for o in outs)
+    llm.reset_prefix_cache()  # vLLM's: the next prompts are computed afresh, with the same outputs
+    again = llm.generate(prompts[1:], greedy(4), use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [0, 0]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
 
 
 def test_chunked_prefill_with_small_token_budget(tiny_llama_dir):
