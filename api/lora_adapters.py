@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from api.cluster import Cluster
 from api.errors import APIError, invalid_param
 from producer.async_client import AsyncClient
 from producer.records import WorkerInfo
 
-CONFIRM_TIMEOUT_S = 60.0  # workers read the registry each heartbeat (5 s by default)
+CONFIRM_TIMEOUT_S = 60.0  # workers read Redis each heartbeat (5 s by default)
 POLL_S = 0.1
 
 
@@ -75,12 +76,17 @@ def _loaded(info: WorkerInfo, name: str) -> bool:
 
 
 async def _confirm(cluster: Cluster, since: float, done, what: str) -> None:
-    """Until the heartbeat after `since` of every serving worker with LoRA on says `done`;
-    504 after the timeout."""
+    """Until the heartbeat after `since` of every serving worker with LoRA on says `done`."""
+    await confirm(cluster, since, lambda info: not info.max_loras or done(info), what)
+
+
+async def confirm(cluster: Cluster, since: float, done: Callable[[WorkerInfo], bool], what: str) -> None:
+    """Until the heartbeat after `since` of every serving worker says `done`; 504 naming the
+    others after the timeout."""
     deadline = time.monotonic() + CONFIRM_TIMEOUT_S
     while True:
         pending = [n for n, info in (await _serving(cluster)).items()
-                   if info.max_loras and (info.heartbeat_at < since or not done(info))]
+                   if info.heartbeat_at < since or not done(info)]
         if not pending:
             return
         if time.monotonic() > deadline:

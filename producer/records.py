@@ -207,6 +207,7 @@ class WorkerInfo:
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of those, the tokens it held
     affinity_handoffs_taken_total: int = 0  # jobs other workers handed here (worker.queue_affinity)
+    prefix_cache_resets: int = 0  # the count of genq:prefix_cache_resets its engine has emptied its cache to
     started_at: float = 0.0  # unix times
     heartbeat_at: float = 0.0
     pid: int = 0

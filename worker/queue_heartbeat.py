@@ -161,6 +161,7 @@ class Heartbeat:
             prefix_cache_queries_total=stats.prefix_cache_queries,
             prefix_cache_hits_total=stats.prefix_cache_hits,
             affinity_handoffs_taken_total=m.handoffs_taken_total,
+            prefix_cache_resets=int(self.resets or 0),  # (asked of the engine thread before any later job)
             started_at=self.started_at,
             heartbeat_at=time.time(),
             pid=os.getpid(),
