@@ -77,16 +77,17 @@ def _loaded(info: WorkerInfo, name: str) -> bool:
 
 async def _confirm(cluster: Cluster, since: float, done, what: str) -> None:
     """Until the heartbeat after `since` of every serving worker with LoRA on says `done`."""
-    await confirm(cluster, since, lambda info: not info.max_loras or done(info), what)
+    await confirm(cluster, since, done, what, applies=lambda info: bool(info.max_loras))
 
 
-async def confirm(cluster: Cluster, since: float, done: Callable[[WorkerInfo], bool], what: str) -> None:
-    """Until the heartbeat after `since` of every serving worker says `done`; 504 naming the
-    others after the timeout."""
+async def confirm(cluster: Cluster, since: float, done: Callable[[WorkerInfo], bool], what: str,
+                  applies: Callable[[WorkerInfo], bool] = lambda info: True) -> None:
+    """Until the heartbeat after `since` of every serving worker it `applies` to says `done`;
+    504 naming the others after the timeout."""
     deadline = time.monotonic() + CONFIRM_TIMEOUT_S
     while True:
         pending = [n for n, info in (await _serving(cluster)).items()
-                   if info.heartbeat_at < since or not done(info)]
+                   if applies(info) and (info.heartbeat_at < since or not done(info))]
         if not pending:
             return
         if time.monotonic() > deadline:
