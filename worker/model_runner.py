@@ -332,8 +332,9 @@ class ModelRunner:
 
     def _cache_memory(self) -> int:
         """The bytes the requests' states may take (the KV cache, and what each request holds
-        besides: _request_state_bytes): on CUDA, gpu_memory_utilization's share of the device less what is taken, less
-        room for the images' embeddings kept lately; on the CPU, kv_cache_memory_gb."""
+        besides: _request_state_bytes): on CUDA, gpu_memory_utilization's share of the device
+        less what is taken, less room for the images' embeddings kept lately; on the CPU,
+        kv_cache_memory_gb."""
         if self.device.type != "cuda":
             return int(self.config.kv_cache_memory_gb * 2**30)
         free, total = torch.cuda.mem_get_info(self.device)

@@ -212,11 +212,6 @@ class CrossStates:
         """What one request's keys and values take."""
         return 2 * num_layers * positions * hidden * dtype.itemsize
 
-    @property
-    def request_bytes(self) -> int:
-        _, layers, positions, hidden = self.keys.shape
-        return self.slot_bytes(layers, positions, hidden, self.keys.dtype)
-
     def __len__(self) -> int:
         return self.keys.shape[0]
 
