@@ -758,6 +758,32 @@ def tuned_llama_dir(tiny_llama_dir: Path, tmp_path_factory) -> Path:
     return out
 
 
+def build_retrained(model_dir: Path, out: Path, seed: int = 1) -> Path:
+    """`model_dir`'s model after some training, as far as serving can tell: the same shape
+    and tokenizer, every weight moved by noise of its own scale (a weights update's checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * param.std(correction=0).clamp_min(0.05).item())
+    model.save_pretrained(out)
+    copy_tokenizer(model_dir, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def retrain() -> Callable[[Path, Path], Path]:
+    """build_retrained, for a model of the test's own."""
+    return build_retrained
+
+
+@pytest.fixture(scope="session")
+def retrained_llama_dir(tiny_llama_dir: Path, tmp_path_factory) -> Path:
+    return build_retrained(tiny_llama_dir, tmp_path_factory.mktemp("retrained") / "model")
+
+
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory, default_model_dir) -> Path:
     """A second model, whose k/v projections are wider than the tiny Llama's."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -201,6 +201,12 @@ class HiddenStateProposer:
         # request id -> (its tokens when the guess was made, its first guess, the layer's output
         # there, its table then)
         self._first: dict[str, tuple[int, int, torch.Tensor, list[int]]] = {}
+
+    def reload_weights(self, model_path: Path, target: LlamaForCausalLM) -> None:
+        """An MTP layer's weights, read from the target's new checkpoint (Engine.reload_weights);
+        an EAGLE-3 head's are its own checkpoint's, and stay."""
+        if isinstance(self.runner.model, MultiTokenPredictor):
+            self.runner.reload_weights(model_path, adjust=lambda fresh: cast(HiddenStateDraft, fresh).share_with(target))
 
     def take_rows(self, rows: list[tuple[str, int, list[int], torch.Tensor, int, list[int]]],
                   guessing: bool = True) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -417,6 +417,38 @@ class Engine:
         running request holds; those it holds are forgotten as they are freed. For benchmarks
         that must start cold, and after anything that should not be served from memory."""
         self.block_manager.reset_prefix_cache()
+
+    def reload_weights(self, model_path: str | Path | None = None) -> Path:
+        """Serve the weights of the checkpoint at `model_path` from now on: a checkpoint of the
+        served model's shape (a fine-tune's, a training step's), read between two steps and
+        copied over the weights in place; None reads the served model's own checkpoint again
+        (one a trainer overwrote). Returns the checkpoint's directory.
+
+        Running requests go on over the new weights (the keys and values they computed stay,
+        as vLLM's weight updates leave them); the prefix cache and the image embeddings kept
+        are forgotten, so no later request reuses what the old weights computed. An MTP
+        draft's layer is read from the same checkpoint; another draft's weights, the tokenizer,
+        the chat template and the generation config stay as they were. A checkpoint that
+        does not fit is refused by name (ValueError; OSError where it cannot be read), the
+        weights left as they were."""
+        path = self.model_path if model_path is None else resolve_model_path(str(model_path), self.config.cache_dir)
+        whole_config = read_config(path, self.config.hf_overrides)
+        served = self.runner.checkpoint_config
+        given = ModelConfig.from_hf(language_config(whole_config), self.config.quantization, self.max_model_len)
+        differ = [f.name for f in fields(served) if f.name not in ("hf_config", "eos_token_ids")
+                  and getattr(given, f.name) != getattr(served, f.name)]
+        if differ:
+            raise ValueError(f"{path} is not a checkpoint of the served model's shape: " + ", ".join(
+                f"{name} {getattr(given, name)!r} (served: {getattr(served, name)!r})" for name in differ[:4]))
+        self.runner.reload_weights(path, whole_config)
+        if isinstance(self.proposer, HiddenStateProposer):
+            self.proposer.reload_weights(path, self.runner.model)
+        for request in self.scheduler.waiting:  # (one holding no blocks hashes its prompt again, anew)
+            if not self.block_manager.num_held(request.request_id):
+                request.block_hashes.clear()
+        self.block_manager.new_weights()
+        logger.info("serving the weights of %s", path)
+        return path
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its final output (finish_reason 'abort')

@@ -11,6 +11,7 @@ import functools
 import logging
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -38,6 +39,7 @@ from worker.models.whisper import CrossStates, CrossStep
 from worker.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
 from worker.parallel import TensorParallel, deal_experts, shard_adapter, shard_weights
 from worker.scheduler import ScheduledRequest, SchedulerOutput
+from worker.weight_copy import check_same_weights, copy_weights
 
 if TYPE_CHECKING:
     from worker.cuda_graphs import DecodeGraphs
@@ -133,19 +135,18 @@ class ModelRunner:
         self.num_slots = max(len(layers) for _, layers in self.kv_layout)
         # what each group's layers see (their windows, chunks): a mask for each
         self.group_spans = [frozenset(self.model_config.layer_span(i) for i in layers) for _, layers in self.kv_layout]
-        backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.max_model_len = max_model_len
         # the triton backend brings the norm and rotary kernels with it: the whole CUDA path
-        self.model = self._load_model(model_path, use_kernels=backend == "triton", model_class=model_class)
+        self.model = self._load_model(model_path, use_kernels=self.backend == "triton", model_class=model_class,
+                                      dummy=config.load_format == "dummy")
         self.lora = None
         if config.enable_lora:
             share = None if parallel is None else functools.partial(
                 shard_adapter, cfg=self.checkpoint_config, rank=parallel.rank, world_size=parallel.world_size)
             self.lora = LoRAManager(self.model, self.model_config, config.max_loras, config.max_lora_rank, self.dtype,
                                     self.device, share, self.checkpoint_config)
-        if backend == "torch" and can_pack(self.device, self.dtype):
-            # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
-            pack_linears(self.model, batch_hint=config.max_num_seqs)
-            pack_experts(self.model, batch_hint=config.max_num_seqs)
+        self._pack(self.model)
         self.image_encoder = None if image_config is None else load_image_encoder(
             model_path, image_config, self.dtype, self.device, dummy=config.load_format == "dummy")
         self.image_embeds = ImageEmbeddings()
@@ -164,13 +165,13 @@ class ModelRunner:
         # KV cache, which takes what memory is left)
         self.states = None if cfg.linear is None else LinearStates(
             cfg.linear, len(cfg.linear_layers), self.max_num_seqs, self.dtype, self.device)
-        self.attention = make_attention_backend(backend, self.model_config, self.block_size, self.dtype, self.device)
+        self.attention = make_attention_backend(self.backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
         self.kv_caches = self._allocate_kv_cache()
         self.host_pool = self._allocate_host_tier(config.kv_offloading_size)
         self.num_host_blocks = 0 if self.host_pool is None else self.host_pool.shape[2]
         self.num_host_states = 0 if self.states is None else self.states.num_host
-        self.graphs = self._decode_graphs(backend, max_model_len)
+        self.graphs = self._decode_graphs()
 
     def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
         """A prompt's images, encoded when a step first computes their tokens; their pixels
@@ -252,21 +253,69 @@ class ModelRunner:
         assert self.image_encoder is not None
         return self.image_encoder(pixels, sizes).to(self.dtype)
 
-    def _decode_graphs(self, backend: str, max_model_len: int) -> DecodeGraphs | None:
+    def _decode_graphs(self) -> DecodeGraphs | None:
         """Decode graphs go with the kernel path (captured on CUDA; replayed eagerly over the
         same padded buffers on CPU, where the triton backend runs only for tests)."""
         # (a tensor-parallel step's reductions are not captured yet, nor an encoder-decoder's
         # cross-attention, which reads a slot per request)
-        if backend != "triton" or self.config.enforce_eager or self.parallel is not None or self.cross is not None:
+        if (self.backend != "triton" or self.config.enforce_eager or self.parallel is not None
+                or self.cross is not None):
             return None
         from worker.cuda_graphs import DecodeGraphs
 
-        return DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, max_model_len,
+        return DecodeGraphs(self.model, self.kv_caches, self.max_num_seqs, self.max_model_len,
                             self.block_size, self.device, self.layer_group, self.states,
                             self.model_config.linear_layers)
 
+    def reload_weights(self, model_path: Path, image_config: Any = None,
+                       adjust: Callable[[LlamaForCausalLM], None] | None = None) -> None:
+        """Read the checkpoint at `model_path` (one of the served model's shape) and copy its
+        weights over the model's, and its image encoder's (`image_config`: the checkpoint's
+        whole config), in place: whatever shares them (a draft's embedding, CUDA graphs) reads
+        the new ones. The checkpoint is read into a model of its own on the host first
+        (`adjust`: a change to it before it is compared, an MTP layer's shared embedding), so a
+        GPU needs no room for a second copy; only when every rank has read and checked its
+        share are any weights copied, so one that cannot be read leaves every rank's model as
+        it was, and says why."""
+        staged: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        error: Exception | None = None
+        try:
+            host = torch.device("cpu")
+            fresh = self._load_model(model_path, self.model.use_kernels, type(self.model), device=host)
+            if self.device == host:
+                self._pack(fresh)
+            if adjust is not None:
+                adjust(fresh)
+            staged.append((self.model, fresh))
+            if self.image_encoder is not None:
+                staged.append((self.image_encoder, load_image_encoder(model_path, image_config, self.dtype, host)))
+            for served, read in staged:
+                check_same_weights(served, read)
+        except Exception as exc:  # every rank reaches the agreement below, whatever failed
+            error = exc
+        if self.parallel is not None and self.parallel.min(int(error is None)) == 0 and error is None:
+            error = RuntimeError(f"another tensor-parallel rank could not read its share of {model_path} "
+                                 "(its log says why)")
+        if error is not None:
+            raise error
+        self.graphs = None  # (recaptured below: graphs may hold tensors the copy replaces)
+        for served, read in staged:
+            copy_weights(served, read)
+        self.image_embeds.forget_encoded()  # no image is served from the old encoder's embeddings
+        self.graphs = self._decode_graphs()
+
+    def _pack(self, model: LlamaForCausalLM) -> None:
+        """Lay the linears' and experts' weights out for oneDNN, where this CPU runs them so."""
+        if self.backend == "torch" and can_pack(self.device, self.dtype):
+            # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
+            pack_linears(model, batch_hint=self.config.max_num_seqs)
+            pack_experts(model, batch_hint=self.config.max_num_seqs)
+
     def _load_model(self, model_path: Path, use_kernels: bool,
-                    model_class: type[LlamaForCausalLM] = LlamaForCausalLM) -> LlamaForCausalLM:
+                    model_class: type[LlamaForCausalLM] = LlamaForCausalLM, device: torch.device | None = None,
+                    dummy: bool = False) -> LlamaForCausalLM:
+        """The model, built on `device` (the runner's unless given) and its weights read from
+        `model_path`, or drawn at random (`dummy`)."""
         cfg = self.model_config
         with torch.device("meta"):  # built in the model's dtype, so loading writes each weight once
             model = model_class(cfg, use_kernels).to(self.dtype)
@@ -275,10 +324,11 @@ class ModelRunner:
             if cfg.quant is not None:
                 kv_rows = cfg.num_key_value_heads * cfg.head_dim
                 quant.use_quantized(model, cfg.quant, (cfg.num_attention_heads * cfg.head_dim, kv_rows, kv_rows))
-        model = model.to_empty(device=self.device)
+        device = device or self.device
+        model = model.to_empty(device=device)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        if self.config.load_format == "dummy":
+        if dummy:
             model.init_dummy_weights(getattr(cfg.hf_config, "initializer_range", 0.02))
         elif self.parallel is None:
             model.load_weights(iter_safetensors(model_path, model.checkpoint_filter()))
@@ -291,7 +341,7 @@ class ModelRunner:
         if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's
             quant.dequantize_all(model, self.dtype)
         model.eval()
-        model.build_rotary(self.device)  # buffers made on the meta device hold nothing
+        model.build_rotary(device)  # buffers made on the meta device hold nothing
         return model
 
     def _kv_block_bytes(self) -> int:

@@ -649,6 +649,12 @@ class ImageEmbeddings:
     def remove(self, request_id: str) -> None:
         self._held.pop(request_id, None)
 
+    def forget_encoded(self) -> None:
+        """Empty the cache of lately encoded images (the encoder's weights changed); a running
+        request's images that are encoded already keep their embeddings."""
+        self._cache.clear()
+        self._cache_bytes = 0
+
     def __bool__(self) -> bool:
         return bool(self._held)
 

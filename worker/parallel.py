@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
 import multiprocessing as mp
 import re
 import threading
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from worker.model_runner import ModelOutput, ModelRunner
     from worker.models.config import LinearAttentionConfig, ModelConfig
     from worker.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 # how long a rank waits for the others in one collective (or to join), before it gives up:
 # a rank that dies closes its connections and the others fail at once, so this bounds only
@@ -386,6 +389,12 @@ class ParallelRunner:
         self._send(("swap_blocks", swaps))
         self.local.swap_blocks(swaps)
 
+    def reload_weights(self, model_path: Path, image_config: Any = None) -> None:
+        """New weights on every rank (ModelRunner.reload_weights: each reads its share, and
+        none copies unless all could)."""
+        self._send(("reload_weights", model_path))
+        self.local.reload_weights(model_path, image_config)
+
     def _send(self, message: Any) -> None:
         """Send every other rank a step, or a change to its adapters; a rank that has stopped
         is named."""
@@ -510,6 +519,11 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, mode
             runner.execute_layers(args[0], images)
         elif kind == "swap_blocks":  # KV offloading's copies
             runner.swap_blocks(*args)
+        elif kind == "reload_weights":  # (a checkpoint that cannot be read leaves every rank as it was)
+            try:
+                runner.reload_weights(*args)
+            except Exception:
+                logger.exception("rank %d could not read its share of %s", rank, args[0])
         else:  # an AllRanks change: add_lora (a request), remove_lora (an id), remove_state, rewind_state (an id)
             name, _, owner = kind.rpartition("_")
             getattr(getattr(runner, {"lora": "lora", "state": "states"}[owner]), name)(*args)

@@ -36,15 +36,15 @@ def _with_mtp_config(main, family: str) -> None:
         main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{main.config.num_hidden_layers}\..*"]
 
 
-def build_mtp_checkpoint(base: Path, out: Path, family: str, zero_norms: bool = False) -> Path:
-    """`base` (a tiny checkpoint) again at `out`, with an MTP layer of random weights in its
-    family's layout. `zero_norms`: the target's final norm and the layer's are zeros, so both
-    always pick token 0 (every guess right)."""
+def build_mtp_checkpoint(base: Path, out: Path, family: str, zero_norms: bool = False, seed: int = 1) -> Path:
+    """`base` (a tiny checkpoint) again at `out`, with an MTP layer of random weights (drawn
+    from `seed`) in its family's layout. `zero_norms`: the target's final norm and the layer's
+    are zeros, so both always pick token 0 (every guess right)."""
     shutil.copytree(base, out)
     main = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     _with_mtp_config(main, family)
     mtp = MtpModel(main, 1)
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(seed)
     tensors = load_file(out / "model.safetensors")
     offset = 1.0 if family == "qwen3_next" else 0.0  # (1 + w) norms
     for name, param in mtp.state_dict().items():

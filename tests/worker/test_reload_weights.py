@@ -1,0 +1,105 @@
+"""Weights updates (LLM.reload_weights): after one, the engine's greedy tokens are those
+transformers writes with the new checkpoint, whatever the prefix cache held; a checkpoint that
+does not fit is refused by name and the weights stay as they were."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+from test_engine import hf_greedy_along
+from test_mtp import PROMPTS as MTP_PROMPTS
+from test_mtp import HfMtp, build_mtp_checkpoint, run_checking_guesses
+
+from producer.sampling_params import SamplingParams
+from worker import LLM
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24], [40, 41, 42, 43, 44]]
+
+
+def greedy(n: int = 8) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_new_weights_are_served_and_nothing_cached_before_is(tiny_llama_dir, retrained_llama_dir, backend):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend=backend)
+    before = tokens(llm)  # (its prompts' blocks are cached now)
+    assert llm.reload_weights(retrained_llama_dir) == retrained_llama_dir
+    after = tokens(llm)
+    assert after != before  # the update shows
+    assert after == hf_greedy_along(retrained_llama_dir, PROMPTS, after)
+    assert llm.reload_weights() == tiny_llama_dir  # the served checkpoint, read again
+    assert tokens(llm) == before
+
+
+def test_a_running_request_keeps_its_blocks_but_no_later_request_hits_them(tiny_llama_dir, retrained_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    engine = llm.engine
+    engine.add_request("old", {"prompt_token_ids": PROMPTS[0]}, greedy(12))
+    # its prompt's blocks are computed, and cached, under the old weights
+    done: dict[str, list[int]] = {"old": list(engine.step()[0].outputs[0].token_ids), "new": []}
+    llm.reload_weights(retrained_llama_dir)
+    engine.add_request("new", {"prompt_token_ids": PROMPTS[0]}, greedy())
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] += out.outputs[0].token_ids
+    assert len(done["old"]) == 12  # it ran on to its end, over the new weights
+    assert done["new"] == hf_greedy_along(retrained_llama_dir, PROMPTS[:1], [done["new"]])[0]
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_and_the_weights_stay(tiny_llama_dir, tiny_mistral_dir, tmp_path):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    before = tokens(llm)
+    with pytest.raises(ValueError, match=r"not a checkpoint of the served model's shape: architecture "
+                                         r"'MistralForCausalLM' \(served: 'LlamaForCausalLM'\), "
+                                         r"num_key_value_heads 4 \(served: 2\)"):
+        llm.reload_weights(tiny_mistral_dir)
+    with pytest.raises(ValueError, match="not a local model directory"):
+        llm.reload_weights(tmp_path / "nowhere")
+    # the same config, a tensor short or a tensor of another shape: found as the checkpoint is read
+    for name, change in (("short", lambda w: w.pop("model.layers.1.mlp.down_proj.weight")),
+                         ("wide", lambda w: w.update({"lm_head.weight": w["lm_head.weight"][:, :-1].clone()}))):
+        bad = tmp_path / name
+        shutil.copytree(tiny_llama_dir, bad)
+        weights = load_file(bad / "model.safetensors")
+        change(weights)
+        save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match="down_proj" if name == "short" else "lm_head"):
+            llm.reload_weights(bad)
+    assert tokens(llm) == before
+
+
+def test_an_mtp_layer_is_read_from_the_new_checkpoint_too(tiny_family, retrain, tmp_path):
+    """The target's own MTP layer guesses from the new checkpoint's weights (and the target's
+    new embedding and head, which it shares): each guess is transformers' from the new one."""
+    family = "deepseek_v3"
+    old = build_mtp_checkpoint(tiny_family(family), tmp_path / "old", family)
+    new = build_mtp_checkpoint(retrain(tiny_family(family), tmp_path / "base"), tmp_path / "new", family, seed=2)
+    llm = LLM(str(old), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    llm.reload_weights(new)
+    run_checking_guesses(llm, HfMtp(new, family), MTP_PROMPTS, SamplingParams(temperature=0.0, max_tokens=6,
+                                                                            ignore_eos=True))
+
+
+def test_every_tensor_parallel_rank_reads_its_share(tiny_llama_dir, retrained_llama_dir, tmp_path):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, num_threads=1,
+              tensor_parallel_size=2)
+    llm.reload_weights(retrained_llama_dir)
+    after = tokens(llm)
+    assert after == hf_greedy_along(retrained_llama_dir, PROMPTS, after)
+    bad = tmp_path / "bad"
+    shutil.copytree(retrained_llama_dir, bad)
+    weights = load_file(bad / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj"):
+        llm.reload_weights(bad)
+    assert tokens(llm) == after  # (and rank 1 serves on, its weights kept too)
