@@ -39,7 +39,7 @@ async def load(client: AsyncClient, cluster: Cluster, name: str, path: str) -> s
         raise invalid_param("lora_name", f"The lora adapter '{name}' has already been loaded.")
     since = time.time()
     try:
-        await _confirm(cluster, since, lambda info: _loaded(info, name), f"load LoRA adapter '{name}'")
+        await _confirm(cluster, since, lambda _, info: _loaded(info, name), f"load LoRA adapter '{name}'")
     except APIError:
         await client.redis.hdel(client.keys.lora_adapters, name)
         raise
@@ -54,7 +54,8 @@ async def unload(client: AsyncClient, cluster: Cluster, name: str) -> str:
         configured = name in await cluster.served_models()
         why = "was given to the workers at start (--lora-modules)" if configured else "cannot be found"
         raise invalid_param("lora_name", f"The lora adapter '{name}' {why}.")
-    await _confirm(cluster, time.time(), lambda info: name not in info.adapters, f"unload LoRA adapter '{name}'")
+    await _confirm(cluster, time.time(), lambda _, info: name not in info.adapters,
+                   f"unload LoRA adapter '{name}'")
     return f"Success: LoRA adapter '{name}' removed successfully."
 
 
@@ -80,17 +81,18 @@ async def _confirm(cluster: Cluster, since: float, done, what: str) -> None:
     await confirm(cluster, since, done, what, applies=lambda info: bool(info.max_loras))
 
 
-async def confirm(cluster: Cluster, since: float, done: Callable[[WorkerInfo], bool], what: str,
-                  applies: Callable[[WorkerInfo], bool] = lambda info: True) -> None:
-    """Until the heartbeat after `since` of every serving worker it `applies` to says `done`;
-    504 naming the others after the timeout."""
-    deadline = time.monotonic() + CONFIRM_TIMEOUT_S
+async def confirm(cluster: Cluster, since: float, done: Callable[[str, WorkerInfo], bool], what: str,
+                  applies: Callable[[WorkerInfo], bool] = lambda info: True,
+                  timeout_s: float = CONFIRM_TIMEOUT_S) -> None:
+    """Until the heartbeat after `since` of every serving worker it `applies` to says `done`
+    (asked with the worker's name); 504 naming the others after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     while True:
         pending = [n for n, info in (await _serving(cluster)).items()
-                   if applies(info) and (info.heartbeat_at < since or not done(info))]
+                   if applies(info) and (info.heartbeat_at < since or not done(n, info))]
         if not pending:
             return
         if time.monotonic() > deadline:
             raise APIError(504, f"Workers {', '.join(sorted(pending))} did not confirm within "
-                           f"{CONFIRM_TIMEOUT_S:.0f} s that they {what}.", type="timeout", code="timeout")
+                           f"{timeout_s:g} s that they {what}.", type="timeout", code="timeout")
         await asyncio.sleep(POLL_S)

@@ -190,6 +190,10 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat
 
+    def weights(self, model: str) -> str:
+        # hash: the weights update the workers of `model` follow (producer.records.WeightsUpdate)
+        return f"{self.prefix}weights:{model}"
+
     def drain(self, name: str) -> str:
         return f"{self.prefix}drain:{name}"  # string with TTL: worker `name` is asked to drain and stop (genq drain)
 

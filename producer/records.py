@@ -208,6 +208,11 @@ class WorkerInfo:
     prefix_cache_hits_total: int = 0  # of those, the tokens it held
     affinity_handoffs_taken_total: int = 0  # jobs other workers handed here (worker.queue_affinity)
     prefix_cache_resets: int = 0  # the count of genq:prefix_cache_resets its engine has emptied its cache to
+    # the weights update (genq:weights:<model>'s count) it acted on last, the checkpoint it serves
+    # and, where it could not read that update's checkpoint, why (it serves the one before)
+    weights_update: int = 0
+    weights_path: str = ""
+    weights_error: str = ""
     started_at: float = 0.0  # unix times
     heartbeat_at: float = 0.0
     pid: int = 0
@@ -232,6 +237,32 @@ class WorkerInfo:
     def adapter_errors(self) -> dict[str, str]:
         """`lora_errors` decoded; an unreadable value counts as none."""
         return {str(k): str(v) for k, v in _json_object(self.lora_errors).items()}
+
+
+WEIGHTS_MODES = ("wait", "keep")
+
+
+@dataclass(frozen=True)
+class WeightsUpdate:
+    """The hash genq:weights:<model>: the checkpoint its workers serve from update `count` on
+    (the API's POST /update_weights_from_disk writes it; a worker that starts reads it too);
+    `model_path` "": the model's own checkpoint, each worker's. `mode`: "wait" lets each
+    worker's running requests end first (holding the jobs it takes meanwhile), "keep" updates
+    between two steps, running requests going on over the new weights."""
+
+    count: int
+    model_path: str
+    mode: str = "wait"
+
+    @classmethod
+    def from_hash(cls, mapping: dict[Any, Any]) -> WeightsUpdate | None:
+        """The update an HGETALL read; None where there is none (or it is unreadable)."""
+        raw = {k: as_text(v) for k, v in str_keys(mapping).items()}
+        try:
+            update = cls(int(raw["count"]), raw["model_path"], raw.get("mode", "wait"))
+        except (KeyError, ValueError):
+            return None
+        return update if update.count > 0 and update.mode in WEIGHTS_MODES else None
 
 
 def _json_object(text: str) -> dict[str, Any]:

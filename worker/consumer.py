@@ -39,7 +39,7 @@ from producer.protocol import Keys
 from producer.tracing import Tracing
 from worker.queue_config import WorkerConfig, config_from_env
 from worker.queue_engine import EngineThread, Rejected, intake_capacity
-from worker.queue_heartbeat import Heartbeat, listen, read_adapter_registry
+from worker.queue_heartbeat import Heartbeat, listen, read_adapter_registry, read_weights_update
 from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer
 from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics
@@ -89,7 +89,9 @@ class Consumer:
                                    self.config.base_names)
         # the runtime adapters are read with the model, before any job can name one
         registry = await read_adapter_registry(self.scripts) if self.config.engine.enable_lora else {}
-        engine = await self.engine.start(registry)  # loads the model; steps wait for the first command
+        # ... and so is the model's latest weights update: a worker that starts after one serves it too
+        weights = await read_weights_update(self.scripts, self.config.model_name)
+        engine = await self.engine.start(registry, weights)  # loads the model; steps wait for the first command
         endpoint = self.config.otlp_traces_endpoint
         self.tracing = Tracing(endpoint, "genq-worker") if endpoint else None
         self.metrics = WorkerMetrics(self.config.model_name, self.tracing)

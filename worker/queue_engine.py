@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from producer.protocol import ERROR_INVALID_REQUEST, Job
+from producer.records import WeightsUpdate
 from worker.config import EngineConfig
 from worker.lora_request import LoRARequest
 from worker.queue_adapters import ServedAdapters
@@ -67,6 +68,16 @@ class FollowAdapters:
 
 class ResetPrefixCache:
     pass
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    """The weights update the engine acted on last (0: none), the checkpoint it serves, and
+    why that update failed ("": it did not)."""
+
+    update: int = 0
+    path: str = ""
+    error: str = ""
 
 
 class _Stop:
@@ -148,13 +159,26 @@ class EngineThread:
         self._num_adds_taken = 0
         self._initial_registry: dict[str, str] = {}
         self._mean_request_tokens: float | None = None
+        # weights updates: the last one asked, the one due (the engine thread's), the jobs held
+        # until it is made (mode "wait"), and what the engine serves (read by the heartbeat)
+        self.weights_asked = 0
+        self._weights_due: WeightsUpdate | None = None
+        self._held: list[AddRequest] = []
+        self.weights = ServedWeights()
         self._thread = threading.Thread(target=self._main, name="genq-engine", daemon=True)
         self._images: ThreadPoolExecutor | None = None  # prepares chat jobs' images
 
-    async def start(self, adapter_registry: dict[str, str] | None = None) -> Engine:
+    async def start(self, adapter_registry: dict[str, str] | None = None,
+                    weights: WeightsUpdate | None = None) -> Engine:
         """Start the thread and wait until the engine is built, with the configured LoRA
-        adapters and the runtime registry's (re-raises its error)."""
+        adapters and the runtime registry's (re-raises its error), and the weights of the
+        model's latest update (`weights`; where they cannot be read, the model's own, and the
+        heartbeat says why)."""
         self._initial_registry = dict(adapter_registry or {})
+        if weights is not None and weights.model_path:
+            self.follow_weights(weights)
+        elif weights is not None:  # (an update taken back: the model's own weights, which it loads)
+            self.weights_asked = weights.count
         self._thread.start()
         await self._ready
         return self.engine
@@ -189,6 +213,12 @@ class EngineThread:
     def reset_prefix_cache(self) -> None:
         """Empty the prefix cache (in the engine thread, between steps)."""
         self._commands.put(ResetPrefixCache())
+
+    def follow_weights(self, update: WeightsUpdate) -> None:
+        """Serve the checkpoint of a weights update (in the engine thread: at once between two
+        steps, or in mode "wait" once the running requests have ended)."""
+        self.weights_asked = update.count
+        self._commands.put(update)
 
     def abort(self, engine_ids: list[str]) -> None:
         if engine_ids:
@@ -235,8 +265,11 @@ class EngineThread:
 
         try:
             self.engine = Engine(self.config)
+            self.weights = ServedWeights(self.weights_asked, str(self.engine.model_path))
             self.adapters.load_configured(self.engine)  # a bad adapter fails the start
             self.adapters.follow(self.engine, self._initial_registry)  # a bad one is noted
+            self._take_commands(block=False)  # the latest weights update, if the model has had one
+            self._update_weights()
         except BaseException as exc:
             self._loop.call_soon_threadsafe(_fail, self._ready, exc)
             return
@@ -248,10 +281,13 @@ class EngineThread:
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
-                taken = self._take_commands(block=not busy)
+                taken = self._take_commands(block=not busy and self._weights_due is None)
                 if taken is None:
                     return
                 rejected, changed = taken
+                if self._weights_due is not None:
+                    rejected += self._update_weights()
+                    changed = True
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 if failures := self.engine.take_failures():  # the job fails, with why, not its abort output
                     outputs = [o for o in outputs if o.request_id not in failures]
@@ -280,7 +316,16 @@ class EngineThread:
                 return None
             if isinstance(command, AbortRequests):
                 for engine_id in command.engine_ids:
+                    held = next((h for h in self._held if h.engine_id == engine_id), None)
+                    if held is not None:  # (added to be aborted: its job ends as any aborted job does)
+                        self._held.remove(held)
+                        if (refused := self._add(held)) is not None:
+                            rejected.append(refused)
                     self.engine.abort_request(engine_id)
+            elif isinstance(command, WeightsUpdate):
+                self._weights_due = command
+            elif isinstance(command, AddRequest) and self._weights_due is not None and self._weights_due.mode == "wait":
+                self._held.append(command)
             elif isinstance(command, FollowAdapters):
                 self.adapters.follow(self.engine, command.registry)
             elif isinstance(command, ResetPrefixCache):
@@ -289,6 +334,23 @@ class EngineThread:
                 refused = self._add(command)
                 if refused is not None:
                     rejected.append(refused)
+
+    def _update_weights(self) -> list[Rejected]:
+        """Make the weights update that is due, if it may be made now (mode "wait": once no
+        request runs), then add the jobs held for it; the jobs the engine refused."""
+        due = self._weights_due
+        if due is None or (due.mode == "wait" and self.engine.has_unfinished_requests()):
+            return []
+        self._weights_due = None
+        try:
+            path = self.engine.reload_weights(due.model_path or None)  # ("": the model's own, read again)
+            self.weights = ServedWeights(due.count, str(path))
+        except Exception as exc:  # the checkpoint's fault: the weights are as they were
+            logger.error("weights update %d (%s) failed, serving %s on: %s", due.count, due.model_path,
+                         self.weights.path, exc)
+            self.weights = replace(self.weights, update=due.count, error=str(exc) or type(exc).__name__)
+        held, self._held = self._held, []
+        return [refused for request in held if (refused := self._add(request)) is not None]
 
     def _add(self, request: AddRequest) -> Rejected | None:
         """Queue one request; why, if the engine refuses it."""

@@ -15,7 +15,7 @@ import redis
 
 from producer.aio import unless_set, wait_for_event
 from producer.protocol import WORKER_HEARTBEAT_TTL_S, as_text
-from producer.records import WorkerInfo, encode_worker_info
+from producer.records import WeightsUpdate, WorkerInfo, encode_worker_info
 from worker.queue_config import WorkerConfig
 from worker.queue_engine import EngineThread
 from worker.queue_jobs import ABORT_CANCELLED, ABORT_DEADLINE, HeldJob, JobState, JobTable
@@ -35,6 +35,11 @@ async def read_adapter_registry(scripts: Scripts) -> dict[str, str]:
     """The runtime LoRA registry: adapter name -> path."""
     registry = await scripts.conn.hgetall(scripts.keys.lora_adapters)  # type: ignore[misc]
     return {as_text(name): as_text(path) for name, path in registry.items()}
+
+
+async def read_weights_update(scripts: Scripts, model: str) -> WeightsUpdate | None:
+    """The latest weights update of `model` (genq:weights:<model>), if it has had one."""
+    return WeightsUpdate.from_hash(await scripts.conn.hgetall(scripts.keys.weights(model)))  # type: ignore[misc]
 
 
 class Heartbeat:
@@ -90,6 +95,11 @@ class Heartbeat:
             logger.info("worker %s empties its prefix cache, as asked", self.config.name)
             self.engine.reset_prefix_cache()
         self.resets = resets
+        update = await read_weights_update(self.scripts, self.config.model_name)
+        if update is not None and update.count != self.engine.weights_asked:
+            logger.info("worker %s serves the weights of %s from update %d on (%s)", self.config.name,
+                        update.model_path, update.count, update.mode)
+            self.engine.follow_weights(update)
         held = [h for h in self.table if h.state.writes]
         lost, cancelled = await self.scripts.heartbeat(
             self.scripts.keys.worker(self.config.name),
@@ -162,6 +172,9 @@ class Heartbeat:
             prefix_cache_hits_total=stats.prefix_cache_hits,
             affinity_handoffs_taken_total=m.handoffs_taken_total,
             prefix_cache_resets=int(self.resets or 0),  # (asked of the engine thread before any later job)
+            weights_update=self.engine.weights.update,
+            weights_path=self.engine.weights.path,
+            weights_error=self.engine.weights.error,
             started_at=self.started_at,
             heartbeat_at=time.time(),
             pid=os.getpid(),

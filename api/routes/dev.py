@@ -1,13 +1,17 @@
 """vLLM's development endpoints, mounted only with GENQ_SERVER_DEV_MODE (as vLLM mounts them
-with VLLM_SERVER_DEV_MODE): what a benchmark needs between runs, which no tenant should be
-able to do to the others' traffic on a shared deployment."""
+with VLLM_SERVER_DEV_MODE): what a benchmark needs between runs, and what a trainer needs to
+serve its latest weights (SGLang's update_weights_from_disk), which no tenant should be able to
+do to the others' traffic on a shared deployment."""
 
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 from fastapi import APIRouter, Response
+from pydantic import BaseModel, ConfigDict, Field
 
+from api import weights_updates
 from api.deps import StateDep
 from api.lora_adapters import confirm
 
@@ -21,5 +25,25 @@ async def reset_prefix_cache(state: StateDep) -> Response:
     before), 504 naming those that did not."""
     since = time.time()
     count = await state.client.redis.incr(state.client.keys.prefix_cache_resets)
-    await confirm(state.cluster, since, lambda info: info.prefix_cache_resets >= count, "emptied their prefix cache")
+    await confirm(state.cluster, since, lambda _, info: info.prefix_cache_resets >= count, "emptied their prefix cache")
     return Response(status_code=200)
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_path: str  # the checkpoint's directory (or GGUF file), as the workers see it
+    model: str | None = None  # the served model to update; None: the only one served
+    # wait: each worker lets its running requests end first, holding the jobs it takes meanwhile;
+    # keep: each updates between two steps, running requests going on over the new weights
+    mode: Literal["wait", "keep"] = "wait"
+    timeout: float = Field(default=300.0, gt=0, le=3600)  # seconds to wait for the workers to say so
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateWeightsRequest, state: StateDep) -> dict[str, object]:
+    """Every worker of the model serves the weights of the checkpoint at `model_path` (one of
+    the served model's shape), and so does each that starts later: 200 once each serving one
+    says so (a job sent after it runs on the new weights); 400 naming a worker that could not
+    read it (it serves the weights it had), 504 naming those that did not say within `timeout`."""
+    return await weights_updates.update(state.client, state.cluster, body.model_path, body.model, body.mode,
+                                        body.timeout)

@@ -1,0 +1,94 @@
+"""Weights updates, cluster-wide (SGLang's POST /update_weights_from_disk): every worker of a
+model serves the weights of another checkpoint of it (a training step's, a fine-tune's)
+without starting over, behind GENQ_SERVER_DEV_MODE.
+
+The update is the hash `genq:weights:<model>` (producer.records.WeightsUpdate): a count, the
+checkpoint's path on the workers' disks, and a mode. Each worker of the model follows it at
+its heartbeat, and one that starts later reads it with its model, so the whole fleet serves
+one set of weights. The call returns once every serving worker of the model says, in its
+heartbeat, that it serves the update, so a job sent after it runs on the new weights; a worker
+that could not read the checkpoint serves the weights it had, and its reason is the error.
+Where no worker could, the update is taken back, so a worker that starts later does not try
+it either.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from api.cluster import Cluster
+from api.errors import APIError, invalid_param
+from api.lora_adapters import confirm
+from producer.async_client import AsyncClient
+from producer.records import WeightsUpdate, WorkerInfo
+
+
+async def update(client: AsyncClient, cluster: Cluster, model_path: str, model: str | None, mode: str,
+                 timeout_s: float) -> dict[str, object]:
+    """Record the update and wait until every serving worker of the model serves it."""
+    if not model_path.strip():
+        raise invalid_param("model_path", "model_path must name the checkpoint's directory on the workers")
+    name = await _model(cluster, model)
+    key = client.keys.weights(name)
+    before = WeightsUpdate.from_hash(await client.redis.hgetall(key))  # type: ignore[misc]
+    async with client.redis.pipeline(transaction=True) as pipe:
+        pipe.hincrby(key, "count", 1)
+        pipe.hset(key, mapping={"model_path": model_path, "mode": mode})
+        count, _ = await pipe.execute()
+    served: set[str] = set()
+    failed: dict[str, str] = {}
+
+    def done(worker: str, info: WorkerInfo) -> bool:
+        if info.weights_update >= count and not (info.weights_update == count and info.weights_error):
+            served.add(worker)
+        elif info.weights_update == count:
+            failed[worker] = f"{info.weights_error} (it serves {info.weights_path} on)"
+        return worker in served or worker in failed
+
+    await confirm(cluster, time.time(), done, f"serve the weights of {model_path}",
+                  applies=lambda info: info.model == name, timeout_s=timeout_s)
+    if failed:
+        taken_back = not served and await _take_back(client, key, count, before)
+        raise APIError(400, "; ".join(f"Worker {w} cannot serve the weights of {model_path}: {why}"
+                                      for w, why in sorted(failed.items()))
+                       + (" The update is taken back: a worker that starts serves the weights before it."
+                          if taken_back else ""), param="model_path")
+    workers = f"{len(served)} worker{'s' if len(served) != 1 else ''}" if served else \
+        "no worker is live; workers serve them as they start"
+    return {"success": True, "message": f"Model {name} serves the weights of {model_path} ({workers}).",
+            "model": name, "model_path": model_path, "weights_update": count}
+
+
+async def _take_back(client: AsyncClient, key: str, count: int, before: WeightsUpdate | None) -> bool:
+    """Point the update `count`, which no worker could serve, back at the checkpoint before it
+    (the model's own, "", where there was none), unless a later update came meanwhile. Its
+    count stays: no worker reloads what it serves already, one that starts reads the one before."""
+    async with client.redis.pipeline(transaction=True) as pipe:
+        await pipe.watch(key)
+        if int(await pipe.hget(key, "count") or 0) != count:
+            return False
+        pipe.multi()
+        pipe.hset(key, mapping={"model_path": before.model_path if before else "",
+                                "mode": before.mode if before else "wait"})
+        try:
+            await pipe.execute()
+        except redis.WatchError:  # a later update came
+            return False
+    return True
+
+
+async def _model(cluster: Cluster, model: str | None) -> str:
+    """The model the update is for: the one named (or aliased), or the only one served."""
+    served = await cluster.served_models()
+    if model is not None:
+        name = await cluster.model_named(model)
+        if name not in served:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return name
+    bases = sorted({w.info.model for w in await cluster.workers() if w.serving})
+    if len(bases) != 1:
+        raise invalid_param("model", "several models are served (" + ", ".join(bases) + "): name one"
+                            if bases else "no worker is live to say which model: name one")
+    return bases[0]

@@ -1,0 +1,105 @@
+"""SGLang's POST /update_weights_from_disk under GENQ_SERVER_DEV_MODE: every worker of the model
+serves the new checkpoint by the time it answers (the very next request's tokens are the
+offline engine's on that checkpoint, whatever the prefix cache held), a worker that starts
+later serves it too, and a checkpoint no worker can read is refused by name and taken back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from api.settings import Settings
+from producer.protocol import Keys
+from producer.records import decode_worker_info
+from producer.redis_server import RedisServer
+from producer.sampling_params import SamplingParams
+from worker import LLM
+
+PROMPT = list(range(5, 41))  # (two full blocks, cached by the first request)
+LONG = 600  # tokens: a request that runs for seconds
+
+
+def stream_text(oai: openai.OpenAI, model: str) -> str:
+    stream = oai.completions.create(model=model, prompt=PROMPT, max_tokens=LONG, temperature=0.0, stream=True,
+                                    extra_body={"ignore_eos": True})
+    return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+
+def running(conn: redis.Redis, worker: str) -> bool:
+    return decode_worker_info(conn.hgetall(Keys().worker(worker))).running > 0
+
+
+@pytest.fixture(scope="module")
+def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, run_worker, tmp_path_factory) -> Iterator[str]:
+    with run_worker(stack_redis.url, tiny_llama_dir, tmp_path_factory.mktemp("worker")) as url:
+        yield url
+
+
+def offline(model_dir: Path, max_tokens: int = 8) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
+    return llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_the_workers_serve_the_new_weights_and_a_bad_checkpoint_is_refused(
+        served_model: str, oai: openai.OpenAI, live_worker: str, serve_api, run_worker, poll, tiny_llama_dir: Path,
+        retrained_llama_dir: Path, tiny_mistral_dir: Path, tmp_path: Path) -> None:
+    def served() -> str:
+        return oai.completions.create(model=served_model, prompt=PROMPT, max_tokens=8, temperature=0.0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+
+    conn = redis.Redis.from_url(live_worker)
+    (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
+    old, new = offline(tiny_llama_dir), offline(retrained_llama_dir)
+    assert served() == old != new
+    body = {"model_path": str(retrained_llama_dir)}
+    with serve_api(Settings(redis_url=live_worker)) as url:
+        assert httpx.post(f"{url}/update_weights_from_disk", json=body).status_code == 404
+    with serve_api(Settings(redis_url=live_worker, server_dev_mode=True)) as url:
+        answer = httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json() | {"message": ""} == {"success": True, "message": "", "model": served_model,
+                                                   "model_path": str(retrained_llama_dir), "weights_update": 1}
+        assert served() == new  # the very next request, its prompt computed again
+        # a checkpoint of another shape: the worker names why, serves on what it had, and the
+        # update is taken back, so a worker that starts later serves the weights before it
+        refused = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tiny_mistral_dir)},
+                             timeout=60)
+        assert refused.status_code == 400
+        message = refused.json()["error"]["message"]
+        assert f"Worker {worker} cannot serve the weights of {tiny_mistral_dir}" in message
+        assert "num_key_value_heads 4 (served: 2)" in message and "taken back" in message
+        assert served() == new
+        assert conn.hget(Keys().weights(served_model), "model_path").decode() == str(retrained_llama_dir)
+        # mode "wait" (the default): a request running when an update comes ends on the weights it
+        # began with, and the update answers after it
+        streamed: dict[str, object] = {}
+
+        def stream_long() -> None:
+            streamed["text"] = stream_text(oai, served_model)
+            streamed["ended"] = time.monotonic()
+
+        long = threading.Thread(target=stream_long)
+        long.start()
+        poll(lambda: running(conn, worker), 30, "the long request running")
+        asked = time.monotonic()
+        back = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(tiny_llama_dir)}, timeout=60)
+        long.join(60)
+        assert back.status_code == 200 and streamed["ended"] > asked  # (it was asked while the request ran)
+        assert streamed["text"] == offline(retrained_llama_dir, LONG)
+        assert served() == old
+        for wrong, status, named in (({"model_path": "/x", "model": "nope"}, 404, "nope"),
+                                     ({"model_path": "/x", "modes": "keep"}, 400, "modes"),
+                                     ({"model_path": "/x", "mode": "abort"}, 400, "mode")):
+            answer = httpx.post(f"{url}/update_weights_from_disk", json=wrong)
+            assert answer.status_code == status and named in answer.json()["error"]["message"], answer.text
+    with run_worker(live_worker, retrained_llama_dir, tmp_path, name="late"):  # (started on other weights)
+        info = decode_worker_info(conn.hgetall(Keys().worker("late")))
+        assert (info.weights_update, info.weights_path, info.weights_error) == (3, str(tiny_llama_dir), "")
