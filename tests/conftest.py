@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+from safetensors.torch import load_file, save_file
 
 from producer.redis_server import RedisServer
 
@@ -759,17 +760,18 @@ def tuned_llama_dir(tiny_llama_dir: Path, tmp_path_factory) -> Path:
 
 
 def build_retrained(model_dir: Path, out: Path, seed: int = 1) -> Path:
-    """`model_dir`'s model after some training, as far as serving can tell: the same shape
-    and tokenizer, every weight moved by noise of its own scale (a weights update's checkpoint)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    """`model_dir`'s checkpoint after some training, as far as serving can tell: the same files,
+    shapes and tokenizer, every floating-point tensor moved by noise of its own scale (a weights
+    update's checkpoint; an image-text model's vision tower too)."""
+    shutil.copytree(model_dir, out)
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * param.std(correction=0).clamp_min(0.05).item())
-    model.save_pretrained(out)
-    copy_tokenizer(model_dir, out)
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point():
+                scale = tensor.float().std(correction=0).clamp_min(0.05).item() if tensor.numel() else 0.0
+                tensors[name] = tensor + (torch.randn(tensor.shape, generator=generator) * scale).to(tensor.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
     return out
 
 

@@ -7,13 +7,17 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
-from test_engine import hf_greedy_along
+from test_engine import greedy_along, hf_greedy_along
 from test_mtp import PROMPTS as MTP_PROMPTS
 from test_mtp import HfMtp, build_mtp_checkpoint, run_checking_guesses
+from test_qwen_vl_images import ONE, _generate, hf_greedy
+from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams
-from worker import LLM
+from worker import LLM, LoRARequest
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24], [40, 41, 42, 43, 44]]
 
@@ -103,3 +107,30 @@ def test_every_tensor_parallel_rank_reads_its_share(tiny_llama_dir, retrained_ll
     with pytest.raises(ValueError, match="down_proj"):
         llm.reload_weights(bad)
     assert tokens(llm) == after  # (and rank 1 serves on, its weights kept too)
+
+
+def test_an_image_encoder_is_read_from_the_new_checkpoint_too(tiny_qwen_vl_dir, retrain, tmp_path):
+    """The vision tower's weights change with the rest, and no image is served from the
+    embeddings the old tower made (the same picture, asked about again)."""
+    new = retrain(tiny_qwen_vl_dir, tmp_path / "new")
+    llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64)
+    before = _generate(llm, [ONE])[0].outputs[0].token_ids
+    llm.reload_weights(new)
+    after = _generate(llm, [ONE])[0].outputs[0].token_ids
+    assert after != before and after == hf_greedy(new, *ONE)
+
+
+def test_a_loaded_adapter_applies_over_the_new_weights(tiny_llama_dir, retrained_llama_dir, tiny_llama_adapters):
+    """An adapter made resident before the update is served over the new base weights, as PEFT
+    applies it to the new checkpoint."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, enable_lora=True, max_lora_rank=8)
+    adapter = LoRARequest("all", 1, str(tiny_llama_adapters["all"]))
+    params = greedy()
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    llm.generate(prompts, params, lora_request=adapter, use_tqdm=False)
+    llm.reload_weights(retrained_llama_dir)
+    outs = llm.generate(prompts, params, lora_request=adapter, use_tqdm=False)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(retrained_llama_dir, dtype=torch.float32),
+                                      tiny_llama_adapters["all"])
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == greedy_along(model, PROMPTS, got)
