@@ -70,15 +70,22 @@ def format_status(status: dict[str, Any]) -> str:
          *(str(q["lanes"].get(lane, {}).get("undelivered", 0)) for lane in ("high", "low")))
         for q in status["queues"]
     ]
-    workers = [("worker", "model", "queue", "state", "running", "waiting", "free", "kv%", "hit%", "handed", "tok/s")] + [
+    workers = [("worker", "model", "queue", "state", "running", "waiting", "free", "kv%", "hit%", "handed", "tok/s",
+                "weights")] + [
         (w["name"], w["model"], w["queue"] or SHARED, w["state"], f"{w['running']}/{w['max_num_seqs']}", str(w["waiting"]),
          str(w["free_slots"]), f"{100 * w['kv_cache_usage']:.1f}", _hit_rate(w), str(w["affinity_handoffs_taken_total"]),
-         f"{w['tokens_per_s']:.1f}")
+         f"{w['tokens_per_s']:.1f}", _weights(w))
         for w in status["workers"]
     ]
     lines = text_table(queues) + [""]
     lines += text_table(workers) if status["workers"] else ["no live worker"]
     return "\n".join([*lines, "", f"dead letters: {status['dead_letters']} (genq dead ls)"])
+
+
+def _weights(worker: dict[str, Any]) -> str:
+    """The weights update it serves ("-": none), "!" after one whose checkpoint it could not read."""
+    update = worker["weights_update"]
+    return f"{update}{'!' if worker['weights_error'] else ''}" if update else "-"
 
 
 def _hit_rate(worker: dict[str, Any]) -> str:

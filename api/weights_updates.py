@@ -80,14 +80,16 @@ async def _take_back(client: AsyncClient, key: str, count: int, before: WeightsU
 
 
 async def _model(cluster: Cluster, model: str | None) -> str:
-    """The model the update is for: the one named (or aliased), or the only one served."""
-    served = await cluster.served_models()
+    """The model the update is for: the one named (or aliased), or the only one served. A name
+    no live worker serves as its model (an adapter's, a typo) is a 404, unless none is live:
+    then the update waits for the workers that start."""
+    bases = sorted({w.info.model for w in await cluster.workers() if w.serving})
     if model is not None:
         name = await cluster.model_named(model)
-        if name not in served:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        if bases and name not in bases:
+            raise APIError(404, f"The model `{model}` does not exist (served: {', '.join(bases)}).", param="model",
+                           code="model_not_found")
         return name
-    bases = sorted({w.info.model for w in await cluster.workers() if w.serving})
     if len(bases) != 1:
         raise invalid_param("model", "several models are served (" + ", ".join(bases) + "): name one"
                             if bases else "no worker is live to say which model: name one")

@@ -90,9 +90,10 @@ def test_genq_status_shows_each_queue_and_worker(stack_redis: RedisServer, live_
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines()]
     assert ["(shared)", "genq:requests", "0", "0", "0", "0"] in rows and ["b", "genq:requests:b", "0", "0", "0", "0"] in rows
-    workers = {row[0]: [*row[1:4], row[4].split("/")[1]] for row in rows if len(row) == 11 and row[0] != "worker"}
-    assert workers == {"api-test": ["tiny-llama", "(shared)", "serving", "8"],  # (running / its max_num_seqs)
-                       "mistral-worker": [MISTRAL, "b", "serving", "8"]}
+    workers = {row[0]: [*row[1:4], row[4].split("/")[1], row[11]] for row in rows if len(row) == 12 and row[0] != "worker"}
+    # (running as running / its max_num_seqs; no weights update yet)
+    assert workers == {"api-test": ["tiny-llama", "(shared)", "serving", "8", "-"],
+                       "mistral-worker": [MISTRAL, "b", "serving", "8", "-"]}
     assert rows[-1][:3] == ["dead", "letters:", "0"]
     status = json.loads(subprocess.run([sys.executable, "-m", "producer.cli", "status", "--json", "--redis-url",
                                         stack_redis.url], capture_output=True, text=True, timeout=30).stdout)
