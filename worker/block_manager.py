@@ -241,7 +241,7 @@ class BlockManager:
         self.req_blocks: dict[str, list[list[int]]] = {}  # request id -> a block table per group
         self.num_released: dict[str, list[int]] = {}  # request id -> leading entries released, per group
         self.num_registered: dict[str, list[int]] = {}  # request id -> leading blocks offered to the cache, per group
-        self.weights_epoch = 0  # weights updates so far (new_weights): part of every block's hash
+        self.cache_epoch = 0  # resets so far (reset_prefix_cache): part of every block's hash
         self._windowed = any(window is not None for window in self.windows)
         self.stats = PrefixCacheStats()
 
@@ -491,15 +491,12 @@ class BlockManager:
         self.req_blocks[child_id] = tables
         self.num_released[child_id] = released
 
-    def new_weights(self) -> None:
-        """The model's weights changed: no block computed before may serve a prefix again.
-        Those no request holds are forgotten now; those running requests hold stay theirs,
-        but the blocks of every later request hash apart from them (a new first parent),
-        so none of them, nor any block a running request adds to its table, is ever a hit."""
-        self.weights_epoch += 1
-        self.reset_prefix_cache()
-
     def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: the blocks (and saved states) no request holds now, and
+        those running requests hold too, as far as later requests can tell: every later
+        request's blocks hash apart from them (a new first parent), so neither they nor any
+        block a running request adds to its table is ever a hit."""
+        self.cache_epoch += 1
         self.pool.reset_prefix_cache()
         if self.states is not None:
             self.pending_states.clear()
@@ -522,7 +519,7 @@ class BlockManager:
         for i in range(len(request.block_hashes), request.num_tokens // bs):
             # the first block's parent names the adapter (its KV differs from the base model's)
             # and the cache salt (only requests with the same salt share blocks)
-            parent = request.block_hashes[i - 1] if i else _first_parent(request, self.weights_epoch)
+            parent = request.block_hashes[i - 1] if i else _first_parent(request, self.cache_epoch)
             key = (parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))
             # a block holding image tokens names those images' pixels: equal placeholders differ
             images = tuple(digest for offset, length, digest in request.image_spans
@@ -530,12 +527,12 @@ class BlockManager:
             request.block_hashes.append(hash((*key, images) if images else key))
 
 
-def _first_parent(request: Request, weights_epoch: int) -> Hashable:
+def _first_parent(request: Request, cache_epoch: int) -> Hashable:
     if request.cache_salt is not None:
         parent: Hashable = ("salt", request.cache_salt, request.lora_id)
     else:
         parent = ("lora", request.lora_id) if request.lora_id else None
-    return ("weights", weights_epoch, parent) if weights_epoch else parent
+    return ("epoch", cache_epoch, parent) if cache_epoch else parent
 
 
 def _runs(blocks: list[int | None]) -> list[int]:

@@ -413,9 +413,13 @@ class Engine:
                 f"token timestamps are a Whisper model's, this one is {self.model_config.architecture}"))
 
     def reset_prefix_cache(self) -> None:
-        """vLLM's: forget every cached prefix (KV blocks, saved states, the host tier's) that no
-        running request holds; those it holds are forgotten as they are freed. For benchmarks
-        that must start cold, and after anything that should not be served from memory."""
+        """vLLM's: forget every cached prefix (KV blocks, saved states, the host tier's). Those
+        running requests hold stay theirs, but no later request is served from them. For
+        benchmarks that must start cold, and after anything that should not be served from
+        memory (new weights)."""
+        for request in self.scheduler.waiting:  # (one holding no blocks hashes its prompt again, anew)
+            if not self.block_manager.num_held(request.request_id):
+                request.block_hashes.clear()
         self.block_manager.reset_prefix_cache()
 
     def reload_weights(self, model_path: str | Path | None = None) -> Path:
@@ -443,10 +447,7 @@ class Engine:
         self.runner.reload_weights(path, whole_config)
         if isinstance(self.proposer, HiddenStateProposer):
             self.proposer.reload_weights(path, self.runner.model)
-        for request in self.scheduler.waiting:  # (one holding no blocks hashes its prompt again, anew)
-            if not self.block_manager.num_held(request.request_id):
-                request.block_hashes.clear()
-        self.block_manager.new_weights()
+        self.reset_prefix_cache()
         logger.info("serving the weights of %s", path)
         return path
 

@@ -286,6 +286,19 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs(tiny_llama_dir, prefix_c
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
 
 
+def test_a_reset_keeps_later_requests_off_the_blocks_running_ones_hold(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    engine, prompt = llm.engine, {"prompt_token_ids": list(range(5, 41))}  # (two full blocks)
+    engine.add_request("running", prompt, greedy(8))
+    engine.step()  # its prompt's blocks are computed and cached, and it holds them
+    engine.reset_prefix_cache()
+    engine.add_request("later", prompt, greedy(1))
+    cached = {}
+    while engine.has_unfinished_requests():
+        cached |= {out.request_id: out.num_cached_tokens for out in engine.step() if out.finished}
+    assert cached == {"running": 0, "later": 0}
+
+
 def test_chunked_prefill_with_small_token_budget(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=24, num_gpu_blocks_override=256)
     run_and_compare(llm, tiny_llama_dir)
