@@ -16,6 +16,7 @@ Positions past the request's known tokens hold guesses, which the next catch-up 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -202,11 +203,11 @@ class HiddenStateProposer:
         # there, its table then)
         self._first: dict[str, tuple[int, int, torch.Tensor, list[int]]] = {}
 
-    def reload_weights(self, model_path: Path, target: LlamaForCausalLM) -> None:
+    def reload_weights(self, source: Path | Mapping[str, torch.Tensor], target: LlamaForCausalLM) -> None:
         """An MTP layer's weights, read from the target's new checkpoint (Engine.reload_weights);
         an EAGLE-3 head's are its own checkpoint's, and stay."""
         if isinstance(self.runner.model, MultiTokenPredictor):
-            self.runner.reload_weights(model_path, adjust=lambda fresh: cast(HiddenStateDraft, fresh).share_with(target))
+            self.runner.reload_weights(source, adjust=lambda fresh: cast(HiddenStateDraft, fresh).share_with(target))
 
     def take_rows(self, rows: list[tuple[str, int, list[int], torch.Tensor, int, list[int]]],
                   guessing: bool = True) -> None:

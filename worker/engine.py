@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -422,11 +423,15 @@ class Engine:
                 request.block_hashes.clear()
         self.block_manager.reset_prefix_cache()
 
-    def reload_weights(self, model_path: str | Path | None = None) -> Path:
+    def reload_weights(self, model_path: str | Path | None = None,
+                       weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> Path | None:
         """Serve the weights of the checkpoint at `model_path` from now on: a checkpoint of the
         served model's shape (a fine-tune's, a training step's), read between two steps and
         copied over the weights in place; None reads the served model's own checkpoint again
-        (one a trainer overwrote). Returns the checkpoint's directory.
+        (one a trainer overwrote). Or `weights`: the tensors themselves, by their checkpoint
+        names (a colocated trainer's `model.named_parameters()`), every one the model reads;
+        for one process only (tensor_parallel_size 1) and a model without an image encoder.
+        Returns the checkpoint's directory (None for `weights`).
 
         Running requests go on over the new weights (the keys and values they computed stay,
         as vLLM's weight updates leave them); the prefix cache and the image embeddings kept
@@ -435,6 +440,9 @@ class Engine:
         the chat template and the generation config stay as they were. A checkpoint that
         does not fit is refused by name (ValueError; OSError where it cannot be read), the
         weights left as they were."""
+        if weights is not None:
+            self._reload_given(model_path, dict(weights))
+            return None
         path = self.model_path if model_path is None else resolve_model_path(str(model_path), self.config.cache_dir)
         whole_config = read_config(path, self.config.hf_overrides)
         served = self.runner.checkpoint_config
@@ -444,12 +452,27 @@ class Engine:
         if differ:
             raise ValueError(f"{path} is not a checkpoint of the served model's shape: " + ", ".join(
                 f"{name} {getattr(given, name)!r} (served: {getattr(served, name)!r})" for name in differ[:4]))
-        self.runner.reload_weights(path, whole_config)
-        if isinstance(self.proposer, HiddenStateProposer):
-            self.proposer.reload_weights(path, self.runner.model)
-        self.reset_prefix_cache()
+        self._reload(path, whole_config)
         logger.info("serving the weights of %s", path)
         return path
+
+    def _reload_given(self, model_path: str | Path | None, weights: dict[str, torch.Tensor]) -> None:
+        if model_path is not None:
+            raise ValueError("reload_weights takes a checkpoint's path or its weights, not both")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("weights given in memory are read by one process: with tensor_parallel_size "
+                             f"{self.config.tensor_parallel_size}, save them as a checkpoint and give its path")
+        if self.runner.image_encoder is not None:
+            raise ValueError(f"{self.model_config.architecture}'s encoder reads its weights from a checkpoint: "
+                             "save them as one and give its path")
+        self._reload(weights)
+        logger.info("serving the weights given (%d tensors)", len(weights))
+
+    def _reload(self, source: Path | dict[str, torch.Tensor], whole_config: Any = None) -> None:
+        self.runner.reload_weights(source, whole_config)
+        if isinstance(self.proposer, HiddenStateProposer):
+            self.proposer.reload_weights(source, self.runner.model)
+        self.reset_prefix_cache()
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its final output (finish_reason 'abort')

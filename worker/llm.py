@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -55,11 +56,14 @@ class LLM:
         """vLLM's: the next prompts compute their prefixes afresh (Engine.reset_prefix_cache)."""
         self.engine.reset_prefix_cache()
 
-    def reload_weights(self, model_path: str | Path | None = None) -> Path:
+    def reload_weights(self, model_path: str | Path | None = None,
+                       weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> Path | None:
         """Generate from the weights of another checkpoint of the same model (a training step's,
-        a fine-tune's) from now on, or of the served checkpoint read again (None), without
-        starting over: Engine.reload_weights. Returns the checkpoint's directory."""
-        return self.engine.reload_weights(model_path)
+        a fine-tune's) from now on, or of the served checkpoint read again (None), or from
+        `weights` given by their checkpoint names (a colocated trainer's
+        `model.named_parameters()`), without starting over: Engine.reload_weights. Returns the
+        checkpoint's directory (None for `weights`)."""
+        return self.engine.reload_weights(model_path, weights)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what `generate` samples with when given no params: the model's

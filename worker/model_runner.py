@@ -11,7 +11,7 @@ import functools
 import logging
 import math
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -267,11 +267,11 @@ class ModelRunner:
                             self.block_size, self.device, self.layer_group, self.states,
                             self.model_config.linear_layers)
 
-    def reload_weights(self, model_path: Path, image_config: Any = None,
+    def reload_weights(self, source: Path | Mapping[str, torch.Tensor], image_config: Any = None,
                        adjust: Callable[[LlamaForCausalLM], None] | None = None) -> None:
-        """Read the checkpoint at `model_path` (one of the served model's shape) and copy its
-        weights over the model's, and its image encoder's (`image_config`: the checkpoint's
-        whole config), in place: whatever shares them (a draft's embedding, CUDA graphs) reads
+        """Read the checkpoint at `source` (one of the served model's shape; or its tensors by
+        their checkpoint names) and copy its weights over the model's, and its image encoder's
+        (`image_config`: the checkpoint's whole config; a path's alone), in place: whatever shares them (a draft's embedding, CUDA graphs) reads
         the new ones. The checkpoint is read into a model of its own on the host first
         (`adjust`: a change to it before it is compared, an MTP layer's shared embedding), so a
         GPU needs no room for a second copy; only when every rank has read and checked its
@@ -281,20 +281,21 @@ class ModelRunner:
         error: Exception | None = None
         try:
             host = torch.device("cpu")
-            fresh = self._load_model(model_path, self.model.use_kernels, type(self.model), device=host)
+            fresh = self._load_model(source, self.model.use_kernels, type(self.model), device=host)
             if self.device == host:
                 self._pack(fresh)
             if adjust is not None:
                 adjust(fresh)
             staged.append((self.model, fresh))
             if self.image_encoder is not None:
-                staged.append((self.image_encoder, load_image_encoder(model_path, image_config, self.dtype, host)))
+                assert isinstance(source, Path), "an image encoder's weights are read from a checkpoint"
+                staged.append((self.image_encoder, load_image_encoder(source, image_config, self.dtype, host)))
             for served, read in staged:
                 check_same_weights(served, read)
         except Exception as exc:  # every rank reaches the agreement below, whatever failed
             error = exc
         if self.parallel is not None and self.parallel.min(int(error is None)) == 0 and error is None:
-            error = RuntimeError(f"another tensor-parallel rank could not read its share of {model_path} "
+            error = RuntimeError(f"another tensor-parallel rank could not read its share of {source} "
                                  "(its log says why)")
         if error is not None:
             raise error
@@ -311,11 +312,12 @@ class ModelRunner:
             pack_linears(model, batch_hint=self.config.max_num_seqs)
             pack_experts(model, batch_hint=self.config.max_num_seqs)
 
-    def _load_model(self, model_path: Path, use_kernels: bool,
+    def _load_model(self, source: Path | Mapping[str, torch.Tensor], use_kernels: bool,
                     model_class: type[LlamaForCausalLM] = LlamaForCausalLM, device: torch.device | None = None,
                     dummy: bool = False) -> LlamaForCausalLM:
         """The model, built on `device` (the runner's unless given) and its weights read from
-        `model_path`, or drawn at random (`dummy`)."""
+        the checkpoint at `source` (or given by their checkpoint names), or drawn at random
+        (`dummy`)."""
         cfg = self.model_config
         with torch.device("meta"):  # built in the model's dtype, so loading writes each weight once
             model = model_class(cfg, use_kernels).to(self.dtype)
@@ -331,10 +333,10 @@ class ModelRunner:
         if dummy:
             model.init_dummy_weights(getattr(cfg.hf_config, "initializer_range", 0.02))
         elif self.parallel is None:
-            model.load_weights(iter_safetensors(model_path, model.checkpoint_filter()))
+            model.load_weights(_checkpoint_tensors(source, model.checkpoint_filter()))
         else:
             p, ep = self.parallel, self.config.enable_expert_parallel
-            model.load_weights(iter_safetensors(model_path, model.checkpoint_filter()), functools.partial(
+            model.load_weights(_checkpoint_tensors(source, model.checkpoint_filter()), functools.partial(
                 shard_weights, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size, expert_parallel=ep),
                 functools.partial(deal_experts, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size)
                 if ep else None)
@@ -643,6 +645,14 @@ class ModelRunner:
         table = pad_tables(tables, self.device)  # [B, max_blocks]
         blocks = table[seq_of_token, positions // bs]
         return blocks * bs + positions % bs  # [T]
+
+
+def _checkpoint_tensors(source: Path | Mapping[str, torch.Tensor], keep: Callable[[str], bool] | None
+                        ) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's (name, tensor) pairs, from its files or as given; with `keep`, those it names."""
+    if isinstance(source, Path):
+        return iter_safetensors(source, keep)
+    return ((name, tensor) for name, tensor in source.items() if keep is None or keep(name))
 
 
 def _cpu_pool(numel: int, dtype: torch.dtype) -> torch.Tensor:

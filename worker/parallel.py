@@ -30,7 +30,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -389,11 +389,13 @@ class ParallelRunner:
         self._send(("swap_blocks", swaps))
         self.local.swap_blocks(swaps)
 
-    def reload_weights(self, model_path: Path, image_config: Any = None) -> None:
-        """New weights on every rank (ModelRunner.reload_weights: each reads its share, and
-        none copies unless all could)."""
-        self._send(("reload_weights", model_path))
-        self.local.reload_weights(model_path, image_config)
+    def reload_weights(self, source: Path | Mapping[str, torch.Tensor], image_config: Any = None) -> None:
+        """New weights on every rank (ModelRunner.reload_weights: each reads its share of the
+        checkpoint, and none copies unless all could)."""
+        if not isinstance(source, Path):  # (Engine.reload_weights refuses them first)
+            raise ValueError("tensor-parallel ranks read new weights from a checkpoint's path")
+        self._send(("reload_weights", source))
+        self.local.reload_weights(source, image_config)
 
     def _send(self, message: Any) -> None:
         """Send every other rank a step, or a change to its adapters; a rank that has stopped

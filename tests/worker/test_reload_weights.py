@@ -43,6 +43,22 @@ def test_the_new_weights_are_served_and_nothing_cached_before_is(tiny_llama_dir,
     assert tokens(llm) == before
 
 
+def test_weights_given_in_memory_are_served(tiny_llama_dir, retrained_llama_dir):
+    """A colocated trainer's `named_parameters()`, as transformers names them; all or nothing."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
+    trained = AutoModelForCausalLM.from_pretrained(retrained_llama_dir, dtype=torch.float32)
+    assert llm.reload_weights(weights=trained.named_parameters()) is None
+    after = tokens(llm)
+    assert after == greedy_along(trained, PROMPTS, after)
+    short = dict(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).named_parameters())
+    del short["model.norm.weight"]
+    with pytest.raises(ValueError, match="missing weights: norm.weight"):
+        llm.reload_weights(weights=short.items())
+    with pytest.raises(ValueError, match="a checkpoint's path or its weights, not both"):
+        llm.reload_weights(tiny_llama_dir, weights=short.items())
+    assert tokens(llm) == after
+
+
 def test_a_running_request_keeps_its_blocks_but_no_later_request_hits_them(tiny_llama_dir, retrained_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
     engine = llm.engine
@@ -107,6 +123,8 @@ def test_every_tensor_parallel_rank_reads_its_share(tiny_llama_dir, retrained_ll
     with pytest.raises(ValueError, match="down_proj"):
         llm.reload_weights(bad)
     assert tokens(llm) == after  # (and rank 1 serves on, its weights kept too)
+    with pytest.raises(ValueError, match="with tensor_parallel_size 2, save them as a checkpoint"):
+        llm.reload_weights(weights=weights.items())
 
 
 def test_an_image_encoder_is_read_from_the_new_checkpoint_too(tiny_qwen_vl_dir, retrain, tmp_path):
@@ -118,6 +136,8 @@ def test_an_image_encoder_is_read_from_the_new_checkpoint_too(tiny_qwen_vl_dir, 
     llm.reload_weights(new)
     after = _generate(llm, [ONE])[0].outputs[0].token_ids
     assert after != before and after == hf_greedy(new, *ONE)
+    with pytest.raises(ValueError, match="encoder reads its weights from a checkpoint"):
+        llm.reload_weights(weights=load_file(new / "model.safetensors").items())
 
 
 def test_a_loaded_adapter_applies_over_the_new_weights(tiny_llama_dir, retrained_llama_dir, tiny_llama_adapters):
