@@ -155,6 +155,7 @@ class Engine:
         # request id -> why it failed in a step (its images' encoding, a logits processor)
         self._failures: dict[str, str] = {}
         self.num_generated_tokens = 0
+        self._weights_source: Path | None = self.model_path  # the checkpoint served last (None: weights given)
 
     # -- intake --------------------------------------------------------------------------------
 
@@ -175,8 +176,7 @@ class Engine:
         `lora_request` runs it with that adapter, read on first use. With `pooling_params`
         it is an embedding request: its one output carries `embedding`, and no tokens."""
         params = params or SamplingParams()
-        if request_id in self.output_processor.parents:
-            raise ValueError(f"request id {request_id!r} is already in the engine")
+        self._check_takes(request_id)
         text, prompt_ids, images, embeds = self.check_prompt(prompt, params, pooling_params)
         salt = cache_salt_of(prompt)
         predicted = self.tokenizer.encode(params.prediction, add_special_tokens=False) if params.prediction else []
@@ -221,6 +221,12 @@ class Engine:
                 self.scheduler.add_request(child)
         else:
             self.scheduler.add_request(children[0], forks=children[1:])
+
+    def _check_takes(self, request_id: str) -> None:
+        if self.runner.asleep:
+            raise ValueError("the engine is asleep (sleep mode): wake_up() first")
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
 
     def _make_child(self, request_id, index, prompt_ids, params, priority, arrival_time, resume):
         child_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -453,8 +459,52 @@ class Engine:
             raise ValueError(f"{path} is not a checkpoint of the served model's shape: " + ", ".join(
                 f"{name} {getattr(given, name)!r} (served: {getattr(served, name)!r})" for name in differ[:4]))
         self._reload(path, whole_config)
+        self._weights_source = path
         logger.info("serving the weights of %s", path)
         return path
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, for a trainer that shares the device: give back the KV cache's
+        memory (its contents and the prefix cache forgotten), and at level 2 the weights' too
+        (forgotten: waking reads them again, from the checkpoint served last, unless a
+        `reload_weights` brings others first); at level 1 on a GPU the weights wait in host
+        memory. Only an idle engine sleeps; while it does, requests are refused."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (the weights kept) or 2 (forgotten), got {level!r}")
+        if self.has_unfinished_requests():
+            raise ValueError(f"only an idle engine sleeps: {len(self.scheduler.running) + len(self.scheduler.waiting)} "
+                             "requests are unfinished")
+        self.reset_prefix_cache()
+        for runner in self._runners():
+            runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what `sleep` gave: `tags` "weights" and "kv_cache", both by default (vLLM's:
+        a trainer wakes the weights alone to load new ones before the cache takes its memory)."""
+        wanted = ["weights", "kv_cache"] if tags is None else list(tags)
+        if unknown := [tag for tag in wanted if tag not in ("weights", "kv_cache")]:
+            raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', got {unknown}")
+        if "weights" in wanted:
+            if self.runner.weights_forgotten:  # (a level-2 sleep): read again, draft's MTP layer and all
+                if self._weights_source is None:
+                    raise ValueError("the weights slept at level 2 were given in memory: reload_weights(weights=...) "
+                                     "brings them back")
+                self._reload(self._weights_source, read_config(self._weights_source, self.config.hf_overrides))
+            for runner in self._runners():  # (a draft model's, an EAGLE-3 head's: their own checkpoint's)
+                if runner.weights_forgotten:
+                    runner.reload_weights(runner.model_path)
+                runner.wake_weights()
+        if "kv_cache" in wanted:
+            for runner in self._runners():
+                runner.wake_cache()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.runner.asleep)
+
+    def _runners(self) -> list[Any]:
+        """The target's runner, and the draft's where one guesses with its own."""
+        draft = getattr(self.proposer, "runner", None)
+        return [self.runner] if draft is None else [self.runner, draft]
 
     def _reload_given(self, model_path: str | Path | None, weights: dict[str, torch.Tensor]) -> None:
         if model_path is not None:
@@ -466,6 +516,7 @@ class Engine:
             raise ValueError(f"{self.model_config.architecture}'s encoder reads its weights from a checkpoint: "
                              "save them as one and give its path")
         self._reload(weights)
+        self._weights_source = None
         logger.info("serving the weights given (%d tensors)", len(weights))
 
     def _reload(self, source: Path | dict[str, torch.Tensor], whole_config: Any = None) -> None:

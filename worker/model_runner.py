@@ -7,6 +7,7 @@ the logits of the rows that sample a token.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -39,6 +40,7 @@ from worker.models.whisper import CrossStates, CrossStep
 from worker.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
 from worker.parallel import TensorParallel, deal_experts, shard_adapter, shard_weights
 from worker.scheduler import ScheduledRequest, SchedulerOutput
+from worker.sleep import ParkedStorages, drop_laid_out, weight_tensors
 from worker.weight_copy import check_same_weights, copy_weights
 
 if TYPE_CHECKING:
@@ -110,6 +112,7 @@ class ModelRunner:
         holds its share of the model (`model_config` is that share's). `model_class`: what
         runs `hf_config` (a draft layer: worker.models.mtp's, worker.models.eagle3's)."""
         self.config = config
+        self.model_path = model_path
         self.parallel = parallel
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -167,11 +170,16 @@ class ModelRunner:
             cfg.linear, len(cfg.linear_layers), self.max_num_seqs, self.dtype, self.device)
         self.attention = make_attention_backend(self.backend, self.model_config, self.block_size, self.dtype, self.device)
         self.num_blocks = self._num_kv_blocks(max_model_len)
+        self._kv_mapping: mmap.mmap | None = None  # the CPU pool's memory
         self.kv_caches = self._allocate_kv_cache()
         self.host_pool = self._allocate_host_tier(config.kv_offloading_size)
         self.num_host_blocks = 0 if self.host_pool is None else self.host_pool.shape[2]
         self.num_host_states = 0 if self.states is None else self.states.num_host
         self.graphs = self._decode_graphs()
+        # sleep mode: what a sleep gave back, until it wakes
+        self.asleep = False
+        self._parked_cache: ParkedStorages | None = None
+        self._parked_weights: ParkedStorages | None = None
 
     def add_images(self, request_ids: list[str], inputs: ImageInputs) -> None:
         """A prompt's images, encoded when a step first computes their tokens; their pixels
@@ -300,10 +308,77 @@ class ModelRunner:
         if error is not None:
             raise error
         self.graphs = None  # (recaptured below: graphs may hold tensors the copy replaces)
+        if self._parked_weights is not None:  # asleep: the weights wake, to be overwritten
+            self._parked_weights.parked = [(storage, size, None) for storage, size, _ in self._parked_weights.parked]
+            self._parked_weights.restore()
+            self._parked_weights = None
         for served, read in staged:
             copy_weights(served, read)
         self.image_embeds.forget_encoded()  # no image is served from the old encoder's embeddings
-        self.graphs = self._decode_graphs()
+        if not self.asleep:
+            self.graphs = self._decode_graphs()
+        self._awake_if_whole()
+
+    def sleep(self, level: int) -> None:
+        """Give the memory back (vLLM's sleep mode): the KV cache and the states per request
+        (their contents forgotten); at level 2 the weights too (their contents forgotten: a
+        weights load, `reload_weights`, brings them back), at level 1 on a GPU the weights go
+        to host memory (on the CPU they stay where they are). Only an idle runner sleeps."""
+        if self.asleep:
+            return
+        self.graphs = None
+        cached: list[torch.Tensor] = []
+        if self._kv_mapping is not None:  # the CPU pool's pages go back to the kernel, zeros when next read
+            self._kv_mapping.madvise(mmap.MADV_DONTNEED)
+        else:
+            cached.append(self.kv_pool)
+        if self.states is not None:
+            cached += [t for t in (self.states.conv, self.states.recurrent, getattr(self.states, "saved_conv", None),
+                                   getattr(self.states, "saved_recurrent", None)) if t is not None]
+        if self.cross is not None:
+            cached += [self.cross.keys, self.cross.values]
+        self._parked_cache = ParkedStorages(cached, keep=False)
+        if level == 2 or self.device.type != "cpu":
+            self._parked_weights = ParkedStorages(weight_tensors([self.model, self.image_encoder]), keep=level == 1)
+            if level == 2:
+                drop_laid_out(self.model)
+        self.image_embeds.forget_encoded()
+        self.asleep = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def weights_asleep(self) -> bool:
+        """Whether the weights are away (sleep): on the host (`wake_weights` brings them back), or
+        forgotten (a weights load does)."""
+        return self._parked_weights is not None
+
+    @property
+    def weights_forgotten(self) -> bool:
+        return self._parked_weights is not None and any(copy is None for _, _, copy in self._parked_weights.parked)
+
+    def wake_weights(self) -> None:
+        """The weights a level-1 sleep put on the host, back in place."""
+        assert not self.weights_forgotten, "weights a level-2 sleep forgot come back with a weights load"
+        if self._parked_weights is not None:
+            self._parked_weights.restore()
+            self._parked_weights = None
+        self._awake_if_whole()
+
+    def wake_cache(self) -> None:
+        """The KV cache and the states per request, back (empty)."""
+        if self._parked_cache is not None:
+            self._parked_cache.restore(zero=True)
+            self._parked_cache = None
+            if self._kv_mapping is not None:  # (its pages faulted in again now, not by the first steps)
+                with contextlib.suppress(OSError, ValueError):
+                    self._kv_mapping.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE))
+        self._awake_if_whole()
+
+    def _awake_if_whole(self) -> None:
+        if self.asleep and self._parked_weights is None and self._parked_cache is None:
+            self.asleep = False
+            self.graphs = self._decode_graphs()
 
     def _pack(self, model: LlamaForCausalLM) -> None:
         """Lay the linears' and experts' weights out for oneDNN, where this CPU runs them so."""
@@ -453,7 +528,8 @@ class ModelRunner:
         if self.device.type != "cpu":
             pool = torch.zeros((self.num_slots, pools, *shape), dtype=self.kv_dtype, device=self.device)
         else:
-            pool = _cpu_pool(pools * self.num_slots * math.prod(shape), self.kv_dtype).view(self.num_slots, pools, *shape)
+            flat, self._kv_mapping = _cpu_pool(pools * self.num_slots * math.prod(shape), self.kv_dtype)
+            pool = flat.view(self.num_slots, pools, *shape)
         self.kv_pool = pool  # [slots, pools, blocks, ...]
         slots = [(pool[i, 0], pool[i, pools - 1]) for i in range(self.num_slots)]
         return [slots[slot] for slot in self.layer_slot]
@@ -655,8 +731,8 @@ def _checkpoint_tensors(source: Path | Mapping[str, torch.Tensor], keep: Callabl
     return ((name, tensor) for name, tensor in source.items() if keep is None or keep(name))
 
 
-def _cpu_pool(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in one anonymous mapping, on transparent huge pages where the kernel
+def _cpu_pool(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """A zeroed CPU tensor in one anonymous mapping (and the mapping), on transparent huge pages where the kernel
     allows them, with every page faulted in now. Faulting pages one by one while steps first
     write them cost more than a second of a W1 run; populating 2 GiB of huge pages up front
     takes about 0.1 s where free huge pages are at hand, and up to several seconds where the
@@ -670,7 +746,7 @@ def _cpu_pool(numel: int, dtype: torch.dtype) -> torch.Tensor:
             buf.madvise(advice)
         except OSError:  # an older kernel: pages then come on first touch
             pass
-    return torch.frombuffer(buf, dtype=dtype)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buf, dtype=dtype), buf  # (the tensor keeps the mapping alive)
 
 
 def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:

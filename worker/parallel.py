@@ -397,6 +397,19 @@ class ParallelRunner:
         self._send(("reload_weights", source))
         self.local.reload_weights(source, image_config)
 
+    def sleep(self, level: int) -> None:
+        """Sleep mode, on every rank (ModelRunner.sleep)."""
+        self._send(("sleep", level))
+        self.local.sleep(level)
+
+    def wake_weights(self) -> None:
+        self._send(("wake_weights",))
+        self.local.wake_weights()
+
+    def wake_cache(self) -> None:
+        self._send(("wake_cache",))
+        self.local.wake_cache()
+
     def _send(self, message: Any) -> None:
         """Send every other rank a step, or a change to its adapters; a rank that has stopped
         is named."""
@@ -521,6 +534,8 @@ def serve_rank(rank: int, world_size: int, port: int, config: EngineConfig, mode
             runner.execute_layers(args[0], images)
         elif kind == "swap_blocks":  # KV offloading's copies
             runner.swap_blocks(*args)
+        elif kind in ("sleep", "wake_weights", "wake_cache"):  # sleep mode
+            getattr(runner, kind)(*args)
         elif kind == "reload_weights":  # (a checkpoint that cannot be read leaves every rank as it was)
             try:
                 runner.reload_weights(*args)

@@ -105,8 +105,11 @@ def test_an_mtp_layer_is_read_from_the_new_checkpoint_too(tiny_family, retrain, 
     llm = LLM(str(old), dtype="float32", num_gpu_blocks_override=64, max_model_len=128,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     llm.reload_weights(new)
-    run_checking_guesses(llm, HfMtp(new, family), MTP_PROMPTS, SamplingParams(temperature=0.0, max_tokens=6,
-                                                                            ignore_eos=True))
+    hf, params = HfMtp(new, family), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    run_checking_guesses(llm, hf, MTP_PROMPTS, params)
+    llm.sleep(level=2)  # (the layer's weights forgotten too, and read again from the checkpoint served last)
+    llm.wake_up()
+    run_checking_guesses(llm, hf, MTP_PROMPTS, params)
 
 
 def test_every_tensor_parallel_rank_reads_its_share(tiny_llama_dir, retrained_llama_dir, tmp_path):
@@ -125,6 +128,9 @@ def test_every_tensor_parallel_rank_reads_its_share(tiny_llama_dir, retrained_ll
     assert tokens(llm) == after  # (and rank 1 serves on, its weights kept too)
     with pytest.raises(ValueError, match="with tensor_parallel_size 2, save them as a checkpoint"):
         llm.reload_weights(weights=weights.items())
+    llm.sleep(level=2)  # (sleep mode on every rank: each reads its share again as it wakes)
+    llm.wake_up()
+    assert tokens(llm) == after
 
 
 def test_an_image_encoder_is_read_from_the_new_checkpoint_too(tiny_qwen_vl_dir, retrain, tmp_path):
