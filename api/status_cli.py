@@ -72,7 +72,8 @@ def format_status(status: dict[str, Any]) -> str:
     ]
     workers = [("worker", "model", "queue", "state", "running", "waiting", "free", "kv%", "hit%", "handed", "tok/s",
                 "weights")] + [
-        (w["name"], w["model"], w["queue"] or SHARED, w["state"], f"{w['running']}/{w['max_num_seqs']}", str(w["waiting"]),
+        (w["name"], w["model"], w["queue"] or SHARED, f"asleep:{w['sleep_level']}" if w["sleep_level"] else w["state"],
+         f"{w['running']}/{w['max_num_seqs']}", str(w["waiting"]),
          str(w["free_slots"]), f"{100 * w['kv_cache_usage']:.1f}", _hit_rate(w), str(w["affinity_handoffs_taken_total"]),
          f"{w['tokens_per_s']:.1f}", _weights(w))
         for w in status["workers"]

@@ -30,7 +30,7 @@ async def update(client: AsyncClient, cluster: Cluster, model_path: str, model: 
     """Record the update and wait until every serving worker of the model serves it."""
     if not model_path.strip():
         raise invalid_param("model_path", "model_path must name the checkpoint's directory on the workers")
-    name = await _model(cluster, model)
+    name = await model_of(cluster, model)
     key = client.keys.weights(name)
     before = WeightsUpdate.from_hash(await client.redis.hgetall(key))  # type: ignore[misc]
     async with client.redis.pipeline(transaction=True) as pipe:
@@ -79,7 +79,7 @@ async def _take_back(client: AsyncClient, key: str, count: int, before: WeightsU
     return True
 
 
-async def _model(cluster: Cluster, model: str | None) -> str:
+async def model_of(cluster: Cluster, model: str | None) -> str:
     """The model the update is for: the one named (or aliased), or the only one served. A name
     no live worker serves as its model (an adapter's, a typo) is a 404, unless none is live:
     then the update waits for the workers that start."""

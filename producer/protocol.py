@@ -194,6 +194,10 @@ class Keys:
         # hash: the weights update the workers of `model` follow (producer.records.WeightsUpdate)
         return f"{self.prefix}weights:{model}"
 
+    def sleep(self, model: str) -> str:
+        # hash: the sleep or wake command the workers of `model` follow (producer.records.SleepCommand)
+        return f"{self.prefix}sleep:{model}"
+
     def drain(self, name: str) -> str:
         return f"{self.prefix}drain:{name}"  # string with TTL: worker `name` is asked to drain and stop (genq drain)
 

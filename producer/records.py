@@ -213,6 +213,10 @@ class WorkerInfo:
     weights_update: int = 0
     weights_path: str = ""
     weights_error: str = ""
+    # the sleep command (genq:sleep:<model>'s count) it acted on last, and its sleep level now
+    # (0: awake; it takes no jobs while not 0, nor while it lets its running ones end to sleep)
+    sleep_command: int = 0
+    sleep_level: int = 0
     started_at: float = 0.0  # unix times
     heartbeat_at: float = 0.0
     pid: int = 0
@@ -263,6 +267,33 @@ class WeightsUpdate:
         except (KeyError, ValueError):
             return None
         return update if update.count > 0 and update.mode in WEIGHTS_MODES else None
+
+
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True)
+class SleepCommand:
+    """The hash genq:sleep:<model>: what its workers do from command `count` on (the API's
+    POST /sleep and /wake_up write it; a worker that starts reads it too). `level` 1 or 2: sleep
+    (vLLM's sleep mode: take no jobs, let the running ones end, give the device's memory back);
+    0: wake the parts `tags` names."""
+
+    count: int
+    level: int
+    tags: tuple[str, ...] = SLEEP_TAGS
+
+    @classmethod
+    def from_hash(cls, mapping: dict[Any, Any]) -> SleepCommand | None:
+        """The command an HGETALL read; None where there is none (or it is unreadable)."""
+        raw = {k: as_text(v) for k, v in str_keys(mapping).items()}
+        try:
+            command = cls(int(raw["count"]), int(raw["level"]),
+                          tuple(t for t in raw.get("tags", ",".join(SLEEP_TAGS)).split(",") if t))
+        except (KeyError, ValueError):
+            return None
+        valid = command.count > 0 and command.level in (0, 1, 2) and set(command.tags) <= set(SLEEP_TAGS)
+        return command if valid else None
 
 
 def _json_object(text: str) -> dict[str, Any]:

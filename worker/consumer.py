@@ -39,7 +39,13 @@ from producer.protocol import Keys
 from producer.tracing import Tracing
 from worker.queue_config import WorkerConfig, config_from_env
 from worker.queue_engine import EngineThread, Rejected, intake_capacity
-from worker.queue_heartbeat import Heartbeat, listen, read_adapter_registry, read_weights_update
+from worker.queue_heartbeat import (
+    Heartbeat,
+    listen,
+    read_adapter_registry,
+    read_sleep_command,
+    read_weights_update,
+)
 from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer
 from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics
@@ -91,7 +97,8 @@ class Consumer:
         registry = await read_adapter_registry(self.scripts) if self.config.engine.enable_lora else {}
         # ... and so is the model's latest weights update: a worker that starts after one serves it too
         weights = await read_weights_update(self.scripts, self.config.model_name)
-        engine = await self.engine.start(registry, weights)  # loads the model; steps wait for the first command
+        sleep = await read_sleep_command(self.scripts, self.config.model_name)  # (asleep, it takes no job)
+        engine = await self.engine.start(registry, weights, sleep)  # loads the model; steps wait for the first command
         endpoint = self.config.otlp_traces_endpoint
         self.tracing = Tracing(endpoint, "genq-worker") if endpoint else None
         self.metrics = WorkerMetrics(self.config.model_name, self.tracing)
@@ -121,7 +128,7 @@ class Consumer:
 
     def _start_tasks(self) -> None:
         reclaimer = Reclaimer(self.admission, self.capacity, self.table, self.config)
-        intake = Intake(self.admission, self.capacity, self.publisher.changed)
+        intake = Intake(self.admission, self.capacity, self.publisher.changed, lambda: self.engine.takes_jobs)
         self._spawn("publisher", self.publisher.run())
         self._spawn("heartbeat", self.heartbeat.run(self.stop_control))
         self._spawn("cancels", listen(self.conn, self.keys.cancel_channel, self.cancel, self.stop_control, "cancel"))
@@ -189,8 +196,8 @@ class Consumer:
     # -- what the tasks share --------------------------------------------------------------
 
     def capacity(self) -> int:
-        """Jobs to take now: see `intake_capacity`; 0 while draining."""
-        if self.stop_intake.is_set():
+        """Jobs to take now: see `intake_capacity`; 0 while draining, or asleep (sleep mode)."""
+        if self.stop_intake.is_set() or not self.engine.takes_jobs:
             return 0
         stats = self.publisher.stats
         in_flight = self.admission.num_admitting + max(

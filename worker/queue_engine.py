@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from producer.protocol import ERROR_INVALID_REQUEST, Job
-from producer.records import WeightsUpdate
+from producer.records import SleepCommand, WeightsUpdate
 from worker.config import EngineConfig
 from worker.lora_request import LoRARequest
 from worker.queue_adapters import ServedAdapters
@@ -68,6 +68,14 @@ class FollowAdapters:
 
 class ResetPrefixCache:
     pass
+
+
+@dataclass(frozen=True)
+class SleepState:
+    """The sleep command the engine acted on last (0: none), and its sleep level now (0: awake)."""
+
+    command: int = 0
+    level: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,21 +172,31 @@ class EngineThread:
         self.weights_asked = 0
         self._weights_due: WeightsUpdate | None = None
         self._held: list[AddRequest] = []
+        self._aborted_held: set[str] = set()  # held jobs aborted meanwhile: aborted once added
         self.weights = ServedWeights()
+        # sleep mode: the last command asked, the one due, and the one acted on with the level now
+        self.sleep_asked = 0
+        self._sleep_due: SleepCommand | None = None
+        self.sleep = SleepState()
         self._thread = threading.Thread(target=self._main, name="genq-engine", daemon=True)
         self._images: ThreadPoolExecutor | None = None  # prepares chat jobs' images
 
     async def start(self, adapter_registry: dict[str, str] | None = None,
-                    weights: WeightsUpdate | None = None) -> Engine:
+                    weights: WeightsUpdate | None = None, sleep: SleepCommand | None = None) -> Engine:
         """Start the thread and wait until the engine is built, with the configured LoRA
-        adapters and the runtime registry's (re-raises its error), and the weights of the
-        model's latest update (`weights`; where they cannot be read, the model's own, and the
-        heartbeat says why)."""
+        adapters and the runtime registry's (re-raises its error), the weights of the model's
+        latest update (`weights`; where they cannot be read, the model's own, and the heartbeat
+        says why), and asleep where the model's workers are (`sleep`)."""
         self._initial_registry = dict(adapter_registry or {})
         if weights is not None and weights.model_path:
             self.follow_weights(weights)
         elif weights is not None:  # (an update taken back: the model's own weights, which it loads)
             self.weights_asked = weights.count
+        if sleep is not None and sleep.level:
+            self.follow_sleep(sleep)
+        elif sleep is not None:  # (awake: as it starts)
+            self.sleep_asked = sleep.count
+            self.sleep = SleepState(sleep.count)
         self._thread.start()
         await self._ready
         return self.engine
@@ -219,6 +237,18 @@ class EngineThread:
         steps, or in mode "wait" once the running requests have ended)."""
         self.weights_asked = update.count
         self._commands.put(update)
+
+    def follow_sleep(self, command: SleepCommand) -> None:
+        """Sleep (taking no jobs from now on; the engine sleeps once the running ones end) or
+        wake (in the engine thread)."""
+        self.sleep_asked = command.count
+        self._commands.put(command)
+
+    @property
+    def takes_jobs(self) -> bool:
+        """False while the engine sleeps, or is to (the event loop's intake asks)."""
+        due = self._sleep_due
+        return self.sleep.level == 0 and (due is None or due.level == 0)
 
     def abort(self, engine_ids: list[str]) -> None:
         if engine_ids:
@@ -268,8 +298,8 @@ class EngineThread:
             self.weights = ServedWeights(self.weights_asked, str(self.engine.model_path))
             self.adapters.load_configured(self.engine)  # a bad adapter fails the start
             self.adapters.follow(self.engine, self._initial_registry)  # a bad one is noted
-            self._take_commands(block=False)  # the latest weights update, if the model has had one
-            self._update_weights()
+            self._take_commands(block=False)  # the latest weights update and sleep, if the model has had them
+            self._make_due()
         except BaseException as exc:
             self._loop.call_soon_threadsafe(_fail, self._ready, exc)
             return
@@ -281,12 +311,13 @@ class EngineThread:
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
-                taken = self._take_commands(block=not busy and self._weights_due is None)
+                due = self._weights_due is not None or self._sleep_due is not None
+                taken = self._take_commands(block=not busy and not due)
                 if taken is None:
                     return
                 rejected, changed = taken
-                if self._weights_due is not None:
-                    rejected += self._update_weights()
+                if self._weights_due is not None or self._sleep_due is not None:
+                    rejected += self._make_due()
                     changed = True
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 if failures := self.engine.take_failures():  # the job fails, with why, not its abort output
@@ -316,15 +347,14 @@ class EngineThread:
                 return None
             if isinstance(command, AbortRequests):
                 for engine_id in command.engine_ids:
-                    held = next((h for h in self._held if h.engine_id == engine_id), None)
-                    if held is not None:  # (added to be aborted: its job ends as any aborted job does)
-                        self._held.remove(held)
-                        if (refused := self._add(held)) is not None:
-                            rejected.append(refused)
+                    if any(h.engine_id == engine_id for h in self._held):  # (its job ends as any aborted one)
+                        self._aborted_held.add(engine_id)
                     self.engine.abort_request(engine_id)
             elif isinstance(command, WeightsUpdate):
                 self._weights_due = command
-            elif isinstance(command, AddRequest) and self._weights_due is not None and self._weights_due.mode == "wait":
+            elif isinstance(command, SleepCommand):
+                self._sleep_due = command
+            elif isinstance(command, AddRequest) and self._holding():
                 self._held.append(command)
             elif isinstance(command, FollowAdapters):
                 self.adapters.follow(self.engine, command.registry)
@@ -335,12 +365,55 @@ class EngineThread:
                 if refused is not None:
                     rejected.append(refused)
 
-    def _update_weights(self) -> list[Rejected]:
+    def _holding(self) -> bool:
+        """Whether jobs wait to be added: for a weights update in mode "wait", or a sleep, to be
+        made once the running ones end, or while the engine sleeps."""
+        weights, sleep = self._weights_due, self._sleep_due
+        return ((weights is not None and weights.mode == "wait") or (sleep is not None and sleep.level > 0)
+                or self.engine.is_sleeping())
+
+    def _make_due(self) -> list[Rejected]:
+        """Make the weights update and the sleep or wake that are due, where they may be made
+        now (a sleep, an update in mode "wait": once no request runs); then add the jobs held
+        for them, unless the engine sleeps. The jobs the engine refused."""
+        self._update_weights()
+        self._sleep_or_wake()
+        if self._holding() or not self._held:
+            return []
+        held, self._held = self._held, []
+        rejected = []
+        for request in held:
+            if (refused := self._add(request)) is not None:
+                rejected.append(refused)
+            elif request.engine_id in self._aborted_held:
+                self.engine.abort_request(request.engine_id)
+        self._aborted_held.clear()
+        return rejected
+
+    def _sleep_or_wake(self) -> None:
+        command = self._sleep_due
+        if command is None or (command.level and self.engine.has_unfinished_requests()):
+            return
+        self._sleep_due = None
+        try:
+            if command.level:
+                self.engine.sleep(command.level)
+            else:
+                self.engine.wake_up(list(command.tags))
+        except Exception as exc:  # (waking weights from a checkpoint that went away, say): as it was
+            logger.error("sleep command %d (level %d, %s) failed: %s", command.count, command.level,
+                         ",".join(command.tags), exc)
+        else:
+            logger.info("asleep (level %d), as asked" if command.level else "woke %s, as asked",
+                        command.level or " and ".join(command.tags))
+        self.sleep = SleepState(command.count, command.level or self.sleep.level if self.engine.is_sleeping() else 0)
+
+    def _update_weights(self) -> None:
         """Make the weights update that is due, if it may be made now (mode "wait": once no
-        request runs), then add the jobs held for it; the jobs the engine refused."""
+        request runs)."""
         due = self._weights_due
         if due is None or (due.mode == "wait" and self.engine.has_unfinished_requests()):
-            return []
+            return
         self._weights_due = None
         try:
             path = self.engine.reload_weights(due.model_path or None)  # ("": the model's own, read again)
@@ -349,8 +422,6 @@ class EngineThread:
             logger.error("weights update %d (%s) failed, serving %s on: %s", due.count, due.model_path,
                          self.weights.path, exc)
             self.weights = replace(self.weights, update=due.count, error=str(exc) or type(exc).__name__)
-        held, self._held = self._held, []
-        return [refused for request in held if (refused := self._add(request)) is not None]
 
     def _add(self, request: AddRequest) -> Rejected | None:
         """Queue one request; why, if the engine refuses it."""

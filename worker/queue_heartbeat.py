@@ -15,7 +15,7 @@ import redis
 
 from producer.aio import unless_set, wait_for_event
 from producer.protocol import WORKER_HEARTBEAT_TTL_S, as_text
-from producer.records import WeightsUpdate, WorkerInfo, encode_worker_info
+from producer.records import SleepCommand, WeightsUpdate, WorkerInfo, encode_worker_info
 from worker.queue_config import WorkerConfig
 from worker.queue_engine import EngineThread
 from worker.queue_jobs import ABORT_CANCELLED, ABORT_DEADLINE, HeldJob, JobState, JobTable
@@ -35,6 +35,11 @@ async def read_adapter_registry(scripts: Scripts) -> dict[str, str]:
     """The runtime LoRA registry: adapter name -> path."""
     registry = await scripts.conn.hgetall(scripts.keys.lora_adapters)  # type: ignore[misc]
     return {as_text(name): as_text(path) for name, path in registry.items()}
+
+
+async def read_sleep_command(scripts: Scripts, model: str) -> SleepCommand | None:
+    """The latest sleep or wake command for the workers of `model` (genq:sleep:<model>), if any."""
+    return SleepCommand.from_hash(await scripts.conn.hgetall(scripts.keys.sleep(model)))  # type: ignore[misc]
 
 
 async def read_weights_update(scripts: Scripts, model: str) -> WeightsUpdate | None:
@@ -100,6 +105,12 @@ class Heartbeat:
             logger.info("worker %s serves the weights of %s from update %d on (%s)", self.config.name,
                         update.model_path, update.count, update.mode)
             self.engine.follow_weights(update)
+        command = await read_sleep_command(self.scripts, self.config.model_name)
+        if command is not None and command.count != self.engine.sleep_asked:
+            logger.info("worker %s %s, as asked (command %d)", self.config.name,
+                        f"sleeps (level {command.level})" if command.level else f"wakes {','.join(command.tags)}",
+                        command.count)
+            self.engine.follow_sleep(command)
         held = [h for h in self.table if h.state.writes]
         lost, cancelled = await self.scripts.heartbeat(
             self.scripts.keys.worker(self.config.name),
@@ -175,6 +186,8 @@ class Heartbeat:
             weights_update=self.engine.weights.update,
             weights_path=self.engine.weights.path,
             weights_error=self.engine.weights.error,
+            sleep_command=self.engine.sleep.command,
+            sleep_level=self.engine.sleep.level,
             started_at=self.started_at,
             heartbeat_at=time.time(),
             pid=os.getpid(),

@@ -374,11 +374,13 @@ class Intake:
         admission: Admission,
         capacity: Callable[[], int],
         changed: asyncio.Event,
+        takes_jobs: Callable[[], bool] = lambda: True,
     ) -> None:
         self.admission = admission
         self.scripts = admission.scripts
         self.capacity = capacity
         self.changed = changed  # set when the engine's load changed
+        self.takes_jobs = takes_jobs  # False while the engine sleeps, or is to (sleep mode)
         self.lanes = LaneReader(admission.scripts, admission.config)
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -391,7 +393,9 @@ class Intake:
             # a stop cuts the blocking read short: entries it took are in this consumer's
             # pending list, which the drain hands back; admission itself is never cut
             deliveries = await unless_set(self._read(count), stopping)
-            if deliveries:
+            if deliveries and not self.takes_jobs():  # asleep since the read began: for a worker awake
+                await self.scripts.release([d.entry_id for d in deliveries])  # (this one's reclaimer, woken)
+            elif deliveries:
                 await self.admission.admit(deliveries, Source.READ)
 
     async def _read(self, count: int) -> list[Delivery]:

@@ -1,19 +1,21 @@
 """vLLM's development endpoints, mounted only with GENQ_SERVER_DEV_MODE (as vLLM mounts them
 with VLLM_SERVER_DEV_MODE): what a benchmark needs between runs, and what a trainer needs to
-serve its latest weights (SGLang's update_weights_from_disk), which no tenant should be able to
-do to the others' traffic on a shared deployment."""
+serve its latest weights (SGLang's update_weights_from_disk) and to share the workers' devices
+(vLLM's sleep mode), which no tenant should be able to do to the others' traffic on a shared
+deployment."""
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from api import weights_updates
+from api import sleep_mode, weights_updates
 from api.deps import StateDep
 from api.lora_adapters import confirm
+from producer.records import SLEEP_TAGS
 
 router = APIRouter(tags=["dev"])
 
@@ -47,3 +49,26 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: StateDep) 
     read it (it serves the weights it had), 504 naming those that did not say within `timeout`."""
     return await weights_updates.update(state.client, state.cluster, body.model_path, body.model, body.mode,
                                         body.timeout)
+
+
+@router.post("/sleep")
+async def sleep(state: StateDep, level: Annotated[int, Query(ge=1, le=2)] = 1, model: str | None = None) -> Response:
+    """vLLM's sleep mode for every worker of the model: it takes no jobs (they wait in the
+    queue), lets its running ones end, and gives the KV cache's memory back (level 2: the
+    weights' too). 200 once each serving one says it sleeps."""
+    await sleep_mode.command(state.client, state.cluster, model, level)
+    return Response(status_code=200)
+
+
+@router.post("/wake_up")
+async def wake_up(state: StateDep, tags: Annotated[list[Literal["weights", "kv_cache"]] | None, Query()] = None,
+                  model: str | None = None) -> Response:
+    """Wake the model's workers: the parts `tags` names (both by default; the weights alone let a
+    weights update load before the KV cache takes its memory). 200 once each serving one did."""
+    await sleep_mode.command(state.client, state.cluster, model, 0, tuple(tags or SLEEP_TAGS))
+    return Response(status_code=200)
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(state: StateDep, model: str | None = None) -> dict[str, bool]:
+    return {"is_sleeping": await sleep_mode.is_sleeping(state.cluster, model)}

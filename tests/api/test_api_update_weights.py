@@ -17,7 +17,7 @@ import redis
 
 from api.settings import Settings
 from producer.protocol import Keys
-from producer.records import decode_worker_info
+from producer.records import WorkerInfo, decode_worker_info
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 from worker import LLM
@@ -103,3 +103,31 @@ def test_the_workers_serve_the_new_weights_and_a_bad_checkpoint_is_refused(
     with run_worker(live_worker, retrained_llama_dir, tmp_path, name="late"):  # (started on other weights)
         info = decode_worker_info(conn.hgetall(Keys().worker("late")))
         assert (info.weights_update, info.weights_path, info.weights_error) == (3, str(tiny_llama_dir), "")
+
+
+def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_api, poll) -> None:
+    """vLLM's POST /sleep and /wake_up for every worker of the model: a job sent while it sleeps
+    waits in the queue (beats go by, and it is still queued), and runs once it wakes, on the
+    weights it served before."""
+    conn = redis.Redis.from_url(live_worker)
+    (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
+
+    def beat() -> WorkerInfo:
+        return decode_worker_info(conn.hgetall(Keys().worker(worker)))
+
+    with serve_api(Settings(redis_url=live_worker, server_dev_mode=True)) as url, httpx.Client(base_url=url) as http:
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert http.post("/sleep", params={"level": 2}, timeout=60).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True} and beat().free_slots == 0
+        job = http.post("/v1/jobs", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0,
+                                          "ignore_eos": True}).json()["id"]
+        sent = time.time()
+        poll(lambda: beat().heartbeat_at > sent + 1.0, 30, "two beats after the job")  # (0.5 s a beat)
+        assert http.get(f"/v1/jobs/{job}").json()["status"] == "queued"
+        assert http.post("/wake_up", params={"tags": "weights"}, timeout=60).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}  # (its KV cache still sleeps)
+        assert http.post("/wake_up", params={"tags": "kv_cache"}, timeout=60).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        view = poll(lambda: (v := http.get(f"/v1/jobs/{job}").json())["status"] == "finished" and v, 60, "the job")
+        assert view["outputs"][0]["text"] == offline(Path(beat().weights_path))
+        assert http.post("/sleep", params={"level": 3}).status_code == 400
