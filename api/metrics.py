@@ -46,6 +46,8 @@ class ClusterCollector(Collector):
                            sum(d.pending for d in self._depths.values()))
         running = sum(w.running for w in workers)
         yield _gauge("genq:num_workers", "Live workers (heartbeat present).", len(workers))
+        yield _gauge("genq:num_workers_sleeping", "Live workers asleep (sleep mode): they take no jobs.",
+                     sum(1 for w in workers if w.sleep_level))
         yield _gauge("genq:num_requests_running", "Jobs in the workers' running batches.", running)
         yield _gauge(
             "genq:num_requests_waiting",

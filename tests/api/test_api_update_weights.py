@@ -119,6 +119,7 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         assert http.post("/sleep", params={"level": 2}, timeout=60).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": True} and beat().free_slots == 0
+        assert "genq:num_workers_sleeping 1.0" in http.get("/metrics").text
         job = http.post("/v1/jobs", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0,
                                           "ignore_eos": True}).json()["id"]
         sent = time.time()
