@@ -504,6 +504,47 @@ def check_kv_offload(model: str | None, load_format: str, device: str = "cuda", 
             f"{_compare([runs[0].outputs[0].token_ids], [runs[2].outputs[0].token_ids])}"]
 
 
+def check_sleep_and_reload(model: str | None, load_format: str, device: str = "cuda", num_tokens: int = 16
+                           ) -> list[str]:
+    """Weights updates and sleep mode on the device, decode graphs on: the served checkpoint read
+    again (reload_weights) gives the same greedy tokens; a level-1 sleep gives back the KV pool's
+    memory, level 2 the weights' too; woken, the same tokens (bfloat16)."""
+    from worker import LLM, SamplingParams
+
+    llm = LLM(model, dtype="bfloat16", device=device, load_format=load_format, max_model_len=1024,
+              num_gpu_blocks_override=4096)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+
+    def run() -> list[int]:
+        return llm.generate({"prompt_token_ids": list(range(100, 300))}, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def allocated() -> int:
+        if device != "cuda":
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    first = run()
+    llm.reload_weights()  # (dummy weights: the checkpoint's are read, and the tokens change)
+    reloaded = run()
+    held = allocated()
+    llm.sleep(level=1)
+    freed_1 = held - allocated()
+    llm.wake_up()
+    woken_1 = run()
+    llm.sleep(level=2)
+    freed_2 = held - allocated()
+    llm.wake_up()
+    woken_2 = run()
+    pool = llm.engine.runner.kv_pool
+    mib = 2**20
+    same = "same" if load_format == "auto" else "(dummy: not compared)"
+    return [f"sleep on {device}: level 1 gave back {freed_1 / mib:.0f} MiB (KV pool {pool.numel() * pool.element_size() / mib:.0f}"
+            f" MiB), level 2 {freed_2 / mib:.0f} MiB; greedy after waking: level 1 {_compare([reloaded], [woken_1])}, "
+            f"level 2 {_compare([reloaded], [woken_2])}; reload_weights of the served checkpoint "
+            f"{_compare([first], [reloaded]) if load_format == 'auto' else same}"]
+
+
 def write_eagle3_head(target_dir: str) -> str:
     """The config of an EAGLE-3 head for the model at `target_dir` (a one-layer Llama of its
     width, reading its default aux layers), written beside it in `head/`; load it with
@@ -618,6 +659,7 @@ def main() -> int:
     summary += _section("whisper", lambda: check_whisper_vs_cpu(args.model))
     summary += _section("tensor parallel", lambda: check_tensor_parallel(args.model))
     summary += _section("kv offloading", lambda: check_kv_offload(args.model, args.load_format))
+    summary += _section("sleep and reload", lambda: check_sleep_and_reload(args.model, args.load_format))
     for method in ("mtp", "eagle3"):
         summary += _section(method, lambda method=method: check_draft_layer_vs_cpu(args.model, method))
     summary += _section("W1", lambda: check_w1(args.model, args.load_format, args.num_prompts))
