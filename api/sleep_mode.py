@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 
 from api.cluster import Cluster
+from api.errors import APIError
 from api.lora_adapters import confirm
 from api.weights_updates import model_of
 from producer.async_client import AsyncClient
-from producer.records import SLEEP_TAGS
+from producer.records import SLEEP_TAGS, WorkerInfo
 
 CONFIRM_SLEEP_S = 300.0  # a sleep waits for the running jobs to end
 
@@ -33,8 +34,20 @@ async def command(client: AsyncClient, cluster: Cluster, model: str | None, leve
         pipe.hset(key, mapping={"level": level, "tags": ",".join(tags)})
         count, _ = await pipe.execute()
     what = f"sleep (level {level})" if level else f"wake {' and '.join(tags)}"
-    await confirm(cluster, time.time(), lambda _, info: info.sleep_command >= count, what,
-                  applies=lambda info: info.model == name, timeout_s=CONFIRM_SLEEP_S)
+    failed: set[str] = set()
+    whole_wake = not level and set(tags) == set(SLEEP_TAGS)
+
+    def done(worker: str, info: WorkerInfo) -> bool:
+        # (one that could not, waking weights from a checkpoint gone since, say, is as it was)
+        if info.sleep_command == count and ((level and not info.sleep_level) or (whole_wake and info.sleep_level)):
+            failed.add(worker)
+        return info.sleep_command >= count
+
+    await confirm(cluster, time.time(), done, what, applies=lambda info: info.model == name,
+                  timeout_s=CONFIRM_SLEEP_S)
+    if failed:
+        raise APIError(500, f"Workers {', '.join(sorted(failed))} could not {what} (their logs say why).",
+                       type="server_error", code="sleep_failed")
     return name
 
 

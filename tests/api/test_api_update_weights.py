@@ -5,6 +5,7 @@ later serves it too, and a checkpoint no worker can read is refused by name and 
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -136,3 +137,16 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
         view = poll(lambda: (v := http.get(f"/v1/jobs/{job}").json())["status"] == "finished" and v, 60, "the job")
         assert view["outputs"][0]["text"] == offline(Path(beat().weights_path))
         assert http.post("/sleep", params={"level": 3}).status_code == 400
+        # weights a level-2 sleep forgot, whose checkpoint is gone by the time they wake: a 500
+        # naming the worker, which sleeps on until a weights update brings weights back
+        served = beat().weights_path
+        moved = shutil.copytree(tiny_llama_dir, tmp_path / "checkpoint")
+        assert http.post("/update_weights_from_disk", json={"model_path": str(moved)}, timeout=60).status_code == 200
+        assert http.post("/sleep", params={"level": 2}, timeout=60).status_code == 200
+        shutil.rmtree(moved)
+        failed = http.post("/wake_up", timeout=60)
+        assert failed.status_code == 500 and f"Workers {worker} could not wake" in failed.json()["error"]["message"]
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert http.post("/update_weights_from_disk", json={"model_path": served}, timeout=60).status_code == 200
+        assert http.post("/wake_up", params={"tags": "kv_cache"}, timeout=60).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
