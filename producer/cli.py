@@ -50,6 +50,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "bench": Subcommand("benchmarks: throughput (offline) and serve (HTTP load)", "worker.bench:build"),
     "lora": Subcommand("add, remove or list LoRA adapters the workers load at run time", "api.lora_cli:build"),
     "keys": Subcommand("create, list or revoke API keys, each with its own limits and models", "api.keys_cli:build"),
+    "weights": Subcommand("every worker of a model serves another checkpoint of it, no restart",
+                          "api.fleet_cli:build_weights"),
+    "sleep": Subcommand("every worker of a model takes no jobs and gives its device's memory back",
+                        "api.fleet_cli:build_sleep"),
+    "wake": Subcommand("wake the workers of a model that sleep", "api.fleet_cli:build_wake"),
 }
 
 

@@ -6,6 +6,8 @@ later serves it too, and a checkpoint no worker can read is refused by name and 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -150,3 +152,24 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
         assert http.post("/update_weights_from_disk", json={"model_path": served}, timeout=60).status_code == 200
         assert http.post("/wake_up", params={"tags": "kv_cache"}, timeout=60).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+
+
+def test_genq_weights_sleep_and_wake_from_a_shell(live_worker: str, served_model: str, oai: openai.OpenAI,
+                                                  retrained_llama_dir: Path) -> None:
+    """The same updates without the API: `genq weights` (mode keep, here), `genq sleep`, `genq wake`."""
+    def genq(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "producer.cli", *args, "--redis-url", live_worker],
+                              capture_output=True, text=True, timeout=120)
+
+    done = genq("weights", str(retrained_llama_dir), "--mode", "keep")
+    assert done.returncode == 0 and f"serves the weights of {retrained_llama_dir}" in done.stdout, done.stderr
+    text = oai.completions.create(model=served_model, prompt=PROMPT, max_tokens=8, temperature=0.0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+    assert text == offline(retrained_llama_dir)
+    conn = redis.Redis.from_url(live_worker)
+    (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
+    assert genq("sleep", "--level", "1").returncode == 0
+    assert decode_worker_info(conn.hgetall(Keys().worker(worker))).sleep_level == 1
+    woke = genq("wake", "--tags", "kv_cache,weights")
+    assert woke.returncode == 0 and "woke kv_cache and weights" in woke.stdout, woke.stderr
+    assert decode_worker_info(conn.hgetall(Keys().worker(worker))).sleep_level == 0
