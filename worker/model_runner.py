@@ -279,8 +279,8 @@ class ModelRunner:
                        adjust: Callable[[LlamaForCausalLM], None] | None = None) -> None:
         """Read the checkpoint at `source` (one of the served model's shape; or its tensors by
         their checkpoint names) and copy its weights over the model's, and its image encoder's
-        (`image_config`: the checkpoint's whole config; a path's alone), in place: whatever shares them (a draft's embedding, CUDA graphs) reads
-        the new ones. The checkpoint is read into a model of its own on the host first
+        (`image_config`: the checkpoint's whole config; a path's alone), in place: whatever
+        shares them (a draft's embedding, CUDA graphs) reads the new ones. The checkpoint is read into a model of its own on the host first
         (`adjust`: a change to it before it is compared, an MTP layer's shared embedding), so a
         GPU needs no room for a second copy; only when every rank has read and checked its
         share are any weights copied, so one that cannot be read leaves every rank's model as
@@ -348,13 +348,8 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     @property
-    def weights_asleep(self) -> bool:
-        """Whether the weights are away (sleep): on the host (`wake_weights` brings them back), or
-        forgotten (a weights load does)."""
-        return self._parked_weights is not None
-
-    @property
     def weights_forgotten(self) -> bool:
+        """Whether a level-2 sleep forgot the weights (a weights load brings them back)."""
         return self._parked_weights is not None and any(copy is None for _, _, copy in self._parked_weights.parked)
 
     def wake_weights(self) -> None:
@@ -732,9 +727,10 @@ def _checkpoint_tensors(source: Path | Mapping[str, torch.Tensor], keep: Callabl
 
 
 def _cpu_pool(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
-    """A zeroed CPU tensor in one anonymous mapping (and the mapping), on transparent huge pages where the kernel
-    allows them, with every page faulted in now. Faulting pages one by one while steps first
-    write them cost more than a second of a W1 run; populating 2 GiB of huge pages up front
+    """A zeroed CPU tensor in one anonymous mapping (and the mapping, which a sleep gives back),
+    on transparent huge pages where the kernel allows them, with every page faulted in now.
+    Faulting pages one by one while steps first write them cost more than a second of a W1
+    run; populating 2 GiB of huge pages up front
     takes about 0.1 s where free huge pages are at hand, and up to several seconds where the
     kernel must compact fragmented memory for them (3.6 s measured, against 0.7 s for small
     pages): a start-up cost, paid once. Huge pages also spare the TLB on attention's scattered block reads."""

@@ -31,9 +31,9 @@ def tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_the_new_weights_are_served_and_nothing_cached_before_is(tiny_llama_dir, retrained_llama_dir, backend):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend=backend)
+def test_the_new_weights_are_served_and_nothing_cached_before_is(tiny_llama_dir, retrained_llama_dir):
+    """(On the Triton path, decode graphs and all: test_sleep's level-2 test, which reloads too.)"""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64)
     before = tokens(llm)  # (its prompts' blocks are cached now)
     assert llm.reload_weights(retrained_llama_dir) == retrained_llama_dir
     after = tokens(llm)
@@ -160,3 +160,7 @@ def test_a_loaded_adapter_applies_over_the_new_weights(tiny_llama_dir, retrained
                                       tiny_llama_adapters["all"])
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == greedy_along(model, PROMPTS, got)
+    llm.sleep(level=2)  # (the adapter's slot, which no weights load writes, keeps it)
+    llm.wake_up()
+    again = llm.generate(prompts, params, lora_request=adapter, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in again] == got
