@@ -16,7 +16,7 @@ import time
 from api.cluster import Cluster
 from api.errors import APIError
 from api.lora_adapters import confirm
-from api.weights_updates import model_of
+from api.weights_updates import model_of, write_command
 from producer.async_client import AsyncClient
 from producer.records import SLEEP_TAGS, WorkerInfo
 
@@ -29,10 +29,7 @@ async def command(client: AsyncClient, cluster: Cluster, model: str | None, leve
     model's workers and wait until each serving one acted on it; the model's name."""
     name = await model_of(cluster, model)
     key = client.keys.sleep(name)
-    async with client.redis.pipeline(transaction=True) as pipe:
-        pipe.hincrby(key, "count", 1)
-        pipe.hset(key, mapping={"level": level, "tags": ",".join(tags)})
-        count, _ = await pipe.execute()
+    count = await write_command(client, key, {"level": level, "tags": ",".join(tags)})
     what = f"sleep (level {level})" if level else f"wake {' and '.join(tags)}"
     failed: set[str] = set()
     whole_wake = not level and set(tags) == set(SLEEP_TAGS)

@@ -33,10 +33,7 @@ async def update(client: AsyncClient, cluster: Cluster, model_path: str, model: 
     name = await model_of(cluster, model)
     key = client.keys.weights(name)
     before = WeightsUpdate.from_hash(await client.redis.hgetall(key))  # type: ignore[misc]
-    async with client.redis.pipeline(transaction=True) as pipe:
-        pipe.hincrby(key, "count", 1)
-        pipe.hset(key, mapping={"model_path": model_path, "mode": mode})
-        count, _ = await pipe.execute()
+    count = await write_command(client, key, {"model_path": model_path, "mode": mode})
     served: set[str] = set()
     failed: dict[str, str] = {}
 
@@ -59,6 +56,16 @@ async def update(client: AsyncClient, cluster: Cluster, model_path: str, model: 
         "no worker is live; workers serve them as they start"
     return {"success": True, "message": f"Model {name} serves the weights of {model_path} ({workers}).",
             "model": name, "model_path": model_path, "weights_update": count}
+
+
+async def write_command(client: AsyncClient, key: str, fields: dict[str, str | int]) -> int:
+    """A command the workers follow (a weights update, a sleep): its hash's count one more and
+    its fields, in one transaction, so no worker sees the count move before them; the count."""
+    async with client.redis.pipeline(transaction=True) as pipe:
+        pipe.hincrby(key, "count", 1)
+        pipe.hset(key, mapping=fields)
+        count, _ = await pipe.execute()
+    return int(count)
 
 
 async def _take_back(client: AsyncClient, key: str, count: int, before: WeightsUpdate | None) -> bool:
