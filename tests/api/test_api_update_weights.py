@@ -5,6 +5,7 @@ later serves it too, and a checkpoint no worker can read is refused by name and 
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import sys
@@ -45,10 +46,14 @@ def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, run_worker, tmp_
         yield url
 
 
+@functools.cache
+def offline_llm(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
+
+
 def offline(model_dir: Path, max_tokens: int = 8) -> str:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
-    return llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0].text
+    return offline_llm(model_dir).generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0].text
 
 
 def test_the_workers_serve_the_new_weights_and_a_bad_checkpoint_is_refused(
