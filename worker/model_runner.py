@@ -309,8 +309,7 @@ class ModelRunner:
             raise error
         self.graphs = None  # (recaptured below: graphs may hold tensors the copy replaces)
         if self._parked_weights is not None:  # asleep: the weights wake, to be overwritten
-            self._parked_weights.parked = [(storage, size, None) for storage, size, _ in self._parked_weights.parked]
-            self._parked_weights.restore()
+            self._parked_weights.restore(contents=False)
             self._parked_weights = None
         for served, read in staged:
             copy_weights(served, read)

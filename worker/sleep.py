@@ -30,14 +30,12 @@ class ParkedStorages:
             self.parked.append((storage, storage.nbytes(), copy))
             storage.resize_(0)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(size for _, size, _ in self.parked)
-
-    def restore(self, zero: bool = False) -> None:
+    def restore(self, zero: bool = False, contents: bool = True) -> None:
+        """Each storage at its size again: with its kept contents (unless not `contents`: they are
+        about to be overwritten), else zeroed where `zero`."""
         for storage, size, copy in self.parked:
             storage.resize_(size)
-            if copy is not None:
+            if copy is not None and contents:
                 storage.copy_(copy.untyped_storage())
             elif zero:
                 torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
