@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 import torch
 from jinja2 import TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from transformers import AutoTokenizer
 
 from producer.chat_template import render_chat
 from producer.pooling_params import PoolingParams
@@ -65,6 +64,7 @@ from worker.spec_decode import (
 )
 from worker.structured_output import GuidedDecoding
 from worker.thinking_budget import ThinkingBudgets, ThinkingMarkers
+from worker.tokenizer_loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -904,19 +904,6 @@ def encoder_decoder_class(config: EngineConfig, hf_config: Any, takes_audio: boo
     from worker.models.whisper import WhisperForConditionalGeneration
 
     return WhisperForConditionalGeneration
-
-
-def load_tokenizer(tokenizer: str | None, model_path: Path) -> Any:
-    """The tokenizer of `tokenizer` (a local directory) if given, else the model's."""
-    if tokenizer is None:
-        return AutoTokenizer.from_pretrained(model_path)
-    path = Path(tokenizer).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"tokenizer {tokenizer!r} is not a local directory (genq never downloads)")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"tokenizer {tokenizer!r}: {exc}") from exc
 
 
 def read_chat_template(given: str) -> str:
