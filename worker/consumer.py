@@ -116,7 +116,11 @@ class Consumer:
         # (and a classifier's labels) at once
         await publish_tokenizer(self.conn, self.keys, self.config.model_name, engine.tokenizer, engine.eos_token_ids,
                                 engine.model_config.labels)
-        await self._claim_name()
+        try:
+            await self._claim_name()
+        except asyncio.CancelledError:  # stopped (SIGTERM) as its first beat went out: no name left behind
+            await self.scripts.unclaim(self.keys.worker(self.config.name), self.heartbeat.host, os.getpid())
+            raise
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._start_tasks()

@@ -216,6 +216,13 @@ end
 return {lost, cancelled, false}
 """
 
+# Give a worker's name back: delete its hash (KEYS[1]) if it names this process (ARGV[1] host,
+# [2] pid) and no other. Returns 1 if deleted.
+UNCLAIM_LUA = _OTHER_OWNER + """
+if redis.call('EXISTS', KEYS[1]) == 0 or other_owner(KEYS[1], ARGV[1], ARGV[2]) then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
 # Reclaim. KEYS[1]: one lane's stream (ids in the reply are of that stream). ARGV[1] group, [2] consumer, [3] min idle ms, [4] count.
 # Entries idle for min idle ms (their worker died, or released them at shutdown) are claimed
 # for this worker, one XCLAIM each inside the script, so no other reclaimer can take one
@@ -452,6 +459,7 @@ class Scripts:
         self._start = conn.register_script(START_LUA)
         self._dead = conn.register_script(DEAD_LUA)
         self._heartbeat = conn.register_script(HEARTBEAT_LUA)
+        self._unclaim = conn.register_script(UNCLAIM_LUA)
         self._reclaim = conn.register_script(RECLAIM_LUA)
         self._release = conn.register_script(RELEASE_LUA)
         self._trim = conn.register_script(TRIM_LUA)
@@ -552,6 +560,10 @@ class Scripts:
                 fail = [letter.error_event, *_pairs(letter.record or {})]
             args += [letter.entry_id, len(dead), len(fail), *dead, *fail]
         return int(await self._dead(keys=keys, args=args))
+
+    async def unclaim(self, name_key: str, host: str, pid: int) -> bool:
+        """Delete the worker hash `name_key` if it is this process's (host, pid); whether it was."""
+        return bool(await self._unclaim(keys=[name_key], args=[host, pid]))
 
     async def heartbeat(
         self, name_key: str, info: dict[str, str], in_flight: Sequence[tuple[str, str]], ttl_s: int
