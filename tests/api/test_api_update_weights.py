@@ -113,12 +113,12 @@ def test_the_workers_serve_the_new_weights_and_a_bad_checkpoint_is_refused(
         assert (info.weights_update, info.weights_path, info.weights_error) == (3, str(tiny_llama_dir), "")
 
 
-def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_api, poll, tiny_llama_dir: Path,
-                                                      tmp_path: Path) -> None:
+def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_api, poll, run_worker,
+                                                      tiny_llama_dir: Path, tmp_path: Path) -> None:
     """vLLM's POST /sleep and /wake_up for every worker of the model: a job sent while it sleeps
     waits in the queue (beats go by, and it is still queued), and runs once it wakes, on the
-    weights it served before. (A worker that starts meanwhile reads the command with its model,
-    as it reads a weights update: the test above starts one for that.)"""
+    weights it served before. A worker that starts meanwhile reads the command with its model,
+    and sleeps too."""
     conn = redis.Redis.from_url(live_worker)
     (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
 
@@ -134,6 +134,10 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
                                           "ignore_eos": True}).json()["id"]
         sent = time.time()
         poll(lambda: beat().heartbeat_at > sent + 1.0, 30, "two beats after the job")  # (0.5 s a beat)
+        assert http.get(f"/v1/jobs/{job}").json()["status"] == "queued"
+        with run_worker(live_worker, tiny_llama_dir, tmp_path, name="late"):
+            late = decode_worker_info(conn.hgetall(Keys().worker("late")))
+            assert (late.sleep_level, late.free_slots) == (2, 0)
         assert http.get(f"/v1/jobs/{job}").json()["status"] == "queued"
         assert http.post("/wake_up", params={"tags": "weights"}, timeout=60).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}  # (its KV cache still sleeps)
