@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from api import generate, responses_api, stored_responses
+from api import generate, request_log, responses_api, stored_responses
 from api.conversations import request_items
 from api.deps import AppState
 from api.errors import APIError
@@ -45,6 +45,7 @@ async def start(
         "request": body.model_dump(), "chat": chat.model_dump(exclude_none=True), "relayed": dataclasses.asdict(req),
     }}
     await _store(state, shell["id"], record)
+    request_log.note(response_id=shell["id"], model=req.model, jobs=list(req.job_ids))  # (its end: a line of its own)
     task = asyncio.create_task(_finish_when_done(state, record), name=f"genq-background-{shell['id']}")
     state.tasks.add(task)
     task.add_done_callback(state.tasks.discard)
@@ -103,7 +104,7 @@ async def cancel(state: AppState, stored: dict[str, Any]) -> dict[str, Any]:
 
 async def _finish_when_done(state: AppState, record: dict[str, Any]) -> None:
     try:
-        await _finish(state, record)
+        await request_log.background_line(_finish(state, record))
     except asyncio.CancelledError:
         raise  # shutdown: the job runs on; a later GET finishes the response
     except Exception:  # noqa: BLE001 (logged; a later GET finishes it)

@@ -6,7 +6,9 @@ and outputs are never written.
 `RequestLog` (plain ASGI middleware: a streamed response's line is written when its stream
 ends) keeps a record per request in a context variable; what it cannot see from the outside
 is noted into that record by who knows it: the key's name (deps.require_api_key), and each
-relayed generation's jobs, tokens and endings (generate.relay_events, via `Relayed`).
+relayed generation's jobs, tokens and endings (generate.relay_events, via `Relayed`). What a
+request starts and which ends after it (a background response) has a line of its own
+(`background_line`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Awaitable
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,6 +28,7 @@ from producer.protocol import Event
 log = logging.getLogger("genq.requests")
 RECORD: ContextVar[dict[str, Any] | None] = ContextVar("genq_request_record", default=None)
 REQUEST_ID_SCOPE_KEY = "genq.request_id"  # where RequestIdHeader leaves the request's id
+T = TypeVar("T")
 
 
 def note(**fields: Any) -> None:
@@ -70,6 +74,23 @@ class Relayed:
         self.record.update(finish_reasons=self.endings, outcome="failed" if failed else outcome)
 
 
+async def background_line(work: Awaitable[T]) -> T:
+    """Await `work`, which a request started and which ends after it (a background response
+    finishing), under a line of its own, written when it ends: the request's id, path and key,
+    method `BACKGROUND`, no status, and what the relay notes (its jobs, tokens, outcome)."""
+    request = RECORD.get()
+    if request is None:  # (requests are not logged)
+        return await work
+    record: dict[str, Any] = {name: request[name] for name in ("request_id", "path", "key") if name in request}
+    record["method"] = "BACKGROUND"
+    token, start = RECORD.set(record), time.monotonic()
+    try:
+        return await work
+    finally:
+        RECORD.reset(token)
+        _write(record, time.monotonic() - start)
+
+
 class RequestLog:
     """With GENQ_LOG_REQUESTS: one JSON line per request to the API (probes and scrapes
     aside) on `genq.requests`, once its response ended: method, path, status, seconds, the
@@ -106,5 +127,9 @@ class RequestLog:
             await self.app(scope, receive, send_seen)
         finally:
             RECORD.reset(token)
-            record["duration_s"] = round(time.monotonic() - start, 4)
-            log.info("%s", json.dumps(record, separators=(",", ":")))
+            _write(record, time.monotonic() - start)
+
+
+def _write(record: dict[str, Any], duration_s: float) -> None:
+    record["duration_s"] = round(duration_s, 4)
+    log.info("%s", json.dumps(record, separators=(",", ":")))

@@ -77,3 +77,24 @@ def test_each_request_is_a_line_with_its_jobs_tokens_and_outcome(logged, served_
     assert (left["status"], left["outcome"]) == (200, "cancelled") and left["completion_tokens"] < 500
     written = json.dumps(lines.lines)
     assert PROMPT not in written and reply not in written
+
+
+def test_a_background_response_has_a_line_for_its_end(logged, served_model: str, poll: Callable[..., Any]) -> None:
+    """The request's line is written when it returns, queued; its job's end is a line of its
+    own, method BACKGROUND, under the same request id and key."""
+    url, lines = logged
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    before = len(lines.lines)
+    queued = client.responses.create(model=served_model, input=PROMPT, max_output_tokens=4, temperature=0.0,
+                                     background=True, extra_headers={"X-Request-Id": "in-the-back"})
+    done = poll(lambda: (r := client.responses.retrieve(queued.id)).status == "incomplete" and r, 60.0,
+                "the response, cut at max_output_tokens")
+    poll(lambda: len(lines.lines) >= before + 2, 30.0, "two lines")
+    asked, ended = lines.lines[before:before + 2]
+    assert (asked["method"], asked["status"], asked["request_id"]) == ("POST", 200, "in-the-back")
+    assert (ended["method"], ended["path"], ended["request_id"], ended["key"]) == (
+        "BACKGROUND", "/v1/responses", "in-the-back", key_id(KEY))
+    assert (ended["response_id"], ended["outcome"], ended["finish_reasons"], ended["completion_tokens"]) == (
+        asked["response_id"], "completed", {"length": 1}, done.usage.output_tokens)
+    assert ended["jobs"] == asked["jobs"] and len(asked["jobs"]) == 1
+    assert "status" not in ended and ended["duration_s"] > 0
