@@ -58,6 +58,9 @@ WHISPER_POSITIONS = 448  # its decoder's (max_target_positions), where the worke
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # whisper-1's, from temperature 0
 NO_SPEECH_TOP = 20  # the prompt's alternatives asked for: <|nospeech|> below them counts as 0
 PROMPT_RESET_TEMPERATURE = 0.5  # a piece decoded hotter prompts the next with nothing (openai-whisper's)
+UNSPACED = frozenset({"zh", "ja", "th", "lo", "my", "yue"})  # written without spaces: a word is a character
+OPENING_MARKS = frozenset("\"'“¡¿([{-")  # word timestamps: with the word after, after a space (openai-whisper's)
+CLOSING_MARKS = frozenset("\"'.。,，!！?？:：”)]}、")  # ... with the word before
 
 
 # sampling fields a form may add (as vLLM's transcription requests take them), passed to the chat
@@ -249,39 +252,62 @@ class WhisperPrompts:
         return Decoded(tokens, text, temperature, total / (len(tokens) + 1), compression_ratio(text.strip()),
                        no_speech_prob, choice.logprobs[: len(tokens)], choice.token_timestamps or [])
 
-    def words(self, tokens: list[int], times: list[float], offset_s: float) -> list[dict[str, Any]]:
+    def words(self, tokens: list[int], times: list[float], offset_s: float,
+              language: str | None = None) -> list[dict[str, Any]]:
         """A piece's reply as OpenAI's words, each `{"word", "start", "end"}`: its text tokens
         (timestamps and special tokens left out) grouped at those that begin with a space (so
-        punctuation stays with the word before), each word from its first token's time to the
-        time of the token after it (the next word's, a timestamp's, or the end's), counted
-        from `offset_s`; `times`: each token's, the end token's last (the worker's)."""
+        punctuation stays with the word before), or in a language written without spaces
+        (UNSPACED) wherever the tokens so far spell whole characters, a closing mark then
+        joining the word before, an opening one after a space the word after (openai-whisper's
+        rules); each word from its first token's time to the time of the token after it (the
+        next word's, a timestamp's, or the end's), counted from `offset_s`; `times`: each
+        token's, the end token's last (the worker's)."""
         if len(times) < len(tokens):  # (a worker older than the API's words)
             raise APIError(500, "the worker sent no token timestamps for word timestamps: upgrade the workers",
                            type="server_error", code="job_failed")
-        out: list[dict[str, Any]] = []
-        word: list[int] = []
-        start = 0.0
-
-        def close(end: float) -> None:
-            nonlocal word
-            text = self.tokenizer.decode(word, skip_special_tokens=True).strip()
-            if text:
-                out.append({"word": text, "start": round(offset_s + start, 2), "end": round(offset_s + end, 2)})
-            word = []
-
+        unspaced = language in UNSPACED
+        words: list[list[int]] = []  # each word's token indices
+        cut = True  # (a timestamp or special token ends the word before it)
         for k, token in enumerate(tokens):
             spelled = self.tokenizer.decode([token], skip_special_tokens=True)
             if (self.first_timestamp is not None and token >= self.first_timestamp) or not spelled:
-                close(times[k])
-                continue
-            if word and spelled.startswith(" "):
-                close(times[k])
-            if not word:
-                start = times[k]
-            word.append(token)
-        if times:
-            close(times[min(len(tokens), len(times) - 1)])
+                cut = True
+            elif cut or spelled.startswith(" ") or unspaced and "\ufffd" not in self._spelled(tokens, words[-1]):
+                words.append([k])
+                cut = False
+            else:
+                words[-1].append(k)
+        if unspaced:
+            words = self._marks_joined(tokens, words)
+        out = []
+        for word in words:
+            text = self._spelled(tokens, word).strip()
+            end = times[min(word[-1] + 1, len(times) - 1)]
+            if text:
+                out.append({"word": text, "start": round(offset_s + times[word[0]], 2), "end": round(offset_s + end, 2)})
         return out
+
+    def _spelled(self, tokens: list[int], indices: list[int]) -> str:
+        return self.tokenizer.decode([tokens[i] for i in indices], skip_special_tokens=True)
+
+    def _marks_joined(self, tokens: list[int], words: list[list[int]]) -> list[list[int]]:
+        """`words` with each closing mark joined to the word just before it, and each opening
+        mark after a space to the word just after it."""
+        joined: list[list[int]] = []
+        for word in words:
+            text = self._spelled(tokens, word)
+            if joined and text.strip() in CLOSING_MARKS and joined[-1][-1] + 1 == word[0]:
+                joined[-1] = joined[-1] + word
+            else:
+                joined.append(word)
+        out: list[list[int]] = []
+        for word in reversed(joined):
+            text = self._spelled(tokens, word)
+            if out and text.startswith(" ") and text.strip() in OPENING_MARKS and word[-1] + 1 == out[-1][0]:
+                out[-1] = word + out[-1]
+            else:
+                out.append(word)
+        return out[::-1]
 
     def no_speech_prob(self, prompt_logprobs: list[Any] | None) -> float:
         """How likely <|nospeech|> was after <|startoftranscript|> (OpenAI's no_speech_prob),
@@ -506,11 +532,11 @@ def timed_segments(whisper: WhisperPrompts, pieces: list[bytes], replies: list[D
 
 
 def timed_words(whisper: WhisperPrompts, pieces: list[bytes], replies: list[Decoded],
-                settings: Settings) -> list[dict[str, Any]]:
+                settings: Settings, language: str | None = None) -> list[dict[str, Any]]:
     """The words of every piece's reply, in order, each piece's times from where it starts
-    in the upload; a silent piece's none."""
+    in the upload; a silent piece's none. `language`: the code the speech is in."""
     return [word for reply, offset in heard(pieces, replies, settings)
-            for word in whisper.words(reply.token_ids, reply.times, offset)]
+            for word in whisper.words(reply.token_ids, reply.times, offset, language)]
 
 
 def subtitles(segments: list[dict[str, Any]], kind: str) -> str:

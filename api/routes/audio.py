@@ -56,7 +56,7 @@ async def _respond(request: Request, state: StateDep, task: str) -> Response:
         else:
             text = transcriptions.joined([d.text for d in heard])
         written = transcriptions.written_logprobs([lp for d in heard for lp in d.logprobs])
-        words = (transcriptions.timed_words(whisper, pieces, decoded, state.settings)
+        words = (transcriptions.timed_words(whisper, pieces, decoded, state.settings, language)
                  if "word" in audio.granularities else None)
         return _body(transcriptions.response(audio, text, None, language, segments, written, words))
     chats = [templated(chat, state.settings) for chat in audio.as_chats(pieces, state.settings, whisper, language)]

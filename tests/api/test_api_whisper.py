@@ -386,6 +386,44 @@ def test_a_language_the_model_lacks_is_a_400(oai: openai.OpenAI, served_model: s
     assert info.value.body["param"] == "language"
 
 
+@pytest.mark.parametrize("language, name, text", [
+    ("zh", "chinese", "你好，世界。我们今天去公园“散步”吧！"),
+    ("ja", "japanese", "（今日は） “いい”天気ですね。"),
+    ("en", "english", " Hello, \"dear\" world (again)! Fine."),
+])
+def test_words_are_openai_whispers_in_languages_written_with_and_without_spaces(
+        tiny_whisper_dir: Path, language: str, name: str, text: str) -> None:
+    """Word timestamps split as openai-whisper splits (transformers' port of it is the oracle):
+    at spaces, or where a language is written without them at each whole character (of one
+    token or several bytes' tokens); a closing mark goes with the word before, an opening one
+    after a space with the word after. Each
+    word runs from its first token's time to the next token's."""
+    from transformers import AutoTokenizer
+    from transformers.models.whisper.tokenization_whisper import _combine_tokens_into_words
+
+    from api.transcriptions import WhisperPrompts
+    from worker.models.whisper import CHAT_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_whisper_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    whisper = WhisperPrompts.of(tokenizer)
+    assert whisper is not None
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    times = [0.1 * k for k in range(len(tokens) + 1)]  # (the end token's last)
+
+    class Decoding:  # what the port asks of Whisper's own tokenizer
+        eos_token_id = whisper.start  # (text tokens come before it, as before Whisper's <|endoftext|>)
+
+        def decode(self, ids: list[int], decode_with_timestamps: bool = False) -> str:
+            return tokenizer.decode(ids)
+
+    words, _, indices = _combine_tokens_into_words(Decoding(), tokens, name)
+    expected = [{"word": w.strip(), "start": round(2.0 + times[i[0]], 2), "end": round(2.0 + times[i[-1] + 1], 2)}
+                for w, i in zip(words, indices, strict=True)]
+    assert whisper.words(tokens, times, 2.0, language) == expected
+    assert len(expected) > 3 and any(len(i) > 1 for i in indices)  # (characters of several tokens, or marks)
+
+
 def test_what_the_api_reads_from_a_whisper_tokenizer(tiny_whisper_dir: Path) -> None:
     """The worker's templates tell a multilingual model (languages to detect or name) from an
     English-only one (no language asked, English only taken)."""
