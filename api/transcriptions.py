@@ -10,7 +10,7 @@ pieces of the model's window (GENQ_AUDIO_CHUNK_S), each a job, their texts joine
 
 Whisper decodes as whisper-1 does (OpenAI's transcribe): at temperature 0 a piece whose text
 repeats itself or whose tokens were unlikely is decoded again, hotter (FALLBACK_TEMPERATURES),
-and one the model hears as silence is dropped (Settings' whisper_* thresholds); each segment
+the likeliest of FALLBACK_BEST_OF samples kept, and one the model hears as silence is dropped (Settings' whisper_* thresholds); each segment
 tells its piece's temperature, avg_logprob, compression_ratio and no_speech_prob.
 
 Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "language",
@@ -56,6 +56,7 @@ TIMESTAMPED = ("srt", "vtt")
 TIMESTAMP_S = 0.02  # between Whisper's timestamp tokens (its 30 s window over 1500 positions)
 WHISPER_POSITIONS = 448  # its decoder's (max_target_positions), where the workers do not say
 FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)  # whisper-1's, from temperature 0
+FALLBACK_BEST_OF = 5  # a hotter round's samples per piece, the likeliest kept (openai-whisper's best_of)
 NO_SPEECH_TOP = 20  # the prompt's alternatives asked for: <|nospeech|> below them counts as 0
 PROMPT_RESET_TEMPERATURE = 0.5  # a piece decoded hotter prompts the next with nothing (openai-whisper's)
 UNSPACED = frozenset({"zh", "ja", "th", "lo", "my", "yue"})  # written without spaces: a word is a character
@@ -144,13 +145,13 @@ class AudioRequest:
 
     def as_chats(self, pieces: list[bytes], settings: Settings, whisper: WhisperPrompts | None = None,
                  language: str | None = None, temperature: float | None = None,
-                 no_speech: bool = False) -> list[ChatCompletionRequest]:
+                 no_speech: bool = False, n: int = 1) -> list[ChatCompletionRequest]:
         """The chats that do the work, one per piece (split_wav's, of at most
         GENQ_AUDIO_CHUNK_S; each run as a job of its own, on any worker), at `temperature`
         (the form's where None): for Whisper, the piece and the prompt's variables
         (`language`: the one heard, where the form gives none), and outside a stream the
         logprobs its decode is weighed by (and with `no_speech` the prompt's, which tell how
-        likely <|nospeech|> was); else the piece, then the instruction."""
+        likely <|nospeech|> was), `n` decodes of each; else the piece, then the instruction."""
         temperature = self.temperature if temperature is None else temperature
         if whisper is None:
             return [self._chat([_clip(piece), ContentPart(type="text", text=self._instruction(settings))], temperature,
@@ -164,7 +165,7 @@ class AudioRequest:
         if "word" in self.granularities:  # (each token's time in the piece: the worker's alignment)
             weighed["vllm_xargs"] = {"token_timestamps": True}
         return [self._chat([_clip(piece)], temperature, chat_template_kwargs=kwargs,
-                           return_token_ids=self.timed(whisper) or None, **weighed) for piece in pieces]
+                           return_token_ids=self.timed(whisper) or None, n=n, **weighed) for piece in pieces]
 
     def detecting_chat(self, whisper: WhisperPrompts, first: bytes) -> ChatCompletionRequest:
         """A Whisper chat whose one token is the language the model hears in the first piece."""

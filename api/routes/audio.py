@@ -102,19 +102,22 @@ async def _decoded_at_once(state: StateDep, audio: AudioRequest, whisper: Whispe
                            language: str | None) -> list[Decoded]:
     """Each piece decoded as whisper-1 decodes: at the form's temperature, or from 0 with its
     fallback (FALLBACK_TEMPERATURES: the pieces that need it, all at once, each round hotter,
-    until none does or the last is reached). How likely <|nospeech|> was is read from the
-    first round's prompts."""
+    each piece sampled FALLBACK_BEST_OF times and the likeliest kept, until none needs it or
+    the last is reached). How likely <|nospeech|> was is read from the first round's prompts."""
     temperatures = transcriptions.FALLBACK_TEMPERATURES if audio.temperature == 0 else (audio.temperature,)
     decoded: dict[int, Decoded] = {}  # piece -> its latest decode
     todo = list(range(len(pieces)))
     for temperature in temperatures:
+        n = transcriptions.FALLBACK_BEST_OF if temperature > 0 and len(temperatures) > 1 else 1
         chats = [templated(chat, state.settings) for chat in audio.as_chats(
-            [pieces[i] for i in todo], state.settings, whisper, language, temperature, no_speech=not decoded)]
+            [pieces[i] for i in todo], state.settings, whisper, language, temperature, no_speech=not decoded, n=n)]
         req = await generate.start(state, chats[0], [chat_prompt(chat) for chat in chats], ChatRenderer())
-        choices = await generate.collect(state, req, ChoicesOnly())
-        for i, choice in zip(todo, choices, strict=True):
-            no_speech = decoded[i].no_speech_prob if i in decoded else whisper.no_speech_prob(choice.prompt_logprobs)
-            decoded[i] = whisper.decoded(choice, temperature, no_speech)
+        choices = await generate.collect(state, req, ChoicesOnly())  # (each piece's n in a row)
+        for k, i in enumerate(todo):
+            samples = choices[k * n:(k + 1) * n]
+            no_speech = decoded[i].no_speech_prob if i in decoded else whisper.no_speech_prob(samples[0].prompt_logprobs)
+            decoded[i] = max((whisper.decoded(choice, temperature, no_speech) for choice in samples),
+                             key=lambda d: d.avg_logprob)
         todo = [i for i in todo if decoded[i].needs_fallback(state.settings)]
         if not todo:
             break
