@@ -22,6 +22,7 @@ arq's own job queue is not used; `ping` is there because arq needs one function.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -119,7 +120,8 @@ class Consumer:
         try:
             await self._claim_name()
         except asyncio.CancelledError:  # stopped (SIGTERM) as its first beat went out: no name left behind
-            await self.scripts.unclaim(self.keys.worker(self.config.name), self.heartbeat.host, os.getpid())
+            with contextlib.suppress(redis.RedisError):  # (else its TTL ends it)
+                await self.scripts.unclaim(self.keys.worker(self.config.name), self.heartbeat.host, os.getpid())
             raise
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)

@@ -1,8 +1,8 @@
 """Tokenizers read from a local directory, each directory's read once per process.
 
-transformers reads a tokenizer's files in Python each time (`tokenizer.json` is parsed twice:
-0.17 s for the default model's 49k vocabulary, most of what building a small model's engine
-costs). A process that builds several engines of one model (an offline script, a trainer that
+transformers reads a tokenizer's files anew each time, `tokenizer.json` parsed in Python as
+well as by the Rust tokenizer: 0.17 s for the default model's 49k vocabulary, most of what
+building a small model's engine costs. A process that builds several engines of one model (an offline script, a trainer that
 starts a fresh `LLM`, a test run) gets a copy of the tokenizer it read before: its Python
 state its own (an engine sets its chat template on it), the Rust tokenizer under it shared,
 as one engine's threads already share it (genq never adds tokens to it)."""
