@@ -10,8 +10,9 @@ pieces of the model's window (GENQ_AUDIO_CHUNK_S), each a job, their texts joine
 
 Whisper decodes as whisper-1 does (OpenAI's transcribe): at temperature 0 a piece whose text
 repeats itself or whose tokens were unlikely is decoded again, hotter (FALLBACK_TEMPERATURES),
-the likeliest of FALLBACK_BEST_OF samples kept, and one the model hears as silence is dropped (Settings' whisper_* thresholds); each segment
-tells its piece's temperature, avg_logprob, compression_ratio and no_speech_prob.
+the likeliest of FALLBACK_BEST_OF samples kept, and one the model hears as silence is dropped
+(Settings' whisper_* thresholds); each segment tells its piece's temperature, avg_logprob,
+compression_ratio and no_speech_prob.
 
 Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "language",
 "duration", "text", "usage"}, and on Whisper its `segments`); `srt`, `vtt` and
