@@ -219,7 +219,7 @@ return {lost, cancelled, false}
 # Give a worker's name back: delete its hash (KEYS[1]) if it names this process (ARGV[1] host,
 # [2] pid) and no other. Returns 1 if deleted.
 UNCLAIM_LUA = _OTHER_OWNER + """
-if redis.call('EXISTS', KEYS[1]) == 0 or other_owner(KEYS[1], ARGV[1], ARGV[2]) then return 0 end
+if other_owner(KEYS[1], ARGV[1], ARGV[2]) then return 0 end
 return redis.call('DEL', KEYS[1])
 """
 

@@ -23,14 +23,22 @@ TOKENIZERS_KEPT = 4  # directories whose tokenizer is kept (about 20 MiB each fo
 def load_tokenizer(tokenizer: str | None, model_path: Path) -> Any:
     """The tokenizer of `tokenizer` (a local directory) if given, else the model's."""
     if tokenizer is None:
-        return _copy(_read(model_path.resolve(), _signature(model_path)))
+        return _read_or_copy(model_path)
     path = Path(tokenizer).expanduser()
     if not path.is_dir():
         raise ValueError(f"tokenizer {tokenizer!r} is not a local directory (genq never downloads)")
     try:
-        return _copy(_read(path.resolve(), _signature(path)))
+        return _read_or_copy(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"tokenizer {tokenizer!r}: {exc}") from exc
+
+
+def _read_or_copy(directory: Path) -> Any:
+    """A copy of the tokenizer this process read from `directory`, read now if it has none (or
+    a file changed since)."""
+    read = _read(directory.resolve(), _signature(directory))
+    shared = {id(v): v for v in vars(read).values() if isinstance(v, Tokenizer)}  # (the Rust tokenizer)
+    return copy.deepcopy(read, shared)
 
 
 def _signature(directory: Path) -> tuple[tuple[str, int, int], ...]:
@@ -42,8 +50,3 @@ def _signature(directory: Path) -> tuple[tuple[str, int, int], ...]:
 @functools.lru_cache(maxsize=TOKENIZERS_KEPT)
 def _read(directory: Path, signature: tuple[tuple[str, int, int], ...]) -> Any:
     return AutoTokenizer.from_pretrained(directory)
-
-
-def _copy(tokenizer: Any) -> Any:
-    shared = {id(v): v for v in vars(tokenizer).values() if isinstance(v, Tokenizer)}
-    return copy.deepcopy(tokenizer, shared)

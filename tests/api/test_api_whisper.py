@@ -405,8 +405,8 @@ def test_words_are_openai_whispers_in_languages_written_with_and_without_spaces(
     """Word timestamps split as openai-whisper splits (transformers' port of it is the oracle):
     at spaces, or where a language is written without them at each whole character (of one
     token or several bytes' tokens); a closing mark goes with the word before, an opening one
-    after a space with the word after. Each
-    word runs from its first token's time to the next token's."""
+    after a space with the word after. Each word runs from its first token's time to the next
+    token's."""
     from transformers import AutoTokenizer
     from transformers.models.whisper.tokenization_whisper import _combine_tokens_into_words
 
