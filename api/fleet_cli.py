@@ -1,10 +1,13 @@
-"""`genq weights`, `genq sleep` and `genq wake`: weights updates and sleep mode from a shell, for
-a trainer's script or an operator without the API's development endpoints (api.weights_updates
-and api.sleep_mode: the same records, the same wait for every serving worker of the model).
+"""`genq weights`, `genq sleep`, `genq wake`, `genq pause` and `genq resume`: weights updates,
+sleep mode and pausing from a shell, for a trainer's script or an operator without the API's
+development endpoints (api.weights_updates, api.sleep_mode and api.pause: the same records, the
+same wait for every serving worker of the model).
 
     genq weights PATH [--model M] [--mode wait|keep]   # every worker serves the checkpoint at PATH
     genq sleep [--level 1|2] [--model M]               # every worker takes no jobs and sleeps
     genq wake [--tags weights,kv_cache] [--model M]    # and wakes
+    genq pause [--mode abort|wait|keep] [--model M]    # every worker takes no jobs
+    genq resume [--model M]                            # and takes them again
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from api import sleep_mode, weights_updates
+from api import pause, sleep_mode, weights_updates
 from api.cluster import Cluster
 from api.errors import APIError
 from producer.async_client import AsyncClient
 from producer.cli import printed
 from producer.protocol import DEFAULT_PREFIX
-from producer.records import SLEEP_TAGS, WEIGHTS_MODES
+from producer.records import PAUSE_MODES, SLEEP_TAGS, WEIGHTS_MODES
 
 Work = Callable[[AsyncClient, Cluster], Coroutine[Any, Any, str]]
 
@@ -45,6 +48,19 @@ def build_wake(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace]
     _common(parser)
     parser.add_argument("--tags", default=",".join(SLEEP_TAGS), help="what to wake: weights, kv_cache or both")
     return lambda args: _run("wake", args, functools.partial(_sleep, model=args.model, level=0, tags=args.tags))
+
+
+def build_pause(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    _common(parser)
+    parser.add_argument("--mode", default="abort", choices=PAUSE_MODES,
+                        help="the running jobs: abort them now (the default, as vLLM's), wait for them to end, "
+                             "or keep them frozen until the resume")
+    return lambda args: _run("pause", args, functools.partial(_pause, model=args.model, mode=args.mode))
+
+
+def build_resume(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    _common(parser)
+    return lambda args: _run("resume", args, functools.partial(_pause, model=args.model, mode=None))
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -75,3 +91,8 @@ async def _sleep(client: AsyncClient, cluster: Cluster, model: str | None, level
     name = await sleep_mode.command(client, cluster, model, level, wanted)
     return f"Model {name}: its workers sleep (level {level})." if level else \
         f"Model {name}: its workers woke {' and '.join(wanted)}."
+
+
+async def _pause(client: AsyncClient, cluster: Cluster, model: str | None, mode: str | None) -> str:
+    name = await pause.command(client, cluster, model, mode)
+    return f"Model {name}: its workers are paused (mode {mode})." if mode else f"Model {name}: its workers resumed."

@@ -48,6 +48,8 @@ class ClusterCollector(Collector):
         yield _gauge("genq:num_workers", "Live workers (heartbeat present).", len(workers))
         yield _gauge("genq:num_workers_sleeping", "Live workers asleep (sleep mode): they take no jobs.",
                      sum(1 for w in workers if w.sleep_level))
+        yield _gauge("genq:num_workers_paused", "Live workers paused (POST /pause): they take no jobs.",
+                     sum(1 for w in workers if w.paused))
         yield _gauge("genq:num_requests_running", "Jobs in the workers' running batches.", running)
         yield _gauge(
             "genq:num_requests_waiting",

@@ -64,6 +64,13 @@ def _queue(stream: str, queue: str, depth: QueueDepth) -> dict[str, Any]:
     return {"queue": queue, "stream": stream, "undelivered": depth.undelivered, "pending": depth.pending, "lanes": lanes}
 
 
+def _state(worker: dict[str, Any]) -> str:
+    """A worker's state, with its sleep level or pause where it has one."""
+    if worker["sleep_level"]:
+        return f"asleep:{worker['sleep_level']}"
+    return "paused" if worker["paused"] else str(worker["state"])
+
+
 def format_status(status: dict[str, Any]) -> str:
     queues = [("queue", "stream", "queued", "running", "high", "low")] + [
         (q["queue"] or SHARED, q["stream"], str(q["undelivered"]), str(q["pending"]),
@@ -72,7 +79,7 @@ def format_status(status: dict[str, Any]) -> str:
     ]
     workers = [("worker", "model", "queue", "state", "running", "waiting", "free", "kv%", "hit%", "handed", "tok/s",
                 "weights")] + [
-        (w["name"], w["model"], w["queue"] or SHARED, f"asleep:{w['sleep_level']}" if w["sleep_level"] else w["state"],
+        (w["name"], w["model"], w["queue"] or SHARED, _state(w),
          f"{w['running']}/{w['max_num_seqs']}", str(w["waiting"]),
          str(w["free_slots"]), f"{100 * w['kv_cache_usage']:.1f}", _hit_rate(w), str(w["affinity_handoffs_taken_total"]),
          f"{w['tokens_per_s']:.1f}", _weights(w))

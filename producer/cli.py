@@ -55,6 +55,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "sleep": Subcommand("every worker of a model takes no jobs and gives its device's memory back",
                         "api.fleet_cli:build_sleep"),
     "wake": Subcommand("wake the workers of a model that sleep", "api.fleet_cli:build_wake"),
+    "pause": Subcommand("every worker of a model takes no jobs; its running ones are aborted, end or wait",
+                        "api.fleet_cli:build_pause"),
+    "resume": Subcommand("the paused workers of a model take jobs again", "api.fleet_cli:build_resume"),
 }
 
 

@@ -198,6 +198,10 @@ class Keys:
         # hash: the sleep or wake command the workers of `model` follow (producer.records.SleepCommand)
         return f"{self.prefix}sleep:{model}"
 
+    def pause(self, model: str) -> str:
+        # hash: the pause or resume the workers of `model` follow (producer.records.PauseCommand)
+        return f"{self.prefix}pause:{model}"
+
     def drain(self, name: str) -> str:
         return f"{self.prefix}drain:{name}"  # string with TTL: worker `name` is asked to drain and stop (genq drain)
 

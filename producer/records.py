@@ -217,6 +217,11 @@ class WorkerInfo:
     # (0: awake; it takes no jobs while not 0, nor while it lets its running ones end to sleep)
     sleep_command: int = 0
     sleep_level: int = 0
+    # the pause command (genq:pause:<model>'s count) it acted on last, and whether it is paused
+    # (it takes no jobs from the command on; paused once its running requests ended or were
+    # aborted, or at once where they are kept)
+    pause_command: int = 0
+    paused: int = 0
     started_at: float = 0.0  # unix times
     heartbeat_at: float = 0.0
     pid: int = 0
@@ -294,6 +299,37 @@ class SleepCommand:
             return None
         valid = command.count > 0 and command.level in (0, 1, 2) and set(command.tags) <= set(SLEEP_TAGS)
         return command if valid else None
+
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass(frozen=True)
+class PauseCommand:
+    """The hash genq:pause:<model>: what its workers do from command `count` on (the API's
+    POST /pause and /resume write it; a worker that starts reads it too), as vLLM's
+    pause_generation: `paused`, take no jobs (they wait in the queue) and, by `mode`, "abort"
+    the running requests, "wait" for them to end, or "keep" them frozen until the resume;
+    not `paused`, go on."""
+
+    count: int
+    paused: bool
+    mode: str = "abort"
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the engine steps no request while this command stands."""
+        return self.paused and self.mode == "keep"
+
+    @classmethod
+    def from_hash(cls, mapping: dict[Any, Any]) -> PauseCommand | None:
+        """The command an HGETALL read; None where there is none (or it is unreadable)."""
+        raw = {k: as_text(v) for k, v in str_keys(mapping).items()}
+        try:
+            command = cls(int(raw["count"]), raw["paused"] == "1", raw.get("mode", "abort"))
+        except (KeyError, ValueError):
+            return None
+        return command if command.count > 0 and command.mode in PAUSE_MODES else None
 
 
 def _json_object(text: str) -> dict[str, Any]:

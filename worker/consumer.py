@@ -44,6 +44,7 @@ from worker.queue_heartbeat import (
     Heartbeat,
     listen,
     read_adapter_registry,
+    read_pause_command,
     read_sleep_command,
     read_weights_update,
 )
@@ -99,7 +100,8 @@ class Consumer:
         # ... and so is the model's latest weights update: a worker that starts after one serves it too
         weights = await read_weights_update(self.scripts, self.config.model_name)
         sleep = await read_sleep_command(self.scripts, self.config.model_name)  # (asleep, it takes no job)
-        engine = await self.engine.start(registry, weights, sleep)  # loads the model; steps wait for the first command
+        pause = await read_pause_command(self.scripts, self.config.model_name)  # (paused, nor does it)
+        engine = await self.engine.start(registry, weights, sleep, pause)  # loads the model; steps wait for the first command
         endpoint = self.config.otlp_traces_endpoint
         self.tracing = Tracing(endpoint, "genq-worker") if endpoint else None
         self.metrics = WorkerMetrics(self.config.model_name, self.tracing)

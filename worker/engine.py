@@ -583,6 +583,14 @@ class Engine:
         self._propose()
         return outputs
 
+    def end_aborted(self) -> list[RequestOutput]:
+        """The final outputs of the requests aborted since the last step, without stepping the
+        others (an engine whose requests are kept frozen: a pause with mode "keep")."""
+        aborted = self._take_aborted()
+        outputs, _ = self.output_processor.process(aborted, {}, self._token_timestamps)
+        self._forget(aborted)
+        return outputs
+
     def _rewind_wrong_guesses(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """A model with states took in every guess of the step: where one was wrong, each such
         request's state goes back to the one after its known tokens (the guesses it keeps are

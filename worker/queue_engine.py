@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from producer.protocol import ERROR_INVALID_REQUEST, Job
-from producer.records import SleepCommand, WeightsUpdate
+from producer.records import PauseCommand, SleepCommand, WeightsUpdate
 from worker.config import EngineConfig
 from worker.lora_request import LoRARequest
 from worker.queue_adapters import ServedAdapters
@@ -79,6 +79,14 @@ class SleepState:
 
 
 @dataclass(frozen=True)
+class PauseState:
+    """The pause command the engine acted on last (0: none), and whether it is paused."""
+
+    command: int = 0
+    paused: bool = False
+
+
+@dataclass(frozen=True)
 class ServedWeights:
     """The weights update the engine acted on last (0: none), the checkpoint it serves, and
     why that update failed ("": it did not)."""
@@ -109,6 +117,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, in total
     prefix_cache_hits: int = 0  # of those, tokens it held (either tier)
     prefix_cache_host_hits: int = 0  # of those, tokens copied back from host memory (KV offloading)
+    pause: PauseState = PauseState()  # (the heartbeat says it once the outputs before it are written)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -178,15 +187,21 @@ class EngineThread:
         self.sleep_asked = 0
         self._sleep_due: SleepCommand | None = None
         self.sleep = SleepState()
+        # pause: the last command asked (the event loop's), the one standing (the engine
+        # thread's: None once resumed) and the one acted on
+        self.pause_asked = PauseCommand(0, False)
+        self._pausing: PauseCommand | None = None
+        self.pause = PauseState()
         self._thread = threading.Thread(target=self._main, name="genq-engine", daemon=True)
         self._images: ThreadPoolExecutor | None = None  # prepares chat jobs' images
 
     async def start(self, adapter_registry: dict[str, str] | None = None,
-                    weights: WeightsUpdate | None = None, sleep: SleepCommand | None = None) -> Engine:
+                    weights: WeightsUpdate | None = None, sleep: SleepCommand | None = None,
+                    pause: PauseCommand | None = None) -> Engine:
         """Start the thread and wait until the engine is built, with the configured LoRA
         adapters and the runtime registry's (re-raises its error), the weights of the model's
         latest update (`weights`; where they cannot be read, the model's own, and the heartbeat
-        says why), and asleep where the model's workers are (`sleep`)."""
+        says why), and asleep or paused where the model's workers are (`sleep`, `pause`)."""
         self._initial_registry = dict(adapter_registry or {})
         if weights is not None and weights.model_path:
             self.follow_weights(weights)
@@ -197,6 +212,8 @@ class EngineThread:
         elif sleep is not None:  # (awake: as it starts)
             self.sleep_asked = sleep.count
             self.sleep = SleepState(sleep.count)
+        if pause is not None:
+            self.follow_pause(pause)
         self._thread.start()
         await self._ready
         return self.engine
@@ -244,11 +261,18 @@ class EngineThread:
         self.sleep_asked = command.count
         self._commands.put(command)
 
+    def follow_pause(self, command: PauseCommand) -> None:
+        """Pause (taking no jobs from now on; the engine is paused once its running requests
+        ended, at once where they are kept frozen: the event loop aborts them for mode "abort")
+        or resume (in the engine thread)."""
+        self.pause_asked = command
+        self._commands.put(command)
+
     @property
     def takes_jobs(self) -> bool:
-        """False while the engine sleeps, or is to (the event loop's intake asks)."""
+        """False while the engine sleeps or is paused, or is to (the event loop's intake asks)."""
         due = self._sleep_due
-        return self.sleep.level == 0 and (due is None or due.level == 0)
+        return self.sleep.level == 0 and (due is None or due.level == 0) and not self.pause_asked.paused
 
     def abort(self, engine_ids: list[str]) -> None:
         if engine_ids:
@@ -286,6 +310,7 @@ class EngineThread:
             prefix_cache_queries=blocks.stats.queries,
             prefix_cache_hits=blocks.stats.hits,
             prefix_cache_host_hits=blocks.stats.host_hits,
+            pause=self.pause,
         )
 
     # -- the thread ----------------------------------------------------------------------------
@@ -310,16 +335,19 @@ class EngineThread:
     def _run(self) -> None:
         try:
             while True:
-                busy = self.engine.has_unfinished_requests()
-                due = self._weights_due is not None or self._sleep_due is not None
-                taken = self._take_commands(block=not busy and not due)
+                # (frozen, a step makes nothing due: a sleep waits for the resume, and so does this thread)
+                busy = self.engine.has_unfinished_requests() and not self._frozen()
+                taken = self._take_commands(block=not busy and (self._frozen() or not self._due()))
                 if taken is None:
                     return
                 rejected, changed = taken
-                if self._weights_due is not None or self._sleep_due is not None:
+                if self._due() or (self._held and not self._holding()):
                     rejected += self._make_due()
                     changed = True
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                if self._frozen():  # (a request aborted meanwhile ends; the others wait)
+                    outputs = self.engine.end_aborted()
+                else:
+                    outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 if failures := self.engine.take_failures():  # the job fails, with why, not its abort output
                     outputs = [o for o in outputs if o.request_id not in failures]
                     # not the job's fault that we know of (a bad image or processor setting is refused when
@@ -345,32 +373,51 @@ class EngineThread:
             block, changed = False, True
             if isinstance(command, _Stop):
                 return None
-            if isinstance(command, AbortRequests):
-                for engine_id in command.engine_ids:
-                    if any(h.engine_id == engine_id for h in self._held):  # (its job ends as any aborted one)
-                        self._aborted_held.add(engine_id)
-                    self.engine.abort_request(engine_id)
-            elif isinstance(command, WeightsUpdate):
-                self._weights_due = command
-            elif isinstance(command, SleepCommand):
-                self._sleep_due = command
-            elif isinstance(command, AddRequest) and self._holding():
+            if isinstance(command, AddRequest) and self._holding():
                 self._held.append(command)
-            elif isinstance(command, FollowAdapters):
-                self.adapters.follow(self.engine, command.registry)
-            elif isinstance(command, ResetPrefixCache):
-                self.engine.reset_prefix_cache()
-            else:
-                refused = self._add(command)
-                if refused is not None:
+            elif isinstance(command, AddRequest):
+                if (refused := self._add(command)) is not None:
                     rejected.append(refused)
+            else:
+                self._follow(command)
+
+    def _follow(self, command: Any) -> None:
+        """Act on a command other than an add or a stop (or note it due)."""
+        if isinstance(command, AbortRequests):
+            for engine_id in command.engine_ids:
+                if any(h.engine_id == engine_id for h in self._held):  # (its job ends as any aborted one)
+                    self._aborted_held.add(engine_id)
+                self.engine.abort_request(engine_id)
+        elif isinstance(command, WeightsUpdate):
+            self._weights_due = command
+        elif isinstance(command, SleepCommand):
+            self._sleep_due = command
+        elif isinstance(command, PauseCommand):
+            self._pausing = command if command.paused else None
+            if not command.paused:
+                self.pause = PauseState(command.count, False)
+                logger.info("resumed, as asked (command %d)", command.count)
+        elif isinstance(command, FollowAdapters):
+            self.adapters.follow(self.engine, command.registry)
+        elif isinstance(command, ResetPrefixCache):
+            self.engine.reset_prefix_cache()
+
+    def _due(self) -> bool:
+        """Whether a weights update, a sleep or wake, or a pause is yet to be made."""
+        pausing = self._pausing
+        return (self._weights_due is not None or self._sleep_due is not None
+                or (pausing is not None and self.pause.command != pausing.count))
+
+    def _frozen(self) -> bool:
+        """Whether a pause keeps the requests frozen: no step runs them until the resume."""
+        return self._pausing is not None and self._pausing.frozen
 
     def _holding(self) -> bool:
         """Whether jobs wait to be added: for a weights update in mode "wait", or a sleep, to be
-        made once the running ones end, or while the engine sleeps."""
+        made once the running ones end, or while the engine sleeps or is paused."""
         weights, sleep = self._weights_due, self._sleep_due
         return ((weights is not None and weights.mode == "wait") or (sleep is not None and sleep.level > 0)
-                or self.engine.is_sleeping())
+                or self.engine.is_sleeping() or self._pausing is not None)
 
     def _make_due(self) -> list[Rejected]:
         """Make the weights update and the sleep or wake that are due, where they may be made
@@ -378,6 +425,7 @@ class EngineThread:
         for them, unless the engine sleeps. The jobs the engine refused."""
         self._update_weights()
         self._sleep_or_wake()
+        self._pause_if_due()
         if self._holding() or not self._held:
             return []
         held, self._held = self._held, []
@@ -408,11 +456,20 @@ class EngineThread:
                         command.level or " and ".join(command.tags))
         self.sleep = SleepState(command.count, command.level or self.sleep.level if self.engine.is_sleeping() else 0)
 
+    def _pause_if_due(self) -> None:
+        """Be paused once no request runs, or at once where the pause keeps them frozen."""
+        command = self._pausing
+        if (command is None or self.pause.command == command.count
+                or (not command.frozen and self.engine.has_unfinished_requests())):
+            return
+        self.pause = PauseState(command.count, True)
+        logger.info("paused (mode %s), as asked (command %d)", command.mode, command.count)
+
     def _update_weights(self) -> None:
         """Make the weights update that is due, if it may be made now (mode "wait": once no
-        request runs)."""
+        request runs, or while a pause keeps them frozen: they go on over the new weights)."""
         due = self._weights_due
-        if due is None or (due.mode == "wait" and self.engine.has_unfinished_requests()):
+        if due is None or (due.mode == "wait" and self.engine.has_unfinished_requests() and not self._frozen()):
             return
         self._weights_due = None
         try:

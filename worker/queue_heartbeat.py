@@ -15,10 +15,23 @@ import redis
 
 from producer.aio import unless_set, wait_for_event
 from producer.protocol import WORKER_HEARTBEAT_TTL_S, as_text
-from producer.records import SleepCommand, WeightsUpdate, WorkerInfo, encode_worker_info
+from producer.records import (
+    PauseCommand,
+    SleepCommand,
+    WeightsUpdate,
+    WorkerInfo,
+    encode_worker_info,
+)
 from worker.queue_config import WorkerConfig
 from worker.queue_engine import EngineThread
-from worker.queue_jobs import ABORT_CANCELLED, ABORT_DEADLINE, HeldJob, JobState, JobTable
+from worker.queue_jobs import (
+    ABORT_CANCELLED,
+    ABORT_DEADLINE,
+    ABORT_PAUSED,
+    HeldJob,
+    JobState,
+    JobTable,
+)
 from worker.queue_metrics import WorkerMetrics
 from worker.queue_publisher import Publisher
 from worker.queue_scripts import Scripts
@@ -40,6 +53,11 @@ async def read_adapter_registry(scripts: Scripts) -> dict[str, str]:
 async def read_sleep_command(scripts: Scripts, model: str) -> SleepCommand | None:
     """The latest sleep or wake command for the workers of `model` (genq:sleep:<model>), if any."""
     return SleepCommand.from_hash(await scripts.conn.hgetall(scripts.keys.sleep(model)))  # type: ignore[misc]
+
+
+async def read_pause_command(scripts: Scripts, model: str) -> PauseCommand | None:
+    """The latest pause or resume for the workers of `model` (genq:pause:<model>), if any."""
+    return PauseCommand.from_hash(await scripts.conn.hgetall(scripts.keys.pause(model)))  # type: ignore[misc]
 
 
 async def read_weights_update(scripts: Scripts, model: str) -> WeightsUpdate | None:
@@ -111,6 +129,7 @@ class Heartbeat:
                         f"sleeps (level {command.level})" if command.level else f"wakes {','.join(command.tags)}",
                         command.count)
             self.engine.follow_sleep(command)
+        await self._follow_pause()
         held = [h for h in self.table if h.state.writes]
         lost, cancelled = await self.scripts.heartbeat(
             self.scripts.keys.worker(self.config.name),
@@ -124,6 +143,20 @@ class Heartbeat:
                 self.publisher.drop(h, JobState.LOST)
             elif h.entry_id in cancelled:
                 self.abort(h, ABORT_CANCELLED)
+
+    async def _follow_pause(self) -> None:
+        """Follow a new pause or resume; a pause with mode "abort" ends the running jobs now
+        (finish_reason abort, the tokens they wrote kept), as vLLM's does."""
+        command = await read_pause_command(self.scripts, self.config.model_name)
+        if command is None or command.count == self.engine.pause_asked.count:
+            return
+        logger.info("worker %s %s, as asked (command %d)", self.config.name,
+                    f"pauses (mode {command.mode})" if command.paused else "resumes", command.count)
+        self.engine.follow_pause(command)
+        if command.paused and command.mode == "abort":
+            for held in self.table:
+                if held.state == JobState.RUNNING:
+                    self.abort(held, ABORT_PAUSED)
 
     async def _drain_if_asked(self) -> None:
         """Stop as SIGTERM does when `genq drain` asked this process to (the flag names its
@@ -188,6 +221,8 @@ class Heartbeat:
             weights_error=self.engine.weights.error,
             sleep_command=self.engine.sleep.command,
             sleep_level=self.engine.sleep.level,
+            pause_command=self.publisher.pause.command,
+            paused=int(self.publisher.pause.paused),
             started_at=self.started_at,
             heartbeat_at=time.time(),
             pid=os.getpid(),

@@ -28,6 +28,7 @@ from producer.records import CompletionOutput, JobRecord, encode_record
 
 ABORT_CANCELLED = "cancelled"  # JobRecord.extra["abort_reason"]: the client cancelled
 ABORT_DEADLINE = "deadline"  # the job's deadline passed
+ABORT_PAUSED = "paused"  # a pause with mode "abort" (genq:pause:<model>) ended it
 
 
 class JobState(enum.Enum):
@@ -75,7 +76,7 @@ class HeldJob:
     delivery_count: int = 1
     resumed: bool = False  # reclaimed with output already sent by another worker
     state: JobState = JobState.ADMITTING
-    abort_reason: str | None = None  # ABORT_CANCELLED | ABORT_DEADLINE once asked to stop
+    abort_reason: str | None = None  # ABORT_CANCELLED | ABORT_DEADLINE | ABORT_PAUSED once asked to stop
     engine_ids: set[str] = field(default_factory=set)  # engine requests not finished yet
     prompt_tokens: int | None = None
     cached_tokens: int = 0  # prompt tokens the prefix cache served

@@ -62,6 +62,7 @@ class Publisher:
         self.model_name = model_name  # what usage is metered under when a job names no model
         self.on_rejected = on_rejected  # async: fail the job, dead-letter its entry
         self.stats = EngineStats()
+        self.pause = engine.pause  # the engine's (as built, then once the outputs of the steps before it are written)
         self.changed = asyncio.Event()  # set after each batch: capacity may have grown
         self.idle = asyncio.Event()  # set while no result waits to be published
 
@@ -87,6 +88,7 @@ class Publisher:
             rejected += self._rejected(result.rejected)
             self.stats = result.stats
         await self._write(list(writes.values()))
+        self.pause = self.stats.pause  # (as of the outputs just written: a pause is said after the jobs it ended)
         for held, refused in rejected:
             await self.on_rejected(held, refused)
         self.metrics.engine_stats(self.stats)

@@ -1,7 +1,7 @@
 """vLLM's development endpoints, mounted only with GENQ_SERVER_DEV_MODE (as vLLM mounts them
 with VLLM_SERVER_DEV_MODE): what a benchmark needs between runs, and what a trainer needs to
 serve its latest weights (SGLang's update_weights_from_disk) and to share the workers' devices
-(vLLM's sleep mode), which no tenant should be able to do to the others' traffic on a shared
+(vLLM's sleep mode) or to pause generation while it does (vLLM's pause), which no tenant should be able to do to the others' traffic on a shared
 deployment."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from api import sleep_mode, weights_updates
+from api import pause, sleep_mode, weights_updates
 from api.deps import StateDep
 from api.lora_adapters import confirm
 from producer.records import SLEEP_TAGS
@@ -72,3 +72,25 @@ async def wake_up(state: StateDep, tags: Annotated[list[Literal["weights", "kv_c
 @router.get("/is_sleeping")
 async def is_sleeping(state: StateDep, model: str | None = None) -> dict[str, bool]:
     return {"is_sleeping": await sleep_mode.is_sleeping(state.cluster, model)}
+
+
+@router.post("/pause")
+async def pause_generation(state: StateDep, mode: Literal["abort", "wait", "keep"] = "abort",
+                           model: str | None = None) -> dict[str, str]:
+    """vLLM's pause for every worker of the model: it takes no jobs (they wait in the queue),
+    and its running requests end now with finish_reason `abort` (`mode=abort`), run to their
+    end (`wait`) or stay frozen until the resume (`keep`). 200 once each serving one is paused."""
+    await pause.command(state.client, state.cluster, model, mode)
+    return {"status": "paused"}
+
+
+@router.post("/resume")
+async def resume_generation(state: StateDep, model: str | None = None) -> dict[str, str]:
+    """The model's workers take jobs again, and frozen requests go on. 200 once each did."""
+    await pause.command(state.client, state.cluster, model, None)
+    return {"status": "resumed"}
+
+
+@router.get("/is_paused")
+async def is_paused(state: StateDep, model: str | None = None) -> dict[str, bool]:
+    return {"is_paused": await pause.is_paused(state.cluster, model)}

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ import pytest
 import redis
 
 from api.settings import Settings
+from producer.client import Client
 from producer.protocol import Keys
 from producer.records import WorkerInfo, decode_worker_info
 from producer.redis_server import RedisServer
@@ -161,9 +163,86 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
-def test_genq_weights_sleep_and_wake_from_a_shell(live_worker: str, served_model: str, oai: openai.OpenAI,
-                                                  retrained_llama_dir: Path) -> None:
-    """The same updates without the API: `genq weights` (mode keep, here), `genq sleep`, `genq wake`."""
+def test_a_pause_aborts_waits_for_or_freezes_the_running_jobs(live_worker: str, serve_api, poll,
+                                                               retrained_llama_dir: Path) -> None:
+    """vLLM's POST /pause, /resume and GET /is_paused for every worker of the model: paused, it
+    takes no jobs (one sent meanwhile stays queued until the resume); the running one ends
+    with finish_reason abort before the answer (mode abort, the default), runs to its end
+    before it (wait), or stays frozen, its tokens counted no further (keep): a frozen job
+    can still be cancelled, a weights update is made at once, and after the resume the job goes
+    on over the new weights."""
+    conn = redis.Redis.from_url(live_worker)
+    (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
+
+    def beat() -> WorkerInfo:
+        return decode_worker_info(conn.hgetall(Keys().worker(worker)))
+
+    with serve_api(Settings(redis_url=live_worker, server_dev_mode=True)) as url, httpx.Client(base_url=url) as http:
+        def send() -> str:
+            return str(http.post("/v1/jobs", json={"prompt": PROMPT, "max_tokens": LONG, "temperature": 0.0,
+                                                   "ignore_eos": True}).json()["id"])
+
+        def view(job: str) -> dict[str, Any]:
+            return dict(http.get(f"/v1/jobs/{job}").json())
+
+        def beats_go_by() -> WorkerInfo:
+            since = time.time()
+            return poll(lambda: (info := beat()).heartbeat_at > since + 1.0 and info, 30, "two beats")  # (0.5 s a beat)
+
+        served = beat().weights_path
+        whole = offline(Path(served), LONG)
+        assert http.get("/is_paused").json() == {"is_paused": False}
+        for mode in ("abort", "wait", "keep"):
+            job, other = send(), send()
+            poll(lambda: view(job)["status"] == view(other)["status"] == "running", 30, "the long jobs")  # noqa: B023
+            answer = http.post("/pause", params={"mode": mode} if mode != "abort" else {}, timeout=60)
+            assert answer.status_code == 200 and answer.json() == {"status": "paused"}, answer.text
+            assert http.get("/is_paused").json() == {"is_paused": True} and beat().free_slots == 0
+            assert "genq:num_workers_paused 1.0" in http.get("/metrics").text
+            ended = view(job)
+            queued = send()
+            if mode == "abort":
+                output = ended["outputs"][0]
+                assert (ended["status"], output["finish_reason"]) == ("cancelled", "abort")
+                assert 0 < len(output["token_ids"]) < LONG and whole.startswith(output["text"])
+                assert conn.hget(Keys().job(job), "abort_reason") == b"paused"
+            elif mode == "wait":
+                assert ended["status"] == "finished" and ended["outputs"][0]["text"] == whole
+            else:
+                assert ended["status"] == "running"
+                frozen = beat().generation_tokens_total
+                assert beats_go_by().generation_tokens_total == frozen and view(job)["status"] == "running"
+                assert http.delete(f"/v1/jobs/{other}").status_code == 202
+                poll(lambda: view(other)["status"] == "cancelled", 30, "the frozen job cancelled")  # noqa: B023
+                update = http.post("/update_weights_from_disk", json={"model_path": str(retrained_llama_dir)},
+                                   timeout=60)
+                assert update.status_code == 200 and view(job)["status"] == "running", update.text
+                with Client(live_worker) as client:  # (what it wrote before the update)
+                    before = "".join(event["text"] for event in client.inspect(job)["events"])
+            assert view(queued)["status"] == "queued" and beats_go_by().running == (mode == "keep")
+            assert view(queued)["status"] == "queued"
+            answer = http.post("/resume", timeout=60)
+            assert answer.status_code == 200 and answer.json() == {"status": "resumed"}, answer.text
+            assert http.get("/is_paused").json() == {"is_paused": False}
+            if mode != "keep":
+                assert view(other)["status"] == view(job)["status"]  # (the two ran alike)
+                final = poll(lambda: (v := view(queued))["status"] == "finished" and v, 60, "the job")  # noqa: B023
+                assert final["outputs"][0]["text"] == whole
+        # (mode keep) the frozen job went on over the new weights, from the tokens it had
+        final = poll(lambda: (v := view(job))["status"] == "finished" and v, 60, "the frozen job")
+        assert final["outputs"][0]["text"].startswith(before) and final["outputs"][0]["text"] != whole
+        assert len(final["outputs"][0]["token_ids"]) == LONG
+        new = poll(lambda: (v := view(queued))["status"] == "finished" and v, 60, "the queued job")
+        assert new["outputs"][0]["text"] == offline(retrained_llama_dir, LONG)
+        assert http.post("/update_weights_from_disk", json={"model_path": served}, timeout=60).status_code == 200
+        assert http.post("/pause", params={"mode": "stop"}).status_code == 400
+
+
+def test_genq_weights_sleep_wake_pause_and_resume_from_a_shell(
+        live_worker: str, served_model: str, oai: openai.OpenAI, retrained_llama_dir: Path, run_worker,
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The same updates without the API: `genq weights` (mode keep, here), `genq sleep`, `genq wake`,
+    `genq pause`, `genq resume` (a worker that starts while paused reads the pause with its model)."""
     def genq(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "producer.cli", *args, "--redis-url", live_worker],
                               capture_output=True, text=True, timeout=120)
@@ -180,3 +259,12 @@ def test_genq_weights_sleep_and_wake_from_a_shell(live_worker: str, served_model
     woke = genq("wake", "--tags", "kv_cache,weights")
     assert woke.returncode == 0 and "woke kv_cache and weights" in woke.stdout, woke.stderr
     assert decode_worker_info(conn.hgetall(Keys().worker(worker))).sleep_level == 0
+    paused = genq("pause", "--mode", "keep")
+    assert paused.returncode == 0 and "paused (mode keep)" in paused.stdout, paused.stderr
+    assert decode_worker_info(conn.hgetall(Keys().worker(worker))).paused == 1
+    assert f"{worker} " in (status := genq("status").stdout) and " paused " in status, status
+    with run_worker(live_worker, tiny_llama_dir, tmp_path, name="late"):  # (it reads the pause with its model)
+        late = decode_worker_info(conn.hgetall(Keys().worker("late")))
+        assert (late.paused, late.free_slots) == (1, 0)
+    assert genq("resume").returncode == 0
+    assert decode_worker_info(conn.hgetall(Keys().worker(worker))).paused == 0
