@@ -8,8 +8,9 @@ its heartbeat, and one that starts later reads it with its model, so the whole f
 one set of weights. The call returns once every serving worker of the model says, in its
 heartbeat, that it serves the update, so a job sent after it runs on the new weights; a worker
 that could not read the checkpoint serves the weights it had, and its reason is the error.
-Where no worker could, the update is taken back, so a worker that starts later does not try
-it either.
+The update is all or nothing: where a worker could not, it is taken back, so a worker that
+starts later does not try it either, and the workers that could serve the weights before it
+again (a later update of their own), so the fleet never answers with two sets of weights.
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ async def update(client: AsyncClient, cluster: Cluster, model_path: str, model: 
     await confirm(cluster, time.time(), done, f"serve the weights of {model_path}",
                   applies=lambda info: info.model == name, timeout_s=timeout_s)
     if failed:
-        taken_back = not served and await _take_back(client, key, count, before)
-        raise APIError(400, "; ".join(f"Worker {w} cannot serve the weights of {model_path}: {why}"
-                                      for w, why in sorted(failed.items()))
-                       + (" The update is taken back: a worker that starts serves the weights before it."
-                          if taken_back else ""), param="model_path")
+        refused = "; ".join(f"Worker {w} cannot serve the weights of {model_path}: {why}"
+                            for w, why in sorted(failed.items()))
+        back = await _take_back(client, key, count, before, reload=bool(served))
+        said = "" if back is None else " The update is taken back: a worker that starts serves the weights before it."
+        if back is not None and served:
+            said += await _served_again(cluster, name, back, before, served, timeout_s)
+        raise APIError(400, refused + said, param="model_path")
     workers = f"{len(served)} worker{'s' if len(served) != 1 else ''}" if served else \
         "no worker is live; workers serve them as they start"
     return {"success": True, "message": f"Model {name} serves the weights of {model_path} ({workers}).",
@@ -68,22 +71,50 @@ async def write_command(client: AsyncClient, key: str, fields: dict[str, str | i
     return int(count)
 
 
-async def _take_back(client: AsyncClient, key: str, count: int, before: WeightsUpdate | None) -> bool:
-    """Point the update `count`, which no worker could serve, back at the checkpoint before it
-    (the model's own, "", where there was none), unless a later update came meanwhile. Its
-    count stays: no worker reloads what it serves already, one that starts reads the one before."""
+async def _take_back(client: AsyncClient, key: str, count: int, before: WeightsUpdate | None,
+                     reload: bool) -> int | None:
+    """Point the update `count`, which a worker could not serve, back at the checkpoint before
+    it (the model's own, "", where there was none), unless a later update came meanwhile; the
+    count then, None where a later update came. Where no worker served it (not `reload`), its
+    count stays: no worker reloads what it serves already, one that starts reads the one before;
+    where some did, the count moves on, so they load the one before again."""
     async with client.redis.pipeline(transaction=True) as pipe:
         await pipe.watch(key)
         if int(await pipe.hget(key, "count") or 0) != count:
-            return False
+            return None
         pipe.multi()
+        if reload:
+            pipe.hincrby(key, "count", 1)
         pipe.hset(key, mapping={"model_path": before.model_path if before else "",
                                 "mode": before.mode if before else "wait"})
         try:
             await pipe.execute()
         except redis.WatchError:  # a later update came
-            return False
-    return True
+            return None
+    return count + reload
+
+
+async def _served_again(cluster: Cluster, name: str, count: int, before: WeightsUpdate | None,
+                        served: set[str], timeout_s: float) -> str:
+    """Wait until the workers that served the update taken back serve the weights before it
+    (update `count`); what to add to the error."""
+    again: set[str] = set()
+    failed: dict[str, str] = {}
+
+    def done(worker: str, info: WorkerInfo) -> bool:
+        if worker not in served:  # (it serves them already, or started since: it read them)
+            return True
+        if info.weights_update >= count and (info.weights_update > count or not info.weights_error):
+            again.add(worker)
+        elif info.weights_update == count:
+            failed[worker] = info.weights_error
+        return worker in again or worker in failed
+
+    weights = before.model_path if before and before.model_path else "the model's own weights"
+    await confirm(cluster, time.time(), done, f"serve {weights} again",
+                  applies=lambda info: info.model == name, timeout_s=timeout_s)
+    return (f" Workers {', '.join(sorted(again))} serve {weights} again." if again else "") + "".join(
+        f" Worker {w} cannot serve {weights} again: {why}." for w, why in sorted(failed.items()))
 
 
 async def model_of(cluster: Cluster, model: str | None) -> str:

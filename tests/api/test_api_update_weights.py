@@ -1,7 +1,8 @@
 """SGLang's POST /update_weights_from_disk under GENQ_SERVER_DEV_MODE: every worker of the model
 serves the new checkpoint by the time it answers (the very next request's tokens are the
 offline engine's on that checkpoint, whatever the prefix cache held), a worker that starts
-later serves it too, and a checkpoint no worker can read is refused by name and taken back."""
+later serves it too, and a checkpoint a worker cannot read is refused by name and taken back
+(the workers that could serve the weights before it again)."""
 
 from __future__ import annotations
 
@@ -113,6 +114,19 @@ def test_the_workers_serve_the_new_weights_and_a_bad_checkpoint_is_refused(
     with run_worker(live_worker, retrained_llama_dir, tmp_path, name="late"):  # (started on other weights)
         info = decode_worker_info(conn.hgetall(Keys().worker("late")))
         assert (info.weights_update, info.weights_path, info.weights_error) == (3, str(tiny_llama_dir), "")
+    # all or nothing: where one worker cannot serve the update (here, one of another shape under
+    # the same name), the workers that could serve the weights before it again
+    with run_worker(live_worker, tiny_mistral_dir, tmp_path, name="odd"), \
+            serve_api(Settings(redis_url=live_worker, server_dev_mode=True)) as url:
+        answer = httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=60)
+        assert answer.status_code == 400
+        message = answer.json()["error"]["message"]
+        assert f"Worker odd cannot serve the weights of {retrained_llama_dir}" in message and "taken back" in message
+        assert f"Workers {worker} serve {tiny_llama_dir} again." in message, message
+        info = decode_worker_info(conn.hgetall(Keys().worker(worker)))
+        assert (info.weights_update, info.weights_path, info.weights_error) == (5, str(tiny_llama_dir), "")
+        assert conn.hget(Keys().weights(served_model), "model_path").decode() == str(tiny_llama_dir)
+    assert served() == old
 
 
 def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_api, poll, run_worker,
