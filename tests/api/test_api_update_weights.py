@@ -133,8 +133,8 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
                                                       tiny_llama_dir: Path, tmp_path: Path) -> None:
     """vLLM's POST /sleep and /wake_up for every worker of the model: a job sent while it sleeps
     waits in the queue (beats go by, and it is still queued), and runs once it wakes, on the
-    weights it served before. A worker that starts meanwhile reads the command with its model,
-    and sleeps too."""
+    weights it served before. A worker that starts meanwhile reads the command (and a pause)
+    with its model, and sleeps (and is paused) too."""
     conn = redis.Redis.from_url(live_worker)
     (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
 
@@ -151,9 +151,11 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
         sent = time.time()
         poll(lambda: beat().heartbeat_at > sent + 1.0, 30, "two beats after the job")  # (0.5 s a beat)
         assert http.get(f"/v1/jobs/{job}").json()["status"] == "queued"
+        assert http.post("/pause", timeout=60).status_code == 200  # (paused as well, for the late worker)
         with run_worker(live_worker, tiny_llama_dir, tmp_path, name="late"):
             late = decode_worker_info(conn.hgetall(Keys().worker("late")))
-            assert (late.sleep_level, late.free_slots) == (2, 0)
+            assert (late.sleep_level, late.paused, late.free_slots) == (2, 1, 0)
+        assert http.post("/resume", timeout=60).status_code == 200
         assert http.get(f"/v1/jobs/{job}").json()["status"] == "queued"
         assert http.post("/wake_up", params={"tags": "weights"}, timeout=60).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}  # (its KV cache still sleeps)
@@ -192,8 +194,8 @@ def test_a_pause_aborts_waits_for_or_freezes_the_running_jobs(live_worker: str, 
         return decode_worker_info(conn.hgetall(Keys().worker(worker)))
 
     with serve_api(Settings(redis_url=live_worker, server_dev_mode=True)) as url, httpx.Client(base_url=url) as http:
-        def send() -> str:
-            return str(http.post("/v1/jobs", json={"prompt": PROMPT, "max_tokens": LONG, "temperature": 0.0,
+        def send(max_tokens: int = LONG) -> str:
+            return str(http.post("/v1/jobs", json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0.0,
                                                    "ignore_eos": True}).json()["id"])
 
         def view(job: str) -> dict[str, Any]:
@@ -207,14 +209,14 @@ def test_a_pause_aborts_waits_for_or_freezes_the_running_jobs(live_worker: str, 
         whole = offline(Path(served), LONG)
         assert http.get("/is_paused").json() == {"is_paused": False}
         for mode in ("abort", "wait", "keep"):
-            job, other = send(), send()
-            poll(lambda: view(job)["status"] == view(other)["status"] == "running", 30, "the long jobs")  # noqa: B023
+            job, other = send(), send() if mode == "keep" else ""
+            poll(lambda: all(view(j)["status"] == "running" for j in (job, other) if j), 30, "the long jobs")  # noqa: B023
             answer = http.post("/pause", params={"mode": mode} if mode != "abort" else {}, timeout=60)
             assert answer.status_code == 200 and answer.json() == {"status": "paused"}, answer.text
             assert http.get("/is_paused").json() == {"is_paused": True} and beat().free_slots == 0
             assert "genq:num_workers_paused 1.0" in http.get("/metrics").text
             ended = view(job)
-            queued = send()
+            queued = send(8)
             if mode == "abort":
                 output = ended["outputs"][0]
                 assert (ended["status"], output["finish_reason"]) == ("cancelled", "abort")
@@ -239,24 +241,22 @@ def test_a_pause_aborts_waits_for_or_freezes_the_running_jobs(live_worker: str, 
             assert answer.status_code == 200 and answer.json() == {"status": "resumed"}, answer.text
             assert http.get("/is_paused").json() == {"is_paused": False}
             if mode != "keep":
-                assert view(other)["status"] == view(job)["status"]  # (the two ran alike)
                 final = poll(lambda: (v := view(queued))["status"] == "finished" and v, 60, "the job")  # noqa: B023
-                assert final["outputs"][0]["text"] == whole
+                assert final["outputs"][0]["text"] == offline(Path(served))
         # (mode keep) the frozen job went on over the new weights, from the tokens it had
         final = poll(lambda: (v := view(job))["status"] == "finished" and v, 60, "the frozen job")
         assert final["outputs"][0]["text"].startswith(before) and final["outputs"][0]["text"] != whole
         assert len(final["outputs"][0]["token_ids"]) == LONG
         new = poll(lambda: (v := view(queued))["status"] == "finished" and v, 60, "the queued job")
-        assert new["outputs"][0]["text"] == offline(retrained_llama_dir, LONG)
+        assert new["outputs"][0]["text"] == offline(retrained_llama_dir)
         assert http.post("/update_weights_from_disk", json={"model_path": served}, timeout=60).status_code == 200
         assert http.post("/pause", params={"mode": "stop"}).status_code == 400
 
 
-def test_genq_weights_sleep_wake_pause_and_resume_from_a_shell(
-        live_worker: str, served_model: str, oai: openai.OpenAI, retrained_llama_dir: Path, run_worker,
-        tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_genq_weights_sleep_wake_pause_and_resume_from_a_shell(live_worker: str, served_model: str,
+                                                               oai: openai.OpenAI, retrained_llama_dir: Path) -> None:
     """The same updates without the API: `genq weights` (mode keep, here), `genq sleep`, `genq wake`,
-    `genq pause`, `genq resume` (a worker that starts while paused reads the pause with its model)."""
+    `genq pause`, `genq resume`."""
     def genq(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "producer.cli", *args, "--redis-url", live_worker],
                               capture_output=True, text=True, timeout=120)
@@ -277,8 +277,5 @@ def test_genq_weights_sleep_wake_pause_and_resume_from_a_shell(
     assert paused.returncode == 0 and "paused (mode keep)" in paused.stdout, paused.stderr
     assert decode_worker_info(conn.hgetall(Keys().worker(worker))).paused == 1
     assert f"{worker} " in (status := genq("status").stdout) and " paused " in status, status
-    with run_worker(live_worker, tiny_llama_dir, tmp_path, name="late"):  # (it reads the pause with its model)
-        late = decode_worker_info(conn.hgetall(Keys().worker("late")))
-        assert (late.paused, late.free_slots) == (1, 0)
     assert genq("resume").returncode == 0
     assert decode_worker_info(conn.hgetall(Keys().worker(worker))).paused == 0
