@@ -185,6 +185,7 @@ class EngineThread:
         self.weights = ServedWeights()
         # sleep mode: the last command asked, the one due, and the one acted on with the level now
         self.sleep_asked = 0
+        self._sleep_level_asked = 0  # (the event loop's: it takes no job from the command on)
         self._sleep_due: SleepCommand | None = None
         self.sleep = SleepState()
         # pause: the last command asked (the event loop's), the one standing (the engine
@@ -259,6 +260,7 @@ class EngineThread:
         """Sleep (taking no jobs from now on; the engine sleeps once the running ones end) or
         wake (in the engine thread)."""
         self.sleep_asked = command.count
+        self._sleep_level_asked = command.level
         self._commands.put(command)
 
     def follow_pause(self, command: PauseCommand) -> None:
@@ -270,9 +272,9 @@ class EngineThread:
 
     @property
     def takes_jobs(self) -> bool:
-        """False while the engine sleeps or is paused, or is to (the event loop's intake asks)."""
-        due = self._sleep_due
-        return self.sleep.level == 0 and (due is None or due.level == 0) and not self.pause_asked.paused
+        """False while the engine sleeps or is paused, or is asked to (the event loop's intake
+        asks: from the command on, not from when the engine thread takes it)."""
+        return self.sleep.level == 0 and self._sleep_level_asked == 0 and not self.pause_asked.paused
 
     def abort(self, engine_ids: list[str]) -> None:
         if engine_ids:
