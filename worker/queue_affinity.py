@@ -117,12 +117,12 @@ class Affinity:
         name now in every lane (what it runs, waits on, or was handed and has not yet taken): below its
         max_num_seqs, and no more than BALANCE_SLACK above this worker's own (a prompt start
         many jobs share, such as a common header, must not pile them all on one worker while
-        this one idles); none for a worker gone, draining or on another stream."""
+        this one idles); none for a worker gone, draining, asleep, paused or on another stream."""
         if not workers:
             return {}
         pipe = self.scripts.conn.pipeline(transaction=False)
         for worker in workers:
-            pipe.hmget(self.scripts.keys.worker(worker), ["state", "queue", "max_num_seqs"])
+            pipe.hmget(self.scripts.keys.worker(worker), ["state", "queue", "max_num_seqs", "sleep_level", "paused"])
         for stream in self.scripts.keys.lane_streams:
             pipe.xpending(stream, self.scripts.keys.group)
         replies = await pipe.execute()
@@ -133,8 +133,9 @@ class Affinity:
                 pending[_text(c["name"])] = pending.get(_text(c["name"]), 0) + int(c["pending"])
         rooms = {}
         mine = pending.get(self.name, 0)
-        for worker, (state, queue, max_num_seqs) in zip(workers, infos, strict=True):
-            if state == b"serving" and _text(queue or b"") == self.queue and max_num_seqs is not None:
+        for worker, (state, queue, max_num_seqs, sleep_level, paused) in zip(workers, infos, strict=True):
+            takes_jobs = sleep_level in (None, b"0") and paused in (None, b"0")
+            if state == b"serving" and takes_jobs and _text(queue or b"") == self.queue and max_num_seqs is not None:
                 theirs = pending.get(worker, 0)
                 rooms[worker] = min(int(max_num_seqs) - theirs, mine + BALANCE_SLACK - theirs)
         return rooms

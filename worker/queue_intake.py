@@ -212,10 +212,12 @@ class Admission:
 
     async def take_handed(self, text: str) -> None:
         """Admit the entries of a handoff notice (their ids, space-separated) still this
-        worker's."""
+        worker's; hand them back where it takes no jobs now (it sleeps or is paused since)."""
         taken = await self.scripts.take(text.split())
         fresh = [t for t in taken if self.table.by_entry(t.entry_id) is None]
-        if fresh:
+        if fresh and not self.engine.takes_jobs:
+            await self.scripts.release([t.entry_id for t in fresh])  # (for a worker that takes them)
+        elif fresh:
             self.metrics.handed_in(len(fresh))
             await self.admit([Delivery(t.entry_id, t.fields, t.delivery_count) for t in fresh], Source.HANDED)
 

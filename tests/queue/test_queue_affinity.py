@@ -3,7 +3,7 @@ of a conversation, and the jobs of one prompt_cache_key, run on the worker that 
 first, whichever worker reads them, and are served from its prefix cache; an entry handed to a
 worker that stopped is reclaimed by the other. Then the handing itself, against a real Redis
 and heartbeat hashes the test writes: how many a worker is handed (its max_num_seqs less the
-entries pending under its name), and nothing to one draining or on another stream."""
+entries pending under its name), and nothing to one draining, asleep, paused or on another stream."""
 
 from __future__ import annotations
 
@@ -134,6 +134,46 @@ def test_a_handoff_to_a_stopped_worker_is_reclaimed(
     assert f"to worker {owner.name}" in workers[other].log()  # they were handed over first
 
 
+def test_a_paused_worker_hands_back_what_it_is_handed(client: Client, conn: redis.Redis, keys: Keys,
+                                                       redis_server: RedisServer) -> None:
+    """The model's workers paused (genq:pause:<model>, written by hand as docs/queue.md says), an
+    entry handed to one (by a reader that had not heard) goes back, claimable by a worker that
+    takes jobs, rather than into its engine: the job stays queued, and runs after the resume."""
+    pause = keys.pause(decode_worker_info(conn.hgetall(keys.worker("aa"))).model)
+
+    def infos() -> list[WorkerInfo]:
+        return [decode_worker_info(conn.hgetall(keys.worker(name)), name) for name in NAMES]
+
+    def idle_ms(entry: str) -> int:
+        return int(conn.xpending_range(keys.requests, keys.group, entry, entry, 1)[0]["time_since_delivered"])
+
+    conn.hset(pause, mapping={"paused": 1, "mode": "keep"})
+    conn.hincrby(pause, "count", 1)
+    try:
+        wait_for(lambda: all(i.paused and not i.free_slots for i in infos()), TIMEOUT_S, "both workers paused")
+        job = client.submit("handed while paused", PARAMS)
+        (_, entries), = conn.xreadgroup(keys.group, "reader", {keys.requests: ">"})
+        entry = entries[0][0].decode()
+        assert asyncio.run(hand_off(redis_server.url, keys, "aa", entry)) == [entry]
+        wait_for(lambda: idle_ms(entry) > 10**9, TIMEOUT_S, "the entry handed back")
+        beat = infos()[0].heartbeat_at
+        wait_for(lambda: infos()[0].heartbeat_at > beat, TIMEOUT_S, "a beat after")
+        assert client.status(job.id) == JobStatus.QUEUED
+    finally:
+        conn.hset(pause, "paused", 0)
+        conn.hincrby(pause, "count", 1)
+    assert client.result(job.id, TIMEOUT_S).status == JobStatus.FINISHED
+
+
+async def hand_off(url: str, keys: Keys, worker: str, entry: str) -> list[str]:
+    """Hand an entry that consumer "reader" holds to `worker`, as a worker's affinity does."""
+    conn = redis.asyncio.Redis.from_url(url)
+    try:
+        return await Scripts(conn, keys, "reader").hand_off(worker, [entry])
+    finally:
+        await conn.aclose()
+
+
 # -- the handing, without worker processes ---------------------------------------------------
 
 
@@ -177,17 +217,19 @@ async def _handing(url: str) -> None:
     await conn.set(keys.affinity(affinity_digest(jobs[0]) or ""), "owner")
     owner = keys.worker("owner")
 
-    async def beat(state: str = "serving", queue: str = "") -> None:
-        await conn.hset(owner, mapping={"state": state, "queue": queue, "max_num_seqs": 2})
+    async def beat(state: str = "serving", queue: str = "", sleep_level: int = 0, paused: int = 0) -> None:
+        await conn.hset(owner, mapping={"state": state, "queue": queue, "max_num_seqs": 2, "sleep_level": sleep_level,
+                                        "paused": paused})
 
     async def pending(consumer: str) -> list[str]:
         rows = await conn.xpending_range(keys.requests, keys.group, "-", "+", 10, consumername=consumer)
         return [r["message_id"].decode() for r in rows]
 
     try:
-        for state, queue in (("draining", ""), ("serving", "other")):
-            await beat(state, queue)
-            assert await affinity.hand_off(entries) == set(), (state, queue)
+        for state, queue, sleep_level, paused in (("draining", "", 0, 0), ("serving", "other", 0, 0),
+                                                  ("serving", "", 1, 0), ("serving", "", 0, 1)):
+            await beat(state, queue, sleep_level, paused)  # (asleep or paused: it takes no jobs)
+            assert await affinity.hand_off(entries) == set(), (state, queue, sleep_level, paused)
         await conn.delete(owner)  # gone
         assert await affinity.hand_off(entries) == set()
         await beat()
