@@ -204,7 +204,7 @@ class Consumer:
     # -- what the tasks share --------------------------------------------------------------
 
     def capacity(self) -> int:
-        """Jobs to take now: see `intake_capacity`; 0 while draining, or asleep (sleep mode)."""
+        """Jobs to take now: see `intake_capacity`; 0 while draining, asleep (sleep mode) or paused."""
         if self.stop_intake.is_set() or not self.engine.takes_jobs:
             return 0
         stats = self.publisher.stats

@@ -273,8 +273,10 @@ class EngineThread:
     @property
     def takes_jobs(self) -> bool:
         """False while the engine sleeps or is paused, or is asked to (the event loop's intake
-        asks: from the command on, not from when the engine thread takes it)."""
-        return self.sleep.level == 0 and self._sleep_level_asked == 0 and not self.pause_asked.paused
+        asks: from the command on, not from when the engine thread takes it; a sleep that
+        failed leaves it taking jobs, as it was)."""
+        sleep_acted = self._sleep_level_asked == 0 or self.sleep.command == self.sleep_asked
+        return self.sleep.level == 0 and sleep_acted and not self.pause_asked.paused
 
     def abort(self, engine_ids: list[str]) -> None:
         if engine_ids:

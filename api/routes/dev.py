@@ -1,8 +1,8 @@
 """vLLM's development endpoints, mounted only with GENQ_SERVER_DEV_MODE (as vLLM mounts them
 with VLLM_SERVER_DEV_MODE): what a benchmark needs between runs, and what a trainer needs to
-serve its latest weights (SGLang's update_weights_from_disk) and to share the workers' devices
-(vLLM's sleep mode) or to pause generation while it does (vLLM's pause), which no tenant should be able to do to the others' traffic on a shared
-deployment."""
+serve its latest weights (SGLang's update_weights_from_disk), to share the workers' devices
+(vLLM's sleep mode) and to pause generation meanwhile (vLLM's pause), which no tenant should
+be able to do to the others' traffic on a shared deployment."""
 
 from __future__ import annotations
 
