@@ -76,6 +76,11 @@ class Cluster:
         self._depth = conn.register_script(QUEUE_DEPTH_LUA)
         self._workers: tuple[float, list[LiveWorker]] | None = None  # (monotonic time, beats)
 
+    async def notify(self, key: str) -> None:
+        """Tell the workers that the record at `key` they follow changed: each beats at once,
+        acting on it, rather than at its next heartbeat (which would read it anyway)."""
+        await self._redis.publish(self._keys.control_channel, key)
+
     async def queue_depth(self, cap: int = METRICS_DEPTH_CAP) -> QueueDepth:
         """Jobs queued or running, over the shared stream and the queue of every live worker
         (each stream counted up to `cap`)."""

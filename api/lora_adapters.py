@@ -38,6 +38,7 @@ async def load(client: AsyncClient, cluster: Cluster, name: str, path: str) -> s
     if name in taken or not await client.redis.hsetnx(client.keys.lora_adapters, name, path):
         raise invalid_param("lora_name", f"The lora adapter '{name}' has already been loaded.")
     since = time.time()
+    await cluster.notify(client.keys.lora_adapters)
     try:
         await _confirm(cluster, since, lambda _, info: _loaded(info, name), f"load LoRA adapter '{name}'")
     except APIError:
@@ -54,6 +55,7 @@ async def unload(client: AsyncClient, cluster: Cluster, name: str) -> str:
         configured = name in await cluster.served_models()
         why = "was given to the workers at start (--lora-modules)" if configured else "cannot be found"
         raise invalid_param("lora_name", f"The lora adapter '{name}' {why}.")
+    await cluster.notify(client.keys.lora_adapters)
     await _confirm(cluster, time.time(), lambda _, info: name not in info.adapters,
                    f"unload LoRA adapter '{name}'")
     return f"Success: LoRA adapter '{name}' removed successfully."

@@ -29,7 +29,7 @@ async def command(client: AsyncClient, cluster: Cluster, model: str | None, mode
     wait until each serving one acted on it; the model's name."""
     name = await model_of(cluster, model)
     fields: dict[str, str | int] = {"paused": int(mode is not None), "mode": mode or "abort"}
-    count = await write_command(client, client.keys.pause(name), fields)
+    count = await write_command(client, cluster, client.keys.pause(name), fields)
 
     def done(_: str, info: WorkerInfo) -> bool:
         return info.pause_command >= count

@@ -29,7 +29,7 @@ async def command(client: AsyncClient, cluster: Cluster, model: str | None, leve
     model's workers and wait until each serving one acted on it; the model's name."""
     name = await model_of(cluster, model)
     key = client.keys.sleep(name)
-    count = await write_command(client, key, {"level": level, "tags": ",".join(tags)})
+    count = await write_command(client, cluster, key, {"level": level, "tags": ",".join(tags)})
     what = f"sleep (level {level})" if level else f"wake {' and '.join(tags)}"
     failed: set[str] = set()
     whole_wake = not level and set(tags) == set(SLEEP_TAGS)

@@ -34,7 +34,7 @@ async def update(client: AsyncClient, cluster: Cluster, model_path: str, model: 
     name = await model_of(cluster, model)
     key = client.keys.weights(name)
     before = WeightsUpdate.from_hash(await client.redis.hgetall(key))  # type: ignore[misc]
-    count = await write_command(client, key, {"model_path": model_path, "mode": mode})
+    count = await write_command(client, cluster, key, {"model_path": model_path, "mode": mode})
     served: set[str] = set()
     failed: dict[str, str] = {}
 
@@ -53,6 +53,7 @@ async def update(client: AsyncClient, cluster: Cluster, model_path: str, model: 
         back = await _take_back(client, key, count, before, reload=bool(served))
         said = "" if back is None else " The update is taken back: a worker that starts serves the weights before it."
         if back is not None and served:
+            await cluster.notify(key)
             said += await _served_again(cluster, name, back, before, served, timeout_s)
         raise APIError(400, refused + said, param="model_path")
     workers = f"{len(served)} worker{'s' if len(served) != 1 else ''}" if served else \
@@ -61,13 +62,15 @@ async def update(client: AsyncClient, cluster: Cluster, model_path: str, model: 
             "model": name, "model_path": model_path, "weights_update": count}
 
 
-async def write_command(client: AsyncClient, key: str, fields: dict[str, str | int]) -> int:
-    """A command the workers follow (a weights update, a sleep): its hash's count one more and
-    its fields, in one transaction, so no worker sees the count move before them; the count."""
+async def write_command(client: AsyncClient, cluster: Cluster, key: str, fields: dict[str, str | int]) -> int:
+    """A command the workers follow (a weights update, a sleep, a pause): its hash's count one
+    more and its fields, in one transaction, so no worker sees the count move before them, and
+    the workers told; the count."""
     async with client.redis.pipeline(transaction=True) as pipe:
         pipe.hincrby(key, "count", 1)
         pipe.hset(key, mapping=fields)
         count, _ = await pipe.execute()
+    await cluster.notify(key)
     return int(count)
 
 

@@ -171,6 +171,12 @@ class Keys:
         return f"{self.prefix}cancel"  # pub/sub: job ids to abort now
 
     @property
+    def control_channel(self) -> str:
+        # pub/sub: the key of a record the workers follow (a weights update, sleep, pause, prefix
+        # cache reset, the LoRA registry), just written: they beat now, not at their next heartbeat
+        return f"{self.prefix}control"
+
+    @property
     def dead(self) -> str:
         return f"{self.prefix}dead"  # stream: entries no worker could run
 

@@ -9,6 +9,7 @@ consumer; the consumer's own asyncio tasks do the work:
 - heartbeat: the worker hash, re-owning in-flight entries, cancel flags, deadlines;
 - reclaimer: entries of dead workers, resumed from the tokens they had sent;
 - cancel listener: the `cancel` channel;
+- control listener: the `control` channel (a command record was written: beat now);
 - handoff listener: entries other workers handed to this one (queue_affinity).
 
 The engine steps in its own thread (`queue_engine.EngineThread`). On SIGTERM arq cancels
@@ -140,6 +141,8 @@ class Consumer:
         self._spawn("publisher", self.publisher.run())
         self._spawn("heartbeat", self.heartbeat.run(self.stop_control))
         self._spawn("cancels", listen(self.conn, self.keys.cancel_channel, self.cancel, self.stop_control, "cancel"))
+        self._spawn("control", listen(self.conn, self.keys.control_channel, self.heartbeat.poke, self.stop_control,
+                                      "control"))
         self._spawn("intake", _retrying(lambda: intake.run(self.stop_intake), self.stop_intake))
         self._spawn("reclaimer", _retrying(lambda: reclaimer.run(self.stop_intake), self.stop_intake))
         if self.config.cache_affinity:  # (stops with the intake: what comes later, the drain releases)

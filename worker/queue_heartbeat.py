@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 
-from producer.aio import unless_set, wait_for_event
+from producer.aio import unless_set
 from producer.protocol import WORKER_HEARTBEAT_TTL_S, as_text
 from producer.records import (
     PauseCommand,
@@ -93,6 +93,7 @@ class Heartbeat:
         self.started_at = time.time()
         self.host = socket.gethostname()
         self.ttl_s = max(WORKER_HEARTBEAT_TTL_S, int(3 * config.heartbeat_s) + 1)
+        self.now = asyncio.Event()  # set: beat now, not at the next heartbeat (a command was written)
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
@@ -102,7 +103,24 @@ class Heartbeat:
                 await self.trim()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 logger.warning("heartbeat failed: %s", exc)
-            await wait_for_event(stopping, self.config.heartbeat_s)
+            await self._rest(stopping)
+
+    async def poke(self, _: str = "") -> None:
+        """Beat now: a record this worker follows was written (genq:control names it)."""
+        self.now.set()
+
+    async def _rest(self, stopping: asyncio.Event) -> None:
+        """Until the next beat: the heartbeat's interval, or less where a command was written
+        (`poke`) or the engine made one (the publisher's `made`), or until the stop."""
+        events = (stopping, self.now, self.publisher.made)
+        waits = [asyncio.ensure_future(event.wait()) for event in events]
+        try:
+            await asyncio.wait(waits, timeout=self.config.heartbeat_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        self.now.clear()
+        self.publisher.made.clear()
 
     async def beat(self) -> None:
         """One beat: abort jobs past their deadline, write the worker hash, keep in-flight

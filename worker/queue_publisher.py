@@ -63,6 +63,10 @@ class Publisher:
         self.on_rejected = on_rejected  # async: fail the job, dead-letter its entry
         self.stats = EngineStats()
         self.pause = engine.pause  # the engine's (as built, then once the outputs of the steps before it are written)
+        self._made = self._commands_made()
+        # set once the engine made a command (a pause, sleep, weights update, adapters): the
+        # heartbeat says so at once, so whoever waits on it hears now, not a heartbeat later
+        self.made = asyncio.Event()
         self.changed = asyncio.Event()  # set after each batch: capacity may have grown
         self.idle = asyncio.Event()  # set while no result waits to be published
 
@@ -89,10 +93,18 @@ class Publisher:
             self.stats = result.stats
         await self._write(list(writes.values()))
         self.pause = self.stats.pause  # (as of the outputs just written: a pause is said after the jobs it ended)
+        if (made := self._commands_made()) != self._made:
+            self._made = made
+            self.made.set()
         for held, refused in rejected:
             await self.on_rejected(held, refused)
         self.metrics.engine_stats(self.stats)
         self.changed.set()
+
+    def _commands_made(self) -> tuple[Any, ...]:
+        """What the engine made of the commands it follows, as the heartbeat says it."""
+        adapters = self.engine.adapters
+        return self.pause, self.engine.sleep, self.engine.weights, tuple(adapters.served), tuple(adapters.errors)
 
     def _apply(self, output: RequestOutput, now: float, writes: dict[str, JobWrite]) -> None:
         """Fold one engine output into the job's pending write."""

@@ -27,6 +27,7 @@ async def reset_prefix_cache(state: StateDep) -> Response:
     before), 504 naming those that did not."""
     since = time.time()
     count = await state.client.redis.incr(state.client.keys.prefix_cache_resets)
+    await state.cluster.notify(state.client.keys.prefix_cache_resets)
     await confirm(state.cluster, since, lambda _, info: info.prefix_cache_resets >= count, "emptied their prefix cache")
     return Response(status_code=200)
 

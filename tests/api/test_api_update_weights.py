@@ -134,7 +134,8 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
     """vLLM's POST /sleep and /wake_up for every worker of the model: a job sent while it sleeps
     waits in the queue (beats go by, and it is still queued), and runs once it wakes, on the
     weights it served before. A worker that starts meanwhile reads the command (and a pause)
-    with its model, and sleeps (and is paused) too."""
+    with its model, and sleeps (and is paused) too; told of the resume, it acts on it at once,
+    not at its next heartbeat."""
     conn = redis.Redis.from_url(live_worker)
     (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
 
@@ -152,10 +153,12 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
         poll(lambda: beat().heartbeat_at > sent + 1.0, 30, "two beats after the job")  # (0.5 s a beat)
         assert http.get(f"/v1/jobs/{job}").json()["status"] == "queued"
         assert http.post("/pause", timeout=60).status_code == 200  # (paused as well, for the late worker)
-        with run_worker(live_worker, tiny_llama_dir, tmp_path, name="late"):
+        slow = ("--heartbeat-s", "30", "--claim-idle-s", "60")  # (told of a command, it beats at once)
+        with run_worker(live_worker, tiny_llama_dir, tmp_path, slow, name="late"):
             late = decode_worker_info(conn.hgetall(Keys().worker("late")))
             assert (late.sleep_level, late.paused, late.free_slots) == (2, 1, 0)
-        assert http.post("/resume", timeout=60).status_code == 200
+            assert http.post("/resume", timeout=10).status_code == 200  # (its next heartbeat is 30 s away)
+            assert decode_worker_info(conn.hgetall(Keys().worker("late"))).paused == 0
         assert http.get(f"/v1/jobs/{job}").json()["status"] == "queued"
         assert http.post("/wake_up", params={"tags": "weights"}, timeout=60).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}  # (its KV cache still sleeps)
