@@ -333,13 +333,16 @@ def _message(req: RelayedRequest, choice: Choice) -> AssistantMessage:
     if req.tool_call is None:
         return AssistantMessage(content=(req.chat_echo or "") + text, reasoning_content=reasoning)
     call = {"id": req.tool_call_id(choice), "type": "function",
-            "function": {"name": req.tool_call, "arguments": text}}
+            "function": {"name": req.tool_call, "arguments": text.lstrip()}}
     return AssistantMessage(content=None, tool_calls=[call], reasoning_content=reasoning)
 
 
 def _delta(req: RelayedRequest, choice: Choice, text: str) -> dict[str, Any]:
     """A chunk's delta: content, or with a forced tool call its arguments (the first piece
-    also names the call, as OpenAI streams it)."""
+    also names the call, as OpenAI streams it; whitespace the guide let the model write before
+    the arguments' brace is none of them)."""
+    if req.tool_call is not None and not choice.content_sent:
+        text = text.lstrip()
     if not text:
         return {}
     first, choice.content_sent = not choice.content_sent, True

@@ -16,7 +16,7 @@ from api.errors import APIError
 from api.generate import Collector, plan
 from api.metrics import Metrics
 from api.relay import Relay
-from api.render import ChatRenderer
+from api.render import ChatRenderer, RelayedRequest
 from api.responses import Usage
 from api.routes.chat import chat_prompt
 from api.schemas import ChatCompletionRequest
@@ -475,3 +475,18 @@ def test_strict_tools_hold_the_calls_of_an_auto_reply(monkeypatch: pytest.Monkey
     with pytest.raises(APIError) as info:
         plan(state, unheld, [chat_prompt(unheld)], ChatRenderer(), "x", "m")
     assert info.value.param == "tools" and "multipleOf" in info.value.message
+
+
+def test_a_forced_calls_arguments_begin_at_their_brace() -> None:
+    """The JSON a forced call is guided into may open with whitespace (the guide allows it, and
+    a small model writes it): it is no part of the arguments, whole or streamed."""
+    req = RelayedRequest(id="chatcmpl-x", job_ids=["j"], n=1, model="m", created=0, tool_call="f")
+    events = [Event(seq=i, text=t, token_ids=[i]) for i, t in enumerate([" \n", "\n {", '"a": 1}'])]
+    events[-1].finished, events[-1].finish_reason = True, "stop"
+    collector, renderer = Collector(req), ChatRenderer()
+    chunks = [renderer.chunk(req, collector.add("j", e), e) for e in events]
+    assert chunks[0] is None  # (nothing to send yet)
+    first, second = (chunk["choices"][0]["delta"]["tool_calls"][0] for chunk in chunks[1:] if chunk)
+    assert first["function"] == {"name": "f", "arguments": "{"} and second["function"] == {"arguments": '"a": 1}'}
+    message = renderer.response(req, collector.choices, Usage()).choices[0].message
+    assert message.tool_calls[0]["function"]["arguments"] == '{"a": 1}'
