@@ -152,8 +152,12 @@ def test_a_paused_worker_hands_back_what_it_is_handed(client: Client, conn: redi
     try:
         wait_for(lambda: all(i.paused and not i.free_slots for i in infos()), TIMEOUT_S, "both workers paused")
         job = client.submit("handed while paused", PARAMS)
-        (_, entries), = conn.xreadgroup(keys.group, "reader", {keys.requests: ">"})
-        entry = entries[0][0].decode()
+        ((entry_id, _),) = conn.xrevrange(keys.requests, count=1)
+        entry = entry_id.decode()
+        # the reader's: a worker's read that was waiting when the pause came may have taken it
+        # (and handed it back), so it is claimed as well as read
+        conn.xreadgroup(keys.group, "reader", {keys.requests: ">"})
+        conn.xclaim(keys.requests, keys.group, "reader", 0, [entry])
         assert asyncio.run(hand_off(redis_server.url, keys, "aa", entry)) == [entry]
         wait_for(lambda: idle_ms(entry) > 10**9, TIMEOUT_S, "the entry handed back")
         beat = infos()[0].heartbeat_at
