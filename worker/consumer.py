@@ -141,8 +141,9 @@ class Consumer:
         self._spawn("publisher", self.publisher.run())
         self._spawn("heartbeat", self.heartbeat.run(self.stop_control))
         self._spawn("cancels", listen(self.conn, self.keys.cancel_channel, self.cancel, self.stop_control, "cancel"))
+        # (subscribed, it beats: a command written before the subscription is read then)
         self._spawn("control", listen(self.conn, self.keys.control_channel, self.heartbeat.poke, self.stop_control,
-                                      "control"))
+                                      "control", self.heartbeat.poke))
         self._spawn("intake", _retrying(lambda: intake.run(self.stop_intake), self.stop_intake))
         self._spawn("reclaimer", _retrying(lambda: reclaimer.run(self.stop_intake), self.stop_intake))
         if self.config.cache_affinity:  # (stops with the intake: what comes later, the drain releases)

@@ -250,15 +250,19 @@ class Heartbeat:
 
 async def listen(
     conn: redis.asyncio.Redis, channel: str, on_message: Callable[[str], Awaitable[None]],
-    stopping: asyncio.Event, what: str,
+    stopping: asyncio.Event, what: str, on_subscribed: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Await `on_message(text)` for each message published on `channel`, resubscribing after
-    Redis errors. Whatever a message says is not lost with it: cancels are durable flags the
-    heartbeat reads too, handed-over entries idle ones a reclaimer takes."""
+    Redis errors, and `on_subscribed()` each time the subscription is made (what was published
+    before it is read some other way then). Whatever a message says is not lost with it:
+    cancels are durable flags the heartbeat reads too, handed-over entries idle ones a
+    reclaimer takes, commands records the heartbeat reads."""
     while not stopping.is_set():
         pubsub = conn.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(channel)
+            if on_subscribed is not None:
+                await on_subscribed()
             while not stopping.is_set():
                 message = await unless_set(pubsub.get_message(timeout=CANCEL_POLL_S), stopping)
                 if message is not None and message["type"] == "message":
