@@ -39,8 +39,19 @@ def stream_text(oai: openai.OpenAI, model: str) -> str:
     return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
 
 
+def the_worker(conn: redis.Redis) -> str:
+    """The name of the module's one worker."""
+    (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
+    return worker
+
+
+def beat_of(conn: redis.Redis, worker: str) -> WorkerInfo:
+    """What the worker's last heartbeat says."""
+    return decode_worker_info(conn.hgetall(Keys().worker(worker)))
+
+
 def running(conn: redis.Redis, worker: str) -> bool:
-    return decode_worker_info(conn.hgetall(Keys().worker(worker))).running > 0
+    return beat_of(conn, worker).running > 0
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +78,7 @@ def test_the_workers_serve_the_new_weights_and_a_bad_checkpoint_is_refused(
                                       extra_body={"ignore_eos": True}).choices[0].text
 
     conn = redis.Redis.from_url(live_worker)
-    (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
+    worker = the_worker(conn)
     old, new = offline(tiny_llama_dir), offline(retrained_llama_dir)
     assert served() == old != new
     body = {"model_path": str(retrained_llama_dir)}
@@ -112,7 +123,7 @@ def test_the_workers_serve_the_new_weights_and_a_bad_checkpoint_is_refused(
             answer = httpx.post(f"{url}/update_weights_from_disk", json=wrong)
             assert answer.status_code == status and named in answer.json()["error"]["message"], answer.text
     with run_worker(live_worker, retrained_llama_dir, tmp_path, name="late"):  # (started on other weights)
-        info = decode_worker_info(conn.hgetall(Keys().worker("late")))
+        info = beat_of(conn, "late")
         assert (info.weights_update, info.weights_path, info.weights_error) == (3, str(tiny_llama_dir), "")
     # all or nothing: where one worker cannot serve the update (here, one of another shape under
     # the same name), the workers that could serve the weights before it again
@@ -123,7 +134,7 @@ def test_the_workers_serve_the_new_weights_and_a_bad_checkpoint_is_refused(
         message = answer.json()["error"]["message"]
         assert f"Worker odd cannot serve the weights of {retrained_llama_dir}" in message and "taken back" in message
         assert f"Workers {worker} serve {tiny_llama_dir} again." in message, message
-        info = decode_worker_info(conn.hgetall(Keys().worker(worker)))
+        info = beat_of(conn, worker)
         assert (info.weights_update, info.weights_path, info.weights_error) == (5, str(tiny_llama_dir), "")
         assert conn.hget(Keys().weights(served_model), "model_path").decode() == str(tiny_llama_dir)
     assert served() == old
@@ -137,10 +148,8 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
     with its model, and sleeps (and is paused) too; told of the resume, it acts on it at once,
     not at its next heartbeat."""
     conn = redis.Redis.from_url(live_worker)
-    (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
-
-    def beat() -> WorkerInfo:
-        return decode_worker_info(conn.hgetall(Keys().worker(worker)))
+    worker = the_worker(conn)
+    beat = functools.partial(beat_of, conn, worker)
 
     with serve_api(Settings(redis_url=live_worker, server_dev_mode=True)) as url, httpx.Client(base_url=url) as http:
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
@@ -155,10 +164,10 @@ def test_a_sleeping_worker_takes_no_job_until_it_wakes(live_worker: str, serve_a
         assert http.post("/pause", timeout=60).status_code == 200  # (paused as well, for the late worker)
         slow = ("--heartbeat-s", "30", "--claim-idle-s", "60")  # (told of a command, it beats at once)
         with run_worker(live_worker, tiny_llama_dir, tmp_path, slow, name="late"):
-            late = decode_worker_info(conn.hgetall(Keys().worker("late")))
+            late = beat_of(conn, "late")
             assert (late.sleep_level, late.paused, late.free_slots) == (2, 1, 0)
             assert http.post("/resume", timeout=10).status_code == 200  # (its next heartbeat is 30 s away)
-            assert decode_worker_info(conn.hgetall(Keys().worker("late"))).paused == 0
+            assert beat_of(conn, "late").paused == 0
         assert http.get(f"/v1/jobs/{job}").json()["status"] == "queued"
         assert http.post("/wake_up", params={"tags": "weights"}, timeout=60).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}  # (its KV cache still sleeps)
@@ -191,10 +200,8 @@ def test_a_pause_aborts_waits_for_or_freezes_the_running_jobs(live_worker: str, 
     can still be cancelled, a weights update is made at once, and after the resume the job goes
     on over the new weights."""
     conn = redis.Redis.from_url(live_worker)
-    (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
-
-    def beat() -> WorkerInfo:
-        return decode_worker_info(conn.hgetall(Keys().worker(worker)))
+    worker = the_worker(conn)
+    beat = functools.partial(beat_of, conn, worker)
 
     with serve_api(Settings(redis_url=live_worker, server_dev_mode=True)) as url, httpx.Client(base_url=url) as http:
         def send(max_tokens: int = LONG) -> str:
@@ -270,15 +277,15 @@ def test_genq_weights_sleep_wake_pause_and_resume_from_a_shell(live_worker: str,
                                   extra_body={"ignore_eos": True}).choices[0].text
     assert text == offline(retrained_llama_dir)
     conn = redis.Redis.from_url(live_worker)
-    (worker,) = [key.decode().rsplit(":", 1)[1] for key in conn.keys(Keys().worker("*"))]
+    worker = the_worker(conn)
     assert genq("sleep", "--level", "1").returncode == 0
-    assert decode_worker_info(conn.hgetall(Keys().worker(worker))).sleep_level == 1
+    assert beat_of(conn, worker).sleep_level == 1
     woke = genq("wake", "--tags", "kv_cache,weights")
     assert woke.returncode == 0 and "woke kv_cache and weights" in woke.stdout, woke.stderr
-    assert decode_worker_info(conn.hgetall(Keys().worker(worker))).sleep_level == 0
+    assert beat_of(conn, worker).sleep_level == 0
     paused = genq("pause", "--mode", "keep")
     assert paused.returncode == 0 and "paused (mode keep)" in paused.stdout, paused.stderr
-    assert decode_worker_info(conn.hgetall(Keys().worker(worker))).paused == 1
+    assert beat_of(conn, worker).paused == 1
     assert f"{worker} " in (status := genq("status").stdout) and " paused " in status, status
     assert genq("resume").returncode == 0
-    assert decode_worker_info(conn.hgetall(Keys().worker(worker))).paused == 0
+    assert beat_of(conn, worker).paused == 0
