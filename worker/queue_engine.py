@@ -96,6 +96,15 @@ class ServedWeights:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class Made:
+    """What the engine made of the commands it follows: the pause, the sleep, the weights."""
+
+    pause: PauseState = PauseState()
+    sleep: SleepState = SleepState()
+    weights: ServedWeights = ServedWeights()
+
+
 class _Stop:
     pass
 
@@ -117,7 +126,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, in total
     prefix_cache_hits: int = 0  # of those, tokens it held (either tier)
     prefix_cache_host_hits: int = 0  # of those, tokens copied back from host memory (KV offloading)
-    pause: PauseState = PauseState()  # (the heartbeat says it once the outputs before it are written)
+    made: Made = Made()  # (the heartbeat says it once the outputs before it are written)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -314,8 +323,12 @@ class EngineThread:
             prefix_cache_queries=blocks.stats.queries,
             prefix_cache_hits=blocks.stats.hits,
             prefix_cache_host_hits=blocks.stats.host_hits,
-            pause=self.pause,
+            made=self.made(),
         )
+
+    def made(self) -> Made:
+        """What the engine made of the commands so far (the engine thread's, or once it stopped)."""
+        return Made(self.pause, self.sleep, self.weights)
 
     # -- the thread ----------------------------------------------------------------------------
 

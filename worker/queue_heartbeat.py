@@ -211,6 +211,7 @@ class Heartbeat:
 
     def info(self) -> WorkerInfo:
         stats, m, adapters = self.publisher.stats, self.metrics, self.engine.adapters
+        made = self.publisher.commands
         return WorkerInfo(
             model=self.config.model_name,
             aliases=",".join(self.config.aliases),
@@ -234,13 +235,13 @@ class Heartbeat:
             prefix_cache_hits_total=stats.prefix_cache_hits,
             affinity_handoffs_taken_total=m.handoffs_taken_total,
             prefix_cache_resets=int(self.resets or 0),  # (asked of the engine thread before any later job)
-            weights_update=self.engine.weights.update,
-            weights_path=self.engine.weights.path,
-            weights_error=self.engine.weights.error,
-            sleep_command=self.engine.sleep.command,
-            sleep_level=self.engine.sleep.level,
-            pause_command=self.publisher.pause.command,
-            paused=int(self.publisher.pause.paused),
+            weights_update=made.weights.update,
+            weights_path=made.weights.path,
+            weights_error=made.weights.error,
+            sleep_command=made.sleep.command,
+            sleep_level=made.sleep.level,
+            pause_command=made.pause.command,
+            paused=int(made.pause.paused),
             started_at=self.started_at,
             heartbeat_at=time.time(),
             pid=os.getpid(),

@@ -62,7 +62,9 @@ class Publisher:
         self.model_name = model_name  # what usage is metered under when a job names no model
         self.on_rejected = on_rejected  # async: fail the job, dead-letter its entry
         self.stats = EngineStats()
-        self.pause = engine.pause  # the engine's (as built, then once the outputs of the steps before it are written)
+        # what the engine made of the commands it follows: as built, then as of the outputs
+        # written (a pause, a sleep, a weights update "wait" is said after the jobs it ended)
+        self.commands = engine.made()
         self._made = self._commands_made()
         # set once the engine made a command (a pause, sleep, weights update, adapters): the
         # heartbeat says so at once, so whoever waits on it hears now, not a heartbeat later
@@ -92,7 +94,7 @@ class Publisher:
             rejected += self._rejected(result.rejected)
             self.stats = result.stats
         await self._write(list(writes.values()))
-        self.pause = self.stats.pause  # (as of the outputs just written: a pause is said after the jobs it ended)
+        self.commands = self.stats.made
         if (made := self._commands_made()) != self._made:
             self._made = made
             self.made.set()
@@ -104,7 +106,7 @@ class Publisher:
     def _commands_made(self) -> tuple[Any, ...]:
         """What the engine made of the commands it follows, as the heartbeat says it."""
         adapters = self.engine.adapters
-        return self.pause, self.engine.sleep, self.engine.weights, tuple(adapters.served), tuple(adapters.errors)
+        return self.commands, tuple(adapters.served), tuple(adapters.errors)
 
     def _apply(self, output: RequestOutput, now: float, writes: dict[str, JobWrite]) -> None:
         """Fold one engine output into the job's pending write."""
