@@ -65,7 +65,7 @@ class Publisher:
         # what the engine made of the commands it follows: as built, then as of the outputs
         # written (a pause, a sleep, a weights update "wait" is said after the jobs it ended)
         self.commands = engine.made()
-        self._made = self._commands_made()
+        self._made_before = self._commands_made()
         # set once the engine made a command (a pause, sleep, weights update, adapters): the
         # heartbeat says so at once, so whoever waits on it hears now, not a heartbeat later
         self.made = asyncio.Event()
@@ -95,8 +95,8 @@ class Publisher:
             self.stats = result.stats
         await self._write(list(writes.values()))
         self.commands = self.stats.made
-        if (made := self._commands_made()) != self._made:
-            self._made = made
+        if (made := self._commands_made()) != self._made_before:
+            self._made_before = made
             self.made.set()
         for held, refused in rejected:
             await self.on_rejected(held, refused)
