@@ -158,7 +158,7 @@ class Eagle3Head(HiddenStateDraft):
         """Each head token's target id, once, on the head's device (the buffers made on the
         meta device hold nothing until now)."""
         self.d2t.copy_(d2t)
-        self.target_ids.copy_(torch.arange(self.draft_vocab_size) + d2t)
+        self.target_ids.copy_(torch.arange(self.draft_vocab_size, device=d2t.device) + d2t)
         self.same_ids = self.draft_vocab_size == self.config.vocab_size and not d2t.any()
 
     def _check_complete(self, loaded: set[str]) -> None:
