@@ -117,3 +117,17 @@ def test_mxfp4_is_served_for_gpt_oss_only():
                          quantization_config={"quant_method": "mxfp4"})
     with pytest.raises(ValueError, match="quantized with 'mxfp4', which genq does not serve"):
         ModelConfig.from_hf(config)
+
+
+def test_clamped_swiglu_defaults_where_the_config_names_none():
+    """OpenAI's config.json names neither the clamped SwiGLU's alpha nor its limit, and
+    transformers' GptOssConfig until a late 5.x reads neither (the GPU check's 5.17 failed on them):
+    the model's own 1.702 and 7.0; where named, the config's."""
+    from types import SimpleNamespace
+
+    from worker.models.config import MoEConfig
+
+    fields = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, num_hidden_layers=2)
+    assert MoEConfig.from_hf(SimpleNamespace(**fields), "gpt_oss").clamped_swiglu == (1.702, 7.0)
+    named = SimpleNamespace(**fields, swiglu_alpha=1.5, swiglu_limit=5.0)
+    assert MoEConfig.from_hf(named, "gpt_oss").clamped_swiglu == (1.5, 5.0)

@@ -203,7 +203,7 @@ class MoEConfig:
                        layers=frozenset(range(hf_config.num_hidden_layers)), renormalize=True,
                        float32_weights=family == "mixtral", softmax_after_topk=family != "mixtral",
                        bias=gpt_oss,
-                       clamped_swiglu=(hf_config.swiglu_alpha, hf_config.swiglu_limit) if gpt_oss else None,
+                       clamped_swiglu=_clamped_swiglu(hf_config) if gpt_oss else None,
                        # Granite 4.0's shared MLP, added unscaled
                        shared_expert_size=hf_config.shared_intermediate_size if family == "granitemoehybrid" else 0,
                        shared_expert_gated=False)
@@ -690,6 +690,16 @@ def _has_experts(hf_config: Any, family: str) -> bool:
     if family == "nemotron_h":
         return "moe" in hf_config.layers_block_type
     return family in _MOE_FAMILIES and (family != "granitemoehybrid" or hf_config.num_local_experts > 0)
+
+
+# gpt-oss's clamped SwiGLU: OpenAI's config.json names neither, nor does transformers'
+# GptOssConfig until a late 5.x (5.17's model code held them; 5.24's config has them)
+_GPT_OSS_SWIGLU = (1.702, 7.0)  # (alpha, limit)
+
+
+def _clamped_swiglu(hf_config: Any) -> tuple[float, float]:
+    alpha, limit = _GPT_OSS_SWIGLU
+    return getattr(hf_config, "swiglu_alpha", alpha), getattr(hf_config, "swiglu_limit", limit)
 
 
 def _dense_intermediate_size(hf_config: Any, family: str) -> int:
