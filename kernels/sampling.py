@@ -192,17 +192,24 @@ def top_k_top_p_sample_ref(
     top_p: torch.Tensor,  # [B] float32
     noise: torch.Tensor,  # [B, vocab_size] float32, Exp(1)
 ) -> torch.Tensor:  # [B] int64
-    """Plain-torch top-k / top-p by sorting, then the same exponential race."""
+    """Plain-torch top-k / top-p by sorting, then the same exponential race. As the kernel
+    (and vLLM's top-k), each cut-off is a logit of the row and the tokens tied with it stay:
+    top-k keeps the logits at least the k-th largest; top-p, within that set, the tokens whose
+    strictly larger logits hold less than p of its mass."""
     x = logits.float()
     vocab_size = x.shape[1]
     sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
-    ranks = torch.arange(vocab_size, device=x.device)[None, :]  # [1, V]
     k = top_k.long()[:, None]
-    keep_sorted = (ranks < k) | (k <= 0) | (k >= vocab_size)  # [B, V] top-k prefix
+    kth = sorted_x.gather(1, (k.clamp(1, vocab_size) - 1))  # [B, 1]
+    top_k_on = (k > 0) & (k < vocab_size)
+    keep_sorted = (sorted_x >= kth) | ~top_k_on  # [B, V]
     probs = (sorted_x - sorted_x[:, :1]).exp().double() * keep_sorted  # unnormalised, in float64
-    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    # the mass of the logits strictly larger than each: before the first of its ties
+    descending = -sorted_x  # ascending, for searchsorted
+    first_tie = torch.searchsorted(descending.contiguous(), descending.contiguous())  # [B, V]
+    above = (probs.cumsum(dim=-1) - probs).gather(1, first_tie)
     p = top_p.double()[:, None]
-    keep_sorted &= (before < p * probs.sum(dim=-1, keepdim=True)) | (p >= 1)
+    keep_sorted &= (above < p * probs.sum(dim=-1, keepdim=True)) | (p >= 1)
     keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)  # [B, V]
     race = torch.where(keep, x - noise.log(), float("-inf"))
     return race.argmax(dim=-1)

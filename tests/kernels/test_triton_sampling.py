@@ -76,6 +76,26 @@ def test_cut_off_among_neighbouring_floats(device: torch.device) -> None:
     assert torch.equal(top_k_top_p_sample(logits, top_k, top_p, noise), top_k_top_p_sample_ref(logits, top_k, top_p, noise))
 
 
+@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.6), (6, 0.7)], ids=["top_k", "top_p", "both"])
+def test_tokens_tied_with_a_cut_off_stay(device: torch.device, top_k: int, top_p: float) -> None:
+    """Two logits of 3, then five of 2, the rest 0 (bfloat16 rounds a large vocabulary's
+    logits into such ties; the GPU check found the first reference, which kept a sorted prefix,
+    off by them): the cut-off falls among the 2s (top-k 3; top-p 0.6 of the mass, of which the
+    3s hold 0.47; top-p 0.7 of the top-6 set's, of which they hold 0.52) and every one of them
+    stays, as in vLLM's top-k. Each row gives one token near-zero noise: the 2s win, a 0 never."""
+    logits = torch.tensor([3.0, 3.0, *[2.0] * 5, *[0.0] * 9], device=device)
+    candidates = list(range(2, 8))  # the five 2s, and the first 0
+    rows = len(candidates)
+    noise = torch.ones(rows, logits.numel(), device=device)
+    for row, token in enumerate(candidates):
+        noise[row, token] = 1e-30
+    args = (logits.repeat(rows, 1).to(torch.bfloat16), torch.full((rows,), top_k, dtype=torch.int32, device=device),
+            torch.full((rows,), top_p, device=device), noise)
+    tokens = top_k_top_p_sample(*args).tolist()
+    assert tokens == top_k_top_p_sample_ref(*args).tolist()
+    assert tokens[:5] == candidates[:5] and tokens[5] in (0, 1)
+
+
 # --- the oracle itself ---------------------------------------------------------------------
 
 
