@@ -18,7 +18,6 @@ from kernels.fused_moe import _BLOCK_K, _BLOCK_M, _moe_matmul_kernel
 from kernels.fused_moe import _BLOCK_N as _MOE_BLOCK_N
 from kernels.kv_cache import _reshape_and_cache_kernel
 from kernels.paged_attention import (
-    _BLOCK_N,
     _choose_tiling,
     _merge_splits_kernel,
     _paged_attention_kernel,
@@ -56,6 +55,7 @@ class _Variant:
     constexprs: dict[str, Any]
     ptr_overrides: dict[str, str]
     num_warps: int = 4
+    num_stages: int = 3
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,10 @@ class CompileResult:
     name: str
     shared_bytes: int
     num_warps: int
+
+
+# the most shared memory one block may take, by compute capability (CUDA's guide)
+MAX_SHARED_BYTES = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 def _signature(variant: _Variant) -> dict[str, str]:
@@ -92,7 +96,8 @@ def _attention_variant(
     softcap: float = 0.0, cache: str | None = None, sinks: bool = False, until: bool = False, chunk: int = 0,
 ) -> _Variant:
     """`cache`: the KV cache's pointer type when it is not the activations' (*fp8e4nv)."""
-    tiling = _choose_tiling(group, max_query_len, padded_head_dim(head_dim))
+    element_size = {"*fp16": 2, "*bf16": 2, "*fp32": 4}[dtype]
+    tiling = _choose_tiling(group, max_query_len, padded_head_dim(head_dim), element_size)
     dot = {"*fp16": tl.float16, "*bf16": tl.bfloat16, "*fp32": tl.float32}[dtype]
     overrides = dict(_INT32_PTRS, lse_ptr="*fp32", sinks_ptr="*fp32", until_ptr="*i32")
     if cache:
@@ -101,12 +106,12 @@ def _attention_variant(
         overrides["out_ptr"] = "*fp32"
     constexprs = dict(
         GROUP=group, GROUP_P=tiling.group_p, BLOCK_Q=tiling.block_q, BLOCK_M=tiling.block_m,
-        BLOCK_N=_BLOCK_N, BLOCK_SIZE=16, HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim), DOT_DTYPE=dot,
+        BLOCK_N=tiling.block_n, BLOCK_SIZE=16, HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim), DOT_DTYPE=dot,
         DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SPLIT=split, WINDOW=window, CHUNK=chunk,
         SOFTCAP=softcap, SINKS=sinks, UNTIL=until,
     )  # fmt: skip
     kernel = _paged_attention_kernel
-    return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps)
+    return _Variant(name, kernel, dtype, constexprs, overrides, tiling.num_warps, tiling.num_stages)
 
 
 def _moe_variant(name: str, dtype: str, first: bool, weights: str, quantized: tuple[str, tuple[int, int]] | None = None,
@@ -176,6 +181,9 @@ def _variants() -> list[_Variant]:
         _attention_variant("attention bf16 d128 gqa5 chunk prefill", "*bf16", 128, 5, 512, False, chunk=8192),
         _attention_variant("attention bf16 d128 gqa5 chunk decode split", "*bf16", 128, 5, 1, True, chunk=8192),
         _attention_variant("attention bf16 d96 mha decode split", "*bf16", 96, 1, 1, True, window=2047),
+        # DeepSeek-V3's latent attention: one cache head of 512 + 64 columns (1024-wide tiles)
+        _attention_variant("attention bf16 d576 gqa16 MLA decode split", "*bf16", 576, 16, 1, True),
+        _attention_variant("attention fp32 d576 gqa9 MLA prefill", "*fp32", 576, 9, 512, False),
         _Variant(
             "merge splits bf16 d128", _merge_splits_kernel, "*fp32",
             dict(SPLITS_P=8, BLOCK_H=32, HEAD_DIM=128, HEAD_P=128),
@@ -289,7 +297,12 @@ def _compile(index: int, arch: int) -> CompileResult:
 
     variant = _variants()[index]
     src = ASTSource(variant.kernel, _signature(variant), variant.constexprs, _divisibility(variant))
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": variant.num_warps})
+    options = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    limit = MAX_SHARED_BYTES.get(arch)
+    if limit is not None and compiled.metadata.shared > limit:  # (the GPU refuses it at launch)
+        raise RuntimeError(f"{variant.name}: takes {compiled.metadata.shared} bytes of shared memory, "
+                           f"more than sm_{arch}'s {limit}")
     return CompileResult(variant.name, compiled.metadata.shared, variant.num_warps)
 
 

@@ -45,6 +45,10 @@ from kernels._common import (
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # keys per KV tile
+# Past this many bytes a row of K or V (MLA's cache head of 576 columns, padded to 1024 in the
+# tile) gets 16-key tiles of 16 rows in one stage: at 64 keys, K and V alone overflow an H100's
+# 227 KiB of shared memory (the GPU check: 580 KiB asked at float32).
+_WIDE_ROW_BYTES = 512
 _MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in merging than it gains
 _MAX_SPLITS = 32
 _MERGE_TILE = 4096  # elements of one merge program's [heads, head_dim] accumulator
@@ -257,17 +261,22 @@ class _Tiling:
     block_m: int  # tile rows: block_q * group_p
     num_q_tiles: int  # programs along the query axis, per sequence
     num_warps: int
+    block_n: int = _BLOCK_N  # keys per KV tile
+    num_stages: int = 3  # Triton's software pipelining of the KV loads (its default on CUDA)
 
 
-def _choose_tiling(group: int, max_query_len: int, head_p: int) -> _Tiling:
+def _choose_tiling(group: int, max_query_len: int, head_p: int, element_size: int = 2) -> _Tiling:
     group_p = next_power_of_2(group)
+    wide = head_p * element_size > _WIDE_ROW_BYTES
     # Decode-heavy batches need only 16 rows (the tl.dot minimum); prefills get taller tiles.
-    block_m = 16 if max_query_len * group_p <= 16 else 64
+    block_m = 16 if wide or max_query_len * group_p <= 16 else 64
     block_m = max(block_m, group_p)
     block_q = block_m // group_p
     num_q_tiles = cdiv(max(max_query_len, 1), block_q)
     # Past 64 x 128 accumulator rows x dims, 4 warps run short of registers (ptxas: ~200/thread).
     num_warps = 8 if block_m * head_p >= 64 * 128 else 4
+    if wide:
+        return _Tiling(group, group_p, block_q, block_m, num_q_tiles, num_warps, block_n=16, num_stages=1)
     return _Tiling(group, group_p, block_q, block_m, num_q_tiles, num_warps)
 
 
@@ -388,7 +397,8 @@ def paged_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    tiling = _choose_tiling(q.shape[1] // k_cache.shape[2], max_query_len, padded_head_dim(q.shape[2]))
+    tiling = _choose_tiling(q.shape[1] // k_cache.shape[2], max_query_len, padded_head_dim(q.shape[2]),
+                            q.element_size())
     if num_splits is None:
         programs = num_seqs * k_cache.shape[2] * tiling.num_q_tiles
         num_splits = choose_num_splits(programs, max_seq_len, _num_sms(device))
@@ -453,14 +463,14 @@ class _Launch:
             self.block_tables.stride(0),
             num_kv_heads * head_dim,
             num_splits,
-            cdiv(cdiv(max_seq_len, _BLOCK_N), num_splits),
+            cdiv(cdiv(max_seq_len, t.block_n), num_splits),
             GROUP=t.group, GROUP_P=t.group_p, BLOCK_Q=t.block_q, BLOCK_M=t.block_m,
-            BLOCK_N=_BLOCK_N, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim),
+            BLOCK_N=t.block_n, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim),
             DOT_DTYPE=dot_dtype(self.q.dtype, is_interpreted(_paged_attention_kernel)),
             DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32",
             SPLIT=split, WINDOW=self.window, CHUNK=self.chunk, SOFTCAP=self.softcap, SINKS=self.sinks is not None,
             UNTIL=self.attend_until is not None,
-            num_warps=t.num_warps,
+            num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
 
 
