@@ -105,7 +105,8 @@ def _attention_variant(
     if split:
         overrides["out_ptr"] = "*fp32"
     constexprs = dict(
-        GROUP=group, GROUP_P=tiling.group_p, BLOCK_Q=tiling.block_q, BLOCK_M=tiling.block_m,
+        GROUP=group, HEADS_P=tiling.heads_p, HEAD_TILES=tiling.head_tiles, BLOCK_Q=tiling.block_q,
+        BLOCK_M=tiling.block_m,
         BLOCK_N=tiling.block_n, BLOCK_SIZE=16, HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim), DOT_DTYPE=dot,
         DOT_PRECISION="ieee" if dtype == "*fp32" else "tf32", SPLIT=split, WINDOW=window, CHUNK=chunk,
         SOFTCAP=softcap, SINKS=sinks, UNTIL=until,
@@ -183,6 +184,7 @@ def _variants() -> list[_Variant]:
         _attention_variant("attention bf16 d96 mha decode split", "*bf16", 96, 1, 1, True, window=2047),
         # DeepSeek-V3's latent attention: one cache head of 512 + 64 columns (1024-wide tiles)
         _attention_variant("attention bf16 d576 gqa16 MLA decode split", "*bf16", 576, 16, 1, True),
+        _attention_variant("attention bf16 d576 gqa128 MLA prefill", "*bf16", 576, 128, 512, False),
         _attention_variant("attention fp32 d576 gqa9 MLA prefill", "*fp32", 576, 9, 512, False),
         _Variant(
             "merge splits bf16 d128", _merge_splits_kernel, "*fp32",

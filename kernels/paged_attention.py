@@ -15,6 +15,8 @@ causally) and decodes (query_len 1) alike. The batch is described as in the engi
 Grouped-query attention: one program owns one KV head and all `group` query heads that share
 it. Its tile rows are (query token, query head) pairs, so each K/V tile is loaded once for the
 whole group and the tile height reaches the 16 rows `tl.dot` needs even for one decode token.
+Wide heads (MLA's 576 columns) share a group's query heads out 16 to a program instead, so
+that the tile fits in shared memory: each such program loads the K/V tiles again.
 
 Split-KV (flash-decoding): with few sequences and long contexts the (sequence, KV head)
 programs cannot fill the GPU, so the context is cut into `num_splits` ranges of KV tiles
@@ -23,6 +25,7 @@ a second small kernel merges them. Every program of the split launch writes its 
 log-sum-exp -inf when its range holds no key the row may see.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -46,9 +49,11 @@ from kernels._common import (
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # keys per KV tile
 # Past this many bytes a row of K or V (MLA's cache head of 576 columns, padded to 1024 in the
-# tile) gets 16-key tiles of 16 rows in one stage: at 64 keys, K and V alone overflow an H100's
-# 227 KiB of shared memory (the GPU check: 580 KiB asked at float32).
+# tile) gets 16-key tiles of 16 rows in one stage, a KV head's query heads shared out 16 to a
+# program: at 64 keys, K and V alone overflow an H100's 227 KiB of shared memory (the GPU
+# check: 580 KiB asked at float32), and 64 heads' rows overflow it at 16 keys.
 _WIDE_ROW_BYTES = 512
+_WIDE_ROWS = 16
 _MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in merging than it gains
 _MAX_SPLITS = 32
 _MERGE_TILE = 4096  # elements of one merge program's [heads, head_dim] accumulator
@@ -80,9 +85,10 @@ def _paged_attention_kernel(
     num_splits,
     tiles_per_split,
     GROUP: tl.constexpr,  # query heads per KV head
-    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
+    HEADS_P: tl.constexpr,  # the query heads of one program, a power of two: GROUP rounded up, or a share
+    HEAD_TILES: tl.constexpr,  # programs sharing a KV head's query heads: GROUP / HEADS_P, rounded up
     BLOCK_Q: tl.constexpr,  # query tokens per program
-    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_P tile rows
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * HEADS_P tile rows
     BLOCK_N: tl.constexpr,  # keys per tile
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HEAD_DIM: tl.constexpr,
@@ -98,7 +104,8 @@ def _paged_attention_kernel(
 ):
     q_tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_TILES
+    first_head = tl.program_id(1) % HEAD_TILES * HEADS_P  # of this program, within the KV head's
     seq = tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -109,9 +116,10 @@ def _paged_attention_kernel(
     context_len = seq_len - query_len  # cached prefix before the new tokens
 
     rows = tl.arange(0, BLOCK_M)
-    tok = q_tile * BLOCK_Q + rows // GROUP_P  # [BLOCK_M] new-token index in the sequence
-    head = kv_head * GROUP + rows % GROUP_P  # [BLOCK_M] query head
-    row_valid = (tok < query_len) & (rows % GROUP_P < GROUP)  # [BLOCK_M]
+    tok = q_tile * BLOCK_Q + rows // HEADS_P  # [BLOCK_M] new-token index in the sequence
+    in_group = first_head + rows % HEADS_P  # [BLOCK_M] query head among the KV head's
+    head = kv_head * GROUP + in_group  # [BLOCK_M] query head
+    row_valid = (tok < query_len) & (in_group < GROUP)  # [BLOCK_M]
     pos = context_len + tok  # [BLOCK_M] absolute position: keys at <= pos are visible
     last = pos  # [BLOCK_M] the last position a row sees
     if UNTIL:
@@ -256,9 +264,10 @@ def _merge_splits_kernel(
 @dataclass(frozen=True)
 class _Tiling:
     group: int  # query heads per KV head
-    group_p: int
+    heads_p: int  # query heads per program, a power of two
+    head_tiles: int  # programs per KV head along its query heads
     block_q: int  # query tokens per program
-    block_m: int  # tile rows: block_q * group_p
+    block_m: int  # tile rows: block_q * heads_p
     num_q_tiles: int  # programs along the query axis, per sequence
     num_warps: int
     block_n: int = _BLOCK_N  # keys per KV tile
@@ -268,16 +277,16 @@ class _Tiling:
 def _choose_tiling(group: int, max_query_len: int, head_p: int, element_size: int = 2) -> _Tiling:
     group_p = next_power_of_2(group)
     wide = head_p * element_size > _WIDE_ROW_BYTES
+    heads_p = min(group_p, _WIDE_ROWS) if wide else group_p
     # Decode-heavy batches need only 16 rows (the tl.dot minimum); prefills get taller tiles.
-    block_m = 16 if wide or max_query_len * group_p <= 16 else 64
-    block_m = max(block_m, group_p)
-    block_q = block_m // group_p
+    block_m = 16 if wide or max_query_len * heads_p <= 16 else 64
+    block_m = max(block_m, heads_p)
+    block_q = block_m // heads_p
     num_q_tiles = cdiv(max(max_query_len, 1), block_q)
     # Past 64 x 128 accumulator rows x dims, 4 warps run short of registers (ptxas: ~200/thread).
     num_warps = 8 if block_m * head_p >= 64 * 128 else 4
-    if wide:
-        return _Tiling(group, group_p, block_q, block_m, num_q_tiles, num_warps, block_n=16, num_stages=1)
-    return _Tiling(group, group_p, block_q, block_m, num_q_tiles, num_warps)
+    tiling = _Tiling(group, heads_p, cdiv(group, heads_p), block_q, block_m, num_q_tiles, num_warps)
+    return dataclasses.replace(tiling, block_n=16, num_stages=1) if wide else tiling
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
@@ -400,7 +409,7 @@ def paged_attention(
     tiling = _choose_tiling(q.shape[1] // k_cache.shape[2], max_query_len, padded_head_dim(q.shape[2]),
                             q.element_size())
     if num_splits is None:
-        programs = num_seqs * k_cache.shape[2] * tiling.num_q_tiles
+        programs = num_seqs * k_cache.shape[2] * tiling.head_tiles * tiling.num_q_tiles
         num_splits = choose_num_splits(programs, max_seq_len, _num_sms(device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -450,7 +459,7 @@ class _Launch:
         split = lse is not None
         o_strides = out.stride() if split else (0, *out.stride())
         lse_strides = lse.stride()[:2] if lse is not None else (0, 0)
-        grid = (t.num_q_tiles * num_splits, num_kv_heads, self.seq_lens.shape[0])
+        grid = (t.num_q_tiles * num_splits, num_kv_heads * t.head_tiles, self.seq_lens.shape[0])
         _paged_attention_kernel[grid](
             self.q, self.k_cache, self.v_cache, out, out if lse is None else lse,
             self.q if self.sinks is None else self.sinks,
@@ -464,7 +473,7 @@ class _Launch:
             num_kv_heads * head_dim,
             num_splits,
             cdiv(cdiv(max_seq_len, t.block_n), num_splits),
-            GROUP=t.group, GROUP_P=t.group_p, BLOCK_Q=t.block_q, BLOCK_M=t.block_m,
+            GROUP=t.group, HEADS_P=t.heads_p, HEAD_TILES=t.head_tiles, BLOCK_Q=t.block_q, BLOCK_M=t.block_m,
             BLOCK_N=t.block_n, BLOCK_SIZE=self.k_cache.shape[1], HEAD_DIM=head_dim, HEAD_P=padded_head_dim(head_dim),
             DOT_DTYPE=dot_dtype(self.q.dtype, is_interpreted(_paged_attention_kernel)),
             DOT_PRECISION="ieee" if self.q.dtype == torch.float32 else "tf32",

@@ -314,3 +314,13 @@ def test_rows_that_see_past_themselves(device: torch.device, window: int | None,
     sdpa = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1),
                                           v.repeat_interleave(4, 1).transpose(0, 1), attn_mask=allowed)
     assert_close(expected[6:39].float(), sdpa.transpose(0, 1))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_heads", [16, 40], ids=["one_program", "heads_shared_out"])
+def test_wide_latent_heads(device: torch.device, num_heads: int, num_splits: int) -> None:
+    """MLA's one cache head of 512 + 64 columns (1024-wide tiles, 16 keys each): 16 query heads
+    in one program, or 40 shared out 16 to a program (the last with 8 of its 16 rows padding),
+    as a tile of all 40 would overflow a GPU's shared memory."""
+    batch = make_paged_batch([1, 5, 1], [40, 37, 3], num_heads, 1, 576, 16, torch.bfloat16, device)
+    _check(batch, _run(batch, num_splits=num_splits))
