@@ -91,14 +91,17 @@ def check_engine_vs_cpu(model: str | None, load_format: str, num_tokens: int = 3
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     lines = []
+    cpu_runs = {}
     for dtype in ("float32", "bfloat16"):
-        cpu = greedy(dtype=dtype, device="cpu")
+        cpu = cpu_runs[dtype] = greedy(dtype=dtype, device="cpu")
         gpu = greedy(dtype=dtype, device="cuda")
         lines.append(f"greedy cuda vs cpu {dtype:<9} {_compare(cpu, gpu)}")
         if dtype == "float32":
             ngram = {"method": "ngram", "num_speculative_tokens": 4}
             spec = greedy(dtype=dtype, device="cuda", speculative_config=ngram)
             lines.append(f"greedy cuda ngram vs plain float32 {_compare(gpu, spec)}")
+    # the baseline for "close": how far bfloat16 alone moves the tokens, on the CPU
+    lines.append(f"greedy cpu bfloat16 vs float32 {_compare(cpu_runs['float32'], cpu_runs['bfloat16'])}")
     eager = greedy(dtype="bfloat16", device="cuda", enforce_eager=True)
     lines.append(f"greedy cuda graphs vs eager bfloat16 {_compare(eager, gpu)}")
     # fp8 weights: the fp8 kernel (in the decode graphs) against the CPU's dequantized weights
