@@ -22,7 +22,7 @@ tokens and continue with exactly the text the first worker would have sent.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from producer.sampling_params import SamplingParams
@@ -62,6 +62,7 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._merging_ids = _merging_token_ids(tokenizer, params.skip_special_tokens)
+        self._rust_decode = _rust_decode(tokenizer)
         self.token_ids: list[int] = []  # all output ids, including the initial ones
         self._prefix_offset = 0  # window start: ids[prefix_offset:] are decoded each step
         self._read_offset = 0  # ids before it have produced their text
@@ -163,6 +164,8 @@ class IncrementalDetokenizer:
         return 0
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         # Cleanup of tokenization spaces rewrites text across token boundaries, so it cannot
         # be applied incrementally; the default tokenizer does not use it.
         text = self._tokenizer.decode(
@@ -186,6 +189,22 @@ def find_stop_string(text: str, num_checked: int, stops: Sequence[str]) -> tuple
         if index != -1 and (best is None or index < best[0]):
             best = (index, stop)
     return best
+
+
+@functools.lru_cache(maxsize=8)
+def _rust_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str] | None:
+    """The Rust tokenizer's own decode, where transformers' adds nothing to it but the cleanup of
+    tokenization spaces, which the windows never ask for: a fast tokenizer whose `_decode` is
+    the base class's. Each step decodes two windows of every request, and the wrapper's
+    conversions of the ids cost more than the decode itself (benchmarks/step_overhead.py).
+    None for any other tokenizer (a slow one, Mistral's, a class with its own `_decode`)."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast) or type(tokenizer)._decode is not PreTrainedTokenizerFast._decode
+            or backend is None or not hasattr(backend, "decode")):
+        return None
+    return backend.decode
 
 
 @functools.lru_cache(maxsize=8)
