@@ -86,9 +86,10 @@ def check_kernels(configs: list[str] | None = None) -> list[dict[str, object]]:
         for case in _cases(config, device):
             rows.append(_measure(case))
     # DeepSeek-V3's latent attention: one cache head of 512 + 64 columns (1024-wide tiles), 16
-    # query heads on it (128 over tensor parallelism of 8)
-    for query_lens, seq_lens in (([1] * 64, [2048] * 64), ([512] * 4, [2048] * 4)):
-        rows.append(_measure(_attention_case("deepseek-mla", (16, 1, 576), query_lens, seq_lens, None, device)))
+    # query heads on it (128 over tensor parallelism of 8), and all 128 (shared out 16 to a program)
+    for heads, query_lens, seq_lens in ((16, [1] * 64, [2048] * 64), (16, [512] * 4, [2048] * 4),
+                                        (128, [1] * 16, [2048] * 16)):
+        rows.append(_measure(_attention_case(f"mla-{heads}-heads", (heads, 1, 576), query_lens, seq_lens, None, device)))
     for num_tokens in (16, 2048):  # a decode step's tokens, a prefill's
         for experts in ("bf16", "fp8", "mxfp4"):
             rows.append(_measure(_fused_moe_case(num_tokens, device, experts)))
