@@ -205,8 +205,8 @@ def top_k_top_p_sample_ref(
     keep_sorted = (sorted_x >= kth) | ~top_k_on  # [B, V]
     probs = (sorted_x - sorted_x[:, :1]).exp().double() * keep_sorted  # unnormalised, in float64
     # the mass of the logits strictly larger than each: before the first of its ties
-    descending = -sorted_x  # ascending, for searchsorted
-    first_tie = torch.searchsorted(descending.contiguous(), descending.contiguous())  # [B, V]
+    negated = (-sorted_x).contiguous()  # ascending, for searchsorted
+    first_tie = torch.searchsorted(negated, negated)  # [B, V]
     above = (probs.cumsum(dim=-1) - probs).gather(1, first_tie)
     p = top_p.double()[:, None]
     keep_sorted &= (above < p * probs.sum(dim=-1, keepdim=True)) | (p >= 1)

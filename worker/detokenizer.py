@@ -200,11 +200,9 @@ def _rust_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str] | Non
     None for any other tokenizer (a slow one, Mistral's, a class with its own `_decode`)."""
     from transformers import PreTrainedTokenizerFast
 
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if (not isinstance(tokenizer, PreTrainedTokenizerFast) or type(tokenizer)._decode is not PreTrainedTokenizerFast._decode
-            or backend is None or not hasattr(backend, "decode")):
-        return None
-    return backend.decode
+    if isinstance(tokenizer, PreTrainedTokenizerFast) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
+        return tokenizer.backend_tokenizer.decode
+    return None
 
 
 @functools.lru_cache(maxsize=8)
