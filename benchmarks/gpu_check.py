@@ -44,13 +44,13 @@ own failure and the rest still run. Prints a short table last.
 On the lent device machine nothing can be downloaded, and the default model's GGUF (98 MB)
 is over what travels (64 MiB): there the check runs SmolLM2-135M's shape with seeded random
 weights (`--load-format dummy`; speed does not depend on the values, and both paths of each
-comparison get the same weights). Its python3 has torch, triton, transformers and msgpack but
-not redis, which `producer` imports, nor (maybe) pillow, which the image check needs.
-Prepare here, in the repository root:
+comparison get the same weights). Its python3 (3.12, on 2026-12-04 with torch 2.11, Triton 3.6,
+transformers 5.17) has msgpack, pillow and numpy but not redis, which `producer` imports.
+Prepare here, in the repository root (`resolve_model_path(None)` writes the model's directory):
 
     echo /.whl/ >> .git/info/exclude; echo /.gpu_model/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux2014_x86_64 -d .whl redis==5.3.1 PyJWT==2.15.1 pillow==12.2.0
+        --implementation cp --platform manylinux2014_x86_64 -d .whl redis==5.3.1 PyJWT==2.10.1
     mkdir -p .gpu_model && cp ~/.cache/genq/models/SmolLM2-135M-Instruct/{config.json,\
 tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu_model/
 
