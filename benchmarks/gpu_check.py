@@ -251,9 +251,9 @@ REMADE = {
 }
 
 
-def remake(model: str | None, arch: str, out_dir, **overrides) -> str:
+def remake(model: str | None, arch: str | None, out_dir, **overrides) -> str:
     """Write the model's config and tokenizer to `out_dir`, the config remade as `arch`
-    (REMADE, then `overrides`); load it with load_format="dummy"."""
+    (REMADE; None: its own architecture), then `overrides`; load it with load_format="dummy"."""
     import json
     import shutil
     from pathlib import Path
@@ -266,7 +266,7 @@ def remake(model: str | None, arch: str, out_dir, **overrides) -> str:
             shutil.copy(source / name, out / name)
     config = json.loads((source / "config.json").read_text())
     config.update({"attention_bias": False, "head_dim": config["hidden_size"] // config["num_attention_heads"],
-                   "use_sliding_window": False, **REMADE[arch], **overrides})
+                   "use_sliding_window": False, **REMADE.get(arch or "", {}), **overrides})
     (out / "config.json").write_text(json.dumps(config))
     return str(out)
 
@@ -538,16 +538,9 @@ def check_sleep_and_reload(model: str | None, load_format: str, device: str = "c
 
 def _save_random_checkpoint(model: str | None, out_dir: str) -> str:
     """The model's config and tokenizer with seeded random bfloat16 weights, saved in `out_dir`."""
-    import shutil
-
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from worker.model_loader import resolve_model_path
-
-    source = resolve_model_path(model)
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (source / name).exists():
-            shutil.copy(source / name, f"{out_dir}/{name}")
+    remake(model, None, out_dir)
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(out_dir)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out_dir)

@@ -12,29 +12,21 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import random
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
+from gpu_check import remake  # benchmarks/gpu_check.py, beside this script
+
 from worker import LLM, SamplingParams
 from worker.detokenizer import IncrementalDetokenizer
-from worker.model_loader import resolve_model_path
 
 
 def tiny_model(out: Path) -> str:
-    source = resolve_model_path(None)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (source / name).exists():
-            shutil.copy(source / name, out / name)
-    config = json.loads((source / "config.json").read_text())
-    config.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    return remake(None, None, out, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16)
-    (out / "config.json").write_text(json.dumps(config))
-    return str(out)
 
 
 def engine_steps(model: str, num_seqs: int, output_len: int, profile: bool) -> str:
