@@ -29,7 +29,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import redis
@@ -52,6 +52,7 @@ from worker.queue_heartbeat import (
 from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer
 from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
 from worker.queue_metrics import WorkerMetrics
+from worker.queue_outage import CONNECT_TIMEOUT_S, REDIS_ERRORS, Outage, PatientPool, patient_pool
 from worker.queue_publisher import Publisher
 from worker.queue_scripts import NameTaken, Scripts
 from worker.queue_tokenizer import publish_tokenizer
@@ -91,7 +92,7 @@ class Consumer:
 
     async def start(self) -> None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process hosts one worker
-        self.conn = redis.asyncio.Redis.from_url(self.config.redis_url)
+        self.conn = redis.asyncio.Redis.from_url(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
         self.scripts = Scripts(self.conn, self.keys, self.config.name)
         await self._check_queue()  # before the model loads: a refusal comes at once
         self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests,
@@ -144,8 +145,8 @@ class Consumer:
         # (subscribed, it beats: a command written before the subscription is read then)
         self._spawn("control", listen(self.conn, self.keys.control_channel, self.heartbeat.poke, self.stop_control,
                                       "control", self.heartbeat.poke))
-        self._spawn("intake", _retrying(lambda: intake.run(self.stop_intake), self.stop_intake))
-        self._spawn("reclaimer", _retrying(lambda: reclaimer.run(self.stop_intake), self.stop_intake))
+        self._spawn("intake", _retrying("intake", lambda: intake.run(self.stop_intake), self.stop_intake))
+        self._spawn("reclaimer", _retrying("reclaimer", lambda: reclaimer.run(self.stop_intake), self.stop_intake))
         if self.config.cache_affinity:  # (stops with the intake: what comes later, the drain releases)
             self._spawn("handoffs", listen(self.conn, self.keys.handoff_channel(self.config.name),
                                            self.admission.take_handed, self.stop_intake, "handoff"))
@@ -246,17 +247,20 @@ class Consumer:
         self.stop_intake.set()
         await self._wait_tasks("intake", "reclaimer", "handoffs", timeout_s=INTAKE_BLOCK_S + 5)
         await self._release([h for h in self.table if h.state.writes and h.last_token_at is None])
-        # with the name lost, the namesake may reclaim these jobs any time: hand them over now
-        await self._wait_for_jobs(0.0 if self.name_lost else self.config.shutdown_grace_s)
+        # with the name lost, the namesake may reclaim these jobs any time: hand them over now;
+        # with Redis away, nothing they make could be written: no grace either
+        no_grace = self.name_lost or self._redis_away()
+        await self._wait_for_jobs(0.0 if no_grace else self.config.shutdown_grace_s)
         await self._release([h for h in self.table if h.state.writes])
         await asyncio.to_thread(self.engine.stop, 10.0)
-        await self._flush_publisher()
+        await self._flush_publisher(0.0 if self._redis_away() else FLUSH_TIMEOUT_S)
         if not self.name_lost:
-            await self._release_entries([e for e in await self.scripts.own_pending() if e not in self.released])
+            await self._release_pending()
         self.stop_control.set()
         await self._wait_tasks("heartbeat", "cancels", timeout_s=5.0)
         if not self.name_lost:
-            await self.conn.delete(self.keys.worker(self.config.name))
+            with self._unless_redis_away("the worker hash expires by itself"):
+                await self.conn.delete(self.keys.worker(self.config.name))
         await self.conn.aclose()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # the last jobs' spans go out
@@ -269,9 +273,28 @@ class Consumer:
 
     async def _release_entries(self, entry_ids: list[str]) -> None:
         if entry_ids:
-            released = await self.scripts.release(entry_ids)
-            self.released.update(entry_ids)
-            logger.info("released %d entries for other workers", released)
+            with self._unless_redis_away(f"{len(entry_ids)} entries stay pending until another worker reclaims them"):
+                released = await self.scripts.release(entry_ids)
+                self.released.update(entry_ids)
+                logger.info("released %d entries for other workers", released)
+
+    async def _release_pending(self) -> None:
+        """What is still pending under this name (read but never admitted, say)."""
+        with self._unless_redis_away("what is pending under this name stays so until reclaimed"):
+            await self._release_entries([e for e in await self.scripts.own_pending() if e not in self.released])
+
+    def _redis_away(self) -> bool:
+        return self.publisher.outage.down_since is not None or self.heartbeat.outage.down_since is not None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _unless_redis_away(then: str) -> Iterator[None]:
+        """A drain's write, skipped with Redis away: the drain still ends (SIGTERM during an
+        outage), and what it would have written, another worker or a TTL sees to."""
+        try:
+            yield
+        except REDIS_ERRORS as exc:
+            logger.warning("draining without Redis (%s): %s", exc, then)
 
     async def _wait_for_jobs(self, timeout_s: float) -> None:
         """Until no job is left running or `timeout_s` passed (or the engine died)."""
@@ -284,11 +307,11 @@ class Consumer:
             if any(h.state.writes for h in self.table):
                 await wait_for_event(self.publisher.changed, min(left, 1.0))
 
-    async def _flush_publisher(self) -> None:
+    async def _flush_publisher(self, timeout_s: float) -> None:
         """Publish what the stopped engine thread posted, then stop the publisher (given up
-        after FLUSH_TIMEOUT_S, should Redis be gone: the entries are reclaimed anyway)."""
+        after `timeout_s`, should Redis be gone: the entries are reclaimed anyway)."""
         task = self.tasks["publisher"]
-        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         await asyncio.sleep(0)  # run the thread's pending call_soon_threadsafe callbacks
         while not task.done() and not (self.engine.results.empty() and self.publisher.idle.is_set()):
             if time.monotonic() > deadline:
@@ -308,13 +331,14 @@ class Consumer:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _retrying(run: Callable[[], Coroutine[Any, Any, None]], stopping: asyncio.Event) -> None:
+async def _retrying(what: str, run: Callable[[], Coroutine[Any, Any, None]], stopping: asyncio.Event) -> None:
     """Run a loop again after Redis connection errors (Redis restarted, network blip)."""
+    outage = Outage(what)
     while not stopping.is_set():
         try:
             await run()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            logger.warning("Redis unavailable (%s); retrying", exc)
+        except REDIS_ERRORS as exc:
+            outage.failed(exc)
             await wait_for_event(stopping, 1.0)
 
 
@@ -330,6 +354,9 @@ async def ping(ctx: dict[str, Any]) -> str:
 async def startup(ctx: dict[str, Any]) -> None:
     """arq `on_startup`: load the engine, start the consumer."""
     _configure_logging()
+    pool = ctx.get("redis")
+    if isinstance(pool, PatientPool):  # this task is arq's main loop: its pool waits out outages now
+        pool.hold_on(asyncio.current_task())  # type: ignore[arg-type]
     consumer = Consumer(ctx["config"])
     await consumer.start()
     ctx["consumer"] = consumer
@@ -358,6 +385,7 @@ def arq_settings(config: WorkerConfig) -> dict[str, Any]:
     return {
         "ctx": {"config": config},
         "redis_settings": RedisSettings.from_dsn(config.redis_url),
+        "redis_pool": patient_pool(config.redis_url),
         "queue_name": Keys(config.prefix).arq_queue(config.name),
         "health_check_interval": config.heartbeat_s,
     }
@@ -377,6 +405,7 @@ class WorkerSettings:
     poll_delay = ARQ_POLL_DELAY_S
     max_jobs = 1
     ctx = {"config": config}
-    redis_settings = RedisSettings.from_dsn(config.redis_url)
+    redis_settings = RedisSettings.from_dsn(config.redis_url)  # (what `arq --check` reads)
+    redis_pool = patient_pool(config.redis_url)  # arq's loop waits out a Redis outage
     queue_name = Keys(config.prefix).arq_queue(config.name)
     health_check_interval = config.heartbeat_s

@@ -33,6 +33,7 @@ from worker.queue_jobs import (
     JobTable,
 )
 from worker.queue_metrics import WorkerMetrics
+from worker.queue_outage import REDIS_ERRORS, Outage
 from worker.queue_publisher import Publisher
 from worker.queue_scripts import Scripts
 
@@ -94,6 +95,7 @@ class Heartbeat:
         self.host = socket.gethostname()
         self.ttl_s = max(WORKER_HEARTBEAT_TTL_S, int(3 * config.heartbeat_s) + 1)
         self.now = asyncio.Event()  # set: beat now, not at the next heartbeat (a command was written)
+        self.outage = Outage("heartbeat")
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
@@ -101,8 +103,9 @@ class Heartbeat:
                 await self.beat()
                 await self._drain_if_asked()
                 await self.trim()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                logger.warning("heartbeat failed: %s", exc)
+                self.outage.answered()
+            except REDIS_ERRORS as exc:
+                self.outage.failed(exc)
             await self._rest(stopping)
 
     async def poke(self, _: str = "") -> None:
@@ -258,10 +261,12 @@ async def listen(
     before it is read some other way then). Whatever a message says is not lost with it:
     cancels are durable flags the heartbeat reads too, handed-over entries idle ones a
     reclaimer takes, commands records the heartbeat reads."""
+    outage = Outage(f"{what} listener")
     while not stopping.is_set():
         pubsub = conn.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(channel)
+            outage.answered()
             if on_subscribed is not None:
                 await on_subscribed()
             while not stopping.is_set():
@@ -269,8 +274,8 @@ async def listen(
                 if message is not None and message["type"] == "message":
                     data = message["data"]
                     await on_message(data.decode(errors="replace") if isinstance(data, bytes) else str(data))
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            logger.warning("%s listener lost Redis (%s); resubscribing", what, exc)
+        except REDIS_ERRORS as exc:
+            outage.failed(exc)
             await asyncio.sleep(REDIS_RETRY_S)
         finally:
             await pubsub.aclose()

@@ -29,6 +29,7 @@ from worker.queue_jobs import (
     job_meter,
 )
 from worker.queue_metrics import WorkerMetrics
+from worker.queue_outage import REDIS_ERRORS, Outage
 from worker.queue_scripts import JobWrite, Scripts
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class Publisher:
         self.made = asyncio.Event()
         self.changed = asyncio.Event()  # set after each batch: capacity may have grown
         self.idle = asyncio.Event()  # set while no result waits to be published
+        self.outage = Outage("publishing")
 
     async def run(self) -> None:
         """Publish until cancelled; raises EngineFailed if the engine thread died."""
@@ -194,14 +196,17 @@ class Publisher:
 
     async def _write(self, writes: list[JobWrite]) -> None:
         """One STEP_LUA call; retried as a whole while Redis is unreachable (a repeat is
-        harmless: the events carry the same seqs, and the record and XACK are idempotent)."""
+        harmless: the events carry the same seqs, and the record and XACK are idempotent).
+        Meanwhile the engine goes on with the jobs it holds (it takes no new ones: intake
+        cannot read), so what waits here is bounded by their remaining tokens."""
         while True:
             try:
                 lost = await self.scripts.publish(writes)
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                logger.warning("publishing failed (%s); retrying", exc)
+            except REDIS_ERRORS as exc:
+                self.outage.failed(exc)
                 await asyncio.sleep(RETRY_DELAY_S)
+        self.outage.answered()
         now = time.time()
         holders = await self._holders(lost)
         for write in writes:

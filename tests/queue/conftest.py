@@ -10,16 +10,13 @@ from typing import Any
 
 import pytest
 import redis
-from queue_support import WorkerProcess, worker_env
+from queue_support import LIVE_WORKERS, WorkerProcess, worker_env
 
 from producer.client import Client
 from producer.protocol import Keys
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
-# Workers of the module running now: a failing test's report shows their logs, since what a
-# worker process did is otherwise invisible (a flake in CI is diagnosed from this alone).
-LIVE_WORKERS: list[WorkerProcess] = []
 LOG_TAIL_CHARS = 6000
 
 

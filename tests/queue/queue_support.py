@@ -22,6 +22,9 @@ from producer.protocol import JobStatus, Keys
 from producer.records import decode_record
 from producer.sampling_params import SamplingParams
 
+# Workers of the module running now: a failing test's report shows their logs, since what a
+# worker process did is otherwise invisible (a flake in CI is diagnosed from this alone).
+LIVE_WORKERS: list[WorkerProcess] = []
 READY_TIMEOUT_S = 90.0  # a worker imports torch and loads the model (about 5 s alone)
 POLL_S = 0.01
 

@@ -1,0 +1,189 @@
+"""Redis goes away under a running worker and comes back: the worker is never restarted.
+
+The module runs its own Redis with an append-only file (the embedded server's default), a
+worker (`arq worker.WorkerSettings`) on the tiny model, and kills the server with SIGKILL
+while jobs are queued and running. Restarted on the same directory, the server has every
+job again, and the worker, which kept its engine and its requests through the outage,
+finishes them whole: each job's events are the offline engine's tokens, seq by seq.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from queue_support import LIVE_WORKERS, WorkerProcess, record, wait_for, worker_env
+
+from producer.client import Client
+from producer.protocol import EVENT_FIELD, JobStatus, Keys, decode_event
+from producer.redis_server import find_redis_server, free_port
+from producer.sampling_params import SamplingParams
+
+PREFIX = "t-outage:"
+NUM_JOBS = 24  # over max_num_seqs: some run, the rest wait in the stream
+MAX_NUM_SEQS = 8
+TIMEOUT_S = 120.0
+STOP_WITHOUT_REDIS_S = 30.0  # intake's stop, the engine's, the drain's last writes given up
+PARAMS = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+
+
+class DurableRedis:
+    """A redis-server with an append-only file in `dir`, killed and started again on the
+    same port and directory as an operator (or a crash and a supervisor) would."""
+
+    def __init__(self, dir: Path) -> None:
+        self.dir = dir
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, appendonly: bool = True) -> None:
+        self.process = subprocess.Popen(
+            [find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+             "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec",
+             "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log")],
+            stdin=subprocess.DEVNULL,
+        )
+        conn = redis.Redis.from_url(self.url)
+        wait_for(lambda: _answers(conn), 10.0, "redis-server up")
+        conn.close()
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
+
+
+def _answers(conn: redis.Redis) -> bool:
+    try:
+        return bool(conn.ping())
+    except redis.ConnectionError:  # not up yet, or loading its file (BusyLoadingError)
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DurableRedis]:
+    server = DurableRedis(tmp_path_factory.mktemp("outage-redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def start_worker(server: DurableRedis, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Callable[[str], WorkerProcess]]:
+    logs = tmp_path_factory.mktemp("outage-logs")
+    started: list[WorkerProcess] = []
+
+    def start(name: str) -> WorkerProcess:
+        env = worker_env(server.url, tiny_llama_dir, name, PREFIX, GENQ_MAX_NUM_SEQS=str(MAX_NUM_SEQS))
+        proc = WorkerProcess(env, logs / f"{name}.log").start()
+        started.append(proc)
+        LIVE_WORKERS.append(proc)  # a failure's report shows its log
+        conn = redis.Redis.from_url(server.url)
+        proc.wait_ready(conn)
+        conn.close()
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+        LIVE_WORKERS.remove(proc)
+
+
+@pytest.fixture(scope="module")
+def worker(start_worker: Callable[[str], WorkerProcess]) -> WorkerProcess:
+    return start_worker("outage")
+
+
+@pytest.fixture
+def conn(server: DurableRedis) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(server.url)
+    yield c
+    c.close()
+
+
+def submit(server: DurableRedis, tag: str) -> tuple[list[str], list[str]]:
+    prompts = [f"{tag} job {i}" for i in range(NUM_JOBS)]
+    with Client(server.url, prefix=PREFIX) as client:
+        job_ids = [client.submit(prompt, PARAMS).id for prompt in prompts]
+    return job_ids, prompts
+
+
+def mid_generation(conn: redis.Redis, keys: Keys, job_ids: list[str]) -> bool:
+    """Some jobs have streamed a few tokens, none has finished: the kill lands mid-run."""
+    lengths = [conn.xlen(keys.events(job_id)) for job_id in job_ids]
+    return max(lengths) >= 4
+
+
+def check_whole(conn: redis.Redis, keys: Keys, job_ids: list[str], prompts: list[str], offline) -> None:
+    """Each job finished with the offline engine's tokens, and its replay log holds them
+    all, once each, in seq order: what any client streaming it saw."""
+    for job_id, completions in zip(job_ids, offline.many(prompts, PARAMS), strict=True):
+        expected = completions[0]
+        rec = record(conn, keys, job_id)
+        assert rec.status == JobStatus.FINISHED, (job_id, rec)
+        events = [decode_event(f[EVENT_FIELD.encode()]) for _, f in conn.xrange(keys.events(job_id))]
+        assert [e.seq for e in events] == list(range(len(events))), job_id  # no gap, no repeat
+        assert [t for e in events for t in e.token_ids] == expected.token_ids, job_id
+        assert "".join(e.text for e in events) == expected.text, job_id
+
+
+def all_ended(conn: redis.Redis, keys: Keys, job_ids: list[str]) -> bool:
+    try:
+        return all(record(conn, keys, j).status in (JobStatus.FINISHED, JobStatus.FAILED) for j in job_ids)
+    except redis.ConnectionError:
+        return False
+
+
+def outage(server: DurableRedis, worker: WorkerProcess, conn: redis.Redis, tag: str,
+           down_s: float, offline) -> None:
+    keys = worker.keys
+    job_ids, prompts = submit(server, tag)
+    wait_for(lambda: mid_generation(conn, keys, job_ids), TIMEOUT_S, "jobs mid-generation")
+    server.kill()
+    deadline = time.monotonic() + down_s
+    while time.monotonic() < deadline:  # the worker must live through the whole outage
+        assert worker.process is not None and worker.process.poll() is None, worker.log()[-3000:]
+        time.sleep(0.1)  # (polled: the outage's length is the test's input, not a wait)
+    server.start()
+    wait_for(lambda: all_ended(conn, keys, job_ids), TIMEOUT_S, "every job ended")
+    check_whole(conn, keys, job_ids, prompts, offline)
+    assert worker.process is not None and worker.process.poll() is None
+
+
+def test_redis_killed_and_restarted_at_once(server, worker, conn, offline) -> None:
+    outage(server, worker, conn, "at once", 0.0, offline)
+
+
+def test_redis_away_for_30_s(server, worker, conn, offline) -> None:
+    outage(server, worker, conn, "30 s", 30.0, offline)
+
+
+def test_sigterm_during_an_outage(server, worker, conn, start_worker, offline) -> None:
+    """A worker told to stop while Redis is away still stops, within its drain's bounds (no
+    grace for jobs whose tokens cannot be written); what it held stays pending, and once
+    Redis is back another worker takes it up where its events end."""
+    keys = worker.keys
+    job_ids, prompts = submit(server, "sigterm")
+    wait_for(lambda: mid_generation(conn, keys, job_ids), TIMEOUT_S, "jobs mid-generation")
+    server.kill()
+    worker.terminate()
+    assert worker.wait(STOP_WITHOUT_REDIS_S) == 0, worker.log()[-3000:]
+    server.start()
+    start_worker("outage-2")
+    wait_for(lambda: all_ended(conn, keys, job_ids), TIMEOUT_S, "every job ended")
+    check_whole(conn, keys, job_ids, prompts, offline)
