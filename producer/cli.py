@@ -112,24 +112,32 @@ def _load_builder(path: str) -> Builder:
 
 def build_redis(parser: argparse.ArgumentParser) -> Runner:
     parser.add_argument("--port", type=int, help="port (default: the one in --redis-url)")
-    parser.add_argument("--dir", help="working directory (default: a temporary one)")
+    parser.add_argument("--dir", help="data directory: its append-only file survives restarts "
+                        "(default: $XDG_DATA_HOME/genq/redis-PORT, else ~/.local/share/genq/redis-PORT)")
+    parser.add_argument("--ephemeral", action="store_true",
+                        help="memory only: a restart forgets every job (--dir is then just its working dir)")
     return run_redis
 
 
 def run_redis(args: argparse.Namespace) -> int:
-    from producer.redis_server import RedisServer
+    from producer.children import stop_signals_ignored, stop_signals_interrupt
+    from producer.redis_server import command_server
 
     port = args.port if args.port is not None else (urlparse(args.redis_url).port or 6379)
-    server = RedisServer(port=port, dir=args.dir)
-    try:  # Ctrl-C can come at any point, even before the server answers: always stop it
-        process = server.start().process
-        assert process is not None
-        print(f"redis listening on {server.url} (pid {server.pid}); Ctrl-C stops it", flush=True)
-        status = process.wait()
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        server.stop()
+    server = command_server(port, args.dir, args.ephemeral, os.environ.get("XDG_DATA_HOME"))
+    # Ctrl-C, SIGTERM or SIGHUP can come at any point, even before the server answers: always stop it
+    with stop_signals_interrupt():
+        try:
+            process = server.start().process
+            assert process is not None
+            print(f"redis listening on {server.url} (pid {server.pid}), {server.data_note()}; "
+                  "Ctrl-C stops it", flush=True)
+            status = process.wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            with stop_signals_ignored():
+                server.stop()
     print(f"genq: redis-server exited with status {status}", file=sys.stderr)
     return 1
 

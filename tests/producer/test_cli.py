@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pytest
-import redis
 
 from producer.protocol import JobStatus, Keys
 from producer.redis_server import free_port
@@ -206,35 +204,6 @@ def test_dead_lists_and_retries(redis_url: str, worker: FakeWorker) -> None:
     again = genq("dead", "retry", failed.decode(), env_url=redis_url)
     assert again.returncode == 1 and "no such dead letter" in again.stdout
     assert genq("dead", "retry", env_url=redis_url).returncode == 2
-
-
-def start_genq_redis() -> tuple[subprocess.Popen[str], int]:
-    """`genq redis --port P` on a free port; another try if that port was taken meanwhile."""
-    for _ in range(3):
-        port = free_port()
-        proc = subprocess.Popen([*GENQ, "redis", "--port", str(port)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
-        assert proc.stdout is not None
-        if f"redis://127.0.0.1:{port}/0" in proc.stdout.readline():  # printed once PING answers
-            return proc, port
-        proc.wait(TIMEOUT_S)
-    raise AssertionError("genq redis did not start")
-
-
-def test_redis_runs_until_interrupted() -> None:
-    proc, port = start_genq_redis()
-    try:
-        conn = redis.Redis(port=port)
-        assert conn.ping()
-        conn.close()
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(TIMEOUT_S) == 0
-        with pytest.raises(redis.ConnectionError):
-            redis.Redis(port=port).ping()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.skipif(shutil.which("genq") is None, reason="package not installed (pip install -e .)")
