@@ -10,7 +10,6 @@ finishes them whole: each job's events are the offline engine's tokens, seq by s
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,66 +19,35 @@ import redis
 from queue_support import LIVE_WORKERS, WorkerProcess, record, wait_for, worker_env
 
 from producer.client import Client
+from producer.jobs import JobNotFound
 from producer.protocol import EVENT_FIELD, JobStatus, Keys, decode_event
-from producer.redis_server import find_redis_server, free_port
+from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 
 PREFIX = "t-outage:"
 NUM_JOBS = 24  # over max_num_seqs: some run, the rest wait in the stream
 MAX_NUM_SEQS = 8
 TIMEOUT_S = 120.0
+NEW_JOBS_WITHIN_S = 30.0  # 24 jobs of 96 tokens on the tiny model take a few seconds
 STOP_WITHOUT_REDIS_S = 30.0  # intake's stop, the engine's, the drain's last writes given up
 PARAMS = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
 
 
-class DurableRedis:
-    """A redis-server with an append-only file in `dir`, killed and started again on the
-    same port and directory as an operator (or a crash and a supervisor) would."""
-
-    def __init__(self, dir: Path) -> None:
-        self.dir = dir
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, appendonly: bool = True) -> None:
-        self.process = subprocess.Popen(
-            [find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-             "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec",
-             "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log")],
-            stdin=subprocess.DEVNULL,
-        )
-        conn = redis.Redis.from_url(self.url)
-        wait_for(lambda: _answers(conn), 10.0, "redis-server up")
-        conn.close()
+class DurableRedis(RedisServer):
+    """The embedded server as `genq redis` runs it (an append-only file in its dir), killed
+    and started again on the same port and dir as a crash and a supervisor would."""
 
     def kill(self) -> None:
         assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(10)
-
-
-def _answers(conn: redis.Redis) -> bool:
-    try:
-        return bool(conn.ping())
-    except redis.ConnectionError:  # not up yet, or loading its file (BusyLoadingError)
-        return False
+        self.process = None
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DurableRedis]:
-    server = DurableRedis(tmp_path_factory.mktemp("outage-redis"))
-    server.start()
-    yield server
-    server.stop()
+    with DurableRedis(dir=tmp_path_factory.mktemp("outage-redis"), durable=True) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +66,7 @@ def start_worker(server: DurableRedis, tiny_llama_dir: Path, tmp_path_factory: p
         conn.close()
         return proc
 
+    start.started = started  # type: ignore[attr-defined]
     yield start
     for proc in started:
         proc.stop()
@@ -116,7 +85,7 @@ def conn(server: DurableRedis) -> Iterator[redis.Redis]:
     c.close()
 
 
-def submit(server: DurableRedis, tag: str) -> tuple[list[str], list[str]]:
+def submit(server: RedisServer, tag: str) -> tuple[list[str], list[str]]:
     prompts = [f"{tag} job {i}" for i in range(NUM_JOBS)]
     with Client(server.url, prefix=PREFIX) as client:
         job_ids = [client.submit(prompt, PARAMS).id for prompt in prompts]
@@ -187,3 +156,23 @@ def test_sigterm_during_an_outage(server, worker, conn, start_worker, offline) -
     start_worker("outage-2")
     wait_for(lambda: all_ended(conn, keys, job_ids), TIMEOUT_S, "every job ended")
     check_whole(conn, keys, job_ids, prompts, offline)
+
+
+def test_memory_only_redis_restarted(server, start_worker, conn, offline) -> None:
+    """Redis restarted without its file (a memory-only server): the worker recreates its
+    consumer group and serves new jobs within seconds; the jobs it held are gone with the
+    data, and a client asking for one is told so, not left waiting."""
+    worker = next(w for w in reversed(start_worker.started) if w.process.poll() is None)
+    keys = worker.keys
+    old_ids, _ = submit(server, "forgotten")
+    wait_for(lambda: mid_generation(conn, keys, old_ids), TIMEOUT_S, "jobs mid-generation")
+    server.kill()
+    with RedisServer(port=server.port) as empty:
+        started = time.monotonic()
+        job_ids, prompts = submit(empty, "after")
+        wait_for(lambda: all_ended(conn, keys, job_ids), TIMEOUT_S, "new jobs ended")
+        assert time.monotonic() - started < NEW_JOBS_WITHIN_S
+        check_whole(conn, keys, job_ids, prompts, offline)
+        with Client(empty.url, prefix=PREFIX) as client, pytest.raises(JobNotFound, match=old_ids[0]):
+            client.result(old_ids[0], 5.0)
+        assert worker.process.poll() is None
