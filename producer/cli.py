@@ -44,7 +44,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "usage": Subcommand("tokens metered by day, API key and model", "api.usage:build"),
     "dead": Subcommand("list dead letters, or send their jobs back to the queue", "producer.dead_letters:build"),
     "drain": Subcommand("ask workers to drain and stop, as SIGTERM would, from anywhere", "producer.drain:build"),
-    "worker": Subcommand("run a GPU worker: pull jobs into the engine (as arq worker)", "worker.cli:build"),
+    "worker": Subcommand("run a GPU worker: pull jobs into the engine (as arq worker.WorkerSettings does)", "worker.cli:build"),
     "api": Subcommand("serve the OpenAI-compatible HTTP API", "api.cli:build"),
     "up": Subcommand("run the whole stack: Redis, one worker and the API", "producer.stack:build"),
     "bench": Subcommand("benchmarks: throughput (offline) and serve (HTTP load)", "worker.bench:build"),

@@ -1,4 +1,4 @@
-"""`genq worker`: run a worker, the same as `arq worker worker.WorkerSettings`.
+"""`genq worker`: run a worker, the same as `arq worker.WorkerSettings`.
 
 Flags override the GENQ_* environment (read here, at this entry point, and nowhere else);
 the resulting configuration goes to arq's `run_worker` with the settings of

@@ -1,4 +1,4 @@
-"""The Redis consumer, hosted by arq: `arq worker worker.WorkerSettings` (or `genq worker`).
+"""The Redis consumer, hosted by arq: `arq worker.WorkerSettings` (or `genq worker`).
 
 arq provides the process: its event loop, signal handling and health check
 (`arq --check worker.WorkerSettings`). `on_startup` loads the engine and starts the
@@ -392,7 +392,7 @@ def arq_settings(config: WorkerConfig) -> dict[str, Any]:
 
 
 class WorkerSettings:
-    """`arq worker worker.WorkerSettings`: configured by GENQ_* variables (docs/queue.md).
+    """`arq worker.WorkerSettings`: configured by GENQ_* variables (docs/queue.md).
 
     The environment is read here, in the class body, when arq imports the class; nothing
     below reads it again. arq's health-check key is `<prefix>arq:<name>:health-check`, so

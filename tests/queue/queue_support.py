@@ -1,6 +1,6 @@
 """Helpers for the queue tests: worker subprocesses and polling.
 
-Workers run as real processes (`genq worker` or `arq worker worker.WorkerSettings`) against
+Workers run as real processes (`genq worker` or `arq worker.WorkerSettings`) against
 the session's Redis, each under a prefix of its test module, so modules cannot see each
 other's keys and nothing needs a FLUSHALL.
 """

@@ -1,4 +1,4 @@
-"""Several workers (`arq worker worker.WorkerSettings` subprocesses) in one consumer group:
+"""Several workers (`arq worker.WorkerSettings` subprocesses) in one consumer group:
 they share the load, survive `kill -9` of one of them, and drain on SIGTERM.
 
 The tests run in file order on the same three workers: all three share a batch, then fa is
