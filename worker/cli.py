@@ -65,6 +65,12 @@ def build(parser: argparse.ArgumentParser) -> Any:
     for name, kind in {**_ENGINE_FLAGS, **_WORKER_FLAGS}.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, help=_HELP.get(name))
     parser.add_argument(
+        "--scheduling-policy", choices=("fcfs", "priority"),
+        help="the order of the jobs this worker holds: fcfs (arrival) or priority (the job's priority, lower "
+        "first, then arrival; under KV pressure the largest value is preempted first) "
+        "(default: $GENQ_SCHEDULING_POLICY or fcfs)",
+    )
+    parser.add_argument(
         "--no-prefix-caching", action="store_true", help="disable the engine's prefix cache"
     )
     parser.add_argument(
@@ -176,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     env["GENQ_REDIS_URL"] = args.redis_url  # --redis-url defaults to $GENQ_REDIS_URL already
     config = config_from_env(env)
     engine_args = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.scheduling_policy:
+        engine_args["scheduling_policy"] = args.scheduling_policy
     if args.no_prefix_caching:
         engine_args["enable_prefix_caching"] = False
     if args.enforce_eager:

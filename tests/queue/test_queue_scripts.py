@@ -449,6 +449,10 @@ def test_worker_config_from_env() -> None:
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         config_from_env({"GENQ_GPU_MEMORY_UTILIZATION": "1.5"})
     assert config_from_env({"GENQ_ENFORCE_EAGER": "true"}).engine.enforce_eager
+    assert config_from_env({"GENQ_SCHEDULING_POLICY": "priority"}).engine.scheduling_policy == "priority"
+    assert config_from_env({}).engine.scheduling_policy == "fcfs"
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
+        config_from_env({"GENQ_SCHEDULING_POLICY": "lifo"})
     assert not config_from_env({"GENQ_ENFORCE_EAGER": "0"}).engine.enforce_eager
     markers = '{"think_start_str": "<think>", "think_end_str": "</think>"}'
     assert config_from_env({"GENQ_REASONING_CONFIG": markers}).engine.reasoning_config["think_end_str"] == "</think>"
