@@ -23,7 +23,7 @@ import redis
 import redis.asyncio
 
 from producer.aio import wait_within
-from producer.jobs import JobNotFound
+from producer.jobs import JobNotFound, record_ending
 from producer.protocol import EVENT_FIELD, Event, Keys, decode_event
 from producer.records import JobRecord, decode_record
 
@@ -50,6 +50,7 @@ class JobEvents:
         self.error: str | None = None
         self._resume = resume
         self._last_seq: dict[int, int] = {}
+        self._sent: dict[int, tuple[int, int]] = {}  # (characters, tokens) followed, per index
         self._finished: set[int] = set()
 
     @property
@@ -68,6 +69,8 @@ class JobEvents:
 
     def _mark(self, event: Event) -> None:
         self._last_seq[event.index] = max(event.seq, self._last_seq.get(event.index, -1))
+        chars, tokens = self._sent.get(event.index, (0, 0))
+        self._sent[event.index] = (chars + len(event.text), tokens + len(event.token_ids))
         if event.error is not None:
             self.error = event.error
         elif event.finished:
@@ -85,9 +88,11 @@ class JobEvents:
             self._resume = None
         new = [event for event in events if self.add(event)]
         # Terminal before the XRANGE, yet some final events are missing: they expired, and
-        # nothing more will come on the channel.
+        # nothing more will come on the channel. The record has the rest.
         if self.record.status is not None and self.record.status.terminal and not self.done:
-            self.closed = True
+            ending = record_ending(self.record, self._last_seq, self._finished, self._sent)
+            new += [event for event in ending if self.add(event)]
+            self.closed = not self.done
         return new
 
     def _skip_resumed(self, events: list[Event], index: int, seq: int) -> list[Event]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -33,6 +33,7 @@ from producer.protocol import (
     encode_job,
     entry_ref,
     lane_of,
+    pack_embedding,
     unpack_embedding,
 )
 from producer.records import CompletionOutput, JobRecord, decode_record, encode_record
@@ -319,6 +320,12 @@ class EventLog:
     def seen_any(self) -> bool:
         return bool(self._last_seq)
 
+    def catch_up(self, record: JobRecord) -> list[Event]:
+        """The job ended and its events are gone (they expire GENQ_EVENTS_RETENTION_S after
+        the end): the rest of its output, rebuilt from the record, as new events."""
+        sent = {i: (sum(map(len, self._text.get(i, []))), len(self._tokens.get(i, []))) for i in self._last_seq}
+        return [e for e in record_ending(record, self._last_seq, set(self._final), sent) if self.add(e)]
+
     def outputs(self) -> list[CompletionOutput]:
         indices = sorted(set(self._text) | set(range(self.n or 0)))
         return [self._output(i) for i in indices]
@@ -363,9 +370,10 @@ class Follower:
         log.n = record.n or 1
         new = [e for e in (_entry_event(f) for _, f in entries) if log.add(e)]
         # Terminal before the XRANGE, yet not all final events were there: they expired.
-        # Waiting on the channel would hang, and nothing more will come.
+        # Waiting on the channel would hang, and nothing more will come: the record has the rest.
         if record.status is not None and record.status.terminal and not log.done:
-            log.closed = True
+            new += log.catch_up(record)
+            log.closed = not log.done
         return new
 
     def message(self, message: dict[str, Any]) -> list[tuple[str, Event]]:
@@ -383,6 +391,36 @@ class Follower:
         if message["type"] != "subscribe":
             return None
         return self.by_channel.get(message["channel"])
+
+
+def record_ending(
+    record: JobRecord, last_seq: Mapping[int, int], finished: Collection[int], sent: Mapping[int, tuple[int, int]]
+) -> list[Event]:
+    """The events a reader is still owed by a job that ended and whose events are gone, from
+    its terminal record (which keeps every completion's text and token ids): a failed job's
+    error; else, per completion not `finished`, one final event at its next seq with the text
+    and tokens after the (characters, tokens) the reader has (`sent`). A completion the reader
+    resumed past events it never saw (in `last_seq`, not in `sent`) gets only its end.
+    Logprobs and the like lived only in the events."""
+    if record.status == JobStatus.FAILED:
+        error = record.error or "the job failed (its events expired)"
+        return [Event(seq=last_seq.get(0, -1) + 1, error=error, error_type=record.error_type)]
+    outputs = {o.index: o for o in _outputs(record, None)}
+    if not outputs:  # a record that never stored them (another producer's worker): nothing to rebuild
+        return []
+    events = []
+    for index in range(record.n or 1):
+        if index in finished:
+            continue
+        out = outputs.get(index) or CompletionOutput(index, "", [], None)
+        chars, tokens = sent.get(index, (len(out.text), len(out.token_ids)) if index in last_seq else (0, 0))
+        events.append(Event(
+            seq=last_seq.get(index, -1) + 1, token_ids=out.token_ids[tokens:], text=out.text[chars:], finished=True,
+            finish_reason=out.finish_reason or record.finish_reason or FINISH_ABORT, stop_reason=out.stop_reason,
+            usage=record.usage, index=index,
+            embedding=pack_embedding(record.embedding) if record.embedding is not None and index == 0 else None,
+        ))
+    return events
 
 
 def _entry_event(entry_fields: dict[bytes, bytes]) -> Event:

@@ -55,6 +55,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "shutdown_grace_s": float,
     "requests_retention_s": float,
     "dead_retention_s": float,
+    "events_retention_s": float,
     "metrics_port": int,
     "metrics_host": str,
     "otlp_traces_endpoint": str,
@@ -156,6 +157,8 @@ _HELP = {
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",
     "requests_retention_s": "acked entries older than this leave the requests stream (default: 86400)",
     "dead_retention_s": "dead letters older than this leave the dead stream (default: 604800)",
+    "events_retention_s": "an ended job's events stay this long; later readers get its result from the job record "
+    "(default: $GENQ_EVENTS_RETENTION_S or 300; 0: deleted as it ends)",
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
     "otlp_traces_endpoint": "export a span per finished job to this OpenTelemetry collector, OTLP over HTTP, "
     "e.g. http://collector:4318 (default: off; needs genq[otel])",
