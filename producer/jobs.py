@@ -41,7 +41,10 @@ from producer.sampling_params import SamplingParams
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SUBSCRIBE_CHUNK = 500  # channels per SUBSCRIBE command when following a batch
-RECONNECT_ATTEMPTS = 3  # pub/sub reconnects in a row before a stream gives up
+# a follow rides out a Redis outage this long (a restart, a failover) before it gives up, and
+# retries in between after this back-off, doubling up to its most
+RECONNECT_TIMEOUT_S = 120.0
+RECONNECT_BACKOFF_S = (0.05, 2.0)
 ROUTE_CACHE_S = 1.0  # how long a client trusts a model's route before reading it again
 
 PromptInput = str | dict[str, Any] | list[dict[str, Any]]
@@ -91,9 +94,18 @@ class JobFailed(Exception):
 class JobNotFound(LookupError):
     """No record for this job id: never submitted, or expired after it ended."""
 
-    def __init__(self, job_id: str) -> None:
-        super().__init__(f"no job {job_id} (never submitted, or expired after it ended)")
+    def __init__(self, job_id: str, message: str | None = None) -> None:
+        super().__init__(message or f"no job {job_id} (never submitted, or expired after it ended)")
         self.job_id = job_id
+
+
+class JobLost(JobNotFound):
+    """The job's record vanished while it was followed: Redis lost its data (a server
+    without persistence restarted, or the keys were deleted). Nothing will finish it."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id, f"job {job_id} was lost: its record vanished from Redis while it was followed "
+                         "(a Redis without persistence restarted, or the key was deleted); submit it again")
 
 
 @dataclass(frozen=True)
@@ -364,8 +376,8 @@ class Follower:
 
     def replay(self, job_id: str, raw_record: dict[Any, Any], entries: list[Any]) -> list[Event]:
         log = self.logs[job_id]
-        if not raw_record:
-            raise JobNotFound(job_id)
+        if not raw_record:  # (a first replay: never submitted or expired; a later one: lost)
+            raise JobNotFound(job_id) if log.n is None else JobLost(job_id)
         record = decode_record(raw_record, job_id)
         log.n = record.n or 1
         new = [e for e in (_entry_event(f) for _, f in entries) if log.add(e)]
@@ -429,12 +441,28 @@ def _entry_event(entry_fields: dict[bytes, bytes]) -> Event:
     return decode_event(entry_fields[EVENT_FIELD.encode()])
 
 
-def count_failure(failures: int, error: redis.ConnectionError) -> int:
-    """Pub/sub connection lost: redis-py reconnects on the next read. Give up after a few
-    failures in a row: then Redis is really gone."""
-    if failures >= RECONNECT_ATTEMPTS:
-        raise error
-    return failures + 1
+class Outage:
+    """Redis unreachable while following jobs: `failed` says how long to wait before the next
+    try (redis-py reconnects, and re-subscribes, on the next read), with back-off, and raises
+    once it has lasted `timeout_s`; `ok` after any success ends it."""
+
+    def __init__(self, timeout_s: float = RECONNECT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._since: float | None = None
+        self._delay_s = RECONNECT_BACKOFF_S[0]
+
+    def failed(self, error: redis.ConnectionError | redis.TimeoutError) -> float:
+        now = time.monotonic()
+        if self._since is None:
+            self._since, self._delay_s = now, RECONNECT_BACKOFF_S[0]
+        elif now - self._since >= self.timeout_s:
+            raise redis.ConnectionError(f"Redis unreachable for {now - self._since:.0f} s while following "
+                                        f"jobs: {error}") from error
+        delay_s, self._delay_s = self._delay_s, min(2 * self._delay_s, RECONNECT_BACKOFF_S[1])
+        return delay_s
+
+    def ok(self) -> None:
+        self._since = None
 
 
 class Deadline:
@@ -446,6 +474,11 @@ class Deadline:
     def remaining(self) -> float | None:
         """Seconds left, or None to wait without limit."""
         return None if self._end is None else max(0.0, self._end - time.monotonic())
+
+    def cap(self, delay_s: float) -> float:
+        """A wait of `delay_s`, cut to what is left."""
+        remaining = self.remaining()
+        return delay_s if remaining is None else min(delay_s, remaining)
 
     def check(self) -> None:
         if self._end is not None and time.monotonic() >= self._end:
