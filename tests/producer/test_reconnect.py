@@ -9,6 +9,7 @@ follow ends with JobLost, saying so, instead of waiting forever. The test plays 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import threading
 import time
@@ -196,3 +197,36 @@ def test_a_follow_rides_out_a_redis_restart(server: Server, follower: str) -> No
     assert not thread.is_alive() and not errors, errors
     assert [d.seq for d in seen] == [0, 1, 2, 3, 4]
     assert "".join(d.text for d in seen) == "abcde" and seen[-1].finished
+
+
+def test_the_sse_stream_of_a_job_redis_lost_ends_with_an_error_event(tmp_path: Path) -> None:
+    """GET /v1/jobs/<id>/events's stream: an error event naming the loss, then [DONE]."""
+    server = Server(tmp_path, durable=False).start()
+    try:
+        with Client(server.url) as client:
+            handle = client.submit("hi")
+        Peer(server.url).emit(handle.id, token_events(PIECES)[:1])
+        thread, seen, errors = in_thread(sse_follow, server.url, handle.id)
+        wait_for(lambda: len(seen) == 1)
+        server.restart(0.0)
+        thread.join(RESTART_TIMEOUT_S)
+    finally:
+        server.kill()
+    assert not thread.is_alive() and not errors, errors
+    assert seen[0].startswith("id: 0\n") and seen[-1] == "data: [DONE]\n\n"
+    error = json.loads(seen[1].removeprefix("data: "))
+    assert error["error_type"] == "job_lost" and "was lost" in error["error"] and len(seen) == 3
+
+
+async def sse_follow(url: str, job_id: str, seen: list[Any]) -> None:
+    from api.jobs import event_stream
+
+    async with AsyncClient(url) as client:
+        relay = Relay(client.redis, client.keys)
+        await relay.start()
+        try:
+            async with aclosing(event_stream(relay, job_id, 1, None, RESTART_TIMEOUT_S)) as stream:
+                async for chunk in stream:
+                    seen.append(chunk)
+        finally:
+            await relay.aclose()
