@@ -14,7 +14,7 @@ from api.render import Choice
 from api.responses import JobOutput, JobView, Usage
 from api.sse import DONE, format_sse
 from producer.async_client import AsyncClient
-from producer.jobs import JobNotFound
+from producer.jobs import JobLost, JobNotFound
 from producer.protocol import Event, unpack_embedding
 from producer.records import JobRecord, decode_record
 
@@ -104,7 +104,8 @@ async def event_stream(
 ) -> AsyncGenerator[str, None]:
     """The job's events from `resume` on, then `data: [DONE]`. The job is not cancelled when
     the client goes: it can come back with Last-Event-ID. After `timeout_s` the stream ends
-    without [DONE], so an EventSource reconnects and resumes."""
+    without [DONE], so an EventSource reconnects and resumes. A job Redis lost meanwhile (its
+    record vanished) ends with an error event, `error_type` `job_lost`."""
     try:
         async with aclosing(relay.follow([job_id], resume=resume, timeout_s=timeout_s)) as events:
             async for _, event in events:
@@ -112,4 +113,6 @@ async def event_stream(
     except TimeoutError:
         yield ": timeout, reconnect with Last-Event-ID to resume\n\n"
         return
+    except JobLost as exc:  # Redis lost it mid-stream: say so, as a failed job's error event would
+        yield format_sse({"error": str(exc), "error_type": "job_lost"})
     yield DONE

@@ -23,7 +23,7 @@ import redis
 import redis.asyncio
 
 from producer.aio import wait_within
-from producer.jobs import JobNotFound
+from producer.jobs import JobLost, JobNotFound, Outage, record_ending
 from producer.protocol import EVENT_FIELD, Event, Keys, decode_event
 from producer.records import JobRecord, decode_record
 
@@ -50,6 +50,7 @@ class JobEvents:
         self.error: str | None = None
         self._resume = resume
         self._last_seq: dict[int, int] = {}
+        self._sent: dict[int, tuple[int, int]] = {}  # (characters, tokens) followed, per index
         self._finished: set[int] = set()
 
     @property
@@ -68,6 +69,8 @@ class JobEvents:
 
     def _mark(self, event: Event) -> None:
         self._last_seq[event.index] = max(event.seq, self._last_seq.get(event.index, -1))
+        chars, tokens = self._sent.get(event.index, (0, 0))
+        self._sent[event.index] = (chars + len(event.text), tokens + len(event.token_ids))
         if event.error is not None:
             self.error = event.error
         elif event.finished:
@@ -75,8 +78,8 @@ class JobEvents:
 
     def replay(self, raw_record: dict[Any, Any], entries: list[Any]) -> list[Event]:
         """The new events of a replay (HGETALL of the record, XRANGE of the events)."""
-        if not raw_record:
-            raise JobNotFound(self.job_id)
+        if not raw_record:  # (a first replay: never submitted or expired; a later one: lost)
+            raise JobNotFound(self.job_id) if self.n is None else JobLost(self.job_id)
         self.record = decode_record(raw_record, self.job_id)
         self.n = self.record.n or 1
         events = [_entry_event(fields) for _, fields in entries]
@@ -85,9 +88,11 @@ class JobEvents:
             self._resume = None
         new = [event for event in events if self.add(event)]
         # Terminal before the XRANGE, yet some final events are missing: they expired, and
-        # nothing more will come on the channel.
+        # nothing more will come on the channel. The record has the rest.
         if self.record.status is not None and self.record.status.terminal and not self.done:
-            self.closed = True
+            ending = record_ending(self.record, self._last_seq, self._finished, self._sent)
+            new += [event for event in ending if self.add(event)]
+            self.closed = not self.done
         return new
 
     def _skip_resumed(self, events: list[Event], index: int, seq: int) -> list[Event]:
@@ -150,14 +155,17 @@ class Relay:
         resume: tuple[int, int] | None = None,
         timeout_s: float | None = None,
     ) -> AsyncGenerator[tuple[str, Event], None]:
-        """Every new event of these jobs, in order, until all have ended. Raises JobNotFound,
-        TimeoutError (after `timeout_s`), ProtocolError. `resume` applies to a single job.
+        """Every new event of these jobs, in order, until all have ended, across Redis outages
+        (the listener reconnects; each job replays what it missed). Raises JobNotFound (JobLost:
+        the record vanished meanwhile, a Redis without persistence restarted), TimeoutError
+        (after `timeout_s`), ProtocolError. `resume` applies to a single job.
         Close it (`contextlib.aclosing`) if you stop early, so the channels are released."""
         resume = resume if len(job_ids) == 1 else None
         logs = {job_id: JobEvents(job_id, resume) for job_id in job_ids}
         by_channel = {self._keys.events(job_id).encode(): job_id for job_id in job_ids}
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         deadline = _Deadline(timeout_s)
+        outage = Outage()
         try:
             await self._join(list(by_channel), queue, deadline)
             for item in await self._replay(logs, job_ids):
@@ -166,7 +174,7 @@ class Relay:
                 channel, data = await deadline.run(queue.get())
                 job_id = by_channel[channel]
                 if data is RESYNC:
-                    for item in await self._replay(logs, [job_id]):
+                    for item in await deadline.run(self._replay(logs, [job_id], outage)):
                         yield item
                 elif logs[job_id].add(event := decode_event(data)):
                     yield job_id, event
@@ -182,13 +190,24 @@ class Relay:
         return log.record, events
 
     async def _replay(
-        self, logs: dict[str, JobEvents], job_ids: list[str]
+        self, logs: dict[str, JobEvents], job_ids: list[str], outage: Outage | None = None
     ) -> list[tuple[str, Event]]:
-        pipe = self._redis.pipeline(transaction=True)
-        for job_id in job_ids:
-            pipe.hgetall(self._keys.job(job_id))
-            pipe.xrange(self._keys.events(job_id))
-        replies = await pipe.execute()
+        """Each job's record and events in one MULTI; with `outage`, tried again while Redis is
+        away (a resync comes after a reconnect, which may not last)."""
+        while True:
+            pipe = self._redis.pipeline(transaction=True)
+            for job_id in job_ids:
+                pipe.hgetall(self._keys.job(job_id))
+                pipe.xrange(self._keys.events(job_id))
+            try:
+                replies = await pipe.execute()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if outage is None:
+                    raise
+                await asyncio.sleep(outage.failed(exc))
+        if outage is not None:
+            outage.ok()
         out: list[tuple[str, Event]] = []
         for i, job_id in enumerate(job_ids):
             out += [(job_id, e) for e in logs[job_id].replay(replies[2 * i], replies[2 * i + 1])]

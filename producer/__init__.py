@@ -2,7 +2,7 @@
 
 from producer.async_client import AsyncClient, AsyncJobHandle
 from producer.client import Client, JobHandle
-from producer.jobs import Delta, JobFailed, JobNotFound, JobResult
+from producer.jobs import Delta, JobFailed, JobLost, JobNotFound, JobResult
 from producer.pooling_params import PoolingParams
 from producer.protocol import JobStatus, Keys, ProtocolError
 from producer.sampling_params import SamplingParams, StructuredOutputsParams
@@ -14,6 +14,7 @@ __all__ = [
     "Delta",
     "JobFailed",
     "JobHandle",
+    "JobLost",
     "JobNotFound",
     "JobResult",
     "JobStatus",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -20,12 +21,12 @@ from producer.jobs import (
     JobFailed,
     JobNotFound,
     JobResult,
+    Outage,
     ParamsInput,
     PromptInput,
     Routes,
     batch_jobs,
     build_job,
-    count_failure,
     entry_location,
     inspect_view,
     is_final,
@@ -183,23 +184,24 @@ class AsyncClient:
         try:
             held = await self._subscribe(pubsub, list(follower.by_channel), deadline)
             await self._on_subscribed(list(logs))
-            async for item in self._replay(follower, list(logs)):
+            outage = Outage()
+            async for item in self._replay(follower, list(logs), outage, deadline):
                 yield item
-            failures = 0
             while not follower.done:
                 try:
                     message = (
                         held.pop(0) if held
                         else await pubsub.get_message(timeout=deadline.remaining())
                     )
-                except redis.ConnectionError as exc:
-                    failures = count_failure(failures, exc)
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    await asyncio.sleep(deadline.cap(outage.failed(exc)))
+                    deadline.check()
                     continue  # the next read reconnects and re-subscribes; see `resubscribed`
-                failures = 0
+                outage.ok()
                 if message is None:
                     deadline.check()
                 elif (job_id := follower.resubscribed(message)) is not None:
-                    async for item in self._replay(follower, [job_id]):
+                    async for item in self._replay(follower, [job_id], outage, deadline):
                         yield item
                 else:
                     for item in follower.message(message):
@@ -227,13 +229,19 @@ class AsyncClient:
         """Runs between SUBSCRIBE and XRANGE; a test overrides it to write events there."""
 
     async def _replay(
-        self, follower: Follower, job_ids: list[str]
+        self, follower: Follower, job_ids: list[str], outage: Outage, deadline: Deadline
     ) -> AsyncIterator[tuple[str, Event]]:
-        pipe = self.redis.pipeline(transaction=True)
-        for job_id in job_ids:
-            pipe.hgetall(self.keys.job(job_id))
-            pipe.xrange(self.keys.events(job_id))
-        replies = await pipe.execute()
+        while True:
+            pipe = self.redis.pipeline(transaction=True)
+            for job_id in job_ids:
+                pipe.hgetall(self.keys.job(job_id))
+                pipe.xrange(self.keys.events(job_id))
+            try:
+                replies = await pipe.execute()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                await asyncio.sleep(deadline.cap(outage.failed(exc)))
+                deadline.check()
         for i, job_id in enumerate(job_ids):
             for event in follower.replay(job_id, replies[2 * i], replies[2 * i + 1]):
                 yield job_id, event

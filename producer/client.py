@@ -5,6 +5,7 @@ share is in `producer.jobs`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
@@ -22,12 +23,12 @@ from producer.jobs import (
     JobFailed,
     JobNotFound,
     JobResult,
+    Outage,
     ParamsInput,
     PromptInput,
     Routes,
     batch_jobs,
     build_job,
-    count_failure,
     entry_location,
     inspect_view,
     is_final,
@@ -206,19 +207,20 @@ class Client:
         try:
             held = self._subscribe(pubsub, list(follower.by_channel), deadline)
             self._on_subscribed(list(logs))
-            yield from self._replay(follower, list(logs))
-            failures = 0
+            outage = Outage()
+            yield from self._replay(follower, list(logs), outage, deadline)
             while not follower.done:
                 try:
                     message = held.pop(0) if held else pubsub.get_message(timeout=deadline.remaining())
-                except redis.ConnectionError as exc:
-                    failures = count_failure(failures, exc)
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    time.sleep(deadline.cap(outage.failed(exc)))
+                    deadline.check()
                     continue  # the next read reconnects and re-subscribes; see `resubscribed`
-                failures = 0
+                outage.ok()
                 if message is None:
                     deadline.check()
                 elif (job_id := follower.resubscribed(message)) is not None:
-                    yield from self._replay(follower, [job_id])
+                    yield from self._replay(follower, [job_id], outage, deadline)
                 else:
                     yield from follower.message(message)
         finally:
@@ -245,12 +247,22 @@ class Client:
     def _on_subscribed(self, job_ids: list[str]) -> None:
         """Runs between SUBSCRIBE and XRANGE; a test overrides it to write events there."""
 
-    def _replay(self, follower: Follower, job_ids: list[str]) -> Iterator[tuple[str, Event]]:
-        pipe = self.redis.pipeline(transaction=True)
-        for job_id in job_ids:
-            pipe.hgetall(self.keys.job(job_id))
-            pipe.xrange(self.keys.events(job_id))
-        replies = pipe.execute()
+    def _replay(
+        self, follower: Follower, job_ids: list[str], outage: Outage, deadline: Deadline
+    ) -> Iterator[tuple[str, Event]]:
+        """Each job's record and events in one MULTI, tried again while Redis is away (the
+        subscription stands, or its reconnect asks for another replay)."""
+        while True:
+            pipe = self.redis.pipeline(transaction=True)
+            for job_id in job_ids:
+                pipe.hgetall(self.keys.job(job_id))
+                pipe.xrange(self.keys.events(job_id))
+            try:
+                replies = pipe.execute()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                time.sleep(deadline.cap(outage.failed(exc)))
+                deadline.check()
         for i, job_id in enumerate(job_ids):
             for event in follower.replay(job_id, replies[2 * i], replies[2 * i + 1]):
                 yield job_id, event

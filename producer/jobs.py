@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -33,6 +33,7 @@ from producer.protocol import (
     encode_job,
     entry_ref,
     lane_of,
+    pack_embedding,
     unpack_embedding,
 )
 from producer.records import CompletionOutput, JobRecord, decode_record, encode_record
@@ -40,7 +41,10 @@ from producer.sampling_params import SamplingParams
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SUBSCRIBE_CHUNK = 500  # channels per SUBSCRIBE command when following a batch
-RECONNECT_ATTEMPTS = 3  # pub/sub reconnects in a row before a stream gives up
+# a follow rides out a Redis outage this long (a restart, a failover) before it gives up, and
+# retries in between after this back-off, doubling up to its most
+RECONNECT_TIMEOUT_S = 120.0
+RECONNECT_BACKOFF_S = (0.05, 2.0)
 ROUTE_CACHE_S = 1.0  # how long a client trusts a model's route before reading it again
 
 PromptInput = str | dict[str, Any] | list[dict[str, Any]]
@@ -90,9 +94,18 @@ class JobFailed(Exception):
 class JobNotFound(LookupError):
     """No record for this job id: never submitted, or expired after it ended."""
 
-    def __init__(self, job_id: str) -> None:
-        super().__init__(f"no job {job_id} (never submitted, or expired after it ended)")
+    def __init__(self, job_id: str, message: str | None = None) -> None:
+        super().__init__(message or f"no job {job_id} (never submitted, or expired after it ended)")
         self.job_id = job_id
+
+
+class JobLost(JobNotFound):
+    """The job's record vanished while it was followed: Redis lost its data (a server
+    without persistence restarted, or the keys were deleted). Nothing will finish it."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id, f"job {job_id} was lost: its record vanished from Redis while it was followed "
+                         "(a Redis without persistence restarted, or the key was deleted); submit it again")
 
 
 @dataclass(frozen=True)
@@ -319,6 +332,12 @@ class EventLog:
     def seen_any(self) -> bool:
         return bool(self._last_seq)
 
+    def catch_up(self, record: JobRecord) -> list[Event]:
+        """The job ended and its events are gone (they expire GENQ_EVENTS_RETENTION_S after
+        the end): the rest of its output, rebuilt from the record, as new events."""
+        sent = {i: (sum(map(len, self._text.get(i, []))), len(self._tokens.get(i, []))) for i in self._last_seq}
+        return [e for e in record_ending(record, self._last_seq, set(self._final), sent) if self.add(e)]
+
     def outputs(self) -> list[CompletionOutput]:
         indices = sorted(set(self._text) | set(range(self.n or 0)))
         return [self._output(i) for i in indices]
@@ -357,15 +376,16 @@ class Follower:
 
     def replay(self, job_id: str, raw_record: dict[Any, Any], entries: list[Any]) -> list[Event]:
         log = self.logs[job_id]
-        if not raw_record:
-            raise JobNotFound(job_id)
+        if not raw_record:  # (a first replay: never submitted or expired; a later one: lost)
+            raise JobNotFound(job_id) if log.n is None else JobLost(job_id)
         record = decode_record(raw_record, job_id)
         log.n = record.n or 1
         new = [e for e in (_entry_event(f) for _, f in entries) if log.add(e)]
         # Terminal before the XRANGE, yet not all final events were there: they expired.
-        # Waiting on the channel would hang, and nothing more will come.
+        # Waiting on the channel would hang, and nothing more will come: the record has the rest.
         if record.status is not None and record.status.terminal and not log.done:
-            log.closed = True
+            new += log.catch_up(record)
+            log.closed = not log.done
         return new
 
     def message(self, message: dict[str, Any]) -> list[tuple[str, Event]]:
@@ -385,18 +405,64 @@ class Follower:
         return self.by_channel.get(message["channel"])
 
 
+def record_ending(
+    record: JobRecord, last_seq: Mapping[int, int], finished: Collection[int], sent: Mapping[int, tuple[int, int]]
+) -> list[Event]:
+    """The events a reader is still owed by a job that ended and whose events are gone, from
+    its terminal record (which keeps every completion's text and token ids): a failed job's
+    error; else, per completion not `finished`, one final event at its next seq with the text
+    and tokens after the (characters, tokens) the reader has (`sent`). A completion the reader
+    resumed past events it never saw (in `last_seq`, not in `sent`) gets only its end.
+    Logprobs and the like lived only in the events."""
+    if record.status == JobStatus.FAILED:
+        error = record.error or "the job failed (its events expired)"
+        return [Event(seq=last_seq.get(0, -1) + 1, error=error, error_type=record.error_type)]
+    outputs = {o.index: o for o in _outputs(record, None)}
+    if not outputs:  # a record that never stored them (another producer's worker): nothing to rebuild
+        return []
+    events = []
+    for index in range(record.n or 1):
+        if index in finished:
+            continue
+        out = outputs.get(index) or CompletionOutput(index, "", [], None)
+        chars, tokens = sent.get(index, (len(out.text), len(out.token_ids)) if index in last_seq else (0, 0))
+        events.append(Event(
+            seq=last_seq.get(index, -1) + 1, token_ids=out.token_ids[tokens:], text=out.text[chars:], finished=True,
+            finish_reason=out.finish_reason or record.finish_reason or FINISH_ABORT, stop_reason=out.stop_reason,
+            usage=record.usage, index=index,
+            embedding=pack_embedding(record.embedding) if record.embedding is not None and index == 0 else None,
+        ))
+    return events
+
+
 def _entry_event(entry_fields: dict[bytes, bytes]) -> Event:
     if EVENT_FIELD.encode() not in entry_fields:
         raise ProtocolError(f"events entry has no {EVENT_FIELD!r} field")
     return decode_event(entry_fields[EVENT_FIELD.encode()])
 
 
-def count_failure(failures: int, error: redis.ConnectionError) -> int:
-    """Pub/sub connection lost: redis-py reconnects on the next read. Give up after a few
-    failures in a row: then Redis is really gone."""
-    if failures >= RECONNECT_ATTEMPTS:
-        raise error
-    return failures + 1
+class Outage:
+    """Redis unreachable while following jobs: `failed` says how long to wait before the next
+    try (redis-py reconnects, and re-subscribes, on the next read), with back-off, and raises
+    once it has lasted `timeout_s`; `ok` after any success ends it."""
+
+    def __init__(self, timeout_s: float = RECONNECT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._since: float | None = None
+        self._delay_s = RECONNECT_BACKOFF_S[0]
+
+    def failed(self, error: redis.ConnectionError | redis.TimeoutError) -> float:
+        now = time.monotonic()
+        if self._since is None:
+            self._since, self._delay_s = now, RECONNECT_BACKOFF_S[0]
+        elif now - self._since >= self.timeout_s:
+            raise redis.ConnectionError(f"Redis unreachable for {now - self._since:.0f} s while following "
+                                        f"jobs: {error}") from error
+        delay_s, self._delay_s = self._delay_s, min(2 * self._delay_s, RECONNECT_BACKOFF_S[1])
+        return delay_s
+
+    def ok(self) -> None:
+        self._since = None
 
 
 class Deadline:
@@ -408,6 +474,11 @@ class Deadline:
     def remaining(self) -> float | None:
         """Seconds left, or None to wait without limit."""
         return None if self._end is None else max(0.0, self._end - time.monotonic())
+
+    def cap(self, delay_s: float) -> float:
+        """A wait of `delay_s`, cut to what is left."""
+        remaining = self.remaining()
+        return delay_s if remaining is None else min(delay_s, remaining)
 
     def check(self) -> None:
         if self._end is not None and time.monotonic() >= self._end:

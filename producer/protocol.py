@@ -40,6 +40,10 @@ DEFAULT_PREFIX = "genq:"
 
 JOB_TTL_S = 24 * 3600  # job hash lifetime after the job ends (set by whoever ends it)
 EVENTS_TTL_S = 24 * 3600  # events replay log lifetime, refreshed on every append
+# once the job has ended its events live this much longer (workers' GENQ_EVENTS_RETENTION_S):
+# enough for followers that were behind and SSE clients reconnecting; a later reader gets the
+# result from the job record, which keeps every completion's text and token ids for JOB_TTL_S
+DEFAULT_EVENTS_RETENTION_S = 300
 CANCEL_FLAG_TTL_S = 24 * 3600  # outlives any queue wait, so a late intake still sees it
 DEFAULT_DELIVERY_LIMIT = 3  # deliveries of one entry before it goes to the dead stream
 DEFAULT_CLAIM_IDLE_S = 30.0  # pending this long without progress: another worker reclaims it

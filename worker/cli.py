@@ -55,6 +55,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "shutdown_grace_s": float,
     "requests_retention_s": float,
     "dead_retention_s": float,
+    "events_retention_s": float,
     "metrics_port": int,
     "metrics_host": str,
     "otlp_traces_endpoint": str,
@@ -64,6 +65,12 @@ _WORKER_FLAGS: dict[str, type] = {
 def build(parser: argparse.ArgumentParser) -> Any:
     for name, kind in {**_ENGINE_FLAGS, **_WORKER_FLAGS}.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, help=_HELP.get(name))
+    parser.add_argument(
+        "--scheduling-policy", choices=("fcfs", "priority"),
+        help="the order of the jobs this worker holds: fcfs (arrival) or priority (the job's priority, lower "
+        "first, then arrival; under KV pressure the largest value is preempted first) "
+        "(default: $GENQ_SCHEDULING_POLICY or fcfs)",
+    )
     parser.add_argument(
         "--no-prefix-caching", action="store_true", help="disable the engine's prefix cache"
     )
@@ -150,6 +157,8 @@ _HELP = {
     "shutdown_grace_s": "on SIGTERM, time in-flight jobs get before they are released",
     "requests_retention_s": "acked entries older than this leave the requests stream (default: 86400)",
     "dead_retention_s": "dead letters older than this leave the dead stream (default: 604800)",
+    "events_retention_s": "an ended job's events stay this long; later readers get its result from the job record "
+    "(default: $GENQ_EVENTS_RETENTION_S or 300; 0: deleted as it ends)",
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
     "otlp_traces_endpoint": "export a span per finished job to this OpenTelemetry collector, OTLP over HTTP, "
     "e.g. http://collector:4318 (default: off; needs genq[otel])",
@@ -176,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     env["GENQ_REDIS_URL"] = args.redis_url  # --redis-url defaults to $GENQ_REDIS_URL already
     config = config_from_env(env)
     engine_args = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.scheduling_policy:
+        engine_args["scheduling_policy"] = args.scheduling_policy
     if args.no_prefix_caching:
         engine_args["enable_prefix_caching"] = False
     if args.enforce_eager:

@@ -18,6 +18,7 @@ from producer.jobs import DEFAULT_REDIS_URL
 from producer.protocol import (
     DEFAULT_CLAIM_IDLE_S,
     DEFAULT_DELIVERY_LIMIT,
+    DEFAULT_EVENTS_RETENTION_S,
     DEFAULT_HEARTBEAT_S,
     DEFAULT_PREFIX,
     DEFAULT_SHUTDOWN_GRACE_S,
@@ -54,6 +55,7 @@ ENV_VARS = {
     "GENQ_MAX_NUM_SEQS": "engine max_num_seqs",
     "GENQ_MAX_MODEL_LEN": "engine max_model_len",
     "GENQ_MAX_NUM_BATCHED_TOKENS": "engine max_num_batched_tokens",
+    "GENQ_SCHEDULING_POLICY": "fcfs | priority: the order of the jobs a worker holds (default fcfs)",
     "GENQ_NUM_GPU_BLOCKS": "engine num_gpu_blocks_override",
     "GENQ_GPU_MEMORY_UTILIZATION": "the share of the GPU's memory the engine may fill (default 0.9)",
     "GENQ_KV_CACHE_MEMORY_GB": "GiB for the KV cache on the CPU (default 2)",
@@ -78,6 +80,7 @@ ENV_VARS = {
     "GENQ_SHUTDOWN_GRACE_S": "SIGTERM: time in-flight jobs get before they are released",
     "GENQ_REQUESTS_RETENTION_S": "age past which done entries leave the requests stream (default: the job TTL, 24 h)",
     "GENQ_DEAD_RETENTION_S": "age past which dead letters leave the dead stream (default: a week)",
+    "GENQ_EVENTS_RETENTION_S": "an ended job's events stay this long; later readers get its result from the record (default 300)",
     "GENQ_METRICS_PORT": "serve Prometheus metrics on this port (default: off)",
     "GENQ_METRICS_HOST": "address the metrics server binds (default 0.0.0.0)",
     "GENQ_OTLP_TRACES_ENDPOINT": "export a span per job to this OpenTelemetry collector (OTLP/HTTP; default: off)",
@@ -111,6 +114,9 @@ class WorkerConfig:
     # a job's payload, which `genq inspect` shows, as long as its record usually lives
     requests_retention_s: float = JOB_TTL_S
     dead_retention_s: float = DEFAULT_DEAD_RETENTION_S  # older dead letters are trimmed
+    # an ended job's events live this long (its record, with every output, lives JOB_TTL_S): a
+    # deployment's Redis holds events for the jobs of this window, not of a day
+    events_retention_s: float = DEFAULT_EVENTS_RETENTION_S
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
     otlp_traces_endpoint: str | None = None  # an OTLP/HTTP collector: a span per finished job (producer.tracing)
@@ -136,7 +142,8 @@ class WorkerConfig:
             raise ValueError(f"lane_aged_every must be >= 2, got {self.lane_aged_every}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
-        for name in ("requests_retention_s", "dead_retention_s", "cache_affinity_ttl_s", "lane_aging_s"):
+        for name in ("requests_retention_s", "dead_retention_s", "events_retention_s", "cache_affinity_ttl_s",
+                     "lane_aging_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -212,6 +219,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         max_num_seqs=_int(env, "GENQ_MAX_NUM_SEQS"),
         max_model_len=_int(env, "GENQ_MAX_MODEL_LEN"),
         max_num_batched_tokens=_int(env, "GENQ_MAX_NUM_BATCHED_TOKENS"),
+        scheduling_policy=env.get("GENQ_SCHEDULING_POLICY") or None,
         num_gpu_blocks_override=_int(env, "GENQ_NUM_GPU_BLOCKS"),
         gpu_memory_utilization=_float(env, "GENQ_GPU_MEMORY_UTILIZATION"),
         kv_cache_memory_gb=_float(env, "GENQ_KV_CACHE_MEMORY_GB"),
@@ -254,6 +262,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         shutdown_grace_s=_float(env, "GENQ_SHUTDOWN_GRACE_S"),
         requests_retention_s=_float(env, "GENQ_REQUESTS_RETENTION_S"),
         dead_retention_s=_float(env, "GENQ_DEAD_RETENTION_S"),
+        events_retention_s=_float(env, "GENQ_EVENTS_RETENTION_S"),
         metrics_port=_int(env, "GENQ_METRICS_PORT"),
         metrics_host=env.get("GENQ_METRICS_HOST") or None,
         otlp_traces_endpoint=env.get("GENQ_OTLP_TRACES_ENDPOINT") or None,

@@ -19,6 +19,7 @@ from typing import Any
 import redis.asyncio
 
 from producer.protocol import (
+    DEFAULT_EVENTS_RETENTION_S,
     EVENT_FIELD,
     EVENTS_TTL_S,
     JOB_TTL_S,
@@ -72,7 +73,8 @@ end
 # TTL, [4] job TTL, [5] the jobs, one cmsgpack-packed list of {entry id, events key, job key,
 # {encoded events}, {record field, value, ...}, {usage key, field prefix, prompt tokens,
 # completion tokens, cached prompt tokens} or {}, {the tenant's minute counter, tokens} or
-# {}}: an empty record means not finishing, [6] usage TTL. A
+# {}}: an empty record means not finishing, [6] usage TTL, [7] the events' TTL once the job
+# has ended (0: deleted at once; the record keeps the outputs). A
 # finishing job gets its last events, its record, its usage and its XACK together, so its
 # tokens are counted exactly once however often it was delivered. The minute counter (for
 # GENQ_RATE_LIMIT_TPM) takes each write's tokens as they come: the load a tenant puts on the
@@ -93,6 +95,7 @@ for _, job in ipairs(cmsgpack.unpack(ARGV[5])) do
     if #record > 0 then
       redis.call('HSET', job_key, unpack(record))
       redis.call('EXPIRE', job_key, ARGV[4])
+      redis.call('EXPIRE', events_key, ARGV[7])
       ack(KEYS[1], ARGV[1], entry_id)
       local meter = job[6]
       if meter and #meter > 0 then
@@ -147,7 +150,7 @@ return codes
 """
 
 # Dead-letter entries. KEYS[1]: requests, KEYS[2]: dead; then per entry that fails a job:
-# events(id), job(id). ARGV[1] group, [2] consumer, [3] events TTL, [4] job TTL; then per
+# events(id), job(id). ARGV[1] group, [2] consumer, [3] the failed job's events' TTL, [4] job TTL; then per
 # entry: entry id, number of dead-letter arguments, number of fail arguments (0: no job to
 # fail; else 1 error event + record field/value pairs), dead-letter pairs, error event, record.
 # The job is failed only when this entry is the job's own (its record names no other entry)
@@ -451,10 +454,13 @@ class Reclaimed:
 class Scripts:
     """The worker's Redis writes, one named delivery rule per method."""
 
-    def __init__(self, conn: redis.asyncio.Redis, keys: Keys, consumer: str) -> None:
+    def __init__(self, conn: redis.asyncio.Redis, keys: Keys, consumer: str,
+                 events_retention_s: float = DEFAULT_EVENTS_RETENTION_S) -> None:
         self.conn = conn
         self.keys = keys
         self.consumer = consumer
+        # an ended job's events: EXPIRE takes whole seconds (0 deletes them at once)
+        self.events_retention_s = int(events_retention_s)
         self._step = conn.register_script(STEP_LUA)
         self._start = conn.register_script(START_LUA)
         self._dead = conn.register_script(DEAD_LUA)
@@ -491,7 +497,7 @@ class Scripts:
             for w in writes
         ]
         args: list[Any] = [self.keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs),
-                           USAGE_TTL_S]
+                           USAGE_TTL_S, self.events_retention_s]
         return {_str(e) for e in await self._step(keys=[self.keys.requests], args=args)}
 
     def _meter(self, meter: Meter | None) -> list[Any]:
@@ -551,7 +557,7 @@ class Scripts:
         if not letters:
             return 0
         keys = [self.keys.requests, self.keys.dead]
-        args: list[Any] = [self.keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S]
+        args: list[Any] = [self.keys.group, self.consumer, self.events_retention_s, JOB_TTL_S]
         for letter in letters:
             dead = _pairs(letter.fields)
             fail: list[Any] = []

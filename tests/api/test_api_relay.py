@@ -14,7 +14,7 @@ from api.relay import Relay
 from producer.async_client import AsyncClient
 from producer.jobs import JobNotFound
 from producer.protocol import APPEND_EVENTS_LUA, EVENTS_TTL_S, Event, JobStatus, encode_event
-from producer.records import JobRecord, encode_record
+from producer.records import CompletionOutput, JobRecord, encode_record
 
 TIMEOUT_S = 10.0
 
@@ -128,6 +128,31 @@ async def test_terminal_job_with_expired_events_ends_the_follow(
     await client.submit("hi", job_id="j5")
     await Peer(client).end("j5", JobStatus.FINISHED)
     assert await follow_all(relay, ["j5"]) == []
+
+
+async def test_late_follow_of_a_job_whose_events_expired_gets_the_record_outputs(
+    client: AsyncClient, relay: Relay
+) -> None:
+    """Events expire soon after the end (GENQ_EVENTS_RETENTION_S); the record keeps each
+    completion's text and token ids, which a follower that came later gets as the last events."""
+    await client.submit("hi", job_id="j7", sampling_params={"n": 2})
+    outputs = [CompletionOutput(0, "t0 t1 ", [10, 11], "length"), CompletionOutput(1, "u", [5], "stop", 7)]
+    record = JobRecord(status=JobStatus.FINISHED, n=2, text="t0 t1 ", outputs=outputs, prompt_tokens=2,
+                       completion_tokens=3)
+    await client.redis.hset(client.keys.job("j7"), mapping=encode_record(record))
+    got = []
+    async with aclosing(relay.follow(["j7"], timeout_s=TIMEOUT_S)) as events:
+        async for _, event in events:
+            got.append(event)
+    assert [(e.index, e.seq, e.text, e.token_ids, e.finished, e.finish_reason, e.stop_reason) for e in got] == [
+        (0, 0, "t0 t1 ", [10, 11], True, "length", None), (1, 0, "u", [5], True, "stop", 7)]
+    assert got[0].usage == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    # a client resuming after event 0:0 it saw before they expired: the end, with nothing repeated
+    resumed = []
+    async with aclosing(relay.follow(["j7"], resume=(0, 0), timeout_s=TIMEOUT_S)) as events:
+        async for _, event in events:
+            resumed.append((event.index, event.seq, event.text, event.finished))
+    assert resumed == [(0, 1, "", True), (1, 0, "u", True)]
 
 
 async def test_unknown_job_and_timeout(client: AsyncClient, relay: Relay) -> None:

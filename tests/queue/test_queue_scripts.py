@@ -13,6 +13,7 @@ import redis.asyncio
 
 from producer.jobs import build_job
 from producer.protocol import (
+    DEFAULT_EVENTS_RETENTION_S,
     EVENT_FIELD,
     FINISH_ABORT,
     LANE_HIGH,
@@ -91,6 +92,27 @@ async def test_publish_writes_only_entries_it_still_owns(scripts: Scripts) -> No
     holders = await scripts.holders([stolen, mine])
     assert holders[stolen] == "worker other (delivered 2 times)"
     assert holders[mine].startswith("nobody: it is no longer pending")
+
+
+async def test_an_ended_jobs_events_expire_after_the_retention_not_a_day(scripts: Scripts) -> None:
+    """While a job runs its events live a day from the last append; the write that ends it
+    cuts them to the retention (0: gone at once), the record keeping its outputs."""
+    running = await deliver(scripts, "run")
+    event = encode_event(Event(seq=0, token_ids=[7], text="x"))
+    await scripts.publish([JobWrite("run", running, [event])])
+    assert await scripts.conn.ttl(scripts.keys.events("run")) > 3600
+    held = held_job("run")
+    completion_event(held, 0, "x", [7], None)
+    completion_event(held, 0, "y", [8], "length")
+    await scripts.publish([JobWrite("run", running, [event], final_record(held, "me", time.time()))])
+    assert 0 < await scripts.conn.ttl(scripts.keys.events("run")) <= DEFAULT_EVENTS_RETENTION_S
+    assert await scripts.conn.ttl(scripts.keys.job("run")) > 3600
+    assert decode_record(await scripts.conn.hgetall(scripts.keys.job("run"))).outputs[0].token_ids == [7, 8]
+    gone = Scripts(scripts.conn, scripts.keys, "me", events_retention_s=0)
+    entry = await deliver(scripts, "now")
+    await gone.publish([JobWrite("now", entry, [event], final_record(held, "me", time.time()))])
+    assert not await scripts.conn.exists(scripts.keys.events("now"))
+    assert await scripts.conn.exists(scripts.keys.job("now"))
 
 
 async def test_a_finishing_write_meters_its_tokens_once(scripts: Scripts) -> None:
@@ -449,6 +471,13 @@ def test_worker_config_from_env() -> None:
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         config_from_env({"GENQ_GPU_MEMORY_UTILIZATION": "1.5"})
     assert config_from_env({"GENQ_ENFORCE_EAGER": "true"}).engine.enforce_eager
+    assert config_from_env({"GENQ_SCHEDULING_POLICY": "priority"}).engine.scheduling_policy == "priority"
+    assert config_from_env({"GENQ_EVENTS_RETENTION_S": "60"}).events_retention_s == 60.0
+    with pytest.raises(ValueError, match="events_retention_s must be >= 0, got -1.0"):
+        config_from_env({"GENQ_EVENTS_RETENTION_S": "-1"})
+    assert config_from_env({}).engine.scheduling_policy == "fcfs"
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
+        config_from_env({"GENQ_SCHEDULING_POLICY": "lifo"})
     assert not config_from_env({"GENQ_ENFORCE_EAGER": "0"}).engine.enforce_eager
     markers = '{"think_start_str": "<think>", "think_end_str": "</think>"}'
     assert config_from_env({"GENQ_REASONING_CONFIG": markers}).engine.reasoning_config["think_end_str"] == "</think>"

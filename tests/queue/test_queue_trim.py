@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import redis
 from queue_support import WorkerProcess, wait_for
 
@@ -29,12 +30,34 @@ def wait_two_beats(conn: redis.Redis, keys: Keys, name: str) -> None:
     wait_for(lambda: beat() > second, TIMEOUT_S, "another heartbeat")
 
 
-def test_worker_trims_ended_jobs_entries_but_not_pending_ones(
-    spawn: Callable[..., WorkerProcess], conn: redis.Redis, redis_server: RedisServer
-) -> None:
-    # an ended job's entry and a dead letter may go at once
-    worker = spawn("trimmer", GENQ_REQUESTS_RETENTION_S="0", GENQ_DEAD_RETENTION_S="0")
+@pytest.fixture(scope="module")
+def trimmer(spawn: Callable[..., WorkerProcess], conn: redis.Redis) -> WorkerProcess:
+    """A worker keeping nothing of an ended job but its record: its entry, a dead letter and
+    its events may go at once."""
+    worker = spawn("trimmer", GENQ_REQUESTS_RETENTION_S="0", GENQ_DEAD_RETENTION_S="0",
+                   GENQ_EVENTS_RETENTION_S="0")
     worker.wait_ready(conn)
+    return worker
+
+
+@pytest.mark.xfail(strict=True, reason="worker/consumer.py builds Scripts without config.events_retention_s: "
+                   "pass it there (Scripts(..., self.config.name, self.config.events_retention_s)), then drop this")
+def test_an_ended_jobs_events_go_after_the_retention_its_record_stays(
+    trimmer: WorkerProcess, conn: redis.Redis, redis_server: RedisServer
+) -> None:
+    keys = trimmer.keys
+    with Client(redis_server.url, prefix=keys.prefix) as client:
+        handle = client.submit("events retention", SHORT)
+        result = handle.result(TIMEOUT_S)
+        assert conn.exists(keys.job(handle.id)) and result.token_ids
+        assert not conn.exists(keys.events(handle.id))  # GENQ_EVENTS_RETENTION_S=0: deleted as it ended
+        assert [d.token_ids for d in handle.stream(TIMEOUT_S)] == [result.token_ids]  # from the record
+
+
+def test_worker_trims_ended_jobs_entries_but_not_pending_ones(
+    trimmer: WorkerProcess, conn: redis.Redis, redis_server: RedisServer
+) -> None:
+    worker = trimmer
     keys = worker.keys
 
     def entries() -> list[bytes]:

@@ -3,6 +3,7 @@ results and streams match the offline engine, and bad input fails only its own j
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -14,11 +15,13 @@ import pytest
 import redis
 from queue_support import WorkerProcess, age, ended, ghost_takes, record, streamed_pieces, wait_for
 
+from producer.async_client import AsyncClient
 from producer.client import Client
 from producer.dead_letters import list_dead, retry_dead
 from producer.jobs import JobFailed, build_job
 from producer.pooling_params import PoolingParams
 from producer.protocol import (
+    DEFAULT_EVENTS_RETENTION_S,
     ERROR_INVALID_REQUEST,
     EVENT_FIELD,
     FINISH_ABORT,
@@ -28,7 +31,7 @@ from producer.protocol import (
     encode_job,
 )
 from producer.records import decode_dead_letter, decode_worker_info, encode_dead_letter
-from producer.redis_server import free_port
+from producer.redis_server import RedisServer, free_port
 from producer.sampling_params import SamplingParams
 
 NAME = "qw1"
@@ -121,6 +124,38 @@ def test_late_subscriber_receives_every_token(
         assert [t for d in deltas for t in d.token_ids] == result.token_ids == expected.token_ids
         assert "".join(d.text for d in deltas) == result.text == expected.text
         assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+
+
+def test_a_reader_after_the_events_expired_gets_the_whole_result_from_the_record(
+    client: Client, conn: redis.Redis, redis_server: RedisServer
+) -> None:
+    """The worker cuts an ended job's events to GENQ_EVENTS_RETENTION_S (the record lives a
+    day); once they are gone, stream(), result(), the async client and inspect still give
+    every completion's text and token ids, the same as the events did."""
+    handle = client.submit("Bounded events", SamplingParams(temperature=0.0, max_tokens=12, n=2))
+    result = handle.result(TIMEOUT_S)
+    before = list(handle.stream(TIMEOUT_S))
+    assert 0 < conn.ttl(client.keys.events(handle.id)) <= DEFAULT_EVENTS_RETENTION_S
+    assert conn.ttl(client.keys.job(handle.id)) > DEFAULT_EVENTS_RETENTION_S
+    conn.delete(client.keys.events(handle.id))  # as the retention ends it
+    late = list(handle.stream(TIMEOUT_S))
+
+    async def async_late() -> list:
+        async with AsyncClient(redis_server.url, prefix=client.keys.prefix) as aclient:
+            return [d async for d in aclient.stream(handle.id, TIMEOUT_S)]
+
+    for deltas in (before, late, asyncio.run(async_late())):
+        for output in result.outputs:
+            mine = [d for d in deltas if d.index == output.index]
+            assert "".join(d.text for d in mine) == output.text
+            assert [t for d in mine for t in d.token_ids] == output.token_ids
+            assert mine[-1].finished and mine[-1].finish_reason == output.finish_reason == "length"
+    assert [(d.index, d.seq) for d in late] == [(0, 0), (1, 0)] and late[0].usage == result.usage
+    again = handle.result(TIMEOUT_S)
+    assert [(o.text, o.token_ids) for o in again.outputs] == [(o.text, o.token_ids) for o in result.outputs]
+    view = client.inspect(handle.id)
+    assert view["events"] == [] and [o["token_ids"] for o in view["record"]["outputs"]] == [
+        o.token_ids for o in result.outputs]
 
 
 def test_cancel_mid_stream_aborts_the_job(client: Client, conn: redis.Redis) -> None:
