@@ -93,7 +93,7 @@ class Consumer:
     async def start(self) -> None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process hosts one worker
         self.conn = redis.asyncio.Redis.from_url(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
-        self.scripts = Scripts(self.conn, self.keys, self.config.name)
+        self.scripts = Scripts(self.conn, self.keys, self.config.name, self.config.events_retention_s)
         await self._check_queue()  # before the model loads: a refusal comes at once
         self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests,
                                    self.config.base_names)

@@ -40,8 +40,6 @@ def trimmer(spawn: Callable[..., WorkerProcess], conn: redis.Redis) -> WorkerPro
     return worker
 
 
-@pytest.mark.xfail(strict=True, reason="worker/consumer.py builds Scripts without config.events_retention_s: "
-                   "pass it there (Scripts(..., self.config.name, self.config.events_retention_s)), then drop this")
 def test_an_ended_jobs_events_go_after_the_retention_its_record_stays(
     trimmer: WorkerProcess, conn: redis.Redis, redis_server: RedisServer
 ) -> None:
