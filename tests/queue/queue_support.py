@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 
 import redis
 
+from producer.client import Client
+from producer.jobs import Delta
 from producer.protocol import JobStatus, Keys
 from producer.records import decode_record
 from producer.sampling_params import SamplingParams
@@ -25,6 +28,7 @@ from producer.sampling_params import SamplingParams
 # Workers of the module running now: a failing test's report shows their logs, since what a
 # worker process did is otherwise invisible (a flake in CI is diagnosed from this alone).
 LIVE_WORKERS: list[WorkerProcess] = []
+STREAM_TIMEOUT_S = 120.0  # a client stream of a test job, outages included
 READY_TIMEOUT_S = 90.0  # a worker imports torch and loads the model (about 5 s alone)
 POLL_S = 0.01
 
@@ -161,3 +165,31 @@ def streamed_pieces(tokenizer, params: SamplingParams, token_ids: list[int]) -> 
 
     detok = IncrementalDetokenizer(tokenizer, [], params)
     return [detok.update([t]) for t in token_ids]
+
+
+class Streams:
+    """One client stream per job, each read in its own thread from submit to end."""
+
+    def __init__(self, url: str, keys: Keys, job_ids: list[str]) -> None:
+        self.deltas: dict[str, list[Delta]] = {job_id: [] for job_id in job_ids}
+        self.errors: list[BaseException] = []
+        self.threads = [
+            threading.Thread(target=self._read, args=(url, keys, job_id), daemon=True)
+            for job_id in job_ids
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _read(self, url: str, keys: Keys, job_id: str) -> None:
+        try:
+            with Client(url, prefix=keys.prefix) as client:
+                for delta in client.stream(job_id, STREAM_TIMEOUT_S):
+                    self.deltas[job_id].append(delta)
+        except BaseException as exc:  # reported in the test's thread by join()
+            self.errors.append(exc)
+
+    def join(self) -> dict[str, list[Delta]]:
+        for thread in self.threads:
+            thread.join(STREAM_TIMEOUT_S)
+        assert not self.errors, self.errors
+        return self.deltas

@@ -7,12 +7,11 @@ killed, then fb is terminated; fc is left to finish what the others dropped.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import pytest
 import redis
-from queue_support import WorkerProcess, wait_for
+from queue_support import Streams, WorkerProcess, wait_for
 
 from producer.client import Client
 from producer.jobs import Delta
@@ -47,34 +46,6 @@ def workers(spawn: Callable[..., WorkerProcess], conn: redis.Redis) -> dict[str,
 @pytest.fixture
 def keys(workers: dict[str, WorkerProcess]) -> Keys:
     return workers["fa"].keys
-
-
-class Streams:
-    """One client stream per job, each read in its own thread from submit to end."""
-
-    def __init__(self, url: str, keys: Keys, job_ids: list[str]) -> None:
-        self.deltas: dict[str, list[Delta]] = {job_id: [] for job_id in job_ids}
-        self.errors: list[BaseException] = []
-        self.threads = [
-            threading.Thread(target=self._read, args=(url, keys, job_id), daemon=True)
-            for job_id in job_ids
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    def _read(self, url: str, keys: Keys, job_id: str) -> None:
-        try:
-            with Client(url, prefix=keys.prefix) as client:
-                for delta in client.stream(job_id, TIMEOUT_S):
-                    self.deltas[job_id].append(delta)
-        except BaseException as exc:  # reported in the test's thread by join()
-            self.errors.append(exc)
-
-    def join(self) -> dict[str, list[Delta]]:
-        for thread in self.threads:
-            thread.join(TIMEOUT_S)
-        assert not self.errors, self.errors
-        return self.deltas
 
 
 def job_worker(conn: redis.Redis, keys: Keys, job_id: str) -> str | None:

@@ -1,32 +1,41 @@
-"""Redis goes away under a running worker and comes back: the worker is never restarted.
+"""Redis goes away under a running worker and the API, and comes back: neither is restarted.
 
 The module runs its own Redis with an append-only file (the embedded server's default), a
-worker (`arq worker.WorkerSettings`) on the tiny model, and kills the server with SIGKILL
-while jobs are queued and running. Restarted on the same directory, the server has every
-job again, and the worker, which kept its engine and its requests through the outage,
-finishes them whole: each job's events are the offline engine's tokens, seq by seq.
+worker (`arq worker.WorkerSettings`) on the tiny model and the API (`genq api`), each a
+process, and kills the server with SIGKILL while jobs are queued and running. Restarted on
+the same directory, the server has every job again, and the worker, which kept its engine and
+its requests through the outage, finishes them whole: each job's events are the offline
+engine's tokens, seq by seq, and so is what each client streaming it through the outage
+saw, the Python client's and an OpenAI client's through the API alike.
 """
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import redis
-from queue_support import LIVE_WORKERS, WorkerProcess, record, wait_for, worker_env
+from queue_support import LIVE_WORKERS, Streams, WorkerProcess, record, wait_for, worker_env
 
 from producer.client import Client
-from producer.jobs import JobNotFound
+from producer.jobs import Delta, JobNotFound
 from producer.protocol import EVENT_FIELD, JobStatus, Keys, decode_event
-from producer.redis_server import RedisServer
+from producer.records import decode_worker_info
+from producer.redis_server import RedisServer, free_port
 from producer.sampling_params import SamplingParams
 
 PREFIX = "t-outage:"
 NUM_JOBS = 24  # over max_num_seqs: some run, the rest wait in the stream
 MAX_NUM_SEQS = 8
+API_STREAMS = 2  # completions streamed through the API across each outage
 TIMEOUT_S = 120.0
 NEW_JOBS_WITHIN_S = 30.0  # 24 jobs of 96 tokens on the tiny model take a few seconds
 STOP_WITHOUT_REDIS_S = 30.0  # intake's stop, the engine's, the drain's last writes given up
@@ -78,6 +87,68 @@ def worker(start_worker: Callable[[str], WorkerProcess]) -> WorkerProcess:
     return start_worker("outage")
 
 
+@pytest.fixture(scope="module")
+def api_url(server: RedisServer, worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[str]:
+    """`genq api` on the module's Redis and prefix; yields its URL once /health is 200."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("outage-api") / "api.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", "api", "--redis-url", server.url, "--port", str(port),
+             "--prefix", PREFIX, "--log-level", "warning"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: process.poll() is not None or _status(f"{url}/health") == 200, 60.0, "API up")
+        assert process.poll() is None, log.read_text()[-3000:]
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2.0).status_code
+    except httpx.HTTPError:
+        return None
+
+
+class ApiStreams:
+    """Streaming completions through the API with the official OpenAI client, each read in
+    its own thread from its request to its end. (While Redis is away a new request is a 503
+    with Retry-After: `started` says when each stream has its first chunk.)"""
+
+    def __init__(self, api_url: str, model: str, prompts: list[str]) -> None:
+        self.texts: dict[str, str] = {}
+        self.started = {prompt: threading.Event() for prompt in prompts}
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._read, args=(api_url, model, p), daemon=True) for p in prompts]
+        for thread in self.threads:
+            thread.start()
+
+    def _read(self, api_url: str, model: str, prompt: str) -> None:
+        try:
+            with openai.OpenAI(base_url=f"{api_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S) as oai:
+                stream = oai.completions.create(model=model, prompt=prompt, stream=True, temperature=0.0,
+                                                max_tokens=PARAMS.max_tokens, extra_body={"ignore_eos": True})
+                pieces = []
+                for chunk in stream:
+                    self.started[prompt].set()
+                    pieces += [choice.text for choice in chunk.choices]
+                self.texts[prompt] = "".join(pieces)
+        except BaseException as exc:  # reported in the test's thread by join()
+            self.errors.append(exc)
+
+    def join(self) -> dict[str, str]:
+        for thread in self.threads:
+            thread.join(TIMEOUT_S)
+        assert not self.errors, self.errors
+        return self.texts
+
+
 @pytest.fixture
 def conn(server: DurableRedis) -> Iterator[redis.Redis]:
     c = redis.Redis.from_url(server.url)
@@ -98,17 +169,19 @@ def mid_generation(conn: redis.Redis, keys: Keys, job_ids: list[str]) -> bool:
     return max(lengths) >= 4
 
 
-def check_whole(conn: redis.Redis, keys: Keys, job_ids: list[str], prompts: list[str], offline) -> None:
+def check_whole(conn: redis.Redis, keys: Keys, job_ids: list[str], prompts: list[str], offline,
+                streamed: dict[str, list[Delta]]) -> None:
     """Each job finished with the offline engine's tokens, and its replay log holds them
-    all, once each, in seq order: what any client streaming it saw."""
+    all, once each, in seq order; so did what a client streaming it through it all saw."""
     for job_id, completions in zip(job_ids, offline.many(prompts, PARAMS), strict=True):
         expected = completions[0]
         rec = record(conn, keys, job_id)
         assert rec.status == JobStatus.FINISHED, (job_id, rec)
         events = [decode_event(f[EVENT_FIELD.encode()]) for _, f in conn.xrange(keys.events(job_id))]
-        assert [e.seq for e in events] == list(range(len(events))), job_id  # no gap, no repeat
-        assert [t for e in events for t in e.token_ids] == expected.token_ids, job_id
-        assert "".join(e.text for e in events) == expected.text, job_id
+        for seen in (events, streamed[job_id]):
+            assert [e.seq for e in seen] == list(range(len(seen))), job_id  # no gap, no repeat
+            assert [t for e in seen for t in e.token_ids] == expected.token_ids, job_id
+            assert "".join(e.text for e in seen) == expected.text, job_id
 
 
 def all_ended(conn: redis.Redis, keys: Keys, job_ids: list[str]) -> bool:
@@ -118,11 +191,15 @@ def all_ended(conn: redis.Redis, keys: Keys, job_ids: list[str]) -> bool:
         return False
 
 
-def outage(server: DurableRedis, worker: WorkerProcess, conn: redis.Redis, tag: str,
+def outage(server: DurableRedis, worker: WorkerProcess, api_url: str, conn: redis.Redis, tag: str,
            down_s: float, offline) -> None:
     keys = worker.keys
     job_ids, prompts = submit(server, tag)
+    streams = Streams(server.url, keys, job_ids)
+    api_prompts = [f"{tag} api {i}" for i in range(API_STREAMS)]
+    api_streams = ApiStreams(api_url, _served_model(conn, worker), api_prompts)
     wait_for(lambda: mid_generation(conn, keys, job_ids), TIMEOUT_S, "jobs mid-generation")
+    wait_for(lambda: all(e.is_set() for e in api_streams.started.values()), TIMEOUT_S, "API streams begun")
     server.kill()
     deadline = time.monotonic() + down_s
     while time.monotonic() < deadline:  # the worker must live through the whole outage
@@ -130,16 +207,23 @@ def outage(server: DurableRedis, worker: WorkerProcess, conn: redis.Redis, tag: 
         time.sleep(0.1)  # (polled: the outage's length is the test's input, not a wait)
     server.start()
     wait_for(lambda: all_ended(conn, keys, job_ids), TIMEOUT_S, "every job ended")
-    check_whole(conn, keys, job_ids, prompts, offline)
+    check_whole(conn, keys, job_ids, prompts, offline, streams.join())
+    texts = api_streams.join()
+    assert [texts[p] for p in api_prompts] == [c[0].text for c in offline.many(api_prompts, PARAMS)]
     assert worker.process is not None and worker.process.poll() is None
+    assert _status(f"{api_url}/health") == 200  # the API was not restarted either
 
 
-def test_redis_killed_and_restarted_at_once(server, worker, conn, offline) -> None:
-    outage(server, worker, conn, "at once", 0.0, offline)
+def _served_model(conn: redis.Redis, worker: WorkerProcess) -> str:
+    return decode_worker_info(conn.hgetall(worker.keys.worker(worker.name)), worker.name).model
 
 
-def test_redis_away_for_30_s(server, worker, conn, offline) -> None:
-    outage(server, worker, conn, "30 s", 30.0, offline)
+def test_redis_killed_and_restarted_at_once(server, worker, api_url, conn, offline) -> None:
+    outage(server, worker, api_url, conn, "at once", 0.0, offline)
+
+
+def test_redis_away_for_30_s(server, worker, api_url, conn, offline) -> None:
+    outage(server, worker, api_url, conn, "30 s", 30.0, offline)
 
 
 def test_sigterm_during_an_outage(server, worker, conn, start_worker, offline) -> None:
@@ -148,6 +232,7 @@ def test_sigterm_during_an_outage(server, worker, conn, start_worker, offline) -
     Redis is back another worker takes it up where its events end."""
     keys = worker.keys
     job_ids, prompts = submit(server, "sigterm")
+    streams = Streams(server.url, keys, job_ids)
     wait_for(lambda: mid_generation(conn, keys, job_ids), TIMEOUT_S, "jobs mid-generation")
     server.kill()
     worker.terminate()
@@ -155,7 +240,7 @@ def test_sigterm_during_an_outage(server, worker, conn, start_worker, offline) -
     server.start()
     start_worker("outage-2")
     wait_for(lambda: all_ended(conn, keys, job_ids), TIMEOUT_S, "every job ended")
-    check_whole(conn, keys, job_ids, prompts, offline)
+    check_whole(conn, keys, job_ids, prompts, offline, streams.join())
 
 
 def test_memory_only_redis_restarted(server, start_worker, conn, offline) -> None:
@@ -172,7 +257,7 @@ def test_memory_only_redis_restarted(server, start_worker, conn, offline) -> Non
         job_ids, prompts = submit(empty, "after")
         wait_for(lambda: all_ended(conn, keys, job_ids), TIMEOUT_S, "new jobs ended")
         assert time.monotonic() - started < NEW_JOBS_WITHIN_S
-        check_whole(conn, keys, job_ids, prompts, offline)
+        check_whole(conn, keys, job_ids, prompts, offline, Streams(empty.url, keys, job_ids).join())
         with Client(empty.url, prefix=PREFIX) as client, pytest.raises(JobNotFound, match=old_ids[0]):
             client.result(old_ids[0], 5.0)
         assert worker.process.poll() is None
