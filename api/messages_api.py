@@ -121,7 +121,8 @@ def to_chat(request: MessagesRequest | CountTokensRequest, think_tags: bool = Fa
     body: dict[str, Any] = {k: v for k, v in extra.items() if k in passed_on}
     body.update(model=request.model, messages=messages)
     if isinstance(request, MessagesRequest):
-        body["max_tokens"] = request.max_tokens
+        # Anthropic's: a reply stops where the context window ends (model_context_window_exceeded)
+        body["max_tokens"], body["clamp_max_tokens"] = request.max_tokens, True
         sampling = (("temperature", request.temperature), ("top_p", request.top_p), ("top_k", request.top_k),
                     ("stop", request.stop_sequences))
         body.update({k: v for k, v in sampling if v is not None})

@@ -218,6 +218,17 @@ def test_prompt_over_max_model_len_fails_its_job(client: Client, conn: redis.Red
     assert dead_letters(conn, client.keys)[entry_id]["reason"] == failure.value.error
 
 
+def test_max_tokens_past_max_model_len_fails_its_job_naming_both(client: Client, conn: redis.Redis) -> None:
+    """A job submitted around the API (Python client, redis-cli) meets vLLM's rule in the worker:
+    prompt plus max_tokens past max_model_len fails it at once, never a clamped 1,000-token run."""
+    handle = client.submit({"prompt_token_ids": [5] * 24}, SamplingParams(max_tokens=10**9))
+    with pytest.raises(JobFailed, match=r"maximum context length is 1024 tokens\. However, you requested "
+                                        r"1000000024 tokens \(24 in the prompt, 1000000000 in the completion\)") as failure:
+        handle.result(TIMEOUT_S)
+    assert failure.value.error_type == ERROR_INVALID_REQUEST
+    assert not record(conn, client.keys, handle.id).completion_tokens
+
+
 def test_model_names(client: Client, conn: redis.Redis) -> None:
     served = client.submit("by name", GREEDY, model=SERVED)
     assert served.result(TIMEOUT_S).status == JobStatus.FINISHED
