@@ -16,6 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.batch_runner import BatchRunner
+from api.body_limit import BodyLimit
 from api.cluster import Cluster
 from api.deps import TRACEPARENT, AppState, require_api_key
 from api.errors import install_error_handlers
@@ -99,6 +100,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            allow_headers=["*"])
     if settings.log_requests:  # (inside RequestIdHeader: it reads the id that one leaves)
         app.add_middleware(RequestLog, skipped=UNTRACED)
+    app.add_middleware(BodyLimit, limit_bytes=settings.max_request_bytes)
     app.add_middleware(RequestIdHeader)
     if settings.otlp_traces_endpoint:
         app.add_middleware(RequestSpans)

@@ -184,6 +184,31 @@ def test_runtime_lora_loading_needs_every_worker_to_serve_adapters(
         assert redis_conn.hgetall(keys.lora_adapters) == {}
 
 
+def test_a_body_over_max_request_bytes_is_413_before_anything_is_queued(
+    redis_server: RedisServer, redis_url: str, redis_conn, serve_api
+) -> None:
+    """GENQ_MAX_REQUEST_BYTES: refused at the door whether the body declares its length or
+    comes chunked, in OpenAI's shape (Anthropic's under /v1/messages); a body under it passes,
+    and multipart uploads keep their own limit."""
+    big = {"model": "m", "prompt": "x" * 2000}
+    settings = Settings(redis_url=redis_url, max_request_bytes=1000, max_queued_jobs=None)
+    with serve_api(settings) as url, httpx.Client(base_url=url, timeout=10) as http:
+        declared = http.post("/v1/completions", json=big)
+        error = assert_openai_error(declared, 413, None)
+        size = len(httpx.Request("POST", url, json=big).read())
+        assert error["code"] == "request_too_large" and f"{size} bytes, over this server's limit of 1000" in error["message"]
+        chunked = http.post("/v1/completions", content=iter([b'{"model": "m", "prompt": "', b"x" * 2000, b'"}']),
+                            headers={"Content-Type": "application/json"})
+        assert "over this server's limit of 1000" in assert_openai_error(chunked, 413, None)["message"]
+        anthropic = http.post("/v1/messages", json={"model": "m", "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": "x" * 2000}]})
+        assert anthropic.status_code == 413 and anthropic.json()["error"]["type"] == "request_too_large"
+        assert redis_conn.xlen("genq:requests") == 0
+        assert http.post("/v1/jobs", json={"prompt": "small"}).status_code == 202
+        upload = http.post("/v1/files", files={"file": ("a.jsonl", b"x" * 5000)}, data={"purpose": "batch"})
+        assert upload.status_code == 200 and upload.json()["bytes"] == 5000
+
+
 def test_tokenize_is_503_until_a_worker_published_its_tokenizer(bare: httpx.Client) -> None:
     response = bare.post("/tokenize", json={"prompt": "hello"})
     assert assert_openai_error(response, 503, None)["code"] == "tokenizer_unavailable"
