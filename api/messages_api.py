@@ -116,6 +116,7 @@ def to_chat(request: MessagesRequest | CountTokensRequest, think_tags: bool = Fa
     if not request.messages:
         raise invalid_param("messages", "messages must be a non-empty list")
     for i, message in enumerate(request.messages):
+        _check_not_empty(message, f"messages.{i}", last=i == len(request.messages) - 1)
         messages += _chat_messages(message, f"messages.{i}")
     passed_on = set(ChatCompletionRequest.model_fields) - CHAT_ONLY
     body: dict[str, Any] = {k: v for k, v in extra.items() if k in passed_on}
@@ -148,6 +149,13 @@ def _system(system: str | list[dict[str, Any]]) -> str:
         if not isinstance(block, dict) or block.get("type") != "text":
             raise invalid_param(f"system.{i}.type", "system blocks must be text blocks")
     return "\n".join(block.get("text") or "" for block in system)
+
+
+def _check_not_empty(message: Any, where: str, last: bool) -> None:
+    """Anthropic's rule: every message has content but a final assistant one (a prefill)."""
+    if isinstance(message, dict) and message.get("content") in ("", []) and not (last and message.get("role") == "assistant"):
+        raise invalid_param(f"{where}.content", "all messages must have non-empty content except for the optional "
+                            "final assistant message")
 
 
 def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:

@@ -89,6 +89,21 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("/v1/jobs", {"prompt": "a", "job_id": "has space"}, "job_id"),
         ("/v1/jobs", {"prompt": "a", "deadline_s": -1}, "deadline_s"),
         ("/v1/jobs", {"prompt": "a", "echo": True}, "echo"),
+        # empty inputs, on every endpoint that queues work (none may run on to max_model_len)
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ""}]}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+        ("/v1/responses", {"input": ""}, "input"),
+        ("/v1/responses", {"input": []}, "input"),
+        ("/v1/responses", {"input": [{"role": "user", "content": ""}]}, "input"),
+        ("/v1/embeddings", {"input": ""}, "input"),
+        ("/v1/embeddings", {"input": [[]]}, "input"),
+        ("/pooling", {"input": []}, "input"),
+        ("/classify", {"input": ""}, "input"),
+        ("/score", {"text_1": "", "text_2": "a"}, "text_1"),
+        ("/rerank", {"query": "a", "documents": []}, "documents"),
+        ("/v1/jobs", {"prompt": ""}, "prompt"),
+        ("/v1/jobs", {"kind": "chat", "messages": []}, "messages"),
+        ("/invocations", {"messages": []}, "messages"),
     ],
 )
 def test_validation_errors_are_400_naming_the_field(
@@ -96,6 +111,16 @@ def test_validation_errors_are_400_naming_the_field(
 ) -> None:
     error = assert_openai_error(bare.post(path, json=body), 400, param)
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("messages", [[], [{"role": "user", "content": ""}],
+                                      [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []},
+                                       {"role": "user", "content": "again"}]])
+def test_empty_messages_are_anthropics_400(bare: httpx.Client, messages: list) -> None:
+    """Anthropic's rule: every message has content, but a final assistant one (a prefill)."""
+    response = bare.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": messages})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    assert response.json()["error"]["message"].startswith("messages")
 
 
 def test_a_bad_prompt_in_a_list_enqueues_nothing(bare: httpx.Client, redis_conn) -> None:
