@@ -149,7 +149,12 @@ async def _too_large(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _redis_error(request: Request, exc: Exception) -> JSONResponse:
-    return _respond(request, error_body(f"Redis unreachable: {exc}", "server_error", code="redis_unavailable"), 503)
+    """503 with Retry-After: the API serves again by itself once Redis is back (its pool
+    connects anew on the next command)."""
+    state = getattr(request.app.state, "genq", None)
+    retry_after_s = state.settings.retry_after_s if state is not None else 1
+    return _respond(request, error_body(f"Redis unreachable: {exc}", "server_error", code="redis_unavailable"), 503,
+                    headers={"Retry-After": str(retry_after_s)})
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

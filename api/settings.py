@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     # Backpressure: submissions are refused with 429 while the queue depth (entries not yet
     # delivered + delivered but not acknowledged) is at or above this. None: no limit.
     max_queued_jobs: int | None = 1000
-    retry_after_s: int = 1  # the Retry-After header of a 429
+    retry_after_s: int = 1  # the Retry-After header of a 429, and of a 503 while Redis is away
     # Requests per minute each API key may make to the endpoints that queue work (429 past
     # it, with Retry-After to the next minute). None: no limit. Needs api_keys.
     rate_limit_rpm: int | None = None

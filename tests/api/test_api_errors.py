@@ -249,6 +249,36 @@ def test_health_is_503_without_worker_or_redis(bare: httpx.Client, serve_api) ->
         assert "Redis unreachable" in response.json()["reason"]
 
 
+def test_redis_away_is_503_with_retry_after_and_the_api_serves_again_when_it_is_back(serve_api) -> None:
+    """A real Redis stopped and started again on the same port: meanwhile every route that needs
+    it answers 503 redis_unavailable with Retry-After (a stream too, before it starts); after,
+    the same API process serves again by itself, streams included."""
+    server = RedisServer(port=free_port()).start()
+    settings = Settings(redis_url=server.url, max_queued_jobs=None, retry_after_s=2, request_timeout_s=1.0,
+                        sse_keepalive_s=0.1)
+    try:
+        with serve_api(settings) as url, httpx.Client(base_url=url, timeout=30) as http:
+            before = http.post("/v1/jobs", json={"prompt": "x"})
+            assert before.status_code == 202
+            server.stop(remove_dir=False)
+            away = [http.post("/v1/jobs", json={"prompt": "x"}), http.get(f"/v1/jobs/{before.json()['id']}"),
+                    http.get("/v1/models"), http.post("/v1/chat/completions", json={**CHAT, "stream": True})]
+            for response in away:
+                assert assert_openai_error(response, 503, None)["code"] == "redis_unavailable"
+                assert response.headers["retry-after"] == "2"
+            assert http.get("/health").status_code == 503
+            server.start()  # (the same port)
+            assert http.post("/v1/jobs", json={"prompt": "x"}).status_code == 202
+            assert http.get("/v1/models").status_code == 200
+            with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as stream:
+                assert stream.status_code == 200
+                lines = list(stream.iter_lines())
+            assert ": keepalive" in lines and "no end of the job within 1.0 s" in "".join(lines)  # relayed, then timed out
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+    finally:
+        server.stop()
+
+
 def test_ping_version_request_ids_and_cors(bare: httpx.Client, redis_server: RedisServer, serve_api) -> None:
     """vLLM's /ping answers as /health does (SageMaker's probe, GET or POST); /version is the
     installed genq's; every response names its request (the client's X-Request-Id, else a new
