@@ -118,7 +118,7 @@ class SamplingParams:
     # mapping): read into guided_decoding when the params are made, then None
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # vLLM's: keep only the last k tokens of a longer prompt (-1: as many as max_model_len
-    # leaves room for, with one token to generate); None: a prompt too long is refused
+    # leaves room for, with max_tokens, or one token, to generate); None: a prompt too long is refused
     truncate_prompt_tokens: int | None = None
     # vLLM's: words the output may not contain. Each is tokenized as written and after a
     # space; the last token of a tokenization is banned whenever the output ends with the rest

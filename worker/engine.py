@@ -329,10 +329,13 @@ class Engine:
         """The most tokens a prompt may have (a generation must leave room for a token; an
         embedding's prompt may fill max_model_len), and how many of its last ones
         truncate_prompt_tokens keeps (of the pooling params, else of the sampling params;
-        None: all)."""
+        None: all; -1: as many as leave room for max_tokens)."""
         limit = self.max_model_len if pooling_params is not None else self.max_model_len - 1
         source = pooling_params if pooling_params is not None else params
         k = source.truncate_prompt_tokens if source is not None else None
+        if k == -1 and pooling_params is None and params is not None and params.max_tokens and not params.clamp_max_tokens:
+            # room for the tokens asked for, so -1 never keeps a prompt that check_fits refuses
+            return limit, max(self.max_model_len - params.max_tokens, 1)
         return limit, None if k is None else min(limit if k == -1 else k, limit)
 
     def _check_embeds(self, given: torch.Tensor | bytes, params: SamplingParams | None,

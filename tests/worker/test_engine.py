@@ -341,6 +341,10 @@ def test_a_prompt_and_max_tokens_past_max_model_len_are_refused_not_clamped(tiny
                              use_tqdm=False)[0].outputs[0]
     assert len(fits.token_ids) == len(unbounded.token_ids) == 24
     assert fits.finish_reason == unbounded.finish_reason == "length"
+    # truncate_prompt_tokens -1 keeps as many as leave room for the tokens asked for
+    cut = llm.generate({"prompt_token_ids": list(range(5, 105))}, SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == list(range(49, 105)) and len(cut.outputs[0].token_ids) == 8
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_tail(tiny_llama_dir):
