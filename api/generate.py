@@ -68,8 +68,11 @@ async def check_fits(state: AppState, body: GenerationRequest, planned: Plan, mo
     max_model_len = (await base_model(state.cluster, model, max_age_s=1.0))[1]
     if max_model_len is None:
         return
+    keep = planned.params.truncate_prompt_tokens  # (the worker cuts the prompt first: -1 to fit max_tokens)
     for prompt in planned.prompts:
         count = _given_prompt_len(prompt)
+        if count is not None and keep is not None:
+            count = min(count, keep) if keep > 0 else None
         known = "" if count is not None else "at least "
         count = count or 1
         if count + max_tokens > max_model_len:

@@ -53,6 +53,8 @@ def test_a_refused_job_says_it_was_the_requests_fault(http: httpx.Client, poll) 
     assert event["error_type"] == "invalid_request"
     early = http.post("/v1/jobs", json={"prompt": [5] * 1100, "max_tokens": 2})
     assert early.status_code == 400 and "1102 tokens (1100 in the prompt, 2 in the completion)" in early.text
+    cut = http.post("/v1/jobs", json={"prompt": [5] * 1100, "max_tokens": 2, "truncate_prompt_tokens": 1000})
+    assert cut.status_code == 202  # the worker keeps its last 1000 tokens: it fits
 
 
 def test_events_resume_after_last_event_id(http: httpx.Client) -> None:
