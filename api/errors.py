@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from api.body_limit import BodyTooLarge
+
 INVALID_REQUEST = "invalid_request_error"
 
 
@@ -141,8 +143,18 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return _respond(request, error_body(str(exc.detail), kind), exc.status_code, exc.headers)
 
 
+async def _too_large(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BodyTooLarge)
+    return _respond(request, error_body(str(exc.detail), code="request_too_large"), 413)
+
+
 async def _redis_error(request: Request, exc: Exception) -> JSONResponse:
-    return _respond(request, error_body(f"Redis unreachable: {exc}", "server_error", code="redis_unavailable"), 503)
+    """503 with Retry-After: the API serves again by itself once Redis is back (its pool
+    connects anew on the next command)."""
+    state = getattr(request.app.state, "genq", None)
+    retry_after_s = state.settings.retry_after_s if state is not None else 1
+    return _respond(request, error_body(f"Redis unreachable: {exc}", "server_error", code="redis_unavailable"), 503,
+                    headers={"Retry-After": str(retry_after_s)})
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -154,6 +166,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(BodyTooLarge, _too_large)
     app.add_exception_handler(redis.ConnectionError, _redis_error)
     app.add_exception_handler(redis.TimeoutError, _redis_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -30,6 +30,7 @@ from api.responses import Usage
 from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, service_tier_of
 from api.sse import DONE, format_sse
 from api.strict_calls import strict_calls
+from api.tokenizers import base_model
 from producer.jobs import build_job
 from producer.pooling_params import PoolingParams
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
@@ -52,7 +53,42 @@ async def start(
     defaults = await state.cluster.sampling_defaults(model)
     planned = plan(state, body, prompts, renderer, job_id or uuid.uuid4().hex, model, deadline_s, defaults=defaults)
     planned = replace(planned, model=await job_model(state, body.model, model))
+    await check_fits(state, body, planned, model)
     return await submit(state, planned)
+
+
+async def check_fits(state: AppState, body: GenerationRequest, planned: Plan, model: str) -> None:
+    """The API's early share of the workers' rule (worker.engine.check_fits): a 400 naming both
+    numbers where a prompt and max_tokens cannot fit the smallest max_model_len of the workers
+    serving `model`, before any job is queued. A prompt of token ids counts as given; any other
+    counts as one token (its true count is the worker's to check)."""
+    max_tokens = planned.params.max_tokens
+    if max_tokens is None or planned.pooling_params is not None or planned.params.clamp_max_tokens:
+        return
+    max_model_len = (await base_model(state.cluster, model, max_age_s=1.0))[1]
+    if max_model_len is None:
+        return
+    keep = planned.params.truncate_prompt_tokens  # (the worker cuts the prompt first: -1 to fit max_tokens)
+    for prompt in planned.prompts:
+        count = _given_prompt_len(prompt)
+        if count is not None and keep is not None:
+            count = min(count, keep) if keep > 0 else None
+        known = "" if count is not None else "at least "
+        count = count or 1
+        if count + max_tokens > max_model_len:
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+            raise APIError(
+                400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{known}{count + max_tokens} tokens ({known}{count} in the prompt, {max_tokens} in the completion). "
+                f"Please reduce the length of the prompt or {param}.", param=param, code="invalid_value")
+
+
+def _given_prompt_len(prompt: PromptInput) -> int | None:
+    """How many tokens a prompt given as token ids has; None for text or messages."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+    if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+        return len(ids)
+    return None
 
 
 async def job_model(state: AppState, requested: str | None, resolved: str) -> str | None:

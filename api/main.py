@@ -10,12 +10,16 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import ModuleType
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import openapi
 from api.batch_runner import BatchRunner
+from api.body_limit import BodyLimit
 from api.cluster import Cluster
 from api.deps import TRACEPARENT, AppState, require_api_key
 from api.errors import install_error_handlers
@@ -84,25 +88,37 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     guarded = [Depends(require_api_key)]
     for module in (completions, chat, embeddings, responses, conversations, messages, models, jobs, files, batches,
                    usage, audio):
-        app.include_router(module.router, prefix="/v1", dependencies=guarded)
-    app.include_router(tokenize.router, dependencies=guarded)  # vLLM serves these at the root
-    app.include_router(scores.router, dependencies=guarded)  # at the root and under /v1, /v2
-    app.include_router(invocations.router, dependencies=guarded)
-    app.include_router(embeddings.pooling_router, dependencies=guarded)
+        app.include_router(module.router, prefix="/v1", dependencies=guarded, responses=_errors_of(module))
+    app.include_router(tokenize.router, dependencies=guarded, responses=openapi.GUARDED)  # vLLM serves these at the root
+    # at the root and under /v1, /v2
+    app.include_router(scores.router, dependencies=guarded, responses=openapi.GENERATES)
+    app.include_router(invocations.router, dependencies=guarded, responses=openapi.GENERATES)
+    app.include_router(embeddings.pooling_router, dependencies=guarded, responses=openapi.GENERATES)
     if settings.allow_runtime_lora_updating:
-        app.include_router(lora.router, prefix="/v1", dependencies=guarded)
+        app.include_router(lora.router, prefix="/v1", dependencies=guarded, responses=openapi.GUARDED)
     if settings.server_dev_mode:
-        app.include_router(dev.router, dependencies=guarded)
-    app.include_router(health.router)
+        app.include_router(dev.router, dependencies=guarded, responses=openapi.GUARDED)
+    app.include_router(health.router, responses=openapi.HEALTH)
+    openapi.install(app)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     if settings.log_requests:  # (inside RequestIdHeader: it reads the id that one leaves)
         app.add_middleware(RequestLog, skipped=UNTRACED)
+    app.add_middleware(BodyLimit, limit_bytes=settings.max_request_bytes)
     app.add_middleware(RequestIdHeader)
     if settings.otlp_traces_endpoint:
         app.add_middleware(RequestSpans)
     return app
+
+
+def _errors_of(module: ModuleType) -> dict[int | str, dict[str, Any]]:
+    """The error responses a /v1 router's operations may give (api.openapi)."""
+    if module is messages:
+        return openapi.ANTHROPIC
+    if module is batches:
+        return openapi.SUBMITS
+    return openapi.GENERATES if module in (completions, chat, embeddings, responses, jobs, audio) else openapi.GUARDED
 
 
 class RequestIdHeader:

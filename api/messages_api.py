@@ -116,12 +116,14 @@ def to_chat(request: MessagesRequest | CountTokensRequest, think_tags: bool = Fa
     if not request.messages:
         raise invalid_param("messages", "messages must be a non-empty list")
     for i, message in enumerate(request.messages):
+        _check_not_empty(message, f"messages.{i}", last=i == len(request.messages) - 1)
         messages += _chat_messages(message, f"messages.{i}")
     passed_on = set(ChatCompletionRequest.model_fields) - CHAT_ONLY
     body: dict[str, Any] = {k: v for k, v in extra.items() if k in passed_on}
     body.update(model=request.model, messages=messages)
     if isinstance(request, MessagesRequest):
-        body["max_tokens"] = request.max_tokens
+        # Anthropic's: a reply stops where the context window ends (model_context_window_exceeded)
+        body["max_tokens"], body["clamp_max_tokens"] = request.max_tokens, True
         sampling = (("temperature", request.temperature), ("top_p", request.top_p), ("top_k", request.top_k),
                     ("stop", request.stop_sequences))
         body.update({k: v for k, v in sampling if v is not None})
@@ -147,6 +149,13 @@ def _system(system: str | list[dict[str, Any]]) -> str:
         if not isinstance(block, dict) or block.get("type") != "text":
             raise invalid_param(f"system.{i}.type", "system blocks must be text blocks")
     return "\n".join(block.get("text") or "" for block in system)
+
+
+def _check_not_empty(message: Any, where: str, last: bool) -> None:
+    """Anthropic's rule: every message has content but a final assistant one (a prefill)."""
+    if isinstance(message, dict) and message.get("content") in ("", []) and not (last and message.get("role") == "assistant"):
+        raise invalid_param(f"{where}.content", "all messages must have non-empty content except for the optional "
+                            "final assistant message")
 
 
 def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:

@@ -75,10 +75,10 @@ def to_chat(request: ResponsesRequest, history: list[dict[str, Any]] | None = No
         raise invalid_param("previous_response_id", "previous_response_id is not supported here: send the whole conversation in input")
     messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
     messages += history or []
+    if not request.input:  # ("" too: a reply to nothing would run on to max_model_len)
+        raise invalid_param("input", "input must be non-empty text or a non-empty list of items")
     items = [{"role": "user", "content": request.input}] if isinstance(request.input, str) else request.input
     messages += as_messages(items, "input")
-    if not items:
-        raise invalid_param("input", "input must be text or a non-empty list of items")
     passed_on = set(ChatCompletionRequest.model_fields) - CHAT_ONLY
     body: dict[str, Any] = {
         **{k: v for k, v in (request.model_extra or {}).items() if k in passed_on},

@@ -95,6 +95,8 @@ class _GenerationRequest(BaseModel):
     # worker ran it); logprobs' tokens as "token_id:<id>" rather than their text
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # genq's: max_tokens is cut to the room the prompt leaves, not refused with a 400 (vLLM's rule)
+    clamp_max_tokens: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -129,6 +131,7 @@ class _GenerationRequest(BaseModel):
             **self._guided_params(),
             "truncate_prompt_tokens": self.truncate_prompt_tokens, "bad_words": self.bad_words,
             "extra_args": self.vllm_xargs, "thinking_token_budget": self.thinking_token_budget,
+            "clamp_max_tokens": self.clamp_max_tokens,
             **{k: v for k, v in optional.items() if v is not None},
         }
 
@@ -420,11 +423,16 @@ class ChatCompletionRequest(_GenerationRequest):
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Unset, max_tokens is the model's generation_config max_new_tokens where it has
         one, else up to the context (OpenAI's); completions keep OpenAI's 16."""
-        max_tokens = self.max_completion_tokens or self.max_tokens or (defaults or {}).get("max_tokens")
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        common = self._common_params(defaults)
+        default_max_tokens = (defaults or {}).get("max_tokens")
+        if max_tokens is None and default_max_tokens is not None:
+            # the model's default is cut to the room the prompt leaves (vLLM's), never a 400
+            max_tokens, common["clamp_max_tokens"] = default_max_tokens, True
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
-            prediction=self._predicted_text(), **self._common_params(defaults),
+            prediction=self._predicted_text(), **common,
         )
 
     def _predicted_text(self) -> str | None:

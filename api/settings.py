@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     # Backpressure: submissions are refused with 429 while the queue depth (entries not yet
     # delivered + delivered but not acknowledged) is at or above this. None: no limit.
     max_queued_jobs: int | None = 1000
-    retry_after_s: int = 1  # the Retry-After header of a 429
+    retry_after_s: int = 1  # the Retry-After header of a 429, and of a 503 while Redis is away
     # Requests per minute each API key may make to the endpoints that queue work (429 past
     # it, with Retry-After to the next minute). None: no limit. Needs api_keys.
     rate_limit_rpm: int | None = None
@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     # batch_max_in_flight of its requests in the queue at once (the rest wait in Redis, so
     # interactive requests are not stuck behind a whole batch), checked every batch_poll_s.
     max_file_bytes: int = 100 << 20
+    # A request body (JSON) larger than this is a 413 before anything is queued (api.body_limit);
+    # multipart uploads keep their own limits (max_file_bytes, max_audio_bytes). It leaves room
+    # for a prompt_embeds tensor of max_prompt_embeds_bytes in base64.
+    max_request_bytes: int = 100 << 20
     # Chat images given as http(s) URLs are fetched by this server (api.images), up to this
     # size and time each; off, only data URLs are taken (fetching opens any URL a client names).
     fetch_image_urls: bool = True

@@ -55,10 +55,11 @@ async def labels(client: AsyncClient, model: str) -> list[str] | None:
     return json.loads(published) if published else None
 
 
-async def base_model(cluster: Cluster, model: str) -> tuple[str, int | None]:
+async def base_model(cluster: Cluster, model: str, max_age_s: float = 0.0) -> tuple[str, int | None]:
     """The base model behind a served name (a LoRA adapter's is its parent), and the smallest
-    max_model_len of the workers serving it (None if they do not say)."""
-    serving = [w.info for w in await cluster.workers() if w.serving]
+    max_model_len of the workers serving it (None if they do not say); `max_age_s`: see
+    Cluster.workers."""
+    serving = [w.info for w in await cluster.workers(max_age_s) if w.serving]
     base = next((info.model for info in serving if model in info.names or model in info.adapters), model)
     limits = [info.max_model_len for info in serving if info.model == base and info.max_model_len]
     return base, min(limits) if limits else None

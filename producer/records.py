@@ -149,16 +149,20 @@ def _decode_outputs(data: Any, job_id: str | None) -> list[CompletionOutput]:
 
 
 def encode_dead_letter(
-    entry_id: str, entry: dict[Any, Any], reason: str, job_id: str | None = None
+    entry_id: str, entry: dict[Any, Any], reason: str, job_id: str | None = None, entry_bytes: int | None = None
 ) -> dict[str, bytes]:
-    """XADD fields for an entry no worker can run; the original fields are kept as msgpack."""
+    """XADD fields for an entry no worker can run; the original fields are kept as msgpack.
+    `entry_bytes`: the entry was too large to keep (`entry` is empty), this was its size."""
     original = {as_text(k): v if isinstance(v, bytes) else as_text(v).encode() for k, v in entry.items()}
-    return {
+    fields = {
         "entry_id": entry_id.encode(),
         "id": (job_id or "").encode(),
         "reason": reason.encode(),
         "entry": pack(original),
     }
+    if entry_bytes is not None:
+        fields["entry_bytes"] = str(entry_bytes).encode()
+    return fields
 
 
 def decode_dead_letter(fields_: dict[Any, Any]) -> dict[str, Any]:
@@ -172,6 +176,8 @@ def decode_dead_letter(fields_: dict[Any, Any]) -> dict[str, Any]:
         "id": as_text(raw["id"]) or None,
         "reason": as_text(raw["reason"]),
         "entry": unpack(raw["entry"], "dead letter entry"),
+        # set where the entry was too large to keep (its `entry` is empty)
+        "entry_bytes": int(raw["entry_bytes"]) if "entry_bytes" in raw else None,
     }
 
 

@@ -89,6 +89,10 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
+    # A prompt plus max_tokens past max_model_len is refused (vLLM's rule); with this, max_tokens
+    # is cut to the room the prompt leaves instead (genq's: Anthropic's Messages API stops at the
+    # context window, and a model's default max_tokens is cut so)
+    clamp_max_tokens: bool = False
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -114,7 +118,7 @@ class SamplingParams:
     # mapping): read into guided_decoding when the params are made, then None
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # vLLM's: keep only the last k tokens of a longer prompt (-1: as many as max_model_len
-    # leaves room for, with one token to generate); None: a prompt too long is refused
+    # leaves room for, with max_tokens, or one token, to generate); None: a prompt too long is refused
     truncate_prompt_tokens: int | None = None
     # vLLM's: words the output may not contain. Each is tokenized as written and after a
     # space; the last token of a tokenization is banned whenever the output ends with the rest
@@ -204,6 +208,8 @@ class SamplingParams:
             isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args) and _is_json(self.extra_args)
         ):
             raise ValueError(f"extra_args must be a JSON object, got {self.extra_args!r}")
+        if not isinstance(self.clamp_max_tokens, bool):
+            raise ValueError(f"clamp_max_tokens must be true or false, got {self.clamp_max_tokens!r}")
 
     def _validate_token_lists(self) -> None:
         for token_id, bias in (self.logit_bias or {}).items():
@@ -223,8 +229,8 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         del data["structured_outputs"]  # always None: read into guided_decoding
-        for optional in ("extra_args", "prediction"):
-            if data[optional] is None:  # unset, a job reads as it did before them
+        for optional in ("extra_args", "prediction", "clamp_max_tokens"):
+            if not data[optional]:  # unset, a job reads as it did before them
                 del data[optional]
         return data
 

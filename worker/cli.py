@@ -49,6 +49,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "claim_idle_s": float,
     "heartbeat_s": float,
     "delivery_limit": int,
+    "max_entry_bytes": int,
     "cache_affinity_ttl_s": float,
     "lane_aging_s": float,
     "lane_aged_every": int,
@@ -149,6 +150,8 @@ _HELP = {
     "divided by the checkpoint's KV-cache scales where it has them (default: $GENQ_KV_CACHE_DTYPE or auto)",
     "claim_idle_s": "reclaim entries of other workers idle this long",
     "delivery_limit": "deliveries before an entry goes to the dead stream",
+    "max_entry_bytes": "a larger stream entry goes to the dead stream without its payload and leaves the "
+    "requests stream (default: $GENQ_MAX_ENTRY_BYTES or 256 MiB)",
     "cache_affinity_ttl_s": "jobs whose prompts start alike (or share a prompt_cache_key) go, while it has room, "
     "to the worker that last ran one, for this long after (default 600; 0: off)",
     "lane_aging_s": "a priority lane whose oldest job has waited this long gets a share of the jobs this "

@@ -178,6 +178,8 @@ class Engine:
         params = params or SamplingParams()
         self._check_takes(request_id)
         text, prompt_ids, images, embeds = self.check_prompt(prompt, params, pooling_params)
+        if pooling_params is None and not params.clamp_max_tokens:  # (an embedding generates nothing)
+            check_fits(len(prompt_ids), params.max_tokens, self.max_model_len)
         salt = cache_salt_of(prompt)
         predicted = self.tokenizer.encode(params.prediction, add_special_tokens=False) if params.prediction else []
         if pooling_params is not None and params.n != 1:
@@ -244,7 +246,7 @@ class Engine:
         )
         if params.guided_decoding is not None:
             self.guided.add(child_id, params.guided_decoding)
-        room = self.max_model_len - len(prompt_ids)
+        room = self.max_model_len - len(prompt_ids)  # (past it only with clamp_max_tokens: check_fits)
         request.max_tokens = min(params.max_tokens or room, room)
         return request
 
@@ -327,10 +329,13 @@ class Engine:
         """The most tokens a prompt may have (a generation must leave room for a token; an
         embedding's prompt may fill max_model_len), and how many of its last ones
         truncate_prompt_tokens keeps (of the pooling params, else of the sampling params;
-        None: all)."""
+        None: all; -1: as many as leave room for max_tokens)."""
         limit = self.max_model_len if pooling_params is not None else self.max_model_len - 1
         source = pooling_params if pooling_params is not None else params
         k = source.truncate_prompt_tokens if source is not None else None
+        if k == -1 and pooling_params is None and params is not None and params.max_tokens and not params.clamp_max_tokens:
+            # room for the tokens asked for, so -1 never keeps a prompt that check_fits refuses
+            return limit, max(self.max_model_len - params.max_tokens, 1)
         return limit, None if k is None else min(limit if k == -1 else k, limit)
 
     def _check_embeds(self, given: torch.Tensor | bytes, params: SamplingParams | None,
@@ -927,6 +932,18 @@ def read_chat_template(given: str) -> str:
     except TemplateSyntaxError as exc:
         raise ValueError(f"chat_template does not parse as Jinja: {exc.message} (line {exc.lineno})") from None
     return text
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """ValueError, in vLLM's words, where a prompt and the tokens asked for cannot both fit the
+    model's context (a job never quietly gets fewer tokens than it asked for); max_tokens None
+    asks for as many as fit."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            "completion). Please reduce the length of the prompt or max_tokens."
+        )
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

@@ -34,6 +34,9 @@ T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # worker.model_loader's default (it imports torch)
 DEFAULT_DEAD_RETENTION_S = 7 * 24 * 3600  # dead letters wait a week for someone to look
+# above the largest entry the API writes at its defaults (8 fetched images of 20 MiB, or a 64 MiB
+# prompt_embeds tensor), below Redis's 512 MB bulk-string limit
+DEFAULT_MAX_ENTRY_BYTES = 256 << 20
 # a prompt start's blocks last about this long in a busy worker's prefix cache (its LRU order
 # decides); past it the next job with that start may go to any worker
 DEFAULT_CACHE_AFFINITY_TTL_S = 600.0
@@ -102,6 +105,9 @@ class WorkerConfig:
     claim_idle_s: float = DEFAULT_CLAIM_IDLE_S
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     delivery_limit: int = DEFAULT_DELIVERY_LIMIT
+    # a stream entry larger than this (redis-cli, a client past the API) is dead-lettered without
+    # its payload and deleted from the stream: never stored twice
+    max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES
     # jobs whose prompts start alike go, while it has room, to the worker that last ran one, for
     # this long after (worker.queue_affinity); 0 (or no prefix cache) turns it off
     cache_affinity_ttl_s: float = DEFAULT_CACHE_AFFINITY_TTL_S
@@ -138,6 +144,8 @@ class WorkerConfig:
             )
         if self.delivery_limit < 1:
             raise ValueError(f"delivery_limit must be >= 1, got {self.delivery_limit}")
+        if self.max_entry_bytes < 1:
+            raise ValueError(f"max_entry_bytes must be >= 1, got {self.max_entry_bytes}")
         if self.lane_aged_every < 2:
             raise ValueError(f"lane_aged_every must be >= 2, got {self.lane_aged_every}")
         if self.shutdown_grace_s < 0:
@@ -256,6 +264,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         claim_idle_s=_float(env, "GENQ_CLAIM_IDLE_S"),
         heartbeat_s=_float(env, "GENQ_HEARTBEAT_S"),
         delivery_limit=_int(env, "GENQ_DELIVERY_LIMIT"),
+        max_entry_bytes=_int(env, "GENQ_MAX_ENTRY_BYTES"),
         cache_affinity_ttl_s=_float(env, "GENQ_CACHE_AFFINITY_TTL_S"),
         lane_aging_s=_float(env, "GENQ_LANE_AGING_S"),
         lane_aged_every=_int(env, "GENQ_LANE_AGED_EVERY"),

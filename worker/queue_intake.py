@@ -83,6 +83,8 @@ class Rejection:
     job_id: str | None = None
     fail_job: bool = True  # False: the job is alive elsewhere (duplicate entry); leave it
     error_type: str | None = ERROR_INVALID_REQUEST  # None: not the job's fault
+    # set: the entry's size, over the limit; dead-lettered without its payload and deleted
+    entry_bytes: int | None = None
 
 
 class Admission:
@@ -145,11 +147,26 @@ class Admission:
         """The job to run, or why the entry cannot run."""
         if delivery.fields is None:
             return Rejection("the entry was deleted from the stream before it ran", error_type=None)
+        if (oversize := self._check_size(delivery.fields)) is not None:
+            return oversize
         try:
             job = decode_job(delivery.fields)
         except ProtocolError as exc:
             return Rejection(f"cannot decode the entry: {exc}", exc.job_id)
         return self._check_delivery_limit(delivery, job) or self._check_not_held(delivery, job) or job
+
+    def _check_size(self, fields: dict[Any, Any]) -> Rejection | None:
+        # Race prevented: a huge entry (redis-cli, a client past the API's size limit) stored
+        # twice, in the requests stream and again in the dead stream, for the dead stream's week.
+        size = sum(len(k) + len(v) for k, v in fields.items())
+        if size <= self.config.max_entry_bytes:
+            return None
+        job_id = fields.get(b"id")  # (the payload is not decoded: its id is beside it)
+        return Rejection(
+            f"the entry is {size} bytes, over this worker's limit of {self.config.max_entry_bytes} "
+            "(max_entry_bytes): refused unread, its payload not kept",
+            job_id.decode(errors="replace") if isinstance(job_id, bytes) and job_id else None, entry_bytes=size,
+        )
 
     def _check_delivery_limit(self, delivery: Delivery, job: Job) -> Rejection | None:
         # Race prevented: a job that kills every worker that runs it (a poison prompt) being
@@ -269,12 +286,12 @@ class Admission:
     def _dead_letter(
         self, delivery: Delivery, rejection: Rejection, progress: dict[str, Any]
     ) -> DeadLetter:
-        job_id = rejection.job_id
+        job_id, dropped = rejection.job_id, rejection.entry_bytes is not None
         fields = encode_dead_letter(
-            delivery.entry_id, delivery.fields or {}, rejection.reason, job_id
+            delivery.entry_id, {} if dropped else delivery.fields or {}, rejection.reason, job_id, rejection.entry_bytes
         )
         if job_id is None or not rejection.fail_job:
-            return DeadLetter(delivery.entry_id, fields)
+            return DeadLetter(delivery.entry_id, fields, drop=dropped)
         entries = progress.get(job_id)
         try:
             completions = progress_from_events(1, entries) if entries else None
@@ -282,7 +299,7 @@ class Admission:
             completions = None  # unreadable events: seq 0 is the best guess
         event = encode_event(error_event(completions, rejection.reason, rejection.error_type))
         record = failed_record(rejection.reason, self.config.name, time.time(), rejection.error_type)
-        return DeadLetter(delivery.entry_id, fields, job_id, event, record)
+        return DeadLetter(delivery.entry_id, fields, job_id, event, record, drop=dropped)
 
     async def fail_held(self, held: HeldJob, error: str, error_type: str | None) -> None:
         """Fail a job already taken (the engine refused it): error event, failed record,

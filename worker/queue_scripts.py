@@ -152,7 +152,9 @@ return codes
 # Dead-letter entries. KEYS[1]: requests, KEYS[2]: dead; then per entry that fails a job:
 # events(id), job(id). ARGV[1] group, [2] consumer, [3] the failed job's events' TTL, [4] job TTL; then per
 # entry: entry id, number of dead-letter arguments, number of fail arguments (0: no job to
-# fail; else 1 error event + record field/value pairs), dead-letter pairs, error event, record.
+# fail; else 1 error event + record field/value pairs), "1" to delete the entry from its
+# stream after the XACK (an oversize entry: stored once, never twice) else "0", dead-letter
+# pairs, error event, record.
 # The job is failed only when this entry is the job's own (its record names no other entry)
 # and it has not ended: a garbage or duplicate entry carrying a live job's id must not end it.
 DEAD_LUA = _OWNED + f"""
@@ -160,14 +162,18 @@ local terminal = {{{_TERMINAL}}}
 local a, k, n = 5, 3, 0
 while a <= #ARGV do
   local entry_id = ARGV[a]
-  local num_dead, num_fail = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-  local first = a + 3
+  local num_dead, num_fail, drop = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), ARGV[a + 3] == '1'
+  local first = a + 4
   a = first + num_dead + num_fail
   local events_key, job_key = KEYS[k], KEYS[k + 1]
   if num_fail > 0 then k = k + 2 end
   if owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then
     redis.call('XADD', KEYS[2], '*', unpack(ARGV, first, first + num_dead - 1))
     ack(KEYS[1], ARGV[1], entry_id)
+    if drop then
+      local stream, id = locate(KEYS[1], entry_id)
+      redis.call('XDEL', stream, id)
+    end
     n = n + 1
     if num_fail > 0 then
       local known = redis.call('HGET', job_key, 'entry_id')
@@ -432,6 +438,7 @@ class DeadLetter:
     job_id: str | None = None
     error_event: bytes | None = None
     record: dict[str, str | bytes] | None = None
+    drop: bool = False  # delete the entry from its stream too (oversize: its payload is not in `fields`)
 
 
 @dataclass(frozen=True)
@@ -564,7 +571,7 @@ class Scripts:
             if letter.job_id is not None and letter.error_event is not None:
                 keys += [self.keys.events(letter.job_id), self.keys.job(letter.job_id)]
                 fail = [letter.error_event, *_pairs(letter.record or {})]
-            args += [letter.entry_id, len(dead), len(fail), *dead, *fail]
+            args += [letter.entry_id, len(dead), len(fail), "1" if letter.drop else "0", *dead, *fail]
         return int(await self._dead(keys=keys, args=args))
 
     async def unclaim(self, name_key: str, host: str, pid: int) -> bool:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from api import generate, transcriptions
 from api.deps import StateDep
+from api.openapi import AUDIO_FORM
 from api.render import ChatRenderer
 from api.routes.chat import chat_prompt, templated
 from api.sse import EventStreamResponse, unless_disconnected
@@ -19,14 +20,14 @@ from api.transcriptions import AudioRequest, ChoicesOnly, Decoded, WhisperPrompt
 router = APIRouter(prefix="/audio", tags=["openai"])
 
 
-@router.post("/transcriptions")
+@router.post("/transcriptions", openapi_extra=AUDIO_FORM)
 async def create_transcription(request: Request, state: StateDep) -> Response:
     """The speech of a WAV file as text, in its own language (a multipart form: `file`,
     `model`, `language`, `prompt`, `response_format`, `temperature`, `stream`)."""
     return await _respond(request, state, "transcribe")
 
 
-@router.post("/translations")
+@router.post("/translations", openapi_extra=AUDIO_FORM)
 async def create_translation(request: Request, state: StateDep) -> Response:
     """The speech of a WAV file as English text (`file`, `model`, `prompt`,
     `response_format`, `temperature`)."""

@@ -67,6 +67,12 @@ def chat_prompt(body: ChatCompletionRequest) -> PromptInput:
     support."""
     if not body.messages:
         raise invalid_param("messages", "messages must be a non-empty list")
+    for i, message in enumerate(body.messages):
+        if message.content == []:
+            raise invalid_param(f"messages[{i}].content", "content must be text or a non-empty list of parts")
+    if not any(m.content or m.tool_calls for m in body.messages):
+        # (an empty conversation would have the model write on from its template alone, up to max_model_len)
+        raise invalid_param("messages", "the messages hold no content: at least one must have some")
     messages = [_message(m, i) for i, m in enumerate(body.messages)]
     prompt: dict[str, Any] = {"messages": messages}
     if body.tools and body.tool_choice != "none":

@@ -20,7 +20,7 @@ from producer.records import SLEEP_TAGS
 router = APIRouter(tags=["dev"])
 
 
-@router.post("/reset_prefix_cache")
+@router.post("/reset_prefix_cache", response_class=Response)  # (an empty 200)
 async def reset_prefix_cache(state: StateDep) -> Response:
     """Every serving worker empties its prefix cache at its next heartbeat (the count in Redis
     it follows moves); 200 once each has said so (a job sent after that finds no prefix from
@@ -52,7 +52,7 @@ async def update_weights_from_disk(body: UpdateWeightsRequest, state: StateDep) 
                                         body.timeout)
 
 
-@router.post("/sleep")
+@router.post("/sleep", response_class=Response)
 async def sleep(state: StateDep, level: Annotated[int, Query(ge=1, le=2)] = 1, model: str | None = None) -> Response:
     """vLLM's sleep mode for every worker of the model: it takes no jobs (they wait in the
     queue), lets its running ones end, and gives the KV cache's memory back (level 2: the
@@ -61,7 +61,7 @@ async def sleep(state: StateDep, level: Annotated[int, Query(ge=1, le=2)] = 1, m
     return Response(status_code=200)
 
 
-@router.post("/wake_up")
+@router.post("/wake_up", response_class=Response)
 async def wake_up(state: StateDep, tags: Annotated[list[Literal["weights", "kv_cache"]] | None, Query()] = None,
                   model: str | None = None) -> Response:
     """Wake the model's workers: the parts `tags` names (both by default; the weights alone let a

@@ -7,7 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import redis
 from fastapi import APIRouter, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.deps import StateDep
@@ -39,7 +39,7 @@ async def genq_version() -> dict[str, str]:
         return {"version": "unknown"}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)  # (Prometheus text format)
 async def metrics(state: StateDep) -> Response:
     """Prometheus text format; the cluster part is read from Redis now."""
     keys = state.client.keys

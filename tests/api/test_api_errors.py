@@ -89,6 +89,21 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("/v1/jobs", {"prompt": "a", "job_id": "has space"}, "job_id"),
         ("/v1/jobs", {"prompt": "a", "deadline_s": -1}, "deadline_s"),
         ("/v1/jobs", {"prompt": "a", "echo": True}, "echo"),
+        # empty inputs, on every endpoint that queues work (none may run on to max_model_len)
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ""}]}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+        ("/v1/responses", {"input": ""}, "input"),
+        ("/v1/responses", {"input": []}, "input"),
+        ("/v1/responses", {"input": [{"role": "user", "content": ""}]}, "input"),
+        ("/v1/embeddings", {"input": ""}, "input"),
+        ("/v1/embeddings", {"input": [[]]}, "input"),
+        ("/pooling", {"input": []}, "input"),
+        ("/classify", {"input": ""}, "input"),
+        ("/score", {"text_1": "", "text_2": "a"}, "text_1"),
+        ("/rerank", {"query": "a", "documents": []}, "documents"),
+        ("/v1/jobs", {"prompt": ""}, "prompt"),
+        ("/v1/jobs", {"kind": "chat", "messages": []}, "messages"),
+        ("/invocations", {"messages": []}, "messages"),
     ],
 )
 def test_validation_errors_are_400_naming_the_field(
@@ -96,6 +111,16 @@ def test_validation_errors_are_400_naming_the_field(
 ) -> None:
     error = assert_openai_error(bare.post(path, json=body), 400, param)
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("messages", [[], [{"role": "user", "content": ""}],
+                                      [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []},
+                                       {"role": "user", "content": "again"}]])
+def test_empty_messages_are_anthropics_400(bare: httpx.Client, messages: list) -> None:
+    """Anthropic's rule: every message has content, but a final assistant one (a prefill)."""
+    response = bare.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": messages})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    assert response.json()["error"]["message"].startswith("messages")
 
 
 def test_a_bad_prompt_in_a_list_enqueues_nothing(bare: httpx.Client, redis_conn) -> None:
@@ -184,6 +209,31 @@ def test_runtime_lora_loading_needs_every_worker_to_serve_adapters(
         assert redis_conn.hgetall(keys.lora_adapters) == {}
 
 
+def test_a_body_over_max_request_bytes_is_413_before_anything_is_queued(
+    redis_server: RedisServer, redis_url: str, redis_conn, serve_api
+) -> None:
+    """GENQ_MAX_REQUEST_BYTES: refused at the door whether the body declares its length or
+    comes chunked, in OpenAI's shape (Anthropic's under /v1/messages); a body under it passes,
+    and multipart uploads keep their own limit."""
+    big = {"model": "m", "prompt": "x" * 2000}
+    settings = Settings(redis_url=redis_url, max_request_bytes=1000, max_queued_jobs=None)
+    with serve_api(settings) as url, httpx.Client(base_url=url, timeout=10) as http:
+        declared = http.post("/v1/completions", json=big)
+        error = assert_openai_error(declared, 413, None)
+        size = len(httpx.Request("POST", url, json=big).read())
+        assert error["code"] == "request_too_large" and f"{size} bytes, over this server's limit of 1000" in error["message"]
+        chunked = http.post("/v1/completions", content=iter([b'{"model": "m", "prompt": "', b"x" * 2000, b'"}']),
+                            headers={"Content-Type": "application/json"})
+        assert "over this server's limit of 1000" in assert_openai_error(chunked, 413, None)["message"]
+        anthropic = http.post("/v1/messages", json={"model": "m", "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": "x" * 2000}]})
+        assert anthropic.status_code == 413 and anthropic.json()["error"]["type"] == "request_too_large"
+        assert redis_conn.xlen("genq:requests") == 0
+        assert http.post("/v1/jobs", json={"prompt": "small"}).status_code == 202
+        upload = http.post("/v1/files", files={"file": ("a.jsonl", b"x" * 5000)}, data={"purpose": "batch"})
+        assert upload.status_code == 200 and upload.json()["bytes"] == 5000
+
+
 def test_tokenize_is_503_until_a_worker_published_its_tokenizer(bare: httpx.Client) -> None:
     response = bare.post("/tokenize", json={"prompt": "hello"})
     assert assert_openai_error(response, 503, None)["code"] == "tokenizer_unavailable"
@@ -197,6 +247,36 @@ def test_health_is_503_without_worker_or_redis(bare: httpx.Client, serve_api) ->
         response = http.get("/health")
         assert response.status_code == 503
         assert "Redis unreachable" in response.json()["reason"]
+
+
+def test_redis_away_is_503_with_retry_after_and_the_api_serves_again_when_it_is_back(serve_api) -> None:
+    """A real Redis stopped and started again on the same port: meanwhile every route that needs
+    it answers 503 redis_unavailable with Retry-After (a stream too, before it starts); after,
+    the same API process serves again by itself, streams included."""
+    server = RedisServer(port=free_port()).start()
+    settings = Settings(redis_url=server.url, max_queued_jobs=None, retry_after_s=2, request_timeout_s=1.0,
+                        sse_keepalive_s=0.1)
+    try:
+        with serve_api(settings) as url, httpx.Client(base_url=url, timeout=30) as http:
+            before = http.post("/v1/jobs", json={"prompt": "x"})
+            assert before.status_code == 202
+            server.stop(remove_dir=False)
+            away = [http.post("/v1/jobs", json={"prompt": "x"}), http.get(f"/v1/jobs/{before.json()['id']}"),
+                    http.get("/v1/models"), http.post("/v1/chat/completions", json={**CHAT, "stream": True})]
+            for response in away:
+                assert assert_openai_error(response, 503, None)["code"] == "redis_unavailable"
+                assert response.headers["retry-after"] == "2"
+            assert http.get("/health").status_code == 503
+            server.start()  # (the same port)
+            assert http.post("/v1/jobs", json={"prompt": "x"}).status_code == 202
+            assert http.get("/v1/models").status_code == 200
+            with http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as stream:
+                assert stream.status_code == 200
+                lines = list(stream.iter_lines())
+            assert ": keepalive" in lines and "no end of the job within 1.0 s" in "".join(lines)  # relayed, then timed out
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+    finally:
+        server.stop()
 
 
 def test_ping_version_request_ids_and_cors(bare: httpx.Client, redis_server: RedisServer, serve_api) -> None:

@@ -45,11 +45,16 @@ def test_submit_then_poll_until_finished(http: httpx.Client, poll) -> None:
 
 
 def test_a_refused_job_says_it_was_the_requests_fault(http: httpx.Client, poll) -> None:
-    job_id = http.post("/v1/jobs", json={"prompt": [5] * 1100, "max_tokens": 2}).json()["id"]
+    # (text: the API cannot count its tokens, so the worker refuses it; token ids it refuses itself)
+    job_id = http.post("/v1/jobs", json={"prompt": "word " * 1100, "max_tokens": 2}).json()["id"]
     view = poll(lambda: (v := http.get(f"/v1/jobs/{job_id}").json())["status"] == "failed" and v)
     assert view["error_type"] == "invalid_request" and "max_model_len" in view["error"]
     (event,) = [e["data"] for e in sse_events(http, job_id)]
     assert event["error_type"] == "invalid_request"
+    early = http.post("/v1/jobs", json={"prompt": [5] * 1100, "max_tokens": 2})
+    assert early.status_code == 400 and "1102 tokens (1100 in the prompt, 2 in the completion)" in early.text
+    cut = http.post("/v1/jobs", json={"prompt": [5] * 1100, "max_tokens": 2, "truncate_prompt_tokens": 1000})
+    assert cut.status_code == 202  # the worker keeps its last 1000 tokens: it fits
 
 
 def test_events_resume_after_last_event_id(http: httpx.Client) -> None:
@@ -84,12 +89,12 @@ def test_idempotent_job_id(http: httpx.Client) -> None:
 
 
 def test_delete_cancels_a_running_job(http: httpx.Client, poll) -> None:
-    job_id = http.post("/v1/jobs", json={**CHAT_JOB, "max_tokens": 1000}).json()["id"]
+    job_id = http.post("/v1/jobs", json={**CHAT_JOB, "max_tokens": 900}).json()["id"]
     poll(lambda: http.get(f"/v1/jobs/{job_id}").json()["status"] == "running")
     response = http.delete(f"/v1/jobs/{job_id}")
     assert response.status_code == 202 and response.json()["cancel_requested"]
     view = poll(lambda: (v := http.get(f"/v1/jobs/{job_id}").json())["status"] == "cancelled" and v)
     assert view["outputs"][0]["finish_reason"] == "abort"
-    assert len(view["outputs"][0]["token_ids"]) < 1000
+    assert len(view["outputs"][0]["token_ids"]) < 900
     again = http.delete(f"/v1/jobs/{job_id}")
     assert again.status_code == 200 and not again.json()["cancel_requested"]

@@ -857,6 +857,35 @@ def test_a_predicted_output_is_taken_and_changes_nothing(served_model: str, oai:
     assert info.value.body["param"] == "prediction"
 
 
+def test_a_prompt_and_max_tokens_past_max_model_len_are_a_400_naming_both(
+    served_model: str, oai: openai.OpenAI, shared_redis
+) -> None:
+    """vLLM's rule, never a clamp: refused by the API where it knows the prompt's length (token
+    ids) or max_tokens alone cannot fit, before anything is queued; else by the worker, whose
+    refusal of the job is the same 400."""
+    conn = redis.Redis.from_url(shared_redis.url)
+    queued = conn.xlen(Keys().requests)
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=served_model, prompt=[5] * 1000, max_tokens=100)
+    assert info.value.body["param"] == "max_tokens"
+    assert ("maximum context length is 1024 tokens. However, you requested 1100 tokens "
+            "(1000 in the prompt, 100 in the completion)") in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match=r"at least 1000000001 tokens") as info:
+        oai.chat.completions.create(model=served_model, messages=MESSAGES, max_completion_tokens=10**9)
+    assert info.value.body["param"] == "max_completion_tokens"
+    assert conn.xlen(Keys().requests) == queued  # neither was queued
+    with pytest.raises(openai.BadRequestError, match=r"maximum context length is 1024 tokens.*in the prompt, "
+                                                      r"1020 in the completion") as info:
+        oai.chat.completions.create(model=served_model, messages=MESSAGES, max_tokens=1020)  # the worker's refusal
+    assert info.value.body["code"] == "invalid_request"
+    fits = oai.completions.create(model=served_model, prompt=[5] * 1000, max_tokens=24, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    clamped = oai.completions.create(model=served_model, prompt=[5] * 1000, max_tokens=10**9, temperature=0.0,
+                                     extra_body={"ignore_eos": True, "clamp_max_tokens": True})  # genq's opt-in
+    assert fits.usage.completion_tokens == clamped.usage.completion_tokens == 24
+    assert clamped.choices[0].finish_reason == "length"
+
+
 def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -> None:
     response = oai.chat.completions.create(
         model=served_model, messages=MESSAGES, temperature=0.0, max_completion_tokens=5,
@@ -868,7 +897,8 @@ def test_stop_and_max_completion_tokens(served_model: str, oai: openai.OpenAI) -
 
 
 def test_a_job_the_worker_refuses_is_a_400_or_an_error_chunk(served_model: str, oai: openai.OpenAI) -> None:
-    too_long = [5] * 1100  # the worker's max_model_len is 1024: it fails the job
+    too_long = "word " * 1100  # the worker's max_model_len is 1024: it fails the job (text: the API
+    # cannot count its tokens)
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=served_model, prompt=too_long, max_tokens=4)
     assert info.value.body["code"] == "invalid_request" and "max_model_len" in info.value.body["message"]

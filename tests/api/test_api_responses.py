@@ -201,7 +201,7 @@ def test_a_background_response_outlives_the_api_process_that_took_it(
 
 
 def test_cancelling_a_background_response(served_model: str, oai: openai.OpenAI, http, poll) -> None:
-    queued = oai.responses.create(model=served_model, input="Say something.", max_output_tokens=1000,
+    queued = oai.responses.create(model=served_model, input="Say something.", max_output_tokens=900,
                                   background=True, extra_body={"ignore_eos": True})
     cancelled = oai.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.output == []
@@ -273,7 +273,7 @@ def test_a_background_stream_that_times_out_says_where_to_resume(
     not response.failed: the job is still running."""
     with serve_api(Settings(redis_url=live_worker, request_timeout_s=0.5)) as url:
         impatient = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        events = list(impatient.responses.create(model=served_model, input="Say something.", max_output_tokens=1000,
+        events = list(impatient.responses.create(model=served_model, input="Say something.", max_output_tokens=900,
                                                  background=True, stream=True, extra_body={"ignore_eos": True}))
         impatient.close()
     assert events[-1].type == "error" and "starting_after=" in events[-1].message

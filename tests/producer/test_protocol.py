@@ -325,8 +325,11 @@ def test_dead_letter_round_trip(redis_conn: redis.Redis) -> None:
     entry_id = redis_conn.xadd(KEYS.dead, fields)
     [(_, read)] = redis_conn.xrange(KEYS.dead, entry_id, entry_id)
     assert decode_dead_letter(read) == {
-        "entry_id": "5-0", "id": None, "reason": "no 'id' field", "entry": {"foo": b"bar"},
+        "entry_id": "5-0", "id": None, "reason": "no 'id' field", "entry": {"foo": b"bar"}, "entry_bytes": None,
     }
+    dropped = redis_conn.xadd(KEYS.dead, encode_dead_letter("6-0", {}, "too large", "j", entry_bytes=12345))
+    [(_, read)] = redis_conn.xrange(KEYS.dead, dropped, dropped)
+    assert decode_dead_letter(read)["entry_bytes"] == 12345 and decode_dead_letter(read)["entry"] == {}
     with pytest.raises(ProtocolError, match="missing"):
         decode_dead_letter({b"id": b"x"})
 

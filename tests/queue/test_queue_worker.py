@@ -38,6 +38,7 @@ NAME = "qw1"
 SERVED = "tiny-served"
 TIMEOUT_S = 30.0
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+MAX_ENTRY_BYTES = 1 << 20  # the module's worker's --max-entry-bytes
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def metrics_port() -> int:
 
 @pytest.fixture(scope="module")
 def worker(spawn: Callable[..., WorkerProcess], conn: redis.Redis, metrics_port: int) -> WorkerProcess:
-    args = ("--served-model-name", SERVED, "--max-num-seqs", "8",
+    args = ("--served-model-name", SERVED, "--max-num-seqs", "8", "--max-entry-bytes", str(MAX_ENTRY_BYTES),
             "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1")
     proc = spawn(NAME, via="genq", args=args)
     proc.wait_ready(conn)
@@ -225,6 +226,29 @@ def test_garbage_entries_go_to_dead_while_good_jobs_finish(
     assert conn.xpending(keys.requests, keys.group)["pending"] == 0
 
 
+def test_an_oversize_entry_is_dead_lettered_without_its_payload_and_deleted(
+    client: Client, conn: redis.Redis
+) -> None:
+    """An entry over max_entry_bytes (a 10 MB one by redis-cli, a job past the API) is stored
+    once, never twice: its dead letter keeps its size and why, not its payload; the entry leaves
+    the requests stream; a job it names fails with that reason; the next job runs."""
+    keys = client.keys
+    garbage = conn.xadd(keys.requests, {"id": "huge", "payload": b"\x00" * (10 << 20)}).decode()
+    job = build_job("A" * (MAX_ENTRY_BYTES + 10), GREEDY, job_id="huge-prompt")  # a real job, too large
+    entry = conn.xadd(keys.requests, encode_job(job)).decode()
+    letters = wait_for(lambda: (d := dead_letters(conn, keys)) and garbage in d and entry in d and d, TIMEOUT_S,
+                       "dead letters")
+    with pytest.raises(JobFailed, match=rf"bytes, over this worker's limit of {MAX_ENTRY_BYTES}") as failure:
+        client.result("huge-prompt", TIMEOUT_S)
+    assert failure.value.error_type == ERROR_INVALID_REQUEST
+    assert letters[garbage]["entry"] == {} and letters[garbage]["entry_bytes"] == 10 * 2**20 + len("idhugepayload")
+    assert letters[garbage]["reason"].startswith(f"the entry is {letters[garbage]['entry_bytes']} bytes")
+    assert letters[entry]["id"] == "huge-prompt" and letters[entry]["entry_bytes"] > MAX_ENTRY_BYTES
+    assert conn.xrange(keys.requests, garbage, garbage) == conn.xrange(keys.requests, entry, entry) == []
+    assert max(len(f[b"entry"]) for _, f in conn.xrange(keys.dead)) < 1000  # no payload was copied
+    assert client.submit("after them", GREEDY).result(TIMEOUT_S).status == JobStatus.FINISHED
+
+
 def test_invalid_sampling_params_from_another_producer_fail_the_job(
     client: Client, conn: redis.Redis
 ) -> None:
@@ -251,6 +275,17 @@ def test_prompt_over_max_model_len_fails_its_job(client: Client, conn: redis.Red
     assert neighbour.result(TIMEOUT_S).status == JobStatus.FINISHED
     entry_id = record(conn, client.keys, handle.id).entry_id
     assert dead_letters(conn, client.keys)[entry_id]["reason"] == failure.value.error
+
+
+def test_max_tokens_past_max_model_len_fails_its_job_naming_both(client: Client, conn: redis.Redis) -> None:
+    """A job submitted around the API (Python client, redis-cli) meets vLLM's rule in the worker:
+    prompt plus max_tokens past max_model_len fails it at once, never a clamped 1,000-token run."""
+    handle = client.submit({"prompt_token_ids": [5] * 24}, SamplingParams(max_tokens=10**9))
+    with pytest.raises(JobFailed, match=r"maximum context length is 1024 tokens\. However, you requested "
+                                        r"1000000024 tokens \(24 in the prompt, 1000000000 in the completion\)") as failure:
+        handle.result(TIMEOUT_S)
+    assert failure.value.error_type == ERROR_INVALID_REQUEST
+    assert not record(conn, client.keys, handle.id).completion_tokens
 
 
 def test_model_names(client: Client, conn: redis.Redis) -> None:

@@ -325,6 +325,28 @@ def test_bad_prompts_raise_and_engine_keeps_working(tiny_llama_dir):
     assert llm.generate("Hello there", greedy(8), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_a_prompt_and_max_tokens_past_max_model_len_are_refused_not_clamped(tiny_llama_dir):
+    """vLLM's rule: prompt plus max_tokens must fit max_model_len, else the request is refused
+    naming both numbers (never quietly cut short); max_tokens None runs up to max_model_len."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, num_gpu_blocks_override=64)
+    prompt = {"prompt_token_ids": list(range(5, 45))}  # 40 tokens: room for 24
+    with pytest.raises(ValueError, match=r"maximum context length is 64 tokens\. However, you requested "
+                                         r"65 tokens \(40 in the prompt, 25 in the completion\)"):
+        llm.engine.add_request("over", prompt, greedy(25))
+    with pytest.raises(ValueError, match=r"requested 1000000040 tokens"):
+        llm.engine.add_request("far-over", prompt, greedy(10**9))
+    assert not llm.engine.has_unfinished_requests()  # refused before anything was queued
+    fits = llm.generate(prompt, greedy(24), use_tqdm=False)[0].outputs[0]
+    unbounded = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert len(fits.token_ids) == len(unbounded.token_ids) == 24
+    assert fits.finish_reason == unbounded.finish_reason == "length"
+    # truncate_prompt_tokens -1 keeps as many as leave room for the tokens asked for
+    cut = llm.generate({"prompt_token_ids": list(range(5, 105))}, SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == list(range(49, 105)) and len(cut.outputs[0].token_ids) == 8
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_tail(tiny_llama_dir):
     """vLLM's truncate_prompt_tokens: a long prompt generates as its last k tokens would
     (transformers on those tokens is the oracle); -1 keeps as many as leave room for output."""
