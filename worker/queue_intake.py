@@ -77,6 +77,9 @@ class Source(Enum):
     HANDED = "handed"  # read by another worker, whose owner by affinity this worker is
 
 
+KEEP_UNDECODABLE_BYTES = 64 << 10  # an undecodable entry larger than this is not copied to genq:dead
+
+
 @dataclass(frozen=True)
 class Rejection:
     reason: str
@@ -152,13 +155,13 @@ class Admission:
         try:
             job = decode_job(delivery.fields)
         except ProtocolError as exc:
-            return Rejection(f"cannot decode the entry: {exc}", exc.job_id)
+            return _undecodable(delivery.fields, exc)
         return self._check_delivery_limit(delivery, job) or self._check_not_held(delivery, job) or job
 
     def _check_size(self, fields: dict[Any, Any]) -> Rejection | None:
         # Race prevented: a huge entry (redis-cli, a client past the API's size limit) stored
         # twice, in the requests stream and again in the dead stream, for the dead stream's week.
-        size = sum(len(k) + len(v) for k, v in fields.items())
+        size = _entry_bytes(fields)
         if size <= self.config.max_entry_bytes:
             return None
         job_id = fields.get(b"id")  # (the payload is not decoded: its id is beside it)
@@ -382,6 +385,20 @@ class Admission:
         for held in jobs:
             logger.info("job %s ended before running (%s)", held.id, held.abort_reason or "done")
             self.table.remove(held)
+
+
+def _entry_bytes(fields: dict[Any, Any]) -> int:
+    return sum(len(k) + len(v) for k, v in fields.items())
+
+
+def _undecodable(fields: dict[Any, Any], exc: ProtocolError) -> Rejection:
+    """An entry that cannot be decoded: dead-lettered with its fields when they are small
+    enough to read by eye, else (as an oversize one) with its size alone, and deleted. No
+    retry could run it, so a large copy would only keep its bytes twice for a week."""
+    size = _entry_bytes(fields)
+    if size <= KEEP_UNDECODABLE_BYTES:
+        return Rejection(f"cannot decode the entry: {exc}", exc.job_id)
+    return Rejection(f"cannot decode the entry ({size} bytes, not kept): {exc}", exc.job_id, entry_bytes=size)
 
 
 class Intake:

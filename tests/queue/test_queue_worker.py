@@ -249,6 +249,23 @@ def test_an_oversize_entry_is_dead_lettered_without_its_payload_and_deleted(
     assert client.submit("after them", GREEDY).result(TIMEOUT_S).status == JobStatus.FINISHED
 
 
+def test_a_large_undecodable_entry_is_not_kept_twice(client: Client, conn: redis.Redis) -> None:
+    """Under max_entry_bytes but undecodable (a malformed entry of redis-cli's): no retry can
+    run it, so beyond a readable size its dead letter keeps its size and why, not its bytes,
+    and the entry leaves the requests stream. A small one is kept whole, to be read."""
+    keys = client.keys
+    large = conn.xadd(keys.requests, {"id": "large-garbage", "payload": b"\xc1" * (256 << 10)}).decode()
+    small = conn.xadd(keys.requests, {"id": "small-garbage", "payload": b"\xc1" * 16}).decode()
+    letters = wait_for(lambda: (d := dead_letters(conn, keys)) and large in d and small in d and d, TIMEOUT_S,
+                       "dead letters")
+    assert letters[large]["entry"] == {} and letters[large]["entry_bytes"] == (256 << 10) + len("idlarge-garbagepayload")
+    assert letters[large]["reason"].startswith(f"cannot decode the entry ({letters[large]['entry_bytes']} bytes")
+    assert conn.xrange(keys.requests, large, large) == []
+    assert letters[small]["entry"]["payload"] and letters[small]["entry_bytes"] is None
+    with pytest.raises(JobFailed, match="cannot decode the entry"):
+        client.result("large-garbage", TIMEOUT_S)
+
+
 def test_invalid_sampling_params_from_another_producer_fail_the_job(
     client: Client, conn: redis.Redis
 ) -> None:
