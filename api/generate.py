@@ -31,7 +31,7 @@ from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, s
 from api.sse import DONE, format_sse
 from api.strict_calls import strict_calls
 from api.tokenizers import base_model
-from producer.jobs import build_job
+from producer.jobs import JobLost, build_job
 from producer.pooling_params import PoolingParams
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
 from producer.sampling_params import SamplingParams
@@ -510,6 +510,9 @@ def error_kind(invalid_request: bool) -> tuple[int, str, str]:
     return 500, "server_error", "job_failed"
 
 
+JOB_LOST = "job_lost"  # the code of a job whose record vanished from Redis while it was followed
+
+
 async def collect(state: AppState, req: RelayedRequest, renderer: Renderer, keep_jobs: bool = False) -> Any:
     """The whole response once every job ended; APIError for a failed job (500) or a timeout
     (504)."""
@@ -523,6 +526,8 @@ async def collect(state: AppState, req: RelayedRequest, renderer: Renderer, keep
                     raise APIError(status, collector.error, type=kind, code=code)
     except TimeoutError as exc:
         raise APIError(504, str(exc), type="timeout_error", code="timeout") from exc
+    except JobLost as exc:  # a Redis without persistence restarted under it: nothing will end it
+        raise APIError(503, str(exc), type="server_error", code=JOB_LOST) from exc
     return renderer.response(req, collector.choices, collector.usage())
 
 
@@ -551,6 +556,9 @@ async def relayed_chunks(
                 yield renderer.chunk(req, choice, event)
     except TimeoutError as exc:
         yield StreamError(str(exc), "timeout_error", "timeout")
+    except JobLost as exc:
+        collector.error = str(exc)
+        yield StreamError(str(exc), "server_error", JOB_LOST)
     except (redis.RedisError, ProtocolError) as exc:  # the response has started: say it inline
         collector.error = str(exc)
         yield StreamError(f"relay failed: {exc}", "server_error", "relay_error")

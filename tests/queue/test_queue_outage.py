@@ -201,6 +201,10 @@ def outage(server: DurableRedis, worker: WorkerProcess, api_url: str, conn: redi
     wait_for(lambda: mid_generation(conn, keys, job_ids), TIMEOUT_S, "jobs mid-generation")
     wait_for(lambda: all(e.is_set() for e in api_streams.started.values()), TIMEOUT_S, "API streams begun")
     server.kill()
+    if down_s > 0:  # the API says Redis is away, and when to try again, rather than hang or die
+        away = httpx.get(f"{api_url}/v1/models", timeout=10.0)
+        assert away.status_code == 503 and away.json()["error"]["code"] == "redis_unavailable"
+        assert int(away.headers["retry-after"]) > 0
     deadline = time.monotonic() + down_s
     while time.monotonic() < deadline:  # the worker must live through the whole outage
         assert worker.process is not None and worker.process.poll() is None, worker.log()[-3000:]
@@ -243,14 +247,17 @@ def test_sigterm_during_an_outage(server, worker, conn, start_worker, offline) -
     check_whole(conn, keys, job_ids, prompts, offline, streams.join())
 
 
-def test_memory_only_redis_restarted(server, start_worker, conn, offline) -> None:
+def test_memory_only_redis_restarted(server, start_worker, api_url, conn, offline) -> None:
     """Redis restarted without its file (a memory-only server): the worker recreates its
     consumer group and serves new jobs within seconds; the jobs it held are gone with the
-    data, and a client asking for one is told so, not left waiting."""
+    data, and a client asking for one is told so, not left waiting: the Python client, and
+    an OpenAI client whose stream through the API was under way."""
     worker = next(w for w in reversed(start_worker.started) if w.process.poll() is None)
     keys = worker.keys
     old_ids, _ = submit(server, "forgotten")
+    api_streams = ApiStreams(api_url, _served_model(conn, worker), ["forgotten api"])
     wait_for(lambda: mid_generation(conn, keys, old_ids), TIMEOUT_S, "jobs mid-generation")
+    wait_for(lambda: api_streams.started["forgotten api"].is_set(), TIMEOUT_S, "API stream begun")
     server.kill()
     with RedisServer(port=server.port) as empty:
         started = time.monotonic()
@@ -260,4 +267,6 @@ def test_memory_only_redis_restarted(server, start_worker, conn, offline) -> Non
         check_whole(conn, keys, job_ids, prompts, offline, Streams(empty.url, keys, job_ids).join())
         with Client(empty.url, prefix=PREFIX) as client, pytest.raises(JobNotFound, match=old_ids[0]):
             client.result(old_ids[0], 5.0)
+        with pytest.raises(AssertionError, match="was lost: its record vanished"):
+            api_streams.join()
         assert worker.process.poll() is None
