@@ -4,6 +4,7 @@ API's import boundary."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -164,8 +165,23 @@ def test_api_keys_guard_every_v1_route(
                 assert assert_openai_error(response, 401, None)["code"] == "invalid_api_key"
             assert http.get("/metrics").status_code == 200  # scrapers and probes need no key
             assert http.get("/health").status_code == 503  # (no worker), but not 401
+            guarded = guarded_operations(http.get("/openapi.json").json())
+            assert len(guarded) > 50  # every route the spec says is behind the key check
+            for method, path in guarded:
+                response = http.request(method, path, json={})
+                assert response.status_code == 401, (method, path, response.text)
         right = openai.OpenAI(base_url=f"{url}/v1", api_key="k2", max_retries=0)
         assert [m.id for m in right.models.list()] == ["genq"]
+
+
+def guarded_operations(spec: dict) -> list[tuple[str, str]]:
+    """(method, path) of each operation the spec says answers 401, path parameters filled."""
+    out = []
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            if "401" in operation.get("responses", {}):
+                out.append((method.upper(), re.sub(r"\{[^}]+\}", "x", path)))
+    return out
 
 
 def test_backpressure_is_429_with_retry_after(
