@@ -89,7 +89,7 @@ class _GenerationRequest(BaseModel):
     # same salt (a secret per tenant: no one else can learn its prompts by how fast they run)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # OpenAI's: requests of one key go to the worker whose prefix cache ran the last one (while
-    # it has room); without it, requests whose prompts start alike do (worker.queue_affinity)
+    # it has room); without it, requests whose prompts start alike do (worker.queue.affinity)
     prompt_cache_key: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CACHE_KEY_LEN)] | None = None
     # vLLM's: token ids beside the text (each choice's generated ones, and the prompt's as the
     # worker ran it); logprobs' tokens as "token_id:<id>" rather than their text

@@ -1,4 +1,4 @@
-"""The served models' tokenizers, as the workers published them (worker.queue_tokenizer), for
+"""The served models' tokenizers, as the workers published them (worker.queue.tokenizer), for
 /tokenize and /detokenize: loaded on first use and again when a worker publishes another.
 transformers' fast tokenizers need no torch; the chat template is rendered as the workers
 render it (producer.chat_template)."""

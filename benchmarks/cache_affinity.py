@@ -1,4 +1,4 @@
-"""Prefix-cache affinity (worker.queue_affinity) against none, on two workers of one stream.
+"""Prefix-cache affinity (worker.queue.affinity) against none, on two workers of one stream.
 
 Each mode starts its own two `genq worker` processes (default model, one CPU thread each) on
 an embedded Redis under its own prefix, then runs the same multi-turn workload: C

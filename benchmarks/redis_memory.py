@@ -3,7 +3,7 @@ jobs (prompts of 32 to 256 random token ids, here a fixed number of output token
 per token).
 
 No model: the jobs go in with the client's SUBMIT script and the worker's own Lua scripts
-(`worker.queue_scripts.Scripts`: start, then one publish per engine step for all jobs at once,
+(`worker.queue.scripts.Scripts`: start, then one publish per engine step for all jobs at once,
 the last with each job's final record) write what a worker writes, on an embedded Redis.
 `MEMORY USAGE` (every element sampled) of each job's keys gives the bytes.
 
@@ -42,8 +42,8 @@ from producer.protocol import (
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 from worker.bench_workload import RandomWorkload
-from worker.queue_jobs import HeldJob, Meter, completion_event, final_record, new_completions
-from worker.queue_scripts import JobWrite, Scripts
+from worker.queue.jobs import HeldJob, Meter, completion_event, final_record, new_completions
+from worker.queue.scripts import JobWrite, Scripts
 
 DAY_S = 24 * 3600
 JOBS_PER_DAY = 1_000_000

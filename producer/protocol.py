@@ -397,7 +397,7 @@ class Job:
     # salt (a secret per tenant keeps others from learning its prompts by their speed)
     cache_salt: str | None = None
     # OpenAI's prompt_cache_key: jobs with one key go, while its worker has room, to the worker
-    # that last ran one (worker.queue_affinity); unset, a key is made from the prompt's start
+    # that last ran one (worker.queue.affinity); unset, a key is made from the prompt's start
     prompt_cache_key: str | None = None
     # W3C trace context of the request that made the job (producer.tracing): the worker's span
     # of the job is its child

@@ -212,7 +212,7 @@ class WorkerInfo:
     requests_finished_total: int = 0
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of those, the tokens it held
-    affinity_handoffs_taken_total: int = 0  # jobs other workers handed here (worker.queue_affinity)
+    affinity_handoffs_taken_total: int = 0  # jobs other workers handed here (worker.queue.affinity)
     prefix_cache_resets: int = 0  # the count of genq:prefix_cache_resets its engine has emptied its cache to
     # the weights update (genq:weights:<model>'s count) it acted on last, the checkpoint it serves
     # and, where it could not read that update's checkpoint, why (it serves the one before)

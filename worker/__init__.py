@@ -29,7 +29,7 @@ _LAZY = {
     "RequestOutput": "worker.outputs",
     "CompletionOutput": "worker.outputs",
     "EmbeddingRequestOutput": "worker.outputs",
-    "WorkerSettings": "worker.consumer",
+    "WorkerSettings": "worker.queue.consumer",
 }
 
 

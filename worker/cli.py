@@ -2,7 +2,7 @@
 
 Flags override the GENQ_* environment (read here, at this entry point, and nowhere else);
 the resulting configuration goes to arq's `run_worker` with the settings of
-`worker.consumer.WorkerSettings`.
+`worker.queue.consumer.WorkerSettings`.
 """
 
 from __future__ import annotations
@@ -181,8 +181,8 @@ _HELP = {
 def run(args: argparse.Namespace) -> int:
     from arq.worker import run_worker
 
-    from worker.consumer import WorkerSettings, arq_settings
-    from worker.queue_config import config_from_env, parse_json_object, parse_lora_modules
+    from worker.queue.config import config_from_env, parse_json_object, parse_lora_modules
+    from worker.queue.consumer import WorkerSettings, arq_settings
 
     env = dict(os.environ)
     env["GENQ_REDIS_URL"] = args.redis_url  # --redis-url defaults to $GENQ_REDIS_URL already

@@ -154,7 +154,7 @@ class ImageProcessor:
 
     def prepare(self, images: list[Any]) -> PreparedImages:
         """Images read, resized and normalized, and their pixels hashed: the costly part, which
-        holds no state, so a thread other than the engine's may do it (worker.queue_engine)."""
+        holds no state, so a thread other than the engine's may do it (worker.queue.engine_thread)."""
         return self._prepare([self._read(image, i) for i, image in enumerate(images)])
 
     def _read(self, item: Any, index: int) -> Any:

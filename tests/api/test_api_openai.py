@@ -102,7 +102,7 @@ def test_prompt_cache_key_reaches_the_jobs_the_workers_steer_by_it(
     served_model: str, oai: openai.OpenAI, shared_redis
 ) -> None:
     """OpenAI's prompt_cache_key, from chat, completions and the Responses API, onto the job
-    (worker.queue_affinity sends a key's jobs to the worker that ran the last one)."""
+    (worker.queue.affinity sends a key's jobs to the worker that ran the last one)."""
     oai.chat.completions.create(model=served_model, messages=MESSAGES, max_tokens=1, prompt_cache_key="conv-1")
     oai.completions.create(model=served_model, prompt="x", max_tokens=1, extra_body={"prompt_cache_key": "conv-2"})
     oai.responses.create(model=served_model, input="x", max_output_tokens=1, prompt_cache_key="conv-3")

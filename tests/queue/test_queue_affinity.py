@@ -1,4 +1,4 @@
-"""Prefix-cache affinity between two workers of one stream (worker.queue_affinity): the turns
+"""Prefix-cache affinity between two workers of one stream (worker.queue.affinity): the turns
 of a conversation, and the jobs of one prompt_cache_key, run on the worker that ran the
 first, whichever worker reads them, and are served from its prefix cache; an entry handed to a
 worker that stopped is reclaimed by the other. Then the handing itself, against a real Redis
@@ -25,9 +25,9 @@ from producer.protocol import JobStatus, Keys, encode_job
 from producer.records import WorkerInfo, decode_worker_info
 from producer.redis_server import RedisServer, free_port
 from producer.sampling_params import SamplingParams
-from worker.queue_affinity import HEAD_CHARS, Affinity, affinity_digest
-from worker.queue_config import WorkerConfig
-from worker.queue_scripts import Scripts
+from worker.queue.affinity import HEAD_CHARS, Affinity, affinity_digest
+from worker.queue.config import WorkerConfig
+from worker.queue.scripts import Scripts
 
 TIMEOUT_S = 60.0
 NAMES = ("aa", "ab")

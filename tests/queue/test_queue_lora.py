@@ -24,7 +24,7 @@ from producer.protocol import (
 from producer.records import decode_worker_info
 from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
-from worker.queue_config import WorkerConfig, config_from_env
+from worker.queue.config import WorkerConfig, config_from_env
 
 NAME = "ql1"
 TIMEOUT_S = 30.0
@@ -168,7 +168,7 @@ def test_runtime_registry_adds_and_removes_adapters(client: Client, conn: redis.
 
 def test_retired_adapters_leave_the_engine_once_unused(tiny_llama_dir: Path, tiny_llama_adapters: dict[str, Path]) -> None:
     from worker.engine import Engine
-    from worker.queue_adapters import ServedAdapters
+    from worker.queue.adapters import ServedAdapters
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64,
                                  enable_lora=True, max_lora_rank=8))
@@ -193,7 +193,7 @@ def test_a_corrupt_registry_adapter_is_reported_not_fatal(tiny_llama_dir: Path, 
     import shutil
 
     from worker.engine import Engine
-    from worker.queue_adapters import ServedAdapters
+    from worker.queue.adapters import ServedAdapters
 
     corrupt = shutil.copytree(tiny_llama_adapters["qv"], tmp_path / "corrupt")
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)

@@ -32,10 +32,10 @@ from producer.protocol import (
 from producer.records import decode_record
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
-from worker.queue_config import WorkerConfig
-from worker.queue_engine import EngineStats, intake_capacity
-from worker.queue_intake import LaneReader
-from worker.queue_jobs import (
+from worker.queue.config import WorkerConfig
+from worker.queue.engine_thread import EngineStats, intake_capacity
+from worker.queue.intake import LaneReader
+from worker.queue.jobs import (
     HeldJob,
     Meter,
     TenantTokens,
@@ -45,7 +45,7 @@ from worker.queue_jobs import (
     new_completions,
     progress_from_events,
 )
-from worker.queue_scripts import RELEASED_IDLE_MS, DeadLetter, Forward, JobWrite, NameTaken, Scripts
+from worker.queue.scripts import RELEASED_IDLE_MS, DeadLetter, Forward, JobWrite, NameTaken, Scripts
 
 
 @pytest.fixture
@@ -452,7 +452,7 @@ def test_intake_capacity(stats: EngineStats, in_flight: int, expected: int) -> N
 
 
 def test_worker_config_from_env() -> None:
-    from worker.queue_config import config_from_env
+    from worker.queue.config import config_from_env
 
     config = config_from_env({
         "GENQ_MODEL": "/models/Foo-1B", "GENQ_MAX_NUM_SEQS": "4", "GENQ_CLAIM_IDLE_S": "2",

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
-from worker.queue_tokenizer import tokenizer_files
+from worker.queue.tokenizer import tokenizer_files
 
 TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<<assistant>>{% endif %}")

@@ -221,7 +221,7 @@ async def test_a_queued_job_whose_images_fail_to_encode_fails_with_why(tiny_qwen
     from producer.protocol import Job
     from worker.config import EngineConfig
     from worker.multimodal import PreparedImages
-    from worker.queue_engine import AddRequest, EngineThread
+    from worker.queue.engine_thread import AddRequest, EngineThread
 
     thread = EngineThread(EngineConfig(model=str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64),
                           asyncio.get_running_loop())

@@ -29,8 +29,8 @@ from typing import Any
 import redis
 
 from producer.protocol import Job, pack
-from worker.queue_config import WorkerConfig
-from worker.queue_scripts import Scripts
+from worker.queue.config import WorkerConfig
+from worker.queue.scripts import Scripts
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from producer.protocol import split_ref
 
 if TYPE_CHECKING:
     from producer.tracing import Tracing
-    from worker.queue_engine import EngineStats
-    from worker.queue_jobs import HeldJob
+    from worker.queue.engine_thread import EngineStats
+    from worker.queue.jobs import HeldJob
 
 # Buckets as in vLLM (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -57,7 +57,7 @@ class WorkerMetrics:
             ["model_name", "lane"], registry=self.registry, buckets=QUEUE_BUCKETS,
         )
         self._handoffs_sent = child(Counter, "genq:affinity_handoffs_sent", "Jobs handed to the worker whose prefix "
-                                    "cache holds their prompt's start (worker.queue_affinity)")
+                                    "cache holds their prompt's start (worker.queue.affinity)")
         self._handoffs_taken = child(Counter, "genq:affinity_handoffs_taken", "Jobs other workers handed here")
         # counters of the engine's totals (EngineStats fields), which go up by what is new since the last stats
         self._totals = {

@@ -33,7 +33,7 @@ from producer.protocol import (
     pack_script_arg,
     split_ref,
 )
-from worker.queue_jobs import Meter, TenantTokens
+from worker.queue.jobs import Meter, TenantTokens
 
 # The {host, pid} of another process that heartbeat hash `key` names; false when the hash is
 # missing or names (host, pid). A worker's first heartbeat is how it claims its name.
@@ -268,7 +268,7 @@ end
 return n
 """
 
-# Hand entries to another worker of this stream (worker.queue_affinity). KEYS[1]: requests.
+# Hand entries to another worker of this stream (worker.queue.affinity). KEYS[1]: requests.
 # ARGV[1] group, [2] consumer, [3] the receiving worker's name, [4] its handoff channel; then
 # entry ids. Each entry still this worker's is claimed in the receiver's name (JUSTID: the
 # delivery count stays, a handoff is no failed attempt; its idle time starts again), and the

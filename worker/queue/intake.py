@@ -34,10 +34,10 @@ from producer.protocol import (
     entry_ref,
 )
 from producer.records import encode_dead_letter
-from worker.queue_affinity import Affinity
-from worker.queue_config import WorkerConfig
-from worker.queue_engine import AddRequest, EngineThread
-from worker.queue_jobs import (
+from worker.queue.affinity import Affinity
+from worker.queue.config import WorkerConfig
+from worker.queue.engine_thread import AddRequest, EngineThread
+from worker.queue.jobs import (
     ABORT_CANCELLED,
     ABORT_DEADLINE,
     HeldJob,
@@ -51,8 +51,8 @@ from worker.queue_jobs import (
     new_completions,
     progress_from_events,
 )
-from worker.queue_metrics import WorkerMetrics
-from worker.queue_scripts import DeadLetter, Forward, JobWrite, Scripts
+from worker.queue.metrics import WorkerMetrics
+from worker.queue.scripts import DeadLetter, Forward, JobWrite, Scripts
 
 logger = logging.getLogger(__name__)
 

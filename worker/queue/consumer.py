@@ -39,9 +39,9 @@ from arq.connections import RedisSettings
 from producer.aio import wait_for_event
 from producer.protocol import Keys
 from producer.tracing import Tracing
-from worker.queue_config import WorkerConfig, config_from_env
-from worker.queue_engine import EngineThread, Rejected, intake_capacity
-from worker.queue_heartbeat import (
+from worker.queue.config import WorkerConfig, config_from_env
+from worker.queue.engine_thread import EngineThread, Rejected, intake_capacity
+from worker.queue.heartbeat import (
     Heartbeat,
     listen,
     read_adapter_registry,
@@ -49,13 +49,13 @@ from worker.queue_heartbeat import (
     read_sleep_command,
     read_weights_update,
 )
-from worker.queue_intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer
-from worker.queue_jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
-from worker.queue_metrics import WorkerMetrics
-from worker.queue_outage import CONNECT_TIMEOUT_S, REDIS_ERRORS, Outage, PatientPool, patient_pool
-from worker.queue_publisher import Publisher
-from worker.queue_scripts import NameTaken, Scripts
-from worker.queue_tokenizer import publish_tokenizer
+from worker.queue.intake import INTAKE_BLOCK_S, Admission, Intake, Reclaimer
+from worker.queue.jobs import ABORT_CANCELLED, HeldJob, JobState, JobTable
+from worker.queue.metrics import WorkerMetrics
+from worker.queue.outage import CONNECT_TIMEOUT_S, REDIS_ERRORS, Outage, PatientPool, patient_pool
+from worker.queue.publisher import Publisher
+from worker.queue.scripts import NameTaken, Scripts
+from worker.queue.tokenizer import publish_tokenizer
 
 logger = logging.getLogger(__name__)
 

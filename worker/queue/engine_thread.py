@@ -24,7 +24,7 @@ from producer.protocol import ERROR_INVALID_REQUEST, Job
 from producer.records import PauseCommand, SleepCommand, WeightsUpdate
 from worker.config import EngineConfig
 from worker.lora_request import LoRARequest
-from worker.queue_adapters import ServedAdapters
+from worker.queue.adapters import ServedAdapters
 
 if TYPE_CHECKING:
     from worker.engine import Engine

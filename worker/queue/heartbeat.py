@@ -22,9 +22,9 @@ from producer.records import (
     WorkerInfo,
     encode_worker_info,
 )
-from worker.queue_config import WorkerConfig
-from worker.queue_engine import EngineThread
-from worker.queue_jobs import (
+from worker.queue.config import WorkerConfig
+from worker.queue.engine_thread import EngineThread
+from worker.queue.jobs import (
     ABORT_CANCELLED,
     ABORT_DEADLINE,
     ABORT_PAUSED,
@@ -32,10 +32,10 @@ from worker.queue_jobs import (
     JobState,
     JobTable,
 )
-from worker.queue_metrics import WorkerMetrics
-from worker.queue_outage import REDIS_ERRORS, Outage
-from worker.queue_publisher import Publisher
-from worker.queue_scripts import Scripts
+from worker.queue.metrics import WorkerMetrics
+from worker.queue.outage import REDIS_ERRORS, Outage
+from worker.queue.publisher import Publisher
+from worker.queue.scripts import Scripts
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from producer.protocol import Event, encode_event
-from worker.queue_engine import EngineStats, EngineThread, Rejected, StepResult
-from worker.queue_jobs import (
+from worker.queue.engine_thread import EngineStats, EngineThread, Rejected, StepResult
+from worker.queue.jobs import (
     ABORT_DEADLINE,
     HeldJob,
     JobState,
@@ -28,9 +28,9 @@ from worker.queue_jobs import (
     final_record,
     job_meter,
 )
-from worker.queue_metrics import WorkerMetrics
-from worker.queue_outage import REDIS_ERRORS, Outage
-from worker.queue_scripts import JobWrite, Scripts
+from worker.queue.metrics import WorkerMetrics
+from worker.queue.outage import REDIS_ERRORS, Outage
+from worker.queue.scripts import JobWrite, Scripts
 
 if TYPE_CHECKING:
     from worker.outputs import CompletionOutput, RequestOutput

@@ -109,10 +109,10 @@ class WorkerConfig:
     # its payload and deleted from the stream: never stored twice
     max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES
     # jobs whose prompts start alike go, while it has room, to the worker that last ran one, for
-    # this long after (worker.queue_affinity); 0 (or no prefix cache) turns it off
+    # this long after (worker.queue.affinity); 0 (or no prefix cache) turns it off
     cache_affinity_ttl_s: float = DEFAULT_CACHE_AFFINITY_TTL_S
     # a lower priority lane whose oldest entry has waited lane_aging_s gets at least one of
-    # every lane_aged_every entries this worker reads (worker.queue_intake); 0: strict lanes
+    # every lane_aged_every entries this worker reads (worker.queue.intake); 0: strict lanes
     lane_aging_s: float = DEFAULT_LANE_AGING_S
     lane_aged_every: int = DEFAULT_LANE_AGED_EVERY
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
