@@ -58,7 +58,7 @@ async def start(
 
 
 async def check_fits(state: AppState, body: GenerationRequest, planned: Plan, model: str) -> None:
-    """The API's early share of the workers' rule (worker.engine.check_fits): a 400 naming both
+    """The API's early share of the workers' rule (worker.core.engine.check_fits): a 400 naming both
     numbers where a prompt and max_tokens cannot fit the smallest max_model_len of the workers
     serving `model`, before any job is queued. A prompt of token ids counts as given; any other
     counts as one token (its true count is the worker's to check)."""

@@ -1,5 +1,5 @@
 """Images in chat messages: OpenAI's `image_url` content parts, for a model that takes images
-(worker.multimodal); and audio clips: OpenAI's `input_audio` and vLLM's `audio_url`, for a model
+(worker.core.multimodal); and audio clips: OpenAI's `input_audio` and vLLM's `audio_url`, for a model
 that takes audio. The job carries each image's encoded bytes, so it holds all it needs
 wherever and whenever a worker takes it (a reclaimed job too): a data URL is decoded here,
 and an http(s) URL (of an image or of an `audio_url` clip) is fetched here, before the job is

@@ -1,5 +1,5 @@
 """OpenAI's audio endpoints, `/v1/audio/transcriptions` and `/v1/audio/translations`, for models
-that take audio clips (worker.multimodal). Each runs as a chat whose user message holds the
+that take audio clips (worker.core.multimodal). Each runs as a chat whose user message holds the
 uploaded clip. For Whisper (a model whose tokenizer has `<|startoftranscript|>`) the worker's
 template writes the decoder's prompt from the chat's template variables: the language (the
 form's, else the one the model hears: a one-token job first, limited to the language tokens),
@@ -19,7 +19,7 @@ Formats: `json` ({"text", "usage"}), `text`, and `verbose_json` ({"task", "langu
 `timestamp_granularities: ["segment"]` need timestamps, which Whisper gives (its prompt without
 <|notimestamps|>: segments between timestamp tokens, each piece's offset added) and other
 models do not (a 400 says so). `timestamp_granularities: ["word"]` (verbose_json) adds
-`words`, from the times the worker finds for each token (worker.models.whisper's
+`words`, from the times the worker finds for each token (worker.model_executor.models.whisper's
 token_timestamps). `stream: true` sends OpenAI's
 `transcript.text.delta` events and a `transcript.text.done`. `include: ["logprobs"]` (with
 `json`, as OpenAI's) adds each written token's logprob to the reply, and to a stream's events.

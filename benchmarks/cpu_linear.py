@@ -1,5 +1,5 @@
 """Linear layers on CPU: `F.linear` against the oneDNN-prepacked weights the engine uses
-(`worker/models/packed_linear.py`), at the row counts of decode and prefill steps, over as many
+(`worker/model_executor/models/packed_linear.py`), at the row counts of decode and prefill steps, over as many
 distinct weights as SmolLM2-135M has layers (so the weights come from memory, as in a step).
 
     python benchmarks/cpu_linear.py [--dtype bfloat16|float32] [--rows 1,8,32,128,512,2048] [--shape 3072x576]
@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from worker.models.packed_linear import PackedLinear, can_pack
+from worker.model_executor.models.packed_linear import PackedLinear, can_pack
 
 NUM_LAYERS = 30
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from worker import LLM, PoolingParams
-from worker.model_loader import resolve_model_path
+from worker.model_executor.model_loader import resolve_model_path
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -123,7 +123,7 @@ def check_lora_vs_cpu(model: str | None, load_format: str, num_tokens: int = 32,
     from lora import write_adapter  # benchmarks/lora.py, beside this script
 
     from worker import LLM, LoRARequest, SamplingParams
-    from worker.model_loader import resolve_model_path
+    from worker.model_executor.model_loader import resolve_model_path
 
     prompts = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "1, 2, 3,"]
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
@@ -258,7 +258,7 @@ def remake(model: str | None, arch: str | None, out_dir, **overrides) -> str:
     import shutil
     from pathlib import Path
 
-    from worker.model_loader import resolve_model_path
+    from worker.model_executor.model_loader import resolve_model_path
 
     source, out = resolve_model_path(model), Path(out_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -421,7 +421,7 @@ def check_whisper_vs_cpu(model: str | None, devices: tuple[str, str] = ("cpu", "
     )
 
     from worker import LLM, SamplingParams
-    from worker.model_loader import resolve_model_path
+    from worker.model_executor.model_loader import resolve_model_path
 
     special = ["<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|translate|>", "<|startofprev|>",
                "<|notimestamps|>", *(f"<|{k * 0.02:.2f}|>" for k in range(51))]
@@ -478,8 +478,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def check_w1(model: str | None, load_format: str, num_prompts: int) -> list[str]:
-    from worker.bench import run_engine, run_hf
-    from worker.bench_workload import RandomWorkload
+    from worker.benchmarks.throughput import run_engine, run_hf
+    from worker.benchmarks.workload import RandomWorkload
 
     workload = RandomWorkload(num_prompts=num_prompts)
     args = {"device": "cuda", "max_model_len": 2048, "max_num_seqs": 256, "load_format": load_format}

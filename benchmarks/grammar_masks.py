@@ -23,10 +23,16 @@ from collections.abc import Callable, Hashable
 from transformers import AutoTokenizer
 
 from api.tool_calls import calls_schema
-from worker.json_schema_grammar import JsonSchemaGrammar
-from worker.model_loader import resolve_model_path
-from worker.structured_output import Grammar, GuidedState, TokenMasks, ebnf_grammar, regex_grammar
-from worker.token_bytes import byte_text, token_bytes
+from worker.guided.json_schema_grammar import JsonSchemaGrammar
+from worker.guided.structured_output import (
+    Grammar,
+    GuidedState,
+    TokenMasks,
+    ebnf_grammar,
+    regex_grammar,
+)
+from worker.guided.token_bytes import byte_text, token_bytes
+from worker.model_executor.model_loader import resolve_model_path
 
 SCHEMA = {
     "type": "object", "required": ["name", "age"],

@@ -23,7 +23,7 @@ import time
 from gpu_check import remake
 
 from worker import LLM
-from worker.bench_workload import RandomWorkload
+from worker.benchmarks.workload import RandomWorkload
 
 
 def run(model: str, workload: RandomWorkload, engine_args: dict) -> dict[str, float]:

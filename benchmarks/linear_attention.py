@@ -1,4 +1,4 @@
-"""Linear attention (Qwen3.5's Gated DeltaNet, worker.models.linear_attention) at a real
+"""Linear attention (Qwen3.5's Gated DeltaNet, worker.model_executor.models.linear_attention) at a real
 layer's size, in one run:
 
 1. a prefill through the gated delta rule, solved 64 tokens at a time in closed form, against
@@ -26,8 +26,12 @@ from collections.abc import Callable
 
 import torch
 
-from worker.models.config import LinearAttentionConfig
-from worker.models.linear_attention import GatedDeltaNet, LinearStates, gated_delta_rule
+from worker.model_executor.models.config import LinearAttentionConfig
+from worker.model_executor.models.linear_attention import (
+    GatedDeltaNet,
+    LinearStates,
+    gated_delta_rule,
+)
 
 # Qwen3.5's linear layers at 2B..9B: 16 key heads and 32 value heads of 128, hidden 2048
 SHAPE = LinearAttentionConfig(num_key_heads=16, num_value_heads=32, key_head_dim=128, value_head_dim=128,

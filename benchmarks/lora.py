@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from worker import LLM, LoRARequest, SamplingParams
-from worker.model_loader import resolve_model_path
+from worker.model_executor.model_loader import resolve_model_path
 
 TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 

@@ -18,8 +18,8 @@ import tempfile
 
 from gpu_check import remake
 
-from worker.bench import run_engine, run_hf
-from worker.bench_workload import RandomWorkload
+from worker.benchmarks.throughput import run_engine, run_hf
+from worker.benchmarks.workload import RandomWorkload
 
 
 def main() -> None:

@@ -35,9 +35,9 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 from worker import LLM
-from worker.model_loader import resolve_model_path
-from worker.models.quant import pack_awq, quantize
-from worker.scheduler import ScheduledRequest, SchedulerOutput
+from worker.core.scheduler import ScheduledRequest, SchedulerOutput
+from worker.model_executor.model_loader import resolve_model_path
+from worker.model_executor.models.quant import pack_awq, quantize
 
 TEXT = (
     "The history of computing is a story of abstraction. Early machines were programmed by "
@@ -193,8 +193,8 @@ def main() -> None:
                       f"({len(ids)} positions)")
 
         if torch.cuda.is_available():
-            from worker.bench import run_engine
-            from worker.bench_workload import RandomWorkload
+            from worker.benchmarks.throughput import run_engine
+            from worker.benchmarks.workload import RandomWorkload
 
             workload = RandomWorkload(num_prompts=args.num_prompts)
             engine_args = {"device": "cuda", "max_model_len": 2048, "max_num_seqs": 256}

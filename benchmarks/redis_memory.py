@@ -41,7 +41,7 @@ from producer.protocol import (
 )
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
-from worker.bench_workload import RandomWorkload
+from worker.benchmarks.workload import RandomWorkload
 from worker.queue.jobs import HeldJob, Meter, completion_event, final_record, new_completions
 from worker.queue.scripts import JobWrite, Scripts
 

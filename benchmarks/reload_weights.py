@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from worker import LLM, SamplingParams
-from worker.model_loader import resolve_model_path
+from worker.model_executor.model_loader import resolve_model_path
 
 PROMPT = {"prompt_token_ids": list(range(100, 164))}
 

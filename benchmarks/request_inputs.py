@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     llm = LLM(dtype=args.dtype, max_model_len=1024, enable_prefix_caching=False,
-              logits_processors=["worker.logits_processors:NoRepeatNGram"])
+              logits_processors=["worker.sample.logits_processors:NoRepeatNGram"])
     rng = random.Random(0)
     vocab = llm.engine.model_config.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]

@@ -21,7 +21,7 @@ from pathlib import Path
 from gpu_check import remake  # benchmarks/gpu_check.py, beside this script
 
 from worker import LLM, SamplingParams
-from worker.detokenizer import IncrementalDetokenizer
+from worker.core.detokenizer import IncrementalDetokenizer
 
 
 def tiny_model(out: Path) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from worker import LLM, SamplingParams
-from worker.model_loader import resolve_model_path
+from worker.model_executor.model_loader import resolve_model_path
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 RATE = 16_000

@@ -47,7 +47,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "worker": Subcommand("run a GPU worker: pull jobs into the engine (as arq worker.WorkerSettings does)", "worker.cli:build"),
     "api": Subcommand("serve the OpenAI-compatible HTTP API", "api.cli:build"),
     "up": Subcommand("run the whole stack: Redis, one worker and the API", "producer.stack:build"),
-    "bench": Subcommand("benchmarks: throughput (offline) and serve (HTTP load)", "worker.bench:build"),
+    "bench": Subcommand("benchmarks: throughput (offline) and serve (HTTP load)", "worker.benchmarks.throughput:build"),
     "lora": Subcommand("add, remove or list LoRA adapters the workers load at run time", "api.lora_cli:build"),
     "keys": Subcommand("create, list or revoke API keys, each with its own limits and models", "api.keys_cli:build"),
     "weights": Subcommand("every worker of a model serves another checkpoint of it, no restart",

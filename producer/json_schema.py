@@ -2,7 +2,7 @@
 
 `SamplingParams` compiles a `guided_decoding` `json_schema` to refuse what is outside the
 subset before a job is queued (the API answers 400 naming the keyword); the worker compiles it
-again to decode (`worker.structured_output`). Plain Python, no dependencies.
+again to decode (`worker.guided.structured_output`). Plain Python, no dependencies.
 
 Supported: `type` (one or a list), `properties` with `required` (keys in the order the schema
 declares them; a property not required may be left out; no others: as OpenAI's strict mode),

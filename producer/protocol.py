@@ -378,7 +378,7 @@ class Job:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: [{"role": ..., "content": str or parts}]
     # the prompt as its input states (vLLM's prompt_embeds): a [positions, hidden] float tensor
-    # as torch.save writes it, read by the worker (worker.prompt_embeds)
+    # as torch.save writes it, read by the worker (worker.core.prompt_embeds)
     prompt_embeds: bytes | None = None
     # chat: OpenAI-style tool definitions ({"type": "function", "function": {"name", ...}}),
     # handed to the model's chat template with the messages

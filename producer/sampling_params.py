@@ -123,7 +123,7 @@ class SamplingParams:
     # vLLM's: words the output may not contain. Each is tokenized as written and after a
     # space; the last token of a tokenization is banned whenever the output ends with the rest
     bad_words: list[str] | None = None
-    # vLLM's: settings for the worker's custom logits processors (worker.logits_processors),
+    # vLLM's: settings for the worker's custom logits processors (worker.sample.logits_processors),
     # a JSON object each reads its own keys from; the API takes it as `vllm_xargs`
     extra_args: dict[str, Any] | None = None
     # OpenAI's predicted output: text the output is expected to largely repeat (a file being
@@ -131,7 +131,7 @@ class SamplingParams:
     # from it too; the output is the same with it or without it, only sooner
     prediction: str | None = None
     # vLLM's: a reasoning model writes at most this many tokens of thinking, then the end of
-    # its thinking (`</think>`) is forced and it answers (worker.thinking_budget); None: no limit
+    # its thinking (`</think>`) is forced and it answers (worker.sample.thinking_budget); None: no limit
     thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:

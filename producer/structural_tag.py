@@ -10,7 +10,7 @@ around them (`<function=get_weather>{"city": "Paris"}</function>`).
 
 vLLM hands this form to xgrammar (its `StructuralTagItem`s and triggers); xgrammar's newer form
 (a `format` tree) is refused by name. Checked here, before a job is queued; the worker runs it
-(`worker.structural_tag`). Plain Python, no dependencies.
+(`worker.guided.structural_tag`). Plain Python, no dependencies.
 """
 
 from __future__ import annotations

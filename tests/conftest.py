@@ -349,7 +349,7 @@ def tiny_deepseek_config(family: str, vocab: int):
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from worker.model_loader import ensure_default_model
+    from worker.model_executor.model_loader import ensure_default_model
 
     return ensure_default_model(CACHE_DIR)
 

@@ -13,10 +13,10 @@ from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from worker.engine import Engine
+    from worker.core.engine import Engine
+    from worker.core.lora_request import LoRARequest
+    from worker.core.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
     from worker.llm import LLM, RequestsFailed
-    from worker.lora_request import LoRARequest
-    from worker.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 
 __all__ = ["LLM", "Engine", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput", "RequestsFailed",
            "EmbeddingRequestOutput"]
@@ -24,11 +24,11 @@ __all__ = ["LLM", "Engine", "SamplingParams", "StructuredOutputsParams", "Poolin
 _LAZY = {
     "LLM": "worker.llm",
     "RequestsFailed": "worker.llm",
-    "Engine": "worker.engine",
-    "LoRARequest": "worker.lora_request",
-    "RequestOutput": "worker.outputs",
-    "CompletionOutput": "worker.outputs",
-    "EmbeddingRequestOutput": "worker.outputs",
+    "Engine": "worker.core.engine",
+    "LoRARequest": "worker.core.lora_request",
+    "RequestOutput": "worker.core.outputs",
+    "CompletionOutput": "worker.core.outputs",
+    "EmbeddingRequestOutput": "worker.core.outputs",
     "WorkerSettings": "worker.queue.consumer",
 }
 

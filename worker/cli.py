@@ -95,7 +95,7 @@ def build(parser: argparse.ArgumentParser) -> Any:
     )
     parser.add_argument(
         "--logits-processors", nargs="+", metavar="MODULE:CLASS",
-        help="custom logits processor classes, e.g. worker.logits_processors:NoRepeatNGram; requests "
+        help="custom logits processor classes, e.g. worker.sample.logits_processors:NoRepeatNGram; requests "
         "set theirs in extra_args (the API's vllm_xargs) (default: $GENQ_LOGITS_PROCESSORS)",
     )
     parser.add_argument(

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from worker.spec_decode import SpeculativeConfig
+from worker.spec_decode.speculative import SpeculativeConfig
 
 # `quantization`'s names (vLLM's, its Marlin kernels' too) -> the checkpoint quant_method each
 # names: "fp8" quantizes a float checkpoint as it loads; the others confirm the checkpoint's own
@@ -81,7 +81,7 @@ class EngineConfig:
     # reaches the queue other than through the API (which holds its requests to
     # GENQ_MAX_IMAGES_PER_REQUEST) cannot fill the worker's memory with pixels
     max_images_per_prompt: int = 16
-    # the model split over this many devices (worker.parallel): each holds its share of the
+    # the model split over this many devices (worker.model_executor.parallel): each holds its share of the
     # attention heads and MLP features, with the KV cache of its heads
     tensor_parallel_size: int = 1
     # vLLM's: the mixture-of-experts layers' experts dealt out whole over the tensor-parallel
@@ -110,11 +110,11 @@ class EngineConfig:
     # "original_max_position_embeddings": 32768}} for a longer context
     hf_overrides: dict[str, Any] | None = None
     # vLLM's: logits processor classes (or "module:Class" names) loaded once; each request may
-    # take a function of its own from them (worker.logits_processors)
+    # take a function of its own from them (worker.sample.logits_processors)
     logits_processors: Sequence[str | type] = ()
     # vLLM's: the markers of a reasoning model's thinking, {"think_start_str": "<think>",
     # "think_end_str": "</think>"}, which requests' thinking_token_budget counts between
-    # (worker.thinking_budget); None: <think> and </think> where the tokenizer has them as tokens
+    # (worker.sample.thinking_budget); None: <think> and </think> where the tokenizer has them as tokens
     reasoning_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

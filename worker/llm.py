@@ -15,9 +15,9 @@ from producer.beam_search import Beam, BeamSearchParams, best, step
 from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
-from worker.engine import Engine, PromptInput, cache_salt_of
-from worker.lora_request import LoRARequest
-from worker.outputs import (
+from worker.core.engine import Engine, PromptInput, cache_salt_of
+from worker.core.lora_request import LoRARequest
+from worker.core.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
     ClassificationOutput,

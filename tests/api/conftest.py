@@ -186,7 +186,7 @@ def live_worker(shared_redis: RedisServer, tiny_llama_dir: Path, tmp_path_factor
     DeepSeek-R1's template opens it (THINKING: requests without a thinking_token_budget are
     untouched)."""
     with running_worker(shared_redis.url, tiny_llama_dir, tmp_path_factory.mktemp("worker"),
-                        ("--logits-processors", "worker.logits_processors:NoRepeatNGram",
+                        ("--logits-processors", "worker.sample.logits_processors:NoRepeatNGram",
                          "--reasoning-config", json.dumps(THINKING))) as url:
         yield url
 

@@ -34,7 +34,7 @@ def live_worker(stack_redis: RedisServer, tiny_llama_dir: Path, tiny_llama_adapt
 @pytest.fixture(scope="module")
 def offline(tiny_llama_dir: Path, tiny_llama_adapters: dict[str, Path]):
     from worker import LLM
-    from worker.lora_request import LoRARequest
+    from worker.core.lora_request import LoRARequest
 
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=256, enable_lora=True,
               max_loras=2, max_lora_rank=8)

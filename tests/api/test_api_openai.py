@@ -171,7 +171,7 @@ def test_vllm_xargs_reach_the_workers_logits_processors(served_model: str, oai: 
     body = {"model": served_model, "prompt": prompt, "temperature": 0.0, "max_tokens": 8}
     served = oai.completions.create(extra_body={"ignore_eos": True, "vllm_xargs": {"no_repeat_ngram_size": 2}}, **body)
     offline = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64,
-                  logits_processors=["worker.logits_processors:NoRepeatNGram"])
+                  logits_processors=["worker.sample.logits_processors:NoRepeatNGram"])
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, extra_args={"no_repeat_ngram_size": 2})
     expected = offline.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     assert served.choices[0].text == expected.text

@@ -411,7 +411,7 @@ def test_words_are_openai_whispers_in_languages_written_with_and_without_spaces(
     from transformers.models.whisper.tokenization_whisper import _combine_tokens_into_words
 
     from api.transcriptions import WhisperPrompts
-    from worker.models.whisper import CHAT_TEMPLATE
+    from worker.model_executor.models.whisper import CHAT_TEMPLATE
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_whisper_dir)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -440,7 +440,7 @@ def test_what_the_api_reads_from_a_whisper_tokenizer(tiny_whisper_dir: Path) -> 
 
     from api.errors import APIError
     from api.transcriptions import WhisperPrompts
-    from worker.models.whisper import CHAT_TEMPLATE, ENGLISH_CHAT_TEMPLATE
+    from worker.model_executor.models.whisper import CHAT_TEMPLATE, ENGLISH_CHAT_TEMPLATE
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_whisper_dir)
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -436,8 +436,8 @@ def test_strict_tools_hold_the_calls_of_an_auto_reply(monkeypatch: pytest.Monkey
     each call it opens is held to its tool in the server's format (a structural tag): a
     reply written so reads as those calls; a call whose arguments break the strict tool's
     schema, or that names no tool, is refused where it goes wrong."""
-    from worker.structured_output import make_grammar
-    from worker.token_bytes import byte_text
+    from worker.guided.structured_output import make_grammar
+    from worker.guided.token_bytes import byte_text
 
     monkeypatch.setenv("GENQ_TOOL_CALL_PARSER", parser)
     settings = Settings()

@@ -161,7 +161,7 @@ def age(conn: redis.Redis, keys: Keys, entry_id: str, deliveries: int | None = N
 
 def streamed_pieces(tokenizer, params: SamplingParams, token_ids: list[int]) -> list[str]:
     """The text a worker streams for each of these tokens (the engine's detokenizer)."""
-    from worker.detokenizer import IncrementalDetokenizer
+    from worker.core.detokenizer import IncrementalDetokenizer
 
     detok = IncrementalDetokenizer(tokenizer, [], params)
     return [detok.update([t]) for t in token_ids]

@@ -38,7 +38,7 @@ def lora_oracle(tiny_llama_dir: Path, tiny_llama_adapters: dict[str, Path]):
     import torch
 
     from worker import LLM
-    from worker.lora_request import LoRARequest
+    from worker.core.lora_request import LoRARequest
 
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=256, enable_lora=True,
               max_loras=2, max_lora_rank=8)
@@ -167,7 +167,7 @@ def test_runtime_registry_adds_and_removes_adapters(client: Client, conn: redis.
 
 
 def test_retired_adapters_leave_the_engine_once_unused(tiny_llama_dir: Path, tiny_llama_adapters: dict[str, Path]) -> None:
-    from worker.engine import Engine
+    from worker.core.engine import Engine
     from worker.queue.adapters import ServedAdapters
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64,
@@ -192,7 +192,7 @@ def test_a_corrupt_registry_adapter_is_reported_not_fatal(tiny_llama_dir: Path, 
                                                           tmp_path: Path) -> None:
     import shutil
 
-    from worker.engine import Engine
+    from worker.core.engine import Engine
     from worker.queue.adapters import ServedAdapters
 
     corrupt = shutil.copytree(tiny_llama_adapters["qv"], tmp_path / "corrupt")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from producer.cli import main
-from worker.bench_workload import W1, RandomWorkload, load_dataset
+from worker.benchmarks.workload import W1, RandomWorkload, load_dataset
 
 
 def test_w1_is_the_issue_workload():

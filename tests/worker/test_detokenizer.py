@@ -15,7 +15,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from producer.sampling_params import SamplingParams
-from worker.detokenizer import IncrementalDetokenizer, find_stop_string
+from worker.core.detokenizer import IncrementalDetokenizer, find_stop_string
 
 FFFD = "\ufffd"
 

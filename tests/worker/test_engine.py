@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
-from worker.attention import MATMUL_PREFILL_MAX_CONTEXT
-from worker.scheduler import ScheduledRequest, SchedulerOutput
+from worker.core.scheduler import ScheduledRequest, SchedulerOutput
+from worker.model_executor.attention import MATMUL_PREFILL_MAX_CONTEXT
 
 PROMPTS = [
     "Hello, my name is",
@@ -396,7 +396,7 @@ def test_what_the_engine_cannot_run_is_refused_by_name(change, error):
     wrongly."""
     from transformers import Phi3Config
 
-    from worker.models.config import ModelConfig
+    from worker.model_executor.models.config import ModelConfig
 
     config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
     for key, value in change.items():

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
-from worker.cuda_graphs import capture_sizes
-from worker.scheduler import ScheduledRequest, SchedulerOutput
+from worker.core.scheduler import ScheduledRequest, SchedulerOutput
+from worker.model_executor.cuda_graphs import capture_sizes
 
 PROMPTS = ["Hello, my name is", "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2, "x"]
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
-from worker.model_loader import gguf_dtype, gguf_target, resolve_model_path
+from worker.model_executor.model_loader import gguf_dtype, gguf_target, resolve_model_path
 
 HIDDEN, FFN, LAYERS = 64, 128, 2
 PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3,"]

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from test_engine import PROMPTS, greedy, hf_greedy, run_and_compare
 
 from worker import LLM
-from worker.models.gpt_oss import dequantize_mxfp4
-from worker.models.quant import E2M1
+from worker.model_executor.models.gpt_oss import dequantize_mxfp4
+from worker.model_executor.models.quant import E2M1
 
 GRID = torch.tensor(E2M1[:8])  # the non-negative e2m1 values
 
@@ -111,7 +111,7 @@ def test_mxfp4_blocks_without_their_scales_are_named(tiny_moe_dir, tmp_path):
 def test_mxfp4_is_served_for_gpt_oss_only():
     from transformers import LlamaConfig
 
-    from worker.models.config import ModelConfig
+    from worker.model_executor.models.config import ModelConfig
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                          quantization_config={"quant_method": "mxfp4"})
@@ -125,7 +125,7 @@ def test_clamped_swiglu_defaults_where_the_config_names_none():
     the model's own 1.702 and 7.0; where named, the config's."""
     from types import SimpleNamespace
 
-    from worker.models.config import MoEConfig
+    from worker.model_executor.models.config import MoEConfig
 
     fields = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, num_hidden_layers=2)
     assert MoEConfig.from_hf(SimpleNamespace(**fields), "gpt_oss").clamped_swiglu == (1.702, 7.0)

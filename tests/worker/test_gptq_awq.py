@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from test_engine import check_prefill_logits_against
 
 from worker import LLM
-from worker.models.quant import QuantLinear, pack_awq
+from worker.model_executor.models.quant import QuantLinear, pack_awq
 
 GROUP = 32
 KEEP_FLOAT = "model.layers.1.mlp"  # left float, listed in modules_to_not_convert

@@ -12,9 +12,9 @@ from test_structured_output import grammar_takes, xgrammar_takes
 
 from producer.json_values import integer_range_regex
 from producer.sampling_params import SamplingParams
-from worker.json_grammar import JSON_OBJECT, MAX_WHITESPACE_RUN
-from worker.json_schema_grammar import JsonSchemaGrammar
-from worker.token_bytes import byte_text
+from worker.guided.json_grammar import JSON_OBJECT, MAX_WHITESPACE_RUN
+from worker.guided.json_schema_grammar import JsonSchemaGrammar
+from worker.guided.token_bytes import byte_text
 
 VALID = [
     "{}",
@@ -520,7 +520,7 @@ def test_compact_json_spaces_as_xgrammar_without_any_whitespace(which: str) -> N
     json.dumps' texts (its default separators are those) and on them with spaces moved."""
     import xgrammar as xgr
 
-    from worker.json_grammar import COMPACT_JSON_OBJECT
+    from worker.guided.json_grammar import COMPACT_JSON_OBJECT
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]))
     rng = random.Random(11)

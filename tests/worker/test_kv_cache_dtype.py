@@ -51,7 +51,7 @@ def test_the_rounding_is_visible(tiny_llama_dir):
     """Against plain transformers the fp8 cache's logits differ: the oracle's rounding matters."""
     from transformers import AutoModelForCausalLM
 
-    from worker.scheduler import ScheduledRequest, SchedulerOutput
+    from worker.core.scheduler import ScheduledRequest, SchedulerOutput
 
     ids = list(range(5, 60))
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, kv_cache_dtype="fp8")

@@ -11,7 +11,7 @@ from test_engine import PROMPTS, greedy, hf_greedy_along, step_to_end
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
-from worker.models.linear_attention import gated_delta_rule
+from worker.model_executor.models.linear_attention import gated_delta_rule
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +240,8 @@ def test_a_slot_is_taken_zeroed_and_given_back():
     preempted one gives it back (it starts over); with every slot held, a new request and one
     that continues without its state are errors, not silent mixes of states. One served from
     the prefix cache takes a copy of the saved state it starts from."""
-    from worker.models.config import LinearAttentionConfig
-    from worker.models.linear_attention import LinearStates
+    from worker.model_executor.models.config import LinearAttentionConfig
+    from worker.model_executor.models.linear_attention import LinearStates
 
     states = LinearStates(LinearAttentionConfig(1, 2, 4, 4, 3), 2, 2, torch.float32, torch.device("cpu"))
     assert states.allocate_saved(3, spares=True) == 5  # and a spare per request slot after them
@@ -283,8 +283,12 @@ def test_the_kernel_path_steps_as_the_torch_path(mamba2):
     within a request (the torch path solves the chunks alone, and in the second step, where
     the runs are as many as the rows of the longest, steps through them a token at a time,
     together). Outputs, states and every saved state agree."""
-    from worker.models.config import LinearAttentionConfig
-    from worker.models.linear_attention import GatedDeltaNet, LinearStates, Mamba2Mixer
+    from worker.model_executor.models.config import LinearAttentionConfig
+    from worker.model_executor.models.linear_attention import (
+        GatedDeltaNet,
+        LinearStates,
+        Mamba2Mixer,
+    )
 
     torch.manual_seed(0)
     cfg = LinearAttentionConfig(2, 4, 8, 12, 4, mamba2=mamba2, conv_bias=mamba2)

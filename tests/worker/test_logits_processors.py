@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from producer.sampling_params import SamplingParams
 from worker import LLM, RequestsFailed
 
-NO_REPEAT = "worker.logits_processors:NoRepeatNGram"
+NO_REPEAT = "worker.sample.logits_processors:NoRepeatNGram"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21, 22, 20, 21]]
 # prompts whose greedy continuations on the tiny Llama repeat an n-gram (the prompt's last
 # n - 1 tokens and the next token are its first ones), for n = 1, 2, 3
@@ -110,7 +110,7 @@ def test_a_failing_function_ends_its_own_request(tiny_llama_dir):
 def test_bad_settings_and_processors_are_refused_by_name(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64,
               logits_processors=[NO_REPEAT, FailsAfter])
-    with pytest.raises(ValueError, match="logits processor worker.logits_processors:NoRepeatNGram: "
+    with pytest.raises(ValueError, match="logits processor worker.sample.logits_processors:NoRepeatNGram: "
                                          "no_repeat_ngram_size must be an int >= 1, got 0"):
         llm.engine.add_request("r", [1, 2, 3], SamplingParams(extra_args={"no_repeat_ngram_size": 0}, n=2))
     assert not llm.engine.has_unfinished_requests() and not llm.engine.logits_processors.by_request

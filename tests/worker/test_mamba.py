@@ -1,4 +1,4 @@
-"""Mamba2 layers (worker.models.linear_attention.Mamba2Mixer), which keep a state per request
+"""Mamba2 layers (worker.model_executor.models.linear_attention.Mamba2Mixer), which keep a state per request
 as Qwen3.5's linear attention does: the rule against transformers' own Mamba2 scan, and the
 tiny Granite 4.0 models (experts and dense) and Nemotron-H against transformers' greedy
 tokens through chunked prefill, preemption and the prefix cache's saved states."""
@@ -10,7 +10,7 @@ import torch
 from test_engine import PROMPTS, greedy, hf_greedy_along
 
 from worker import LLM
-from worker.models.linear_attention import gated_delta_rule
+from worker.model_executor.models.linear_attention import gated_delta_rule
 
 
 @pytest.mark.parametrize("length", [1, 7, 64, 100])

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from producer.sampling_params import SamplingParams
 from worker import LLM, LoRARequest
-from worker.model_loader import iter_safetensors
-from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
-from worker.models.moe import SparseMoeBlock, pack_experts
-from worker.models.packed_linear import can_pack, pack_linears
+from worker.model_executor.model_loader import iter_safetensors
+from worker.model_executor.models.config import ModelConfig
+from worker.model_executor.models.llama import LlamaForCausalLM
+from worker.model_executor.models.moe import SparseMoeBlock, pack_experts
+from worker.model_executor.models.packed_linear import can_pack, pack_linears
 
 
 def _load(model_dir: Path, dtype: torch.dtype) -> LlamaForCausalLM:

@@ -21,7 +21,7 @@ from transformers.modeling_layers import MtpModel
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
-from worker.spec_decode import SpeculativeConfig
+from worker.spec_decode.speculative import SpeculativeConfig
 
 FAMILIES = ["deepseek_v3", "qwen3_next"]  # (and GLM-4.5, DeepSeek's layout, where a test's guesses are checked)
 PROMPTS = [list(range(100, 131)), [7, 3000, 41, 999, 12, 5, 8000, 77, 300]]
@@ -249,7 +249,7 @@ def test_mtp_is_refused_where_there_is_no_layer(tiny_llama_dir, tiny_family):
 def test_an_mtp_layer_with_an_embedding_of_its_own_is_refused_by_name():
     from transformers import Qwen3NextConfig
 
-    from worker.models.mtp import check_has_mtp
+    from worker.model_executor.models.mtp import check_has_mtp
 
     config = Qwen3NextConfig(architectures=["Qwen3NextForCausalLM"], mtp_num_hidden_layers=1)
     check_has_mtp(config)
@@ -308,7 +308,7 @@ def test_an_fp8_checkpoints_layer_is_read_as_stored(tiny_family, tmp_path):
     dequantized."""
     from test_quantization import BLOCK, write_fp8_checkpoint
 
-    from worker.models.quant import dequantize
+    from worker.model_executor.models.quant import dequantize
 
     family = "deepseek_v3"
     fp8 = write_fp8_checkpoint(build_mtp_checkpoint(tiny_family(family), tmp_path / "m", family), tmp_path / "fp8",

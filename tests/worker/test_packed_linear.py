@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker import LLM
-from worker.models.packed_linear import PackedLinear, can_pack
-from worker.scheduler import ScheduledRequest, SchedulerOutput
+from worker.core.scheduler import ScheduledRequest, SchedulerOutput
+from worker.model_executor.models.packed_linear import PackedLinear, can_pack
 
 CPU = torch.device("cpu")
 DTYPES = [

@@ -15,8 +15,8 @@ from test_engine import check_prefill_logits, check_prefill_logits_against, run_
 from transformers import AutoModelForCausalLM
 
 from worker import LLM
-from worker.models.quant import FP8, QuantLinear, pack_int4, quantize, unpack
-from worker.scheduler import ScheduledRequest, SchedulerOutput
+from worker.core.scheduler import ScheduledRequest, SchedulerOutput
+from worker.model_executor.models.quant import FP8, QuantLinear, pack_int4, quantize, unpack
 
 BLOCK = (16, 32)  # rows x columns per scale, off square so a transposed grid shows
 

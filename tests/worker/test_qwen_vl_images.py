@@ -193,7 +193,7 @@ def test_an_image_the_encoder_fails_on_ends_its_request_alone(tiny_qwen_vl_dir, 
     thread prepares them): the vision transformer raises when the step reaches the image.
     That request ends (abort) and the others in the step go on, as transformers answers;
     generate raises naming it, with every output."""
-    from worker.multimodal import PreparedImages
+    from worker.core.multimodal import PreparedImages
 
     llm = LLM(str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64)
     good = llm.engine.image_processor.prepare(ONE[1])
@@ -220,7 +220,7 @@ async def test_a_queued_job_whose_images_fail_to_encode_fails_with_why(tiny_qwen
 
     from producer.protocol import Job
     from worker.config import EngineConfig
-    from worker.multimodal import PreparedImages
+    from worker.core.multimodal import PreparedImages
     from worker.queue.engine_thread import AddRequest, EngineThread
 
     thread = EngineThread(EngineConfig(model=str(tiny_qwen_vl_dir), dtype="float32", num_gpu_blocks_override=64),

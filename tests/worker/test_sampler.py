@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (
 )
 
 from producer.sampling_params import SamplingParams
-from worker.sampler import (
+from worker.sample.sampler import (
     Sampler,
     SamplingBatch,
     apply_allowed_token_ids,

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from producer.sampling_params import SamplingParams
-from worker.block_manager import BlockManager, KVSwaps, host_hit, host_slot
 from worker.config import SchedulerConfig
-from worker.request import Request, RequestStatus
-from worker.scheduler import Scheduler
+from worker.core.block_manager import BlockManager, KVSwaps, host_hit, host_slot
+from worker.core.request import Request, RequestStatus
+from worker.core.scheduler import Scheduler
 
 BS = 4
 
@@ -37,7 +37,7 @@ def step(sched, token=7):
 
 
 def test_plain_python_no_torch():
-    code = "import sys, worker.scheduler, worker.block_manager; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, worker.core.scheduler, worker.core.block_manager; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -17,9 +17,9 @@ from test_engine import hf_greedy_along
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
-from worker.models.packed_linear import can_pack
-from worker.request import NO_TOKEN
-from worker.spec_decode import NgramProposer, SpeculativeConfig
+from worker.core.request import NO_TOKEN
+from worker.model_executor.models.packed_linear import can_pack
+from worker.spec_decode.speculative import NgramProposer, SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 PROMPTS = [
@@ -129,7 +129,7 @@ def test_guesses_a_grammar_refuses_are_cut_off(default_model_dir):
     proposed: they could not be kept."""
     from transformers import AutoTokenizer
 
-    from worker.structured_output import GuidedDecoding
+    from worker.guided.structured_output import GuidedDecoding
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     guided = GuidedDecoding(tok, {tok.eos_token_id})

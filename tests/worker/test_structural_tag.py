@@ -13,9 +13,9 @@ import xgrammar as xgr
 from test_structured_output import check_masks_against_xgrammar, grammar_takes, xgrammar_takes
 
 from producer.structural_tag import read_structural_tag
-from worker.json_grammar import MAX_WHITESPACE_RUN
-from worker.structural_tag import StructuralTagGrammar
-from worker.token_bytes import special_texts, token_bytes
+from worker.guided.json_grammar import MAX_WHITESPACE_RUN
+from worker.guided.structural_tag import StructuralTagGrammar
+from worker.guided.token_bytes import special_texts, token_bytes
 
 WEATHER = {"type": "object", "required": ["city"], "properties": {
     "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 14},

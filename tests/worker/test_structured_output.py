@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from worker.json_grammar import JSON_OBJECT
-from worker.structured_output import ChoiceGrammar, GuidedState, TokenMasks, make_grammar
-from worker.token_bytes import byte_text, special_texts, token_bytes
+from worker.guided.json_grammar import JSON_OBJECT
+from worker.guided.structured_output import ChoiceGrammar, GuidedState, TokenMasks, make_grammar
+from worker.guided.token_bytes import byte_text, special_texts, token_bytes
 
 
 def vocabulary(texts: list[str], special: set[int]) -> list[bytes | None]:

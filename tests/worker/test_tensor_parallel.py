@@ -28,12 +28,12 @@ from test_quantization import BLOCK, write_fp8_checkpoint, write_per_channel_che
 from producer.sampling_params import SamplingParams
 from worker import LLM
 from worker.config import EngineConfig
-from worker.model_loader import iter_safetensors
-from worker.models.config import ModelConfig
-from worker.models.llama import LlamaForCausalLM
-from worker.models.moe import Experts
-from worker.models.quant import QuantLinear
-from worker.parallel import shard_weights
+from worker.model_executor.model_loader import iter_safetensors
+from worker.model_executor.models.config import ModelConfig
+from worker.model_executor.models.llama import LlamaForCausalLM
+from worker.model_executor.models.moe import Experts
+from worker.model_executor.models.quant import QuantLinear
+from worker.model_executor.parallel import shard_weights
 
 
 def split_llm(model_dir, **kwargs) -> LLM:
@@ -103,7 +103,7 @@ def test_an_expert_kept_float_is_named_by_its_own_id_on_every_rank(tiny_family, 
     keeping that layer's experts float. Prefill logits equal transformers'."""
     from safetensors.torch import load_file, save_file
 
-    from worker.models.quant import dequantize
+    from worker.model_executor.models.quant import dequantize
 
     fp8 = write_fp8_checkpoint(tiny_family("qwen3_moe"), tmp_path / "q", BLOCK, ("model.layers.0.mlp.experts.4",))
     stored = load_file(fp8 / "model.safetensors")  # the oracle: its values times their scales, for transformers
@@ -332,8 +332,8 @@ def test_whole_projection_norms_over_replicated_kv_heads():
     of what the four ranks give it (gathered first, then handed back)."""
     from transformers import Olmo2Config
 
-    from worker.models.llama import Attention
-    from worker.parallel import _kv_share
+    from worker.model_executor.models.llama import Attention
+    from worker.model_executor.parallel import _kv_share
 
     whole = ModelConfig.from_hf(Olmo2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                             num_key_value_heads=2, num_hidden_layers=1,

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from producer.sampling_params import SamplingParams
 from worker import LLM
-from worker.thinking_budget import ThinkingMarkers, ThinkingState
+from worker.sample.thinking_budget import ThinkingMarkers, ThinkingState
 
 MARKERS = {"think_start_str": "<think>", "think_end_str": "</think>"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}

@@ -7,7 +7,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from worker.token_bytes import special_texts, token_bytes
+from worker.guided.token_bytes import special_texts, token_bytes
 
 TEXTS = ["naïve café — 日本語のテキスト 🙂", "plain ascii, with  spaces\n\tand tabs", "Ünïcödé ŝtrïñg ∑ √ ∞"]
 

@@ -1,4 +1,4 @@
-"""Tokenizers read once per directory and process (worker.tokenizer_loader): each engine gets
+"""Tokenizers read once per directory and process (worker.model_executor.tokenizer_loader): each engine gets
 its own copy, as transformers reads it, and a directory whose files were written since is
 read again."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from worker import LLM
-from worker.tokenizer_loader import load_tokenizer
+from worker.model_executor.tokenizer_loader import load_tokenizer
 
 TEXT = "Hello, <|im_start|> world 12345 ünïcödé"
 MESSAGES = [{"role": "user", "content": "Hi there"}]

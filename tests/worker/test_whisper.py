@@ -19,7 +19,7 @@ from test_engine import step_to_end
 
 from producer.audio import read_clip
 from worker import LLM, SamplingParams
-from worker.models.whisper import WhisperRules
+from worker.model_executor.models.whisper import WhisperRules
 
 START = 49152  # <|startoftranscript|> (the fixture's first added token)
 PROMPT = [1, 50, 51, 52]  # the decoder's prompt, as token ids (the tiny model's start token is 1)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from worker.lora_request import LoRARequest
+from worker.core.lora_request import LoRARequest
 
 if TYPE_CHECKING:
-    from worker.engine import Engine
+    from worker.core.engine import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ from producer.protocol import (
     validate_queue_name,
 )
 from worker.config import EngineConfig
-from worker.lora_request import LoRARequest
+from worker.core.lora_request import LoRARequest
 
 T = TypeVar("T")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # worker.model_loader's default (it imports torch)
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # worker.model_executor.model_loader's default (it imports torch)
 DEFAULT_DEAD_RETENTION_S = 7 * 24 * 3600  # dead letters wait a week for someone to look
 # above the largest entry the API writes at its defaults (8 fetched images of 20 MiB, or a 64 MiB
 # prompt_embeds tensor), below Redis's 512 MB bulk-string limit

@@ -23,13 +23,13 @@ from jinja2 import TemplateError
 from producer.protocol import ERROR_INVALID_REQUEST, Job
 from producer.records import PauseCommand, SleepCommand, WeightsUpdate
 from worker.config import EngineConfig
-from worker.lora_request import LoRARequest
+from worker.core.lora_request import LoRARequest
 from worker.queue.adapters import ServedAdapters
 
 if TYPE_CHECKING:
-    from worker.engine import Engine
-    from worker.multimodal import PreparedImages
-    from worker.outputs import RequestOutput
+    from worker.core.engine import Engine
+    from worker.core.multimodal import PreparedImages
+    from worker.core.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class EngineThread:
         return self._images
 
     def _prepare_images(self, job: Job) -> PreparedImages | None:
-        from worker.multimodal import chat_media  # loaded by now: the engine imported it
+        from worker.core.multimodal import chat_media  # loaded by now: the engine imported it
 
         assert job.messages is not None and self.engine.image_processor is not None
         _, images, modality = chat_media(job.messages)
@@ -333,7 +333,7 @@ class EngineThread:
     # -- the thread ----------------------------------------------------------------------------
 
     def _main(self) -> None:
-        from worker.engine import Engine  # torch: imported once a worker really starts
+        from worker.core.engine import Engine  # torch: imported once a worker really starts
 
         try:
             self.engine = Engine(self.config)

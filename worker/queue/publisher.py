@@ -33,7 +33,7 @@ from worker.queue.outage import REDIS_ERRORS, Outage
 from worker.queue.scripts import JobWrite, Scripts
 
 if TYPE_CHECKING:
-    from worker.outputs import CompletionOutput, RequestOutput
+    from worker.core.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1027 @@
+"""The engine: requests in, `RequestOutput` deltas out, one `step()` at a time.
+
+Not thread-safe: one thread owns the engine and calls `step()`; other threads hand it work
+through that thread (the worker's intake queue does this).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from producer.chat_template import render_chat
+from producer.pooling_params import PoolingParams
+from producer.sampling_params import SamplingParams
+from worker.config import EngineConfig, SchedulerConfig
+from worker.core.block_manager import BlockManager
+from worker.core.lora_request import LoRARequest
+from worker.core.multimodal import (
+    ImageInputs,
+    PreparedImages,
+    chat_media,
+    image_processor,
+    images_of,
+    takes_images,
+)
+from worker.core.output_processor import OutputProcessor
+from worker.core.outputs import RequestOutput
+from worker.core.prompt_embeds import (
+    PLACEHOLDER_ID,
+    checked_embeds,
+    embeds_digest,
+    prompt_embeds_of,
+)
+from worker.core.request import Request, RequestStatus
+from worker.core.scheduler import Scheduler, SchedulerOutput
+from worker.guided.structured_output import GuidedDecoding
+from worker.model_executor.model_loader import check_import_names, read_config, resolve_model_path
+from worker.model_executor.model_runner import ModelOutput, ModelRunner
+from worker.model_executor.models.config import ModelConfig, architecture_of, language_config
+from worker.model_executor.models.mtp import check_has_mtp
+from worker.model_executor.models.whisper import CHAT_TEMPLATE as WHISPER_CHAT_TEMPLATE
+from worker.model_executor.models.whisper import ENGLISH_CHAT_TEMPLATE as WHISPER_ENGLISH_TEMPLATE
+from worker.model_executor.models.whisper import token_timestamps, whisper_rules
+from worker.model_executor.parallel import ParallelRunner
+from worker.model_executor.tokenizer_loader import load_tokenizer
+from worker.sample.logits_processors import LogitsProcessors, load_logits_processors
+from worker.sample.sampler import Sampler, SamplerOutput, TokenLogprobs
+from worker.sample.sampling_batch import SamplingBatch
+from worker.sample.thinking_budget import ThinkingBudgets, ThinkingMarkers
+from worker.spec_decode.draft_model import (
+    DraftModelProposer,
+    HiddenStateProposer,
+    eagle3_proposer,
+    holds_eagle3_head,
+    mtp_proposer,
+)
+from worker.spec_decode.speculative import (
+    MTP_METHODS,
+    NgramProposer,
+    SpecDecodeStats,
+    SpeculativeConfig,
+    can_speculate,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_FAILURES = 1024  # failed requests' reasons kept for take_failures, latest last
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class CheckedPrompt(NamedTuple):
+    text: str | None
+    token_ids: list[int]
+    images: ImageInputs | None = None  # its images processed, their tokens in token_ids
+    embeds: torch.Tensor | None = None  # given as embeddings: [len(token_ids), hidden], the ids placeholders
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        check_import_names()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = resolve_model_path(config.model, config.cache_dir)
+        whole_config = read_config(self.model_path, config.hf_overrides)
+        hf_config = language_config(whole_config)
+        self.tokenizer = load_tokenizer(config.tokenizer, self.model_path)
+        if config.chat_template is not None:  # (the workers publish it with the tokenizer)
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
+        # (before the model loads: a processor that cannot load fails the start at once)
+        self.logits_processors = LogitsProcessors(load_logits_processors(config.logits_processors, config))
+        self.max_model_len = _max_model_len(config, hf_config)
+        if (config.speculative_config or {}).get("method") in MTP_METHODS:  # before the model loads
+            check_has_mtp(hf_config)
+        images = takes_images(self.model_path, whole_config)
+        self.runner: ModelRunner | ParallelRunner
+        image_config = whole_config if images else None
+        model_class = encoder_decoder_class(config, whole_config, images)  # (which refuses tensor parallelism)
+        if config.tensor_parallel_size == 1:
+            own_class: dict[str, Any] = {} if model_class is None else {"model_class": model_class}
+            self.runner = ModelRunner(config, self.model_path, hf_config, self.max_model_len, image_config, **own_class)
+        else:
+            # the model's split is checked before any other rank starts
+            ModelConfig.from_hf(hf_config, config.quantization, self.max_model_len).shard(
+                config.tensor_parallel_size, config.enable_expert_parallel)
+            self.runner = ParallelRunner(config, self.model_path, hf_config, self.max_model_len, image_config)
+        self.alignment_heads: list[tuple[int, int]] = []  # (layer, head): Whisper's, its token timestamps'
+        self.median_filter_width = 7
+        if model_class is not None:
+            self._take_whisper_rules(config, whole_config)
+        # where the model takes images: what makes their pixels and tokens
+        self.image_processor = (image_processor(self.model_path, whole_config, self.tokenizer, config.mm_processor_kwargs)
+                                if images else None)
+        self.model_config = self.runner.model_config
+        self.eos_token_ids = (self.model_config.eos_token_ids | _tokenizer_eos(self.tokenizer)
+                              | generation_eos(self.model_path))
+        self.sampling_defaults = sampling_defaults(self.model_path, config.generation_config,
+                                                   config.override_generation_config)
+        # linear attention's state follows every token before: blocks alone restore no prefix, the
+        # states the prefix cache keeps do (where it keeps some)
+        self.recurrent = self.model_config.linear is not None
+        num_saved = self.runner.states.num_saved if self.runner.states is not None else None
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching and num_saved != 0,
+                                          windows=[window for window, _ in self.runner.kv_layout],
+                                          num_host_blocks=self.runner.num_host_blocks,
+                                          state_slots=num_saved, state_interval=config.state_interval,
+                                          num_host_states=self.runner.num_host_states)
+        sched_config = SchedulerConfig(
+            max_num_seqs=self.runner.max_num_seqs,  # (fewer where Whisper's slots do not fit)
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            eos_token_ids=frozenset(self.eos_token_ids),
+            max_loras=config.max_loras if config.enable_lora else 0,
+            recurrent=self.recurrent,
+        )
+        self.scheduler = Scheduler(sched_config, self.block_manager)
+        self.max_num_seqs = sched_config.max_num_seqs
+        # (Whisper's logprobs are its rules' before the temperature: what its decoders weigh a reply by)
+        self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels,
+                               logprobs_mode=config.logprobs_mode, before_temperature=model_class is not None)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids)
+        self.thinking = ThinkingBudgets(ThinkingMarkers.from_config(config.reasoning_config, self.tokenizer))
+        self.generators: dict[str, torch.Generator] = {}
+        self.proposer = self._make_proposer(config)
+        self.spec_stats = SpecDecodeStats()
+        self._aborted: list[Request] = []  # finished by abort, reported at the next step
+        # request id -> why it failed in a step (its images' encoding, a logits processor)
+        self._failures: dict[str, str] = {}
+        self.num_generated_tokens = 0
+        self._weights_source: Path | None = self.model_path  # the checkpoint served last (None: weights given)
+
+    # -- intake --------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        resume_output_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError for a bad prompt, parameters or adapter, leaving
+        the engine as it was. `resume_output_token_ids` continues a job from tokens it had
+        already emitted: they count towards max_tokens and are not reported again.
+        `lora_request` runs it with that adapter, read on first use. With `pooling_params`
+        it is an embedding request: its one output carries `embedding`, and no tokens."""
+        params = params or SamplingParams()
+        self._check_takes(request_id)
+        text, prompt_ids, images, embeds = self.check_prompt(prompt, params, pooling_params)
+        if pooling_params is None and not params.clamp_max_tokens:  # (an embedding generates nothing)
+            check_fits(len(prompt_ids), params.max_tokens, self.max_model_len)
+        salt = cache_salt_of(prompt)
+        predicted = self.tokenizer.encode(params.prediction, add_special_tokens=False) if params.prediction else []
+        if pooling_params is not None and params.n != 1:
+            raise ValueError(f"an embedding request has one output, got n={params.n}")
+        if pooling_params is not None and pooling_params.dimensions is not None:
+            self._check_dimensions(pooling_params.dimensions)
+        if pooling_params is None and not self.model_config.has_lm_head:
+            raise ValueError(f"this model ({self.model_config.architecture}) has no LM head: it serves "
+                             "embedding requests only")
+        self.check_params(params)
+        self.thinking.check(params.thinking_token_budget)
+        functions = self.logits_processors.make(params, params.n)  # (a refusal leaves nothing behind)
+        lora_id = self.add_lora(lora_request) if lora_request is not None else 0
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        children = [
+            self._make_child(request_id, i, prompt_ids, params, priority, arrival_time, resume_output_token_ids)
+            for i in range(params.n)
+        ]
+        bad_words = self._bad_words_token_ids(params.bad_words or [])
+        digest = embeds_digest(embeds) if embeds is not None else 0
+        for child in children:
+            child.lora_id, child.cache_salt, child.prediction_token_ids = lora_id, salt, predicted
+            child.pooling_params = pooling_params
+            child.bad_words_token_ids = bad_words
+            child.image_spans = images.span_keys() if images is not None else []
+            if images is not None and self.image_processor is not None and self.image_processor.both_ways:
+                child.whole_spans = images.embed_ranges()
+            if embeds is not None:  # (its blocks keyed by the embeddings, as an image's by its pixels)
+                child.image_spans, child.given_embeds = [(0, len(prompt_ids), digest)], True
+        if images is not None:
+            self.runner.add_images([child.request_id for child in children], images)
+        if embeds is not None:
+            self.runner.add_prompt_embeds([child.request_id for child in children], embeds, digest)
+        self.output_processor.add_request(request_id, text, children)
+        self.logits_processors.keep([child.request_id for child in children], functions)
+        for child in children:
+            self.thinking.add(child.request_id, params.thinking_token_budget, prompt_ids)
+        if self.recurrent and not self.block_manager.enable_prefix_caching:  # no state of the prompt is
+            # kept for the others to start from: each completion computes it
+            for child in children:
+                self.scheduler.add_request(child)
+        else:
+            self.scheduler.add_request(children[0], forks=children[1:])
+
+    def _check_takes(self, request_id: str) -> None:
+        if self.runner.asleep:
+            raise ValueError("the engine is asleep (sleep mode): wake_up() first")
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+
+    def _make_child(self, request_id, index, prompt_ids, params, priority, arrival_time, resume):
+        child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        child_params = params
+        if params.seed is not None:
+            child_params = replace(params, seed=params.seed + index)
+            self.generators[child_id] = self._seeded_generator(child_params, len(resume or []))
+        request = Request(
+            request_id=child_id,
+            prompt_token_ids=list(prompt_ids),
+            sampling_params=child_params,
+            priority=priority,
+            arrival_time=arrival_time,
+            output_token_ids=list(resume or []),
+        )
+        if params.guided_decoding is not None:
+            self.guided.add(child_id, params.guided_decoding)
+        room = self.max_model_len - len(prompt_ids)  # (past it only with clamp_max_tokens: check_fits)
+        request.max_tokens = min(params.max_tokens or room, room)
+        return request
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokenizations as written and after a space (as it reads mid-sentence),
+        without repeats, as vLLM bans bad words."""
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    sequences[ids] = None
+        return [list(ids) for ids in sequences]
+
+    def _seeded_generator(self, params: SamplingParams, num_drawn: int) -> torch.Generator:
+        """A request's own generator. A resumed request skips the draws its first run made
+        (one vocabulary-sized draw per random token), so it continues with the same tokens."""
+        assert params.seed is not None, "only seeded requests get their own generator"
+        generator = torch.Generator().manual_seed(params.seed)
+        if num_drawn and not params.greedy:
+            torch.empty(num_drawn, self.model_config.vocab_size).exponential_(generator=generator)
+        return generator
+
+    def add_lora(self, lora_request: LoRARequest) -> int:
+        """Read an adapter (once per id) so requests can run with it; returns its id.
+        ValueError when LoRA is off or the adapter does not fit this model."""
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is not enabled "
+                             "(start the engine with enable_lora=True)")
+        self.runner.lora.add(lora_request)
+        return lora_request.lora_int_id
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget an adapter no request runs with any more (its id may not be reused)."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(lora_id)
+
+    def check_prompt(
+        self, prompt: PromptInput, params: SamplingParams | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> CheckedPrompt:
+        """The prompt's text (if any), token ids and images; ValueError naming what is wrong
+        with it. An embedding request's prompt may fill max_model_len (nothing follows it);
+        with `truncate_prompt_tokens` (of the pooling params, else of the sampling params) a
+        prompt keeps only its last tokens. A prompt dict's `multi_modal_data` images are
+        processed here, each image token in the prompt widened to the image's tokens
+        (worker.core.multimodal); a dict LLM made of one checked (`image_inputs`) passes as it is."""
+        if (embeds := prompt_embeds_of(prompt)) is not None:
+            return self._check_embeds(embeds, params, pooling_params)
+        text, prompt_ids = self._tokenize(prompt)
+        images = prompt.get("image_inputs") if isinstance(prompt, dict) else None
+        if self.image_processor is None and isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise ValueError(f"this model ({self.model_config.architecture}) takes no images or audio")
+        modality = "image" if self.image_processor is None else self.image_processor.modality
+        if images is None and (given := images_of(prompt, modality)):
+            assert self.image_processor is not None
+            self.check_image_count(len(given.digests) if isinstance(given, PreparedImages) else len(given))
+            if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(text, str):
+                prompt_ids = (self.tokenizer.encode(text, add_special_tokens=False)  # (a decoder prompt: as written)
+                              if self.image_processor.encoder_decoder
+                              else self._expanded_ids(text, prompt_ids, with_specials=True))
+            prompt_ids, images = self.image_processor.process(prompt_ids, given)
+            if self.image_processor.both_ways:  # each image is computed in one step
+                longest = max(hi - lo for lo, hi in images.embed_ranges())
+                if longest > self.config.max_num_batched_tokens:
+                    raise ValueError(f"an image takes {longest} tokens, computed in one step, but "
+                                     f"max_num_batched_tokens is {self.config.max_num_batched_tokens}")
+        if images is None and self.image_processor is not None and self.image_processor.encoder_decoder:
+            raise ValueError(f"this model ({self.model_config.architecture}) reads an audio clip with its prompt: "
+                             "give one as multi_modal_data {'audio': clip}")
+        limit, keep = self._prompt_limits(params, pooling_params)
+        if keep is not None:
+            if images is not None:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+            prompt_ids = prompt_ids[-keep:]
+        self._validate_prompt(prompt_ids, limit)
+        return CheckedPrompt(text, prompt_ids, images)
+
+    def _prompt_limits(self, params: SamplingParams | None, pooling_params: PoolingParams | None) -> tuple[int, int | None]:
+        """The most tokens a prompt may have (a generation must leave room for a token; an
+        embedding's prompt may fill max_model_len), and how many of its last ones
+        truncate_prompt_tokens keeps (of the pooling params, else of the sampling params;
+        None: all; -1: as many as leave room for max_tokens)."""
+        limit = self.max_model_len if pooling_params is not None else self.max_model_len - 1
+        source = pooling_params if pooling_params is not None else params
+        k = source.truncate_prompt_tokens if source is not None else None
+        if k == -1 and pooling_params is None and params is not None and params.max_tokens and not params.clamp_max_tokens:
+            # room for the tokens asked for, so -1 never keeps a prompt that check_fits refuses
+            return limit, max(self.max_model_len - params.max_tokens, 1)
+        return limit, None if k is None else min(limit if k == -1 else k, limit)
+
+    def _check_embeds(self, given: torch.Tensor | bytes, params: SamplingParams | None,
+                      pooling_params: PoolingParams | None) -> CheckedPrompt:
+        """A prompt given as embeddings (worker.core.prompt_embeds): checked, cut to its last
+        truncate_prompt_tokens rows, with a placeholder id per row."""
+        if params is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs the prompt's tokens: a prompt given as prompt_embeds has none")
+        embeds = checked_embeds(given, self.model_config.hidden_size)
+        limit, keep = self._prompt_limits(params, pooling_params)
+        if keep is not None:
+            embeds = embeds[-keep:]
+        prompt_ids = [PLACEHOLDER_ID] * len(embeds)
+        self._validate_prompt(prompt_ids, limit)
+        return CheckedPrompt(None, prompt_ids, None, embeds)
+
+    def check_image_count(self, count: int) -> None:
+        """ValueError where one prompt holds more images than max_images_per_prompt."""
+        if count > self.config.max_images_per_prompt:
+            kind = "audio clips" if self.image_processor is not None and self.image_processor.modality == "audio" else "images"
+            raise ValueError(f"the prompt holds {count} {kind}, more than max_images_per_prompt "
+                             f"({self.config.max_images_per_prompt})")
+
+    def _expanded_ids(self, text: str, prompt_ids: list[int], with_specials: bool) -> list[int]:
+        """A text prompt's ids as the model's processor tokenizes it around its images (Gemma
+        3 sets each off by blank lines, which join the text's own newlines), else
+        `prompt_ids`; `with_specials`: as a plain prompt is tokenized (a chat template's text
+        writes its own). Token ids a caller gives are taken as they are."""
+        assert self.image_processor is not None
+        expanded = self.image_processor.expand_text(text)
+        if expanded == text:
+            return prompt_ids
+        return self.tokenizer.encode(expanded, add_special_tokens=with_specials)
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate_prompt(self, prompt_ids: list[int], limit: int) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(prompt_ids) > limit:
+            room = ("and at least one token must be left to generate" if limit < self.max_model_len
+                    else "(truncate_prompt_tokens keeps only the last tokens)")
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} {room}"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+
+    def _check_dimensions(self, dimensions: int) -> None:
+        """A vector cut to its first `dimensions` values means something only where the model
+        was trained so (Matryoshka: its config's is_matryoshka or matryoshka_dimensions, as vLLM
+        reads them; hf_overrides can set them)."""
+        hf, hidden = self.model_config.hf_config, self.model_config.hidden_size
+        sizes = getattr(hf, "matryoshka_dimensions", None)
+        if self.model_config.labels or not (getattr(hf, "is_matryoshka", False) or sizes):
+            raise ValueError(f"dimensions: this model ({self.model_config.architecture}) does not declare Matryoshka "
+                             "embeddings (is_matryoshka), so its vectors have one size")
+        if dimensions > hidden or (sizes and dimensions not in sizes):
+            allowed = sorted(sizes) if sizes else f"up to {hidden}"
+            raise ValueError(f"dimensions must be one of this model's Matryoshka sizes ({allowed}), got {dimensions}")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: logit_bias and allowed_token_ids may only
+        name tokens this model has."""
+        vocab = self.model_config.vocab_size
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} names token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        if (params.extra_args or {}).get("token_timestamps") and not self.alignment_heads:
+            raise ValueError("extra_args token_timestamps: " + (
+                "this Whisper checkpoint names no alignment_heads (generation_config.json) to find them by"
+                if self.runner.cross is not None else
+                f"token timestamps are a Whisper model's, this one is {self.model_config.architecture}"))
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's: forget every cached prefix (KV blocks, saved states, the host tier's). Those
+        running requests hold stay theirs, but no later request is served from them. For
+        benchmarks that must start cold, and after anything that should not be served from
+        memory (new weights)."""
+        for request in self.scheduler.waiting:  # (one holding no blocks hashes its prompt again, anew)
+            if not self.block_manager.num_held(request.request_id):
+                request.block_hashes.clear()
+        self.block_manager.reset_prefix_cache()
+
+    def reload_weights(self, model_path: str | Path | None = None,
+                       weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> Path | None:
+        """Serve the weights of the checkpoint at `model_path` from now on: a checkpoint of the
+        served model's shape (a fine-tune's, a training step's), read between two steps and
+        copied over the weights in place; None reads the served model's own checkpoint again
+        (one a trainer overwrote). Or `weights`: the tensors themselves, by their checkpoint
+        names (a colocated trainer's `model.named_parameters()`), every one the model reads;
+        for one process only (tensor_parallel_size 1) and a model without an image encoder.
+        Returns the checkpoint's directory (None for `weights`).
+
+        Running requests go on over the new weights (the keys and values they computed stay,
+        as vLLM's weight updates leave them); the prefix cache and the image embeddings kept
+        are forgotten, so no later request reuses what the old weights computed. An MTP
+        draft's layer is read from the same checkpoint; another draft's weights, the tokenizer,
+        the chat template and the generation config stay as they were. A checkpoint that
+        does not fit is refused by name (ValueError; OSError where it cannot be read), the
+        weights left as they were."""
+        if weights is not None:
+            self._reload_given(model_path, dict(weights))
+            return None
+        path = self.model_path if model_path is None else resolve_model_path(str(model_path), self.config.cache_dir)
+        whole_config = read_config(path, self.config.hf_overrides)
+        served = self.runner.checkpoint_config
+        given = ModelConfig.from_hf(language_config(whole_config), self.config.quantization, self.max_model_len)
+        differ = [f.name for f in fields(served) if f.name not in ("hf_config", "eos_token_ids")
+                  and getattr(given, f.name) != getattr(served, f.name)]
+        if differ:
+            raise ValueError(f"{path} is not a checkpoint of the served model's shape: " + ", ".join(
+                f"{name} {getattr(given, name)!r} (served: {getattr(served, name)!r})" for name in differ[:4]))
+        self._reload(path, whole_config)
+        self._weights_source = path
+        logger.info("serving the weights of %s", path)
+        return path
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, for a trainer that shares the device: give back the KV cache's
+        memory (its contents and the prefix cache forgotten), and at level 2 the weights' too
+        (forgotten: waking reads them again, from the checkpoint served last, unless a
+        `reload_weights` brings others first); at level 1 on a GPU the weights wait in host
+        memory. Only an idle engine sleeps; while it does, requests are refused."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (the weights kept) or 2 (forgotten), got {level!r}")
+        if self.has_unfinished_requests():
+            raise ValueError(f"only an idle engine sleeps: {len(self.scheduler.running) + len(self.scheduler.waiting)} "
+                             "requests are unfinished")
+        self.reset_prefix_cache()
+        for runner in self._runners():
+            runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what `sleep` gave: `tags` "weights" and "kv_cache", both by default (vLLM's:
+        a trainer wakes the weights alone to load new ones before the cache takes its memory)."""
+        wanted = ["weights", "kv_cache"] if tags is None else list(tags)
+        if unknown := [tag for tag in wanted if tag not in ("weights", "kv_cache")]:
+            raise ValueError(f"wake_up tags are 'weights' and 'kv_cache', got {unknown}")
+        if "weights" in wanted:
+            if self.runner.weights_forgotten:  # (a level-2 sleep): read again, draft's MTP layer and all
+                if self._weights_source is None:
+                    raise ValueError("the weights slept at level 2 were given in memory: reload_weights(weights=...) "
+                                     "brings them back")
+                self._reload(self._weights_source, read_config(self._weights_source, self.config.hf_overrides))
+            for runner in self._runners():  # (a draft model's, an EAGLE-3 head's: their own checkpoint's)
+                if runner.weights_forgotten:
+                    runner.reload_weights(runner.model_path)
+                runner.wake_weights()
+        if "kv_cache" in wanted:
+            for runner in self._runners():
+                runner.wake_cache()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.runner.asleep)
+
+    def _runners(self) -> list[Any]:
+        """The target's runner, and the draft's where one guesses with its own."""
+        draft = getattr(self.proposer, "runner", None)
+        return [self.runner] if draft is None else [self.runner, draft]
+
+    def _reload_given(self, model_path: str | Path | None, weights: dict[str, torch.Tensor]) -> None:
+        if model_path is not None:
+            raise ValueError("reload_weights takes a checkpoint's path or its weights, not both")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("weights given in memory are read by one process: with tensor_parallel_size "
+                             f"{self.config.tensor_parallel_size}, save them as a checkpoint and give its path")
+        if self.runner.image_encoder is not None:
+            raise ValueError(f"{self.model_config.architecture}'s encoder reads its weights from a checkpoint: "
+                             "save them as one and give its path")
+        self._reload(weights)
+        self._weights_source = None
+        logger.info("serving the weights given (%d tensors)", len(weights))
+
+    def _reload(self, source: Path | dict[str, torch.Tensor], whole_config: Any = None) -> None:
+        self.runner.reload_weights(source, whole_config)
+        if isinstance(self.proposer, HiddenStateProposer):
+            self.proposer.reload_weights(source, self.runner.model)
+        self.reset_prefix_cache()
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its final output (finish_reason 'abort')
+        comes from the next step."""
+        child_ids = self.output_processor.child_ids(request_id) or [request_id]
+        self._aborted.extend(self.scheduler.abort_requests(child_ids))
+
+    def _take_whisper_rules(self, config: EngineConfig, whole_config: Any) -> None:
+        """Whisper's prompts as chats (its template, unless one is given), transformers'
+        generation rules of the checkpoint (WhisperRules, a logits processor every request
+        has), and the cross-attention heads its token timestamps are found by."""
+        generation = _generation_config(self.model_path)
+        self.alignment_heads = [(int(layer), int(head)) for layer, head in generation.get("alignment_heads") or []]
+        self.median_filter_width = int(getattr(whole_config, "median_filter_width", 7))
+        if config.chat_template is None:
+            english_only = not generation.get("is_multilingual", True)
+            self.tokenizer.chat_template = WHISPER_ENGLISH_TEMPLATE if english_only else WHISPER_CHAT_TEMPLATE
+        rules = whisper_rules(generation, self.tokenizer, self.runner.model_config.vocab_size)
+        self.logits_processors.processors.append(("whisper", rules))
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.swaps:  # (whether or not a request is left to run)
+            self.runner.swap_blocks(sched.swaps)
+        if isinstance(self.proposer, HiddenStateProposer):  # (its cache mirrors the target's blocks)
+            self.proposer.swap_blocks(sched.swaps)
+            for request_id in sched.preempted:  # (it computes its rows again, as a new request would)
+                self.proposer.remove(request_id)
+        updated: list[Request] = self._take_aborted()
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        embeddings: dict[str, list[float]] = {}
+        for request_id in sched.preempted:
+            self.runner.forget(request_id, preempted=True)
+        if not sched.is_empty and (failed := self.runner.encode_images(sched.scheduled)):
+            updated += self._drop_unencoded(sched, failed)
+        if not sched.is_empty:
+            model_out = self.runner.execute(sched)
+            sampled, logprobs, failed = self._sample(sched, model_out.request_ids, model_out.logits)
+            self._rewind_wrong_guesses(sched, sampled)
+            self._record_prompt_logprobs(sched, model_out.chunk_logits)
+            updated += self._end_failed(failed, sampled, logprobs)
+            updated += self._update(sched, sampled)
+            if isinstance(self.proposer, HiddenStateProposer):
+                self.proposer.take_rows(self._kept_rows(sched, model_out, sampled), guessing=not self._guessing_off())
+            embeddings = self._pool(model_out.pooled)
+            updated += [self.scheduler_request(rid) for rid in embeddings]
+        outputs, stopped = self.output_processor.process(updated, logprobs, self._token_timestamps)
+        for output in outputs:
+            output.embedding = embeddings.get(output.request_id)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
+        self._propose()
+        return outputs
+
+    def end_aborted(self) -> list[RequestOutput]:
+        """The final outputs of the requests aborted since the last step, without stepping the
+        others (an engine whose requests are kept frozen: a pause with mode "keep")."""
+        aborted = self._take_aborted()
+        outputs, _ = self.output_processor.process(aborted, {}, self._token_timestamps)
+        self._forget(aborted)
+        return outputs
+
+    def _rewind_wrong_guesses(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """A model with states took in every guess of the step: where one was wrong, each such
+        request's state goes back to the one after its known tokens (the guesses it keeps are
+        computed again by its next step, before that step's own guesses: SchedulerConfig.recurrent)."""
+        states = self.runner.states
+        if states is None:
+            return
+        for s in sched.scheduled:
+            if s.num_drafts and len(sampled.get(s.request_id, ())) <= s.num_drafts:
+                states.rewind(s.request_id)
+
+    def _drop_unencoded(self, sched: SchedulerOutput, failed: dict[str, Exception]) -> list[Request]:
+        """Requests whose images the encoder failed on end now (finish_reason abort), out of
+        this step (_fail). The rest of the batch runs."""
+        for request_id, exc in failed.items():
+            logger.error("request %s: its images could not be encoded, so it ends: %r", request_id, exc)
+        ended = self._fail({rid: f"its images could not be encoded: {type(exc).__name__}: {exc}"
+                            for rid, exc in failed.items()})
+        sched.scheduled = [s for s in sched.scheduled if s.request_id not in ended]
+        return self.scheduler.abort_requests(ended)
+
+    def _end_failed(self, failed: dict[str, str], sampled: dict[str, list[int]],
+                    logprobs: dict[str, list[TokenLogprobs]]) -> list[Request]:
+        """Requests a logits processor failed on (`failed`: why) end now, what they sampled this
+        step unkept (_fail)."""
+        if not failed:
+            return []
+        for request_id, why in failed.items():
+            logger.warning("request %s ends: %s", request_id, why)
+        ended = self._fail(failed)
+        for request_id in ended:
+            sampled.pop(request_id, None)
+            logprobs.pop(request_id, None)
+        return self.scheduler.abort_requests(ended)
+
+    def _fail(self, why: dict[str, str]) -> list[str]:
+        """Record why each request failed, by the id it was added with (take_failures); the ids
+        of the requests that end with it: its prompt's other samples too (they would only
+        fail the same way, and a job fails whole)."""
+        ended: list[str] = []
+        for request_id, reason in why.items():
+            parent = self.output_processor.parent_of.get(request_id, request_id)
+            self._failures[parent] = reason
+            ended += self.output_processor.child_ids(parent) or [request_id]
+        while len(self._failures) > MAX_FAILURES:  # offline, nobody takes them
+            self._failures.pop(next(iter(self._failures)))
+        return ended
+
+    def take_failures(self) -> dict[str, str]:
+        """The requests (by the ids they were added with) that ended since the last call
+        because a step failed on them (the encoder on their images, a logits processor), and
+        why."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _pool(self, pooled: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+        """Embedding requests whose prompt is computed: their vectors, and they end here."""
+        embeddings = {}
+        for request_id, hidden in pooled.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None or request.pooling_params is None:
+                continue  # aborted while the step ran
+            # a classifier's logits are never normalized: LLM.classify and /classify take their softmax
+            normalize = request.pooling_params.normalize and not self.model_config.labels
+            hidden = hidden[: request.pooling_params.dimensions]  # (None: all of it)
+            vector = torch.nn.functional.normalize(hidden, dim=-1) if normalize else hidden
+            embeddings[request_id] = vector.tolist()
+        self.scheduler.finish_requests(embeddings, RequestStatus.FINISHED_STOPPED)
+        return embeddings
+
+    def scheduler_request(self, request_id: str) -> Request:
+        return self.scheduler.requests.get(request_id) or self.scheduler.finished[request_id]
+
+    def _update(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """The scheduler takes the sampled tokens; the requests that got some."""
+        before = sum(self.scheduler.requests[rid].num_output_tokens for rid in sampled)
+        self.scheduler.update_from_output(sched, sampled)
+        updated = [self.scheduler_request(rid) for rid in sampled]
+        self.num_generated_tokens += sum(r.num_output_tokens for r in updated) - before  # as kept
+        return updated
+
+    def _sample(
+        self, sched: SchedulerOutput, row_ids: list[str], logits: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]], dict[str, str]]:
+        """The tokens each sampling request keeps this step (and their logprobs). A request
+        with guesses has a row per guess and one more; row j is sampled as if the guesses
+        before it were output already, and guesses are kept while each equals the token
+        sampled in the row before it. Also the requests a logits processor failed on, and why."""
+        if not row_ids:
+            return {}, {}, {}
+        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled}
+        requests = [self.scheduler.requests[rid] for rid in row_ids]
+        row_outputs = _row_outputs(row_ids, requests, drafts)
+        model_logits = logits.clone() if self.sampler.reports_raw and self.logits_processors.by_request else None
+        failed = self.logits_processors.apply(
+            logits, row_ids, [r.prompt_tokens_seen for r in requests], row_outputs)
+        batch = SamplingBatch.build(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_tokens_seen for r in requests],
+            output_token_ids=row_outputs,
+            generators=[self.generators.get(r.request_id) for r in requests],
+            eos_token_ids=sorted(self.eos_token_ids),
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+            token_masks=self.guided.masks([(rid, out, len(out) - request.num_output_tokens)  # (its guesses)
+                                           for rid, out, request in zip(row_ids, row_outputs, requests, strict=True)]),
+            banned_token_ids=_bad_word_bans(requests, row_outputs),
+            forced_token_ids=self.thinking.forced(row_ids, requests, row_outputs),
+        )
+        sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch, model_logits), drafts)
+        for rid, guesses in drafts.items():  # how the guesses fared: counted, and pacing the next
+            if guesses and rid in sampled and self.proposer is not None:
+                self.spec_stats.add(len(guesses), len(sampled[rid]) - 1)
+                self.proposer.record(rid, len(guesses), len(sampled[rid]) - 1)
+        return sampled, logprobs, failed
+
+    def _make_proposer(self, config: EngineConfig) -> NgramProposer | DraftModelProposer | HiddenStateProposer | None:
+        if not config.speculative_config:
+            return None
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        if spec.method == "draft_model" and holds_eagle3_head(spec, config):
+            spec = replace(spec, method="eagle3")
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        # the draft holds as many tokens as the target's pool would with one KV group: a hybrid
+        # target's blocks each hold a few layers, and sizing by their count would make the
+        # draft's pool (every layer a block) as many times larger (it guesses less once full)
+        target_blocks = self.runner.num_blocks * self.runner.num_slots // self.model_config.num_hidden_layers
+        if spec.method == "mtp":  # (its cache mirrors the target's blocks)
+            return mtp_proposer(spec, config, self.model_path, self.model_config.hf_config, self.max_model_len,
+                                self.runner.num_blocks, self.runner.model, self.runner.num_host_blocks,
+                                given=self.runner.image_embeds)
+        if spec.method == "eagle3":
+            return eagle3_proposer(spec, config, self.max_model_len, self.runner.num_blocks, self.runner.model,
+                                   self.runner.num_host_blocks, given=self.runner.image_embeds)
+        return DraftModelProposer(spec, config, self.max_model_len, target_blocks, self.model_config.vocab_size)
+
+    def _kept_rows(self, sched: SchedulerOutput, out: ModelOutput, sampled: dict[str, list[int]]
+                   ) -> list[tuple[str, int, list[int], torch.Tensor, int, list[int]]]:
+        """What a draft layer reads of a step (HiddenStateProposer.take_rows): each request's rows
+        whose inputs it keeps (its known tokens and the guesses kept), with their tokens and
+        the one after, the states it reads (final hidden states, or an EAGLE-3 head's aux
+        ones), and the request's block table. Requests that never guess are in too: others
+        may share their blocks."""
+        assert isinstance(self.proposer, HiddenStateProposer)
+        states = out.aux if self.proposer.reads_aux else out.hidden
+        assert states is not None
+        rows = []
+        for s in sched.scheduled:
+            request = self.scheduler.requests.get(s.request_id)
+            if request is None or s.pool:
+                continue  # (ended)
+            kept = len(s.token_ids) - s.num_drafts + max(len(sampled.get(s.request_id, ())) - 1, 0)
+            tokens = request.token_slice(s.start_pos, min(s.start_pos + 1 + kept, request.num_tokens))
+            start = out.rows[s.request_id][0]
+            rows.append((s.request_id, s.start_pos, tokens, states[start : start + len(tokens) - 1],
+                         request.num_tokens, s.block_table))
+        return rows
+
+    def _guessing_off(self) -> bool:
+        """Whether disable_by_batch_size turns guessing off now: as many requests run or more."""
+        assert self.proposer is not None
+        limit = self.proposer.config.disable_by_batch_size
+        return limit is not None and len(self.scheduler.running) >= limit
+
+    def _propose(self) -> None:
+        """Guesses for the next step of every decoding request that may speculate."""
+        if self.proposer is None or self._guessing_off():
+            return
+        candidates = []
+        for request in self.scheduler.running:
+            if request.num_computed_tokens != request.num_tokens - 1 and (
+                    request.num_computed_tokens < request.num_prompt_tokens):
+                continue  # still prefilling (a model with states recomputes the guesses it kept: it guesses on)
+            if not can_speculate(request.sampling_params, request.request_id in self.generators):
+                continue
+            # no guess past max_tokens or max_model_len: the step's last token needs room
+            room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            candidates.append((request, room))
+        ngrams = isinstance(self.proposer, NgramProposer)  # (it alone reads predicted outputs)
+        guesses = self.proposer.propose_all([(r.request_id, r.lookup_token_ids if ngrams else r.all_token_ids, room)
+                                             for r, room in candidates])
+        for request, _ in candidates:
+            request.spec_token_ids = self.guided.fitting(request.request_id, request.output_token_ids,
+                                                         guesses.get(request.request_id, []))
+
+    def _record_prompt_logprobs(self, sched, chunk_logits: dict[str, torch.Tensor]) -> None:
+        """Logprob of each prompt token given the tokens before it (raw model distribution),
+        with the top alternatives; position 0 has none."""
+        for s in sched.scheduled:
+            logits = chunk_logits.get(s.request_id)
+            if logits is None:
+                continue
+            request = self.scheduler.requests[s.request_id]
+            num_prompt = request.num_prompt_tokens
+            targets = request.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + len(s.token_ids)]
+            entries = self.output_processor.prompt_logprobs_of(s.request_id, num_prompt)
+            first = s.start_pos + 1
+            # The first computation of a position is the one reported: an n > 1 sibling
+            # recomputing the prompt's tail, or a request recomputed after preemption, leaves it.
+            if all(entries[first + i] is not None for i in range(len(targets))):
+                continue
+            logprobs = logits[: len(targets)].log_softmax(dim=-1)  # [num_targets, vocab]
+            k = request.sampling_params.prompt_logprobs or 0
+            target_ids = torch.tensor(targets, dtype=torch.long)
+            chosen = logprobs.gather(1, target_ids[:, None])  # [num_targets, 1]
+            ranks = (logprobs > chosen).sum(-1) + 1
+            top_values, top_ids = logprobs.topk(k, dim=-1)  # k may be 0: empty columns
+            for i, token_id in enumerate(targets):
+                if entries[first + i] is not None:
+                    continue
+                entries[first + i] = TokenLogprobs(
+                    token_id, float(chosen[i]), int(ranks[i]),
+                    dict(zip(top_ids[i].tolist(), top_values[i].tolist(), strict=True)),
+                )
+
+    def _take_aborted(self) -> list[Request]:
+        aborted, self._aborted = self._aborted, []
+        return aborted
+
+    def _token_timestamps(self, r: Request, finish_reason: str | None) -> list[float] | None:
+        """A Whisper request's token timestamps, where it asked for them (extra_args
+        token_timestamps) and ended by its end token, a stop string or its length this step:
+        where in the audio each of its tokens was said (worker.model_executor.models.whisper.token_timestamps),
+        found before its audio's slot is given back."""
+        if (finish_reason not in ("stop", "length") or not r.output_token_ids
+                or not (r.sampling_params.extra_args or {}).get("token_timestamps")):
+            return None
+        weights, frames = self.runner.cross_attention_weights(
+            r.request_id, [*r.prompt_token_ids, *r.output_token_ids[:-1]], self.alignment_heads)
+        return token_timestamps(weights, len(r.prompt_token_ids), frames, self.median_filter_width)
+
+    def _forget(self, finished: list[Request]) -> None:
+        for request in finished:
+            self.generators.pop(request.request_id, None)
+            self.runner.forget(request.request_id)
+            if self.runner.states is not None:
+                self.runner.states.remove(request.request_id)
+            if self.proposer is not None:
+                self.proposer.remove(request.request_id)
+            self.guided.remove(request.request_id)
+            self.thinking.remove(request.request_id)
+            self.logits_processors.remove(request.request_id)
+            self.scheduler.finished.pop(request.request_id, None)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool | None = None,
+        tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> dict[str, Any]:
+        """The prompt for a conversation (producer.chat_template.render_chat), with the
+        images (or audio clips) its messages' content parts carry (worker.core.multimodal.chat_media)."""
+        messages, images, modality = chat_media(messages)
+        if images and self.image_processor is None:  # (before a text model's template chokes on parts)
+            raise ValueError(f"this model ({self.model_config.architecture}) takes no images or audio")
+        prompt = render_chat(self.tokenizer, messages, add_generation_prompt, tools, continue_final_message,
+                             **template_kwargs)
+        if not images:
+            return prompt
+        prompt["prompt_token_ids"] = self._expanded_ids(prompt["prompt"], prompt["prompt_token_ids"],
+                                                        with_specials=False)
+        return {**prompt, "multi_modal_data": {modality: images}}
+
+
+def _bad_word_bans(requests: list[Request], row_outputs: list[list[int]]) -> list[list[int]] | None:
+    """Per row, the tokens that would complete one of its request's bad words: a sequence's
+    last token, when the row's output ends with the rest of it (always, for one token)."""
+    if not any(r.bad_words_token_ids for r in requests):
+        return None
+    return [
+        [seq[-1] for seq in request.bad_words_token_ids
+         if len(seq) == 1 or (len(output) >= len(seq) - 1 and output[len(output) - len(seq) + 1:] == seq[:-1])]
+        for request, output in zip(requests, row_outputs, strict=True)
+    ]
+
+
+def _row_outputs(row_ids: list[str], requests: list[Request], drafts: dict[str, list[int]]) -> list[list[int]]:
+    """Each logits row's output so far: a request's own, then one guess more per row."""
+    outputs, j = [], 0
+    for i, (rid, request) in enumerate(zip(row_ids, requests, strict=True)):
+        j = j + 1 if i and row_ids[i - 1] == rid else 0
+        outputs.append(request.output_token_ids + drafts[rid][:j] if j else request.output_token_ids)
+    return outputs
+
+
+def _keep_matching(
+    row_ids: list[str], out: SamplerOutput, drafts: dict[str, list[int]]
+) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+    """Per request, its first row's token, then each next row's while the token before it
+    equals the guess that row assumed (and the logprobs of the tokens kept)."""
+    sampled: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    for i, (rid, token_id) in enumerate(zip(row_ids, out.token_ids, strict=True)):
+        kept = sampled.setdefault(rid, [])
+        guesses = drafts[rid]
+        if kept and (len(kept) > len(guesses) or kept[-1] != guesses[len(kept) - 1]):
+            continue  # a guess before this row was wrong: the row saw a wrong past
+        kept.append(token_id)
+        entry = out.logprobs[i] if out.logprobs else None
+        if entry is not None:
+            logprobs.setdefault(rid, []).append(entry)
+    return sampled, logprobs
+
+
+def encoder_decoder_class(config: EngineConfig, hf_config: Any, takes_audio: bool) -> type | None:
+    """The model class of an encoder-decoder checkpoint (Whisper), None for any other; ValueError
+    naming what it cannot run with (it runs on one device, with its checkpoint's weights as
+    they are, through eager steps)."""
+    if architecture_of(hf_config) != "WhisperForConditionalGeneration":
+        return None
+    if not takes_audio:
+        raise ValueError("a Whisper checkpoint needs its preprocessor_config.json (the feature extractor)")
+    refused = [name for name, on in (
+        ("tensor_parallel_size > 1", config.tensor_parallel_size > 1), ("speculative_config", config.speculative_config),
+        ("enable_lora", config.enable_lora), ("quantization", config.quantization),
+        ("kv_cache_dtype fp8", config.kv_cache_dtype not in (None, "auto"))) if on]
+    if refused:
+        raise ValueError(f"Whisper runs without {', '.join(refused)}")
+    from worker.model_executor.models.whisper import WhisperForConditionalGeneration
+
+    return WhisperForConditionalGeneration
+
+
+def read_chat_template(given: str) -> str:
+    """A chat template from a file's path or given as itself; ValueError naming chat_template
+    for a file that is not there or a template Jinja cannot read."""
+    path = Path(given).expanduser()
+    looks_like_path = "{" not in given and "\n" not in given
+    if looks_like_path and not path.is_file():
+        raise ValueError(f"chat_template {given!r} is no file (give a Jinja file's path, or the template itself)")
+    text = path.read_text() if looks_like_path else given
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not parse as Jinja: {exc.message} (line {exc.lineno})") from None
+    return text
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """ValueError, in vLLM's words, where a prompt and the tokens asked for cannot both fit the
+    model's context (a job never quietly gets fewer tokens than it asked for); max_tokens None
+    asks for as many as fit."""
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
+            "completion). Please reduce the length of the prompt or max_tokens."
+        )
+
+
+def _max_model_len(config: EngineConfig, hf_config) -> int:
+    limit = hf_config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {limit}")
+    return config.max_model_len
+
+
+def cache_salt_of(prompt: PromptInput) -> str | None:
+    """A prompt dict's `cache_salt` (vLLM's: its blocks are shared only with requests of the
+    same salt); ValueError unless it is a non-empty string."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
+
+
+def _tokenizer_eos(tokenizer) -> set[int]:
+    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+
+
+# what vLLM takes from a model's generation_config.json as its requests' sampling defaults,
+# and the SamplingParams field each becomes
+SAMPLING_DEFAULT_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(model_path: Path, generation_config: str, override: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's generation_config: "auto", the sampling values of the model's
+    generation_config.json (Qwen3's temperature 0.6, top_p 0.95, top_k 20, ...; its
+    max_new_tokens as max_tokens), which requests that leave them unset take; "vllm", none; else a directory whose
+    generation_config.json to read; then vLLM's override_generation_config, values under the
+    same names that replace or add to those. ValueError naming a value SamplingParams refuses."""
+    unknown = sorted(set(override or {}) - set(SAMPLING_DEFAULT_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config takes {', '.join(SAMPLING_DEFAULT_KEYS)}, got {unknown[0]!r}")
+    named = generation_config not in ("auto", "vllm")  # a directory
+    path = (Path(generation_config).expanduser() if named else model_path) / "generation_config.json"
+    if named and not path.is_file():
+        raise ValueError(f"generation_config {generation_config!r} holds no generation_config.json")
+    values = json.loads(path.read_text()) if generation_config != "vllm" and path.is_file() else {}
+    values.update(override or {})
+    found = {field: values[k] for k, field in SAMPLING_DEFAULT_KEYS.items() if values.get(k) is not None}
+    try:
+        SamplingParams(**found)
+    except (ValueError, TypeError) as exc:
+        where = f"{path} with override_generation_config" if override else str(path)
+        raise ValueError(f"{where}: {exc}") from exc
+    if found:
+        logger.info("requests that leave them unset sample with the model's generation config: %s", found)
+    return found
+
+
+def generation_eos(model_path: Path) -> set[int]:
+    """The EOS ids of the model's generation_config.json, which may list more than config.json
+    (gpt-oss ends a reply at <|return|> and at a tool call's <|call|>; Llama 3's instruct
+    models at <|eot_id|>), as vLLM and transformers' generate stop at them."""
+    return _token_ids(_generation_config(model_path).get("eos_token_id"))
+
+
+def _generation_config(model_path: Path) -> dict[str, Any]:
+    """The model's generation_config.json ({} without one)."""
+    path = model_path / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_ids(ids: Any) -> set[int]:
+    """A generation config's token ids: one, a list, or none."""
+    if ids is None:
+        return set()
+    return {int(t) for t in (ids if isinstance(ids, list) else [ids])}

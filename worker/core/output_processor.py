@@ -1,0 +1,148 @@
+"""Turns sampled tokens into `RequestOutput`s: incremental detokenization, stop strings, and
+the grouping of `n > 1` completions under their parent request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from worker.core.detokenizer import IncrementalDetokenizer
+from worker.core.outputs import CompletionOutput, RequestOutput
+from worker.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from worker.sample.sampler import TokenLogprobs
+
+
+@dataclass
+class CompletionState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    num_sent_tokens: int  # output tokens already reported
+    finished: bool = False
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: dict[str, CompletionState] = field(default_factory=dict)  # child id -> state
+    prompt_logprobs: list[Any] | None = None  # per prompt position, filled as chunks compute
+    prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served, for usage reports
+    given_embeds: bool = False  # the prompt came as embeddings: its ids are the engine's placeholders
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.parent_of: dict[str, str] = {}  # child request id -> parent request id
+
+    def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
+        first = children[0]
+        state = ParentState(parent_id, prompt, first.prompt_token_ids, given_embeds=first.given_embeds)
+        for index, child in enumerate(children):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, child.prompt_token_ids, child.sampling_params, child.output_token_ids
+            )
+            state.completions[child.request_id] = CompletionState(index, detok, child.num_output_tokens)
+            self.parent_of[child.request_id] = parent_id
+        self.parents[parent_id] = state
+
+    def child_ids(self, parent_id: str) -> list[str]:
+        state = self.parents.get(parent_id)
+        return list(state.completions) if state else []
+
+    def prompt_logprobs_of(self, request_id: str, num_prompt_tokens: int) -> list[Any]:
+        parent = self.parents[self.parent_of[request_id]]
+        if parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [None] * num_prompt_tokens
+        return parent.prompt_logprobs
+
+    def process(
+        self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]] | None = None,
+        timestamps_of: Callable[[Request, str | None], list[float] | None] | None = None,
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Deltas for requests that got tokens or finished this step, and the ids of requests
+        that a stop string finished (the engine tells the scheduler); `timestamps_of(request,
+        finish reason)`: a finished request's token timestamps (Whisper's) for its final delta,
+        asked once its tokens are final (a stop string's cut made)."""
+        by_parent: dict[str, list[CompletionOutput]] = {}
+        stopped: list[str] = []
+        for request in updated:
+            parent_id = self.parent_of.get(request.request_id)
+            if parent_id is None:
+                continue
+            parent = self.parents[parent_id]
+            parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
+            delta = self._completion_delta(request, self.parents[parent_id], (logprobs or {}).get(request.request_id))
+            if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
+                stopped.append(request.request_id)
+            if delta.finished and timestamps_of is not None:
+                delta.token_timestamps = timestamps_of(request, delta.finish_reason)
+            by_parent.setdefault(parent_id, []).append(delta)
+        return [self._request_output(pid, deltas) for pid, deltas in by_parent.items()], stopped
+
+    def _completion_delta(self, request: Request, parent: ParentState,
+                          logprobs: list[TokenLogprobs] | None) -> CompletionOutput:
+        state = parent.completions[request.request_id]
+        new_ids = request.output_token_ids[state.num_sent_tokens :]
+        detok = state.detokenizer
+        text = detok.update(_text_ids(request, new_ids)) if new_ids else ""
+        finish_reason = request.status.finish_reason
+        stop_reason = request.stop_reason
+        if detok.stop_reason is not None:
+            finish_reason, stop_reason = "stop", detok.stop_reason
+            # several tokens in one step (speculative decoding): those after the one that
+            # completed the stop string are not output
+            del request.output_token_ids[detok.num_tokens_at_stop :]
+            new_ids = request.output_token_ids[state.num_sent_tokens :]
+        elif finish_reason is not None:
+            text += detok.flush()
+        state.num_sent_tokens = request.num_output_tokens
+        state.finished = finish_reason is not None
+        logprobs = logprobs[: len(new_ids)] if logprobs else None  # tokens a stop left out
+        for entry in logprobs or ():
+            self._spell(entry)
+        return CompletionOutput(state.index, text, new_ids, finish_reason, stop_reason, logprobs or None)
+
+    def _request_output(self, parent_id: str, deltas: list[CompletionOutput]) -> RequestOutput:
+        parent = self.parents[parent_id]
+        finished = parent.finished
+        if finished:
+            del self.parents[parent_id]
+            for child_id in parent.completions:
+                self.parent_of.pop(child_id, None)
+        out = RequestOutput(parent_id, parent.prompt, [] if parent.given_embeds else parent.prompt_token_ids, deltas,
+                            finished, num_cached_tokens=parent.num_cached_tokens,
+                            num_prompt_tokens=len(parent.prompt_token_ids))
+        if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
+            out.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
+            for entry in out.prompt_logprobs:
+                if entry is not None:
+                    self._spell(entry)
+            if out.prompt is None:  # token ids in: the text that goes with their logprobs
+                out.prompt = self.tokenizer.decode(parent.prompt_token_ids)
+        return out
+
+    def _spell(self, logprobs: TokenLogprobs) -> None:
+        """Each token of a logprobs entry as its own text: what an API shows for it."""
+        ids = list(dict.fromkeys([logprobs.token_id, *logprobs.top_logprobs]))
+        texts = self.tokenizer.batch_decode([[i] for i in ids])
+        logprobs.decoded = dict(zip(ids, texts, strict=True))
+
+
+def _text_ids(request: Request, new_ids: list[int]) -> list[int]:
+    """The token that stopped a request (EOS or a stop token id) is not part of its text
+    unless include_stop_str_in_output asks for it, as in vLLM."""
+    stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED and request.output_token_ids
+    if stopped_by_token and not request.sampling_params.include_stop_str_in_output:
+        return new_ids[:-1]
+    return new_ids

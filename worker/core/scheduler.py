@@ -1,0 +1,330 @@
+"""Continuous-batching scheduler. Plain Python: no torch, no Redis, no asyncio.
+
+There is no separate prefill phase: every request has `num_computed_tokens` that catches up
+with `num_tokens` under a per-step token budget shared by decodes and prefill chunks. Running
+requests are served first; waiting requests are admitted while budget, `max_num_seqs` and KV
+blocks allow. When blocks run out, the lowest-priority running request is preempted by
+recompute: its blocks are freed and it returns to the waiting queue with its output so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from worker.config import SchedulerConfig
+from worker.core.block_manager import BlockManager, KVSwaps
+from worker.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of token_ids[0]; the cache holds positions [0, start_pos)
+    block_table: list[int]  # group 0's (the full layers' where the model mixes kinds)
+    sample: bool  # the step reaches the end of the known tokens, so a token is sampled
+    prompt_logprobs: bool = False  # the request wants logprobs for the prompt tokens computed here
+    lora_id: int = 0  # the adapter its rows run with; 0: none
+    num_drafts: int = 0  # token_ids ends with this many guessed tokens (speculative decoding)
+    pool: bool = False  # an embedding request's last chunk: its last row is pooled, not sampled
+    group_tables: tuple[list[int], ...] = ()  # the other KV groups' tables (windowed layers)
+    # ranges [start, end) of positions this step computes (some of) whose tokens each see
+    # the whole range, later ones too (Request.whole_spans)
+    both_ways: tuple[tuple[int, int], ...] = ()
+    # linear attention's states (BlockManager.states): the saved one the request's first step
+    # after a prefix-cache hit starts from, and the (tokens before, slot) this step saves
+    state_restore: int | None = None
+    state_saves: tuple[tuple[int, int], ...] = ()
+
+    def tables(self) -> list[list[int]]:
+        """A block table per KV group."""
+        return [self.block_table, *self.group_tables]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+    # KV offloading's copies, made before the step runs (even one left with no request to run)
+    swaps: KVSwaps = field(default_factory=KVSwaps)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # Requests finished by the last update, kept until the engine has reported them.
+        self.finished: dict[str, Request] = {}
+        # Sibling completions (n > 1) that wait for their first sibling's prompt, then share it.
+        self.forks: dict[str, list[Request]] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+
+    def add_request(self, request: Request, forks: Iterable[Request] = ()) -> None:
+        """Queue a request. `forks` (the other completions of an n > 1 request) are held back
+        until `request` has computed the prompt, then take its prompt blocks by reference."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        forks = list(forks)
+        if forks:
+            self.forks[request.request_id] = forks
+            for fork in forks:
+                self.requests[fork.request_id] = fork
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish requests at once and free their blocks; unknown ids are ignored."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self._release_forks(request)  # they compute the prompt themselves now
+            request.status = status
+            self.block_manager.free_request(request_id)
+            self.finished[request_id] = request
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self.block_manager.settle_state_saves(())  # (saves of a step that never ran are void)
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.swaps = self.block_manager.take_swaps()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: dict[str, int] = {}  # request id -> tokens scheduled, for refunds
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
+            num_new = _keep_spans_whole(request, request.num_computed_tokens, num_new)
+            if num_new == 0:  # the next image does not fit this step's budget: it waits for one that does
+                i += 1
+                continue
+            while not self.block_manager.allocate_slots(request, num_new):
+                if request.spec_token_ids:  # guesses are not worth preempting anyone for
+                    num_new -= min(len(request.spec_token_ids), max(num_new - 1, 0))
+                    request.spec_token_ids = []
+                    continue
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id)
+                    out.scheduled = [s for s in out.scheduled if s.request_id != victim.request_id]
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue  # it preempted itself; the list shifted under i
+            self._emit(out, request, num_new)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+            i = self.running.index(request) + 1
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self._sort_waiting()
+        adapters = {r.lora_id for r in self.running if r.lora_id}
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
+            if self._lacks_adapter_slot(request, adapters):
+                i += 1  # later requests may run with an adapter that is running already
+                continue
+            # A forked request already holds its shared prompt blocks; others look up the cache.
+            forked = request.num_computed_tokens > 0
+            if forked and self.block_manager.states is not None and self.block_manager.saved_state(
+                    request, request.num_computed_tokens) is None:  # its parent's state there was evicted
+                self.block_manager.free_request(request.request_id)
+                request.num_computed_tokens = 0
+                forked = False
+            computed = None if forked else self.block_manager.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + (len(computed[0]) * self.block_manager.block_size
+                                                          if computed else 0)
+            num_new = _keep_spans_whole(request, num_computed, min(request.num_tokens - num_computed, budget))
+            if num_new == 0 or not self.block_manager.allocate_slots(request, num_new, computed):
+                break
+            self.waiting.pop(i)
+            if request.lora_id:
+                adapters.add(request.lora_id)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            self.running.append(request)
+            self._emit(out, request, num_new, self.block_manager.saved_state(request, num_computed))
+            budget -= num_new
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+
+    def _lacks_adapter_slot(self, request: Request, adapters: set[int]) -> bool:
+        """Its adapter is not running and every slot is: it waits, without holding others up."""
+        return bool(request.lora_id) and request.lora_id not in adapters and len(adapters) >= self.config.max_loras
+
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int, state_restore: int | None = None) -> None:
+        start = request.num_computed_tokens
+        num_known = min(num_new, request.num_tokens - start)
+        drafts = request.spec_token_ids[: num_new - num_known]  # what the budget left room for
+        # a released entry reads block 0: attention masks its positions
+        tables = [[max(b, 0) for b in table] for table in self.block_manager.block_tables(request.request_id)]
+        out.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.token_slice(start, start + num_known) + drafts,
+                start_pos=start,
+                block_table=tables[0],
+                sample=start + num_known == request.num_tokens,
+                prompt_logprobs=request.sampling_params.prompt_logprobs is not None
+                and start < request.num_prompt_tokens,
+                lora_id=request.lora_id,
+                num_drafts=len(drafts),
+                pool=request.pooling_params is not None and start + num_known == request.num_tokens,
+                group_tables=tuple(tables[1:]),
+                both_ways=tuple((lo, hi) for lo, hi in request.whole_spans if lo < start + num_known and hi > start),
+                state_restore=state_restore,
+                state_saves=self.block_manager.reserve_state_saves(request, start, start + num_known,
+                                                                   also=self._fork_point(request)),
+            )
+        )
+
+    def _sort_waiting(self) -> None:
+        policy = self.config.policy
+        self.waiting.sort(key=lambda r: r.sort_key(policy))
+
+    def _pick_victim(self) -> Request:
+        """The running request that yields first: the latest arrival, or for `priority` the
+        largest priority value (ties: the latest arrival)."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.block_manager.free_request(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, request)
+        out.preempted.append(request.request_id)
+
+    # -- after the model ran -----------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens (several when guesses were right:
+        the guesses kept, then one more), and finish requests that hit EOS, a stop token id,
+        max_tokens or max_model_len. Returns the requests finished here."""
+        finished: list[Request] = []
+        self.block_manager.settle_state_saves(slot for s in out.scheduled for _, slot in s.state_saves)
+        for sched in out.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None:
+                continue  # aborted while the step ran
+            token_ids = sampled.get(sched.request_id, [])
+            num_rejected = sched.num_drafts - max(len(token_ids) - 1, 0)
+            # the KV of rejected guesses stays past num_computed_tokens, to be overwritten; a
+            # model with states went back to the one before any guess (SchedulerConfig.recurrent):
+            # the guesses it kept are computed again, in front of the next step's guesses
+            kept = 0 if num_rejected and self.config.recurrent else sched.num_drafts - num_rejected
+            request.num_computed_tokens += len(sched.token_ids) - sched.num_drafts + kept
+            request.spec_token_ids = []
+            status = self._append(request, token_ids)
+            # after the append: kept guesses are computed tokens only once they are tokens
+            self.block_manager.cache_computed_blocks(request)
+            if request.request_id not in self.forks:  # its forks' first queries read further back
+                self.block_manager.release_out_of_window(request.request_id, request.num_computed_tokens)
+            if status is not None:
+                self.finish_requests([request.request_id], status)
+                finished.append(request)
+        return finished
+
+    def _append(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
+        """Append tokens up to the first that ends the request; how it ended, if it did."""
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            if request.request_id in self.forks:
+                self._fork(request)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                return status
+        return None
+
+    def _fork_point(self, request: Request) -> int:
+        """Where the forks of a request waiting for them start: after its prompt's full
+        blocks, less the last token (0: it has none)."""
+        if request.request_id not in self.forks:
+            return 0
+        return (request.num_prompt_tokens - 1) // self.block_manager.block_size * self.block_manager.block_size
+
+    def _fork(self, parent: Request) -> None:
+        """The parent has computed the prompt: its siblings share the prompt's full blocks and
+        compute only the rest (at least one token, for their own first logits). A model with
+        states saved the parent's there (reserve_state_saves), which they start from."""
+        num_shared = self._fork_point(parent) // self.block_manager.block_size
+        for fork in self.forks.pop(parent.request_id):
+            self.block_manager.fork(parent.request_id, fork.request_id, num_shared)
+            fork.num_computed_tokens = num_shared * self.block_manager.block_size
+            self.waiting.insert(0, fork)
+
+    def _release_forks(self, request: Request) -> None:
+        for fork in self.forks.pop(request.request_id, []):
+            self.waiting.append(fork)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if num_output < params.min_tokens:
+            return None
+        if not params.ignore_eos and token_id in self.config.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+
+def _keep_spans_whole(request: Request, start: int, num_new: int) -> int:
+    """`num_new` tokens from `start`, cut back so that the chunk ends outside each of the
+    request's whole spans; 0 where it starts inside one (or at one it cannot hold)
+    and cannot reach its end."""
+    end = start + num_new
+    for lo, hi in request.whole_spans:
+        if lo < end < hi:
+            if lo <= start:
+                return 0
+            end = lo
+    return end - start
