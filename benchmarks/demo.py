@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_model_len=2048))
-    prompt = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+    prompt = engine.inputs.apply_chat_template([{"role": "user", "content": args.prompt}])
     engine.add_request("demo", prompt, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
     print(f"> {args.prompt}\n", flush=True)
     while engine.has_unfinished_requests():

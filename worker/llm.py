@@ -15,7 +15,8 @@ from producer.beam_search import Beam, BeamSearchParams, best, step
 from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig
-from worker.core.engine import Engine, PromptInput, cache_salt_of
+from worker.core.engine import Engine
+from worker.core.input_processor import PromptInput, cache_salt_of
 from worker.core.lora_request import LoRARequest
 from worker.core.outputs import (
     BeamSearchOutput,
@@ -148,9 +149,9 @@ class LLM:
         """The prompt tokenized once (and truncated, for an embedding that asks), its params
         and adapter checked; ValueError naming prompt i."""
         try:
-            text, token_ids, images, embeds = self.engine.check_prompt(prompt, params, pooling_params)
+            text, token_ids, images, embeds = self.engine.inputs.check_prompt(prompt, params, pooling_params)
             salt = {"cache_salt": s} if (s := cache_salt_of(prompt)) is not None else {}
-            self.engine.check_params(params)
+            self.engine.inputs.check_params(params)
             if lora is not None:
                 self.engine.add_lora(lora)
         except ValueError as e:
@@ -166,7 +167,7 @@ class LLM:
         Each step runs every live beam of every prompt as a one-token greedy request with
         its top 2 x width logprobs (the prefix cache keeps the prompts computed), and
         producer.beam_search keeps the best."""
-        checked = [self.engine.check_prompt(p) for p in _as_prompt_list(prompts)]
+        checked = [self.engine.inputs.check_prompt(p) for p in _as_prompt_list(prompts)]
         if any(c.images is not None or c.embeds is not None for c in checked):
             raise ValueError("beam search over prompts with images or prompt_embeds is not supported")
         prompt_ids = [c.token_ids for c in checked]
@@ -219,7 +220,7 @@ class LLM:
         )
         add = add_generation_prompt and not continue_final_message
         prompts: list[PromptInput] = [
-            self.engine.apply_chat_template(
+            self.engine.inputs.apply_chat_template(
                 c, add, tools, continue_final_message, **(chat_template_kwargs or {})
             )
             for c in conversations

@@ -249,7 +249,7 @@ def test_bad_words_are_never_completed(llm, tiny_llama_dir):
     tokenizer = llm.get_tokenizer()
     words = [tokenizer.decode(free_ids[4:6]).strip(), tokenizer.decode(free_ids[10:11]).strip()]
     words = [w for w in words if w]
-    banned = llm.engine._bad_words_token_ids(words)
+    banned = llm.engine.inputs.bad_words_token_ids(words)
     prompt_ids = tokenizer.encode(prompt)
     assert not any(prompt_ids[len(prompt_ids) - len(s) + 1:] == s[:-1] for s in banned if len(s) > 1)
     out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=words),
@@ -419,8 +419,8 @@ def test_tools_reach_the_chat_template(tiny_llama_dir, tmp_path):
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
     tool = {"type": "function", "function": {"name": "set_colour", "parameters": {"type": "object"}}}
     messages = [{"role": "user", "content": "hi"}]
-    assert llm.engine.apply_chat_template(messages, tools=[tool])["prompt"] == "tool: set_colour\nuser: hi\nassistant:"
-    assert llm.engine.apply_chat_template(messages)["prompt"] == "user: hi\nassistant:"
+    assert llm.engine.inputs.apply_chat_template(messages, tools=[tool])["prompt"] == "tool: set_colour\nuser: hi\nassistant:"
+    assert llm.engine.inputs.apply_chat_template(messages)["prompt"] == "user: hi\nassistant:"
     out = llm.chat(messages, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False, tools=[tool])[0]
     assert out.prompt == "tool: set_colour\nuser: hi\nassistant:"
 
@@ -434,7 +434,7 @@ def test_template_variables_and_continuing_the_last_message(tiny_llama_dir, tmp_
     )
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
     messages = [{"role": "user", "content": "hi"}]
-    assert llm.engine.apply_chat_template(messages, think=True)["prompt"] == "user: hi\nassistant: <think>"
+    assert llm.engine.inputs.apply_chat_template(messages, think=True)["prompt"] == "user: hi\nassistant: <think>"
     out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_kwargs={"think": True})[0]
     assert out.prompt == "user: hi\nassistant: <think>"
     # continue_final_message: the prompt ends inside the last message, as transformers renders it

@@ -182,8 +182,8 @@ def test_the_tokenizer_argument_replaces_the_models(tiny_gguf, gguf_cache, tmp_p
     other = LLM(str(tiny_gguf), cache_dir=gguf_cache, dtype="float32", num_gpu_blocks_override=64, tokenizer=str(base))
     assert other.get_tokenizer().name_or_path == str(base)
     messages = [{"role": "user", "content": "hi"}]
-    assert other.engine.apply_chat_template(messages, add_generation_prompt=False)["prompt"] == "[user] hi\n"
-    assert own.engine.apply_chat_template(messages, add_generation_prompt=False)["prompt"] == (
+    assert other.engine.inputs.apply_chat_template(messages, add_generation_prompt=False)["prompt"] == "[user] hi\n"
+    assert own.engine.inputs.apply_chat_template(messages, add_generation_prompt=False)["prompt"] == (
         "<|im_start|>user\nhi<|im_end|>\n")
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert ([o.outputs[0].token_ids for o in other.generate(PROMPTS, params, use_tqdm=False)]

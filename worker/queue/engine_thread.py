@@ -248,7 +248,7 @@ class EngineThread:
         _, images, modality = chat_media(job.messages)
         if images and modality != self.engine.image_processor.modality:
             raise ValueError(f"this model takes {self.engine.image_processor.modality} parts, not {modality}")
-        self.engine.check_image_count(len(images))  # before any pixels are read
+        self.engine.inputs.check_image_count(len(images))  # before any pixels are read
         return self.engine.image_processor.prepare(images) if images else None
 
     def follow_adapters(self, registry: dict[str, str]) -> None:
@@ -541,7 +541,7 @@ class EngineThread:
 
     def _job_prompt(self, job: Job, images: Future[PreparedImages | None] | None) -> Any:
         if job.messages is not None:
-            prompt = self.engine.apply_chat_template(
+            prompt = self.engine.inputs.apply_chat_template(
                 job.messages, tools=job.tools, **(job.chat_template_kwargs or {})
             )
             prepared = images.result() if images is not None else None  # raises what reading them raised
