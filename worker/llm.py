@@ -64,15 +64,15 @@ class LLM:
         `weights` given by their checkpoint names (a colocated trainer's
         `model.named_parameters()`), without starting over: Engine.reload_weights. Returns the
         checkpoint's directory (None for `weights`)."""
-        return self.engine.reload_weights(model_path, weights)
+        return self.engine.weights.reload(model_path, weights)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's: give the device's memory back to a trainer that shares it (Engine.sleep)."""
-        self.engine.sleep(level)
+        self.engine.weights.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's: take it back, the weights and the KV cache, or those `tags` name (Engine.wake_up)."""
-        self.engine.wake_up(tags)
+        self.engine.weights.wake_up(tags)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what `generate` samples with when given no params: the model's

@@ -32,12 +32,12 @@ def test_level_1_gives_the_kv_cache_back_and_wakes_as_before(tiny_family, family
     before = tokens(llm)
     resident = resident_bytes()
     llm.sleep()
-    assert llm.engine.is_sleeping()
+    assert llm.engine.weights.is_sleeping()
     assert resident - resident_bytes() > 0.8 * pool.numel() * pool.element_size()  # its pages went back
     with pytest.raises(ValueError, match=r"asleep \(sleep mode\): wake_up\(\) first"):
         tokens(llm)
     llm.wake_up()
-    assert not llm.engine.is_sleeping() and tokens(llm) == before
+    assert not llm.engine.weights.is_sleeping() and tokens(llm) == before
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -53,7 +53,7 @@ def test_level_2_forgets_the_weights_and_wakes_with_those_loaded_meanwhile(tiny_
     llm.sleep(level=2)
     llm.wake_up(tags=["weights"])
     llm.reload_weights(retrained_llama_dir)
-    assert llm.engine.is_sleeping()  # (the cache still is)
+    assert llm.engine.weights.is_sleeping()  # (the cache still is)
     llm.wake_up(tags=["kv_cache"])
     after = tokens(llm)
     assert after == hf_greedy_along(retrained_llama_dir, PROMPTS, after)

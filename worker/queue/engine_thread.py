@@ -434,7 +434,7 @@ class EngineThread:
         made once the running ones end, or while the engine sleeps or is paused."""
         weights, sleep = self._weights_due, self._sleep_due
         return ((weights is not None and weights.mode == "wait") or (sleep is not None and sleep.level > 0)
-                or self.engine.is_sleeping() or self._pausing is not None)
+                or self.engine.weights.is_sleeping() or self._pausing is not None)
 
     def _make_due(self) -> list[Rejected]:
         """Make the weights update and the sleep or wake that are due, where they may be made
@@ -462,16 +462,16 @@ class EngineThread:
         self._sleep_due = None
         try:
             if command.level:
-                self.engine.sleep(command.level)
+                self.engine.weights.sleep(command.level)
             else:
-                self.engine.wake_up(list(command.tags))
+                self.engine.weights.wake_up(list(command.tags))
         except Exception as exc:  # (waking weights from a checkpoint that went away, say): as it was
             logger.error("sleep command %d (level %d, %s) failed: %s", command.count, command.level,
                          ",".join(command.tags), exc)
         else:
             logger.info("asleep (level %d), as asked" if command.level else "woke %s, as asked",
                         command.level or " and ".join(command.tags))
-        self.sleep = SleepState(command.count, command.level or self.sleep.level if self.engine.is_sleeping() else 0)
+        self.sleep = SleepState(command.count, command.level or self.sleep.level if self.engine.weights.is_sleeping() else 0)
 
     def _pause_if_due(self) -> None:
         """Be paused once no request runs, or at once where the pause keeps them frozen."""
@@ -490,7 +490,7 @@ class EngineThread:
             return
         self._weights_due = None
         try:
-            path = self.engine.reload_weights(due.model_path or None)  # ("": the model's own, read again)
+            path = self.engine.weights.reload(due.model_path or None)  # ("": the model's own, read again)
             self.weights = ServedWeights(due.count, str(path))
         except Exception as exc:  # the checkpoint's fault: the weights are as they were
             logger.error("weights update %d (%s) failed, serving %s on: %s", due.count, due.model_path,
