@@ -633,12 +633,12 @@ def check_draft_layer_vs_cpu(model: str | None, method: str, devices: tuple[str,
             runs.append(steps)
         lines.append(f"{method} {arch} {devices[1]} vs {devices[0]} guesses and outputs float32: "
                      f"{'equal' if runs[0] == runs[1] else 'DIFFER'} ({sum(len(s) for s in runs[0])} request steps)")
-        for runner in (engine.runner, engine.proposer.runner):
+        for runner in (engine.runner, engine.speculator.proposer.runner):
             runner.model.norm.weight.data.zero_()
-        before = (engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens)
+        before = (engine.speculator.stats.num_draft_tokens, engine.speculator.stats.num_accepted_tokens)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        drafted, kept = (now - then for now, then in zip((engine.spec_stats.num_draft_tokens,
-                                                          engine.spec_stats.num_accepted_tokens), before, strict=True))
+        drafted, kept = (now - then for now, then in zip((engine.speculator.stats.num_draft_tokens,
+                                                          engine.speculator.stats.num_accepted_tokens), before, strict=True))
         zeros = all(o.outputs[0].token_ids == [0] * num_tokens for o in outs)
         lines.append(f"{method} {arch} {devices[1]} every guess right: {kept}/{drafted} kept, outputs all 0: {zeros}")
     return lines

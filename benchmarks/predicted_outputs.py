@@ -38,7 +38,7 @@ def edited(text: str) -> str:
 
 def run(llm: LLM, params: list[SamplingParams]) -> tuple[float, list[list[int]], float]:
     """Seconds, the tokens, and guesses kept per guessing step, prompt by prompt."""
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculator.stats
     before = (stats.num_accepted_tokens, stats.num_drafts) if stats else (0, 0)
     start, tokens = time.perf_counter(), []
     for prompt, p in zip(PROMPTS, params, strict=True):

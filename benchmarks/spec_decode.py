@@ -118,12 +118,12 @@ def compare(model: str | None, args: argparse.Namespace) -> int:
         workloads = (("held", COPY, {"allowed_token_ids": held, "ignore_eos": True}),)
     for name, messages, held_to in workloads:
         if name == "right":  # the final norms zeroed: the target and the MTP layer pick token 0 alike
-            for runner in (plain.engine.runner, spec.engine.runner, spec.engine.proposer.runner):
+            for runner in (plain.engine.runner, spec.engine.runner, spec.engine.speculator.proposer.runner):
                 runner.model.norm.weight.data.zero_()
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, **held_to)
         for batch in (1, 16):
             plain_s, plain_out, plain_steps = timed(plain, messages[:batch], params)
-            stats = spec.engine.spec_stats
+            stats = spec.engine.speculator.stats
             drafted, kept = stats.num_draft_tokens, stats.num_accepted_tokens
             spec_s, spec_out, spec_steps = timed(spec, messages[:batch], params)
             tokens = sum(len(t) for t in plain_out)

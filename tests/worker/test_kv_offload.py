@@ -47,4 +47,4 @@ def test_a_draft_model_keeps_no_host_tier(tiny_llama_dir):
     spec = {"model": str(tiny_llama_dir), "num_speculative_tokens": 2}
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=12, max_model_len=192,
               kv_offloading_size=64 * BLOCK_BYTES / 2**30, speculative_config=spec)
-    assert llm.engine.runner.num_host_blocks == 64 and llm.engine.proposer.runner.host_pool is None
+    assert llm.engine.runner.num_host_blocks == 64 and llm.engine.speculator.proposer.runner.host_pool is None

@@ -191,7 +191,7 @@ def test_guesses_are_taken_back_from_the_state(qwen3_5, backend, prompts):
     outputs = spec.generate([{"prompt_token_ids": ids} for ids in prompts], greedy(32), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outputs]
     assert tokens == hf_greedy_along(qwen3_5, prompts, tokens)
-    stats = spec.engine.spec_stats
+    stats = spec.engine.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, (stats.num_accepted_tokens, stats.num_draft_tokens)
     assert not spec.engine.runner.states.slots
 

@@ -132,4 +132,4 @@ def test_rows_after_guesses_see_the_guesses_as_generated(tiny_llama_dir):
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                                                    extra_args={"count_from": 100}), use_tqdm=False)
     assert out[0].outputs[0].token_ids == list(range(100, 116))
-    assert llm.engine.spec_stats.num_accepted_tokens >= 8
+    assert llm.engine.speculator.stats.num_accepted_tokens >= 8

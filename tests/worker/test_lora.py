@@ -202,7 +202,7 @@ def test_adapters_with_speculative_decoding(tiny_llama_dir, tiny_llama_adapters,
     outs = llm.generate(PROMPTS * 3, greedy(), use_tqdm=False, lora_request=[requests[n] for n in names])
     for i, (name, out) in enumerate(zip(names, outs, strict=True)):
         assert out.outputs[0].token_ids == expected[name][i % len(PROMPTS)], name
-    assert llm.engine.spec_stats.num_drafts > 0
+    assert llm.engine.speculator.stats.num_drafts > 0
 
 
 def test_everything_at_once_equals_plain_decoding(tiny_llama_dir, tiny_llama_adapters):

@@ -152,11 +152,11 @@ def run_checking_guesses(llm: LLM, hf: HfMtp, prompts: list[list[int]] | list[di
                 if request.spec_token_ids:
                     expected, state = hf.guesses(request.all_token_ids, len(request.spec_token_ids))
                     assert request.spec_token_ids == expected, (request.request_id, request.all_token_ids)
-                    torch.testing.assert_close(engine.proposer._first[request.request_id][2], state,
+                    torch.testing.assert_close(engine.speculator.proposer._first[request.request_id][2], state,
                                                atol=1e-4, rtol=1e-4)
                     checked += 1
     assert checked >= 2 * len(prompts)
-    proposer = engine.proposer  # its private and scratch blocks come back as requests end
+    proposer = engine.speculator.proposer  # its private and scratch blocks come back as requests end
     assert not (proposer.scratch.tables or proposer._private or proposer._first or proposer._fed)
     own_blocks = proposer.runner.num_blocks - engine.runner.num_blocks  # (beyond the target's twins)
     assert len(proposer.scratch.free) + len(proposer._private_free) == own_blocks
@@ -173,7 +173,7 @@ def test_mtp_guesses_are_transformers_and_outputs_plain_decodings(mtp_model):
     spec = LLM(str(model_dir), speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **args)
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outputs = run_checking_guesses(spec, HfMtp(model_dir, family), PROMPTS, greedy)
-    assert spec.engine.spec_stats.num_draft_tokens >= 6
+    assert spec.engine.speculator.stats.num_draft_tokens >= 6
     plain = LLM(str(model_dir), **args).generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
     assert outputs == [o.outputs[0].token_ids for o in plain]
 
@@ -233,7 +233,7 @@ def test_a_layer_that_agrees_has_every_guess_kept(tiny_family, tmp_path, family)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [[0] * 33] * 2
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculator.stats
     assert stats.acceptance_rate == 1.0 and stats.num_accepted_tokens >= 2 * 24
 
 
@@ -279,11 +279,11 @@ def test_a_split_targets_mtp_layer_is_whole_beside_rank_0(tiny_family, tmp_path)
     model_dir = build_mtp_checkpoint(tiny_family("deepseek_v3"), tmp_path / "m", "deepseek_v3", zero_norms=True)
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, max_model_len=128, tensor_parallel_size=2,
               num_threads=1, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    assert llm.engine.proposer.runner.model_config.num_attention_heads == 4  # whole: 2 a rank split
+    assert llm.engine.speculator.proposer.runner.model_config.num_attention_heads == 4  # whole: 2 a rank split
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [[0] * 9] * 2
-    assert llm.engine.spec_stats.acceptance_rate == 1.0 and llm.engine.spec_stats.num_accepted_tokens >= 2 * 4
+    assert llm.engine.speculator.stats.acceptance_rate == 1.0 and llm.engine.speculator.stats.num_accepted_tokens >= 2 * 4
 
 
 def test_the_layers_blocks_go_to_the_host_and_back_with_the_targets(tiny_family, tmp_path):
@@ -294,7 +294,7 @@ def test_the_layers_blocks_go_to_the_host_and_back_with_the_targets(tiny_family,
     model_dir = build_mtp_checkpoint(tiny_family(family), tmp_path / "m", family)
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=12, max_model_len=192,
               kv_offloading_size=0.002, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    assert llm.engine.proposer.runner.host_pool.shape[2] == llm.engine.runner.num_host_blocks > 0
+    assert llm.engine.speculator.proposer.runner.host_pool.shape[2] == llm.engine.runner.num_host_blocks > 0
     generator = torch.Generator().manual_seed(0)
     first, other = (torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (100, 150))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -341,7 +341,7 @@ def test_while_guessing_is_off_the_layer_keeps_up_but_makes_no_guess(tiny_family
         engine.step()
         running = engine.scheduler.running
         if len(running) >= 2:
-            assert not engine.proposer._first and not any(r.spec_token_ids for r in running)
+            assert not engine.speculator.proposer._first and not any(r.spec_token_ids for r in running)
         for request in running:
             if request.spec_token_ids:
                 expected, _ = hf.guesses(request.all_token_ids, len(request.spec_token_ids))

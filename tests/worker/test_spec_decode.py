@@ -47,11 +47,11 @@ def spec_llm(default_model_dir) -> LLM:
 
 def test_greedy_matches_transformers_and_guesses_are_kept(default_model_dir, spec_llm):
     tok = spec_llm.get_tokenizer()
-    before, generated = dataclasses.replace(spec_llm.engine.spec_stats), spec_llm.engine.num_generated_tokens
+    before, generated = dataclasses.replace(spec_llm.engine.speculator.stats), spec_llm.engine.num_generated_tokens
     outs = spec_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     assert tokens == hf_greedy_along(default_model_dir, [tok.encode(p) for p in PROMPTS], tokens)
-    stats = spec_llm.engine.spec_stats  # since the engine started: this test's share
+    stats = spec_llm.engine.speculator.stats  # since the engine started: this test's share
     accepted, drafted = stats.num_accepted_tokens - before.num_accepted_tokens, stats.num_draft_tokens - before.num_draft_tokens
     assert accepted > 28 and drafted >= accepted
     assert spec_llm.engine.num_generated_tokens - generated == 28 * len(PROMPTS)
@@ -85,10 +85,10 @@ def both_outputs(plain_llm, spec_llm) -> dict[str, tuple[list, list, int | None]
 
     plain, spec = generate(plain_llm, [*batched, seeded]), generate(spec_llm, batched)
     outputs: dict[str, tuple[list, list, int | None]] = {case: (plain[case], spec[case], None) for case in batched}
-    assert spec_llm.engine.spec_stats.num_drafts > 0
-    drafts_before = spec_llm.engine.spec_stats.num_drafts
+    assert spec_llm.engine.speculator.stats.num_drafts > 0
+    drafts_before = spec_llm.engine.speculator.stats.num_drafts
     outputs[seeded] = (plain[seeded], generate(spec_llm, [seeded])[seeded],
-                       spec_llm.engine.spec_stats.num_drafts - drafts_before)
+                       spec_llm.engine.speculator.stats.num_drafts - drafts_before)
     return outputs
 
 
@@ -115,12 +115,12 @@ def test_guided_requests_guess_within_their_grammar(plain_llm, spec_llm):
     request's own state never takes in, so outputs are plain guided decoding's."""
     prompts = ["Four people and their cities:\n", "Name four cities:\n"]
     params = SamplingParams(temperature=0.0, max_tokens=60, guided_decoding={"regex": PEOPLE})
-    before = dataclasses.replace(spec_llm.engine.spec_stats)
+    before = dataclasses.replace(spec_llm.engine.speculator.stats)
     plain, spec = (llm.generate(prompts, params, use_tqdm=False) for llm in (plain_llm, spec_llm))
     for p, s in zip(plain, spec, strict=True):
         assert (s.outputs[0].token_ids, s.outputs[0].finish_reason) == (p.outputs[0].token_ids, p.outputs[0].finish_reason)
         assert re.fullmatch(PEOPLE, s.outputs[0].text)
-    stats = spec_llm.engine.spec_stats
+    stats = spec_llm.engine.speculator.stats
     assert stats.num_accepted_tokens - before.num_accepted_tokens > 20
 
 
@@ -148,7 +148,7 @@ def test_preemption_and_chunked_prefill_keep_outputs(plain_llm):
     spec_llm = engine(spec=True, **small)
     spec = spec_llm.generate(PROMPTS * 2, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
-    assert spec_llm.engine.scheduler.num_preemptions > 0 and spec_llm.engine.spec_stats.num_accepted_tokens > 0
+    assert spec_llm.engine.scheduler.num_preemptions > 0 and spec_llm.engine.speculator.stats.num_accepted_tokens > 0
 
 
 def test_no_guesses_at_or_above_disable_by_batch_size():
@@ -156,9 +156,9 @@ def test_no_guesses_at_or_above_disable_by_batch_size():
     llm = LLM(None, dtype="float32", num_gpu_blocks_override=256, max_model_len=1024, speculative_config=config)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm.generate(PROMPTS[:2], params, use_tqdm=False)  # two run together to the end
-    assert llm.engine.spec_stats.num_drafts == 0
+    assert llm.engine.speculator.stats.num_drafts == 0
     llm.generate(PROMPTS[:1], params, use_tqdm=False)
-    assert llm.engine.spec_stats.num_drafts > 0
+    assert llm.engine.speculator.stats.num_drafts > 0
 
 
 def test_guesses_are_paced_by_how_they_fare():
@@ -188,9 +188,9 @@ def test_a_predicted_output_is_guessed_from_and_changes_nothing(spec_llm):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
     def run(given: SamplingParams) -> tuple[list[int], int]:
-        before = spec_llm.engine.spec_stats.num_accepted_tokens
+        before = spec_llm.engine.speculator.stats.num_accepted_tokens
         [out] = spec_llm.generate(prompt, given, use_tqdm=False)
-        return out.outputs[0].token_ids, spec_llm.engine.spec_stats.num_accepted_tokens - before
+        return out.outputs[0].token_ids, spec_llm.engine.speculator.stats.num_accepted_tokens - before
 
     plain, kept_plain = run(params)
     text = spec_llm.get_tokenizer().decode(plain)
@@ -258,7 +258,7 @@ def test_random_sampling_keeps_its_distribution(default_model_dir):
     dtype = "bfloat16" if can_pack(torch.device("cpu"), torch.bfloat16) else "float32"
     llm = engine(spec=True, dtype=dtype, max_num_seqs=samples, num_gpu_blocks_override=512)
     completions = [c.token_ids for c in llm.generate(prompt, params, use_tqdm=False)[0].outputs]
-    assert llm.engine.spec_stats.num_drafts > 100
+    assert llm.engine.speculator.stats.num_drafts > 100
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     prompt_ids = llm.get_tokenizer().encode(prompt)
     assert len(prompt_ids) == llm.engine.config.block_size + 1
@@ -296,7 +296,7 @@ def test_draft_model_guesses_keep_plain_outputs(tiny_llama_dir, tiny_mistral_dir
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = [llm.generate(prompts, greedy, use_tqdm=False) for llm in (plain, spec)]
     assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
-    stats = spec.engine.spec_stats
+    stats = spec.engine.speculator.stats
     assert stats.num_draft_tokens > 24
     if draft == "itself":
         assert stats.acceptance_rate > 0.95
@@ -307,7 +307,7 @@ def test_draft_model_guesses_keep_plain_outputs(tiny_llama_dir, tiny_mistral_dir
         for p, s in zip(a, b, strict=True):
             assert (s.outputs[0].token_ids, s.outputs[0].finish_reason) == (p.outputs[0].token_ids, p.outputs[0].finish_reason)
     # its blocks come back as requests end
-    proposer = spec.engine.proposer
+    proposer = spec.engine.speculator.proposer
     assert not proposer.blocks.tables and len(proposer.blocks.free) == proposer.runner.num_blocks
 
 
@@ -316,11 +316,11 @@ def test_a_split_targets_draft_is_whole_beside_rank_0(tiny_llama_dir):
     process, and guessing right (it is the target) changes no output."""
     plain = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=128)
     spec = draft_engine(tiny_llama_dir, tiny_llama_dir, tensor_parallel_size=2, num_threads=1)
-    assert spec.engine.proposer.runner.model_config.num_attention_heads == 4  # the whole draft: 2 a rank split
+    assert spec.engine.speculator.proposer.runner.model_config.num_attention_heads == 4  # the whole draft: 2 a rank split
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = [llm.generate(PROMPTS[:4], greedy, use_tqdm=False) for llm in (plain, spec)]
     assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids for o in outs[0]]
-    assert spec.engine.spec_stats.acceptance_rate > 0.95
+    assert spec.engine.speculator.stats.acceptance_rate > 0.95
 
 
 def test_a_hybrid_targets_draft_holds_what_one_kv_group_would(tiny_gemma3_layers_dir, tiny_llama_dir):
@@ -328,7 +328,7 @@ def test_a_hybrid_targets_draft_holds_what_one_kv_group_would(tiny_gemma3_layers
     draft's pool (every draft layer a block) is sized as the target's would be with one
     group, not by that count. Outputs stay plain decoding's."""
     spec = draft_engine(tiny_gemma3_layers_dir, tiny_llama_dir, max_num_seqs=4)
-    runner, proposer = spec.engine.runner, spec.engine.proposer
+    runner, proposer = spec.engine.runner, spec.engine.speculator.proposer
     assert runner.num_blocks > 128 and proposer.runner.num_blocks == 128 + 4 * (1 + 1)  # 3 guesses: one block
     plain = LLM(str(tiny_gemma3_layers_dir), dtype="float32", num_gpu_blocks_override=128, max_num_seqs=4)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

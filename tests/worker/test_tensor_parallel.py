@@ -391,6 +391,6 @@ def test_models_with_states_split_as_transformers(family, tiny_family):
     [out] = llm.generate({"prompt_token_ids": follow_up}, greedy(), use_tqdm=False)
     assert out.num_cached_tokens >= 16
     assert out.outputs[0].token_ids == hf_greedy_along(model_dir, [follow_up], [out.outputs[0].token_ids])[0]
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculator.stats
     assert stats.num_draft_tokens > stats.num_accepted_tokens  # guesses were taken back
     assert not llm.engine.runner.states.slots

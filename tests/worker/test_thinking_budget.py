@@ -57,7 +57,7 @@ def test_the_end_is_forced_once_the_budget_is_spent(llm: LLM, markers: ThinkingM
     speculative = LLM(str(llm.engine.model_path), dtype="float32", num_gpu_blocks_override=256,
                       reasoning_config=MARKERS, speculative_config=NGRAM)
     assert generate(speculative, prompt, greedy(16, thinking_token_budget=budget)) == budgeted
-    assert speculative.engine.spec_stats.num_drafts > 0
+    assert speculative.engine.speculator.stats.num_drafts > 0
 
 
 def test_a_resumed_reply_keeps_the_budget_it_had_spent(llm: LLM, markers: ThinkingMarkers) -> None:

@@ -6,11 +6,9 @@ through that thread (the worker's intake queue does this).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +17,7 @@ from producer.pooling_params import PoolingParams
 from producer.sampling_params import SamplingParams
 from worker.config import EngineConfig, SchedulerConfig
 from worker.core.block_manager import BlockManager
+from worker.core.generation_config import generation_config_of, generation_eos, sampling_defaults
 from worker.core.input_processor import (
     InputProcessor,
     PromptInput,
@@ -41,7 +40,7 @@ from worker.core.scheduler import Scheduler, SchedulerOutput
 from worker.core.weights import Weights
 from worker.guided.structured_output import GuidedDecoding
 from worker.model_executor.model_loader import check_import_names, read_config, resolve_model_path
-from worker.model_executor.model_runner import ModelOutput, ModelRunner
+from worker.model_executor.model_runner import ModelRunner
 from worker.model_executor.models.config import ModelConfig, architecture_of, language_config
 from worker.model_executor.models.mtp import check_has_mtp
 from worker.model_executor.models.whisper import CHAT_TEMPLATE as WHISPER_CHAT_TEMPLATE
@@ -53,20 +52,10 @@ from worker.sample.logits_processors import LogitsProcessors, load_logits_proces
 from worker.sample.sampler import Sampler, SamplerOutput, TokenLogprobs
 from worker.sample.sampling_batch import SamplingBatch
 from worker.sample.thinking_budget import ThinkingBudgets, ThinkingMarkers
-from worker.spec_decode.draft_model import (
-    DraftModelProposer,
-    HiddenStateProposer,
-    eagle3_proposer,
-    holds_eagle3_head,
-    mtp_proposer,
-)
 from worker.spec_decode.speculative import (
     MTP_METHODS,
-    NgramProposer,
-    SpecDecodeStats,
-    SpeculativeConfig,
-    can_speculate,
 )
+from worker.spec_decode.speculator import Speculator, make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +132,13 @@ class Engine:
         self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids)
         self.thinking = ThinkingBudgets(ThinkingMarkers.from_config(config.reasoning_config, self.tokenizer))
         self.generators: dict[str, torch.Generator] = {}
-        self.proposer = self._make_proposer(config)
-        self.spec_stats = SpecDecodeStats()
+        self.speculator = Speculator(make_proposer(config, self.runner, self.model_path, self.max_model_len),
+                                     self.scheduler, self.guided, self.generators, self.max_model_len)
         self._aborted: list[Request] = []  # finished by abort, reported at the next step
         # request id -> why it failed in a step (its images' encoding, a logits processor)
         self._failures: dict[str, str] = {}
         self.num_generated_tokens = 0
-        self.weights = Weights(config, self.model_path, self.max_model_len, self.runner, self.proposer,
+        self.weights = Weights(config, self.model_path, self.max_model_len, self.runner, self.speculator.proposer,
                                self.reset_prefix_cache, self._num_unfinished)
 
     # -- intake --------------------------------------------------------------------------------
@@ -288,7 +277,7 @@ class Engine:
         """Whisper's prompts as chats (its template, unless one is given), transformers'
         generation rules of the checkpoint (WhisperRules, a logits processor every request
         has), and the cross-attention heads its token timestamps are found by."""
-        generation = _generation_config(self.model_path)
+        generation = generation_config_of(self.model_path)
         self.alignment_heads = [(int(layer), int(head)) for layer, head in generation.get("alignment_heads") or []]
         self.median_filter_width = int(getattr(whole_config, "median_filter_width", 7))
         if config.chat_template is None:
@@ -309,10 +298,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.swaps:  # (whether or not a request is left to run)
             self.runner.swap_blocks(sched.swaps)
-        if isinstance(self.proposer, HiddenStateProposer):  # (its cache mirrors the target's blocks)
-            self.proposer.swap_blocks(sched.swaps)
-            for request_id in sched.preempted:  # (it computes its rows again, as a new request would)
-                self.proposer.remove(request_id)
+        self.speculator.before_step(sched)
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}
         embeddings: dict[str, list[float]] = {}
@@ -327,8 +313,7 @@ class Engine:
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._end_failed(failed, sampled, logprobs)
             updated += self._update(sched, sampled)
-            if isinstance(self.proposer, HiddenStateProposer):
-                self.proposer.take_rows(self._kept_rows(sched, model_out, sampled), guessing=not self._guessing_off())
+            self.speculator.after_step(sched, model_out, sampled)
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
         outputs, stopped = self.output_processor.process(updated, logprobs, self._token_timestamps)
@@ -336,7 +321,7 @@ class Engine:
             output.embedding = embeddings.get(output.request_id)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
-        self._propose()
+        self.speculator.propose()
         return outputs
 
     def end_aborted(self) -> list[RequestOutput]:
@@ -457,81 +442,8 @@ class Engine:
             forced_token_ids=self.thinking.forced(row_ids, requests, row_outputs),
         )
         sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch, model_logits), drafts)
-        for rid, guesses in drafts.items():  # how the guesses fared: counted, and pacing the next
-            if guesses and rid in sampled and self.proposer is not None:
-                self.spec_stats.add(len(guesses), len(sampled[rid]) - 1)
-                self.proposer.record(rid, len(guesses), len(sampled[rid]) - 1)
+        self.speculator.record(drafts, sampled)
         return sampled, logprobs, failed
-
-    def _make_proposer(self, config: EngineConfig) -> NgramProposer | DraftModelProposer | HiddenStateProposer | None:
-        if not config.speculative_config:
-            return None
-        spec = SpeculativeConfig.from_dict(config.speculative_config)
-        if spec.method == "draft_model" and holds_eagle3_head(spec, config):
-            spec = replace(spec, method="eagle3")
-        if spec.method == "ngram":
-            return NgramProposer(spec)
-        # the draft holds as many tokens as the target's pool would with one KV group: a hybrid
-        # target's blocks each hold a few layers, and sizing by their count would make the
-        # draft's pool (every layer a block) as many times larger (it guesses less once full)
-        target_blocks = self.runner.num_blocks * self.runner.num_slots // self.model_config.num_hidden_layers
-        if spec.method == "mtp":  # (its cache mirrors the target's blocks)
-            return mtp_proposer(spec, config, self.model_path, self.model_config.hf_config, self.max_model_len,
-                                self.runner.num_blocks, self.runner.model, self.runner.num_host_blocks,
-                                given=self.runner.image_embeds)
-        if spec.method == "eagle3":
-            return eagle3_proposer(spec, config, self.max_model_len, self.runner.num_blocks, self.runner.model,
-                                   self.runner.num_host_blocks, given=self.runner.image_embeds)
-        return DraftModelProposer(spec, config, self.max_model_len, target_blocks, self.model_config.vocab_size)
-
-    def _kept_rows(self, sched: SchedulerOutput, out: ModelOutput, sampled: dict[str, list[int]]
-                   ) -> list[tuple[str, int, list[int], torch.Tensor, int, list[int]]]:
-        """What a draft layer reads of a step (HiddenStateProposer.take_rows): each request's rows
-        whose inputs it keeps (its known tokens and the guesses kept), with their tokens and
-        the one after, the states it reads (final hidden states, or an EAGLE-3 head's aux
-        ones), and the request's block table. Requests that never guess are in too: others
-        may share their blocks."""
-        assert isinstance(self.proposer, HiddenStateProposer)
-        states = out.aux if self.proposer.reads_aux else out.hidden
-        assert states is not None
-        rows = []
-        for s in sched.scheduled:
-            request = self.scheduler.requests.get(s.request_id)
-            if request is None or s.pool:
-                continue  # (ended)
-            kept = len(s.token_ids) - s.num_drafts + max(len(sampled.get(s.request_id, ())) - 1, 0)
-            tokens = request.token_slice(s.start_pos, min(s.start_pos + 1 + kept, request.num_tokens))
-            start = out.rows[s.request_id][0]
-            rows.append((s.request_id, s.start_pos, tokens, states[start : start + len(tokens) - 1],
-                         request.num_tokens, s.block_table))
-        return rows
-
-    def _guessing_off(self) -> bool:
-        """Whether disable_by_batch_size turns guessing off now: as many requests run or more."""
-        assert self.proposer is not None
-        limit = self.proposer.config.disable_by_batch_size
-        return limit is not None and len(self.scheduler.running) >= limit
-
-    def _propose(self) -> None:
-        """Guesses for the next step of every decoding request that may speculate."""
-        if self.proposer is None or self._guessing_off():
-            return
-        candidates = []
-        for request in self.scheduler.running:
-            if request.num_computed_tokens != request.num_tokens - 1 and (
-                    request.num_computed_tokens < request.num_prompt_tokens):
-                continue  # still prefilling (a model with states recomputes the guesses it kept: it guesses on)
-            if not can_speculate(request.sampling_params, request.request_id in self.generators):
-                continue
-            # no guess past max_tokens or max_model_len: the step's last token needs room
-            room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-            candidates.append((request, room))
-        ngrams = isinstance(self.proposer, NgramProposer)  # (it alone reads predicted outputs)
-        guesses = self.proposer.propose_all([(r.request_id, r.lookup_token_ids if ngrams else r.all_token_ids, room)
-                                             for r, room in candidates])
-        for request, _ in candidates:
-            request.spec_token_ids = self.guided.fitting(request.request_id, request.output_token_ids,
-                                                         guesses.get(request.request_id, []))
 
     def _record_prompt_logprobs(self, sched, chunk_logits: dict[str, torch.Tensor]) -> None:
         """Logprob of each prompt token given the tokens before it (raw model distribution),
@@ -585,8 +497,7 @@ class Engine:
             self.runner.forget(request.request_id)
             if self.runner.states is not None:
                 self.runner.states.remove(request.request_id)
-            if self.proposer is not None:
-                self.proposer.remove(request.request_id)
+            self.speculator.remove(request.request_id)
             self.guided.remove(request.request_id)
             self.thinking.remove(request.request_id)
             self.logits_processors.remove(request.request_id)
@@ -662,57 +573,3 @@ def _max_model_len(config: EngineConfig, hf_config) -> int:
 
 def _tokenizer_eos(tokenizer) -> set[int]:
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-
-
-# what vLLM takes from a model's generation_config.json as its requests' sampling defaults,
-# and the SamplingParams field each becomes
-SAMPLING_DEFAULT_KEYS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
-}
-
-
-def sampling_defaults(model_path: Path, generation_config: str, override: dict[str, Any] | None = None) -> dict[str, Any]:
-    """vLLM's generation_config: "auto", the sampling values of the model's
-    generation_config.json (Qwen3's temperature 0.6, top_p 0.95, top_k 20, ...; its
-    max_new_tokens as max_tokens), which requests that leave them unset take; "vllm", none; else a directory whose
-    generation_config.json to read; then vLLM's override_generation_config, values under the
-    same names that replace or add to those. ValueError naming a value SamplingParams refuses."""
-    unknown = sorted(set(override or {}) - set(SAMPLING_DEFAULT_KEYS))
-    if unknown:
-        raise ValueError(f"override_generation_config takes {', '.join(SAMPLING_DEFAULT_KEYS)}, got {unknown[0]!r}")
-    named = generation_config not in ("auto", "vllm")  # a directory
-    path = (Path(generation_config).expanduser() if named else model_path) / "generation_config.json"
-    if named and not path.is_file():
-        raise ValueError(f"generation_config {generation_config!r} holds no generation_config.json")
-    values = json.loads(path.read_text()) if generation_config != "vllm" and path.is_file() else {}
-    values.update(override or {})
-    found = {field: values[k] for k, field in SAMPLING_DEFAULT_KEYS.items() if values.get(k) is not None}
-    try:
-        SamplingParams(**found)
-    except (ValueError, TypeError) as exc:
-        where = f"{path} with override_generation_config" if override else str(path)
-        raise ValueError(f"{where}: {exc}") from exc
-    if found:
-        logger.info("requests that leave them unset sample with the model's generation config: %s", found)
-    return found
-
-
-def generation_eos(model_path: Path) -> set[int]:
-    """The EOS ids of the model's generation_config.json, which may list more than config.json
-    (gpt-oss ends a reply at <|return|> and at a tool call's <|call|>; Llama 3's instruct
-    models at <|eot_id|>), as vLLM and transformers' generate stop at them."""
-    return _token_ids(_generation_config(model_path).get("eos_token_id"))
-
-
-def _generation_config(model_path: Path) -> dict[str, Any]:
-    """The model's generation_config.json ({} without one)."""
-    path = model_path / "generation_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _token_ids(ids: Any) -> set[int]:
-    """A generation config's token ids: one, a list, or none."""
-    if ids is None:
-        return set()
-    return {int(t) for t in (ids if isinstance(ids, list) else [ids])}
