@@ -1,7 +1,8 @@
 """What the documentation tells a user to paste, read from the documentation itself, so the
 tests that run it (tests/api/test_docs.py, tests/queue/test_queue_docs.py) follow every edit:
 
-- README.md's code blocks marked `<!-- tested: NAME -->` on the line before their fence;
+- the code blocks marked `<!-- tested: NAME -->` on the line before their fence (README.md's
+  client quickstart, docs/engine.md's offline quickstart);
 - every command line of a program (`genq`, `arq`) shown in README.md and docs/*.md (lines of
   plain or shell code blocks, and inline code), and those docker-compose.yml and the
   Dockerfile run.
@@ -19,6 +20,7 @@ import yaml  # type: ignore[import-untyped]  # (no stubs installed)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+ENGINE_DOC = ROOT / "docs" / "engine.md"
 MARKED = re.compile(r"^<!-- tested: ([\w-]+)[^\n]*-->\n```\w*\n(.*?)^```", re.M | re.S)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 SHELL_LANGUAGES = ("", "sh", "bash", "shell", "console")

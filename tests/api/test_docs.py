@@ -1,9 +1,9 @@
-"""What the README tells a user to paste runs as written (tests/docs_support.py reads it from
+"""What the docs tell a user to paste runs as written (tests/docs_support.py reads it from
 the markdown, so a new or changed snippet is tested as it stands):
 
-- the Python client quickstart, in a fresh interpreter against the live stack (the session's
+- the README's Python client quickstart, in a fresh interpreter against the live stack (the session's
   Redis and worker on the tiny Llama; only the Redis URL differs);
-- the offline quickstart, on the tiny Llama: the default model's name and the trainer's
+- docs/engine.md's offline quickstart, on the tiny Llama: the default model's name and the trainer's
   checkpoint path are the tiny model's, the KV pool is small, `trainer_model` is transformers'
   model of it; the rest as pasted;
 - every `genq` command line in README.md, docs/*.md, docker-compose.yml and the Dockerfile:
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from docs_support import ROOT, Command, command_lines, marked_block
+from docs_support import ENGINE_DOC, ROOT, Command, command_lines, marked_block
 
 from producer.cli import main as genq
 from producer.protocol import JobStatus
@@ -70,12 +70,12 @@ def test_the_offline_quickstart_runs_on_the_tiny_model(tiny_llama_dir: Path) -> 
     from transformers import AutoModelForCausalLM
 
     model = repr(str(tiny_llama_dir))
-    code = marked_block("offline-quickstart")
+    code = marked_block("offline-quickstart", ENGINE_DOC)
     # the default KV pool (2 GiB on the CPU) would cost seconds to allocate, for nothing here
     code = substitute(code, "LLM()", f"LLM({model}, num_gpu_blocks_override=256)")
     code = substitute(code, '"/ckpt/step-200"', model)  # a checkpoint of the same model
     namespace: dict[str, Any] = {"trainer_model": AutoModelForCausalLM.from_pretrained(tiny_llama_dir)}
-    exec(compile(code, "README.md (offline-quickstart)", "exec"), namespace)
+    exec(compile(code, "docs/engine.md (offline-quickstart)", "exec"), namespace)
     outs = namespace["outs"]
     assert len(outs) == 2
     for out in outs:
