@@ -10,9 +10,9 @@ consumer; the consumer's own asyncio tasks do the work:
 - reclaimer: entries of dead workers, resumed from the tokens they had sent;
 - cancel listener: the `cancel` channel;
 - control listener: the `control` channel (a command record was written: beat now);
-- handoff listener: entries other workers handed to this one (queue_affinity).
+- handoff listener: entries other workers handed to this one (affinity).
 
-The engine steps in its own thread (`queue_engine.EngineThread`). On SIGTERM arq cancels
+The engine steps in its own thread (`engine_thread.EngineThread`). On SIGTERM arq cancels
 its main task and calls `on_shutdown`, which drains: intake stops, jobs that have produced
 nothing yet are released at once, the others get `shutdown_grace_s` to finish, what is left
 is released (claimable by another worker at once), and the worker hash is deleted.

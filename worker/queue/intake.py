@@ -1,11 +1,11 @@
 """Taking jobs: the intake (XREADGROUP, new entries), the reclaimer (entries of workers that
-died) and handoffs (entries another worker read and handed here, queue_affinity), all feeding
+died) and handoffs (entries another worker read and handed here, affinity), all feeding
 one admission path.
 
 Admission decodes and checks each entry, dead-letters what cannot run, marks the rest
 running (START_LUA), ends at once the ones that were cancelled or are past their deadline,
 and hands the others to the engine thread. A job read from the stream whose prompt start
-another worker ran last goes to that worker while it has room (queue_affinity). A reclaimed
+another worker ran last goes to that worker while it has room (affinity). A reclaimed
 job resumes from its events stream: the engine prefills prompt + tokens already sent, and
 numbering continues.
 """
@@ -225,7 +225,7 @@ class Admission:
         self, checked: list[tuple[Delivery, Job | Rejection]]
     ) -> list[tuple[Delivery, Job | Rejection]]:
         """Jobs whose prompt start another worker of this stream ran last: handed to it while
-        it has room (queue_affinity), and dropped from `checked`."""
+        it has room (affinity), and dropped from `checked`."""
         handed = await self.affinity.hand_off([(d.entry_id, v) for d, v in checked if isinstance(v, Job)])
         self.metrics.handed_off(len(handed))
         return [(d, v) for d, v in checked if d.entry_id not in handed]
