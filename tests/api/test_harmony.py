@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from api.call_stream import ToolCall
 from api.generate import Collector
-from api.harmony import HarmonyReader
-from api.reasoning import split
+from api.parsers.call_stream import ToolCall
+from api.parsers.harmony import HarmonyReader
+from api.parsers.reasoning import split
+from api.parsers.tool_calls import read_all
 from api.render import ChatRenderer, RelayedRequest
 from api.responses import Usage
-from api.tool_calls import read_all
 from producer.protocol import Event
 
 WEATHER = ('<|channel|>analysis<|message|>User asks for the weather in Paris. Use the tool.<|end|>'

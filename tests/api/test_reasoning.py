@@ -11,7 +11,7 @@ from api.cluster import Cluster
 from api.deps import AppState
 from api.generate import Collector, Plan, plan
 from api.metrics import Metrics
-from api.reasoning import ReasoningReader, split
+from api.parsers.reasoning import ReasoningReader, split
 from api.relay import Relay
 from api.render import ChatRenderer, RelayedRequest
 from api.responses import Usage
