@@ -32,10 +32,15 @@ from api.generate import GenerationRequest, Plan, plan
 from api.messages_api import MessageRenderer, MessagesRequest, message_object, think_tags
 from api.messages_api import to_chat as message_to_chat
 from api.render import ChatRenderer, CompletionRenderer, Renderer
+from api.request_bodies import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    PromptInput,
+)
 from api.responses_api import ResponseRenderer, ResponsesRequest, response_object, to_chat
 from api.routes.chat import chat_prompt, check_tool_parser, templated
 from api.routes.completions import reject_unsupported
-from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput
 from api.settings import Settings
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}

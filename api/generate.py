@@ -27,8 +27,13 @@ from api.parsers.harmony import FINAL_CHANNEL
 from api.parsers.reasoning import TAGS as THINK_TAGS
 from api.parsers.strict_calls import strict_calls
 from api.render import Choice, RelayedRequest, Renderer, usage_chunk
-from api.responses import Usage
-from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, service_tier_of
+from api.request_bodies import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptInput,
+    service_tier_of,
+)
+from api.response_bodies import Usage
 from api.sse import DONE, format_sse
 from api.tokenizers import base_model
 from producer.jobs import JobLost, build_job

@@ -30,8 +30,8 @@ from api.errors import invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
 from api.parsers.reasoning import TAGS as THINK_TAGS
 from api.render import ChatRenderer, RelayedRequest
-from api.responses import ChatCompletionResponse, Usage
-from api.schemas import ChatCompletionRequest
+from api.request_bodies import ChatCompletionRequest
+from api.response_bodies import ChatCompletionResponse, Usage
 from api.settings import Settings
 
 

@@ -18,7 +18,7 @@ from api.parsers.reasoning import reader as reasoning_reader
 from api.parsers.reasoning import split
 from api.parsers.text_readers import PairReader, read_piece
 from api.parsers.tool_calls import Reader, calls_reader, read_all
-from api.responses import (
+from api.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionResponse,
@@ -57,7 +57,7 @@ class RelayedRequest:
     chat_echo: str | None = None  # chat's `echo`: the last assistant message, which each reply begins with
     return_token_ids: bool = False  # vLLM's: each choice's token ids, and the prompt's, beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
-    service_tier: str = "default"  # the tier its jobs run on (schemas.service_tier_of), set when submitted
+    service_tier: str = "default"  # the tier its jobs run on (request_bodies.service_tier_of), set when submitted
 
     def tool_call_id(self, choice: Choice, k: int = 0) -> str:
         """The id of call `k` of a choice."""

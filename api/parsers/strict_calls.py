@@ -21,7 +21,7 @@ from typing import Any
 
 from api.parsers.section_tool_calls import FORMATS as SECTION_FORMATS
 from api.parsers.tool_calls import calls_schema
-from api.schemas import FunctionDefinition
+from api.request_bodies import FunctionDefinition
 
 Structures = list[dict[str, Any]]
 

@@ -11,8 +11,8 @@ from api.deps import AppState, StateDep
 from api.errors import invalid_param
 from api.images import audio_part, image_part, inline_media_urls, url_of
 from api.render import ChatRenderer, RelayedRequest, Renderer
-from api.responses import ChatCompletionResponse
-from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart, PromptInput
+from api.request_bodies import ChatCompletionRequest, ChatMessage, ContentPart, PromptInput
+from api.response_bodies import ChatCompletionResponse
 from api.settings import Settings
 from api.sse import EventStreamResponse, unless_disconnected
 

@@ -8,8 +8,8 @@ from api import beam_search, generate
 from api.deps import StateDep
 from api.errors import invalid_param
 from api.render import CompletionRenderer
-from api.responses import CompletionResponse
-from api.schemas import CompletionRequest
+from api.request_bodies import CompletionRequest
+from api.response_bodies import CompletionResponse
 from api.sse import EventStreamResponse, unless_disconnected
 
 router = APIRouter(tags=["openai"])

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from api import generate
 from api.deps import StateDep
 from api.embeddings import EmbeddingRenderer, encoded, plan_embeddings
-from api.schemas import EmbeddingRequest
+from api.request_bodies import EmbeddingRequest
 from api.sse import unless_disconnected
 
 router = APIRouter(tags=["openai"])

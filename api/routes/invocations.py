@@ -12,8 +12,8 @@ from pydantic import BaseModel, ValidationError
 
 from api.deps import StateDep
 from api.errors import invalid_param
+from api.request_bodies import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from api.routes import chat, completions, embeddings, scores
-from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 router = APIRouter(tags=["vllm"])
 

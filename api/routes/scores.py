@@ -19,7 +19,7 @@ from api import generate, tokenizers
 from api.deps import StateDep
 from api.embeddings import EmbeddingRenderer, plan_embeddings
 from api.errors import invalid_param
-from api.schemas import EmbeddingRequest
+from api.request_bodies import EmbeddingRequest
 from api.sse import unless_disconnected
 
 router = APIRouter(tags=["vllm"])

@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from api.deps import StateDep
 from api.errors import APIError, invalid_param, param_from_value_error
 from api.generate import resolve_model
+from api.request_bodies import ChatCompletionRequest, ChatMessage
 from api.routes.chat import chat_prompt, templated
-from api.schemas import ChatCompletionRequest, ChatMessage
 from api.settings import Settings
 from api.tokenizers import base_model, job_prompt_ids
 from producer.jobs import build_job

@@ -14,9 +14,9 @@ from api.metrics import Metrics
 from api.parsers.reasoning import ReasoningReader, split
 from api.relay import Relay
 from api.render import ChatRenderer, RelayedRequest
-from api.responses import Usage
+from api.request_bodies import ChatCompletionRequest
+from api.response_bodies import Usage
 from api.routes.chat import chat_prompt
-from api.schemas import ChatCompletionRequest
 from api.settings import Settings
 from producer.async_client import AsyncClient
 from producer.protocol import Event

@@ -18,9 +18,9 @@ from api.parsers.call_stream import CallDelta, ToolCall
 from api.parsers.tool_calls import CallArrayReader, ToolCallReader, calls_reader, joined, read_all
 from api.relay import Relay
 from api.render import ChatRenderer, RelayedRequest
-from api.responses import Usage
+from api.request_bodies import ChatCompletionRequest
+from api.response_bodies import Usage
 from api.routes.chat import chat_prompt
-from api.schemas import ChatCompletionRequest
 from api.settings import Settings
 from producer.async_client import AsyncClient
 from producer.protocol import Event

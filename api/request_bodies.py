@@ -1,4 +1,4 @@
-"""Request bodies, in OpenAI's shapes (plus vLLM's sampling extras); responses: api.responses.
+"""Request bodies, in OpenAI's shapes (plus vLLM's sampling extras); responses: api.response_bodies.
 
 Requests only check types here; value ranges are checked once, by `SamplingParams`, whose
 ValueError names the field (the routes turn it into a 400 with that `param`).
