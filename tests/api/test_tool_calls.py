@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from api.chat import chat_prompt
 from api.cluster import Cluster
 from api.deps import AppState
 from api.errors import APIError
@@ -20,7 +21,6 @@ from api.relay import Relay
 from api.render import ChatRenderer, RelayedRequest
 from api.request_bodies import ChatCompletionRequest
 from api.response_bodies import Usage
-from api.routes.chat import chat_prompt
 from api.settings import Settings
 from producer.async_client import AsyncClient
 from producer.protocol import Event
