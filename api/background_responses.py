@@ -23,8 +23,8 @@ from api.conversations import request_items
 from api.deps import AppState
 from api.errors import APIError
 from api.render import RelayedRequest
+from api.request_bodies import ChatCompletionRequest
 from api.responses_api import ResponseRenderer, ResponsesRequest, envelope, finish
-from api.schemas import ChatCompletionRequest
 from producer.jobs import JobNotFound
 from producer.protocol import FINISH_ABORT, JobStatus
 

@@ -25,6 +25,8 @@ from pydantic import BaseModel, ValidationError
 
 from api import files
 from api.api_keys import PLAN
+from api.chat import chat_prompt, check_tool_parser, templated
+from api.completions import reject_unsupported
 from api.deps import TENANT, AppState
 from api.embeddings import EmbeddingRenderer, encoded, plan_embeddings
 from api.errors import APIError, not_found
@@ -32,10 +34,13 @@ from api.generate import GenerationRequest, Plan, plan
 from api.messages_api import MessageRenderer, MessagesRequest, message_object, think_tags
 from api.messages_api import to_chat as message_to_chat
 from api.render import ChatRenderer, CompletionRenderer, Renderer
+from api.request_bodies import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    PromptInput,
+)
 from api.responses_api import ResponseRenderer, ResponsesRequest, response_object, to_chat
-from api.routes.chat import chat_prompt, check_tool_parser, templated
-from api.routes.completions import reject_unsupported
-from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, PromptInput
 from api.settings import Settings
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}

@@ -23,8 +23,8 @@ from api.errors import APIError, invalid_param
 from api.generate import GenerationRequest, cache_fields
 from api.logprobs import top_token_pairs
 from api.render import Choice, RelayedRequest, Renderer
-from api.responses import Usage
-from api.schemas import ChatCompletionRequest, PromptInput, service_tier_of
+from api.request_bodies import ChatCompletionRequest, PromptInput, service_tier_of
+from api.response_bodies import Usage
 from api.tokenizers import base_model, eos_token_ids, job_prompt_ids
 from producer.beam_search import Beam, best, step
 from producer.jobs import build_job

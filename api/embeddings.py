@@ -11,8 +11,8 @@ from typing import Any
 from api.errors import APIError, invalid_param
 from api.generate import Plan, job_ids
 from api.render import Choice, RelayedRequest
-from api.responses import Usage
-from api.schemas import EmbeddingRequest
+from api.request_bodies import EmbeddingRequest
+from api.response_bodies import Usage
 from producer.jobs import build_job
 from producer.pooling_params import PoolingParams
 from producer.protocol import Event, pack_embedding, unpack_embedding

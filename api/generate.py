@@ -22,14 +22,19 @@ from api import request_log
 from api.api_keys import PLAN, in_flight_limit, job_priority
 from api.deps import TENANT, TRACEPARENT, AppState
 from api.errors import APIError, error_body, param_from_value_error
-from api.harmony import FINAL_CHANNEL
 from api.logprobs import TokenLogprob, prompt_logprobs
-from api.reasoning import TAGS as THINK_TAGS
+from api.parsers.harmony import FINAL_CHANNEL
+from api.parsers.reasoning import TAGS as THINK_TAGS
+from api.parsers.strict_calls import strict_calls
 from api.render import Choice, RelayedRequest, Renderer, usage_chunk
-from api.responses import Usage
-from api.schemas import ChatCompletionRequest, CompletionRequest, PromptInput, service_tier_of
+from api.request_bodies import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptInput,
+    service_tier_of,
+)
+from api.response_bodies import Usage
 from api.sse import DONE, format_sse
-from api.strict_calls import strict_calls
 from api.tokenizers import base_model
 from producer.jobs import JobLost, build_job
 from producer.pooling_params import PoolingParams
@@ -178,7 +183,7 @@ def plan(
 
 
 def _strict_calls(params: SamplingParams, chat: ChatCompletionRequest, parser: str | None) -> SamplingParams:
-    """An auto reply's calls held to their strict tools (api.strict_calls); a tool schema
+    """An auto reply's calls held to their strict tools (api.parsers.strict_calls); a tool schema
     genq cannot hold a call to is a 400 naming the tools."""
     tag = strict_calls(parser, [t.function for t in chat.tools or []], chat.parallel_tool_calls)
     if tag is None:

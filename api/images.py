@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from api.errors import invalid_param
-from api.schemas import MEDIA_PARTS
+from api.request_bodies import MEDIA_PARTS
 from api.settings import Settings
 from producer.audio import AUDIO_RATE, read_clip, to_wav
 from producer.data_urls import decode_data_url, image_url_of, is_data_url

@@ -11,7 +11,7 @@ from typing import Any
 from api.errors import invalid_param, not_found
 from api.relay import Relay
 from api.render import Choice
-from api.responses import JobOutput, JobView, Usage
+from api.response_bodies import JobOutput, JobView, Usage
 from api.sse import DONE, format_sse
 from producer.async_client import AsyncClient
 from producer.jobs import JobLost, JobNotFound

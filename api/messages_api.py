@@ -28,10 +28,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from api.deps import AppState
 from api.errors import invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
-from api.reasoning import TAGS as THINK_TAGS
+from api.parsers.reasoning import TAGS as THINK_TAGS
 from api.render import ChatRenderer, RelayedRequest
-from api.responses import ChatCompletionResponse, Usage
-from api.schemas import ChatCompletionRequest
+from api.request_bodies import ChatCompletionRequest
+from api.response_bodies import ChatCompletionResponse, Usage
 from api.settings import Settings
 
 

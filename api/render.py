@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from api.call_stream import CallDelta, ToolCall
 from api.logprobs import (
     TokenLogprob,
     chat_logprobs,
@@ -14,9 +13,12 @@ from api.logprobs import (
     event_logprobs,
     vllm_prompt_logprobs,
 )
-from api.reasoning import reader as reasoning_reader
-from api.reasoning import split
-from api.responses import (
+from api.parsers.call_stream import CallDelta, ToolCall
+from api.parsers.reasoning import reader as reasoning_reader
+from api.parsers.reasoning import split
+from api.parsers.text_readers import PairReader, read_piece
+from api.parsers.tool_calls import Reader, calls_reader, read_all
+from api.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionResponse,
@@ -24,8 +26,6 @@ from api.responses import (
     CompletionResponse,
     Usage,
 )
-from api.text_readers import PairReader, read_piece
-from api.tool_calls import Reader, calls_reader, read_all
 from producer.protocol import Event
 
 
@@ -49,15 +49,15 @@ class RelayedRequest:
     tool_call: str | None = None  # chat's forced tool call: each choice's text is its arguments
     read_tool_calls: str | None = None  # the form each choice's text holds calls in (READERS)
     # (tool, parameter) for each parameter the tools declare a string: GLM's calls write its
-    # values as raw text, any other value as JSON (api.glm_tool_calls)
+    # values as raw text, any other value as JSON (api.parsers.glm_tool_calls)
     string_parameters: tuple[tuple[str, str], ...] = ()
     parallel_tool_calls: bool = True  # False: a choice keeps only its first call
-    reasoning_parser: str | None = None  # chat: split the thinking off (api.reasoning)
+    reasoning_parser: str | None = None  # chat: split the thinking off (api.parsers.reasoning)
     include_reasoning: bool = True  # vLLM's: False leaves the thinking out of the reply
     chat_echo: str | None = None  # chat's `echo`: the last assistant message, which each reply begins with
     return_token_ids: bool = False  # vLLM's: each choice's token ids, and the prompt's, beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
-    service_tier: str = "default"  # the tier its jobs run on (schemas.service_tier_of), set when submitted
+    service_tier: str = "default"  # the tier its jobs run on (request_bodies.service_tier_of), set when submitted
 
     def tool_call_id(self, choice: Choice, k: int = 0) -> str:
         """The id of call `k` of a choice."""

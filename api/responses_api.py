@@ -28,8 +28,8 @@ from api.deps import AppState
 from api.errors import invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
 from api.render import ChatRenderer, RelayedRequest
-from api.responses import ChatCompletionResponse
-from api.schemas import ChatCompletionRequest
+from api.request_bodies import ChatCompletionRequest
+from api.response_bodies import ChatCompletionResponse
 
 
 class ResponsesRequest(BaseModel):

@@ -51,15 +51,15 @@ class Settings(BaseSettings):
     # "mistral" ([TOOL_CALLS]...), "granite" (<|tool_call|>[...]: Granite 3), "glm45" (<tool_call>name<arg_key>...: GLM-4.5 to 4.7),
     # "qwen3_coder" (<tool_call><function=name><parameter=...: Qwen3-Coder, Qwen3.5),
     # "pythonic" ([get_weather(city="Paris")]: Llama 3.2 and Llama 4), "deepseek_v3" (DeepSeek-V3,
-    # R1), "deepseek_v31" (DeepSeek-V3.1, V3.2), "kimi_k2" (api.section_tool_calls), "seed_oss"
+    # R1), "deepseek_v31" (DeepSeek-V3.1, V3.2), "kimi_k2" (api.parsers.section_tool_calls), "seed_oss"
     # (<seed:tool_call><function=...: Seed-OSS), "minimax_m2" (<minimax:tool_call><invoke name=...:
     # MiniMax-M2), or "none" to refuse "auto" with a 400.
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "granite", "glm45", "qwen3_coder", "pythonic",
                               "deepseek_v3", "deepseek_v31", "kimi_k2", "seed_oss", "minimax_m2", "none"] = "hermes"
     # How chat replies of reasoning models are split into reasoning_content and content
-    # (api.reasoning): "deepseek_r1", "qwen3", "glm45", "seed_oss", "mistral", "granite",
+    # (api.parsers.reasoning): "deepseek_r1", "qwen3", "glm45", "seed_oss", "mistral", "granite",
     # "minimax_m2" (or "minimax_m2_append_think": the thinking kept in the content), "deepseek_v3",
-    # "gpt_oss" (harmony channels, api.harmony), or "none" (not a reasoning model).
+    # "gpt_oss" (harmony channels, api.parsers.harmony), or "none" (not a reasoning model).
     reasoning_parser: Literal["none", "deepseek_r1", "qwen3", "glm45", "seed_oss", "mistral", "granite", "minimax_m2",
                               "minimax_m2_append_think", "deepseek_v3", "gpt_oss"] = "none"
     # vLLM's --default-chat-template-kwargs: variables every chat request's template gets

@@ -12,7 +12,7 @@ from typing import Any
 
 from api.deps import AppState
 from api.errors import APIError, not_found
-from api.schemas import ChatCompletionRequest
+from api.request_bodies import ChatCompletionRequest
 
 
 async def save(

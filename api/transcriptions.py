@@ -46,8 +46,8 @@ from api.errors import APIError, invalid_param
 from api.generate import Collector, StreamError, relayed_chunks
 from api.logprobs import TokenLogprob, top_token_pairs
 from api.render import ChatRenderer, Choice, RelayedRequest
-from api.responses import Usage
-from api.schemas import ChatCompletionRequest, ChatMessage, ContentPart
+from api.request_bodies import ChatCompletionRequest, ChatMessage, ContentPart
+from api.response_bodies import Usage
 from api.settings import Settings
 from api.sse import DONE, format_sse
 from producer.audio import AUDIO_RATE, read_clip, to_wav

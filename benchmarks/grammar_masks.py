@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 
 from transformers import AutoTokenizer
 
-from api.tool_calls import calls_schema
+from api.parsers.tool_calls import calls_schema
 from worker.guided.json_schema_grammar import JsonSchemaGrammar
 from worker.guided.structured_output import (
     Grammar,

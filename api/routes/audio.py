@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from api import generate, transcriptions
+from api.chat import chat_prompt, templated
 from api.deps import StateDep
 from api.openapi import AUDIO_FORM
 from api.render import ChatRenderer
-from api.routes.chat import chat_prompt, templated
 from api.sse import EventStreamResponse, unless_disconnected
 from api.tokenizers import base_model
 from api.transcriptions import AudioRequest, ChoicesOnly, Decoded, WhisperPrompts

@@ -10,20 +10,21 @@ from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from api import chat, completions, pooling
 from api.deps import StateDep
 from api.errors import invalid_param
-from api.routes import chat, completions, embeddings, scores
-from api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from api.pooling import RerankRequest, ScoreRequest
+from api.request_bodies import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 router = APIRouter(tags=["vllm"])
 
-# (the fields that mark a body, its request model, the endpoint's function), first match wins
+# (the fields that mark a body, its request model, the service the endpoint's route calls), first match wins
 ENDPOINTS: list[tuple[tuple[str, ...], type[BaseModel], Any]] = [
-    (("messages",), ChatCompletionRequest, chat.create_chat_completion),
-    (("prompt",), CompletionRequest, completions.create_completion),
-    (("text_1", "text_2"), scores.ScoreRequest, scores.score),
-    (("query", "documents"), scores.RerankRequest, scores.rerank),
-    (("input",), EmbeddingRequest, embeddings.create_embeddings),
+    (("messages",), ChatCompletionRequest, chat.respond),
+    (("prompt",), CompletionRequest, completions.respond),
+    (("text_1", "text_2"), ScoreRequest, pooling.score),
+    (("query", "documents"), RerankRequest, pooling.rerank),
+    (("input",), EmbeddingRequest, pooling.embeddings_response),
 ]
 
 
@@ -35,6 +36,6 @@ async def invocations(request: Request, state: StateDep, body: Annotated[dict[st
                 parsed = model.model_validate(body)
             except ValidationError as exc:  # answered as the endpoint itself answers it
                 raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-            return await endpoint(parsed, request, state)
+            return await endpoint(state, parsed, request)
     raise invalid_param("body", "cannot tell which endpoint the body is for: it needs messages (chat), prompt "
                         "(completions), text_1 and text_2 (score), query and documents (rerank), or input (embeddings)")

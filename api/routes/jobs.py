@@ -7,13 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Header, Response
 
 from api import generate, jobs
+from api.chat import chat_prompt
+from api.completions import reject_unsupported
 from api.deps import ClientDep, RelayDep, StateDep
 from api.errors import invalid_param
 from api.render import ChatRenderer, CompletionRenderer, Renderer
-from api.responses import JobCreated, JobView
-from api.routes.chat import chat_prompt
-from api.routes.completions import reject_unsupported
-from api.schemas import ChatJobRequest, JobRequest, PromptInput
+from api.request_bodies import ChatJobRequest, JobRequest, PromptInput
+from api.response_bodies import JobCreated, JobView
 from api.sse import EventStreamResponse
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])

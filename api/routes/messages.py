@@ -10,12 +10,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from api import batches, generate, message_batches, messages_api
+from api.chat import chat_ids, start, templated
 from api.deps import StateDep
 from api.errors import APIError, invalid_param, renamed
 from api.generate import check_rate_limit, resolve_model
 from api.messages_api import CountTokensRequest, MessageRenderer, MessagesRequest
-from api.routes.chat import start, templated
-from api.routes.tokenize import chat_ids
 from api.sse import EventStreamResponse, unless_disconnected
 from api.tokenizers import base_model
 

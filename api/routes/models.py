@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from api.api_keys import PLAN
 from api.deps import StateDep
 from api.errors import APIError
-from api.responses import ModelCard, ModelList
+from api.response_bodies import ModelCard, ModelList
 
 router = APIRouter(tags=["openai"])
 

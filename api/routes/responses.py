@@ -6,11 +6,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from api import background_responses, conversations, generate, responses_api, stored_responses
+from api.chat import start
 from api.conversations import conversation_id
 from api.deps import StateDep
 from api.errors import APIError, invalid_param, renamed
 from api.responses_api import ResponseRenderer, ResponsesRequest, as_messages
-from api.routes.chat import start
 from api.sse import EventStreamResponse, unless_disconnected
 
 router = APIRouter(tags=["openai"])

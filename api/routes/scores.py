@@ -1,157 +1,34 @@
 """vLLM's `/score` and `/rerank` (also under `/v1`, and `/v2/rerank`, the Cohere and Jina
-shapes) for embedding models: each text is embedded once (api.embeddings: ordinary embedding
-jobs), and a pair's score is the cosine similarity of its two vectors, as vLLM scores pairs
-with an embedding model. And vLLM's `/classify` for classification models (reward models,
-classifiers): one embedding job per input, whose vector is the score head's logits; the
-response gives their softmax and the likeliest label."""
+shapes) for embedding models, and vLLM's `/classify` for classification models: each text is
+embedded once, by ordinary embedding jobs (api.pooling)."""
 
 from __future__ import annotations
 
-import math
-import time
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict
 
-from api import generate, tokenizers
+from api import pooling
 from api.deps import StateDep
-from api.embeddings import EmbeddingRenderer, plan_embeddings
-from api.errors import invalid_param
-from api.schemas import EmbeddingRequest
-from api.sse import unless_disconnected
+from api.pooling import ClassificationRequest, RerankRequest, ScoreRequest
 
 router = APIRouter(tags=["vllm"])
-
-
-class ScoreRequest(BaseModel):
-    """`text_1` against `text_2`: one against each of a list, or two lists pair by pair."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
-    truncate_prompt_tokens: int | None = None
-    priority: int = 0
-
-
-class RerankRequest(BaseModel):
-    """The documents ordered by their score against the query; the `top_n` best."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    query: str
-    documents: list[str]
-    top_n: int | None = None  # None or 0: all
-    return_documents: bool = True
-    truncate_prompt_tokens: int | None = None
-    priority: int = 0
-
-
-class ClassificationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    input: str | list[str]
-    truncate_prompt_tokens: int | None = None
-    priority: int = 0
 
 
 @router.post("/classify")
 @router.post("/v1/classify")
 async def classify(body: ClassificationRequest, request: Request, state: StateDep) -> dict[str, Any]:
-    texts = [body.input] if isinstance(body.input, str) else body.input
-    if not texts:
-        raise invalid_param("input", "input must be a text or a non-empty list of texts")
-    _check_texts("input", texts)
-    model = await generate.resolve_model(state, body.model)
-    labels = await tokenizers.labels(state.client, model)
-    if labels is None:
-        raise invalid_param("model", f"model {model!r} has no classification head (its workers publish no labels)")
-    await generate.check_backpressure(state)
-    embed = EmbeddingRequest(model=body.model, input=texts, truncate_prompt_tokens=body.truncate_prompt_tokens,
-                             priority=body.priority)
-    planned = plan_embeddings(embed, uuid.uuid4().hex, model, await generate.job_model(state, body.model, model))
-    req = await generate.submit(state, planned)
-    response = await unless_disconnected(request, generate.collect(state, req, EmbeddingRenderer()))
-    data = []
-    for i, item in enumerate(response["data"]):
-        probs = _softmax(item["embedding"])
-        best = max(range(len(probs)), key=probs.__getitem__)
-        data.append({"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)})
-    tokens = response["usage"]["prompt_tokens"]
-    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
-            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
-
-
-def _softmax(logits: list[float]) -> list[float]:
-    top = max(logits)
-    exps = [math.exp(x - top) for x in logits]
-    total = math.fsum(exps)
-    return [e / total for e in exps]
+    return await pooling.classify(state, body, request)
 
 
 @router.post("/score")
 @router.post("/v1/score")
 async def score(body: ScoreRequest, request: Request, state: StateDep) -> dict[str, Any]:
-    left = [body.text_1] if isinstance(body.text_1, str) else body.text_1
-    right = [body.text_2] if isinstance(body.text_2, str) else body.text_2
-    if len(left) == 1:
-        left = left * len(right)
-    for name, texts in (("text_1", left), ("text_2", right)):
-        _check_texts(name, texts)
-    if not right or len(left) != len(right):
-        raise invalid_param("text_2", f"text_1 ({len(left)}) and text_2 ({len(right)}) must pair up: "
-                                      "one text against a list, or two lists of one length")
-    model, scores, tokens = await _scores(state, request, body.model, left, right, body.truncate_prompt_tokens,
-                                          body.priority)
-    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
-            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+    return await pooling.score(state, body, request)
 
 
 @router.post("/rerank")
 @router.post("/v1/rerank")
 @router.post("/v2/rerank")
 async def rerank(body: RerankRequest, request: Request, state: StateDep) -> dict[str, Any]:
-    _check_texts("query", [body.query])
-    if not body.documents:
-        raise invalid_param("documents", "documents must be a non-empty list of texts")
-    _check_texts("documents", body.documents)
-    if body.top_n is not None and body.top_n < 0:
-        raise invalid_param("top_n", f"top_n must be >= 0, got {body.top_n}")
-    model, scores, tokens = await _scores(state, request, body.model, [body.query] * len(body.documents),
-                                          body.documents, body.truncate_prompt_tokens, body.priority)
-    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_n or None]
-    results = [{"index": i, "relevance_score": scores[i],
-                **({"document": {"text": body.documents[i]}} if body.return_documents else {})} for i in ranked]
-    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
-            "usage": {"total_tokens": tokens}}
-
-
-async def _scores(
-    state: StateDep, request: Request, requested: str | None, left: list[str], right: list[str],
-    truncate: int | None, priority: int,
-) -> tuple[str, list[float], int]:
-    """(the model, each pair's cosine similarity, the prompt tokens embedded): every distinct
-    text is one embedding job."""
-    texts = list(dict.fromkeys(left + right))
-    body = EmbeddingRequest(model=requested, input=texts, truncate_prompt_tokens=truncate, priority=priority)
-    model = await generate.resolve_model(state, requested)
-    await generate.check_backpressure(state)
-    planned = plan_embeddings(body, uuid.uuid4().hex, model, await generate.job_model(state, requested, model))
-    req = await generate.submit(state, planned)
-    response = await unless_disconnected(request, generate.collect(state, req, EmbeddingRenderer()))
-    vectors = {text: item["embedding"] for text, item in zip(texts, response["data"], strict=True)}
-    scores = [_cosine(vectors[a], vectors[b]) for a, b in zip(left, right, strict=True)]
-    return model, scores, response["usage"]["prompt_tokens"]
-
-
-def _check_texts(name: str, texts: list[str]) -> None:
-    if not all(texts):
-        raise invalid_param(name, f"{name} must hold non-empty texts")
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    norms = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
-    return math.fsum(x * y for x, y in zip(a, b, strict=True)) / norms if norms else 0.0
+    return await pooling.rerank(state, body, request)

@@ -9,14 +9,13 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from api.chat import chat_ids, templated
 from api.deps import StateDep
-from api.errors import APIError, invalid_param, param_from_value_error
+from api.errors import invalid_param
 from api.generate import resolve_model
-from api.routes.chat import chat_prompt, templated
-from api.schemas import ChatCompletionRequest, ChatMessage
+from api.request_bodies import ChatCompletionRequest, ChatMessage
 from api.settings import Settings
-from api.tokenizers import base_model, job_prompt_ids
-from producer.jobs import build_job
+from api.tokenizers import base_model
 
 router = APIRouter(tags=["vllm"])
 
@@ -89,17 +88,3 @@ def _chat_ids(tokenizer: Any, body: TokenizeRequest, settings: Settings) -> list
     if body.add_special_tokens:
         ids = tokenizer.build_inputs_with_special_tokens(ids)
     return ids
-
-
-def chat_ids(tokenizer: Any, chat: ChatCompletionRequest) -> list[int]:
-    """The ids a chat request's job would run on: the chat endpoint's own prompt (messages,
-    tools, template variables) made into a job, which checks it as any job is checked, and
-    rendered as the worker renders it."""
-    try:
-        job = build_job(chat_prompt(chat))
-    except ValueError as exc:  # what a chat job refuses (reserved template variables, ...)
-        raise APIError(400, str(exc), param=param_from_value_error(exc, {}), code="invalid_value") from None
-    try:
-        return job_prompt_ids(tokenizer, job)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None

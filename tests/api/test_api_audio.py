@@ -101,9 +101,9 @@ def test_an_http_audio_url_is_fetched_by_the_api(oai: openai.OpenAI, served_mode
                 model=served_model, messages=_messages({"type": "audio_url", "audio_url": f"{files}/missing.wav"}),
                 **GREEDY)
     assert info.value.body["param"] == "messages[0].content[1].audio_url"
+    from api.chat import chat_prompt
     from api.errors import APIError
-    from api.routes.chat import chat_prompt
-    from api.schemas import ChatCompletionRequest
+    from api.request_bodies import ChatCompletionRequest
 
     line = ChatCompletionRequest(model="m", messages=_messages({"type": "audio_url", "audio_url": f"{files}/clip.wav"}))
     with pytest.raises(APIError, match="audio URLs are fetched for chat and Responses requests only"):

@@ -120,9 +120,9 @@ def test_beam_search_over_images_is_refused(oai: openai.OpenAI, served_model: st
 
 def test_a_batch_line_takes_data_urls_only() -> None:
     """Batch lines are planned without fetching: an http URL there is a 400 saying so."""
+    from api.chat import chat_prompt
     from api.errors import APIError
-    from api.routes.chat import chat_prompt
-    from api.schemas import ChatCompletionRequest
+    from api.request_bodies import ChatCompletionRequest
 
     assert chat_prompt(ChatCompletionRequest(model="m", messages=_messages(DATA_URL)))[0]["content"][1]["image"] == PNG.getvalue()
     with pytest.raises(APIError, match="fetched for chat and Responses requests only") as info:

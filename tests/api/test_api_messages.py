@@ -20,7 +20,7 @@ from anthropic.types import RawMessageStreamEvent
 
 from api.batches import parse_line
 from api.messages_api import MessageEvents, MessagesRequest, to_chat
-from api.reasoning import split
+from api.parsers.reasoning import split
 from api.render import RelayedRequest
 from api.settings import Settings
 from producer.sampling_params import SamplingParams

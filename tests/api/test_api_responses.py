@@ -312,7 +312,7 @@ def test_a_calls_streamed_arguments_stay_in_its_item_when_content_follows_in_the
 
 def test_a_strict_function_tool_stays_strict_in_the_chat_it_becomes() -> None:
     """A Responses function tool's `strict` reaches the chat request the reply is made by
-    (where strict tools hold an auto reply's calls: api.strict_calls)."""
+    (where strict tools hold an auto reply's calls: api.parsers.strict_calls)."""
     from api.responses_api import ResponsesRequest, to_chat
 
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True},

@@ -9,13 +9,13 @@ import random
 
 import pytest
 
-from api.call_stream import ToolCall
 from api.generate import Collector
-from api.harmony import HarmonyReader
-from api.reasoning import split
+from api.parsers.call_stream import ToolCall
+from api.parsers.harmony import HarmonyReader
+from api.parsers.reasoning import split
+from api.parsers.tool_calls import read_all
 from api.render import ChatRenderer, RelayedRequest
-from api.responses import Usage
-from api.tool_calls import read_all
+from api.response_bodies import Usage
 from producer.protocol import Event
 
 WEATHER = ('<|channel|>analysis<|message|>User asks for the weather in Paris. Use the tool.<|end|>'
@@ -109,8 +109,8 @@ def test_reasoning_effort_reaches_the_chat_template() -> None:
     reasoning.effort set it, and chat_template_kwargs that name it win."""
     from pydantic import ValidationError
 
+    from api.request_bodies import ChatCompletionRequest
     from api.responses_api import ResponsesRequest, to_chat
-    from api.schemas import ChatCompletionRequest
 
     messages = [{"role": "user", "content": "hi"}]
     assert ChatCompletionRequest(messages=messages, reasoning_effort="low").template_kwargs() == {"reasoning_effort": "low"}

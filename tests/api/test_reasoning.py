@@ -7,16 +7,16 @@ import random
 
 import pytest
 
+from api.chat import chat_prompt
 from api.cluster import Cluster
 from api.deps import AppState
 from api.generate import Collector, Plan, plan
 from api.metrics import Metrics
-from api.reasoning import ReasoningReader, split
+from api.parsers.reasoning import ReasoningReader, split
 from api.relay import Relay
 from api.render import ChatRenderer, RelayedRequest
-from api.responses import Usage
-from api.routes.chat import chat_prompt
-from api.schemas import ChatCompletionRequest
+from api.request_bodies import ChatCompletionRequest
+from api.response_bodies import Usage
 from api.settings import Settings
 from producer.async_client import AsyncClient
 from producer.protocol import Event

@@ -9,19 +9,19 @@ import random
 
 import pytest
 
-from api.call_stream import CallDelta, ToolCall
+from api.chat import chat_prompt
 from api.cluster import Cluster
 from api.deps import AppState
 from api.errors import APIError
 from api.generate import Collector, plan
 from api.metrics import Metrics
+from api.parsers.call_stream import CallDelta, ToolCall
+from api.parsers.tool_calls import CallArrayReader, ToolCallReader, calls_reader, joined, read_all
 from api.relay import Relay
 from api.render import ChatRenderer, RelayedRequest
-from api.responses import Usage
-from api.routes.chat import chat_prompt
-from api.schemas import ChatCompletionRequest
+from api.request_bodies import ChatCompletionRequest
+from api.response_bodies import Usage
 from api.settings import Settings
-from api.tool_calls import CallArrayReader, ToolCallReader, calls_reader, joined, read_all
 from producer.async_client import AsyncClient
 from producer.protocol import Event
 
@@ -142,7 +142,7 @@ def test_a_guided_array_of_calls_streams_each_call_as_it_is_written() -> None:
     assert (_calls(calls[:1]), calls[1:], cut.num_calls) == (expected[:1], [ToolCall("b", '{"l": [1, ')], 2)
 
 
-# -- GLM-4.5 to 4.7's format (api.glm_tool_calls) -----------------------------------------------
+# -- GLM-4.5 to 4.7's format (api.parsers.glm_tool_calls) -----------------------------------------------
 
 GLM45 = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
          "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
@@ -215,7 +215,7 @@ def test_a_glm_call_is_named_once_its_name_is_whole_and_streams_an_argument_at_a
     assert reader.num_calls == 1
 
 
-# -- Llama 3's and Mistral's formats (api.tool_formats) ---------------------------------------
+# -- Llama 3's and Mistral's formats (api.parsers.tool_formats) ---------------------------------------
 
 WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
 DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
@@ -332,7 +332,7 @@ def test_other_formats_whole_and_streamed(form: str, reply: str, content: str | 
 
 
 def test_a_pythonic_call_goes_out_once_its_parenthesis_closes() -> None:
-    from api.pythonic_tool_calls import PythonicReader
+    from api.parsers.pythonic_tool_calls import PythonicReader
 
     reader = PythonicReader()
     assert reader.feed("<|python_start|>[get_weather(city=") == ("", [])
@@ -354,7 +354,7 @@ def test_a_section_calls_arguments_stream_as_written(form: str) -> None:
 
 
 def test_a_mistral_calls_arguments_stream_before_it_closes() -> None:
-    from api.tool_formats import MistralReader
+    from api.parsers.tool_formats import MistralReader
 
     reader = MistralReader()
     assert reader.feed("[TOOL_CALLS]get_weather[AR") == ("", [])

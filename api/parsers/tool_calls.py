@@ -5,10 +5,10 @@ is read for calls in the hermes format, which Qwen, Hermes and SmolLM2 write:
 
 A block may also hold a list of such objects, and `parameters` may stand for `arguments`.
 Text outside the blocks is the message's content. A call streams as it is written: its name
-once its head is whole, then its arguments piece by piece (api.call_stream). A block whose
+once its head is whole, then its arguments piece by piece (api.parsers.call_stream). A block whose
 JSON is not a call stays in the content as written, so nothing the model said is lost. Under
 `tool_choice: "required"` with several tools the reply is instead guided into a JSON array of
-calls. GLM's blocks hold key and value tags instead of JSON (api.glm_tool_calls); the blocks
+calls. GLM's blocks hold key and value tags instead of JSON (api.parsers.glm_tool_calls); the blocks
 are found alike. Plain functions and small stateful readers for streams; no I/O.
 """
 
@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from api.call_stream import CallDelta, CallStream, ToolCall, merged
-from api.glm_tool_calls import GlmBlock, MiniMaxBlock, Qwen3CoderBlock, StringParameters
-from api.pythonic_tool_calls import PythonicReader
-from api.section_tool_calls import FORMATS as SECTION_FORMATS
-from api.section_tool_calls import SectionReader
-from api.text_readers import partial_tag, read_piece
-from api.tool_formats import GraniteReader, Llama3JsonReader, MistralReader
+from api.parsers.call_stream import CallDelta, CallStream, ToolCall, merged
+from api.parsers.glm_tool_calls import GlmBlock, MiniMaxBlock, Qwen3CoderBlock, StringParameters
+from api.parsers.pythonic_tool_calls import PythonicReader
+from api.parsers.section_tool_calls import FORMATS as SECTION_FORMATS
+from api.parsers.section_tool_calls import SectionReader
+from api.parsers.text_readers import partial_tag, read_piece
+from api.parsers.tool_formats import GraniteReader, Llama3JsonReader, MistralReader
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -173,7 +173,7 @@ READERS: dict[str, Callable[[], Reader]] = {"hermes": ToolCallReader, "json": Ca
 
 def calls_reader(form: str, string_parameters: Iterable[tuple[str, str]] = ()) -> Reader:
     """A reader of calls written in `form` (READERS, XML_BLOCKS, or the section formats of
-    api.section_tool_calls). The XML blocks' calls write the values of parameters declared
+    api.parsers.section_tool_calls). The XML blocks' calls write the values of parameters declared
     strings ((tool, parameter)) as raw text, any other as JSON."""
     if form in SECTION_FORMATS:
         return SectionReader(SECTION_FORMATS[form])

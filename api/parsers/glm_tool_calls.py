@@ -18,7 +18,7 @@ and GLM-4.7 writes the same without the newlines; and as Qwen3-Coder and Qwen3.5
     </function>
     </tool_call>
 
-The blocks are found as hermes blocks are (api.tool_calls.ToolCallReader); `GlmBlock` and
+The blocks are found as hermes blocks are (api.parsers.tool_calls.ToolCallReader); `GlmBlock` and
 `Qwen3CoderBlock` read what one holds. The chat templates write a string value as its raw
 text and any other as JSON, so a value is read as JSON unless the request's tool declares
 that parameter a string, and as text when it is no JSON. A call's arguments go out as the
@@ -31,7 +31,7 @@ import json
 import re
 from typing import Any
 
-from api.call_stream import CallDelta
+from api.parsers.call_stream import CallDelta
 
 StringParameters = frozenset[tuple[str, str]]  # (tool, parameter): those the tools declare strings
 

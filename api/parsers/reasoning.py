@@ -17,15 +17,15 @@ Deployments differ in their tags and in where no end tag has come (yet):
   back only the content keeps the model's earlier thinking in the conversation (M2 thinks
   between tool calls, and reads its own thinking back).
 
-gpt-oss ("gpt_oss") writes channels instead of tags: api.harmony reads those.
+gpt-oss ("gpt_oss") writes channels instead of tags: api.parsers.harmony reads those.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from api.harmony import HarmonyReader
-from api.text_readers import PairReader, partial_tag, read_piece
+from api.parsers.harmony import HarmonyReader
+from api.parsers.text_readers import PairReader, partial_tag, read_piece
 
 START = "<think>"
 END = "</think>"

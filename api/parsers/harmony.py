@@ -15,7 +15,7 @@ so the API asks the worker for the text with them (`skip_special_tokens` off); t
 end the reply (`<|return|>`, `<|call|>`) are stop tokens the worker leaves out.
 
 Calls come out in the content as hermes blocks (`<tool_call>{"name": ..., "arguments":
-...}</tool_call>`, api.tool_calls), so the tool-call reader that follows finds them as it finds
+...}</tool_call>`, api.parsers.tool_calls), so the tool-call reader that follows finds them as it finds
 any other model's. A body that opens with `{` streams into its block as it comes; any other
 body is held and goes in as JSON text, which stays content there, nothing lost. A reply
 that does not open with a harmony tag (a template without harmony) is all content.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 
-from api.text_readers import partial_tag
+from api.parsers.text_readers import partial_tag
 
 MESSAGE = "<|message|>"
 CHANNEL = "<|channel|>"

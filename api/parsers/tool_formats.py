@@ -1,6 +1,6 @@
 """Tool calls as Llama 3, Mistral and Granite 3 models write them (GENQ_TOOL_CALL_PARSER
 `llama3_json`, `mistral`, `granite`; vLLM's parsers of those names), read as they stream, each call's arguments going
-out as they are written (api.call_stream). Both formats begin with a special token, so the
+out as they are written (api.parsers.call_stream). Both formats begin with a special token, so the
 API asks the worker for the text with special tokens.
 
 - llama3_json (Llama 3.1 to 3.3): a reply that opens with `<|python_tag|>` or `{` is calls,
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 
-from api.call_stream import CallDelta, CallStream
-from api.text_readers import partial_tag
+from api.parsers.call_stream import CallDelta, CallStream
+from api.parsers.text_readers import partial_tag
 
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS = "[TOOL_CALLS]"

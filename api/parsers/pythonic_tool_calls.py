@@ -16,7 +16,7 @@ import ast
 import json
 from typing import Any
 
-from api.call_stream import CallDelta
+from api.parsers.call_stream import CallDelta
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"

@@ -16,7 +16,7 @@ import redis.asyncio
 
 from api import api_keys
 from api.api_keys import KeyPlan
-from api.status_cli import text_table
+from api.cli.status import text_table
 from producer.cli import printed
 from producer.protocol import DEFAULT_PREFIX, Keys
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from api.call_stream import CallDelta, merged
-from api.text_readers import partial_tag
+from api.parsers.call_stream import CallDelta, merged
+from api.parsers.text_readers import partial_tag
 
 
 @dataclass(frozen=True)

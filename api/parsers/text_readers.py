@@ -1,4 +1,4 @@
-"""What the readers that split a streamed reply share (api.tool_calls, api.reasoning): each has
+"""What the readers that split a streamed reply share (api.parsers.tool_calls, api.parsers.reasoning): each has
 `feed(piece)` and `finish()`, both returning a pair of what is safe to give out now."""
 
 from __future__ import annotations

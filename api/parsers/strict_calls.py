@@ -19,9 +19,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from api.schemas import FunctionDefinition
-from api.section_tool_calls import FORMATS as SECTION_FORMATS
-from api.tool_calls import calls_schema
+from api.parsers.section_tool_calls import FORMATS as SECTION_FORMATS
+from api.parsers.tool_calls import calls_schema
+from api.request_bodies import FunctionDefinition
 
 Structures = list[dict[str, Any]]
 

@@ -1,4 +1,4 @@
-"""Request bodies, in OpenAI's shapes (plus vLLM's sampling extras); responses: api.responses.
+"""Request bodies, in OpenAI's shapes (plus vLLM's sampling extras); responses: api.response_bodies.
 
 Requests only check types here; value ranges are checked once, by `SamplingParams`, whose
 ValueError names the field (the routes turn it into a 400 with that `param`).
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag
 
-from api.tool_calls import calls_schema
+from api.parsers.tool_calls import calls_schema
 from producer.protocol import MAX_PROMPT_CACHE_KEY_LEN
 from producer.sampling_params import SamplingParams
 
@@ -314,7 +314,7 @@ class ChatCompletionRequest(_GenerationRequest):
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the reply
     tools: list[Tool] | None = None  # shown to the chat template
     # "auto" (the default with tools): the model decides, and its text is read for calls
-    # (api.tool_calls); {"type": "function", "function": {"name": ...}}, or "required" with one
+    # (api.parsers.tool_calls); {"type": "function", "function": {"name": ...}}, or "required" with one
     # tool: the reply is a call of that function, its arguments guided by its parameters'
     # schema; "required" with several: a guided array of calls; "none": plain text
     tool_choice: str | dict[str, Any] | None = None
@@ -397,7 +397,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def string_parameters(self) -> tuple[tuple[str, str], ...]:
         """(tool, parameter) for each parameter the tools declare a string (`"type": "string"`
-        or `["string"]`): GLM's calls write those values as raw text (api.glm_tool_calls)."""
+        or `["string"]`): GLM's calls write those values as raw text (api.parsers.glm_tool_calls)."""
         return tuple(
             (tool.function.name, name)
             for tool in self.tools or []
