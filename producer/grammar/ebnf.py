@@ -3,7 +3,7 @@ must be a sentence of the grammar. Plain Python, no dependencies: the API checks
 with it, the worker's grammar runs it.
 
 The syntax is xgrammar's EBNF, which vLLM hands such grammars to (a superset of llama.cpp's
-GBNF; a grammar without `::=` is Lark's, as vLLM tells them apart, read by `producer.lark` into
+GBNF; a grammar without `::=` is Lark's, as vLLM tells them apart, read by `producer.grammar.lark` into
 the same rules): rules `name ::= expression`, each starting its line, entered at `root`; string
 literals `"..."` with escapes (`\\n \\t \\xHH \\uXXXX ...`), character classes `[a-z]`,
 `[^"\\\\]`, `[^]` (over Unicode code points), rule references, groups `( ... )`,
@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from producer.regex import MAX_REPEAT, _complement, _normalize, utf8_sequences
+from producer.grammar.regex import MAX_REPEAT, _complement, _normalize, utf8_sequences
 
 ROOT = "root"
 MAX_STACKS = 20_000  # parses one state may hold; an output past it can only stop
@@ -60,7 +60,7 @@ class EbnfError(ValueError):
 
 # -- parsing ------------------------------------------------------------------------------------
 # An expression is ("alt", [sequences]) | ("seq", [items]) | ("lit", text) | ("cls", ranges) |
-# ("ref", name, offset) | ("rep", expr, min, max or None) | ("tok", expr) (producer.lark's)
+# ("ref", name, offset) | ("rep", expr, min, max or None) | ("tok", expr) (producer.grammar.lark's)
 
 
 class _Parser:
@@ -302,7 +302,7 @@ class _Compiler:
 
     def _elements(self, expr) -> list[tuple]:
         kind = expr[0]
-        if kind == "tok":  # (producer.lark: a regular expression, one token of a Lark grammar)
+        if kind == "tok":  # (producer.grammar.lark: a regular expression, one token of a Lark grammar)
             return self._elements(expr[1])
         if kind == "lit":
             data = expr[1].encode("utf-8", "surrogatepass")
@@ -506,7 +506,7 @@ def compile_ebnf(text: str) -> Ebnf:
     and the steps it has walked). EbnfError (a ValueError) names what is wrong and where."""
     if not isinstance(text, str) or not text.strip():
         raise EbnfError(f"grammar must be a non-empty string, got {text!r}")
-    from producer.lark import LarkReader, is_lark  # (it reads into this module's rules)
+    from producer.grammar.lark import LarkReader, is_lark  # (it reads into this module's rules)
 
     parser = LarkReader(text) if is_lark(text) else _Parser(text)
     parsed = parser.parse()
