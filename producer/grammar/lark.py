@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from producer.grammar.ebnf import EbnfError, _Parser
+from producer.grammar.ebnf_reader import EbnfError, EbnfReader
 from producer.grammar.regex import RegexError
 from producer.grammar.regex import _Parser as _RegexParser
 
@@ -55,8 +55,8 @@ def is_lark(text: str) -> bool:
     return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in text.splitlines())
 
 
-class LarkReader(_Parser):
-    """A Lark grammar as `producer.grammar.ebnf`'s parsed rules (name -> (expression, where))."""
+class LarkReader(EbnfReader):
+    """A Lark grammar as `producer.grammar.ebnf_reader`'s parsed rules (name -> (expression, where))."""
 
     def parse(self) -> dict[str, tuple[object, int]]:
         rules: dict[str, tuple[object, int]] = {}
