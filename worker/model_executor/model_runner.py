@@ -23,11 +23,9 @@ from worker.config import EngineConfig, kv_group_layout
 from worker.core.block_manager import KVSwaps
 from worker.core.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
 from worker.core.scheduler import ScheduledRequest, SchedulerOutput
-from worker.model_executor.attention import (
-    GroupedMetadata,
-    in_bucket,
+from worker.model_executor.attention import GroupedMetadata, in_bucket, pad_tables
+from worker.model_executor.attention_selector import (
     make_attention_backend,
-    pad_tables,
     resolve_attention_backend,
 )
 from worker.model_executor.lora import LoRAManager
