@@ -315,7 +315,7 @@ class LoRAManager:
                  share: Callable[[LoRAAdapter], LoRAAdapter] | None = None, whole: ModelConfig | None = None):
         """`cfg`: the model as this runner holds it; on a tensor-parallel rank, `whole` is the
         whole model's (adapters are read and checked against it) and `share` takes the rank's
-        part of an adapter (worker.model_executor.parallel.shard_adapter)."""
+        part of an adapter (worker.model_executor.tensor_parallel.shard_adapter)."""
         if cfg.mla is not None:
             raise ValueError(f"LoRA adapters are not supported for {cfg.architecture}, whose attention is "
                              "multi-head latent attention (MLA); serve it without enable_lora")

@@ -37,13 +37,13 @@ from worker.model_executor.models.llama import LlamaForCausalLM
 from worker.model_executor.models.moe import pack_experts
 from worker.model_executor.models.packed_linear import can_pack, pack_linears
 from worker.model_executor.models.whisper import CrossStates, CrossStep
-from worker.model_executor.parallel import (
+from worker.model_executor.sleep import ParkedStorages, drop_laid_out, weight_tensors
+from worker.model_executor.tensor_parallel import (
     TensorParallel,
     deal_experts,
     shard_adapter,
     shard_weights,
 )
-from worker.model_executor.sleep import ParkedStorages, drop_laid_out, weight_tensors
 from worker.model_executor.weight_copy import check_same_weights, copy_weights
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class ModelRunner:
                  model_class: type[LlamaForCausalLM] = LlamaForCausalLM):
         """`image_config`: an image-text checkpoint's whole config, when it takes images: its
         vision encoder loads beside the model, before the KV cache takes what memory is left.
-        `parallel`: this runner's rank of a tensor-parallel group (worker.model_executor.parallel), which
+        `parallel`: this runner's rank of a tensor-parallel group (worker.model_executor.tensor_parallel), which
         holds its share of the model (`model_config` is that share's). `model_class`: what
         runs `hf_config` (a draft layer: worker.model_executor.models.mtp's, worker.model_executor.models.eagle3's)."""
         self.config = config

@@ -559,7 +559,7 @@ class ModelConfig:
                                    rotary_dim=mla.qk_rope_head_dim, attn_scale=mla.softmax_scale(self.hf_config))
 
     def shard(self, world_size: int, expert_parallel: bool = False) -> ModelConfig:
-        """A tensor-parallel rank's share of the model (worker.model_executor.parallel): 1/world_size of its
+        """A tensor-parallel rank's share of the model (worker.model_executor.tensor_parallel): 1/world_size of its
         attention heads, key-value heads and MLP features (`expert_parallel`: of its experts,
         whole, beside a share of the shared expert's features); ValueError naming what does not
         split."""
