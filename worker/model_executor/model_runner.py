@@ -30,12 +30,12 @@ from worker.model_executor.attention_selector import (
 )
 from worker.model_executor.lora import LoRAManager
 from worker.model_executor.model_loader import iter_safetensors
-from worker.model_executor.models import quant
 from worker.model_executor.models.config import ModelConfig, Span
 from worker.model_executor.models.linear_attention import LinearStates
 from worker.model_executor.models.llama import LlamaForCausalLM
 from worker.model_executor.models.moe import pack_experts
 from worker.model_executor.models.packed_linear import can_pack, pack_linears
+from worker.model_executor.models.quantized_model import dequantize_all, use_quantized
 from worker.model_executor.models.whisper import CrossStates, CrossStep
 from worker.model_executor.sleep import ParkedStorages, drop_laid_out, weight_tensors
 from worker.model_executor.tensor_parallel import (
@@ -397,7 +397,7 @@ class ModelRunner:
                 model.reduce_with(self.parallel.all_reduce, self.parallel.world_size, self.parallel.rank)
             if cfg.quant is not None:
                 kv_rows = cfg.num_key_value_heads * cfg.head_dim
-                quant.use_quantized(model, cfg.quant, (cfg.num_attention_heads * cfg.head_dim, kv_rows, kv_rows))
+                use_quantized(model, cfg.quant, (cfg.num_attention_heads * cfg.head_dim, kv_rows, kv_rows))
         device = device or self.device
         model = model.to_empty(device=device)
         if cfg.tie_word_embeddings:
@@ -413,7 +413,7 @@ class ModelRunner:
                 functools.partial(deal_experts, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size)
                 if ep else None)
         if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's
-            quant.dequantize_all(model, self.dtype)
+            dequantize_all(model, self.dtype)
         model.eval()
         model.build_rotary(device)  # buffers made on the meta device hold nothing
         return model
