@@ -30,7 +30,7 @@ from worker.model_executor.models.mla import MLAttention
 from worker.model_executor.models.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
-    from worker.model_executor.lora import LoRAMapping, LoRASlots
+    from worker.model_executor.lora_slots import LoRAMapping, LoRASlots
 
 
 class RMSNorm(nn.Module):
