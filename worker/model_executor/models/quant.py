@@ -56,7 +56,6 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 _IGNORED = (".activation_scale", ".input_scale", ".weight_shape")
 
 
-
 @dataclass(frozen=True)
 class QuantConfig:
     block: tuple[int, int] | None  # weight rows, columns per scale; None: per tensor as stored, per channel online
