@@ -82,7 +82,7 @@ class _GenerationRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     # {"type": "json_object"}: one JSON object; {"type": "json_schema", "json_schema": {"name",
     # "schema"}}: a value of that schema; vLLM's {"type": "structural_tag", "structures": [...],
-    # "triggers": [...]} (producer.structural_tag); {"type": "text"} or absent: free text
+    # "triggers": [...]} (producer.grammar.structural_tag); {"type": "text"} or absent: free text
     response_format: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None  # vLLM's: settings for the workers' custom logits processors
     # vLLM's: the workers' prefix cache shares this request's blocks only with requests of the

@@ -1,7 +1,7 @@
 """The cost of guided decoding: the same chat prompts on the default model, free and with
 `guided_decoding={"json_object": True}`, in one run; `--guide compact` asks for compact JSON
 (disable_any_whitespace), `--guide ebnf` for JSON objects by an EBNF grammar (xgrammar's JSON
-grammar, run by producer.ebnf's pushdown automaton).
+grammar, run by producer.grammar.ebnf's pushdown automaton).
 
     python benchmarks/guided.py [--prompts 16] [--max-tokens 96] [--dtype bfloat16] [--guide json_object]
 

@@ -11,11 +11,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from producer.ebnf import compile_ebnf
 from producer.field_mappings import from_mapping
-from producer.json_schema import compile_schema
-from producer.regex import compile_regex
-from producer.structural_tag import read_structural_tag
+from producer.grammar.ebnf import compile_ebnf
+from producer.grammar.json_schema import compile_schema
+from producer.grammar.regex import compile_regex
+from producer.grammar.structural_tag import read_structural_tag
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
@@ -29,8 +29,8 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 class StructuredOutputsParams:
     """vLLM's structured outputs (`SamplingParams(structured_outputs=...)`, the API's
     `structured_outputs`): exactly one of `json` (a JSON schema, or its text), `regex`,
-    `choice`, `grammar` (EBNF, `producer.ebnf`), `json_object` or `structural_tag` (its JSON
-    text or mapping, `producer.structural_tag`). `disable_any_whitespace` writes JSON compact
+    `choice`, `grammar` (EBNF, `producer.grammar.ebnf`), `json_object` or `structural_tag` (its JSON
+    text or mapping, `producer.grammar.structural_tag`). `disable_any_whitespace` writes JSON compact
     (one space after each `,` and `:`, none elsewhere, as xgrammar does). The options vLLM hands
     its backends are taken where genq already does what they ask: `disable_additional_properties`
     (objects with properties are closed) and `disable_fallback` (there is one backend)."""
@@ -107,10 +107,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     # vLLM's guided decoding, one of: {"json_object": True} (the output is one JSON object),
-    # {"json_schema": schema} (a value of that schema, in the subset producer.json_schema
+    # {"json_schema": schema} (a value of that schema, in the subset producer.grammar.json_schema
     # supports), {"choice": [strings]} (the output is one of them), {"regex": pattern} (the
-    # output matches it whole, producer.regex's syntax), {"grammar": ebnf} (the output is a
-    # sentence of it, producer.ebnf's syntax); JSON with "disable_any_whitespace": True is
+    # output matches it whole, producer.grammar.regex's syntax), {"grammar": ebnf} (the output is a
+    # sentence of it, producer.grammar.ebnf's syntax); JSON with "disable_any_whitespace": True is
     # compact (one space after each , and :); with "after": text, the
     # output is free until that text (a reasoning model's "</think>") and guided after it
     guided_decoding: dict[str, Any] | None = None

@@ -1,6 +1,6 @@
 """OpenAI's strict tools under tool_choice "auto": the reply stays free, but each call it
 opens is held to its tools, in the format the server reads calls in (GENQ_TOOL_CALL_PARSER),
-by a structural tag (producer.structural_tag): a call's opening tag triggers it, the call's
+by a structural tag (producer.grammar.structural_tag): a call's opening tag triggers it, the call's
 head names one of the tools, its arguments are a JSON value of that tool's parameters (a
 strict tool's; another's any object), and its closing follows.
 

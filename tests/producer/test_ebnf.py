@@ -10,7 +10,7 @@ import random
 import pytest
 import xgrammar as xgr
 
-from producer.ebnf import EbnfError, compile_ebnf
+from producer.grammar.ebnf import EbnfError, compile_ebnf
 
 GRAMMARS = {
     "arithmetic": r"""

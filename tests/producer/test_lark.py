@@ -12,7 +12,7 @@ import pytest
 from test_ebnf import ours as taken
 from test_ebnf import walk_ours
 
-from producer.ebnf import EbnfError, compile_ebnf
+from producer.grammar.ebnf import EbnfError, compile_ebnf
 
 GRAMMARS = {
     "calculator": r"""

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from producer.regex import RegexError, compile_regex, utf8_sequences
+from producer.grammar.regex import RegexError, compile_regex, utf8_sequences
 
 ALPHABET = list("abcxyzAB09 -_.@\n\t{},]é日本🙂ü")
 # each with strings that match it, which are mutated into near misses too

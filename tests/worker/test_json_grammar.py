@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from test_structured_output import grammar_takes, xgrammar_takes
 
-from producer.json_values import integer_range_regex
+from producer.grammar.json_values import integer_range_regex
 from producer.sampling_params import SamplingParams
 from worker.guided.json_grammar import JSON_OBJECT, MAX_WHITESPACE_RUN
 from worker.guided.json_schema_grammar import JsonSchemaGrammar

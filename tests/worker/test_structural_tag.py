@@ -12,7 +12,7 @@ import pytest
 import xgrammar as xgr
 from test_structured_output import check_masks_against_xgrammar, grammar_takes, xgrammar_takes
 
-from producer.structural_tag import read_structural_tag
+from producer.grammar.structural_tag import read_structural_tag
 from worker.guided.json_grammar import MAX_WHITESPACE_RUN
 from worker.guided.structural_tag import StructuralTagGrammar
 from worker.guided.token_bytes import special_texts, token_bytes

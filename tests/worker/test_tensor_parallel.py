@@ -33,7 +33,7 @@ from worker.model_executor.models.config import ModelConfig
 from worker.model_executor.models.llama import LlamaForCausalLM
 from worker.model_executor.models.moe import Experts
 from worker.model_executor.models.quant import QuantLinear
-from worker.model_executor.parallel import shard_weights
+from worker.model_executor.tensor_parallel import shard_weights
 
 
 def split_llm(model_dir, **kwargs) -> LLM:
@@ -333,7 +333,7 @@ def test_whole_projection_norms_over_replicated_kv_heads():
     from transformers import Olmo2Config
 
     from worker.model_executor.models.llama import Attention
-    from worker.model_executor.parallel import _kv_share
+    from worker.model_executor.tensor_parallel import _kv_share
 
     whole = ModelConfig.from_hf(Olmo2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                             num_key_value_heads=2, num_hidden_layers=1,

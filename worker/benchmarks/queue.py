@@ -22,15 +22,13 @@ import redis
 from producer.client import Client
 from producer.protocol import Keys
 from producer.redis_server import RedisServer
-from worker.benchmarks.workload import Workload
+from worker.benchmarks.workload import Workload, summarize
 
 WORKER_NAME = "genq-bench"
 STARTUP_TIMEOUT_S = 300.0
 
 
 def run_queue(args: argparse.Namespace, workload: Workload, engine_args: dict[str, Any]) -> dict[str, Any]:
-    from worker.benchmarks.throughput import summarize
-
     with _redis(args) as url, _worker(url, args, engine_args):
         client = Client(url)
         prompts, params = workload.prompts(), workload.sampling_params()

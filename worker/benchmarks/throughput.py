@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.benchmarks.workload import RandomWorkload, Workload, load_dataset
+from worker.benchmarks.workload import RandomWorkload, Workload, load_dataset, summarize
 
 MODES = ("engine", "queue", "hf")
 
@@ -198,18 +198,6 @@ def _hf_batch(model, batch: list[tuple[list[int], int]], pad_id: int = 0) -> Non
     with torch.inference_mode():
         model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new,
                        min_new_tokens=max_new, do_sample=False, pad_token_id=pad_id)
-
-
-def summarize(elapsed: float, num_requests: int, num_in: int, num_out: int) -> dict[str, Any]:
-    return {
-        "elapsed_s": round(elapsed, 4),
-        "requests_per_s": round(num_requests / elapsed, 3),
-        "output_tokens_per_s": round(num_out / elapsed, 1),
-        "total_tokens_per_s": round((num_in + num_out) / elapsed, 1),
-        "num_requests": num_requests,
-        "input_tokens": num_in,
-        "output_tokens": num_out,
-    }
 
 
 def _add_ratios(results: dict[str, dict[str, Any]]) -> None:

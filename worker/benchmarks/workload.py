@@ -1,5 +1,6 @@
-"""Benchmark workloads. W1: 128 prompts of random token ids, input length uniform in [32, 256],
-output length uniform in [16, 256], ignore_eos, greedy, seed 0."""
+"""Benchmark workloads, and the figures every mode of `genq bench throughput` reports for one
+(`summarize`). W1: 128 prompts of random token ids, input length uniform in [32, 256], output
+length uniform in [16, 256], ignore_eos, greedy, seed 0."""
 
 from __future__ import annotations
 
@@ -94,3 +95,16 @@ def _bounds(mean: int, ratio: float) -> tuple[int, int]:
 
 
 W1 = RandomWorkload()
+
+
+def summarize(elapsed: float, num_requests: int, num_in: int, num_out: int) -> dict[str, Any]:
+    """The figures of one timed run of a workload, the same keys whichever mode ran it."""
+    return {
+        "elapsed_s": round(elapsed, 4),
+        "requests_per_s": round(num_requests / elapsed, 3),
+        "output_tokens_per_s": round(num_out / elapsed, 1),
+        "total_tokens_per_s": round((num_in + num_out) / elapsed, 1),
+        "num_requests": num_requests,
+        "input_tokens": num_in,
+        "output_tokens": num_out,
+    }

@@ -1,8 +1,8 @@
-"""The JSON-schema grammar for guided decoding (`json_schema`, the subset `producer.json_schema`
+"""The JSON-schema grammar for guided decoding (`json_schema`, the subset `producer.grammar.json_schema`
 compiles): objects with properties, arrays, numbers, literals and unions step here; strings
 and free-form values run the generic JSON automaton of `worker.guided.json_grammar` inside their
 frame, and strings or numbers under a pattern, format or bounds run their regex
-(`producer.json_values`). States are hashable and read UTF-8 one byte per character.
+(`producer.grammar.json_values`). States are hashable and read UTF-8 one byte per character.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Hashable
 from dataclasses import replace
 from typing import Any
 
-from producer.json_schema import Node, compile_schema
-from producer.regex import compile_regex
+from producer.grammar.json_schema import Node, compile_schema
+from producer.grammar.regex import compile_regex
 from worker.guided.json_grammar import (
     DIGITS,
     MAX_WHITESPACE_RUN,

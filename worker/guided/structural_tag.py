@@ -1,4 +1,4 @@
-"""The structural-tag grammar (`producer.structural_tag` says what it is): free text, and
+"""The structural-tag grammar (`producer.grammar.structural_tag` says what it is): free text, and
 after a trigger one of the structures it begins, each a begin text, a JSON value of its
 schema (`worker.guided.json_schema_grammar`) and an end text.
 
@@ -17,7 +17,7 @@ import json
 from collections.abc import Hashable
 from typing import Any
 
-from producer.structural_tag import read_structural_tag
+from producer.grammar.structural_tag import read_structural_tag
 from worker.guided.json_grammar import WHITESPACE
 from worker.guided.json_schema_grammar import JsonSchemaGrammar
 from worker.guided.token_bytes import byte_text

@@ -1,8 +1,8 @@
 """Structured output: grammars that say which text may come next, and the per-request token
 masks built from them (vLLM's `guided_decoding`: `json_object`, `json_schema`, `choice`,
 `regex`, `grammar`, `structural_tag`; the JSON grammars are in `worker.guided.json_grammar` and
-`worker.guided.json_schema_grammar`, regular expressions in `producer.regex`, EBNF grammars in
-`producer.ebnf`, structural tags in `worker.guided.structural_tag`).
+`worker.guided.json_schema_grammar`, regular expressions in `producer.grammar.regex`, EBNF grammars in
+`producer.grammar.ebnf`, structural tags in `worker.guided.structural_tag`).
 
 A grammar is an automaton over immutable, hashable states that reads the output's UTF-8
 bytes, one character per byte (`worker.guided.token_bytes.byte_text`), so a token holding part of a
@@ -23,8 +23,8 @@ from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from producer.ebnf import compile_ebnf
-from producer.regex import compile_regex
+from producer.grammar.ebnf import compile_ebnf
+from producer.grammar.regex import compile_regex
 from worker.guided.json_grammar import COMPACT_JSON_OBJECT, JSON_OBJECT
 from worker.guided.json_schema_grammar import JsonSchemaGrammar
 from worker.guided.structural_tag import StructuralTagGrammar

@@ -52,27 +52,6 @@ FP8 = torch.float8_e4m3fn  # kv_cache_dtype="fp8": the cache's values
 FP8_MAX = 448.0
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """`torch` (CPU default) or `triton` (CUDA default; on CPU only under TRITON_INTERPRET)."""
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name not in ("torch", "triton"):
-        raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
-    return name
-
-
-def make_attention_backend(name: str, model_config, block_size: int, dtype: torch.dtype, device: torch.device):
-    name = resolve_attention_backend(name, device)
-    args = (block_size, model_config.num_attention_heads, model_config.num_key_value_heads,
-            model_config.head_dim, dtype, device)
-    if name == "torch":
-        return TorchAttention(*args)
-    if name == "triton":
-        from worker.model_executor.attention_triton import TritonAttention
-
-        return TritonAttention(*args)
-
-
 def in_bucket(s: ScheduledRequest) -> bool:
     """Attended in a decode bucket: one new token, guesses to check, or a short chunk after a
     cached prefix (not one whose tokens see past themselves: the buckets' masks are causal)."""

@@ -23,29 +23,27 @@ from worker.config import EngineConfig, kv_group_layout
 from worker.core.block_manager import KVSwaps
 from worker.core.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
 from worker.core.scheduler import ScheduledRequest, SchedulerOutput
-from worker.model_executor.attention import (
-    GroupedMetadata,
-    in_bucket,
+from worker.model_executor.attention import GroupedMetadata, in_bucket, pad_tables
+from worker.model_executor.attention_selector import (
     make_attention_backend,
-    pad_tables,
     resolve_attention_backend,
 )
 from worker.model_executor.lora import LoRAManager
 from worker.model_executor.model_loader import iter_safetensors
-from worker.model_executor.models import quant
 from worker.model_executor.models.config import ModelConfig, Span
 from worker.model_executor.models.linear_attention import LinearStates
 from worker.model_executor.models.llama import LlamaForCausalLM
 from worker.model_executor.models.moe import pack_experts
 from worker.model_executor.models.packed_linear import can_pack, pack_linears
+from worker.model_executor.models.quantized_model import dequantize_all, use_quantized
 from worker.model_executor.models.whisper import CrossStates, CrossStep
-from worker.model_executor.parallel import (
+from worker.model_executor.sleep import ParkedStorages, drop_laid_out, weight_tensors
+from worker.model_executor.tensor_parallel import (
     TensorParallel,
     deal_experts,
     shard_adapter,
     shard_weights,
 )
-from worker.model_executor.sleep import ParkedStorages, drop_laid_out, weight_tensors
 from worker.model_executor.weight_copy import check_same_weights, copy_weights
 
 if TYPE_CHECKING:
@@ -113,7 +111,7 @@ class ModelRunner:
                  model_class: type[LlamaForCausalLM] = LlamaForCausalLM):
         """`image_config`: an image-text checkpoint's whole config, when it takes images: its
         vision encoder loads beside the model, before the KV cache takes what memory is left.
-        `parallel`: this runner's rank of a tensor-parallel group (worker.model_executor.parallel), which
+        `parallel`: this runner's rank of a tensor-parallel group (worker.model_executor.tensor_parallel), which
         holds its share of the model (`model_config` is that share's). `model_class`: what
         runs `hf_config` (a draft layer: worker.model_executor.models.mtp's, worker.model_executor.models.eagle3's)."""
         self.config = config
@@ -399,7 +397,7 @@ class ModelRunner:
                 model.reduce_with(self.parallel.all_reduce, self.parallel.world_size, self.parallel.rank)
             if cfg.quant is not None:
                 kv_rows = cfg.num_key_value_heads * cfg.head_dim
-                quant.use_quantized(model, cfg.quant, (cfg.num_attention_heads * cfg.head_dim, kv_rows, kv_rows))
+                use_quantized(model, cfg.quant, (cfg.num_attention_heads * cfg.head_dim, kv_rows, kv_rows))
         device = device or self.device
         model = model.to_empty(device=device)
         if cfg.tie_word_embeddings:
@@ -415,7 +413,7 @@ class ModelRunner:
                 functools.partial(deal_experts, cfg=self.checkpoint_config, rank=p.rank, world_size=p.world_size)
                 if ep else None)
         if cfg.quant is not None and not use_kernels:  # quantized matmuls are the kernel path's
-            quant.dequantize_all(model, self.dtype)
+            dequantize_all(model, self.dtype)
         model.eval()
         model.build_rotary(device)  # buffers made on the meta device hold nothing
         return model

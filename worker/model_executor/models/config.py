@@ -132,13 +132,28 @@ def architecture_of(hf_config: Any, default: str = "") -> str:
     return (getattr(hf_config, "architectures", None) or [default])[0]
 
 
+def whisper_decoder_config(hf_config: Any) -> Any:
+    """The decoder's side of a Whisper config, in the names ModelConfig.from_hf reads (its
+    learned positions bound max_model_len)."""
+    from transformers import LlamaConfig
+
+    view = LlamaConfig(
+        vocab_size=hf_config.vocab_size, hidden_size=hf_config.d_model, intermediate_size=hf_config.decoder_ffn_dim,
+        num_hidden_layers=hf_config.decoder_layers, num_attention_heads=hf_config.decoder_attention_heads,
+        num_key_value_heads=hf_config.decoder_attention_heads, max_position_embeddings=hf_config.max_target_positions,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=hf_config.eos_token_id,
+        bos_token_id=hf_config.decoder_start_token_id, pad_token_id=hf_config.pad_token_id,
+    )
+    view.architectures = ["WhisperForConditionalGeneration"]
+    view.encoder_positions = hf_config.max_source_positions  # the encoder's output length
+    return view
+
+
 def language_config(hf_config: Any) -> Any:
     """The config of the model genq runs: an image-text model's text config (named as its
     causal LM, tied as the whole model is), Whisper's decoder's, else the config itself."""
     arch = architecture_of(hf_config)
     if arch == "WhisperForConditionalGeneration" and hasattr(hf_config, "d_model"):
-        from worker.model_executor.models.whisper import whisper_decoder_config
-
         return whisper_decoder_config(hf_config)
     if arch not in TEXT_OF_MULTIMODAL:
         return hf_config
@@ -559,7 +574,7 @@ class ModelConfig:
                                    rotary_dim=mla.qk_rope_head_dim, attn_scale=mla.softmax_scale(self.hf_config))
 
     def shard(self, world_size: int, expert_parallel: bool = False) -> ModelConfig:
-        """A tensor-parallel rank's share of the model (worker.model_executor.parallel): 1/world_size of its
+        """A tensor-parallel rank's share of the model (worker.model_executor.tensor_parallel): 1/world_size of its
         attention heads, key-value heads and MLP features (`expert_parallel`: of its experts,
         whole, beside a share of the shared expert's features); ValueError naming what does not
         split."""

@@ -52,7 +52,7 @@ from torch import nn
 from worker.model_executor.models.config import LinearAttentionConfig
 
 if TYPE_CHECKING:
-    from worker.model_executor.lora import LoRAMapping, LoRASlots
+    from worker.model_executor.lora_slots import LoRAMapping, LoRASlots
 
 CHUNK = 64  # tokens solved together in a prefill
 # the torch path runs a request of at most this many rows (a decode with its guesses, a short

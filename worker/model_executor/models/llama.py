@@ -30,7 +30,7 @@ from worker.model_executor.models.mla import MLAttention
 from worker.model_executor.models.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
-    from worker.model_executor.lora import LoRAMapping, LoRASlots
+    from worker.model_executor.lora_slots import LoRAMapping, LoRASlots
 
 
 class RMSNorm(nn.Module):
@@ -250,7 +250,7 @@ class Attention(nn.Module):
         # gpt-oss: a logit per query head that joins its softmax (and adds no value)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None
         self.kv_scales: kv_scales.KVScales | None = None  # the checkpoint's, for an fp8 cache
-        # tensor parallelism: sums o_proj's partial outputs over the ranks (worker.model_executor.parallel), of
+        # tensor parallelism: sums o_proj's partial outputs over the ranks (worker.model_executor.tensor_parallel), of
         # which there are `world_size`
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.world_size = 1
@@ -317,7 +317,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_up_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
         self.down_lora: LoRASlots | None = None
-        # tensor parallelism: sums down_proj's partial outputs over the ranks (worker.model_executor.parallel)
+        # tensor parallelism: sums down_proj's partial outputs over the ranks (worker.model_executor.tensor_parallel)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:  # [T, hidden]
@@ -590,13 +590,13 @@ class LlamaForCausalLM(nn.Module):
                      deal: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]]
                      | None = None) -> None:
         """Copy a Hugging Face checkpoint's tensors in, fusing q/k/v and gate/up and stacking
-        experts. `split`: a tensor-parallel rank's part of each tensor (worker.model_executor.parallel's
+        experts. `split`: a tensor-parallel rank's part of each tensor (worker.model_executor.tensor_parallel's
         shard_weights), taken once quantized weights are in genq's layout; `deal`: with expert
-        parallelism, its experts (worker.model_executor.parallel's deal_experts), taken before."""
+        parallelism, its experts (worker.model_executor.tensor_parallel's deal_experts), taken before."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         weights = self._in_common_names(weights)
-        if deal is not None:  # expert parallelism: this rank's experts (worker.model_executor.parallel.deal_experts)
+        if deal is not None:  # expert parallelism: this rank's experts (worker.model_executor.tensor_parallel.deal_experts)
             weights = deal(weights)
         if self.config.quant is not None:
             weights = quant.quantized_weights(weights, self.config.quant, self._quantized_owner)

@@ -56,7 +56,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = KVUpProjection(self.num_heads, mla)
         self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = cfg.attn_scale
-        # tensor parallelism: sums o_proj's partial outputs over the ranks (worker.model_executor.parallel);
+        # tensor parallelism: sums o_proj's partial outputs over the ranks (worker.model_executor.tensor_parallel);
         # each rank holds its share of the heads and the whole latent cache
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 

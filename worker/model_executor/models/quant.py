@@ -54,9 +54,6 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 # static activation scales: genq's activations keep the model dtype, so they are not read;
 # a packed weight's shape: the model knows it
 _IGNORED = (".activation_scale", ".input_scale", ".weight_shape")
-# a decoder layer's projections that may be quantized, and the checkpoint's names for their shards
-_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-            "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 @dataclass(frozen=True)
@@ -418,76 +415,6 @@ def in_features(module: nn.Module, name: str) -> int:
 def is_quantized(module: nn.Module, name: str) -> bool:
     value = getattr(module, name, None)
     return isinstance(value, torch.Tensor) and value.dtype in STORAGE.values()
-
-
-def use_quantized(model: nn.Module, cfg: QuantConfig, qkv_rows: tuple[int, int, int]) -> int:
-    """Give the decoder layers' projections and experts quantized weights of
-    `cfg.kind` (on the meta device, before the weights load): projections become
-    `QuantLinear`s, experts take `Experts.use_quantized`. Left in float: what the checkpoint
-    keeps in float, and fused weights whose shards (q/k/v of `qkv_rows` rows; gate
-    and up halves) do not fill whole scale blocks or whose columns no kernel tile fits.
-    Returns how many modules were given quantized weights."""
-    from worker.model_executor.models.moe import Experts
-
-    def fits(block: tuple[int, int], shards: Iterable[int], in_features: Iterable[int]) -> bool:
-        return (all(rows % block[0] == 0 for rows in shards)
-                and all(block[1] >= k or block[1] % 16 == 0 for k in in_features))
-
-    replaced = 0
-    for parent_name, parent in list(model.named_modules()):
-        if isinstance(parent, Experts):
-            inter, hidden = parent.w2.shape[2], parent.w2.shape[1]
-            block = cfg.block or (1, max(inter, hidden))  # one scale per expert row
-            names = [f"model.{parent_name}.{parent.first_expert + e}.{proj}" for e in range(parent.num_experts)
-                     for proj in ("gate_proj", "up_proj", "down_proj")]
-            if not cfg.skips(names) and fits(block, (inter,), (inter, hidden)):
-                if cfg.act_order:
-                    raise ValueError("GPTQ experts quantized with desc_act (act-order) are not supported; "
-                                     "supported: desc_act false, or static_groups")
-                parent.use_quantized(block, cfg.kind, cfg.zero_points)
-                replaced += 1
-            continue
-        if cfg.experts_only:
-            continue
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or name not in _TARGETS or not parent_name.startswith("layers."):
-                continue
-            block = cfg.layout(child.out_features, child.in_features)
-            shards = qkv_rows if name == "qkv_proj" else (child.out_features // 2,) if name == "gate_up_proj" else ()
-            if cfg.skips(f"model.{parent_name}.{shard}" for shard in _TARGETS[name]):
-                continue
-            if fits(block, shards, (child.in_features,)):
-                setattr(parent, name, QuantLinear(child.in_features, child.out_features, child.bias, block, cfg.kind,
-                                                  cfg.zero_points, cfg.act_order))
-                replaced += 1
-    return replaced
-
-
-def dequantize_all(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every quantized weight back in `dtype` (the torch path): `QuantLinear`s become
-    `nn.Linear`s, fp8 experts float ones."""
-    from worker.model_executor.models.moe import Experts
-
-    for parent in list(model.modules()):
-        if isinstance(parent, Experts) and parent.block is not None:
-            for name in ("w13", "w2"):
-                zero = getattr(parent, name + "_zero") if parent.zero_points else None
-                dense = dequantize(getattr(parent, name), getattr(parent, name + "_scale"), parent.block,
-                                   in_features(parent, name), zero).to(dtype)
-                setattr(parent, name, nn.Parameter(dense, requires_grad=False))
-                for part in ("_scale", "_zero") if parent.zero_points else ("_scale",):
-                    delattr(parent, name + part)
-            parent.block, parent.zero_points = None, False
-        for name, child in list(parent.named_children()):
-            if isinstance(child, QuantLinear):
-                linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-                dense = dequantize(child.weight, child.weight_scale, child.block, child.in_features,
-                                   child.weight_zero).to(dtype)
-                if child.input_perm is not None:  # back in the checkpoint's column order
-                    dense = dense[:, torch.argsort(child.input_perm)]
-                linear.weight = nn.Parameter(dense, requires_grad=False)
-                linear.register_parameter("bias", child.bias)
-                setattr(parent, name, linear)
 
 
 def quantized_weights(

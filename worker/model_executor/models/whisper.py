@@ -43,23 +43,6 @@ ENGLISH_CHAT_TEMPLATE = (
 )
 
 
-def whisper_decoder_config(hf_config):
-    """The decoder's side of a Whisper config, in the names ModelConfig.from_hf reads (its
-    learned positions bound max_model_len)."""
-    from transformers import LlamaConfig
-
-    view = LlamaConfig(
-        vocab_size=hf_config.vocab_size, hidden_size=hf_config.d_model, intermediate_size=hf_config.decoder_ffn_dim,
-        num_hidden_layers=hf_config.decoder_layers, num_attention_heads=hf_config.decoder_attention_heads,
-        num_key_value_heads=hf_config.decoder_attention_heads, max_position_embeddings=hf_config.max_target_positions,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=hf_config.eos_token_id,
-        bos_token_id=hf_config.decoder_start_token_id, pad_token_id=hf_config.pad_token_id,
-    )
-    view.architectures = ["WhisperForConditionalGeneration"]
-    view.encoder_positions = hf_config.max_source_positions  # the encoder's output length
-    return view
-
-
 class WhisperRules:
     """transformers' Whisper generation rules, as a logits processor (worker.sample.logits_processors)
     every request of a Whisper engine has: `suppress` tokens are never written (symbols and

@@ -1,11 +1,11 @@
 """Lark grammars for guided decoding (vLLM takes a `grammar` with no `::=` as Lark and converts
-it; OpenAI's custom tools write theirs in Lark), read into `producer.ebnf`'s rules, which then
+it; OpenAI's custom tools write theirs in Lark), read into `producer.grammar.ebnf`'s rules, which then
 run as any EBNF grammar does. The language is what Lark's Earley parser accepts with its
 dynamic lexer (its default): rules and terminals alike are rules over the text.
 
 Read: `name: expansions` for rules (`?name`, `!name`, `name.2` too) and TERMINALS, `|` (on the
 next line too), `"literals"` (and `'literals'`), `"a".."z"`, `/regular expressions/`
-(`producer.regex`'s syntax, no flags), `(groups)`, `[optional]`, `? * +`, `~ n` and `~ n..m`,
+(`producer.grammar.regex`'s syntax, no flags), `(groups)`, `[optional]`, `? * +`, `~ n` and `~ n..m`,
 `-> alias` (dropped: it names a tree node, not text), `//` (and `#`) comments, `%import common.NAME`
 for the usual terminals (DIGIT, INT, NUMBER, WORD, CNAME, ESCAPED_STRING, WS, ...), and
 `%ignore` (what it names may stand before any token of a rule and at the end, as Lark's lexer
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import re
 
-from producer.ebnf import EbnfError, _Parser
-from producer.regex import RegexError
-from producer.regex import _Parser as _RegexParser
+from producer.grammar.ebnf_reader import EbnfError, EbnfReader
+from producer.grammar.regex import RegexError
+from producer.grammar.regex import _Parser as _RegexParser
 
 START = "start"
 _NAME = re.compile(r"[?!]?(_?[A-Za-z][A-Za-z0-9_]*)(\.-?\d+)?[ \t]*:")
@@ -55,8 +55,8 @@ def is_lark(text: str) -> bool:
     return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in text.splitlines())
 
 
-class LarkReader(_Parser):
-    """A Lark grammar as `producer.ebnf`'s parsed rules (name -> (expression, where))."""
+class LarkReader(EbnfReader):
+    """A Lark grammar as `producer.grammar.ebnf_reader`'s parsed rules (name -> (expression, where))."""
 
     def parse(self) -> dict[str, tuple[object, int]]:
         rules: dict[str, tuple[object, int]] = {}
@@ -277,7 +277,7 @@ def _before_tokens(expr, ignore) -> object:
 
 
 def _from_regex(node) -> object:
-    """producer.regex's tree as ebnf's: sets as classes, the rest alike."""
+    """producer.grammar.regex's tree as ebnf's: sets as classes, the rest alike."""
     kind = node[0]
     if kind == "set":
         return ("cls", node[1])

@@ -14,7 +14,7 @@ until the text rules all but one out, at most 16 at once), `oneOf` whose alterna
 with different
 characters (an object and a string, say), local `$ref` into `$defs` /
 `definitions` (recursion included), and an object without `properties` or an absent schema
-as any JSON value. Strings take one of `pattern` (producer.regex's syntax, found anywhere in
+as any JSON value. Strings take one of `pattern` (producer.grammar.regex's syntax, found anywhere in
 the string unless anchored), `format` (date, time, date-time, email, uuid, ipv4) or
 `minLength`/`maxLength`; such a string is written without escapes. Integers take `minimum`,
 `maximum` and their exclusive forms (a regex of the canonical decimals in range), and so do
@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer.json_values import (
+from producer.grammar.json_values import (
     BOUND_KEYWORDS,
     STRING_KEYWORDS,
     integer_pattern,

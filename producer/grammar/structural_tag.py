@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from producer.json_schema import compile_schema
+from producer.grammar.json_schema import compile_schema
 
 
 def read_structural_tag(spec: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Constraints on JSON strings and numbers as regular expressions over their text, for the
-guided-decoding schema subset (producer.json_schema): a string's `pattern`, `format` or
-length, an integer's or number's bounds. The grammar runs each through producer.regex's
+guided-decoding schema subset (producer.grammar.json_schema): a string's `pattern`, `format` or
+length, an integer's or number's bounds. The grammar runs each through producer.grammar.regex's
 automaton. Plain Python, no dependencies.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from producer.regex import RegexError, compile_regex
+from producer.grammar.regex import RegexError, compile_regex
 
 STRING_KEYWORDS = {"pattern", "format", "minLength", "maxLength"}
 BOUND_KEYWORDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
