@@ -195,7 +195,8 @@ def test_a_requests_embeddings_rest_on_the_host():
     embeddings stay as the encoder gave them (on the device, in memory the KV cache sizing
     set aside), and a request's own copy rests on `host`, from which steps copy their rows
     ("meta" stands in here for a host apart from the device)."""
-    from worker.core.multimodal import ImageEmbeddings, ImageInputs, ImageSpan
+    from worker.core.multimodal import ImageInputs, ImageSpan
+    from worker.model_executor.image_encoders import ImageEmbeddings
 
     embeds = ImageEmbeddings(host="meta")
     inputs = ImageInputs([torch.zeros(3)], torch.tensor([[16, 16]]), [ImageSpan(2, 4, 7)], [2, 3, 4, 5], [4])

@@ -21,13 +21,14 @@ import torch
 
 from worker.config import EngineConfig, kv_group_layout
 from worker.core.block_manager import KVSwaps
-from worker.core.multimodal import ImageEmbeddings, ImageInputs, load_image_encoder
+from worker.core.multimodal import ImageInputs
 from worker.core.scheduler import ScheduledRequest, SchedulerOutput
 from worker.model_executor.attention import GroupedMetadata, in_bucket, pad_tables
 from worker.model_executor.attention_selector import (
     make_attention_backend,
     resolve_attention_backend,
 )
+from worker.model_executor.image_encoders import ImageEmbeddings, load_image_encoder
 from worker.model_executor.lora import LoRAManager
 from worker.model_executor.model_loader import iter_safetensors
 from worker.model_executor.models.config import ModelConfig, Span

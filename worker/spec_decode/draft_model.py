@@ -24,8 +24,8 @@ import torch
 
 from worker.config import EngineConfig
 from worker.core.block_manager import KVSwaps
-from worker.core.multimodal import ImageEmbeddings, ShiftedEmbeddings
 from worker.core.scheduler import ScheduledRequest, SchedulerOutput
+from worker.model_executor.image_encoders import ImageEmbeddings, ShiftedEmbeddings
 from worker.model_executor.model_loader import read_config, resolve_model_path
 from worker.model_executor.model_runner import ModelRunner
 from worker.model_executor.models.config import architecture_of, language_config

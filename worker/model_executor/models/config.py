@@ -100,7 +100,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForSequenceClassification": "qwen3",
 }
 # image-text (and audio-text) models whose language model genq serves; those of
-# worker.core.multimodal's IMAGE_ARCHITECTURES take images (or audio) too (their encoders load
+# worker.core.multimodal's IMAGE_PROCESSORS take images (or audio) too (their encoders load
 # apart), the others text alone
 TEXT_OF_MULTIMODAL = {
     "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",  # Gemma 3 4B, 12B, 27B
