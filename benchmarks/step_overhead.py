@@ -5,7 +5,15 @@ detokenization, which on a GPU the model does not hide (the H200 check's W1: abo
 step for 128 sequences of SmolLM2-135M, graphs 3.1x eager). Then the detokenizer alone, its
 windows decoded by the Rust tokenizer against transformers' `decode`, in the same run.
 
-    python benchmarks/step_overhead.py [--num-seqs 128] [--output-len 128] [--profile]
+Where a step's host time goes, phase by phase, for 128, 256 and 512 sequences: each phase is
+the exclusive time of the engine's own calls (schedule; prepare inputs, attention metadata
+included; the model's forward and LM head; the rest of execute; sampling's host side, its
+batch of parameters; the sampler's arithmetic; update; output processing, detokenization and
+stop checks; proposing), and "host" is a step less the forward and the sampling arithmetic:
+what a GPU would not hide. (The queue path's publish runs in the worker's event loop beside
+the engine thread: benchmarks/throughput.py's queue mode times it.)
+
+    python benchmarks/step_overhead.py [--num-seqs 128,256,512] [--output-len 128] [--profile]
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ import pstats
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gpu_check import remake  # benchmarks/gpu_check.py, beside this script
 
@@ -29,8 +39,10 @@ def tiny_model(out: Path) -> str:
                   num_key_value_heads=2, head_dim=16)
 
 
-def engine_steps(model: str, num_seqs: int, output_len: int, profile: bool) -> str:
-    llm = LLM(model, dtype="float32", device="cpu", load_format="dummy", max_model_len=1024, max_num_seqs=num_seqs)
+def decoding_engine(model: str, num_seqs: int, output_len: int) -> Any:
+    """An engine holding `num_seqs` greedy requests of 48 random prompt tokens, prefilled."""
+    llm = LLM(model, dtype="float32", device="cpu", load_format="dummy", max_model_len=1024, max_num_seqs=num_seqs,
+              max_num_batched_tokens=max(2048, 48 * num_seqs))
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)  # warm-up
@@ -38,6 +50,11 @@ def engine_steps(model: str, num_seqs: int, output_len: int, profile: bool) -> s
     for i in range(num_seqs):
         engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(3, 49152) for _ in range(48)]}, params)
     engine.step()  # the prefill
+    return engine
+
+
+def engine_steps(model: str, num_seqs: int, output_len: int, profile: bool) -> str:
+    engine = decoding_engine(model, num_seqs, output_len)
     profiler = cProfile.Profile() if profile else None
     steps, start = 0, time.perf_counter()
     if profiler:
@@ -50,6 +67,94 @@ def engine_steps(model: str, num_seqs: int, output_len: int, profile: bool) -> s
         profiler.disable()
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
     return f"engine: {steps} steps after the first, {num_seqs} sequences, {elapsed / steps * 1e3:.2f} ms a step"
+
+
+class Phases:
+    """Exclusive wall time per phase: a timed call's time less that of the timed calls inside it."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._inner: list[float] = []  # per open call: time its timed callees took
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._inner.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - start
+                inner = self._inner.pop()
+                self.seconds[name] = self.seconds.get(name, 0.0) + took - inner
+                if self._inner:
+                    self._inner[-1] += took
+        return timed
+
+
+class TimedSampler:
+    """The engine's sampler, its calls timed (its other attributes read through)."""
+
+    def __init__(self, sampler: Any, phases: Phases) -> None:
+        self._sampler = sampler
+        self._call = phases.wrap("sampling arithmetic", sampler.__call__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sampler, name)
+
+
+PHASES = [  # (name, object path under the engine, method)
+    ("schedule", "scheduler", "schedule"),
+    ("prepare inputs", "runner", "_prepare"),
+    ("model forward", "runner.model", "forward"),
+    ("LM head", "runner.model", "compute_logits"),
+    ("execute, rest", "runner", "execute"),
+    ("sampling, host", "", "_sample"),
+    ("update", "scheduler", "update_from_output"),
+    ("output processing", "output_processor", "process"),
+    ("propose", "speculator", "propose"),
+    ("encode images", "runner", "encode_images"),
+    ("finish requests", "scheduler", "finish_requests"),
+    ("forget ended", "", "_forget"),
+    ("take aborted", "", "_take_aborted"),
+    ("step", "", "step"),
+]
+DEVICE_WORK = ("model forward", "LM head", "sampling arithmetic")  # what a GPU's kernels would do
+
+
+def phase_times(model: str, num_seqs: int, output_len: int) -> tuple[int, dict[str, float]]:
+    """Steps timed and each phase's exclusive seconds over them (the instance's methods wrapped)."""
+    engine = decoding_engine(model, num_seqs, output_len)
+    phases = Phases()
+    for name, path, method in PHASES:
+        owner = engine
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part)
+        setattr(owner, method, phases.wrap(name, getattr(owner, method)))
+    engine.sampler = TimedSampler(engine.sampler, phases)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps, phases.seconds
+
+
+def phase_table(model: str, sizes: list[int], output_len: int) -> list[str]:
+    results = {n: phase_times(model, n, output_len) for n in sizes}
+    names = [name for name, _, _ in PHASES if name != "step"] + ["sampling arithmetic", "step, rest"]
+    lines = ["ms a step           " + "".join(f"{n:>10} seqs" for n in sizes)]
+    per_step = {n: {k: v / steps * 1e3 for k, v in seconds.items()} for n, (steps, seconds) in results.items()}
+    for name in names:
+        key = "step" if name == "step, rest" else name
+        lines.append(f"{name:<20}" + "".join(f"{per_step[n].get(key, 0.0):>15.2f}" for n in sizes))
+    total = {n: sum(per_step[n].values()) for n in sizes}
+    host = {n: total[n] - sum(per_step[n].get(k, 0.0) for k in DEVICE_WORK) for n in sizes}
+    lines.append(f"{'whole step':<20}" + "".join(f"{total[n]:>15.2f}" for n in sizes))
+    lines.append(f"{'host (not device)':<20}" + "".join(f"{host[n]:>15.2f}" for n in sizes))
+    lines.append(f"{'host per sequence':<20}" + "".join(f"{host[n] / n * 1e3:>12.2f} us" for n in sizes))
+    return lines
 
 
 def detokenizer_cost(model: str, num_seqs: int, output_len: int) -> list[str]:
@@ -78,14 +183,17 @@ def detokenizer_cost(model: str, num_seqs: int, output_len: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-seqs", type=int, default=128)
+    ap.add_argument("--num-seqs", default="128,256,512", help="comma-separated: the phase table's batch sizes "
+                    "(the first also times whole steps, the detokenizer and --profile)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print where the engine's steps went (cProfile)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
-        print(engine_steps(model, args.num_seqs, args.output_len, args.profile))
-        print("\n".join(detokenizer_cost(model, args.num_seqs, args.output_len)))
+        sizes = [int(n) for n in args.num_seqs.split(",")]
+        print(engine_steps(model, sizes[0], args.output_len, args.profile))
+        print("\n".join(phase_table(model, sizes, args.output_len)))
+        print("\n".join(detokenizer_cost(model, sizes[0], args.output_len)))
 
 
 if __name__ == "__main__":
