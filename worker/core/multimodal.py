@@ -361,7 +361,7 @@ class WhisperClips(AudioClips):
 
 
 # an image-text architecture genq encodes images for -> how its prompts and pixels are made (its
-# encoder: worker.model_executor.image_encoders.IMAGE_ENCODERS, by the same names)
+# encoder: worker.model_executor.image_encoders.ENCODER_OF, by the processor)
 IMAGE_PROCESSORS: dict[str, type[ImageProcessor]] = {
     "Gemma3ForConditionalGeneration": Gemma3Images,
     "Mistral3ForConditionalGeneration": Mistral3Images,

@@ -19,7 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.core.multimodal import ImageInputs
+from worker.core.multimodal import (
+    IMAGE_PROCESSORS,
+    AudioClips,
+    Gemma3Images,
+    ImageInputs,
+    ImageProcessor,
+    Mistral3Images,
+    QwenVLImages,
+    WhisperClips,
+)
 from worker.model_executor.model_loader import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -390,22 +399,17 @@ class _Held:
     rope_delta: int
 
 
-# an image-text architecture genq encodes images for -> its encoder (its processor:
-# worker.core.multimodal.IMAGE_PROCESSORS, by the same names)
-IMAGE_ENCODERS: dict[str, type[ImageEncoder]] = {
-    "Gemma3ForConditionalGeneration": Gemma3Encoder,
-    "Mistral3ForConditionalGeneration": Mistral3Encoder,
-    "Qwen2VLForConditionalGeneration": QwenVLEncoder,
-    "Qwen2_5_VLForConditionalGeneration": QwenVLEncoder,
-    "Qwen3VLForConditionalGeneration": QwenVLEncoder,
-    "Qwen3VLMoeForConditionalGeneration": QwenVLEncoder,
-    "Qwen3_5ForConditionalGeneration": QwenVLEncoder,  # Qwen3-VL's, without deepstack
-    "Qwen3_5MoeForConditionalGeneration": QwenVLEncoder,
-    "Qwen2AudioForConditionalGeneration": Qwen2AudioEncoder,  # audio clips, not images
-    "WhisperForConditionalGeneration": WhisperEncoder,  # an encoder-decoder's clip
+# each family's processor (worker.core.multimodal.IMAGE_PROCESSORS names the architectures)
+# -> its encoder
+ENCODER_OF: dict[type[ImageProcessor], type[ImageEncoder]] = {
+    Gemma3Images: Gemma3Encoder,
+    Mistral3Images: Mistral3Encoder,
+    QwenVLImages: QwenVLEncoder,  # Qwen3.5's is Qwen3-VL's, without deepstack
+    AudioClips: Qwen2AudioEncoder,  # audio clips, not images
+    WhisperClips: WhisperEncoder,  # an encoder-decoder's clip
 }
 
 
 def load_image_encoder(model_path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device,
                        dummy: bool = False) -> ImageEncoder:
-    return IMAGE_ENCODERS[hf_config.architectures[0]].load(model_path, hf_config, dtype, device, dummy)
+    return ENCODER_OF[IMAGE_PROCESSORS[hf_config.architectures[0]]].load(model_path, hf_config, dtype, device, dummy)
