@@ -180,11 +180,10 @@ class AsyncClient:
     ) -> AsyncIterator[tuple[str, Event]]:
         deadline = Deadline(timeout_s, f"job {next(iter(logs))}" if len(logs) == 1 else "batch")
         follower = Follower(self.keys, logs)
-        pubsub = self.redis.pubsub()
+        outage = Outage()
+        pubsub, held = await self._subscribed(list(follower.by_channel), outage, deadline)
         try:
-            held = await self._subscribe(pubsub, list(follower.by_channel), deadline)
             await self._on_subscribed(list(logs))
-            outage = Outage()
             async for item in self._replay(follower, list(logs), outage, deadline):
                 yield item
             while not follower.done:
@@ -208,6 +207,21 @@ class AsyncClient:
                         yield item
         finally:
             await pubsub.aclose()
+
+    async def _subscribed(
+        self, channels: list[bytes], outage: Outage, deadline: Deadline
+    ) -> tuple[Any, list[dict[str, Any]]]:
+        """See Client._subscribed."""
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                held = await self._subscribe(pubsub, channels, deadline)
+                outage.ok()
+                return pubsub, held
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                await pubsub.aclose()
+                await asyncio.sleep(deadline.cap(outage.failed(exc)))
+                deadline.check()
 
     async def _subscribe(
         self, pubsub: Any, channels: list[bytes], deadline: Deadline

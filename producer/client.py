@@ -203,11 +203,10 @@ class Client:
         """New events of these jobs until all have ended (see `Follower`)."""
         deadline = Deadline(timeout_s, f"job {next(iter(logs))}" if len(logs) == 1 else "batch")
         follower = Follower(self.keys, logs)
-        pubsub = self.redis.pubsub()
+        outage = Outage()
+        pubsub, held = self._subscribed(list(follower.by_channel), outage, deadline)
         try:
-            held = self._subscribe(pubsub, list(follower.by_channel), deadline)
             self._on_subscribed(list(logs))
-            outage = Outage()
             yield from self._replay(follower, list(logs), outage, deadline)
             while not follower.done:
                 try:
@@ -225,6 +224,23 @@ class Client:
                     yield from follower.message(message)
         finally:
             pubsub.close()
+
+    def _subscribed(
+        self, channels: list[bytes], outage: Outage, deadline: Deadline
+    ) -> tuple[Any, list[dict[str, Any]]]:
+        """A pub/sub connection with every channel confirmed (and the messages that came
+        meanwhile), made again while Redis is away: a stream begun just before an outage
+        waits for Redis as one under way does."""
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                held = self._subscribe(pubsub, channels, deadline)
+                outage.ok()
+                return pubsub, held
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                pubsub.close()
+                time.sleep(deadline.cap(outage.failed(exc)))
+                deadline.check()
 
     def _subscribe(
         self, pubsub: Any, channels: list[bytes], deadline: Deadline

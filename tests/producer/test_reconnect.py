@@ -230,3 +230,33 @@ async def sse_follow(url: str, job_id: str, seen: list[Any]) -> None:
                     seen.append(chunk)
         finally:
             await relay.aclose()
+
+
+@pytest.mark.parametrize("follower", ["client", "async_client"])
+def test_a_follow_begun_while_redis_is_away_waits_for_it(tmp_path: Path, follower: str) -> None:
+    """A stream started just as Redis went away (its subscription not yet made) waits for
+    Redis as one under way does, then reads the job whole."""
+    server = Server(tmp_path, durable=True).start()
+    try:
+        with Client(server.url) as client:
+            handle = client.submit("hi")
+        worker = Peer(server.url)
+        events = token_events(PIECES)
+        worker.emit(handle.id, events[:2])
+        worker.close()
+        server.kill()
+        thread, seen, errors = in_thread(FOLLOWERS[follower], server.url, handle.id)
+        time.sleep(OUTAGE_S)  # the outage itself, what is tested: the follow begins inside it
+        server.start()
+        worker = Peer(server.url)
+        worker.wait_subscribed(handle.id)
+        record = JobRecord(status=JobStatus.FINISHED, finish_reason="length", text="".join(PIECES),
+                           outputs=[CompletionOutput(0, "".join(PIECES), [100 + i for i in range(5)], "length")])
+        worker.finish(handle.id, events[2:], record)
+        worker.close()
+        thread.join(RESTART_TIMEOUT_S)
+        assert not thread.is_alive() and not errors, errors
+        assert [d.seq for d in seen] == [0, 1, 2, 3, 4] and "".join(d.text for d in seen) == "abcde"
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.kill()
