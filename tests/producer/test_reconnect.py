@@ -64,6 +64,13 @@ class Peer:
         self.redis.close()
 
 
+def finished_record() -> JobRecord:
+    """The record a worker writes as the job of PIECES ends."""
+    text = "".join(PIECES)
+    return JobRecord(status=JobStatus.FINISHED, finish_reason="length", text=text,
+                     outputs=[CompletionOutput(0, text, [100 + i for i in range(len(PIECES))], "length")])
+
+
 def token_events(pieces: list[str]) -> list[Event]:
     events = [Event(seq=i, token_ids=[100 + i], text=piece) for i, piece in enumerate(pieces)]
     events[-1].finished, events[-1].finish_reason = True, "length"
@@ -189,9 +196,7 @@ def test_a_follow_rides_out_a_redis_restart(server: Server, follower: str) -> No
     worker = Peer(server.url)
     worker.emit(handle.id, events[1:3])  # a repeat, then one the follower may not be subscribed for yet
     worker.wait_subscribed(handle.id)  # it came back on its own
-    record = JobRecord(status=JobStatus.FINISHED, finish_reason="length", text="".join(PIECES),
-                       outputs=[CompletionOutput(0, "".join(PIECES), [100 + i for i in range(5)], "length")])
-    worker.finish(handle.id, events[3:], record)
+    worker.finish(handle.id, events[3:], finished_record())
     worker.close()
     thread.join(RESTART_TIMEOUT_S)
     assert not thread.is_alive() and not errors, errors
@@ -250,9 +255,7 @@ def test_a_follow_begun_while_redis_is_away_waits_for_it(tmp_path: Path, followe
         server.start()
         worker = Peer(server.url)
         worker.wait_subscribed(handle.id)
-        record = JobRecord(status=JobStatus.FINISHED, finish_reason="length", text="".join(PIECES),
-                           outputs=[CompletionOutput(0, "".join(PIECES), [100 + i for i in range(5)], "length")])
-        worker.finish(handle.id, events[2:], record)
+        worker.finish(handle.id, events[2:], finished_record())
         worker.close()
         thread.join(RESTART_TIMEOUT_S)
         assert not thread.is_alive() and not errors, errors
