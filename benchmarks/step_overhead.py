@@ -13,15 +13,22 @@ stop checks; proposing), and "host" is a step less the forward and the sampling 
 what a GPU would not hide. (The queue path's publish runs in the worker's event loop beside
 the engine thread: benchmarks/throughput.py's queue mode times it.)
 
-    python benchmarks/step_overhead.py [--num-seqs 128,256,512] [--output-len 128] [--profile]
+With `--against REV` the same tables are printed first for the code at git revision REV (in a
+temporary worktree, run in a process of its own), then for this tree's: a before and after
+measured in one run, since this CPU's speed drifts from day to day.
+
+    python benchmarks/step_overhead.py [--num-seqs 128,256,512] [--output-len 128] [--profile] [--against REV]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -181,13 +188,32 @@ def detokenizer_cost(model: str, num_seqs: int, output_len: int) -> list[str]:
             f"({slow / fast:.2f}x); texts equal: {slow_texts == fast_texts}"]
 
 
+def tables_at(revision: str, argv: list[str]) -> str:
+    """This script's output for the code at `revision`, run from a temporary worktree."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), revision], cwd=root, check=True)
+        try:
+            run = subprocess.run([sys.executable, str(tree / "benchmarks" / "step_overhead.py"), *argv], cwd=tree,
+                                 env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
+            return run.stdout
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-seqs", default="128,256,512", help="comma-separated: the phase table's batch sizes "
                     "(the first also times whole steps, the detokenizer and --profile)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print where the engine's steps went (cProfile)")
+    ap.add_argument("--against", metavar="REV", help="first the same tables for the code at this git revision")
     args = ap.parse_args()
+    if args.against:
+        print(f"== {args.against}\n" + tables_at(args.against, ["--num-seqs", args.num_seqs, "--output-len",
+                                                              str(args.output_len)]), end="")
+        print("== this tree")
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
         sizes = [int(n) for n in args.num_seqs.split(",")]

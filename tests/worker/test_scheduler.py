@@ -29,8 +29,12 @@ def make_request(rid, prompt, max_tokens=8, priority=0, arrival=0.0, **params):
 
 
 def step(sched, token=7):
-    """One schedule + update with a fixed sampled token for every sampling request."""
+    """One schedule + update with a fixed sampled token for every sampling request. The step's
+    tables are kept as the runner reads them, before the update (which may release entries
+    behind a window in the block manager's lists, which the step holds)."""
     out = sched.schedule()
+    for s in out.scheduled:
+        s.block_table, s.group_tables = list(s.block_table), tuple(list(table) for table in s.group_tables)
     sampled = {s.request_id: [token] for s in out.scheduled if s.sample}
     finished = sched.update_from_output(out, sampled)
     return out, finished
@@ -315,7 +319,7 @@ def test_a_window_model_gives_back_blocks_no_query_will_read():
     out, _ = step(sched)  # tokens 8..15: 16 computed; blocks before 16 - 6 = 10: blocks 0 and 1
     assert bm.block_table("a")[:2] == [-1, -1] and bm.num_free_blocks == 16 - 2
     out, _ = step(sched)  # the last 4 prompt tokens, attending back to position 10
-    assert out.scheduled[0].start_pos == 16 and out.scheduled[0].block_table[:2] == [0, 0]
+    assert out.scheduled[0].start_pos == 16 and out.scheduled[0].tables()[0][:2] == [0, 0]
     while sched.has_unfinished_requests():
         out, _ = step(sched)
         held = [b for b in bm.block_table("a") if b != -1]
@@ -390,8 +394,7 @@ def test_hybrid_groups_keep_the_full_layers_blocks_and_give_back_the_windowed_on
     assert bm.num_free_blocks == 32 - 4 - 2 and bm.num_held("a") == 6
     out, _ = step(sched)
     [s] = out.scheduled  # released entries read block 0
-    assert s.block_table[:4] == full and s.group_tables[0][:4] == [0, 0, *windowed[2:]]
-    assert s.tables() == [s.block_table, s.group_tables[0]]
+    assert s.tables()[0][:4] == full and s.tables()[1][:4] == [0, 0, *windowed[2:]]
     while sched.has_unfinished_requests():
         step(sched)
         full, windowed = bm.block_tables("a") if "a" in bm.req_blocks else (full, windowed)
@@ -432,7 +435,7 @@ def test_hybrid_prefix_hits_take_the_windowed_blocks_the_next_query_reads():
     sched.add_request(make_request("c", prompt[:12] + [99] * 8, max_tokens=1, arrival=1.0))
     out, _ = step(sched)
     [c] = out.scheduled
-    assert c.start_pos == 12 and c.block_table[:3] == hits[0] and c.group_tables[0][:3] == [0, 0, hits[1][2]]
+    assert c.start_pos == 12 and c.tables()[0][:3] == hits[0] and c.tables()[1][:3] == [0, 0, hits[1][2]]
     while sched.has_unfinished_requests():
         step(sched)
     # a's windowed blocks went back as they left its window, before its full ones, so after
@@ -454,7 +457,7 @@ def test_hybrid_forks_share_both_groups():
     bm = sched.block_manager
     [child] = [s for s in out.scheduled if s.request_id == "p#1"]
     assert child.start_pos == 16 and child.block_table[:4] == bm.block_table("p#0")[:4]
-    assert child.group_tables[0][:3] == [0] * 3 and child.group_tables[0][3] > 0
+    assert child.tables()[1][:3] == [0] * 3 and child.group_tables[0][3] > 0
     while sched.has_unfinished_requests():
         step(sched)
     assert all(c == 0 for c in bm.pool.ref_cnt)

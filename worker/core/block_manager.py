@@ -409,6 +409,10 @@ class BlockManager:
         """Give the request room for `num_new_tokens` more tokens in every group; False (and
         no change) if the pool cannot. `computed_blocks` are prefix-cache hits (per group,
         from `get_computed_blocks`) taken over by a new request."""
+        tables = self.req_blocks.get(request.request_id)
+        if tables is not None and not computed_blocks and all(
+                len(table) * self.block_size >= request.num_computed_tokens + num_new_tokens for table in tables):
+            return True  # most decode steps: the last block has room
         hits = computed_blocks or [[] for _ in self.windows]
         tables = self.req_blocks.setdefault(request.request_id, [[] for _ in self.windows])
         num_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
@@ -441,6 +445,8 @@ class BlockManager:
             return
         self._hash_full_blocks(request)
         done = self.num_registered.setdefault(request.request_id, [0] * len(self.windows))
+        if min(done) >= request.num_computed_tokens // self.block_size:
+            return  # most decode steps: no block filled up
         for group, table in enumerate(self.block_tables(request.request_id)):
             num_full = min(request.num_computed_tokens // self.block_size, len(table))
             for i in range(done[group], num_full):  # each block once: not the whole table every step
@@ -460,8 +466,10 @@ class BlockManager:
     def release_out_of_window(self, request_id: str, num_computed: int) -> int:
         """Give back the blocks of windowed groups that the query at `num_computed` and every
         later one will not read; returns how many were released."""
+        if not self._windowed:
+            return 0
         tables = self.req_blocks.get(request_id)
-        if tables is None or not self._windowed:
+        if tables is None:
             return 0
         released = self.num_released.setdefault(request_id, [0] * len(self.windows))
         count = 0

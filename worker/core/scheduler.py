@@ -22,7 +22,9 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
     start_pos: int  # position of token_ids[0]; the cache holds positions [0, start_pos)
-    block_table: list[int]  # group 0's (the full layers' where the model mixes kinds)
+    # group 0's (the full layers' where the model mixes kinds); the scheduler's are the block
+    # manager's own lists, not copies (RELEASED entries in them: read them through tables())
+    block_table: list[int]
     sample: bool  # the step reaches the end of the known tokens, so a token is sampled
     prompt_logprobs: bool = False  # the request wants logprobs for the prompt tokens computed here
     lora_id: int = 0  # the adapter its rows run with; 0: none
@@ -36,10 +38,15 @@ class ScheduledRequest:
     # after a prefix-cache hit starts from, and the (tokens before, slot) this step saves
     state_restore: int | None = None
     state_saves: tuple[tuple[int, int], ...] = ()
+    # per KV group, the blocks its table gained since the request's previous step (what the
+    # runner's persistent batch appends); None: its first step since it was admitted, or a
+    # caller that keeps no such account (the tables are then read whole)
+    new_blocks: tuple[list[int], ...] | None = None
 
     def tables(self) -> list[list[int]]:
-        """A block table per KV group."""
-        return [self.block_table, *self.group_tables]
+        """A block table per KV group, a released entry read as block 0 (attention masks its
+        positions)."""
+        return [[max(b, 0) for b in table] for table in (self.block_table, *self.group_tables)]
 
 
 @dataclass
@@ -49,6 +56,10 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     # KV offloading's copies, made before the step runs (even one left with no request to run)
     swaps: KVSwaps = field(default_factory=KVSwaps)
+    # the requests that ended since the scheduler's previous output (their rows in the runner's
+    # persistent batch are freed, as the preempted ones'); None from a caller that keeps no
+    # such account (a draft model's steps, tests): the runner then reads each step's tables whole
+    finished_ids: list[str] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -67,6 +78,10 @@ class Scheduler:
         # Sibling completions (n > 1) that wait for their first sibling's prompt, then share it.
         self.forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        # what the runner has been handed: per request, how many entries of each group's table
+        # its steps so far carried; and the requests ended since the last schedule
+        self._handed: dict[str, list[int]] = {}
+        self._ended: list[str] = []
 
     # -- queue management -------------------------------------------------------------------
 
@@ -91,10 +106,12 @@ class Scheduler:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            if request in self.running:
+            if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
+            if self._handed.pop(request_id, None) is not None:
+                self._ended.append(request_id)
             self._release_forks(request)  # they compute the prompt themselves now
             request.status = status
             self.block_manager.free_request(request_id)
@@ -119,6 +136,7 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.swaps = self.block_manager.take_swaps()
+        out.finished_ids, self._ended = self._ended, []
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -127,7 +145,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
-            num_new = _keep_spans_whole(request, request.num_computed_tokens, num_new)
+            if request.whole_spans:
+                num_new = _keep_spans_whole(request, request.num_computed_tokens, num_new)
             if num_new == 0:  # the next image does not fit this step's budget: it waits for one that does
                 i += 1
                 continue
@@ -148,7 +167,8 @@ class Scheduler:
             self._emit(out, request, num_new)
             scheduled[request.request_id] = num_new
             budget -= num_new
-            i = self.running.index(request) + 1
+            # (a victim before it, when priorities pick one, shifted the list)
+            i = i + 1 if i < len(self.running) and self.running[i] is request else self.running.index(request) + 1
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return budget
 
@@ -192,29 +212,45 @@ class Scheduler:
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int, state_restore: int | None = None) -> None:
         start = request.num_computed_tokens
-        num_known = min(num_new, request.num_tokens - start)
-        drafts = request.spec_token_ids[: num_new - num_known]  # what the budget left room for
-        # a released entry reads block 0: attention masks its positions
-        tables = [[max(b, 0) for b in table] for table in self.block_manager.block_tables(request.request_id)]
+        num_tokens = request.num_tokens
+        num_known = min(num_new, num_tokens - start)
+        end = start + num_known
+        drafts = request.spec_token_ids[: num_new - num_known] if request.spec_token_ids else []  # (budget's room)
+        tables = self.block_manager.block_tables(request.request_id)
+        bm = self.block_manager
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.token_slice(start, start + num_known) + drafts,
+                token_ids=request.token_slice(start, end) + drafts if drafts else request.token_slice(start, end),
                 start_pos=start,
                 block_table=tables[0],
-                sample=start + num_known == request.num_tokens,
+                sample=end == num_tokens,
                 prompt_logprobs=request.sampling_params.prompt_logprobs is not None
                 and start < request.num_prompt_tokens,
                 lora_id=request.lora_id,
                 num_drafts=len(drafts),
-                pool=request.pooling_params is not None and start + num_known == request.num_tokens,
+                pool=request.pooling_params is not None and end == num_tokens,
                 group_tables=tuple(tables[1:]),
-                both_ways=tuple((lo, hi) for lo, hi in request.whole_spans if lo < start + num_known and hi > start),
+                both_ways=tuple((lo, hi) for lo, hi in request.whole_spans if lo < end and hi > start)
+                if request.whole_spans else (),
                 state_restore=state_restore,
-                state_saves=self.block_manager.reserve_state_saves(request, start, start + num_known,
-                                                                   also=self._fork_point(request)),
+                state_saves=bm.reserve_state_saves(request, start, end, also=self._fork_point(request))
+                if bm.states is not None else (),
+                new_blocks=self._new_blocks(request.request_id, tables),
             )
         )
+
+    def _new_blocks(self, request_id: str, tables: list[list[int]]) -> tuple[list[int], ...] | None:
+        """The blocks each group's table gained since the request's previous step, and the
+        tables handed over so far; None at its first step (its tables go whole)."""
+        handed = self._handed.get(request_id)
+        if handed is None:
+            self._handed[request_id] = [len(table) for table in tables]
+            return None
+        new = tuple(table[n:] for table, n in zip(tables, handed, strict=True))
+        for group, blocks in enumerate(new):
+            handed[group] += len(blocks)
+        return new
 
     def _sort_waiting(self) -> None:
         policy = self.config.policy
@@ -229,6 +265,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        self._handed.pop(request.request_id, None)  # (its row is freed: out.preempted)
         self.block_manager.free_request(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -44,7 +44,7 @@ class AttentionBackend(Protocol):
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]: ...
 
-    def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
+    def build(self, batch: list[ScheduledRequest], tables: torch.Tensor, slot_mapping: torch.Tensor,
               spans: frozenset[Span], like: Any = None) -> Any: ...
 
 
@@ -165,14 +165,15 @@ class TorchAttention:
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
-    def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
+    def build(self, batch: list[ScheduledRequest], tables: torch.Tensor, slot_mapping: torch.Tensor,
               spans: frozenset[Span] = frozenset({None}),
               like: AttentionMetadata | None = None) -> AttentionMetadata:
         """Metadata for a batch ordered decodes first (shortest context first), then decodes
-        with guesses and short chunks after a prefix (grouped by length), then prefills; `tables`: each request's block table
-        (of the KV group built for), `spans`: what its layers see, a mask for each. `like`:
-        another group's metadata of this step with the same spans, whose masks and gather
-        buffers this one shares (its layers run one at a time)."""
+        with guesses and short chunks after a prefix (grouped by length), then prefills; `tables`:
+        the requests' block tables of the KV group built for, as wide as the longest context
+        needs, 0 past a table's end ([B, width], on the device); `spans`: what its layers see, a
+        mask for each. `like`: another group's metadata of this step with the same spans, whose
+        masks and gather buffers this one shares (its layers run one at a time)."""
         meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
         row, i = 0, 0
         while i < len(batch) and in_bucket(batch[i]):
@@ -198,21 +199,20 @@ class TorchAttention:
         head = torch.arange(heads, device=self.device)
         return ((block[:, None] * heads + head[None, :]) * bs + offset[:, None]).view(-1)  # [T * heads]
 
-    def _block_rows(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
-        """[B, kv_heads, num_blocks] rows of the cache viewed as [num_blocks * kv_heads, -1]."""
+    def _block_rows(self, table: torch.Tensor) -> torch.Tensor:
+        """[B, kv_heads, num_blocks] rows of the cache viewed as [num_blocks * kv_heads, -1],
+        for the blocks of `table` ([B, num_blocks])."""
         heads = self.num_kv_heads
-        table = pad_tables(tables, self.device, num_blocks)  # [B, num_blocks]
         head = torch.arange(heads, device=self.device)
         return table[:, None, :] * heads + head[None, :, None]
 
-    def _decode_bucket(self, bucket: list[ScheduledRequest], tables: list[list[int]], row: int, q_len: int,
+    def _decode_bucket(self, bucket: list[ScheduledRequest], tables: torch.Tensor, row: int, q_len: int,
                        spans: frozenset[Span], like: DecodeBucket | None = None) -> DecodeBucket:
         bs, n = self.block_size, len(bucket)
         starts = [s.start_pos for s in bucket]
-        firsts = [self._first_block(p, spans) for p in starts]
+        firsts = [self._first_block(p, spans) for p in starts] if spans != {None} else [0] * n
         num_blocks = max(-(-(p + q_len) // bs) - first for p, first in zip(starts, firsts, strict=True))
-        rows = self._block_rows([table[first : first + num_blocks] for table, first in zip(tables, firsts, strict=True)],
-                                num_blocks)
+        rows = self._block_rows(_table_slices(tables, firsts, num_blocks))
         # the positions each sequence's gathered blocks hold: [n, span]
         span = (torch.tensor(firsts, device=self.device)[:, None] * bs
                 + torch.arange(num_blocks * bs, device=self.device)[None, :])
@@ -231,7 +231,7 @@ class TorchAttention:
         return DecodeBucket(row, row + q_len * n, rows.view(-1), {seen: mask(seen) for seen in spans},
                             buffers[0], buffers[1], q_len)
 
-    def _prefill_chunk(self, s: ScheduledRequest, table: list[int], row: int,
+    def _prefill_chunk(self, s: ScheduledRequest, table: torch.Tensor, row: int,
                        spans: frozenset[Span], like: PrefillChunk | None = None) -> PrefillChunk:
         q_len = len(s.token_ids)
         ctx_len = s.start_pos + q_len
@@ -239,7 +239,7 @@ class TorchAttention:
         context_rows = None
         if s.start_pos > 0:
             num_blocks = -(-ctx_len // self.block_size) - first
-            context_rows = self._block_rows([table[first : first + num_blocks]], num_blocks).view(-1)
+            context_rows = self._block_rows(table[None, first : first + num_blocks]).view(-1)
         q_pos = torch.arange(s.start_pos, ctx_len, device=self.device)
         k_pos = torch.arange(first * self.block_size, ctx_len, device=self.device)
         until = attend_until(s, self.device)
@@ -273,6 +273,17 @@ class TorchAttention:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, float("-inf"))
 
+
+
+def _table_slices(tables: torch.Tensor, firsts: list[int], num_blocks: int) -> torch.Tensor:
+    """Each table's `num_blocks` entries from its own first one ([B, num_blocks]); 0 past the
+    tables' width, as past a table's end."""
+    width = tables.shape[1]
+    if not any(firsts) and num_blocks <= width:
+        return tables[:, :num_blocks]
+    index = torch.tensor(firsts, device=tables.device)[:, None] + torch.arange(num_blocks, device=tables.device)
+    inside = index < width
+    return tables.gather(1, index.clamp(max=width - 1)).masked_fill_(~inside, 0)
 
 
 def first_seen(span: Span, position: int) -> int:

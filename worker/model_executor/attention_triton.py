@@ -10,7 +10,7 @@ import torch
 
 import kernels
 from worker.core.scheduler import ScheduledRequest
-from worker.model_executor.attention import attend_until, pad_tables
+from worker.model_executor.attention import attend_until
 from worker.model_executor.models.config import Chunked, Span
 
 
@@ -60,15 +60,15 @@ class TritonAttention:
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def build(self, batch: list[ScheduledRequest], tables: list[list[int]], slot_mapping: torch.Tensor,
+    def build(self, batch: list[ScheduledRequest], tables: torch.Tensor, slot_mapping: torch.Tensor,
               spans: frozenset[Span] = frozenset({None}), like: TritonMetadata | None = None) -> TritonMetadata:
-        """`tables`: each request's block table, of the KV group built for (the kernel takes
-        each layer's span as it runs). `like`: another group's metadata of this step, whose
-        query starts and context lengths this one shares."""
+        """`tables`: the requests' block tables of the KV group built for, as wide as the
+        longest context needs ([B, width], on the device; the kernel takes each layer's span as
+        it runs). `like`: another group's metadata of this step, whose query starts and context
+        lengths this one shares."""
         query_lens = [len(s.token_ids) for s in batch]
         seq_lens = [s.start_pos + n for s, n in zip(batch, query_lens, strict=True)]
-        max_blocks = -(-max(seq_lens) // self.block_size)
-        padded = pad_tables([table[:max_blocks] for table in tables], self.device, max_blocks, torch.int32)
+        padded = tables.to(torch.int32)
         if like is not None:
             return dataclasses.replace(like, slot_mapping=slot_mapping, block_tables=padded)
         starts = [0]

@@ -27,7 +27,7 @@ import time
 import torch
 
 from worker.core.scheduler import ScheduledRequest
-from worker.model_executor.attention import GroupedMetadata, pad_tables
+from worker.model_executor.attention import GroupedMetadata
 from worker.model_executor.attention_triton import TritonMetadata
 from worker.model_executor.models.linear_attention import LinearStates
 from worker.model_executor.models.llama import LlamaForCausalLM
@@ -94,11 +94,14 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledRequest], rope: list[int] | None = None) -> torch.Tensor:  # [B, hidden]
-        """`rope`: the rows' rotary positions where they are not their positions (M-RoPE)."""
+    def run(self, batch: list[ScheduledRequest], tables: list[torch.Tensor],
+            rope: list[int] | None = None) -> torch.Tensor:  # [B, hidden]
+        """`tables`: the batch's block tables, a [B, width] host tensor per KV group, as wide as
+        its longest context needs; `rope`: the rows' rotary positions where they are not their
+        positions (M-RoPE)."""
         size = next(n for n in self.sizes if n >= len(batch))
         self.num_steps[size] += 1
-        self._fill(batch, size, rope)
+        self._fill(batch, tables, size, rope)
         if size in self.graphs:
             self.graphs[size].replay()
             out = self.outputs[size][: len(batch)]
@@ -110,18 +113,18 @@ class DecodeGraphs:
                     self.states.save_whole(self.states.slot_of(s.request_id), saved)
         return out
 
-    def _fill(self, batch: list[ScheduledRequest], size: int, rope: list[int] | None = None) -> None:
+    def _fill(self, batch: list[ScheduledRequest], tables: list[torch.Tensor], size: int,
+              rope: list[int] | None = None) -> None:
         """Copy the batch into the static buffers, rows past it set to padding."""
-        bs = self.block_size
-        pad = size - len(batch)
+        bs, n, pad = self.block_size, len(batch), size - len(batch)
         positions = [s.start_pos for s in batch]
-        groups = range(self.slot_mapping.shape[0])
-        tables = [s.tables() for s in batch]
-        slots = [[t[g][p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)] + [-1] * pad
-                 for g in groups]
+        at = torch.tensor(positions)
+        slots = torch.full((len(tables), size), -1, dtype=torch.long)
+        for g, table in enumerate(tables):
+            slots[g, :n] = table[torch.arange(n), at // bs] * bs + at % bs
         rows = torch.tensor([[s.token_ids[0] for s in batch] + [0] * pad, (rope or positions) + [0] * pad,
-                             [p + 1 for p in positions] + [0] * pad, *slots])  # [3 + G, size]
-        rows = rows.to(self.device, non_blocking=True)
+                             [p + 1 for p in positions] + [0] * pad])  # [3, size]
+        rows = torch.cat([rows, slots]).to(self.device, non_blocking=True)  # [3 + G, size]
         self.input_ids[:size].copy_(rows[0])
         self.positions[:size].copy_(rows[1])
         self.seq_lens[:size].copy_(rows[2])
@@ -130,10 +133,8 @@ class DecodeGraphs:
             state_slots = [self.states.slot_of(s.request_id) for s in batch] + [self.states.padding_slot] * pad
             self.state_slots[:size].copy_(torch.tensor(state_slots).to(self.device, non_blocking=True))
         # Blocks past a row's context are never read: only the used prefix of each table.
-        width = -(-(max(positions) + 1) // bs)
-        for g in groups:
-            padded = pad_tables([t[g][:width] for t in tables], torch.device("cpu"), width, torch.int32)
-            self.block_tables[g, : len(batch), :width].copy_(padded)
+        for g, table in enumerate(tables):
+            self.block_tables[g, :n, : table.shape[1]].copy_(table.to(torch.int32), non_blocking=True)
 
     def _forward(self, size: int) -> torch.Tensor:  # [size, hidden]
         metas = [TritonMetadata(

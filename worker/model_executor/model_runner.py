@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import mmap
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
 from worker.config import EngineConfig, kv_group_layout
@@ -29,6 +31,7 @@ from worker.model_executor.attention_selector import (
     resolve_attention_backend,
 )
 from worker.model_executor.image_encoders import ImageEmbeddings, load_image_encoder
+from worker.model_executor.input_batch import InputBatch
 from worker.model_executor.lora import LoRAManager
 from worker.model_executor.model_loader import iter_safetensors
 from worker.model_executor.models.config import ModelConfig, Span
@@ -180,6 +183,8 @@ class ModelRunner:
         self.num_host_blocks = 0 if self.host_pool is None else self.host_pool.shape[2]
         self.num_host_states = 0 if self.states is None else self.states.num_host
         self.graphs = self._decode_graphs()
+        # the running requests' rows, kept across steps (worker.model_executor.input_batch)
+        self.input_batch = InputBatch(len(self.kv_layout), self.max_num_seqs, -(-max_model_len // self.block_size))
         # sleep mode: what a sleep gave back, until it wakes
         self.asleep = False
         self._parked_cache: ParkedStorages | None = None
@@ -620,6 +625,8 @@ class ModelRunner:
         """The step's requests as the batch orders them, and their rows' final hidden states.
         `inputs`: each request's input states, for a model that reads them (execute's `hidden`)."""
         batch = _order_decodes_first(out.scheduled)
+        # where the engine's scheduler made the step, its changes go to the persistent batch
+        rows = self.input_batch.update(out, batch) if out.finished_ids is not None else None
         lora = None
         if self.lora is not None:
             lora = self.lora.mapping([s.lora_id for s in batch], [len(s.token_ids) for s in batch])
@@ -633,10 +640,11 @@ class ModelRunner:
             if self.states is not None:  # (the eager path's for_step does this)
                 for request_id in out.preempted:
                     self.states.remove(request_id)
-            hidden = self.graphs.run(batch, rope)  # [B, hidden]
+            width = -(-(max(s.start_pos for s in batch) + 1) // self.block_size)
+            hidden = self.graphs.run(batch, self._step_tables(batch, rows, width), rope)  # [B, hidden]
         else:  # eager: prefills, steps with adapters (the graphs hold the base model only), with
             # image rows, or with M-RoPE's three streams
-            input_ids, positions, meta = self._prepare(batch, out.preempted)
+            input_ids, positions, meta = self._prepare(batch, out.preempted, rows)
             if self.cross is not None:  # each request's rows, and its slot
                 segments = [(end - len(s.token_ids), end, self.cross.slots[s.request_id])
                             for s, end in zip(batch, _row_ends(batch), strict=True)]
@@ -646,33 +654,24 @@ class ModelRunner:
             if inputs is None:
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images)  # [T, hidden]
             else:
-                rows = torch.cat([inputs[s.request_id] for s in batch])
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images, rows)
+                states = torch.cat([inputs[s.request_id] for s in batch])
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, lora, images, states)
         return batch, hidden
 
-    def _prepare(self, batch: list[ScheduledRequest], preempted: list[str] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _prepare(self, batch: list[ScheduledRequest], preempted: list[str] | None = None,
+                 rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """`preempted`: the requests the step's scheduling preempted (their linear-attention
-        states are void)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        for s in batch:
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)  # [T]
-        tables = [s.tables() for s in batch]
-        # the row of each token's request, for its slots in every group's tables: [T]
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(len(batch), device=self.device),
-            torch.tensor([len(s.token_ids) for s in batch], device=self.device),
-        )
+        states are void). `rows`: the batch's rows in the persistent batch, which give the
+        step's tables (None: each request's tables are read whole)."""
+        input_ids, positions, seq_of_token = _flat_inputs(batch, self.device)
+        width = -(-max(s.start_pos + len(s.token_ids) for s in batch) // self.block_size)
+        tables = self._step_tables(batch, rows, width)
         metas: list[Any] = []
         first: dict[frozenset[Span], Any] = {}  # per set of spans, its first group's metadata
         for g, kinds in enumerate(self.group_spans):
-            group_tables = [t[g] for t in tables]
-            slots = self._slots(group_tables, seq_of_token, positions)
-            metas.append(self.attention.build(batch, group_tables, slots, kinds, like=first.get(kinds)))
+            table = tables[g].to(self.device, non_blocking=True)  # [B, width]
+            slots = table[seq_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
+            metas.append(self.attention.build(batch, table, slots, kinds, like=first.get(kinds)))
             first.setdefault(kinds, metas[-1])
         meta = GroupedMetadata.of(metas, self.layer_group)
         if self.states is not None:  # linear attention's layers take their states instead
@@ -714,11 +713,16 @@ class ModelRunner:
             return [p for row in rows for p in row]  # type: ignore[union-attr]
         return torch.cat([torch.tensor(row).expand(3, -1) if isinstance(row, list) else row for row in rows], dim=1)
 
-    def _slots(self, tables: list[list[int]], seq_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        bs = self.block_size
-        table = pad_tables(tables, self.device)  # [B, max_blocks]
-        blocks = table[seq_of_token, positions // bs]
-        return blocks * bs + positions % bs  # [T]
+    def _step_tables(self, batch: list[ScheduledRequest], rows: np.ndarray | None, width: int
+                     ) -> list[torch.Tensor]:
+        """Each KV group's tables of the step's requests, their first `width` entries: [B, width]
+        a group, on the host. From the persistent batch's `rows`; without them read whole from
+        each request."""
+        if rows is not None:
+            return [self.input_batch.tables(g, rows, width) for g in range(len(self.kv_layout))]
+        tables = [s.tables() for s in batch]
+        return [pad_tables([t[g][:width] for t in tables], torch.device("cpu"), width)
+                for g in range(len(self.kv_layout))]
 
 
 def _checkpoint_tensors(source: Path | Mapping[str, torch.Tensor], keep: Callable[[str], bool] | None
@@ -757,6 +761,23 @@ def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledReq
     bucketed = sorted((s for s in scheduled if len(s.token_ids) > 1 and in_bucket(s)),
                       key=lambda s: (len(s.token_ids), s.lora_id, s.start_pos))
     return decodes + bucketed + [s for s in scheduled if not in_bucket(s)]
+
+
+def _flat_inputs(batch: list[ScheduledRequest], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's flat batch: its input ids, their positions, and each one's request (its row
+    of the batch): [T] each."""
+    ids = list(itertools.chain.from_iterable(s.token_ids for s in batch))
+    starts = torch.tensor([s.start_pos for s in batch])
+    if len(ids) == len(batch):  # decodes only: a token each
+        positions, seq_of_token = starts, torch.arange(len(batch))
+    else:
+        lens = torch.tensor([len(s.token_ids) for s in batch])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), lens)
+        first_row = torch.cumsum(lens, 0) - lens  # each request's first row
+        positions = starts[seq_of_token] + torch.arange(len(ids)) - first_row[seq_of_token]
+    host = torch.stack([torch.tensor(ids), positions, seq_of_token])  # [3, T], one copy over
+    input_ids, positions, seq_of_token = host.to(device, non_blocking=True).unbind(0)
+    return input_ids, positions, seq_of_token
 
 
 def _row_ends(batch: list[ScheduledRequest]) -> list[int]:

@@ -54,9 +54,12 @@ class Speculator:
         self.guided = guided
         self.generators = generators
         self.max_model_len = max_model_len
+        self._tables: dict[str, list[int]] = {}  # the step's group-0 tables, as it was scheduled
 
     def before_step(self, sched: SchedulerOutput) -> None:
         if isinstance(self.proposer, HiddenStateProposer):  # (its cache mirrors the target's blocks)
+            # (the block manager's own lists: the step's update may release entries behind a window)
+            self._tables = {s.request_id: s.tables()[0] for s in sched.scheduled}
             self.proposer.swap_blocks(sched.swaps)
             for request_id in sched.preempted:  # (it computes its rows again, as a new request would)
                 self.proposer.remove(request_id)
@@ -98,7 +101,7 @@ class Speculator:
             tokens = request.token_slice(s.start_pos, min(s.start_pos + 1 + kept, request.num_tokens))
             start = out.rows[s.request_id][0]
             rows.append((s.request_id, s.start_pos, tokens, states[start : start + len(tokens) - 1],
-                         request.num_tokens, s.block_table))
+                         request.num_tokens, self._tables[s.request_id]))
         return rows
 
     def guessing_off(self) -> bool:
