@@ -140,17 +140,18 @@ class IncrementalDetokenizer:
         new_text = window[self._prefix_len :]
         # The unread tokens produced text, so they are context enough for the next window.
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        self._prefix_len = self._text_len(ids[self._prefix_offset : self._read_offset])
+        self._prefix_len = self._text_len(self._prefix_offset, self._read_offset)
         return new_text
 
-    def _text_len(self, token_ids: list[int]) -> int:
-        """len(decode(token_ids)); one token's (the next window's prefix when every token
-        releases text, the common case) from the tokenizer's table, filled as ids are seen."""
-        if len(token_ids) != 1:
-            return len(self._decode(token_ids))
-        text_len = self._token_text_lens.get(token_ids[0])
+    def _text_len(self, start: int, end: int) -> int:
+        """len(decode(token_ids[start:end])); one token's (the next window's prefix when every
+        token releases text, the common case) from the tokenizer's table, filled as ids are seen."""
+        if end - start != 1:
+            return len(self._decode(self.token_ids[start:end]))
+        token_id = self.token_ids[start]
+        text_len = self._token_text_lens.get(token_id)
         if text_len is None:
-            text_len = self._token_text_lens[token_ids[0]] = len(self._decode(token_ids))
+            text_len = self._token_text_lens[token_id] = len(self._decode([token_id]))
         return text_len
 
     def _match_stop(self, num_checked: int) -> bool:
