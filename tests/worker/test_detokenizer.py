@@ -15,7 +15,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from producer.sampling_params import SamplingParams
-from worker.core.detokenizer import IncrementalDetokenizer, find_stop_string
+from worker.core.detokenizer import IncrementalDetokenizer, _token_text_lens, find_stop_string
 
 FFFD = "\ufffd"
 
@@ -161,6 +161,23 @@ def test_random_token_sequences_stream_exactly(
         assert "".join(deltas) == expected, ids
         # Mid-stream deltas carry U+FFFD only where decode() of the whole has one for good.
         assert "".join(deltas[:-1]).count(FFFD) <= expected.count(FFFD)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_token_text_length_table_holds_what_decode_gives(
+    tokenizer: transformers.PreTrainedTokenizerBase, skip_special_tokens: bool
+) -> None:
+    """The tokenizer's table of one token's text length, which spares the detokenizers a decode
+    a token, is filled by streams and never disagrees with decode([id]) (special ids included)."""
+    rng = random.Random(1)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for _ in range(50):
+        stream(tokenizer, random_ids(tokenizer, rng), params)
+    table = _token_text_lens(tokenizer, skip_special_tokens)
+    assert len(table) > 20
+    for token_id, text_len in table.items():
+        text = tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        assert text_len == len(text), token_id
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])

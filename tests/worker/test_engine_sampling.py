@@ -15,6 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from producer.sampling_params import SamplingParams, StructuredOutputsParams
 from worker import LLM
+from worker.core.engine import _keep_matching, _row_outputs
+from worker.core.request import Request
+from worker.sample.sampler import SamplerOutput, TokenLogprobs
 
 
 @pytest.fixture(scope="module")
@@ -451,3 +454,19 @@ def test_template_variables_and_continuing_the_last_message(tiny_llama_dir, tmp_
 def test_unknown_sampling_field_is_an_error():
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"temprature": 1.0})
+
+
+def test_a_step_without_guesses_reads_and_keeps_rows_as_with_empty_guesses():
+    """_row_outputs and _keep_matching skip their walk of the rows when no request has guesses
+    (drafts empty); what they return is what the walk returns for guesses that are all empty."""
+    requests = [Request(str(i), [1, 2], SamplingParams(), output_token_ids=[3] * i) for i in range(4)]
+    row_ids = [r.request_id for r in requests]
+    empty_guesses: dict[str, list[int]] = {rid: [] for rid in row_ids}
+    outputs = _row_outputs(row_ids, requests, {})
+    assert outputs == _row_outputs(row_ids, requests, empty_guesses)
+    assert all(out is r.output_token_ids for out, r in zip(outputs, requests, strict=True))
+    entry = TokenLogprobs(token_id=6, logprob=-0.5, rank=1, top_logprobs={6: -0.5})
+    for logprobs in (None, [None, entry, None, entry]):
+        out = SamplerOutput(token_ids=[5, 6, 7, 6], logprobs=logprobs)
+        assert _keep_matching(row_ids, out, {}) == _keep_matching(row_ids, out, empty_guesses)
+    assert _keep_matching(row_ids, out, {})[1] == {"1": [entry], "3": [entry]}

@@ -59,10 +59,12 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
         self._stop = tuple(params.stop)
+        self._longest_stop = max((len(stop) for stop in self._stop), default=0)
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._merging_ids = _merging_token_ids(tokenizer, params.skip_special_tokens)
         self._rust_decode = _rust_decode(tokenizer)
+        self._token_text_lens = _token_text_lens(tokenizer, params.skip_special_tokens)
         self.token_ids: list[int] = []  # all output ids, including the initial ones
         self._prefix_offset = 0  # window start: ids[prefix_offset:] are decoded each step
         self._read_offset = 0  # ids before it have produced their text
@@ -122,9 +124,10 @@ class IncrementalDetokenizer:
         self._text += new_text
         # As vLLM: a stop string counts once the output is longer than min_tokens (the same
         # token count at which EOS and stop ids stop being masked).
-        if self._stop and len(self.token_ids) > self._min_tokens and self._match_stop(num_checked):
-            return
-        self._num_sent = len(self._text) - self._held_back_len()
+        if not self._stop:  # nothing to hold back
+            self._num_sent = len(self._text)
+        elif len(self.token_ids) <= self._min_tokens or not self._match_stop(num_checked):
+            self._num_sent = len(self._text) - self._held_back_len()
 
     def _read_new_text(self) -> str:
         """Text that the unread tokens add, or "" while it may still change."""
@@ -137,8 +140,19 @@ class IncrementalDetokenizer:
         new_text = window[self._prefix_len :]
         # The unread tokens produced text, so they are context enough for the next window.
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        self._prefix_len = len(self._decode(ids[self._prefix_offset : self._read_offset]))
+        self._prefix_len = self._text_len(self._prefix_offset, self._read_offset)
         return new_text
+
+    def _text_len(self, start: int, end: int) -> int:
+        """len(decode(token_ids[start:end])); one token's (the next window's prefix when every
+        token releases text, the common case) from the tokenizer's table, filled as ids are seen."""
+        if end - start != 1:
+            return len(self._decode(self.token_ids[start:end]))
+        token_id = self.token_ids[start]
+        text_len = self._token_text_lens.get(token_id)
+        if text_len is None:
+            text_len = self._token_text_lens[token_id] = len(self._decode([token_id]))
+        return text_len
 
     def _match_stop(self, num_checked: int) -> bool:
         """Cut the text at the earliest stop string ending after num_checked characters."""
@@ -156,8 +170,7 @@ class IncrementalDetokenizer:
 
     def _held_back_len(self) -> int:
         """Length of the longest unsent suffix that is a proper prefix of a stop string."""
-        longest = max((len(stop) for stop in self._stop), default=0)
-        for length in range(min(longest - 1, len(self._text) - self._num_sent), 0, -1):
+        for length in range(min(self._longest_stop - 1, len(self._text) - self._num_sent), 0, -1):
             suffix = self._text[-length:]
             if any(stop.startswith(suffix) for stop in self._stop):
                 return length
@@ -195,7 +208,7 @@ def find_stop_string(text: str, num_checked: int, stops: Sequence[str]) -> tuple
 def _rust_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str] | None:
     """The Rust tokenizer's own decode, where transformers' adds nothing to it but the cleanup of
     tokenization spaces, which the windows never ask for: a fast tokenizer whose `_decode` is
-    the base class's. Each step decodes two windows of every request, and the wrapper's
+    the base class's. Each step decodes a window of every request, and the wrapper's
     conversions of the ids cost more than the decode itself (benchmarks/step_overhead.py).
     None for any other tokenizer (a slow one, Mistral's, a class with its own `_decode`)."""
     from transformers import PreTrainedTokenizerFast
@@ -203,6 +216,18 @@ def _rust_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str] | Non
     if isinstance(tokenizer, PreTrainedTokenizerFast) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
         return tokenizer.backend_tokenizer.decode
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _token_text_lens(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> dict[int, int]:
+    """len(decode([id])) per token id seen so far, shared by the detokenizers of a tokenizer.
+
+    A token's text alone depends only on the tokenizer, which the engine never changes, so an
+    entry cannot go stale; it holds at most one int per vocabulary id. Saves one of the two
+    decodes a token costs (benchmarks/step_overhead.py's output processing).
+    """
+    del tokenizer, skip_special_tokens  # the cache's key
+    return {}
 
 
 @functools.lru_cache(maxsize=8)

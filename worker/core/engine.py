@@ -422,22 +422,24 @@ class Engine:
         sampled in the row before it. Also the requests a logits processor failed on, and why."""
         if not row_ids:
             return {}, {}, {}
-        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled}
+        # (only the requests with guesses: the others have one row each)
+        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled if s.num_drafts}
         requests = [self.scheduler.requests[rid] for rid in row_ids]
         row_outputs = _row_outputs(row_ids, requests, drafts)
+        prompts = [r.prompt_tokens_seen for r in requests]
         model_logits = logits.clone() if self.sampler.reports_raw and self.logits_processors.by_request else None
-        failed = self.logits_processors.apply(
-            logits, row_ids, [r.prompt_tokens_seen for r in requests], row_outputs)
+        failed = self.logits_processors.apply(logits, row_ids, prompts, row_outputs) if self.logits_processors.by_request else {}
         batch = SamplingBatch.build(
             params=[r.sampling_params for r in requests],
-            prompt_token_ids=[r.prompt_tokens_seen for r in requests],
+            prompt_token_ids=prompts,
             output_token_ids=row_outputs,
-            generators=[self.generators.get(r.request_id) for r in requests],
+            generators=[self.generators.get(r.request_id) for r in requests] if self.generators else [None] * len(requests),
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=logits.shape[-1],
             device=logits.device,
             token_masks=self.guided.masks([(rid, out, len(out) - request.num_output_tokens)  # (its guesses)
-                                           for rid, out, request in zip(row_ids, row_outputs, requests, strict=True)]),
+                                           for rid, out, request in zip(row_ids, row_outputs, requests, strict=True)])
+            if self.guided.states else None,
             banned_token_ids=_bad_word_bans(requests, row_outputs),
             forced_token_ids=self.thinking.forced(row_ids, requests, row_outputs),
         )
@@ -517,6 +519,8 @@ def _bad_word_bans(requests: list[Request], row_outputs: list[list[int]]) -> lis
 
 def _row_outputs(row_ids: list[str], requests: list[Request], drafts: dict[str, list[int]]) -> list[list[int]]:
     """Each logits row's output so far: a request's own, then one guess more per row."""
+    if not drafts:  # no guesses: a row per request
+        return [request.output_token_ids for request in requests]
     outputs, j = [], 0
     for i, (rid, request) in enumerate(zip(row_ids, requests, strict=True)):
         j = j + 1 if i and row_ids[i - 1] == rid else 0
@@ -529,11 +533,16 @@ def _keep_matching(
 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
     """Per request, its first row's token, then each next row's while the token before it
     equals the guess that row assumed (and the logprobs of the tokens kept)."""
-    sampled: dict[str, list[int]] = {}
+    if not drafts:  # no guesses: a row per request, its token kept
+        sampled = {rid: [token_id] for rid, token_id in zip(row_ids, out.token_ids, strict=True)}
+        if not out.logprobs:
+            return sampled, {}
+        return sampled, {rid: [entry] for rid, entry in zip(row_ids, out.logprobs, strict=True) if entry is not None}
+    sampled = {}
     logprobs: dict[str, list[TokenLogprobs]] = {}
     for i, (rid, token_id) in enumerate(zip(row_ids, out.token_ids, strict=True)):
         kept = sampled.setdefault(rid, [])
-        guesses = drafts[rid]
+        guesses = drafts.get(rid, [])
         if kept and (len(kept) > len(guesses) or kept[-1] != guesses[len(kept) - 1]):
             continue  # a guess before this row was wrong: the row saw a wrong past
         kept.append(token_id)

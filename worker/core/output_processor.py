@@ -76,46 +76,56 @@ class OutputProcessor:
         asked once its tokens are final (a stop string's cut made)."""
         by_parent: dict[str, list[CompletionOutput]] = {}
         stopped: list[str] = []
+        logprobs = logprobs or {}
         for request in updated:
             parent_id = self.parent_of.get(request.request_id)
             if parent_id is None:
                 continue
             parent = self.parents[parent_id]
-            parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
-            delta = self._completion_delta(request, self.parents[parent_id], (logprobs or {}).get(request.request_id))
-            if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
-                stopped.append(request.request_id)
-            if delta.finished and timestamps_of is not None:
-                delta.token_timestamps = timestamps_of(request, delta.finish_reason)
+            if request.num_cached_tokens > parent.num_cached_tokens:
+                parent.num_cached_tokens = request.num_cached_tokens
+            delta = self._completion_delta(request, parent, logprobs.get(request.request_id))
+            if delta.finish_reason is not None:
+                if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
+                    stopped.append(request.request_id)
+                if timestamps_of is not None:
+                    delta.token_timestamps = timestamps_of(request, delta.finish_reason)
             by_parent.setdefault(parent_id, []).append(delta)
         return [self._request_output(pid, deltas) for pid, deltas in by_parent.items()], stopped
 
     def _completion_delta(self, request: Request, parent: ParentState,
                           logprobs: list[TokenLogprobs] | None) -> CompletionOutput:
         state = parent.completions[request.request_id]
-        new_ids = request.output_token_ids[state.num_sent_tokens :]
+        output_ids = request.output_token_ids
+        new_ids = output_ids[state.num_sent_tokens :]
+        # (a running request, the common case, has no finish reason and all its tokens are text)
+        finish_reason = None if request.status is RequestStatus.RUNNING else request.status.finish_reason
         detok = state.detokenizer
-        text = detok.update(_text_ids(request, new_ids)) if new_ids else ""
-        finish_reason = request.status.finish_reason
+        if new_ids:
+            text = detok.update(new_ids if finish_reason is None else _text_ids(request, new_ids))
+        else:
+            text = ""
         stop_reason = request.stop_reason
         if detok.stop_reason is not None:
             finish_reason, stop_reason = "stop", detok.stop_reason
             # several tokens in one step (speculative decoding): those after the one that
             # completed the stop string are not output
-            del request.output_token_ids[detok.num_tokens_at_stop :]
-            new_ids = request.output_token_ids[state.num_sent_tokens :]
+            del output_ids[detok.num_tokens_at_stop :]
+            new_ids = output_ids[state.num_sent_tokens :]
         elif finish_reason is not None:
             text += detok.flush()
-        state.num_sent_tokens = request.num_output_tokens
+        state.num_sent_tokens = len(output_ids)
         state.finished = finish_reason is not None
-        logprobs = logprobs[: len(new_ids)] if logprobs else None  # tokens a stop left out
-        for entry in logprobs or ():
-            self._spell(entry)
+        if logprobs:
+            logprobs = logprobs[: len(new_ids)]  # tokens a stop left out
+            for entry in logprobs:
+                self._spell(entry)
         return CompletionOutput(state.index, text, new_ids, finish_reason, stop_reason, logprobs or None)
 
     def _request_output(self, parent_id: str, deltas: list[CompletionOutput]) -> RequestOutput:
         parent = self.parents[parent_id]
-        finished = parent.finished
+        # (a completion that goes on, this step's last one the most often, settles it cheaply)
+        finished = deltas[-1].finish_reason is not None and parent.finished
         if finished:
             del self.parents[parent_id]
             for child_id in parent.completions:

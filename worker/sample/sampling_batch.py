@@ -121,17 +121,15 @@ def _filter_tensors(
     # Filters only matter on random rows; an all-greedy batch or one where no random row
     # filters skips the sort.
     random_rows = [p for p, g in zip(params, greedy, strict=True) if not g]
-    top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
-    use_top_k = any(0 < p.top_k < vocab_size for p in random_rows)
-    use_top_p = any(p.top_p < 1.0 for p in random_rows)
-    use_min_p = any(p.min_p > 0.0 for p in random_rows)
-    top_p = [p.top_p for p in params]
-    min_p = [p.min_p for p in params]
-    return {
-        "top_k": _row_tensor(top_k, torch.int64, device) if use_top_k else None,
-        "top_p": _row_tensor(top_p, torch.float32, device) if use_top_p else None,
-        "min_p": _row_tensor(min_p, torch.float32, device) if use_min_p else None,
-    }
+    out: dict[str, Tensor | None] = {"top_k": None, "top_p": None, "min_p": None}
+    if any(0 < p.top_k < vocab_size for p in random_rows):
+        top_k = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+        out["top_k"] = _row_tensor(top_k, torch.int64, device)
+    if any(p.top_p < 1.0 for p in random_rows):
+        out["top_p"] = _row_tensor([p.top_p for p in params], torch.float32, device)
+    if any(p.min_p > 0.0 for p in random_rows):
+        out["min_p"] = _row_tensor([p.min_p for p in params], torch.float32, device)
+    return out
 
 
 def _penalty_tensors(
@@ -204,8 +202,12 @@ def _blocks(
     rows: list[int] = []
     cols: list[int] = []
     for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
-        blocked = set(banned_token_ids[row]) if banned_token_ids else set()
-        if len(output) < p.min_tokens:
+        banned = banned_token_ids[row] if banned_token_ids else ()
+        short = len(output) < p.min_tokens
+        if not banned and not short:
+            continue  # (most rows: no set to build)
+        blocked = set(banned)
+        if short:
             blocked |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
         for token_id in sorted(t for t in blocked if t < vocab_size):
             rows.append(row)
@@ -245,7 +247,7 @@ def _token_list_tensors(
             disallowed[row, token_id] = False
         out["disallowed"] = disallowed.to(device)
         out["eos_token_ids"] = _row_tensor([t for t in eos_token_ids if t < vocab_size], torch.int64, device)
-    biased = [(row, t, v) for row, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+    biased = [(row, t, v) for row, p in enumerate(params) if p.logit_bias for t, v in p.logit_bias.items()]
     if biased:
         rows, biased_ids, values = zip(*biased, strict=True)
         out["bias_rows"] = _row_tensor(rows, torch.int64, device)
