@@ -90,12 +90,18 @@ class ModelOutput:
     chunk_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     # request id -> [hidden] float32: the last row of an embedding request's prompt
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
-    # every row's final hidden state [T, hidden] (an MTP draft reads the target's), and each
-    # request's rows in it: [start, end)
+    # every row's final hidden state [T, hidden] (an MTP draft reads the target's), and the
+    # step's requests as they lie in it, with each one's end row (exclusive)
     hidden: torch.Tensor | None = None
-    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    batch: list[ScheduledRequest] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
     # the residual stream before the model's aux_layers, concatenated (an EAGLE-3 head reads it)
     aux: torch.Tensor | None = None
+
+    @functools.cached_property
+    def rows(self) -> dict[str, tuple[int, int]]:
+        """Each request's rows in `hidden`: [start, end) (made when a draft asks, not every step)."""
+        return {s.request_id: (end - len(s.token_ids), end) for s, end in zip(self.batch, self.ends, strict=True)}
 
 
 @dataclass
@@ -602,8 +608,7 @@ class ModelRunner:
         }
         pooled = {s.request_id: self.model.pool(hidden_out[end - 1 : end])[0]
                   for s, end in zip(batch, ends, strict=True) if s.pool}
-        spans = {s.request_id: (end - len(s.token_ids), end) for s, end in zip(batch, ends, strict=True)}
-        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled, hidden_out, spans,
+        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled, hidden_out, batch, ends,
                            self.model.aux)
 
     @torch.inference_mode()
