@@ -4,6 +4,7 @@ float32, whatever the batching, chunking, preemption or prefix caching."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 
 import pytest
@@ -87,6 +88,21 @@ def run_and_compare(llm: LLM, model_dir, prompts=PROMPTS):
         assert out.outputs[0].token_ids == ref, f"mismatch for {prompt[:30]!r}"
         assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
     return outputs
+
+
+def test_batches_past_a_heap_block_of_logits_keep_transformers_tokens(tiny_llama_dir):
+    """200 and then 180 rows of float32 logits, more than a malloc heap block holds (170 of a
+    49,152-token vocabulary): the LM head writes them in chunks into a buffer kept from step to
+    step, and every token is still transformers' greedy token."""
+    rng = random.Random(0)
+    prompt_ids = [[rng.randrange(3, 49152) for _ in range(rng.randint(2, 6))] for _ in range(200)]
+    params = [greedy(2 if i % 10 == 0 else 3) for i in range(200)]  # 200 rows, 200, then 180
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_num_seqs=256, num_gpu_blocks_override=512)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    tokens = [out.outputs[0].token_ids for out in outputs]
+    assert [len(t) for t in tokens] == [p.max_tokens for p in params]
+    assert tokens == hf_greedy_along(tiny_llama_dir, prompt_ids, tokens)
+    assert llm.engine.runner.model.logits_buffer.capacity_rows == 200
 
 
 def test_greedy_matches_transformers_tiny_families(tiny_model_dir):

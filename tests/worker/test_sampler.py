@@ -30,6 +30,7 @@ from worker.sample.sampler import (
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p,
+    first_argmax,
 )
 
 CPU = torch.device("cpu")
@@ -433,3 +434,23 @@ def test_kernel_path_draws_the_torch_paths_tokens() -> None:
             torch_path = Sampler(seed=seed)(rows, build(batch_params, 300)).token_ids
             kernel_path = Sampler(seed=seed, use_kernel=True)(rows, build(batch_params, 300)).token_ids
             assert kernel_path == torch_path, (seed, kernel_path, torch_path)
+
+
+def test_first_argmax_is_argmax_ties_zeros_infinities_and_nans() -> None:
+    """The CPU's blockwise argmax gives torch's argmax's index in every row: the first of equal
+    maxima (+0 and -0 among them), 0 for a row of -inf, a row's first NaN; over a vocabulary
+    not a multiple of its block, strided rows, and bfloat16."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5 * 1024 + 37
+    x = torch.randint(-3, 3, (12, vocab), generator=gen).float()  # ties everywhere
+    x[1] = float("-inf")
+    x[2] = torch.where(torch.rand(vocab, generator=gen) < 0.5, 0.0, -0.0)
+    x[3, -1] = 9.0  # the max in the last, shorter block
+    x[4, 5 * 1024 - 1] = 9.0  # the max at the end of a whole block
+    x[4, -5] = 9.0
+    with_nans = x.clone()
+    with_nans[5, 4000], with_nans[5, 100] = float("nan"), float("nan")
+    for y in (x, x.to(torch.bfloat16), x[:, 1:], x[:, :-40], with_nans):
+        assert torch.equal(first_argmax(y), y.argmax(dim=-1))
+    assert first_argmax(x)[1:5].tolist() == [0, 0, vocab - 1, 5 * 1024 - 1]
+    assert first_argmax(with_nans)[5].item() == 100

@@ -600,7 +600,8 @@ class ModelRunner:
                 for s, end in zip(batch, ends, strict=True) if s.sample and not s.pool
                 for j in range(1 + s.num_drafts)]
         index = torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden_out[index])  # [num_rows, vocab]
+        # into the model's buffer, kept across steps: the engine reads these before the next step
+        logits = self.model.compute_logits(hidden_out[index], reuse=True)  # [num_rows, vocab]
         chunk_logits = {
             s.request_id: self.model.compute_logits(hidden_out[end - len(s.token_ids) : end])
             for s, end in zip(batch, ends, strict=True)

@@ -146,6 +146,36 @@ def apply_min_p(logits: Tensor, min_p: Tensor | None) -> Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+# Columns a block in first_argmax: 48 blocks for a 49,152-token vocabulary
+_ARGMAX_BLOCK = 1024
+
+
+def first_argmax(x: Tensor) -> Tensor:
+    """x.argmax(dim=-1) for x [num_seqs, vocab]: the same indices (the first of equal maxima; a
+    row's first NaN where it has one), found faster on the CPU. There torch's argmax carries an
+    index through every comparison (3.4 ms for 128 x 49,152 float32 on one core) where amax is
+    vectorised (0.45 ms): so each block of columns' max, then the row's first block holding the
+    row's max, then argmax within that block alone. NaN anywhere: argmax itself."""
+    num_seqs, vocab = x.shape
+    if x.device.type != "cpu" or vocab < 4 * _ARGMAX_BLOCK or x.stride(-1) != 1 or not x.is_floating_point():
+        return x.argmax(dim=-1)
+    num_blocks = vocab // _ARGMAX_BLOCK
+    whole = num_blocks * _ARGMAX_BLOCK
+    block_max = x[:, :whole].view(num_seqs, num_blocks, _ARGMAX_BLOCK).amax(dim=-1)  # [num_seqs, num_blocks]
+    if whole < vocab:  # the last columns, a shorter block
+        block_max = torch.cat([block_max, x[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    row_max = block_max.amax(dim=-1, keepdim=True)  # [num_seqs, 1]
+    if row_max.isnan().any():
+        return x.argmax(dim=-1)
+    first_block = (block_max == row_max).to(torch.uint8).argmax(dim=-1)  # [num_seqs]
+    # the block's columns; the last block's beyond the vocabulary repeat its last column,
+    # after it, so they never come first
+    offsets = torch.arange(_ARGMAX_BLOCK, device=x.device)
+    columns = (first_block.unsqueeze(1) * _ARGMAX_BLOCK + offsets).clamp_(max=vocab - 1)  # [num_seqs, block]
+    within = x.gather(1, columns).argmax(dim=-1, keepdim=True)  # [num_seqs, 1]
+    return columns.gather(1, within).squeeze(1)
+
+
 class Sampler:
     """Samples one token per row; unseeded rows draw from a generator seeded with `seed`.
 
@@ -194,7 +224,7 @@ class Sampler:
         )
 
     def _sample(self, logits: Tensor, scaled: Tensor, batch: SamplingBatch) -> Tensor:
-        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None  # [num_seqs]
+        greedy_ids = first_argmax(logits) if batch.any_greedy else None  # [num_seqs]
         if batch.all_greedy:
             assert greedy_ids is not None
             return greedy_ids
@@ -204,7 +234,7 @@ class Sampler:
             filtered = apply_min_p(apply_top_k_top_p(scaled, batch.top_k, batch.top_p), batch.min_p)
             probs = filtered.softmax(dim=-1)  # [num_seqs, vocab]
             noise = self._exponential_noise(probs, batch)  # [num_seqs, vocab]
-            sampled = (probs / noise).argmax(dim=-1)
+            sampled = first_argmax(probs / noise)
         if greedy_ids is None:
             return sampled
         return torch.where(batch.greedy, greedy_ids, sampled)

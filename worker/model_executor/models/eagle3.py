@@ -182,10 +182,10 @@ class Eagle3Head(HiddenStateDraft):
         x, residual = layer.post_attention_layernorm(x, residual)
         return layer.mlp(x) + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor:
         """Logits over the target's vocabulary: the head's tokens at their target ids, -inf
         elsewhere."""
-        logits = super().compute_logits(self.norm(hidden))  # [rows, draft vocab]
+        logits = super().compute_logits(self.norm(hidden), reuse)  # [rows, draft vocab]
         if self.same_ids:
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))

@@ -26,6 +26,7 @@ from worker.model_executor.models.linear_attention import (
     Mamba2Mixer,
     grouped_projections,
 )
+from worker.model_executor.models.logits_buffer import LogitsBuffer
 from worker.model_executor.models.mla import MLAttention
 from worker.model_executor.models.moe import SparseMoeBlock
 
@@ -456,6 +457,7 @@ class LlamaForCausalLM(nn.Module):
         # them, concatenated, in `aux` ([T, len(aux_layers) x hidden])
         self.aux_layers: tuple[int, ...] = ()
         self.aux: torch.Tensor | None = None
+        self.logits_buffer = LogitsBuffer()
 
     def reduce_with(self, all_reduce: Callable[[torch.Tensor], torch.Tensor], world_size: int, rank: int) -> None:
         """Tensor parallelism: each layer's attention and MLP outputs are summed over the
@@ -554,8 +556,13 @@ class LlamaForCausalLM(nn.Module):
         label logits."""
         return self.score(hidden).float() if self.config.labels else hidden.float()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()  # [num_rows, vocab]
+    def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        """[num_rows, vocab] float32. `reuse`: into this model's LogitsBuffer, valid until the
+        next such call (the step's sampling rows; a prompt's logprobs rows keep theirs)."""
+        if reuse:
+            logits = self.logits_buffer.logits(self.lm_head, hidden, self.config.vocab_size)
+        else:
+            logits = self.lm_head(hidden).float()
         if self.config.logits_divisor is not None:
             logits.div_(self.config.logits_divisor)
         return logits if self.config.final_softcap is None else apply_softcap(logits, self.config.final_softcap)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model_executor.models.config import ModelConfig
+from worker.model_executor.models.logits_buffer import LogitsBuffer
 
 DECODER_PREFIX = "model.decoder."
 
@@ -280,6 +281,7 @@ class WhisperForConditionalGeneration(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux: torch.Tensor | None = None
         self.cross: CrossStep | None = None  # set by the runner before each step
+        self.logits_buffer = LogitsBuffer()
 
     def build_rotary(self, device: torch.device) -> None:
         """No rotary tables: positions are learned."""
@@ -328,8 +330,14 @@ class WhisperForConditionalGeneration(nn.Module):
         values = [layer.encoder_attn.v_proj(encoded) for layer in layers]
         return torch.stack(keys), torch.stack(values)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.embed_tokens.weight).float()
+    def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        """[num_rows, vocab] float32; `reuse`: as LlamaForCausalLM's."""
+        if reuse:
+            return self.logits_buffer.logits(self._lm_head, hidden, self.config.vocab_size)
+        return self._lm_head(hidden).float()
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.embed_tokens.weight)
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.float()
