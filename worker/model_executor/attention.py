@@ -161,6 +161,10 @@ class TorchAttention:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
+        # (made once: a step builds its metadata from many small tensors)
+        self._heads = torch.arange(num_kv_heads, device=device)
+        self._zero = torch.tensor(0.0, dtype=dtype, device=device)
+        self._minus_inf = torch.tensor(float("-inf"), dtype=dtype, device=device)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
@@ -175,17 +179,15 @@ class TorchAttention:
         mask for each. `like`: another group's metadata of this step with the same spans, whose
         masks and gather buffers this one shares (its layers run one at a time)."""
         meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
-        row, i = 0, 0
+        row, i, lens = 0, 0, [len(s.token_ids) for s in batch]
         while i < len(batch) and in_bucket(batch[i]):
-            q_len = len(batch[i].token_ids)
-            bucket = [batch[i]]
-            while (i + len(bucket) < len(batch) and len(bucket) < DECODE_BUCKET_SIZE
-                   and len(batch[i + len(bucket)].token_ids) == q_len
-                   and in_bucket(batch[i + len(bucket)])):
-                bucket.append(batch[i + len(bucket)])
+            q_len, end = lens[i], i + 1
+            limit = min(len(batch), i + DECODE_BUCKET_SIZE)
+            while end < limit and lens[end] == q_len and (q_len == 1 or in_bucket(batch[end])):
+                end += 1
             same = like.decodes[len(meta.decodes)] if like is not None else None
-            meta.decodes.append(self._decode_bucket(bucket, tables[i : i + len(bucket)], row, q_len, spans, same))
-            row, i = row + q_len * len(bucket), i + len(bucket)
+            meta.decodes.append(self._decode_bucket(batch[i:end], tables[i:end], row, q_len, spans, same))
+            row, i = row + q_len * (end - i), end
         for s, table in zip(batch[i:], tables[i:], strict=True):
             meta.prefills.append(self._prefill_chunk(s, table, row, spans,
                                                      like.prefills[len(meta.prefills)] if like is not None else None))
@@ -196,15 +198,12 @@ class TorchAttention:
         """Rows of the head-major cache viewed as [-1, head_dim] for each (token, kv head)."""
         bs, heads = self.block_size, self.num_kv_heads
         block, offset = slot_mapping // bs, slot_mapping % bs  # [T]
-        head = torch.arange(heads, device=self.device)
-        return ((block[:, None] * heads + head[None, :]) * bs + offset[:, None]).view(-1)  # [T * heads]
+        return ((block[:, None] * heads + self._heads[None, :]) * bs + offset[:, None]).view(-1)  # [T * heads]
 
     def _block_rows(self, table: torch.Tensor) -> torch.Tensor:
         """[B, kv_heads, num_blocks] rows of the cache viewed as [num_blocks * kv_heads, -1],
         for the blocks of `table` ([B, num_blocks])."""
-        heads = self.num_kv_heads
-        head = torch.arange(heads, device=self.device)
-        return table[:, None, :] * heads + head[None, :, None]
+        return table[:, None, :] * self.num_kv_heads + self._heads[None, :, None]
 
     def _decode_bucket(self, bucket: list[ScheduledRequest], tables: torch.Tensor, row: int, q_len: int,
                        spans: frozenset[Span], like: DecodeBucket | None = None) -> DecodeBucket:
@@ -213,11 +212,15 @@ class TorchAttention:
         firsts = [self._first_block(p, spans) for p in starts] if spans != {None} else [0] * n
         num_blocks = max(-(-(p + q_len) // bs) - first for p, first in zip(starts, firsts, strict=True))
         rows = self._block_rows(_table_slices(tables, firsts, num_blocks))
-        # the positions each sequence's gathered blocks hold: [n, span]
-        span = (torch.tensor(firsts, device=self.device)[:, None] * bs
-                + torch.arange(num_blocks * bs, device=self.device)[None, :])
+        # the positions each sequence's gathered blocks hold: [n, span] (a row for all where
+        # every sequence's start at position 0)
+        span = torch.arange(num_blocks * bs, device=self.device)[None, :]
+        if any(firsts):
+            span = torch.tensor(firsts, device=self.device)[:, None] * bs + span
         # query j of sequence i sits at start_i + j and sees positions up to it: [n, q_len, span]
-        last = torch.tensor(starts, device=self.device)[:, None] + torch.arange(q_len, device=self.device)[None, :]
+        last = torch.tensor(starts, device=self.device)[:, None]
+        if q_len > 1:
+            last = last + torch.arange(q_len, device=self.device)[None, :]
 
         def mask(seen: Span) -> torch.Tensor:
             allowed = self._allowed(span[:, None, :], last[:, :, None], seen)
@@ -270,8 +273,7 @@ class TorchAttention:
         return allowed
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, float("-inf"))
+        return torch.where(allowed, self._zero, self._minus_inf)
 
 
 

@@ -76,12 +76,15 @@ class InputBatch:
         """Append the blocks the request's tables gained; False (nothing written) where what
         the row holds and what was gained do not add up to its tables (a step the runner never
         ran: its changes were lost), so the caller writes them whole."""
-        assert s.new_blocks is not None
-        tables = (s.block_table, *s.group_tables)
-        counts = self.num_blocks
-        if any(counts[g][row] + len(new) != len(tables[g]) for g, new in enumerate(s.new_blocks)):
+        new_blocks, counts = s.new_blocks, self.num_blocks
+        assert new_blocks is not None
+        if len(new_blocks) == 1:  # (one KV group, the most models: a decode's common step is this)
+            if counts[0][row] + len(new_blocks[0]) != len(s.block_table):
+                return False
+        elif any(counts[g][row] + len(new) != len(table)
+                 for g, (new, table) in enumerate(zip(new_blocks, (s.block_table, *s.group_tables), strict=True))):
             return False
-        for group, new in enumerate(s.new_blocks):
+        for group, new in enumerate(new_blocks):
             if new:
                 self._write(group, row, counts[group][row], new)
                 counts[group][row] += len(new)
