@@ -13,17 +13,23 @@ stop checks; proposing), and "host" is a step less the forward and the sampling 
 what a GPU would not hide. (The queue path's publish runs in the worker's event loop beside
 the engine thread: benchmarks/throughput.py's queue mode times it.)
 
+The engine steps with the objects of its start frozen out of the collector's full passes, as
+a worker's do (worker.queue.consumer.startup); `--no-freeze` leaves them in, as before.
+
 With `--against REV` the same tables are printed first for the code at git revision REV (in a
 temporary worktree, run in a process of its own), then for this tree's: a before and after
 measured in one run, since this CPU's speed drifts from day to day.
 
     python benchmarks/step_overhead.py [--num-seqs 128,256,512] [--output-len 128] [--profile] [--against REV]
+        [--no-freeze]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import os
 import pstats
 import random
@@ -31,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,19 @@ from worker.core.detokenizer import IncrementalDetokenizer
 def tiny_model(out: Path) -> str:
     return remake(None, None, out, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16)
+
+
+@contextlib.contextmanager
+def frozen_start() -> Iterator[None]:
+    """What a worker does once its engine is built (worker.queue.consumer.startup): the objects
+    made so far leave the collector's full passes; given back after, so the engine can go."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.collect()
 
 
 def decoding_engine(model: str, num_seqs: int, output_len: int) -> Any:
@@ -60,15 +79,19 @@ def decoding_engine(model: str, num_seqs: int, output_len: int) -> Any:
     return engine
 
 
+FREEZE = True  # (--no-freeze: the collector's full passes walk the start's objects too)
+
+
 def engine_steps(model: str, num_seqs: int, output_len: int, profile: bool) -> str:
     engine = decoding_engine(model, num_seqs, output_len)
     profiler = cProfile.Profile() if profile else None
     steps, start = 0, time.perf_counter()
     if profiler:
         profiler.enable()
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
+    with frozen_start() if FREEZE else contextlib.nullcontext():
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
     elapsed = time.perf_counter() - start
     if profiler:
         profiler.disable()
@@ -142,9 +165,10 @@ def phase_times(model: str, num_seqs: int, output_len: int) -> tuple[int, dict[s
         setattr(owner, method, phases.wrap(name, getattr(owner, method)))
     engine.sampler = TimedSampler(engine.sampler, phases)
     steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
+    with frozen_start() if FREEZE else contextlib.nullcontext():
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
     return steps, phases.seconds
 
 
@@ -209,7 +233,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="print where the engine's steps went (cProfile)")
     ap.add_argument("--against", metavar="REV", help="first the same tables for the code at this git revision")
+    ap.add_argument("--no-freeze", action="store_true", help="leave the objects of the engine's start in the "
+                    "collector's full passes (a worker freezes them once started)")
     args = ap.parse_args()
+    global FREEZE
+    FREEZE = not args.no_freeze
     if args.against:
         print(f"== {args.against}\n" + tables_at(args.against, ["--num-seqs", args.num_seqs, "--output-len",
                                                               str(args.output_len)]), end="")
