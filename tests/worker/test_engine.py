@@ -282,6 +282,10 @@ def test_preemption_gives_the_same_output(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=12, max_model_len=192)
     run_and_compare(llm, tiny_llama_dir)
     assert llm.engine.scheduler.num_preemptions > 0
+    # every row of the persistent batch was given back (preempted, finished): a later request's
+    # step finds only its own (the runner hears of an end at the step after it)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(2), use_tqdm=False)
+    assert len(llm.engine.runner.input_batch) <= 1
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
