@@ -29,7 +29,7 @@ reports the parts it finished):
    before and after, float32: equal; a DeepSeek-V3's MTP layer as the draft (`method mtp`),
    and a Qwen3 with an EAGLE-3 head (`method eagle3`): each step's guesses and the outputs on
    CUDA against CPU, float32: equal, and with both final norms zeroed every guess kept;
-3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights) and through transformers'
+3. W1 through the engine (bfloat16; with and without CUDA graphs; with fp8 weights; with async_scheduling) and through transformers'
    `generate` on the same GPU, the throughputs and the ratios.
 
     python benchmarks/gpu_check.py [--model DIR] [--load-format dummy] [--num-prompts 128] [--skip-kernels]
@@ -489,16 +489,20 @@ def check_w1(model: str | None, load_format: str, num_prompts: int) -> list[str]
     torch.cuda.empty_cache()
     fp8 = run_engine(model, "bfloat16", workload, {**args, "quantization": "fp8"})["output_tokens_per_s"]
     torch.cuda.empty_cache()
+    overlapped = run_engine(model, "bfloat16", workload, {**args, "async_scheduling": True})["output_tokens_per_s"]
+    torch.cuda.empty_cache()
     hf = run_hf(model, "bfloat16", workload, batch_size=32, device="cuda", load_format=load_format)
     hf = hf["output_tokens_per_s"]
     return [
         f"W1 engine (cuda, bf16, graphs) {graphs:>10.1f} out tok/s",
         f"W1 engine (cuda, bf16, eager)  {eager:>10.1f} out tok/s",
         f"W1 engine (cuda, fp8 weights)  {fp8:>10.1f} out tok/s",
+        f"W1 engine (graphs, async)      {overlapped:>10.1f} out tok/s",
         f"W1 transformers (cuda, bf16)   {hf:>10.1f} out tok/s",
         f"W1 ratio engine / hf           {graphs / hf:>10.2f}x",
         f"W1 ratio graphs / eager        {graphs / eager:>10.2f}x",
         f"W1 ratio fp8 / bf16 weights    {fp8 / graphs:>10.2f}x",
+        f"W1 ratio async / not           {overlapped / graphs:>10.2f}x",
     ]
 
 

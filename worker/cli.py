@@ -79,6 +79,10 @@ def build(parser: argparse.ArgumentParser) -> Any:
         "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
     )
     parser.add_argument(
+        "--async-scheduling", action="store_true",
+        help="make a step's outputs while the next step runs on the device (they come one step later)",
+    )
+    parser.add_argument(
         "--enable-expert-parallel", action="store_true",
         help="with --tensor-parallel-size N: each rank holds 1/N of the experts whole (default: a share of every one)",
     )
@@ -194,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         engine_args["enable_prefix_caching"] = False
     if args.enforce_eager:
         engine_args["enforce_eager"] = True
+    if args.async_scheduling:
+        engine_args["async_scheduling"] = True
     if args.enable_expert_parallel:
         engine_args["enable_expert_parallel"] = True
     if args.disable_hybrid_kv_cache_manager:

@@ -44,6 +44,11 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     scheduling_policy: str = "fcfs"  # fcfs | priority
     enforce_eager: bool = False
+    # vLLM's: a step's outputs (detokenized, stop strings checked, logprobs spelled) are made
+    # while the next step runs on the device, and come out of that step: one step later, the
+    # host's work off the device's critical path. A request a stop string ends computes one
+    # more token, which is dropped. On the CPU nothing overlaps: off by default
+    async_scheduling: bool = False
     seed: int = 0
     cache_dir: str | None = None  # where the default model is converted to safetensors
     num_threads: int | None = None  # torch intra-op threads on CPU

@@ -471,6 +471,8 @@ def test_worker_config_from_env() -> None:
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         config_from_env({"GENQ_GPU_MEMORY_UTILIZATION": "1.5"})
     assert config_from_env({"GENQ_ENFORCE_EAGER": "true"}).engine.enforce_eager
+    assert config_from_env({"GENQ_ASYNC_SCHEDULING": "1"}).engine.async_scheduling
+    assert not config_from_env({}).engine.async_scheduling
     assert config_from_env({"GENQ_SCHEDULING_POLICY": "priority"}).engine.scheduling_policy == "priority"
     assert config_from_env({"GENQ_EVENTS_RETENTION_S": "60"}).events_retention_s == 60.0
     with pytest.raises(ValueError, match="events_retention_s must be >= 0, got -1.0"):

@@ -135,6 +135,9 @@ class Engine:
         self.speculator = Speculator(make_proposer(config, self.runner, self.model_path, self.max_model_len),
                                      self.scheduler, self.guided, self.generators, self.max_model_len)
         self._aborted: list[Request] = []  # finished by abort, reported at the next step
+        # async_scheduling: the last step's requests whose outputs are still to be made, with
+        # their logprobs and embeddings (made while the next step runs)
+        self._pending: tuple[list[Request], dict[str, list[TokenLogprobs]], dict[str, list[float]]] | None = None
         # request id -> why it failed in a step (its images' encoding, a logits processor)
         self._failures: dict[str, str] = {}
         self.num_generated_tokens = 0
@@ -292,9 +295,11 @@ class Engine:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted) or self._pending is not None
 
     def step(self) -> list[RequestOutput]:
+        """One step: the outputs of the requests it moved. With async_scheduling, those of the
+        step before, made while this one runs on the device (its own come out of the next)."""
         sched = self.scheduler.schedule()
         if sched.swaps:  # (whether or not a request is left to run)
             self.runner.swap_blocks(sched.swaps)
@@ -306,8 +311,9 @@ class Engine:
             self.runner.forget(request_id, preempted=True)
         if not sched.is_empty and (failed := self.runner.encode_images(sched.scheduled)):
             updated += self._drop_unencoded(sched, failed)
-        if not sched.is_empty:
-            model_out = self.runner.execute(sched)
+        model_out = self.runner.execute(sched) if not sched.is_empty else None
+        outputs = self._take_pending()  # (the device runs this step meanwhile)
+        if model_out is not None:
             sampled, logprobs, failed = self._sample(sched, model_out.request_ids, model_out.logits)
             self._rewind_wrong_guesses(sched, sampled)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
@@ -316,21 +322,40 @@ class Engine:
             self.speculator.after_step(sched, model_out, sampled)
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
+        if self.config.async_scheduling and (updated or model_out is not None):
+            self._pending = (updated, logprobs, embeddings)
+        else:
+            outputs += self._make_outputs(updated, logprobs, embeddings)
+        self.speculator.propose()
+        return outputs
+
+    def _take_pending(self) -> list[RequestOutput]:
+        """The outputs of the step before, where they wait (async_scheduling)."""
+        if self._pending is None:
+            return []
+        pending, self._pending = self._pending, None
+        return self._make_outputs(*pending)
+
+    def _make_outputs(self, updated: list[Request], logprobs: dict[str, list[TokenLogprobs]],
+                      embeddings: dict[str, list[float]]) -> list[RequestOutput]:
+        """The deltas of the requests a step moved: detokenized, stop strings checked (those a
+        stop string ends, end), embeddings attached; the requests that ended are forgotten."""
         outputs, stopped = self.output_processor.process(updated, logprobs, self._token_timestamps)
         for output in outputs:
             output.embedding = embeddings.get(output.request_id)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
-        self.speculator.propose()
         return outputs
 
     def end_aborted(self) -> list[RequestOutput]:
-        """The final outputs of the requests aborted since the last step, without stepping the
-        others (an engine whose requests are kept frozen: a pause with mode "keep")."""
+        """The final outputs of the requests aborted since the last step (and the outputs of
+        that step, where they wait), without stepping the others (an engine whose requests are
+        kept frozen: a pause with mode "keep")."""
+        outputs = self._take_pending()
         aborted = self._take_aborted()
-        outputs, _ = self.output_processor.process(aborted, {}, self._token_timestamps)
+        more, _ = self.output_processor.process(aborted, {}, self._token_timestamps)
         self._forget(aborted)
-        return outputs
+        return outputs + more
 
     def _rewind_wrong_guesses(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """A model with states took in every guess of the step: where one was wrong, each such
@@ -340,7 +365,8 @@ class Engine:
         if states is None:
             return
         for s in sched.scheduled:
-            if s.num_drafts and len(sampled.get(s.request_id, ())) <= s.num_drafts:
+            if (s.num_drafts and len(sampled.get(s.request_id, ())) <= s.num_drafts
+                    and s.request_id in self.scheduler.requests):  # (not one that ended meanwhile)
                 states.rewind(s.request_id)
 
     def _drop_unencoded(self, sched: SchedulerOutput, failed: dict[str, Exception]) -> list[Request]:
@@ -420,6 +446,8 @@ class Engine:
         with guesses has a row per guess and one more; row j is sampled as if the guesses
         before it were output already, and guesses are kept while each equals the token
         sampled in the row before it. Also the requests a logits processor failed on, and why."""
+        if self.config.async_scheduling:  # (the step before's outputs ended some: their stop strings)
+            row_ids, logits = self._live_rows(row_ids, logits)
         if not row_ids:
             return {}, {}, {}
         # (only the requests with guesses: the others have one row each)
@@ -447,14 +475,23 @@ class Engine:
         self.speculator.record(drafts, sampled)
         return sampled, logprobs, failed
 
+    def _live_rows(self, row_ids: list[str], logits: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+        """The rows of the requests that still run, and their logits (a request a stop string
+        ended while its last step ran computed a token it does not keep)."""
+        requests = self.scheduler.requests
+        if all(rid in requests for rid in row_ids):
+            return row_ids, logits
+        keep = [i for i, rid in enumerate(row_ids) if rid in requests]
+        return [row_ids[i] for i in keep], logits[keep]
+
     def _record_prompt_logprobs(self, sched, chunk_logits: dict[str, torch.Tensor]) -> None:
         """Logprob of each prompt token given the tokens before it (raw model distribution),
         with the top alternatives; position 0 has none."""
         for s in sched.scheduled:
             logits = chunk_logits.get(s.request_id)
-            if logits is None:
+            request = self.scheduler.requests.get(s.request_id)
+            if logits is None or request is None:
                 continue
-            request = self.scheduler.requests[s.request_id]
             num_prompt = request.num_prompt_tokens
             targets = request.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + len(s.token_ids)]
             entries = self.output_processor.prompt_logprobs_of(s.request_id, num_prompt)
