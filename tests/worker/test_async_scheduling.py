@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from test_logits_processors import FailsAfter  # tests/worker, beside this file
 
 from worker import LLM, SamplingParams
 
@@ -77,3 +78,19 @@ def test_a_steps_outputs_come_out_of_the_next_and_an_abort_ends_once(tiny_llama_
             finals.setdefault(output.request_id, []).extend(c.finish_reason for c in output.outputs if output.finished)
     assert finals["b"] == ["abort"]
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == 64
+
+
+def test_a_failure_is_told_with_its_requests_final_output(tiny_llama_dir) -> None:
+    """What the queue's engine thread relies on: a request a step fails on is named by
+    take_failures after the step its final output comes out of, not before (the worker fails
+    the job with why, and leaves its abort output out)."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, logits_processors=[FailsAfter],
+              async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("f", {"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0.0, max_tokens=10, extra_args={"fail_after": 2}))
+    told: list[tuple[set[str], set[str]]] = []  # per step: the requests whose outputs came, the failures told
+    while engine.has_unfinished_requests():
+        finished = {o.request_id for o in engine.step() if o.finished}
+        told.append((finished, set(engine.take_failures())))
+    assert [step for step in told if step != (set(), set())] == [({"f"}, {"f"})]

@@ -87,8 +87,10 @@ def test_no_repeat_ngram_is_transformers(tiny_llama_dir, speculative):
     assert not llm.engine.logits_processors.by_request  # forgotten as requests end
 
 
-def test_a_failing_function_ends_its_own_request(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, logits_processors=[FailsAfter])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["", "async"])
+def test_a_failing_function_ends_its_own_request(tiny_llama_dir, async_scheduling):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=64, logits_processors=[FailsAfter],
+              async_scheduling=async_scheduling)
     plain = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     failing = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, n=2, extra_args={"fail_after": 3})
     expected = llm.generate([{"prompt_token_ids": PROMPTS[0]}], plain, use_tqdm=False)[0].outputs[0].token_ids

@@ -409,9 +409,13 @@ class Engine:
     def take_failures(self) -> dict[str, str]:
         """The requests (by the ids they were added with) that ended since the last call
         because a step failed on them (the encoder on their images, a logits processor), and
-        why."""
-        failures, self._failures = self._failures, {}
-        return failures
+        why; with async_scheduling, once their final outputs are out (the step after)."""
+        waiting = set() if self._pending is None else {
+            self.output_processor.parent_of.get(r.request_id, r.request_id) for r in self._pending[0]}
+        taken = {parent: why for parent, why in self._failures.items() if parent not in waiting}
+        for parent in taken:
+            del self._failures[parent]
+        return taken
 
     def _pool(self, pooled: dict[str, torch.Tensor]) -> dict[str, list[float]]:
         """Embedding requests whose prompt is computed: their vectors, and they end here."""
