@@ -132,9 +132,9 @@ class Consumer:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._start_tasks()
         logger.info(
-            "worker %s serving %s (max_num_seqs=%d, %d KV blocks) on %s",
-            self.config.name, self.config.model_name, engine.max_num_seqs,
-            engine.block_manager.num_blocks, self.keys.requests,
+            "worker %s serving %s (max_num_seqs=%d, %d KV blocks%s) on %s",
+            self.config.name, self.config.model_name, engine.max_num_seqs, engine.block_manager.num_blocks,
+            ", async scheduling" if engine.config.async_scheduling else "", self.keys.requests,
         )
 
     def _start_tasks(self) -> None:
