@@ -14,7 +14,7 @@ what a GPU would not hide. (The queue path's publish runs in the worker's event 
 the engine thread: benchmarks/throughput.py's queue mode times it.)
 
 The engine steps with the objects of its start frozen out of the collector's full passes, as
-a worker's do (worker.queue.consumer.startup); `--no-freeze` leaves them in, as before.
+a worker's do (worker.queue.consumer's _freeze_start); `--no-freeze` leaves them in, as before.
 
 With `--against REV` the same tables are printed first for the code at git revision REV (in a
 temporary worktree, run in a process of its own), then for this tree's: a before and after
@@ -54,7 +54,7 @@ def tiny_model(out: Path) -> str:
 
 @contextlib.contextmanager
 def frozen_start() -> Iterator[None]:
-    """What a worker does once its engine is built (worker.queue.consumer.startup): the objects
+    """What a worker does once its engine is built (worker.queue.consumer._freeze_start): the objects
     made so far leave the collector's full passes; given back after, so the engine can go."""
     gc.collect()
     gc.freeze()

@@ -5,9 +5,9 @@ n > 1, usage), and the worker streams every job's tokens in order."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import redis
-from conftest import Offline
 from queue_support import WorkerProcess
 
 from producer.client import Client
@@ -20,7 +20,7 @@ PROMPTS = ["Once upon a time", "The capital of France", "def add(a, b):", "Red, 
 
 
 def test_jobs_end_as_without_it(spawn: Callable[..., WorkerProcess], conn: redis.Redis, redis_server: RedisServer,
-                                offline: Offline) -> None:
+                                offline: Any) -> None:
     worker = spawn("as", GENQ_ASYNC_SCHEDULING="1")
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     text = offline(PROMPTS[1], greedy)[0].text  # (the stop job's prompt)

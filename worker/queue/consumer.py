@@ -105,6 +105,7 @@ class Consumer:
         sleep = await read_sleep_command(self.scripts, self.config.model_name)  # (asleep, it takes no job)
         pause = await read_pause_command(self.scripts, self.config.model_name)  # (paused, nor does it)
         engine = await self.engine.start(registry, weights, sleep, pause)  # loads the model; steps wait for the first command
+        _freeze_start()  # (before any job can reach this worker: the last full pass takes a moment)
         endpoint = self.config.otlp_traces_endpoint
         self.tracing = Tracing(endpoint, "genq-worker") if endpoint else None
         self.metrics = WorkerMetrics(self.config.model_name, self.tracing)
@@ -361,10 +362,13 @@ async def startup(ctx: dict[str, Any]) -> None:
     consumer = Consumer(ctx["config"])
     await consumer.start()
     ctx["consumer"] = consumer
-    # The start's objects (the model's modules, the tokenizer's tables: some 300k) leave the
-    # collector's full passes, which a worker's steps set off as they run: each walked them all,
-    # about 180 ms, 1.4 to 4.6 ms a step at 256 to 512 sequences (benchmarks/step_overhead.py).
-    # As vLLM's engine core does; they are this process's for its whole life.
+
+
+def _freeze_start() -> None:
+    """The start's objects (the model's modules, the tokenizer's tables: some 300k) leave the
+    collector's full passes, which a worker's steps set off as they run: each walked them all,
+    about 180 ms, 1.4 to 4.6 ms a step at 256 to 512 sequences (benchmarks/step_overhead.py).
+    As vLLM's engine core does; they are this worker process's for its whole life."""
     gc.collect()
     gc.freeze()
 
