@@ -105,9 +105,9 @@ def test_persistent_rows_give_the_inputs_of_tables_read_whole(seed: int, windows
     assert len(batch_rows) == 0 and not batch_rows.block_tables.any()
 
 
-def test_a_step_the_runner_never_ran_leaves_its_rows_rewritten_whole() -> None:
+def test_a_step_the_runner_never_ran_leaves_its_rows_whole() -> None:
     """A step scheduled but never given to the batch (it failed before the runner read it):
-    the next step's blocks do not add up to what the row holds, so its tables go whole."""
+    the next step brings the row every block its tables gained since the row last saw them."""
     sched, _ = make_engine_parts(0, [None])
     batch_rows = InputBatch(1, max_rows=4, max_blocks=8)
     attention = TorchAttention(BS, 4, 2, 8, torch.float32, torch.device("cpu"))

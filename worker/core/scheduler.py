@@ -38,10 +38,6 @@ class ScheduledRequest:
     # after a prefix-cache hit starts from, and the (tokens before, slot) this step saves
     state_restore: int | None = None
     state_saves: tuple[tuple[int, int], ...] = ()
-    # per KV group, the blocks its table gained since the request's previous step (what the
-    # runner's persistent batch appends); None: its first step since it was admitted, or a
-    # caller that keeps no such account (the tables are then read whole)
-    new_blocks: tuple[list[int], ...] | None = None
 
     def tables(self) -> list[list[int]]:
         """A block table per KV group, a released entry read as block 0 (attention masks its
@@ -78,10 +74,7 @@ class Scheduler:
         # Sibling completions (n > 1) that wait for their first sibling's prompt, then share it.
         self.forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
-        # what the runner has been handed: per request, how many entries of each group's table
-        # its steps so far carried; and the requests ended since the last schedule
-        self._handed: dict[str, list[int]] = {}
-        self._ended: list[str] = []
+        self._ended: list[str] = []  # requests ended since the last schedule (SchedulerOutput.finished_ids)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -110,8 +103,7 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
-            if self._handed.pop(request_id, None) is not None:
-                self._ended.append(request_id)
+            self._ended.append(request_id)
             self._release_forks(request)  # they compute the prompt themselves now
             request.status = status
             self.block_manager.free_request(request_id)
@@ -216,8 +208,8 @@ class Scheduler:
         num_known = min(num_new, num_tokens - start)
         end = start + num_known
         drafts = request.spec_token_ids[: num_new - num_known] if request.spec_token_ids else []  # (budget's room)
-        tables = self.block_manager.block_tables(request.request_id)
         bm = self.block_manager
+        tables = bm.block_tables(request.request_id)
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
@@ -236,21 +228,8 @@ class Scheduler:
                 state_restore=state_restore,
                 state_saves=bm.reserve_state_saves(request, start, end, also=self._fork_point(request))
                 if bm.states is not None else (),
-                new_blocks=self._new_blocks(request.request_id, tables),
             )
         )
-
-    def _new_blocks(self, request_id: str, tables: list[list[int]]) -> tuple[list[int], ...] | None:
-        """The blocks each group's table gained since the request's previous step, and the
-        tables handed over so far; None at its first step (its tables go whole)."""
-        handed = self._handed.get(request_id)
-        if handed is None:
-            self._handed[request_id] = [len(table) for table in tables]
-            return None
-        new = tuple(table[n:] for table, n in zip(tables, handed, strict=True))
-        for group, blocks in enumerate(new):
-            handed[group] += len(blocks)
-        return new
 
     def _sort_waiting(self) -> None:
         policy = self.config.policy
@@ -265,7 +244,6 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self._handed.pop(request.request_id, None)  # (its row is freed: out.preempted)
         self.block_manager.free_request(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

@@ -3,8 +3,9 @@
 A request the engine's scheduler runs keeps its row from its first step until it ends or is
 preempted (SchedulerOutput.finished_ids, .preempted). Its block tables live in one
 preallocated tensor per KV group, changed by difference: at its first step its tables are
-written whole; at each later one only the blocks they gained since (ScheduledRequest.new_blocks)
-are appended. A freed row is zeroed, so a table read past its end gives block 0, as padding
+written whole; at each later one only the blocks they gained since are appended (a table only
+grows at its end: the block manager appends, and gives entries back in place, below). The
+step's tables are the block manager's own lists, not copies. A freed row is zeroed, so a table read past its end gives block 0, as padding
 would. A step's tables are then one gather of its requests' rows, not Python lists padded
 request by request (`tables`).
 
@@ -62,33 +63,20 @@ class InputBatch:
 
     def _row(self, s: ScheduledRequest) -> int:
         row = self.row_of.get(s.request_id)
-        if row is not None and s.new_blocks is not None and self._appends(row, s):
-            return row
-        if row is None:
+        if row is None:  # its first step: its tables whole (a released entry as block 0, as tables() reads it)
             row = self.row_of[s.request_id] = self._take_row()
-        for group, table in enumerate(s.tables()):  # (whole: its first step, or an account lost)
-            self.block_tables[group, row, : self.num_blocks[group][row]] = 0
-            self._write(group, row, 0, table)
-            self.num_blocks[group][row] = len(table)
+            for group, table in enumerate(s.tables()):
+                self._write(group, row, 0, table)
+                self.num_blocks[group][row] = len(table)
+            return row
+        counts = self.num_blocks
+        if not s.group_tables and counts[0][row] == len(s.block_table):
+            return row  # (one KV group, no block gained: a decode's most common step)
+        for group, table in enumerate((s.block_table, *s.group_tables)):
+            if counts[group][row] < len(table):  # the blocks gained since its last step
+                self._write(group, row, counts[group][row], [max(b, 0) for b in table[counts[group][row]:]])
+                counts[group][row] = len(table)
         return row
-
-    def _appends(self, row: int, s: ScheduledRequest) -> bool:
-        """Append the blocks the request's tables gained; False (nothing written) where what
-        the row holds and what was gained do not add up to its tables (a step the runner never
-        ran: its changes were lost), so the caller writes them whole."""
-        new_blocks, counts = s.new_blocks, self.num_blocks
-        assert new_blocks is not None
-        if len(new_blocks) == 1:  # (one KV group, the most models: a decode's common step is this)
-            if counts[0][row] + len(new_blocks[0]) != len(s.block_table):
-                return False
-        elif any(counts[g][row] + len(new) != len(table)
-                 for g, (new, table) in enumerate(zip(new_blocks, (s.block_table, *s.group_tables), strict=True))):
-            return False
-        for group, new in enumerate(new_blocks):
-            if new:
-                self._write(group, row, counts[group][row], new)
-                counts[group][row] += len(new)
-        return True
 
     def _write(self, group: int, row: int, start: int, blocks: list[int]) -> None:
         end = start + len(blocks)
