@@ -178,13 +178,15 @@ def plan(
         chat_echo=chat.echoed() if chat and not forced else None,  # (a forced call's reply is no text)
         return_token_ids=bool(body.return_token_ids),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        guide_param=None if params.guided_decoding is None else body.guided_source or "tools",  # (strict tools')
     )
     return Plan(req, prompts, params, body.requested_priority() + priority_offset, body.model, deadline_s)
 
 
 def _strict_calls(params: SamplingParams, chat: ChatCompletionRequest, parser: str | None) -> SamplingParams:
     """An auto reply's calls held to their strict tools (api.parsers.strict_calls); a tool schema
-    genq cannot hold a call to is a 400 naming the tools."""
+    of the wrong shape is a 400 naming the tools (one the worker cannot compile fails its job,
+    naming them too: RelayedRequest.guide_param)."""
     tag = strict_calls(parser, [t.function for t in chat.tools or []], chat.parallel_tool_calls)
     if tag is None:
         return params
@@ -488,6 +490,12 @@ class Collector:
         cannot help) or the server's (500)."""
         return error_kind(self.invalid_request)
 
+    def error_param(self) -> str | None:
+        """The request field the failure names: its guide's, where the worker refused that."""
+        if self.invalid_request and self.error is not None and "guided_decoding" in self.error:
+            return self.req.guide_param
+        return None
+
     def _echo(self, job_id: str, event: Event) -> tuple[str, list[TokenLogprob]]:
         """The prompt's text and logprobs. The worker sends its part (the decoded prompt, the
         logprobs) on completion 0's first event, which comes before the other completions'."""
@@ -528,7 +536,7 @@ async def collect(state: AppState, req: RelayedRequest, renderer: Renderer, keep
                 collector.add(job_id, event)
                 if collector.error is not None:
                     status, kind, code = collector.error_kind()
-                    raise APIError(status, collector.error, type=kind, code=code)
+                    raise APIError(status, collector.error, type=kind, param=collector.error_param(), code=code)
     except TimeoutError as exc:
         raise APIError(504, str(exc), type="timeout_error", code="timeout") from exc
     except JobLost as exc:  # a Redis without persistence restarted under it: nothing will end it

@@ -58,6 +58,9 @@ class RelayedRequest:
     return_token_ids: bool = False  # vLLM's: each choice's token ids, and the prompt's, beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     service_tier: str = "default"  # the tier its jobs run on (request_bodies.service_tier_of), set when submitted
+    # the field that asked for guided decoding: a job the worker refuses for its guide (which
+    # xgrammar compiles there, not here) fails naming it
+    guide_param: str | None = None
 
     def tool_call_id(self, choice: Choice, k: int = 0) -> str:
         """The id of call `k` of a choice."""

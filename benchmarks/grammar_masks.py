@@ -1,37 +1,27 @@
-"""The cost of building a guided-decoding mask: for each state a JSON-schema output passes
-through, the tokens of the default model's vocabulary that the grammar takes, found as the
-engine finds them (down a trie of the vocabulary, one character at a time) and, as the
-baseline in the same run, by stepping every token's bytes through the grammar. The engine
-caches each state's mask; here each is built afresh.
+"""The cost of guided decoding's masks (worker.guided.structured_output, on xgrammar) over the
+default model's vocabulary: for a JSON schema, tool_choice "required" over `--tools` tools (an
+array of calls, each `{"name": <const>, "arguments": ...}`), a regular expression and an EBNF
+grammar, the time to compile the grammar (what the first request that asks for it waits,
+once: the compiler keeps what it compiled) and the time per mask along an output's states,
+with a fresh matcher each repeat (nothing is cached per state: what compiling sorted ahead of
+time is all there is).
 
     python benchmarks/grammar_masks.py [--repeats 3] [--tools 20]
 
-Prints milliseconds per mask (the best of the repeats) both ways and their ratio, for a schema
-whose states cover keys, strings, integers, an enum array and a union with null; then for
-tool_choice "required" over `--tools` tools (an array of calls, each `{"name": <const>,
-"arguments": ...}`), through the tool's name; then for a regular expression (guided_regex)
-and an EBNF grammar (structured_outputs grammar), cold (their automata's states are built as
-the trie walks them, once per pattern or grammar and process) and warm.
+Before xgrammar (git revisions before issue 50), this script timed genq's own automata: a
+mask built down a trie of the vocabulary, 6-40 ms per new grammar state (cold), cached per
+state after that.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Hashable
 
 from transformers import AutoTokenizer
 
 from api.parsers.tool_calls import calls_schema
-from worker.guided.json_schema_grammar import JsonSchemaGrammar
-from worker.guided.structured_output import (
-    Grammar,
-    GuidedState,
-    TokenMasks,
-    ebnf_grammar,
-    regex_grammar,
-)
-from worker.guided.token_bytes import byte_text, token_bytes
+from worker.guided.structured_output import GuidedDecoding
 from worker.model_executor.model_loader import resolve_model_path
 
 SCHEMA = {
@@ -42,17 +32,17 @@ SCHEMA = {
         "email": {"type": ["string", "null"]},
     },
 }
-TOOL_PIECES = ['[', '{', '"', 'name', '"', ':', ' "', 'tool', '_', '1', '7']
-PIECES = ['{', '"', 'name', '"', ':', ' "', 'Ann', '"', ', "age": ', '3', ', "tags": [', '"a"', ']']
+TEXT = '{"name": "Ann", "age": 3, "tags": ["a"]}'
+TOOL_TEXT = '[{"name": "tool_17", "arguments": {"a": 4}}]'
 REGEX = r"[\w.+-]{1,32}@[a-z0-9-]{1,20}\.(com|org|net)|\(\d{3}\) \d{3}-\d{4}"
-REGEX_PIECES = ['john', '.', 'doe', '@', 'mail', '.', 'co']
+REGEX_TEXT = "john.doe@mail.com"
 EBNF = r"""
 root ::= "SELECT " columns " FROM " [a-z_]+ (" WHERE " condition (" AND " condition)*)? ";"
 columns ::= "*" | column (", " column)*
 column ::= [a-z_] [a-z_0-9]* | "\"" [^"\n]+ "\""
 condition ::= column (" = " | " < " | " > ") ([0-9]+ | "'" [^'\n]* "'")
 """
-EBNF_PIECES = ['SELECT', ' name', ',', ' "', 'full name', '"', ' FROM', ' people', ' WHERE', ' age', ' >', ' ', '30']
+EBNF_TEXT = 'SELECT name, "full name" FROM people WHERE age > 30;'
 
 
 def main() -> int:
@@ -61,44 +51,39 @@ def main() -> int:
     ap.add_argument("--tools", type=int, default=20)
     args = ap.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(None))
-    vocabulary = token_bytes(tokenizer)
-    masks = TokenMasks(vocabulary, stop_ids=set(), cache_size=0)  # every mask built afresh
-    texts = [byte_text(b) for b in vocabulary if b]
+    guided = GuidedDecoding(tokenizer, {tokenizer.eos_token_id}, len(tokenizer))
+    start = time.perf_counter()
+    guided.compile({"regex": "x"})  # the vocabulary read once per engine (its first guided request)
+    print(f"vocabulary of {len(tokenizer)} tokens read in {(time.perf_counter() - start) * 1000:.0f} ms (once per engine)")
     parameters = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
     tools = calls_schema([(f"tool_{i}", parameters) for i in range(args.tools)], parallel=True)
-    def down_the_trie(grammar: Grammar, state: Hashable) -> bytes:
-        return masks.allowed(GuidedState(grammar, state))
-
-    def every_token(grammar: Grammar, state: Hashable) -> list[str]:
-        return [t for t in texts if grammar.advance(state, t) is not None]
-
-    regex, ebnf = regex_grammar(REGEX), ebnf_grammar(EBNF)
-    cold = time_masks(regex, REGEX_PIECES, down_the_trie, 1)
-    ebnf_cold = time_masks(ebnf, EBNF_PIECES, down_the_trie, 1)
-    for name, grammar, pieces in (("schema", JsonSchemaGrammar(SCHEMA), PIECES),
-                                  (f"{args.tools} tools", JsonSchemaGrammar(tools), TOOL_PIECES),
-                                  ("regex (warm)", regex, REGEX_PIECES), ("grammar (warm)", ebnf, EBNF_PIECES)):
-        trie = time_masks(grammar, pieces, down_the_trie, args.repeats)
-        every = time_masks(grammar, pieces, every_token, args.repeats)
-        print(f"{name}: {len(pieces) + 1} masks over {len(texts)} tokens: {trie * 1000:.1f} ms per mask down the trie, "
-              f"{every * 1000:.1f} ms checking every token ({every / trie:.1f}x)")
-    print(f"regex cold: {cold * 1000:.1f} ms per mask down the trie")
-    print(f"grammar cold: {ebnf_cold * 1000:.1f} ms per mask down the trie")
+    for name, spec, text in (("schema", {"json_schema": SCHEMA}, TEXT),
+                             (f"{args.tools} tools", {"json_schema": tools}, TOOL_TEXT),
+                             ("regex", {"regex": REGEX}, REGEX_TEXT), ("grammar", {"grammar": EBNF}, EBNF_TEXT)):
+        compile_s, mask_s, num_masks = time_grammar(guided, spec, tokenizer.encode(text), args.repeats)
+        print(f"{name}: compiled in {compile_s * 1000:.1f} ms; {num_masks} masks over {len(tokenizer)} tokens: "
+              f"{mask_s * 1000:.3f} ms per mask (the token taken in, the mask filled)")
     return 0
 
 
-def time_masks(grammar: Grammar, pieces: list[str], build: Callable[[Grammar, Hashable], object], repeats: int) -> float:
-    """Seconds per mask, best of `repeats`, over the states `pieces` lead through."""
-    states = [grammar.initial()]
-    for piece in pieces:
-        states.append(grammar.advance(states[-1], piece))
+def time_grammar(guided: GuidedDecoding, spec: dict, output: list[int], repeats: int) -> tuple[float, float, int]:
+    """Seconds to compile `spec` afresh, and per mask (best of `repeats`) at each state along
+    `output`; the number of masks."""
+    for compiler in guided._compilers.values():
+        compiler.clear_cache()
+    start = time.perf_counter()
+    grammar = guided.compile(spec)
+    compile_s = time.perf_counter() - start
     best = float("inf")
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        request_id = f"r{repeat}"
+        guided.add(request_id, grammar)
         start = time.perf_counter()
-        for state in states:
-            build(grammar, state)
+        for n in range(len(output) + 1):
+            guided.masks([(request_id, output[:n], 0)])
         best = min(best, time.perf_counter() - start)
-    return best / len(states)
+        guided.remove(request_id)
+    return compile_s, best / (len(output) + 1), len(output) + 1
 
 
 if __name__ == "__main__":

@@ -1,9 +1,15 @@
 """The cost of guided decoding: the same chat prompts on the default model, free and with
-`guided_decoding={"json_object": True}`, in one run; `--guide compact` asks for compact JSON
-(disable_any_whitespace), `--guide ebnf` for JSON objects by an EBNF grammar (xgrammar's JSON
-grammar, run by producer.grammar.ebnf's pushdown automaton).
+`guided_decoding={"json_object": True}`, in one run; `--guide json_schema` asks for a value of a
+schema (an object with a name, an integer, a list of tags and a nested object), `--guide
+compact` for compact JSON (disable_any_whitespace), `--guide ebnf` for JSON objects by an
+EBNF grammar (xgrammar's JSON grammar).
 
     python benchmarks/guided.py [--prompts 16] [--max-tokens 96] [--dtype bfloat16] [--guide json_object]
+        [--against REV]
+
+With `--against REV` the same measurement (this script, which uses only the offline `LLM`)
+runs first on the code at git revision REV, in a process of its own: before and after in one
+run.
 
 Both runs use ignore_eos off and stop where the model (or the grammar) ends, so it prints
 seconds per output token for each: the guided figure includes building masks for states the
@@ -14,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+
+from revisions import output_at  # benchmarks/revisions.py, beside this script
 
 from worker import LLM, SamplingParams
 
@@ -27,8 +36,12 @@ string ::= "\"" ( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )*
 number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
 ws ::= [ \t\n]{0,20}
 """
+SCHEMA = {"type": "object", "required": ["name", "count", "tags", "details"], "properties": {
+    "name": {"type": "string"}, "count": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}},
+    "details": {"type": "object", "properties": {"colour": {"type": "string"}, "size": {"enum": ["small", "large"]}}}}}
 GUIDES = {
     "json_object": {"json_object": True},
+    "json_schema": {"json_schema": SCHEMA},
     "compact": {"json_object": True, "disable_any_whitespace": True},
     "ebnf": {"grammar": JSON_EBNF},
 }
@@ -47,7 +60,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--guide", choices=sorted(GUIDES), default="json_object")
+    ap.add_argument("--against", metavar="REV", help="first the same run on the code at this git revision")
     args = ap.parse_args()
+    if args.against:
+        argv = [a for a in sys.argv[1:] if a not in ("--against", args.against)]
+        print(f"== {args.against}\n" + output_at(args.against, "guided.py", argv, own_script=False) + "== this tree")
     llm = LLM(None, dtype=args.dtype, max_model_len=1024)
     messages = [
         [{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as a JSON object ({i})."}]

@@ -12,9 +12,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from producer.field_mappings import from_mapping
-from producer.grammar.ebnf import compile_ebnf
-from producer.grammar.json_schema import compile_schema
-from producer.grammar.regex import compile_regex
 from producer.grammar.structural_tag import read_structural_tag
 
 MAX_LOGPROBS = 20
@@ -29,7 +26,7 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 class StructuredOutputsParams:
     """vLLM's structured outputs (`SamplingParams(structured_outputs=...)`, the API's
     `structured_outputs`): exactly one of `json` (a JSON schema, or its text), `regex`,
-    `choice`, `grammar` (EBNF, `producer.grammar.ebnf`), `json_object` or `structural_tag` (its JSON
+    `choice`, `grammar` (xgrammar's EBNF, or a Lark grammar), `json_object` or `structural_tag` (its JSON
     text or mapping, `producer.grammar.structural_tag`). `disable_any_whitespace` writes JSON compact
     (one space after each `,` and `:`, none elsewhere, as xgrammar does). The options vLLM hands
     its backends are taken where genq already does what they ask: `disable_additional_properties`
@@ -107,10 +104,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     # vLLM's guided decoding, one of: {"json_object": True} (the output is one JSON object),
-    # {"json_schema": schema} (a value of that schema, in the subset producer.grammar.json_schema
-    # supports), {"choice": [strings]} (the output is one of them), {"regex": pattern} (the
-    # output matches it whole, producer.grammar.regex's syntax), {"grammar": ebnf} (the output is a
-    # sentence of it, producer.grammar.ebnf's syntax); JSON with "disable_any_whitespace": True is
+    # {"json_schema": schema} (a value of that schema), {"choice": [strings]} (the output is one
+    # of them), {"regex": pattern} (the output matches it whole), {"grammar": ebnf} (the output
+    # is a sentence of it: xgrammar's EBNF, or a Lark grammar, one without "::="),
+    # {"structural_tag": ...} (producer.grammar.structural_tag). The worker compiles them with
+    # xgrammar and fails a job whose guide it cannot compile, naming what is wrong; here only
+    # their shapes are checked (the API never imports xgrammar, which imports torch).
+    # JSON with "disable_any_whitespace": True is
     # compact (one space after each , and :); with "after": text, the
     # output is free until that text (a reasoning model's "</think>") and guided after it
     guided_decoding: dict[str, Any] | None = None
@@ -261,14 +261,20 @@ def _check_guided(guided: Any) -> None:
         raise ValueError(f"guided_decoding after must be a non-empty string, got {after!r}")
     if not isinstance(guided.get("disable_any_whitespace", False), bool):
         raise ValueError("guided_decoding disable_any_whitespace must be true or false")
-    for kind, compile_spec in (("json_schema", compile_schema), ("regex", compile_regex), ("grammar", compile_ebnf),
-                               ("structural_tag", read_structural_tag)):
-        if kind in guided:
-            try:
-                compile_spec(guided[kind])
-            except ValueError as exc:  # what the compiler names, as the field's error
-                raise ValueError(f"guided_decoding {exc}") from None
-            return
+    if "json_schema" in guided:
+        schema = guided["json_schema"]
+        if not isinstance(schema, dict | bool) or not _is_json(schema):
+            raise ValueError(f"guided_decoding json_schema must be a JSON schema (an object), got {schema!r}")
+        return
+    for kind in ("regex", "grammar"):
+        if kind in guided and (not isinstance(guided[kind], str) or not guided[kind].strip()):
+            raise ValueError(f"guided_decoding {kind} must be a non-empty string, got {guided[kind]!r}")
+    if "structural_tag" in guided:
+        try:
+            read_structural_tag(guided["structural_tag"])
+        except ValueError as exc:
+            raise ValueError(f"guided_decoding {exc}") from None
+        return
     if "json_object" in guided and guided["json_object"] is not True:
         raise ValueError(f"guided_decoding json_object must be true, got {guided['json_object']!r}")
     choices = guided.get("choice", ["x"])

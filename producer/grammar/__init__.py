@@ -1,11 +1,6 @@
-"""The languages guided decoding holds an output to, each compiled to an automaton over the
-output's UTF-8 bytes: regular expressions (`regex`), EBNF and Lark grammars (`ebnf`, `lark`),
-the JSON Schema subset (`json_schema`, with its string and number constraints in
-`json_values`) and structural tags (`structural_tag`).
-
-Plain Python with no dependencies, shared by both sides of the queue: `SamplingParams` (so the
-client and the API) compiles a job's guide to refuse a bad one before it is queued, and the
-worker's `worker.guided` runs the same automata to mask tokens. Named for what the modules
-are, grammars, as vLLM's structured-output backends call theirs; `worker.guided` is the
-decoding side that uses them.
+"""Guided decoding's grammars on the producer's side of the queue: only what is checked before
+a job is queued. The worker compiles every guide with xgrammar (`worker.guided`), which
+imports torch, so `SamplingParams` (the client and the API) checks shapes here and leaves the
+grammar itself to the worker, which fails a job whose guide it cannot compile, naming why.
+Structural tags (`structural_tag`) have the richest shape, checked here in full.
 """

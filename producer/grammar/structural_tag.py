@@ -8,9 +8,11 @@ around them (`<function=get_weather>{"city": "Paris"}</function>`).
     {"structures": [{"begin": "<function=get_weather>", "schema": {...}, "end": "</function>"}],
      "triggers": ["<function="]}
 
-vLLM hands this form to xgrammar (its `StructuralTagItem`s and triggers); xgrammar's newer form
-(a `format` tree) is refused by name. Checked here, before a job is queued; the worker runs it
-(`worker.guided.structural_tag`). Plain Python, no dependencies.
+vLLM hands this form to xgrammar (its `StructuralTagItem`s and triggers), and so does genq:
+the worker runs it as xgrammar's triggered tags (`worker.guided.structured_output`). xgrammar's
+own form, `{"format": {...}}` (a tree of tags, JSON schemas, sequences...), is passed on as
+given. Its shape is checked here, before a job is queued (each schema is compiled by the
+worker, which fails the job naming what it cannot compile). Plain Python, no dependencies.
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from producer.grammar.json_schema import compile_schema
-
 
 def read_structural_tag(spec: Any) -> dict[str, Any]:
     """`{"structures": [...], "triggers": [...]}` from the request's mapping or its JSON text
     (other keys, such as response_format's `type`, dropped); ValueError naming what is wrong."""
     spec = _json_object(spec)
-    if "format" in spec:
-        raise ValueError("structural_tag: xgrammar's 'format' form is not supported; give 'structures' and 'triggers'")
+    if "format" in spec:  # xgrammar's own form: the worker's xgrammar checks the tree
+        if not isinstance(spec["format"], dict):
+            raise ValueError(f"structural_tag format must be an object, got {type(spec['format']).__name__}")
+        return {"format": spec["format"]}
     structures, triggers = spec.get("structures"), spec.get("triggers")
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise ValueError("structural_tag triggers must be a non-empty list of non-empty strings")
@@ -68,8 +70,6 @@ def _structure(i: int, structure: Any, triggers: list[str]) -> dict[str, Any]:
         raise ValueError(f"{where}: begin and end must be strings")
     if not any(begin.startswith(t) for t in triggers):
         raise ValueError(f"{where}: begin {begin!r} starts with none of the triggers")
-    try:
-        compile_schema(schema)
-    except ValueError as exc:
-        raise ValueError(f"{where} {exc}") from None
+    if not isinstance(schema, dict | bool):
+        raise ValueError(f"{where}: schema must be a JSON schema (an object), got {type(schema).__name__}")
     return {"begin": begin, "schema": schema, "end": end}

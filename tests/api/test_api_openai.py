@@ -512,7 +512,7 @@ def test_structured_outputs_as_current_vllm_spells_them(served_model: str, oai: 
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(xgr.Grammar.from_structural_tag([item], ["<"]))
     assert all(xgr.GrammarMatcher(compiled).accept_string(c.message.content) for c in tagged.choices)
     assert any("<t>{" in c.message.content for c in tagged.choices)
-    for extra, message in (({"structured_outputs": {"grammar": "root ::= x"}}, "rule 'x' is not defined"),
+    for extra, message in (({"structured_outputs": {"grammar": "root ::= x"}}, 'Rule "x" is not defined'),
                            ({"structured_outputs": {"regex": "a", "json_object": True}}, "exactly one of"),
                            ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "cannot be combined"),
                            ({"response_format": {"type": "structural_tag", "triggers": ["<"]}}, "structures must be")):

@@ -277,7 +277,7 @@ def test_logit_bias_and_allowed_token_ids_equal_transformers() -> None:
 def test_a_row_with_nothing_left_to_sample_ends() -> None:
     # allowed_token_ids and a guided-decoding mask with nothing in common
     params = [SamplingParams(temperature=1.0, allowed_token_ids=[5]), SamplingParams(temperature=1.0)]
-    masks = [bytes([1, 1, 0, 1, 0, 0, 0, 0]), None]
+    masks = torch.tensor([[0b1011], [-1]], dtype=torch.int32)  # tokens 0, 1, 3; all of them
     batch = SamplingBatch.build(params, [[], []], [[], []], [None, None], [EOS], 8, CPU, token_masks=masks)
     logits = torch.zeros(2, 8)
     logits[0, 5] = 5.0

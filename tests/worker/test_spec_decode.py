@@ -132,12 +132,14 @@ def test_guesses_a_grammar_refuses_are_cut_off(default_model_dir):
     from worker.guided.structured_output import GuidedDecoding
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
-    guided = GuidedDecoding(tok, {tok.eos_token_id})
-    guided.add("r", {"choice": ["yes please", "no thanks"]})
+    guided = GuidedDecoding(tok, {tok.eos_token_id}, len(tok))
+    grammar = guided.compile({"choice": ["yes please", "no thanks"]})
+    for request_id in ("r", "s"):
+        guided.add(request_id, grammar)
     yes, please, no = (tok.encode(text) for text in ("yes", " please", "no"))
     assert guided.fitting("r", [], yes + please + no) == yes + please
-    assert guided.fitting("r", yes, please + please) == please
-    assert guided.fitting("r", [], no + please) == no
+    assert guided.fitting("r", yes, please + please) == please  # (its grammar took "yes" in, not the guesses)
+    assert guided.fitting("s", [], no + please) == no
     assert guided.fitting("unguided", [], no + please) == no + please
 
 

@@ -1,100 +1,19 @@
-"""Structural tags (vLLM's `structural_tag`) against xgrammar, the backend vLLM hands them to:
-the same bytes taken and refused, the same places the output may end, and the same token masks
-on the default vocabulary, special tokens taken by their text as xgrammar takes them
-(whitespace past genq's cap aside)."""
+"""Structural tags (vLLM's `structural_tag`): their shape checked before a job is queued
+(producer.grammar.structural_tag), with errors that name what is wrong; vLLM's form run as
+the triggered tags xgrammar makes of it, and xgrammar's own form passed on to it."""
 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import xgrammar as xgr
-from test_structured_output import check_masks_against_xgrammar, grammar_takes, xgrammar_takes
 
 from producer.grammar.structural_tag import read_structural_tag
-from worker.guided.json_grammar import MAX_WHITESPACE_RUN
-from worker.guided.structural_tag import StructuralTagGrammar
-from worker.guided.token_bytes import special_texts, token_bytes
+from worker.guided.structured_output import structural_tag_json
 
-WEATHER = {"type": "object", "required": ["city"], "properties": {
-    "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
-    "unit": {"enum": ["C", "F"]}}}
-SEARCH = {"type": "object", "required": ["q"], "properties": {"q": {"type": "string", "maxLength": 20}}}
-SPEC = {"structures": [{"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"},
-                       {"begin": "<function=search>", "schema": SEARCH, "end": "</function>"},
-                       {"begin": "[[note]]", "schema": {"type": "object"}, "end": ""}],
-        "triggers": ["<function=", "[["]}
 ANY = {"type": "object"}
-PROSE = ["Sure.", " Let me check", "<b>bold</b>", " a < b,", " [link](x)", "\n", " é 日本 🙂", "<func", "[note"]
-
-
-def xgrammar_tag(spec: dict) -> xgr.Grammar:
-    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-             for s in spec["structures"]]
-    return xgr.Grammar.from_structural_tag(items, spec["triggers"])
-
-
-def call(rng: random.Random) -> str:
-    kind = rng.randrange(3)
-    if kind == 0:
-        args = {"city": rng.choice(["Paris", "Tōkyō", 'say "hi"']), "days": rng.randint(1, 14)}
-        if rng.random() < 0.5:
-            args["unit"] = rng.choice("CF")
-        return f"<function=get_weather>{json.dumps(args, ensure_ascii=rng.random() < 0.5)}</function>"
-    if kind == 1:
-        return f'<function=search>{json.dumps({"q": rng.choice(["genq", "a b c", ""])})}</function>'
-    return f"[[note]]{json.dumps({'any': [1, {'x': None}]}, separators=(',', ':'))}"
-
-
-def text(rng: random.Random) -> str:
-    return "".join(rng.choice(PROSE) if rng.random() < 0.6 else call(rng) for _ in range(rng.randint(1, 5)))
-
-
-def mutated(value: str, rng: random.Random) -> str:
-    chars = list(value)
-    at = rng.randrange(len(chars) + 1)
-    if rng.random() < 0.5 and at < len(chars):
-        del chars[at]
-    else:
-        chars.insert(at, rng.choice('<>[]{}":, 1xé'))
-    return "".join(chars)
-
-
-def test_texts_are_taken_and_refused_as_xgrammar_does() -> None:
-    grammar, compiled = StructuralTagGrammar(SPEC), xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(xgrammar_tag(SPEC))
-    rng = random.Random(3)
-    texts = [text(rng) for _ in range(60)]
-    texts += [mutated(t, rng) for t in texts for _ in range(4)]
-    refused = 0
-    for value in texts:
-        verdict = grammar_takes(grammar, value)
-        assert verdict == xgrammar_takes(compiled, value), value
-        refused += verdict[0] < len(value.encode())
-    assert 60 <= refused < len(texts) - 60  # the changes broke many calls, not all
-
-
-# a trigger, begin and end that are special tokens of the default vocabulary, taken whole
-QUERY = {"type": "object", "required": ["q"], "properties": {"q": {"type": "string"}}}
-SPECIAL_SPEC = {"structures": [{"begin": "<repo_name>", "schema": QUERY, "end": "<file_sep>"}],
-                "triggers": ["<repo_name>"]}
-
-
-@pytest.mark.parametrize("spec, reply", [
-    (SPEC, 'I will look. <function=get_weather>{"city": "Nice", "days": 2}</function> Then [[note]]{}'),
-    (SPECIAL_SPEC, 'Looking: <repo_name>{"q": "genq"}<file_sep> done <repo_name>{"q": ""}<file_sep>'),
-], ids=["text tags", "special-token tags"])
-def test_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir, spec: dict, reply: str) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    vocabulary = token_bytes(tokenizer)
-    specials = set(special_texts(tokenizer))
-    assert (sum(t in specials for t in tokenizer.encode(reply, add_special_tokens=False)) == 4) == (spec is SPECIAL_SPEC)
-    # genq's JSON takes at most MAX_WHITESPACE_RUN whitespace in a row (no padding forever)
-    padding = {i for i, data in enumerate(vocabulary) if data and not data.strip() and len(data) >= MAX_WHITESPACE_RUN}
-    check_masks_against_xgrammar(tokenizer, lambda compiler: compiler.compile_grammar(xgrammar_tag(spec)),
-                                 {"structural_tag": spec}, reply, padding, with_special_tokens=True)
+WEATHER = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -105,13 +24,32 @@ def test_masks_on_the_default_vocabulary_equal_xgrammars(default_model_dir, spec
     ({"structures": [{"begin": "<f", "schema": ANY}, {"begin": "<f>", "schema": ANY}], "triggers": ["<f"]},
      "cannot be told apart"),
     ({"structures": [{"begin": "<fa>", "schema": ANY}], "triggers": ["<f", "<fa"]}, "begins with another trigger"),
-    ({"structures": [{"begin": "<f>", "schema": {"type": "object", "properties": {"a": {"multipleOf": 2}}}}],
-      "triggers": ["<f"]}, "structures[0] json_schema: #/properties/a"),
+    ({"structures": [{"begin": "<f>", "schema": "object"}], "triggers": ["<f"]}, "structures[0]: schema must be a JSON schema"),
     ({"structures": [{"begin": "<f>", "schema": {}, "stop": "x"}], "triggers": ["<f"]}, "begin, schema and end"),
-    ({"format": {"type": "const_string", "value": "x"}}, "'format' form is not supported"),
+    ({"format": ["const_string"]}, "format must be an object"),
     ("{not json", "must be a JSON object or its text"),
 ])
 def test_bad_structural_tags_are_refused_naming_what(spec, message: str) -> None:
     with pytest.raises(ValueError, match="structural_tag") as info:
         read_structural_tag(spec)
     assert message in str(info.value)
+
+
+def test_both_forms_are_run_by_xgrammar() -> None:
+    """vLLM's {structures, triggers} takes free text and, after a trigger, a structure's begin,
+    a value of its schema and its end; xgrammar's own {format} is its tree, as given."""
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]))
+
+    def takes(spec: dict, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(structural_tag_json(spec)))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    vllm_form = {"structures": [{"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"}],
+                 "triggers": ["<function="]}
+    assert takes(vllm_form, 'Sure. <function=get_weather>{"city": "Nice"}</function> done')
+    assert not takes(vllm_form, 'Sure. <function=get_weather>{"town": "Nice"}</function>')
+    assert not takes(vllm_form, "Sure. <function=search>{}</function>")
+    own_form = {"format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "Answer: "}, {"type": "json_schema", "json_schema": WEATHER}]}}
+    assert takes(json.loads(json.dumps(own_form)), 'Answer: {"city": "Rome"}')
+    assert not takes(own_form, '{"city": "Rome"}')

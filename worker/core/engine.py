@@ -129,7 +129,7 @@ class Engine:
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels,
                                logprobs_mode=config.logprobs_mode, before_temperature=model_class is not None)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids)
+        self.guided = GuidedDecoding(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
         self.thinking = ThinkingBudgets(ThinkingMarkers.from_config(config.reasoning_config, self.tokenizer))
         self.generators: dict[str, torch.Generator] = {}
         self.speculator = Speculator(make_proposer(config, self.runner, self.model_path, self.max_model_len),
@@ -178,11 +178,12 @@ class Engine:
                              "embedding requests only")
         self.inputs.check_params(params)
         self.thinking.check(params.thinking_token_budget)
+        grammar = self.guided.compile(params.guided_decoding) if params.guided_decoding is not None else None
         functions = self.logits_processors.make(params, params.n)  # (a refusal leaves nothing behind)
         lora_id = self.add_lora(lora_request) if lora_request is not None else 0
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         children = [
-            self._make_child(request_id, i, prompt_ids, params, priority, arrival_time, resume_output_token_ids)
+            self._make_child(request_id, i, prompt_ids, params, priority, arrival_time, resume_output_token_ids, grammar)
             for i in range(params.n)
         ]
         bad_words = self.inputs.bad_words_token_ids(params.bad_words or [])
@@ -217,7 +218,7 @@ class Engine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in the engine")
 
-    def _make_child(self, request_id, index, prompt_ids, params, priority, arrival_time, resume):
+    def _make_child(self, request_id, index, prompt_ids, params, priority, arrival_time, resume, grammar):
         child_id = request_id if params.n == 1 else f"{request_id}#{index}"
         child_params = params
         if params.seed is not None:
@@ -231,8 +232,8 @@ class Engine:
             arrival_time=arrival_time,
             output_token_ids=list(resume or []),
         )
-        if params.guided_decoding is not None:
-            self.guided.add(child_id, params.guided_decoding)
+        if grammar is not None:
+            self.guided.add(child_id, grammar)
         room = self.max_model_len - len(prompt_ids)  # (past it only with clamp_max_tokens: check_fits)
         request.max_tokens = min(params.max_tokens or room, room)
         return request

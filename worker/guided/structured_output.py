@@ -1,329 +1,276 @@
-"""Structured output: grammars that say which text may come next, and the per-request token
-masks built from them (vLLM's `guided_decoding`: `json_object`, `json_schema`, `choice`,
-`regex`, `grammar`, `structural_tag`; the JSON grammars are in `worker.guided.json_grammar` and
-`worker.guided.json_schema_grammar`, regular expressions in `producer.grammar.regex`, EBNF grammars in
-`producer.grammar.ebnf`, structural tags in `worker.guided.structural_tag`).
+"""Structured output on xgrammar (vLLM's `guided_decoding`: `json_object`, `json_schema`,
+`choice`, `regex`, `grammar` (EBNF, or a Lark grammar), `structural_tag`), the grammar engine
+vLLM and SGLang run.
 
-A grammar is an automaton over immutable, hashable states that reads the output's UTF-8
-bytes, one character per byte (`worker.guided.token_bytes.byte_text`), so a token holding part of a
-character has an exact meaning: `advance(state, text)` returns the state after `text`, or
-None when no completion of the output could begin with it; `is_complete(state)` says the
-output may end there. The mask of a state is the set of vocabulary tokens whose bytes
-(`worker.guided.token_bytes`) keep the output valid; it is computed once per state and cached, so a request whose state repeats (inside a
-string, after a comma at the same depth) costs nothing after the first time. Where the output
-may end, the stop tokens are allowed too (they alone once nothing can extend it).
+xgrammar compiles a grammar against the engine's vocabulary once: its compiler keeps what it
+compiled, so the next request with the same schema starts at once, and the compiled grammar
+keeps the masks of the states whose tokens it could sort ahead of time. Each guided request
+has a matcher that takes its output tokens as they come. At a step, every guided row's
+allowed tokens are written into one int32 bitmask (bit i of word i // 32: token i may come
+next; an unguided row's words are all ones), which the sampler unpacks on the logits' device
+for all guided rows at once (`worker.sample.sampling_batch`).
 
-Plain Python (no torch): the engine turns the token ids into a mask tensor.
+Where the output may end, the stop tokens are allowed too (the engine's EOS ids, the matcher's
+stop tokens). Special tokens never stand in a grammar's text, but for structural tags, whose
+triggers may be one (Llama's `<|python_tag|>`): those take special tokens by their text, as
+xgrammar takes them. A grammar may start after a marker (`"after"`: a thinking reply's
+`</think>`, gpt-oss's `<|channel|>final<|message|>`, special tokens spelled by their text):
+until the output has written it, the row is free.
+
+Speculative decoding's guesses are checked against the grammar (`fitting`), and a step's rows
+for them are masked as if the guesses before them were output: the matcher takes the
+guesses and gives them back (xgrammar's rollback).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+import json
+import re
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from producer.grammar.ebnf import compile_ebnf
-from producer.grammar.regex import compile_regex
-from worker.guided.json_grammar import COMPACT_JSON_OBJECT, JSON_OBJECT
-from worker.guided.json_schema_grammar import JsonSchemaGrammar
-from worker.guided.structural_tag import StructuralTagGrammar
-from worker.guided.token_bytes import byte_text, special_texts, token_bytes
+import torch
+import xgrammar as xgr
 
-MASK_CACHE_SIZE = 1024  # grammar states whose masks are kept (a mask is one byte per token)
+from producer.grammar.structural_tag import read_structural_tag
 
-
-class Grammar(Protocol):
-    key: Hashable  # equal for grammars that accept the same text: masks are shared by it
-
-    def initial(self) -> Hashable: ...
-
-    def advance(self, state: Hashable, text: str) -> Hashable | None: ...
-
-    def is_complete(self, state: Hashable) -> bool: ...
+COMPILED_CACHE_BYTES = 512 * 2**20  # what each compiler keeps of the grammars it compiled
+COMPILE_THREADS = 2  # a grammar's masks are sorted ahead of time over the vocabulary, in threads
+MAX_WHITESPACE_RUN = 64  # JSON's whitespace in a row: room to indent 15 levels by 4, yet no padding forever
 
 
-def make_grammar(guided_decoding: dict[str, Any]) -> Grammar:
-    """`{"json_object": True}`, `{"json_schema": {...}}`, `{"choice": [...]}`,
-    `{"regex": pattern}`, `{"grammar": ebnf}` or `{"structural_tag": {"structures",
-    "triggers"}}` (SamplingParams checked the shape, and that the schema, pattern or grammar
-    compiles); JSON with `"disable_any_whitespace": True` is written compact."""
-    compact = bool(guided_decoding.get("disable_any_whitespace"))
-    if guided_decoding.get("json_object"):
-        return COMPACT_JSON_OBJECT if compact else JSON_OBJECT
-    if "json_schema" in guided_decoding:
-        return JsonSchemaGrammar(guided_decoding["json_schema"], compact=compact)
-    if "regex" in guided_decoding:
-        return regex_grammar(guided_decoding["regex"])
-    if "grammar" in guided_decoding:
-        return ebnf_grammar(guided_decoding["grammar"])
-    if "structural_tag" in guided_decoding:
-        return StructuralTagGrammar(guided_decoding["structural_tag"])
-    return ChoiceGrammar(guided_decoding["choice"])
+@dataclass(frozen=True)
+class Grammar:
+    """A request's grammar, compiled: shared by every request that asked the same."""
 
-
-class AutomatonGrammar:
-    """A grammar run by a byte automaton of `producer`'s (`initial`, `step(state, byte)`,
-    `accepts(state)`): a regular expression's DFA, or a context-free grammar's sets of parse
-    stacks. A state is the automaton's, shared by every request with the same automaton."""
-
-    def __init__(self, automaton: Any, key: Hashable) -> None:
-        self.automaton = automaton
-        self.key = key
-
-    def initial(self) -> Hashable:
-        return self.automaton.initial
-
-    def advance(self, state: Hashable, text: str) -> Hashable | None:
-        current = state
-        for ch in text:  # one byte per character (byte_text)
-            current = self.automaton.step(current, ord(ch))
-            if current is None:
-                return None
-        return current
-
-    def is_complete(self, state: Hashable) -> bool:
-        return self.automaton.accepts(state)
-
-
-def regex_grammar(pattern: str) -> AutomatonGrammar:
-    """The output matches the pattern whole. A state is the pattern's DFA state (a frozen
-    set of NFA states, numbered alike whenever the pattern is compiled)."""
-    return AutomatonGrammar(compile_regex(pattern), ("regex", pattern))
-
-
-def ebnf_grammar(text: str) -> AutomatonGrammar:
-    """The output is a sentence of the EBNF grammar. A state is a frozen set of parse
-    stacks, numbered by the compiled grammar as it is walked: masks are shared by requests
-    sharing that compilation (`compile_ebnf` keeps the recent ones), not across them."""
-    ebnf = compile_ebnf(text)
-    return AutomatonGrammar(ebnf, ("grammar", ebnf.serial))
-
-
-class ChoiceGrammar:
-    """The output is exactly one of the given strings. A state is the bytes so far."""
-
-    def __init__(self, choices: Sequence[str]) -> None:
-        self.choices = tuple(byte_text(c.encode()) for c in choices)
-        self.key: Hashable = ("choice", self.choices)
-
-    def initial(self) -> Hashable:
-        return ""
-
-    def advance(self, state: Hashable, text: str) -> Hashable | None:
-        new = f"{state}{text}"
-        return new if any(c.startswith(new) for c in self.choices) else None
-
-    def is_complete(self, state: Hashable) -> bool:
-        return state in self.choices
-
-
-# ---------------------------------------------------------------------------------------------
-# Token masks
+    compiled: xgr.CompiledGrammar
+    after: bytes | None  # the grammar starts after this text; until then the output is free
 
 
 @dataclass
 class GuidedState:
     """One request's progress through its grammar."""
 
-    grammar: Grammar
-    state: Hashable | None  # None: the output can no longer fit the grammar (it may only stop)
-    num_tokens: int = 0  # output tokens consumed so far
-    after: str | None = None  # the grammar starts after this text; until then the output is free
-    seen: str = ""  # while waiting for `after`: the output's tail that may begin it
-
-
-class TokenMasks:
-    """The allowed next tokens of grammar states over one vocabulary, as masks: bytes of the
-    vocabulary's length, 1 where the token may come next.
-
-    `vocabulary[i]` is the bytes token i stands for; None (special tokens) is not allowed
-    inside the output, unless the grammar `reads_special_tokens` (a structural tag, whose
-    trigger may be one: Llama's `<|python_tag|>`): then a special token is taken by its text,
-    from `special_texts`, as xgrammar takes it. `special_texts` also spell special tokens for
-    markers: a grammar may start after one (gpt-oss's `<|channel|>final<|message|>`).
-    """
-
-    def __init__(
-        self, vocabulary: Sequence[bytes | None], stop_ids: set[int],
-        cache_size: int = MASK_CACHE_SIZE, special_texts: dict[int, str] | None = None,
-    ) -> None:
-        self.token_texts = [byte_text(b or b"") for b in vocabulary]
-        self.marker_texts = list(self.token_texts)  # what the output spells while a marker is awaited
-        for token_id, text in (special_texts or {}).items():
-            if token_id < len(self.marker_texts):
-                self.marker_texts[token_id] = byte_text(text.encode())
-        self.trie = _trie((i, self.token_texts[i]) for i, b in enumerate(vocabulary) if b)
-        # special tokens a grammar that reads them may take whole, by their text (a stop token
-        # only ever where the output may end)
-        self.special = [(i, self.marker_texts[i]) for i in (special_texts or {})
-                        if i < len(self.marker_texts) and i not in stop_ids]
-        self.stop_mask = _mask(len(self.token_texts), (i for i in stop_ids if i < len(self.token_texts)))
-        self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[Hashable, Hashable], bytes] = OrderedDict()
-
-    def allowed(self, guided: GuidedState) -> bytes:
-        """The tokens that may come next: those that keep the output valid, and the stop
-        tokens where the output may end."""
-        if guided.state is None:
-            return self.stop_mask
-        key = (guided.grammar.key, guided.state)
-        mask = self._cache.get(key)
-        if mask is None:
-            mask = self._cache[key] = self._compute(guided.grammar, guided.state)
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return mask
-
-    def _compute(self, grammar: Grammar, state: Hashable) -> bytes:
-        # Down the vocabulary's trie: a first character or two the grammar refuses rule out
-        # every token that begins so at once, and tokens that begin alike share those steps.
-        ids: list[int] = []
-        pending = [(self.trie, state)]
-        while pending:
-            (children, ends, tails), at = pending.pop()
-            ids.extend(ends)
-            ids.extend(token_id for token_id, rest in tails if grammar.advance(at, rest) is not None)
-            for char, child in children.items():
-                nxt = grammar.advance(at, char)
-                if nxt is not None:
-                    pending.append((child, nxt))
-        if getattr(grammar, "reads_special_tokens", False):
-            ids.extend(i for i, text in self.special if grammar.advance(state, text) is not None)
-        mask = bytearray(_mask(len(self.token_texts), ids))
-        # Complete, or stuck: no token spells what must come next (a character the tokenizer
-        # only has in pieces). Ending beats sampling from a distribution with nothing in it.
-        if grammar.is_complete(state) or not ids:
-            for i, stop in enumerate(self.stop_mask):
-                mask[i] |= stop
-        return bytes(mask)
-
-    def ahead(self, guided: GuidedState, output_token_ids: Sequence[int]) -> GuidedState:
-        """The state after the output tokens it has not consumed, `guided` left as it is (a
-        row that assumes guessed tokens)."""
-        state = replace(guided)
-        self.advance(state, output_token_ids)
-        return state
-
-    def advance(self, guided: GuidedState, output_token_ids: Sequence[int]) -> None:
-        """Consume the output tokens not seen yet (one per step; all of them for a resumed
-        request). A token the grammar cannot take (a stop token at the end) leaves the state."""
-        texts = self.marker_texts if getattr(guided.grammar, "reads_special_tokens", False) else self.token_texts
-        for token_id in output_token_ids[guided.num_tokens :]:
-            text = texts[token_id]
-            if guided.after is not None:
-                text = _past(guided, self.marker_texts[token_id])
-                if not text:
-                    continue
-                if guided.state is not None:  # the grammar's first text: it must fit
-                    guided.state = guided.grammar.advance(guided.state, text)
-                continue
-            nxt = None if guided.state is None else guided.grammar.advance(guided.state, text)
-            if nxt is not None:
-                guided.state = nxt
-        guided.num_tokens = len(output_token_ids)
-
-
-def _past(guided: GuidedState, text: str) -> str:
-    """While waiting for `guided.after`: the text past it once it has come (the grammar
-    starts there), else "" and the tail that may begin it is kept."""
-    assert guided.after is not None
-    seen = guided.seen + text
-    at = seen.find(guided.after)
-    if at < 0:
-        keep = len(guided.after) - 1
-        guided.seen = seen[-keep:] if keep else ""
-        return ""
-    rest = seen[at + len(guided.after):]
-    guided.after, guided.seen = None, ""
-    return rest
-
-
-# The vocabulary's trie branches on a token's first TRIE_DEPTH characters; a longer token's rest
-# hangs from that node and is stepped whole, where a grammar's whole-text fast path (plain text
-# inside a string) serves it. Deeper tries stepped more characters one by one for no gain.
-TRIE_DEPTH = 2
-Trie = tuple[dict[str, "Trie"], list[int], list[tuple[int, str]]]  # (next characters, tokens ending here, tails)
-
-
-def _trie(tokens: Iterable[tuple[int, str]]) -> Trie:
-    root: Trie = ({}, [], [])
-    for token_id, text in tokens:
-        node = root
-        for char in text[:TRIE_DEPTH]:
-            node = node[0].setdefault(char, ({}, [], []))
-        if len(text) > TRIE_DEPTH:
-            node[2].append((token_id, text[TRIE_DEPTH:]))
-        else:
-            node[1].append(token_id)
-    return root
-
-
-def _mask(size: int, ids: Iterable[int]) -> bytes:
-    mask = bytearray(size)
-    for i in ids:
-        mask[i] = 1
-    return bytes(mask)
+    matcher: xgr.GrammarMatcher
+    num_tokens: int = 0  # output tokens taken so far
+    after: bytes | None = None  # while not None: the marker awaited, the output free meanwhile
+    seen: bytes = b""  # while the marker is awaited: the output's tail that may begin it
+    stuck: bool = False  # the text after the marker fit no sentence of the grammar: it may only stop
 
 
 class GuidedDecoding:
     """The grammar state of each guided request of one engine, and the masks for a step."""
 
-    def __init__(self, tokenizer: Any, stop_ids: Collection[int]) -> None:
+    def __init__(self, tokenizer: Any, stop_ids: Collection[int], vocab_size: int) -> None:
+        """`vocab_size`: the logits' width (the tokenizer's vocabulary may be smaller)."""
         self.tokenizer = tokenizer
-        self.stop_ids = set(stop_ids)
+        self.stop_ids = sorted(stop_ids)
+        self.vocab_size = vocab_size
         self.states: dict[str, GuidedState] = {}  # request id -> its progress
-        self._masks: TokenMasks | None = None  # built at the first guided request
+        # (built at the first guided request: reading the vocabulary takes a fraction of a second)
+        self._compilers: dict[bool, xgr.GrammarCompiler] = {}  # by whether special tokens are read
+        self._token_texts: list[bytes] | None = None  # every token's text, special tokens' spelled
+        self._stop_bits: torch.Tensor | None = None  # the stop tokens alone, as a bitmask row
 
-    def add(self, request_id: str, guided_decoding: dict[str, Any]) -> None:
-        grammar = make_grammar(guided_decoding)
+    def compile(self, guided_decoding: dict[str, Any]) -> Grammar:
+        """The grammar `guided_decoding` asks for (SamplingParams checked its shape); ValueError
+        naming what is wrong where xgrammar cannot compile it."""
+        reads_special = "structural_tag" in guided_decoding
+        compiler = self._compiler(reads_special)
+        try:
+            compiled = _compile(compiler, guided_decoding)
+        except (RuntimeError, ValueError, TypeError) as exc:  # (xgrammar's errors, pydantic's)
+            kind = next(k for k in guided_decoding if k not in ("after", "disable_any_whitespace"))
+            raise ValueError(f"guided_decoding {kind}: {_xgrammar_message(exc)}") from None
         after = guided_decoding.get("after")
-        self.states[request_id] = GuidedState(
-            grammar, grammar.initial(), after=None if after is None else byte_text(after.encode())
-        )
+        return Grammar(compiled, None if after is None else after.encode())
+
+    def add(self, request_id: str, grammar: Grammar) -> None:
+        self.states[request_id] = GuidedState(xgr.GrammarMatcher(grammar.compiled), after=grammar.after)
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def masks(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> list[bytes | None] | None:
+    def masks(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> torch.Tensor | None:
         """Per row (request id, its output tokens, how many of them at the end are guesses
-        (speculative decoding)): the tokens it may sample next, or None for an unguided
-        request; None altogether when no row is guided. The request's state takes in its
-        tokens, not the guesses."""
+        (speculative decoding)): the tokens it may sample next, as a bitmask [rows,
+        ceil(vocab / 32)] int32 (all ones for an unguided row, or one not guided yet); None
+        when no row is guided. The request's matcher takes in its tokens, not the guesses."""
         if not any(request_id in self.states for request_id, _, _ in rows):
             return None
-        masks = self._token_masks()
-        out: list[bytes | None] = []
-        for request_id, output_token_ids, num_guessed in rows:
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # (all ones)
+        plain: list[tuple[int, xgr.GrammarMatcher]] = []  # rows without guesses: filled at once
+        for row, (request_id, output_token_ids, num_guessed) in enumerate(rows):
             guided = self.states.get(request_id)
-            if guided is not None:
-                masks.advance(guided, output_token_ids[: len(output_token_ids) - num_guessed])
-                if num_guessed:
-                    guided = masks.ahead(guided, output_token_ids)
-            if guided is None or guided.after is not None:  # unguided, or not guided yet
-                out.append(None)
+            if guided is None:
+                continue
+            self._advance(guided, output_token_ids[: len(output_token_ids) - num_guessed])
+            if guided.after is not None:
+                continue  # not guided yet
+            if guided.stuck or guided.matcher.is_terminated():
+                bitmask[row] = self._stop_mask()
+            elif num_guessed:
+                self._fill_after_guesses(guided.matcher, output_token_ids[len(output_token_ids) - num_guessed:],
+                                         bitmask, row)
             else:
-                out.append(masks.allowed(guided))
-        return out
+                plain.append((row, guided.matcher))
+        if len(plain) == 1:
+            plain[0][1].fill_next_token_bitmask(bitmask, plain[0][0])
+        elif plain:  # (xgrammar spreads them over threads)
+            xgr.BatchGrammarMatcher(COMPILE_THREADS).batch_fill_next_token_bitmask(
+                [matcher for _, matcher in plain], bitmask, [row for row, _ in plain])
+        return bitmask
 
     def fitting(self, request_id: str, output_token_ids: Sequence[int], guesses: list[int]) -> list[int]:
         """The guesses up to the first one the request's grammar refuses after its output
-        (all of them for an unguided request): a refused guess could never be kept."""
+        (all of them for an unguided request, or one not guided yet): a refused guess could
+        never be kept."""
         guided = self.states.get(request_id)
         if guided is None or not guesses:
             return guesses
-        masks = self._token_masks()
-        state = masks.ahead(guided, output_token_ids)
-        for i, token_id in enumerate(guesses):
-            if state.after is None and not masks.allowed(state)[token_id]:
-                return guesses[:i]
-            masks.advance(state, [*output_token_ids, *guesses[: i + 1]])
-        return guesses
+        self._advance(guided, output_token_ids)
+        if guided.after is not None:
+            return guesses
+        if guided.stuck:
+            return []
+        taken = _accept_while(guided.matcher, guesses)
+        guided.matcher.rollback(taken)
+        return guesses[:taken]
 
-    def _token_masks(self) -> TokenMasks:
-        if self._masks is None:  # every token's bytes, once (a fraction of a second)
-            self._masks = TokenMasks(token_bytes(self.tokenizer), self.stop_ids,
-                                     special_texts=special_texts(self.tokenizer))
-        return self._masks
+    def _fill_after_guesses(self, matcher: xgr.GrammarMatcher, guesses: Sequence[int], bitmask: torch.Tensor,
+                            row: int) -> None:
+        """The row's mask after its guesses (a guess the grammar refuses makes the rows after
+        it unkept whatever they sample: the mask is then the one before it)."""
+        taken = _accept_while(matcher, guesses)
+        if matcher.is_terminated():
+            bitmask[row] = self._stop_mask()
+        else:
+            matcher.fill_next_token_bitmask(bitmask, row)
+        matcher.rollback(taken)
+
+    def _advance(self, guided: GuidedState, output_token_ids: Sequence[int]) -> None:
+        """Take the output tokens not seen yet (one per step; all of them for a resumed
+        request). A token the grammar refuses (a stop token at the end, a thinking budget's
+        forced marker) leaves the matcher as it was."""
+        for token_id in output_token_ids[guided.num_tokens:]:
+            if guided.after is not None:
+                rest = _past(guided, self._texts()[token_id])
+                if rest and not guided.stuck:  # the grammar's first text: it must fit
+                    guided.stuck = not guided.matcher.accept_string(rest)
+            elif not guided.stuck and not guided.matcher.is_terminated():
+                guided.matcher.accept_token(token_id)
+        guided.num_tokens = len(output_token_ids)
+
+    def _compiler(self, reads_special: bool) -> xgr.GrammarCompiler:
+        compiler = self._compilers.get(reads_special)
+        if compiler is None:
+            info = self._tokenizer_info(reads_special)
+            compiler = self._compilers[reads_special] = xgr.GrammarCompiler(
+                info, max_threads=COMPILE_THREADS, cache_limit_bytes=COMPILED_CACHE_BYTES)
+        return compiler
+
+    def _tokenizer_info(self, reads_special: bool) -> xgr.TokenizerInfo:
+        """The vocabulary as xgrammar reads it; special tokens (but the stop tokens) as tokens
+        no grammar takes, unless `reads_special`: then by their text."""
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.stop_ids)
+        if reads_special:
+            return info
+        special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special} - set(self.stop_ids)
+        texts = [b"" if i in special else text for i, text in enumerate(self._texts())]  # (empty: never taken)
+        return xgr.TokenizerInfo(texts, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
+
+    def _texts(self) -> list[bytes]:
+        """Each token's bytes, a special token's its text (what a marker is spelled with)."""
+        if self._token_texts is None:
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self._token_texts = [bytes(text) for text in info.decoded_vocab]
+            self._token_texts += [b""] * (self.vocab_size - len(self._token_texts))
+        return self._token_texts
+
+    def _stop_mask(self) -> torch.Tensor:
+        if self._stop_bits is None:
+            bits = xgr.allocate_token_bitmask(1, self.vocab_size)
+            bits.zero_()
+            for token_id in self.stop_ids:
+                if token_id < self.vocab_size:
+                    bits[0, token_id // 32] |= _bit(token_id % 32)
+            self._stop_bits = bits[0]
+        return self._stop_bits
+
+
+def _compile(compiler: xgr.GrammarCompiler, guided_decoding: dict[str, Any]) -> xgr.CompiledGrammar:
+    whitespace = not guided_decoding.get("disable_any_whitespace")
+    if guided_decoding.get("json_object"):
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=whitespace, strict_mode=False,
+                                            max_whitespace_cnt=MAX_WHITESPACE_RUN)
+    if "json_schema" in guided_decoding:
+        return compiler.compile_json_schema(json.dumps(guided_decoding["json_schema"]), any_whitespace=whitespace,
+                                            max_whitespace_cnt=MAX_WHITESPACE_RUN)
+    if "regex" in guided_decoding:
+        return compiler.compile_regex(guided_decoding["regex"])
+    if "grammar" in guided_decoding:
+        grammar = guided_decoding["grammar"]
+        # a grammar without "::=" is Lark's, as vLLM tells them apart
+        return compiler.compile_grammar(grammar) if "::=" in grammar else compiler.compile_lark(grammar)
+    if "structural_tag" in guided_decoding:
+        return compiler.compile_structural_tag(structural_tag_json(guided_decoding["structural_tag"]))
+    # the output is exactly one of the choices
+    choices = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in guided_decoding["choice"])
+    return compiler.compile_grammar(f"root ::= {choices}")
+
+
+def structural_tag_json(spec: Any) -> str:
+    """A structural tag in xgrammar's form: vLLM's `{"structures", "triggers"}` as the
+    triggered tags it means (each structure a tag whose content is a JSON value of its schema),
+    xgrammar's own `{"format": ...}` as given."""
+    spec = read_structural_tag(spec)
+    if "format" in spec:
+        return json.dumps({"type": "structural_tag", "format": spec["format"]})
+    tags = [{"type": "tag", "begin": s["begin"], "end": s["end"], "content": {
+        "type": "json_schema", "json_schema": s["schema"], "max_whitespace_cnt": MAX_WHITESPACE_RUN}}
+        for s in spec["structures"]]
+    return json.dumps({"type": "structural_tag",
+                       "format": {"type": "triggered_tags", "triggers": spec["triggers"], "tags": tags}})
+
+
+def _accept_while(matcher: xgr.GrammarMatcher, token_ids: Sequence[int]) -> int:
+    """How many of `token_ids` the matcher takes, in order, up to the first it refuses."""
+    taken = 0
+    for token_id in token_ids:
+        if matcher.is_terminated() or not matcher.accept_token(token_id):
+            break
+        taken += 1
+    return taken
+
+
+def _past(guided: GuidedState, text: bytes) -> bytes:
+    """While waiting for `guided.after`: the text past it once it has come (the grammar
+    starts there), else b"" and the tail that may begin it is kept."""
+    assert guided.after is not None
+    seen = guided.seen + text
+    at = seen.find(guided.after)
+    if at < 0:
+        keep = len(guided.after) - 1
+        guided.seen = seen[-keep:] if keep else b""
+        return b""
+    rest = seen[at + len(guided.after):]
+    guided.after, guided.seen = None, b""
+    return rest
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as the signed value torch stores (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32 if i == 31 else 0)
+
+
+# "[02:10:57] /project/cpp/x.cc:94: ", and "Check failed: (...) is false: " after it
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def _xgrammar_message(exc: Exception) -> str:
+    """xgrammar's error without the place in its C++ sources it came from, on one line."""
+    text = str(exc).strip()
+    text = _XGRAMMAR_PREFIX.sub("", text)
+    return " ".join(text.split()) or type(exc).__name__

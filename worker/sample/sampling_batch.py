@@ -56,7 +56,7 @@ class SamplingBatch:
         eos_token_ids: list[int],
         vocab_size: int,
         device: torch.device,
-        token_masks: list[bytes | None] | None = None,
+        token_masks: Tensor | None = None,
         banned_token_ids: list[list[int]] | None = None,
         forced_token_ids: list[int | None] | None = None,
     ) -> SamplingBatch:
@@ -65,8 +65,9 @@ class SamplingBatch:
         `eos_token_ids` is the model's set of EOS ids; it applies to every row (a per-row
         list of identical ids works too). `generators[i]` is request i's own generator when it
         has a seed, kept by the engine across steps. Cost is O(num_seqs) plus, only when some
-        row uses penalties, O(prompt + output tokens) to count tokens. `token_masks[i]`, when
-        not None, allows request i only the tokens whose byte is 1 (guided decoding);
+        row uses penalties, O(prompt + output tokens) to count tokens. `token_masks`, when
+        not None, is guided decoding's bitmask [num_seqs, ceil(vocab / 32)] int32: request i
+        may sample token t only where bit t % 32 of word t // 32 of its row is set;
         `banned_token_ids[i]` are tokens request i may not sample this step (bad words);
         `forced_token_ids[i]`, when not None, is the one token request i may sample (a spent
         thinking budget's end marker).
@@ -221,7 +222,7 @@ def _blocks(
 
 
 def _token_list_tensors(
-    params: list[SamplingParams], token_masks: list[bytes | None] | None, eos_token_ids: list[int],
+    params: list[SamplingParams], token_masks: Tensor | None, eos_token_ids: list[int],
     vocab_size: int, device: torch.device, forced_token_ids: list[int | None] | None = None,
 ) -> dict[str, Tensor | None]:
     """allowed_token_ids, guided-decoding masks and forced tokens as one mask, logit_bias as
@@ -230,22 +231,18 @@ def _token_list_tensors(
         ("disallowed", "eos_token_ids", "bias_rows", "bias_token_ids", "bias_values")
     )
     allowed = [(row, p.allowed_token_ids) for row, p in enumerate(params) if p.allowed_token_ids]
-    guided = [(row, m) for row, m in enumerate(token_masks or []) if m is not None]
     forced = [(row, t) for row, t in enumerate(forced_token_ids or []) if t is not None and t < vocab_size]
-    if allowed or guided or forced:
-        disallowed = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    if allowed or token_masks is not None or forced:
+        disallowed = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
         for row, allowed_ids in allowed:
             disallowed[row] = True
             disallowed[row, allowed_ids] = False
-        for row, mask in guided:  # ids past the tokenizer's (padded logits) are never allowed
-            permitted = torch.zeros(vocab_size, dtype=torch.bool)
-            n = min(len(mask), vocab_size)
-            permitted[:n] = torch.frombuffer(bytearray(mask[:n]), dtype=torch.uint8).bool()
-            disallowed[row] |= ~permitted
+        if token_masks is not None:  # (unpacked where the logits are: a 32nd of the bytes to move)
+            disallowed |= ~unpack_bitmask(token_masks.to(device), vocab_size)
         for row, token_id in forced:  # (over any mask: the grammar of a reply that thinks first waits for the end)
             disallowed[row] = True
             disallowed[row, token_id] = False
-        out["disallowed"] = disallowed.to(device)
+        out["disallowed"] = disallowed
         out["eos_token_ids"] = _row_tensor([t for t in eos_token_ids if t < vocab_size], torch.int64, device)
     biased = [(row, t, v) for row, p in enumerate(params) if p.logit_bias for t, v in p.logit_bias.items()]
     if biased:
@@ -254,3 +251,13 @@ def _token_list_tensors(
         out["bias_token_ids"] = _row_tensor(biased_ids, torch.int64, device)
         out["bias_values"] = _row_tensor(values, torch.float32, device)
     return out
+
+
+def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """A token bitmask [rows, words] int32 (bit t % 32 of word t // 32: token t) as [rows,
+    vocab_size] bool; tokens past the mask's words are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    return allowed
