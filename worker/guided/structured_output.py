@@ -2,10 +2,12 @@
 `choice`, `regex`, `grammar` (EBNF, or a Lark grammar), `structural_tag`), the grammar engine
 vLLM and SGLang run.
 
-xgrammar compiles a grammar against the engine's vocabulary once: its compiler keeps what it
-compiled, so the next request with the same schema starts at once, and the compiled grammar
-keeps the masks of the states whose tokens it could sort ahead of time. Each guided request
-has a matcher that takes its output tokens as they come. At a step, every guided row's
+A guide is read into an xgrammar grammar as its request is added (a guide xgrammar cannot read
+is refused there, naming what is wrong); compiling it against the engine's vocabulary (the
+masks of the states whose tokens it can sort ahead of time: tens to hundreds of milliseconds)
+runs in a thread beside the engine's steps (xgrammar lets go of the GIL), while the request's
+prompt is computed, and is kept for the next request with the same guide. Each guided request
+has a matcher, made at its first mask, that takes its output tokens as they come. At a step, every guided row's
 allowed tokens are written into one int32 bitmask (bit i of word i // 32: token i may come
 next; an unguided row's words are all ones), which the sampler unpacks on the logits' device
 for all guided rows at once (`worker.sample.sampling_batch`).
@@ -25,8 +27,11 @@ guesses and gives them back (xgrammar's rollback).
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,16 +40,19 @@ import xgrammar as xgr
 
 from producer.grammar.structural_tag import read_structural_tag
 
-COMPILED_CACHE_BYTES = 512 * 2**20  # what each compiler keeps of the grammars it compiled
+COMPILED_KEPT = 128  # guides whose compiled grammars are kept (a few MiB each at most)
 COMPILE_THREADS = 2  # a grammar's masks are sorted ahead of time over the vocabulary, in threads
 MAX_WHITESPACE_RUN = 64  # JSON's whitespace in a row: room to indent 15 levels by 4, yet no padding forever
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True)
 class Grammar:
-    """A request's grammar, compiled: shared by every request that asked the same."""
+    """A request's grammar, being compiled or compiled: shared by every request that asked the same."""
 
-    compiled: xgr.CompiledGrammar
+    compiled: Future[xgr.CompiledGrammar]
     after: bytes | None  # the grammar starts after this text; until then the output is free
 
 
@@ -52,7 +60,8 @@ class Grammar:
 class GuidedState:
     """One request's progress through its grammar."""
 
-    matcher: xgr.GrammarMatcher
+    grammar: Grammar
+    matcher: xgr.GrammarMatcher | None = None  # made at its first mask (its grammar compiled by then)
     num_tokens: int = 0  # output tokens taken so far
     after: bytes | None = None  # while not None: the marker awaited, the output free meanwhile
     seen: bytes = b""  # while the marker is awaited: the output's tail that may begin it
@@ -72,22 +81,30 @@ class GuidedDecoding:
         self._compilers: dict[bool, xgr.GrammarCompiler] = {}  # by whether special tokens are read
         self._token_texts: list[bytes] | None = None  # every token's text, special tokens' spelled
         self._stop_bits: torch.Tensor | None = None  # the stop tokens alone, as a bitmask row
+        self._compiled: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()  # by guide
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="genq-grammar")
 
     def compile(self, guided_decoding: dict[str, Any]) -> Grammar:
-        """The grammar `guided_decoding` asks for (SamplingParams checked its shape); ValueError
-        naming what is wrong where xgrammar cannot compile it."""
-        reads_special = "structural_tag" in guided_decoding
-        compiler = self._compiler(reads_special)
-        try:
-            compiled = _compile(compiler, guided_decoding)
-        except (RuntimeError, ValueError, TypeError) as exc:  # (xgrammar's errors, pydantic's)
-            kind = next(k for k in guided_decoding if k not in ("after", "disable_any_whitespace"))
-            raise ValueError(f"guided_decoding {kind}: {_xgrammar_message(exc)}") from None
+        """The grammar `guided_decoding` asks for (SamplingParams checked its shape), compiling
+        in the background; ValueError naming what is wrong where xgrammar cannot read it."""
         after = guided_decoding.get("after")
+        key = json.dumps({k: v for k, v in guided_decoding.items() if k != "after"}, sort_keys=True)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            try:
+                grammar = _read(guided_decoding)
+            except (RuntimeError, ValueError, TypeError) as exc:  # (xgrammar's errors, pydantic's)
+                kind = next(k for k in guided_decoding if k not in ("after", "disable_any_whitespace"))
+                raise ValueError(f"guided_decoding {kind}: {_xgrammar_message(exc)}") from None
+            compiler = self._compiler("structural_tag" in guided_decoding)
+            compiled = self._compiled[key] = self._pool.submit(compiler.compile_grammar, grammar)
+            if len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(key)
         return Grammar(compiled, None if after is None else after.encode())
 
     def add(self, request_id: str, grammar: Grammar) -> None:
-        self.states[request_id] = GuidedState(xgr.GrammarMatcher(grammar.compiled), after=grammar.after)
+        self.states[request_id] = GuidedState(grammar, after=grammar.after)
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -105,16 +122,15 @@ class GuidedDecoding:
             guided = self.states.get(request_id)
             if guided is None:
                 continue
-            self._advance(guided, output_token_ids[: len(output_token_ids) - num_guessed])
+            matcher = self._advance(guided, output_token_ids[: len(output_token_ids) - num_guessed])
             if guided.after is not None:
                 continue  # not guided yet
-            if guided.stuck or guided.matcher.is_terminated():
+            if matcher is None or matcher.is_terminated():
                 bitmask[row] = self._stop_mask()
             elif num_guessed:
-                self._fill_after_guesses(guided.matcher, output_token_ids[len(output_token_ids) - num_guessed:],
-                                         bitmask, row)
+                self._fill_after_guesses(matcher, output_token_ids[len(output_token_ids) - num_guessed:], bitmask, row)
             else:
-                plain.append((row, guided.matcher))
+                plain.append((row, matcher))
         if len(plain) == 1:
             plain[0][1].fill_next_token_bitmask(bitmask, plain[0][0])
         elif plain:  # (xgrammar spreads them over threads)
@@ -129,13 +145,13 @@ class GuidedDecoding:
         guided = self.states.get(request_id)
         if guided is None or not guesses:
             return guesses
-        self._advance(guided, output_token_ids)
+        matcher = self._advance(guided, output_token_ids)
         if guided.after is not None:
             return guesses
-        if guided.stuck:
+        if matcher is None:
             return []
-        taken = _accept_while(guided.matcher, guesses)
-        guided.matcher.rollback(taken)
+        taken = _accept_while(matcher, guesses)
+        matcher.rollback(taken)
         return guesses[:taken]
 
     def _fill_after_guesses(self, matcher: xgr.GrammarMatcher, guesses: Sequence[int], bitmask: torch.Tensor,
@@ -149,25 +165,41 @@ class GuidedDecoding:
             matcher.fill_next_token_bitmask(bitmask, row)
         matcher.rollback(taken)
 
-    def _advance(self, guided: GuidedState, output_token_ids: Sequence[int]) -> None:
+    def _advance(self, guided: GuidedState, output_token_ids: Sequence[int]) -> xgr.GrammarMatcher | None:
         """Take the output tokens not seen yet (one per step; all of them for a resumed
-        request). A token the grammar refuses (a stop token at the end, a thinking budget's
-        forced marker) leaves the matcher as it was."""
+        request); the matcher past them, or None while its marker is awaited or once the output
+        left the grammar (it may only stop then). A token the grammar refuses (a stop token at
+        the end, a thinking budget's forced marker) leaves the matcher as it was."""
         for token_id in output_token_ids[guided.num_tokens:]:
             if guided.after is not None:
                 rest = _past(guided, self._texts()[token_id])
-                if rest and not guided.stuck:  # the grammar's first text: it must fit
-                    guided.stuck = not guided.matcher.accept_string(rest)
-            elif not guided.stuck and not guided.matcher.is_terminated():
-                guided.matcher.accept_token(token_id)
+                if rest and (matcher := self._matcher(guided)) is not None:  # the grammar's first text: it must fit
+                    guided.stuck = not matcher.accept_string(rest)
+            elif (matcher := self._matcher(guided)) is not None and not matcher.is_terminated():
+                matcher.accept_token(token_id)
         guided.num_tokens = len(output_token_ids)
+        return None if guided.after is not None else self._matcher(guided)
+
+    def _matcher(self, guided: GuidedState) -> xgr.GrammarMatcher | None:
+        """The request's matcher, made once its grammar is compiled (waiting for that where it
+        is not yet: its first mask comes after its prompt's forward); None once it is stuck."""
+        if guided.stuck:
+            return None
+        if guided.matcher is None:
+            try:
+                guided.matcher = xgr.GrammarMatcher(guided.grammar.compiled.result())
+            except Exception:  # (one xgrammar read and could not compile: the request may only stop)
+                logger.exception("a guided request's grammar could not be compiled: it may only stop")
+                guided.stuck = True
+                return None
+        return guided.matcher
 
     def _compiler(self, reads_special: bool) -> xgr.GrammarCompiler:
         compiler = self._compilers.get(reads_special)
         if compiler is None:
             info = self._tokenizer_info(reads_special)
-            compiler = self._compilers[reads_special] = xgr.GrammarCompiler(
-                info, max_threads=COMPILE_THREADS, cache_limit_bytes=COMPILED_CACHE_BYTES)
+            compiler = self._compilers[reads_special] = xgr.GrammarCompiler(  # (this module keeps them)
+                info, max_threads=COMPILE_THREADS, cache_enabled=False)
         return compiler
 
     def _tokenizer_info(self, reads_special: bool) -> xgr.TokenizerInfo:
@@ -200,25 +232,26 @@ class GuidedDecoding:
         return self._stop_bits
 
 
-def _compile(compiler: xgr.GrammarCompiler, guided_decoding: dict[str, Any]) -> xgr.CompiledGrammar:
+def _read(guided_decoding: dict[str, Any]) -> xgr.Grammar:
+    """The guide read into xgrammar's grammar (not yet compiled against a vocabulary)."""
     whitespace = not guided_decoding.get("disable_any_whitespace")
     if guided_decoding.get("json_object"):
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=whitespace, strict_mode=False,
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=whitespace, strict_mode=False,
                                             max_whitespace_cnt=MAX_WHITESPACE_RUN)
     if "json_schema" in guided_decoding:
-        return compiler.compile_json_schema(json.dumps(guided_decoding["json_schema"]), any_whitespace=whitespace,
+        return xgr.Grammar.from_json_schema(json.dumps(guided_decoding["json_schema"]), any_whitespace=whitespace,
                                             max_whitespace_cnt=MAX_WHITESPACE_RUN)
     if "regex" in guided_decoding:
-        return compiler.compile_regex(guided_decoding["regex"])
+        return xgr.Grammar.from_regex(guided_decoding["regex"])
     if "grammar" in guided_decoding:
         grammar = guided_decoding["grammar"]
         # a grammar without "::=" is Lark's, as vLLM tells them apart
-        return compiler.compile_grammar(grammar) if "::=" in grammar else compiler.compile_lark(grammar)
+        return xgr.Grammar.from_ebnf(grammar) if "::=" in grammar else xgr.Grammar.from_lark(grammar)
     if "structural_tag" in guided_decoding:
-        return compiler.compile_structural_tag(structural_tag_json(guided_decoding["structural_tag"]))
+        return xgr.Grammar.from_structural_tag(structural_tag_json(guided_decoding["structural_tag"]))
     # the output is exactly one of the choices
     choices = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in guided_decoding["choice"])
-    return compiler.compile_grammar(f"root ::= {choices}")
+    return xgr.Grammar.from_ebnf(f"root ::= {choices}")
 
 
 def structural_tag_json(spec: Any) -> str:
