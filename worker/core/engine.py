@@ -133,7 +133,8 @@ class Engine:
         self.thinking = ThinkingBudgets(ThinkingMarkers.from_config(config.reasoning_config, self.tokenizer))
         self.generators: dict[str, torch.Generator] = {}
         self.speculator = Speculator(make_proposer(config, self.runner, self.model_path, self.max_model_len),
-                                     self.scheduler, self.guided, self.generators, self.max_model_len)
+                                     self.scheduler, self.guided, self.generators, self.max_model_len,
+                                     jump_forward=self.runner.states is None)
         self._aborted: list[Request] = []  # finished by abort, reported at the next step
         # async_scheduling: the last step's requests whose outputs are still to be made, with
         # their logprobs and embeddings (made while the next step runs)

@@ -8,7 +8,8 @@ model, MTP layers, an EAGLE-3 head; worker/spec_decode/speculative.py and draft_
 - `after_step`: such a proposer takes the rows of the step it reads (hidden states);
 - `propose`: guesses for the next step of every decoding request that may speculate,
   cut to what its guided decoding allows.
-Without a proposer every call does nothing.
+Without a proposer every call does nothing, but for guided requests' jump-forward: what their
+grammar forces next (GuidedDecoding.forced) is guessed, and checked by the model as any guess.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from worker.spec_decode.speculative import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from worker.core.request import Request
     from worker.core.scheduler import Scheduler, SchedulerOutput
     from worker.guided.structured_output import GuidedDecoding
     from worker.model_executor.model_runner import ModelOutput
@@ -47,8 +51,11 @@ class Speculator:
     requests (those with `generators`) may speculate only where their sampling allows it."""
 
     def __init__(self, proposer: Proposer | None, scheduler: Scheduler, guided: GuidedDecoding,
-                 generators: dict[str, torch.Generator], max_model_len: int) -> None:
+                 generators: dict[str, torch.Generator], max_model_len: int, jump_forward: bool = True) -> None:
+        """`jump_forward`: without a proposer, guided requests guess the text their grammar
+        forces (off for a model whose states could not go back from a wrong guess)."""
         self.proposer = proposer
+        self.jump_forward = jump_forward
         self.stats = SpecDecodeStats()
         self.scheduler = scheduler
         self.guided = guided
@@ -112,24 +119,36 @@ class Speculator:
 
     def propose(self) -> None:
         """Guesses for the next step of every decoding request that may speculate."""
-        if self.proposer is None or self.guessing_off():
+        if self.proposer is None:
+            if self.jump_forward and self.guided.states:
+                for request, room in self._candidates(lambda r: r.request_id in self.guided.states):
+                    request.spec_token_ids = self.guided.forced(request.request_id, request.output_token_ids, room)
             return
-        candidates = []
-        for request in self.scheduler.running:
-            if request.num_computed_tokens != request.num_tokens - 1 and (
-                    request.num_computed_tokens < request.num_prompt_tokens):
-                continue  # still prefilling (a model with states recomputes the guesses it kept: it guesses on)
-            if not can_speculate(request.sampling_params, request.request_id in self.generators):
-                continue
-            # no guess past max_tokens or max_model_len: the step's last token needs room
-            room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-            candidates.append((request, room))
+        if self.guessing_off():
+            return
+        candidates = self._candidates(lambda r: True)
         ngrams = isinstance(self.proposer, NgramProposer)  # (it alone reads predicted outputs)
         guesses = self.proposer.propose_all([(r.request_id, r.lookup_token_ids if ngrams else r.all_token_ids, room)
                                              for r, room in candidates])
         for request, _ in candidates:
             request.spec_token_ids = self.guided.fitting(request.request_id, request.output_token_ids,
                                                          guesses.get(request.request_id, []))
+
+
+    def _candidates(self, wanted: Callable[[Request], bool]) -> list[tuple[Request, int]]:
+        """The running requests that decode, may speculate and are `wanted`, each with how many
+        guesses it has room for (none past max_tokens or max_model_len: the step's last token
+        needs room)."""
+        candidates = []
+        for request in self.scheduler.running:
+            if request.num_computed_tokens != request.num_tokens - 1 and (
+                    request.num_computed_tokens < request.num_prompt_tokens):
+                continue  # still prefilling (a model with states recomputes the guesses it kept: it guesses on)
+            if not wanted(request) or not can_speculate(request.sampling_params, request.request_id in self.generators):
+                continue
+            room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            candidates.append((request, room))
+        return candidates
 
 
 def make_proposer(config: EngineConfig, runner: Any, model_path: Path, max_model_len: int) -> Proposer | None:
