@@ -30,11 +30,8 @@ import argparse
 import contextlib
 import cProfile
 import gc
-import os
 import pstats
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_check import remake  # benchmarks/gpu_check.py, beside this script
+from revisions import output_at
 
 from worker import LLM, SamplingParams
 from worker.core.detokenizer import IncrementalDetokenizer
@@ -212,20 +210,6 @@ def detokenizer_cost(model: str, num_seqs: int, output_len: int) -> list[str]:
             f"({slow / fast:.2f}x); texts equal: {slow_texts == fast_texts}"]
 
 
-def tables_at(revision: str, argv: list[str]) -> str:
-    """This script's output for the code at `revision`, run from a temporary worktree."""
-    root = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), revision], cwd=root, check=True)
-        try:
-            run = subprocess.run([sys.executable, str(tree / "benchmarks" / "step_overhead.py"), *argv], cwd=tree,
-                                 env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
-            return run.stdout
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-seqs", default="128,256,512", help="comma-separated: the phase table's batch sizes "
@@ -239,8 +223,8 @@ def main() -> None:
     global FREEZE
     FREEZE = not args.no_freeze
     if args.against:
-        print(f"== {args.against}\n" + tables_at(args.against, ["--num-seqs", args.num_seqs, "--output-len",
-                                                              str(args.output_len)]), end="")
+        argv = ["--num-seqs", args.num_seqs, "--output-len", str(args.output_len)]
+        print(f"== {args.against}\n" + output_at(args.against, Path(__file__), argv), end="")
         print("== this tree")
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
