@@ -18,6 +18,7 @@ RequestsFailed) is used, so `--against REV` runs this same file on the code at g
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import tempfile
@@ -54,17 +55,23 @@ def first_line(error: BaseException | str) -> str:
     return line if isinstance(error, (str, ValueError)) else f"{type(error).__name__}: {line}"
 
 
-def format_checker() -> jsonschema.FormatChecker:
-    """jsonschema's format checks, with date-time, uri and hostname added where the optional
-    packages it would check them with are not installed."""
-    checker = jsonschema.FormatChecker()
-    if "date-time" not in checker.checkers:
-        checker.checks("date-time", raises=ValueError)(_is_date_time)
-    if "uri" not in checker.checkers:
-        checker.checks("uri")(lambda v: not isinstance(v, str) or re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*:\S*", v) is not None)
-    if "hostname" not in checker.checkers:
-        label = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-        checker.checks("hostname")(lambda v: not isinstance(v, str) or re.fullmatch(rf"{label}(\.{label})*", v) is not None)
+@functools.cache
+def format_checker(validator_class: Any) -> jsonschema.FormatChecker:
+    """The formats of the schema's draft, as `jsonschema` checks them, with date-time, time, uri
+    and hostname added where the optional packages it would check them with are not installed
+    (jsonschema's own FormatChecker() would check "time" as draft 3 did: no offset)."""
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers = dict(validator_class.FORMAT_CHECKER.checkers)
+    label = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    added = {
+        "date-time": _is_date_time,
+        "time": lambda v: _is_date_time("1970-01-01T" + v if isinstance(v, str) else v),
+        "uri": lambda v: not isinstance(v, str) or re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*:\S*", v) is not None,
+        "hostname": lambda v: not isinstance(v, str) or re.fullmatch(rf"{label}(\.{label})*", v) is not None,
+    }
+    for name, check in added.items():
+        if name not in checker.checkers:
+            checker.checks(name, raises=ValueError)(check)
     return checker
 
 
@@ -74,11 +81,11 @@ def _is_date_time(value: object) -> bool:
         return True
     if not re.fullmatch(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})", value):
         return False
-    datetime.fromisoformat(value.upper().replace("Z", "+00:00"))  # ValueError: out of range
+    datetime.fromisoformat(value.upper().replace("Z", "+00:00"))  # ValueError: a field out of range
     return True
 
 
-def judge(schema: dict[str, Any], output: Any, checker: jsonschema.FormatChecker) -> Outcome:
+def judge(schema: dict[str, Any], output: Any) -> Outcome:
     """The verdict on one generated output (a CompletionOutput)."""
     if output.finish_reason == "abort":
         return Outcome("", "refused by the worker", "its output was aborted")
@@ -88,7 +95,8 @@ def judge(schema: dict[str, Any], output: Any, checker: jsonschema.FormatChecker
         value = json.loads(output.text)
     except json.JSONDecodeError as e:
         return Outcome("", "invalid", f"not JSON: {e}")
-    validator = jsonschema.validators.validator_for(schema)(schema, format_checker=checker)
+    validator_class = jsonschema.validators.validator_for(schema)
+    validator = validator_class(schema, format_checker=format_checker(validator_class))
     error = jsonschema.exceptions.best_match(validator.iter_errors(value))
     return Outcome("", "followed") if error is None else Outcome("", "invalid", first_line(error.message))
 
@@ -150,12 +158,11 @@ def measure(limit: int | None, max_tokens: int) -> tuple[list[Outcome], float]:
     start = time.perf_counter()
     results = chat_each(llm, conversations, [params for _, _, params in taken])
     seconds = time.perf_counter() - start
-    checker = format_checker()
     for (name, schema, _), result in zip(taken, results, strict=True):
         if isinstance(result, str):
             outcomes[name] = Outcome(name, "refused by the worker", result)
         else:
-            verdict = judge(schema, result, checker)
+            verdict = judge(schema, result)
             outcomes[name] = Outcome(name, verdict.verdict, verdict.detail)
     return [outcomes[name] for name, _ in schemas], seconds
 
