@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from revisions import output_at  # benchmarks/revisions.py, beside this script
 
@@ -64,7 +65,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.against:
         argv = [a for a in sys.argv[1:] if a not in ("--against", args.against)]
-        print(f"== {args.against}\n" + output_at(args.against, "guided.py", argv, own_script=False) + "== this tree")
+        print(f"== {args.against}\n" + output_at(args.against, Path(__file__), argv, own_copy=False) + "== this tree")
     llm = LLM(None, dtype=args.dtype, max_model_len=1024)
     messages = [
         [{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as a JSON object ({i})."}]

@@ -1,11 +1,6 @@
-"""A benchmark's figures for the code at another git revision, in the same run as this tree's
-(this CPU's speed drifts from day to day: only a before and after measured together count).
-
-The revision is checked out in a temporary worktree and the script runs in a process of its
-own with that tree first on PYTHONPATH: the revision's own copy of the script (its figures as
-it measured them then), or this tree's (the same measurement, where the script uses only
-interfaces both revisions have).
-"""
+"""A benchmark's output for the code at an older git revision, for `--against REV`: the script
+runs in a process of its own from a temporary worktree of that revision, so a before and after
+are measured in one run (this CPU's speed drifts from day to day)."""
 
 from __future__ import annotations
 
@@ -18,16 +13,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def output_at(revision: str, script: str, argv: list[str], own_script: bool = True) -> str:
-    """The standard output of benchmarks/`script` run on the code at `revision`; with
-    `own_script` False, this tree's copy of the script runs on that code."""
+def output_at(revision: str, script: Path, argv: list[str], own_copy: bool = True) -> str:
+    """What `script` (a file of benchmarks/) prints, run with `argv` on the code at `revision`:
+    that revision's copy of the script when `own_copy`, else this tree's (for a script the
+    revision does not have yet; it must then use only the interface both trees share)."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), revision], cwd=ROOT, check=True)
         try:
-            path = (tree if own_script else ROOT) / "benchmarks" / script
-            run = subprocess.run([sys.executable, str(path), *argv], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-                                 capture_output=True, text=True, check=True)
+            path = tree / script.resolve().relative_to(ROOT) if own_copy else script.resolve()
+            run = subprocess.run([sys.executable, str(path), *argv], cwd=tree,
+                                 env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"{path.name} at {revision} exited {run.returncode}:\n{run.stderr[-4000:]}")
             return run.stdout
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=True)

@@ -224,7 +224,7 @@ def main() -> None:
     FREEZE = not args.no_freeze
     if args.against:
         argv = ["--num-seqs", args.num_seqs, "--output-len", str(args.output_len)]
-        print(f"== {args.against}\n" + output_at(args.against, "step_overhead.py", argv), end="")
+        print(f"== {args.against}\n" + output_at(args.against, Path(__file__), argv), end="")
         print("== this tree")
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
