@@ -65,7 +65,7 @@ class GuidedState:
     num_tokens: int = 0  # output tokens taken so far
     after: bytes | None = None  # while not None: the marker awaited, the output free meanwhile
     seen: bytes = b""  # while the marker is awaited: the output's tail that may begin it
-    stuck: bool = False  # the text after the marker fit no sentence of the grammar: it may only stop
+    stuck: bool = False  # it may only stop: the text after its marker fit no sentence, or its grammar failed to compile
 
 
 class GuidedDecoding:
@@ -96,8 +96,8 @@ class GuidedDecoding:
             except (RuntimeError, ValueError, TypeError) as exc:  # (xgrammar's errors, pydantic's)
                 kind = next(k for k in guided_decoding if k not in ("after", "disable_any_whitespace"))
                 raise ValueError(f"guided_decoding {kind}: {_xgrammar_message(exc)}") from None
-            compiler = self._compiler("structural_tag" in guided_decoding)
-            compiled = self._compiled[key] = self._pool.submit(compiler.compile_grammar, grammar)
+            # (the vocabulary too is read there, at the first guide: a few hundred milliseconds)
+            compiled = self._compiled[key] = self._pool.submit(self._compile, grammar, "structural_tag" in guided_decoding)
             if len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(key)
@@ -210,6 +210,9 @@ class GuidedDecoding:
                 guided.stuck = True
                 return None
         return guided.matcher
+
+    def _compile(self, grammar: xgr.Grammar, reads_special: bool) -> xgr.CompiledGrammar:
+        return self._compiler(reads_special).compile_grammar(grammar)
 
     def _compiler(self, reads_special: bool) -> xgr.GrammarCompiler:
         compiler = self._compilers.get(reads_special)
