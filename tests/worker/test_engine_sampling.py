@@ -160,6 +160,25 @@ def test_seeded_requests_ignore_their_neighbours(llm):
     assert alone == batched == reordered
 
 
+def test_a_batch_whose_requests_change_samples_each_by_its_own_parameters(llm):
+    """The engine reuses a step's sampling batch for the next step with the same requests: one
+    that ended and one that joined in its place (the same number of rows) get a batch of their own."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    seeded = [SamplingParams(temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True) for seed in (7, 8)]
+    alone = [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+             for prompt, params in (("first", greedy), ("second", seeded[0]), ("third", seeded[1]))]
+    engine = llm.engine
+    engine.add_request("first", "first", greedy)
+    engine.add_request("second", "second", seeded[0])
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if out.request_id == "first" and out.finished:  # the third takes its row: two rows again
+                engine.add_request("third", "third", seeded[1])
+    assert [outputs["first"], outputs["second"], outputs["third"]] == alone
+
+
 def test_stop_string_across_tokens_and_stop_token_ids(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     full = llm.generate("Count with me:", greedy, use_tqdm=False)[0].outputs[0]

@@ -410,9 +410,10 @@ class BlockManager:
         no change) if the pool cannot. `computed_blocks` are prefix-cache hits (per group,
         from `get_computed_blocks`) taken over by a new request."""
         tables = self.req_blocks.get(request.request_id)
-        if tables is not None and not computed_blocks and all(
-                len(table) * self.block_size >= request.num_computed_tokens + num_new_tokens for table in tables):
-            return True  # most decode steps: the last block has room
+        if tables is not None and not computed_blocks:
+            room = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+            if len(tables[0]) >= room and (len(tables) == 1 or all(len(table) >= room for table in tables)):
+                return True  # most decode steps: the last block has room
         hits = computed_blocks or [[] for _ in self.windows]
         tables = self.req_blocks.setdefault(request.request_id, [[] for _ in self.windows])
         num_tokens = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
@@ -443,10 +444,16 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
+        num_full = request.num_computed_tokens // self.block_size
+        done = self.num_registered.get(request.request_id)
+        if (done is not None and min(done) >= num_full
+                and len(request.block_hashes) >= request.num_tokens // self.block_size):
+            return  # most decode steps: no block filled up, none to hash
         self._hash_full_blocks(request)
-        done = self.num_registered.setdefault(request.request_id, [0] * len(self.windows))
-        if min(done) >= request.num_computed_tokens // self.block_size:
-            return  # most decode steps: no block filled up
+        if done is None:
+            done = self.num_registered[request.request_id] = [0] * len(self.windows)
+        if min(done) >= num_full:
+            return
         for group, table in enumerate(self.block_tables(request.request_id)):
             num_full = min(request.num_computed_tokens // self.block_size, len(table))
             for i in range(done[group], num_full):  # each block once: not the whole table every step

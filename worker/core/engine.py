@@ -139,6 +139,8 @@ class Engine:
         # async_scheduling: the last step's requests whose outputs are still to be made, with
         # their logprobs and embeddings (made while the next step runs)
         self._pending: tuple[list[Request], dict[str, list[TokenLogprobs]], dict[str, list[float]]] | None = None
+        # the last step's sampling batch and its rows' requests, where the next may reuse it (_reused_batch)
+        self._static_batch: tuple[list[Request], SamplingBatch] | None = None
         # request id -> why it failed in a step (its images' encoding, a logits processor)
         self._failures: dict[str, str] = {}
         self.num_generated_tokens = 0
@@ -343,10 +345,12 @@ class Engine:
         """The deltas of the requests a step moved: detokenized, stop strings checked (those a
         stop string ends, end), embeddings attached; the requests that ended are forgotten."""
         outputs, stopped = self.output_processor.process(updated, logprobs, self._token_timestamps)
-        for output in outputs:
-            output.embedding = embeddings.get(output.request_id)
+        if embeddings:
+            for output in outputs:
+                output.embedding = embeddings.get(output.request_id)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self._forget([r for r in updated if r.is_finished or r.request_id in stopped])
+        running = RequestStatus.RUNNING  # (most of them: not the finished-status set's lookup)
+        self._forget([r for r in updated if r.status is not running and r.is_finished or r.request_id in stopped])
         return outputs
 
     def end_aborted(self) -> list[RequestOutput]:
@@ -439,10 +443,12 @@ class Engine:
 
     def _update(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """The scheduler takes the sampled tokens; the requests that got some."""
-        before = sum(self.scheduler.requests[rid].num_output_tokens for rid in sampled)
+        requests, finished = self.scheduler.requests, self.scheduler.finished
+        one_each = set(map(len, sampled.values())) == {1}  # (a token a request, the common step: each keeps it)
+        before = 0 if one_each else sum(requests[rid].num_output_tokens for rid in sampled)
         self.scheduler.update_from_output(sched, sampled)
-        updated = [self.scheduler_request(rid) for rid in sampled]
-        self.num_generated_tokens += sum(r.num_output_tokens for r in updated) - before  # as kept
+        updated = [requests.get(rid) or finished[rid] for rid in sampled]
+        self.num_generated_tokens += len(sampled) if one_each else sum(r.num_output_tokens for r in updated) - before
         return updated
 
     def _sample(
@@ -460,10 +466,12 @@ class Engine:
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled if s.num_drafts}
         requests = [self.scheduler.requests[rid] for rid in row_ids]
         row_outputs = _row_outputs(row_ids, requests, drafts)
-        prompts = [r.prompt_tokens_seen for r in requests]
+        reused = self._reused_batch(requests)
+        # (a reused batch reads no prompt)
+        prompts = [r.prompt_tokens_seen for r in requests] if reused is None or self.logits_processors.by_request else []
         model_logits = logits.clone() if self.sampler.reports_raw and self.logits_processors.by_request else None
         failed = self.logits_processors.apply(logits, row_ids, prompts, row_outputs) if self.logits_processors.by_request else {}
-        batch = SamplingBatch.build(
+        batch = reused or SamplingBatch.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=prompts,
             output_token_ids=row_outputs,
@@ -477,9 +485,30 @@ class Engine:
             banned_token_ids=_bad_word_bans(requests, row_outputs),
             forced_token_ids=self.thinking.forced(row_ids, requests, row_outputs),
         )
+        if reused is None:
+            self._keep_batch(requests, batch)
         sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch, model_logits), drafts)
         self.speculator.record(drafts, sampled)
         return sampled, logprobs, failed
+
+    def _reused_batch(self, requests: list[Request]) -> SamplingBatch | None:
+        """The step before's sampling batch, where it is this step's: the same requests in the
+        same rows, none of whose sampling reads its output (_keep_batch), and no guided or
+        thinking-budget row, whose masks change as they go. None: build it."""
+        if self._static_batch is None or self.guided.states or self.thinking.states:
+            return None
+        kept_for, batch = self._static_batch
+        return batch if kept_for == requests else None  # (Request compares by identity)
+
+    def _keep_batch(self, requests: list[Request], batch: SamplingBatch) -> None:
+        """Keep a batch the next step may reuse: one that does not change as the outputs grow
+        (no penalty counts, no min_tokens block, no bad words, no mask of a guided or
+        thinking row). A decode step's rows are most often the step before's, and a batch
+        walks its rows a dozen times to be built."""
+        static = (batch.seen_mask is None and batch.output_counts is None and batch.blocked_rows is None
+                  and not self.guided.states and not self.thinking.states
+                  and not any(r.bad_words_token_ids for r in requests))
+        self._static_batch = (requests, batch) if static else None
 
     def _live_rows(self, row_ids: list[str], logits: torch.Tensor) -> tuple[list[str], torch.Tensor]:
         """The rows of the requests that still run, and their logits (a request a stop string
@@ -493,6 +522,8 @@ class Engine:
     def _record_prompt_logprobs(self, sched, chunk_logits: dict[str, torch.Tensor]) -> None:
         """Logprob of each prompt token given the tokens before it (raw model distribution),
         with the top alternatives; position 0 has none."""
+        if not chunk_logits:  # (no request asked: most steps, not a walk of the batch)
+            return
         for s in sched.scheduled:
             logits = chunk_logits.get(s.request_id)
             request = self.scheduler.requests.get(s.request_id)

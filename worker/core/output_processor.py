@@ -76,15 +76,15 @@ class OutputProcessor:
         asked once its tokens are final (a stop string's cut made)."""
         by_parent: dict[str, list[CompletionOutput]] = {}
         stopped: list[str] = []
-        logprobs = logprobs or {}
+        parent_of, parents = self.parent_of, self.parents
         for request in updated:
-            parent_id = self.parent_of.get(request.request_id)
+            parent_id = parent_of.get(request.request_id)
             if parent_id is None:
                 continue
-            parent = self.parents[parent_id]
+            parent = parents[parent_id]
             if request.num_cached_tokens > parent.num_cached_tokens:
                 parent.num_cached_tokens = request.num_cached_tokens
-            delta = self._completion_delta(request, parent, logprobs.get(request.request_id))
+            delta = self._completion_delta(request, parent, logprobs.get(request.request_id) if logprobs else None)
             if delta.finish_reason is not None:
                 if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
                     stopped.append(request.request_id)

@@ -154,7 +154,7 @@ class Scheduler:
                     out.scheduled = [s for s in out.scheduled if s.request_id != victim.request_id]
                 if victim is request:
                     break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not RequestStatus.RUNNING:
                 continue  # it preempted itself; the list shifted under i
             self._emit(out, request, num_new)
             scheduled[request.request_id] = num_new
@@ -205,31 +205,30 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int, state_restore: int | None = None) -> None:
         start = request.num_computed_tokens
         num_tokens = request.num_tokens
-        num_known = min(num_new, num_tokens - start)
-        end = start + num_known
-        drafts = request.spec_token_ids[: num_new - num_known] if request.spec_token_ids else []  # (budget's room)
+        end = min(start + num_new, num_tokens)
+        drafts = request.spec_token_ids[: num_new - (end - start)] if request.spec_token_ids else None  # (budget's room)
+        tokens = request.token_slice(start, end)
         bm = self.block_manager
         tables = bm.block_tables(request.request_id)
-        out.scheduled.append(
-            ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=request.token_slice(start, end) + drafts if drafts else request.token_slice(start, end),
-                start_pos=start,
-                block_table=tables[0],
-                sample=end == num_tokens,
-                prompt_logprobs=request.sampling_params.prompt_logprobs is not None
-                and start < request.num_prompt_tokens,
-                lora_id=request.lora_id,
-                num_drafts=len(drafts),
-                pool=request.pooling_params is not None and end == num_tokens,
-                group_tables=tuple(tables[1:]),
-                both_ways=tuple((lo, hi) for lo, hi in request.whole_spans if lo < end and hi > start)
-                if request.whole_spans else (),
-                state_restore=state_restore,
-                state_saves=bm.reserve_state_saves(request, start, end, also=self._fork_point(request))
-                if bm.states is not None else (),
-            )
-        )
+        # (positional, the rest as the defaults say: a decode's entry is made for every request every step)
+        sched = ScheduledRequest(request.request_id, tokens + drafts if drafts else tokens, start, tables[0],
+                                 end == num_tokens)
+        if drafts:
+            sched.num_drafts = len(drafts)
+        if request.lora_id:
+            sched.lora_id = request.lora_id
+        if len(tables) > 1:
+            sched.group_tables = tuple(tables[1:])
+        if start < request.num_prompt_tokens:  # (only a prompt's chunk has some)
+            sched.prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+        if request.pooling_params is not None:
+            sched.pool = end == num_tokens
+        if request.whole_spans:
+            sched.both_ways = tuple((lo, hi) for lo, hi in request.whole_spans if lo < end and hi > start)
+        if bm.states is not None:
+            sched.state_restore = state_restore
+            sched.state_saves = bm.reserve_state_saves(request, start, end, also=self._fork_point(request))
+        out.scheduled.append(sched)
 
     def _sort_waiting(self) -> None:
         policy = self.config.policy
@@ -268,13 +267,17 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step ran
             token_ids = sampled.get(sched.request_id, [])
-            num_rejected = sched.num_drafts - max(len(token_ids) - 1, 0)
-            # the KV of rejected guesses stays past num_computed_tokens, to be overwritten; a
-            # model with states went back to the one before any guess (SchedulerConfig.recurrent):
-            # the guesses it kept are computed again, in front of the next step's guesses
-            kept = 0 if num_rejected and self.config.recurrent else sched.num_drafts - num_rejected
-            request.num_computed_tokens += len(sched.token_ids) - sched.num_drafts + kept
-            request.spec_token_ids = []
+            if sched.num_drafts:
+                num_rejected = sched.num_drafts - max(len(token_ids) - 1, 0)
+                # the KV of rejected guesses stays past num_computed_tokens, to be overwritten; a
+                # model with states went back to the one before any guess (SchedulerConfig.recurrent):
+                # the guesses it kept are computed again, in front of the next step's guesses
+                kept = 0 if num_rejected and self.config.recurrent else sched.num_drafts - num_rejected
+                request.num_computed_tokens += len(sched.token_ids) - sched.num_drafts + kept
+            else:
+                request.num_computed_tokens += len(sched.token_ids)
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             status = self._append(request, token_ids)
             # after the append: kept guesses are computed tokens only once they are tokens
             self.block_manager.cache_computed_blocks(request)
@@ -287,6 +290,9 @@ class Scheduler:
 
     def _append(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
         """Append tokens up to the first that ends the request; how it ended, if it did."""
+        if len(token_ids) == 1 and not self.forks:  # (a decode's one token, the common step)
+            request.output_token_ids.append(token_ids[0])
+            return self._check_stop(request, token_ids[0])
         for token_id in token_ids:
             request.output_token_ids.append(token_id)
             if request.request_id in self.forks:

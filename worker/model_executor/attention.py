@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -96,6 +97,18 @@ class DecodeBucket:
     k_buffer: torch.Tensor
     v_buffer: torch.Tensor
     q_len: int = 1
+
+
+@dataclass
+class SingleDecodes:
+    """What a step's one-token decodes share, each bucket a view of it (a bucket's own would
+    cost it half a dozen small tensor ops, ~5-20 us each on the CPU): the masks of them all
+    over the widest context any reads ([n, 1, 1, max_blocks * block_size] per span: a
+    position's entry is the same in every bucket's width), and the gather buffers of the
+    largest bucket (the buckets attend one after another)."""
+
+    masks: dict[Span, torch.Tensor]
+    buffers: torch.Tensor  # [2, rows, block_size * head_dim]
 
 
 @dataclass
@@ -180,13 +193,16 @@ class TorchAttention:
         masks and gather buffers this one shares (its layers run one at a time)."""
         meta = AttentionMetadata(slot_mapping, self._write_rows(slot_mapping))
         row, i, lens = 0, 0, [len(s.token_ids) for s in batch]
+        num_single = next((j for j, n in enumerate(lens) if n != 1), len(lens))  # (they come first)
+        single = self._single_decodes(batch[:num_single], spans) if num_single and like is None else None
         while i < len(batch) and in_bucket(batch[i]):
             q_len, end = lens[i], i + 1
             limit = min(len(batch), i + DECODE_BUCKET_SIZE)
             while end < limit and lens[end] == q_len and (q_len == 1 or in_bucket(batch[end])):
                 end += 1
             same = like.decodes[len(meta.decodes)] if like is not None else None
-            meta.decodes.append(self._decode_bucket(batch[i:end], tables[i:end], row, q_len, spans, same))
+            meta.decodes.append(self._decode_bucket(batch[i:end], tables[i:end], row, q_len, spans, same,
+                                                    (single, i) if q_len == 1 and single is not None else None))
             row, i = row + q_len * (end - i), end
         for s, table in zip(batch[i:], tables[i:], strict=True):
             meta.prefills.append(self._prefill_chunk(s, table, row, spans,
@@ -205,13 +221,35 @@ class TorchAttention:
         for the blocks of `table` ([B, num_blocks])."""
         return table[:, None, :] * self.num_kv_heads + self._heads[None, :, None]
 
+    def _single_decodes(self, decodes: list[ScheduledRequest], spans: frozenset[Span]) -> SingleDecodes:
+        """The masks and buffers a step's one-token decodes share (SingleDecodes)."""
+        bs, n = self.block_size, len(decodes)
+        starts = [s.start_pos for s in decodes]
+        firsts = [self._first_block(p, spans) for p in starts] if spans != {None} else [0] * n
+        max_blocks = _num_blocks(starts, firsts, 1, bs)
+        span = torch.arange(max_blocks * bs, device=self.device)[None, :]
+        if any(firsts):
+            span = torch.tensor(firsts, device=self.device)[:, None] * bs + span
+        last = torch.from_numpy(np.array(starts, dtype=np.int64)).to(self.device)[:, None, None]
+        masks = {seen: self._additive(self._allowed(span[:, None, :], last, seen)).view(n, 1, 1, -1) for seen in spans}
+        num_rows = min(n, DECODE_BUCKET_SIZE) * self.num_kv_heads * max_blocks
+        return SingleDecodes(masks, torch.empty(2, num_rows, bs * self.head_dim, dtype=self.dtype, device=self.device))
+
     def _decode_bucket(self, bucket: list[ScheduledRequest], tables: torch.Tensor, row: int, q_len: int,
-                       spans: frozenset[Span], like: DecodeBucket | None = None) -> DecodeBucket:
+                       spans: frozenset[Span], like: DecodeBucket | None = None,
+                       single: tuple[SingleDecodes, int] | None = None) -> DecodeBucket:
+        """`single`: where its decodes are of one token, what they share, and its first one's place
+        among them."""
         bs, n = self.block_size, len(bucket)
         starts = [s.start_pos for s in bucket]
         firsts = [self._first_block(p, spans) for p in starts] if spans != {None} else [0] * n
-        num_blocks = max(-(-(p + q_len) // bs) - first for p, first in zip(starts, firsts, strict=True))
+        num_blocks = _num_blocks(starts, firsts, q_len, bs)
         rows = self._block_rows(_table_slices(tables, firsts, num_blocks))
+        if like is None and single is not None:  # views of what the step's decodes share
+            shared, first = single
+            masks = {seen: mask[first : first + n, :, :, : num_blocks * bs] for seen, mask in shared.masks.items()}
+            k_buffer, v_buffer = shared.buffers[:, : rows.numel()].unbind(0)
+            return DecodeBucket(row, row + n, rows.view(-1), masks, k_buffer, v_buffer)
         # the positions each sequence's gathered blocks hold: [n, span] (a row for all where
         # every sequence's start at position 0)
         span = torch.arange(num_blocks * bs, device=self.device)[None, :]
@@ -275,6 +313,14 @@ class TorchAttention:
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         return torch.where(allowed, self._zero, self._minus_inf)
 
+
+
+def _num_blocks(starts: list[int], firsts: list[int], q_len: int, block_size: int) -> int:
+    """The most blocks any of these sequences reads, each from its first (`firsts`) to the one
+    holding its last query (at start + q_len - 1)."""
+    if not any(firsts):  # (each from its first block: the latest start's end is the furthest)
+        return -(-(max(starts) + q_len) // block_size)
+    return max(-(-(p + q_len) // block_size) - first for p, first in zip(starts, firsts, strict=True))
 
 
 def _table_slices(tables: torch.Tensor, firsts: list[int], num_blocks: int) -> torch.Tensor:

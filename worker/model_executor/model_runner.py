@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import math
 import mmap
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -599,9 +599,11 @@ class ModelRunner:
         rows = [(s.request_id, end - 1 - s.num_drafts + j)
                 for s, end in zip(batch, ends, strict=True) if s.sample and not s.pool
                 for j in range(1 + s.num_drafts)]
-        index = torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)
+        # every row samples (a step of decodes alone): the rows are all of them, in order, not gathered
+        sampling = hidden_out if len(rows) == hidden_out.shape[0] else hidden_out[
+            torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)]
         # into the model's buffer, kept across steps: the engine reads these before the next step
-        logits = self.model.compute_logits(hidden_out[index], reuse=True)  # [num_rows, vocab]
+        logits = self.model.compute_logits(sampling, reuse=True)  # [num_rows, vocab]
         chunk_logits = {
             s.request_id: self.model.compute_logits(hidden_out[end - len(s.token_ids) : end])
             for s, end in zip(batch, ends, strict=True)
@@ -670,7 +672,7 @@ class ModelRunner:
         states are void). `rows`: the batch's rows in the persistent batch, which give the
         step's tables (None: each request's tables are read whole)."""
         input_ids, positions, seq_of_token = _flat_inputs(batch, self.device)
-        width = -(-max(s.start_pos + len(s.token_ids) for s in batch) // self.block_size)
+        width = -(-max([s.start_pos + len(s.token_ids) for s in batch]) // self.block_size)
         tables = self._step_tables(batch, rows, width)
         metas: list[Any] = []
         first: dict[frozenset[Span], Any] = {}  # per set of spans, its first group's metadata
@@ -763,24 +765,31 @@ def _order_decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledReq
     with guesses to check and short chunks after a cached prefix, by length (each length
     attends as a bucket); then prefills. Within those, requests are grouped by adapter, so each
     adapter's rows are one slice."""
-    decodes = sorted((s for s in scheduled if len(s.token_ids) == 1), key=lambda s: (s.lora_id, s.start_pos))
-    bucketed = sorted((s for s in scheduled if len(s.token_ids) > 1 and in_bucket(s)),
-                      key=lambda s: (len(s.token_ids), s.lora_id, s.start_pos))
-    return decodes + bucketed + [s for s in scheduled if not in_bucket(s)]
+    decodes = sorted((s for s in scheduled if len(s.token_ids) == 1), key=_DECODE_ORDER)
+    if len(decodes) == len(scheduled):  # (the common step: nothing else to sort out)
+        return decodes
+    others = [s for s in scheduled if len(s.token_ids) > 1]
+    bucketed = sorted((s for s in others if in_bucket(s)), key=lambda s: (len(s.token_ids), s.lora_id, s.start_pos))
+    return decodes + bucketed + [s for s in others if not in_bucket(s)]
+
+
+_DECODE_ORDER = operator.attrgetter("lora_id", "start_pos")
 
 
 def _flat_inputs(batch: list[ScheduledRequest], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's flat batch: its input ids, their positions, and each one's request (its row
     of the batch): [T] each."""
-    ids = list(itertools.chain.from_iterable(s.token_ids for s in batch))
+    ids = [token_id for s in batch for token_id in s.token_ids]
+    if len(ids) == len(batch):  # decodes only: a token each, at its start (numpy's lists in: torch's cost more)
+        host_array = np.empty((3, len(ids)), dtype=np.int64)
+        host_array[0], host_array[1], host_array[2] = ids, [s.start_pos for s in batch], np.arange(len(ids))
+        input_ids, positions, seq_of_token = torch.from_numpy(host_array).to(device, non_blocking=True).unbind(0)
+        return input_ids, positions, seq_of_token
     starts = torch.tensor([s.start_pos for s in batch])
-    if len(ids) == len(batch):  # decodes only: a token each
-        positions, seq_of_token = starts, torch.arange(len(batch))
-    else:
-        lens = torch.tensor([len(s.token_ids) for s in batch])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), lens)
-        first_row = torch.cumsum(lens, 0) - lens  # each request's first row
-        positions = starts[seq_of_token] + torch.arange(len(ids)) - first_row[seq_of_token]
+    lens = torch.tensor([len(s.token_ids) for s in batch])
+    seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), lens)
+    first_row = torch.cumsum(lens, 0) - lens  # each request's first row
+    positions = starts[seq_of_token] + torch.arange(len(ids)) - first_row[seq_of_token]
     host = torch.stack([torch.tensor(ids), positions, seq_of_token])  # [3, T], one copy over
     input_ids, positions, seq_of_token = host.to(device, non_blocking=True).unbind(0)
     return input_ids, positions, seq_of_token
