@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from producer.field_mappings import from_mapping
+from producer.grammar.json_schema import check_enforceable
 from producer.grammar.structural_tag import read_structural_tag
 
 MAX_LOGPROBS = 20
@@ -265,6 +266,10 @@ def _check_guided(guided: Any) -> None:
         schema = guided["json_schema"]
         if not isinstance(schema, dict | bool) or not _is_json(schema):
             raise ValueError(f"guided_decoding json_schema must be a JSON schema (an object), got {schema!r}")
+        try:
+            check_enforceable(schema)
+        except ValueError as exc:
+            raise ValueError(f"guided_decoding json_schema: {exc}") from None
         return
     for kind in ("regex", "grammar"):
         if kind in guided and (not isinstance(guided[kind], str) or not guided[kind].strip()):

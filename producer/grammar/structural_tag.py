@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from producer.grammar.json_schema import check_enforceable
+
 
 def read_structural_tag(spec: Any) -> dict[str, Any]:
     """`{"structures": [...], "triggers": [...]}` from the request's mapping or its JSON text
@@ -72,4 +74,8 @@ def _structure(i: int, structure: Any, triggers: list[str]) -> dict[str, Any]:
         raise ValueError(f"{where}: begin {begin!r} starts with none of the triggers")
     if not isinstance(schema, dict | bool):
         raise ValueError(f"{where}: schema must be a JSON schema (an object), got {type(schema).__name__}")
+    try:
+        check_enforceable(schema)
+    except ValueError as exc:
+        raise ValueError(f"{where} schema: {exc}") from None
     return {"begin": begin, "schema": schema, "end": end}

@@ -230,6 +230,8 @@ def test_resumed_request_continues_the_same_output(llm, params):
     ({"guided_decoding": {"regex": ""}}, "guided_decoding regex must be a non-empty string"),
     ({"guided_decoding": "json"}, "guided_decoding"),
     ({"guided_decoding": {"json_schema": 5}}, "guided_decoding json_schema must be a JSON schema"),
+    ({"guided_decoding": {"json_schema": {"type": "object", "properties": {"a": {"uniqueItems": True}}}}},
+     "guided_decoding json_schema: #/properties/a: uniqueItems is not supported"),
     ({"guided_decoding": {"choice": ["a", ""]}}, "guided_decoding"),
     ({"guided_decoding": {"after": "</think>"}}, "guided_decoding must be"),
     ({"guided_decoding": {"json_object": True, "after": ""}}, "guided_decoding after must be a non-empty string"),

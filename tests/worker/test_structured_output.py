@@ -156,3 +156,26 @@ def test_tokens_past_the_tokenizers_vocabulary_are_never_allowed(tokenizer) -> N
     mask = unpack_bitmask(padded.masks([("p", [], 0)]), padded.vocab_size)[0]
     assert mask[: len(tokenizer)].any() and not mask[len(tokenizer):].any()
 
+
+@pytest.mark.parametrize(("schema", "breaking"), [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    ({"type": "string", "not": {"const": "a"}}, '"a"'),
+    ({"type": "object", "properties": {"c": {"type": "string"}, "z": {"type": "string"}},
+      "if": {"properties": {"c": {"const": "US"}}}, "then": {"properties": {"z": {"pattern": "^[0-9]+$"}}}},
+     '{"c": "US", "z": "x"}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1]"),
+    ({"allOf": [{"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
+                {"properties": {"n": {"type": "string"}}}]}, '{"n": "a"}'),
+    ({"type": "number", "multipleOf": 0.5}, "0.3"),
+], ids=["uniqueItems", "not", "if-then", "dependentRequired", "contains", "allOf", "multipleOf 0.5"])
+def test_the_keywords_refused_before_a_job_is_queued_are_those_xgrammar_does_not_hold(schema, breaking) -> None:
+    """producer.grammar.json_schema refuses these keywords: xgrammar takes a text that breaks
+    each (the day it holds one, this fails and the keyword may come off the list)."""
+    from producer.grammar.json_schema import check_enforceable
+
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_json_schema(schema, any_whitespace=False))
+    assert matcher.accept_string(breaking) and matcher.is_completed()
+    with pytest.raises(ValueError, match="is not supported"):
+        check_enforceable(schema)
