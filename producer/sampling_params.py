@@ -109,8 +109,9 @@ class SamplingParams:
     # of them), {"regex": pattern} (the output matches it whole), {"grammar": ebnf} (the output
     # is a sentence of it: xgrammar's EBNF, or a Lark grammar, one without "::="),
     # {"structural_tag": ...} (producer.grammar.structural_tag). The worker compiles them with
-    # xgrammar and fails a job whose guide it cannot compile, naming what is wrong; here only
-    # their shapes are checked (the API never imports xgrammar, which imports torch).
+    # xgrammar and fails a job whose guide it cannot read, naming what is wrong; here their
+    # shapes are checked, and the JSON Schema keywords xgrammar would not hold the output to
+    # refused (producer.grammar.json_schema): the API never imports xgrammar, which imports torch.
     # JSON with "disable_any_whitespace": True is
     # compact (one space after each , and :); with "after": text, the
     # output is free until that text (a reasoning model's "</think>") and guided after it
