@@ -80,6 +80,7 @@ class GuidedDecoding:
         # (built at the first guided request: reading the vocabulary takes a fraction of a second)
         self._compilers: dict[bool, xgr.GrammarCompiler] = {}  # by whether special tokens are read
         self._token_texts: list[bytes] | None = None  # every token's text, special tokens' spelled
+        self._batch_matcher: xgr.BatchGrammarMatcher | None = None  # (fills a step's rows over threads)
         self._stop_bits: torch.Tensor | None = None  # the stop tokens alone, as a bitmask row
         self._compiled: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()  # by guide
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="genq-grammar")
@@ -134,7 +135,9 @@ class GuidedDecoding:
         if len(plain) == 1:
             plain[0][1].fill_next_token_bitmask(bitmask, plain[0][0])
         elif plain:  # (xgrammar spreads them over threads)
-            xgr.BatchGrammarMatcher(COMPILE_THREADS).batch_fill_next_token_bitmask(
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher(COMPILE_THREADS)
+            self._batch_matcher.batch_fill_next_token_bitmask(
                 [matcher for _, matcher in plain], bitmask, [row for row, _ in plain])
         return bitmask
 
@@ -225,10 +228,9 @@ class GuidedDecoding:
     def _tokenizer_info(self, reads_special: bool) -> xgr.TokenizerInfo:
         """The vocabulary as xgrammar reads it; special tokens (but the stop tokens) as tokens
         no grammar takes, unless `reads_special`: then by their text."""
-        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                  stop_token_ids=self.stop_ids)
         if reads_special:
-            return info
+            return xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_ids)
         special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special} - set(self.stop_ids)
         texts = [b"" if i in special else text for i, text in enumerate(self._texts())]  # (empty: never taken)
         return xgr.TokenizerInfo(texts, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
