@@ -493,9 +493,8 @@ class Engine:
 
     def _reused_batch(self, requests: list[Request]) -> SamplingBatch | None:
         """The step before's sampling batch, where it is this step's: the same requests in the
-        same rows, none of whose sampling reads its output (_keep_batch), and no guided or
-        thinking-budget row, whose masks change as they go. None: build it."""
-        if self._static_batch is None or self.guided.states or self.thinking.states:
+        same rows, kept only where none of them reads its output (_keep_batch). None: build it."""
+        if self._static_batch is None:
             return None
         kept_for, batch = self._static_batch
         return batch if kept_for == requests else None  # (Request compares by identity)
