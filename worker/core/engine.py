@@ -312,6 +312,7 @@ class Engine:
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}
         embeddings: dict[str, list[float]] = {}
+        moved: list[Request] = []
         for request_id in sched.preempted:
             self.runner.forget(request_id, preempted=True)
         if not sched.is_empty and (failed := self.runner.encode_images(sched.scheduled)):
@@ -323,7 +324,8 @@ class Engine:
             self._rewind_wrong_guesses(sched, sampled)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._end_failed(failed, sampled, logprobs)
-            updated += self._update(sched, sampled)
+            moved = self._update(sched, sampled)
+            updated += moved
             self.speculator.after_step(sched, model_out, sampled)
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
@@ -332,6 +334,8 @@ class Engine:
         else:
             outputs += self._make_outputs(updated, logprobs, embeddings)
         self.speculator.propose()
+        if self.guided.states:  # (their next masks, filled while the next step runs)
+            self.guided.prefetch([(r.request_id, r.output_token_ids) for r in moved if not r.is_finished])
         return outputs
 
     def _take_pending(self) -> list[RequestOutput]:
