@@ -477,6 +477,11 @@ def test_worker_config_from_env() -> None:
     assert config_from_env({"GENQ_EVENTS_RETENTION_S": "60"}).events_retention_s == 60.0
     with pytest.raises(ValueError, match="events_retention_s must be >= 0, got -1.0"):
         config_from_env({"GENQ_EVENTS_RETENTION_S": "-1"})
+    assert config_from_env({"GENQ_STREAM_INTERVAL_MS": "0"}).stream_interval_ms == 0.0
+    with pytest.raises(ValueError, match="stream_interval_ms must be >= 0, got -5.0"):
+        config_from_env({"GENQ_STREAM_INTERVAL_MS": "-5"})
+    with pytest.raises(ValueError, match="GENQ_STREAM_INTERVAL_MS must be a number, got 'often'"):
+        config_from_env({"GENQ_STREAM_INTERVAL_MS": "often"})
     assert config_from_env({}).engine.scheduling_policy == "fcfs"
     with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
         config_from_env({"GENQ_SCHEDULING_POLICY": "lifo"})

@@ -111,7 +111,7 @@ class Consumer:
         self.metrics = WorkerMetrics(self.config.model_name, self.tracing)
         self.publisher = Publisher(
             self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject,
-            self.config.model_name,
+            self.config.model_name, self.config.stream_interval_ms,
         )
         self.admission = Admission(self.config, self.scripts, self.table, self.engine, self.metrics)
         self.heartbeat = Heartbeat(
@@ -271,6 +271,10 @@ class Consumer:
     async def _release(self, jobs: list[HeldJob]) -> None:
         for held in jobs:
             self.publisher.drop(held, JobState.RELEASED)
+        # their held tokens (coalesced events) first: the worker that resumes a job goes on
+        # from its stream, so nothing it made here is lost
+        with self._unless_redis_away("tokens held for coalesced events are made again by the next worker"):
+            await self.publisher.publish_held(time.time(), jobs)
         await self._release_entries([h.entry_id for h in jobs])
 
     async def _release_entries(self, entry_ids: list[str]) -> None:
