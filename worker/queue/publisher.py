@@ -77,11 +77,13 @@ class Publisher:
         self.changed = asyncio.Event()  # set after each batch: capacity may have grown
         self.idle = asyncio.Event()  # set while no result waits to be published
         self.outage = Outage("publishing")
-        # coalesced events: a job's new tokens go out at most every stream_interval_s (see
+        # coalesced events: a job's new tokens go out about every stream_interval_s (see
         # jobs.publish_due); the jobs holding unsent tokens, for the timer that sends them when
         # no step comes in time (a preempted job, a frozen pause)
         self.stream_interval_s = stream_interval_ms / 1000
         self._holding: dict[str, HeldJob] = {}
+        self._step_s = 0.0  # the engine's last step: between the last two results with outputs
+        self._step_at: float | None = None
         self._writing = asyncio.Lock()  # one STEP_LUA call at a time: a job's events stay in seq order
 
     async def run(self) -> None:
@@ -109,10 +111,10 @@ class Publisher:
         except TimeoutError:
             return None
 
-    async def publish_held(self, now: float, jobs: list[HeldJob] | None = None) -> None:
+    async def publish_held(self, now: float, jobs: list[HeldJob] | None = None, retry: bool = True) -> None:
         """Send the held tokens of `jobs` (default: those whose interval has passed by `now`),
         whatever their state: a job released at a drain leaves its tokens in its stream for
-        the worker that resumes it."""
+        the worker that resumes it. `retry` False: one try, Redis errors raised (a drain)."""
         writes: dict[str, JobWrite] = {}
         if jobs is None:
             jobs = [h for h in self._holding.values() if now - h.published_at >= self.stream_interval_s]
@@ -123,7 +125,7 @@ class Publisher:
             if held.unsent:
                 self._take_unsent(held, now, writes)
             self._holding.pop(held.id, None)
-        await self._write(list(writes.values()))
+        await self._write(list(writes.values()), retry)
 
     async def publish(self, batch: list[StepResult]) -> None:
         writes: dict[str, JobWrite] = {}
@@ -131,6 +133,7 @@ class Publisher:
         for result in batch:
             if result.error is not None:
                 raise EngineFailed(f"engine thread failed: {result.error!r}") from result.error
+            self._note_step(result)
             for output in result.outputs:
                 self._apply(output, result.time, writes)
             rejected += self._rejected(result.rejected)
@@ -144,6 +147,14 @@ class Publisher:
             await self.on_rejected(held, refused)
         self.metrics.engine_stats(self.stats)
         self.changed.set()
+
+    def _note_step(self, result: StepResult) -> None:
+        """How long the engine's steps take now (for publish_due's look one step ahead)."""
+        if not result.outputs:
+            return
+        if self._step_at is not None:
+            self._step_s = max(0.0, result.time - self._step_at)
+        self._step_at = result.time
 
     def _commands_made(self) -> tuple[Any, ...]:
         """What the engine made of the commands it follows, as the heartbeat says it."""
@@ -171,7 +182,7 @@ class Publisher:
         self.metrics.tokens(held, num_new, now)
         if held.job.tenant:
             held.unsent_tenant_tokens += counted + num_new
-        if publish_due(held, self.stream_interval_s, now):
+        if publish_due(held, self.stream_interval_s, now, self._step_s):
             self._take_unsent(held, now, writes)
         elif held.unsent:
             self._holding[held.id] = held  # (the timer sends it should no step come in time)
@@ -245,7 +256,7 @@ class Publisher:
                 out.append((held, refused))
         return out
 
-    async def _write(self, writes: list[JobWrite]) -> None:
+    async def _write(self, writes: list[JobWrite], retry: bool = True) -> None:
         """One STEP_LUA call; retried as a whole while Redis is unreachable (a repeat is
         harmless: the events carry the same seqs, and the record and XACK are idempotent).
         Meanwhile the engine goes on with the jobs it holds (it takes no new ones: intake
@@ -258,6 +269,8 @@ class Publisher:
                     lost = await self.scripts.publish(writes)
                     break
                 except REDIS_ERRORS as exc:
+                    if not retry:
+                        raise
                     self.outage.failed(exc)
                     await asyncio.sleep(RETRY_DELAY_S)
         self.outage.answered()
