@@ -12,10 +12,10 @@ one of the M relays (`api.relay.Relay`, one pub/sub connection each, as one API 
 a streaming request does. Jobs' output lengths are uniform in `--output-len` (W1's 16-256).
 
     python benchmarks/redis_capacity.py [--workers 1,2,4] [--relays 2] [--batch 128] [--step-ms 10]
-        [--stream-interval-ms 0,25] [--seconds 10] [--procs 2]
+        [--stream-interval-ms 0,60] [--seconds 10] [--procs 2]
 
 For each interval and each worker count (stopping once publish -> subscriber p99 passes
-`--p99-limit-ms`, or the generator falls behind its steps), over `--seconds` after a warm-up:
+`--p99-limit-ms`), over `--seconds` after a warm-up:
 - tokens/s made, and the target (N x batch / step);
 - Redis CPU: used_cpu_sys + used_cpu_user (INFO cpu) over the wall time, in cores;
 - commands per token: every command Redis ran (INFO commandstats, where commands a Lua script
@@ -40,7 +40,7 @@ import random
 import string
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.asyncio
@@ -273,8 +273,35 @@ def _trial(server: RedisServer, num_workers: int, args: argparse.Namespace) -> d
     shares = [out.get(timeout=120) for _ in children]
     for child in children:
         child.join(30)
+    row = _summary(num_workers, args, shares, before, after)
+    row["bytes_per_job"] = _bytes_per_job(conn, Keys(prefix))
     conn.close()
-    return _summary(num_workers, args, shares, before, after)
+    return row
+
+
+def _bytes_per_job(conn: redis.Redis, keys: Keys, sample: int = 200) -> dict[str, float]:
+    """MEMORY USAGE of finished jobs' records and events (events kept for their retention)."""
+    records, events, tokens = 0, 0, 0
+    found = 0
+    for key in conn.scan_iter(match=keys.job("*"), count=1000):
+        status, made = cast(list[Any], conn.hmget(key, ["status", "completion_tokens"]))
+        if status != b"finished" or made is None:
+            continue
+        job_id = key.decode().removeprefix(keys.job(""))
+        records += _memory(conn, key)
+        events += _memory(conn, keys.events(job_id))
+        tokens += int(made)
+        found += 1
+        if found == sample:
+            break
+    if not found:
+        return {}
+    return {"jobs": found, "record": round(records / found), "events": round(events / found),
+            "events_per_token": round(events / max(tokens, 1), 1), "tokens": round(tokens / found)}
+
+
+def _memory(conn: redis.Redis, key: Any) -> int:
+    return int(cast(Any, conn.memory_usage(key, samples=0)) or 0)
 
 
 def _split(total: int, parts: int, index: int) -> int:
@@ -343,7 +370,7 @@ def _print_row(row: dict[str, Any]) -> None:
           f"{row['script_commands_per_token']:.2f}; {row['per_token']}); events/token {row['events_per_token']:.2f}; "
           f"publish->subscriber p50 {lat['p50']} ms p99 {lat['p99']} ms (n={lat['n']})"
           + (f"; errors {row['errors']}" if row["errors"] else ""))
-    print("  " + _project(row))
+    print("  " + _project(row) + f"; bytes per finished job: {row.get('bytes_per_job')}")
 
 
 def main() -> int:
@@ -353,7 +380,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=128, help="running jobs per worker")
     ap.add_argument("--step-ms", type=float, default=10.0, help="a step every this many ms (H200-class: ~10)")
     ap.add_argument("--output-len", default="16,256", help="output tokens per job, uniform in lo,hi")
-    ap.add_argument("--stream-interval-ms", default="0,25", help="coalescing intervals to run, comma-separated")
+    ap.add_argument("--stream-interval-ms", default="0,60", help="coalescing intervals to run, comma-separated")
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window per trial")
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--heartbeat-s", type=float, default=5.0)
@@ -370,9 +397,11 @@ def main() -> int:
                 row = _trial(server, n, args)
                 rows.append(row)
                 _print_row(row)
+                if row["steps_made_share"] < 0.9:
+                    print("  (the generator fell behind its steps: this machine's Python, not Redis, set the rate)")
                 p99 = row["latency_ms"]["p99"]
-                if (p99 is not None and p99 > args.p99_limit_ms) or row["steps_made_share"] < 0.9:
-                    print(f"  stop: p99 past {args.p99_limit_ms:g} ms or the generator fell behind its steps")
+                if p99 is not None and p99 > args.p99_limit_ms:
+                    print(f"  stop: p99 past {args.p99_limit_ms:g} ms")
                     break
     _print_ratios(rows)
     if args.json:

@@ -168,7 +168,7 @@ _HELP = {
     "events_retention_s": "an ended job's events stay this long; later readers get its result from the job record "
     "(default: $GENQ_EVENTS_RETENTION_S or 300; 0: deleted as it ends)",
     "stream_interval_ms": "publish a job's new tokens at most this often, merged into one event per completion; "
-    "its first and final events go out at once (default: $GENQ_STREAM_INTERVAL_MS or 50; 0: every step)",
+    "its first and final events go out at once (default: $GENQ_STREAM_INTERVAL_MS or 60; 0: every step)",
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
     "otlp_traces_endpoint": "export a span per finished job to this OpenTelemetry collector, OTLP over HTTP, "
     "e.g. http://collector:4318 (default: off; needs genq[otel])",

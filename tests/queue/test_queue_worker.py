@@ -13,7 +13,16 @@ from collections.abc import Callable
 import msgpack
 import pytest
 import redis
-from queue_support import WorkerProcess, age, ended, ghost_takes, record, streamed_pieces, wait_for
+from queue_support import (
+    WorkerProcess,
+    age,
+    ended,
+    ghost_takes,
+    record,
+    streamed_pieces,
+    tokens_sent,
+    wait_for,
+)
 
 from producer.async_client import AsyncClient
 from producer.client import Client
@@ -124,7 +133,7 @@ def test_late_subscriber_receives_every_token(
 ) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     handle = client.submit("A late reader", params)
-    wait_for(lambda: conn.xlen(client.keys.events(handle.id)) >= 5, TIMEOUT_S, "first tokens")
+    wait_for(lambda: tokens_sent(conn, client.keys, handle.id) >= 5, TIMEOUT_S, "first tokens")
     late = list(handle.stream(TIMEOUT_S))  # subscribes mid-job (or after it)
     result = handle.result(TIMEOUT_S)
     after = list(handle.stream(TIMEOUT_S))  # subscribes after the end: replay only

@@ -45,7 +45,7 @@ DEFAULT_CACHE_AFFINITY_TTL_S = 600.0
 DEFAULT_LANE_AGING_S = 30.0
 DEFAULT_LANE_AGED_EVERY = 10
 # coalesced events: a job's tokens go out at most this often (docs/queue.md, "Coalesced events")
-DEFAULT_STREAM_INTERVAL_MS = 50.0
+DEFAULT_STREAM_INTERVAL_MS = 60.0
 
 # Every variable the worker reads, with what it sets (docs/queue.md lists them too).
 ENV_VARS = {
@@ -88,7 +88,7 @@ ENV_VARS = {
     "GENQ_DEAD_RETENTION_S": "age past which dead letters leave the dead stream (default: a week)",
     "GENQ_EVENTS_RETENTION_S": "an ended job's events stay this long; later readers get its result from the record (default 300)",
     "GENQ_STREAM_INTERVAL_MS": "a job's new tokens are published at most this often, merged into one event; "
-    "first and final events go out at once (default 50; 0: every step)",
+    "first and final events go out at once (default 60; 0: every step)",
     "GENQ_METRICS_PORT": "serve Prometheus metrics on this port (default: off)",
     "GENQ_METRICS_HOST": "address the metrics server binds (default 0.0.0.0)",
     "GENQ_OTLP_TRACES_ENDPOINT": "export a span per job to this OpenTelemetry collector (OTLP/HTTP; default: off)",
