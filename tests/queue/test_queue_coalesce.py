@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import pytest
 import redis
-from queue_support import WorkerProcess, wait_for
+from queue_support import WorkerProcess, tokens_sent, wait_for
 
 from producer.client import Client
 from producer.jobs import Delta
-from producer.protocol import FINISH_ABORT, JobStatus, Keys
+from producer.protocol import EVENT_FIELD, FINISH_ABORT, JobStatus, Keys, decode_event
 from producer.records import decode_worker_info
 from producer.sampling_params import SamplingParams
 
@@ -38,6 +38,16 @@ def generated(conn: redis.Redis, keys: Keys, name: str) -> int:
     """Tokens the worker says (in its heartbeat) it has generated so far."""
     fields = conn.hgetall(keys.worker(name))
     return decode_worker_info(fields, name).generation_tokens_total if fields else 0
+
+
+def generated_when_idle(conn: redis.Redis, keys: Keys, name: str) -> int:
+    """generated() from a heartbeat that shows no job running or waiting: every token of the
+    jobs before is counted in it (a beat taken mid-job would count them later)."""
+    def idle() -> int | None:
+        info = decode_worker_info(conn.hgetall(keys.worker(name)), name)
+        return info.generation_tokens_total + 1 if (info.running, info.waiting) == (0, 0) else None
+
+    return wait_for(idle, TIMEOUT_S, f"an idle beat of {name}") - 1
 
 
 def by_index(deltas: list[Delta], index: int) -> list[Delta]:
@@ -85,7 +95,7 @@ def test_a_stop_string_ends_a_coalesced_stream_with_the_text_cut_as_one_event_a_
 
 
 def test_a_cancel_mid_run_sends_the_held_tokens_with_the_abort(client: Client, conn: redis.Redis) -> None:
-    before = generated(conn, client.keys, NAME)
+    before = generated_when_idle(conn, client.keys, NAME)
     handle = client.submit("Hold these", SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
     events = client.keys.events(handle.id)
     wait_for(lambda: generated(conn, client.keys, NAME) >= before + 20, TIMEOUT_S, "tokens made and held")
@@ -102,20 +112,48 @@ def test_a_drain_sends_the_held_tokens_before_it_releases_the_job(
     spawn: Callable[..., WorkerProcess], conn: redis.Redis, worker: WorkerProcess,
     client: Client, offline,
 ) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    """What the worker that resumes a released job goes on from is its stream: the drain's
+    last write holds every token made, equal to plain decoding's start (reclaiming itself is
+    test_queue_worker's and test_queue_failover's)."""
     worker.terminate()  # one worker at a time: the job must run on the one that drains
     worker.wait(TIMEOUT_S)
     draining = spawn("qco2", via="genq", args=("--stream-interval-ms", HOLD_MS, "--shutdown-grace-s", "0"))
     draining.wait_ready(conn)
-    handle = client.submit("Drain me", params)
+    handle = client.submit("Drain me", SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
     wait_for(lambda: generated(conn, client.keys, "qco2") >= 20, TIMEOUT_S, "tokens made and held")
     draining.terminate()
     assert draining.wait(TIMEOUT_S) == 0
-    sent = [e for _, e in conn.xrange(client.keys.events(handle.id))]
-    assert len(sent) == 2  # the first step's event, then what the drain sent
-    resumed = spawn("qco3", via="genq", args=("--stream-interval-ms", "0"))
-    result = handle.result(TIMEOUT_S)
-    resumed.stop()
-    deltas = list(handle.stream(TIMEOUT_S))
-    assert result.token_ids == [t for d in deltas for t in d.token_ids] == offline("Drain me", params)[0].token_ids
-    assert len(deltas[1].token_ids) >= 19  # held at the drain, sent: the next worker went on from them
+    handle.cancel()  # (released, it would run on the next test's worker)
+    sent = [decode_event(e[EVENT_FIELD.encode()]) for _, e in conn.xrange(client.keys.events(handle.id))]
+    assert len(sent) == 2 and len(sent[1].token_ids) >= 19  # the first step's event, then the drain's
+    tokens = [t for e in sent for t in e.token_ids]
+    plain = offline("Drain me", SamplingParams(temperature=0.0, max_tokens=len(tokens), ignore_eos=True))[0]
+    assert tokens == plain.token_ids and "".join(e.text for e in sent) == plain.text
+
+
+def test_tokens_held_when_no_step_comes_go_out_after_the_interval(
+    spawn: Callable[..., WorkerProcess], conn: redis.Redis, worker: WorkerProcess, client: Client,
+) -> None:
+    """A pause in mode keep freezes the job: no step comes to carry its held tokens, so the
+    publisher's timer sends them once the interval has passed (a cancel then ends it)."""
+    worker.stop()  # (if the drain's test has not): the job must run on this test's worker
+    spawn("qco3", via="genq", args=("--stream-interval-ms", "500")).wait_ready(conn)
+    keys = client.keys
+    pause = keys.pause(decode_worker_info(conn.hgetall(keys.worker("qco3")), "qco3").model)
+    handle = client.submit("Freeze me", SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
+    wait_for(lambda: generated(conn, keys, "qco3") >= 20, TIMEOUT_S, "tokens made")
+    conn.hset(pause, mapping={"paused": 1, "mode": "keep"})
+    conn.hincrby(pause, "count", 1)
+    try:
+        info = wait_for(lambda: (i := decode_worker_info(conn.hgetall(keys.worker("qco3")), "qco3")).paused and i,
+                        TIMEOUT_S, "the worker paused")
+        made = generated(conn, keys, "qco3")  # frozen: it makes no more
+        assert info.running == 1
+        wait_for(lambda: tokens_sent(conn, keys, handle.id) == made, TIMEOUT_S, "the held tokens sent")
+        handle.cancel()
+        result = handle.result(TIMEOUT_S)
+    finally:
+        conn.hset(pause, "paused", 0)
+        conn.hincrby(pause, "count", 1)
+    assert result.status == JobStatus.CANCELLED and len(result.token_ids) == made
+    assert [t for d in handle.stream(TIMEOUT_S) for t in d.token_ids] == result.token_ids
