@@ -63,6 +63,9 @@ def _throughput_args(p: argparse.ArgumentParser) -> None:
                    help="engine and queue modes: fp8 holds twice the tokens in the same KV memory")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="engine and queue modes: the model split over this many devices")
+    p.add_argument("--max-step-ms", type=float, default=0,
+                   help="engine and queue modes: step-time-aware chunking's target step time (default 0: off, "
+                        "the static --max-num-batched-tokens, throughput's best)")
     p.add_argument("--no-floor", action="store_true", help="skip the compute floor (its FLOPs at a GEMM rate "
                    "measured in this run)")
     p.add_argument("--json", default=None, help="write the results here")
@@ -91,6 +94,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "max_step_ms": args.max_step_ms,  # (the queue's worker, a serving one, would default it on)
     }
     results: dict[str, dict[str, Any]] = {}
     for mode in args.modes.split(","):
