@@ -9,14 +9,19 @@ shrinking by FORGET per step after it (a memory of ~1 / (1 - FORGET) steps), so 
 follows a machine whose speed drifts (another process on the cores, a longer context).
 
 Given the decodes a step will carry, the prefill budget is what keeps the predicted time under
-the target: (target - a - b * decodes) / c, within [floor, ceiling]. Until the model has seen
-steps that carried prefills (it knows no c), the budget is the ceiling: the static one."""
+the target: (target - a - b * decodes) / c, within [floor, ceiling]. Where the decodes alone
+take longer than the target (a slow or busy machine, a large batch), the target cannot be met:
+the step may then take STRETCH times the decodes' time, so that prompts still advance at the
+machine's pace (not a floor's few tokens a step) while no decode waits more than that for them.
+Until the model has seen steps that carried prefills (it knows no c), the budget is the
+ceiling: the static one."""
 
 from __future__ import annotations
 
-FORGET = 0.97  # each step's weight in the fit shrinks by this per later step
+FORGET = 0.99  # each step's weight in the fit shrinks by this per later step: a memory of ~100 steps, long enough to average out a shared machine's noise
 MIN_PREFILL_STEPS = 3  # steps with prefill tokens seen before c is trusted
 RIDGE = 1e-6  # keeps the normal equations solvable before the features vary
+STRETCH = 2.0  # a step whose decodes alone pass the target may take this many times their time
 OUTLIER_RATIO = 4.0  # a step above this many times the prediction (a GC pause) teaches only that much
 
 
@@ -54,12 +59,14 @@ class StepCostModel:
         return a + b * decode_tokens + c * prefill_tokens
 
     def prefill_budget(self, target_s: float, decode_tokens: int, floor: int, ceiling: int) -> int:
-        """The prefill tokens a step with `decode_tokens` may carry and stay under `target_s`,
-        at least `floor` (prefills always progress) and at most `ceiling`."""
+        """The prefill tokens a step with `decode_tokens` may carry and stay under `target_s`
+        (or STRETCH times the decodes' time, where they alone pass it), at least `floor`
+        (prefills always progress) and at most `ceiling`."""
         if not self.fitted:
             return ceiling
         a, b, c = self.coef
-        room_s = target_s - a - max(b, 0.0) * decode_tokens
+        decode_s = a + max(b, 0.0) * decode_tokens
+        room_s = max(target_s, STRETCH * decode_s) - decode_s
         return max(floor, min(ceiling, int(room_s / c))) if room_s > 0 else floor
 
 

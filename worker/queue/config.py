@@ -46,7 +46,7 @@ DEFAULT_LANE_AGING_S = 30.0
 DEFAULT_LANE_AGED_EVERY = 10
 # step-time-aware chunking's target for a serving worker (EngineConfig.max_step_ms); offline
 # runs (LLM, genq bench throughput) keep it off. See docs/engine.md for how it was chosen
-DEFAULT_SERVING_MAX_STEP_MS = 150.0
+DEFAULT_SERVING_MAX_STEP_MS = 200.0
 
 # Every variable the worker reads, with what it sets (docs/queue.md lists them too).
 ENV_VARS = {
@@ -61,7 +61,7 @@ ENV_VARS = {
     "GENQ_MAX_NUM_SEQS": "engine max_num_seqs",
     "GENQ_MAX_MODEL_LEN": "engine max_model_len",
     "GENQ_MAX_NUM_BATCHED_TOKENS": "engine max_num_batched_tokens",
-    "GENQ_MAX_STEP_MS": "each step's prompt chunks sized to keep it under this many ms (default 150; 0: off, the static budget)",
+    "GENQ_MAX_STEP_MS": "each step's prompt chunks sized to keep it under this many ms (default 200; 0: off, the static budget)",
     "GENQ_SCHEDULING_POLICY": "fcfs | priority: the order of the jobs a worker holds (default fcfs)",
     "GENQ_NUM_GPU_BLOCKS": "engine num_gpu_blocks_override",
     "GENQ_GPU_MEMORY_UTILIZATION": "the share of the GPU's memory the engine may fill (default 0.9)",
