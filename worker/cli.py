@@ -58,6 +58,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "requests_retention_s": float,
     "dead_retention_s": float,
     "events_retention_s": float,
+    "stream_interval_ms": float,
     "metrics_port": int,
     "metrics_host": str,
     "otlp_traces_endpoint": str,
@@ -170,6 +171,8 @@ _HELP = {
     "dead_retention_s": "dead letters older than this leave the dead stream (default: 604800)",
     "events_retention_s": "an ended job's events stay this long; later readers get its result from the job record "
     "(default: $GENQ_EVENTS_RETENTION_S or 300; 0: deleted as it ends)",
+    "stream_interval_ms": "publish a job's new tokens at most this often, merged into one event per completion; "
+    "its first and final events go out at once (default: $GENQ_STREAM_INTERVAL_MS or 60; 0: every step)",
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
     "otlp_traces_endpoint": "export a span per finished job to this OpenTelemetry collector, OTLP over HTTP, "
     "e.g. http://collector:4318 (default: off; needs genq[otel])",

@@ -21,7 +21,7 @@ import redis
 
 from producer.client import Client
 from producer.jobs import Delta
-from producer.protocol import JobStatus, Keys
+from producer.protocol import EVENT_FIELD, JobStatus, Keys, decode_event
 from producer.records import decode_record
 from producer.sampling_params import SamplingParams
 
@@ -157,6 +157,12 @@ def ghost_takes(conn: redis.Redis, keys: Keys, fields: dict) -> str:
 def age(conn: redis.Redis, keys: Keys, entry_id: str, deliveries: int | None = None) -> None:
     conn.xclaim(keys.requests, keys.group, "ghost", 0, [entry_id], idle=10**9,
                 retrycount=deliveries, justid=True)
+
+
+def tokens_sent(conn: redis.Redis, keys: Keys, job_id: str) -> int:
+    """Tokens in a job's events stream so far (workers coalesce a job's steps into fewer
+    events: count tokens, not events)."""
+    return sum(len(decode_event(f[EVENT_FIELD.encode()]).token_ids) for _, f in conn.xrange(keys.events(job_id)))
 
 
 def streamed_pieces(tokenizer, params: SamplingParams, token_ids: list[int]) -> list[str]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import redis
-from queue_support import Streams, WorkerProcess, wait_for
+from queue_support import Streams, WorkerProcess, tokens_sent, wait_for
 
 from producer.client import Client
 from producer.jobs import Delta
@@ -53,13 +53,13 @@ def job_worker(conn: redis.Redis, keys: Keys, job_id: str) -> str | None:
     return worker.decode() if worker else None
 
 
-def running_on(conn: redis.Redis, keys: Keys, job_ids: list[str], name: str, min_events: int) -> list[str]:
-    """Jobs `name` is running that have sent at least `min_events` events."""
+def running_on(conn: redis.Redis, keys: Keys, job_ids: list[str], name: str, min_tokens: int) -> list[str]:
+    """Jobs `name` is running that have sent at least `min_tokens` tokens."""
     out = []
     for job_id in job_ids:
         rec = decode_record(conn.hgetall(keys.job(job_id)), job_id)
         if rec.worker == name and rec.status == JobStatus.RUNNING:
-            if conn.xlen(keys.events(job_id)) >= min_events:
+            if tokens_sent(conn, keys, job_id) >= min_tokens:
                 out.append(job_id)
     return out
 
@@ -116,7 +116,7 @@ def test_kill_9_mid_generation_loses_nothing(
     prompts = [f"failover job {i}" for i in range(8)]
     job_ids = [client.submit(p, params).id for p in prompts]
     streams = Streams(redis_server.url, keys, job_ids)
-    victims = wait_for(lambda: running_on(conn, keys, job_ids, "fa", min_events=10),
+    victims = wait_for(lambda: running_on(conn, keys, job_ids, "fa", min_tokens=10),
                        TIMEOUT_S, "fa mid-generation")
     workers["fa"].kill()
     check_against_offline(client, job_ids, prompts, params, streams.join(), offline)
@@ -138,7 +138,7 @@ def test_sigterm_drains_and_releases(
     long_prompts = [f"long job {i}" for i in range(4)]
     long_ids = [client.submit(p, long).id for p in long_prompts]
     streams = Streams(redis_server.url, keys, long_ids)
-    released = wait_for(lambda: running_on(conn, keys, long_ids, "fb", min_events=5),
+    released = wait_for(lambda: running_on(conn, keys, long_ids, "fb", min_tokens=5),
                         TIMEOUT_S, "fb mid-generation")
     workers["fb"].terminate()
     short_handles = [client.submit(f"short job {i}", short) for i in range(4)]

@@ -23,7 +23,15 @@ import httpx
 import openai
 import pytest
 import redis
-from queue_support import LIVE_WORKERS, Streams, WorkerProcess, record, wait_for, worker_env
+from queue_support import (
+    LIVE_WORKERS,
+    Streams,
+    WorkerProcess,
+    record,
+    tokens_sent,
+    wait_for,
+    worker_env,
+)
 
 from producer.client import Client
 from producer.jobs import Delta, JobNotFound
@@ -165,7 +173,7 @@ def submit(server: RedisServer, tag: str) -> tuple[list[str], list[str]]:
 
 def mid_generation(conn: redis.Redis, keys: Keys, job_ids: list[str]) -> bool:
     """Some jobs have streamed a few tokens, none has finished: the kill lands mid-run."""
-    lengths = [conn.xlen(keys.events(job_id)) for job_id in job_ids]
+    lengths = [tokens_sent(conn, keys, job_id) for job_id in job_ids]
     return max(lengths) >= 4
 
 

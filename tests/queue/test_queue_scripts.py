@@ -42,8 +42,11 @@ from worker.queue.jobs import (
     abort_events,
     completion_event,
     final_record,
+    hold_delta,
     new_completions,
     progress_from_events,
+    publish_due,
+    unsent_events,
 )
 from worker.queue.scripts import RELEASED_IDLE_MS, DeadLetter, Forward, JobWrite, NameTaken, Scripts
 
@@ -433,6 +436,34 @@ def test_events_record_and_abort() -> None:
     assert decode_event(encode_event(last)).finished
 
 
+def test_coalescing_holds_steps_while_the_next_still_ends_within_the_interval() -> None:
+    """publish_due's timing, steps of 10 ms against a 60 ms interval (an H200's) and of 40 ms
+    (a CPU's), and what a publish of held steps sends: one event, the pieces concatenated."""
+    held = held_job("c")
+    interval_s, published = 0.060, []
+    for step in range(1, 21):
+        now = step * 0.010
+        hold_delta(held, 0, f"t{step} ", [step], None, None, [{"logprob": -step}])
+        if publish_due(held, interval_s, now, 0.010):
+            published.append((step, unsent_events(held, now)))
+    assert [step for step, _ in published] == [1, 7, 13, 19]  # the first step at once, then every 6
+    [(_, [event])] = [p for p in published if p[0] == 7]
+    assert (event.seq, event.token_ids, event.text) == (1, [2, 3, 4, 5, 6, 7], "t2 t3 t4 t5 t6 t7 ")
+    assert [lp["logprob"] for lp in event.logprobs or []] == [-2, -3, -4, -5, -6, -7]
+    hold_delta(held, 0, "end", [21], "stop", "end")  # a final delta goes out at once
+    assert publish_due(held, interval_s, 0.201, 0.010)
+    [last] = unsent_events(held, 0.201)
+    assert (last.token_ids, last.finish_reason, last.stop_reason, last.finished) == ([20, 21], "stop", "end", True)
+    assert held.completions[0].token_ids == list(range(1, 22)) and held.finished
+    slow = held_job("s")
+    for step in range(1, 6):  # 40 ms steps: each one's tokens go out at once, as with no interval
+        hold_delta(slow, 0, "x", [step], None)
+        assert publish_due(slow, interval_s, step * 0.040, 0.040)
+        unsent_events(slow, step * 0.040)
+    assert slow.completions[0].next_seq == 5
+    assert not publish_due(held_job("e"), interval_s, 1.0, 0.0)  # nothing held, nothing to send
+
+
 @pytest.mark.parametrize(
     ("stats", "in_flight", "expected"),
     [
@@ -483,6 +514,11 @@ def test_worker_config_from_env() -> None:
     assert config_from_env({"GENQ_EVENTS_RETENTION_S": "60"}).events_retention_s == 60.0
     with pytest.raises(ValueError, match="events_retention_s must be >= 0, got -1.0"):
         config_from_env({"GENQ_EVENTS_RETENTION_S": "-1"})
+    assert config_from_env({"GENQ_STREAM_INTERVAL_MS": "0"}).stream_interval_ms == 0.0
+    with pytest.raises(ValueError, match="stream_interval_ms must be >= 0, got -5.0"):
+        config_from_env({"GENQ_STREAM_INTERVAL_MS": "-5"})
+    with pytest.raises(ValueError, match="GENQ_STREAM_INTERVAL_MS must be a number, got 'often'"):
+        config_from_env({"GENQ_STREAM_INTERVAL_MS": "often"})
     assert config_from_env({}).engine.scheduling_policy == "fcfs"
     with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
         config_from_env({"GENQ_SCHEDULING_POLICY": "lifo"})

@@ -29,7 +29,8 @@ def metrics_port() -> int:
 @pytest.fixture(scope="module")
 def worker(spawn: Callable[..., WorkerProcess], conn: redis.Redis, default_model_dir, metrics_port: int) -> WorkerProcess:
     proc = spawn(NAME, GENQ_MODEL="", GENQ_SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}',
-                 GENQ_METRICS_PORT=str(metrics_port), GENQ_METRICS_HOST="127.0.0.1")
+                 GENQ_METRICS_PORT=str(metrics_port), GENQ_METRICS_HOST="127.0.0.1",
+                 GENQ_STREAM_INTERVAL_MS="0")  # one event a step: several tokens in one are a step's kept guesses
     proc.wait_ready(conn)
     return proc
 

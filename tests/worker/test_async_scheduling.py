@@ -1,7 +1,7 @@
 """async_scheduling (vLLM's): a step's outputs are made while the next step runs, and come
 out of that step. Whatever the requests ask (stop strings, n > 1 with seeds, logprobs and
 prompt logprobs, stop token ids, min_tokens, preemptions, aborts), what each request outputs
-equals the engine's without it."""
+equals the engine's without it, guided ones too (their masks filled beside the next step)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from test_logits_processors import FailsAfter  # tests/worker, beside this file
 
 from worker import LLM, SamplingParams
 
-PROMPTS = [[5 + i, 17, 29 + 3 * i, 41, 8] * (1 + i % 3) for i in range(8)]
+PROMPTS = [[5 + i, 17, 29 + 3 * i, 41, 8] * (1 + i % 3) for i in range(10)]
 
 
 def workload(stop: str, stop_id: int) -> list[SamplingParams]:
@@ -25,6 +25,8 @@ def workload(stop: str, stop_id: int) -> list[SamplingParams]:
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=2),
         SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
         SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True, stop=[stop]),
+        SamplingParams(temperature=0.0, max_tokens=20, guided_decoding={"regex": r"[a-z]{2,6}( [a-z]{2,6}){1,5}"}),
+        SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=20, guided_decoding={"json_object": True}),
     ]
 
 

@@ -15,7 +15,13 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from producer.sampling_params import SamplingParams
-from worker.core.detokenizer import IncrementalDetokenizer, _token_text_lens, find_stop_string
+from worker.core.detokenizer import (
+    IncrementalDetokenizer,
+    _byte_level,
+    _own_texts,
+    _token_text_lens,
+    find_stop_string,
+)
 
 FFFD = "\ufffd"
 
@@ -167,17 +173,19 @@ def test_random_token_sequences_stream_exactly(
 def test_token_text_length_table_holds_what_decode_gives(
     tokenizer: transformers.PreTrainedTokenizerBase, skip_special_tokens: bool
 ) -> None:
-    """The tokenizer's table of one token's text length, which spares the detokenizers a decode
-    a token, is filled by streams and never disagrees with decode([id]) (special ids included)."""
+    """The tokenizer's tables of one token's text (a byte-level one's) or its length (any
+    other's), which spare the detokenizers a decode a token, are filled by streams and never
+    disagree with decode([id]) (special ids included)."""
     rng = random.Random(1)
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
     for _ in range(50):
         stream(tokenizer, random_ids(tokenizer, rng), params)
-    table = _token_text_lens(tokenizer, skip_special_tokens)
-    assert len(table) > 20
-    for token_id, text_len in table.items():
+    lens, texts = _token_text_lens(tokenizer, skip_special_tokens), _own_texts(tokenizer, skip_special_tokens)
+    assert len(texts if _byte_level(tokenizer) else lens) > 20
+    for token_id in lens.keys() | texts.keys():
         text = tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
-        assert text_len == len(text), token_id
+        assert lens.get(token_id, len(text)) == len(text), token_id
+        assert texts.get(token_id, text) == (None if FFFD in text else text), token_id
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])

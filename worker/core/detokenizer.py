@@ -65,6 +65,8 @@ class IncrementalDetokenizer:
         self._merging_ids = _merging_token_ids(tokenizer, params.skip_special_tokens)
         self._rust_decode = _rust_decode(tokenizer)
         self._token_text_lens = _token_text_lens(tokenizer, params.skip_special_tokens)
+        # a byte-level decoder's tokens, each one's text alone where it stands alone (None if not)
+        self._own_texts = _own_texts(tokenizer, params.skip_special_tokens) if _byte_level(tokenizer) else None
         self.token_ids: list[int] = []  # all output ids, including the initial ones
         self._prefix_offset = 0  # window start: ids[prefix_offset:] are decoded each step
         self._read_offset = 0  # ids before it have produced their text
@@ -134,6 +136,12 @@ class IncrementalDetokenizer:
         ids = self.token_ids
         if ids[-1] in self._merging_ids:
             return ""  # a byte-fallback run may go on and decode differently as a whole
+        if self._own_texts is not None and self._read_offset == len(ids) - 1:
+            text = self._own_text(ids[-1])
+            if text is not None:  # what the window would decode to beyond its prefix
+                if text:
+                    self._prefix_offset, self._read_offset, self._prefix_len = self._read_offset, len(ids), len(text)
+                return text
         window = self._decode(ids[self._prefix_offset :])
         if len(window) <= self._prefix_len or window.endswith(_REPLACEMENT_CHAR):
             return ""  # no text yet, or a character whose remaining bytes are to come
@@ -142,6 +150,19 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         self._prefix_len = self._text_len(self._prefix_offset, self._read_offset)
         return new_text
+
+    def _own_text(self, token_id: int) -> str | None:
+        """The token's text where it is the same after any whole characters: a byte-level
+        decoder maps each token to its own bytes and decodes their concatenation, so a token whose
+        bytes are whole characters adds exactly its own text (None for one that is not: a piece of
+        a character, or a token whose text is U+FFFD for good, which the window then decodes)."""
+        texts = self._own_texts
+        assert texts is not None
+        text = texts.get(token_id, "")
+        if text == "" and token_id not in texts:
+            own = self._decode([token_id])
+            text = texts[token_id] = None if _REPLACEMENT_CHAR in own else own
+        return text
 
     def _text_len(self, start: int, end: int) -> int:
         """len(decode(token_ids[start:end])); one token's (the next window's prefix when every
@@ -226,6 +247,24 @@ def _token_text_lens(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bo
     entry cannot go stale; it holds at most one int per vocabulary id. Saves one of the two
     decodes a token costs (benchmarks/step_overhead.py's output processing).
     """
+    del tokenizer, skip_special_tokens  # the cache's key
+    return {}
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """The Rust tokenizer decodes, with a byte-level decoder alone (GPT-2's, Llama 3's,
+    SmolLM2's): a token's text after whole characters does not depend on the tokens before it."""
+    from tokenizers.decoders import ByteLevel
+
+    return _rust_decode(tokenizer) is not None and isinstance(tokenizer.backend_tokenizer.decoder, ByteLevel)
+
+
+@functools.lru_cache(maxsize=8)
+def _own_texts(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> dict[int, str | None]:
+    """decode([id]) per token id seen so far where its bytes are whole characters (None where
+    not), shared by the detokenizers of a byte-level tokenizer (_byte_level): for the common token,
+    its text without a decode. Bounded by the vocabulary, never stale, as _token_text_lens."""
     del tokenizer, skip_special_tokens  # the cache's key
     return {}
 

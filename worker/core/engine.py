@@ -142,8 +142,9 @@ class Engine:
         # async_scheduling: the last step's requests whose outputs are still to be made, with
         # their logprobs and embeddings (made while the next step runs)
         self._pending: tuple[list[Request], dict[str, list[TokenLogprobs]], dict[str, list[float]]] | None = None
-        # the last step's sampling batch and its rows' requests, where the next may reuse it (_reused_batch)
-        self._static_batch: tuple[list[Request], SamplingBatch] | None = None
+        # the last step's sampling batch, its rows' requests and whether it had guided rows' masks,
+        # where the next may reuse it (_reused_batch)
+        self._static_batch: tuple[list[Request], SamplingBatch, bool] | None = None
         # request id -> why it failed in a step (its images' encoding, a logits processor)
         self._failures: dict[str, str] = {}
         self.num_generated_tokens = 0
@@ -315,6 +316,7 @@ class Engine:
         updated: list[Request] = self._take_aborted()
         logprobs: dict[str, list[TokenLogprobs]] = {}
         embeddings: dict[str, list[float]] = {}
+        moved: list[Request] = []
         for request_id in sched.preempted:
             self.runner.forget(request_id, preempted=True)
         if not sched.is_empty and (failed := self.runner.encode_images(sched.scheduled)):
@@ -326,7 +328,8 @@ class Engine:
             self._rewind_wrong_guesses(sched, sampled)
             self._record_prompt_logprobs(sched, model_out.chunk_logits)
             updated += self._end_failed(failed, sampled, logprobs)
-            updated += self._update(sched, sampled)
+            moved = self._update(sched, sampled)
+            updated += moved
             self.speculator.after_step(sched, model_out, sampled)
             embeddings = self._pool(model_out.pooled)
             updated += [self.scheduler_request(rid) for rid in embeddings]
@@ -335,6 +338,8 @@ class Engine:
         else:
             outputs += self._make_outputs(updated, logprobs, embeddings)
         self.speculator.propose()
+        if self.guided.states:  # (their next masks, filled while the next step runs)
+            self.guided.prefetch([(r.request_id, r.output_token_ids) for r in moved if not r.is_finished])
         if self.step_cost is not None and not sched.is_empty:
             self.step_cost.observe(time.perf_counter() - start_s, sched.num_decode_tokens, sched.num_prefill_tokens)
         return outputs
@@ -481,7 +486,10 @@ class Engine:
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_drafts :] for s in sched.scheduled if s.num_drafts}
         requests = [self.scheduler.requests[rid] for rid in row_ids]
         row_outputs = _row_outputs(row_ids, requests, drafts)
-        reused = self._reused_batch(requests)
+        masks = self.guided.masks([(rid, out, len(out) - request.num_output_tokens)  # (its guesses)
+                                   for rid, out, request in zip(row_ids, row_outputs, requests, strict=True)]) \
+            if self.guided.states else None
+        reused = self._reused_batch(requests, masks)
         # (a reused batch reads no prompt)
         prompts = [r.prompt_tokens_seen for r in requests] if reused is None or self.logits_processors.by_request else []
         model_logits = logits.clone() if self.sampler.reports_raw and self.logits_processors.by_request else None
@@ -494,35 +502,37 @@ class Engine:
             eos_token_ids=sorted(self.eos_token_ids),
             vocab_size=logits.shape[-1],
             device=logits.device,
-            token_masks=self.guided.masks([(rid, out, len(out) - request.num_output_tokens)  # (its guesses)
-                                           for rid, out, request in zip(row_ids, row_outputs, requests, strict=True)])
-            if self.guided.states else None,
+            token_masks=masks,
             banned_token_ids=_bad_word_bans(requests, row_outputs),
             forced_token_ids=self.thinking.forced(row_ids, requests, row_outputs),
         )
         if reused is None:
-            self._keep_batch(requests, batch)
+            self._keep_batch(requests, batch, masks)
         sampled, logprobs = _keep_matching(row_ids, self.sampler(logits, batch, model_logits), drafts)
         self.speculator.record(drafts, sampled)
         return sampled, logprobs, failed
 
-    def _reused_batch(self, requests: list[Request]) -> SamplingBatch | None:
+    def _reused_batch(self, requests: list[Request], masks: torch.Tensor | None) -> SamplingBatch | None:
         """The step before's sampling batch, where it is this step's: the same requests in the
-        same rows, kept only where none of them reads its output (_keep_batch). None: build it."""
+        same rows, kept only where none of them reads its output but through its grammar
+        (_keep_batch), with this step's masks. None: build it."""
         if self._static_batch is None:
             return None
-        kept_for, batch = self._static_batch
-        return batch if kept_for == requests else None  # (Request compares by identity)
+        kept_for, batch, masked = self._static_batch
+        if kept_for != requests or masked != (masks is not None):  # (Request compares by identity)
+            return None
+        return batch if masks is None else batch.with_masks(masks)
 
-    def _keep_batch(self, requests: list[Request], batch: SamplingBatch) -> None:
+    def _keep_batch(self, requests: list[Request], batch: SamplingBatch, masks: torch.Tensor | None) -> None:
         """Keep a batch the next step may reuse: one that does not change as the outputs grow
-        (no penalty counts, no min_tokens block, no bad words, no mask of a guided or
-        thinking row). A decode step's rows are most often the step before's, and a batch
-        walks its rows a dozen times to be built."""
+        but for its guided rows' masks, which come anew each step (no penalty counts, no
+        min_tokens block, no bad words, no thinking row's forced end, no allowed_token_ids
+        beside masks: they share one tensor). A decode step's rows are most often the step
+        before's, and a batch walks its rows a dozen times to be built."""
         static = (batch.seen_mask is None and batch.output_counts is None and batch.blocked_rows is None
-                  and not self.guided.states and not self.thinking.states
-                  and not any(r.bad_words_token_ids for r in requests))
-        self._static_batch = (requests, batch) if static else None
+                  and not self.thinking.states and not any(r.bad_words_token_ids for r in requests)
+                  and (masks is None or not any(r.sampling_params.allowed_token_ids for r in requests)))
+        self._static_batch = (requests, batch, masks is not None) if static else None
 
     def _live_rows(self, row_ids: list[str], logits: torch.Tensor) -> tuple[list[str], torch.Tensor]:
         """The rows of the requests that still run, and their logits (a request a stop string

@@ -84,6 +84,11 @@ class GuidedDecoding:
         self._stop_bits: torch.Tensor | None = None  # the stop tokens alone, as a bitmask row
         self._compiled: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()  # by guide
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="genq-grammar")
+        # masks filled ahead, beside the next step's forward (prefetch): request id -> (its output
+        # tokens the row follows, the row); the fill in flight, which every use of a matcher awaits
+        self._ahead: dict[str, tuple[int, torch.Tensor]] = {}
+        self._filling: Future[None] | None = None
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="genq-masks")
 
     def compile(self, guided_decoding: dict[str, Any]) -> Grammar:
         """The grammar `guided_decoding` asks for (SamplingParams checked its shape), compiling
@@ -108,7 +113,38 @@ class GuidedDecoding:
         self.states[request_id] = GuidedState(grammar, after=grammar.after)
 
     def remove(self, request_id: str) -> None:
+        self._settle()
         self.states.pop(request_id, None)
+        self._ahead.pop(request_id, None)
+
+    def prefetch(self, requests: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Fill the next masks of these requests (id, output tokens) in a thread, while the
+        engine schedules and runs its next step (xgrammar lets go of the GIL as it fills): a
+        step's mask is then a copy of its row where its request's output is as it was here."""
+        self._settle()
+        self._ahead.clear()
+        guided = [(rid, out) for rid, out in requests if rid in self.states]
+        if guided:
+            self._filling = self._filler.submit(self._fill_ahead, guided)
+
+    def _fill_ahead(self, requests: list[tuple[str, Sequence[int]]]) -> None:
+        plain: list[tuple[str, int, xgr.GrammarMatcher]] = []
+        for request_id, output_token_ids in requests:
+            guided = self.states[request_id]
+            matcher = self._advance(guided, output_token_ids)
+            if guided.after is None and matcher is not None and not matcher.is_terminated():
+                plain.append((request_id, len(output_token_ids), matcher))
+        if not plain:
+            return
+        bitmask = xgr.allocate_token_bitmask(len(plain), self.vocab_size)
+        self._fill(bitmask, [(row, matcher) for row, (_, _, matcher) in enumerate(plain)])
+        self._ahead = {request_id: (num_tokens, bitmask[row]) for row, (request_id, num_tokens, _) in enumerate(plain)}
+
+    def _settle(self) -> None:
+        """Wait for the fill in flight, if any: a matcher is used by one thread at a time."""
+        if self._filling is not None:
+            filling, self._filling = self._filling, None
+            filling.result()
 
     def masks(self, rows: Sequence[tuple[str, Sequence[int], int]]) -> torch.Tensor | None:
         """Per row (request id, its output tokens, how many of them at the end are guesses
@@ -117,11 +153,16 @@ class GuidedDecoding:
         when no row is guided. The request's matcher takes in its tokens, not the guesses."""
         if not any(request_id in self.states for request_id, _, _ in rows):
             return None
+        self._settle()
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # (all ones)
         plain: list[tuple[int, xgr.GrammarMatcher]] = []  # rows without guesses: filled at once
         for row, (request_id, output_token_ids, num_guessed) in enumerate(rows):
             guided = self.states.get(request_id)
             if guided is None:
+                continue
+            ahead = self._ahead.get(request_id)
+            if ahead is not None and not num_guessed and ahead[0] == len(output_token_ids):
+                bitmask[row] = ahead[1]  # (filled beside the forward)
                 continue
             matcher = self._advance(guided, output_token_ids[: len(output_token_ids) - num_guessed])
             if guided.after is not None:
@@ -132,6 +173,11 @@ class GuidedDecoding:
                 self._fill_after_guesses(matcher, output_token_ids[len(output_token_ids) - num_guessed:], bitmask, row)
             else:
                 plain.append((row, matcher))
+        self._fill(bitmask, plain)
+        return bitmask
+
+    def _fill(self, bitmask: torch.Tensor, plain: list[tuple[int, xgr.GrammarMatcher]]) -> None:
+        """Each (row, matcher)'s next tokens into its row of `bitmask`."""
         if len(plain) == 1:
             plain[0][1].fill_next_token_bitmask(bitmask, plain[0][0])
         elif plain:  # (xgrammar spreads them over threads)
@@ -139,12 +185,12 @@ class GuidedDecoding:
                 self._batch_matcher = xgr.BatchGrammarMatcher(COMPILE_THREADS)
             self._batch_matcher.batch_fill_next_token_bitmask(
                 [matcher for _, matcher in plain], bitmask, [row for row, _ in plain])
-        return bitmask
 
     def fitting(self, request_id: str, output_token_ids: Sequence[int], guesses: list[int]) -> list[int]:
         """The guesses up to the first one the request's grammar refuses after its output
         (all of them for an unguided request, or one not guided yet): a refused guess could
         never be kept."""
+        self._settle()
         guided = self.states.get(request_id)
         if guided is None or not guesses:
             return guesses
@@ -163,6 +209,7 @@ class GuidedDecoding:
         next step: the model checks them in one forward, and keeps those it would have
         sampled, so the output is what it would have been, in fewer steps. [] where nothing is
         forced (and for an unguided request)."""
+        self._settle()
         guided = self.states.get(request_id)
         if guided is None or room <= 0:
             return []

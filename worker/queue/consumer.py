@@ -37,7 +37,7 @@ import redis
 import redis.asyncio
 from arq.connections import RedisSettings
 
-from producer.aio import wait_for_event
+from producer.aio import wait_for_event, wait_within
 from producer.protocol import Keys
 from producer.tracing import Tracing
 from worker.queue.config import WorkerConfig, config_from_env
@@ -111,7 +111,7 @@ class Consumer:
         self.metrics = WorkerMetrics(self.config.model_name, self.tracing)
         self.publisher = Publisher(
             self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject,
-            self.config.model_name,
+            self.config.model_name, self.config.stream_interval_ms,
         )
         self.admission = Admission(self.config, self.scripts, self.table, self.engine, self.metrics)
         self.heartbeat = Heartbeat(
@@ -271,7 +271,20 @@ class Consumer:
     async def _release(self, jobs: list[HeldJob]) -> None:
         for held in jobs:
             self.publisher.drop(held, JobState.RELEASED)
+        await self._send_held(jobs)
         await self._release_entries([h.entry_id for h in jobs])
+
+    async def _send_held(self, jobs: list[HeldJob]) -> None:
+        """The released jobs' held tokens (coalesced events), before their entries go back: the
+        worker that resumes a job goes on from its stream, so nothing made here is lost. Tried
+        once, not while Redis is away (the next worker makes those tokens again then)."""
+        if not any(h.unsent for h in jobs) or self._redis_away():
+            return
+        try:
+            await wait_within(self.publisher.publish_held(time.time(), jobs, retry=False), FLUSH_TIMEOUT_S)
+        except (TimeoutError, *REDIS_ERRORS) as exc:
+            logger.warning("draining: tokens held for %d jobs not sent (%s); the next worker makes them again",
+                           len(jobs), exc)
 
     async def _release_entries(self, entry_ids: list[str]) -> None:
         if entry_ids:

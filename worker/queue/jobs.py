@@ -67,6 +67,30 @@ class Completion:
 
 
 @dataclass
+class Unsent:
+    """One completion's engine deltas held for a coalesced event, merged in order: the texts
+    and tokens concatenate (each delta's text is the detokenizer's new text, so the pieces add
+    up to what one event per step would have said), the logprobs too, one per token."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_timestamps: list[float] | None = None  # (Whisper: sent whole, on the final delta)
+
+    def add(self, text: str, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None,
+            logprobs: list[Any] | None, token_timestamps: list[float] | None) -> None:
+        self.text.append(text)
+        self.token_ids.extend(token_ids)
+        if logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *logprobs]
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        if token_timestamps is not None:
+            self.token_timestamps = token_timestamps
+
+
+@dataclass
 class HeldJob:
     """A job this worker holds, from intake until its final write."""
 
@@ -89,6 +113,11 @@ class HeldJob:
     prompt_logprobs: list[Any] | None = None
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None  # kept for a job that asks for them (return_prompt_token_ids)
+    # coalesced events (stream_interval_ms): tokens made but not yet published, per completion
+    # index, and the unix time of the job's last publish (0: none yet)
+    unsent: dict[int, Unsent] = field(default_factory=dict)
+    unsent_tenant_tokens: int = 0  # tokens for the tenant's minute, counted with the next publish
+    published_at: float = 0.0
 
     @property
     def id(self) -> str:
@@ -178,6 +207,56 @@ def completion_event(
         if held.embedding is not None:
             event.embedding = pack_embedding(held.embedding)
     return event
+
+
+def hold_delta(
+    held: HeldJob,
+    index: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    stop_reason: int | str | None = None,
+    logprobs: list[Any] | None = None,
+    token_timestamps: list[float] | None = None,
+) -> int:
+    """Keep one engine delta of completion `index` until the job's next publish; returns its
+    new tokens (0 once the completion had finished: nothing more is sent for it)."""
+    if held.completions[index].finished:
+        return 0
+    held.unsent.setdefault(index, Unsent()).add(text, token_ids, finish_reason, stop_reason, logprobs,
+                                                token_timestamps)
+    return len(token_ids)
+
+
+def publish_due(held: HeldJob, interval_s: float, now: float, step_s: float) -> bool:
+    """Whether the job's held deltas go out now. Always with no interval; at once for a
+    completion's first event (time to first token is never delayed) and a final delta (finish,
+    stop, abort: a cancelled job's held tokens go out with its abort). Otherwise held while the
+    next step (`step_s`, the engine's last) still ends within `interval_s` of the job's last
+    publish: readers get its tokens at least every interval, and a step longer than half of it
+    (a CPU step of 30-100 ms, against an H200's 10) publishes every step, as with no interval."""
+    if not held.unsent:
+        return False
+    if interval_s <= 0:
+        return True
+    for index, unsent in held.unsent.items():
+        if unsent.finish_reason is not None or held.completions[index].next_seq == 0:
+            return True
+    return now - held.published_at + step_s > interval_s
+
+
+def unsent_events(held: HeldJob, now: float) -> list[Event]:
+    """The held deltas as one event per completion (index order), recorded as sent."""
+    events = []
+    for index in sorted(held.unsent):
+        u = held.unsent[index]
+        event = completion_event(held, index, "".join(u.text), u.token_ids, u.finish_reason, u.stop_reason,
+                                 u.logprobs, u.token_timestamps)
+        if event is not None:
+            events.append(event)
+    held.unsent.clear()
+    held.published_at = now
+    return events
 
 
 def abort_events(held: HeldJob) -> list[Event]:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from producer.protocol import Event, encode_event
+from producer.aio import wait_within
+from producer.protocol import encode_event
 from worker.queue.engine_thread import EngineStats, EngineThread, Rejected, StepResult
 from worker.queue.jobs import (
     ABORT_DEADLINE,
@@ -24,16 +25,18 @@ from worker.queue.jobs import (
     JobState,
     JobTable,
     TenantTokens,
-    completion_event,
     final_record,
+    hold_delta,
     job_meter,
+    publish_due,
+    unsent_events,
 )
 from worker.queue.metrics import WorkerMetrics
 from worker.queue.outage import REDIS_ERRORS, Outage
 from worker.queue.scripts import JobWrite, Scripts
 
 if TYPE_CHECKING:
-    from worker.core.outputs import CompletionOutput, RequestOutput
+    from worker.core.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class Publisher:
         worker_name: str,
         on_rejected: Callable[[HeldJob, Rejected], Any],
         model_name: str = "",
+        stream_interval_ms: float = 0.0,
     ) -> None:
         self.scripts = scripts
         self.table = table
@@ -73,17 +77,55 @@ class Publisher:
         self.changed = asyncio.Event()  # set after each batch: capacity may have grown
         self.idle = asyncio.Event()  # set while no result waits to be published
         self.outage = Outage("publishing")
+        # coalesced events: a job's new tokens go out about every stream_interval_s (see
+        # jobs.publish_due); the jobs holding unsent tokens, for the timer that sends them when
+        # no step comes in time (a preempted job, a frozen pause)
+        self.stream_interval_s = stream_interval_ms / 1000
+        self._holding: dict[str, HeldJob] = {}
+        self._step_s = 0.0  # the engine's last step: between the last two results with outputs
+        self._step_at: float | None = None
+        self._writing = asyncio.Lock()  # one STEP_LUA call at a time: a job's events stay in seq order
 
     async def run(self) -> None:
         """Publish until cancelled; raises EngineFailed if the engine thread died."""
         results = self.engine.results
         while True:
             self.idle.set()
-            batch = [await results.get()]
+            first = await self._next_result()
             self.idle.clear()
+            if first is None:
+                await self.publish_held(time.time())
+                continue
+            batch = [first]
             while not results.empty():
                 batch.append(results.get_nowait())
             await self.publish(batch)
+
+    async def _next_result(self) -> StepResult | None:
+        """The next step result; None when a held job's interval ended first."""
+        if not self._holding:
+            return await self.engine.results.get()
+        due_at = min(h.published_at for h in self._holding.values()) + self.stream_interval_s
+        try:
+            return await wait_within(self.engine.results.get(), due_at - time.time())
+        except TimeoutError:
+            return None
+
+    async def publish_held(self, now: float, jobs: list[HeldJob] | None = None, retry: bool = True) -> None:
+        """Send the held tokens of `jobs` (default: those whose interval has passed by `now`),
+        whatever their state: a job released at a drain leaves its tokens in its stream for
+        the worker that resumes it. `retry` False: one try, Redis errors raised (a drain)."""
+        writes: dict[str, JobWrite] = {}
+        if jobs is None:
+            jobs = [h for h in self._holding.values() if now - h.published_at >= self.stream_interval_s]
+            for gone in [h for h in jobs if not h.state.writes]:  # dropped meanwhile: it only leaves the list
+                self._holding.pop(gone.id, None)
+                jobs.remove(gone)
+        for held in jobs:
+            if held.unsent:
+                self._take_unsent(held, now, writes)
+            self._holding.pop(held.id, None)
+        await self._write(list(writes.values()), retry)
 
     async def publish(self, batch: list[StepResult]) -> None:
         writes: dict[str, JobWrite] = {}
@@ -91,6 +133,7 @@ class Publisher:
         for result in batch:
             if result.error is not None:
                 raise EngineFailed(f"engine thread failed: {result.error!r}") from result.error
+            self._note_step(result)
             for output in result.outputs:
                 self._apply(output, result.time, writes)
             rejected += self._rejected(result.rejected)
@@ -104,6 +147,14 @@ class Publisher:
             await self.on_rejected(held, refused)
         self.metrics.engine_stats(self.stats)
         self.changed.set()
+
+    def _note_step(self, result: StepResult) -> None:
+        """How long the engine's steps take now (for publish_due's look one step ahead)."""
+        if not result.outputs:
+            return
+        if self._step_at is not None:
+            self._step_s = max(0.0, result.time - self._step_at)
+        self._step_at = result.time
 
     def _commands_made(self) -> tuple[Any, ...]:
         """What the engine made of the commands it follows, as the heartbeat says it."""
@@ -123,23 +174,34 @@ class Publisher:
                 self.table.remove(held)
             return
         counted = self._note_prompt(held, output)  # what this output adds to the tenant's minute
-        write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
         num_new = 0
         for delta in output.outputs:
             index = delta.index if fixed_index is None else fixed_index
-            event = _event(held, index, delta)
-            if event is not None:
-                write.events.append(encode_event(event))
-                num_new += len(delta.token_ids)
+            num_new += hold_delta(held, index, delta.text, list(delta.token_ids), delta.finish_reason,
+                                  delta.stop_reason, _wire_logprobs(delta.logprobs), delta.token_timestamps)
         self.metrics.tokens(held, num_new, now)
-        if held.job.tenant and counted + num_new:
-            before = write.tenant_tokens.tokens if write.tenant_tokens else 0
-            write.tenant_tokens = TenantTokens(held.job.tenant, int(now // 60), before + counted + num_new)
+        if held.job.tenant:
+            held.unsent_tenant_tokens += counted + num_new
+        if publish_due(held, self.stream_interval_s, now, self._step_s):
+            self._take_unsent(held, now, writes)
+        elif held.unsent:
+            self._holding[held.id] = held  # (the timer sends it should no step come in time)
         if held.finished:
+            write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
             write.record = final_record(held, self.worker_name, now)
             write.meter = job_meter(held, self.model_name, now)
         elif held.abort_reason is None and held.past_deadline(now):
             self._abort_expired(held)
+
+    def _take_unsent(self, held: HeldJob, now: float, writes: dict[str, JobWrite]) -> None:
+        """Move the job's held deltas into its pending write, one event per completion."""
+        write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
+        write.events += [encode_event(e) for e in unsent_events(held, now)]
+        if held.unsent_tenant_tokens:
+            before = write.tenant_tokens.tokens if write.tenant_tokens else 0
+            write.tenant_tokens = TenantTokens(held.job.tenant or "", int(now // 60), before + held.unsent_tenant_tokens)
+            held.unsent_tenant_tokens = 0
+        self._holding.pop(held.id, None)
 
     def _note_prompt(self, held: HeldJob, output: RequestOutput) -> int:
         """What the job's outputs say of its prompt, kept for its events (its token count the
@@ -194,18 +256,23 @@ class Publisher:
                 out.append((held, refused))
         return out
 
-    async def _write(self, writes: list[JobWrite]) -> None:
+    async def _write(self, writes: list[JobWrite], retry: bool = True) -> None:
         """One STEP_LUA call; retried as a whole while Redis is unreachable (a repeat is
         harmless: the events carry the same seqs, and the record and XACK are idempotent).
         Meanwhile the engine goes on with the jobs it holds (it takes no new ones: intake
         cannot read), so what waits here is bounded by their remaining tokens."""
-        while True:
-            try:
-                lost = await self.scripts.publish(writes)
-                break
-            except REDIS_ERRORS as exc:
-                self.outage.failed(exc)
-                await asyncio.sleep(RETRY_DELAY_S)
+        if not writes:
+            return
+        async with self._writing:
+            while True:
+                try:
+                    lost = await self.scripts.publish(writes)
+                    break
+                except REDIS_ERRORS as exc:
+                    if not retry:
+                        raise
+                    self.outage.failed(exc)
+                    await asyncio.sleep(RETRY_DELAY_S)
         self.outage.answered()
         now = time.time()
         holders = await self._holders(lost)
@@ -234,17 +301,13 @@ class Publisher:
             logger.warning("job %s: entry %s is no longer this worker's; held by %s", held.id, held.entry_id,
                            holder or "another worker")
         held.state = state
+        if state == JobState.LOST:  # (a released job's held tokens are sent: publish_held)
+            held.unsent.clear()
+            self._holding.pop(held.id, None)
         if held.engine_ids:
             self.engine.abort(sorted(held.engine_ids))
         else:
             self.table.remove(held)
-
-
-def _event(held: HeldJob, index: int, delta: CompletionOutput) -> Event | None:
-    return completion_event(
-        held, index, delta.text, list(delta.token_ids), delta.finish_reason,
-        delta.stop_reason, _wire_logprobs(delta.logprobs), delta.token_timestamps,
-    )
 
 
 def _wire_logprobs(logprobs: list[Any] | None) -> list[dict[str, Any]] | None:

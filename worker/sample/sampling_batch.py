@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -94,6 +94,13 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in params],
         )
 
+
+    def with_masks(self, token_masks: Tensor) -> SamplingBatch:
+        """This batch for a step where only its guided rows' masks moved (a batch built with
+        masks, and no allowed_token_ids or forced token: those share `disallowed`)."""
+        assert self.disallowed is not None and self.eos_token_ids is not None, "built without masks"
+        return replace(self, disallowed=refused_by_bitmask(token_masks.to(self.disallowed.device),
+                                                           self.disallowed.shape[1]))
 
 def _check_rows(
     num_seqs: int,
