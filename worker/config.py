@@ -34,6 +34,13 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # step-time-aware chunking: each step's prompt chunks are sized so that the step, with its
+    # decodes, is predicted to take at most this long (a cost model learned from the steps run:
+    # worker.core.step_cost), so long prompts do not stall the others' tokens; at least a block
+    # of prompt tokens per step, at most max_num_batched_tokens. None or 0: off, the static budget
+    # alone (throughput's best: offline runs). A serving worker's default is
+    # worker.queue.config.DEFAULT_SERVING_MAX_STEP_MS
+    max_step_ms: float | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     # size of the KV pool in blocks of every layer's KV, on any device (a hybrid model's pool
@@ -161,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides must be a mapping of config.json entries, got {self.hf_overrides!r}")
+        if self.max_step_ms is not None and not self.max_step_ms >= 0:
+            raise ValueError(f"max_step_ms must be >= 0 (0 or None: off), got {self.max_step_ms}")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ValueError(f"kv_offloading_size must be > 0 GiB (or None: off), got {self.kv_offloading_size}")
 

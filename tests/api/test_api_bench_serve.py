@@ -28,3 +28,17 @@ def test_bench_serve_counts_failures(tmp_path):
                "--json", str(out)])
     report = json.loads(out.read_text())
     assert rc == 1 and report["failed"] == 2 and report["errors"]
+
+
+def test_long_prompts_mix_in_at_their_share_and_leave_the_default_prompts_alone():
+    import random
+
+    from worker.benchmarks.serve import WORDS, make_prompts
+
+    rng = random.Random(0)
+    before = [" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(20)]  # the prompts of earlier runs
+    assert make_prompts(random.Random(0), 20, 8) == before
+    mixed = make_prompts(random.Random(0), 200, 8, long_fraction=0.25, long_words=300)
+    lengths = [len(p.split()) for p in mixed]
+    assert set(lengths) == {8, 300}
+    assert 30 <= lengths.count(300) <= 70  # a quarter of 200, seeded

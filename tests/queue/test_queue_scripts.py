@@ -483,7 +483,7 @@ def test_intake_capacity(stats: EngineStats, in_flight: int, expected: int) -> N
 
 
 def test_worker_config_from_env() -> None:
-    from worker.queue.config import config_from_env
+    from worker.queue.config import DEFAULT_SERVING_MAX_STEP_MS, config_from_env
 
     config = config_from_env({
         "GENQ_MODEL": "/models/Foo-1B", "GENQ_MAX_NUM_SEQS": "4", "GENQ_CLAIM_IDLE_S": "2",
@@ -504,6 +504,12 @@ def test_worker_config_from_env() -> None:
     assert config_from_env({"GENQ_ENFORCE_EAGER": "true"}).engine.enforce_eager
     assert config_from_env({"GENQ_ASYNC_SCHEDULING": "1"}).engine.async_scheduling
     assert not config_from_env({}).engine.async_scheduling
+    # a serving worker chunks prompts to a step-time target unless told otherwise; 0 turns it off
+    assert config_from_env({}).engine.max_step_ms == DEFAULT_SERVING_MAX_STEP_MS > 0
+    assert config_from_env({"GENQ_MAX_STEP_MS": "80"}).engine.max_step_ms == 80.0
+    assert config_from_env({"GENQ_MAX_STEP_MS": "0"}).engine.max_step_ms == 0.0
+    with pytest.raises(ValueError, match="max_step_ms must be >= 0"):
+        config_from_env({"GENQ_MAX_STEP_MS": "-5"})
     assert config_from_env({"GENQ_SCHEDULING_POLICY": "priority"}).engine.scheduling_policy == "priority"
     assert config_from_env({"GENQ_EVENTS_RETENTION_S": "60"}).events_retention_s == 60.0
     with pytest.raises(ValueError, match="events_retention_s must be >= 0, got -1.0"):

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from producer.cli import main
+from worker.benchmarks.floor import FloorShape, workload_flops
 from worker.benchmarks.workload import W1, RandomWorkload, load_dataset
+from worker.model_executor.model_loader import read_config
+from worker.model_executor.models.config import ModelConfig
 
 
 def test_w1_is_the_issue_workload():
@@ -17,7 +22,27 @@ def test_w1_is_the_issue_workload():
     assert min(min(ids) for ids, _ in reqs) >= 3
 
 
-def test_throughput_engine_and_hf_report(tiny_llama_dir, tmp_path):
+def test_floor_flops_of_the_tiny_llama_by_hand(tiny_llama_dir):
+    """hidden 64, MLP 128, 2 layers, 4 heads and 2 KV heads of 16, vocab 49152. A (3, 2) request
+    runs 4 tokens through the layers (the last output is not fed back), the LM head twice."""
+    from transformers import AutoModelForCausalLM
+
+    shape = FloorShape.from_model_config(ModelConfig.from_hf(read_config(tiny_llama_dir)))
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k, v, o; gate, up, down
+    assert shape.params_per_token == per_layer == 36864
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)  # the checkpoint's own projections
+    linear = sum(m.weight.numel() for name, m in hf.named_modules()
+                 if name.startswith("model.layers.") and type(m).__name__ == "Linear")
+    assert linear == 2 * per_layer
+    flops = workload_flops(shape, [(3, 2)])
+    assert flops["matmul"] == 2 * linear * 4
+    assert flops["lm_head"] == 2 * 49152 * 64 * 2
+    assert flops["attention"] == 2 * 2 * 4 * 16 * 2 * (1 + 2 + 3 + 4)  # QK and PV, 4 heads, 2 layers
+    assert flops["total"] == flops["matmul"] + flops["lm_head"] + flops["attention"]
+    assert workload_flops(shape, [(3, 2), (5, 1)])["total"] == flops["total"] + workload_flops(shape, [(5, 1)])["total"]
+
+
+def test_throughput_engine_and_hf_report(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "throughput", "--model", str(tiny_llama_dir), "--dtype", "float32",
                "--modes", "engine,hf", "--num-prompts", "5", "--input-len", "20", "--output-len", "8",
@@ -34,6 +59,16 @@ def test_throughput_engine_and_hf_report(tiny_llama_dir, tmp_path):
         assert r["output_tokens_per_s"] > 0 and r["num_requests"] == 5
         assert abs(r["output_tokens_per_s"] - r["output_tokens"] / r["elapsed_s"]) / r["output_tokens_per_s"] < 0.05
     assert report["results"]["hf"]["ratio_to_hf"] == 1.0
+    floor = report["floor"]  # the workload's FLOPs at the GEMM rate measured in the run
+    shape = FloorShape.from_model_config(ModelConfig.from_hf(read_config(tiny_llama_dir)))
+    assert floor["flops"] == workload_flops(shape, [(len(ids), n) for ids, n in workload.requests()])
+    assert floor["flops_per_s"] > 0 and "float32" in floor["gemm"]
+    assert floor["floor_s"] == pytest.approx(floor["flops"]["total"] / floor["flops_per_s"], rel=1e-3, abs=1e-4)
+    for r in report["results"].values():
+        assert r["share_of_floor"] == pytest.approx(floor["floor_s"] / r["elapsed_s"], rel=0.02, abs=1e-3)
+    table = capsys.readouterr().out
+    assert "compute floor:" in table and "of floor" in table
+    assert any(line.startswith("floor ") for line in table.splitlines())
 
 
 def test_throughput_with_dummy_weights_needs_no_checkpoint(shape_only, tmp_path):

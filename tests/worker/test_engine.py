@@ -324,6 +324,21 @@ def test_chunked_prefill_with_small_token_budget(tiny_llama_dir):
     run_and_compare(llm, tiny_llama_dir)
 
 
+def test_step_time_aware_chunks_keep_transformers_tokens(tiny_llama_dir):
+    """max_step_ms: a cost model taught that a prompt token costs 10 ms (primed, so that the
+    real steps' noise cannot unteach it within the run) leaves every step the floor, a block
+    of prompt tokens; the outputs are still transformers' greedy tokens."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_step_ms=1.0, num_gpu_blocks_override=256)
+    cost = llm.engine.step_cost
+    for _ in range(3):
+        cost.observe(1.0, 0, 100)
+        cost.observe(0.0, 0, 0)
+    outputs = run_and_compare(llm, tiny_llama_dir)
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    block = llm.engine.config.block_size
+    assert cost.num_prefill_steps - 3 >= prompt_tokens / block  # (without it: one step for them all)
+
+
 def test_bad_prompts_raise_and_engine_keeps_working(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64, num_gpu_blocks_override=64)
     engine = llm.engine

@@ -641,3 +641,63 @@ def test_forks_start_from_their_parents_state_or_from_scratch_if_it_is_gone():
     out = sched.schedule()
     assert sorted((s.request_id, s.start_pos, s.state_restore) for s in out.scheduled if s.request_id[0] == "q") == [
         ("q", 10, None), ("q#1", 0, None)]
+
+
+def test_a_prefill_budget_caps_prompt_chunks_not_decodes():
+    """Step-time-aware chunking's budget (schedule(prefill_budget)): the decodes all run, the
+    prompt chunks share the cap in arrival order, and the step counts each kind."""
+    sched = make_scheduler(budget=64)
+    sched.add_request(make_request("a", range(10, 13)))
+    sched.add_request(make_request("b", range(20, 23)))
+    step(sched)  # a and b prefilled: they decode from here
+    sched.add_request(make_request("c", range(30, 50), arrival=1.0))  # 20 prompt tokens
+    sched.add_request(make_request("d", range(50, 60), arrival=2.0))  # 10
+    assert sched.num_decode_tokens() == 2
+    out = sched.schedule(prefill_budget=8)
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled] == [
+        ("a", 3, 1), ("b", 3, 1), ("c", 0, 8)]
+    assert (out.num_decode_tokens, out.num_prefill_tokens, out.num_batched_tokens) == (2, 8, 10)
+    sched.update_from_output(out, {"a": [7], "b": [7]})
+    out = sched.schedule(prefill_budget=15)  # c's next 12 fit, then d's first 3
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled] == [
+        ("a", 4, 1), ("b", 4, 1), ("c", 8, 12), ("d", 0, 3)]
+    sched.update_from_output(out, {"a": [7], "b": [7], "c": [7]})
+    out = sched.schedule(prefill_budget=0)  # no prompt tokens: the decodes still run
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("a", 1), ("b", 1), ("c", 1)]
+    assert out.num_prefill_tokens == 0
+    sched.update_from_output(out, {"a": [7], "b": [7], "c": [7]})
+    out = sched.schedule()  # no cap: d's remaining 7 at once
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled][-1] == ("d", 3, 7)
+
+
+def test_a_prefill_budget_equal_to_the_token_budget_changes_nothing():
+    def chunks(prefill_budget):
+        sched = make_scheduler(budget=6)
+        sched.add_request(make_request("a", range(10, 13)))
+        sched.add_request(make_request("b", range(20, 34), arrival=1.0))
+        seen = []
+        while sched.has_unfinished_requests():
+            out = sched.schedule(prefill_budget)
+            seen.append([(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled])
+            sched.update_from_output(out, {s.request_id: [7] for s in out.scheduled if s.sample})
+        return seen
+
+    assert chunks(6) == chunks(None)
+    assert chunks(2) != chunks(None)
+
+
+def test_an_image_the_prefill_budget_cannot_hold_goes_whole_past_it():
+    """A whole span longer than the prefill budget would wait forever under it: the chunk
+    runs to the span's end instead; up to the span, the budget holds."""
+    sched = make_scheduler(budget=32)
+    a = make_request("a", range(10, 30))  # an image at [3, 13)
+    a.whole_spans = [(3, 13)]
+    sched.add_request(a)
+    out = sched.schedule(prefill_budget=4)  # ends inside the image: cut before it
+    assert [(s.start_pos, len(s.token_ids)) for s in out.scheduled] == [(0, 3)]
+    sched.update_from_output(out, {})
+    out = sched.schedule(prefill_budget=4)  # starts at it: the image whole, past the budget
+    assert [(s.start_pos, len(s.token_ids), s.both_ways) for s in out.scheduled] == [(3, 10, ((3, 13),))]
+    sched.update_from_output(out, {})
+    out = sched.schedule(prefill_budget=4)  # the budget again
+    assert [(s.start_pos, len(s.token_ids)) for s in out.scheduled] == [(13, 4)]

@@ -36,6 +36,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-words", type=int, default=64, help="words per random prompt")
+    p.add_argument("--long-fraction", type=float, default=0.0,
+                   help="this share of the prompts (seeded) has --long-input-words words: long prompts beside short "
+                        "ones, whose prefill the others' decodes wait on")
+    p.add_argument("--long-input-words", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per request (ignore_eos)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -46,16 +50,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    report = asyncio.run(serve_benchmark(args))
+    report = run_serve_report(args)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if report["failed"] == 0 else 1
 
 
+def run_serve_report(args: argparse.Namespace) -> dict[str, Any]:
+    """One run of the load `args` describe; its report."""
+    return asyncio.run(serve_benchmark(args))
+
+
 async def serve_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(args.input_words)) for _ in range(args.num_prompts)]
+    prompts = make_prompts(rng, args.num_prompts, args.input_words, args.long_fraction, args.long_input_words)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout_s, limits=limits) as http:
@@ -69,6 +78,14 @@ async def serve_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
     return summarize(results, elapsed, args)
+
+
+def make_prompts(rng: random.Random, num: int, words: int, long_fraction: float = 0.0,
+                 long_words: int = 0) -> list[str]:
+    """Random prompts of `words` words, each of them `long_words` long with probability `long_fraction`."""
+    # (no draw without long prompts: the prompts stay those of earlier runs)
+    lengths = [long_words if long_fraction and rng.random() < long_fraction else words for _ in range(num)]
+    return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in lengths]
 
 
 async def _first_model(http: httpx.AsyncClient) -> str:
@@ -129,7 +146,8 @@ def summarize(results: list[RequestResult], elapsed: float, args: argparse.Names
     out_tokens = sum(r.output_tokens for r in ok)
     return {
         "config": {k: v for k, v in vars(args).items() if k in ("num_prompts", "request_rate", "max_concurrency",
-                                                              "output_len", "input_words", "base_url")},
+                                                              "output_len", "input_words", "base_url",
+                                                              "long_fraction", "long_input_words")},
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],

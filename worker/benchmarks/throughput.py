@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from worker.benchmarks.floor import add_shares, compute_floor, format_floor
 from worker.benchmarks.workload import RandomWorkload, Workload, load_dataset, summarize
 
 MODES = ("engine", "queue", "hf")
@@ -62,6 +63,11 @@ def _throughput_args(p: argparse.ArgumentParser) -> None:
                    help="engine and queue modes: fp8 holds twice the tokens in the same KV memory")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="engine and queue modes: the model split over this many devices")
+    p.add_argument("--max-step-ms", type=float, default=0,
+                   help="engine and queue modes: step-time-aware chunking's target step time (default 0: off, "
+                        "the static --max-num-batched-tokens, throughput's best)")
+    p.add_argument("--no-floor", action="store_true", help="skip the compute floor (its FLOPs at a GEMM rate "
+                   "measured in this run)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--redis-url", default=argparse.SUPPRESS,
                    help="queue mode: use this Redis instead of starting one (also $GENQ_REDIS_URL)")
@@ -88,6 +94,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "max_step_ms": args.max_step_ms,  # (the queue's worker, a serving one, would default it on)
     }
     results: dict[str, dict[str, Any]] = {}
     for mode in args.modes.split(","):
@@ -95,9 +102,13 @@ def run_throughput(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         results[mode] = _run_mode_isolated(mode, args, workload, engine_args)
         print(f"{mode}: {results[mode]}", flush=True)
-    report = {"workload": workload.describe(), "results": results}
+    report: dict[str, Any] = {"workload": workload.describe(), "results": results}
     _add_ratios(results)
-    print(format_table(results))
+    if not args.no_floor:
+        report["floor"] = floor = _run_mode_isolated("floor", args, workload, engine_args)
+        add_shares(floor, results)
+        print(format_floor(floor))
+    print(format_table(results, report.get("floor")))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
@@ -136,11 +147,25 @@ def _run_mode_child(sender, mode: str, args, workload: Workload, engine_args: di
 def _run_mode(mode: str, args, workload: Workload, engine_args: dict) -> dict[str, Any]:
     if mode == "engine":
         return run_engine(args.model, args.dtype, workload, engine_args)
+    if mode == "floor":
+        return compute_floor(args.model, args.dtype, _lengths(args.model, workload))
     if mode == "hf":
         return run_hf(args.model, args.dtype, workload, args.hf_batch_size, load_format=args.load_format)
     from worker.benchmarks.queue import run_queue
 
     return run_queue(args, workload, engine_args)
+
+
+def _lengths(model: str | None, workload: Workload) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) per request."""
+    tokenizer = None
+    if not isinstance(workload, RandomWorkload):  # (random prompts are token ids already)
+        from transformers import AutoTokenizer
+
+        from worker.model_executor.model_loader import resolve_model_path
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    return [(len(ids), n) for ids, n in workload.token_requests(tokenizer)]
 
 
 def run_engine(model: str | None, dtype: str, workload: Workload, engine_args: dict) -> dict[str, Any]:
@@ -207,16 +232,25 @@ def _add_ratios(results: dict[str, dict[str, Any]]) -> None:
                 r[key] = round(r["output_tokens_per_s"] / results[base]["output_tokens_per_s"], 2)
 
 
-def format_table(results: dict[str, dict[str, Any]]) -> str:
-    head = f"{'mode':<8} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'vs hf':>7} {'vs engine':>10}"
+def format_table(results: dict[str, dict[str, Any]], floor: dict[str, Any] | None = None) -> str:
+    head = (f"{'mode':<8} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'vs hf':>7} {'vs engine':>10} "
+            f"{'of floor':>9}")
     lines = [head, "-" * len(head)]
     for mode, r in results.items():
         lines.append(
             f"{mode:<8} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
-            f"{r['total_tokens_per_s']:>12.1f} {_ratio(r, 'ratio_to_hf'):>7} {_ratio(r, 'ratio_to_engine'):>10}"
+            f"{r['total_tokens_per_s']:>12.1f} {_ratio(r, 'ratio_to_hf'):>7} {_ratio(r, 'ratio_to_engine'):>10} "
+            f"{_share(r):>9}"
         )
+    if floor is not None:  # what no mode can beat: the workload's FLOPs at the measured GEMM rate
+        lines.append(f"{'floor':<8} {'':>8} {floor['output_tokens_per_s']:>10.1f} {'':>12} {'':>7} {'':>10} "
+                     f"{'100.0%':>9}")
     return "\n".join(lines)
 
 
 def _ratio(r: dict[str, Any], key: str) -> str:
     return f"{r[key]:.2f}x" if key in r else "-"
+
+
+def _share(r: dict[str, Any]) -> str:
+    return f"{100 * r['share_of_floor']:.1f}%" if "share_of_floor" in r else "-"

@@ -37,6 +37,7 @@ from worker.core.prompt_embeds import (
 )
 from worker.core.request import Request, RequestStatus
 from worker.core.scheduler import Scheduler, SchedulerOutput
+from worker.core.step_cost import StepCostModel
 from worker.core.weights import Weights
 from worker.guided.structured_output import GuidedDecoding
 from worker.model_executor.model_loader import check_import_names, read_config, resolve_model_path
@@ -124,6 +125,8 @@ class Engine:
             recurrent=self.recurrent,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager)
+        # step-time-aware chunking: what a step costs, learned from the steps run (max_step_ms)
+        self.step_cost = StepCostModel() if config.max_step_ms else None
         self.max_num_seqs = sched_config.max_num_seqs
         # (Whisper's logprobs are its rules' before the temperature: what its decoders weigh a reply by)
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels,
@@ -305,7 +308,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One step: the outputs of the requests it moved. With async_scheduling, those of the
         step before, made while this one runs on the device (its own come out of the next)."""
-        sched = self.scheduler.schedule()
+        start_s = time.perf_counter()
+        sched = self.scheduler.schedule(self._prefill_budget())
         if sched.swaps:  # (whether or not a request is left to run)
             self.runner.swap_blocks(sched.swaps)
         self.speculator.before_step(sched)
@@ -336,7 +340,18 @@ class Engine:
         self.speculator.propose()
         if self.guided.states:  # (their next masks, filled while the next step runs)
             self.guided.prefetch([(r.request_id, r.output_token_ids) for r in moved if not r.is_finished])
+        if self.step_cost is not None and not sched.is_empty:
+            self.step_cost.observe(time.perf_counter() - start_s, sched.num_decode_tokens, sched.num_prefill_tokens)
         return outputs
+
+    def _prefill_budget(self) -> int | None:
+        """The prompt tokens the next step may carry to stay under max_step_ms with its
+        decodes, by the cost model (None: no target, the static budget alone)."""
+        if self.step_cost is None or self.config.max_step_ms is None:
+            return None
+        return self.step_cost.prefill_budget(self.config.max_step_ms / 1000, self.scheduler.num_decode_tokens(),
+                                             floor=self.config.block_size,
+                                             ceiling=self.config.max_num_batched_tokens)
 
     def _take_pending(self) -> list[RequestOutput]:
         """The outputs of the step before, where they wait (async_scheduling)."""

@@ -5,6 +5,10 @@ with `num_tokens` under a per-step token budget shared by decodes and prefill ch
 requests are served first; waiting requests are admitted while budget, `max_num_seqs` and KV
 blocks allow. When blocks run out, the lowest-priority running request is preempted by
 recompute: its blocks are freed and it returns to the waiting queue with its output so far.
+
+A caller may also cap a step's prefill tokens (`schedule(prefill_budget)`: the engine's
+step-time-aware chunking sizes it so the step stays under a target time): decodes are not
+capped, prompt chunks share the cap. A chunk that must hold an image whole may exceed it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_decode_tokens: int = 0  # the tokens of rows that decode (one known token, and its guesses)
     preempted: list[str] = field(default_factory=list)
     # KV offloading's copies, made before the step runs (even one left with no request to run)
     swaps: KVSwaps = field(default_factory=KVSwaps)
@@ -60,6 +65,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """The tokens of prompt chunks (a preempted request's recompute too)."""
+        return self.num_batched_tokens - self.num_decode_tokens
 
 
 class Scheduler:
@@ -75,6 +85,7 @@ class Scheduler:
         self.forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         self._ended: list[str] = []  # requests ended since the last schedule (SchedulerOutput.finished_ids)
+        self._prefill_left = 0  # the step's prefill tokens still allowed (schedule's prefill_budget)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -120,10 +131,18 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def num_decode_tokens(self) -> int:
+        """The tokens the running requests that decode will carry next step (one each, and
+        their guesses): what a prefill budget is sized after."""
+        return sum(1 + len(r.spec_token_ids) for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+
+    def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
+        """The next step. `prefill_budget`: the most prompt tokens it may carry, beside its
+        decodes (None: as the token budget allows)."""
         out = SchedulerOutput()
         self.block_manager.settle_state_saves(())  # (saves of a step that never ran are void)
         budget = self.config.max_num_batched_tokens
+        self._prefill_left = budget if prefill_budget is None else max(prefill_budget, 0)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -133,11 +152,16 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: dict[str, int] = {}  # request id -> tokens scheduled, for refunds
+        prefills: set[str] = set()  # those of them that are prompt chunks
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
-            if request.whole_spans:
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_known + len(request.spec_token_ids), budget)
+            prefill = num_known > 1
+            if prefill:
+                num_new = self._cap_prefill(request, request.num_computed_tokens, num_new)
+            elif request.whole_spans:
                 num_new = _keep_spans_whole(request, request.num_computed_tokens, num_new)
             if num_new == 0:  # the next image does not fit this step's budget: it waits for one that does
                 i += 1
@@ -150,7 +174,12 @@ class Scheduler:
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id)
+                    refund = scheduled.pop(victim.request_id)
+                    budget += refund
+                    if victim.request_id in prefills:
+                        self._prefill_left += refund
+                    else:
+                        out.num_decode_tokens -= refund
                     out.scheduled = [s for s in out.scheduled if s.request_id != victim.request_id]
                 if victim is request:
                     break
@@ -159,6 +188,11 @@ class Scheduler:
             self._emit(out, request, num_new)
             scheduled[request.request_id] = num_new
             budget -= num_new
+            if prefill:
+                prefills.add(request.request_id)
+                self._prefill_left -= num_new
+            else:
+                out.num_decode_tokens += num_new
             # (a victim before it, when priorities pick one, shifted the list)
             i = i + 1 if i < len(self.running) and self.running[i] is request else self.running.index(request) + 1
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -168,7 +202,8 @@ class Scheduler:
         self._sort_waiting()
         adapters = {r.lora_id for r in self.running if r.lora_id}
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (i < len(self.waiting) and budget > 0 and self._prefill_left > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[i]
             if self._lacks_adapter_slot(request, adapters):
                 i += 1  # later requests may run with an adapter that is running already
@@ -183,7 +218,7 @@ class Scheduler:
             computed = None if forked else self.block_manager.get_computed_blocks(request)
             num_computed = request.num_computed_tokens + (len(computed[0]) * self.block_manager.block_size
                                                           if computed else 0)
-            num_new = _keep_spans_whole(request, num_computed, min(request.num_tokens - num_computed, budget))
+            num_new = self._cap_prefill(request, num_computed, min(request.num_tokens - num_computed, budget))
             if num_new == 0 or not self.block_manager.allocate_slots(request, num_new, computed):
                 break
             self.waiting.pop(i)
@@ -196,7 +231,21 @@ class Scheduler:
             self.running.append(request)
             self._emit(out, request, num_new, self.block_manager.saved_state(request, num_computed))
             budget -= num_new
+            self._prefill_left -= num_new
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+
+    def _cap_prefill(self, request: Request, start: int, num_new: int) -> int:
+        """A prompt chunk of at most `num_new` tokens from `start` under the step's prefill
+        budget, ending outside the request's whole spans. Where the budget ends inside a span
+        the chunk cannot stop before, the chunk runs to that span's end (past the budget: the
+        budget may stay below the span's length, and the image would wait forever)."""
+        cap = max(self._prefill_left, 0)
+        capped = _keep_spans_whole(request, start, min(num_new, cap))
+        if capped == 0 and 0 < cap < num_new and request.whole_spans:  # (the cap bit, not the budget)
+            through = [hi for lo, hi in request.whole_spans if lo < start + cap < hi]
+            if through:
+                return _keep_spans_whole(request, start, min(num_new, max(through) - start))
+        return capped
 
     def _lacks_adapter_slot(self, request: Request, adapters: set[int]) -> bool:
         """Its adapter is not running and every slot is: it waits, without holding others up."""

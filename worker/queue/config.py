@@ -44,6 +44,9 @@ DEFAULT_CACHE_AFFINITY_TTL_S = 600.0
 # a worker reads: a batch's jobs (low lane) run, slowly, under any steady interactive load
 DEFAULT_LANE_AGING_S = 30.0
 DEFAULT_LANE_AGED_EVERY = 10
+# step-time-aware chunking's target for a serving worker (EngineConfig.max_step_ms); offline
+# runs (LLM, genq bench throughput) keep it off. See docs/engine.md for how it was chosen
+DEFAULT_SERVING_MAX_STEP_MS = 200.0
 # coalesced events: a job's tokens go out at most this often (docs/queue.md, "Coalesced events")
 DEFAULT_STREAM_INTERVAL_MS = 60.0
 
@@ -60,6 +63,7 @@ ENV_VARS = {
     "GENQ_MAX_NUM_SEQS": "engine max_num_seqs",
     "GENQ_MAX_MODEL_LEN": "engine max_model_len",
     "GENQ_MAX_NUM_BATCHED_TOKENS": "engine max_num_batched_tokens",
+    "GENQ_MAX_STEP_MS": "each step's prompt chunks sized to keep it under this many ms (default 200; 0: off, the static budget)",
     "GENQ_SCHEDULING_POLICY": "fcfs | priority: the order of the jobs a worker holds (default fcfs)",
     "GENQ_NUM_GPU_BLOCKS": "engine num_gpu_blocks_override",
     "GENQ_GPU_MEMORY_UTILIZATION": "the share of the GPU's memory the engine may fill (default 0.9)",
@@ -236,6 +240,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         max_num_seqs=_int(env, "GENQ_MAX_NUM_SEQS"),
         max_model_len=_int(env, "GENQ_MAX_MODEL_LEN"),
         max_num_batched_tokens=_int(env, "GENQ_MAX_NUM_BATCHED_TOKENS"),
+        max_step_ms=_float(env, "GENQ_MAX_STEP_MS"),
         scheduling_policy=env.get("GENQ_SCHEDULING_POLICY") or None,
         num_gpu_blocks_override=_int(env, "GENQ_NUM_GPU_BLOCKS"),
         gpu_memory_utilization=_float(env, "GENQ_GPU_MEMORY_UTILIZATION"),
@@ -262,6 +267,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         kv_cache_dtype=env.get("GENQ_KV_CACHE_DTYPE") or None,
         logits_processors=tuple(filter(None, (s.strip() for s in env.get("GENQ_LOGITS_PROCESSORS", "").split(",")))) or None,
     )
+    engine_args.setdefault("max_step_ms", DEFAULT_SERVING_MAX_STEP_MS)
     lora_modules = parse_lora_modules(env.get("GENQ_LORA_MODULES", ""), "GENQ_LORA_MODULES")
     if lora_modules:
         engine_args["enable_lora"] = True

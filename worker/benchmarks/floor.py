@@ -1,0 +1,126 @@
+"""The compute floor of a throughput workload: its FLOPs at the GEMM rate this machine reaches
+in the run's dtype, measured in the same run. No engine can run the workload faster than that
+(it is the time the matmuls alone take at their best rate), so a mode's share of it, floor time
+/ mode time, says how much of the hardware the mode uses.
+
+FLOPs (a multiply-add is 2):
+- the layers' matmuls: 2 x (the decoder's projection weights a token meets) x tokens processed;
+  a request processes its prompt and every output token but the last (which is not fed back);
+- the LM head: 2 x vocab x hidden per output token (one row of logits per sampled token);
+- attention: QK and PV, 2 x 2 x heads x head_dim x (keys seen) per token and layer, a token at
+  position p seeing p + 1 keys (the whole context: windows are not counted, a floor still).
+Embedding lookups, norms, rotary and softmax are left out (not matmuls)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# the GEMM timed: [rows, hidden] x [hidden, intermediate], the MLP's up projection (the largest
+# of a dense layer's matmuls) at the rows of W1's decode batches and its prefill chunks
+GEMM_ROWS = (128, 512)
+GEMM_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class FloorShape:
+    """What of a model's shape its FLOPs per token follow."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    mlp_params: int  # per layer and token: the dense MLP's, or the experts' a token runs (and the router)
+    intermediate_size: int  # the width of the GEMM timed
+
+    @classmethod
+    def from_model_config(cls, cfg: Any) -> FloorShape:
+        """From worker.model_executor.models.config.ModelConfig. ValueError for the shapes not
+        counted here: latent attention, linear attention, MoE on some layers only."""
+        if cfg.mla is not None or cfg.linear is not None or cfg.mlp_only_layers:
+            raise ValueError(f"{cfg.architecture}: the floor counts dense or MoE attention models only")
+        h = cfg.hidden_size
+        mlp = 3 * h * cfg.intermediate_size
+        if cfg.moe is not None:
+            if len(cfg.moe.layers) != cfg.num_hidden_layers:
+                raise ValueError(f"{cfg.architecture}: the floor counts models with experts on every layer only")
+            moe = cfg.moe
+            mlp = (moe.top_k * 3 * h * moe.intermediate_size + 3 * h * moe.shared_expert_size
+                   + h * moe.num_experts)
+        return cls(h, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                   cfg.head_dim, cfg.vocab_size, mlp, cfg.intermediate_size)
+
+    @property
+    def params_per_token(self) -> int:
+        """The projection weights one token meets in one layer: q, k, v, o and the MLP."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return self.hidden_size * (2 * q + 2 * kv) + self.mlp_params
+
+
+def workload_flops(shape: FloorShape, requests: list[tuple[int, int]]) -> dict[str, int]:
+    """The FLOPs of (prompt length, output length) requests, by part, and their total."""
+    matmul = lm_head = attention = 0
+    per_key = 4 * shape.num_heads * shape.head_dim * shape.num_layers  # QK and PV, every layer
+    for n_in, n_out in requests:
+        processed = n_in + n_out - 1
+        matmul += 2 * shape.params_per_token * shape.num_layers * processed
+        lm_head += 2 * shape.vocab_size * shape.hidden_size * n_out
+        attention += per_key * processed * (processed + 1) // 2  # sum of p + 1 over p < processed
+    return {"matmul": matmul, "lm_head": lm_head, "attention": attention,
+            "total": matmul + lm_head + attention}
+
+
+def measure_gemm_rate(dtype: str, hidden: int, intermediate: int) -> dict[str, Any]:
+    """FLOP/s of torch.matmul [rows, hidden] x [hidden, intermediate] in `dtype` on the CPU,
+    the best of GEMM_REPEATS timings (each long enough to time: ~50 ms) over GEMM_ROWS."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    best = 0.0
+    for rows in GEMM_ROWS:
+        a = torch.randn(rows, hidden).to(torch_dtype)
+        b = torch.randn(hidden, intermediate).to(torch_dtype)
+        flops = 2 * rows * hidden * intermediate
+        torch.matmul(a, b)  # warm-up (oneDNN's primitive, the pages)
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        reps = max(1, int(0.05 / max(time.perf_counter() - start, 1e-6)))
+        for _ in range(GEMM_REPEATS):
+            start = time.perf_counter()
+            for _ in range(reps):
+                torch.matmul(a, b)
+            best = max(best, flops * reps / (time.perf_counter() - start))
+    return {"flops_per_s": best, "gemm": f"[{'|'.join(map(str, GEMM_ROWS))}, {hidden}] x [{hidden}, "
+                                         f"{intermediate}] {dtype}, best of {GEMM_REPEATS}",
+            "threads": torch.get_num_threads()}
+
+
+def compute_floor(model: str | None, dtype: str, requests: list[tuple[int, int]]) -> dict[str, Any]:
+    """The workload's FLOPs, the GEMM rate measured now, and the floor: its time and tok/s."""
+    from worker.model_executor.model_loader import read_config, resolve_model_path
+    from worker.model_executor.models.config import ModelConfig, language_config
+
+    cfg = ModelConfig.from_hf(language_config(read_config(resolve_model_path(model))))
+    shape = FloorShape.from_model_config(cfg)
+    flops = workload_flops(shape, requests)
+    rate = measure_gemm_rate(dtype, shape.hidden_size, shape.intermediate_size)
+    floor_s = flops["total"] / rate["flops_per_s"]
+    return {"flops": flops, **rate, "floor_s": round(floor_s, 4),
+            "output_tokens_per_s": round(sum(n for _, n in requests) / floor_s, 1)}
+
+
+def add_shares(floor: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
+    """Each mode's share of the floor: floor time / its time."""
+    for r in results.values():
+        r["share_of_floor"] = round(floor["floor_s"] / r["elapsed_s"], 3)
+
+
+def format_floor(floor: dict[str, Any]) -> str:
+    gflop = floor["flops"]["total"] / 1e9
+    return (f"compute floor: {gflop:.1f} GFLOP at {floor['flops_per_s'] / 1e9:.1f} GFLOP/s "
+            f"({floor['gemm']}, {floor['threads']} threads) = {floor['floor_s']:.2f} s, "
+            f"{floor['output_tokens_per_s']:.1f} out tok/s")
