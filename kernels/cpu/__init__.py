@@ -8,9 +8,10 @@ warning and the torch attention path serves instead, slower. The ops are then
 `torch.ops.genq_cpu.<op>`; `paged_attention` here checks its arguments and calls the one op.
 
 Sources: attention.cpp (the op, its checks and its threads), attention_impl.h (the kernel,
-written once over a vector type), attention_{avx512,avx2,scalar}.cpp (that kernel compiled
-for each instruction set, each file under its own `#pragma GCC target`: the extension is never
-built with -march=native, so a .so built on one host runs on another).
+written once over a vector type; vec_avx512.h, AVX-512's), attention_{avx512bf16,avx512,avx2,
+scalar}.cpp (that kernel compiled for each instruction set, AVX-512-BF16's taking bf16 dot
+products for bf16 caches; each file under its own `#pragma GCC target`: the extension is
+never built with -march=native, so a .so built on one host runs on another).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ __all__ = ["ISA_NAMES", "SUPPORTED_HEAD_DIMS", "load", "paged_attention"]
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
-_SOURCES = ["attention.cpp", "attention_avx512.cpp", "attention_avx2.cpp", "attention_scalar.cpp"]
+_SOURCES = ["attention.cpp", "attention_avx512bf16.cpp", "attention_avx512.cpp", "attention_avx2.cpp",
+            "attention_scalar.cpp"]
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-ISA_NAMES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+ISA_NAMES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
 
 
 def _build_dir() -> Path:

@@ -17,12 +17,14 @@ namespace {
 
 constexpr int64_t kRowsPerItem = 64;  // as attention_impl.h: query rows per work item
 
-enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
+enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
 
 int64_t best_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) return kAvx512;
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
   return kScalar;
 }
@@ -32,9 +34,15 @@ using Kernel = void (*)(const AttentionArgs&, const WorkItem&);
 Kernel kernel_for(int64_t isa) {
   static const int64_t best = best_isa();
   if (isa == kAuto) isa = best;
-  TORCH_CHECK(isa >= kScalar && isa <= kAvx512, "genq_cpu: isa must be 0 (auto), 1 (scalar), 2 (avx2) or 3 (avx512)");
+  TORCH_CHECK(isa >= kScalar && isa <= kAvx512Bf16,
+              "genq_cpu: isa must be 0 (auto), 1 (scalar), 2 (avx2), 3 (avx512) or 4 (avx512bf16)");
   TORCH_CHECK(isa <= best, "genq_cpu: this CPU cannot run isa ", isa, " (best: ", best, ")");
-  return isa == kAvx512 ? attend_avx512 : isa == kAvx2 ? attend_avx2 : attend_scalar;
+  switch (isa) {
+    case kAvx512Bf16: return attend_avx512bf16;
+    case kAvx512: return attend_avx512;
+    case kAvx2: return attend_avx2;
+    default: return attend_scalar;
+  }
 }
 
 std::vector<WorkItem> work_items(const int32_t* query_start, int64_t num_seqs, int64_t num_kv_heads, int64_t group) {

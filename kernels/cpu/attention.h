@@ -1,5 +1,6 @@
 // Paged attention on the CPU: what the dispatcher (attention.cpp) hands each instruction-set
-// version of the kernel (attention_avx512.cpp, attention_avx2.cpp, attention_scalar.cpp).
+// version of the kernel (attention_avx512bf16.cpp, attention_avx512.cpp, attention_avx2.cpp,
+// attention_scalar.cpp).
 #pragma once
 
 #include <cstdint>
@@ -32,5 +33,6 @@ struct WorkItem {
 void attend_scalar(const AttentionArgs& a, const WorkItem& item);
 void attend_avx2(const AttentionArgs& a, const WorkItem& item);
 void attend_avx512(const AttentionArgs& a, const WorkItem& item);
+void attend_avx512bf16(const AttentionArgs& a, const WorkItem& item);
 
 }  // namespace genq_cpu

@@ -15,6 +15,7 @@ namespace genq_cpu {
 namespace avx2_isa {
 
 struct Vec {
+  static constexpr bool kDotBf16 = false;
   static constexpr int W = 8;
   using T = __m256;
   static T zero() { return _mm256_setzero_ps(); }

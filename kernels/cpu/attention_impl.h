@@ -9,7 +9,9 @@
 //
 // V provides: W (lanes), T, zero(), set1(f), loadf(const float*), loadh(const uint16_t*)
 // (bf16 widened), store(float*, T), fma(a, b, c) = a * b + c, mul, sub, reduce_add,
-// reduce_max, exp (accurate to a few float ulps for x <= 0; -inf gives ~0).
+// reduce_max, exp (accurate to a few float ulps for x <= 0; -inf gives ~0); kDotBf16: where
+// true, bf16 caches take V's own scores_bf16 / values_bf16 (AVX-512-BF16's dot products of
+// bf16 pairs), whose accumulator keeps head_dim's lanes in the order acc_lane gives.
 
 constexpr int64_t kRowsPerItem = 64;  // query rows a work item keeps (its tile of queries x group)
 
@@ -39,12 +41,14 @@ inline typename V::T load_elems(const void* base, int64_t index) {
 
 struct Scratch {  // a thread's buffers, kept across work items
   std::vector<float> q, acc, scores, m, l;
+  std::vector<uint16_t> q_bf16;  // the rows' queries as given (V's bf16 dot products take them)
   std::vector<int64_t> first, last;
   std::vector<char> seen;  // the rows a block's keys are visible to
   void fit(int64_t rows, int64_t head_dim, int64_t block_pad) {
     if (static_cast<int64_t>(m.size()) >= rows && static_cast<int64_t>(q.size()) >= rows * head_dim &&
         static_cast<int64_t>(scores.size()) >= rows * block_pad) return;
     q.resize(rows * head_dim);
+    q_bf16.resize(rows * head_dim);
     acc.resize(rows * head_dim);
     scores.resize(rows * block_pad);
     m.resize(rows);
@@ -65,7 +69,11 @@ void start_rows(const AttentionArgs& a, const WorkItem& it, Scratch& s, int64_t 
     for (int64_t j = 0; j < nq; ++j) {
       const int64_t r = g * nq + j, token = q0 + it.q_begin + j, head = it.kv_head * group + g;
       const int64_t base = token * a.q_stride_token + head * a.q_stride_head;
-      for (int v = 0; v < D; v += V::W) V::store(&s.q[r * D + v], V::mul(load_elems<V, BF16>(a.q, base + v), scale));
+      if constexpr (BF16 && V::kDotBf16) {  // scaled with the scores instead
+        std::memcpy(&s.q_bf16[r * D], static_cast<const uint16_t*>(a.q) + base, D * sizeof(uint16_t));
+      } else {
+        for (int v = 0; v < D; v += V::W) V::store(&s.q[r * D + v], V::mul(load_elems<V, BF16>(a.q, base + v), scale));
+      }
       const int64_t pos = start + it.q_begin + j;
       s.last[r] = a.until != nullptr ? a.until[token] : pos;
       int64_t first = 0;
@@ -81,9 +89,14 @@ void start_rows(const AttentionArgs& a, const WorkItem& it, Scratch& s, int64_t 
 
 // scores[r][t] = q_r . k_t for the block's first n keys, -inf past them.
 template <class V, bool BF16, int D>
-void block_scores(const void* k, int64_t k_base, int64_t n, int64_t rows, int64_t pad, Scratch& s) {
+void block_scores(const void* k, int64_t k_base, int64_t n, int64_t rows, int64_t pad, Scratch& s, float scale) {
   using T = typename V::T;
   constexpr int NV = D / V::W;
+  if constexpr (BF16 && V::kDotBf16) {
+    V::template scores_bf16<D>(s.q_bf16.data(), static_cast<const uint16_t*>(k) + k_base, n, rows, s.scores.data(), pad, scale);
+    for (int64_t r = 0; r < rows; ++r) std::fill(&s.scores[r * pad + n], &s.scores[r * pad + pad], -INFINITY);
+    return;
+  }
   for (int64_t t = 0; t < n; ++t) {
     T key[NV];
     for (int v = 0; v < NV; ++v) key[v] = load_elems<V, BF16>(k, k_base + t * D + v * V::W);
@@ -136,6 +149,10 @@ void block_values(const void* vc, int64_t v_base, int64_t n, int64_t rows, int64
                   const char* seen) {
   using T = typename V::T;
   constexpr int NV = D / V::W;
+  if constexpr (BF16 && V::kDotBf16) {
+    V::template values_bf16<D>(static_cast<const uint16_t*>(vc) + v_base, n, rows, s.scores.data(), pad, s.acc.data(), seen);
+    return;
+  }
   for (int64_t t = 0; t < n; ++t) {
     T value[NV];
     for (int v = 0; v < NV; ++v) value[v] = load_elems<V, BF16>(vc, v_base + t * D + v * V::W);
@@ -148,7 +165,7 @@ void block_values(const void* vc, int64_t v_base, int64_t n, int64_t rows, int64
   }
 }
 
-template <bool BF16, int D>
+template <class V, bool BF16, int D>
 void finish_rows(const AttentionArgs& a, const WorkItem& it, Scratch& s, int64_t group, int64_t nq) {
   const int64_t q0 = a.query_start[it.seq];
   for (int64_t r = 0; r < group * nq; ++r) {
@@ -162,7 +179,10 @@ void finish_rows(const AttentionArgs& a, const WorkItem& it, Scratch& s, int64_t
     const float factor = l > 0.0f ? keep / l : 0.0f;
     const int64_t base = token * a.out_stride_token + head * a.out_stride_head;
     const float* acc = &s.acc[r * D];
-    if constexpr (BF16) {
+    if constexpr (BF16 && V::kDotBf16) {  // the accumulator's lanes in V's order
+      uint16_t* out = static_cast<uint16_t*>(a.out) + base;
+      for (int d = 0; d < D; ++d) out[d] = float_to_bf16(acc[V::acc_lane(d)] * factor);
+    } else if constexpr (BF16) {
       uint16_t* out = static_cast<uint16_t*>(a.out) + base;
       for (int d = 0; d < D; ++d) out[d] = float_to_bf16(acc[d] * factor);
     } else {
@@ -189,12 +209,12 @@ void attend_item(const AttentionArgs& a, const WorkItem& it) {
   for (int64_t b = lo / bs; b <= hi / bs; ++b) {
     const int64_t key0 = b * bs, n = std::min(bs, hi + 1 - key0);
     const int64_t base = table[b] * a.cache_stride_block + it.kv_head * a.cache_stride_head;
-    block_scores<V, BF16, D>(a.k_cache, base, n, rows, pad, s);
+    block_scores<V, BF16, D>(a.k_cache, base, n, rows, pad, s, a.scale);
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) any |= (s.seen[r] = block_softmax<V, D>(a, s, r, key0, n, pad));
     if (any) block_values<V, BF16, D>(a.v_cache, base, n, rows, pad, s, s.seen.data());
   }
-  finish_rows<BF16, D>(a, it, s, group, nq);
+  finish_rows<V, BF16, D>(a, it, s, group, nq);
 }
 
 inline void attend_dispatch(const AttentionArgs& a, const WorkItem& it) {

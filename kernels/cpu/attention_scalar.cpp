@@ -11,6 +11,7 @@ namespace genq_cpu {
 namespace scalar_isa {
 
 struct Vec {
+  static constexpr bool kDotBf16 = false;
   static constexpr int W = 1;
   using T = float;
   static T zero() { return 0.0f; }

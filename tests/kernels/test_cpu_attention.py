@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="genq's CPU kerne
 def isas() -> list[str]:
     """The instruction sets this CPU runs (the kernel refuses the others)."""
     flags = open("/proc/cpuinfo").read()
-    return ["scalar"] + [name for name, flag in (("avx2", " avx2 "), ("avx512", " avx512bw ")) if flag in flags]
+    found = [name for name, flag in (("avx2", " avx2 "), ("avx512", " avx512bw "), ("avx512bf16", " avx512_bf16 "))
+             if flag in flags]
+    return ["scalar", *found]
 
 
 def make_batch(shapes: list[tuple[int, int]], both_ways: dict[int, tuple[int, int]] | None = None):
