@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["attention.cpp", "attention_avx512bf16.cpp", "attention_avx512.cpp", "attention_avx2.cpp",
             "attention_scalar.cpp"]
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # attention_impl.h's attend_dispatch
 ISA_NAMES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
 
 

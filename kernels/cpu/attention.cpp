@@ -71,7 +71,8 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
               "genq_cpu.paged_attention: caches must be contiguous [blocks, kv_heads, block_size, head_dim]");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "genq_cpu.paged_attention: the cache's head_dim differs from q's");
   const int64_t d = q.size(2);
-  TORCH_CHECK(d == 64 || d == 128 || d == 256, "genq_cpu.paged_attention: head_dim must be 64, 128 or 256, got ", d);
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 96 || d == 128 || d == 256,
+              "genq_cpu.paged_attention: head_dim must be 16, 32, 64, 96, 128 or 256, got ", d);
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "genq_cpu.paged_attention: heads must be a multiple of kv heads");
   for (const auto* t : {&block_tables, &query_start, &seq_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "genq_cpu.paged_attention: tables and lengths must be contiguous int32");

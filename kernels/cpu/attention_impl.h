@@ -69,7 +69,7 @@ void start_rows(const AttentionArgs& a, const WorkItem& it, Scratch& s, int64_t 
     for (int64_t j = 0; j < nq; ++j) {
       const int64_t r = g * nq + j, token = q0 + it.q_begin + j, head = it.kv_head * group + g;
       const int64_t base = token * a.q_stride_token + head * a.q_stride_head;
-      if constexpr (BF16 && V::kDotBf16) {  // scaled with the scores instead
+      if constexpr (BF16 && V::kDotBf16 && D % 32 == 0) {  // scaled with the scores instead
         std::memcpy(&s.q_bf16[r * D], static_cast<const uint16_t*>(a.q) + base, D * sizeof(uint16_t));
       } else {
         for (int v = 0; v < D; v += V::W) V::store(&s.q[r * D + v], V::mul(load_elems<V, BF16>(a.q, base + v), scale));
@@ -92,7 +92,7 @@ template <class V, bool BF16, int D>
 void block_scores(const void* k, int64_t k_base, int64_t n, int64_t rows, int64_t pad, Scratch& s, float scale) {
   using T = typename V::T;
   constexpr int NV = D / V::W;
-  if constexpr (BF16 && V::kDotBf16) {
+  if constexpr (BF16 && V::kDotBf16 && D % 32 == 0) {
     V::template scores_bf16<D>(s.q_bf16.data(), static_cast<const uint16_t*>(k) + k_base, n, rows, s.scores.data(), pad, scale);
     for (int64_t r = 0; r < rows; ++r) std::fill(&s.scores[r * pad + n], &s.scores[r * pad + pad], -INFINITY);
     return;
@@ -149,7 +149,7 @@ void block_values(const void* vc, int64_t v_base, int64_t n, int64_t rows, int64
                   const char* seen) {
   using T = typename V::T;
   constexpr int NV = D / V::W;
-  if constexpr (BF16 && V::kDotBf16) {
+  if constexpr (BF16 && V::kDotBf16 && D % 32 == 0) {
     V::template values_bf16<D>(static_cast<const uint16_t*>(vc) + v_base, n, rows, s.scores.data(), pad, s.acc.data(), seen);
     return;
   }
@@ -179,7 +179,7 @@ void finish_rows(const AttentionArgs& a, const WorkItem& it, Scratch& s, int64_t
     const float factor = l > 0.0f ? keep / l : 0.0f;
     const int64_t base = token * a.out_stride_token + head * a.out_stride_head;
     const float* acc = &s.acc[r * D];
-    if constexpr (BF16 && V::kDotBf16) {  // the accumulator's lanes in V's order
+    if constexpr (BF16 && V::kDotBf16 && D % 32 == 0) {  // the accumulator's lanes in V's order
       uint16_t* out = static_cast<uint16_t*>(a.out) + base;
       for (int d = 0; d < D; ++d) out[d] = float_to_bf16(acc[V::acc_lane(d)] * factor);
     } else if constexpr (BF16) {
@@ -219,12 +219,16 @@ void attend_item(const AttentionArgs& a, const WorkItem& it) {
 
 inline void attend_dispatch(const AttentionArgs& a, const WorkItem& it) {
   switch (a.head_dim * 2 + (a.bf16 ? 1 : 0)) {
-    case 64 * 2 + 1: return attend_item<Vec, true, 64>(a, it);
-    case 64 * 2: return attend_item<Vec, false, 64>(a, it);
-    case 128 * 2 + 1: return attend_item<Vec, true, 128>(a, it);
-    case 128 * 2: return attend_item<Vec, false, 128>(a, it);
-    case 256 * 2 + 1: return attend_item<Vec, true, 256>(a, it);
-    case 256 * 2: return attend_item<Vec, false, 256>(a, it);
+#define GENQ_HEAD_DIM(D)                                      \
+  case D * 2 + 1: return attend_item<Vec, true, D>(a, it); \
+  case D * 2: return attend_item<Vec, false, D>(a, it);
+    GENQ_HEAD_DIM(16)
+    GENQ_HEAD_DIM(32)
+    GENQ_HEAD_DIM(64)
+    GENQ_HEAD_DIM(96)
+    GENQ_HEAD_DIM(128)
+    GENQ_HEAD_DIM(256)
+#undef GENQ_HEAD_DIM
     default: return;  // the dispatcher admits only these head sizes
   }
 }

@@ -84,7 +84,8 @@ DECODES = [(0, 1), (BS - 1, 1), (BS, 1), (BS + 1, 1), (3 * BS - 2, 1), (5 * BS, 
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
-                         [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 128), (4, 1, 256)])
+                         [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 128), (4, 1, 256), (4, 2, 16), (6, 2, 32),
+                          (8, 8, 96)])
 def test_decodes_match_the_torch_path(isa, dtype, num_heads, num_kv_heads, head_dim):
     check(*run_both(DECODES, num_heads, num_kv_heads, head_dim, dtype, isa=isa), dtype)
 
@@ -127,7 +128,7 @@ def test_an_fp8_cache_and_unbuilt_head_sizes_take_the_torch_path():
     reference = TorchAttention(BS, 4, 2, 64, torch.float32, torch.device("cpu")).build(batch, tables, slots)
     expected = reference.forward(q, k, v, tuple(c.clone() for c in cache), 0.125)
     torch.testing.assert_close(meta.forward(q, k, v, cache, 0.125), expected)
-    assert not CpuAttention(BS, 4, 2, 96, torch.float32, torch.device("cpu")).kernel_serves
+    assert not CpuAttention(BS, 4, 2, 80, torch.float32, torch.device("cpu")).kernel_serves
 
 
 def test_bad_arguments_are_refused_with_their_names():
@@ -135,9 +136,9 @@ def test_bad_arguments_are_refused_with_their_names():
     cache = torch.randn(3, 2, BS, 64)
     tables, starts, lens = torch.zeros(2, 1, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), \
         torch.tensor([1, 1], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="head_dim must be 64, 128 or 256"):
-        cpu_kernels.paged_attention(torch.empty(2, 4, 96), torch.randn(2, 4, 96), torch.randn(3, 2, BS, 96),
-                                    torch.randn(3, 2, BS, 96), tables, starts, lens, 1.0)
+    with pytest.raises(RuntimeError, match="head_dim must be 16, 32, 64, 96, 128 or 256"):
+        cpu_kernels.paged_attention(torch.empty(2, 4, 80), torch.randn(2, 4, 80), torch.randn(3, 2, BS, 80),
+                                    torch.randn(3, 2, BS, 80), tables, starts, lens, 1.0)
     with pytest.raises(RuntimeError, match="contiguous int32"):
         cpu_kernels.paged_attention(torch.empty_like(q), q, cache, cache, tables.long(), starts, lens, 1.0)
     with pytest.raises(RuntimeError, match="must have q's dtype"):
