@@ -81,6 +81,28 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
               "genq_cpu.paged_attention: block_tables [B, width], query_start [B + 1], seq_lens [B]");
 }
 
+// What the kernel reads through: each sequence's rows and context, its table entries and its
+// rows' visible ends, so that no metadata makes it read outside q or the caches.
+void check_metadata(const AttentionArgs& a, int64_t num_tokens, int64_t num_blocks) {
+  TORCH_CHECK(a.query_start[0] == 0 && a.query_start[a.num_seqs] == num_tokens,
+              "genq_cpu.paged_attention: query_start must run from 0 to q's ", num_tokens, " rows");
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t q_len = a.query_start[s + 1] - a.query_start[s], ctx = a.seq_lens[s];
+    const int64_t blocks = (ctx + a.block_size - 1) / a.block_size;
+    TORCH_CHECK(q_len >= 0 && ctx >= q_len && blocks <= a.table_stride, "genq_cpu.paged_attention: sequence ", s,
+                " has ", q_len, " queries and a context of ", ctx, " (its table holds ", a.table_stride, " blocks)");
+    const int32_t* table = a.block_tables + s * a.table_stride;
+    for (int64_t b = 0; b < blocks; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "genq_cpu.paged_attention: sequence ", s, " names block ",
+                  table[b], " of ", num_blocks);
+    }
+    for (int64_t t = a.query_start[s]; a.until != nullptr && t < a.query_start[s + 1]; ++t) {
+      TORCH_CHECK(a.until[t] >= 0 && a.until[t] < ctx, "genq_cpu.paged_attention: attend_until of row ", t,
+                  " is past its context of ", ctx);
+    }
+  }
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& seq_lens,
                      const std::optional<at::Tensor>& attend_until, const std::optional<at::Tensor>& sinks,
@@ -118,6 +140,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   a.window = window;
   a.chunk = chunk;
   a.bf16 = q.scalar_type() == at::kBFloat16;
+  check_metadata(a, q.size(0), k_cache.size(0));
   const std::vector<WorkItem> items = work_items(a.query_start, a.num_seqs, a.num_kv_heads, a.num_heads / a.num_kv_heads);
   const int64_t n = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};

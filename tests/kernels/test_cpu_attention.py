@@ -143,3 +143,13 @@ def test_bad_arguments_are_refused_with_their_names():
         cpu_kernels.paged_attention(torch.empty_like(q), q, cache, cache, tables.long(), starts, lens, 1.0)
     with pytest.raises(RuntimeError, match="must have q's dtype"):
         cpu_kernels.paged_attention(torch.empty_like(q), q, cache.bfloat16(), cache.bfloat16(), tables, starts, lens, 1.0)
+    # metadata that would read outside q or the caches
+    with pytest.raises(RuntimeError, match="names block 3 of 3"):
+        cpu_kernels.paged_attention(torch.empty_like(q), q, cache, cache, tables + 3, starts, lens, 1.0)
+    with pytest.raises(RuntimeError, match="its table holds 1 blocks"):
+        cpu_kernels.paged_attention(torch.empty_like(q), q, cache, cache, tables, starts, lens + BS, 1.0)
+    with pytest.raises(RuntimeError, match="query_start must run from 0 to q's 2 rows"):
+        cpu_kernels.paged_attention(torch.empty_like(q), q, cache, cache, tables, starts.clamp(max=1), lens, 1.0)
+    with pytest.raises(RuntimeError, match="attend_until of row 1 is past its context of 1"):
+        cpu_kernels.paged_attention(torch.empty_like(q), q, cache, cache, tables, starts, lens, 1.0,
+                                    attend_until=torch.tensor([0, 1], dtype=torch.int32))
