@@ -1,11 +1,12 @@
 """Decode attention on the CPU: the torch path (a gather of whole blocks, two matmuls per KV
 head) against genq's compiled kernel (kernels.cpu, blocks read in place), same data, same run.
 
-    python benchmarks/cpu_attention.py [--shapes 128x200,512x200,128x1000,4x4000] [--dtype bfloat16]
+    python benchmarks/cpu_attention.py [--shapes 128x200,512x200,128x1000,4x4000] [--dtype bfloat16] [--threads 1]
 
 Each shape is sequences x context; heads are the default model's (SmolLM2-135M: 9 query heads,
 3 KV heads, head_dim 64), blocks of 16, each sequence's blocks scattered over the pool. A row
-times one layer's attention (the median of --repeats calls) and, apart, each path's per-step
+times one layer's attention (the median of --repeats calls, the two paths called in turn)
+and, apart, each path's per-step
 metadata (built once a step for all 30 layers).
 """
 
@@ -27,13 +28,21 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+    return interleaved_ms([fn], repeats)[0]
+
+
+def interleaved_ms(fns, repeats: int) -> list[float]:
+    """Each function's median time, the functions called in turn (on a shared machine each
+    then sees the same load)."""
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for fn, spent in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) * 1e3 for spent in times]
 
 
 def bench_shape(num_seqs: int, context: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
@@ -62,9 +71,10 @@ def bench_shape(num_seqs: int, context: int, dtype: torch.dtype, repeats: int) -
     got = cpu_kernels.paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start,
                                       meta.seq_lens, scale)
     error = (got.float() - expected.float()).abs().max().item()
-    torch_ms = median_ms(lambda: paged_attention(q, kv, kv, cache[0], cache[1], ref_meta, scale), repeats)
-    kernel_ms = median_ms(lambda: cpu_kernels.paged_attention(
-        out, q, cache[0], cache[1], meta.block_tables, meta.query_start, meta.seq_lens, scale), repeats)
+    torch_ms, kernel_ms = interleaved_ms([
+        lambda: paged_attention(q, kv, kv, cache[0], cache[1], ref_meta, scale),
+        lambda: cpu_kernels.paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start,
+                                            meta.seq_lens, scale)], repeats)
     torch_build_ms = median_ms(lambda: reference.build(batch, tables, slots), repeats)
     kernel_build_ms = median_ms(lambda: compiled.build(batch, tables, slots), repeats)
     return {"torch_ms": torch_ms, "kernel_ms": kernel_ms, "speedup": torch_ms / kernel_ms,
@@ -76,7 +86,10 @@ def main() -> None:
     p.add_argument("--shapes", default="128x200,512x200,128x1000,4x4000", help="sequences x context, comma-separated")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not cpu_kernels.load():
         raise SystemExit("genq's CPU kernels could not be built here (see the warning above)")
     dtype = getattr(torch, args.dtype)

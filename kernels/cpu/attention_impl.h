@@ -206,9 +206,18 @@ void attend_item(const AttentionArgs& a, const WorkItem& it) {
   }
   hi = std::min<int64_t>(hi, a.seq_lens[it.seq] - 1);
   const int32_t* table = a.block_tables + it.seq * a.table_stride;
+  const int64_t elem = BF16 ? 2 : 4, tile_bytes = bs * D * elem;  // a KV head's block: contiguous
   for (int64_t b = lo / bs; b <= hi / bs; ++b) {
     const int64_t key0 = b * bs, n = std::min(bs, hi + 1 - key0);
     const int64_t base = table[b] * a.cache_stride_block + it.kv_head * a.cache_stride_head;
+    if (b < hi / bs) {  // the next block's K and V on their way while this one is computed: the
+      // blocks are scattered over the pool, so the hardware prefetcher starts afresh at each
+      const int64_t next = (table[b + 1] * a.cache_stride_block + it.kv_head * a.cache_stride_head) * elem;
+      for (int64_t at = 0; at < tile_bytes; at += 64) {
+        __builtin_prefetch(static_cast<const char*>(a.k_cache) + next + at, 0, 3);
+        __builtin_prefetch(static_cast<const char*>(a.v_cache) + next + at, 0, 3);
+      }
+    }
     block_scores<V, BF16, D>(a.k_cache, base, n, rows, pad, s, a.scale);
     bool any = false;
     for (int64_t r = 0; r < rows; ++r) any |= (s.seen[r] = block_softmax<V, D>(a, s, r, key0, n, pad));
