@@ -153,3 +153,14 @@ def test_bad_arguments_are_refused_with_their_names():
     with pytest.raises(RuntimeError, match="attend_until of row 1 is past its context of 1"):
         cpu_kernels.paged_attention(torch.empty_like(q), q, cache, cache, tables, starts, lens, 1.0,
                                     attend_until=torch.tensor([0, 1], dtype=torch.int32))
+
+
+def test_auto_picks_the_compiled_backend_on_the_cpu_and_bad_names_are_refused():
+    from worker.model_executor.attention_selector import resolve_attention_backend
+
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "cpu"
+    assert resolve_attention_backend("torch", torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="'cpu' runs on the CPU only, not on cuda"):
+        resolve_attention_backend("cpu", torch.device("cuda"))
+    with pytest.raises(ValueError, match="must be auto, cpu, torch or triton, got 'gpu'"):
+        resolve_attention_backend("gpu", torch.device("cpu"))
