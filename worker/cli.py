@@ -33,6 +33,7 @@ _ENGINE_FLAGS: dict[str, type] = {
     "load_format": str,
     "quantization": str,
     "kv_cache_dtype": str,
+    "attention_backend": str,
     "max_loras": int,
     "max_lora_rank": int,
     "max_images_per_prompt": int,
@@ -157,6 +158,8 @@ _HELP = {
     "only confirm the checkpoint's method; default: $GENQ_QUANTIZATION or none)",
     "kv_cache_dtype": "auto (the model dtype) or fp8: the KV cache in e4m3, twice the tokens in the same memory, "
     "divided by the checkpoint's KV-cache scales where it has them (default: $GENQ_KV_CACHE_DTYPE or auto)",
+    "attention_backend": "auto (triton on CUDA; on the CPU, cpu: genq's compiled kernels, or torch where they could "
+    "not be built), cpu, torch or triton (default: auto)",
     "claim_idle_s": "reclaim entries of other workers idle this long",
     "delivery_limit": "deliveries before an entry goes to the dead stream",
     "max_entry_bytes": "a larger stream entry goes to the dead stream without its payload and leaves the "

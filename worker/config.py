@@ -59,7 +59,7 @@ class EngineConfig:
     seed: int = 0
     cache_dir: str | None = None  # where the default model is converted to safetensors
     num_threads: int | None = None  # torch intra-op threads on CPU
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    attention_backend: str = "auto"  # auto (triton on CUDA; cpu on CPU, torch without a compiler) | cpu | torch | triton
     # auto: the checkpoint's safetensors | dummy: seeded random weights of the config's shape,
     # for benchmarks where the weights cannot travel (vLLM's load_format="dummy")
     load_format: str = "auto"

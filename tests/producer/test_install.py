@@ -96,6 +96,9 @@ def test_the_wheel_holds_every_module_of_the_packages_and_no_tests(wheel: Path) 
     assert "api/routes/__init__.py" in expected  # the check sees subpackages
     assert sorted(expected - names) == []
     assert [n for n in names if n.split("/", 1)[0] in NOT_SHIPPED] == []
+    # the compiled CPU kernels' sources, which kernels.cpu.load builds where the wheel is installed
+    sources = {f"kernels/cpu/{p.name}" for p in (ROOT / "kernels" / "cpu").iterdir() if p.suffix in (".cpp", ".h")}
+    assert "kernels/cpu/attention.cpp" in sources and sorted(sources - names) == []
 
 
 def fresh_venv(where: Path, wheel: Path) -> Path:

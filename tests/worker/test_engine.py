@@ -166,6 +166,21 @@ def test_prefill_logits_match_transformers_kernel_path_experts(tiny_moe_dir):
     check_prefill_logits(tiny_moe_dir, "triton")
 
 
+# The compiled CPU kernel (kernels/cpu) on the models whose attention differs: GQA and MHA, a
+# window on some layers, capped scores with a window (Gemma 2), sinks (gpt-oss); latent
+# attention's head size (DeepSeek-V3) takes the torch path inside the cpu backend
+@pytest.mark.parametrize("tiny_model_dir", ["llama", "mistral", "gemma2", "gemma3"], indirect=True)
+def test_prefill_logits_match_transformers_cpu_kernels(tiny_model_dir):
+    llm = check_prefill_logits_against(tiny_model_dir, tiny_model_dir, "cpu")
+    assert llm.engine.runner.attention.kernel_serves  # (head sizes 16 and 32)
+
+
+@pytest.mark.parametrize("tiny_moe_dir", ["gpt_oss", "deepseek_v3"], indirect=True)
+def test_prefill_logits_match_transformers_cpu_kernels_experts(tiny_moe_dir, request):
+    llm = check_prefill_logits_against(tiny_moe_dir, tiny_moe_dir, "cpu")
+    assert llm.engine.runner.attention.kernel_serves == (request.node.callspec.params["tiny_moe_dir"] == "gpt_oss")
+
+
 def check_prefill_logits(tiny_model_dir, backend):
     check_prefill_logits_against(tiny_model_dir, tiny_model_dir, backend)
 
@@ -319,8 +334,13 @@ def test_a_reset_keeps_later_requests_off_the_blocks_running_ones_hold(tiny_llam
     assert cached == {"running": 0, "later": 0}
 
 
-def test_chunked_prefill_with_small_token_budget(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=24, num_gpu_blocks_override=256)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_chunked_prefill_with_small_token_budget(tiny_llama_dir, backend):
+    """On the compiled CPU kernels (what auto picks on the CPU, so the other tests here too)
+    and on the torch path: prefill chunks beside decodes, each step."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=24, num_gpu_blocks_override=256,
+              attention_backend=backend)
+    assert llm.engine.runner.backend == backend
     run_and_compare(llm, tiny_llama_dir)
 
 

@@ -61,6 +61,8 @@ def _throughput_args(p: argparse.ArgumentParser) -> None:
                    help="engine and queue modes: the model's projections in fp8, quantized as they load")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="engine and queue modes: fp8 holds twice the tokens in the same KV memory")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="engine and queue modes: cpu (genq's compiled CPU kernels), torch, triton, or auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="engine and queue modes: the model split over this many devices")
     p.add_argument("--max-step-ms", type=float, default=0,
@@ -95,6 +97,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "max_step_ms": args.max_step_ms,  # (the queue's worker, a serving one, would default it on)
+        "attention_backend": args.attention_backend,
     }
     results: dict[str, dict[str, Any]] = {}
     for mode in args.modes.split(","):

@@ -391,7 +391,7 @@ class ModelRunner:
 
     def _pack(self, model: LlamaForCausalLM) -> None:
         """Lay the linears' and experts' weights out for oneDNN, where this CPU runs them so."""
-        if self.backend == "torch" and can_pack(self.device, self.dtype):
+        if self.backend in ("cpu", "torch") and can_pack(self.device, self.dtype):
             # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
             pack_linears(model, batch_hint=self.config.max_num_seqs)
             pack_experts(model, batch_hint=self.config.max_num_seqs)
