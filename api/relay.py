@@ -26,6 +26,7 @@ from producer.aio import wait_within
 from producer.jobs import JobLost, JobNotFound, Outage, record_ending
 from producer.protocol import EVENT_FIELD, Event, Keys, decode_event
 from producer.records import JobRecord, decode_record
+from producer.redis_conn import pipeline
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +128,11 @@ class Relay:
     reconnect, and tells the followers of that channel to replay (the gap is in the stream).
     """
 
-    def __init__(self, conn: redis.asyncio.Redis, keys: Keys) -> None:
+    def __init__(self, conn: redis.asyncio.Redis, keys: Keys, pubsub_conn: redis.asyncio.Redis | None = None) -> None:
         self._redis = conn
         self._keys = keys
-        self._pubsub = conn.pubsub()
+        # on a Redis Cluster, a plain connection to one node (AsyncClient.pubsub_redis)
+        self._pubsub = (pubsub_conn or conn).pubsub()
         self._channels: dict[bytes, _Channel] = {}
         self._lock = asyncio.Lock()
         self._connected = asyncio.Event()
@@ -195,7 +197,7 @@ class Relay:
         """Each job's record and events in one MULTI; with `outage`, tried again while Redis is
         away (a resync comes after a reconnect, which may not last)."""
         while True:
-            pipe = self._redis.pipeline(transaction=True)
+            pipe = pipeline(self._redis)
             for job_id in job_ids:
                 pipe.hgetall(self._keys.job(job_id))
                 pipe.xrange(self._keys.events(job_id))

@@ -37,6 +37,7 @@ from producer.jobs import (
 from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
+from producer.redis_conn import connect_async, connect_async_pubsub, is_cluster_url, pipeline
 
 
 class AsyncJobHandle:
@@ -67,13 +68,17 @@ class AsyncClient:
     """asyncio genq client (redis.asyncio); see `Client` for the meaning of each method."""
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX) -> None:
-        self.keys = Keys(prefix)
-        self.redis = redis.asyncio.Redis.from_url(redis_url)
+        self.keys = Keys(prefix, cluster=is_cluster_url(redis_url))
+        self.redis = connect_async(redis_url)
+        # (the same client off a cluster; on one, a connection that can SUBSCRIBE)
+        self.pubsub_redis = connect_async_pubsub(redis_url) if self.keys.cluster else self.redis
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self.routes = Routes(self.keys)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+        if self.pubsub_redis is not self.redis:
+            await self.pubsub_redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -119,7 +124,7 @@ class AsyncClient:
         return decode_record({b"status": value}, job_id).status or JobStatus.QUEUED
 
     async def cancel(self, job_id: str) -> None:
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = pipeline(self.redis)
         pipe.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
         pipe.publish(self.keys.cancel_channel, job_id)
         await pipe.execute()
@@ -166,7 +171,7 @@ class AsyncClient:
         return [make_result(j, raw, logs[j]) for j, raw in zip(logs, await pipe.execute(), strict=True)]
 
     async def inspect(self, job_id: str) -> dict[str, Any]:
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = pipeline(self.redis)
         pipe.hgetall(self.keys.job(job_id))
         pipe.xrange(self.keys.events(job_id))
         pipe.exists(self.keys.cancel_flag(job_id))
@@ -213,7 +218,7 @@ class AsyncClient:
     ) -> tuple[Any, list[dict[str, Any]]]:
         """See Client._subscribed."""
         while True:
-            pubsub = self.redis.pubsub()
+            pubsub = self.pubsub_redis.pubsub()
             try:
                 held = await self._subscribe(pubsub, channels, deadline)
                 outage.ok()
@@ -246,7 +251,7 @@ class AsyncClient:
         self, follower: Follower, job_ids: list[str], outage: Outage, deadline: Deadline
     ) -> AsyncIterator[tuple[str, Event]]:
         while True:
-            pipe = self.redis.pipeline(transaction=True)
+            pipe = pipeline(self.redis)
             for job_id in job_ids:
                 pipe.hgetall(self.keys.job(job_id))
                 pipe.xrange(self.keys.events(job_id))

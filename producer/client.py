@@ -39,6 +39,7 @@ from producer.jobs import (
 from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
+from producer.redis_conn import connect, is_cluster_url, pipeline
 
 
 class JobHandle:
@@ -69,8 +70,8 @@ class Client:
     """Blocking genq client (redis-py)."""
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX) -> None:
-        self.keys = Keys(prefix)
-        self.redis = redis.Redis.from_url(redis_url)
+        self.keys = Keys(prefix, cluster=is_cluster_url(redis_url))
+        self.redis = connect(redis_url)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self.routes = Routes(self.keys)
 
@@ -130,7 +131,7 @@ class Client:
         queue later, or reclaiming it after a crash, checks it. The PUBLISH is prompt: the
         worker running it aborts at its next step. Flag first, in one MULTI, so a worker woken
         by the message always finds the flag too."""
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = pipeline(self.redis)
         pipe.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
         pipe.publish(self.keys.cancel_channel, job_id)
         pipe.execute()
@@ -182,7 +183,7 @@ class Client:
 
     def inspect(self, job_id: str) -> dict[str, Any]:
         """The decoded job record, payload and events (what `genq inspect` prints)."""
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = pipeline(self.redis)
         pipe.hgetall(self.keys.job(job_id))
         pipe.xrange(self.keys.events(job_id))
         pipe.exists(self.keys.cancel_flag(job_id))
@@ -269,7 +270,7 @@ class Client:
         """Each job's record and events in one MULTI, tried again while Redis is away (the
         subscription stands, or its reconnect asks for another replay)."""
         while True:
-            pipe = self.redis.pipeline(transaction=True)
+            pipe = pipeline(self.redis)
             for job_id in job_ids:
                 pipe.hgetall(self.keys.job(job_id))
                 pipe.xrange(self.keys.events(job_id))
