@@ -65,3 +65,9 @@ def pipeline(conn: Any, transaction: bool = True) -> Any:
     """`conn.pipeline(transaction)`, without MULTI on a cluster (redis-py has none there): each
     node runs its share of the commands in order, and only what one script does is atomic."""
     return conn.pipeline(transaction=transaction and not is_cluster(conn))
+
+
+def mget(conn: Any, keys: list[str]) -> Any:
+    """`conn.mget(keys)` (awaitable for an asyncio client); on a cluster, whose MGET takes
+    keys of one slot only, redis-py's mget_nonatomic: one MGET per slot, the replies in order."""
+    return conn.mget_nonatomic(keys) if is_cluster(conn) else conn.mget(keys)

@@ -1,0 +1,100 @@
+"""The queue on a real Redis Cluster (three masters, a replica each, on loopback): a worker
+and the Python client given a `redis+cluster://` URL serve jobs whose results and streams
+equal the offline engine's, each script call in one slot."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from cluster_support import RedisClusterNodes
+from queue_support import LIVE_WORKERS, WorkerProcess, worker_env
+
+from producer.client import Client
+from producer.protocol import JobStatus, Keys
+from producer.redis_conn import connect
+from producer.sampling_params import SamplingParams
+
+PREFIX = "t-cluster:"
+NAME = "cw1"
+TIMEOUT_S = 30.0
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+    nodes = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield nodes
+    nodes.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_conn(redis_cluster: RedisClusterNodes) -> Iterator[redis.Redis]:
+    conn = connect(redis_cluster.url)
+    yield conn
+    conn.close()
+
+
+@pytest.fixture(scope="module")
+def cluster_worker(
+    redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, tiny_llama_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WorkerProcess]:
+    env = worker_env(redis_cluster.url, tiny_llama_dir, NAME, PREFIX, GENQ_MAX_NUM_SEQS="8")
+    worker = WorkerProcess(env, tmp_path_factory.mktemp("cluster-logs") / f"{NAME}.log").start()
+    LIVE_WORKERS.append(worker)
+    try:
+        worker.wait_ready(cluster_conn)
+        yield worker
+    finally:
+        worker.stop()
+        LIVE_WORKERS.remove(worker)
+
+
+@pytest.fixture
+def cluster_client(redis_cluster: RedisClusterNodes) -> Iterator[Client]:
+    with Client(redis_cluster.url, prefix=PREFIX) as client:
+        yield client
+
+
+def test_the_cluster_fixture_is_three_masters_with_a_replica_each(cluster_conn: redis.Redis) -> None:
+    roles = [node["flags"] for node in cluster_conn.cluster_nodes().values()]
+    assert sum("master" in flags for flags in roles) == 3
+    assert sum("slave" in flags for flags in roles) == 3
+
+
+def test_a_jobs_keys_share_one_slot_on_a_cluster_and_keep_their_names_on_one_redis() -> None:
+    plain, tagged = Keys(PREFIX), Keys(PREFIX, cluster=True)
+    assert (plain.job("j1"), plain.events("j1"), plain.requests) == (
+        f"{PREFIX}job:j1", f"{PREFIX}events:j1", f"{PREFIX}requests")
+    job_id = "a{b}c"  # a brace in the id must not move the job to another slot
+    names = [tagged.job(job_id), tagged.events(job_id), tagged.cancel_flag(job_id), tagged.requests,
+             tagged.on_lane("high").requests, tagged.on_queue("q").on_lane("low").requests, tagged.dead,
+             tagged.usage("2026-01-01"), tagged.tokens("tenant", 1)]
+    assert len({redis.cluster.key_slot(name.encode()) for name in names}) == 1, names
+    with pytest.raises(ValueError, match="prefix"):
+        Keys("{x}:", cluster=True)
+
+
+def test_jobs_on_a_cluster_stream_what_the_offline_engine_generates(
+    cluster_worker: WorkerProcess, cluster_client: Client, offline,
+) -> None:
+    cases = [
+        ("The capital of France is", GREEDY),
+        ({"prompt_token_ids": [1, 450, 7483, 310, 3444]}, GREEDY),
+        ("Once upon a time", SamplingParams(temperature=0.0, max_tokens=8, n=2)),
+        ("Roses are red", SamplingParams(temperature=0.8, seed=123, max_tokens=10)),
+    ]
+    handles = [cluster_client.submit(prompt, params) for prompt, params in cases]
+    for handle, (prompt, params) in zip(handles, cases, strict=True):
+        result = handle.result(TIMEOUT_S)
+        expected = offline(prompt, params)
+        assert result.status == JobStatus.FINISHED
+        assert [(o.text, o.token_ids) for o in result.outputs] == [(o.text, o.token_ids) for o in expected]
+        deltas = list(handle.stream(TIMEOUT_S))
+        for output in result.outputs:
+            mine = [d for d in deltas if d.index == output.index]
+            assert [t for d in mine for t in d.token_ids] == output.token_ids
+            assert [d.seq for d in mine] == list(range(len(mine)))
