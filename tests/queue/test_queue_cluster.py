@@ -5,6 +5,7 @@ equal the offline engine's, each script call in one slot."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import redis
 from cluster_support import RedisClusterNodes
 from queue_support import LIVE_WORKERS, WorkerProcess, worker_env
 
+from api.relay import Relay
+from producer.async_client import AsyncClient
 from producer.client import Client
 from producer.protocol import JobStatus, Keys
 from producer.redis_conn import connect
@@ -98,3 +101,22 @@ def test_jobs_on_a_cluster_stream_what_the_offline_engine_generates(
             mine = [d for d in deltas if d.index == output.index]
             assert [t for d in mine for t in d.token_ids] == output.token_ids
             assert [d.seq for d in mine] == list(range(len(mine)))
+
+
+async def test_the_api_relay_follows_jobs_on_a_cluster(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, offline,
+) -> None:
+    prompts = ["The capital of France is", "Once upon a time"]
+    async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
+        relay = Relay(client.redis, client.keys, client.pubsub_redis)
+        await relay.start()
+        try:
+            handles = [await client.submit(p, GREEDY) for p in prompts]
+            tokens: dict[str, list[int]] = {h.id: [] for h in handles}
+            async with aclosing(relay.follow(list(tokens), timeout_s=TIMEOUT_S)) as events:
+                async for job_id, event in events:
+                    tokens[job_id] += event.token_ids
+        finally:
+            await relay.aclose()
+    for handle, prompt in zip(handles, prompts, strict=True):
+        assert tokens[handle.id] == offline(prompt, GREEDY)[0].token_ids
