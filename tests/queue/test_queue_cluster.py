@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 from cluster_support import RedisClusterNodes
-from queue_support import LIVE_WORKERS, WorkerProcess, worker_env
+from queue_support import LIVE_WORKERS, WorkerProcess, ended, wait_for, worker_env
 
 from api.relay import Relay
 from producer.async_client import AsyncClient
@@ -120,3 +120,30 @@ async def test_the_api_relay_follows_jobs_on_a_cluster(
             await relay.aclose()
     for handle, prompt in zip(handles, prompts, strict=True):
         assert tokens[handle.id] == offline(prompt, GREEDY)[0].token_ids
+
+
+def test_a_master_killed_mid_run_fails_over_and_every_job_finishes_whole(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, offline,
+) -> None:
+    """Last in the module: the cluster keeps its promoted replica as master after it."""
+    keys = Keys(PREFIX, cluster=True)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    prompts = [f"Story number {i}:" for i in range(4)]
+    with Client(redis_cluster.url, prefix=PREFIX) as client:
+        handles = [client.submit(p, params) for p in prompts]
+        wait_for(lambda: all(cluster_conn.xlen(keys.events(h.id)) for h in handles), TIMEOUT_S, "every job streaming")
+        assert not any(ended(cluster_conn, keys, h.id) for h in handles)  # (mid-run)
+        master = redis_cluster.master_of(keys.requests)
+        redis_cluster.kill(master)
+        wait_for(lambda: redis_cluster.master_of(keys.requests) is not master, TIMEOUT_S, "its replica promoted")
+        results = [h.result(TIMEOUT_S) for h in handles]
+        streams = [list(h.stream(TIMEOUT_S)) for h in handles]
+        # the worker reads the promoted master's stream too: a job sent after is served
+        after = client.submit(prompts[0], GREEDY).result(TIMEOUT_S)
+    assert after.outputs[0].token_ids == offline(prompts[0], GREEDY)[0].token_ids
+    for prompt, result, deltas in zip(prompts, results, streams, strict=True):
+        expected = offline(prompt, params)[0].token_ids
+        assert result.status == JobStatus.FINISHED
+        assert result.outputs[0].token_ids == expected
+        assert [t for d in deltas for t in d.token_ids] == expected
+        assert [d.seq for d in deltas] == list(range(len(deltas)))
