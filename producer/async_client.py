@@ -124,6 +124,10 @@ class AsyncClient:
         return decode_record({b"status": value}, job_id).status or JobStatus.QUEUED
 
     async def cancel(self, job_id: str) -> None:
+        if self.keys.cluster:  # (see Client.cancel; the asyncio cluster client has no PUBLISH)
+            await self.redis.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
+            await self.pubsub_redis.publish(self.keys.cancel_channel, job_id)
+            return
         pipe = pipeline(self.redis)
         pipe.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
         pipe.publish(self.keys.cancel_channel, job_id)

@@ -130,7 +130,12 @@ class Client:
         """Ask workers to abort the job. The flag is durable: a worker taking the job from the
         queue later, or reclaiming it after a crash, checks it. The PUBLISH is prompt: the
         worker running it aborts at its next step. Flag first, in one MULTI, so a worker woken
-        by the message always finds the flag too."""
+        by the message always finds the flag too (on a Redis Cluster, whose pipelines take no
+        PUBLISH: the SET answered, then the PUBLISH)."""
+        if self.keys.cluster:
+            self.redis.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
+            self.redis.publish(self.keys.cancel_channel, job_id)
+            return
         pipe = pipeline(self.redis)
         pipe.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
         pipe.publish(self.keys.cancel_channel, job_id)

@@ -122,6 +122,23 @@ async def test_the_api_relay_follows_jobs_on_a_cluster(
         assert tokens[handle.id] == offline(prompt, GREEDY)[0].token_ids
 
 
+async def test_a_cancel_on_a_cluster_aborts_the_running_job(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis,
+) -> None:
+    """AsyncClient.cancel on a cluster (its flag, then its PUBLISH on a plain connection to one
+    node: the asyncio cluster client has no PUBLISH, a cluster pipeline takes none) ends the
+    running job. (Before, it raised AttributeError.)"""
+    keys = Keys(PREFIX, cluster=True)
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
+        handle = await client.submit("Count forever:", params)
+        wait_for(lambda: cluster_conn.xlen(keys.events(handle.id)), TIMEOUT_S, "the job streaming")
+        await client.cancel(handle.id)
+        result = await handle.result(TIMEOUT_S)
+    assert result.status == JobStatus.CANCELLED
+    assert len(result.outputs[0].token_ids) < params.max_tokens
+
+
 def test_a_master_killed_mid_run_fails_over_and_every_job_finishes_whole(
     cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, offline,
 ) -> None:
