@@ -159,11 +159,13 @@ class AsyncClient:
     ) -> list[JobResult]:
         jobs = batch_jobs(prompts, sampling_params, model)
         submit_keys = await self.keys_for(model)
-        pipe = self.redis.pipeline(transaction=False)
+        # (a cluster pipeline takes no EVALSHA in redis-py: there, a call per job, in order)
+        pipe = None if self.keys.cluster else self.redis.pipeline(transaction=False)
         for job in jobs:
             keys, args = submit_call(submit_keys, job)
             await self._submit_script(keys=keys, args=args, client=pipe)
-        await pipe.execute()
+        if pipe is not None:
+            await pipe.execute()
         logs = {job.id: EventLog(job.id) for job in jobs}
         with tqdm(total=len(jobs), disable=not use_tqdm, unit="job", desc="genq") as bar:
             async for job_id, _ in self._follow(logs, timeout_s):

@@ -174,11 +174,13 @@ class Client:
         """Submit a batch in one pipeline, wait for all, return results in input order."""
         jobs = batch_jobs(prompts, sampling_params, model)
         submit_keys = self.keys_for(model)
-        pipe = self.redis.pipeline(transaction=False)
+        # (a cluster pipeline takes no EVALSHA in redis-py: there, a call per job, in order)
+        pipe = None if self.keys.cluster else self.redis.pipeline(transaction=False)
         for job in jobs:
             keys, args = submit_call(submit_keys, job)
             self._submit_script(keys=keys, args=args, client=pipe)
-        pipe.execute()
+        if pipe is not None:
+            pipe.execute()
         logs = {job.id: EventLog(job.id) for job in jobs}
         with tqdm(total=len(jobs), disable=not use_tqdm, unit="job", desc="genq") as bar:
             for job_id, _ in self._follow(logs, timeout_s):

@@ -103,6 +103,20 @@ def test_jobs_on_a_cluster_stream_what_the_offline_engine_generates(
             assert [d.seq for d in mine] == list(range(len(mine)))
 
 
+async def test_a_batch_generated_on_a_cluster_equals_the_offline_engines(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_client: Client, offline,
+) -> None:
+    """Client.generate and AsyncClient.generate submit a script call per job there (a cluster
+    pipeline takes no EVALSHA: Client.generate raised RedisClusterException)."""
+    prompts = ["The capital of France is", "Once upon a time", "Roses are red"]
+    expected = [outputs[0].token_ids for outputs in offline.many(prompts, GREEDY)]
+    results = cluster_client.generate(prompts, GREEDY, use_tqdm=False, timeout_s=TIMEOUT_S)
+    assert [r.outputs[0].token_ids for r in results] == expected
+    async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
+        results = await client.generate(prompts, GREEDY, use_tqdm=False, timeout_s=TIMEOUT_S)
+    assert [r.outputs[0].token_ids for r in results] == expected
+
+
 async def test_the_api_relay_follows_jobs_on_a_cluster(
     cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, offline,
 ) -> None:
