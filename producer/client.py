@@ -222,6 +222,10 @@ class Client:
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     time.sleep(deadline.cap(outage.failed(exc)))
                     deadline.check()
+                    if self.keys.cluster:  # its node may be gone for good (a failover): subscribe anew
+                        pubsub.close()
+                        pubsub, held = self._subscribed(list(follower.by_channel), outage, deadline)
+                        yield from self._replay(follower, list(logs), outage, deadline)
                     continue  # the next read reconnects and re-subscribes; see `resubscribed`
                 outage.ok()
                 if message is None:
@@ -240,7 +244,7 @@ class Client:
         meanwhile), made again while Redis is away: a stream begun just before an outage
         waits for Redis as one under way does."""
         while True:
-            pubsub = self.redis.pubsub()
+            pubsub = self._new_pubsub()
             try:
                 held = self._subscribe(pubsub, channels, deadline)
                 outage.ok()
@@ -249,6 +253,13 @@ class Client:
                 pubsub.close()
                 time.sleep(deadline.cap(outage.failed(exc)))
                 deadline.check()
+
+    def _new_pubsub(self) -> Any:
+        """A pub/sub connection; on a cluster, to a random node (each relays every PUBLISH), so
+        that one made again after its node was lost goes elsewhere."""
+        if self.keys.cluster:
+            return self.redis.pubsub(node=self.redis.get_random_node())
+        return self.redis.pubsub()
 
     def _subscribe(
         self, pubsub: Any, channels: list[bytes], deadline: Deadline

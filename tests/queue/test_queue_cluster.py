@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 from cluster_support import RedisClusterNodes
-from queue_support import LIVE_WORKERS, WorkerProcess, ended, wait_for, worker_env
+from queue_support import LIVE_WORKERS, Streams, WorkerProcess, ended, wait_for, worker_env
 
 from api.relay import Relay
 from producer.async_client import AsyncClient
@@ -162,17 +162,19 @@ def test_a_master_killed_mid_run_fails_over_and_every_job_finishes_whole(
     prompts = [f"Story number {i}:" for i in range(4)]
     with Client(redis_cluster.url, prefix=PREFIX) as client:
         handles = [client.submit(p, params) for p in prompts]
+        live = Streams(redis_cluster.url, keys, [h.id for h in handles])  # clients streaming through the failover
         wait_for(lambda: all(cluster_conn.xlen(keys.events(h.id)) for h in handles), TIMEOUT_S, "every job streaming")
         assert not any(ended(cluster_conn, keys, h.id) for h in handles)  # (mid-run)
         master = redis_cluster.master_of(keys.requests)
         redis_cluster.kill(master)
         wait_for(lambda: redis_cluster.master_of(keys.requests) is not master, TIMEOUT_S, "its replica promoted")
         results = [h.result(TIMEOUT_S) for h in handles]
-        streams = [list(h.stream(TIMEOUT_S)) for h in handles]
+        streamed = live.join()
         # the worker reads the promoted master's stream too: a job sent after is served
         after = client.submit(prompts[0], GREEDY).result(TIMEOUT_S)
     assert after.outputs[0].token_ids == offline(prompts[0], GREEDY)[0].token_ids
-    for prompt, result, deltas in zip(prompts, results, streams, strict=True):
+    for prompt, result, handle in zip(prompts, results, handles, strict=True):
+        deltas = streamed[handle.id]
         expected = offline(prompt, params)[0].token_ids
         assert result.status == JobStatus.FINISHED
         assert result.outputs[0].token_ids == expected
