@@ -13,6 +13,7 @@ or both; `JobEvents` drops the doubles by (index, seq).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
@@ -131,8 +132,11 @@ class Relay:
     def __init__(self, conn: redis.asyncio.Redis, keys: Keys, pubsub_conn: redis.asyncio.Redis | None = None) -> None:
         self._redis = conn
         self._keys = keys
-        # on a Redis Cluster, a plain connection to one node (AsyncClient.pubsub_redis)
-        self._pubsub = (pubsub_conn or conn).pubsub()
+        # on a Redis Cluster, plain connections to its nodes (AsyncClient.pubsub_redis), and
+        # after a lost connection a new one elsewhere: its node may be gone for good
+        self._source = pubsub_conn or conn
+        self._elsewhere = self._source is not conn
+        self._pubsub = self._source.pubsub()
         self._channels: dict[bytes, _Channel] = {}
         self._lock = asyncio.Lock()
         self._connected = asyncio.Event()
@@ -274,6 +278,9 @@ class Relay:
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("relay: Redis connection lost (%s); reconnecting", exc)
                 await asyncio.sleep(RECONNECT_BACKOFF_S)
+                if self._elsewhere:
+                    with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, OSError):
+                        await self._subscribe_elsewhere()  # (else the next connect() tries again)
                 continue
             if message is None:
                 continue
@@ -281,6 +288,17 @@ class Relay:
                 await self._on_message(message)
             except Exception:  # one bad message must not stop every stream of the process
                 log.exception("relay: dropping message %r", message)
+
+    async def _subscribe_elsewhere(self) -> None:
+        """A new pub/sub connection (on a cluster: another random node) with every channel
+        subscribed again; their confirmations make their followers replay, as after
+        redis-py's own re-subscribe on a reconnect."""
+        async with self._lock:
+            old, self._pubsub = self._pubsub, self._source.pubsub()
+            with contextlib.suppress(redis.RedisError, OSError):
+                await old.aclose()
+            if self._channels:
+                await self._pubsub.subscribe(*self._channels)
 
     async def _on_message(self, message: dict[str, Any]) -> None:
         name = message["channel"]

@@ -71,7 +71,7 @@ class AsyncClient:
         self.keys = Keys(prefix, cluster=is_cluster_url(redis_url))
         self.redis = connect_async(redis_url)
         # (the same client off a cluster; on one, a connection that can SUBSCRIBE)
-        self.pubsub_redis = connect_async_pubsub(redis_url) if self.keys.cluster else self.redis
+        self.pubsub_redis = connect_async_pubsub(redis_url, self.redis)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self.routes = Routes(self.keys)
 
@@ -206,6 +206,11 @@ class AsyncClient:
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     await asyncio.sleep(deadline.cap(outage.failed(exc)))
                     deadline.check()
+                    if self.keys.cluster:  # its node may be gone for good (a failover): subscribe anew
+                        await pubsub.aclose()
+                        pubsub, held = await self._subscribed(list(follower.by_channel), outage, deadline)
+                        async for item in self._replay(follower, list(logs), outage, deadline):
+                            yield item
                     continue  # the next read reconnects and re-subscribes; see `resubscribed`
                 outage.ok()
                 if message is None:

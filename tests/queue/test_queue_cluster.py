@@ -4,6 +4,7 @@ equal the offline engine's, each script call in one slot."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import aclosing
 from pathlib import Path
@@ -180,3 +181,50 @@ def test_a_master_killed_mid_run_fails_over_and_every_job_finishes_whole(
         assert result.outputs[0].token_ids == expected
         assert [t for d in deltas for t in d.token_ids] == expected
         assert [d.seq for d in deltas] == list(range(len(deltas)))
+
+
+async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, offline,
+) -> None:
+    """Last: the node every process was given (and the relay subscribed on) is killed mid-run;
+    the relay, an asyncio client and blocking clients subscribe again on other nodes and every
+    stream ends whole."""
+    keys = Keys(PREFIX, cluster=True)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    prompts = [f"Tale number {i}:" for i in range(3)]
+    url_node = redis_cluster.servers[0]
+    assert url_node in redis_cluster.live()
+    async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
+        relay = Relay(client.redis, client.keys, client.pubsub_redis)
+        await relay.start()
+        try:
+            handles = [await client.submit(p, params) for p in prompts]
+            live = Streams(redis_cluster.url, keys, [h.id for h in handles])
+            relayed = asyncio.create_task(_relayed_tokens(relay, [h.id for h in handles]))
+            streamed = asyncio.create_task(_streamed_tokens(client, handles[0].id))
+            while not all(cluster_conn.xlen(keys.events(h.id)) for h in handles):  # (poll: every job streaming)
+                await asyncio.sleep(0.02)
+            assert not any(ended(cluster_conn, keys, h.id) for h in handles)
+            redis_cluster.kill(url_node)
+            by_relay = await relayed  # (each follows with a timeout of its own)
+            by_client = await streamed
+        finally:
+            await relay.aclose()
+    by_threads = live.join()
+    for handle, prompt in zip(handles, prompts, strict=True):
+        expected = offline(prompt, params)[0].token_ids
+        assert by_relay[handle.id] == expected
+        assert [t for d in by_threads[handle.id] for t in d.token_ids] == expected
+    assert by_client == by_relay[handles[0].id]
+
+
+async def _relayed_tokens(relay: Relay, job_ids: list[str]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {job_id: [] for job_id in job_ids}
+    async with aclosing(relay.follow(job_ids, timeout_s=TIMEOUT_S)) as events:
+        async for job_id, event in events:
+            tokens[job_id] += event.token_ids
+    return tokens
+
+
+async def _streamed_tokens(client: AsyncClient, job_id: str) -> list[int]:
+    return [t async for delta in client.stream(job_id, TIMEOUT_S) for t in delta.token_ids]

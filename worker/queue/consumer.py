@@ -95,9 +95,8 @@ class Consumer:
     async def start(self) -> None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process hosts one worker
         self.conn = connect_async(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
-        # (on a Redis Cluster the asyncio client has no pub/sub: a connection to the URL's node)
-        self.pubsub_conn = (connect_async_pubsub(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
-                            if self.keys.cluster else self.conn)
+        # (on a Redis Cluster the asyncio client has no pub/sub: plain connections to its nodes)
+        self.pubsub_conn = connect_async_pubsub(self.config.redis_url, self.conn, socket_connect_timeout=CONNECT_TIMEOUT_S)
         self.scripts = Scripts(self.conn, self.keys, self.config.name, self.config.events_retention_s)
         await self._check_queue()  # before the model loads: a refusal comes at once
         self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests,
@@ -268,6 +267,8 @@ class Consumer:
             with self._unless_redis_away("the worker hash expires by itself"):
                 await self.conn.delete(self.keys.worker(self.config.name))
         await self.conn.aclose()
+        if self.pubsub_conn is not self.conn:
+            await self.pubsub_conn.aclose()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # the last jobs' spans go out
         logger.info("worker %s stopped", self.config.name)
