@@ -70,8 +70,11 @@ class LiveWorker:
 class Cluster:
     """Reads the queue and the heartbeats; one instance per app."""
 
-    def __init__(self, conn: redis.asyncio.Redis, keys: Keys) -> None:
+    def __init__(self, conn: redis.asyncio.Redis, keys: Keys, pubsub_conn: redis.asyncio.Redis | None = None) -> None:
         self._redis = conn
+        # PUBLISH goes here: on a Redis Cluster a plain connection to one node (the asyncio
+        # cluster client has no PUBLISH; every node relays it)
+        self._publisher = pubsub_conn or conn
         self._keys = keys
         self._depth = conn.register_script(QUEUE_DEPTH_LUA)
         self._workers: tuple[float, list[LiveWorker]] | None = None  # (monotonic time, beats)
@@ -79,7 +82,7 @@ class Cluster:
     async def notify(self, key: str) -> None:
         """Tell the workers that the record at `key` they follow changed: each beats at once,
         acting on it, rather than at its next heartbeat (which would read it anyway)."""
-        await self._redis.publish(self._keys.control_channel, key)
+        await self._publisher.publish(self._keys.control_channel, key)
 
     async def queue_depth(self, cap: int = METRICS_DEPTH_CAP) -> QueueDepth:
         """Jobs queued or running, over the shared stream and the queue of every live worker

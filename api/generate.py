@@ -39,6 +39,7 @@ from api.tokenizers import base_model
 from producer.jobs import JobLost, build_job
 from producer.pooling_params import PoolingParams
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
+from producer.redis_conn import pipeline
 from producer.sampling_params import SamplingParams
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
@@ -345,7 +346,7 @@ async def check_rate_limit(state: AppState) -> None:
             _rate_limited(f"{tpm} tokens per minute", now)
     if rpm is not None:
         key = state.client.keys.rate(tenant, minute)
-        pipe = state.client.redis.pipeline(transaction=True)
+        pipe = pipeline(state.client.redis)
         pipe.incr(key)
         pipe.expire(key, 120)
         count, _ = await pipe.execute()

@@ -62,10 +62,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncClient(settings.redis_url, settings.prefix)
-        relay = Relay(client.redis, client.keys)
+        relay = Relay(client.redis, client.keys, client.pubsub_redis)
         await relay.start()
         tracing = Tracing(settings.otlp_traces_endpoint, "genq-api") if settings.otlp_traces_endpoint else None
-        state = AppState(settings, client, relay, Cluster(client.redis, client.keys), Metrics(), tracing=tracing)
+        state = AppState(settings, client, relay, Cluster(client.redis, client.keys, client.pubsub_redis), Metrics(),
+                         tracing=tracing)
         app.state.genq = state
         runner = asyncio.create_task(BatchRunner(state).run())
         sender = asyncio.create_task(state.webhooks.run())

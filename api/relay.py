@@ -13,6 +13,7 @@ or both; `JobEvents` drops the doubles by (index, seq).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from producer.aio import wait_within
 from producer.jobs import JobLost, JobNotFound, Outage, record_ending
 from producer.protocol import EVENT_FIELD, Event, Keys, decode_event
 from producer.records import JobRecord, decode_record
+from producer.redis_conn import pipeline
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +129,14 @@ class Relay:
     reconnect, and tells the followers of that channel to replay (the gap is in the stream).
     """
 
-    def __init__(self, conn: redis.asyncio.Redis, keys: Keys) -> None:
+    def __init__(self, conn: redis.asyncio.Redis, keys: Keys, pubsub_conn: redis.asyncio.Redis | None = None) -> None:
         self._redis = conn
         self._keys = keys
-        self._pubsub = conn.pubsub()
+        # on a Redis Cluster, plain connections to its nodes (AsyncClient.pubsub_redis), and
+        # after a lost connection a new one elsewhere: its node may be gone for good
+        self._source = pubsub_conn or conn
+        self._elsewhere = self._source is not conn
+        self._pubsub = self._source.pubsub()
         self._channels: dict[bytes, _Channel] = {}
         self._lock = asyncio.Lock()
         self._connected = asyncio.Event()
@@ -195,7 +201,7 @@ class Relay:
         """Each job's record and events in one MULTI; with `outage`, tried again while Redis is
         away (a resync comes after a reconnect, which may not last)."""
         while True:
-            pipe = self._redis.pipeline(transaction=True)
+            pipe = pipeline(self._redis)
             for job_id in job_ids:
                 pipe.hgetall(self._keys.job(job_id))
                 pipe.xrange(self._keys.events(job_id))
@@ -272,6 +278,9 @@ class Relay:
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("relay: Redis connection lost (%s); reconnecting", exc)
                 await asyncio.sleep(RECONNECT_BACKOFF_S)
+                if self._elsewhere:
+                    with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, OSError):
+                        await self._subscribe_elsewhere()  # (else the next connect() tries again)
                 continue
             if message is None:
                 continue
@@ -279,6 +288,17 @@ class Relay:
                 await self._on_message(message)
             except Exception:  # one bad message must not stop every stream of the process
                 log.exception("relay: dropping message %r", message)
+
+    async def _subscribe_elsewhere(self) -> None:
+        """A new pub/sub connection (on a cluster: another random node) with every channel
+        subscribed again; their confirmations make their followers replay, as after
+        redis-py's own re-subscribe on a reconnect."""
+        async with self._lock:
+            old, self._pubsub = self._pubsub, self._source.pubsub()
+            with contextlib.suppress(redis.RedisError, OSError):
+                await old.aclose()
+            if self._channels:
+                await self._pubsub.subscribe(*self._channels)
 
     async def _on_message(self, message: dict[str, Any]) -> None:
         name = message["channel"]

@@ -37,6 +37,7 @@ from producer.jobs import (
 from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
+from producer.redis_conn import connect_async, connect_async_pubsub, is_cluster_url, pipeline
 
 
 class AsyncJobHandle:
@@ -67,13 +68,17 @@ class AsyncClient:
     """asyncio genq client (redis.asyncio); see `Client` for the meaning of each method."""
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX) -> None:
-        self.keys = Keys(prefix)
-        self.redis = redis.asyncio.Redis.from_url(redis_url)
+        self.keys = Keys(prefix, cluster=is_cluster_url(redis_url))
+        self.redis = connect_async(redis_url)
+        # (the same client off a cluster; on one, a connection that can SUBSCRIBE)
+        self.pubsub_redis = connect_async_pubsub(redis_url, self.redis)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self.routes = Routes(self.keys)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+        if self.pubsub_redis is not self.redis:
+            await self.pubsub_redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -119,7 +124,11 @@ class AsyncClient:
         return decode_record({b"status": value}, job_id).status or JobStatus.QUEUED
 
     async def cancel(self, job_id: str) -> None:
-        pipe = self.redis.pipeline(transaction=True)
+        if self.keys.cluster:  # (see Client.cancel; the asyncio cluster client has no PUBLISH)
+            await self.redis.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
+            await self.pubsub_redis.publish(self.keys.cancel_channel, job_id)
+            return
+        pipe = pipeline(self.redis)
         pipe.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
         pipe.publish(self.keys.cancel_channel, job_id)
         await pipe.execute()
@@ -150,11 +159,13 @@ class AsyncClient:
     ) -> list[JobResult]:
         jobs = batch_jobs(prompts, sampling_params, model)
         submit_keys = await self.keys_for(model)
-        pipe = self.redis.pipeline(transaction=False)
+        # (a cluster pipeline takes no EVALSHA in redis-py: there, a call per job, in order)
+        pipe = None if self.keys.cluster else self.redis.pipeline(transaction=False)
         for job in jobs:
             keys, args = submit_call(submit_keys, job)
             await self._submit_script(keys=keys, args=args, client=pipe)
-        await pipe.execute()
+        if pipe is not None:
+            await pipe.execute()
         logs = {job.id: EventLog(job.id) for job in jobs}
         with tqdm(total=len(jobs), disable=not use_tqdm, unit="job", desc="genq") as bar:
             async for job_id, _ in self._follow(logs, timeout_s):
@@ -166,7 +177,7 @@ class AsyncClient:
         return [make_result(j, raw, logs[j]) for j, raw in zip(logs, await pipe.execute(), strict=True)]
 
     async def inspect(self, job_id: str) -> dict[str, Any]:
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = pipeline(self.redis)
         pipe.hgetall(self.keys.job(job_id))
         pipe.xrange(self.keys.events(job_id))
         pipe.exists(self.keys.cancel_flag(job_id))
@@ -195,6 +206,11 @@ class AsyncClient:
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     await asyncio.sleep(deadline.cap(outage.failed(exc)))
                     deadline.check()
+                    if self.keys.cluster:  # its node may be gone for good (a failover): subscribe anew
+                        await pubsub.aclose()
+                        pubsub, held = await self._subscribed(list(follower.by_channel), outage, deadline)
+                        async for item in self._replay(follower, list(logs), outage, deadline):
+                            yield item
                     continue  # the next read reconnects and re-subscribes; see `resubscribed`
                 outage.ok()
                 if message is None:
@@ -213,7 +229,7 @@ class AsyncClient:
     ) -> tuple[Any, list[dict[str, Any]]]:
         """See Client._subscribed."""
         while True:
-            pubsub = self.redis.pubsub()
+            pubsub = self.pubsub_redis.pubsub()
             try:
                 held = await self._subscribe(pubsub, channels, deadline)
                 outage.ok()
@@ -246,7 +262,7 @@ class AsyncClient:
         self, follower: Follower, job_ids: list[str], outage: Outage, deadline: Deadline
     ) -> AsyncIterator[tuple[str, Event]]:
         while True:
-            pipe = self.redis.pipeline(transaction=True)
+            pipe = pipeline(self.redis)
             for job_id in job_ids:
                 pipe.hgetall(self.keys.job(job_id))
                 pipe.xrange(self.keys.events(job_id))

@@ -39,6 +39,7 @@ from producer.jobs import (
 from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
+from producer.redis_conn import connect, is_cluster_url, pipeline
 
 
 class JobHandle:
@@ -69,8 +70,8 @@ class Client:
     """Blocking genq client (redis-py)."""
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX) -> None:
-        self.keys = Keys(prefix)
-        self.redis = redis.Redis.from_url(redis_url)
+        self.keys = Keys(prefix, cluster=is_cluster_url(redis_url))
+        self.redis = connect(redis_url)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self.routes = Routes(self.keys)
 
@@ -129,8 +130,13 @@ class Client:
         """Ask workers to abort the job. The flag is durable: a worker taking the job from the
         queue later, or reclaiming it after a crash, checks it. The PUBLISH is prompt: the
         worker running it aborts at its next step. Flag first, in one MULTI, so a worker woken
-        by the message always finds the flag too."""
-        pipe = self.redis.pipeline(transaction=True)
+        by the message always finds the flag too (on a Redis Cluster, whose pipelines take no
+        PUBLISH: the SET answered, then the PUBLISH)."""
+        if self.keys.cluster:
+            self.redis.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
+            self.redis.publish(self.keys.cancel_channel, job_id)
+            return
+        pipe = pipeline(self.redis)
         pipe.set(self.keys.cancel_flag(job_id), b"1", ex=CANCEL_FLAG_TTL_S)
         pipe.publish(self.keys.cancel_channel, job_id)
         pipe.execute()
@@ -168,11 +174,13 @@ class Client:
         """Submit a batch in one pipeline, wait for all, return results in input order."""
         jobs = batch_jobs(prompts, sampling_params, model)
         submit_keys = self.keys_for(model)
-        pipe = self.redis.pipeline(transaction=False)
+        # (a cluster pipeline takes no EVALSHA in redis-py: there, a call per job, in order)
+        pipe = None if self.keys.cluster else self.redis.pipeline(transaction=False)
         for job in jobs:
             keys, args = submit_call(submit_keys, job)
             self._submit_script(keys=keys, args=args, client=pipe)
-        pipe.execute()
+        if pipe is not None:
+            pipe.execute()
         logs = {job.id: EventLog(job.id) for job in jobs}
         with tqdm(total=len(jobs), disable=not use_tqdm, unit="job", desc="genq") as bar:
             for job_id, _ in self._follow(logs, timeout_s):
@@ -182,7 +190,7 @@ class Client:
 
     def inspect(self, job_id: str) -> dict[str, Any]:
         """The decoded job record, payload and events (what `genq inspect` prints)."""
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = pipeline(self.redis)
         pipe.hgetall(self.keys.job(job_id))
         pipe.xrange(self.keys.events(job_id))
         pipe.exists(self.keys.cancel_flag(job_id))
@@ -214,6 +222,10 @@ class Client:
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     time.sleep(deadline.cap(outage.failed(exc)))
                     deadline.check()
+                    if self.keys.cluster:  # its node may be gone for good (a failover): subscribe anew
+                        pubsub.close()
+                        pubsub, held = self._subscribed(list(follower.by_channel), outage, deadline)
+                        yield from self._replay(follower, list(logs), outage, deadline)
                     continue  # the next read reconnects and re-subscribes; see `resubscribed`
                 outage.ok()
                 if message is None:
@@ -232,7 +244,7 @@ class Client:
         meanwhile), made again while Redis is away: a stream begun just before an outage
         waits for Redis as one under way does."""
         while True:
-            pubsub = self.redis.pubsub()
+            pubsub = self._new_pubsub()
             try:
                 held = self._subscribe(pubsub, channels, deadline)
                 outage.ok()
@@ -241,6 +253,13 @@ class Client:
                 pubsub.close()
                 time.sleep(deadline.cap(outage.failed(exc)))
                 deadline.check()
+
+    def _new_pubsub(self) -> Any:
+        """A pub/sub connection; on a cluster, to a random node (each relays every PUBLISH), so
+        that one made again after its node was lost goes elsewhere."""
+        if self.keys.cluster:
+            return self.redis.pubsub(node=self.redis.get_random_node())
+        return self.redis.pubsub()
 
     def _subscribe(
         self, pubsub: Any, channels: list[bytes], deadline: Deadline
@@ -269,7 +288,7 @@ class Client:
         """Each job's record and events in one MULTI, tried again while Redis is away (the
         subscription stands, or its reconnect asks for another replay)."""
         while True:
-            pipe = self.redis.pipeline(transaction=True)
+            pipe = pipeline(self.redis)
             for job_id in job_ids:
                 pipe.hgetall(self.keys.job(job_id))
                 pipe.xrange(self.keys.events(job_id))

@@ -14,9 +14,8 @@ import argparse
 import time
 from collections.abc import Callable
 
-import redis
-
 from producer.protocol import DEFAULT_PREFIX, Keys, as_text
+from producer.redis_conn import connect, is_cluster_url
 
 REQUEST_TTL_S = 600  # a request no worker took (it died first) is gone after this
 POLL_S = 0.2
@@ -32,7 +31,7 @@ def build(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int
 
 
 def run(args: argparse.Namespace) -> int:
-    conn, keys = redis.Redis.from_url(args.redis_url), Keys(args.prefix)
+    conn, keys = connect(args.redis_url), Keys(args.prefix, cluster=is_cluster_url(args.redis_url))
     try:
         for name in args.names:
             host, pid = conn.hmget(keys.worker(name), ["host", "pid"])  # type: ignore[misc]

@@ -117,6 +117,17 @@ def split_ref(ref: str) -> tuple[str, str]:
     return entry_id, lane
 
 
+def shard_of(job_id: str) -> int:
+    """The request-stream shard that holds `job_id`'s entry and keys. One shard for now: the
+    names are laid out for several (a shard's tag), the workers read one."""
+    return 0
+
+
+def shard_tag(shard: int) -> str:
+    """The hash tag of a shard's names on a Redis Cluster: `genq:{s0}job:<id>`."""
+    return f"s{shard}"
+
+
 @dataclass(frozen=True)
 class Keys:
     """Every Redis name genq uses, under one prefix. `queue` names the requests stream of
@@ -127,11 +138,32 @@ class Keys:
     prefix: str = DEFAULT_PREFIX
     queue: str = ""
     lane: str = LANE_NORMAL
+    # On a Redis Cluster (`redis+cluster://`) the names a script uses together share a hash
+    # tag: the request streams of shard `shard` (every queue and lane), and each job's record,
+    # events, cancel flag, and the usage and minute counters its finish writes, all in the
+    # slot of its shard. On a single Redis every name is as it always was.
+    cluster: bool = False
+    shard: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cluster and ("{" in self.prefix or "}" in self.prefix):
+            raise ValueError(f"prefix {self.prefix!r}: on a Redis Cluster it may not hold '{{' or '}}' "
+                             "(genq puts its own hash tags in the names)")
+
+    def _slotted(self, name: str, shard: int | None = None) -> str:
+        """`name` under the prefix, in the slot of `shard` (this one's) on a cluster."""
+        if not self.cluster:
+            return f"{self.prefix}{name}"
+        return f"{self.prefix}{{{shard_tag(self.shard if shard is None else shard)}}}{name}"
+
+    def for_job(self, job_id: str) -> Keys:
+        """The same names, on the shard that holds `job_id` (this one while there is one shard)."""
+        return replace(self, shard=shard_of(job_id))
 
     @property
     def requests(self) -> str:
         # stream: one entry per job
-        stream = f"{self.prefix}requests:{self.queue}" if self.queue else f"{self.prefix}requests"
+        stream = self._slotted(f"requests:{self.queue}" if self.queue else "requests")
         return f"{stream}@{self.lane}" if self.lane else stream
 
     def on_queue(self, queue: str) -> Keys:
@@ -157,11 +189,11 @@ class Keys:
 
     def tokens(self, tenant: str, minute: int) -> str:
         # counter with TTL: the prompt and completion tokens of a key's jobs that ended that minute
-        return f"{self.prefix}tokens:{tenant}:{minute}"
+        return self._slotted(f"tokens:{tenant}:{minute}")
 
     def usage(self, day: str) -> str:
         # hash: tokens metered on `day` (UTC, YYYY-MM-DD), fields "tenant<TAB>model<TAB>metric"
-        return f"{self.prefix}usage:{day}"
+        return self._slotted(f"usage:{day}")
 
     def route(self, model: str) -> str:
         return f"{self.prefix}route:{model}"  # string with TTL: the queue whose workers serve `model`
@@ -182,20 +214,20 @@ class Keys:
 
     @property
     def dead(self) -> str:
-        return f"{self.prefix}dead"  # stream: entries no worker could run
+        return self._slotted("dead")  # stream: entries no worker could run
 
     @property
     def worker_pattern(self) -> str:
         return f"{self.prefix}workers:*"  # SCAN pattern for heartbeat hashes
 
     def job(self, job_id: str) -> str:
-        return f"{self.prefix}job:{job_id}"  # hash: the job record
+        return self._slotted(f"job:{job_id}", shard_of(job_id))  # hash: the job record
 
     def events(self, job_id: str) -> str:
-        return f"{self.prefix}events:{job_id}"  # stream (replay log) and channel
+        return self._slotted(f"events:{job_id}", shard_of(job_id))  # stream (replay log) and channel
 
     def cancel_flag(self, job_id: str) -> str:
-        return f"{self.prefix}cancel:{job_id}"  # string with TTL: durable cancel request
+        return self._slotted(f"cancel:{job_id}", shard_of(job_id))  # string with TTL: durable cancel request
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat

@@ -77,18 +77,20 @@ class RedisServer:
     `durable` keeps an append-only file in `dir` (which it then needs), fsynced every second,
     that a server started again on the same `dir` loads. With `own_session` the server is out
     of the caller's process group, so a terminal's Ctrl-C does not stop it before the processes
-    that still need it.
+    that still need it. `extra_args` go to redis-server last (a cluster node's
+    `--cluster-enabled yes`).
     """
 
     def __init__(
         self, port: int | None = None, dir: str | Path | None = None, own_session: bool = False,
-        durable: bool = False,
+        durable: bool = False, extra_args: tuple[str, ...] = (),
     ) -> None:
         if durable and dir is None:
             raise RedisServerError("a durable server needs a dir for its append-only file")
         self.port = port
         self.own_session = own_session
         self.durable = durable
+        self.extra_args = extra_args
         self._dir_given = dir is not None
         self.dir = Path(dir) if dir is not None else None
         self.process: subprocess.Popen[bytes] | None = None
@@ -137,7 +139,7 @@ class RedisServer:
         args = [
             find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", *aof,
             "--daemonize", "no",
-            "--dir", str(self.dir), "--logfile", str(log_path), "--loglevel", "warning",
+            "--dir", str(self.dir), "--logfile", str(log_path), "--loglevel", "warning", *self.extra_args,
         ]
         self.port = port
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=self.own_session,

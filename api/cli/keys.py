@@ -12,13 +12,12 @@ import argparse
 import time
 from collections.abc import Callable
 
-import redis.asyncio
-
 from api import api_keys
 from api.api_keys import KeyPlan
 from api.cli.status import text_table
 from producer.cli import printed
 from producer.protocol import DEFAULT_PREFIX, Keys
+from producer.redis_conn import connect_async, is_cluster_url
 
 
 def build(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -49,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> str:
-    conn, keys = redis.asyncio.Redis.from_url(args.redis_url), Keys(args.prefix)
+    conn, keys = connect_async(args.redis_url), Keys(args.prefix, cluster=is_cluster_url(args.redis_url))
     try:
         if args.action == "create":
             models = _models(args.models) if args.models is not None else None

@@ -29,6 +29,7 @@ from typing import Any
 import redis
 
 from producer.protocol import Job, pack
+from producer.redis_conn import mget
 from worker.queue.config import WorkerConfig
 from worker.queue.scripts import Scripts
 
@@ -96,7 +97,7 @@ class Affinity:
         if not digests:
             return set()
         conn, keys = self.scripts.conn, self.scripts.keys
-        owned = dict(zip(digests, await conn.mget([keys.affinity(d) for d in digests.values()]), strict=True))
+        owned = dict(zip(digests, await mget(conn, [keys.affinity(d) for d in digests.values()]), strict=True))
         owners = {entry_id: o.decode() for entry_id, o in owned.items() if o is not None and o.decode() != self.name}
         rooms = await self._rooms(sorted(set(owners.values())))
         plan: dict[str, list[str]] = {}

@@ -27,6 +27,7 @@ from producer.protocol import (
     validate_job_id,
     validate_queue_name,
 )
+from producer.redis_conn import is_cluster_url
 from worker.config import EngineConfig
 from worker.core.lora_request import LoRARequest
 
@@ -214,7 +215,7 @@ class WorkerConfig:
     @property
     def keys(self) -> Keys:
         """The Redis names this worker uses: its queue's requests stream, the shared rest."""
-        return Keys(self.prefix, self.queue)
+        return Keys(self.prefix, self.queue, cluster=is_cluster_url(self.redis_url))
 
     @property
     def cache_affinity(self) -> bool:

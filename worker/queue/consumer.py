@@ -39,6 +39,7 @@ from arq.connections import RedisSettings
 
 from producer.aio import wait_for_event, wait_within
 from producer.protocol import Keys
+from producer.redis_conn import connect_async, connect_async_pubsub, plain_url
 from producer.tracing import Tracing
 from worker.queue.config import WorkerConfig, config_from_env
 from worker.queue.engine_thread import EngineThread, Rejected, intake_capacity
@@ -93,7 +94,9 @@ class Consumer:
 
     async def start(self) -> None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this process hosts one worker
-        self.conn = redis.asyncio.Redis.from_url(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        self.conn = connect_async(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        # (on a Redis Cluster the asyncio client has no pub/sub: plain connections to its nodes)
+        self.pubsub_conn = connect_async_pubsub(self.config.redis_url, self.conn, socket_connect_timeout=CONNECT_TIMEOUT_S)
         self.scripts = Scripts(self.conn, self.keys, self.config.name, self.config.events_retention_s)
         await self._check_queue()  # before the model loads: a refusal comes at once
         self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests,
@@ -143,14 +146,14 @@ class Consumer:
         intake = Intake(self.admission, self.capacity, self.publisher.changed, lambda: self.engine.takes_jobs)
         self._spawn("publisher", self.publisher.run())
         self._spawn("heartbeat", self.heartbeat.run(self.stop_control))
-        self._spawn("cancels", listen(self.conn, self.keys.cancel_channel, self.cancel, self.stop_control, "cancel"))
+        self._spawn("cancels", listen(self.pubsub_conn, self.keys.cancel_channel, self.cancel, self.stop_control, "cancel"))
         # (subscribed, it beats: a command written before the subscription is read then)
-        self._spawn("control", listen(self.conn, self.keys.control_channel, self.heartbeat.poke, self.stop_control,
+        self._spawn("control", listen(self.pubsub_conn, self.keys.control_channel, self.heartbeat.poke, self.stop_control,
                                       "control", self.heartbeat.poke))
         self._spawn("intake", _retrying("intake", lambda: intake.run(self.stop_intake), self.stop_intake))
         self._spawn("reclaimer", _retrying("reclaimer", lambda: reclaimer.run(self.stop_intake), self.stop_intake))
         if self.config.cache_affinity:  # (stops with the intake: what comes later, the drain releases)
-            self._spawn("handoffs", listen(self.conn, self.keys.handoff_channel(self.config.name),
+            self._spawn("handoffs", listen(self.pubsub_conn, self.keys.handoff_channel(self.config.name),
                                            self.admission.take_handed, self.stop_intake, "handoff"))
 
     def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
@@ -264,6 +267,8 @@ class Consumer:
             with self._unless_redis_away("the worker hash expires by itself"):
                 await self.conn.delete(self.keys.worker(self.config.name))
         await self.conn.aclose()
+        if self.pubsub_conn is not self.conn:
+            await self.pubsub_conn.aclose()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # the last jobs' spans go out
         logger.info("worker %s stopped", self.config.name)
@@ -408,7 +413,7 @@ def arq_settings(config: WorkerConfig) -> dict[str, Any]:
     """The per-configuration arq arguments (the rest are WorkerSettings' constants)."""
     return {
         "ctx": {"config": config},
-        "redis_settings": RedisSettings.from_dsn(config.redis_url),
+        "redis_settings": RedisSettings.from_dsn(plain_url(config.redis_url)),
         "redis_pool": patient_pool(config.redis_url),
         "queue_name": Keys(config.prefix).arq_queue(config.name),
         "health_check_interval": config.heartbeat_s,
@@ -429,7 +434,7 @@ class WorkerSettings:
     poll_delay = ARQ_POLL_DELAY_S
     max_jobs = 1
     ctx = {"config": config}
-    redis_settings = RedisSettings.from_dsn(config.redis_url)  # (what `arq --check` reads)
+    redis_settings = RedisSettings.from_dsn(plain_url(config.redis_url))  # (what `arq --check` reads)
     redis_pool = patient_pool(config.redis_url)  # arq's loop waits out a Redis outage
     queue_name = Keys(config.prefix).arq_queue(config.name)
     health_check_interval = config.heartbeat_s

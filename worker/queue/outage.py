@@ -18,7 +18,10 @@ import time
 from typing import Any
 
 import redis
+import redis.asyncio
 from arq.connections import ArqRedis
+
+from producer.redis_conn import connect_async, is_cluster_url, plain_url
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,9 @@ class PatientPool(ArqRedis):
     only deletes its health-check key, which expires by itself, and genq's drain must run."""
 
     main_task: asyncio.Task[Any] | None = None
+    # On a Redis Cluster, arq's commands (single-key: its queue's ZRANGEBYSCORE, its
+    # health-check key) go through a cluster client, which sends each to its key's node.
+    cluster_client: redis.asyncio.Redis | None = None
 
     def hold_on(self, main_task: asyncio.Task[Any]) -> None:
         self.main_task = main_task
@@ -64,7 +70,10 @@ class PatientPool(ArqRedis):
         failures = 0
         while True:
             try:
-                reply = await super().execute_command(*args, **options)
+                if self.cluster_client is not None:
+                    reply = await self.cluster_client.execute_command(*args, **options)
+                else:
+                    reply = await super().execute_command(*args, **options)
             except REDIS_ERRORS as exc:
                 if self.main_task is None:
                     raise
@@ -82,4 +91,7 @@ class PatientPool(ArqRedis):
 def patient_pool(redis_url: str) -> PatientPool:
     """The pool arq's Worker takes as `redis_pool` (its `redis_settings` still serve
     `arq --check`). Connections are made on first use, inside arq's event loop."""
-    return PatientPool.from_url(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    pool = PatientPool.from_url(plain_url(redis_url), socket_connect_timeout=CONNECT_TIMEOUT_S)
+    if is_cluster_url(redis_url):
+        pool.cluster_client = connect_async(redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    return pool

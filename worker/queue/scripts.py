@@ -33,6 +33,7 @@ from producer.protocol import (
     pack_script_arg,
     split_ref,
 )
+from producer.redis_conn import mget
 from worker.queue.jobs import Meter, TenantTokens
 
 # The {host, pid} of another process that heartbeat hash `key` names; false when the hash is
@@ -192,37 +193,67 @@ end
 return n
 """
 
-# Heartbeat. KEYS[1]: requests, KEYS[2]: worker(name); then cancel_flag(id) per in-flight job.
-# ARGV[1] group, [2] consumer, [3] heartbeat TTL, [4] number of heartbeat arguments, the
-# heartbeat field/value pairs, then one entry id per in-flight job.
-# XCLAIM ... JUSTID to itself resets an entry's idle time without counting a delivery, so
-# reclaimers leave it alone; entries another worker took are reported lost, never taken back
-# (a plain XCLAIM with min-idle 0 would steal them back from a live worker).
-# Returns {lost entry ids, entry ids whose job has a cancel flag, false}; when the hash names
-# another process (this worker stalled past the TTL and a namesake took the name), it writes
-# nothing and returns {{}, {}, {host, pid}} of that process.
-HEARTBEAT_LUA = _OWNED + _OTHER_OWNER + """
-local num_fields = tonumber(ARGV[4])
-local me = {}
-for i = 5, 3 + num_fields, 2 do me[ARGV[i]] = ARGV[i + 1] end
-local owner = other_owner(KEYS[2], me['host'], me['pid'])
-if owner then return {{}, {}, owner} end
-redis.call('HSET', KEYS[2], unpack(ARGV, 5, 4 + num_fields))
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-local lost, cancelled = {}, {}
-for i = 5 + num_fields, #ARGV do
-  local entry_id = ARGV[i]
-  if owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then
-    local stream, id = locate(KEYS[1], entry_id)
-    redis.call('XCLAIM', stream, ARGV[1], ARGV[2], 0, id, 'JUSTID')
-    if redis.call('EXISTS', KEYS[i - num_fields - 2]) == 1 then
-      cancelled[#cancelled + 1] = entry_id
-    end
-  else
-    lost[#lost + 1] = entry_id
-  end
+# Heartbeat, in two parts. beat: write the heartbeat hash `key` (ARGV[first..last]: its
+# field/value pairs) for `ttl` s, unless it names another process: then nothing is written and
+# that process's {host, pid} returned. keep: re-own the in-flight entries ARGV[first_arg..]
+# (their jobs' cancel flags are KEYS[first_flag..], in order); XCLAIM ... JUSTID to itself
+# resets an entry's idle time without counting a delivery, so reclaimers leave it alone;
+# entries another worker took are reported lost, never taken back (a plain XCLAIM with
+# min-idle 0 would steal them back from a live worker). Returns {lost entry ids, entry ids
+# whose job has a cancel flag}.
+_BEAT_KEEP = _OWNED + _OTHER_OWNER + """
+local function beat(key, ttl, first, last)
+  local me = {}
+  for i = first, last - 1, 2 do me[ARGV[i]] = ARGV[i + 1] end
+  local owner = other_owner(key, me['host'], me['pid'])
+  if owner then return owner end
+  redis.call('HSET', key, unpack(ARGV, first, last))
+  redis.call('EXPIRE', key, ttl)
+  return false
 end
+local function keep(requests, group, consumer, first_flag, first_arg)
+  local lost, cancelled = {}, {}
+  for i = first_arg, #ARGV do
+    local entry_id = ARGV[i]
+    if owned(requests, group, consumer, entry_id) then
+      local stream, id = locate(requests, entry_id)
+      redis.call('XCLAIM', stream, group, consumer, 0, id, 'JUSTID')
+      if redis.call('EXISTS', KEYS[first_flag + i - first_arg]) == 1 then
+        cancelled[#cancelled + 1] = entry_id
+      end
+    else
+      lost[#lost + 1] = entry_id
+    end
+  end
+  return lost, cancelled
+end
+"""
+
+# The heartbeat in one call (a single Redis). KEYS[1]: requests, KEYS[2]: worker(name); then
+# cancel_flag(id) per in-flight job. ARGV[1] group, [2] consumer, [3] heartbeat TTL, [4]
+# number of heartbeat arguments, the heartbeat field/value pairs, then one entry id per
+# in-flight job. Returns {lost, cancelled, false}, or {{}, {}, {host, pid}} of the process the
+# hash names when it is another (this worker stalled past the TTL and a namesake took the
+# name): then nothing is written.
+HEARTBEAT_LUA = _BEAT_KEEP + """
+local num_fields = tonumber(ARGV[4])
+local owner = beat(KEYS[2], ARGV[3], 5, 4 + num_fields)
+if owner then return {{}, {}, owner} end
+local lost, cancelled = keep(KEYS[1], ARGV[1], ARGV[2], 3, 5 + num_fields)
 return {lost, cancelled, false}
+"""
+
+# On a Redis Cluster the worker's hash and its shard's keys live in different slots: the
+# heartbeat is two calls, the hash first. BEAT_LUA: KEYS[1] worker(name); ARGV[1] heartbeat
+# TTL, then the field/value pairs; returns false or {host, pid} as above. KEEP_LUA: KEYS[1]
+# requests, then cancel_flag(id) per in-flight job; ARGV[1] group, [2] consumer, then one entry
+# id per job; returns {lost, cancelled}.
+BEAT_LUA = _BEAT_KEEP + """
+return beat(KEYS[1], ARGV[1], 2, #ARGV)
+"""
+KEEP_LUA = _BEAT_KEEP + """
+local lost, cancelled = keep(KEYS[1], ARGV[1], ARGV[2], 2, 3)
+return {lost, cancelled}
 """
 
 # Give a worker's name back: delete its hash (KEYS[1]) if it names this process (ARGV[1] host,
@@ -472,6 +503,8 @@ class Scripts:
         self._start = conn.register_script(START_LUA)
         self._dead = conn.register_script(DEAD_LUA)
         self._heartbeat = conn.register_script(HEARTBEAT_LUA)
+        self._beat = conn.register_script(BEAT_LUA)
+        self._keep = conn.register_script(KEEP_LUA)
         self._unclaim = conn.register_script(UNCLAIM_LUA)
         self._reclaim = conn.register_script(RECLAIM_LUA)
         self._release = conn.register_script(RELEASE_LUA)
@@ -587,11 +620,18 @@ class Scripts:
 
         Race prevented: without re-owning, a long job would look idle and be reclaimed while
         this worker still runs it."""
-        keys = [self.keys.requests, name_key, *(self.keys.cancel_flag(j) for j, _ in in_flight)]
         fields = _pairs(info)
-        args: list[Any] = [self.keys.group, self.consumer, max(ttl_s, WORKER_HEARTBEAT_TTL_S)]
-        args += [len(fields), *fields, *(entry_id for _, entry_id in in_flight)]
-        lost, cancelled, owner = await self._heartbeat(keys=keys, args=args)
+        ttl_s = max(ttl_s, WORKER_HEARTBEAT_TTL_S)
+        flags = [self.keys.cancel_flag(j) for j, _ in in_flight]
+        entry_ids = [entry_id for _, entry_id in in_flight]
+        if self.keys.cluster:
+            owner = await self._beat(keys=[name_key], args=[ttl_s, *fields])
+            if not owner:
+                lost, cancelled = await self._keep(keys=[self.keys.requests, *flags],
+                                                   args=[self.keys.group, self.consumer, *entry_ids])
+        else:
+            args: list[Any] = [self.keys.group, self.consumer, ttl_s, len(fields), *fields, *entry_ids]
+            lost, cancelled, owner = await self._heartbeat(keys=[self.keys.requests, name_key, *flags], args=args)
         if owner:
             raise NameTaken(self.consumer, _str(owner[0]), int(owner[1]))
         return {_str(e) for e in lost}, {_str(e) for e in cancelled}
@@ -679,7 +719,7 @@ class Scripts:
         """The queues that live workers advertise for these models (absent: none does)."""
         if not models:
             return {}
-        replies = await self.conn.mget([self.keys.route(m) for m in models])
+        replies = await mget(self.conn, [self.keys.route(m) for m in models])
         return {m: _str(q) for m, q in zip(models, replies, strict=True) if q is not None}
 
     async def advertise(self, models: Sequence[str], ttl_s: int) -> None:

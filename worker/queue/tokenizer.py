@@ -15,6 +15,7 @@ from typing import Any
 import redis.asyncio
 
 from producer.protocol import TOKENIZER_EOS_FIELD, TOKENIZER_LABELS_FIELD, Keys
+from producer.redis_conn import pipeline
 
 MAX_FILE_BYTES = 32 << 20  # a tokenizer file past this stays home (no tokenizer is near it)
 
@@ -35,7 +36,7 @@ async def publish_tokenizer(
     key = keys.tokenizer(model_name)
     if (await conn.hget(key, "digest")) == digest.encode():  # type: ignore[misc]
         return
-    pipe = conn.pipeline(transaction=True)
+    pipe = pipeline(conn)
     pipe.delete(key)
     pipe.hset(key, mapping={**files, "digest": digest})
     await pipe.execute()

@@ -1,0 +1,119 @@
+"""One Redis or a Redis Cluster, from one URL: `redis://host:port/0` is a single server,
+`redis+cluster://host:port` (or `rediss+cluster://`) a cluster reached through any of its
+nodes. Producer, worker and API open their connections here, so the same code runs on both.
+
+On a cluster, redis-py's RedisCluster routes each command and script by its keys' slot
+(genq's names keep what one call touches in one slot: `Keys`), MULTI is not available (a
+pipeline runs its commands in order on each node instead), and pub/sub is plain
+PUBLISH/SUBSCRIBE, which every node of the cluster relays to every other: a subscriber on any
+node hears every channel. The asyncio RedisCluster has no pub/sub, so asyncio subscribers use
+a plain connection to one node (`NodePubSub`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
+
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether `url` names a Redis Cluster (`redis+cluster://host:port`)."""
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def plain_url(url: str) -> str:
+    """The node's own URL (`redis://host:port`) for a cluster URL; other URLs as they are."""
+    return url.replace("+cluster://", "://", 1) if is_cluster_url(url) else url
+
+
+# The clients are typed Any, as redis-py's from_url gives them: its command stubs mix the
+# blocking and asyncio return types, and genq's callers were written against from_url.
+
+
+def connect(url: str, **kwargs: Any) -> Any:
+    """A blocking client (redis.Redis), a RedisCluster for a cluster URL."""
+    if is_cluster_url(url):
+        return redis.cluster.RedisCluster.from_url(plain_url(url), **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def connect_async(url: str, **kwargs: Any) -> Any:
+    """An asyncio client (redis.asyncio.Redis), a RedisCluster for a cluster URL."""
+    if is_cluster_url(url):
+        return redis.asyncio.cluster.RedisCluster.from_url(plain_url(url), **kwargs)
+    return redis.asyncio.Redis.from_url(url, **kwargs)
+
+
+def connect_async_pubsub(url: str, cluster: Any = None, **kwargs: Any) -> Any:
+    """What to SUBSCRIBE and PUBLISH on (asyncio): `cluster` itself off a cluster; on one,
+    a `NodePubSub` over the cluster client `cluster`."""
+    return NodePubSub(url, cluster, **kwargs) if is_cluster_url(url) else cluster
+
+
+class NodePubSub:
+    """Pub/sub on a Redis Cluster for asyncio code, standing in for a redis.asyncio.Redis of
+    which only `pubsub()` and `publish()` are used. Each `pubsub()` is made on a random node
+    the cluster client knows (every node relays every PUBLISH; before the client has met the
+    cluster, on the URL's node), so a listener that subscribes again after its node was lost
+    (a failover) goes elsewhere rather than back to the node that is gone."""
+
+    def __init__(self, url: str, cluster: Any, **kwargs: Any) -> None:
+        self.url = url
+        self.cluster = cluster
+        self.kwargs = kwargs
+        self._clients: dict[tuple[str, int], redis.asyncio.Redis] = {}
+
+    def _client(self) -> redis.asyncio.Redis:
+        nodes = self.cluster.get_nodes() if self.cluster is not None else []
+        if nodes:
+            node = random.choice(nodes)
+            where, url = (node.host, int(node.port)), node_url(self.url, node.host, int(node.port))
+        else:
+            parts = urlsplit(plain_url(self.url))
+            where, url = (parts.hostname or "", int(parts.port or 6379)), plain_url(self.url)
+        if where not in self._clients:
+            self._clients[where] = redis.asyncio.Redis.from_url(url, **self.kwargs)
+        return self._clients[where]
+
+    def pubsub(self, **kwargs: Any) -> Any:
+        return self._client().pubsub(**kwargs)
+
+    async def publish(self, channel: str, message: str) -> int:
+        return int(await self._client().publish(channel, message))
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
+
+
+def node_url(url: str, host: str, port: int) -> str:
+    """`url` (a cluster's) made the plain URL of node host:port, its credentials kept."""
+    parts = urlsplit(plain_url(url))
+    auth = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{auth}@{host}:{port}" if auth else f"{host}:{port}"))
+
+
+def is_cluster(conn: Any) -> bool:
+    """Whether `conn` is a RedisCluster client (blocking or asyncio)."""
+    return isinstance(conn, redis.cluster.RedisCluster | redis.asyncio.cluster.RedisCluster)
+
+
+def pipeline(conn: Any, transaction: bool = True) -> Any:
+    """`conn.pipeline(transaction)`, without MULTI on a cluster (redis-py has none there): each
+    node runs its share of the commands in order, and only what one script does is atomic."""
+    return conn.pipeline(transaction=transaction and not is_cluster(conn))
+
+
+def mget(conn: Any, keys: list[str]) -> Any:
+    """`conn.mget(keys)` (awaitable for an asyncio client); on a cluster, whose MGET takes
+    keys of one slot only, redis-py's mget_nonatomic: one MGET per slot, the replies in order."""
+    return conn.mget_nonatomic(keys) if is_cluster(conn) else conn.mget(keys)

@@ -1,0 +1,230 @@
+"""The queue on a real Redis Cluster (three masters, a replica each, on loopback): a worker
+and the Python client given a `redis+cluster://` URL serve jobs whose results and streams
+equal the offline engine's, each script call in one slot."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+import redis
+from cluster_support import RedisClusterNodes
+from queue_support import LIVE_WORKERS, Streams, WorkerProcess, ended, wait_for, worker_env
+
+from api.relay import Relay
+from producer.async_client import AsyncClient
+from producer.client import Client
+from producer.protocol import JobStatus, Keys
+from producer.redis_conn import connect
+from producer.sampling_params import SamplingParams
+
+PREFIX = "t-cluster:"
+NAME = "cw1"
+TIMEOUT_S = 30.0
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+    nodes = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield nodes
+    nodes.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_conn(redis_cluster: RedisClusterNodes) -> Iterator[redis.Redis]:
+    conn = connect(redis_cluster.url)
+    yield conn
+    conn.close()
+
+
+@pytest.fixture(scope="module")
+def cluster_worker(
+    redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, tiny_llama_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WorkerProcess]:
+    env = worker_env(redis_cluster.url, tiny_llama_dir, NAME, PREFIX, GENQ_MAX_NUM_SEQS="8")
+    worker = WorkerProcess(env, tmp_path_factory.mktemp("cluster-logs") / f"{NAME}.log").start()
+    LIVE_WORKERS.append(worker)
+    try:
+        worker.wait_ready(cluster_conn)
+        yield worker
+    finally:
+        worker.stop()
+        LIVE_WORKERS.remove(worker)
+
+
+@pytest.fixture
+def cluster_client(redis_cluster: RedisClusterNodes) -> Iterator[Client]:
+    with Client(redis_cluster.url, prefix=PREFIX) as client:
+        yield client
+
+
+def test_the_cluster_fixture_is_three_masters_with_a_replica_each(cluster_conn: redis.Redis) -> None:
+    roles = [node["flags"] for node in cluster_conn.cluster_nodes().values()]
+    assert sum("master" in flags for flags in roles) == 3
+    assert sum("slave" in flags for flags in roles) == 3
+
+
+def test_a_jobs_keys_share_one_slot_on_a_cluster_and_keep_their_names_on_one_redis() -> None:
+    plain, tagged = Keys(PREFIX), Keys(PREFIX, cluster=True)
+    assert (plain.job("j1"), plain.events("j1"), plain.requests) == (
+        f"{PREFIX}job:j1", f"{PREFIX}events:j1", f"{PREFIX}requests")
+    job_id = "a{b}c"  # a brace in the id must not move the job to another slot
+    names = [tagged.job(job_id), tagged.events(job_id), tagged.cancel_flag(job_id), tagged.requests,
+             tagged.on_lane("high").requests, tagged.on_queue("q").on_lane("low").requests, tagged.dead,
+             tagged.usage("2026-01-01"), tagged.tokens("tenant", 1)]
+    assert len({redis.cluster.key_slot(name.encode()) for name in names}) == 1, names
+    with pytest.raises(ValueError, match="prefix"):
+        Keys("{x}:", cluster=True)
+
+
+def test_jobs_on_a_cluster_stream_what_the_offline_engine_generates(
+    cluster_worker: WorkerProcess, cluster_client: Client, offline,
+) -> None:
+    cases = [
+        ("The capital of France is", GREEDY),
+        ({"prompt_token_ids": [1, 450, 7483, 310, 3444]}, GREEDY),
+        ("Once upon a time", SamplingParams(temperature=0.0, max_tokens=8, n=2)),
+        ("Roses are red", SamplingParams(temperature=0.8, seed=123, max_tokens=10)),
+    ]
+    handles = [cluster_client.submit(prompt, params) for prompt, params in cases]
+    for handle, (prompt, params) in zip(handles, cases, strict=True):
+        result = handle.result(TIMEOUT_S)
+        expected = offline(prompt, params)
+        assert result.status == JobStatus.FINISHED
+        assert [(o.text, o.token_ids) for o in result.outputs] == [(o.text, o.token_ids) for o in expected]
+        deltas = list(handle.stream(TIMEOUT_S))
+        for output in result.outputs:
+            mine = [d for d in deltas if d.index == output.index]
+            assert [t for d in mine for t in d.token_ids] == output.token_ids
+            assert [d.seq for d in mine] == list(range(len(mine)))
+
+
+async def test_a_batch_generated_on_a_cluster_equals_the_offline_engines(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_client: Client, offline,
+) -> None:
+    """Client.generate and AsyncClient.generate submit a script call per job there (a cluster
+    pipeline takes no EVALSHA: Client.generate raised RedisClusterException)."""
+    prompts = ["The capital of France is", "Once upon a time", "Roses are red"]
+    expected = [outputs[0].token_ids for outputs in offline.many(prompts, GREEDY)]
+    results = cluster_client.generate(prompts, GREEDY, use_tqdm=False, timeout_s=TIMEOUT_S)
+    assert [r.outputs[0].token_ids for r in results] == expected
+    async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
+        results = await client.generate(prompts, GREEDY, use_tqdm=False, timeout_s=TIMEOUT_S)
+    assert [r.outputs[0].token_ids for r in results] == expected
+
+
+async def test_the_api_relay_follows_jobs_on_a_cluster(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, offline,
+) -> None:
+    prompts = ["The capital of France is", "Once upon a time"]
+    async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
+        relay = Relay(client.redis, client.keys, client.pubsub_redis)
+        await relay.start()
+        try:
+            handles = [await client.submit(p, GREEDY) for p in prompts]
+            tokens: dict[str, list[int]] = {h.id: [] for h in handles}
+            async with aclosing(relay.follow(list(tokens), timeout_s=TIMEOUT_S)) as events:
+                async for job_id, event in events:
+                    tokens[job_id] += event.token_ids
+        finally:
+            await relay.aclose()
+    for handle, prompt in zip(handles, prompts, strict=True):
+        assert tokens[handle.id] == offline(prompt, GREEDY)[0].token_ids
+
+
+async def test_a_cancel_on_a_cluster_aborts_the_running_job(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis,
+) -> None:
+    """AsyncClient.cancel on a cluster (its flag, then its PUBLISH on a plain connection to one
+    node: the asyncio cluster client has no PUBLISH, a cluster pipeline takes none) ends the
+    running job. (Before, it raised AttributeError.)"""
+    keys = Keys(PREFIX, cluster=True)
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
+        handle = await client.submit("Count forever:", params)
+        wait_for(lambda: cluster_conn.xlen(keys.events(handle.id)), TIMEOUT_S, "the job streaming")
+        await client.cancel(handle.id)
+        result = await handle.result(TIMEOUT_S)
+    assert result.status == JobStatus.CANCELLED
+    assert len(result.outputs[0].token_ids) < params.max_tokens
+
+
+def test_a_master_killed_mid_run_fails_over_and_every_job_finishes_whole(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, offline,
+) -> None:
+    """Last in the module: the cluster keeps its promoted replica as master after it."""
+    keys = Keys(PREFIX, cluster=True)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    prompts = [f"Story number {i}:" for i in range(4)]
+    with Client(redis_cluster.url, prefix=PREFIX) as client:
+        handles = [client.submit(p, params) for p in prompts]
+        live = Streams(redis_cluster.url, keys, [h.id for h in handles])  # clients streaming through the failover
+        wait_for(lambda: all(cluster_conn.xlen(keys.events(h.id)) for h in handles), TIMEOUT_S, "every job streaming")
+        assert not any(ended(cluster_conn, keys, h.id) for h in handles)  # (mid-run)
+        master = redis_cluster.master_of(keys.requests)
+        redis_cluster.kill(master)
+        wait_for(lambda: redis_cluster.master_of(keys.requests) is not master, TIMEOUT_S, "its replica promoted")
+        results = [h.result(TIMEOUT_S) for h in handles]
+        streamed = live.join()
+        # the worker reads the promoted master's stream too: a job sent after is served
+        after = client.submit(prompts[0], GREEDY).result(TIMEOUT_S)
+    assert after.outputs[0].token_ids == offline(prompts[0], GREEDY)[0].token_ids
+    for prompt, result, handle in zip(prompts, results, handles, strict=True):
+        deltas = streamed[handle.id]
+        expected = offline(prompt, params)[0].token_ids
+        assert result.status == JobStatus.FINISHED
+        assert result.outputs[0].token_ids == expected
+        assert [t for d in deltas for t in d.token_ids] == expected
+        assert [d.seq for d in deltas] == list(range(len(deltas)))
+
+
+async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, offline,
+) -> None:
+    """Last: the node every process was given (and the relay subscribed on) is killed mid-run;
+    the relay, an asyncio client and blocking clients subscribe again on other nodes and every
+    stream ends whole."""
+    keys = Keys(PREFIX, cluster=True)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    prompts = [f"Tale number {i}:" for i in range(3)]
+    url_node = redis_cluster.servers[0]
+    assert url_node in redis_cluster.live()
+    async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
+        relay = Relay(client.redis, client.keys, client.pubsub_redis)
+        await relay.start()
+        try:
+            handles = [await client.submit(p, params) for p in prompts]
+            live = Streams(redis_cluster.url, keys, [h.id for h in handles])
+            relayed = asyncio.create_task(_relayed_tokens(relay, [h.id for h in handles]))
+            streamed = asyncio.create_task(_streamed_tokens(client, handles[0].id))
+            while not all(cluster_conn.xlen(keys.events(h.id)) for h in handles):  # (poll: every job streaming)
+                await asyncio.sleep(0.02)
+            assert not any(ended(cluster_conn, keys, h.id) for h in handles)
+            redis_cluster.kill(url_node)
+            by_relay = await relayed  # (each follows with a timeout of its own)
+            by_client = await streamed
+        finally:
+            await relay.aclose()
+    by_threads = live.join()
+    for handle, prompt in zip(handles, prompts, strict=True):
+        expected = offline(prompt, params)[0].token_ids
+        assert by_relay[handle.id] == expected
+        assert [t for d in by_threads[handle.id] for t in d.token_ids] == expected
+    assert by_client == by_relay[handles[0].id]
+
+
+async def _relayed_tokens(relay: Relay, job_ids: list[str]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {job_id: [] for job_id in job_ids}
+    async with aclosing(relay.follow(job_ids, timeout_s=TIMEOUT_S)) as events:
+        async for job_id, event in events:
+            tokens[job_id] += event.token_ids
+    return tokens
+
+
+async def _streamed_tokens(client: AsyncClient, job_id: str) -> list[int]:
+    return [t async for delta in client.stream(job_id, TIMEOUT_S) for t in delta.token_ids]
