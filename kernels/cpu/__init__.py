@@ -7,7 +7,9 @@ lock) and says whether it can serve; without a compiler, or where the build fail
 warning and the torch attention path serves instead, slower. The ops are then
 `torch.ops.genq_cpu.<op>`; `paged_attention` here checks its arguments and calls the one op.
 
-Sources: attention.cpp (the op, its checks and its threads), attention_impl.h (the kernel,
+Sources: fused.cpp (small bf16 ops fused into one pass each: the residual add with the RMSNorm
+after it, SiLU(gate) * up, rotary in place; `add_rms_norm_`, `silu_and_mul`, `rope_` here),
+attention.cpp (the op, its checks and its threads), attention_impl.h (the kernel,
 written once over a vector type; vec_avx512.h, AVX-512's), attention_{avx512bf16,avx512,avx2,
 scalar}.cpp (that kernel compiled for each instruction set, AVX-512-BF16's taking bf16 dot
 products for bf16 caches; each file under its own `#pragma GCC target`: the extension is
@@ -24,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ISA_NAMES", "SUPPORTED_HEAD_DIMS", "load", "paged_attention"]
+__all__ = ["ISA_NAMES", "SUPPORTED_HEAD_DIMS", "add_rms_norm_", "load", "paged_attention", "rope_", "silu_and_mul"]
 
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
 _SOURCES = ["attention.cpp", "attention_avx512bf16.cpp", "attention_avx512.cpp", "attention_avx2.cpp",
-            "attention_scalar.cpp"]
+            "attention_scalar.cpp", "fused.cpp"]
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # attention_impl.h's attend_dispatch
 ISA_NAMES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
 
@@ -102,3 +104,27 @@ def paged_attention(
     torch.ops.genq_cpu.paged_attention(out, q, k_cache, v_cache, block_tables, query_start, seq_lens, attend_until,
                                        sinks, scale, window or 0, chunk or 0, softcap or 0.0, ISA_NAMES[isa])
     return out
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                  isa: str = "auto") -> None:
+    """In place, bf16 [T, hidden] each: residual <- x + residual; x <- rms_norm(residual) * weight."""
+    torch.ops.genq_cpu.add_rms_norm_(x, residual, weight, eps, _isa(isa))
+
+
+def silu_and_mul(gate_up: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    """SiLU(gate) * up of a bf16 [T, 2 * intermediate] (gate | up): [T, intermediate]."""
+    return torch.ops.genq_cpu.silu_and_mul(gate_up, _isa(isa))
+
+
+def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, isa: str = "auto") -> None:
+    """Rotate-half rotary of bf16 q and k heads [T, heads, head_dim] in place, by each token's
+    cos and sin rows ([T, head_dim] each, or [T, 1, head_dim])."""
+    torch.ops.genq_cpu.rope_(qk, cos, sin, _isa(isa))
+
+
+def _isa(name: str) -> int:
+    """The kernels' number for an instruction set (the fused ops run AVX-512 or plain C++)."""
+    if name not in ISA_NAMES:
+        raise ValueError(f"isa must be one of {sorted(ISA_NAMES)}, got {name!r}")
+    return ISA_NAMES[name]

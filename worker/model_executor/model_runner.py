@@ -36,7 +36,7 @@ from worker.model_executor.lora import LoRAManager
 from worker.model_executor.model_loader import iter_safetensors
 from worker.model_executor.models.config import ModelConfig, Span
 from worker.model_executor.models.linear_attention import LinearStates
-from worker.model_executor.models.llama import LlamaForCausalLM
+from worker.model_executor.models.llama import LlamaForCausalLM, fuse_small_ops
 from worker.model_executor.models.moe import pack_experts
 from worker.model_executor.models.packed_linear import can_pack, pack_linears
 from worker.model_executor.models.quantized_model import dequantize_all, use_quantized
@@ -390,11 +390,14 @@ class ModelRunner:
             self.graphs = self._decode_graphs()
 
     def _pack(self, model: LlamaForCausalLM) -> None:
-        """Lay the linears' and experts' weights out for oneDNN, where this CPU runs them so."""
+        """Lay the linears' and experts' weights out for oneDNN, where this CPU runs them so;
+        with genq's CPU kernels, a bf16 model's small ops run fused."""
         if self.backend in ("cpu", "torch") and can_pack(self.device, self.dtype):
             # decode steps run max_num_seqs rows at most: the size oneDNN should lay out for
             pack_linears(model, batch_hint=self.config.max_num_seqs)
             pack_experts(model, batch_hint=self.config.max_num_seqs)
+        if self.backend == "cpu" and self.dtype == torch.bfloat16:
+            fuse_small_ops(model)
 
     def _load_model(self, source: Path | Mapping[str, torch.Tensor], use_kernels: bool,
                     model_class: type[LlamaForCausalLM] = LlamaForCausalLM, device: torch.device | None = None,

@@ -44,6 +44,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.use_kernel = use_kernel
+        self.cpu_fused = False  # bf16 on the CPU: genq_cpu adds and normalises in one pass (fuse_small_ops)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None  # [T, hidden] each
@@ -52,6 +53,13 @@ class RMSNorm(nn.Module):
             return self._forward_kernel(x, residual)
         if residual is None:
             return self._norm(x)
+        if (self.cpu_fused and x.dtype == self.weight.dtype == torch.bfloat16 and x.is_contiguous()
+                and residual.is_contiguous()):
+            from kernels.cpu import add_rms_norm_
+
+            # over x and residual, in place: both are this step's own activations, dead after the call
+            add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
         x = x + residual  # rounded to the activation dtype before the norm, as in transformers
         return self._norm(x), x
 
@@ -86,6 +94,16 @@ class Float32ScaleRMSNorm(RMSNorm):
         return (normed * (self.offset + self.weight.float())).to(dtype)
 
 
+def fuse_small_ops(model: nn.Module) -> int:
+    """Let genq_cpu's fused kernels run a bf16 model's small ops on the CPU (the "cpu" attention
+    backend): each residual add with its RMSNorm, SiLU(gate) * up, the rotary rotation (each
+    module still takes its torch path for what the kernels do not cover). How many modules."""
+    fused = [m for m in model.modules() if type(m) in (RMSNorm, MLP, RotaryEmbedding)]
+    for module in fused:
+        setattr(module, "cpu_fused", True)  # noqa: B010 - (nn.Module's __setattr__ types its values as tensors and modules)
+    return len(fused)
+
+
 def make_norm(cfg: ModelConfig, hidden_size: int, use_kernel: bool = False) -> RMSNorm:
     if cfg.norm_weight_offset is not None:
         return Float32ScaleRMSNorm(hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
@@ -112,6 +130,7 @@ class RotaryEmbedding(nn.Module):
                  use_kernel: bool = False, mrope_section: tuple[int, ...] | None = None, interleaved: bool = False):
         super().__init__()
         self.use_kernel = use_kernel
+        self.cpu_fused = False  # bf16 on the CPU: genq_cpu's kernel rotates in place (fuse_small_ops)
         self.mrope = mrope_section is not None
         if mrope_section is not None:
             half = _mrope_streams(mrope_section, len(inv_freq), interleaved)
@@ -132,7 +151,8 @@ class RotaryEmbedding(nn.Module):
         if self.use_kernel:
             return KernelRope(positions, self.cos_sin)
         # cos and sin gathered once for all layers: [T, 1, rotary_dim] each
-        return TableRope(self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1))
+        rope = CpuRope if self.cpu_fused and dtype == torch.bfloat16 else TableRope
+        return rope(self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1))
 
     def _sections(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """M-RoPE: each column's table entry at its own stream's position."""
@@ -178,6 +198,20 @@ class TableRope:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * self.cos + rotated * self.sin
+
+
+class CpuRope(TableRope):
+    """The table's rotation by genq_cpu's kernel, in place on the step's q and k heads (bf16,
+    whole heads rotated, each token's heads contiguous); otherwise as TableRope."""
+
+    def __call__(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+        if qk.shape[-1] != self.cos.shape[-1] or qk.dtype != torch.bfloat16 or qk.stride(1) != qk.shape[-1] \
+                or qk.stride(2) != 1:
+            return super().__call__(qk, num_heads)
+        from kernels.cpu import rope_
+
+        rope_(qk, self.cos, self.sin)
+        return qk  # rotated in place
 
 
 def no_rope(qk: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -316,6 +350,7 @@ class MLP(nn.Module):
         self.act = act  # silu, gelu, or gelu_pytorch_tanh
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.cpu_fused = False  # bf16 on the CPU: genq_cpu's SiLU(gate) * up in one pass (fuse_small_ops)
         self.gate_up_lora: LoRASlots | None = None  # adapter slots, where LoRA is enabled
         self.down_lora: LoRASlots | None = None
         # tensor parallelism: sums down_proj's partial outputs over the ranks (worker.model_executor.tensor_parallel)
@@ -327,7 +362,11 @@ class MLP(nn.Module):
             lora.add(gate_up, x, self.gate_up_lora)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # in place on the projection's own output: no extra [T, intermediate] buffers
-        if self.act == "silu":
+        if self.act == "silu" and self.cpu_fused and gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous():
+            from kernels.cpu import silu_and_mul
+
+            h = silu_and_mul(gate_up)
+        elif self.act == "silu":
             h = F.silu(gate, inplace=True).mul_(up)
         else:
             h = F.gelu(gate, approximate="tanh" if self.act == "gelu_pytorch_tanh" else "none").mul_(up)
