@@ -551,7 +551,8 @@ def test_a_hybrid_model_with_several_windowed_groups_matches_transformers(tiny_g
     one layer, three of them windowed, whose step metadata shares its masks; greedy outputs
     far past the window still equal transformers'."""
     model_dir = tiny_gemma3_layers_dir
-    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64)
+    # (the torch backend's metadata: its masks are what the groups share)
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, attention_backend="torch")
     runner = llm.engine.runner
     assert runner.kv_layout == [(None, (2,)), (24, (0,)), (24, (1,)), (24, (3,))] and runner.num_blocks == 256
     _, _, meta = runner._prepare([ScheduledRequest("a", list(range(3, 43)), 0, [0, 1, 2], True,

@@ -153,8 +153,8 @@ def test_completions_of_one_prompt_start_from_its_state(qwen3_5):
     computed = []
     schedule = engine.scheduler.schedule
 
-    def recorded():  # the scheduler's own output, noted
-        out = schedule()
+    def recorded(*budget):  # the scheduler's own output, noted
+        out = schedule(*budget)
         computed.extend(min(len(s.token_ids), len(prompt) - s.start_pos) for s in out.scheduled
                         if s.start_pos < len(prompt))
         return out
