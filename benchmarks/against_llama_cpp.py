@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from producer.redis_server import free_port
-from worker.benchmarks.serve import WORDS, RequestResult, _on_line, percentiles
+from worker.benchmarks.serve import WORDS, RequestResult, one_request, percentiles
 from worker.benchmarks.workload import W1
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the source distribution whose vendored llama.cpp is built
@@ -138,7 +138,7 @@ async def run_w2(base_url: str, model: str, seed: int = 0) -> dict[str, Any]:
         start = time.perf_counter()
         tasks = []
         for prompt, n in shapes:
-            tasks.append(asyncio.create_task(_stream(http, model, prompt, n)))
+            tasks.append(asyncio.create_task(one_request(http, model, prompt, n)))
             await asyncio.sleep(rng.expovariate(4.0))  # (Poisson arrivals, 4 a second)
         results: list[RequestResult] = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
@@ -149,25 +149,6 @@ async def run_w2(base_url: str, model: str, seed: int = 0) -> dict[str, Any]:
             "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
             "itl_s": percentiles([x for r in ok for x in r.itl_s]),
             "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None])}
-
-
-async def _stream(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    result = RequestResult(ok=False)
-    start = last = time.perf_counter()
-    try:
-        async with http.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return result
-            async for line in resp.aiter_lines():
-                last = _on_line(line, result, start, last)
-        result.ok = result.ttft_s is not None
-        result.e2e_s = time.perf_counter() - start
-    except httpx.HTTPError as e:
-        result.error = f"{type(e).__name__}: {e}"
-    return result
 
 
 def run_workloads(base_url: str, model: str, workloads: list[str]) -> dict[str, Any]:
