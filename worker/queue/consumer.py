@@ -39,6 +39,7 @@ from arq.connections import RedisSettings
 
 from producer.aio import wait_for_event, wait_within
 from producer.protocol import Keys
+from producer.trace_log import open_trace
 from producer.tracing import Tracing
 from worker.queue.config import WorkerConfig, config_from_env
 from worker.queue.engine_thread import EngineThread, Rejected, intake_capacity
@@ -96,8 +97,9 @@ class Consumer:
         self.conn = redis.asyncio.Redis.from_url(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
         self.scripts = Scripts(self.conn, self.keys, self.config.name, self.config.events_retention_s)
         await self._check_queue()  # before the model loads: a refusal comes at once
+        self.trace = open_trace(self.config.trace_dir, f"worker-{self.config.name}")
         self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests,
-                                   self.config.base_names)
+                                   self.config.base_names, self.trace)
         # the runtime adapters are read with the model, before any job can name one
         registry = await read_adapter_registry(self.scripts) if self.config.engine.enable_lora else {}
         # ... and so is the model's latest weights update: a worker that starts after one serves it too
@@ -111,7 +113,7 @@ class Consumer:
         self.metrics = WorkerMetrics(self.config.model_name, self.tracing)
         self.publisher = Publisher(
             self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject,
-            self.config.model_name, self.config.stream_interval_ms,
+            self.config.model_name, self.config.stream_interval_ms, self.trace,
         )
         self.admission = Admission(self.config, self.scripts, self.table, self.engine, self.metrics)
         self.heartbeat = Heartbeat(
@@ -266,6 +268,8 @@ class Consumer:
         await self.conn.aclose()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # the last jobs' spans go out
+        if self.trace is not None:
+            self.trace.close()
         logger.info("worker %s stopped", self.config.name)
 
     async def _release(self, jobs: list[HeldJob]) -> None:
