@@ -86,10 +86,11 @@ def _split(words: list[str]) -> tuple[dict[str, str], list[str]]:
 
 def _offline(batch: int, words: list[str], args: argparse.Namespace) -> float:
     """The offline step time at `batch`, in a process of its own with the variant's environment
-    (OMP_WAIT_POLICY, say, is read as torch loads)."""
+    (OMP_WAIT_POLICY, say, is read as torch loads; PASSIVE unless set, as a worker has it)."""
     cmd = [sys.executable, __file__, "--offline-batch", str(batch)] + (["--model-dir", args.model_dir] if args.model_dir
                                                                       else [])
-    out = subprocess.run(cmd, env={**os.environ, **_split(words)[0]}, capture_output=True, text=True, check=True)
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **_split(words)[0]}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
