@@ -22,6 +22,7 @@ from api.settings import Settings
 from api.tokenizers import Tokenizers
 from api.webhooks import Webhooks
 from producer.async_client import AsyncClient
+from producer.trace_log import TraceLog
 from producer.tracing import Tracing
 
 
@@ -37,6 +38,7 @@ class AppState:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # background work, cancelled at shutdown
     tokenizers: Tokenizers = field(default_factory=Tokenizers)  # for /tokenize, as workers published them
     tracing: Tracing | None = None  # spans of requests (GENQ_OTLP_TRACES_ENDPOINT; producer.tracing)
+    trace: TraceLog | None = None  # the per-step trace's relay lines (GENQ_TRACE_DIR; producer.trace_log)
     managed_keys: ManagedKeys = field(init=False)  # the API keys kept in Redis (`genq keys`)
     webhooks: Webhooks = field(init=False)  # announces ended background responses and batches
 

@@ -41,6 +41,7 @@ from producer.pooling_params import PoolingParams
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
 from producer.redis_conn import pipeline
 from producer.sampling_params import SamplingParams
+from producer.trace_log import TraceLog
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 
@@ -568,6 +569,8 @@ async def relayed_chunks(
                     yield StreamError(collector.error, kind, code)
                     return
                 yield renderer.chunk(req, choice, event)
+                if state.trace is not None:  # (resumed: the chunk before was written to the client)
+                    _trace_relay(state.trace, job_id, event)
     except TimeoutError as exc:
         yield StreamError(str(exc), "timeout_error", "timeout")
     except JobLost as exc:
@@ -576,6 +579,15 @@ async def relayed_chunks(
     except (redis.RedisError, ProtocolError) as exc:  # the response has started: say it inline
         collector.error = str(exc)
         yield StreamError(f"relay failed: {exc}", "server_error", "relay_error")
+
+
+def _trace_relay(trace: TraceLog, job_id: str, event: Event) -> None:
+    """The relay line of an event just written to the client: the delay from its step's end
+    (the time a tracing worker sets on it) to now."""
+    now = time.time()
+    trace.write("relay", job=job_id, index=event.index, seq=event.seq, tokens=len(event.token_ids),
+                text=bool(event.text), step_time=event.time, written=now,
+                ms=None if event.time is None else round((now - event.time) * 1000, 3))
 
 
 async def stream(

@@ -49,6 +49,7 @@ from api.routes import (
 from api.settings import Settings
 from api.sse import ClientDisconnected
 from producer.async_client import AsyncClient
+from producer.trace_log import open_trace
 from producer.tracing import Tracing
 
 UNTRACED = frozenset({"/health", "/metrics", "/ping", "/version"})  # probes and scrapes: no spans, no log lines
@@ -65,8 +66,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         relay = Relay(client.redis, client.keys, client.pubsub_redis)
         await relay.start()
         tracing = Tracing(settings.otlp_traces_endpoint, "genq-api") if settings.otlp_traces_endpoint else None
+        trace = open_trace(settings.trace_dir, "api")
         state = AppState(settings, client, relay, Cluster(client.redis, client.keys, client.pubsub_redis), Metrics(),
-                         tracing=tracing)
+                         tracing=tracing, trace=trace)
         app.state.genq = state
         runner = asyncio.create_task(BatchRunner(state).run())
         sender = asyncio.create_task(state.webhooks.run())
@@ -80,6 +82,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await asyncio.gather(runner, sender, *state.tasks, return_exceptions=True)
             await relay.aclose()
             await client.aclose()
+            if trace is not None:
+                trace.close()
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)  # the last requests' spans go out
 

@@ -120,6 +120,9 @@ class Settings(BaseSettings):
     # vLLM's --otlp-traces-endpoint: a span per request to this OpenTelemetry collector (OTLP
     # over HTTP), the parent of the workers' spans of its jobs (producer.tracing)
     otlp_traces_endpoint: str | None = None
+    # the per-step trace (producer.trace_log): a JSON line per event a stream writes to its
+    # client, and per gc pause, into this directory (benchmarks/itl_trace.py reads it); None: off
+    trace_dir: str | None = None
 
     # A stream that has sent nothing this long (its job waiting in the queue) sends an SSE
     # comment, so proxies that close idle connections leave it open; 0: never

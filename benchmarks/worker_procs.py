@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import redis
 
@@ -19,15 +19,17 @@ STARTUP_TIMEOUT_S = 300.0
 
 
 @contextlib.contextmanager
-def running_workers(url: str, prefix: str, names: Sequence[str], args: Sequence[str]) -> Iterator[None]:
-    """Workers `names`, each `genq worker --name NAME` plus `args`, for the `with` block."""
+def running_workers(url: str, prefix: str, names: Sequence[str], args: Sequence[str],
+                    env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Workers `names`, each `genq worker --name NAME` plus `args` (in `env`: default this
+    process's environment), for the `with` block."""
     logs, procs = [], []
     try:
         for name in names:
             log = tempfile.TemporaryFile()
             cmd = [sys.executable, "-m", "producer.cli", "worker", "--redis-url", url, "--prefix", prefix,
                    "--name", name, *args]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log))
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env))
             logs.append(log)
         conn = redis.Redis.from_url(url)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -695,6 +695,9 @@ class Event:
     # Whisper, asked by sampling_params.extra_args {"token_timestamps": true}: on the final
     # event, where in the audio (seconds) each of the completion's tokens was said, all of them
     token_timestamps: list[float] | None = None
+    # unix time the worker step that made its newest token ended; only workers that write the
+    # per-step trace (producer.trace_log) set it, for the API's relay lines
+    time: float | None = None
 
 
 _EVENT_TYPES: dict[str, tuple[type, ...]] = {
@@ -714,6 +717,7 @@ _EVENT_TYPES: dict[str, tuple[type, ...]] = {
     "prompt_token_ids": (list, type(None)),
     "embedding": (bytes, type(None)),
     "token_timestamps": (list, type(None)),
+    "time": (float, type(None)),
 }
 
 

@@ -63,6 +63,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "metrics_port": int,
     "metrics_host": str,
     "otlp_traces_endpoint": str,
+    "trace_dir": str,
 }
 
 
@@ -179,6 +180,8 @@ _HELP = {
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
     "otlp_traces_endpoint": "export a span per finished job to this OpenTelemetry collector, OTLP over HTTP, "
     "e.g. http://collector:4318 (default: off; needs genq[otel])",
+    "trace_dir": "write the per-step trace into this directory: a JSON line per engine step, publish and gc "
+    "pause (benchmarks/itl_trace.py reads it) (default: $GENQ_TRACE_DIR or off)",
     "max_loras": "distinct LoRA adapters in one batch (default 1)",
     "max_lora_rank": "the largest LoRA rank served (default 16)",
     "tensor_parallel_size": "split the model over this many GPUs, one process each "

@@ -245,7 +245,7 @@ def test_event_round_trip() -> None:
         seq=3, token_ids=[5, 6], text="ab", finished=True, finish_reason="stop", stop_reason="\n",
         usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}, index=1,
         logprobs=[{5: -0.1}, {6: -0.2}], prompt_logprobs=[{"token": "hi"}, {"logprob": -1.5, "rank": 2}],
-        prompt="hi there", prompt_token_ids=[1, 7, 7],
+        prompt="hi there", prompt_token_ids=[1, 7, 7], time=1764915000.125,
     )
     assert decode_event(encode_event(event)) == event
     minimal = Event(seq=0)
@@ -268,6 +268,7 @@ def test_event_round_trip() -> None:
         (pack({"v": PROTOCOL_VERSION, "seq": 1, "prompt_token_ids": [1.5]}), "prompt_token_ids must be integers"),
         (pack({"v": PROTOCOL_VERSION, "seq": 1, "prompt": 7}), "'prompt' has type int"),
         (pack({"v": PROTOCOL_VERSION, "seq": -1}), "seq and index must be >= 0"),
+        (pack({"v": PROTOCOL_VERSION, "seq": 1, "time": "now"}), "'time' has type str"),
         ("text", "msgpack bytes, got str"),
     ],
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,6 +61,16 @@ from worker.spec_decode.speculator import Speculator, make_proposer
 logger = logging.getLogger(__name__)
 
 MAX_FAILURES = 1024  # failed requests' reasons kept for take_failures, latest last
+
+
+class StepShape(NamedTuple):
+    """What the last step carried: its decode and prompt tokens, and the prompt tokens the
+    step-time model allowed it (None: no target, the static budget)."""
+
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    prefill_budget: int | None = None
+
 
 class Engine:
     def __init__(self, config: EngineConfig):
@@ -127,6 +137,7 @@ class Engine:
         self.scheduler = Scheduler(sched_config, self.block_manager)
         # step-time-aware chunking: what a step costs, learned from the steps run (max_step_ms)
         self.step_cost = StepCostModel() if config.max_step_ms else None
+        self.last_step = StepShape()
         self.max_num_seqs = sched_config.max_num_seqs
         # (Whisper's logprobs are its rules' before the temperature: what its decoders weigh a reply by)
         self.sampler = Sampler(seed=config.seed, use_kernel=self.runner.model.use_kernels,
@@ -309,7 +320,10 @@ class Engine:
         """One step: the outputs of the requests it moved. With async_scheduling, those of the
         step before, made while this one runs on the device (its own come out of the next)."""
         start_s = time.perf_counter()
-        sched = self.scheduler.schedule(self._prefill_budget())
+        budget = self._prefill_budget()
+        sched = self.scheduler.schedule(budget)
+        # what the step carries, for the per-step trace (worker.queue.engine_thread)
+        self.last_step = StepShape(sched.num_decode_tokens, sched.num_prefill_tokens, budget)
         if sched.swaps:  # (whether or not a request is left to run)
             self.runner.swap_blocks(sched.swaps)
         self.speculator.before_step(sched)

@@ -97,6 +97,8 @@ ENV_VARS = {
     "GENQ_METRICS_PORT": "serve Prometheus metrics on this port (default: off)",
     "GENQ_METRICS_HOST": "address the metrics server binds (default 0.0.0.0)",
     "GENQ_OTLP_TRACES_ENDPOINT": "export a span per job to this OpenTelemetry collector (OTLP/HTTP; default: off)",
+    "GENQ_TRACE_DIR": "write the per-step trace (a JSON line per engine step, publish and gc pause) into this "
+    "directory (default: off; producer.trace_log)",
 }
 
 
@@ -140,6 +142,8 @@ class WorkerConfig:
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
     otlp_traces_endpoint: str | None = None  # an OTLP/HTTP collector: a span per finished job (producer.tracing)
+    # the per-step trace's directory (producer.trace_log; benchmarks/itl_trace.py reads it); None: off
+    trace_dir: str | None = None
     # LoRA adapters served beside the model, (name, PEFT directory): a job whose `model` is
     # the name runs with the adapter. The engine needs enable_lora.
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -293,6 +297,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         metrics_port=_int(env, "GENQ_METRICS_PORT"),
         metrics_host=env.get("GENQ_METRICS_HOST") or None,
         otlp_traces_endpoint=env.get("GENQ_OTLP_TRACES_ENDPOINT") or None,
+        trace_dir=env.get("GENQ_TRACE_DIR") or None,
         lora_modules=lora_modules or None,
     )
     return WorkerConfig(engine=EngineConfig.from_kwargs(**engine_args), **worker_args)

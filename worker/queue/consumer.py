@@ -40,6 +40,7 @@ from arq.connections import RedisSettings
 from producer.aio import wait_for_event, wait_within
 from producer.protocol import Keys
 from producer.redis_conn import connect_async, connect_async_pubsub, plain_url
+from producer.trace_log import open_trace
 from producer.tracing import Tracing
 from worker.queue.config import WorkerConfig, config_from_env
 from worker.queue.engine_thread import EngineThread, Rejected, intake_capacity
@@ -99,8 +100,9 @@ class Consumer:
         self.pubsub_conn = connect_async_pubsub(self.config.redis_url, self.conn, socket_connect_timeout=CONNECT_TIMEOUT_S)
         self.scripts = Scripts(self.conn, self.keys, self.config.name, self.config.events_retention_s)
         await self._check_queue()  # before the model loads: a refusal comes at once
+        self.trace = open_trace(self.config.trace_dir, f"worker-{self.config.name}")
         self.engine = EngineThread(self.config.engine, asyncio.get_running_loop(), self.config.lora_requests,
-                                   self.config.base_names)
+                                   self.config.base_names, self.trace)
         # the runtime adapters are read with the model, before any job can name one
         registry = await read_adapter_registry(self.scripts) if self.config.engine.enable_lora else {}
         # ... and so is the model's latest weights update: a worker that starts after one serves it too
@@ -114,7 +116,7 @@ class Consumer:
         self.metrics = WorkerMetrics(self.config.model_name, self.tracing)
         self.publisher = Publisher(
             self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject,
-            self.config.model_name, self.config.stream_interval_ms,
+            self.config.model_name, self.config.stream_interval_ms, self.trace,
         )
         self.admission = Admission(self.config, self.scripts, self.table, self.engine, self.metrics)
         self.heartbeat = Heartbeat(
@@ -271,6 +273,8 @@ class Consumer:
             await self.pubsub_conn.aclose()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # the last jobs' spans go out
+        if self.trace is not None:
+            self.trace.close()
         logger.info("worker %s stopped", self.config.name)
 
     async def _release(self, jobs: list[HeldJob]) -> None:
@@ -374,12 +378,24 @@ async def ping(ctx: dict[str, Any]) -> str:
 async def startup(ctx: dict[str, Any]) -> None:
     """arq `on_startup`: load the engine, start the consumer."""
     _configure_logging()
+    _passive_openmp()
     pool = ctx.get("redis")
     if isinstance(pool, PatientPool):  # this task is arq's main loop: its pool waits out outages now
         pool.hold_on(asyncio.current_task())  # type: ignore[arg-type]
     consumer = Consumer(ctx["config"])
     await consumer.start()
     ctx["consumer"] = consumer
+
+
+def _passive_openmp() -> None:
+    """OpenMP threads sleep at a barrier instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless
+    the environment sets a policy): on a machine whose cores other processes share, a spinning
+    thread holds the core the thread it waits for needs, and a step took seconds instead of tens
+    of ms (W2's ITL p99 8.5 s against 0.18 s, docs/benchmarks.md, "The ITL tail"). libgomp reads
+    it as it loads, with torch: in the engine thread, after this (a process that imported torch
+    already keeps its policy)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _freeze_start() -> None:

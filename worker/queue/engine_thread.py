@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 
 from producer.protocol import ERROR_INVALID_REQUEST, Job
 from producer.records import PauseCommand, SleepCommand, WeightsUpdate
+from producer.trace_log import TraceLog
 from worker.config import EngineConfig
 from worker.core.lora_request import LoRARequest
 from worker.queue.adapters import ServedAdapters
@@ -173,8 +174,9 @@ class EngineThread:
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop,
                  lora_requests: Mapping[str, LoRARequest] | None = None,
-                 base_names: frozenset[str] = frozenset()) -> None:
+                 base_names: frozenset[str] = frozenset(), trace: TraceLog | None = None) -> None:
         self.config = config
+        self.trace = trace  # the per-step trace (None: off)
         self.adapters = ServedAdapters(dict(lora_requests or {}))
         self.base_names = base_names  # `model` names that mean the base model
         self.engine: Engine  # set by the thread, before `start` returns
@@ -353,6 +355,7 @@ class EngineThread:
         try:
             while True:
                 # (frozen, a step makes nothing due: a sleep waits for the resume, and so does this thread)
+                loop_s = time.time()  # (the trace's: how long the commands took before the step)
                 busy = self.engine.has_unfinished_requests() and not self._frozen()
                 taken = self._take_commands(block=not busy and (self._frozen() or not self._due()))
                 if taken is None:
@@ -363,8 +366,13 @@ class EngineThread:
                     changed = True
                 if self._frozen():  # (a request aborted meanwhile ends; the others wait)
                     outputs = self.engine.end_aborted()
+                elif self.engine.has_unfinished_requests():
+                    start_s = time.time()
+                    outputs = self.engine.step()
+                    if self.trace is not None:
+                        self._trace_step(loop_s, start_s, len(outputs))
                 else:
-                    outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                    outputs = []
                 if failures := self.engine.take_failures():  # the job fails, with why, not its abort output
                     outputs = [o for o in outputs if o.request_id not in failures]
                     # not the job's fault that we know of (a bad image or processor setting is refused when
@@ -376,6 +384,16 @@ class EngineThread:
         except BaseException as exc:  # reported to the event loop, which stops the worker
             logger.exception("engine thread failed")
             self._post(StepResult(error=exc, time=time.time()))
+
+    def _trace_step(self, loop_s: float, start_s: float, num_outputs: int) -> None:
+        """The step's line in the trace: when it ran, what it carried, the engine's load after."""
+        end_s = time.time()
+        shape, scheduler = self.engine.last_step, self.engine.scheduler
+        assert self.trace is not None
+        self.trace.write("step", start=start_s, end=end_s, ms=round((end_s - start_s) * 1000, 3),
+                         commands_ms=round((start_s - loop_s) * 1000, 3), decodes=shape.decode_tokens,
+                         prefill_tokens=shape.prefill_tokens, prefill_budget=shape.prefill_budget,
+                         running=len(scheduler.running), waiting=len(scheduler.waiting), outputs=num_outputs)
 
     def _take_commands(self, block: bool) -> tuple[list[Rejected], bool] | None:
         """Apply queued commands; wait for one first when the engine is idle. Returns

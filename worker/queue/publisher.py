@@ -18,6 +18,7 @@ import redis
 
 from producer.aio import wait_within
 from producer.protocol import encode_event
+from producer.trace_log import TraceLog
 from worker.queue.engine_thread import EngineStats, EngineThread, Rejected, StepResult
 from worker.queue.jobs import (
     ABORT_DEADLINE,
@@ -58,8 +59,10 @@ class Publisher:
         on_rejected: Callable[[HeldJob, Rejected], Any],
         model_name: str = "",
         stream_interval_ms: float = 0.0,
+        trace: TraceLog | None = None,
     ) -> None:
         self.scripts = scripts
+        self.trace = trace  # the per-step trace (None: off): a line per publish, a time on each event
         self.table = table
         self.engine = engine
         self.metrics = metrics
@@ -125,7 +128,10 @@ class Publisher:
             if held.unsent:
                 self._take_unsent(held, now, writes)
             self._holding.pop(held.id, None)
+        called_s = time.time()
         await self._write(list(writes.values()), retry)
+        if self.trace is not None and writes:
+            self._trace_publish("publish_held", [now], called_s, writes)
 
     async def publish(self, batch: list[StepResult]) -> None:
         writes: dict[str, JobWrite] = {}
@@ -138,7 +144,10 @@ class Publisher:
                 self._apply(output, result.time, writes)
             rejected += self._rejected(result.rejected)
             self.stats = result.stats
+        called_s = time.time()
         await self._write(list(writes.values()))
+        if self.trace is not None:
+            self._trace_publish("publish", [r.time for r in batch], called_s, writes)
         self.commands = self.stats.made
         if (made := self._commands_made()) != self._made_before:
             self._made_before = made
@@ -147,6 +156,17 @@ class Publisher:
             await self.on_rejected(held, refused)
         self.metrics.engine_stats(self.stats)
         self.changed.set()
+
+    def _trace_publish(self, kind: str, steps: list[float], called_s: float, writes: dict[str, JobWrite]) -> None:
+        """The publish's line in the trace: the step results it carried (their end times), how
+        long they waited for the publisher (queue_ms) and its Redis call (call_ms), and from the
+        last step's end to the call's return (delay_ms)."""
+        done_s = time.time()
+        assert self.trace is not None
+        self.trace.write(kind, steps=steps, called=called_s, done=done_s,
+                         queue_ms=round((called_s - max(steps)) * 1000, 3),
+                         call_ms=round((done_s - called_s) * 1000, 3), delay_ms=round((done_s - max(steps)) * 1000, 3),
+                         jobs=len(writes), events=sum(len(w.events) for w in writes.values()))
 
     def _note_step(self, result: StepResult) -> None:
         """How long the engine's steps take now (for publish_due's look one step ahead)."""
@@ -196,7 +216,11 @@ class Publisher:
     def _take_unsent(self, held: HeldJob, now: float, writes: dict[str, JobWrite]) -> None:
         """Move the job's held deltas into its pending write, one event per completion."""
         write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
-        write.events += [encode_event(e) for e in unsent_events(held, now)]
+        events = unsent_events(held, now)
+        if self.trace is not None:  # (for the API's relay trace: the step it comes from)
+            for event in events:
+                event.time = now
+        write.events += [encode_event(e) for e in events]
         if held.unsent_tenant_tokens:
             before = write.tenant_tokens.tokens if write.tenant_tokens else 0
             write.tenant_tokens = TenantTokens(held.job.tenant or "", int(now // 60), before + held.unsent_tenant_tokens)
