@@ -378,24 +378,12 @@ async def ping(ctx: dict[str, Any]) -> str:
 async def startup(ctx: dict[str, Any]) -> None:
     """arq `on_startup`: load the engine, start the consumer."""
     _configure_logging()
-    _passive_openmp()
     pool = ctx.get("redis")
     if isinstance(pool, PatientPool):  # this task is arq's main loop: its pool waits out outages now
         pool.hold_on(asyncio.current_task())  # type: ignore[arg-type]
     consumer = Consumer(ctx["config"])
     await consumer.start()
     ctx["consumer"] = consumer
-
-
-def _passive_openmp() -> None:
-    """OpenMP threads sleep at a barrier instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless
-    the environment sets a policy): on a machine whose cores other processes share, a spinning
-    thread holds the core the thread it waits for needs, and a step took seconds instead of tens
-    of ms (W2's ITL p99 8.5 s against 0.18 s, docs/benchmarks.md, "The ITL tail"). libgomp reads
-    it as it loads, with torch: in the engine thread, after this (a process that imported torch
-    already keeps its policy)."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _freeze_start() -> None:
