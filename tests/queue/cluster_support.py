@@ -21,9 +21,11 @@ POLL_S = 0.05
 class RedisClusterNodes:
     """`RedisClusterNodes(tmp).start()`: `masters` masters and as many replicas each, every
     node a RedisServer (its own dir, a free port); `stop()` stops each by its pid.
-    `node_timeout_ms` is short so that a replica takes over a killed master in seconds."""
+    `node_timeout_ms` is short so that a replica takes over a killed master in seconds, yet
+    long enough that a node slowed by a loaded machine (the suite's processes on 2 cores) is
+    not taken for dead."""
 
-    def __init__(self, root: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+    def __init__(self, root: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 3000) -> None:
         self.root = root
         self.masters = masters
         self.replicas = replicas
@@ -60,23 +62,26 @@ class RedisClusterNodes:
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-2000:]} {done.stderr[-2000:]}")
 
     def wait_ok(self, timeout_s: float = CLUSTER_READY_TIMEOUT_S) -> None:
-        """Until every live node says cluster_state:ok with all 16384 slots served."""
+        """Until every live node says cluster_state:ok with all 16384 slots served, and sees
+        `masters` masters serving them (a replica just told whom to follow is still flagged a
+        master for a moment)."""
         deadline = time.monotonic() + timeout_s
         while not all(self._node_ok(s) for s in self.live()):
             if time.monotonic() > deadline:
                 raise AssertionError(f"cluster not ok within {timeout_s} s")
             time.sleep(POLL_S)
 
-    @staticmethod
-    def _node_ok(server: RedisServer) -> bool:
+    def _node_ok(self, server: RedisServer) -> bool:
         conn = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=1.0)
         try:
-            info = conn.cluster("info")
+            info, nodes = conn.cluster("info"), conn.cluster("nodes")
         except redis.RedisError:
             return False
         finally:
             conn.close()
-        return info.get("cluster_state") == "ok" and int(info.get("cluster_slots_ok", 0)) == 16384
+        masters = [n for n in nodes.values() if "master" in n["flags"] and "fail" not in n["flags"]]
+        return (info.get("cluster_state") == "ok" and int(info.get("cluster_slots_ok", 0)) == 16384
+                and len(masters) == self.masters and all(n["slots"] for n in masters))
 
     def master_of(self, key: str) -> RedisServer:
         """The server that serves `key`'s slot now."""

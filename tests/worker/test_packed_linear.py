@@ -63,7 +63,9 @@ def test_engine_packs_every_linear_and_keeps_the_plain_models_logits(tiny_model_
     """The engine's CPU model has no plain nn.Linear left, and its logits over a prefill and
     a decode step equal (bit for bit in bfloat16) those of the same checkpoint loaded
     without packing."""
-    llm = LLM(str(tiny_model_dir), dtype=str(dtype).removeprefix("torch."), num_gpu_blocks_override=64)
+    # (the torch backend: the cpu one's fused small ops sum a bf16 norm's squares in another order)
+    llm = LLM(str(tiny_model_dir), dtype=str(dtype).removeprefix("torch."), num_gpu_blocks_override=64,
+              attention_backend="torch")
     runner = llm.engine.runner
     assert not any(type(m) is nn.Linear for m in runner.model.modules())
     num_packed = sum(type(m) is PackedLinear for m in runner.model.modules())
