@@ -224,15 +224,23 @@ class Relay:
     async def _join(
         self, names: list[bytes], queue: asyncio.Queue[QueueItem], deadline: _Deadline
     ) -> None:
-        """Add the queue to these channels; return once Redis confirmed every subscription."""
-        await deadline.run(self._connected.wait())
-        async with self._lock:
-            new = [name for name in names if name not in self._channels]
-            for name in names:
-                self._channels.setdefault(name, _Channel()).queues.add(queue)
-            if new:
-                await self._send_subscribe(new)
-            waits = [self._channels[name].confirmed for name in names]
+        """Add the queue to these channels; return once Redis confirmed every subscription.
+        A connection lost under the subscribe (its node killed: the listener reconnects, on a
+        cluster to another node) is tried again until the deadline."""
+        while True:
+            await deadline.run(self._connected.wait())
+            try:
+                async with self._lock:
+                    new = [name for name in names if name not in self._channels]
+                    for name in names:
+                        self._channels.setdefault(name, _Channel()).queues.add(queue)
+                    if new:
+                        await self._send_subscribe(new)
+                    waits = [self._channels[name].confirmed for name in names]
+                break
+            except (redis.ConnectionError, OSError) as exc:
+                log.warning("relay: subscribe failed (%s); trying again", exc)
+                await deadline.run(asyncio.sleep(RECONNECT_BACKOFF_S))
         for confirmed in waits:
             await deadline.run(confirmed.wait())
 
