@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from worker_procs import running_workers
+from worker_procs import running_api, running_workers
 
-from producer.redis_server import RedisServer, free_port
+from producer.redis_server import RedisServer
 from worker.benchmarks.itl_trace import CAUSES, attribute, cause_shares, client_gaps, read_trace
 from worker.benchmarks.serve import WORDS, percentiles
 
 PREFIX = "genq-itl-trace:"
-API_START_TIMEOUT_S = 60.0
 TAIL_RATIO = 2.0  # a gap above this many times the ITL p50 is in the tail
 OFFLINE_DECODE_STEPS = 20  # decode steps the offline engine is timed over
 
@@ -100,35 +99,8 @@ def _run_stack(redis_url: str, prefix: str, trace_dir: Path, words: list[str],
     variant_env, flags = _split(words)
     env = dict(os.environ, GENQ_TRACE_DIR=str(trace_dir), **variant_env)
     worker_args = ["--dtype", "bfloat16", *flags] + (["--model", args.model_dir] if args.model_dir else [])
-    with _api(redis_url, prefix, env) as base_url, running_workers(redis_url, prefix, ["w"], worker_args, env):
+    with running_api(redis_url, prefix, env) as base_url, running_workers(redis_url, prefix, ["w"], worker_args, env):
         return asyncio.run(w2_load(base_url, args))
-
-
-class _api:
-    """`genq api` on a free port for the `with` block; its base URL once it answers."""
-
-    def __init__(self, redis_url: str, prefix: str, env: dict[str, str]):
-        self.cmd = [sys.executable, "-m", "producer.cli", "api", "--redis-url", redis_url, "--prefix", prefix,
-                    "--log-level", "warning"]
-        self.env = env
-
-    def __enter__(self) -> str:
-        port = free_port()
-        self.proc = subprocess.Popen([*self.cmd, "--port", str(port)], env=self.env)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + API_START_TIMEOUT_S
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                httpx.get(url + "/version", timeout=1.0)
-                return url
-            except httpx.HTTPError:
-                time.sleep(0.2)  # polling a condition, bounded by the deadline
-        self.__exit__()
-        raise RuntimeError("genq api did not start")
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()  # (its lifespan closes the trace file)
-        self.proc.wait(30)
 
 
 async def w2_load(base_url: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:

@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-from worker_procs import running_workers
+from worker_procs import running_api, running_workers
 
-from producer.redis_server import RedisServer, free_port
+from producer.redis_server import RedisServer
 from worker.benchmarks.serve import add_serve_args, format_report, run_serve_report
 
 PREFIX = "genq-step-time:"
-API_START_TIMEOUT_S = 60.0
 
 
 def main() -> int:
@@ -38,7 +34,7 @@ def main() -> int:
     p.set_defaults(num_prompts=32, request_rate=4.0, long_fraction=0.15, long_input_words=1500)
     args = p.parse_args()
     reports: list[tuple[str, dict]] = []
-    with RedisServer() as server, _api(server.url) as base_url:
+    with RedisServer() as server, running_api(server.url, PREFIX) as base_url:
         args.base_url = base_url
         for i, setting in enumerate(args.settings.split(",")):
             worker_args = ["--dtype", "bfloat16", "--max-step-ms", setting, *args.worker_args.split()]
@@ -52,32 +48,6 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([{"max_step_ms": s, **r} for s, r in reports], indent=2))
     return 0
-
-
-class _api:
-    """`genq api` on a free port for the `with` block; its base URL once /health answers."""
-
-    def __init__(self, redis_url: str):
-        self.redis_url = redis_url
-
-    def __enter__(self) -> str:
-        port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "producer.cli", "api", "--redis-url", self.redis_url,
-                                      "--port", str(port), "--prefix", PREFIX, "--log-level", "warning"])
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + API_START_TIMEOUT_S
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                httpx.get(url + "/version", timeout=1.0)
-                return url
-            except httpx.HTTPError:
-                time.sleep(0.2)  # polling a condition, bounded by the deadline
-        self.__exit__()
-        raise RuntimeError("genq api did not start")
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
 
 
 def _table(reports: list[tuple[str, dict]]) -> str:
