@@ -31,9 +31,14 @@ inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
-AVX512 inline __m512 load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+// attention's AVX-512 vector type: its bf16 load and its exp (compiled for AVX-512 alone)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#include "vec_avx512.h"
+#pragma GCC pop_options
+
+AVX512 inline __m512 load_bf16(const uint16_t* p) { return Vec512::loadh(p); }
+
 AVX512 inline __m512i bf16_bits(__m512 f) {  // round to nearest even, as torch's .to(bfloat16); NaN stays NaN
   const __m512i u = _mm512_castps_si512(f);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -44,22 +49,6 @@ AVX512 inline __m512 round_bf16(__m512 f) { return _mm512_castsi512_ps(_mm512_sl
 AVX512 inline void store_bf16(uint16_t* p, __m512 f) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(f)));
 }
-AVX512 inline __m512 exp512(__m512 x) {  // 2^n * 2^f, f in [-0.5, 0.5], degree-7 Taylor series
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // One row: residual <- bf16(x + residual); x <- bf16(bf16(h / rms(h)) * w), h the new residual.
 AVX512 void add_rms_norm_row_avx512(uint16_t* x, uint16_t* res, const uint16_t* w, int64_t H, float eps, float* h) {
   __m512 ss = _mm512_setzero_ps();
@@ -102,7 +91,7 @@ AVX512 void silu_mul_row_avx512(const uint16_t* g, const uint16_t* u, uint16_t* 
   const __m512 one = _mm512_set1_ps(1.0f);
   for (; i + 16 <= I; i += 16) {
     const __m512 gv = load_bf16(g + i);
-    const __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+    const __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(one, Vec512::exp(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
     store_bf16(o + i, _mm512_mul_ps(s, load_bf16(u + i)));
   }
   for (; i < I; ++i) {
