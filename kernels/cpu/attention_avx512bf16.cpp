@@ -17,13 +17,6 @@ namespace avx512bf16_isa {
 
 #include "vec_avx512.h"
 
-inline uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 struct Vec : Vec512 {
   static constexpr bool kDotBf16 = true;
 
@@ -43,9 +36,10 @@ struct Vec : Vec512 {
                          _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
   }
 
-  // scores[r][t] = scale * q_r . k_t for keys t < n, 16 at a time (past n: garbage, overwritten)
+  // scores[r * stride + t] = scale * q_r . k_t for keys t < n, 16 at a time (past n up to the
+  // next 16: garbage, overwritten)
   template <int D>
-  static void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t n, int64_t rows, float* scores, int64_t pad,
+  static void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t n, int64_t rows, float* scores, int64_t stride,
                           float scale) {
     constexpr int NK = D / 32;
     const __m512 scaled = _mm512_set1_ps(scale);
@@ -62,34 +56,66 @@ struct Vec : Vec512 {
           }
           part[t] = sum;
         }
-        _mm512_storeu_ps(scores + r * pad + t0, _mm512_mul_ps(hsum16(part), scaled));
+        _mm512_storeu_ps(scores + r * stride + t0, _mm512_mul_ps(hsum16(part), scaled));
       }
     }
   }
 
   // acc[r] += sum_t p[r][t] * v_t, keys in pairs: each 32-bit lane a (v_t, v_t+1) pair of one
-  // of head_dim's positions, so the accumulator's lanes come in unpack order (acc_lane)
+  // of head_dim's positions, so the accumulator's lanes come in unpack order (acc_lane). The
+  // probabilities go to bf16 a row at a time (vcvtneps2bf16, round to nearest even), a row the
+  // block hides taking zeros; the rows then run in groups whose accumulators stay in registers
+  // over the whole block (R rows x D / 16 vectors: at most 16 of the 32).
   template <int D>
-  static void values_bf16(const uint16_t* v, int64_t n, int64_t rows, const float* scores, int64_t pad, float* acc,
-                          const char* seen) {
-    constexpr int NV = D / 32;  // vectors of 32 bf16 in a row of V
-    for (int64_t t = 0; t < n; t += 2) {
-      __m512i pairs[2 * NV];
-      for (int j = 0; j < NV; ++j) {
-        const __m512i a = _mm512_loadu_si512(v + t * D + j * 32);
-        const __m512i b = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * D + j * 32) : _mm512_setzero_si512();
-        pairs[2 * j] = _mm512_unpacklo_epi16(a, b);
-        pairs[2 * j + 1] = _mm512_unpackhi_epi16(a, b);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        if (!seen[r]) continue;
-        const float p1 = t + 1 < n ? scores[r * pad + t + 1] : 0.0f;
-        const uint32_t both = static_cast<uint32_t>(to_bf16(scores[r * pad + t])) | (static_cast<uint32_t>(to_bf16(p1)) << 16);
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
-        float* row = acc + r * D;
-        for (int j = 0; j < 2 * NV; ++j) _mm512_storeu_ps(row + j * 16, _mm512_dpbf16_ps(_mm512_loadu_ps(row + j * 16), p, (__m512bh)pairs[j]));
+  static void values_bf16(const uint16_t* v, int64_t n, int64_t rows, const float* scores, int64_t pad, int64_t stride,
+                          float* acc, const char* seen) {
+    static thread_local std::vector<uint16_t> probs;
+    if (static_cast<int64_t>(probs.size()) < rows * pad) probs.resize(rows * pad);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = 0; t < pad; t += 16) {
+        const __m256i p = seen[r] ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + r * stride + t)) : _mm256_setzero_si256();
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + r * pad + t), p);
       }
     }
+    constexpr int R = D >= 256 ? 1 : 256 / D;  // rows a group keeps in registers
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(probs.data());
+    const int64_t words = pad / 2;  // a row's pairs
+    int64_t r = 0;
+    for (; r + R <= rows; r += R) value_rows<D, R>(v, n, pairs + r * words, words, acc + r * D);
+    switch (rows - r) {  // the last, smaller group
+#define GENQ_VALUE_ROWS(K) \
+  case K: if constexpr (K < R) value_rows<D, K>(v, n, pairs + r * words, words, acc + r * D); break;
+      GENQ_VALUE_ROWS(1) GENQ_VALUE_ROWS(2) GENQ_VALUE_ROWS(3) GENQ_VALUE_ROWS(4)
+      GENQ_VALUE_ROWS(5) GENQ_VALUE_ROWS(6) GENQ_VALUE_ROWS(7)
+#undef GENQ_VALUE_ROWS
+      default: break;
+    }
+  }
+
+  // R rows' accumulators += their probabilities (bf16 pairs, `stride` words a row) x the block's
+  // first n values
+  template <int D, int R>
+  static void value_rows(const uint16_t* v, int64_t n, const uint32_t* pairs, int64_t stride, float* acc) {
+    constexpr int NV = D / 32, NA = D / 16;
+    __m512 sum[R][NA];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NA; ++j) sum[r][j] = _mm512_loadu_ps(acc + r * D + j * 16);
+    for (int64_t t = 0; t < n; t += 2) {
+      __m512bh p[R];
+      for (int r = 0; r < R; ++r) p[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r * stride + t / 2]));
+      const bool odd = t + 1 == n;  // the block's last key has no partner: its pair takes zeros
+      for (int j = 0; j < NV; ++j) {
+        const __m512i a = _mm512_loadu_si512(v + t * D + j * 32);
+        const __m512i b = odd ? _mm512_setzero_si512() : _mm512_loadu_si512(v + (t + 1) * D + j * 32);
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int r = 0; r < R; ++r) {
+          sum[r][2 * j] = _mm512_dpbf16_ps(sum[r][2 * j], p[r], lo);
+          sum[r][2 * j + 1] = _mm512_dpbf16_ps(sum[r][2 * j + 1], p[r], hi);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NA; ++j) _mm512_storeu_ps(acc + r * D + j * 16, sum[r][j]);
   }
 
   // where head_dim's position d sits in the accumulator values_bf16 writes

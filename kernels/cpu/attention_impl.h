@@ -5,7 +5,9 @@
 // A work item is one sequence's queries (or a tile of them) for one KV head: the rows are
 // (query head of the group, query), so each K/V row read from a cache block serves all of
 // them. Blocks are read in place through the block table; softmax is online in float32
-// (running max m, sum l, accumulator acc per row).
+// (running max m, sum l, accumulator acc per row), over tiles of kTileKeys keys: blocks smaller
+// than that go several to a tile, so the softmax's reductions and the accumulator's rescale
+// come once a tile, not once a block.
 //
 // V provides: W (lanes), T, zero(), set1(f), loadf(const float*), loadh(const uint16_t*)
 // (bf16 widened), store(float*, T), fma(a, b, c) = a * b + c, mul, sub, reduce_add,
@@ -14,6 +16,7 @@
 // bf16 pairs), whose accumulator keeps head_dim's lanes in the order acc_lane gives.
 
 constexpr int64_t kRowsPerItem = 64;  // query rows a work item keeps (its tile of queries x group)
+constexpr int64_t kTileKeys = 64;     // keys one softmax pass covers (a block or several)
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -87,51 +90,59 @@ void start_rows(const AttentionArgs& a, const WorkItem& it, Scratch& s, int64_t 
   }
 }
 
-// scores[r][t] = q_r . k_t for the block's first n keys, -inf past them.
+// scores[r * stride + t] = q_r . k_t for the block's first n keys, -inf past them up to pad.
 template <class V, bool BF16, int D>
-void block_scores(const void* k, int64_t k_base, int64_t n, int64_t rows, int64_t pad, Scratch& s, float scale) {
+void block_scores(const void* k, int64_t k_base, int64_t n, int64_t rows, int64_t pad, int64_t stride, float* scores,
+                  const Scratch& s, float scale) {
   using T = typename V::T;
   constexpr int NV = D / V::W;
   if constexpr (BF16 && V::kDotBf16 && D % 32 == 0) {
-    V::template scores_bf16<D>(s.q_bf16.data(), static_cast<const uint16_t*>(k) + k_base, n, rows, s.scores.data(), pad, scale);
-    for (int64_t r = 0; r < rows; ++r) std::fill(&s.scores[r * pad + n], &s.scores[r * pad + pad], -INFINITY);
-    return;
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    T key[NV];
-    for (int v = 0; v < NV; ++v) key[v] = load_elems<V, BF16>(k, k_base + t * D + v * V::W);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* q = &s.q[r * D];
-      T sum = V::mul(V::loadf(q), key[0]);
-      for (int v = 1; v < NV; ++v) sum = V::fma(V::loadf(q + v * V::W), key[v], sum);
-      s.scores[r * pad + t] = V::reduce_add(sum);
+    V::template scores_bf16<D>(s.q_bf16.data(), static_cast<const uint16_t*>(k) + k_base, n, rows, scores, stride, scale);
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      T key[NV];
+      for (int v = 0; v < NV; ++v) key[v] = load_elems<V, BF16>(k, k_base + t * D + v * V::W);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* q = &s.q[r * D];
+        T sum = V::mul(V::loadf(q), key[0]);
+        for (int v = 1; v < NV; ++v) sum = V::fma(V::loadf(q + v * V::W), key[v], sum);
+        scores[r * stride + t] = V::reduce_add(sum);
+      }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) std::fill(&s.scores[r * pad + n], &s.scores[r * pad + pad], -INFINITY);
+  for (int64_t r = 0; r < rows; ++r) std::fill(&scores[r * stride + n], &scores[r * stride + pad], -INFINITY);
 }
 
-// Row r's scores become its probabilities under the running max; rescales its sum and
-// accumulator. Returns false where the row sees none of these keys (all its p are 0).
+// Row r's scores over a tile of blocks (each `pad` wide, the first at key0, `n_last` keys in the
+// last, all full before it) become its probabilities under the running max; rescales its sum
+// and accumulator. Returns false where the row sees none of these keys (all its p are 0).
 template <class V, int D>
-bool block_softmax(const AttentionArgs& a, Scratch& s, int64_t r, int64_t key0, int64_t n, int64_t pad) {
+bool tile_softmax(const AttentionArgs& a, Scratch& s, int64_t r, int64_t key0, int64_t blocks, int64_t n_last,
+                  int64_t pad, int64_t stride) {
   using T = typename V::T;
-  float* sc = &s.scores[r * pad];
-  if (a.softcap > 0.0f) {
-    for (int64_t t = 0; t < n; ++t) sc[t] = a.softcap * std::tanh(sc[t] / a.softcap);
+  float* row = &s.scores[r * stride];
+  const int64_t bs = a.block_size;
+  for (int64_t j = 0; j < blocks; ++j) {
+    float* sc = row + j * pad;
+    const int64_t n = j + 1 < blocks ? bs : n_last, at = key0 + j * bs;
+    if (a.softcap > 0.0f) {
+      for (int64_t t = 0; t < n; ++t) sc[t] = a.softcap * std::tanh(sc[t] / a.softcap);
+    }
+    const int64_t lo = s.first[r] - at, hi = s.last[r] - at;  // visible: lo <= t <= hi
+    for (int64_t t = 0; t < std::min(lo, n); ++t) sc[t] = -INFINITY;
+    for (int64_t t = std::max<int64_t>(hi + 1, 0); t < n; ++t) sc[t] = -INFINITY;
   }
-  const int64_t lo = s.first[r] - key0, hi = s.last[r] - key0;  // visible: lo <= t <= hi
-  for (int64_t t = 0; t < std::min(lo, n); ++t) sc[t] = -INFINITY;
-  for (int64_t t = std::max<int64_t>(hi + 1, 0); t < n; ++t) sc[t] = -INFINITY;
-  T best = V::loadf(sc);
-  for (int64_t t = V::W; t < pad; t += V::W) best = V::max(best, V::loadf(sc + t));
+  const int64_t width = blocks * pad;
+  T best = V::loadf(row);
+  for (int64_t t = V::W; t < width; t += V::W) best = V::max(best, V::loadf(row + t));
   const float m_new = std::max(s.m[r], V::reduce_max(best));
   if (m_new == -INFINITY) return false;
   const float alpha = std::exp(s.m[r] - m_new);
   const T shift = V::set1(m_new);
   T sum = V::zero();
-  for (int64_t t = 0; t < pad; t += V::W) {
-    const T p = V::exp(V::sub(V::loadf(sc + t), shift));
-    V::store(sc + t, p);
+  for (int64_t t = 0; t < width; t += V::W) {
+    const T p = V::exp(V::sub(V::loadf(row + t), shift));
+    V::store(row + t, p);
     sum = V::add(sum, p);
   }
   s.l[r] = s.l[r] * alpha + V::reduce_add(sum);
@@ -143,14 +154,15 @@ bool block_softmax(const AttentionArgs& a, Scratch& s, int64_t r, int64_t key0, 
   return true;
 }
 
-// acc[r] += sum_t p[r][t] * v_t over the block's first n values.
+// acc[r] += sum_t p[r][t] * v_t over the block's first n values (p[r][t] at scores[r * stride + t];
+// the block's probabilities are `pad` wide)
 template <class V, bool BF16, int D>
-void block_values(const void* vc, int64_t v_base, int64_t n, int64_t rows, int64_t pad, Scratch& s,
-                  const char* seen) {
+void block_values(const void* vc, int64_t v_base, int64_t n, int64_t rows, int64_t pad, int64_t stride,
+                  const float* scores, Scratch& s, const char* seen) {
   using T = typename V::T;
   constexpr int NV = D / V::W;
   if constexpr (BF16 && V::kDotBf16 && D % 32 == 0) {
-    V::template values_bf16<D>(static_cast<const uint16_t*>(vc) + v_base, n, rows, s.scores.data(), pad, s.acc.data(), seen);
+    V::template values_bf16<D>(static_cast<const uint16_t*>(vc) + v_base, n, rows, scores, pad, stride, s.acc.data(), seen);
     return;
   }
   for (int64_t t = 0; t < n; ++t) {
@@ -158,7 +170,7 @@ void block_values(const void* vc, int64_t v_base, int64_t n, int64_t rows, int64
     for (int v = 0; v < NV; ++v) value[v] = load_elems<V, BF16>(vc, v_base + t * D + v * V::W);
     for (int64_t r = 0; r < rows; ++r) {
       if (!seen[r]) continue;
-      const T p = V::set1(s.scores[r * pad + t]);
+      const T p = V::set1(scores[r * stride + t]);
       float* acc = &s.acc[r * D];
       for (int v = 0; v < NV; ++v) V::store(acc + v * V::W, V::fma(p, value[v], V::loadf(acc + v * V::W)));
     }
@@ -197,7 +209,8 @@ void attend_item(const AttentionArgs& a, const WorkItem& it) {
   static thread_local Scratch s;
   const int64_t group = a.num_heads / a.num_kv_heads, nq = it.q_end - it.q_begin, rows = group * nq;
   const int64_t bs = a.block_size, pad = (bs + 15) / 16 * 16;
-  s.fit(rows, D, pad);
+  const int64_t per_tile = std::max<int64_t>(1, kTileKeys / bs), stride = per_tile * pad;  // a row's scores
+  s.fit(rows, D, stride);
   start_rows<V, BF16, D>(a, it, s, group, nq);
   int64_t lo = s.first[0], hi = s.last[0];
   for (int64_t r = 1; r < rows; ++r) {
@@ -207,21 +220,31 @@ void attend_item(const AttentionArgs& a, const WorkItem& it) {
   hi = std::min<int64_t>(hi, a.seq_lens[it.seq] - 1);
   const int32_t* table = a.block_tables + it.seq * a.table_stride;
   const int64_t elem = BF16 ? 2 : 4, tile_bytes = bs * D * elem;  // a KV head's block: contiguous
-  for (int64_t b = lo / bs; b <= hi / bs; ++b) {
-    const int64_t key0 = b * bs, n = std::min(bs, hi + 1 - key0);
-    const int64_t base = table[b] * a.cache_stride_block + it.kv_head * a.cache_stride_head;
-    if (b < hi / bs) {  // the next block's K and V on their way while this one is computed: the
-      // blocks are scattered over the pool, so the hardware prefetcher starts afresh at each
-      const int64_t next = (table[b + 1] * a.cache_stride_block + it.kv_head * a.cache_stride_head) * elem;
-      for (int64_t at = 0; at < tile_bytes; at += 64) {
-        __builtin_prefetch(static_cast<const char*>(a.k_cache) + next + at, 0, 3);
-        __builtin_prefetch(static_cast<const char*>(a.v_cache) + next + at, 0, 3);
+  const auto base_of = [&](int64_t b) { return table[b] * a.cache_stride_block + it.kv_head * a.cache_stride_head; };
+  for (int64_t b0 = lo / bs; b0 <= hi / bs; b0 += per_tile) {
+    const int64_t blocks = std::min(per_tile, hi / bs + 1 - b0), n_last = std::min(bs, hi + 1 - (b0 + blocks - 1) * bs);
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t b = b0 + j;
+      if (b < hi / bs) {  // the next block's K and V on their way while this one is computed: the
+        // blocks are scattered over the pool, so the hardware prefetcher starts afresh at each
+        const int64_t next = base_of(b + 1) * elem;
+        for (int64_t at = 0; at < tile_bytes; at += 64) {
+          __builtin_prefetch(static_cast<const char*>(a.k_cache) + next + at, 0, 3);
+          __builtin_prefetch(static_cast<const char*>(a.v_cache) + next + at, 0, 3);
+        }
       }
+      block_scores<V, BF16, D>(a.k_cache, base_of(b), j + 1 < blocks ? bs : n_last, rows, pad, stride,
+                               &s.scores[j * pad], s, a.scale);
     }
-    block_scores<V, BF16, D>(a.k_cache, base, n, rows, pad, s, a.scale);
     bool any = false;
-    for (int64_t r = 0; r < rows; ++r) any |= (s.seen[r] = block_softmax<V, D>(a, s, r, key0, n, pad));
-    if (any) block_values<V, BF16, D>(a.v_cache, base, n, rows, pad, s, s.seen.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      any |= (s.seen[r] = tile_softmax<V, D>(a, s, r, b0 * bs, blocks, n_last, pad, stride));
+    }
+    if (!any) continue;
+    for (int64_t j = 0; j < blocks; ++j) {
+      block_values<V, BF16, D>(a.v_cache, base_of(b0 + j), j + 1 < blocks ? bs : n_last, rows, pad, stride,
+                               &s.scores[j * pad], s, s.seen.data());
+    }
   }
   finish_rows<V, BF16, D>(a, it, s, group, nq);
 }

@@ -26,13 +26,13 @@ def isas() -> list[str]:
     return ["scalar", *found]
 
 
-def make_batch(shapes: list[tuple[int, int]], both_ways: dict[int, tuple[int, int]] | None = None):
+def make_batch(shapes: list[tuple[int, int]], both_ways: dict[int, tuple[int, int]] | None = None, bs: int = BS):
     """(start_pos, new tokens) per sequence, each with its own shuffled blocks."""
-    num_blocks = sum(-(-(start + n) // BS) for start, n in shapes) + 1
+    num_blocks = sum(-(-(start + n) // bs) for start, n in shapes) + 1
     order = torch.randperm(num_blocks - 1).tolist()
     batch = []
     for i, (start, n) in enumerate(shapes):
-        need = -(-(start + n) // BS)
+        need = -(-(start + n) // bs)
         table = [b + 1 for b in order[:need]]
         order = order[need:]
         spans = ((both_ways[i]),) if both_ways and i in both_ways else ()
@@ -41,18 +41,18 @@ def make_batch(shapes: list[tuple[int, int]], both_ways: dict[int, tuple[int, in
 
 
 def run_both(shapes, num_heads, num_kv_heads, head_dim, dtype, span=None, softcap=None, sinks=False, isa="auto",
-             both_ways=None):
-    batch, num_blocks = make_batch(shapes, both_ways)
-    args = (BS, num_heads, num_kv_heads, head_dim, dtype, torch.device("cpu"))
+             both_ways=None, bs=BS):
+    batch, num_blocks = make_batch(shapes, both_ways, bs)
+    args = (bs, num_heads, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     reference, compiled = TorchAttention(*args), CpuAttention(*args)
     width = max(len(s.block_table) for s in batch)
     tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch])
     positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in batch])
     seq = torch.cat([torch.full((len(s.token_ids),), i) for i, s in enumerate(batch)])
-    slots = tables[seq, positions // BS] * BS + positions % BS
+    slots = tables[seq, positions // bs] * bs + positions % bs
     num_tokens = len(positions)
-    k_cache = torch.randn(num_blocks, num_kv_heads, BS, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, num_kv_heads, BS, head_dim).to(dtype)
+    k_cache = torch.randn(num_blocks, num_kv_heads, bs, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, num_kv_heads, bs, head_dim).to(dtype)
     q = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
     k = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
@@ -98,6 +98,16 @@ def test_guesses_chunks_and_prefills_match_the_torch_path(isa, dtype):
     shapes = [(20, 4), (BS - 2, 4), (47, 3), (0, 1), (0, 37), (BS, 30), (100, 70), (5, 3)]
     check(*run_both(shapes, 9, 3, 64, dtype, isa=isa), dtype)
     check(*run_both(shapes, 8, 1, 128, dtype, isa=isa), dtype)
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("bs", [8, 24, 32, 128])
+def test_other_block_sizes_match_the_torch_path(isa, bs):
+    # a softmax tile of 64 keys takes several blocks (8, 24, 32) or one (128): contexts ending
+    # inside a tile's first, middle and last block, prefills, a window
+    shapes = [(0, 1), (bs - 1, 1), (3 * bs + 5, 1), (200, 1), (0, 37), (50, 20)]
+    check(*run_both(shapes, 9, 3, 64, torch.bfloat16, isa=isa, bs=bs), torch.bfloat16)
+    check(*run_both(shapes, 9, 3, 64, torch.float32, span=40, isa=isa, bs=bs), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
