@@ -9,7 +9,8 @@ warning and the torch attention path serves instead, slower. The ops are then
 
 Sources: fused.cpp (small bf16 ops fused into one pass each: the residual add with the RMSNorm
 after it, SiLU(gate) * up, rotary in place; `add_rms_norm_`, `silu_and_mul`, `rope_` here),
-attention.cpp (the op, its checks and its threads), attention_impl.h (the kernel,
+attention.cpp (the op, its checks and its threads; and `write_kv_`, this step's K and V into
+their cache slots in one pass), attention_impl.h (the kernel,
 written once over a vector type; vec_avx512.h, AVX-512's), attention_{avx512bf16,avx512,avx2,
 scalar}.cpp (that kernel compiled for each instruction set, AVX-512-BF16's taking bf16 dot
 products for bf16 caches; each file under its own `#pragma GCC target`: the extension is
@@ -26,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ISA_NAMES", "SUPPORTED_HEAD_DIMS", "add_rms_norm_", "load", "paged_attention", "rope_", "silu_and_mul"]
+__all__ = ["ISA_NAMES", "SUPPORTED_HEAD_DIMS", "add_rms_norm_", "load", "paged_attention", "rope_", "silu_and_mul",
+           "write_kv_"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,13 @@ def paged_attention(
     torch.ops.genq_cpu.paged_attention(out, q, k_cache, v_cache, block_tables, query_start, seq_lens, attend_until,
                                        sinks, scale, window or 0, chunk or 0, softcap or 0.0, ISA_NAMES[isa])
     return out
+
+
+def write_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """k and v [T, kv_heads, head_dim] (last dim contiguous) into the caches [blocks, kv_heads,
+    block_size, head_dim] of their dtype, at each token's slot (int64 [T]), in one pass."""
+    torch.ops.genq_cpu.write_kv_(k_cache, v_cache, k, v, slot_mapping)
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -151,14 +152,60 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   });
 }
 
+// This step's K and V into their cache slots: cache[slot / block_size, h, slot % block_size] =
+// x[t, h] for each token t and KV head h, slot = slot_mapping[t]. One call for both caches and
+// no copy of k or v (they are views into the qkv projection's output); the bytes move as they
+// are, so any dtype the caches share with k and v.
+void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "genq_cpu.write_kv_: k and v must be [T, kv_heads, head_dim] alike, last dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(1) == k.size(1) && k_cache.size(3) == k.size(2),
+              "genq_cpu.write_kv_: caches must be contiguous [blocks, kv_heads, block_size, head_dim] of k's heads and head_dim");
+  const auto dtype = k.scalar_type();
+  TORCH_CHECK(v.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "genq_cpu.write_kv_: k, v and both caches must share one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1 &&
+              slot_mapping.numel() == k.size(0), "genq_cpu.write_kv_: slot_mapping must be int64 [T]");
+  const int64_t tokens = k.size(0), heads = k.size(1), bytes = k.size(2) * k.element_size(), bs = k_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < k_cache.size(0) * bs, "genq_cpu.write_kv_: token ", t, " names slot ",
+                slots[t], " of ", k_cache.size(0) * bs);
+  }
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size();
+  const auto copy = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / bs, offset = slots[t] % bs;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t row = ((block * heads + h) * bs + offset) * bytes;
+        std::memcpy(kc + row, kp + (t * k.stride(0) + h * k.stride(1)) * es, bytes);
+        std::memcpy(vc + row, vp + (t * v.stride(0) + h * v.stride(1)) * es, bytes);
+      }
+    }
+  };
+  // a step's decodes are a few hundred rows: a thread team would cost more than the copy
+  if (tokens * heads * bytes < (1 << 20)) copy(0, tokens);
+  else at::parallel_for(0, tokens, 64, copy);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(genq_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor query_start, Tensor seq_lens, Tensor? attend_until, Tensor? sinks, float scale, int window, "
         "int chunk, float softcap, int isa) -> ()");
+  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(genq_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(genq_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_", &write_kv_);
+}
 
 }  // namespace genq_cpu

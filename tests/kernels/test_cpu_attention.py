@@ -8,7 +8,7 @@ import torch
 
 from kernels import cpu as cpu_kernels
 from worker.core.scheduler import ScheduledRequest
-from worker.model_executor.attention import TorchAttention
+from worker.model_executor.attention import TorchAttention, write_kv
 from worker.model_executor.attention_cpu import CpuAttention, CpuMetadata
 from worker.model_executor.models.config import Chunked
 
@@ -125,6 +125,29 @@ def test_softcap_sinks_and_both_ways_spans_match_the_torch_path(dtype):
     check(*run_both(shapes, 8, 2, 64, dtype, span=24, sinks=True, softcap=5.0), dtype)
     both_ways = {len(DECODES): (5, 20), len(DECODES) + 1: (34, 50)}  # an image's span in each prefill
     check(*run_both(shapes, 8, 2, 64, dtype, both_ways=both_ways), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_write_matches_the_torch_path(dtype):
+    # k and v as the model hands them: views into one qkv projection's output
+    batch, num_blocks = make_batch([(20, 1), (BS - 1, 2), (0, 40), (100, 1)])
+    width = max(len(s.block_table) for s in batch)
+    tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch])
+    positions = torch.cat([torch.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in batch])
+    seq = torch.cat([torch.full((len(s.token_ids),), i) for i, s in enumerate(batch)])
+    slots = tables[seq, positions // BS] * BS + positions % BS
+    qkv = torch.randn(len(positions), (4 + 2 + 2) * 64).to(dtype).view(-1, 8, 64)
+    k, v = qkv[:, 4:6], qkv[:, 6:]
+    reference = TorchAttention(BS, 4, 2, 64, dtype, torch.device("cpu")).build(batch, tables, slots)
+    caches = [torch.randn(num_blocks, 2, BS, 64).to(dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    write_kv(k, v, *expected, reference)
+    cpu_kernels.write_kv_(*caches, k, v, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    with pytest.raises(RuntimeError, match=f"token 1 names slot {num_blocks * BS} of {num_blocks * BS}"):
+        cpu_kernels.write_kv_(*caches, k, v, torch.cat([slots[:1], torch.tensor([num_blocks * BS]), slots[2:]]))
+    with pytest.raises(RuntimeError, match="must share one dtype"):
+        cpu_kernels.write_kv_(*caches, k.double(), v.double(), slots)
 
 
 def test_an_fp8_cache_and_unbuilt_head_sizes_take_the_torch_path():

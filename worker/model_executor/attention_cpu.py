@@ -59,7 +59,10 @@ class CpuMetadata:
         """Write this step's K/V into the cache, then attend over it (the kernel reads the
         new tokens' K/V from the cache, as their prefix's)."""
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, self)  # type: ignore[arg-type]  # (it reads write_rows only)
+        if k_cache.dtype == k.dtype:  # (an fp8 cache: values converted on the way, by the torch path)
+            cpu_kernels.write_kv_(k_cache, v_cache, k, v, self.slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, self)  # type: ignore[arg-type]  # (it reads write_rows only)
         if k_cache.dtype != q.dtype or q.dtype not in KERNEL_DTYPES:  # an fp8 cache: the torch path
             return paged_attention(q, k, v, k_cache, v_cache, self.torch_metadata(), scale, span, softcap, sinks)
         if q.stride(-1) != 1:
