@@ -72,3 +72,34 @@ def test_gpu_check_fails_clearly_without_cuda() -> None:
 
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         check_kernels()
+
+
+def test_without_a_compiler_the_torch_attention_path_serves_with_one_warning(tmp_path: Path) -> None:
+    """No C++ compiler (CXX names none; a fresh copy of the sources, so no earlier build is at
+    hand): kernels.cpu.load() warns once and says False, `auto` picks the torch backend on the
+    CPU, and asking for `cpu` by name is refused with the reason."""
+    import shutil
+
+    shutil.copytree(REPO / "kernels", tmp_path / "kernels", ignore=shutil.ignore_patterns("_build", "__pycache__"))
+    code = textwrap.dedent(f"""
+        import logging
+        import torch
+        logging.basicConfig(level=logging.WARNING)
+        from kernels import cpu
+        assert cpu.__file__.startswith({str(tmp_path)!r}), cpu.__file__
+        print("loaded", cpu.load(), cpu.load())
+        from worker.model_executor.attention_selector import resolve_attention_backend
+        print("auto", resolve_attention_backend("auto", torch.device("cpu")))
+        try:
+            resolve_attention_backend("cpu", torch.device("cpu"))
+        except ValueError as e:
+            print("refused:", e)
+        """)
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ.update(CXX=str(tmp_path / "no-such-compiler"), PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=environ, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loaded False False" in result.stdout and "auto torch" in result.stdout, result.stdout
+    assert "refused: attention_backend 'cpu' needs genq's compiled CPU kernels" in result.stdout
+    assert result.stderr.count("compiled CPU kernels are unavailable") == 1, result.stderr[-3000:]
