@@ -2,12 +2,14 @@
 head) against genq's compiled kernel (kernels.cpu, blocks read in place), same data, same run.
 
     python benchmarks/cpu_attention.py [--shapes 128x200,512x200,128x1000,4x4000,8x256p] [--dtype bfloat16] [--threads 1]
+        [--layers 30]
 
 Each shape is sequences x context (decodes), or with a trailing p whole prompts; heads are the default model's (SmolLM2-135M: 9 query heads,
 3 KV heads, head_dim 64), blocks of 16, each sequence's blocks scattered over the pool. A row
-times one layer's attention (the median of --repeats calls, the two paths called in turn)
-and, apart, each path's per-step
-metadata (built once a step for all 30 layers).
+times one layer's attention (the median of --repeats calls, the two paths called in turn; each
+call runs --layers layers' caches in turn and counts as their mean, so that as in a model's step
+the K/V come from memory, not from the last call's cache), the kernel's K/V reads per second,
+and, apart, each path's per-step metadata (built once a step for all 30 layers).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def interleaved_ms(fns, repeats: int) -> list[float]:
     return [statistics.median(spent) * 1e3 for spent in times]
 
 
-def bench_shape(num_seqs: int, context: int, dtype: torch.dtype, repeats: int, prefill: bool = False) -> dict[str, float]:
+def bench_shape(num_seqs: int, context: int, dtype: torch.dtype, repeats: int, prefill: bool = False,
+                layers: int = 1) -> dict[str, float]:
     """Decodes of a context uniform in [context / 2, context * 3 / 2], or (`prefill`) whole
     prompts of `context` tokens."""
     gen = torch.Generator().manual_seed(0)
@@ -66,7 +69,8 @@ def bench_shape(num_seqs: int, context: int, dtype: torch.dtype, repeats: int, p
     positions = torch.tensor([s.start_pos + j for s in batch for j in range(q_len)])
     rows = torch.tensor([i for i in range(num_seqs) for _ in range(q_len)])
     slots = tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    cache = torch.randn(2, sum(blocks) + 1, KV_HEADS, BLOCK_SIZE, HEAD_DIM, generator=gen).to(dtype)
+    caches = torch.randn(layers, 2, sum(blocks) + 1, KV_HEADS, BLOCK_SIZE, HEAD_DIM, generator=gen).to(dtype)
+    cache = caches[0]
     q = torch.randn(num_seqs * q_len, HEADS, HEAD_DIM, generator=gen).to(dtype)
     kv = torch.randn(num_seqs * q_len, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     args = (BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))
@@ -79,13 +83,24 @@ def bench_shape(num_seqs: int, context: int, dtype: torch.dtype, repeats: int, p
     got = cpu_kernels.paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start,
                                       meta.seq_lens, scale)
     error = (got.float() - expected.float()).abs().max().item()
-    torch_ms, kernel_ms = interleaved_ms([
-        lambda: paged_attention(q, kv, kv, cache[0], cache[1], ref_meta, scale),
-        lambda: cpu_kernels.paged_attention(out, q, cache[0], cache[1], meta.block_tables, meta.query_start,
-                                            meta.seq_lens, scale)], repeats)
+    for layer in caches[1:]:
+        write_kv(kv, kv, layer[0], layer[1], ref_meta)
+
+    def torch_path() -> None:
+        for layer in caches:
+            paged_attention(q, kv, kv, layer[0], layer[1], ref_meta, scale)
+
+    def kernel() -> None:
+        for layer in caches:
+            cpu_kernels.paged_attention(out, q, layer[0], layer[1], meta.block_tables, meta.query_start,
+                                        meta.seq_lens, scale)
+
+    torch_ms, kernel_ms = (ms / layers for ms in interleaved_ms([torch_path, kernel], repeats))
+    kv_bytes = 2 * sum(s.start_pos + q_len for s in batch) * KV_HEADS * HEAD_DIM * cache.element_size()
     torch_build_ms = median_ms(lambda: reference.build(batch, tables, slots), repeats)
     kernel_build_ms = median_ms(lambda: compiled.build(batch, tables, slots), repeats)
     return {"torch_ms": torch_ms, "kernel_ms": kernel_ms, "speedup": torch_ms / kernel_ms,
+            "kernel_gb_s": kv_bytes / kernel_ms / 1e6,
             "torch_build_ms": torch_build_ms, "kernel_build_ms": kernel_build_ms, "max_abs_err": error}
 
 
@@ -96,6 +111,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
+    p.add_argument("--layers", type=int, default=30, help="caches a call runs through, one per layer (1: the "
+                   "same cache every call, in the CPU's caches where it fits)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,12 +120,12 @@ def main() -> None:
         raise SystemExit("genq's CPU kernels could not be built here (see the warning above)")
     dtype = getattr(torch, args.dtype)
     print(f"threads {torch.get_num_threads()}, {args.dtype}, heads {HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}")
-    print(f"{'seqs x ctx':>12} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} {'build torch':>12} "
-          f"{'build kernel':>13} {'max err':>8}")
+    print(f"{'seqs x ctx':>12} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} {'kernel GB/s':>12} "
+          f"{'build torch':>12} {'build kernel':>13} {'max err':>8}")
     for shape in args.shapes.split(","):
         num_seqs, context = (int(x) for x in shape.rstrip("p").split("x"))
-        r = bench_shape(num_seqs, context, dtype, args.repeats, prefill=shape.endswith("p"))
-        print(f"{shape:>12} {r['torch_ms']:>9.2f} {r['kernel_ms']:>10.2f} {r['speedup']:>7.2f}x "
+        r = bench_shape(num_seqs, context, dtype, args.repeats, prefill=shape.endswith("p"), layers=args.layers)
+        print(f"{shape:>12} {r['torch_ms']:>9.2f} {r['kernel_ms']:>10.2f} {r['speedup']:>7.2f}x {r['kernel_gb_s']:>12.1f} "
               f"{r['torch_build_ms']:>12.2f} {r['kernel_build_ms']:>13.2f} {r['max_abs_err']:>8.4f}")
 
 
