@@ -53,7 +53,8 @@ async def _status(redis_url: str, prefix: str) -> dict[str, Any]:
         return {
             "queues": [_queue(client.keys.on_queue(q).requests, q, d) for q, d in depths.items()],
             "workers": [{"name": w.name, **asdict(w.info)} for w in workers],
-            "dead_letters": await client.redis.xlen(client.keys.dead),
+            "shards": client.keys.shards,
+            "dead_letters": sum([await client.redis.xlen(k.dead) for k in client.keys.every_shard]),
         }
     finally:
         await client.aclose()
