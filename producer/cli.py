@@ -294,6 +294,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 def format_inspect(view: dict[str, Any]) -> str:
     """Human-readable job view: record, payload, then one line per event."""
     lines = [f"job {view['id']}" + ("  (cancel requested)" if view["cancel_requested"] else "")]
+    lines += _section("keys", view.get("keys"))  # (for redis-cli -c)
     lines += _section("record", view["record"])
     if view["job"] is None and (view["record"] or {}).get("entry_id"):
         lines.append("payload: (gone: workers trim ended jobs' entries from the requests stream)")

@@ -543,6 +543,13 @@ def inspect_view(
     return view
 
 
+def job_names(keys: Keys, job_id: str, at: tuple[str, str] | None) -> dict[str, str | None]:
+    """A job's Redis names, for `genq inspect` to print: what to give `redis-cli -c` (on a
+    Redis Cluster they carry the job's shard's hash tag)."""
+    return {"record": keys.job(job_id), "events": keys.events(job_id), "cancel": keys.cancel_flag(job_id),
+            "entry": f"{at[0]} {at[1]}" if at else None}
+
+
 def _event_dict(entry_fields: dict[bytes, bytes]) -> dict[str, Any]:
     return asdict(_entry_event(entry_fields))
 

@@ -133,8 +133,10 @@ def ref_shard(ref: str) -> int:
 
 SHARDS_ENV = "GENQ_REDIS_SHARDS"
 # shards of the request streams on a Redis Cluster when nothing says otherwise: a multiple of
-# 1, 2, 3, 4 and 6 masters, so that each gets an equal share of them (see shard_tag)
-DEFAULT_CLUSTER_SHARDS = 12
+# 1, 2, 3 and 6 masters, so that each gets an equal share of them (see shard_tag); more shards
+# cost more calls per engine step (its writes are one script call per shard they touch:
+# docs/queue.md, "Redis Cluster")
+DEFAULT_CLUSTER_SHARDS = 6
 MAX_SHARDS = 1024
 CLUSTER_SLOTS = 16384
 
@@ -151,7 +153,7 @@ def _shard_tags(shards: int) -> tuple[str, ...]:
     of `shards` equal runs of the cluster's slots. `redis-cli --cluster create` gives each
     master one run of slots of equal length, so with a multiple of the masters as shards each
     master serves an equal number of them (plain `s<n>` tags fall where CRC16 puts them:
-    twelve over three masters split 4, 3 and 5)."""
+    s0 to s5 over three masters split 1, 1 and 4)."""
     tags = []
     for n in range(shards):
         low, high = -(-n * CLUSTER_SLOTS // shards), -(-(n + 1) * CLUSTER_SLOTS // shards)  # (rounded up)

@@ -14,10 +14,17 @@ from typing import Any
 import redis
 import redis.cluster
 
-from producer.redis_server import RedisServer, find_redis_server
+from producer.redis_server import (
+    PORT_ATTEMPTS,
+    RedisServer,
+    RedisServerError,
+    find_redis_server,
+    free_port,
+)
 
 CLUSTER_READY_TIMEOUT_S = 30.0
 POLL_S = 0.05
+MAX_NODE_PORT = 65535 - 10000
 
 
 class RedisClusterNodes:
@@ -47,13 +54,27 @@ class RedisClusterNodes:
                 "--cluster-node-timeout", str(self.node_timeout_ms))
         try:
             for i in range(self.masters * (1 + self.replicas)):
-                self.servers.append(RedisServer(dir=self.root / f"node{i}", extra_args=args).start())
+                self.servers.append(self._start_node(self.root / f"node{i}", args))
             self._create()
             self.wait_ok()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_node(self, dir: Path, args: tuple[str, ...]) -> RedisServer:
+        """A node on a free port of at most MAX_NODE_PORT (a node's cluster bus listens 10000
+        above its port: redis-server refuses a higher one)."""
+        for attempt in range(PORT_ATTEMPTS):
+            port = free_port()
+            while port > MAX_NODE_PORT:
+                port = free_port()
+            try:
+                return RedisServer(port=port, dir=dir, extra_args=args).start()
+            except RedisServerError:  # (taken by someone else before it bound it)
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _create(self) -> None:
         cli = str(Path(find_redis_server()).parent / "redis-cli")

@@ -57,7 +57,7 @@ ENV_VARS = {
     "GENQ_REDIS_URL": "Redis URL",
     "GENQ_PREFIX": "key prefix",
     "GENQ_REDIS_SHARDS": "request-stream shards on a Redis Cluster (default: the number the cluster records, "
-    "else 12; always 1 on a single Redis)",
+    "else 6; always 1 on a single Redis)",
     "GENQ_WORKER_NAME": "consumer name (default: the host name)",
     "GENQ_MODEL": "local model directory (default: SmolLM2-135M-Instruct)",
     "GENQ_SERVED_MODEL_NAME": "the name jobs use in `model` (default: the model directory's name)",

@@ -35,6 +35,7 @@ from producer.protocol import (
     ref_shard,
 )
 from producer.records import encode_dead_letter
+from producer.redis_conn import xreadgroup
 from worker.queue.affinity import Affinity
 from worker.queue.config import WorkerConfig
 from worker.queue.engine_thread import AddRequest, EngineThread
@@ -542,9 +543,7 @@ class LaneReader:
     async def _read_lanes(self, lanes: list[str], count: int, block_ms: int | None) -> list[Delivery]:
         keys = self.keys
         streams = {keys.on_lane(lane).requests: ">" for lane in lanes}
-        reply = await self.scripts.conn.xreadgroup(
-            keys.group, self.scripts.consumer, streams, count=count, block=block_ms,  # type: ignore[arg-type]
-        )
+        reply = await xreadgroup(self.scripts.conn, keys.group, self.scripts.consumer, streams, count, block_ms)
         lane_of_stream = {keys.on_lane(lane).requests: lane for lane in lanes}
         return [
             Delivery(entry_ref(_str(entry_id), lane_of_stream[_str(stream)], self.shard), fields)
