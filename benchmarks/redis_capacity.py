@@ -30,7 +30,9 @@ With `--cluster`, each trial runs again on a Redis Cluster of `--masters` master
 `producer.redis_cluster`), its request streams split over the default shards, and each
 master's share is reported: its commands (INFO commandstats) and CPU (used_cpu_sys + user)
 per token made, as a share of the single Redis's in the same run (per token, since the two
-trials make slightly different numbers of tokens), and of the cluster's total. The generator (Python, on
+trials make slightly different numbers of tokens), and of the cluster's total. First it prints
+what one XADD and one PUBLISH cost each server's CPU, one server busy at a time (the trials'
+CPU figures move with whatever else the machine runs; these hardly do). The generator (Python, on
 `--procs` processes) is far more costly per token than Redis: on a small machine it, not
 Redis, limits the rate, so the CPU per token is the figure to project from.
 """
@@ -59,7 +61,13 @@ from producer.async_client import AsyncClient
 from producer.protocol import Keys, decode_job, encode_event, entry_ref
 from producer.records import WorkerInfo, encode_worker_info
 from producer.redis_cluster import RedisClusterNodes
-from producer.redis_conn import connect_async, connect_async_pubsub, is_cluster_url, xreadgroup
+from producer.redis_conn import (
+    connect,
+    connect_async,
+    connect_async_pubsub,
+    is_cluster_url,
+    xreadgroup,
+)
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 from worker.queue.jobs import (
@@ -454,6 +462,8 @@ def main() -> int:
             nodes = RedisClusterNodes(Path(tmp), masters=args.masters, replicas=0).start()
             targets.append(Target("cluster", nodes.url, tuple(f"redis://127.0.0.1:{p}" for p in nodes.ports)))
         try:
+            if args.cluster:
+                _print_op_costs(targets[0], targets[1])
             _run_trials(targets, args, rows)
         finally:
             if args.cluster:
@@ -481,6 +491,44 @@ def _run_trials(targets: list[Target], args: argparse.Namespace, rows: list[dict
             if p99 is not None and p99 > args.p99_limit_ms:
                 print(f"  stop: p99 past {args.p99_limit_ms:g} ms")
                 break
+
+
+# 100 of one command in one script call, so the call's own cost is spread thin
+_OPS_LUA = {
+    "XADD": "for i = 1, 100 do redis.call('XADD', KEYS[1], 'MAXLEN', '1000', '*', 'event', ARGV[1]) end",
+    "PUBLISH": "for i = 1, 100 do redis.call('PUBLISH', KEYS[1], ARGV[1]) end",
+}
+
+
+def _print_op_costs(single: Target, cluster: Target, calls: int = 300) -> None:
+    """CPU per XADD and per PUBLISH (run in a script, 300-byte payload) on the single Redis and
+    on each cluster node, one server busy at a time: what a master pays for the commands it runs
+    and for the ones the others run (a PUBLISH goes to every node over the cluster bus)."""
+    key = "cost:{c}events"
+    on_cluster = connect(cluster.url)
+    owner = on_cluster.get_node_from_key(key)
+    on_cluster.close()
+    nodes = [redis.Redis.from_url(url) for url in cluster.nodes]
+    where = next(i for i, url in enumerate(cluster.nodes) if url.endswith(f":{owner.port}"))
+    plain = redis.Redis.from_url(single.url)
+    for name, lua in _OPS_LUA.items():
+        alone = _op_cost(plain, [plain], key, lua, calls)[0]
+        each = _op_cost(nodes[where], nodes, key, lua, calls)
+        others = [c for i, c in enumerate(each) if i != where]
+        print(f"{name}: single Redis {alone:.2f} us; cluster: its key's master {each[where]:.2f} us, "
+              f"each other master {sum(others) / len(others):.2f} us (CPU per command)")
+    for conn in (plain, *nodes):
+        conn.close()
+
+
+def _op_cost(conn: redis.Redis, measured: list[redis.Redis], key: str, lua: str, calls: int) -> list[float]:
+    script = conn.register_script(lua)
+    before = [_redis_counts(c)["_CPU_S"] for c in measured]
+    for _ in range(calls):
+        script(keys=[key], args=["x" * 300])
+    after = [_redis_counts(c)["_CPU_S"] for c in measured]
+    conn.delete(key)
+    return [(a - b) / (calls * 100) * 1e6 for b, a in zip(before, after, strict=True)]
 
 
 def _print_shares(single: dict[str, Any], cluster: dict[str, Any]) -> None:

@@ -30,7 +30,6 @@ from producer.jobs import (
     entry_location,
     inspect_view,
     is_final,
-    job_names,
     make_result,
     raise_if_failed,
     submit_call,
@@ -201,9 +200,7 @@ class AsyncClient:
         raw, events, cancel = await pipe.execute()
         at = entry_location(self.keys, raw)
         entry = await self.redis.xrange(at[0], at[1], at[1]) if at else []
-        view = inspect_view(job_id, raw, entry, events, bool(cancel))
-        view["keys"] = job_names(self.keys, job_id, at)
-        return view
+        return inspect_view(job_id, raw, entry, events, bool(cancel))
 
     async def _follow(
         self, logs: dict[str, EventLog], timeout_s: float | None

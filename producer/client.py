@@ -32,7 +32,6 @@ from producer.jobs import (
     entry_location,
     inspect_view,
     is_final,
-    job_names,
     make_result,
     raise_if_failed,
     submit_call,
@@ -202,9 +201,7 @@ class Client:
         raw, events, cancel = pipe.execute()
         at = entry_location(self.keys, raw)
         entry = self.redis.xrange(at[0], at[1], at[1]) if at else []
-        view = inspect_view(job_id, raw, cast(list[Any], entry), events, bool(cancel))
-        view["keys"] = job_names(self.keys, job_id, at)
-        return view
+        return inspect_view(job_id, raw, cast(list[Any], entry), events, bool(cancel))
 
     def _results(self, logs: dict[str, EventLog]) -> list[JobResult]:
         pipe = self.redis.pipeline(transaction=False)
