@@ -17,6 +17,7 @@ from queue_support import LIVE_WORKERS, Streams, WorkerProcess, ended, wait_for,
 
 from api.cluster import Cluster
 from api.relay import Relay
+from api.usage import read_usage
 from producer.async_client import AsyncClient
 from producer.client import Client
 from producer.jobs import SUBMIT_LUA, build_job, entry_location, submit_call
@@ -219,12 +220,14 @@ def _one_id_per_shard(stem: str) -> list[str]:
 
 
 def test_jobs_on_every_shard_end_whole_and_equal_the_offline_engines(
-    cluster_worker: WorkerProcess, cluster_conn: redis.Redis, cluster_client: Client, offline,
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis,
+    cluster_client: Client, offline,
 ) -> None:
-    """A job per shard: each entry lies in its id's shard (the stream its record names), and the
-    one worker reads every shard."""
+    """A job per shard: each entry lies in its id's shard (the stream its record names), the
+    one worker reads every shard, and the usage read back sums each shard's day."""
     prompts = [f"Item {i} of the list:" for i in range(KEYS.shards)]
-    handles = [cluster_client.submit(p, GREEDY, job_id=job_id) for p, job_id in zip(prompts, _one_id_per_shard("every"), strict=True)]
+    ids = _one_id_per_shard("every")
+    handles = [cluster_client.submit(p, GREEDY, job_id=j, tenant="t-every") for p, j in zip(prompts, ids, strict=True)]
     expected = [outputs[0].token_ids for outputs in offline.many(prompts, GREEDY)]
     results = [h.result(TIMEOUT_S) for h in handles]
     assert [r.outputs[0].token_ids for r in results] == expected
@@ -233,6 +236,14 @@ def test_jobs_on_every_shard_end_whole_and_equal_the_offline_engines(
         assert ref_shard(record[b"entry_id"].decode()) == n
         stream, entry_id = entry_location(KEYS, record)
         assert stream == KEYS.on_shard(n).requests and cluster_conn.xrange(stream, entry_id, entry_id)
+    rows = asyncio.run(_usage(redis_cluster.url, "t-every"))
+    assert sum(r["requests"] for r in rows) == KEYS.shards
+    assert sum(r["completion_tokens"] for r in rows) == sum(len(t) for t in expected)
+
+
+async def _usage(url: str, tenant: str) -> list[dict]:
+    async with AsyncClient(url, prefix=PREFIX) as client:
+        return await read_usage(client, 1, tenant)
 
 
 async def test_a_dead_workers_entries_on_every_shard_are_reclaimed_and_counted_in_the_depth(

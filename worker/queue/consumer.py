@@ -143,7 +143,8 @@ class Consumer:
         logger.info(
             "worker %s serving %s (max_num_seqs=%d, %d KV blocks%s) on %s",
             self.config.name, self.config.model_name, engine.max_num_seqs, engine.block_manager.num_blocks,
-            ", async scheduling" if engine.config.async_scheduling else "", self.keys.requests,
+            ", async scheduling" if engine.config.async_scheduling else "",
+            self.keys.requests + (f" and its {self.keys.shards - 1} other shards" if self.keys.shards > 1 else ""),
         )
 
     def _start_tasks(self) -> None:
