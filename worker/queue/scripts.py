@@ -486,6 +486,19 @@ class Forward:
     fields: dict[bytes, bytes]
 
 
+class PartlyPublished(Exception):
+    """Scripts.publish: the calls of some shards failed (`error`, the first), the others'
+    went through. `unsent`: the writes to make again; `lost`: what the others found lost.
+    Sending all of them again would not be harmless: an entry a finishing write acknowledged
+    would then be reported lost."""
+
+    def __init__(self, unsent: list[JobWrite], lost: set[str], error: BaseException) -> None:
+        super().__init__(f"{len(unsent)} writes not sent: {error}")
+        self.unsent = unsent
+        self.lost = lost
+        self.error = error
+
+
 @dataclass(frozen=True)
 class Reclaimed:
     entry_id: str
@@ -528,9 +541,7 @@ class Scripts:
 
     async def _per_shard(self, refs: Sequence[str], call: Callable[[Keys, list[int]], Awaitable[T]]) -> list[T]:
         """`call(keys of a shard, indexes of the refs in it)` for each shard the refs are in, at once."""
-        groups: dict[int, list[int]] = {}
-        for i, ref in enumerate(refs):
-            groups.setdefault(ref_shard(ref), []).append(i)
+        groups = _shard_groups(refs)
         if len(groups) == 1:  # (the one call of a single Redis, awaited as it always was)
             shard, indexes = next(iter(groups.items()))
             return [await call(self.keys.on_shard(shard), indexes)]
@@ -575,8 +586,24 @@ class Scripts:
                                USAGE_TTL_S, self.events_retention_s]
             return list(await self._step(keys=[keys.requests], args=args))
 
-        lost = await self._per_shard([w.entry_id for w in writes], shard)
-        return {_str(e) for part in lost for e in part}
+        groups = _shard_groups([w.entry_id for w in writes])
+        if len(groups) == 1:  # (a single Redis: one call, as it always was)
+            return {_str(e) for e in await shard(self.keys.on_shard(next(iter(groups))), next(iter(groups.values())))}
+        replies = await asyncio.gather(*(shard(self.keys.on_shard(n), ix) for n, ix in groups.items()),
+                                       return_exceptions=True)
+        lost: set[str] = set()
+        unsent: list[int] = []
+        for indexes, reply in zip(groups.values(), replies, strict=True):
+            if isinstance(reply, BaseException):
+                unsent += indexes
+            else:
+                lost |= {_str(e) for e in reply}
+        failed = next((r for r in replies if isinstance(r, BaseException)), None)
+        if failed is None:
+            return lost
+        if len(unsent) == len(writes):
+            raise failed
+        raise PartlyPublished([writes[i] for i in sorted(unsent)], lost, failed) from failed
 
     def _meter(self, keys: Keys, meter: Meter | None) -> list[Any]:
         """STEP_LUA's usage item: the day's hash, the field prefix, prompt, completion and cached
@@ -837,6 +864,14 @@ class Scripts:
             if not isinstance(rows, Exception):  # no group: nothing is pending there
                 out += [entry_ref(_str(r["message_id"]), lane, shard) for r in rows]
         return out
+
+
+def _shard_groups(refs: Sequence[str]) -> dict[int, list[int]]:
+    """The indexes of the refs in each shard, by shard."""
+    groups: dict[int, list[int]] = {}
+    for i, ref in enumerate(refs):
+        groups.setdefault(ref_shard(ref), []).append(i)
+    return groups
 
 
 def _pairs(mapping: Mapping[Any, Any]) -> list[Any]:
