@@ -210,6 +210,19 @@ def test_the_number_of_shards_is_recorded_and_another_is_refused(
         shards_from_env({"GENQ_REDIS_SHARDS": "0"})
 
 
+def test_a_worker_told_another_number_of_shards_refuses_to_start(
+    redis_cluster: RedisClusterNodes, tiny_llama_dir: Path, tmp_path: Path,
+) -> None:
+    """GENQ_REDIS_SHARDS at the worker's entry point, checked against the cluster's record
+    before the model loads."""
+    with Client(redis_cluster.url, prefix=PREFIX) as client:  # (records the default, if nothing did yet)
+        assert client.keys.shards == KEYS.shards
+    env = worker_env(redis_cluster.url, tiny_llama_dir, "cw-k4", PREFIX, GENQ_REDIS_SHARDS="4")
+    worker = WorkerProcess(env, tmp_path / "cw-k4.log").start()
+    assert worker.process is not None
+    assert worker.process.wait(TIMEOUT_S * 2) != 0
+    assert f"GENQ_REDIS_SHARDS=4, but the request streams under prefix '{PREFIX}' are split over 6 shards" in worker.log()
+
 def _one_id_per_shard(stem: str) -> list[str]:
     ids: dict[int, str] = {}
     for i in range(10_000):
