@@ -6,6 +6,7 @@ not yet delivered are counted from the group's last-delivered id, up to a cap.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -98,12 +99,17 @@ class Cluster:
         for queue in sorted(queues):
             lanes = {}
             for lane in LANES:
-                stream = self._keys.on_queue(queue).on_lane(lane).requests
-                undelivered, pending = await self._depth(keys=[stream], args=[self._keys.group, cap])
-                lanes[lane] = QueueDepth(int(undelivered), int(pending))
+                lanes[lane] = await self._lane_depth(queue, lane, cap)
             depths[queue] = QueueDepth(sum(d.undelivered for d in lanes.values()),
                                        sum(d.pending for d in lanes.values()), lanes)
         return depths
+
+    async def _lane_depth(self, queue: str, lane: str, cap: int) -> QueueDepth:
+        """One lane of `queue`, summed over the request-stream shards (each counted up to `cap`;
+        on a cluster they are asked at once, each on its own master)."""
+        streams = [k.on_queue(queue).on_lane(lane).requests for k in self._keys.every_shard]
+        replies = await asyncio.gather(*(self._depth(keys=[s], args=[self._keys.group, cap]) for s in streams))
+        return QueueDepth(sum(int(u) for u, _ in replies), sum(int(p) for _, p in replies))
 
     async def workers(self, max_age_s: float = 0.0) -> list[LiveWorker]:
         """Live workers: heartbeat hashes still there (they expire when beats stop). A SCAN

@@ -39,7 +39,7 @@ from api.tokenizers import base_model
 from producer.jobs import JobLost, build_job
 from producer.pooling_params import PoolingParams
 from producer.protocol import ERROR_INVALID_REQUEST, Event, ProtocolError
-from producer.redis_conn import pipeline
+from producer.redis_conn import mget, pipeline
 from producer.sampling_params import SamplingParams
 from producer.trace_log import TraceLog
 
@@ -342,7 +342,8 @@ async def check_rate_limit(state: AppState) -> None:
         return
     minute = int(now // 60)
     if tpm is not None:
-        used = int(await state.client.redis.get(state.client.keys.tokens(tenant, minute)) or 0)
+        counters = [k.tokens(tenant, minute) for k in state.client.keys.every_shard]  # (one per shard)
+        used = sum(int(n or 0) for n in await mget(state.client.redis, counters))
         if used >= tpm:
             _rate_limited(f"{tpm} tokens per minute", now)
     if rpm is not None:

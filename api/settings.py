@@ -23,6 +23,9 @@ class Settings(BaseSettings):
 
     redis_url: str = DEFAULT_REDIS_URL
     prefix: str = DEFAULT_PREFIX  # Redis key prefix, as the workers use it
+    # GENQ_REDIS_SHARDS: request-stream shards on a Redis Cluster; None: the number the cluster
+    # records (producer.shards); always 1 on a single Redis
+    redis_shards: int | None = None
     # Empty: no authentication. Else every /v1 route needs `Authorization: Bearer <key>`.
     api_keys: Annotated[tuple[str, ...], NoDecode] = ()
     # Backpressure: submissions are refused with 429 while the queue depth (entries not yet

@@ -23,19 +23,23 @@ async def read_usage(client: AsyncClient, days: int, tenant: str | None = None) 
     """One row per (day, tenant, model) with usage over the last `days` days, newest day
     first; only `tenant`'s rows when it is given ("" is jobs that named none)."""
     dates = days_back(days)
+    shards = client.keys.every_shard  # (a day's hash per shard on a Redis Cluster: summed)
     pipe = client.redis.pipeline(transaction=False)
     for day in dates:
-        pipe.hgetall(client.keys.usage(day))
+        for keys in shards:
+            pipe.hgetall(keys.usage(day))
+    replies = await pipe.execute()
     rows: list[dict[str, Any]] = []
-    for day, fields in zip(dates, await pipe.execute(), strict=True):
+    for i, day in enumerate(dates):
         by_group: dict[tuple[str, str], dict[str, Any]] = {}
-        for name, value in fields.items():
-            who, model, metric = name.decode().split("\t")
-            if metric not in METRICS or (tenant is not None and who != tenant):
-                continue
-            row = by_group.setdefault((who, model), {"day": day, "tenant": who, "model": model,
-                                                     **dict.fromkeys(METRICS, 0)})
-            row[metric] = int(value)
+        for fields in replies[i * len(shards):(i + 1) * len(shards)]:
+            for name, value in fields.items():
+                who, model, metric = name.decode().split("\t")
+                if metric not in METRICS or (tenant is not None and who != tenant):
+                    continue
+                row = by_group.setdefault((who, model), {"day": day, "tenant": who, "model": model,
+                                                         **dict.fromkeys(METRICS, 0)})
+                row[metric] += int(value)
         rows += [by_group[k] for k in sorted(by_group)]
     for row in rows:
         row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]

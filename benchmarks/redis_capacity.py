@@ -12,7 +12,7 @@ one of the M relays (`api.relay.Relay`, one pub/sub connection each, as one API 
 a streaming request does. Jobs' output lengths are uniform in `--output-len` (W1's 16-256).
 
     python benchmarks/redis_capacity.py [--workers 1,2,4] [--relays 2] [--batch 128] [--step-ms 10]
-        [--stream-interval-ms 0,60] [--seconds 10] [--procs 2]
+        [--stream-interval-ms 0,60] [--seconds 10] [--procs 2] [--cluster [--masters 3]]
 
 For each interval and each worker count (stopping once publish -> subscriber p99 passes
 `--p99-limit-ms`), over `--seconds` after a warm-up:
@@ -24,7 +24,15 @@ For each interval and each worker count (stopping once publish -> subscriber p99
 - publish -> subscriber latency p50/p99: from just before the STEP call until the relay's
   follower takes the event.
 Then what one Redis core would sustain at the measured CPU per token, in workers of 5.5k
-tokens/s (an H200 running W1 today) and 16k (its target). The generator (Python, on
+tokens/s (an H200 running W1 today) and 16k (its target).
+
+With `--cluster`, each trial runs again on a Redis Cluster of `--masters` masters (no replicas,
+`producer.redis_cluster`), its request streams split over the default shards, and each
+master's share is reported: its commands (INFO commandstats) and CPU (used_cpu_sys + user)
+per token made, as a share of the single Redis's in the same run (per token, since the two
+trials make slightly different numbers of tokens), and of the cluster's total. First it prints
+what one XADD and one PUBLISH cost each server's CPU, one server busy at a time (the trials'
+CPU figures move with whatever else the machine runs; these hardly do). The generator (Python, on
 `--procs` processes) is far more costly per token than Redis: on a small machine it, not
 Redis, limits the rate, so the CPU per token is the figure to project from.
 """
@@ -38,8 +46,10 @@ import json
 import multiprocessing
 import random
 import string
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import redis
@@ -48,8 +58,16 @@ import redis.asyncio.connection
 
 from api.relay import Relay
 from producer.async_client import AsyncClient
-from producer.protocol import Keys, decode_job, encode_event
+from producer.protocol import Keys, decode_job, encode_event, entry_ref
 from producer.records import WorkerInfo, encode_worker_info
+from producer.redis_cluster import RedisClusterNodes
+from producer.redis_conn import (
+    connect,
+    connect_async,
+    connect_async_pubsub,
+    is_cluster_url,
+    xreadgroup,
+)
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
 from worker.queue.jobs import (
@@ -115,8 +133,9 @@ class SimWorker:
     def __init__(self, name: str, url: str, keys: Keys, client: AsyncClient, relays: list[Relay],
                  args: argparse.Namespace, share: Share, sent_at: dict[tuple[str, int], float]) -> None:
         self.name = name
-        self.conn = redis.asyncio.Redis.from_url(url)
+        self.conn = connect_async(url)
         self.scripts = Scripts(self.conn, keys, name)
+        self.next_shard = 0  # the shard the next read starts at (a worker reads every shard)
         self.keys, self.client, self.relays, self.args = keys, client, relays, args
         self.share, self.sent_at = share, sent_at
         self.held: list[HeldJob] = []
@@ -156,8 +175,7 @@ class SimWorker:
             task = asyncio.create_task(self._follow(relay, handle.id))
             self.followers.add(task)
             task.add_done_callback(self.followers.discard)
-        reply = await self.conn.xreadgroup(self.keys.group, self.name, {self.keys.requests: ">"}, count=need)
-        entries = [(e.decode(), f) for e, f in reply[0][1]] if reply else []
+        entries = await self._read(need)
         jobs = [decode_job(f) for _, f in entries]
         codes = await self.scripts.start(jobs, [e for e, _ in entries], time.time())
         for job, (entry_id, _), code in zip(jobs, entries, codes, strict=True):
@@ -165,6 +183,20 @@ class SimWorker:
                 held = HeldJob(job, entry_id, new_completions(1))
                 held.prompt_tokens = len(job.prompt_token_ids or ())
                 self.held.append(held)
+
+    async def _read(self, need: int) -> list[tuple[str, Any]]:
+        """Up to `need` new entries, shard after shard from one further each time (one read on a
+        single Redis), as the worker's intake loops take turns."""
+        entries: list[tuple[str, Any]] = []
+        shards = self.keys.every_shard
+        for k in range(len(shards)):
+            if len(entries) >= need:
+                break
+            keys = shards[(self.next_shard + k) % len(shards)]
+            reply = await xreadgroup(self.conn, keys.group, self.name, {keys.requests: ">"}, need - len(entries))
+            entries += [(entry_ref(e.decode(), "", keys.shard), f) for e, f in reply[0][1]] if reply else []
+        self.next_shard = (self.next_shard + 1) % len(shards)
+        return entries
 
     async def _follow(self, relay: Relay, job_id: str) -> None:
         try:
@@ -234,9 +266,10 @@ def _generate(url: str, prefix: str, names: list[str], num_relays: int, args: ar
 
 async def _generate_async(url: str, prefix: str, names: list[str], num_relays: int,
                           args: argparse.Namespace, share: Share) -> None:
-    keys = Keys(prefix)
-    client = AsyncClient(url, prefix)
-    relays = [Relay(redis.asyncio.Redis.from_url(url), keys) for _ in range(max(1, num_relays))]
+    client = AsyncClient(url, prefix, args.shards if is_cluster_url(url) else None)
+    keys = client.keys  # (with the shards the cluster records)
+    conns = [connect_async(url) for _ in range(max(1, num_relays))]
+    relays = [Relay(conn, keys, connect_async_pubsub(url, conn)) for conn in conns]
     for relay in relays:
         await relay.start()
     sent_at: dict[tuple[str, int], float] = {}
@@ -249,10 +282,20 @@ async def _generate_async(url: str, prefix: str, names: list[str], num_relays: i
     await client.aclose()
 
 
-def _trial(server: RedisServer, num_workers: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Run N workers over `procs` processes; measure Redis over the window."""
-    conn = redis.Redis.from_url(server.url)
-    conn.flushall()
+@dataclass(frozen=True)
+class Target:
+    """Where a trial runs: `url` for its processes, `nodes` the URLs of the servers measured."""
+
+    name: str
+    url: str
+    nodes: tuple[str, ...]
+
+
+def _trial(target: Target, num_workers: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Run N workers over `procs` processes; measure each Redis (node) over the window."""
+    conns = [redis.Redis.from_url(node) for node in target.nodes]
+    for conn in conns:
+        conn.flushall()
     prefix = f"cap-{args.interval_ms:g}-{num_workers}:"
     start = time.time() + START_DELAY_S + args.warmup_s
     window = (start, start + args.seconds)
@@ -261,22 +304,40 @@ def _trial(server: RedisServer, num_workers: int, args: argparse.Namespace) -> d
     out: Any = multiprocessing.get_context("fork").Queue()
     children = [
         multiprocessing.get_context("fork").Process(
-            target=_generate, args=(server.url, prefix, names[p::procs], _split(args.relays, procs, p), args, window, out))
+            target=_generate, args=(target.url, prefix, names[p::procs], _split(args.relays, procs, p), args, window, out))
         for p in range(procs)
     ]
     for child in children:
         child.start()
     time.sleep(max(0.0, window[0] - time.time()))
-    before = _redis_counts(conn)
+    before = [_redis_counts(conn) for conn in conns]
     time.sleep(max(0.0, window[1] - time.time()))
-    after = _redis_counts(conn)
+    after = [_redis_counts(conn) for conn in conns]
     shares = [out.get(timeout=120) for _ in children]
     for child in children:
         child.join(30)
-    row = _summary(num_workers, args, shares, before, after)
-    row["bytes_per_job"] = _bytes_per_job(conn, Keys(prefix))
-    conn.close()
+    row = _summary(num_workers, args, shares, _summed(before), _summed(after))
+    row["redis"] = target.name
+    row["nodes"] = [_node_row(b, a) for b, a in zip(before, after, strict=True)]
+    if len(conns) == 1:
+        row["bytes_per_job"] = _bytes_per_job(conns[0], Keys(prefix))
+    for conn in conns:
+        conn.close()
     return row
+
+
+def _summed(counts: list[dict[str, float]]) -> dict[str, float]:
+    """Every node's counts added up (the time: the first node's)."""
+    total: collections.Counter[str] = collections.Counter()
+    for c in counts:
+        total.update({k: v for k, v in c.items() if k != "_TIME"})
+    return {**total, "_TIME": counts[0]["_TIME"]}
+
+
+def _node_row(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """One node's commands (INFO itself left out) and CPU seconds over the window."""
+    ran = sum(after[k] - before.get(k, 0.0) for k in after if not k.startswith("_") and k != "INFO")
+    return {"commands": ran, "cpu_s": after["_CPU_S"] - before["_CPU_S"]}
 
 
 def _bytes_per_job(conn: redis.Redis, keys: Keys, sample: int = 200) -> dict[str, float]:
@@ -386,28 +447,110 @@ def main() -> int:
     ap.add_argument("--heartbeat-s", type=float, default=5.0)
     ap.add_argument("--procs", type=int, default=2, help="generator processes")
     ap.add_argument("--p99-limit-ms", type=float, default=50.0)
+    ap.add_argument("--cluster", action="store_true",
+                    help="run each trial on a Redis Cluster too, and report each master's share")
+    ap.add_argument("--masters", type=int, default=3, help="the cluster's masters (no replicas)")
+    ap.add_argument("--shards", type=int, default=None,
+                    help="request-stream shards on the cluster (default: genq's, DEFAULT_CLUSTER_SHARDS)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.output_len = tuple(int(x) for x in args.output_len.split(","))
-    rows = []
-    with RedisServer() as server:
-        for interval in (float(x) for x in args.stream_interval_ms.split(",")):
-            args.interval_ms = interval
-            for n in (int(x) for x in args.workers.split(",")):
-                row = _trial(server, n, args)
-                rows.append(row)
-                _print_row(row)
-                if row["steps_made_share"] < 0.9:
-                    print("  (the generator fell behind its steps: this machine's Python, not Redis, set the rate)")
-                p99 = row["latency_ms"]["p99"]
-                if p99 is not None and p99 > args.p99_limit_ms:
-                    print(f"  stop: p99 past {args.p99_limit_ms:g} ms")
-                    break
-    _print_ratios(rows)
+    rows: list[dict[str, Any]] = []
+    with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
+        targets = [Target("single", server.url, (server.url,))]
+        if args.cluster:
+            nodes = RedisClusterNodes(Path(tmp), masters=args.masters, replicas=0).start()
+            targets.append(Target("cluster", nodes.url, tuple(f"redis://127.0.0.1:{p}" for p in nodes.ports)))
+        try:
+            if args.cluster:
+                _print_op_costs(targets[0], targets[1])
+            _run_trials(targets, args, rows)
+        finally:
+            if args.cluster:
+                nodes.stop()
+    _print_ratios([r for r in rows if r["redis"] == "single"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     return 0
+
+
+def _run_trials(targets: list[Target], args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    for interval in (float(x) for x in args.stream_interval_ms.split(",")):
+        args.interval_ms = interval
+        for n in (int(x) for x in args.workers.split(",")):
+            trial = [_trial(target, n, args) for target in targets]
+            rows += trial
+            for row in trial:
+                _print_row(row)
+            if len(trial) > 1:
+                _print_shares(trial[0], trial[1])
+            if trial[0]["steps_made_share"] < 0.9:
+                print("  (the generator fell behind its steps: this machine's Python, not Redis, set the rate)")
+            p99 = trial[0]["latency_ms"]["p99"]
+            if p99 is not None and p99 > args.p99_limit_ms:
+                print(f"  stop: p99 past {args.p99_limit_ms:g} ms")
+                break
+
+
+# 100 of one command in one script call, so the call's own cost is spread thin
+_OPS_LUA = {
+    "XADD": "for i = 1, 100 do redis.call('XADD', KEYS[1], 'MAXLEN', '1000', '*', 'event', ARGV[1]) end",
+    "PUBLISH": "for i = 1, 100 do redis.call('PUBLISH', KEYS[1], ARGV[1]) end",
+}
+
+
+def _print_op_costs(single: Target, cluster: Target, calls: int = 300) -> None:
+    """CPU per XADD and per PUBLISH (run in a script, 300-byte payload) on the single Redis and
+    on each cluster node, one server busy at a time: what a master pays for the commands it runs
+    and for the ones the others run (a PUBLISH goes to every node over the cluster bus)."""
+    key = "cost:{c}events"
+    on_cluster = connect(cluster.url)
+    owner = on_cluster.get_node_from_key(key)
+    on_cluster.close()
+    nodes = [redis.Redis.from_url(url) for url in cluster.nodes]
+    where = next(i for i, url in enumerate(cluster.nodes) if url.endswith(f":{owner.port}"))
+    plain = redis.Redis.from_url(single.url)
+    for name, lua in _OPS_LUA.items():
+        alone = _op_cost(plain, [plain], key, lua, calls)[0]
+        each = _op_cost(nodes[where], nodes, key, lua, calls)
+        others = [c for i, c in enumerate(each) if i != where]
+        print(f"{name}: single Redis {alone:.2f} us; cluster: its key's master {each[where]:.2f} us, "
+              f"each other master {sum(others) / len(others):.2f} us (CPU per command)")
+    for conn in (plain, *nodes):
+        conn.close()
+
+
+def _op_cost(conn: redis.Redis, measured: list[redis.Redis], key: str, lua: str, calls: int) -> list[float]:
+    script = conn.register_script(lua)
+    before = [_redis_counts(c)["_CPU_S"] for c in measured]
+    for _ in range(calls):
+        script(keys=[key], args=["x" * 300])
+    after = [_redis_counts(c)["_CPU_S"] for c in measured]
+    conn.delete(key)
+    return [(a - b) / (calls * 100) * 1e6 for b, a in zip(before, after, strict=True)]
+
+
+def _print_shares(single: dict[str, Any], cluster: dict[str, Any]) -> None:
+    """Each master's commands and CPU per token, as a share of the single Redis's per token and
+    of the cluster's total; the largest of each (the target: at most 40% on three masters)."""
+    tokens = {id(r): max(r["tokens_per_s"], 1) for r in (single, cluster)}
+    base_commands = single["nodes"][0]["commands"] / tokens[id(single)]
+    base_cpu = single["nodes"][0]["cpu_s"] / tokens[id(single)]
+    total_commands = sum(n["commands"] for n in cluster["nodes"]) or 1
+    total_cpu = sum(n["cpu_s"] for n in cluster["nodes"]) or 1e-9
+    shares = []
+    for node in cluster["nodes"]:
+        shares.append({
+            "commands_vs_single": round(node["commands"] / tokens[id(cluster)] / base_commands, 3),
+            "cpu_vs_single": round(node["cpu_s"] / tokens[id(cluster)] / max(base_cpu, 1e-12), 3),
+            "commands_of_cluster": round(node["commands"] / total_commands, 3),
+            "cpu_of_cluster": round(node["cpu_s"] / total_cpu, 3),
+        })
+    cluster["master_shares"] = shares
+    print(f"  per master (share of the single Redis's per token; of the cluster's): {shares}")
+    print(f"  largest master: {max(s['commands_vs_single'] for s in shares):.1%} of the single Redis's commands, "
+          f"{max(s['cpu_vs_single'] for s in shares):.1%} of its CPU (per token made)")
 
 
 def _print_ratios(rows: list[dict[str, Any]]) -> None:

@@ -37,7 +37,14 @@ from producer.jobs import (
 from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
-from producer.redis_conn import connect_async, connect_async_pubsub, is_cluster_url, pipeline
+from producer.redis_conn import (
+    connect,
+    connect_async,
+    connect_async_pubsub,
+    is_cluster_url,
+    pipeline,
+)
+from producer.shards import resolve_shards
 
 
 class AsyncJobHandle:
@@ -67,8 +74,17 @@ class AsyncJobHandle:
 class AsyncClient:
     """asyncio genq client (redis.asyncio); see `Client` for the meaning of each method."""
 
-    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX) -> None:
-        self.keys = Keys(prefix, cluster=is_cluster_url(redis_url))
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX,
+                 shards: int | None = None) -> None:
+        """`shards`: as Client's. On a Redis Cluster the number is settled here, with one
+        blocking round trip (before any job can use it)."""
+        keys = Keys(prefix, cluster=is_cluster_url(redis_url))
+        if keys.cluster:
+            with connect(redis_url) as conn:
+                keys = resolve_shards(conn, keys, shards)
+        else:
+            keys = resolve_shards(None, keys, shards)
+        self.keys = keys
         self.redis = connect_async(redis_url)
         # (the same client off a cluster; on one, a connection that can SUBSCRIBE)
         self.pubsub_redis = connect_async_pubsub(redis_url, self.redis)

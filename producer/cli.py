@@ -281,6 +281,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         with Client(args.redis_url) as client:
             view = client.inspect(args.job_id)
+            view["keys"] = _job_names(client.keys, args.job_id, view["record"])
     except _redis_errors() as exc:
         print(f"genq: cannot reach Redis at {args.redis_url}: {exc}", file=sys.stderr)
         return 1
@@ -291,9 +292,19 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_names(keys: Any, job_id: str, record: dict[str, Any] | None) -> dict[str, str | None]:
+    """The job's Redis names, for redis-cli -c (on a Redis Cluster they carry its shard's tag)."""
+    from producer.jobs import job_names
+
+    entry = (record or {}).get("entry_id")
+    at = keys.on_queue((record or {}).get("queue") or "").locate(entry) if entry else None
+    return job_names(keys, job_id, at)
+
+
 def format_inspect(view: dict[str, Any]) -> str:
     """Human-readable job view: record, payload, then one line per event."""
     lines = [f"job {view['id']}" + ("  (cancel requested)" if view["cancel_requested"] else "")]
+    lines += _section("keys", view.get("keys"))  # (for redis-cli -c)
     lines += _section("record", view["record"])
     if view["job"] is None and (view["record"] or {}).get("entry_id"):
         lines.append("payload: (gone: workers trim ended jobs' entries from the requests stream)")

@@ -40,6 +40,7 @@ from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
 from producer.redis_conn import connect, is_cluster_url, pipeline
+from producer.shards import resolve_shards
 
 
 class JobHandle:
@@ -69,9 +70,12 @@ class JobHandle:
 class Client:
     """Blocking genq client (redis-py)."""
 
-    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX) -> None:
-        self.keys = Keys(prefix, cluster=is_cluster_url(redis_url))
+    def __init__(self, redis_url: str = DEFAULT_REDIS_URL, prefix: str = DEFAULT_PREFIX,
+                 shards: int | None = None) -> None:
+        """`shards`: request-stream shards on a Redis Cluster; None: the number the cluster
+        records (producer.shards), which another number here must equal."""
         self.redis = connect(redis_url)
+        self.keys = resolve_shards(self.redis, Keys(prefix, cluster=is_cluster_url(redis_url)), shards)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self.routes = Routes(self.keys)
 

@@ -58,9 +58,12 @@ class DeadLetter:
 
 
 def list_dead(client: Client, count: int = 100) -> list[DeadLetter]:
-    """The oldest `count` dead letters; ones that do not decode are listed with the reason."""
+    """The oldest `count` dead letters (over every shard's dead stream); ones that do not
+    decode are listed with the reason."""
+    found = [e for k in client.keys.every_shard for e in cast(list[Any], client.redis.xrange(k.dead, count=count))]
+    found.sort(key=lambda e: tuple(int(part) for part in as_text(e[0]).split("-")))
     letters = []
-    for dead_id, fields in cast(list[Any], client.redis.xrange(client.keys.dead, count=count)):
+    for dead_id, fields in found[:count]:
         try:
             letter = decode_dead_letter(fields)
         except ProtocolError as exc:
@@ -80,7 +83,7 @@ def retry_dead(client: Client, letter: DeadLetter) -> str:
         return f"left: the entry does not decode ({exc})"
     keys, args = submit_call(client.keys_for(job.model), job)
     script = client.redis.register_script(RETRY_LUA)
-    outcome, detail = cast(list[Any], script(keys=[*keys, client.keys.dead, client.keys.events(job.id)],
+    outcome, detail = cast(list[Any], script(keys=[*keys, client.keys.for_job(job.id).dead, client.keys.events(job.id)],
                                              args=[letter.dead_id, *args]))
     outcome = as_text(outcome)
     if outcome == "queued":

@@ -51,7 +51,8 @@ PromptInput = str | dict[str, Any] | list[dict[str, Any]]
 ParamsInput = SamplingParams | dict[str, Any] | None
 
 # Idempotent submit. KEYS[1]: job hash, KEYS[2]: requests stream (of the job's lane).
-# ARGV[1]: consumer group, ARGV[2]: the lane's entry_ref suffix ('' or '@<lane>'), ARGV[3]:
+# ARGV[1]: consumer group, ARGV[2]: the entry_ref suffix of the lane and shard ('', '@<lane>',
+# '#<shard>', '@<lane>#<shard>'), ARGV[3]:
 # number k of entry arguments, ARGV[4 .. 3+k]: entry field/value pairs, the rest: job-record
 # field/value pairs. Returns the entry's ref (protocol.entry_ref), or nil if the job already
 # exists.
@@ -240,15 +241,15 @@ def batch_jobs(
 
 def submit_call(keys: Keys, job: Job) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of SUBMIT_LUA for one job, onto the stream of `keys.queue`'s lane for
-    the job's priority."""
+    the job's priority, in the job's shard."""
     entry = encode_job(job)
     record = encode_record(JobRecord(
         status=JobStatus.QUEUED, n=job.sampling_params.n, submitted_at=job.submit_time,
         queue=keys.queue or None,
     ))
     lane = lane_of(job.priority)
-    keys = keys.on_lane(lane)
-    args: list[Any] = [keys.group, entry_ref("", lane), 2 * len(entry)]
+    keys = keys.for_job(job.id).on_lane(lane)
+    args: list[Any] = [keys.group, entry_ref("", lane, keys.shard), 2 * len(entry)]
     for mapping in (entry, record):
         for name, value in mapping.items():
             args += [name, value]
@@ -540,6 +541,13 @@ def inspect_view(
         view["job"] = _safe(lambda: asdict(decode_job(entry[0][1])))
     view["events"] = [_safe(partial(_event_dict, f)) for _, f in events]
     return view
+
+
+def job_names(keys: Keys, job_id: str, at: tuple[str, str] | None) -> dict[str, str | None]:
+    """A job's Redis names, for `genq inspect` to print: what to give `redis-cli -c` (on a
+    Redis Cluster they carry the job's shard's hash tag)."""
+    return {"record": keys.job(job_id), "events": keys.events(job_id), "cancel": keys.cancel_flag(job_id),
+            "entry": f"{at[0]} {at[1]}" if at else None}
 
 
 def _event_dict(entry_fields: dict[bytes, bytes]) -> dict[str, Any]:

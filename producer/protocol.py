@@ -20,9 +20,11 @@ Contract for whoever writes events (the worker):
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
+import zlib
 from array import array
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
@@ -105,27 +107,76 @@ def lane_of(priority: int) -> str:
     return LANE_HIGH if priority < 0 else LANE_LOW if priority > 0 else LANE_NORMAL
 
 
-def entry_ref(entry_id: str, lane: str) -> str:
+def entry_ref(entry_id: str, lane: str, shard: int = 0) -> str:
     """How records, dead letters and workers name an entry: its id, with `@<lane>` when it is
-    in a priority lane's stream (ids of two streams can be equal)."""
-    return f"{entry_id}@{lane}" if lane else entry_id
+    in a priority lane's stream (ids of two streams can be equal), and `#<shard>` when it is in
+    a shard other than 0 (on a Redis Cluster with several; ids of two shards can be equal)."""
+    ref = f"{entry_id}@{lane}" if lane else entry_id
+    return f"{ref}#{shard}" if shard else ref
 
 
 def split_ref(ref: str) -> tuple[str, str]:
     """(entry id, lane) of an entry_ref."""
-    entry_id, _, lane = ref.partition("@")
+    entry_id, _, lane = ref.partition("#")[0].partition("@")
     return entry_id, lane
 
 
-def shard_of(job_id: str) -> int:
-    """The request-stream shard that holds `job_id`'s entry and keys. One shard for now: the
-    names are laid out for several (a shard's tag), the workers read one."""
-    return 0
+def ref_shard(ref: str) -> int:
+    """The shard of an entry_ref (0 when it names none)."""
+    _, _, shard = ref.partition("#")
+    if not shard:
+        return 0
+    if not shard.isdigit():
+        raise ProtocolError(f"entry ref {ref!r}: shard {shard!r} is not a number")
+    return int(shard)
 
 
-def shard_tag(shard: int) -> str:
-    """The hash tag of a shard's names on a Redis Cluster: `genq:{s0}job:<id>`."""
-    return f"s{shard}"
+SHARDS_ENV = "GENQ_REDIS_SHARDS"
+# shards of the request streams on a Redis Cluster when nothing says otherwise: a multiple of
+# 1, 2, 3 and 6 masters, so that each gets an equal share of them (see shard_tag); more shards
+# cost more calls per engine step (its writes are one script call per shard they touch:
+# docs/queue.md, "Redis Cluster")
+DEFAULT_CLUSTER_SHARDS = 6
+MAX_SHARDS = 1024
+CLUSTER_SLOTS = 16384
+
+
+def shard_of(job_id: str, shards: int = 1) -> int:
+    """The request-stream shard that holds `job_id`'s entry and keys: a stable hash of the id
+    (CRC-32, the same in every process and Python version) modulo the number of shards."""
+    return zlib.crc32(job_id.encode()) % shards if shards > 1 else 0
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_tags(shards: int) -> tuple[str, ...]:
+    """Each shard's hash tag: `s<n>`, or `s<n>.<i>` with the first `i` that puts it in the n-th
+    of `shards` equal runs of the cluster's slots. `redis-cli --cluster create` gives each
+    master one run of slots of equal length, so with a multiple of the masters as shards each
+    master serves an equal number of them (plain `s<n>` tags fall where CRC16 puts them:
+    s0 to s5 over three masters split 1, 1 and 4)."""
+    tags = []
+    for n in range(shards):
+        low, high = -(-n * CLUSTER_SLOTS // shards), -(-(n + 1) * CLUSTER_SLOTS // shards)  # (rounded up)
+        i = 0
+        while not low <= _key_slot(tag := f"s{n}.{i}" if i else f"s{n}") < high:
+            i += 1
+        tags.append(tag)
+    return tuple(tags)
+
+
+def _key_slot(tag: str) -> int:
+    """The cluster slot of a name whose hash tag is `tag`: CRC16 (XMODEM) modulo 16384."""
+    crc = 0
+    for byte in tag.encode():
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+    return crc % CLUSTER_SLOTS
+
+
+def shard_tag(shard: int, shards: int = 1) -> str:
+    """The hash tag of a shard's names on a Redis Cluster (`genq:{s0}job:<id>`); see _shard_tags."""
+    return _shard_tags(shards)[shard] if shards > 1 else f"s{shard}"
 
 
 @dataclass(frozen=True)
@@ -141,24 +192,51 @@ class Keys:
     # On a Redis Cluster (`redis+cluster://`) the names a script uses together share a hash
     # tag: the request streams of shard `shard` (every queue and lane), and each job's record,
     # events, cancel flag, and the usage and minute counters its finish writes, all in the
-    # slot of its shard. On a single Redis every name is as it always was.
+    # slot of its shard. On a single Redis every name is as it always was. `shards`: how many
+    # shards the request streams are split over (a job's is shard_of its id); always 1 on a
+    # single Redis.
     cluster: bool = False
     shard: int = 0
+    shards: int = 1
 
     def __post_init__(self) -> None:
         if self.cluster and ("{" in self.prefix or "}" in self.prefix):
             raise ValueError(f"prefix {self.prefix!r}: on a Redis Cluster it may not hold '{{' or '}}' "
                              "(genq puts its own hash tags in the names)")
+        if not 1 <= self.shards <= MAX_SHARDS or (self.shards > 1 and not self.cluster):
+            raise ValueError(f"{self.shards} request-stream shards: a single Redis has 1, a Redis Cluster "
+                             f"1 to {MAX_SHARDS} ({SHARDS_ENV})")
+        if not 0 <= self.shard < self.shards:
+            raise ValueError(f"shard {self.shard}: there are {self.shards}")
 
     def _slotted(self, name: str, shard: int | None = None) -> str:
         """`name` under the prefix, in the slot of `shard` (this one's) on a cluster."""
         if not self.cluster:
             return f"{self.prefix}{name}"
-        return f"{self.prefix}{{{shard_tag(self.shard if shard is None else shard)}}}{name}"
+        return f"{self.prefix}{{{shard_tag(self.shard if shard is None else shard, self.shards)}}}{name}"
+
+    def shard_of(self, job_id: str) -> int:
+        """The shard that holds `job_id`'s entry and keys."""
+        return shard_of(job_id, self.shards)
 
     def for_job(self, job_id: str) -> Keys:
-        """The same names, on the shard that holds `job_id` (this one while there is one shard)."""
-        return replace(self, shard=shard_of(job_id))
+        """The same names, on the shard that holds `job_id`."""
+        return replace(self, shard=self.shard_of(job_id))
+
+    def on_shard(self, shard: int) -> Keys:
+        """The same names, on shard `shard`."""
+        return replace(self, shard=shard)
+
+    @property
+    def every_shard(self) -> list[Keys]:
+        """These names on each shard, in order (one on a single Redis)."""
+        return [self.on_shard(n) for n in range(self.shards)]
+
+    @property
+    def shards_record(self) -> str:
+        # string: the number of shards, written by the first process to use them; every
+        # other checks it (producer.shards)
+        return f"{self.prefix}shards"
 
     @property
     def requests(self) -> str:
@@ -180,9 +258,9 @@ class Keys:
         return [self.on_lane(lane).requests for lane in LANES]
 
     def locate(self, ref: str) -> tuple[str, str]:
-        """(stream, entry id) of an entry_ref on this queue."""
+        """(stream, entry id) of an entry_ref on this queue (in the shard it names)."""
         entry_id, lane = split_ref(ref)
-        return self.on_lane(lane).requests, entry_id
+        return self.on_shard(ref_shard(ref)).on_lane(lane).requests, entry_id
 
     def rate(self, tenant: str, minute: int) -> str:
         return f"{self.prefix}rate:{tenant}:{minute}"  # counter with TTL: a key's requests that minute
@@ -221,13 +299,13 @@ class Keys:
         return f"{self.prefix}workers:*"  # SCAN pattern for heartbeat hashes
 
     def job(self, job_id: str) -> str:
-        return self._slotted(f"job:{job_id}", shard_of(job_id))  # hash: the job record
+        return self._slotted(f"job:{job_id}", self.shard_of(job_id))  # hash: the job record
 
     def events(self, job_id: str) -> str:
-        return self._slotted(f"events:{job_id}", shard_of(job_id))  # stream (replay log) and channel
+        return self._slotted(f"events:{job_id}", self.shard_of(job_id))  # stream (replay log) and channel
 
     def cancel_flag(self, job_id: str) -> str:
-        return self._slotted(f"cancel:{job_id}", shard_of(job_id))  # string with TTL: durable cancel request
+        return self._slotted(f"cancel:{job_id}", self.shard_of(job_id))  # string with TTL: durable cancel request
 
     def worker(self, name: str) -> str:
         return f"{self.prefix}workers:{name}"  # hash with TTL: heartbeat

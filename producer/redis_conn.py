@@ -117,3 +117,32 @@ def mget(conn: Any, keys: list[str]) -> Any:
     """`conn.mget(keys)` (awaitable for an asyncio client); on a cluster, whose MGET takes
     keys of one slot only, redis-py's mget_nonatomic: one MGET per slot, the replies in order."""
     return conn.mget_nonatomic(keys) if is_cluster(conn) else conn.mget(keys)
+
+
+async def xreadgroup(conn: Any, group: str, consumer: str, streams: dict[str, str], count: int | None = None,
+                     block_ms: int | None = None) -> Any:
+    """`conn.xreadgroup` (asyncio). On a cluster it goes straight to the node of the streams'
+    slot (they share one): redis-py's cluster client would first ask a node which of its
+    arguments are keys (COMMAND GETKEYS: XREADGROUP's keys move), one more round trip per read,
+    all of them to one node."""
+    if not isinstance(conn, redis.asyncio.cluster.RedisCluster):
+        return await conn.xreadgroup(group, consumer, streams, count=count, block=block_ms)  # type: ignore[arg-type]
+    pieces: list[Any] = ["GROUP", group, consumer]
+    if count is not None:
+        pieces += ["COUNT", count]
+    if block_ms is not None:
+        pieces += ["BLOCK", block_ms]
+    pieces += ["STREAMS", *streams, *streams.values()]
+    # redis-py retries a command it routed itself where the cluster changed under it (a node
+    # lost, a failover: ClusterDownError, ConnectionError...), learning the slots again; one
+    # given its node it does not retry, so this does, as often, asking for the node anew
+    retries = conn.cluster_error_retry_attempts
+    for attempt in range(retries + 1):
+        try:
+            await conn.initialize()  # (a no-op while it knows the slots)
+            node = conn.get_node_from_key(next(iter(streams)))
+            return await conn.execute_command("XREADGROUP", *pieces, target_nodes=node)
+        except conn.ERRORS_ALLOW_RETRY:
+            if attempt == retries:
+                raise
+    raise AssertionError("unreachable")

@@ -47,6 +47,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "name": str,
     "served_model_name": str,
     "prefix": str,
+    "redis_shards": int,
     "queue": str,
     "claim_idle_s": float,
     "heartbeat_s": float,
@@ -161,6 +162,8 @@ _HELP = {
     "divided by the checkpoint's KV-cache scales where it has them (default: $GENQ_KV_CACHE_DTYPE or auto)",
     "attention_backend": "auto (triton on CUDA; on the CPU, cpu: genq's compiled kernels, or torch where they could "
     "not be built), cpu, torch or triton (default: auto)",
+    "redis_shards": "request-stream shards on a Redis Cluster (default: $GENQ_REDIS_SHARDS, else the number the "
+    "cluster records, else 6; always 1 on a single Redis)",
     "claim_idle_s": "reclaim entries of other workers idle this long",
     "delivery_limit": "deliveries before an entry goes to the dead stream",
     "max_entry_bytes": "a larger stream entry goes to the dead stream without its payload and leaves the "

@@ -27,7 +27,7 @@ from typing import Any
 
 from api.cluster import Cluster, QueueDepth
 from producer.async_client import AsyncClient
-from producer.protocol import DEFAULT_PREFIX
+from producer.protocol import DEFAULT_PREFIX, Keys
 
 SHARED = "(shared)"  # how the shared stream's queue is shown
 
@@ -51,12 +51,18 @@ async def _status(redis_url: str, prefix: str) -> dict[str, Any]:
         workers = sorted(await cluster.workers(), key=lambda w: (w.info.queue, w.name))
         depths = await cluster.queue_depths()
         return {
-            "queues": [_queue(client.keys.on_queue(q).requests, q, d) for q, d in depths.items()],
+            "queues": [_queue(_stream(client.keys.on_queue(q)), q, d) for q, d in depths.items()],
             "workers": [{"name": w.name, **asdict(w.info)} for w in workers],
-            "dead_letters": await client.redis.xlen(client.keys.dead),
+            "shards": client.keys.shards,
+            "dead_letters": sum([await client.redis.xlen(k.dead) for k in client.keys.every_shard]),
         }
     finally:
         await client.aclose()
+
+
+def _stream(keys: Keys) -> str:
+    """A queue's stream (its first shard's, and how many more a Redis Cluster splits it over)."""
+    return keys.requests + (f" (+{keys.shards - 1} shards)" if keys.shards > 1 else "")
 
 
 def _queue(stream: str, queue: str, depth: QueueDepth) -> dict[str, Any]:

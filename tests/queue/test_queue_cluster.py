@@ -5,6 +5,7 @@ equal the offline engine's, each script call in one slot."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import aclosing
 from pathlib import Path
@@ -14,17 +15,44 @@ import redis
 from cluster_support import RedisClusterNodes
 from queue_support import LIVE_WORKERS, Streams, WorkerProcess, ended, wait_for, worker_env
 
+from api.cluster import Cluster
 from api.relay import Relay
+from api.usage import read_usage
 from producer.async_client import AsyncClient
 from producer.client import Client
-from producer.protocol import JobStatus, Keys
+from producer.jobs import SUBMIT_LUA, build_job, entry_location, submit_call
+from producer.protocol import (
+    DEFAULT_CLUSTER_SHARDS,
+    JobStatus,
+    Keys,
+    encode_job,
+    entry_ref,
+    ref_shard,
+    shard_of,
+)
 from producer.redis_conn import connect
+from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
+from producer.shards import ShardsMismatch, shards_from_env
 
 PREFIX = "t-cluster:"
 NAME = "cw1"
 TIMEOUT_S = 30.0
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+# the names every process of this module uses: the cluster's default number of shards
+KEYS = Keys(PREFIX, cluster=True, shards=DEFAULT_CLUSTER_SHARDS)
+# A dead worker's job: submitted (SUBMIT_LUA's keys and arguments) and its entry delivered to a
+# consumer that never runs it, in one script (a cluster pipeline has no MULTI), so the live
+# worker blocked on the stream cannot get it first.
+GHOST_LUA = f"""
+local function submit()
+{SUBMIT_LUA}
+end
+local ref = submit()
+local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], 'ghost', 'COUNT', 1, 'STREAMS', KEYS[2], '>')
+assert(ref:find(got[1][2][1][1], 1, true) == 1)
+return ref
+"""
 
 
 @pytest.fixture(scope="session")
@@ -143,7 +171,7 @@ async def test_a_cancel_on_a_cluster_aborts_the_running_job(
     """AsyncClient.cancel on a cluster (its flag, then its PUBLISH on a plain connection to one
     node: the asyncio cluster client has no PUBLISH, a cluster pipeline takes none) ends the
     running job. (Before, it raised AttributeError.)"""
-    keys = Keys(PREFIX, cluster=True)
+    keys = KEYS
     params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
     async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
         handle = await client.submit("Count forever:", params)
@@ -154,21 +182,141 @@ async def test_a_cancel_on_a_cluster_aborts_the_running_job(
     assert len(result.outputs[0].token_ids) < params.max_tokens
 
 
+def test_the_default_shards_fall_evenly_on_three_masters(redis_cluster: RedisClusterNodes) -> None:
+    """Each shard's hash tag is in its K-th of the slots, so `redis-cli --cluster create`'s three
+    equal runs of slots serve as many shards each (plain `s<n>` tags fell 1, 1 and 4)."""
+    for keys in (KEYS, Keys(PREFIX, cluster=True, shards=12)):
+        ports = [redis_cluster.master_of(k.requests).port for k in keys.every_shard]
+        assert sorted(ports.count(p) for p in set(ports)) == [keys.shards // 3] * 3
+    ids = [f"job-{i}" for i in range(1200)]
+    assert min(Counter(shard_of(i, KEYS.shards) for i in ids).values()) > 150  # (ids spread over every shard)
+
+
+def test_the_number_of_shards_is_recorded_and_another_is_refused(
+    redis_cluster: RedisClusterNodes, redis_server: RedisServer,
+) -> None:
+    with Client(redis_cluster.url, prefix="t-shards-fresh:", shards=3) as first:  # the first to use the prefix
+        assert first.keys.shards == 3
+    with Client(redis_cluster.url, prefix="t-shards-fresh:") as later:
+        assert later.keys.shards == 3
+    with pytest.raises(ShardsMismatch, match="GENQ_REDIS_SHARDS=5, but .* split over 3 shards"):
+        Client(redis_cluster.url, prefix="t-shards-fresh:", shards=5)
+    with pytest.raises(ValueError, match="a single Redis has one request-stream shard"):
+        Client(redis_server.url, prefix="t-shards-plain:", shards=2)
+    with Client(redis_server.url, prefix="t-shards-plain:", shards=1) as plain:
+        assert plain.keys.requests == "t-shards-plain:requests"
+    assert shards_from_env({"GENQ_REDIS_SHARDS": "6"}) == 6 and shards_from_env({}) is None
+    with pytest.raises(ValueError, match="GENQ_REDIS_SHARDS='0'"):
+        shards_from_env({"GENQ_REDIS_SHARDS": "0"})
+
+
+def test_a_worker_told_another_number_of_shards_refuses_to_start(
+    redis_cluster: RedisClusterNodes, tiny_llama_dir: Path, tmp_path: Path,
+) -> None:
+    """GENQ_REDIS_SHARDS at the worker's entry point, checked against the cluster's record
+    before the model loads."""
+    with Client(redis_cluster.url, prefix=PREFIX) as client:  # (records the default, if nothing did yet)
+        assert client.keys.shards == KEYS.shards
+    env = worker_env(redis_cluster.url, tiny_llama_dir, "cw-k4", PREFIX, GENQ_REDIS_SHARDS="4")
+    worker = WorkerProcess(env, tmp_path / "cw-k4.log").start()
+    assert worker.process is not None
+    assert worker.process.wait(TIMEOUT_S * 2) != 0
+    assert f"GENQ_REDIS_SHARDS=4, but the request streams under prefix '{PREFIX}' are split over 6 shards" in worker.log()
+
+def _one_id_per_shard(stem: str) -> list[str]:
+    ids: dict[int, str] = {}
+    for i in range(10_000):
+        ids.setdefault(shard_of(f"{stem}-{i}", KEYS.shards), f"{stem}-{i}")
+        if len(ids) == KEYS.shards:
+            return [ids[n] for n in range(KEYS.shards)]
+    raise AssertionError("no id for some shard")
+
+
+def test_jobs_on_every_shard_end_whole_and_equal_the_offline_engines(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis,
+    cluster_client: Client, offline,
+) -> None:
+    """A job per shard: each entry lies in its id's shard (the stream its record names), the
+    one worker reads every shard, and the usage read back sums each shard's day."""
+    prompts = [f"Item {i} of the list:" for i in range(KEYS.shards)]
+    ids = _one_id_per_shard("every")
+    handles = [cluster_client.submit(p, GREEDY, job_id=j, tenant="t-every") for p, j in zip(prompts, ids, strict=True)]
+    expected = [outputs[0].token_ids for outputs in offline.many(prompts, GREEDY)]
+    results = [h.result(TIMEOUT_S) for h in handles]
+    assert [r.outputs[0].token_ids for r in results] == expected
+    for n, handle in enumerate(handles):
+        record = cluster_conn.hgetall(KEYS.job(handle.id))
+        assert ref_shard(record[b"entry_id"].decode()) == n
+        stream, entry_id = entry_location(KEYS, record)
+        assert stream == KEYS.on_shard(n).requests and cluster_conn.xrange(stream, entry_id, entry_id)
+    rows = asyncio.run(_usage(redis_cluster.url, "t-every"))
+    assert sum(r["requests"] for r in rows) == KEYS.shards
+    assert sum(r["completion_tokens"] for r in rows) == sum(len(t) for t in expected)
+
+
+async def _usage(url: str, tenant: str) -> list[dict]:
+    async with AsyncClient(url, prefix=PREFIX) as client:
+        return await read_usage(client, 1, tenant)
+
+
+async def test_a_dead_workers_entries_on_every_shard_are_reclaimed_and_counted_in_the_depth(
+    cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, offline,
+) -> None:
+    """A worker that died holding an entry on each shard: the depth (the API's, summed over the
+    shards) counts them pending; the live worker reclaims each (delivered twice) and runs it."""
+    ghost = cluster_conn.register_script(GHOST_LUA)
+    jobs = [build_job(f"Lost story {n}:", GREEDY, job_id=job_id) for n, job_id in enumerate(_one_id_per_shard("ghost"))]
+    async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
+        depth_before = await Cluster(client.redis, client.keys).queue_depth()
+        for job in jobs:
+            names, args = submit_call(KEYS, job)
+            assert ref_shard(ghost(keys=names, args=args).decode()) == KEYS.shard_of(job.id)
+        depth = await Cluster(client.redis, client.keys).queue_depth()  # (before the claim timeout)
+        assert depth.pending - depth_before.pending == len(jobs)
+        results = [await client.result(job.id, TIMEOUT_S) for job in jobs]
+    expected = offline.many([f"Lost story {n}:" for n in range(len(jobs))], GREEDY)
+    assert [r.outputs[0].token_ids for r in results] == [e[0].token_ids for e in expected]
+    for job in jobs:
+        keys = KEYS.for_job(job.id)
+        assert cluster_conn.xpending_range(keys.requests, keys.group, "-", "+", 10, consumername="ghost") == []
+        assert cluster_conn.hget(keys.job(job.id), "worker") == NAME.encode()
+
+
+def test_an_entry_in_another_shard_than_its_ids_is_dead_lettered_and_the_worker_serves_on(
+    cluster_worker: WorkerProcess, cluster_conn: redis.Redis, cluster_client: Client, offline,
+) -> None:
+    """An entry XADDed by hand into the wrong shard's stream (its record's slot is another):
+    dead-lettered in that shard, saying where it belongs, and the next job runs."""
+    job = build_job("Misplaced", GREEDY, job_id="misplaced-1")
+    wrong = KEYS.on_shard((KEYS.shard_of(job.id) + 1) % KEYS.shards)
+    before = cluster_conn.xlen(wrong.dead)
+    entry_id = cluster_conn.xadd(wrong.requests, encode_job(job)).decode()
+    wait_for(lambda: cluster_conn.xlen(wrong.dead) > before, TIMEOUT_S, "the entry dead-lettered")
+    letter = cluster_conn.xrange(wrong.dead, "-", "+")[-1][1]
+    assert letter[b"entry_id"].decode() == entry_ref(entry_id, "", wrong.shard)
+    assert f"belongs in request-stream shard {KEYS.shard_of(job.id)} of {KEYS.shards}".encode() in letter[b"reason"]
+    result = cluster_client.submit("The capital of France is", GREEDY).result(TIMEOUT_S)
+    assert result.outputs[0].token_ids == offline("The capital of France is", GREEDY)[0].token_ids
+
+
 def test_a_master_killed_mid_run_fails_over_and_every_job_finishes_whole(
     cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, offline,
 ) -> None:
     """Last in the module: the cluster keeps its promoted replica as master after it."""
-    keys = Keys(PREFIX, cluster=True)
+    keys = KEYS
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     prompts = [f"Story number {i}:" for i in range(4)]
     with Client(redis_cluster.url, prefix=PREFIX) as client:
-        handles = [client.submit(p, params) for p in prompts]
+        # (on shards 0-3: two masters; the URL's node, which the next test kills, is spared here)
+        handles = [client.submit(p, params, job_id=j) for p, j in zip(prompts, _one_id_per_shard("story"), strict=False)]
         live = Streams(redis_cluster.url, keys, [h.id for h in handles])  # clients streaming through the failover
         wait_for(lambda: all(cluster_conn.xlen(keys.events(h.id)) for h in handles), TIMEOUT_S, "every job streaming")
         assert not any(ended(cluster_conn, keys, h.id) for h in handles)  # (mid-run)
-        master = redis_cluster.master_of(keys.requests)
+        streams = [keys.for_job(h.id).requests for h in handles]  # (a master with jobs on it, not the URL's)
+        stream = next(s for s in streams if redis_cluster.master_of(s) is not redis_cluster.servers[0])
+        master = redis_cluster.master_of(stream)
         redis_cluster.kill(master)
-        wait_for(lambda: redis_cluster.master_of(keys.requests) is not master, TIMEOUT_S, "its replica promoted")
+        wait_for(lambda: redis_cluster.master_of(stream) is not master, TIMEOUT_S, "its replica promoted")
         results = [h.result(TIMEOUT_S) for h in handles]
         streamed = live.join()
         # the worker reads the promoted master's stream too: a job sent after is served
@@ -189,16 +337,20 @@ async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another
     """Last: the node every process was given (and the relay subscribed on) is killed mid-run;
     the relay, an asyncio client and blocking clients subscribe again on other nodes and every
     stream ends whole."""
-    keys = Keys(PREFIX, cluster=True)
+    keys = KEYS
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     prompts = [f"Tale number {i}:" for i in range(3)]
     url_node = redis_cluster.servers[0]
     assert url_node in redis_cluster.live()
+    # the jobs on shards the URL's node does not serve: it is lost as the processes' entry point,
+    # not as a master of their jobs (the test before fails a master over)
+    job_ids = [j for j in _one_id_per_shard("tale") if redis_cluster.master_of(keys.for_job(j).requests) is not url_node]
     async with AsyncClient(redis_cluster.url, prefix=PREFIX) as client:
         relay = Relay(client.redis, client.keys, client.pubsub_redis)
         await relay.start()
         try:
-            handles = [await client.submit(p, params) for p in prompts]
+            handles = [await client.submit(p, params, job_id=j) for p, j in zip(prompts, job_ids, strict=False)]
+            assert len(handles) == len(prompts)
             live = Streams(redis_cluster.url, keys, [h.id for h in handles])
             relayed = asyncio.create_task(_relayed_tokens(relay, [h.id for h in handles]))
             streamed = asyncio.create_task(_streamed_tokens(client, handles[0].id))

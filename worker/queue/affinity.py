@@ -124,7 +124,7 @@ class Affinity:
         pipe = self.scripts.conn.pipeline(transaction=False)
         for worker in workers:
             pipe.hmget(self.scripts.keys.worker(worker), ["state", "queue", "max_num_seqs", "sleep_level", "paused"])
-        for stream in self.scripts.keys.lane_streams:
+        for stream in (s for keys in self.scripts.keys.every_shard for s in keys.lane_streams):
             pipe.xpending(stream, self.scripts.keys.group)
         replies = await pipe.execute()
         infos, summaries = replies[:len(workers)], replies[len(workers):]

@@ -28,6 +28,7 @@ from producer.protocol import (
     validate_queue_name,
 )
 from producer.redis_conn import is_cluster_url
+from producer.shards import shards_from_env
 from worker.config import EngineConfig
 from worker.core.lora_request import LoRARequest
 
@@ -55,6 +56,8 @@ DEFAULT_STREAM_INTERVAL_MS = 60.0
 ENV_VARS = {
     "GENQ_REDIS_URL": "Redis URL",
     "GENQ_PREFIX": "key prefix",
+    "GENQ_REDIS_SHARDS": "request-stream shards on a Redis Cluster (default: the number the cluster records, "
+    "else 6; always 1 on a single Redis)",
     "GENQ_WORKER_NAME": "consumer name (default: the host name)",
     "GENQ_MODEL": "local model directory (default: SmolLM2-135M-Instruct)",
     "GENQ_SERVED_MODEL_NAME": "the name jobs use in `model` (default: the model directory's name)",
@@ -107,6 +110,8 @@ class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     redis_url: str = DEFAULT_REDIS_URL
     prefix: str = DEFAULT_PREFIX
+    # request-stream shards on a Redis Cluster; None: the number recorded there (producer.shards)
+    redis_shards: int | None = None
     # the pool's requests stream: "" reads the shared genq:requests, a name genq:requests:<name>.
     # Workers on one stream serve one model; clients route each job by its model (Keys.route).
     queue: str = ""
@@ -218,7 +223,8 @@ class WorkerConfig:
 
     @property
     def keys(self) -> Keys:
-        """The Redis names this worker uses: its queue's requests stream, the shared rest."""
+        """The Redis names this worker uses: its queue's requests stream, the shared rest (one
+        shard: the consumer settles their number with producer.shards when it connects)."""
         return Keys(self.prefix, self.queue, cluster=is_cluster_url(self.redis_url))
 
     @property
@@ -279,6 +285,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
     worker_args = _drop_none(
         redis_url=env.get("GENQ_REDIS_URL") or None,
         prefix=env.get("GENQ_PREFIX") or None,
+        redis_shards=shards_from_env(env),
         queue=env.get("GENQ_QUEUE") or None,
         name=env.get("GENQ_WORKER_NAME") or None,
         served_model_name=env.get("GENQ_SERVED_MODEL_NAME") or None,

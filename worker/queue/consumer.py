@@ -40,6 +40,7 @@ from arq.connections import RedisSettings
 from producer.aio import wait_for_event, wait_within
 from producer.protocol import Keys
 from producer.redis_conn import connect_async, connect_async_pubsub, plain_url
+from producer.shards import resolve_shards_async
 from producer.trace_log import open_trace
 from producer.tracing import Tracing
 from worker.queue.config import WorkerConfig, config_from_env
@@ -98,6 +99,8 @@ class Consumer:
         self.conn = connect_async(self.config.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S)
         # (on a Redis Cluster the asyncio client has no pub/sub: plain connections to its nodes)
         self.pubsub_conn = connect_async_pubsub(self.config.redis_url, self.conn, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        # (the request-stream shards every process of this prefix uses; another number set here stops the start)
+        self.keys = await resolve_shards_async(self.conn, self.config.keys, self.config.redis_shards)
         self.scripts = Scripts(self.conn, self.keys, self.config.name, self.config.events_retention_s)
         await self._check_queue()  # before the model loads: a refusal comes at once
         self.trace = open_trace(self.config.trace_dir, f"worker-{self.config.name}")
@@ -140,7 +143,8 @@ class Consumer:
         logger.info(
             "worker %s serving %s (max_num_seqs=%d, %d KV blocks%s) on %s",
             self.config.name, self.config.model_name, engine.max_num_seqs, engine.block_manager.num_blocks,
-            ", async scheduling" if engine.config.async_scheduling else "", self.keys.requests,
+            ", async scheduling" if engine.config.async_scheduling else "",
+            self.keys.requests + (f" and its {self.keys.shards - 1} other shards" if self.keys.shards > 1 else ""),
         )
 
     def _start_tasks(self) -> None:

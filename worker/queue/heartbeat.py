@@ -192,12 +192,12 @@ class Heartbeat:
         self.drain()
 
     async def trim(self) -> None:
-        """Drop done entries past their retention from the requests (each lane's) and dead streams, which
+        """Drop done entries past their retention from the requests (each shard's lanes) and dead streams, which
         would otherwise grow forever. Any worker may do it: it is idempotent."""
-        keys = self.scripts.keys
         for stream, retention_s in (
-            *((lane, self.config.requests_retention_s) for lane in keys.lane_streams),
-            (keys.dead, self.config.dead_retention_s),
+            *((lane, self.config.requests_retention_s) for keys in self.scripts.keys.every_shard
+              for lane in keys.lane_streams),
+            *((keys.dead, self.config.dead_retention_s) for keys in self.scripts.keys.every_shard),
         ):
             try:
                 removed = await self.scripts.trim(stream, retention_s)

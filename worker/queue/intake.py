@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -32,8 +32,10 @@ from producer.protocol import (
     decode_job,
     encode_event,
     entry_ref,
+    ref_shard,
 )
 from producer.records import encode_dead_letter
+from producer.redis_conn import xreadgroup
 from worker.queue.affinity import Affinity
 from worker.queue.config import WorkerConfig
 from worker.queue.engine_thread import AddRequest, EngineThread
@@ -156,7 +158,21 @@ class Admission:
             job = decode_job(delivery.fields)
         except ProtocolError as exc:
             return _undecodable(delivery.fields, exc)
-        return self._check_delivery_limit(delivery, job) or self._check_not_held(delivery, job) or job
+        return (self._check_shard(delivery, job) or self._check_delivery_limit(delivery, job)
+                or self._check_not_held(delivery, job) or job)
+
+    def _check_shard(self, delivery: Delivery, job: Job) -> Rejection | None:
+        # Race prevented: a job whose entry a process splitting the streams otherwise put in
+        # another shard than its id's (redis-cli, or a GENQ_REDIS_SHARDS mismatch that slipped
+        # past producer.shards): its record lives in another slot, so no script could start it.
+        keys, shard = self.scripts.keys, ref_shard(delivery.entry_id)
+        if keys.shard_of(job.id) == shard:
+            return None
+        return Rejection(
+            f"job {job.id} belongs in request-stream shard {keys.shard_of(job.id)} of {keys.shards}, but its "
+            f"entry is in shard {shard}: written by a process that splits the streams otherwise",
+            job.id, fail_job=False,
+        )
 
     def _check_size(self, fields: dict[Any, Any]) -> Rejection | None:
         # Race prevented: a huge entry (redis-cli, a client past the API's size limit) stored
@@ -293,7 +309,8 @@ class Admission:
         fields = encode_dead_letter(
             delivery.entry_id, {} if dropped else delivery.fields or {}, rejection.reason, job_id, rejection.entry_bytes
         )
-        if job_id is None or not rejection.fail_job:
+        # (a job's record in another shard than the entry is out of the script's slot: left)
+        if job_id is None or not rejection.fail_job or self.scripts.keys.shard_of(job_id) != ref_shard(delivery.entry_id):
             return DeadLetter(delivery.entry_id, fields, drop=dropped)
         entries = progress.get(job_id)
         try:
@@ -403,7 +420,13 @@ def _undecodable(fields: dict[Any, Any], exc: ProtocolError) -> Rejection:
 
 class Intake:
     """XREADGROUP as many new entries as the engine has room for (LaneReader); block while
-    idle."""
+    idle.
+
+    One loop per request-stream shard (one on a single Redis), each with its own LaneReader:
+    the loops take turns at reading what is ready (one at a time, so the room is counted once;
+    the turn is FIFO, so each shard gets its share), and while nothing is, each blocks on its
+    own shard's streams (then a burst may bring each shard's loop an entry per lane beyond the
+    room: the engine queues them)."""
 
     def __init__(
         self,
@@ -417,26 +440,33 @@ class Intake:
         self.capacity = capacity
         self.changed = changed  # set when the engine's load changed
         self.takes_jobs = takes_jobs  # False while the engine sleeps, or is to (sleep mode)
-        self.lanes = LaneReader(admission.scripts, admission.config)
+        self.readers = [LaneReader(admission.scripts, admission.config, n) for n in range(self.scripts.keys.shards)]
+        self.turn = asyncio.Lock()  # whose turn it is to read what is ready
 
     async def run(self, stopping: asyncio.Event) -> None:
+        await asyncio.gather(*(self._run_shard(reader, stopping) for reader in self.readers))
+
+    async def _run_shard(self, reader: LaneReader, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             self.changed.clear()  # before reading capacity, so no change is missed
-            count = self.capacity()
+            async with self.turn:
+                count = self.capacity()
+                ready = await self._read(reader.read_ready(count)) if count > 0 else []
+            # (no await between the turn's end and admit counting the entries it admits)
             if count <= 0:
                 await unless_set(wait_for_event(self.changed, INTAKE_BLOCK_S), stopping)
                 continue
             # a stop cuts the blocking read short: entries it took are in this consumer's
             # pending list, which the drain hands back; admission itself is never cut
-            deliveries = await unless_set(self._read(count), stopping)
+            deliveries = ready or await unless_set(self._read(reader.wait()), stopping)
             if deliveries and not self.takes_jobs():  # asleep since the read began: for a worker awake
                 await self.scripts.release([d.entry_id for d in deliveries])  # (this one's reclaimer, woken)
             elif deliveries:
                 await self.admission.admit(deliveries, Source.READ)
 
-    async def _read(self, count: int) -> list[Delivery]:
+    async def _read(self, reading: Coroutine[Any, Any, list[Delivery]]) -> list[Delivery]:
         try:
-            return await self.lanes.read(count)
+            return await reading
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -453,8 +483,10 @@ class LaneReader:
     steady load of higher work slows a lower lane down to a share of this worker's reads but
     never stops it, and a burst of higher work shorter than the aging still goes first."""
 
-    def __init__(self, scripts: Scripts, config: WorkerConfig) -> None:
+    def __init__(self, scripts: Scripts, config: WorkerConfig, shard: int = 0) -> None:
         self.scripts = scripts
+        self.shard = shard
+        self.keys = scripts.keys.on_shard(shard)  # this shard's streams
         self.aging_s = config.lane_aging_s
         self.per_owed = config.lane_aged_every - 1  # entries read ahead, per entry owed
         # entries read ahead of each lower lane while its oldest one waited past the aging
@@ -462,6 +494,10 @@ class LaneReader:
 
     async def read(self, count: int) -> list[Delivery]:
         """Up to `count` new entries; blocks up to INTAKE_BLOCK_S while there are none."""
+        return await self.read_ready(count) or await self.wait()
+
+    async def read_ready(self, count: int) -> list[Delivery]:
+        """Up to `count` new entries, without waiting."""
         deliveries = await self._read_owed(count)
         read: dict[str, int] = {}  # the lanes reached, in order: entries read from each
         for lane in LANES:
@@ -471,10 +507,11 @@ class LaneReader:
             read[lane] = len(got)
             deliveries += got
         await self._age(read)
-        if deliveries:
-            return deliveries
-        # Nothing new anywhere: wait on every lane at once, for one entry each (a lane woken
-        # first then has its followers read lane by lane next time round).
+        return deliveries
+
+    async def wait(self) -> list[Delivery]:
+        """Nothing new anywhere: wait on every lane at once, for one entry each (a lane woken
+        first then has its followers read lane by lane next time round)."""
         return await self._read_lanes(list(LANES), 1, int(INTAKE_BLOCK_S * 1000))
 
     async def _read_owed(self, count: int) -> list[Delivery]:
@@ -497,21 +534,19 @@ class LaneReader:
                 self.passed[lane] = 0
         if not skipped or self.aging_s <= 0:
             return
-        waits = await self.scripts.lane_waits(skipped)
+        waits = await self.scripts.lane_waits(skipped, self.shard)
         ahead = sum(read.values())
         for lane in skipped:
             wait = waits[lane]
             self.passed[lane] = self.passed[lane] + ahead if wait is not None and wait >= self.aging_s else 0
 
     async def _read_lanes(self, lanes: list[str], count: int, block_ms: int | None) -> list[Delivery]:
-        keys = self.scripts.keys
+        keys = self.keys
         streams = {keys.on_lane(lane).requests: ">" for lane in lanes}
-        reply = await self.scripts.conn.xreadgroup(
-            keys.group, self.scripts.consumer, streams, count=count, block=block_ms,  # type: ignore[arg-type]
-        )
+        reply = await xreadgroup(self.scripts.conn, keys.group, self.scripts.consumer, streams, count, block_ms)
         lane_of_stream = {keys.on_lane(lane).requests: lane for lane in lanes}
         return [
-            Delivery(entry_ref(_str(entry_id), lane_of_stream[_str(stream)]), fields)
+            Delivery(entry_ref(_str(entry_id), lane_of_stream[_str(stream)], self.shard), fields)
             for stream, entries in reply or [] for entry_id, fields in entries
         ]
 

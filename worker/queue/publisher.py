@@ -34,7 +34,7 @@ from worker.queue.jobs import (
 )
 from worker.queue.metrics import WorkerMetrics
 from worker.queue.outage import REDIS_ERRORS, Outage
-from worker.queue.scripts import JobWrite, Scripts
+from worker.queue.scripts import JobWrite, PartlyPublished, Scripts
 
 if TYPE_CHECKING:
     from worker.core.outputs import RequestOutput
@@ -281,17 +281,27 @@ class Publisher:
         return out
 
     async def _write(self, writes: list[JobWrite], retry: bool = True) -> None:
-        """One STEP_LUA call; retried as a whole while Redis is unreachable (a repeat is
-        harmless: the events carry the same seqs, and the record and XACK are idempotent).
+        """One STEP_LUA call (one per shard on a cluster); retried as a whole while Redis is
+        unreachable (a repeat is harmless: the events carry the same seqs, and the record and
+        XACK are idempotent), on a cluster only the shards whose call failed.
         Meanwhile the engine goes on with the jobs it holds (it takes no new ones: intake
         cannot read), so what waits here is bounded by their remaining tokens."""
         if not writes:
             return
         async with self._writing:
+            lost: set[str] = set()
+            unsent = writes
             while True:
                 try:
-                    lost = await self.scripts.publish(writes)
+                    lost |= await self.scripts.publish(unsent)
                     break
+                except PartlyPublished as part:  # (a cluster: the shards that answered are done)
+                    lost |= part.lost
+                    unsent = part.unsent
+                    if not retry or not isinstance(part.error, REDIS_ERRORS):
+                        raise part.error from None
+                    self.outage.failed(part.error)
+                    await asyncio.sleep(RETRY_DELAY_S)
                 except REDIS_ERRORS as exc:
                     if not retry:
                         raise

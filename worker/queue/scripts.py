@@ -12,9 +12,10 @@ reclaim script finds idle entries with XPENDING IDLE and claims them one by one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio
 
@@ -31,6 +32,7 @@ from producer.protocol import (
     Keys,
     entry_ref,
     pack_script_arg,
+    ref_shard,
     split_ref,
 )
 from producer.redis_conn import mget
@@ -49,14 +51,16 @@ end
 _TERMINAL = ", ".join(f"['{s.value}'] = true" for s in JobStatus if s.terminal)
 
 # Entries are named by their ref (protocol.entry_ref): `<id>` in the queue's stream `base`
-# (KEYS[1]), `<id>@<lane>` in its lane's stream `base@<lane>`. locate gives (stream, id).
+# (KEYS[1]), `<id>@<lane>` in its lane's stream `base@<lane>`; a `#<shard>` after either says
+# which shard's stream `base` is (the caller passes that one). locate gives (stream, id).
 # owned is true when the entry is pending in the group under `consumer`; a missing group (the
 # database was flushed) counts as not owned.
 _OWNED = """
 local function locate(base, ref)
-  local at = string.find(ref, '@', 1, true)
-  if at then return base .. string.sub(ref, at), string.sub(ref, 1, at - 1) end
-  return base, ref
+  local name = string.match(ref, '^[^#]*')
+  local at = string.find(name, '@', 1, true)
+  if at then return base .. string.sub(name, at), string.sub(name, 1, at - 1) end
+  return base, name
 end
 local function owned(base, group, consumer, ref)
   local stream, id = locate(base, ref)
@@ -355,7 +359,7 @@ for j = 0, (#KEYS - 1) / 2 - 1 do
     redis.pcall('XGROUP', 'CREATE', target, ARGV[1], '0', 'MKSTREAM')
     local copy = redis.call('XADD', target, '*', unpack(ARGV, first, a - 1))
     local _, id = locate(KEYS[1], entry_id)
-    copy = copy .. string.sub(entry_id, #id + 1)  -- the copy keeps its lane ('@<lane>', or none)
+    copy = copy .. string.sub(entry_id, #id + 1)  -- the copy keeps its lane and shard ('@<lane>#<shard>')
     redis.call('HSET', job_key, 'entry_id', copy, 'queue', queue)
     redis.call('EXPIRE', job_key, ARGV[3])
     ack(KEYS[1], ARGV[1], entry_id)
@@ -482,6 +486,19 @@ class Forward:
     fields: dict[bytes, bytes]
 
 
+class PartlyPublished(Exception):
+    """Scripts.publish: the calls of some shards failed (`error`, the first), the others'
+    went through. `unsent`: the writes to make again; `lost`: what the others found lost.
+    Sending all of them again would not be harmless: an entry a finishing write acknowledged
+    would then be reported lost."""
+
+    def __init__(self, unsent: list[JobWrite], lost: set[str], error: BaseException) -> None:
+        super().__init__(f"{len(unsent)} writes not sent: {error}")
+        self.unsent = unsent
+        self.lost = lost
+        self.error = error
+
+
 @dataclass(frozen=True)
 class Reclaimed:
     entry_id: str
@@ -489,8 +506,15 @@ class Reclaimed:
     fields: dict[bytes, bytes] | None  # None: deleted from the stream
 
 
+T = TypeVar("T")
+
+
 class Scripts:
-    """The worker's Redis writes, one named delivery rule per method."""
+    """The worker's Redis writes, one named delivery rule per method.
+
+    `keys` names shard 0 and says how many shards there are (`keys.shards`): a method given
+    entries calls its script once per shard they are in (each call's keys in that shard's
+    slot), the shards at once; one that reads the queue reads every shard."""
 
     def __init__(self, conn: redis.asyncio.Redis, keys: Keys, consumer: str,
                  events_retention_s: float = DEFAULT_EVENTS_RETENTION_S) -> None:
@@ -513,11 +537,31 @@ class Scripts:
         self._forward = conn.register_script(FORWARD_LUA)
         self._handoff = conn.register_script(HANDOFF_LUA)
         self._take = conn.register_script(TAKE_LUA)
+        self._next_reclaim = 0  # the shard the next reclaim starts at: none is always last
+
+    async def _per_shard(self, refs: Sequence[str], call: Callable[[Keys, list[int]], Awaitable[T]]) -> list[T]:
+        """`call(keys of a shard, indexes of the refs in it)` for each shard the refs are in, at once."""
+        groups = _shard_groups(refs)
+        if len(groups) == 1:  # (the one call of a single Redis, awaited as it always was)
+            shard, indexes = next(iter(groups.items()))
+            return [await call(self.keys.on_shard(shard), indexes)]
+        return list(await asyncio.gather(*(call(self.keys.on_shard(n), ix) for n, ix in groups.items())))
+
+    async def _in_order(self, refs: Sequence[str], call: Callable[[Keys, list[int]], Awaitable[list[Any]]]) -> list[Any]:
+        """As _per_shard, for a call that answers one item per index: the items in the refs' order."""
+        out: list[Any] = [None] * len(refs)
+
+        async def placed(keys: Keys, indexes: list[int]) -> None:
+            for i, item in zip(indexes, await call(keys, indexes), strict=True):
+                out[i] = item
+
+        await self._per_shard(refs, placed)
+        return out
 
     async def ensure_group(self) -> None:
         """Create the group on each lane's stream at id 0 if missing: entries enqueued before
         any worker existed are delivered too (a group created at `$` would skip them)."""
-        for stream in self.keys.lane_streams:
+        for stream in (s for keys in self.keys.every_shard for s in keys.lane_streams):
             try:
                 await self.conn.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -531,28 +575,49 @@ class Scripts:
         reclaimer would interleave with the new owner's stream (same seq, other tokens)."""
         if not writes:
             return set()
-        jobs = [
-            [w.entry_id, self.keys.events(w.job_id), self.keys.job(w.job_id), w.events,
-             _pairs(w.record or {}), self._meter(w.meter) if w.record else [], self._minute(w.tenant_tokens)]
-            for w in writes
-        ]
-        args: list[Any] = [self.keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs),
-                           USAGE_TTL_S, self.events_retention_s]
-        return {_str(e) for e in await self._step(keys=[self.keys.requests], args=args)}
 
-    def _meter(self, meter: Meter | None) -> list[Any]:
+        async def shard(keys: Keys, indexes: list[int]) -> list[Any]:
+            jobs = [
+                [w.entry_id, keys.events(w.job_id), keys.job(w.job_id), w.events, _pairs(w.record or {}),
+                 self._meter(keys, w.meter) if w.record else [], self._minute(keys, w.tenant_tokens)]
+                for w in (writes[i] for i in indexes)
+            ]
+            args: list[Any] = [keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs),
+                               USAGE_TTL_S, self.events_retention_s]
+            return list(await self._step(keys=[keys.requests], args=args))
+
+        groups = _shard_groups([w.entry_id for w in writes])
+        if len(groups) == 1:  # (a single Redis: one call, as it always was)
+            return {_str(e) for e in await shard(self.keys.on_shard(next(iter(groups))), next(iter(groups.values())))}
+        replies = await asyncio.gather(*(shard(self.keys.on_shard(n), ix) for n, ix in groups.items()),
+                                       return_exceptions=True)
+        lost: set[str] = set()
+        unsent: list[int] = []
+        for indexes, reply in zip(groups.values(), replies, strict=True):
+            if isinstance(reply, BaseException):
+                unsent += indexes
+            else:
+                lost |= {_str(e) for e in reply}
+        failed = next((r for r in replies if isinstance(r, BaseException)), None)
+        if failed is None:
+            return lost
+        if len(unsent) == len(writes):
+            raise failed
+        raise PartlyPublished([writes[i] for i in sorted(unsent)], lost, failed) from failed
+
+    def _meter(self, keys: Keys, meter: Meter | None) -> list[Any]:
         """STEP_LUA's usage item: the day's hash, the field prefix, prompt, completion and cached
         tokens."""
         if meter is None:
             return []
-        return [self.keys.usage(meter.day), f"{meter.tenant}\t{meter.model}\t", meter.prompt_tokens,
+        return [keys.usage(meter.day), f"{meter.tenant}\t{meter.model}\t", meter.prompt_tokens,
                 meter.completion_tokens, meter.cached_tokens]
 
-    def _minute(self, counted: TenantTokens | None) -> list[Any]:
+    def _minute(self, keys: Keys, counted: TenantTokens | None) -> list[Any]:
         """STEP_LUA's minute item: the tenant's minute counter and the tokens it adds."""
         if counted is None or not counted.tenant or counted.tokens == 0:
             return []
-        return [self.keys.tokens(counted.tenant, counted.minute), counted.tokens]
+        return [keys.tokens(counted.tenant, counted.minute), counted.tokens]
 
     async def holders(self, entry_ids: Sequence[str]) -> dict[str, str]:
         """Who holds each entry now, in words, for the log of an entry found lost: the consumer
@@ -581,12 +646,16 @@ class Scripts:
         the job twice; a redelivered entry re-running a job that already ended."""
         if not jobs:
             return []
-        keys = [self.keys.requests]
-        args: list[Any] = [self.keys.group, self.consumer, repr(now), self.keys.queue]
-        for job, entry_id in zip(jobs, entry_ids, strict=True):
-            keys += [self.keys.job(job.id), self.keys.cancel_flag(job.id)]
-            args += [entry_id, job.sampling_params.n, repr(float(job.submit_time))]
-        return [_str(c) for c in await self._start(keys=keys, args=args)]
+
+        async def shard(keys: Keys, indexes: list[int]) -> list[Any]:
+            names = [keys.requests]
+            args: list[Any] = [keys.group, self.consumer, repr(now), keys.queue]
+            for i in indexes:
+                names += [keys.job(jobs[i].id), keys.cancel_flag(jobs[i].id)]
+                args += [entry_ids[i], jobs[i].sampling_params.n, repr(float(jobs[i].submit_time))]
+            return list(await self._start(keys=names, args=args))
+
+        return [_str(c) for c in await self._in_order(entry_ids, shard)]
 
     async def dead_letter(self, letters: Sequence[DeadLetter]) -> int:
         """Move entries to the dead stream, XACK them, fail their jobs; returns how many.
@@ -596,16 +665,20 @@ class Scripts:
         two reclaimers)."""
         if not letters:
             return 0
-        keys = [self.keys.requests, self.keys.dead]
-        args: list[Any] = [self.keys.group, self.consumer, self.events_retention_s, JOB_TTL_S]
-        for letter in letters:
-            dead = _pairs(letter.fields)
-            fail: list[Any] = []
-            if letter.job_id is not None and letter.error_event is not None:
-                keys += [self.keys.events(letter.job_id), self.keys.job(letter.job_id)]
-                fail = [letter.error_event, *_pairs(letter.record or {})]
-            args += [letter.entry_id, len(dead), len(fail), "1" if letter.drop else "0", *dead, *fail]
-        return int(await self._dead(keys=keys, args=args))
+
+        async def shard(keys: Keys, indexes: list[int]) -> int:
+            names = [keys.requests, keys.dead]
+            args: list[Any] = [keys.group, self.consumer, self.events_retention_s, JOB_TTL_S]
+            for letter in (letters[i] for i in indexes):
+                dead = _pairs(letter.fields)
+                fail: list[Any] = []
+                if letter.job_id is not None and letter.error_event is not None:
+                    names += [keys.events(letter.job_id), keys.job(letter.job_id)]
+                    fail = [letter.error_event, *_pairs(letter.record or {})]
+                args += [letter.entry_id, len(dead), len(fail), "1" if letter.drop else "0", *dead, *fail]
+            return int(await self._dead(keys=names, args=args))
+
+        return sum(await self._per_shard([letter.entry_id for letter in letters], shard))
 
     async def unclaim(self, name_key: str, host: str, pid: int) -> bool:
         """Delete the worker hash `name_key` if it is this process's (host, pid); whether it was."""
@@ -627,8 +700,7 @@ class Scripts:
         if self.keys.cluster:
             owner = await self._beat(keys=[name_key], args=[ttl_s, *fields])
             if not owner:
-                lost, cancelled = await self._keep(keys=[self.keys.requests, *flags],
-                                                   args=[self.keys.group, self.consumer, *entry_ids])
+                lost, cancelled = await self._keep_owned(flags, entry_ids)
         else:
             args: list[Any] = [self.keys.group, self.consumer, ttl_s, len(fields), *fields, *entry_ids]
             lost, cancelled, owner = await self._heartbeat(keys=[self.keys.requests, name_key, *flags], args=args)
@@ -636,20 +708,35 @@ class Scripts:
             raise NameTaken(self.consumer, _str(owner[0]), int(owner[1]))
         return {_str(e) for e in lost}, {_str(e) for e in cancelled}
 
+    async def _keep_owned(self, flags: list[str], entry_ids: list[str]) -> tuple[list[Any], list[Any]]:
+        """KEEP_LUA over the shards the entries are in (a cluster's heartbeat): (lost, cancelled)."""
+        if not entry_ids:
+            return [], []
+
+        async def shard(keys: Keys, indexes: list[int]) -> list[Any]:
+            return list(await self._keep(keys=[keys.requests, *(flags[i] for i in indexes)],
+                                         args=[keys.group, self.consumer, *(entry_ids[i] for i in indexes)]))
+
+        replies = await self._per_shard(entry_ids, shard)
+        return [e for r in replies for e in r[0]], [e for r in replies for e in r[1]]
+
     async def reclaim(self, min_idle_ms: int, count: int) -> list[Reclaimed]:
         """Claim up to `count` entries idle for `min_idle_ms` (their worker is gone), the
-        lanes in their order.
+        lanes in their order, and within a lane the shards from one further on each call.
 
         Race prevented: a job stranded forever in a dead worker's pending list."""
         out: list[Reclaimed] = []
+        first, self._next_reclaim = self._next_reclaim, (self._next_reclaim + 1) % self.keys.shards
+        order = [(first + n) % self.keys.shards for n in range(self.keys.shards)]
         for lane in LANES:
-            if len(out) >= count:
-                break
-            reply = await self._reclaim(
-                keys=[self.keys.on_lane(lane).requests],
-                args=[self.keys.group, self.consumer, min_idle_ms, count - len(out)],
-            )
-            out += [Reclaimed(entry_ref(_str(e), lane), int(n), _fields(f)) for e, n, f in reply]
+            for shard in order:
+                if len(out) >= count:
+                    return out
+                reply = await self._reclaim(
+                    keys=[self.keys.on_shard(shard).on_lane(lane).requests],
+                    args=[self.keys.group, self.consumer, min_idle_ms, count - len(out)],
+                )
+                out += [Reclaimed(entry_ref(_str(e), lane, shard), int(n), _fields(f)) for e, n, f in reply]
         return out
 
     async def release(self, entry_ids: Sequence[str]) -> int:
@@ -658,8 +745,12 @@ class Scripts:
         Race prevented: released work waiting a whole claim timeout while other workers idle."""
         if not entry_ids:
             return 0
-        args: list[Any] = [self.keys.group, self.consumer, RELEASED_IDLE_MS, *entry_ids]
-        return int(await self._release(keys=[self.keys.requests], args=args))
+
+        async def shard(keys: Keys, indexes: list[int]) -> int:
+            args: list[Any] = [keys.group, self.consumer, RELEASED_IDLE_MS, *(entry_ids[i] for i in indexes)]
+            return int(await self._release(keys=[keys.requests], args=args))
+
+        return sum(await self._per_shard(entry_ids, shard))
 
     async def trim(self, stream: str, retention_s: float) -> int:
         """Remove entries of `stream` (requests, dead) older than `retention_s` that no group
@@ -671,11 +762,11 @@ class Scripts:
         and trims in one step."""
         return int(await self._trim(keys=[stream], args=[int(retention_s * 1000)]))
 
-    async def lane_waits(self, lanes: Sequence[str]) -> dict[str, float | None]:
-        """Seconds the oldest entry of each lane that no worker has read yet has waited; None
-        for a lane whose entries have all been read."""
-        waits = await self._lane_waits(keys=[self.keys.on_lane(lane).requests for lane in lanes],
-                                       args=[self.keys.group])
+    async def lane_waits(self, lanes: Sequence[str], shard: int = 0) -> dict[str, float | None]:
+        """Seconds the oldest entry of each lane (of `shard`) that no worker has read yet has
+        waited; None for a lane whose entries have all been read."""
+        keys = self.keys.on_shard(shard)
+        waits = await self._lane_waits(keys=[keys.on_lane(lane).requests for lane in lanes], args=[keys.group])
         return {lane: None if ms < 0 else ms / 1000 for lane, ms in zip(lanes, waits, strict=True)}
 
     async def forward(self, moves: Sequence[Forward]) -> list[str]:
@@ -686,14 +777,18 @@ class Scripts:
         the XADD and the XACK), or copied twice by two reclaimers of one entry."""
         if not moves:
             return []
-        keys = [self.keys.requests]
-        args: list[Any] = [self.keys.group, self.consumer, JOB_TTL_S]
-        for move in moves:
-            fields = _pairs(move.fields)
-            lane = split_ref(move.entry_id)[1]
-            keys += [self.keys.on_queue(move.queue).on_lane(lane).requests, self.keys.job(move.job_id)]
-            args += [move.entry_id, move.queue, len(fields), *fields]
-        return [_str(c) for c in await self._forward(keys=keys, args=args)]
+
+        async def shard(keys: Keys, indexes: list[int]) -> list[Any]:
+            names = [keys.requests]
+            args: list[Any] = [keys.group, self.consumer, JOB_TTL_S]
+            for move in (moves[i] for i in indexes):
+                fields = _pairs(move.fields)
+                lane = split_ref(move.entry_id)[1]
+                names += [keys.on_queue(move.queue).on_lane(lane).requests, keys.job(move.job_id)]
+                args += [move.entry_id, move.queue, len(fields), *fields]
+            return list(await self._forward(keys=names, args=args))
+
+        return [_str(c) for c in await self._in_order([m.entry_id for m in moves], shard)]
 
     async def hand_off(self, worker: str, entry_ids: Sequence[str]) -> list[str]:
         """Give entries this worker read to `worker`, which is told on its handoff channel;
@@ -703,8 +798,12 @@ class Scripts:
         stall), so that two workers would run it."""
         if not entry_ids:
             return []
-        args = [self.keys.group, self.consumer, worker, self.keys.handoff_channel(worker), *entry_ids]
-        return [_str(e) for e in await self._handoff(keys=[self.keys.requests], args=args)]
+
+        async def shard(keys: Keys, indexes: list[int]) -> list[Any]:
+            args = [keys.group, self.consumer, worker, keys.handoff_channel(worker), *(entry_ids[i] for i in indexes)]
+            return list(await self._handoff(keys=[keys.requests], args=args))
+
+        return [_str(e) for part in await self._per_shard(entry_ids, shard) for e in part]
 
     async def take(self, entry_ids: Sequence[str]) -> list[Reclaimed]:
         """The entries of a handoff notice that are still this worker's, with their fields.
@@ -712,8 +811,13 @@ class Scripts:
         Race prevented: running an entry another worker reclaimed while the notice was late."""
         if not entry_ids:
             return []
-        reply = await self._take(keys=[self.keys.requests], args=[self.keys.group, self.consumer, *entry_ids])
-        return [Reclaimed(_str(e), int(n), _fields(f)) for e, n, f in reply]
+
+        async def shard(keys: Keys, indexes: list[int]) -> list[Any]:
+            return list(await self._take(keys=[keys.requests],
+                                         args=[keys.group, self.consumer, *(entry_ids[i] for i in indexes)]))
+
+        replies = await self._per_shard(entry_ids, shard)
+        return [Reclaimed(_str(e), int(n), _fields(f)) for part in replies for e, n, f in part]
 
     async def routes(self, models: Sequence[str]) -> dict[str, str]:
         """The queues that live workers advertise for these models (absent: none does)."""
@@ -751,14 +855,23 @@ class Scripts:
         """Entry refs pending under this worker's name, in every lane (to release what is
         left at shutdown)."""
         pipe = self.conn.pipeline(transaction=False)
-        for lane in LANES:
-            pipe.xpending_range(self.keys.on_lane(lane).requests, self.keys.group, "-", "+", limit,
+        where = [(shard, lane) for shard in range(self.keys.shards) for lane in LANES]
+        for shard, lane in where:
+            pipe.xpending_range(self.keys.on_shard(shard).on_lane(lane).requests, self.keys.group, "-", "+", limit,
                                 consumername=self.consumer)
         out = []
-        for lane, rows in zip(LANES, await pipe.execute(raise_on_error=False), strict=True):
+        for (shard, lane), rows in zip(where, await pipe.execute(raise_on_error=False), strict=True):
             if not isinstance(rows, Exception):  # no group: nothing is pending there
-                out += [entry_ref(_str(r["message_id"]), lane) for r in rows]
+                out += [entry_ref(_str(r["message_id"]), lane, shard) for r in rows]
         return out
+
+
+def _shard_groups(refs: Sequence[str]) -> dict[int, list[int]]:
+    """The indexes of the refs in each shard, by shard."""
+    groups: dict[int, list[int]] = {}
+    for i, ref in enumerate(refs):
+        groups.setdefault(ref_shard(ref), []).append(i)
+    return groups
 
 
 def _pairs(mapping: Mapping[Any, Any]) -> list[Any]:
