@@ -8,7 +8,7 @@ import json
 import pytest
 
 from producer.cli import main
-from worker.benchmarks.floor import FloorShape, workload_flops
+from worker.benchmarks.floor import FloorShape, workload_flops, workload_kv_bytes
 from worker.benchmarks.workload import W1, RandomWorkload, load_dataset
 from worker.model_executor.model_loader import read_config
 from worker.model_executor.models.config import ModelConfig
@@ -40,6 +40,10 @@ def test_floor_flops_of_the_tiny_llama_by_hand(tiny_llama_dir):
     assert flops["attention"] == 2 * 2 * 4 * 16 * 2 * (1 + 2 + 3 + 4)  # QK and PV, 4 heads, 2 layers
     assert flops["total"] == flops["matmul"] + flops["lm_head"] + flops["attention"]
     assert workload_flops(shape, [(3, 2), (5, 1)])["total"] == flops["total"] + workload_flops(shape, [(5, 1)])["total"]
+    # K/V reads: the prompt's 3 keys once, then the decode feeding position 3 reads 4 keys; K and
+    # V of 2 KV heads of 16 in 2 layers, bf16
+    assert workload_kv_bytes(shape, [(3, 2)], 2) == (3 + 4) * 2 * 2 * 16 * 2 * 2
+    assert workload_kv_bytes(shape, [(3, 1)], 4) == 3 * 2 * 2 * 16 * 4 * 2  # no decode step at all
 
 
 def test_throughput_engine_and_hf_report(tiny_llama_dir, tmp_path, capsys):
@@ -64,10 +68,13 @@ def test_throughput_engine_and_hf_report(tiny_llama_dir, tmp_path, capsys):
     assert floor["flops"] == workload_flops(shape, [(len(ids), n) for ids, n in workload.requests()])
     assert floor["flops_per_s"] > 0 and "float32" in floor["gemm"]
     assert floor["floor_s"] == pytest.approx(floor["flops"]["total"] / floor["flops_per_s"], rel=1e-3, abs=1e-4)
+    assert floor["kv_bytes"] == workload_kv_bytes(shape, [(len(ids), n) for ids, n in workload.requests()], 4)
+    assert floor["read_bytes_per_s"] > 0 and floor["memory_floor_s"] >= floor["floor_s"] - 1e-4  # (a tighter floor)
     for r in report["results"].values():
         assert r["share_of_floor"] == pytest.approx(floor["floor_s"] / r["elapsed_s"], rel=0.02, abs=1e-3)
+        assert r["share_of_memory_floor"] == pytest.approx(floor["memory_floor_s"] / r["elapsed_s"], rel=0.02, abs=1e-3)
     table = capsys.readouterr().out
-    assert "compute floor:" in table and "of floor" in table
+    assert "compute floor:" in table and "memory-aware floor:" in table and "of mem floor" in table
     assert any(line.startswith("floor ") for line in table.splitlines())
 
 

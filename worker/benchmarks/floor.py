@@ -9,7 +9,15 @@ FLOPs (a multiply-add is 2):
 - the LM head: 2 x vocab x hidden per output token (one row of logits per sampled token);
 - attention: QK and PV, 2 x 2 x heads x head_dim x (keys seen) per token and layer, a token at
   position p seeing p + 1 keys (the whole context: windows are not counted, a floor still).
-Embedding lookups, norms, rotary and softmax are left out (not matmuls)."""
+Embedding lookups, norms, rotary and softmax are left out (not matmuls).
+
+A decode's attention does 2 multiply-adds per key and head per byte of K/V it reads (bf16):
+no CPU reads memory at its GEMM rate, so there attention is bound by memory, not FLOPs. The
+memory-aware floor counts it so: the matmuls at the GEMM rate, attention at the slower of its
+FLOPs at that rate and its K/V reads at the read rate measured in the same run (a float32 sum
+over a buffer larger than the caches). K/V reads: each decode step reads its whole context
+(every layer, K and V, each KV head once); a prompt reads its own keys once (a floor: chunks
+and query tiles read them more)."""
 
 from __future__ import annotations
 
@@ -74,6 +82,34 @@ def workload_flops(shape: FloorShape, requests: list[tuple[int, int]]) -> dict[s
             "total": matmul + lm_head + attention}
 
 
+def workload_kv_bytes(shape: FloorShape, requests: list[tuple[int, int]], elem_bytes: int) -> int:
+    """The K/V bytes attention reads for (prompt length, output length) requests: a decode step
+    feeding the token at position p reads p + 1 keys; a prompt reads its own keys once."""
+    per_key = 2 * shape.num_kv_heads * shape.head_dim * elem_bytes * shape.num_layers
+    keys = 0
+    for n_in, n_out in requests:
+        steps = max(n_out - 1, 0)  # (the first output comes from the prompt's own step)
+        keys += n_in + steps * (n_in + 1) + steps * (steps - 1) // 2
+    return per_key * keys
+
+
+READ_BUFFER_BYTES = 256 << 20  # larger than any CPU's last-level cache here
+
+
+def measure_read_rate() -> float:
+    """Bytes/s the CPU reads (a float32 sum over READ_BUFFER_BYTES, torch's threads), best of 3."""
+    import torch
+
+    buf = torch.ones(READ_BUFFER_BYTES // 4)
+    buf.sum()  # (the pages)
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        buf.sum()
+        best = max(best, READ_BUFFER_BYTES / (time.perf_counter() - start))
+    return best
+
+
 def measure_gemm_rate(dtype: str, hidden: int, intermediate: int) -> dict[str, Any]:
     """FLOP/s of torch.matmul [rows, hidden] x [hidden, intermediate] in `dtype` on the CPU,
     the best of GEMM_REPEATS timings (each long enough to time: ~50 ms) over GEMM_ROWS."""
@@ -109,18 +145,28 @@ def compute_floor(model: str | None, dtype: str, requests: list[tuple[int, int]]
     flops = workload_flops(shape, requests)
     rate = measure_gemm_rate(dtype, shape.hidden_size, shape.intermediate_size)
     floor_s = flops["total"] / rate["flops_per_s"]
-    return {"flops": flops, **rate, "floor_s": round(floor_s, 4),
-            "output_tokens_per_s": round(sum(n for _, n in requests) / floor_s, 1)}
+    kv_bytes = workload_kv_bytes(shape, requests, 4 if dtype == "float32" else 2)
+    read_rate = measure_read_rate()
+    attention_s = max(flops["attention"] / rate["flops_per_s"], kv_bytes / read_rate)
+    memory_floor_s = (flops["matmul"] + flops["lm_head"]) / rate["flops_per_s"] + attention_s
+    num_out = sum(n for _, n in requests)
+    return {"flops": flops, **rate, "floor_s": round(floor_s, 4), "output_tokens_per_s": round(num_out / floor_s, 1),
+            "kv_bytes": kv_bytes, "read_bytes_per_s": read_rate, "memory_floor_s": round(memory_floor_s, 4),
+            "memory_floor_tokens_per_s": round(num_out / memory_floor_s, 1)}
 
 
 def add_shares(floor: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
-    """Each mode's share of the floor: floor time / its time."""
+    """Each mode's share of the floor and of the memory-aware floor: floor time / its time."""
     for r in results.values():
         r["share_of_floor"] = round(floor["floor_s"] / r["elapsed_s"], 3)
+        r["share_of_memory_floor"] = round(floor["memory_floor_s"] / r["elapsed_s"], 3)
 
 
 def format_floor(floor: dict[str, Any]) -> str:
     gflop = floor["flops"]["total"] / 1e9
     return (f"compute floor: {gflop:.1f} GFLOP at {floor['flops_per_s'] / 1e9:.1f} GFLOP/s "
             f"({floor['gemm']}, {floor['threads']} threads) = {floor['floor_s']:.2f} s, "
-            f"{floor['output_tokens_per_s']:.1f} out tok/s")
+            f"{floor['output_tokens_per_s']:.1f} out tok/s\n"
+            f"memory-aware floor: attention's {floor['kv_bytes'] / 1e9:.1f} GB of K/V reads at "
+            f"{floor['read_bytes_per_s'] / 1e9:.1f} GB/s where slower than its FLOPs = {floor['memory_floor_s']:.2f} s, "
+            f"{floor['memory_floor_tokens_per_s']:.1f} out tok/s")

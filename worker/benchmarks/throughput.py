@@ -237,17 +237,19 @@ def _add_ratios(results: dict[str, dict[str, Any]]) -> None:
 
 def format_table(results: dict[str, dict[str, Any]], floor: dict[str, Any] | None = None) -> str:
     head = (f"{'mode':<8} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'vs hf':>7} {'vs engine':>10} "
-            f"{'of floor':>9}")
+            f"{'of floor':>9} {'of mem floor':>13}")
     lines = [head, "-" * len(head)]
     for mode, r in results.items():
         lines.append(
             f"{mode:<8} {r['requests_per_s']:>8.2f} {r['output_tokens_per_s']:>10.1f} "
             f"{r['total_tokens_per_s']:>12.1f} {_ratio(r, 'ratio_to_hf'):>7} {_ratio(r, 'ratio_to_engine'):>10} "
-            f"{_share(r):>9}"
+            f"{_share(r):>9} {_share(r, 'share_of_memory_floor'):>13}"
         )
     if floor is not None:  # what no mode can beat: the workload's FLOPs at the measured GEMM rate
         lines.append(f"{'floor':<8} {'':>8} {floor['output_tokens_per_s']:>10.1f} {'':>12} {'':>7} {'':>10} "
-                     f"{'100.0%':>9}")
+                     f"{'100.0%':>9} {'':>13}")
+        lines.append(f"{'mem floor':<8} {'':>8} {floor['memory_floor_tokens_per_s']:>10.1f} {'':>12} {'':>7} "
+                     f"{'':>10} {'':>9} {'100.0%':>13}")
     return "\n".join(lines)
 
 
@@ -255,5 +257,5 @@ def _ratio(r: dict[str, Any], key: str) -> str:
     return f"{r[key]:.2f}x" if key in r else "-"
 
 
-def _share(r: dict[str, Any]) -> str:
-    return f"{100 * r['share_of_floor']:.1f}%" if "share_of_floor" in r else "-"
+def _share(r: dict[str, Any], key: str = "share_of_floor") -> str:
+    return f"{100 * r[key]:.1f}%" if key in r else "-"
