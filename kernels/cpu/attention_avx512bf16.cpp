@@ -19,6 +19,9 @@ namespace avx512bf16_isa {
 
 struct Vec : Vec512 {
   static constexpr bool kDotBf16 = true;
+  // rows at which scores transpose each 16 keys (a prompt's tile) rather than reduce each dot
+  // product across lanes (a decode's few query heads: the transpose would cost what it saves)
+  static constexpr int64_t kManyRows = 8;
 
   // lane i of the result: the sum of v[i]'s lanes
   static __m512 hsum16(const __m512* v) {
@@ -36,11 +39,73 @@ struct Vec : Vec512 {
                          _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
   }
 
+  // out[j] lane t = in[t] lane j, for 16 x 16 32-bit words: pairs of rows interleaved, then
+  // quads, then the 128-bit lanes moved across (4 x 4)
+  static void transpose16(const __m512i* in, __m512i* out) {
+    __m512i t[16], v[4][4];
+    for (int p = 0; p < 8; ++p) {
+      t[2 * p] = _mm512_unpacklo_epi32(in[2 * p], in[2 * p + 1]);
+      t[2 * p + 1] = _mm512_unpackhi_epi32(in[2 * p], in[2 * p + 1]);
+    }
+    for (int g = 0; g < 4; ++g) {  // v[g][c], 128-bit lane L: rows 4g..4g+3 of column 4L + c
+      v[g][0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+      v[g][1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+      v[g][2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+      v[g][3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512i x0 = _mm512_shuffle_i32x4(v[0][c], v[1][c], 0x44), x1 = _mm512_shuffle_i32x4(v[0][c], v[1][c], 0xEE);
+      const __m512i x2 = _mm512_shuffle_i32x4(v[2][c], v[3][c], 0x44), x3 = _mm512_shuffle_i32x4(v[2][c], v[3][c], 0xEE);
+      out[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+      out[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+      out[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+      out[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+    }
+  }
+
+  // R rows' scores over 16 keys from the keys transposed (kt[i] lane t: key t's bf16 pair i):
+  // each pair of the query broadcast, no reduction across lanes
+  template <int NW, int R>
+  static void score_rows_t(const uint32_t* qw, const __m512i* kt, float* out, int64_t stride, __m512 scaled) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int i = 0; i < NW; i += 2) {
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)kt[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r * NW + i])));
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)kt[i + 1], (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[r * NW + i + 1])));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * stride, _mm512_mul_ps(_mm512_add_ps(acc[r][0], acc[r][1]), scaled));
+  }
+
+  // Many rows (prompt tiles): each 16 keys transposed once, so that a row's scores need no
+  // reduction across lanes (hsum16: about as many instructions as its dot products)
+  template <int D>
+  static void scores_bf16_many(const uint16_t* q, const uint16_t* k, int64_t n, int64_t rows, float* scores,
+                               int64_t stride, float scale) {
+    constexpr int NW = D / 2;  // a row's bf16 pairs
+    __m512i kt[NW];
+    const __m512 scaled = _mm512_set1_ps(scale);
+    const uint32_t* qw = reinterpret_cast<const uint32_t*>(q);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - t0);  // (keys past n are not read: zeros)
+      for (int c = 0; c < NW / 16; ++c) {
+        __m512i in[16];
+        for (int t = 0; t < 16; ++t) in[t] = t < m ? _mm512_loadu_si512(k + (t0 + t) * D + c * 32) : _mm512_setzero_si512();
+        transpose16(in, &kt[c * 16]);
+      }
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) score_rows_t<NW, 4>(qw + r * NW, kt, scores + r * stride + t0, stride, scaled);
+      for (; r < rows; ++r) score_rows_t<NW, 1>(qw + r * NW, kt, scores + r * stride + t0, stride, scaled);
+    }
+  }
+
   // scores[r * stride + t] = scale * q_r . k_t for keys t < n, 16 at a time (past n up to the
   // next 16: garbage, overwritten)
   template <int D>
   static void scores_bf16(const uint16_t* q, const uint16_t* k, int64_t n, int64_t rows, float* scores, int64_t stride,
                           float scale) {
+    if (rows >= kManyRows) return scores_bf16_many<D>(q, k, n, rows, scores, stride, scale);
     constexpr int NK = D / 32;
     const __m512 scaled = _mm512_set1_ps(scale);
     for (int64_t r = 0; r < rows; ++r) {
