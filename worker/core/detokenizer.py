@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from producer.sampling_params import SamplingParams
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT_CHAR = "\ufffd"
+_UNSEEN: Any = object()  # an _own_texts entry not there yet
 
 
 class IncrementalDetokenizer:
@@ -137,7 +138,10 @@ class IncrementalDetokenizer:
         if ids[-1] in self._merging_ids:
             return ""  # a byte-fallback run may go on and decode differently as a whole
         if self._own_texts is not None and self._read_offset == len(ids) - 1:
-            text = self._own_text(ids[-1])
+            # (a token seen before, the common one: its entry read here, not through _own_text)
+            text = self._own_texts.get(ids[-1], _UNSEEN)
+            if text is _UNSEEN:
+                text = self._own_text(ids[-1])
             if text is not None:  # what the window would decode to beyond its prefix
                 if text:
                     self._prefix_offset, self._read_offset, self._prefix_len = self._read_offset, len(ids), len(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from worker.core.detokenizer import IncrementalDetokenizer
 from worker.core.outputs import CompletionOutput, RequestOutput
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from worker.sample.sampler import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionState:
     index: int
     detokenizer: IncrementalDetokenizer
@@ -23,7 +23,7 @@ class CompletionState:
     finished: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class ParentState:
     request_id: str
     prompt: str | None
@@ -74,7 +74,9 @@ class OutputProcessor:
         that a stop string finished (the engine tells the scheduler); `timestamps_of(request,
         finish reason)`: a finished request's token timestamps (Whisper's) for its final delta,
         asked once its tokens are final (a stop string's cut made)."""
-        by_parent: dict[str, list[CompletionOutput]] = {}
+        outputs: list[RequestOutput | None] = []
+        # a parent of several completions (n > 1): its output's place and its deltas, gathered
+        grouped: dict[str, tuple[int, list[CompletionOutput]]] = {}
         stopped: list[str] = []
         parent_of, parents = self.parent_of, self.parents
         for request in updated:
@@ -90,8 +92,16 @@ class OutputProcessor:
                     stopped.append(request.request_id)
                 if timestamps_of is not None:
                     delta.token_timestamps = timestamps_of(request, delta.finish_reason)
-            by_parent.setdefault(parent_id, []).append(delta)
-        return [self._request_output(pid, deltas) for pid, deltas in by_parent.items()], stopped
+            if len(parent.completions) == 1:  # (n = 1, the common request: its output at once, no grouping)
+                outputs.append(self._request_output(parent, [delta]))
+            elif parent_id in grouped:
+                grouped[parent_id][1].append(delta)
+            else:
+                grouped[parent_id] = (len(outputs), [delta])
+                outputs.append(None)  # (its place: the parents' order is that of their first delta)
+        for parent_id, (place, deltas) in grouped.items():
+            outputs[place] = self._request_output(parents[parent_id], deltas)
+        return cast("list[RequestOutput]", outputs), stopped
 
     def _completion_delta(self, request: Request, parent: ParentState,
                           logprobs: list[TokenLogprobs] | None) -> CompletionOutput:
@@ -122,8 +132,8 @@ class OutputProcessor:
                 self._spell(entry)
         return CompletionOutput(state.index, text, new_ids, finish_reason, stop_reason, logprobs or None)
 
-    def _request_output(self, parent_id: str, deltas: list[CompletionOutput]) -> RequestOutput:
-        parent = self.parents[parent_id]
+    def _request_output(self, parent: ParentState, deltas: list[CompletionOutput]) -> RequestOutput:
+        parent_id = parent.request_id
         # (a completion that goes on, this step's last one the most often, settles it cheaply)
         finished = deltas[-1].finish_reason is not None and parent.finished
         if finished:

@@ -21,7 +21,7 @@ from worker.core.block_manager import BlockManager, KVSwaps
 from worker.core.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
