@@ -46,6 +46,12 @@ class IncrementalDetokenizer:
     should not appear in the text must not be passed.
     """
 
+    # (one per running request, each read every step: its fields in the object, not a dict beside it)
+    __slots__ = ("_finished", "_include_stop", "_longest_stop", "_merging_ids", "_min_tokens", "_num_sent",
+                 "_own_texts", "_prefix_len", "_prefix_offset", "_read_offset", "_rust_decode",
+                 "_skip_special_tokens", "_stop", "_text", "_token_text_lens", "_tokenizer", "stop_reason",
+                 "token_ids")
+
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
@@ -123,8 +129,11 @@ class IncrementalDetokenizer:
         new_text = self._read_new_text()
         if not new_text:
             return
-        num_checked = len(self._text)
-        self._text += new_text
+        text = self._text
+        num_checked = len(text)
+        self._text = ""  # (the local's the only reference: += extends the text in place, not a copy a token)
+        text += new_text
+        self._text = text
         # As vLLM: a stop string counts once the output is longer than min_tokens (the same
         # token count at which EOS and stop ids stop being masked).
         if not self._stop:  # nothing to hold back

@@ -33,6 +33,7 @@ class ParentState:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served, for usage reports
     given_embeds: bool = False  # the prompt came as embeddings: its ids are the engine's placeholders
+    num_prompt_tokens: int = 0  # len(prompt_token_ids) (each output carries it: not the list's read a step)
 
     @property
     def finished(self) -> bool:
@@ -44,16 +45,20 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.parent_of: dict[str, str] = {}  # child request id -> parent request id
+        # child request id -> its parent's state and its own (process's one lookup a request)
+        self._states: dict[str, tuple[ParentState, CompletionState]] = {}
 
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
         first = children[0]
-        state = ParentState(parent_id, prompt, first.prompt_token_ids, given_embeds=first.given_embeds)
+        state = ParentState(parent_id, prompt, first.prompt_token_ids, given_embeds=first.given_embeds,
+                            num_prompt_tokens=len(first.prompt_token_ids))
         for index, child in enumerate(children):
             detok = IncrementalDetokenizer(
                 self.tokenizer, child.prompt_token_ids, child.sampling_params, child.output_token_ids
             )
-            state.completions[child.request_id] = CompletionState(index, detok, child.num_output_tokens)
+            completion = state.completions[child.request_id] = CompletionState(index, detok, child.num_output_tokens)
             self.parent_of[child.request_id] = parent_id
+            self._states[child.request_id] = (state, completion)
         self.parents[parent_id] = state
 
     def child_ids(self, parent_id: str) -> list[str]:
@@ -78,15 +83,15 @@ class OutputProcessor:
         # a parent of several completions (n > 1): its output's place and its deltas, gathered
         grouped: dict[str, tuple[int, list[CompletionOutput]]] = {}
         stopped: list[str] = []
-        parent_of, parents = self.parent_of, self.parents
+        states = self._states
         for request in updated:
-            parent_id = parent_of.get(request.request_id)
-            if parent_id is None:
+            found = states.get(request.request_id)
+            if found is None:
                 continue
-            parent = parents[parent_id]
+            parent, state = found
             if request.num_cached_tokens > parent.num_cached_tokens:
                 parent.num_cached_tokens = request.num_cached_tokens
-            delta = self._completion_delta(request, parent, logprobs.get(request.request_id) if logprobs else None)
+            delta = self._completion_delta(request, state, logprobs.get(request.request_id) if logprobs else None)
             if delta.finish_reason is not None:
                 if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
                     stopped.append(request.request_id)
@@ -94,18 +99,17 @@ class OutputProcessor:
                     delta.token_timestamps = timestamps_of(request, delta.finish_reason)
             if len(parent.completions) == 1:  # (n = 1, the common request: its output at once, no grouping)
                 outputs.append(self._request_output(parent, [delta]))
-            elif parent_id in grouped:
-                grouped[parent_id][1].append(delta)
+            elif parent.request_id in grouped:
+                grouped[parent.request_id][1].append(delta)
             else:
-                grouped[parent_id] = (len(outputs), [delta])
+                grouped[parent.request_id] = (len(outputs), [delta])
                 outputs.append(None)  # (its place: the parents' order is that of their first delta)
         for parent_id, (place, deltas) in grouped.items():
-            outputs[place] = self._request_output(parents[parent_id], deltas)
+            outputs[place] = self._request_output(self.parents[parent_id], deltas)
         return cast("list[RequestOutput]", outputs), stopped
 
-    def _completion_delta(self, request: Request, parent: ParentState,
+    def _completion_delta(self, request: Request, state: CompletionState,
                           logprobs: list[TokenLogprobs] | None) -> CompletionOutput:
-        state = parent.completions[request.request_id]
         output_ids = request.output_token_ids
         new_ids = output_ids[state.num_sent_tokens :]
         # (a running request, the common case, has no finish reason and all its tokens are text)
@@ -140,9 +144,10 @@ class OutputProcessor:
             del self.parents[parent_id]
             for child_id in parent.completions:
                 self.parent_of.pop(child_id, None)
+                self._states.pop(child_id, None)
         out = RequestOutput(parent_id, parent.prompt, [] if parent.given_embeds else parent.prompt_token_ids, deltas,
                             finished, num_cached_tokens=parent.num_cached_tokens,
-                            num_prompt_tokens=len(parent.prompt_token_ids))
+                            num_prompt_tokens=parent.num_prompt_tokens)
         if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
             out.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
             for entry in out.prompt_logprobs:
