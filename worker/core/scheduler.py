@@ -260,9 +260,12 @@ class Scheduler:
         num_tokens = request.num_tokens
         end = min(start + num_new, num_tokens)
         drafts = request.spec_token_ids[: num_new - (end - start)] if request.spec_token_ids else None  # (budget's room)
-        tokens = request.token_slice(start, end)
+        num_prompt = request.num_prompt_tokens
+        # (a decode's one output token read here, the common entry: not through token_slice)
+        tokens = [request.output_token_ids[start - num_prompt]] if end - start == 1 and start >= num_prompt else \
+            request.token_slice(start, end)
         bm = self.block_manager
-        tables = bm.block_tables(request.request_id)
+        tables = bm.req_blocks.get(request.request_id) or bm.block_tables(request.request_id)
         # (positional, the rest as the defaults say: a decode's entry is made for every request every step)
         sched = ScheduledRequest(request.request_id, tokens + drafts if drafts else tokens, start, tables[0],
                                  end == num_tokens)
@@ -272,7 +275,7 @@ class Scheduler:
             sched.lora_id = request.lora_id
         if len(tables) > 1:
             sched.group_tables = tuple(tables[1:])
-        if start < request.num_prompt_tokens:  # (only a prompt's chunk has some)
+        if start < num_prompt:  # (only a prompt's chunk has some)
             sched.prompt_logprobs = request.sampling_params.prompt_logprobs is not None
         if request.pooling_params is not None:
             sched.pool = end == num_tokens
