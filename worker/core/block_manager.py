@@ -254,6 +254,11 @@ class BlockManager:
         return len(self.pool.free)
 
     @property
+    def windowed(self) -> bool:
+        """Some group's layers attend to a window: its blocks behind it go back (release_out_of_window)."""
+        return self._windowed
+
+    @property
     def usage(self) -> float:
         return 1.0 - len(self.pool.free) / self.pool.num_blocks
 

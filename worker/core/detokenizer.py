@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from producer.sampling_params import SamplingParams
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT_CHAR = "\ufffd"
+_UNSEEN: Any = object()  # an _own_texts entry not there yet
 
 
 class IncrementalDetokenizer:
@@ -44,6 +45,12 @@ class IncrementalDetokenizer:
     Callers pass every token they want in the text: a stop token (EOS, stop_token_ids) that
     should not appear in the text must not be passed.
     """
+
+    # (one per running request, each read every step: its fields in the object, not a dict beside it)
+    __slots__ = ("_finished", "_include_stop", "_longest_stop", "_merging_ids", "_min_tokens", "_num_sent",
+                 "_own_texts", "_prefix_len", "_prefix_offset", "_read_offset", "_rust_decode",
+                 "_skip_special_tokens", "_stop", "_text", "_token_text_lens", "_tokenizer", "stop_reason",
+                 "token_ids")
 
     def __init__(
         self,
@@ -122,8 +129,11 @@ class IncrementalDetokenizer:
         new_text = self._read_new_text()
         if not new_text:
             return
-        num_checked = len(self._text)
-        self._text += new_text
+        text = self._text
+        num_checked = len(text)
+        self._text = ""  # (the local's the only reference: += extends the text in place, not a copy a token)
+        text += new_text
+        self._text = text
         # As vLLM: a stop string counts once the output is longer than min_tokens (the same
         # token count at which EOS and stop ids stop being masked).
         if not self._stop:  # nothing to hold back
@@ -137,7 +147,10 @@ class IncrementalDetokenizer:
         if ids[-1] in self._merging_ids:
             return ""  # a byte-fallback run may go on and decode differently as a whole
         if self._own_texts is not None and self._read_offset == len(ids) - 1:
-            text = self._own_text(ids[-1])
+            # (a token seen before, the common one: its entry read here, not through _own_text)
+            text = self._own_texts.get(ids[-1], _UNSEEN)
+            if text is _UNSEEN:
+                text = self._own_text(ids[-1])
             if text is not None:  # what the window would decode to beyond its prefix
                 if text:
                     self._prefix_offset, self._read_offset, self._prefix_len = self._read_offset, len(ids), len(text)

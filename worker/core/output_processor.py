@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from worker.core.detokenizer import IncrementalDetokenizer
 from worker.core.outputs import CompletionOutput, RequestOutput
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from worker.sample.sampler import TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionState:
     index: int
     detokenizer: IncrementalDetokenizer
@@ -23,7 +23,7 @@ class CompletionState:
     finished: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class ParentState:
     request_id: str
     prompt: str | None
@@ -33,6 +33,7 @@ class ParentState:
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served, for usage reports
     given_embeds: bool = False  # the prompt came as embeddings: its ids are the engine's placeholders
+    num_prompt_tokens: int = 0  # len(prompt_token_ids) (each output carries it: not the list's read a step)
 
     @property
     def finished(self) -> bool:
@@ -44,16 +45,20 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.parent_of: dict[str, str] = {}  # child request id -> parent request id
+        # child request id -> its parent's state and its own (process's one lookup a request)
+        self._states: dict[str, tuple[ParentState, CompletionState]] = {}
 
     def add_request(self, parent_id: str, prompt: str | None, children: list[Request]) -> None:
         first = children[0]
-        state = ParentState(parent_id, prompt, first.prompt_token_ids, given_embeds=first.given_embeds)
+        state = ParentState(parent_id, prompt, first.prompt_token_ids, given_embeds=first.given_embeds,
+                            num_prompt_tokens=len(first.prompt_token_ids))
         for index, child in enumerate(children):
             detok = IncrementalDetokenizer(
                 self.tokenizer, child.prompt_token_ids, child.sampling_params, child.output_token_ids
             )
-            state.completions[child.request_id] = CompletionState(index, detok, child.num_output_tokens)
+            completion = state.completions[child.request_id] = CompletionState(index, detok, child.num_output_tokens)
             self.parent_of[child.request_id] = parent_id
+            self._states[child.request_id] = (state, completion)
         self.parents[parent_id] = state
 
     def child_ids(self, parent_id: str) -> list[str]:
@@ -74,28 +79,37 @@ class OutputProcessor:
         that a stop string finished (the engine tells the scheduler); `timestamps_of(request,
         finish reason)`: a finished request's token timestamps (Whisper's) for its final delta,
         asked once its tokens are final (a stop string's cut made)."""
-        by_parent: dict[str, list[CompletionOutput]] = {}
+        outputs: list[RequestOutput | None] = []
+        # a parent of several completions (n > 1): its output's place and its deltas, gathered
+        grouped: dict[str, tuple[int, list[CompletionOutput]]] = {}
         stopped: list[str] = []
-        parent_of, parents = self.parent_of, self.parents
+        states = self._states
         for request in updated:
-            parent_id = parent_of.get(request.request_id)
-            if parent_id is None:
+            found = states.get(request.request_id)
+            if found is None:
                 continue
-            parent = parents[parent_id]
+            parent, state = found
             if request.num_cached_tokens > parent.num_cached_tokens:
                 parent.num_cached_tokens = request.num_cached_tokens
-            delta = self._completion_delta(request, parent, logprobs.get(request.request_id) if logprobs else None)
+            delta = self._completion_delta(request, state, logprobs.get(request.request_id) if logprobs else None)
             if delta.finish_reason is not None:
                 if delta.finish_reason == "stop" and delta.stop_reason is not None and not request.is_finished:
                     stopped.append(request.request_id)
                 if timestamps_of is not None:
                     delta.token_timestamps = timestamps_of(request, delta.finish_reason)
-            by_parent.setdefault(parent_id, []).append(delta)
-        return [self._request_output(pid, deltas) for pid, deltas in by_parent.items()], stopped
+            if len(parent.completions) == 1:  # (n = 1, the common request: its output at once, no grouping)
+                outputs.append(self._request_output(parent, [delta]))
+            elif parent.request_id in grouped:
+                grouped[parent.request_id][1].append(delta)
+            else:
+                grouped[parent.request_id] = (len(outputs), [delta])
+                outputs.append(None)  # (its place: the parents' order is that of their first delta)
+        for parent_id, (place, deltas) in grouped.items():
+            outputs[place] = self._request_output(self.parents[parent_id], deltas)
+        return cast("list[RequestOutput]", outputs), stopped
 
-    def _completion_delta(self, request: Request, parent: ParentState,
+    def _completion_delta(self, request: Request, state: CompletionState,
                           logprobs: list[TokenLogprobs] | None) -> CompletionOutput:
-        state = parent.completions[request.request_id]
         output_ids = request.output_token_ids
         new_ids = output_ids[state.num_sent_tokens :]
         # (a running request, the common case, has no finish reason and all its tokens are text)
@@ -122,17 +136,18 @@ class OutputProcessor:
                 self._spell(entry)
         return CompletionOutput(state.index, text, new_ids, finish_reason, stop_reason, logprobs or None)
 
-    def _request_output(self, parent_id: str, deltas: list[CompletionOutput]) -> RequestOutput:
-        parent = self.parents[parent_id]
+    def _request_output(self, parent: ParentState, deltas: list[CompletionOutput]) -> RequestOutput:
+        parent_id = parent.request_id
         # (a completion that goes on, this step's last one the most often, settles it cheaply)
         finished = deltas[-1].finish_reason is not None and parent.finished
         if finished:
             del self.parents[parent_id]
             for child_id in parent.completions:
                 self.parent_of.pop(child_id, None)
+                self._states.pop(child_id, None)
         out = RequestOutput(parent_id, parent.prompt, [] if parent.given_embeds else parent.prompt_token_ids, deltas,
                             finished, num_cached_tokens=parent.num_cached_tokens,
-                            num_prompt_tokens=len(parent.prompt_token_ids))
+                            num_prompt_tokens=parent.num_prompt_tokens)
         if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
             out.prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
             for entry in out.prompt_logprobs:

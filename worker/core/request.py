@@ -42,7 +42,7 @@ _FINISH_REASONS = {
 NO_TOKEN = -1  # between the parts of a request's n-gram lookup
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -13,15 +13,17 @@ capped, prompt chunks share the cap. A chunk that must hold an image whole may e
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from worker.config import SchedulerConfig
 from worker.core.block_manager import BlockManager, KVSwaps
 from worker.core.request import Request, RequestStatus
 
+NO_TOKENS: tuple[int, ...] = ()  # what a request the step's sampling left out appends
 
-@dataclass
+
+@dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
@@ -153,6 +155,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: dict[str, int] = {}  # request id -> tokens scheduled, for refunds
         prefills: set[str] = set()  # those of them that are prompt chunks
+        allocate = self.block_manager.allocate_slots
+        running = RequestStatus.RUNNING  # (a global's lookup a request, else)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -166,7 +170,7 @@ class Scheduler:
             if num_new == 0:  # the next image does not fit this step's budget: it waits for one that does
                 i += 1
                 continue
-            while not self.block_manager.allocate_slots(request, num_new):
+            while not allocate(request, num_new):
                 if request.spec_token_ids:  # guesses are not worth preempting anyone for
                     num_new -= min(len(request.spec_token_ids), max(num_new - 1, 0))
                     request.spec_token_ids = []
@@ -183,7 +187,7 @@ class Scheduler:
                     out.scheduled = [s for s in out.scheduled if s.request_id != victim.request_id]
                 if victim is request:
                     break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # it preempted itself; the list shifted under i
             self._emit(out, request, num_new)
             scheduled[request.request_id] = num_new
@@ -256,9 +260,12 @@ class Scheduler:
         num_tokens = request.num_tokens
         end = min(start + num_new, num_tokens)
         drafts = request.spec_token_ids[: num_new - (end - start)] if request.spec_token_ids else None  # (budget's room)
-        tokens = request.token_slice(start, end)
+        num_prompt = request.num_prompt_tokens
+        # (a decode's one output token read here, the common entry: not through token_slice)
+        tokens = [request.output_token_ids[start - num_prompt]] if end - start == 1 and start >= num_prompt else \
+            request.token_slice(start, end)
         bm = self.block_manager
-        tables = bm.block_tables(request.request_id)
+        tables = bm.req_blocks.get(request.request_id) or bm.block_tables(request.request_id)
         # (positional, the rest as the defaults say: a decode's entry is made for every request every step)
         sched = ScheduledRequest(request.request_id, tokens + drafts if drafts else tokens, start, tables[0],
                                  end == num_tokens)
@@ -268,7 +275,7 @@ class Scheduler:
             sched.lora_id = request.lora_id
         if len(tables) > 1:
             sched.group_tables = tuple(tables[1:])
-        if start < request.num_prompt_tokens:  # (only a prompt's chunk has some)
+        if start < num_prompt:  # (only a prompt's chunk has some)
             sched.prompt_logprobs = request.sampling_params.prompt_logprobs is not None
         if request.pooling_params is not None:
             sched.pool = end == num_tokens
@@ -310,12 +317,14 @@ class Scheduler:
         the guesses kept, then one more), and finish requests that hit EOS, a stop token id,
         max_tokens or max_model_len. Returns the requests finished here."""
         finished: list[Request] = []
-        self.block_manager.settle_state_saves(slot for s in out.scheduled for _, slot in s.state_saves)
+        bm = self.block_manager
+        bm.settle_state_saves(slot for s in out.scheduled for _, slot in s.state_saves)
+        windowed = bm.windowed  # (else no block leaves a window: not a call a request to find none)
         for sched in out.scheduled:
             request = self.requests.get(sched.request_id)
             if request is None:
                 continue  # aborted while the step ran
-            token_ids = sampled.get(sched.request_id, [])
+            token_ids = sampled.get(sched.request_id, NO_TOKENS)
             if sched.num_drafts:
                 num_rejected = sched.num_drafts - max(len(token_ids) - 1, 0)
                 # the KV of rejected guesses stays past num_computed_tokens, to be overwritten; a
@@ -329,15 +338,15 @@ class Scheduler:
                 request.spec_token_ids = []
             status = self._append(request, token_ids)
             # after the append: kept guesses are computed tokens only once they are tokens
-            self.block_manager.cache_computed_blocks(request)
-            if request.request_id not in self.forks:  # its forks' first queries read further back
-                self.block_manager.release_out_of_window(request.request_id, request.num_computed_tokens)
+            bm.cache_computed_blocks(request)
+            if windowed and request.request_id not in self.forks:  # its forks' first queries read further back
+                bm.release_out_of_window(request.request_id, request.num_computed_tokens)
             if status is not None:
                 self.finish_requests([request.request_id], status)
                 finished.append(request)
         return finished
 
-    def _append(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
+    def _append(self, request: Request, token_ids: Sequence[int]) -> RequestStatus | None:
         """Append tokens up to the first that ends the request; how it ended, if it did."""
         if len(token_ids) == 1 and not self.forks:  # (a decode's one token, the common step)
             request.output_token_ids.append(token_ids[0])

@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels import cpu as cpu_kernels
@@ -101,9 +102,10 @@ class CpuAttention:
             return dataclasses.replace(like, slot_mapping=slot_mapping, write_rows=write_rows,
                                        block_tables=block_tables, torch_metadata=torch_metadata)
         query_lens = [len(s.token_ids) for s in batch]
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
+        # (numpy's arrays of the lists, then torch's views of them: torch.tensor of a list of
+        # Python ints costs three times as much, a step's largest host cost here)
+        starts = np.zeros(len(batch) + 1, dtype=np.int32)
+        starts[1:] = np.cumsum(query_lens)
         until = None
         if any(s.both_ways for s in batch):
             rows = [attend_until(s, torch.device("cpu")) for s in batch]
@@ -113,8 +115,9 @@ class CpuAttention:
             slot_mapping=slot_mapping,
             write_rows=write_rows,
             block_tables=block_tables,
-            query_start=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor([s.start_pos + n for s, n in zip(batch, query_lens, strict=True)], dtype=torch.int32),
+            query_start=torch.from_numpy(starts),
+            seq_lens=torch.from_numpy(np.array([s.start_pos + n for s, n in zip(batch, query_lens, strict=True)],
+                                               dtype=np.int32)),
             attend_until=until,
             torch_metadata=torch_metadata,
         )

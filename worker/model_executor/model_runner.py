@@ -598,24 +598,16 @@ class ModelRunner:
         layer's: [len(token_ids), hidden] a request)."""
         batch, hidden_out = self._run_layers(out, images or self.step_images(out), hidden)
         ends = _row_ends(batch)
-        # a sampling request's last row, and one more per guessed token before it
-        rows = [(s.request_id, end - 1 - s.num_drafts + j)
-                for s, end in zip(batch, ends, strict=True) if s.sample and not s.pool
-                for j in range(1 + s.num_drafts)]
+        request_ids, rows, chunks, pools = _sampled_rows(batch, ends)
         # every row samples (a step of decodes alone): the rows are all of them, in order, not gathered
         sampling = hidden_out if len(rows) == hidden_out.shape[0] else hidden_out[
-            torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)]
+            torch.tensor(rows, dtype=torch.long, device=self.device)]
         # into the model's buffer, kept across steps: the engine reads these before the next step
         logits = self.model.compute_logits(sampling, reuse=True)  # [num_rows, vocab]
-        chunk_logits = {
-            s.request_id: self.model.compute_logits(hidden_out[end - len(s.token_ids) : end])
-            for s, end in zip(batch, ends, strict=True)
-            if s.prompt_logprobs
-        }
-        pooled = {s.request_id: self.model.pool(hidden_out[end - 1 : end])[0]
-                  for s, end in zip(batch, ends, strict=True) if s.pool}
-        return ModelOutput([request_id for request_id, _ in rows], logits, chunk_logits, pooled, hidden_out, batch, ends,
-                           self.model.aux)
+        chunk_logits = {s.request_id: self.model.compute_logits(hidden_out[end - len(s.token_ids) : end])
+                        for s, end in chunks}
+        pooled = {s.request_id: self.model.pool(hidden_out[end - 1 : end])[0] for s, end in pools}
+        return ModelOutput(request_ids, logits, chunk_logits, pooled, hidden_out, batch, ends, self.model.aux)
 
     @torch.inference_mode()
     def execute_layers(self, out: SchedulerOutput, images: StepImages | None) -> None:
@@ -796,6 +788,29 @@ def _flat_inputs(batch: list[ScheduledRequest], device: torch.device) -> tuple[t
     host = torch.stack([torch.tensor(ids), positions, seq_of_token])  # [3, T], one copy over
     input_ids, positions, seq_of_token = host.to(device, non_blocking=True).unbind(0)
     return input_ids, positions, seq_of_token
+
+
+def _sampled_rows(batch: list[ScheduledRequest], ends: list[int]) -> tuple[
+        list[str], list[int], list[tuple[ScheduledRequest, int]], list[tuple[ScheduledRequest, int]]]:
+    """The rows sampled (a sampling request's last row, and one more per guessed token before
+    it) and their requests; the requests (and end rows) that want their prompt chunk's logprobs,
+    and those pooled. One pass over the batch, not one for each: it runs every step."""
+    request_ids: list[str] = []
+    rows: list[int] = []
+    chunks: list[tuple[ScheduledRequest, int]] = []
+    pools: list[tuple[ScheduledRequest, int]] = []
+    for s, end in zip(batch, ends, strict=True):
+        if s.prompt_logprobs:
+            chunks.append((s, end))
+        if s.pool:
+            pools.append((s, end))
+        elif s.sample and s.num_drafts:
+            request_ids += [s.request_id] * (1 + s.num_drafts)
+            rows += range(end - 1 - s.num_drafts, end)
+        elif s.sample:
+            request_ids.append(s.request_id)
+            rows.append(end - 1)
+    return request_ids, rows, chunks, pools
 
 
 def _row_ends(batch: list[ScheduledRequest]) -> list[int]:
