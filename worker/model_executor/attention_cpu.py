@@ -36,7 +36,6 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 @dataclass
 class CpuMetadata:
     slot_mapping: torch.Tensor  # [T] int64
-    write_rows: torch.Tensor  # [T * num_kv_heads] rows of the cache viewed as [-1, head_dim]
     block_tables: torch.Tensor  # [B, width] int32
     query_start: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32, context including this step's tokens
@@ -63,7 +62,7 @@ class CpuMetadata:
         if k_cache.dtype == k.dtype:  # (an fp8 cache: values converted on the way, by the torch path)
             cpu_kernels.write_kv_(k_cache, v_cache, k, v, self.slot_mapping)
         else:
-            write_kv(k, v, k_cache, v_cache, self)  # type: ignore[arg-type]  # (it reads write_rows only)
+            write_kv(k, v, k_cache, v_cache, self.torch_metadata())
         if k_cache.dtype != q.dtype or q.dtype not in KERNEL_DTYPES:  # an fp8 cache: the torch path
             return paged_attention(q, k, v, k_cache, v_cache, self.torch_metadata(), scale, span, softcap, sinks)
         if q.stride(-1) != 1:
@@ -96,10 +95,9 @@ class CpuAttention:
         if not self.kernel_serves:
             return self.torch.build(batch, tables, slot_mapping, spans, like if isinstance(like, AttentionMetadata) else None)
         torch_metadata = functools.cache(functools.partial(self.torch.build, batch, tables, slot_mapping, spans))
-        write_rows = self.torch._write_rows(slot_mapping)
         block_tables = tables.to(torch.int32)
         if isinstance(like, CpuMetadata):
-            return dataclasses.replace(like, slot_mapping=slot_mapping, write_rows=write_rows,
+            return dataclasses.replace(like, slot_mapping=slot_mapping,
                                        block_tables=block_tables, torch_metadata=torch_metadata)
         query_lens = [len(s.token_ids) for s in batch]
         # (numpy's arrays of the lists, then torch's views of them: torch.tensor of a list of
@@ -113,7 +111,6 @@ class CpuAttention:
                                for s, n, row in zip(batch, query_lens, rows, strict=True)]).to(torch.int32)
         return CpuMetadata(
             slot_mapping=slot_mapping,
-            write_rows=write_rows,
             block_tables=block_tables,
             query_start=torch.from_numpy(starts),
             seq_lens=torch.from_numpy(np.array([s.start_pos + n for s, n in zip(batch, query_lens, strict=True)],
