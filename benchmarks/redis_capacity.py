@@ -70,9 +70,12 @@ from producer.redis_conn import (
 )
 from producer.redis_server import RedisServer
 from producer.sampling_params import SamplingParams
+from worker.queue.config import DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S
 from worker.queue.jobs import (
     HeldJob,
     Meter,
+    TokenRate,
+    coalescing_interval_s,
     final_record,
     hold_delta,
     new_completions,
@@ -142,6 +145,7 @@ class SimWorker:
         self.rng = random.Random(name)
         self.followers: set[asyncio.Task[None]] = set()
         self.step_at: float | None = None
+        self.rate = TokenRate()  # the tokens it made over the last second (the publisher's gate)
 
     async def run(self, window: Window) -> None:
         step_s, next_beat = self.args.step_ms / 1000, 0.0
@@ -216,11 +220,13 @@ class SimWorker:
         if counting:
             self.share.step_s.append(step_s)
         writes, done = [], []
+        interval_s = coalescing_interval_s(self.args.interval_ms / 1000, self.rate, DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S)
+        self.rate.add(now, len(self.held))
         for held in self.held:
             made = len(held.completions[0].token_ids) + sum(len(u.token_ids) for u in held.unsent.values())
             last = made + 1 >= (held.job.sampling_params.max_tokens or 1)
             hold_delta(held, 0, _piece(self.rng), [self.rng.randrange(3, 49152)], "length" if last else None)
-            if not publish_due(held, self.args.interval_ms / 1000, now, step_s):
+            if not publish_due(held, interval_s, now, step_s):
                 continue
             events = unsent_events(held, now)
             write = JobWrite(held.id, held.entry_id, [encode_event(e) for e in events])

@@ -61,6 +61,7 @@ _WORKER_FLAGS: dict[str, type] = {
     "dead_retention_s": float,
     "events_retention_s": float,
     "stream_interval_ms": float,
+    "stream_coalesce_min_tokens_per_s": float,
     "metrics_port": int,
     "metrics_host": str,
     "otlp_traces_endpoint": str,
@@ -180,6 +181,9 @@ _HELP = {
     "(default: $GENQ_EVENTS_RETENTION_S or 300; 0: deleted as it ends)",
     "stream_interval_ms": "publish a job's new tokens at most this often, merged into one event per completion; "
     "its first and final events go out at once (default: $GENQ_STREAM_INTERVAL_MS or 60; 0: every step)",
+    "stream_coalesce_min_tokens_per_s": "hold tokens for --stream-interval-ms only while the worker makes at least "
+    "this many tokens a second; below, every step publishes (default: $GENQ_STREAM_COALESCE_MIN_TOKENS_PER_S or "
+    "1000; 0: at any rate)",
     "metrics_port": "serve Prometheus metrics on this port (default: off)",
     "otlp_traces_endpoint": "export a span per finished job to this OpenTelemetry collector, OTLP over HTTP, "
     "e.g. http://collector:4318 (default: off; needs genq[otel])",

@@ -1,7 +1,8 @@
 """Coalesced events (`--stream-interval-ms`): a job's tokens made between two publishes go out
 merged into one event per completion, and nothing is delayed that readers wait on.
 
-The workers here hold tokens for a whole minute, so every job's stream is exactly what the
+The workers here hold tokens for a whole minute at any rate (`--stream-coalesce-min-tokens-per-s
+0`; by default a worker making fewer than 1000 tokens a second publishes every step), so every job's stream is exactly what the
 coalescing rules send at once: a completion's first event (its first step's tokens), then what
 a finish, an abort or a drain sends with everything held, merged. Their content must equal what
 the offline engine (one event a step, as a worker with no interval sends) produced. The other
@@ -25,11 +26,12 @@ from producer.sampling_params import SamplingParams
 NAME = "qco1"
 TIMEOUT_S = 30.0
 HOLD_MS = "60000"  # longer than any test here: only the coalescing rules' own sends happen
+ANY_RATE = ("--stream-coalesce-min-tokens-per-s", "0")  # (a tiny model's few hundred tokens a second too)
 
 
 @pytest.fixture(scope="module")
 def worker(spawn: Callable[..., WorkerProcess], conn: redis.Redis) -> WorkerProcess:
-    proc = spawn(NAME, via="genq", args=("--stream-interval-ms", HOLD_MS, "--max-num-seqs", "8"))
+    proc = spawn(NAME, via="genq", args=("--stream-interval-ms", HOLD_MS, *ANY_RATE, "--max-num-seqs", "8"))
     proc.wait_ready(conn)
     return proc
 
@@ -117,7 +119,7 @@ def test_a_drain_sends_the_held_tokens_before_it_releases_the_job(
     test_queue_worker's and test_queue_failover's)."""
     worker.terminate()  # one worker at a time: the job must run on the one that drains
     worker.wait(TIMEOUT_S)
-    draining = spawn("qco2", via="genq", args=("--stream-interval-ms", HOLD_MS, "--shutdown-grace-s", "0"))
+    draining = spawn("qco2", via="genq", args=("--stream-interval-ms", HOLD_MS, *ANY_RATE, "--shutdown-grace-s", "0"))
     draining.wait_ready(conn)
     handle = client.submit("Drain me", SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
     wait_for(lambda: generated(conn, client.keys, "qco2") >= 20, TIMEOUT_S, "tokens made and held")
@@ -137,7 +139,7 @@ def test_tokens_held_when_no_step_comes_go_out_after_the_interval(
     """A pause in mode keep freezes the job: no step comes to carry its held tokens, so the
     publisher's timer sends them once the interval has passed (a cancel then ends it)."""
     worker.stop()  # (if the drain's test has not): the job must run on this test's worker
-    spawn("qco3", via="genq", args=("--stream-interval-ms", "500")).wait_ready(conn)
+    spawn("qco3", via="genq", args=("--stream-interval-ms", "500", *ANY_RATE)).wait_ready(conn)
     keys = client.keys
     pause = keys.pause(decode_worker_info(conn.hgetall(keys.worker("qco3")), "qco3").model)
     handle = client.submit("Freeze me", SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))

@@ -39,7 +39,9 @@ from worker.queue.jobs import (
     HeldJob,
     Meter,
     TenantTokens,
+    TokenRate,
     abort_events,
+    coalescing_interval_s,
     completion_event,
     final_record,
     hold_delta,
@@ -464,6 +466,17 @@ def test_coalescing_holds_steps_while_the_next_still_ends_within_the_interval() 
     assert not publish_due(held_job("e"), interval_s, 1.0, 0.0)  # nothing held, nothing to send
 
 
+def test_tokens_are_held_only_while_the_worker_makes_them_at_the_rate_where_merging_pays() -> None:
+    """Below the rate every step publishes: a CPU worker's streams keep one step's gaps."""
+    rate = TokenRate(window_s=1.0)
+    for step in range(10):  # 64 rows a step, 10 steps in 0.1 s: an H200's pace
+        rate.add(step * 0.010, 64)
+    assert rate.per_s == 640 and coalescing_interval_s(0.060, rate, 500) == 0.060
+    assert coalescing_interval_s(0.060, rate, 1000) == 0.0  # below 1000 a second
+    rate.add(2.0, 4)  # two seconds later: only this step's tokens are in the window
+    assert rate.per_s == 4 and coalescing_interval_s(0.060, rate, 0) == 0.060  # 0: at any rate
+
+
 @pytest.mark.parametrize(
     ("stats", "in_flight", "expected"),
     [
@@ -515,6 +528,10 @@ def test_worker_config_from_env() -> None:
     with pytest.raises(ValueError, match="events_retention_s must be >= 0, got -1.0"):
         config_from_env({"GENQ_EVENTS_RETENTION_S": "-1"})
     assert config_from_env({"GENQ_STREAM_INTERVAL_MS": "0"}).stream_interval_ms == 0.0
+    assert config_from_env({}).stream_coalesce_min_tokens_per_s == 1000.0
+    assert config_from_env({"GENQ_STREAM_COALESCE_MIN_TOKENS_PER_S": "0"}).stream_coalesce_min_tokens_per_s == 0.0
+    with pytest.raises(ValueError, match="stream_coalesce_min_tokens_per_s must be >= 0, got -1.0"):
+        config_from_env({"GENQ_STREAM_COALESCE_MIN_TOKENS_PER_S": "-1"})
     with pytest.raises(ValueError, match="stream_interval_ms must be >= 0, got -5.0"):
         config_from_env({"GENQ_STREAM_INTERVAL_MS": "-5"})
     with pytest.raises(ValueError, match="GENQ_STREAM_INTERVAL_MS must be a number, got 'often'"):

@@ -49,8 +49,12 @@ DEFAULT_LANE_AGED_EVERY = 10
 # step-time-aware chunking's target for a serving worker (EngineConfig.max_step_ms); offline
 # runs (LLM, genq bench throughput) keep it off. See docs/engine.md for how it was chosen
 DEFAULT_SERVING_MAX_STEP_MS = 200.0
-# coalesced events: a job's tokens go out at most this often (docs/queue.md, "Coalesced events")
+# coalesced events: a job's tokens go out at most this often (docs/queue.md, "Coalesced events"),
+# while the worker makes at least this many tokens a second; below that every step publishes: a
+# CPU worker's few hundred events a second cost Redis next to nothing, and holding its tokens
+# would stretch its streams' inter-token gaps from one step (~15 ms) to the interval
 DEFAULT_STREAM_INTERVAL_MS = 60.0
+DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S = 1000.0
 
 # Every variable the worker reads, with what it sets (docs/queue.md lists them too).
 ENV_VARS = {
@@ -97,6 +101,8 @@ ENV_VARS = {
     "GENQ_EVENTS_RETENTION_S": "an ended job's events stay this long; later readers get its result from the record (default 300)",
     "GENQ_STREAM_INTERVAL_MS": "a job's new tokens are published at most this often, merged into one event; "
     "first and final events go out at once (default 60; 0: every step)",
+    "GENQ_STREAM_COALESCE_MIN_TOKENS_PER_S": "tokens are held for GENQ_STREAM_INTERVAL_MS only while the worker makes "
+    "at least this many a second (default 1000; 0: at any rate)",
     "GENQ_METRICS_PORT": "serve Prometheus metrics on this port (default: off)",
     "GENQ_METRICS_HOST": "address the metrics server binds (default 0.0.0.0)",
     "GENQ_OTLP_TRACES_ENDPOINT": "export a span per job to this OpenTelemetry collector (OTLP/HTTP; default: off)",
@@ -144,6 +150,9 @@ class WorkerConfig:
     # per completion (its first and final events at once): Redis's commands per token fall by
     # the steps merged (worker.queue.jobs.publish_due); 0 publishes every step
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS
+    # ... while the worker makes at least this many tokens a second (over the last second); below
+    # it every step publishes (see DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S); 0: at any rate
+    stream_coalesce_min_tokens_per_s: float = DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
     otlp_traces_endpoint: str | None = None  # an OTLP/HTTP collector: a span per finished job (producer.tracing)
@@ -174,7 +183,7 @@ class WorkerConfig:
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         for name in ("requests_retention_s", "dead_retention_s", "events_retention_s", "cache_affinity_ttl_s",
-                     "lane_aging_s", "stream_interval_ms"):
+                     "lane_aging_s", "stream_interval_ms", "stream_coalesce_min_tokens_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -301,6 +310,7 @@ def config_from_env(env: Mapping[str, str]) -> WorkerConfig:
         dead_retention_s=_float(env, "GENQ_DEAD_RETENTION_S"),
         events_retention_s=_float(env, "GENQ_EVENTS_RETENTION_S"),
         stream_interval_ms=_float(env, "GENQ_STREAM_INTERVAL_MS"),
+        stream_coalesce_min_tokens_per_s=_float(env, "GENQ_STREAM_COALESCE_MIN_TOKENS_PER_S"),
         metrics_port=_int(env, "GENQ_METRICS_PORT"),
         metrics_host=env.get("GENQ_METRICS_HOST") or None,
         otlp_traces_endpoint=env.get("GENQ_OTLP_TRACES_ENDPOINT") or None,

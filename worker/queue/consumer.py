@@ -120,6 +120,7 @@ class Consumer:
         self.publisher = Publisher(
             self.scripts, self.table, self.engine, self.metrics, self.config.name, self._reject,
             self.config.model_name, self.config.stream_interval_ms, self.trace,
+            self.config.stream_coalesce_min_tokens_per_s,
         )
         self.admission = Admission(self.config, self.scripts, self.table, self.engine, self.metrics)
         self.heartbeat = Heartbeat(

@@ -7,6 +7,7 @@ numbering and text continue where the previous worker stopped.
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import time
@@ -226,6 +227,33 @@ def hold_delta(
     held.unsent.setdefault(index, Unsent()).add(text, token_ids, finish_reason, stop_reason, logprobs,
                                                 token_timestamps)
     return len(token_ids)
+
+
+class TokenRate:
+    """The tokens a worker made over the last `window_s` seconds, per second."""
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._made: collections.deque[tuple[float, int]] = collections.deque()  # (when, tokens)
+        self._total = 0
+
+    def add(self, now: float, tokens: int) -> None:
+        if tokens:
+            self._made.append((now, tokens))
+            self._total += tokens
+        while self._made and self._made[0][0] <= now - self.window_s:
+            self._total -= self._made.popleft()[1]
+
+    @property
+    def per_s(self) -> float:
+        return self._total / self.window_s
+
+
+def coalescing_interval_s(interval_s: float, rate: TokenRate, min_tokens_per_s: float) -> float:
+    """How long a job's tokens may be held now: `interval_s` while the worker makes at least
+    `min_tokens_per_s` tokens a second (there merging events spares Redis real work), else 0:
+    every step publishes, and streams keep one step's gaps."""
+    return interval_s if rate.per_s >= min_tokens_per_s else 0.0
 
 
 def publish_due(held: HeldJob, interval_s: float, now: float, step_s: float) -> bool:

@@ -26,6 +26,8 @@ from worker.queue.jobs import (
     JobState,
     JobTable,
     TenantTokens,
+    TokenRate,
+    coalescing_interval_s,
     final_record,
     hold_delta,
     job_meter,
@@ -60,6 +62,7 @@ class Publisher:
         model_name: str = "",
         stream_interval_ms: float = 0.0,
         trace: TraceLog | None = None,
+        coalesce_min_tokens_per_s: float = 0.0,
     ) -> None:
         self.scripts = scripts
         self.trace = trace  # the per-step trace (None: off): a line per publish, a time on each event
@@ -84,6 +87,9 @@ class Publisher:
         # jobs.publish_due); the jobs holding unsent tokens, for the timer that sends them when
         # no step comes in time (a preempted job, a frozen pause)
         self.stream_interval_s = stream_interval_ms / 1000
+        # ... while the worker makes at least this many tokens a second; below, every step publishes
+        self.coalesce_min_tokens_per_s = coalesce_min_tokens_per_s
+        self._rate = TokenRate()
         self._holding: dict[str, HeldJob] = {}
         self._step_s = 0.0  # the engine's last step: between the last two results with outputs
         self._step_at: float | None = None
@@ -140,8 +146,9 @@ class Publisher:
             if result.error is not None:
                 raise EngineFailed(f"engine thread failed: {result.error!r}") from result.error
             self._note_step(result)
-            for output in result.outputs:
-                self._apply(output, result.time, writes)
+            interval_s = coalescing_interval_s(self.stream_interval_s, self._rate, self.coalesce_min_tokens_per_s)
+            tokens = sum(self._apply(output, result.time, writes, interval_s) for output in result.outputs)
+            self._rate.add(result.time, tokens)
             rejected += self._rejected(result.rejected)
             self.stats = result.stats
         called_s = time.time()
@@ -181,18 +188,18 @@ class Publisher:
         adapters = self.engine.adapters
         return self.commands, tuple(adapters.served), tuple(adapters.errors)
 
-    def _apply(self, output: RequestOutput, now: float, writes: dict[str, JobWrite]) -> None:
-        """Fold one engine output into the job's pending write."""
+    def _apply(self, output: RequestOutput, now: float, writes: dict[str, JobWrite], interval_s: float) -> int:
+        """Fold one engine output into the job's pending write; returns its new tokens."""
         found = self.table.by_engine_id(output.request_id)
         if found is None:
-            return  # dropped earlier (lost or released), or already failed
+            return 0  # dropped earlier (lost or released), or already failed
         held, fixed_index = found
         if output.finished:
             self.table.engine_done(held, output.request_id)
         if not held.state.writes:
             if not held.engine_ids:
                 self.table.remove(held)
-            return
+            return 0
         counted = self._note_prompt(held, output)  # what this output adds to the tenant's minute
         num_new = 0
         for delta in output.outputs:
@@ -202,7 +209,7 @@ class Publisher:
         self.metrics.tokens(held, num_new, now)
         if held.job.tenant:
             held.unsent_tenant_tokens += counted + num_new
-        if publish_due(held, self.stream_interval_s, now, self._step_s):
+        if publish_due(held, interval_s, now, self._step_s):
             self._take_unsent(held, now, writes)
         elif held.unsent:
             self._holding[held.id] = held  # (the timer sends it should no step come in time)
@@ -212,6 +219,7 @@ class Publisher:
             write.meter = job_meter(held, self.model_name, now)
         elif held.abort_reason is None and held.past_deadline(now):
             self._abort_expired(held)
+        return num_new
 
     def _take_unsent(self, held: HeldJob, now: float, writes: dict[str, JobWrite]) -> None:
         """Move the job's held deltas into its pending write, one event per completion."""
