@@ -154,7 +154,7 @@ _HELP = {
     "num_gpu_blocks_override": "size of the KV pool in blocks of every layer",
     "max_step_ms": "step-time-aware chunking: each step's prompt chunks are sized, by a cost model learned from the "
     "steps run, to keep the step under this many ms, so long prompts do not stall others' tokens; at least a block "
-    "of prompt tokens a step (default: $GENQ_MAX_STEP_MS or 200; 0: off, the static max_num_batched_tokens)",
+    "of prompt tokens a step (default: $GENQ_MAX_STEP_MS or 20; 0: off, the static max_num_batched_tokens)",
     "load_format": "auto (the checkpoint) or dummy (seeded random weights, for benchmarks)",
     "quantization": "fp8: the decoder layers' weights in fp8, quantized as they load (a quantized checkpoint "
     "is served as it is stored without it; gptq, awq, their _marlin names, compressed-tensors or mxfp4 "

@@ -26,9 +26,9 @@ def test_it_learns_the_costs_and_sizes_the_prefill_budget():
     assert model.predict(10, 100) == pytest.approx(0.02, rel=1e-3)
     # 20 ms: 5 fixed, 5 for 10 decodes, 10 left = 100 prefill tokens
     assert model.prefill_budget(0.020, 10, floor=16, ceiling=2048) in (99, 100)
-    # the decodes alone (10 ms) pass an 8 ms target: the step may take twice their time
-    assert model.prefill_budget(0.008, 10, floor=16, ceiling=2048) in (99, 100)
-    assert model.prefill_budget(0.008, 0, floor=16, ceiling=2048) in (49, 50)  # 5 ms fixed: 5 ms more, not 3
+    # the decodes alone (10 ms) pass an 8 ms target: the step may take 1.5x their time
+    assert model.prefill_budget(0.008, 10, floor=16, ceiling=2048) in (49, 50)
+    assert model.prefill_budget(0.008, 0, floor=16, ceiling=2048) in (29, 30)  # 5 ms fixed: 3 ms more, not 2.5
     assert model.prefill_budget(0.008, 0, floor=64, ceiling=2048) == 64  # never under the floor
     assert model.prefill_budget(10.0, 10, floor=16, ceiling=2048) == 2048
 
@@ -43,8 +43,8 @@ def test_it_follows_a_machine_that_slows_and_shrugs_off_a_pause():
     assert 30 <= model.prefill_budget(0.020, 10, floor=16, ceiling=2048) <= 2 * before  # (unclipped: c < 0, 2048)
     feed(model, 0.010, 0.001, 0.0002, 400, rng, noise=0.05)  # the machine at half speed
     assert model.coef[2] == pytest.approx(0.0002, rel=0.1)
-    # 10 decodes take 20 ms now, the whole 20 ms target: the step may take 40 ms, 100 prompt tokens
-    assert 85 <= model.prefill_budget(0.020, 10, floor=16, ceiling=2048) <= 115
+    # 10 decodes take 20 ms now, the whole 20 ms target: the step may take 30 ms, 50 prompt tokens
+    assert 40 <= model.prefill_budget(0.020, 10, floor=16, ceiling=2048) <= 60
     assert 130 <= model.prefill_budget(0.050, 10, floor=16, ceiling=2048) <= 170  # 30 ms left: 150
 
 

@@ -48,7 +48,7 @@ DEFAULT_LANE_AGING_S = 30.0
 DEFAULT_LANE_AGED_EVERY = 10
 # step-time-aware chunking's target for a serving worker (EngineConfig.max_step_ms); offline
 # runs (LLM, genq bench throughput) keep it off. See docs/engine.md for how it was chosen
-DEFAULT_SERVING_MAX_STEP_MS = 200.0
+DEFAULT_SERVING_MAX_STEP_MS = 20.0
 # coalesced events: a job's tokens go out at most this often (docs/queue.md, "Coalesced events"),
 # while the worker makes at least this many tokens a second; below that every step publishes: a
 # CPU worker's few hundred events a second cost Redis next to nothing, and holding its tokens
