@@ -584,3 +584,31 @@ def test_a_hybrid_model_fits_twice_the_tokens_in_the_same_memory(tiny_window_dir
 
     assert kv_bytes(hybrid.runner) == kv_bytes(one_pool.runner) <= 0.01 * 2**30
     assert hybrid.block_manager.blocks_needed(1600) == 100 + 2 and one_pool.block_manager.blocks_needed(1600) == 100
+
+
+def test_a_backlog_of_prompts_takes_the_static_budget(tiny_llama_dir):
+    """More prompt tokens waiting than BACKLOG_BUDGETS steps of the static budget (a burst):
+    step-time-aware chunking gives way to it until the backlog is down to that, then holds each
+    step to its floor again (the cost model primed as above: a prompt token costs 10 ms)."""
+    from worker.core.engine import BACKLOG_BUDGETS
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_step_ms=1.0, max_num_batched_tokens=64,
+              num_gpu_blocks_override=256)
+    engine, cost = llm.engine, llm.engine.step_cost
+    for _ in range(3):
+        cost.observe(1.0, 0, 100)
+        cost.observe(0.0, 0, 0)
+    for i in range(6):  # 240 prompt tokens: past 2 x 64
+        engine.add_request(str(i), {"prompt_token_ids": [5 + i] * 40}, greedy(4))
+    carried = []
+    while engine.has_unfinished_requests():
+        pending = engine.scheduler.num_prompt_tokens_pending()
+        engine.step()
+        carried.append((pending, engine.last_step.prefill_tokens))
+    assert BACKLOG_BUDGETS == 2 and carried[0] == (240, 64)
+    for pending, prefill in carried:
+        if pending > 128:
+            assert prefill >= 60  # the static budget, but for the decodes it carries
+        elif pending:
+            assert prefill <= engine.config.block_size  # the cost model's floor
+    assert any(0 < pending <= 128 for pending, _ in carried)  # (both kinds of step were seen)

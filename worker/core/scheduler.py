@@ -138,6 +138,17 @@ class Scheduler:
         their guesses): what a prefill budget is sized after."""
         return sum(1 + len(r.spec_token_ids) for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
 
+    def num_prompt_tokens_pending(self) -> int:
+        """The prompt tokens the waiting and running requests have still to compute: a backlog
+        (step-time-aware chunking gives way to throughput past a few steps' worth)."""
+        pending = 0
+        for requests in (self.running, self.waiting):
+            for r in requests:
+                left = r.num_prompt_tokens - r.num_computed_tokens
+                if left > 0:
+                    pending += left
+        return pending
+
     def schedule(self, prefill_budget: int | None = None) -> SchedulerOutput:
         """The next step. `prefill_budget`: the most prompt tokens it may carry, beside its
         decodes (None: as the token budget allows)."""
