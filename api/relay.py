@@ -137,6 +137,7 @@ class Relay:
         self._source = pubsub_conn or conn
         self._elsewhere = self._source is not conn
         self._pubsub = self._source.pubsub()
+        self._fresh = False  # a pub/sub made elsewhere, not yet given the channels
         self._channels: dict[bytes, _Channel] = {}
         self._lock = asyncio.Lock()
         self._connected = asyncio.Event()
@@ -231,6 +232,7 @@ class Relay:
             await deadline.run(self._connected.wait())
             try:
                 async with self._lock:
+                    await self._connect()
                     new = [name for name in names if name not in self._channels]
                     for name in names:
                         self._channels.setdefault(name, _Channel()).queues.add(queue)
@@ -238,7 +240,7 @@ class Relay:
                         await self._send_subscribe(new)
                     waits = [self._channels[name].confirmed for name in names]
                 break
-            except (redis.ConnectionError, OSError) as exc:
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("relay: subscribe failed (%s); trying again", exc)
                 await deadline.run(asyncio.sleep(RECONNECT_BACKOFF_S))
         for confirmed in waits:
@@ -268,6 +270,8 @@ class Relay:
                 await self._unsubscribe(gone)
 
     async def _unsubscribe(self, names: Iterable[bytes]) -> None:
+        if not self._is_connected():  # (only `_connect` connects: a new pub/sub never had them,
+            return  # a reconnected one re-subscribes them and _on_subscribed drops them)
         try:
             await self._pubsub.unsubscribe(*names)
         except redis.ConnectionError:  # the reconnect re-subscribes it; _on_subscribed drops it
@@ -279,16 +283,17 @@ class Relay:
         """Read the shared connection forever; reconnect (redis-py re-subscribes) on errors."""
         while True:
             try:
-                if self._pubsub.connection is None:
-                    await self._pubsub.connect()
+                if not self._is_connected():
+                    async with self._lock:
+                        await self._connect()
                 self._connected.set()
                 message = await self._pubsub.get_message(timeout=None)
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                self._connected.clear()  # (a follow waits for the reconnect, not a dead link)
                 log.warning("relay: Redis connection lost (%s); reconnecting", exc)
                 await asyncio.sleep(RECONNECT_BACKOFF_S)
                 if self._elsewhere:
-                    with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, OSError):
-                        await self._subscribe_elsewhere()  # (else the next connect() tries again)
+                    await self._move_elsewhere()
                 continue
             if message is None:
                 continue
@@ -297,16 +302,30 @@ class Relay:
             except Exception:  # one bad message must not stop every stream of the process
                 log.exception("relay: dropping message %r", message)
 
-    async def _subscribe_elsewhere(self) -> None:
-        """A new pub/sub connection (on a cluster: another random node) with every channel
-        subscribed again; their confirmations make their followers replay, as after
-        redis-py's own re-subscribe on a reconnect."""
+    def _is_connected(self) -> bool:
+        connection = self._pubsub.connection
+        return connection is not None and connection.is_connected
+
+    async def _connect(self) -> None:
+        """(Under the lock, so no two callers open a connection each and a SUBSCRIBE goes out
+        on one nobody reads.) Connect the pub/sub if it is not: redis-py's reconnect subscribes
+        again what this PubSub had; one made elsewhere is given every channel."""
+        if self._is_connected():
+            return
+        await self._pubsub.connect()
+        if self._fresh and self._channels:
+            await self._pubsub.subscribe(*self._channels)
+        self._fresh = False
+
+    async def _move_elsewhere(self) -> None:
+        """A new pub/sub (on a cluster: on another random node), connected by the next
+        `_connect`; the confirmations of its subscriptions make their followers replay, as
+        after redis-py's own re-subscribe on a reconnect."""
         async with self._lock:
             old, self._pubsub = self._pubsub, self._source.pubsub()
+            self._fresh = True
             with contextlib.suppress(redis.RedisError, OSError):
                 await old.aclose()
-            if self._channels:
-                await self._pubsub.subscribe(*self._channels)
 
     async def _on_message(self, message: dict[str, Any]) -> None:
         name = message["channel"]

@@ -333,6 +333,7 @@ def test_a_master_killed_mid_run_fails_over_and_every_job_finishes_whole(
 
 async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another(
     cluster_worker: WorkerProcess, redis_cluster: RedisClusterNodes, cluster_conn: redis.Redis, offline,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Last: the node every process was given (and the relay subscribed on) is killed mid-run;
     the relay, an asyncio client and blocking clients subscribe again on other nodes and every
@@ -354,11 +355,22 @@ async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another
             live = Streams(redis_cluster.url, keys, [h.id for h in handles])
             relayed = asyncio.create_task(_relayed_tokens(relay, [h.id for h in handles]))
             streamed = asyncio.create_task(_streamed_tokens(client, handles[0].id))
-            while not all(cluster_conn.xlen(keys.events(h.id)) for h in handles):  # (poll: every job streaming)
+            # (poll: the relay, the asyncio client and each thread subscribed before the kill,
+            # so that each has to subscribe again elsewhere; then every job streaming)
+            wanted = [3 if h is handles[0] else 2 for h in handles]
+            while [_subscribers(redis_cluster, keys.events(h.id)) for h in handles] != wanted:
+                await asyncio.sleep(0.02)
+            while not all(cluster_conn.xlen(keys.events(h.id)) for h in handles):
                 await asyncio.sleep(0.02)
             assert not any(ended(cluster_conn, keys, h.id) for h in handles)
             redis_cluster.kill(url_node)
+            # a follow begun once the relay has found its node gone: it subscribes while the
+            # listener moves elsewhere
+            while not any("relay: Redis connection lost" in r.getMessage() for r in caplog.records):
+                await asyncio.sleep(0.005)
+            late = asyncio.create_task(_relayed_tokens(relay, [handles[1].id]))
             by_relay = await relayed  # (each follows with a timeout of its own)
+            by_late = await late
             by_client = await streamed
         finally:
             await relay.aclose()
@@ -368,6 +380,19 @@ async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another
         assert by_relay[handle.id] == expected
         assert [t for d in by_threads[handle.id] for t in d.token_ids] == expected
     assert by_client == by_relay[handles[0].id]
+    assert by_late[handles[1].id] == by_relay[handles[1].id]
+
+
+def _subscribers(nodes: RedisClusterNodes, channel: str) -> int:
+    """Subscribers of the channel on every live node (a node's PUBSUB NUMSUB counts its own)."""
+    total = 0
+    for server in nodes.live():
+        conn = redis.Redis(host="127.0.0.1", port=int(server.port or 0))
+        try:
+            total += int(conn.pubsub_numsub(channel)[0][1])
+        finally:
+            conn.close()
+    return total
 
 
 async def _relayed_tokens(relay: Relay, job_ids: list[str]) -> dict[str, list[int]]:
