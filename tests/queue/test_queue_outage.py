@@ -238,6 +238,30 @@ def test_redis_away_for_30_s(server, worker, api_url, conn, offline) -> None:
     outage(server, worker, api_url, conn, "30 s", 30.0, offline)
 
 
+def test_events_redis_answered_then_lost_are_written_again(server, worker, conn, offline) -> None:
+    """What Redis answered and then lost (a killed master's last writes, which its promoted
+    replica never got; a restart's unsynced tail): once Redis is back, the worker writes its
+    last seconds again before the rest, and each job's log is whole, every event once."""
+    keys = worker.keys
+    job_ids, prompts = submit(server, "answered")
+    streams = Streams(server.url, keys, job_ids)
+    wait_for(lambda: mid_generation(conn, keys, job_ids), TIMEOUT_S, "jobs mid-generation")
+    server.kill()
+    # the data comes back on another port, out of the worker's reach, and loses the newest two
+    # events of each running job, as a promoted replica lacks a master's last writes
+    with RedisServer(dir=server.dir, durable=True) as aside:
+        side = redis.Redis.from_url(aside.url)
+        running = [j for j in job_ids if record(side, keys, j).status == JobStatus.RUNNING]
+        for job_id in running:
+            newest = side.xrevrange(keys.events(job_id), count=2)
+            side.xdel(keys.events(job_id), *[entry_id for entry_id, _ in newest])
+        side.close()
+    assert running  # (mid-run: some jobs were)
+    server.start()
+    wait_for(lambda: all_ended(conn, keys, job_ids), TIMEOUT_S, "every job ended")
+    check_whole(conn, keys, job_ids, prompts, offline, streams.join())
+
+
 def test_sigterm_during_an_outage(server, worker, conn, start_worker, offline) -> None:
     """A worker told to stop while Redis is away still stops, within its drain's bounds (no
     grace for jobs whose tokens cannot be written); what it held stays pending, and once

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -43,7 +45,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RETRY_DELAY_S = 0.5  # Redis unreachable: retry the same writes (readers drop repeated seqs)
+RETRY_DELAY_S = 0.5  # Redis unreachable: retry the same writes
+# Writes Redis answered this long before an outage are made again after it, before the failed
+# ones: what a master killed had not yet sent its replica (replication is asynchronous; the
+# promoted replica lacks it) or a restarted Redis had not yet written to disk (appendfsync
+# everysec loses up to about 2 s) would otherwise be a hole in a job's events.
+RESEND_WINDOW_S = 2.0
 
 
 class EngineFailed(RuntimeError):
@@ -94,6 +101,7 @@ class Publisher:
         self._step_s = 0.0  # the engine's last step: between the last two results with outputs
         self._step_at: float | None = None
         self._writing = asyncio.Lock()  # one STEP_LUA call at a time: a job's events stay in seq order
+        self._answered: deque[tuple[float, list[JobWrite]]] = deque()  # (when, writes): the last RESEND_WINDOW_S
 
     async def run(self) -> None:
         """Publish until cancelled; raises EngineFailed if the engine thread died."""
@@ -290,8 +298,9 @@ class Publisher:
 
     async def _write(self, writes: list[JobWrite], retry: bool = True) -> None:
         """One STEP_LUA call (one per shard on a cluster); retried as a whole while Redis is
-        unreachable (a repeat is harmless: the events carry the same seqs, and the record and
-        XACK are idempotent), on a cluster only the shards whose call failed.
+        unreachable (Redis may have run it: STEP_LUA does not write an event twice, and the
+        record and XACK are idempotent), on a cluster only the shards whose call failed, after
+        the writes of the last RESEND_WINDOW_S (`_resent`).
         Meanwhile the engine goes on with the jobs it holds (it takes no new ones: intake
         cannot read), so what waits here is bounded by their remaining tokens."""
         if not writes:
@@ -299,6 +308,7 @@ class Publisher:
         async with self._writing:
             lost: set[str] = set()
             unsent = writes
+            resent = False
             while True:
                 try:
                     lost |= await self.scripts.publish(unsent)
@@ -309,12 +319,17 @@ class Publisher:
                     if not retry or not isinstance(part.error, REDIS_ERRORS):
                         raise part.error from None
                     self.outage.failed(part.error)
-                    await asyncio.sleep(RETRY_DELAY_S)
                 except REDIS_ERRORS as exc:
                     if not retry:
                         raise
                     self.outage.failed(exc)
-                    await asyncio.sleep(RETRY_DELAY_S)
+                if not resent:
+                    unsent, resent = self._resent() + [replace(w, again=True) for w in unsent], True
+                await asyncio.sleep(RETRY_DELAY_S)
+            self._remember(writes)
+            # (an entry of a write made again is lost where a later write, in the window,
+            # acknowledged it: the job has ended; only this call's writes count)
+            lost &= {write.entry_id for write in writes}
         self.outage.answered()
         now = time.time()
         holders = await self._holders(lost)
@@ -327,6 +342,33 @@ class Publisher:
             elif write.record is not None:
                 self.metrics.finished(held, now)
                 self.table.remove(held)
+
+    def _remember(self, writes: list[JobWrite]) -> None:
+        now = time.monotonic()
+        self._answered.append((now, writes))
+        while self._answered[0][0] < now - RESEND_WINDOW_S:
+            self._answered.popleft()
+
+    def _resent(self) -> list[JobWrite]:
+        """The writes Redis answered in the last RESEND_WINDOW_S, to make again once it answers
+        after an outage: where Redis kept them, nothing is written twice (STEP_LUA skips the
+        events a stream already ends with; the record and the XACK are idempotent; a job they
+        ended is reported lost, and is gone from the table); where it lost them, they fill the
+        hole. A tenant's token count is left out: a tenant is not limited twice for a token."""
+        since = time.monotonic() - RESEND_WINDOW_S
+        merged: dict[tuple[str, str], JobWrite] = {}  # a job's in one write: its events in order,
+        for at, batch in self._answered:  # so that STEP_LUA finds the stream's last among them
+            for write in batch if at >= since else ():
+                into = merged.get((write.job_id, write.entry_id))
+                if into is None:
+                    merged[write.job_id, write.entry_id] = replace(
+                        write, events=list(write.events), tenant_tokens=None, again=True)
+                    continue
+                into.events += write.events
+                if write.record is not None:
+                    into.record, into.meter = write.record, write.meter
+        self._answered.clear()
+        return list(merged.values())
 
     async def _holders(self, lost: set[str]) -> dict[str, str]:
         """Who holds the lost entries now (for the log; best effort)."""

@@ -78,8 +78,11 @@ end
 # TTL, [4] job TTL, [5] the jobs, one cmsgpack-packed list of {entry id, events key, job key,
 # {encoded events}, {record field, value, ...}, {usage key, field prefix, prompt tokens,
 # completion tokens, cached prompt tokens} or {}, {the tenant's minute counter, tokens} or
-# {}}: an empty record means not finishing, [6] usage TTL, [7] the events' TTL once the job
-# has ended (0: deleted at once; the record keeps the outputs). A
+# {}, 1 where the write is made again (see below) or 0}: an empty record means not finishing,
+# [6] usage TTL, [7] the events' TTL once the job has ended (0: deleted at once; the record
+# keeps the outputs). A write made again (after an outage: Redis may or may not have it)
+# writes only its events after the last one the stream holds, where that is one of them: a
+# stream is never given an event twice. A
 # finishing job gets its last events, its record, its usage and its XACK together, so its
 # tokens are counted exactly once however often it was delivered. The minute counter (for
 # GENQ_RATE_LIMIT_TPM) takes each write's tokens as they come: the load a tenant puts on the
@@ -92,6 +95,15 @@ local lost = {{}}
 for _, job in ipairs(cmsgpack.unpack(ARGV[5])) do
   local entry_id, events_key, job_key, events, record = job[1], job[2], job[3], job[4], job[5]
   if owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then
+    if job[8] == 1 and #events > 0 then
+      local last = redis.call('XREVRANGE', events_key, '+', '-', 'COUNT', 1)
+      if #last > 0 then
+        local tail = last[1][2][2]
+        for i = #events, 1, -1 do
+          if events[i] == tail then events = {{unpack(events, i + 1)}} break end
+        end
+      end
+    end
     for _, event in ipairs(events) do
       redis.call('XADD', events_key, '*', '{EVENT_FIELD}', event)
       redis.call('PUBLISH', events_key, event)
@@ -462,6 +474,7 @@ class JobWrite:
     record: dict[str, str | bytes] | None = None  # set: the job ends with this write
     meter: Meter | None = None  # with the record: counted once, with the XACK
     tenant_tokens: TenantTokens | None = None  # what this write adds to the tenant's minute
+    again: bool = False  # made again after an outage: events the stream ends with are not repeated
 
 
 @dataclass
@@ -579,7 +592,7 @@ class Scripts:
         async def shard(keys: Keys, indexes: list[int]) -> list[Any]:
             jobs = [
                 [w.entry_id, keys.events(w.job_id), keys.job(w.job_id), w.events, _pairs(w.record or {}),
-                 self._meter(keys, w.meter) if w.record else [], self._minute(keys, w.tenant_tokens)]
+                 self._meter(keys, w.meter) if w.record else [], self._minute(keys, w.tenant_tokens), int(w.again)]
                 for w in (writes[i] for i in indexes)
             ]
             args: list[Any] = [keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs),
