@@ -472,7 +472,7 @@ def test_strict_tools_hold_the_calls_of_an_auto_reply(monkeypatch: pytest.Monkey
     plain = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Weather?"}],
                                                   "tools": [{**tools[0], "function": {**tools[0]["function"], "strict": False}}]})
     assert plan(state, plain, [chat_prompt(plain)], ChatRenderer(), "x", "m").params.guided_decoding is None
-    odd = {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 3}}}  # (xgrammar holds it too)
+    odd = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}  # (xgrammar holds it too)
     held = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Weather?"}], "tools": [
         {"type": "function", "function": {"name": "f", "parameters": odd, "strict": True}}]})
     assert plan(state, held, [chat_prompt(held)], ChatRenderer(), "x", "m").params.guided_decoding is not None

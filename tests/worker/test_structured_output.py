@@ -7,8 +7,10 @@ a grammar that waits for a marker; speculative guesses' rows."""
 
 from __future__ import annotations
 
+import json
 import random
 
+import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
@@ -169,7 +171,12 @@ def test_tokens_past_the_tokenizers_vocabulary_are_never_allowed(tokenizer) -> N
     ({"allOf": [{"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]},
                 {"properties": {"n": {"type": "string"}}}]}, '{"n": "a"}'),
     ({"type": "number", "multipleOf": 0.5}, "0.3"),
-], ids=["uniqueItems", "not", "if-then", "dependentRequired", "contains", "allOf", "multipleOf 0.5"])
+    ({"type": "number", "multipleOf": 5}, "7"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, '"aaaaa"'),
+    ({"type": "string", "format": "email", "maxLength": 5}, '"abc@def.com"'),
+    ({"type": "string", "pattern": "^(?!rpc[.])[a-z.]+$"}, '"rpc.x"'),
+], ids=["uniqueItems", "not", "if-then", "dependentRequired", "contains", "allOf", "multipleOf 0.5", "multipleOf 5 on a number",
+        "maxLength beside pattern", "maxLength beside format", "lookahead"])
 def test_the_keywords_refused_before_a_job_is_queued_are_those_xgrammar_does_not_hold(schema, breaking) -> None:
     """producer.grammar.json_schema refuses these keywords: xgrammar takes a text that breaks
     each (the day it holds one, this fails and the keyword may come off the list)."""
@@ -179,3 +186,25 @@ def test_the_keywords_refused_before_a_job_is_queued_are_those_xgrammar_does_not
     assert matcher.accept_string(breaking) and matcher.is_completed()
     with pytest.raises(ValueError, match="is not supported"):
         check_enforceable(schema)
+
+
+@pytest.mark.parametrize(("schema", "validator", "texts"), [
+    ({"type": "array", "minItems": 2}, jsonschema.Draft202012Validator, ['[1, "a"]', "[1]", "[]", "[true, null, 3]"]),
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "required": ["x"],
+      "properties": {"x": {"type": "number", "minimum": 3, "exclusiveMinimum": True, "maximum": 9}}},
+     jsonschema.Draft4Validator, ['{"x": 3}', '{"x": 3.5}', '{"x": 2}', '{"x": 9}', '{"x": 10}']),
+], ids=["minItems without items", "draft 4's boolean exclusiveMinimum"])
+def test_schemas_xgrammar_misreads_are_followed_as_json_schema_means(tokenizer, guided, schema, validator, texts) -> None:
+    """xgrammar refuses these as written (the day it reads them, this fails and
+    producer.grammar.json_schema.for_xgrammar may go); the worker takes them, and a text is
+    taken whole exactly when `jsonschema` says it is valid."""
+    with pytest.raises(RuntimeError):
+        xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_json_schema(schema)
+    for i, text in enumerate(texts):
+        request_id = f"misread{i}"
+        guided.add(request_id, guided.compile({"json_schema": schema}))
+        output = tokenizer.encode(text, add_special_tokens=False)
+        taken = all(output[n] in allowed(guided, request_id, output[:n]) for n in range(len(output)))
+        taken = taken and tokenizer.eos_token_id in allowed(guided, request_id, output)
+        guided.remove(request_id)
+        assert taken == validator(schema).is_valid(json.loads(text)), text

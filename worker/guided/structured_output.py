@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from producer.grammar.json_schema import for_xgrammar
 from producer.grammar.structural_tag import read_structural_tag
 
 COMPILED_KEPT = 128  # guides whose compiled grammars are kept (a few MiB each at most)
@@ -308,8 +309,8 @@ def _read(guided_decoding: dict[str, Any]) -> xgr.Grammar:
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=whitespace, strict_mode=False,
                                             max_whitespace_cnt=MAX_WHITESPACE_RUN)
     if "json_schema" in guided_decoding:
-        return xgr.Grammar.from_json_schema(json.dumps(guided_decoding["json_schema"]), any_whitespace=whitespace,
-                                            max_whitespace_cnt=MAX_WHITESPACE_RUN)
+        schema = json.dumps(for_xgrammar(guided_decoding["json_schema"]))
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=whitespace, max_whitespace_cnt=MAX_WHITESPACE_RUN)
     if "regex" in guided_decoding:
         return xgr.Grammar.from_regex(guided_decoding["regex"])
     if "grammar" in guided_decoding:
@@ -331,7 +332,7 @@ def structural_tag_json(spec: Any) -> str:
     if "format" in spec:
         return json.dumps({"type": "structural_tag", "format": spec["format"]})
     tags = [{"type": "tag", "begin": s["begin"], "end": s["end"], "content": {
-        "type": "json_schema", "json_schema": s["schema"], "max_whitespace_cnt": MAX_WHITESPACE_RUN}}
+        "type": "json_schema", "json_schema": for_xgrammar(s["schema"]), "max_whitespace_cnt": MAX_WHITESPACE_RUN}}
         for s in spec["structures"]]
     return json.dumps({"type": "structural_tag",
                        "format": {"type": "triggered_tags", "triggers": spec["triggers"], "tags": tags}})
