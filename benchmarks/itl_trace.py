@@ -159,9 +159,16 @@ def _analyse(name: str, requests: list[dict[str, Any]], elapsed: float, trace_di
         "prefill_in_long_steps": sum(1 for g in gaps if g.cause == "long step" and g.step and g.step["prefill_tokens"]),
         "typical_ms": vars(typical),
         "step_ms": percentiles(steps_ms), "median_decodes": statistics.median(decodes) if decodes else 0,
-        "gc": {"count": len(trace.gcs), "total_ms": round(sum(g["ms"] for g in trace.gcs), 1),
-               "max_ms": max((g["ms"] for g in trace.gcs), default=0.0)},
+        "gc": _gc_summary([g for g in trace.gcs if g["start"] >= min(r["sent"] for r in requests)]),
     }
+
+
+def _gc_summary(gcs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The collections from the load's first request on (a worker's start makes full passes of
+    up to 200 ms over the model it loads, before it freezes those objects and takes a job)."""
+    return {"count": len(gcs), "total_ms": round(sum(g["ms"] for g in gcs), 1),
+            "max_ms": max((g["ms"] for g in gcs), default=0.0),
+            "full": sum(1 for g in gcs if g["generation"] == 2)}
 
 
 def offline_step_ms(batch: int, model_dir: str | None) -> float:
@@ -194,8 +201,8 @@ def _format(r: dict[str, Any]) -> str:
              f"{r['tail_gaps']} of {r['num_gaps']} gaps above {TAIL_RATIO:g}x p50",
              "  typical: " + ", ".join(f"{k} {v:.1f}" for k, v in typical.items())
              + f"; step p50 {r['step_ms']['p50']:.1f} ms p99 {r['step_ms']['p99']:.1f} ms at a median "
-             f"{r['median_decodes']} decodes; gc {r['gc']['count']} pauses, {r['gc']['total_ms']} ms, "
-             f"longest {r['gc']['max_ms']} ms",
+             f"{r['median_decodes']} decodes; gc under load {r['gc']['count']} pauses ({r['gc']['full']} full), "
+             f"{r['gc']['total_ms']} ms, longest {r['gc']['max_ms']} ms",
              "  tail gaps by cause: " + ", ".join(f"{c} {s:.0%} (+{r['mean_excess_ms'][c]} ms)"
                                                   for c, s in r["shares"].items() if s)
              + f"; long steps with a prefill chunk: {r['prefill_in_long_steps']}"]
