@@ -23,8 +23,10 @@ from producer.client import Client
 from producer.jobs import SUBMIT_LUA, build_job, entry_location, submit_call
 from producer.protocol import (
     DEFAULT_CLUSTER_SHARDS,
+    EVENT_FIELD,
     JobStatus,
     Keys,
+    decode_event,
     encode_job,
     entry_ref,
     ref_shard,
@@ -329,6 +331,13 @@ def test_a_master_killed_mid_run_fails_over_and_every_job_finishes_whole(
         assert result.outputs[0].token_ids == expected
         assert [t for d in deltas for t in d.token_ids] == expected
         assert [d.seq for d in deltas] == list(range(len(deltas)))
+        # and its log holds every event, in order: what the promoted replica lacked of the
+        # master's last writes, the worker wrote again. (A step call redis-py itself sent again
+        # to the new master, which had it already, leaves a repeat: readers drop it by seq.)
+        logged = [decode_event(f[EVENT_FIELD.encode()]) for _, f in cluster_conn.xrange(keys.events(handle.id))]
+        firsts = [e for i, e in enumerate(logged) if all(e.seq > before.seq for before in logged[:i])]
+        assert [e.seq for e in firsts] == list(range(len(firsts)))
+        assert [t for e in firsts for t in e.token_ids] == expected
 
 
 async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another(

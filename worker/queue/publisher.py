@@ -351,13 +351,14 @@ class Publisher:
 
     def _resent(self) -> list[JobWrite]:
         """The writes Redis answered in the last RESEND_WINDOW_S, to make again once it answers
-        after an outage: where Redis kept them, nothing is written twice (STEP_LUA skips the
-        events a stream already ends with; the record and the XACK are idempotent; a job they
-        ended is reported lost, and is gone from the table); where it lost them, they fill the
-        hole. A tenant's token count is left out: a tenant is not limited twice for a token."""
+        after an outage: where Redis kept them, nothing is written twice (STEP_LUA skips each
+        event whose seq the job's stream holds already; the record and the XACK are idempotent;
+        a job they ended is reported lost, and is gone from the table); where it lost them,
+        they fill the hole. A tenant's token count is left out: a tenant is not limited twice
+        for a token."""
         since = time.monotonic() - RESEND_WINDOW_S
-        merged: dict[tuple[str, str], JobWrite] = {}  # a job's in one write: its events in order,
-        for at, batch in self._answered:  # so that STEP_LUA finds the stream's last among them
+        merged: dict[tuple[str, str], JobWrite] = {}  # a job's in one write, its events in order
+        for at, batch in self._answered:
             for write in batch if at >= since else ():
                 into = merged.get((write.job_id, write.entry_id))
                 if into is None:

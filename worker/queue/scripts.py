@@ -80,9 +80,9 @@ end
 # completion tokens, cached prompt tokens} or {}, {the tenant's minute counter, tokens} or
 # {}, 1 where the write is made again (see below) or 0}: an empty record means not finishing,
 # [6] usage TTL, [7] the events' TTL once the job has ended (0: deleted at once; the record
-# keeps the outputs). A write made again (after an outage: Redis may or may not have it)
-# writes only its events after the last one the stream holds, where that is one of them: a
-# stream is never given an event twice. A
+# keeps the outputs). A write made again (after an outage: Redis may have all, some or none
+# of it) writes only the events whose seq is past the last its stream holds for their
+# completion (`unseen`): a stream is never given an event twice, and its seqs only grow. A
 # finishing job gets its last events, its record, its usage and its XACK together, so its
 # tokens are counted exactly once however often it was delivered. The minute counter (for
 # GENQ_RATE_LIMIT_TPM) takes each write's tokens as they come: the load a tenant puts on the
@@ -91,19 +91,40 @@ end
 # event loop more than all the rest of a publish.)
 # Returns the entry ids this worker no longer owns (nothing was written for them).
 STEP_LUA = _OWNED + f"""
+local function position(event)
+  local e = cmsgpack.unpack(event)
+  return e['index'] or 0, e['seq'] or -1
+end
+-- the events whose seq is past the last the stream holds for their completion (index), read
+-- from the stream's end back until every index of them was met
+local function unseen(events_key, events)
+  local last, missing = {{}}, 0
+  for _, event in ipairs(events) do
+    local index = position(event)
+    if last[index] == nil then last[index] = false; missing = missing + 1 end
+  end
+  local before = '+'
+  while missing > 0 do
+    local page = redis.call('XREVRANGE', events_key, before, '-', 'COUNT', 100)
+    for _, entry in ipairs(page) do
+      local index, seq = position(entry[2][2])
+      if last[index] == false then last[index] = seq; missing = missing - 1 end
+    end
+    if #page < 100 then break end
+    before = '(' .. page[#page][1]
+  end
+  local out = {{}}
+  for _, event in ipairs(events) do
+    local index, seq = position(event)
+    if not last[index] or seq > last[index] then out[#out + 1] = event; last[index] = seq end
+  end
+  return out
+end
 local lost = {{}}
 for _, job in ipairs(cmsgpack.unpack(ARGV[5])) do
   local entry_id, events_key, job_key, events, record = job[1], job[2], job[3], job[4], job[5]
   if owned(KEYS[1], ARGV[1], ARGV[2], entry_id) then
-    if job[8] == 1 and #events > 0 then
-      local last = redis.call('XREVRANGE', events_key, '+', '-', 'COUNT', 1)
-      if #last > 0 then
-        local tail = last[1][2][2]
-        for i = #events, 1, -1 do
-          if events[i] == tail then events = {{unpack(events, i + 1)}} break end
-        end
-      end
-    end
+    if job[8] == 1 and #events > 0 then events = unseen(events_key, events) end
     for _, event in ipairs(events) do
       redis.call('XADD', events_key, '*', '{EVENT_FIELD}', event)
       redis.call('PUBLISH', events_key, event)
