@@ -235,6 +235,9 @@ class AsyncClient:
                     async for item in self._replay(follower, [job_id], outage, deadline):
                         yield item
                 else:
+                    if (job_id := follower.skipped(message)) is not None:  # (its stream has the one missed)
+                        async for item in self._replay(follower, [job_id], outage, deadline):
+                            yield item
                     for item in follower.message(message):
                         yield item
         finally:

@@ -237,6 +237,8 @@ class Client:
                 elif (job_id := follower.resubscribed(message)) is not None:
                     yield from self._replay(follower, [job_id], outage, deadline)
                 else:
+                    if (job_id := follower.skipped(message)) is not None:  # (its stream has the one missed)
+                        yield from self._replay(follower, [job_id], outage, deadline)
                     yield from follower.message(message)
         finally:
             pubsub.close()

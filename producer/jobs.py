@@ -303,6 +303,7 @@ class EventLog:
         self._final: dict[int, Event] = {}
         self._text: dict[int, list[str]] = {}
         self._tokens: dict[int, list[int]] = {}
+        self.sparse = False  # a replay found the stream's seqs skipping: no gap is a lost message
 
     @property
     def done(self) -> bool:
@@ -328,6 +329,12 @@ class EventLog:
         elif event.finished:
             self._final[event.index] = event
         return True
+
+    def skips(self, event: Event) -> bool:
+        """Whether a channel message's event comes after one of its completion's not seen: the
+        channel lost one, as when a Redis node died having stored and replicated an event but
+        not yet relayed its PUBLISH. (genq's workers number each completion's events 0, 1, 2...)"""
+        return not self.sparse and event.seq > self._last_seq.get(event.index, -1) + 1
 
     @property
     def seen_any(self) -> bool:
@@ -381,7 +388,9 @@ class Follower:
             raise JobNotFound(job_id) if log.n is None else JobLost(job_id)
         record = decode_record(raw_record, job_id)
         log.n = record.n or 1
-        new = [e for e in (_entry_event(f) for _, f in entries) if log.add(e)]
+        stored = [_entry_event(f) for _, f in entries]
+        log.sparse = log.sparse or _skipping(stored)
+        new = [e for e in stored if log.add(e)]
         # Terminal before the XRANGE, yet not all final events were there: they expired.
         # Waiting on the channel would hang, and nothing more will come: the record has the rest.
         if record.status is not None and record.status.terminal and not log.done:
@@ -397,6 +406,14 @@ class Follower:
         event = decode_event(message["data"])
         return [(job_id, event)] if self.logs[job_id].add(event) else []
 
+    def skipped(self, message: dict[str, Any]) -> str | None:
+        """The job whose event this channel message carries, where one before it was not seen
+        (EventLog.skips): the caller replays that job first, then takes the message."""
+        job_id = self.by_channel.get(message["channel"])
+        if job_id is None or message["type"] != "message":
+            return None
+        return job_id if self.logs[job_id].skips(decode_event(message["data"])) else None
+
     def resubscribed(self, message: dict[str, Any]) -> str | None:
         """The job whose channel was subscribed again. redis-py re-subscribes by itself after
         a reconnect; what was published in the gap is only in the stream, so the caller
@@ -404,6 +421,16 @@ class Follower:
         if message["type"] != "subscribe":
             return None
         return self.by_channel.get(message["channel"])
+
+
+def _skipping(events: list[Event]) -> bool:
+    """Whether a stream's events skip a seq of some completion (another producer's numbering)."""
+    last: dict[int, int] = {}
+    for event in events:
+        if event.seq > last.get(event.index, -1) + 1:
+            return True
+        last[event.index] = max(event.seq, last.get(event.index, -1))
+    return False
 
 
 def record_ending(
