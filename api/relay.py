@@ -24,7 +24,7 @@ import redis
 import redis.asyncio
 
 from producer.aio import wait_within
-from producer.jobs import JobLost, JobNotFound, Outage, record_ending
+from producer.jobs import JobLost, JobNotFound, Outage, record_ending, skips_a_seq
 from producer.protocol import EVENT_FIELD, Event, Keys, decode_event
 from producer.records import JobRecord, decode_record
 from producer.redis_conn import pipeline
@@ -54,6 +54,7 @@ class JobEvents:
         self._last_seq: dict[int, int] = {}
         self._sent: dict[int, tuple[int, int]] = {}  # (characters, tokens) followed, per index
         self._finished: set[int] = set()
+        self.sparse = False  # a replay found the stream's seqs skipping: no gap is a lost message
 
     @property
     def done(self) -> bool:
@@ -68,6 +69,11 @@ class JobEvents:
             return False
         self._mark(event)
         return True
+
+    def skips(self, event: Event) -> bool:
+        """Whether a channel message's event comes after one of its completion's not seen: the
+        channel lost one (a Redis node died having stored and replicated it, not relayed it)."""
+        return not self.sparse and event.seq > self._last_seq.get(event.index, -1) + 1
 
     def _mark(self, event: Event) -> None:
         self._last_seq[event.index] = max(event.seq, self._last_seq.get(event.index, -1))
@@ -85,6 +91,7 @@ class JobEvents:
         self.record = decode_record(raw_record, self.job_id)
         self.n = self.record.n or 1
         events = [_entry_event(fields) for _, fields in entries]
+        self.sparse = self.sparse or skips_a_seq(events)
         if self._resume is not None:
             events = self._skip_resumed(events, *self._resume)
             self._resume = None
@@ -183,7 +190,12 @@ class Relay:
                 if data is RESYNC:
                     for item in await deadline.run(self._replay(logs, [job_id], outage)):
                         yield item
-                elif logs[job_id].add(event := decode_event(data)):
+                    continue
+                event = decode_event(data)
+                if logs[job_id].skips(event):  # (its stream has the one missed)
+                    for item in await deadline.run(self._replay(logs, [job_id], outage)):
+                        yield item
+                if logs[job_id].add(event):
                     yield job_id, event
         finally:
             with anyio.CancelScope(shield=True):  # a cancelled request still releases them

@@ -389,7 +389,7 @@ class Follower:
         record = decode_record(raw_record, job_id)
         log.n = record.n or 1
         stored = [_entry_event(f) for _, f in entries]
-        log.sparse = log.sparse or _skipping(stored)
+        log.sparse = log.sparse or skips_a_seq(stored)
         new = [e for e in stored if log.add(e)]
         # Terminal before the XRANGE, yet not all final events were there: they expired.
         # Waiting on the channel would hang, and nothing more will come: the record has the rest.
@@ -423,7 +423,7 @@ class Follower:
         return self.by_channel.get(message["channel"])
 
 
-def _skipping(events: list[Event]) -> bool:
+def skips_a_seq(events: list[Event]) -> bool:
     """Whether a stream's events skip a seq of some completion (another producer's numbering)."""
     last: dict[int, int] = {}
     for event in events:

@@ -13,7 +13,14 @@ import redis.asyncio
 from api.relay import Relay
 from producer.async_client import AsyncClient
 from producer.jobs import JobNotFound
-from producer.protocol import APPEND_EVENTS_LUA, EVENTS_TTL_S, Event, JobStatus, encode_event
+from producer.protocol import (
+    APPEND_EVENTS_LUA,
+    EVENT_FIELD,
+    EVENTS_TTL_S,
+    Event,
+    JobStatus,
+    encode_event,
+)
 from producer.records import CompletionOutput, JobRecord, encode_record
 
 TIMEOUT_S = 10.0
@@ -120,6 +127,19 @@ async def test_reconnect_replays_what_was_published_meanwhile(
     await peer.emit("j4", token(2, finished=True))
     assert [seq for _, _, seq in await task] == [0, 1, 2]
     await admin.aclose()
+
+
+async def test_an_event_whose_message_was_lost_is_read_from_the_stream(client: AsyncClient, relay: Relay) -> None:
+    """Stored but never relayed (its Redis node died between the two, the replica having it):
+    the next message skips its seq, and the relay reads the job's stream first."""
+    await client.submit("hi", job_id="j9")
+    peer = Peer(client)
+    task = asyncio.create_task(follow_all(relay, ["j9"]))
+    await subscribed(client, "j9")
+    await peer.emit("j9", token(0))
+    await client.redis.xadd(client.keys.events("j9"), {EVENT_FIELD: encode_event(token(1))})  # (no PUBLISH)
+    await peer.emit("j9", token(2, finished=True))
+    assert [seq for _, _, seq in await task] == [0, 1, 2]
 
 
 async def test_terminal_job_with_expired_events_ends_the_follow(
