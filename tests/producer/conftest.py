@@ -14,6 +14,7 @@ import redis
 
 from producer.protocol import (
     APPEND_EVENTS_LUA,
+    EVENT_FIELD,
     EVENTS_TTL_S,
     JOB_TTL_S,
     Event,
@@ -121,6 +122,15 @@ class FakeWorker:
     def fail(self, job_id: str, error: str) -> None:
         record = JobRecord(status=JobStatus.FAILED, error=error, finished_at=time.time())
         self.finish(job_id, [Event(seq=10**6, error=error)], record)
+
+    def lose(self, job_id: str, event: Event, loss: str) -> None:
+        """What a channel can lose: `connection` kills the clients' pub/sub connections (what
+        is published meanwhile reaches nobody); `message` stores `event` without relaying it
+        (its node died between the two, its replica having it)."""
+        if loss == "connection":
+            assert self.redis.client_kill_filter(_type="pubsub") == 1
+        else:
+            self.redis.xadd(self.keys.events(job_id), {EVENT_FIELD: encode_event(event)})
 
     def wait_subscribed(self, job_id: str) -> None:
         """Until a client listens on the job's channel (PUBSUB NUMSUB)."""

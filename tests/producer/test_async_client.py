@@ -13,7 +13,7 @@ import redis
 
 from producer.async_client import AsyncClient
 from producer.jobs import JobFailed, JobNotFound
-from producer.protocol import CANCEL_FLAG_TTL_S, EVENT_FIELD, JobStatus, Keys, encode_event
+from producer.protocol import CANCEL_FLAG_TTL_S, JobStatus, Keys
 from producer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -76,9 +76,11 @@ async def test_stream_is_exactly_once_across_subscribe_replay_window(
     assert "".join(d.text for d in seen) == "abcdef"
 
 
-async def test_stream_survives_a_lost_pubsub_connection(
-    aclient: AsyncClient, worker: FakeWorker
+@pytest.mark.parametrize("loss", ["connection", "message"])
+async def test_stream_reads_from_the_log_what_the_channel_lost(
+    aclient: AsyncClient, worker: FakeWorker, loss: str
 ) -> None:
+    """As the blocking client's: a lost pub/sub connection, or an event stored but never relayed."""
     handle = await aclient.submit("hi")
     events = worker.token_events(list("abcdef"))
     worker.emit(handle.id, events[:2])
@@ -86,25 +88,9 @@ async def test_stream_survives_a_lost_pubsub_connection(
     async for delta in handle.stream(timeout_s=5.0):
         seen.append(delta.seq)
         if delta.seq == 1:
-            assert worker.redis.client_kill_filter(_type="pubsub") == 1
-            worker.emit(handle.id, events[2:])
+            worker.lose(handle.id, events[2], loss)
+            worker.emit(handle.id, events[2 if loss == "connection" else 3 :])
     assert seen == list(range(6))
-
-
-async def test_stream_reads_an_event_whose_message_was_lost_from_the_stream(
-    aclient: AsyncClient, worker: FakeWorker
-) -> None:
-    """As the blocking client's: an event stored but never relayed is read from the log."""
-    handle = await aclient.submit("hi")
-    events = worker.token_events(list("abcd"))
-    worker.emit(handle.id, events[:1])
-    seen = []
-    async for delta in handle.stream(timeout_s=5.0):
-        seen.append(delta.seq)
-        if delta.seq == 0:
-            worker.redis.xadd(KEYS.events(handle.id), {EVENT_FIELD: encode_event(events[1])})  # (no PUBLISH)
-            worker.emit(handle.id, events[2:])
-    assert seen == [0, 1, 2, 3]
 
 
 async def test_stream_and_result_of_a_live_job(aclient: AsyncClient, worker: FakeWorker) -> None:
