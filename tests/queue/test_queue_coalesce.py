@@ -146,6 +146,9 @@ def test_tokens_held_when_no_step_comes_go_out_after_the_interval(
     wait_for(lambda: generated(conn, keys, "qco3") >= 20, TIMEOUT_S, "tokens made")
     conn.hset(pause, mapping={"paused": 1, "mode": "keep"})
     conn.hincrby(pause, "count", 1)
+    # (and it beats at once, as `genq pause` has it: at its next heartbeat, the tiny model
+    # could have made all 900 tokens, and the job would have ended before the pause)
+    conn.publish(keys.control_channel, pause)
     try:
         info = wait_for(lambda: (i := decode_worker_info(conn.hgetall(keys.worker("qco3")), "qco3")).paused and i,
                         TIMEOUT_S, "the worker paused")

@@ -357,19 +357,9 @@ class Publisher:
         they fill the hole. A tenant's token count is left out: a tenant is not limited twice
         for a token."""
         since = time.monotonic() - RESEND_WINDOW_S
-        merged: dict[tuple[str, str], JobWrite] = {}  # a job's in one write, its events in order
-        for at, batch in self._answered:
-            for write in batch if at >= since else ():
-                into = merged.get((write.job_id, write.entry_id))
-                if into is None:
-                    merged[write.job_id, write.entry_id] = replace(
-                        write, events=list(write.events), tenant_tokens=None, again=True)
-                    continue
-                into.events += write.events
-                if write.record is not None:
-                    into.record, into.meter = write.record, write.meter
+        again = [replace(w, tenant_tokens=None, again=True) for at, batch in self._answered if at >= since for w in batch]
         self._answered.clear()
-        return list(merged.values())
+        return again
 
     async def _holders(self, lost: set[str]) -> dict[str, str]:
         """Who holds the lost entries now (for the log; best effort)."""
