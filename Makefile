@@ -5,10 +5,15 @@
 # packing code the GPTQ/AWQ tests use as their oracle (its dependencies would add a dataset stack).
 # Last, genq's compiled CPU kernels (kernels/cpu, ~30 s on 2 cores); without a compiler it
 # says so and the torch attention path serves.
+# The tests also unpack Debian's Redis 7 into .venv/redis7 (apt-get download, no root): the
+# Redis Cluster tests run on it for its sharded pub/sub. Without apt-get they run on the
+# embedded Redis 6.2 instead, whose cluster broadcasts every PUBLISH.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.genq-installed
+
+REDIS7 := $(VENV)/redis7/.unpacked
 
 .PHONY: run test lint clean
 
@@ -21,6 +26,14 @@ $(STAMP): pyproject.toml Makefile $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
 	$(PY) -m kernels.cpu
 	touch $(STAMP)
 
+$(REDIS7): | $(STAMP)
+	@if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then \
+	  rm -rf $(VENV)/redis7 && mkdir -p $(VENV)/redis7/debs && \
+	  (cd $(VENV)/redis7/debs && apt-get download -q redis-server redis-tools liblzf1 libjemalloc2) && \
+	  for deb in $(VENV)/redis7/debs/*.deb; do dpkg-deb -x "$$deb" $(VENV)/redis7 || exit 1; done && \
+	  rm -rf $(VENV)/redis7/debs && touch $@; \
+	else echo "no apt-get: the Redis Cluster tests run on the embedded Redis 6.2"; fi
+
 # The whole stack on localhost: embedded Redis, one worker on the default model, the API.
 run: $(STAMP)
 	$(VENV)/bin/genq up
@@ -32,7 +45,7 @@ run: $(STAMP)
 # genq's own modules are compiled first: this environment sets PYTHONDONTWRITEBYTECODE, so
 # otherwise each of the suite's processes (its workers and ranks too) compiles them again.
 TEST_PROCS ?= 4
-test: $(STAMP)
+test: $(STAMP) $(REDIS7)
 	$(PY) -m compileall -q producer worker api kernels
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCS) --dist loadfile
 

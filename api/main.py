@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncClient(settings.redis_url, settings.prefix, settings.redis_shards)
-        relay = Relay(client.redis, client.keys, client.pubsub_redis)
+        relay = Relay(client.redis, client.keys, client.events_redis)
         await relay.start()
         tracing = Tracing(settings.otlp_traces_endpoint, "genq-api") if settings.otlp_traces_endpoint else None
         trace = open_trace(settings.trace_dir, "api")

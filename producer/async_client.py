@@ -44,6 +44,7 @@ from producer.redis_conn import (
     is_cluster_url,
     pipeline,
 )
+from producer.shard_pubsub import AsyncShardChannels
 from producer.shards import resolve_shards
 
 
@@ -88,6 +89,9 @@ class AsyncClient:
         self.redis = connect_async(redis_url)
         # (the same client off a cluster; on one, a connection that can SUBSCRIBE)
         self.pubsub_redis = connect_async_pubsub(redis_url, self.redis)
+        # what jobs' events are followed on: shard channels on a Redis 7 cluster
+        self.events_redis: Any = (AsyncShardChannels(redis_url, self.redis) if keys.sharded_pubsub
+                                  else self.pubsub_redis)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self.routes = Routes(self.keys)
 
@@ -248,7 +252,7 @@ class AsyncClient:
     ) -> tuple[Any, list[dict[str, Any]]]:
         """See Client._subscribed."""
         while True:
-            pubsub = self.pubsub_redis.pubsub()
+            pubsub = self.events_redis.pubsub()
             try:
                 held = await self._subscribe(pubsub, channels, deadline)
                 outage.ok()

@@ -40,6 +40,7 @@ from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
 from producer.redis_conn import connect, is_cluster_url, pipeline
+from producer.shard_pubsub import ShardPubSub
 from producer.shards import resolve_shards
 
 
@@ -74,6 +75,7 @@ class Client:
                  shards: int | None = None) -> None:
         """`shards`: request-stream shards on a Redis Cluster; None: the number the cluster
         records (producer.shards), which another number here must equal."""
+        self.url = redis_url
         self.redis = connect(redis_url)
         self.keys = resolve_shards(self.redis, Keys(prefix, cluster=is_cluster_url(redis_url)), shards)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
@@ -261,8 +263,11 @@ class Client:
                 deadline.check()
 
     def _new_pubsub(self) -> Any:
-        """A pub/sub connection; on a cluster, to a random node (each relays every PUBLISH), so
+        """A pub/sub connection; on a Redis 7 cluster, on the nodes of the channels' slots
+        (shard channels); on an older one, to a random node (each relays every PUBLISH), so
         that one made again after its node was lost goes elsewhere."""
+        if self.keys.sharded_pubsub:
+            return ShardPubSub(self.redis, self.url)
         if self.keys.cluster:
             return self.redis.pubsub(node=self.redis.get_random_node())
         return self.redis.pubsub()

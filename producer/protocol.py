@@ -82,6 +82,12 @@ return #ARGV - 1
 """
 
 
+def publishing_events(script: str, keys: Keys) -> str:
+    """`script`, a Lua script whose only PUBLISHes are on events channels, as `keys` publish
+    those: with SPUBLISH on a Redis 7 cluster (Keys.sharded_pubsub), as written elsewhere."""
+    return script.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'") if keys.sharded_pubsub else script
+
+
 class ProtocolError(Exception):
     """Anything read from Redis that does not follow this protocol.
 
@@ -198,6 +204,10 @@ class Keys:
     cluster: bool = False
     shard: int = 0
     shards: int = 1
+    # On a Redis 7 cluster a job's events channel is a shard channel (SPUBLISH / SSUBSCRIBE):
+    # only its slot's master and replicas carry its messages, where a PUBLISH goes to every
+    # node. Found by producer.shards with the number of shards; never on a single Redis.
+    sharded_pubsub: bool = False
 
     def __post_init__(self) -> None:
         if self.cluster and ("{" in self.prefix or "}" in self.prefix):
@@ -208,6 +218,8 @@ class Keys:
                              f"1 to {MAX_SHARDS} ({SHARDS_ENV})")
         if not 0 <= self.shard < self.shards:
             raise ValueError(f"shard {self.shard}: there are {self.shards}")
+        if self.sharded_pubsub and not self.cluster:
+            raise ValueError("sharded pub/sub is a Redis Cluster's (Redis 7): a single Redis has none")
 
     def _slotted(self, name: str, shard: int | None = None) -> str:
         """`name` under the prefix, in the slot of `shard` (this one's) on a cluster."""

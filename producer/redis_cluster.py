@@ -20,6 +20,7 @@ from producer.redis_server import (
     RedisServerError,
     find_redis_server,
     free_port,
+    server_env,
 )
 
 CLUSTER_READY_TIMEOUT_S = 30.0
@@ -34,8 +35,10 @@ class RedisClusterNodes:
     long enough that a node slowed by a loaded machine (the suite's processes on 2 cores) is
     not taken for dead."""
 
-    def __init__(self, root: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 3000) -> None:
+    def __init__(self, root: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 3000,
+                 binary: str | None = None) -> None:
         self.root = root
+        self.binary = binary or find_redis_server()  # (a Redis 7's: find_redis7_server)
         self.masters = masters
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
@@ -50,8 +53,10 @@ class RedisClusterNodes:
         return [int(s.port or 0) for s in self.servers]
 
     def start(self) -> RedisClusterNodes:
+        # (Redis 7 syncs a new replica diskless, 5 s after it asks by default: a master killed
+        # before then has a replica with no data, which never takes over)
         args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms))
+                "--cluster-node-timeout", str(self.node_timeout_ms), "--repl-diskless-sync-delay", "0")
         try:
             for i in range(self.masters * (1 + self.replicas)):
                 self.servers.append(self._start_node(self.root / f"node{i}", args))
@@ -70,24 +75,26 @@ class RedisClusterNodes:
             while port > MAX_NODE_PORT:
                 port = free_port()
             try:
-                return RedisServer(port=port, dir=dir, extra_args=args).start()
+                return RedisServer(port=port, dir=dir, extra_args=args, binary=self.binary).start()
             except RedisServerError:  # (taken by someone else before it bound it)
                 if attempt == PORT_ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
 
     def _create(self) -> None:
-        cli = str(Path(find_redis_server()).parent / "redis-cli")
+        cli = str(Path(self.binary).parent / "redis-cli")
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
         done = subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas),
-                               "--cluster-yes"], capture_output=True, text=True, timeout=60)
+                               "--cluster-yes"], capture_output=True, text=True, timeout=60,
+                              env=server_env(self.binary))
         if done.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-2000:]} {done.stderr[-2000:]}")
 
     def wait_ok(self, timeout_s: float = CLUSTER_READY_TIMEOUT_S) -> None:
         """Until every live node says cluster_state:ok with all 16384 slots served, and sees
         `masters` masters serving them (a replica just told whom to follow is still flagged a
-        master for a moment)."""
+        master for a moment), and every replica has synced with its master (one that has not
+        cannot take over from it)."""
         deadline = time.monotonic() + timeout_s
         while not all(self._node_ok(s) for s in self.live()):
             if time.monotonic() > deadline:
@@ -105,7 +112,7 @@ class RedisClusterNodes:
             conn.close()
         masters = [n for n in nodes.values() if "master" in n["flags"] and "fail" not in n["flags"]]
         return (info.get("cluster_state") == "ok" and int(info.get("cluster_slots_ok", 0)) == 16384
-                and len(masters) == self.masters and all(n["slots"] for n in masters))
+                and len(masters) == self.masters and all(n["slots"] for n in masters) and _synced(server))
 
     def masters_now(self) -> list[RedisServer]:
         """The live servers that are masters now."""
@@ -132,6 +139,18 @@ class RedisClusterNodes:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
+
+
+def _synced(server: RedisServer) -> bool:
+    """A master, or a replica whose link to its master is up (its first sync done)."""
+    conn = redis.Redis(host="127.0.0.1", port=int(server.port or 0), socket_timeout=1.0)
+    try:
+        info: Any = conn.info("replication")
+    except redis.RedisError:
+        return False
+    finally:
+        conn.close()
+    return info["role"] == "master" or info.get("master_link_status") == "up"
 
 
 def _role(server: RedisServer) -> str:

