@@ -12,7 +12,7 @@ one of the M relays (`api.relay.Relay`, one pub/sub connection each, as one API 
 a streaming request does. Jobs' output lengths are uniform in `--output-len` (W1's 16-256).
 
     python benchmarks/redis_capacity.py [--workers 1,2,4] [--relays 2] [--batch 128] [--step-ms 10]
-        [--stream-interval-ms 0,60] [--seconds 10] [--procs 2] [--cluster [--masters 3]]
+        [--stream-interval-ms 0,60] [--seconds 10] [--procs 2] [--cluster [--masters 3]] [--redis 7|6.2]
 
 For each interval and each worker count (stopping once publish -> subscriber p99 passes
 `--p99-limit-ms`), over `--seconds` after a warm-up:
@@ -25,6 +25,11 @@ For each interval and each worker count (stopping once publish -> subscriber p99
   follower takes the event.
 Then what one Redis core would sustain at the measured CPU per token, in workers of 5.5k
 tokens/s (an H200 running W1 today) and 16k (its target).
+
+The servers are `--redis 7` (Debian's, which the set-up unpacks into the virtualenv; the
+default where it is there) or the embedded `6.2`, the same for both trials. On a Redis 7
+cluster the relays follow jobs' events on shard channels (SSUBSCRIBE) and the STEP script
+SPUBLISHes them, as genq does there.
 
 With `--cluster`, each trial runs again on a Redis Cluster of `--masters` masters (no replicas,
 `producer.redis_cluster`), its request streams split over the default shards, and each
@@ -68,8 +73,9 @@ from producer.redis_conn import (
     is_cluster_url,
     xreadgroup,
 )
-from producer.redis_server import RedisServer
+from producer.redis_server import RedisServer, find_redis7_server
 from producer.sampling_params import SamplingParams
+from producer.shard_pubsub import AsyncShardChannels
 from worker.queue.config import DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S
 from worker.queue.jobs import (
     HeldJob,
@@ -275,7 +281,8 @@ async def _generate_async(url: str, prefix: str, names: list[str], num_relays: i
     client = AsyncClient(url, prefix, args.shards if is_cluster_url(url) else None)
     keys = client.keys  # (with the shards the cluster records)
     conns = [connect_async(url) for _ in range(max(1, num_relays))]
-    relays = [Relay(conn, keys, connect_async_pubsub(url, conn)) for conn in conns]
+    relays = [Relay(conn, keys, AsyncShardChannels(url, conn) if keys.sharded_pubsub else connect_async_pubsub(url, conn))
+              for conn in conns]
     for relay in relays:
         await relay.start()
     sent_at: dict[tuple[str, int], float] = {}
@@ -458,18 +465,25 @@ def main() -> int:
     ap.add_argument("--masters", type=int, default=3, help="the cluster's masters (no replicas)")
     ap.add_argument("--shards", type=int, default=None,
                     help="request-stream shards on the cluster (default: genq's, DEFAULT_CLUSTER_SHARDS)")
+    ap.add_argument("--redis", choices=["7", "6.2"], default="7" if find_redis7_server() else "6.2",
+                    help="the servers' version: 7, unpacked by the set-up (a cluster's events on shard "
+                         "channels), or the embedded 6.2 (PUBLISH, relayed to every node)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    binary = find_redis7_server() if args.redis == "7" else None
+    if args.redis == "7" and binary is None:
+        ap.error("--redis 7: no Redis 7 in the virtualenv (make unpacks it where apt-get is)")
     args.output_len = tuple(int(x) for x in args.output_len.split(","))
     rows: list[dict[str, Any]] = []
-    with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
+    with RedisServer(binary=binary) as server, tempfile.TemporaryDirectory() as tmp:
+        print(f"Redis {args.redis}")
         targets = [Target("single", server.url, (server.url,))]
         if args.cluster:
-            nodes = RedisClusterNodes(Path(tmp), masters=args.masters, replicas=0).start()
+            nodes = RedisClusterNodes(Path(tmp), masters=args.masters, replicas=0, binary=binary).start()
             targets.append(Target("cluster", nodes.url, tuple(f"redis://127.0.0.1:{p}" for p in nodes.ports)))
         try:
             if args.cluster:
-                _print_op_costs(targets[0], targets[1])
+                _print_op_costs(targets[0], targets[1], args.redis == "7")
             _run_trials(targets, args, rows)
         finally:
             if args.cluster:
@@ -503,13 +517,15 @@ def _run_trials(targets: list[Target], args: argparse.Namespace, rows: list[dict
 _OPS_LUA = {
     "XADD": "for i = 1, 100 do redis.call('XADD', KEYS[1], 'MAXLEN', '1000', '*', 'event', ARGV[1]) end",
     "PUBLISH": "for i = 1, 100 do redis.call('PUBLISH', KEYS[1], ARGV[1]) end",
+    "SPUBLISH": "for i = 1, 100 do redis.call('SPUBLISH', KEYS[1], ARGV[1]) end",  # (Redis 7)
 }
 
 
-def _print_op_costs(single: Target, cluster: Target, calls: int = 300) -> None:
-    """CPU per XADD and per PUBLISH (run in a script, 300-byte payload) on the single Redis and
-    on each cluster node, one server busy at a time: what a master pays for the commands it runs
-    and for the ones the others run (a PUBLISH goes to every node over the cluster bus)."""
+def _print_op_costs(single: Target, cluster: Target, sharded: bool, calls: int = 300) -> None:
+    """CPU per XADD, per PUBLISH and (Redis 7, `sharded`) per SPUBLISH (run in a script,
+    300-byte payload) on the single Redis and on each cluster node, one server busy at a time:
+    what a master pays for the commands it runs and for the ones the others run (a PUBLISH goes
+    to every node over the cluster bus, an SPUBLISH to its slot's master and replicas only)."""
     key = "cost:{c}events"
     on_cluster = connect(cluster.url)
     owner = on_cluster.get_node_from_key(key)
@@ -518,6 +534,8 @@ def _print_op_costs(single: Target, cluster: Target, calls: int = 300) -> None:
     where = next(i for i, url in enumerate(cluster.nodes) if url.endswith(f":{owner.port}"))
     plain = redis.Redis.from_url(single.url)
     for name, lua in _OPS_LUA.items():
+        if name == "SPUBLISH" and not sharded:
+            continue
         alone = _op_cost(plain, [plain], key, lua, calls)[0]
         each = _op_cost(nodes[where], nodes, key, lua, calls)
         others = [c for i, c in enumerate(each) if i != where]
