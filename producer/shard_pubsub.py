@@ -40,6 +40,7 @@ class _Channels:
 
     def __init__(self) -> None:
         self.node_of: dict[bytes, Node] = {}
+        self.leaving_now: dict[bytes, int] = {}  # SUNSUBSCRIBEs sent, not yet answered
 
     @staticmethod
     def name(channel: str | bytes) -> bytes:
@@ -66,6 +67,7 @@ class _Channels:
             where = self.node_of.pop(name, None)
             if where is not None:
                 out.setdefault(key_slot(name), (where, []))[1].append(name)
+                self.leaving_now[name] = self.leaving_now.get(name, 0) + 1
         return list(out.values())
 
     def message(self, reply: Any) -> dict[str, Any] | None:
@@ -80,9 +82,12 @@ class _Channels:
         if kind == "ssubscribe":
             return {"type": "subscribe", "pattern": None, "channel": channel, "data": data}
         if kind == "sunsubscribe":
-            if channel in self.node_of:
-                raise redis.ConnectionError(f"the node gave up shard channel {channel!r} (its slot moved)")
-            return {"type": "unsubscribe", "pattern": None, "channel": channel, "data": data}
+            if self.leaving_now.get(channel, 0) > 0:  # (ours: a channel subscribed again since stays)
+                self.leaving_now[channel] -= 1
+                if not self.leaving_now[channel]:
+                    del self.leaving_now[channel]
+                return {"type": "unsubscribe", "pattern": None, "channel": channel, "data": data}
+            raise redis.ConnectionError(f"the node gave up shard channel {channel!r} (its slot moved)")
         return None
 
 
@@ -114,7 +119,7 @@ class ShardPubSub:
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             for conn in list(self._conns.values()):
-                while conn.can_read(timeout=0):
+                while self._can_read(conn):
                     if (message := self._read(conn)) is not None:
                         return message
             left = None if end is None else end - time.monotonic()
@@ -127,6 +132,13 @@ class ShardPubSub:
                 time.sleep(left)
                 return None
             select.select(socks, [], [], left)
+
+    def _can_read(self, conn: Any) -> bool:
+        try:
+            return bool(conn.can_read(timeout=0))
+        except redis.ConnectionError:
+            self._relearn()
+            raise
 
     def _read(self, conn: Any) -> dict[str, Any] | None:
         try:
