@@ -182,7 +182,9 @@ class Relay:
         outage = Outage()
         try:
             await self._join(list(by_channel), queue, deadline)
-            for item in await self._replay(logs, job_ids):
+            # (tried again while Redis is away, as the clients' first replay is: on a cluster
+            # the jobs' master may be lost between the subscription and the read)
+            for item in await deadline.run(self._replay(logs, job_ids, outage)):
                 yield item
             while not all(log.done for log in logs.values()):
                 channel, data = await deadline.run(queue.get())

@@ -41,15 +41,46 @@ def plain_url(url: str) -> str:
 def connect(url: str, **kwargs: Any) -> Any:
     """A blocking client (redis.Redis), a RedisCluster for a cluster URL."""
     if is_cluster_url(url):
-        return redis.cluster.RedisCluster.from_url(plain_url(url), **kwargs)
+        return _keeping_nodes(redis.cluster.RedisCluster.from_url(plain_url(url), **kwargs))
     return redis.Redis.from_url(url, **kwargs)
 
 
 def connect_async(url: str, **kwargs: Any) -> Any:
     """An asyncio client (redis.asyncio.Redis), a RedisCluster for a cluster URL."""
     if is_cluster_url(url):
-        return redis.asyncio.cluster.RedisCluster.from_url(plain_url(url), **kwargs)
+        return _keeping_nodes(redis.asyncio.cluster.RedisCluster.from_url(plain_url(url), **kwargs))
     return redis.asyncio.Redis.from_url(url, **kwargs)
+
+
+class _AskingEveryNode(redis.cluster.NodesManager):
+    """redis-py's slot map (blocking), asking every node of the last map too when it learns the
+    slots again. redis-py drops a node from the ones it asks when a command to it fails, and
+    closes every connection to learn again; calls under way on other nodes then fail too and
+    drop theirs, so a master lost while several tasks use the client (a worker) could leave it
+    none to ask: "Redis Cluster cannot be connected ... None", for good."""
+
+    def initialize(self) -> None:
+        for name, node in self.nodes_cache.items():
+            self.startup_nodes.setdefault(name, node)
+        super().initialize()
+
+
+class _AskingEveryNodeAsync(redis.asyncio.cluster.NodesManager):
+    """The asyncio one (see _AskingEveryNode)."""
+
+    __slots__ = ()
+
+    async def initialize(self) -> None:
+        for name, node in self.nodes_cache.items():
+            self.startup_nodes.setdefault(name, node)
+        await super().initialize()
+
+
+def _keeping_nodes(cluster: Any) -> Any:
+    """`cluster` with a slot map that asks every node it knows (_AskingEveryNode)."""
+    async_client = isinstance(cluster, redis.asyncio.cluster.RedisCluster)
+    cluster.nodes_manager.__class__ = _AskingEveryNodeAsync if async_client else _AskingEveryNode
+    return cluster
 
 
 def connect_async_pubsub(url: str, cluster: Any = None, **kwargs: Any) -> Any:
