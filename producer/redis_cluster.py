@@ -127,7 +127,8 @@ class RedisClusterNodes:
 
     def master_of(self, key: str) -> RedisServer:
         """The server that serves `key`'s slot now."""
-        conn = redis.cluster.RedisCluster(host="127.0.0.1", port=self.live()[0].port)
+        conn = redis.cluster.RedisCluster(host="127.0.0.1", port=self.live()[0].port, socket_timeout=5.0,
+                                          socket_connect_timeout=5.0)
         try:
             port = conn.get_node_from_key(key).port
         finally:
@@ -161,7 +162,7 @@ def _synced(server: RedisServer) -> bool:
 
 
 def _role(server: RedisServer) -> str:
-    conn = redis.Redis(host="127.0.0.1", port=int(server.port or 0))
+    conn = redis.Redis(host="127.0.0.1", port=int(server.port or 0), socket_timeout=5.0, socket_connect_timeout=5.0)
     try:
         info: Any = conn.info("replication")
         return str(info["role"])

@@ -5,8 +5,9 @@ equal the offline engine's, each script call in one slot."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import aclosing
 from pathlib import Path
 
@@ -384,16 +385,15 @@ async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another
             # (poll: the relay, the asyncio client and each thread subscribed before the kill,
             # so that each has to subscribe again elsewhere; then every job streaming)
             wanted = [3 if h is handles[0] else 2 for h in handles]
-            while [_subscribers(redis_cluster, keys.events(h.id), sharded(redis_cluster)) for h in handles] != wanted:
-                await asyncio.sleep(0.02)
-            while not all(cluster_conn.xlen(keys.events(h.id)) for h in handles):
-                await asyncio.sleep(0.02)
+            await _until(lambda: [_subscribers(redis_cluster, keys.events(h.id), sharded(redis_cluster))
+                                  for h in handles] == wanted, "every reader subscribed")
+            await _until(lambda: all(cluster_conn.xlen(keys.events(h.id)) for h in handles), "every job streaming")
             assert not any(ended(cluster_conn, keys, h.id) for h in handles)
             redis_cluster.kill(url_node)
             # a follow begun once the relay has found its node gone: it subscribes while the
             # listener moves elsewhere
-            while not any("relay: Redis connection lost" in r.getMessage() for r in caplog.records):
-                await asyncio.sleep(0.005)
+            await _until(lambda: any("relay: Redis connection lost" in r.getMessage() for r in caplog.records),
+                         "the relay finding its node gone", poll_s=0.005)
             late = asyncio.create_task(_relayed_tokens(relay, [handles[1].id]))
             by_relay = await relayed  # (each follows with a timeout of its own)
             by_late = await late
@@ -409,14 +409,25 @@ async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another
     assert by_late[handles[1].id] == by_relay[handles[1].id]
 
 
+async def _until(condition: Callable[[], bool], what: str, poll_s: float = 0.02) -> None:
+    """Poll `condition` (blocking calls, each bounded) until it holds, for TIMEOUT_S at most."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} within {TIMEOUT_S} s"
+        await asyncio.sleep(poll_s)
+
+
 def _subscribers(nodes: RedisClusterNodes, channel: str, shard_channel: bool) -> int:
     """Subscribers of the channel on every live node (a node's PUBSUB NUMSUB, or SHARDNUMSUB,
-    counts its own)."""
+    counts its own); -1 when a node does not answer within a second (a loaded machine)."""
     total = 0
     for server in nodes.live():
-        conn = redis.Redis(host="127.0.0.1", port=int(server.port or 0))
+        conn = redis.Redis(host="127.0.0.1", port=int(server.port or 0), socket_timeout=1.0,
+                           socket_connect_timeout=1.0)
         try:
             total += int(conn.execute_command("PUBSUB", "SHARDNUMSUB" if shard_channel else "NUMSUB", channel)[1])
+        except redis.RedisError:
+            return -1
         finally:
             conn.close()
     return total
