@@ -364,7 +364,8 @@ async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another
     stream ends whole. On Redis 7 the relay and clients subscribe on the jobs' masters: there
     the URL's node serves the jobs, and its replica takes over their channels too."""
     keys = KEYS
-    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    # (long enough that every reader subscribes mid-run on a loaded machine)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     prompts = [f"Tale number {i}:" for i in range(3)]
     url_node = redis_cluster.servers[0]
     assert url_node in redis_cluster.live()
@@ -385,8 +386,13 @@ async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another
             # (poll: the relay, the asyncio client and each thread subscribed before the kill,
             # so that each has to subscribe again elsewhere; then every job streaming)
             wanted = [3 if h is handles[0] else 2 for h in handles]
-            await _until(lambda: [_subscribers(redis_cluster, keys.events(h.id), sharded(redis_cluster))
-                                  for h in handles] == wanted, "every reader subscribed")
+            counts = _Subscribers(redis_cluster)
+            try:
+                seen: list[list[int]] = []
+                await _until(lambda: seen.append([counts(keys.events(h.id)) for h in handles]) or seen[-1] == wanted,
+                             "every reader subscribed", lambda: f"{seen[-1]} of {wanted}, {handles}")
+            finally:
+                counts.close()
             await _until(lambda: all(cluster_conn.xlen(keys.events(h.id)) for h in handles), "every job streaming")
             assert not any(ended(cluster_conn, keys, h.id) for h in handles)
             redis_cluster.kill(url_node)
@@ -409,28 +415,35 @@ async def test_the_urls_node_killed_the_relay_and_clients_stream_on_from_another
     assert by_late[handles[1].id] == by_relay[handles[1].id]
 
 
-async def _until(condition: Callable[[], bool], what: str, poll_s: float = 0.02) -> None:
-    """Poll `condition` (blocking calls, each bounded) until it holds, for TIMEOUT_S at most."""
+async def _until(condition: Callable[[], bool], what: str, said: Callable[[], str] = str, poll_s: float = 0.05) -> None:
+    """Poll `condition` (blocking calls, each bounded) until it holds, for TIMEOUT_S at most;
+    `said()` tells what was seen last."""
     deadline = time.monotonic() + TIMEOUT_S
     while not condition():
-        assert time.monotonic() < deadline, f"not {what} within {TIMEOUT_S} s"
+        assert time.monotonic() < deadline, f"not {what} within {TIMEOUT_S} s: {said()}"
         await asyncio.sleep(poll_s)
 
 
-def _subscribers(nodes: RedisClusterNodes, channel: str, shard_channel: bool) -> int:
-    """Subscribers of the channel on every live node (a node's PUBSUB NUMSUB, or SHARDNUMSUB,
-    counts its own); -1 when a node does not answer within a second (a loaded machine)."""
-    total = 0
-    for server in nodes.live():
-        conn = redis.Redis(host="127.0.0.1", port=int(server.port or 0), socket_timeout=1.0,
-                           socket_connect_timeout=1.0)
+class _Subscribers:
+    """`counts(channel)`: its subscribers on every live node (a node's PUBSUB NUMSUB, or
+    SHARDNUMSUB on Redis 7, counts its own); -1 when a node does not answer within a second (a
+    loaded machine). One connection per node for all the polls: a new one per poll, every few
+    ms, ran the loopback's ports out under load."""
+
+    def __init__(self, nodes: RedisClusterNodes) -> None:
+        self.command = "SHARDNUMSUB" if sharded(nodes) else "NUMSUB"
+        self.conns = [redis.Redis(host="127.0.0.1", port=int(server.port or 0), socket_timeout=1.0,
+                                  socket_connect_timeout=1.0) for server in nodes.live()]
+
+    def __call__(self, channel: str) -> int:
         try:
-            total += int(conn.execute_command("PUBSUB", "SHARDNUMSUB" if shard_channel else "NUMSUB", channel)[1])
+            return sum(int(conn.execute_command("PUBSUB", self.command, channel)[1]) for conn in self.conns)
         except redis.RedisError:
             return -1
-        finally:
+
+    def close(self) -> None:
+        for conn in self.conns:
             conn.close()
-    return total
 
 
 async def _relayed_tokens(relay: Relay, job_ids: list[str]) -> dict[str, list[int]]:
