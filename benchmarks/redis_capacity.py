@@ -69,13 +69,12 @@ from producer.redis_cluster import RedisClusterNodes
 from producer.redis_conn import (
     connect,
     connect_async,
-    connect_async_pubsub,
     is_cluster_url,
     xreadgroup,
 )
 from producer.redis_server import RedisServer, find_redis7_server
 from producer.sampling_params import SamplingParams
-from producer.shard_pubsub import AsyncShardChannels
+from producer.shard_pubsub import connect_async_events
 from worker.queue.config import DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S
 from worker.queue.jobs import (
     HeldJob,
@@ -281,8 +280,7 @@ async def _generate_async(url: str, prefix: str, names: list[str], num_relays: i
     client = AsyncClient(url, prefix, args.shards if is_cluster_url(url) else None)
     keys = client.keys  # (with the shards the cluster records)
     conns = [connect_async(url) for _ in range(max(1, num_relays))]
-    relays = [Relay(conn, keys, AsyncShardChannels(url, conn) if keys.sharded_pubsub else connect_async_pubsub(url, conn))
-              for conn in conns]
+    relays = [Relay(conn, keys, connect_async_events(url, conn, keys.sharded_pubsub)) for conn in conns]
     for relay in relays:
         await relay.start()
     sent_at: dict[tuple[str, int], float] = {}

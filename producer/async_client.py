@@ -44,7 +44,7 @@ from producer.redis_conn import (
     is_cluster_url,
     pipeline,
 )
-from producer.shard_pubsub import AsyncShardChannels
+from producer.shard_pubsub import connect_async_events
 from producer.shards import resolve_shards
 
 
@@ -90,8 +90,8 @@ class AsyncClient:
         # (the same client off a cluster; on one, a connection that can SUBSCRIBE)
         self.pubsub_redis = connect_async_pubsub(redis_url, self.redis)
         # what jobs' events are followed on: shard channels on a Redis 7 cluster
-        self.events_redis: Any = (AsyncShardChannels(redis_url, self.redis) if keys.sharded_pubsub
-                                  else self.pubsub_redis)
+        self.events_redis = (connect_async_events(redis_url, self.redis, sharded=True)
+                             if keys.sharded_pubsub else self.pubsub_redis)  # (the same connections elsewhere)
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self.routes = Routes(self.keys)
 

@@ -4,10 +4,11 @@ nodes. Producer, worker and API open their connections here, so the same code ru
 
 On a cluster, redis-py's RedisCluster routes each command and script by its keys' slot
 (genq's names keep what one call touches in one slot: `Keys`), MULTI is not available (a
-pipeline runs its commands in order on each node instead), and pub/sub is plain
-PUBLISH/SUBSCRIBE, which every node of the cluster relays to every other: a subscriber on any
-node hears every channel. The asyncio RedisCluster has no pub/sub, so asyncio subscribers use
-a plain connection to one node (`NodePubSub`).
+pipeline runs its commands in order on each node instead), and plain PUBLISH/SUBSCRIBE is
+relayed by every node of the cluster to every other: a subscriber on any node hears every
+channel. The asyncio RedisCluster has no pub/sub, so asyncio subscribers use a plain
+connection to one node (`NodePubSub`). Jobs' events on a Redis 7 cluster are shard channels
+instead, read on their slot's node (`producer.shard_pubsub`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import redis.asyncio
 from redis.cluster import key_slot
 
 from producer.aio import wait_within
-from producer.redis_conn import node_url
+from producer.redis_conn import connect_async_pubsub, node_url
 
 Node = tuple[str, int]
 
@@ -288,3 +288,9 @@ class AsyncShardChannels:
 
     async def aclose(self) -> None:
         """(Each AsyncShardPubSub closes its own connections.)"""
+
+
+def connect_async_events(url: str, cluster: Any, sharded: bool, **kwargs: Any) -> Any:
+    """What asyncio readers follow jobs' events on: shard channels on a Redis 7 cluster
+    (`Keys.sharded_pubsub`), else `producer.redis_conn.connect_async_pubsub`'s."""
+    return AsyncShardChannels(url, cluster, **kwargs) if sharded else connect_async_pubsub(url, cluster, **kwargs)
