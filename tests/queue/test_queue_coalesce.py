@@ -130,7 +130,10 @@ def test_a_drain_sends_the_held_tokens_before_it_releases_the_job(
     assert len(sent) == 2 and len(sent[1].token_ids) >= 19  # the first step's event, then the drain's
     tokens = [t for e in sent for t in e.token_ids]
     plain = offline("Drain me", SamplingParams(temperature=0.0, max_tokens=len(tokens), ignore_eos=True))[0]
-    assert tokens == plain.token_ids and "".join(e.text for e in sent) == plain.text
+    # (a drain that cuts a character's bytes holds them back, as any unfinished step does: they
+    # go out with the token that ends the character; the offline run, finished there, spells
+    # them U+FFFD)
+    assert tokens == plain.token_ids and "".join(e.text for e in sent) == plain.text.rstrip("\ufffd")
 
 
 def test_tokens_held_when_no_step_comes_go_out_after_the_interval(
