@@ -5,7 +5,7 @@ Each simulated worker plays what a `genq worker` sends, through genq's own code:
 with the client's SUBMIT script (`producer.async_client.AsyncClient.submit`), are read with
 XREADGROUP and started with the worker's START script (`Scripts.start`); every step (one every
 `--step-ms`) each of its `--batch` running jobs makes one token, which the worker's bookkeeping
-(`worker.queue.jobs`: hold_delta, publish_due, unsent_events, the publisher's rules) turns into
+(`worker.queue.jobs`: hold_delta, publish_due, ShardTurns, unsent_events, the publisher's rules) turns into
 events sent with the STEP script (`Scripts.publish`), the finishing jobs' record, usage and
 XACK with them; it beats (`Scripts.heartbeat`) every `--heartbeat-s`. Each job is followed by
 one of the M relays (`api.relay.Relay`, one pub/sub connection each, as one API process), as
@@ -50,7 +50,6 @@ import collections
 import json
 import multiprocessing
 import random
-import string
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -60,10 +59,11 @@ from typing import Any, cast
 import redis
 import redis.asyncio
 import redis.asyncio.connection
+from redis_saturate import saturate, step_writes
 
 from api.relay import Relay
 from producer.async_client import AsyncClient
-from producer.protocol import Keys, decode_job, encode_event, entry_ref
+from producer.protocol import Keys, decode_job, entry_ref
 from producer.records import WorkerInfo, encode_worker_info
 from producer.redis_cluster import RedisClusterNodes
 from producer.redis_conn import (
@@ -78,16 +78,12 @@ from producer.shard_pubsub import connect_async_events
 from worker.queue.config import DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S
 from worker.queue.jobs import (
     HeldJob,
-    Meter,
+    ShardTurns,
     TokenRate,
     coalescing_interval_s,
-    final_record,
-    hold_delta,
     new_completions,
-    publish_due,
-    unsent_events,
 )
-from worker.queue.scripts import JobWrite, Scripts
+from worker.queue.scripts import Scripts
 
 H200_TOKENS_PER_S = 5500  # W1 on an H200 today (docs/benchmarks.md)
 H200_TARGET_TOKENS_PER_S = 16000
@@ -151,6 +147,7 @@ class SimWorker:
         self.followers: set[asyncio.Task[None]] = set()
         self.step_at: float | None = None
         self.rate = TokenRate()  # the tokens it made over the last second (the publisher's gate)
+        self.turns = ShardTurns(keys.shards)  # when each shard's held tokens go out
 
     async def run(self, window: Window) -> None:
         step_s, next_beat = self.args.step_ms / 1000, 0.0
@@ -225,22 +222,13 @@ class SimWorker:
         if counting:
             self.share.step_s.append(step_s)
         writes, done = [], []
-        interval_s = coalescing_interval_s(self.args.interval_ms / 1000, self.rate, DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S)
+        interval_s = coalescing_interval_s(self.args.interval_ms / 1000, self.rate, DEFAULT_STREAM_COALESCE_MIN_TOKENS_PER_S,
+                                           step_s)
         self.rate.add(now, len(self.held))
-        for held in self.held:
-            made = len(held.completions[0].token_ids) + sum(len(u.token_ids) for u in held.unsent.values())
-            last = made + 1 >= (held.job.sampling_params.max_tokens or 1)
-            hold_delta(held, 0, _piece(self.rng), [self.rng.randrange(3, 49152)], "length" if last else None)
-            if not publish_due(held, interval_s, now, step_s):
-                continue
-            events = unsent_events(held, now)
-            write = JobWrite(held.id, held.entry_id, [encode_event(e) for e in events])
+        for held, events, write in step_writes(self.held, self.turns, interval_s, now, step_s, self.rng, self.name):
             for event in events:
                 self.sent_at[(held.id, event.seq)] = time.monotonic()
             if held.finished:
-                write.record = final_record(held, self.name, now)
-                write.meter = Meter(time.strftime("%Y-%m-%d", time.gmtime(now)), "", "bench", held.prompt_tokens or 0,
-                                    len(held.completions[0].token_ids))
                 done.append(held)
             writes.append(write)
             self.share.events += len(events) if counting else 0
@@ -256,11 +244,6 @@ class SimWorker:
         info = WorkerInfo(model="bench", max_num_seqs=self.args.batch, running=len(self.held))
         await self.scripts.heartbeat(self.keys.worker(self.name), encode_worker_info(info),
                                      [(h.id, h.entry_id) for h in self.held], 30)
-
-
-def _piece(rng: random.Random) -> str:
-    """A token's text: English BPE averages about 4 characters a token, a space before words."""
-    return " " * (rng.random() < 0.7) + "".join(rng.choices(string.ascii_lowercase, k=rng.randint(1, 6)))
 
 
 def _generate(url: str, prefix: str, names: list[str], num_relays: int, args: argparse.Namespace,
@@ -384,6 +367,7 @@ def _redis_counts(conn: redis.Redis) -> dict[str, float]:
     cpu: Any = conn.info("cpu")
     stats: Any = conn.info("commandstats")
     counts = {k.removeprefix("cmdstat_").upper(): float(v["calls"]) for k, v in stats.items()}
+    counts |= {"_US:" + k.removeprefix("cmdstat_").upper(): float(v["usec"]) for k, v in stats.items()}
     counts["_CPU_S"] = float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
     counts["_TIME"] = time.time()
     return counts
@@ -414,9 +398,24 @@ def _summary(num_workers: int, args: argparse.Namespace, shares: list[dict[str, 
         "client_calls_per_token": round(client_calls / tokens, 3),
         "script_commands_per_token": round(max(0.0, total - client_calls) / tokens, 3),
         "per_token": {c: round(ran.get(c, 0.0) / tokens, 3) for c in ("EVALSHA", "XADD", "PUBLISH", "XPENDING", "EXPIRE")},
+        "command_us_per_token": _command_us(before, after, tokens, set(sent)),
         "latency_ms": {"p50": _pick(lat, 0.5), "p99": _pick(lat, 0.99), "n": len(lat)},
         "errors": sorted({e for s in shares for e in s["errors"]})[:5],
     }
+
+
+def _command_us(before: dict[str, float], after: dict[str, float], tokens: int, sent: set[str],
+                top: int = 6) -> dict[str, float]:
+    """The commands' own time per token (INFO commandstats usec; a script's includes the
+    commands it runs), the `top` costliest, and the rest of the CPU ("other": reading and
+    writing connections, the event loop, crons): the CPU less the time of the commands
+    clients `sent`."""
+    spent = {k[4:]: after[k] - before.get(k, 0.0) for k in after if k.startswith("_US:") and k != "_US:INFO"}
+    costly = dict(sorted(spent.items(), key=lambda kv: -kv[1])[:top])
+    out = {k: round(v / tokens, 3) for k, v in costly.items()}
+    cpu_us = (after["_CPU_S"] - before["_CPU_S"]) * 1e6
+    out["other"] = round((cpu_us - sum(v for k, v in spent.items() if k in sent)) / tokens, 3)
+    return out
 
 
 def _pick(ordered: list[float], q: float) -> float | None:
@@ -442,6 +441,7 @@ def _print_row(row: dict[str, Any]) -> None:
           f"{row['script_commands_per_token']:.2f}; {row['per_token']}); events/token {row['events_per_token']:.2f}; "
           f"publish->subscriber p50 {lat['p50']} ms p99 {lat['p99']} ms (n={lat['n']})"
           + (f"; errors {row['errors']}" if row["errors"] else ""))
+    print(f"  command time, us/token: {row['command_us_per_token']}")
     print("  " + _project(row) + f"; bytes per finished job: {row.get('bytes_per_job')}")
 
 
@@ -466,6 +466,10 @@ def main() -> int:
     ap.add_argument("--redis", choices=["7", "6.2"], default="7" if find_redis7_server() else "6.2",
                     help="the servers' version: 7, unpacked by the set-up (a cluster's events on shard "
                          "channels), or the embedded 6.2 (PUBLISH, relayed to every node)")
+    ap.add_argument("--saturate", action="store_true",
+                    help="then replay the step traffic of the largest worker count to each server flat out "
+                         "(benchmarks/redis_saturate.py): CPU per token and tokens/s at capacity")
+    ap.add_argument("--saturate-steps", type=int, default=1000, help="steps per worker in that replay")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     binary = find_redis7_server() if args.redis == "7" else None
@@ -483,6 +487,8 @@ def main() -> int:
             if args.cluster:
                 _print_op_costs(targets[0], targets[1], args.redis == "7")
             _run_trials(targets, args, rows)
+            if args.saturate:
+                _print_saturation(targets, args)
         finally:
             if args.cluster:
                 nodes.stop()
@@ -519,6 +525,30 @@ _OPS_LUA = {
 }
 
 
+def _print_saturation(targets: list[Target], args: argparse.Namespace) -> None:
+    """The step traffic replayed flat out on each server (redis_saturate), and each master's
+    CPU per token as a share of the single Redis's."""
+    workers = max(int(x) for x in args.workers.split(","))
+    interval = float(args.stream_interval_ms.split(",")[-1])
+    single: float | None = None
+    for target in targets:
+        for node in target.nodes:
+            redis.Redis.from_url(node).flushall()
+        out = saturate(target.url, target.nodes, f"sat-{target.name}:", workers, args.batch, args.saturate_steps,
+                       args.step_ms, interval, args.output_len, args.shards)
+        print(f"saturated, {target.name}: the step traffic of {workers} workers at interval {interval:g} ms, "
+              f"{out['tokens']:,} tokens, {out['events']:,} events, {out['jobs']} jobs")
+        for row in out["nodes"]:
+            share = ""
+            if target.name == "single":
+                single = row["cpu_us_per_token"]
+            elif single:
+                share = f"; {row['cpu_us_per_token'] / single:.1%} of the single Redis's CPU per token"
+            print(f"  {row['node']}: {row['calls']} calls, CPU {row['cpu_us_per_token']:.2f} us/token, busy "
+                  f"{row['busy']:.0%} over {row['wall_s']:.2f} s; one core of it: {row['tokens_per_cpu_s']:,} "
+                  f"tokens/s{share}")
+
+
 def _print_op_costs(single: Target, cluster: Target, sharded: bool, calls: int = 300) -> None:
     """CPU per XADD, per PUBLISH and (Redis 7, `sharded`) per SPUBLISH (run in a script,
     300-byte payload) on the single Redis and on each cluster node, one server busy at a time:
@@ -537,8 +567,9 @@ def _print_op_costs(single: Target, cluster: Target, sharded: bool, calls: int =
         alone = _op_cost(plain, [plain], key, lua, calls)[0]
         each = _op_cost(nodes[where], nodes, key, lua, calls)
         others = [c for i, c in enumerate(each) if i != where]
-        print(f"{name}: single Redis {alone:.2f} us; cluster: its key's master {each[where]:.2f} us, "
-              f"each other master {sum(others) / len(others):.2f} us (CPU per command)")
+        elsewhere = f", each other master {sum(others) / len(others):.2f} us" if others else ""
+        print(f"{name}: single Redis {alone:.2f} us; cluster: its key's master {each[where]:.2f} us"
+              f"{elsewhere} (CPU per command)")
     for conn in (plain, *nodes):
         conn.close()
 

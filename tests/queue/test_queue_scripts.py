@@ -38,6 +38,7 @@ from worker.queue.intake import LaneReader
 from worker.queue.jobs import (
     HeldJob,
     Meter,
+    ShardTurns,
     TenantTokens,
     TokenRate,
     abort_events,
@@ -438,36 +439,79 @@ def test_events_record_and_abort() -> None:
     assert decode_event(encode_event(last)).finished
 
 
+STEP_S, INTERVAL_S = 1 / 64, 6 / 64  # (an H200's 10 ms steps and 60 ms interval, in times floats hold exactly)
+
+
 def test_coalescing_holds_steps_while_the_next_still_ends_within_the_interval() -> None:
-    """publish_due's timing, steps of 10 ms against a 60 ms interval (an H200's) and of 40 ms
-    (a CPU's), and what a publish of held steps sends: one event, the pieces concatenated."""
-    held = held_job("c")
-    interval_s, published = 0.060, []
+    """publish_due's timing on its shard's turns, steps of a sixth of the interval, and what a
+    publish of held steps sends: one event, the pieces concatenated."""
+    held, turns = held_job("c"), ShardTurns()
+    published = []
     for step in range(1, 21):
-        now = step * 0.010
+        now = step * STEP_S
         hold_delta(held, 0, f"t{step} ", [step], None, None, [{"logprob": -step}])
-        if publish_due(held, interval_s, now, 0.010):
-            published.append((step, unsent_events(held, now)))
+        if not publish_due(held, INTERVAL_S):
+            turns.holding(0, now - STEP_S, INTERVAL_S)
+        due = turns.due(now, INTERVAL_S, STEP_S)
+        if publish_due(held, INTERVAL_S) or 0 in due:
+            published.append((step, unsent_events(held)))
+        turns.keep([0] if held.unsent else [], due)
     assert [step for step, _ in published] == [1, 7, 13, 19]  # the first step at once, then every 6
     [(_, [event])] = [p for p in published if p[0] == 7]
     assert (event.seq, event.token_ids, event.text) == (1, [2, 3, 4, 5, 6, 7], "t2 t3 t4 t5 t6 t7 ")
     assert [lp["logprob"] for lp in event.logprobs or []] == [-2, -3, -4, -5, -6, -7]
-    hold_delta(held, 0, "end", [21], "stop", "end")  # a final delta goes out at once
-    assert publish_due(held, interval_s, 0.201, 0.010)
-    [last] = unsent_events(held, 0.201)
+    hold_delta(held, 0, "end", [21], "stop", "end")  # a final delta goes out at once, off its turn
+    assert publish_due(held, INTERVAL_S)
+    [last] = unsent_events(held)
     assert (last.token_ids, last.finish_reason, last.stop_reason, last.finished) == ([20, 21], "stop", "end", True)
     assert held.completions[0].token_ids == list(range(1, 22)) and held.finished
-    slow = held_job("s")
-    for step in range(1, 6):  # 40 ms steps: each one's tokens go out at once, as with no interval
-        hold_delta(slow, 0, "x", [step], None)
-        assert publish_due(slow, interval_s, step * 0.040, 0.040)
-        unsent_events(slow, step * 0.040)
-    assert slow.completions[0].next_seq == 5
-    assert not publish_due(held_job("e"), interval_s, 1.0, 0.0)  # nothing held, nothing to send
+    assert not publish_due(held_job("e"), INTERVAL_S)  # nothing held, nothing to send
+
+
+def test_a_shards_held_tokens_go_out_together_on_its_turn_and_the_turns_are_spread() -> None:
+    """ShardTurns: the jobs of a shard publish on the same steps, so a step writes to the few
+    shards whose turn it is; each shard still publishes every interval while it holds tokens;
+    six shards' turns fall on different steps; a shard that held nothing for a step starts a
+    fresh interval when it holds again."""
+    turns = ShardTurns(6)
+    jobs = {shard: [held_job(f"j{shard}-{n}") for n in range(3)] for shard in range(6)}
+    for shard_jobs in jobs.values():
+        for held in shard_jobs:  # (their first events went out at step 0: the rest is held)
+            hold_delta(held, 0, "a", [1], None)
+            unsent_events(held)
+    written: list[set[int]] = []
+    for step in range(1, 61):
+        now = step * STEP_S
+        for shard, shard_jobs in jobs.items():
+            for held in shard_jobs:
+                hold_delta(held, 0, "b", [2], None)
+                assert not publish_due(held, INTERVAL_S)  # (neither a first nor a final)
+                turns.holding(shard, now - STEP_S, INTERVAL_S)
+        due = turns.due(now, INTERVAL_S, STEP_S)
+        shards = set()
+        for shard in due:
+            for held in jobs[shard]:
+                unsent_events(held)
+                shards.add(shard)
+        turns.keep([s for s, shard_jobs in jobs.items() if any(h.unsent for h in shard_jobs)], due)
+        written.append(shards)
+    assert max(len(s) for s in written) == 1  # one shard a step at most: the turns are spread
+    for shard in range(6):
+        steps = [0] + [n + 1 for n, s in enumerate(written) if shard in s]
+        assert steps[1] == 6 - shard and all(b - a == 6 for a, b in zip(steps[1:], steps[2:], strict=False))
+    for held in jobs[2]:
+        unsent_events(held)  # shard 2 holds nothing after this step: its clock stops ...
+    turns.keep([s for s in range(6) if s != 2], set())
+    turns.holding(2, 1.0, INTERVAL_S)  # ... and starts again where it holds again (2/6 ahead)
+    assert 2 not in turns.due(1.0 + 2 * STEP_S, INTERVAL_S, STEP_S)
+    assert 2 in turns.due(1.0 + 4 * STEP_S, INTERVAL_S, STEP_S)
+    turns.keep([], set())
+    assert turns.next_at(INTERVAL_S) is None  # nothing held: no timer
 
 
 def test_tokens_are_held_only_while_the_worker_makes_them_at_the_rate_where_merging_pays() -> None:
-    """Below the rate every step publishes: a CPU worker's streams keep one step's gaps."""
+    """Below the rate, or with steps of over half the interval, every step publishes: a CPU
+    worker's streams keep one step's gaps."""
     rate = TokenRate(window_s=1.0)
     for step in range(10):  # 64 rows a step, 10 steps in 0.1 s: an H200's pace
         rate.add(step * 0.010, 64)
@@ -475,6 +519,9 @@ def test_tokens_are_held_only_while_the_worker_makes_them_at_the_rate_where_merg
     assert coalescing_interval_s(0.060, rate, 1000) == 0.0  # below 1000 a second
     rate.add(2.0, 4)  # two seconds later: only this step's tokens are in the window
     assert rate.per_s == 4 and coalescing_interval_s(0.060, rate, 0) == 0.060  # 0: at any rate
+    # steps longer than half the interval (a CPU's 40 ms) would merge nothing: every step publishes
+    assert coalescing_interval_s(0.060, rate, 0, step_s=0.040) == 0.0
+    assert coalescing_interval_s(0.060, rate, 0, step_s=0.030) == 0.060
 
 
 @pytest.mark.parametrize(

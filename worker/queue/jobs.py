@@ -24,6 +24,7 @@ from producer.protocol import (
     ProtocolError,
     decode_event,
     pack_embedding,
+    ref_shard,
 )
 from producer.records import CompletionOutput, JobRecord, encode_record
 
@@ -114,15 +115,18 @@ class HeldJob:
     prompt_logprobs: list[Any] | None = None
     prompt_text: str | None = None
     prompt_token_ids: list[int] | None = None  # kept for a job that asks for them (return_prompt_token_ids)
-    # coalesced events (stream_interval_ms): tokens made but not yet published, per completion
-    # index, and the unix time of the job's last publish (0: none yet)
+    # coalesced events (stream_interval_ms): tokens made but not yet published, per completion index
     unsent: dict[int, Unsent] = field(default_factory=dict)
     unsent_tenant_tokens: int = 0  # tokens for the tenant's minute, counted with the next publish
-    published_at: float = 0.0
 
     @property
     def id(self) -> str:
         return self.job.id
+
+    @property
+    def shard(self) -> int:
+        """The request-stream shard its entry is in (0 on a single Redis)."""
+        return ref_shard(self.entry_id)
 
     @property
     def finished(self) -> bool:
@@ -249,20 +253,19 @@ class TokenRate:
         return self._total / self.window_s
 
 
-def coalescing_interval_s(interval_s: float, rate: TokenRate, min_tokens_per_s: float) -> float:
+def coalescing_interval_s(interval_s: float, rate: TokenRate, min_tokens_per_s: float, step_s: float = 0.0) -> float:
     """How long a job's tokens may be held now: `interval_s` while the worker makes at least
-    `min_tokens_per_s` tokens a second (there merging events spares Redis real work), else 0:
-    every step publishes, and streams keep one step's gaps."""
-    return interval_s if rate.per_s >= min_tokens_per_s else 0.0
+    `min_tokens_per_s` tokens a second (there merging events spares Redis real work) and its
+    steps (`step_s`, the last) take at most half the interval, else 0: every step publishes, and
+    streams keep one step's gaps (a CPU step of 30-100 ms, against an H200's 10, would merge
+    nothing: a held step's tokens would go out with the next)."""
+    return interval_s if rate.per_s >= min_tokens_per_s and 2 * step_s <= interval_s else 0.0
 
 
-def publish_due(held: HeldJob, interval_s: float, now: float, step_s: float) -> bool:
-    """Whether the job's held deltas go out now. Always with no interval; at once for a
-    completion's first event (time to first token is never delayed) and a final delta (finish,
-    stop, abort: a cancelled job's held tokens go out with its abort). Otherwise held while the
-    next step (`step_s`, the engine's last) still ends within `interval_s` of the job's last
-    publish: readers get its tokens at least every interval, and a step longer than half of it
-    (a CPU step of 30-100 ms, against an H200's 10) publishes every step, as with no interval."""
+def publish_due(held: HeldJob, interval_s: float) -> bool:
+    """Whether the job's held deltas go out now, off its shard's turn (ShardTurns). Always with
+    no interval; at once for a completion's first event (time to first token is never delayed)
+    and a final delta (finish, stop, abort: a cancelled job's held tokens go out with its abort)."""
     if not held.unsent:
         return False
     if interval_s <= 0:
@@ -270,10 +273,60 @@ def publish_due(held: HeldJob, interval_s: float, now: float, step_s: float) -> 
     for index, unsent in held.unsent.items():
         if unsent.finish_reason is not None or held.completions[index].next_seq == 0:
             return True
-    return now - held.published_at + step_s > interval_s
+    return False
 
 
-def unsent_events(held: HeldJob, now: float) -> list[Event]:
+class ShardTurns:
+    """When the held tokens of a shard's jobs go out: all together, on the shard's turn.
+
+    A worker calls the STEP script once per request-stream shard its writes touch, and on a Redis
+    Cluster a master pays for each call more than for the events it carries. So held tokens go
+    out by shard, not by job: a shard's turn comes `interval_s` after its jobs began holding
+    tokens, then every interval while any of them still holds; on it every held job of the shard
+    publishes. A step then writes to the shards whose turn it is (and those of firsts and
+    finals), not to every shard. Readers still get a job's tokens at least every interval: a
+    turn comes where the next step would end past it (`step_s`, the engine's last step).
+
+    The shards' turns are spread over the interval (shard n of K begins n/K of an interval
+    ahead), so that shards that start holding together, at a worker's start, do not all write
+    on the same steps. A single Redis has one shard: every held job publishes on the same steps.
+
+    A step's outputs first go out where publish_due says so; the jobs left holding tokens start
+    their shards' clocks (`holding`); then `due` says whose turn it is, a clock started at
+    this step included."""
+
+    def __init__(self, num_shards: int = 1) -> None:
+        self.num_shards = num_shards
+        self._since: dict[int, float] = {}  # shard -> its last turn (or when it began holding, less its phase)
+
+    def holding(self, shard: int, since: float, interval_s: float) -> None:
+        """A job of `shard` holds tokens made since `since` (the step before, when it last
+        published or began): the shard's clock starts there if it had none."""
+        if shard not in self._since:
+            self._since[shard] = since - interval_s * (shard % self.num_shards) / self.num_shards
+
+    def due(self, now: float, interval_s: float, step_s: float) -> set[int]:
+        """The shards whose turn it is at the step ending `now`; their clocks restart at `now`."""
+        due = {shard for shard, since in self._since.items() if now - since + step_s > interval_s}
+        for shard in due:
+            self._since[shard] = now
+        return due
+
+    def next_at(self, interval_s: float) -> float | None:
+        """When the next turn comes with no step (unix time; None: no shard holds tokens)."""
+        return min(self._since.values()) + interval_s if self._since else None
+
+    def keep(self, holding: Iterable[int], turned: set[int]) -> None:
+        """Forget the clocks of the shards none of whose jobs holds tokens now (`holding`: the
+        shards of those that do), but for those whose turn it just was (`turned`): their jobs'
+        next tokens are held from this turn, at its phase. A shard that holds again after a
+        step with nothing held starts a fresh interval."""
+        kept = set(holding) | turned
+        if len(kept) < len(self._since):
+            self._since = {shard: since for shard, since in self._since.items() if shard in kept}
+
+
+def unsent_events(held: HeldJob) -> list[Event]:
     """The held deltas as one event per completion (index order), recorded as sent."""
     events = []
     for index in sorted(held.unsent):
@@ -283,7 +336,6 @@ def unsent_events(held: HeldJob, now: float) -> list[Event]:
         if event is not None:
             events.append(event)
     held.unsent.clear()
-    held.published_at = now
     return events
 
 

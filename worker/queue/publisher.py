@@ -27,6 +27,7 @@ from worker.queue.jobs import (
     HeldJob,
     JobState,
     JobTable,
+    ShardTurns,
     TenantTokens,
     TokenRate,
     coalescing_interval_s,
@@ -90,10 +91,11 @@ class Publisher:
         self.changed = asyncio.Event()  # set after each batch: capacity may have grown
         self.idle = asyncio.Event()  # set while no result waits to be published
         self.outage = Outage("publishing")
-        # coalesced events: a job's new tokens go out about every stream_interval_s (see
-        # jobs.publish_due); the jobs holding unsent tokens, for the timer that sends them when
-        # no step comes in time (a preempted job, a frozen pause)
+        # coalesced events: a job's new tokens go out about every stream_interval_s, on its
+        # shard's turn (jobs.publish_due, jobs.ShardTurns); the jobs holding unsent tokens, for
+        # the timer that sends them when no step comes in time (a preempted job, a frozen pause)
         self.stream_interval_s = stream_interval_ms / 1000
+        self._turns = ShardTurns(scripts.keys.shards)
         # ... while the worker makes at least this many tokens a second; below, every step publishes
         self.coalesce_min_tokens_per_s = coalesce_min_tokens_per_s
         self._rate = TokenRate()
@@ -120,28 +122,27 @@ class Publisher:
 
     async def _next_result(self) -> StepResult | None:
         """The next step result; None when a held job's interval ended first."""
-        if not self._holding:
+        due_at = self._turns.next_at(self.stream_interval_s) if self._holding else None
+        if due_at is None:
             return await self.engine.results.get()
-        due_at = min(h.published_at for h in self._holding.values()) + self.stream_interval_s
         try:
             return await wait_within(self.engine.results.get(), due_at - time.time())
         except TimeoutError:
             return None
 
     async def publish_held(self, now: float, jobs: list[HeldJob] | None = None, retry: bool = True) -> None:
-        """Send the held tokens of `jobs` (default: those whose interval has passed by `now`),
-        whatever their state: a job released at a drain leaves its tokens in its stream for
-        the worker that resumes it. `retry` False: one try, Redis errors raised (a drain)."""
+        """Send the held tokens of `jobs` (default: those of the shards whose turn has come by
+        `now`), whatever their state: a job released at a drain leaves its tokens in its stream
+        for the worker that resumes it. `retry` False: one try, Redis errors raised (a drain)."""
         writes: dict[str, JobWrite] = {}
         if jobs is None:
-            jobs = [h for h in self._holding.values() if now - h.published_at >= self.stream_interval_s]
-            for gone in [h for h in jobs if not h.state.writes]:  # dropped meanwhile: it only leaves the list
-                self._holding.pop(gone.id, None)
-                jobs.remove(gone)
-        for held in jobs:
-            if held.unsent:
-                self._take_unsent(held, now, writes)
-            self._holding.pop(held.id, None)
+            self._take_turns(self._turns.due(now, self.stream_interval_s, 0.0), now, writes)
+        else:
+            for held in jobs:
+                if held.unsent:
+                    self._take_unsent(held, now, writes)
+                self._holding.pop(held.id, None)
+            self._turns.keep((h.shard for h in self._holding.values()), set())
         called_s = time.time()
         await self._write(list(writes.values()), retry)
         if self.trace is not None and writes:
@@ -154,8 +155,13 @@ class Publisher:
             if result.error is not None:
                 raise EngineFailed(f"engine thread failed: {result.error!r}") from result.error
             self._note_step(result)
-            interval_s = coalescing_interval_s(self.stream_interval_s, self._rate, self.coalesce_min_tokens_per_s)
+            interval_s = coalescing_interval_s(self.stream_interval_s, self._rate, self.coalesce_min_tokens_per_s,
+                                               self._step_s)
             tokens = sum(self._apply(output, result.time, writes, interval_s) for output in result.outputs)
+            if self._holding:  # the jobs of the shards whose turn it is, those this step left out too
+                self._take_turns(self._turns.due(result.time, interval_s, self._step_s), result.time, writes)
+            else:
+                self._turns.keep((), set())  # (nothing held: a shard that holds again starts afresh)
             self._rate.add(result.time, tokens)
             rejected += self._rejected(result.rejected)
             self.stats = result.stats
@@ -184,7 +190,7 @@ class Publisher:
                          jobs=len(writes), events=sum(len(w.events) for w in writes.values()))
 
     def _note_step(self, result: StepResult) -> None:
-        """How long the engine's steps take now (for publish_due's look one step ahead)."""
+        """How long the engine's steps take now (for the shards' turns' look one step ahead)."""
         if not result.outputs:
             return
         if self._step_at is not None:
@@ -195,6 +201,15 @@ class Publisher:
         """What the engine made of the commands it follows, as the heartbeat says it."""
         adapters = self.engine.adapters
         return self.commands, tuple(adapters.served), tuple(adapters.errors)
+
+    def _take_turns(self, shards: set[int], now: float, writes: dict[str, JobWrite]) -> None:
+        """Move the held tokens of the `shards` whose turn it is into their writes; a job
+        dropped meanwhile only leaves the holders."""
+        for held in [h for h in self._holding.values() if h.shard in shards]:
+            if held.state.writes and held.unsent:
+                self._take_unsent(held, now, writes)
+            self._holding.pop(held.id, None)
+        self._turns.keep((h.shard for h in self._holding.values()), shards)
 
     def _apply(self, output: RequestOutput, now: float, writes: dict[str, JobWrite], interval_s: float) -> int:
         """Fold one engine output into the job's pending write; returns its new tokens."""
@@ -217,10 +232,11 @@ class Publisher:
         self.metrics.tokens(held, num_new, now)
         if held.job.tenant:
             held.unsent_tenant_tokens += counted + num_new
-        if publish_due(held, interval_s, now, self._step_s):
+        if publish_due(held, interval_s):
             self._take_unsent(held, now, writes)
-        elif held.unsent:
-            self._holding[held.id] = held  # (the timer sends it should no step come in time)
+        elif held.unsent:  # (sent on its shard's turn, this step's or a later one's, or by the timer)
+            self._holding[held.id] = held
+            self._turns.holding(held.shard, now - self._step_s, interval_s)
         if held.finished:
             write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
             write.record = final_record(held, self.worker_name, now)
@@ -232,7 +248,7 @@ class Publisher:
     def _take_unsent(self, held: HeldJob, now: float, writes: dict[str, JobWrite]) -> None:
         """Move the job's held deltas into its pending write, one event per completion."""
         write = writes.setdefault(held.id, JobWrite(held.id, held.entry_id))
-        events = unsent_events(held, now)
+        events = unsent_events(held)
         if self.trace is not None:  # (for the API's relay trace: the step it comes from)
             for event in events:
                 event.time = now

@@ -612,14 +612,7 @@ class Scripts:
             return set()
 
         async def shard(keys: Keys, indexes: list[int]) -> list[Any]:
-            jobs = [
-                [w.entry_id, keys.events(w.job_id), keys.job(w.job_id), w.events, _pairs(w.record or {}),
-                 self._meter(keys, w.meter) if w.record else [], self._minute(keys, w.tenant_tokens), int(w.again)]
-                for w in (writes[i] for i in indexes)
-            ]
-            args: list[Any] = [keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs),
-                               USAGE_TTL_S, self.events_retention_s]
-            return list(await self._step(keys=[keys.requests], args=args))
+            return list(await self._step(keys=[keys.requests], args=self.step_args(keys, [writes[i] for i in indexes])))
 
         groups = _shard_groups([w.entry_id for w in writes])
         if len(groups) == 1:  # (a single Redis: one call, as it always was)
@@ -639,6 +632,21 @@ class Scripts:
         if len(unsent) == len(writes):
             raise failed
         raise PartlyPublished([writes[i] for i in sorted(unsent)], lost, failed) from failed
+
+    @property
+    def step_script(self) -> str:
+        """STEP_LUA as these keys call it (SPUBLISH on a Redis 7 cluster)."""
+        return str(self._step.script)
+
+    def step_args(self, keys: Keys, writes: Sequence[JobWrite]) -> list[Any]:
+        """STEP_LUA's ARGV for `writes` of one shard (`keys`); its one key is keys.requests."""
+        jobs = [
+            [w.entry_id, keys.events(w.job_id), keys.job(w.job_id), w.events, _pairs(w.record or {}),
+             self._meter(keys, w.meter) if w.record else [], self._minute(keys, w.tenant_tokens), int(w.again)]
+            for w in writes
+        ]
+        return [keys.group, self.consumer, EVENTS_TTL_S, JOB_TTL_S, pack_script_arg(jobs), USAGE_TTL_S,
+                self.events_retention_s]
 
     def _meter(self, keys: Keys, meter: Meter | None) -> list[Any]:
         """STEP_LUA's usage item: the day's hash, the field prefix, prompt, completion and cached
