@@ -24,6 +24,7 @@ from api.deps import AppState
 from api.errors import APIError
 from api.generate import Collector, Plan, job_ids, submit
 from producer.protocol import JobStatus
+from producer.redis_conn import ordered_writes
 
 log = logging.getLogger("api.batch_runner")
 LEASE_TTL_S = 10.0  # an API process that stops renewing loses its batches after this
@@ -175,7 +176,7 @@ class BatchRunner:
     ) -> None:
         """A line's output, once (HSETNX), counted once; the line leaves the in-flight set."""
         client = self.state.client
-        pipe = client.redis.pipeline(transaction=True)
+        pipe = ordered_writes(client.redis)
         pipe.hsetnx(client.keys.batch_results(batch.id), str(number), json.dumps({"ok": ok, "line": output}))
         pipe.expire(client.keys.batch_results(batch.id), self.state.settings.file_ttl_s)
         if member is not None:
@@ -238,7 +239,7 @@ class BatchRunner:
         else:
             batch.status, batch.finalizing_at, batch.completed_at = "completed", now, now
         await save(self.state, batch)
-        pipe = client.redis.pipeline(transaction=True)
+        pipe = ordered_writes(client.redis)
         pipe.srem(client.keys.active_batches, batch.id)
         pipe.delete(client.keys.batch_results(batch.id), client.keys.batch_lines(batch.id), client.keys.batch_lease(batch.id))
         await pipe.execute()

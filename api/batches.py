@@ -42,6 +42,7 @@ from api.request_bodies import (
 )
 from api.responses_api import ResponseRenderer, ResponsesRequest, response_object, to_chat
 from api.settings import Settings
+from producer.redis_conn import ordered_writes
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 BATCH_PRIORITY = 100  # added to each request's own: queued requests of the API go first
@@ -235,7 +236,7 @@ async def store(
         expires_at=now + COMPLETION_WINDOW_S[request.completion_window],
     )
     keys, ttl = client.keys, state.settings.file_ttl_s
-    pipe = client.redis.pipeline(transaction=True)
+    pipe = ordered_writes(client.redis)
     tenant = TENANT.get()  # its lines are metered to the key that created it
     pipe.hset(keys.batch(batch_id), mapping={"object": batch.model_dump_json(), "next": 0,
                                              **({"tenant": tenant} if tenant else {})})

@@ -18,6 +18,7 @@ from typing import Any
 from api.deps import AppState
 from api.errors import APIError, invalid_param, not_found
 from api.stored_responses import load_json
+from producer.redis_conn import ordered_writes
 
 MAX_ITEMS_PER_CALL = 20  # as OpenAI: items in one create or add
 MAX_METADATA = 16  # keys, as OpenAI's metadata
@@ -72,11 +73,11 @@ async def create(state: AppState, kept: list[dict[str, Any]], metadata: dict[str
     conv_id = f"conv_{uuid.uuid4().hex}"
     obj = {"id": conv_id, "object": "conversation", "created_at": int(time.time()), "metadata": _metadata(metadata)}
     keys, ttl = state.client.keys, state.settings.file_ttl_s
-    pipe = state.client.redis.pipeline(transaction=True)
-    pipe.set(keys.conversation(conv_id), json.dumps(obj), ex=ttl)
+    pipe = ordered_writes(state.client.redis)
     if kept:
         pipe.rpush(keys.conversation_items(conv_id), *(json.dumps(item) for item in kept))
         pipe.expire(keys.conversation_items(conv_id), ttl)
+    pipe.set(keys.conversation(conv_id), json.dumps(obj), ex=ttl)  # (last: the conversation is there)
     await pipe.execute()
     return obj
 
@@ -129,7 +130,7 @@ async def add_turn(state: AppState, conv_id: str, response_id: str, new: list[di
 
 async def _append(state: AppState, conv_id: str, new: list[dict[str, Any]]) -> None:
     keys, ttl = state.client.keys, state.settings.file_ttl_s
-    pipe = state.client.redis.pipeline(transaction=True)
+    pipe = ordered_writes(state.client.redis)
     pipe.rpush(keys.conversation_items(conv_id), *(json.dumps(item) for item in new))
     pipe.expire(keys.conversation_items(conv_id), ttl)
     pipe.expire(keys.conversation(conv_id), ttl)

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from api.errors import not_found
 from producer.async_client import AsyncClient
+from producer.redis_conn import ordered_writes
 
 PURPOSES = ("batch", "batch_output")
 
@@ -50,7 +51,7 @@ async def store(
         expires_at=now + ttl_s, filename=filename, purpose=purpose,
     )
     fields: dict[str, Any] = {k: str(v) for k, v in meta.model_dump().items() if v is not None}
-    pipe = client.redis.pipeline(transaction=True)
+    pipe = ordered_writes(client.redis)
     pipe.hset(client.keys.file(meta.id), mapping={**fields, "content": content})
     pipe.expire(client.keys.file(meta.id), ttl_s)
     pipe.zadd(client.keys.files, {meta.id: now})
@@ -86,7 +87,7 @@ async def content(client: AsyncClient, file_id: str) -> bytes:
 
 
 async def delete(client: AsyncClient, file_id: str) -> FileDeleted:
-    pipe = client.redis.pipeline(transaction=True)
+    pipe = ordered_writes(client.redis)
     pipe.delete(client.keys.file(file_id))
     pipe.zrem(client.keys.files, file_id)
     deleted, _ = await pipe.execute()

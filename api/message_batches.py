@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from api import batches, files
 from api.deps import AppState
 from api.errors import invalid_param, not_found
+from producer.redis_conn import ordered_writes
 
 ENDPOINT = "/v1/messages"
 PREFIX = "msgbatch_"
@@ -147,7 +148,7 @@ async def delete(state: AppState, batch: batches.BatchObject) -> dict[str, Any]:
     if batch.status not in ENDED:
         raise invalid_param("message_batch_id", f"batch {batch.id} is still running: cancel it before deleting it")
     keys = state.client.keys
-    pipe = state.client.redis.pipeline(transaction=True)
+    pipe = ordered_writes(state.client.redis)
     pipe.delete(keys.batch(batch.id))
     pipe.zrem(keys.batches, batch.id)
     await pipe.execute()

@@ -31,6 +31,7 @@ import redis.asyncio
 
 from api.settings import Settings
 from producer.protocol import Keys
+from producer.redis_conn import ordered_writes
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class Webhooks:
         if why is None or attempt >= self.max_attempts:
             if why is not None:
                 log.error("webhook %s (%s) given up after %d attempts: %s", event["id"], event["type"], attempt, why)
-            pipe = self.conn.pipeline(transaction=True)
+            pipe = ordered_writes(self.conn)
             pipe.xack(self.keys.webhook_outbox, self.keys.webhook_senders, entry_id)
             pipe.xdel(self.keys.webhook_outbox, entry_id)
             await pipe.execute()

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import time
 
-import redis
-
 from api.cluster import Cluster
 from api.errors import APIError, invalid_param
 from api.lora_adapters import confirm
@@ -62,14 +60,30 @@ async def update(client: AsyncClient, cluster: Cluster, model_path: str, model: 
             "model": name, "model_path": model_path, "weights_update": count}
 
 
+# A command's hash: its fields, and its count one more (KEYS[1]; ARGV: field, value, ...). One
+# script, so no worker sees the count move before the fields (and on a Redis Cluster too, which
+# has no MULTI in redis-py). Returns the count.
+WRITE_COMMAND_LUA = """
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return redis.call('HINCRBY', KEYS[1], 'count', 1)
+"""
+
+# Take an update back (KEYS[1], its hash) unless a later one came: where its count is still
+# ARGV[1], the count one more if ARGV[2] is '1', and model_path ARGV[3], mode ARGV[4]. Returns
+# 1, or 0 where a later update came.
+TAKE_BACK_LUA = """
+if tonumber(redis.call('HGET', KEYS[1], 'count') or '0') ~= tonumber(ARGV[1]) then return 0 end
+if ARGV[2] == '1' then redis.call('HINCRBY', KEYS[1], 'count', 1) end
+redis.call('HSET', KEYS[1], 'model_path', ARGV[3], 'mode', ARGV[4])
+return 1
+"""
+
+
 async def write_command(client: AsyncClient, cluster: Cluster, key: str, fields: dict[str, str | int]) -> int:
     """A command the workers follow (a weights update, a sleep, a pause): its hash's count one
-    more and its fields, in one transaction, so no worker sees the count move before them, and
-    the workers told; the count."""
-    async with client.redis.pipeline(transaction=True) as pipe:
-        pipe.hincrby(key, "count", 1)
-        pipe.hset(key, mapping=fields)
-        count, _ = await pipe.execute()
+    more and its fields (WRITE_COMMAND_LUA), and the workers told; the count."""
+    pairs = [x for field, value in fields.items() for x in (field, value)]
+    count = await client.redis.eval(WRITE_COMMAND_LUA, 1, key, *pairs)  # type: ignore[misc]
     await cluster.notify(key)
     return int(count)
 
@@ -81,20 +95,9 @@ async def _take_back(client: AsyncClient, key: str, count: int, before: WeightsU
     count then, None where a later update came. Where no worker served it (not `reload`), its
     count stays: no worker reloads what it serves already, one that starts reads the one before;
     where some did, the count moves on, so they load the one before again."""
-    async with client.redis.pipeline(transaction=True) as pipe:
-        await pipe.watch(key)
-        if int(await pipe.hget(key, "count") or 0) != count:
-            return None
-        pipe.multi()
-        if reload:
-            pipe.hincrby(key, "count", 1)
-        pipe.hset(key, mapping={"model_path": before.model_path if before else "",
-                                "mode": before.mode if before else "wait"})
-        try:
-            await pipe.execute()
-        except redis.WatchError:  # a later update came
-            return None
-    return count + reload
+    taken = await client.redis.eval(TAKE_BACK_LUA, 1, key, count, int(reload),  # type: ignore[misc]
+                                    before.model_path if before else "", before.mode if before else "wait")
+    return count + reload if taken else None
 
 
 async def _served_again(cluster: Cluster, name: str, count: int, before: WeightsUpdate | None,

@@ -145,6 +145,37 @@ def pipeline(conn: Any, transaction: bool = True) -> Any:
     return conn.pipeline(transaction=transaction and not is_cluster(conn))
 
 
+def ordered_writes(conn: Any) -> Any:
+    """Writes that go together, queued like a pipeline's and sent with `await .execute()`
+    (asyncio clients): one MULTI on a single Redis. A Redis Cluster has no transaction across
+    slots (nor does redis-py's cluster pipeline), and its pipeline writes to each node at once,
+    in no order between nodes; there the commands run one after another in the order queued,
+    each answered before the next is sent. A reader or a crash then sees a prefix of them, so a
+    caller queues last the write that makes the rest visible (an index, a set of active ids)."""
+    return _OneByOne(conn) if is_cluster(conn) else conn.pipeline(transaction=True)
+
+
+class _OneByOne:
+    """ordered_writes on a cluster: the commands queued, then awaited in turn."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._queued: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        command = getattr(self._conn, name)
+
+        def queue(*args: Any, **kwargs: Any) -> _OneByOne:
+            self._queued.append((command, args, kwargs))
+            return self
+
+        return queue
+
+    async def execute(self) -> list[Any]:
+        queued, self._queued = self._queued, []
+        return [await command(*args, **kwargs) for command, args, kwargs in queued]
+
+
 def mget(conn: Any, keys: list[str]) -> Any:
     """`conn.mget(keys)` (awaitable for an asyncio client); on a cluster, whose MGET takes
     keys of one slot only, redis-py's mget_nonatomic: one MGET per slot, the replies in order."""

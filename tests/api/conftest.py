@@ -22,12 +22,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import redis
 import uvicorn
 
 from api.main import create_app
 from api.settings import Settings
 from producer.protocol import Keys
+from producer.redis_conn import connect
 from producer.redis_server import RedisServer, free_port
 
 WORKER_NAME = "api-test"
@@ -143,7 +143,7 @@ def running_worker(redis_url: str, model_dir: Path, log_dir: Path, extra_args: t
     line) until the block ends; yields the Redis URL once its heartbeat is there."""
     log_path = log_dir / f"{name}.log"
     process = start_worker(redis_url, model_dir, log_path, extra_args, name)
-    conn = redis.Redis.from_url(redis_url)
+    conn = connect(redis_url)  # (a Redis Cluster's URL too)
     beat = Keys().worker(name)
     try:
         wait_for(
