@@ -27,7 +27,7 @@ from producer.aio import wait_within
 from producer.jobs import JobLost, JobNotFound, Outage, record_ending, skips_a_seq
 from producer.protocol import EVENT_FIELD, Event, Keys, decode_event
 from producer.records import JobRecord, decode_record
-from producer.redis_conn import pipeline
+from producer.redis_conn import REDIS_AWAY, pipeline
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class Relay:
             try:
                 replies = await pipe.execute()
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_AWAY as exc:
                 if outage is None:
                     raise
                 await asyncio.sleep(outage.failed(exc))
@@ -254,7 +254,7 @@ class Relay:
                         await self._send_subscribe(new)
                     waits = [self._channels[name].confirmed for name in names]
                 break
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            except (*REDIS_AWAY, OSError) as exc:
                 log.warning("relay: subscribe failed (%s); trying again", exc)
                 await deadline.run(asyncio.sleep(RECONNECT_BACKOFF_S))
         for confirmed in waits:
@@ -302,7 +302,7 @@ class Relay:
                         await self._connect()
                 self._connected.set()
                 message = await self._pubsub.get_message(timeout=None)
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            except (*REDIS_AWAY, OSError) as exc:
                 self._connected.clear()  # (a follow waits for the reconnect, not a dead link)
                 log.warning("relay: Redis connection lost (%s); reconnecting", exc)
                 await asyncio.sleep(RECONNECT_BACKOFF_S)

@@ -31,7 +31,7 @@ import redis.asyncio
 
 from api.settings import Settings
 from producer.protocol import Keys
-from producer.redis_conn import ordered_writes
+from producer.redis_conn import REDIS_AWAY, ordered_writes
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class Webhooks:
                     await self._retry(http)
                     await self._send_new(http)
                     await self._prune()
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except REDIS_AWAY as exc:
                     log.warning("webhook sender: Redis unavailable (%s); retrying", exc)
                     await asyncio.sleep(1.0)
                 except redis.ResponseError as exc:

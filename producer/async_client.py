@@ -6,8 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import redis
-import redis.asyncio
 from tqdm import tqdm
 
 from producer.jobs import (
@@ -38,6 +36,7 @@ from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
 from producer.redis_conn import (
+    REDIS_AWAY,
     connect,
     connect_async,
     connect_async_pubsub,
@@ -223,7 +222,7 @@ class AsyncClient:
                         held.pop(0) if held
                         else await pubsub.get_message(timeout=deadline.remaining())
                     )
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except REDIS_AWAY as exc:
                     await asyncio.sleep(deadline.cap(outage.failed(exc)))
                     deadline.check()
                     if self.keys.cluster:  # its node may be gone for good (a failover): subscribe anew
@@ -257,7 +256,7 @@ class AsyncClient:
                 held = await self._subscribe(pubsub, channels, deadline)
                 outage.ok()
                 return pubsub, held
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_AWAY as exc:
                 await pubsub.aclose()
                 await asyncio.sleep(deadline.cap(outage.failed(exc)))
                 deadline.check()
@@ -292,7 +291,7 @@ class AsyncClient:
             try:
                 replies = await pipe.execute()
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_AWAY as exc:
                 await asyncio.sleep(deadline.cap(outage.failed(exc)))
                 deadline.check()
         for i, job_id in enumerate(job_ids):

@@ -260,9 +260,9 @@ def _print_job(handle: Any, stream: bool, timeout_s: float | None) -> int:
 
 
 def _redis_errors() -> tuple[type[Exception], ...]:
-    import redis
+    from producer.redis_conn import REDIS_AWAY  # (redis-py, imported when a command needs it)
 
-    return (redis.ConnectionError, redis.TimeoutError)
+    return REDIS_AWAY
 
 
 # ---------------------------------------------------------------------------------------------

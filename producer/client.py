@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
-import redis
 from tqdm import tqdm
 
 from producer.jobs import (
@@ -39,7 +38,7 @@ from producer.jobs import (
 from producer.pooling_params import PoolingParams
 from producer.protocol import CANCEL_FLAG_TTL_S, DEFAULT_PREFIX, Event, JobStatus, Keys
 from producer.records import decode_record
-from producer.redis_conn import connect, is_cluster_url, pipeline
+from producer.redis_conn import REDIS_AWAY, connect, is_cluster_url, pipeline
 from producer.shard_pubsub import ShardPubSub
 from producer.shards import resolve_shards
 
@@ -225,7 +224,7 @@ class Client:
             while not follower.done:
                 try:
                     message = held.pop(0) if held else pubsub.get_message(timeout=deadline.remaining())
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except REDIS_AWAY as exc:
                     time.sleep(deadline.cap(outage.failed(exc)))
                     deadline.check()
                     if self.keys.cluster:  # its node may be gone for good (a failover): subscribe anew
@@ -257,7 +256,7 @@ class Client:
                 held = self._subscribe(pubsub, channels, deadline)
                 outage.ok()
                 return pubsub, held
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_AWAY as exc:
                 pubsub.close()
                 time.sleep(deadline.cap(outage.failed(exc)))
                 deadline.check()
@@ -306,7 +305,7 @@ class Client:
             try:
                 replies = pipe.execute()
                 break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except REDIS_AWAY as exc:
                 time.sleep(deadline.cap(outage.failed(exc)))
                 deadline.check()
         for i, job_id in enumerate(job_ids):

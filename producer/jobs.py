@@ -479,7 +479,8 @@ class Outage:
         self._since: float | None = None
         self._delay_s = RECONNECT_BACKOFF_S[0]
 
-    def failed(self, error: redis.ConnectionError | redis.TimeoutError) -> float:
+    def failed(self, error: Exception) -> float:
+        """After `error` (one of producer.redis_conn.REDIS_AWAY): seconds to wait."""
         now = time.monotonic()
         if self._since is None:
             self._since, self._delay_s = now, RECONNECT_BACKOFF_S[0]

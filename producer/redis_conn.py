@@ -25,6 +25,13 @@ import redis.cluster
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 
+# Redis away, for now: what a reader or writer waits out and tries again, as an outage.
+# (BusyLoadingError, a restarting Redis's, is a ConnectionError.) A Redis Cluster that lost a
+# master answers CLUSTERDOWN on every node, reads included, until a replica takes over; redis-py
+# tries a command again a few times within a second, then raises it.
+REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError)
+
+
 def is_cluster_url(url: str) -> bool:
     """Whether `url` names a Redis Cluster (`redis+cluster://host:port`)."""
     return url.startswith(CLUSTER_SCHEMES)

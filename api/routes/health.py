@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-import redis
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.deps import StateDep
+from producer.redis_conn import REDIS_AWAY
 
 router = APIRouter(tags=["ops"])
 
@@ -23,7 +23,7 @@ async def health(state: StateDep) -> JSONResponse:
     try:
         await state.cluster.ping()
         workers = [w for w in await state.cluster.workers() if w.serving]
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except REDIS_AWAY as exc:
         return JSONResponse({"status": "unavailable", "reason": f"Redis unreachable: {exc}"}, 503)
     if not workers:
         return JSONResponse({"status": "unavailable", "reason": "no live worker"}, 503)

@@ -6,16 +6,22 @@ cluster, tests/queue/test_queue_cluster.py, stream real jobs through failovers o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import redis.cluster
 
+from producer.client import Client
+from producer.protocol import EVENT_FIELD, Event, encode_event
 from producer.redis_cluster import RedisClusterNodes
 from producer.redis_conn import connect, connect_async
 from producer.redis_server import find_redis7_server
+from producer.sampling_params import SamplingParams
 from producer.shard_pubsub import AsyncShardPubSub, ShardPubSub
 
 TIMEOUT_S = 10.0
@@ -97,3 +103,67 @@ async def test_an_async_shard_pubsub_reads_messages_and_raises_when_a_slot_is_ta
     finally:
         await pubsub.aclose()
         await cluster.aclose()
+
+
+def test_a_follow_begun_while_the_cluster_is_down_waits_it_out(one_master: RedisClusterNodes) -> None:
+    """While a master is lost (until its replica takes over) every node answers CLUSTERDOWN,
+    reads included, and redis-py raises it after a few tries within a second. A client's follow
+    begun then waits it out as an outage (producer.redis_conn.REDIS_AWAY), and has the job's
+    events once the cluster is whole. Here the cluster is down for a slot taken away: the
+    blocking client's slot map takes a cluster with a slot unserved; the asyncio client's
+    refuses one (a lost master's slots stay assigned to it), so it is not run here."""
+    node = redis.Redis(port=int(one_master.servers[0].port or 0))
+    with Client(one_master.url, prefix="down:") as client:
+        handle = client.submit("Hi", SamplingParams(max_tokens=2))
+        events_key = client.keys.events(handle.id)
+        other_slot = (redis.cluster.key_slot(events_key.encode()) + 1) % 16384
+        downs = lambda: int(node.info("errorstats").get("errorstat_CLUSTERDOWN", {}).get("count", 0))  # noqa: E731
+        follower = _Follower(one_master.url, client.keys.prefix, handle.id)
+        follower.ready.wait(TIMEOUT_S)  # (its client made while the cluster is whole)
+        node.execute_command("CLUSTER", "DELSLOTS", other_slot)
+        try:
+            _wait(lambda: b"cluster_state:fail" in node.execute_command("CLUSTER", "INFO"))
+            before = downs()
+            follower.go.set()
+            # (more answers than redis-py's own tries: the client tried again itself)
+            _wait(lambda: downs() >= before + 12 or not follower.thread.is_alive())
+            assert follower.thread.is_alive(), f"the follow gave up: {follower.got}"
+        finally:
+            node.execute_command("CLUSTER", "ADDSLOTS", other_slot)
+        _wait(lambda: b"cluster_state:ok" in node.execute_command("CLUSTER", "INFO"))
+        event = encode_event(Event(seq=0, token_ids=[5, 6], text="ok", finished=True, finish_reason="length"))
+        node.xadd(events_key, {EVENT_FIELD: event})
+        node.execute_command("SPUBLISH" if client.keys.sharded_pubsub else "PUBLISH", events_key, event)
+        follower.thread.join(TIMEOUT_S * 2)
+        assert not follower.thread.is_alive() and follower.got == [[5, 6]]
+    node.close()
+
+
+class _Follower:
+    """A thread that makes a blocking client, says it is `ready`, and once told to `go` streams
+    the job: its tokens, or the error that ended the stream, in `got`."""
+
+    def __init__(self, url: str, prefix: str, job_id: str) -> None:
+        self.ready, self.go, self.got = threading.Event(), threading.Event(), []
+        self.thread = threading.Thread(target=self._caught, args=(self._blocking,), daemon=True)
+        self.url, self.prefix, self.job_id = url, prefix, job_id
+        self.thread.start()
+
+    def _caught(self, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except Exception as exc:  # (reported by the test)
+            self.got.append(exc)
+
+    def _blocking(self) -> None:
+        with Client(self.url, prefix=self.prefix) as client:
+            self.ready.set()
+            self.go.wait(TIMEOUT_S * 3)
+            self.got.append([t for delta in client.stream(self.job_id, TIMEOUT_S * 3) for t in delta.token_ids])
+
+
+def _wait(condition: Callable[[], Any], timeout_s: float = TIMEOUT_S * 2) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.01)

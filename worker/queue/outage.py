@@ -21,16 +21,16 @@ import redis
 import redis.asyncio
 from arq.connections import ArqRedis
 
-from producer.redis_conn import connect_async, is_cluster_url, plain_url
+from producer.redis_conn import REDIS_AWAY, connect_async, is_cluster_url, plain_url
 
 logger = logging.getLogger(__name__)
 
 RETRY_BASE_S = 0.1  # arq's first wait after a failed command; doubled each time, up to RETRY_MAX_S
 RETRY_MAX_S = 2.0  # Redis is tried at least this often while it is away
-# (BusyLoadingError is a ConnectionError.) A Redis Cluster that lost a master answers
-# CLUSTERDOWN on every node, blocked reads included, until a replica takes over: an outage too
-# (with a shard's stream on each master, a worker's reads on the live ones saw it at once).
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError)
+# (producer.redis_conn.REDIS_AWAY: a Redis Cluster's CLUSTERDOWN too, which every node answers,
+# blocked reads included, until a replica takes over a lost master: with a shard's stream on
+# each master, a worker's reads on the live ones saw it at once)
+REDIS_ERRORS = REDIS_AWAY
 CONNECT_TIMEOUT_S = 5.0  # a Redis host gone from the network fails a connect in this, not minutes
 
 

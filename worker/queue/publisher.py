@@ -16,10 +16,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import redis
-
 from producer.aio import wait_within
 from producer.protocol import encode_event
+from producer.redis_conn import REDIS_AWAY
 from producer.trace_log import TraceLog
 from worker.queue.engine_thread import EngineStats, EngineThread, Rejected, StepResult
 from worker.queue.jobs import (
@@ -383,7 +382,7 @@ class Publisher:
             return {}
         try:
             return await self.scripts.holders(sorted(lost))
-        except (redis.ConnectionError, redis.TimeoutError):
+        except REDIS_AWAY:
             return {}
 
     def drop(self, held: HeldJob, state: JobState, holder: str | None = None) -> None:
