@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -123,9 +124,10 @@ class HeldJob:
     def id(self) -> str:
         return self.job.id
 
-    @property
+    @functools.cached_property
     def shard(self) -> int:
-        """The request-stream shard its entry is in (0 on a single Redis)."""
+        """The request-stream shard its entry is in (0 on a single Redis; the entry is the job's
+        for as long as it is held)."""
         return ref_shard(self.entry_id)
 
     @property
