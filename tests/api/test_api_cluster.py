@@ -1,6 +1,6 @@
 """The API on a Redis Cluster: what it writes together (a file and the files' index, a batch,
-its lines and the active set, a line's result, a conversation and its items, the workers'
-pause command) works where a cluster has no transaction across slots
+its lines and the active set, a line's result, a conversation and its items, a message batch
+and its index, the workers' pause command) works where a cluster has no transaction across slots
 (`producer.redis_conn.ordered_writes`, single-key scripts), with a worker on the cluster
 serving the jobs. Three masters without replicas, on Redis 7 where the set-up unpacked it."""
 
@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -103,3 +104,27 @@ def test_a_pause_on_a_cluster_holds_jobs_in_the_queue_and_a_bad_checkpoint_is_ta
         assert conn.hget(Keys().weights(served_model), "model_path").decode() == ""  # (the model's own weights)
     finally:
         conn.close()
+
+
+def test_a_message_batch_on_a_cluster_ends_and_is_deleted(
+    served_model: str, api_url: str, poll: Callable[..., Any],
+) -> None:
+    """Anthropic's Message Batches API through its own client: the batch's rows and their
+    index written in order, and deleted from both."""
+    claude = anthropic.Anthropic(base_url=api_url, api_key="unused", max_retries=0, timeout=60)
+    try:
+        params = {"model": served_model, "messages": [{"role": "user", "content": "Say something."}],
+                  "max_tokens": 4, "temperature": 0.0}
+        batch = claude.messages.batches.create(requests=[{"custom_id": "one", "params": params}])
+        done = poll(lambda: (b := claude.messages.batches.retrieve(batch.id)).processing_status == "ended" and b,
+                    120.0, "the batch ended")
+        assert done.request_counts.succeeded == 1
+        [result] = claude.messages.batches.results(batch.id)
+        assert result.custom_id == "one" and result.result.type == "succeeded"
+        assert batch.id in [b.id for b in claude.messages.batches.list()]
+        assert claude.messages.batches.delete(batch.id).type == "message_batch_deleted"
+        with pytest.raises(anthropic.NotFoundError):
+            claude.messages.batches.retrieve(batch.id)
+        assert batch.id not in [b.id for b in claude.messages.batches.list()]
+    finally:
+        claude.close()
