@@ -469,7 +469,8 @@ def main() -> int:
     ap.add_argument("--saturate", action="store_true",
                     help="then replay the step traffic of the largest worker count to each server flat out "
                          "(benchmarks/redis_saturate.py): CPU per token and tokens/s at capacity")
-    ap.add_argument("--saturate-steps", type=int, default=1000, help="steps per worker in that replay")
+    ap.add_argument("--saturate-steps", type=int, default=3000,
+                    help="steps per worker in that replay (fewer: a replay of hundredths of a second, noisy)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     binary = find_redis7_server() if args.redis == "7" else None
