@@ -1,6 +1,6 @@
 """The API on a Redis Cluster: what it writes together (a file and the files' index, a batch,
 its lines and the active set, a line's result, a conversation and its items, a message batch
-and its index, the workers' pause command) works where a cluster has no transaction across slots
+and its index, a webhook's outbox entry, the workers' pause command) works where a cluster has no transaction across slots
 (`producer.redis_conn.ordered_writes`, single-key scripts), with a worker on the cluster
 serving the jobs. Three masters without replicas, on Redis 7 where the set-up unpacked it."""
 
@@ -17,6 +17,7 @@ import openai
 import pytest
 from batch_support import chat_line, read_file, run_batch, wait_done
 from openai.types.chat import ChatCompletion
+from webhook_support import SECRET, Receiver
 
 from api.settings import Settings
 from producer.protocol import Keys
@@ -43,14 +44,25 @@ def live_worker(redis_cluster: RedisClusterNodes, tiny_llama_dir: Path, run_work
 
 
 @pytest.fixture(scope="module")
-def api_url(live_worker: str, serve_api) -> Iterator[str]:
-    with serve_api(Settings(redis_url=live_worker, request_timeout_s=60.0, server_dev_mode=True)) as url:
+def receiver() -> Iterator[Receiver]:
+    receiver = Receiver()  # (it fails the first event's first try: the outbox sends it again)
+    yield receiver
+    receiver.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def api_url(live_worker: str, serve_api, receiver: Receiver) -> Iterator[str]:
+    settings = Settings(redis_url=live_worker, request_timeout_s=60.0, server_dev_mode=True,
+                        webhook_url=receiver.url, webhook_secret=SECRET, batch_poll_s=0.1)
+    with serve_api(settings) as url:
         yield url
 
 
 def test_a_batch_on_a_cluster_answers_as_the_endpoint_does_and_its_files_come_and_go(
-    served_model: str, oai: openai.OpenAI, poll: Callable[..., Any],
+    served_model: str, oai: openai.OpenAI, poll: Callable[..., Any], receiver: Receiver, live_worker: str,
 ) -> None:
+    """... and its end is announced by webhook, sent again after the receiver's first failure,
+    then acknowledged and deleted from the outbox."""
     lines = [chat_line("plain", served_model), chat_line("two", served_model, n=2, temperature=1.0, seed=5)]
     batch = run_batch(oai, lines)
     assert batch.id in [b.id for b in oai.batches.list()]
@@ -66,6 +78,13 @@ def test_a_batch_on_a_cluster_answers_as_the_endpoint_does_and_its_files_come_an
     assert done.output_file_id not in [f.id for f in oai.files.list(purpose="batch_output")]
     with pytest.raises(openai.NotFoundError):
         oai.files.retrieve(done.output_file_id)
+    [event] = poll(lambda: receiver.of(batch.id), 60.0, "the batch's webhook")
+    assert event.type == "batch.completed" and [ok for _, _, ok in receiver.posts][:2] == [False, True]
+    conn = connect(live_worker)
+    try:
+        poll(lambda: conn.xlen(Keys().webhook_outbox) == 0, 30.0, "the outbox emptied")
+    finally:
+        conn.close()
 
 
 def test_a_conversation_on_a_cluster_keeps_its_items(oai: openai.OpenAI) -> None:
